@@ -1,0 +1,2250 @@
+#!/usr/bin/env python3
+"""nrvna: a durable, asynchronous job queue for local LLM inference.
+
+A job is a directory and its location is its state. Atomic ``rename()`` moves it
+``input/writing/ -> input/ready/ -> processing/ -> output/ | failed/``. One daemon loads a
+GGUF model once (llama.cpp through llama-cpp-python) and works the queue with N worker
+threads, each owning its own llama context. Clients need nothing but this file and the
+filesystem: ``from nrvna import Work, Flow`` works on a bare Python.
+
+    python nrvna.py daemon model.gguf ws
+    id=$(python nrvna.py submit ws "What is AI?")
+    python nrvna.py get ws "$id" --wait
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "Flow",
+    "FunctionRunner",
+    "Interrupted",
+    "Job",
+    "JobError",
+    "LlamaRunner",
+    "NrvnaError",
+    "Outcome",
+    "RunningJob",
+    "Server",
+    "Status",
+    "SubmitResult",
+    "Work",
+    "main",
+]
+
+import codecs
+import enum
+import errno
+import heapq
+import itertools
+import json
+import os
+import re
+import stat
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional
+
+# Heavy or daemon-only modules (logging, ctypes, argparse, llama_cpp) are imported where
+# used: `nrvna submit` must start about as fast as `python -c pass`.
+
+##############################################################################
+# Constants and configuration
+##############################################################################
+
+WRITING = os.path.join("input", "writing")
+READY = os.path.join("input", "ready")
+PROCESSING = "processing"
+OUTPUT = "output"
+FAILED = "failed"
+LAYOUT = (WRITING, READY, PROCESSING, OUTPUT, FAILED)
+
+PROMPT_FILE = "prompt.txt"
+PARAMS_FILE = "params.json"
+RESULT_FILE = "result.txt"
+ERROR_FILE = "error.txt"
+META_FILE = "meta.json"
+LOCK_FILE = ".nrvna.lock"
+# A non-directory found in ready/ is wrapped in a real job dir under this name in failed/.
+QUARANTINED_ENTRY = "entry"
+
+# Any ID a user may name: hand-made job dirs work, nothing can climb out of the workspace
+# (no '/', and a leading '.' is impossible, so '.' and '..' are excluded too).
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+GENERATED_ID = re.compile(r"(\d+)_(\d+)_(\d+)")
+
+STALE_STAGING_SECONDS = 3600  # input/writing/* older than this is a dead client's leftover
+CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long to fill up
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+class _Setting(NamedTuple):
+    env: str
+    kind: type
+    default: Any
+    low: Any
+    high: Any
+    help: str
+
+
+def _default_gpu_layers() -> int:
+    return 99 if sys.platform == "darwin" else 0
+
+
+# Every NRVNA_* variable: one table drives parsing, validation, `--help` and the README.
+SETTINGS: dict[str, _Setting] = {
+    "workers": _Setting("NRVNA_WORKERS", int, 4, 1, 256, "worker threads, each with its own context"),
+    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace"),
+    "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all)"),
+    "predict": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job"),
+    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per job (capped at the model's training context)"),
+    "temp": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature (0 = greedy)"),
+    "top_k": _Setting("NRVNA_TOP_K", int, 40, 0, 1 << 20, "top-k sampling (0 = off)"),
+    "top_p": _Setting("NRVNA_TOP_P", float, 0.9, 0.0, 1.0, "top-p sampling (1 = off)"),
+    "min_p": _Setting("NRVNA_MIN_P", float, 0.05, 0.0, 1.0, "min-p sampling (0 = off)"),
+    "repeat_penalty": _Setting("NRVNA_REPEAT_PENALTY", float, 1.1, 0.0, 100.0, "repetition penalty (1 = off)"),
+    "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE, "sampling seed; 0 = random, anything else reproducible"),
+    "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
+    "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
+    "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
+    "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
+    "seqs": _Setting("NRVNA_SEQS", int, 1, 1, 256, "sequences each worker context generates at once"),
+    "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
+    "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
+}
+LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
+
+
+class Config:
+    """Daemon settings: defaults, overridden by ``NRVNA_*`` variables, then by arguments."""
+
+    __slots__ = tuple(SETTINGS)
+
+    def __init__(self, **values: Any) -> None:
+        for name, setting in SETTINGS.items():
+            setattr(self, name, setting.default)
+        for name, value in values.items():
+            if name not in SETTINGS:
+                raise TypeError(f"unknown setting {name!r}")
+            setattr(self, name, _check_setting(name, value))
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Config":
+        """Read every ``NRVNA_*`` variable; raise ConfigError naming the first bad one."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, setting in SETTINGS.items():
+            raw = environ.get(setting.env)
+            if raw is not None and raw.strip() != "":
+                values[name] = _parse_setting(name, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as a plain dict (for logs and tests)."""
+        return {name: getattr(self, name) for name in SETTINGS}
+
+
+def _parse_setting(name: str, raw: str) -> Any:
+    setting = SETTINGS[name]
+    text = raw.strip()
+    if setting.kind is str:
+        return _check_setting(name, text)
+    try:
+        value = setting.kind(text)
+    except ValueError:
+        raise ConfigError(f"{setting.env}={raw!r} is not {_describe(setting)}") from None
+    return _check_setting(name, value)
+
+
+def _check_setting(name: str, value: Any) -> Any:
+    setting = SETTINGS[name]
+    if name == "log_level":
+        level = str(value).lower()
+        level = "warn" if level == "warning" else level
+        if level not in LOG_LEVELS:
+            raise ConfigError(f"{setting.env}={value!r} is not one of {', '.join(LOG_LEVELS)}")
+        return level
+    if setting.kind is str:
+        return str(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{setting.env}={value!r} is not {_describe(setting)}")
+    if setting.kind is int and value != int(value):
+        raise ConfigError(f"{setting.env}={value!r} is not {_describe(setting)}")
+    value = setting.kind(value)
+    if value != value or not (setting.low <= value <= setting.high):  # NaN fails too
+        raise ConfigError(f"{setting.env}={value!r} is not {_describe(setting)}")
+    return value
+
+
+def _describe(setting: _Setting) -> str:
+    kind = "an integer" if setting.kind is int else "a number"
+    return f"{kind} from {setting.low} to {setting.high}"
+
+
+# Per-job overrides accepted in params.json / Work.submit(**params).
+PARAMS: dict[str, tuple[type, Any, Any]] = {
+    "max_tokens": (int, 1, 1 << 20),
+    "temperature": (float, 0.0, 100.0),
+    "top_k": (int, 0, 1 << 20),
+    "top_p": (float, 0.0, 1.0),
+    "min_p": (float, 0.0, 1.0),
+    "repeat_penalty": (float, 0.0, 100.0),
+    "seed": (int, 0, 0xFFFFFFFE),
+    "system": (str, 0, 1 << 20),
+    "raw": (bool, None, None),
+    "stop": (list, 0, 16),
+    "ignore_eos": (bool, None, None),
+}
+
+
+def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Check per-job parameters; return them normalized or raise InvalidInput."""
+    if not isinstance(params, Mapping):
+        raise InvalidInput("params must be a JSON object")
+    clean: dict[str, Any] = {}
+    for key, value in params.items():
+        if key not in PARAMS:
+            raise InvalidInput(f"unknown parameter {key!r} (known: {', '.join(PARAMS)})")
+        if value is None:
+            continue
+        kind, low, high = PARAMS[key]
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise InvalidInput(f"parameter {key} must be true or false")
+        elif kind is str:
+            if not isinstance(value, str) or len(value.encode("utf-8", "surrogatepass")) > high:
+                raise InvalidInput(f"parameter {key} must be a string of at most {high} bytes")
+            if "\x00" in value:
+                raise InvalidInput(f"parameter {key} contains a NUL byte")
+        elif kind is list:
+            if (not isinstance(value, list) or len(value) > high
+                    or not all(isinstance(s, str) and s for s in value)):
+                raise InvalidInput(f"parameter {key} must be a list of at most {high} non-empty strings")
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise InvalidInput(f"parameter {key} must be a number")
+            if kind is int and value != int(value):
+                raise InvalidInput(f"parameter {key} must be an integer")
+            value = kind(value)
+            if not (low <= value <= high):
+                raise InvalidInput(f"parameter {key}={value} is out of range ({low} to {high})")
+        clean[key] = value
+    return clean
+
+
+##############################################################################
+# Errors
+##############################################################################
+
+
+class NrvnaError(Exception):
+    """Base of every error nrvna raises; ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class InvalidInput(NrvnaError):
+    """Bad user input: a prompt, an ID, a parameter, an argument."""
+
+    exit_code = 2
+
+
+class ConfigError(InvalidInput):
+    """An invalid NRVNA_* variable or daemon option."""
+
+
+class NoSuchJob(NrvnaError):
+    """No job with that ID exists in the workspace."""
+
+    exit_code = 3
+
+
+class NotFinished(NrvnaError):
+    """The job is still queued or running (or a wait timed out)."""
+
+    exit_code = 4
+
+
+class WorkspaceError(NrvnaError):
+    """The workspace cannot be used (not a directory, not writable, locked)."""
+
+
+class ModelError(NrvnaError):
+    """The model cannot be found or loaded, or a context cannot be created."""
+
+
+class NotDurable(NrvnaError):
+    """The job was published but the fsync confirming it failed: it may not survive power loss."""
+
+    def __init__(self, job_id: str, cause: OSError) -> None:
+        super().__init__(f"job {job_id} is queued but not confirmed durable: {_os_error(cause)}")
+        self.job_id = job_id
+
+
+class JobError(Exception):
+    """Raised inside a runner to fail one job with a short code and a clear message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Interrupted(Exception):
+    """Raised by a runner that stopped a job because the daemon is shutting down."""
+
+
+def _os_error(err: OSError) -> str:
+    return err.strerror or str(err) if isinstance(err, OSError) else str(err)
+
+
+##############################################################################
+# Logging (the spec's format; everything on stderr, because stdout carries data only)
+##############################################################################
+
+TRACE = 5
+
+
+class _Log:
+    """The ``nrvna`` logger, imported on first use: client commands never log."""
+
+    def __getattr__(self, name: str) -> Any:
+        import logging
+
+        return getattr(logging.getLogger("nrvna"), name)
+
+    def trace(self, message: str) -> None:
+        """Log at the spec's TRACE level (below DEBUG)."""
+        self.log(TRACE, message)
+
+
+log = _Log()
+
+
+def configure_logging(level: str = "info", stream: Any = None) -> None:
+    """Send nrvna's log to ``stream`` (stderr) as ``[time] [LEVEL] [Thread] message``."""
+    import logging
+
+    logging.addLevelName(TRACE, "TRACE")
+    tags = {logging.ERROR: "ERROR", logging.WARNING: "WARN ", logging.INFO: "INFO ",
+            logging.DEBUG: "DEBUG", TRACE: "TRACE", logging.CRITICAL: "ERROR"}
+
+    class SpecFormatter(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
+            tag = tags.get(record.levelno, record.levelname[:5].ljust(5))
+            text = f"[{stamp}.{int(record.msecs):03d}] [{tag}] [{record.threadName}] {record.getMessage()}"
+            if record.exc_info and level in ("debug", "trace"):
+                text += "\n" + self.formatException(record.exc_info)
+            return text
+
+    logger = logging.getLogger("nrvna")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(SpecFormatter())
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel({"error": logging.ERROR, "warn": logging.WARNING, "info": logging.INFO,
+                     "debug": logging.DEBUG, "trace": TRACE}[level])
+
+
+##############################################################################
+# File primitives: every state change is one rename; every file is fsynced before it counts
+##############################################################################
+
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte: ``os.write`` may write less than asked without an error."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[written:]
+
+
+def write_file(dir_fd: int, name: str, data: bytes) -> None:
+    """Write ``name`` inside an open directory: temporary name, fsync, rename into place.
+
+    The caller fsyncs the directory once after its last file, which makes the renames durable.
+    Only one thread ever writes into a given job directory, so the temporary name is fixed.
+    """
+    temp = f".{name}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_NOFOLLOW | O_CLOEXEC,
+                 FILE_MODE, dir_fd=dir_fd)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(temp, dir_fd)
+        raise
+    os.close(fd)
+    os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _unlink_quietly(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def open_dir(path: str, dir_fd: Optional[int] = None) -> int:
+    """Open a directory without following a symlink in its last component."""
+    return os.open(path, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=dir_fd)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so the entries created, renamed or removed in it are durable."""
+    fd = open_dir(path)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(dir_fd: int, name: str, limit: int) -> bytes:
+    """Read a regular file in an open directory, refusing symlinks, FIFOs and oversize files."""
+    try:
+        fd = os.open(name, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise JobError("bad_request", f"{name} is a symbolic link; it was not followed") from None
+        if err.errno == errno.EISDIR:
+            raise JobError("bad_request", f"{name} is a directory, not a file") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise JobError("bad_request", f"{name} is a directory, not a file")
+        if not stat.S_ISREG(info.st_mode):
+            raise JobError("bad_request", f"{name} is not a regular file")
+        if info.st_size > limit:
+            raise JobError("bad_request", f"{name} is {info.st_size} bytes; the limit is {limit}")
+        chunks = []
+        remaining = limit + 1
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            raise JobError("bad_request", f"{name} is over the limit of {limit} bytes")
+        return data
+    finally:
+        os.close(fd)
+
+
+_renameat2: Any = None  # False when the platform has none
+
+
+def move(src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst`` atomically, never replacing anything already at ``dst``.
+
+    Plain ``rename()`` silently replaces an empty directory; ``renameat2(RENAME_NOREPLACE)``
+    refuses with EEXIST. Where the platform lacks it, check first (racy only against a
+    hostile writer of the workspace, which the 0700 layout already excludes).
+    """
+    global _renameat2
+    if _renameat2 is None:
+        _renameat2 = _load_renameat2()
+    if _renameat2:
+        if _renameat2(-100, os.fsencode(src), -100, os.fsencode(dst), 1) == 0:  # AT_FDCWD, NOREPLACE
+            return
+        import ctypes
+
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise OSError(code, os.strerror(code), src, None, dst)
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    os.rename(src, dst)
+
+
+def _load_renameat2() -> Any:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def ensure_workspace(workspace: str) -> None:
+    """Create the workspace layout if needed (mode 0700); fail clearly if it cannot be used.
+
+    The workspace itself is created only when its parent exists: a typo in a path should be
+    an error, not a tree of new directories somewhere unexpected.
+    """
+    if os.path.isdir(os.path.join(workspace, READY)) and os.path.isdir(os.path.join(workspace, FAILED)):
+        return
+    if os.path.lexists(workspace) and not os.path.isdir(workspace):
+        raise WorkspaceError(f"workspace {workspace} is not a directory")
+    parent = os.path.dirname(os.path.abspath(workspace))
+    if not os.path.isdir(parent):
+        raise WorkspaceError(f"workspace {workspace}: parent directory {parent} does not exist")
+    try:
+        try:
+            os.mkdir(workspace, DIR_MODE)
+            os.chmod(workspace, DIR_MODE)  # mkdir's mode is masked by umask
+            fsync_dir(parent)
+        except FileExistsError:
+            pass
+        for sub in ("input",) + LAYOUT:
+            path = os.path.join(workspace, sub)
+            try:
+                os.mkdir(path, DIR_MODE)
+                os.chmod(path, DIR_MODE)
+            except FileExistsError:
+                if not os.path.isdir(path):
+                    raise WorkspaceError(f"workspace {workspace}: {sub} exists and is not a directory") from None
+        fsync_dir(os.path.join(workspace, "input"))
+        fsync_dir(workspace)
+    except PermissionError:
+        raise WorkspaceError(f"workspace {workspace} is not writable") from None
+    except OSError as err:
+        raise WorkspaceError(f"workspace {workspace}: {_os_error(err)}") from None
+
+
+##############################################################################
+# Job IDs and states
+##############################################################################
+
+_id_counter = itertools.count()
+
+
+def generate_id() -> str:
+    """A new job ID, ``<unix_ts>_<pid>_<counter>`` (uniqueness is enforced by mkdir)."""
+    return f"{int(time.time())}_{os.getpid()}_{next(_id_counter)}"
+
+
+def is_valid_id(job_id: Any) -> bool:
+    """True when ``job_id`` can name a job: no path ever leaves the workspace."""
+    return isinstance(job_id, str) and ID_PATTERN.fullmatch(job_id) is not None
+
+
+def order_key(job_id: str) -> tuple[int, int, int, str]:
+    """Submission order: the ID's time, then its counter (hand-made IDs sort first)."""
+    match = GENERATED_ID.fullmatch(job_id)
+    if match is None:
+        return (0, 0, 0, job_id)
+    stamp, pid, counter = match.groups()
+    return (int(stamp), int(counter), int(pid), job_id)
+
+
+class Status(str, enum.Enum):
+    """Where a job is: its directory is its state."""
+
+    Queued = "queued"
+    Running = "running"
+    Done = "done"
+    Failed = "failed"
+    Missing = "missing"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def finished(self) -> bool:
+        """Done or Failed: the job will not change again on its own."""
+        return self in (Status.Done, Status.Failed)
+
+
+# Lifecycle order: a job only moves forward through these (except a requeue), so a reader
+# checking them in this order cannot miss a job that moves forward while it looks.
+STATE_DIRS = ((READY, Status.Queued), (PROCESSING, Status.Running),
+              (OUTPUT, Status.Done), (FAILED, Status.Failed))
+STATUS_DIR = {status: sub for sub, status in STATE_DIRS}
+
+
+##############################################################################
+# Client API: Work submits, Flow reads
+##############################################################################
+
+
+class SubmitResult(NamedTuple):
+    """What ``Work.submit`` returns: errors are values here, never exceptions."""
+
+    ok: bool
+    id: str
+    message: str
+
+
+class Job(NamedTuple):
+    """A job as read back from the workspace."""
+
+    id: str
+    status: Status
+    prompt: Optional[str]
+    result: Optional[str]
+    error: Optional[str]
+    meta: dict[str, Any]
+
+
+def _max_prompt_bytes() -> int:
+    raw = os.environ.get(SETTINGS["max_prompt_bytes"].env)
+    if raw is None or raw.strip() == "":
+        return SETTINGS["max_prompt_bytes"].default
+    return _parse_setting("max_prompt_bytes", raw)
+
+
+def check_prompt(prompt: Any, limit: int) -> bytes:
+    """Validate a prompt and return its UTF-8 bytes, or raise InvalidInput."""
+    if isinstance(prompt, bytes):
+        try:
+            prompt = prompt.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InvalidInput(f"prompt is not valid UTF-8 (byte {err.start})") from None
+    if not isinstance(prompt, str):
+        raise InvalidInput("prompt must be a string")
+    try:
+        data = prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput("prompt is not valid Unicode (lone surrogate)") from None
+    if not prompt.strip():
+        raise InvalidInput("prompt is empty")
+    if b"\x00" in data:
+        raise InvalidInput("prompt contains a NUL byte")
+    if len(data) > limit:
+        raise InvalidInput(f"prompt is {len(data)} bytes; the limit is {limit} (NRVNA_MAX_PROMPT_BYTES)")
+    return data
+
+
+class Work:
+    """Submits jobs to a workspace. Create one per thread (it keeps no shared state)."""
+
+    def __init__(self, workspace: Any) -> None:
+        self.workspace = os.fspath(workspace)
+
+    def submit(self, prompt: str, **params: Any) -> SubmitResult:
+        """Queue a prompt with optional per-job parameters; never raises."""
+        try:
+            return SubmitResult(True, self.publish(prompt, **params), "queued")
+        except NotDurable as err:
+            return SubmitResult(False, err.job_id, str(err))
+        except NrvnaError as err:
+            return SubmitResult(False, "", str(err))
+        except OSError as err:
+            return SubmitResult(False, "", f"cannot queue job: {_os_error(err)}")
+
+    def publish(self, prompt: Any, **params: Any) -> str:
+        """Queue a prompt and return its ID; raise NrvnaError/OSError on failure.
+
+        Order (each step fsynced before the next): staging dir with prompt.txt and
+        params.json -> rename into input/ready/ -> fsync input/ready/ and input/writing/.
+        Only then is the ID returned: a returned ID is a durable job.
+        """
+        data = check_prompt(prompt, _max_prompt_bytes())
+        clean = validate_params(params)
+        ensure_workspace(self.workspace)
+        files = [(PROMPT_FILE, data)]
+        if clean:
+            files.append((PARAMS_FILE, json.dumps(clean, ensure_ascii=False).encode()))
+        job_id, staging = self._stage(files)
+        ready = os.path.join(self.workspace, READY, job_id)
+        try:
+            move(staging, ready)
+        except BaseException:
+            _remove_tree(staging)
+            raise
+        try:
+            fsync_dir(os.path.join(self.workspace, READY))
+            fsync_dir(os.path.join(self.workspace, WRITING))
+        except OSError as err:
+            raise NotDurable(job_id, err) from None
+        return job_id
+
+    def _stage(self, files: list[tuple[str, bytes]]) -> tuple[str, str]:
+        """Create input/writing/<new id>/ exclusively and write the job's files into it."""
+        writing = os.path.join(self.workspace, WRITING)
+        for _ in range(1000):
+            job_id = generate_id()
+            staging = os.path.join(writing, job_id)
+            try:
+                os.mkdir(staging, DIR_MODE)
+            except FileExistsError:
+                continue
+            # The same pid in the same second after a reboot or pid reuse: never reuse an ID.
+            if any(os.path.lexists(os.path.join(self.workspace, sub, job_id)) for sub, _ in STATE_DIRS):
+                os.rmdir(staging)
+                continue
+            break
+        else:
+            raise WorkspaceError("cannot find a free job ID")
+        try:
+            fd = open_dir(staging)
+            try:
+                for name, data in files:
+                    write_file(fd, name, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException:
+            _remove_tree(staging)
+            raise
+        return job_id, staging
+
+
+class Flow:
+    """Reads job states and results. Never blocks the daemon; safe to poll."""
+
+    def __init__(self, workspace: Any) -> None:
+        self.workspace = os.fspath(workspace)
+
+    def status(self, job_id: str) -> Status:
+        """The job's state; ``Missing`` for an unknown or invalid ID."""
+        return self._locate(job_id)[0]
+
+    def _locate(self, job_id: str) -> tuple[Status, str]:
+        if not is_valid_id(job_id):
+            return Status.Missing, ""
+        # Forward moves cannot hide a job from a lifecycle-order check; a requeue
+        # (processing -> ready) can, once, so look again before saying Missing.
+        for _ in range(3):
+            for sub, status in STATE_DIRS:
+                path = os.path.join(self.workspace, sub, job_id)
+                if os.path.lexists(path):
+                    return status, path
+        return Status.Missing, ""
+
+    def get(self, job_id: str) -> Optional[Job]:
+        """The job with its prompt, result or error and meta; None if there is none."""
+        for _ in range(3):
+            status, path = self._locate(job_id)
+            if status is Status.Missing:
+                return None
+            try:
+                return self._read(job_id, status, path)
+            except FileNotFoundError:
+                continue  # it moved on while we read: look again
+        return None
+
+    def _read(self, job_id: str, status: Status, path: str) -> Job:
+        try:
+            fd = open_dir(path)
+        except OSError as err:
+            if err.errno in (errno.ENOTDIR, errno.ELOOP):
+                return Job(job_id, status, None, None, "not a job directory", {})
+            raise
+        try:
+            files = {}
+            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE):
+                try:
+                    files[name] = read_file(fd, name, 1 << 40).decode("utf-8", "replace")
+                except (FileNotFoundError, JobError):
+                    files[name] = None
+            if status is Status.Done and files[RESULT_FILE] is None:
+                raise FileNotFoundError(path)  # moved on between the lookup and the open
+        finally:
+            os.close(fd)
+        meta = _parse_meta(files[META_FILE])
+        return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], files[ERROR_FILE], meta)
+
+    def result_bytes(self, job_id: str) -> Optional[bytes]:
+        """result.txt of a done job, byte for byte (what ``nrvna get`` prints)."""
+        for _ in range(3):
+            status, path = self._locate(job_id)
+            if status is not Status.Done:
+                return None
+            try:
+                fd = open_dir(path)
+                try:
+                    return read_file(fd, RESULT_FILE, 1 << 40)
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:
+                continue
+        return None
+
+    def wait(self, job_id: str, timeout: Optional[float] = None) -> Status:
+        """Block until the job is Done or Failed (or Missing, or ``timeout`` seconds pass)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            status = self.status(job_id)
+            if status.finished or status is Status.Missing:
+                return status
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return status
+                delay = min(delay, left)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.1)
+
+    def counts(self) -> dict[str, int]:
+        """How many jobs are in each state."""
+        counts = {}
+        for sub, status in STATE_DIRS:
+            try:
+                with os.scandir(os.path.join(self.workspace, sub)) as entries:
+                    counts[status.value] = sum(1 for e in entries if not e.name.startswith("."))
+            except FileNotFoundError:
+                counts[status.value] = 0
+        return counts
+
+
+def _parse_meta(text: Optional[str]) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        meta = json.loads(text)
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+##############################################################################
+# Engine: what a worker runs. A Runner makes one Session per worker; a Session holds up
+# to `capacity` jobs at once and advances all of them one step at a time.
+##############################################################################
+
+
+class Outcome(NamedTuple):
+    """How a job ended: a result (``error_code`` None) or a failure."""
+
+    text: str = ""
+    finish_reason: str = "stop"
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    error_code: Optional[str] = None
+    error: Optional[str] = None
+
+
+class RunningJob:
+    """A job a worker has claimed: what a runner sees of it."""
+
+    __slots__ = ("id", "prompt", "params", "stop", "dir_fd", "meta", "worker", "path")
+
+    def __init__(self, job_id: str, prompt: str, params: dict[str, Any], stop: threading.Event,
+                 dir_fd: int, meta: dict[str, Any], worker: str, path: str) -> None:
+        self.id = job_id
+        self.prompt = prompt
+        self.params = params
+        self.stop = stop  # set when the daemon shuts down: stop between tokens
+        self.dir_fd = dir_fd
+        self.meta = meta
+        self.worker = worker
+        self.path = path
+
+
+class FunctionRunner:
+    """Wraps ``fn(job) -> str | Outcome`` as a runner (one job per worker at a time).
+
+    For tests and custom back-ends. ``fn`` may raise JobError to fail the job with a code,
+    or Interrupted (after seeing ``job.stop`` set) to hand it back to the queue.
+    """
+
+    name = "function"
+
+    def __init__(self, fn: Callable[[RunningJob], Any], capacity: int = 1) -> None:
+        self.fn = fn
+        self.capacity = capacity
+
+    def session(self, index: int, config: Config) -> "_FunctionSession":
+        """A worker's session."""
+        return _FunctionSession(self.fn, self.capacity)
+
+    def close(self) -> None:
+        """Nothing to free."""
+
+
+class _FunctionSession:
+    def __init__(self, fn: Callable[[RunningJob], Any], capacity: int) -> None:
+        self.fn = fn
+        self.capacity = capacity
+        self.jobs: list[RunningJob] = []
+
+    def free(self) -> int:
+        return self.capacity - len(self.jobs)
+
+    def active(self) -> list[RunningJob]:
+        return list(self.jobs)
+
+    def start(self, job: RunningJob) -> None:
+        self.jobs.append(job)
+
+    def step(self) -> list[tuple[RunningJob, Outcome]]:
+        job = self.jobs[0]
+        try:
+            value = self.fn(job)
+        except Interrupted:
+            return []  # the worker hands it back to the queue
+        except JobError as err:
+            value = Outcome(error_code=err.code, error=str(err))
+        self.jobs.remove(job)
+        return [(job, value if isinstance(value, Outcome) else Outcome(text=str(value)))]
+
+    def drop(self, job: RunningJob) -> None:
+        if job in self.jobs:
+            self.jobs.remove(job)
+
+    def close(self) -> None:
+        self.jobs.clear()
+
+
+def _import_llama() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as err:
+        raise ModelError(
+            "the daemon needs llama-cpp-python: pip install llama-cpp-python==0.3.36 "
+            f"(see README, 'Install') ({err})") from None
+    return llama_cpp
+
+
+# llama.cpp calls this from any thread; ctypes would free the callback if nothing held it
+# and the next log line would then jump into freed memory (a segfault), hence the global.
+_llama_log_callback: Any = None
+_llama_log_tail: list[str] = []
+
+
+def _install_llama_logging(llama: Any, level: str) -> None:
+    """Route llama.cpp's chatter to our log at DEBUG (silent unless debug/trace); keep the
+    last warning/error lines so a failed load can say why."""
+    global _llama_log_callback
+    if _llama_log_callback is not None:
+        return
+    verbose = level in ("debug", "trace")
+
+    def on_log(level_code: int, text: bytes, _user: Any) -> None:
+        line = text.decode("utf-8", "replace").rstrip() if text else ""
+        if not line:
+            return
+        if level_code in (3, 4):  # GGML_LOG_LEVEL_WARN, _ERROR
+            _llama_log_tail.append(line)
+            del _llama_log_tail[:-5]
+        if verbose:
+            log.debug(f"llama.cpp: {line}")
+
+    _llama_log_callback = llama.llama_log_callback(on_log)
+    llama.llama_log_set(_llama_log_callback, None)
+
+
+def check_gguf(path: str) -> None:
+    """Fail fast, before any queue work, unless ``path`` is a readable file starting GGUF."""
+    if not os.path.exists(path):
+        raise ModelError(f"model {path} does not exist")
+    if os.path.isdir(path):
+        raise ModelError(f"model {path} is a directory, not a GGUF file")
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as err:
+        raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
+    if magic != b"GGUF":
+        raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
+
+
+def resolve_model(name: str, models_dir: str) -> str:
+    """A model path, or a (partial) name looked up among ``models_dir``'s ``*.gguf`` files."""
+    if os.path.exists(name) or os.sep in name:
+        return name
+    try:
+        candidates = sorted(f for f in os.listdir(models_dir) if f.lower().endswith(".gguf"))
+    except OSError:
+        raise ModelError(f"model {name} does not exist, and models dir {models_dir} cannot be read "
+                         "(NRVNA_MODELS_DIR)") from None
+    exact = [f for f in candidates if f == name or f[:-5] == name]
+    matches = exact or [f for f in candidates if name.lower() in f.lower()]
+    if len(matches) == 1:
+        return os.path.join(models_dir, matches[0])
+    listing = ", ".join(candidates) or "none"
+    if not matches:
+        raise ModelError(f"model {name} does not exist; models in {models_dir}: {listing}")
+    raise ModelError(f"model name {name} is ambiguous in {models_dir}: {', '.join(matches)}")
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class LlamaRunner:
+    """llama.cpp through llama-cpp-python's raw API: one model, shared by every worker.
+
+    ``Llama`` always loads its own copy of the weights, so it cannot be shared; the raw
+    calls can. Each worker gets its own context (KV cache, batch, samplers), never shared
+    between threads, which is llama.cpp's thread-safety rule.
+    """
+
+    name = "llama.cpp"
+
+    def __init__(self, model_path: str, config: Config) -> None:
+        check_gguf(model_path)
+        self.L = L = _import_llama()
+        self.config = config
+        self.model_name = os.path.basename(model_path)
+        _install_llama_logging(L, config.log_level)
+        L.llama_backend_init()
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = config.gpu_layers
+        if not config.repack:
+            params.use_extra_bufts = False  # no AMX/repacked buffers (llama.cpp #20824)
+        del _llama_log_tail[:]
+        self.model = L.llama_model_load_from_file(model_path.encode(), params)
+        if not self.model:
+            reason = f": {_llama_log_tail[-1]}" if _llama_log_tail else ""
+            raise ModelError(f"model {model_path} could not be loaded by llama.cpp{reason}")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        train_ctx = L.llama_model_n_ctx_train(self.model)
+        self.ctx_per_seq = min(config.max_ctx, train_ctx) if train_ctx > 0 else config.max_ctx
+        self._pieces: dict[int, bytes] = {}
+        self._formatter = self._chat_formatter()
+        self._lock = threading.Lock()
+        self._sessions: list[LlamaSession] = []
+
+    def _chat_formatter(self) -> Any:
+        L = self.L
+        template = L.llama_model_chat_template(self.model, None)
+        if not template:
+            return None
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        def token_text(token: int) -> str:
+            if token < 0:
+                return ""
+            return (L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
+
+        try:
+            return Jinja2ChatFormatter(template.decode("utf-8", "replace"),
+                                       eos_token=token_text(L.llama_vocab_eos(self.vocab)),
+                                       bos_token=token_text(L.llama_vocab_bos(self.vocab)))
+        except Exception as err:  # a template jinja cannot parse: fall back to raw prompts
+            log.warning(f"model chat template unusable ({err}); prompts are used raw")
+            return None
+
+    def session(self, index: int, config: Config) -> "LlamaSession":
+        """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
+        threads = config.threads or max(1, cpu_count() // config.workers)
+        session = LlamaSession(self, threads, config.seqs, config.batch)
+        with self._lock:
+            self._sessions.append(session)
+        return session
+
+    def tokens(self, job: RunningJob) -> list[int]:
+        """The job's prompt as tokens: through the model's chat template unless ``raw``."""
+        L = self.L
+        params = job.params
+        if params.get("raw") or self._formatter is None:
+            text, add_special = job.prompt, True
+        else:
+            messages = []
+            if params.get("system"):
+                messages.append({"role": "system", "content": params["system"]})
+            messages.append({"role": "user", "content": job.prompt})
+            try:
+                text = self._formatter(messages=messages).prompt
+            except Exception as err:
+                raise JobError("bad_request", f"chat template failed: {err}") from None
+            add_special = False  # the template already wrote BOS
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        while True:
+            buf = (L.llama_token * capacity)()
+            count = L.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, True)
+            if count >= 0:
+                return list(buf[:count])
+            capacity = -count
+
+    def piece(self, token: int) -> bytes:
+        """A token's bytes (cached: the same few thousand tokens recur)."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            size = 64
+            while True:
+                buf = self._char_array(size)
+                count = self.L.llama_token_to_piece(self.vocab, token, buf, size, 0, False)
+                if count >= 0:
+                    break
+                size = -count
+            cached = self._pieces[token] = bytes(buf[:count])
+        return cached
+
+    @staticmethod
+    def _char_array(size: int) -> Any:
+        import ctypes
+
+        return (ctypes.c_char * size)()
+
+    def sampler(self, params: Mapping[str, Any]) -> Any:
+        """A sampler chain for one job (chains hold state: one per sequence)."""
+        L, cfg = self.L, self.config
+        temperature = params.get("temperature", cfg.temp)
+        top_k = params.get("top_k", cfg.top_k)
+        top_p = params.get("top_p", cfg.top_p)
+        min_p = params.get("min_p", cfg.min_p)
+        repeat = params.get("repeat_penalty", cfg.repeat_penalty)
+        seed = params.get("seed", cfg.seed) or L.LLAMA_DEFAULT_SEED  # 0 = random
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        if repeat != 1.0 and repeat > 0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_penalties(self.n_vocab, 64, repeat, 0.0, 0.0))
+        if temperature <= 0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+            return chain
+        if top_k > 0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(top_k))
+        if top_p < 1.0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
+        if min_p > 0.0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(min_p, 1))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
+        return chain
+
+    def close(self) -> None:
+        """Free every context, then the model."""
+        with self._lock:
+            sessions, self._sessions = self._sessions, []
+        for session in sessions:
+            session.close()
+        if self.model:
+            self.L.llama_model_free(self.model)
+            self.model = None
+
+
+class _Sequence:
+    """One job generating in a slot of a context."""
+
+    __slots__ = ("job", "slot", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
+                 "decoder", "parts", "last", "ignore_eos", "stops", "tail")
+
+    def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, sampler: Any) -> None:
+        self.job = job
+        self.slot = slot
+        self.pending = tokens  # prompt tokens not yet decoded
+        self.pos = 0
+        self.n_prompt = len(tokens)
+        self.n_gen = 0
+        self.max_tokens = max_tokens
+        self.sampler = sampler
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # pieces split UTF-8
+        self.parts: list[str] = []
+        self.last = -1
+        self.ignore_eos = bool(job.params.get("ignore_eos"))
+        self.stops: list[str] = list(job.params.get("stop") or [])
+        self.tail = ""
+
+
+class LlamaSession:
+    """One worker's llama context, generating up to ``seqs`` jobs at once.
+
+    Every step decodes one token of every generating sequence, plus prompt chunks of newly
+    started ones, in a single ``llama_decode``: continuous batching. With ``seqs=1`` it is
+    the plain one-job-at-a-time loop.
+    """
+
+    def __init__(self, runner: LlamaRunner, threads: int, seqs: int, n_batch: int) -> None:
+        L = runner.L
+        self.runner = runner
+        self.L = L
+        params = L.llama_context_default_params()
+        params.n_ctx = runner.ctx_per_seq * seqs
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = seqs
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.kv_unified = False  # each sequence its own KV stream of n_ctx/seqs cells
+        params.no_perf = True
+        self.ctx = L.llama_init_from_model(runner.model, params)
+        if not self.ctx:
+            raise ModelError(f"cannot create a llama context of {params.n_ctx} tokens "
+                             "(out of memory? lower NRVNA_MAX_CTX, NRVNA_SEQS or NRVNA_WORKERS)")
+        self.memory = L.llama_get_memory(self.ctx)
+        self.n_batch = n_batch
+        self.batch = L.llama_batch_init(n_batch, 0, 1)
+        self.ctx_per_seq = L.llama_n_ctx_seq(self.ctx)
+        self.slots: list[Optional[_Sequence]] = [None] * seqs
+        self.threads = threads
+
+    def free(self) -> int:
+        return sum(1 for s in self.slots if s is None)
+
+    def active(self) -> list[RunningJob]:
+        return [s.job for s in self.slots if s is not None]
+
+    def start(self, job: RunningJob) -> None:
+        tokens = self.runner.tokens(job)
+        if len(tokens) >= self.ctx_per_seq:
+            raise JobError("context_overflow",
+                           f"prompt is {len(tokens)} tokens; the context holds {self.ctx_per_seq}")
+        if not tokens:
+            raise JobError("bad_request", "prompt has no tokens")
+        slot = self.slots.index(None)
+        self.L.llama_memory_seq_rm(self.memory, slot, -1, -1)
+        max_tokens = job.params.get("max_tokens", self.runner.config.predict)
+        self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, self.runner.sampler(job.params))
+
+    def step(self) -> list[tuple[RunningJob, Outcome]]:
+        L, batch = self.L, self.batch
+        wanted: list[tuple[_Sequence, int]] = []  # sequences that get a token this step
+        n = 0
+        for seq in self.slots:  # one token for every generating sequence first
+            if seq is not None and not seq.pending:
+                self._put(n, seq.last, seq.pos, seq.slot, True)
+                seq.pos += 1
+                wanted.append((seq, n))
+                n += 1
+        for seq in self.slots:  # then prompt chunks in the room left
+            if seq is None or not seq.pending or n >= self.n_batch:
+                continue
+            take = min(len(seq.pending), self.n_batch - n)
+            chunk, seq.pending = seq.pending[:take], seq.pending[take:]
+            for token in chunk:
+                self._put(n, token, seq.pos, seq.slot, False)
+                seq.pos += 1
+                n += 1
+            if not seq.pending:
+                batch.logits[n - 1] = 1
+                wanted.append((seq, n - 1))
+        batch.n_tokens = n
+        code = L.llama_decode(self.ctx, batch)
+        if code != 0:
+            # The batch is shared by every sequence in it: they cannot be told apart.
+            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
+            return [self._end(seq, error=("model_error", message)) for seq in self.slots if seq is not None]
+        finished = []
+        for seq, index in wanted:
+            token = L.llama_sampler_sample(seq.sampler, self.ctx, index)
+            if not seq.ignore_eos and L.llama_vocab_is_eog(self.runner.vocab, token):
+                finished.append(self._end(seq, "stop"))
+                continue
+            seq.n_gen += 1
+            seq.last = token
+            text = seq.decoder.decode(self.runner.piece(token))
+            if text:
+                seq.parts.append(text)
+                if seq.stops and self._hit_stop(seq, text):
+                    finished.append(self._end(seq, "stop"))
+                    continue
+            if seq.n_gen >= seq.max_tokens or seq.pos >= self.ctx_per_seq:
+                finished.append(self._end(seq, "length"))
+        return finished
+
+    def _put(self, index: int, token: int, pos: int, slot: int, logits: bool) -> None:
+        batch = self.batch
+        batch.token[index] = token
+        batch.pos[index] = pos
+        batch.n_seq_id[index] = 1
+        batch.seq_id[index][0] = slot
+        batch.logits[index] = logits
+
+    @staticmethod
+    def _hit_stop(seq: _Sequence, text: str) -> bool:
+        longest = max(len(s) for s in seq.stops)
+        seq.tail = (seq.tail + text)[-(longest + len(text)):]
+        if not any(s in seq.tail for s in seq.stops):
+            return False
+        full = "".join(seq.parts)
+        cut = min(i for i in (full.find(s) for s in seq.stops) if i >= 0)
+        seq.parts = [full[:cut]]
+        return True
+
+    def _end(self, seq: _Sequence, reason: str = "stop",
+             error: Optional[tuple[str, str]] = None) -> tuple[RunningJob, Outcome]:
+        self._release(seq)
+        text = "".join(seq.parts)
+        if not seq.stops or reason != "stop":
+            text += seq.decoder.decode(b"", final=True)
+        if error:
+            return seq.job, Outcome(text, "error", seq.n_prompt, seq.n_gen, error[0], error[1])
+        return seq.job, Outcome(text, reason, seq.n_prompt, seq.n_gen)
+
+    def _release(self, seq: _Sequence) -> None:
+        self.slots[seq.slot] = None
+        self.L.llama_sampler_free(seq.sampler)
+        self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+
+    def drop(self, job: RunningJob) -> None:
+        for seq in self.slots:
+            if seq is not None and seq.job is job:
+                self._release(seq)
+
+    def close(self) -> None:
+        for seq in self.slots:
+            if seq is not None:
+                self._release(seq)
+        if self.ctx:
+            self.L.llama_batch_free(self.batch)
+            self.L.llama_free(self.ctx)
+            self.ctx = None
+
+
+##############################################################################
+# Server: Pool (in-memory queue), Scanner (discovery), Processor (state moves), Server
+##############################################################################
+
+
+class Pool:
+    """The queue between the Scanner and the workers: a heap in submission order.
+
+    ``known`` holds every ID queued or being worked on, so a job is never queued twice
+    (the spec's scanner re-submitted every queued job every second: unbounded growth).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[tuple[int, int, int, str], str]] = []
+        self._later: list[tuple[float, str]] = []  # handed back after an I/O error
+        self._known: set[str] = set()
+        self._busy = 0
+        self._closed = False
+
+    def push(self, job_ids: Iterable[str]) -> int:
+        """Queue the IDs not already queued or running; return how many were new."""
+        added = 0
+        with self._cond:
+            for job_id in job_ids:
+                if job_id not in self._known:
+                    self._known.add(job_id)
+                    heapq.heappush(self._heap, (order_key(job_id), job_id))
+                    added += 1
+            if added:
+                self._cond.notify(added)
+        return added
+
+    def get(self, timeout: float) -> Optional[str]:
+        """The oldest queued ID, waiting up to ``timeout`` s; None if none or closed."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                while self._later and self._later[0][0] <= now:
+                    _, job_id = heapq.heappop(self._later)
+                    heapq.heappush(self._heap, (order_key(job_id), job_id))
+                if self._heap:
+                    self._busy += 1
+                    return heapq.heappop(self._heap)[1]
+                left = deadline - now
+                if left <= 0:
+                    return None
+                if self._later:
+                    left = min(left, self._later[0][0] - now)
+                self._cond.wait(left)
+        return None
+
+    def done(self, job_id: str) -> None:
+        """The worker is finished with ``job_id`` (ended, lost a claim race, or requeued)."""
+        with self._cond:
+            self._known.discard(job_id)
+            self._busy -= 1
+            self._cond.notify_all()
+
+    def retry_later(self, job_id: str, delay: float) -> None:
+        """Queue ``job_id`` again after ``delay`` s (it was handed back after an I/O error)."""
+        with self._cond:
+            self._busy -= 1
+            heapq.heappush(self._later, (time.monotonic() + delay, job_id))
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Wake every waiting worker; ``get`` returns None from now on."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def idle(self) -> bool:
+        """Nothing queued, waiting or being worked on."""
+        with self._cond:
+            return not self._heap and not self._later and self._busy == 0
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._heap) + len(self._later)
+
+
+class _DirWatch:
+    """inotify on one directory (Linux, through ctypes): which names were moved or created."""
+
+    IN_CREATE, IN_MOVED_TO, IN_Q_OVERFLOW, IN_ONLYDIR = 0x100, 0x80, 0x4000, 0x01000000
+
+    def __init__(self, path: str) -> None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | O_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1 failed")
+        mask = self.IN_CREATE | self.IN_MOVED_TO | self.IN_ONLYDIR
+        if libc.inotify_add_watch(self.fd, os.fsencode(path), mask) < 0:
+            code = ctypes.get_errno()
+            os.close(self.fd)
+            raise OSError(code, f"inotify_add_watch failed: {os.strerror(code)}")
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def read(self) -> tuple[list[tuple[int, str]], bool]:
+        """Pending events as (mask, name), and whether the kernel dropped some."""
+        import struct
+
+        events, overflow = [], False
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return events, overflow
+            offset = 0
+            while offset < len(data):
+                _wd, mask, _cookie, length = struct.unpack_from("iIII", data, offset)
+                name = data[offset + 16:offset + 16 + length].rstrip(b"\0")
+                offset += 16 + length
+                if mask & self.IN_Q_OVERFLOW:
+                    overflow = True
+                elif name:
+                    events.append((mask, os.fsdecode(name)))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class Scanner:
+    """Finds jobs in input/ready/ and hands them to the Pool.
+
+    On Linux it is told by inotify: a published job is queued within a millisecond and an
+    idle daemon sleeps in select(). The directory is listed only at start and after an event
+    overflow, so a 100k backlog is never rescanned. Elsewhere it stats the directory every
+    20 ms and lists it when its mtime changed, and once a second regardless (mtime is coarse).
+    """
+
+    def __init__(self, workspace: str, pool: Pool, stop: threading.Event) -> None:
+        self.ready = os.path.join(workspace, READY)
+        self.pool = pool
+        self.stop = stop
+        self.scans = 0
+        self._wake_r, self._wake_w = os.pipe()
+        self._deferred: dict[str, float] = {}
+        try:
+            self.watch: Optional[_DirWatch] = _DirWatch(self.ready)
+        except (OSError, AttributeError) as err:
+            log.debug(f"inotify unavailable ({err}); polling input/ready/")
+            self.watch = None
+
+    def scan(self) -> int:
+        """List input/ready/ and queue what is new; return how many were new."""
+        with os.scandir(self.ready) as entries:
+            names = [e.name for e in entries if not e.name.startswith(".")]
+        self.scans += 1
+        added = self.pool.push(names)
+        if added:
+            log.debug(f"Found {added} ready jobs")
+        return added
+
+    def run(self) -> None:
+        """The Scanner thread's loop; returns when ``stop`` is set."""
+        try:
+            self.scan()
+            if self.watch is not None:
+                self._watch_loop(self.watch)
+            else:
+                self._poll_loop()
+        except Exception as err:  # the daemon cannot work without discovery: stop it
+            log.error(f"scanner failed: {err!r}; shutting down")
+            self.stop.set()
+            self.pool.close()
+        finally:
+            if self.watch is not None:
+                self.watch.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        log.debug("Scanner thread exiting")
+
+    def _watch_loop(self, watch: _DirWatch) -> None:
+        import select
+
+        while not self.stop.is_set():
+            timeout = None
+            if self._deferred:
+                timeout = max(0.0, min(self._deferred.values()) - time.monotonic())
+            readable, _, _ = select.select([watch, self._wake_r], [], [], timeout)
+            if watch in readable:
+                events, overflow = watch.read()
+                moved = [name for mask, name in events if mask & watch.IN_MOVED_TO and not name.startswith(".")]
+                for mask, name in events:
+                    if mask & watch.IN_CREATE and not name.startswith("."):
+                        # mkdir'ed in place rather than renamed in: give its writer a moment
+                        self._deferred[name] = time.monotonic() + CREATE_GRACE_SECONDS
+                if moved and self.pool.push(moved):
+                    log.trace(f"Queued {len(moved)} published jobs")
+                if overflow:
+                    log.warning("inotify queue overflowed; rescanning input/ready/")
+                    self.scan()
+            self._release_deferred()
+
+    def _release_deferred(self) -> None:
+        now = time.monotonic()
+        due = [name for name, when in self._deferred.items() if when <= now]
+        for name in due:
+            del self._deferred[name]
+        if due:
+            self.pool.push(n for n in due if os.path.lexists(os.path.join(self.ready, n)))
+
+    def _poll_loop(self) -> None:
+        last_mtime, last_scan = -1, 0.0
+        while not self.stop.wait(0.02):
+            try:
+                mtime = os.stat(self.ready).st_mtime_ns
+            except OSError:
+                continue
+            if mtime != last_mtime or time.monotonic() - last_scan >= 1.0:
+                last_mtime, last_scan = mtime, time.monotonic()
+                self.scan()
+
+    def wake(self) -> None:
+        """Make the loop notice ``stop`` now."""
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+
+class _HandBack(Exception):
+    """A job could not be claimed or finished because of an I/O error; it is back in ready/."""
+
+
+class Processor:
+    """Moves jobs through their states. Shared by the workers: each call works on a job
+    that the calling worker owns (the claim rename made it so), so it needs no lock.
+
+    Durability: files are fsynced inside the job dir, the job dir is fsynced, then it is
+    renamed, then both parent directories are fsynced. The claim counts the attempt in
+    meta.json and makes that durable before any inference starts.
+    """
+
+    def __init__(self, workspace: str, config: Config, model_name: str) -> None:
+        self.workspace = workspace
+        self.config = config
+        self.model_name = model_name
+
+    def _path(self, sub: str, name: str = "") -> str:
+        return os.path.join(self.workspace, sub, name) if name else os.path.join(self.workspace, sub)
+
+    def _move(self, job_id: str, src: str, dst: str) -> None:
+        move(self._path(src, job_id), self._path(dst, job_id))
+        fsync_dir(self._path(dst))
+        fsync_dir(self._path(src))
+
+    # -- claim ---------------------------------------------------------------------------
+
+    def claim(self, job_id: str, worker: str, stop: threading.Event) -> Optional[RunningJob]:
+        """Take ``job_id`` from ready/ into processing/; None if someone else took it or it
+        was malformed (then it is already in failed/). Raises _HandBack on an I/O error."""
+        try:
+            move(self._path(READY, job_id), self._path(PROCESSING, job_id))
+        except FileNotFoundError:
+            return None  # another claimer won, or the job was removed
+        except FileExistsError:
+            log.error(f"cannot claim {job_id}: processing/{job_id} already exists; left in ready/")
+            return None
+        path = self._path(PROCESSING, job_id)
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode):
+            self._quarantine(job_id, info.st_mode)
+            return None
+        dir_fd = open_dir(path)
+        try:
+            meta = self._read_meta(dir_fd)
+            attempts = meta.get("attempts") if isinstance(meta.get("attempts"), int) else 0
+            if "submitted" not in meta:
+                meta["submitted"] = self._submitted(job_id, dir_fd)
+            meta.update(id=job_id, started=round(time.time(), 3), worker=worker,
+                        model=self.model_name, attempts=attempts + 1)
+            for key in ("finished", "code", "finish_reason"):
+                meta.pop(key, None)
+            write_file(dir_fd, META_FILE, _dump(meta))
+            os.fsync(dir_fd)
+            fsync_dir(self._path(PROCESSING))
+            fsync_dir(self._path(READY))
+        except OSError as err:
+            os.close(dir_fd)
+            log.error(f"cannot claim {job_id}: {_os_error(err)}; handing it back")
+            self._hand_back(job_id)
+            raise _HandBack(job_id) from None
+        job = RunningJob(job_id, "", {}, stop, dir_fd, meta, worker, path)
+        try:
+            job.prompt, job.params = self._read_input(dir_fd)
+        except JobError as err:
+            self.finish(job, Outcome(error_code=err.code, error=str(err)))
+            return None
+        except OSError as err:
+            self.finish(job, Outcome(error_code="bad_request", error=f"cannot read job: {_os_error(err)}"))
+            return None
+        return job
+
+    @staticmethod
+    def _submitted(job_id: str, dir_fd: int) -> Optional[float]:
+        try:
+            return round(os.stat(PROMPT_FILE, dir_fd=dir_fd, follow_symlinks=False).st_mtime, 3)
+        except OSError:
+            match = GENERATED_ID.fullmatch(job_id)
+            return float(match.group(1)) if match else None
+
+    @staticmethod
+    def _read_meta(dir_fd: int) -> dict[str, Any]:
+        try:
+            return _parse_meta(read_file(dir_fd, META_FILE, 1 << 20).decode("utf-8", "replace"))
+        except (FileNotFoundError, JobError):
+            return {}
+
+    def _read_input(self, dir_fd: int) -> tuple[str, dict[str, Any]]:
+        try:
+            data = read_file(dir_fd, PROMPT_FILE, self.config.max_prompt_bytes)
+        except FileNotFoundError:
+            raise JobError("bad_request", "job has no prompt.txt") from None
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise JobError("bad_request", f"prompt.txt is not valid UTF-8 (byte {err.start})") from None
+        if not prompt.strip():
+            raise JobError("bad_request", "prompt.txt is empty")
+        if "\x00" in prompt:
+            raise JobError("bad_request", "prompt.txt contains a NUL byte")
+        try:
+            raw = read_file(dir_fd, PARAMS_FILE, 1 << 20)
+        except FileNotFoundError:
+            return prompt, {}
+        try:
+            params = json.loads(raw.decode("utf-8"))
+        except ValueError as err:
+            raise JobError("bad_request", f"params.json is not valid JSON: {err}") from None
+        try:
+            return prompt, validate_params(params)
+        except InvalidInput as err:
+            raise JobError("bad_request", f"params.json: {err}") from None
+
+    # -- finish --------------------------------------------------------------------------
+
+    def finish(self, job: RunningJob, outcome: Outcome) -> bool:
+        """Record the outcome and move the job to output/ or failed/. Returns False when an
+        I/O error forced it back to ready/ (the caller retries it later)."""
+        meta = job.meta
+        meta.update(finished=round(time.time(), 3), prompt_tokens=outcome.prompt_tokens,
+                    generated_tokens=outcome.generated_tokens)
+        if outcome.error_code is None:
+            meta["finish_reason"] = outcome.finish_reason
+            files = [(RESULT_FILE, outcome.text.encode("utf-8"))]
+            dest = OUTPUT
+        else:
+            meta["code"] = outcome.error_code
+            files = [(ERROR_FILE, (outcome.error or outcome.error_code).rstrip("\n").encode("utf-8") + b"\n")]
+            if outcome.text:
+                files.append(("partial.txt", outcome.text.encode("utf-8")))
+            dest = FAILED
+        try:
+            try:
+                for name, data in files:
+                    write_file(job.dir_fd, name, data)
+                write_file(job.dir_fd, META_FILE, _dump(meta))
+                os.fsync(job.dir_fd)
+                try:
+                    self._move(job.id, PROCESSING, dest)
+                except FileExistsError:
+                    self._name_taken(job, dest)
+                return True
+            except OSError as err:
+                log.error(f"cannot finish {job.id}: {_os_error(err)}; handing it back to the queue")
+                self._hand_back(job.id)
+                return False
+        finally:
+            os.close(job.dir_fd)
+
+    def _name_taken(self, job: RunningJob, dest: str) -> None:
+        """``dest/<id>`` already exists: never replace it, never lose this job either."""
+        if dest == FAILED:
+            log.error(f"failed/{job.id} already exists; job left in processing/")
+            return
+        write_file(job.dir_fd, ERROR_FILE,
+                   f"output/{job.id} already exists, so this job's result could not be published "
+                   f"there; result.txt is kept here\n".encode())
+        os.fsync(job.dir_fd)
+        self._move(job.id, PROCESSING, FAILED)
+
+    def _hand_back(self, job_id: str) -> None:
+        """Put a job whose claim or finish hit an I/O error back in ready/, untouched."""
+        try:
+            self._move(job_id, PROCESSING, READY)
+        except OSError as err:
+            log.error(f"cannot hand {job_id} back ({_os_error(err)}); it stays in processing/ "
+                      "until the next daemon start")
+
+    def requeue(self, job: RunningJob) -> None:
+        """Return an interrupted job to ready/ (shutdown), not counting the attempt."""
+        try:
+            meta = dict(job.meta)
+            meta["attempts"] = max(0, int(meta.get("attempts", 1)) - 1)
+            for key in ("started", "worker"):
+                meta.pop(key, None)
+            _clear_outputs(job.dir_fd)
+            write_file(job.dir_fd, META_FILE, _dump(meta))
+            os.fsync(job.dir_fd)
+            self._move(job.id, PROCESSING, READY)
+            log.info(f"Returned job to the queue: {job.id}")
+        except OSError as err:
+            log.error(f"cannot requeue {job.id}: {_os_error(err)}; recovered at next start")
+        finally:
+            os.close(job.dir_fd)
+
+    def _quarantine(self, job_id: str, mode: int) -> None:
+        """A non-directory was claimed: wrap it, unopened, in a real failed/<id>/ dir."""
+        kind = ("a symbolic link" if stat.S_ISLNK(mode) else
+                "a regular file" if stat.S_ISREG(mode) else "not a directory")
+        wrap = self._path(PROCESSING, f".{job_id}.quarantine")
+        _remove_tree(wrap)
+        os.mkdir(wrap, DIR_MODE)
+        fd = open_dir(wrap)
+        try:
+            write_file(fd, ERROR_FILE, (f"input/ready/{job_id} is {kind}, not a job directory; it was "
+                                        f"moved here as '{QUARANTINED_ENTRY}' without being opened\n").encode())
+            write_file(fd, META_FILE, _dump({"id": job_id, "code": "bad_request", "attempts": 0,
+                                             "finished": round(time.time(), 3)}))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(self._path(PROCESSING, job_id), os.path.join(wrap, QUARANTINED_ENTRY))
+        fsync_dir(wrap)
+        self._publish_quarantine(job_id, wrap)
+
+    def _publish_quarantine(self, job_id: str, wrap: str) -> None:
+        try:
+            move(wrap, self._path(FAILED, job_id))
+        except FileExistsError:
+            log.error(f"failed/{job_id} already exists; quarantined entry left in {wrap}")
+            return
+        fsync_dir(self._path(FAILED))
+        fsync_dir(self._path(PROCESSING))
+        log.warning(f"Job failed: {job_id}: input/ready/{job_id} was not a job directory")
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def recover(self) -> int:
+        """Return orphans in processing/ (a daemon died) to ready/, or fail them at the
+        attempt ceiling. Runs under the workspace lock, before any worker starts."""
+        recovered = 0
+        with os.scandir(self._path(PROCESSING)) as entries:
+            names = sorted(e.name for e in entries)
+        for name in names:
+            path = self._path(PROCESSING, name)
+            if name.startswith("."):
+                self._recover_hidden(name, path)
+                continue
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode):
+                self._quarantine(name, info.st_mode)
+                continue
+            dir_fd = open_dir(path)
+            meta = self._read_meta(dir_fd)
+            attempts = meta.get("attempts") if isinstance(meta.get("attempts"), int) else 0
+            if attempts >= self.config.max_attempts:
+                job = RunningJob(name, "", {}, threading.Event(), dir_fd, meta, "Main", path)
+                self.finish(job, Outcome(error_code="crash_ceiling", error=(
+                    f"the daemon stopped {attempts} times while running this job "
+                    f"(NRVNA_MAX_ATTEMPTS={self.config.max_attempts}); it is not retried again")))
+                log.warning(f"Failed orphaned job after {attempts} attempts: {name}")
+                continue
+            try:
+                _clear_outputs(dir_fd)
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            self._move(name, PROCESSING, READY)
+            recovered += 1
+            log.warning(f"Recovered orphaned job: {name} (attempt {attempts} of {self.config.max_attempts})")
+        return recovered
+
+    def _recover_hidden(self, name: str, path: str) -> None:
+        if name.endswith(".quarantine") and os.path.lexists(os.path.join(path, QUARANTINED_ENTRY)):
+            self._publish_quarantine(name[1:-len(".quarantine")], path)
+        else:
+            _remove_tree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+            fsync_dir(self._path(PROCESSING))
+
+    def clean_staging(self, now: Optional[float] = None) -> int:
+        """Remove input/writing/ leftovers of clients that died before publishing."""
+        now = time.time() if now is None else now
+        removed = 0
+        with os.scandir(self._path(WRITING)) as entries:
+            stale = [e.name for e in entries if now - e.stat(follow_symlinks=False).st_mtime > STALE_STAGING_SECONDS]
+        for name in stale:
+            path = self._path(WRITING, name)
+            _remove_tree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+            removed += 1
+            log.warning(f"Removed abandoned staging entry input/writing/{name} (its client died before publishing)")
+        if removed:
+            fsync_dir(self._path(WRITING))
+        return removed
+
+
+def _clear_outputs(dir_fd: int) -> None:
+    """Remove what an interrupted attempt may have left (results, temporary files)."""
+    for name in os.listdir(dir_fd):
+        if name in (RESULT_FILE, ERROR_FILE, "partial.txt") or (name.startswith(".") and name.endswith(".tmp")):
+            _unlink_quietly(name, dir_fd)
+
+
+def _dump(meta: Mapping[str, Any]) -> bytes:
+    return (json.dumps(meta, ensure_ascii=False, indent=1, sort_keys=True) + "\n").encode("utf-8")
+
+
+class Server:
+    """The daemon: locks the workspace, loads the model once, recovers orphans, then runs
+    one Scanner thread and N worker threads (``Worker-0``...) until ``shutdown()``.
+
+    ``runner`` replaces llama.cpp (tests, custom back-ends): a ``FunctionRunner`` or any
+    callable ``fn(job) -> str``. ``drain=True`` stops by itself once the queue is empty.
+    """
+
+    def __init__(self, model: Optional[str], workspace: Any, workers: Optional[int] = None, *,
+                 runner: Any = None, config: Optional[Config] = None, drain: bool = False) -> None:
+        self.config = config if config is not None else Config.from_env()
+        if workers is not None:
+            self.config.workers = _check_setting("workers", workers)
+        self.model = model
+        self.workspace = os.fspath(workspace)
+        if runner is not None and not hasattr(runner, "session"):
+            runner = FunctionRunner(runner)
+        self.runner = runner
+        self._own_runner = runner is None
+        self.drain = drain
+        self.pool = Pool()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock_fd: Optional[int] = None
+        self.scanner: Optional[Scanner] = None
+        self.processor: Optional[Processor] = None
+        self.started = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Check everything, take the workspace, load the model, recover, start threads.
+        Raises NrvnaError with a one-line reason; on failure nothing is left running."""
+        model_path = None
+        if self.runner is None:
+            if not self.model:
+                raise ModelError("no model given")
+            model_path = resolve_model(self.model, self.config.models_dir)
+            check_gguf(model_path)
+        ensure_workspace(self.workspace)
+        self._take_lock()
+        try:
+            self._warn_if_shared()
+            if self.runner is None:
+                log.info(f"Loading model {model_path}")
+                self.runner = LlamaRunner(model_path, self.config)
+            sessions = [self.runner.session(i, self.config) for i in range(self.config.workers)]
+            name = os.path.basename(model_path) if model_path else getattr(self.runner, "name", "runner")
+            self.processor = Processor(self.workspace, self.config, name)
+            log.info("Recovering orphaned jobs...")
+            self.processor.recover()
+            self.processor.clean_staging()
+            self.scanner = Scanner(self.workspace, self.pool, self._stop)
+        except BaseException:
+            self._close_runner()
+            self._release_lock()
+            raise
+        self._threads = [threading.Thread(target=self.scanner.run, name="Scanner", daemon=True)]
+        for index, session in enumerate(sessions):
+            self._threads.append(threading.Thread(target=self._work, args=(session,),
+                                                  name=f"Worker-{index}", daemon=True))
+        for thread in self._threads:
+            thread.start()
+        self.started = True
+        log.info(f"Server started: {self.workspace}, {self.config.workers} workers x "
+                 f"{self.config.seqs} sequences, pid {os.getpid()}")
+
+    def request_stop(self) -> None:
+        """Ask every thread to stop (safe from a signal handler); ``shutdown`` waits."""
+        self._stop.set()
+        self.pool.close()
+        if self.scanner is not None:
+            self.scanner.wake()
+
+    def serve_forever(self, poll: float = 0.1) -> None:
+        """Block until a stop is requested (or, with ``drain``, until the queue is empty)."""
+        while not self._stop.wait(poll):
+            if self.drain and self._drained():
+                log.info("Queue drained")
+                self.request_stop()
+
+    def _drained(self) -> bool:
+        if not self.pool.idle() or self.scanner is None or self.scanner.scans == 0:
+            return False
+        with os.scandir(os.path.join(self.workspace, READY)) as entries:
+            if not any(not e.name.startswith(".") for e in entries):
+                return True
+        self.scanner.scan()  # something the events did not report (a mkdir'ed dir in grace)
+        return False
+
+    def shutdown(self) -> None:
+        """Stop claiming, stop generation between tokens, put in-flight jobs back in ready/,
+        join every thread, free the model, release the workspace. Idempotent."""
+        log.info("Shutting down server...")
+        self.request_stop()
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+        self._close_runner()
+        self._release_lock()
+        self.started = False
+        log.info("Server stopped")
+
+    def __enter__(self) -> "Server":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # -- workers -------------------------------------------------------------------------
+
+    def _work(self, session: Any) -> None:
+        name = threading.current_thread().name
+        while not self._stop.is_set():
+            try:
+                self._admit(session, name)
+                if session.active() and not self._stop.is_set():
+                    for job, outcome in session.step():
+                        self._end(job, outcome)
+            except Exception as err:  # a runner bug fails its jobs, never the worker
+                log.error(f"runner error: {err!r}")
+                for job in session.active():
+                    session.drop(job)
+                    self._end(job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}"))
+        for job in session.active():
+            session.drop(job)
+            self.processor.requeue(job)
+            self.pool.done(job.id)
+        log.debug(f"{name} exiting")
+
+    def _admit(self, session: Any, name: str) -> None:
+        """Claim jobs while the session has free slots (blocking only when it is idle)."""
+        while session.free() > 0 and not self._stop.is_set():
+            job_id = self.pool.get(0.0 if session.active() else 0.5)
+            if job_id is None:
+                return
+            try:
+                job = self.processor.claim(job_id, name, self._stop)
+            except _HandBack:
+                self.pool.retry_later(job_id, 1.0)
+                continue
+            except OSError as err:
+                log.error(f"cannot claim {job_id}: {_os_error(err)}")
+                self.pool.done(job_id)
+                continue
+            if job is None:
+                self.pool.done(job_id)
+                continue
+            log.info(f"Processing job: {job_id}")
+            try:
+                session.start(job)
+            except JobError as err:
+                self._end(job, Outcome(error_code=err.code, error=str(err)))
+            except Exception as err:
+                self._end(job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}"))
+
+    def _end(self, job: RunningJob, outcome: Outcome) -> None:
+        if self.processor.finish(job, outcome):
+            self.pool.done(job.id)
+            if outcome.error_code is None:
+                log.info(f"Job completed: {job.id} ({outcome.generated_tokens} tokens, {outcome.finish_reason})")
+            else:
+                log.warning(f"Job failed: {job.id}: {outcome.error}")
+        else:
+            self.pool.retry_later(job.id, 2.0)
+
+    # -- workspace lock ------------------------------------------------------------------
+
+    def _take_lock(self) -> None:
+        import fcntl
+
+        path = os.path.join(self.workspace, LOCK_FILE)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | O_CLOEXEC | O_NOFOLLOW, FILE_MODE)
+        except OSError as err:
+            raise WorkspaceError(f"workspace {self.workspace} is not writable: {_os_error(err)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise WorkspaceError(f"workspace {self.workspace} is in use by another daemon "
+                                 f"(pid {holder})") from None
+        # The kernel drops a flock the instant its holder dies: a file left by SIGKILL is harmless.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _close_runner(self) -> None:
+        if self.runner is not None and hasattr(self.runner, "close"):
+            self.runner.close()
+        if self._own_runner:
+            self.runner = None
+
+    def _warn_if_shared(self) -> None:
+        mode = os.stat(self.workspace).st_mode
+        if mode & 0o022:
+            log.warning(f"workspace {self.workspace} is writable by group or others (mode "
+                        f"{stat.S_IMODE(mode):o}): anyone who can write it can inject jobs; chmod 700 it")
+
+
+##############################################################################
+# CLI
+##############################################################################
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISSING, EXIT_UNFINISHED = 0, 1, 2, 3, 4
+STATUS_EXIT = {Status.Done: EXIT_OK, Status.Failed: EXIT_FAILED, Status.Missing: EXIT_MISSING,
+               Status.Queued: EXIT_UNFINISHED, Status.Running: EXIT_UNFINISHED}
+
+
+def _say(message: str) -> None:
+    """One line on stderr; never raises (stderr may be closed)."""
+    try:
+        sys.stderr.write(f"nrvna: {message}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _check_ids(ids: Iterable[str]) -> None:
+    for job_id in ids:
+        if not is_valid_id(job_id):
+            shown = job_id if len(job_id) <= 40 else job_id[:40] + "..."
+            raise InvalidInput(f"invalid job ID {shown!r} (expected letters, digits, '.', '_', '-'; "
+                               "at most 128, not starting with '.')")
+
+
+def _check_workspace_exists(workspace: str) -> None:
+    if not os.path.isdir(workspace):
+        raise InvalidInput(f"workspace {workspace} does not exist")
+
+
+def _cmd_daemon(args: Any) -> int:
+    import signal
+
+    config = Config.from_env(workers=args.workers, seqs=args.seqs)
+    configure_logging(config.log_level)
+    threading.current_thread().name = "Main"
+    server = Server(args.model, args.workspace, config=config, drain=args.drain)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info(f"Received {signal.Signals(signum).name}")
+        server.request_stop()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    server.start()
+    try:
+        server.serve_forever()
+    finally:
+        server.shutdown()
+    return EXIT_OK
+
+
+def _read_prompt(args: Any) -> Any:
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if args.prompt is None and sys.stdin is not None and sys.stdin.isatty():
+        raise InvalidInput("no prompt: give PROMPT, or '-' and the prompt on stdin")
+    if sys.stdin is None:
+        raise InvalidInput("no prompt: stdin is closed")
+    return sys.stdin.buffer.read()
+
+
+def _cmd_submit(args: Any) -> int:
+    prompt = _read_prompt(args)
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
+              "system": args.system, "raw": True if args.raw else None}
+    params = {k: v for k, v in params.items() if v is not None}
+    try:
+        job_id = Work(args.workspace).publish(prompt, **params)
+    except NotDurable as err:
+        print(err.job_id, flush=True)  # it is queued: a script must learn its ID
+        raise
+    if not args.wait:
+        print(job_id, flush=True)
+        return EXIT_OK
+    return _emit(Flow(args.workspace), job_id, True, args.timeout, False)
+
+
+def _cmd_get(args: Any) -> int:
+    _check_ids([args.id])
+    _check_workspace_exists(args.workspace)
+    return _emit(Flow(args.workspace), args.id, args.wait, args.timeout, args.json)
+
+
+def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json: bool) -> int:
+    """Print a job's result (stdout) or error (stderr); return the exit code for its state."""
+    status = flow.wait(job_id, timeout) if wait else flow.status(job_id)
+    if status is Status.Missing:
+        raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
+    if as_json:
+        job = flow.get(job_id)
+        if job is None:
+            raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
+        record = {"id": job.id, "status": job.status.value, "prompt": job.prompt,
+                  "result": job.result, "error": job.error, "meta": job.meta}
+        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+        return STATUS_EXIT[job.status]
+    if status is Status.Done:
+        data = flow.result_bytes(job_id)
+        if data is not None:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+            return EXIT_OK
+        status = flow.status(job_id)
+    if status is Status.Failed:
+        job = flow.get(job_id)
+        error = (job.error if job and job.error else "unknown error").rstrip("\n")
+        _say(f"job {job_id} failed: {error}")
+        return EXIT_FAILED
+    waited = f" after waiting {timeout:g} s" if wait and timeout is not None else ""
+    raise NotFinished(f"job {job_id} is {status.value}{waited}")
+
+
+def _cmd_status(args: Any) -> int:
+    flow = Flow(args.workspace)
+    if not args.ids:
+        _check_workspace_exists(args.workspace)
+        counts = flow.counts()
+        if args.json:
+            print(json.dumps(counts))
+        else:
+            print("\n".join(f"{state} {count}" for state, count in counts.items()))
+        return EXIT_OK
+    _check_ids(args.ids)
+    statuses = [flow.status(job_id) for job_id in args.ids]
+    if args.json:
+        print(json.dumps({job_id: s.value for job_id, s in zip(args.ids, statuses)}))
+    else:
+        print("\n".join(s.value for s in statuses))
+    for worst in (Status.Missing, Status.Failed, Status.Queued, Status.Running):
+        if worst in statuses:
+            return STATUS_EXIT[worst]
+    return EXIT_OK
+
+
+def _positive_float(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return value
+
+
+def _build_parser() -> Any:
+    import argparse
+
+    env_help = "\n".join(f"  {s.env:<24} {str(s.default):<10} {s.help}" for s in SETTINGS.values())
+    parser = argparse.ArgumentParser(
+        prog="nrvna", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A durable, asynchronous job queue for local LLM inference. A job is a "
+                    "directory; its location is its state.",
+        epilog="exit codes: 0 ok/done, 1 job failed or daemon error, 2 usage or invalid input, "
+               "3 no such job, 4 not finished yet\n\nenvironment (daemon):\n" + env_help)
+    parser.add_argument("--version", action="version", version=f"nrvna {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    daemon = commands.add_parser("daemon", help="load a model and work the queue",
+                                 description="Load MODEL once and process WORKSPACE's queue until "
+                                             "SIGINT/SIGTERM (in-flight jobs go back to the queue).")
+    daemon.add_argument("model", metavar="MODEL", help="GGUF path, or a name in NRVNA_MODELS_DIR")
+    daemon.add_argument("workspace", metavar="WORKSPACE")
+    daemon.add_argument("-w", "--workers", type=int, help="worker threads (NRVNA_WORKERS, default 4)")
+    daemon.add_argument("-s", "--seqs", type=int, help="sequences per worker context (NRVNA_SEQS, default 1)")
+    daemon.add_argument("--drain", action="store_true", help="process everything queued, then exit 0")
+    daemon.set_defaults(handler=_cmd_daemon)
+
+    submit = commands.add_parser("submit", help="queue a prompt; print its job ID",
+                                 description="Queue a prompt. It comes from PROMPT, or from stdin when "
+                                             "PROMPT is '-' or absent and stdin is not a terminal.")
+    submit.add_argument("workspace", metavar="WORKSPACE")
+    submit.add_argument("prompt", metavar="PROMPT", nargs="?")
+    submit.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
+    submit.add_argument("--timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    submit.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate")
+    submit.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (0 = greedy)")
+    submit.add_argument("--seed", type=int, metavar="N", help="sampling seed (same seed, same result)")
+    submit.add_argument("--system", metavar="TEXT", help="system message for the chat template")
+    submit.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    submit.set_defaults(handler=_cmd_submit)
+
+    status = commands.add_parser("status", help="state of jobs, or counts per state",
+                                 description="With IDs: one state per line (queued running done "
+                                             "failed missing). Without: the count in each state.")
+    status.add_argument("workspace", metavar="WORKSPACE")
+    status.add_argument("ids", metavar="ID", nargs="*")
+    status.add_argument("--json", action="store_true", help="one JSON object")
+    status.set_defaults(handler=_cmd_status)
+
+    get = commands.add_parser("get", help="print a job's result",
+                              description="Print result.txt exactly; a failed job's error goes to stderr (exit 1).")
+    get.add_argument("workspace", metavar="WORKSPACE")
+    get.add_argument("id", metavar="ID")
+    get.add_argument("--wait", action="store_true", help="wait until the job is finished")
+    get.add_argument("--timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    get.add_argument("--json", action="store_true", help="the whole job as one JSON object")
+    get.set_defaults(handler=_cmd_get)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the nrvna CLI; return its exit code."""
+    args = _build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except NrvnaError as err:
+        _say(f"error: {err}")
+        return err.exit_code
+    except BrokenPipeError:
+        # The reader went away (`nrvna get ... | head -c 10`): that is not an error.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return 130
+    except OSError as err:
+        where = f"{err.filename}: " if getattr(err, "filename", None) else ""
+        _say(f"error: {where}{_os_error(err)}")
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
