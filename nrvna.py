@@ -715,9 +715,9 @@ class Flow:
     def _locate(self, job_id: str) -> tuple[Status, str]:
         if not is_valid_id(job_id):
             return Status.Missing, ""
-        # Forward moves cannot hide a job from a lifecycle-order check; a requeue
-        # (processing -> ready) can, once, so look again before saying Missing.
-        for _ in range(3):
+        # Forward moves cannot hide a job from a lifecycle-order check; a backward one
+        # (requeue, retry) can, once per pass, so look again before saying Missing.
+        for _ in range(5):
             for sub, status in STATE_DIRS:
                 path = os.path.join(self.workspace, sub, job_id)
                 if os.path.lexists(path):

