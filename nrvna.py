@@ -1744,10 +1744,11 @@ class Processor:
 
     # -- start-up ------------------------------------------------------------------------
 
-    def recover(self) -> int:
+    def recover(self) -> list[tuple[str, int]]:
         """Return orphans in processing/ (a daemon died) to ready/, or fail them at the
-        attempt ceiling. Runs under the workspace lock, before any worker starts."""
-        recovered = 0
+        attempt ceiling; return the recovered (id, attempts). Runs under the workspace lock,
+        before any worker starts."""
+        recovered = []
         with os.scandir(self._path(PROCESSING)) as entries:
             names = sorted(e.name for e in entries)
         for name in names:
@@ -1775,7 +1776,7 @@ class Processor:
             finally:
                 os.close(dir_fd)
             self._move(name, PROCESSING, READY)
-            recovered += 1
+            recovered.append((name, attempts))
             log.warning(f"Recovered orphaned job: {name} (attempt {attempts} of {self.config.max_attempts})")
         return recovered
 
@@ -1863,8 +1864,9 @@ class Server:
             name = os.path.basename(model_path) if model_path else getattr(self.runner, "name", "runner")
             self.processor = Processor(self.workspace, self.config, name)
             log.info("Recovering orphaned jobs...")
-            self.processor.recover()
+            recovered = self.processor.recover()
             self.processor.clean_staging()
+            self._run_last_chances(recovered, sessions[0])
             self.scanner = Scanner(self.workspace, self.pool, self._stop)
         except BaseException:
             self._close_runner()
@@ -1879,6 +1881,41 @@ class Server:
         self.started = True
         log.info(f"Server started: {self.workspace}, {self.config.workers} workers x "
                  f"{self.config.seqs} sequences, pid {os.getpid()}")
+
+    def _run_last_chances(self, recovered: list[tuple[str, int]], session: Any) -> None:
+        """Run alone, one by one, the orphans whose next daemon death would fail them.
+
+        A daemon death counts an attempt against every job in flight, and submission order
+        brings the same jobs back together: without this, a poison job would take its
+        innocent batch-mates to the attempt ceiling with it. Alone, it only fails itself.
+        """
+        ceiling = self.config.max_attempts
+        last = sorted((job_id for job_id, attempts in recovered if 1 <= attempts and attempts >= ceiling - 1),
+                      key=order_key)
+        for job_id in last:
+            if self._stop.is_set():
+                return
+            log.warning(f"Running job alone (the daemon died while it ran): {job_id}")
+            try:
+                job = self.processor.claim(job_id, "Main", self._stop)
+            except _HandBack:
+                continue
+            if job is None:
+                continue
+            try:
+                session.start(job)
+                while session.active():
+                    if self._stop.is_set():
+                        session.drop(job)
+                        self.processor.requeue(job)
+                        return
+                    for done, outcome in session.step():
+                        self.processor.finish(done, outcome)
+            except JobError as err:
+                self.processor.finish(job, Outcome(error_code=err.code, error=str(err)))
+            except Exception as err:
+                session.drop(job)
+                self.processor.finish(job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}"))
 
     def request_stop(self) -> None:
         """Ask every thread to stop (safe from a signal handler); ``shutdown`` waits."""
@@ -2057,7 +2094,7 @@ def _cmd_daemon(args: Any) -> int:
     config = Config.from_env(workers=args.workers, seqs=args.seqs)
     configure_logging(config.log_level)
     threading.current_thread().name = "Main"
-    server = Server(args.model, args.workspace, config=config, drain=args.drain)
+    server = Server(args.model, args.workspace, config=config, drain=args.drain, runner=args.runner)
 
     def on_signal(signum: int, _frame: Any) -> None:
         log.info(f"Received {signal.Signals(signum).name}")
@@ -2225,9 +2262,11 @@ def _build_parser() -> Any:
     return parser
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """Run the nrvna CLI; return its exit code."""
+def main(argv: Optional[list[str]] = None, *, runner: Any = None) -> int:
+    """Run the nrvna CLI; return its exit code. ``runner`` replaces llama.cpp in ``daemon``
+    (the tests run real daemon processes this way; MODEL is then ignored)."""
     args = _build_parser().parse_args(argv)
+    args.runner = runner
     try:
         return args.handler(args)
     except NrvnaError as err:
