@@ -1122,3 +1122,62 @@ PY
         pytest.skip(f"this host refuses user namespaces: {done.stderr.decode().strip()}")
     print(done.stdout.decode())
     assert done.returncode == 0, done.stderr.decode()[-3000:]
+
+
+def test_claim_and_finish_fsync_every_file_and_directory_that_changed(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    job_id = submit(ws, "durable")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), ws))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    with serving(ws, echo, workers=1):
+        assert Flow(ws).wait(job_id, 10) is Status.Done
+    mine = [p for p in synced if job_id in p or p in ("input/ready", "processing", "output")]
+    job = f"processing/{job_id}"
+    assert mine == [
+        f"{job}/.meta.json.tmp", job, "processing", "input/ready",                      # claim
+        f"{job}/.result.txt.tmp", f"{job}/.meta.json.tmp", job, "output", "processing",  # finish
+    ]
+
+
+def test_a_prompt_longer_than_the_context_fails_alone_in_the_daemon(ws: str, model: str) -> None:
+    long_id = submit(ws, "tell me " * 400)
+    short_id = submit(ws, "Say hi.", max_tokens=8)
+    done = cli("daemon", model, ws, "-w", "1", "--drain", env={"NRVNA_MAX_CTX": "256"}, timeout=120)
+    assert done.returncode == 0
+    job = Flow(ws).get(long_id)
+    assert job.status is Status.Failed and job.meta["code"] == "context_overflow"
+    assert job.error.startswith("prompt is ") and job.error.rstrip().endswith("tokens; the context holds 256")
+    assert Flow(ws).status(short_id) is Status.Done
+
+
+@pytest.mark.slow
+def test_sigkill_mid_generation_on_the_real_model_then_restart_finishes(ws: str, model: str) -> None:
+    ids = [submit(ws, f"Write a story about the number {i}.", max_tokens=400, ignore_eos=True, seed=i + 1)
+           for i in range(3)]
+    proc = start_daemon(model, ws, "-w", "2")
+    wait_for_log(proc, "Processing job")
+    time.sleep(1.0)
+    running = Flow(ws).counts()["running"]
+    proc.kill()
+    proc.wait()
+    assert running == 2
+    restart = cli("daemon", model, ws, "-w", "2", "--drain", timeout=300)
+    assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr
+    jobs = [Flow(ws).get(i) for i in ids]
+    assert [j.status for j in jobs] == [Status.Done] * 3
+    assert all(j.meta["generated_tokens"] == 400 and j.result for j in jobs)
+    assert sorted(j.meta["attempts"] for j in jobs) == [1, 2, 2]
+    assert audit_clean(ws)
+
+
+def audit_clean(ws: str) -> bool:
+    """Nothing left between states, no temporary files anywhere."""
+    for sub in (nrvna.READY, nrvna.PROCESSING, nrvna.WRITING):
+        assert os.listdir(os.path.join(ws, sub)) == [], sub
+    return not [n for _, dirs, names in os.walk(ws) for n in names + dirs
+                if n.startswith(".") and n != nrvna.LOCK_FILE]
