@@ -39,17 +39,20 @@ import enum
 import errno
 import heapq
 import itertools
-import json
 import os
 import re
 import stat
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional
+from collections import namedtuple
 
-# Heavy or daemon-only modules (logging, ctypes, argparse, llama_cpp) are imported where
-# used: `nrvna submit` must start about as fast as `python -c pass`.
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # annotations are strings at run time: importing typing costs 4 ms a start
+    from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+
+# Heavy or daemon-only modules (json, logging, ctypes, argparse, llama_cpp) are imported
+# where used: `nrvna submit` must start about as fast as `python -c pass`.
 
 ##############################################################################
 # Constants and configuration
@@ -82,13 +85,7 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 
 
-class _Setting(NamedTuple):
-    env: str
-    kind: type
-    default: Any
-    low: Any
-    high: Any
-    help: str
+_Setting = namedtuple("_Setting", "env kind default low high help")
 
 
 def _default_gpu_layers() -> int:
@@ -204,7 +201,7 @@ PARAMS: dict[str, tuple[type, Any, Any]] = {
 
 def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """Check per-job parameters; return them normalized or raise InvalidInput."""
-    if not isinstance(params, Mapping):
+    if not isinstance(params, dict):
         raise InvalidInput("params must be a JSON object")
     clean: dict[str, Any] = {}
     for key, value in params.items():
@@ -579,23 +576,18 @@ STATUS_DIR = {status: sub for sub, status in STATE_DIRS}
 ##############################################################################
 
 
-class SubmitResult(NamedTuple):
-    """What ``Work.submit`` returns: errors are values here, never exceptions."""
+class SubmitResult(namedtuple("SubmitResult", "ok id message")):
+    """What ``Work.submit`` returns (``ok: bool, id: str, message: str``): errors are values
+    here, never exceptions."""
 
-    ok: bool
-    id: str
-    message: str
+    __slots__ = ()
 
 
-class Job(NamedTuple):
-    """A job as read back from the workspace."""
+class Job(namedtuple("Job", "id status prompt result error meta")):
+    """A job as read back from the workspace: ``id: str, status: Status`` and
+    ``prompt, result, error: str | None`` and ``meta: dict``."""
 
-    id: str
-    status: Status
-    prompt: Optional[str]
-    result: Optional[str]
-    error: Optional[str]
-    meta: dict[str, Any]
+    __slots__ = ()
 
 
 def _max_prompt_bytes() -> int:
@@ -651,6 +643,8 @@ class Work:
         params.json -> rename into input/ready/ -> fsync input/ready/ and input/writing/.
         Only then is the ID returned: a returned ID is a durable job.
         """
+        import json
+
         data = check_prompt(prompt, _max_prompt_bytes())
         clean = validate_params(params)
         ensure_workspace(self.workspace)
@@ -802,6 +796,8 @@ class Flow:
 
 
 def _parse_meta(text: Optional[str]) -> dict[str, Any]:
+    import json
+
     if not text:
         return {}
     try:
@@ -823,15 +819,12 @@ def _remove_tree(path: str) -> None:
 ##############################################################################
 
 
-class Outcome(NamedTuple):
-    """How a job ended: a result (``error_code`` None) or a failure."""
+class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error",
+                          defaults=("", "stop", 0, 0, None, None))):
+    """How a job ended: a result (``error_code`` None) or a failure with a short code and a
+    message. ``text`` is the generated text (partial text for a failure)."""
 
-    text: str = ""
-    finish_reason: str = "stop"
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    error_code: Optional[str] = None
-    error: Optional[str] = None
+    __slots__ = ()
 
 
 class RunningJob:
@@ -1615,6 +1608,8 @@ class Processor:
             return {}
 
     def _read_input(self, dir_fd: int) -> tuple[str, dict[str, Any]]:
+        import json
+
         try:
             data = read_file(dir_fd, PROMPT_FILE, self.config.max_prompt_bytes)
         except FileNotFoundError:
@@ -1811,6 +1806,8 @@ def _clear_outputs(dir_fd: int) -> None:
 
 
 def _dump(meta: Mapping[str, Any]) -> bytes:
+    import json
+
     return (json.dumps(meta, ensure_ascii=False, indent=1, sort_keys=True) + "\n").encode("utf-8")
 
 
@@ -2144,6 +2141,8 @@ def _cmd_get(args: Any) -> int:
 
 def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json: bool) -> int:
     """Print a job's result (stdout) or error (stderr); return the exit code for its state."""
+    import json
+
     status = flow.wait(job_id, timeout) if wait else flow.status(job_id)
     if status is Status.Missing:
         raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
@@ -2173,6 +2172,8 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
 
 
 def _cmd_status(args: Any) -> int:
+    import json
+
     flow = Flow(args.workspace)
     if not args.ids:
         _check_workspace_exists(args.workspace)
@@ -2206,7 +2207,59 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _build_parser() -> Any:
+def _daemon_arguments(parser: Any) -> None:
+    parser.add_argument("model", metavar="MODEL", help="GGUF path, or a name in NRVNA_MODELS_DIR")
+    parser.add_argument("workspace", metavar="WORKSPACE")
+    parser.add_argument("-w", "--workers", type=int, help="worker threads (NRVNA_WORKERS, default 4)")
+    parser.add_argument("-s", "--seqs", type=int, help="sequences per worker context (NRVNA_SEQS, default 1)")
+    parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0")
+
+
+def _submit_arguments(parser: Any) -> None:
+    parser.add_argument("workspace", metavar="WORKSPACE")
+    parser.add_argument("prompt", metavar="PROMPT", nargs="?")
+    parser.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
+    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    parser.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate")
+    parser.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (0 = greedy)")
+    parser.add_argument("--seed", type=int, metavar="N", help="sampling seed (same seed, same result)")
+    parser.add_argument("--system", metavar="TEXT", help="system message for the chat template")
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+
+
+def _status_arguments(parser: Any) -> None:
+    parser.add_argument("workspace", metavar="WORKSPACE")
+    parser.add_argument("ids", metavar="ID", nargs="*")
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+
+
+def _get_arguments(parser: Any) -> None:
+    parser.add_argument("workspace", metavar="WORKSPACE")
+    parser.add_argument("id", metavar="ID")
+    parser.add_argument("--wait", action="store_true", help="wait until the job is finished")
+    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    parser.add_argument("--json", action="store_true", help="the whole job as one JSON object")
+
+
+# name, summary, description, arguments, handler
+COMMANDS = (
+    ("daemon", "load a model and work the queue",
+     "Load MODEL once and process WORKSPACE's queue until SIGINT/SIGTERM (in-flight jobs go back "
+     "to the queue).", _daemon_arguments, _cmd_daemon),
+    ("submit", "queue a prompt; print its job ID",
+     "Queue a prompt. It comes from PROMPT, or from stdin when PROMPT is '-' or absent and stdin "
+     "is not a terminal.", _submit_arguments, _cmd_submit),
+    ("status", "state of jobs, or counts per state",
+     "With IDs: one state per line (queued running done failed missing). Without: the count in "
+     "each state.", _status_arguments, _cmd_status),
+    ("get", "print a job's result",
+     "Print result.txt exactly; a failed job's error goes to stderr (exit 1).", _get_arguments, _cmd_get),
+)
+
+
+def _build_parser(only: Optional[str] = None) -> Any:
+    """The CLI's parser; with ``only``, just that command's arguments (argparse's set-up is
+    a large part of a client's start-up time)."""
     import argparse
 
     env_help = "\n".join(f"  {s.env:<24} {str(s.default):<10} {s.help}" for s in SETTINGS.values())
@@ -2218,54 +2271,20 @@ def _build_parser() -> Any:
                "3 no such job, 4 not finished yet\n\nenvironment (daemon):\n" + env_help)
     parser.add_argument("--version", action="version", version=f"nrvna {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    daemon = commands.add_parser("daemon", help="load a model and work the queue",
-                                 description="Load MODEL once and process WORKSPACE's queue until "
-                                             "SIGINT/SIGTERM (in-flight jobs go back to the queue).")
-    daemon.add_argument("model", metavar="MODEL", help="GGUF path, or a name in NRVNA_MODELS_DIR")
-    daemon.add_argument("workspace", metavar="WORKSPACE")
-    daemon.add_argument("-w", "--workers", type=int, help="worker threads (NRVNA_WORKERS, default 4)")
-    daemon.add_argument("-s", "--seqs", type=int, help="sequences per worker context (NRVNA_SEQS, default 1)")
-    daemon.add_argument("--drain", action="store_true", help="process everything queued, then exit 0")
-    daemon.set_defaults(handler=_cmd_daemon)
-
-    submit = commands.add_parser("submit", help="queue a prompt; print its job ID",
-                                 description="Queue a prompt. It comes from PROMPT, or from stdin when "
-                                             "PROMPT is '-' or absent and stdin is not a terminal.")
-    submit.add_argument("workspace", metavar="WORKSPACE")
-    submit.add_argument("prompt", metavar="PROMPT", nargs="?")
-    submit.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
-    submit.add_argument("--timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
-    submit.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate")
-    submit.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (0 = greedy)")
-    submit.add_argument("--seed", type=int, metavar="N", help="sampling seed (same seed, same result)")
-    submit.add_argument("--system", metavar="TEXT", help="system message for the chat template")
-    submit.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    submit.set_defaults(handler=_cmd_submit)
-
-    status = commands.add_parser("status", help="state of jobs, or counts per state",
-                                 description="With IDs: one state per line (queued running done "
-                                             "failed missing). Without: the count in each state.")
-    status.add_argument("workspace", metavar="WORKSPACE")
-    status.add_argument("ids", metavar="ID", nargs="*")
-    status.add_argument("--json", action="store_true", help="one JSON object")
-    status.set_defaults(handler=_cmd_status)
-
-    get = commands.add_parser("get", help="print a job's result",
-                              description="Print result.txt exactly; a failed job's error goes to stderr (exit 1).")
-    get.add_argument("workspace", metavar="WORKSPACE")
-    get.add_argument("id", metavar="ID")
-    get.add_argument("--wait", action="store_true", help="wait until the job is finished")
-    get.add_argument("--timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
-    get.add_argument("--json", action="store_true", help="the whole job as one JSON object")
-    get.set_defaults(handler=_cmd_get)
+    for name, summary, description, add_arguments, handler in COMMANDS:
+        command = commands.add_parser(name, help=summary, description=description)
+        if only in (None, name):
+            add_arguments(command)
+        command.set_defaults(handler=handler)
     return parser
 
 
 def main(argv: Optional[list[str]] = None, *, runner: Any = None) -> int:
     """Run the nrvna CLI; return its exit code. ``runner`` replaces llama.cpp in ``daemon``
     (the tests run real daemon processes this way; MODEL is then ignored)."""
-    args = _build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    named = [a for a in argv[:1] if a in {c[0] for c in COMMANDS}]
+    args = _build_parser(named[0] if named else None).parse_args(argv)
     args.runner = runner
     try:
         return args.handler(args)
