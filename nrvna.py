@@ -1989,9 +1989,9 @@ class Server:
             except _HandBack:
                 self.pool.retry_later(job_id, 1.0)
                 continue
-            except OSError as err:
-                log.error(f"cannot claim {job_id}: {_os_error(err)}")
-                self.pool.done(job_id)
+            except OSError as err:  # the claim rename failed: still in ready/, try again later
+                log.error(f"cannot claim {job_id}: {_os_error(err)}; retrying in 2 s")
+                self.pool.retry_later(job_id, 2.0)
                 continue
             if job is None:
                 self.pool.done(job_id)
