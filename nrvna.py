@@ -112,6 +112,7 @@ SETTINGS: dict[str, _Setting] = {
     "seqs": _Setting("NRVNA_SEQS", int, 1, 1, 256, "sequences each worker context generates at once"),
     "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
+    "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 reuses a slot's cached prompt prefix"),
 }
 LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
 
@@ -1127,13 +1128,15 @@ class _Sequence:
     """One job generating in a slot of a context."""
 
     __slots__ = ("job", "slot", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
-                 "decoder", "parts", "last", "ignore_eos", "stops", "tail")
+                 "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached")
 
-    def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, sampler: Any) -> None:
+    def __init__(self, job: RunningJob, slot: int, tokens: list[int], reused: int, max_tokens: int,
+                 sampler: Any) -> None:
         self.job = job
         self.slot = slot
-        self.pending = tokens  # prompt tokens not yet decoded
-        self.pos = 0
+        self.pending = tokens[reused:]  # prompt tokens not yet decoded
+        self.cached = tokens[:reused]  # tokens whose KV cells this slot holds, in order
+        self.pos = reused
         self.n_prompt = len(tokens)
         self.n_gen = 0
         self.max_tokens = max_tokens
@@ -1176,6 +1179,9 @@ class LlamaSession:
         self.batch = L.llama_batch_init(n_batch, 0, 1)
         self.ctx_per_seq = L.llama_n_ctx_seq(self.ctx)
         self.slots: list[Optional[_Sequence]] = [None] * seqs
+        self.held: list[list[int]] = [[] for _ in range(seqs)]  # tokens cached in each free slot
+        self.reuse = bool(runner.config.prefix_cache)
+        self.reused_tokens = 0
         self.threads = threads
 
     def free(self) -> int:
@@ -1187,14 +1193,35 @@ class LlamaSession:
     def start(self, job: RunningJob) -> None:
         tokens = self.runner.tokens(job)
         if len(tokens) >= self.ctx_per_seq:
-            raise JobError("context_overflow",
-                           f"prompt is {len(tokens)} tokens; the context holds {self.ctx_per_seq}")
+            holder = "the context holds" if len(self.slots) == 1 else "a sequence holds"
+            raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {self.ctx_per_seq}")
         if not tokens:
             raise JobError("bad_request", "prompt has no tokens")
-        slot = self.slots.index(None)
-        self.L.llama_memory_seq_rm(self.memory, slot, -1, -1)
+        slot, reused = self._pick_slot(tokens)
         max_tokens = job.params.get("max_tokens", self.runner.config.predict)
-        self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, self.runner.sampler(job.params))
+        self.slots[slot] = _Sequence(job, slot, tokens, reused, max_tokens, self.runner.sampler(job.params))
+        self.reused_tokens += reused
+
+    def _pick_slot(self, tokens: list[int]) -> tuple[int, int]:
+        """The free slot whose cached tokens share the longest prefix with ``tokens``, and
+        that prefix's length. Batch jobs often share a long system prompt: its KV cells stay
+        in the slot from the previous job and are not computed again."""
+        best, best_len = self.slots.index(None), 0
+        if self.reuse:
+            for slot, seq in enumerate(self.slots):
+                if seq is not None:
+                    continue
+                held, n = self.held[slot], 0
+                limit = min(len(held), len(tokens) - 1)  # the last prompt token must be decoded
+                while n < limit and held[n] == tokens[n]:
+                    n += 1
+                if n > best_len:
+                    best, best_len = slot, n
+        if not self.L.llama_memory_seq_rm(self.memory, best, best_len, -1):
+            self.L.llama_memory_seq_rm(self.memory, best, -1, -1)  # e.g. recurrent models: all or nothing
+            best_len = 0
+        self.held[best] = []
+        return best, best_len
 
     def step(self) -> list[tuple[RunningJob, Outcome]]:
         L, batch = self.L, self.batch
@@ -1203,6 +1230,7 @@ class LlamaSession:
         for seq in self.slots:  # one token for every generating sequence first
             if seq is not None and not seq.pending:
                 self._put(n, seq.last, seq.pos, seq.slot, True)
+                seq.cached.append(seq.last)
                 seq.pos += 1
                 wanted.append((seq, n))
                 n += 1
@@ -1211,6 +1239,7 @@ class LlamaSession:
                 continue
             take = min(len(seq.pending), self.n_batch - n)
             chunk, seq.pending = seq.pending[:take], seq.pending[take:]
+            seq.cached.extend(chunk)
             for token in chunk:
                 self._put(n, token, seq.pos, seq.slot, False)
                 seq.pos += 1
@@ -1223,7 +1252,7 @@ class LlamaSession:
         if code != 0:
             # The batch is shared by every sequence in it: they cannot be told apart.
             message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
-            return [self._end(seq, error=("model_error", message)) for seq in self.slots if seq is not None]
+            return [self._end(seq, error=("model_error", message), keep=False) for seq in self.slots if seq is not None]
         finished = []
         for seq, index in wanted:
             token = L.llama_sampler_sample(seq.sampler, self.ctx, index)
@@ -1261,9 +1290,9 @@ class LlamaSession:
         seq.parts = [full[:cut]]
         return True
 
-    def _end(self, seq: _Sequence, reason: str = "stop",
-             error: Optional[tuple[str, str]] = None) -> tuple[RunningJob, Outcome]:
-        self._release(seq)
+    def _end(self, seq: _Sequence, reason: str = "stop", error: Optional[tuple[str, str]] = None,
+             keep: bool = True) -> tuple[RunningJob, Outcome]:
+        self._release(seq, keep)
         text = "".join(seq.parts)
         if not seq.stops or reason != "stop":
             text += seq.decoder.decode(b"", final=True)
@@ -1271,20 +1300,25 @@ class LlamaSession:
             return seq.job, Outcome(text, "error", seq.n_prompt, seq.n_gen, error[0], error[1])
         return seq.job, Outcome(text, reason, seq.n_prompt, seq.n_gen)
 
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: _Sequence, keep: bool) -> None:
+        """Free the slot; with ``keep``, its KV cells stay for the next job's prefix."""
         self.slots[seq.slot] = None
         self.L.llama_sampler_free(seq.sampler)
-        self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+        if keep and self.reuse:
+            self.held[seq.slot] = seq.cached
+        else:
+            self.held[seq.slot] = []
+            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
 
     def drop(self, job: RunningJob) -> None:
         for seq in self.slots:
             if seq is not None and seq.job is job:
-                self._release(seq)
+                self._release(seq, keep=False)
 
     def close(self) -> None:
         for seq in self.slots:
             if seq is not None:
-                self._release(seq)
+                self._release(seq, keep=False)
         if self.ctx:
             self.L.llama_batch_free(self.batch)
             self.L.llama_free(self.ctx)

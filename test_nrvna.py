@@ -1457,3 +1457,147 @@ def test_a_workspace_writable_by_others_is_warned_about(ws: str) -> None:
     finally:
         logging.getLogger("nrvna").removeHandler(handler)
     assert any("writable by group or others" in r and "777" in r for r in records)
+
+
+# =========================================================================== #8: continuous batching
+
+
+class SteppedRunner:
+    """A fake multi-slot engine: a job takes as many steps as the number in its prompt.
+    Records admissions and the most jobs ever in flight per session."""
+
+    name = "stepped"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.admitted: list[str] = []
+        self.peak = 0
+        self.refills: list[tuple[int, int]] = []  # (in flight, admitted so far) after a step that ended jobs
+        self.lock = threading.Lock()
+
+    def session(self, index: int, config: nrvna.Config) -> "SteppedSession":
+        return SteppedSession(self)
+
+    def close(self) -> None:
+        pass
+
+
+class SteppedSession:
+    def __init__(self, runner: SteppedRunner) -> None:
+        self.runner = runner
+        self.jobs: dict[nrvna.RunningJob, int] = {}
+        self.ended_last_step = False
+
+    def free(self) -> int:
+        return self.runner.capacity - len(self.jobs)
+
+    def active(self) -> list[nrvna.RunningJob]:
+        return list(self.jobs)
+
+    def start(self, job: nrvna.RunningJob) -> None:
+        self.jobs[job] = int(job.prompt.split()[-1])
+        with self.runner.lock:
+            self.runner.admitted.append(job.id)
+            self.runner.peak = max(self.runner.peak, len(self.jobs))
+
+    def step(self) -> list[tuple[nrvna.RunningJob, Outcome]]:
+        if self.ended_last_step:
+            self.runner.refills.append((len(self.jobs), len(self.runner.admitted)))
+        time.sleep(0.002)
+        done = []
+        for job in list(self.jobs):
+            self.jobs[job] -= 1
+            if self.jobs[job] <= 0:
+                del self.jobs[job]
+                done.append((job, Outcome(text=f"done {job.prompt}")))
+        self.ended_last_step = bool(done)
+        return done
+
+    def drop(self, job: nrvna.RunningJob) -> None:
+        self.jobs.pop(job, None)
+
+    def close(self) -> None:
+        pass
+
+
+def test_slots_refill_at_once_never_exceed_capacity_and_keep_fifo(ws: str) -> None:
+    ids = [submit(ws, f"job {i} steps {1 + (i * 7) % 5}") for i in range(40)]
+    runner = SteppedRunner(capacity=4)
+    with serving(ws, runner, workers=1):
+        assert set(wait_all(ws, ids)) == {Status.Done}
+    assert runner.peak == 4
+    assert runner.admitted == ids  # submission order
+    # after a step that ended jobs, the next step runs with every slot filled again,
+    # as long as the queue had jobs left
+    while_queued = [in_flight for in_flight, admitted in runner.refills if admitted < len(ids)]
+    assert len(while_queued) >= 10 and set(while_queued) == {4}
+
+
+def test_eight_sequences_in_one_context_each_follow_their_own_params(ws: str, model: str) -> None:
+    jobs = {}
+    for i in range(8):
+        jobs[submit(ws, f"Tell me about the number {i}.", max_tokens=4 + 3 * i, ignore_eos=True, seed=i + 1)] = 4 + 3 * i
+    stopped = submit(ws, "Write a long poem about the sea.", max_tokens=200, temperature=0, stop=["ocean"])
+    too_long = submit(ws, "tell me " * 400)
+    done = cli("daemon", model, ws, "-w", "1", "-s", "8", "--drain", env={"NRVNA_MAX_CTX": "512"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    flow = Flow(ws)
+    for job_id, limit in jobs.items():
+        job = flow.get(job_id)
+        assert job.status is Status.Done and job.meta["generated_tokens"] == limit and job.meta["finish_reason"] == "length"
+    job = flow.get(stopped)
+    assert job.status is Status.Done and "ocean" not in job.result and job.meta["finish_reason"] == "stop"
+    job = flow.get(too_long)
+    assert job.status is Status.Failed and "tokens; a sequence holds 512" in job.error
+    starts = sorted(flow.get(i).meta["started"] for i in jobs)
+    ends = sorted(flow.get(i).meta["finished"] for i in jobs)
+    assert starts[-1] < ends[0]  # all 8 were generating at the same time
+
+
+def test_a_shared_prefix_is_computed_once(llama: nrvna.LlamaRunner) -> None:
+    system = "You are a careful assistant. " * 30
+    config = nrvna.Config(workers=1, seqs=2, max_ctx=1024)
+    outputs = {}
+    for reuse in (True, False):
+        llama.config.prefix_cache = int(reuse)
+        session = llama.session(0, config)
+        try:
+            texts = []
+            for topic in ("cats", "dogs", "owls"):
+                session.start(fake_job(f"One word about {topic}.", system=system, max_tokens=6, temperature=0))
+                while not (finished := session.step()):
+                    pass
+                texts.append(finished[0][1].text)
+            outputs[reuse] = (texts, session.reused_tokens)
+        finally:
+            session.close()
+    llama.config.prefix_cache = 1
+    prefix = len(llama.tokens(fake_job("x", system=system))) - 8
+    assert outputs[True][1] >= 2 * prefix  # jobs 2 and 3 reused the system prompt's cells
+    assert outputs[False][1] == 0
+    assert outputs[True][0] == outputs[False][0]  # and generated exactly what a full prefill does
+
+
+@pytest.mark.slow
+def test_sigterm_with_several_sequences_in_flight_returns_them_all(ws: str, model: str) -> None:
+    ids = [submit(ws, f"Story number {i}.", max_tokens=5000, ignore_eos=True) for i in range(6)]
+    proc = start_daemon(model, ws, "-w", "1", "-s", "6", env={"NRVNA_MAX_CTX": "8192"})
+    try:
+        wait_for_log(proc, "Processing job")
+        deadline = time.monotonic() + 30
+        while Flow(ws).counts()["running"] < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert Flow(ws).counts()["running"] == 6
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [Flow(ws).status(i) for i in ids] == [Status.Queued] * 6
+    assert all(Flow(ws).get(i).meta["attempts"] == 0 for i in ids)
+    for job_id in ids:  # hand-shorten them so the restart is quick
+        with open(os.path.join(ws, nrvna.READY, job_id, "params.json"), "w") as handle:
+            json.dump({"max_tokens": 5, "ignore_eos": True}, handle)
+    assert cli("daemon", model, ws, "-w", "1", "-s", "6", "--drain", timeout=120).returncode == 0
+    assert all(Flow(ws).get(i).meta["generated_tokens"] == 5 for i in ids)
