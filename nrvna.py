@@ -92,13 +92,20 @@ def _default_gpu_layers() -> int:
     return 99 if sys.platform == "darwin" else 0
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 # Every NRVNA_* variable: one table drives parsing, validation, `--help` and the README.
 SETTINGS: dict[str, _Setting] = {
-    "workers": _Setting("NRVNA_WORKERS", int, 4, 1, 256, "worker threads, each with its own context"),
+    "workers": _Setting("NRVNA_WORKERS", int, min(4, _cores()), 1, 256, "worker threads, each with its own context (default 4, or the core count if fewer)"),
     "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace"),
     "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all)"),
     "predict": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job"),
-    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per job (capped at the model's training context)"),
+    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per worker, split among its sequences (capped at the model's training context per sequence)"),
     "temp": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature (0 = greedy)"),
     "top_k": _Setting("NRVNA_TOP_K", int, 40, 0, 1 << 20, "top-k sampling (0 = off)"),
     "top_p": _Setting("NRVNA_TOP_P", float, 0.9, 0.0, 1.0, "top-p sampling (1 = off)"),
@@ -109,7 +116,7 @@ SETTINGS: dict[str, _Setting] = {
     "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
     "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
     "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
-    "seqs": _Setting("NRVNA_SEQS", int, 1, 1, 256, "sequences each worker context generates at once"),
+    "seqs": _Setting("NRVNA_SEQS", int, 8, 1, 256, "sequences each worker context generates at once"),
     "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
     "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 reuses a slot's cached prompt prefix"),
@@ -974,10 +981,7 @@ def resolve_model(name: str, models_dir: str) -> str:
 
 def cpu_count() -> int:
     """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return _cores()
 
 
 class LlamaRunner:
@@ -1008,8 +1012,7 @@ class LlamaRunner:
             raise ModelError(f"model {model_path} could not be loaded by llama.cpp{reason}")
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        train_ctx = L.llama_model_n_ctx_train(self.model)
-        self.ctx_per_seq = min(config.max_ctx, train_ctx) if train_ctx > 0 else config.max_ctx
+        self.train_ctx = L.llama_model_n_ctx_train(self.model)
         self._pieces: dict[int, bytes] = {}
         self._formatter = self._chat_formatter()
         self._lock = threading.Lock()
@@ -1038,7 +1041,7 @@ class LlamaRunner:
     def session(self, index: int, config: Config) -> "LlamaSession":
         """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
         threads = config.threads or max(1, cpu_count() // config.workers)
-        session = LlamaSession(self, threads, config.seqs, config.batch)
+        session = LlamaSession(self, threads, config.seqs, config.batch, config)
         with self._lock:
             self._sessions.append(session)
         return session
@@ -1157,12 +1160,18 @@ class LlamaSession:
     the plain one-job-at-a-time loop.
     """
 
-    def __init__(self, runner: LlamaRunner, threads: int, seqs: int, n_batch: int) -> None:
+    def __init__(self, runner: LlamaRunner, threads: int, seqs: int, n_batch: int,
+                 config: Optional[Config] = None) -> None:
         L = runner.L
         self.runner = runner
         self.L = L
+        # NRVNA_MAX_CTX is each worker's context, shared by its sequences (as llama-server
+        # splits -c across -np): S sequences must not multiply the KV memory by S.
+        per_seq = max(64, (config or runner.config).max_ctx // seqs)
+        if runner.train_ctx > 0:
+            per_seq = min(per_seq, runner.train_ctx)
         params = L.llama_context_default_params()
-        params.n_ctx = runner.ctx_per_seq * seqs
+        params.n_ctx = per_seq * seqs
         params.n_batch = n_batch
         params.n_ubatch = n_batch
         params.n_seq_max = seqs
@@ -1868,6 +1877,7 @@ class Server:
         self.pool = Pool()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._loads: list[int] = []  # sequences in flight per worker (read without a lock: a hint)
         self._lock_fd: Optional[int] = None
         self.scanner: Optional[Scanner] = None
         self.processor: Optional[Processor] = None
@@ -1904,8 +1914,9 @@ class Server:
             self._release_lock()
             raise
         self._threads = [threading.Thread(target=self.scanner.run, name="Scanner", daemon=True)]
+        self._loads = [0] * len(sessions)
         for index, session in enumerate(sessions):
-            self._threads.append(threading.Thread(target=self._work, args=(session,),
+            self._threads.append(threading.Thread(target=self._work, args=(index, session),
                                                   name=f"Worker-{index}", daemon=True))
         for thread in self._threads:
             thread.start()
@@ -1993,11 +2004,11 @@ class Server:
 
     # -- workers -------------------------------------------------------------------------
 
-    def _work(self, session: Any) -> None:
+    def _work(self, index: int, session: Any) -> None:
         name = threading.current_thread().name
         while not self._stop.is_set():
             try:
-                self._admit(session, name)
+                self._admit(index, session, name)
                 if session.active() and not self._stop.is_set():
                     for job, outcome in session.step():
                         self._end(job, outcome)
@@ -2012,10 +2023,17 @@ class Server:
             self.pool.done(job.id)
         log.debug(f"{name} exiting")
 
-    def _admit(self, session: Any, name: str) -> None:
-        """Claim jobs while the session has free slots (blocking only when it is idle)."""
+    def _admit(self, index: int, session: Any, name: str) -> None:
+        """Claim jobs while the session has free slots (blocking only when it is idle).
+
+        A busy worker leaves a job to any worker running fewer sequences: otherwise the
+        first to wake would take a small batch whole while the others' cores sit idle.
+        """
         while session.free() > 0 and not self._stop.is_set():
-            job_id = self.pool.get(0.0 if session.active() else 0.5)
+            load = self._loads[index] = len(session.active())
+            if load and any(other < load for i, other in enumerate(self._loads) if i != index):
+                return
+            job_id = self.pool.get(0.0 if load else 0.5)
             if job_id is None:
                 return
             try:
@@ -2031,6 +2049,7 @@ class Server:
                 self.pool.done(job_id)
                 continue
             log.info(f"Processing job: {job_id}")
+            self._loads[index] += 1
             try:
                 session.start(job)
             except JobError as err:
@@ -2244,8 +2263,8 @@ def _positive_float(text: str) -> float:
 def _daemon_arguments(parser: Any) -> None:
     parser.add_argument("model", metavar="MODEL", help="GGUF path, or a name in NRVNA_MODELS_DIR")
     parser.add_argument("workspace", metavar="WORKSPACE")
-    parser.add_argument("-w", "--workers", type=int, help="worker threads (NRVNA_WORKERS, default 4)")
-    parser.add_argument("-s", "--seqs", type=int, help="sequences per worker context (NRVNA_SEQS, default 1)")
+    parser.add_argument("-w", "--workers", type=int, help="worker threads (NRVNA_WORKERS; default 4, or the cores if fewer)")
+    parser.add_argument("-s", "--seqs", type=int, help="sequences per worker context (NRVNA_SEQS, default 8)")
     parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0")
 
 

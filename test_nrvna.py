@@ -165,7 +165,8 @@ def test_env_values_are_read() -> None:
     config = nrvna.Config.from_env({"NRVNA_WORKERS": "8", "NRVNA_TEMP": "0.2", "NRVNA_LOG_LEVEL": "TRACE",
                                     "NRVNA_SEED": "7", "NRVNA_MODELS_DIR": "/m"})
     assert (config.workers, config.temp, config.log_level, config.seed, config.models_dir) == (8, 0.2, "trace", 7, "/m")
-    assert nrvna.Config.from_env({}).workers == 4
+    assert nrvna.Config.from_env({}).workers == min(4, nrvna.cpu_count())
+    assert nrvna.Config.from_env({}).seqs == 8
 
 
 @pytest.mark.parametrize("params,message", [
@@ -748,7 +749,7 @@ def test_generation_stops_at_max_tokens_or_end_of_generation(llama: nrvna.LlamaR
 
 
 def test_a_prompt_longer_than_the_context_fails_that_job(llama: nrvna.LlamaRunner) -> None:
-    session = llama.session(0, nrvna.Config(workers=1, max_ctx=512))
+    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
     try:
         with pytest.raises(nrvna.JobError, match=r"prompt is \d+ tokens; the context holds 512") as err:
             session.start(fake_job("word " * 600))
@@ -1149,7 +1150,7 @@ def test_claim_and_finish_fsync_every_file_and_directory_that_changed(ws: str, m
 def test_a_prompt_longer_than_the_context_fails_alone_in_the_daemon(ws: str, model: str) -> None:
     long_id = submit(ws, "tell me " * 400)
     short_id = submit(ws, "Say hi.", max_tokens=8)
-    done = cli("daemon", model, ws, "-w", "1", "--drain", env={"NRVNA_MAX_CTX": "256"}, timeout=120)
+    done = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env={"NRVNA_MAX_CTX": "256"}, timeout=120)
     assert done.returncode == 0
     job = Flow(ws).get(long_id)
     assert job.status is Status.Failed and job.meta["code"] == "context_overflow"
@@ -1161,14 +1162,14 @@ def test_a_prompt_longer_than_the_context_fails_alone_in_the_daemon(ws: str, mod
 def test_sigkill_mid_generation_on_the_real_model_then_restart_finishes(ws: str, model: str) -> None:
     ids = [submit(ws, f"Write a story about the number {i}.", max_tokens=400, ignore_eos=True, seed=i + 1)
            for i in range(3)]
-    proc = start_daemon(model, ws, "-w", "2")
+    proc = start_daemon(model, ws, "-w", "2", "-s", "1")
     wait_for_log(proc, "Processing job")
     time.sleep(1.0)
     running = Flow(ws).counts()["running"]
     proc.kill()
     proc.wait()
     assert running == 2
-    restart = cli("daemon", model, ws, "-w", "2", "--drain", timeout=300)
+    restart = cli("daemon", model, ws, "-w", "2", "-s", "1", "--drain", timeout=300)
     assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr
     jobs = [Flow(ws).get(i) for i in ids]
     assert [j.status for j in jobs] == [Status.Done] * 3
@@ -1539,7 +1540,7 @@ def test_eight_sequences_in_one_context_each_follow_their_own_params(ws: str, mo
         jobs[submit(ws, f"Tell me about the number {i}.", max_tokens=4 + 3 * i, ignore_eos=True, seed=i + 1)] = 4 + 3 * i
     stopped = submit(ws, "Write a long poem about the sea.", max_tokens=200, temperature=0, stop=["ocean"])
     too_long = submit(ws, "tell me " * 400)
-    done = cli("daemon", model, ws, "-w", "1", "-s", "8", "--drain", env={"NRVNA_MAX_CTX": "512"}, timeout=300)
+    done = cli("daemon", model, ws, "-w", "1", "-s", "8", "--drain", env={"NRVNA_MAX_CTX": "4096"}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     flow = Flow(ws)
     for job_id, limit in jobs.items():
@@ -1556,7 +1557,7 @@ def test_eight_sequences_in_one_context_each_follow_their_own_params(ws: str, mo
 
 def test_a_shared_prefix_is_computed_once(llama: nrvna.LlamaRunner) -> None:
     system = "You are a careful assistant. " * 30
-    config = nrvna.Config(workers=1, seqs=2, max_ctx=1024)
+    config = nrvna.Config(workers=1, seqs=2, max_ctx=2048)
     outputs = {}
     for reuse in (True, False):
         llama.config.prefix_cache = int(reuse)

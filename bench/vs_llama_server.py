@@ -1,0 +1,193 @@
+"""nrvna against llama.cpp's own llama-server, on the same model, machine, prompts and number
+of generated tokens per job (end-of-generation ignored in every arm), every arm warm.
+
+Arms: sequential `llama_cpp.Llama`; nrvna with NRVNA_SEQS=1; nrvna with its defaults;
+llama-server -np 1 with 1 client, -np 8 with 8 concurrent clients, -np 16 with 16. Then a
+lone job's latency (defaults vs NRVNA_SEQS=1) and a shared-prefix arm (32 jobs with one
+300-token system prompt, prefix reuse on and off). llama-server is built once from the
+llama.cpp sources vendored in the pinned llama-cpp-python sdist (bench/build_llama_server.sh).
+
+    python bench/vs_llama_server.py [--model PATH] [--prompts 32] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import queue
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+
+from common import PYTHON, ROOT, machine, table
+from inference import prompts, sequential_llama
+
+import nrvna
+
+SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "repeat_penalty": 1.1}
+
+
+def peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("VmHWM")) / 1024
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post(port: int, body: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
+def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: int, clients: int) -> dict:
+    port = free_port()
+    cores = nrvna.cpu_count()
+    proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+                             "-c", str(1024 * slots), "-t", str(cores), "-tb", str(cores), "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("llama-server did not start")
+                time.sleep(0.2)
+        body = {"max_tokens": tokens, "ignore_eos": True, **SAMPLING}
+        post(port, {**body, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 8})
+        work: queue.Queue = queue.Queue()
+        for text in texts:
+            work.put(text)
+        latencies, generated, lock = [], [0], threading.Lock()
+
+        def client() -> None:
+            while True:
+                try:
+                    text = work.get_nowait()
+                except queue.Empty:
+                    return
+                start = time.perf_counter()
+                reply = post(port, {**body, "messages": [{"role": "user", "content": text}]})
+                with lock:
+                    latencies.append(time.perf_counter() - start)
+                    generated[0] += reply["usage"]["completion_tokens"]
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=client) for _ in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - start
+        assert generated[0] == tokens * len(texts), generated
+        return {"tok/s": generated[0] / elapsed, "jobs/s": len(texts) / elapsed,
+                "p50 s": statistics.median(latencies), "rss": peak_rss_mb(proc.pid)}
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+class Daemon:
+    """An nrvna daemon on a fresh workspace, warm (model loaded, one job done)."""
+
+    def __init__(self, model: str, base: str, env: dict[str, str]) -> None:
+        self.ws = tempfile.mkdtemp(dir=base)
+        self.proc = subprocess.Popen([PYTHON, os.path.join(ROOT, "nrvna.py"), "daemon", model, self.ws],
+                                     env={**os.environ, "NRVNA_LOG_LEVEL": "warn", **env})
+        self.work, self.flow = nrvna.Work(self.ws), nrvna.Flow(self.ws)
+        assert self.flow.wait(self.work.publish("warm up", max_tokens=8), 300) is nrvna.Status.Done
+
+    def run(self, texts: list[str], tokens: int, **params: object) -> dict:
+        start = time.perf_counter()
+        submitted = {}
+        for text in texts:
+            submitted[self.work.publish(text, max_tokens=tokens, ignore_eos=True, **params)] = time.time()
+        for job_id in submitted:
+            assert self.flow.wait(job_id, 900) is nrvna.Status.Done
+        elapsed = time.perf_counter() - start
+        metas = {job_id: self.flow.get(job_id).meta for job_id in submitted}
+        generated = sum(m["generated_tokens"] for m in metas.values())
+        assert generated == tokens * len(texts), generated
+        latencies = [metas[j]["finished"] - t for j, t in submitted.items()]
+        return {"tok/s": generated / elapsed, "jobs/s": len(texts) / elapsed,
+                "p50 s": statistics.median(latencies), "rss": peak_rss_mb(self.proc.pid)}
+
+    def lone_latency(self, tokens: int, runs: int = 5) -> float:
+        return statistics.median(self.run(["Write a short story about a lighthouse."], tokens)["p50 s"] for _ in range(runs))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=(sorted(glob.glob(os.path.join(ROOT, "models", "*.gguf"))) or [""])[0])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--server", help="llama-server binary (default: build it)")
+    args = parser.parse_args()
+    binary = args.server or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
+                                           capture_output=True, text=True, check=True).stdout.strip()
+    texts = prompts(args.prompts)
+    base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
+    rows, results = [], {}
+    try:
+        baseline = sequential_llama(args.model, texts, args.tokens)
+        results["sequential llama_cpp.Llama"] = {"tok/s": baseline, "jobs/s": baseline / args.tokens,
+                                                 "p50 s": float("nan"), "rss": float("nan")}
+        lone = {}
+        for name, env in (("nrvna, NRVNA_SEQS=1", {"NRVNA_SEQS": "1"}), ("nrvna, defaults", {})):
+            daemon = Daemon(args.model, base, env)
+            try:
+                results[name] = daemon.run(texts, args.tokens)
+                lone[name] = daemon.lone_latency(args.tokens)
+            finally:
+                daemon.close()
+        for slots, clients in ((1, 1), (8, 8), (16, 16)):
+            results[f"llama-server -np {slots}, {clients} clients"] = server_arm(
+                binary, args.model, texts, args.tokens, slots, clients)
+        best_server = max(v["tok/s"] for k, v in results.items() if k.startswith("llama-server"))
+        for name, r in results.items():
+            rows.append([name, r["tok/s"], r["jobs/s"], r["p50 s"], r["rss"], r["tok/s"] / baseline,
+                         r["tok/s"] / best_server])
+        system = " ".join(["You answer questions about history, science and art with care and precision."] * 20)
+        shared = []
+        for reuse in ("1", "0"):
+            daemon = Daemon(args.model, base, {"NRVNA_PREFIX_CACHE": reuse})
+            try:
+                shared.append([f"nrvna defaults, 300-token shared system prompt, prefix reuse {'on' if reuse == '1' else 'off'}",
+                               daemon.run(texts, args.tokens, system=system)["tok/s"]])
+            finally:
+                daemon.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"machine: {machine()}; model {os.path.basename(args.model)}; {args.prompts} prompts x {args.tokens} tokens")
+    print(table(["arm", "tok/s", "jobs/s", "p50 job latency s", "peak RSS MB", "vs sequential", "vs best llama-server"], rows))
+    print()
+    print(table(["shared prefix arm", "tok/s", "vs reuse off"], [[n, v, v / shared[1][1]] for n, v in shared]))
+    ratio = results["nrvna, defaults"]["tok/s"] / best_server
+    lone_ratio = lone["nrvna, defaults"] / lone["nrvna, NRVNA_SEQS=1"]
+    print(f"\nlone job latency: defaults {lone['nrvna, defaults']:.2f} s, NRVNA_SEQS=1 {lone['nrvna, NRVNA_SEQS=1']:.2f} s "
+          f"({lone_ratio:.2f}x; target <= 1.1)")
+    print(f"nrvna defaults vs best llama-server arm: {ratio:.2f}x (target >= 1.1)")
+
+
+if __name__ == "__main__":
+    main()
