@@ -1194,12 +1194,15 @@ class LlamaSession:
         self.threads = threads
 
     def free(self) -> int:
+        """Slots that can take a job now."""
         return sum(1 for s in self.slots if s is None)
 
     def active(self) -> list[RunningJob]:
+        """The jobs generating in this context."""
         return [s.job for s in self.slots if s is not None]
 
     def start(self, job: RunningJob) -> None:
+        """Take ``job`` into a free slot; raise JobError if its prompt cannot run here."""
         tokens = self.runner.tokens(job)
         if len(tokens) >= self.ctx_per_seq:
             holder = "the context holds" if len(self.slots) == 1 else "a sequence holds"
@@ -1233,6 +1236,7 @@ class LlamaSession:
         return best, best_len
 
     def step(self) -> list[tuple[RunningJob, Outcome]]:
+        """One ``llama_decode`` for every job; return the jobs that ended, with outcomes."""
         L, batch = self.L, self.batch
         wanted: list[tuple[_Sequence, int]] = []  # sequences that get a token this step
         n = 0
@@ -1320,11 +1324,13 @@ class LlamaSession:
             self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
 
     def drop(self, job: RunningJob) -> None:
+        """Forget ``job`` (it is being handed back to the queue) and free its slot."""
         for seq in self.slots:
             if seq is not None and seq.job is job:
                 self._release(seq, keep=False)
 
     def close(self) -> None:
+        """Free the context, its batch and every sampler."""
         for seq in self.slots:
             if seq is not None:
                 self._release(seq, keep=False)
