@@ -887,7 +887,10 @@ def test_sigkill_at_random_moments_loses_and_duplicates_nothing(ws: str) -> None
     kills = kills_mid_job = in_flight_at_kill = 0
     while kills < 25:
         proc = child_daemon(ws, "derived", "-w", "4", env={"TEST_RUNNER_DELAY": "0.1"})
-        time.sleep(rng.uniform(0.2, 0.6))
+        deadline = time.monotonic() + 30  # a slow machine starts slowly: kill after work began
+        while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.3))
         in_flight = len(os.listdir(os.path.join(ws, nrvna.PROCESSING)))
         proc.kill()
         proc.wait()
