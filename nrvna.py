@@ -1345,6 +1345,18 @@ class LlamaSession:
 ##############################################################################
 
 
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread its log name in the OS too (``ps -T``, ``top -H``), on Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 class Pool:
     """The queue between the Scanner and the workers: a heap in submission order.
 
@@ -1502,6 +1514,7 @@ class Scanner:
 
     def run(self) -> None:
         """The Scanner thread's loop; returns when ``stop`` is set."""
+        _name_os_thread("Scanner")
         try:
             self.scan()
             if self.watch is not None:
@@ -2012,6 +2025,7 @@ class Server:
 
     def _work(self, index: int, session: Any) -> None:
         name = threading.current_thread().name
+        _name_os_thread(name)
         while not self._stop.is_set():
             try:
                 self._admit(index, session, name)

@@ -303,6 +303,15 @@ def test_jobs_run_in_submission_order(ws: str) -> None:
     assert order == sorted(ids, key=nrvna.order_key) == ids
 
 
+def test_threads_carry_their_names_in_the_os(ws: str) -> None:
+    with serving(ws, echo, workers=2):
+        names = set()
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/comm") as handle:
+                names.add(handle.read().strip())
+    assert {"Scanner", "Worker-0", "Worker-1"} <= names
+
+
 def test_a_job_published_to_an_idle_daemon_is_picked_up(ws: str) -> None:
     with serving(ws, echo) as server:
         time.sleep(0.3)  # idle
