@@ -1283,6 +1283,29 @@ def test_a_daemon_killed_at_every_crash_point_loses_nothing(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+def test_a_real_model_daemon_killed_at_every_crash_point_loses_nothing(tmp_path: Path, model: str) -> None:
+    template = str(tmp_path / "template")
+    job_id = submit(template, "Name a fruit.", max_tokens=8, seed=7, temperature=0.7)
+    ws = fresh_copy(template, str(tmp_path / "list"))
+    _, calls = faultpoint(ws, "list", "daemon", model, ws, "-w", "1", "-s", "1", "--drain")
+    reference = Flow(ws).get(job_id).result  # the uninterrupted run's text
+    assert reference and Flow(ws).get(job_id).meta["generated_tokens"] > 0
+    counted_after = next(i for i, c in enumerate(calls, 1) if c.startswith("rename") and "meta.json" in c)
+    finished_at = max(i for i, c in enumerate(calls, 1) if c.startswith("renameat2"))
+    for k in range(1, len(calls) + 1):
+        ws = fresh_copy(template, str(tmp_path / "ws"))
+        killed, seen = faultpoint(ws, f"kill:{k}", "daemon", model, ws, "-w", "1", "-s", "1", "--drain")
+        assert killed.returncode == -signal.SIGKILL and len(seen) == k, (k, calls[k - 1])
+        clean = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", timeout=120)
+        assert clean.returncode == 0
+        job = Flow(ws).get(job_id)
+        assert job.status is Status.Done and job.result == reference, (k, calls[k - 1])
+        assert job.meta["attempts"] == (2 if counted_after < k <= finished_at else 1), (k, calls[k - 1])
+        assert audit_clean(ws)
+    print(f"\nreal model: {len(calls)} crash points, each killed, restarted, audited; same text each time")
+
+
+@pytest.mark.slow
 def test_a_client_killed_at_every_crash_point_never_queues_half_a_job(tmp_path: Path) -> None:
     ws = str(tmp_path / "ws")
     nrvna.ensure_workspace(ws)

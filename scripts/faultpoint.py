@@ -7,6 +7,7 @@ the whole process with SIGKILL at the call's entry (as `strace -e inject=CALL:si
 does) or makes that call fail with an errno (as `inject=CALL:error=E`).
 
     python scripts/faultpoint.py WORKSPACE LOG MODE -- daemon|submit ARGS...
+    (daemon with MODEL "-" runs the tests' prompt-derived runner; a real path runs llama.cpp)
     MODE: list | kill:K | errno:K:ERRNO   (ERRNO such as EIO, ENOSPC, EXDEV)
 
 LOG receives one line per counted call ("name path"), written as they happen.
@@ -84,7 +85,7 @@ def main() -> int:
             return real_renameat2(olddir, old, newdir, new, flags)
         nrvna._renameat2 = renameat2
     runner = None
-    if command[0] == "daemon":
+    if command[0] == "daemon" and command[1] == "-":  # no model: the tests' derived runner
         import test_nrvna
 
         runner = test_nrvna.RUNNERS["derived"]
