@@ -49,7 +49,7 @@ from collections import namedtuple
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations are strings at run time: importing typing costs 4 ms a start
-    from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+    from typing import Any, Callable, Iterable, Mapping, Optional
 
 # Heavy or daemon-only modules (json, logging, ctypes, argparse, llama_cpp) are imported
 # where used: `nrvna submit` must start about as fast as `python -c pass`.

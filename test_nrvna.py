@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 import nrvna
-from nrvna import Flow, FunctionRunner, Outcome, Server, Status, Work
+from nrvna import Flow, Outcome, Server, Status, Work
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "nrvna.py")

@@ -67,7 +67,7 @@ def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: in
                         break
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("llama-server did not start")
+                    raise RuntimeError("llama-server did not start") from None
                 time.sleep(0.2)
         body = {"max_tokens": tokens, "ignore_eos": True, **SAMPLING}
         post(port, {**body, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 8})
