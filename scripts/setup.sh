@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 LLAMA_VERSION=0.3.36
-export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF"
+# Portable unless NRVNA_CMAKE_ARGS says otherwise (a CUDA build, say); the wheel cache is keyed by it.
+export CMAKE_ARGS="${NRVNA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF}"
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 if [ ! -x .venv/bin/python ]; then
