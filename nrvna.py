@@ -1646,11 +1646,11 @@ class Processor:
         job = RunningJob(job_id, "", {}, stop, dir_fd, meta, worker, path)
         try:
             job.prompt, job.params = self._read_input(dir_fd)
-        except JobError as err:
-            self.finish(job, Outcome(error_code=err.code, error=str(err)))
-            return None
-        except OSError as err:
-            self.finish(job, Outcome(error_code="bad_request", error=f"cannot read job: {_os_error(err)}"))
+        except (JobError, OSError) as err:
+            code = err.code if isinstance(err, JobError) else "bad_request"
+            message = str(err) if isinstance(err, JobError) else f"cannot read job: {_os_error(err)}"
+            self.finish(job, Outcome(error_code=code, error=message))
+            log.warning(f"Job failed: {job_id}: {message}")
             return None
         return job
 

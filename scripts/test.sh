@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest test_nrvna.py -v "$@"
+# -rP: the crash-point and fault matrices print what they covered; show it in the log
+exec .venv/bin/python -m pytest test_nrvna.py -v -rP "$@"
