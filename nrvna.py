@@ -92,7 +92,8 @@ def _default_gpu_layers() -> int:
     return 99 if sys.platform == "darwin" else 0
 
 
-def _cores() -> int:
+def cpu_count() -> int:
+    """CPUs this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -101,7 +102,7 @@ def _cores() -> int:
 
 # Every NRVNA_* variable: one table drives parsing, validation, `--help` and the README.
 SETTINGS: dict[str, _Setting] = {
-    "workers": _Setting("NRVNA_WORKERS", int, min(4, _cores()), 1, 256, "worker threads, each with its own context (default 4, or the core count if fewer)"),
+    "workers": _Setting("NRVNA_WORKERS", int, min(4, cpu_count()), 1, 256, "worker threads, each with its own context (default 4, or the core count if fewer)"),
     "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace"),
     "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all)"),
     "predict": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job"),
@@ -728,14 +729,19 @@ class Flow:
 
     def get(self, job_id: str) -> Optional[Job]:
         """The job with its prompt, result or error and meta; None if there is none."""
+        return self._retrying(job_id, lambda status, path: self._read(job_id, status, path))
+
+    def _retrying(self, job_id: str, read: Callable[[Status, str], Any]) -> Any:
+        """``read(status, path)`` of the job's directory, looked up again if the job moved
+        on between the lookup and the read; None if there is no such job."""
         for _ in range(3):
             status, path = self._locate(job_id)
             if status is Status.Missing:
                 return None
             try:
-                return self._read(job_id, status, path)
+                return read(status, path)
             except FileNotFoundError:
-                continue  # it moved on while we read: look again
+                continue
         return None
 
     def _read(self, job_id: str, status: Status, path: str) -> Job:
@@ -761,19 +767,17 @@ class Flow:
 
     def result_bytes(self, job_id: str) -> Optional[bytes]:
         """result.txt of a done job, byte for byte (what ``nrvna get`` prints)."""
-        for _ in range(3):
-            status, path = self._locate(job_id)
+
+        def read(status: Status, path: str) -> Optional[bytes]:
             if status is not Status.Done:
                 return None
+            fd = open_dir(path)
             try:
-                fd = open_dir(path)
-                try:
-                    return read_file(fd, RESULT_FILE, 1 << 40)
-                finally:
-                    os.close(fd)
-            except FileNotFoundError:
-                continue
-        return None
+                return read_file(fd, RESULT_FILE, 1 << 40)
+            finally:
+                os.close(fd)
+
+        return self._retrying(job_id, read)
 
     def wait(self, job_id: str, timeout: Optional[float] = None) -> Status:
         """Block until the job is Done or Failed (or Missing, or ``timeout`` seconds pass)."""
@@ -977,11 +981,6 @@ def resolve_model(name: str, models_dir: str) -> str:
     if not matches:
         raise ModelError(f"model {name} does not exist; models in {models_dir}: {listing}")
     raise ModelError(f"model name {name} is ambiguous in {models_dir}: {', '.join(matches)}")
-
-
-def cpu_count() -> int:
-    """CPUs this process may run on."""
-    return _cores()
 
 
 class LlamaRunner:
