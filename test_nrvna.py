@@ -1614,6 +1614,29 @@ def test_a_shared_prefix_is_computed_once(llama: nrvna.LlamaRunner) -> None:
     assert outputs[True][0] == outputs[False][0]  # and generated exactly what a full prefill does
 
 
+def test_jobs_started_together_share_one_computation_of_their_prefix(llama: nrvna.LlamaRunner) -> None:
+    system = "You are a careful assistant. " * 30
+    config = nrvna.Config(workers=1, seqs=4, max_ctx=4096)
+    outputs = {}
+    for reuse in (True, False):
+        llama.config.prefix_cache = int(reuse)
+        session = llama.session(0, config)
+        try:
+            for topic in ("cats", "dogs", "owls", "bees"):  # all four in the same step, into empty slots
+                session.start(fake_job(f"One word about {topic}.", system=system, max_tokens=6, temperature=0))
+            texts = {}
+            while session.active():
+                texts.update((job.prompt, outcome.text) for job, outcome in session.step())
+            outputs[reuse] = (texts, session.reused_tokens)
+        finally:
+            session.close()
+    llama.config.prefix_cache = 1
+    prefix = len(llama.tokens(fake_job("x", system=system))) - 8
+    assert outputs[True][1] >= 3 * prefix  # three copied the first one's cells (llama_memory_seq_cp)
+    assert outputs[False][1] == 0
+    assert outputs[True][0] == outputs[False][0] and len(outputs[True][0]) == 4
+
+
 @pytest.mark.slow
 def test_sigterm_with_several_sequences_in_flight_returns_them_all(ws: str, model: str) -> None:
     ids = [submit(ws, f"Story number {i}.", max_tokens=5000, ignore_eos=True) for i in range(6)]
