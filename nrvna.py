@@ -70,6 +70,10 @@ PARAMS_FILE = "params.json"
 RESULT_FILE = "result.txt"
 ERROR_FILE = "error.txt"
 META_FILE = "meta.json"
+PARTIAL_FILE = "partial.txt"  # text generated so far (running), or before a failure
+CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
+DAEMON_FILE = "daemon.json"
+TAGS = "tags"  # tags/<tag>/<first id>.ids: which jobs a submit labelled (the tag index)
 LOCK_FILE = ".nrvna.lock"
 # A non-directory found in ready/ is wrapped in a real job dir under this name in failed/.
 QUARANTINED_ENTRY = "entry"
@@ -79,6 +83,7 @@ QUARANTINED_ENTRY = "entry"
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 GENERATED_ID = re.compile(r"(\d+)_(\d+)_(\d+)")
 
+DAEMON_STATUS_SECONDS = 2.0  # how often daemon.json is rewritten
 STALE_STAGING_SECONDS = 3600  # input/writing/* older than this is a dead client's leftover
 CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long to fill up
 # A new prompt waits a step for a batch-mate computing a prefix it shares when that saves
@@ -208,7 +213,14 @@ PARAMS: dict[str, tuple[type, Any, Any]] = {
     "raw": (bool, None, None),
     "stop": (list, 0, 16),
     "ignore_eos": (bool, None, None),
+    "timeout": (float, 0.001, 1e7),  # seconds of generation before the job fails with code timeout
+    "messages": (dict, 1, 4096),  # chat turns [{"role", "content"}], rendered by the chat template
+    "custom_id": (str, 0, 512),  # the caller's name for the job (batch files, export)
+    "tag": (str, 0, 128),
+    "endpoint": (str, 0, 32),  # the OpenAI Batch url a job came from: export answers in its shape
 }
+ROLES = ("system", "user", "assistant")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
 def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -234,6 +246,8 @@ def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
             if (not isinstance(value, list) or len(value) > high
                     or not all(isinstance(s, str) and s for s in value)):
                 raise InvalidInput(f"parameter {key} must be a list of at most {high} non-empty strings")
+        elif kind is dict:
+            value = _check_messages(value, high)
         else:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
                 raise InvalidInput(f"parameter {key} must be a number")
@@ -243,7 +257,39 @@ def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
             if not (low <= value <= high):
                 raise InvalidInput(f"parameter {key}={value} is out of range ({low} to {high})")
         clean[key] = value
+    if "tag" in clean and not ID_PATTERN.fullmatch(clean["tag"]):
+        raise InvalidInput(f"invalid tag {clean['tag']!r} (letters, digits, '.', '_', '-'; not starting with '.')")
+    if "endpoint" in clean and clean["endpoint"] not in ENDPOINTS:
+        raise InvalidInput(f"endpoint must be one of {', '.join(ENDPOINTS)}")
     return clean
+
+
+def _check_messages(messages: Any, limit: int) -> list[dict[str, str]]:
+    """Chat turns as ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``."""
+    if not isinstance(messages, list) or not 1 <= len(messages) <= limit:
+        raise InvalidInput(f"messages must be a list of 1 to {limit} {{role, content}} objects")
+    clean = []
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, dict) or set(turn) - {"role", "content", "name"}:
+            raise InvalidInput(f"messages[{i}] must be an object with role and content")
+        role, content = turn.get("role"), turn.get("content")
+        if role not in ROLES:
+            raise InvalidInput(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+        if isinstance(content, list):  # OpenAI content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise InvalidInput(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str) or "\x00" in content:
+            raise InvalidInput(f"messages[{i}].content must be a string without NUL bytes")
+        clean.append({"role": role, "content": content})
+    if not any(t["content"].strip() for t in clean):
+        raise InvalidInput("messages are all empty")
+    return clean
+
+
+def render_messages(messages: list[dict[str, str]]) -> str:
+    """Chat turns as text a person can read (what prompt.txt holds for a messages job)."""
+    return "\n\n".join(f"[{turn['role']}]\n{turn['content']}" for turn in messages) + "\n"
 
 
 ##############################################################################
@@ -381,8 +427,9 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def write_file(dir_fd: int, name: str, data: bytes) -> None:
+def write_file(dir_fd: int, name: str, data: bytes, sync: bool = True) -> None:
     """Write ``name`` inside an open directory: temporary name, fsync, rename into place.
+    (``sync=False``: atomic but not durable, for files rewritten often and worth little.)
 
     The caller fsyncs the directory once after its last file, which makes the renames durable.
     Only one thread ever writes into a given job directory, so the temporary name is fixed.
@@ -392,13 +439,22 @@ def write_file(dir_fd: int, name: str, data: bytes) -> None:
                  FILE_MODE, dir_fd=dir_fd)
     try:
         write_all(fd, data)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         _unlink_quietly(temp, dir_fd)
         raise
     os.close(fd)
     os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def _unlink_quietly(name: str, dir_fd: int) -> None:
@@ -843,12 +899,21 @@ class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_
 
 
 class RunningJob:
-    """A job a worker has claimed: what a runner sees of it."""
+    """A job a worker has claimed: what a runner sees of it.
 
-    __slots__ = ("id", "prompt", "params", "stop", "dir_fd", "meta", "worker", "path")
+    A runner reads ``prompt`` and ``params``, passes generated text to ``emit`` (the daemon
+    appends it to partial.txt for ``nrvna get --follow``), and stops between tokens when
+    ``stop`` is set (shutdown: the job goes back to the queue) or ``interrupt`` is not None
+    (``(code, message)``: cancelled or timed out; the job fails with its partial text).
+    """
+
+    __slots__ = ("id", "prompt", "params", "stop", "dir_fd", "meta", "worker", "path", "started",
+                 "interrupt", "emitted", "lock", "closed")
 
     def __init__(self, job_id: str, prompt: str, params: dict[str, Any], stop: threading.Event,
                  dir_fd: int, meta: dict[str, Any], worker: str, path: str) -> None:
+        from collections import deque
+
         self.id = job_id
         self.prompt = prompt
         self.params = params
@@ -857,6 +922,16 @@ class RunningJob:
         self.meta = meta
         self.worker = worker
         self.path = path
+        self.started = time.monotonic()
+        self.interrupt: Optional[tuple[str, str]] = None
+        self.emitted: Any = deque()  # text not yet in partial.txt (deque: safe across threads)
+        self.lock = threading.Lock()  # dir_fd's users: the worker finishing, the partial flusher
+        self.closed = False
+
+    def emit(self, text: str) -> None:
+        """Report newly generated text (safe from any thread)."""
+        if text:
+            self.emitted.append(text)
 
 
 class FunctionRunner:
@@ -904,7 +979,10 @@ class _FunctionSession:
         except JobError as err:
             value = Outcome(error_code=err.code, error=str(err))
         self.jobs.remove(job)
-        return [(job, value if isinstance(value, Outcome) else Outcome(text=str(value)))]
+        outcome = value if isinstance(value, Outcome) else Outcome(text=str(value))
+        if job.interrupt is not None and outcome.error_code is None:
+            outcome = Outcome(outcome.text, "error", error_code=job.interrupt[0], error=job.interrupt[1])
+        return [(job, outcome)]
 
     def drop(self, job: RunningJob) -> None:
         if job in self.jobs:
@@ -1055,10 +1133,9 @@ class LlamaRunner:
         if params.get("raw") or self._formatter is None:
             text, add_special = job.prompt, True
         else:
-            messages = []
-            if params.get("system"):
-                messages.append({"role": "system", "content": params["system"]})
-            messages.append({"role": "user", "content": job.prompt})
+            messages = list(params.get("messages") or [{"role": "user", "content": job.prompt}])
+            if params.get("system") and messages[0]["role"] != "system":
+                messages.insert(0, {"role": "system", "content": params["system"]})
             try:
                 text = self._formatter(messages=messages).prompt
             except Exception as err:
@@ -1141,7 +1218,7 @@ class _Sequence:
     """One job generating in a slot of a context."""
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
-                 "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting")
+                 "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, sampler: Any) -> None:
         self.job = job
@@ -1161,6 +1238,7 @@ class _Sequence:
         self.ignore_eos = bool(job.params.get("ignore_eos"))
         self.stops: list[str] = list(job.params.get("stop") or [])
         self.tail = ""
+        self.unsent = ""  # generated text held back from partial.txt (see LlamaSession._emit)
 
 
 class LlamaSession:
@@ -1279,6 +1357,8 @@ class LlamaSession:
     def step(self) -> list[tuple[RunningJob, Outcome]]:
         """One ``llama_decode`` for every job; return the jobs that ended, with outcomes."""
         L, batch = self.L, self.batch
+        ended = [self._end(seq, error=seq.job.interrupt) for seq in self.slots
+                 if seq is not None and seq.job.interrupt is not None]  # cancelled, timed out
         for seq in self.slots:
             if seq is not None and seq.waiting:
                 self._attach(seq)
@@ -1305,12 +1385,14 @@ class LlamaSession:
                 batch.logits[n - 1] = 1
                 wanted.append((seq, n - 1))
         batch.n_tokens = n
+        if n == 0:
+            return ended
         code = L.llama_decode(self.ctx, batch)
         if code != 0:
             # The batch is shared by every sequence in it: they cannot be told apart.
             message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
-            return [self._end(seq, error=("model_error", message), keep=False) for seq in self.slots if seq is not None]
-        finished = []
+            return ended + [self._end(seq, error=("model_error", message), keep=False) for seq in self.slots if seq is not None]
+        finished = ended
         for seq, index in wanted:
             token = L.llama_sampler_sample(seq.sampler, self.ctx, index)
             if not seq.ignore_eos and L.llama_vocab_is_eog(self.runner.vocab, token):
@@ -1324,6 +1406,7 @@ class LlamaSession:
                 if seq.stops and self._hit_stop(seq, text):
                     finished.append(self._end(seq, "stop"))
                     continue
+                self._emit(seq, text)
             if seq.n_gen >= seq.max_tokens or seq.pos >= self.ctx_per_seq:
                 finished.append(self._end(seq, "length"))
         return finished
@@ -1335,6 +1418,20 @@ class LlamaSession:
         batch.n_seq_id[index] = 1
         batch.seq_id[index][0] = slot
         batch.logits[index] = logits
+
+    @staticmethod
+    def _emit(seq: _Sequence, text: str) -> None:
+        """Pass new text on for partial.txt, holding back what could still become the start
+        of a stop string (so partial.txt is always a prefix of the final result)."""
+        if not seq.stops:
+            seq.job.emit(text)
+            return
+        seq.unsent += text
+        keep = max(len(s) for s in seq.stops) - 1
+        if len(seq.unsent) > keep:
+            cut = len(seq.unsent) - keep
+            seq.job.emit(seq.unsent[:cut])
+            seq.unsent = seq.unsent[cut:]
 
     @staticmethod
     def _hit_stop(seq: _Sequence, text: str) -> bool:
@@ -1689,6 +1786,8 @@ class Processor:
             raise _HandBack(job_id) from None
         job = RunningJob(job_id, "", {}, stop, dir_fd, meta, worker, path)
         try:
+            if _exists(dir_fd, CANCEL_FILE):  # cancelled while we claimed it
+                raise JobError("cancelled", "cancelled before it started (nrvna cancel)")
             job.prompt, job.params = self._read_input(dir_fd)
         except (JobError, OSError) as err:
             code = err.code if isinstance(err, JobError) else "bad_request"
@@ -1746,6 +1845,8 @@ class Processor:
     def finish(self, job: RunningJob, outcome: Outcome) -> bool:
         """Record the outcome and move the job to output/ or failed/. Returns False when an
         I/O error forced it back to ready/ (the caller retries it later)."""
+        with job.lock:  # the partial.txt flusher must not touch dir_fd once it is closed
+            job.closed = True
         meta = job.meta
         meta.update(finished=round(time.time(), 3), prompt_tokens=outcome.prompt_tokens,
                     generated_tokens=outcome.generated_tokens)
@@ -1757,10 +1858,13 @@ class Processor:
             meta["code"] = outcome.error_code
             files = [(ERROR_FILE, (outcome.error or outcome.error_code).rstrip("\n").encode("utf-8") + b"\n")]
             if outcome.text:
-                files.append(("partial.txt", outcome.text.encode("utf-8")))
+                files.append((PARTIAL_FILE, outcome.text.encode("utf-8")))
             dest = FAILED
         try:
             try:
+                if dest == OUTPUT:  # result.txt holds it all; a late cancel did not take effect
+                    _unlink_quietly(PARTIAL_FILE, job.dir_fd)
+                    _unlink_quietly(CANCEL_FILE, job.dir_fd)
                 for name, data in files:
                     write_file(job.dir_fd, name, data)
                 write_file(job.dir_fd, META_FILE, _dump(meta))
@@ -1798,6 +1902,8 @@ class Processor:
 
     def requeue(self, job: RunningJob) -> None:
         """Return an interrupted job to ready/ (shutdown), not counting the attempt."""
+        with job.lock:
+            job.closed = True
         try:
             meta = dict(job.meta)
             meta["attempts"] = max(0, int(meta.get("attempts", 1)) - 1)
@@ -1907,7 +2013,7 @@ class Processor:
 def _clear_outputs(dir_fd: int) -> None:
     """Remove what an interrupted attempt may have left (results, temporary files)."""
     for name in os.listdir(dir_fd):
-        if name in (RESULT_FILE, ERROR_FILE, "partial.txt") or (name.startswith(".") and name.endswith(".tmp")):
+        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE) or (name.startswith(".") and name.endswith(".tmp")):
             _unlink_quietly(name, dir_fd)
 
 
@@ -1945,6 +2051,14 @@ class Server:
         self.scanner: Optional[Scanner] = None
         self.processor: Optional[Processor] = None
         self.started = False
+        self._running: dict[str, RunningJob] = {}  # in flight, for the watcher (under _stats_lock)
+        self._stats_lock = threading.Lock()
+        self._stats = {"jobs_done": 0, "jobs_failed": 0, "tokens_generated": 0}
+        from collections import deque
+
+        self._recent: Any = deque()  # (time, tokens) of jobs ended in the last minute
+        self._started_at = time.time()
+        self._next_status = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -1976,6 +2090,7 @@ class Server:
             self._close_runner()
             self._release_lock()
             raise
+        self._started_at = time.time()
         self._threads = [threading.Thread(target=self.scanner.run, name="Scanner", daemon=True)]
         self._loads = [0] * len(sessions)
         for index, session in enumerate(sessions):
@@ -2030,11 +2145,72 @@ class Server:
             self.scanner.wake()
 
     def serve_forever(self, poll: float = 0.1) -> None:
-        """Block until a stop is requested (or, with ``drain``, until the queue is empty)."""
+        """Block until a stop is requested (or, with ``drain``, until the queue is empty).
+        Meanwhile, every ``poll`` seconds: see cancel requests and timeouts of running jobs,
+        append their new text to partial.txt, and now and then rewrite daemon.json."""
         while not self._stop.wait(poll):
+            try:
+                self.watch()
+            except Exception as err:  # bookkeeping must never take the daemon down
+                log.error(f"watcher error: {err!r}")
             if self.drain and self._drained():
                 log.info("Queue drained")
                 self.request_stop()
+
+    def watch(self) -> None:
+        """One round of the daemon's side work (see ``serve_forever``)."""
+        now = time.monotonic()
+        with self._stats_lock:
+            running = list(self._running.values())
+        for job in running:
+            if job.interrupt is None:
+                timeout = job.params.get("timeout")
+                if timeout is not None and now - job.started > timeout:
+                    job.interrupt = ("timeout", f"generation took longer than its timeout of {timeout:g} s")
+                elif os.path.lexists(os.path.join(job.path, CANCEL_FILE)):
+                    job.interrupt = ("cancelled", "cancelled while running (nrvna cancel)")
+            self._flush_partial(job)
+        if now >= self._next_status:
+            self._next_status = now + DAEMON_STATUS_SECONDS
+            self.write_status()
+
+    @staticmethod
+    def _flush_partial(job: RunningJob) -> None:
+        if not job.emitted:
+            return
+        with job.lock:
+            if job.closed:
+                return
+            chunks = []
+            while job.emitted:
+                chunks.append(job.emitted.popleft())
+            data = "".join(chunks).encode("utf-8")
+            fd = os.open(PARTIAL_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND | O_NOFOLLOW | O_CLOEXEC,
+                         FILE_MODE, dir_fd=job.dir_fd)
+            try:
+                write_all(fd, data)  # no fsync: partial.txt is for watching, result.txt is the record
+            finally:
+                os.close(fd)
+
+    def write_status(self) -> None:
+        """Rewrite daemon.json atomically (what ``nrvna status WS --daemon`` prints)."""
+        import json
+
+        now = time.time()
+        with self._stats_lock:
+            while self._recent and now - self._recent[0][0] > 60:
+                self._recent.popleft()
+            window = min(60.0, max(1.0, now - self._started_at))
+            recent = sum(tokens for _, tokens in self._recent)
+            status = dict(self._stats, pid=os.getpid(), model=self.processor.model_name if self.processor else None,
+                          workers=self.config.workers, seqs=self.config.seqs, started=round(self._started_at, 3),
+                          updated=round(now, 3), running=len(self._running),
+                          tokens_per_second_last_minute=round(recent / window, 1))
+        fd = open_dir(self.workspace)
+        try:
+            write_file(fd, DAEMON_FILE, (json.dumps(status, indent=1, sort_keys=True) + "\n").encode(), sync=False)
+        finally:
+            os.close(fd)
 
     def _drained(self) -> bool:
         if not self.pool.idle() or self.scanner is None or self.scanner.scans == 0:
@@ -2054,6 +2230,11 @@ class Server:
             thread.join()
         self._threads = []
         self._close_runner()
+        if self._lock_fd is not None:
+            try:
+                os.unlink(os.path.join(self.workspace, DAEMON_FILE))
+            except OSError:
+                pass
         self._release_lock()
         self.started = False
         log.info("Server stopped")
@@ -2083,6 +2264,8 @@ class Server:
                     self._end(job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}"))
         for job in session.active():
             session.drop(job)
+            with self._stats_lock:
+                self._running.pop(job.id, None)
             self.processor.requeue(job)
             self.pool.done(job.id)
         log.debug(f"{name} exiting")
@@ -2114,6 +2297,8 @@ class Server:
                 continue
             log.info(f"Processing job: {job_id}")
             self._loads[index] += 1
+            with self._stats_lock:
+                self._running[job_id] = job
             try:
                 session.start(job)
             except JobError as err:
@@ -2122,6 +2307,14 @@ class Server:
                 self._end(job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}"))
 
     def _end(self, job: RunningJob, outcome: Outcome) -> None:
+        with self._stats_lock:
+            self._running.pop(job.id, None)
+            if outcome.error_code is None:
+                self._stats["jobs_done"] += 1
+            else:
+                self._stats["jobs_failed"] += 1
+            self._stats["tokens_generated"] += outcome.generated_tokens
+            self._recent.append((time.time(), outcome.generated_tokens))
         if self.processor.finish(job, outcome):
             self.pool.done(job.id)
             if outcome.error_code is None:
