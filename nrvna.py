@@ -84,6 +84,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 GENERATED_ID = re.compile(r"(\d+)_(\d+)_(\d+)")
 
 DAEMON_STATUS_SECONDS = 2.0  # how often daemon.json is rewritten
+WATCH_SECONDS = 0.1  # how often running jobs are checked for cancel/timeout and partial.txt flushed
 STALE_STAGING_SECONDS = 3600  # input/writing/* older than this is a dead client's leftover
 CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long to fill up
 # A new prompt waits a step for a batch-mate computing a prefix it shares when that saves
@@ -722,6 +723,8 @@ class Work:
         job_id, staging = self._stage(files)
         ready = os.path.join(self.workspace, READY, job_id)
         try:
+            if clean.get("tag"):
+                _write_manifest(self.workspace, clean["tag"], [(job_id, clean.get("custom_id"))])
             move(staging, ready)
         except BaseException:
             _remove_tree(staging)
@@ -733,8 +736,51 @@ class Work:
             raise NotDurable(job_id, err) from None
         return job_id
 
-    def _stage(self, files: list[tuple[str, bytes]]) -> tuple[str, str]:
-        """Create input/writing/<new id>/ exclusively and write the job's files into it."""
+    def publish_batch(self, entries: list[BatchEntry], tag: Optional[str] = None,
+                      on_chunk: Optional[Callable[[list[str]], None]] = None) -> list[str]:
+        """Queue many prompts; return their IDs in order. Raise NrvnaError/OSError.
+
+        Chunks of BATCH_CHUNK jobs are staged in input/writing/ without per-file fsyncs,
+        flushed with one syncfs, recorded in the tag index, renamed into input/ready/ one
+        by one, and the two directories fsynced: the same guarantee as ``publish`` (a job in
+        ready/ is complete and durable; an ID handed to ``on_chunk`` is a durable job) for
+        a few flushes per chunk instead of four per job. A crash leaves whole jobs in ready/
+        and staged ones in writing/ (removed by the daemon later, never run).
+        """
+        import json
+
+        ensure_workspace(self.workspace)
+        ids: list[str] = []
+        for first in range(0, len(entries), BATCH_CHUNK):
+            chunk = entries[first:first + BATCH_CHUNK]
+            staged: list[tuple[str, str]] = []
+            try:
+                for entry in chunk:
+                    params = dict(entry.params, tag=tag) if tag else entry.params
+                    staged.append(self._stage([(PROMPT_FILE, entry.prompt),
+                                               (PARAMS_FILE, json.dumps(params, ensure_ascii=False).encode())],
+                                              sync=False))
+                _syncfs(self.workspace)
+                if tag:
+                    _write_manifest(self.workspace, tag, [(job_id, e.params.get("custom_id"))
+                                                          for (job_id, _), e in zip(staged, chunk)])
+                while staged:
+                    job_id, staging = staged[0]
+                    move(staging, os.path.join(self.workspace, READY, job_id))
+                    staged.pop(0)
+                    ids.append(job_id)
+            finally:
+                for _, staging in staged:  # not published: never leave them to look like jobs
+                    _remove_tree(staging)
+            fsync_dir(os.path.join(self.workspace, READY))
+            fsync_dir(os.path.join(self.workspace, WRITING))
+            if on_chunk is not None:
+                on_chunk(ids[first:])
+        return ids
+
+    def _stage(self, files: list[tuple[str, bytes]], sync: bool = True) -> tuple[str, str]:
+        """Create input/writing/<new id>/ exclusively and write the job's files into it
+        (fsynced unless ``sync`` is False: the caller flushes the filesystem itself)."""
         writing = os.path.join(self.workspace, WRITING)
         for _ in range(1000):
             job_id = generate_id()
@@ -754,8 +800,9 @@ class Work:
             fd = open_dir(staging)
             try:
                 for name, data in files:
-                    write_file(fd, name, data)
-                os.fsync(fd)
+                    write_file(fd, name, data, sync)
+                if sync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
         except BaseException:
@@ -822,7 +869,14 @@ class Flow:
         finally:
             os.close(fd)
         meta = _parse_meta(files[META_FILE])
-        return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], files[ERROR_FILE], meta)
+        error = files[ERROR_FILE]
+        if status is Status.Failed and error is None:  # a cancel or retry was cut off midway
+            history = meta.get("errors")
+            if isinstance(history, list) and history and isinstance(history[-1], dict):
+                error = f"{history[-1].get('error')}\n"
+            elif os.path.lexists(os.path.join(path, CANCEL_FILE)):
+                error, meta = "cancelled (nrvna cancel)\n", dict(meta, code="cancelled")
+        return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta)
 
     def result_bytes(self, job_id: str) -> Optional[bytes]:
         """result.txt of a done job, byte for byte (what ``nrvna get`` prints)."""
@@ -883,6 +937,215 @@ def _remove_tree(path: str) -> None:
 
     shutil.rmtree(path, ignore_errors=True)
 
+
+##############################################################################
+# Batches: files of prompts, tags, bulk states, cancel, retry, clean, export
+##############################################################################
+
+BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
+# Fields of an OpenAI Batch request body nrvna honours (others are an error naming them).
+OPENAI_BODY = {"messages", "prompt", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+               "seed", "stop", "n", "stream", "top_k", "min_p", "repeat_penalty"}
+
+
+class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
+    """One job of a batch file: its line number, prompt bytes (what prompt.txt holds) and
+    validated params (``custom_id`` always set)."""
+
+    __slots__ = ()
+
+
+def parse_batch(data: bytes, jsonl: Optional[bool] = None, notes: Optional[list[str]] = None) -> list[BatchEntry]:
+    """Parse and validate a whole batch file; raise InvalidInput naming the first bad line.
+
+    JSONL (``jsonl`` True, or None and every non-empty line a JSON object): nrvna's lines
+    ``{"prompt"|"messages", "custom_id"?, params...}`` or OpenAI Batch request lines. Otherwise
+    one prompt per non-empty line. A line without a custom_id gets ``line-N``.
+    """
+    import json
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise InvalidInput(f"line {line}: not valid UTF-8") from None
+    lines = [(n, raw) for n, raw in enumerate(text.split("\n"), 1) if raw.strip()]
+    if not lines:
+        raise InvalidInput("the file has no prompts")
+    if jsonl is None:
+        jsonl = all(raw.lstrip().startswith("{") for _, raw in lines) and _all_objects(lines)
+    limit = _max_prompt_bytes()
+    entries, seen = [], {}
+    for n, raw in lines:
+        try:
+            if jsonl:
+                try:
+                    obj = json.loads(raw)
+                except ValueError as err:
+                    raise InvalidInput(f"invalid JSON ({err.msg} at column {err.colno})") from None
+                prompt, params = _batch_line(obj, notes)
+            else:
+                prompt, params = raw.rstrip("\r"), {}
+            params.setdefault("custom_id", f"line-{n}")
+            params = validate_params(params)
+            data_bytes = check_prompt(prompt, limit)
+        except InvalidInput as err:
+            raise InvalidInput(f"line {n}: {err}") from None
+        cid = params["custom_id"]
+        if cid in seen:
+            raise InvalidInput(f"line {n}: duplicate custom_id {cid!r} (first on line {seen[cid]})")
+        seen[cid] = n
+        entries.append(BatchEntry(n, data_bytes, params))
+    return entries
+
+
+def _all_objects(lines: list[tuple[int, str]]) -> bool:
+    import json
+
+    try:
+        return all(isinstance(json.loads(raw), dict) for _, raw in lines)
+    except ValueError:
+        return False
+
+
+def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
+    """(prompt text, params) of one JSONL line, in nrvna's form or OpenAI's."""
+    if not isinstance(obj, dict):
+        raise InvalidInput("expected a JSON object")
+    if {"method", "url", "body"} & set(obj):
+        return _openai_line(obj, notes)
+    params = dict(obj)
+    for key in ("tag", "endpoint"):
+        if key in params:
+            raise InvalidInput(f"unknown field {key!r} (tags are given with --tag)")
+    prompt, messages = params.pop("prompt", None), params.get("messages")
+    if (prompt is None) == (messages is None):
+        raise InvalidInput("give exactly one of prompt or messages")
+    if messages is not None:
+        params["messages"] = _check_messages(messages, PARAMS["messages"][2])
+        return render_messages(params["messages"]), params
+    if not isinstance(prompt, str):
+        raise InvalidInput("prompt must be a string")
+    return prompt, params
+
+
+def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
+    unknown = set(obj) - {"custom_id", "method", "url", "body"}
+    if unknown:
+        raise InvalidInput(f"unknown field {sorted(unknown)[0]!r} in an OpenAI Batch line")
+    if obj.get("method", "POST") != "POST":
+        raise InvalidInput("method must be POST")
+    url, body = obj.get("url"), obj.get("body")
+    if url not in ENDPOINTS:
+        raise InvalidInput(f"url {url!r} is not supported (use {' or '.join(ENDPOINTS)})")
+    if not isinstance(body, dict):
+        raise InvalidInput("body must be a JSON object")
+    if "custom_id" not in obj:
+        raise InvalidInput("an OpenAI Batch line needs a custom_id")
+    for key in body:
+        if key not in OPENAI_BODY:
+            raise InvalidInput(f"body field {key!r} is not supported by nrvna")
+    if body.get("n", 1) != 1:
+        raise InvalidInput("body field 'n' must be 1")
+    if body.get("stream", False) is not False:
+        raise InvalidInput("body field 'stream' must be false")
+    if "model" in body and notes is not None and not notes:
+        notes.append(f"body.model ({body['model']!r}) is ignored: the daemon's model answers")
+    params: dict[str, Any] = {"custom_id": obj["custom_id"], "endpoint": url}
+    for key in ("max_tokens", "temperature", "top_p", "seed", "top_k", "min_p", "repeat_penalty"):
+        if key in body:
+            params[key] = body[key]
+    if "max_completion_tokens" in body:
+        params["max_tokens"] = body["max_completion_tokens"]
+    if "stop" in body:
+        params["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
+    if url == "/v1/completions":
+        if "messages" in body or not isinstance(body.get("prompt"), str):
+            raise InvalidInput("a /v1/completions body needs a string prompt")
+        params["raw"] = True
+        return body["prompt"], params
+    if "prompt" in body or "messages" not in body:
+        raise InvalidInput("a /v1/chat/completions body needs messages")
+    params["messages"] = _check_messages(body["messages"], PARAMS["messages"][2])
+    return render_messages(params["messages"]), params
+
+
+def _syncfs(path: str) -> None:
+    """Flush every file and directory of the filesystem holding ``path`` in one call:
+    a batch is made durable with one flush instead of several fsyncs per job."""
+    import ctypes
+
+    fd = open_dir(path)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if getattr(libc, "syncfs", None) is None:
+            os.sync()  # no syncfs: flush every filesystem (slower, as safe)
+            return
+        if libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str]]]) -> None:
+    """Record durably that ``rows`` (id, custom_id) carry ``tag``, before they are published."""
+    import json
+
+    folder = os.path.join(workspace, TAGS, tag)
+    os.makedirs(folder, DIR_MODE, exist_ok=True)
+    fd = open_dir(folder)
+    try:
+        data = "".join(json.dumps([job_id, cid], ensure_ascii=False) + "\n" for job_id, cid in rows)
+        write_file(fd, f"{rows[0][0]}.ids", data.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(os.path.dirname(folder))
+
+
+def tag_members(workspace: str, tag: str) -> list[tuple[str, Optional[str]]]:
+    """(id, custom_id) of every job ever submitted with ``tag``, in submission order
+    (including removed or never-published ones: check their states)."""
+    import json
+
+    if not ID_PATTERN.fullmatch(tag):
+        raise InvalidInput(f"invalid tag {tag!r}")
+    folder = os.path.join(workspace, TAGS, tag)
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".ids") and not n.startswith(".")]
+    except FileNotFoundError:
+        return []
+    rows = []
+    for name in sorted(names, key=lambda n: order_key(n[:-4])):
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as handle:
+                for line in handle:
+                    job_id, cid = json.loads(line)
+                    rows.append((job_id, cid))
+        except (OSError, ValueError) as err:
+            raise WorkspaceError(f"tag index {folder}/{name} is unreadable: {err}") from None
+    return rows
+
+
+def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
+    """The state of many jobs at once: one listing per state directory, not a lookup per job.
+
+    Directories are listed in lifecycle order, so a job moving forward meanwhile is seen in
+    its newer state; jobs seen nowhere (a requeue raced the listing) are looked up again."""
+    wanted = set(ids)
+    found: dict[str, Status] = {}
+    for sub, status in STATE_DIRS:
+        try:
+            names = os.listdir(os.path.join(workspace, sub))
+        except FileNotFoundError:
+            continue
+        for name in wanted.intersection(names):
+            found[name] = status
+    flow = Flow(workspace)
+    for job_id in wanted - found.keys():
+        found[job_id] = flow.status(job_id)
+    return found
 
 ##############################################################################
 # Engine: what a worker runs. A Runner makes one Session per worker; a Session holds up
@@ -2023,6 +2286,299 @@ def _dump(meta: Mapping[str, Any]) -> bytes:
     return (json.dumps(meta, ensure_ascii=False, indent=1, sort_keys=True) + "\n").encode("utf-8")
 
 
+def _daemon_holds(workspace: str) -> Optional[int]:
+    """The pid of the daemon holding ``workspace``'s lock, or None when no daemon runs.
+    Decided by the lock itself (the kernel drops it when its holder dies), never by a file."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            for _ in range(50):  # a daemon that just took the lock writes its pid next
+                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                if text.isdigit():
+                    return int(text)
+                time.sleep(0.01)
+            return -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _mark_failed(workspace: str, sub: str, job_id: str, code: str, message: str) -> None:
+    """Write error.txt and meta.json (with ``code``) into the job dir ``sub/job_id``."""
+    fd = open_dir(os.path.join(workspace, sub, job_id))
+    try:
+        meta = Processor._read_meta(fd)
+        if "submitted" not in meta:
+            meta["submitted"] = Processor._submitted(job_id, fd)
+        meta.update(id=job_id, code=code, finished=round(time.time(), 3))
+        meta.pop("finish_reason", None)
+        write_file(fd, ERROR_FILE, message.encode("utf-8") + b"\n")
+        write_file(fd, META_FILE, _dump(meta))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str, str]:
+    """Cancel a job; return ``(outcome, message)`` with outcome ``cancelled`` (it is in
+    failed/ with code cancelled), ``finished`` (it was done or failed already: left alone)
+    or ``pending`` (the daemon has not stopped it within ``timeout`` s). Raise NoSuchJob.
+
+    A queued job is taken with a rename (a claim racing it loses or wins cleanly); a
+    running job gets a ``cancel`` file that the daemon sees within 100 ms and stops it
+    between tokens. Either way a ``cancel`` file goes in first, so whoever ends up holding
+    the job knows: a claim that wins the race fails the job as cancelled at once.
+    """
+    flow = Flow(workspace)
+    deadline = time.monotonic() + timeout
+    marker = f"cancelled by nrvna cancel at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode()
+    while True:
+        status, path = flow._locate(job_id)
+        if status is Status.Missing:
+            raise NoSuchJob(f"no job {job_id} in {workspace}")
+        if status.finished:
+            job = flow.get(job_id)
+            code = job.meta.get("code") if job else None
+            if status is Status.Failed and code == "cancelled":
+                return "cancelled", f"job {job_id} was cancelled"
+            return "finished", f"job {job_id} is {status.value} already; left alone"
+        try:
+            fd = open_dir(path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # it moved on: look again
+        try:
+            write_file(fd, CANCEL_FILE, marker)
+            os.fsync(fd)
+        except FileNotFoundError:
+            continue
+        finally:
+            os.close(fd)
+        if status is Status.Queued:
+            try:
+                move(path, os.path.join(workspace, FAILED, job_id))
+            except FileNotFoundError:
+                continue  # a worker claimed it first: it sees the cancel file
+            _mark_failed(workspace, FAILED, job_id, "cancelled", "cancelled before it started (nrvna cancel)")
+            fsync_dir(os.path.join(workspace, FAILED))
+            fsync_dir(os.path.join(workspace, READY))
+            return "cancelled", f"job {job_id} cancelled"
+        # Running: the daemon stops it; wait to see how it ended.
+        while flow.status(job_id) is Status.Running and time.monotonic() < deadline:
+            if _daemon_holds(workspace) is None and _cancel_orphan(workspace, job_id):
+                break
+            time.sleep(0.02)
+        if flow.status(job_id) is Status.Running:
+            return "pending", f"job {job_id}: cancel requested; the daemon has not stopped it yet"
+
+
+def _cancel_orphan(workspace: str, job_id: str) -> bool:
+    """No daemon runs, yet the job is in processing/ (its daemon died): fail it here, under
+    the workspace lock so that no daemon can start and recover it meanwhile."""
+    import fcntl
+
+    fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        if not os.path.isdir(os.path.join(workspace, PROCESSING, job_id)):
+            return False
+        _mark_failed(workspace, PROCESSING, job_id, "cancelled", "cancelled while no daemon was running (nrvna cancel)")
+        move(os.path.join(workspace, PROCESSING, job_id), os.path.join(workspace, FAILED, job_id))
+        fsync_dir(os.path.join(workspace, FAILED))
+        fsync_dir(os.path.join(workspace, PROCESSING))
+        return True
+    finally:
+        os.close(fd)
+
+
+def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None) -> tuple[str, str]:
+    """Send a failed job back to the queue with its attempts reset and its earlier errors
+    kept in meta.json (``errors``). Return ``(outcome, message)``: ``queued``, ``skipped``
+    (its code is not in ``codes``) or ``refused`` (it is not failed). Raise NoSuchJob.
+
+    Order: meta.json (with the error history) is rewritten first, then error.txt and the
+    other leftovers go, then the rename: a crash between leaves a failed job whose error
+    is still readable from meta.json, never a job in two places."""
+    flow = Flow(workspace)
+    status, path = flow._locate(job_id)
+    if status is Status.Missing:
+        raise NoSuchJob(f"no job {job_id} in {workspace}")
+    if status is not Status.Failed:
+        return "refused", f"job {job_id} is {status.value}; only failed jobs are retried"
+    job = flow.get(job_id)
+    if job is None:
+        raise NoSuchJob(f"no job {job_id} in {workspace}")
+    code = job.meta.get("code")
+    if codes is not None and code not in set(codes):
+        return "skipped", f"job {job_id} failed with {code}"
+    try:
+        fd = open_dir(path)
+    except NotADirectoryError:
+        return "refused", f"job {job_id} is not a job directory"
+    try:
+        if _exists(fd, QUARANTINED_ENTRY):
+            return "refused", f"job {job_id} is a quarantined entry, not a job; it cannot run"
+        meta = dict(job.meta)
+        history = list(meta.get("errors") or [])
+        if job.error is not None or code:
+            history.append({"code": code, "error": (job.error or "").rstrip("\n"),
+                            "finished": meta.get("finished"), "attempts": meta.get("attempts")})
+        kept = {k: meta[k] for k in ("id", "submitted") if k in meta}
+        write_file(fd, META_FILE, _dump(dict(kept, attempts=0, errors=history, retries=len(history))))
+        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE):
+            _unlink_quietly(name, fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        move(path, os.path.join(workspace, READY, job_id))
+    except FileNotFoundError:
+        return "refused", f"job {job_id} moved meanwhile (another retry or clean)"
+    fsync_dir(os.path.join(workspace, READY))
+    fsync_dir(os.path.join(workspace, FAILED))
+    return "queued", f"job {job_id} queued again"
+
+
+def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: bool = True,
+               dry_run: bool = False, now: Optional[float] = None) -> list[str]:
+    """Remove finished jobs that finished more than ``older_than`` seconds ago; return their
+    IDs. Queued and running jobs are never touched. Each job is first renamed to a hidden
+    name (atomic: readers see it whole or not at all), then deleted."""
+    now = time.time() if now is None else now
+    removed = []
+    for sub, wanted in ((OUTPUT, done), (FAILED, failed)):
+        if not wanted:
+            continue
+        folder = os.path.join(workspace, sub)
+        with os.scandir(folder) as entries:
+            names = sorted((e.name for e in entries), key=order_key)
+        for name in names:
+            path = os.path.join(folder, name)
+            if name.startswith(".trash-") and not dry_run:
+                _remove_tree(path)  # an earlier clean died halfway
+                continue
+            if name.startswith("."):
+                continue
+            if now - _finished_at(path) < older_than:
+                continue
+            removed.append(name)
+            if dry_run:
+                continue
+            trash = os.path.join(folder, f".trash-{name}")
+            try:
+                os.rename(path, trash)
+            except FileNotFoundError:
+                removed.pop()  # a retry took it meanwhile
+                continue
+            if os.path.isdir(trash) and not os.path.islink(trash):
+                _remove_tree(trash)
+            else:
+                os.unlink(trash)
+        if removed and not dry_run:
+            fsync_dir(folder)
+    return removed
+
+
+def _finished_at(path: str) -> float:
+    try:
+        fd = open_dir(path)
+    except OSError:
+        return os.lstat(path).st_mtime
+    try:
+        finished = Processor._read_meta(fd).get("finished")
+        return float(finished) if isinstance(finished, (int, float)) else os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+
+
+def read_params(workspace: str, status: Status, job_id: str) -> dict[str, Any]:
+    """A job's params.json ({} when it has none or it cannot be read)."""
+    import json
+
+    try:
+        fd = open_dir(os.path.join(workspace, STATUS_DIR[status], job_id))
+    except (OSError, KeyError):
+        return {}
+    try:
+        params = json.loads(read_file(fd, PARAMS_FILE, 1 << 24).decode("utf-8"))
+        return params if isinstance(params, dict) else {}
+    except (OSError, ValueError, JobError):
+        return {}
+    finally:
+        os.close(fd)
+
+
+def export_record(job: Job, params: Mapping[str, Any], custom_id: Optional[str], form: str) -> dict[str, Any]:
+    """One finished job as an export line: nrvna's ``jsonl`` record, or exactly an OpenAI
+    Batch output line (``openai``)."""
+    meta = job.meta
+    if form == "jsonl":
+        return {"id": job.id, "custom_id": custom_id, "status": job.status.value, "prompt": job.prompt,
+                "result": job.result, "error": job.error.rstrip("\n") if job.error else None, "meta": meta}
+    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": custom_id}
+    if job.status is not Status.Done:
+        line["response"] = None
+        line["error"] = {"code": meta.get("code") or "failed", "message": (job.error or "").rstrip("\n")}
+        return line
+    prompt_tokens, completion_tokens = int(meta.get("prompt_tokens") or 0), int(meta.get("generated_tokens") or 0)
+    finish_reason = meta.get("finish_reason") if meta.get("finish_reason") in ("stop", "length") else "stop"
+    created = int(meta.get("finished") or time.time())
+    if params.get("endpoint") == "/v1/completions":
+        body = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": created, "model": meta.get("model"),
+                "choices": [{"text": job.result, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
+    else:
+        body = {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": created, "model": meta.get("model"),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": job.result, "refusal": None},
+                             "logprobs": None, "finish_reason": finish_reason}]}
+    body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                     "total_tokens": prompt_tokens + completion_tokens}
+    body["system_fingerprint"] = None
+    line["response"] = {"status_code": 200, "request_id": job.id, "body": body}
+    line["error"] = None
+    return line
+
+
+class AtomicOutput:
+    """A file written whole or not at all: a temporary name in the same directory, fsync,
+    rename, fsync the directory (``-o FILE``). Used as a context manager."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        folder, name = os.path.split(self.path)
+        self.temp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+        self.handle = open(self.temp, "w", encoding="utf-8")
+
+    def write(self, text: str) -> None:
+        """Append ``text``."""
+        self.handle.write(text)
+
+    def commit(self) -> None:
+        """Make the file durable under its final name."""
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        os.rename(self.temp, self.path)
+        fsync_dir(os.path.dirname(self.path))
+
+    def abort(self) -> None:
+        """Drop the temporary file; the final name is untouched."""
+        self.handle.close()
+        try:
+            os.unlink(self.temp)
+        except FileNotFoundError:
+            pass
+
+
 class Server:
     """The daemon: locks the workspace, loads the model once, recovers orphans, then runs
     one Scanner thread and N worker threads (``Worker-0``...) until ``shutdown()``.
@@ -2091,7 +2647,8 @@ class Server:
             self._release_lock()
             raise
         self._started_at = time.time()
-        self._threads = [threading.Thread(target=self.scanner.run, name="Scanner", daemon=True)]
+        self._threads = [threading.Thread(target=self.scanner.run, name="Scanner", daemon=True),
+                         threading.Thread(target=self._watch_loop, name="Watcher", daemon=True)]
         self._loads = [0] * len(sessions)
         for index, session in enumerate(sessions):
             self._threads.append(threading.Thread(target=self._work, args=(index, session),
@@ -2145,20 +2702,24 @@ class Server:
             self.scanner.wake()
 
     def serve_forever(self, poll: float = 0.1) -> None:
-        """Block until a stop is requested (or, with ``drain``, until the queue is empty).
-        Meanwhile, every ``poll`` seconds: see cancel requests and timeouts of running jobs,
-        append their new text to partial.txt, and now and then rewrite daemon.json."""
+        """Block until a stop is requested (or, with ``drain``, until the queue is empty)."""
         while not self._stop.wait(poll):
-            try:
-                self.watch()
-            except Exception as err:  # bookkeeping must never take the daemon down
-                log.error(f"watcher error: {err!r}")
             if self.drain and self._drained():
                 log.info("Queue drained")
                 self.request_stop()
 
+    def _watch_loop(self) -> None:
+        _name_os_thread("Watcher")
+        while not self._stop.wait(WATCH_SECONDS):
+            try:
+                self.watch()
+            except Exception as err:  # bookkeeping must never take the daemon down
+                log.error(f"watcher error: {err!r}")
+
     def watch(self) -> None:
-        """One round of the daemon's side work (see ``serve_forever``)."""
+        """The Watcher thread's round, every 100 ms: see cancel requests and timeouts of
+        running jobs, append their new text to partial.txt, now and then rewrite daemon.json.
+        (Off the workers' threads: decoding never waits for this I/O.)"""
         now = time.monotonic()
         with self._stats_lock:
             running = list(self._running.values())
@@ -2428,10 +2989,16 @@ def _read_prompt(args: Any) -> Any:
 
 
 def _cmd_submit(args: Any) -> int:
-    prompt = _read_prompt(args)
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
-              "system": args.system, "raw": True if args.raw else None}
+              "system": args.system, "raw": True if args.raw else None, "timeout": args.timeout}
     params = {k: v for k, v in params.items() if v is not None}
+    if args.file is not None:
+        if args.prompt is not None or args.wait:
+            raise InvalidInput("--file takes no PROMPT and no --wait (use: nrvna wait WS --tag NAME)")
+        return _submit_file(args, params)
+    prompt = _read_prompt(args)
+    if args.tag:
+        params["tag"] = args.tag
     try:
         job_id = Work(args.workspace).publish(prompt, **params)
     except NotDurable as err:
@@ -2440,12 +3007,14 @@ def _cmd_submit(args: Any) -> int:
     if not args.wait:
         print(job_id, flush=True)
         return EXIT_OK
-    return _emit(Flow(args.workspace), job_id, True, args.timeout, False)
+    return _emit(Flow(args.workspace), job_id, True, args.wait_timeout, False)
 
 
 def _cmd_get(args: Any) -> int:
     _check_ids([args.id])
     _check_workspace_exists(args.workspace)
+    if args.follow:
+        return _follow(Flow(args.workspace), args.id)
     return _emit(Flow(args.workspace), args.id, args.wait, args.timeout, args.json)
 
 
@@ -2485,6 +3054,17 @@ def _cmd_status(args: Any) -> int:
     import json
 
     flow = Flow(args.workspace)
+    if args.daemon:
+        return _daemon_status(args)
+    if args.tag:
+        ids = _selection(args, default_all=False)
+        states = bulk_states(args.workspace, ids)
+        counts = {status.value: 0 for _, status in STATE_DIRS}
+        for status in states.values():
+            counts[status.value] += 1
+        counts["total"] = len(ids)
+        print(json.dumps(counts) if args.json else "\n".join(f"{state} {count}" for state, count in counts.items()))
+        return EXIT_OK
     if not args.ids:
         _check_workspace_exists(args.workspace)
         counts = flow.counts()
@@ -2503,6 +3083,320 @@ def _cmd_status(args: Any) -> int:
         if worst in statuses:
             return STATUS_EXIT[worst]
     return EXIT_OK
+
+
+def _submit_file(args: Any, defaults: dict[str, Any]) -> int:
+    """``submit --file``: validate the whole file, queue the lines not yet queued under the
+    tag, print every line's ID in file order."""
+    if args.file == "-":
+        if sys.stdin is None:
+            raise InvalidInput("--file -: stdin is closed")
+        data, jsonl = sys.stdin.buffer.read(), None
+    else:
+        try:
+            with open(args.file, "rb") as handle:
+                data = handle.read()
+        except OSError as err:
+            raise InvalidInput(f"cannot read {args.file}: {_os_error(err)}") from None
+        jsonl = args.file.endswith(".jsonl")
+    notes: list[str] = []
+    entries = parse_batch(data, jsonl, notes)
+    for note in notes:
+        _say(note)
+    defaults = validate_params(defaults)
+    entries = [BatchEntry(e.line, e.prompt, {**defaults, **e.params}) for e in entries]
+    existing: dict[str, str] = {}
+    if args.tag:
+        members = tag_members(args.workspace, args.tag)
+        states = bulk_states(args.workspace, [job_id for job_id, _ in members])
+        existing = {cid: job_id for job_id, cid in members if cid is not None and states[job_id] is not Status.Missing}
+    ids: list[Optional[str]] = [existing.get(e.params["custom_id"]) for e in entries]
+    new = [i for i, job_id in enumerate(ids) if job_id is None]
+    if existing:
+        _say(f"{len(entries) - len(new)} of {len(entries)} lines are already queued with tag {args.tag}; "
+             f"queuing the other {len(new)}")
+    printed = 0
+    placed = 0
+
+    def on_chunk(chunk: list[str]) -> None:
+        nonlocal printed, placed
+        for job_id in chunk:
+            ids[new[placed]] = job_id
+            placed += 1
+        while printed < len(ids) and ids[printed] is not None:
+            sys.stdout.write(f"{ids[printed]}\n")
+            printed += 1
+        sys.stdout.flush()
+
+    on_chunk([])
+    Work(args.workspace).publish_batch([entries[i] for i in new], args.tag, on_chunk)
+    return EXIT_OK
+
+
+def _selection(args: Any, default_all: bool) -> list[str]:
+    """The jobs a command names: IDs and/or ``--tag``; with neither, every job in the
+    workspace (``default_all``) or a usage error. Unknown IDs raise NoSuchJob."""
+    _check_workspace_exists(args.workspace)
+    _check_ids(args.ids)
+    ids = list(args.ids)
+    if getattr(args, "tag", None):
+        ids += [job_id for job_id, _ in tag_members(args.workspace, args.tag)]
+    elif not ids:
+        if not default_all:
+            raise InvalidInput("name jobs: IDs or --tag")
+        ids = _all_jobs(args.workspace)
+    states = bulk_states(args.workspace, ids)
+    missing = [job_id for job_id in args.ids if states[job_id] is Status.Missing]
+    if missing:
+        raise NoSuchJob(f"no job {missing[0]} in {args.workspace}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    seen: set[str] = set()
+    return [j for j in ids if states[j] is not Status.Missing and not (j in seen or seen.add(j))]
+
+
+def _all_jobs(workspace: str) -> list[str]:
+    names: list[str] = []
+    for sub, _ in STATE_DIRS:
+        try:
+            names += [n for n in os.listdir(os.path.join(workspace, sub)) if not n.startswith(".")]
+        except FileNotFoundError:
+            pass
+    return sorted(set(names), key=order_key)
+
+
+def _cmd_wait(args: Any) -> int:
+    ids = _selection(args, default_all=True)
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
+    flow, start, tokens, seen, already = Flow(args.workspace), time.monotonic(), 0, None, 0
+    delay = 0.1
+    while True:
+        began = time.monotonic()
+        states = bulk_states(args.workspace, ids)
+        finished = {j for j, s in states.items() if s.finished}
+        if seen is None:
+            seen = set(finished)  # already finished before the wait: not counted in the rates
+            already = len(seen)
+        elif progress:
+            for job_id in finished - seen:
+                job = flow.get(job_id)
+                tokens += int(job.meta.get("generated_tokens") or 0) if job else 0
+            seen |= finished
+        done = sum(1 for s in states.values() if s is Status.Done)
+        failed = sum(1 for s in states.values() if s is Status.Failed)
+        if progress:
+            _draw_progress(done + failed - already, done, failed, len(ids), time.monotonic() - start, tokens)
+        if done + failed == len(ids):
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            if progress:
+                sys.stderr.write("\n")
+            _say(f"{len(ids) - done - failed} of {len(ids)} jobs not finished after {args.timeout:g} s")
+            return EXIT_UNFINISHED
+        delay = max(0.1, min(1.0, 3 * (time.monotonic() - began)))  # listing 100k jobs takes a while
+        time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
+    if progress:
+        sys.stderr.write("\n")
+    if failed:
+        _say(f"{failed} of {len(ids)} jobs failed")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _draw_progress(new: int, done: int, failed: int, total: int, elapsed: float, tokens: int) -> None:
+    """One refreshed line on stderr: done / failed / total, jobs/s, tokens/s, ETA (rates
+    count only what finished while we waited)."""
+    elapsed = max(elapsed, 1e-6)
+    rate, left = new / elapsed, total - done - failed
+    eta = f"{int(left / rate) // 60}m{int(left / rate) % 60:02d}s" if rate > 0 else "?"
+    try:
+        sys.stderr.write(f"\r{done} done / {failed} failed / {total} total  {rate:.1f} jobs/s  "
+                         f"{tokens / elapsed:.0f} tok/s  ETA {eta}   ")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _cmd_export(args: Any) -> int:
+    import json
+
+    ids = _selection(args, default_all=True)
+    flow = Flow(args.workspace)
+    out = AtomicOutput(args.output) if args.output else None
+    errors = AtomicOutput(args.errors) if args.errors else None
+    unfinished = exported = 0
+    try:
+        for job_id in ids:
+            job = flow.get(job_id)
+            if job is None or not job.status.finished:
+                unfinished += 1
+                continue
+            params = read_params(args.workspace, job.status, job_id)
+            custom_id = params.get("custom_id")
+            if args.format == "text":
+                line = (job.result if job.status is Status.Done else f"[failed: {(job.error or '').strip()}]")
+                line = line.rstrip("\n") + "\n\n"
+            else:
+                line = json.dumps(export_record(job, params, custom_id, args.format), ensure_ascii=False) + "\n"
+            target = errors if errors is not None and job.status is Status.Failed else out
+            if target is None:
+                sys.stdout.write(line)
+            else:
+                target.write(line)
+            exported += 1
+        sys.stdout.flush()
+        for target in (out, errors):
+            if target is not None:
+                target.commit()
+    except BaseException:
+        for target in (out, errors):
+            if target is not None and not target.handle.closed:
+                target.abort()
+        raise
+    if unfinished:
+        _say(f"{unfinished} of {len(ids)} jobs are not finished and were left out (wait first: nrvna wait)")
+        return EXIT_UNFINISHED
+    return EXIT_OK
+
+
+def _cmd_cancel(args: Any) -> int:
+    ids = _selection(args, default_all=False)
+    worst = EXIT_OK
+    for job_id in ids:
+        outcome, message = cancel_job(args.workspace, job_id, args.timeout)
+        if outcome == "cancelled":
+            print(job_id)
+        else:
+            _say(message)
+            worst = max(worst, EXIT_UNFINISHED if outcome == "pending" else EXIT_FAILED)
+    sys.stdout.flush()
+    return worst
+
+
+def _cmd_retry(args: Any) -> int:
+    codes = [c.strip() for c in args.code.split(",") if c.strip()] if args.code else None
+    if args.failed:
+        _check_workspace_exists(args.workspace)
+        folder = os.path.join(args.workspace, FAILED)
+        ids = sorted((n for n in os.listdir(folder) if not n.startswith(".")), key=order_key)
+    else:
+        ids = _selection(args, default_all=False)
+    worst, queued = EXIT_OK, 0
+    for job_id in ids:
+        outcome, message = retry_job(args.workspace, job_id, codes)
+        if outcome == "queued":
+            print(job_id)
+            queued += 1
+        elif outcome == "refused" and (args.ids and job_id in args.ids):
+            _say(message)
+            worst = EXIT_FAILED
+    sys.stdout.flush()
+    if not queued:
+        _say("no failed job matched; nothing queued")
+    return worst
+
+
+def _cmd_clean(args: Any) -> int:
+    both = not args.done and not args.failed
+    removed = clean_jobs(args.workspace, args.older_than, done=args.done or both, failed=args.failed or both,
+                         dry_run=args.dry_run)
+    for job_id in removed:
+        sys.stdout.write(f"{job_id}\n")
+    sys.stdout.flush()
+    _say(f"{'would remove' if args.dry_run else 'removed'} {len(removed)} jobs")
+    return EXIT_OK
+
+
+def _cmd_stop(args: Any) -> int:
+    import signal
+
+    _check_workspace_exists(args.workspace)
+    pid = _daemon_holds(args.workspace)
+    if pid is None:
+        raise NoSuchJob(f"no daemon is running on {args.workspace}")
+    if pid > 0:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            raise NrvnaError(f"not allowed to signal the daemon (pid {pid})") from None
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    while _daemon_holds(args.workspace) is not None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise NotFinished(f"the daemon (pid {pid}) has not stopped after {args.timeout:g} s")
+        time.sleep(0.05)
+    _say(f"daemon (pid {pid}) stopped")
+    return EXIT_OK
+
+
+def _follow(flow: Flow, job_id: str) -> int:
+    """``get --follow``: print the text as the daemon generates it, then exit with the
+    job's final code (what was printed is always a prefix of the final result)."""
+    printed = 0
+    out = sys.stdout.buffer
+    delay = 0.02
+    while True:
+        status, path = flow._locate(job_id)
+        if status is Status.Missing:
+            raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
+        name = {Status.Done: RESULT_FILE, Status.Failed: PARTIAL_FILE, Status.Running: PARTIAL_FILE}.get(status)
+        data = b""
+        if name is not None:
+            try:
+                fd = open_dir(path)
+                try:
+                    data = read_file(fd, name, 1 << 40)
+                finally:
+                    os.close(fd)
+            except (FileNotFoundError, NotADirectoryError, JobError):
+                if status is Status.Done:
+                    continue  # moved between the lookup and the read
+        if len(data) < printed and status is Status.Running:
+            _say(f"job {job_id} restarted; its text so far follows again")
+            printed = 0
+        if len(data) > printed:
+            out.write(data[printed:])
+            out.flush()
+            printed = len(data)
+        if status is Status.Done:
+            return EXIT_OK
+        if status is Status.Failed:
+            job = flow.get(job_id)
+            _say(f"job {job_id} failed: {(job.error if job and job.error else 'unknown error').rstrip()}")
+            return EXIT_FAILED
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.1)
+
+
+def _daemon_status(args: Any) -> int:
+    """``status --daemon``: daemon.json when a daemon holds the workspace, else exit 3."""
+    _check_workspace_exists(args.workspace)
+    pid = _daemon_holds(args.workspace)
+    if pid is None:
+        raise NoSuchJob(f"no daemon is running on {args.workspace}")
+    try:
+        with open(os.path.join(args.workspace, DAEMON_FILE), encoding="utf-8") as handle:
+            text = handle.read()
+    except FileNotFoundError:  # it is still loading its model
+        text = f'{{"pid": {pid}, "starting": true}}\n'
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    return EXIT_OK
+
+
+def _duration(text: str) -> float:
+    """Seconds in ``90``, ``90s``, ``90m``, ``12h`` or ``7d``."""
+    import argparse
+
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (like 90m, 12h, 7d)") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -2528,8 +3422,12 @@ def _daemon_arguments(parser: Any) -> None:
 def _submit_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
     parser.add_argument("prompt", metavar="PROMPT", nargs="?")
+    parser.add_argument("--file", metavar="FILE", help="queue every line of FILE ('-' = stdin): *.jsonl holds JSON "
+                        "lines (nrvna's or OpenAI Batch requests), any other file one prompt per line")
+    parser.add_argument("--tag", metavar="NAME", help="label the jobs (status/wait/export/cancel/retry --tag)")
     parser.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
-    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    parser.add_argument("--wait-timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="fail the job (code timeout) if it generates for more than S seconds")
     parser.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate")
     parser.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (0 = greedy)")
     parser.add_argument("--seed", type=int, metavar="N", help="sampling seed (same seed, same result)")
@@ -2540,7 +3438,55 @@ def _submit_arguments(parser: Any) -> None:
 def _status_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
     parser.add_argument("ids", metavar="ID", nargs="*")
+    parser.add_argument("--tag", metavar="NAME", help="counts per state for the jobs with this tag")
+    parser.add_argument("--daemon", action="store_true", help="the running daemon's daemon.json (exit 3: none)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
+
+
+def _selection_arguments(parser: Any) -> None:
+    parser.add_argument("workspace", metavar="WORKSPACE")
+    parser.add_argument("ids", metavar="ID", nargs="*")
+    parser.add_argument("--tag", metavar="NAME", help="every job submitted with this tag")
+
+
+def _wait_arguments(parser: Any) -> None:
+    _selection_arguments(parser)
+    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="give up after S seconds (exit 4)")
+    parser.add_argument("--quiet", action="store_true", help="no progress line on a terminal")
+
+
+def _export_arguments(parser: Any) -> None:
+    _selection_arguments(parser)
+    parser.add_argument("--format", choices=("jsonl", "openai", "text"), default="jsonl",
+                        help="jsonl (default), openai (OpenAI Batch output lines) or text")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write FILE atomically instead of stdout")
+    parser.add_argument("--errors", metavar="FILE", help="failed jobs' lines go to FILE instead")
+
+
+def _cancel_arguments(parser: Any) -> None:
+    _selection_arguments(parser)
+    parser.add_argument("--timeout", type=_positive_float, default=10.0, metavar="S",
+                        help="how long to wait for the daemon to stop a running job (default 10)")
+
+
+def _retry_arguments(parser: Any) -> None:
+    _selection_arguments(parser)
+    parser.add_argument("--failed", action="store_true", help="every failed job")
+    parser.add_argument("--code", metavar="CODE,...", help="only jobs that failed with these codes")
+
+
+def _clean_arguments(parser: Any) -> None:
+    parser.add_argument("workspace", metavar="WORKSPACE")
+    parser.add_argument("--older-than", type=_duration, required=True, metavar="DURATION",
+                        help="finished more than this long ago: 90m, 12h, 7d")
+    parser.add_argument("--done", action="store_true", help="only done jobs")
+    parser.add_argument("--failed", action="store_true", help="only failed jobs")
+    parser.add_argument("--dry-run", action="store_true", help="print what would go; remove nothing")
+
+
+def _stop_arguments(parser: Any) -> None:
+    parser.add_argument("workspace", metavar="WORKSPACE")
+    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="give up waiting after S seconds (exit 4)")
 
 
 def _get_arguments(parser: Any) -> None:
@@ -2549,6 +3495,8 @@ def _get_arguments(parser: Any) -> None:
     parser.add_argument("--wait", action="store_true", help="wait until the job is finished")
     parser.add_argument("--timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--json", action="store_true", help="the whole job as one JSON object")
+    parser.add_argument("--follow", action="store_true", help="print the text as it is generated, then exit "
+                        "with the job's code")
 
 
 # name, summary, description, arguments, handler
@@ -2564,6 +3512,24 @@ COMMANDS = (
      "each state.", _status_arguments, _cmd_status),
     ("get", "print a job's result",
      "Print result.txt exactly; a failed job's error goes to stderr (exit 1).", _get_arguments, _cmd_get),
+    ("wait", "wait until jobs are finished",
+     "Return when every named job (IDs, --tag; default: every job) is done (exit 0) or failed (1); "
+     "3 an unknown ID, 4 timeout. Draws a progress line on a terminal's stderr.", _wait_arguments, _cmd_wait),
+    ("export", "write finished jobs' results",
+     "One line per finished job in submission order; unfinished jobs are left out (exit 4).",
+     _export_arguments, _cmd_export),
+    ("cancel", "cancel queued or running jobs",
+     "A queued job goes to failed/ (code cancelled); a running one stops between tokens and "
+     "does the same. Finished jobs are left alone (exit 1).", _cancel_arguments, _cmd_cancel),
+    ("retry", "queue failed jobs again",
+     "Failed jobs go back to the queue with attempts reset; earlier errors stay in meta.json.",
+     _retry_arguments, _cmd_retry),
+    ("clean", "remove old finished jobs",
+     "Remove done and/or failed jobs finished more than DURATION ago; never queued or running ones.",
+     _clean_arguments, _cmd_clean),
+    ("stop", "stop the daemon gracefully",
+     "Ask the daemon holding WORKSPACE to stop (SIGTERM: in-flight jobs go back to the queue) "
+     "and wait until it has; exit 3 if none runs.", _stop_arguments, _cmd_stop),
 )
 
 
