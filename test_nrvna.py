@@ -1660,3 +1660,512 @@ def test_sigterm_with_several_sequences_in_flight_returns_them_all(ws: str, mode
             json.dump({"max_tokens": 5, "ignore_eos": True}, handle)
     assert cli("daemon", model, ws, "-w", "1", "-s", "6", "--drain", timeout=120).returncode == 0
     assert all(Flow(ws).get(i).meta["generated_tokens"] == 5 for i in ids)
+
+
+# =========================================================================== #9: batches
+
+
+def write(path: Path | str, text: str) -> str:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    return str(path)
+
+
+def jsonl(rows: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def ids_of(done: subprocess.CompletedProcess) -> list[str]:
+    return done.stdout.decode().split()
+
+
+def words(job: nrvna.RunningJob) -> str:
+    """A runner that generates like a model: word by word, passing text on, stopping
+    between words when cancelled, timed out or shut down."""
+    text = ""
+    for i in range(int(job.params.get("max_tokens", 20))):
+        if job.stop.is_set():
+            raise nrvna.Interrupted()
+        if job.interrupt is not None:
+            return text
+        word = f"w{i} "
+        text += word
+        job.emit(word)
+        time.sleep(float(os.environ.get("TEST_WORD_DELAY", "0.02")))
+    return text
+
+
+RUNNERS["words"] = words
+
+
+def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path: Path) -> None:
+    text = write(tmp_path / "prompts.txt", "first prompt\n\n  \nsecond prompt\r\nthird\n")
+    done = cli("submit", ws, "--file", text, "--max-tokens", "7")
+    assert done.returncode == 0, done.stderr
+    flow = Flow(ws)
+    jobs = [flow.get(i) for i in ids_of(done)]
+    assert [j.prompt for j in jobs] == ["first prompt", "second prompt", "third"]
+    params = [nrvna.read_params(ws, Status.Queued, j.id) for j in jobs]
+    assert [p["custom_id"] for p in params] == ["line-1", "line-4", "line-5"] and all(p["max_tokens"] == 7 for p in params)
+    own = write(tmp_path / "own.jsonl", jsonl([
+        {"prompt": "plain", "custom_id": "p1", "temperature": 0, "stop": ["x"], "timeout": 5},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again?"}]}]))
+    done = cli("submit", ws, "--file", own)
+    assert done.returncode == 0, done.stderr
+    first, second = (flow.get(i) for i in ids_of(done))
+    assert first.prompt == "plain" and nrvna.read_params(ws, Status.Queued, first.id)["stop"] == ["x"]
+    assert second.prompt == "[system]\nBe brief.\n\n[user]\nHi\n\n[assistant]\nHello.\n\n[user]\nAgain?\n"
+    assert len(nrvna.read_params(ws, Status.Queued, second.id)["messages"]) == 4
+    openai = jsonl([{"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
+                     "body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hey"}], "max_tokens": 9}},
+                    {"custom_id": "c2", "method": "POST", "url": "/v1/completions",
+                     "body": {"model": "gpt-4o", "prompt": "Once", "max_completion_tokens": 4, "stop": "\n"}}])
+    done = cli("submit", ws, "--file", "-", input=openai.encode())
+    assert done.returncode == 0 and done.stderr.decode().count("body.model") == 1
+    chat, completion = (nrvna.read_params(ws, Status.Queued, i) for i in ids_of(done))
+    assert chat["endpoint"] == "/v1/chat/completions" and chat["max_tokens"] == 9 and chat["custom_id"] == "c1"
+    assert completion == {"custom_id": "c2", "endpoint": "/v1/completions", "max_tokens": 4, "stop": ["\n"], "raw": True}
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": "ok"}\n{"prompt": "broken"\n', "line 2: invalid JSON"),
+    ('{"prompt": "ok"}\n{"prompt": "x", "colour": 1}\n', "line 2: unknown parameter 'colour'"),
+    ('{"prompt": "ok"}\n\n{"prompt": "   "}\n', "line 3: prompt is empty"),
+    ('{"prompt": "a", "custom_id": "same"}\n{"prompt": "b", "custom_id": "same"}\n',
+     "line 2: duplicate custom_id 'same' (first on line 1)"),
+    ('{"prompt": "' + "x" * 2000 + '"}\n', "line 1: prompt is 2000 bytes; the limit is 1000"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
+     '[{"role": "user", "content": "x"}], "logit_bias": {}}}\n', "line 1: body field 'logit_bias' is not supported"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}\n', "line 1: url '/v1/embeddings'"),
+    ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n', "line 1: give exactly one of prompt or messages"),
+    ('{"messages": [{"role": "robot", "content": "b"}]}\n', "line 1: messages[0].role must be one of"),
+    ("", "the file has no prompts"),
+])
+def test_a_bad_batch_line_is_named_and_nothing_is_queued(ws: str, tmp_path: Path, content: str, message: str) -> None:
+    path = write(tmp_path / "bad.jsonl", content)
+    done = cli("submit", ws, "--file", path, env={"NRVNA_MAX_PROMPT_BYTES": "1000"})
+    assert done.returncode == 2 and message in done.stderr.decode(), done.stderr
+    assert done.stdout == b"" and b"Traceback" not in done.stderr
+    assert not os.path.exists(ws) or Flow(ws).counts()["queued"] == 0
+
+
+def test_an_interrupted_submit_file_is_finished_by_running_it_again(ws: str, tmp_path: Path) -> None:
+    path = write(tmp_path / "big.txt", "".join(f"prompt {i}\n" for i in range(50)))
+    entries = nrvna.parse_batch(open(path, "rb").read(), False)
+    calls = []
+    real_move = nrvna.move
+
+    def dying_move(src: str, dst: str) -> None:  # the client dies after publishing 17 jobs
+        if len(calls) == 17:
+            raise KeyboardInterrupt
+        calls.append(dst)
+        real_move(src, dst)
+
+    nrvna.move = dying_move
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Work(ws).publish_batch(entries, "run1")
+    finally:
+        nrvna.move = real_move
+    assert Flow(ws).counts()["queued"] == 17 and os.listdir(os.path.join(ws, nrvna.WRITING)) == []
+    again = cli("submit", ws, "--file", path, "--tag", "run1")
+    assert again.returncode == 0 and b"17 of 50 lines are already queued" in again.stderr
+    ids = ids_of(again)
+    assert len(ids) == len(set(ids)) == 50 and Flow(ws).counts()["queued"] == 50
+    assert [Flow(ws).get(i).prompt for i in ids] == [f"prompt {i}" for i in range(50)]
+    assert [os.path.basename(p) for p in calls] == ids[:17]  # the first 17 kept their IDs
+    once_more = cli("submit", ws, "--file", path, "--tag", "run1")
+    assert ids_of(once_more) == ids and Flow(ws).counts()["queued"] == 50
+
+
+def test_batch_submit_makes_everything_durable_before_printing(ws: str, tmp_path: Path, monkeypatch: Any) -> None:
+    synced: list[str] = []
+    moved: list[str] = []
+    monkeypatch.setattr(nrvna, "_syncfs", lambda path: synced.append(f"after {len(moved)} moves"))
+    real_move = nrvna.move
+    monkeypatch.setattr(nrvna, "move", lambda src, dst: (moved.append(dst), real_move(src, dst)))
+    monkeypatch.setattr(nrvna, "BATCH_CHUNK", 10)
+    entries = nrvna.parse_batch(b"".join(b"p%d\n" % i for i in range(25)), False)
+    chunks: list[list[str]] = []
+    Work(ws).publish_batch(entries, "t", chunks.append)
+    assert synced == ["after 0 moves", "after 10 moves", "after 20 moves"]  # flushed before each chunk's renames
+    assert [len(c) for c in chunks] == [10, 10, 5]
+    members = nrvna.tag_members(ws, "t")
+    assert [m[0] for m in members] == [i for c in chunks for i in c] and members[3][1] == "line-4"
+
+
+def test_status_tag_counts_and_a_single_submit_can_carry_a_tag(ws: str) -> None:
+    tagged = [submit(ws, f"t{i}", tag="mine") for i in range(3)]
+    submit(ws, "other")
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "t1" else "ok"):
+        wait_all(ws, tagged)
+    done = cli("status", ws, "--tag", "mine", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout) == {"queued": 0, "running": 0, "done": 2, "failed": 1, "total": 3}
+    assert cli("status", ws, "--tag", "mine").stdout.decode().splitlines()[2:] == ["done 2", "failed 1", "total 3"]
+    assert json.loads(cli("status", ws, "--tag", "nobody", "--json").stdout)["total"] == 0
+    assert cli("status", ws, "--tag", "../x").returncode == 2
+
+
+def test_wait_exit_codes_and_no_progress_on_a_pipe(ws: str) -> None:
+    good = [submit(ws, f"g{i}", tag="good") for i in range(4)]
+    bad = submit(ws, "bad one", tag="mixed")
+    submit(ws, "fine", tag="mixed")
+    slow = cli("wait", ws, *good, "--timeout", "0.3")
+    assert slow.returncode == 4 and b"4 of 4 jobs not finished after 0.3 s" in slow.stderr
+    assert cli("wait", ws, "123_4_5").returncode == 3
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt else "ok"):
+        ok = cli("wait", ws, "--tag", "good", "--timeout", "30")
+        mixed = cli("wait", ws, "--tag", "mixed", "--timeout", "30")
+        everything = cli("wait", ws, "--timeout", "30")
+    assert ok.returncode == 0 and ok.stdout == b"" and b"\r" not in ok.stderr
+    assert mixed.returncode == 1 and b"1 of 2 jobs failed" in mixed.stderr
+    assert everything.returncode == 1 and Flow(ws).status(bad) is Status.Failed
+
+
+def test_wait_draws_progress_on_a_terminal(ws: str) -> None:
+    import pty
+
+    ids = [submit(ws, f"p{i}") for i in range(3)]
+    leader, follower = pty.openpty()
+    with serving(ws, lambda job: time.sleep(0.3) or "ok", workers=1):
+        proc = subprocess.Popen([sys.executable, SCRIPT, "wait", ws, *ids], stdout=subprocess.PIPE, stderr=follower)
+        assert proc.wait(30) == 0
+    os.close(follower)
+    seen = b""
+    with contextlib.suppress(OSError):
+        while chunk := os.read(leader, 65536):
+            seen += chunk
+    os.close(leader)
+    assert b"3 done / 0 failed / 3 total" in seen and b"jobs/s" in seen and b"ETA" in seen and b"\r" in seen
+    assert proc.stdout.read() == b""
+    quiet = cli("wait", ws, *ids, "--quiet")
+    assert quiet.returncode == 0 and quiet.stderr == b""
+
+
+def finished_batch(ws: str, tmp_path: Path) -> list[str]:
+    """Four jobs from an OpenAI batch file: two done (chat, completion), one failed, one queued."""
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": url, "body": body} for i, (url, body) in enumerate([
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}),
+        ("/v1/completions", {"prompt": "once", "max_tokens": 5}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "fail me"}]}),
+    ])]
+    ids = ids_of(cli("submit", ws, "--file", write(tmp_path / "batch.jsonl", jsonl(lines)), "--tag", "b"))
+
+    def runner(job: nrvna.RunningJob) -> Outcome:
+        if "fail" in job.prompt:
+            raise nrvna.JobError("context_overflow", "prompt is 9 tokens; a sequence holds 4")
+        reason = "length" if job.params.get("max_tokens") == 3 else "stop"
+        return Outcome(f"answer to {job.prompt.strip()}", reason, 11, 3)
+
+    with serving(ws, runner):
+        wait_all(ws, ids)
+    return ids + [submit(ws, "still queued", tag="b")]
+
+
+def test_export_openai_is_the_batch_output_format_field_by_field(ws: str, tmp_path: Path) -> None:
+    ids = finished_batch(ws, tmp_path)
+    done = cli("export", ws, "--tag", "b", "--format", "openai")
+    assert done.returncode == 4 and b"1 of 4 jobs are not finished and were left out" in done.stderr
+    chat, completion, failed = (json.loads(line) for line in done.stdout.decode().splitlines())
+    assert set(chat) == {"id", "custom_id", "response", "error"} and chat["error"] is None
+    assert chat["id"] == f"batch_req_{ids[0]}" and chat["custom_id"] == "c0"
+    response = chat["response"]
+    assert set(response) == {"status_code", "request_id", "body"} and response["status_code"] == 200
+    body = response["body"]
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage", "system_fingerprint"}
+    assert body["object"] == "chat.completion" and body["model"] == "function" and isinstance(body["created"], int)
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "answer to [user]\nhello",
+                                                        "refusal": None}, "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+    text = completion["response"]["body"]
+    assert text["object"] == "text_completion" and completion["custom_id"] == "c1"
+    assert text["choices"] == [{"text": "answer to once", "index": 0, "logprobs": None, "finish_reason": "stop"}]
+    assert failed == {"id": f"batch_req_{ids[2]}", "custom_id": "c2", "response": None,
+                      "error": {"code": "context_overflow", "message": "prompt is 9 tokens; a sequence holds 4"}}
+
+
+def test_export_jsonl_text_and_atomic_files(ws: str, tmp_path: Path) -> None:
+    ids = finished_batch(ws, tmp_path)
+    records = [json.loads(line) for line in cli("export", ws, *ids[:3]).stdout.decode().splitlines()]
+    assert [r["id"] for r in records] == ids[:3] and [r["custom_id"] for r in records] == ["c0", "c1", "c2"]
+    assert set(records[0]) == {"id", "custom_id", "status", "prompt", "result", "error", "meta"}
+    assert records[0]["meta"]["finish_reason"] == "length" and records[2]["meta"]["code"] == "context_overflow"
+    assert records[2]["status"] == "failed" and records[2]["result"] is None and "9 tokens" in records[2]["error"]
+    text = cli("export", ws, *ids[:2], "--format", "text")
+    assert text.returncode == 0 and text.stdout == b"answer to [user]\nhello\n\nanswer to once\n\n"
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    done = cli("export", ws, *ids[:3], "--format", "openai", "-o", str(out), "--errors", str(errors))
+    assert done.returncode == 0 and done.stdout == b""
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["c0", "c1"]
+    assert [json.loads(x)["custom_id"] for x in errors.read_text().splitlines()] == ["c2"]
+    assert sorted(os.listdir(tmp_path)) == ["batch.jsonl", "errors.jsonl", "out.jsonl", "ws"]  # no temporary left
+    assert cli("export", ws, "123_4_5").returncode == 3
+    out.write_text("old")
+    failed = cli("export", ws, *ids[:2], "-o", str(tmp_path / "missing-dir" / "out.jsonl"))
+    assert failed.returncode == 1 and b"Traceback" not in failed.stderr and out.read_text() == "old"
+
+
+def test_cancel_a_queued_job_and_a_finished_one(ws: str) -> None:
+    queued, other = submit(ws, "cancel me", tag="c"), submit(ws, "keep me")
+    done = cli("cancel", ws, queued)
+    assert done.returncode == 0 and done.stdout.decode().split() == [queued]
+    job = Flow(ws).get(queued)
+    assert job.status is Status.Failed and job.meta["code"] == "cancelled" and "cancelled" in job.error
+    again = cli("cancel", ws, queued)
+    assert again.returncode == 0  # already cancelled: that is what was asked
+    with serving(ws, echo):
+        wait_all(ws, [other])
+    finished = cli("cancel", ws, other)
+    assert finished.returncode == 1 and b"is done already; left alone" in finished.stderr
+    assert Flow(ws).get(other).result == "echo:keep me"
+    assert cli("cancel", ws, "123_4_5").returncode == 3 and cli("cancel", ws).returncode == 2
+
+
+def test_cancel_a_running_job_stops_it_between_tokens_and_keeps_its_text(ws: str) -> None:
+    job_id = submit(ws, "long", max_tokens=100000)
+    with serving(ws, words, workers=1):
+        deadline = time.monotonic() + 10
+        while b"w5" not in (open_partial(ws, job_id)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        began = time.monotonic()
+        done = cli("cancel", ws, job_id)
+        took = time.monotonic() - began
+    assert done.returncode == 0, done.stderr
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Failed and job.meta["code"] == "cancelled" and took < 5
+    with open(os.path.join(ws, nrvna.FAILED, job_id, "partial.txt")) as handle:
+        partial = handle.read()
+    assert partial.startswith("w0 w1 w2 w3 w4 w5 ") and job.meta["attempts"] == 1
+
+
+def open_partial(ws: str, job_id: str) -> bytes:
+    try:
+        with open(os.path.join(ws, nrvna.PROCESSING, job_id, "partial.txt"), "rb") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return b""
+
+
+def test_cancel_racing_claims_never_loses_a_job_or_lies(ws: str) -> None:
+    ids = [submit(ws, f"job {i}", max_tokens=5) for i in range(60)]
+    reports = {}
+    with serving(ws, words, workers=2):
+        for job_id in ids[::2]:
+            outcome, _ = nrvna.cancel_job(ws, job_id, timeout=20)
+            reports[job_id] = outcome
+        wait_all(ws, ids)
+    flow = Flow(ws)
+    for job_id in ids:
+        places = [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))]
+        job = flow.get(job_id)
+        assert places in ([nrvna.OUTPUT], [nrvna.FAILED]), places
+        if job_id in reports:
+            assert reports[job_id] in ("cancelled", "finished")
+            # cancel said cancelled exactly when the job ended cancelled; a finished one was left alone
+            assert (reports[job_id] == "cancelled") == (job.meta.get("code") == "cancelled"), (job_id, job.meta)
+        else:
+            assert job.status is Status.Done and job.result == "w0 w1 w2 w3 w4 "
+    assert sum(1 for r in reports.values() if r == "cancelled") >= 10
+
+
+def test_cancel_an_orphan_while_no_daemon_runs(ws: str) -> None:
+    job_id = orphan(ws, "orphaned", 1)
+    done = cli("cancel", ws, job_id)
+    assert done.returncode == 0, done.stderr
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Failed and job.meta["code"] == "cancelled"
+
+
+def test_a_cancel_file_seen_at_claim_fails_the_job_unrun(ws: str) -> None:
+    job_id = submit(ws, "marked")
+    with open(os.path.join(ws, nrvna.READY, job_id, nrvna.CANCEL_FILE), "w") as handle:
+        handle.write("cancelled\n")
+    ran = []
+    with serving(ws, lambda job: ran.append(job.id) or "ran"):
+        wait_all(ws, [job_id])
+    job = Flow(ws).get(job_id)
+    assert ran == [] and job.meta["code"] == "cancelled" and "before it started" in job.error
+
+
+def test_timeout_fails_a_job_with_its_partial_text(ws: str) -> None:
+    slow = submit(ws, "slow", max_tokens=100000, timeout=0.3)
+    quick = submit(ws, "quick", max_tokens=3, timeout=30)
+    with serving(ws, words, workers=2):
+        wait_all(ws, [slow, quick])
+    job = Flow(ws).get(slow)
+    assert job.status is Status.Failed and job.meta["code"] == "timeout" and "timeout of 0.3 s" in job.error
+    assert job.meta["finished"] - job.meta["started"] < 3
+    with open(os.path.join(ws, nrvna.FAILED, slow, "partial.txt")) as handle:
+        assert handle.read().startswith("w0 w1 ")
+    assert Flow(ws).get(quick).result == "w0 w1 w2 "
+    bad = cli("submit", ws, "x", "--timeout", "abc")
+    assert bad.returncode == 2
+
+
+def test_retry_failed_jobs_keeps_their_history_and_custom_id(ws: str, tmp_path: Path) -> None:
+    path = write(tmp_path / "b.jsonl", jsonl([{"prompt": f"p{i}", "custom_id": f"id{i}"} for i in range(4)]))
+    ids = ids_of(cli("submit", ws, "--file", path, "--tag", "r"))
+    failing = {"p1": "bad_request", "p2": "model_error"}
+
+    def runner(job: nrvna.RunningJob) -> str:
+        if job.prompt in failing:
+            raise nrvna.JobError(failing[job.prompt], f"{job.prompt} broke")
+        return "ok"
+
+    with serving(ws, runner):
+        wait_all(ws, ids)
+    assert cli("retry", ws, ids[0]).returncode == 1  # done: refused
+    only = cli("retry", ws, "--failed", "--code", "model_error")
+    assert only.returncode == 0 and ids_of(only) == [ids[2]]
+    job = Flow(ws).get(ids[2])
+    assert job.status is Status.Queued and job.meta["attempts"] == 0 and job.error is None
+    assert job.meta["errors"] == [{"code": "model_error", "error": "p2 broke", "finished": job.meta["errors"][0]["finished"], "attempts": 1}]
+    failing.clear()
+    with serving(ws, runner):  # a retry against a running daemon is picked up at once
+        wait_all(ws, [ids[2]])
+        assert ids_of(cli("retry", ws, "--tag", "r")) == [ids[1]]
+        wait_all(ws, [ids[1]])
+    records = [json.loads(x) for x in cli("export", ws, "--tag", "r").stdout.decode().splitlines()]
+    assert [(r["custom_id"], r["status"]) for r in records] == [(f"id{i}", "done") for i in range(4)]
+    assert records[1]["meta"]["errors"][0]["code"] == "bad_request"
+    assert cli("retry", ws, "--failed").returncode == 0  # nothing left to retry: said on stderr
+
+
+def test_clean_removes_only_old_finished_jobs(ws: str) -> None:
+    old_done, old_failed = submit(ws, "old"), submit(ws, "old bad")
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt else "ok"):
+        wait_all(ws, [old_done, old_failed])
+    for sub, job_id in ((nrvna.OUTPUT, old_done), (nrvna.FAILED, old_failed)):  # back-date them 2 days
+        meta_path = os.path.join(ws, sub, job_id, "meta.json")
+        meta = json.load(open(meta_path))
+        meta["finished"] -= 2 * 86400
+        write(meta_path, json.dumps(meta))
+    queued = submit(ws, "queued")
+    running = orphan(ws, "running", 1)
+    dry = cli("clean", ws, "--older-than", "1d", "--dry-run")
+    assert sorted(ids_of(dry)) == sorted([old_done, old_failed]) and Flow(ws).status(old_done) is Status.Done
+    assert ids_of(cli("clean", ws, "--older-than", "1d", "--failed")) == [old_failed]
+    assert ids_of(cli("clean", ws, "--older-than", "3d")) == []
+    assert ids_of(cli("clean", ws, "--older-than", "36h")) == [old_done]
+    assert [Flow(ws).status(i) for i in (old_done, old_failed, queued, running)] == \
+        [Status.Missing, Status.Missing, Status.Queued, Status.Running]
+    assert cli("clean", ws, "--older-than", "soon").returncode == 2
+
+
+def test_clean_against_a_running_daemon_never_touches_live_jobs(ws: str) -> None:
+    ids = [submit(ws, f"j{i}", max_tokens=3) for i in range(40)]
+    removed = []
+    with serving(ws, words, workers=2):
+        while not all(s.finished for s in (Flow(ws).status(i) for i in ids if i not in removed)):
+            removed += nrvna.clean_jobs(ws, 0)
+        removed += nrvna.clean_jobs(ws, 0)
+    assert sorted(removed) == sorted(ids) and len(set(removed)) == 40
+    assert all(os.listdir(os.path.join(ws, sub)) == [] for sub in nrvna.LAYOUT)
+
+
+def test_follow_prints_the_text_as_it_grows_then_exits_with_the_jobs_code(ws: str) -> None:
+    job_id = submit(ws, "follow me", max_tokens=30)
+    stopped = submit(ws, "and me", max_tokens=100000, timeout=0.5)
+    with serving(ws, words, workers=2):
+        proc = subprocess.Popen([sys.executable, SCRIPT, "get", ws, job_id, "--follow"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        first = b""
+        while len(first) < 9:  # arrives while the job is still running
+            first += os.read(proc.stdout.fileno(), 65536)
+        still_running = Flow(ws).status(job_id) is Status.Running
+        rest, _ = proc.communicate(timeout=30)
+        failed = cli("get", ws, stopped, "--follow")
+    assert still_running and first.startswith(b"w0 w1 w2 ") and proc.returncode == 0
+    assert first + rest == Flow(ws).result_bytes(job_id)
+    assert failed.returncode == 1 and failed.stdout.startswith(b"w0 w1 ") and b"timeout" in failed.stderr
+    assert not os.path.exists(os.path.join(ws, nrvna.OUTPUT, job_id, "partial.txt"))
+
+
+def test_daemon_json_status_daemon_and_stop(ws: str) -> None:
+    submit(ws, "warm")
+    assert cli("status", ws, "--daemon").returncode == 3
+    proc = child_daemon(ws, "derived", "-w", "2")
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(ws, "daemon.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2.5)  # one more rewrite, after the job
+        shown = cli("status", ws, "--daemon")
+        assert shown.returncode == 0, shown.stderr
+        info = json.loads(shown.stdout)
+        assert info["pid"] == proc.pid and info["workers"] == 2 and info["jobs_done"] == 1
+        assert {"model", "started", "tokens_generated", "tokens_per_second_last_minute", "jobs_failed"} <= set(info)
+        stopped = cli("stop", ws, "--timeout", "20")
+        assert stopped.returncode == 0 and b"stopped" in stopped.stderr
+        assert proc.wait(5) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert cli("stop", ws).returncode == 3 and cli("status", ws, "--daemon").returncode == 3
+    assert not os.path.exists(os.path.join(ws, "daemon.json"))
+
+
+def test_a_stale_daemon_json_does_not_make_a_daemon(ws: str) -> None:
+    submit(ws, "x")
+    write(os.path.join(ws, "daemon.json"), json.dumps({"pid": os.getpid()}))
+    write(os.path.join(ws, nrvna.LOCK_FILE), f"{os.getpid()}\n")
+    assert cli("status", ws, "--daemon").returncode == 3 and cli("stop", ws).returncode == 3
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_batch_every_line_ends_exactly_once(ws: str, tmp_path: Path) -> None:
+    prompts = [f"line number {i}" for i in range(120)]
+    path = write(tmp_path / "p.txt", "\n".join(prompts) + "\n")
+    ids = ids_of(cli("submit", ws, "--file", path, "--tag", "k"))
+    env = {"TEST_RUNNER_DELAY": "0.05"}
+    for _ in range(3):
+        proc = child_daemon(ws, "derived", "-w", "4", env=env)
+        deadline = time.monotonic() + 30
+        while Flow(ws).counts()["done"] < 10 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        proc.kill()
+        proc.wait()
+    proc = child_daemon(ws, "derived", "-w", "4", "--drain", env=env)
+    assert proc.wait(120) == 0
+    audit(ws, dict(zip(ids, prompts)))
+    records = [json.loads(x) for x in cli("export", ws, "--tag", "k").stdout.decode().splitlines()]
+    assert [r["custom_id"] for r in records] == [f"line-{i + 1}" for i in range(120)]
+
+
+def test_messages_jobs_render_every_turn_through_the_chat_template(llama: nrvna.LlamaRunner) -> None:
+    turns = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
+             {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}]
+    job = fake_job(nrvna.render_messages(turns), messages=turns)
+    tokens = llama.tokens(job)
+    rendered = b"".join(llama.piece(t) for t in tokens).decode()
+    for turn in turns:
+        assert turn["content"] in rendered
+    assert rendered.index("You are terse.") < rendered.index("Name a colour.") < rendered.index("Blue.") < rendered.index("Another?")
+    assert rendered.rstrip().endswith("assistant")  # the generation prompt follows the last turn
+    outcome = generate(llama, job.prompt, messages=turns, max_tokens=4, temperature=0)
+    assert outcome.error_code is None and outcome.generated_tokens <= 4
+
+
+def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str, tmp_path: Path) -> None:
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 6, "seed": i + 1}}
+             for i in range(6)]
+    ids = ids_of(cli("submit", ws, "--file", write(tmp_path / "q.jsonl", jsonl(lines)), "--tag", "real"))
+    follow_id = submit(ws, "Write a poem about rivers.", max_tokens=40, ignore_eos=True, stop=["zzzz"], tag="real")
+    proc = start_daemon(model, ws, "-w", "1", "-s", "4")
+    try:
+        followed = cli("get", ws, follow_id, "--follow", timeout=120)
+        waited = cli("wait", ws, "--tag", "real", "--timeout", "120")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert waited.returncode == 0 and followed.returncode == 0
+    assert followed.stdout == Flow(ws).result_bytes(follow_id)
+    out = [json.loads(x) for x in cli("export", ws, "--tag", "real", "--format", "openai").stdout.decode().splitlines()]
+    assert [o["custom_id"] for o in out[:6]] == [f"q{i}" for i in range(6)] and len(out) == 7
+    for record in out:
+        body = record["response"]["body"]
+        assert body["choices"][0]["finish_reason"] in ("stop", "length") and body["usage"]["completion_tokens"] <= 40
+        assert body["usage"]["prompt_tokens"] > 0 and body["model"].endswith(".gguf")
