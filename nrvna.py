@@ -17,6 +17,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchEntry",
     "Config",
     "Flow",
     "FunctionRunner",
@@ -31,7 +32,16 @@ __all__ = [
     "Status",
     "SubmitResult",
     "Work",
+    "bulk_states",
+    "cancel_job",
+    "clean_jobs",
+    "export_record",
     "main",
+    "parse_batch",
+    "read_params",
+    "render_messages",
+    "retry_job",
+    "tag_members",
 ]
 
 import codecs
@@ -73,7 +83,7 @@ META_FILE = "meta.json"
 PARTIAL_FILE = "partial.txt"  # text generated so far (running), or before a failure
 CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
 DAEMON_FILE = "daemon.json"
-TAGS = "tags"  # tags/<tag>/<first id>.ids: which jobs a submit labelled (the tag index)
+TAGS = "tags"  # tags/<tag>/<time_ns>_<first id>.ids: which jobs a submit labelled (the tag index)
 LOCK_FILE = ".nrvna.lock"
 # A non-directory found in ready/ is wrapped in a real job dir under this name in failed/.
 QUARANTINED_ENTRY = "entry"
@@ -458,7 +468,7 @@ def _exists(dir_fd: int, name: str) -> bool:
         return False
 
 
-def _unlink_quietly(name: str, dir_fd: int) -> None:
+def _unlink_quietly(name: str, dir_fd: Optional[int]) -> None:
     try:
         os.unlink(name, dir_fd=dir_fd)
     except OSError:
@@ -1097,7 +1107,8 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
     fd = open_dir(folder)
     try:
         data = "".join(json.dumps([job_id, cid], ensure_ascii=False) + "\n" for job_id, cid in rows)
-        write_file(fd, f"{rows[0][0]}.ids", data.encode("utf-8"))
+        # Named by creation time: IDs order jobs within a process, not across processes.
+        write_file(fd, f"{time.time_ns():020d}_{rows[0][0]}.ids", data.encode("utf-8"))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -1117,7 +1128,7 @@ def tag_members(workspace: str, tag: str) -> list[tuple[str, Optional[str]]]:
     except FileNotFoundError:
         return []
     rows = []
-    for name in sorted(names, key=lambda n: order_key(n[:-4])):
+    for name in sorted(names):
         try:
             with open(os.path.join(folder, name), encoding="utf-8") as handle:
                 for line in handle:
@@ -2548,7 +2559,7 @@ def export_record(job: Job, params: Mapping[str, Any], custom_id: Optional[str],
     return line
 
 
-class AtomicOutput:
+class _AtomicOutput:
     """A file written whole or not at all: a temporary name in the same directory, fsync,
     rename, fsync the directory (``-o FILE``). Used as a context manager."""
 
@@ -2637,6 +2648,7 @@ class Server:
             sessions = [self.runner.session(i, self.config) for i in range(self.config.workers)]
             name = os.path.basename(model_path) if model_path else getattr(self.runner, "name", "runner")
             self.processor = Processor(self.workspace, self.config, name)
+            _unlink_quietly(os.path.join(self.workspace, f".{DAEMON_FILE}.tmp"), None)  # a killed daemon's
             log.info("Recovering orphaned jobs...")
             recovered = self.processor.recover()
             self.processor.clean_staging()
@@ -3221,8 +3233,8 @@ def _cmd_export(args: Any) -> int:
 
     ids = _selection(args, default_all=True)
     flow = Flow(args.workspace)
-    out = AtomicOutput(args.output) if args.output else None
-    errors = AtomicOutput(args.errors) if args.errors else None
+    out = _AtomicOutput(args.output) if args.output else None
+    errors = _AtomicOutput(args.errors) if args.errors else None
     unfinished = exported = 0
     try:
         for job_id in ids:
@@ -3331,30 +3343,35 @@ def _cmd_stop(args: Any) -> int:
 
 def _follow(flow: Flow, job_id: str) -> int:
     """``get --follow``: print the text as the daemon generates it, then exit with the
-    job's final code (what was printed is always a prefix of the final result)."""
-    printed = 0
+    job's final code (what was printed is always a prefix of the final result, unless the
+    daemon restarted the job: that is said on stderr and its text printed again)."""
+    printed, attempt = 0, None
     out = sys.stdout.buffer
     delay = 0.02
     while True:
         status, path = flow._locate(job_id)
         if status is Status.Missing:
             raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
-        name = {Status.Done: RESULT_FILE, Status.Failed: PARTIAL_FILE, Status.Running: PARTIAL_FILE}.get(status)
-        data = b""
-        if name is not None:
+        data = None
+        if status is not Status.Queued:
             try:
                 fd = open_dir(path)
-                try:
-                    data = read_file(fd, name, 1 << 40)
-                finally:
-                    os.close(fd)
-            except (FileNotFoundError, NotADirectoryError, JobError):
-                if status is Status.Done:
-                    continue  # moved between the lookup and the read
-        if len(data) < printed and status is Status.Running:
-            _say(f"job {job_id} restarted; its text so far follows again")
-            printed = 0
-        if len(data) > printed:
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # it moved on between the lookup and the open
+            try:
+                if status is Status.Running:
+                    started = Processor._read_meta(fd).get("started")
+                    if attempt is not None and started != attempt and printed:
+                        _say(f"job {job_id} was restarted; its text follows again")
+                        out.write(b"\n")
+                        printed = 0
+                    attempt = started
+                data = _read_or_none(fd, RESULT_FILE if status is Status.Done else PARTIAL_FILE)
+            finally:
+                os.close(fd)
+        if status is Status.Done and data is None:
+            continue  # still being moved: look again
+        if data is not None and len(data) > printed:
             out.write(data[printed:])
             out.flush()
             printed = len(data)
@@ -3366,6 +3383,13 @@ def _follow(flow: Flow, job_id: str) -> int:
             return EXIT_FAILED
         time.sleep(delay)
         delay = min(delay * 1.5, 0.1)
+
+
+def _read_or_none(dir_fd: int, name: str) -> Optional[bytes]:
+    try:
+        return read_file(dir_fd, name, 1 << 40)
+    except (FileNotFoundError, JobError):
+        return None
 
 
 def _daemon_status(args: Any) -> int:

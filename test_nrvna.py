@@ -305,11 +305,14 @@ def test_jobs_run_in_submission_order(ws: str) -> None:
 
 def test_threads_carry_their_names_in_the_os(ws: str) -> None:
     with serving(ws, echo, workers=2):
-        names = set()
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/comm") as handle:
-                names.add(handle.read().strip())
-    assert {"Scanner", "Worker-0", "Worker-1"} <= names
+        deadline, names = time.monotonic() + 5, set()
+        while not {"Scanner", "Watcher", "Worker-0", "Worker-1"} <= names and time.monotonic() < deadline:
+            time.sleep(0.01)  # each thread names itself as it starts
+            names = set()
+            for task in os.listdir("/proc/self/task"):
+                with contextlib.suppress(FileNotFoundError), open(f"/proc/self/task/{task}/comm") as handle:
+                    names.add(handle.read().strip())
+    assert {"Scanner", "Watcher", "Worker-0", "Worker-1"} <= names
 
 
 def test_a_job_published_to_an_idle_daemon_is_picked_up(ws: str) -> None:
@@ -503,11 +506,11 @@ def test_an_io_error_while_finishing_hands_the_job_back(ws: str, monkeypatch: py
     real_write_file = nrvna.write_file
     failures = []
 
-    def full_disk(dir_fd: int, name: str, data: bytes) -> None:
+    def full_disk(dir_fd: int, name: str, data: bytes, sync: bool = True) -> None:
         if name == "result.txt" and not failures:
             failures.append(name)
             raise OSError(28, "No space left on device")
-        real_write_file(dir_fd, name, data)
+        real_write_file(dir_fd, name, data, sync)
 
     monkeypatch.setattr(nrvna, "write_file", full_disk)
     job_id = submit(ws, "spacey")
