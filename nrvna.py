@@ -2648,7 +2648,9 @@ class Server:
             sessions = [self.runner.session(i, self.config) for i in range(self.config.workers)]
             name = os.path.basename(model_path) if model_path else getattr(self.runner, "name", "runner")
             self.processor = Processor(self.workspace, self.config, name)
-            _unlink_quietly(os.path.join(self.workspace, f".{DAEMON_FILE}.tmp"), None)  # a killed daemon's
+            stale = os.path.join(self.workspace, f".{DAEMON_FILE}.tmp")  # a killed daemon's
+            if os.path.lexists(stale):
+                _unlink_quietly(stale, None)
             log.info("Recovering orphaned jobs...")
             recovered = self.processor.recover()
             self.processor.clean_staging()

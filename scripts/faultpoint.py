@@ -51,7 +51,7 @@ def main() -> int:
     def hit(name: str, path: str) -> None:
         if not (path == root or path.startswith(root + os.sep)):
             return
-        if threading.current_thread().name == "Watcher":
+        if threading.current_thread().name == "Watcher" or "daemon.json" in os.path.basename(path):
             # daemon.json and a running job's partial.txt are for watching, not state: their
             # writes come at timer ticks, so counting them would make crash points drift.
             return
