@@ -59,7 +59,7 @@ from collections import namedtuple
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations are strings at run time: importing typing costs 4 ms a start
-    from typing import Any, Callable, Iterable, Mapping, Optional
+    from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 # Heavy or daemon-only modules (json, logging, ctypes, argparse, llama_cpp) are imported
 # where used: `nrvna submit` must start about as fast as `python -c pass`.
@@ -1118,6 +1118,11 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
 def tag_members(workspace: str, tag: str) -> list[tuple[str, Optional[str]]]:
     """(id, custom_id) of every job ever submitted with ``tag``, in submission order
     (including removed or never-published ones: check their states)."""
+    return [row for chunk in iter_tag_members(workspace, tag) for row in chunk]
+
+
+def iter_tag_members(workspace: str, tag: str) -> Iterator[list[tuple[str, Optional[str]]]]:
+    """``tag_members`` one submit chunk at a time (at most BATCH_CHUNK rows in memory)."""
     import json
 
     if not ID_PATTERN.fullmatch(tag):
@@ -1126,17 +1131,17 @@ def tag_members(workspace: str, tag: str) -> list[tuple[str, Optional[str]]]:
     try:
         names = [n for n in os.listdir(folder) if n.endswith(".ids") and not n.startswith(".")]
     except FileNotFoundError:
-        return []
-    rows = []
+        return
     for name in sorted(names):
         try:
             with open(os.path.join(folder, name), encoding="utf-8") as handle:
-                for line in handle:
-                    job_id, cid = json.loads(line)
-                    rows.append((job_id, cid))
+                text = handle.read().rstrip("\n")
+            rows = json.loads(f"[{text.replace(chr(10), ',')}]")  # one parse per file
+        except FileNotFoundError:
+            continue  # removed meanwhile (clean)
         except (OSError, ValueError) as err:
             raise WorkspaceError(f"tag index {folder}/{name} is unreadable: {err}") from None
-    return rows
+        yield [(job_id, cid) for job_id, cid in rows]
 
 
 def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
@@ -3071,11 +3076,10 @@ def _cmd_status(args: Any) -> int:
     if args.daemon:
         return _daemon_status(args)
     if args.tag:
-        ids = _selection(args, default_all=False)
-        states = bulk_states(args.workspace, ids)
+        ids, states = _selection(args, default_all=False)
         counts = {status.value: 0 for _, status in STATE_DIRS}
-        for status in states.values():
-            counts[status.value] += 1
+        for job_id in ids:
+            counts[states[job_id].value] += 1
         counts["total"] = len(ids)
         print(json.dumps(counts) if args.json else "\n".join(f"{state} {count}" for state, count in counts.items()))
         return EXIT_OK
@@ -3147,9 +3151,10 @@ def _submit_file(args: Any, defaults: dict[str, Any]) -> int:
     return EXIT_OK
 
 
-def _selection(args: Any, default_all: bool) -> list[str]:
-    """The jobs a command names: IDs and/or ``--tag``; with neither, every job in the
-    workspace (``default_all``) or a usage error. Unknown IDs raise NoSuchJob."""
+def _selection(args: Any, default_all: bool) -> tuple[list[str], dict[str, Status]]:
+    """The jobs a command names, in order, and their states: IDs and/or ``--tag``; with
+    neither, every job in the workspace (``default_all``) or a usage error. Unknown IDs
+    raise NoSuchJob; a tag's jobs that no longer exist (cleaned) are left out."""
     _check_workspace_exists(args.workspace)
     _check_ids(args.ids)
     ids = list(args.ids)
@@ -3163,8 +3168,8 @@ def _selection(args: Any, default_all: bool) -> list[str]:
     missing = [job_id for job_id in args.ids if states[job_id] is Status.Missing]
     if missing:
         raise NoSuchJob(f"no job {missing[0]} in {args.workspace}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    seen: set[str] = set()
-    return [j for j in ids if states[j] is not Status.Missing and not (j in seen or seen.add(j))]
+    ids = [j for j in dict.fromkeys(ids) if states[j] is not Status.Missing]
+    return ids, states
 
 
 def _all_jobs(workspace: str) -> list[str]:
@@ -3178,7 +3183,7 @@ def _all_jobs(workspace: str) -> list[str]:
 
 
 def _cmd_wait(args: Any) -> int:
-    ids = _selection(args, default_all=True)
+    ids, _ = _selection(args, default_all=True)
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
     flow, start, tokens, seen, already = Flow(args.workspace), time.monotonic(), 0, None, 0
@@ -3233,7 +3238,11 @@ def _draw_progress(new: int, done: int, failed: int, total: int, elapsed: float,
 def _cmd_export(args: Any) -> int:
     import json
 
-    ids = _selection(args, default_all=True)
+    if args.tag and not args.ids:  # stream the tag's index: memory does not grow with the batch
+        _check_workspace_exists(args.workspace)
+        ids: Iterable[str] = (job_id for chunk in iter_tag_members(args.workspace, args.tag) for job_id, _ in chunk)
+    else:
+        ids = _selection(args, default_all=True)[0]
     flow = Flow(args.workspace)
     out = _AtomicOutput(args.output) if args.output else None
     errors = _AtomicOutput(args.errors) if args.errors else None
@@ -3241,7 +3250,9 @@ def _cmd_export(args: Any) -> int:
     try:
         for job_id in ids:
             job = flow.get(job_id)
-            if job is None or not job.status.finished:
+            if job is None:
+                continue  # a tagged job removed since (clean)
+            if not job.status.finished:
                 unfinished += 1
                 continue
             params = read_params(args.workspace, job.status, job_id)
@@ -3267,13 +3278,13 @@ def _cmd_export(args: Any) -> int:
                 target.abort()
         raise
     if unfinished:
-        _say(f"{unfinished} of {len(ids)} jobs are not finished and were left out (wait first: nrvna wait)")
+        _say(f"{unfinished} of {unfinished + exported} jobs are not finished and were left out (wait first: nrvna wait)")
         return EXIT_UNFINISHED
     return EXIT_OK
 
 
 def _cmd_cancel(args: Any) -> int:
-    ids = _selection(args, default_all=False)
+    ids, _ = _selection(args, default_all=False)
     worst = EXIT_OK
     for job_id in ids:
         outcome, message = cancel_job(args.workspace, job_id, args.timeout)
@@ -3293,7 +3304,7 @@ def _cmd_retry(args: Any) -> int:
         folder = os.path.join(args.workspace, FAILED)
         ids = sorted((n for n in os.listdir(folder) if not n.startswith(".")), key=order_key)
     else:
-        ids = _selection(args, default_all=False)
+        ids, _ = _selection(args, default_all=False)
     worst, queued = EXIT_OK, 0
     for job_id in ids:
         outcome, message = retry_job(args.workspace, job_id, codes)
