@@ -460,6 +460,15 @@ def write_file(dir_fd: int, name: str, data: bytes, sync: bool = True) -> None:
     os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
+def _write_new(dir_fd: int, name: str, data: bytes) -> None:
+    """Create ``name`` (it must not exist) and write all of ``data``; no fsync."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE, dir_fd=dir_fd)
+    try:
+        write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
 def _exists(dir_fd: int, name: str) -> bool:
     try:
         os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -810,7 +819,10 @@ class Work:
             fd = open_dir(staging)
             try:
                 for name, data in files:
-                    write_file(fd, name, data, sync)
+                    if sync:
+                        write_file(fd, name, data)
+                    else:  # a private staging dir, flushed whole by the caller: no temp name needed
+                        _write_new(fd, name, data)
                 if sync:
                     os.fsync(fd)
             finally:
