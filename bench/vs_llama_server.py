@@ -1,13 +1,15 @@
 """nrvna against llama.cpp's own llama-server, on the same model, machine, prompts and number
 of generated tokens per job (end-of-generation ignored in every arm), every arm warm.
 
-Arms: sequential `llama_cpp.Llama`; nrvna with NRVNA_SEQS=1; nrvna with its defaults;
+Arms: sequential `llama_cpp.Llama`; nrvna with NRVNA_SEQS=1; nrvna with its defaults (and
+with NRVNA_PREFIX_CACHE=0: the prompts share the chat template's default system prompt, which
+nrvna computes once per context and llama-server once per slot);
 llama-server -np 1 with 1 client, -np 8 with 8 concurrent clients, -np 16 with 16. Then a
 lone job's latency (defaults vs NRVNA_SEQS=1) and a shared-prefix arm (32 jobs with one
 300-token system prompt, prefix reuse on and off). llama-server is built once from the
 llama.cpp sources vendored in the pinned llama-cpp-python sdist (bench/build_llama_server.sh).
 
-    python bench/vs_llama_server.py [--model PATH] [--prompts 32] [--tokens 64]
+    python bench/vs_llama_server.py [--model PATH] [--prompts 32] [--tokens 64] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--server", help="llama-server binary (default: build it)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the throughput arms")
     args = parser.parse_args()
     binary = args.server or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
                                            capture_output=True, text=True, check=True).stdout.strip()
@@ -152,20 +155,28 @@ def main() -> None:
         baseline = sequential_llama(args.model, texts, args.tokens)
         results["sequential llama_cpp.Llama"] = {"tok/s": baseline, "jobs/s": baseline / args.tokens,
                                                  "p50 s": float("nan"), "rss": float("nan")}
-        lone = {}
-        for name, env in (("nrvna, NRVNA_SEQS=1", {"NRVNA_SEQS": "1"}), ("nrvna, defaults", {})):
-            daemon = Daemon(args.model, base, env)
-            try:
-                results[name] = daemon.run(texts, args.tokens)
-                lone[name] = daemon.lone_latency(args.tokens)
-            finally:
-                daemon.close()
-        for slots, clients in ((1, 1), (8, 8), (16, 16)):
-            results[f"llama-server -np {slots}, {clients} clients"] = server_arm(
-                binary, args.model, texts, args.tokens, slots, clients)
+        lone: dict[str, list[float]] = {}
+        runs: dict[str, list[dict]] = {}
+        for _ in range(args.rounds):  # interleaved rounds: the host's speed drifts between arms
+            for name, env in (("nrvna, NRVNA_SEQS=1", {"NRVNA_SEQS": "1"}), ("nrvna, defaults", {}),
+                              ("nrvna, defaults but NRVNA_PREFIX_CACHE=0", {"NRVNA_PREFIX_CACHE": "0"})):
+                daemon = Daemon(args.model, base, env)
+                try:
+                    runs.setdefault(name, []).append(daemon.run(texts, args.tokens))
+                    if "PREFIX" not in name:
+                        lone.setdefault(name, []).append(daemon.lone_latency(args.tokens))
+                finally:
+                    daemon.close()
+            for slots, clients in ((1, 1), (8, 8), (16, 16)):
+                name = f"llama-server -np {slots}, {clients} clients"
+                runs.setdefault(name, []).append(server_arm(binary, args.model, texts, args.tokens, slots, clients))
+        for name, arm in runs.items():  # the median round by tokens/s, and the spread
+            ordered = sorted(arm, key=lambda r: r["tok/s"])
+            results[name] = dict(ordered[len(ordered) // 2], spread=f"{ordered[0]['tok/s']:.0f}-{ordered[-1]['tok/s']:.0f}")
+        lone = {name: statistics.median(values) for name, values in lone.items()}
         best_server = max(v["tok/s"] for k, v in results.items() if k.startswith("llama-server"))
         for name, r in results.items():
-            rows.append([name, r["tok/s"], r["jobs/s"], r["p50 s"], r["rss"], r["tok/s"] / baseline,
+            rows.append([name, r["tok/s"], r.get("spread", ""), r["jobs/s"], r["p50 s"], r["rss"], r["tok/s"] / baseline,
                          r["tok/s"] / best_server])
         system = " ".join(["You answer questions about history, science and art with care and precision."] * 20)
         shared = []
@@ -179,7 +190,8 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"machine: {machine()}; model {os.path.basename(args.model)}; {args.prompts} prompts x {args.tokens} tokens")
-    print(table(["arm", "tok/s", "jobs/s", "p50 job latency s", "peak RSS MB", "vs sequential", "vs best llama-server"], rows))
+    print(f"median of {args.rounds} interleaved rounds per arm (tok/s spread across rounds alongside)")
+    print(table(["arm", "tok/s", "tok/s range", "jobs/s", "p50 job latency s", "peak RSS MB", "vs sequential", "vs best llama-server"], rows))
     print()
     print(table(["shared prefix arm", "tok/s", "vs reuse off"], [[n, v, v / shared[1][1]] for n, v in shared]))
     ratio = results["nrvna, defaults"]["tok/s"] / best_server
