@@ -2289,11 +2289,20 @@ class Processor:
         """Remove input/writing/ leftovers of clients that died before publishing."""
         now = time.time() if now is None else now
         removed = 0
+        stale = []
         with os.scandir(self._path(WRITING)) as entries:
-            stale = [e.name for e in entries if now - e.stat(follow_symlinks=False).st_mtime > STALE_STAGING_SECONDS]
+            for entry in entries:
+                try:
+                    if now - entry.stat(follow_symlinks=False).st_mtime > STALE_STAGING_SECONDS:
+                        stale.append(entry.name)
+                except FileNotFoundError:
+                    continue  # published (or given up) by its client while we looked
         for name in stale:
             path = self._path(WRITING, name)
-            _remove_tree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                _remove_tree(path)
+            else:
+                _unlink_quietly(path, None)
             removed += 1
             log.warning(f"Removed abandoned staging entry input/writing/{name} (its client died before publishing)")
         if removed:
@@ -3346,10 +3355,7 @@ def _cmd_clean(args: Any) -> int:
 def _cmd_stop(args: Any) -> int:
     import signal
 
-    _check_workspace_exists(args.workspace)
-    pid = _daemon_holds(args.workspace)
-    if pid is None:
-        raise NoSuchJob(f"no daemon is running on {args.workspace}")
+    pid = _running_daemon(args.workspace)
     if pid > 0:
         try:
             os.kill(pid, signal.SIGTERM)
@@ -3417,12 +3423,18 @@ def _read_or_none(dir_fd: int, name: str) -> Optional[bytes]:
         return None
 
 
+def _running_daemon(workspace: str) -> int:
+    """The pid of the daemon holding ``workspace``; NoSuchJob (exit 3) when none does."""
+    _check_workspace_exists(workspace)
+    pid = _daemon_holds(workspace)
+    if pid is None:
+        raise NoSuchJob(f"no daemon is running on {workspace}")
+    return pid
+
+
 def _daemon_status(args: Any) -> int:
     """``status --daemon``: daemon.json when a daemon holds the workspace, else exit 3."""
-    _check_workspace_exists(args.workspace)
-    pid = _daemon_holds(args.workspace)
-    if pid is None:
-        raise NoSuchJob(f"no daemon is running on {args.workspace}")
+    pid = _running_daemon(args.workspace)
     try:
         with open(os.path.join(args.workspace, DAEMON_FILE), encoding="utf-8") as handle:
             text = handle.read()

@@ -991,6 +991,30 @@ def test_a_client_killed_mid_submit_never_publishes_half_a_job(ws: str, point: s
     assert f"Removed abandoned staging entry input/writing/{leftovers[0]}".encode() in err
 
 
+def test_a_staging_entry_published_while_the_daemon_starts_is_not_an_error(ws: str, monkeypatch: Any) -> None:
+    """Seen in a run: a client renamed its staging dir into ready/ between the daemon's
+    listing of input/writing/ and its stat of the entry; the daemon must not die of it."""
+    nrvna.ensure_workspace(ws)
+    real_scandir = os.scandir
+
+    class Vanished:
+        name = "1_2_3"
+
+        def stat(self, follow_symlinks: bool = True) -> Any:
+            raise FileNotFoundError(2, "No such file or directory")
+
+    class Listing:
+        def __enter__(self) -> list[Any]:
+            return [Vanished()]
+
+        def __exit__(self, *exc: Any) -> None:
+            pass
+
+    monkeypatch.setattr(os, "scandir", lambda path: Listing() if path.endswith("writing") else real_scandir(path))
+    processor = nrvna.Processor(ws, nrvna.Config(), "test")
+    assert processor.clean_staging() == 0
+
+
 @pytest.mark.slow
 def test_eight_clients_submit_2000_jobs_while_four_workers_run(ws: str) -> None:
     nrvna.ensure_workspace(ws)
@@ -1007,7 +1031,11 @@ def test_eight_clients_submit_2000_jobs_while_four_workers_run(ws: str) -> None:
             assert len(ids) == 250
             prompts.update({job_id: f"client {c} job {j}" for j, job_id in enumerate(ids)})
         assert len(prompts) == 2000
-        assert set(wait_all(ws, list(prompts), timeout=300)) == {Status.Done}
+        deadline = time.monotonic() + 300
+        while Flow(ws).counts()["done"] < 2000 and daemon.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert daemon.poll() is None, "the daemon died"
+        assert set(wait_all(ws, list(prompts), timeout=30)) == {Status.Done}
     finally:
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(30) == 0
@@ -2170,6 +2198,7 @@ def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str,
     assert followed.stdout == Flow(ws).result_bytes(follow_id)
     out = [json.loads(x) for x in cli("export", ws, "--tag", "real", "--format", "openai").stdout.decode().splitlines()]
     assert [o["custom_id"] for o in out[:6]] == [f"q{i}" for i in range(6)] and len(out) == 7
+    assert [o["id"] for o in out] == [f"batch_req_{i}" for i in [*ids, follow_id]]
     for record in out:
         body = record["response"]["body"]
         assert body["choices"][0]["finish_reason"] in ("stop", "length") and body["usage"]["completion_tokens"] <= 40
