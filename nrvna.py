@@ -3305,16 +3305,23 @@ def _cmd_export(args: Any) -> int:
 
 
 def _cmd_cancel(args: Any) -> int:
-    ids, _ = _selection(args, default_all=False)
-    worst = EXIT_OK
+    ids, states = _selection(args, default_all=False)
+    named = set(args.ids)
+    worst, left_alone = EXIT_OK, 0
     for job_id in ids:
+        if job_id not in named and states[job_id].finished:
+            left_alone += 1  # a tag's finished jobs: nothing to cancel, not an error
+            continue
         outcome, message = cancel_job(args.workspace, job_id, args.timeout)
         if outcome == "cancelled":
-            print(job_id)
+            print(job_id, flush=True)
+        elif outcome == "finished" and job_id not in named:
+            left_alone += 1
         else:
             _say(message)
             worst = max(worst, EXIT_UNFINISHED if outcome == "pending" else EXIT_FAILED)
-    sys.stdout.flush()
+    if left_alone:
+        _say(f"{left_alone} finished jobs of tag {args.tag} left alone")
     return worst
 
 

@@ -1953,6 +1953,9 @@ def test_cancel_a_queued_job_and_a_finished_one(ws: str) -> None:
     assert finished.returncode == 1 and b"is done already; left alone" in finished.stderr
     assert Flow(ws).get(other).result == "echo:keep me"
     assert cli("cancel", ws, "123_4_5").returncode == 3 and cli("cancel", ws).returncode == 2
+    tagged = submit(ws, "tagged, still queued", tag="c")
+    by_tag = cli("cancel", ws, "--tag", "c")  # the tag's cancelled job is finished: left alone, no error
+    assert by_tag.returncode == 0 and ids_of(by_tag) == [tagged] and b"1 finished jobs of tag c left alone" in by_tag.stderr
 
 
 def test_cancel_a_running_job_stops_it_between_tokens_and_keeps_its_text(ws: str) -> None:
