@@ -1175,6 +1175,299 @@ def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
         found[job_id] = flow.status(job_id)
     return found
 
+def _daemon_holds(workspace: str) -> Optional[int]:
+    """The pid of the daemon holding ``workspace``'s lock, or None when no daemon runs.
+    Decided by the lock itself (the kernel drops it when its holder dies), never by a file."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            for _ in range(50):  # a daemon that just took the lock writes its pid next
+                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                if text.isdigit():
+                    return int(text)
+                time.sleep(0.01)
+            return -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _mark_failed(workspace: str, sub: str, job_id: str, code: str, message: str) -> None:
+    """Write error.txt and meta.json (with ``code``) into the job dir ``sub/job_id``."""
+    fd = open_dir(os.path.join(workspace, sub, job_id))
+    try:
+        meta = Processor._read_meta(fd)
+        if "submitted" not in meta:
+            meta["submitted"] = Processor._submitted(job_id, fd)
+        meta.update(id=job_id, code=code, finished=round(time.time(), 3))
+        meta.pop("finish_reason", None)
+        write_file(fd, ERROR_FILE, message.encode("utf-8") + b"\n")
+        write_file(fd, META_FILE, _dump(meta))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str, str]:
+    """Cancel a job; return ``(outcome, message)`` with outcome ``cancelled`` (it is in
+    failed/ with code cancelled), ``finished`` (it was done or failed already: left alone)
+    or ``pending`` (the daemon has not stopped it within ``timeout`` s). Raise NoSuchJob.
+
+    A queued job is taken with a rename (a claim racing it loses or wins cleanly); a
+    running job gets a ``cancel`` file that the daemon sees within 100 ms and stops it
+    between tokens. Either way a ``cancel`` file goes in first, so whoever ends up holding
+    the job knows: a claim that wins the race fails the job as cancelled at once.
+    """
+    flow = Flow(workspace)
+    deadline = time.monotonic() + timeout
+    marker = f"cancelled by nrvna cancel at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode()
+    while True:
+        status, path = flow._locate(job_id)
+        if status is Status.Missing:
+            raise NoSuchJob(f"no job {job_id} in {workspace}")
+        if status.finished:
+            job = flow.get(job_id)
+            code = job.meta.get("code") if job else None
+            if status is Status.Failed and code == "cancelled":
+                return "cancelled", f"job {job_id} was cancelled"
+            return "finished", f"job {job_id} is {status.value} already; left alone"
+        try:
+            fd = open_dir(path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # it moved on: look again
+        try:
+            write_file(fd, CANCEL_FILE, marker)
+            os.fsync(fd)
+        except FileNotFoundError:
+            continue
+        finally:
+            os.close(fd)
+        if status is Status.Queued:
+            try:
+                move(path, os.path.join(workspace, FAILED, job_id))
+            except FileNotFoundError:
+                continue  # a worker claimed it first: it sees the cancel file
+            _mark_failed(workspace, FAILED, job_id, "cancelled", "cancelled before it started (nrvna cancel)")
+            fsync_dir(os.path.join(workspace, FAILED))
+            fsync_dir(os.path.join(workspace, READY))
+            return "cancelled", f"job {job_id} cancelled"
+        # Running: the daemon stops it; wait to see how it ended.
+        while flow.status(job_id) is Status.Running and time.monotonic() < deadline:
+            if _daemon_holds(workspace) is None and _cancel_orphan(workspace, job_id):
+                break
+            time.sleep(0.02)
+        if flow.status(job_id) is Status.Running:
+            return "pending", f"job {job_id}: cancel requested; the daemon has not stopped it yet"
+
+
+def _cancel_orphan(workspace: str, job_id: str) -> bool:
+    """No daemon runs, yet the job is in processing/ (its daemon died): fail it here, under
+    the workspace lock so that no daemon can start and recover it meanwhile."""
+    import fcntl
+
+    fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        if not os.path.isdir(os.path.join(workspace, PROCESSING, job_id)):
+            return False
+        _mark_failed(workspace, PROCESSING, job_id, "cancelled", "cancelled while no daemon was running (nrvna cancel)")
+        move(os.path.join(workspace, PROCESSING, job_id), os.path.join(workspace, FAILED, job_id))
+        fsync_dir(os.path.join(workspace, FAILED))
+        fsync_dir(os.path.join(workspace, PROCESSING))
+        return True
+    finally:
+        os.close(fd)
+
+
+def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None) -> tuple[str, str]:
+    """Send a failed job back to the queue with its attempts reset and its earlier errors
+    kept in meta.json (``errors``). Return ``(outcome, message)``: ``queued``, ``skipped``
+    (its code is not in ``codes``) or ``refused`` (it is not failed). Raise NoSuchJob.
+
+    Order: meta.json (with the error history) is rewritten first, then error.txt and the
+    other leftovers go, then the rename: a crash between leaves a failed job whose error
+    is still readable from meta.json, never a job in two places."""
+    flow = Flow(workspace)
+    status, path = flow._locate(job_id)
+    if status is Status.Missing:
+        raise NoSuchJob(f"no job {job_id} in {workspace}")
+    if status is not Status.Failed:
+        return "refused", f"job {job_id} is {status.value}; only failed jobs are retried"
+    job = flow.get(job_id)
+    if job is None:
+        raise NoSuchJob(f"no job {job_id} in {workspace}")
+    code = job.meta.get("code")
+    if codes is not None and code not in set(codes):
+        return "skipped", f"job {job_id} failed with {code}"
+    try:
+        fd = open_dir(path)
+    except NotADirectoryError:
+        return "refused", f"job {job_id} is not a job directory"
+    try:
+        if _exists(fd, QUARANTINED_ENTRY):
+            return "refused", f"job {job_id} is a quarantined entry, not a job; it cannot run"
+        meta = dict(job.meta)
+        history = list(meta.get("errors") or [])
+        if job.error is not None or code:
+            history.append({"code": code, "error": (job.error or "").rstrip("\n"),
+                            "finished": meta.get("finished"), "attempts": meta.get("attempts")})
+        kept = {k: meta[k] for k in ("id", "submitted") if k in meta}
+        write_file(fd, META_FILE, _dump(dict(kept, attempts=0, errors=history, retries=len(history))))
+        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE):
+            _unlink_quietly(name, fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        move(path, os.path.join(workspace, READY, job_id))
+    except FileNotFoundError:
+        return "refused", f"job {job_id} moved meanwhile (another retry or clean)"
+    fsync_dir(os.path.join(workspace, READY))
+    fsync_dir(os.path.join(workspace, FAILED))
+    return "queued", f"job {job_id} queued again"
+
+
+def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: bool = True,
+               dry_run: bool = False, now: Optional[float] = None) -> list[str]:
+    """Remove finished jobs that finished more than ``older_than`` seconds ago; return their
+    IDs. Queued and running jobs are never touched. Each job is first renamed to a hidden
+    name (atomic: readers see it whole or not at all), then deleted."""
+    now = time.time() if now is None else now
+    removed = []
+    for sub, wanted in ((OUTPUT, done), (FAILED, failed)):
+        if not wanted:
+            continue
+        folder = os.path.join(workspace, sub)
+        with os.scandir(folder) as entries:
+            names = sorted((e.name for e in entries), key=order_key)
+        for name in names:
+            path = os.path.join(folder, name)
+            if name.startswith(".trash-") and not dry_run:
+                _remove_tree(path)  # an earlier clean died halfway
+                continue
+            if name.startswith("."):
+                continue
+            if now - _finished_at(path) < older_than:
+                continue
+            removed.append(name)
+            if dry_run:
+                continue
+            trash = os.path.join(folder, f".trash-{name}")
+            try:
+                os.rename(path, trash)
+            except FileNotFoundError:
+                removed.pop()  # a retry took it meanwhile
+                continue
+            if os.path.isdir(trash) and not os.path.islink(trash):
+                _remove_tree(trash)
+            else:
+                os.unlink(trash)
+        if removed and not dry_run:
+            fsync_dir(folder)
+    return removed
+
+
+def _finished_at(path: str) -> float:
+    try:
+        fd = open_dir(path)
+    except OSError:
+        return os.lstat(path).st_mtime
+    try:
+        finished = Processor._read_meta(fd).get("finished")
+        return float(finished) if isinstance(finished, (int, float)) else os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+
+
+def read_params(workspace: str, status: Status, job_id: str) -> dict[str, Any]:
+    """A job's params.json ({} when it has none or it cannot be read)."""
+    import json
+
+    try:
+        fd = open_dir(os.path.join(workspace, STATUS_DIR[status], job_id))
+    except (OSError, KeyError):
+        return {}
+    try:
+        params = json.loads(read_file(fd, PARAMS_FILE, 1 << 24).decode("utf-8"))
+        return params if isinstance(params, dict) else {}
+    except (OSError, ValueError, JobError):
+        return {}
+    finally:
+        os.close(fd)
+
+
+def export_record(job: Job, params: Mapping[str, Any], custom_id: Optional[str], form: str) -> dict[str, Any]:
+    """One finished job as an export line: nrvna's ``jsonl`` record, or exactly an OpenAI
+    Batch output line (``openai``)."""
+    meta = job.meta
+    if form == "jsonl":
+        return {"id": job.id, "custom_id": custom_id, "status": job.status.value, "prompt": job.prompt,
+                "result": job.result, "error": job.error.rstrip("\n") if job.error else None, "meta": meta}
+    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": custom_id}
+    if job.status is not Status.Done:
+        line["response"] = None
+        line["error"] = {"code": meta.get("code") or "failed", "message": (job.error or "").rstrip("\n")}
+        return line
+    prompt_tokens, completion_tokens = int(meta.get("prompt_tokens") or 0), int(meta.get("generated_tokens") or 0)
+    finish_reason = meta.get("finish_reason") if meta.get("finish_reason") in ("stop", "length") else "stop"
+    created = int(meta.get("finished") or time.time())
+    if params.get("endpoint") == "/v1/completions":
+        body = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": created, "model": meta.get("model"),
+                "choices": [{"text": job.result, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
+    else:
+        body = {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": created, "model": meta.get("model"),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": job.result, "refusal": None},
+                             "logprobs": None, "finish_reason": finish_reason}]}
+    body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                     "total_tokens": prompt_tokens + completion_tokens}
+    body["system_fingerprint"] = None
+    line["response"] = {"status_code": 200, "request_id": job.id, "body": body}
+    line["error"] = None
+    return line
+
+
+class _AtomicOutput:
+    """A file written whole or not at all: a temporary name in the same directory, fsync,
+    rename, fsync the directory (``-o FILE``). Used as a context manager."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        folder, name = os.path.split(self.path)
+        self.temp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+        self.handle = open(self.temp, "w", encoding="utf-8")
+
+    def write(self, text: str) -> None:
+        """Append ``text``."""
+        self.handle.write(text)
+
+    def commit(self) -> None:
+        """Make the file durable under its final name."""
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        os.rename(self.temp, self.path)
+        fsync_dir(os.path.dirname(self.path))
+
+    def abort(self) -> None:
+        """Drop the temporary file; the final name is untouched."""
+        self.handle.close()
+        try:
+            os.unlink(self.temp)
+        except FileNotFoundError:
+            pass
+
+
 ##############################################################################
 # Engine: what a worker runs. A Runner makes one Session per worker; a Session holds up
 # to `capacity` jobs at once and advances all of them one step at a time.
@@ -2321,299 +2614,6 @@ def _dump(meta: Mapping[str, Any]) -> bytes:
     import json
 
     return (json.dumps(meta, ensure_ascii=False, indent=1, sort_keys=True) + "\n").encode("utf-8")
-
-
-def _daemon_holds(workspace: str) -> Optional[int]:
-    """The pid of the daemon holding ``workspace``'s lock, or None when no daemon runs.
-    Decided by the lock itself (the kernel drops it when its holder dies), never by a file."""
-    import fcntl
-
-    try:
-        fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            for _ in range(50):  # a daemon that just took the lock writes its pid next
-                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                if text.isdigit():
-                    return int(text)
-                time.sleep(0.01)
-            return -1
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-def _mark_failed(workspace: str, sub: str, job_id: str, code: str, message: str) -> None:
-    """Write error.txt and meta.json (with ``code``) into the job dir ``sub/job_id``."""
-    fd = open_dir(os.path.join(workspace, sub, job_id))
-    try:
-        meta = Processor._read_meta(fd)
-        if "submitted" not in meta:
-            meta["submitted"] = Processor._submitted(job_id, fd)
-        meta.update(id=job_id, code=code, finished=round(time.time(), 3))
-        meta.pop("finish_reason", None)
-        write_file(fd, ERROR_FILE, message.encode("utf-8") + b"\n")
-        write_file(fd, META_FILE, _dump(meta))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str, str]:
-    """Cancel a job; return ``(outcome, message)`` with outcome ``cancelled`` (it is in
-    failed/ with code cancelled), ``finished`` (it was done or failed already: left alone)
-    or ``pending`` (the daemon has not stopped it within ``timeout`` s). Raise NoSuchJob.
-
-    A queued job is taken with a rename (a claim racing it loses or wins cleanly); a
-    running job gets a ``cancel`` file that the daemon sees within 100 ms and stops it
-    between tokens. Either way a ``cancel`` file goes in first, so whoever ends up holding
-    the job knows: a claim that wins the race fails the job as cancelled at once.
-    """
-    flow = Flow(workspace)
-    deadline = time.monotonic() + timeout
-    marker = f"cancelled by nrvna cancel at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode()
-    while True:
-        status, path = flow._locate(job_id)
-        if status is Status.Missing:
-            raise NoSuchJob(f"no job {job_id} in {workspace}")
-        if status.finished:
-            job = flow.get(job_id)
-            code = job.meta.get("code") if job else None
-            if status is Status.Failed and code == "cancelled":
-                return "cancelled", f"job {job_id} was cancelled"
-            return "finished", f"job {job_id} is {status.value} already; left alone"
-        try:
-            fd = open_dir(path)
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # it moved on: look again
-        try:
-            write_file(fd, CANCEL_FILE, marker)
-            os.fsync(fd)
-        except FileNotFoundError:
-            continue
-        finally:
-            os.close(fd)
-        if status is Status.Queued:
-            try:
-                move(path, os.path.join(workspace, FAILED, job_id))
-            except FileNotFoundError:
-                continue  # a worker claimed it first: it sees the cancel file
-            _mark_failed(workspace, FAILED, job_id, "cancelled", "cancelled before it started (nrvna cancel)")
-            fsync_dir(os.path.join(workspace, FAILED))
-            fsync_dir(os.path.join(workspace, READY))
-            return "cancelled", f"job {job_id} cancelled"
-        # Running: the daemon stops it; wait to see how it ended.
-        while flow.status(job_id) is Status.Running and time.monotonic() < deadline:
-            if _daemon_holds(workspace) is None and _cancel_orphan(workspace, job_id):
-                break
-            time.sleep(0.02)
-        if flow.status(job_id) is Status.Running:
-            return "pending", f"job {job_id}: cancel requested; the daemon has not stopped it yet"
-
-
-def _cancel_orphan(workspace: str, job_id: str) -> bool:
-    """No daemon runs, yet the job is in processing/ (its daemon died): fail it here, under
-    the workspace lock so that no daemon can start and recover it meanwhile."""
-    import fcntl
-
-    fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-        if not os.path.isdir(os.path.join(workspace, PROCESSING, job_id)):
-            return False
-        _mark_failed(workspace, PROCESSING, job_id, "cancelled", "cancelled while no daemon was running (nrvna cancel)")
-        move(os.path.join(workspace, PROCESSING, job_id), os.path.join(workspace, FAILED, job_id))
-        fsync_dir(os.path.join(workspace, FAILED))
-        fsync_dir(os.path.join(workspace, PROCESSING))
-        return True
-    finally:
-        os.close(fd)
-
-
-def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None) -> tuple[str, str]:
-    """Send a failed job back to the queue with its attempts reset and its earlier errors
-    kept in meta.json (``errors``). Return ``(outcome, message)``: ``queued``, ``skipped``
-    (its code is not in ``codes``) or ``refused`` (it is not failed). Raise NoSuchJob.
-
-    Order: meta.json (with the error history) is rewritten first, then error.txt and the
-    other leftovers go, then the rename: a crash between leaves a failed job whose error
-    is still readable from meta.json, never a job in two places."""
-    flow = Flow(workspace)
-    status, path = flow._locate(job_id)
-    if status is Status.Missing:
-        raise NoSuchJob(f"no job {job_id} in {workspace}")
-    if status is not Status.Failed:
-        return "refused", f"job {job_id} is {status.value}; only failed jobs are retried"
-    job = flow.get(job_id)
-    if job is None:
-        raise NoSuchJob(f"no job {job_id} in {workspace}")
-    code = job.meta.get("code")
-    if codes is not None and code not in set(codes):
-        return "skipped", f"job {job_id} failed with {code}"
-    try:
-        fd = open_dir(path)
-    except NotADirectoryError:
-        return "refused", f"job {job_id} is not a job directory"
-    try:
-        if _exists(fd, QUARANTINED_ENTRY):
-            return "refused", f"job {job_id} is a quarantined entry, not a job; it cannot run"
-        meta = dict(job.meta)
-        history = list(meta.get("errors") or [])
-        if job.error is not None or code:
-            history.append({"code": code, "error": (job.error or "").rstrip("\n"),
-                            "finished": meta.get("finished"), "attempts": meta.get("attempts")})
-        kept = {k: meta[k] for k in ("id", "submitted") if k in meta}
-        write_file(fd, META_FILE, _dump(dict(kept, attempts=0, errors=history, retries=len(history))))
-        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE):
-            _unlink_quietly(name, fd)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        move(path, os.path.join(workspace, READY, job_id))
-    except FileNotFoundError:
-        return "refused", f"job {job_id} moved meanwhile (another retry or clean)"
-    fsync_dir(os.path.join(workspace, READY))
-    fsync_dir(os.path.join(workspace, FAILED))
-    return "queued", f"job {job_id} queued again"
-
-
-def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: bool = True,
-               dry_run: bool = False, now: Optional[float] = None) -> list[str]:
-    """Remove finished jobs that finished more than ``older_than`` seconds ago; return their
-    IDs. Queued and running jobs are never touched. Each job is first renamed to a hidden
-    name (atomic: readers see it whole or not at all), then deleted."""
-    now = time.time() if now is None else now
-    removed = []
-    for sub, wanted in ((OUTPUT, done), (FAILED, failed)):
-        if not wanted:
-            continue
-        folder = os.path.join(workspace, sub)
-        with os.scandir(folder) as entries:
-            names = sorted((e.name for e in entries), key=order_key)
-        for name in names:
-            path = os.path.join(folder, name)
-            if name.startswith(".trash-") and not dry_run:
-                _remove_tree(path)  # an earlier clean died halfway
-                continue
-            if name.startswith("."):
-                continue
-            if now - _finished_at(path) < older_than:
-                continue
-            removed.append(name)
-            if dry_run:
-                continue
-            trash = os.path.join(folder, f".trash-{name}")
-            try:
-                os.rename(path, trash)
-            except FileNotFoundError:
-                removed.pop()  # a retry took it meanwhile
-                continue
-            if os.path.isdir(trash) and not os.path.islink(trash):
-                _remove_tree(trash)
-            else:
-                os.unlink(trash)
-        if removed and not dry_run:
-            fsync_dir(folder)
-    return removed
-
-
-def _finished_at(path: str) -> float:
-    try:
-        fd = open_dir(path)
-    except OSError:
-        return os.lstat(path).st_mtime
-    try:
-        finished = Processor._read_meta(fd).get("finished")
-        return float(finished) if isinstance(finished, (int, float)) else os.fstat(fd).st_mtime
-    finally:
-        os.close(fd)
-
-
-def read_params(workspace: str, status: Status, job_id: str) -> dict[str, Any]:
-    """A job's params.json ({} when it has none or it cannot be read)."""
-    import json
-
-    try:
-        fd = open_dir(os.path.join(workspace, STATUS_DIR[status], job_id))
-    except (OSError, KeyError):
-        return {}
-    try:
-        params = json.loads(read_file(fd, PARAMS_FILE, 1 << 24).decode("utf-8"))
-        return params if isinstance(params, dict) else {}
-    except (OSError, ValueError, JobError):
-        return {}
-    finally:
-        os.close(fd)
-
-
-def export_record(job: Job, params: Mapping[str, Any], custom_id: Optional[str], form: str) -> dict[str, Any]:
-    """One finished job as an export line: nrvna's ``jsonl`` record, or exactly an OpenAI
-    Batch output line (``openai``)."""
-    meta = job.meta
-    if form == "jsonl":
-        return {"id": job.id, "custom_id": custom_id, "status": job.status.value, "prompt": job.prompt,
-                "result": job.result, "error": job.error.rstrip("\n") if job.error else None, "meta": meta}
-    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": custom_id}
-    if job.status is not Status.Done:
-        line["response"] = None
-        line["error"] = {"code": meta.get("code") or "failed", "message": (job.error or "").rstrip("\n")}
-        return line
-    prompt_tokens, completion_tokens = int(meta.get("prompt_tokens") or 0), int(meta.get("generated_tokens") or 0)
-    finish_reason = meta.get("finish_reason") if meta.get("finish_reason") in ("stop", "length") else "stop"
-    created = int(meta.get("finished") or time.time())
-    if params.get("endpoint") == "/v1/completions":
-        body = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": created, "model": meta.get("model"),
-                "choices": [{"text": job.result, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
-    else:
-        body = {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": created, "model": meta.get("model"),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": job.result, "refusal": None},
-                             "logprobs": None, "finish_reason": finish_reason}]}
-    body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                     "total_tokens": prompt_tokens + completion_tokens}
-    body["system_fingerprint"] = None
-    line["response"] = {"status_code": 200, "request_id": job.id, "body": body}
-    line["error"] = None
-    return line
-
-
-class _AtomicOutput:
-    """A file written whole or not at all: a temporary name in the same directory, fsync,
-    rename, fsync the directory (``-o FILE``). Used as a context manager."""
-
-    def __init__(self, path: str) -> None:
-        self.path = os.path.abspath(path)
-        folder, name = os.path.split(self.path)
-        self.temp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
-        self.handle = open(self.temp, "w", encoding="utf-8")
-
-    def write(self, text: str) -> None:
-        """Append ``text``."""
-        self.handle.write(text)
-
-    def commit(self) -> None:
-        """Make the file durable under its final name."""
-        self.handle.flush()
-        os.fsync(self.handle.fileno())
-        self.handle.close()
-        os.rename(self.temp, self.path)
-        fsync_dir(os.path.dirname(self.path))
-
-    def abort(self) -> None:
-        """Drop the temporary file; the final name is untouched."""
-        self.handle.close()
-        try:
-            os.unlink(self.temp)
-        except FileNotFoundError:
-            pass
 
 
 class Server:
