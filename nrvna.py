@@ -1135,10 +1135,16 @@ def tag_members(workspace: str, tag: str) -> list[tuple[str, Optional[str]]]:
 
 def iter_tag_members(workspace: str, tag: str) -> Iterator[list[tuple[str, Optional[str]]]]:
     """``tag_members`` one submit chunk at a time (at most BATCH_CHUNK rows in memory)."""
-    import json
-
     if not ID_PATTERN.fullmatch(tag):
         raise InvalidInput(f"invalid tag {tag!r}")
+    for _, rows in _tag_files(workspace, tag):
+        yield rows
+
+
+def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, Optional[str]]]]]:
+    """(file name, rows) of each index file of ``tag``, oldest first."""
+    import json
+
     folder = os.path.join(workspace, TAGS, tag)
     try:
         names = [n for n in os.listdir(folder) if n.endswith(".ids") and not n.startswith(".")]
@@ -1153,7 +1159,18 @@ def iter_tag_members(workspace: str, tag: str) -> Iterator[list[tuple[str, Optio
             continue  # removed meanwhile (clean)
         except (OSError, ValueError) as err:
             raise WorkspaceError(f"tag index {folder}/{name} is unreadable: {err}") from None
-        yield [(job_id, cid) for job_id, cid in rows]
+        yield name, [(job_id, cid) for job_id, cid in rows]
+
+
+def _all_jobs(workspace: str) -> list[str]:
+    """Every job in the workspace, in submission order."""
+    names: list[str] = []
+    for sub, _ in STATE_DIRS:
+        try:
+            names += [n for n in os.listdir(os.path.join(workspace, sub)) if not n.startswith(".")]
+        except FileNotFoundError:
+            pass
+    return sorted(set(names), key=order_key)
 
 
 def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
@@ -1375,8 +1392,36 @@ def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: boo
                 os.unlink(trash)
         if removed and not dry_run:
             fsync_dir(folder)
+    if removed and not dry_run:
+        _prune_tag_index(workspace)
     return removed
 
+
+def _prune_tag_index(workspace: str) -> None:
+    """Delete tag index files none of whose jobs exist any more (and then empty tag dirs)."""
+    tags = os.path.join(workspace, TAGS)
+    try:
+        names = os.listdir(tags)
+    except FileNotFoundError:
+        return
+    writing = os.path.join(workspace, WRITING)
+    alive = set(os.listdir(writing))  # a submit in progress: listed first, as jobs move forward
+    alive.update(_all_jobs(workspace))
+    flow = Flow(workspace)
+    for tag in names:
+        if not ID_PATTERN.fullmatch(tag):
+            continue
+        for chunk_file, rows in _tag_files(workspace, tag):
+            if any(job_id in alive for job_id, _ in rows):
+                continue
+            # Looked up again one by one: a job moved backwards (requeued) while we listed.
+            if all(flow.status(job_id) is Status.Missing and not os.path.lexists(os.path.join(writing, job_id))
+                   for job_id, _ in rows):
+                _unlink_quietly(os.path.join(tags, tag, chunk_file), None)
+        try:
+            os.rmdir(os.path.join(tags, tag))
+        except OSError:
+            pass  # not empty
 
 def _finished_at(path: str) -> float:
     try:
@@ -3191,16 +3236,6 @@ def _selection(args: Any, default_all: bool) -> tuple[list[str], dict[str, Statu
         raise NoSuchJob(f"no job {missing[0]} in {args.workspace}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     ids = [j for j in dict.fromkeys(ids) if states[j] is not Status.Missing]
     return ids, states
-
-
-def _all_jobs(workspace: str) -> list[str]:
-    names: list[str] = []
-    for sub, _ in STATE_DIRS:
-        try:
-            names += [n for n in os.listdir(os.path.join(workspace, sub)) if not n.startswith(".")]
-        except FileNotFoundError:
-            pass
-    return sorted(set(names), key=order_key)
 
 
 def _cmd_wait(args: Any) -> int:

@@ -2089,6 +2089,27 @@ def test_clean_removes_only_old_finished_jobs(ws: str) -> None:
     assert cli("clean", ws, "--older-than", "soon").returncode == 2
 
 
+def test_clean_prunes_the_tag_index_of_jobs_that_are_gone(ws: str, tmp_path: Path) -> None:
+    first = ids_of(cli("submit", ws, "--file", write(tmp_path / "a.txt", "a1\na2\n"), "--tag", "t"))
+    second = ids_of(cli("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([{"prompt": "b1", "custom_id": "b1"}])),
+                        "--tag", "t"))  # (a plain b.txt's line-1 would be a1's custom_id: already queued)
+    kept = submit(ws, "o", tag="keep")
+    with serving(ws, echo):
+        wait_all(ws, first + second + [kept])
+    queued = submit(ws, "still queued", tag="t")
+    folder = os.path.join(ws, nrvna.TAGS, "t")
+    assert len(os.listdir(folder)) == 3
+    for job_id in first + [kept]:  # back-date these two days
+        meta_path = os.path.join(ws, nrvna.OUTPUT, job_id, "meta.json")
+        meta = json.load(open(meta_path))
+        meta["finished"] -= 2 * 86400
+        write(meta_path, json.dumps(meta))
+    assert sorted(nrvna.clean_jobs(ws, 86400)) == sorted(first + [kept])
+    assert len(os.listdir(folder)) == 2  # the first file's jobs are all gone: so is the file
+    assert [m[0] for m in nrvna.tag_members(ws, "t")] == second + [queued]
+    assert not os.path.exists(os.path.join(ws, nrvna.TAGS, "keep"))  # and an emptied tag
+
+
 def test_clean_against_a_running_daemon_never_touches_live_jobs(ws: str) -> None:
     ids = [submit(ws, f"j{i}", max_tokens=3) for i in range(40)]
     removed = []
