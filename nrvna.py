@@ -38,7 +38,6 @@ __all__ = [
     "export_record",
     "main",
     "parse_batch",
-    "read_params",
     "render_messages",
     "retry_job",
     "tag_members",
@@ -558,6 +557,19 @@ def move(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
+def _try_lock(workspace: str) -> tuple[int, bool]:
+    """Open the workspace's lock file and try to take it (exclusive, not waiting). Return
+    the descriptor (the caller closes it, which releases the lock) and whether it is held."""
+    import fcntl
+
+    fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDWR | os.O_CREAT | O_CLOEXEC | O_NOFOLLOW, FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd, True
+    except OSError:
+        return fd, False
+
+
 def _load_renameat2() -> Any:
     if not sys.platform.startswith("linux"):
         return False
@@ -671,9 +683,10 @@ class SubmitResult(namedtuple("SubmitResult", "ok id message")):
     __slots__ = ()
 
 
-class Job(namedtuple("Job", "id status prompt result error meta")):
+class Job(namedtuple("Job", "id status prompt result error meta params", defaults=(None,))):
     """A job as read back from the workspace: ``id: str, status: Status`` and
-    ``prompt, result, error: str | None`` and ``meta: dict``."""
+    ``prompt, result, error: str | None`` and ``meta, params: dict`` (params.json: the
+    per-job parameters, ``custom_id`` and ``tag``)."""
 
     __slots__ = ()
 
@@ -783,13 +796,11 @@ class Work:
                 if tag:
                     _write_manifest(self.workspace, tag, [(job_id, e.params.get("custom_id"))
                                                           for (job_id, _), e in zip(staged, chunk)])
-                while staged:
-                    job_id, staging = staged[0]
+                for job_id, staging in staged:
                     move(staging, os.path.join(self.workspace, READY, job_id))
-                    staged.pop(0)
                     ids.append(job_id)
             finally:
-                for _, staging in staged:  # not published: never leave them to look like jobs
+                for _, staging in staged[len(ids) - first:]:  # not published: never leave them to look like jobs
                     _remove_tree(staging)
             fsync_dir(os.path.join(self.workspace, READY))
             fsync_dir(os.path.join(self.workspace, WRITING))
@@ -877,11 +888,11 @@ class Flow:
             fd = open_dir(path)
         except OSError as err:
             if err.errno in (errno.ENOTDIR, errno.ELOOP):
-                return Job(job_id, status, None, None, "not a job directory", {})
+                return Job(job_id, status, None, None, "not a job directory", {}, {})
             raise
         try:
             files = {}
-            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE):
+            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE, PARAMS_FILE):
                 try:
                     files[name] = read_file(fd, name, 1 << 40).decode("utf-8", "replace")
                 except (FileNotFoundError, JobError):
@@ -898,7 +909,7 @@ class Flow:
                 error = f"{history[-1].get('error')}\n"
             elif os.path.lexists(os.path.join(path, CANCEL_FILE)):
                 error, meta = "cancelled (nrvna cancel)\n", dict(meta, code="cancelled")
-        return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta)
+        return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, _parse_meta(files[PARAMS_FILE]))
 
     def result_bytes(self, job_id: str) -> Optional[bytes]:
         """result.txt of a done job, byte for byte (what ``nrvna get`` prints)."""
@@ -1278,7 +1289,7 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
             return "cancelled", f"job {job_id} cancelled"
         # Running: the daemon stops it; wait to see how it ended.
         while flow.status(job_id) is Status.Running and time.monotonic() < deadline:
-            if _daemon_holds(workspace) is None and _cancel_orphan(workspace, job_id):
+            if _cancel_orphan(workspace, job_id):  # no daemon holds the lock: nobody else will
                 break
             time.sleep(0.02)
         if flow.status(job_id) is Status.Running:
@@ -1288,15 +1299,9 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
 def _cancel_orphan(workspace: str, job_id: str) -> bool:
     """No daemon runs, yet the job is in processing/ (its daemon died): fail it here, under
     the workspace lock so that no daemon can start and recover it meanwhile."""
-    import fcntl
-
-    fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
+    fd, locked = _try_lock(workspace)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-        if not os.path.isdir(os.path.join(workspace, PROCESSING, job_id)):
+        if not locked or not os.path.isdir(os.path.join(workspace, PROCESSING, job_id)):
             return False
         _mark_failed(workspace, PROCESSING, job_id, "cancelled", "cancelled while no daemon was running (nrvna cancel)")
         move(os.path.join(workspace, PROCESSING, job_id), os.path.join(workspace, FAILED, job_id))
@@ -1435,27 +1440,11 @@ def _finished_at(path: str) -> float:
         os.close(fd)
 
 
-def read_params(workspace: str, status: Status, job_id: str) -> dict[str, Any]:
-    """A job's params.json ({} when it has none or it cannot be read)."""
-    import json
-
-    try:
-        fd = open_dir(os.path.join(workspace, STATUS_DIR[status], job_id))
-    except (OSError, KeyError):
-        return {}
-    try:
-        params = json.loads(read_file(fd, PARAMS_FILE, 1 << 24).decode("utf-8"))
-        return params if isinstance(params, dict) else {}
-    except (OSError, ValueError, JobError):
-        return {}
-    finally:
-        os.close(fd)
-
-
-def export_record(job: Job, params: Mapping[str, Any], custom_id: Optional[str], form: str) -> dict[str, Any]:
+def export_record(job: Job, form: str) -> dict[str, Any]:
     """One finished job as an export line: nrvna's ``jsonl`` record, or exactly an OpenAI
     Batch output line (``openai``)."""
-    meta = job.meta
+    meta, params = job.meta, job.params or {}
+    custom_id = params.get("custom_id")
     if form == "jsonl":
         return {"id": job.id, "custom_id": custom_id, "status": job.status.value, "prompt": job.prompt,
                 "result": job.result, "error": job.error.rstrip("\n") if job.error else None, "meta": meta}
@@ -1537,7 +1526,7 @@ class RunningJob:
     """
 
     __slots__ = ("id", "prompt", "params", "stop", "dir_fd", "meta", "worker", "path", "started",
-                 "interrupt", "emitted", "lock", "closed")
+                 "interrupt", "emitted", "lock", "closed", "has_partial")
 
     def __init__(self, job_id: str, prompt: str, params: dict[str, Any], stop: threading.Event,
                  dir_fd: int, meta: dict[str, Any], worker: str, path: str) -> None:
@@ -1556,6 +1545,7 @@ class RunningJob:
         self.emitted: Any = deque()  # text not yet in partial.txt (deque: safe across threads)
         self.lock = threading.Lock()  # dir_fd's users: the worker finishing, the partial flusher
         self.closed = False
+        self.has_partial = False  # partial.txt was written (a done job's is removed)
 
     def emit(self, text: str) -> None:
         """Report newly generated text (safe from any thread)."""
@@ -2492,7 +2482,8 @@ class Processor:
         try:
             try:
                 if dest == OUTPUT:  # result.txt holds it all; a late cancel did not take effect
-                    _unlink_quietly(PARTIAL_FILE, job.dir_fd)
+                    if job.has_partial:
+                        _unlink_quietly(PARTIAL_FILE, job.dir_fd)
                     _unlink_quietly(CANCEL_FILE, job.dir_fd)
                 for name, data in files:
                     write_file(job.dir_fd, name, data)
@@ -2837,6 +2828,7 @@ class Server:
                 write_all(fd, data)  # no fsync: partial.txt is for watching, result.txt is the record
             finally:
                 os.close(fd)
+            job.has_partial = True
 
     def write_status(self) -> None:
         """Rewrite daemon.json atomically (what ``nrvna status WS --daemon`` prints)."""
@@ -2973,16 +2965,11 @@ class Server:
     # -- workspace lock ------------------------------------------------------------------
 
     def _take_lock(self) -> None:
-        import fcntl
-
-        path = os.path.join(self.workspace, LOCK_FILE)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | O_CLOEXEC | O_NOFOLLOW, FILE_MODE)
+            fd, locked = _try_lock(self.workspace)
         except OSError as err:
             raise WorkspaceError(f"workspace {self.workspace} is not writable: {_os_error(err)}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        if not locked:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
             raise WorkspaceError(f"workspace {self.workspace} is in use by another daemon "
@@ -3115,7 +3102,7 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
         if job is None:
             raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
         record = {"id": job.id, "status": job.status.value, "prompt": job.prompt,
-                  "result": job.result, "error": job.error, "meta": job.meta}
+                  "result": job.result, "error": job.error, "meta": job.meta, "params": job.params}
         sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
         sys.stdout.flush()
         return STATUS_EXIT[job.status]
@@ -3239,26 +3226,20 @@ def _selection(args: Any, default_all: bool) -> tuple[list[str], dict[str, Statu
 
 
 def _cmd_wait(args: Any) -> int:
-    ids, _ = _selection(args, default_all=True)
+    ids, states = _selection(args, default_all=True)
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
-    flow, start, tokens, seen, already = Flow(args.workspace), time.monotonic(), 0, None, 0
-    delay = 0.1
+    flow, start, tokens = Flow(args.workspace), time.monotonic(), 0
+    seen = {j for j in ids if states[j].finished}  # finished before the wait: not in the rates
+    already, delay = len(seen), 0.1
     while True:
-        began = time.monotonic()
-        states = bulk_states(args.workspace, ids)
-        finished = {j for j, s in states.items() if s.finished}
-        if seen is None:
-            seen = set(finished)  # already finished before the wait: not counted in the rates
-            already = len(seen)
-        elif progress:
-            for job_id in finished - seen:
+        done = sum(1 for j in ids if states[j] is Status.Done)
+        failed = sum(1 for j in ids if states[j] is Status.Failed)
+        if progress:
+            for job_id in [j for j in ids if states[j].finished and j not in seen]:
                 job = flow.get(job_id)
                 tokens += int(job.meta.get("generated_tokens") or 0) if job else 0
-            seen |= finished
-        done = sum(1 for s in states.values() if s is Status.Done)
-        failed = sum(1 for s in states.values() if s is Status.Failed)
-        if progress:
+                seen.add(job_id)
             _draw_progress(done + failed - already, done, failed, len(ids), time.monotonic() - start, tokens)
         if done + failed == len(ids):
             break
@@ -3267,8 +3248,10 @@ def _cmd_wait(args: Any) -> int:
                 sys.stderr.write("\n")
             _say(f"{len(ids) - done - failed} of {len(ids)} jobs not finished after {args.timeout:g} s")
             return EXIT_UNFINISHED
-        delay = max(0.1, min(1.0, 3 * (time.monotonic() - began)))  # listing 100k jobs takes a while
         time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
+        began = time.monotonic()
+        states = bulk_states(args.workspace, ids)
+        delay = max(0.1, min(1.0, 3 * (time.monotonic() - began)))  # listing 100k jobs takes a while
     if progress:
         sys.stderr.write("\n")
     if failed:
@@ -3311,13 +3294,11 @@ def _cmd_export(args: Any) -> int:
             if not job.status.finished:
                 unfinished += 1
                 continue
-            params = read_params(args.workspace, job.status, job_id)
-            custom_id = params.get("custom_id")
             if args.format == "text":
                 line = (job.result if job.status is Status.Done else f"[failed: {(job.error or '').strip()}]")
                 line = line.rstrip("\n") + "\n\n"
             else:
-                line = json.dumps(export_record(job, params, custom_id, args.format), ensure_ascii=False) + "\n"
+                line = json.dumps(export_record(job, args.format), ensure_ascii=False) + "\n"
             target = errors if errors is not None and job.status is Status.Failed else out
             if target is None:
                 sys.stdout.write(line)
@@ -3539,9 +3520,7 @@ def _submit_arguments(parser: Any) -> None:
 
 
 def _status_arguments(parser: Any) -> None:
-    parser.add_argument("workspace", metavar="WORKSPACE")
-    parser.add_argument("ids", metavar="ID", nargs="*")
-    parser.add_argument("--tag", metavar="NAME", help="counts per state for the jobs with this tag")
+    _selection_arguments(parser)
     parser.add_argument("--daemon", action="store_true", help="the running daemon's daemon.json (exit 3: none)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
 

@@ -1623,48 +1623,41 @@ def test_eight_sequences_in_one_context_each_follow_their_own_params(ws: str, mo
     assert starts[-1] < ends[0]  # all 8 were generating at the same time
 
 
-def test_a_shared_prefix_is_computed_once(llama: nrvna.LlamaRunner) -> None:
-    system = "You are a careful assistant. " * 30
-    config = nrvna.Config(workers=1, seqs=2, max_ctx=2048)
+SYSTEM = "You are a careful assistant. " * 30
+
+
+def prefix_runs(llama: nrvna.LlamaRunner, seqs: int, waves: list[list[str]]) -> dict[bool, tuple[dict[str, str], int]]:
+    """Run each wave of topics (started in the same step) to its end in one session, with
+    prefix sharing on and off; return {on: ({prompt: text}, tokens reused)}."""
     outputs = {}
     for reuse in (True, False):
         llama.config.prefix_cache = int(reuse)
-        session = llama.session(0, config)
+        session = llama.session(0, nrvna.Config(workers=1, seqs=seqs, max_ctx=1024 * seqs))
         try:
-            texts = []
-            for topic in ("cats", "dogs", "owls"):
-                session.start(fake_job(f"One word about {topic}.", system=system, max_tokens=6, temperature=0))
-                while not (finished := session.step()):
-                    pass
-                texts.append(finished[0][1].text)
+            texts: dict[str, str] = {}
+            for wave in waves:
+                for topic in wave:
+                    session.start(fake_job(f"One word about {topic}.", system=SYSTEM, max_tokens=6, temperature=0))
+                while session.active():
+                    texts.update((job.prompt, outcome.text) for job, outcome in session.step())
             outputs[reuse] = (texts, session.reused_tokens)
         finally:
             session.close()
     llama.config.prefix_cache = 1
-    prefix = len(llama.tokens(fake_job("x", system=system))) - 8
+    return outputs
+
+
+def test_a_shared_prefix_is_computed_once(llama: nrvna.LlamaRunner) -> None:
+    outputs = prefix_runs(llama, 2, [["cats"], ["dogs"], ["owls"]])  # one after another
+    prefix = len(llama.tokens(fake_job("x", system=SYSTEM))) - 8
     assert outputs[True][1] >= 2 * prefix  # jobs 2 and 3 reused the system prompt's cells
     assert outputs[False][1] == 0
     assert outputs[True][0] == outputs[False][0]  # and generated exactly what a full prefill does
 
 
 def test_jobs_started_together_share_one_computation_of_their_prefix(llama: nrvna.LlamaRunner) -> None:
-    system = "You are a careful assistant. " * 30
-    config = nrvna.Config(workers=1, seqs=4, max_ctx=4096)
-    outputs = {}
-    for reuse in (True, False):
-        llama.config.prefix_cache = int(reuse)
-        session = llama.session(0, config)
-        try:
-            for topic in ("cats", "dogs", "owls", "bees"):  # all four in the same step, into empty slots
-                session.start(fake_job(f"One word about {topic}.", system=system, max_tokens=6, temperature=0))
-            texts = {}
-            while session.active():
-                texts.update((job.prompt, outcome.text) for job, outcome in session.step())
-            outputs[reuse] = (texts, session.reused_tokens)
-        finally:
-            session.close()
-    llama.config.prefix_cache = 1
-    prefix = len(llama.tokens(fake_job("x", system=system))) - 8
+    outputs = prefix_runs(llama, 4, [["cats", "dogs", "owls", "bees"]])  # all four in the same step
+    prefix = len(llama.tokens(fake_job("x", system=SYSTEM))) - 8
     assert outputs[True][1] >= 3 * prefix  # three copied the first one's cells (llama_memory_seq_cp)
     assert outputs[False][1] == 0
     assert outputs[True][0] == outputs[False][0] and len(outputs[True][0]) == 4
@@ -1738,7 +1731,7 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
     flow = Flow(ws)
     jobs = [flow.get(i) for i in ids_of(done)]
     assert [j.prompt for j in jobs] == ["first prompt", "second prompt", "third"]
-    params = [nrvna.read_params(ws, Status.Queued, j.id) for j in jobs]
+    params = [flow.get(j.id).params for j in jobs]
     assert [p["custom_id"] for p in params] == ["line-1", "line-4", "line-5"] and all(p["max_tokens"] == 7 for p in params)
     own = write(tmp_path / "own.jsonl", jsonl([
         {"prompt": "plain", "custom_id": "p1", "temperature": 0, "stop": ["x"], "timeout": 5},
@@ -1747,16 +1740,16 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
     done = cli("submit", ws, "--file", own)
     assert done.returncode == 0, done.stderr
     first, second = (flow.get(i) for i in ids_of(done))
-    assert first.prompt == "plain" and nrvna.read_params(ws, Status.Queued, first.id)["stop"] == ["x"]
+    assert first.prompt == "plain" and flow.get(first.id).params["stop"] == ["x"]
     assert second.prompt == "[system]\nBe brief.\n\n[user]\nHi\n\n[assistant]\nHello.\n\n[user]\nAgain?\n"
-    assert len(nrvna.read_params(ws, Status.Queued, second.id)["messages"]) == 4
+    assert len(flow.get(second.id).params["messages"]) == 4
     openai = jsonl([{"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
                      "body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hey"}], "max_tokens": 9}},
                     {"custom_id": "c2", "method": "POST", "url": "/v1/completions",
                      "body": {"model": "gpt-4o", "prompt": "Once", "max_completion_tokens": 4, "stop": "\n"}}])
     done = cli("submit", ws, "--file", "-", input=openai.encode())
     assert done.returncode == 0 and done.stderr.decode().count("body.model") == 1
-    chat, completion = (nrvna.read_params(ws, Status.Queued, i) for i in ids_of(done))
+    chat, completion = (flow.get(i).params for i in ids_of(done))
     assert chat["endpoint"] == "/v1/chat/completions" and chat["max_tokens"] == 9 and chat["custom_id"] == "c1"
     assert completion == {"custom_id": "c2", "endpoint": "/v1/completions", "max_tokens": 4, "stop": ["\n"], "raw": True}
 
