@@ -1526,7 +1526,7 @@ class RunningJob:
     """
 
     __slots__ = ("id", "prompt", "params", "stop", "dir_fd", "meta", "worker", "path", "started",
-                 "interrupt", "emitted", "lock", "closed", "has_partial")
+                 "interrupt", "emitted", "lock", "closed")
 
     def __init__(self, job_id: str, prompt: str, params: dict[str, Any], stop: threading.Event,
                  dir_fd: int, meta: dict[str, Any], worker: str, path: str) -> None:
@@ -1545,7 +1545,6 @@ class RunningJob:
         self.emitted: Any = deque()  # text not yet in partial.txt (deque: safe across threads)
         self.lock = threading.Lock()  # dir_fd's users: the worker finishing, the partial flusher
         self.closed = False
-        self.has_partial = False  # partial.txt was written (a done job's is removed)
 
     def emit(self, text: str) -> None:
         """Report newly generated text (safe from any thread)."""
@@ -2482,8 +2481,9 @@ class Processor:
         try:
             try:
                 if dest == OUTPUT:  # result.txt holds it all; a late cancel did not take effect
-                    if job.has_partial:
-                        _unlink_quietly(PARTIAL_FILE, job.dir_fd)
+                    # Unconditional: whether the Watcher wrote partial.txt depends on timing,
+                    # and a finish must make the same calls every time (crash-point tests).
+                    _unlink_quietly(PARTIAL_FILE, job.dir_fd)
                     _unlink_quietly(CANCEL_FILE, job.dir_fd)
                 for name, data in files:
                     write_file(job.dir_fd, name, data)
@@ -2828,7 +2828,6 @@ class Server:
                 write_all(fd, data)  # no fsync: partial.txt is for watching, result.txt is the record
             finally:
                 os.close(fd)
-            job.has_partial = True
 
     def write_status(self) -> None:
         """Rewrite daemon.json atomically (what ``nrvna status WS --daemon`` prints)."""
