@@ -7,6 +7,7 @@ Run: python -m pytest test_nrvna.py
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import json
 import os
@@ -768,6 +769,75 @@ def test_a_prompt_longer_than_the_context_fails_that_job(llama: nrvna.LlamaRunne
         assert err.value.code == "context_overflow"
     finally:
         session.close()
+
+
+def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks(llama: nrvna.LlamaRunner) -> None:
+    """nrvna applies the penalty to the logits itself (llama.cpp's sampler hashes every
+    vocabulary entry): token for token, the same choices as llama.cpp's chain, seeded
+    sampling and greedy, over more tokens than the penalty window."""
+    L = llama.L
+    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
+    try:
+        for params in ({"repeat_penalty": 1.5, "temperature": 1.0, "seed": 7},
+                       {"repeat_penalty": 1.3, "temperature": 0.0},
+                       {"repeat_penalty": 0.8, "temperature": 0.9, "top_k": 0, "top_p": 1.0, "seed": 3}):
+            reference, chain = llama.sampler(params), llama.sampler(params, penalties=False)
+            own = L.llama_sampler_init_penalties(llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], 0.0, 0.0)
+            penalty = llama.penalty(params)
+            assert penalty is not None
+            L.llama_memory_clear(session.memory, True)
+            tokens = llama.tokens(fake_job("Repeat after me: the cat, the cat, the cat."))
+            position, changed = 0, 0
+            try:
+                for step in range(nrvna.PENALTY_WINDOW + 56):
+                    for i, token in enumerate(tokens):
+                        session._put(i, token, position + i, 0, i == len(tokens) - 1)
+                    session.batch.n_tokens = len(tokens)
+                    assert L.llama_decode(session.ctx, session.batch) == 0
+                    position += len(tokens)
+                    index = len(tokens) - 1
+                    expected = L.llama_sampler_sample(reference, session.ctx, index)  # reads, never writes
+                    logits = L.llama_get_logits_ith(session.ctx, index)
+                    # llama.cpp's penalties sampler on the window's tokens and a few others
+                    probe = sorted(set(penalty.counts) | {1, 2, 3, 500})
+                    original = [logits[t] for t in probe]
+                    data = (L.llama_token_data * len(probe))(*[L.llama_token_data(t, v, 0.0) for t, v in zip(probe, original)])
+                    array = L.llama_token_data_array(data, len(probe), -1, False)
+                    L.llama_sampler_apply(own, ctypes.byref(array))
+                    penalty.apply(logits)
+                    assert [logits[t] for t in probe] == [d.logit for d in data]  # the same floats
+                    changed += sum(o != d.logit for o, d in zip(original, data))
+                    got = L.llama_sampler_sample(chain, session.ctx, index)
+                    penalty.accept(got)
+                    L.llama_sampler_accept(own, got)
+                    assert got == expected, (params, step)
+                    tokens = [got]
+                assert changed > 100  # the penalty did change logits along the way
+                assert len(penalty.window) == nrvna.PENALTY_WINDOW
+            finally:
+                for sampler in (reference, chain, own):
+                    L.llama_sampler_free(sampler)
+    finally:
+        session.close()
+
+
+def test_borrowed_threads_decode_on_the_one_wide_thread_and_give_the_same_text(llama: nrvna.LlamaRunner) -> None:
+    texts = []
+    for threads in (1, 2, 1):
+        session = llama.session(0, nrvna.Config(workers=1, seqs=2, max_ctx=1024, threads=1))
+        try:
+            session.set_threads(threads)
+            for topic in ("owls", "rain"):
+                session.start(fake_job(f"Two sentences about {topic}.", max_tokens=24, temperature=0, ignore_eos=True))
+            out = {}
+            while session.active():
+                out.update((job.prompt, outcome.text) for job, outcome in session.step())
+            texts.append(out)
+        finally:
+            session.close()
+        if threads == 2:
+            assert llama._wide is not None and llama._wide._thread.is_alive()
+    assert texts[0] == texts[1] == texts[2] and all(texts[0].values())
 
 
 def test_a_seed_makes_a_job_reproducible(llama: nrvna.LlamaRunner) -> None:
@@ -1600,6 +1670,72 @@ def test_slots_refill_at_once_never_exceed_capacity_and_keep_fifo(ws: str) -> No
     # as long as the queue had jobs left
     while_queued = [in_flight for in_flight, admitted in runner.refills if admitted < len(ids)]
     assert len(while_queued) >= 10 and set(while_queued) == {4}
+
+
+class LendingRunner(SteppedRunner):
+    """SteppedRunner whose sessions are one-thread contexts that can borrow threads:
+    each step records (job ids in this session, threads, whether another session had jobs)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.sessions: list[LendingSession] = []
+        self.steps: list[tuple[frozenset[str], int, bool]] = []
+
+    def session(self, index: int, config: nrvna.Config) -> "LendingSession":
+        session = LendingSession(self)
+        self.sessions.append(session)
+        return session
+
+
+class LendingSession(SteppedSession):
+    base_threads = 1
+
+    def __init__(self, runner: LendingRunner) -> None:
+        super().__init__(runner)
+        self.threads = 1
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
+
+    def step(self) -> list[tuple[nrvna.RunningJob, Outcome]]:
+        runner = self.runner
+        others = any(s.jobs for s in runner.sessions if s is not self)
+        with runner.lock:
+            runner.steps.append((frozenset(j.id for j in self.jobs), self.threads, others))
+        time.sleep(0.01)
+        return super().step()
+
+
+def test_a_worker_alone_with_jobs_borrows_the_idle_workers_threads(ws: str) -> None:
+    lent = min(2, nrvna.cpu_count())
+    runner = LendingRunner(capacity=1)
+    with serving(ws, runner, workers=2) as server:
+        assert server._thread_budget == 2
+        lone = submit(ws, "lone steps 12")
+        assert wait_all(ws, [lone]) == [Status.Done]
+        long, short = submit(ws, "long steps 60"), submit(ws, "short steps 20")
+        assert set(wait_all(ws, [long, short])) == {Status.Done}
+    threads_of = lambda job_id, together: [t for ids, t, others in runner.steps if job_id in ids and others == together]
+    assert threads_of(lone, False) == [lent] * 12  # both cores on a lone job
+    together, alone = threads_of(long, True), threads_of(long, False)
+    # while both workers had a job each used its own thread; once the short job ended, the
+    # long one took both (a step may straddle a change: the other worker's load is a hint)
+    assert len(together) >= 15 and together.count(1) >= len(together) - 2
+    assert len(alone) >= 30 and alone.count(lent) >= len(alone) - 2
+    assert threads_of(short, True).count(1) >= 18
+
+
+def test_threads_are_lent_only_between_one_thread_contexts(ws: str) -> None:
+    runner = LendingRunner(capacity=1)
+    LendingSession.base_threads = 2
+    try:
+        with serving(ws, runner, workers=2) as server:
+            assert server._thread_budget == 0  # a second OpenMP team per worker would slow all
+            job = submit(ws, "lone steps 5")
+            assert wait_all(ws, [job]) == [Status.Done]
+        assert {t for _, t, _ in runner.steps} == {1}  # set_threads never called
+    finally:
+        LendingSession.base_threads = 1
 
 
 def test_eight_sequences_in_one_context_each_follow_their_own_params(ws: str, model: str) -> None:
