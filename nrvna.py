@@ -2023,6 +2023,25 @@ class LlamaSession:
         """Slots that can take a job now."""
         return sum(1 for s in self.slots if s is None)
 
+    def idle(self) -> None:
+        """No job in flight: of the cells finished jobs left, keep only the prefixes that
+        several of them share (a system prompt, the chat template's opening).
+
+        Attention scans the KV cache up to its highest used cell, so a batch's leftover
+        cells would slow every later decode (measured: a lone job's step 9.4 ms after a
+        32-job batch, 7.4 ms before it); a shared prefix is what the next job can reuse.
+        """
+        held = [i for i, tokens in enumerate(self.held) if tokens]
+        if len(held) < 2 or any(s is not None for s in self.slots):
+            return
+        for i in held:
+            keep = max(_common_prefix(self.held[i], self.held[j]) for j in held if j != i)
+            if keep < len(self.held[i]):
+                if not self.L.llama_memory_seq_rm(self.memory, i, keep, -1):
+                    self.L.llama_memory_seq_rm(self.memory, i, -1, -1)
+                    keep = 0
+                self.held[i] = self.held[i][:keep]
+
     def active(self) -> list[RunningJob]:
         """The jobs generating in this context."""
         return [s.job for s in self.slots if s is not None]
@@ -3063,6 +3082,8 @@ class Server:
             load = self._loads[index] = len(session.active())
             if load and any(other < load for i, other in enumerate(self._loads) if i != index):
                 return
+            if not load and not len(self.pool) and hasattr(session, "idle"):
+                session.idle()
             job_id = self.pool.get(0.0 if load else 0.5)
             if job_id is None:
                 return

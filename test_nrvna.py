@@ -840,6 +840,33 @@ def test_borrowed_threads_decode_on_the_one_wide_thread_and_give_the_same_text(l
     assert texts[0] == texts[1] == texts[2] and all(texts[0].values())
 
 
+def test_an_idle_context_keeps_only_the_prefix_its_finished_jobs_share(llama: nrvna.LlamaRunner) -> None:
+    system = "You are a careful assistant. " * 10
+    job = lambda topic: fake_job(f"One word about {topic}.", system=system, max_tokens=8, temperature=0, ignore_eos=True)
+    session = llama.session(0, nrvna.Config(workers=1, seqs=4, max_ctx=2048))
+    try:
+        for topic in ("owls", "rain", "salt"):
+            session.start(job(topic))
+        while session.active():
+            session.step()
+        before = [len(tokens) for tokens in session.held]
+        shared = nrvna._common_prefix(session.held[0], session.held[1])
+        assert shared >= 60 and all(n > shared + 8 for n in before[:3])  # own prompt tail + 8 generated
+        session.idle()
+        assert [len(tokens) for tokens in session.held] == [shared] * 3 + [0]
+        for i in range(3):  # the cells match what is held: nothing beyond the prefix is left
+            assert llama.L.llama_memory_seq_pos_max(session.memory, i) == shared - 1
+        reused, text = session.reused_tokens, {}
+        session.start(job("glass"))
+        while session.active():
+            text.update((j.prompt, o.text) for j, o in session.step())
+        assert session.reused_tokens - reused == shared
+    finally:
+        session.close()
+    assert text == {"One word about glass.": generate(llama, "One word about glass.", system=system, max_tokens=8,
+                                                       temperature=0, ignore_eos=True).text}
+
+
 def test_a_seed_makes_a_job_reproducible(llama: nrvna.LlamaRunner) -> None:
     first = generate(llama, "Invent a name for a cat.", seed=1234, max_tokens=24, temperature=1.0)
     second = generate(llama, "Invent a name for a cat.", seed=1234, max_tokens=24, temperature=1.0)
@@ -1693,9 +1720,14 @@ class LendingSession(SteppedSession):
     def __init__(self, runner: LendingRunner) -> None:
         super().__init__(runner)
         self.threads = 1
+        self.idles = 0
 
     def set_threads(self, threads: int) -> None:
         self.threads = threads
+
+    def idle(self) -> None:
+        assert not self.jobs  # only ever told while it has no job
+        self.idles += 1
 
     def step(self) -> list[tuple[nrvna.RunningJob, Outcome]]:
         runner = self.runner
@@ -1723,6 +1755,7 @@ def test_a_worker_alone_with_jobs_borrows_the_idle_workers_threads(ws: str) -> N
     assert len(together) >= 15 and together.count(1) >= len(together) - 2
     assert len(alone) >= 30 and alone.count(lent) >= len(alone) - 2
     assert threads_of(short, True).count(1) >= 18
+    assert all(s.idles > 0 for s in runner.sessions)  # idle workers were told (to trim their caches)
 
 
 def test_threads_are_lent_only_between_one_thread_contexts(ws: str) -> None:
