@@ -156,27 +156,34 @@ def main() -> None:
         results["sequential llama_cpp.Llama"] = {"tok/s": baseline, "jobs/s": baseline / args.tokens,
                                                  "p50 s": float("nan"), "rss": float("nan")}
         lone: dict[str, list[float]] = {}
-        runs: dict[str, list[dict]] = {}
-        for _ in range(args.rounds):  # interleaved rounds: the host's speed drifts between arms
-            for name, env in (("nrvna, NRVNA_SEQS=1", {"NRVNA_SEQS": "1"}), ("nrvna, defaults", {}),
-                              ("nrvna, defaults but NRVNA_PREFIX_CACHE=0", {"NRVNA_PREFIX_CACHE": "0"})):
-                daemon = Daemon(args.model, base, env)
+        nrvna_arms = {"nrvna, NRVNA_SEQS=1": {"NRVNA_SEQS": "1"}, "nrvna, defaults": {},
+                      "nrvna, defaults but NRVNA_PREFIX_CACHE=0": {"NRVNA_PREFIX_CACHE": "0"}}
+        server_arms = {f"llama-server -np {n}, {n} clients": n for n in (1, 8, 16)}
+        runs: dict[str, list[dict]] = {name: [] for name in [*nrvna_arms, *server_arms]}  # table order
+        # Run order within a round: nrvna defaults between the two batched llama-server arms,
+        # so the ratio that matters compares runs seconds apart (the host's speed drifts).
+        order = ["nrvna, NRVNA_SEQS=1", "llama-server -np 1, 1 clients", "llama-server -np 8, 8 clients",
+                 "nrvna, defaults", "llama-server -np 16, 16 clients", "nrvna, defaults but NRVNA_PREFIX_CACHE=0"]
+        for _ in range(args.rounds):  # interleaved rounds
+            for name in order:
+                if name in server_arms:
+                    slots = server_arms[name]
+                    runs[name].append(server_arm(binary, args.model, texts, args.tokens, slots, slots))
+                    continue
+                daemon = Daemon(args.model, base, nrvna_arms[name])
                 try:
-                    runs.setdefault(name, []).append(daemon.run(texts, args.tokens))
+                    runs[name].append(daemon.run(texts, args.tokens))
                     if "PREFIX" not in name:
                         lone.setdefault(name, []).append(daemon.lone_latency(args.tokens))
                 finally:
                     daemon.close()
-            for slots, clients in ((1, 1), (8, 8), (16, 16)):
-                name = f"llama-server -np {slots}, {clients} clients"
-                runs.setdefault(name, []).append(server_arm(binary, args.model, texts, args.tokens, slots, clients))
         for name, arm in runs.items():  # the median round by tokens/s, and the spread
             ordered = sorted(arm, key=lambda r: r["tok/s"])
             results[name] = dict(ordered[len(ordered) // 2], spread=f"{ordered[0]['tok/s']:.0f}-{ordered[-1]['tok/s']:.0f}")
         lone = {name: statistics.median(values) for name, values in lone.items()}
         best_server = max(v["tok/s"] for k, v in results.items() if k.startswith("llama-server"))
-        # The same ratio per round (a round's arms run within about two minutes of each other):
-        # less exposed to the host's drift than a ratio of medians taken from different rounds.
+        # The same ratio per round, from runs seconds apart: less exposed to the host's drift
+        # than a ratio of medians taken from different rounds.
         paired = sorted(runs["nrvna, defaults"][r]["tok/s"] /
                         max(arm[r]["tok/s"] for name, arm in runs.items() if name.startswith("llama-server"))
                         for r in range(args.rounds))
