@@ -867,6 +867,37 @@ def test_an_idle_context_keeps_only_the_prefix_its_finished_jobs_share(llama: nr
                                                        temperature=0, ignore_eos=True).text}
 
 
+def test_a_plain_decode_waits_for_a_decode_with_borrowed_threads_to_end(llama: nrvna.LlamaRunner,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[str] = []
+    real = llama.L.llama_decode
+
+    def slow_decode(ctx: Any, batch: Any) -> int:
+        order.append("wide start")
+        time.sleep(0.3)
+        code = real(ctx, batch)
+        order.append("wide end")
+        return code
+
+    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=1024, threads=1))
+    try:
+        session.set_threads(2)
+        session.start(fake_job("One word about owls.", max_tokens=1))
+        monkeypatch.setattr(llama.L, "llama_decode", slow_decode)
+        worker = threading.Thread(target=session.step)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while not order and time.monotonic() < deadline:
+            time.sleep(0.005)
+        llama.wait_wide()  # what a worker that just got a job does before its own decode
+        order.append("waited")
+        worker.join()
+    finally:
+        monkeypatch.undo()
+        session.close()
+    assert order == ["wide start", "wide end", "waited"]
+
+
 def test_a_seed_makes_a_job_reproducible(llama: nrvna.LlamaRunner) -> None:
     first = generate(llama, "Invent a name for a cat.", seed=1234, max_tokens=24, temperature=1.0)
     second = generate(llama, "Invent a name for a cat.", seed=1234, max_tokens=24, temperature=1.0)
