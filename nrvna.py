@@ -2044,8 +2044,8 @@ class LlamaSession:
         several of them share (a system prompt, the chat template's opening).
 
         Attention scans the KV cache up to its highest used cell, so a batch's leftover
-        cells would slow every later decode (measured: a lone job's step 9.4 ms after a
-        32-job batch, 7.4 ms before it); a shared prefix is what the next job can reuse.
+        cells slow every later decode; a shared prefix is what the next job can reuse.
+        (Where the kept cells sit is llama.cpp's choice: they may still be high up.)
         """
         held = [i for i, tokens in enumerate(self.held) if tokens]
         if len(held) < 2 or any(s is not None for s in self.slots):
