@@ -54,7 +54,7 @@ import stat
 import sys
 import threading
 import time
-from collections import namedtuple
+from collections import deque, namedtuple
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations are strings at run time: importing typing costs 4 ms a start
@@ -1205,6 +1205,7 @@ def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
         found[job_id] = flow.status(job_id)
     return found
 
+
 def _daemon_holds(workspace: str) -> Optional[int]:
     """The pid of the daemon holding ``workspace``'s lock, or None when no daemon runs.
     Decided by the lock itself (the kernel drops it when its holder dies), never by a file."""
@@ -1430,6 +1431,7 @@ def _prune_tag_index(workspace: str) -> None:
         except OSError:
             pass  # not empty
 
+
 def _finished_at(path: str) -> float:
     try:
         fd = open_dir(path)
@@ -1532,8 +1534,6 @@ class RunningJob:
 
     def __init__(self, job_id: str, prompt: str, params: dict[str, Any], stop: threading.Event,
                  dir_fd: int, meta: dict[str, Any], worker: str, path: str) -> None:
-        from collections import deque
-
         self.id = job_id
         self.prompt = prompt
         self.params = params
@@ -1862,23 +1862,21 @@ class LlamaRunner:
         return (ctypes.c_char * size)()
 
     def penalty(self, params: Mapping[str, Any]) -> Optional["_RepeatPenalty"]:
-        """The job's repetition penalty, applied outside its sampler chain (None if off)."""
+        """The job's repetition penalty (None if off): applied to the logits before its
+        sampler chain runs (see _RepeatPenalty)."""
         repeat = params.get("repeat_penalty", self.config.repeat_penalty)
         return _RepeatPenalty(repeat) if repeat != 1.0 and repeat > 0 else None
 
-    def sampler(self, params: Mapping[str, Any], penalties: bool = True) -> Any:
-        """A sampler chain for one job (chains hold state: one per sequence). Without
-        ``penalties`` the chain leaves the repetition penalty to ``penalty()``."""
+    def sampler(self, params: Mapping[str, Any]) -> Any:
+        """A sampler chain for one job (chains hold state: one per sequence); the
+        repetition penalty is not in it (see ``penalty``)."""
         L, cfg = self.L, self.config
         temperature = params.get("temperature", cfg.temp)
         top_k = params.get("top_k", cfg.top_k)
         top_p = params.get("top_p", cfg.top_p)
         min_p = params.get("min_p", cfg.min_p)
-        repeat = params.get("repeat_penalty", cfg.repeat_penalty)
         seed = params.get("seed", cfg.seed) or L.LLAMA_DEFAULT_SEED  # 0 = random
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        if penalties and repeat != 1.0 and repeat > 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_penalties(self.n_vocab, PENALTY_WINDOW, repeat, 0.0, 0.0))
         if temperature <= 0:
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
             return chain
@@ -1921,8 +1919,6 @@ class _RepeatPenalty:
 
     def __init__(self, penalty: float) -> None:
         import ctypes
-        from collections import deque
-
         self.factor = ctypes.c_float(penalty).value  # the float llama.cpp would use
         self.window: Any = deque()
         self.counts: dict[int, int] = {}
@@ -2027,6 +2023,7 @@ class LlamaSession:
         self.reuse = bool(runner.config.prefix_cache)
         self.reused_tokens = 0
         self.threads = self.base_threads = threads
+        self.trimmed = False  # idle() has trimmed the held cells since the last job started
 
     def set_threads(self, threads: int) -> None:
         """Decode with ``threads`` CPU threads from the next step on (a setting of the
@@ -2048,8 +2045,9 @@ class LlamaSession:
         (Where the kept cells sit is llama.cpp's choice: they may still be high up.)
         """
         held = [i for i, tokens in enumerate(self.held) if tokens]
-        if len(held) < 2 or any(s is not None for s in self.slots):
+        if self.trimmed or len(held) < 2 or any(s is not None for s in self.slots):
             return
+        self.trimmed = True  # until the next job: the worker calls this on every idle turn
         for i in held:
             keep = max(_common_prefix(self.held[i], self.held[j]) for j in held if j != i)
             if keep < len(self.held[i]):
@@ -2070,11 +2068,12 @@ class LlamaSession:
             raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {self.ctx_per_seq}")
         if not tokens:
             raise JobError("bad_request", "prompt has no tokens")
+        self.trimmed = False
         free = [i for i, s in enumerate(self.slots) if s is None]
         # The free slot already holding the longest prefix of this prompt (a finished job's cells).
         slot = max(free, key=lambda i: _common_prefix(self.held[i], tokens)) if self.reuse else free[0]
         max_tokens = job.params.get("max_tokens", self.runner.config.predict)
-        seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, self.runner.sampler(job.params, False),
+        seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, self.runner.sampler(job.params),
                                            self.runner.penalty(job.params))
         self._attach(seq, own=_common_prefix(self.held[slot], tokens) if self.reuse else 0)
 
@@ -2843,8 +2842,6 @@ class Server:
         self._running: dict[str, RunningJob] = {}  # in flight, for the watcher (under _stats_lock)
         self._stats_lock = threading.Lock()
         self._stats = {"jobs_done": 0, "jobs_failed": 0, "tokens_generated": 0}
-        from collections import deque
-
         self._recent: Any = deque()  # (time, tokens) of jobs ended in the last minute
         self._started_at = time.time()
         self._next_status = 0.0

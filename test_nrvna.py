@@ -781,7 +781,12 @@ def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks
         for params in ({"repeat_penalty": 1.5, "temperature": 1.0, "seed": 7},
                        {"repeat_penalty": 1.3, "temperature": 0.0},
                        {"repeat_penalty": 0.8, "temperature": 0.9, "top_k": 0, "top_p": 1.0, "seed": 3}):
-            reference, chain = llama.sampler(params), llama.sampler(params, penalties=False)
+            # llama.cpp's way: its penalties sampler first in the chain, then nrvna's chain
+            reference = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+            L.llama_sampler_chain_add(reference, L.llama_sampler_init_penalties(
+                llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], 0.0, 0.0))
+            L.llama_sampler_chain_add(reference, llama.sampler(params))  # owned by reference now
+            chain = llama.sampler(params)
             own = L.llama_sampler_init_penalties(llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], 0.0, 0.0)
             penalty = llama.penalty(params)
             assert penalty is not None
