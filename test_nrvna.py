@@ -845,10 +845,18 @@ def test_borrowed_threads_decode_on_the_one_wide_thread_and_give_the_same_text(l
     assert texts[0] == texts[1] == texts[2] and all(texts[0].values())
 
 
-def test_an_idle_context_keeps_only_the_prefix_its_finished_jobs_share(llama: nrvna.LlamaRunner) -> None:
+def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared_prefix(llama: nrvna.LlamaRunner) -> None:
     system = "You are a careful assistant. " * 10
     job = lambda topic: fake_job(f"One word about {topic}.", system=system, max_tokens=8, temperature=0, ignore_eos=True)
     session = llama.session(0, nrvna.Config(workers=1, seqs=4, max_ctx=2048))
+
+    def run(topic: str) -> str:
+        session.start(job(topic))
+        out = []
+        while session.active():
+            out += [o.text for _, o in session.step()]
+        return out[0]
+
     try:
         for topic in ("owls", "rain", "salt"):
             session.start(job(topic))
@@ -857,19 +865,28 @@ def test_an_idle_context_keeps_only_the_prefix_its_finished_jobs_share(llama: nr
         before = [len(tokens) for tokens in session.held]
         shared = nrvna._common_prefix(session.held[0], session.held[1])
         assert shared >= 60 and all(n > shared + 8 for n in before[:3])  # own prompt tail + 8 generated
+        last = session.last_kept
+        assert last in (0, 1, 2)
         session.idle()
-        assert [len(tokens) for tokens in session.held] == [shared] * 3 + [0]
-        for i in range(3):  # the cells match what is held: nothing beyond the prefix is left
-            assert llama.L.llama_memory_seq_pos_max(session.memory, i) == shared - 1
-        reused, text = session.reused_tokens, {}
-        session.start(job("glass"))
-        while session.active():
-            text.update((j.prompt, o.text) for j, o in session.step())
-        assert session.reused_tokens - reused == shared
+        assert [len(tokens) for tokens in session.held] == [before[i] if i == last else shared for i in range(3)] + [0]
+        for i in range(3):  # the cells match what is held: nothing beyond it is left
+            assert llama.L.llama_memory_seq_pos_max(session.memory, i) == len(session.held[i]) - 1
+        # A new prompt shares only the prefix with every slot: it takes the slot kept whole
+        # (dropping that slot's tail) and reuses exactly the prefix.
+        reused = session.reused_tokens
+        glass = run("glass")
+        assert session.reused_tokens - reused == shared and session.last_kept == last
+        assert [len(tokens) for tokens in session.held][:3].count(shared) == 2
+        session.idle()
+        # The same prompt again (a retry, or a conversation's next turn) reuses all of it
+        # but the token decoded for its logits.
+        reused, n_prompt = session.reused_tokens, len(llama.tokens(job("glass")))
+        assert run("glass") == glass
+        assert session.reused_tokens - reused == n_prompt - 1
     finally:
         session.close()
-    assert text == {"One word about glass.": generate(llama, "One word about glass.", system=system, max_tokens=8,
-                                                       temperature=0, ignore_eos=True).text}
+    assert glass == generate(llama, "One word about glass.", system=system, max_tokens=8, temperature=0,
+                             ignore_eos=True).text
 
 
 def test_a_plain_decode_waits_for_a_decode_with_borrowed_threads_to_end(llama: nrvna.LlamaRunner,
