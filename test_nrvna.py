@@ -883,6 +883,16 @@ def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared
         reused, n_prompt = session.reused_tokens, len(llama.tokens(job("glass")))
         assert run("glass") == glass
         assert session.reused_tokens - reused == n_prompt - 1
+        # A conversation's next turn starts with the whole last job: prompt and answer.
+        session.idle()
+        reused = session.reused_tokens
+        turn = fake_job("", max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "One word about glass."},
+            {"role": "assistant", "content": glass}, {"role": "user", "content": "And about salt?"}])
+        session.start(turn)
+        while session.active():
+            session.step()
+        assert session.reused_tokens - reused > n_prompt  # the answer's cells too
     finally:
         session.close()
     assert glass == generate(llama, "One word about glass.", system=system, max_tokens=8, temperature=0,
