@@ -2299,6 +2299,8 @@ class Pool:
         self._known: set[str] = set()
         self._busy = 0
         self._closed = False
+        self._waiting: set[int] = set()  # idle workers blocked in get()
+        self._favored: Optional[int] = None  # the worker whose job ended last
 
     def push(self, job_ids: Iterable[str]) -> int:
         """Queue the IDs not already queued or running; return how many were new."""
@@ -2313,8 +2315,14 @@ class Pool:
                 self._cond.notify(added)
         return added
 
-    def get(self, timeout: float) -> Optional[str]:
-        """The oldest queued ID, waiting up to ``timeout`` s; None if none or closed."""
+    def get(self, timeout: float, worker: Optional[int] = None) -> Optional[str]:
+        """The oldest queued ID, waiting up to ``timeout`` s; None if none or closed.
+
+        A lone queued job is left to the worker whose job ended last while that worker
+        waits here idle: its context still holds that job's cells, which a conversation's
+        next turn or a retry starts with (any idle worker would do otherwise, and waiters
+        are woken oldest first, so turns would alternate between workers).
+        """
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._closed:
@@ -2323,15 +2331,32 @@ class Pool:
                     _, job_id = heapq.heappop(self._later)
                     heapq.heappush(self._heap, (order_key(job_id), job_id))
                 if self._heap:
-                    self._busy += 1
-                    return heapq.heappop(self._heap)[1]
+                    if not self._leave_to_favored(worker):
+                        self._busy += 1
+                        return heapq.heappop(self._heap)[1]
+                    self._cond.notify_all()  # the favored worker takes it
                 left = deadline - now
                 if left <= 0:
                     return None
                 if self._later:
                     left = min(left, self._later[0][0] - now)
-                self._cond.wait(left)
+                if worker is not None:
+                    self._waiting.add(worker)
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._waiting.discard(worker)
         return None
+
+    def _leave_to_favored(self, worker: Optional[int]) -> bool:
+        favored = self._favored
+        return (worker is not None and favored is not None and favored != worker
+                and len(self._heap) == 1 and favored in self._waiting)
+
+    def favor(self, worker: int) -> None:
+        """``worker``'s job is the one that ended last (see ``get``)."""
+        with self._cond:
+            self._favored = worker
 
     def done(self, job_id: str) -> None:
         """The worker is finished with ``job_id`` (ended, lost a claim race, or requeued)."""
@@ -3065,8 +3090,11 @@ class Server:
                 self._admit(index, session, name)
                 if session.active() and not self._stop.is_set():
                     self._share_cores(index, session)
-                    for job, outcome in session.step():
+                    ended = session.step()
+                    for job, outcome in ended:
                         self._end(job, outcome)
+                    if ended:
+                        self.pool.favor(index)
             except Exception as err:  # a runner bug fails its jobs, never the worker
                 log.error(f"runner error: {err!r}")
                 for job in session.active():
@@ -3109,7 +3137,7 @@ class Server:
                 return
             if not load and not len(self.pool) and hasattr(session, "idle"):
                 session.idle()
-            job_id = self.pool.get(0.0 if load else 0.5)
+            job_id = self.pool.get(0.0 if load else 0.5, worker=index)
             if job_id is None:
                 return
             try:

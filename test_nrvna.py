@@ -1749,6 +1749,40 @@ class SteppedSession:
         pass
 
 
+def test_a_lone_job_goes_to_the_idle_worker_whose_job_ended_last(ws: str) -> None:
+    # A conversation: each turn is submitted a while after the previous one is done. Only the
+    # worker that ran a turn holds its cells; idle workers re-wait every 0.5 s in turn, so
+    # without routing the oldest waiter, any of them, would take the next turn.
+    flow, workers = Flow(ws), []
+    with serving(ws, lambda job: "ok", workers=3):
+        for turn in range(6):
+            job_id = submit(ws, f"turn {turn}")
+            assert flow.wait(job_id, 30) is Status.Done
+            workers.append(flow.get(job_id).meta["worker"])
+            time.sleep(0.6)  # the user reads the answer
+    assert len(set(workers)) == 1, workers
+
+
+def test_a_worker_leaves_a_lone_job_only_to_an_idle_favored_worker() -> None:
+    pool = nrvna.Pool()
+    pool.favor(1)
+    pool.push(["1_1_1"])
+    assert pool.get(0.0, worker=0) == "1_1_1"  # worker 1 is not waiting: no one to leave it to
+    pool.push(["1_1_2", "1_1_3"])
+    assert pool.get(0.0, worker=0) == "1_1_2"  # more than one queued: anyone takes them
+    assert pool.get(0.0, worker=0) == "1_1_3"
+    taken = []
+    waiter = threading.Thread(target=lambda: taken.append(pool.get(5.0, worker=1)))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while 1 not in pool._waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pool.push(["1_1_4"])
+    assert pool.get(0.2, worker=0) is None  # left to worker 1, which is waiting
+    waiter.join(5)
+    assert taken == ["1_1_4"]
+
+
 def test_slots_refill_at_once_never_exceed_capacity_and_keep_fifo(ws: str) -> None:
     ids = [submit(ws, f"job {i} steps {1 + (i * 7) % 5}") for i in range(40)]
     runner = SteppedRunner(capacity=4)
