@@ -2321,7 +2321,7 @@ class Pool:
         A lone queued job is left to the worker whose job ended last while that worker
         waits here idle: its context still holds that job's cells, which a conversation's
         next turn or a retry starts with (any idle worker would do otherwise, and waiters
-        are woken oldest first, so turns would alternate between workers).
+        are woken oldest first, so a conversation's turns would wander between workers).
         """
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -2785,6 +2785,9 @@ class Processor:
             meta = self._read_meta(dir_fd)
             attempts = meta.get("attempts") if isinstance(meta.get("attempts"), int) else 0
             if attempts >= self.config.max_attempts:
+                # The killed attempt's temporaries and results go; its partial text stays
+                # (what it generated before the deaths is the evidence).
+                _clear_outputs(dir_fd, keep=(PARTIAL_FILE,))
                 job = RunningJob(name, "", {}, threading.Event(), dir_fd, meta, "Main", path)
                 self.finish(job, Outcome(error_code="crash_ceiling", error=(
                     f"the daemon stopped {attempts} times while running this job "
@@ -2833,9 +2836,11 @@ class Processor:
         return removed
 
 
-def _clear_outputs(dir_fd: int) -> None:
+def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
     """Remove what an interrupted attempt may have left (results, temporary files)."""
     for name in os.listdir(dir_fd):
+        if name in keep:
+            continue
         if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE) or (name.startswith(".") and name.endswith(".tmp")):
             _unlink_quietly(name, dir_fd)
 

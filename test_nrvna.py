@@ -457,6 +457,7 @@ def orphan(ws: str, prompt: str, attempts: int) -> str:
 def test_orphans_are_recovered_and_poison_jobs_hit_the_ceiling(ws: str) -> None:
     again = orphan(ws, "again", 1)
     poison = orphan(ws, "poison", 3)
+    Path(ws, nrvna.PROCESSING, poison, "partial.txt").write_text("before the deaths")
     with serving(ws, echo, max_attempts=3):
         assert wait_all(ws, [again, poison]) == [Status.Done, Status.Failed]
     flow = Flow(ws)
@@ -464,6 +465,8 @@ def test_orphans_are_recovered_and_poison_jobs_hit_the_ceiling(ws: str) -> None:
     job = flow.get(poison)
     assert "stopped 3 times" in job.error and job.meta["code"] == "crash_ceiling"
     assert sorted(os.listdir(os.path.join(ws, nrvna.OUTPUT, again))) == ["meta.json", "prompt.txt", "result.txt"]
+    # the killed attempt's half result and temporary file are gone; its partial text stays
+    assert sorted(os.listdir(os.path.join(ws, nrvna.FAILED, poison))) == ["error.txt", "meta.json", "partial.txt", "prompt.txt"]
 
 
 def test_stale_staging_dirs_are_removed_at_start_and_fresh_ones_kept(ws: str) -> None:
