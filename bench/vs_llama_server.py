@@ -7,8 +7,9 @@ nrvna computes once per context and llama-server once per slot);
 llama-server -np 1 with 1 client, -np 8 with 8 concurrent clients, -np 16 with 16. Then a
 lone job's latency (defaults vs NRVNA_SEQS=1, both daemons up, jobs alternating between
 them after a 32-job batch each) and a shared-prefix arm (32 jobs with one 300-token system
-prompt, prefix reuse on and off). An nrvna job ends at its rename into output/. llama-server is built once from the
-llama.cpp sources vendored in the pinned llama-cpp-python sdist (bench/build_llama_server.sh).
+prompt, prefix reuse on and off). An nrvna job ends at its rename into output/.
+llama-server is built once from the llama.cpp sources vendored in the pinned
+llama-cpp-python sdist (bench/build_llama_server.sh).
 
     python bench/vs_llama_server.py [--model PATH] [--prompts 32] [--tokens 64] [--rounds 5]
 """
