@@ -101,6 +101,9 @@ CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long
 PREFIX_WAIT_TOKENS = 16
 # The repetition penalty looks back this many generated tokens (llama.cpp's default).
 PENALTY_WINDOW = 64
+# A context has room for this many jobs of the full per-job length (NRVNA_MAX_CTX / this);
+# sequences beyond it run only while the jobs' own budgets leave room (LlamaSession.free).
+FULL_LENGTH_SEQS = 8
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 
@@ -126,7 +129,7 @@ SETTINGS: dict[str, _Setting] = {
     "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace"),
     "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all)"),
     "predict": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job"),
-    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per worker, split among its sequences (capped at the model's training context per sequence)"),
+    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
     "temp": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature (0 = greedy)"),
     "top_k": _Setting("NRVNA_TOP_K", int, 40, 0, 1 << 20, "top-k sampling (0 = off)"),
     "top_p": _Setting("NRVNA_TOP_P", float, 0.9, 0.0, 1.0, "top-p sampling (1 = off)"),
@@ -137,7 +140,7 @@ SETTINGS: dict[str, _Setting] = {
     "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
     "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
     "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
-    "seqs": _Setting("NRVNA_SEQS", int, 8, 1, 256, "sequences each worker context generates at once"),
+    "seqs": _Setting("NRVNA_SEQS", int, 16, 1, 256, "sequences each worker context generates at once (beyond 8, as the jobs' budgets leave room)"),
     "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
     "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs"),
@@ -1949,12 +1952,14 @@ class _Sequence:
     """One job generating in a slot of a context."""
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
-                 "penalty", "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent")
+                 "penalty", "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
+                 "budget")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, sampler: Any,
-                 penalty: Optional[_RepeatPenalty] = None) -> None:
+                 penalty: Optional[_RepeatPenalty] = None, budget: int = 0) -> None:
         self.job = job
         self.slot = slot
+        self.budget = budget  # KV cells this job can come to hold: its prompt and max_tokens
         self.prompt = tokens
         self.pending = tokens  # prompt tokens not yet decoded (set by LlamaSession._attach)
         self.cached: list[int] = []  # tokens whose KV cells this slot holds, in order
@@ -1987,13 +1992,16 @@ class LlamaSession:
         L = runner.L
         self.runner = runner
         self.L = L
-        # NRVNA_MAX_CTX is each worker's context, shared by its sequences (as llama-server
-        # splits -c across -np): S sequences must not multiply the KV memory by S.
-        per_seq = max(64, (config or runner.config).max_ctx // seqs)
+        # NRVNA_MAX_CTX is each worker's context, shared by its sequences: S sequences must
+        # not multiply the KV memory by S. It holds FULL_LENGTH_SEQS jobs of the full length;
+        # more sequences run as the jobs' budgets leave room (see free), since a batch's
+        # short jobs use a fraction of their share and wider steps cost less per token.
+        full = min(seqs, FULL_LENGTH_SEQS)
+        per_seq = max(64, (config or runner.config).max_ctx // full)
         if runner.train_ctx > 0:
             per_seq = min(per_seq, runner.train_ctx)
         params = L.llama_context_default_params()
-        params.n_ctx = per_seq * seqs
+        params.n_ctx = self.cells = per_seq * full
         params.n_batch = n_batch
         params.n_ubatch = n_batch
         params.n_seq_max = seqs
@@ -2029,8 +2037,18 @@ class LlamaSession:
             self.threads = threads
 
     def free(self) -> int:
-        """Slots that can take a job now."""
-        return sum(1 for s in self.slots if s is None)
+        """How many jobs can start now (more may once these have started).
+
+        The KV cache holds ``cells`` tokens, ``FULL_LENGTH_SEQS`` jobs of the full
+        per-job length. A running job needs at most its budget (prompt plus max_tokens,
+        capped at that length), and a new job is taken only while the budgets leave room
+        for one of full length, since its size is known only once it is claimed. So the
+        cache never overflows (a failed decode would fail every job in it), and a batch of
+        short jobs fills every slot.
+        """
+        slots = sum(1 for s in self.slots if s is None)
+        room = self.cells - sum(s.budget for s in self.slots if s is not None)
+        return min(slots, room // self.ctx_per_seq)
 
     def idle(self) -> None:
         """No job in flight: of the cells finished jobs left, keep the last job's whole and
@@ -2070,15 +2088,36 @@ class LlamaSession:
             raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {self.ctx_per_seq}")
         if not tokens:
             raise JobError("bad_request", "prompt has no tokens")
+        if self.free() <= 0:  # a caller's bug: the worker checks free() before it claims
+            raise RuntimeError("no room for another job in this context")
         self.trimmed = False
         free = [i for i, s in enumerate(self.slots) if s is None]
         # The free slot already holding the longest prefix of this prompt (a finished job's cells).
         # (On a tie, the slot idle() left whole: the new job's cells replace its tail.)
         slot = max(free, key=lambda i: (_common_prefix(self.held[i], tokens), i == self.last_kept)) if self.reuse else free[0]
         max_tokens = job.params.get("max_tokens", self.runner.config.predict)
+        budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, self.runner.sampler(job.params),
-                                           self.runner.penalty(job.params))
+                                           self.runner.penalty(job.params), budget)
         self._attach(seq, own=_common_prefix(self.held[slot], tokens) if self.reuse else 0)
+        self._make_room()
+
+    def _make_room(self) -> None:
+        """Forget finished jobs' cells (kept for prefix reuse) while they and the running
+        jobs' budgets could together overflow the cache; the last job's cells go last.
+
+        Counting every slot's cells as its own overstates what shared prefixes use, so this
+        is safe: the cells actually in use never exceed the cache.
+        """
+        used = sum(s.budget for s in self.slots if s is not None) + sum(len(t) for t in self.held)
+        for i in sorted((i for i, t in enumerate(self.held) if t), key=lambda i: (i == self.last_kept, -len(self.held[i]))):
+            if used <= self.cells:
+                return
+            used -= len(self.held[i])
+            self.held[i] = []
+            self.L.llama_memory_seq_rm(self.memory, i, -1, -1)
+            if i == self.last_kept:
+                self.last_kept = None
 
     def _attach(self, seq: _Sequence, own: int = 0) -> None:
         """Give a new sequence the longest computed prefix of its prompt in this context.
@@ -3718,7 +3757,7 @@ def _daemon_arguments(parser: Any) -> None:
     parser.add_argument("model", metavar="MODEL", help="GGUF path, or a name in NRVNA_MODELS_DIR")
     parser.add_argument("workspace", metavar="WORKSPACE")
     parser.add_argument("-w", "--workers", type=int, help="worker threads (NRVNA_WORKERS; default 4, or the cores if fewer)")
-    parser.add_argument("-s", "--seqs", type=int, help="sequences per worker context (NRVNA_SEQS, default 8)")
+    parser.add_argument("-s", "--seqs", type=int, help="sequences per worker context (NRVNA_SEQS, default 16)")
     parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0")
 
 

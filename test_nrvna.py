@@ -167,7 +167,7 @@ def test_env_values_are_read() -> None:
                                     "NRVNA_SEED": "7", "NRVNA_MODELS_DIR": "/m"})
     assert (config.workers, config.temp, config.log_level, config.seed, config.models_dir) == (8, 0.2, "trace", 7, "/m")
     assert nrvna.Config.from_env({}).workers == min(4, nrvna.cpu_count())
-    assert nrvna.Config.from_env({}).seqs == 8
+    assert nrvna.Config.from_env({}).seqs == 16
 
 
 @pytest.mark.parametrize("params,message", [
@@ -900,6 +900,44 @@ def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared
         session.close()
     assert glass == generate(llama, "One word about glass.", system=system, max_tokens=8, temperature=0,
                              ignore_eos=True).text
+
+
+def test_a_context_admits_jobs_by_the_cells_their_budgets_need(llama: nrvna.LlamaRunner) -> None:
+    """16 sequences in a context sized for 8 full-length jobs: short jobs fill all 16 slots,
+    long ones only 8, and finished jobs' cells are dropped before they could overflow it."""
+    session = llama.session(0, nrvna.Config(workers=1, seqs=16, max_ctx=1024))
+    words = ["Owls", "Rain", "Salt", "Glass", "Bread", "Maps", "Wolves", "Tea",
+             "Iron", "Moss", "Kites", "Sand", "Pearls", "Wheat", "Foxes", "Clocks"]
+    L = llama.L
+    try:
+        assert (session.cells, session.ctx_per_seq, session.free()) == (1024, 128, 8)
+        for word in words:  # each job's budget: about 6 prompt tokens + 40
+            assert session.free() > 0
+            session.start(fake_job(f"{word} are", raw=True, max_tokens=40, temperature=0, ignore_eos=True))
+        assert session.free() == 0 and len(session.active()) == 16
+        outcomes = []
+        while session.active():
+            outcomes += [o for _, o in session.step()]
+        assert [(o.error_code, o.generated_tokens) for o in outcomes] == [(None, 40)] * 16
+        assert sum(len(t) for t in session.held) > 16 * 40  # every slot keeps its job's cells
+        long = []
+        while session.free() > 0:  # budget 128 (the per-job length) each: 8 fit, not 16
+            long.append(fake_job(f"{words[len(long)]} were", raw=True, max_tokens=500, temperature=0, ignore_eos=True))
+            session.start(long[-1])
+        assert len(long) == 8 and session.slots.count(None) == 8
+        assert sum(len(t) for t in session.held) + 8 * 128 <= 1024  # the rest were dropped...
+        for i, tokens in enumerate(session.held):  # ...from the cache too
+            if not tokens and session.slots[i] is None:
+                assert L.llama_memory_seq_pos_max(session.memory, i) == -1
+        outcomes = []
+        while session.active():
+            outcomes += [o for _, o in session.step()]
+        # no decode failed for want of cells; each ran to the per-job length
+        assert [(o.error_code, o.finish_reason) for o in outcomes] == [(None, "length")] * 8
+        # (128 cells: the last token sampled is never decoded)
+        assert [o.prompt_tokens + o.generated_tokens for o in outcomes] == [129] * 8
+    finally:
+        session.close()
 
 
 def test_a_plain_decode_waits_for_a_decode_with_borrowed_threads_to_end(llama: nrvna.LlamaRunner,
@@ -1871,13 +1909,13 @@ def test_threads_are_lent_only_between_one_thread_contexts(ws: str) -> None:
         LendingSession.base_threads = 1
 
 
-def test_eight_sequences_in_one_context_each_follow_their_own_params(ws: str, model: str) -> None:
+def test_sixteen_sequences_in_one_context_each_follow_their_own_params(ws: str, model: str) -> None:
     jobs = {}
-    for i in range(8):
+    for i in range(16):  # the default NRVNA_SEQS: short jobs fill every slot
         jobs[submit(ws, f"Tell me about the number {i}.", max_tokens=4 + 3 * i, ignore_eos=True, seed=i + 1)] = 4 + 3 * i
     stopped = submit(ws, "Write a long poem about the sea.", max_tokens=200, temperature=0, stop=["ocean"])
     too_long = submit(ws, "tell me " * 400)
-    done = cli("daemon", model, ws, "-w", "1", "-s", "8", "--drain", env={"NRVNA_MAX_CTX": "4096"}, timeout=300)
+    done = cli("daemon", model, ws, "-w", "1", "--drain", env={"NRVNA_MAX_CTX": "4096"}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     flow = Flow(ws)
     for job_id, limit in jobs.items():
@@ -1889,7 +1927,7 @@ def test_eight_sequences_in_one_context_each_follow_their_own_params(ws: str, mo
     assert job.status is Status.Failed and "tokens; a sequence holds 512" in job.error
     starts = sorted(flow.get(i).meta["started"] for i in jobs)
     ends = sorted(flow.get(i).meta["finished"] for i in jobs)
-    assert starts[-1] < ends[0]  # all 8 were generating at the same time
+    assert starts[-1] < ends[0]  # all 16 were generating at the same time
 
 
 SYSTEM = "You are a careful assistant. " * 30
