@@ -1,7 +1,7 @@
 """nrvna against llama.cpp's own llama-server, on the same model, machine, prompts and number
 of generated tokens per job (end-of-generation ignored in every arm), every arm warm.
 
-Arms: sequential `llama_cpp.Llama`; nrvna with NRVNA_SEQS=1; nrvna with its defaults (and
+Arms: sequential `llama_cpp.Llama`; nrvna with NRVNA_SEQS=1 and =8; nrvna with its defaults (and
 with NRVNA_PREFIX_CACHE=0: the prompts share the chat template's default system prompt, which
 nrvna computes once per context and llama-server once per slot);
 llama-server -np 1 with 1 client, -np 8 with 8 concurrent clients, -np 16 with 16. Then a
@@ -182,14 +182,15 @@ def main() -> None:
         baseline = sequential_llama(args.model, texts, args.tokens)
         results["sequential llama_cpp.Llama"] = {"tok/s": baseline, "jobs/s": baseline / args.tokens,
                                                  "p50 s": float("nan"), "rss": float("nan")}
-        nrvna_arms = {"nrvna, NRVNA_SEQS=1": {"NRVNA_SEQS": "1"}, "nrvna, defaults": {},
-                      "nrvna, defaults but NRVNA_PREFIX_CACHE=0": {"NRVNA_PREFIX_CACHE": "0"}}
+        nrvna_arms = {"nrvna, NRVNA_SEQS=1": {"NRVNA_SEQS": "1"}, "nrvna, NRVNA_SEQS=8": {"NRVNA_SEQS": "8"},
+                      "nrvna, defaults": {}, "nrvna, defaults but NRVNA_PREFIX_CACHE=0": {"NRVNA_PREFIX_CACHE": "0"}}
         server_arms = {f"llama-server -np {n}, {n} clients": n for n in (1, 8, 16)}
         runs: dict[str, list[dict]] = {name: [] for name in [*nrvna_arms, *server_arms]}  # table order
         # Run order within a round: nrvna defaults between the two batched llama-server arms,
         # so the ratio that matters compares runs seconds apart (the host's speed drifts).
         order = ["nrvna, NRVNA_SEQS=1", "llama-server -np 1, 1 clients", "llama-server -np 8, 8 clients",
-                 "nrvna, defaults", "llama-server -np 16, 16 clients", "nrvna, defaults but NRVNA_PREFIX_CACHE=0"]
+                 "nrvna, defaults", "llama-server -np 16, 16 clients", "nrvna, NRVNA_SEQS=8",
+                 "nrvna, defaults but NRVNA_PREFIX_CACHE=0"]
         for _ in range(args.rounds):  # interleaved rounds
             for name in order:
                 if name in server_arms:
