@@ -1955,8 +1955,8 @@ class _Sequence:
                  "penalty", "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
                  "budget")
 
-    def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, sampler: Any,
-                 penalty: Optional[_RepeatPenalty] = None, budget: int = 0) -> None:
+    def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int, sampler: Any,
+                 penalty: Optional[_RepeatPenalty] = None) -> None:
         self.job = job
         self.slot = slot
         self.budget = budget  # KV cells this job can come to hold: its prompt and max_tokens
@@ -2097,8 +2097,8 @@ class LlamaSession:
         slot = max(free, key=lambda i: (_common_prefix(self.held[i], tokens), i == self.last_kept)) if self.reuse else free[0]
         max_tokens = job.params.get("max_tokens", self.runner.config.predict)
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
-        seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, self.runner.sampler(job.params),
-                                           self.runner.penalty(job.params), budget)
+        seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.runner.sampler(job.params),
+                                           self.runner.penalty(job.params))
         self._attach(seq, own=_common_prefix(self.held[slot], tokens) if self.reuse else 0)
         self._make_room()
 
@@ -2114,10 +2114,14 @@ class LlamaSession:
             if used <= self.cells:
                 return
             used -= len(self.held[i])
-            self.held[i] = []
-            self.L.llama_memory_seq_rm(self.memory, i, -1, -1)
-            if i == self.last_kept:
-                self.last_kept = None
+            self._forget(i)
+
+    def _forget(self, slot: int) -> None:
+        """Drop every KV cell of ``slot`` (cells another slot shares stay for that slot)."""
+        if self.last_kept == slot:
+            self.last_kept = None
+        self.held[slot] = []
+        self.L.llama_memory_seq_rm(self.memory, slot, -1, -1)
 
     def _attach(self, seq: _Sequence, own: int = 0) -> None:
         """Give a new sequence the longest computed prefix of its prompt in this context.
@@ -2280,10 +2284,7 @@ class LlamaSession:
             self.held[seq.slot] = seq.cached
             self.last_kept = seq.slot
         else:
-            if self.last_kept == seq.slot:
-                self.last_kept = None
-            self.held[seq.slot] = []
-            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+            self._forget(seq.slot)
 
     def drop(self, job: RunningJob) -> None:
         """Forget ``job`` (it is being handed back to the queue) and free its slot."""
