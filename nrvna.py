@@ -123,27 +123,28 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-# Every NRVNA_* variable: one table drives parsing, validation, `--help` and the README.
+# Every NRVNA_* variable: parsing, validation, `--help` and the README's table come from here.
+# A setting named like a job parameter (max_tokens, temperature...) is that parameter's default.
 SETTINGS: dict[str, _Setting] = {
     "workers": _Setting("NRVNA_WORKERS", int, min(4, cpu_count()), 1, 256, "worker threads, each with its own context (default 4, or the core count if fewer)"),
-    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace"),
-    "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all)"),
-    "predict": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job"),
-    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
-    "temp": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature (0 = greedy)"),
-    "top_k": _Setting("NRVNA_TOP_K", int, 40, 0, 1 << 20, "top-k sampling (0 = off)"),
-    "top_p": _Setting("NRVNA_TOP_P", float, 0.9, 0.0, 1.0, "top-p sampling (1 = off)"),
-    "min_p": _Setting("NRVNA_MIN_P", float, 0.05, 0.0, 1.0, "min-p sampling (0 = off)"),
-    "repeat_penalty": _Setting("NRVNA_REPEAT_PENALTY", float, 1.1, 0.0, 100.0, "repetition penalty (1 = off)"),
-    "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE, "sampling seed; 0 = random, anything else reproducible"),
-    "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
-    "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
-    "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
-    "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
     "seqs": _Setting("NRVNA_SEQS", int, 16, 1, 256, "sequences each worker context generates at once (beyond 8, as the jobs' budgets leave room)"),
+    "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
+    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
     "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
+    "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all; default 99 on macOS, else 0)"),
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
     "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs"),
+    "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job (default of max_tokens)"),
+    "temperature": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature, 0 = greedy (default of temperature)"),
+    "top_k": _Setting("NRVNA_TOP_K", int, 40, 0, 1 << 20, "top-k sampling, 0 = off (default of top_k)"),
+    "top_p": _Setting("NRVNA_TOP_P", float, 0.9, 0.0, 1.0, "top-p sampling, 1 = off (default of top_p)"),
+    "min_p": _Setting("NRVNA_MIN_P", float, 0.05, 0.0, 1.0, "min-p sampling, 0 = off (default of min_p)"),
+    "repeat_penalty": _Setting("NRVNA_REPEAT_PENALTY", float, 1.1, 0.0, 100.0, "repetition penalty, 1 = off (default of repeat_penalty)"),
+    "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE, "sampling seed; 0 = random, anything else reproducible (default of seed)"),
+    "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
+    "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
+    "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
+    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace"),
 }
 LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
 
@@ -215,27 +216,56 @@ def _describe(setting: _Setting) -> str:
     return f"{kind} from {setting.low} to {setting.high}"
 
 
-# Per-job overrides accepted in params.json / Work.submit(**params).
-PARAMS: dict[str, tuple[type, Any, Any]] = {
-    "max_tokens": (int, 1, 1 << 20),
-    "temperature": (float, 0.0, 100.0),
-    "top_k": (int, 0, 1 << 20),
-    "top_p": (float, 0.0, 1.0),
-    "min_p": (float, 0.0, 1.0),
-    "repeat_penalty": (float, 0.0, 100.0),
-    "seed": (int, 0, 0xFFFFFFFE),
-    "system": (str, 0, 1 << 20),
-    "raw": (bool, None, None),
-    "stop": (list, 0, 16),
-    "ignore_eos": (bool, None, None),
-    "timeout": (float, 0.001, 1e7),  # seconds of generation before the job fails with code timeout
-    "messages": (dict, 1, 4096),  # chat turns [{"role", "content"}], rendered by the chat template
-    "custom_id": (str, 0, 512),  # the caller's name for the job (batch files, export)
-    "tag": (str, 0, 128),
-    "endpoint": (str, 0, 32),  # the OpenAI Batch url a job came from: export answers in its shape
+def setting_default(name: str) -> Any:
+    """A setting's value from the environment (or its default), without building a Config."""
+    raw = os.environ.get(SETTINGS[name].env)
+    if raw is None or raw.strip() == "":
+        return SETTINGS[name].default
+    return _parse_setting(name, raw)
+
+
+class Param(namedtuple("Param", "kind low high default flag openai line help")):
+    """One per-job parameter: its type (``int``, ``float``, ``str``, ``bool``, ``list`` of
+    strings, or ``"messages"``) and limits; its default (a literal, or None: the daemon's
+    setting of the same name in SETTINGS, else unset); its ``submit`` flag (None: none);
+    the OpenAI Batch body fields that carry it (a later one wins); whether nrvna's JSONL
+    lines may carry it; and its help line."""
+
+    __slots__ = ()
+
+
+# Every per-job parameter: validation, `submit`'s flags, the OpenAI line mapping, the
+# engine's defaults (`job_param`), `--help` and the README's table come from here. A new
+# sampling parameter is one row here and its use in the engine.
+PARAMS: dict[str, Param] = {
+    "max_tokens": Param(int, 1, 1 << 20, None, "--max-tokens", ("max_tokens", "max_completion_tokens"), True, "most tokens to generate"),
+    "temperature": Param(float, 0.0, 100.0, None, "--temperature", ("temperature",), True, "sampling temperature (0 = greedy)"),
+    "top_k": Param(int, 0, 1 << 20, None, "--top-k", ("top_k",), True, "sample from the K most likely tokens (0 = off)"),
+    "top_p": Param(float, 0.0, 1.0, None, "--top-p", ("top_p",), True, "nucleus sampling: the smallest set with this probability (1 = off)"),
+    "min_p": Param(float, 0.0, 1.0, None, "--min-p", ("min_p",), True, "drop tokens less likely than this fraction of the best one (0 = off)"),
+    "repeat_penalty": Param(float, 0.0, 100.0, None, "--repeat-penalty", ("repeat_penalty",), True, "divide the logits of the last 64 generated tokens by this (1 = off)"),
+    "seed": Param(int, 0, 0xFFFFFFFE, None, "--seed", ("seed",), True, "sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
+    "stop": Param(list, 0, 16, None, "--stop", ("stop",), True, "strings that end the generation, not included in the result (a flag per string)"),
+    "ignore_eos": Param(bool, None, None, False, "--ignore-eos", (), True, "keep generating past the model's end-of-generation token"),
+    "system": Param(str, 0, 1 << 20, None, "--system", (), True, "a system message for the chat template"),
+    "raw": Param(bool, None, None, False, "--raw", (), True, "send the prompt as is, without the chat template"),
+    "timeout": Param(float, 0.001, 1e7, None, "--timeout", (), True, "seconds of generation before the job fails with code timeout, keeping its partial text"),
+    "messages": Param("messages", 1, 4096, None, None, ("messages",), True, "chat turns [{role, content}] instead of a prompt, through the chat template"),
+    "custom_id": Param(str, 0, 512, None, None, (), True, "the caller's name for the job (batch files, export; default line-N)"),
+    "tag": Param(str, 0, 128, None, "--tag", (), False, "label the jobs (status/wait/export/cancel/retry --tag)"),
+    "endpoint": Param(str, 0, 32, None, None, (), False, "the OpenAI Batch url a job came from: export answers in its shape"),
 }
 ROLES = ("system", "user", "assistant")
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+
+
+def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = None) -> Any:
+    """A job's parameter: its own value, else the daemon's setting of that name, else the
+    table's default."""
+    if name in params:
+        return params[name]
+    if config is not None and name in SETTINGS:
+        return getattr(config, name)
+    return PARAMS[name].default
 
 
 def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -246,37 +276,40 @@ def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in params.items():
         if key not in PARAMS:
             raise InvalidInput(f"unknown parameter {key!r} (known: {', '.join(PARAMS)})")
-        if value is None:
-            continue
-        kind, low, high = PARAMS[key]
-        if kind is bool:
-            if not isinstance(value, bool):
-                raise InvalidInput(f"parameter {key} must be true or false")
-        elif kind is str:
-            if not isinstance(value, str) or len(value.encode("utf-8", "surrogatepass")) > high:
-                raise InvalidInput(f"parameter {key} must be a string of at most {high} bytes")
-            if "\x00" in value:
-                raise InvalidInput(f"parameter {key} contains a NUL byte")
-        elif kind is list:
-            if (not isinstance(value, list) or len(value) > high
-                    or not all(isinstance(s, str) and s for s in value)):
-                raise InvalidInput(f"parameter {key} must be a list of at most {high} non-empty strings")
-        elif kind is dict:
-            value = _check_messages(value, high)
-        else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise InvalidInput(f"parameter {key} must be a number")
-            if kind is int and value != int(value):
-                raise InvalidInput(f"parameter {key} must be an integer")
-            value = kind(value)
-            if not (low <= value <= high):
-                raise InvalidInput(f"parameter {key}={value} is out of range ({low} to {high})")
-        clean[key] = value
+        if value is not None:
+            clean[key] = _check_param(key, PARAMS[key], value)
     if "tag" in clean and not ID_PATTERN.fullmatch(clean["tag"]):
         raise InvalidInput(f"invalid tag {clean['tag']!r} (letters, digits, '.', '_', '-'; not starting with '.')")
     if "endpoint" in clean and clean["endpoint"] not in ENDPOINTS:
         raise InvalidInput(f"endpoint must be one of {', '.join(ENDPOINTS)}")
     return clean
+
+
+def _check_param(key: str, param: Param, value: Any) -> Any:
+    kind, low, high = param.kind, param.low, param.high
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise InvalidInput(f"parameter {key} must be true or false")
+    elif kind is str:
+        if not isinstance(value, str) or len(value.encode("utf-8", "surrogatepass")) > high:
+            raise InvalidInput(f"parameter {key} must be a string of at most {high} bytes")
+        if "\x00" in value:
+            raise InvalidInput(f"parameter {key} contains a NUL byte")
+    elif kind is list:
+        if (not isinstance(value, list) or len(value) > high
+                or not all(isinstance(s, str) and s for s in value)):
+            raise InvalidInput(f"parameter {key} must be a list of at most {high} non-empty strings")
+    elif kind == "messages":
+        value = _check_messages(value, high)
+    else:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise InvalidInput(f"parameter {key} must be a number")
+        if kind is int and value != int(value):
+            raise InvalidInput(f"parameter {key} must be an integer")
+        value = kind(value)
+        if not (low <= value <= high):
+            raise InvalidInput(f"parameter {key}={value} is out of range ({low} to {high})")
+    return value
 
 
 def _check_messages(messages: Any, limit: int) -> list[dict[str, str]]:
@@ -307,9 +340,63 @@ def render_messages(messages: list[dict[str, str]]) -> str:
     return "\n\n".join(f"[{turn['role']}]\n{turn['content']}" for turn in messages) + "\n"
 
 
+class Endpoint(namedtuple("Endpoint", "input raw object id_prefix")):
+    """An OpenAI Batch ``url`` nrvna serves: the body field holding the input (``messages``
+    or ``prompt``), whether the prompt skips the chat template, and the response object."""
+
+    __slots__ = ()
+
+
+# The OpenAI Batch endpoints: what a request line may carry and how export answers it.
+ENDPOINTS: dict[str, Endpoint] = {
+    "/v1/chat/completions": Endpoint("messages", False, "chat.completion", "chatcmpl-"),
+    "/v1/completions": Endpoint("prompt", True, "text_completion", "cmpl-"),
+}
+# OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
+OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "model": "ignored (the daemon's model answers)",
+                     "n": "must be 1", "stream": "must be false"}
+
+
+# Defaults that depend on the machine, as the README states them.
+_MACHINE_DEFAULTS = {"workers": "4, or the cores if fewer", "gpu_layers": "0 (99 on macOS)"}
+
+
+def markdown_tables() -> dict[str, str]:
+    """The README's generated tables (settings, params), from SETTINGS and PARAMS."""
+    settings = ["| variable | default | meaning |", "|---|---|---|"]
+    for name, setting in SETTINGS.items():
+        default = _MACHINE_DEFAULTS.get(name, setting.default)
+        settings.append(f"| `{setting.env}` | {default} | {setting.help} |")
+    params = ["| parameter | type | default | `submit` flag | OpenAI body | meaning |", "|---|---|---|---|---|---|"]
+    for name, param in PARAMS.items():
+        kind = {int: "integer", float: "number", str: "string", bool: "boolean", list: "list of strings",
+                "messages": "list of {role, content}"}[param.kind]
+        if param.low is not None and param.kind in (int, float):
+            kind += f", {param.low:g} to {param.high:g}"
+        default = f"`{SETTINGS[name].env}`" if name in SETTINGS else ("—" if param.default is None else str(param.default).lower())
+        flag = f"`{param.flag}`" if param.flag else "—"
+        openai = ", ".join(f"`{field}`" for field in param.openai) or "—"
+        line = "" if param.line else " (not a JSONL field)"
+        params.append(f"| `{name}` | {kind} | {default} | {flag} | {openai} | {param.help}{line} |")
+    return {"settings": "\n".join(settings), "params": "\n".join(params)}
+
+
 ##############################################################################
 # Errors
 ##############################################################################
+
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISSING, EXIT_UNFINISHED = 0, 1, 2, 3, 4
+# What the CLI's exit codes mean (--help and the README).
+EXIT_CODES = {
+    EXIT_OK: "ok; the job is done (wait: all done; cancel: all cancelled)",
+    EXIT_FAILED: "the job failed (wait: one failed; cancel: one had finished; retry: a named job is not failed), "
+                 "or the daemon could not start or run (model, workspace, lock)",
+    EXIT_USAGE: "usage error or invalid input (prompt, ID, parameter, batch line, NRVNA_* value)",
+    EXIT_MISSING: "no such job (status --daemon, stop: no daemon running)",
+    EXIT_UNFINISHED: "not finished yet: queued or running, a --wait-timeout or wait/stop --timeout ran out, "
+                     "export left unfinished jobs out",
+}
 
 
 class NrvnaError(Exception):
@@ -674,6 +761,122 @@ class Status(str, enum.Enum):
 STATE_DIRS = ((READY, Status.Queued), (PROCESSING, Status.Running),
               (OUTPUT, Status.Done), (FAILED, Status.Failed))
 STATUS_DIR = {status: sub for sub, status in STATE_DIRS}
+# The CLI's exit code for a job in each state.
+STATUS_EXIT = {Status.Done: EXIT_OK, Status.Failed: EXIT_FAILED, Status.Missing: EXIT_MISSING,
+               Status.Queued: EXIT_UNFINISHED, Status.Running: EXIT_UNFINISHED}
+
+
+def job_path(workspace: str, sub: str, job_id: str = "") -> str:
+    """``workspace/sub/job_id`` (or the state directory itself)."""
+    return os.path.join(workspace, sub, job_id) if job_id else os.path.join(workspace, sub)
+
+
+def locate_job(workspace: str, job_id: str) -> tuple[Status, str]:
+    """Where a job is now: its state and directory (``Missing`` and "" if nowhere)."""
+    if not is_valid_id(job_id):
+        return Status.Missing, ""
+    # Forward moves cannot hide a job from a lifecycle-order check; a backward one
+    # (requeue, retry) can, once per pass, so look again before saying Missing.
+    for _ in range(5):
+        for sub, status in STATE_DIRS:
+            path = os.path.join(workspace, sub, job_id)
+            if os.path.lexists(path):
+                return status, path
+    return Status.Missing, ""
+
+
+def parse_meta(text: Optional[str]) -> dict[str, Any]:
+    """meta.json's text as a dict ({} when absent or unreadable)."""
+    import json
+
+    if not text:
+        return {}
+    try:
+        meta = json.loads(text)
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def read_meta(dir_fd: int) -> dict[str, Any]:
+    """The meta.json of the job directory open as ``dir_fd`` ({} when it has none)."""
+    try:
+        return parse_meta(read_file(dir_fd, META_FILE, 1 << 20).decode("utf-8", "replace"))
+    except (FileNotFoundError, JobError):
+        return {}
+
+
+def dump_meta(meta: Mapping[str, Any]) -> bytes:
+    """meta.json's bytes: sorted keys, one per line, UTF-8."""
+    import json
+
+    return (json.dumps(meta, ensure_ascii=False, indent=1, sort_keys=True) + "\n").encode("utf-8")
+
+
+def submitted_time(job_id: str, dir_fd: int) -> Optional[float]:
+    """When the job was submitted: its prompt.txt's mtime, else the time in its ID."""
+    try:
+        return round(os.stat(PROMPT_FILE, dir_fd=dir_fd, follow_symlinks=False).st_mtime, 3)
+    except OSError:
+        match = GENERATED_ID.fullmatch(job_id)
+        return float(match.group(1)) if match else None
+
+
+def mark_failed(workspace: str, sub: str, job_id: str, code: str, message: str) -> None:
+    """Write error.txt and meta.json (with ``code``) into the job dir ``sub/job_id``, durably
+    (the caller then moves it to failed/ if it is not there)."""
+    fd = open_dir(job_path(workspace, sub, job_id))
+    try:
+        meta = read_meta(fd)
+        if "submitted" not in meta:
+            meta["submitted"] = submitted_time(job_id, fd)
+        meta.update(id=job_id, code=code, finished=round(time.time(), 3))
+        meta.pop("finish_reason", None)
+        write_file(fd, ERROR_FILE, message.encode("utf-8") + b"\n")
+        write_file(fd, META_FILE, dump_meta(meta))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def move_job(workspace: str, job_id: str, src: str, dst: str) -> None:
+    """Move a job between state directories durably: the rename (never replacing anything),
+    then an fsync of the destination and of the source directory."""
+    move(job_path(workspace, src, job_id), job_path(workspace, dst, job_id))
+    fsync_dir(job_path(workspace, dst))
+    fsync_dir(job_path(workspace, src))
+
+
+def check_ids(ids: Iterable[str]) -> None:
+    """Raise InvalidInput naming the first ID that cannot name a job."""
+    for job_id in ids:
+        if not is_valid_id(job_id):
+            shown = job_id if len(job_id) <= 40 else job_id[:40] + "..."
+            raise InvalidInput(f"invalid job ID {shown!r} (expected letters, digits, '.', '_', '-'; "
+                               "at most 128, not starting with '.')")
+
+
+def require_workspace(workspace: str) -> None:
+    """Raise InvalidInput unless ``workspace`` is an existing directory (client commands
+    never create one by reading it)."""
+    if not os.path.isdir(workspace):
+        raise InvalidInput(f"workspace {workspace} does not exist")
+
+
+def _read_or_none(dir_fd: int, name: str) -> Optional[bytes]:
+    try:
+        return read_file(dir_fd, name, 1 << 40)
+    except (FileNotFoundError, JobError):
+        return None
+
+
+def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
+    """Remove what an interrupted attempt may have left (results, temporary files)."""
+    for name in os.listdir(dir_fd):
+        if name in keep:
+            continue
+        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE) or (name.startswith(".") and name.endswith(".tmp")):
+            _unlink_quietly(name, dir_fd)
 
 
 ##############################################################################
@@ -694,13 +897,6 @@ class Job(namedtuple("Job", "id status prompt result error meta params", default
     per-job parameters, ``custom_id`` and ``tag``)."""
 
     __slots__ = ()
-
-
-def _max_prompt_bytes() -> int:
-    raw = os.environ.get(SETTINGS["max_prompt_bytes"].env)
-    if raw is None or raw.strip() == "":
-        return SETTINGS["max_prompt_bytes"].default
-    return _parse_setting("max_prompt_bytes", raw)
 
 
 def check_prompt(prompt: Any, limit: int) -> bytes:
@@ -751,7 +947,7 @@ class Work:
         """
         import json
 
-        data = check_prompt(prompt, _max_prompt_bytes())
+        data = check_prompt(prompt, setting_default("max_prompt_bytes"))
         clean = validate_params(params)
         ensure_workspace(self.workspace)
         files = [(PROMPT_FILE, data)]
@@ -813,6 +1009,63 @@ class Work:
                 on_chunk(ids[first:])
         return ids
 
+    def submit_file(self, source: Any, *, tag: Optional[str] = None, jsonl: Optional[bool] = None,
+                    on_ids: Optional[Callable[[list[str]], None]] = None, notes: Optional[list[str]] = None,
+                    **defaults: Any) -> list[str]:
+        """Queue every line of a batch file; return every line's ID, in file order.
+
+        ``source`` is a path (``*.jsonl`` holds JSON lines, any other file one prompt per
+        line) or the file's bytes (JSON lines when ``jsonl`` is None and every line is an
+        object). ``defaults`` are job parameters for every line (a line's own win). The whole
+        file is checked first (InvalidInput naming the line; nothing queued). With ``tag``,
+        lines whose ``custom_id`` is already queued under that tag are not queued again: an
+        interrupted submit is finished by running it again. ``on_ids(ids)`` gets the IDs in
+        file order as soon as each is known and durable; ``notes`` collects remarks for the
+        user (an ignored ``body.model``, lines already queued).
+        """
+        if isinstance(source, (bytes, bytearray)):
+            data = bytes(source)
+        else:
+            path = os.fspath(source)
+            try:
+                with open(path, "rb") as handle:
+                    data = handle.read()
+            except OSError as err:
+                raise InvalidInput(f"cannot read {path}: {_os_error(err)}") from None
+            jsonl = path.endswith(".jsonl") if jsonl is None else jsonl
+        notes = [] if notes is None else notes
+        entries = parse_batch(data, jsonl, notes)
+        defaults = validate_params(defaults)
+        if tag is not None:
+            validate_params({"tag": tag})
+        entries = [BatchEntry(e.line, e.prompt, {**defaults, **e.params}) for e in entries]
+        existing: dict[str, str] = {}
+        if tag:
+            members = tag_members(self.workspace, tag)
+            states = bulk_states(self.workspace, [job_id for job_id, _ in members])
+            existing = {cid: job_id for job_id, cid in members if cid is not None and states[job_id] is not Status.Missing}
+        ids: list[Optional[str]] = [existing.get(e.params["custom_id"]) for e in entries]
+        new = [i for i, job_id in enumerate(ids) if job_id is None]
+        if existing:
+            notes.append(f"{len(entries) - len(new)} of {len(entries)} lines are already queued with tag {tag}; "
+                         f"queuing the other {len(new)}")
+        known = placed = 0
+
+        def on_chunk(chunk: list[str]) -> None:
+            nonlocal known, placed
+            for job_id in chunk:
+                ids[new[placed]] = job_id
+                placed += 1
+            start = known
+            while known < len(ids) and ids[known] is not None:
+                known += 1
+            if on_ids is not None and known > start:
+                on_ids(ids[start:known])  # type: ignore[arg-type]
+
+        on_chunk([])
+        self.publish_batch([entries[i] for i in new], tag, on_chunk)
+        return ids  # type: ignore[return-value]
+
     def _stage(self, files: list[tuple[str, bytes]], sync: bool = True) -> tuple[str, str]:
         """Create input/writing/<new id>/ exclusively and write the job's files into it
         (fsynced unless ``sync`` is False: the caller flushes the filesystem itself)."""
@@ -857,19 +1110,11 @@ class Flow:
 
     def status(self, job_id: str) -> Status:
         """The job's state; ``Missing`` for an unknown or invalid ID."""
-        return self._locate(job_id)[0]
+        return self.locate(job_id)[0]
 
-    def _locate(self, job_id: str) -> tuple[Status, str]:
-        if not is_valid_id(job_id):
-            return Status.Missing, ""
-        # Forward moves cannot hide a job from a lifecycle-order check; a backward one
-        # (requeue, retry) can, once per pass, so look again before saying Missing.
-        for _ in range(5):
-            for sub, status in STATE_DIRS:
-                path = os.path.join(self.workspace, sub, job_id)
-                if os.path.lexists(path):
-                    return status, path
-        return Status.Missing, ""
+    def locate(self, job_id: str) -> tuple[Status, str]:
+        """The job's state and directory (``Missing`` and "" if there is none)."""
+        return locate_job(self.workspace, job_id)
 
     def get(self, job_id: str) -> Optional[Job]:
         """The job with its prompt, result or error and meta; None if there is none."""
@@ -879,7 +1124,7 @@ class Flow:
         """``read(status, path)`` of the job's directory, looked up again if the job moved
         on between the lookup and the read; None if there is no such job."""
         for _ in range(3):
-            status, path = self._locate(job_id)
+            status, path = self.locate(job_id)
             if status is Status.Missing:
                 return None
             try:
@@ -906,7 +1151,7 @@ class Flow:
                 raise FileNotFoundError(path)  # moved on between the lookup and the open
         finally:
             os.close(fd)
-        meta = _parse_meta(files[META_FILE])
+        meta = parse_meta(files[META_FILE])
         error = files[ERROR_FILE]
         if status is Status.Failed and error is None:  # a cancel or retry was cut off midway
             history = meta.get("errors")
@@ -914,7 +1159,7 @@ class Flow:
                 error = f"{history[-1].get('error')}\n"
             elif os.path.lexists(os.path.join(path, CANCEL_FILE)):
                 error, meta = "cancelled (nrvna cancel)\n", dict(meta, code="cancelled")
-        return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, _parse_meta(files[PARAMS_FILE]))
+        return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, parse_meta(files[PARAMS_FILE]))
 
     def result_bytes(self, job_id: str) -> Optional[bytes]:
         """result.txt of a done job, byte for byte (what ``nrvna get`` prints)."""
@@ -957,17 +1202,125 @@ class Flow:
                 counts[status.value] = 0
         return counts
 
+    def select(self, ids: Iterable[str] = (), tag: Optional[str] = None) -> tuple[list[str], dict[str, Status]]:
+        """The jobs named by ``ids`` and/or ``tag`` (neither: every job in the workspace), in
+        order, without repeats, and their states. Raise NoSuchJob naming an unknown ID; a
+        tag's jobs that no longer exist (cleaned) are left out."""
+        require_workspace(self.workspace)
+        named = list(ids)
+        check_ids(named)
+        wanted = list(named)
+        if tag:
+            wanted += [job_id for job_id, _ in tag_members(self.workspace, tag)]
+        elif not wanted:
+            wanted = _all_jobs(self.workspace)
+        states = bulk_states(self.workspace, wanted)
+        missing = [job_id for job_id in named if states[job_id] is Status.Missing]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise NoSuchJob(f"no job {missing[0]} in {self.workspace}{more}")
+        return [j for j in dict.fromkeys(wanted) if states[j] is not Status.Missing], states
 
-def _parse_meta(text: Optional[str]) -> dict[str, Any]:
-    import json
+    def wait_all(self, ids: Iterable[str] = (), tag: Optional[str] = None, timeout: Optional[float] = None,
+                 on_progress: Optional[Callable[[dict[str, Status]], None]] = None) -> dict[str, Status]:
+        """Wait until every selected job (see ``select``) is done or failed, or ``timeout``
+        seconds pass; return their states then, in order. ``on_progress(states)`` is called
+        after every look (one listing per state directory, however many jobs)."""
+        selected, states = self.select(ids, tag)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.1
+        while True:
+            current = {job_id: states[job_id] for job_id in selected}
+            if on_progress is not None:
+                on_progress(current)
+            if all(state.finished for state in current.values()):
+                return current
+            if deadline is not None and time.monotonic() >= deadline:
+                return current
+            time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
+            began = time.monotonic()
+            states = bulk_states(self.workspace, selected)
+            delay = max(0.1, min(1.0, 3 * (time.monotonic() - began)))  # listing 100k jobs takes a while
 
-    if not text:
-        return {}
-    try:
-        meta = json.loads(text)
-    except ValueError:
-        return {}
-    return meta if isinstance(meta, dict) else {}
+    def follow(self, job_id: str, on_restart: Optional[Callable[[], None]] = None) -> Iterator[bytes]:
+        """The job's text as the daemon generates it (partial.txt, then result.txt), in
+        pieces, until the job is done or failed; then read ``status``. What it yields is
+        always a prefix of the final result, unless the daemon restarted the job: then
+        ``on_restart()`` is called and the text is yielded again from its start."""
+        printed, attempt, delay = 0, None, 0.02
+        while True:
+            status, path = self.locate(job_id)
+            if status is Status.Missing:
+                raise NoSuchJob(f"no job {job_id} in {self.workspace}")
+            data = None
+            if status is not Status.Queued:
+                try:
+                    fd = open_dir(path)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue  # it moved on between the lookup and the open
+                try:
+                    if status is Status.Running:
+                        started = read_meta(fd).get("started")
+                        if attempt is not None and started != attempt and printed:
+                            if on_restart is not None:
+                                on_restart()
+                            printed = 0
+                        attempt = started
+                    data = _read_or_none(fd, RESULT_FILE if status is Status.Done else PARTIAL_FILE)
+                finally:
+                    os.close(fd)
+            if status is Status.Done and data is None:
+                continue  # still being moved: look again
+            if data is not None and len(data) > printed:
+                yield data[printed:]
+                printed = len(data)
+            if status.finished:
+                return
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.1)
+
+    def export(self, out: Any, ids: Iterable[str] = (), tag: Optional[str] = None, format: str = "jsonl",
+               errors: Any = None) -> tuple[int, int]:
+        """Write one line per finished job, in submission order, in ``format`` (a key of
+        EXPORT_FORMATS) to ``out``, and failed jobs' lines to ``errors`` if given. Each is a
+        text stream or a path (written whole or not at all: see ``_AtomicOutput``). Return
+        (lines written, unfinished jobs left out). Memory stays flat: one job at a time, and
+        with a tag alone one chunk of its index."""
+        if format not in EXPORT_FORMATS:
+            raise InvalidInput(f"unknown export format {format!r} (known: {', '.join(EXPORT_FORMATS)})")
+        line_of = EXPORT_FORMATS[format].line
+        ids = list(ids)
+        if tag and not ids:  # stream the tag's index: memory does not grow with the batch
+            require_workspace(self.workspace)
+            selected: Iterable[str] = (job_id for chunk in iter_tag_members(self.workspace, tag) for job_id, _ in chunk)
+        else:
+            selected = self.select(ids, tag)[0]
+        targets: list[Any] = []
+        unfinished = exported = 0
+        try:
+            for target in (out, errors):
+                targets.append(_AtomicOutput(target) if isinstance(target, (str, os.PathLike)) else target)
+            for job_id in selected:
+                job = self.get(job_id)
+                if job is None:
+                    continue  # a tagged job removed since (clean)
+                if not job.status.finished:
+                    unfinished += 1
+                    continue
+                target = targets[1] if targets[1] is not None and job.status is Status.Failed else targets[0]
+                target.write(line_of(job))
+                exported += 1
+            for target in targets:
+                if isinstance(target, _AtomicOutput):
+                    target.commit()
+                elif target is not None:
+                    target.flush()
+        except BaseException:
+            for target in targets:
+                if isinstance(target, _AtomicOutput):
+                    target.abort()
+            raise
+        return exported, unfinished
 
 
 def _remove_tree(path: str) -> None:
@@ -981,9 +1334,6 @@ def _remove_tree(path: str) -> None:
 ##############################################################################
 
 BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
-# Fields of an OpenAI Batch request body nrvna honours (others are an error naming them).
-OPENAI_BODY = {"messages", "prompt", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-               "seed", "stop", "n", "stream", "top_k", "min_p", "repeat_penalty"}
 
 
 class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
@@ -1012,7 +1362,7 @@ def parse_batch(data: bytes, jsonl: Optional[bool] = None, notes: Optional[list[
         raise InvalidInput("the file has no prompts")
     if jsonl is None:
         jsonl = all(raw.lstrip().startswith("{") for _, raw in lines) and _all_objects(lines)
-    limit = _max_prompt_bytes()
+    limit = setting_default("max_prompt_bytes")
     entries, seen = [], {}
     for n, raw in lines:
         try:
@@ -1053,14 +1403,14 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
     if {"method", "url", "body"} & set(obj):
         return _openai_line(obj, notes)
     params = dict(obj)
-    for key in ("tag", "endpoint"):
-        if key in params:
+    for key in params:
+        if key in PARAMS and not PARAMS[key].line:
             raise InvalidInput(f"unknown field {key!r} (tags are given with --tag)")
     prompt, messages = params.pop("prompt", None), params.get("messages")
     if (prompt is None) == (messages is None):
         raise InvalidInput("give exactly one of prompt or messages")
     if messages is not None:
-        params["messages"] = _check_messages(messages, PARAMS["messages"][2])
+        params["messages"] = _check_messages(messages, PARAMS["messages"].high)
         return render_messages(params["messages"]), params
     if not isinstance(prompt, str):
         raise InvalidInput("prompt must be a string")
@@ -1080,8 +1430,9 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
         raise InvalidInput("body must be a JSON object")
     if "custom_id" not in obj:
         raise InvalidInput("an OpenAI Batch line needs a custom_id")
+    fields = {field: name for name, param in PARAMS.items() for field in param.openai}
     for key in body:
-        if key not in OPENAI_BODY:
+        if key not in fields and key not in OPENAI_BODY_EXTRA:
             raise InvalidInput(f"body field {key!r} is not supported by nrvna")
     if body.get("n", 1) != 1:
         raise InvalidInput("body field 'n' must be 1")
@@ -1089,22 +1440,20 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
         raise InvalidInput("body field 'stream' must be false")
     if "model" in body and notes is not None and not notes:
         notes.append(f"body.model ({body['model']!r}) is ignored: the daemon's model answers")
+    endpoint = ENDPOINTS[url]
     params: dict[str, Any] = {"custom_id": obj["custom_id"], "endpoint": url}
-    for key in ("max_tokens", "temperature", "top_p", "seed", "top_k", "min_p", "repeat_penalty"):
-        if key in body:
-            params[key] = body[key]
-    if "max_completion_tokens" in body:
-        params["max_tokens"] = body["max_completion_tokens"]
-    if "stop" in body:
-        params["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
-    if url == "/v1/completions":
+    for field, name in fields.items():  # in table order: max_completion_tokens wins over max_tokens
+        if field in body and field != endpoint.input:
+            value = body[field]
+            params[name] = [value] if PARAMS[name].kind is list and isinstance(value, str) else value  # "stop": "x"
+    if endpoint.input == "prompt":
         if "messages" in body or not isinstance(body.get("prompt"), str):
-            raise InvalidInput("a /v1/completions body needs a string prompt")
-        params["raw"] = True
+            raise InvalidInput(f"a {url} body needs a string prompt")
+        params["raw"] = endpoint.raw
         return body["prompt"], params
     if "prompt" in body or "messages" not in body:
-        raise InvalidInput("a /v1/chat/completions body needs messages")
-    params["messages"] = _check_messages(body["messages"], PARAMS["messages"][2])
+        raise InvalidInput(f"a {url} body needs messages")
+    params["messages"] = _check_messages(body["messages"], PARAMS["messages"].high)
     return render_messages(params["messages"]), params
 
 
@@ -1234,22 +1583,6 @@ def _daemon_holds(workspace: str) -> Optional[int]:
         os.close(fd)
 
 
-def _mark_failed(workspace: str, sub: str, job_id: str, code: str, message: str) -> None:
-    """Write error.txt and meta.json (with ``code``) into the job dir ``sub/job_id``."""
-    fd = open_dir(os.path.join(workspace, sub, job_id))
-    try:
-        meta = Processor._read_meta(fd)
-        if "submitted" not in meta:
-            meta["submitted"] = Processor._submitted(job_id, fd)
-        meta.update(id=job_id, code=code, finished=round(time.time(), 3))
-        meta.pop("finish_reason", None)
-        write_file(fd, ERROR_FILE, message.encode("utf-8") + b"\n")
-        write_file(fd, META_FILE, _dump(meta))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str, str]:
     """Cancel a job; return ``(outcome, message)`` with outcome ``cancelled`` (it is in
     failed/ with code cancelled), ``finished`` (it was done or failed already: left alone)
@@ -1264,7 +1597,7 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
     deadline = time.monotonic() + timeout
     marker = f"cancelled by nrvna cancel at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode()
     while True:
-        status, path = flow._locate(job_id)
+        status, path = flow.locate(job_id)
         if status is Status.Missing:
             raise NoSuchJob(f"no job {job_id} in {workspace}")
         if status.finished:
@@ -1289,7 +1622,7 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
                 move(path, os.path.join(workspace, FAILED, job_id))
             except FileNotFoundError:
                 continue  # a worker claimed it first: it sees the cancel file
-            _mark_failed(workspace, FAILED, job_id, "cancelled", "cancelled before it started (nrvna cancel)")
+            mark_failed(workspace, FAILED, job_id, "cancelled", "cancelled before it started (nrvna cancel)")
             fsync_dir(os.path.join(workspace, FAILED))
             fsync_dir(os.path.join(workspace, READY))
             return "cancelled", f"job {job_id} cancelled"
@@ -1309,7 +1642,7 @@ def _cancel_orphan(workspace: str, job_id: str) -> bool:
     try:
         if not locked or not os.path.isdir(os.path.join(workspace, PROCESSING, job_id)):
             return False
-        _mark_failed(workspace, PROCESSING, job_id, "cancelled", "cancelled while no daemon was running (nrvna cancel)")
+        mark_failed(workspace, PROCESSING, job_id, "cancelled", "cancelled while no daemon was running (nrvna cancel)")
         move(os.path.join(workspace, PROCESSING, job_id), os.path.join(workspace, FAILED, job_id))
         fsync_dir(os.path.join(workspace, FAILED))
         fsync_dir(os.path.join(workspace, PROCESSING))
@@ -1327,7 +1660,7 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
     other leftovers go, then the rename: a crash between leaves a failed job whose error
     is still readable from meta.json, never a job in two places."""
     flow = Flow(workspace)
-    status, path = flow._locate(job_id)
+    status, path = flow.locate(job_id)
     if status is Status.Missing:
         raise NoSuchJob(f"no job {job_id} in {workspace}")
     if status is not Status.Failed:
@@ -1351,7 +1684,7 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
             history.append({"code": code, "error": (job.error or "").rstrip("\n"),
                             "finished": meta.get("finished"), "attempts": meta.get("attempts")})
         kept = {k: meta[k] for k in ("id", "submitted") if k in meta}
-        write_file(fd, META_FILE, _dump(dict(kept, attempts=0, errors=history, retries=len(history))))
+        write_file(fd, META_FILE, dump_meta(dict(kept, attempts=0, errors=history, retries=len(history))))
         for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE):
             _unlink_quietly(name, fd)
         os.fsync(fd)
@@ -1364,6 +1697,84 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
     fsync_dir(os.path.join(workspace, READY))
     fsync_dir(os.path.join(workspace, FAILED))
     return "queued", f"job {job_id} queued again"
+
+
+def cancel_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = None,
+                timeout: float = 10.0) -> list[tuple[str, str, str]]:
+    """``cancel_job`` for every job named by ``ids`` and/or ``tag`` (at least one); return
+    ``(id, outcome, message)`` for each. A tag's jobs that had finished already are left
+    alone unopened (outcome ``finished``)."""
+    ids = list(ids)
+    if not ids and not tag:
+        raise InvalidInput("name jobs: IDs or --tag")
+    selected, states = Flow(workspace).select(ids, tag)
+    named, results = set(ids), []
+    for job_id in selected:
+        if job_id not in named and states[job_id].finished:
+            results.append((job_id, "finished", f"job {job_id} is {states[job_id].value} already; left alone"))
+        else:
+            results.append((job_id, *cancel_job(workspace, job_id, timeout)))
+    return results
+
+
+def retry_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = None, failed: bool = False,
+               codes: Optional[Iterable[str]] = None) -> list[tuple[str, str, str]]:
+    """``retry_job`` for every job named by ``ids`` and/or ``tag``, or every failed job
+    (``failed``); return ``(id, outcome, message)`` for each."""
+    ids = list(ids)
+    if failed:
+        require_workspace(workspace)
+        selected = sorted((n for n in os.listdir(job_path(workspace, FAILED)) if not n.startswith(".")), key=order_key)
+    elif ids or tag:
+        selected = Flow(workspace).select(ids, tag)[0]
+    else:
+        raise InvalidInput("name jobs: IDs, --tag or --failed")
+    codes = None if codes is None else list(codes)
+    return [(job_id, *retry_job(workspace, job_id, codes)) for job_id in selected]
+
+
+def daemon_info(workspace: str) -> dict[str, Any]:
+    """The running daemon's daemon.json (pid, model, workers, counters, tokens/s), or
+    ``{"pid", "starting": True}`` while it loads its model. Raise NoSuchJob when no daemon
+    holds the workspace (decided by its lock, never by a stale file)."""
+    pid = _running_daemon(workspace)
+    try:
+        with open(os.path.join(workspace, DAEMON_FILE), encoding="utf-8") as handle:
+            info = parse_meta(handle.read())
+    except FileNotFoundError:
+        info = {}
+    return info or {"pid": pid, "starting": True}
+
+
+def stop_daemon(workspace: str, timeout: Optional[float] = None) -> int:
+    """Send SIGTERM to the daemon holding ``workspace`` and wait until it has let go of it
+    (its in-flight jobs are back in the queue); return its pid. Raise NoSuchJob when none
+    runs, NotFinished when it still holds the workspace after ``timeout`` seconds."""
+    import signal
+
+    pid = _running_daemon(workspace)
+    if pid > 0:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            raise NrvnaError(f"not allowed to signal the daemon (pid {pid})") from None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while _daemon_holds(workspace) is not None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise NotFinished(f"the daemon (pid {pid}) has not stopped after {timeout:g} s")
+        time.sleep(0.05)
+    return pid
+
+
+def _running_daemon(workspace: str) -> int:
+    """The pid of the daemon holding ``workspace``; NoSuchJob (exit 3) when none does."""
+    require_workspace(workspace)
+    pid = _daemon_holds(workspace)
+    if pid is None:
+        raise NoSuchJob(f"no daemon is running on {workspace}")
+    return pid
 
 
 def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: bool = True,
@@ -1441,41 +1852,79 @@ def _finished_at(path: str) -> float:
     except OSError:
         return os.lstat(path).st_mtime
     try:
-        finished = Processor._read_meta(fd).get("finished")
+        finished = read_meta(fd).get("finished")
         return float(finished) if isinstance(finished, (int, float)) else os.fstat(fd).st_mtime
     finally:
         os.close(fd)
 
 
-def export_record(job: Job, form: str) -> dict[str, Any]:
-    """One finished job as an export line: nrvna's ``jsonl`` record, or exactly an OpenAI
-    Batch output line (``openai``)."""
+def _jsonl_record(job: Job) -> dict[str, Any]:
+    return {"id": job.id, "custom_id": (job.params or {}).get("custom_id"), "status": job.status.value,
+            "prompt": job.prompt, "result": job.result, "error": job.error.rstrip("\n") if job.error else None,
+            "meta": job.meta}
+
+
+def _openai_record(job: Job) -> dict[str, Any]:
     meta, params = job.meta, job.params or {}
-    custom_id = params.get("custom_id")
-    if form == "jsonl":
-        return {"id": job.id, "custom_id": custom_id, "status": job.status.value, "prompt": job.prompt,
-                "result": job.result, "error": job.error.rstrip("\n") if job.error else None, "meta": meta}
-    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": custom_id}
+    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": params.get("custom_id")}
     if job.status is not Status.Done:
         line["response"] = None
         line["error"] = {"code": meta.get("code") or "failed", "message": (job.error or "").rstrip("\n")}
         return line
     prompt_tokens, completion_tokens = int(meta.get("prompt_tokens") or 0), int(meta.get("generated_tokens") or 0)
     finish_reason = meta.get("finish_reason") if meta.get("finish_reason") in ("stop", "length") else "stop"
-    created = int(meta.get("finished") or time.time())
-    if params.get("endpoint") == "/v1/completions":
-        body = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": created, "model": meta.get("model"),
-                "choices": [{"text": job.result, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
+    endpoint = ENDPOINTS[params.get("endpoint") or "/v1/chat/completions"]
+    if endpoint.input == "prompt":
+        choice = {"text": job.result, "index": 0, "logprobs": None, "finish_reason": finish_reason}
     else:
-        body = {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": created, "model": meta.get("model"),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": job.result, "refusal": None},
-                             "logprobs": None, "finish_reason": finish_reason}]}
-    body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                     "total_tokens": prompt_tokens + completion_tokens}
-    body["system_fingerprint"] = None
+        choice = {"index": 0, "message": {"role": "assistant", "content": job.result, "refusal": None},
+                  "logprobs": None, "finish_reason": finish_reason}
+    body = {"id": f"{endpoint.id_prefix}{job.id}", "object": endpoint.object,
+            "created": int(meta.get("finished") or time.time()), "model": meta.get("model"), "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+            "system_fingerprint": None}
     line["response"] = {"status_code": 200, "request_id": job.id, "body": body}
     line["error"] = None
     return line
+
+
+def _text_line(job: Job) -> str:
+    text = job.result if job.status is Status.Done else f"[failed: {(job.error or '').strip()}]"
+    return text.rstrip("\n") + "\n\n"
+
+
+def _json_line(record: Callable[[Job], dict[str, Any]]) -> Callable[[Job], str]:
+    import json
+
+    return lambda job: json.dumps(record(job), ensure_ascii=False) + "\n"
+
+
+class ExportFormat(namedtuple("ExportFormat", "record line help")):
+    """An export format: the job as a JSON record (None for plain text), the job as the
+    line written, and its help."""
+
+    __slots__ = ()
+
+
+# `export --format`: the choices, their help and the writers all come from here.
+EXPORT_FORMATS: dict[str, ExportFormat] = {
+    "jsonl": ExportFormat(_jsonl_record, _json_line(_jsonl_record),
+                          'nrvna\'s record: {"id", "custom_id", "status", "prompt", "result", "error", "meta"}'),
+    "openai": ExportFormat(_openai_record, _json_line(_openai_record),
+                           "exactly an OpenAI Batch output line (a chat.completion or text_completion body)"),
+    "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line"),
+}
+
+
+def export_record(job: Job, form: str) -> dict[str, Any]:
+    """One finished job as an export record: nrvna's ``jsonl`` record, or exactly an OpenAI
+    Batch output line (``openai``)."""
+    record = EXPORT_FORMATS[form].record if form in EXPORT_FORMATS else None
+    if record is None:
+        raise InvalidInput(f"export format {form!r} has no JSON record (JSON formats: "
+                           f"{', '.join(k for k, v in EXPORT_FORMATS.items() if v.record)})")
+    return record(job)
 
 
 class _AtomicOutput:
@@ -1497,11 +1946,20 @@ class _AtomicOutput:
         self.handle.flush()
         os.fsync(self.handle.fileno())
         self.handle.close()
-        os.rename(self.temp, self.path)
+        try:
+            os.rename(self.temp, self.path)
+        except OSError:
+            _unlink_quietly(self.temp, None)
+            raise
         fsync_dir(os.path.dirname(self.path))
 
+    def flush(self) -> None:
+        """Nothing until ``commit``: the file appears whole or not at all."""
+
     def abort(self) -> None:
-        """Drop the temporary file; the final name is untouched."""
+        """Drop the temporary file; the final name is untouched (nothing after a commit)."""
+        if self.handle.closed:
+            return
         self.handle.close()
         try:
             os.unlink(self.temp)
@@ -1557,7 +2015,69 @@ class RunningJob:
             self.emitted.append(text)
 
 
-class FunctionRunner:
+class Session:
+    """One worker's share of a runner: up to ``free()`` more jobs at a time, advanced together
+    by ``step()``. The daemon calls a session from its own worker thread only, so a session
+    needs no lock (and must not share mutable state with other sessions without one).
+
+    The worker's loop: while ``free() > 0`` it claims a job and calls ``start(job)``; then, if
+    ``active()``, it calls ``step()`` and records each returned outcome; ``idle()`` when it has
+    nothing to do; ``drop(job)`` before handing a job back to the queue (shutdown);
+    ``close()`` once at the end. Subclasses implement the methods that raise
+    NotImplementedError; the others have working defaults.
+    """
+
+    base_threads = 0  # CPU threads of its own: 1 lets idle workers lend it theirs (set_threads)
+
+    def free(self) -> int:
+        """How many more jobs ``start`` can take now (0 when full)."""
+        raise NotImplementedError
+
+    def start(self, job: RunningJob) -> None:
+        """Take ``job`` in. Raise JobError to fail it at once (e.g. ``context_overflow``)."""
+        raise NotImplementedError
+
+    def step(self) -> list[tuple[RunningJob, Outcome]]:
+        """Advance every job a little (one token each, for llama.cpp); return the jobs that
+        ended, each with its Outcome, and forget them. A job whose ``interrupt`` is set must
+        end with that failure; one that sees ``stop`` set may be left running (the daemon
+        drops it and hands it back). An exception fails every active job (runner_error)."""
+        raise NotImplementedError
+
+    def active(self) -> list[RunningJob]:
+        """The jobs started and not yet ended or dropped."""
+        raise NotImplementedError
+
+    def drop(self, job: RunningJob) -> None:
+        """Forget ``job`` without an outcome (it goes back to the queue)."""
+        raise NotImplementedError
+
+    def idle(self) -> None:
+        """Called when the worker has no job and none is queued (a chance to tidy up)."""
+
+    def set_threads(self, threads: int) -> None:
+        """Decode with ``threads`` CPU threads from the next step on (lent by idle workers)."""
+
+    def close(self) -> None:
+        """Free what the session holds; no other call follows."""
+
+
+class Runner:
+    """What a worker runs: the daemon asks it for one Session per worker at start, and closes
+    it at shutdown. ``LlamaRunner`` is llama.cpp; ``FunctionRunner`` wraps a plain function
+    (tests, custom back ends)."""
+
+    name = "runner"  # the model name meta.json records when there is no model file
+
+    def session(self, index: int, config: Config) -> Session:
+        """Worker ``index``'s session; raise ModelError if it cannot be made."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free what the runner holds; called once, after every session is closed."""
+
+
+class FunctionRunner(Runner):
     """Wraps ``fn(job) -> str | Outcome`` as a runner (one job per worker at a time).
 
     For tests and custom back-ends. ``fn`` may raise JobError to fail the job with a code,
@@ -1574,11 +2094,8 @@ class FunctionRunner:
         """A worker's session."""
         return _FunctionSession(self.fn, self.capacity)
 
-    def close(self) -> None:
-        """Nothing to free."""
 
-
-class _FunctionSession:
+class _FunctionSession(Session):
     def __init__(self, fn: Callable[[RunningJob], Any], capacity: int) -> None:
         self.fn = fn
         self.capacity = capacity
@@ -1726,7 +2243,7 @@ class _CallThread:
         self._thread.join()
 
 
-class LlamaRunner:
+class LlamaRunner(Runner):
     """llama.cpp through llama-cpp-python's raw API: one model, shared by every worker.
 
     ``Llama`` always loads its own copy of the weights, so it cannot be shared; the raw
@@ -1862,18 +2379,18 @@ class LlamaRunner:
     def penalty(self, params: Mapping[str, Any]) -> Optional["_RepeatPenalty"]:
         """The job's repetition penalty (None if off): applied to the logits before its
         sampler chain runs (see _RepeatPenalty)."""
-        repeat = params.get("repeat_penalty", self.config.repeat_penalty)
+        repeat = job_param(params, "repeat_penalty", self.config)
         return _RepeatPenalty(repeat) if repeat != 1.0 and repeat > 0 else None
 
     def sampler(self, params: Mapping[str, Any]) -> Any:
         """A sampler chain for one job (chains hold state: one per sequence); the
         repetition penalty is not in it (see ``penalty``)."""
         L, cfg = self.L, self.config
-        temperature = params.get("temperature", cfg.temp)
-        top_k = params.get("top_k", cfg.top_k)
-        top_p = params.get("top_p", cfg.top_p)
-        min_p = params.get("min_p", cfg.min_p)
-        seed = params.get("seed", cfg.seed) or L.LLAMA_DEFAULT_SEED  # 0 = random
+        temperature = job_param(params, "temperature", cfg)
+        top_k = job_param(params, "top_k", cfg)
+        top_p = job_param(params, "top_p", cfg)
+        min_p = job_param(params, "min_p", cfg)
+        seed = job_param(params, "seed", cfg) or L.LLAMA_DEFAULT_SEED  # 0 = random
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         if temperature <= 0:
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
@@ -1979,7 +2496,7 @@ class _Sequence:
         self.unsent = ""  # generated text held back from partial.txt (see LlamaSession._emit)
 
 
-class LlamaSession:
+class LlamaSession(Session):
     """One worker's llama context, generating up to ``seqs`` jobs at once.
 
     Every step decodes one token of every generating sequence, plus prompt chunks of newly
@@ -2095,7 +2612,7 @@ class LlamaSession:
         # The free slot already holding the longest prefix of this prompt (a finished job's cells).
         # (On a tie, the slot idle() left whole: the new job's cells replace its tail.)
         slot = max(free, key=lambda i: (_common_prefix(self.held[i], tokens), i == self.last_kept)) if self.reuse else free[0]
-        max_tokens = job.params.get("max_tokens", self.runner.config.predict)
+        max_tokens = job_param(job.params, "max_tokens", self.runner.config)
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.runner.sampler(job.params),
                                            self.runner.penalty(job.params))
@@ -2588,12 +3105,7 @@ class Processor:
         self.model_name = model_name
 
     def _path(self, sub: str, name: str = "") -> str:
-        return os.path.join(self.workspace, sub, name) if name else os.path.join(self.workspace, sub)
-
-    def _move(self, job_id: str, src: str, dst: str) -> None:
-        move(self._path(src, job_id), self._path(dst, job_id))
-        fsync_dir(self._path(dst))
-        fsync_dir(self._path(src))
+        return job_path(self.workspace, sub, name)
 
     # -- claim ---------------------------------------------------------------------------
 
@@ -2614,15 +3126,15 @@ class Processor:
             return None
         dir_fd = open_dir(path)
         try:
-            meta = self._read_meta(dir_fd)
+            meta = read_meta(dir_fd)
             attempts = meta.get("attempts") if isinstance(meta.get("attempts"), int) else 0
             if "submitted" not in meta:
-                meta["submitted"] = self._submitted(job_id, dir_fd)
+                meta["submitted"] = submitted_time(job_id, dir_fd)
             meta.update(id=job_id, started=round(time.time(), 3), worker=worker,
                         model=self.model_name, attempts=attempts + 1)
             for key in ("finished", "code", "finish_reason"):
                 meta.pop(key, None)
-            write_file(dir_fd, META_FILE, _dump(meta))
+            write_file(dir_fd, META_FILE, dump_meta(meta))
             os.fsync(dir_fd)
             fsync_dir(self._path(PROCESSING))
             fsync_dir(self._path(READY))
@@ -2643,21 +3155,6 @@ class Processor:
             log.warning(f"Job failed: {job_id}: {message}")
             return None
         return job
-
-    @staticmethod
-    def _submitted(job_id: str, dir_fd: int) -> Optional[float]:
-        try:
-            return round(os.stat(PROMPT_FILE, dir_fd=dir_fd, follow_symlinks=False).st_mtime, 3)
-        except OSError:
-            match = GENERATED_ID.fullmatch(job_id)
-            return float(match.group(1)) if match else None
-
-    @staticmethod
-    def _read_meta(dir_fd: int) -> dict[str, Any]:
-        try:
-            return _parse_meta(read_file(dir_fd, META_FILE, 1 << 20).decode("utf-8", "replace"))
-        except (FileNotFoundError, JobError):
-            return {}
 
     def _read_input(self, dir_fd: int) -> tuple[str, dict[str, Any]]:
         import json
@@ -2716,10 +3213,10 @@ class Processor:
                     _unlink_quietly(CANCEL_FILE, job.dir_fd)
                 for name, data in files:
                     write_file(job.dir_fd, name, data)
-                write_file(job.dir_fd, META_FILE, _dump(meta))
+                write_file(job.dir_fd, META_FILE, dump_meta(meta))
                 os.fsync(job.dir_fd)
                 try:
-                    self._move(job.id, PROCESSING, dest)
+                    move_job(self.workspace, job.id, PROCESSING, dest)
                 except FileExistsError:
                     self._name_taken(job, dest)
                 return True
@@ -2739,12 +3236,12 @@ class Processor:
                    f"output/{job.id} already exists, so this job's result could not be published "
                    f"there; result.txt is kept here\n".encode())
         os.fsync(job.dir_fd)
-        self._move(job.id, PROCESSING, FAILED)
+        move_job(self.workspace, job.id, PROCESSING, FAILED)
 
     def _hand_back(self, job_id: str) -> None:
         """Put a job whose claim or finish hit an I/O error back in ready/, untouched."""
         try:
-            self._move(job_id, PROCESSING, READY)
+            move_job(self.workspace, job_id, PROCESSING, READY)
         except OSError as err:
             log.error(f"cannot hand {job_id} back ({_os_error(err)}); it stays in processing/ "
                       "until the next daemon start")
@@ -2759,9 +3256,9 @@ class Processor:
             for key in ("started", "worker"):
                 meta.pop(key, None)
             _clear_outputs(job.dir_fd)
-            write_file(job.dir_fd, META_FILE, _dump(meta))
+            write_file(job.dir_fd, META_FILE, dump_meta(meta))
             os.fsync(job.dir_fd)
-            self._move(job.id, PROCESSING, READY)
+            move_job(self.workspace, job.id, PROCESSING, READY)
             log.info(f"Returned job to the queue: {job.id}")
         except OSError as err:
             log.error(f"cannot requeue {job.id}: {_os_error(err)}; recovered at next start")
@@ -2779,7 +3276,7 @@ class Processor:
         try:
             write_file(fd, ERROR_FILE, (f"input/ready/{job_id} is {kind}, not a job directory; it was "
                                         f"moved here as '{QUARANTINED_ENTRY}' without being opened\n").encode())
-            write_file(fd, META_FILE, _dump({"id": job_id, "code": "bad_request", "attempts": 0,
+            write_file(fd, META_FILE, dump_meta({"id": job_id, "code": "bad_request", "attempts": 0,
                                              "finished": round(time.time(), 3)}))
             os.fsync(fd)
         finally:
@@ -2817,7 +3314,7 @@ class Processor:
                 self._quarantine(name, info.st_mode)
                 continue
             dir_fd = open_dir(path)
-            meta = self._read_meta(dir_fd)
+            meta = read_meta(dir_fd)
             attempts = meta.get("attempts") if isinstance(meta.get("attempts"), int) else 0
             if attempts >= self.config.max_attempts:
                 # The killed attempt's temporaries and results go; its partial text stays
@@ -2834,7 +3331,7 @@ class Processor:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
-            self._move(name, PROCESSING, READY)
+            move_job(self.workspace, name, PROCESSING, READY)
             recovered.append((name, attempts))
             log.warning(f"Recovered orphaned job: {name} (attempt {attempts} of {self.config.max_attempts})")
         return recovered
@@ -2880,12 +3377,6 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
             _unlink_quietly(name, dir_fd)
 
 
-def _dump(meta: Mapping[str, Any]) -> bytes:
-    import json
-
-    return (json.dumps(meta, ensure_ascii=False, indent=1, sort_keys=True) + "\n").encode("utf-8")
-
-
 class Server:
     """The daemon: locks the workspace, loads the model once, recovers orphans, then runs
     one Scanner thread and N worker threads (``Worker-0``...) until ``shutdown()``.
@@ -2901,7 +3392,9 @@ class Server:
             self.config.workers = _check_setting("workers", workers)
         self.model = model
         self.workspace = os.fspath(workspace)
-        if runner is not None and not hasattr(runner, "session"):
+        if runner is not None and not isinstance(runner, Runner):
+            if not callable(runner):
+                raise TypeError("runner must be a Runner or a function fn(job) -> str")
             runner = FunctionRunner(runner)
         self.runner = runner
         self._own_runner = runner is None
@@ -2941,7 +3434,7 @@ class Server:
                 log.info(f"Loading model {model_path}")
                 self.runner = LlamaRunner(model_path, self.config)
             sessions = [self.runner.session(i, self.config) for i in range(self.config.workers)]
-            name = os.path.basename(model_path) if model_path else getattr(self.runner, "name", "runner")
+            name = os.path.basename(model_path) if model_path else self.runner.name
             self.processor = Processor(self.workspace, self.config, name)
             stale = os.path.join(self.workspace, f".{DAEMON_FILE}.tmp")  # a killed daemon's
             if os.path.lexists(stale):
@@ -2961,7 +3454,7 @@ class Server:
         self._loads = [0] * len(sessions)
         # Threads are lent only between one-thread contexts: then the lender's thread, the
         # one wide thread, is the only OpenMP team (see LlamaRunner.decode_wide).
-        if len(sessions) > 1 and all(getattr(s, "base_threads", 0) == 1 for s in sessions):
+        if len(sessions) > 1 and all(s.base_threads == 1 for s in sessions):
             self._thread_budget = len(sessions)
         for index, session in enumerate(sessions):
             self._threads.append(threading.Thread(target=self._work, args=(index, session),
@@ -3157,13 +3650,12 @@ class Server:
         once the idle worker has a job again. Measured on 2 cores: one context decodes
         1.6-1.9x faster with 2 threads than with 1 when the other core is free.
         """
-        set_threads = getattr(session, "set_threads", None)
-        if set_threads is None or not self._thread_budget:
+        if not self._thread_budget:
             return
         busy = [i for i, load in enumerate(self._loads) if load > 0 or i == index]
         share, extra = divmod(self._thread_budget, len(busy))
         share += busy.index(index) < extra
-        set_threads(max(session.base_threads, min(share, cpu_count())))
+        session.set_threads(max(session.base_threads, min(share, cpu_count())))
 
     def _admit(self, index: int, session: Any, name: str) -> None:
         """Claim jobs while the session has free slots (blocking only when it is idle).
@@ -3175,7 +3667,7 @@ class Server:
             load = self._loads[index] = len(session.active())
             if load and any(other < load for i, other in enumerate(self._loads) if i != index):
                 return
-            if not load and not len(self.pool) and hasattr(session, "idle"):
+            if not load and not len(self.pool):
                 session.idle()
             job_id = self.pool.get(0.0 if load else 0.5, worker=index)
             if job_id is None:
@@ -3244,7 +3736,7 @@ class Server:
             self._lock_fd = None
 
     def _close_runner(self) -> None:
-        if self.runner is not None and hasattr(self.runner, "close"):
+        if self.runner is not None:
             self.runner.close()
         if self._own_runner:
             self.runner = None
@@ -3257,12 +3749,8 @@ class Server:
 
 
 ##############################################################################
-# CLI
+# CLI: parse, call the library, print. Data on stdout, messages on stderr.
 ##############################################################################
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISSING, EXIT_UNFINISHED = 0, 1, 2, 3, 4
-STATUS_EXIT = {Status.Done: EXIT_OK, Status.Failed: EXIT_FAILED, Status.Missing: EXIT_MISSING,
-               Status.Queued: EXIT_UNFINISHED, Status.Running: EXIT_UNFINISHED}
 
 
 def _say(message: str) -> None:
@@ -3274,17 +3762,16 @@ def _say(message: str) -> None:
         pass
 
 
-def _check_ids(ids: Iterable[str]) -> None:
-    for job_id in ids:
-        if not is_valid_id(job_id):
-            shown = job_id if len(job_id) <= 40 else job_id[:40] + "..."
-            raise InvalidInput(f"invalid job ID {shown!r} (expected letters, digits, '.', '_', '-'; "
-                               "at most 128, not starting with '.')")
+def _print_lines(lines: Iterable[str]) -> None:
+    sys.stdout.write("".join(f"{line}\n" for line in lines))
+    sys.stdout.flush()
 
 
-def _check_workspace_exists(workspace: str) -> None:
-    if not os.path.isdir(workspace):
-        raise InvalidInput(f"workspace {workspace} does not exist")
+def _print_json(value: Any, indent: Optional[int] = None) -> None:
+    import json
+
+    sys.stdout.write(json.dumps(value, ensure_ascii=False, indent=indent, sort_keys=indent is not None) + "\n")
+    sys.stdout.flush()
 
 
 def _cmd_daemon(args: Any) -> int:
@@ -3309,29 +3796,42 @@ def _cmd_daemon(args: Any) -> int:
     return EXIT_OK
 
 
+def _read_stdin(what: str) -> bytes:
+    if sys.stdin is None:
+        raise InvalidInput(f"{what}: stdin is closed")
+    return sys.stdin.buffer.read()
+
+
 def _read_prompt(args: Any) -> Any:
     if args.prompt is not None and args.prompt != "-":
         return args.prompt
     if args.prompt is None and sys.stdin is not None and sys.stdin.isatty():
         raise InvalidInput("no prompt: give PROMPT, or '-' and the prompt on stdin")
-    if sys.stdin is None:
-        raise InvalidInput("no prompt: stdin is closed")
-    return sys.stdin.buffer.read()
+    return _read_stdin("no prompt")
+
+
+def _job_params(args: Any) -> dict[str, Any]:
+    """The job parameters given as ``submit`` flags (see PARAMS)."""
+    return {name: getattr(args, name) for name, param in PARAMS.items()
+            if param.flag and getattr(args, name) is not None}
 
 
 def _cmd_submit(args: Any) -> int:
-    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
-              "system": args.system, "raw": True if args.raw else None, "timeout": args.timeout}
-    params = {k: v for k, v in params.items() if v is not None}
+    params = _job_params(args)
     if args.file is not None:
         if args.prompt is not None or args.wait:
             raise InvalidInput("--file takes no PROMPT and no --wait (use: nrvna wait WS --tag NAME)")
-        return _submit_file(args, params)
-    prompt = _read_prompt(args)
-    if args.tag:
-        params["tag"] = args.tag
+        source = _read_stdin("--file -") if args.file == "-" else args.file
+        notes: list[str] = []
+        try:
+            Work(args.workspace).submit_file(source, tag=params.pop("tag", None), on_ids=_print_lines,
+                                             notes=notes, **params)
+        finally:
+            for note in notes:
+                _say(note)
+        return EXIT_OK
     try:
-        job_id = Work(args.workspace).publish(prompt, **params)
+        job_id = Work(args.workspace).publish(_read_prompt(args), **params)
     except NotDurable as err:
         print(err.job_id, flush=True)  # it is queued: a script must learn its ID
         raise
@@ -3342,8 +3842,8 @@ def _cmd_submit(args: Any) -> int:
 
 
 def _cmd_get(args: Any) -> int:
-    _check_ids([args.id])
-    _check_workspace_exists(args.workspace)
+    check_ids([args.id])
+    require_workspace(args.workspace)
     if args.follow:
         return _follow(Flow(args.workspace), args.id)
     return _emit(Flow(args.workspace), args.id, args.wait, args.timeout, args.json)
@@ -3351,8 +3851,6 @@ def _cmd_get(args: Any) -> int:
 
 def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json: bool) -> int:
     """Print a job's result (stdout) or error (stderr); return the exit code for its state."""
-    import json
-
     status = flow.wait(job_id, timeout) if wait else flow.status(job_id)
     if status is Status.Missing:
         raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
@@ -3360,10 +3858,8 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
         job = flow.get(job_id)
         if job is None:
             raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
-        record = {"id": job.id, "status": job.status.value, "prompt": job.prompt,
-                  "result": job.result, "error": job.error, "meta": job.meta, "params": job.params}
-        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
-        sys.stdout.flush()
+        _print_json({"id": job.id, "status": job.status.value, "prompt": job.prompt, "result": job.result,
+                     "error": job.error, "meta": job.meta, "params": job.params})
         return STATUS_EXIT[job.status]
     if status is Status.Done:
         data = flow.result_bytes(job_id)
@@ -3373,148 +3869,94 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
             return EXIT_OK
         status = flow.status(job_id)
     if status is Status.Failed:
-        job = flow.get(job_id)
-        error = (job.error if job and job.error else "unknown error").rstrip("\n")
-        _say(f"job {job_id} failed: {error}")
-        return EXIT_FAILED
+        return _report_failure(flow, job_id)
     waited = f" after waiting {timeout:g} s" if wait and timeout is not None else ""
     raise NotFinished(f"job {job_id} is {status.value}{waited}")
 
 
-def _cmd_status(args: Any) -> int:
-    import json
+def _report_failure(flow: Flow, job_id: str) -> int:
+    job = flow.get(job_id)
+    _say(f"job {job_id} failed: {(job.error if job and job.error else 'unknown error').rstrip()}")
+    return EXIT_FAILED
 
+
+def _follow(flow: Flow, job_id: str) -> int:
+    """``get --follow``: the text as it is generated, then the job's exit code."""
+    out = sys.stdout.buffer
+
+    def on_restart() -> None:
+        _say(f"job {job_id} was restarted; its text follows again")
+        out.write(b"\n")
+
+    for piece in flow.follow(job_id, on_restart):
+        out.write(piece)
+        out.flush()
+    if flow.status(job_id) is Status.Failed:
+        return _report_failure(flow, job_id)
+    return EXIT_OK
+
+
+def _cmd_status(args: Any) -> int:
     flow = Flow(args.workspace)
     if args.daemon:
-        return _daemon_status(args)
-    if args.tag:
-        ids, states = _selection(args, default_all=False)
-        counts = {status.value: 0 for _, status in STATE_DIRS}
-        for job_id in ids:
-            counts[states[job_id].value] += 1
-        counts["total"] = len(ids)
-        print(json.dumps(counts) if args.json else "\n".join(f"{state} {count}" for state, count in counts.items()))
+        _print_json(daemon_info(args.workspace), indent=1)
         return EXIT_OK
-    if not args.ids:
-        _check_workspace_exists(args.workspace)
-        counts = flow.counts()
-        if args.json:
-            print(json.dumps(counts))
+    if args.tag or not args.ids:
+        if args.tag:
+            ids, states = flow.select(args.ids, args.tag)
+            counts = {status.value: 0 for _, status in STATE_DIRS}
+            for job_id in ids:
+                counts[states[job_id].value] += 1
+            counts["total"] = len(ids)
         else:
-            print("\n".join(f"{state} {count}" for state, count in counts.items()))
+            require_workspace(args.workspace)
+            counts = flow.counts()
+        if args.json:
+            _print_json(counts)
+        else:
+            _print_lines(f"{state} {count}" for state, count in counts.items())
         return EXIT_OK
-    _check_ids(args.ids)
+    check_ids(args.ids)
     statuses = [flow.status(job_id) for job_id in args.ids]
     if args.json:
-        print(json.dumps({job_id: s.value for job_id, s in zip(args.ids, statuses)}))
+        _print_json({job_id: s.value for job_id, s in zip(args.ids, statuses)})
     else:
-        print("\n".join(s.value for s in statuses))
+        _print_lines(s.value for s in statuses)
     for worst in (Status.Missing, Status.Failed, Status.Queued, Status.Running):
         if worst in statuses:
             return STATUS_EXIT[worst]
     return EXIT_OK
 
 
-def _submit_file(args: Any, defaults: dict[str, Any]) -> int:
-    """``submit --file``: validate the whole file, queue the lines not yet queued under the
-    tag, print every line's ID in file order."""
-    if args.file == "-":
-        if sys.stdin is None:
-            raise InvalidInput("--file -: stdin is closed")
-        data, jsonl = sys.stdin.buffer.read(), None
-    else:
-        try:
-            with open(args.file, "rb") as handle:
-                data = handle.read()
-        except OSError as err:
-            raise InvalidInput(f"cannot read {args.file}: {_os_error(err)}") from None
-        jsonl = args.file.endswith(".jsonl")
-    notes: list[str] = []
-    entries = parse_batch(data, jsonl, notes)
-    for note in notes:
-        _say(note)
-    defaults = validate_params(defaults)
-    entries = [BatchEntry(e.line, e.prompt, {**defaults, **e.params}) for e in entries]
-    existing: dict[str, str] = {}
-    if args.tag:
-        members = tag_members(args.workspace, args.tag)
-        states = bulk_states(args.workspace, [job_id for job_id, _ in members])
-        existing = {cid: job_id for job_id, cid in members if cid is not None and states[job_id] is not Status.Missing}
-    ids: list[Optional[str]] = [existing.get(e.params["custom_id"]) for e in entries]
-    new = [i for i, job_id in enumerate(ids) if job_id is None]
-    if existing:
-        _say(f"{len(entries) - len(new)} of {len(entries)} lines are already queued with tag {args.tag}; "
-             f"queuing the other {len(new)}")
-    printed = 0
-    placed = 0
-
-    def on_chunk(chunk: list[str]) -> None:
-        nonlocal printed, placed
-        for job_id in chunk:
-            ids[new[placed]] = job_id
-            placed += 1
-        while printed < len(ids) and ids[printed] is not None:
-            sys.stdout.write(f"{ids[printed]}\n")
-            printed += 1
-        sys.stdout.flush()
-
-    on_chunk([])
-    Work(args.workspace).publish_batch([entries[i] for i in new], args.tag, on_chunk)
-    return EXIT_OK
-
-
-def _selection(args: Any, default_all: bool) -> tuple[list[str], dict[str, Status]]:
-    """The jobs a command names, in order, and their states: IDs and/or ``--tag``; with
-    neither, every job in the workspace (``default_all``) or a usage error. Unknown IDs
-    raise NoSuchJob; a tag's jobs that no longer exist (cleaned) are left out."""
-    _check_workspace_exists(args.workspace)
-    _check_ids(args.ids)
-    ids = list(args.ids)
-    if getattr(args, "tag", None):
-        ids += [job_id for job_id, _ in tag_members(args.workspace, args.tag)]
-    elif not ids:
-        if not default_all:
-            raise InvalidInput("name jobs: IDs or --tag")
-        ids = _all_jobs(args.workspace)
-    states = bulk_states(args.workspace, ids)
-    missing = [job_id for job_id in args.ids if states[job_id] is Status.Missing]
-    if missing:
-        raise NoSuchJob(f"no job {missing[0]} in {args.workspace}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    ids = [j for j in dict.fromkeys(ids) if states[j] is not Status.Missing]
-    return ids, states
-
-
 def _cmd_wait(args: Any) -> int:
-    ids, states = _selection(args, default_all=True)
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    flow = Flow(args.workspace)
     progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
-    flow, start, tokens = Flow(args.workspace), time.monotonic(), 0
-    seen = {j for j in ids if states[j].finished}  # finished before the wait: not in the rates
-    already, delay = len(seen), 0.1
-    while True:
-        done = sum(1 for j in ids if states[j] is Status.Done)
-        failed = sum(1 for j in ids if states[j] is Status.Failed)
-        if progress:
-            for job_id in [j for j in ids if states[j].finished and j not in seen]:
+    start, tokens, already = time.monotonic(), 0, 0
+    seen: Optional[set[str]] = None  # finished before the wait: not in the rates
+
+    def draw(states: dict[str, Status]) -> None:
+        nonlocal seen, tokens, already
+        finished = [j for j, s in states.items() if s.finished]
+        if seen is None:
+            seen, already = set(finished), len(finished)
+        for job_id in finished:
+            if job_id not in seen:
                 job = flow.get(job_id)
                 tokens += int(job.meta.get("generated_tokens") or 0) if job else 0
                 seen.add(job_id)
-            _draw_progress(done + failed - already, done, failed, len(ids), time.monotonic() - start, tokens)
-        if done + failed == len(ids):
-            break
-        if deadline is not None and time.monotonic() >= deadline:
-            if progress:
-                sys.stderr.write("\n")
-            _say(f"{len(ids) - done - failed} of {len(ids)} jobs not finished after {args.timeout:g} s")
-            return EXIT_UNFINISHED
-        time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
-        began = time.monotonic()
-        states = bulk_states(args.workspace, ids)
-        delay = max(0.1, min(1.0, 3 * (time.monotonic() - began)))  # listing 100k jobs takes a while
+        done = sum(1 for s in states.values() if s is Status.Done)
+        _draw_progress(len(finished) - already, done, len(finished) - done, len(states), time.monotonic() - start, tokens)
+
+    states = flow.wait_all(args.ids, args.tag, args.timeout, draw if progress else None)
     if progress:
         sys.stderr.write("\n")
+    unfinished = sum(1 for s in states.values() if not s.finished)
+    failed = sum(1 for s in states.values() if s is Status.Failed)
+    if unfinished:
+        _say(f"{unfinished} of {len(states)} jobs not finished after {args.timeout:g} s")
+        return EXIT_UNFINISHED
     if failed:
-        _say(f"{failed} of {len(ids)} jobs failed")
+        _say(f"{failed} of {len(states)} jobs failed")
         return EXIT_FAILED
     return EXIT_OK
 
@@ -3534,45 +3976,8 @@ def _draw_progress(new: int, done: int, failed: int, total: int, elapsed: float,
 
 
 def _cmd_export(args: Any) -> int:
-    import json
-
-    if args.tag and not args.ids:  # stream the tag's index: memory does not grow with the batch
-        _check_workspace_exists(args.workspace)
-        ids: Iterable[str] = (job_id for chunk in iter_tag_members(args.workspace, args.tag) for job_id, _ in chunk)
-    else:
-        ids = _selection(args, default_all=True)[0]
-    flow = Flow(args.workspace)
-    out = _AtomicOutput(args.output) if args.output else None
-    errors = _AtomicOutput(args.errors) if args.errors else None
-    unfinished = exported = 0
-    try:
-        for job_id in ids:
-            job = flow.get(job_id)
-            if job is None:
-                continue  # a tagged job removed since (clean)
-            if not job.status.finished:
-                unfinished += 1
-                continue
-            if args.format == "text":
-                line = (job.result if job.status is Status.Done else f"[failed: {(job.error or '').strip()}]")
-                line = line.rstrip("\n") + "\n\n"
-            else:
-                line = json.dumps(export_record(job, args.format), ensure_ascii=False) + "\n"
-            target = errors if errors is not None and job.status is Status.Failed else out
-            if target is None:
-                sys.stdout.write(line)
-            else:
-                target.write(line)
-            exported += 1
-        sys.stdout.flush()
-        for target in (out, errors):
-            if target is not None:
-                target.commit()
-    except BaseException:
-        for target in (out, errors):
-            if target is not None and not target.handle.closed:
-                target.abort()
-        raise
+    exported, unfinished = Flow(args.workspace).export(args.output or sys.stdout, args.ids, args.tag,
+                                                       args.format, args.errors)
     if unfinished:
         _say(f"{unfinished} of {unfinished + exported} jobs are not finished and were left out (wait first: nrvna wait)")
         return EXIT_UNFINISHED
@@ -3580,18 +3985,13 @@ def _cmd_export(args: Any) -> int:
 
 
 def _cmd_cancel(args: Any) -> int:
-    ids, states = _selection(args, default_all=False)
     named = set(args.ids)
     worst, left_alone = EXIT_OK, 0
-    for job_id in ids:
-        if job_id not in named and states[job_id].finished:
-            left_alone += 1  # a tag's finished jobs: nothing to cancel, not an error
-            continue
-        outcome, message = cancel_job(args.workspace, job_id, args.timeout)
+    for job_id, outcome, message in cancel_jobs(args.workspace, args.ids, args.tag, args.timeout):
         if outcome == "cancelled":
             print(job_id, flush=True)
         elif outcome == "finished" and job_id not in named:
-            left_alone += 1
+            left_alone += 1  # a tag's finished jobs: nothing to cancel, not an error
         else:
             _say(message)
             worst = max(worst, EXIT_UNFINISHED if outcome == "pending" else EXIT_FAILED)
@@ -3602,19 +4002,12 @@ def _cmd_cancel(args: Any) -> int:
 
 def _cmd_retry(args: Any) -> int:
     codes = [c.strip() for c in args.code.split(",") if c.strip()] if args.code else None
-    if args.failed:
-        _check_workspace_exists(args.workspace)
-        folder = os.path.join(args.workspace, FAILED)
-        ids = sorted((n for n in os.listdir(folder) if not n.startswith(".")), key=order_key)
-    else:
-        ids, _ = _selection(args, default_all=False)
     worst, queued = EXIT_OK, 0
-    for job_id in ids:
-        outcome, message = retry_job(args.workspace, job_id, codes)
+    for job_id, outcome, message in retry_jobs(args.workspace, args.ids, args.tag, args.failed, codes):
         if outcome == "queued":
             print(job_id)
             queued += 1
-        elif outcome == "refused" and (args.ids and job_id in args.ids):
+        elif outcome == "refused" and job_id in args.ids:
             _say(message)
             worst = EXIT_FAILED
     sys.stdout.flush()
@@ -3627,103 +4020,14 @@ def _cmd_clean(args: Any) -> int:
     both = not args.done and not args.failed
     removed = clean_jobs(args.workspace, args.older_than, done=args.done or both, failed=args.failed or both,
                          dry_run=args.dry_run)
-    for job_id in removed:
-        sys.stdout.write(f"{job_id}\n")
-    sys.stdout.flush()
+    _print_lines(removed)
     _say(f"{'would remove' if args.dry_run else 'removed'} {len(removed)} jobs")
     return EXIT_OK
 
 
 def _cmd_stop(args: Any) -> int:
-    import signal
-
-    pid = _running_daemon(args.workspace)
-    if pid > 0:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            raise NrvnaError(f"not allowed to signal the daemon (pid {pid})") from None
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    while _daemon_holds(args.workspace) is not None:
-        if deadline is not None and time.monotonic() > deadline:
-            raise NotFinished(f"the daemon (pid {pid}) has not stopped after {args.timeout:g} s")
-        time.sleep(0.05)
+    pid = stop_daemon(args.workspace, args.timeout)
     _say(f"daemon (pid {pid}) stopped")
-    return EXIT_OK
-
-
-def _follow(flow: Flow, job_id: str) -> int:
-    """``get --follow``: print the text as the daemon generates it, then exit with the
-    job's final code (what was printed is always a prefix of the final result, unless the
-    daemon restarted the job: that is said on stderr and its text printed again)."""
-    printed, attempt = 0, None
-    out = sys.stdout.buffer
-    delay = 0.02
-    while True:
-        status, path = flow._locate(job_id)
-        if status is Status.Missing:
-            raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
-        data = None
-        if status is not Status.Queued:
-            try:
-                fd = open_dir(path)
-            except (FileNotFoundError, NotADirectoryError):
-                continue  # it moved on between the lookup and the open
-            try:
-                if status is Status.Running:
-                    started = Processor._read_meta(fd).get("started")
-                    if attempt is not None and started != attempt and printed:
-                        _say(f"job {job_id} was restarted; its text follows again")
-                        out.write(b"\n")
-                        printed = 0
-                    attempt = started
-                data = _read_or_none(fd, RESULT_FILE if status is Status.Done else PARTIAL_FILE)
-            finally:
-                os.close(fd)
-        if status is Status.Done and data is None:
-            continue  # still being moved: look again
-        if data is not None and len(data) > printed:
-            out.write(data[printed:])
-            out.flush()
-            printed = len(data)
-        if status is Status.Done:
-            return EXIT_OK
-        if status is Status.Failed:
-            job = flow.get(job_id)
-            _say(f"job {job_id} failed: {(job.error if job and job.error else 'unknown error').rstrip()}")
-            return EXIT_FAILED
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.1)
-
-
-def _read_or_none(dir_fd: int, name: str) -> Optional[bytes]:
-    try:
-        return read_file(dir_fd, name, 1 << 40)
-    except (FileNotFoundError, JobError):
-        return None
-
-
-def _running_daemon(workspace: str) -> int:
-    """The pid of the daemon holding ``workspace``; NoSuchJob (exit 3) when none does."""
-    _check_workspace_exists(workspace)
-    pid = _daemon_holds(workspace)
-    if pid is None:
-        raise NoSuchJob(f"no daemon is running on {workspace}")
-    return pid
-
-
-def _daemon_status(args: Any) -> int:
-    """``status --daemon``: daemon.json when a daemon holds the workspace, else exit 3."""
-    pid = _running_daemon(args.workspace)
-    try:
-        with open(os.path.join(args.workspace, DAEMON_FILE), encoding="utf-8") as handle:
-            text = handle.read()
-    except FileNotFoundError:  # it is still loading its model
-        text = f'{{"pid": {pid}, "starting": true}}\n'
-    sys.stdout.write(text)
-    sys.stdout.flush()
     return EXIT_OK
 
 
@@ -3762,20 +4066,30 @@ def _daemon_arguments(parser: Any) -> None:
     parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0")
 
 
+def _param_arguments(parser: Any) -> None:
+    """One flag per job parameter that has one (PARAMS)."""
+    for name, param in PARAMS.items():
+        if not param.flag:
+            continue
+        default = f" (default: {SETTINGS[name].env})" if name in SETTINGS else ""
+        if param.kind is bool:
+            parser.add_argument(param.flag, dest=name, action="store_const", const=True, help=param.help + default)
+        elif param.kind is list:
+            parser.add_argument(param.flag, dest=name, action="append", metavar="TEXT", help=param.help + default)
+        else:
+            metavar = {int: "N", float: "X", str: "TEXT"}[param.kind]
+            parser.add_argument(param.flag, dest=name, type=param.kind, metavar=metavar, help=param.help + default)
+
+
 def _submit_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
     parser.add_argument("prompt", metavar="PROMPT", nargs="?")
     parser.add_argument("--file", metavar="FILE", help="queue every line of FILE ('-' = stdin): *.jsonl holds JSON "
-                        "lines (nrvna's or OpenAI Batch requests), any other file one prompt per line")
-    parser.add_argument("--tag", metavar="NAME", help="label the jobs (status/wait/export/cancel/retry --tag)")
+                        "lines (nrvna's or OpenAI Batch requests), any other file one prompt per line; the flags "
+                        "below are defaults for every line")
     parser.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
     parser.add_argument("--wait-timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
-    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="fail the job (code timeout) if it generates for more than S seconds")
-    parser.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate")
-    parser.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (0 = greedy)")
-    parser.add_argument("--seed", type=int, metavar="N", help="sampling seed (same seed, same result)")
-    parser.add_argument("--system", metavar="TEXT", help="system message for the chat template")
-    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    _param_arguments(parser)
 
 
 def _status_arguments(parser: Any) -> None:
@@ -3798,8 +4112,8 @@ def _wait_arguments(parser: Any) -> None:
 
 def _export_arguments(parser: Any) -> None:
     _selection_arguments(parser)
-    parser.add_argument("--format", choices=("jsonl", "openai", "text"), default="jsonl",
-                        help="jsonl (default), openai (OpenAI Batch output lines) or text")
+    parser.add_argument("--format", choices=tuple(EXPORT_FORMATS), default="jsonl",
+                        help="; ".join(f"{name}: {form.help}" for name, form in EXPORT_FORMATS.items()))
     parser.add_argument("-o", "--output", metavar="FILE", help="write FILE atomically instead of stdout")
     parser.add_argument("--errors", metavar="FILE", help="failed jobs' lines go to FILE instead")
 
@@ -3880,12 +4194,12 @@ def _build_parser(only: Optional[str] = None) -> Any:
     import argparse
 
     env_help = "\n".join(f"  {s.env:<24} {str(s.default):<10} {s.help}" for s in SETTINGS.values())
+    codes = ", ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items())
     parser = argparse.ArgumentParser(
         prog="nrvna", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="A durable, asynchronous job queue for local LLM inference. A job is a "
                     "directory; its location is its state.",
-        epilog="exit codes: 0 ok/done, 1 job failed or daemon error, 2 usage or invalid input, "
-               "3 no such job, 4 not finished yet\n\nenvironment (daemon):\n" + env_help)
+        epilog=f"exit codes: {codes}\n\nenvironment (daemon):\n" + env_help)
     parser.add_argument("--version", action="version", version=f"nrvna {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, summary, description, add_arguments, handler in COMMANDS:

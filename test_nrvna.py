@@ -165,7 +165,7 @@ def test_invalid_env_values_are_named(name: str, value: str) -> None:
 def test_env_values_are_read() -> None:
     config = nrvna.Config.from_env({"NRVNA_WORKERS": "8", "NRVNA_TEMP": "0.2", "NRVNA_LOG_LEVEL": "TRACE",
                                     "NRVNA_SEED": "7", "NRVNA_MODELS_DIR": "/m"})
-    assert (config.workers, config.temp, config.log_level, config.seed, config.models_dir) == (8, 0.2, "trace", 7, "/m")
+    assert (config.workers, config.temperature, config.log_level, config.seed, config.models_dir) == (8, 0.2, "trace", 7, "/m")
     assert nrvna.Config.from_env({}).workers == min(4, nrvna.cpu_count())
     assert nrvna.Config.from_env({}).seqs == 16
 
@@ -1732,7 +1732,7 @@ def test_a_workspace_writable_by_others_is_warned_about(ws: str) -> None:
 # =========================================================================== #8: continuous batching
 
 
-class SteppedRunner:
+class SteppedRunner(nrvna.Runner):
     """A fake multi-slot engine: a job takes as many steps as the number in its prompt.
     Records admissions and the most jobs ever in flight per session."""
 
@@ -1752,7 +1752,7 @@ class SteppedRunner:
         pass
 
 
-class SteppedSession:
+class SteppedSession(nrvna.Session):
     def __init__(self, runner: SteppedRunner) -> None:
         self.runner = runner
         self.jobs: dict[nrvna.RunningJob, int] = {}
