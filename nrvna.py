@@ -10,6 +10,21 @@ filesystem: ``from nrvna import Work, Flow`` works on a bare Python.
     python nrvna.py daemon model.gguf ws
     id=$(python nrvna.py submit ws "What is AI?")
     python nrvna.py get ws "$id" --wait
+
+Contents (one banner each, in this order):
+
+1. Settings and job parameters    SETTINGS, Config, PARAMS, validate_params, job_param
+2. Errors and exit codes          NrvnaError and its subclasses, JobError, EXIT_CODES
+3. Logging                        configure_logging, log
+4. File primitives                write_file, read_file, fsync_dir, move (never replaces)
+5. Workspace and job directories  layout, IDs, Status, locate_job, read_meta, mark_failed,
+                                  move_job, the tag index, the workspace lock
+6. Client                         Work, Flow, cancel/retry/clean, daemon_info, stop_daemon
+7. Batch files and export         parse_batch, ENDPOINTS, EXPORT_FORMATS, export_record
+8. Runner protocol                Runner, Session, RunningJob, Outcome, FunctionRunner
+9. llama.cpp engine               LlamaRunner, LlamaSession (continuous batching)
+10. Daemon                        Pool, Scanner, Processor, Server
+11. CLI                           main() and one _cmd_* per command
 """
 
 from __future__ import annotations
@@ -17,30 +32,22 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchEntry",
-    "Config",
-    "Flow",
-    "FunctionRunner",
-    "Interrupted",
-    "Job",
-    "JobError",
-    "LlamaRunner",
-    "NrvnaError",
-    "Outcome",
-    "RunningJob",
-    "Server",
-    "Status",
-    "SubmitResult",
-    "Work",
-    "bulk_states",
-    "cancel_job",
-    "clean_jobs",
-    "export_record",
+    # client
+    "Work", "Flow", "Status", "Job", "SubmitResult",
+    "cancel_job", "cancel_jobs", "retry_job", "retry_jobs", "clean_jobs", "daemon_info", "stop_daemon",
+    # batch files and export
+    "BatchEntry", "parse_batch", "tag_members", "iter_tag_members", "bulk_states", "export_record",
+    "Endpoint", "ENDPOINTS", "ExportFormat", "EXPORT_FORMATS",
+    # settings and job parameters
+    "Config", "SETTINGS", "Param", "PARAMS", "job_param", "validate_params", "render_messages",
+    # job directories
+    "locate_job", "read_meta", "dump_meta", "mark_failed", "move_job", "ensure_workspace",
+    # errors
+    "NrvnaError", "InvalidInput", "ConfigError", "NoSuchJob", "NotFinished", "WorkspaceError",
+    "ModelError", "NotDurable", "JobError", "Interrupted", "EXIT_CODES",
+    # runners and the daemon
+    "Runner", "Session", "RunningJob", "Outcome", "FunctionRunner", "LlamaRunner", "Server",
     "main",
-    "parse_batch",
-    "render_messages",
-    "retry_job",
-    "tag_members",
 ]
 
 import codecs
@@ -63,50 +70,10 @@ if TYPE_CHECKING:  # annotations are strings at run time: importing typing costs
 # Heavy or daemon-only modules (json, logging, ctypes, argparse, llama_cpp) are imported
 # where used: `nrvna submit` must start about as fast as `python -c pass`.
 
+
 ##############################################################################
-# Constants and configuration
+# Settings and job parameters: one table each (SETTINGS, PARAMS) drives validation, flags, help and the README
 ##############################################################################
-
-WRITING = os.path.join("input", "writing")
-READY = os.path.join("input", "ready")
-PROCESSING = "processing"
-OUTPUT = "output"
-FAILED = "failed"
-LAYOUT = (WRITING, READY, PROCESSING, OUTPUT, FAILED)
-
-PROMPT_FILE = "prompt.txt"
-PARAMS_FILE = "params.json"
-RESULT_FILE = "result.txt"
-ERROR_FILE = "error.txt"
-META_FILE = "meta.json"
-PARTIAL_FILE = "partial.txt"  # text generated so far (running), or before a failure
-CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
-DAEMON_FILE = "daemon.json"
-TAGS = "tags"  # tags/<tag>/<time_ns>_<first id>.ids: which jobs a submit labelled (the tag index)
-LOCK_FILE = ".nrvna.lock"
-# A non-directory found in ready/ is wrapped in a real job dir under this name in failed/.
-QUARANTINED_ENTRY = "entry"
-
-# Any ID a user may name: hand-made job dirs work, nothing can climb out of the workspace
-# (no '/', and a leading '.' is impossible, so '.' and '..' are excluded too).
-ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-GENERATED_ID = re.compile(r"(\d+)_(\d+)_(\d+)")
-
-DAEMON_STATUS_SECONDS = 2.0  # how often daemon.json is rewritten
-WATCH_SECONDS = 0.1  # how often running jobs are checked for cancel/timeout and partial.txt flushed
-STALE_STAGING_SECONDS = 3600  # input/writing/* older than this is a dead client's leftover
-CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long to fill up
-# A new prompt waits a step for a batch-mate computing a prefix it shares when that saves
-# at least this many tokens of prefill.
-PREFIX_WAIT_TOKENS = 16
-# The repetition penalty looks back this many generated tokens (llama.cpp's default).
-PENALTY_WINDOW = 64
-# A context has room for this many jobs of the full per-job length (NRVNA_MAX_CTX / this);
-# sequences beyond it run only while the jobs' own budgets leave room (LlamaSession.free).
-FULL_LENGTH_SEQS = 8
-FILE_MODE = 0o600
-DIR_MODE = 0o700
-
 
 _Setting = namedtuple("_Setting", "env kind default low high help")
 
@@ -340,23 +307,6 @@ def render_messages(messages: list[dict[str, str]]) -> str:
     return "\n\n".join(f"[{turn['role']}]\n{turn['content']}" for turn in messages) + "\n"
 
 
-class Endpoint(namedtuple("Endpoint", "input raw object id_prefix")):
-    """An OpenAI Batch ``url`` nrvna serves: the body field holding the input (``messages``
-    or ``prompt``), whether the prompt skips the chat template, and the response object."""
-
-    __slots__ = ()
-
-
-# The OpenAI Batch endpoints: what a request line may carry and how export answers it.
-ENDPOINTS: dict[str, Endpoint] = {
-    "/v1/chat/completions": Endpoint("messages", False, "chat.completion", "chatcmpl-"),
-    "/v1/completions": Endpoint("prompt", True, "text_completion", "cmpl-"),
-}
-# OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
-OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "model": "ignored (the daemon's model answers)",
-                     "n": "must be 1", "stream": "must be false"}
-
-
 # Defaults that depend on the machine, as the README states them.
 _MACHINE_DEFAULTS = {"workers": "4, or the cores if fewer", "gpu_layers": "0 (99 on macOS)"}
 
@@ -382,9 +332,8 @@ def markdown_tables() -> dict[str, str]:
 
 
 ##############################################################################
-# Errors
+# Errors and exit codes
 ##############################################################################
-
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISSING, EXIT_UNFINISHED = 0, 1, 2, 3, 4
 # What the CLI's exit codes mean (--help and the README).
@@ -460,7 +409,7 @@ def _os_error(err: OSError) -> str:
 
 
 ##############################################################################
-# Logging (the spec's format; everything on stderr, because stdout carries data only)
+# Logging: `[time] [LEVEL] [Thread] message`, everything on stderr (stdout carries data only)
 ##############################################################################
 
 TRACE = 5
@@ -511,7 +460,7 @@ def configure_logging(level: str = "info", stream: Any = None) -> None:
 
 
 ##############################################################################
-# File primitives: every state change is one rename; every file is fsynced before it counts
+# File primitives: every file is written whole and fsynced before it counts; renames never replace
 ##############################################################################
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -649,19 +598,6 @@ def move(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
-def _try_lock(workspace: str) -> tuple[int, bool]:
-    """Open the workspace's lock file and try to take it (exclusive, not waiting). Return
-    the descriptor (the caller closes it, which releases the lock) and whether it is held."""
-    import fcntl
-
-    fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDWR | os.O_CREAT | O_CLOEXEC | O_NOFOLLOW, FILE_MODE)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd, True
-    except OSError:
-        return fd, False
-
-
 def _load_renameat2() -> Any:
     if not sys.platform.startswith("linux"):
         return False
@@ -674,6 +610,61 @@ def _load_renameat2() -> Any:
     function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     function.restype = ctypes.c_int
     return function
+
+
+def _syncfs(path: str) -> None:
+    """Flush every file and directory of the filesystem holding ``path`` in one call:
+    a batch is made durable with one flush instead of several fsyncs per job."""
+    import ctypes
+
+    fd = open_dir(path)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if getattr(libc, "syncfs", None) is None:
+            os.sync()  # no syncfs: flush every filesystem (slower, as safe)
+            return
+        if libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+    finally:
+        os.close(fd)
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+##############################################################################
+# Workspace and job directories: layout, IDs, states, meta.json, durable moves, the tag index, the lock
+##############################################################################
+
+# The state directories: a job's place is its state.
+WRITING = os.path.join("input", "writing")
+READY = os.path.join("input", "ready")
+PROCESSING = "processing"
+OUTPUT = "output"
+FAILED = "failed"
+LAYOUT = (WRITING, READY, PROCESSING, OUTPUT, FAILED)
+PROMPT_FILE = "prompt.txt"
+PARAMS_FILE = "params.json"
+RESULT_FILE = "result.txt"
+ERROR_FILE = "error.txt"
+META_FILE = "meta.json"
+PARTIAL_FILE = "partial.txt"  # text generated so far (running), or before a failure
+CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
+DAEMON_FILE = "daemon.json"
+TAGS = "tags"  # tags/<tag>/<time_ns>_<first id>.ids: which jobs a submit labelled (the tag index)
+LOCK_FILE = ".nrvna.lock"
+# A non-directory found in ready/ is wrapped in a real job dir under this name in failed/.
+QUARANTINED_ENTRY = "entry"
+# Any ID a user may name: hand-made job dirs work, nothing can climb out of the workspace
+# (no '/', and a leading '.' is impossible, so '.' and '..' are excluded too).
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+GENERATED_ID = re.compile(r"(\d+)_(\d+)_(\d+)")
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 
 
 def ensure_workspace(workspace: str) -> None:
@@ -712,9 +703,43 @@ def ensure_workspace(workspace: str) -> None:
         raise WorkspaceError(f"workspace {workspace}: {_os_error(err)}") from None
 
 
-##############################################################################
-# Job IDs and states
-##############################################################################
+def _try_lock(workspace: str) -> tuple[int, bool]:
+    """Open the workspace's lock file and try to take it (exclusive, not waiting). Return
+    the descriptor (the caller closes it, which releases the lock) and whether it is held."""
+    import fcntl
+
+    fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDWR | os.O_CREAT | O_CLOEXEC | O_NOFOLLOW, FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd, True
+    except OSError:
+        return fd, False
+
+
+def _daemon_holds(workspace: str) -> Optional[int]:
+    """The pid of the daemon holding ``workspace``'s lock, or None when no daemon runs.
+    Decided by the lock itself (the kernel drops it when its holder dies), never by a file."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            for _ in range(50):  # a daemon that just took the lock writes its pid next
+                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                if text.isdigit():
+                    return int(text)
+                time.sleep(0.01)
+            return -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
 
 _id_counter = itertools.count()
 
@@ -879,10 +904,92 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
             _unlink_quietly(name, dir_fd)
 
 
-##############################################################################
-# Client API: Work submits, Flow reads
-##############################################################################
+def _all_jobs(workspace: str) -> list[str]:
+    """Every job in the workspace, in submission order."""
+    names: list[str] = []
+    for sub, _ in STATE_DIRS:
+        try:
+            names += [n for n in os.listdir(os.path.join(workspace, sub)) if not n.startswith(".")]
+        except FileNotFoundError:
+            pass
+    return sorted(set(names), key=order_key)
 
+
+def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
+    """The state of many jobs at once: one listing per state directory, not a lookup per job.
+
+    Directories are listed in lifecycle order, so a job moving forward meanwhile is seen in
+    its newer state; jobs seen nowhere (a requeue raced the listing) are looked up again."""
+    wanted = set(ids)
+    found: dict[str, Status] = {}
+    for sub, status in STATE_DIRS:
+        try:
+            names = os.listdir(os.path.join(workspace, sub))
+        except FileNotFoundError:
+            continue
+        for name in wanted.intersection(names):
+            found[name] = status
+    flow = Flow(workspace)
+    for job_id in wanted - found.keys():
+        found[job_id] = flow.status(job_id)
+    return found
+
+
+def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str]]]) -> None:
+    """Record durably that ``rows`` (id, custom_id) carry ``tag``, before they are published."""
+    import json
+
+    folder = os.path.join(workspace, TAGS, tag)
+    os.makedirs(folder, DIR_MODE, exist_ok=True)
+    fd = open_dir(folder)
+    try:
+        data = "".join(json.dumps([job_id, cid], ensure_ascii=False) + "\n" for job_id, cid in rows)
+        # Named by creation time: IDs order jobs within a process, not across processes.
+        write_file(fd, f"{time.time_ns():020d}_{rows[0][0]}.ids", data.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(os.path.dirname(folder))
+
+
+def tag_members(workspace: str, tag: str) -> list[tuple[str, Optional[str]]]:
+    """(id, custom_id) of every job ever submitted with ``tag``, in submission order
+    (including removed or never-published ones: check their states)."""
+    return [row for chunk in iter_tag_members(workspace, tag) for row in chunk]
+
+
+def iter_tag_members(workspace: str, tag: str) -> Iterator[list[tuple[str, Optional[str]]]]:
+    """``tag_members`` one submit chunk at a time (at most BATCH_CHUNK rows in memory)."""
+    if not ID_PATTERN.fullmatch(tag):
+        raise InvalidInput(f"invalid tag {tag!r}")
+    for _, rows in _tag_files(workspace, tag):
+        yield rows
+
+
+def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, Optional[str]]]]]:
+    """(file name, rows) of each index file of ``tag``, oldest first."""
+    import json
+
+    folder = os.path.join(workspace, TAGS, tag)
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".ids") and not n.startswith(".")]
+    except FileNotFoundError:
+        return
+    for name in sorted(names):
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as handle:
+                text = handle.read().rstrip("\n")
+            rows = json.loads(f"[{text.replace(chr(10), ',')}]")  # one parse per file
+        except FileNotFoundError:
+            continue  # removed meanwhile (clean)
+        except (OSError, ValueError) as err:
+            raise WorkspaceError(f"tag index {folder}/{name} is unreadable: {err}") from None
+        yield name, [(job_id, cid) for job_id, cid in rows]
+
+
+##############################################################################
+# Client: Work submits, Flow reads and waits; cancel, retry, clean, stop
+##############################################################################
 
 class SubmitResult(namedtuple("SubmitResult", "ok id message")):
     """What ``Work.submit`` returns (``ok: bool, id: str, message: str``): errors are values
@@ -1323,14 +1430,283 @@ class Flow:
         return exported, unfinished
 
 
-def _remove_tree(path: str) -> None:
-    import shutil
+def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str, str]:
+    """Cancel a job; return ``(outcome, message)`` with outcome ``cancelled`` (it is in
+    failed/ with code cancelled), ``finished`` (it was done or failed already: left alone)
+    or ``pending`` (the daemon has not stopped it within ``timeout`` s). Raise NoSuchJob.
 
-    shutil.rmtree(path, ignore_errors=True)
+    A queued job is taken with a rename (a claim racing it loses or wins cleanly); a
+    running job gets a ``cancel`` file that the daemon sees within 100 ms and stops it
+    between tokens. Either way a ``cancel`` file goes in first, so whoever ends up holding
+    the job knows: a claim that wins the race fails the job as cancelled at once.
+    """
+    flow = Flow(workspace)
+    deadline = time.monotonic() + timeout
+    marker = f"cancelled by nrvna cancel at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode()
+    while True:
+        status, path = flow.locate(job_id)
+        if status is Status.Missing:
+            raise NoSuchJob(f"no job {job_id} in {workspace}")
+        if status.finished:
+            job = flow.get(job_id)
+            code = job.meta.get("code") if job else None
+            if status is Status.Failed and code == "cancelled":
+                return "cancelled", f"job {job_id} was cancelled"
+            return "finished", f"job {job_id} is {status.value} already; left alone"
+        try:
+            fd = open_dir(path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # it moved on: look again
+        try:
+            write_file(fd, CANCEL_FILE, marker)
+            os.fsync(fd)
+        except FileNotFoundError:
+            continue
+        finally:
+            os.close(fd)
+        if status is Status.Queued:
+            try:
+                move(path, os.path.join(workspace, FAILED, job_id))
+            except FileNotFoundError:
+                continue  # a worker claimed it first: it sees the cancel file
+            mark_failed(workspace, FAILED, job_id, "cancelled", "cancelled before it started (nrvna cancel)")
+            fsync_dir(os.path.join(workspace, FAILED))
+            fsync_dir(os.path.join(workspace, READY))
+            return "cancelled", f"job {job_id} cancelled"
+        # Running: the daemon stops it; wait to see how it ended.
+        while flow.status(job_id) is Status.Running and time.monotonic() < deadline:
+            if _cancel_orphan(workspace, job_id):  # no daemon holds the lock: nobody else will
+                break
+            time.sleep(0.02)
+        if flow.status(job_id) is Status.Running:
+            return "pending", f"job {job_id}: cancel requested; the daemon has not stopped it yet"
+
+
+def _cancel_orphan(workspace: str, job_id: str) -> bool:
+    """No daemon runs, yet the job is in processing/ (its daemon died): fail it here, under
+    the workspace lock so that no daemon can start and recover it meanwhile."""
+    fd, locked = _try_lock(workspace)
+    try:
+        if not locked or not os.path.isdir(os.path.join(workspace, PROCESSING, job_id)):
+            return False
+        mark_failed(workspace, PROCESSING, job_id, "cancelled", "cancelled while no daemon was running (nrvna cancel)")
+        move(os.path.join(workspace, PROCESSING, job_id), os.path.join(workspace, FAILED, job_id))
+        fsync_dir(os.path.join(workspace, FAILED))
+        fsync_dir(os.path.join(workspace, PROCESSING))
+        return True
+    finally:
+        os.close(fd)
+
+
+def cancel_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = None,
+                timeout: float = 10.0) -> list[tuple[str, str, str]]:
+    """``cancel_job`` for every job named by ``ids`` and/or ``tag`` (at least one); return
+    ``(id, outcome, message)`` for each. A tag's jobs that had finished already are left
+    alone unopened (outcome ``finished``)."""
+    ids = list(ids)
+    if not ids and not tag:
+        raise InvalidInput("name jobs: IDs or --tag")
+    selected, states = Flow(workspace).select(ids, tag)
+    named, results = set(ids), []
+    for job_id in selected:
+        if job_id not in named and states[job_id].finished:
+            results.append((job_id, "finished", f"job {job_id} is {states[job_id].value} already; left alone"))
+        else:
+            results.append((job_id, *cancel_job(workspace, job_id, timeout)))
+    return results
+
+
+def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None) -> tuple[str, str]:
+    """Send a failed job back to the queue with its attempts reset and its earlier errors
+    kept in meta.json (``errors``). Return ``(outcome, message)``: ``queued``, ``skipped``
+    (its code is not in ``codes``) or ``refused`` (it is not failed). Raise NoSuchJob.
+
+    Order: meta.json (with the error history) is rewritten first, then error.txt and the
+    other leftovers go, then the rename: a crash between leaves a failed job whose error
+    is still readable from meta.json, never a job in two places."""
+    flow = Flow(workspace)
+    status, path = flow.locate(job_id)
+    if status is Status.Missing:
+        raise NoSuchJob(f"no job {job_id} in {workspace}")
+    if status is not Status.Failed:
+        return "refused", f"job {job_id} is {status.value}; only failed jobs are retried"
+    job = flow.get(job_id)
+    if job is None:
+        raise NoSuchJob(f"no job {job_id} in {workspace}")
+    code = job.meta.get("code")
+    if codes is not None and code not in set(codes):
+        return "skipped", f"job {job_id} failed with {code}"
+    try:
+        fd = open_dir(path)
+    except NotADirectoryError:
+        return "refused", f"job {job_id} is not a job directory"
+    try:
+        if _exists(fd, QUARANTINED_ENTRY):
+            return "refused", f"job {job_id} is a quarantined entry, not a job; it cannot run"
+        meta = dict(job.meta)
+        history = list(meta.get("errors") or [])
+        if job.error is not None or code:
+            history.append({"code": code, "error": (job.error or "").rstrip("\n"),
+                            "finished": meta.get("finished"), "attempts": meta.get("attempts")})
+        kept = {k: meta[k] for k in ("id", "submitted") if k in meta}
+        write_file(fd, META_FILE, dump_meta(dict(kept, attempts=0, errors=history, retries=len(history))))
+        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE):
+            _unlink_quietly(name, fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        move(path, os.path.join(workspace, READY, job_id))
+    except FileNotFoundError:
+        return "refused", f"job {job_id} moved meanwhile (another retry or clean)"
+    fsync_dir(os.path.join(workspace, READY))
+    fsync_dir(os.path.join(workspace, FAILED))
+    return "queued", f"job {job_id} queued again"
+
+
+def retry_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = None, failed: bool = False,
+               codes: Optional[Iterable[str]] = None) -> list[tuple[str, str, str]]:
+    """``retry_job`` for every job named by ``ids`` and/or ``tag``, or every failed job
+    (``failed``); return ``(id, outcome, message)`` for each."""
+    ids = list(ids)
+    if failed:
+        require_workspace(workspace)
+        selected = sorted((n for n in os.listdir(job_path(workspace, FAILED)) if not n.startswith(".")), key=order_key)
+    elif ids or tag:
+        selected = Flow(workspace).select(ids, tag)[0]
+    else:
+        raise InvalidInput("name jobs: IDs, --tag or --failed")
+    codes = None if codes is None else list(codes)
+    return [(job_id, *retry_job(workspace, job_id, codes)) for job_id in selected]
+
+
+def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: bool = True,
+               dry_run: bool = False, now: Optional[float] = None) -> list[str]:
+    """Remove finished jobs that finished more than ``older_than`` seconds ago; return their
+    IDs. Queued and running jobs are never touched. Each job is first renamed to a hidden
+    name (atomic: readers see it whole or not at all), then deleted."""
+    now = time.time() if now is None else now
+    removed = []
+    for sub, wanted in ((OUTPUT, done), (FAILED, failed)):
+        if not wanted:
+            continue
+        folder = os.path.join(workspace, sub)
+        with os.scandir(folder) as entries:
+            names = sorted((e.name for e in entries), key=order_key)
+        for name in names:
+            path = os.path.join(folder, name)
+            if name.startswith(".trash-") and not dry_run:
+                _remove_tree(path)  # an earlier clean died halfway
+                continue
+            if name.startswith("."):
+                continue
+            if now - _finished_at(path) < older_than:
+                continue
+            removed.append(name)
+            if dry_run:
+                continue
+            trash = os.path.join(folder, f".trash-{name}")
+            try:
+                os.rename(path, trash)
+            except FileNotFoundError:
+                removed.pop()  # a retry took it meanwhile
+                continue
+            if os.path.isdir(trash) and not os.path.islink(trash):
+                _remove_tree(trash)
+            else:
+                os.unlink(trash)
+        if removed and not dry_run:
+            fsync_dir(folder)
+    if removed and not dry_run:
+        _prune_tag_index(workspace)
+    return removed
+
+
+def _prune_tag_index(workspace: str) -> None:
+    """Delete tag index files none of whose jobs exist any more (and then empty tag dirs)."""
+    tags = os.path.join(workspace, TAGS)
+    try:
+        names = os.listdir(tags)
+    except FileNotFoundError:
+        return
+    writing = os.path.join(workspace, WRITING)
+    alive = set(os.listdir(writing))  # a submit in progress: listed first, as jobs move forward
+    alive.update(_all_jobs(workspace))
+    flow = Flow(workspace)
+    for tag in names:
+        if not ID_PATTERN.fullmatch(tag):
+            continue
+        for chunk_file, rows in _tag_files(workspace, tag):
+            if any(job_id in alive for job_id, _ in rows):
+                continue
+            # Looked up again one by one: a job moved backwards (requeued) while we listed.
+            if all(flow.status(job_id) is Status.Missing and not os.path.lexists(os.path.join(writing, job_id))
+                   for job_id, _ in rows):
+                _unlink_quietly(os.path.join(tags, tag, chunk_file), None)
+        try:
+            os.rmdir(os.path.join(tags, tag))
+        except OSError:
+            pass  # not empty
+
+
+def _finished_at(path: str) -> float:
+    try:
+        fd = open_dir(path)
+    except OSError:
+        return os.lstat(path).st_mtime
+    try:
+        finished = read_meta(fd).get("finished")
+        return float(finished) if isinstance(finished, (int, float)) else os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+
+
+def daemon_info(workspace: str) -> dict[str, Any]:
+    """The running daemon's daemon.json (pid, model, workers, counters, tokens/s), or
+    ``{"pid", "starting": True}`` while it loads its model. Raise NoSuchJob when no daemon
+    holds the workspace (decided by its lock, never by a stale file)."""
+    pid = _running_daemon(workspace)
+    try:
+        with open(os.path.join(workspace, DAEMON_FILE), encoding="utf-8") as handle:
+            info = parse_meta(handle.read())
+    except FileNotFoundError:
+        info = {}
+    return info or {"pid": pid, "starting": True}
+
+
+def stop_daemon(workspace: str, timeout: Optional[float] = None) -> int:
+    """Send SIGTERM to the daemon holding ``workspace`` and wait until it has let go of it
+    (its in-flight jobs are back in the queue); return its pid. Raise NoSuchJob when none
+    runs, NotFinished when it still holds the workspace after ``timeout`` seconds."""
+    import signal
+
+    pid = _running_daemon(workspace)
+    if pid > 0:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            raise NrvnaError(f"not allowed to signal the daemon (pid {pid})") from None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while _daemon_holds(workspace) is not None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise NotFinished(f"the daemon (pid {pid}) has not stopped after {timeout:g} s")
+        time.sleep(0.05)
+    return pid
+
+
+def _running_daemon(workspace: str) -> int:
+    """The pid of the daemon holding ``workspace``; NoSuchJob (exit 3) when none does."""
+    require_workspace(workspace)
+    pid = _daemon_holds(workspace)
+    if pid is None:
+        raise NoSuchJob(f"no daemon is running on {workspace}")
+    return pid
 
 
 ##############################################################################
-# Batches: files of prompts, tags, bulk states, cancel, retry, clean, export
+# Batch files and export: nrvna's JSONL lines, OpenAI Batch lines (ENDPOINTS), export formats (EXPORT_FORMATS)
 ##############################################################################
 
 BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
@@ -1417,6 +1793,23 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
     return prompt, params
 
 
+class Endpoint(namedtuple("Endpoint", "input raw object id_prefix")):
+    """An OpenAI Batch ``url`` nrvna serves: the body field holding the input (``messages``
+    or ``prompt``), whether the prompt skips the chat template, and the response object."""
+
+    __slots__ = ()
+
+
+# The OpenAI Batch endpoints: what a request line may carry and how export answers it.
+ENDPOINTS: dict[str, Endpoint] = {
+    "/v1/chat/completions": Endpoint("messages", False, "chat.completion", "chatcmpl-"),
+    "/v1/completions": Endpoint("prompt", True, "text_completion", "cmpl-"),
+}
+# OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
+OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "model": "ignored (the daemon's model answers)",
+                     "n": "must be 1", "stream": "must be false"}
+
+
 def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
     unknown = set(obj) - {"custom_id", "method", "url", "body"}
     if unknown:
@@ -1455,407 +1848,6 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
         raise InvalidInput(f"a {url} body needs messages")
     params["messages"] = _check_messages(body["messages"], PARAMS["messages"].high)
     return render_messages(params["messages"]), params
-
-
-def _syncfs(path: str) -> None:
-    """Flush every file and directory of the filesystem holding ``path`` in one call:
-    a batch is made durable with one flush instead of several fsyncs per job."""
-    import ctypes
-
-    fd = open_dir(path)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if getattr(libc, "syncfs", None) is None:
-            os.sync()  # no syncfs: flush every filesystem (slower, as safe)
-            return
-        if libc.syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), path)
-    finally:
-        os.close(fd)
-
-
-def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str]]]) -> None:
-    """Record durably that ``rows`` (id, custom_id) carry ``tag``, before they are published."""
-    import json
-
-    folder = os.path.join(workspace, TAGS, tag)
-    os.makedirs(folder, DIR_MODE, exist_ok=True)
-    fd = open_dir(folder)
-    try:
-        data = "".join(json.dumps([job_id, cid], ensure_ascii=False) + "\n" for job_id, cid in rows)
-        # Named by creation time: IDs order jobs within a process, not across processes.
-        write_file(fd, f"{time.time_ns():020d}_{rows[0][0]}.ids", data.encode("utf-8"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(os.path.dirname(folder))
-
-
-def tag_members(workspace: str, tag: str) -> list[tuple[str, Optional[str]]]:
-    """(id, custom_id) of every job ever submitted with ``tag``, in submission order
-    (including removed or never-published ones: check their states)."""
-    return [row for chunk in iter_tag_members(workspace, tag) for row in chunk]
-
-
-def iter_tag_members(workspace: str, tag: str) -> Iterator[list[tuple[str, Optional[str]]]]:
-    """``tag_members`` one submit chunk at a time (at most BATCH_CHUNK rows in memory)."""
-    if not ID_PATTERN.fullmatch(tag):
-        raise InvalidInput(f"invalid tag {tag!r}")
-    for _, rows in _tag_files(workspace, tag):
-        yield rows
-
-
-def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, Optional[str]]]]]:
-    """(file name, rows) of each index file of ``tag``, oldest first."""
-    import json
-
-    folder = os.path.join(workspace, TAGS, tag)
-    try:
-        names = [n for n in os.listdir(folder) if n.endswith(".ids") and not n.startswith(".")]
-    except FileNotFoundError:
-        return
-    for name in sorted(names):
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as handle:
-                text = handle.read().rstrip("\n")
-            rows = json.loads(f"[{text.replace(chr(10), ',')}]")  # one parse per file
-        except FileNotFoundError:
-            continue  # removed meanwhile (clean)
-        except (OSError, ValueError) as err:
-            raise WorkspaceError(f"tag index {folder}/{name} is unreadable: {err}") from None
-        yield name, [(job_id, cid) for job_id, cid in rows]
-
-
-def _all_jobs(workspace: str) -> list[str]:
-    """Every job in the workspace, in submission order."""
-    names: list[str] = []
-    for sub, _ in STATE_DIRS:
-        try:
-            names += [n for n in os.listdir(os.path.join(workspace, sub)) if not n.startswith(".")]
-        except FileNotFoundError:
-            pass
-    return sorted(set(names), key=order_key)
-
-
-def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
-    """The state of many jobs at once: one listing per state directory, not a lookup per job.
-
-    Directories are listed in lifecycle order, so a job moving forward meanwhile is seen in
-    its newer state; jobs seen nowhere (a requeue raced the listing) are looked up again."""
-    wanted = set(ids)
-    found: dict[str, Status] = {}
-    for sub, status in STATE_DIRS:
-        try:
-            names = os.listdir(os.path.join(workspace, sub))
-        except FileNotFoundError:
-            continue
-        for name in wanted.intersection(names):
-            found[name] = status
-    flow = Flow(workspace)
-    for job_id in wanted - found.keys():
-        found[job_id] = flow.status(job_id)
-    return found
-
-
-def _daemon_holds(workspace: str) -> Optional[int]:
-    """The pid of the daemon holding ``workspace``'s lock, or None when no daemon runs.
-    Decided by the lock itself (the kernel drops it when its holder dies), never by a file."""
-    import fcntl
-
-    try:
-        fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            for _ in range(50):  # a daemon that just took the lock writes its pid next
-                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                if text.isdigit():
-                    return int(text)
-                time.sleep(0.01)
-            return -1
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str, str]:
-    """Cancel a job; return ``(outcome, message)`` with outcome ``cancelled`` (it is in
-    failed/ with code cancelled), ``finished`` (it was done or failed already: left alone)
-    or ``pending`` (the daemon has not stopped it within ``timeout`` s). Raise NoSuchJob.
-
-    A queued job is taken with a rename (a claim racing it loses or wins cleanly); a
-    running job gets a ``cancel`` file that the daemon sees within 100 ms and stops it
-    between tokens. Either way a ``cancel`` file goes in first, so whoever ends up holding
-    the job knows: a claim that wins the race fails the job as cancelled at once.
-    """
-    flow = Flow(workspace)
-    deadline = time.monotonic() + timeout
-    marker = f"cancelled by nrvna cancel at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode()
-    while True:
-        status, path = flow.locate(job_id)
-        if status is Status.Missing:
-            raise NoSuchJob(f"no job {job_id} in {workspace}")
-        if status.finished:
-            job = flow.get(job_id)
-            code = job.meta.get("code") if job else None
-            if status is Status.Failed and code == "cancelled":
-                return "cancelled", f"job {job_id} was cancelled"
-            return "finished", f"job {job_id} is {status.value} already; left alone"
-        try:
-            fd = open_dir(path)
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # it moved on: look again
-        try:
-            write_file(fd, CANCEL_FILE, marker)
-            os.fsync(fd)
-        except FileNotFoundError:
-            continue
-        finally:
-            os.close(fd)
-        if status is Status.Queued:
-            try:
-                move(path, os.path.join(workspace, FAILED, job_id))
-            except FileNotFoundError:
-                continue  # a worker claimed it first: it sees the cancel file
-            mark_failed(workspace, FAILED, job_id, "cancelled", "cancelled before it started (nrvna cancel)")
-            fsync_dir(os.path.join(workspace, FAILED))
-            fsync_dir(os.path.join(workspace, READY))
-            return "cancelled", f"job {job_id} cancelled"
-        # Running: the daemon stops it; wait to see how it ended.
-        while flow.status(job_id) is Status.Running and time.monotonic() < deadline:
-            if _cancel_orphan(workspace, job_id):  # no daemon holds the lock: nobody else will
-                break
-            time.sleep(0.02)
-        if flow.status(job_id) is Status.Running:
-            return "pending", f"job {job_id}: cancel requested; the daemon has not stopped it yet"
-
-
-def _cancel_orphan(workspace: str, job_id: str) -> bool:
-    """No daemon runs, yet the job is in processing/ (its daemon died): fail it here, under
-    the workspace lock so that no daemon can start and recover it meanwhile."""
-    fd, locked = _try_lock(workspace)
-    try:
-        if not locked or not os.path.isdir(os.path.join(workspace, PROCESSING, job_id)):
-            return False
-        mark_failed(workspace, PROCESSING, job_id, "cancelled", "cancelled while no daemon was running (nrvna cancel)")
-        move(os.path.join(workspace, PROCESSING, job_id), os.path.join(workspace, FAILED, job_id))
-        fsync_dir(os.path.join(workspace, FAILED))
-        fsync_dir(os.path.join(workspace, PROCESSING))
-        return True
-    finally:
-        os.close(fd)
-
-
-def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None) -> tuple[str, str]:
-    """Send a failed job back to the queue with its attempts reset and its earlier errors
-    kept in meta.json (``errors``). Return ``(outcome, message)``: ``queued``, ``skipped``
-    (its code is not in ``codes``) or ``refused`` (it is not failed). Raise NoSuchJob.
-
-    Order: meta.json (with the error history) is rewritten first, then error.txt and the
-    other leftovers go, then the rename: a crash between leaves a failed job whose error
-    is still readable from meta.json, never a job in two places."""
-    flow = Flow(workspace)
-    status, path = flow.locate(job_id)
-    if status is Status.Missing:
-        raise NoSuchJob(f"no job {job_id} in {workspace}")
-    if status is not Status.Failed:
-        return "refused", f"job {job_id} is {status.value}; only failed jobs are retried"
-    job = flow.get(job_id)
-    if job is None:
-        raise NoSuchJob(f"no job {job_id} in {workspace}")
-    code = job.meta.get("code")
-    if codes is not None and code not in set(codes):
-        return "skipped", f"job {job_id} failed with {code}"
-    try:
-        fd = open_dir(path)
-    except NotADirectoryError:
-        return "refused", f"job {job_id} is not a job directory"
-    try:
-        if _exists(fd, QUARANTINED_ENTRY):
-            return "refused", f"job {job_id} is a quarantined entry, not a job; it cannot run"
-        meta = dict(job.meta)
-        history = list(meta.get("errors") or [])
-        if job.error is not None or code:
-            history.append({"code": code, "error": (job.error or "").rstrip("\n"),
-                            "finished": meta.get("finished"), "attempts": meta.get("attempts")})
-        kept = {k: meta[k] for k in ("id", "submitted") if k in meta}
-        write_file(fd, META_FILE, dump_meta(dict(kept, attempts=0, errors=history, retries=len(history))))
-        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE):
-            _unlink_quietly(name, fd)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        move(path, os.path.join(workspace, READY, job_id))
-    except FileNotFoundError:
-        return "refused", f"job {job_id} moved meanwhile (another retry or clean)"
-    fsync_dir(os.path.join(workspace, READY))
-    fsync_dir(os.path.join(workspace, FAILED))
-    return "queued", f"job {job_id} queued again"
-
-
-def cancel_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = None,
-                timeout: float = 10.0) -> list[tuple[str, str, str]]:
-    """``cancel_job`` for every job named by ``ids`` and/or ``tag`` (at least one); return
-    ``(id, outcome, message)`` for each. A tag's jobs that had finished already are left
-    alone unopened (outcome ``finished``)."""
-    ids = list(ids)
-    if not ids and not tag:
-        raise InvalidInput("name jobs: IDs or --tag")
-    selected, states = Flow(workspace).select(ids, tag)
-    named, results = set(ids), []
-    for job_id in selected:
-        if job_id not in named and states[job_id].finished:
-            results.append((job_id, "finished", f"job {job_id} is {states[job_id].value} already; left alone"))
-        else:
-            results.append((job_id, *cancel_job(workspace, job_id, timeout)))
-    return results
-
-
-def retry_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = None, failed: bool = False,
-               codes: Optional[Iterable[str]] = None) -> list[tuple[str, str, str]]:
-    """``retry_job`` for every job named by ``ids`` and/or ``tag``, or every failed job
-    (``failed``); return ``(id, outcome, message)`` for each."""
-    ids = list(ids)
-    if failed:
-        require_workspace(workspace)
-        selected = sorted((n for n in os.listdir(job_path(workspace, FAILED)) if not n.startswith(".")), key=order_key)
-    elif ids or tag:
-        selected = Flow(workspace).select(ids, tag)[0]
-    else:
-        raise InvalidInput("name jobs: IDs, --tag or --failed")
-    codes = None if codes is None else list(codes)
-    return [(job_id, *retry_job(workspace, job_id, codes)) for job_id in selected]
-
-
-def daemon_info(workspace: str) -> dict[str, Any]:
-    """The running daemon's daemon.json (pid, model, workers, counters, tokens/s), or
-    ``{"pid", "starting": True}`` while it loads its model. Raise NoSuchJob when no daemon
-    holds the workspace (decided by its lock, never by a stale file)."""
-    pid = _running_daemon(workspace)
-    try:
-        with open(os.path.join(workspace, DAEMON_FILE), encoding="utf-8") as handle:
-            info = parse_meta(handle.read())
-    except FileNotFoundError:
-        info = {}
-    return info or {"pid": pid, "starting": True}
-
-
-def stop_daemon(workspace: str, timeout: Optional[float] = None) -> int:
-    """Send SIGTERM to the daemon holding ``workspace`` and wait until it has let go of it
-    (its in-flight jobs are back in the queue); return its pid. Raise NoSuchJob when none
-    runs, NotFinished when it still holds the workspace after ``timeout`` seconds."""
-    import signal
-
-    pid = _running_daemon(workspace)
-    if pid > 0:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            raise NrvnaError(f"not allowed to signal the daemon (pid {pid})") from None
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while _daemon_holds(workspace) is not None:
-        if deadline is not None and time.monotonic() > deadline:
-            raise NotFinished(f"the daemon (pid {pid}) has not stopped after {timeout:g} s")
-        time.sleep(0.05)
-    return pid
-
-
-def _running_daemon(workspace: str) -> int:
-    """The pid of the daemon holding ``workspace``; NoSuchJob (exit 3) when none does."""
-    require_workspace(workspace)
-    pid = _daemon_holds(workspace)
-    if pid is None:
-        raise NoSuchJob(f"no daemon is running on {workspace}")
-    return pid
-
-
-def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: bool = True,
-               dry_run: bool = False, now: Optional[float] = None) -> list[str]:
-    """Remove finished jobs that finished more than ``older_than`` seconds ago; return their
-    IDs. Queued and running jobs are never touched. Each job is first renamed to a hidden
-    name (atomic: readers see it whole or not at all), then deleted."""
-    now = time.time() if now is None else now
-    removed = []
-    for sub, wanted in ((OUTPUT, done), (FAILED, failed)):
-        if not wanted:
-            continue
-        folder = os.path.join(workspace, sub)
-        with os.scandir(folder) as entries:
-            names = sorted((e.name for e in entries), key=order_key)
-        for name in names:
-            path = os.path.join(folder, name)
-            if name.startswith(".trash-") and not dry_run:
-                _remove_tree(path)  # an earlier clean died halfway
-                continue
-            if name.startswith("."):
-                continue
-            if now - _finished_at(path) < older_than:
-                continue
-            removed.append(name)
-            if dry_run:
-                continue
-            trash = os.path.join(folder, f".trash-{name}")
-            try:
-                os.rename(path, trash)
-            except FileNotFoundError:
-                removed.pop()  # a retry took it meanwhile
-                continue
-            if os.path.isdir(trash) and not os.path.islink(trash):
-                _remove_tree(trash)
-            else:
-                os.unlink(trash)
-        if removed and not dry_run:
-            fsync_dir(folder)
-    if removed and not dry_run:
-        _prune_tag_index(workspace)
-    return removed
-
-
-def _prune_tag_index(workspace: str) -> None:
-    """Delete tag index files none of whose jobs exist any more (and then empty tag dirs)."""
-    tags = os.path.join(workspace, TAGS)
-    try:
-        names = os.listdir(tags)
-    except FileNotFoundError:
-        return
-    writing = os.path.join(workspace, WRITING)
-    alive = set(os.listdir(writing))  # a submit in progress: listed first, as jobs move forward
-    alive.update(_all_jobs(workspace))
-    flow = Flow(workspace)
-    for tag in names:
-        if not ID_PATTERN.fullmatch(tag):
-            continue
-        for chunk_file, rows in _tag_files(workspace, tag):
-            if any(job_id in alive for job_id, _ in rows):
-                continue
-            # Looked up again one by one: a job moved backwards (requeued) while we listed.
-            if all(flow.status(job_id) is Status.Missing and not os.path.lexists(os.path.join(writing, job_id))
-                   for job_id, _ in rows):
-                _unlink_quietly(os.path.join(tags, tag, chunk_file), None)
-        try:
-            os.rmdir(os.path.join(tags, tag))
-        except OSError:
-            pass  # not empty
-
-
-def _finished_at(path: str) -> float:
-    try:
-        fd = open_dir(path)
-    except OSError:
-        return os.lstat(path).st_mtime
-    try:
-        finished = read_meta(fd).get("finished")
-        return float(finished) if isinstance(finished, (int, float)) else os.fstat(fd).st_mtime
-    finally:
-        os.close(fd)
 
 
 def _jsonl_record(job: Job) -> dict[str, Any]:
@@ -1968,10 +1960,9 @@ class _AtomicOutput:
 
 
 ##############################################################################
-# Engine: what a worker runs. A Runner makes one Session per worker; a Session holds up
-# to `capacity` jobs at once and advances all of them one step at a time.
+# Runner protocol: what a worker runs. A Runner makes one Session per worker; a Session holds
+# up to free() more jobs and advances them all one step at a time
 ##############################################################################
-
 
 class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error",
                           defaults=("", "stop", 0, 0, None, None))):
@@ -2132,13 +2123,28 @@ class _FunctionSession(Session):
         self.jobs.clear()
 
 
+##############################################################################
+# llama.cpp engine: one model shared by every worker, one context per worker, continuous batching
+##############################################################################
+
+# A new prompt waits a step for a batch-mate computing a prefix it shares when that saves
+# at least this many tokens of prefill.
+PREFIX_WAIT_TOKENS = 16
+# The repetition penalty looks back this many generated tokens (llama.cpp's default).
+PENALTY_WINDOW = 64
+# A context has room for this many jobs of the full per-job length (NRVNA_MAX_CTX / this);
+# sequences beyond it run only while the jobs' own budgets leave room (LlamaSession.free).
+FULL_LENGTH_SEQS = 8
+
+
 def _import_llama() -> Any:
     try:
         import llama_cpp
     except ImportError as err:
         raise ModelError(
-            "the daemon needs llama-cpp-python: pip install llama-cpp-python==0.3.36 "
-            f"(see README, 'Install') ({err})") from None
+            "the daemon needs llama-cpp-python, which the quick start installs in .venv: run "
+            "`bash scripts/setup.sh`, then `source .venv/bin/activate` (or use .venv/bin/python); "
+            f"to build it yourself see README, 'Install' ({err})") from None
     return llama_cpp
 
 
@@ -2821,8 +2827,13 @@ class LlamaSession(Session):
 
 
 ##############################################################################
-# Server: Pool (in-memory queue), Scanner (discovery), Processor (state moves), Server
+# Daemon: Pool (in-memory queue), Scanner (discovery), Processor (state moves), Server
 ##############################################################################
+
+DAEMON_STATUS_SECONDS = 2.0  # how often daemon.json is rewritten
+WATCH_SECONDS = 0.1  # how often running jobs are checked for cancel/timeout and partial.txt flushed
+STALE_STAGING_SECONDS = 3600  # input/writing/* older than this is a dead client's leftover
+CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long to fill up
 
 
 def _name_os_thread(name: str) -> None:
@@ -3368,15 +3379,6 @@ class Processor:
         return removed
 
 
-def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
-    """Remove what an interrupted attempt may have left (results, temporary files)."""
-    for name in os.listdir(dir_fd):
-        if name in keep:
-            continue
-        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE) or (name.startswith(".") and name.endswith(".tmp")):
-            _unlink_quietly(name, dir_fd)
-
-
 class Server:
     """The daemon: locks the workspace, loads the model once, recovers orphans, then runs
     one Scanner thread and N worker threads (``Worker-0``...) until ``shutdown()``.
@@ -3751,7 +3753,6 @@ class Server:
 ##############################################################################
 # CLI: parse, call the library, print. Data on stdout, messages on stderr.
 ##############################################################################
-
 
 def _say(message: str) -> None:
     """One line on stderr; never raises (stderr may be closed)."""
