@@ -312,7 +312,8 @@ _MACHINE_DEFAULTS = {"workers": "4, or the cores if fewer", "gpu_layers": "0 (99
 
 
 def markdown_tables() -> dict[str, str]:
-    """The README's generated tables (settings, params), from SETTINGS and PARAMS."""
+    """The README's generated tables: settings, params and exit-codes, from SETTINGS,
+    PARAMS and EXIT_CODES (scripts/readme_tables.py writes them; a test checks them)."""
     settings = ["| variable | default | meaning |", "|---|---|---|"]
     for name, setting in SETTINGS.items():
         default = _MACHINE_DEFAULTS.get(name, setting.default)
@@ -328,7 +329,8 @@ def markdown_tables() -> dict[str, str]:
         openai = ", ".join(f"`{field}`" for field in param.openai) or "—"
         line = "" if param.line else " (not a JSONL field)"
         params.append(f"| `{name}` | {kind} | {default} | {flag} | {openai} | {param.help}{line} |")
-    return {"settings": "\n".join(settings), "params": "\n".join(params)}
+    exit_codes = ["| code | meaning |", "|---|---|"] + [f"| {code} | {meaning} |" for code, meaning in EXIT_CODES.items()]
+    return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes)}
 
 
 ##############################################################################
