@@ -775,22 +775,27 @@ def test_a_prompt_longer_than_the_context_fails_that_job(llama: nrvna.LlamaRunne
 
 
 def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks(llama: nrvna.LlamaRunner) -> None:
-    """nrvna applies the penalty to the logits itself (llama.cpp's sampler hashes every
-    vocabulary entry): token for token, the same choices as llama.cpp's chain, seeded
-    sampling and greedy, over more tokens than the penalty window."""
+    """nrvna applies the penalties to the logits itself (llama.cpp's sampler hashes every
+    vocabulary entry): token for token, the same floats and choices as llama.cpp's chain,
+    seeded sampling and greedy, repetition alone and with frequency and presence penalties,
+    over more tokens than the penalty window."""
     L = llama.L
     session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
     try:
         for params in ({"repeat_penalty": 1.5, "temperature": 1.0, "seed": 7},
                        {"repeat_penalty": 1.3, "temperature": 0.0},
-                       {"repeat_penalty": 0.8, "temperature": 0.9, "top_k": 0, "top_p": 1.0, "seed": 3}):
+                       {"repeat_penalty": 0.8, "temperature": 0.9, "top_k": 0, "top_p": 1.0, "seed": 3},
+                       {"repeat_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.3, "temperature": 1.0,
+                        "seed": 11},
+                       {"repeat_penalty": 1.0, "frequency_penalty": -0.4, "presence_penalty": 1.1, "temperature": 0.0}):
+            extra = (params.get("frequency_penalty", 0.0), params.get("presence_penalty", 0.0))
             # llama.cpp's way: its penalties sampler first in the chain, then nrvna's chain
             reference = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
             L.llama_sampler_chain_add(reference, L.llama_sampler_init_penalties(
-                llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], 0.0, 0.0))
+                llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], *extra))
             L.llama_sampler_chain_add(reference, llama.sampler(params))  # owned by reference now
             chain = llama.sampler(params)
-            own = L.llama_sampler_init_penalties(llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], 0.0, 0.0)
+            own = L.llama_sampler_init_penalties(llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], *extra)
             penalty = llama.penalty(params)
             assert penalty is not None
             L.llama_memory_clear(session.memory, True)
