@@ -3,9 +3,41 @@
 # llama-cpp-python 0.3.36 built from source, portable (no -march=native: a native build
 # segfaults on AMX CPUs, llama.cpp #20824), pytest, and the SmolLM2-135M test model.
 # Idempotent: a second run only checks. The built wheel is cached outside the repo, keyed
-# by the build flags, so a later setup on the same machine skips the ~5 minute compile.
+# by the build flags, so a later setup on the same machine skips the compile
+# (BUILD_MINUTES below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Wall time of the compile, measured on a 2-core AMD EPYC VM with nothing else running.
+BUILD_MINUTES=@M@
+BUILD_CORES=2
+
+# Run "$@" while a background loop prints a line to stderr every minute: pip is silent for
+# the whole compile, which looks like a hang. The loop is killed when the command ends, and
+# by the EXIT trap if this script dies first; it also stops by itself once this script is
+# gone. Returns the command's exit status.
+TICKER=
+tick() {
+  local parent=$1 start=$SECONDS nap=
+  trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+  while kill -0 "$parent" 2>/dev/null; do
+    sleep 60 & nap=$!
+    wait "$nap"
+    echo "setup: still compiling llama-cpp-python ($(( (SECONDS - start) / 60 )) min so far;" \
+         "it took about $BUILD_MINUTES min on $BUILD_CORES cores here)" >&2
+  done
+}
+with_progress() {
+  local rc=0
+  tick "$$" &
+  TICKER=$!
+  trap 'kill "$TICKER" 2>/dev/null || true' EXIT
+  "$@" || rc=$?
+  kill "$TICKER" 2>/dev/null || true
+  wait "$TICKER" 2>/dev/null || true
+  trap - EXIT
+  return "$rc"
+}
 
 PYTHON=${PYTHON:-python3}
 LLAMA_VERSION=0.3.36
@@ -22,10 +54,16 @@ if ! "$VPY" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA
   key=$("$VPY" -c "import hashlib, sys; print(hashlib.sha256(('$LLAMA_VERSION ' + sys.version + ' ' + '''$CMAKE_ARGS''').encode()).hexdigest()[:16])")
   cache="${NRVNA_WHEEL_CACHE:-$HOME/.cache/nrvna-wheels}/$key"
   if ! ls "$cache"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
-    echo "setup: building llama-cpp-python $LLAMA_VERSION from source (about 5 minutes on 2 cores)" >&2
+    echo "setup: building llama-cpp-python $LLAMA_VERSION from source on $(nproc) cores" \
+         "(it took about $BUILD_MINUTES min on $BUILD_CORES cores here; a line a minute follows)" >&2
     mkdir -p "$cache"
-    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
-      "$VPY" -m pip wheel --quiet --no-cache-dir --no-deps -w "$cache" "llama-cpp-python==$LLAMA_VERSION"
+    rc=0
+    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} with_progress \
+      "$VPY" -m pip wheel --quiet --no-cache-dir --no-deps -w "$cache" "llama-cpp-python==$LLAMA_VERSION" || rc=$?
+    if [ "$rc" -ne 0 ]; then
+      echo "setup: building llama-cpp-python failed (pip exited $rc; its messages are above)" >&2
+      exit "$rc"
+    fi
   fi
   "$VPY" -m pip install --quiet "$cache"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
 fi
@@ -46,4 +84,5 @@ PY
   mv "$MODEL.part" "$MODEL"
   rm -rf "$tmp"
 fi
-echo "setup: ready ($("$VPY" -c 'import llama_cpp; print("llama-cpp-python", llama_cpp.__version__)'), $MODEL)" >&2
+echo "setup: ready ($("$VPY" -c 'import llama_cpp; print("llama-cpp-python", llama_cpp.__version__)'), $MODEL)." \
+     "Use .venv/bin/python, or: source .venv/bin/activate" >&2
