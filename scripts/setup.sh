@@ -8,7 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Wall time of the compile (pip wheel), measured: 4 min 23 s on a 2-core AMD EPYC VM, 2026-11-24.
+# Wall time of the compile (pip wheel), measured: 4 min 23 s on a 2-core AMD EPYC VM, 2026-11-24,
+# with nothing else running but for its last 40 s (bench/README.md, "Setup").
 BUILD_MINUTES=4.5
 BUILD_CORES=2
 
