@@ -3,9 +3,47 @@
 # llama-cpp-python 0.3.36 built from source, portable (no -march=native: a native build
 # segfaults on AMX CPUs, llama.cpp #20824), pytest, and the SmolLM2-135M test model.
 # Idempotent: a second run only checks. The built wheel is cached outside the repo, keyed
-# by the build flags, so a later setup on the same machine skips the ~5 minute compile.
+# by the build flags, so a later setup on the same machine skips the compile
+# (BUILD_MINUTES below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Wall time of the compile (pip wheel), measured: 4 min 23 s on a 2-core AMD EPYC VM, 2026-11-24,
+# with nothing else running but for its last 40 s (bench/README.md, "Setup").
+BUILD_MINUTES=4.5
+BUILD_CORES=2
+
+# Run "$@" while a background loop prints a line to stderr every minute: pip is silent for
+# the whole compile, which looks like a hang. The loop is killed when the command ends, or by
+# the traps if this script is interrupted first (Ctrl-C, SIGTERM, SIGHUP); were this script
+# killed outright, the loop sees it gone within a minute and ends. Returns the command's status.
+TICKER=
+tick() {
+  local parent=$1 start=$SECONDS nap=
+  trap 'kill "$nap" 2>/dev/null; exit 0' TERM HUP
+  while kill -0 "$parent" 2>/dev/null; do
+    sleep 60 >/dev/null 2>&1 &  # not holding stderr: a pipe reading it closes on time
+    nap=$!
+    wait "$nap"
+    kill -0 "$parent" 2>/dev/null || break
+    echo "setup: still compiling llama-cpp-python ($(( (SECONDS - start) / 60 )) min so far;" \
+         "it took about $BUILD_MINUTES min on $BUILD_CORES cores here)" >&2
+  done
+}
+with_progress() {
+  local rc=0
+  tick "$$" &
+  TICKER=$!
+  trap 'kill "$TICKER" 2>/dev/null || true' EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
+  trap 'exit 129' HUP
+  "$@" || rc=$?
+  trap - EXIT INT TERM HUP
+  kill "$TICKER" 2>/dev/null || true
+  wait "$TICKER" 2>/dev/null || true
+  return "$rc"
+}
 
 PYTHON=${PYTHON:-python3}
 LLAMA_VERSION=0.3.36
@@ -22,10 +60,16 @@ if ! "$VPY" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA
   key=$("$VPY" -c "import hashlib, sys; print(hashlib.sha256(('$LLAMA_VERSION ' + sys.version + ' ' + '''$CMAKE_ARGS''').encode()).hexdigest()[:16])")
   cache="${NRVNA_WHEEL_CACHE:-$HOME/.cache/nrvna-wheels}/$key"
   if ! ls "$cache"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
-    echo "setup: building llama-cpp-python $LLAMA_VERSION from source (about 5 minutes on 2 cores)" >&2
+    echo "setup: building llama-cpp-python $LLAMA_VERSION from source on $(nproc) cores" \
+         "(it took about $BUILD_MINUTES min on $BUILD_CORES cores here; a line a minute follows)" >&2
     mkdir -p "$cache"
-    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
-      "$VPY" -m pip wheel --quiet --no-cache-dir --no-deps -w "$cache" "llama-cpp-python==$LLAMA_VERSION"
+    rc=0
+    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} with_progress \
+      "$VPY" -m pip wheel --quiet --no-cache-dir --no-deps -w "$cache" "llama-cpp-python==$LLAMA_VERSION" || rc=$?
+    if [ "$rc" -ne 0 ]; then
+      echo "setup: building llama-cpp-python failed (pip exited $rc; its messages are above)" >&2
+      exit "$rc"
+    fi
   fi
   "$VPY" -m pip install --quiet "$cache"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
 fi
@@ -46,4 +90,5 @@ PY
   mv "$MODEL.part" "$MODEL"
   rm -rf "$tmp"
 fi
-echo "setup: ready ($("$VPY" -c 'import llama_cpp; print("llama-cpp-python", llama_cpp.__version__)'), $MODEL)" >&2
+echo "setup: ready ($("$VPY" -c 'import llama_cpp; print("llama-cpp-python", llama_cpp.__version__)'), $MODEL)." \
+     "Use .venv/bin/python, or: source .venv/bin/activate" >&2
