@@ -309,6 +309,18 @@ def render_messages(messages: list[dict[str, str]]) -> str:
     return "\n\n".join(f"[{turn['role']}]\n{turn['content']}" for turn in messages) + "\n"
 
 
+def _describe_param(param: Param) -> str:
+    if param.kind is bool:
+        return "boolean"
+    if param.kind is int:
+        return f"integer, {param.low} to {param.high}"
+    if param.kind is float:
+        return f"number, {param.low:g} to {param.high:g}"
+    if param.kind is str:
+        return f"string, up to {param.high} bytes"
+    return f"list of up to {param.high} " + ("strings" if param.kind is list else "{role, content}")
+
+
 # Defaults that depend on the machine, as the README states them.
 _MACHINE_DEFAULTS = {"workers": "4, or the cores if fewer", "gpu_layers": "0 (99 on macOS)"}
 
@@ -322,10 +334,7 @@ def markdown_tables() -> dict[str, str]:
         settings.append(f"| `{setting.env}` | {default} | {setting.help} |")
     params = ["| parameter | type | default | `submit` flag | OpenAI body | meaning |", "|---|---|---|---|---|---|"]
     for name, param in PARAMS.items():
-        kind = {int: "integer", float: "number", str: "string", bool: "boolean", list: "list of strings",
-                "messages": "list of {role, content}"}[param.kind]
-        if param.low is not None and param.kind in (int, float):
-            kind += f", {param.low:g} to {param.high:g}"
+        kind = _describe_param(param)
         default = f"`{SETTINGS[name].env}`" if name in SETTINGS else ("—" if param.default is None else str(param.default).lower())
         flag = f"`{param.flag}`" if param.flag else "—"
         openai = ", ".join(f"`{field}`" for field in param.openai) or "—"
