@@ -262,12 +262,13 @@ def _check_param(key: str, param: Param, value: Any) -> Any:
     elif kind is str:
         if not isinstance(value, str) or len(value.encode("utf-8", "surrogatepass")) > high:
             raise InvalidInput(f"parameter {key} must be a string of at most {high} bytes")
-        if "\x00" in value:
-            raise InvalidInput(f"parameter {key} contains a NUL byte")
+        _check_text(key, value)
     elif kind is list:
         if (not isinstance(value, list) or len(value) > high
                 or not all(isinstance(s, str) and s for s in value)):
             raise InvalidInput(f"parameter {key} must be a list of at most {high} non-empty strings")
+        for text in value:
+            _check_text(key, text)
     elif kind == "messages":
         value = _check_messages(value, high)
     else:
@@ -279,6 +280,17 @@ def _check_param(key: str, param: Param, value: Any) -> Any:
         if not (low <= value <= high):
             raise InvalidInput(f"parameter {key}={value} is out of range ({low} to {high})")
     return value
+
+
+def _check_text(key: str, text: str) -> None:
+    """A parameter's text must be writable as UTF-8 (a lone surrogate, from a JSON escape
+    or from undecodable bytes in an argument, is not) and hold no NUL."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(f"parameter {key} is not valid Unicode (a lone surrogate or undecodable bytes)") from None
+    if "\x00" in text:
+        raise InvalidInput(f"parameter {key} contains a NUL byte")
 
 
 def _check_messages(messages: Any, limit: int) -> list[dict[str, str]]:
@@ -717,16 +729,52 @@ def ensure_workspace(workspace: str) -> None:
 
 
 def _try_lock(workspace: str) -> tuple[int, bool]:
-    """Open the workspace's lock file and try to take it (exclusive, not waiting). Return
-    the descriptor (the caller closes it, which releases the lock) and whether it is held."""
+    """Try to take the workspace lock, not waiting: an exclusive flock on the workspace
+    directory itself. Return the directory's descriptor (closing it releases the lock) and
+    whether the lock is held.
+
+    The lock is on the directory, not on a file in it: a file can be replaced (``export -o
+    WS/.nrvna.lock`` did it) while the old inode stays locked, and a second daemon then
+    locks the new one; the directory every job path goes through cannot be swapped that way.
+    LOCK_FILE only records the holder's pid, for ``stop`` and the messages."""
     import fcntl
 
-    fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDWR | os.O_CREAT | O_CLOEXEC | O_NOFOLLOW, FILE_MODE)
+    fd = open_dir(workspace)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd, True
     except OSError:
         return fd, False
+
+
+def _write_lock_pid(dir_fd: int) -> None:
+    """Record this process as the lock's holder in LOCK_FILE (the lock itself is on the
+    directory: a stale file left by SIGKILL is harmless)."""
+    fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW, FILE_MODE, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{LOCK_FILE} is not a regular file; remove it")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    finally:
+        os.close(fd)
+
+
+def _lock_holder(workspace: str) -> int:
+    """The pid LOCK_FILE names (-1 if it names none: the holder is just starting)."""
+    for _ in range(50):  # a daemon that just took the lock writes its pid next
+        try:
+            fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+            try:
+                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            finally:
+                os.close(fd)
+        except OSError:
+            text = ""
+        if text.isdigit():
+            return int(text)
+        time.sleep(0.01)
+    return -1
 
 
 def _daemon_holds(workspace: str) -> Optional[int]:
@@ -735,19 +783,14 @@ def _daemon_holds(workspace: str) -> Optional[int]:
     import fcntl
 
     try:
-        fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
-    except FileNotFoundError:
+        fd = open_dir(workspace)
+    except (FileNotFoundError, NotADirectoryError):
         return None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
-            for _ in range(50):  # a daemon that just took the lock writes its pid next
-                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                if text.isdigit():
-                    return int(text)
-                time.sleep(0.01)
-            return -1
+            return _lock_holder(workspace)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:
@@ -895,10 +938,23 @@ def check_ids(ids: Iterable[str]) -> None:
 
 
 def require_workspace(workspace: str) -> None:
-    """Raise InvalidInput unless ``workspace`` is an existing directory (client commands
-    never create one by reading it)."""
+    """Raise InvalidInput unless ``workspace`` is an existing nrvna workspace: client
+    commands never create one by reading it, and a typo (``status /etc``) is an error, not an
+    empty answer."""
     if not os.path.isdir(workspace):
         raise InvalidInput(f"workspace {workspace} does not exist")
+    if not os.path.isdir(os.path.join(workspace, READY)):
+        raise InvalidInput(f"{workspace} is not an nrvna workspace (it has no input/ready/; "
+                           "a submit or a daemon creates one)")
+
+
+def require_tag(workspace: str, tag: str) -> None:
+    """Raise InvalidInput for a malformed tag, NoSuchJob for one no job was submitted with
+    (or whose jobs are all cleaned): ``wait --tag typo`` must not succeed on nothing."""
+    if not isinstance(tag, str) or not ID_PATTERN.fullmatch(tag):
+        raise InvalidInput(f"invalid tag {tag!r} (letters, digits, '.', '_', '-'; not starting with '.')")
+    if not any(True for _ in _tag_files(workspace, tag)):
+        raise NoSuchJob(f"no tag {tag} in {workspace}")
 
 
 def _read_or_none(dir_fd: int, name: str) -> Optional[bytes]:
@@ -953,7 +1009,12 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
     import json
 
     folder = os.path.join(workspace, TAGS, tag)
-    os.makedirs(folder, DIR_MODE, exist_ok=True)
+    for path in (os.path.dirname(folder), folder):
+        try:
+            os.mkdir(path, DIR_MODE)
+            os.chmod(path, DIR_MODE)  # mkdir's mode is masked by the umask: keep the workspace private
+        except FileExistsError:
+            pass
     fd = open_dir(folder)
     try:
         data = "".join(json.dumps([job_id, cid], ensure_ascii=False) + "\n" for job_id, cid in rows)
@@ -1330,7 +1391,8 @@ class Flow:
         named = list(ids)
         check_ids(named)
         wanted = list(named)
-        if tag:
+        if tag is not None:
+            require_tag(self.workspace, tag)
             wanted += [job_id for job_id, _ in tag_members(self.workspace, tag)]
         elif not wanted:
             wanted = _all_jobs(self.workspace)
@@ -1403,25 +1465,35 @@ class Flow:
                errors: Any = None) -> tuple[int, int]:
         """Write one line per finished job, in submission order, in ``format`` (a key of
         EXPORT_FORMATS) to ``out``, and failed jobs' lines to ``errors`` if given. Each is a
-        text stream or a path (written whole or not at all: see ``_AtomicOutput``). Return
+        text stream or a path (``-`` is stdout; a file is written whole or not at all: see
+        ``_Output`` for the policy). Return
         (lines written, unfinished jobs left out). Memory stays flat: one job at a time, and
         with a tag alone one chunk of its index."""
         if format not in EXPORT_FORMATS:
             raise InvalidInput(f"unknown export format {format!r} (known: {', '.join(EXPORT_FORMATS)})")
         line_of = EXPORT_FORMATS[format].line
         ids = list(ids)
-        if tag and not ids:  # stream the tag's index: memory does not grow with the batch
+        if tag is not None and not ids:  # stream the tag's index: memory does not grow with the batch
             require_workspace(self.workspace)
+            require_tag(self.workspace, tag)
             selected: Iterable[str] = (job_id for chunk in iter_tag_members(self.workspace, tag) for job_id, _ in chunk)
         else:
             selected = self.select(ids, tag)[0]
+        paths = [os.fspath(t) for t in (out, errors) if isinstance(t, (str, os.PathLike))]
+        if len(paths) == 2 and paths[0] != "-" and os.path.realpath(paths[0]) == os.path.realpath(paths[1]):
+            raise InvalidInput(f"the output and the errors file are the same file ({paths[0]})")
         targets: list[Any] = []
         unfinished = exported = 0
+        unreadable: list[str] = []
         try:
             for target in (out, errors):
-                targets.append(_AtomicOutput(target) if isinstance(target, (str, os.PathLike)) else target)
+                targets.append(_Output(target) if isinstance(target, (str, os.PathLike)) else target)
             for job_id in selected:
-                job = self.get(job_id)
+                try:
+                    job = self.get(job_id)
+                except PermissionError:
+                    unreadable.append(job_id)
+                    continue
                 if job is None:
                     continue  # a tagged job removed since (clean)
                 if not job.status.finished:
@@ -1431,22 +1503,26 @@ class Flow:
                 target.write(line_of(job))
                 exported += 1
             for target in targets:
-                if isinstance(target, _AtomicOutput):
+                if isinstance(target, _Output):
                     target.commit()
                 elif target is not None:
                     target.flush()
         except BaseException:
             for target in targets:
-                if isinstance(target, _AtomicOutput):
+                if isinstance(target, _Output):
                     target.abort()
             raise
+        if unreadable:
+            raise WorkspaceError(f"{len(unreadable)} jobs could not be read (permission denied: {unreadable[0]}"
+                                 f"{', ...' if len(unreadable) > 1 else ''}); the other {exported} were exported")
         return exported, unfinished
 
 
 def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str, str]:
     """Cancel a job; return ``(outcome, message)`` with outcome ``cancelled`` (it is in
     failed/ with code cancelled), ``finished`` (it was done or failed already: left alone)
-    or ``pending`` (the daemon has not stopped it within ``timeout`` s). Raise NoSuchJob.
+    or ``pending`` (the daemon has not stopped it within ``timeout`` s), or ``refused`` (its
+    directory is not accessible). Raise NoSuchJob.
 
     A queued job is taken with a rename (a claim racing it loses or wins cleanly); a
     running job gets a ``cancel`` file that the daemon sees within 100 ms and stops it
@@ -1470,6 +1546,8 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
             fd = open_dir(path)
         except (FileNotFoundError, NotADirectoryError):
             continue  # it moved on: look again
+        except PermissionError as err:
+            return "refused", f"job {job_id} cannot be cancelled: its directory is not accessible ({_os_error(err)})"
         try:
             write_file(fd, CANCEL_FILE, marker)
             os.fsync(fd)
@@ -1517,15 +1595,18 @@ def cancel_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = No
     ``(id, outcome, message)`` for each. A tag's jobs that had finished already are left
     alone unopened (outcome ``finished``)."""
     ids = list(ids)
-    if not ids and not tag:
+    if not ids and tag is None:
         raise InvalidInput("name jobs: IDs or --tag")
     selected, states = Flow(workspace).select(ids, tag)
     named, results = set(ids), []
     for job_id in selected:
         if job_id not in named and states[job_id].finished:
             results.append((job_id, "finished", f"job {job_id} is {states[job_id].value} already; left alone"))
-        else:
+            continue
+        try:
             results.append((job_id, *cancel_job(workspace, job_id, timeout)))
+        except NoSuchJob:  # removed meanwhile (clean): the rest of the selection goes on
+            results.append((job_id, "missing", f"job {job_id} is gone (removed meanwhile)"))
     return results
 
 
@@ -1549,10 +1630,13 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
     code = job.meta.get("code")
     if codes is not None and code not in set(codes):
         return "skipped", f"job {job_id} failed with {code}"
+    gone = f"job {job_id} moved or was removed meanwhile (another retry, or a clean)"
     try:
         fd = open_dir(path)
     except NotADirectoryError:
         return "refused", f"job {job_id} is not a job directory"
+    except FileNotFoundError:
+        raise NoSuchJob(gone) from None
     try:
         if _exists(fd, QUARANTINED_ENTRY):
             return "refused", f"job {job_id} is a quarantined entry, not a job; it cannot run"
@@ -1566,12 +1650,14 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
         for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE):
             _unlink_quietly(name, fd)
         os.fsync(fd)
+    except FileNotFoundError:  # a clean renamed the directory away and is deleting it
+        raise NoSuchJob(gone) from None
     finally:
         os.close(fd)
     try:
         move(path, os.path.join(workspace, READY, job_id))
     except FileNotFoundError:
-        return "refused", f"job {job_id} moved meanwhile (another retry or clean)"
+        raise NoSuchJob(gone) from None
     fsync_dir(os.path.join(workspace, READY))
     fsync_dir(os.path.join(workspace, FAILED))
     return "queued", f"job {job_id} queued again"
@@ -1585,12 +1671,18 @@ def retry_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = Non
     if failed:
         require_workspace(workspace)
         selected = sorted((n for n in os.listdir(job_path(workspace, FAILED)) if not n.startswith(".")), key=order_key)
-    elif ids or tag:
+    elif ids or tag is not None:
         selected = Flow(workspace).select(ids, tag)[0]
     else:
         raise InvalidInput("name jobs: IDs, --tag or --failed")
     codes = None if codes is None else list(codes)
-    return [(job_id, *retry_job(workspace, job_id, codes)) for job_id in selected]
+    results = []
+    for job_id in selected:
+        try:
+            results.append((job_id, *retry_job(workspace, job_id, codes)))
+        except NoSuchJob:  # removed meanwhile (clean): the rest of the selection goes on
+            results.append((job_id, "missing", f"job {job_id} is gone (removed meanwhile)"))
+    return results
 
 
 def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: bool = True,
@@ -1598,6 +1690,7 @@ def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: boo
     """Remove finished jobs that finished more than ``older_than`` seconds ago; return their
     IDs. Queued and running jobs are never touched. Each job is first renamed to a hidden
     name (atomic: readers see it whole or not at all), then deleted."""
+    require_workspace(workspace)
     now = time.time() if now is None else now
     removed = []
     for sub, wanted in ((OUTPUT, done), (FAILED, failed)):
@@ -1932,44 +2025,103 @@ def export_record(job: Job, form: str) -> dict[str, Any]:
     return record(job)
 
 
-class _AtomicOutput:
-    """A file written whole or not at all: a temporary name in the same directory, fsync,
-    rename, fsync the directory (``-o FILE``). Used as a context manager."""
+class _Output:
+    """Where an export's lines go (``-o FILE``, ``--errors FILE``), as a policy:
 
-    def __init__(self, path: str) -> None:
-        self.path = os.path.abspath(path)
+    - ``-`` is standard output;
+    - an existing FIFO, character device (a terminal, /dev/null) or socket is written
+      through: opened and written as it is, not atomically;
+    - anything else is written whole or not at all: a temporary file of its own beside the
+      real target (a symlink's target is replaced, never the link), fsynced, renamed over the
+      target, the directory fsynced; the temporary file goes on every failure path;
+    - an empty path, a directory and any path inside an nrvna workspace are refused: an
+      export must never replace a job, the queue or the workspace lock.
+    """
+
+    def __init__(self, path: Any) -> None:
+        path = os.fspath(path)
+        self.temp: Optional[str] = None
+        if path == "-":
+            self.handle, self.path, self.through = sys.stdout, "-", True
+            return
+        if not path:
+            raise InvalidInput("an output path is empty (use - for standard output)")
+        self.path = os.path.realpath(path)
+        workspace = _workspace_of(self.path)
+        if workspace is not None:
+            raise InvalidInput(f"{path} is inside the nrvna workspace {workspace}; write exports outside it")
+        try:
+            mode: Optional[int] = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and stat.S_ISDIR(mode):
+            raise InvalidInput(f"{path} is a directory")
+        self.through = mode is not None and not stat.S_ISREG(mode)
+        if self.through:
+            self.handle = open(path, "w", encoding="utf-8")
+            return
         folder, name = os.path.split(self.path)
-        self.temp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
-        self.handle = open(self.temp, "w", encoding="utf-8")
+        for _ in range(100):
+            temp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+            try:  # 0666 less the umask, as any new file; an existing target keeps its mode
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o666)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise WorkspaceError(f"cannot find a free temporary name beside {path}")
+        self.temp = temp
+        try:
+            if mode is not None:
+                os.fchmod(fd, stat.S_IMODE(mode))
+            self.handle = open(fd, "w", encoding="utf-8", closefd=True)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(temp, None)
+            raise
 
     def write(self, text: str) -> None:
         """Append ``text``."""
         self.handle.write(text)
 
     def commit(self) -> None:
-        """Make the file durable under its final name."""
+        """Make the file whole (durable, under its final name) or flush the stream."""
         self.handle.flush()
-        os.fsync(self.handle.fileno())
-        self.handle.close()
+        if self.temp is None:
+            if self.handle is not sys.stdout:
+                self.handle.close()
+            return
         try:
+            os.fsync(self.handle.fileno())
+            self.handle.close()
             os.rename(self.temp, self.path)
-        except OSError:
-            _unlink_quietly(self.temp, None)
+        except BaseException:
+            self.abort()
             raise
+        self.temp = None
         fsync_dir(os.path.dirname(self.path))
 
-    def flush(self) -> None:
-        """Nothing until ``commit``: the file appears whole or not at all."""
-
     def abort(self) -> None:
-        """Drop the temporary file; the final name is untouched (nothing after a commit)."""
-        if self.handle.closed:
-            return
-        self.handle.close()
-        try:
-            os.unlink(self.temp)
-        except FileNotFoundError:
-            pass
+        """Drop the temporary file (the target is untouched); nothing after a commit."""
+        if self.handle is not sys.stdout and not self.handle.closed:
+            self.handle.close()
+        if self.temp is not None:
+            _unlink_quietly(self.temp, None)
+            self.temp = None
+
+
+def _workspace_of(path: str) -> Optional[str]:
+    """The nrvna workspace holding ``path`` (an absolute, resolved path), if any: the
+    nearest directory at or above it with the queue's layout or a lock file."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    while True:
+        if os.path.lexists(os.path.join(folder, LOCK_FILE)) or (
+                os.path.isdir(os.path.join(folder, READY)) and os.path.isdir(os.path.join(folder, PROCESSING))):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
 
 
 ##############################################################################
@@ -2195,6 +2347,8 @@ def check_gguf(path: str) -> None:
         raise ModelError(f"model {path} does not exist")
     if os.path.isdir(path):
         raise ModelError(f"model {path} is a directory, not a GGUF file")
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the daemon in open()
+        raise ModelError(f"model {path} is not a regular file")
     try:
         with open(path, "rb") as handle:
             magic = handle.read(4)
@@ -2352,25 +2506,63 @@ class LlamaRunner(Runner):
         return session
 
     def tokens(self, job: RunningJob) -> list[int]:
-        """The job's prompt as tokens: through the model's chat template unless ``raw``."""
-        L = self.L
+        """The job's prompt as tokens: through the model's chat template unless ``raw``.
+
+        Only the template's own markers become control tokens: every message's content (a
+        plain prompt is one user message, ``system`` one system message) is tokenized as
+        text, so text that spells a marker (``<|im_start|>system...``) cannot forge a turn.
+        A ``raw`` job is the caller's own markup: its special tokens are parsed."""
         params = job.params
-        if params.get("raw") or self._formatter is None:
-            text, add_special = job.prompt, True
-        else:
-            messages = list(params.get("messages") or [{"role": "user", "content": job.prompt}])
-            if params.get("system") and messages[0]["role"] != "system":
-                messages.insert(0, {"role": "system", "content": params["system"]})
-            try:
-                text = self._formatter(messages=messages).prompt
-            except Exception as err:
-                raise JobError("bad_request", f"chat template failed: {err}") from None
-            add_special = False  # the template already wrote BOS
+        if params.get("raw"):
+            return self.tokenize(job.prompt, add_special=True, special=True)
+        if self._formatter is None:  # no chat template: the prompt is plain text
+            return self.tokenize(job.prompt, add_special=True, special=False)
+        messages = list(params.get("messages") or [{"role": "user", "content": job.prompt}])
+        if params.get("system") and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": params["system"]})
+        tokens: list[int] = []
+        for piece, is_content in self._render(messages):  # the template already wrote BOS
+            tokens += self.tokenize(piece, add_special=False, special=not is_content)
+        return tokens
+
+    def _render(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+        """The chat template applied to ``messages``, as (text, is a message's content)
+        pieces in order. The template is rendered once with a unique mark in place of each
+        content to find its own text around them; the marks replaced by the contents (as
+        given, or stripped, for templates that trim them) must give the real rendering."""
+        try:
+            text = self._formatter(messages=messages).prompt
+            marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)]).prompt
+        except Exception as err:
+            raise JobError("bad_request", f"chat template failed: {err}") from None
+        around: Optional[list[str]] = []  # the template's text before each mark, and after the last
+        rest = marked
+        for mark in marks:
+            before, found, rest = rest.partition(mark)
+            if not found or mark in rest:
+                around = None  # the template dropped or repeated a content: not separable this way
+                break
+            around.append(before)
+        if around is not None:
+            for contents in ([m["content"] for m in messages], [m["content"].strip() for m in messages]):
+                if "".join(t + c for t, c in zip(around, contents)) + rest == text:
+                    pieces = [piece for t, c in zip(around, contents) for piece in ((t, False), (c, True))]
+                    return [(t, is_content) for t, is_content in pieces + [(rest, False)] if t]
+        if all(self.tokenize(m["content"], False, True) == self.tokenize(m["content"], False, False) for m in messages):
+            return [(text, False)]  # no content spells a control token: nothing to separate
+        raise JobError("bad_request", "the chat template changes message contents in a way nrvna cannot "
+                                      "separate from its own markup, and a content spells a control token")
+
+    def tokenize(self, text: str, add_special: bool, special: bool) -> list[int]:
+        """``text`` as tokens; ``special``: control-token text (``<|im_end|>``) becomes the
+        control token, else it stays text; ``add_special``: BOS first if the model wants one."""
+        L = self.L
         data = text.encode("utf-8")
         capacity = len(data) + 8
         while True:
             buf = (L.llama_token * capacity)()
-            count = L.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, True)
+            count = L.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, special)
             if count >= 0:
                 return list(buf[:count])
             capacity = -count
@@ -3159,12 +3351,19 @@ class Processor:
         except FileExistsError:
             log.error(f"cannot claim {job_id}: processing/{job_id} already exists; left in ready/")
             return None
+        except PermissionError:  # a directory changes parent only if it is writable itself
+            self._fail_inaccessible(job_id, READY)
+            return None
         path = self._path(PROCESSING, job_id)
         info = os.lstat(path)
         if not stat.S_ISDIR(info.st_mode):
             self._quarantine(job_id, info.st_mode)
             return None
-        dir_fd = open_dir(path)
+        try:
+            dir_fd = open_dir(path)
+        except PermissionError:
+            self._fail_inaccessible(job_id, PROCESSING)
+            return None
         try:
             meta = read_meta(dir_fd)
             attempts = meta.get("attempts") if isinstance(meta.get("attempts"), int) else 0
@@ -3304,6 +3503,23 @@ class Processor:
             log.error(f"cannot requeue {job.id}: {_os_error(err)}; recovered at next start")
         finally:
             os.close(job.dir_fd)
+
+    def _fail_inaccessible(self, job_id: str, sub: str) -> None:
+        """A job directory the daemon may not open or move (``chmod 000``, say): fail it
+        unread, rather than retry its claim forever. It is made the owner's again (0700, as
+        every job directory) only so that it can take error.txt and move to failed/."""
+        path = self._path(sub, job_id)
+        try:
+            mode = stat.S_IMODE(os.lstat(path).st_mode)
+            os.chmod(path, DIR_MODE)
+            mark_failed(self.workspace, sub, job_id, "bad_request", f"the job directory was not accessible to "
+                        f"the daemon (mode {mode:o}); it was failed without being read")
+            move_job(self.workspace, job_id, sub, FAILED)
+        except OSError as err:
+            log.error(f"{sub}/{job_id} is not accessible to the daemon and cannot be made so "
+                      f"({_os_error(err)}); left there until the next start")
+            return
+        log.warning(f"Job failed: {job_id}: its directory was not accessible (mode {mode:o})")
 
     def _quarantine(self, job_id: str, mode: int) -> None:
         """A non-directory was claimed: wrap it, unopened, in a real failed/<id>/ dir."""
@@ -3750,15 +3966,17 @@ class Server:
         try:
             fd, locked = _try_lock(self.workspace)
         except OSError as err:
-            raise WorkspaceError(f"workspace {self.workspace} is not writable: {_os_error(err)}") from None
+            raise WorkspaceError(f"workspace {self.workspace} cannot be opened: {_os_error(err)}") from None
         if not locked:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
+            holder = _lock_holder(self.workspace)
             raise WorkspaceError(f"workspace {self.workspace} is in use by another daemon "
-                                 f"(pid {holder})") from None
-        # The kernel drops a flock the instant its holder dies: a file left by SIGKILL is harmless.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                                 f"(pid {holder if holder > 0 else 'unknown'})") from None
+        try:
+            _write_lock_pid(fd)
+        except OSError as err:
+            os.close(fd)
+            raise WorkspaceError(f"workspace {self.workspace} is not writable: {_os_error(err)}") from None
         self._lock_fd = fd
 
     def _release_lock(self) -> None:
@@ -3812,18 +4030,37 @@ def _cmd_daemon(args: Any) -> int:
     threading.current_thread().name = "Main"
     server = Server(args.model, args.workspace, config=config, drain=args.drain, runner=args.runner)
 
+    starting = True
+
     def on_signal(signum: int, _frame: Any) -> None:
         log.info(f"Received {signal.Signals(signum).name}")
         server.request_stop()
+        if starting:  # loading the model or recovering: nothing runs yet, so end start() itself
+            raise _Signalled(signum)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    server.start()
+    try:
+        server.start()  # undoes itself on any exception: lock released, model freed
+        starting = False
+    except _Signalled as signalled:
+        if server.started:  # the signal came just after start() returned
+            server.shutdown()
+        log.info("Stopped during start-up")
+        return 128 + signalled.signum
     try:
         server.serve_forever()
     finally:
         server.shutdown()
     return EXIT_OK
+
+
+class _Signalled(BaseException):
+    """SIGINT or SIGTERM arrived while the daemon was starting."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _read_stdin(what: str) -> bytes:
@@ -3868,7 +4105,11 @@ def _cmd_submit(args: Any) -> int:
     if not args.wait:
         print(job_id, flush=True)
         return EXIT_OK
-    return _emit(Flow(args.workspace), job_id, True, args.wait_timeout, False)
+    try:
+        return _emit(Flow(args.workspace), job_id, True, args.wait_timeout, False)
+    except NotFinished:
+        print(job_id, flush=True)  # the wait ran out, the job is queued: a script can follow it up
+        raise
 
 
 def _cmd_get(args: Any) -> int:
@@ -3931,10 +4172,15 @@ def _cmd_status(args: Any) -> int:
     if args.daemon:
         _print_json(daemon_info(args.workspace), indent=1)
         return EXIT_OK
-    if args.tag or not args.ids:
-        if args.tag:
-            ids, states = flow.select(args.ids, args.tag)
+    if args.tag is not None or not args.ids:
+        code = EXIT_OK
+        if args.tag is not None:
             counts = {status.value: 0 for _, status in STATE_DIRS}
+            try:
+                ids, states = flow.select(args.ids, args.tag)
+            except NoSuchJob as err:  # counts of nothing, but say so: the tag may be a typo
+                _say(f"error: {err}")
+                ids, states, code = [], {}, EXIT_MISSING
             for job_id in ids:
                 counts[states[job_id].value] += 1
             counts["total"] = len(ids)
@@ -3945,8 +4191,9 @@ def _cmd_status(args: Any) -> int:
             _print_json(counts)
         else:
             _print_lines(f"{state} {count}" for state, count in counts.items())
-        return EXIT_OK
+        return code
     check_ids(args.ids)
+    require_workspace(args.workspace)
     statuses = [flow.status(job_id) for job_id in args.ids]
     if args.json:
         _print_json({job_id: s.value for job_id, s in zip(args.ids, statuses)})
@@ -4006,8 +4253,8 @@ def _draw_progress(new: int, done: int, failed: int, total: int, elapsed: float,
 
 
 def _cmd_export(args: Any) -> int:
-    exported, unfinished = Flow(args.workspace).export(args.output or sys.stdout, args.ids, args.tag,
-                                                       args.format, args.errors)
+    out = sys.stdout if args.output is None else args.output
+    exported, unfinished = Flow(args.workspace).export(out, args.ids, args.tag, args.format, args.errors)
     if unfinished:
         _say(f"{unfinished} of {unfinished + exported} jobs are not finished and were left out (wait first: nrvna wait)")
         return EXIT_UNFINISHED
@@ -4016,31 +4263,39 @@ def _cmd_export(args: Any) -> int:
 
 def _cmd_cancel(args: Any) -> int:
     named = set(args.ids)
-    worst, left_alone = EXIT_OK, 0
+    worst, left_alone, gone = EXIT_OK, 0, 0
     for job_id, outcome, message in cancel_jobs(args.workspace, args.ids, args.tag, args.timeout):
         if outcome == "cancelled":
             print(job_id, flush=True)
         elif outcome == "finished" and job_id not in named:
             left_alone += 1  # a tag's finished jobs: nothing to cancel, not an error
+        elif outcome == "missing":
+            gone += 1
         else:
             _say(message)
             worst = max(worst, EXIT_UNFINISHED if outcome == "pending" else EXIT_FAILED)
     if left_alone:
         _say(f"{left_alone} finished jobs of tag {args.tag} left alone")
+    if gone:
+        _say(f"{gone} jobs were removed while being cancelled (a clean); skipped")
     return worst
 
 
 def _cmd_retry(args: Any) -> int:
     codes = [c.strip() for c in args.code.split(",") if c.strip()] if args.code else None
-    worst, queued = EXIT_OK, 0
+    worst, queued, gone = EXIT_OK, 0, 0
     for job_id, outcome, message in retry_jobs(args.workspace, args.ids, args.tag, args.failed, codes):
         if outcome == "queued":
             print(job_id)
             queued += 1
+        elif outcome == "missing":
+            gone += 1
         elif outcome == "refused" and job_id in args.ids:
             _say(message)
             worst = EXIT_FAILED
     sys.stdout.flush()
+    if gone:
+        _say(f"{gone} jobs moved or were removed while being retried (another retry, or a clean); skipped")
     if not queued:
         _say("no failed job matched; nothing queued")
     return worst
@@ -4062,11 +4317,14 @@ def _cmd_stop(args: Any) -> int:
 
 
 def _duration(text: str) -> float:
-    """Seconds in ``90``, ``90s``, ``90m``, ``12h`` or ``7d``."""
+    """Seconds in ``90s``, ``90m``, ``12h`` or ``7d``. The unit is required: ``clean
+    --older-than 5`` deletes jobs, and a user who means 5 days must not lose them in 5 s."""
     import argparse
 
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
+    if text[-1:] not in units:
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit: write it as {text}s, {text}m, {text}h or {text}d")
+    number, unit = text[:-1], text[-1]
     try:
         value = float(number) * units[unit]
     except ValueError:

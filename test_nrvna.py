@@ -2568,7 +2568,7 @@ def test_clean_done_only_and_bad_durations(ws: str) -> None:
     with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "bad" else "ok"):
         wait_all(ws, [done, failed])
     time.sleep(0.05)
-    removed = cli("clean", ws, "--older-than", "0", "--done")
+    removed = cli("clean", ws, "--older-than", "0s", "--done")
     assert removed.returncode == 0 and ids_of(removed) == [done] and b"removed 1 jobs" in removed.stderr
     assert Flow(ws).status(failed) is Status.Failed
     for bad in ("-5m", "7y", "", "m"):
