@@ -45,17 +45,27 @@ def find_model() -> str:
         found = []
     if found:
         return found[0]
-    pytest.fail("test model missing: run scripts/get-model.sh (or set NRVNA_TEST_MODEL)")
+    pytest.fail("test model missing: run bash scripts/setup.sh (or set NRVNA_TEST_MODEL)")
 
 
 @pytest.fixture(scope="session")
-def model() -> str:
+def model_file() -> str:
+    """The model's path, once llama-cpp-python imports: a missing one fails, never skips."""
     path = find_model()
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         pytest.fail("llama-cpp-python is not installed: see README 'Install'")
     return path
+
+
+@pytest.fixture
+def model(request: pytest.FixtureRequest) -> str:
+    """The real model, for tests marked @pytest.mark.model only, so that `pytest -m "not model"`
+    runs everything that needs neither the model nor llama-cpp-python."""
+    if request.node.get_closest_marker("model") is None:
+        pytest.fail("test uses the real model but is not marked @pytest.mark.model")
+    return request.getfixturevalue("model_file")
 
 
 @pytest.fixture
@@ -651,6 +661,7 @@ def test_client_commands_do_not_import_llama_cpp(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- daemon start-up checks
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("case", ["missing", "directory", "text", "truncated"])
 def test_daemon_refuses_a_bad_model_before_touching_the_queue(ws: str, tmp_path: Path, case: str, model: str) -> None:
     path = tmp_path / "model.gguf"
@@ -670,6 +681,7 @@ def test_daemon_refuses_a_bad_model_before_touching_the_queue(ws: str, tmp_path:
     assert os.path.isdir(os.path.join(ws, nrvna.PROCESSING, job_id))  # untouched: not recovered
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("env", [{"NRVNA_WORKERS": "abc"}, {"NRVNA_WORKERS": "0"}, {"NRVNA_WORKERS": "-1"},
                                  {"NRVNA_WORKERS": "100000"}, {"NRVNA_TEMP": "warm"}, {"NRVNA_LOG_LEVEL": "x"}])
 def test_daemon_refuses_bad_settings_with_exit_2(ws: str, env: dict[str, str], model: str) -> None:
@@ -678,6 +690,7 @@ def test_daemon_refuses_bad_settings_with_exit_2(ws: str, env: dict[str, str], m
     assert b"Traceback" not in done.stderr and not os.path.exists(ws)
 
 
+@pytest.mark.model
 def test_daemon_refuses_a_workspace_that_is_a_file_or_has_no_parent(tmp_path: Path, model: str) -> None:
     file_path = tmp_path / "file"
     file_path.write_text("x")
@@ -705,6 +718,7 @@ def wait_for_log(proc: subprocess.Popen, text: str, timeout: float = 60) -> None
     raise AssertionError(f"no {text!r} in the daemon's log")
 
 
+@pytest.mark.model
 def test_a_second_daemon_process_is_refused_and_changes_nothing(ws: str, model: str) -> None:
     first = start_daemon(model, ws, "-w", "1")
     try:
@@ -722,10 +736,16 @@ def test_a_second_daemon_process_is_refused_and_changes_nothing(ws: str, model: 
 
 
 @pytest.fixture(scope="module")
-def llama(model: str) -> Iterator[nrvna.LlamaRunner]:
-    runner = nrvna.LlamaRunner(model, nrvna.Config(max_ctx=512, workers=1))
+def llama_runner(model_file: str) -> Iterator[nrvna.LlamaRunner]:
+    """One runner per module (loading the model takes a while); tests take it as `llama`."""
+    runner = nrvna.LlamaRunner(model_file, nrvna.Config(max_ctx=512, workers=1))
     yield runner
     runner.close()
+
+
+@pytest.fixture
+def llama(model: str, llama_runner: nrvna.LlamaRunner) -> nrvna.LlamaRunner:
+    return llama_runner  # through `model`: only tests marked @pytest.mark.model get it
 
 
 def fake_job(prompt: str, **params: Any) -> nrvna.RunningJob:
@@ -744,6 +764,7 @@ def generate(runner: nrvna.LlamaRunner, prompt: str, seqs: int = 1, **params: An
         session.close()
 
 
+@pytest.mark.model
 def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> None:
     templated = llama.tokens(fake_job("Hello"))
     raw = llama.tokens(fake_job("Hello", raw=True))
@@ -755,6 +776,7 @@ def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> No
     assert "You are a pirate." in b"".join(llama.piece(t) for t in system).decode()
 
 
+@pytest.mark.model
 def test_generation_stops_at_max_tokens_or_end_of_generation(llama: nrvna.LlamaRunner) -> None:
     capped = generate(llama, "Write a long poem about the sea.", max_tokens=7, temperature=0)
     assert (capped.finish_reason, capped.generated_tokens) == ("length", 7) and capped.text
@@ -764,6 +786,7 @@ def test_generation_stops_at_max_tokens_or_end_of_generation(llama: nrvna.LlamaR
     assert stopped.finish_reason == "stop" and "ocean" not in stopped.text and stopped.text.endswith("the ")
 
 
+@pytest.mark.model
 def test_a_prompt_longer_than_the_context_fails_that_job(llama: nrvna.LlamaRunner) -> None:
     session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
     try:
@@ -774,6 +797,7 @@ def test_a_prompt_longer_than_the_context_fails_that_job(llama: nrvna.LlamaRunne
         session.close()
 
 
+@pytest.mark.model
 def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks(llama: nrvna.LlamaRunner) -> None:
     """nrvna applies the penalty to the logits itself (llama.cpp's sampler hashes every
     vocabulary entry): token for token, the same choices as llama.cpp's chain, seeded
@@ -829,6 +853,7 @@ def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks
         session.close()
 
 
+@pytest.mark.model
 def test_borrowed_threads_decode_on_the_one_wide_thread_and_give_the_same_text(llama: nrvna.LlamaRunner) -> None:
     texts = []
     for threads in (1, 2, 1):
@@ -848,6 +873,7 @@ def test_borrowed_threads_decode_on_the_one_wide_thread_and_give_the_same_text(l
     assert texts[0] == texts[1] == texts[2] and all(texts[0].values())
 
 
+@pytest.mark.model
 def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared_prefix(llama: nrvna.LlamaRunner) -> None:
     system = "You are a careful assistant. " * 10
     job = lambda topic: fake_job(f"One word about {topic}.", system=system, max_tokens=8, temperature=0, ignore_eos=True)
@@ -902,6 +928,7 @@ def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared
                              ignore_eos=True).text
 
 
+@pytest.mark.model
 def test_a_context_admits_jobs_by_the_cells_their_budgets_need(llama: nrvna.LlamaRunner) -> None:
     """16 sequences in a context sized for 8 full-length jobs: short jobs fill all 16 slots,
     long ones only 8, and finished jobs' cells are dropped before they could overflow it."""
@@ -940,6 +967,7 @@ def test_a_context_admits_jobs_by_the_cells_their_budgets_need(llama: nrvna.Llam
         session.close()
 
 
+@pytest.mark.model
 def test_a_plain_decode_waits_for_a_decode_with_borrowed_threads_to_end(llama: nrvna.LlamaRunner,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[str] = []
@@ -971,6 +999,7 @@ def test_a_plain_decode_waits_for_a_decode_with_borrowed_threads_to_end(llama: n
     assert order == ["wide start", "wide end", "waited"]
 
 
+@pytest.mark.model
 def test_a_seed_makes_a_job_reproducible(llama: nrvna.LlamaRunner) -> None:
     first = generate(llama, "Invent a name for a cat.", seed=1234, max_tokens=24, temperature=1.0)
     second = generate(llama, "Invent a name for a cat.", seed=1234, max_tokens=24, temperature=1.0)
@@ -979,6 +1008,7 @@ def test_a_seed_makes_a_job_reproducible(llama: nrvna.LlamaRunner) -> None:
     assert other.text != first.text  # the seed, not greedy decoding, made them equal
 
 
+@pytest.mark.model
 def test_the_daemon_generates_real_text_with_several_workers(ws: str, model: str) -> None:
     prompts = ["What is the capital of France?", "Name a color.", "Write one word about the sea.", "Say hello."]
     ids = [submit(ws, p, max_tokens=48, seed=7) for p in prompts]
@@ -1001,6 +1031,7 @@ def test_the_daemon_generates_real_text_with_several_workers(ws: str, model: str
     assert second.meta["started"] < first.meta["finished"]
 
 
+@pytest.mark.model
 def test_sigterm_mid_generation_returns_the_job_and_a_restart_finishes_it(ws: str, model: str) -> None:
     job_id = submit(ws, "Tell me a very long story about a dragon.", max_tokens=20000, ignore_eos=True)
     proc = start_daemon(model, ws, "-w", "1", env={"NRVNA_MAX_CTX": "4096"})
@@ -1314,6 +1345,7 @@ def in_user_namespace(script: str) -> subprocess.CompletedProcess:
     return subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, timeout=120)
 
 
+@pytest.mark.model
 def test_a_read_only_workspace_is_refused(tmp_path: Path, model: str) -> None:
     """Root ignores chmod, so the workspace is a read-only mount in a user namespace."""
     ws = tmp_path / "ro"
@@ -1391,6 +1423,7 @@ def test_claim_and_finish_fsync_every_file_and_directory_that_changed(ws: str, m
     ]
 
 
+@pytest.mark.model
 def test_a_prompt_longer_than_the_context_fails_alone_in_the_daemon(ws: str, model: str) -> None:
     long_id = submit(ws, "tell me " * 400)
     short_id = submit(ws, "Say hi.", max_tokens=8)
@@ -1402,6 +1435,7 @@ def test_a_prompt_longer_than_the_context_fails_alone_in_the_daemon(ws: str, mod
     assert Flow(ws).status(short_id) is Status.Done
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_sigkill_mid_generation_on_the_real_model_then_restart_finishes(ws: str, model: str) -> None:
     ids = [submit(ws, f"Write a story about the number {i}.", max_tokens=400, ignore_eos=True, seed=i + 1)
@@ -1516,6 +1550,7 @@ def test_a_daemon_killed_at_every_crash_point_loses_nothing(tmp_path: Path) -> N
     print(f"\ndaemon: {len(calls)} crash points, each killed, restarted, audited; job done exactly once each time")
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_a_real_model_daemon_killed_at_every_crash_point_loses_nothing(tmp_path: Path, model: str) -> None:
     template = str(tmp_path / "template")
@@ -1909,6 +1944,7 @@ def test_threads_are_lent_only_between_one_thread_contexts(ws: str) -> None:
         LendingSession.base_threads = 1
 
 
+@pytest.mark.model
 def test_sixteen_sequences_in_one_context_each_follow_their_own_params(ws: str, model: str) -> None:
     jobs = {}
     for i in range(16):  # the default NRVNA_SEQS: short jobs fill every slot
@@ -1954,6 +1990,7 @@ def prefix_runs(llama: nrvna.LlamaRunner, seqs: int, waves: list[list[str]]) -> 
     return outputs
 
 
+@pytest.mark.model
 def test_a_shared_prefix_is_computed_once(llama: nrvna.LlamaRunner) -> None:
     outputs = prefix_runs(llama, 2, [["cats"], ["dogs"], ["owls"]])  # one after another
     prefix = len(llama.tokens(fake_job("x", system=SYSTEM))) - 8
@@ -1962,6 +1999,7 @@ def test_a_shared_prefix_is_computed_once(llama: nrvna.LlamaRunner) -> None:
     assert outputs[True][0] == outputs[False][0]  # and generated exactly what a full prefill does
 
 
+@pytest.mark.model
 def test_jobs_started_together_share_one_computation_of_their_prefix(llama: nrvna.LlamaRunner) -> None:
     outputs = prefix_runs(llama, 4, [["cats", "dogs", "owls", "bees"]])  # all four in the same step
     prefix = len(llama.tokens(fake_job("x", system=SYSTEM))) - 8
@@ -1970,6 +2008,7 @@ def test_jobs_started_together_share_one_computation_of_their_prefix(llama: nrvn
     assert outputs[True][0] == outputs[False][0] and len(outputs[True][0]) == 4
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_sigterm_with_several_sequences_in_flight_returns_them_all(ws: str, model: str) -> None:
     ids = [submit(ws, f"Story number {i}.", max_tokens=5000, ignore_eos=True) for i in range(6)]
@@ -2491,6 +2530,7 @@ def test_sigkill_during_a_batch_every_line_ends_exactly_once(ws: str, tmp_path: 
     assert [r["custom_id"] for r in records] == [f"line-{i + 1}" for i in range(120)]
 
 
+@pytest.mark.model
 def test_messages_jobs_render_every_turn_through_the_chat_template(llama: nrvna.LlamaRunner) -> None:
     turns = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
              {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}]
@@ -2505,6 +2545,7 @@ def test_messages_jobs_render_every_turn_through_the_chat_template(llama: nrvna.
     assert outcome.error_code is None and outcome.generated_tokens <= 4
 
 
+@pytest.mark.model
 def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str, tmp_path: Path) -> None:
     lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 6, "seed": i + 1}}
