@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import io
 import json
 import os
 import signal
@@ -80,6 +81,66 @@ def cli(*args: str, input: bytes | None = None, env: dict[str, str] | None = Non
     full_env.update(env or {})
     return subprocess.run([sys.executable, SCRIPT, *args], input=input, capture_output=True,
                           env=full_env, timeout=timeout, stdin=None if input is not None else subprocess.DEVNULL)
+
+
+RunMain = Callable[..., subprocess.CompletedProcess]
+
+
+class _Stdin:
+    """sys.stdin for an in-process command: bytes, not a terminal (empty: as /dev/null)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = io.BytesIO(data)
+
+    def isatty(self) -> bool:
+        return False
+
+
+class _TimedOut(BaseException):  # not an Exception: nothing in nrvna may swallow it
+    pass
+
+
+@pytest.fixture
+def run_main(capsysbinary: pytest.CaptureFixture[bytes]) -> RunMain:
+    """`nrvna.main([ARGS])` in this process, as cli() runs `python nrvna.py ARGS` in a child:
+    stdin is `input` (or empty), `env` is added to the environment, stdout and stderr come
+    back as bytes, argparse's SystemExit is the exit code, and past `timeout` it raises
+    TimeoutExpired. For what a command prints and returns; what needs a real process
+    (pipes, signals, a terminal, daemons, imports) goes through cli() or Popen."""
+
+    def run(*args: str, input: bytes | None = None, env: dict[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+        def expire(signum: int, frame: Any) -> None:
+            raise _TimedOut()
+
+        capsysbinary.readouterr()  # only this command's output
+        saved_env = {name: os.environ.get(name) for name in env or {}}
+        os.environ.update(env or {})
+        saved_stdin, sys.stdin = sys.stdin, _Stdin(input or b"")
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            try:
+                code = nrvna.main(list(args))
+            except SystemExit as exit:  # argparse: usage errors (2), --help (0)
+                if isinstance(exit.code, str):
+                    sys.stderr.write(exit.code + "\n")
+                code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+        except _TimedOut:
+            raise subprocess.TimeoutExpired(["nrvna", *args], timeout) from None
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            sys.stdin = saved_stdin
+            for name, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        out, err = capsysbinary.readouterr()
+        return subprocess.CompletedProcess(["nrvna", *args], code, out, err)
+
+    return run
 
 
 @contextlib.contextmanager
@@ -551,44 +612,44 @@ def test_model_names_are_looked_up_in_the_models_dir(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- CLI
 
 
-def test_cli_submit_prints_the_id_alone_and_get_prints_the_result_exactly(ws: str) -> None:
-    done = cli("submit", ws, "hello there")
+def test_cli_submit_prints_the_id_alone_and_get_prints_the_result_exactly(ws: str, run_main: RunMain) -> None:
+    done = cli("submit", ws, "hello there")  # one real process: the ID alone on stdout, nothing on stderr
     assert done.returncode == 0 and done.stderr == b""
     job_id = done.stdout.decode().strip()
     assert done.stdout == (job_id + "\n").encode() and nrvna.is_valid_id(job_id)
-    piped = cli("submit", ws, input="from stdin\n".encode())
-    dashed = cli("submit", ws, "-", input="from dash".encode())
+    piped = run_main("submit", ws, input="from stdin\n".encode())
+    dashed = run_main("submit", ws, "-", input="from dash".encode())
     assert Flow(ws).get(piped.stdout.decode().strip()).prompt == "from stdin\n"
     assert Flow(ws).get(dashed.stdout.decode().strip()).prompt == "from dash"
-    queued = cli("get", ws, job_id)
+    queued = run_main("get", ws, job_id)
     assert queued.returncode == 4 and b"queued" in queued.stderr and queued.stdout == b""
     with serving(ws, lambda job: "no newline at the end \u00e9"):
         wait_all(ws, [job_id])
-        got = cli("get", ws, job_id)
+        got = run_main("get", ws, job_id)
         assert got.returncode == 0 and got.stdout == "no newline at the end \u00e9".encode()
-        waited = cli("submit", ws, "w", "--wait", "--timeout", "30")
+        waited = run_main("submit", ws, "w", "--wait", "--timeout", "30")
         assert waited.returncode == 0 and waited.stdout == "no newline at the end \u00e9".encode()
-        as_json = json.loads(cli("get", ws, job_id, "--json").stdout)
+        as_json = json.loads(run_main("get", ws, job_id, "--json").stdout)
         assert as_json["status"] == "done" and as_json["result"].startswith("no newline")
 
 
-def test_cli_exit_codes_and_messages(ws: str) -> None:
+def test_cli_exit_codes_and_messages(ws: str, run_main: RunMain) -> None:
     with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "it broke")) if "x" in job.prompt else "ok"):
-        bad = cli("submit", ws, "x", "--wait", "--timeout", "20")
-        good = cli("submit", ws, "y", "--wait", "--timeout", "20")
+        bad = run_main("submit", ws, "x", "--wait", "--timeout", "20")
+        good = run_main("submit", ws, "y", "--wait", "--timeout", "20")
     assert bad.returncode == 1 and b"failed: it broke" in bad.stderr and bad.stdout == b""
     assert good.returncode == 0 and good.stdout == b"ok"
-    missing = cli("get", ws, "123_4_5")
+    missing = run_main("get", ws, "123_4_5")
     assert missing.returncode == 3 and b"no job 123_4_5" in missing.stderr
-    timed_out = cli("get", ws, submit(ws, "z"), "--wait", "--timeout", "0.2")
+    timed_out = run_main("get", ws, submit(ws, "z"), "--wait", "--timeout", "0.2")
     assert timed_out.returncode == 4 and b"after waiting 0.2 s" in timed_out.stderr
 
 
 @pytest.mark.parametrize("bad_id", ["..", "../output/x", "/etc", "a/b", "", "x" * 10000, "\u00fcnicode"])
-def test_cli_refuses_bad_ids_with_exit_2(ws: str, bad_id: str) -> None:
+def test_cli_refuses_bad_ids_with_exit_2(ws: str, bad_id: str, run_main: RunMain) -> None:
     submit(ws, "exists")
     for args in (("get", ws, bad_id), ("status", ws, bad_id)):
-        done = cli(*args)
+        done = run_main(*args)
         assert done.returncode == 2, done.stderr
         assert b"invalid job ID" in done.stderr and b"Traceback" not in done.stderr and done.stdout == b""
 
@@ -605,28 +666,28 @@ def test_cli_refuses_bad_ids_with_exit_2(ws: str, bad_id: str) -> None:
     (("status",), None, b"required"),
     (("frobnicate", "WS"), None, b"invalid choice"),
 ])
-def test_cli_bad_input_is_one_line_and_exit_2(ws: str, args: tuple, stdin: bytes | None, message: bytes) -> None:
-    done = cli(*[ws if a == "WS" else a for a in args], input=stdin)
+def test_cli_bad_input_is_one_line_and_exit_2(ws: str, args: tuple, stdin: bytes | None, message: bytes, run_main: RunMain) -> None:
+    done = run_main(*[ws if a == "WS" else a for a in args], input=stdin)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert b"Traceback" not in done.stderr and done.stdout == b""
     assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or os.listdir(os.path.join(ws, nrvna.READY)) == []
 
 
-def test_cli_status_words_counts_and_json(ws: str) -> None:
+def test_cli_status_words_counts_and_json(ws: str, run_main: RunMain) -> None:
     ids = [submit(ws, "a"), submit(ws, "b")]
     with serving(ws, echo):
         wait_all(ws, ids[:1])
         queued = submit(ws, "c")  # the daemon finishes it too; we only need some state
         wait_all(ws, [queued])
     plant(ws, "pending", {"prompt.txt": "p"})
-    words = cli("status", ws, ids[0], "pending", "1_2_3")
+    words = run_main("status", ws, ids[0], "pending", "1_2_3")
     assert words.stdout.decode().split() == ["done", "queued", "missing"] and words.returncode == 3
-    assert cli("status", ws, ids[0]).returncode == 0
-    assert cli("status", ws, "pending").returncode == 4
-    counts = cli("status", ws)
+    assert run_main("status", ws, ids[0]).returncode == 0
+    assert run_main("status", ws, "pending").returncode == 4
+    counts = run_main("status", ws)
     assert counts.stdout.decode().split("\n")[:4] == ["queued 1", "running 0", "done 3", "failed 0"]
-    assert json.loads(cli("status", ws, "--json").stdout) == {"queued": 1, "running": 0, "done": 3, "failed": 0}
-    assert json.loads(cli("status", ws, ids[0], "--json").stdout) == {ids[0]: "done"}
+    assert json.loads(run_main("status", ws, "--json").stdout) == {"queued": 1, "running": 0, "done": 3, "failed": 0}
+    assert json.loads(run_main("status", ws, ids[0], "--json").stdout) == {ids[0]: "done"}
 
 
 def test_cli_get_into_a_closed_pipe_exits_quietly(ws: str) -> None:
@@ -639,11 +700,11 @@ def test_cli_get_into_a_closed_pipe_exits_quietly(ws: str) -> None:
     assert b"Traceback" not in pipeline.stderr and b"BrokenPipe" not in pipeline.stderr
 
 
-def test_cli_help_documents_commands_exit_codes_and_env() -> None:
-    done = cli("--help")
+def test_cli_help_documents_commands_exit_codes_and_env(run_main: RunMain) -> None:
+    done = run_main("--help")
     for word in (b"daemon", b"submit", b"status", b"get", b"exit codes", b"NRVNA_WORKERS", b"NRVNA_MAX_ATTEMPTS"):
         assert word in done.stdout
-    assert cli("submit", "--help").returncode == 0
+    assert run_main("submit", "--help").returncode == 0
 
 
 def test_client_commands_do_not_import_llama_cpp(tmp_path: Path) -> None:
@@ -2070,9 +2131,9 @@ def words(job: nrvna.RunningJob) -> str:
 RUNNERS["words"] = words
 
 
-def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path: Path) -> None:
+def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     text = write(tmp_path / "prompts.txt", "first prompt\n\n  \nsecond prompt\r\nthird\n")
-    done = cli("submit", ws, "--file", text, "--max-tokens", "7")
+    done = run_main("submit", ws, "--file", text, "--max-tokens", "7")
     assert done.returncode == 0, done.stderr
     flow = Flow(ws)
     jobs = [flow.get(i) for i in ids_of(done)]
@@ -2083,7 +2144,7 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
         {"prompt": "plain", "custom_id": "p1", "temperature": 0, "stop": ["x"], "timeout": 5},
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                       {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again?"}]}]))
-    done = cli("submit", ws, "--file", own)
+    done = run_main("submit", ws, "--file", own)
     assert done.returncode == 0, done.stderr
     first, second = (flow.get(i) for i in ids_of(done))
     assert first.prompt == "plain" and flow.get(first.id).params["stop"] == ["x"]
@@ -2093,7 +2154,7 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
                      "body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hey"}], "max_tokens": 9}},
                     {"custom_id": "c2", "method": "POST", "url": "/v1/completions",
                      "body": {"model": "gpt-4o", "prompt": "Once", "max_completion_tokens": 4, "stop": "\n"}}])
-    done = cli("submit", ws, "--file", "-", input=openai.encode())
+    done = run_main("submit", ws, "--file", "-", input=openai.encode())
     assert done.returncode == 0 and done.stderr.decode().count("body.model") == 1
     chat, completion = (flow.get(i).params for i in ids_of(done))
     assert chat["endpoint"] == "/v1/chat/completions" and chat["max_tokens"] == 9 and chat["custom_id"] == "c1"
@@ -2114,15 +2175,15 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
     ('{"messages": [{"role": "robot", "content": "b"}]}\n', "line 1: messages[0].role must be one of"),
     ("", "the file has no prompts"),
 ])
-def test_a_bad_batch_line_is_named_and_nothing_is_queued(ws: str, tmp_path: Path, content: str, message: str) -> None:
+def test_a_bad_batch_line_is_named_and_nothing_is_queued(ws: str, tmp_path: Path, content: str, message: str, run_main: RunMain) -> None:
     path = write(tmp_path / "bad.jsonl", content)
-    done = cli("submit", ws, "--file", path, env={"NRVNA_MAX_PROMPT_BYTES": "1000"})
+    done = run_main("submit", ws, "--file", path, env={"NRVNA_MAX_PROMPT_BYTES": "1000"})
     assert done.returncode == 2 and message in done.stderr.decode(), done.stderr
     assert done.stdout == b"" and b"Traceback" not in done.stderr
     assert not os.path.exists(ws) or Flow(ws).counts()["queued"] == 0
 
 
-def test_an_interrupted_submit_file_is_finished_by_running_it_again(ws: str, tmp_path: Path) -> None:
+def test_an_interrupted_submit_file_is_finished_by_running_it_again(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     path = write(tmp_path / "big.txt", "".join(f"prompt {i}\n" for i in range(50)))
     entries = nrvna.parse_batch(open(path, "rb").read(), False)
     calls = []
@@ -2141,13 +2202,13 @@ def test_an_interrupted_submit_file_is_finished_by_running_it_again(ws: str, tmp
     finally:
         nrvna.move = real_move
     assert Flow(ws).counts()["queued"] == 17 and os.listdir(os.path.join(ws, nrvna.WRITING)) == []
-    again = cli("submit", ws, "--file", path, "--tag", "run1")
+    again = run_main("submit", ws, "--file", path, "--tag", "run1")
     assert again.returncode == 0 and b"17 of 50 lines are already queued" in again.stderr
     ids = ids_of(again)
     assert len(ids) == len(set(ids)) == 50 and Flow(ws).counts()["queued"] == 50
     assert [Flow(ws).get(i).prompt for i in ids] == [f"prompt {i}" for i in range(50)]
     assert [os.path.basename(p) for p in calls] == ids[:17]  # the first 17 kept their IDs
-    once_more = cli("submit", ws, "--file", path, "--tag", "run1")
+    once_more = run_main("submit", ws, "--file", path, "--tag", "run1")
     assert ids_of(once_more) == ids and Flow(ws).counts()["queued"] == 50
 
 
@@ -2167,35 +2228,35 @@ def test_batch_submit_makes_everything_durable_before_printing(ws: str, tmp_path
     assert [m[0] for m in members] == [i for c in chunks for i in c] and members[3][1] == "line-4"
 
 
-def test_status_tag_counts_and_a_single_submit_can_carry_a_tag(ws: str) -> None:
+def test_status_tag_counts_and_a_single_submit_can_carry_a_tag(ws: str, run_main: RunMain) -> None:
     tagged = [submit(ws, f"t{i}", tag="mine") for i in range(3)]
     submit(ws, "other")
     with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "t1" else "ok"):
         wait_all(ws, tagged)
-    done = cli("status", ws, "--tag", "mine", "--json")
+    done = run_main("status", ws, "--tag", "mine", "--json")
     assert done.returncode == 0 and json.loads(done.stdout) == {"queued": 0, "running": 0, "done": 2, "failed": 1, "total": 3}
-    assert cli("status", ws, "--tag", "mine").stdout.decode().splitlines()[2:] == ["done 2", "failed 1", "total 3"]
-    assert json.loads(cli("status", ws, "--tag", "nobody", "--json").stdout)["total"] == 0
-    assert cli("status", ws, "--tag", "../x").returncode == 2
+    assert run_main("status", ws, "--tag", "mine").stdout.decode().splitlines()[2:] == ["done 2", "failed 1", "total 3"]
+    assert json.loads(run_main("status", ws, "--tag", "nobody", "--json").stdout)["total"] == 0
+    assert run_main("status", ws, "--tag", "../x").returncode == 2
 
 
-def test_wait_exit_codes_and_no_progress_on_a_pipe(ws: str) -> None:
+def test_wait_exit_codes_and_no_progress_off_a_terminal(ws: str, run_main: RunMain) -> None:
     good = [submit(ws, f"g{i}", tag="good") for i in range(4)]
     bad = submit(ws, "bad one", tag="mixed")
     submit(ws, "fine", tag="mixed")
-    slow = cli("wait", ws, *good, "--timeout", "0.3")
+    slow = run_main("wait", ws, *good, "--timeout", "0.3")
     assert slow.returncode == 4 and b"4 of 4 jobs not finished after 0.3 s" in slow.stderr
-    assert cli("wait", ws, "123_4_5").returncode == 3
+    assert run_main("wait", ws, "123_4_5").returncode == 3
     with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt else "ok"):
-        ok = cli("wait", ws, "--tag", "good", "--timeout", "30")
-        mixed = cli("wait", ws, "--tag", "mixed", "--timeout", "30")
-        everything = cli("wait", ws, "--timeout", "30")
+        ok = run_main("wait", ws, "--tag", "good", "--timeout", "30")
+        mixed = run_main("wait", ws, "--tag", "mixed", "--timeout", "30")
+        everything = run_main("wait", ws, "--timeout", "30")
     assert ok.returncode == 0 and ok.stdout == b"" and b"\r" not in ok.stderr
     assert mixed.returncode == 1 and b"1 of 2 jobs failed" in mixed.stderr
     assert everything.returncode == 1 and Flow(ws).status(bad) is Status.Failed
 
 
-def test_wait_draws_progress_on_a_terminal(ws: str) -> None:
+def test_wait_draws_progress_on_a_terminal(ws: str, run_main: RunMain) -> None:
     import pty
 
     ids = [submit(ws, f"p{i}") for i in range(3)]
@@ -2211,18 +2272,18 @@ def test_wait_draws_progress_on_a_terminal(ws: str) -> None:
     os.close(leader)
     assert b"3 done / 0 failed / 3 total" in seen and b"jobs/s" in seen and b"ETA" in seen and b"\r" in seen
     assert proc.stdout.read() == b""
-    quiet = cli("wait", ws, *ids, "--quiet")
+    quiet = run_main("wait", ws, *ids, "--quiet")
     assert quiet.returncode == 0 and quiet.stderr == b""
 
 
-def finished_batch(ws: str, tmp_path: Path) -> list[str]:
+def finished_batch(ws: str, tmp_path: Path, run_main: RunMain) -> list[str]:
     """Four jobs from an OpenAI batch file: two done (chat, completion), one failed, one queued."""
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": url, "body": body} for i, (url, body) in enumerate([
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}),
         ("/v1/completions", {"prompt": "once", "max_tokens": 5}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "fail me"}]}),
     ])]
-    ids = ids_of(cli("submit", ws, "--file", write(tmp_path / "batch.jsonl", jsonl(lines)), "--tag", "b"))
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "batch.jsonl", jsonl(lines)), "--tag", "b"))
 
     def runner(job: nrvna.RunningJob) -> Outcome:
         if "fail" in job.prompt:
@@ -2235,9 +2296,9 @@ def finished_batch(ws: str, tmp_path: Path) -> list[str]:
     return ids + [submit(ws, "still queued", tag="b")]
 
 
-def test_export_openai_is_the_batch_output_format_field_by_field(ws: str, tmp_path: Path) -> None:
-    ids = finished_batch(ws, tmp_path)
-    done = cli("export", ws, "--tag", "b", "--format", "openai")
+def test_export_openai_is_the_batch_output_format_field_by_field(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    ids = finished_batch(ws, tmp_path, run_main)
+    done = run_main("export", ws, "--tag", "b", "--format", "openai")
     assert done.returncode == 4 and b"1 of 4 jobs are not finished and were left out" in done.stderr
     chat, completion, failed = (json.loads(line) for line in done.stdout.decode().splitlines())
     assert set(chat) == {"id", "custom_id", "response", "error"} and chat["error"] is None
@@ -2257,54 +2318,54 @@ def test_export_openai_is_the_batch_output_format_field_by_field(ws: str, tmp_pa
                       "error": {"code": "context_overflow", "message": "prompt is 9 tokens; a sequence holds 4"}}
 
 
-def test_export_jsonl_text_and_atomic_files(ws: str, tmp_path: Path) -> None:
-    ids = finished_batch(ws, tmp_path)
-    records = [json.loads(line) for line in cli("export", ws, *ids[:3]).stdout.decode().splitlines()]
+def test_export_jsonl_text_and_atomic_files(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    ids = finished_batch(ws, tmp_path, run_main)
+    records = [json.loads(line) for line in run_main("export", ws, *ids[:3]).stdout.decode().splitlines()]
     assert [r["id"] for r in records] == ids[:3] and [r["custom_id"] for r in records] == ["c0", "c1", "c2"]
     assert set(records[0]) == {"id", "custom_id", "status", "prompt", "result", "error", "meta"}
     assert records[0]["meta"]["finish_reason"] == "length" and records[2]["meta"]["code"] == "context_overflow"
     assert records[2]["status"] == "failed" and records[2]["result"] is None and "9 tokens" in records[2]["error"]
-    text = cli("export", ws, *ids[:2], "--format", "text")
+    text = run_main("export", ws, *ids[:2], "--format", "text")
     assert text.returncode == 0 and text.stdout == b"answer to [user]\nhello\n\nanswer to once\n\n"
     out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
-    done = cli("export", ws, *ids[:3], "--format", "openai", "-o", str(out), "--errors", str(errors))
+    done = run_main("export", ws, *ids[:3], "--format", "openai", "-o", str(out), "--errors", str(errors))
     assert done.returncode == 0 and done.stdout == b""
     assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["c0", "c1"]
     assert [json.loads(x)["custom_id"] for x in errors.read_text().splitlines()] == ["c2"]
     assert sorted(os.listdir(tmp_path)) == ["batch.jsonl", "errors.jsonl", "out.jsonl", "ws"]  # no temporary left
-    assert cli("export", ws, "123_4_5").returncode == 3
+    assert run_main("export", ws, "123_4_5").returncode == 3
     out.write_text("old")
-    failed = cli("export", ws, *ids[:2], "-o", str(tmp_path / "missing-dir" / "out.jsonl"))
+    failed = run_main("export", ws, *ids[:2], "-o", str(tmp_path / "missing-dir" / "out.jsonl"))
     assert failed.returncode == 1 and b"Traceback" not in failed.stderr and out.read_text() == "old"
 
 
-def test_cancel_a_queued_job_and_a_finished_one(ws: str) -> None:
+def test_cancel_a_queued_job_and_a_finished_one(ws: str, run_main: RunMain) -> None:
     queued, other = submit(ws, "cancel me", tag="c"), submit(ws, "keep me")
-    done = cli("cancel", ws, queued)
+    done = run_main("cancel", ws, queued)
     assert done.returncode == 0 and done.stdout.decode().split() == [queued]
     job = Flow(ws).get(queued)
     assert job.status is Status.Failed and job.meta["code"] == "cancelled" and "cancelled" in job.error
-    again = cli("cancel", ws, queued)
+    again = run_main("cancel", ws, queued)
     assert again.returncode == 0  # already cancelled: that is what was asked
     with serving(ws, echo):
         wait_all(ws, [other])
-    finished = cli("cancel", ws, other)
+    finished = run_main("cancel", ws, other)
     assert finished.returncode == 1 and b"is done already; left alone" in finished.stderr
     assert Flow(ws).get(other).result == "echo:keep me"
-    assert cli("cancel", ws, "123_4_5").returncode == 3 and cli("cancel", ws).returncode == 2
+    assert run_main("cancel", ws, "123_4_5").returncode == 3 and run_main("cancel", ws).returncode == 2
     tagged = submit(ws, "tagged, still queued", tag="c")
-    by_tag = cli("cancel", ws, "--tag", "c")  # the tag's cancelled job is finished: left alone, no error
+    by_tag = run_main("cancel", ws, "--tag", "c")  # the tag's cancelled job is finished: left alone, no error
     assert by_tag.returncode == 0 and ids_of(by_tag) == [tagged] and b"1 finished jobs of tag c left alone" in by_tag.stderr
 
 
-def test_cancel_a_running_job_stops_it_between_tokens_and_keeps_its_text(ws: str) -> None:
+def test_cancel_a_running_job_stops_it_between_tokens_and_keeps_its_text(ws: str, run_main: RunMain) -> None:
     job_id = submit(ws, "long", max_tokens=100000)
     with serving(ws, words, workers=1):
         deadline = time.monotonic() + 10
         while b"w5" not in (open_partial(ws, job_id)) and time.monotonic() < deadline:
             time.sleep(0.02)
         began = time.monotonic()
-        done = cli("cancel", ws, job_id)
+        done = run_main("cancel", ws, job_id)
         took = time.monotonic() - began
     assert done.returncode == 0, done.stderr
     job = Flow(ws).get(job_id)
@@ -2344,9 +2405,9 @@ def test_cancel_racing_claims_never_loses_a_job_or_lies(ws: str) -> None:
     assert sum(1 for r in reports.values() if r == "cancelled") >= 10
 
 
-def test_cancel_an_orphan_while_no_daemon_runs(ws: str) -> None:
+def test_cancel_an_orphan_while_no_daemon_runs(ws: str, run_main: RunMain) -> None:
     job_id = orphan(ws, "orphaned", 1)
-    done = cli("cancel", ws, job_id)
+    done = run_main("cancel", ws, job_id)
     assert done.returncode == 0, done.stderr
     job = Flow(ws).get(job_id)
     assert job.status is Status.Failed and job.meta["code"] == "cancelled"
@@ -2363,7 +2424,7 @@ def test_a_cancel_file_seen_at_claim_fails_the_job_unrun(ws: str) -> None:
     assert ran == [] and job.meta["code"] == "cancelled" and "before it started" in job.error
 
 
-def test_timeout_fails_a_job_with_its_partial_text(ws: str) -> None:
+def test_timeout_fails_a_job_with_its_partial_text(ws: str, run_main: RunMain) -> None:
     slow = submit(ws, "slow", max_tokens=100000, timeout=0.3)
     quick = submit(ws, "quick", max_tokens=3, timeout=30)
     with serving(ws, words, workers=2):
@@ -2374,13 +2435,13 @@ def test_timeout_fails_a_job_with_its_partial_text(ws: str) -> None:
     with open(os.path.join(ws, nrvna.FAILED, slow, "partial.txt")) as handle:
         assert handle.read().startswith("w0 w1 ")
     assert Flow(ws).get(quick).result == "w0 w1 w2 "
-    bad = cli("submit", ws, "x", "--timeout", "abc")
+    bad = run_main("submit", ws, "x", "--timeout", "abc")
     assert bad.returncode == 2
 
 
-def test_retry_failed_jobs_keeps_their_history_and_custom_id(ws: str, tmp_path: Path) -> None:
+def test_retry_failed_jobs_keeps_their_history_and_custom_id(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     path = write(tmp_path / "b.jsonl", jsonl([{"prompt": f"p{i}", "custom_id": f"id{i}"} for i in range(4)]))
-    ids = ids_of(cli("submit", ws, "--file", path, "--tag", "r"))
+    ids = ids_of(run_main("submit", ws, "--file", path, "--tag", "r"))
     failing = {"p1": "bad_request", "p2": "model_error"}
 
     def runner(job: nrvna.RunningJob) -> str:
@@ -2390,8 +2451,8 @@ def test_retry_failed_jobs_keeps_their_history_and_custom_id(ws: str, tmp_path: 
 
     with serving(ws, runner):
         wait_all(ws, ids)
-    assert cli("retry", ws, ids[0]).returncode == 1  # done: refused
-    only = cli("retry", ws, "--failed", "--code", "model_error")
+    assert run_main("retry", ws, ids[0]).returncode == 1  # done: refused
+    only = run_main("retry", ws, "--failed", "--code", "model_error")
     assert only.returncode == 0 and ids_of(only) == [ids[2]]
     job = Flow(ws).get(ids[2])
     assert job.status is Status.Queued and job.meta["attempts"] == 0 and job.error is None
@@ -2399,15 +2460,15 @@ def test_retry_failed_jobs_keeps_their_history_and_custom_id(ws: str, tmp_path: 
     failing.clear()
     with serving(ws, runner):  # a retry against a running daemon is picked up at once
         wait_all(ws, [ids[2]])
-        assert ids_of(cli("retry", ws, "--tag", "r")) == [ids[1]]
+        assert ids_of(run_main("retry", ws, "--tag", "r")) == [ids[1]]
         wait_all(ws, [ids[1]])
-    records = [json.loads(x) for x in cli("export", ws, "--tag", "r").stdout.decode().splitlines()]
+    records = [json.loads(x) for x in run_main("export", ws, "--tag", "r").stdout.decode().splitlines()]
     assert [(r["custom_id"], r["status"]) for r in records] == [(f"id{i}", "done") for i in range(4)]
     assert records[1]["meta"]["errors"][0]["code"] == "bad_request"
-    assert cli("retry", ws, "--failed").returncode == 0  # nothing left to retry: said on stderr
+    assert run_main("retry", ws, "--failed").returncode == 0  # nothing left to retry: said on stderr
 
 
-def test_clean_removes_only_old_finished_jobs(ws: str) -> None:
+def test_clean_removes_only_old_finished_jobs(ws: str, run_main: RunMain) -> None:
     old_done, old_failed = submit(ws, "old"), submit(ws, "old bad")
     with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt else "ok"):
         wait_all(ws, [old_done, old_failed])
@@ -2418,19 +2479,19 @@ def test_clean_removes_only_old_finished_jobs(ws: str) -> None:
         write(meta_path, json.dumps(meta))
     queued = submit(ws, "queued")
     running = orphan(ws, "running", 1)
-    dry = cli("clean", ws, "--older-than", "1d", "--dry-run")
+    dry = run_main("clean", ws, "--older-than", "1d", "--dry-run")
     assert sorted(ids_of(dry)) == sorted([old_done, old_failed]) and Flow(ws).status(old_done) is Status.Done
-    assert ids_of(cli("clean", ws, "--older-than", "1d", "--failed")) == [old_failed]
-    assert ids_of(cli("clean", ws, "--older-than", "3d")) == []
-    assert ids_of(cli("clean", ws, "--older-than", "36h")) == [old_done]
+    assert ids_of(run_main("clean", ws, "--older-than", "1d", "--failed")) == [old_failed]
+    assert ids_of(run_main("clean", ws, "--older-than", "3d")) == []
+    assert ids_of(run_main("clean", ws, "--older-than", "36h")) == [old_done]
     assert [Flow(ws).status(i) for i in (old_done, old_failed, queued, running)] == \
         [Status.Missing, Status.Missing, Status.Queued, Status.Running]
-    assert cli("clean", ws, "--older-than", "soon").returncode == 2
+    assert run_main("clean", ws, "--older-than", "soon").returncode == 2
 
 
-def test_clean_prunes_the_tag_index_of_jobs_that_are_gone(ws: str, tmp_path: Path) -> None:
-    first = ids_of(cli("submit", ws, "--file", write(tmp_path / "a.txt", "a1\na2\n"), "--tag", "t"))
-    second = ids_of(cli("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([{"prompt": "b1", "custom_id": "b1"}])),
+def test_clean_prunes_the_tag_index_of_jobs_that_are_gone(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    first = ids_of(run_main("submit", ws, "--file", write(tmp_path / "a.txt", "a1\na2\n"), "--tag", "t"))
+    second = ids_of(run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([{"prompt": "b1", "custom_id": "b1"}])),
                         "--tag", "t"))  # (a plain b.txt's line-1 would be a1's custom_id: already queued)
     kept = submit(ws, "o", tag="keep")
     with serving(ws, echo):
@@ -2460,7 +2521,7 @@ def test_clean_against_a_running_daemon_never_touches_live_jobs(ws: str) -> None
     assert all(os.listdir(os.path.join(ws, sub)) == [] for sub in nrvna.LAYOUT)
 
 
-def test_follow_prints_the_text_as_it_grows_then_exits_with_the_jobs_code(ws: str) -> None:
+def test_follow_prints_the_text_as_it_grows_then_exits_with_the_jobs_code(ws: str, run_main: RunMain) -> None:
     job_id = submit(ws, "follow me", max_tokens=30)
     stopped = submit(ws, "and me", max_tokens=100000, timeout=0.5)
     with serving(ws, words, workers=2):
@@ -2471,49 +2532,49 @@ def test_follow_prints_the_text_as_it_grows_then_exits_with_the_jobs_code(ws: st
             first += os.read(proc.stdout.fileno(), 65536)
         still_running = Flow(ws).status(job_id) is Status.Running
         rest, _ = proc.communicate(timeout=30)
-        failed = cli("get", ws, stopped, "--follow")
+        failed = run_main("get", ws, stopped, "--follow")
     assert still_running and first.startswith(b"w0 w1 w2 ") and proc.returncode == 0
     assert first + rest == Flow(ws).result_bytes(job_id)
     assert failed.returncode == 1 and failed.stdout.startswith(b"w0 w1 ") and b"timeout" in failed.stderr
     assert not os.path.exists(os.path.join(ws, nrvna.OUTPUT, job_id, "partial.txt"))
 
 
-def test_daemon_json_status_daemon_and_stop(ws: str) -> None:
+def test_daemon_json_status_daemon_and_stop(ws: str, run_main: RunMain) -> None:
     submit(ws, "warm")
-    assert cli("status", ws, "--daemon").returncode == 3
+    assert run_main("status", ws, "--daemon").returncode == 3
     proc = child_daemon(ws, "derived", "-w", "2")
     try:
         deadline = time.monotonic() + 30
         while not os.path.exists(os.path.join(ws, "daemon.json")) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(2.5)  # one more rewrite, after the job
-        shown = cli("status", ws, "--daemon")
+        shown = run_main("status", ws, "--daemon")
         assert shown.returncode == 0, shown.stderr
         info = json.loads(shown.stdout)
         assert info["pid"] == proc.pid and info["workers"] == 2 and info["jobs_done"] == 1
         assert {"model", "started", "tokens_generated", "tokens_per_second_last_minute", "jobs_failed"} <= set(info)
-        stopped = cli("stop", ws, "--timeout", "20")
+        stopped = run_main("stop", ws, "--timeout", "20")
         assert stopped.returncode == 0 and b"stopped" in stopped.stderr
         assert proc.wait(5) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert cli("stop", ws).returncode == 3 and cli("status", ws, "--daemon").returncode == 3
+    assert run_main("stop", ws).returncode == 3 and run_main("status", ws, "--daemon").returncode == 3
     assert not os.path.exists(os.path.join(ws, "daemon.json"))
 
 
-def test_a_stale_daemon_json_does_not_make_a_daemon(ws: str) -> None:
+def test_a_stale_daemon_json_does_not_make_a_daemon(ws: str, run_main: RunMain) -> None:
     submit(ws, "x")
     write(os.path.join(ws, "daemon.json"), json.dumps({"pid": os.getpid()}))
     write(os.path.join(ws, nrvna.LOCK_FILE), f"{os.getpid()}\n")
-    assert cli("status", ws, "--daemon").returncode == 3 and cli("stop", ws).returncode == 3
+    assert run_main("status", ws, "--daemon").returncode == 3 and run_main("stop", ws).returncode == 3
 
 
 @pytest.mark.slow
-def test_sigkill_during_a_batch_every_line_ends_exactly_once(ws: str, tmp_path: Path) -> None:
+def test_sigkill_during_a_batch_every_line_ends_exactly_once(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     prompts = [f"line number {i}" for i in range(120)]
     path = write(tmp_path / "p.txt", "\n".join(prompts) + "\n")
-    ids = ids_of(cli("submit", ws, "--file", path, "--tag", "k"))
+    ids = ids_of(run_main("submit", ws, "--file", path, "--tag", "k"))
     env = {"TEST_RUNNER_DELAY": "0.05"}
     for _ in range(3):
         proc = child_daemon(ws, "derived", "-w", "4", env=env)
@@ -2526,7 +2587,7 @@ def test_sigkill_during_a_batch_every_line_ends_exactly_once(ws: str, tmp_path: 
     proc = child_daemon(ws, "derived", "-w", "4", "--drain", env=env)
     assert proc.wait(120) == 0
     audit(ws, dict(zip(ids, prompts)))
-    records = [json.loads(x) for x in cli("export", ws, "--tag", "k").stdout.decode().splitlines()]
+    records = [json.loads(x) for x in run_main("export", ws, "--tag", "k").stdout.decode().splitlines()]
     assert [r["custom_id"] for r in records] == [f"line-{i + 1}" for i in range(120)]
 
 
@@ -2546,22 +2607,22 @@ def test_messages_jobs_render_every_turn_through_the_chat_template(llama: nrvna.
 
 
 @pytest.mark.model
-def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str, tmp_path: Path) -> None:
+def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str, tmp_path: Path, run_main: RunMain) -> None:
     lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 6, "seed": i + 1}}
              for i in range(6)]
-    ids = ids_of(cli("submit", ws, "--file", write(tmp_path / "q.jsonl", jsonl(lines)), "--tag", "real"))
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "q.jsonl", jsonl(lines)), "--tag", "real"))
     follow_id = submit(ws, "Write a poem about rivers.", max_tokens=40, ignore_eos=True, stop=["zzzz"], tag="real")
     proc = start_daemon(model, ws, "-w", "1", "-s", "4")
     try:
-        followed = cli("get", ws, follow_id, "--follow", timeout=120)
-        waited = cli("wait", ws, "--tag", "real", "--timeout", "120")
+        followed = run_main("get", ws, follow_id, "--follow", timeout=120)
+        waited = run_main("wait", ws, "--tag", "real", "--timeout", "120")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     assert waited.returncode == 0 and followed.returncode == 0
     assert followed.stdout == Flow(ws).result_bytes(follow_id)
-    out = [json.loads(x) for x in cli("export", ws, "--tag", "real", "--format", "openai").stdout.decode().splitlines()]
+    out = [json.loads(x) for x in run_main("export", ws, "--tag", "real", "--format", "openai").stdout.decode().splitlines()]
     assert [o["custom_id"] for o in out[:6]] == [f"q{i}" for i in range(6)] and len(out) == 7
     assert [o["id"] for o in out] == [f"batch_req_{i}" for i in [*ids, follow_id]]
     for record in out:
@@ -2579,16 +2640,16 @@ def stubborn(job: nrvna.RunningJob) -> str:
 RUNNERS["stubborn"] = stubborn
 
 
-def test_cancel_and_stop_that_are_not_honoured_in_time_exit_4(ws: str) -> None:
+def test_cancel_and_stop_that_are_not_honoured_in_time_exit_4(ws: str, run_main: RunMain) -> None:
     job_id = submit(ws, "stubborn")
     proc = child_daemon(ws, "stubborn", "-w", "1", env={"TEST_STUBBORN": "2"})
     try:
         deadline = time.monotonic() + 30
         while Flow(ws).status(job_id) is not Status.Running and time.monotonic() < deadline:
             time.sleep(0.01)
-        pending = cli("cancel", ws, job_id, "--timeout", "0.3")
+        pending = run_main("cancel", ws, job_id, "--timeout", "0.3")
         assert pending.returncode == 4 and b"cancel requested" in pending.stderr and pending.stdout == b""
-        slow = cli("stop", ws, "--timeout", "0.3")
+        slow = run_main("stop", ws, "--timeout", "0.3")
         assert slow.returncode == 4 and b"has not stopped after 0.3 s" in slow.stderr
         assert proc.wait(30) == 0
     finally:
@@ -2599,14 +2660,15 @@ def test_cancel_and_stop_that_are_not_honoured_in_time_exit_4(ws: str) -> None:
         os.path.join(ws, nrvna.FAILED, job_id, "partial.txt")).read()
 
 
-def test_clean_done_only_and_bad_durations(ws: str) -> None:
+def test_clean_done_only_and_bad_durations(ws: str, run_main: RunMain) -> None:
     done, failed = submit(ws, "ok"), submit(ws, "bad")
     with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "bad" else "ok"):
         wait_all(ws, [done, failed])
     time.sleep(0.05)
-    removed = cli("clean", ws, "--older-than", "0", "--done")
+    removed = run_main("clean", ws, "--older-than", "0", "--done")
     assert removed.returncode == 0 and ids_of(removed) == [done] and b"removed 1 jobs" in removed.stderr
     assert Flow(ws).status(failed) is Status.Failed
     for bad in ("-5m", "7y", "", "m"):
-        assert cli("clean", ws, "--older-than", bad).returncode == 2, bad
-    assert cli("clean", ws).returncode == 2  # --older-than is required
+        assert run_main("clean", ws, "--older-than", bad).returncode == 2, bad
+    assert run_main("clean", ws).returncode == 2  # --older-than is required
+
