@@ -1525,18 +1525,101 @@ def audit_clean(ws: str) -> bool:
                 if n.startswith(".") and n != nrvna.LOCK_FILE]
 
 
-# =========================================================================== #10: crash points and faults
-# scripts/faultpoint.py counts every call that changes the workspace, in order, and kills the
-# process (SIGKILL at the call's entry) or fails the call (an errno) at call K.
+# =========================================================================== Fault injection harness
+# `python test_nrvna.py faultpoint WORKSPACE LOG MODE -- daemon|submit ARGS...` runs an nrvna
+# command with every workspace-changing call counted, and optionally fails one (used by the
+# crash-point and fault tests below; not part of nrvna). It wraps the `os` functions nrvna's
+# file primitives call (and the renameat2 ctypes function) before nrvna.main runs, counts the
+# calls that change files under WORKSPACE, in order, across threads, and at call K either
+# kills the whole process with SIGKILL at the call's entry (as `strace -e
+# inject=CALL:signal=KILL` does) or makes that call fail with an errno (as
+# `inject=CALL:error=E`).
+#
+#     MODE: list | kill:K | errno:K:ERRNO   (ERRNO such as EIO, ENOSPC, EXDEV)
+#     daemon with MODEL "-" runs the tests' prompt-derived runner; a real path runs llama.cpp
+#
+# LOG receives one line per counted call ("name path"), written as they happen. The daemon's
+# Watcher thread is not counted (see hit()).
 
-FAULTPOINT = str(HERE / "scripts" / "faultpoint.py")
+TESTS = str(Path(__file__).resolve())
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
+
+
+def faultpoint_main(argv: list[str]) -> int:
+    """The harness itself, in the process it runs the command in: WORKSPACE LOG MODE -- COMMAND."""
+    import errno
+
+    workspace, log_path, mode = argv[0], argv[1], argv[2]
+    command = argv[argv.index("--") + 1:]
+    root = os.path.realpath(workspace)
+    log = open(log_path, "a", buffering=1)
+    lock = threading.Lock()
+    count = [0]
+    kind, target, code = (mode.split(":") + ["", ""])[:3]
+    target = int(target) if target else 0
+
+    def resolve(path: object, dir_fd: object = None) -> str:
+        if isinstance(path, int):
+            return os.readlink(f"/proc/self/fd/{path}")
+        path = os.fsdecode(path)
+        if dir_fd is not None and not os.path.isabs(path):
+            return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        return os.path.abspath(path)
+
+    def hit(name: str, path: str) -> None:
+        if not (path == root or path.startswith(root + os.sep)):
+            return
+        if threading.current_thread().name == "Watcher" or "daemon.json" in os.path.basename(path):
+            # daemon.json and a running job's partial.txt are for watching, not state: their
+            # writes come at timer ticks, so counting them would make crash points drift.
+            return
+        with lock:
+            count[0] += 1
+            n = count[0]
+            log.write(f"{name} {os.path.relpath(path, root)}\n")
+        if n == target and kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if n == target and kind == "errno":
+            number = getattr(errno, code)
+            raise OSError(number, os.strerror(number), path)
+
+    def wrap(name: str, real: Callable[..., Any], path_of: Callable[..., str | None]) -> None:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            path = path_of(*args, **kwargs)
+            if path is not None:
+                hit(name, path)
+            return real(*args, **kwargs)
+        setattr(os, name, wrapper)
+
+    wrap("mkdir", os.mkdir, lambda p, *a, dir_fd=None, **k: resolve(p, dir_fd))
+    wrap("open", os.open, lambda p, flags, *a, dir_fd=None, **k:
+         resolve(p, dir_fd) if flags & WRITE_FLAGS else None)
+    wrap("write", os.write, lambda fd, *a: resolve(fd))
+    wrap("pwrite", os.pwrite, lambda fd, *a: resolve(fd))
+    wrap("ftruncate", os.ftruncate, lambda fd, *a: resolve(fd))
+    wrap("fsync", os.fsync, lambda fd: resolve(fd))
+    wrap("rename", os.rename, lambda s, d, *, src_dir_fd=None, **k: resolve(s, src_dir_fd))
+    wrap("unlink", os.unlink, lambda p, *, dir_fd=None: resolve(p, dir_fd))
+    wrap("rmdir", os.rmdir, lambda p, *, dir_fd=None: resolve(p, dir_fd))
+    real_renameat2 = nrvna._load_renameat2()
+    if real_renameat2:
+        def renameat2(olddir: int, old: bytes, newdir: int, new: bytes, flags: int) -> int:
+            hit("renameat2", resolve(old))
+            return real_renameat2(olddir, old, newdir, new, flags)
+        nrvna._renameat2 = renameat2
+    runner = None
+    if command[0] == "daemon" and command[1] == "-":  # no model: the tests' derived runner
+        runner = RUNNERS["derived"]
+    return nrvna.main(command, runner=runner)
 
 
 def faultpoint(ws: str, mode: str, *command: str, log: str | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run the harness on `command` in a child process; return it and the calls it counted."""
     log = log or ws + ".calls"
     if os.path.exists(log):
         os.unlink(log)
-    done = subprocess.run([sys.executable, FAULTPOINT, ws, log, mode, "--", *command], capture_output=True, timeout=120)
+    done = subprocess.run([sys.executable, TESTS, "faultpoint", ws, log, mode, "--", *command],
+                          capture_output=True, timeout=120)
     calls = open(log).read().splitlines() if os.path.exists(log) else []
     return done, calls
 
@@ -1579,7 +1662,7 @@ def test_faultpoint_sees_every_workspace_syscall_that_strace_sees(tmp_path: Path
         name = line.split(None, 1)[1].split("(", 1)[0] if " " in line else ""
         if real_ws not in line or "= -1" in line and name != "unlinkat" or "resumed" in line:
             continue
-        if "daemon.json" in line:  # the Watcher thread's, which faultpoint does not count (timer ticks)
+        if "daemon.json" in line:  # the Watcher thread's, which the harness does not count (timer ticks)
             continue
         if name == "openat" and not any(f in line for f in ("O_WRONLY", "O_RDWR", "O_CREAT")):
             continue
@@ -2672,3 +2755,9 @@ def test_clean_done_only_and_bad_durations(ws: str, run_main: RunMain) -> None:
         assert run_main("clean", ws, "--older-than", bad).returncode == 2, bad
     assert run_main("clean", ws).returncode == 2  # --older-than is required
 
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["faultpoint"] or "--" not in sys.argv[5:6]:
+        sys.exit("usage: python test_nrvna.py faultpoint WORKSPACE LOG MODE -- daemon|submit ARGS...\n"
+                 "(the tests themselves: python -m pytest test_nrvna.py)")
+    sys.exit(faultpoint_main(sys.argv[2:]))
