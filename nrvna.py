@@ -367,7 +367,7 @@ EXIT_CODES = {
     EXIT_FAILED: "the job failed (wait: one failed; cancel: one had finished; retry: a named job is not failed), "
                  "or the daemon could not start or run (model, workspace, lock)",
     EXIT_USAGE: "usage error or invalid input (prompt, ID, parameter, batch line, NRVNA_* value)",
-    EXIT_MISSING: "no such job (status --daemon, stop: no daemon running)",
+    EXIT_MISSING: "no such job or tag (status --daemon, stop: no daemon running)",
     EXIT_UNFINISHED: "not finished yet: queued or running, a --wait-timeout or wait/stop --timeout ran out, "
                      "export left unfinished jobs out",
 }
@@ -760,19 +760,26 @@ def _write_lock_pid(dir_fd: int) -> None:
         os.close(fd)
 
 
-def _lock_holder(workspace: str) -> int:
-    """The pid LOCK_FILE names (-1 if it names none: the holder is just starting)."""
-    for _ in range(50):  # a daemon that just took the lock writes its pid next
+def _read_lock_pid(workspace: str) -> Optional[int]:
+    """The pid LOCK_FILE names, if it names one."""
+    try:
+        fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
         try:
-            fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
-            try:
-                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-            finally:
-                os.close(fd)
-        except OSError:
-            text = ""
-        if text.isdigit():
-            return int(text)
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _lock_holder(workspace: str) -> int:
+    """The pid of the lock's holder as LOCK_FILE names it (-1 if it names none: the holder
+    is just starting, or the file was replaced and the holder has not yet rewritten it)."""
+    for _ in range(50):  # a daemon that just took the lock writes its pid next
+        pid = _read_lock_pid(workspace)
+        if pid is not None:
+            return pid
         time.sleep(0.01)
     return -1
 
@@ -3787,6 +3794,8 @@ class Server:
         if now >= self._next_status:
             self._next_status = now + DAEMON_STATUS_SECONDS
             self.write_status()
+            if self._lock_fd is not None and _read_lock_pid(self.workspace) != os.getpid():
+                _write_lock_pid(self._lock_fd)  # replaced: `stop` reads the holder's pid there
 
     @staticmethod
     def _flush_partial(job: RunningJob) -> None:
