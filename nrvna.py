@@ -227,6 +227,9 @@ PARAMS: dict[str, Param] = {
 ROLES = ("system", "user", "assistant")
 
 
+_INF = float("inf")  # JSON from Python's json module may hold Infinity
+
+
 def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = None) -> Any:
     """A job's parameter: its own value, else the daemon's setting of that name, else the
     table's default."""
@@ -272,8 +275,8 @@ def _check_param(key: str, param: Param, value: Any) -> Any:
     elif kind == "messages":
         value = _check_messages(value, high)
     else:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise InvalidInput(f"parameter {key} must be a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF, -_INF):
+            raise InvalidInput(f"parameter {key} must be a finite number")
         if kind is int and value != int(value):
             raise InvalidInput(f"parameter {key} must be an integer")
         value = kind(value)
@@ -308,8 +311,9 @@ def _check_messages(messages: Any, limit: int) -> list[dict[str, str]]:
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise InvalidInput(f"messages[{i}].content: only text parts are supported")
             content = "".join(p["text"] for p in content)
-        if not isinstance(content, str) or "\x00" in content:
+        if not isinstance(content, str):
             raise InvalidInput(f"messages[{i}].content must be a string without NUL bytes")
+        _check_text(f"messages[{i}].content", content)
         clean.append({"role": role, "content": content})
     if not any(t["content"].strip() for t in clean):
         raise InvalidInput("messages are all empty")
@@ -743,8 +747,11 @@ def _try_lock(workspace: str) -> tuple[int, bool]:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd, True
-    except OSError:
+    except BlockingIOError:
         return fd, False
+    except OSError:  # not "held": the filesystem cannot lock a directory (NFS, say)
+        os.close(fd)
+        raise
 
 
 def _write_lock_pid(dir_fd: int) -> None:
@@ -1412,8 +1419,8 @@ class Flow:
 
     def wait_all(self, ids: Iterable[str] = (), tag: Optional[str] = None, timeout: Optional[float] = None,
                  on_progress: Optional[Callable[[dict[str, Status]], None]] = None) -> dict[str, Status]:
-        """Wait until every selected job (see ``select``) is done or failed, or ``timeout``
-        seconds pass; return their states then, in order. ``on_progress(states)`` is called
+        """Wait until every selected job (see ``select``) is done or failed (or removed
+        meanwhile: Missing), or ``timeout`` seconds pass; return their states then, in order. ``on_progress(states)`` is called
         after every look (one listing per state directory, however many jobs)."""
         selected, states = self.select(ids, tag)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -1422,8 +1429,8 @@ class Flow:
             current = {job_id: states[job_id] for job_id in selected}
             if on_progress is not None:
                 on_progress(current)
-            if all(state.finished for state in current.values()):
-                return current
+            if all(state.finished or state is Status.Missing for state in current.values()):
+                return current  # Missing: removed meanwhile (clean); it will not finish
             if deadline is not None and time.monotonic() >= deadline:
                 return current
             time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
@@ -1445,8 +1452,10 @@ class Flow:
             if status is not Status.Queued:
                 try:
                     fd = open_dir(path)
-                except (FileNotFoundError, NotADirectoryError):
+                except FileNotFoundError:
                     continue  # it moved on between the lookup and the open
+                except NotADirectoryError:
+                    return  # a hand-made entry, not a job: nothing will ever be generated
                 try:
                     if status is Status.Running:
                         started = read_meta(fd).get("started")
@@ -1459,7 +1468,8 @@ class Flow:
                 finally:
                     os.close(fd)
             if status is Status.Done and data is None:
-                continue  # still being moved: look again
+                time.sleep(delay)
+                continue  # still being moved (or a hand-made job without result.txt): look again
             if data is not None and len(data) > printed:
                 yield data[printed:]
                 printed = len(data)
@@ -1517,7 +1527,10 @@ class Flow:
         except BaseException:
             for target in targets:
                 if isinstance(target, _Output):
-                    target.abort()
+                    try:
+                        target.abort()
+                    except OSError:
+                        pass  # the next target's temporary file must go too
             raise
         if unreadable:
             raise WorkspaceError(f"{len(unreadable)} jobs could not be read (permission denied: {unreadable[0]}"
@@ -1551,8 +1564,10 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
             return "finished", f"job {job_id} is {status.value} already; left alone"
         try:
             fd = open_dir(path)
-        except (FileNotFoundError, NotADirectoryError):
+        except FileNotFoundError:
             continue  # it moved on: look again
+        except NotADirectoryError:
+            return "refused", f"job {job_id} is not a job directory"
         except PermissionError as err:
             return "refused", f"job {job_id} cannot be cancelled: its directory is not accessible ({_os_error(err)})"
         try:
@@ -1793,20 +1808,25 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None) -> int:
     runs, NotFinished when it still holds the workspace after ``timeout`` seconds."""
     import signal
 
-    pid = _running_daemon(workspace)
-    if pid > 0:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            raise NrvnaError(f"not allowed to signal the daemon (pid {pid})") from None
+    pid, signalled = _running_daemon(workspace), False
     deadline = None if timeout is None else time.monotonic() + timeout
-    while _daemon_holds(workspace) is not None:
+    while True:
+        if pid > 0 and not signalled:  # unknown (-1) while LOCK_FILE names nobody: ask again
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                raise NrvnaError(f"not allowed to signal the daemon (pid {pid})") from None
+            signalled = True
+        holder = _daemon_holds(workspace)
+        if holder is None:
+            return pid
+        if not signalled:
+            pid = holder
         if deadline is not None and time.monotonic() > deadline:
             raise NotFinished(f"the daemon (pid {pid}) has not stopped after {timeout:g} s")
         time.sleep(0.05)
-    return pid
 
 
 def _running_daemon(workspace: str) -> int:
@@ -2063,9 +2083,12 @@ class _Output:
             mode = None
         if mode is not None and stat.S_ISDIR(mode):
             raise InvalidInput(f"{path} is a directory")
-        self.through = mode is not None and not stat.S_ISREG(mode)
+        # /dev/stdout and its kind name an open descriptor, which may be a file the shell
+        # opened: written through, appending, never replaced.
+        self.through = (mode is not None and not stat.S_ISREG(mode)) or (
+            os.path.abspath(path).startswith("/dev/") or self.path.startswith("/proc/"))
         if self.through:
-            self.handle = open(path, "w", encoding="utf-8")
+            self.handle = open(path, "a", encoding="utf-8")
             return
         folder, name = os.path.split(self.path)
         for _ in range(100):
@@ -2089,15 +2112,27 @@ class _Output:
 
     def write(self, text: str) -> None:
         """Append ``text``."""
-        self.handle.write(text)
+        try:
+            self.handle.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        if self.handle is sys.stdout:
+            raise BrokenPipeError  # `nrvna export ... | head`: main() exits quietly
+        raise WorkspaceError(f"{self.path}: its reader went away (broken pipe); the export is incomplete") from None
 
     def commit(self) -> None:
         """Make the file whole (durable, under its final name) or flush the stream."""
-        self.handle.flush()
         if self.temp is None:
-            if self.handle is not sys.stdout:
-                self.handle.close()
+            try:
+                self.handle.flush()
+                if self.handle is not sys.stdout:
+                    self.handle.close()
+            except BrokenPipeError:
+                self._reader_gone()
             return
+        self.handle.flush()
         try:
             os.fsync(self.handle.fileno())
             self.handle.close()
@@ -2111,7 +2146,10 @@ class _Output:
     def abort(self) -> None:
         """Drop the temporary file (the target is untouched); nothing after a commit."""
         if self.handle is not sys.stdout and not self.handle.closed:
-            self.handle.close()
+            try:
+                self.handle.close()  # flushes what is buffered, which may fail again
+            except OSError:
+                pass
         if self.temp is not None:
             _unlink_quietly(self.temp, None)
             self.temp = None
@@ -2532,20 +2570,36 @@ class LlamaRunner(Runner):
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
 
+    def _spells_control(self, text: str) -> bool:
+        """Whether ``text`` holds the text of a control token (``<|im_start|>``...)."""
+        return self.tokenize(text, False, True) != self.tokenize(text, False, False)
+
     def _render(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
         """The chat template applied to ``messages``, as (text, is a message's content)
-        pieces in order. The template is rendered once with a unique mark in place of each
-        content to find its own text around them; the marks replaced by the contents (as
-        given, or stripped, for templates that trim them) must give the real rendering."""
+        pieces in order: the whole rendering as one piece when no content spells a control
+        token (then the split changes nothing), else split. To split, the template is rendered
+        again with a unique mark in place of each content to find its own text around them;
+        the marks replaced by the contents (as given, or stripped, for templates that trim
+        them) must give the real rendering."""
         try:
             text = self._formatter(messages=messages).prompt
-            marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+            if not any(self._spells_control(m["content"]) for m in messages):
+                # The common case: one call, the very tokens of the whole rendering. (Each
+                # call of llama_tokenize starts a new word: a SentencePiece vocabulary adds its
+                # space prefix, so splitting an innocent prompt would change its tokens.)
+                return [(text, False)]
+            marks = [f"\ue000{i}\ue001" if m["content"] else "" for i, m in enumerate(messages)]
             marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)]).prompt
+        except JobError:
+            raise
         except Exception as err:
             raise JobError("bad_request", f"chat template failed: {err}") from None
         around: Optional[list[str]] = []  # the template's text before each mark, and after the last
         rest = marked
         for mark in marks:
+            if not mark:  # an empty content: nothing to find, nothing to keep apart
+                around.append("")
+                continue
             before, found, rest = rest.partition(mark)
             if not found or mark in rest:
                 around = None  # the template dropped or repeated a content: not separable this way
@@ -2556,10 +2610,8 @@ class LlamaRunner(Runner):
                 if "".join(t + c for t, c in zip(around, contents)) + rest == text:
                     pieces = [piece for t, c in zip(around, contents) for piece in ((t, False), (c, True))]
                     return [(t, is_content) for t, is_content in pieces + [(rest, False)] if t]
-        if all(self.tokenize(m["content"], False, True) == self.tokenize(m["content"], False, False) for m in messages):
-            return [(text, False)]  # no content spells a control token: nothing to separate
-        raise JobError("bad_request", "the chat template changes message contents in a way nrvna cannot "
-                                      "separate from its own markup, and a content spells a control token")
+        raise JobError("bad_request", "a message spells a control token, and the chat template changes "
+                                      "message contents in a way nrvna cannot keep apart from its own markup")
 
     def tokenize(self, text: str, add_special: bool, special: bool) -> list[int]:
         """``text`` as tokens; ``special``: control-token text (``<|im_end|>``) becomes the
@@ -3359,7 +3411,8 @@ class Processor:
             log.error(f"cannot claim {job_id}: processing/{job_id} already exists; left in ready/")
             return None
         except PermissionError:  # a directory changes parent only if it is writable itself
-            self._fail_inaccessible(job_id, READY)
+            if not self._fail_inaccessible(job_id, READY):
+                raise
             return None
         path = self._path(PROCESSING, job_id)
         info = os.lstat(path)
@@ -3369,7 +3422,9 @@ class Processor:
         try:
             dir_fd = open_dir(path)
         except PermissionError:
-            self._fail_inaccessible(job_id, PROCESSING)
+            if not self._fail_inaccessible(job_id, PROCESSING):
+                self._hand_back(job_id)
+                raise _HandBack(job_id) from None
             return None
         try:
             meta = read_meta(dir_fd)
@@ -3511,13 +3566,21 @@ class Processor:
         finally:
             os.close(job.dir_fd)
 
-    def _fail_inaccessible(self, job_id: str, sub: str) -> None:
-        """A job directory the daemon may not open or move (``chmod 000``, say): fail it
-        unread, rather than retry its claim forever. It is made the owner's again (0700, as
-        every job directory) only so that it can take error.txt and move to failed/."""
+    def _fail_inaccessible(self, job_id: str, sub: str) -> bool:
+        """A job directory the daemon may not open or move because its own mode lacks the
+        owner's rwx (``chmod 000``, say): fail it unread, rather than retry its claim forever,
+        and return True. It is made 0700 again, as every job directory, only so that it can
+        take error.txt and move to failed/. False when the directory's mode is not the cause
+        (a state directory not writable, say): that is the workspace's fault, not the job's,
+        and the claim is retried as after any I/O error."""
         path = self._path(sub, job_id)
         try:
             mode = stat.S_IMODE(os.lstat(path).st_mode)
+        except OSError:
+            return False
+        if mode & 0o700 == 0o700:
+            return False
+        try:
             os.chmod(path, DIR_MODE)
             mark_failed(self.workspace, sub, job_id, "bad_request", f"the job directory was not accessible to "
                         f"the daemon (mode {mode:o}); it was failed without being read")
@@ -3525,8 +3588,9 @@ class Processor:
         except OSError as err:
             log.error(f"{sub}/{job_id} is not accessible to the daemon and cannot be made so "
                       f"({_os_error(err)}); left there until the next start")
-            return
+            return True
         log.warning(f"Job failed: {job_id}: its directory was not accessible (mode {mode:o})")
+        return True
 
     def _quarantine(self, job_id: str, mode: int) -> None:
         """A non-directory was claimed: wrap it, unopened, in a real failed/<id>/ dir."""
@@ -4044,7 +4108,9 @@ def _cmd_daemon(args: Any) -> int:
     def on_signal(signum: int, _frame: Any) -> None:
         log.info(f"Received {signal.Signals(signum).name}")
         server.request_stop()
-        if starting:  # loading the model or recovering: nothing runs yet, so end start() itself
+        # Loading the model or making contexts: no job is touched yet, so end start() here.
+        # From recovery on, start() sees the stop itself and hands a running job back.
+        if starting and server.processor is None:
             raise _Signalled(signum)
 
     signal.signal(signal.SIGINT, on_signal)
@@ -4053,8 +4119,7 @@ def _cmd_daemon(args: Any) -> int:
         server.start()  # undoes itself on any exception: lock released, model freed
         starting = False
     except _Signalled as signalled:
-        if server.started:  # the signal came just after start() returned
-            server.shutdown()
+        server.shutdown()  # idempotent: start() has already let go of what it held
         log.info("Stopped during start-up")
         return 128 + signalled.signum
     try:
@@ -4236,10 +4301,15 @@ def _cmd_wait(args: Any) -> int:
     states = flow.wait_all(args.ids, args.tag, args.timeout, draw if progress else None)
     if progress:
         sys.stderr.write("\n")
-    unfinished = sum(1 for s in states.values() if not s.finished)
+    unfinished = sum(1 for s in states.values() if not s.finished and s is not Status.Missing)
     failed = sum(1 for s in states.values() if s is Status.Failed)
+    removed = sum(1 for s in states.values() if s is Status.Missing)
     if unfinished:
         _say(f"{unfinished} of {len(states)} jobs not finished after {args.timeout:g} s")
+    if removed:
+        _say(f"{removed} of {len(states)} jobs were removed while waiting (nrvna clean)")
+        return EXIT_MISSING
+    if unfinished:
         return EXIT_UNFINISHED
     if failed:
         _say(f"{failed} of {len(states)} jobs failed")

@@ -2458,9 +2458,8 @@ def test_a_replaced_lock_file_lets_no_second_daemon_in_and_stop_stops_the_first(
         os.rename(fresh, os.path.join(ws, nrvna.LOCK_FILE))  # what `export -o WS/.nrvna.lock` did
         second = child_daemon(ws, "derived", "-w", "1", stderr=subprocess.PIPE)
         assert second.wait(30) == 1 and b"in use by another daemon" in second.stderr.read()
-        deadline = time.monotonic() + nrvna.DAEMON_STATUS_SECONDS + 5
-        while nrvna._read_lock_pid(ws) != first.pid and time.monotonic() < deadline:
-            time.sleep(0.05)  # the first daemon writes its pid back within DAEMON_STATUS_SECONDS
+        # stop does not know the pid yet (the file names nobody): it signals the daemon as soon
+        # as the daemon has written its pid back (within DAEMON_STATUS_SECONDS)
         stopped = cli("stop", ws, "--timeout", "20")
         assert stopped.returncode == 0, stopped.stderr
         assert first.wait(5) == 0
@@ -2565,9 +2564,14 @@ def test_an_inaccessible_job_directory_fails_instead_of_looping(ws: str, run_mai
         real_move(src, dst)
 
     monkeypatch.setattr(nrvna, "move", move)
+    os.chmod(os.path.join(ws, nrvna.READY, locked), 0o700)  # the workspace's fault, not the job's: retried
+    with serving(ws, echo):
+        assert wait_all(ws, [fine], timeout=10) == [Status.Done]
+        time.sleep(0.3)
+        assert Flow(ws).status(locked) is Status.Queued
     os.chmod(os.path.join(ws, nrvna.READY, locked), 0)
     with serving(ws, echo):
-        assert wait_all(ws, [locked, fine], timeout=10) == [Status.Failed, Status.Done]
+        assert wait_all(ws, [locked], timeout=10) == [Status.Failed]
     job = Flow(ws).get(locked)
     assert job.meta["code"] == "bad_request" and "not accessible" in job.error and "mode 0" in job.error
     assert os.listdir(os.path.join(ws, nrvna.READY)) == []
@@ -2585,6 +2589,62 @@ def test_an_inaccessible_job_directory_fails_instead_of_looping(ws: str, run_mai
     assert done.returncode == 1 and b"not accessible" in done.stderr and len(done.stderr.splitlines()) == 1
     done = run_main("export", ws, locked, fine)
     assert done.returncode == 1 and len(done.stdout.splitlines()) == 1 and b"could not be read" in done.stderr
+
+
+def test_an_export_whose_fifo_reader_went_away_fails_and_leaves_no_temporary_file(ws: str, tmp_path: Path,
+                                                                                 run_main: RunMain) -> None:
+    job_id = finished_job(ws)
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # lets the writer open it, then goes away
+    out = nrvna._Output(fifo)
+    os.close(reader)
+    with pytest.raises(nrvna.WorkspaceError, match="reader went away"):
+        out.write("x" * 100_000)
+        out.commit()
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    errors = tmp_path / "errors.jsonl"
+
+    def close_soon() -> None:
+        time.sleep(0.2)
+        os.close(reader)
+
+    big = submit(ws, "big")
+    with serving(ws, lambda job: "B" * 200_000):  # more than a pipe holds: the writer blocks
+        wait_all(ws, [big])
+    threading.Thread(target=close_soon).start()
+    with pytest.raises(nrvna.WorkspaceError, match="reader went away"):
+        Flow(ws).export(fifo, [job_id, big], errors=str(errors))
+    assert not errors.exists() and [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == []
+
+
+def test_a_sigterm_while_a_last_chance_job_runs_hands_it_back_uncounted(ws: str) -> None:
+    """Start-up runs a job one death from the attempt ceiling alone; a SIGTERM then must
+    hand it back with its attempt uncounted, not leave it to fail at the next start."""
+    job_id = orphan(ws, "last chance", attempts=2)
+    proc = child_daemon(ws, "words", "-w", "1", env={"TEST_WORD_DELAY": "0.5"})
+    try:
+        deadline = time.monotonic() + 30
+        while Flow(ws).status(job_id) is not Status.Running or \
+                Flow(ws).get(job_id).meta.get("worker") != "Main":
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Queued and job.meta["attempts"] == 2
+
+
+def test_numbers_must_be_finite_and_message_text_valid_unicode(ws: str) -> None:
+    with pytest.raises(nrvna.InvalidInput, match="finite"):
+        nrvna.validate_params({"max_tokens": float("inf")})
+    with pytest.raises(nrvna.InvalidInput, match="line 1: parameter max_tokens must be a finite number"):
+        nrvna.parse_batch(b'{"prompt": "hi", "max_tokens": Infinity}\n')
+    result = Work(ws).submit("hi", messages=[{"role": "user", "content": "a\ud800"}])
+    assert not result.ok and "not valid Unicode" in result.message
 
 
 def test_a_fifo_as_the_model_is_refused_at_once(ws: str, tmp_path: Path) -> None:
