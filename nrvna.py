@@ -2056,8 +2056,9 @@ class _Output:
     """Where an export's lines go (``-o FILE``, ``--errors FILE``), as a policy:
 
     - ``-`` is standard output;
-    - an existing FIFO, character device (a terminal, /dev/null) or socket is written
-      through: opened and written as it is, not atomically;
+    - an existing FIFO, character device (a terminal, /dev/null) or socket, and any path
+      under /dev/ or /proc/ (``/dev/stdout`` may be a file the shell opened), is written
+      through: opened for appending and written as it is, not atomically;
     - anything else is written whole or not at all: a temporary file of its own beside the
       real target (a symlink's target is replaced, never the link), fsynced, renamed over the
       target, the directory fsynced; the temporary file goes on every failure path;
