@@ -225,6 +225,8 @@ PARAMS: dict[str, Param] = {
     "endpoint": Param(str, 0, 32, None, None, (), False, "the OpenAI Batch url a job came from: export answers in its shape"),
 }
 ROLES = ("system", "user", "assistant")
+# OpenAI Batch body field -> the job parameter it carries, in table order.
+OPENAI_FIELDS = {field: name for name, param in PARAMS.items() for field in param.openai}
 
 
 _INF = float("inf")  # JSON from Python's json module may hold Infinity
@@ -967,7 +969,11 @@ def require_tag(workspace: str, tag: str) -> None:
     (or whose jobs are all cleaned): ``wait --tag typo`` must not succeed on nothing."""
     if not isinstance(tag, str) or not ID_PATTERN.fullmatch(tag):
         raise InvalidInput(f"invalid tag {tag!r} (letters, digits, '.', '_', '-'; not starting with '.')")
-    if not any(True for _ in _tag_files(workspace, tag)):
+    try:
+        known = any(n.endswith(".ids") and not n.startswith(".") for n in os.listdir(os.path.join(workspace, TAGS, tag)))
+    except (FileNotFoundError, NotADirectoryError):
+        known = False
+    if not known:
         raise NoSuchJob(f"no tag {tag} in {workspace}")
 
 
@@ -1956,9 +1962,8 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
         raise InvalidInput("body must be a JSON object")
     if "custom_id" not in obj:
         raise InvalidInput("an OpenAI Batch line needs a custom_id")
-    fields = {field: name for name, param in PARAMS.items() for field in param.openai}
     for key in body:
-        if key not in fields and key not in OPENAI_BODY_EXTRA:
+        if key not in OPENAI_FIELDS and key not in OPENAI_BODY_EXTRA:
             raise InvalidInput(f"body field {key!r} is not supported by nrvna")
     if body.get("n", 1) != 1:
         raise InvalidInput("body field 'n' must be 1")
@@ -1968,7 +1973,7 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
         notes.append(f"body.model ({body['model']!r}) is ignored: the daemon's model answers")
     endpoint = ENDPOINTS[url]
     params: dict[str, Any] = {"custom_id": obj["custom_id"], "endpoint": url}
-    for field, name in fields.items():  # in table order: max_completion_tokens wins over max_tokens
+    for field, name in OPENAI_FIELDS.items():  # in table order: max_completion_tokens wins over max_tokens
         if field in body and field != endpoint.input:
             value = body[field]
             params[name] = [value] if PARAMS[name].kind is list and isinstance(value, str) else value  # "stop": "x"
