@@ -191,14 +191,67 @@ def setting_default(name: str) -> Any:
     return _parse_setting(name, raw)
 
 
-class Param(namedtuple("Param", "kind low high default flag openai line help")):
+class Param(namedtuple("Param", "kind low high default flag openai line help read", defaults=(None,))):
     """One per-job parameter: its type (``int``, ``float``, ``str``, ``bool``, ``list`` of
-    strings, or ``"messages"``) and limits; its default (a literal, or None: the daemon's
-    setting of the same name in SETTINGS, else unset); its ``submit`` flag (None: none);
-    the OpenAI Batch body fields that carry it (a later one wins); whether nrvna's JSONL
-    lines may carry it; and its help line."""
+    strings, ``"messages"``, ``"response_format"`` or ``"logit_bias"``) and limits; its
+    default (a literal, or None: the daemon's setting of the same name in SETTINGS, else
+    unset); its ``submit`` flag (None: none); the OpenAI Batch body fields that carry it (a
+    later one wins); whether nrvna's JSONL lines may carry it; its help line; and how the
+    flag's argument becomes the value (``read``: (metavar, function), None: by its type)."""
 
     __slots__ = ()
+
+
+def _read_json_schema(text: str) -> dict[str, Any]:
+    """``--json-schema FILE|JSON``: a JSON schema, an OpenAI ``json_schema`` object
+    (``{"name", "schema", "strict"}``) or a whole ``response_format``, given inline or as a
+    file; returned as a response_format."""
+    import argparse
+    import json
+
+    source = "the argument"
+    if not text.lstrip().startswith("{"):
+        source = text
+        try:
+            with open(text, encoding="utf-8") as handle:
+                text = handle.read()
+        except (OSError, UnicodeDecodeError) as err:
+            raise argparse.ArgumentTypeError(f"cannot read {source}: {getattr(err, 'strerror', None) or err}") from None
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{source} is not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{source} is not a JSON object")
+    if value.get("type") == "json_schema" and "json_schema" in value:
+        return value
+    if "schema" in value and "name" in value and "type" not in value:
+        return {"type": "json_schema", "json_schema": value}
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", os.path.splitext(os.path.basename(source))[0])[:64]
+    return {"type": "json_schema", "json_schema": {"name": name if source != "the argument" and name else "schema",
+                                                   "schema": value, "strict": True}}
+
+
+def _read_text_file(path: str) -> str:
+    """``--grammar FILE``: the file's text."""
+    import argparse
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+
+
+def _read_bias(text: str) -> tuple[str, float]:
+    """``--logit-bias ID=BIAS``: one token's bias."""
+    import argparse
+
+    token, _, bias = text.partition("=")
+    try:
+        return str(int(token)), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN_ID=BIAS (e.g. 15043=-100)") from None
 
 
 # Every per-job parameter: validation, `submit`'s flags, the OpenAI line mapping, the
@@ -213,9 +266,14 @@ PARAMS: dict[str, Param] = {
     "repeat_penalty": Param(float, 0.0, 100.0, None, "--repeat-penalty", ("repeat_penalty",), True, "divide the logits of the last 64 generated tokens by this (1 = off)"),
     "presence_penalty": Param(float, -2.0, 2.0, 0.0, "--presence-penalty", ("presence_penalty",), True, "subtract this from the logit of every token among the last 64 generated (0 = off)"),
     "frequency_penalty": Param(float, -2.0, 2.0, 0.0, "--frequency-penalty", ("frequency_penalty",), True, "subtract this times its count from the logit of each token among the last 64 generated (0 = off)"),
+    "logit_bias": Param("logit_bias", -100.0, 100.0, None, "--logit-bias", ("logit_bias",), True, "add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)", ("ID=BIAS", _read_bias)),
     "seed": Param(int, 0, 0xFFFFFFFE, None, "--seed", ("seed",), True, "sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
     "stop": Param(list, 0, 16, None, "--stop", ("stop",), True, "strings that end the generation, not included in the result (a flag per string)"),
-    "ignore_eos": Param(bool, None, None, False, "--ignore-eos", (), True, "keep generating past the model's end-of-generation token"),
+    "ignore_eos": Param(bool, None, None, False, "--ignore-eos", (), True, "keep generating past the model's end-of-generation token (not past the end of a grammar)"),
+    "response_format": Param("response_format", 0, 1 << 18, None, "--json-schema", ("response_format",), True, "constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file", ("FILE|JSON", _read_json_schema)),
+    "grammar": Param(str, 0, 1 << 18, None, "--grammar", ("grammar",), True, "constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file", ("FILE", _read_text_file)),
+    "logprobs": Param(bool, None, None, False, "--logprobs", ("logprobs",), True, "record each generated token's log-probability (get --json, export)"),
+    "top_logprobs": Param(int, 0, 20, None, "--top-logprobs", ("top_logprobs",), True, "with logprobs: also the N most likely tokens at each step"),
     "system": Param(str, 0, 1 << 20, None, "--system", (), True, "a system message for the chat template"),
     "raw": Param(bool, None, None, False, "--raw", (), True, "send the prompt as is, without the chat template"),
     "timeout": Param(float, 0.001, 1e7, None, "--timeout", (), True, "seconds of generation before the job fails with code timeout, keeping its partial text"),
@@ -225,6 +283,9 @@ PARAMS: dict[str, Param] = {
     "endpoint": Param(str, 0, 32, None, None, (), False, "the OpenAI Batch url a job came from: export answers in its shape"),
 }
 ROLES = ("system", "user", "assistant")
+# Flags that set a job parameter to a fixed value: flag -> (parameter, value, help).
+FLAG_SHORTHANDS = {"--json": ("response_format", {"type": "json_object"}, "constrain the output to a JSON object "
+                                                                          "(response_format json_object)")}
 # OpenAI Batch body field -> the job parameter it carries, in table order.
 OPENAI_FIELDS = {field: name for name, param in PARAMS.items() for field in param.openai}
 
@@ -256,7 +317,50 @@ def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
         raise InvalidInput(f"invalid tag {clean['tag']!r} (letters, digits, '.', '_', '-'; not starting with '.')")
     if "endpoint" in clean and clean["endpoint"] not in ENDPOINTS:
         raise InvalidInput(f"endpoint must be one of {', '.join(ENDPOINTS)}")
+    if "grammar" in clean:
+        _checked(("grammar", clean["grammar"]), lambda: check_grammar(clean["grammar"]))
+    check_combination(clean)
     return clean
+
+
+def constraint(params: Mapping[str, Any]) -> Optional[str]:
+    """What constrains a job's output: "json_schema", "json_object", "grammar" or None."""
+    if params.get("grammar") is not None:
+        return "grammar"
+    kind = (params.get("response_format") or {}).get("type")
+    return kind if kind in ("json_schema", "json_object") else None
+
+
+def check_combination(params: Mapping[str, Any]) -> None:
+    """Raise InvalidInput for parameters that cannot go together (also for a batch line
+    merged with the file's defaults)."""
+    kind = (params.get("response_format") or {}).get("type")
+    if params.get("grammar") is not None and kind in ("json_schema", "json_object"):
+        raise InvalidInput("give grammar or response_format, not both")
+    if params.get("stop") and constraint(params):
+        raise InvalidInput("stop cannot be combined with grammar or response_format: the grammar decides "
+                           "where the output ends (a stop string inside a JSON value would cut it short)")
+    if params.get("top_logprobs") is not None and not params.get("logprobs"):
+        raise InvalidInput("top_logprobs needs logprobs: true")
+
+
+# Schemas and grammars already checked in this process (a batch file repeats one schema on
+# every line): key -> the error message, or None when it passed.
+_CHECKED: dict[Any, Optional[str]] = {}
+
+
+def _checked(key: Any, check: Callable[[], None]) -> None:
+    """Run ``check`` once per distinct ``key`` (a schema's or grammar's text)."""
+    if key not in _CHECKED:
+        try:
+            check()
+            _CHECKED[key] = None
+        except InvalidInput as err:
+            _CHECKED[key] = str(err)
+        if len(_CHECKED) > 256:
+            _CHECKED.pop(next(iter(_CHECKED)))
+    if _CHECKED[key] is not None:
+        raise InvalidInput(_CHECKED[key])
 
 
 def _check_param(key: str, param: Param, value: Any) -> Any:
@@ -276,6 +380,10 @@ def _check_param(key: str, param: Param, value: Any) -> Any:
             _check_text(key, text)
     elif kind == "messages":
         value = _check_messages(value, high)
+    elif kind == "response_format":
+        value = _check_response_format(value, high)
+    elif kind == "logit_bias":
+        value = _check_logit_bias(value, low, high)
     else:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF, -_INF):
             raise InvalidInput(f"parameter {key} must be a finite number")
@@ -322,6 +430,69 @@ def _check_messages(messages: Any, limit: int) -> list[dict[str, str]]:
     return clean
 
 
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _check_response_format(value: Any, limit: int) -> dict[str, Any]:
+    """OpenAI's response_format: text, json_object, or json_schema with a schema the
+    grammar converter honours whole (see check_json_schema)."""
+    import json
+
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidInput('response_format must be {"type": "json_schema", "json_schema": {...}}, '
+                           '{"type": "json_object"} or {"type": "text"}')
+    kind = value["type"]
+    if kind != "json_schema":
+        if set(value) != {"type"}:
+            raise InvalidInput(f"response_format of type {kind} takes no other field "
+                               f"({sorted(set(value) - {'type'})[0]!r})")
+        return {"type": kind}
+    if set(value) != {"type", "json_schema"} or not isinstance(value["json_schema"], dict):
+        raise InvalidInput('response_format json_schema must be {"type": "json_schema", "json_schema": '
+                           '{"name", "schema", "strict"}}')
+    spec = value["json_schema"]
+    unknown = set(spec) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise InvalidInput(f"response_format.json_schema: unknown field {sorted(unknown)[0]!r}")
+    if "name" in spec and not (isinstance(spec["name"], str) and _SCHEMA_NAME.fullmatch(spec["name"])):
+        raise InvalidInput("response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
+    if spec.get("strict") not in (None, True, False):
+        raise InvalidInput("response_format.json_schema.strict must be true or false")
+    if not isinstance(spec.get("description", ""), str):
+        raise InvalidInput("response_format.json_schema.description must be a string")
+    if not isinstance(spec.get("schema"), dict):
+        raise InvalidInput("response_format.json_schema.schema must be a JSON Schema object")
+    try:
+        text = json.dumps(spec["schema"], ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        raise InvalidInput("response_format.json_schema.schema holds a number that is not finite") from None
+    if len(text.encode("utf-8", "surrogatepass")) > limit:
+        raise InvalidInput(f"response_format.json_schema.schema is over {limit} bytes")
+
+    def check() -> None:
+        try:
+            check_json_schema(spec["schema"])
+        except InvalidInput as err:
+            raise InvalidInput(f"response_format: {err}") from None
+
+    _checked(("schema", text), check)
+    return value
+
+
+def _check_logit_bias(value: Any, low: float, high: float) -> dict[str, float]:
+    """OpenAI's logit_bias: {"token ID": bias}."""
+    if not isinstance(value, dict) or len(value) > 1024:
+        raise InvalidInput('logit_bias must be an object {"TOKEN_ID": BIAS} of at most 1024 tokens')
+    clean = {}
+    for token, bias in value.items():
+        if not (isinstance(token, str) and token.isdigit() and len(token) <= 10):
+            raise InvalidInput(f"logit_bias: {token!r} is not a token ID")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
+            raise InvalidInput(f"logit_bias: the bias of token {token} must be a number from {low:g} to {high:g}")
+        clean[str(int(token))] = float(bias)
+    return clean
+
+
 def render_messages(messages: list[dict[str, str]]) -> str:
     """Chat turns as text a person can read (what prompt.txt holds for a messages job)."""
     return "\n\n".join(f"[{turn['role']}]\n{turn['content']}" for turn in messages) + "\n"
@@ -336,6 +507,10 @@ def _describe_param(param: Param) -> str:
         return f"number, {param.low:g} to {param.high:g}"
     if param.kind is str:
         return f"string, up to {param.high} bytes"
+    if param.kind == "response_format":
+        return "object (OpenAI's)"
+    if param.kind == "logit_bias":
+        return f"object, biases {param.low:g} to {param.high:g}"
     return f"list of up to {param.high} " + ("strings" if param.kind is list else "{role, content}")
 
 
@@ -354,7 +529,8 @@ def markdown_tables() -> dict[str, str]:
     for name, param in PARAMS.items():
         kind = _describe_param(param)
         default = f"`{SETTINGS[name].env}`" if name in SETTINGS else ("—" if param.default is None else str(param.default).lower())
-        flag = f"`{param.flag}`" if param.flag else "—"
+        flags = [param.flag] + [f for f, (target, _, _) in FLAG_SHORTHANDS.items() if target == name] if param.flag else []
+        flag = ", ".join(f"`{f}`" for f in flags) or "—"
         openai = ", ".join(f"`{field}`" for field in param.openai) or "—"
         line = "" if param.line else " (not a JSONL field)"
         params.append(f"| `{name}` | {kind} | {default} | {flag} | {openai} | {param.help}{line} |")
@@ -362,6 +538,684 @@ def markdown_tables() -> dict[str, str]:
     return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes)}
 
 
+##############################################################################
+# Structured output: what a JSON schema or a GBNF grammar may hold, checked at submit on a bare
+# Python; the numeric bounds llama-cpp-python's grammar converter lacks
+##############################################################################
+
+# The daemon turns a JSON schema into a grammar with llama-cpp-python's converter
+# (llama_cpp.llama_grammar.SchemaConverter), which ignores what it does not know: a schema
+# with "uniqueItems" would be accepted and its outputs could break it. So a schema is walked
+# here, at submit, in the converter's own order, and every keyword it would drop is refused.
+# (The converter cannot run at submit: clients need no llama-cpp-python.)
+
+# Keywords that only annotate: no validator looks at them, so dropping them loses nothing.
+SCHEMA_ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated",
+                                "readOnly", "writeOnly", "$schema", "$id", "$defs", "definitions"})
+SCHEMA_TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
+# String formats the converter enforces (anything else it would drop).
+SCHEMA_FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5")
+# minItems/maxItems/minLength/maxLength above this are refused: the grammar grows with them.
+SCHEMA_MAX_REPEAT = 500
+SCHEMA_MAX_DEPTH = 64
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def check_json_schema(schema: Any) -> None:
+    """Raise InvalidInput unless the grammar converter honours every keyword of ``schema``
+    (naming the keyword and where it is, as a JSON pointer)."""
+    _SchemaCheck(schema).visit(schema, "", 0)
+
+
+class _SchemaCheck:
+    """One walk of a schema, in the order llama_cpp.llama_grammar.SchemaConverter.visit takes
+    its branches: a branch honours some keywords and silently drops the rest."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.refs_seen: set[str] = set()
+
+    def fail(self, where: str, message: str) -> None:
+        raise InvalidInput(f"schema {where or '/'}: {message}")
+
+    def only(self, node: dict[str, Any], where: str, allowed: Iterable[str], branch: str) -> None:
+        for key in node:
+            if key in SCHEMA_ANNOTATIONS or key in allowed or key.startswith("x-"):
+                continue
+            self.fail(where, f"keyword {key!r} is not supported {branch} (the grammar would not enforce it)")
+
+    def visit(self, node: Any, where: str, depth: int, entered: tuple[str, ...] = ()) -> None:
+        # entered: the $refs followed since the last object or array, which consume
+        # a character before their parts: one of them again is a loop on nothing.
+        if depth > SCHEMA_MAX_DEPTH:
+            self.fail(where, f"nested more than {SCHEMA_MAX_DEPTH} levels deep")
+        if not isinstance(node, dict):
+            self.fail(where, "a schema must be a JSON object (true/false schemas are not supported)")
+        kind = node.get("type")
+        if isinstance(kind, str) and kind not in SCHEMA_TYPES:
+            self.fail(where, f"unknown type {kind!r} (known: {', '.join(SCHEMA_TYPES)})")
+        if "$ref" in node:
+            self.only(node, where, ("$ref",), "beside $ref")
+            self.ref(node["$ref"], where, depth, entered)
+        elif "oneOf" in node or "anyOf" in node:
+            if "oneOf" in node and "anyOf" in node:
+                self.fail(where, "give oneOf or anyOf, not both")
+            key = "oneOf" if "oneOf" in node else "anyOf"
+            self.only(node, where, (key,), f"beside {key} (put it in each alternative)")
+            choices = node[key]
+            if not isinstance(choices, list) or not choices:
+                self.fail(where, f"{key} must be a non-empty list of schemas")
+            for i, choice in enumerate(choices):
+                self.visit(choice, f"{where}/{key}/{i}", depth + 1, entered)
+        elif isinstance(kind, list):
+            self.only(node, where, ("type",), "beside a list of types")
+            if not kind or not all(isinstance(t, str) and t in SCHEMA_TYPES for t in kind) or len(set(kind)) < len(kind):
+                self.fail(where, f"type must be one of {', '.join(SCHEMA_TYPES)} or a list of distinct ones")
+        elif "const" in node or "enum" in node:
+            self.constants(node, where, kind)
+        elif kind in (None, "object") and ("properties" in node or (
+                "additionalProperties" in node and node["additionalProperties"] is not True)):
+            self.object(node, where, depth)
+        elif "allOf" in node:
+            self.fail(where, "keyword 'allOf' is not supported (merge the schemas into one)")
+        elif kind in (None, "array") and ("items" in node or "prefixItems" in node):
+            self.array(node, where, depth)
+        elif "pattern" in node:
+            self.fail(where, "keyword 'pattern' is not supported (use enum, format or maxLength)")
+        elif kind in (None, "string") and "format" in node:
+            self.only(node, where, ("type", "format"), "beside format")
+            if node["format"] not in SCHEMA_FORMATS:
+                self.fail(where, f"format {node['format']!r} is not supported (supported: {', '.join(SCHEMA_FORMATS)})")
+        elif kind == "string":
+            self.only(node, where, ("type", "minLength", "maxLength"), "for a string")
+            self.counts(node, where, "minLength", "maxLength")
+        elif kind in ("integer", "number"):
+            self.only(node, where, ("type",) + _BOUNDS, f"for {'an integer' if kind == 'integer' else 'a number'}")
+            if any(key in node for key in _BOUNDS):
+                number_rule(node, where)  # raises InvalidInput when the bounds admit nothing
+        elif kind == "object" or not node:
+            self.only(node, where, ("type", "additionalProperties"), "for an object without properties")
+        elif kind is None:
+            self.fail(where, "a schema needs a type (or properties, items, enum, const, $ref, anyOf)")
+        else:
+            allowed = ("type",)
+            self.only(node, where, allowed, f"for {kind}" + (" without items" if kind == "array" else ""))
+
+    def ref(self, ref: Any, where: str, depth: int, entered: tuple[str, ...]) -> None:
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            self.fail(where, f"$ref {ref!r} is not supported (only local references, '#/...')")
+        if ref in entered:
+            self.fail(where, f"$ref {ref!r} refers back to itself before any object or array (a loop on nothing)")
+        if ref in self.refs_seen:
+            return  # recursive schemas are fine: the grammar refers to the rule again
+        self.refs_seen.add(ref)
+        target = self.root
+        for part in ref[2:].split("/"):  # as the converter resolves it: no ~0/~1 unescaping
+            if not isinstance(target, dict) or part not in target:
+                self.fail(where, f"$ref {ref!r} points at nothing")
+            target = target[part]
+        self.visit(target, ref[1:], depth + 1, entered + (ref,))
+
+    def constants(self, node: dict[str, Any], where: str, kind: Any) -> None:
+        key = "const" if "const" in node else "enum"
+        self.only(node, where, (key, "type"), f"beside {key}")
+        values = [node["const"]] if key == "const" else node["enum"]
+        if key == "enum" and (not isinstance(values, list) or not values):
+            self.fail(where, "enum must be a non-empty list")
+        if kind is not None and not all(_json_type_is(value, kind) for value in values):
+            self.fail(where, f"{key} holds a value that is not of type {kind!r}")
+
+    def object(self, node: dict[str, Any], where: str, depth: int) -> None:
+        self.only(node, where, ("type", "properties", "required", "additionalProperties"), "for an object")
+        properties = node.get("properties", {})
+        if not isinstance(properties, dict):
+            self.fail(where, "properties must be an object")
+        required = node.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            self.fail(where, "required must be a list of property names")
+        for name in required:
+            if name not in properties:
+                self.fail(where, f"required property {name!r} is not in properties")
+        for name, sub in properties.items():
+            self.visit(sub, f"{where}/properties/{name}", depth + 1)
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):
+            self.visit(extra, f"{where}/additionalProperties", depth + 1)
+        elif extra is not None and not isinstance(extra, bool):
+            self.fail(where, "additionalProperties must be true, false or a schema")
+
+    def array(self, node: dict[str, Any], where: str, depth: int) -> None:
+        items, prefix = node.get("items"), node.get("prefixItems")
+        if isinstance(items, dict):
+            if not items:  # the converter reads {} as "no items" and fails
+                self.fail(where, "items {} is not supported: give the items' type")
+            if prefix is not None:
+                self.fail(where, "give items or prefixItems, not both")
+            self.only(node, where, ("type", "items", "minItems", "maxItems"), "for an array")
+            self.counts(node, where, "minItems", "maxItems")
+            self.visit(items, f"{where}/items", depth + 1)
+            return
+        # A tuple: "prefixItems" (with "items": false) or the older "items": [...].
+        tuple_items = items if isinstance(items, list) else prefix
+        if not isinstance(tuple_items, list) or not tuple_items or (items is not None and items is not False
+                                                                     and not isinstance(items, list)):
+            self.fail(where, "items must be a schema, or prefixItems a non-empty list of schemas")
+        self.only(node, where, ("type", "items", "prefixItems"), "for a tuple (prefixItems)")
+        key = "items" if isinstance(items, list) else "prefixItems"
+        for i, sub in enumerate(tuple_items):
+            self.visit(sub, f"{where}/{key}/{i}", depth + 1)
+
+    def counts(self, node: dict[str, Any], where: str, low_key: str, high_key: str) -> None:
+        low, high = node.get(low_key, 0), node.get(high_key)
+        for key, value in ((low_key, low), (high_key, high)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= SCHEMA_MAX_REPEAT):
+                self.fail(where, f"{key} must be an integer from 0 to {SCHEMA_MAX_REPEAT}")
+        if high is not None and low > high:
+            self.fail(where, f"{low_key} {low} is more than {high_key} {high}")
+
+
+def _json_type_is(value: Any, kind: str) -> bool:
+    """Whether a JSON value is of a JSON Schema type."""
+    if isinstance(value, bool):
+        return kind == "boolean"
+    if kind == "integer":
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if kind == "number":
+        return isinstance(value, (int, float))
+    return isinstance(value, {"string": str, "null": type(None), "object": dict, "array": list, "boolean": bool}[kind])
+
+
+# -- numeric bounds ----------------------------------------------------------------------------
+# The converter ignores minimum/maximum; nrvna writes those rules itself: digit strings whose
+# value lies within the bounds, sound by construction (every string the rule admits is in
+# range) and complete for up to 15 fraction digits, without exponents.
+
+_FRACTION_DIGITS = 15  # the most fraction digits a bounded number is generated with
+
+
+def number_rule(node: Mapping[str, Any], where: str = "") -> str:
+    """The GBNF expression (without trailing space) of the numbers or integers ``node``
+    (a schema of type number or integer) allows by its bounds; InvalidInput if none."""
+    import decimal
+
+    integer = node.get("type") == "integer"
+    low = high = None
+    low_strict = high_strict = False
+    for key in _BOUNDS:
+        value = node.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) and key.startswith("exclusive"):  # draft 4: a flag on minimum/maximum
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF, -_INF):
+            raise InvalidInput(f"schema {where or '/'}: {key} must be a finite number")
+        bound = decimal.Decimal(repr(value)) if isinstance(value, float) else decimal.Decimal(value)
+        if abs(bound) >= decimal.Decimal(10) ** 15 or -bound.as_tuple().exponent > _FRACTION_DIGITS:
+            raise InvalidInput(f"schema {where or '/'}: {key} {value} is beyond what nrvna generates "
+                               f"(|x| < 1e15, at most {_FRACTION_DIGITS} fraction digits)")
+        if key in ("minimum", "exclusiveMinimum"):
+            strict = key == "exclusiveMinimum" or node.get("exclusiveMinimum") is True
+            if low is None or bound > low or (bound == low and strict):
+                low, low_strict = bound, strict
+        else:
+            strict = key == "exclusiveMaximum" or node.get("exclusiveMaximum") is True
+            if high is None or bound < high or (bound == high and strict):
+                high, high_strict = bound, strict
+    if integer:  # integers: the bounds become inclusive integer ones
+        if low is not None:
+            low, low_strict = (low.to_integral_value(decimal.ROUND_FLOOR) + 1 if low_strict
+                               else low.to_integral_value(decimal.ROUND_CEILING)), False
+        if high is not None:
+            high, high_strict = (high.to_integral_value(decimal.ROUND_CEILING) - 1 if high_strict
+                                 else high.to_integral_value(decimal.ROUND_FLOOR)), False
+    branches = []
+    # Non-negative values: digits as they are; negative ones: "-" and the magnitude's digits.
+    if high is None or high > 0 or (high == 0 and not high_strict):
+        floor = (low, low_strict) if low is not None and low >= 0 else (decimal.Decimal(0), False)
+        branches += _magnitude_rules(floor, (high, high_strict), integer)
+    if low is None or low < 0:
+        ceiling = (-low, low_strict) if low is not None else (None, False)
+        floor = (-high, high_strict) if high is not None and high < 0 else (decimal.Decimal(0), True)
+        branches += [f'"-" {rule}' for rule in _magnitude_rules(floor, ceiling, integer)]
+    if not branches:
+        raise InvalidInput(f"schema {where or '/'}: no {'integer' if integer else 'number'} lies within its bounds")
+    return " | ".join(f"({branch})" if " | " in branch else branch for branch in branches)
+
+
+def _magnitude_rules(low: tuple[Any, bool], high: tuple[Any, bool], integer: bool) -> list[str]:
+    """GBNF alternatives for the digit strings ``I`` or ``I.F`` (no sign) whose value m has
+    low <= m <= high (each bound a (Decimal or None, strict) pair; strict: < or >)."""
+    import decimal
+
+    (lo, lo_strict), (hi, hi_strict) = low, high
+    lo_int = int(lo.to_integral_value(decimal.ROUND_FLOOR))
+    hi_int = None if hi is None else int(hi.to_integral_value(decimal.ROUND_FLOOR))
+    if hi_int is not None and hi_int < lo_int:
+        return []
+    lo_frac = _fraction_digits(lo)
+    hi_frac = None if hi is None else _fraction_digits(hi)
+    rules = []
+
+    def with_fraction(whole: str, floor: Optional[tuple[str, bool]], ceiling: Optional[tuple[str, bool]]) -> None:
+        empty, digits = _fraction_rule(floor, ceiling, _FRACTION_DIGITS)
+        if integer:
+            digits = None
+        if digits is None and not empty:
+            return
+        if digits is None:
+            rules.append(whole)
+        else:
+            digits = f"({digits})" if " | " in digits else digits
+            rules.append(f'{whole} ("." {digits})' + ("?" if empty else ""))
+
+    if hi_int is not None and lo_int == hi_int:  # one integer part: both bounds on the fraction
+        with_fraction(f'"{lo_int}"', (lo_frac, lo_strict), (hi_frac, hi_strict))
+        return rules
+    with_fraction(f'"{lo_int}"', (lo_frac, lo_strict), None)
+    middle = _natural_range(lo_int + 1, None if hi_int is None else hi_int - 1)
+    if middle:
+        with_fraction(f"({middle})" if " | " in middle else middle, None, None)
+    if hi_int is not None:
+        with_fraction(f'"{hi_int}"', None, (hi_frac, hi_strict))
+    return rules
+
+
+def _fraction_digits(value: Any) -> str:
+    """The digits after the point of a non-negative Decimal, without trailing zeros."""
+    sign, digits, exponent = value.normalize().as_tuple()
+    if exponent >= 0:
+        return ""
+    text = "".join(map(str, digits)).rjust(-exponent, "0")
+    return text[exponent:]
+
+
+def _fraction_rule(floor: Optional[tuple[str, bool]], ceiling: Optional[tuple[str, bool]],
+                   length: int) -> tuple[bool, Optional[str]]:
+    """(whether no fraction at all qualifies, GBNF for the non-empty digit strings D of at most
+    ``length`` digits that do) for the fractions 0.D within ``floor`` and ``ceiling``: (digits,
+    strict) pairs compared as decimals (0.D >= 0.digits, or > when strict); None: no bound
+    (0 <= 0.D < 1)."""
+
+    def holds_empty(floor: Optional[tuple[str, bool]], ceiling: Optional[tuple[str, bool]]) -> bool:
+        # the fraction 0 (no more digits)
+        if floor is not None and (floor[1] or floor[0].strip("0")):
+            return False
+        return ceiling is None or not ceiling[1] or bool(ceiling[0].strip("0"))
+
+    def digits(floor: Optional[tuple[str, bool]], ceiling: Optional[tuple[str, bool]], left: int) -> Optional[str]:
+        if floor is not None and not floor[1] and not floor[0].strip("0"):
+            floor = None  # >= 0: no bound at all
+        if left == 0:
+            return None
+        if floor is None and ceiling is None:
+            return f"[0-9]{{1,{left}}}" if left > 1 else "[0-9]"
+        # The states that would recur digit by digit: "> 0 from here on" and "only zeros".
+        if ceiling is None and floor == ("", True):
+            return f"[0]{{0,{left - 1}}} [1-9] [0-9]{{0,{left - 1}}}" if left > 1 else "[1-9]"
+        if floor is None and ceiling is not None and not ceiling[0]:
+            return None if ceiling[1] else f"[0]{{1,{left}}}"
+        # Group the first digit by what it leaves for the rest.
+        groups: dict[tuple[Any, Any], list[int]] = {}
+        for d in range(10):
+            rest_floor: Any = None
+            if floor is not None:
+                first = int(floor[0][0]) if floor[0] else 0
+                if d < first:
+                    continue
+                rest_floor = (floor[0][1:], floor[1]) if d == first else None
+            rest_ceiling: Any = None
+            if ceiling is not None:
+                first = int(ceiling[0][0]) if ceiling[0] else 0
+                if d > first:
+                    continue
+                rest_ceiling = (ceiling[0][1:], ceiling[1]) if d == first else None
+            groups.setdefault((rest_floor, rest_ceiling), []).append(d)
+        alternatives = []
+        for (rest_floor, rest_ceiling), ds in groups.items():
+            head = f"[{ds[0]}]" if len(ds) == 1 else f"[{ds[0]}-{ds[-1]}]"
+            if ds != list(range(ds[0], ds[-1] + 1)):
+                head = "[" + "".join(map(str, ds)) + "]"
+            empty = holds_empty(rest_floor, rest_ceiling)
+            tail = digits(rest_floor, rest_ceiling, left - 1)
+            if tail is None:
+                if empty:
+                    alternatives.append(head)
+            else:
+                alternatives.append(f"{head} ({tail})" + ("?" if empty else ""))
+        return " | ".join(alternatives) if alternatives else None
+
+    return holds_empty(floor, ceiling), digits(floor, ceiling, length)
+
+
+def _natural_range(low: int, high: Optional[int]) -> str:
+    """GBNF for the decimal numerals (no leading zeros) of the integers from ``low`` to
+    ``high`` (None: any, up to 16 digits); "" if there are none."""
+    if high is None:
+        length = len(str(low))
+        first = _natural_range(low, 10 ** length - 1)
+        return first if length >= 16 else f"{first} | [1-9] [0-9]{{{length},15}}"
+    parts = []
+    for length in range(len(str(low)), len(str(high)) + 1):
+        start = max(low, 10 ** (length - 1) if length > 1 else 0)
+        end = min(high, 10 ** length - 1)
+        if start <= end:
+            parts.append(_same_length_range(str(start), str(end)))
+    return " | ".join(parts)
+
+
+def _same_length_range(low: str, high: str) -> str:
+    """GBNF for the numerals of one length from ``low`` to ``high``."""
+    if low == high:
+        return f'"{low}"'
+    if len(low) == 1:
+        return f"[{low}-{high}]"
+    if low[0] == high[0]:
+        rest = _same_length_range(low[1:], high[1:])
+        return f'"{low[0]}" ({rest})' if " | " in rest else f'"{low[0]}" {rest}'
+    width = len(low) - 1
+    parts = []
+    first, last = int(low[0]), int(high[0])
+    if low[1:] != "0" * width:
+        parts.append(f'"{low[0]}" ({_same_length_range(low[1:], "9" * width)})')
+        first += 1
+    tail = None
+    if high[1:] != "9" * width:
+        tail = f'"{high[0]}" ({_same_length_range("0" * width, high[1:])})'
+        last -= 1
+    if first <= last:
+        head = f"[{first}]" if first == last else f"[{first}-{last}]"
+        parts.append(f"{head} [0-9]{{{width}}}" if width > 1 else f"{head} [0-9]")
+    if tail:
+        parts.append(tail)
+    return " | ".join(parts)
+
+
+# -- GBNF --------------------------------------------------------------------------------------
+# A grammar job's grammar is parsed here at submit the way llama.cpp parses it
+# (src/llama-grammar.cpp: llama_grammar_parser::parse, then llama_grammar_init_impl's checks), so
+# that a bad grammar is exit 2 at the door rather than a failed job later.
+
+GRAMMAR_MAX_REPETITION = 2000  # llama.cpp's MAX_REPETITION_THRESHOLD
+_GBNF_ESCAPES = {"t": "\t", "r": "\r", "n": "\n", "\\": "\\", '"': '"', "[": "[", "]": "]", "-": "-"}
+_GBNF_HEX = {"x": 2, "u": 4, "U": 8}
+
+
+def check_grammar(text: str) -> None:
+    """Raise InvalidInput (naming the line and column) unless llama.cpp would accept ``text``
+    as a GBNF grammar with a ``root`` rule. A token written by its text (``<think>``) is
+    checked by the daemon, which has the vocabulary."""
+    parser = _GbnfParser(text)
+    try:
+        parser.parse()
+    except RecursionError:
+        raise InvalidInput("grammar: nested too deeply") from None
+
+
+class _GbnfParser:
+    """llama.cpp's grammar parser, as far as telling good grammars from bad ones goes: rules
+    are lists of alternatives, each a list of ("ref", rule id) or ("sym",) elements."""
+
+    def __init__(self, text: str) -> None:
+        self.src = text
+        self.ids: dict[str, int] = {}
+        self.rules: dict[int, list[list[tuple[Any, ...]]]] = {}
+        self.made: dict[int, str] = {}  # rules the parser makes for (...), *, +, ?, {m,n}
+
+    def fail(self, pos: int, message: str) -> None:
+        line = self.src.count("\n", 0, pos) + 1
+        column = pos - (self.src.rfind("\n", 0, pos) + 1) + 1
+        raise InvalidInput(f"grammar: {message} at line {line}, column {column}")
+
+    def char(self, pos: int) -> str:
+        return self.src[pos] if pos < len(self.src) else ""
+
+    def space(self, pos: int, newline_ok: bool) -> int:
+        src = self.src
+        while pos < len(src) and (src[pos] in " \t#" or (newline_ok and src[pos] in "\r\n")):
+            if src[pos] == "#":
+                while pos < len(src) and src[pos] not in "\r\n":
+                    pos += 1
+            else:
+                pos += 1
+        return pos
+
+    def name(self, pos: int) -> int:
+        end = pos
+        while end < len(self.src) and (self.src[end].isascii() and (self.src[end].isalnum() or self.src[end] == "-")):
+            end += 1
+        if end == pos:
+            self.fail(pos, "expecting a rule name")
+        return end
+
+    def symbol(self, name: str) -> int:
+        return self.ids.setdefault(name, len(self.ids))
+
+    def new_symbol(self, base: str) -> int:
+        rule_id = len(self.ids)
+        self.ids[f"{base}_{rule_id}"] = rule_id
+        self.made[rule_id] = f"a group or repetition in rule {base!r}"
+        return rule_id
+
+    def parse_char(self, pos: int) -> int:
+        src = self.src
+        if pos >= len(src):
+            self.fail(pos, "unexpected end of input")
+        if src[pos] != "\\":
+            return pos + 1
+        code = self.char(pos + 1)
+        if code in _GBNF_HEX:
+            size = _GBNF_HEX[code]
+            digits = src[pos + 2:pos + 2 + size]
+            if len(digits) != size or any(c not in "0123456789abcdefABCDEF" for c in digits):
+                self.fail(pos, f"expecting {size} hex digits after \\{code}")
+            return pos + 2 + size
+        if code not in _GBNF_ESCAPES:
+            self.fail(pos, f"unknown escape \\{code}")
+        return pos + 2
+
+    def parse(self) -> None:
+        pos = self.space(0, True)
+        while pos < len(self.src):
+            pos = self.rule(pos)
+        for rule_id in range(len(self.ids)):
+            if rule_id not in self.rules:
+                name = next(n for n, i in self.ids.items() if i == rule_id)
+                raise InvalidInput(f"grammar: rule {name!r} is used but never defined")
+        if "root" not in self.ids:
+            raise InvalidInput("grammar: there is no 'root' rule (generation starts there)")
+        cycle = self.left_recursion()
+        if cycle is not None:
+            names = {i: f"rule {n!r}" for n, i in self.ids.items()}
+            raise InvalidInput(f"grammar: {self.made.get(cycle) or names[cycle]} can reach itself without "
+                               "consuming anything (left recursion: llama.cpp would loop on it)")
+
+    def rule(self, pos: int) -> int:
+        end = self.name(pos)
+        name = self.src[pos:end]
+        rule_id = self.symbol(name)
+        pos = self.space(end, False)
+        if not self.src.startswith("::=", pos):
+            self.fail(pos, "expecting ::=")
+        pos = self.alternates(self.space(pos + 3, True), name, rule_id, False)
+        if self.char(pos) == "\r":
+            pos += 2 if self.char(pos + 1) == "\n" else 1
+        elif self.char(pos) == "\n":
+            pos += 1
+        elif pos < len(self.src):
+            self.fail(pos, "expecting a newline or the end")
+        return self.space(pos, True)
+
+    def alternates(self, pos: int, name: str, rule_id: int, nested: bool) -> int:
+        alternatives: list[list[tuple[Any, ...]]] = []
+        pos = self.sequence(pos, name, alternatives, nested)
+        while self.char(pos) == "|":
+            pos = self.sequence(self.space(pos + 1, True), name, alternatives, nested)
+        self.rules[rule_id] = alternatives
+        return pos
+
+    def sequence(self, pos: int, name: str, alternatives: list[list[tuple[Any, ...]]], nested: bool) -> int:
+        seq: list[tuple[Any, ...]] = []
+        last = 0  # where the last item starts in seq (an item may add no element: "", [])
+        prev_rules = 1
+        src = self.src
+        while pos < len(src):
+            c = src[pos]
+            if c == '"':
+                pos += 1
+                last, prev_rules = len(seq), 1
+                while self.char(pos) != '"':
+                    pos = self.parse_char(pos)
+                    seq.append(("sym",))
+                pos = self.space(pos + 1, nested)
+            elif c == "[":
+                pos += 1
+                if self.char(pos) == "^":
+                    pos += 1
+                last, prev_rules = len(seq), 1
+                start = pos
+                while self.char(pos) != "]":
+                    pos = self.parse_char(pos)
+                    if self.char(pos) == "-" and self.char(pos + 1) not in ("]", ""):
+                        pos = self.parse_char(pos + 1)
+                    elif self.char(pos) == "-" and self.char(pos + 1) == "":
+                        self.fail(pos, "unexpected end of input")
+                if pos > start:  # llama.cpp turns "[]" into nothing at all
+                    seq.append(("sym",))
+                pos = self.space(pos + 1, nested)
+            elif c in "<!":
+                pos = self.token(pos + (c == "!"))
+                last, prev_rules = len(seq), 1
+                seq.append(("sym",))
+                pos = self.space(pos, nested)
+            elif c.isascii() and (c.isalnum() or c == "-"):
+                end = self.name(pos)
+                last, prev_rules = len(seq), 1
+                seq.append(("ref", self.symbol(src[pos:end])))
+                pos = self.space(end, nested)
+            elif c == "(":
+                before = len(self.ids)
+                sub = self.new_symbol(name)
+                pos = self.alternates(self.space(pos + 1, True), name, sub, True)
+                prev_rules = max(1, len(self.ids) - before)
+                last = len(seq)
+                seq.append(("ref", sub))
+                if self.char(pos) != ")":
+                    self.fail(pos, "expecting ')'")
+                pos = self.space(pos + 1, nested)
+            elif c == ".":
+                last, prev_rules = len(seq), 1
+                seq.append(("sym",))
+                pos = self.space(pos + 1, nested)
+            elif c in "*+?{":
+                low, high, pos = self.repetition(pos, nested)
+                if last == len(seq):
+                    self.fail(pos, "expecting an item before */+/?/{")
+                total = high if high is not None and high > 0 else (low if low > 0 else 1)
+                if prev_rules * total > GRAMMAR_MAX_REPETITION:
+                    self.fail(pos, f"repetition makes more than {GRAMMAR_MAX_REPETITION} rules")
+                item = seq[last:]
+                del seq[last:]
+                seq += item * low
+                if high is None or high > low:  # the optional repetitions: a rule that may be empty
+                    optional = self.new_symbol(name)
+                    self.rules[optional] = [item + [("ref", optional)] if high is None else item, []]
+                    seq.append(("ref", optional))
+                prev_rules *= total
+            else:
+                break
+        alternatives.append(seq)
+        return pos
+
+    def repetition(self, pos: int, nested: bool) -> tuple[int, Optional[int], int]:
+        c = self.src[pos]
+        if c != "{":
+            return {"*": (0, None), "+": (1, None), "?": (0, 1)}[c] + (self.space(pos + 1, nested),)
+        pos = self.space(pos + 1, nested)
+        start = pos
+        while self.char(pos).isdigit():
+            pos += 1
+        if pos == start:
+            self.fail(pos, "expecting an integer")
+        low, high = int(self.src[start:pos]), None
+        pos = self.space(pos, nested)
+        if self.char(pos) == "}":
+            high = low
+        elif self.char(pos) == ",":
+            pos = self.space(pos + 1, nested)
+            start = pos
+            while self.char(pos).isdigit():
+                pos += 1
+            if pos > start:
+                high = int(self.src[start:pos])
+                pos = self.space(pos, nested)
+            if self.char(pos) != "}":
+                self.fail(pos, "expecting '}'")
+        else:
+            self.fail(pos, "expecting ',' or '}'")
+        if low > GRAMMAR_MAX_REPETITION:
+            self.fail(pos, f"more than {GRAMMAR_MAX_REPETITION} repetitions")
+        if high is not None and high > GRAMMAR_MAX_REPETITION:
+            high = None
+        if high is not None and high < low:
+            self.fail(pos, f"{{{low},{high}}}: the most is less than the least")
+        return low, high, self.space(pos + 1, nested)
+
+    def token(self, pos: int) -> int:
+        if self.char(pos) != "<":
+            self.fail(pos, "expecting '<'")
+        end = self.src.find(">", pos)
+        if end < 0:
+            self.fail(pos, "expecting '>'")
+        inner = self.src[pos + 1:end]
+        if inner.startswith("[") and not (inner.endswith("]") and inner[1:-1].isdigit() and int(inner[1:-1]) < 1 << 32):
+            self.fail(pos, "a token by ID is written <[123]>")
+        return end + 1
+
+    def left_recursion(self) -> Optional[int]:
+        """A rule that can reach itself before consuming a character, if any.
+
+        Stricter than llama.cpp, on purpose: its check counts a rule as possibly empty only
+        when one of its alternatives is written empty, so ``x ::= ws x`` with ``ws ::= [ ]*``
+        passes it, and then building the grammar recurses without end until the daemon dies."""
+        nullable: set[int] = set()
+        changed = True
+        while changed:  # a rule is nullable if an alternative is nothing but nullable rules
+            changed = False
+            for rule_id, alternatives in self.rules.items():
+                if rule_id not in nullable and any(all(e[0] == "ref" and e[1] in nullable for e in alt)
+                                                   for alt in alternatives):
+                    nullable.add(rule_id)
+                    changed = True
+        leading: dict[int, list[int]] = {}  # rule -> the rules it may start with
+        for rule_id, alternatives in self.rules.items():
+            starts = leading[rule_id] = []
+            for alt in alternatives:
+                for element in alt:
+                    if element[0] != "ref":
+                        break
+                    starts.append(element[1])
+                    if element[1] not in nullable:
+                        break
+        state: dict[int, int] = {}  # 1: on the current path, 2: explored
+        for root in self.rules:
+            if root in state:
+                continue
+            stack = [(root, iter(leading[root]))]
+            state[root] = 1
+            while stack:
+                rule_id, successors = stack[-1]
+                for successor in successors:
+                    if state.get(successor) == 1:
+                        return successor
+                    if successor not in state:
+                        state[successor] = 1
+                        stack.append((successor, iter(leading[successor])))
+                        break
+                else:
+                    state[rule_id] = 2
+                    stack.pop()
+        return None
 ##############################################################################
 # Errors and exit codes
 ##############################################################################
@@ -684,6 +1538,7 @@ RESULT_FILE = "result.txt"
 ERROR_FILE = "error.txt"
 META_FILE = "meta.json"
 PARTIAL_FILE = "partial.txt"  # text generated so far (running), or before a failure
+LOGPROBS_FILE = "logprobs.json"  # each generated token's log-probability, for jobs that ask
 CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
 DAEMON_FILE = "daemon.json"
 TAGS = "tags"  # tags/<tag>/<time_ns>_<first id>.ids: which jobs a submit labelled (the tag index)
@@ -989,7 +1844,7 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
     for name in os.listdir(dir_fd):
         if name in keep:
             continue
-        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE) or (name.startswith(".") and name.endswith(".tmp")):
+        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE) or (name.startswith(".") and name.endswith(".tmp")):
             _unlink_quietly(name, dir_fd)
 
 
@@ -1092,10 +1947,12 @@ class SubmitResult(namedtuple("SubmitResult", "ok id message")):
     __slots__ = ()
 
 
-class Job(namedtuple("Job", "id status prompt result error meta params", defaults=(None,))):
+class Job(namedtuple("Job", "id status prompt result error meta params logprobs", defaults=(None, None))):
     """A job as read back from the workspace: ``id: str, status: Status`` and
     ``prompt, result, error: str | None`` and ``meta, params: dict`` (params.json: the
-    per-job parameters, ``custom_id`` and ``tag``)."""
+    per-job parameters, ``custom_id`` and ``tag``) and ``logprobs``: the generated tokens'
+    log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``), or
+    None unless the job asked for them."""
 
     __slots__ = ()
 
@@ -1240,6 +2097,12 @@ class Work:
         if tag is not None:
             validate_params({"tag": tag})
         entries = [BatchEntry(e.line, e.prompt, {**defaults, **e.params}) for e in entries]
+        if defaults:  # a line's own parameters were checked alone: check them with the defaults
+            for entry in entries:
+                try:
+                    check_combination(entry.params)
+                except InvalidInput as err:
+                    raise InvalidInput(f"line {entry.line}: {err} (with the flags given for every line)") from None
         existing: dict[str, str] = {}
         if tag:
             members = tag_members(self.workspace, tag)
@@ -1343,7 +2206,7 @@ class Flow:
             raise
         try:
             files = {}
-            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE, PARAMS_FILE):
+            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE, PARAMS_FILE, LOGPROBS_FILE):
                 try:
                     files[name] = read_file(fd, name, 1 << 40).decode("utf-8", "replace")
                 except (FileNotFoundError, JobError):
@@ -1360,7 +2223,16 @@ class Flow:
                 error = f"{history[-1].get('error')}\n"
             elif os.path.lexists(os.path.join(path, CANCEL_FILE)):
                 error, meta = "cancelled (nrvna cancel)\n", dict(meta, code="cancelled")
-        return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, parse_meta(files[PARAMS_FILE]))
+        logprobs = None
+        if files[LOGPROBS_FILE] is not None:
+            import json
+
+            try:
+                logprobs = json.loads(files[LOGPROBS_FILE])
+            except ValueError:
+                logprobs = None  # a hand-made or damaged file: the job reads without it
+        return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, parse_meta(files[PARAMS_FILE]),
+                   logprobs)
 
     def result_bytes(self, job_id: str) -> Optional[bytes]:
         """result.txt of a done job, byte for byte (what ``nrvna get`` prints)."""
@@ -1675,7 +2547,7 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
                             "finished": meta.get("finished"), "attempts": meta.get("attempts")})
         kept = {k: meta[k] for k in ("id", "submitted") if k in meta}
         write_file(fd, META_FILE, dump_meta(dict(kept, attempts=0, errors=history, retries=len(history))))
-        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE):
+        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE):
             _unlink_quietly(name, fd)
         os.fsync(fd)
     except FileNotFoundError:  # a clean renamed the directory away and is deleting it
@@ -1947,6 +2819,9 @@ ENDPOINTS: dict[str, Endpoint] = {
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
 OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "model": "ignored (the daemon's model answers)",
                      "n": "must be 1", "stream": "must be false"}
+# OpenAI body fields refused with a reason (any other unknown field is refused by name).
+OPENAI_BODY_REFUSED = {field: "tool calls are not supported by nrvna" for field in
+                       ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")}
 
 
 def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
@@ -1963,6 +2838,8 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
     if "custom_id" not in obj:
         raise InvalidInput("an OpenAI Batch line needs a custom_id")
     for key in body:
+        if key in OPENAI_BODY_REFUSED:
+            raise InvalidInput(f"body field {key!r}: {OPENAI_BODY_REFUSED[key]}")
         if key not in OPENAI_FIELDS and key not in OPENAI_BODY_EXTRA:
             raise InvalidInput(f"body field {key!r} is not supported by nrvna")
     if body.get("n", 1) != 1:
@@ -1978,6 +2855,16 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
             value = body[field]
             params[name] = [value] if PARAMS[name].kind is list and isinstance(value, str) else value  # "stop": "x"
     if endpoint.input == "prompt":
+        # The legacy completions API's logprobs is a count: how many of the likeliest tokens.
+        count = body.get("logprobs")
+        if "top_logprobs" in body:
+            raise InvalidInput(f"body field 'top_logprobs' is not a {url} field (its logprobs is a count)")
+        if count is None or count is False:
+            params.pop("logprobs", None)
+        elif isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= 5:
+            raise InvalidInput(f"body field 'logprobs' of {url} must be an integer from 0 to 5")
+        else:
+            params.update(logprobs=True, top_logprobs=count)
         if "messages" in body or not isinstance(body.get("prompt"), str):
             raise InvalidInput(f"a {url} body needs a string prompt")
         params["raw"] = endpoint.raw
@@ -1989,9 +2876,12 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
 
 
 def _jsonl_record(job: Job) -> dict[str, Any]:
-    return {"id": job.id, "custom_id": (job.params or {}).get("custom_id"), "status": job.status.value,
-            "prompt": job.prompt, "result": job.result, "error": job.error.rstrip("\n") if job.error else None,
-            "meta": job.meta}
+    record = {"id": job.id, "custom_id": (job.params or {}).get("custom_id"), "status": job.status.value,
+              "prompt": job.prompt, "result": job.result, "error": job.error.rstrip("\n") if job.error else None,
+              "meta": job.meta}
+    if job.logprobs is not None:
+        record["logprobs"] = job.logprobs
+    return record
 
 
 def _openai_record(job: Job) -> dict[str, Any]:
@@ -2005,10 +2895,12 @@ def _openai_record(job: Job) -> dict[str, Any]:
     finish_reason = meta.get("finish_reason") if meta.get("finish_reason") in ("stop", "length") else "stop"
     endpoint = ENDPOINTS[params.get("endpoint") or "/v1/chat/completions"]
     if endpoint.input == "prompt":
-        choice = {"text": job.result, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"text": job.result, "index": 0, "logprobs": _legacy_logprobs(job.logprobs),
+                  "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "message": {"role": "assistant", "content": job.result, "refusal": None},
-                  "logprobs": None, "finish_reason": finish_reason}
+                  "logprobs": None if job.logprobs is None else {"content": job.logprobs, "refusal": None},
+                  "finish_reason": finish_reason}
     body = {"id": f"{endpoint.id_prefix}{job.id}", "object": endpoint.object,
             "created": int(meta.get("finished") or time.time()), "model": meta.get("model"), "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -2017,6 +2909,19 @@ def _openai_record(job: Job) -> dict[str, Any]:
     line["response"] = {"status_code": 200, "request_id": job.id, "body": body}
     line["error"] = None
     return line
+
+
+def _legacy_logprobs(content: Optional[list[dict[str, Any]]]) -> Optional[dict[str, Any]]:
+    """Log-probabilities in the shape of OpenAI's legacy completions (text_completion)."""
+    if content is None:
+        return None
+    offsets, offset = [], 0
+    for entry in content:
+        offsets.append(offset)
+        offset += len(bytes(entry["bytes"]).decode("utf-8", "ignore"))
+    return {"tokens": [e["token"] for e in content], "token_logprobs": [e["logprob"] for e in content],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in content],
+            "text_offset": offsets}
 
 
 def _text_line(job: Job) -> str:
@@ -2180,10 +3085,12 @@ def _workspace_of(path: str) -> Optional[str]:
 # up to free() more jobs and advances them all one step at a time
 ##############################################################################
 
-class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error",
-                          defaults=("", "stop", 0, 0, None, None))):
+class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error logprobs",
+                          defaults=("", "stop", 0, 0, None, None, None))):
     """How a job ended: a result (``error_code`` None) or a failure with a short code and a
-    message. ``text`` is the generated text (partial text for a failure)."""
+    message. ``text`` is the generated text (partial text for a failure); ``logprobs`` the
+    tokens' log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``)
+    when the job asked for them, else None."""
 
     __slots__ = ()
 
@@ -2348,6 +3255,9 @@ class _FunctionSession(Session):
 PREFIX_WAIT_TOKENS = 16
 # The repetition penalty looks back this many generated tokens (llama.cpp's default).
 PENALTY_WINDOW = 64
+# Distinct grammars a runner keeps converted, and each context keeps parsed.
+GRAMMAR_CACHE = 256
+GRAMMAR_TEMPLATES = 16
 # A context has room for this many jobs of the full per-job length (NRVNA_MAX_CTX / this);
 # sequences beyond it run only while the jobs' own budgets leave room (LlamaSession.free).
 FULL_LENGTH_SEQS = 8
@@ -2428,6 +3338,46 @@ def resolve_model(name: str, models_dir: str) -> str:
     raise ModelError(f"model name {name} is ambiguous in {models_dir}: {', '.join(matches)}")
 
 
+# JSON strings as JSON allows them: llama-cpp-python's converter lets a string hold raw
+# control characters (its "char" rule is [^"\\]), which json.loads refuses; llama.cpp's own
+# converter and JSON grammar exclude them, and so does nrvna.
+_JSON_CHAR_RULE = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+_schema_converter: Any = None
+
+
+def schema_to_grammar(schema: Mapping[str, Any]) -> str:
+    """GBNF for a JSON schema that ``check_json_schema`` accepted: llama-cpp-python's
+    converter, with nrvna's numeric bounds and JSON-valid strings (daemon only)."""
+    import json
+
+    from llama_cpp import llama_grammar
+
+    global _schema_converter
+    if _schema_converter is None:
+        _schema_converter = _converter_class(llama_grammar)
+    converter = _schema_converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), "stdin"), "")
+    return converter.format_grammar()
+
+
+def _converter_class(grammar: Any) -> Any:
+    class Converter(grammar.SchemaConverter):  # type: ignore[misc, name-defined]
+        def visit(self, schema: Any, name: str) -> str:
+            if (isinstance(schema, dict) and schema.get("type") in ("integer", "number")
+                    and any(key in schema for key in _BOUNDS)
+                    and not {"$ref", "oneOf", "anyOf", "const", "enum"} & set(schema)):
+                rule_name = name + "-" if name in grammar.RESERVED_NAMES else name or "root"
+                return self._add_rule(rule_name, f"({number_rule(schema)}) space")
+            return super().visit(schema, name)
+
+        def _add_primitive(self, name: str, rule: Any) -> str:
+            if name == "char":
+                rule = grammar.BuiltinRule(_JSON_CHAR_RULE, [])
+            return super()._add_primitive(name, rule)
+
+    return Converter
+
+
 class _CallThread:
     """A thread that runs the calls handed to it, one at a time, for their callers."""
 
@@ -2498,6 +3448,12 @@ class LlamaRunner(Runner):
         self.train_ctx = L.llama_model_n_ctx_train(self.model)
         self._pieces: dict[int, bytes] = {}
         self._formatter = self._chat_formatter()
+        import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
+
+        self.np = numpy
+        self._grammars: dict[Any, str] = {}  # a schema's or grammar's text -> checked GBNF (LRU order)
+        self._grammars_lock = threading.Lock()
+        self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
         self._lock = threading.Lock()
         self._sessions: list[LlamaSession] = []
         self._wide: Optional[_CallThread] = None
@@ -2653,14 +3609,62 @@ class LlamaRunner(Runner):
         return (ctypes.c_char * size)()
 
     def penalty(self, params: Mapping[str, Any]) -> Optional["_Penalties"]:
-        """The job's penalties (None if all are off): applied to the logits before its
-        sampler chain runs (see _Penalties)."""
+        """The job's penalties and logit biases (None if all are off): applied to the logits
+        before its sampler chain runs (see _Penalties)."""
         repeat = job_param(params, "repeat_penalty", self.config)
         frequency = job_param(params, "frequency_penalty", self.config)
         presence = job_param(params, "presence_penalty", self.config)
-        if (repeat == 1.0 or repeat <= 0) and not frequency and not presence:
+        bias = {int(token): value for token, value in (params.get("logit_bias") or {}).items()}
+        for token in bias:
+            if token >= self.n_vocab:
+                raise JobError("bad_request", f"logit_bias: token {token} is not in the model's vocabulary "
+                                              f"(IDs 0 to {self.n_vocab - 1})")
+        if (repeat == 1.0 or repeat <= 0) and not frequency and not presence and not bias:
             return None
-        return _Penalties(repeat, frequency, presence)
+        return _Penalties(repeat, frequency, presence, bias)
+
+    def grammar(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str]]:
+        """The job's grammar, if its output is constrained: (a key naming it, its GBNF text).
+        A JSON schema is converted once per distinct schema, then found here again."""
+        import json
+
+        kind = constraint(params)
+        if kind is None:
+            return None
+        if kind == "json_object":
+            from llama_cpp.llama_grammar import JSON_GBNF
+
+            return ("json_object",), JSON_GBNF
+        if kind == "grammar":
+            key: Any = ("gbnf", params["grammar"])
+        else:
+            key = ("schema", json.dumps(params["response_format"]["json_schema"]["schema"], ensure_ascii=False,
+                                        separators=(",", ":")))
+        with self._grammars_lock:  # held while converting: two workers never convert one schema twice
+            text = self._grammars.pop(key, None)
+            if text is None:
+                text = self._make_grammar(kind, params)
+            self._grammars[key] = text  # most recently used last
+            if len(self._grammars) > GRAMMAR_CACHE:
+                self._grammars.pop(next(iter(self._grammars)))
+        return key, text
+
+    def _make_grammar(self, kind: str, params: Mapping[str, Any]) -> str:
+        """Check (again: params.json may be hand-made) and, for a schema, convert."""
+        try:
+            if kind == "grammar":
+                check_grammar(params["grammar"])  # llama.cpp loops forever on some grammars it accepts
+                return params["grammar"]
+            schema = params["response_format"]["json_schema"]["schema"]
+            check_json_schema(schema)
+        except InvalidInput as err:
+            raise JobError("bad_request", f"{'response_format: ' if kind != 'grammar' else ''}{err}") from None
+        try:
+            text = schema_to_grammar(schema)
+        except Exception as err:  # the converter's own assertions: a gap in check_json_schema
+            raise JobError("bad_request", f"response_format: the schema could not be converted: {err!r}") from None
+        self.conversions += 1
+        return text
 
     def sampler(self, params: Mapping[str, Any]) -> Any:
         """A sampler chain for one job (chains hold state: one per sequence); the
@@ -2712,11 +3716,13 @@ class _Penalties:
     rounded to float, as llama.cpp computes it in float.
     """
 
-    __slots__ = ("factor", "frequency", "presence", "window", "counts")
+    __slots__ = ("factor", "frequency", "presence", "bias", "window", "counts")
 
-    def __init__(self, repeat: float, frequency: float = 0.0, presence: float = 0.0) -> None:
+    def __init__(self, repeat: float, frequency: float = 0.0, presence: float = 0.0,
+                 bias: Optional[dict[int, float]] = None) -> None:
         self.factor = _float32(repeat) if repeat > 0 else 1.0  # the floats llama.cpp would use
         self.frequency, self.presence = _float32(frequency), _float32(presence)
+        self.bias = bias or {}  # token -> added to its logit (OpenAI's logit_bias), after the penalties
         self.window: Any = deque()
         self.counts: dict[int, int] = {}
 
@@ -2729,6 +3735,8 @@ class _Penalties:
             if frequency or presence:
                 value = _float32(value) - _float32(_float32(count * frequency) + presence)
             logits[token] = value  # rounded to float on the way in
+        for token, bias in self.bias.items():
+            logits[token] += bias
 
     def accept(self, token: int) -> None:
         """``token`` was generated: it enters the window, the oldest may leave."""
@@ -2740,6 +3748,12 @@ class _Penalties:
             if not counts[old]:
                 del counts[old]
         self.window.append(token)
+
+
+def _token_entry(data: bytes, logprob: float) -> dict[str, Any]:
+    """One token as OpenAI's logprobs give it: its text (a piece of a UTF-8 character shows
+    as \\xNN escapes), logprob and bytes."""
+    return {"token": data.decode("utf-8", "backslashreplace"), "logprob": logprob, "bytes": list(data)}
 
 
 def _float32(value: float) -> float:
@@ -2762,10 +3776,10 @@ class _Sequence:
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
                  "penalty", "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
-                 "budget")
+                 "budget", "grammar", "logprobs", "top")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int, sampler: Any,
-                 penalty: Optional[_Penalties] = None) -> None:
+                 penalty: Optional[_Penalties] = None, grammar: Any = None) -> None:
         self.job = job
         self.slot = slot
         self.budget = budget  # KV cells this job can come to hold: its prompt and max_tokens
@@ -2786,6 +3800,11 @@ class _Sequence:
         self.stops: list[str] = list(job.params.get("stop") or [])
         self.tail = ""
         self.unsent = ""  # generated text held back from partial.txt (see LlamaSession._emit)
+        self.grammar = grammar  # its own grammar sampler (state: where in the grammar it is), or None
+        # (token, logprob, [(token, logprob)] of the likeliest) per generated token, if asked
+        self.logprobs: Optional[list[tuple[int, float, list[tuple[int, float]]]]] = (
+            [] if job.params.get("logprobs") else None)
+        self.top = int(job.params.get("top_logprobs") or 0)
 
 
 class LlamaSession(Session):
@@ -2837,6 +3856,16 @@ class LlamaSession(Session):
         self.threads = self.base_threads = threads
         self.trimmed = False  # idle() has trimmed the held cells since the last job started
         self.last_kept: Optional[int] = None  # the slot whose job ended last, cells kept whole
+        self.templates: dict[Any, Any] = {}  # grammar key -> a parsed grammar sampler, cloned per job (LRU)
+        # The whole vocabulary as llama_token_data, for resampling under a grammar (made on first use).
+        self.candidates: Any = None
+        self.candidates_array: Any = None
+        self.token_ids: Any = None
+        import ctypes
+
+        self.byref = ctypes.byref
+        self.one = L.llama_token_data(0, 0.0, 0.0)  # one candidate: is a token allowed by a grammar?
+        self.one_array = L.llama_token_data_array(ctypes.pointer(self.one), 1, -1, False)
 
     def set_threads(self, threads: int) -> None:
         """Decode with ``threads`` CPU threads from the next step on (a setting of the
@@ -2906,10 +3935,32 @@ class LlamaSession(Session):
         slot = max(free, key=lambda i: (_common_prefix(self.held[i], tokens), i == self.last_kept)) if self.reuse else free[0]
         max_tokens = job_param(job.params, "max_tokens", self.runner.config)
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
+        penalty = self.runner.penalty(job.params)
+        grammar = self._grammar(job.params)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.runner.sampler(job.params),
-                                           self.runner.penalty(job.params))
+                                           penalty, grammar)
         self._attach(seq, own=_common_prefix(self.held[slot], tokens) if self.reuse else 0)
         self._make_room()
+
+    def _grammar(self, params: Mapping[str, Any]) -> Any:
+        """A grammar sampler of the job's own (None when its output is free): cloned from
+        the context's parsed copy of that grammar, parsing it on first use."""
+        found = self.runner.grammar(params)
+        if found is None:
+            return None
+        key, text = found
+        L = self.L
+        template = self.templates.pop(key, None)
+        if template is None:
+            del _llama_log_tail[:]
+            template = L.llama_sampler_init_grammar(self.runner.vocab, text.encode("utf-8"), b"root")
+            if not template:
+                reason = f" ({_llama_log_tail[-1]})" if _llama_log_tail else ""
+                raise JobError("bad_request", f"llama.cpp refused the grammar{reason}")
+            while len(self.templates) >= GRAMMAR_TEMPLATES:
+                L.llama_sampler_free(self.templates.pop(next(iter(self.templates))))
+        self.templates[key] = template  # most recently used last
+        return L.llama_sampler_clone(template)
 
     def _make_room(self) -> None:
         """Forget finished jobs' cells (kept for prefix reuse) while they and the running
@@ -3021,14 +4072,27 @@ class LlamaSession(Session):
             return ended + [self._end(seq, error=("model_error", message), keep=False) for seq in self.slots if seq is not None]
         finished = ended
         for seq, index in wanted:
+            logits = L.llama_get_logits_ith(self.ctx, index)
+            # Log-probabilities are the model's own: before penalties, biases, grammar, temperature.
+            logprobs = self._log_softmax(logits) if seq.logprobs is not None else None
             if seq.penalty is not None:
-                seq.penalty.apply(L.llama_get_logits_ith(self.ctx, index))
+                seq.penalty.apply(logits)
             token = L.llama_sampler_sample(seq.sampler, self.ctx, index)
+            if seq.grammar is not None and not self._allowed(seq.grammar, token):
+                token = self._resample(seq, logits)
+                if token < 0:
+                    finished.append(self._end(seq, error=("grammar_error", "no token of the model's vocabulary "
+                                                                           "can continue the grammar here")))
+                    continue
             if seq.penalty is not None:
                 seq.penalty.accept(token)
-            if not seq.ignore_eos and L.llama_vocab_is_eog(self.runner.vocab, token):
-                finished.append(self._end(seq, "stop"))
+            if L.llama_vocab_is_eog(self.runner.vocab, token) and (not seq.ignore_eos or seq.grammar is not None):
+                finished.append(self._end(seq, "stop"))  # with a grammar: allowed only once it is complete
                 continue
+            if seq.grammar is not None:
+                L.llama_sampler_accept(seq.grammar, token)  # never a refused token: llama.cpp aborts on one
+            if logprobs is not None:
+                seq.logprobs.append(self._logprob(logprobs, token, seq.top))
             seq.n_gen += 1
             seq.last = token
             text = seq.decoder.decode(self.runner.piece(token))
@@ -3041,6 +4105,63 @@ class LlamaSession(Session):
             if seq.n_gen >= seq.max_tokens or seq.pos >= self.ctx_per_seq:
                 finished.append(self._end(seq, "length"))
         return finished
+
+    def _allowed(self, grammar: Any, token: int) -> bool:
+        """Whether ``grammar`` (in its current state) lets ``token`` come next: the grammar
+        applied to that one candidate, which costs a few microseconds where the whole
+        vocabulary costs milliseconds."""
+        one = self.one
+        one.id, one.logit, one.p = token, 0.0, 0.0
+        array = self.one_array
+        array.size, array.selected, array.sorted = 1, -1, False
+        self.L.llama_sampler_apply(grammar, self.byref(array))
+        return one.logit != -_INF
+
+    def _resample(self, seq: _Sequence, logits: Any) -> int:
+        """The job's token drawn again, from the tokens its grammar allows (its sampler chain
+        applied to the whole vocabulary after the grammar), or -1 if the grammar allows none.
+
+        Most tokens a constrained job draws freely are allowed (checked one at a time by
+        ``_allowed``): only the others pay for the grammar over every token of the vocabulary,
+        as llama.cpp's own common_sampler does it."""
+        L, np, n_vocab = self.L, self.runner.np, self.runner.n_vocab
+        if self.candidates is None:
+            self.candidates = np.zeros(n_vocab, dtype=np.dtype([("id", np.intc), ("logit", np.single),
+                                                                ("p", np.single)], align=True))
+            self.token_ids = np.arange(n_vocab, dtype=np.intc)
+            self.candidates_array = L.llama_token_data_array(
+                self.candidates.ctypes.data_as(L.llama_token_data_p), n_vocab, -1, False)
+        candidates, array = self.candidates, self.candidates_array
+        candidates["id"] = self.token_ids
+        candidates["logit"] = np.ctypeslib.as_array(logits, shape=(n_vocab,))
+        candidates["p"] = 0.0
+        array.size, array.selected, array.sorted = n_vocab, -1, False
+        L.llama_sampler_apply(seq.grammar, self.byref(array))
+        if not np.isfinite(candidates["logit"]).any():
+            return -1
+        L.llama_sampler_apply(seq.sampler, self.byref(array))
+        if not 0 <= array.selected < array.size:
+            return -1
+        token = int(candidates["id"][array.selected])
+        return token if self._allowed(seq.grammar, token) else -1
+
+    def _log_softmax(self, logits: Any) -> Any:
+        """The log-probability of every token, from one output row of raw logits."""
+        np = self.runner.np
+        row = np.ctypeslib.as_array(logits, shape=(self.runner.n_vocab,)).astype(np.float64)
+        row -= row.max()
+        row -= np.log(np.exp(row).sum())
+        return row
+
+    def _logprob(self, logprobs: Any, token: int, top: int) -> tuple[int, float, list[tuple[int, float]]]:
+        """(token, its logprob, the ``top`` likeliest tokens with theirs, likeliest first)."""
+        best: list[tuple[int, float]] = []
+        if top:
+            np = self.runner.np
+            ids = np.argpartition(logprobs, -top)[-top:]
+            ids = ids[np.lexsort((ids, -logprobs[ids]))]  # by logprob, then by token ID
+            best = [(int(i), float(logprobs[i])) for i in ids]
+        return token, float(logprobs[token]), best
 
     def _put(self, index: int, token: int, pos: int, slot: int, logits: bool) -> None:
         batch = self.batch
@@ -3081,14 +4202,33 @@ class LlamaSession(Session):
         text = "".join(seq.parts)
         if not seq.stops or reason != "stop":
             text += seq.decoder.decode(b"", final=True)
+        logprobs = self._logprob_content(seq, text)
         if error:
-            return seq.job, Outcome(text, "error", seq.n_prompt, seq.n_gen, error[0], error[1])
-        return seq.job, Outcome(text, reason, seq.n_prompt, seq.n_gen)
+            return seq.job, Outcome(text, "error", seq.n_prompt, seq.n_gen, error[0], error[1], logprobs)
+        return seq.job, Outcome(text, reason, seq.n_prompt, seq.n_gen, logprobs=logprobs)
+
+    def _logprob_content(self, seq: _Sequence, text: str) -> Optional[list[dict[str, Any]]]:
+        """The job's log-probabilities in OpenAI's shape, for the tokens that made ``text``
+        (a stop string cut the tokens after it)."""
+        if seq.logprobs is None:
+            return None
+        piece, limit, used = self.runner.piece, len(text.encode("utf-8")), 0
+        content = []
+        for token, logprob, best in seq.logprobs:
+            if seq.stops and used >= limit:
+                break
+            data = piece(token)
+            used += len(data)
+            content.append(dict(_token_entry(data, logprob), top_logprobs=[_token_entry(piece(t), lp) for t, lp in best]))
+        return content
 
     def _release(self, seq: _Sequence, keep: bool) -> None:
         """Free the slot; with ``keep``, its KV cells stay for the next job's prefix."""
         self.slots[seq.slot] = None
         self.L.llama_sampler_free(seq.sampler)
+        if seq.grammar is not None:
+            self.L.llama_sampler_free(seq.grammar)
+            seq.grammar = None
         if keep and self.reuse:
             self.held[seq.slot] = seq.cached
             self.last_kept = seq.slot
@@ -3106,6 +4246,9 @@ class LlamaSession(Session):
         for seq in self.slots:
             if seq is not None:
                 self._release(seq, keep=False)
+        for template in self.templates.values():
+            self.L.llama_sampler_free(template)
+        self.templates.clear()
         if self.ctx:
             self.L.llama_batch_free(self.batch)
             self.L.llama_free(self.ctx)
@@ -3511,6 +4654,10 @@ class Processor:
             if outcome.text:
                 files.append((PARTIAL_FILE, outcome.text.encode("utf-8")))
             dest = FAILED
+        if outcome.logprobs is not None:
+            import json
+
+            files.append((LOGPROBS_FILE, json.dumps(outcome.logprobs, ensure_ascii=False).encode("utf-8")))
         try:
             try:
                 if dest == OUTPUT:  # result.txt holds it all; a late cancel did not take effect
@@ -4159,8 +5306,11 @@ def _read_prompt(args: Any) -> Any:
 
 def _job_params(args: Any) -> dict[str, Any]:
     """The job parameters given as ``submit`` flags (see PARAMS)."""
-    return {name: getattr(args, name) for name, param in PARAMS.items()
-            if param.flag and getattr(args, name) is not None}
+    params = {name: getattr(args, name) for name, param in PARAMS.items()
+              if param.flag and getattr(args, name) is not None}
+    if "logit_bias" in params:  # a flag per token: (id, bias) pairs
+        params["logit_bias"] = dict(params["logit_bias"])
+    return params
 
 
 def _cmd_submit(args: Any) -> int:
@@ -4210,7 +5360,7 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
         if job is None:
             raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
         _print_json({"id": job.id, "status": job.status.value, "prompt": job.prompt, "result": job.result,
-                     "error": job.error, "meta": job.meta, "params": job.params})
+                     "error": job.error, "meta": job.meta, "params": job.params, "logprobs": job.logprobs})
         return STATUS_EXIT[job.status]
     if status is Status.Done:
         data = flow.result_bytes(job_id)
@@ -4440,18 +5590,26 @@ def _daemon_arguments(parser: Any) -> None:
 
 
 def _param_arguments(parser: Any) -> None:
-    """One flag per job parameter that has one (PARAMS)."""
+    """One flag per job parameter that has one (PARAMS), and the shorthands (FLAG_SHORTHANDS)."""
     for name, param in PARAMS.items():
         if not param.flag:
             continue
         default = f" (default: {SETTINGS[name].env})" if name in SETTINGS else ""
-        if param.kind is bool:
-            parser.add_argument(param.flag, dest=name, action="store_const", const=True, help=param.help + default)
+        shorthands = [(flag, value, text) for flag, (target, value, text) in FLAG_SHORTHANDS.items() if target == name]
+        group = parser.add_mutually_exclusive_group() if shorthands else parser
+        if param.read is not None:
+            metavar, read = param.read
+            action = "append" if param.kind == "logit_bias" else "store"
+            group.add_argument(param.flag, dest=name, type=read, action=action, metavar=metavar, help=param.help + default)
+        elif param.kind is bool:
+            group.add_argument(param.flag, dest=name, action="store_const", const=True, help=param.help + default)
         elif param.kind is list:
-            parser.add_argument(param.flag, dest=name, action="append", metavar="TEXT", help=param.help + default)
+            group.add_argument(param.flag, dest=name, action="append", metavar="TEXT", help=param.help + default)
         else:
             metavar = {int: "N", float: "X", str: "TEXT"}[param.kind]
-            parser.add_argument(param.flag, dest=name, type=param.kind, metavar=metavar, help=param.help + default)
+            group.add_argument(param.flag, dest=name, type=param.kind, metavar=metavar, help=param.help + default)
+        for flag, value, text in shorthands:
+            group.add_argument(flag, dest=name, action="store_const", const=value, help=text)
 
 
 def _submit_arguments(parser: Any) -> None:

@@ -1725,7 +1725,9 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
      "line 2: duplicate custom_id 'same' (first on line 1)"),
     ('{"prompt": "' + "x" * 2000 + '"}\n', "line 1: prompt is 2000 bytes; the limit is 1000"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
-     '[{"role": "user", "content": "x"}], "logit_bias": {}}}\n', "line 1: body field 'logit_bias' is not supported"),
+     '[{"role": "user", "content": "x"}], "tools": []}}\n', "line 1: body field 'tools': tool calls are not supported"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
+     '[{"role": "user", "content": "x"}], "audio": {}}}\n', "line 1: body field 'audio' is not supported"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}\n', "line 1: url '/v1/embeddings'"),
     ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n', "line 1: give exactly one of prompt or messages"),
     ('{"messages": [{"role": "robot", "content": "b"}]}\n', "line 1: messages[0].role must be one of"),
@@ -2284,8 +2286,11 @@ def test_openai_body_fields_map_through_the_parameter_table() -> None:
     assert entry.params["max_tokens"] == 7  # max_completion_tokens wins, as OpenAI documents
     assert entry.params["stop"] == ["END"] and entry.params["endpoint"] == "/v1/chat/completions"
     assert notes and "ignored" in notes[0]
-    line["body"]["logit_bias"] = {}
-    with pytest.raises(nrvna.InvalidInput, match="body field 'logit_bias' is not supported"):
+    line["body"]["logit_bias"] = {"15": -100}
+    [entry] = nrvna.parse_batch((json.dumps(line) + "\n").encode())
+    assert entry.params["logit_bias"] == {"15": -100.0}
+    line["body"]["tool_choice"] = "auto"
+    with pytest.raises(nrvna.InvalidInput, match="body field 'tool_choice': tool calls are not supported"):
         nrvna.parse_batch((json.dumps(line) + "\n").encode())
     with pytest.raises(nrvna.InvalidInput, match="unknown field 'endpoint'"):
         nrvna.parse_batch(b'{"prompt": "x", "endpoint": "/v1/completions"}\n')
