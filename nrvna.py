@@ -210,7 +210,7 @@ def _read_json_schema(text: str) -> dict[str, Any]:
     import json
 
     source = "the argument"
-    if not text.lstrip().startswith("{"):
+    if not text.lstrip().startswith(("{", "[")):  # inline JSON, else a file's name
         source = text
         try:
             with open(text, encoding="utf-8") as handle:
@@ -582,7 +582,8 @@ class _SchemaCheck:
         for key in node:
             if key in SCHEMA_ANNOTATIONS or key in allowed or key.startswith("x-"):
                 continue
-            self.fail(where, f"keyword {key!r} is not supported {branch} (the grammar would not enforce it)")
+            self.fail(where, f"keyword {key!r} is not supported{' ' + branch if branch else ''} "
+                             "(the grammar would not enforce it)")
 
     def visit(self, node: Any, where: str, depth: int, entered: tuple[str, ...] = ()) -> None:
         # entered: the $refs followed since the last object or array, which consume
@@ -596,6 +597,8 @@ class _SchemaCheck:
             self.fail(where, f"unknown type {kind!r} (known: {', '.join(SCHEMA_TYPES)})")
         if "$ref" in node:
             self.only(node, where, ("$ref",), "beside $ref")
+            if where and ("$defs" in node or "definitions" in node):  # the converter would not see into them
+                self.fail(where, "$defs beside $ref is supported at the top of the schema only")
             self.ref(node["$ref"], where, depth, entered)
         elif "oneOf" in node or "anyOf" in node:
             if "oneOf" in node and "anyOf" in node:
@@ -636,6 +639,7 @@ class _SchemaCheck:
         elif kind == "object" or not node:
             self.only(node, where, ("type", "additionalProperties"), "for an object without properties")
         elif kind is None:
+            self.only(node, where, (), "")
             self.fail(where, "a schema needs a type (or properties, items, enum, const, $ref, anyOf)")
         else:
             allowed = ("type",)
@@ -3356,7 +3360,10 @@ def schema_to_grammar(schema: Mapping[str, Any]) -> str:
     if _schema_converter is None:
         _schema_converter = _converter_class(llama_grammar)
     converter = _schema_converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), "stdin"), "")
+    schema = json.loads(json.dumps(schema))
+    if "$ref" in schema:  # the converter's resolve_refs would not look into the $defs beside it
+        schema["anyOf"] = [{"$ref": schema.pop("$ref")}]
+    converter.visit(converter.resolve_refs(schema, "stdin"), "")
     return converter.format_grammar()
 
 
