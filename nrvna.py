@@ -55,6 +55,7 @@ import enum
 import errno
 import heapq
 import itertools
+import math
 import os
 import re
 import stat
@@ -3262,6 +3263,8 @@ PENALTY_WINDOW = 64
 # Distinct grammars a runner keeps converted, and each context keeps parsed.
 GRAMMAR_CACHE = 256
 GRAMMAR_TEMPLATES = 16
+# A draw its grammar refuses is first redrawn from this many likeliest tokens (see _resample).
+SHORTLIST = 4096
 # A context has room for this many jobs of the full per-job length (NRVNA_MAX_CTX / this);
 # sequences beyond it run only while the jobs' own budgets leave room (LlamaSession.free).
 FULL_LENGTH_SEQS = 8
@@ -3783,7 +3786,7 @@ class _Sequence:
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
                  "penalty", "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
-                 "budget", "grammar", "logprobs", "top")
+                 "budget", "grammar", "logprobs", "top", "chain")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int, sampler: Any,
                  penalty: Optional[_Penalties] = None, grammar: Any = None) -> None:
@@ -3812,6 +3815,7 @@ class _Sequence:
         self.logprobs: Optional[list[tuple[int, float, list[tuple[int, float]]]]] = (
             [] if job.params.get("logprobs") else None)
         self.top = int(job.params.get("top_logprobs") or 0)
+        self.chain: tuple[bool, int, float, float] = (True, 0, 1.0, 0.0)  # greedy, top_k, top_p, min_p
 
 
 class LlamaSession(Session):
@@ -3946,6 +3950,9 @@ class LlamaSession(Session):
         grammar = self._grammar(job.params)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.runner.sampler(job.params),
                                            penalty, grammar)
+        config = self.runner.config
+        seq.chain = (job_param(job.params, "temperature", config) <= 0, job_param(job.params, "top_k", config),
+                     job_param(job.params, "top_p", config), job_param(job.params, "min_p", config))
         self._attach(seq, own=_common_prefix(self.held[slot], tokens) if self.reuse else 0)
         self._make_room()
 
@@ -4125,32 +4132,84 @@ class LlamaSession(Session):
         return one.logit != -_INF
 
     def _resample(self, seq: _Sequence, logits: Any) -> int:
-        """The job's token drawn again, from the tokens its grammar allows (its sampler chain
-        applied to the whole vocabulary after the grammar), or -1 if the grammar allows none.
+        """The job's token drawn again from the tokens its grammar allows (the grammar, then
+        its sampler chain), or -1 if the grammar allows none.
 
         Most tokens a constrained job draws freely are allowed (checked one at a time by
-        ``_allowed``): only the others pay for the grammar over every token of the vocabulary,
-        as llama.cpp's own common_sampler does it."""
-        L, np, n_vocab = self.L, self.runner.np, self.runner.n_vocab
+        ``_allowed``); a refused draw is redrawn from the SHORTLIST likeliest tokens when the
+        chain is sure to pick from the same set it would pick from in the whole vocabulary
+        (see ``_shortlist_suffices``), else from the whole vocabulary, as llama.cpp's
+        common_sampler does (measured: 5.8 ms a redraw over SmolLM2's 49,152 tokens)."""
+        np, n_vocab = self.runner.np, self.runner.n_vocab
         if self.candidates is None:
             self.candidates = np.zeros(n_vocab, dtype=np.dtype([("id", np.intc), ("logit", np.single),
                                                                 ("p", np.single)], align=True))
             self.token_ids = np.arange(n_vocab, dtype=np.intc)
-            self.candidates_array = L.llama_token_data_array(
-                self.candidates.ctypes.data_as(L.llama_token_data_p), n_vocab, -1, False)
-        candidates, array = self.candidates, self.candidates_array
-        candidates["id"] = self.token_ids
-        candidates["logit"] = np.ctypeslib.as_array(logits, shape=(n_vocab,))
-        candidates["p"] = 0.0
-        array.size, array.selected, array.sorted = n_vocab, -1, False
-        L.llama_sampler_apply(seq.grammar, self.byref(array))
-        if not np.isfinite(candidates["logit"]).any():
+            self.candidates_array = self.L.llama_token_data_array(
+                self.candidates.ctypes.data_as(self.L.llama_token_data_p), n_vocab, -1, False)
+        row = np.ctypeslib.as_array(logits, shape=(n_vocab,))
+        if n_vocab > 2 * SHORTLIST:
+            ids = np.sort(np.argpartition(row, n_vocab - SHORTLIST)[n_vocab - SHORTLIST:])  # in ID order, as all are
+            allowed = self._apply_grammar(seq, ids, row[ids])
+            if allowed is not None and self._shortlist_suffices(seq, np.sort(allowed)[::-1], float(row[ids].min())):
+                return self._draw(seq)
+        if self._apply_grammar(seq, self.token_ids, row) is None:
             return -1
-        L.llama_sampler_apply(seq.sampler, self.byref(array))
+        return self._draw(seq)
+
+    def _apply_grammar(self, seq: _Sequence, ids: Any, logits: Any) -> Any:
+        """Load (ids, logits) as the candidates and apply the job's grammar: the logits of
+        the tokens it allows, or None if it allows none."""
+        np, candidates, array = self.runner.np, self.candidates, self.candidates_array
+        count = len(ids)
+        candidates["id"][:count] = ids
+        candidates["logit"][:count] = logits
+        candidates["p"][:count] = 0.0
+        array.size, array.selected, array.sorted = count, -1, False
+        self.L.llama_sampler_apply(seq.grammar, self.byref(array))
+        kept = candidates["logit"][:count]
+        allowed = kept[np.isfinite(kept)]
+        return allowed if len(allowed) else None
+
+    def _draw(self, seq: _Sequence) -> int:
+        """The job's sampler chain on the loaded candidates: the token it draws (-1: none)."""
+        array = self.candidates_array
+        self.L.llama_sampler_apply(seq.sampler, self.byref(array))
         if not 0 <= array.selected < array.size:
             return -1
-        token = int(candidates["id"][array.selected])
+        token = int(self.candidates["id"][array.selected])
         return token if self._allowed(seq.grammar, token) else -1
+
+    def _shortlist_suffices(self, seq: _Sequence, allowed: Any, threshold: float) -> bool:
+        """Whether the chain (top_k, top_p, min_p, temperature, dist: see LlamaRunner.sampler)
+        draws from the same tokens, with the same probabilities, given only the allowed tokens
+        of the shortlist (``allowed``: their logits, likeliest first) as given all of them;
+        every token outside has a logit of at most ``threshold``.
+
+        Greedy: the best allowed token is in the shortlist. top_k: if the shortlist holds
+        top_k allowed tokens, they are the top_k of all. Otherwise min_p must drop every token
+        outside (its cut, best + log(min_p), above ``threshold``), and top_p's nucleus must end
+        at the same token of the shortlist whatever the probability those tokens add before
+        min_p drops them (at most one per place top_k leaves, each at most exp(threshold))."""
+        np = self.runner.np
+        greedy, top_k, top_p, min_p = seq.chain
+        best = float(allowed[0])
+        if greedy:
+            return best > threshold
+        count = len(allowed)
+        if top_k > 0 and count >= top_k:
+            return True
+        if min_p <= 0 or not threshold < best + math.log(min_p):
+            return False
+        if top_p >= 1.0:
+            return True
+        weights = np.exp(allowed.astype(np.float64) - best)
+        cumulative = np.cumsum(weights)
+        total = cumulative[-1]
+        outside = ((top_k - count) if top_k > 0 else self.runner.n_vocab - count) * math.exp(threshold - best)
+        fewest = int(np.searchsorted(cumulative, top_p * total * (1 - 1e-5)))  # nucleus with nothing outside
+        most = int(np.searchsorted(cumulative, top_p * (total + outside) * (1 + 1e-5)))  # with all of it
+        return min(most, count - 1) == fewest
 
     def _log_softmax(self, logits: Any) -> Any:
         """The log-probability of every token, from one output row of raw logits."""

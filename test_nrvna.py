@@ -2711,6 +2711,89 @@ def test_a_schema_is_converted_once_for_many_jobs_and_parsed_once_per_context(ll
 
 
 @pytest.mark.model
+def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_draw(llama: nrvna.LlamaRunner,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each time a constrained job's free draw is refused and the shortlist suffices, the
+    token drawn from it equals the token the sampler chain draws from the whole vocabulary
+    (from the same random state: each path gets a clone of the chain). A short shortlist
+    puts its bounds within reach of the chain's cuts, where the conditions matter."""
+    import numpy
+
+    monkeypatch.setattr(nrvna, "SHORTLIST", 48)
+
+    config = nrvna.Config(workers=1, seqs=8, max_ctx=2048)
+    session = llama.session(0, config)
+    L, compared, fell_back, redraws = llama.L, [0, 0], [0], session._resample
+
+    def both(seq: Any, logits: Any) -> int:
+        if session.candidates is None:  # the first redraw makes the arrays
+            return redraws(seq, logits)
+        row = numpy.ctypeslib.as_array(logits, shape=(llama.n_vocab,)).copy()
+        ids = numpy.sort(numpy.argpartition(row, llama.n_vocab - nrvna.SHORTLIST)[-nrvna.SHORTLIST:])
+        allowed = session._apply_grammar(seq, ids, row[ids])
+        if allowed is not None and session._shortlist_suffices(seq, numpy.sort(allowed)[::-1], float(row[ids].min())):
+            chain, clones = seq.sampler, [L.llama_sampler_clone(seq.sampler) for _ in range(2)]
+            try:
+                seq.sampler = clones[0]
+                session._apply_grammar(seq, session.token_ids, row)
+                whole = session._draw(seq)
+                seq.sampler = clones[1]
+                compared[0] += 1
+                compared[1] += whole == redraws(seq, logits)
+            finally:
+                seq.sampler = chain
+                for clone in clones:
+                    L.llama_sampler_free(clone)
+        else:
+            fell_back[0] += 1
+        return redraws(seq, logits)
+
+    session._resample = both
+    try:
+        for sampling in ({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05},
+                         {"temperature": 1.0, "top_k": 0, "top_p": 0.95, "min_p": 0.1},
+                         {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}, {"temperature": 0}):
+            jobs = [fake_job(f"Describe product {i} as JSON.", seed=i + 1, max_tokens=120,
+                             response_format=schema_format(PRODUCT_SCHEMA), **sampling) for i in range(6)]
+            while jobs or session.active():
+                while jobs and session.free() > 0:
+                    session.start(jobs.pop())
+                session.step()
+    finally:
+        session.close()
+    assert compared[0] > 100 and compared[1] == compared[0], compared
+    assert fell_back[0] > 50  # and the whole vocabulary was needed often
+
+
+@pytest.mark.model
+def test_the_shortlist_suffices_only_where_the_chain_cannot_reach_beyond_it(llama: nrvna.LlamaRunner) -> None:
+    """Allowed tokens of the shortlist with logits 10 and 9; every token outside is at most
+    the threshold. (greedy, top_k, top_p, min_p) as LlamaRunner.sampler builds the chain."""
+    import numpy
+
+    import types
+
+    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
+    try:
+        def suffices(chain: tuple, threshold: float, allowed: tuple = (10.0, 9.0)) -> bool:
+            seq = types.SimpleNamespace(chain=chain)  # a stand-in for a _Sequence: only its chain is read
+            return session._shortlist_suffices(seq, numpy.array(allowed, dtype=numpy.float32), threshold)
+
+        assert suffices((True, 0, 1.0, 0.0), 9.9) and not suffices((True, 0, 1.0, 0.0), 10.0)  # greedy: the best is in
+        assert suffices((False, 2, 0.9, 0.0), 9.9)  # top_k: the shortlist holds top_k allowed tokens
+        assert not suffices((False, 3, 1.0, 0.0), 5.0)  # a third could come from outside, and no min_p drops it
+        assert not suffices((False, 0, 1.0, 0.0), -50.0)  # without min_p, however unlikely, an outsider may be drawn
+        assert suffices((False, 0, 1.0, 0.1), 7.6) and not suffices((False, 0, 1.0, 0.1), 7.8)  # min_p cuts at 7.697
+        # top_p 0.7: the nucleus of {10, 9} alone is {10}; one outside token at 7.6 (weight 0.09 of the best)
+        # makes it {10, 9} before min_p drops the outsider: the shortlist would draw from the wrong set
+        assert not suffices((False, 3, 0.7, 0.1), 7.6)
+        assert suffices((False, 3, 0.7, 0.1), 5.0)  # far enough down, two outsiders cannot move the nucleus
+        assert suffices((False, 3, 0.5, 0.1), 7.6)  # a nucleus that ends at the best token either way
+    finally:
+        session.close()
+
+
+@pytest.mark.model
 def test_logprobs_are_the_log_softmax_of_the_model_s_logits(llama: nrvna.LlamaRunner, model_file: str) -> None:
     import numpy
     from llama_cpp import Llama
