@@ -25,10 +25,9 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.request
 
 from common import ROOT, machine, table
-from vs_llama_server import SAMPLING, Daemon, free_port, peak_rss_mb, post
+from vs_llama_server import SAMPLING, Daemon, peak_rss_mb, post, start_server
 
 import nrvna
 
@@ -103,22 +102,8 @@ def nrvna_arm(daemon: Daemon, work: list[dict]) -> dict:
 
 
 def server_arm(binary: str, model: str, work: list[dict], slots: int) -> dict:
-    port = free_port()
-    cores = nrvna.cpu_count()
-    proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-                             "-c", str(1024 * slots), "-t", str(cores), "-tb", str(cores), "--no-webui"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, port = start_server(binary, model, slots)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("llama-server did not start") from None
-                time.sleep(0.2)
         post(port, {"messages": [{"role": "user", "content": "warm up"}], "max_tokens": 8,
                     "response_format": RESPONSE_FORMAT})
         pending: queue.Queue = queue.Queue()

@@ -56,23 +56,31 @@ def post(port: int, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: int, clients: int) -> dict:
+def start_server(binary: str, model: str, slots: int, *extra: str) -> tuple[subprocess.Popen, int]:
+    """llama-server with ``slots`` slots of 1,024 tokens on every core, answering /health;
+    (its process, its port). The caller terminates it."""
     port = free_port()
     cores = nrvna.cpu_count()
     proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-                             "-c", str(1024 * slots), "-t", str(cores), "-tb", str(cores), "--no-webui"],
+                             "-c", str(1024 * slots), "-t", str(cores), "-tb", str(cores), "--no-webui", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return proc, port
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.terminate()
+                proc.wait()
+                raise RuntimeError("llama-server did not start") from None
+            time.sleep(0.2)
+
+
+def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: int, clients: int) -> dict:
+    proc, port = start_server(binary, model, slots)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("llama-server did not start") from None
-                time.sleep(0.2)
         body = {"max_tokens": tokens, "ignore_eos": True, **SAMPLING}
         post(port, {**body, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 8})
         work: queue.Queue = queue.Queue()
