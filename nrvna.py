@@ -222,6 +222,8 @@ def _read_json_schema(text: str) -> dict[str, Any]:
         value = json.loads(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"{source} is not JSON ({err})") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"{source} is nested too deeply") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"{source} is not a JSON object")
     if value.get("type") == "json_schema" and "json_schema" in value:
@@ -467,7 +469,11 @@ def _check_response_format(value: Any, limit: int) -> dict[str, Any]:
         text = json.dumps(spec["schema"], ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except ValueError:
         raise InvalidInput("response_format.json_schema.schema holds a number that is not finite") from None
-    if len(text.encode("utf-8", "surrogatepass")) > limit:
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidInput("response_format.json_schema.schema is not valid Unicode (a lone surrogate)") from None
+    if size > limit:
         raise InvalidInput(f"response_format.json_schema.schema is over {limit} bytes")
 
     def check() -> None:
@@ -486,7 +492,7 @@ def _check_logit_bias(value: Any, low: float, high: float) -> dict[str, float]:
         raise InvalidInput('logit_bias must be an object {"TOKEN_ID": BIAS} of at most 1024 tokens')
     clean = {}
     for token, bias in value.items():
-        if not (isinstance(token, str) and token.isdigit() and len(token) <= 10):
+        if not (isinstance(token, str) and re.fullmatch("[0-9]{1,10}", token)):
             raise InvalidInput(f"logit_bias: {token!r} is not a token ID")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
             raise InvalidInput(f"logit_bias: the bias of token {token} must be a number from {low:g} to {high:g}")
@@ -559,13 +565,21 @@ SCHEMA_FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3"
 # minItems/maxItems/minLength/maxLength above this are refused: the grammar grows with them.
 SCHEMA_MAX_REPEAT = 500
 SCHEMA_MAX_DEPTH = 64
+SCHEMA_MAX_PROPERTIES = 256  # the converter recurses once per optional property
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 def check_json_schema(schema: Any) -> None:
     """Raise InvalidInput unless the grammar converter honours every keyword of ``schema``
     (naming the keyword and where it is, as a JSON pointer)."""
-    _SchemaCheck(schema).visit(schema, "", 0)
+    check = _SchemaCheck(schema)
+    check.visit(schema, "", 0)
+    for key in ("$defs", "definitions"):  # every definition, used or not: the converter reads them all
+        if isinstance(schema, dict) and isinstance(schema.get(key), dict):
+            for name in schema[key]:
+                check.ref(f"#/{key}/{name}", f"/{key}/{name}", 1, ())
+    check.loops()
+    check.stray_refs(schema, "")
 
 
 class _SchemaCheck:
@@ -575,6 +589,8 @@ class _SchemaCheck:
     def __init__(self, root: Any) -> None:
         self.root = root
         self.refs_seen: set[str] = set()
+        self.ref_nodes: set[int] = set()  # the $ref objects visited as schemas
+        self.leads: dict[str, set[str]] = {}  # $ref -> the $refs its schema may start with
 
     def fail(self, where: str, message: str) -> None:
         raise InvalidInput(f"schema {where or '/'}: {message}")
@@ -594,17 +610,21 @@ class _SchemaCheck:
         if not isinstance(node, dict):
             self.fail(where, "a schema must be a JSON object (true/false schemas are not supported)")
         kind = node.get("type")
+        if kind is not None and not isinstance(kind, (str, list)):
+            self.fail(where, "type must be a string or a list of strings")
         if isinstance(kind, str) and kind not in SCHEMA_TYPES:
             self.fail(where, f"unknown type {kind!r} (known: {', '.join(SCHEMA_TYPES)})")
         if "$ref" in node:
+            self.ref_nodes.add(id(node))
             self.only(node, where, ("$ref",), "beside $ref")
             if where and ("$defs" in node or "definitions" in node):  # the converter would not see into them
                 self.fail(where, "$defs beside $ref is supported at the top of the schema only")
             self.ref(node["$ref"], where, depth, entered)
-        elif "oneOf" in node or "anyOf" in node:
-            if "oneOf" in node and "anyOf" in node:
-                self.fail(where, "give oneOf or anyOf, not both")
-            key = "oneOf" if "oneOf" in node else "anyOf"
+        elif "oneOf" in node:
+            self.fail(where, "keyword 'oneOf' is not supported: the grammar would enforce it as anyOf (an output "
+                             "matching two alternatives breaks oneOf); write anyOf where they cannot overlap")
+        elif "anyOf" in node:
+            key = "anyOf"
             self.only(node, where, (key,), f"beside {key} (put it in each alternative)")
             choices = node[key]
             if not isinstance(choices, list) or not choices:
@@ -651,6 +671,8 @@ class _SchemaCheck:
             self.fail(where, f"$ref {ref!r} is not supported (only local references, '#/...')")
         if ref in entered:
             self.fail(where, f"$ref {ref!r} refers back to itself before any object or array (a loop on nothing)")
+        if entered:
+            self.leads.setdefault(entered[-1], set()).add(ref)
         if ref in self.refs_seen:
             return  # recursive schemas are fine: the grammar refers to the rule again
         self.refs_seen.add(ref)
@@ -660,6 +682,35 @@ class _SchemaCheck:
                 self.fail(where, f"$ref {ref!r} points at nothing")
             target = target[part]
         self.visit(target, ref[1:], depth + 1, entered + (ref,))
+
+    def loops(self) -> None:
+        """A $ref that leads back to itself through others before any object or array."""
+        state: dict[str, int] = {}
+
+        def walk(ref: str) -> None:
+            state[ref] = 1
+            for nxt in self.leads.get(ref, ()):
+                if state.get(nxt) == 1:
+                    self.fail(nxt[1:], f"$ref {nxt!r} refers back to itself before any object or array (a loop on nothing)")
+                if nxt not in state:
+                    walk(nxt)
+            state[ref] = 2
+
+        for ref in list(self.leads):
+            if ref not in state:
+                walk(ref)
+
+    def stray_refs(self, node: Any, where: str) -> None:
+        """A "$ref" key anywhere else (a value in enum, const or default, a property named
+        $ref): the converter would try to resolve it."""
+        if isinstance(node, dict):
+            if "$ref" in node and id(node) not in self.ref_nodes:
+                self.fail(where, "a '$ref' key where no schema is (in a value, or a property named $ref) is not supported")
+            for key, value in node.items():
+                self.stray_refs(value, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                self.stray_refs(value, f"{where}/{i}")
 
     def constants(self, node: dict[str, Any], where: str, kind: Any) -> None:
         key = "const" if "const" in node else "enum"
@@ -681,9 +732,16 @@ class _SchemaCheck:
         for name in required:
             if name not in properties:
                 self.fail(where, f"required property {name!r} is not in properties")
+        if len(properties) > SCHEMA_MAX_PROPERTIES:
+            self.fail(where, f"more than {SCHEMA_MAX_PROPERTIES} properties")
         for name, sub in properties.items():
+            if not name:
+                self.fail(where, "a property named '' is not supported")
             self.visit(sub, f"{where}/properties/{name}", depth + 1)
         extra = node.get("additionalProperties")
+        if properties and extra not in (None, False):
+            # the converter's rule for other keys would admit the declared names too, with any value
+            self.fail(where, "additionalProperties other than false beside properties is not supported")
         if isinstance(extra, dict):
             self.visit(extra, f"{where}/additionalProperties", depth + 1)
         elif extra is not None and not isinstance(extra, bool):
@@ -942,6 +1000,9 @@ def _same_length_range(low: str, high: str) -> str:
 # that a bad grammar is exit 2 at the door rather than a failed job later.
 
 GRAMMAR_MAX_REPETITION = 2000  # llama.cpp's MAX_REPETITION_THRESHOLD
+# llama.cpp expands {m,n} into copies of the item, and copies the rules for every job: a
+# 32 KB grammar of "<2000 characters>"{2000} took 1.1 GB.
+GRAMMAR_MAX_ELEMENTS = 200_000
 _GBNF_ESCAPES = {"t": "\t", "r": "\r", "n": "\n", "\\": "\\", '"': '"', "[": "[", "]": "]", "-": "-"}
 _GBNF_HEX = {"x": 2, "u": 4, "U": 8}
 
@@ -966,6 +1027,7 @@ class _GbnfParser:
         self.ids: dict[str, int] = {}
         self.rules: dict[int, list[list[tuple[Any, ...]]]] = {}
         self.made: dict[int, str] = {}  # rules the parser makes for (...), *, +, ?, {m,n}
+        self.size = 0  # elements the rules will hold once llama.cpp expands the repetitions
 
     def fail(self, pos: int, message: str) -> None:
         line = self.src.count("\n", 0, pos) + 1
@@ -1120,6 +1182,10 @@ class _GbnfParser:
                 if prev_rules * total > GRAMMAR_MAX_REPETITION:
                     self.fail(pos, f"repetition makes more than {GRAMMAR_MAX_REPETITION} rules")
                 item = seq[last:]
+                self.size += len(item) * max(low, high or 1)
+                if self.size > GRAMMAR_MAX_ELEMENTS:
+                    self.fail(pos, f"the grammar expands to more than {GRAMMAR_MAX_ELEMENTS:,} elements "
+                                   "(each copy of a repeated item counts)")
                 del seq[last:]
                 seq += item * low
                 if high is None or high > low:  # the optional repetitions: a rule that may be empty
@@ -1138,10 +1204,12 @@ class _GbnfParser:
             return {"*": (0, None), "+": (1, None), "?": (0, 1)}[c] + (self.space(pos + 1, nested),)
         pos = self.space(pos + 1, nested)
         start = pos
-        while self.char(pos).isdigit():
+        while self.char(pos) and self.char(pos) in "0123456789":
             pos += 1
         if pos == start:
             self.fail(pos, "expecting an integer")
+        if pos - start > 9:
+            self.fail(start, "a repetition count that large is not supported")
         low, high = int(self.src[start:pos]), None
         pos = self.space(pos, nested)
         if self.char(pos) == "}":
@@ -1149,8 +1217,10 @@ class _GbnfParser:
         elif self.char(pos) == ",":
             pos = self.space(pos + 1, nested)
             start = pos
-            while self.char(pos).isdigit():
+            while self.char(pos) and self.char(pos) in "0123456789":
                 pos += 1
+            if pos - start > 9:
+                self.fail(start, "a repetition count that large is not supported")
             if pos > start:
                 high = int(self.src[start:pos])
                 pos = self.space(pos, nested)
@@ -1167,15 +1237,11 @@ class _GbnfParser:
         return low, high, self.space(pos + 1, nested)
 
     def token(self, pos: int) -> int:
-        if self.char(pos) != "<":
-            self.fail(pos, "expecting '<'")
-        end = self.src.find(">", pos)
-        if end < 0:
-            self.fail(pos, "expecting '>'")
-        inner = self.src[pos + 1:end]
-        if inner.startswith("[") and not (inner.endswith("]") and inner[1:-1].isdigit() and int(inner[1:-1]) < 1 << 32):
-            self.fail(pos, "a token by ID is written <[123]>")
-        return end + 1
+        # llama.cpp checks a token element against the token's ID alone, so after characters
+        # in the same rule it lets a longer token through ("a" <[369]> takes "ab"), and then
+        # aborts the whole process when it accepts it: token elements are refused.
+        self.fail(pos, "token elements (<...>, <[id]>, !<...>) are not supported: write the text in quotes")
+        return pos
 
     def left_recursion(self) -> Optional[int]:
         """A rule that can reach itself before consuming a character, if any.
@@ -2234,8 +2300,11 @@ class Flow:
 
             try:
                 logprobs = json.loads(files[LOGPROBS_FILE])
-            except ValueError:
+            except (ValueError, RecursionError):
                 logprobs = None  # a hand-made or damaged file: the job reads without it
+            if not (isinstance(logprobs, list) and all(isinstance(e, dict) and isinstance(e.get("bytes"), list)
+                                                       and isinstance(e.get("top_logprobs"), list) for e in logprobs)):
+                logprobs = None
         return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, parse_meta(files[PARAMS_FILE]),
                    logprobs)
 
@@ -2763,6 +2832,8 @@ def parse_batch(data: bytes, jsonl: Optional[bool] = None, notes: Optional[list[
                     obj = json.loads(raw)
                 except ValueError as err:
                     raise InvalidInput(f"invalid JSON ({err.msg} at column {err.colno})") from None
+                except RecursionError:
+                    raise InvalidInput("JSON nested too deeply") from None
                 prompt, params = _batch_line(obj, notes)
             else:
                 prompt, params = raw.rstrip("\r"), {}
@@ -2784,7 +2855,7 @@ def _all_objects(lines: list[tuple[int, str]]) -> bool:
 
     try:
         return all(isinstance(json.loads(raw), dict) for _, raw in lines)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
 
 
@@ -2900,7 +2971,7 @@ def _openai_record(job: Job) -> dict[str, Any]:
     finish_reason = meta.get("finish_reason") if meta.get("finish_reason") in ("stop", "length") else "stop"
     endpoint = ENDPOINTS[params.get("endpoint") or "/v1/chat/completions"]
     if endpoint.input == "prompt":
-        choice = {"text": job.result, "index": 0, "logprobs": _legacy_logprobs(job.logprobs),
+        choice = {"text": job.result, "index": 0, "logprobs": _legacy_logprobs(job.logprobs, job.prompt or ""),
                   "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "message": {"role": "assistant", "content": job.result, "refusal": None},
@@ -2916,17 +2987,22 @@ def _openai_record(job: Job) -> dict[str, Any]:
     return line
 
 
-def _legacy_logprobs(content: Optional[list[dict[str, Any]]]) -> Optional[dict[str, Any]]:
-    """Log-probabilities in the shape of OpenAI's legacy completions (text_completion)."""
+def _legacy_logprobs(content: Optional[list[dict[str, Any]]], prompt: str) -> Optional[dict[str, Any]]:
+    """Log-probabilities in the shape of OpenAI's legacy completions (text_completion): each
+    token's character offset counts from the prompt's start, as OpenAI's do, and its
+    top_logprobs always hold the sampled token."""
     if content is None:
         return None
-    offsets, offset = [], 0
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a character split over tokens counts once
+    offsets, offset, tops = [], len(prompt), []
     for entry in content:
         offsets.append(offset)
-        offset += len(bytes(entry["bytes"]).decode("utf-8", "ignore"))
+        offset += len(decoder.decode(bytes(entry["bytes"])))
+        top = {t["token"]: t["logprob"] for t in entry["top_logprobs"]}
+        top.setdefault(entry["token"], entry["logprob"])
+        tops.append(top)
     return {"tokens": [e["token"] for e in content], "token_logprobs": [e["logprob"] for e in content],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in content],
-            "text_offset": offsets}
+            "top_logprobs": tops, "text_offset": offsets}
 
 
 def _text_line(job: Job) -> str:
@@ -3265,6 +3341,8 @@ GRAMMAR_CACHE = 256
 GRAMMAR_TEMPLATES = 16
 # A draw its grammar refuses is first redrawn from this many likeliest tokens (see _resample).
 SHORTLIST = 4096
+# A constrained job whose grammar takes longer than this for one token fails (grammar_error).
+GRAMMAR_STEP_SECONDS = 0.5
 # A context has room for this many jobs of the full per-job length (NRVNA_MAX_CTX / this);
 # sequences beyond it run only while the jobs' own budgets leave room (LlamaSession.free).
 FULL_LENGTH_SEQS = 8
@@ -3350,6 +3428,7 @@ def resolve_model(name: str, models_dir: str) -> str:
 # converter and JSON grammar exclude them, and so does nrvna.
 _JSON_CHAR_RULE = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
 _schema_converter: Any = None
+_GBNF_LITERAL_ESCAPES = {"\\": "\\\\", "\r": "\\r", "\n": "\\n", '"': '\\"'}
 
 
 def schema_to_grammar(schema: Mapping[str, Any]) -> str:
@@ -3372,6 +3451,28 @@ def schema_to_grammar(schema: Mapping[str, Any]) -> str:
 
 def _converter_class(grammar: Any) -> Any:
     class Converter(grammar.SchemaConverter):  # type: ignore[misc, name-defined]
+        def _format_literal(self, literal: str) -> str:
+            # The converter escapes quotes and newlines but not backslashes, so a constant
+            # "x\\y" came out as the JSON "x\y" (an invalid escape) and "a\nb" as a raw newline.
+            return '"' + re.sub(r'[\\\r\n"]', lambda m: _GBNF_LITERAL_ESCAPES[m.group(0)], literal) + '"'
+
+        def _resolve_ref(self, ref: str) -> str:
+            # The converter names a reference's rule by its last segment, so a definition
+            # named "space" or "string" reused that primitive's rule, and a recursive one named
+            # "tree_node" left that raw name in the grammar: give each reference a fresh name.
+            names = self.__dict__.setdefault("_nrvna_refs", {})
+            if ref not in names:
+                number = len(names)
+                while f"ref{number}" in self._rules:
+                    number += 1
+                names[ref] = f"ref{number}"
+                self._refs_being_resolved.add(ref)
+                try:
+                    names[ref] = self.visit(self._refs[ref], names[ref])
+                finally:
+                    self._refs_being_resolved.discard(ref)
+            return names[ref]
+
         def visit(self, schema: Any, name: str) -> str:
             if (isinstance(schema, dict) and schema.get("type") in ("integer", "number")
                     and any(key in schema for key in _BOUNDS)
@@ -3462,6 +3563,11 @@ class LlamaRunner(Runner):
 
         self.np = numpy
         self._grammars: dict[Any, str] = {}  # a schema's or grammar's text -> checked GBNF (LRU order)
+        # Control tokens but end-of-generation: never in a constrained output (see LlamaSession._allowed).
+        self.control_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_control(self.vocab, t)
+                                        and not L.llama_vocab_is_eog(self.vocab, t))
+        self.control_mask = numpy.zeros(self.n_vocab, dtype=bool)
+        self.control_mask[list(self.control_tokens)] = True
         self._grammars_lock = threading.Lock()
         self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
         self._lock = threading.Lock()
@@ -4092,6 +4198,7 @@ class LlamaSession(Session):
             if seq.penalty is not None:
                 seq.penalty.apply(logits)
             token = L.llama_sampler_sample(seq.sampler, self.ctx, index)
+            began = time.monotonic()
             if seq.grammar is not None and not self._allowed(seq.grammar, token):
                 token = self._resample(seq, logits)
                 if token < 0:
@@ -4105,6 +4212,15 @@ class LlamaSession(Session):
                 continue
             if seq.grammar is not None:
                 L.llama_sampler_accept(seq.grammar, token)  # never a refused token: llama.cpp aborts on one
+                spent = time.monotonic() - began
+                if spent > GRAMMAR_STEP_SECONDS:
+                    # An ambiguous grammar's states can multiply with every character (a step
+                    # took 0.07, 0.26, 1.0, 7.4, 34 s in a row): end it before it stalls the
+                    # context's other jobs for good.
+                    finished.append(self._end(seq, error=("grammar_error", (
+                        f"the grammar took {spent:.2f} s for one token (too ambiguous; the limit is "
+                        f"{GRAMMAR_STEP_SECONDS:g} s)"))))
+                    continue
             if logprobs is not None:
                 seq.logprobs.append(self._logprob(logprobs, token, seq.top))
             seq.n_gen += 1
@@ -4123,7 +4239,10 @@ class LlamaSession(Session):
     def _allowed(self, grammar: Any, token: int) -> bool:
         """Whether ``grammar`` (in its current state) lets ``token`` come next: the grammar
         applied to that one candidate, which costs a few microseconds where the whole
-        vocabulary costs milliseconds."""
+        vocabulary costs milliseconds. Never a control token other than end-of-generation:
+        the grammar matches its text (``<|im_start|>``), the result would not hold it."""
+        if token in self.runner.control_tokens:
+            return False
         one = self.one
         one.id, one.logit, one.p = token, 0.0, 0.0
         array = self.one_array
@@ -4168,6 +4287,7 @@ class LlamaSession(Session):
         array.size, array.selected, array.sorted = count, -1, False
         self.L.llama_sampler_apply(seq.grammar, self.byref(array))
         kept = candidates["logit"][:count]
+        kept[self.runner.control_mask[candidates["id"][:count]]] = -_INF  # see _allowed
         allowed = kept[np.isfinite(kept)]
         return allowed if len(allowed) else None
 
@@ -4693,12 +4813,14 @@ class Processor:
             return prompt, {}
         try:
             params = json.loads(raw.decode("utf-8"))
-        except ValueError as err:
-            raise JobError("bad_request", f"params.json is not valid JSON: {err}") from None
+        except (ValueError, RecursionError) as err:
+            raise JobError("bad_request", f"params.json is not valid JSON: {err!r}") from None
         try:
             return prompt, validate_params(params)
         except InvalidInput as err:
             raise JobError("bad_request", f"params.json: {err}") from None
+        except Exception as err:  # a check's own bug must fail this job alone, never its batch-mates
+            raise JobError("bad_request", f"params.json could not be checked: {err!r}") from None
 
     # -- finish --------------------------------------------------------------------------
 

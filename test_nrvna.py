@@ -2391,6 +2391,15 @@ def test_json_schemas_the_converter_honours_whole_are_accepted(schema: dict[str,
     ({"description": "only words"}, "a schema needs a type"),
     ({"anyOf": [{"type": "string"}], "type": "string"}, "keyword 'type' is not supported beside anyOf"),
     ({"$ref": "https://example.com/s.json"}, "only local references"),
+    ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "keyword 'oneOf' is not supported: the grammar would enforce it as anyOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     "additionalProperties other than false beside properties"),
+    ({"type": "object", "properties": {"": {"type": "string"}}}, "a property named '' is not supported"),
+    ({"type": 5, "const": 1}, "type must be a string or a list"),
+    ({"enum": [{"$ref": "#/enum"}]}, "a '$ref' key where no schema is"),
+    ({"$defs": {"x": {"anyOf": [{"$ref": "#/$defs/y"}, {"type": "null"}]},
+                "y": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/x"}}, {"$ref": "#/$defs/x"}]}},
+      "type": "object", "properties": {"a": {"$ref": "#/$defs/y"}}}, "refers back to itself"),
     ({"type": "object", "properties": {"a": {"$ref": "#/properties/b", "$defs": {}}, "b": {"type": "string"}}},
      "$defs beside $ref is supported at the top of the schema only"),
     ({"$ref": "#/$defs/missing"}, "points at nothing"),
@@ -2419,7 +2428,7 @@ ws ::= | " " | "\n" [ \t]{0,20}   # comments are fine
 
 
 @pytest.mark.parametrize("grammar", [JSON_GRAMMAR, 'root ::= "yes" | "no"', 'root ::= [a-z]+ ("," [a-z]+)*\n',
-                                     "root ::= item{2,4}\nitem ::= [0-9] \"\\n\"", "root ::= <[15]> !<[2]>",
+                                     "root ::= item{2,4}\nitem ::= [0-9] \"\\n\"",
                                      'root ::= "a" root?', 'root ::= "\\u00e9\\x41" .'])
 def test_good_grammars_pass_the_submit_check(grammar: str) -> None:
     nrvna.check_grammar(grammar)
@@ -2439,6 +2448,11 @@ def test_good_grammars_pass_the_submit_check(grammar: str) -> None:
     ('root ::= x\nx ::= ws x\nws ::= [ ]*', "rule 'x' can reach itself"),  # llama.cpp itself would hang on this one
     ('root ::= ("a"?)*', "a group or repetition in rule 'root' can reach itself"),
     ('root ::= "\\x4"', "expecting 2 hex digits"),
+    ('root ::= "a" <[369]>', "token elements (<...>, <[id]>, !<...>) are not supported"),  # llama.cpp would abort
+    ('root ::= "a" !<[5]> [a-z]*', "token elements"),
+    ('root ::= "a"{0,99999999999999999999}', "a repetition count that large is not supported"),
+    ('root ::= "a"{²}', "expecting an integer"),
+    ('root ::= "' + "x" * 2000 + '"{2000}', "expands to more than 200,000 elements"),
 ])
 def test_bad_grammars_are_refused_at_submit_with_where(grammar: str, message: str) -> None:
     with pytest.raises(nrvna.InvalidInput) as raised:
@@ -2460,6 +2474,8 @@ def test_bad_grammars_are_refused_at_submit_with_where(grammar: str, message: st
     ({"logit_bias": {"abc": 1}}, "'abc' is not a token ID"),
     ({"logit_bias": {"5": 101}}, "must be a number from -100 to 100"),
     ({"logit_bias": [1]}, "logit_bias must be an object"),
+    ({"logit_bias": {"²": 1}}, "'²' is not a token ID"),
+    ({"response_format": schema_format({"enum": ["\ud800"]})}, "not valid Unicode"),
 ])
 def test_structured_output_parameters_are_validated(params: dict[str, Any], message: str) -> None:
     with pytest.raises(nrvna.InvalidInput) as raised:
@@ -2589,7 +2605,7 @@ def test_logprobs_are_stored_read_back_and_exported_in_openai_s_shapes(ws: str, 
     assert chat["logprobs"]["content"][3] == {"token": "1", "logprob": -1.5, "bytes": [49],
                                               "top_logprobs": [{"token": "1", "logprob": -1.5, "bytes": [49]}]}
     legacy = out[1]["response"]["body"]["choices"][0]["logprobs"]
-    assert legacy["tokens"] == ["{", '"a"', ":", "1", "}"] and legacy["text_offset"] == [0, 1, 4, 5, 6]
+    assert legacy["tokens"] == ["{", '"a"', ":", "1", "}"] and legacy["text_offset"] == [1, 2, 5, 6, 7]  # after "x"
     assert legacy["token_logprobs"][1] == -0.5 and legacy["top_logprobs"][1] == {'"a"': -0.5}
     assert out[2]["response"]["body"]["choices"][0]["logprobs"] is None
     records = [json.loads(x) for x in run_main("export", ws, "--tag", "lp").stdout.decode().splitlines()]
@@ -2600,6 +2616,22 @@ def test_logprobs_are_stored_read_back_and_exported_in_openai_s_shapes(ws: str, 
     nrvna.mark_failed(ws, nrvna.FAILED, ids[0], "timeout", "made up")
     assert nrvna.retry_job(ws, ids[0])[0] == "queued"
     assert not os.path.exists(os.path.join(ws, nrvna.READY, ids[0], "logprobs.json"))
+
+
+def test_a_params_json_a_check_chokes_on_fails_that_job_alone(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = [submit(ws, "plain one"), submit(ws, "constrained", response_format={"type": "json_object"}), submit(ws, "plain two")]
+    plant(ws, "handmade", {"prompt.txt": "x", "params.json": json.dumps({"response_format": schema_format({"type": "string"})})})
+
+    def broken(schema: Any) -> None:
+        raise RuntimeError("a bug in a check")
+
+    monkeypatch.setattr(nrvna, "check_json_schema", broken)
+    monkeypatch.setattr(nrvna, "_CHECKED", {})
+    with serving(ws, echo, workers=1):
+        states = wait_all(ws, ids + ["handmade"])
+    assert states == [Status.Done, Status.Done, Status.Done, Status.Failed]
+    job = Flow(ws).get("handmade")
+    assert job.meta["code"] == "bad_request" and "could not be checked" in job.error and "a bug in a check" in job.error
 
 
 @pytest.mark.model
@@ -2791,6 +2823,59 @@ def test_the_shortlist_suffices_only_where_the_chain_cannot_reach_beyond_it(llam
         assert suffices((False, 3, 0.5, 0.1), 7.6)  # a nucleus that ends at the best token either way
     finally:
         session.close()
+
+
+@pytest.mark.model
+def test_escaped_constants_and_definitions_named_like_rules_come_out_valid(llama: nrvna.LlamaRunner) -> None:
+    """The converter wrote backslashes unescaped and named a $ref's rule by its last segment
+    (a definition "space" reused the primitive rule, a recursive "tree_node" was left raw)."""
+    words = ["a\\b", "line\nbreak", 'say "hi"']
+    schema = {"$defs": {"space": {"enum": words}, "string": {"type": "integer", "minimum": 1, "maximum": 9},
+                        "tree_node": {"type": "object", "properties": {"v": {"$ref": "#/$defs/string"}, "kids": {
+                            "type": "array", "items": {"$ref": "#/$defs/tree_node"}, "maxItems": 2}},
+                            "required": ["v", "kids"], "additionalProperties": False}},
+              "type": "object", "properties": {"s": {"$ref": "#/$defs/space"}, "c": {"const": "x\\y"},
+                                               "t": {"$ref": "#/$defs/tree_node"}},
+              "required": ["s", "c", "t"], "additionalProperties": False}
+
+    def tree(node: Any) -> bool:
+        return (isinstance(node, dict) and set(node) == {"v", "kids"} and type(node["v"]) is int and 1 <= node["v"] <= 9
+                and isinstance(node["kids"], list) and len(node["kids"]) <= 2 and all(map(tree, node["kids"])))
+
+    stopped = 0
+    for seed in range(1, 5):
+        outcome = generate(llama, "Fill in this record as JSON.", seed=seed, temperature=0.8, max_tokens=160,
+                           response_format=schema_format(schema))
+        assert outcome.error_code is None, outcome.error
+        if outcome.finish_reason == "stop":
+            value = json.loads(outcome.text)
+            assert value["s"] in words and value["c"] == "x\\y" and tree(value["t"]), outcome.text
+            stopped += 1
+    assert stopped >= 2
+
+
+@pytest.mark.model
+def test_control_tokens_never_enter_a_constrained_output(llama: nrvna.LlamaRunner) -> None:
+    """The grammar matches a control token by its text, which the result would not hold."""
+    start = llama.tokenize("<|im_start|>", False, True)
+    assert len(start) == 1 and start[0] in llama.control_tokens
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 30, "maxLength": 40}}, "required": ["s"]}
+    outcome = generate(llama, "Write a sentence as JSON.", temperature=0, max_tokens=80,
+                       response_format=schema_format(schema), logit_bias={str(start[0]): 100})
+    assert outcome.finish_reason == "stop", outcome
+    assert 30 <= len(json.loads(outcome.text)["s"]) <= 40
+
+
+@pytest.mark.model
+def test_an_exponentially_ambiguous_grammar_fails_its_job_instead_of_stalling_the_context(
+        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nrvna, "GRAMMAR_STEP_SECONDS", 0.05)
+    x = next(t for t in range(llama.n_vocab) if llama.piece(t) == b"x")
+    grammar = 'root ::= a\na ::= "x" a c | "x" a d | "y"\nc ::= "c"\nd ::= "d"\n'  # the states double at each x
+    nrvna.check_grammar(grammar)  # nothing a static check can refuse
+    outcome = generate(llama, "Write x many times.", grammar=grammar, temperature=0, max_tokens=60, logit_bias={str(x): 100})
+    assert outcome.error_code == "grammar_error" and "too ambiguous" in outcome.error, outcome
+    assert set(outcome.text) == {"x"} and 5 < len(outcome.text) < 40
 
 
 @pytest.mark.model
