@@ -2995,14 +2995,17 @@ def _legacy_logprobs(content: Optional[list[dict[str, Any]]], prompt: str) -> Op
         return None
     decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a character split over tokens counts once
     offsets, offset, tops = [], len(prompt), []
-    for entry in content:
-        offsets.append(offset)
-        offset += len(decoder.decode(bytes(entry["bytes"])))
-        top = {t["token"]: t["logprob"] for t in entry["top_logprobs"]}
-        top.setdefault(entry["token"], entry["logprob"])
-        tops.append(top)
-    return {"tokens": [e["token"] for e in content], "token_logprobs": [e["logprob"] for e in content],
-            "top_logprobs": tops, "text_offset": offsets}
+    try:
+        for entry in content:
+            offsets.append(offset)
+            offset += len(decoder.decode(bytes(entry["bytes"])))
+            top = {t["token"]: t["logprob"] for t in entry["top_logprobs"]}
+            top.setdefault(entry["token"], entry["logprob"])
+            tops.append(top)
+        return {"tokens": [e["token"] for e in content], "token_logprobs": [e["logprob"] for e in content],
+                "top_logprobs": tops, "text_offset": offsets}
+    except (KeyError, TypeError, ValueError):  # a hand-made logprobs.json: exported without them
+        return None
 
 
 def _text_line(job: Job) -> str:
