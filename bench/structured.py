@@ -18,7 +18,6 @@ import argparse
 import glob
 import json
 import os
-import queue
 import shutil
 import statistics
 import subprocess
@@ -27,7 +26,7 @@ import threading
 import time
 
 from common import ROOT, machine, table
-from vs_llama_server import SAMPLING, Daemon, peak_rss_mb, post, start_server
+from vs_llama_server import SAMPLING, Daemon, concurrently, peak_rss_mb, post, start_server
 
 import nrvna
 
@@ -106,34 +105,21 @@ def server_arm(binary: str, model: str, work: list[dict], slots: int) -> dict:
     try:
         post(port, {"messages": [{"role": "user", "content": "warm up"}], "max_tokens": 8,
                     "response_format": RESPONSE_FORMAT})
-        pending: queue.Queue = queue.Queue()
-        for job in work:
-            pending.put(job)
         results, lock = [], threading.Lock()
 
-        def client() -> None:
-            while True:
-                try:
-                    job = pending.get_nowait()
-                except queue.Empty:
-                    return
-                body = dict(SAMPLING, seed=job["seed"], messages=[{"role": "user", "content": job["prompt"]}],
-                            max_tokens=CONSTRAINED_TOKENS if job["constrained"] else FREE_TOKENS)
-                if job["constrained"]:
-                    body["response_format"] = RESPONSE_FORMAT
-                reply = post(port, body)
-                choice = reply["choices"][0]
-                with lock:
-                    results.append({"constrained": job["constrained"], "text": choice["message"]["content"],
-                                    "finish": choice["finish_reason"], "tokens": reply["usage"]["completion_tokens"]})
+        def ask(job: dict) -> None:
+            body = dict(SAMPLING, seed=job["seed"], messages=[{"role": "user", "content": job["prompt"]}],
+                        max_tokens=CONSTRAINED_TOKENS if job["constrained"] else FREE_TOKENS)
+            if job["constrained"]:
+                body["response_format"] = RESPONSE_FORMAT
+            reply = post(port, body)
+            choice = reply["choices"][0]
+            with lock:
+                results.append({"constrained": job["constrained"], "text": choice["message"]["content"],
+                                "finish": choice["finish_reason"], "tokens": reply["usage"]["completion_tokens"]})
 
-        start = time.perf_counter()
-        threads = [threading.Thread(target=client) for _ in range(slots)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return summarize(results, time.perf_counter() - start, peak_rss_mb(proc.pid))
+        elapsed = concurrently(work, slots, ask)
+        return summarize(results, elapsed, peak_rss_mb(proc.pid))
     finally:
         proc.terminate()
         proc.wait()

@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from typing import Any, Callable
 
 from common import PYTHON, ROOT, machine, table
 from inference import prompts, sequential_llama
@@ -78,35 +79,45 @@ def start_server(binary: str, model: str, slots: int, *extra: str) -> tuple[subp
             time.sleep(0.2)
 
 
+def concurrently(items: list, clients: int, handle: Callable[[Any], None]) -> float:
+    """``handle(item)`` for every item, from ``clients`` threads taking them in turn (as
+    concurrent HTTP clients would); the seconds it took."""
+    pending: queue.Queue = queue.Queue()
+    for item in items:
+        pending.put(item)
+
+    def client() -> None:
+        while True:
+            try:
+                item = pending.get_nowait()
+            except queue.Empty:
+                return
+            handle(item)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
+
+
 def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: int, clients: int) -> dict:
     proc, port = start_server(binary, model, slots)
     try:
         body = {"max_tokens": tokens, "ignore_eos": True, **SAMPLING}
         post(port, {**body, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 8})
-        work: queue.Queue = queue.Queue()
-        for text in texts:
-            work.put(text)
         latencies, generated, lock = [], [0], threading.Lock()
 
-        def client() -> None:
-            while True:
-                try:
-                    text = work.get_nowait()
-                except queue.Empty:
-                    return
-                start = time.perf_counter()
-                reply = post(port, {**body, "messages": [{"role": "user", "content": text}]})
-                with lock:
-                    latencies.append(time.perf_counter() - start)
-                    generated[0] += reply["usage"]["completion_tokens"]
+        def ask(text: str) -> None:
+            start = time.perf_counter()
+            reply = post(port, {**body, "messages": [{"role": "user", "content": text}]})
+            with lock:
+                latencies.append(time.perf_counter() - start)
+                generated[0] += reply["usage"]["completion_tokens"]
 
-        start = time.perf_counter()
-        threads = [threading.Thread(target=client) for _ in range(clients)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        elapsed = time.perf_counter() - start
+        elapsed = concurrently(texts, clients, ask)
         assert generated[0] == tokens * len(texts), generated
         return {"tok/s": generated[0] / elapsed, "jobs/s": len(texts) / elapsed,
                 "p50 s": statistics.median(latencies), "rss": peak_rss_mb(proc.pid)}
