@@ -3769,17 +3769,12 @@ class LlamaRunner(Runner):
         return key, text
 
     def _make_grammar(self, kind: str, params: Mapping[str, Any]) -> str:
-        """Check (again: params.json may be hand-made) and, for a schema, convert."""
+        """The GBNF of a grammar job, or its schema converted. (The checks ran at claim: the
+        Processor validates params.json, a hand-made one too, with the submit's checks.)"""
+        if kind == "grammar":
+            return params["grammar"]
         try:
-            if kind == "grammar":
-                check_grammar(params["grammar"])  # llama.cpp loops forever on some grammars it accepts
-                return params["grammar"]
-            schema = params["response_format"]["json_schema"]["schema"]
-            check_json_schema(schema)
-        except InvalidInput as err:
-            raise JobError("bad_request", f"{'response_format: ' if kind != 'grammar' else ''}{err}") from None
-        try:
-            text = schema_to_grammar(schema)
+            text = schema_to_grammar(params["response_format"]["json_schema"]["schema"])
         except Exception as err:  # the converter's own assertions: a gap in check_json_schema
             raise JobError("bad_request", f"response_format: the schema could not be converted: {err!r}") from None
         self.conversions += 1
@@ -4201,7 +4196,7 @@ class LlamaSession(Session):
             if seq.penalty is not None:
                 seq.penalty.apply(logits)
             token = L.llama_sampler_sample(seq.sampler, self.ctx, index)
-            began = time.monotonic()
+            began = time.monotonic() if seq.grammar is not None else 0.0
             if seq.grammar is not None and not self._allowed(seq.grammar, token):
                 token = self._resample(seq, logits)
                 if token < 0:
