@@ -76,6 +76,7 @@ if TYPE_CHECKING:  # annotations are strings at run time: importing typing costs
 # Settings and job parameters: one table each (SETTINGS, PARAMS) drives validation, flags, help and the README
 ##############################################################################
 
+# A setting's type, default, range (low, high; for a str setting, low is its choices or None) and help.
 _Setting = namedtuple("_Setting", "env kind default low high help")
 
 
@@ -90,6 +91,9 @@ def cpu_count() -> int:
     except (AttributeError, OSError):
         return os.cpu_count() or 1
 
+
+LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
+POOLINGS = ("model", "mean", "cls", "last", "none")  # llama.cpp's pooling types, by name
 
 # Every NRVNA_* variable: parsing, validation, `--help` and the README's table come from here.
 # A setting named like a job parameter (max_tokens, temperature...) is that parameter's default.
@@ -112,9 +116,10 @@ SETTINGS: dict[str, _Setting] = {
     "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
     "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
     "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
-    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace"),
+    "pooling": _Setting("NRVNA_POOLING", str, "model", POOLINGS, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)"),
+    "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1, "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
+    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", LOG_LEVELS, None, "error, warn, info, debug or trace"),
 }
-LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
 
 
 class Config:
@@ -164,10 +169,10 @@ def _check_setting(name: str, value: Any) -> Any:
     if name == "log_level":
         level = str(value).lower()
         level = "warn" if level == "warning" else level
-        if level not in LOG_LEVELS:
-            raise ConfigError(f"{setting.env}={value!r} is not one of {', '.join(LOG_LEVELS)}")
-        return level
+        value = level
     if setting.kind is str:
+        if setting.low is not None and value not in setting.low:
+            raise ConfigError(f"{setting.env}={value!r} is not one of {', '.join(setting.low)}")
         return str(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{setting.env}={value!r} is not {_describe(setting)}")
@@ -194,7 +199,8 @@ def setting_default(name: str) -> Any:
 
 class Param(namedtuple("Param", "kind low high default flag openai line help read", defaults=(None,))):
     """One per-job parameter: its type (``int``, ``float``, ``str``, ``bool``, ``list`` of
-    strings, ``"messages"``, ``"response_format"`` or ``"logit_bias"``) and limits; its
+    strings, ``"messages"``, ``"response_format"``, ``"logit_bias"``, ``"input"`` (texts to
+    embed) or a tuple of the strings it may be) and limits; its
     default (a literal, or None: the daemon's setting of the same name in SETTINGS, else
     unset); its ``submit`` flag (None: none); the OpenAI Batch body fields that carry it (a
     later one wins); whether nrvna's JSONL lines may carry it; its help line; and how the
@@ -277,6 +283,10 @@ PARAMS: dict[str, Param] = {
     "grammar": Param(str, 0, 1 << 18, None, "--grammar", ("grammar",), True, "constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file", ("FILE", _read_text_file)),
     "logprobs": Param(bool, None, None, False, "--logprobs", ("logprobs",), True, "record each generated token's log-probability (get --json, export)"),
     "top_logprobs": Param(int, 0, 20, None, "--top-logprobs", ("top_logprobs",), True, "with logprobs: also the N most likely tokens at each step"),
+    "embed": Param(bool, None, None, False, "--embed", (), True, "embed the input instead of generating: a vector per text (the result holds one JSON array per text, one per line)"),
+    "input": Param("input", 1, 2048, None, None, ("input",), True, "with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
+    "dimensions": Param(int, 1, 1 << 16, None, "--dimensions", ("dimensions",), True, "with embed: keep each vector's first N values (normalized again): for models trained for it (Matryoshka)"),
+    "encoding_format": Param(("float", "base64"), None, None, "float", None, ("encoding_format",), True, "with embed: how export --format openai writes the vectors (base64: little-endian float32)"),
     "system": Param(str, 0, 1 << 20, None, "--system", (), True, "a system message for the chat template"),
     "raw": Param(bool, None, None, False, "--raw", (), True, "send the prompt as is, without the chat template"),
     "timeout": Param(float, 0.001, 1e7, None, "--timeout", (), True, "seconds of generation before the job fails with code timeout, keeping its partial text"),
@@ -286,6 +296,9 @@ PARAMS: dict[str, Param] = {
     "endpoint": Param(str, 0, 32, None, None, (), False, "the OpenAI Batch url a job came from: export answers in its shape"),
 }
 ROLES = ("system", "user", "assistant")
+# The parameters an embed job may carry (every other one is about generating); those only it may.
+EMBED_PARAMS = frozenset({"embed", "input", "dimensions", "encoding_format", "timeout", "custom_id", "tag", "endpoint"})
+EMBED_ONLY = ("input", "dimensions", "encoding_format")
 # Flags that set a job parameter to a fixed value: flag -> (parameter, value, help).
 FLAG_SHORTHANDS = {"--json": ("response_format", {"type": "json_object"}, "constrain the output to a JSON object "
                                                                           "(response_format json_object)")}
@@ -345,6 +358,37 @@ def check_combination(params: Mapping[str, Any]) -> None:
                            "where the output ends (a stop string inside a JSON value would cut it short)")
     if params.get("top_logprobs") is not None and not params.get("logprobs"):
         raise InvalidInput("top_logprobs needs logprobs: true")
+    if params.get("endpoint") and (params["endpoint"] == "/v1/embeddings") != bool(params.get("embed")):
+        raise InvalidInput("endpoint /v1/embeddings goes with embed jobs only")
+    if params.get("embed"):
+        for key, value in params.items():
+            if key not in EMBED_PARAMS and value != PARAMS[key].default:
+                raise InvalidInput(f"an embed job takes no {key} (it generates nothing)")
+    else:
+        for key in EMBED_ONLY:
+            if params.get(key, PARAMS[key].default) != PARAMS[key].default:
+                raise InvalidInput(f"{key} is for embed jobs (give embed: true, or submit --embed)")
+
+
+def check_inputs(texts: Any, limit: int = 2048) -> list[str]:
+    """An embed job's texts: 1 to ``limit`` non-empty strings (OpenAI's limit is 2048)."""
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list) or not 1 <= len(texts) <= limit:
+        raise InvalidInput(f"input must be a string or a list of 1 to {limit} strings")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            kind = "token IDs" if isinstance(text, (int, list)) else "not a string"
+            raise InvalidInput(f"input[{i}] is {kind}: send text (token arrays are not supported)")
+        if not text.strip():
+            raise InvalidInput(f"input[{i}] is empty")
+        _check_text(f"input[{i}]", text)
+    return texts
+
+
+def render_inputs(texts: list[str]) -> str:
+    """An embed job's texts as text a person can read (what prompt.txt holds for a list)."""
+    return "\n\n".join(f"[input {i}]\n{text}" for i, text in enumerate(texts)) + "\n"
 
 
 # Schemas and grammars already checked in this process (a batch file repeats one schema on
@@ -387,6 +431,11 @@ def _check_param(key: str, param: Param, value: Any) -> Any:
         value = _check_response_format(value, high)
     elif kind == "logit_bias":
         value = _check_logit_bias(value, low, high)
+    elif kind == "input":
+        value = check_inputs(value, high)
+    elif isinstance(kind, tuple):
+        if value not in kind:
+            raise InvalidInput(f"parameter {key} must be one of {', '.join(kind)}")
     else:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF, -_INF):
             raise InvalidInput(f"parameter {key} must be a finite number")
@@ -518,6 +567,10 @@ def _describe_param(param: Param) -> str:
         return "object (OpenAI's)"
     if param.kind == "logit_bias":
         return f"object, biases {param.low:g} to {param.high:g}"
+    if param.kind == "input":
+        return f"list of {param.low} to {param.high} strings"
+    if isinstance(param.kind, tuple):
+        return " or ".join(f"`{choice}`" for choice in param.kind)
     return f"list of up to {param.high} " + ("strings" if param.kind is list else "{role, content}")
 
 
@@ -2068,7 +2121,8 @@ class Work:
             return SubmitResult(False, "", f"cannot queue job: {_os_error(err)}")
 
     def publish(self, prompt: Any, **params: Any) -> str:
-        """Queue a prompt and return its ID; raise NrvnaError/OSError on failure.
+        """Queue a prompt and return its ID; raise NrvnaError/OSError on failure. With
+        ``embed=True`` the prompt is a text to embed, or a list of them (a vector each).
 
         Order (each step fsynced before the next): staging dir with prompt.txt and
         params.json -> rename into input/ready/ -> fsync input/ready/ and input/writing/.
@@ -2076,6 +2130,12 @@ class Work:
         """
         import json
 
+        if "input" in params:
+            raise InvalidInput("give the texts to embed as the prompt: publish([text, ...], embed=True)")
+        if isinstance(prompt, (list, tuple)):  # texts to embed
+            if not params.get("embed"):
+                raise InvalidInput("a list of texts is for embed jobs: give embed=True")
+            prompt, params = _embed_input(check_inputs(list(prompt), PARAMS["input"].high), dict(params))
         data = check_prompt(prompt, setting_default("max_prompt_bytes"))
         clean = validate_params(params)
         ensure_workspace(self.workspace)
@@ -2167,7 +2227,10 @@ class Work:
         defaults = validate_params(defaults)
         if tag is not None:
             validate_params({"tag": tag})
-        entries = [BatchEntry(e.line, e.prompt, {**defaults, **e.params}) for e in entries]
+        # The flags' generation parameters are defaults for the file's generation lines only.
+        embed_defaults = {k: v for k, v in defaults.items() if k in EMBED_PARAMS}
+        entries = [BatchEntry(e.line, e.prompt, {**(embed_defaults if e.params.get("embed") else defaults), **e.params})
+                   for e in entries]
         if defaults:  # a line's own parameters were checked alone: check them with the defaults
             for entry in entries:
                 try:
@@ -2431,16 +2494,24 @@ class Flow:
             delay = min(delay * 1.5, 0.1)
 
     def export(self, out: Any, ids: Iterable[str] = (), tag: Optional[str] = None, format: str = "jsonl",
-               errors: Any = None) -> tuple[int, int]:
+               errors: Any = None, notes: Optional[list[str]] = None) -> tuple[int, int]:
         """Write one line per finished job, in submission order, in ``format`` (a key of
         EXPORT_FORMATS) to ``out``, and failed jobs' lines to ``errors`` if given. Each is a
         text stream or a path (``-`` is stdout; a file is written whole or not at all: see
         ``_Output`` for the policy). Return
         (lines written, unfinished jobs left out). Memory stays flat: one job at a time, and
-        with a tag alone one chunk of its index."""
+        with a tag alone one chunk of its index.
+
+        A binary format (``f32``) needs ``out`` to be a path: it writes the rows there and
+        their side file to ``out + ".ids"`` (both whole or not at all); failed jobs, which have
+        no rows, go to ``errors`` as jsonl lines, or are left out (counted in ``notes``)."""
         if format not in EXPORT_FORMATS:
             raise InvalidInput(f"unknown export format {format!r} (known: {', '.join(EXPORT_FORMATS)})")
-        line_of = EXPORT_FORMATS[format].line
+        form = EXPORT_FORMATS[format]
+        line_of = form.line
+        binary = form.side is not None
+        if binary and not (isinstance(out, (str, os.PathLike)) and os.fspath(out) not in ("", "-")):
+            raise InvalidInput(f"export --format {format} needs -o FILE (it writes FILE and FILE.ids)")
         ids = list(ids)
         if tag is not None and not ids:  # stream the tag's index: memory does not grow with the batch
             require_workspace(self.workspace)
@@ -2452,11 +2523,14 @@ class Flow:
         if len(paths) == 2 and paths[0] != "-" and os.path.realpath(paths[0]) == os.path.realpath(paths[1]):
             raise InvalidInput(f"the output and the errors file are the same file ({paths[0]})")
         targets: list[Any] = []
-        unfinished = exported = 0
+        unfinished = exported = left_out = 0
         unreadable: list[str] = []
         try:
             for target in (out, errors):
-                targets.append(_Output(target) if isinstance(target, (str, os.PathLike)) else target)
+                targets.append(_Output(target, binary and not targets) if isinstance(target, (str, os.PathLike))
+                               else target)
+            if binary:
+                targets.append(_Output(os.fspath(out) + ".ids"))
             for job_id in selected:
                 try:
                     job = self.get(job_id)
@@ -2468,8 +2542,16 @@ class Flow:
                 if not job.status.finished:
                     unfinished += 1
                     continue
+                if binary and job.status is Status.Failed:
+                    if targets[1] is None:
+                        left_out += 1
+                    else:
+                        targets[1].write(EXPORT_FORMATS["jsonl"].line(job))
+                    continue
                 target = targets[1] if targets[1] is not None and job.status is Status.Failed else targets[0]
                 target.write(line_of(job))
+                if binary:
+                    targets[2].write(form.side(job))
                 exported += 1
             for target in targets:
                 if isinstance(target, _Output):
@@ -2484,6 +2566,8 @@ class Flow:
                     except OSError:
                         pass  # the next target's temporary file must go too
             raise
+        if left_out and notes is not None:
+            notes.append(f"{left_out} failed jobs have no vectors and were left out (--errors FILE lists them)")
         if unreadable:
             raise WorkspaceError(f"{len(unreadable)} jobs could not be read (permission denied: {unreadable[0]}"
                                  f"{', ...' if len(unreadable) > 1 else ''}); the other {exported} were exported")
@@ -2869,6 +2953,13 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
     for key in params:
         if key in PARAMS and not PARAMS[key].line:
             raise InvalidInput(f"unknown field {key!r} (tags are given with --tag)")
+    embed = params.get("embed")
+    if isinstance(embed, (str, list)) or (embed is True and "input" in params):
+        # {"embed": "text" | ["text", ...]} (or {"embed": true, "input": [...]}): texts to embed
+        if {"prompt", "messages"} & set(params) or (embed is not True and "input" in params):
+            raise InvalidInput("give the texts to embed once: in embed, or as input with embed: true")
+        params["embed"] = True
+        return _embed_input(check_inputs(params.pop("input", embed), PARAMS["input"].high), params)
     prompt, messages = params.pop("prompt", None), params.get("messages")
     if (prompt is None) == (messages is None):
         raise InvalidInput("give exactly one of prompt or messages")
@@ -2880,9 +2971,19 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
     return prompt, params
 
 
+def _embed_input(texts: list[str], params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(prompt text, params) of an embed job: one text is the prompt itself; several are
+    params' ``input``, and the prompt is their rendering."""
+    if len(texts) == 1:
+        return texts[0], params
+    params["input"] = texts
+    return render_inputs(texts), params
+
+
 class Endpoint(namedtuple("Endpoint", "input raw object id_prefix")):
-    """An OpenAI Batch ``url`` nrvna serves: the body field holding the input (``messages``
-    or ``prompt``), whether the prompt skips the chat template, and the response object."""
+    """An OpenAI Batch ``url`` nrvna serves: the body field holding the input (``messages``,
+    ``prompt`` or ``input``: texts to embed), whether the prompt skips the chat template, and
+    the response object."""
 
     __slots__ = ()
 
@@ -2891,6 +2992,7 @@ class Endpoint(namedtuple("Endpoint", "input raw object id_prefix")):
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": Endpoint("messages", False, "chat.completion", "chatcmpl-"),
     "/v1/completions": Endpoint("prompt", True, "text_completion", "cmpl-"),
+    "/v1/embeddings": Endpoint("input", False, "list", ""),
 }
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
 OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "model": "ignored (the daemon's model answers)",
@@ -2926,6 +3028,14 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
         notes.append(f"body.model ({body['model']!r}) is ignored: the daemon's model answers")
     endpoint = ENDPOINTS[url]
     params: dict[str, Any] = {"custom_id": obj["custom_id"], "endpoint": url}
+    if endpoint.input == "input":  # /v1/embeddings
+        if {"prompt", "messages"} & set(body) or "input" not in body:
+            raise InvalidInput(f"a {url} body needs input (a string or a list of strings), and no prompt or messages")
+        params["embed"] = True
+        for field, name in OPENAI_FIELDS.items():
+            if field in body and field != "input":
+                params[name] = body[field]
+        return _embed_input(check_inputs(body["input"], PARAMS["input"].high), params)
     for field, name in OPENAI_FIELDS.items():  # in table order: max_completion_tokens wins over max_tokens
         if field in body and field != endpoint.input:
             value = body[field]
@@ -2951,13 +3061,54 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
     return render_messages(params["messages"]), params
 
 
+def job_vectors(job: Job) -> list[list[float]]:
+    """A done embed job's vectors, one per text, from its result (one JSON array per line)."""
+    import json
+
+    try:
+        vectors = [json.loads(line) for line in (job.result or "").splitlines() if line.strip()]
+    except ValueError:
+        vectors = None
+    if not vectors or not all(isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)
+                              for v in vectors):
+        raise WorkspaceError(f"job {job.id}: result.txt does not hold its vectors (one JSON array of numbers per line)")
+    return vectors
+
+
+def _float32_bytes(vector: list[float]) -> bytes:
+    """A vector as little-endian float32 (OpenAI's base64 embeddings, export --format f32)."""
+    import array
+
+    row = array.array("f", vector)
+    if sys.byteorder == "big":
+        row.byteswap()
+    return row.tobytes()
+
+
 def _jsonl_record(job: Job) -> dict[str, Any]:
-    record = {"id": job.id, "custom_id": (job.params or {}).get("custom_id"), "status": job.status.value,
-              "prompt": job.prompt, "result": job.result, "error": job.error.rstrip("\n") if job.error else None,
-              "meta": job.meta}
+    params = job.params or {}
+    embedded = job.status is Status.Done and params.get("embed")
+    record = {"id": job.id, "custom_id": params.get("custom_id"), "status": job.status.value,
+              "prompt": job.prompt, "result": None if embedded else job.result,
+              "error": job.error.rstrip("\n") if job.error else None, "meta": job.meta}
+    if embedded:
+        record["embeddings"] = job_vectors(job)
     if job.logprobs is not None:
         record["logprobs"] = job.logprobs
     return record
+
+
+def _embeddings_body(job: Job) -> dict[str, Any]:
+    """Exactly OpenAI's embeddings response body."""
+    import base64
+
+    tokens = int(job.meta.get("prompt_tokens") or 0)
+    as_text = (job.params or {}).get("encoding_format") == "base64"
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(_float32_bytes(vector)).decode("ascii") if as_text else vector}
+            for i, vector in enumerate(job_vectors(job))]
+    return {"object": "list", "data": data, "model": job.meta.get("model"),
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def _openai_record(job: Job) -> dict[str, Any]:
@@ -2966,6 +3117,10 @@ def _openai_record(job: Job) -> dict[str, Any]:
     if job.status is not Status.Done:
         line["response"] = None
         line["error"] = {"code": meta.get("code") or "failed", "message": (job.error or "").rstrip("\n")}
+        return line
+    if params.get("embed"):
+        line["response"] = {"status_code": 200, "request_id": job.id, "body": _embeddings_body(job)}
+        line["error"] = None
         return line
     prompt_tokens, completion_tokens = int(meta.get("prompt_tokens") or 0), int(meta.get("generated_tokens") or 0)
     finish_reason = meta.get("finish_reason") if meta.get("finish_reason") in ("stop", "length") else "stop"
@@ -3019,9 +3174,21 @@ def _json_line(record: Callable[[Job], dict[str, Any]]) -> Callable[[Job], str]:
     return lambda job: json.dumps(record(job), ensure_ascii=False) + "\n"
 
 
-class ExportFormat(namedtuple("ExportFormat", "record line help")):
-    """An export format: the job as a JSON record (None for plain text), the job as the
-    line written, and its help."""
+def _f32_rows(job: Job) -> bytes:
+    if not (job.params or {}).get("embed"):
+        raise InvalidInput(f"job {job.id} is not an embed job: --format f32 exports embed jobs' vectors only")
+    return b"".join(_float32_bytes(vector) for vector in job_vectors(job))
+
+
+def _f32_ids(job: Job) -> str:
+    custom_id = (job.params or {}).get("custom_id") or ""
+    return "".join(f"{job.id}\t{custom_id}\t{i}\n" for i in range(len(job_vectors(job))))
+
+
+class ExportFormat(namedtuple("ExportFormat", "record line help side", defaults=(None,))):
+    """An export format: the job as a JSON record (None for plain text), the job as what is
+    written (bytes for a binary format), its help, and for a binary format the lines of its
+    side file (``FILE.ids``: what each row is)."""
 
     __slots__ = ()
 
@@ -3033,6 +3200,9 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {
     "openai": ExportFormat(_openai_record, _json_line(_openai_record),
                            "exactly an OpenAI Batch output line (a chat.completion or text_completion body)"),
     "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line"),
+    "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
+                        "text (needs -o FILE; FILE.ids says each row's job ID, custom_id and input index, "
+                        "tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
 }
 
 
@@ -3060,11 +3230,12 @@ class _Output:
       export must never replace a job, the queue or the workspace lock.
     """
 
-    def __init__(self, path: Any) -> None:
+    def __init__(self, path: Any, binary: bool = False) -> None:
         path = os.fspath(path)
         self.temp: Optional[str] = None
+        suffix, encoding = ("b", None) if binary else ("", "utf-8")
         if path == "-":
-            self.handle, self.path, self.through = sys.stdout, "-", True
+            self.handle, self.path, self.through = (sys.stdout.buffer if binary else sys.stdout), "-", True
             return
         if not path:
             raise InvalidInput("an output path is empty (use - for standard output)")
@@ -3083,7 +3254,7 @@ class _Output:
         self.through = (mode is not None and not stat.S_ISREG(mode)) or (
             os.path.abspath(path).startswith("/dev/") or self.path.startswith("/proc/"))
         if self.through:
-            self.handle = open(path, "a", encoding="utf-8")
+            self.handle = open(path, "a" + suffix, encoding=encoding)
             return
         folder, name = os.path.split(self.path)
         for _ in range(100):
@@ -3099,21 +3270,21 @@ class _Output:
         try:
             if mode is not None:
                 os.fchmod(fd, stat.S_IMODE(mode))
-            self.handle = open(fd, "w", encoding="utf-8", closefd=True)
+            self.handle = open(fd, "w" + suffix, encoding=encoding, closefd=True)
         except BaseException:
             os.close(fd)
             _unlink_quietly(temp, None)
             raise
 
-    def write(self, text: str) -> None:
-        """Append ``text``."""
+    def write(self, text: Any) -> None:
+        """Append ``text`` (bytes for a binary output)."""
         try:
             self.handle.write(text)
         except BrokenPipeError:
             self._reader_gone()
 
     def _reader_gone(self) -> None:
-        if self.handle is sys.stdout:
+        if self.path == "-":
             raise BrokenPipeError  # `nrvna export ... | head`: main() exits quietly
         raise WorkspaceError(f"{self.path}: its reader went away (broken pipe); the export is incomplete") from None
 
@@ -3122,7 +3293,7 @@ class _Output:
         if self.temp is None:
             try:
                 self.handle.flush()
-                if self.handle is not sys.stdout:
+                if self.path != "-":
                     self.handle.close()
             except BrokenPipeError:
                 self._reader_gone()
@@ -3140,7 +3311,7 @@ class _Output:
 
     def abort(self) -> None:
         """Drop the temporary file (the target is untouched); nothing after a commit."""
-        if self.handle is not sys.stdout and not self.handle.closed:
+        if self.path != "-" and not self.handle.closed:
             try:
                 self.handle.close()  # flushes what is buffered, which may fail again
             except OSError:
@@ -3346,6 +3517,14 @@ GRAMMAR_TEMPLATES = 16
 SHORTLIST = 4096
 # A constrained job whose grammar takes longer than this for one token fails (grammar_error).
 GRAMMAR_STEP_SECONDS = 0.5
+# Architectures that only embed (llama.cpp's encoder-only ones): no generation jobs.
+ENCODER_ARCHS = frozenset({"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "neo-bert",
+                           "modern-bert", "eurobert", "t5encoder"})
+POOLING_CODES = ("none", "mean", "cls", "last", "rank")  # llama_pooling_type's values, by name
+# Texts an embedding context takes in one decode at most (one sequence each), and embed jobs
+# a worker holds at once.
+EMBED_SEQS = 64
+EMBED_JOBS = 64
 # A context has room for this many jobs of the full per-job length (NRVNA_MAX_CTX / this);
 # sequences beyond it run only while the jobs' own budgets leave room (LlamaSession.free).
 FULL_LENGTH_SEQS = 8
@@ -3560,6 +3739,21 @@ class LlamaRunner(Runner):
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.train_ctx = L.llama_model_n_ctx_train(self.model)
+        self.n_embd = L.llama_model_n_embd_out(self.model) or L.llama_model_n_embd(self.model)
+        self.arch = self.meta("general.architecture") or "unknown"
+        model_pooling = self.meta(f"{self.arch}.pooling_type")
+        # An embedding model: one whose GGUF names a pooling type, or an encoder's architecture.
+        self.embedding_only = model_pooling is not None or self.arch in ENCODER_ARCHS
+        if config.pooling != "model":
+            self.pooling = config.pooling
+        elif model_pooling is not None and model_pooling.isdigit() and int(model_pooling) < len(POOLING_CODES):
+            self.pooling = POOLING_CODES[int(model_pooling)]  # "rank" (rerankers) embeds nothing here
+        else:
+            self.pooling = "none"
+        if self.embedding_only and self.pooling not in ("mean", "cls", "last"):
+            L.llama_model_free(self.model)
+            raise ModelError(f"model {model_path} is an embedding model ({self.arch}), and its pooling is "
+                             f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
         self._pieces: dict[int, bytes] = {}
         self._formatter = self._chat_formatter()
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
@@ -3577,6 +3771,18 @@ class LlamaRunner(Runner):
         self._sessions: list[LlamaSession] = []
         self._wide: Optional[_CallThread] = None
         self._wide_lock = threading.Lock()  # held while a decode with borrowed threads runs
+
+    def meta(self, key: str) -> Optional[str]:
+        """A GGUF metadata value as text, or None if the model has no such key."""
+        size = 256
+        while True:
+            buf = self._char_array(size)
+            count = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, size)
+            if count < 0:
+                return None
+            if count < size:
+                return buf.value.decode("utf-8", "replace")
+            size = count + 1
 
     def decode_wide(self, ctx: Any, batch: Any) -> int:
         """``llama_decode`` on the runner's one thread for decodes with borrowed threads.
@@ -3943,8 +4149,17 @@ class LlamaSession(Session):
         per_seq = max(64, (config or runner.config).max_ctx // full)
         if runner.train_ctx > 0:
             per_seq = min(per_seq, runner.train_ctx)
+        self.config = config or runner.config
+        self.ctx_per_seq = per_seq  # enforced here: a unified cache would let one sequence take all
+        self.embedder: Optional[_Embedder] = None  # made when the first embed job arrives
+        self.threads = self.base_threads = threads
+        self.cells = per_seq * full
+        if runner.embedding_only:  # no generation context: generation jobs fail at start()
+            self.ctx = None
+            self.slots: list[Optional[_Sequence]] = []
+            return
         params = L.llama_context_default_params()
-        params.n_ctx = self.cells = per_seq * full
+        params.n_ctx = self.cells
         params.n_batch = n_batch
         params.n_ubatch = n_batch
         params.n_seq_max = seqs
@@ -3963,12 +4178,10 @@ class LlamaSession(Session):
         self.memory = L.llama_get_memory(self.ctx)
         self.n_batch = n_batch
         self.batch = L.llama_batch_init(n_batch, 0, 1)
-        self.ctx_per_seq = per_seq  # enforced here: a unified cache would let one sequence take all
-        self.slots: list[Optional[_Sequence]] = [None] * seqs
+        self.slots = [None] * seqs
         self.held: list[list[int]] = [[] for _ in range(seqs)]  # tokens cached in each free slot
         self.reuse = bool(runner.config.prefix_cache)
         self.reused_tokens = 0
-        self.threads = self.base_threads = threads
         self.trimmed = False  # idle() has trimmed the held cells since the last job started
         self.last_kept: Optional[int] = None  # the slot whose job ended last, cells kept whole
         self.templates: dict[Any, Any] = {}  # grammar key -> a parsed grammar sampler, cloned per job (LRU)
@@ -3986,7 +4199,9 @@ class LlamaSession(Session):
         """Decode with ``threads`` CPU threads from the next step on (a setting of the
         context: nothing is reallocated)."""
         if threads != self.threads:
-            self.L.llama_set_n_threads(self.ctx, threads, threads)
+            for ctx in (self.ctx, self.embedder and self.embedder.ctx):
+                if ctx:
+                    self.L.llama_set_n_threads(ctx, threads, threads)
             self.threads = threads
 
     def free(self) -> int:
@@ -3999,9 +4214,12 @@ class LlamaSession(Session):
         cache never overflows (a failed decode would fail every job in it), and a batch of
         short jobs fills every slot.
         """
+        embed = EMBED_JOBS - (len(self.embedder.jobs) if self.embedder is not None else 0)
+        if self.ctx is None:
+            return embed
         slots = sum(1 for s in self.slots if s is None)
         room = self.cells - sum(s.budget for s in self.slots if s is not None)
-        return min(slots, room // self.ctx_per_seq)
+        return min(slots, room // self.ctx_per_seq, embed)
 
     def idle(self) -> None:
         """No job in flight: of the cells finished jobs left, keep the last job's whole and
@@ -4015,6 +4233,8 @@ class LlamaSession(Session):
         turn, or the same prompt again, starts with all of them (and the next job that shares
         no more with any slot than the common prefix takes that slot, freeing its tail).
         """
+        if self.ctx is None:
+            return
         held = [i for i, tokens in enumerate(self.held) if tokens]
         if self.trimmed or len(held) < 2 or any(s is not None for s in self.slots):
             return
@@ -4030,11 +4250,18 @@ class LlamaSession(Session):
                 self.held[i] = self.held[i][:keep]
 
     def active(self) -> list[RunningJob]:
-        """The jobs generating in this context."""
-        return [s.job for s in self.slots if s is not None]
+        """The jobs generating in this context, then the embed jobs."""
+        embedding = [e.job for e in self.embedder.jobs] if self.embedder is not None else []
+        return [s.job for s in self.slots if s is not None] + embedding
 
     def start(self, job: RunningJob) -> None:
         """Take ``job`` into a free slot; raise JobError if its prompt cannot run here."""
+        if job.params.get("embed"):
+            self._embedder().start(job)
+            return
+        if self.ctx is None:
+            raise JobError("unsupported", f"the model is an embedding model ({self.runner.arch}): it serves "
+                                          "embed jobs only (submit --embed)")
         tokens = self.runner.tokens(job)
         if len(tokens) >= self.ctx_per_seq:
             holder = "the context holds" if len(self.slots) == 1 else "a sequence holds"
@@ -4059,6 +4286,23 @@ class LlamaSession(Session):
                      job_param(job.params, "top_p", config), job_param(job.params, "min_p", config))
         self._attach(seq, own=_common_prefix(self.held[slot], tokens) if self.reuse else 0)
         self._make_room()
+
+    def _embedder(self) -> "_Embedder":
+        """The worker's embedding context, made on first use."""
+        if self.runner.pooling not in ("mean", "cls", "last"):
+            raise JobError("unsupported", f"the model cannot embed with pooling {self.runner.pooling} (its GGUF "
+                                          "names no pooling type): start the daemon with NRVNA_POOLING=mean, cls "
+                                          "or last to embed with it")
+        if self.embedder is None:
+            self.embedder = _Embedder(self.runner, self.threads, self.ctx_per_seq, max(self.config.batch, self.ctx_per_seq))
+        return self.embedder
+
+    def _decode(self, ctx: Any, batch: Any) -> int:
+        """``llama_decode`` with this worker's threads, or on the runner's thread for borrowed ones."""
+        if self.threads > self.base_threads:  # borrowed threads: see LlamaRunner.decode_wide
+            return self.runner.decode_wide(ctx, batch)
+        self.runner.wait_wide()
+        return self.L.llama_decode(ctx, batch)
 
     def _grammar(self, params: Mapping[str, Any]) -> Any:
         """A grammar sampler of the job's own (None when its output is free): cloned from
@@ -4147,7 +4391,15 @@ class LlamaSession(Session):
         self.reused_tokens += computed
 
     def step(self) -> list[tuple[RunningJob, Outcome]]:
-        """One ``llama_decode`` for every job; return the jobs that ended, with outcomes."""
+        """One ``llama_decode`` for every generating job and one for texts of embed jobs;
+        return the jobs that ended, with outcomes."""
+        ended = self._generate() if self.ctx is not None else []
+        if self.embedder is not None and self.embedder.jobs:
+            ended += self.embedder.step(self._decode)
+        return ended
+
+    def _generate(self) -> list[tuple[RunningJob, Outcome]]:
+        """One ``llama_decode`` for every generating job; return those that ended."""
         L, batch = self.L, self.batch
         ended = [self._end(seq, error=seq.job.interrupt) for seq in self.slots
                  if seq is not None and seq.job.interrupt is not None]  # cancelled, timed out
@@ -4179,11 +4431,7 @@ class LlamaSession(Session):
         batch.n_tokens = n
         if n == 0:
             return ended
-        if self.threads > self.base_threads:  # borrowed threads: see LlamaRunner.decode_wide
-            code = self.runner.decode_wide(self.ctx, batch)
-        else:
-            self.runner.wait_wide()
-            code = L.llama_decode(self.ctx, batch)
+        code = self._decode(self.ctx, batch)
         if code != 0:
             # The batch is shared by every sequence in it: they cannot be told apart.
             message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
@@ -4424,19 +4672,164 @@ class LlamaSession(Session):
         for seq in self.slots:
             if seq is not None and seq.job is job:
                 self._release(seq, keep=False)
+        if self.embedder is not None:
+            self.embedder.drop(job)
 
     def close(self) -> None:
-        """Free the context, its batch and every sampler."""
+        """Free the contexts, their batches and every sampler."""
+        if self.embedder is not None:
+            self.embedder.close()
         for seq in self.slots:
             if seq is not None:
                 self._release(seq, keep=False)
-        for template in self.templates.values():
-            self.L.llama_sampler_free(template)
-        self.templates.clear()
+        if self.ctx:
+            for template in self.templates.values():
+                self.L.llama_sampler_free(template)
+            self.templates.clear()
+            self.L.llama_batch_free(self.batch)
+            self.L.llama_free(self.ctx)
+            self.ctx = None
+
+
+class _Embedding:
+    """One embed job in a worker's embedding context: its texts as tokens, and a vector
+    line for each text embedded so far."""
+
+    __slots__ = ("job", "tokens", "lines", "next", "done", "dimensions")
+
+    def __init__(self, job: RunningJob, tokens: list[list[int]], dimensions: Optional[int]) -> None:
+        self.job = job
+        self.tokens = tokens
+        self.lines: list[str] = [""] * len(tokens)
+        self.next = 0  # the first text not yet in a decode
+        self.done = 0
+        self.dimensions = dimensions
+
+
+class _Embedder:
+    """A worker's embedding context: the model's pooled vectors, many texts per decode.
+
+    A context of its own (``embeddings`` on, the runner's pooling), made when the worker's
+    first embed job arrives, never shared between threads. Each decode packs texts of the
+    queued embed jobs, in order, as sequences of their own (up to EMBED_SEQS texts and
+    ``pack`` tokens; one longer text alone). A text must fit one micro-batch: a non-causal
+    model (BERT) attends over the whole text at once, so the micro-batch is as large as the
+    longest text allowed (``limit``); a longer text fails its job alone (context_overflow).
+    """
+
+    def __init__(self, runner: LlamaRunner, threads: int, limit: int, pack: int) -> None:
+        L = self.L = runner.L
+        self.runner = runner
+        self.limit = limit
+        self.pack = pack
+        params = L.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = pack
+        params.n_seq_max = EMBED_SEQS
+        params.n_threads = params.n_threads_batch = threads
+        params.embeddings = True
+        params.pooling_type = POOLING_CODES.index(runner.pooling)
+        params.kv_unified = True  # else each sequence gets pack / EMBED_SEQS cells
+        # Flash attention's CPU kernel makes a text's vector depend on its batch-mates (cosine
+        # 0.99988 to the same text alone, measured on SmolLM2); without it, 0.999996 or better.
+        params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.no_perf = True
+        self.ctx = L.llama_init_from_model(runner.model, params)
+        if not self.ctx:
+            raise JobError("model_error", f"cannot create an embedding context of {pack} tokens (out of memory? "
+                                          "lower NRVNA_MAX_CTX or NRVNA_BATCH)")
+        self.memory = L.llama_get_memory(self.ctx)  # None for models without a KV cache (BERT)
+        self.batch = L.llama_batch_init(pack, 0, 1)
+        self.normalize = bool(runner.config.embed_normalize)
+        self.jobs: list[_Embedding] = []
+
+    def start(self, job: RunningJob) -> None:
+        """Queue ``job``'s texts; raise JobError if one cannot be embedded here."""
+        texts = job.params.get("input") or [job.prompt]
+        tokens = [self.runner.tokenize(text, add_special=True, special=False) for text in texts]
+        for i, row in enumerate(tokens):
+            which = "the text" if len(texts) == 1 else f"input[{i}]"
+            if len(row) > self.limit:
+                raise JobError("context_overflow", f"{which} is {len(row)} tokens; an embedding takes at most "
+                                                   f"{self.limit} (the model's context, or NRVNA_MAX_CTX / 8)")
+            if not row:
+                raise JobError("bad_request", f"{which} has no tokens")
+        dimensions = job.params.get("dimensions")
+        if dimensions is not None and dimensions > self.runner.n_embd:
+            raise JobError("bad_request", f"dimensions={dimensions}, but the model's vectors have "
+                                          f"{self.runner.n_embd}")
+        self.jobs.append(_Embedding(job, tokens, dimensions))
+
+    def step(self, decode: Callable[[Any, Any], int]) -> list[tuple[RunningJob, Outcome]]:
+        """Embed the next texts in one decode; return the jobs whose texts are all done."""
+        ended = [self._end(e, e.job.interrupt) for e in list(self.jobs) if e.job.interrupt is not None]
+        L, batch = self.L, self.batch
+        placed: list[tuple[_Embedding, int]] = []
+        n = 0
+        for entry in self.jobs:
+            while entry.next < len(entry.tokens) and len(placed) < EMBED_SEQS:
+                row = entry.tokens[entry.next]
+                if n and n + len(row) > self.pack:
+                    break
+                for pos, token in enumerate(row):
+                    batch.token[n] = token
+                    batch.pos[n] = pos
+                    batch.n_seq_id[n] = 1
+                    batch.seq_id[n][0] = len(placed)
+                    batch.logits[n] = 1  # embeddings read every token's output
+                    n += 1
+                placed.append((entry, entry.next))
+                entry.next += 1
+            if entry.next < len(entry.tokens):
+                break  # the decode is full: keep the jobs' order
+        if not placed:
+            return ended
+        batch.n_tokens = n
+        code = decode(self.ctx, batch)
+        if self.memory:
+            L.llama_memory_clear(self.memory, True)  # every decode starts afresh
+        if code != 0:
+            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
+            failed = {id(entry): entry for entry, _ in placed}
+            return ended + [self._end(entry, ("model_error", message)) for entry in failed.values()]
+        np, size = self.runner.np, self.runner.n_embd
+        for seq, (entry, index) in enumerate(placed):
+            pointer = L.llama_get_embeddings_seq(self.ctx, seq)
+            if not pointer:
+                return ended + [self._end(e, ("model_error", "llama.cpp returned no embedding")) for e in list(self.jobs)]
+            vector = np.ctypeslib.as_array(pointer, shape=(size,))[:entry.dimensions or size].astype(np.float64)
+            if not np.isfinite(vector).all():
+                ended.append(self._end(entry, ("model_error", "the model's embedding holds NaN or infinity")))
+                continue
+            if self.normalize:
+                norm = math.sqrt(float(vector @ vector))
+                vector = vector / norm if norm > 0 else vector
+            entry.lines[index] = "[" + ",".join(map(_FLOAT32_TEXT, vector.astype(np.float32).tolist())) + "]\n"
+            entry.done += 1
+        return ended + [self._end(entry) for entry in list(self.jobs) if entry.done == len(entry.tokens)]
+
+    def _end(self, entry: _Embedding, error: Optional[tuple[str, str]] = None) -> tuple[RunningJob, Outcome]:
+        if entry in self.jobs:
+            self.jobs.remove(entry)
+        tokens = sum(len(row) for row in entry.tokens)
+        if error is not None:
+            return entry.job, Outcome("", "error", tokens, 0, error[0], error[1])
+        return entry.job, Outcome("".join(entry.lines), "stop", tokens, 0)
+
+    def drop(self, job: RunningJob) -> None:
+        """Forget ``job`` (handed back to the queue)."""
+        self.jobs = [e for e in self.jobs if e.job is not job]
+
+    def close(self) -> None:
+        """Free the context and its batch."""
+        self.jobs.clear()
         if self.ctx:
             self.L.llama_batch_free(self.batch)
             self.L.llama_free(self.ctx)
             self.ctx = None
+
+
+# A float32 as the shortest text that reads back as the same float32 (9 digits suffice).
+_FLOAT32_TEXT = "{:.9g}".format
 
 
 ##############################################################################
@@ -5675,7 +6068,12 @@ def _draw_progress(new: int, done: int, failed: int, total: int, elapsed: float,
 
 def _cmd_export(args: Any) -> int:
     out = sys.stdout if args.output is None else args.output
-    exported, unfinished = Flow(args.workspace).export(out, args.ids, args.tag, args.format, args.errors)
+    notes: list[str] = []
+    try:
+        exported, unfinished = Flow(args.workspace).export(out, args.ids, args.tag, args.format, args.errors, notes)
+    finally:
+        for note in notes:
+            _say(note)
     if unfinished:
         _say(f"{unfinished} of {unfinished + exported} jobs are not finished and were left out (wait first: nrvna wait)")
         return EXIT_UNFINISHED
