@@ -3214,7 +3214,7 @@ def test_dimensions_keep_a_normalized_prefix(ws: str, bert: str) -> None:
     (whole,), (prefix,) = nrvna.job_vectors(flow.get(full)), nrvna.job_vectors(flow.get(short))
     assert len(prefix) == 32
     scale = math.sqrt(sum(x * x for x in whole[:32]))
-    assert max(abs(a - b / scale) for a, b in zip(prefix, whole)) < 1e-6
+    assert cosine(prefix, whole[:32]) >= 0.9999 and max(abs(a - b / scale) for a, b in zip(prefix, whole)) < 1e-3
     failed = flow.get(too_many)
     assert failed.status is Status.Failed and failed.meta["code"] == "bad_request"
     assert "dimensions=385, but the model's vectors have 384" in failed.error
@@ -3271,8 +3271,8 @@ def test_a_model_serves_only_the_jobs_it_can(ws: str, model: str, bert: str) -> 
 @pytest.mark.slow
 def test_sigkill_mid_batch_of_embed_jobs_every_line_ends_once(ws: str, tmp_path: Path, model: str,
                                                               run_main: RunMain) -> None:
-    lines = [{"custom_id": f"e{i}", "embed": [f"Sentence number {i} about topic {j}. " * 8 for j in range(8)]}
-             for i in range(60)]
+    lines = [{"custom_id": f"e{i}", "embed": [f"Sentence number {i} about topic {j}. " * 4 for j in range(4)]}
+             for i in range(30)]
     ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "k.jsonl", jsonl(lines)), "--tag", "k"))
     env = {"NRVNA_POOLING": "mean"}
     proc = start_daemon(model, ws, "-w", "1", env=env)
@@ -3291,7 +3291,7 @@ def test_sigkill_mid_batch_of_embed_jobs_every_line_ends_once(ws: str, tmp_path:
     for job_id in ids:
         places = [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))]
         assert places == [nrvna.OUTPUT], (job_id, places)
-        assert [len(v) for v in nrvna.job_vectors(Flow(ws).get(job_id))] == [576] * 8
+        assert [len(v) for v in nrvna.job_vectors(Flow(ws).get(job_id))] == [576] * 4
 
 
 # ==============================================================================

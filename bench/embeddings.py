@@ -68,7 +68,6 @@ import threading
 import time
 import urllib.request
 from types import ModuleType
-from typing import Any
 
 from common import PYTHON, ROOT, machine, table
 from vs_llama_server import concurrently, peak_rss_mb, start_server
@@ -96,6 +95,35 @@ GLUE = "the a this that every some each their our its".split()
 LINKS = "and but because while although so then after before when".split()
 PREPOSITIONS = "in on at with from into over under near across through behind beside".split()
 PACK = 32  # texts per llama-server request
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+# -- the machine's other load ----------------------------------------------------------------
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores)."""
+    with open("/proc/stat") as handle:
+        fields = [int(x) for x in handle.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / TICK  # less idle and iowait
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds a live process has used (user + system)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def wait_idle(limit: float, threshold: float = 0.25) -> float:
+    """Wait (at most ``limit`` seconds) until the machine's busy cores over one second are
+    below ``threshold``, so that an arm does not start beside someone else's work; the
+    seconds waited."""
+    start = time.monotonic()
+    while True:
+        before = busy_seconds()
+        time.sleep(1.0)
+        if busy_seconds() - before < threshold or time.monotonic() - start > limit:
+            return time.monotonic() - start
 
 
 # -- texts ---------------------------------------------------------------------------------
@@ -222,11 +250,9 @@ def nrvna_arm(script: str, module: ModuleType, model: str, base: str, texts: lis
         command = ([PYTHON, "-c", PROFILED_DAEMON, script, model, ws, profile_out] if profiled
                    else [PYTHON, script, "daemon", model, ws, "--drain"])
         full_env = {**os.environ, "NRVNA_LOG_LEVEL": "warn", "NRVNA_POOLING": "mean", **env}
-        wall_start, start = time.time(), time.perf_counter()
-        proc = subprocess.Popen(command, env=full_env, stdout=subprocess.DEVNULL)
-        _, status, usage = os.wait4(proc.pid, 0)
-        total = time.perf_counter() - start
-        assert os.waitstatus_to_exitcode(status) == 0, status
+        wall_start = time.time()
+        total, rss, cpu, busy, done = timed_child(command, full_env)
+        assert done.returncode == 0, done.stderr[-800:]
         flow = module.Flow(ws)
         started, finished, vectors, dims = [], [], {}, set()
         for i, job_id in enumerate(ids):
@@ -241,7 +267,7 @@ def nrvna_arm(script: str, module: ModuleType, model: str, base: str, texts: lis
                 vectors[i] = rows[0]
         processing = max(finished) - min(started)
         result = {"total": total, "processing": processing, "load": min(started) - wall_start,
-                  "rss": usage.ru_maxrss / 1024, "dims": dims, "vectors": vectors}
+                  "rss": rss, "other": (busy - cpu) / total, "dims": dims, "vectors": vectors}
         if profiled:
             with open(profile_out) as handle:
                 result["profile"] = summarize_profile(json.load(handle))
@@ -280,14 +306,20 @@ def llama_embed_arm(model: str, texts: list[str], n_batch: int, sample: list[int
                           verbose=False)
     try:
         llm.embed(texts[:8], normalize=True)  # warm
-        start = time.perf_counter()
+        start, busy, own = time.perf_counter(), busy_seconds(), own_cpu()
         vectors = llm.embed(texts, normalize=True)
         elapsed = time.perf_counter() - start
+        other = (busy_seconds() - busy - (own_cpu() - own)) / elapsed
     finally:
         llm.close()
     assert len(vectors) == len(texts)
-    return {"total": elapsed, "processing": elapsed, "dims": {len(v) for v in vectors},
+    return {"total": elapsed, "processing": elapsed, "other": other, "dims": {len(v) for v in vectors},
             "vectors": {i: vectors[i] for i in sample}}
+
+
+def own_cpu() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 def post_json(port: int, path: str, body: dict) -> dict:
@@ -297,10 +329,10 @@ def post_json(port: int, path: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def server_arm(binary: str, model: str, texts: list[str], slots: int, ubatch: int, clients: int,
+def server_arm(binary: str, model: str, texts: list[str], slots: int, ubatch: int, clients: int, flags: list[str],
                sample: list[int]) -> dict:
     proc, port = start_server(binary, model, slots, "--embeddings", "--pooling", "mean", "-ub", str(ubatch),
-                              "-b", str(ubatch))
+                              "-b", str(ubatch), *flags)
     try:
         post_json(port, "/v1/embeddings", {"input": texts[:PACK]})  # warm
         chunks = [list(range(i, min(i + PACK, len(texts)))) for i in range(0, len(texts), PACK)]
@@ -317,9 +349,11 @@ def server_arm(binary: str, model: str, texts: list[str], slots: int, ubatch: in
                     if i in sample:
                         vectors[i] = item["embedding"]
 
+        busy, own, server = busy_seconds(), own_cpu(), process_cpu(proc.pid)
         elapsed = concurrently(chunks, clients, ask)
-        return {"total": elapsed, "processing": elapsed, "rss": peak_rss_mb(proc.pid), "dims": dims,
-                "vectors": vectors}
+        other = (busy_seconds() - busy - (own_cpu() - own) - (process_cpu(proc.pid) - server)) / elapsed
+        return {"total": elapsed, "processing": elapsed, "rss": peak_rss_mb(proc.pid), "other": other,
+                "dims": dims, "vectors": vectors}
     finally:
         proc.terminate()
         proc.wait()
@@ -327,17 +361,29 @@ def server_arm(binary: str, model: str, texts: list[str], slots: int, ubatch: in
 
 # -- export memory -------------------------------------------------------------------------
 
-def run_child(*args: str) -> tuple[float, float, subprocess.CompletedProcess]:
-    """Wall seconds, the child's peak RSS MB and its result."""
-    start = time.perf_counter()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([PYTHON, *args], stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-        elapsed = time.perf_counter() - start
+def timed_child(command: list[str], env: dict[str, str] | None = None
+                ) -> tuple[float, float, float, float, subprocess.CompletedProcess]:
+    """Run ``command`` under /usr/bin/time: its wall seconds, peak RSS MB, CPU seconds, the
+    machine's busy CPU seconds meanwhile, and its result. (Not os.wait4's ru_maxrss: Linux
+    carries a process's peak over exec, so a child forked from this process, which holds
+    models, would report this process's size.)"""
+    with tempfile.NamedTemporaryFile("r") as report, tempfile.TemporaryFile() as out, \
+            tempfile.TemporaryFile() as err:
+        busy, start = busy_seconds(), time.perf_counter()
+        proc = subprocess.run(["/usr/bin/time", "-f", "%M %U %S", "-o", report.name, *command], env=env,
+                              stdout=out, stderr=err)
+        elapsed, busy = time.perf_counter() - start, busy_seconds() - busy
+        rss_kb, user, system = report.read().split()[-3:]
         out.seek(0)
         err.seek(0)
-        done = subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(status), out.read(), err.read())
-    return elapsed, usage.ru_maxrss / 1024, done
+        done = subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read())
+    return elapsed, int(rss_kb) / 1024, float(user) + float(system), busy, done
+
+
+def run_child(*args: str) -> tuple[float, float, subprocess.CompletedProcess]:
+    """Wall seconds, peak RSS MB and the result of ``python ARGS``."""
+    elapsed, rss, _, _, done = timed_child([PYTHON, *args])
+    return elapsed, rss, done
 
 
 def export_memory(script: str, module: ModuleType, base: str, jobs: int, dims: int = 384) -> list[list]:
@@ -404,13 +450,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every arm")
     parser.add_argument("--server", help="llama-server binary (default: build it)")
     parser.add_argument("--server-arms", default="2:512:2,4:512:4,8:512:8,4:2048:4",
-                        help="llama-server arms as SLOTS:UBATCH:CLIENTS, comma-separated")
+                        help="llama-server arms as SLOTS:UBATCH:CLIENTS[:EXTRA FLAGS], comma-separated")
     parser.add_argument("--llama-batch", type=int, default=512, help="Llama.embed's n_ctx = n_batch = n_ubatch")
     parser.add_argument("--variants", default="NRVNA_BATCH=1024;NRVNA_BATCH=2048;NRVNA_WORKERS=1",
                         help="extra nrvna rows: ';'-separated, each ','-separated VAR=VALUE settings ('' for none)")
     parser.add_argument("--profile", action="store_true", help="also a profiled run of nrvna's defaults each round")
     parser.add_argument("--export-jobs", type=int, default=100_000)
     parser.add_argument("--no-export", action="store_true", help="skip the export memory test")
+    parser.add_argument("--idle-wait", type=float, default=300,
+                        help="before each arm, wait up to this many seconds for the machine to be idle")
     parser.add_argument("--nrvna", default=os.path.join(ROOT, "nrvna.py"), help="the nrvna.py to run")
     args = parser.parse_args()
     script = os.path.abspath(args.nrvna)
@@ -425,8 +473,10 @@ def main() -> None:
 
     servers = {}
     for arm in args.server_arms.split(","):
-        slots, ubatch, clients = map(int, arm.split(":"))
-        servers[f"llama-server -np {slots} -ub {ubatch}, {clients} clients x {PACK} inputs"] = (slots, ubatch, clients)
+        slots, ubatch, clients, *extra = arm.split(":", 3)
+        flags = extra[0].split() if extra else []
+        name = f"llama-server -np {slots} -ub {ubatch}{''.join(' ' + f for f in flags)}, {clients} clients x {PACK} inputs"
+        servers[name] = (int(slots), int(ubatch), int(clients), flags)
     variants = {}
     for variant in filter(None, (v.strip() for v in args.variants.split(";"))):
         settings = dict(item.split("=", 1) for item in variant.split(","))
@@ -447,6 +497,7 @@ def main() -> None:
     try:
         for round_no in range(args.rounds):
             for name in order:
+                waited = wait_idle(args.idle_wait)
                 began = time.perf_counter()
                 if name == llama_name:
                     result = llama_embed_arm(args.model, texts, args.llama_batch, sample)
@@ -459,8 +510,10 @@ def main() -> None:
                 else:
                     result = nrvna_arm(script, module, args.model, base, texts, variants[name], True, sample)
                 runs[name].append(result)
+                result["waited"] = waited
                 print(f"round {round_no + 1}: {name}: {len(texts) / result['total']:.1f} texts/s "
-                      f"({time.perf_counter() - began:.0f} s)", flush=True)
+                      f"({time.perf_counter() - began:.0f} s; other load {result['other']:.2f} cores; "
+                      f"waited {waited:.0f} s for an idle machine)", flush=True)
         if not args.no_export:
             export_rows = export_memory(script, module, base, args.export_jobs)
     finally:
@@ -492,7 +545,8 @@ def main() -> None:
                      median.get("load", float("nan")), median.get("rss", float("nan")),
                      (n / median["total"]) / server_rate, (n / median["total"]) / llama_rate,
                      processing / server_rate if is_nrvna else float("nan"),
-                     processing / llama_rate if is_nrvna else float("nan"), f"{cos:.6f}"])
+                     processing / llama_rate if is_nrvna else float("nan"), f"{cos:.6f}",
+                     max(r["other"] for r in arm)])
     print(f"machine: {machine()}; model {os.path.basename(args.model)} ({dims.pop()} dims); {n:,} texts of "
           f"{min(counts)}-{max(counts)} tokens (mean {statistics.mean(counts):.0f}, {tokens:,} in all), seed {args.seed}")
     print(f"median of {args.rounds} interleaved rounds per arm (texts/s range across rounds alongside); "
@@ -500,7 +554,8 @@ def main() -> None:
           "job claimed to last job finished; the baselines are warm")
     print(table(["arm", "texts/s", "texts/s range", "tokens/s", "nrvna processing texts/s", "processing tokens/s",
                  "nrvna load s", "peak RSS MB", "vs best server", "vs Llama.embed",
-                 "processing vs best server", "processing vs Llama.embed", "min cosine vs Llama.embed"], rows))
+                 "processing vs best server", "processing vs Llama.embed", "min cosine vs Llama.embed",
+                 "other load, cores (max)"], rows))
     print(f"\nbest llama-server arm: {best_server} ({server_rate:.1f} texts/s)")
     print(f"nrvna defaults vs best llama-server, round by round: incl. load {per_round(nrvna_name)}; "
           f"processing {per_round(nrvna_name, 'processing')} (target >= 1.0)")
