@@ -20,9 +20,9 @@ Contents (one banner each, in this order):
 5. Workspace and job directories  layout, IDs, Status, locate_job, read_meta, mark_failed,
                                   move_job, the tag index, the workspace lock
 6. Client                         Work, Flow, cancel/retry/clean, daemon_info, stop_daemon
-7. Batch files and export         parse_batch, ENDPOINTS, EXPORT_FORMATS, export_record
+7. Batch files and export         parse_batch, ENDPOINTS, EXPORT_FORMATS, export_record, job_vectors
 8. Runner protocol                Runner, Session, RunningJob, Outcome, FunctionRunner
-9. llama.cpp engine               LlamaRunner, LlamaSession (continuous batching)
+9. llama.cpp engine               LlamaRunner, LlamaSession (continuous batching), _Embedder
 10. Daemon                        Pool, Scanner, Processor, Server
 11. CLI                           main() and one _cmd_* per command
 """
@@ -36,10 +36,11 @@ __all__ = [
     "Work", "Flow", "Status", "Job", "SubmitResult",
     "cancel_job", "cancel_jobs", "retry_job", "retry_jobs", "clean_jobs", "daemon_info", "stop_daemon",
     # batch files and export
-    "BatchEntry", "parse_batch", "tag_members", "iter_tag_members", "bulk_states", "export_record",
+    "BatchEntry", "parse_batch", "tag_members", "iter_tag_members", "bulk_states", "export_record", "job_vectors",
     "Endpoint", "ENDPOINTS", "ExportFormat", "EXPORT_FORMATS",
     # settings and job parameters
-    "Config", "SETTINGS", "Param", "PARAMS", "job_param", "validate_params", "render_messages",
+    "Config", "SETTINGS", "Param", "PARAMS", "job_param", "validate_params", "render_messages", "check_inputs",
+    "render_inputs",
     # job directories
     "locate_job", "read_meta", "dump_meta", "mark_failed", "move_job", "ensure_workspace",
     # errors
@@ -5938,8 +5939,11 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
         job = flow.get(job_id)
         if job is None:
             raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
-        _print_json({"id": job.id, "status": job.status.value, "prompt": job.prompt, "result": job.result,
-                     "error": job.error, "meta": job.meta, "params": job.params, "logprobs": job.logprobs})
+        record = {"id": job.id, "status": job.status.value, "prompt": job.prompt, "result": job.result,
+                  "error": job.error, "meta": job.meta, "params": job.params, "logprobs": job.logprobs}
+        if job.status is Status.Done and (job.params or {}).get("embed"):
+            record.update(result=None, embeddings=job_vectors(job))
+        _print_json(record)
         return STATUS_EXIT[job.status]
     if status is Status.Done:
         data = flow.result_bytes(job_id)

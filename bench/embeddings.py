@@ -453,7 +453,8 @@ def main() -> None:
                         help="llama-server arms as SLOTS:UBATCH:CLIENTS[:EXTRA FLAGS], comma-separated")
     parser.add_argument("--llama-batch", type=int, default=512, help="Llama.embed's n_ctx = n_batch = n_ubatch")
     parser.add_argument("--variants", default="NRVNA_BATCH=1024;NRVNA_BATCH=2048;NRVNA_WORKERS=1",
-                        help="extra nrvna rows: ';'-separated, each ','-separated VAR=VALUE settings ('' for none)")
+                        help="extra nrvna rows: ';'-separated, each ','-separated VAR=VALUE settings ('' for none); "
+                             "nrvna=PATH runs another nrvna.py (a patched copy, say)")
     parser.add_argument("--profile", action="store_true", help="also a profiled run of nrvna's defaults each round")
     parser.add_argument("--export-jobs", type=int, default=100_000)
     parser.add_argument("--no-export", action="store_true", help="skip the export memory test")
@@ -508,7 +509,10 @@ def main() -> None:
                 elif name == profile_name:
                     result = nrvna_arm(script, module, args.model, base, texts, {}, True, sample)
                 else:
-                    result = nrvna_arm(script, module, args.model, base, texts, variants[name], True, sample)
+                    settings = dict(variants[name])
+                    other = settings.pop("nrvna", None)
+                    result = nrvna_arm(os.path.abspath(other) if other else script, module, args.model, base, texts,
+                                       settings, True, sample)
                 runs[name].append(result)
                 result["waited"] = waited
                 print(f"round {round_no + 1}: {name}: {len(texts) / result['total']:.1f} texts/s "
