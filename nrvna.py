@@ -5200,7 +5200,9 @@ class Processor:
         if "\x00" in prompt:
             raise JobError("bad_request", "prompt.txt contains a NUL byte")
         try:
-            raw = read_file(dir_fd, PARAMS_FILE, 1 << 20)
+            # Its texts (messages, input, system) are bounded by the prompt's limit and their own,
+            # and JSON writes a character in at most 6 bytes (\u0001): whatever a submit accepted fits.
+            raw = read_file(dir_fd, PARAMS_FILE, 8 * self.config.max_prompt_bytes + (8 << 20))
         except FileNotFoundError:
             return prompt, {}
         try:
@@ -5760,7 +5762,12 @@ class Server:
         if self.processor.finish(job, outcome):
             self.pool.done(job.id)
             if outcome.error_code is None:
-                log.info(f"Job completed: {job.id} ({outcome.generated_tokens} tokens, {outcome.finish_reason})")
+                if job.params.get("embed"):
+                    texts = len(job.params.get("input") or [job.prompt])
+                    log.info(f"Job completed: {job.id} ({texts} {'text' if texts == 1 else 'texts'} embedded, "
+                             f"{outcome.prompt_tokens} tokens)")
+                else:
+                    log.info(f"Job completed: {job.id} ({outcome.generated_tokens} tokens, {outcome.finish_reason})")
             else:
                 log.warning(f"Job failed: {job.id}: {outcome.error}")
         else:

@@ -3172,6 +3172,17 @@ def test_a_failed_embed_job_goes_to_the_errors_file_not_the_matrix(ws: str, tmp_
     assert [json.loads(x)["id"] for x in errors.read_text().splitlines()] == [bad]
 
 
+def test_a_params_json_that_escapes_to_megabytes_still_runs(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    """JSON writes a control character in 6 bytes: 300 KB of them in messages (or in an embed
+    job's texts) make a params.json over 1 MiB, which the daemon once refused (bad_request)."""
+    line = {"custom_id": "m", "messages": [{"role": "user", "content": "x\x01" * 150_000}]}
+    (chat,) = ids_of(run_main("submit", ws, "--file", write(tmp_path / "big.jsonl", jsonl([line]))))
+    embed = Work(ws).publish(["y\x02" * 150_000, "z"], embed=True)
+    assert os.path.getsize(os.path.join(ws, nrvna.READY, chat, nrvna.PARAMS_FILE)) > 1 << 20
+    assert child_daemon(ws, "vectors", "--drain").wait(timeout=60) == 0
+    assert nrvna.bulk_states(ws, [chat, embed]) == {chat: Status.Done, embed: Status.Done}
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("which", ["smollm2", "bert"])
 def test_embeddings_equal_llama_cpp_python_batched_with_texts_of_other_lengths(
