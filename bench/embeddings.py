@@ -28,25 +28,46 @@ The texts: --texts (1,000) deterministic synthetic English-ish texts, --min-toke
   with timers (a perf_counter pair per decode), so they also report texts and tokens per
   decode, decode time per text, and a worker's time outside the decode.
 
-Ratios in the main table are against the better llama-server arm's median and Llama.embed's
-median from the same run, and are also taken round by round. Correctness: the cosine of
-nrvna's (and the best server arm's) vectors against Llama.embed's for a sample of texts.
+Ratios in the main table are against the best llama-server arm's median and Llama.embed's
+median from the same run (the median run of an arm: of two rounds, the slower), and nrvna's
+defaults are also compared round by round. Correctness: the lowest cosine of each arm's
+vectors against Llama.embed's over a sample of 50 texts.
+
+The machine's other load: this host is shared, and a 2-thread llama.cpp decode slows several
+fold when another process takes a core (its threads wait for each other at every barrier).
+Before each arm the bench waits (up to --idle-wait seconds) for a second with less than a
+quarter of a core busy, and each arm reports the cores used meanwhile by anything else (the
+machine's busy time from /proc/stat, less the arm's own processes): a round with other load
+above ~0.2 cores is suspect.
+
+llama-server with -np N > 1 keeps a KV stream per slot unless given -kvu: for a causal model
+(SmolLM2) its mean-pooled vectors then depend on the texts batched with them (cosine 0.96
+against Llama.embed, measured; 0.9999 with -kvu or -np 1), so give SmolLM2's server arms
+`:-kvu` (BERT has no KV cache: unaffected). Peak RSS comes from /usr/bin/time for nrvna's
+commands (os.wait4's would carry this process's own peak over exec) and from VmHWM for
+llama-server.
 
 Then the export's memory: --export-jobs (100,000) embed jobs are queued for real with
 `submit --file` (one short text each, tagged) and finished by hand, without a model (each gets
 a result.txt holding one fabricated 384-float vector line written as nrvna writes them, and a
 meta.json), then `nrvna.py export WS --tag T --format openai -o FILE` and `--format f32` run,
-and their peak RSS (ru_maxrss of the child) and time are printed.
+and their peak RSS (from /usr/bin/time) and time are printed.
 
     python bench/embeddings.py [--model PATH] [--texts 1000] [--rounds 2] [--server PATH]
         [--server-arms 2:512:2,4:512:4,8:512:8,4:2048:4] [--llama-batch 512]
-        [--variants "NRVNA_BATCH=1024;NRVNA_BATCH=2048;NRVNA_WORKERS=1"] [--profile]
-        [--export-jobs 100000 | --no-export] [--nrvna PATH]
+        [--variants "NRVNA_BATCH=1024;NRVNA_BATCH=2048;NRVNA_WORKERS=1"] [--variant-rounds N]
+        [--profile] [--export-jobs 100000 | --no-export] [--idle-wait 300] [--nrvna PATH]
 
 Examples (both models the issue names):
 
-    python bench/embeddings.py --model models/all-MiniLM-L6-v2-f16.gguf
-    python bench/embeddings.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf --no-export
+    python bench/embeddings.py --model models/all-MiniLM-L6-v2-f16.gguf --profile \
+        --server-arms "2:512:2,4:512:4,8:512:8,4:2048:4,8:2048:8,4:512:4:-fa off" \
+        --variants "NRVNA_BATCH=1024;NRVNA_BATCH=2048;NRVNA_WORKERS=1"
+    python bench/embeddings.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf --no-export --profile \
+        --server-arms "4:512:4:-kvu,8:512:8:-kvu,4:512:4" --variants "NRVNA_BATCH=2048;NRVNA_WORKERS=1" \
+        --variant-rounds 1
+
+(SmolLM2 embeds about 200 tokens/s on 2 cores: about 9 minutes an arm for 1,000 texts.)
 
 --nrvna PATH runs another copy of nrvna.py (a snapshot of a commit, say) for every nrvna
 command and for reading its results.
@@ -436,8 +457,9 @@ def export_memory(script: str, module: ModuleType, base: str, jobs: int, dims: i
 # -- main ----------------------------------------------------------------------------------
 
 def median_run(runs: list[dict], count: int) -> dict:
+    """The median run by texts/s (of an even number, the slower of the middle two)."""
     ordered = sorted(runs, key=lambda r: count / r["total"])
-    return ordered[len(ordered) // 2]
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def main() -> None:
@@ -455,6 +477,7 @@ def main() -> None:
     parser.add_argument("--variants", default="NRVNA_BATCH=1024;NRVNA_BATCH=2048;NRVNA_WORKERS=1",
                         help="extra nrvna rows: ';'-separated, each ','-separated VAR=VALUE settings ('' for none); "
                              "nrvna=PATH runs another nrvna.py (a patched copy, say)")
+    parser.add_argument("--variant-rounds", type=int, default=99, help="run the extra nrvna rows in this many rounds only")
     parser.add_argument("--profile", action="store_true", help="also a profiled run of nrvna's defaults each round")
     parser.add_argument("--export-jobs", type=int, default=100_000)
     parser.add_argument("--no-export", action="store_true", help="skip the export memory test")
@@ -498,6 +521,8 @@ def main() -> None:
     try:
         for round_no in range(args.rounds):
             for name in order:
+                if (name in variants or name == profile_name) and round_no >= args.variant_rounds:
+                    continue
                 waited = wait_idle(args.idle_wait)
                 began = time.perf_counter()
                 if name == llama_name:
