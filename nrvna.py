@@ -293,12 +293,14 @@ PARAMS: dict[str, Param] = {
     "timeout": Param(float, 0.001, 1e7, None, "--timeout", (), True, "seconds of generation before the job fails with code timeout, keeping its partial text"),
     "messages": Param("messages", 1, 4096, None, None, ("messages",), True, "chat turns [{role, content}] instead of a prompt, through the chat template"),
     "custom_id": Param(str, 0, 512, None, None, (), True, "the caller's name for the job (batch files, export; default line-N)"),
+    "idempotency_key": Param(str, 1, 256, None, "--idempotency-key", (), True, "submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
     "tag": Param(str, 0, 128, None, "--tag", (), False, "label the jobs (status/wait/export/cancel/retry --tag)"),
     "endpoint": Param(str, 0, 32, None, None, (), False, "the OpenAI Batch url a job came from: export answers in its shape"),
 }
 ROLES = ("system", "user", "assistant")
 # The parameters an embed job may carry (every other one is about generating); those only it may.
-EMBED_PARAMS = frozenset({"embed", "input", "dimensions", "encoding_format", "timeout", "custom_id", "tag", "endpoint"})
+EMBED_PARAMS = frozenset({"embed", "input", "dimensions", "encoding_format", "timeout", "custom_id", "tag", "endpoint",
+                          "idempotency_key"})
 EMBED_ONLY = ("input", "dimensions", "encoding_format")
 # Flags that set a job parameter to a fixed value: flag -> (parameter, value, help).
 FLAG_SHORTHANDS = {"--json": ("response_format", {"type": "json_object"}, "constrain the output to a JSON object "
@@ -332,6 +334,8 @@ def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
             clean[key] = _check_param(key, PARAMS[key], value)
     if "tag" in clean and not ID_PATTERN.fullmatch(clean["tag"]):
         raise InvalidInput(f"invalid tag {clean['tag']!r} (letters, digits, '.', '_', '-'; not starting with '.')")
+    if clean.get("idempotency_key") == "":
+        raise InvalidInput("idempotency_key is empty")
     if "endpoint" in clean and clean["endpoint"] not in ENDPOINTS:
         raise InvalidInput(f"endpoint must be one of {', '.join(ENDPOINTS)}")
     if "grammar" in clean:
@@ -1667,6 +1671,7 @@ LOGPROBS_FILE = "logprobs.json"  # each generated token's log-probability, for j
 CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
 DAEMON_FILE = "daemon.json"
 TAGS = "tags"  # tags/<tag>/<time_ns>_<first id>.ids: which jobs a submit labelled (the tag index)
+KEYS = "keys"  # keys/<sha256 of an idempotency key>: the ID of the job submitted with it
 LOCK_FILE = ".nrvna.lock"
 # A non-directory found in ready/ is wrapped in a real job dir under this name in failed/.
 QUARANTINED_ENTRY = "entry"
@@ -2026,6 +2031,121 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
     fsync_dir(os.path.dirname(folder))
 
 
+# A key whose job is in none of the states (cleaned, or its client died before publishing it)
+# is replaced by the next submit once it is this old: a live client publishes within a second
+# of writing its key (a batch chunk of 2,000 jobs too).
+KEY_PENDING_SECONDS = 30.0
+
+
+def dedupe_key(prompt: Any, params: Mapping[str, Any]) -> str:
+    """An idempotency key from a job's content: the prompt (or texts, or messages) and every
+    parameter but its names (``custom_id``, ``tag``) and key, so identical work shares it."""
+    import hashlib
+    import json
+
+    text = prompt.decode("utf-8") if isinstance(prompt, bytes) else prompt
+    content = {k: v for k, v in params.items() if k not in ("custom_id", "tag", "idempotency_key")}
+    blob = json.dumps([text, content], ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _key_path(workspace: str, key: str) -> str:
+    import hashlib
+
+    return os.path.join(workspace, KEYS, hashlib.sha256(key.encode("utf-8")).hexdigest())
+
+
+def key_job(workspace: str, key: str, wait: float = 10.0) -> Optional[str]:
+    """The ID of the job submitted with idempotency ``key``, in any state (queued, running,
+    done, failed); None if there is none. A job still being published by another client is
+    waited for (up to ``wait`` seconds); a key whose job is gone (cleaned), or whose client
+    died before publishing, is removed here, so the next submit queues the work again."""
+    path = _key_path(workspace, key)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                job_id = handle.read().strip()
+            age = time.time() - os.stat(path).st_mtime
+        except FileNotFoundError:
+            return None
+        if is_valid_id(job_id):
+            # Staging first, then the states: the publishing rename moves it from one to the other.
+            staged = os.path.isdir(os.path.join(workspace, WRITING, job_id))
+            if locate_job(workspace, job_id)[0] is not Status.Missing:
+                return job_id
+            if staged and age < KEY_PENDING_SECONDS and time.monotonic() < deadline:
+                time.sleep(0.01)  # its client is between writing the key and publishing the job
+                continue
+        _drop_stale_key(path, job_id)
+
+
+def _drop_stale_key(path: str, job_id: str) -> None:
+    """Remove a key naming ``job_id``, unless another client replaced it meanwhile: it is
+    renamed away first (one client wins the rename), and put back if it named another job."""
+    aside = f"{path}.stale-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return  # another client removed it
+    try:
+        with open(aside, encoding="utf-8", errors="replace") as handle:
+            if handle.read().strip() != job_id:
+                try:
+                    os.link(aside, path)  # a fresh key, not the stale one: restore it
+                except FileExistsError:
+                    pass
+    finally:
+        _unlink_quietly(aside, None)
+
+
+def _link_key(workspace: str, key: str, job_id: str) -> bool:
+    """Create ``key``'s entry naming ``job_id``, durably, if no client has: False if one has.
+    (Written under a temporary name and hard-linked: link() fails if the name exists.)"""
+    folder = os.path.join(workspace, KEYS)
+    try:
+        os.mkdir(folder, DIR_MODE)
+        os.chmod(folder, DIR_MODE)
+        fsync_dir(workspace)
+    except FileExistsError:
+        pass
+    path = _key_path(workspace, key)
+    temp = f"{path}.new-{os.getpid()}-{os.urandom(4).hex()}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
+    try:
+        write_all(fd, f"{job_id}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(temp, path)
+    except FileExistsError:
+        return False
+    finally:
+        _unlink_quietly(temp, None)
+    fsync_dir(folder)
+    return True
+
+
+def _prune_keys(workspace: str) -> None:
+    """Delete keys whose jobs are gone (after clean): the key store stays as large as the jobs."""
+    folder = os.path.join(workspace, KEYS)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                job_id = handle.read().strip()
+            old = time.time() - os.stat(path).st_mtime >= KEY_PENDING_SECONDS
+        except (FileNotFoundError, IsADirectoryError):
+            continue
+        if old and (not is_valid_id(job_id) or locate_job(workspace, job_id)[0] is Status.Missing):
+            _drop_stale_key(path, job_id)
+
+
 def tag_members(workspace: str, tag: str) -> list[tuple[str, Optional[str]]]:
     """(id, custom_id) of every job ever submitted with ``tag``, in submission order
     (including removed or never-published ones: check their states)."""
@@ -2109,11 +2229,15 @@ class Work:
 
     def __init__(self, workspace: Any) -> None:
         self.workspace = os.fspath(workspace)
+        self.existing = False  # the last publish found its idempotency key's job: nothing was queued
+        self.existing_lines = 0  # lines of the last publish_batch that found their key's job
 
-    def submit(self, prompt: str, **params: Any) -> SubmitResult:
-        """Queue a prompt with optional per-job parameters; never raises."""
+    def submit(self, prompt: Any, **params: Any) -> SubmitResult:
+        """Queue a prompt with optional per-job parameters; never raises. The message is
+        ``queued``, or ``exists`` when a job with its ``idempotency_key`` was there already."""
         try:
-            return SubmitResult(True, self.publish(prompt, **params), "queued")
+            job_id = self.publish(prompt, **params)
+            return SubmitResult(True, job_id, "exists" if self.existing else "queued")
         except NotDurable as err:
             return SubmitResult(False, err.job_id, str(err))
         except NrvnaError as err:
@@ -2121,9 +2245,11 @@ class Work:
         except OSError as err:
             return SubmitResult(False, "", f"cannot queue job: {_os_error(err)}")
 
-    def publish(self, prompt: Any, **params: Any) -> str:
+    def publish(self, prompt: Any, *, dedupe: bool = False, **params: Any) -> str:
         """Queue a prompt and return its ID; raise NrvnaError/OSError on failure. With
         ``embed=True`` the prompt is a text to embed, or a list of them (a vector each).
+        With ``idempotency_key`` (or ``dedupe=True``: a key from the content), an existing job
+        with that key is returned instead, and ``self.existing`` says so.
 
         Order (each step fsynced before the next): staging dir with prompt.txt and
         params.json -> rename into input/ready/ -> fsync input/ready/ and input/writing/.
@@ -2139,24 +2265,39 @@ class Work:
             prompt, params = _embed_input(check_inputs(list(prompt), PARAMS["input"].high), dict(params))
         data = check_prompt(prompt, setting_default("max_prompt_bytes"))
         clean = validate_params(params)
+        if dedupe and "idempotency_key" not in clean:
+            clean["idempotency_key"] = dedupe_key(data, clean)
         ensure_workspace(self.workspace)
         files = [(PROMPT_FILE, data)]
         if clean:
             files.append((PARAMS_FILE, json.dumps(clean, ensure_ascii=False).encode()))
-        job_id, staging = self._stage(files)
-        ready = os.path.join(self.workspace, READY, job_id)
-        try:
-            if clean.get("tag"):
-                _write_manifest(self.workspace, clean["tag"], [(job_id, clean.get("custom_id"))])
-            move(staging, ready)
-        except BaseException:
-            _remove_tree(staging)
-            raise
+        key = clean.get("idempotency_key")
+        while True:
+            if key is not None:
+                existing = key_job(self.workspace, key)
+                if existing is not None:
+                    self.existing = True
+                    return existing
+            job_id, staging = self._stage(files)
+            ready = os.path.join(self.workspace, READY, job_id)
+            try:
+                # The key is durable before the job is published: a job never runs without it.
+                if key is not None and not _link_key(self.workspace, key, job_id):
+                    _remove_tree(staging)  # another client's job has this key: return that one
+                    continue
+                if clean.get("tag"):
+                    _write_manifest(self.workspace, clean["tag"], [(job_id, clean.get("custom_id"))])
+                move(staging, ready)
+            except BaseException:
+                _remove_tree(staging)
+                raise
+            break
         try:
             fsync_dir(os.path.join(self.workspace, READY))
             fsync_dir(os.path.join(self.workspace, WRITING))
         except OSError as err:
             raise NotDurable(job_id, err) from None
+        self.existing = False
         return job_id
 
     def publish_batch(self, entries: list[BatchEntry], tag: Optional[str] = None,
@@ -2174,6 +2315,7 @@ class Work:
 
         ensure_workspace(self.workspace)
         ids: list[str] = []
+        self.existing_lines = 0
         for first in range(0, len(entries), BATCH_CHUNK):
             chunk = entries[first:first + BATCH_CHUNK]
             staged: list[tuple[str, str]] = []
@@ -2184,12 +2326,26 @@ class Work:
                                                (PARAMS_FILE, json.dumps(params, ensure_ascii=False).encode())],
                                               sync=False))
                 _syncfs(self.workspace)
+                # Lines with an idempotency key: the key first (as in publish); a line whose key
+                # another client holds is not published, and answers with that client's job.
+                final = [job_id for job_id, _ in staged]
+                for i, entry in enumerate(chunk):
+                    key = entry.params.get("idempotency_key")
+                    while key is not None and not _link_key(self.workspace, key, final[i]):
+                        existing = key_job(self.workspace, key)
+                        if existing is not None:
+                            final[i] = existing
+                            self.existing_lines += 1
+                            break
                 if tag:
                     _write_manifest(self.workspace, tag, [(job_id, e.params.get("custom_id"))
-                                                          for (job_id, _), e in zip(staged, chunk)])
-                for job_id, staging in staged:
-                    move(staging, os.path.join(self.workspace, READY, job_id))
-                    ids.append(job_id)
+                                                          for job_id, e in zip(final, chunk)])
+                for (job_id, staging), published in zip(staged, final):
+                    if published == job_id:
+                        move(staging, os.path.join(self.workspace, READY, job_id))
+                    else:
+                        _remove_tree(staging)
+                    ids.append(published)
             finally:
                 for _, staging in staged[len(ids) - first:]:  # not published: never leave them to look like jobs
                     _remove_tree(staging)
@@ -2201,7 +2357,7 @@ class Work:
 
     def submit_file(self, source: Any, *, tag: Optional[str] = None, jsonl: Optional[bool] = None,
                     on_ids: Optional[Callable[[list[str]], None]] = None, notes: Optional[list[str]] = None,
-                    **defaults: Any) -> list[str]:
+                    dedupe: bool = False, **defaults: Any) -> list[str]:
         """Queue every line of a batch file; return every line's ID, in file order.
 
         ``source`` is a path (``*.jsonl`` holds JSON lines, any other file one prompt per
@@ -2211,7 +2367,9 @@ class Work:
         lines whose ``custom_id`` is already queued under that tag are not queued again: an
         interrupted submit is finished by running it again. ``on_ids(ids)`` gets the IDs in
         file order as soon as each is known and durable; ``notes`` collects remarks for the
-        user (an ignored ``body.model``, lines already queued).
+        user (an ignored ``body.model``, lines already queued). A line with an
+        ``idempotency_key`` (or every line, with ``dedupe``: a key from its content) whose key
+        names an existing job is not queued: its ID is that job's.
         """
         if isinstance(source, (bytes, bytearray)):
             data = bytes(source)
@@ -2232,22 +2390,46 @@ class Work:
         embed_defaults = {k: v for k, v in defaults.items() if k in EMBED_PARAMS}
         entries = [BatchEntry(e.line, e.prompt, {**(embed_defaults if e.params.get("embed") else defaults), **e.params})
                    for e in entries]
+        if "idempotency_key" in defaults:
+            raise InvalidInput("--idempotency-key names one job: give each line its own idempotency_key, "
+                               "or use --dedupe")
         if defaults:  # a line's own parameters were checked alone: check them with the defaults
             for entry in entries:
                 try:
                     check_combination(entry.params)
                 except InvalidInput as err:
                     raise InvalidInput(f"line {entry.line}: {err} (with the flags given for every line)") from None
+        if dedupe:
+            entries = [e if "idempotency_key" in e.params else
+                       BatchEntry(e.line, e.prompt, dict(e.params, idempotency_key=dedupe_key(e.prompt, e.params)))
+                       for e in entries]
         existing: dict[str, str] = {}
         if tag:
             members = tag_members(self.workspace, tag)
             states = bulk_states(self.workspace, [job_id for job_id, _ in members])
             existing = {cid: job_id for job_id, cid in members if cid is not None and states[job_id] is not Status.Missing}
         ids: list[Optional[str]] = [existing.get(e.params["custom_id"]) for e in entries]
-        new = [i for i, job_id in enumerate(ids) if job_id is None]
+        keyed = 0
+        for i, entry in enumerate(entries):
+            key = entry.params.get("idempotency_key")
+            if ids[i] is None and key is not None and os.path.isdir(self.workspace):
+                ids[i] = key_job(self.workspace, key)
+                keyed += ids[i] is not None
+        first_with: dict[str, int] = {}
+        same_as: dict[int, int] = {}  # a line whose key an earlier line of the file has -> that line
+        for i, entry in enumerate(entries):
+            key = entry.params.get("idempotency_key")
+            if ids[i] is None and key is not None:
+                if key in first_with:
+                    same_as[i] = first_with[key]
+                else:
+                    first_with[key] = i
+        new = [i for i, job_id in enumerate(ids) if job_id is None and i not in same_as]
+        if same_as:
+            notes.append(f"{len(same_as)} lines repeat an earlier line's idempotency key: they get its job")
         if existing:
-            notes.append(f"{len(entries) - len(new)} of {len(entries)} lines are already queued with tag {tag}; "
-                         f"queuing the other {len(new)}")
+            notes.append(f"{len(entries) - len(new) - len(same_as) - keyed} of {len(entries)} lines are already queued with tag "
+                         f"{tag}; queuing the other {len(new)}")
         known = placed = 0
 
         def on_chunk(chunk: list[str]) -> None:
@@ -2255,6 +2437,9 @@ class Work:
             for job_id in chunk:
                 ids[new[placed]] = job_id
                 placed += 1
+            for line, earlier in same_as.items():
+                if ids[line] is None and ids[earlier] is not None:
+                    ids[line] = ids[earlier]
             start = known
             while known < len(ids) and ids[known] is not None:
                 known += 1
@@ -2263,6 +2448,10 @@ class Work:
 
         on_chunk([])
         self.publish_batch([entries[i] for i in new], tag, on_chunk)
+        keyed += self.existing_lines
+        if keyed:
+            notes.append(f"{keyed} of {len(entries)} lines matched an existing job by idempotency key; "
+                         "their IDs are those jobs' (nothing queued for them)")
         return ids  # type: ignore[return-value]
 
     def _stage(self, files: list[tuple[str, bytes]], sync: bool = True) -> tuple[str, str]:
@@ -2784,6 +2973,7 @@ def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: boo
             fsync_dir(folder)
     if removed and not dry_run:
         _prune_tag_index(workspace)
+        _prune_keys(workspace)
     return removed
 
 
@@ -5913,6 +6103,8 @@ def _job_params(args: Any) -> dict[str, Any]:
 
 def _cmd_submit(args: Any) -> int:
     params = _job_params(args)
+    if args.dedupe and "idempotency_key" in params:
+        raise InvalidInput("give --idempotency-key or --dedupe, not both")
     if args.file is not None:
         if args.prompt is not None or args.wait:
             raise InvalidInput("--file takes no PROMPT and no --wait (use: nrvna wait WS --tag NAME)")
@@ -5920,16 +6112,20 @@ def _cmd_submit(args: Any) -> int:
         notes: list[str] = []
         try:
             Work(args.workspace).submit_file(source, tag=params.pop("tag", None), on_ids=_print_lines,
-                                             notes=notes, **params)
+                                             notes=notes, dedupe=args.dedupe, **params)
         finally:
             for note in notes:
                 _say(note)
         return EXIT_OK
+    work = Work(args.workspace)
     try:
-        job_id = Work(args.workspace).publish(_read_prompt(args), **params)
+        job_id = work.publish(_read_prompt(args), dedupe=args.dedupe, **params)
     except NotDurable as err:
         print(err.job_id, flush=True)  # it is queued: a script must learn its ID
         raise
+    if work.existing:
+        _say(f"job {job_id} has this idempotency key already ({Flow(args.workspace).status(job_id).value}); "
+             "nothing queued")
     if not args.wait:
         print(job_id, flush=True)
         return EXIT_OK
@@ -6226,6 +6422,8 @@ def _submit_arguments(parser: Any) -> None:
                         "below are defaults for every line")
     parser.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
     parser.add_argument("--wait-timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    parser.add_argument("--dedupe", action="store_true", help="queue identical work once: the idempotency key is "
+                        "derived from the prompt and every parameter (each line's own, with --file)")
     _param_arguments(parser)
 
 

@@ -38,6 +38,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -3303,6 +3304,124 @@ def test_sigkill_mid_batch_of_embed_jobs_every_line_ends_once(ws: str, tmp_path:
         places = [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))]
         assert places == [nrvna.OUTPUT], (job_id, places)
         assert [len(v) for v in nrvna.job_vectors(Flow(ws).get(job_id))] == [576] * 4
+
+
+# ==============================================================================
+# Submit once: idempotency keys
+# ==============================================================================
+
+
+def test_a_key_queues_its_work_once_in_every_state(ws: str, run_main: RunMain) -> None:
+    first = run_main("submit", ws, "Say hi.", "--idempotency-key", "nightly-2026-11-24")
+    again = run_main("submit", ws, "Something else entirely", "--idempotency-key", "nightly-2026-11-24")
+    job_id = first.stdout.decode().strip()
+    assert again.returncode == 0 and again.stdout.decode().strip() == job_id
+    assert b"has this idempotency key already (queued); nothing queued" in again.stderr
+    assert os.listdir(os.path.join(ws, nrvna.READY)) == [job_id]
+    assert Flow(ws).get(job_id).params["idempotency_key"] == "nightly-2026-11-24"
+    result = Work(ws).submit("x", idempotency_key="nightly-2026-11-24")
+    assert (result.ok, result.id, result.message) == (True, job_id, "exists")
+    with serving(ws, echo):  # done
+        wait_all(ws, [job_id])
+    assert Work(ws).publish("x", idempotency_key="nightly-2026-11-24") == job_id
+    failed = submit(ws, "fails", idempotency_key="k2")
+    nrvna.mark_failed(ws, nrvna.READY, failed, "bad_request", "made to fail")
+    nrvna.move_job(ws, failed, nrvna.READY, nrvna.FAILED)
+    assert Work(ws).publish("y", idempotency_key="k2") == failed  # failed counts too
+    assert run_main("submit", ws, "x", "--idempotency-key", "k", "--dedupe").returncode == 2
+    assert run_main("submit", ws, "x", "--idempotency-key", "").returncode == 2
+
+
+def test_dedupe_derives_the_key_from_the_content(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    one = run_main("submit", ws, "Summarize X.", "--max-tokens", "9", "--dedupe").stdout.strip()
+    assert run_main("submit", ws, "Summarize X.", "--max-tokens", "9", "--dedupe").stdout.strip() == one
+    assert run_main("submit", ws, "Summarize X.", "--max-tokens", "9", "--dedupe", "--tag", "t").stdout.strip() == one
+    assert run_main("submit", ws, "Summarize X.", "--max-tokens", "8", "--dedupe").stdout.strip() != one
+    assert run_main("submit", ws, "Summarize Y.", "--max-tokens", "9", "--dedupe").stdout.strip() != one
+    assert nrvna.dedupe_key("a", {"custom_id": "x", "tag": "t"}) == nrvna.dedupe_key(b"a", {})
+    # A file: per line, and lines repeating an earlier line get its job.
+    lines = [{"prompt": "Summarize X.", "max_tokens": 9}, {"prompt": "new"}, {"prompt": "new"},
+             {"prompt": "keyed", "idempotency_key": "mine"}]
+    done = run_main("submit", ws, "--file", write(tmp_path / "d.jsonl", jsonl(lines)), "--dedupe")
+    ids = ids_of(done)
+    assert ids[0] == one.decode() and ids[1] == ids[2] and len(set(ids)) == 3
+    assert b"1 lines repeat an earlier line's idempotency key" in done.stderr
+    assert b"1 of 4 lines matched an existing job by idempotency key" in done.stderr
+    rerun = run_main("submit", ws, "--file", str(tmp_path / "d.jsonl"), "--dedupe")
+    assert ids_of(rerun) == ids and len(os.listdir(os.path.join(ws, nrvna.READY))) == 5
+    refused = run_main("submit", ws, "--file", str(tmp_path / "d.jsonl"), "--idempotency-key", "k")
+    assert refused.returncode == 2 and b"give each line its own idempotency_key" in refused.stderr
+
+
+_KEY_RACER = """
+import sys, time
+sys.path.insert(0, {here!r})
+import nrvna
+start = float(sys.argv[1])
+while time.time() < start:
+    pass
+print(nrvna.Work({ws!r}).publish("racing " + sys.argv[2], idempotency_key="the-key"), flush=True)
+"""
+
+
+def test_eight_processes_racing_one_key_make_one_job_and_all_print_it(ws: str) -> None:
+    nrvna.ensure_workspace(ws)
+    code = _KEY_RACER.format(here=str(HERE), ws=ws)
+    for _ in range(3):
+        start = time.time() + 1.0
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(start), str(i)], stdout=subprocess.PIPE)
+                 for i in range(8)]
+        printed = {p.communicate(timeout=60)[0].decode().strip() for p in procs}
+        assert all(p.returncode == 0 for p in procs)
+        assert len(printed) == 1 and os.listdir(os.path.join(ws, nrvna.READY)) == list(printed)
+        assert os.listdir(os.path.join(ws, nrvna.WRITING)) == []
+        assert [n for n in os.listdir(os.path.join(ws, nrvna.KEYS)) if "." in n] == []  # no temporaries
+        shutil.rmtree(ws)
+        nrvna.ensure_workspace(ws)
+
+
+def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str) -> None:
+    nrvna.ensure_workspace(ws)
+    work = Work(ws)
+    dead, staging = work._stage([(nrvna.PROMPT_FILE, b"never published")])
+    assert nrvna._link_key(ws, "k", dead)
+    path = nrvna._key_path(ws, "k")
+    # A live client publishes within a second: its key is waited for, and its job returned.
+    publisher = threading.Timer(0.3, nrvna.move, (staging, os.path.join(ws, nrvna.READY, dead)))
+    publisher.start()
+    assert work.publish("other", idempotency_key="k") == dead
+    publisher.join()
+    # A client that died between its key and its job: after KEY_PENDING_SECONDS the key goes.
+    dead2, staging2 = work._stage([(nrvna.PROMPT_FILE, b"never published")])
+    assert nrvna._link_key(ws, "k2", dead2)
+    old = time.time() - nrvna.KEY_PENDING_SECONDS - 1
+    os.utime(nrvna._key_path(ws, "k2"), (old, old))
+    fresh = work.publish("queued now", idempotency_key="k2")
+    assert fresh != dead2 and Flow(ws).status(fresh) is Status.Queued
+    assert Work(ws).publish("again", idempotency_key="k2") == fresh
+    assert os.path.exists(path)
+
+
+def test_clean_ends_a_key_and_retry_keeps_it(ws: str, run_main: RunMain) -> None:
+    job_id = submit(ws, "hello", idempotency_key="k")
+    with serving(ws, echo):
+        wait_all(ws, [job_id])
+    assert nrvna.clean_jobs(ws, older_than=0) == [job_id]
+    again = Work(ws).publish("hello", idempotency_key="k")  # its job is gone: queued anew
+    assert again != job_id and Flow(ws).status(again) is Status.Queued
+    with serving(ws, echo):
+        wait_all(ws, [again])
+    old = time.time() - nrvna.KEY_PENDING_SECONDS - 1
+    os.utime(nrvna._key_path(ws, "k"), (old, old))
+    assert nrvna.clean_jobs(ws, older_than=0) == [again]
+    assert os.listdir(os.path.join(ws, nrvna.KEYS)) == []  # clean removes the keys of what it removed
+    # retry: the failed job goes back with its key; the key still names it
+    failed = submit(ws, "poison", idempotency_key="p")
+    nrvna.mark_failed(ws, nrvna.READY, failed, "bad_request", "made to fail")
+    nrvna.move_job(ws, failed, nrvna.READY, nrvna.FAILED)
+    assert nrvna.retry_job(ws, failed)[0] == "queued"
+    assert Work(ws).publish("poison", idempotency_key="p") == failed
+    assert Flow(ws).get(failed).params["idempotency_key"] == "p"
 
 
 # ==============================================================================
