@@ -293,6 +293,7 @@ PARAMS: dict[str, Param] = {
     "timeout": Param(float, 0.001, 1e7, None, "--timeout", (), True, "seconds of generation before the job fails with code timeout, keeping its partial text"),
     "messages": Param("messages", 1, 4096, None, None, ("messages",), True, "chat turns [{role, content}] instead of a prompt, through the chat template"),
     "custom_id": Param(str, 0, 512, None, None, (), True, "the caller's name for the job (batch files, export; default line-N)"),
+    "priority": Param(int, -1000, 1000, 0, "--priority", ("priority",), True, "higher runs first (FIFO within a priority); a job above every running one pauses lower ones in its context until it ends"),
     "idempotency_key": Param(str, 1, 256, None, "--idempotency-key", (), True, "submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
     "tag": Param(str, 0, 128, None, "--tag", (), False, "label the jobs (status/wait/export/cancel/retry --tag)"),
     "endpoint": Param(str, 0, 32, None, None, (), False, "the OpenAI Batch url a job came from: export answers in its shape"),
@@ -300,7 +301,7 @@ PARAMS: dict[str, Param] = {
 ROLES = ("system", "user", "assistant")
 # The parameters an embed job may carry (every other one is about generating); those only it may.
 EMBED_PARAMS = frozenset({"embed", "input", "dimensions", "encoding_format", "timeout", "custom_id", "tag", "endpoint",
-                          "idempotency_key"})
+                          "idempotency_key", "priority"})
 EMBED_ONLY = ("input", "dimensions", "encoding_format")
 # Flags that set a job parameter to a fixed value: flag -> (parameter, value, help).
 FLAG_SHORTHANDS = {"--json": ("response_format", {"type": "json_object"}, "constrain the output to a JSON object "
@@ -320,6 +321,26 @@ def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = N
     if config is not None and name in SETTINGS:
         return getattr(config, name)
     return PARAMS[name].default
+
+
+def read_priority(job_dir: str) -> int:
+    """A queued job's priority from its params.json (0 when it has none, or cannot be read:
+    its claim will say why). Cheap for the default lane: the JSON is parsed only when the file
+    mentions a priority."""
+    import json
+
+    try:
+        with open(os.path.join(job_dir, PARAMS_FILE), "rb") as handle:
+            data = handle.read(16 << 20)
+    except OSError:
+        return 0
+    if b'"priority"' not in data:
+        return 0
+    try:
+        value = json.loads(data).get("priority", 0)
+    except (ValueError, RecursionError, AttributeError):
+        return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) and -1000 <= value <= 1000 else 0
 
 
 def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -2602,6 +2623,20 @@ class Flow:
                 counts[status.value] = 0
         return counts
 
+    def lanes(self) -> list[tuple[int, list[str]]]:
+        """The queued jobs by priority, highest first, each lane in the order the daemon takes
+        them (submission order): [(priority, [id, ...]), ...]."""
+        ready = os.path.join(self.workspace, READY)
+        try:
+            with os.scandir(ready) as entries:
+                names = [e.name for e in entries if not e.name.startswith(".")]
+        except FileNotFoundError:
+            return []
+        lanes: dict[int, list[str]] = {}
+        for name in names:
+            lanes.setdefault(read_priority(os.path.join(ready, name)), []).append(name)
+        return [(priority, sorted(lanes[priority], key=order_key)) for priority in sorted(lanes, reverse=True)]
+
     def select(self, ids: Iterable[str] = (), tag: Optional[str] = None) -> tuple[list[str], dict[str, Status]]:
         """The jobs named by ``ids`` and/or ``tag`` (neither: every job in the workspace), in
         order, without repeats, and their states. Raise NoSuchJob naming an unknown ID; a
@@ -3593,6 +3628,11 @@ class Session:
         """How many more jobs ``start`` can take now (0 when full)."""
         raise NotImplementedError
 
+    def reserve(self, priority: int) -> int:
+        """How many jobs of ``priority`` ``start`` can take beyond ``free()``: room kept for a
+        job above every running one, which pauses them while it runs (0: none kept)."""
+        return 0
+
     def start(self, job: RunningJob) -> None:
         """Take ``job`` in. Raise JobError to fail it at once (e.g. ``context_overflow``)."""
         raise NotImplementedError
@@ -4294,7 +4334,7 @@ class _Sequence:
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
                  "penalty", "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
-                 "budget", "grammar", "logprobs", "top", "chain")
+                 "budget", "grammar", "logprobs", "top", "chain", "priority", "reserved")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int, sampler: Any,
                  penalty: Optional[_Penalties] = None, grammar: Any = None) -> None:
@@ -4324,6 +4364,8 @@ class _Sequence:
             [] if job.params.get("logprobs") else None)
         self.top = int(job.params.get("top_logprobs") or 0)
         self.chain: tuple[bool, int, float, float] = (True, 0, 1.0, 0.0)  # greedy, top_k, top_p, min_p
+        self.priority = int(job.params.get("priority") or 0)
+        self.reserved = False  # runs in the room kept for a job above every other (see LlamaSession)
 
 
 class LlamaSession(Session):
@@ -4351,7 +4393,11 @@ class LlamaSession(Session):
         self.ctx_per_seq = per_seq  # enforced here: a unified cache would let one sequence take all
         self.embedder: Optional[_Embedder] = None  # made when the first embed job arrives
         self.threads = self.base_threads = threads
-        self.cells = per_seq * full
+        # Beyond them, one slot and one job's share of cells are kept for a job above every
+        # running one (priority): it starts at once and they pause, keeping their cells.
+        self.seqs = seqs
+        self.normal_cells = per_seq * full
+        self.cells = self.normal_cells + per_seq
         if runner.embedding_only:  # no generation context: generation jobs fail at start()
             self.ctx = None
             self.slots: list[Optional[_Sequence]] = []
@@ -4360,7 +4406,7 @@ class LlamaSession(Session):
         params.n_ctx = self.cells
         params.n_batch = n_batch
         params.n_ubatch = n_batch
-        params.n_seq_max = seqs
+        params.n_seq_max = seqs + 1
         params.n_threads = threads
         params.n_threads_batch = threads
         # One KV cache shared by the sequences: a shared prefix's cells serve many sequences,
@@ -4376,8 +4422,8 @@ class LlamaSession(Session):
         self.memory = L.llama_get_memory(self.ctx)
         self.n_batch = n_batch
         self.batch = L.llama_batch_init(n_batch, 0, 1)
-        self.slots = [None] * seqs
-        self.held: list[list[int]] = [[] for _ in range(seqs)]  # tokens cached in each free slot
+        self.slots = [None] * (seqs + 1)
+        self.held: list[list[int]] = [[] for _ in range(seqs + 1)]  # tokens cached in each free slot
         self.reuse = bool(runner.config.prefix_cache)
         self.reused_tokens = 0
         self.trimmed = False  # idle() has trimmed the held cells since the last job started
@@ -4415,9 +4461,15 @@ class LlamaSession(Session):
         embed = EMBED_JOBS - (len(self.embedder.jobs) if self.embedder is not None else 0)
         if self.ctx is None:
             return embed
-        slots = sum(1 for s in self.slots if s is None)
-        room = self.cells - sum(s.budget for s in self.slots if s is not None)
-        return min(slots, room // self.ctx_per_seq, embed)
+        running = [s for s in self.slots if s is not None and not s.reserved]
+        room = self.normal_cells - sum(s.budget for s in running)
+        return max(0, min(self.seqs - len(running), room // self.ctx_per_seq, embed))
+
+    def reserve(self, priority: int) -> int:
+        """1 if a job of ``priority`` would run above every job here and the kept room is free."""
+        if self.ctx is None or any(s is not None and (s.reserved or s.priority >= priority) for s in self.slots):
+            return 0
+        return 1 if self.embedder is None or len(self.embedder.jobs) < EMBED_JOBS else 0
 
     def idle(self) -> None:
         """No job in flight: of the cells finished jobs left, keep the last job's whole and
@@ -4466,7 +4518,9 @@ class LlamaSession(Session):
             raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {self.ctx_per_seq}")
         if not tokens:
             raise JobError("bad_request", "prompt has no tokens")
-        if self.free() <= 0:  # a caller's bug: the worker checks free() before it claims
+        priority = int(job.params.get("priority") or 0)
+        reserved = self.free() <= 0
+        if reserved and self.reserve(priority) <= 0:  # a caller's bug: the worker checks before it claims
             raise RuntimeError("no room for another job in this context")
         self.trimmed = False
         free = [i for i, s in enumerate(self.slots) if s is None]
@@ -4479,6 +4533,7 @@ class LlamaSession(Session):
         grammar = self._grammar(job.params)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.runner.sampler(job.params),
                                            penalty, grammar)
+        seq.reserved = reserved
         config = self.runner.config
         seq.chain = (job_param(job.params, "temperature", config) <= 0, job_param(job.params, "top_k", config),
                      job_param(job.params, "top_p", config), job_param(job.params, "min_p", config))
@@ -4604,17 +4659,20 @@ class LlamaSession(Session):
         for seq in self.slots:
             if seq is not None and seq.waiting:
                 self._attach(seq)
+        # Only the highest priority here steps: the others pause, keeping their cells and
+        # their samplers' state, and go on where they were once it has ended.
+        top = max((seq.priority for seq in self.slots if seq is not None), default=0)
         wanted: list[tuple[_Sequence, int]] = []  # sequences that get a token this step
         n = 0
         for seq in self.slots:  # one token for every generating sequence first
-            if seq is not None and not seq.pending and not seq.waiting:
+            if seq is not None and not seq.pending and not seq.waiting and seq.priority == top:
                 self._put(n, seq.last, seq.pos, seq.slot, True)
                 seq.cached.append(seq.last)
                 seq.pos += 1
                 wanted.append((seq, n))
                 n += 1
         for seq in self.slots:  # then prompt chunks in the room left
-            if seq is None or not seq.pending or seq.waiting or n >= self.n_batch:
+            if seq is None or not seq.pending or seq.waiting or n >= self.n_batch or seq.priority != top:
                 continue
             take = min(len(seq.pending), self.n_batch - n)
             chunk, seq.pending = seq.pending[:take], seq.pending[take:]
@@ -4828,7 +4886,9 @@ class LlamaSession(Session):
 
     def _end(self, seq: _Sequence, reason: str = "stop", error: Optional[tuple[str, str]] = None,
              keep: bool = True) -> tuple[RunningJob, Outcome]:
-        self._release(seq, keep)
+        # A job that ran in the kept room leaves no cells: the jobs it paused go on over the very
+        # cache they paused with (attention over extra cells computes the same text differently).
+        self._release(seq, keep and not seq.reserved)
         text = "".join(seq.parts)
         if not seq.stops or reason != "stop":
             text += seq.decoder.decode(b"", final=True)
@@ -5057,15 +5117,17 @@ def _name_os_thread(name: str) -> None:
 
 
 class Pool:
-    """The queue between the Scanner and the workers: a heap in submission order.
+    """The queue between the Scanner and the workers: a heap by priority (higher first), then
+    submission order.
 
     ``known`` holds every ID queued or being worked on, so a job is never queued twice
     (the spec's scanner re-submitted every queued job every second: unbounded growth).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, priority_of: Callable[[str], int] = lambda job_id: 0) -> None:
         self._cond = threading.Condition()
-        self._heap: list[tuple[tuple[int, int, int, str], str]] = []
+        self._heap: list[tuple[int, tuple[int, int, int, str], str]] = []
+        self._priority_of = priority_of  # a queued job's priority, read when it is pushed
         self._later: list[tuple[float, str]] = []  # handed back after an I/O error
         self._known: set[str] = set()
         self._busy = 0
@@ -5080,14 +5142,23 @@ class Pool:
             for job_id in job_ids:
                 if job_id not in self._known:
                     self._known.add(job_id)
-                    heapq.heappush(self._heap, (order_key(job_id), job_id))
+                    self._queue(job_id, self._priority_of(job_id))
                     added += 1
             if added:
                 self._cond.notify(added)
         return added
 
-    def get(self, timeout: float, worker: Optional[int] = None) -> Optional[str]:
-        """The oldest queued ID, waiting up to ``timeout`` s; None if none or closed.
+    def _queue(self, job_id: str, priority: int) -> None:
+        heapq.heappush(self._heap, (-priority, order_key(job_id), job_id))
+
+    def top_priority(self) -> Optional[int]:
+        """The priority of the job ``get`` would return next; None if none is queued."""
+        with self._cond:
+            return -self._heap[0][0] if self._heap else None
+
+    def get(self, timeout: float, worker: Optional[int] = None, above: Optional[int] = None) -> Optional[str]:
+        """The first queued ID (highest priority, then oldest), waiting up to ``timeout`` s;
+        None if none or closed. With ``above``, only a job of a higher priority than that.
 
         A lone queued job is left to the worker whose job ended last while that worker
         waits here idle: its context still holds that job's cells, which a conversation's
@@ -5100,11 +5171,11 @@ class Pool:
                 now = time.monotonic()
                 while self._later and self._later[0][0] <= now:
                     _, job_id = heapq.heappop(self._later)
-                    heapq.heappush(self._heap, (order_key(job_id), job_id))
-                if self._heap:
+                    self._queue(job_id, self._priority_of(job_id))
+                if self._heap and (above is None or -self._heap[0][0] > above):
                     if not self._leave_to_favored(worker):
                         self._busy += 1
-                        return heapq.heappop(self._heap)[1]
+                        return heapq.heappop(self._heap)[2]
                     self._cond.notify_all()  # the favored worker takes it
                 left = deadline - now
                 if left <= 0:
@@ -5653,10 +5724,11 @@ class Server:
         self.runner = runner
         self._own_runner = runner is None
         self.drain = drain
-        self.pool = Pool()
+        self.pool = Pool(lambda job_id: read_priority(job_path(self.workspace, READY, job_id)))
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._loads: list[int] = []  # sequences in flight per worker (read without a lock: a hint)
+        self._tops: list[Optional[int]] = []  # each worker's highest running priority (None: idle)
         self._thread_budget = 0  # threads the workers' contexts share; 0: no lending
         self._lock_fd: Optional[int] = None
         self.scanner: Optional[Scanner] = None
@@ -5706,6 +5778,7 @@ class Server:
         self._threads = [threading.Thread(target=self.scanner.run, name="Scanner", daemon=True),
                          threading.Thread(target=self._watch_loop, name="Watcher", daemon=True)]
         self._loads = [0] * len(sessions)
+        self._tops = [None] * len(sessions)
         # Threads are lent only between one-thread contexts: then the lender's thread, the
         # one wide thread, is the only OpenMP team (see LlamaRunner.decode_wide).
         if len(sessions) > 1 and all(s.base_threads == 1 for s in sessions):
@@ -5877,7 +5950,16 @@ class Server:
         while not self._stop.is_set():
             try:
                 self._admit(index, session, name)
-                if session.active() and not self._stop.is_set():
+                active = session.active()
+                self._tops[index] = None
+                if active and not self._stop.is_set():
+                    mine = self._tops[index] = max(int(job.params.get("priority") or 0) for job in active)
+                    if any(top is not None and top > mine for top in self._tops):
+                        # Another worker runs a job above all of this one's: pause, and lend it
+                        # this worker's threads (see _share_cores), until it has ended.
+                        self._loads[index] = 0
+                        time.sleep(0.005)
+                        continue
                     self._share_cores(index, session)
                     ended = session.step()
                     for job, outcome in ended:
@@ -5889,6 +5971,7 @@ class Server:
                 for job in session.active():
                     session.drop(job)
                     self._end(job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}"))
+        self._tops[index] = None
         for job in session.active():
             session.drop(job)
             with self._stats_lock:
@@ -5919,13 +6002,21 @@ class Server:
         A busy worker leaves a job to any worker running fewer sequences: otherwise the
         first to wake would take a small batch whole while the others' cores sit idle.
         """
-        while session.free() > 0 and not self._stop.is_set():
-            load = self._loads[index] = len(session.active())
-            if load and any(other < load for i, other in enumerate(self._loads) if i != index):
+        while not self._stop.is_set():
+            active = session.active()
+            load = self._loads[index] = len(active)
+            above = None
+            if session.free() <= 0:
+                # Full: only a job above every running one, into the room kept for it.
+                top = self.pool.top_priority()
+                if top is None or session.reserve(top) <= 0:
+                    return
+                above = max((int(job.params.get("priority") or 0) for job in active), default=None)
+            elif load and any(other < load for i, other in enumerate(self._loads) if i != index):
                 return
             if not load and not len(self.pool):
                 session.idle()
-            job_id = self.pool.get(0.0 if load else 0.5, worker=index)
+            job_id = self.pool.get(0.0 if load else 0.5, worker=index, above=above)
             if job_id is None:
                 return
             try:
@@ -6214,6 +6305,11 @@ def _cmd_status(args: Any) -> int:
         else:
             require_workspace(args.workspace)
             counts = flow.counts()
+            lanes = {str(priority): len(ids) for priority, ids in flow.lanes()}
+            if args.json:
+                counts["lanes"] = lanes  # type: ignore[assignment]
+            elif set(lanes) - {"0"}:
+                counts.update({f"lane {priority}": count for priority, count in lanes.items()})
         if args.json:
             _print_json(counts)
         else:
@@ -6225,7 +6321,13 @@ def _cmd_status(args: Any) -> int:
     if args.json:
         _print_json({job_id: s.value for job_id, s in zip(args.ids, statuses)})
     else:
-        _print_lines(s.value for s in statuses)
+        # A queued job's place: "queued 3 of 12 in lane 0" (the state stays the first word).
+        places = {}
+        if Status.Queued in statuses:
+            for priority, ids in flow.lanes():
+                places.update({job_id: f" {n} of {len(ids)} in lane {priority}" for n, job_id in enumerate(ids, 1)})
+        _print_lines(s.value + (places.get(job_id, "") if s is Status.Queued else "")
+                     for job_id, s in zip(args.ids, statuses))
     for worst in (Status.Missing, Status.Failed, Status.Queued, Status.Running):
         if worst in statuses:
             return STATUS_EXIT[worst]

@@ -1025,12 +1025,13 @@ def test_cli_status_words_counts_and_json(ws: str, run_main: RunMain) -> None:
         wait_all(ws, [queued])
     plant(ws, "pending", {"prompt.txt": "p"})
     words = run_main("status", ws, ids[0], "pending", "1_2_3")
-    assert words.stdout.decode().split() == ["done", "queued", "missing"] and words.returncode == 3
+    assert words.stdout.decode().splitlines() == ["done", "queued 1 of 1 in lane 0", "missing"] and words.returncode == 3
     assert run_main("status", ws, ids[0]).returncode == 0
     assert run_main("status", ws, "pending").returncode == 4
     counts = run_main("status", ws)
     assert counts.stdout.decode().split("\n")[:4] == ["queued 1", "running 0", "done 3", "failed 0"]
-    assert json.loads(run_main("status", ws, "--json").stdout) == {"queued": 1, "running": 0, "done": 3, "failed": 0}
+    assert json.loads(run_main("status", ws, "--json").stdout) == {"queued": 1, "running": 0, "done": 3, "failed": 0,
+                                                                  "lanes": {"0": 1}}
     assert json.loads(run_main("status", ws, ids[0], "--json").stdout) == {ids[0]: "done"}
 
 
@@ -3304,6 +3305,101 @@ def test_sigkill_mid_batch_of_embed_jobs_every_line_ends_once(ws: str, tmp_path:
         places = [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))]
         assert places == [nrvna.OUTPUT], (job_id, places)
         assert [len(v) for v in nrvna.job_vectors(Flow(ws).get(job_id))] == [576] * 4
+
+
+# ==============================================================================
+# Priority lanes
+# ==============================================================================
+
+
+def test_the_pool_takes_the_highest_priority_first_and_fifo_within_a_lane() -> None:
+    priorities = {"1_1_1": 0, "1_1_2": 5, "1_1_3": 0, "1_1_4": -3, "1_1_5": 5, "1_1_6": 10}
+    pool = nrvna.Pool(priorities.__getitem__)
+    pool.push(sorted(priorities))
+    assert pool.top_priority() == 10
+    assert pool.get(0.0, above=10) is None  # nothing above 10
+    order = [pool.get(0.0) for _ in priorities]
+    assert order == ["1_1_6", "1_1_2", "1_1_5", "1_1_1", "1_1_3", "1_1_4"]
+    assert pool.top_priority() is None
+
+
+def test_jobs_run_by_lane_and_status_says_where_a_queued_job_stands(ws: str, run_main: RunMain) -> None:
+    gate, started, order = threading.Event(), threading.Event(), []
+
+    def runner(job: nrvna.RunningJob) -> str:
+        if job.prompt == "first":
+            started.set()
+            gate.wait(30)
+        order.append(job.prompt)
+        return "ok"
+
+    first = submit(ws, "first")
+    with serving(ws, runner, workers=1):
+        assert started.wait(30)
+        ids = {name: submit(ws, name, priority=p) for name, p in
+               (("a0", 0), ("b5", 5), ("c0", 0), ("d-1", -1), ("e5", 5), ("f9", 9))}
+        lines = run_main("status", ws, ids["a0"], ids["e5"], ids["f9"], first).stdout.decode().splitlines()
+        assert lines == ["queued 1 of 2 in lane 0", "queued 2 of 2 in lane 5", "queued 1 of 1 in lane 9", "running"]
+        counts = json.loads(run_main("status", ws, "--json").stdout)
+        assert counts["lanes"] == {"9": 1, "5": 2, "0": 2, "-1": 1} and counts["queued"] == 6
+        assert "lane 9 1" in run_main("status", ws).stdout.decode().splitlines()
+        gate.set()
+        wait_all(ws, list(ids.values()))
+    assert order == ["first", "f9", "b5", "e5", "a0", "c0", "d-1"]
+    assert run_main("submit", ws, "x", "--priority", "1001").returncode == 2
+
+
+@pytest.mark.model
+def test_a_higher_priority_job_pauses_a_running_one_which_ends_as_if_uninterrupted(ws: str, tmp_path: Path,
+                                                                                    model: str) -> None:
+    prompt, params = "Tell me a long story about a lighthouse keeper.", {"max_tokens": 96, "seed": 7, "ignore_eos": True}
+    env = {"NRVNA_SEQS": "1"}
+    reference = str(tmp_path / "reference")
+    expected_id = Work(reference).publish(prompt, **params)
+    assert cli("daemon", model, reference, "--drain", "-w", "1", env=env, timeout=300).returncode == 0
+    expected = Flow(reference).get(expected_id).result
+    low = Work(ws).publish(prompt, **params)
+    proc = start_daemon(model, ws, "-w", "1", env=env)
+    try:
+        partial = os.path.join(ws, nrvna.PROCESSING, low, nrvna.PARTIAL_FILE)
+        deadline = time.monotonic() + 120
+        while not (os.path.exists(partial) and os.path.getsize(partial) > 20) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        high = Work(ws).publish("Say hello.", priority=10, max_tokens=24, seed=1)
+        assert Flow(ws).wait(high, 120) is Status.Done
+        assert Flow(ws).status(low) is Status.Running  # paused, not ended, not requeued
+        assert Flow(ws).wait(low, 300) is Status.Done
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    job = Flow(ws).get(low)
+    assert job.result == expected and job.meta["attempts"] == 1
+    assert Flow(ws).get(high).meta["finished"] < job.meta["finished"]
+
+
+@pytest.mark.model
+def test_sigkill_while_a_job_is_paused_recovers_it_like_any_running_job(ws: str, model: str) -> None:
+    low = Work(ws).publish("Write a long essay about rivers.", max_tokens=200, ignore_eos=True, seed=3)
+    proc = start_daemon(model, ws, "-w", "1", env={"NRVNA_SEQS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while Flow(ws).status(low) is not Status.Running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        high = Work(ws).publish("Count from one to fifty in words.", priority=5, max_tokens=150, ignore_eos=True)
+        while Flow(ws).status(high) is not Status.Running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        assert Flow(ws).status(low) is Status.Running and Flow(ws).status(high) is Status.Running
+    finally:
+        proc.kill()
+        proc.wait()
+    restart = cli("daemon", model, ws, "-w", "1", "--drain", env={"NRVNA_SEQS": "1"}, timeout=600)
+    assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr
+    assert audit_clean(ws)
+    for job_id in (low, high):
+        places = [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))]
+        assert places == [nrvna.OUTPUT], (job_id, places)
+        assert Flow(ws).get(job_id).meta["attempts"] == 2
 
 
 # ==============================================================================

@@ -476,8 +476,10 @@ def main() -> None:
     parser.add_argument("--llama-batch", type=int, default=512, help="Llama.embed's n_ctx = n_batch = n_ubatch")
     parser.add_argument("--variants", default="NRVNA_BATCH=1024;NRVNA_BATCH=2048;NRVNA_WORKERS=1",
                         help="extra nrvna rows: ';'-separated, each ','-separated VAR=VALUE settings ('' for none); "
-                             "nrvna=PATH runs another nrvna.py (a patched copy, say)")
-    parser.add_argument("--variant-rounds", type=int, default=99, help="run the extra nrvna rows in this many rounds only")
+                             "nrvna=PATH runs another nrvna.py (a patched copy, say); a leading + runs "
+                             "the row in every round despite --variant-rounds")
+    parser.add_argument("--variant-rounds", type=int, default=99,
+                        help="run the extra nrvna rows (and the profiled run) in this many rounds only")
     parser.add_argument("--profile", action="store_true", help="also a profiled run of nrvna's defaults each round")
     parser.add_argument("--export-jobs", type=int, default=100_000)
     parser.add_argument("--no-export", action="store_true", help="skip the export memory test")
@@ -501,10 +503,12 @@ def main() -> None:
         flags = extra[0].split() if extra else []
         name = f"llama-server -np {slots} -ub {ubatch}{''.join(' ' + f for f in flags)}, {clients} clients x {PACK} inputs"
         servers[name] = (int(slots), int(ubatch), int(clients), flags)
-    variants = {}
+    variants, every_round = {}, set()
     for variant in filter(None, (v.strip() for v in args.variants.split(";"))):
-        settings = dict(item.split("=", 1) for item in variant.split(","))
-        variants[f"nrvna, {variant.replace(',', ' ')}"] = settings
+        name = f"nrvna, {variant.lstrip('+').replace(',', ' ')}"
+        variants[name] = dict(item.split("=", 1) for item in variant.lstrip("+").split(","))
+        if variant.startswith("+"):
+            every_round.add(name)
     llama_name = f"Llama.embed, n_batch {args.llama_batch}, {nrvna.cpu_count()} threads"
     nrvna_name = "nrvna, defaults"
     profile_name = "nrvna, defaults (profiled)"
@@ -521,7 +525,8 @@ def main() -> None:
     try:
         for round_no in range(args.rounds):
             for name in order:
-                if (name in variants or name == profile_name) and round_no >= args.variant_rounds:
+                if ((name in variants and name not in every_round) or name == profile_name) \
+                        and round_no >= args.variant_rounds:
                     continue
                 waited = wait_idle(args.idle_wait)
                 began = time.perf_counter()
