@@ -100,7 +100,7 @@ POOLINGS = ("model", "mean", "cls", "last", "none")  # llama.cpp's pooling types
 # A setting named like a job parameter (max_tokens, temperature...) is that parameter's default.
 SETTINGS: dict[str, _Setting] = {
     "workers": _Setting("NRVNA_WORKERS", int, min(4, cpu_count()), 1, 256, "worker threads, each with its own context (default 4, or the core count if fewer)"),
-    "seqs": _Setting("NRVNA_SEQS", int, 16, 1, 256, "sequences each worker context generates at once (beyond 8, as the jobs' budgets leave room)"),
+    "seqs": _Setting("NRVNA_SEQS", int, 16, 1, 255, "sequences each worker context generates at once (beyond 8, as the jobs' budgets leave room; one more is kept for a higher-priority job)"),
     "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
     "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
     "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
@@ -4514,7 +4514,7 @@ class LlamaSession(Session):
                                           "embed jobs only (submit --embed)")
         tokens = self.runner.tokens(job)
         if len(tokens) >= self.ctx_per_seq:
-            holder = "the context holds" if len(self.slots) == 1 else "a sequence holds"
+            holder = "the context holds" if self.seqs == 1 else "a sequence holds"
             raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {self.ctx_per_seq}")
         if not tokens:
             raise JobError("bad_request", "prompt has no tokens")
