@@ -6,7 +6,7 @@ The texts: --texts (1,000) deterministic synthetic English-ish texts, --min-toke
 [CLS] and [SEP]), lengths drawn uniformly from --seed. Arms, run in --rounds interleaved rounds:
 
 - `Llama.embed`: llama_cpp.Llama(MODEL, embedding=True, pooling_type=MEAN, n_threads=cores,
-  n_threads_batch=cores, n_ctx=n_batch=n_ubatch=--llama-batch) in this process, warm (model
+  n_threads_batch=cores, n_ctx=n_batch=n_ubatch=--llama-batch) in one process, warm (model
   loaded and a few texts embedded first), `.embed(texts, normalize=True)` over the whole list
   in one call. Llama's default n_threads is cores // 2: it is given every core here. With
   embedding=True Llama sets n_seq_max = n_batch and a unified KV cache, so embed() packs as many
@@ -36,17 +36,18 @@ vectors against Llama.embed's over a sample of 50 texts.
 The machine's other load: this host is shared, and a 2-thread llama.cpp decode slows several
 fold when another process takes a core (its threads wait for each other at every barrier).
 Before each arm the bench waits (up to --idle-wait seconds) for a second with less than a
-quarter of a core busy, and each arm reports the cores used meanwhile by anything else (the
-machine's busy time from /proc/stat, less the arm's own processes); an arm run beside more
-than --max-other cores (0.25) of other work is run again, up to --retries (2) times, and the
-last run is kept (the table shows each arm's highest other load).
+quarter of a core busy; while the arm runs, a watcher samples every 2 s the cores used by
+anything outside this benchmark's own process tree (/proc/stat's busy time less the tree's
+CPU time). An arm beside more than --max-other cores (0.25) of other work for two samples in a
+row is stopped and run again, up to --retries (2) times; the last attempt runs to the end
+whatever happens, and the table shows each arm's worst mean other load.
 
 llama-server with -np N > 1 keeps a KV stream per slot unless given -kvu: for a causal model
 (SmolLM2) its mean-pooled vectors then depend on the texts batched with them (cosine 0.96
 against Llama.embed, measured; 0.9999 with -kvu or -np 1), so give SmolLM2's server arms
 `:-kvu` (BERT has no KV cache: unaffected). Peak RSS comes from /usr/bin/time for nrvna's
-commands (os.wait4's would carry this process's own peak over exec) and from VmHWM for
-llama-server.
+commands and Llama.embed's process (os.wait4's would carry this process's own peak over exec)
+and from VmHWM for llama-server.
 
 Then the export's memory: --export-jobs (100,000) embed jobs are queued for real with
 `submit --file` (one short text each, tagged) and finished by hand, without a model (each gets
@@ -93,6 +94,7 @@ import threading
 import time
 import urllib.request
 from types import ModuleType
+from typing import Callable
 
 from common import PYTHON, ROOT, machine, table
 from vs_llama_server import concurrently, peak_rss_mb, start_server
@@ -132,13 +134,6 @@ def busy_seconds() -> float:
     return (sum(fields) - fields[3] - fields[4]) / TICK  # less idle and iowait
 
 
-def process_cpu(pid: int) -> float:
-    """CPU seconds a live process has used (user + system)."""
-    with open(f"/proc/{pid}/stat") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
 def wait_idle(limit: float, threshold: float = 0.25) -> float:
     """Wait (at most ``limit`` seconds) until the machine's busy cores over one second are
     below ``threshold``, so that an arm does not start beside someone else's work; the
@@ -149,6 +144,76 @@ def wait_idle(limit: float, threshold: float = 0.25) -> float:
         time.sleep(1.0)
         if busy_seconds() - before < threshold or time.monotonic() - start > limit:
             return time.monotonic() - start
+
+
+def tree_cpu() -> float:
+    """CPU seconds used by this process, its reaped children and every live descendant."""
+    me = os.times()
+    total = me.user + me.system + me.children_user + me.children_system
+    children: dict[int, list[int]] = {}
+    used: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        used[int(entry)] = sum(int(x) for x in fields[11:15]) / TICK  # utime stime cutime cstime
+    stack = list(children.get(os.getpid(), []))
+    while stack:
+        pid = stack.pop()
+        total += used.get(pid, 0.0)
+        stack += children.get(pid, [])
+    return total
+
+
+class Aborted(Exception):
+    """Other work took the machine's cores during an arm, which was stopped."""
+
+
+class Watch:
+    """Measures, while an arm runs, the cores used by anything outside this benchmark's own
+    process tree; with ``limit``, stops the arm (``kill``) once that exceeds ``limit`` cores
+    for two samples in a row (a 2-thread llama.cpp decode slows several fold beside other
+    work, so such a run is worth nothing and is better stopped early)."""
+
+    def __init__(self, limit: float | None, interval: float = 2.0) -> None:
+        self.limit, self.interval = limit, interval
+        self.aborted = False
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def begin(self, kill: Callable[[], None]) -> None:
+        self._kill = kill
+        self._start = (time.perf_counter(), busy_seconds(), tree_cpu())
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last, strikes = self._start, 0
+        while not self._done.wait(self.interval):
+            now = (time.perf_counter(), busy_seconds(), tree_cpu())
+            other = (now[1] - last[1] - (now[2] - last[2])) / (now[0] - last[0])
+            last = now
+            strikes = strikes + 1 if self.limit is not None and other > self.limit else 0
+            if strikes >= 2:
+                self.aborted = True
+                try:
+                    self._kill()
+                except OSError:
+                    pass
+                return
+
+    def end(self) -> float:
+        """Stop watching; the other work's mean cores over the whole arm."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+        now = (time.perf_counter(), busy_seconds(), tree_cpu())
+        return max(0.0, (now[1] - self._start[1] - (now[2] - self._start[2])) / (now[0] - self._start[0]))
 
 
 # -- texts ---------------------------------------------------------------------------------
@@ -258,7 +323,7 @@ sys.exit(code)
 
 
 def nrvna_arm(script: str, module: ModuleType, model: str, base: str, texts: list[str], env: dict[str, str],
-              profiled: bool, sample: list[int]) -> dict:
+              profiled: bool, sample: list[int], watch: Watch) -> dict:
     """One nrvna run: submit the texts as jobs, drain them with a fresh daemon."""
     ws = tempfile.mkdtemp(dir=base)
     try:
@@ -276,7 +341,7 @@ def nrvna_arm(script: str, module: ModuleType, model: str, base: str, texts: lis
                    else [PYTHON, script, "daemon", model, ws, "--drain"])
         full_env = {**os.environ, "NRVNA_LOG_LEVEL": "warn", "NRVNA_POOLING": "mean", **env}
         wall_start = time.time()
-        total, rss, cpu, busy, done = timed_child(command, full_env)
+        total, rss, other, done = timed_child(command, full_env, watch)
         assert done.returncode == 0, done.stderr[-800:]
         flow = module.Flow(ws)
         started, finished, vectors, dims = [], [], {}, set()
@@ -292,7 +357,7 @@ def nrvna_arm(script: str, module: ModuleType, model: str, base: str, texts: lis
                 vectors[i] = rows[0]
         processing = max(finished) - min(started)
         result = {"total": total, "processing": processing, "load": min(started) - wall_start,
-                  "rss": rss, "other": (busy - cpu) / total, "dims": dims, "vectors": vectors}
+                  "rss": rss, "other": other, "dims": dims, "vectors": vectors}
         if profiled:
             with open(profile_out) as handle:
                 result["profile"] = summarize_profile(json.load(handle))
@@ -322,29 +387,42 @@ def summarize_profile(records: list[list]) -> dict:
 
 # -- the baselines -------------------------------------------------------------------------
 
-def llama_embed_arm(model: str, texts: list[str], n_batch: int, sample: list[int]) -> dict:
-    import llama_cpp
+# Llama.embed in a child (so that a run beside other work can be stopped): argv MODEL N_BATCH
+# THREADS TEXTS.json SAMPLE.json OUT.json; times embed() alone, after a warm-up.
+LLAMA_EMBED = r"""
+import json, sys, time
+import llama_cpp
+model, n_batch, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with open(sys.argv[4]) as handle:
+    texts = json.load(handle)
+with open(sys.argv[5]) as handle:
+    sample = json.load(handle)
+llm = llama_cpp.Llama(model_path=model, embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+                      n_threads=threads, n_threads_batch=threads, n_ctx=n_batch, n_batch=n_batch,
+                      n_ubatch=n_batch, verbose=False)
+llm.embed(texts[:8], normalize=True)  # warm
+start = time.perf_counter()
+vectors = llm.embed(texts, normalize=True)
+elapsed = time.perf_counter() - start
+assert len(vectors) == len(texts)
+with open(sys.argv[6], "w") as handle:
+    json.dump({"elapsed": elapsed, "dims": sorted({len(v) for v in vectors}),
+               "vectors": {str(i): vectors[i] for i in sample}}, handle)
+"""
 
-    cores = nrvna.cpu_count()
-    llm = llama_cpp.Llama(model_path=model, embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
-                          n_threads=cores, n_threads_batch=cores, n_ctx=n_batch, n_batch=n_batch, n_ubatch=n_batch,
-                          verbose=False)
-    try:
-        llm.embed(texts[:8], normalize=True)  # warm
-        start, busy, own = time.perf_counter(), busy_seconds(), own_cpu()
-        vectors = llm.embed(texts, normalize=True)
-        elapsed = time.perf_counter() - start
-        other = (busy_seconds() - busy - (own_cpu() - own)) / elapsed
-    finally:
-        llm.close()
-    assert len(vectors) == len(texts)
-    return {"total": elapsed, "processing": elapsed, "other": other, "dims": {len(v) for v in vectors},
-            "vectors": {i: vectors[i] for i in sample}}
 
-
-def own_cpu() -> float:
-    times = os.times()
-    return times.user + times.system
+def llama_embed_arm(model: str, texts: list[str], n_batch: int, sample: list[int], base: str, watch: Watch) -> dict:
+    paths = [os.path.join(base, name) for name in ("llama-texts.json", "llama-sample.json", "llama-out.json")]
+    for path, value in zip(paths, (texts, sample)):
+        with open(path, "w") as handle:
+            json.dump(value, handle)
+    _, rss, other, done = timed_child([PYTHON, "-c", LLAMA_EMBED, model, str(n_batch), str(nrvna.cpu_count()),
+                                       *paths], watch=watch)
+    assert done.returncode == 0, done.stderr[-800:]
+    with open(paths[2]) as handle:
+        out = json.load(handle)
+    return {"total": out["elapsed"], "processing": out["elapsed"], "other": other, "rss": rss,
+            "dims": set(out["dims"]), "vectors": {int(i): v for i, v in out["vectors"].items()}}
 
 
 def post_json(port: int, path: str, body: dict) -> dict:
@@ -355,7 +433,7 @@ def post_json(port: int, path: str, body: dict) -> dict:
 
 
 def server_arm(binary: str, model: str, texts: list[str], slots: int, ubatch: int, clients: int, flags: list[str],
-               sample: list[int]) -> dict:
+               sample: list[int], watch: Watch) -> dict:
     proc, port = start_server(binary, model, slots, "--embeddings", "--pooling", "mean", "-ub", str(ubatch),
                               "-b", str(ubatch), *flags)
     try:
@@ -365,7 +443,12 @@ def server_arm(binary: str, model: str, texts: list[str], slots: int, ubatch: in
         dims, lock = set(), threading.Lock()
 
         def ask(chunk: list[int]) -> None:
-            reply = post_json(port, "/v1/embeddings", {"input": [texts[i] for i in chunk]})
+            try:
+                reply = post_json(port, "/v1/embeddings", {"input": [texts[i] for i in chunk]})
+            except OSError:
+                if watch.aborted:  # the server was stopped
+                    return
+                raise
             data = sorted(reply["data"], key=lambda d: d["index"])
             assert len(data) == len(chunk), len(data)
             with lock:
@@ -374,9 +457,13 @@ def server_arm(binary: str, model: str, texts: list[str], slots: int, ubatch: in
                     if i in sample:
                         vectors[i] = item["embedding"]
 
-        busy, own, server = busy_seconds(), own_cpu(), process_cpu(proc.pid)
-        elapsed = concurrently(chunks, clients, ask)
-        other = (busy_seconds() - busy - (own_cpu() - own) - (process_cpu(proc.pid) - server)) / elapsed
+        watch.begin(proc.kill)
+        try:
+            elapsed = concurrently(chunks, clients, ask)
+        finally:
+            other = watch.end()
+        if watch.aborted:
+            raise Aborted
         return {"total": elapsed, "processing": elapsed, "rss": peak_rss_mb(proc.pid), "other": other,
                 "dims": dims, "vectors": vectors}
     finally:
@@ -386,28 +473,36 @@ def server_arm(binary: str, model: str, texts: list[str], slots: int, ubatch: in
 
 # -- export memory -------------------------------------------------------------------------
 
-def timed_child(command: list[str], env: dict[str, str] | None = None
-                ) -> tuple[float, float, float, float, subprocess.CompletedProcess]:
-    """Run ``command`` under /usr/bin/time: its wall seconds, peak RSS MB, CPU seconds, the
-    machine's busy CPU seconds meanwhile, and its result. (Not os.wait4's ru_maxrss: Linux
-    carries a process's peak over exec, so a child forked from this process, which holds
-    models, would report this process's size.)"""
+def timed_child(command: list[str], env: dict[str, str] | None = None, watch: Watch | None = None
+                ) -> tuple[float, float, float, subprocess.CompletedProcess]:
+    """Run ``command`` under /usr/bin/time: its wall seconds, peak RSS MB, the other work's
+    cores meanwhile (with ``watch``, which may stop it: Aborted), and its result. (Not
+    os.wait4's ru_maxrss: Linux carries a process's peak over exec, so a child forked from
+    this process, which holds models, would report this process's size.)"""
     with tempfile.NamedTemporaryFile("r") as report, tempfile.TemporaryFile() as out, \
             tempfile.TemporaryFile() as err:
-        busy, start = busy_seconds(), time.perf_counter()
-        proc = subprocess.run(["/usr/bin/time", "-f", "%M %U %S", "-o", report.name, *command], env=env,
-                              stdout=out, stderr=err)
-        elapsed, busy = time.perf_counter() - start, busy_seconds() - busy
-        rss_kb, user, system = report.read().split()[-3:]
+        start = time.perf_counter()
+        proc = subprocess.Popen(["/usr/bin/time", "-f", "%M", "-o", report.name, *command], env=env,
+                                stdout=out, stderr=err, start_new_session=True)
+        if watch is not None:
+            watch.begin(lambda: os.killpg(proc.pid, signal.SIGKILL))
+        try:
+            proc.wait()
+        finally:
+            other = watch.end() if watch is not None else float("nan")
+        elapsed = time.perf_counter() - start
+        if watch is not None and watch.aborted:
+            raise Aborted
+        rss_kb = report.read().split()[-1]
         out.seek(0)
         err.seek(0)
         done = subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read())
-    return elapsed, int(rss_kb) / 1024, float(user) + float(system), busy, done
+    return elapsed, int(rss_kb) / 1024, other, done
 
 
 def run_child(*args: str) -> tuple[float, float, subprocess.CompletedProcess]:
     """Wall seconds, peak RSS MB and the result of ``python ARGS``."""
-    elapsed, rss, _, _, done = timed_child([PYTHON, *args])
+    elapsed, rss, _, done = timed_child([PYTHON, *args])
     return elapsed, rss, done
 
 
@@ -531,17 +626,17 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
     export_rows: list[list] = []
 
-    def run_arm(name: str) -> dict:
+    def run_arm(name: str, watch: Watch) -> dict:
         if name == llama_name:
-            return llama_embed_arm(args.model, texts, args.llama_batch, sample)
+            return llama_embed_arm(args.model, texts, args.llama_batch, sample, base, watch)
         if name in servers:
-            return server_arm(binary, args.model, texts, *servers[name], sample)
+            return server_arm(binary, args.model, texts, *servers[name], sample, watch)
         if name in (nrvna_name, profile_name):
-            return nrvna_arm(script, module, args.model, base, texts, {}, name == profile_name, sample)
+            return nrvna_arm(script, module, args.model, base, texts, {}, name == profile_name, sample, watch)
         settings = dict(variants[name])
         other = settings.pop("nrvna", None)
         return nrvna_arm(os.path.abspath(other) if other else script, module, args.model, base, texts, settings,
-                         True, sample)
+                         True, sample, watch)
 
     try:
         for round_no in range(args.rounds):
@@ -552,15 +647,19 @@ def main() -> None:
                 for attempt in range(args.retries + 1):
                     waited = wait_idle(args.idle_wait)
                     began = time.perf_counter()
-                    result = run_arm(name)
+                    # The last attempt runs to the end whatever the other load (which it reports).
+                    watch = Watch(args.max_other if attempt < args.retries else None)
+                    try:
+                        result = run_arm(name, watch)
+                    except Aborted:
+                        print(f"round {round_no + 1}: {name}: stopped after {time.perf_counter() - began:.0f} s: "
+                              f"other work took over {args.max_other} cores; run again", flush=True)
+                        continue
                     result["waited"] = waited
                     print(f"round {round_no + 1}: {name}: {len(texts) / result['total']:.1f} texts/s "
                           f"({time.perf_counter() - began:.0f} s; other load {result['other']:.2f} cores; "
                           f"waited {waited:.0f} s for an idle machine)", flush=True)
-                    if result["other"] <= args.max_other:
-                        break
-                    if attempt < args.retries:
-                        print(f"  (other load above {args.max_other} cores: run again)", flush=True)
+                    break
                 runs[name].append(result)
         if not args.no_export:
             export_rows = export_memory(script, module, base, args.export_jobs)
