@@ -14,6 +14,7 @@ filesystem: ``from nrvna import Work, Flow`` works on a bare Python.
 Contents (one banner each, in this order):
 
 1. Settings and job parameters    SETTINGS, Config, PARAMS, validate_params, job_param
+   Structured output              check_json_schema, check_grammar, number_rule
 2. Errors and exit codes          NrvnaError and its subclasses, JobError, EXIT_CODES
 3. Logging                        configure_logging, log
 4. File primitives                write_file, read_file, fsync_dir, move (never replaces)
