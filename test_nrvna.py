@@ -1235,7 +1235,7 @@ def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared
         last = session.last_kept
         assert last in (0, 1, 2)
         session.idle()
-        assert [len(tokens) for tokens in session.held] == [before[i] if i == last else shared for i in range(3)] + [0]
+        assert [len(tokens) for tokens in session.held] == [before[i] if i == last else shared for i in range(3)] + [0, 0]
         for i in range(3):  # the cells match what is held: nothing beyond it is left
             assert llama.L.llama_memory_seq_pos_max(session.memory, i) == len(session.held[i]) - 1
         # A new prompt shares only the prefix with every slot: it takes the slot kept whole
@@ -1275,7 +1275,8 @@ def test_a_context_admits_jobs_by_the_cells_their_budgets_need(llama: nrvna.Llam
              "Iron", "Moss", "Kites", "Sand", "Pearls", "Wheat", "Foxes", "Clocks"]
     L = llama.L
     try:
-        assert (session.cells, session.ctx_per_seq, session.free()) == (1024, 128, 8)
+        # (and one more job's cells, with a 17th slot, kept for a higher-priority job)
+        assert (session.normal_cells, session.cells, session.ctx_per_seq, session.free()) == (1024, 1152, 128, 8)
         for word in words:  # each job's budget: about 6 prompt tokens + 40
             assert session.free() > 0
             session.start(fake_job(f"{word} are", raw=True, max_tokens=40, temperature=0, ignore_eos=True))
@@ -1289,8 +1290,8 @@ def test_a_context_admits_jobs_by_the_cells_their_budgets_need(llama: nrvna.Llam
         while session.free() > 0:  # budget 128 (the per-job length) each: 8 fit, not 16
             long.append(fake_job(f"{words[len(long)]} were", raw=True, max_tokens=500, temperature=0, ignore_eos=True))
             session.start(long[-1])
-        assert len(long) == 8 and session.slots.count(None) == 8
-        assert sum(len(t) for t in session.held) + 8 * 128 <= 1024  # the rest were dropped...
+        assert len(long) == 8 and session.slots.count(None) == 9
+        assert sum(len(t) for t in session.held) + 8 * 128 <= session.cells  # the rest were dropped...
         for i, tokens in enumerate(session.held):  # ...from the cache too
             if not tokens and session.slots[i] is None:
                 assert L.llama_memory_seq_pos_max(session.memory, i) == -1

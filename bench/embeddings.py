@@ -35,12 +35,13 @@ vectors against Llama.embed's over a sample of 50 texts.
 
 The machine's other load: this host is shared, and a 2-thread llama.cpp decode slows several
 fold when another process takes a core (its threads wait for each other at every barrier).
-Before each arm the bench waits (up to --idle-wait seconds) for a second with less than a
-quarter of a core busy; while the arm runs, a watcher samples every 2 s the cores used by
-anything outside this benchmark's own process tree (/proc/stat's busy time less the tree's
-CPU time). An arm beside more than --max-other cores (0.25) of other work for two samples in a
-row is stopped and run again, up to --retries (2) times; the last attempt runs to the end
-whatever happens, and the table shows each arm's worst mean other load.
+Before each arm the bench waits (up to --idle-wait seconds) until the machine has had less
+than a quarter of a core busy for --quiet (10) seconds in a row; while the arm runs, a watcher
+samples every 2 s the cores used by anything outside this benchmark's own process tree
+(/proc/stat's busy time less the tree's CPU time). An arm beside more than --max-other cores
+(0.25) of other work for two samples in a row is stopped and run again, up to --retries (2)
+times; the last attempt runs to the end whatever happens, and the table shows each arm's
+worst mean other load.
 
 llama-server with -np N > 1 keeps a KV stream per slot unless given -kvu: for a causal model
 (SmolLM2) its mean-pooled vectors then depend on the texts batched with them (cosine 0.96
@@ -58,7 +59,7 @@ and their peak RSS (from /usr/bin/time) and time are printed.
     python bench/embeddings.py [--model PATH] [--texts 1000] [--rounds 2] [--server PATH]
         [--server-arms 2:512:2,4:512:4,8:512:8,4:2048:4] [--llama-batch 512]
         [--variants "NRVNA_BATCH=1024;NRVNA_BATCH=2048;NRVNA_WORKERS=1"] [--variant-rounds N]
-        [--profile] [--export-jobs 100000 | --no-export] [--idle-wait 300] [--max-other 0.25]
+        [--profile] [--export-jobs 100000 | --no-export] [--idle-wait 300] [--quiet 10] [--max-other 0.25]
         [--retries 2] [--nrvna PATH]
 
 Examples (both models the issue names):
@@ -134,16 +135,20 @@ def busy_seconds() -> float:
     return (sum(fields) - fields[3] - fields[4]) / TICK  # less idle and iowait
 
 
-def wait_idle(limit: float, threshold: float = 0.25) -> float:
-    """Wait (at most ``limit`` seconds) until the machine's busy cores over one second are
-    below ``threshold``, so that an arm does not start beside someone else's work; the
-    seconds waited."""
+def wait_idle(limit: float, quiet: float, threshold: float = 0.25) -> float:
+    """Wait (at most ``limit`` seconds) until the machine's busy cores have stayed below
+    ``threshold`` for ``quiet`` seconds in a row, so that an arm does not start beside
+    someone else's work (or in a pause between their runs); the seconds waited."""
     start = time.monotonic()
-    while True:
+    since = start
+    while time.monotonic() - start < limit:
         before = busy_seconds()
         time.sleep(1.0)
-        if busy_seconds() - before < threshold or time.monotonic() - start > limit:
-            return time.monotonic() - start
+        if busy_seconds() - before >= threshold:
+            since = time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            break
+    return time.monotonic() - start
 
 
 def tree_cpu() -> float:
@@ -488,6 +493,9 @@ def timed_child(command: list[str], env: dict[str, str] | None = None, watch: Wa
             watch.begin(lambda: os.killpg(proc.pid, signal.SIGKILL))
         try:
             proc.wait()
+        except BaseException:  # this benchmark was stopped: so is its child
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
         finally:
             other = watch.end() if watch is not None else float("nan")
         elapsed = time.perf_counter() - start
@@ -584,6 +592,8 @@ def main() -> None:
     parser.add_argument("--no-export", action="store_true", help="skip the export memory test")
     parser.add_argument("--idle-wait", type=float, default=300,
                         help="before each arm, wait up to this many seconds for the machine to be idle")
+    parser.add_argument("--quiet", type=float, default=10,
+                        help="seconds the machine must have been idle before an arm starts")
     parser.add_argument("--max-other", type=float, default=0.25,
                         help="an arm during which other processes used more cores than this is run again")
     parser.add_argument("--retries", type=int, default=2, help="how many times at most (the last run is kept)")
@@ -645,7 +655,7 @@ def main() -> None:
                         and round_no >= args.variant_rounds:
                     continue
                 for attempt in range(args.retries + 1):
-                    waited = wait_idle(args.idle_wait)
+                    waited = wait_idle(args.idle_wait, args.quiet)
                     began = time.perf_counter()
                     # The last attempt runs to the end whatever the other load (which it reports).
                     watch = Watch(args.max_other if attempt < args.retries else None)
