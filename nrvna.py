@@ -4621,7 +4621,8 @@ class LlamaSession(Session):
                     continue
                 else:
                     n = _common_prefix(other.cached, tokens, limit)
-                    if other.pending and n == len(other.cached):
+                    # Never wait for a lower-priority batch-mate: it is paused while this one runs.
+                    if other.pending and n == len(other.cached) and other.priority >= seq.priority:
                         planned = max(planned, _common_prefix(other.cached + other.pending, tokens, limit))
                 if n > computed:
                     source, computed = i, n

@@ -3379,6 +3379,32 @@ def test_a_higher_priority_job_pauses_a_running_one_which_ends_as_if_uninterrupt
 
 
 @pytest.mark.model
+def test_a_higher_priority_job_never_waits_for_the_prefix_of_a_job_it_paused(llama: nrvna.LlamaRunner) -> None:
+    """A new job may wait a step for a batch-mate computing a prefix they share; not for one
+    it paused (which does not step while it runs)."""
+    system = "You answer every question in one short sentence, politely. " * 8  # a long shared prefix
+    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=1024, batch=16))
+    try:
+        low = fake_job("Describe the sea.", system=system, max_tokens=20, temperature=0)
+        session.start(low)
+        assert session.step() == []  # 16 of its prompt tokens computed, the rest pending
+        assert session.free() == 0 and session.reserve(10) == 1
+        high = fake_job("Describe the sky.", system=system, max_tokens=5, temperature=0, priority=10)
+        session.start(high)
+        ended: list[nrvna.RunningJob] = []
+        for _ in range(100):
+            ended += [job for job, _ in session.step()]
+            if ended:
+                break
+        assert ended == [high]  # done while the other was paused
+        while session.active():
+            ended += [job for job, _ in session.step()]
+        assert ended == [high, low]
+    finally:
+        session.close()
+
+
+@pytest.mark.model
 def test_sigkill_while_a_job_is_paused_recovers_it_like_any_running_job(ws: str, model: str) -> None:
     low = Work(ws).publish("Write a long essay about rivers.", max_tokens=200, ignore_eos=True, seed=3)
     proc = start_daemon(model, ws, "-w", "1", env={"NRVNA_SEQS": "1"})
