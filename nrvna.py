@@ -254,6 +254,20 @@ def _read_text_file(path: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
 
 
+def _read_metadata(text: str) -> dict[str, Any]:
+    """``--metadata JSON``: an object."""
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return value
+
+
 def _read_bias(text: str) -> tuple[str, float]:
     """``--logit-bias ID=BIAS``: one token's bias."""
     import argparse
@@ -296,13 +310,14 @@ PARAMS: dict[str, Param] = {
     "custom_id": Param(str, 0, 512, None, None, (), True, "the caller's name for the job (batch files, export; default line-N)"),
     "priority": Param(int, -1000, 1000, 0, "--priority", ("priority",), True, "higher runs first (FIFO within a priority); a job above every running one pauses lower ones in its context until it ends"),
     "idempotency_key": Param(str, 1, 256, None, "--idempotency-key", (), True, "submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
+    "metadata": Param("metadata", 0, 1 << 20, None, "--metadata", ("metadata",), True, "the caller's fields, kept with the job and given back by export --format jsonl and events hooks: a JSON object (a template's record, by default); never read by the daemon", ("JSON", _read_metadata)),
     "tag": Param(str, 0, 128, None, "--tag", (), False, "label the jobs (status/wait/export/cancel/retry --tag)"),
     "endpoint": Param(str, 0, 32, None, None, (), False, "the OpenAI Batch url a job came from: export answers in its shape"),
 }
 ROLES = ("system", "user", "assistant")
 # The parameters an embed job may carry (every other one is about generating); those only it may.
 EMBED_PARAMS = frozenset({"embed", "input", "dimensions", "encoding_format", "timeout", "custom_id", "tag", "endpoint",
-                          "idempotency_key", "priority"})
+                          "idempotency_key", "priority", "metadata"})
 EMBED_ONLY = ("input", "dimensions", "encoding_format")
 # Flags that set a job parameter to a fixed value: flag -> (parameter, value, help).
 FLAG_SHORTHANDS = {"--json": ("response_format", {"type": "json_object"}, "constrain the output to a JSON object "
@@ -460,6 +475,8 @@ def _check_param(key: str, param: Param, value: Any) -> Any:
         value = _check_logit_bias(value, low, high)
     elif kind == "input":
         value = check_inputs(value, high)
+    elif kind == "metadata":
+        value = _check_metadata(key, value, high)
     elif isinstance(kind, tuple):
         if value not in kind:
             raise InvalidInput(f"parameter {key} must be one of {', '.join(kind)}")
@@ -471,6 +488,21 @@ def _check_param(key: str, param: Param, value: Any) -> Any:
         value = kind(value)
         if not (low <= value <= high):
             raise InvalidInput(f"parameter {key}={value} is out of range ({low} to {high})")
+    return value
+
+
+def _check_metadata(key: str, value: Any, limit: int) -> dict[str, Any]:
+    """A JSON object of at most ``limit`` bytes as JSON, kept as given."""
+    import json
+
+    if not isinstance(value, dict):
+        raise InvalidInput(f"parameter {key} must be a JSON object")
+    try:
+        size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8"))
+    except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as err:
+        raise InvalidInput(f"parameter {key} cannot be written as JSON ({err})") from None
+    if size > limit:
+        raise InvalidInput(f"parameter {key} is {size} bytes as JSON; the limit is {limit}")
     return value
 
 
@@ -596,6 +628,8 @@ def _describe_param(param: Param) -> str:
         return f"object, biases {param.low:g} to {param.high:g}"
     if param.kind == "input":
         return f"list of {param.low} to {param.high} strings"
+    if param.kind == "metadata":
+        return f"object, up to {param.high} bytes as JSON"
     if isinstance(param.kind, tuple):
         return " or ".join(f"`{choice}`" for choice in param.kind)
     return f"list of up to {param.high} " + ("strings" if param.kind is list else "{role, content}")
@@ -1926,21 +1960,72 @@ def submitted_time(job_id: str, dir_fd: int) -> Optional[float]:
         return float(match.group(1)) if match else None
 
 
-def mark_failed(workspace: str, sub: str, job_id: str, code: str, message: str) -> None:
+def mark_failed(workspace: str, sub: str, job_id: str, code: str, message: str,
+                came_from: Optional[Status] = None) -> None:
     """Write error.txt and meta.json (with ``code``) into the job dir ``sub/job_id``, durably
-    (the caller then moves it to failed/ if it is not there)."""
+    (the caller then moves it to failed/ if it is not there; ``came_from``: the state it left,
+    when it is there already)."""
     fd = open_dir(job_path(workspace, sub, job_id))
     try:
         meta = read_meta(fd)
         if "submitted" not in meta:
             meta["submitted"] = submitted_time(job_id, fd)
         meta.update(id=job_id, code=code, finished=round(time.time(), 3))
+        record_event(meta, came_from or SUB_STATUS[sub], "cancelled" if code == "cancelled" else "failed", code)
         meta.pop("finish_reason", None)
         write_file(fd, ERROR_FILE, message.encode("utf-8") + b"\n")
         write_file(fd, META_FILE, dump_meta(meta))
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- a job's history: meta.json's "events" ---------------------------------------------------
+#
+# Each change of state appends [time, to] or [time, to, code] to meta.json's "events", in the
+# same meta.json write the change makes anyway: no other file, no extra fsync. Some writes
+# come before their rename (done, failed, cancelled, requeued: the job's files first, then
+# the move) and one after (running: the claim's rename, then meta.json), so a crash can leave
+# one entry that did not happen, or miss one that did. The job's directory is the truth, and
+# job_history() reconciles the entries with it: a last entry whose move did not happen (the
+# job is still where it was before it) is dropped; a move that has no entry gets one, timed
+# by the directory's ctime. So no change is reported that did not happen, and none that did
+# is lost (`nrvna events`, and the on-done hook's at-least-once, rest on this).
+
+EVENT_STATUS = {"queued": Status.Queued, "requeued": Status.Queued, "running": Status.Running,
+                "done": Status.Done, "failed": Status.Failed, "cancelled": Status.Failed}
+EVENTS = tuple(EVENT_STATUS)
+_WRITTEN_BEFORE_MOVE = frozenset({"done", "failed", "cancelled", "requeued"})
+SUB_STATUS = {sub: status for sub, status in STATE_DIRS}
+
+
+def job_history(meta: Mapping[str, Any], state: Status, submitted: Optional[float],
+                moved_at: Optional[float] = None) -> list[list[Any]]:
+    """The job's changes of state as ``[time, to, code?]``, starting with ``queued`` at
+    ``submitted``, reconciled with where the job is now (``state``; see above)."""
+    history: list[list[Any]] = [[submitted or 0.0, "queued"]]
+    for entry in meta.get("events") or ():
+        if (isinstance(entry, list) and len(entry) in (2, 3) and isinstance(entry[0], (int, float))
+                and entry[1] in EVENT_STATUS):
+            history.append(list(entry))
+    last = history[-1][1]
+    if (len(history) > 1 and EVENT_STATUS[last] is not state and last in _WRITTEN_BEFORE_MOVE
+            and EVENT_STATUS[history[-2][1]] is state):
+        history.pop()  # written, then the daemon or client died before the move
+    if EVENT_STATUS[history[-1][1]] is not state and state is not Status.Missing:
+        code = meta.get("code") if state is Status.Failed else None
+        to = {Status.Queued: "requeued", Status.Running: "running", Status.Done: "done",
+              Status.Failed: "cancelled" if code == "cancelled" else "failed"}[state]
+        history.append([round(moved_at or time.time(), 3), to] + ([code] if code else []))
+    return history
+
+
+def record_event(meta: dict[str, Any], state: Status, to: str, code: Optional[str] = None) -> None:
+    """Append the change ``to`` to meta's history, reconciled first with ``state``, where the
+    job is before this change (the caller writes meta.json)."""
+    history = job_history(meta, state, 0.0)[1:]
+    history.append([round(time.time(), 3), to] + ([code] if code else []))
+    meta["events"] = history
 
 
 def move_job(workspace: str, job_id: str, src: str, dst: str) -> None:
@@ -2066,7 +2151,7 @@ def dedupe_key(prompt: Any, params: Mapping[str, Any]) -> str:
     import json
 
     text = prompt.decode("utf-8") if isinstance(prompt, bytes) else prompt
-    content = {k: v for k, v in params.items() if k not in ("custom_id", "tag", "idempotency_key")}
+    content = {k: v for k, v in params.items() if k not in ("custom_id", "tag", "idempotency_key", "metadata")}
     blob = json.dumps([text, content], ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
@@ -2379,7 +2464,8 @@ class Work:
 
     def submit_file(self, source: Any, *, tag: Optional[str] = None, jsonl: Optional[bool] = None,
                     on_ids: Optional[Callable[[list[str]], None]] = None, notes: Optional[list[str]] = None,
-                    dedupe: bool = False, **defaults: Any) -> list[str]:
+                    dedupe: bool = False, template: Optional[str] = None, id_field: Optional[str] = None,
+                    **defaults: Any) -> list[str]:
         """Queue every line of a batch file; return every line's ID, in file order.
 
         ``source`` is a path (``*.jsonl`` holds JSON lines, any other file one prompt per
@@ -2392,7 +2478,14 @@ class Work:
         user (an ignored ``body.model``, lines already queued). A line with an
         ``idempotency_key`` (or every line, with ``dedupe``: a key from its content) whose key
         names an existing job is not queued: its ID is that job's.
+
+        With ``template``, the file holds data instead (see ``parse_records``: JSONL objects, or
+        CSV under a header row, as ``*.csv`` or a first line that is not an object says): each
+        record fills the template and is kept as the job's ``metadata``; ``id_field`` names
+        the field that gives ``custom_id``.
         """
+        if id_field is not None and template is None:
+            raise InvalidInput("--id-field names a field of a template's records: give --template too")
         if isinstance(source, (bytes, bytearray)):
             data = bytes(source)
         else:
@@ -2402,9 +2495,13 @@ class Work:
                     data = handle.read()
             except OSError as err:
                 raise InvalidInput(f"cannot read {path}: {_os_error(err)}") from None
-            jsonl = path.endswith(".jsonl") if jsonl is None else jsonl
+            if jsonl is None and (template is None or path.endswith((".csv", ".jsonl"))):
+                jsonl = path.endswith(".jsonl")  # a template's data file of another name: sniffed
         notes = [] if notes is None else notes
-        entries = parse_batch(data, jsonl, notes)
+        if template is not None:
+            entries = parse_records(data, template, id_field, None if jsonl is None else not jsonl)
+        else:
+            entries = parse_batch(data, jsonl, notes)
         defaults = validate_params(defaults)
         if tag is not None:
             validate_params({"tag": tag})
@@ -2800,6 +2897,147 @@ class Flow:
         return exported, unfinished
 
 
+def format_time(when: float) -> str:
+    """ISO 8601 in UTC with milliseconds: ``2026-11-24T12:01:30.123Z``."""
+    millis = int(round(when * 1000))
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(millis // 1000)) + f".{millis % 1000:03d}Z"
+
+
+def _job_events(workspace: str, job_id: str, sub: Optional[str]) -> Optional[tuple[list[list[Any]], dict[str, Any]]]:
+    """(history, params) of a job, read where ``sub`` says (else wherever it is), or None if
+    it is nowhere. The directory is checked again after meta.json is read: a history read as
+    the job moved on is read again, so it is always reconciled with a place the job was in
+    after the read."""
+    import json
+
+    for _ in range(20):
+        if sub is None:
+            status, path = locate_job(workspace, job_id)
+            if status is Status.Missing:
+                return None
+            sub = STATUS_DIR[status]
+        path = job_path(workspace, sub, job_id)
+        try:
+            fd = open_dir(path)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            sub = None
+            continue
+        try:
+            meta = read_meta(fd)
+            raw = _read_or_none(fd, PARAMS_FILE)
+            submitted = meta.get("submitted") or submitted_time(job_id, fd)
+            info = os.fstat(fd)
+            try:
+                still = os.lstat(path).st_ino == info.st_ino
+            except FileNotFoundError:
+                still = False
+        finally:
+            os.close(fd)
+        if not still:
+            sub = None
+            continue
+        try:
+            params = json.loads(raw) if raw else {}
+        except ValueError:
+            params = {}
+        return job_history(meta, SUB_STATUS[sub], submitted, info.st_ctime), params if isinstance(params, dict) else {}
+    return None
+
+
+def iter_events(workspace: str, since: Optional[float] = None, tag: Optional[str] = None, follow: bool = False,
+                alive: Callable[[], bool] = lambda: True) -> Iterator[list[dict[str, Any]]]:
+    """Jobs' changes of state, in time order, a list at a time: ``{time, id, custom_id, tag,
+    from, to, code}`` (see job_history). First every change known (at or after ``since``, an
+    epoch time; of ``tag``'s jobs only), then, with ``follow``, each new one as it happens
+    (inotify on the state directories, else a listing every 0.5 s) while ``alive()``."""
+    emitted: dict[str, int] = {}  # changes of each job seen so far (reported or before since)
+
+    def changes(job_id: str, sub: Optional[str]) -> list[tuple[float, tuple[Any, ...], dict[str, Any]]]:
+        read = _job_events(workspace, job_id, sub)
+        if read is None:
+            return []
+        history, params = read
+        if tag is not None and params.get("tag") != tag:
+            return []
+        out, first = [], emitted.get(job_id, 0)
+        emitted[job_id] = max(first, len(history))
+        for i in range(first, len(history)):
+            when, to = history[i][0], history[i][1]
+            if since is not None and when < since:
+                continue
+            out.append((when, order_key(job_id) + (i,), {
+                "time": format_time(when), "id": job_id, "custom_id": params.get("custom_id"),
+                "tag": params.get("tag"), "from": EVENT_STATUS[history[i - 1][1]].value if i else None,
+                "to": to, "code": history[i][2] if len(history[i]) > 2 else None}))
+        return out
+
+    watches = _watch_states(workspace) if follow else None
+    listed = {sub: _names(workspace, sub) for sub, _ in STATE_DIRS}
+    mtimes = {sub: _mtime(workspace, sub) for sub in listed}
+    if tag is not None:
+        members = {job_id for job_id, _ in tag_members(workspace, tag)}
+        jobs = [(job_id, sub) for sub, names in listed.items() for job_id in names & members]
+    else:
+        jobs = [(job_id, sub) for sub, names in listed.items() for job_id in names]
+    found = [change for job_id, sub in jobs for change in changes(job_id, sub)]
+    found.sort(key=lambda change: change[:2])
+    yield [event for _, _, event in found]
+    while follow and alive():
+        names: set[str] = set()
+        if watches is not None:
+            import select
+
+            ready, _, _ = select.select(watches, [], [], 0.5)
+            for watch in ready:
+                events, overflow = watch.read()
+                names.update(name for _, name in events)
+                if overflow:  # the kernel dropped some: look at everything
+                    names.update(n for sub in listed for n in _names(workspace, sub))
+        else:
+            time.sleep(0.5)
+            for sub in listed:
+                mtime = _mtime(workspace, sub)
+                if mtime != mtimes[sub]:
+                    mtimes[sub], current = mtime, _names(workspace, sub)
+                    names.update(current - listed[sub])
+                    listed[sub] = current
+        found = [change for job_id in names if is_valid_id(job_id) for change in changes(job_id, None)]
+        found.sort(key=lambda change: change[:2])
+        if found:
+            yield [event for _, _, event in found]
+    for watch in watches or ():
+        watch.close()
+
+
+def _names(workspace: str, sub: str) -> set[str]:
+    try:
+        return {name for name in os.listdir(job_path(workspace, sub)) if not name.startswith(".")}
+    except FileNotFoundError:
+        return set()
+
+
+def _mtime(workspace: str, sub: str) -> float:
+    try:
+        return os.stat(job_path(workspace, sub)).st_mtime_ns
+    except FileNotFoundError:
+        return 0
+
+
+def _watch_states(workspace: str) -> Optional[list[Any]]:
+    """inotify watches on the four state directories, or None where there is no inotify."""
+    if not sys.platform.startswith("linux"):
+        return None
+    watches: list[Any] = []
+    try:
+        for sub, _ in STATE_DIRS:
+            watches.append(_DirWatch(job_path(workspace, sub)))
+    except OSError:
+        for watch in watches:
+            watch.close()
+        return None
+    return watches
+
+
 def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str, str]:
     """Cancel a job; return ``(outcome, message)`` with outcome ``cancelled`` (it is in
     failed/ with code cancelled), ``finished`` (it was done or failed already: left alone)
@@ -2844,7 +3082,8 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
                 move(path, os.path.join(workspace, FAILED, job_id))
             except FileNotFoundError:
                 continue  # a worker claimed it first: it sees the cancel file
-            mark_failed(workspace, FAILED, job_id, "cancelled", "cancelled before it started (nrvna cancel)")
+            mark_failed(workspace, FAILED, job_id, "cancelled", "cancelled before it started (nrvna cancel)",
+                        came_from=Status.Queued)
             fsync_dir(os.path.join(workspace, FAILED))
             fsync_dir(os.path.join(workspace, READY))
             return "cancelled", f"job {job_id} cancelled"
@@ -2929,7 +3168,8 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
         if job.error is not None or code:
             history.append({"code": code, "error": (job.error or "").rstrip("\n"),
                             "finished": meta.get("finished"), "attempts": meta.get("attempts")})
-        kept = {k: meta[k] for k in ("id", "submitted") if k in meta}
+        kept = {k: meta[k] for k in ("id", "submitted", "events") if k in meta}
+        record_event(kept, Status.Failed, "requeued", "retried")
         write_file(fd, META_FILE, dump_meta(dict(kept, attempts=0, errors=history, retries=len(history))))
         for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE):
             _unlink_quietly(name, fd)
@@ -3161,6 +3401,135 @@ def parse_batch(data: bytes, jsonl: Optional[bool] = None, notes: Optional[list[
     return entries
 
 
+def compile_template(text: str) -> list[tuple[str, Optional[str]]]:
+    """A template as (literal text, field name or None) parts: ``{name}`` is a record's field,
+    ``{{`` and ``}}`` are literal braces. Raise InvalidInput for a brace that is neither."""
+    parts: list[tuple[str, Optional[str]]] = []
+    literal: list[str] = []
+    i = 0
+    while i < len(text):
+        char = text[i]
+        if char in "{}" and text[i + 1:i + 2] == char:
+            literal.append(char)
+            i += 2
+        elif char == "}":
+            raise InvalidInput(f"template: a lone '}}' at character {i + 1} (write '}}}}' for a brace)")
+        elif char == "{":
+            end = text.find("}", i + 1)
+            name = text[i + 1:end] if end > 0 else ""
+            if end < 0 or not name.strip() or "{" in name:
+                raise InvalidInput(f"template: '{{' at character {i + 1} opens no {{field}} (write '{{{{' for a brace)")
+            parts.append(("".join(literal), name))
+            literal = []
+            i = end + 1
+        else:
+            literal.append(char)
+            i += 1
+    if not parts:
+        raise InvalidInput("template: it names no {field}, so every job would be the same")
+    parts.append(("".join(literal), None))
+    return parts
+
+
+def fill_template(parts: list[tuple[str, Optional[str]]], record: Mapping[str, Any]) -> str:
+    """A record's prompt: strings as they are, any other JSON value as JSON. Raise KeyError
+    naming the first field the record lacks."""
+    import json
+
+    out = []
+    for literal, name in parts:
+        out.append(literal)
+        if name is not None:
+            value = record[name]
+            out.append(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+    return "".join(out)
+
+
+def parse_records(data: bytes, template: str, id_field: Optional[str] = None,
+                  csv: Optional[bool] = None) -> list[BatchEntry]:
+    """A data file as jobs: each record (a JSONL object, or a CSV row under its header row)
+    fills ``template`` and keeps its fields, but ``id_field``, as the job's ``metadata``;
+    ``custom_id`` is the ``id_field`` value, else ``line-N``. ``csv`` None: CSV unless the
+    first non-empty line is a JSON object. Raise InvalidInput naming the line (and field)."""
+    import json
+
+    parts = compile_template(template)
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise InvalidInput(f"line {line}: not valid UTF-8") from None
+    if csv is None:
+        csv = not text.lstrip().startswith("{")
+    records = _csv_records(text) if csv else _jsonl_records(text, json)
+    limit = setting_default("max_prompt_bytes")
+    entries, seen = [], {}
+    for n, record in records:
+        try:
+            cid = f"line-{n}"
+            if id_field is not None:
+                value = record.get(id_field)
+                if value is None or isinstance(value, (dict, list, bool)) or value == "":
+                    raise InvalidInput(f"no usable id field {id_field!r} (a string or a number; --id-field)")
+                cid = value if isinstance(value, str) else json.dumps(value)
+            try:
+                prompt = fill_template(parts, record)
+            except KeyError as err:
+                fields = ", ".join(record) or "none"
+                raise InvalidInput(f"no field {err.args[0]!r}, which the template needs (the record has: {fields})") from None
+            params = validate_params({"custom_id": cid, "metadata": {k: v for k, v in record.items() if k != id_field}})
+            prompt_bytes = check_prompt(prompt, limit)
+        except InvalidInput as err:
+            raise InvalidInput(f"line {n}: {err}") from None
+        if cid in seen:
+            raise InvalidInput(f"line {n}: duplicate custom_id {cid!r} (first on line {seen[cid]})")
+        seen[cid] = n
+        entries.append(BatchEntry(n, prompt_bytes, params))
+    if not entries:
+        raise InvalidInput("the file has no records")
+    return entries
+
+
+def _jsonl_records(text: str, json: Any) -> Iterator[tuple[int, dict[str, Any]]]:
+    for n, raw in enumerate(text.split("\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (ValueError, RecursionError) as err:
+            raise InvalidInput(f"line {n}: invalid JSON ({getattr(err, 'msg', err)})") from None
+        if not isinstance(record, dict):
+            raise InvalidInput(f"line {n}: a record must be a JSON object")
+        yield n, record
+
+
+def _csv_records(text: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    import csv
+
+    reader = csv.reader(text.splitlines(keepends=True), strict=True)
+    header: Optional[list[str]] = None
+    line = 0
+    try:
+        for row in reader:
+            start, line = line + 1, reader.line_num
+            if not any(cell.strip() for cell in row):
+                continue
+            if header is None:
+                header = row
+                duplicates = sorted({name for name in row if row.count(name) > 1})
+                if duplicates or "" in row:
+                    raise InvalidInput(f"line {start}: the header row names a column twice or not at all "
+                                       f"({duplicates[0]!r})" if duplicates else f"line {start}: the header row has an empty name")
+                continue
+            if len(row) != len(header):
+                raise InvalidInput(f"line {start}: {len(row)} cells; the header row has {len(header)}")
+            yield start, dict(zip(header, row))
+    except csv.Error as err:
+        raise InvalidInput(f"line {reader.line_num}: not valid CSV ({err})") from None
+    if header is None:
+        raise InvalidInput("the file has no header row")
+
+
 def _all_objects(lines: list[tuple[int, str]]) -> bool:
     import json
 
@@ -3322,6 +3691,8 @@ def _jsonl_record(job: Job) -> dict[str, Any]:
         record["embeddings"] = job_vectors(job)
     if job.logprobs is not None:
         record["logprobs"] = job.logprobs
+    if params.get("metadata") is not None:
+        record["metadata"] = params["metadata"]
     return record
 
 
@@ -3659,6 +4030,13 @@ class Session:
     def set_threads(self, threads: int) -> None:
         """Decode with ``threads`` CPU threads from the next step on (lent by idle workers)."""
 
+    def preempt(self) -> None:
+        """Cut the step in progress short if the session can (any thread may call this): a job
+        above its jobs is waiting. The cut step changes nothing; the next one redoes it."""
+
+    def clear_preempt(self) -> None:
+        """Forget an earlier ``preempt`` (the worker's thread, before it decides what to step)."""
+
     def close(self) -> None:
         """Free what the session holds; no other call follows."""
 
@@ -3804,6 +4182,21 @@ def _install_llama_logging(llama: Any, level: str) -> None:
 
     _llama_log_callback = llama.llama_log_callback(on_log)
     llama.llama_log_set(_llama_log_callback, None)
+
+
+def _strlen_callback(L: Any) -> Any:
+    """libc's strlen as a ggml_abort_callback (see LlamaSession.preempt), where a bool result
+    is read from the low byte of the integer register that holds strlen's (x86-64, arm64);
+    None elsewhere: steps are then never cut short."""
+    import ctypes
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return None
+    try:
+        return ctypes.cast(ctypes.CDLL(None).strlen, L.ggml_abort_callback)
+    except (OSError, AttributeError):
+        return None
 
 
 def check_gguf(path: str) -> None:
@@ -3961,6 +4354,7 @@ class LlamaRunner(Runner):
         check_gguf(model_path)
         self.L = L = _import_llama()
         self.config = config
+        self.abort_callback = _strlen_callback(L)  # kept here: llama.cpp holds only its address
         self.model_name = os.path.basename(model_path)
         _install_llama_logging(L, config.log_level)
         L.llama_backend_init()
@@ -4427,6 +4821,7 @@ class LlamaSession(Session):
         self.held: list[list[int]] = [[] for _ in range(seqs + 1)]  # tokens cached in each free slot
         self.reuse = bool(runner.config.prefix_cache)
         self.reused_tokens = 0
+        self.preempted = 0  # steps cut short by preempt()
         self.trimmed = False  # idle() has trimmed the held cells since the last job started
         self.last_kept: Optional[int] = None  # the slot whose job ended last, cells kept whole
         self.templates: dict[Any, Any] = {}  # grammar key -> a parsed grammar sampler, cloned per job (LRU)
@@ -4437,8 +4832,32 @@ class LlamaSession(Session):
         import ctypes
 
         self.byref = ctypes.byref
+        # preempt(): llama.cpp asks abort_callback(data) between the graph's nodes. Python there
+        # would take the GIL hundreds of times a decode; libc's strlen on a one-byte flag answers
+        # without it (0: go on, 1: stop): its size_t result read as a bool is its low byte.
+        self.preempt_flag = ctypes.create_string_buffer(2)
+        self.never_flag = ctypes.create_string_buffer(2)  # for steps that cannot be cut (prompt chunks)
+        self.abort_callback = runner.abort_callback
+        self.abortable: Optional[bool] = None
         self.one = L.llama_token_data(0, 0.0, 0.0)  # one candidate: is a token allowed by a grammar?
         self.one_array = L.llama_token_data_array(ctypes.pointer(self.one), 1, -1, False)
+
+    def preempt(self) -> None:
+        if self.ctx is not None:
+            self.preempt_flag[0] = b"x"
+
+    def clear_preempt(self) -> None:
+        if self.ctx is not None:
+            self.preempt_flag[0] = b"\0"
+
+    def _allow_abort(self, allowed: bool) -> None:
+        """Let preempt() cut the coming decode short, or not (a step with prompt chunks: the
+        aborted ubatch's cells are dropped, but a chunked prompt's earlier ubatches stay)."""
+        allowed = allowed and self.abort_callback is not None
+        if allowed != self.abortable:
+            flag = self.preempt_flag if allowed else self.never_flag
+            self.L.llama_set_abort_callback(self.ctx, self.abort_callback, self.byref(flag))
+            self.abortable = allowed
 
     def set_threads(self, threads: int) -> None:
         """Decode with ``threads`` CPU threads from the next step on (a setting of the
@@ -4665,7 +5084,7 @@ class LlamaSession(Session):
         # their samplers' state, and go on where they were once it has ended.
         top = max((seq.priority for seq in self.slots if seq is not None), default=0)
         wanted: list[tuple[_Sequence, int]] = []  # sequences that get a token this step
-        n = 0
+        n, chunks = 0, False
         for seq in self.slots:  # one token for every generating sequence first
             if seq is not None and not seq.pending and not seq.waiting and seq.priority == top:
                 self._put(n, seq.last, seq.pos, seq.slot, True)
@@ -4677,7 +5096,7 @@ class LlamaSession(Session):
             if seq is None or not seq.pending or seq.waiting or n >= self.n_batch or seq.priority != top:
                 continue
             take = min(len(seq.pending), self.n_batch - n)
-            chunk, seq.pending = seq.pending[:take], seq.pending[take:]
+            chunk, seq.pending, chunks = seq.pending[:take], seq.pending[take:], True
             seq.cached.extend(chunk)
             for token in chunk:
                 self._put(n, token, seq.pos, seq.slot, False)
@@ -4689,7 +5108,14 @@ class LlamaSession(Session):
         batch.n_tokens = n
         if n == 0:
             return ended
+        self._allow_abort(not chunks)  # one token per sequence: nothing to undo but these
         code = self._decode(self.ctx, batch)
+        if code == 2 and self.abortable:  # preempted: llama.cpp dropped this step's cells
+            for seq, _ in wanted:
+                seq.cached.pop()
+                seq.pos -= 1
+            self.preempted += 1
+            return ended
         if code != 0:
             # The batch is shared by every sequence in it: they cannot be told apart.
             message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
@@ -5126,10 +5552,12 @@ class Pool:
     (the spec's scanner re-submitted every queued job every second: unbounded growth).
     """
 
-    def __init__(self, priority_of: Callable[[str], int] = lambda job_id: 0) -> None:
+    def __init__(self, priority_of: Callable[[str], int] = lambda job_id: 0,
+                 on_queued: Callable[[int], None] = lambda priority: None) -> None:
         self._cond = threading.Condition()
         self._heap: list[tuple[int, tuple[int, int, int, str], str]] = []
         self._priority_of = priority_of  # a queued job's priority, read when it is pushed
+        self._on_queued = on_queued  # told the highest priority of each push
         self._later: list[tuple[float, str]] = []  # handed back after an I/O error
         self._known: set[str] = set()
         self._busy = 0
@@ -5139,15 +5567,19 @@ class Pool:
 
     def push(self, job_ids: Iterable[str]) -> int:
         """Queue the IDs not already queued or running; return how many were new."""
-        added = 0
+        added, highest = 0, None
         with self._cond:
             for job_id in job_ids:
                 if job_id not in self._known:
                     self._known.add(job_id)
-                    self._queue(job_id, self._priority_of(job_id))
+                    priority = self._priority_of(job_id)
+                    self._queue(job_id, priority)
+                    highest = priority if highest is None else max(highest, priority)
                     added += 1
             if added:
                 self._cond.notify(added)
+        if highest is not None:
+            self._on_queued(highest)
         return added
 
     def _queue(self, job_id: str, priority: int) -> None:
@@ -5436,6 +5868,7 @@ class Processor:
                         model=self.model_name, attempts=attempts + 1)
             for key in ("finished", "code", "finish_reason"):
                 meta.pop(key, None)
+            record_event(meta, Status.Queued, "running")
             write_file(dir_fd, META_FILE, dump_meta(meta))
             os.fsync(dir_fd)
             fsync_dir(self._path(PROCESSING))
@@ -5504,8 +5937,11 @@ class Processor:
             meta["finish_reason"] = outcome.finish_reason
             files = [(RESULT_FILE, outcome.text.encode("utf-8"))]
             dest = OUTPUT
+            record_event(meta, Status.Running, "done")
         else:
             meta["code"] = outcome.error_code
+            record_event(meta, Status.Running, "cancelled" if outcome.error_code == "cancelled" else "failed",
+                         outcome.error_code)
             files = [(ERROR_FILE, (outcome.error or outcome.error_code).rstrip("\n").encode("utf-8") + b"\n")]
             if outcome.text:
                 files.append((PARTIAL_FILE, outcome.text.encode("utf-8")))
@@ -5565,6 +6001,7 @@ class Processor:
             meta["attempts"] = max(0, int(meta.get("attempts", 1)) - 1)
             for key in ("started", "worker"):
                 meta.pop(key, None)
+            record_event(meta, Status.Running, "requeued", "stopped")
             _clear_outputs(job.dir_fd)
             write_file(job.dir_fd, META_FILE, dump_meta(meta))
             os.fsync(job.dir_fd)
@@ -5664,6 +6101,8 @@ class Processor:
                 continue
             try:
                 _clear_outputs(dir_fd)
+                record_event(meta, Status.Running, "requeued", "crashed")
+                write_file(dir_fd, META_FILE, dump_meta(meta))
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
@@ -5726,11 +6165,12 @@ class Server:
         self.runner = runner
         self._own_runner = runner is None
         self.drain = drain
-        self.pool = Pool(lambda job_id: read_priority(job_path(self.workspace, READY, job_id)))
+        self.pool = Pool(lambda job_id: read_priority(job_path(self.workspace, READY, job_id)), self._outranked)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._loads: list[int] = []  # sequences in flight per worker (read without a lock: a hint)
         self._tops: list[Optional[int]] = []  # each worker's highest running priority (None: idle)
+        self._sessions: list[Any] = []
         self._thread_budget = 0  # threads the workers' contexts share; 0: no lending
         self._lock_fd: Optional[int] = None
         self.scanner: Optional[Scanner] = None
@@ -5781,6 +6221,7 @@ class Server:
                          threading.Thread(target=self._watch_loop, name="Watcher", daemon=True)]
         self._loads = [0] * len(sessions)
         self._tops = [None] * len(sessions)
+        self._sessions = sessions
         # Threads are lent only between one-thread contexts: then the lender's thread, the
         # one wide thread, is the only OpenMP team (see LlamaRunner.decode_wide).
         if len(sessions) > 1 and all(s.base_threads == 1 for s in sessions):
@@ -5951,6 +6392,7 @@ class Server:
         _name_os_thread(name)
         while not self._stop.is_set():
             try:
+                session.clear_preempt()  # a later preempt() cuts the coming step short
                 self._admit(index, session, name)
                 active = session.active()
                 self._tops[index] = None
@@ -6014,6 +6456,9 @@ class Server:
                 if top is None or session.reserve(top) <= 0:
                     return
                 above = max((int(job.params.get("priority") or 0) for job in active), default=None)
+                # Said before the claim (a rename and fsyncs): the other workers pause now.
+                self._tops[index] = top
+                self._outranked(top)
             elif load and any(other < load for i, other in enumerate(self._loads) if i != index):
                 return
             if not load and not len(self.pool):
@@ -6043,6 +6488,13 @@ class Server:
                 self._end(job, Outcome(error_code=err.code, error=str(err)))
             except Exception as err:
                 self._end(job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}"))
+
+    def _outranked(self, priority: int) -> None:
+        """A job of ``priority`` is queued or being claimed: cut short the steps of the workers
+        whose jobs are all below it (they pause, or one of them takes it, at once)."""
+        for top, session in zip(self._tops, self._sessions):
+            if top is not None and top < priority:
+                session.preempt()
 
     def _end(self, job: RunningJob, outcome: Outcome) -> None:
         with self._stats_lock:
@@ -6198,6 +6650,8 @@ def _cmd_submit(args: Any) -> int:
     params = _job_params(args)
     if args.dedupe and "idempotency_key" in params:
         raise InvalidInput("give --idempotency-key or --dedupe, not both")
+    if args.file is None and (args.template is not None or args.id_field is not None):
+        raise InvalidInput("--template and --id-field are for --file: the file's records fill the template")
     if args.file is not None:
         if args.prompt is not None or args.wait:
             raise InvalidInput("--file takes no PROMPT and no --wait (use: nrvna wait WS --tag NAME)")
@@ -6205,7 +6659,8 @@ def _cmd_submit(args: Any) -> int:
         notes: list[str] = []
         try:
             Work(args.workspace).submit_file(source, tag=params.pop("tag", None), on_ids=_print_lines,
-                                             notes=notes, dedupe=args.dedupe, **params)
+                                             notes=notes, dedupe=args.dedupe, template=args.template,
+                                             id_field=args.id_field, **params)
         finally:
             for note in notes:
                 _say(note)
@@ -6457,6 +6912,58 @@ def _cmd_stop(args: Any) -> int:
     return EXIT_OK
 
 
+def _cmd_events(args: Any) -> int:
+    import json
+    import select
+
+    require_workspace(args.workspace)
+    if args.tag is not None:
+        require_tag(args.workspace, args.tag)
+    since = _since(args.workspace, args.since) if args.since is not None else None
+    out = sys.stdout
+    poller = select.poll()
+    poller.register(out.fileno(), 0)  # a pipe whose reader left reports POLLERR
+
+    def alive() -> bool:
+        return not poller.poll(0)
+
+    for events in iter_events(args.workspace, since, args.tag, args.follow, alive):
+        out.write("".join(json.dumps(event, ensure_ascii=False) + "\n" for event in events))
+        out.flush()
+    return EXIT_OK
+
+
+def _since(workspace: str, text: str) -> float:
+    """``events --since``: now, a duration ago (90s, 10m), epoch seconds, an ISO time (UTC
+    unless it says), or a job's ID (from its submission on)."""
+    import datetime
+
+    text = text.strip()
+    if text == "now":
+        return time.time()
+    if re.fullmatch(r"\d+(\.\d+)?[smhd]", text):
+        return time.time() - _duration(text)
+    if is_valid_id(text) and (GENERATED_ID.fullmatch(text) or locate_job(workspace, text)[0] is not Status.Missing):
+        status, path = locate_job(workspace, text)
+        if status is Status.Missing:
+            raise NoSuchJob(f"no job {text} in {workspace}")
+        fd = open_dir(path)
+        try:
+            return read_meta(fd).get("submitted") or submitted_time(text, fd) or 0.0
+        finally:
+            os.close(fd)
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    try:
+        when = datetime.datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
+    except ValueError:
+        raise InvalidInput(f"--since {text!r}: give now, a duration (10m), epoch seconds, an ISO time "
+                           "(2026-11-24T12:00:00Z) or a job ID") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.timestamp()
+
+
 def _duration(text: str) -> float:
     """Seconds in ``90s``, ``90m``, ``12h`` or ``7d``. The unit is required: ``clean
     --older-than 5`` deletes jobs, and a user who means 5 days must not lose them in 5 s."""
@@ -6524,6 +7031,14 @@ def _submit_arguments(parser: Any) -> None:
     parser.add_argument("--file", metavar="FILE", help="queue every line of FILE ('-' = stdin): *.jsonl holds JSON "
                         "lines (nrvna's or OpenAI Batch requests), any other file one prompt per line; the flags "
                         "below are defaults for every line")
+    template = parser.add_mutually_exclusive_group()
+    template.add_argument("--template", metavar="TEXT", help="with --file: the file holds records (JSONL objects, or "
+                          "CSV with a header row); each fills TEXT's {field}s ({{ and }} are braces) and is kept as "
+                          "the job's metadata")
+    template.add_argument("--template-file", metavar="FILE", type=_read_text_file, dest="template",
+                          help="--template, read from FILE")
+    parser.add_argument("--id-field", metavar="NAME", help="with --template: the field that gives each job's "
+                        "custom_id (default: line-N)")
     parser.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
     parser.add_argument("--wait-timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--dedupe", action="store_true", help="queue identical work once: the idempotency key is "
@@ -6567,6 +7082,14 @@ def _retry_arguments(parser: Any) -> None:
     _selection_arguments(parser)
     parser.add_argument("--failed", action="store_true", help="every failed job")
     parser.add_argument("--code", metavar="CODE,...", help="only jobs that failed with these codes")
+
+
+def _events_arguments(parser: Any) -> None:
+    parser.add_argument("workspace", metavar="WORKSPACE")
+    parser.add_argument("--tag", metavar="NAME", help="only the jobs submitted with this tag")
+    parser.add_argument("--since", metavar="TIME|ID", help="only changes at or after TIME: now, a duration ago "
+                        "(10m), epoch seconds, an ISO time (UTC unless it says), or a job's ID (its submission)")
+    parser.add_argument("--follow", "-f", action="store_true", help="keep printing new changes as they happen")
 
 
 def _clean_arguments(parser: Any) -> None:
@@ -6618,6 +7141,11 @@ COMMANDS = (
     ("retry", "queue failed jobs again",
      "Failed jobs go back to the queue with attempts reset; earlier errors stay in meta.json.",
      _retry_arguments, _cmd_retry),
+    ("events", "print jobs' changes of state as JSON lines",
+     "One JSON object per change, in time order: {time, id, custom_id, tag, from, to, code}, to being "
+     "queued, running, done, failed, requeued or cancelled. Replays what the jobs' directories hold "
+     "and exits; --follow then prints each new change until SIGINT or a closed pipe.",
+     _events_arguments, _cmd_events),
     ("clean", "remove old finished jobs",
      "Remove done and/or failed jobs finished more than DURATION ago; never queued or running ones.",
      _clean_arguments, _cmd_clean),

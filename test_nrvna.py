@@ -3405,6 +3405,36 @@ def test_a_higher_priority_job_never_waits_for_the_prefix_of_a_job_it_paused(lla
 
 
 @pytest.mark.model
+def test_a_preempted_step_changes_nothing_and_prompt_chunks_are_never_cut(llama: nrvna.LlamaRunner) -> None:
+    """preempt() aborts the decode in progress (a job above is waiting); the sequences go on
+    as if that step had not been tried: same text as an uninterrupted run."""
+
+    def run(cut_every: int) -> tuple[list[str], int]:
+        session = llama.session(0, nrvna.Config(workers=1, seqs=4, max_ctx=1024, batch=64))
+        try:
+            jobs = [fake_job(f"Count from {i} to 20.", max_tokens=24, temperature=0) for i in range(3)]
+            for job in jobs:
+                session.start(job)
+            texts: dict[str, str] = {}
+            for step in range(400):
+                if cut_every and step % cut_every == 0:
+                    session.preempt()  # set before the decode: llama.cpp stops at its first node
+                texts.update((job.id, outcome.text) for job, outcome in session.step())
+                session.clear_preempt()
+                if not session.active():
+                    break
+            assert session.preempted == 0 or cut_every
+            return [texts[job.id] for job in jobs], session.preempted
+        finally:
+            session.close()
+
+    plain, none = run(0)
+    cut, preempted = run(3)
+    assert none == 0 and preempted >= 8  # the prompt step (chunks) was never cut: the jobs got going
+    assert cut == plain and all(plain)
+
+
+@pytest.mark.model
 def test_sigkill_while_a_job_is_paused_recovers_it_like_any_running_job(ws: str, model: str) -> None:
     low = Work(ws).publish("Write a long essay about rivers.", max_tokens=200, ignore_eos=True, seed=3)
     proc = start_daemon(model, ws, "-w", "1", env={"NRVNA_SEQS": "1"})
