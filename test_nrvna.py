@@ -4086,6 +4086,315 @@ def test_submit_wait_that_runs_out_prints_the_id_on_stdout(ws: str, run_main: Ru
 
 
 # ==============================================================================
+# Into the pipeline: templates and metadata, events, hooks
+# ==============================================================================
+
+
+def test_a_template_fills_each_jsonl_record_and_keeps_it_as_metadata(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"id": "r1", "text": "good", "n": 1}\n\n{"id": 7, "text": "bad {x}", "n": [2.5]}\n')
+    result = run_main("submit", ws, "--file", str(data), "--template", "Sentiment of {text} ({n}) {{braces}}",
+                      "--id-field", "id", "--system", "Be brief", "--max-tokens", "5")
+    assert result.returncode == 0, result.stderr
+    jobs = [Flow(ws).get(job_id) for job_id in result.stdout.decode().split()]
+    assert [job.prompt for job in jobs] == ["Sentiment of good (1) {braces}", "Sentiment of bad {x} ([2.5]) {braces}"]
+    assert [job.params for job in jobs] == [
+        {"custom_id": "r1", "metadata": {"text": "good", "n": 1}, "system": "Be brief", "max_tokens": 5},
+        {"custom_id": "7", "metadata": {"text": "bad {x}", "n": [2.5]}, "system": "Be brief", "max_tokens": 5}]
+
+
+def test_a_template_reads_csv_with_a_header_row_and_numbers_jobs_by_line(ws: str, tmp_path: Path) -> None:
+    data = tmp_path / "data.csv"
+    data.write_text('text,label\n"hello, world",a\n"two\nlines",b\n\nlast,c\n')
+    ids = Work(ws).submit_file(str(data), template="Say: {text}", tag="csv")
+    jobs = [Flow(ws).get(job_id) for job_id in ids]
+    assert [job.prompt for job in jobs] == ["Say: hello, world", "Say: two\nlines", "Say: last"]
+    assert [job.params["custom_id"] for job in jobs] == ["line-2", "line-3", "line-6"]
+    assert jobs[1].params["metadata"] == {"text": "two\nlines", "label": "b"}
+    # Not named .csv: the first line says which (an object: JSONL; else CSV).
+    assert len(Work(ws).submit_file(b'text\nx\n', template="{text}")) == 1
+    assert Flow(ws).get(Work(ws).submit_file(b'{"text": "y"}\n', template="{text}!")[0]).prompt == "y!"
+
+
+@pytest.mark.parametrize("data, template, extra, message", [
+    (b'{"text": "a"}\n{"txt": "b"}\n', "Say {text}", (), b"line 2: no field 'text', which the template needs (the record has: txt)"),
+    (b'text\na\n', "Say {text", (), b"template: '{' at character 5 opens no {field}"),
+    (b'text\na\n', "Say } {text}", (), b"template: a lone '}' at character 5"),
+    (b'text\na\n', "Say hello", (), b"template: it names no {field}"),
+    (b'text,id\na,1\nb,1\n', "{text}", ("--id-field", "id"), b"line 3: duplicate custom_id '1' (first on line 2)"),
+    (b'text,id\na,1\nb\n', "{text}", (), b"line 3: 1 cells; the header row has 2"),
+    (b'{"text": "a"}\n[1]\n', "{text}", (), b"line 2: a record must be a JSON object"),
+    (b'{"text": "a"}\n', "{text}", ("--id-field", "id"), b"line 1: no usable id field 'id'"),
+    (b'{"text": "  "}\n', "{text}", (), b"line 1: prompt is empty"),
+])
+def test_bad_template_input_is_exit_2_naming_line_and_field(ws: str, run_main: RunMain, data: bytes, template: str,
+                                                             extra: tuple, message: bytes) -> None:
+    result = run_main("submit", ws, "--file", "-", "--template", template, *extra, input=data)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert result.stderr.count(b"\n") == 1 and result.stdout == b""
+    assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or os.listdir(os.path.join(ws, nrvna.READY)) == []
+
+
+def test_template_flags_need_a_file(ws: str, run_main: RunMain, tmp_path: Path) -> None:
+    assert run_main("submit", ws, "--template", "{a}", "hi").returncode == 2
+    assert run_main("submit", ws, "--id-field", "a", "--file", "-", input=b"hi\n").returncode == 2
+    (tmp_path / "t.txt").write_text("From a file: {text}")
+    result = run_main("submit", ws, "--file", "-", "--template-file", str(tmp_path / "t.txt"), input=b'{"text": "x"}\n')
+    assert Flow(ws).get(result.stdout.decode().strip()).prompt == "From a file: x"
+
+
+def test_metadata_goes_through_export_jsonl_beside_the_result(ws: str, run_main: RunMain) -> None:
+    records = b"".join(b'{"id": "r%d", "text": "t%d", "score": %d}\n' % (i, i, i) for i in range(5))
+    ids = Work(ws).submit_file(records, template="Echo {text}", id_field="id", tag="m")
+    own = submit(ws, "plain", metadata={"user": "ann", "n": [1, 2]})  # nrvna's own lines and the library too
+    lines = Work(ws).submit_file(b'{"prompt": "p", "metadata": {"row": 9}}\n', jsonl=True)
+    with serving(ws, echo):
+        wait_all(ws, ids + [own] + lines)
+    result = run_main("export", ws, "--tag", "m")
+    records_out = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["custom_id"], r["metadata"], r["result"]) for r in records_out] == [
+        (f"r{i}", {"text": f"t{i}", "score": i}, f"echo:Echo t{i}") for i in range(5)]
+    assert Flow(ws).get(own).params["metadata"] == {"user": "ann", "n": [1, 2]}
+    assert json.loads(run_main("export", ws, lines[0]).stdout)["metadata"] == {"row": 9}
+    assert "metadata" not in json.loads(run_main("export", ws, own, "--format", "openai").stdout)
+    bad = Work(ws).submit("x", metadata=["not", "an", "object"])
+    assert not bad.ok and "metadata must be a JSON object" in bad.message
+    assert run_main("submit", ws, "--metadata", "[1]", "x").returncode == 2
+
+
+def test_metadata_does_not_change_the_dedupe_key() -> None:
+    assert nrvna.dedupe_key("p", {"metadata": {"a": 1}}) == nrvna.dedupe_key("p", {"metadata": {"b": 2}})
+
+
+def _history(ws: str) -> dict[str, list[str]]:
+    """Each job's events, as to-names, from `nrvna events` (replay)."""
+    out = cli("events", ws)
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [e["time"] for e in events] == sorted(e["time"] for e in events)  # in time order
+    seen: dict[str, list[str]] = {}
+    for event in events:
+        history = seen.setdefault(event["id"], [])
+        previous = nrvna.EVENT_STATUS[history[-1]].value if history else None
+        assert event["from"] == previous, (event, history)  # each change follows the last
+        history.append(event["to"])
+    return seen
+
+
+def test_events_replay_every_change_once_in_order(ws: str, run_main: RunMain) -> None:
+    done = submit(ws, "a", metadata={"k": 1})
+    fails = submit(ws, "poison")
+    time.sleep(0.05)  # file times tick every few ms: --since ID takes that job's tick
+    queued_then_cancelled = submit(ws, "c")
+    assert nrvna.cancel_job(ws, queued_then_cancelled)[0] == "cancelled"
+    with serving(ws, lambda job: 1 / 0 if job.prompt == "poison" else "ok"):
+        wait_all(ws, [done, fails])
+    assert nrvna.retry_job(ws, fails)[0] == "queued"
+    with serving(ws, echo):
+        wait_all(ws, [fails])
+    assert _history(ws) == {done: ["queued", "running", "done"],
+                            fails: ["queued", "running", "failed", "requeued", "running", "done"],
+                            queued_then_cancelled: ["queued", "cancelled"]}
+    events = [json.loads(line) for line in run_main("events", ws).stdout.splitlines()]
+    failed = [e for e in events if e["to"] == "failed"][0]
+    assert failed["code"] == "runner_error" and failed["from"] == "running"
+    assert [e["code"] for e in events if e["to"] == "requeued"] == ["retried"]
+    assert set(events[0]) == {"time", "id", "custom_id", "tag", "from", "to", "code"}
+    assert events[0]["time"].endswith("Z") and "T" in events[0]["time"]
+    # --since: an ID (from its submission on), a time, "now"
+    since_last = [json.loads(line)["id"] for line in run_main("events", ws, "--since", queued_then_cancelled).stdout.splitlines()]
+    assert queued_then_cancelled in since_last and len(since_last) < len(events)
+    assert run_main("events", ws, "--since", "now").stdout == b""
+    assert len(run_main("events", ws, "--since", "2000-01-01T00:00:00Z").stdout.splitlines()) == len(events)
+    assert run_main("events", ws, "--since", "yesterday-ish").returncode == 2
+    assert run_main("events", ws, "--tag", "nosuch").returncode == 3
+
+
+def test_events_follow_streams_new_changes_and_a_closed_pipe_ends_it(ws: str) -> None:
+    first = submit(ws, "before", tag="t")
+    submit(ws, "other tag", tag="u")
+    follower = subprocess.Popen([sys.executable, SCRIPT, "events", ws, "--follow", "--tag", "t"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+    try:
+        assert json.loads(follower.stdout.readline())["to"] == "queued"
+        later = submit(ws, "after", tag="t")
+        with serving(ws, echo):
+            wait_all(ws, [first, later])
+            lines = [json.loads(follower.stdout.readline()) for _ in range(5)]
+        assert sorted((e["id"], e["to"]) for e in lines) == sorted(
+            [(later, "queued"), (first, "running"), (first, "done"), (later, "running"), (later, "done")])
+        assert all(e["tag"] == "t" for e in lines)
+        follower.stdout.close()  # the reader goes away while nothing happens: it ends, quietly
+        assert follower.wait(10) == 0
+        assert follower.stderr.read() == b""
+    finally:
+        follower.kill()
+        follower.wait()
+    pipeline = subprocess.run(f"'{sys.executable}' '{SCRIPT}' events '{ws}' --follow | head -n 1", shell=True,
+                              capture_output=True, timeout=30)
+    assert len(pipeline.stdout.splitlines()) == 1 and pipeline.stderr == b""
+
+
+def test_job_history_drops_a_move_that_did_not_happen_and_adds_one_without_its_entry() -> None:
+    # The finish wrote "done", then the daemon died before the move: the job is still running.
+    meta = {"events": [[1.0, "running"], [2.0, "done"]]}
+    assert nrvna.job_history(meta, Status.Running, 0.5) == [[0.5, "queued"], [1.0, "running"]]
+    # The claim moved the job, then died before meta.json said so: the move is reported.
+    assert nrvna.job_history({}, Status.Running, 0.5, 3.0) == [[0.5, "queued"], [3.0, "running"]]
+    # Requeued after the move into processing/ whose entry never came: both are reported.
+    meta = {"events": [[1.0, "running"], [2.0, "done"], [4.0, "requeued", "retried"]]}
+    assert [e[1] for e in nrvna.job_history(meta, Status.Running, 0.5, 5.0)] == [
+        "queued", "running", "done", "requeued", "running"]
+    # A failed job with no history (a quarantined entry): failed, with its code.
+    assert nrvna.job_history({"code": "bad_request"}, Status.Failed, 0.5, 6.0)[-1] == [6.0, "failed", "bad_request"]
+    # The next writer starts from the reconciled history, never from an entry that did not happen.
+    meta = {"events": [[1.0, "cancelled", "cancelled"]]}
+    nrvna.record_event(meta, Status.Queued, "running")
+    assert [e[1] for e in meta["events"]] == ["running"]
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_events_across_sigkills_report_every_change_and_invent_none(ws: str, round_: int) -> None:
+    prompts = {submit(ws, f"job {i} " + "x" * i): f"job {i} " + "x" * i for i in range(24)}
+    for kill in range(3):
+        daemon = child_daemon(ws, "derived", "-w", "2", env={"TEST_RUNNER_DELAY": "0.05"})
+        time.sleep(0.6 + 0.3 * kill + 0.1 * round_)
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait()
+    daemon = child_daemon(ws, "derived", "-w", "2", "--drain")
+    assert daemon.wait(120) == 0
+    audit(ws, prompts)
+    histories = _history(ws)
+    assert set(histories) == set(prompts)
+    for job_id, history in histories.items():
+        final = history[-1]
+        assert final == ("done" if os.path.isdir(os.path.join(ws, nrvna.OUTPUT, job_id)) else "failed"), history
+        assert history[0] == "queued" and history.count("queued") == 1
+        # Every run was claimed (running), and every crash's requeue is there; one end only.
+        assert history.count("running") == history.count("requeued") + 1, history
+        assert sum(to in ("done", "failed", "cancelled") for to in history) == 1, history
+    assert sum(h.count("requeued") for h in histories.values()) >= 1  # the kills landed mid-job
+
+
+def _hook_log(path: Path) -> list[dict[str, str]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+HOOK = (f"'{sys.executable}' -c 'import json, os, sys, time; "
+        "open(os.environ[\"HOOK_LOG\"], \"a\").write(json.dumps(dict("
+        "{k: v for k, v in os.environ.items() if k.startswith(\"NRVNA_\") and k[6:] in "
+        "(\"WORKSPACE\", \"JOB_ID\", \"STATUS\", \"CODE\", \"CUSTOM_ID\", \"TAG\", \"JOBS\", \"DONE\", \"FAILED\")}, "
+        "arg=sys.argv[1], start=time.time())) + \"\\n\"); time.sleep(float(os.environ.get(\"HOOK_SLEEP\", \"0\")))'")
+
+
+def test_the_on_done_hook_gets_the_job_in_its_environment_and_never_changes_it(ws: str, tmp_path: Path) -> None:
+    log_path = tmp_path / "hooks.jsonl"
+    os.environ["HOOK_LOG"] = str(log_path)
+    try:
+        good = Work(ws).submit_file(b'{"prompt": "a", "custom_id": "first"}\n', jsonl=True, tag="b")[0]
+        bad = submit(ws, "poison")
+        with serving(ws, lambda job: 1 / 0 if job.prompt == "poison" else "ok",
+                     on_done=HOOK + ' "$1"; false') as server:
+            wait_all(ws, [good, bad])
+            deadline = time.monotonic() + 20
+            while len(_hook_log(log_path)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            while not server.hooks.idle() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        calls = {call["NRVNA_JOB_ID"]: call for call in _hook_log(log_path)}
+        assert calls[good] == {"NRVNA_WORKSPACE": os.path.abspath(ws), "NRVNA_JOB_ID": good, "NRVNA_STATUS": "done",
+                               "NRVNA_CODE": "", "NRVNA_CUSTOM_ID": "first", "NRVNA_TAG": "b",
+                               "arg": os.path.join(os.path.abspath(ws), nrvna.OUTPUT, good), "start": calls[good]["start"]}
+        assert (calls[bad]["NRVNA_STATUS"], calls[bad]["NRVNA_CODE"], calls[bad]["NRVNA_TAG"]) == ("failed", "runner_error", "")
+        assert len(_hook_log(log_path)) == 2  # a failing hook (exit status 1) is not run again
+        assert Flow(ws).status(good) is Status.Done and os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
+    finally:
+        del os.environ["HOOK_LOG"]
+
+
+def test_hooks_run_at_most_k_at_a_time_and_a_hung_one_is_killed(ws: str, tmp_path: Path) -> None:
+    log_path = tmp_path / "hooks.jsonl"
+    ids = [submit(ws, f"job {i}") for i in range(6)]
+    env = {"HOOK_LOG": str(log_path), "HOOK_SLEEP": "0.5"}
+    os.environ.update(env)
+    try:
+        with serving(ws, echo, on_done=HOOK, hook_jobs=2) as server:
+            wait_all(ws, ids)
+            deadline = time.monotonic() + 30
+            while (len(_hook_log(log_path)) < 6 or not server.hooks.idle()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        starts = sorted(call["start"] for call in _hook_log(log_path))
+        assert len(starts) == 6
+        # 0.5 s each, two at a time: any three consecutive starts span at least one hook's run.
+        assert all(starts[i + 2] - starts[i] >= 0.45 for i in range(4)), starts
+        log_path.unlink()
+        hung = submit(ws, "hung")
+        os.environ["HOOK_SLEEP"] = "60"
+        began = time.monotonic()
+        with serving(ws, echo, on_done=HOOK, hook_timeout=1.0) as server:
+            wait_all(ws, [hung])
+            while not server.hooks.idle() and time.monotonic() - began < 30:
+                time.sleep(0.05)
+        assert time.monotonic() - began < 20 and len(_hook_log(log_path)) == 1  # killed after 1 s, not run again
+        assert Flow(ws).status(hung) is Status.Done
+    finally:
+        for name in env:
+            del os.environ[name]
+
+
+def test_a_hook_interrupted_by_a_sigkill_runs_again_after_the_restart(ws: str, tmp_path: Path) -> None:
+    log_path = tmp_path / "hooks.jsonl"
+    job_id = submit(ws, "once")
+    env = {"HOOK_LOG": str(log_path), "HOOK_SLEEP": "8", "NRVNA_ON_DONE": HOOK}
+    daemon = child_daemon(ws, "derived", "-w", "1", env=env)
+    deadline = time.monotonic() + 30
+    while not _hook_log(log_path) and time.monotonic() < deadline:  # the job ended, its hook runs
+        time.sleep(0.05)
+    assert Flow(ws).status(job_id) is Status.Done
+    daemon.send_signal(signal.SIGKILL)  # between the job's end and its hook's end
+    daemon.wait()
+    assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == [job_id]
+    daemon = child_daemon(ws, "derived", "-w", "1", "--drain", env=dict(env, HOOK_SLEEP="0"))
+    assert daemon.wait(60) == 0  # --drain waits for owed hooks
+    calls = _hook_log(log_path)
+    assert [call["NRVNA_JOB_ID"] for call in calls] == [job_id, job_id]
+    assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
+
+
+def test_the_batch_hook_runs_once_when_every_job_of_a_tag_has_ended(ws: str, tmp_path: Path) -> None:
+    log_path = tmp_path / "hooks.jsonl"
+    os.environ["HOOK_LOG"] = str(log_path)
+    try:
+        ids = Work(ws).submit_file(b"a\nb\npoison\n", tag="batch")
+
+        def settle(server: Server) -> None:
+            deadline = time.monotonic() + 30
+            while not server.hooks.idle() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        with serving(ws, lambda job: 1 / 0 if job.prompt == "poison" else "ok", on_batch_done=HOOK) as server:
+            wait_all(ws, ids)
+            time.sleep(0.6)
+            settle(server)
+        calls = _hook_log(log_path)
+        assert [(c["arg"], c["NRVNA_TAG"], c["NRVNA_JOBS"], c["NRVNA_DONE"], c["NRVNA_FAILED"]) for c in calls] == [
+            ("batch", "batch", "3", "2", "1")]
+        cancelled = Work(ws).submit_file(b"later\n", tag="batch2")[0]
+        assert nrvna.cancel_job(ws, cancelled)[0] == "cancelled"  # a client's end, no daemon running: owed
+        assert nrvna.retry_job(ws, ids[2])[0] == "queued"  # a retry ends again: not a new batch by itself
+        more = Work(ws).submit_file(b'{"prompt": "c", "custom_id": "extra"}\n', tag="batch")  # a new batch
+        with serving(ws, echo, on_batch_done=HOOK) as server:
+            wait_all(ws, ids + more)
+            time.sleep(0.6)
+            settle(server)
+        calls = sorted(_hook_log(log_path)[1:], key=lambda call: call["arg"])
+        assert [(c["arg"], c["NRVNA_JOBS"], c["NRVNA_DONE"], c["NRVNA_FAILED"]) for c in calls] == [
+            ("batch", "4", "4", "0"), ("batch2", "1", "0", "1")]
+    finally:
+        del os.environ["HOOK_LOG"]
+
+
+# ==============================================================================
 # Crashes, kills and concurrency
 # ==============================================================================
 # Real daemon processes: `nrvna.main(["daemon", ...], runner=...)` in a child, so the CLI's
