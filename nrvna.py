@@ -19,12 +19,14 @@ Contents (one banner each, in this order):
 3. Logging                        configure_logging, log
 4. File primitives                write_file, read_file, fsync_dir, move (never replaces)
 5. Workspace and job directories  layout, IDs, Status, locate_job, read_meta, mark_failed,
-                                  move_job, the tag index, the workspace lock
-6. Client                         Work, Flow, cancel/retry/clean, daemon_info, stop_daemon
-7. Batch files and export         parse_batch, ENDPOINTS, EXPORT_FORMATS, export_record, job_vectors
+                                  job_history (meta.json's events), owe_hooks, move_job,
+                                  the tag index, idempotency keys, the workspace lock
+6. Client                         Work, Flow, iter_events, cancel/retry/clean, daemon_info, stop_daemon
+7. Batch files and export         parse_batch, parse_records (templates), ENDPOINTS, EXPORT_FORMATS,
+                                  export_record, job_vectors
 8. Runner protocol                Runner, Session, RunningJob, Outcome, FunctionRunner
 9. llama.cpp engine               LlamaRunner, LlamaSession (continuous batching), _Embedder
-10. Daemon                        Pool, Scanner, Processor, Server
+10. Daemon                        Pool, Scanner, Processor, Hooks, Server
 11. CLI                           main() and one _cmd_* per command
 """
 
@@ -37,18 +39,19 @@ __all__ = [
     "Work", "Flow", "Status", "Job", "SubmitResult",
     "cancel_job", "cancel_jobs", "retry_job", "retry_jobs", "clean_jobs", "daemon_info", "stop_daemon",
     # batch files and export
-    "BatchEntry", "parse_batch", "tag_members", "iter_tag_members", "bulk_states", "export_record", "job_vectors",
+    "BatchEntry", "parse_batch", "parse_records", "compile_template", "fill_template", "tag_members", "iter_tag_members", "bulk_states", "export_record", "job_vectors",
     "Endpoint", "ENDPOINTS", "ExportFormat", "EXPORT_FORMATS",
     # settings and job parameters
     "Config", "SETTINGS", "Param", "PARAMS", "job_param", "validate_params", "render_messages", "check_inputs",
     "render_inputs",
     # job directories
     "locate_job", "read_meta", "dump_meta", "mark_failed", "move_job", "ensure_workspace",
+    "job_history", "record_event", "iter_events", "format_time", "owe_hooks", "EVENTS", "EVENT_STATUS",
     # errors
     "NrvnaError", "InvalidInput", "ConfigError", "NoSuchJob", "NotFinished", "WorkspaceError",
     "ModelError", "NotDurable", "JobError", "Interrupted", "EXIT_CODES",
     # runners and the daemon
-    "Runner", "Session", "RunningJob", "Outcome", "FunctionRunner", "LlamaRunner", "Server",
+    "Runner", "Session", "RunningJob", "Outcome", "FunctionRunner", "LlamaRunner", "Hooks", "Server",
     "main",
 ]
 
@@ -3298,7 +3301,8 @@ def _prune_tag_index(workspace: str) -> None:
         try:
             os.rmdir(os.path.join(tags, tag))
         except OSError:
-            pass  # not empty
+            continue  # not empty
+        _unlink_quietly(os.path.join(workspace, HOOKS_BATCH, tag), None)  # its batch hook's record
 
 
 def _finished_at(path: str) -> float:
