@@ -6392,6 +6392,11 @@ class Hooks:
             return True
         with self._lock:
             self._procs.add(proc)
+        if self._stop.is_set():  # stop() may have looked at _procs before this one was in it
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except OSError:
+                pass
         try:
             code = proc.wait(self.timeout)
         except subprocess.TimeoutExpired:

@@ -5,7 +5,7 @@ finished by hand (result.txt and a meta.json with its history, renamed into outp
 model), `nrvna events` replaying their 300,000 changes, `events --tag` of one tag, and
 `export --format jsonl` carrying each record's fields back as metadata (peak RSS).
 
-    python bench/pipeline.py [--records 100000]
+    python bench/pipeline.py [--records 100000] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import csv
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 
@@ -47,6 +48,7 @@ def finish_by_hand(ws: str, ids: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     n = args.records
     data = records(n)
@@ -66,23 +68,41 @@ def main() -> None:
             writer = csv.DictWriter(handle, fieldnames=list(data[0]))
             writer.writeheader()
             writer.writerows(data)
-        results = {}
-        for name, args_ in (("lines", ["--file", lines]),
-                            ("jsonl", ["--file", jsonl, "--template", TEMPLATE, "--id-field", "id"]),
-                            ("csv", ["--file", csv_path, "--template", TEMPLATE, "--id-field", "id"])):
-            ws = os.path.join(base, f"ws-{name}")
-            os.sync()  # the earlier step's writes are not billed to this one
-            seconds, rss, done = run("submit", ws, *args_, "--tag", name)
-            assert done.returncode == 0, done.stderr[-500:]
-            ids = done.stdout.decode().split()
-            assert len(ids) == n
-            results[name] = (seconds, rss, ws, ids)
-        base_s = results["lines"][0]
-        rows.append([f"submit --file ({n:,} nrvna JSONL lines, made by a script)", base_s, n / base_s, 1.0, results["lines"][1]])
-        for name, label in (("jsonl", "JSONL records"), ("csv", "CSV rows")):
-            seconds, rss = results[name][:2]
-            rows.append([f"submit --file --template ({n:,} {label})", seconds, n / seconds, base_s / seconds, rss])
-        _, _, ws, ids = results["jsonl"]
+        arms = {"lines": ["--file", lines],
+                "jsonl": ["--file", jsonl, "--template", TEMPLATE, "--id-field", "id"],
+                "csv": ["--file", csv_path, "--template", TEMPLATE, "--id-field", "id"]}
+        # Interleaved rounds, each in a rotated order: this disk's speed drifts 3x within minutes.
+        timings: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
+        ratios: dict[str, list[float]] = {"jsonl": [], "csv": []}
+        kept = None
+        for round_ in range(args.rounds):
+            order = list(arms)[round_ % 3:] + list(arms)[:round_ % 3]
+            seconds_of = {}
+            for name in order:
+                ws = os.path.join(base, f"ws-{name}-{round_}")
+                os.sync()  # the earlier step's writes are not billed to this one
+                seconds, rss, done = run("submit", ws, *arms[name], "--tag", name)
+                assert done.returncode == 0, done.stderr[-500:]
+                ids = done.stdout.decode().split()
+                assert len(ids) == n
+                timings[name].append((seconds, rss))
+                seconds_of[name] = seconds
+                if name == "jsonl" and kept is None:
+                    kept = (ws, ids)
+                else:
+                    shutil.rmtree(ws)
+            for name in ratios:
+                ratios[name].append(seconds_of["lines"] / seconds_of[name])
+        labels = {"lines": f"submit --file ({n:,} nrvna JSONL lines made by a script)",
+                  "jsonl": f"submit --file --template ({n:,} JSONL records)",
+                  "csv": f"submit --file --template ({n:,} CSV rows)"}
+        for name, label in labels.items():
+            rates = sorted(n / seconds for seconds, _ in timings[name])
+            ratio = "1" if name == "lines" else " ".join(f"{r:.2f}" for r in ratios[name])
+            rows.append([label, statistics.median(seconds for seconds, _ in timings[name]),
+                         f"median {statistics.median(rates):,.0f} ({rates[0]:,.0f}-{rates[-1]:,.0f})", ratio,
+                         max(rss for _, rss in timings[name])])
+        ws, ids = kept
         assert nrvna.Flow(ws).get(ids[1]).prompt == TEMPLATE.format(**data[1])
         finish_by_hand(ws, ids)
         os.sync()
@@ -102,7 +122,7 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"machine: {machine()}; {n:,} records")
-    print(table(["step", "seconds", "jobs/s", "vs script-made lines", "peak RSS MB"], rows))
+    print(table(["step", "seconds (median)", "jobs/s", "vs script-made lines, round by round", "peak RSS MB"], rows))
 
 
 if __name__ == "__main__":
