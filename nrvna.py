@@ -2974,7 +2974,8 @@ def iter_events(workspace: str, since: Optional[float] = None, tag: Optional[str
     (inotify on the state directories, else a listing every 0.5 s) while ``alive()``."""
     emitted: dict[str, int] = {}  # changes of each job seen so far (reported or before since)
 
-    def changes(job_id: str, sub: Optional[str]) -> list[tuple[float, tuple[Any, ...], dict[str, Any]]]:
+    def changes(job_id: str, sub: Optional[str]) -> list[tuple[Any, ...]]:
+        """The job's changes not reported yet, as compact tuples (a replay holds them all to sort them)."""
         read = _job_events(workspace, job_id, sub)
         if read is None:
             return []
@@ -2983,15 +2984,21 @@ def iter_events(workspace: str, since: Optional[float] = None, tag: Optional[str
             return []
         out, first = [], emitted.get(job_id, 0)
         emitted[job_id] = max(first, len(history))
+        order, cid, job_tag = order_key(job_id), params.get("custom_id"), params.get("tag")
         for i in range(first, len(history)):
             when, to = history[i][0], history[i][1]
             if since is not None and when < since:
                 continue
-            out.append((when, order_key(job_id) + (i,), {
-                "time": format_time(when), "id": job_id, "custom_id": params.get("custom_id"),
-                "tag": params.get("tag"), "from": EVENT_STATUS[history[i - 1][1]].value if i else None,
-                "to": to, "code": history[i][2] if len(history[i]) > 2 else None}))
+            out.append((when, order, i, job_id, cid, job_tag, EVENT_STATUS[history[i - 1][1]].value if i else None,
+                        to, history[i][2] if len(history[i]) > 2 else None))
         return out
+
+    def as_events(found: list[tuple[Any, ...]]) -> Iterator[list[dict[str, Any]]]:
+        found.sort(key=lambda change: change[:3])
+        for first in range(0, len(found), 10_000):
+            yield [{"time": format_time(when), "id": job_id, "custom_id": cid, "tag": job_tag, "from": from_,
+                    "to": to, "code": code}
+                   for when, _, _, job_id, cid, job_tag, from_, to, code in found[first:first + 10_000]]
 
     watches = _watch_states(workspace) if follow else None
     listed = {sub: _names(workspace, sub) for sub, _ in STATE_DIRS}
@@ -3002,8 +3009,9 @@ def iter_events(workspace: str, since: Optional[float] = None, tag: Optional[str
     else:
         jobs = [(job_id, sub) for sub, names in listed.items() for job_id in names]
     found = [change for job_id, sub in jobs for change in changes(job_id, sub)]
-    found.sort(key=lambda change: change[:2])
-    yield [event for _, _, event in found]
+    del jobs
+    yield from as_events(found)
+    del found
     while follow and alive():
         names: set[str] = set()
         if watches is not None:
@@ -3019,14 +3027,14 @@ def iter_events(workspace: str, since: Optional[float] = None, tag: Optional[str
             time.sleep(0.5)
             for sub in listed:
                 mtime = _mtime(workspace, sub)
-                if mtime != mtimes[sub]:
+                # A change in the same clock tick as the last listing keeps the mtime: while it
+                # is recent, list again.
+                if mtime != mtimes[sub] or time.time() - mtime / 1e9 < 1.0:
                     mtimes[sub], current = mtime, _names(workspace, sub)
                     names.update(current - listed[sub])
                     listed[sub] = current
         found = [change for job_id in names if is_valid_id(job_id) for change in changes(job_id, None)]
-        found.sort(key=lambda change: change[:2])
-        if found:
-            yield [event for _, _, event in found]
+        yield from as_events(found)
     for watch in watches or ():
         watch.close()
 

@@ -4235,6 +4235,22 @@ def test_events_follow_streams_new_changes_and_a_closed_pipe_ends_it(ws: str) ->
     assert len(pipeline.stdout.splitlines()) == 1 and pipeline.stderr == b""
 
 
+def test_events_follow_without_inotify_lists_the_state_directories(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nrvna, "_watch_states", lambda workspace: None)  # as on macOS
+    first = submit(ws, "a")
+    stream = nrvna.iter_events(ws, follow=True)
+    assert [(e["id"], e["to"]) for e in next(stream)] == [(first, "queued")]
+    second = submit(ws, "b")
+    with serving(ws, echo):
+        wait_all(ws, [first, second])
+    seen: list[tuple[str, str]] = []
+    while len(seen) < 5:
+        seen += [(e["id"], e["to"]) for e in next(stream)]
+    assert sorted(seen) == sorted([(second, "queued"), (first, "running"), (first, "done"), (second, "running"),
+                                   (second, "done")])
+    assert seen.index((first, "running")) < seen.index((first, "done"))
+
+
 def test_job_history_drops_a_move_that_did_not_happen_and_adds_one_without_its_entry() -> None:
     # The finish wrote "done", then the daemon died before the move: the job is still running.
     meta = {"events": [[1.0, "running"], [2.0, "done"]]}
@@ -4257,8 +4273,11 @@ def test_job_history_drops_a_move_that_did_not_happen_and_adds_one_without_its_e
 def test_events_across_sigkills_report_every_change_and_invent_none(ws: str, round_: int) -> None:
     prompts = {submit(ws, f"job {i} " + "x" * i): f"job {i} " + "x" * i for i in range(24)}
     for kill in range(3):
-        daemon = child_daemon(ws, "derived", "-w", "2", env={"TEST_RUNNER_DELAY": "0.05"})
-        time.sleep(0.6 + 0.3 * kill + 0.1 * round_)
+        daemon = child_daemon(ws, "derived", "-w", "2", env={"TEST_RUNNER_DELAY": "0.15"})
+        deadline = time.monotonic() + 30
+        while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
+            time.sleep(0.005)  # kill while jobs run: at a claim, mid-job, at a finish
+        time.sleep(0.05 * kill + 0.04 * round_)
         daemon.send_signal(signal.SIGKILL)
         daemon.wait()
     daemon = child_daemon(ws, "derived", "-w", "2", "--drain")
