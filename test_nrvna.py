@@ -4847,6 +4847,42 @@ def test_a_daemon_killed_at_every_crash_point_loses_nothing(tmp_path: Path) -> N
     print(f"\ndaemon: {len(calls)} crash points, each killed, restarted, audited; job done exactly once each time")
 
 
+@pytest.mark.slow
+def test_a_daemon_with_a_hook_killed_at_every_crash_point_runs_it_and_reports_each_change(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --on-done: a kill at each of the daemon's calls (the hook record's create and fsync,
+    the hook thread's removal of it included), then a restart: the job ends once, its hook ran
+    at least once (twice at most: killed after the hook, before its record went), no record is
+    left, and `events` tells each change once, in a consistent chain."""
+    log_path = tmp_path / "hooks.jsonl"
+    monkeypatch.setenv("HOOK_LOG", str(log_path))
+    monkeypatch.setenv("NRVNA_ON_DONE", HOOK)
+    template, job_id = queued_template(tmp_path)
+    _, calls = faultpoint(fresh_copy(template, str(tmp_path / "list")), "list",
+                          "daemon", "-", str(tmp_path / "list"), "-w", "1", "--drain")
+    assert any(c.startswith("unlink") and nrvna.HOOKS_OWED in c for c in calls), calls
+    runs_seen = set()
+    for k in range(1, len(calls) + 1):
+        if log_path.exists():
+            log_path.unlink()
+        ws = fresh_copy(template, str(tmp_path / "ws"))
+        killed, seen = faultpoint(ws, f"kill:{k}", "daemon", "-", ws, "-w", "1", "--drain")
+        assert killed.returncode == -signal.SIGKILL and len(seen) == k, (k, calls[k - 1])
+        clean = child_daemon(ws, "derived", "-w", "1", "--drain")
+        assert clean.wait(60) == 0
+        audit(ws, {job_id: "crash point job"})
+        runs = [call for call in _hook_log(log_path) if call["NRVNA_JOB_ID"] == job_id]
+        assert 1 <= len(runs) <= 2 and all(call["NRVNA_STATUS"] == "done" for call in runs), (k, calls[k - 1], runs)
+        assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == [], (k, calls[k - 1])
+        history = _history(ws)[job_id]
+        assert history[0] == "queued" and history[-1] == "done", (k, history)
+        assert history.count("running") == history.count("requeued") + 1 and history.count("done") == 1, (k, history)
+        runs_seen.add(len(runs))
+    assert runs_seen == {1, 2}  # some kills landed between the hook and the removal of its record
+    print(f"\ndaemon with --on-done: {len(calls)} crash points; each job ended once, its hook ran 1-2 times, "
+          "no record left, events consistent")
+
+
 @pytest.mark.model
 @pytest.mark.slow
 def test_a_real_model_daemon_killed_at_every_crash_point_loses_nothing(tmp_path: Path, model: str) -> None:
