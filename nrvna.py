@@ -46,7 +46,7 @@ __all__ = [
     "render_inputs",
     # job directories
     "locate_job", "read_meta", "dump_meta", "mark_failed", "move_job", "ensure_workspace",
-    "job_history", "record_event", "iter_events", "format_time", "owe_hooks", "EVENTS", "EVENT_STATUS",
+    "job_history", "record_event", "iter_events", "format_time", "owe_hooks", "EVENT_STATUS",
     # errors
     "NrvnaError", "InvalidInput", "ConfigError", "NoSuchJob", "NotFinished", "WorkspaceError",
     "ModelError", "NotDurable", "JobError", "Interrupted", "EXIT_CODES",
@@ -317,7 +317,7 @@ PARAMS: dict[str, Param] = {
     "custom_id": Param(str, 0, 512, None, None, (), True, "the caller's name for the job (batch files, export; default line-N)"),
     "priority": Param(int, -1000, 1000, 0, "--priority", ("priority",), True, "higher runs first (FIFO within a priority); a job above every running one pauses lower ones in its context until it ends"),
     "idempotency_key": Param(str, 1, 256, None, "--idempotency-key", (), True, "submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
-    "metadata": Param("metadata", 0, 1 << 20, None, "--metadata", ("metadata",), True, "the caller's fields, kept with the job and given back by export --format jsonl and events hooks: a JSON object (a template's record, by default); never read by the daemon", ("JSON", _read_metadata)),
+    "metadata": Param("metadata", 0, 1 << 20, None, "--metadata", ("metadata",), True, "the caller's fields, kept with the job and given back by export --format jsonl: a JSON object (a template's record, by default); never read by the daemon", ("JSON", _read_metadata)),
     "tag": Param(str, 0, 128, None, "--tag", (), False, "label the jobs (status/wait/export/cancel/retry --tag)"),
     "endpoint": Param(str, 0, 32, None, None, (), False, "the OpenAI Batch url a job came from: export answers in its shape"),
 }
@@ -1736,7 +1736,7 @@ DAEMON_FILE = "daemon.json"
 TAGS = "tags"  # tags/<tag>/<time_ns>_<first id>.ids: which jobs a submit labelled (the tag index)
 KEYS = "keys"  # keys/<sha256 of an idempotency key>: the ID of the job submitted with it
 HOOKS_OWED = os.path.join("hooks", "done")  # hooks/done/<id>: a job ended and its hooks have not run yet
-HOOKS_BATCH = os.path.join("hooks", "batch")  # hooks/batch/<tag>: {"jobs": N, "ran": bool} of its last batch hook
+HOOKS_BATCH = os.path.join("hooks", "batch")  # hooks/batch/<tag>: {"jobs": N, "done", "failed", "ran": bool} of its last batch hook
 LOCK_FILE = ".nrvna.lock"
 # A non-directory found in ready/ is wrapped in a real job dir under this name in failed/.
 QUARANTINED_ENTRY = "entry"
@@ -1953,6 +1953,13 @@ def read_meta(dir_fd: int) -> dict[str, Any]:
         return {}
 
 
+def read_meta_and_params(dir_fd: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The meta.json and params.json of the job directory open as ``dir_fd`` ({} for either
+    when absent or unreadable)."""
+    raw = _read_or_none(dir_fd, PARAMS_FILE)
+    return read_meta(dir_fd), parse_meta(raw.decode("utf-8", "replace")) if raw else {}
+
+
 def dump_meta(meta: Mapping[str, Any]) -> bytes:
     """meta.json's bytes: sorted keys, one per line, UTF-8."""
     import json
@@ -2003,7 +2010,6 @@ def mark_failed(workspace: str, sub: str, job_id: str, code: str, message: str,
 
 EVENT_STATUS = {"queued": Status.Queued, "requeued": Status.Queued, "running": Status.Running,
                 "done": Status.Done, "failed": Status.Failed, "cancelled": Status.Failed}
-EVENTS = tuple(EVENT_STATUS)
 _WRITTEN_BEFORE_MOVE = frozenset({"done", "failed", "cancelled", "requeued"})
 SUB_STATUS = {sub: status for sub, status in STATE_DIRS}
 
@@ -2193,9 +2199,7 @@ def key_job(workspace: str, key: str, wait: float = 10.0) -> Optional[str]:
     deadline = time.monotonic() + wait
     while True:
         try:
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                job_id = handle.read().strip()
-            age = time.time() - os.stat(path).st_mtime
+            job_id, age = _read_key(path)
         except FileNotFoundError:
             return None
         if is_valid_id(job_id):
@@ -2207,6 +2211,13 @@ def key_job(workspace: str, key: str, wait: float = 10.0) -> Optional[str]:
                 time.sleep(0.01)  # its client is between writing the key and publishing the job
                 continue
         _drop_stale_key(path, job_id)
+
+
+def _read_key(path: str) -> tuple[str, float]:
+    """The job ID a key names, and the key's age in seconds."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        job_id = handle.read().strip()
+    return job_id, time.time() - os.stat(path).st_mtime
 
 
 def _drop_stale_key(path: str, job_id: str) -> None:
@@ -2266,12 +2277,10 @@ def _prune_keys(workspace: str) -> None:
     for name in names:
         path = os.path.join(folder, name)
         try:
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                job_id = handle.read().strip()
-            old = time.time() - os.stat(path).st_mtime >= KEY_PENDING_SECONDS
+            job_id, age = _read_key(path)
         except (FileNotFoundError, IsADirectoryError):
             continue
-        if old and (not is_valid_id(job_id) or locate_job(workspace, job_id)[0] is Status.Missing):
+        if age >= KEY_PENDING_SECONDS and (not is_valid_id(job_id) or locate_job(workspace, job_id)[0] is Status.Missing):
             _drop_stale_key(path, job_id)
 
 
@@ -2930,8 +2939,6 @@ def _job_events(workspace: str, job_id: str, sub: Optional[str]) -> Optional[tup
     it is nowhere. The directory is checked again after meta.json is read: a history read as
     the job moved on is read again, so it is always reconciled with a place the job was in
     after the read."""
-    import json
-
     for _ in range(20):
         if sub is None:
             status, path = locate_job(workspace, job_id)
@@ -2945,8 +2952,7 @@ def _job_events(workspace: str, job_id: str, sub: Optional[str]) -> Optional[tup
             sub = None
             continue
         try:
-            meta = read_meta(fd)
-            raw = _read_or_none(fd, PARAMS_FILE)
+            meta, params = read_meta_and_params(fd)
             submitted = meta.get("submitted") or submitted_time(job_id, fd)
             info = os.fstat(fd)
             try:
@@ -2958,11 +2964,7 @@ def _job_events(workspace: str, job_id: str, sub: Optional[str]) -> Optional[tup
         if not still:
             sub = None
             continue
-        try:
-            params = json.loads(raw) if raw else {}
-        except ValueError:
-            params = {}
-        return job_history(meta, SUB_STATUS[sub], submitted, info.st_ctime), params if isinstance(params, dict) else {}
+        return job_history(meta, SUB_STATUS[sub], submitted, info.st_ctime), params
     return None
 
 
@@ -3046,7 +3048,7 @@ def _names(workspace: str, sub: str) -> set[str]:
         return set()
 
 
-def _mtime(workspace: str, sub: str) -> float:
+def _mtime(workspace: str, sub: str) -> int:
     try:
         return os.stat(job_path(workspace, sub)).st_mtime_ns
     except FileNotFoundError:
@@ -4865,9 +4867,8 @@ class LlamaSession(Session):
         import ctypes
 
         self.byref = ctypes.byref
-        # preempt(): llama.cpp asks abort_callback(data) between the graph's nodes. Python there
-        # would take the GIL hundreds of times a decode; libc's strlen on a one-byte flag answers
-        # without it (0: go on, 1: stop): its size_t result read as a bool is its low byte.
+        # preempt(): llama.cpp asks abort_callback(flag) between the graph's nodes; the callback
+        # is libc's strlen (see _strlen_callback): an empty flag goes on, a one-byte flag stops.
         self.preempt_flag = ctypes.create_string_buffer(2)
         self.never_flag = ctypes.create_string_buffer(2)  # for steps that cannot be cut (prompt chunks)
         self.abort_callback = runner.abort_callback
@@ -6197,7 +6198,8 @@ class Hooks:
     A tag's batch hook: each end of a tagged job updates the tag's unfinished set (read in
     full from the tag index and the state directories the first time, and again when it
     empties, so jobs added to the tag meanwhile count); when none is left, hooks/batch/<tag>
-    records {"jobs": N, "ran": false}, durably, then the hook runs, then "ran": true. It runs
+    records {"jobs": N, "done", "failed", "ran": false}, durably, then the hook runs, then
+    "ran": true. It runs
     once per N: a retry of one of its jobs does not run it again, more jobs added to the tag
     and ended do.
     """
@@ -6310,7 +6312,17 @@ class Hooks:
             return
         if not status.finished:  # ended, then retried, or died before its move: it ends again
             return
-        meta, params = _meta_and_params(path)
+        try:
+            fd = open_dir(path)
+        except FileNotFoundError:  # moved on (retried) or removed since: the next round looks again
+            return
+        except OSError:  # unreadable: its hook runs all the same, without the job's fields
+            meta, params = {}, {}
+        else:
+            try:
+                meta, params = read_meta_and_params(fd)
+            finally:
+                os.close(fd)
         tag = params.get("tag") if isinstance(params.get("tag"), str) else None
         if self.on_done:
             cid = params.get("custom_id")
@@ -6331,34 +6343,31 @@ class Hooks:
                 left.discard(job_id)
                 if left:
                     return
-            jobs, unfinished = self._tag_state(tag)
+            ids = [member for member, _ in tag_members(self.workspace, tag)]
+            states = bulk_states(self.workspace, ids)
+            unfinished = set(ids).intersection(_names(self.workspace, WRITING))  # staged: not published yet
+            unfinished.update(member for member, state in states.items() if state in (Status.Queued, Status.Running))
             if unfinished:
                 self._unfinished[tag] = unfinished
                 return
             self._unfinished.pop(tag, None)
             record = self._batch_record(tag)
-            if record.get("jobs") == jobs and record.get("ran") is not False:
-                return  # ran for these jobs already (a retried job ended again)
-            if record.get("jobs") != jobs or record.get("ran") is not False:
-                self._write_batch_record(tag, {"jobs": jobs, "ran": False}, sync=True)
+            if record.get("jobs") == len(ids):
+                if record.get("ran") is not False:
+                    return  # ran for these jobs already (a retried job ended again)
+            else:
+                done = sum(state is Status.Done for state in states.values())
+                failed = sum(state is Status.Failed for state in states.values())
+                self._write_batch_record(tag, {"jobs": len(ids), "done": done, "failed": failed, "ran": False},
+                                         sync=True)
         self._submit("tag:" + tag)
-
-    def _tag_state(self, tag: str) -> tuple[int, set[str]]:
-        """(jobs ever submitted with the tag, those still staged, queued or running)."""
-        ids = [job_id for job_id, _ in tag_members(self.workspace, tag)]
-        states = bulk_states(self.workspace, ids)
-        staged = set(ids).intersection(_names(self.workspace, WRITING))
-        return len(ids), staged | {job_id for job_id, state in states.items() if state in (Status.Queued, Status.Running)}
 
     def _run_batch(self, tag: str) -> None:
         record = self._batch_record(tag)
         if record.get("ran") is not False:
             return
-        ids = [job_id for job_id, _ in tag_members(self.workspace, tag)]
-        states = bulk_states(self.workspace, ids)
-        env = {"NRVNA_WORKSPACE": self.workspace, "NRVNA_TAG": tag, "NRVNA_JOBS": str(len(ids)),
-               "NRVNA_DONE": str(sum(state is Status.Done for state in states.values())),
-               "NRVNA_FAILED": str(sum(state is Status.Failed for state in states.values()))}
+        env = {"NRVNA_WORKSPACE": self.workspace, "NRVNA_TAG": tag, "NRVNA_JOBS": str(record.get("jobs")),
+               "NRVNA_DONE": str(record.get("done")), "NRVNA_FAILED": str(record.get("failed"))}
         if self._run(f"on-batch-done hook for tag {tag}", self.on_batch_done, env, tag):
             self._write_batch_record(tag, dict(record, ran=True), sync=False)
 
@@ -6426,20 +6435,6 @@ class Hooks:
         else:
             log.debug(f"{what} ran in {time.monotonic() - began:.2f} s")
         return True
-
-
-def _meta_and_params(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A job directory's meta.json and params.json ({} for either when unreadable)."""
-    try:
-        fd = open_dir(path)
-    except OSError:
-        return {}, {}
-    try:
-        meta, raw = read_meta(fd), _read_or_none(fd, PARAMS_FILE)
-    finally:
-        os.close(fd)
-    params = parse_meta(raw.decode("utf-8", "replace")) if raw else {}
-    return meta, params
 
 
 class Server:
@@ -7263,15 +7258,15 @@ def _since(workspace: str, text: str) -> float:
         return time.time()
     if re.fullmatch(r"\d+(\.\d+)?[smhd]", text):
         return time.time() - _duration(text)
-    if is_valid_id(text) and (GENERATED_ID.fullmatch(text) or locate_job(workspace, text)[0] is not Status.Missing):
-        status, path = locate_job(workspace, text)
-        if status is Status.Missing:
-            raise NoSuchJob(f"no job {text} in {workspace}")
+    status, path = locate_job(workspace, text)
+    if status is not Status.Missing:
         fd = open_dir(path)
         try:
             return read_meta(fd).get("submitted") or submitted_time(text, fd) or 0.0
         finally:
             os.close(fd)
+    if GENERATED_ID.fullmatch(text):
+        raise NoSuchJob(f"no job {text} in {workspace}")
     if re.fullmatch(r"\d+(\.\d+)?", text):
         return float(text)
     try:
@@ -7321,10 +7316,10 @@ def _daemon_arguments(parser: Any) -> None:
     parser.add_argument("-s", "--seqs", type=int, help="sequences per worker context (NRVNA_SEQS, default 16)")
     parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0")
     parser.add_argument("--on-done", metavar="CMD", help="run the shell command CMD for every job that ends, with the "
-                        "job's directory as $1 and NRVNA_JOB_ID, NRVNA_STATUS, NRVNA_CODE, NRVNA_CUSTOM_ID, "
+                        "job's directory appended as its last argument ($1 of a script) and NRVNA_JOB_ID, NRVNA_STATUS, NRVNA_CODE, NRVNA_CUSTOM_ID, "
                         "NRVNA_TAG, NRVNA_WORKSPACE set (NRVNA_ON_DONE)")
     parser.add_argument("--on-batch-done", metavar="CMD", help="run CMD once every job of a tag has ended, with the "
-                        "tag as $1 and NRVNA_TAG, NRVNA_JOBS, NRVNA_DONE, NRVNA_FAILED set (NRVNA_ON_BATCH_DONE)")
+                        "tag appended as its argument and NRVNA_TAG, NRVNA_JOBS, NRVNA_DONE, NRVNA_FAILED set (NRVNA_ON_BATCH_DONE)")
 
 
 def _param_arguments(parser: Any) -> None:

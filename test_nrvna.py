@@ -4824,6 +4824,17 @@ def test_faultpoint_sees_every_workspace_syscall_that_strace_sees(tmp_path: Path
     print(f"\n{len(ours)} workspace-changing syscalls for one job: {' '.join(theirs)}")
 
 
+def kill_restart_audit(template: str, ws: str, job_id: str, k: int, calls: list[str]) -> None:
+    """A copy of ``template`` at ``ws``; a daemon killed at its call ``k``; a clean daemon
+    draining it; the job audited (ended once, whole, nothing left between states)."""
+    fresh_copy(template, ws)
+    killed, seen = faultpoint(ws, f"kill:{k}", "daemon", "-", ws, "-w", "1", "--drain")
+    assert killed.returncode == -signal.SIGKILL and len(seen) == k, (k, calls[k - 1])
+    clean = child_daemon(ws, "derived", "-w", "1", "--drain")
+    assert clean.wait(60) == 0
+    audit(ws, {job_id: "crash point job"})
+
+
 @pytest.mark.slow
 def test_a_daemon_killed_at_every_crash_point_loses_nothing(tmp_path: Path) -> None:
     template, job_id = queued_template(tmp_path)
@@ -4832,13 +4843,9 @@ def test_a_daemon_killed_at_every_crash_point_loses_nothing(tmp_path: Path) -> N
     counted_after = next(i for i, c in enumerate(calls, 1) if c.startswith("rename") and "meta.json" in c)
     finished_at = max(i for i, c in enumerate(calls, 1) if c.startswith("renameat2"))  # into output/
     assert len(calls) >= 20
+    ws = str(tmp_path / "ws")
     for k in range(1, len(calls) + 1):
-        ws = fresh_copy(template, str(tmp_path / "ws"))
-        killed, seen = faultpoint(ws, f"kill:{k}", "daemon", "-", ws, "-w", "1", "--drain")
-        assert killed.returncode == -signal.SIGKILL and len(seen) == k, (k, calls[k - 1])
-        clean = child_daemon(ws, "derived", "-w", "1", "--drain")
-        assert clean.wait(60) == 0
-        audit(ws, {job_id: "crash point job"})
+        kill_restart_audit(template, ws, job_id, k, calls)
         job = Flow(ws).get(job_id)
         assert job.status is Status.Done, (k, calls[k - 1], job.error)
         # a kill before the claim's count reached meta.json, or after the job reached output/,
@@ -4862,15 +4869,11 @@ def test_a_daemon_with_a_hook_killed_at_every_crash_point_runs_it_and_reports_ea
                           "daemon", "-", str(tmp_path / "list"), "-w", "1", "--drain")
     assert any(c.startswith("unlink") and nrvna.HOOKS_OWED in c for c in calls), calls
     runs_seen = set()
+    ws = str(tmp_path / "ws")
     for k in range(1, len(calls) + 1):
         if log_path.exists():
             log_path.unlink()
-        ws = fresh_copy(template, str(tmp_path / "ws"))
-        killed, seen = faultpoint(ws, f"kill:{k}", "daemon", "-", ws, "-w", "1", "--drain")
-        assert killed.returncode == -signal.SIGKILL and len(seen) == k, (k, calls[k - 1])
-        clean = child_daemon(ws, "derived", "-w", "1", "--drain")
-        assert clean.wait(60) == 0
-        audit(ws, {job_id: "crash point job"})
+        kill_restart_audit(template, ws, job_id, k, calls)
         runs = [call for call in _hook_log(log_path) if call["NRVNA_JOB_ID"] == job_id]
         assert 1 <= len(runs) <= 2 and all(call["NRVNA_STATUS"] == "done" for call in runs), (k, calls[k - 1], runs)
         assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == [], (k, calls[k - 1])
