@@ -352,11 +352,18 @@ def read_priority(job_dir: str) -> int:
     mentions a priority."""
     import json
 
+    # The Scanner calls this under the Pool's lock: like the claim, it follows no symlink
+    # and opens no FIFO (a planted params.json FIFO would block every worker).
     try:
-        with open(os.path.join(job_dir, PARAMS_FILE), "rb") as handle:
-            data = handle.read(16 << 20)
+        dir_fd = open_dir(job_dir)
     except OSError:
         return 0
+    try:
+        data = read_file(dir_fd, PARAMS_FILE, 16 << 20)
+    except (OSError, JobError):
+        return 0
+    finally:
+        os.close(dir_fd)
     if b'"priority"' not in data:
         return 0
     try:

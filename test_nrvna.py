@@ -643,9 +643,15 @@ def test_malformed_jobs_fail_clearly_and_the_daemon_goes_on(ws: str, tmp_path: P
     os.symlink(str(outside), os.path.join(ws, nrvna.READY, "linkdir"))
     plant(ws, "fifo")
     os.mkfifo(os.path.join(ws, nrvna.READY, "fifo", "prompt.txt"))
+    # params.json is read when a job is queued (its priority), before the claim: no FIFO
+    # may block that read (it would hold every worker), no link may be followed
+    plant(ws, "paramsfifo", {"prompt.txt": "hi"})
+    os.mkfifo(os.path.join(ws, nrvna.READY, "paramsfifo", "params.json"))
+    plant(ws, "paramslink", {"prompt.txt": "hi"})
+    os.symlink("/etc/passwd", os.path.join(ws, nrvna.READY, "paramslink", "params.json"))
     good = submit(ws, "fine")
     bad = ["noprompt", "promptdir", "empty", "blank", "badutf8", "nul", "badjson", "badrange", "passwd",
-           "plainfile", "linkdir", "fifo"]
+           "plainfile", "linkdir", "fifo", "paramsfifo", "paramslink"]
     with serving(ws, echo):
         statuses = wait_all(ws, bad + [good])
     assert statuses == [Status.Failed] * len(bad) + [Status.Done]
@@ -653,7 +659,7 @@ def test_malformed_jobs_fail_clearly_and_the_daemon_goes_on(ws: str, tmp_path: P
     expected = {"noprompt": "no prompt.txt", "promptdir": "directory", "empty": "empty", "blank": "empty",
                 "badutf8": "UTF-8", "nul": "NUL", "badjson": "not valid JSON", "badrange": "out of range",
                 "passwd": "symbolic link", "plainfile": "regular file", "linkdir": "symbolic link",
-                "fifo": "not a regular file"}
+                "fifo": "not a regular file", "paramsfifo": "not a regular file", "paramslink": "symbolic link"}
     for name, phrase in expected.items():
         error = flow.get(name).error
         assert phrase in error.splitlines()[0], (name, error)
