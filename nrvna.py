@@ -6484,6 +6484,7 @@ class Server:
         self._started_at = time.time()
         self._next_status = 0.0
         self.hooks: Optional[Hooks] = None
+        self._signalled: Optional[int] = None  # see stop_from_signal
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -6584,16 +6585,28 @@ class Server:
                 self.processor.finish(job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}"))
 
     def request_stop(self) -> None:
-        """Ask every thread to stop (safe from a signal handler); ``shutdown`` waits."""
+        """Ask every thread to stop; ``shutdown`` waits. From a signal handler while
+        ``serve_forever`` runs, call ``stop_from_signal`` instead."""
         self._stop.set()
         self.pool.close()
         if self.scanner is not None:
             self.scanner.wake()
 
+    def stop_from_signal(self, signum: int) -> None:
+        """``request_stop`` for a signal handler: sets a field and takes no lock, because the
+        handler runs on the main thread, which may be inside ``serve_forever`` holding a lock
+        that ``request_stop`` takes (an Event's, the Pool's): taking it again would hang the
+        daemon for good. ``serve_forever`` stops within its poll."""
+        self._signalled = signum
+
     def serve_forever(self, poll: float = 0.1) -> None:
         """Block until a stop is requested (or, with ``drain``, until the queue is empty)."""
-        while not self._stop.wait(poll):
-            if self.drain and self._drained() and (self.hooks is None or self.hooks.idle()):
+        while not self._stop.is_set():
+            time.sleep(poll)
+            if self._signalled is not None:
+                log.info(f"Received {_signal_name(self._signalled)}")
+                self.request_stop()
+            elif self.drain and self._drained() and (self.hooks is None or self.hooks.idle()):
                 log.info("Queue drained")
                 self.request_stop()
 
@@ -6911,11 +6924,15 @@ def _cmd_daemon(args: Any) -> int:
     starting = True
 
     def on_signal(signum: int, _frame: Any) -> None:
-        log.info(f"Received {signal.Signals(signum).name}")
+        if not starting:
+            server.stop_from_signal(signum)  # no lock here: see stop_from_signal
+            return
+        # start() takes none of the locks request_stop takes, so it is called from here.
+        log.info(f"Received {_signal_name(signum)}")
         server.request_stop()
         # Loading the model or making contexts: no job is touched yet, so end start() here.
         # From recovery on, start() sees the stop itself and hands a running job back.
-        if starting and server.processor is None:
+        if server.processor is None:
             raise _Signalled(signum)
 
     signal.signal(signal.SIGINT, on_signal)
@@ -6932,6 +6949,12 @@ def _cmd_daemon(args: Any) -> int:
     finally:
         server.shutdown()
     return EXIT_OK
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
 
 
 class _Signalled(BaseException):

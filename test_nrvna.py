@@ -4042,6 +4042,34 @@ def test_sigterm_during_start_up_ends_the_daemon(ws: str) -> None:
     assert nrvna._daemon_holds(ws) is None and Flow(ws).counts()["queued"] == 1
 
 
+def test_a_sigterm_never_hangs_a_serving_daemon(tmp_path: Path) -> None:
+    """The handler runs on the main thread, which serve_forever keeps inside locks (an
+    Event's wait, the Pool's): a handler that took one of them again hung the daemon for
+    good. With no pause between its rounds, the main thread is inside them most of the time
+    (the handler that took them hung 4 of 12 such daemons)."""
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import nrvna, test_nrvna; "
+            "nrvna.Server.serve_forever.__defaults__ = (0.0,); "
+            "sys.exit(nrvna.main(['daemon', '-', sys.argv[1], '--drain'], runner=test_nrvna.RUNNERS['words']))")
+    procs = []
+    for i in range(10):
+        ws = str(tmp_path / f"ws{i}")
+        submit(ws, "keeps the queue busy", max_tokens=1000)  # --drain: _drained() takes the Pool's lock
+        procs.append((ws, subprocess.Popen([sys.executable, "-c", code, ws], stderr=subprocess.DEVNULL)))
+    try:
+        for ws, proc in procs:
+            deadline = time.monotonic() + 30
+            while Flow(ws).counts()["running"] == 0:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+        assert [proc.wait(20) for _, proc in procs] == [0] * 10
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert all(Flow(ws).counts()["queued"] == 1 for ws, _ in procs)  # handed back, as after any stop
+
+
 @pytest.mark.parametrize("command", [["status", "/etc"], ["status", "/etc", "x"], ["wait", "/etc"],
                                      ["export", "/etc"], ["cancel", "/etc", "x"], ["retry", "/etc", "--failed"],
                                      ["clean", "/etc", "--older-than", "1d"], ["get", "/etc", "x"],
@@ -4533,27 +4561,42 @@ def test_a_client_killed_mid_submit_never_publishes_half_a_job(ws: str, point: s
 @pytest.mark.slow
 def test_eight_clients_submit_2000_jobs_while_four_workers_run(ws: str) -> None:
     nrvna.ensure_workspace(ws)
-    daemon = child_daemon(ws, "derived", "-w", "4")
+    log_path = Path(ws).parent / "daemon.log"
+    with open(log_path, "wb") as log_file:
+        daemon = child_daemon(ws, "derived", "-w", "4", stderr=log_file)
+
+    def daemon_log() -> str:  # what a failure shows: the daemon's warnings and errors
+        lines = log_path.read_text(errors="replace").splitlines()
+        return "\n".join([line for line in lines if "[INFO ]" not in line][-40:])
+
     try:
         code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import nrvna; w = nrvna.Work({ws!r})\n"
                 f"for j in range(250): print(w.publish(f'client {{sys.argv[1]}} job {{j}}'), flush=True)")
-        clients = [subprocess.Popen([sys.executable, "-c", code, str(c)], stdout=subprocess.PIPE) for c in range(8)]
+        clients = [subprocess.Popen([sys.executable, "-c", code, str(c)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE) for c in range(8)]
         prompts = {}
         for c, client in enumerate(clients):
-            out, _ = client.communicate(timeout=300)
-            assert client.returncode == 0
+            out, err = client.communicate(timeout=300)
+            assert client.returncode == 0, (c, err.decode(errors="replace")[-2000:])
             ids = out.decode().split()
-            assert len(ids) == 250
+            assert len(ids) == 250, (c, len(ids))
             prompts.update({job_id: f"client {c} job {j}" for j, job_id in enumerate(ids)})
         assert len(prompts) == 2000
         deadline = time.monotonic() + 300
         while Flow(ws).counts()["done"] < 2000 and daemon.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert daemon.poll() is None, "the daemon died"
-        assert set(wait_all(ws, list(prompts), timeout=30)) == {Status.Done}
+        assert daemon.poll() is None, f"the daemon died ({daemon.returncode}):\n{daemon_log()}"
+        statuses = dict(zip(prompts, wait_all(ws, list(prompts), timeout=30)))
+        not_done = {job_id: status for job_id, status in statuses.items() if status is not Status.Done}
+        assert not not_done, (Flow(ws).counts(), list(not_done.items())[:5], daemon_log())
     finally:
         daemon.send_signal(signal.SIGTERM)
-        assert daemon.wait(30) == 0
+        try:
+            code = daemon.wait(30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            raise AssertionError(f"the daemon did not stop within 30 s of SIGTERM:\n{daemon_log()}") from None
+        assert code == 0, f"the daemon exited {code}:\n{daemon_log()}"
     assert audit(ws, prompts) == {"done": 2000, "failed": 0}
 
 
