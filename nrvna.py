@@ -359,7 +359,7 @@ def read_priority(job_dir: str) -> int:
     except OSError:
         return 0
     try:
-        data = read_file(dir_fd, PARAMS_FILE, 16 << 20)
+        data = read_file(dir_fd, PARAMS_FILE, params_limit())
     except (OSError, JobError):
         return 0
     finally:
@@ -1960,10 +1960,26 @@ def read_meta(dir_fd: int) -> dict[str, Any]:
         return {}
 
 
+def params_limit(max_prompt_bytes: Optional[int] = None) -> int:
+    """The largest params.json a submit can make: its texts (messages, input, system) are
+    bounded by the prompt's limit and their own, and JSON writes a character in at most 6
+    bytes (\\u0001). Read no more than this: a planted file may be any size. Without an
+    argument, NRVNA_MAX_PROMPT_BYTES (its default when unset or invalid)."""
+    if max_prompt_bytes is None:
+        try:
+            max_prompt_bytes = setting_default("max_prompt_bytes")
+        except NrvnaError:
+            max_prompt_bytes = SETTINGS["max_prompt_bytes"].default
+    return 8 * max_prompt_bytes + (8 << 20)
+
+
 def read_meta_and_params(dir_fd: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The meta.json and params.json of the job directory open as ``dir_fd`` ({} for either
-    when absent or unreadable)."""
-    raw = _read_or_none(dir_fd, PARAMS_FILE)
+    when absent, unreadable or over its limit)."""
+    try:
+        raw: Optional[bytes] = read_file(dir_fd, PARAMS_FILE, params_limit())
+    except (FileNotFoundError, JobError):
+        raw = None
     return read_meta(dir_fd), parse_meta(raw.decode("utf-8", "replace")) if raw else {}
 
 
@@ -5949,9 +5965,7 @@ class Processor:
         if "\x00" in prompt:
             raise JobError("bad_request", "prompt.txt contains a NUL byte")
         try:
-            # Its texts (messages, input, system) are bounded by the prompt's limit and their own,
-            # and JSON writes a character in at most 6 bytes (\u0001): whatever a submit accepted fits.
-            raw = read_file(dir_fd, PARAMS_FILE, 8 * self.config.max_prompt_bytes + (8 << 20))
+            raw = read_file(dir_fd, PARAMS_FILE, params_limit(self.config.max_prompt_bytes))
         except FileNotFoundError:
             return prompt, {}
         try:

@@ -3762,6 +3762,29 @@ def finished_job(ws: str) -> str:
     return job_id
 
 
+def test_a_huge_planted_params_json_is_never_read_whole(ws: str) -> None:
+    """params.json is read when a job is queued (its priority) and by events and hooks after
+    it ends: each reads at most what a submit can make (16 MiB by default), never a planted
+    sparse file of 1 GiB into memory."""
+    import resource
+
+    plant(ws, "huge", {"prompt.txt": "hi"})
+    with open(os.path.join(ws, nrvna.READY, "huge", "params.json"), "wb") as handle:
+        handle.truncate(1 << 30)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert nrvna.read_priority(os.path.join(ws, nrvna.READY, "huge")) == 0
+    fd = nrvna.open_dir(os.path.join(ws, nrvna.READY, "huge"))
+    try:
+        assert nrvna.read_meta_and_params(fd)[1] == {}
+    finally:
+        os.close(fd)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB
+    with serving(ws, echo):
+        assert wait_all(ws, ["huge"]) == [Status.Failed]
+    assert "params.json is 1073741824 bytes" in Flow(ws).get("huge").error
+    assert [event["to"] for events in nrvna.iter_events(ws) for event in events] == ["queued", "running", "failed"]
+
+
 def test_export_never_replaces_what_is_at_its_output_path(ws: str, tmp_path: Path, run_main: RunMain,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """-o's policy: - is stdout; FIFOs and devices are written through; a symlink's target
