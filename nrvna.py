@@ -6205,6 +6205,18 @@ class Processor:
         return removed
 
 
+def _env_text(value: Any) -> str:
+    """A job's field as an environment variable's value: "" unless it is a string the
+    environment can hold (no NUL, no lone surrogate)."""
+    if not isinstance(value, str) or "\x00" in value:
+        return ""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return ""
+    return value
+
+
 class Hooks:
     """Runs the user's commands when jobs end (``--on-done``) and when every job of a tag has
     ended (``--on-batch-done``): off the decode threads, at most NRVNA_HOOK_JOBS at a time,
@@ -6344,12 +6356,15 @@ class Hooks:
                 meta, params = read_meta_and_params(fd)
             finally:
                 os.close(fd)
-        tag = params.get("tag") if isinstance(params.get("tag"), str) else None
+        # A hand-made job's params.json was never validated (its claim failed it): a tag that is
+        # not a valid name names no batch, and no field may break the environment (either
+        # raised here before, and the record stayed: the hook ran again every 0.5 s, forever).
+        tag = params.get("tag")
+        tag = tag if isinstance(tag, str) and ID_PATTERN.fullmatch(tag) else None
         if self.on_done:
-            cid = params.get("custom_id")
             env = {"NRVNA_WORKSPACE": self.workspace, "NRVNA_JOB_ID": job_id, "NRVNA_STATUS": status.value,
-                   "NRVNA_CODE": str(meta.get("code") or "") if status is Status.Failed else "",
-                   "NRVNA_CUSTOM_ID": cid if isinstance(cid, str) else "", "NRVNA_TAG": tag or ""}
+                   "NRVNA_CODE": _env_text(meta.get("code")) if status is Status.Failed else "",
+                   "NRVNA_CUSTOM_ID": _env_text(params.get("custom_id")), "NRVNA_TAG": tag or ""}
             if not self._run(f"on-done hook for {job_id}", self.on_done, env, path):
                 return  # stopped by the daemon's stop: runs again at the next start
         if self.on_batch_done and tag:
@@ -6425,8 +6440,8 @@ class Hooks:
         try:
             proc = subprocess.Popen(["/bin/sh", "-c", command + ' "$@"', "nrvna-hook", argument],
                                     env={**os.environ, **env}, stdin=subprocess.DEVNULL, start_new_session=True)
-        except OSError as err:
-            log.error(f"{what} could not start: {_os_error(err)}")
+        except (OSError, ValueError) as err:  # ValueError: a value the environment cannot hold
+            log.error(f"{what} could not start: {_os_error(err) if isinstance(err, OSError) else err}")
             return True
         with self._lock:
             self._procs.add(proc)

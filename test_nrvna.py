@@ -4388,6 +4388,30 @@ def test_the_on_done_hook_gets_the_job_in_its_environment_and_never_changes_it(w
         del os.environ["HOOK_LOG"]
 
 
+def test_a_hand_made_job_s_fields_never_break_its_hooks(ws: str, tmp_path: Path) -> None:
+    """A planted params.json is never validated before its job fails: a tag that is not a
+    valid name names no batch, and a custom_id the environment cannot hold is left out; the
+    hook runs once all the same (either made it fail and run again every 0.5 s, forever)."""
+    log_path = tmp_path / "hooks.jsonl"
+    plant(ws, "planted", {"prompt.txt": "hi", "params.json": json.dumps(
+        {"custom_id": "a\u0000b", "tag": "../../../escape"})})
+    os.environ["HOOK_LOG"] = str(log_path)
+    try:
+        with serving(ws, echo, on_done=HOOK, on_batch_done=HOOK) as server:
+            assert wait_all(ws, ["planted"]) == [Status.Failed]
+            deadline = time.monotonic() + 20
+            while (not log_path.exists() or not server.hooks.idle()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.2)  # two more rounds of the hook coordinator: nothing re-runs
+    finally:
+        del os.environ["HOOK_LOG"]
+    calls = _hook_log(log_path)
+    assert [(c["NRVNA_JOB_ID"], c["NRVNA_CUSTOM_ID"], c["NRVNA_TAG"], c["NRVNA_CODE"]) for c in calls] == \
+        [("planted", "", "", "bad_request")]
+    assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
+    assert not any("escape" in name for _, dirs, names in os.walk(tmp_path) for name in dirs + names)
+
+
 def test_hooks_run_at_most_k_at_a_time_and_a_hung_one_is_killed(ws: str, tmp_path: Path) -> None:
     log_path = tmp_path / "hooks.jsonl"
     ids = [submit(ws, f"job {i}") for i in range(6)]
