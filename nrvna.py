@@ -1744,6 +1744,7 @@ TAGS = "tags"  # tags/<tag>/<time_ns>_<first id>.ids: which jobs a submit labell
 KEYS = "keys"  # keys/<sha256 of an idempotency key>: the ID of the job submitted with it
 HOOKS_OWED = os.path.join("hooks", "done")  # hooks/done/<id>: a job ended and its hooks have not run yet
 HOOKS_BATCH = os.path.join("hooks", "batch")  # hooks/batch/<tag>: {"jobs": N, "done", "failed", "ran": bool} of its last batch hook
+HOOK_RETRY_SECONDS = 0.5  # a job's hook bookkeeping that raised is tried again after 1 s, 2 s, 4 s... (at most 10 min)
 LOCK_FILE = ".nrvna.lock"
 # A non-directory found in ready/ is wrapped in a real job dir under this name in failed/.
 QUARANTINED_ENTRY = "entry"
@@ -6252,6 +6253,7 @@ class Hooks:
         self._in_flight: set[str] = set()  # job IDs and "tag:" + tag queued or running
         self._procs: set[Any] = set()
         self._unfinished: dict[str, set[str]] = {}  # tag -> its jobs not ended yet (as last seen)
+        self._errors: dict[str, tuple[int, float]] = {}  # job ID -> (errors in a row, when to try again)
         self._threads: list[threading.Thread] = []
 
     def prepare(self) -> None:
@@ -6311,8 +6313,9 @@ class Hooks:
         _name_os_thread("Hooks")
         while not self._stop.is_set():
             try:
+                now = time.monotonic()
                 for name in sorted(os.listdir(self.owed), key=order_key):
-                    if is_valid_id(name):
+                    if is_valid_id(name) and self._errors.get(name, (0, now))[1] <= now:
                         self._submit(name)
             except OSError as err:
                 log.error(f"cannot list {self.owed}: {_os_error(err)}")
@@ -6332,8 +6335,15 @@ class Hooks:
                     self._run_batch(task[4:])
                 else:
                     self._job_ended(task)
+                    self._errors.pop(task, None)
             except Exception as err:  # a hook's bookkeeping must never take the daemon down
-                log.error(f"hook error for {task}: {err!r}")
+                if task.startswith("tag:"):  # its record stays "ran": false
+                    log.error(f"hook error for {task}: {err!r}; tried again at the next start")
+                else:  # its record stays: tried again, less and less often (never every round)
+                    errors = self._errors.get(task, (0, 0.0))[0] + 1
+                    delay = min(HOOK_RETRY_SECONDS * 2 ** errors, 600.0)
+                    self._errors[task] = (errors, time.monotonic() + delay)
+                    log.error(f"hook error for {task}: {err!r}; tried again in {delay:g} s")
             finally:
                 with self._lock:
                     self._in_flight.discard(task)

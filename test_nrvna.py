@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import glob
 import io
 import json
@@ -4410,6 +4411,30 @@ def test_a_hand_made_job_s_fields_never_break_its_hooks(ws: str, tmp_path: Path)
         [("planted", "", "", "bad_request")]
     assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
     assert not any("escape" in name for _, dirs, names in os.walk(tmp_path) for name in dirs + names)
+
+
+def test_a_hook_whose_bookkeeping_raises_is_tried_again_less_and_less_often(
+        ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug or a lasting I/O error in a job's hook bookkeeping keeps its record (the hook is
+    owed still) but never makes the coordinator retry it every round (2 per second)."""
+    calls: list[float] = []
+
+    def broken(self: nrvna.Hooks, job_id: str) -> None:
+        calls.append(time.monotonic())
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(nrvna.Hooks, "_job_ended", broken)
+    job_id = submit(ws, "hi")
+    with serving(ws, echo, on_done="true") as server:
+        assert wait_all(ws, [job_id]) == [Status.Done]
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(3.0)  # retried after 1 s, then 2 s later: 2 calls, 3 at most (7 at every round)
+        assert 2 <= len(calls) <= 3, [round(t - calls[0], 2) for t in calls]
+        assert all(b - a >= 0.9 for a, b in zip(calls, calls[1:]))
+        assert server.hooks._errors[job_id][0] == len(calls)
+    assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == [job_id]  # still owed
 
 
 def test_hooks_run_at_most_k_at_a_time_and_a_hung_one_is_killed(ws: str, tmp_path: Path) -> None:
