@@ -2137,15 +2137,17 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
             _unlink_quietly(name, dir_fd)
 
 
+def _names(workspace: str, sub: str) -> set[str]:
+    """The entries of a workspace folder (a state directory, hooks/done/), not its temporaries."""
+    try:
+        return {name for name in os.listdir(job_path(workspace, sub)) if not name.startswith(".")}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+
+
 def _all_jobs(workspace: str) -> list[str]:
     """Every job in the workspace, in submission order."""
-    names: list[str] = []
-    for sub, _ in STATE_DIRS:
-        try:
-            names += [n for n in os.listdir(os.path.join(workspace, sub)) if not n.startswith(".")]
-        except FileNotFoundError:
-            pass
-    return sorted(set(names), key=order_key)
+    return sorted(set().union(*(_names(workspace, sub) for sub, _ in STATE_DIRS)), key=order_key)
 
 
 def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
@@ -3065,13 +3067,6 @@ def iter_events(workspace: str, since: Optional[float] = None, tag: Optional[str
         watch.close()
 
 
-def _names(workspace: str, sub: str) -> set[str]:
-    try:
-        return {name for name in os.listdir(job_path(workspace, sub)) if not name.startswith(".")}
-    except FileNotFoundError:
-        return set()
-
-
 def _mtime(workspace: str, sub: str) -> int:
     try:
         return os.stat(job_path(workspace, sub)).st_mtime_ns
@@ -3575,10 +3570,11 @@ def _csv_records(text: str) -> Iterator[tuple[int, dict[str, Any]]]:
                 continue
             if header is None:
                 header = row
-                duplicates = sorted({name for name in row if row.count(name) > 1})
-                if duplicates or "" in row:
-                    raise InvalidInput(f"line {start}: the header row names a column twice or not at all "
-                                       f"({duplicates[0]!r})" if duplicates else f"line {start}: the header row has an empty name")
+                twice = sorted({name for name in row if row.count(name) > 1})
+                if twice:
+                    raise InvalidInput(f"line {start}: the header row names the column {twice[0]!r} twice")
+                if "" in row:
+                    raise InvalidInput(f"line {start}: the header row has an empty name")
                 continue
             if len(row) != len(header):
                 raise InvalidInput(f"line {start}: {len(row)} cells; the header row has {len(header)}")
@@ -6285,7 +6281,7 @@ class Hooks:
         with self._lock:
             if self._in_flight:
                 return False
-        return not any(not name.startswith(".") for name in os.listdir(self.owed))
+        return not _names(self.workspace, HOOKS_OWED)
 
     def stop(self) -> None:
         """Stop the running hooks (their records stay: they run again at the next start)."""
@@ -6552,8 +6548,8 @@ class Server:
             if self.config.on_done or self.config.on_batch_done:
                 self.hooks = Hooks(self.workspace, self.config, self._stop)
                 self.hooks.prepare()
-            elif os.path.isdir(os.path.join(self.workspace, HOOKS_OWED)):
-                owed = [n for n in os.listdir(os.path.join(self.workspace, HOOKS_OWED)) if not n.startswith(".")]
+            else:
+                owed = _names(self.workspace, HOOKS_OWED)
                 if owed:
                     log.warning(f"{len(owed)} jobs' hooks are owed (hooks/done/); they run when a daemon starts "
                                 "with --on-done or --on-batch-done (delete hooks/ to forget them)")

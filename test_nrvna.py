@@ -4181,6 +4181,8 @@ def test_a_template_reads_csv_with_a_header_row_and_numbers_jobs_by_line(ws: str
     (b'text\na\n', "Say hello", (), b"template: it names no {field}"),
     (b'text,id\na,1\nb,1\n', "{text}", ("--id-field", "id"), b"line 3: duplicate custom_id '1' (first on line 2)"),
     (b'text,id\na,1\nb\n', "{text}", (), b"line 3: 1 cells; the header row has 2"),
+    (b'\ntext,text\na,b\n', "{text}", (), b"line 2: the header row names the column 'text' twice"),
+    (b'text,\na,b\n', "{text}", (), b"line 1: the header row has an empty name"),
     (b'{"text": "a"}\n[1]\n', "{text}", (), b"line 2: a record must be a JSON object"),
     (b'{"text": "a"}\n', "{text}", ("--id-field", "id"), b"line 1: no usable id field 'id'"),
     (b'{"text": "  "}\n', "{text}", (), b"line 1: prompt is empty"),
