@@ -1135,20 +1135,26 @@ _GBNF_ESCAPES = {"t": "\t", "r": "\r", "n": "\n", "\\": "\\", '"': '"', "[": "["
 _GBNF_HEX = {"x": 2, "u": 4, "U": 8}
 
 
-def check_grammar(text: str) -> None:
+def check_grammar(text: str) -> "GrammarShape":
     """Raise InvalidInput (naming the line and column) unless llama.cpp would accept ``text``
-    as a GBNF grammar with a ``root`` rule. A token written by its text (``<think>``) is
-    checked by the daemon, which has the vocabulary."""
+    as a GBNF grammar with a ``root`` rule, and its start is within the work limits
+    (GrammarShape.check). Returns its shape."""
     parser = _GbnfParser(text)
     try:
         parser.parse()
     except RecursionError:
         raise InvalidInput("grammar: nested too deeply") from None
+    shape = GrammarShape(parser.rules, parser.ids["root"])
+    problem = shape.check()
+    if problem:
+        raise InvalidInput(f"grammar: {problem}")
+    return shape
 
 
 class _GbnfParser:
-    """llama.cpp's grammar parser, as far as telling good grammars from bad ones goes: rules
-    are lists of alternatives, each a list of ("ref", rule id) or ("sym",) elements."""
+    """llama.cpp's grammar parser: rules are lists of alternatives, each a list of elements,
+    ("ref", rule id) or ("sym", positive, ((low, high), ...)) for a character class (a
+    literal's character is a class of one; "." is ("sym", False, ())), as llama.cpp makes them."""
 
     def __init__(self, text: str) -> None:
         self.src = text
@@ -1192,22 +1198,32 @@ class _GbnfParser:
         self.made[rule_id] = f"a group or repetition in rule {base!r}"
         return rule_id
 
-    def parse_char(self, pos: int) -> int:
+    def parse_char(self, pos: int) -> tuple[int, int]:
+        """The code point a character of a literal or a class stands for, and where it ends."""
         src = self.src
         if pos >= len(src):
             self.fail(pos, "unexpected end of input")
         if src[pos] != "\\":
-            return pos + 1
-        code = self.char(pos + 1)
-        if code in _GBNF_HEX:
-            size = _GBNF_HEX[code]
-            digits = src[pos + 2:pos + 2 + size]
-            if len(digits) != size or any(c not in "0123456789abcdefABCDEF" for c in digits):
-                self.fail(pos, f"expecting {size} hex digits after \\{code}")
-            return pos + 2 + size
-        if code not in _GBNF_ESCAPES:
-            self.fail(pos, f"unknown escape \\{code}")
-        return pos + 2
+            value, end = ord(src[pos]), pos + 1
+        else:
+            code = self.char(pos + 1)
+            if code in _GBNF_HEX:
+                size = _GBNF_HEX[code]
+                digits = src[pos + 2:pos + 2 + size]
+                if len(digits) != size or any(c not in "0123456789abcdefABCDEF" for c in digits):
+                    self.fail(pos, f"expecting {size} hex digits after \\{code}")
+                value, end = int(digits, 16), pos + 2 + size
+            elif code in _GBNF_ESCAPES:
+                value, end = ord(_GBNF_ESCAPES[code]), pos + 2
+            else:
+                self.fail(pos, f"unknown escape \\{code}")
+        # llama.cpp matches code points decoded from the model's UTF-8, which holds neither
+        # (it would accept the grammar, then end a job with U+FFFD where the character was)
+        if 0xD800 <= value <= 0xDFFF:
+            self.fail(pos, f"U+{value:04X} is a surrogate, which UTF-8 text never holds")
+        if value > 0x10FFFF:
+            self.fail(pos, f"U+{value:X} is beyond U+10FFFF, the last code point")
+        return value, end
 
     def parse(self) -> None:
         pos = self.space(0, True)
@@ -1260,28 +1276,29 @@ class _GbnfParser:
                 pos += 1
                 last, prev_rules = len(seq), 1
                 while self.char(pos) != '"':
-                    pos = self.parse_char(pos)
-                    seq.append(("sym",))
+                    value, pos = self.parse_char(pos)
+                    seq.append(("sym", True, ((value, value),)))
                 pos = self.space(pos + 1, nested)
             elif c == "[":
                 pos += 1
-                if self.char(pos) == "^":
-                    pos += 1
+                positive = self.char(pos) != "^"
+                pos += not positive
                 last, prev_rules = len(seq), 1
-                start = pos
+                ranges: list[tuple[int, int]] = []
                 while self.char(pos) != "]":
-                    pos = self.parse_char(pos)
+                    low, pos = self.parse_char(pos)
+                    high = low
                     if self.char(pos) == "-" and self.char(pos + 1) not in ("]", ""):
-                        pos = self.parse_char(pos + 1)
+                        high, pos = self.parse_char(pos + 1)
                     elif self.char(pos) == "-" and self.char(pos + 1) == "":
                         self.fail(pos, "unexpected end of input")
-                if pos > start:  # llama.cpp turns "[]" into nothing at all
-                    seq.append(("sym",))
+                    ranges.append((low, high))
+                if ranges:  # llama.cpp turns "[]" into nothing at all
+                    seq.append(("sym", positive, tuple(ranges)))
                 pos = self.space(pos + 1, nested)
             elif c in "<!":
                 pos = self.token(pos + (c == "!"))
                 last, prev_rules = len(seq), 1
-                seq.append(("sym",))
                 pos = self.space(pos, nested)
             elif c.isascii() and (c.isalnum() or c == "-"):
                 end = self.name(pos)
@@ -1300,7 +1317,7 @@ class _GbnfParser:
                 pos = self.space(pos + 1, nested)
             elif c == ".":
                 last, prev_rules = len(seq), 1
-                seq.append(("sym",))
+                seq.append(("sym", False, ()))  # no character excluded: any
                 pos = self.space(pos + 1, nested)
             elif c in "*+?{":
                 low, high, pos = self.repetition(pos, nested)
@@ -1316,9 +1333,16 @@ class _GbnfParser:
                                    "(each copy of a repeated item counts)")
                 del seq[last:]
                 seq += item * low
-                if high is None or high > low:  # the optional repetitions: a rule that may be empty
-                    optional = self.new_symbol(name)
-                    self.rules[optional] = [item + [("ref", optional)] if high is None else item, []]
+                # The optional repetitions as llama.cpp writes them (their shape decides how
+                # many parse stacks a step holds, which GrammarShape counts): S{m,} adds
+                # S' ::= S S' | and S{m,n} a chain S'(k) ::= S S'(k-1) | ... S'(1) ::= S |
+                optional = None
+                for _ in range(1 if high is None else high - low):
+                    rule_id = self.new_symbol(name)
+                    tail = [("ref", rule_id if high is None else optional)] if high is None or optional is not None else []
+                    self.rules[rule_id] = [item + tail, []]
+                    optional = rule_id
+                if optional is not None:
                     seq.append(("ref", optional))
                 prev_rules *= total
             else:
@@ -1415,6 +1439,352 @@ class _GbnfParser:
                     state[rule_id] = 2
                     stack.pop()
         return None
+# -- Grammar work: what one step of a constrained job may cost ------------------------------------
+# llama.cpp tracks a grammar as a set of pushdown stacks, one per way the text so far parses, and
+# checks a candidate token by walking its characters down each stack, without merging walks that
+# meet again. An ambiguous grammar (x ::= [a-z] x "." | [a-z] x "," ...) multiplies both with
+# every character, inside C calls nothing can interrupt: a worker stalled for good. GrammarShape
+# is that machinery in Python, counting instead of matching, so that llama.cpp is never asked to
+# do more than these limits: a grammar whose start already would is refused at submit, a job
+# that reaches such a state fails (grammar_error) before the call. Counted work, not seconds,
+# decides, so the machine's load never does. The README's Guarantees give the bound.
+
+GRAMMAR_STACKS = 4096  # parse stacks open at once (an enum of 3,000 strings opens 3,000)
+GRAMMAR_PATHS = 65536  # stack steps to check one candidate token, as llama.cpp walks them
+# Stack steps to check the whole vocabulary in one state, the most a step of a job may take:
+# llama.cpp walked 1.7e8 to 4.1e8 steps a second on the 2-core test machine (an enum of 3,000
+# strings inside an object: 2.4e8 steps, 1.45 s), plus about 0.4 us a token.
+GRAMMAR_VOCAB_WORK = 400_000_000
+GRAMMAR_SUBMIT_CHARS = 16  # how far past its start a grammar is checked at submit
+GRAMMAR_CHECK_WORK = 2_000_000  # steps GrammarShape may take to answer one question
+# The submit check counts on the top elements of stacks alone: walks multiply there, and stacks
+# that differ only deeper (JSON nested 30 deep, or 31) count as one state, their walks added.
+GRAMMAR_COST_DEPTH = 6
+_UTF8_LENGTHS = (1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 2, 2, 3, 4)  # by a first byte's high 4 bits
+
+Stack = tuple  # positions in GrammarShape.elements, the top last
+GrammarState = tuple  # (frozenset of stacks, (partial UTF-8 value, bytes it still needs))
+
+
+def grammar_code_points(piece: bytes, partial: tuple[int, int]) -> tuple[list[int], tuple[int, int]]:
+    """llama.cpp's decode_utf8 (llama-grammar.cpp): the code points ``piece`` completes after
+    ``partial`` (value, bytes still to come), and the partial character it ends in; an invalid
+    byte gives no code points and (0, -1), which llama.cpp's grammar refuses."""
+    end = piece.find(b"\0")  # C strings
+    data = piece if end < 0 else piece[:end]
+    value, remain = partial
+    points: list[int] = []
+    i = 0
+    while i < len(data) and remain > 0:
+        if data[i] >> 6 != 2:
+            return [], (0, -1)
+        value, remain, i = (value << 6) + (data[i] & 0x3F), remain - 1, i + 1
+    if partial[1] > 0 and remain == 0:
+        points.append(value)
+    while i < len(data):
+        remain = _UTF8_LENGTHS[data[i] >> 4] - 1
+        if remain < 0:
+            return [], (0, -1)
+        value, i = data[i] & ((1 << (7 - remain)) - 1), i + 1
+        while i < len(data) and remain > 0:
+            value, remain, i = (value << 6) + (data[i] & 0x3F), remain - 1, i + 1
+        if remain == 0:
+            points.append(value)
+    return points, ((value, remain) if remain > 0 else (0, 0))
+
+
+class GrammarLimit(Exception):
+    """A grammar step would take more work than nrvna allows (the message says which)."""
+
+
+class GrammarShape:
+    """A grammar as llama.cpp holds it (element arrays; a stack is a tuple of positions in
+    them), to count what llama.cpp will do with it. ``walk`` follows one token as
+    llama_grammar_apply and llama_grammar_accept_token do; ``vocab_cost`` counts checking every
+    token of a vocabulary in a state; ``check`` is the submit-time test of the start."""
+
+    def __init__(self, rules: Mapping[int, list[list[tuple[Any, ...]]]], root: int) -> None:
+        alternatives: dict[int, list[Optional[int]]] = {}  # rule -> its alternatives' first positions
+        elements: list[Any] = []  # ("ref", rule) or ("sym", positive, ranges); None ends an alternative
+        for rule_id, rule in rules.items():
+            alternatives[rule_id] = []
+            for alternative in rule:
+                alternatives[rule_id].append(len(elements) if alternative else None)
+                elements += alternative
+                elements.append(None)
+        self.elements = elements
+        self.alternatives = {rule_id: tuple(a) for rule_id, a in alternatives.items()}
+        self.advanced: dict[Stack, tuple[Stack, ...]] = {}
+        self.costs: dict[Any, int] = {}  # (stacks and walks, depth) -> the most steps (check)
+        self.splits: dict[Any, Any] = {}  # stacks and walks -> (edges, children) (vocab_cost)
+        self.vocab_costs: dict[Any, tuple[int, int]] = {}  # state -> (whole vocabulary, worst token)
+        stacks: dict[Stack, None] = {}
+        for first in self.alternatives[root]:
+            stacks.update(dict.fromkeys(self.advance(() if first is None else (first,))))
+        self.start: GrammarState = (frozenset(stacks), (0, 0))
+
+    def _pop(self, stack: Stack) -> tuple[Stack, ...]:
+        """The stacks after ``stack``'s top class matched a character."""
+        position = stack[-1] + 1
+        return self.advance(stack[:-1] + (position,) if self.elements[position] is not None else stack[:-1])
+
+    def advance(self, stack: Stack) -> tuple[Stack, ...]:
+        """llama_grammar_advance_stack: the stacks ``stack`` expands to, each topped by a
+        character class (or empty: the grammar complete). Remembered: stacks recur."""
+        found = self.advanced.get(stack)
+        if found is not None:
+            return found
+        out: dict[Stack, None] = {}
+        seen: set[Stack] = set()
+        todo = [stack]
+        while todo:
+            current = todo.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            element = self.elements[current[-1]] if current else None
+            if element is None or element[0] == "sym":
+                out[current] = None
+                continue
+            after = current[-1] + 1
+            below = current[:-1] + (after,) if self.elements[after] is not None else current[:-1]
+            for first in self.alternatives[element[1]]:
+                todo.append(below if first is None else below + (first,))
+        if len(self.advanced) > 200_000:
+            self.advanced.clear()
+        found = self.advanced[stack] = tuple(out)
+        return found
+
+    def matches(self, stack: Stack, point: int) -> bool:
+        if not stack:
+            return False
+        _, positive, ranges = self.elements[stack[-1]]
+        return any(low <= point <= high for low, high in ranges) == positive
+
+    def walk(self, state: GrammarState, piece: bytes) -> tuple[int, Optional[GrammarState]]:
+        """A token with text ``piece`` in ``state``: the steps llama.cpp takes to check it
+        (walks down every stack, none merged), and the state after it, or None if the grammar
+        refuses it. Raises GrammarLimit past GRAMMAR_PATHS steps or GRAMMAR_STACKS stacks."""
+        stacks, partial = state
+        points, partial = grammar_code_points(piece, partial)
+        if partial[1] < 0:
+            return len(stacks), None
+        result: dict[Stack, None] = {}
+        steps = len(stacks)
+        for stack in stacks:
+            current = {stack: 1} if stack or not points else {}
+            for point in points:
+                following: dict[Stack, int] = {}
+                for each, walks in current.items():
+                    if self.matches(each, point):
+                        for after in self._pop(each):
+                            following[after] = following.get(after, 0) + walks
+                steps += sum(following.values())
+                if steps > GRAMMAR_PATHS:
+                    raise GrammarLimit(f"too ambiguous: checking one token took more than {GRAMMAR_PATHS:,} "
+                                       "parse steps")
+                current = following
+                if not current:
+                    break
+            result.update(dict.fromkeys(current))
+        if len(result) > GRAMMAR_STACKS:
+            raise GrammarLimit(f"too ambiguous: {len(result):,} ways to parse the text so far are open at "
+                               f"once (the limit is {GRAMMAR_STACKS:,})")
+        # Where the token ends, a stack takes it if the grammar is complete there and no
+        # character is left half done, or if its class can hold the character half done
+        # (llama.cpp keeps every stack all the same)
+        if not any(self._may_end(stack, partial) for stack in result):
+            return steps, None
+        return steps, (frozenset(result), partial)
+
+    def _may_end(self, stack: Stack, partial: tuple[int, int]) -> bool:
+        """llama_grammar_match_partial_char, and the empty stack's case."""
+        value, remain = partial
+        if remain == 0:
+            return True
+        if not stack or (remain == 1 and value < 2):
+            return False
+        low = value << (remain * 6)
+        high = low | ((1 << (remain * 6)) - 1)
+        if low == 0:
+            low = {2: 1 << 11, 3: 1 << 16}.get(remain, low)
+        _, positive, ranges = self.elements[stack[-1]]
+        if any(first <= high and low <= last for first, last in ranges):
+            return positive
+        return not positive
+
+    def check(self) -> str:
+        """Why this grammar is refused at the door ("" if it is not): its start opens more
+        than GRAMMAR_STACKS stacks, or a text of GRAMMAR_SUBMIT_CHARS characters from its
+        start takes more than GRAMMAR_PATHS steps to check. (What it does later is bounded
+        as it happens, by ``walk`` and ``vocab_cost``.)"""
+        stacks = self.start[0]
+        try:
+            if len(stacks) > GRAMMAR_STACKS:
+                raise GrammarLimit(f"too wide: {len(stacks):,} ways to parse are open at once "
+                                   f"(the limit is {GRAMMAR_STACKS:,})")
+            self._paths({stack[-GRAMMAR_COST_DEPTH:]: 1 for stack in stacks}, GRAMMAR_SUBMIT_CHARS,
+                        [GRAMMAR_CHECK_WORK], 0)
+        except GrammarLimit as err:
+            return str(err)
+        return ""
+
+    def _paths(self, items: dict[Stack, int], depth: int, budget: list[int], spent: int) -> int:
+        """The most steps llama.cpp takes to check a text of at most ``depth`` more characters
+        from the stacks ``items`` (stack -> walks reaching it), ``spent`` steps into it.
+        Raises GrammarLimit once a text passes GRAMMAR_PATHS."""
+        key = (frozenset(items.items()), depth)
+        found = self.costs.get(key)
+        if found is None:
+            total = sum(items.values())
+            if spent + total <= GRAMMAR_PATHS:
+                worst = 0
+                if depth > 0:
+                    for child in self._children(items, budget)[1]:
+                        if child:
+                            cut: dict[Stack, int] = {}
+                            for stack, walks in child.items():
+                                cut[stack[-GRAMMAR_COST_DEPTH:]] = cut.get(stack[-GRAMMAR_COST_DEPTH:], 0) + walks
+                            worst = max(worst, self._paths(cut, depth - 1, budget, spent + total))
+                found = total + worst
+                if len(self.costs) > 200_000:
+                    self.costs.clear()
+                self.costs[key] = found
+            else:
+                found = total
+        if spent + found > GRAMMAR_PATHS:
+            raise GrammarLimit(f"too ambiguous: checking a text of {GRAMMAR_SUBMIT_CHARS} characters from its "
+                               f"start can take more than {GRAMMAR_PATHS:,} parse steps")
+        return found
+
+    def _children(self, items: dict[Stack, int], budget: list[int]) -> tuple[list[int], list[dict[Stack, int]]]:
+        """The code points the top classes of ``items`` tell apart, as ``edges`` (range i is
+        edges[i] to edges[i + 1] - 1), and for each range the stacks (with their walks) a
+        character in it leads to."""
+        budget[0] -= len(items)
+        if budget[0] < 0:
+            raise GrammarLimit(f"too ambiguous: counting its work took more than {GRAMMAR_CHECK_WORK:,} steps")
+        import bisect
+
+        bounds = {0, 0x110000}
+        for stack in items:
+            if stack:
+                for low, high in self.elements[stack[-1]][2]:
+                    bounds.update((low, high + 1))
+        edges = sorted(bounds)
+        covered: dict[int, list[Stack]] = {}  # range -> the stacks whose top class holds it
+        for stack in items:
+            if not stack:
+                continue
+            _, positive, ranges = self.elements[stack[-1]]
+            inside: set[int] = set()
+            for low, high in ranges:
+                inside.update(range(bisect.bisect_left(edges, low), bisect.bisect_left(edges, high + 1)))
+            for index in (inside if positive else set(range(len(edges) - 1)) - inside):
+                covered.setdefault(index, []).append(stack)
+        made: dict[tuple[Stack, ...], dict[Stack, int]] = {}
+        children = []
+        for index in range(len(edges) - 1):
+            matching = tuple(covered.get(index, ()))
+            child = made.get(matching)
+            if child is None:
+                child = made[matching] = {}
+                for stack in matching:
+                    for after in self._pop(stack):
+                        child[after] = child.get(after, 0) + items[stack]
+            children.append(child)
+        return edges, children
+
+    def vocab_cost(self, state: GrammarState, vocab: "GrammarVocab") -> tuple[int, int]:
+        """The steps llama.cpp takes to check every token of ``vocab`` in ``state``, and the
+        most one token takes: each token's characters walked down every stack, none merged,
+        all tokens a character at a time together (numpy). Raises GrammarLimit past the
+        limits. Remembered per state."""
+        found = self.vocab_costs.get(state)
+        if found is not None:
+            return found
+        np = vocab.np
+        stacks, partial = state
+        points, lengths = vocab.points(partial)
+        ids: dict[Any, int] = {}  # a set of stacks with their walks -> its number here
+        groups: list[dict[Stack, int]] = []
+        walks: list[int] = []
+        budget = [GRAMMAR_CHECK_WORK]
+
+        def number(items: dict[Stack, int]) -> int:
+            key = frozenset(items.items())
+            found = ids.get(key)
+            if found is None:
+                found = ids[key] = len(groups)
+                groups.append(items)
+                walks.append(sum(items.values()))
+            return found
+
+        group = np.full(len(lengths), number({stack: 1 for stack in stacks}), dtype=np.int64)
+        steps = np.zeros(len(lengths), dtype=np.int64)
+        empty = number({})
+        for column in range(points.shape[1] + 1):
+            alive = group != empty
+            if not alive.any():
+                break
+            steps[alive] += np.asarray(walks, dtype=np.int64)[group[alive]]
+            worst = int(steps.max())
+            if worst > GRAMMAR_PATHS:
+                raise GrammarLimit(f"too ambiguous: checking a token here takes {worst:,} parse steps "
+                                   f"(the limit is {GRAMMAR_PATHS:,})")
+            going = alive & (lengths > column)
+            group[~going] = empty
+            if column == points.shape[1] or not going.any():
+                break
+            where = np.nonzero(going)[0]
+            order = where[np.argsort(group[where], kind="stable")]
+            kinds, starts = np.unique(group[order], return_index=True)
+            for kind, begin, end in zip(kinds.tolist(), starts.tolist(), list(starts[1:]) + [len(order)]):
+                split = self.splits.get(frozenset(groups[kind].items()))
+                if split is None:
+                    edges, children = self._children(groups[kind], budget)
+                    split = (np.asarray(edges, dtype=np.int64), children)
+                    if len(self.splits) > 50_000:
+                        self.splits.clear()
+                    self.splits[frozenset(groups[kind].items())] = split
+                edges, children = split
+                targets = np.asarray([number(child) if child else empty for child in children], dtype=np.int64)
+                rows = order[begin:end]
+                group[rows] = targets[np.searchsorted(edges, points[rows, column], side="right") - 1]
+        found = (int(steps.sum()), int(steps.max()))
+        if found[0] > GRAMMAR_VOCAB_WORK:
+            raise GrammarLimit(f"too wide: checking the vocabulary here takes {found[0]:,} parse steps "
+                               f"(the limit is {GRAMMAR_VOCAB_WORK:,})")
+        if len(self.vocab_costs) > 10_000:
+            self.vocab_costs.clear()
+        self.vocab_costs[state] = found
+        return found
+
+
+class GrammarVocab:
+    """A model's tokens as llama.cpp's grammar sees them: each token's code points (a row,
+    padded with -1), per partial UTF-8 character a job may be in (made when first needed)."""
+
+    def __init__(self, np: Any, pieces: list[bytes]) -> None:
+        self.np = np
+        self.pieces = pieces  # b"" for tokens llama.cpp rejects outright (end of generation, empty)
+        self.decoded: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+    def points(self, partial: tuple[int, int]) -> tuple[Any, Any]:
+        found = self.decoded.get(partial)
+        if found is None:
+            np = self.np
+            rows = [grammar_code_points(piece, partial)[0] if piece and piece[0] else [] for piece in self.pieces]
+            width = max(map(len, rows), default=0)
+            points = np.full((len(rows), max(width, 1)), -1, dtype=np.int32)
+            for i, row in enumerate(rows):
+                points[i, :len(row)] = row
+            if len(self.decoded) >= 4:  # 16 MB each for SmolLM2; other partial characters are rare
+                self.decoded.pop(next(iter(self.decoded)))
+            found = self.decoded[partial] = (points, np.asarray(list(map(len, rows)), dtype=np.int64))
+        return found
+
+
 ##############################################################################
 # Errors and exit codes
 ##############################################################################
@@ -4180,8 +4550,6 @@ GRAMMAR_CACHE = 256
 GRAMMAR_TEMPLATES = 16
 # A draw its grammar refuses is first redrawn from this many likeliest tokens (see _resample).
 SHORTLIST = 4096
-# A constrained job whose grammar takes longer than this for one token fails (grammar_error).
-GRAMMAR_STEP_SECONDS = 0.5
 # Architectures that only embed (llama.cpp's encoder-only ones): no generation jobs.
 ENCODER_ARCHS = frozenset({"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "neo-bert",
                            "modern-bert", "eurobert", "t5encoder"})
@@ -4447,7 +4815,8 @@ class LlamaRunner(Runner):
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy
-        self._grammars: dict[Any, str] = {}  # a schema's or grammar's text -> checked GBNF (LRU order)
+        self._grammars: dict[Any, tuple[str, GrammarShape]] = {}  # a schema or grammar -> its GBNF (LRU order)
+        self._grammar_vocab: Optional[GrammarVocab] = None
         # Control tokens but end-of-generation: never in a constrained output (see LlamaSession._allowed).
         self.control_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_control(self.vocab, t)
                                         and not L.llama_vocab_is_eog(self.vocab, t))
@@ -4636,9 +5005,10 @@ class LlamaRunner(Runner):
             return None
         return _Penalties(repeat, frequency, presence, bias)
 
-    def grammar(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str]]:
-        """The job's grammar, if its output is constrained: (a key naming it, its GBNF text).
-        A JSON schema is converted once per distinct schema, then found here again."""
+    def grammar(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str, GrammarShape]]:
+        """The job's grammar, if its output is constrained: (a key naming it, its GBNF text,
+        its shape). A JSON schema is converted once per distinct schema, then found here again.
+        Raises JobError (grammar_error) for one whose start is past the work limits."""
         import json
 
         kind = constraint(params)
@@ -4647,25 +5017,39 @@ class LlamaRunner(Runner):
         if kind == "json_object":
             from llama_cpp.llama_grammar import JSON_GBNF
 
-            return ("json_object",), JSON_GBNF
-        if kind == "grammar":
-            key: Any = ("gbnf", params["grammar"])
+            key: Any = ("json_object",)
+            params = {"grammar": JSON_GBNF}
+        elif kind == "grammar":
+            key = ("gbnf", params["grammar"])
         else:
             key = ("schema", json.dumps(params["response_format"]["json_schema"]["schema"], ensure_ascii=False,
                                         separators=(",", ":")))
         with self._grammars_lock:  # held while converting: two workers never convert one schema twice
-            text = self._grammars.pop(key, None)
-            if text is None:
+            found = self._grammars.pop(key, None)
+            if found is None:
                 text = self._make_grammar(kind, params)
-            self._grammars[key] = text  # most recently used last
+                try:
+                    shape = check_grammar(text)
+                except InvalidInput as err:  # a converted schema's grammar, past the work limits
+                    raise JobError("grammar_error", str(err)) from None
+                found = (text, shape)
+            self._grammars[key] = found  # most recently used last
             if len(self._grammars) > GRAMMAR_CACHE:
                 self._grammars.pop(next(iter(self._grammars)))
-        return key, text
+        return (key,) + found
+
+    def grammar_vocab(self) -> GrammarVocab:
+        """The vocabulary as the grammar sees it, for GrammarShape.vocab_cost (made once)."""
+        if self._grammar_vocab is None:
+            L = self.L
+            pieces = [b"" if L.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
+            self._grammar_vocab = GrammarVocab(self.np, pieces)
+        return self._grammar_vocab
 
     def _make_grammar(self, kind: str, params: Mapping[str, Any]) -> str:
         """The GBNF of a grammar job, or its schema converted. (The checks ran at claim: the
         Processor validates params.json, a hand-made one too, with the submit's checks.)"""
-        if kind == "grammar":
+        if kind != "json_schema":
             return params["grammar"]
         try:
             text = schema_to_grammar(params["response_format"]["json_schema"]["schema"])
@@ -4784,7 +5168,7 @@ class _Sequence:
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
                  "penalty", "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
-                 "budget", "grammar", "logprobs", "top", "chain", "priority", "reserved")
+                 "budget", "grammar", "shape", "state", "after", "logprobs", "top", "chain", "priority", "reserved")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int, sampler: Any,
                  penalty: Optional[_Penalties] = None, grammar: Any = None) -> None:
@@ -4809,6 +5193,11 @@ class _Sequence:
         self.tail = ""
         self.unsent = ""  # generated text held back from partial.txt (see LlamaSession._emit)
         self.grammar = grammar  # its own grammar sampler (state: where in the grammar it is), or None
+        # The grammar as GrammarShape counts it, where it stands, and where a token checked
+        # (LlamaSession._allowed) would take it: what llama.cpp's sampler holds, counted.
+        self.shape: Optional[GrammarShape] = None
+        self.state: Any = None
+        self.after: Any = None
         # (token, logprob, [(token, logprob)] of the likeliest) per generated token, if asked
         self.logprobs: Optional[list[tuple[int, float, list[tuple[int, float]]]]] = (
             [] if job.params.get("logprobs") else None)
@@ -5004,9 +5393,11 @@ class LlamaSession(Session):
         max_tokens = job_param(job.params, "max_tokens", self.runner.config)
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         penalty = self.runner.penalty(job.params)
-        grammar = self._grammar(job.params)
+        grammar, shape = self._grammar(job.params) or (None, None)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.runner.sampler(job.params),
                                            penalty, grammar)
+        if shape is not None:
+            seq.shape, seq.state = shape, shape.start
         seq.reserved = reserved
         config = self.runner.config
         seq.chain = (job_param(job.params, "temperature", config) <= 0, job_param(job.params, "top_k", config),
@@ -5031,13 +5422,13 @@ class LlamaSession(Session):
         self.runner.wait_wide()
         return self.L.llama_decode(ctx, batch)
 
-    def _grammar(self, params: Mapping[str, Any]) -> Any:
-        """A grammar sampler of the job's own (None when its output is free): cloned from
-        the context's parsed copy of that grammar, parsing it on first use."""
+    def _grammar(self, params: Mapping[str, Any]) -> Optional[tuple[Any, GrammarShape]]:
+        """A grammar sampler of the job's own and the grammar's shape (None when its output is
+        free): cloned from the context's parsed copy of that grammar, parsing it on first use."""
         found = self.runner.grammar(params)
         if found is None:
             return None
-        key, text = found
+        key, text, shape = found
         L = self.L
         template = self.templates.pop(key, None)
         if template is None:
@@ -5049,7 +5440,7 @@ class LlamaSession(Session):
             while len(self.templates) >= GRAMMAR_TEMPLATES:
                 L.llama_sampler_free(self.templates.pop(next(iter(self.templates))))
         self.templates[key] = template  # most recently used last
-        return L.llama_sampler_clone(template)
+        return L.llama_sampler_clone(template), shape
 
     def _make_room(self) -> None:
         """Forget finished jobs' cells (kept for prefix reuse) while they and the running
@@ -5182,13 +5573,16 @@ class LlamaSession(Session):
             if seq.penalty is not None:
                 seq.penalty.apply(logits)
             token = L.llama_sampler_sample(seq.sampler, self.ctx, index)
-            began = time.monotonic() if seq.grammar is not None else 0.0
-            if seq.grammar is not None and not self._allowed(seq.grammar, token):
-                token = self._resample(seq, logits)
-                if token < 0:
-                    finished.append(self._end(seq, error=("grammar_error", "no token of the model's vocabulary "
-                                                                           "can continue the grammar here")))
-                    continue
+            try:
+                if seq.grammar is not None and not self._allowed(seq, token):
+                    token = self._resample(seq, logits)
+            except GrammarLimit as err:  # before llama.cpp is asked to do that work
+                finished.append(self._end(seq, error=("grammar_error", f"{err} after {seq.n_gen} tokens")))
+                continue
+            if token < 0:
+                finished.append(self._end(seq, error=("grammar_error", "no token of the model's vocabulary "
+                                                                       "can continue the grammar here")))
+                continue
             if seq.penalty is not None:
                 seq.penalty.accept(token)
             if L.llama_vocab_is_eog(self.runner.vocab, token) and (not seq.ignore_eos or seq.grammar is not None):
@@ -5196,15 +5590,7 @@ class LlamaSession(Session):
                 continue
             if seq.grammar is not None:
                 L.llama_sampler_accept(seq.grammar, token)  # never a refused token: llama.cpp aborts on one
-                spent = time.monotonic() - began
-                if spent > GRAMMAR_STEP_SECONDS:
-                    # An ambiguous grammar's states can multiply with every character (a step
-                    # took 0.07, 0.26, 1.0, 7.4, 34 s in a row): end it before it stalls the
-                    # context's other jobs for good.
-                    finished.append(self._end(seq, error=("grammar_error", (
-                        f"the grammar took {spent:.2f} s for one token (too ambiguous; the limit is "
-                        f"{GRAMMAR_STEP_SECONDS:g} s)"))))
-                    continue
+                seq.state = seq.after
             if logprobs is not None:
                 seq.logprobs.append(self._logprob(logprobs, token, seq.top))
             seq.n_gen += 1
@@ -5220,19 +5606,29 @@ class LlamaSession(Session):
                 finished.append(self._end(seq, "length"))
         return finished
 
-    def _allowed(self, grammar: Any, token: int) -> bool:
-        """Whether ``grammar`` (in its current state) lets ``token`` come next: the grammar
-        applied to that one candidate, which costs a few microseconds where the whole
+    def _allowed(self, seq: _Sequence, token: int) -> bool:
+        """Whether the job's grammar (in its current state) lets ``token`` come next: the
+        grammar applied to that one candidate, which costs a few microseconds where the whole
         vocabulary costs milliseconds. Never a control token other than end-of-generation:
-        the grammar matches its text (``<|im_start|>``), the result would not hold it."""
+        the grammar matches its text (``<|im_start|>``), the result would not hold it.
+        GrammarShape walks the token first (raising GrammarLimit past the limits) and keeps
+        the state it leads to in ``seq.after``."""
         if token in self.runner.control_tokens:
             return False
+        eog = self.L.llama_vocab_is_eog(self.runner.vocab, token)
+        if not eog:
+            _, seq.after = seq.shape.walk(seq.state, self.runner.piece(token))
         one = self.one
         one.id, one.logit, one.p = token, 0.0, 0.0
         array = self.one_array
         array.size, array.selected, array.sorted = 1, -1, False
-        self.L.llama_sampler_apply(grammar, self.byref(array))
-        return one.logit != -_INF
+        self.L.llama_sampler_apply(seq.grammar, self.byref(array))
+        allowed = one.logit != -_INF
+        if allowed and not eog and seq.after is None:
+            # (never seen: GrammarShape is llama.cpp's algorithm; were it not, the job ends here
+            # rather than run on uncounted)
+            raise GrammarLimit(f"nrvna's count of the grammar refused token {token}, which llama.cpp allowed")
+        return allowed
 
     def _resample(self, seq: _Sequence, logits: Any) -> int:
         """The job's token drawn again from the tokens its grammar allows (the grammar, then
@@ -5244,6 +5640,7 @@ class LlamaSession(Session):
         (see ``_shortlist_suffices``), else from the whole vocabulary, as llama.cpp's
         common_sampler does (measured: 5.8 ms a redraw over SmolLM2's 49,152 tokens)."""
         np, n_vocab = self.runner.np, self.runner.n_vocab
+        seq.shape.vocab_cost(seq.state, self.runner.grammar_vocab())  # GrammarLimit if it is too much
         if self.candidates is None:
             self.candidates = np.zeros(n_vocab, dtype=np.dtype([("id", np.intc), ("logit", np.single),
                                                                 ("p", np.single)], align=True))
@@ -5282,7 +5679,7 @@ class LlamaSession(Session):
         if not 0 <= array.selected < array.size:
             return -1
         token = int(self.candidates["id"][array.selected])
-        return token if self._allowed(seq.grammar, token) else -1
+        return token if self._allowed(seq, token) else -1
 
     def _shortlist_suffices(self, seq: _Sequence, allowed: Any, threshold: float) -> bool:
         """Whether the chain (top_k, top_p, min_p, temperature, dist: see LlamaRunner.sampler)

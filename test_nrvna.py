@@ -2469,6 +2469,11 @@ def test_good_grammars_pass_the_submit_check(grammar: str) -> None:
     ('root ::= "a"{0,99999999999999999999}', "a repetition count that large is not supported"),
     ('root ::= "a"{²}', "expecting an integer"),
     ('root ::= "' + "x" * 2000 + '"{2000}', "expands to more than 200,000 elements"),
+    # UTF-8 holds no surrogate: llama.cpp took these, and a job ended `stop` with U+FFFD instead
+    ('root ::= "\\uD800"', "U+D800 is a surrogate, which UTF-8 text never holds at line 1, column 11"),
+    ('root ::= [a\\udc00-\\udfff]', "U+DC00 is a surrogate"),
+    ('root ::= "\ud83d"', "U+D83D is a surrogate"),  # a lone surrogate in the text itself (a JSON line's)
+    ('root ::= "\\U00110000"', "U+110000 is beyond U+10FFFF"),
 ])
 def test_bad_grammars_are_refused_at_submit_with_where(grammar: str, message: str) -> None:
     with pytest.raises(nrvna.InvalidInput) as raised:
@@ -2882,16 +2887,147 @@ def test_control_tokens_never_enter_a_constrained_output(llama: nrvna.LlamaRunne
     assert 30 <= len(json.loads(outcome.text)["s"]) <= 40
 
 
+# Grammars whose parses multiply with each character. The first two hung a worker for good
+# (llama.cpp's grammar calls cannot be interrupted); the last is ambiguous only past what the
+# submit check looks at (16 characters).
+HANGING_GRAMMAR = 'root ::= x\nx ::= [^.,;!] x "." | [^.,;!] x "," | [^.,;!] x ";" | "!"\n'
+HANGING_SCHEMA = {"$defs": {"n": {"anyOf": [
+    {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 3},
+    {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1, "maxItems": 2},
+    {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 1}]}}, "$ref": "#/$defs/n"}
+LATE_GRAMMAR = 'root ::= "' + "o" * 20 + '" a\na ::= "x" a c | "x" a d | "y"\nc ::= "c"\nd ::= "d"\n'
+
+
+@pytest.mark.parametrize("grammar, message", [
+    (HANGING_GRAMMAR, "too ambiguous: checking a text of 16 characters from its start can take more than 65,536"),
+    ('root ::= a\na ::= "x" a c | "x" a d | "y"\nc ::= "c"\nd ::= "d"\n', "too ambiguous"),
+    ('root ::= ("a" | "a" | "a")*', "too ambiguous"),  # one parse stack, but three walks per character
+    ("root ::= " + " | ".join(f'"w{i}"' for i in range(20000)), "too wide: 20,000 ways to parse are open at once"),
+])
+def test_grammars_whose_parses_multiply_are_refused_at_submit(grammar: str, message: str, tmp_path: Path,
+                                                              ws: str, run_main: RunMain) -> None:
+    with pytest.raises(nrvna.InvalidInput, match=re.escape(message)):
+        nrvna.check_grammar(grammar)
+    done = run_main("submit", ws, "Write a long sentence about the sea", "--grammar", write(tmp_path / "g.gbnf", grammar))
+    assert done.returncode == 2 and done.stderr.count(b"\n") == 1 and message.encode() in done.stderr, done.stderr
+    nrvna.check_grammar(LATE_GRAMMAR)  # (what the submit check lets through, the daemon bounds: below)
+
+
+def test_grammar_shape_counts_llama_cpp_s_walks() -> None:
+    """The counts behind the limits, by hand: llama.cpp walks a token down each parse stack
+    without merging walks that meet. In ("a" | "a")* each "a" leads both walks on to three
+    stacks (either "a" again, or the end), so "aaa" takes 3 + 6 + 12 + 24 steps."""
+    parser = nrvna._GbnfParser('root ::= ("a" | "a")*')  # (refused at submit: 2 ** 16 walks in 16 characters)
+    parser.parse()
+    shape = nrvna.GrammarShape(parser.rules, parser.ids["root"])
+    assert len(shape.start[0]) == 3  # the two alternatives' "a", and the empty stack (complete)
+    steps, after = shape.walk(shape.start, b"aaa")
+    assert steps == 3 + 6 + 12 + 24 and len(after[0]) == 3
+    assert shape.walk(shape.start, b"ab")[1] is None
+    wide = nrvna.check_grammar(" | ".join(["root ::= " + '"a"'] + [f'"{c}"' for c in "bcdefgh"]))
+    assert wide.walk(wide.start, b"h") == (8 + 1, (frozenset({()}), (0, 0)))  # 8 stacks, then the end
+    split = nrvna.check_grammar('root ::= "\\u00e9" "x"')
+    steps, after = split.walk(split.start, b"\xc3")  # half of é: nothing matched yet
+    assert after == (split.start[0], (3, 1))
+    assert split.walk(after, b"\xa9x")[1] == (frozenset({()}), (0, 0))
+
+
 @pytest.mark.model
-def test_an_exponentially_ambiguous_grammar_fails_its_job_instead_of_stalling_the_context(
-        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nrvna, "GRAMMAR_STEP_SECONDS", 0.05)
+def test_a_schema_whose_grammar_multiplies_fails_its_job_at_once(llama: nrvna.LlamaRunner) -> None:
+    nrvna.check_json_schema(HANGING_SCHEMA)  # the client cannot convert it: the daemon refuses it
+    with pytest.raises(nrvna.JobError) as raised:
+        generate(llama, "Write nested lists.", response_format=schema_format(HANGING_SCHEMA), max_tokens=64)
+    assert raised.value.code == "grammar_error" and "too ambiguous" in str(raised.value)
+
+
+@pytest.mark.model
+def test_a_grammar_ambiguous_past_its_start_fails_by_counted_work_not_time(llama: nrvna.LlamaRunner) -> None:
+    """The job fails before llama.cpp is asked to walk more than GRAMMAR_PATHS steps for a
+    token, at the same token whatever the machine's load (the old guard timed a step)."""
     x = next(t for t in range(llama.n_vocab) if llama.piece(t) == b"x")
-    grammar = 'root ::= a\na ::= "x" a c | "x" a d | "y"\nc ::= "c"\nd ::= "d"\n'  # the states double at each x
-    nrvna.check_grammar(grammar)  # nothing a static check can refuse
-    outcome = generate(llama, "Write x many times.", grammar=grammar, temperature=0, max_tokens=60, logit_bias={str(x): 100})
-    assert outcome.error_code == "grammar_error" and "too ambiguous" in outcome.error, outcome
-    assert set(outcome.text) == {"x"} and 5 < len(outcome.text) < 40
+    outcomes = [generate(llama, "Write x many times.", grammar=LATE_GRAMMAR, temperature=0, max_tokens=60,
+                         logit_bias={str(x): 100}) for _ in range(2)]
+    first = outcomes[0]
+    assert first.error_code == "grammar_error" and "ways to parse the text so far are open at once (the limit is " \
+        "4,096) after 22 tokens" in first.error, first  # 20 o's, then x's: each doubles the stacks
+    assert first.text.startswith("o" * 20) and set(first.text[20:]) == {"x"} and len(first.text) < 40
+    assert (outcomes[1].error, outcomes[1].text) == (first.error, first.text)
+
+
+@pytest.mark.model
+def test_a_wide_enum_runs_whatever_the_load(llama: nrvna.LlamaRunner) -> None:
+    """3,000 strings open 3,000 parse stacks: a whole-vocabulary check takes 2.4e8 steps (1.45 s
+    here), within the limits; the old 0.5 s guard failed such jobs."""
+    values = [f"item-{i:04d}" for i in range(3000)]
+    schema = {"type": "object", "properties": {"v": {"enum": values}}, "required": ["v"]}
+    outcome = generate(llama, "Pick an item.", response_format=schema_format(schema), temperature=0, max_tokens=40)
+    assert outcome.error_code is None and outcome.finish_reason == "stop", outcome
+    assert json.loads(outcome.text)["v"] in values
+
+
+@pytest.mark.model
+def test_grammar_shape_agrees_with_llama_cpp_token_by_token(llama: nrvna.LlamaRunner) -> None:
+    """Random grammars (the tests' own fuzzing of grammar shapes) walked by random tokens:
+    GrammarShape allows exactly the tokens llama.cpp's grammar sampler allows, state after
+    state, so the work it counts is the work llama.cpp will do."""
+    import numpy
+
+    L = llama.L
+    rng = random.Random(28)
+    pieces = {t: llama.piece(t) for t in range(llama.n_vocab)}
+    short = [t for t, p in pieces.items() if p and len(p) <= 3 and all(c in b"abcxy ,.!\"[]{}0123456789" for c in p)]
+    every = [t for t, p in pieces.items() if p and t not in llama.control_tokens and not L.llama_vocab_is_eog(llama.vocab, t)]
+    atoms = ['"a"', '"b"', '"ab"', "[a-c]", "[^a]", "[0-9]", '" "', '","', ".", '"x"', '"\\u00e9"']
+    one = L.llama_token_data(0, 0.0, 0.0)
+    array = L.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+
+    def allowed(sampler: Any, token: int) -> bool:
+        one.id, one.logit, one.p = token, 0.0, 0.0
+        array.size, array.selected, array.sorted = 1, -1, False
+        L.llama_sampler_apply(sampler, ctypes.byref(array))
+        return one.logit != -numpy.inf
+
+    def item(depth: int) -> str:
+        roll = rng.random()
+        if roll < 0.5 or depth > 2:
+            return rng.choice(atoms) + rng.choice(["", "", "?", "*", "+", "{1,3}"])
+        if roll < 0.7:
+            return rng.choice(["r1", "r2"])
+        return "(" + " | ".join(sequence(depth + 1) for _ in range(rng.randint(2, 3))) + ")" + rng.choice(["", "*", "?"])
+
+    def sequence(depth: int) -> str:
+        return " ".join(item(depth) for _ in range(rng.randint(1, 3)))
+
+    compared = grammars = 0
+    while grammars < 60:
+        text = "\n".join(f"{name} ::= " + " | ".join(sequence(0) for _ in range(rng.randint(1, 3)))
+                         for name in ("root", "r1", "r2")) + '\nr2 ::= "y"' * 0
+        text = text.replace("r2 ::= ", 'r2 ::= "y" | ', 1)  # every rule can end
+        try:
+            shape = nrvna.check_grammar(text)
+        except nrvna.InvalidInput:
+            continue
+        sampler = L.llama_sampler_init_grammar(llama.vocab, text.encode(), b"root")
+        assert sampler, text
+        grammars += 1
+        state = shape.start
+        try:
+            for _ in range(12):
+                candidates = rng.sample(short, 40) + rng.sample(every, 10)
+                verdicts = [(t, allowed(sampler, t), shape.walk(state, pieces[t])[1]) for t in candidates]
+                for token, ok, after in verdicts:
+                    assert ok == (after is not None), (text, state, pieces[token])
+                    compared += 1
+                moves = [(t, after) for t, ok, after in verdicts if ok]
+                if not moves:
+                    break
+                token, state = rng.choice(moves)
+                L.llama_sampler_accept(sampler, token)
+        except nrvna.GrammarLimit:
+            pass  # (ambiguous past the start: what the daemon fails jobs for)
+        finally:
+            L.llama_sampler_free(sampler)
+    assert compared > 10_000, compared
 
 
 @pytest.mark.model
