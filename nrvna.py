@@ -654,8 +654,9 @@ _MACHINE_DEFAULTS = {"workers": "4, or the cores if fewer", "gpu_layers": "0 (99
 
 
 def markdown_tables() -> dict[str, str]:
-    """The README's generated tables: settings, params and exit-codes, from SETTINGS,
-    PARAMS and EXIT_CODES (scripts/readme_tables.py writes them; a test checks them)."""
+    """The README's generated tables: settings, params, exit-codes and failure-codes, from
+    SETTINGS, PARAMS, EXIT_CODES and FAILURE_CODES (scripts/readme_tables.py writes them; a
+    test checks them)."""
     settings = ["| variable | default | meaning |", "|---|---|---|"]
     for name, setting in SETTINGS.items():
         default = _MACHINE_DEFAULTS.get(name, setting.default)
@@ -670,7 +671,10 @@ def markdown_tables() -> dict[str, str]:
         line = "" if param.line else " (not a JSONL field)"
         params.append(f"| `{name}` | {kind} | {default} | {flag} | {openai} | {param.help}{line} |")
     exit_codes = ["| code | meaning |", "|---|---|"] + [f"| {code} | {meaning} |" for code, meaning in EXIT_CODES.items()]
-    return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes)}
+    failures = ["| code | the job failed because |", "|---|---|"] + [
+        f"| `{code}` | {meaning} |" for code, meaning in FAILURE_CODES.items()]
+    return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
+            "failure-codes": "\n".join(failures)}
 
 
 ##############################################################################
@@ -1431,6 +1435,30 @@ EXIT_CODES = {
                      "export left unfinished jobs out",
 }
 
+# Why a job failed: the ``code`` in its meta.json (and JobError's), with what it means. `retry
+# --code` accepts these alone, its --help lists them, and the README's table comes from here;
+# a test finds every code literal in this file and checks it is a row.
+FAILURE_CODES = {
+    "cancelled": "`nrvna cancel` (a running job keeps its partial text in `partial.txt`)",
+    "timeout": "it generated for longer than its `timeout` parameter (partial text kept)",
+    "context_overflow": "its prompt does not fit in a sequence's share of the context: `prompt is N tokens; a "
+                        "sequence holds M`; an embed job's text is longer than an embedding may be (`input[i] is "
+                        "N tokens; an embedding takes at most M`)",
+    "unsupported": "the model cannot run this kind of job: a generation job on an embedding model, or an embed "
+                   "job on a model without a pooling type (`NRVNA_POOLING`)",
+    "bad_request": "the job itself is malformed: no or empty `prompt.txt`, invalid UTF-8, a NUL byte, bad "
+                   "`params.json`, a prompt over `NRVNA_MAX_PROMPT_BYTES`, a symlink, FIFO or plain file instead "
+                   "of a job directory or prompt, a chat template that fails on it, a grammar llama.cpp refuses, "
+                   "a `logit_bias` token outside the vocabulary",
+    "grammar_error": "no token of the model's vocabulary can continue the job's grammar, or the grammar took "
+                     "more than 0.5 s for one token (too ambiguous)",
+    "crash_ceiling": "the daemon died while running it `NRVNA_MAX_ATTEMPTS` times (the killed attempt's "
+                     "`partial.txt` kept)",
+    "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "
+                   "apart)",
+    "runner_error": "the runner raised an unexpected exception (the message names it); the worker lives on",
+}
+
 
 class NrvnaError(Exception):
     """Base of every error nrvna raises; ``exit_code`` is what the CLI exits with."""
@@ -1477,7 +1505,8 @@ class NotDurable(NrvnaError):
 
 
 class JobError(Exception):
-    """Raised inside a runner to fail one job with a short code and a clear message."""
+    """Raised inside a runner to fail one job with a short code (a key of FAILURE_CODES) and a
+    clear message."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -3243,8 +3272,15 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
 def retry_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = None, failed: bool = False,
                codes: Optional[Iterable[str]] = None) -> list[tuple[str, str, str]]:
     """``retry_job`` for every job named by ``ids`` and/or ``tag``, or every failed job
-    (``failed``); return ``(id, outcome, message)`` for each."""
+    (``failed``); return ``(id, outcome, message)`` for each. ``codes`` (keys of
+    FAILURE_CODES) limits it to jobs that failed with one of them; an unknown one is refused,
+    not matched by nothing (`--code tmeout` would queue nothing and say so only by its silence)."""
     ids = list(ids)
+    codes = None if codes is None else list(codes)
+    if codes is not None:
+        unknown = [code for code in codes if code not in FAILURE_CODES] or ([] if codes else [""])
+        if unknown:
+            raise InvalidInput(f"unknown failure code {unknown[0]!r} (known: {', '.join(FAILURE_CODES)})")
     if failed:
         require_workspace(workspace)
         selected = sorted((n for n in os.listdir(job_path(workspace, FAILED)) if not n.startswith(".")), key=order_key)
@@ -3252,7 +3288,6 @@ def retry_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = Non
         selected = Flow(workspace).select(ids, tag)[0]
     else:
         raise InvalidInput("name jobs: IDs, --tag or --failed")
-    codes = None if codes is None else list(codes)
     results = []
     for job_id in selected:
         try:
@@ -7255,7 +7290,7 @@ def _cmd_cancel(args: Any) -> int:
 
 
 def _cmd_retry(args: Any) -> int:
-    codes = [c.strip() for c in args.code.split(",") if c.strip()] if args.code else None
+    codes = None if args.code is None else [c.strip() for c in args.code.split(",") if c.strip()]
     worst, queued, gone = EXIT_OK, 0, 0
     for job_id, outcome, message in retry_jobs(args.workspace, args.ids, args.tag, args.failed, codes):
         if outcome == "queued":
@@ -7466,7 +7501,8 @@ def _cancel_arguments(parser: Any) -> None:
 def _retry_arguments(parser: Any) -> None:
     _selection_arguments(parser)
     parser.add_argument("--failed", action="store_true", help="every failed job")
-    parser.add_argument("--code", metavar="CODE,...", help="only jobs that failed with these codes")
+    parser.add_argument("--code", metavar="CODE,...", help="only jobs that failed with these codes: "
+                        + ", ".join(FAILURE_CODES))
 
 
 def _events_arguments(parser: Any) -> None:

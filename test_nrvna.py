@@ -2046,6 +2046,71 @@ def test_retry_failed_jobs_keeps_their_history_and_custom_id(ws: str, tmp_path: 
     assert run_main("retry", ws, "--failed").returncode == 0  # nothing left to retry: said on stderr
 
 
+@pytest.mark.parametrize("codes", ["tmeout", "timeout,crashed", "", ","])
+def test_retry_refuses_an_unknown_failure_code_naming_the_known_ones(ws: str, run_main: RunMain, codes: str) -> None:
+    job_id = submit(ws, "slow")
+    nrvna.mark_failed(ws, nrvna.READY, job_id, "timeout", "took too long")
+    nrvna.move_job(ws, job_id, nrvna.READY, nrvna.FAILED)
+    done = run_main("retry", ws, "--failed", "--code", codes)
+    assert done.returncode == 2 and done.stdout == b"", done.stderr
+    assert done.stderr.count(b"\n") == 1 and b"unknown failure code" in done.stderr
+    assert all(code.encode() in done.stderr for code in nrvna.FAILURE_CODES)
+    assert Flow(ws).status(job_id) is Status.Failed  # nothing queued
+    with pytest.raises(nrvna.InvalidInput, match="unknown failure code 'tmeout'"):
+        nrvna.retry_jobs(ws, failed=True, codes=["tmeout"])
+    help_text = run_main("retry", "--help").stdout
+    assert all(code.encode() in help_text for code in nrvna.FAILURE_CODES)
+
+
+def _failure_code_literals() -> set[str]:
+    """Every failure code nrvna.py writes or compares: JobError's first argument,
+    mark_failed's fourth, error_code= and code= keywords, a meta "code" key, the (code,
+    message) pairs given as error= or to _end or set as an interrupt, and comparisons of a
+    code or error_code with a literal."""
+    import ast
+
+    tree = ast.parse(Path(nrvna.__file__).read_text(encoding="utf-8"))
+    found: set[str] = set()
+
+    def literal(node: ast.AST | None) -> None:
+        if isinstance(node, ast.Tuple) and node.elts:
+            node = node.elts[0]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.add(node.value)
+
+    def name(node: ast.AST) -> str:
+        return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            called = name(node.func)
+            if called == "JobError" and node.args:
+                literal(node.args[0])
+            elif called == "mark_failed" and len(node.args) > 3:
+                literal(node.args[3])
+            elif called == "_end" and len(node.args) > 1 and isinstance(node.args[1], ast.Tuple):
+                literal(node.args[1])  # (code, message); a string there is a finish reason
+            for keyword in node.keywords:
+                if keyword.arg in ("error_code", "code") or (keyword.arg == "error" and isinstance(keyword.value, ast.Tuple)):
+                    literal(keyword.value)
+        elif isinstance(node, ast.Assign) and any(name(t) == "interrupt" for t in node.targets):
+            literal(node.value)
+        elif isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if isinstance(key, ast.Constant) and key.value == "code":
+                    literal(value)
+        elif isinstance(node, ast.Compare) and name(node.left) in ("code", "error_code"):
+            for right in node.comparators:
+                literal(right)
+    return found
+
+
+def test_every_failure_code_in_the_source_is_in_the_one_table() -> None:
+    found = _failure_code_literals()
+    assert found == set(nrvna.FAILURE_CODES), (found ^ set(nrvna.FAILURE_CODES))
+    assert {"bad_request", "cancelled", "timeout", "crash_ceiling", "runner_error", "grammar_error"} <= found
+
+
 def test_clean_removes_only_old_finished_jobs(ws: str, run_main: RunMain) -> None:
     old_done, old_failed = submit(ws, "old"), submit(ws, "old bad")
     with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt else "ok"):
