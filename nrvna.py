@@ -15,14 +15,14 @@ Contents (one banner each, in this order):
 
 1. Settings and job parameters    SETTINGS, Config, PARAMS, validate_params, job_param
    Structured output              check_json_schema, check_grammar, number_rule
-2. Errors and exit codes          NrvnaError and its subclasses, JobError, EXIT_CODES
+2. Errors and exit codes          NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
 3. Logging                        configure_logging, log
 4. File primitives                write_file, read_file, fsync_dir, move (never replaces)
 5. Workspace and job directories  layout, IDs, Status, locate_job, read_meta, mark_failed,
                                   job_history (meta.json's events), owe_hooks, move_job,
                                   the tag index, idempotency keys, the workspace lock
 6. Client                         Work, Flow, iter_events, cancel/retry/clean, daemon_info, stop_daemon
-7. Batch files and export         parse_batch, parse_records (templates), ENDPOINTS, EXPORT_FORMATS,
+7. Batch files and export         read_batch, parse_batch, parse_records (templates), ENDPOINTS, EXPORT_FORMATS,
                                   export_record, job_vectors
 8. Runner protocol                Runner, Session, RunningJob, Outcome, FunctionRunner
 9. llama.cpp engine               LlamaRunner, LlamaSession (continuous batching), _Embedder
@@ -39,7 +39,7 @@ __all__ = [
     "Work", "Flow", "Status", "Job", "SubmitResult",
     "cancel_job", "cancel_jobs", "retry_job", "retry_jobs", "clean_jobs", "daemon_info", "stop_daemon",
     # batch files and export
-    "BatchEntry", "parse_batch", "parse_records", "compile_template", "fill_template", "tag_members", "iter_tag_members", "bulk_states", "export_record", "job_vectors",
+    "BatchEntry", "parse_batch", "read_batch", "batch_line_limit", "parse_records", "compile_template", "fill_template", "tag_members", "iter_tag_members", "bulk_states", "export_record", "job_vectors",
     "Endpoint", "ENDPOINTS", "ExportFormat", "EXPORT_FORMATS",
     # settings and job parameters
     "Config", "SETTINGS", "Param", "PARAMS", "job_param", "validate_params", "render_messages", "check_inputs",
@@ -49,7 +49,7 @@ __all__ = [
     "job_history", "record_event", "iter_events", "format_time", "owe_hooks", "EVENT_STATUS",
     # errors
     "NrvnaError", "InvalidInput", "ConfigError", "NoSuchJob", "NotFinished", "WorkspaceError",
-    "ModelError", "NotDurable", "JobError", "Interrupted", "EXIT_CODES",
+    "ModelError", "NotDurable", "JobError", "Interrupted", "EXIT_CODES", "FAILURE_CODES",
     # runners and the daemon
     "Runner", "Session", "RunningJob", "Outcome", "FunctionRunner", "LlamaRunner", "Hooks", "Server",
     "main",
@@ -218,6 +218,26 @@ class Param(namedtuple("Param", "kind low high default flag openai line help rea
     __slots__ = ()
 
 
+# A grammar's limit, and a JSON schema's as compact JSON (their rows in PARAMS). A --json-schema
+# file may be indented, so it is read up to 4 times that.
+STRUCTURE_LIMIT = 1 << 18
+
+
+def _read_limited(path: str, limit: int, what: str) -> str:
+    """A text file named by a flag, read to at most ``limit`` characters (and so bytes) + 1: a
+    longer one is refused unread beyond that (``--grammar /dev/zero`` took gigabytes whole)."""
+    import argparse
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read(limit + 1)
+    except (OSError, UnicodeDecodeError) as err:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+    if len(text) > limit:
+        raise argparse.ArgumentTypeError(f"{path} is over {limit} bytes, {what}")
+    return text
+
+
 def _read_json_schema(text: str) -> dict[str, Any]:
     """``--json-schema FILE|JSON``: a JSON schema, an OpenAI ``json_schema`` object
     (``{"name", "schema", "strict"}``) or a whole ``response_format``, given inline or as a
@@ -228,11 +248,7 @@ def _read_json_schema(text: str) -> dict[str, Any]:
     source = "the argument"
     if not text.lstrip().startswith(("{", "[")):  # inline JSON, else a file's name
         source = text
-        try:
-            with open(text, encoding="utf-8") as handle:
-                text = handle.read()
-        except (OSError, UnicodeDecodeError) as err:
-            raise argparse.ArgumentTypeError(f"cannot read {source}: {getattr(err, 'strerror', None) or err}") from None
+        text = _read_limited(text, 4 * STRUCTURE_LIMIT, "the limit of --json-schema")
     try:
         value = json.loads(text)
     except ValueError as err:
@@ -250,15 +266,14 @@ def _read_json_schema(text: str) -> dict[str, Any]:
                                                    "schema": value, "strict": True}}
 
 
-def _read_text_file(path: str) -> str:
+def _read_grammar(path: str) -> str:
     """``--grammar FILE``: the file's text."""
-    import argparse
+    return _read_limited(path, STRUCTURE_LIMIT, "the limit of --grammar")
 
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+
+def _read_template(path: str) -> str:
+    """``--template-file FILE``: the file's text, no longer than a prompt (each prompt holds it)."""
+    return _read_limited(path, setting_default("max_prompt_bytes"), "the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)")
 
 
 def _read_metadata(text: str) -> dict[str, Any]:
@@ -302,8 +317,8 @@ PARAMS: dict[str, Param] = {
     "seed": Param(int, 0, 0xFFFFFFFE, None, "--seed", ("seed",), True, "sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
     "stop": Param(list, 0, 16, None, "--stop", ("stop",), True, "strings that end the generation, not included in the result (a flag per string)"),
     "ignore_eos": Param(bool, None, None, False, "--ignore-eos", (), True, "keep generating past the model's end-of-generation token (not past the end of a grammar)"),
-    "response_format": Param("response_format", 0, 1 << 18, None, "--json-schema", ("response_format",), True, "constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file", ("FILE|JSON", _read_json_schema)),
-    "grammar": Param(str, 0, 1 << 18, None, "--grammar", ("grammar",), True, "constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file", ("FILE", _read_text_file)),
+    "response_format": Param("response_format", 0, STRUCTURE_LIMIT, None, "--json-schema", ("response_format",), True, "constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file", ("FILE|JSON", _read_json_schema)),
+    "grammar": Param(str, 0, STRUCTURE_LIMIT, None, "--grammar", ("grammar",), True, "constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file", ("FILE", _read_grammar)),
     "logprobs": Param(bool, None, None, False, "--logprobs", ("logprobs",), True, "record each generated token's log-probability (get --json, export)"),
     "top_logprobs": Param(int, 0, 20, None, "--top-logprobs", ("top_logprobs",), True, "with logprobs: also the N most likely tokens at each step"),
     "embed": Param(bool, None, None, False, "--embed", (), True, "embed the input instead of generating: a vector per text (the result holds one JSON array per text, one per line)"),
@@ -2555,8 +2570,9 @@ class Work:
         """Queue every line of a batch file; return every line's ID, in file order.
 
         ``source`` is a path (``*.jsonl`` holds JSON lines, any other file one prompt per
-        line) or the file's bytes (JSON lines when ``jsonl`` is None and every line is an
-        object). ``defaults`` are job parameters for every line (a line's own win). The whole
+        line), the file's bytes or a binary stream (JSON lines when ``jsonl`` is None and every
+        line is an object); a path or a stream is read with ``read_batch`` (a line over
+        ``batch_line_limit`` is refused). ``defaults`` are job parameters for every line (a line's own win). The whole
         file is checked first (InvalidInput naming the line; nothing queued). With ``tag``,
         lines whose ``custom_id`` is already queued under that tag are not queued again: an
         interrupted submit is finished by running it again. ``on_ids(ids)`` gets the IDs in
@@ -2574,11 +2590,13 @@ class Work:
             raise InvalidInput("--id-field names a field of a template's records: give --template too")
         if isinstance(source, (bytes, bytearray)):
             data = bytes(source)
+        elif not isinstance(source, (str, os.PathLike)):
+            data = read_batch(source)  # stdin
         else:
             path = os.fspath(source)
             try:
                 with open(path, "rb") as handle:
-                    data = handle.read()
+                    data = read_batch(handle)
             except OSError as err:
                 raise InvalidInput(f"cannot read {path}: {_os_error(err)}") from None
             if jsonl is None and (template is None or path.endswith((".csv", ".jsonl"))):
@@ -3442,6 +3460,33 @@ class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
     validated params (``custom_id`` always set)."""
 
     __slots__ = ()
+
+
+def batch_line_limit() -> int:
+    """The longest line a batch file may have: a job's params.json at its largest
+    (``params_limit``) and its prompt with every character escaped (6 bytes: \\u0001);
+    14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB, 22 MiB by default."""
+    prompt = setting_default("max_prompt_bytes")
+    return params_limit(prompt) + 6 * prompt
+
+
+def read_batch(handle: Any) -> bytearray:
+    """A batch file's bytes from the binary stream ``handle``, a line at a time: a line longer
+    than ``batch_line_limit`` is refused as soon as that much of it is read (a file with no
+    newline, /dev/zero, took gigabytes whole). The file itself may be any size; it is held
+    whole, as every line is checked before any is queued."""
+    limit = batch_line_limit()
+    data = bytearray()
+    number = 0
+    while True:
+        line = handle.readline(limit + 2)  # the line, its newline, and one byte more shows it is over
+        if not line:
+            return data
+        number += 1
+        if len(line) - line.endswith(b"\n") > limit:
+            raise InvalidInput(f"line {number}: over {limit} bytes, a batch line's limit "
+                               "(14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)")
+        data += line
 
 
 def parse_batch(data: bytes, jsonl: Optional[bool] = None, notes: Optional[list[str]] = None) -> list[BatchEntry]:
@@ -7035,10 +7080,11 @@ class _Signalled(BaseException):
         self.signum = signum
 
 
-def _read_stdin(what: str) -> bytes:
+def _stdin(what: str) -> Any:
+    """Standard input as bytes, to be read with a limit (it may never end: `< /dev/zero`)."""
     if sys.stdin is None:
         raise InvalidInput(f"{what}: stdin is closed")
-    return sys.stdin.buffer.read()
+    return sys.stdin.buffer
 
 
 def _read_prompt(args: Any) -> Any:
@@ -7046,7 +7092,11 @@ def _read_prompt(args: Any) -> Any:
         return args.prompt
     if args.prompt is None and sys.stdin is not None and sys.stdin.isatty():
         raise InvalidInput("no prompt: give PROMPT, or '-' and the prompt on stdin")
-    return _read_stdin("no prompt")
+    limit = setting_default("max_prompt_bytes")
+    data = _stdin("no prompt").read(limit + 1)
+    if len(data) > limit:
+        raise InvalidInput(f"the prompt on stdin is over {limit} bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)")
+    return data
 
 
 def _job_params(args: Any) -> dict[str, Any]:
@@ -7067,7 +7117,7 @@ def _cmd_submit(args: Any) -> int:
     if args.file is not None:
         if args.prompt is not None or args.wait:
             raise InvalidInput("--file takes no PROMPT and no --wait (use: nrvna wait WS --tag NAME)")
-        source = _read_stdin("--file -") if args.file == "-" else args.file
+        source = _stdin("--file -") if args.file == "-" else args.file
         notes: list[str] = []
         try:
             Work(args.workspace).submit_file(source, tag=params.pop("tag", None), on_ids=_print_lines,
@@ -7455,7 +7505,7 @@ def _submit_arguments(parser: Any) -> None:
     template.add_argument("--template", metavar="TEXT", help="with --file: the file holds records (JSONL objects, or "
                           "CSV with a header row); each fills TEXT's {field}s ({{ and }} are braces) and is kept as "
                           "the job's metadata")
-    template.add_argument("--template-file", metavar="FILE", type=_read_text_file, dest="template",
+    template.add_argument("--template-file", metavar="FILE", type=_read_template, dest="template",
                           help="--template, read from FILE")
     parser.add_argument("--id-field", metavar="NAME", help="with --template: the field that gives each job's "
                         "custom_id (default: line-N)")

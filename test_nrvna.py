@@ -1011,7 +1011,7 @@ def test_cli_refuses_bad_ids_with_exit_2(ws: str, bad_id: str, run_main: RunMain
     (("submit", "WS"), b"", b"prompt is empty"),
     (("submit", "WS", "-"), b"\xff\xfe", b"not valid UTF-8"),
     (("submit", "WS", "-"), b"a\x00b", b"NUL"),
-    (("submit", "WS", "-"), b"x" * (10 << 20), b"limit is 1048576"),
+    (("submit", "WS", "-"), b"x" * (10 << 20), b"over 1048576 bytes, the limit of a prompt"),
     (("submit", "WS", "hi", "--temperature", "-1"), None, b"out of range"),
     (("submit", "WS", "hi", "--max-tokens", "x"), None, b"invalid int value"),
     (("status",), None, b"required"),
@@ -1022,6 +1022,42 @@ def test_cli_bad_input_is_one_line_and_exit_2(ws: str, args: tuple, stdin: bytes
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert b"Traceback" not in done.stderr and done.stdout == b""
     assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or os.listdir(os.path.join(ws, nrvna.READY)) == []
+
+
+def peak_run(args: list[str], stdin: str | None, tmp_path: Path) -> tuple[int, str, int]:
+    """Run `python nrvna.py ARGS` with stdin from the file ``stdin``, under a 1 GiB
+    address-space cap (a read without a limit dies of MemoryError within seconds instead of
+    taking the machine); return its exit code, its stderr and its peak resident memory in MB."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    with open(stdin or os.devnull, "rb") as source, open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen([sys.executable, SCRIPT, *args], stdin=source, stdout=subprocess.DEVNULL,
+                                stderr=err, preexec_fn=cap)
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak, not every child's
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, (tmp_path / "stderr").read_text(errors="replace"), usage.ru_maxrss // 1024
+
+
+@pytest.mark.parametrize("args, stdin, limit", [
+    (["--file", "/dev/zero"], None, "a batch line's"),
+    (["--file", "-"], "/dev/zero", "a batch line's"),
+    (["-"], "/dev/zero", "1048576 bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)"),
+    (["--embed", "-"], "/dev/zero", "1048576 bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)"),
+    (["hi", "--grammar", "/dev/zero"], None, "262144 bytes, the limit of --grammar"),
+    (["hi", "--json-schema", "/dev/zero"], None, "1048576 bytes, the limit of --json-schema"),
+    (["--file", "data.csv", "--template-file", "/dev/zero"], None, "1048576 bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)"),
+])
+def test_an_endless_input_is_refused_at_its_limit_in_bounded_memory(ws: str, tmp_path: Path, args: list[str],
+                                                                     stdin: str | None, limit: str) -> None:
+    code, err, peak = peak_run(["submit", ws, *args], stdin, tmp_path)
+    assert code == 2 and limit in err and "Traceback" not in err, (code, err[-500:])
+    assert peak < 200, f"{peak} MB"  # the interpreter alone is about 30
+    if "--file" in args and "--template-file" not in args:
+        assert f"line 1: over {nrvna.batch_line_limit()} bytes" in err
+    assert not os.path.exists(ws)
 
 
 def test_cli_status_words_counts_and_json(ws: str, run_main: RunMain) -> None:
