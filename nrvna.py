@@ -2921,7 +2921,7 @@ class Flow:
             delay = min(delay * 1.5, 0.1)
 
     def export(self, out: Any, ids: Iterable[str] = (), tag: Optional[str] = None, format: str = "jsonl",
-               errors: Any = None, notes: Optional[list[str]] = None) -> tuple[int, int]:
+               errors: Any = None, notes: Optional[list[str]] = None, ids_file: Any = None) -> tuple[int, int]:
         """Write one line per finished job, in submission order, in ``format`` (a key of
         EXPORT_FORMATS) to ``out``, and failed jobs' lines to ``errors`` if given. Each is a
         text stream or a path (``-`` is stdout; a file is written whole or not at all: see
@@ -2930,8 +2930,12 @@ class Flow:
         with a tag alone one chunk of its index.
 
         A binary format (``f32``) needs ``out`` to be a path: it writes the rows there and
-        their side file to ``out + ".ids"`` (both whole or not at all); failed jobs, which have
-        no rows, go to ``errors`` as jsonl lines, or are left out (counted in ``notes``)."""
+        their side file to ``ids_file``, by default ``out + ".ids"`` (both whole or not at
+        all), which needs ``out`` to be a regular file's path: beside a device, a FIFO or
+        anything under /dev/ or /proc/, ``ids_file`` must be given. Every row has one width:
+        jobs with vectors of another width are refused (a ragged matrix cannot be read back).
+        Failed jobs, which have no rows, go to ``errors`` as jsonl lines, or are left out
+        (counted in ``notes``)."""
         if format not in EXPORT_FORMATS:
             raise InvalidInput(f"unknown export format {format!r} (known: {', '.join(EXPORT_FORMATS)})")
         form = EXPORT_FORMATS[format]
@@ -2939,6 +2943,14 @@ class Flow:
         binary = form.side is not None
         if binary and not (isinstance(out, (str, os.PathLike)) and os.fspath(out) not in ("", "-")):
             raise InvalidInput(f"export --format {format} needs -o FILE (it writes FILE and FILE.ids)")
+        if not binary and ids_file is not None:
+            raise InvalidInput(f"--ids names the side file of a binary format; --format {format} has none")
+        if binary and ids_file is None:
+            if _written_through(os.fspath(out)):
+                # /dev/null.ids, /dev/stdout.ids: a stray file beside a device, never what was meant
+                raise InvalidInput(f"-o {os.fspath(out)} is not a regular file, so FILE.ids cannot go beside it: "
+                                   "name the rows' side file with --ids FILE")
+            ids_file = os.fspath(out) + ".ids"
         ids = list(ids)
         if tag is not None and not ids:  # stream the tag's index: memory does not grow with the batch
             require_workspace(self.workspace)
@@ -2946,18 +2958,23 @@ class Flow:
             selected: Iterable[str] = (job_id for chunk in iter_tag_members(self.workspace, tag) for job_id, _ in chunk)
         else:
             selected = self.select(ids, tag)[0]
-        paths = [os.fspath(t) for t in (out, errors) if isinstance(t, (str, os.PathLike))]
-        if len(paths) == 2 and paths[0] != "-" and os.path.realpath(paths[0]) == os.path.realpath(paths[1]):
-            raise InvalidInput(f"the output and the errors file are the same file ({paths[0]})")
+        named = [(what, os.fspath(t)) for what, t in (("the output", out), ("the errors file", errors),
+                                                        ("the ids file", ids_file))
+                 if isinstance(t, (str, os.PathLike)) and os.fspath(t) != "-"]
+        for i, (what, path) in enumerate(named):
+            for earlier, other in named[:i]:
+                if os.path.realpath(path) == os.path.realpath(other):
+                    raise InvalidInput(f"{earlier} and {what} are the same file ({other})")
         targets: list[Any] = []
         unfinished = exported = left_out = 0
         unreadable: list[str] = []
+        first_row: Optional[tuple[int, str]] = None  # (bytes a row, its job) of a binary format
         try:
             for target in (out, errors):
                 targets.append(_Output(target, binary and not targets) if isinstance(target, (str, os.PathLike))
                                else target)
             if binary:
-                targets.append(_Output(os.fspath(out) + ".ids"))
+                targets.append(_Output(ids_file) if isinstance(ids_file, (str, os.PathLike)) else ids_file)
             for job_id in selected:
                 try:
                     job = self.get(job_id)
@@ -2976,9 +2993,17 @@ class Flow:
                         targets[1].write(EXPORT_FORMATS["jsonl"].line(job))
                     continue
                 target = targets[1] if targets[1] is not None and job.status is Status.Failed else targets[0]
-                target.write(line_of(job))
+                data = line_of(job)
                 if binary:
-                    targets[2].write(form.side(job))
+                    side = form.side(job)
+                    width = len(data) // side.count("\n")  # one width within a job: _f32_rows saw to it
+                    if first_row is None:
+                        first_row = (width, job.id)
+                    elif width != first_row[0]:
+                        raise InvalidInput(f"job {job.id} has vectors of {width // 4} floats and job {first_row[1]} "
+                                           f"of {first_row[0] // 4}: a matrix has one width (export them apart)")
+                    targets[2].write(side)
+                target.write(data)
                 exported += 1
             for target in targets:
                 if isinstance(target, _Output):
@@ -3910,7 +3935,11 @@ def _json_line(record: Callable[[Job], dict[str, Any]]) -> Callable[[Job], str]:
 def _f32_rows(job: Job) -> bytes:
     if not (job.params or {}).get("embed"):
         raise InvalidInput(f"job {job.id} is not an embed job: --format f32 exports embed jobs' vectors only")
-    return b"".join(_float32_bytes(vector) for vector in job_vectors(job))
+    vectors = job_vectors(job)
+    widths = sorted({len(vector) for vector in vectors})
+    if len(widths) > 1:  # a daemon writes one width a job; a hand-made result may not
+        raise WorkspaceError(f"job {job.id}: result.txt holds vectors of {widths[0]} and {widths[-1]} floats")
+    return b"".join(_float32_bytes(vector) for vector in vectors)
 
 
 def _f32_ids(job: Job) -> str:
@@ -3934,8 +3963,8 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {
                            "exactly an OpenAI Batch output line (a chat.completion or text_completion body)"),
     "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line"),
     "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
-                        "text (needs -o FILE; FILE.ids says each row's job ID, custom_id and input index, "
-                        "tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
+                        "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
+                        "custom_id and input index, tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
 }
 
 
@@ -3982,10 +4011,7 @@ class _Output:
             mode = None
         if mode is not None and stat.S_ISDIR(mode):
             raise InvalidInput(f"{path} is a directory")
-        # /dev/stdout and its kind name an open descriptor, which may be a file the shell
-        # opened: written through, appending, never replaced.
-        self.through = (mode is not None and not stat.S_ISREG(mode)) or (
-            os.path.abspath(path).startswith("/dev/") or self.path.startswith("/proc/"))
+        self.through = _written_through(path)
         if self.through:
             self.handle = open(path, "a" + suffix, encoding=encoding)
             return
@@ -4052,6 +4078,19 @@ class _Output:
         if self.temp is not None:
             _unlink_quietly(self.temp, None)
             self.temp = None
+
+
+def _written_through(path: str) -> bool:
+    """Whether an export writes through ``path`` (an existing FIFO, device or socket, anything
+    under /dev/ or /proc/) rather than replacing a regular file there. /dev/stdout and its
+    kind name an open descriptor, which may be a file the shell opened: written through,
+    appending, never replaced."""
+    try:
+        mode: Optional[int] = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    return (mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)) or (
+        os.path.abspath(path).startswith("/dev/") or os.path.realpath(path).startswith("/proc/"))
 
 
 def _workspace_of(path: str) -> Optional[str]:
@@ -7309,7 +7348,8 @@ def _cmd_export(args: Any) -> int:
     out = sys.stdout if args.output is None else args.output
     notes: list[str] = []
     try:
-        exported, unfinished = Flow(args.workspace).export(out, args.ids, args.tag, args.format, args.errors, notes)
+        exported, unfinished = Flow(args.workspace).export(out, args.ids, args.tag, args.format, args.errors, notes,
+                                                           args.ids_file)
     finally:
         for note in notes:
             _say(note)
@@ -7540,6 +7580,8 @@ def _export_arguments(parser: Any) -> None:
                         help="; ".join(f"{name}: {form.help}" for name, form in EXPORT_FORMATS.items()))
     parser.add_argument("-o", "--output", metavar="FILE", help="write FILE atomically instead of stdout")
     parser.add_argument("--errors", metavar="FILE", help="failed jobs' lines go to FILE instead")
+    parser.add_argument("--ids", metavar="FILE", dest="ids_file", help="with --format f32: the rows' side file "
+                        "(default: -o's FILE.ids; needed when -o is a device, a FIFO or under /dev or /proc)")
 
 
 def _cancel_arguments(parser: Any) -> None:

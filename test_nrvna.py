@@ -3283,6 +3283,67 @@ def test_a_failed_embed_job_goes_to_the_errors_file_not_the_matrix(ws: str, tmp_
     assert [json.loads(x)["id"] for x in errors.read_text().splitlines()] == [bad]
 
 
+def wide(job: nrvna.RunningJob) -> str:
+    """An embed job's result with as many floats a vector as its ``dimensions`` (default 3)."""
+    width = job.params.get("dimensions", 3)
+    return "".join("[" + ",".join(["0.5"] * width) + "]\n" for _ in job.params.get("input") or [job.prompt])
+
+
+def test_an_f32_export_refuses_vectors_of_two_widths_and_leaves_nothing(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    ids = [Work(ws).publish(f"text {width}", embed=True, dimensions=width) for width in (16, 16, 384, 8)]
+    with serving(ws, wide):
+        assert wait_all(ws, ids) == [Status.Done] * 4
+    matrix = tmp_path / "m.f32"
+    matrix.write_bytes(b"kept")
+    done = run_main("export", ws, *ids, "--format", "f32", "-o", str(matrix))
+    assert done.returncode == 2 and done.stdout == b"" and done.stderr.count(b"\n") == 1, done.stderr
+    assert f"job {ids[2]} has vectors of 384 floats and job {ids[0]} of 16".encode() in done.stderr
+    assert matrix.read_bytes() == b"kept" and sorted(os.listdir(tmp_path)) == ["m.f32", "ws"]  # no .ids, no temporary
+    assert run_main("export", ws, *ids[:2], "--format", "f32", "-o", str(matrix)).returncode == 0
+    assert len(matrix.read_bytes()) == 2 * 16 * 4 and len((tmp_path / "m.f32.ids").read_text().splitlines()) == 2
+
+
+def test_an_f32_export_beside_a_device_or_fifo_needs_ids_for_its_side_file(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    job_id = Work(ws).publish("fine", embed=True)
+    with serving(ws, wide):
+        wait_all(ws, [job_id])
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+    for out in ("/dev/null", fifo):
+        existed = os.path.lexists(out + ".ids")
+        done = run_main("export", ws, job_id, "--format", "f32", "-o", out, timeout=10)
+        assert done.returncode == 2 and done.stderr.count(b"\n") == 1 and b"--ids FILE" in done.stderr, done.stderr
+        assert os.path.lexists(out + ".ids") == existed  # no /dev/null.ids
+    side = tmp_path / "rows.ids"
+    done = run_main("export", ws, job_id, "--format", "f32", "-o", "/dev/null", "--ids", str(side))
+    assert done.returncode == 0 and side.read_text() == f"{job_id}\t\t0\n", done.stderr
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    matrix = tmp_path / "m.f32"
+    assert run_main("export", ws, job_id, "--format", "f32", "-o", str(matrix), "--ids", str(side)).returncode == 0
+    assert len(matrix.read_bytes()) == 12 and side.read_text() == f"{job_id}\t\t0\n"
+    assert not (tmp_path / "m.f32.ids").exists()
+    refused = run_main("export", ws, job_id, "--ids", str(tmp_path / "x.ids"))  # jsonl has no side file
+    assert refused.returncode == 2 and b"--ids" in refused.stderr and not (tmp_path / "x.ids").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--errors", "m.f32.ids"), "the errors file and the ids file are the same file"),
+    (("--ids", "m.f32"), "the output and the ids file are the same file"),
+    (("--ids", "e", "--errors", "e"), "the errors file and the ids file are the same file"),
+    (("--errors", "./m.f32"), "the output and the errors file are the same file"),
+])
+def test_an_f32_export_refuses_two_outputs_that_are_one_file(ws: str, tmp_path: Path, run_main: RunMain,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              flags: tuple[str, ...], message: str) -> None:
+    job_id = Work(ws).publish("fine", embed=True)
+    with serving(ws, wide):
+        wait_all(ws, [job_id])
+    monkeypatch.chdir(tmp_path)
+    done = run_main("export", ws, job_id, "--format", "f32", "-o", "m.f32", *flags)
+    assert done.returncode == 2 and message.encode() in done.stderr and done.stderr.count(b"\n") == 1, done.stderr
+    assert os.listdir(tmp_path) == ["ws"]  # nothing written
+
+
 def test_a_params_json_that_escapes_to_megabytes_still_runs(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     """JSON writes a control character in 6 bytes: 300 KB of them in messages (or in an embed
     job's texts) make a params.json over 1 MiB, which the daemon once refused (bad_request)."""
