@@ -3301,6 +3301,11 @@ def test_an_f32_export_refuses_vectors_of_two_widths_and_leaves_nothing(ws: str,
     assert matrix.read_bytes() == b"kept" and sorted(os.listdir(tmp_path)) == ["m.f32", "ws"]  # no .ids, no temporary
     assert run_main("export", ws, *ids[:2], "--format", "f32", "-o", str(matrix)).returncode == 0
     assert len(matrix.read_bytes()) == 2 * 16 * 4 and len((tmp_path / "m.f32.ids").read_text().splitlines()) == 2
+    # One job whose own vectors differ (a hand-made result.txt): an error, the files as they were.
+    Path(nrvna.job_path(ws, nrvna.OUTPUT, ids[3]), "result.txt").write_text("[1,2]\n[1,2,3]\n")
+    ragged = run_main("export", ws, ids[3], "--format", "f32", "-o", str(matrix))
+    assert ragged.returncode == 1 and f"job {ids[3]}: result.txt holds vectors of 2 and 3 floats".encode() in ragged.stderr
+    assert len(matrix.read_bytes()) == 2 * 16 * 4 and sorted(os.listdir(tmp_path)) == ["m.f32", "m.f32.ids", "ws"]
 
 
 def test_an_f32_export_beside_a_device_or_fifo_needs_ids_for_its_side_file(ws: str, tmp_path: Path, run_main: RunMain) -> None:
