@@ -2572,8 +2572,8 @@ class Work:
         ``source`` is a path (``*.jsonl`` holds JSON lines, any other file one prompt per
         line), the file's bytes or a binary stream (JSON lines when ``jsonl`` is None and every
         line is an object); a path or a stream is read with ``read_batch`` (a line over
-        ``batch_line_limit`` is refused). ``defaults`` are job parameters for every line (a line's own win). The whole
-        file is checked first (InvalidInput naming the line; nothing queued). With ``tag``,
+        ``batch_line_limit`` is refused). ``defaults`` are job parameters for every line (a
+        line's own win). The whole file is checked first (InvalidInput naming the line; nothing queued). With ``tag``,
         lines whose ``custom_id`` is already queued under that tag are not queued again: an
         interrupted submit is finished by running it again. ``on_ids(ids)`` gets the IDs in
         file order as soon as each is known and durable; ``notes`` collects remarks for the
@@ -2968,7 +2968,7 @@ class Flow:
         targets: list[Any] = []
         unfinished = exported = left_out = 0
         unreadable: list[str] = []
-        first_row: Optional[tuple[int, str]] = None  # (bytes a row, its job) of a binary format
+        first_row: Optional[tuple[int, str]] = None  # f32: (bytes a row, 4 a float; its job)
         try:
             for target in (out, errors):
                 targets.append(_Output(target, binary and not targets) if isinstance(target, (str, os.PathLike))
@@ -3320,10 +3320,11 @@ def retry_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = Non
     not matched by nothing (`--code tmeout` would queue nothing and say so only by its silence)."""
     ids = list(ids)
     codes = None if codes is None else list(codes)
-    if codes is not None:
-        unknown = [code for code in codes if code not in FAILURE_CODES] or ([] if codes else [""])
-        if unknown:
-            raise InvalidInput(f"unknown failure code {unknown[0]!r} (known: {', '.join(FAILURE_CODES)})")
+    if codes is not None and not codes:  # `--code ""`: a script's empty variable, not "every code"
+        raise InvalidInput(f"no failure code given (known: {', '.join(FAILURE_CODES)})")
+    for code in codes or ():
+        if code not in FAILURE_CODES:
+            raise InvalidInput(f"unknown failure code {code!r} (known: {', '.join(FAILURE_CODES)})")
     if failed:
         require_workspace(workspace)
         selected = sorted((n for n in os.listdir(job_path(workspace, FAILED)) if not n.startswith(".")), key=order_key)
@@ -7120,7 +7121,7 @@ class _Signalled(BaseException):
 
 
 def _stdin(what: str) -> Any:
-    """Standard input as bytes, to be read with a limit (it may never end: `< /dev/zero`)."""
+    """Standard input's binary stream, to be read with a limit (it may never end: `< /dev/zero`)."""
     if sys.stdin is None:
         raise InvalidInput(f"{what}: stdin is closed")
     return sys.stdin.buffer
