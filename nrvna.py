@@ -15,14 +15,14 @@ Contents (one banner each, in this order):
 
 1. Settings and job parameters    SETTINGS, Config, PARAMS, validate_params, job_param
    Structured output              check_json_schema, check_grammar, number_rule
-2. Errors and exit codes          NrvnaError and its subclasses, JobError, EXIT_CODES
+2. Errors and exit codes          NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
 3. Logging                        configure_logging, log
 4. File primitives                write_file, read_file, fsync_dir, move (never replaces)
 5. Workspace and job directories  layout, IDs, Status, locate_job, read_meta, mark_failed,
                                   job_history (meta.json's events), owe_hooks, move_job,
                                   the tag index, idempotency keys, the workspace lock
 6. Client                         Work, Flow, iter_events, cancel/retry/clean, daemon_info, stop_daemon
-7. Batch files and export         parse_batch, parse_records (templates), ENDPOINTS, EXPORT_FORMATS,
+7. Batch files and export         read_batch, parse_batch, parse_records (templates), ENDPOINTS, EXPORT_FORMATS,
                                   export_record, job_vectors
 8. Runner protocol                Runner, Session, RunningJob, Outcome, FunctionRunner
 9. llama.cpp engine               LlamaRunner, LlamaSession (continuous batching), _Embedder
@@ -39,7 +39,7 @@ __all__ = [
     "Work", "Flow", "Status", "Job", "SubmitResult",
     "cancel_job", "cancel_jobs", "retry_job", "retry_jobs", "clean_jobs", "daemon_info", "stop_daemon",
     # batch files and export
-    "BatchEntry", "parse_batch", "parse_records", "compile_template", "fill_template", "tag_members", "iter_tag_members", "bulk_states", "export_record", "job_vectors",
+    "BatchEntry", "parse_batch", "read_batch", "batch_line_limit", "parse_records", "compile_template", "fill_template", "tag_members", "iter_tag_members", "bulk_states", "export_record", "job_vectors",
     "Endpoint", "ENDPOINTS", "ExportFormat", "EXPORT_FORMATS",
     # settings and job parameters
     "Config", "SETTINGS", "Param", "PARAMS", "job_param", "validate_params", "render_messages", "check_inputs",
@@ -49,7 +49,7 @@ __all__ = [
     "job_history", "record_event", "iter_events", "format_time", "owe_hooks", "EVENT_STATUS",
     # errors
     "NrvnaError", "InvalidInput", "ConfigError", "NoSuchJob", "NotFinished", "WorkspaceError",
-    "ModelError", "NotDurable", "JobError", "Interrupted", "EXIT_CODES",
+    "ModelError", "NotDurable", "JobError", "Interrupted", "EXIT_CODES", "FAILURE_CODES",
     # runners and the daemon
     "Runner", "Session", "RunningJob", "Outcome", "FunctionRunner", "LlamaRunner", "Hooks", "Server",
     "main",
@@ -218,6 +218,26 @@ class Param(namedtuple("Param", "kind low high default flag openai line help rea
     __slots__ = ()
 
 
+# A grammar's limit, and a JSON schema's as compact JSON (their rows in PARAMS). A --json-schema
+# file may be indented, so it is read up to 4 times that.
+STRUCTURE_LIMIT = 1 << 18
+
+
+def _read_limited(path: str, limit: int, what: str) -> str:
+    """A text file named by a flag, read to at most ``limit`` characters (and so bytes) + 1: a
+    longer one is refused unread beyond that (``--grammar /dev/zero`` took gigabytes whole)."""
+    import argparse
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read(limit + 1)
+    except (OSError, UnicodeDecodeError) as err:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+    if len(text) > limit:
+        raise argparse.ArgumentTypeError(f"{path} is over {limit} bytes, {what}")
+    return text
+
+
 def _read_json_schema(text: str) -> dict[str, Any]:
     """``--json-schema FILE|JSON``: a JSON schema, an OpenAI ``json_schema`` object
     (``{"name", "schema", "strict"}``) or a whole ``response_format``, given inline or as a
@@ -228,11 +248,7 @@ def _read_json_schema(text: str) -> dict[str, Any]:
     source = "the argument"
     if not text.lstrip().startswith(("{", "[")):  # inline JSON, else a file's name
         source = text
-        try:
-            with open(text, encoding="utf-8") as handle:
-                text = handle.read()
-        except (OSError, UnicodeDecodeError) as err:
-            raise argparse.ArgumentTypeError(f"cannot read {source}: {getattr(err, 'strerror', None) or err}") from None
+        text = _read_limited(text, 4 * STRUCTURE_LIMIT, "the limit of --json-schema")
     try:
         value = json.loads(text)
     except ValueError as err:
@@ -250,15 +266,14 @@ def _read_json_schema(text: str) -> dict[str, Any]:
                                                    "schema": value, "strict": True}}
 
 
-def _read_text_file(path: str) -> str:
+def _read_grammar(path: str) -> str:
     """``--grammar FILE``: the file's text."""
-    import argparse
+    return _read_limited(path, STRUCTURE_LIMIT, "the limit of --grammar")
 
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+
+def _read_template(path: str) -> str:
+    """``--template-file FILE``: the file's text, no longer than a prompt (each prompt holds it)."""
+    return _read_limited(path, setting_default("max_prompt_bytes"), "the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)")
 
 
 def _read_metadata(text: str) -> dict[str, Any]:
@@ -302,8 +317,8 @@ PARAMS: dict[str, Param] = {
     "seed": Param(int, 0, 0xFFFFFFFE, None, "--seed", ("seed",), True, "sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
     "stop": Param(list, 0, 16, None, "--stop", ("stop",), True, "strings that end the generation, not included in the result (a flag per string)"),
     "ignore_eos": Param(bool, None, None, False, "--ignore-eos", (), True, "keep generating past the model's end-of-generation token (not past the end of a grammar)"),
-    "response_format": Param("response_format", 0, 1 << 18, None, "--json-schema", ("response_format",), True, "constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file", ("FILE|JSON", _read_json_schema)),
-    "grammar": Param(str, 0, 1 << 18, None, "--grammar", ("grammar",), True, "constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file", ("FILE", _read_text_file)),
+    "response_format": Param("response_format", 0, STRUCTURE_LIMIT, None, "--json-schema", ("response_format",), True, "constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file", ("FILE|JSON", _read_json_schema)),
+    "grammar": Param(str, 0, STRUCTURE_LIMIT, None, "--grammar", ("grammar",), True, "constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file", ("FILE", _read_grammar)),
     "logprobs": Param(bool, None, None, False, "--logprobs", ("logprobs",), True, "record each generated token's log-probability (get --json, export)"),
     "top_logprobs": Param(int, 0, 20, None, "--top-logprobs", ("top_logprobs",), True, "with logprobs: also the N most likely tokens at each step"),
     "embed": Param(bool, None, None, False, "--embed", (), True, "embed the input instead of generating: a vector per text (the result holds one JSON array per text, one per line)"),
@@ -654,8 +669,9 @@ _MACHINE_DEFAULTS = {"workers": "4, or the cores if fewer", "gpu_layers": "0 (99
 
 
 def markdown_tables() -> dict[str, str]:
-    """The README's generated tables: settings, params and exit-codes, from SETTINGS,
-    PARAMS and EXIT_CODES (scripts/readme_tables.py writes them; a test checks them)."""
+    """The README's generated tables: settings, params, exit-codes and failure-codes, from
+    SETTINGS, PARAMS, EXIT_CODES and FAILURE_CODES (scripts/readme_tables.py writes them; a
+    test checks them)."""
     settings = ["| variable | default | meaning |", "|---|---|---|"]
     for name, setting in SETTINGS.items():
         default = _MACHINE_DEFAULTS.get(name, setting.default)
@@ -670,7 +686,10 @@ def markdown_tables() -> dict[str, str]:
         line = "" if param.line else " (not a JSONL field)"
         params.append(f"| `{name}` | {kind} | {default} | {flag} | {openai} | {param.help}{line} |")
     exit_codes = ["| code | meaning |", "|---|---|"] + [f"| {code} | {meaning} |" for code, meaning in EXIT_CODES.items()]
-    return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes)}
+    failures = ["| code | the job failed because |", "|---|---|"] + [
+        f"| `{code}` | {meaning} |" for code, meaning in FAILURE_CODES.items()]
+    return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
+            "failure-codes": "\n".join(failures)}
 
 
 ##############################################################################
@@ -1801,6 +1820,30 @@ EXIT_CODES = {
                      "export left unfinished jobs out",
 }
 
+# Why a job failed: the ``code`` in its meta.json (and JobError's), with what it means. `retry
+# --code` accepts these alone, its --help lists them, and the README's table comes from here;
+# a test finds every code literal in this file and checks it is a row.
+FAILURE_CODES = {
+    "cancelled": "`nrvna cancel` (a running job keeps its partial text in `partial.txt`)",
+    "timeout": "it generated for longer than its `timeout` parameter (partial text kept)",
+    "context_overflow": "its prompt does not fit in a sequence's share of the context: `prompt is N tokens; a "
+                        "sequence holds M`; an embed job's text is longer than an embedding may be (`input[i] is "
+                        "N tokens; an embedding takes at most M`)",
+    "unsupported": "the model cannot run this kind of job: a generation job on an embedding model, or an embed "
+                   "job on a model without a pooling type (`NRVNA_POOLING`)",
+    "bad_request": "the job itself is malformed: no or empty `prompt.txt`, invalid UTF-8, a NUL byte, bad "
+                   "`params.json`, a prompt over `NRVNA_MAX_PROMPT_BYTES`, a symlink, FIFO or plain file instead "
+                   "of a job directory or prompt, a chat template that fails on it, a grammar llama.cpp refuses, "
+                   "a `logit_bias` token outside the vocabulary",
+    "grammar_error": "no token of the model's vocabulary can continue the job's grammar, or the grammar took "
+                     "more than 0.5 s for one token (too ambiguous)",
+    "crash_ceiling": "the daemon died while running it `NRVNA_MAX_ATTEMPTS` times (the killed attempt's "
+                     "`partial.txt` kept)",
+    "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "
+                   "apart)",
+    "runner_error": "the runner raised an unexpected exception (the message names it); the worker lives on",
+}
+
 
 class NrvnaError(Exception):
     """Base of every error nrvna raises; ``exit_code`` is what the CLI exits with."""
@@ -1847,7 +1890,8 @@ class NotDurable(NrvnaError):
 
 
 class JobError(Exception):
-    """Raised inside a runner to fail one job with a short code and a clear message."""
+    """Raised inside a runner to fail one job with a short code (a key of FAILURE_CODES) and a
+    clear message."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -2896,9 +2940,10 @@ class Work:
         """Queue every line of a batch file; return every line's ID, in file order.
 
         ``source`` is a path (``*.jsonl`` holds JSON lines, any other file one prompt per
-        line) or the file's bytes (JSON lines when ``jsonl`` is None and every line is an
-        object). ``defaults`` are job parameters for every line (a line's own win). The whole
-        file is checked first (InvalidInput naming the line; nothing queued). With ``tag``,
+        line), the file's bytes or a binary stream (JSON lines when ``jsonl`` is None and every
+        line is an object); a path or a stream is read with ``read_batch`` (a line over
+        ``batch_line_limit`` is refused). ``defaults`` are job parameters for every line (a
+        line's own win). The whole file is checked first (InvalidInput naming the line; nothing queued). With ``tag``,
         lines whose ``custom_id`` is already queued under that tag are not queued again: an
         interrupted submit is finished by running it again. ``on_ids(ids)`` gets the IDs in
         file order as soon as each is known and durable; ``notes`` collects remarks for the
@@ -2915,11 +2960,13 @@ class Work:
             raise InvalidInput("--id-field names a field of a template's records: give --template too")
         if isinstance(source, (bytes, bytearray)):
             data = bytes(source)
+        elif not isinstance(source, (str, os.PathLike)):
+            data = read_batch(source)  # stdin
         else:
             path = os.fspath(source)
             try:
                 with open(path, "rb") as handle:
-                    data = handle.read()
+                    data = read_batch(handle)
             except OSError as err:
                 raise InvalidInput(f"cannot read {path}: {_os_error(err)}") from None
             if jsonl is None and (template is None or path.endswith((".csv", ".jsonl"))):
@@ -3244,7 +3291,7 @@ class Flow:
             delay = min(delay * 1.5, 0.1)
 
     def export(self, out: Any, ids: Iterable[str] = (), tag: Optional[str] = None, format: str = "jsonl",
-               errors: Any = None, notes: Optional[list[str]] = None) -> tuple[int, int]:
+               errors: Any = None, notes: Optional[list[str]] = None, ids_file: Any = None) -> tuple[int, int]:
         """Write one line per finished job, in submission order, in ``format`` (a key of
         EXPORT_FORMATS) to ``out``, and failed jobs' lines to ``errors`` if given. Each is a
         text stream or a path (``-`` is stdout; a file is written whole or not at all: see
@@ -3253,8 +3300,12 @@ class Flow:
         with a tag alone one chunk of its index.
 
         A binary format (``f32``) needs ``out`` to be a path: it writes the rows there and
-        their side file to ``out + ".ids"`` (both whole or not at all); failed jobs, which have
-        no rows, go to ``errors`` as jsonl lines, or are left out (counted in ``notes``)."""
+        their side file to ``ids_file``, by default ``out + ".ids"`` (both whole or not at
+        all), which needs ``out`` to be a regular file's path: beside a device, a FIFO or
+        anything under /dev/ or /proc/, ``ids_file`` must be given. Every row has one width:
+        jobs with vectors of another width are refused (a ragged matrix cannot be read back).
+        Failed jobs, which have no rows, go to ``errors`` as jsonl lines, or are left out
+        (counted in ``notes``)."""
         if format not in EXPORT_FORMATS:
             raise InvalidInput(f"unknown export format {format!r} (known: {', '.join(EXPORT_FORMATS)})")
         form = EXPORT_FORMATS[format]
@@ -3262,6 +3313,14 @@ class Flow:
         binary = form.side is not None
         if binary and not (isinstance(out, (str, os.PathLike)) and os.fspath(out) not in ("", "-")):
             raise InvalidInput(f"export --format {format} needs -o FILE (it writes FILE and FILE.ids)")
+        if not binary and ids_file is not None:
+            raise InvalidInput(f"--ids names the side file of a binary format; --format {format} has none")
+        if binary and ids_file is None:
+            if _written_through(os.fspath(out)):
+                # /dev/null.ids, /dev/stdout.ids: a stray file beside a device, never what was meant
+                raise InvalidInput(f"-o {os.fspath(out)} is not a regular file, so FILE.ids cannot go beside it: "
+                                   "name the rows' side file with --ids FILE")
+            ids_file = os.fspath(out) + ".ids"
         ids = list(ids)
         if tag is not None and not ids:  # stream the tag's index: memory does not grow with the batch
             require_workspace(self.workspace)
@@ -3269,18 +3328,23 @@ class Flow:
             selected: Iterable[str] = (job_id for chunk in iter_tag_members(self.workspace, tag) for job_id, _ in chunk)
         else:
             selected = self.select(ids, tag)[0]
-        paths = [os.fspath(t) for t in (out, errors) if isinstance(t, (str, os.PathLike))]
-        if len(paths) == 2 and paths[0] != "-" and os.path.realpath(paths[0]) == os.path.realpath(paths[1]):
-            raise InvalidInput(f"the output and the errors file are the same file ({paths[0]})")
+        named = [(what, os.fspath(t)) for what, t in (("the output", out), ("the errors file", errors),
+                                                        ("the ids file", ids_file))
+                 if isinstance(t, (str, os.PathLike)) and os.fspath(t) != "-"]
+        for i, (what, path) in enumerate(named):
+            for earlier, other in named[:i]:
+                if os.path.realpath(path) == os.path.realpath(other):
+                    raise InvalidInput(f"{earlier} and {what} are the same file ({other})")
         targets: list[Any] = []
         unfinished = exported = left_out = 0
         unreadable: list[str] = []
+        first_row: Optional[tuple[int, str]] = None  # f32: (bytes a row, 4 a float; its job)
         try:
             for target in (out, errors):
                 targets.append(_Output(target, binary and not targets) if isinstance(target, (str, os.PathLike))
                                else target)
             if binary:
-                targets.append(_Output(os.fspath(out) + ".ids"))
+                targets.append(_Output(ids_file) if isinstance(ids_file, (str, os.PathLike)) else ids_file)
             for job_id in selected:
                 try:
                     job = self.get(job_id)
@@ -3299,9 +3363,17 @@ class Flow:
                         targets[1].write(EXPORT_FORMATS["jsonl"].line(job))
                     continue
                 target = targets[1] if targets[1] is not None and job.status is Status.Failed else targets[0]
-                target.write(line_of(job))
+                data = line_of(job)
                 if binary:
-                    targets[2].write(form.side(job))
+                    side = form.side(job)
+                    width = len(data) // side.count("\n")  # one width within a job: _f32_rows saw to it
+                    if first_row is None:
+                        first_row = (width, job.id)
+                    elif width != first_row[0]:
+                        raise InvalidInput(f"job {job.id} has vectors of {width // 4} floats and job {first_row[1]} "
+                                           f"of {first_row[0] // 4}: a matrix has one width (export them apart)")
+                    targets[2].write(side)
+                target.write(data)
                 exported += 1
             for target in targets:
                 if isinstance(target, _Output):
@@ -3613,8 +3685,16 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
 def retry_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = None, failed: bool = False,
                codes: Optional[Iterable[str]] = None) -> list[tuple[str, str, str]]:
     """``retry_job`` for every job named by ``ids`` and/or ``tag``, or every failed job
-    (``failed``); return ``(id, outcome, message)`` for each."""
+    (``failed``); return ``(id, outcome, message)`` for each. ``codes`` (keys of
+    FAILURE_CODES) limits it to jobs that failed with one of them; an unknown one is refused,
+    not matched by nothing (`--code tmeout` would queue nothing and say so only by its silence)."""
     ids = list(ids)
+    codes = None if codes is None else list(codes)
+    if codes is not None and not codes:  # `--code ""`: a script's empty variable, not "every code"
+        raise InvalidInput(f"no failure code given (known: {', '.join(FAILURE_CODES)})")
+    for code in codes or ():
+        if code not in FAILURE_CODES:
+            raise InvalidInput(f"unknown failure code {code!r} (known: {', '.join(FAILURE_CODES)})")
     if failed:
         require_workspace(workspace)
         selected = sorted((n for n in os.listdir(job_path(workspace, FAILED)) if not n.startswith(".")), key=order_key)
@@ -3622,7 +3702,6 @@ def retry_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = Non
         selected = Flow(workspace).select(ids, tag)[0]
     else:
         raise InvalidInput("name jobs: IDs, --tag or --failed")
-    codes = None if codes is None else list(codes)
     results = []
     for job_id in selected:
         try:
@@ -3777,6 +3856,33 @@ class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
     validated params (``custom_id`` always set)."""
 
     __slots__ = ()
+
+
+def batch_line_limit() -> int:
+    """The longest line a batch file may have: a job's params.json at its largest
+    (``params_limit``) and its prompt with every character escaped (6 bytes: \\u0001);
+    14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB, 22 MiB by default."""
+    prompt = setting_default("max_prompt_bytes")
+    return params_limit(prompt) + 6 * prompt
+
+
+def read_batch(handle: Any) -> bytearray:
+    """A batch file's bytes from the binary stream ``handle``, a line at a time: a line longer
+    than ``batch_line_limit`` is refused as soon as that much of it is read (a file with no
+    newline, /dev/zero, took gigabytes whole). The file itself may be any size; it is held
+    whole, as every line is checked before any is queued."""
+    limit = batch_line_limit()
+    data = bytearray()
+    number = 0
+    while True:
+        line = handle.readline(limit + 2)  # the line, its newline, and one byte more shows it is over
+        if not line:
+            return data
+        number += 1
+        if len(line) - line.endswith(b"\n") > limit:
+            raise InvalidInput(f"line {number}: over {limit} bytes, a batch line's limit "
+                               "(14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)")
+        data += line
 
 
 def parse_batch(data: bytes, jsonl: Optional[bool] = None, notes: Optional[list[str]] = None) -> list[BatchEntry]:
@@ -4200,7 +4306,11 @@ def _json_line(record: Callable[[Job], dict[str, Any]]) -> Callable[[Job], str]:
 def _f32_rows(job: Job) -> bytes:
     if not (job.params or {}).get("embed"):
         raise InvalidInput(f"job {job.id} is not an embed job: --format f32 exports embed jobs' vectors only")
-    return b"".join(_float32_bytes(vector) for vector in job_vectors(job))
+    vectors = job_vectors(job)
+    widths = sorted({len(vector) for vector in vectors})
+    if len(widths) > 1:  # a daemon writes one width a job; a hand-made result may not
+        raise WorkspaceError(f"job {job.id}: result.txt holds vectors of {widths[0]} and {widths[-1]} floats")
+    return b"".join(_float32_bytes(vector) for vector in vectors)
 
 
 def _f32_ids(job: Job) -> str:
@@ -4224,8 +4334,8 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {
                            "exactly an OpenAI Batch output line (a chat.completion or text_completion body)"),
     "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line"),
     "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
-                        "text (needs -o FILE; FILE.ids says each row's job ID, custom_id and input index, "
-                        "tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
+                        "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
+                        "custom_id and input index, tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
 }
 
 
@@ -4272,10 +4382,7 @@ class _Output:
             mode = None
         if mode is not None and stat.S_ISDIR(mode):
             raise InvalidInput(f"{path} is a directory")
-        # /dev/stdout and its kind name an open descriptor, which may be a file the shell
-        # opened: written through, appending, never replaced.
-        self.through = (mode is not None and not stat.S_ISREG(mode)) or (
-            os.path.abspath(path).startswith("/dev/") or self.path.startswith("/proc/"))
+        self.through = _written_through(path)
         if self.through:
             self.handle = open(path, "a" + suffix, encoding=encoding)
             return
@@ -4342,6 +4449,19 @@ class _Output:
         if self.temp is not None:
             _unlink_quietly(self.temp, None)
             self.temp = None
+
+
+def _written_through(path: str) -> bool:
+    """Whether an export writes through ``path`` (an existing FIFO, device or socket, anything
+    under /dev/ or /proc/) rather than replacing a regular file there. /dev/stdout and its
+    kind name an open descriptor, which may be a file the shell opened: written through,
+    appending, never replaced."""
+    try:
+        mode: Optional[int] = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    return (mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)) or (
+        os.path.abspath(path).startswith("/dev/") or os.path.realpath(path).startswith("/proc/"))
 
 
 def _workspace_of(path: str) -> Optional[str]:
@@ -7397,10 +7517,11 @@ class _Signalled(BaseException):
         self.signum = signum
 
 
-def _read_stdin(what: str) -> bytes:
+def _stdin(what: str) -> Any:
+    """Standard input's binary stream, to be read with a limit (it may never end: `< /dev/zero`)."""
     if sys.stdin is None:
         raise InvalidInput(f"{what}: stdin is closed")
-    return sys.stdin.buffer.read()
+    return sys.stdin.buffer
 
 
 def _read_prompt(args: Any) -> Any:
@@ -7408,7 +7529,11 @@ def _read_prompt(args: Any) -> Any:
         return args.prompt
     if args.prompt is None and sys.stdin is not None and sys.stdin.isatty():
         raise InvalidInput("no prompt: give PROMPT, or '-' and the prompt on stdin")
-    return _read_stdin("no prompt")
+    limit = setting_default("max_prompt_bytes")
+    data = _stdin("no prompt").read(limit + 1)
+    if len(data) > limit:
+        raise InvalidInput(f"the prompt on stdin is over {limit} bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)")
+    return data
 
 
 def _job_params(args: Any) -> dict[str, Any]:
@@ -7429,7 +7554,7 @@ def _cmd_submit(args: Any) -> int:
     if args.file is not None:
         if args.prompt is not None or args.wait:
             raise InvalidInput("--file takes no PROMPT and no --wait (use: nrvna wait WS --tag NAME)")
-        source = _read_stdin("--file -") if args.file == "-" else args.file
+        source = _stdin("--file -") if args.file == "-" else args.file
         notes: list[str] = []
         try:
             Work(args.workspace).submit_file(source, tag=params.pop("tag", None), on_ids=_print_lines,
@@ -7621,7 +7746,8 @@ def _cmd_export(args: Any) -> int:
     out = sys.stdout if args.output is None else args.output
     notes: list[str] = []
     try:
-        exported, unfinished = Flow(args.workspace).export(out, args.ids, args.tag, args.format, args.errors, notes)
+        exported, unfinished = Flow(args.workspace).export(out, args.ids, args.tag, args.format, args.errors, notes,
+                                                           args.ids_file)
     finally:
         for note in notes:
             _say(note)
@@ -7652,7 +7778,7 @@ def _cmd_cancel(args: Any) -> int:
 
 
 def _cmd_retry(args: Any) -> int:
-    codes = [c.strip() for c in args.code.split(",") if c.strip()] if args.code else None
+    codes = None if args.code is None else [c.strip() for c in args.code.split(",") if c.strip()]
     worst, queued, gone = EXIT_OK, 0, 0
     for job_id, outcome, message in retry_jobs(args.workspace, args.ids, args.tag, args.failed, codes):
         if outcome == "queued":
@@ -7817,7 +7943,7 @@ def _submit_arguments(parser: Any) -> None:
     template.add_argument("--template", metavar="TEXT", help="with --file: the file holds records (JSONL objects, or "
                           "CSV with a header row); each fills TEXT's {field}s ({{ and }} are braces) and is kept as "
                           "the job's metadata")
-    template.add_argument("--template-file", metavar="FILE", type=_read_text_file, dest="template",
+    template.add_argument("--template-file", metavar="FILE", type=_read_template, dest="template",
                           help="--template, read from FILE")
     parser.add_argument("--id-field", metavar="NAME", help="with --template: the field that gives each job's "
                         "custom_id (default: line-N)")
@@ -7852,6 +7978,8 @@ def _export_arguments(parser: Any) -> None:
                         help="; ".join(f"{name}: {form.help}" for name, form in EXPORT_FORMATS.items()))
     parser.add_argument("-o", "--output", metavar="FILE", help="write FILE atomically instead of stdout")
     parser.add_argument("--errors", metavar="FILE", help="failed jobs' lines go to FILE instead")
+    parser.add_argument("--ids", metavar="FILE", dest="ids_file", help="with --format f32: the rows' side file "
+                        "(default: -o's FILE.ids; needed when -o is a device, a FIFO or under /dev or /proc)")
 
 
 def _cancel_arguments(parser: Any) -> None:
@@ -7863,7 +7991,8 @@ def _cancel_arguments(parser: Any) -> None:
 def _retry_arguments(parser: Any) -> None:
     _selection_arguments(parser)
     parser.add_argument("--failed", action="store_true", help="every failed job")
-    parser.add_argument("--code", metavar="CODE,...", help="only jobs that failed with these codes")
+    parser.add_argument("--code", metavar="CODE,...", help="only jobs that failed with these codes: "
+                        + ", ".join(FAILURE_CODES))
 
 
 def _events_arguments(parser: Any) -> None:

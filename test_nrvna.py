@@ -1011,7 +1011,7 @@ def test_cli_refuses_bad_ids_with_exit_2(ws: str, bad_id: str, run_main: RunMain
     (("submit", "WS"), b"", b"prompt is empty"),
     (("submit", "WS", "-"), b"\xff\xfe", b"not valid UTF-8"),
     (("submit", "WS", "-"), b"a\x00b", b"NUL"),
-    (("submit", "WS", "-"), b"x" * (10 << 20), b"limit is 1048576"),
+    (("submit", "WS", "-"), b"x" * (10 << 20), b"over 1048576 bytes, the limit of a prompt"),
     (("submit", "WS", "hi", "--temperature", "-1"), None, b"out of range"),
     (("submit", "WS", "hi", "--max-tokens", "x"), None, b"invalid int value"),
     (("status",), None, b"required"),
@@ -1022,6 +1022,42 @@ def test_cli_bad_input_is_one_line_and_exit_2(ws: str, args: tuple, stdin: bytes
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert b"Traceback" not in done.stderr and done.stdout == b""
     assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or os.listdir(os.path.join(ws, nrvna.READY)) == []
+
+
+def peak_run(args: list[str], stdin: str | None, tmp_path: Path) -> tuple[int, str, int]:
+    """Run `python nrvna.py ARGS` with stdin from the file ``stdin``, under a 1 GiB
+    address-space cap (a read without a limit dies of MemoryError within seconds instead of
+    taking the machine); return its exit code, its stderr and its peak resident memory in MB."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    with open(stdin or os.devnull, "rb") as source, open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen([sys.executable, SCRIPT, *args], stdin=source, stdout=subprocess.DEVNULL,
+                                stderr=err, preexec_fn=cap)
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak, not every child's
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, (tmp_path / "stderr").read_text(errors="replace"), usage.ru_maxrss // 1024
+
+
+@pytest.mark.parametrize("args, stdin, limit", [
+    (["--file", "/dev/zero"], None, "a batch line's"),
+    (["--file", "-"], "/dev/zero", "a batch line's"),
+    (["-"], "/dev/zero", "1048576 bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)"),
+    (["--embed", "-"], "/dev/zero", "1048576 bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)"),
+    (["hi", "--grammar", "/dev/zero"], None, "262144 bytes, the limit of --grammar"),
+    (["hi", "--json-schema", "/dev/zero"], None, "1048576 bytes, the limit of --json-schema"),
+    (["--file", "data.csv", "--template-file", "/dev/zero"], None, "1048576 bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)"),
+])
+def test_an_endless_input_is_refused_at_its_limit_in_bounded_memory(ws: str, tmp_path: Path, args: list[str],
+                                                                     stdin: str | None, limit: str) -> None:
+    code, err, peak = peak_run(["submit", ws, *args], stdin, tmp_path)
+    assert code == 2 and limit in err and "Traceback" not in err, (code, err[-500:])
+    assert peak < 200, f"{peak} MB"  # the interpreter alone is about 30
+    if "--file" in args and "--template-file" not in args:
+        assert f"line 1: over {nrvna.batch_line_limit()} bytes" in err
+    assert not os.path.exists(ws)
 
 
 def test_cli_status_words_counts_and_json(ws: str, run_main: RunMain) -> None:
@@ -2044,6 +2080,74 @@ def test_retry_failed_jobs_keeps_their_history_and_custom_id(ws: str, tmp_path: 
     assert [(r["custom_id"], r["status"]) for r in records] == [(f"id{i}", "done") for i in range(4)]
     assert records[1]["meta"]["errors"][0]["code"] == "bad_request"
     assert run_main("retry", ws, "--failed").returncode == 0  # nothing left to retry: said on stderr
+
+
+@pytest.mark.parametrize("codes, message", [("tmeout", "unknown failure code 'tmeout'"),
+                                            ("timeout,crashed", "unknown failure code 'crashed'"),
+                                            ("", "no failure code given"), (",", "no failure code given")])
+def test_retry_refuses_an_unknown_failure_code_naming_the_known_ones(ws: str, run_main: RunMain, codes: str,
+                                                                     message: str) -> None:
+    job_id = submit(ws, "slow")
+    nrvna.mark_failed(ws, nrvna.READY, job_id, "timeout", "took too long")
+    nrvna.move_job(ws, job_id, nrvna.READY, nrvna.FAILED)
+    done = run_main("retry", ws, "--failed", "--code", codes)
+    assert done.returncode == 2 and done.stdout == b"", done.stderr
+    assert done.stderr.count(b"\n") == 1 and message.encode() in done.stderr
+    assert all(code.encode() in done.stderr for code in nrvna.FAILURE_CODES)
+    assert Flow(ws).status(job_id) is Status.Failed  # nothing queued
+    with pytest.raises(nrvna.InvalidInput, match="unknown failure code 'tmeout'"):
+        nrvna.retry_jobs(ws, failed=True, codes=["tmeout"])
+    help_text = run_main("retry", "--help").stdout
+    assert all(code.encode() in help_text for code in nrvna.FAILURE_CODES)
+
+
+def _failure_code_literals() -> set[str]:
+    """Every failure code nrvna.py writes or compares: JobError's first argument,
+    mark_failed's fourth, error_code= and code= keywords, a meta "code" key, the (code,
+    message) pairs given as error= or to _end or set as an interrupt, and comparisons of a
+    code or error_code with a literal."""
+    import ast
+
+    tree = ast.parse(Path(nrvna.__file__).read_text(encoding="utf-8"))
+    found: set[str] = set()
+
+    def literal(node: ast.AST | None) -> None:
+        if isinstance(node, ast.Tuple) and node.elts:
+            node = node.elts[0]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.add(node.value)
+
+    def name(node: ast.AST) -> str:
+        return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            called = name(node.func)
+            if called == "JobError" and node.args:
+                literal(node.args[0])
+            elif called == "mark_failed" and len(node.args) > 3:
+                literal(node.args[3])
+            elif called == "_end" and len(node.args) > 1 and isinstance(node.args[1], ast.Tuple):
+                literal(node.args[1])  # (code, message); a string there is a finish reason
+            for keyword in node.keywords:
+                if keyword.arg in ("error_code", "code") or (keyword.arg == "error" and isinstance(keyword.value, ast.Tuple)):
+                    literal(keyword.value)
+        elif isinstance(node, ast.Assign) and any(name(t) == "interrupt" for t in node.targets):
+            literal(node.value)
+        elif isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if isinstance(key, ast.Constant) and key.value == "code":
+                    literal(value)
+        elif isinstance(node, ast.Compare) and name(node.left) in ("code", "error_code"):
+            for right in node.comparators:
+                literal(right)
+    return found
+
+
+def test_every_failure_code_in_the_source_is_in_the_one_table() -> None:
+    found = _failure_code_literals()
+    assert found == set(nrvna.FAILURE_CODES), (found ^ set(nrvna.FAILURE_CODES))
+    assert {"bad_request", "cancelled", "timeout", "crash_ceiling", "runner_error", "grammar_error"} <= found
 
 
 def test_clean_removes_only_old_finished_jobs(ws: str, run_main: RunMain) -> None:
@@ -3316,6 +3420,72 @@ def test_a_failed_embed_job_goes_to_the_errors_file_not_the_matrix(ws: str, tmp_
     errors = tmp_path / "errors.jsonl"
     run_main("export", ws, good, bad, "--format", "f32", "-o", str(matrix), "--errors", str(errors))
     assert [json.loads(x)["id"] for x in errors.read_text().splitlines()] == [bad]
+
+
+def wide(job: nrvna.RunningJob) -> str:
+    """An embed job's result with as many floats a vector as its ``dimensions`` (default 3)."""
+    width = job.params.get("dimensions", 3)
+    return "".join("[" + ",".join(["0.5"] * width) + "]\n" for _ in job.params.get("input") or [job.prompt])
+
+
+def test_an_f32_export_refuses_vectors_of_two_widths_and_leaves_nothing(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    ids = [Work(ws).publish(f"text {width}", embed=True, dimensions=width) for width in (16, 16, 384, 8)]
+    with serving(ws, wide):
+        assert wait_all(ws, ids) == [Status.Done] * 4
+    matrix = tmp_path / "m.f32"
+    matrix.write_bytes(b"kept")
+    done = run_main("export", ws, *ids, "--format", "f32", "-o", str(matrix))
+    assert done.returncode == 2 and done.stdout == b"" and done.stderr.count(b"\n") == 1, done.stderr
+    assert f"job {ids[2]} has vectors of 384 floats and job {ids[0]} of 16".encode() in done.stderr
+    assert matrix.read_bytes() == b"kept" and sorted(os.listdir(tmp_path)) == ["m.f32", "ws"]  # no .ids, no temporary
+    assert run_main("export", ws, *ids[:2], "--format", "f32", "-o", str(matrix)).returncode == 0
+    assert len(matrix.read_bytes()) == 2 * 16 * 4 and len((tmp_path / "m.f32.ids").read_text().splitlines()) == 2
+    # One job whose own vectors differ (a hand-made result.txt): an error, the files as they were.
+    Path(nrvna.job_path(ws, nrvna.OUTPUT, ids[3]), "result.txt").write_text("[1,2]\n[1,2,3]\n")
+    ragged = run_main("export", ws, ids[3], "--format", "f32", "-o", str(matrix))
+    assert ragged.returncode == 1 and f"job {ids[3]}: result.txt holds vectors of 2 and 3 floats".encode() in ragged.stderr
+    assert len(matrix.read_bytes()) == 2 * 16 * 4 and sorted(os.listdir(tmp_path)) == ["m.f32", "m.f32.ids", "ws"]
+
+
+def test_an_f32_export_beside_a_device_or_fifo_needs_ids_for_its_side_file(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    job_id = Work(ws).publish("fine", embed=True)
+    with serving(ws, wide):
+        wait_all(ws, [job_id])
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+    for out in ("/dev/null", fifo):
+        existed = os.path.lexists(out + ".ids")
+        done = run_main("export", ws, job_id, "--format", "f32", "-o", out, timeout=10)
+        assert done.returncode == 2 and done.stderr.count(b"\n") == 1 and b"--ids FILE" in done.stderr, done.stderr
+        assert os.path.lexists(out + ".ids") == existed  # no /dev/null.ids
+    side = tmp_path / "rows.ids"
+    done = run_main("export", ws, job_id, "--format", "f32", "-o", "/dev/null", "--ids", str(side))
+    assert done.returncode == 0 and side.read_text() == f"{job_id}\t\t0\n", done.stderr
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    matrix = tmp_path / "m.f32"
+    assert run_main("export", ws, job_id, "--format", "f32", "-o", str(matrix), "--ids", str(side)).returncode == 0
+    assert len(matrix.read_bytes()) == 12 and side.read_text() == f"{job_id}\t\t0\n"
+    assert not (tmp_path / "m.f32.ids").exists()
+    refused = run_main("export", ws, job_id, "--ids", str(tmp_path / "x.ids"))  # jsonl has no side file
+    assert refused.returncode == 2 and b"--ids" in refused.stderr and not (tmp_path / "x.ids").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--errors", "m.f32.ids"), "the errors file and the ids file are the same file"),
+    (("--ids", "m.f32"), "the output and the ids file are the same file"),
+    (("--ids", "e", "--errors", "e"), "the errors file and the ids file are the same file"),
+    (("--errors", "./m.f32"), "the output and the errors file are the same file"),
+])
+def test_an_f32_export_refuses_two_outputs_that_are_one_file(ws: str, tmp_path: Path, run_main: RunMain,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              flags: tuple[str, ...], message: str) -> None:
+    job_id = Work(ws).publish("fine", embed=True)
+    with serving(ws, wide):
+        wait_all(ws, [job_id])
+    monkeypatch.chdir(tmp_path)
+    done = run_main("export", ws, job_id, "--format", "f32", "-o", "m.f32", *flags)
+    assert done.returncode == 2 and message.encode() in done.stderr and done.stderr.count(b"\n") == 1, done.stderr
+    assert os.listdir(tmp_path) == ["ws"]  # nothing written
 
 
 def test_a_params_json_that_escapes_to_megabytes_still_runs(ws: str, tmp_path: Path, run_main: RunMain) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Write the README's generated tables from nrvna.py's own tables (SETTINGS, PARAMS,
-EXIT_CODES), between the marker lines
+EXIT_CODES, FAILURE_CODES), between the marker lines
 
     <!-- BEGIN GENERATED: NAME (scripts/readme_tables.py) -->
     <!-- END GENERATED: NAME -->
