@@ -4290,10 +4290,32 @@ def resolve_model(name: str, models_dir: str) -> str:
     raise ModelError(f"model name {name} is ambiguous in {models_dir}: {', '.join(matches)}")
 
 
-# JSON strings as JSON allows them: llama-cpp-python's converter lets a string hold raw
-# control characters (its "char" rule is [^"\\]), which json.loads refuses; llama.cpp's own
-# converter and JSON grammar exclude them, and so does nrvna.
-_JSON_CHAR_RULE = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+# One character of a JSON string, as strict JSON and UTF-8 allow it. llama-cpp-python's
+# converter lets a string hold raw control characters (its "char" rule is [^"\\]), which
+# json.loads refuses; llama.cpp's own converter and JSON grammar exclude them, and so does nrvna.
+# A \u escape is a BMP code point that is no surrogate, or a high surrogate followed by a low
+# one: a lone surrogate (json.loads takes it) cannot be encoded in UTF-8 and strict parsers
+# refuse it, and a pair is one character, so minLength/maxLength (a repetition of this rule)
+# count characters as JSON Schema does. Raw text excludes what llama.cpp decodes from bytes
+# that are not UTF-8 (surrogates, code points past U+10FFFF) for the same reason: a class of
+# what is allowed, as llama.cpp refuses a token that ends inside a character (an ED byte
+# alone, say) when any character it could begin is in a negated class (U+D000-U+D7FF too).
+_JSON_HEX = "[0-9a-fA-F]"
+_JSON_CHAR_RULE = (r'[\x20-\x21\x23-\x5B\x5D-\x7E\x80-\uD7FF\uE000-\U0010FFFF] | "\\" (["\\/bfnrt] | "u" ('
+                   f'[0-9a-cA-CeEfF] {_JSON_HEX} {_JSON_HEX} {_JSON_HEX} | [dD] [0-7] {_JSON_HEX} {_JSON_HEX} | '
+                   f'[dD] [89abAB] {_JSON_HEX} {_JSON_HEX} "\\\\u" [dD] [c-fC-F] {_JSON_HEX} {_JSON_HEX}))')
+# {"type": "json_object"}: llama-cpp-python's JSON_GBNF (any object) with its strings made of
+# _JSON_CHAR_RULE characters (its own take a lone surrogate escape, and refuse the escape "\/").
+_JSON_OBJECT_GBNF = "\n".join([
+    'root ::= object',
+    'value ::= object | array | string | number | ("true" | "false" | "null") ws',
+    'object ::= "{" ws (string ":" ws value ("," ws string ":" ws value)*)? "}" ws',
+    'array ::= "[" ws (value ("," ws value)*)? "]" ws',
+    'string ::= "\\"" char* "\\"" ws',
+    'char ::= ' + _JSON_CHAR_RULE,
+    'number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws',
+    'ws ::= | " " | "\\n" [ \\t]{0,20}',
+    ''])
 _schema_converter: Any = None
 _GBNF_LITERAL_ESCAPES = {"\\": "\\\\", "\r": "\\r", "\n": "\\n", '"': '\\"'}
 
@@ -4645,9 +4667,7 @@ class LlamaRunner(Runner):
         if kind is None:
             return None
         if kind == "json_object":
-            from llama_cpp.llama_grammar import JSON_GBNF
-
-            return ("json_object",), JSON_GBNF
+            return ("json_object",), _JSON_OBJECT_GBNF
         if kind == "grammar":
             key: Any = ("gbnf", params["grammar"])
         else:

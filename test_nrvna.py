@@ -2882,6 +2882,81 @@ def test_control_tokens_never_enter_a_constrained_output(llama: nrvna.LlamaRunne
     assert 30 <= len(json.loads(outcome.text)["s"]) <= 40
 
 
+def grammar_admits(llama: nrvna.LlamaRunner, grammar: str, data: bytes) -> bool:
+    """Whether llama.cpp's grammar sampler takes ``data`` whole, fed one byte token at a time
+    (any bytes, UTF-8 or not), and then lets generation end."""
+    import ctypes
+
+    L = llama.L
+    tokens = {}
+    for token in range(llama.n_vocab):
+        tokens.setdefault(llama.piece(token), token)
+    sampler = L.llama_sampler_init_grammar(llama.vocab, grammar.encode(), b"root")
+    assert sampler, grammar
+    try:
+        for token in [tokens[bytes([b])] for b in data] + [L.llama_vocab_eos(llama.vocab)]:
+            candidate = (L.llama_token_data * 1)(L.llama_token_data(token, 0.0, 0.0))
+            L.llama_sampler_apply(sampler, ctypes.byref(L.llama_token_data_array(candidate, 1, -1, False)))
+            if candidate[0].logit == -math.inf:
+                return False
+            if token != L.llama_vocab_eos(llama.vocab):
+                L.llama_sampler_accept(sampler, token)
+        return True
+    finally:
+        L.llama_sampler_free(sampler)
+
+
+@pytest.mark.model
+def test_a_surrogate_pair_escape_is_one_character_and_a_lone_surrogate_is_refused(llama: nrvna.LlamaRunner) -> None:
+    """A \\u escape in a constrained string is a BMP code point that is no surrogate, or a high
+    and a low surrogate together, one character: minLength/maxLength count as JSON Schema
+    does, and whatever the grammar takes decodes to text UTF-8 can hold (json.loads takes a
+    lone surrogate escape; UTF-8 encoders and strict parsers refuse it)."""
+    two = nrvna.schema_to_grammar({"type": "string", "minLength": 2, "maxLength": 2})
+    admitted = ['"ab"', '"\\ud83d\\ude00x"', '"\\uD83D\\uDE00\\u00e9"', '"\\ud7ff\\ue000"', '"\\/\\uFFFF"', '"é😀"']
+    refused = ['"\\ud83d\\ude00"',  # one character, not two
+               '"\\ud83d\\u2f9c"', '"\\ud83dx"', '"a\\udbff"', '"\\ude00\\ud83d"', '"\\udfffa"', '"abc"']
+    for text in admitted:
+        assert grammar_admits(llama, two, text.encode()), text
+        value = json.loads(text)
+        assert len(value) == 2 and value.encode("utf-8")
+    for text in refused:
+        assert not grammar_admits(llama, two, text.encode()), text
+    # Bytes that are not UTF-8, as byte tokens spell them: a surrogate, a code point past U+10FFFF;
+    # and the characters beside them, whose first byte begins those too (U+D000, U+D7FF, U+10FFFF).
+    for raw in (b'"a\xed\xa0\x80"', b'"a\xf4\x90\x80\x80"'):
+        assert not grammar_admits(llama, two, raw), raw
+    for raw in (b'"\xed\x80\x80\xed\x9f\xbf"', b'"\xee\x80\x80\xf4\x8f\xbf\xbf"'):
+        assert grammar_admits(llama, two, raw), raw
+    json_object = llama.grammar({"response_format": {"type": "json_object"}})[1]
+    assert grammar_admits(llama, json_object, b'{"s": "\\ud83d\\ude00\\/", "n": [1, true]}')
+    for text in (b'{"s": "\\ud83d"}', b'{"s": "\\ude00\\ud83d"}', b'{"s": "\xed\xa0\x80"}'):
+        assert not grammar_admits(llama, json_object, text), text
+
+
+@pytest.mark.model
+def test_constrained_jobs_copying_surrogate_escapes_end_valid_utf8_json(ws: str, tmp_path: Path, model: str,
+                                                                       run_main: RunMain) -> None:
+    """The model copies its raw prompt greedily: an emoji's escape pair (one character where
+    two are asked) and lone surrogates came out as they were, and "stop" with them."""
+    two = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 2}},
+           "required": ["s"], "additionalProperties": False}
+    lines = [{"prompt": '{"s": "%s"}\n' % s * 6, "raw": True, "temperature": 0, "max_tokens": 40,
+              "response_format": form}
+             for s in ("\\ud83d\\ude00", "\\ud83d\\u2f9c", "\\ud83d\\ud83d")
+             for form in (schema_format(two), {"type": "json_object"})]
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "s.jsonl", jsonl(lines))))
+    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for job_id, line in zip(ids, lines):
+        job = Flow(ws).get(job_id)
+        assert job.status is Status.Done and job.meta["finish_reason"] == "stop", (job.meta, job.result)
+        value = json.loads(job.result)
+        text = json.dumps(value, ensure_ascii=False)
+        assert not any(0xD800 <= ord(c) <= 0xDFFF for c in text), job.result  # UTF-8 can hold it
+        assert satisfies(value, two) if line["response_format"]["type"] == "json_schema" else isinstance(value, dict), job.result
+
+
 @pytest.mark.model
 def test_an_exponentially_ambiguous_grammar_fails_its_job_instead_of_stalling_the_context(
         llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
