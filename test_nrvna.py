@@ -2885,8 +2885,6 @@ def test_control_tokens_never_enter_a_constrained_output(llama: nrvna.LlamaRunne
 def grammar_admits(llama: nrvna.LlamaRunner, grammar: str, data: bytes) -> bool:
     """Whether llama.cpp's grammar sampler takes ``data`` whole, fed one byte token at a time
     (any bytes, UTF-8 or not), and then lets generation end."""
-    import ctypes
-
     L = llama.L
     tokens = {}
     for token in range(llama.n_vocab):
@@ -3619,22 +3617,117 @@ def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str)
     nrvna.ensure_workspace(ws)
     work = Work(ws)
     dead, staging = work._stage([(nrvna.PROMPT_FILE, b"never published")])
-    assert nrvna._link_key(ws, "k", dead)
+    holder = nrvna._KeyHolder(ws)
+    assert nrvna._link_key(ws, "k", dead, holder.name)
     path = nrvna._key_path(ws, "k")
-    # A live client publishes within a second: its key is waited for, and its job returned.
-    publisher = threading.Timer(0.3, nrvna.move, (staging, os.path.join(ws, nrvna.READY, dead)))
+
+    def publish() -> None:
+        nrvna.move(staging, os.path.join(ws, nrvna.READY, dead))
+        holder.close()
+
+    # A live client's job is waited for (its holder lock is held), and returned.
+    publisher = threading.Timer(0.3, publish)
     publisher.start()
     assert work.publish("other", idempotency_key="k") == dead
     publisher.join()
-    # A client that died between its key and its job: after KEY_PENDING_SECONDS the key goes.
+    # A client that died between its key and its job (its lock free, its file left): the key
+    # goes at once, however young.
     dead2, staging2 = work._stage([(nrvna.PROMPT_FILE, b"never published")])
-    assert nrvna._link_key(ws, "k2", dead2)
-    old = time.time() - nrvna.KEY_PENDING_SECONDS - 1
-    os.utime(nrvna._key_path(ws, "k2"), (old, old))
+    holder2 = nrvna._KeyHolder(ws)
+    assert nrvna._link_key(ws, "k2", dead2, holder2.name)
+    os.close(holder2.fd)
     fresh = work.publish("queued now", idempotency_key="k2")
     assert fresh != dead2 and Flow(ws).status(fresh) is Status.Queued
     assert Work(ws).publish("again", idempotency_key="k2") == fresh
     assert os.path.exists(path)
+    # An older nrvna's key names no holder: replaced once 30 s old, waited for before.
+    dead3, staging3 = work._stage([(nrvna.PROMPT_FILE, b"never published")])
+    nrvna.write_file(nrvna.open_dir(os.path.join(ws, nrvna.KEYS)), os.path.basename(nrvna._key_path(ws, "k3")),
+                     f"{dead3}\n".encode())
+    with pytest.raises(nrvna.KeyHeld, match="held by another submit"):
+        nrvna.key_job(ws, "k3", wait=0.2)
+    old = time.time() - nrvna.KEY_PENDING_SECONDS - 1
+    os.utime(nrvna._key_path(ws, "k3"), (old, old))
+    assert work.publish("queued now", idempotency_key="k3") not in (dead3, None)
+    # clean removes the holder files of dead clients (a minute old), never a live one's
+    live, old = nrvna._KeyHolder(ws), time.time() - 61
+    for name in (holder2.name, live.name):
+        os.utime(os.path.join(ws, nrvna.KEYS, name), (old, old))
+    nrvna._prune_keys(ws)
+    assert [n for n in os.listdir(os.path.join(ws, nrvna.KEYS)) if n.startswith(".")] == [live.name]
+    live.close()
+
+
+_KEY_STOPPER = """
+import os, signal, sys
+sys.path.insert(0, {here!r})
+import nrvna
+link, linked = nrvna._link_key, []
+
+
+def link_then_stop(*args):  # stopped by SIGSTOP between its keys and its jobs, as a user can
+    done = link(*args)
+    linked.append(done)
+    if len(linked) == {stop_after}:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return done
+
+
+nrvna._link_key = link_then_stop
+raise SystemExit(nrvna.main(sys.argv[1:]))
+"""
+
+
+def start_key_stopper(args: list[str], stop_after: int) -> subprocess.Popen:
+    """`nrvna ARGS` in a process that stops itself (SIGSTOP) once it has linked ``stop_after``
+    idempotency keys; returned once it is stopped."""
+    code = _KEY_STOPPER.format(here=str(HERE), stop_after=stop_after)
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(proc.pid, os.WUNTRACED | os.WNOHANG)
+        if pid:
+            assert os.WIFSTOPPED(status), proc.communicate()
+            return proc
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError("the submit never stopped")
+
+
+def test_a_stopped_submitter_keeps_its_key_and_no_key_makes_two_jobs(ws: str, tmp_path: Path) -> None:
+    """Issue 28: a keyed --file stopped (SIGSTOP) after 8 keys; a submit with its first key
+    waited 10 s, took the key over and queued a job; SIGCONT published the first's too."""
+    lines = [{"prompt": f"line {i}", "idempotency_key": f"K{i}"} for i in range(2000)]
+    batch = start_key_stopper(["submit", ws, "--file", write(tmp_path / "k.jsonl", jsonl(lines))], 8)
+    try:
+        refused = cli("submit", ws, "second", "--idempotency-key", "K0", env={"NRVNA_KEY_WAIT": "3"})
+        assert refused.returncode == 4, refused.stderr
+        assert f"waiting for submit pid {batch.pid}: it holds idempotency key 'K0'".encode() in refused.stderr
+        assert f"'K0' is held by submit pid {batch.pid}, which is alive".encode() in refused.stderr
+        assert refused.stdout == b"" and os.listdir(os.path.join(ws, nrvna.READY)) == []
+        # A submit waiting when the stopped one goes on gets its job.
+        waiter = subprocess.Popen([sys.executable, SCRIPT, "submit", ws, "third", "--idempotency-key", "K5"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        time.sleep(1.5)  # it looks at the key, and waits
+    finally:
+        os.kill(batch.pid, signal.SIGCONT)
+    out, err = batch.communicate(timeout=120)
+    assert batch.returncode == 0, err
+    ids = out.decode().split()
+    assert len(ids) == 2000 and sorted(os.listdir(os.path.join(ws, nrvna.READY))) == sorted(ids)
+    waited = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0 and waited[0].decode().strip() == ids[5], waited
+    assert b"has this idempotency key already" in waited[1]
+    assert Work(ws).publish("again", idempotency_key="K0") == ids[0]
+    # One publish stopped after its key, then killed: its key is taken over at once.
+    single = start_key_stopper(["submit", ws, "lost", "--idempotency-key", "D"], 1)
+    single.kill()
+    single.wait()
+    start = time.monotonic()
+    done = cli("submit", ws, "kept", "--idempotency-key", "D", env={"NRVNA_KEY_WAIT": "30"})
+    assert done.returncode == 0 and time.monotonic() - start < 10, done.stderr
+    assert Flow(ws).get(done.stdout.decode().strip()).prompt == "kept"
+    assert len(os.listdir(os.path.join(ws, nrvna.READY))) == 2001
 
 
 def test_clean_ends_a_key_and_retry_keeps_it(ws: str, run_main: RunMain) -> None:
