@@ -3730,6 +3730,16 @@ def test_a_stopped_submitter_keeps_its_key_and_no_key_makes_two_jobs(ws: str, tm
     assert len(os.listdir(os.path.join(ws, nrvna.READY))) == 2001
 
 
+def test_a_batch_repeating_a_key_makes_one_job_without_waiting_on_itself(ws: str) -> None:
+    nrvna.ensure_workspace(ws)
+    work = Work(ws, notify=pytest.fail)  # never waits: the key's holder is this call
+    entries = [nrvna.BatchEntry(1, b"first", {"idempotency_key": "same"}), nrvna.BatchEntry(2, b"second", {"idempotency_key": "same"})]
+    start = time.monotonic()
+    ids = work.publish_batch(entries)
+    assert time.monotonic() - start < 2
+    assert ids[0] == ids[1] and os.listdir(os.path.join(ws, nrvna.READY)) == [ids[0]] and work.existing_lines == 1
+
+
 def test_clean_ends_a_key_and_retry_keeps_it(ws: str, run_main: RunMain) -> None:
     job_id = submit(ws, "hello", idempotency_key="k")
     with serving(ws, echo):
