@@ -1847,9 +1847,33 @@ def _read_lock_pid(workspace: str) -> Optional[int]:
     return int(text) if text.isdigit() else None
 
 
+def _kernel_lock_holder(workspace: str) -> Optional[int]:
+    """The pid of the process holding the exclusive flock on ``workspace`` as the kernel
+    records it (Linux's /proc/locks: "1: FLOCK ADVISORY WRITE <pid> <maj>:<min>:<inode> ...");
+    None where there is no such record (another system, or no lock)."""
+    try:
+        info = os.stat(workspace)
+        with open("/proc/locks", encoding="ascii", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    place = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    for line in lines:
+        fields = line.split()  # a waiter's line has "->" before FLOCK: never matches here
+        if fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and len(fields) > 5 and fields[5] == place:
+            pid = fields[4]
+            if pid.isdigit() and int(pid) > 0:  # 0: a holder outside our pid namespace
+                return int(pid)
+    return None
+
+
 def _lock_holder(workspace: str) -> int:
-    """The pid of the lock's holder as LOCK_FILE names it (-1 if it names none: the holder
-    is just starting, or the file was replaced and the holder has not yet rewritten it)."""
+    """The pid of the lock's holder: the kernel's record where there is one (LOCK_FILE can be
+    replaced and name anyone), else as LOCK_FILE names it (-1 if it names none: the holder is
+    just starting, or the file was replaced and the holder has not yet rewritten it)."""
+    pid = _kernel_lock_holder(workspace)
+    if pid is not None:
+        return pid
     for _ in range(50):  # a daemon that just took the lock writes its pid next
         pid = _read_lock_pid(workspace)
         if pid is not None:

@@ -4025,14 +4025,39 @@ def test_a_replaced_lock_file_lets_no_second_daemon_in_and_stop_stops_the_first(
         os.rename(fresh, os.path.join(ws, nrvna.LOCK_FILE))  # what `export -o WS/.nrvna.lock` did
         second = child_daemon(ws, "derived", "-w", "1", stderr=subprocess.PIPE)
         assert second.wait(30) == 1 and b"in use by another daemon" in second.stderr.read()
-        # stop does not know the pid yet (the file names nobody): it signals the daemon as soon
-        # as the daemon has written its pid back (within DAEMON_STATUS_SECONDS)
+        # stop finds the holder by its lock (where the kernel lists locks; elsewhere it signals
+        # the daemon once it has written its pid back, within DAEMON_STATUS_SECONDS)
         stopped = cli("stop", ws, "--timeout", "20")
         assert stopped.returncode == 0, stopped.stderr
         assert first.wait(5) == 0
     finally:
         if first.poll() is None:
             first.kill()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the kernel's lock list is Linux's")
+def test_a_planted_pid_in_the_lock_file_is_not_named_as_the_holder(ws: str) -> None:
+    """The lock file's pid is a record anyone can overwrite: the refusal names the process
+    that holds the lock. (The daemon is stopped so that it cannot write its pid back.)"""
+    submit(ws, "warm")
+    first = child_daemon(ws, "derived", "-w", "1")
+    try:
+        deadline = time.monotonic() + 30
+        while nrvna._read_lock_pid(ws) != first.pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGSTOP)
+        planted = os.path.join(ws, "planted")
+        with open(planted, "w") as handle:
+            handle.write(f"{os.getpid()}\n")
+        os.rename(planted, os.path.join(ws, nrvna.LOCK_FILE))
+        second = child_daemon(ws, "derived", "-w", "1", stderr=subprocess.PIPE)
+        refusal = second.stderr.read().decode()
+        assert second.wait(30) == 1 and f"in use by another daemon (pid {first.pid})" in refusal, refusal
+        assert nrvna._daemon_holds(ws) == first.pid
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+        first.terminate()
+        first.wait(30)
 
 
 @pytest.mark.model
