@@ -269,8 +269,11 @@ def _read_metadata(text: str) -> dict[str, Any]:
 
     try:
         value = json.loads(text)
-    except (ValueError, RecursionError) as err:
+    except ValueError as err:
         raise argparse.ArgumentTypeError(f"not JSON ({err})") from None
+    except RecursionError:
+        # Input, not a usage mistake: one line, as a JSONL line's says (main reports it).
+        raise InvalidInput("--metadata: JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("not a JSON object")
     return value
@@ -497,7 +500,7 @@ def _check_param(key: str, param: Param, value: Any) -> Any:
             raise InvalidInput(f"parameter {key} must be one of {', '.join(kind)}")
     else:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF, -_INF):
-            raise InvalidInput(f"parameter {key} must be a finite number")
+            raise InvalidInput(f"parameter {key} must be {'an integer' if kind is int else 'a finite number'}")
         if kind is int and value != int(value):
             raise InvalidInput(f"parameter {key} must be an integer")
         value = kind(value)
@@ -514,7 +517,9 @@ def _check_metadata(key: str, value: Any, limit: int) -> dict[str, Any]:
         raise InvalidInput(f"parameter {key} must be a JSON object")
     try:
         size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8"))
-    except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as err:
+    except RecursionError:
+        raise InvalidInput(f"parameter {key}: JSON nested too deeply") from None
+    except (TypeError, ValueError, UnicodeEncodeError) as err:
         raise InvalidInput(f"parameter {key} cannot be written as JSON ({err})") from None
     if size > limit:
         raise InvalidInput(f"parameter {key} is {size} bytes as JSON; the limit is {limit}")
@@ -3772,6 +3777,10 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
         if key in PARAMS and not PARAMS[key].line:
             raise InvalidInput(f"unknown field {key!r} (tags are given with --tag)")
     embed = params.get("embed")
+    if "embed" in params and not isinstance(embed, (bool, str, list)):
+        raise InvalidInput("embed must be a text, a list of texts, or true (with input or prompt)")
+    if embed is True and not {"input", "prompt", "messages"} & set(params):
+        raise InvalidInput("embed: true needs the texts to embed: give input or prompt (or the texts as embed)")
     if isinstance(embed, (str, list)) or (embed is True and "input" in params):
         # {"embed": "text" | ["text", ...]} (or {"embed": true, "input": [...]}): texts to embed
         if {"prompt", "messages"} & set(params) or (embed is not True and "input" in params):
@@ -7755,7 +7764,11 @@ def main(argv: Optional[list[str]] = None, *, runner: Any = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     named = [a for a in argv[:1] if a in {c[0] for c in COMMANDS}]
     parser = _build_parser(named[0] if named else None)
-    args, extra = parser.parse_known_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except InvalidInput as err:  # a flag's value its reader refused as input, not as usage
+        _say(f"error: {err}")
+        return err.exit_code
     # argparse gives an optional positional (submit's PROMPT) its value only before the flags:
     # `submit WS --embed TEXT` would leave TEXT unrecognized. Take one such word as the prompt.
     if extra and getattr(args, "prompt", "") is None and len(extra) == 1 and (extra[0] == "-" or not extra[0].startswith("-")):

@@ -3149,6 +3149,9 @@ def test_embed_lines_in_every_form(line: dict[str, Any], prompt: str, params: di
 
 @pytest.mark.parametrize("line, message", [
     ({"embed": "t", "max_tokens": 5}, "an embed job takes no max_tokens"),
+    ({"embed": None}, "embed must be a text, a list of texts, or true (with input or prompt)"),
+    ({"embed": 5, "prompt": "p"}, "embed must be a text, a list of texts, or true (with input or prompt)"),
+    ({"embed": True}, "embed: true needs the texts to embed: give input or prompt"),
     ({"embed": "t", "prompt": "p"}, "give the texts to embed once"),
     ({"embed": [1, 2, 3]}, "input[0] is token IDs: send text (token arrays are not supported)"),
     ({"embed": ["a", " "]}, "input[1] is empty"),
@@ -4232,11 +4235,19 @@ def test_a_sigterm_while_a_last_chance_job_runs_hands_it_back_uncounted(ws: str)
 
 def test_numbers_must_be_finite_and_message_text_valid_unicode(ws: str) -> None:
     with pytest.raises(nrvna.InvalidInput, match="finite"):
-        nrvna.validate_params({"max_tokens": float("inf")})
-    with pytest.raises(nrvna.InvalidInput, match="line 1: parameter max_tokens must be a finite number"):
-        nrvna.parse_batch(b'{"prompt": "hi", "max_tokens": Infinity}\n')
+        nrvna.validate_params({"temperature": float("inf")})
+    with pytest.raises(nrvna.InvalidInput, match="line 1: parameter temperature must be a finite number"):
+        nrvna.parse_batch(b'{"prompt": "hi", "temperature": Infinity}\n')
     result = Work(ws).submit("hi", messages=[{"role": "user", "content": "a\ud800"}])
     assert not result.ok and "not valid Unicode" in result.message
+
+
+@pytest.mark.parametrize("field, value", [("top_logprobs", True), ("priority", "5"), ("max_tokens", "Infinity"),
+                                          ("seed", 1.5), ("dimensions", [8])])
+def test_an_integer_parameter_s_error_says_integer(field: str, value: Any) -> None:
+    line = b'{"prompt": "hi", "%s": %s}\n' % (field.encode(), value.encode() if value == "Infinity" else json.dumps(value).encode())
+    with pytest.raises(nrvna.InvalidInput, match=f"^line 1: parameter {field} must be an integer$"):
+        nrvna.parse_batch(line)
 
 
 def test_a_fifo_as_the_model_is_refused_at_once(ws: str, tmp_path: Path) -> None:
@@ -4423,6 +4434,16 @@ def test_metadata_goes_through_export_jsonl_beside_the_result(ws: str, run_main:
     bad = Work(ws).submit("x", metadata=["not", "an", "object"])
     assert not bad.ok and "metadata must be a JSON object" in bad.message
     assert run_main("submit", ws, "--metadata", "[1]", "x").returncode == 2
+    # JSON too deep to read: the one line a JSONL line's metadata gets, not usage and Python's words
+    deep = '{"a": ' * 1000 + "1" + "}" * 1000
+    path = write(ws + ".jsonl", '{"prompt": "x", "metadata": ' + deep + "}\n")
+    for done in (cli("submit", ws, "x", "--metadata", deep), cli("submit", ws, "--file", path)):
+        assert done.returncode == 2 and done.stderr.decode().endswith("JSON nested too deeply\n"), done.stderr
+        assert len(done.stderr.splitlines()) == 1
+    nested: dict[str, Any] = {}
+    for _ in range(sys.getrecursionlimit() + 10):
+        nested = {"a": nested}
+    assert Work(ws).submit("x", metadata=nested).message == "parameter metadata: JSON nested too deeply"
 
 
 def test_metadata_does_not_change_the_dedupe_key() -> None:
