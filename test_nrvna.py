@@ -2998,6 +2998,16 @@ def test_logprobs_are_the_log_softmax_of_the_model_s_logits(llama: nrvna.LlamaRu
 
 
 @pytest.mark.model
+def test_bytes_that_are_not_utf8_become_u_fffd_in_the_text_and_stay_exact_in_logprobs(llama: nrvna.LlamaRunner) -> None:
+    """What the README says of result.txt and logprobs' bytes (a stray continuation byte forced)."""
+    stray = next(t for t in range(llama.n_vocab) if llama.piece(t) == b"\x80")
+    outcome = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, logit_bias={str(stray): 100})
+    assert outcome.text == "\ufffd\ufffd" and outcome.text.encode("utf-8")
+    assert [bytes(e["bytes"]) for e in outcome.logprobs] == [b"\x80", b"\x80"]
+    assert [e["token"] for e in outcome.logprobs] == ["\\x80", "\\x80"]
+
+
+@pytest.mark.model
 def test_logit_bias_bans_and_forces_tokens(llama: nrvna.LlamaRunner) -> None:
     greedy = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, top_logprobs=2)
     first, second = (bytes(t["bytes"]) for t in greedy.logprobs[0]["top_logprobs"])
