@@ -3626,7 +3626,7 @@ def test_eight_processes_racing_one_key_make_one_job_and_all_print_it(ws: str) -
         nrvna.ensure_workspace(ws)
 
 
-def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str) -> None:
+def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
     nrvna.ensure_workspace(ws)
     work = Work(ws)
     dead, staging = work._stage([(nrvna.PROMPT_FILE, b"never published")])
@@ -3669,6 +3669,19 @@ def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str)
     nrvna._prune_keys(ws)
     assert [n for n in os.listdir(os.path.join(ws, nrvna.KEYS)) if n.startswith(".")] == [live.name]
     live.close()
+    # A client that publishes and exits just as its lock is tested: its job is found, the key kept.
+    racing, staging4 = work._stage([(nrvna.PROMPT_FILE, b"published meanwhile")])
+    holder4 = nrvna._KeyHolder(ws)
+    assert nrvna._link_key(ws, "k4", racing, holder4.name)
+    lock_free = nrvna._live_holder
+
+    def published_meanwhile(*args: Any) -> Any:
+        nrvna.move(staging4, os.path.join(ws, nrvna.READY, racing))
+        holder4.close()
+        return lock_free(*args)
+
+    monkeypatch.setattr(nrvna, "_live_holder", published_meanwhile)
+    assert nrvna.key_job(ws, "k4") == racing and os.path.exists(nrvna._key_path(ws, "k4"))
 
 
 _KEY_STOPPER = """
@@ -3720,7 +3733,7 @@ def test_a_stopped_submitter_keeps_its_key_and_no_key_makes_two_jobs(ws: str, tm
         assert refused.stdout == b"" and os.listdir(os.path.join(ws, nrvna.READY)) == []
         # A submit waiting when the stopped one goes on gets its job.
         waiter = subprocess.Popen([sys.executable, SCRIPT, "submit", ws, "third", "--idempotency-key", "K5"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "NRVNA_KEY_WAIT": "600"})
         time.sleep(1.5)  # it looks at the key, and waits
     finally:
         os.kill(batch.pid, signal.SIGCONT)
