@@ -448,7 +448,7 @@ def test_env_values_are_read() -> None:
 @pytest.mark.parametrize("params,message", [
     ({"max_tokens": 0}, "out of range"), ({"max_tokens": 1.5}, "integer"), ({"temperature": "hot"}, "number"),
     ({"top_p": 2}, "out of range"), ({"raw": "yes"}, "true or false"), ({"bogus": 1}, "unknown parameter"),
-    ({"seed": True}, "number"), ({"stop": "x"}, "list"), ({"system": 5}, "string"),
+    ({"seed": True}, "must be an integer"), ({"stop": "x"}, "list"), ({"system": 5}, "string"),
 ])
 def test_bad_params_are_refused(params: dict, message: str) -> None:
     with pytest.raises(nrvna.InvalidInput, match=message):
