@@ -48,7 +48,7 @@ __all__ = [
     "locate_job", "read_meta", "dump_meta", "mark_failed", "move_job", "ensure_workspace",
     "job_history", "record_event", "iter_events", "format_time", "owe_hooks", "EVENT_STATUS",
     # errors
-    "NrvnaError", "InvalidInput", "ConfigError", "NoSuchJob", "NotFinished", "WorkspaceError",
+    "NrvnaError", "InvalidInput", "ConfigError", "NoSuchJob", "NotFinished", "KeyHeld", "WorkspaceError",
     "ModelError", "NotDurable", "JobError", "Interrupted", "EXIT_CODES", "FAILURE_CODES",
     # runners and the daemon
     "Runner", "Session", "RunningJob", "Outcome", "FunctionRunner", "LlamaRunner", "Hooks", "Server",
@@ -120,6 +120,7 @@ SETTINGS: dict[str, _Setting] = {
     "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE, "sampling seed; 0 = random, anything else reproducible (default of seed)"),
     "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
     "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
+    "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0, "seconds a submit waits for another live submit that holds its idempotency key to publish its job (then exit 4, nothing queued)"),
     "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
     "pooling": _Setting("NRVNA_POOLING", str, "model", POOLINGS, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)"),
     "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1, "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
@@ -283,8 +284,11 @@ def _read_metadata(text: str) -> dict[str, Any]:
 
     try:
         value = json.loads(text)
-    except (ValueError, RecursionError) as err:
+    except ValueError as err:
         raise argparse.ArgumentTypeError(f"not JSON ({err})") from None
+    except RecursionError:
+        # Input, not a usage mistake: one line, as a JSONL line's says (main reports it).
+        raise InvalidInput("--metadata: JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("not a JSON object")
     return value
@@ -511,7 +515,7 @@ def _check_param(key: str, param: Param, value: Any) -> Any:
             raise InvalidInput(f"parameter {key} must be one of {', '.join(kind)}")
     else:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF, -_INF):
-            raise InvalidInput(f"parameter {key} must be a finite number")
+            raise InvalidInput(f"parameter {key} must be {'an integer' if kind is int else 'a finite number'}")
         if kind is int and value != int(value):
             raise InvalidInput(f"parameter {key} must be an integer")
         value = kind(value)
@@ -528,7 +532,9 @@ def _check_metadata(key: str, value: Any, limit: int) -> dict[str, Any]:
         raise InvalidInput(f"parameter {key} must be a JSON object")
     try:
         size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8"))
-    except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as err:
+    except RecursionError:
+        raise InvalidInput(f"parameter {key}: JSON nested too deeply") from None
+    except (TypeError, ValueError, UnicodeEncodeError) as err:
         raise InvalidInput(f"parameter {key} cannot be written as JSON ({err})") from None
     if size > limit:
         raise InvalidInput(f"parameter {key} is {size} bytes as JSON; the limit is {limit}")
@@ -1817,7 +1823,8 @@ EXIT_CODES = {
     EXIT_USAGE: "usage error or invalid input (prompt, ID, parameter, batch line, NRVNA_* value)",
     EXIT_MISSING: "no such job or tag (status --daemon, stop: no daemon running)",
     EXIT_UNFINISHED: "not finished yet: queued or running, a --wait-timeout or wait/stop --timeout ran out, "
-                     "export left unfinished jobs out",
+                     "export left unfinished jobs out, submit: a live submit holding the idempotency key has not "
+                     "published its job (NRVNA_KEY_WAIT ran out; nothing queued)",
 }
 
 # Why a job failed: the ``code`` in its meta.json (and JobError's), with what it means. `retry
@@ -1871,6 +1878,11 @@ class NotFinished(NrvnaError):
     """The job is still queued or running (or a wait timed out)."""
 
     exit_code = 4
+
+
+class KeyHeld(NotFinished):
+    """Another submit, alive, holds the idempotency key and has not published its job yet
+    (NRVNA_KEY_WAIT ran out): nothing was queued."""
 
 
 class WorkspaceError(NrvnaError):
@@ -2254,9 +2266,33 @@ def _read_lock_pid(workspace: str) -> Optional[int]:
     return int(text) if text.isdigit() else None
 
 
+def _kernel_lock_holder(workspace: str) -> Optional[int]:
+    """The pid of the process holding the exclusive flock on ``workspace`` as the kernel
+    records it (Linux's /proc/locks: "1: FLOCK ADVISORY WRITE <pid> <maj>:<min>:<inode> ...");
+    None where there is no such record (another system, or no lock)."""
+    try:
+        info = os.stat(workspace)
+        with open("/proc/locks", encoding="ascii", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    place = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    for line in lines:
+        fields = line.split()  # a waiter's line has "->" before FLOCK: never matches here
+        if fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and len(fields) > 5 and fields[5] == place:
+            pid = fields[4]
+            if pid.isdigit() and int(pid) > 0:  # 0: a holder outside our pid namespace
+                return int(pid)
+    return None
+
+
 def _lock_holder(workspace: str) -> int:
-    """The pid of the lock's holder as LOCK_FILE names it (-1 if it names none: the holder
-    is just starting, or the file was replaced and the holder has not yet rewritten it)."""
+    """The pid of the lock's holder: the kernel's record where there is one (LOCK_FILE can be
+    replaced and name anyone), else as LOCK_FILE names it (-1 if it names none: the holder is
+    just starting, or the file was replaced and the holder has not yet rewritten it)."""
+    pid = _kernel_lock_holder(workspace)
+    if pid is not None:
+        return pid
     for _ in range(50):  # a daemon that just took the lock writes its pid next
         pid = _read_lock_pid(workspace)
         if pid is not None:
@@ -2606,10 +2642,11 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
     fsync_dir(os.path.dirname(folder))
 
 
-# A key whose job is in none of the states (cleaned, or its client died before publishing it)
-# is replaced by the next submit once it is this old: a live client publishes within a second
-# of writing its key (a batch chunk of 2,000 jobs too).
+# A key written by an older nrvna names no holder: its client's life cannot be proven, so its
+# key is replaced once it is this old (those clients published within a second of their key).
 KEY_PENDING_SECONDS = 30.0
+KEY_WAIT_NOTICE_SECONDS = 2.0  # a submit waiting on another live one says so after this long
+HOLDER_PATTERN = re.compile(r"\.holder-[0-9]+-[0-9a-f]{8}")
 
 
 def dedupe_key(prompt: Any, params: Mapping[str, Any]) -> str:
@@ -2630,34 +2667,131 @@ def _key_path(workspace: str, key: str) -> str:
     return os.path.join(workspace, KEYS, hashlib.sha256(key.encode("utf-8")).hexdigest())
 
 
-def key_job(workspace: str, key: str, wait: float = 10.0) -> Optional[str]:
+def _keys_folder(workspace: str) -> str:
+    folder = os.path.join(workspace, KEYS)
+    try:
+        os.mkdir(folder, DIR_MODE)
+        os.chmod(folder, DIR_MODE)
+        fsync_dir(workspace)
+    except FileExistsError:
+        pass
+    return folder
+
+
+class _KeyHolder:
+    """Proof that a submitter lives while it may still publish jobs whose keys it wrote: an
+    exclusive flock on keys/.holder-<pid>-<random>, taken before its first key names the file
+    and released only once its last job is published or given up. Another client replaces a
+    key whose job is not there only when that lock is free: the kernel frees it when its
+    process dies, never while the process lives, however long it is stopped (SIGSTOP) or slow.
+    A time limit cannot tell those apart, and replacing a live client's key made two jobs."""
+
+    def __init__(self, workspace: str) -> None:
+        import fcntl
+
+        self.name = f".holder-{os.getpid()}-{os.urandom(4).hex()}"
+        self.path = os.path.join(_keys_folder(workspace), self.name)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            write_all(self.fd, f"{os.getpid()}\n".encode())  # for the waiting client's message
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Give the keys up: their jobs are published, or never will be by this process."""
+        _unlink_quietly(self.path, None)
+        os.close(self.fd)
+
+
+def _live_holder(workspace: str, holder: Optional[str], age: float) -> Optional[int]:
+    """The pid of the live client that may still publish a key's staged job (0: alive, pid
+    unknown), or None when no client can: the key's holder lock is free, or its file gone."""
+    import fcntl
+
+    if holder is None:  # an older nrvna's key: no lock to test, only its age
+        return 0 if age < KEY_PENDING_SECONDS else None
+    try:
+        fd = os.open(os.path.join(workspace, KEYS, holder), os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+    except OSError:
+        return None  # its client finished (or died, and clean removed the file); or not a holder's file
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared: clients testing it never block each other
+        except BlockingIOError:
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            return int(text) if text.isdigit() else 0
+        return None
+    finally:
+        os.close(fd)
+
+
+def _key_job_state(workspace: str, job_id: str, holder: Optional[str], age: float) -> tuple[bool, Optional[int]]:
+    """Whether a key's job exists (in any state); if it does not, the pid of the live client
+    that may still publish it (see _live_holder), or None: it never will, the key is stale."""
+    if not is_valid_id(job_id):
+        return False, None
+    # Staging first, then the states: the publishing rename moves it from one to the other.
+    staged = os.path.isdir(os.path.join(workspace, WRITING, job_id))
+    if locate_job(workspace, job_id)[0] is not Status.Missing:
+        return True, None
+    if not staged:
+        return False, None
+    pid = _live_holder(workspace, holder, age)
+    if pid is not None:
+        return False, pid
+    # Its client can publish no more, but may have done so since the first look.
+    return locate_job(workspace, job_id)[0] is not Status.Missing, None
+
+
+def key_job(workspace: str, key: str, wait: Optional[float] = None,
+            notify: Optional[Callable[[str], None]] = None) -> Optional[str]:
     """The ID of the job submitted with idempotency ``key``, in any state (queued, running,
-    done, failed); None if there is none. A job still being published by another client is
-    waited for (up to ``wait`` seconds); a key whose job is gone (cleaned), or whose client
-    died before publishing, is removed here, so the next submit queues the work again."""
+    done, failed); None if there is none. A job another client is still publishing is waited
+    for while that client lives (see _KeyHolder), up to ``wait`` seconds (NRVNA_KEY_WAIT),
+    then KeyHeld: never a second job for the key. ``notify`` hears once, after a while, that
+    the wait goes on. A key whose job is gone (cleaned), or whose client died before
+    publishing it, is removed here, so the next submit queues the work again."""
     path = _key_path(workspace, key)
-    deadline = time.monotonic() + wait
+    wait = setting_default("key_wait") if wait is None else wait
+    start = time.monotonic()
+    told = False
     while True:
         try:
-            job_id, age = _read_key(path)
+            job_id, holder, age = _read_key(path)
         except FileNotFoundError:
             return None
-        if is_valid_id(job_id):
-            # Staging first, then the states: the publishing rename moves it from one to the other.
-            staged = os.path.isdir(os.path.join(workspace, WRITING, job_id))
-            if locate_job(workspace, job_id)[0] is not Status.Missing:
-                return job_id
-            if staged and age < KEY_PENDING_SECONDS and time.monotonic() < deadline:
-                time.sleep(0.01)  # its client is between writing the key and publishing the job
-                continue
-        _drop_stale_key(path, job_id)
+        exists, pid = _key_job_state(workspace, job_id, holder, age)
+        if exists:
+            return job_id
+        if pid is None:
+            _drop_stale_key(path, job_id)
+            continue
+        waited = time.monotonic() - start
+        who = f"submit pid {pid}" if pid else "another submit"
+        if waited >= wait:
+            raise KeyHeld(f"idempotency key {key!r} is held by {who}, which is alive and has not published its job "
+                          f"(stopped?); nothing queued after waiting {waited:.0f} s (NRVNA_KEY_WAIT)")
+        if notify is not None and not told and waited >= KEY_WAIT_NOTICE_SECONDS:
+            notify(f"waiting for {who}: it holds idempotency key {key!r} and has not published its job yet "
+                   f"(stopped?); giving up after {wait:g} s (NRVNA_KEY_WAIT)")
+            told = True
+        time.sleep(0.01 if waited < 1 else 0.1)  # a live client publishes within a second, as a rule
 
 
-def _read_key(path: str) -> tuple[str, float]:
-    """The job ID a key names, and the key's age in seconds."""
+def _parse_key(text: str) -> tuple[str, Optional[str]]:
+    """A key file's job ID and holder (None in an older nrvna's key, which holds the ID alone)."""
+    lines = text.split("\n")
+    holder = lines[1].strip() if len(lines) > 1 else ""
+    return lines[0].strip(), holder if HOLDER_PATTERN.fullmatch(holder) else None
+
+
+def _read_key(path: str) -> tuple[str, Optional[str], float]:
+    """The job ID a key names, its holder (see _KeyHolder) and the key's age in seconds."""
     with open(path, encoding="utf-8", errors="replace") as handle:
-        job_id = handle.read().strip()
-    return job_id, time.time() - os.stat(path).st_mtime
+        job_id, holder = _parse_key(handle.read(1024))
+    return job_id, holder, time.time() - os.stat(path).st_mtime
 
 
 def _drop_stale_key(path: str, job_id: str) -> None:
@@ -2670,7 +2804,7 @@ def _drop_stale_key(path: str, job_id: str) -> None:
         return  # another client removed it
     try:
         with open(aside, encoding="utf-8", errors="replace") as handle:
-            if handle.read().strip() != job_id:
+            if _parse_key(handle.read(1024))[0] != job_id:
                 try:
                     os.link(aside, path)  # a fresh key, not the stale one: restore it
                 except FileExistsError:
@@ -2679,21 +2813,16 @@ def _drop_stale_key(path: str, job_id: str) -> None:
         _unlink_quietly(aside, None)
 
 
-def _link_key(workspace: str, key: str, job_id: str) -> bool:
-    """Create ``key``'s entry naming ``job_id``, durably, if no client has: False if one has.
-    (Written under a temporary name and hard-linked: link() fails if the name exists.)"""
-    folder = os.path.join(workspace, KEYS)
-    try:
-        os.mkdir(folder, DIR_MODE)
-        os.chmod(folder, DIR_MODE)
-        fsync_dir(workspace)
-    except FileExistsError:
-        pass
+def _link_key(workspace: str, key: str, job_id: str, holder: str) -> bool:
+    """Create ``key``'s entry naming ``job_id`` and its client's ``holder`` (a _KeyHolder's
+    name), durably, if no client has: False if one has. (Written under a temporary name and
+    hard-linked: link() fails if the name exists.)"""
+    folder = _keys_folder(workspace)
     path = _key_path(workspace, key)
     temp = f"{path}.new-{os.getpid()}-{os.urandom(4).hex()}"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
     try:
-        write_all(fd, f"{job_id}\n".encode())
+        write_all(fd, f"{job_id}\n{holder}\n".encode())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -2708,7 +2837,10 @@ def _link_key(workspace: str, key: str, job_id: str) -> bool:
 
 
 def _prune_keys(workspace: str) -> None:
-    """Delete keys whose jobs are gone (after clean): the key store stays as large as the jobs."""
+    """Delete keys whose jobs are gone (after clean), and the holder files of clients that
+    died: the key store stays as large as the jobs."""
+    import fcntl
+
     folder = os.path.join(workspace, KEYS)
     try:
         names = os.listdir(folder)
@@ -2716,11 +2848,26 @@ def _prune_keys(workspace: str) -> None:
         return
     for name in names:
         path = os.path.join(folder, name)
+        if HOLDER_PATTERN.fullmatch(name):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                # A minute old: its client locks it at once, before any key names it.
+                if time.time() - os.fstat(fd).st_mtime > 60:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    _unlink_quietly(path, None)
+            except BlockingIOError:
+                pass  # its client lives
+            finally:
+                os.close(fd)
+            continue
         try:
-            job_id, age = _read_key(path)
+            job_id, holder, age = _read_key(path)
         except (FileNotFoundError, IsADirectoryError):
             continue
-        if age >= KEY_PENDING_SECONDS and (not is_valid_id(job_id) or locate_job(workspace, job_id)[0] is Status.Missing):
+        if _key_job_state(workspace, job_id, holder, age) == (False, None):
             _drop_stale_key(path, job_id)
 
 
@@ -2805,8 +2952,9 @@ def check_prompt(prompt: Any, limit: int) -> bytes:
 class Work:
     """Submits jobs to a workspace. Create one per thread (it keeps no shared state)."""
 
-    def __init__(self, workspace: Any) -> None:
+    def __init__(self, workspace: Any, notify: Optional[Callable[[str], None]] = None) -> None:
         self.workspace = os.fspath(workspace)
+        self.notify = notify  # hears that a submit waits for another one holding its key (the CLI: stderr)
         self.existing = False  # the last publish found its idempotency key's job: nothing was queued
         self.existing_lines = 0  # lines of the last publish_batch that found their key's job
 
@@ -2850,26 +2998,32 @@ class Work:
         if clean:
             files.append((PARAMS_FILE, json.dumps(clean, ensure_ascii=False).encode()))
         key = clean.get("idempotency_key")
-        while True:
-            if key is not None:
-                existing = key_job(self.workspace, key)
-                if existing is not None:
-                    self.existing = True
-                    return existing
-            job_id, staging = self._stage(files)
-            ready = os.path.join(self.workspace, READY, job_id)
-            try:
-                # The key is durable before the job is published: a job never runs without it.
-                if key is not None and not _link_key(self.workspace, key, job_id):
-                    _remove_tree(staging)  # another client's job has this key: return that one
-                    continue
-                if clean.get("tag"):
-                    _write_manifest(self.workspace, clean["tag"], [(job_id, clean.get("custom_id"))])
-                move(staging, ready)
-            except BaseException:
-                _remove_tree(staging)
-                raise
-            break
+        holder: Optional[_KeyHolder] = None
+        try:
+            while True:
+                if key is not None:
+                    existing = key_job(self.workspace, key, notify=self.notify)
+                    if existing is not None:
+                        self.existing = True
+                        return existing
+                    holder = holder or _KeyHolder(self.workspace)
+                job_id, staging = self._stage(files)
+                ready = os.path.join(self.workspace, READY, job_id)
+                try:
+                    # The key is durable before the job is published: a job never runs without it.
+                    if holder is not None and not _link_key(self.workspace, key, job_id, holder.name):
+                        _remove_tree(staging)  # another client's job has this key: return that one
+                        continue
+                    if clean.get("tag"):
+                        _write_manifest(self.workspace, clean["tag"], [(job_id, clean.get("custom_id"))])
+                    move(staging, ready)
+                except BaseException:
+                    _remove_tree(staging)
+                    raise
+                break
+        finally:
+            if holder is not None:
+                holder.close()  # published (or given up): its key is no longer ours to publish
         try:
             fsync_dir(os.path.join(self.workspace, READY))
             fsync_dir(os.path.join(self.workspace, WRITING))
@@ -2889,11 +3043,23 @@ class Work:
         a few flushes per chunk instead of four per job. A crash leaves whole jobs in ready/
         and staged ones in writing/ (removed by the daemon later, never run).
         """
-        import json
-
         ensure_workspace(self.workspace)
         ids: list[str] = []
         self.existing_lines = 0
+        holder = _KeyHolder(self.workspace) if any("idempotency_key" in e.params for e in entries) else None
+        try:
+            self._publish_chunks(entries, tag, on_chunk, ids, holder)
+        finally:
+            if holder is not None:
+                holder.close()
+        return ids
+
+    def _publish_chunks(self, entries: list[BatchEntry], tag: Optional[str],
+                        on_chunk: Optional[Callable[[list[str]], None]], ids: list[str],
+                        holder: Optional[_KeyHolder]) -> None:
+        import json
+
+        mine: dict[str, str] = {}  # keys this call linked (or found): never waited on as another's
         for first in range(0, len(entries), BATCH_CHUNK):
             chunk = entries[first:first + BATCH_CHUNK]
             staged: list[tuple[str, str]] = []
@@ -2909,12 +3075,19 @@ class Work:
                 final = [job_id for job_id, _ in staged]
                 for i, entry in enumerate(chunk):
                     key = entry.params.get("idempotency_key")
-                    while key is not None and not _link_key(self.workspace, key, final[i]):
-                        existing = key_job(self.workspace, key)
+                    if key is None or holder is None:
+                        continue
+                    if key in mine:  # an earlier line of this call has it: our own lock, never waited on
+                        final[i] = mine[key]
+                        self.existing_lines += 1
+                        continue
+                    while not _link_key(self.workspace, key, final[i], holder.name):
+                        existing = key_job(self.workspace, key, notify=self.notify)
                         if existing is not None:
                             final[i] = existing
                             self.existing_lines += 1
                             break
+                    mine[key] = final[i]
                 if tag:
                     _write_manifest(self.workspace, tag, [(job_id, e.params.get("custom_id"))
                                                           for job_id, e in zip(final, chunk)])
@@ -2931,7 +3104,6 @@ class Work:
             fsync_dir(os.path.join(self.workspace, WRITING))
             if on_chunk is not None:
                 on_chunk(ids[first:])
-        return ids
 
     def submit_file(self, source: Any, *, tag: Optional[str] = None, jsonl: Optional[bool] = None,
                     on_ids: Optional[Callable[[list[str]], None]] = None, notes: Optional[list[str]] = None,
@@ -3006,7 +3178,7 @@ class Work:
         for i, entry in enumerate(entries):
             key = entry.params.get("idempotency_key")
             if ids[i] is None and key is not None and os.path.isdir(self.workspace):
-                ids[i] = key_job(self.workspace, key)
+                ids[i] = key_job(self.workspace, key, notify=self.notify)
                 keyed += ids[i] is not None
         first_with: dict[str, int] = {}
         same_as: dict[int, int] = {}  # a line whose key an earlier line of the file has -> that line
@@ -4081,6 +4253,10 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
         if key in PARAMS and not PARAMS[key].line:
             raise InvalidInput(f"unknown field {key!r} (tags are given with --tag)")
     embed = params.get("embed")
+    if "embed" in params and not isinstance(embed, (bool, str, list)):
+        raise InvalidInput("embed must be a text, a list of texts, or true (with input or prompt)")
+    if embed is True and not {"input", "prompt", "messages"} & set(params):
+        raise InvalidInput("embed: true needs the texts to embed: give input or prompt (or the texts as embed)")
     if isinstance(embed, (str, list)) or (embed is True and "input" in params):
         # {"embed": "text" | ["text", ...]} (or {"embed": true, "input": [...]}): texts to embed
         if {"prompt", "messages"} & set(params) or (embed is not True and "input" in params):
@@ -4778,10 +4954,32 @@ def resolve_model(name: str, models_dir: str) -> str:
     raise ModelError(f"model name {name} is ambiguous in {models_dir}: {', '.join(matches)}")
 
 
-# JSON strings as JSON allows them: llama-cpp-python's converter lets a string hold raw
-# control characters (its "char" rule is [^"\\]), which json.loads refuses; llama.cpp's own
-# converter and JSON grammar exclude them, and so does nrvna.
-_JSON_CHAR_RULE = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+# One character of a JSON string, as strict JSON and UTF-8 allow it. llama-cpp-python's
+# converter lets a string hold raw control characters (its "char" rule is [^"\\]), which
+# json.loads refuses; llama.cpp's own converter and JSON grammar exclude them, and so does nrvna.
+# A \u escape is a BMP code point that is no surrogate, or a high surrogate followed by a low
+# one: a lone surrogate (json.loads takes it) cannot be encoded in UTF-8 and strict parsers
+# refuse it, and a pair is one character, so minLength/maxLength (a repetition of this rule)
+# count characters as JSON Schema does. Raw text excludes what llama.cpp decodes from bytes
+# that are not UTF-8 (surrogates, code points past U+10FFFF) for the same reason: a class of
+# what is allowed, as llama.cpp refuses a token that ends inside a character (an ED byte
+# alone, say) when any character it could begin is in a negated class (U+D000-U+D7FF too).
+_JSON_HEX = "[0-9a-fA-F]"
+_JSON_CHAR_RULE = (r'[\x20-\x21\x23-\x5B\x5D-\x7E\x80-\uD7FF\uE000-\U0010FFFF] | "\\" (["\\/bfnrt] | "u" ('
+                   f'[0-9a-cA-CeEfF] {_JSON_HEX} {_JSON_HEX} {_JSON_HEX} | [dD] [0-7] {_JSON_HEX} {_JSON_HEX} | '
+                   f'[dD] [89abAB] {_JSON_HEX} {_JSON_HEX} "\\\\u" [dD] [c-fC-F] {_JSON_HEX} {_JSON_HEX}))')
+# {"type": "json_object"}: llama-cpp-python's JSON_GBNF (any object) with its strings made of
+# _JSON_CHAR_RULE characters (its own take a lone surrogate escape, and refuse the escape "\/").
+_JSON_OBJECT_GBNF = "\n".join([
+    'root ::= object',
+    'value ::= object | array | string | number | ("true" | "false" | "null") ws',
+    'object ::= "{" ws (string ":" ws value ("," ws string ":" ws value)*)? "}" ws',
+    'array ::= "[" ws (value ("," ws value)*)? "]" ws',
+    'string ::= "\\"" char* "\\"" ws',
+    'char ::= ' + _JSON_CHAR_RULE,
+    'number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws',
+    'ws ::= | " " | "\\n" [ \\t]{0,20}',
+    ''])
 _schema_converter: Any = None
 _GBNF_LITERAL_ESCAPES = {"\\": "\\\\", "\r": "\\r", "\n": "\\n", '"': '\\"'}
 
@@ -5135,10 +5333,8 @@ class LlamaRunner(Runner):
         if kind is None:
             return None
         if kind == "json_object":
-            from llama_cpp.llama_grammar import JSON_GBNF
-
             key: Any = ("json_object",)
-            params = {"grammar": JSON_GBNF}
+            params = {"grammar": _JSON_OBJECT_GBNF}
         elif kind == "grammar":
             key = ("gbnf", params["grammar"])
         else:
@@ -7557,14 +7753,14 @@ def _cmd_submit(args: Any) -> int:
         source = _stdin("--file -") if args.file == "-" else args.file
         notes: list[str] = []
         try:
-            Work(args.workspace).submit_file(source, tag=params.pop("tag", None), on_ids=_print_lines,
+            Work(args.workspace, _say).submit_file(source, tag=params.pop("tag", None), on_ids=_print_lines,
                                              notes=notes, dedupe=args.dedupe, template=args.template,
                                              id_field=args.id_field, **params)
         finally:
             for note in notes:
                 _say(note)
         return EXIT_OK
-    work = Work(args.workspace)
+    work = Work(args.workspace, _say)
     try:
         job_id = work.publish(_read_prompt(args), dedupe=args.dedupe, **params)
     except NotDurable as err:
@@ -8094,7 +8290,11 @@ def main(argv: Optional[list[str]] = None, *, runner: Any = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     named = [a for a in argv[:1] if a in {c[0] for c in COMMANDS}]
     parser = _build_parser(named[0] if named else None)
-    args, extra = parser.parse_known_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except InvalidInput as err:  # a flag's value its reader refused as input, not as usage
+        _say(f"error: {err}")
+        return err.exit_code
     # argparse gives an optional positional (submit's PROMPT) its value only before the flags:
     # `submit WS --embed TEXT` would leave TEXT unrecognized. Take one such word as the prompt.
     if extra and getattr(args, "prompt", "") is None and len(extra) == 1 and (extra[0] == "-" or not extra[0].startswith("-")):

@@ -448,7 +448,7 @@ def test_env_values_are_read() -> None:
 @pytest.mark.parametrize("params,message", [
     ({"max_tokens": 0}, "out of range"), ({"max_tokens": 1.5}, "integer"), ({"temperature": "hot"}, "number"),
     ({"top_p": 2}, "out of range"), ({"raw": "yes"}, "true or false"), ({"bogus": 1}, "unknown parameter"),
-    ({"seed": True}, "number"), ({"stop": "x"}, "list"), ({"system": 5}, "string"),
+    ({"seed": True}, "must be an integer"), ({"stop": "x"}, "list"), ({"system": 5}, "string"),
 ])
 def test_bad_params_are_refused(params: dict, message: str) -> None:
     with pytest.raises(nrvna.InvalidInput, match=message):
@@ -3036,6 +3036,79 @@ def test_grammar_shape_counts_llama_cpp_s_walks() -> None:
     assert split.walk(after, b"\xa9x")[1] == (frozenset({()}), (0, 0))
 
 
+def grammar_admits(llama: nrvna.LlamaRunner, grammar: str, data: bytes) -> bool:
+    """Whether llama.cpp's grammar sampler takes ``data`` whole, fed one byte token at a time
+    (any bytes, UTF-8 or not), and then lets generation end."""
+    L = llama.L
+    tokens = {}
+    for token in range(llama.n_vocab):
+        tokens.setdefault(llama.piece(token), token)
+    sampler = L.llama_sampler_init_grammar(llama.vocab, grammar.encode(), b"root")
+    assert sampler, grammar
+    try:
+        for token in [tokens[bytes([b])] for b in data] + [L.llama_vocab_eos(llama.vocab)]:
+            candidate = (L.llama_token_data * 1)(L.llama_token_data(token, 0.0, 0.0))
+            L.llama_sampler_apply(sampler, ctypes.byref(L.llama_token_data_array(candidate, 1, -1, False)))
+            if candidate[0].logit == -math.inf:
+                return False
+            if token != L.llama_vocab_eos(llama.vocab):
+                L.llama_sampler_accept(sampler, token)
+        return True
+    finally:
+        L.llama_sampler_free(sampler)
+
+
+@pytest.mark.model
+def test_a_surrogate_pair_escape_is_one_character_and_a_lone_surrogate_is_refused(llama: nrvna.LlamaRunner) -> None:
+    """A \\u escape in a constrained string is a BMP code point that is no surrogate, or a high
+    and a low surrogate together, one character: minLength/maxLength count as JSON Schema
+    does, and whatever the grammar takes decodes to text UTF-8 can hold (json.loads takes a
+    lone surrogate escape; UTF-8 encoders and strict parsers refuse it)."""
+    two = nrvna.schema_to_grammar({"type": "string", "minLength": 2, "maxLength": 2})
+    admitted = ['"ab"', '"\\ud83d\\ude00x"', '"\\uD83D\\uDE00\\u00e9"', '"\\ud7ff\\ue000"', '"\\/\\uFFFF"', '"é😀"']
+    refused = ['"\\ud83d\\ude00"',  # one character, not two
+               '"\\ud83d\\u2f9c"', '"\\ud83dx"', '"a\\udbff"', '"\\ude00\\ud83d"', '"\\udfffa"', '"abc"']
+    for text in admitted:
+        assert grammar_admits(llama, two, text.encode()), text
+        value = json.loads(text)
+        assert len(value) == 2 and value.encode("utf-8")
+    for text in refused:
+        assert not grammar_admits(llama, two, text.encode()), text
+    # Bytes that are not UTF-8, as byte tokens spell them: a surrogate, a code point past U+10FFFF;
+    # and the characters beside them, whose first byte begins those too (U+D000, U+D7FF, U+10FFFF).
+    for raw in (b'"a\xed\xa0\x80"', b'"a\xf4\x90\x80\x80"'):
+        assert not grammar_admits(llama, two, raw), raw
+    for raw in (b'"\xed\x80\x80\xed\x9f\xbf"', b'"\xee\x80\x80\xf4\x8f\xbf\xbf"'):
+        assert grammar_admits(llama, two, raw), raw
+    json_object = llama.grammar({"response_format": {"type": "json_object"}})[1]
+    assert grammar_admits(llama, json_object, b'{"s": "\\ud83d\\ude00\\/", "n": [1, true]}')
+    for text in (b'{"s": "\\ud83d"}', b'{"s": "\\ude00\\ud83d"}', b'{"s": "\xed\xa0\x80"}'):
+        assert not grammar_admits(llama, json_object, text), text
+
+
+@pytest.mark.model
+def test_constrained_jobs_copying_surrogate_escapes_end_valid_utf8_json(ws: str, tmp_path: Path, model: str,
+                                                                       run_main: RunMain) -> None:
+    """The model copies its raw prompt greedily: an emoji's escape pair (one character where
+    two are asked) and lone surrogates came out as they were, and "stop" with them."""
+    two = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 2}},
+           "required": ["s"], "additionalProperties": False}
+    lines = [{"prompt": '{"s": "%s"}\n' % s * 6, "raw": True, "temperature": 0, "max_tokens": 40,
+              "response_format": form}
+             for s in ("\\ud83d\\ude00", "\\ud83d\\u2f9c", "\\ud83d\\ud83d")
+             for form in (schema_format(two), {"type": "json_object"})]
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "s.jsonl", jsonl(lines))))
+    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for job_id, line in zip(ids, lines):
+        job = Flow(ws).get(job_id)
+        assert job.status is Status.Done and job.meta["finish_reason"] == "stop", (job.meta, job.result)
+        value = json.loads(job.result)
+        text = json.dumps(value, ensure_ascii=False)
+        assert not any(0xD800 <= ord(c) <= 0xDFFF for c in text), job.result  # UTF-8 can hold it
+        assert satisfies(value, two) if line["response_format"]["type"] == "json_schema" else isinstance(value, dict), job.result
+
+
 @pytest.mark.model
 def test_a_schema_whose_grammar_multiplies_fails_its_job_at_once(llama: nrvna.LlamaRunner) -> None:
     nrvna.check_json_schema(HANGING_SCHEMA)  # the client cannot convert it: the daemon refuses it
@@ -3162,6 +3235,16 @@ def test_logprobs_are_the_log_softmax_of_the_model_s_logits(llama: nrvna.LlamaRu
     finally:
         reference.close()
     assert b"".join(bytes(e["bytes"]) for e in outcome.logprobs).decode() == outcome.text
+
+
+@pytest.mark.model
+def test_bytes_that_are_not_utf8_become_u_fffd_in_the_text_and_stay_exact_in_logprobs(llama: nrvna.LlamaRunner) -> None:
+    """What the README says of result.txt and logprobs' bytes (a stray continuation byte forced)."""
+    stray = next(t for t in range(llama.n_vocab) if llama.piece(t) == b"\x80")
+    outcome = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, logit_bias={str(stray): 100})
+    assert outcome.text == "\ufffd\ufffd" and outcome.text.encode("utf-8")
+    assert [bytes(e["bytes"]) for e in outcome.logprobs] == [b"\x80", b"\x80"]
+    assert [e["token"] for e in outcome.logprobs] == ["\\x80", "\\x80"]
 
 
 @pytest.mark.model
@@ -3316,6 +3399,9 @@ def test_embed_lines_in_every_form(line: dict[str, Any], prompt: str, params: di
 
 @pytest.mark.parametrize("line, message", [
     ({"embed": "t", "max_tokens": 5}, "an embed job takes no max_tokens"),
+    ({"embed": None}, "embed must be a text, a list of texts, or true (with input or prompt)"),
+    ({"embed": 5, "prompt": "p"}, "embed must be a text, a list of texts, or true (with input or prompt)"),
+    ({"embed": True}, "embed: true needs the texts to embed: give input or prompt"),
     ({"embed": "t", "prompt": "p"}, "give the texts to embed once"),
     ({"embed": [1, 2, 3]}, "input[0] is token IDs: send text (token arrays are not supported)"),
     ({"embed": ["a", " "]}, "input[1] is empty"),
@@ -3846,26 +3932,144 @@ def test_eight_processes_racing_one_key_make_one_job_and_all_print_it(ws: str) -
         nrvna.ensure_workspace(ws)
 
 
-def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str) -> None:
+def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
     nrvna.ensure_workspace(ws)
     work = Work(ws)
     dead, staging = work._stage([(nrvna.PROMPT_FILE, b"never published")])
-    assert nrvna._link_key(ws, "k", dead)
+    holder = nrvna._KeyHolder(ws)
+    assert nrvna._link_key(ws, "k", dead, holder.name)
     path = nrvna._key_path(ws, "k")
-    # A live client publishes within a second: its key is waited for, and its job returned.
-    publisher = threading.Timer(0.3, nrvna.move, (staging, os.path.join(ws, nrvna.READY, dead)))
+
+    def publish() -> None:
+        nrvna.move(staging, os.path.join(ws, nrvna.READY, dead))
+        holder.close()
+
+    # A live client's job is waited for (its holder lock is held), and returned.
+    publisher = threading.Timer(0.3, publish)
     publisher.start()
     assert work.publish("other", idempotency_key="k") == dead
     publisher.join()
-    # A client that died between its key and its job: after KEY_PENDING_SECONDS the key goes.
+    # A client that died between its key and its job (its lock free, its file left): the key
+    # goes at once, however young.
     dead2, staging2 = work._stage([(nrvna.PROMPT_FILE, b"never published")])
-    assert nrvna._link_key(ws, "k2", dead2)
-    old = time.time() - nrvna.KEY_PENDING_SECONDS - 1
-    os.utime(nrvna._key_path(ws, "k2"), (old, old))
+    holder2 = nrvna._KeyHolder(ws)
+    assert nrvna._link_key(ws, "k2", dead2, holder2.name)
+    os.close(holder2.fd)
     fresh = work.publish("queued now", idempotency_key="k2")
     assert fresh != dead2 and Flow(ws).status(fresh) is Status.Queued
     assert Work(ws).publish("again", idempotency_key="k2") == fresh
     assert os.path.exists(path)
+    # An older nrvna's key names no holder: replaced once 30 s old, waited for before.
+    dead3, staging3 = work._stage([(nrvna.PROMPT_FILE, b"never published")])
+    nrvna.write_file(nrvna.open_dir(os.path.join(ws, nrvna.KEYS)), os.path.basename(nrvna._key_path(ws, "k3")),
+                     f"{dead3}\n".encode())
+    with pytest.raises(nrvna.KeyHeld, match="held by another submit"):
+        nrvna.key_job(ws, "k3", wait=0.2)
+    old = time.time() - nrvna.KEY_PENDING_SECONDS - 1
+    os.utime(nrvna._key_path(ws, "k3"), (old, old))
+    assert work.publish("queued now", idempotency_key="k3") not in (dead3, None)
+    # clean removes the holder files of dead clients (a minute old), never a live one's
+    live, old = nrvna._KeyHolder(ws), time.time() - 61
+    for name in (holder2.name, live.name):
+        os.utime(os.path.join(ws, nrvna.KEYS, name), (old, old))
+    nrvna._prune_keys(ws)
+    assert [n for n in os.listdir(os.path.join(ws, nrvna.KEYS)) if n.startswith(".")] == [live.name]
+    live.close()
+    # A client that publishes and exits just as its lock is tested: its job is found, the key kept.
+    racing, staging4 = work._stage([(nrvna.PROMPT_FILE, b"published meanwhile")])
+    holder4 = nrvna._KeyHolder(ws)
+    assert nrvna._link_key(ws, "k4", racing, holder4.name)
+    lock_free = nrvna._live_holder
+
+    def published_meanwhile(*args: Any) -> Any:
+        nrvna.move(staging4, os.path.join(ws, nrvna.READY, racing))
+        holder4.close()
+        return lock_free(*args)
+
+    monkeypatch.setattr(nrvna, "_live_holder", published_meanwhile)
+    assert nrvna.key_job(ws, "k4") == racing and os.path.exists(nrvna._key_path(ws, "k4"))
+
+
+_KEY_STOPPER = """
+import os, signal, sys
+sys.path.insert(0, {here!r})
+import nrvna
+link, linked = nrvna._link_key, []
+
+
+def link_then_stop(*args):  # stopped by SIGSTOP between its keys and its jobs, as a user can
+    done = link(*args)
+    linked.append(done)
+    if len(linked) == {stop_after}:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return done
+
+
+nrvna._link_key = link_then_stop
+raise SystemExit(nrvna.main(sys.argv[1:]))
+"""
+
+
+def start_key_stopper(args: list[str], stop_after: int) -> subprocess.Popen:
+    """`nrvna ARGS` in a process that stops itself (SIGSTOP) once it has linked ``stop_after``
+    idempotency keys; returned once it is stopped."""
+    code = _KEY_STOPPER.format(here=str(HERE), stop_after=stop_after)
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(proc.pid, os.WUNTRACED | os.WNOHANG)
+        if pid:
+            assert os.WIFSTOPPED(status), proc.communicate()
+            return proc
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError("the submit never stopped")
+
+
+def test_a_stopped_submitter_keeps_its_key_and_no_key_makes_two_jobs(ws: str, tmp_path: Path) -> None:
+    """Issue 28: a keyed --file stopped (SIGSTOP) after 8 keys; a submit with its first key
+    waited 10 s, took the key over and queued a job; SIGCONT published the first's too."""
+    lines = [{"prompt": f"line {i}", "idempotency_key": f"K{i}"} for i in range(2000)]
+    batch = start_key_stopper(["submit", ws, "--file", write(tmp_path / "k.jsonl", jsonl(lines))], 8)
+    try:
+        refused = cli("submit", ws, "second", "--idempotency-key", "K0", env={"NRVNA_KEY_WAIT": "3"})
+        assert refused.returncode == 4, refused.stderr
+        assert f"waiting for submit pid {batch.pid}: it holds idempotency key 'K0'".encode() in refused.stderr
+        assert f"'K0' is held by submit pid {batch.pid}, which is alive".encode() in refused.stderr
+        assert refused.stdout == b"" and os.listdir(os.path.join(ws, nrvna.READY)) == []
+        # A submit waiting when the stopped one goes on gets its job.
+        waiter = subprocess.Popen([sys.executable, SCRIPT, "submit", ws, "third", "--idempotency-key", "K5"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "NRVNA_KEY_WAIT": "600"})
+        time.sleep(1.5)  # it looks at the key, and waits
+    finally:
+        os.kill(batch.pid, signal.SIGCONT)
+    out, err = batch.communicate(timeout=120)
+    assert batch.returncode == 0, err
+    ids = out.decode().split()
+    assert len(ids) == 2000 and sorted(os.listdir(os.path.join(ws, nrvna.READY))) == sorted(ids)
+    waited = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0 and waited[0].decode().strip() == ids[5], waited
+    assert b"has this idempotency key already" in waited[1]
+    assert Work(ws).publish("again", idempotency_key="K0") == ids[0]
+    # One publish stopped after its key, then killed: its key is taken over at once.
+    single = start_key_stopper(["submit", ws, "lost", "--idempotency-key", "D"], 1)
+    single.kill()
+    single.wait()
+    start = time.monotonic()
+    done = cli("submit", ws, "kept", "--idempotency-key", "D", env={"NRVNA_KEY_WAIT": "30"})
+    assert done.returncode == 0 and time.monotonic() - start < 10, done.stderr
+    assert Flow(ws).get(done.stdout.decode().strip()).prompt == "kept"
+    assert len(os.listdir(os.path.join(ws, nrvna.READY))) == 2001
+
+
+def test_a_batch_repeating_a_key_makes_one_job_without_waiting_on_itself(ws: str) -> None:
+    nrvna.ensure_workspace(ws)
+    work = Work(ws, notify=pytest.fail)  # never waits: the key's holder is this call
+    entries = [nrvna.BatchEntry(1, b"first", {"idempotency_key": "same"}), nrvna.BatchEntry(2, b"second", {"idempotency_key": "same"})]
+    start = time.monotonic()
+    ids = work.publish_batch(entries)
+    assert time.monotonic() - start < 2
+    assert ids[0] == ids[1] and os.listdir(os.path.join(ws, nrvna.READY)) == [ids[0]] and work.existing_lines == 1
 
 
 def test_clean_ends_a_key_and_retry_keeps_it(ws: str, run_main: RunMain) -> None:
@@ -4153,14 +4357,39 @@ def test_a_replaced_lock_file_lets_no_second_daemon_in_and_stop_stops_the_first(
         os.rename(fresh, os.path.join(ws, nrvna.LOCK_FILE))  # what `export -o WS/.nrvna.lock` did
         second = child_daemon(ws, "derived", "-w", "1", stderr=subprocess.PIPE)
         assert second.wait(30) == 1 and b"in use by another daemon" in second.stderr.read()
-        # stop does not know the pid yet (the file names nobody): it signals the daemon as soon
-        # as the daemon has written its pid back (within DAEMON_STATUS_SECONDS)
+        # stop finds the holder by its lock (where the kernel lists locks; elsewhere it signals
+        # the daemon once it has written its pid back, within DAEMON_STATUS_SECONDS)
         stopped = cli("stop", ws, "--timeout", "20")
         assert stopped.returncode == 0, stopped.stderr
         assert first.wait(5) == 0
     finally:
         if first.poll() is None:
             first.kill()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the kernel's lock list is Linux's")
+def test_a_planted_pid_in_the_lock_file_is_not_named_as_the_holder(ws: str) -> None:
+    """The lock file's pid is a record anyone can overwrite: the refusal names the process
+    that holds the lock. (The daemon is stopped so that it cannot write its pid back.)"""
+    submit(ws, "warm")
+    first = child_daemon(ws, "derived", "-w", "1")
+    try:
+        deadline = time.monotonic() + 30
+        while nrvna._read_lock_pid(ws) != first.pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGSTOP)
+        planted = os.path.join(ws, "planted")
+        with open(planted, "w") as handle:
+            handle.write(f"{os.getpid()}\n")
+        os.rename(planted, os.path.join(ws, nrvna.LOCK_FILE))
+        second = child_daemon(ws, "derived", "-w", "1", stderr=subprocess.PIPE)
+        refusal = second.stderr.read().decode()
+        assert second.wait(30) == 1 and f"in use by another daemon (pid {first.pid})" in refusal, refusal
+        assert nrvna._daemon_holds(ws) == first.pid
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+        first.terminate()
+        first.wait(30)
 
 
 @pytest.mark.model
@@ -4335,11 +4564,19 @@ def test_a_sigterm_while_a_last_chance_job_runs_hands_it_back_uncounted(ws: str)
 
 def test_numbers_must_be_finite_and_message_text_valid_unicode(ws: str) -> None:
     with pytest.raises(nrvna.InvalidInput, match="finite"):
-        nrvna.validate_params({"max_tokens": float("inf")})
-    with pytest.raises(nrvna.InvalidInput, match="line 1: parameter max_tokens must be a finite number"):
-        nrvna.parse_batch(b'{"prompt": "hi", "max_tokens": Infinity}\n')
+        nrvna.validate_params({"temperature": float("inf")})
+    with pytest.raises(nrvna.InvalidInput, match="line 1: parameter temperature must be a finite number"):
+        nrvna.parse_batch(b'{"prompt": "hi", "temperature": Infinity}\n')
     result = Work(ws).submit("hi", messages=[{"role": "user", "content": "a\ud800"}])
     assert not result.ok and "not valid Unicode" in result.message
+
+
+@pytest.mark.parametrize("field, value", [("top_logprobs", True), ("priority", "5"), ("max_tokens", "Infinity"),
+                                          ("seed", 1.5), ("dimensions", [8])])
+def test_an_integer_parameter_s_error_says_integer(field: str, value: Any) -> None:
+    line = b'{"prompt": "hi", "%s": %s}\n' % (field.encode(), value.encode() if value == "Infinity" else json.dumps(value).encode())
+    with pytest.raises(nrvna.InvalidInput, match=f"^line 1: parameter {field} must be an integer$"):
+        nrvna.parse_batch(line)
 
 
 def test_a_fifo_as_the_model_is_refused_at_once(ws: str, tmp_path: Path) -> None:
@@ -4526,6 +4763,16 @@ def test_metadata_goes_through_export_jsonl_beside_the_result(ws: str, run_main:
     bad = Work(ws).submit("x", metadata=["not", "an", "object"])
     assert not bad.ok and "metadata must be a JSON object" in bad.message
     assert run_main("submit", ws, "--metadata", "[1]", "x").returncode == 2
+    # JSON too deep to read: the one line a JSONL line's metadata gets, not usage and Python's words
+    deep = '{"a": ' * 1000 + "1" + "}" * 1000
+    path = write(ws + ".jsonl", '{"prompt": "x", "metadata": ' + deep + "}\n")
+    for done in (cli("submit", ws, "x", "--metadata", deep), cli("submit", ws, "--file", path)):
+        assert done.returncode == 2 and done.stderr.decode().endswith("JSON nested too deeply\n"), done.stderr
+        assert len(done.stderr.splitlines()) == 1
+    nested: dict[str, Any] = {}
+    for _ in range(sys.getrecursionlimit() + 10):
+        nested = {"a": nested}
+    assert Work(ws).submit("x", metadata=nested).message == "parameter metadata: JSON nested too deeply"
 
 
 def test_metadata_does_not_change_the_dedupe_key() -> None:
