@@ -43,6 +43,7 @@ __all__ = [
     "Endpoint", "ENDPOINTS", "ExportFormat", "EXPORT_FORMATS",
     # settings and job parameters
     "Config", "SETTINGS", "Param", "PARAMS", "job_param", "validate_params", "render_messages", "check_inputs",
+    "check_grammar", "GrammarShape", "GrammarVocab", "GrammarLimit", "grammar_code_points",
     "render_inputs",
     # job directories
     "locate_job", "read_meta", "dump_meta", "mark_failed", "move_job", "ensure_workspace",
@@ -1842,8 +1843,8 @@ FAILURE_CODES = {
                    "`params.json`, a prompt over `NRVNA_MAX_PROMPT_BYTES`, a symlink, FIFO or plain file instead "
                    "of a job directory or prompt, a chat template that fails on it, a grammar llama.cpp refuses, "
                    "a `logit_bias` token outside the vocabulary",
-    "grammar_error": "no token of the model's vocabulary can continue the job's grammar, or the grammar took "
-                     "more than 0.5 s for one token (too ambiguous)",
+    "grammar_error": "no token of the model's vocabulary can continue the job's grammar, or its next step would "
+                     "take llama.cpp past nrvna's grammar work limits (too ambiguous, or too wide: see Guarantees)",
     "crash_ceiling": "the daemon died while running it `NRVNA_MAX_ATTEMPTS` times (the killed attempt's "
                      "`partial.txt` kept)",
     "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "

@@ -3132,6 +3132,36 @@ def test_a_grammar_ambiguous_past_its_start_fails_by_counted_work_not_time(llama
 
 
 @pytest.mark.model
+def test_a_job_past_the_grammar_limits_fails_alone_and_the_daemon_stops_on_time(ws: str, model: str,
+                                                                              tmp_path: Path) -> None:
+    """The issue's scene, on the daemon: a job whose grammar multiplies runs beside two others in
+    one context; it fails grammar_error, they finish, and stop returns within its timeout."""
+    proc = start_daemon(model, ws, "-w", "1", env={"NRVNA_LOG_LEVEL": "info"})
+    try:
+        wait_for_log(proc, "Server started")
+        late = ids_of(cli("submit", ws, "Write x many times.", "--grammar", write(tmp_path / "late.gbnf", LATE_GRAMMAR),
+                          "--temperature", "0", "--max-tokens", "60", "--logit-bias", "104=100"))  # 104: "x"
+        fine = ids_of(cli("submit", ws, "--file", write(tmp_path / "fine.jsonl", jsonl([
+            {"prompt": "Is water wet? Answer yes or no.", "grammar": 'root ::= "yes" | "no"', "max_tokens": 8},
+            {"prompt": "Name a colour.", "max_tokens": 8}]))))
+        done = cli("wait", ws, *late, *fine, timeout=300)
+        assert done.returncode in (0, 1), done.stderr
+        flow = Flow(ws)
+        failed = flow.get(late[0])
+        assert failed.status is Status.Failed and failed.meta["code"] == "grammar_error", failed.meta
+        assert "(the limit is 4,096)" in failed.error
+        assert all(flow.get(job_id).status is Status.Done for job_id in fine)
+        began = time.monotonic()
+        stopped = cli("stop", ws, "--timeout", "30", timeout=60)
+        assert stopped.returncode == 0 and time.monotonic() - began < 30, stopped.stderr
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.model
 def test_a_wide_enum_runs_whatever_the_load(llama: nrvna.LlamaRunner) -> None:
     """3,000 strings open 3,000 parse stacks: a whole-vocabulary check takes 2.4e8 steps (1.45 s
     here), within the limits; the old 0.5 s guard failed such jobs."""
