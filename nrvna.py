@@ -1721,70 +1721,74 @@ class GrammarShape:
             children.append(child)
         return edges, children
 
-    def vocab_cost(self, state: GrammarState, vocab: "GrammarVocab") -> tuple[int, int]:
-        """The steps llama.cpp takes to check every token of ``vocab`` in ``state``, and the
-        most one token takes: each token's characters walked down every stack, none merged,
-        all tokens a character at a time together (numpy). Raises GrammarLimit past the
-        limits. Remembered per state."""
+    def vocab_cost(self, state: GrammarState, vocab: "GrammarVocab", ids: Any = None) -> tuple[int, int]:
+        """The steps llama.cpp takes to check every token of ``vocab`` (or those of ``ids``) in
+        ``state``, and the most one token takes: each token's characters walked down every
+        stack, none merged, the tokens a character at a time together (numpy). Raises
+        GrammarLimit past the limits. The whole vocabulary's cost is remembered per state, and
+        bounds any part's."""
         found = self.vocab_costs.get(state)
         if found is not None:
             return found
         np = vocab.np
         stacks, partial = state
         points, lengths = vocab.points(partial)
-        ids: dict[Any, int] = {}  # a set of stacks with their walks -> its number here
+        rows = np.arange(len(lengths)) if ids is None else np.asarray(ids, dtype=np.int64)
+        ids_of: dict[Any, int] = {}  # a set of stacks with their walks -> its number here
         groups: list[dict[Stack, int]] = []
         walks: list[int] = []
         budget = [GRAMMAR_CHECK_WORK]
 
         def number(items: dict[Stack, int]) -> int:
             key = frozenset(items.items())
-            found = ids.get(key)
+            found = ids_of.get(key)
             if found is None:
-                found = ids[key] = len(groups)
+                found = ids_of[key] = len(groups)
                 groups.append(items)
                 walks.append(sum(items.values()))
             return found
 
-        group = np.full(len(lengths), number({stack: 1 for stack in stacks}), dtype=np.int64)
-        steps = np.zeros(len(lengths), dtype=np.int64)
-        empty = number({})
+        group = np.full(len(rows), number({stack: 1 for stack in stacks}), dtype=np.int64)
+        spent = np.zeros(len(rows), dtype=np.int64)  # steps so far, per token still being walked
+        total = worst = 0
         for column in range(points.shape[1] + 1):
-            alive = group != empty
-            if not alive.any():
-                break
-            steps[alive] += np.asarray(walks, dtype=np.int64)[group[alive]]
-            worst = int(steps.max())
+            taken = np.asarray(walks, dtype=np.int64)[group]  # each walk checks this character (or the end)
+            spent += taken
+            total += int(taken.sum())
+            going = (taken > 0) & (lengths[rows] > column)
+            if len(spent):
+                worst = max(worst, int(spent.max()))
             if worst > GRAMMAR_PATHS:
                 raise GrammarLimit(f"too ambiguous: checking a token here takes {worst:,} parse steps "
                                    f"(the limit is {GRAMMAR_PATHS:,})")
-            going = alive & (lengths > column)
-            group[~going] = empty
-            if column == points.shape[1] or not going.any():
+            rows, group, spent = rows[going], group[going], spent[going]
+            if not len(rows) or column == points.shape[1]:
                 break
-            where = np.nonzero(going)[0]
-            order = where[np.argsort(group[where], kind="stable")]
-            kinds, starts = np.unique(group[order], return_index=True)
-            for kind, begin, end in zip(kinds.tolist(), starts.tolist(), list(starts[1:]) + [len(order)]):
-                split = self.splits.get(frozenset(groups[kind].items()))
+            order = np.argsort(group, kind="stable")
+            rows, group, spent = rows[order], group[order], spent[order]
+            kinds, starts = np.unique(group, return_index=True)
+            ends = list(starts[1:].tolist()) + [len(rows)]
+            characters = points[rows, column]
+            for kind, begin, end in zip(kinds.tolist(), starts.tolist(), ends):
+                key = frozenset(groups[kind].items())
+                split = self.splits.get(key)
                 if split is None:
                     edges, children = self._children(groups[kind], budget)
                     split = (np.asarray(edges, dtype=np.int64), children)
                     if len(self.splits) > 50_000:
                         self.splits.clear()
-                    self.splits[frozenset(groups[kind].items())] = split
+                    self.splits[key] = split
                 edges, children = split
-                targets = np.asarray([number(child) if child else empty for child in children], dtype=np.int64)
-                rows = order[begin:end]
-                group[rows] = targets[np.searchsorted(edges, points[rows, column], side="right") - 1]
-        found = (int(steps.sum()), int(steps.max()))
-        if found[0] > GRAMMAR_VOCAB_WORK:
-            raise GrammarLimit(f"too wide: checking the vocabulary here takes {found[0]:,} parse steps "
+                targets = np.asarray([number(child) for child in children], dtype=np.int64)
+                group[begin:end] = targets[np.searchsorted(edges, characters[begin:end], side="right") - 1]
+        if total > GRAMMAR_VOCAB_WORK:
+            raise GrammarLimit(f"too wide: checking the vocabulary here takes {total:,} parse steps "
                                f"(the limit is {GRAMMAR_VOCAB_WORK:,})")
-        if len(self.vocab_costs) > 10_000:
-            self.vocab_costs.clear()
-        self.vocab_costs[state] = found
-        return found
+        if ids is None:
+            if len(self.vocab_costs) > 10_000:
+                self.vocab_costs.clear()
+            self.vocab_costs[state] = (total, worst)
+        return total, worst
 
 
 class GrammarVocab:
@@ -5957,7 +5961,7 @@ class LlamaSession(Session):
         (see ``_shortlist_suffices``), else from the whole vocabulary, as llama.cpp's
         common_sampler does (measured: 5.8 ms a redraw over SmolLM2's 49,152 tokens)."""
         np, n_vocab = self.runner.np, self.runner.n_vocab
-        seq.shape.vocab_cost(seq.state, self.runner.grammar_vocab())  # GrammarLimit if it is too much
+        vocab = self.runner.grammar_vocab()
         if self.candidates is None:
             self.candidates = np.zeros(n_vocab, dtype=np.dtype([("id", np.intc), ("logit", np.single),
                                                                 ("p", np.single)], align=True))
@@ -5967,9 +5971,11 @@ class LlamaSession(Session):
         row = np.ctypeslib.as_array(logits, shape=(n_vocab,))
         if n_vocab > 2 * SHORTLIST:
             ids = np.sort(np.argpartition(row, n_vocab - SHORTLIST)[n_vocab - SHORTLIST:])  # in ID order, as all are
+            seq.shape.vocab_cost(seq.state, vocab, ids)  # GrammarLimit before llama.cpp is asked
             allowed = self._apply_grammar(seq, ids, row[ids])
             if allowed is not None and self._shortlist_suffices(seq, np.sort(allowed)[::-1], float(row[ids].min())):
                 return self._draw(seq)
+        seq.shape.vocab_cost(seq.state, vocab)
         if self._apply_grammar(seq, self.token_ids, row) is None:
             return -1
         return self._draw(seq)

@@ -3173,6 +3173,35 @@ def test_a_wide_enum_runs_whatever_the_load(llama: nrvna.LlamaRunner) -> None:
 
 
 @pytest.mark.model
+def test_grammar_shape_counts_the_vocabulary_as_it_counts_each_token(llama: nrvna.LlamaRunner) -> None:
+    """vocab_cost (numpy, every token at once) is the sum and the most of walk's per-token
+    counts, in states along real outputs, for a part of the vocabulary and for the whole."""
+    import numpy
+
+    rng = numpy.random.default_rng(28)
+    vocab = llama.grammar_vocab()
+    cases = [(nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9 ol\u00e9", "n": [1, 2.5e3]}'),
+             (nrvna.schema_to_grammar({"enum": [f"v{i}" for i in range(300)]}), '"v12"'),
+             (LATE_GRAMMAR, "o" * 20 + "xx")]
+    checked = 0
+    for grammar, text in cases:
+        shape = nrvna.check_grammar(grammar)
+        state = shape.start
+        for token in llama.tokenize(text, False, False):
+            ids = numpy.sort(rng.choice(llama.n_vocab, 500, replace=False))
+            counts = [shape.walk(state, vocab.pieces[t])[0] if vocab.pieces[t] and vocab.pieces[t][0] else len(state[0])
+                      for t in ids.tolist()]
+            shape.vocab_costs.clear()  # (a state seen before answers with the whole vocabulary's cost)
+            assert shape.vocab_cost(state, vocab, ids) == (sum(counts), max(counts)), (grammar[:40], state)
+            whole = shape.vocab_cost(state, vocab)
+            assert whole[0] >= sum(counts) and whole[1] >= max(counts)
+            state = shape.walk(state, llama.piece(token))[1]
+            assert state is not None
+            checked += 1
+    assert checked > 20
+
+
+@pytest.mark.model
 def test_grammar_shape_agrees_with_llama_cpp_token_by_token(llama: nrvna.LlamaRunner) -> None:
     """Random grammars (the tests' own fuzzing of grammar shapes) walked by random tokens:
     GrammarShape allows exactly the tokens llama.cpp's grammar sampler allows, state after
