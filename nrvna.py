@@ -8274,9 +8274,20 @@ def _build_parser(only: Optional[str] = None) -> Any:
     a large part of a client's start-up time)."""
     import argparse
 
+    class OneLineParser(argparse.ArgumentParser):
+        """A usage error is one line, as every other refusal: the usage is what --help shows."""
+
+        def error(self, message: str) -> Any:
+            found = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (int|float|_positive_float|_duration) value: (.*)",
+                                 message)
+            if found:
+                flag, kind, value = found.groups()
+                message = f"{flag} must be {'an integer' if kind == 'int' else 'a number'}, not {value}"
+            self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
     env_help = "\n".join(f"  {s.env:<24} {str(s.default):<10} {s.help}" for s in SETTINGS.values())
     codes = ", ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items())
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="nrvna", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="A durable, asynchronous job queue for local LLM inference. A job is a "
                     "directory; its location is its state.",

@@ -1013,7 +1013,7 @@ def test_cli_refuses_bad_ids_with_exit_2(ws: str, bad_id: str, run_main: RunMain
     (("submit", "WS", "-"), b"a\x00b", b"NUL"),
     (("submit", "WS", "-"), b"x" * (10 << 20), b"over 1048576 bytes, the limit of a prompt"),
     (("submit", "WS", "hi", "--temperature", "-1"), None, b"out of range"),
-    (("submit", "WS", "hi", "--max-tokens", "x"), None, b"invalid int value"),
+    (("submit", "WS", "hi", "--max-tokens", "x"), None, b"--max-tokens must be an integer, not 'x'"),
     (("status",), None, b"required"),
     (("frobnicate", "WS"), None, b"invalid choice"),
 ])
@@ -4636,6 +4636,18 @@ def test_an_integer_parameter_s_error_says_integer(field: str, value: Any) -> No
     line = b'{"prompt": "hi", "%s": %s}\n' % (field.encode(), value.encode() if value == "Infinity" else json.dumps(value).encode())
     with pytest.raises(nrvna.InvalidInput, match=f"^line 1: parameter {field} must be an integer$"):
         nrvna.parse_batch(line)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--top-logprobs", "true"), b"nrvna submit: error: --top-logprobs must be an integer, not 'true'"),
+    (("--priority", '"5"'), b"""nrvna submit: error: --priority must be an integer, not '"5"'"""),
+    (("--temperature", "warm"), b"--temperature must be a number, not 'warm'"),
+    (("--no-such-flag",), b"unrecognized arguments: --no-such-flag"),
+])
+def test_a_flag_s_bad_value_is_one_line_naming_it(args: tuple[str, ...], message: bytes, ws: str) -> None:
+    done = cli("submit", ws, "hi", *args)
+    assert done.returncode == 2 and done.stderr.count(b"\n") == 1 and message in done.stderr, done.stderr
+    assert b"usage:" not in done.stderr and not os.path.exists(ws)
 
 
 def test_a_fifo_as_the_model_is_refused_at_once(ws: str, tmp_path: Path) -> None:
