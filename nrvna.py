@@ -1482,10 +1482,10 @@ GRAMMAR_PATHS = 65536  # stack steps to check one candidate token, as llama.cpp 
 # strings inside an object: 2.4e8 steps, 1.45 s), plus about 0.4 us a token.
 GRAMMAR_VOCAB_WORK = 400_000_000
 GRAMMAR_SUBMIT_CHARS = 16  # how far past its start a grammar is checked at submit
-GRAMMAR_CHECK_WORK = 2_000_000  # steps GrammarShape may take to answer one question
+GRAMMAR_CHECK_WORK = 1_000_000  # dict operations GrammarShape may take to answer one question
 # The submit check counts on the top elements of stacks alone: walks multiply there, and stacks
 # that differ only deeper (JSON nested 30 deep, or 31) count as one state, their walks added.
-GRAMMAR_COST_DEPTH = 6
+GRAMMAR_COST_DEPTH = 3
 _UTF8_LENGTHS = (1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 2, 2, 3, 4)  # by a first byte's high 4 bits
 
 Stack = tuple  # positions in GrammarShape.elements, the top last
@@ -1659,6 +1659,7 @@ class GrammarShape:
         """The most steps llama.cpp takes to check a text of at most ``depth`` more characters
         from the stacks ``items`` (stack -> walks reaching it), ``spent`` steps into it.
         Raises GrammarLimit once a text passes GRAMMAR_PATHS."""
+        budget[0] -= len(items)
         key = (frozenset(items.items()), depth)
         found = self.costs.get(key)
         if found is None:
@@ -1666,12 +1667,9 @@ class GrammarShape:
             if spent + total <= GRAMMAR_PATHS:
                 worst = 0
                 if depth > 0:
-                    for child in self._children(items, budget)[1]:
-                        if child:
-                            cut: dict[Stack, int] = {}
-                            for stack, walks in child.items():
-                                cut[stack[-GRAMMAR_COST_DEPTH:]] = cut.get(stack[-GRAMMAR_COST_DEPTH:], 0) + walks
-                            worst = max(worst, self._paths(cut, depth - 1, budget, spent + total))
+                    children = self._children(items, budget, GRAMMAR_COST_DEPTH)[1]
+                    for child in {id(child): child for child in children if child}.values():
+                        worst = max(worst, self._paths(child, depth - 1, budget, spent + total))
                 found = total + worst
                 if len(self.costs) > 200_000:
                     self.costs.clear()
@@ -1683,13 +1681,12 @@ class GrammarShape:
                                f"start can take more than {GRAMMAR_PATHS:,} parse steps")
         return found
 
-    def _children(self, items: dict[Stack, int], budget: list[int]) -> tuple[list[int], list[dict[Stack, int]]]:
+    def _children(self, items: dict[Stack, int], budget: list[int],
+                  cut: Optional[int] = None) -> tuple[list[int], list[dict[Stack, int]]]:
         """The code points the top classes of ``items`` tell apart, as ``edges`` (range i is
         edges[i] to edges[i + 1] - 1), and for each range the stacks (with their walks) a
-        character in it leads to."""
-        budget[0] -= len(items)
-        if budget[0] < 0:
-            raise GrammarLimit(f"too ambiguous: counting its work took more than {GRAMMAR_CHECK_WORK:,} steps")
+        character in it leads to (one dict for ranges that lead alike), cut to their top
+        ``cut`` elements if given. Charges its work to ``budget``."""
         import bisect
 
         bounds = {0, 0x110000}
@@ -1698,7 +1695,9 @@ class GrammarShape:
                 for low, high in self.elements[stack[-1]][2]:
                     bounds.update((low, high + 1))
         edges = sorted(bounds)
+        spans = len(edges) - 1
         covered: dict[int, list[Stack]] = {}  # range -> the stacks whose top class holds it
+        work = len(items) + len(edges)
         for stack in items:
             if not stack:
                 continue
@@ -1706,19 +1705,31 @@ class GrammarShape:
             inside: set[int] = set()
             for low, high in ranges:
                 inside.update(range(bisect.bisect_left(edges, low), bisect.bisect_left(edges, high + 1)))
-            for index in (inside if positive else set(range(len(edges) - 1)) - inside):
+            held = inside if positive else set(range(spans)) - inside
+            work += len(held) + (0 if positive else spans)
+            for index in held:
                 covered.setdefault(index, []).append(stack)
+        budget[0] -= work
+        if budget[0] < 0:
+            raise GrammarLimit(f"too ambiguous: counting its work took more than {GRAMMAR_CHECK_WORK:,} steps")
         made: dict[tuple[Stack, ...], dict[Stack, int]] = {}
         children = []
-        for index in range(len(edges) - 1):
+        for index in range(spans):
             matching = tuple(covered.get(index, ()))
             child = made.get(matching)
             if child is None:
                 child = made[matching] = {}
                 for stack in matching:
+                    walks = items[stack]
                     for after in self._pop(stack):
-                        child[after] = child.get(after, 0) + items[stack]
+                        if cut is not None:
+                            after = after[-cut:]
+                        child[after] = child.get(after, 0) + walks
+                        work += 1
+                budget[0] -= len(matching) + len(child)
             children.append(child)
+        if budget[0] < 0:
+            raise GrammarLimit(f"too ambiguous: counting its work took more than {GRAMMAR_CHECK_WORK:,} steps")
         return edges, children
 
     def vocab_cost(self, state: GrammarState, vocab: "GrammarVocab", ids: Any = None) -> tuple[int, int]:
