@@ -10,6 +10,7 @@ it here. Then the grammar's cost per token in nrvna: the 32 constrained jobs alo
 free jobs made to generate exactly as many tokens each (ignore_eos, max_tokens).
 
     python bench/structured.py [--model PATH] [--rounds 3] [--server PATH]
+    python bench/structured.py --against DIR [--rounds 3]   # this nrvna.py against DIR's, no server
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import threading
 import time
 
 from common import ROOT, machine, table
+import vs_llama_server
 from vs_llama_server import SAMPLING, Daemon, concurrently, peak_rss_mb, post, start_server
 
 import nrvna
@@ -140,7 +142,11 @@ def main() -> None:
     parser.add_argument("--model", default=(sorted(glob.glob(os.path.join(ROOT, "models", "*.gguf"))) or [""])[0])
     parser.add_argument("--server", help="llama-server binary (default: build it)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--against", metavar="DIR", help="compare with the nrvna.py in DIR (a checkout of another "
+                                                        "commit) instead of llama-server")
     args = parser.parse_args()
+    if args.against:
+        return against(args.model, os.path.abspath(args.against), args.rounds)
     binary = args.server or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
                                            capture_output=True, text=True, check=True).stdout.strip()
     work = jobs()
@@ -187,6 +193,52 @@ def main() -> None:
     print(f"grammar cost in nrvna: constrained {statistics.median(c for c, _ in costs):.0f} tok/s vs free "
           f"{statistics.median(f for _, f in costs):.0f} tok/s for the same token counts "
           f"(ratio per round: {', '.join(f'{x:.2f}' for x in ratios)})")
+
+
+def grammar_cost(daemon: Daemon, work: list[dict]) -> tuple[float, float]:
+    """The constrained jobs alone, then free jobs of the same lengths: (tok/s, tok/s)."""
+    constrained = [job for job in work if job["constrained"]]
+    alone = nrvna_arm(daemon, constrained)
+    free = [dict(job, constrained=False, extra={"max_tokens": n, "ignore_eos": True})
+            for job, n in zip(constrained, alone["constrained_tokens"])]
+    return alone["tok/s"], nrvna_arm(daemon, free)["tok/s"]
+
+
+def against(model: str, other: str, rounds: int) -> None:
+    """This checkout's nrvna against another's on the same 40 jobs, in interleaved rounds."""
+    work = jobs()
+    base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
+    arms = {"this checkout": ROOT, f"{other}": other}
+    runs: dict[str, list[dict]] = {name: [] for name in arms}
+    costs: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
+    try:
+        for round_number in range(rounds):
+            for name in (list(arms) if round_number % 2 == 0 else list(arms)[::-1]):
+                vs_llama_server.ROOT = arms[name]  # Daemon starts ROOT/nrvna.py
+                daemon = Daemon(model, base, {})
+                try:
+                    runs[name].append(nrvna_arm(daemon, work))
+                    costs[name].append(grammar_cost(daemon, work))
+                finally:
+                    daemon.close()
+    finally:
+        vs_llama_server.ROOT = ROOT
+        shutil.rmtree(base, ignore_errors=True)
+    rows = []
+    for name in arms:
+        ordered = sorted(runs[name], key=lambda r: r["jobs/s"])
+        median = ordered[len(ordered) // 2]
+        ratios = [c / f for c, f in costs[name]]
+        rows.append([name, median["jobs/s"], f"{ordered[0]['jobs/s']:.3g}-{ordered[-1]['jobs/s']:.3g}", median["tok/s"],
+                     f"{100 * min(r['valid'] for r in runs[name]):.1f}%", statistics.median(c for c, _ in costs[name]),
+                     statistics.median(f for _, f in costs[name]), f"{statistics.median(ratios):.2f}"])
+    first, second = list(arms)
+    paired = [runs[first][r]["jobs/s"] / runs[second][r]["jobs/s"] for r in range(rounds)]
+    print(f"machine: {machine()}; model {os.path.basename(model)}; 40 jobs (32 with one json_schema, 8 free)")
+    print(f"median of {rounds} interleaved rounds by jobs/s; validity: the worst round")
+    print(table(["nrvna", "jobs/s", "jobs/s range", "tok/s", "constrained valid", "constrained alone tok/s",
+                 "free, same lengths tok/s", "grammar cost ratio"], rows))
+    print(f"\nthis checkout vs {second}: per round {', '.join(f'{x:.2f}x' for x in paired)} jobs/s")
 
 
 if __name__ == "__main__":
