@@ -121,6 +121,7 @@ SETTINGS: dict[str, _Setting] = {
     "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE, "sampling seed; 0 = random, anything else reproducible (default of seed)"),
     "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
     "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
+    "max_batch_lines": _Setting("NRVNA_MAX_BATCH_LINES", int, 1_000_000, 1, 1 << 31, "most lines a batch file (submit --file) may hold: it is held whole while checked, about 0.8 KB a line"),
     "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0, "seconds a submit waits for another live submit that holds its idempotency key to publish its job (then exit 4, nothing queued)"),
     "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
     "pooling": _Setting("NRVNA_POOLING", str, "model", POOLINGS, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)"),
@@ -4075,9 +4076,11 @@ def batch_line_limit() -> int:
 def read_batch(handle: Any) -> bytearray:
     """A batch file's bytes from the binary stream ``handle``, a line at a time: a line longer
     than ``batch_line_limit`` is refused as soon as that much of it is read (a file with no
-    newline, /dev/zero, took gigabytes whole). The file itself may be any size; it is held
-    whole, as every line is checked before any is queued."""
+    newline, /dev/zero, took gigabytes whole), and a file of more than NRVNA_MAX_BATCH_LINES
+    lines at the line past it (`yes | nrvna submit ws --file -` grew without end): the file is
+    held whole, as every line is checked before any is queued."""
     limit = batch_line_limit()
+    most = setting_default("max_batch_lines")
     data = bytearray()
     number = 0
     while True:
@@ -4085,6 +4088,9 @@ def read_batch(handle: Any) -> bytearray:
         if not line:
             return data
         number += 1
+        if number > most:
+            raise InvalidInput(f"line {number}: a batch file holds at most {most:,} lines (NRVNA_MAX_BATCH_LINES): "
+                               "split it")
         if len(line) - line.endswith(b"\n") > limit:
             raise InvalidInput(f"line {number}: over {limit} bytes, a batch line's limit "
                                "(14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)")

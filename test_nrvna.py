@@ -1060,6 +1060,16 @@ def test_an_endless_input_is_refused_at_its_limit_in_bounded_memory(ws: str, tmp
     assert not os.path.exists(ws)
 
 
+def test_an_endless_batch_of_good_lines_stops_at_the_line_limit(ws: str) -> None:
+    """`yes | nrvna submit ws --file -`: every line a good prompt, and no end. Under a 1 GiB
+    address-space cap it died of MemoryError before; it stops at NRVNA_MAX_BATCH_LINES."""
+    done = subprocess.run(["bash", "-c", f"ulimit -v {1 << 20}; yes | '{sys.executable}' '{SCRIPT}' submit '{ws}' --file -"],
+                          capture_output=True, timeout=120, env={**os.environ, "NRVNA_MAX_BATCH_LINES": "200000"})
+    assert done.returncode == 2 and done.stderr.count(b"\n") == 1, done.stderr[-500:]
+    assert b"line 200001: a batch file holds at most 200,000 lines (NRVNA_MAX_BATCH_LINES)" in done.stderr
+    assert not os.path.exists(os.path.join(ws, nrvna.READY)) or not os.listdir(os.path.join(ws, nrvna.READY))
+
+
 def test_cli_status_words_counts_and_json(ws: str, run_main: RunMain) -> None:
     ids = [submit(ws, "a"), submit(ws, "b")]
     with serving(ws, echo):
