@@ -7912,16 +7912,27 @@ def _cmd_status(args: Any) -> int:
     check_ids(args.ids)
     require_workspace(args.workspace)
     statuses = [flow.status(job_id) for job_id in args.ids]
+    # A queued job's place in its lane (position, lane size, priority). stdout keeps exactly the
+    # state word, the contract of shell tests like [ "$(nrvna status ws $id)" = queued ].
+    places: dict[str, tuple[int, int, int]] = {}
+    if Status.Queued in statuses:
+        for priority, ids in flow.lanes():
+            places.update({job_id: (n, len(ids), priority) for n, job_id in enumerate(ids, 1)})
     if args.json:
-        _print_json({job_id: s.value for job_id, s in zip(args.ids, statuses)})
+        report: dict[str, dict[str, Any]] = {}
+        for job_id, s in zip(args.ids, statuses):
+            report[job_id] = {"status": s.value}
+            if s is Status.Queued and job_id in places:
+                n, of, priority = places[job_id]
+                report[job_id].update(lane=priority, position=n, of=of)
+        _print_json(report)
     else:
-        # A queued job's place: "queued 3 of 12 in lane 0" (the state stays the first word).
-        places = {}
-        if Status.Queued in statuses:
-            for priority, ids in flow.lanes():
-                places.update({job_id: f" {n} of {len(ids)} in lane {priority}" for n, job_id in enumerate(ids, 1)})
-        _print_lines(s.value + (places.get(job_id, "") if s is Status.Queued else "")
-                     for job_id, s in zip(args.ids, statuses))
+        _print_lines(s.value for s in statuses)
+        if sys.stderr is not None and sys.stderr.isatty():  # for the person at the terminal only
+            for job_id, s in zip(args.ids, statuses):
+                if s is Status.Queued and job_id in places:
+                    n, of, priority = places[job_id]
+                    _say(f"{job_id}: {n} of {of} in lane {priority}")
     for worst in (Status.Missing, Status.Failed, Status.Queued, Status.Running):
         if worst in statuses:
             return STATUS_EXIT[worst]

@@ -1078,14 +1078,25 @@ def test_cli_status_words_counts_and_json(ws: str, run_main: RunMain) -> None:
         wait_all(ws, [queued])
     plant(ws, "pending", {"prompt.txt": "p"})
     words = run_main("status", ws, ids[0], "pending", "1_2_3")
-    assert words.stdout.decode().splitlines() == ["done", "queued 1 of 1 in lane 0", "missing"] and words.returncode == 3
+    assert words.stdout == b"done\nqueued\nmissing\n" and words.returncode == 3
+    assert words.stderr == b""  # the place in the lane goes to stderr only on a terminal
     assert run_main("status", ws, ids[0]).returncode == 0
     assert run_main("status", ws, "pending").returncode == 4
     counts = run_main("status", ws)
     assert counts.stdout.decode().split("\n")[:4] == ["queued 1", "running 0", "done 3", "failed 0"]
     assert json.loads(run_main("status", ws, "--json").stdout) == {"queued": 1, "running": 0, "done": 3, "failed": 0,
                                                                   "lanes": {"0": 1}}
-    assert json.loads(run_main("status", ws, ids[0], "--json").stdout) == {ids[0]: "done"}
+    assert json.loads(run_main("status", ws, ids[0], "pending", "--json").stdout) == {
+        ids[0]: {"status": "done"}, "pending": {"status": "queued", "lane": 0, "position": 1, "of": 1}}
+
+
+def test_cli_status_prints_exactly_the_state_word_for_a_shell_test(ws: str) -> None:
+    """`[ "$(nrvna status ws "$id")" = queued ]`: the README's contract, in a real shell."""
+    job_id = submit(ws, "p")
+    done = subprocess.run(["sh", "-c", '[ "$("$0" "$1" status "$2" "$3")" = queued ] && echo yes',
+                           sys.executable, SCRIPT, ws, job_id], capture_output=True, timeout=60)
+    assert done.stdout == b"yes\n", done.stderr
+    assert cli("status", ws, job_id).stdout == b"queued\n"
 
 
 def test_cli_get_into_a_closed_pipe_exits_quietly(ws: str) -> None:
@@ -3793,7 +3804,8 @@ def test_the_pool_takes_the_highest_priority_first_and_fifo_within_a_lane() -> N
     assert pool.top_priority() is None
 
 
-def test_jobs_run_by_lane_and_status_says_where_a_queued_job_stands(ws: str, run_main: RunMain) -> None:
+def test_jobs_run_by_lane_and_status_says_where_a_queued_job_stands(ws: str, run_main: RunMain,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     gate, started, order = threading.Event(), threading.Event(), []
 
     def runner(job: nrvna.RunningJob) -> str:
@@ -3808,8 +3820,18 @@ def test_jobs_run_by_lane_and_status_says_where_a_queued_job_stands(ws: str, run
         assert started.wait(30)
         ids = {name: submit(ws, name, priority=p) for name, p in
                (("a0", 0), ("b5", 5), ("c0", 0), ("d-1", -1), ("e5", 5), ("f9", 9))}
-        lines = run_main("status", ws, ids["a0"], ids["e5"], ids["f9"], first).stdout.decode().splitlines()
-        assert lines == ["queued 1 of 2 in lane 0", "queued 2 of 2 in lane 5", "queued 1 of 1 in lane 9", "running"]
+        named = (ids["a0"], ids["e5"], ids["f9"], first)
+        assert run_main("status", ws, *named).stdout == b"queued\nqueued\nqueued\nrunning\n"
+        places = json.loads(run_main("status", ws, *named, "--json").stdout)
+        assert [(places[i].get("position"), places[i].get("of"), places[i].get("lane")) for i in named] == [
+            (1, 2, 0), (2, 2, 5), (1, 1, 9), (None, None, None)]
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a person at a terminal also sees the place
+        on_terminal = run_main("status", ws, *named)
+        monkeypatch.undo()
+        assert on_terminal.stdout == b"queued\nqueued\nqueued\nrunning\n"
+        assert on_terminal.stderr.decode().splitlines() == [f"nrvna: {ids['a0']}: 1 of 2 in lane 0",
+                                                            f"nrvna: {ids['e5']}: 2 of 2 in lane 5",
+                                                            f"nrvna: {ids['f9']}: 1 of 1 in lane 9"]
         counts = json.loads(run_main("status", ws, "--json").stdout)
         assert counts["lanes"] == {"9": 1, "5": 2, "0": 2, "-1": 1} and counts["queued"] == 6
         assert "lane 9 1" in run_main("status", ws).stdout.decode().splitlines()
