@@ -1109,6 +1109,35 @@ def test_cli_get_into_a_closed_pipe_exits_quietly(ws: str) -> None:
     assert b"Traceback" not in pipeline.stderr and b"BrokenPipe" not in pipeline.stderr
 
 
+@pytest.mark.model
+def test_setup_puts_the_nrvna_command_in_the_venv(tmp_path: Path, model_file: str, bert_file: str) -> None:
+    """After scripts/setup.sh, `.venv/bin/nrvna` runs (the README's examples say `nrvna ...`),
+    offline and without setuptools. Run on a copy whose .venv sees this venv's packages
+    through a .pth, so that setup only checks, and writes nothing into the real venv."""
+    import sysconfig
+
+    repo = tmp_path / "my repo"  # a space: the command must quote its paths
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "models").mkdir()
+    for name in ("nrvna.py", "scripts/setup.sh"):
+        shutil.copy(HERE / name, repo / name)
+    for model in (model_file, bert_file):
+        (repo / "models" / os.path.basename(model)).symlink_to(model)
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(repo / ".venv")], check=True, timeout=120)
+    site = subprocess.run([str(repo / ".venv/bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    Path(site, "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    for _ in range(2):  # idempotent
+        done = subprocess.run(["bash", str(repo / "scripts/setup.sh")], capture_output=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    version = subprocess.run([str(repo / ".venv/bin/nrvna"), "--version"], cwd=tmp_path, capture_output=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.decode().split() == ["nrvna", nrvna.__version__], version
+    ws = str(tmp_path / "ws")
+    job_id = subprocess.run([str(repo / ".venv/bin/nrvna"), "submit", ws, "hi"], capture_output=True, timeout=60).stdout
+    assert Flow(ws).status(job_id.decode().strip()) is Status.Queued
+
+
 def test_cli_help_documents_commands_exit_codes_and_env(run_main: RunMain) -> None:
     done = run_main("--help")
     for word in (b"daemon", b"submit", b"status", b"get", b"exit codes", b"NRVNA_WORKERS", b"NRVNA_MAX_ATTEMPTS"):

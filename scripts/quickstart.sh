@@ -25,11 +25,11 @@ echo
 q_ws=$(printf %q "$ws")
 {
   echo
-  echo "Next: activate the environment that holds llama-cpp-python, then use the same workspace:"
+  echo "Next: activate the environment that holds llama-cpp-python and the nrvna command, then use the same workspace:"
   echo
   [ "$caller" = "$PWD" ] || echo "  cd $(printf %q "$PWD")"
   echo "  source .venv/bin/activate"
-  echo "  python nrvna.py daemon $MODEL $q_ws &"
-  echo "  python nrvna.py submit $q_ws \"Name three rivers.\" --wait"
-  echo "  python nrvna.py stop $q_ws"
+  echo "  nrvna daemon $MODEL $q_ws &"
+  echo "  nrvna submit $q_ws \"Name three rivers.\" --wait"
+  echo "  nrvna stop $q_ws"
 } >&2

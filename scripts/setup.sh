@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything nrvna's daemon and tests need into .venv/, on a fresh machine:
 # llama-cpp-python 0.3.36 built from source, portable (no -march=native: a native build
-# segfaults on AMX CPUs, llama.cpp #20824), pytest, and the SmolLM2-135M test model.
+# segfaults on AMX CPUs, llama.cpp #20824), pytest, the SmolLM2-135M test model, and the
+# nrvna command (.venv/bin/nrvna).
 # Idempotent: a second run only checks. The built wheel is cached outside the repo, keyed
 # by the build flags, so a later setup on the same machine skips the compile
 # (BUILD_MINUTES below).
@@ -96,5 +97,13 @@ if [ ! -f "$EMBED_MODEL" ]; then
   # converted to GGUF with numpy alone (46 MB, a few seconds).
   "$VPY" scripts/embed_model.py "$EMBED_MODEL"
 fi
+# The nrvna command in .venv/bin, so that the README's `nrvna ...` works once .venv is active.
+# A two-line script rather than `pip install -e .`: that needs setuptools and wheel in the venv
+# or the network (Python 3.12's venvs have no setuptools), and this needs neither. Rewritten on
+# every run, so a moved checkout is fixed by running setup again.
+printf '#!/usr/bin/env bash\n# Written by scripts/setup.sh: the nrvna.py of this checkout, on the Python of this venv.\nexec %q %q "$@"\n' \
+  "$PWD/.venv/bin/python" "$PWD/nrvna.py" >.venv/bin/nrvna.tmp
+chmod +x .venv/bin/nrvna.tmp
+mv -f .venv/bin/nrvna.tmp .venv/bin/nrvna
 echo "setup: ready ($("$VPY" -c 'import llama_cpp; print("llama-cpp-python", llama_cpp.__version__)'), $MODEL, $EMBED_MODEL)." \
-     "Use .venv/bin/python, or: source .venv/bin/activate" >&2
+     "Use .venv/bin/nrvna and .venv/bin/python, or: source .venv/bin/activate" >&2
