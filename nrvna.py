@@ -4405,9 +4405,20 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
 
 
 def job_vectors(job: Job) -> list[list[float]]:
-    """A done embed job's vectors, one per text, from its result (one JSON array per line)."""
+    """A done embed job's vectors, one per text, from its result (one JSON array per line).
+    Raise NotFinished for a queued or running job (``Flow.wait`` first), NrvnaError for a
+    failed one, InvalidInput for a job that is not an embed job: never a complaint about
+    result.txt, which such a job does not yet (or ever) hold vectors in."""
     import json
 
+    if not job.status.finished:
+        raise NotFinished(f"job {job.id} is {job.status.value}, not finished: its vectors come when it is done "
+                          "(wait for it first: Flow.wait, nrvna wait)")
+    if job.status is Status.Failed:
+        reason = (job.error or "").strip().splitlines()
+        raise NrvnaError(f"job {job.id} failed, so it has no vectors" + (f": {reason[0]}" if reason else ""))
+    if not (job.params or {}).get("embed"):
+        raise InvalidInput(f"job {job.id} is not an embed job: it has text, not vectors")
     try:
         vectors = [json.loads(line) for line in (job.result or "").splitlines() if line.strip()]
     except ValueError:

@@ -3603,6 +3603,26 @@ def test_embed_exports_openai_bodies_base64_and_a_float32_matrix(ws: str, tmp_pa
     assert not (tmp_path / "w.f32").exists() and not (tmp_path / "w.f32.ids").exists()
 
 
+def test_reading_an_unfinished_embed_job_says_it_is_not_finished(ws: str) -> None:
+    """The README's embeddings snippet read before the daemon ran the job: NotFinished, not a
+    complaint that result.txt is malformed; a failed or non-embed job says what it is."""
+    flow = Flow(ws)
+    job_id = Work(ws).publish(["first text", "second text"], embed=True)
+    with pytest.raises(nrvna.NotFinished, match=rf"job {job_id} is queued, not finished"):
+        nrvna.job_vectors(flow.get(job_id))
+    failed, text = Work(ws).publish("x", embed=True), Work(ws).publish("not an embedding")
+    with serving(ws, vectors):
+        assert flow.wait(job_id, 30) is Status.Done  # the snippet as the README now writes it
+        assert [v[:2] for v in nrvna.job_vectors(flow.get(job_id))] == [[10, 0], [11, 1]]
+        wait_all(ws, [failed, text])
+    nrvna.move_job(ws, failed, nrvna.OUTPUT, nrvna.FAILED)
+    with pytest.raises(nrvna.NrvnaError, match=rf"job {failed} failed, so it has no vectors") as err:
+        nrvna.job_vectors(flow.get(failed))
+    assert not isinstance(err.value, nrvna.WorkspaceError)
+    with pytest.raises(nrvna.InvalidInput, match="is not an embed job"):
+        nrvna.job_vectors(flow.get(text))
+
+
 def test_a_failed_embed_job_goes_to_the_errors_file_not_the_matrix(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     good = Work(ws).publish("fine", embed=True)
     bad = Work(ws).publish("ignored", embed=True)
