@@ -4245,6 +4245,24 @@ def _jsonl_records(text: str, json: Any) -> Iterator[tuple[int, dict[str, Any]]]
         yield n, record
 
 
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
+
+
+def _csv_value(cell: str) -> Any:
+    """A CSV cell as a record's value: a number when the cell is exactly how JSON writes that
+    number (``5``, ``-2``, ``4.5``), so that ``"stars": 5`` comes back a number in metadata as
+    it would from JSONL; else the string. Lossless: the prompt and custom_id read the same
+    text. ``007``, ``1e3``, ``4.50`` and integers past 2**53 (which JSON readers in
+    JavaScript round) stay strings."""
+    if not _JSON_NUMBER.fullmatch(cell):
+        return cell
+    if "." not in cell:
+        number = int(cell)
+        return number if abs(number) <= 1 << 53 and str(number) == cell else cell  # "-0" stays "-0"
+    value = float(cell)
+    return value if repr(value) == cell else cell
+
+
 def _csv_records(text: str) -> Iterator[tuple[int, dict[str, Any]]]:
     import csv
 
@@ -4266,7 +4284,7 @@ def _csv_records(text: str) -> Iterator[tuple[int, dict[str, Any]]]:
                 continue
             if len(row) != len(header):
                 raise InvalidInput(f"line {start}: {len(row)} cells; the header row has {len(header)}")
-            yield start, dict(zip(header, row))
+            yield start, {name: _csv_value(cell) for name, cell in zip(header, row)}
     except csv.Error as err:
         raise InvalidInput(f"line {reader.line_num}: not valid CSV ({err})") from None
     if header is None:

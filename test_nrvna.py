@@ -4870,6 +4870,23 @@ def test_a_template_reads_csv_with_a_header_row_and_numbers_jobs_by_line(ws: str
     assert Flow(ws).get(Work(ws).submit_file(b'{"text": "y"}\n', template="{text}!")[0]).prompt == "y!"
 
 
+def test_a_csv_cell_written_as_a_json_number_is_a_number_in_metadata(ws: str, run_main: RunMain) -> None:
+    """The README's `"stars": 4` from reviews.csv: a number, as from JSONL. Only cells that are
+    exactly a JSON number's text, so nothing changes on the way back out: the prompt, the
+    custom_id and cells such as a ZIP code keep their text."""
+    data = (b"id,text,stars,score,zip,big,exp,spaced,negzero\n"
+            b"7,good,5,4.5,01234,9007199254740993,1e3, 5,-0\n")
+    done = run_main("submit", ws, "--file", "-", "--template", "{text} {stars} {score} {zip}", "--id-field", "id",
+                    input=data)
+    assert done.returncode == 0, done.stderr
+    job = Flow(ws).get(done.stdout.decode().strip())
+    assert job.params["custom_id"] == "7" and job.prompt == "good 5 4.5 01234"
+    assert job.params["metadata"] == {"text": "good", "stars": 5, "score": 4.5, "zip": "01234",
+                                      "big": "9007199254740993", "exp": "1e3", "spaced": " 5", "negzero": "-0"}
+    assert [nrvna._csv_value(c) for c in ("-2", "0", "0.1", "4.50", "007", "NaN", "")] == [-2, 0, 0.1, "4.50", "007",
+                                                                                          "NaN", ""]
+
+
 @pytest.mark.parametrize("data, template, extra, message", [
     (b'{"text": "a"}\n{"txt": "b"}\n', "Say {text}", (), b"line 2: no field 'text', which the template needs (the record has: txt)"),
     (b'text\na\n', "Say {text", (), b"template: '{' at character 5 opens no {field}"),
