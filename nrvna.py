@@ -3226,7 +3226,8 @@ class Work:
                     first_with[key] = i
         new = [i for i, job_id in enumerate(ids) if job_id is None and i not in same_as]
         if same_as:
-            notes.append(f"{len(same_as)} lines repeat an earlier line's idempotency key: they get its job")
+            notes.append("1 line repeats an earlier line's idempotency key: it gets its job" if len(same_as) == 1 else
+                         f"{len(same_as)} lines repeat an earlier line's idempotency key: they get its job")
         if existing:
             notes.append(f"{len(entries) - len(new) - len(same_as) - keyed} of {len(entries)} lines are already queued with tag "
                          f"{tag}; queuing the other {len(new)}")
