@@ -1138,6 +1138,15 @@ def test_setup_puts_the_nrvna_command_in_the_venv(tmp_path: Path, model_file: st
     assert Flow(ws).status(job_id.decode().strip()) is Status.Queued
 
 
+def test_the_readmes_workspaces_in_the_clone_are_ignored_by_git() -> None:
+    """The README's examples make ws/ and ews/ in the clone: not untracked files in git status."""
+    for path in ("ws/input/ready/1_2_3/prompt.txt", "ews/output/1_2_3/result.txt"):
+        done = subprocess.run(["git", "-C", str(HERE), "check-ignore", "--no-index", "-q", path], timeout=60)
+        assert done.returncode == 0, path
+    assert subprocess.run(["git", "-C", str(HERE), "check-ignore", "--no-index", "-q", "scripts/ws/x"],
+                          timeout=60).returncode == 1  # only the clone's own, at its root
+
+
 def test_cli_help_documents_commands_exit_codes_and_env(run_main: RunMain) -> None:
     done = run_main("--help")
     for word in (b"daemon", b"submit", b"status", b"get", b"exit codes", b"NRVNA_WORKERS", b"NRVNA_MAX_ATTEMPTS"):
@@ -4038,10 +4047,12 @@ def test_dedupe_derives_the_key_from_the_content(ws: str, tmp_path: Path, run_ma
     done = run_main("submit", ws, "--file", write(tmp_path / "d.jsonl", jsonl(lines)), "--dedupe")
     ids = ids_of(done)
     assert ids[0] == one.decode() and ids[1] == ids[2] and len(set(ids)) == 3
-    assert b"1 lines repeat an earlier line's idempotency key" in done.stderr
+    assert b"1 line repeats an earlier line's idempotency key: it gets its job" in done.stderr
     assert b"1 of 4 lines matched an existing job by idempotency key" in done.stderr
     rerun = run_main("submit", ws, "--file", str(tmp_path / "d.jsonl"), "--dedupe")
     assert ids_of(rerun) == ids and len(os.listdir(os.path.join(ws, nrvna.READY))) == 5
+    more = run_main("submit", ws, "--file", write(tmp_path / "e.jsonl", jsonl([{"prompt": "z"}] * 3)), "--dedupe")
+    assert b"2 lines repeat an earlier line's idempotency key: they get its job" in more.stderr
     refused = run_main("submit", ws, "--file", str(tmp_path / "d.jsonl"), "--idempotency-key", "k")
     assert refused.returncode == 2 and b"give each line its own idempotency_key" in refused.stderr
 
