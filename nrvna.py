@@ -7711,6 +7711,11 @@ class Server:
 # CLI: parse, call the library, print. Data on stdout, messages on stderr.
 ##############################################################################
 
+# Seconds between wait/get --wait --progress lines while nothing finishes: often enough that a
+# log file shows the wait is alive, rarely enough that a day's wait is a few thousand lines.
+PROGRESS_EVERY = 10.0
+
+
 def _say(message: str) -> None:
     """One line on stderr; never raises (stderr may be closed)."""
     try:
@@ -7856,12 +7861,32 @@ def _cmd_get(args: Any) -> int:
     require_workspace(args.workspace)
     if args.follow:
         return _follow(Flow(args.workspace), args.id)
-    return _emit(Flow(args.workspace), args.id, args.wait, args.timeout, args.json)
+    return _emit(Flow(args.workspace), args.id, args.wait, args.timeout, args.json, args.progress)
 
 
-def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json: bool) -> int:
-    """Print a job's result (stdout) or error (stderr); return the exit code for its state."""
-    status = flow.wait(job_id, timeout) if wait else flow.status(job_id)
+def _wait_saying(flow: Flow, job_id: str, timeout: Optional[float]) -> Status:
+    """``flow.wait``, with a line on stderr every PROGRESS_EVERY seconds and one at the end
+    (get --wait --progress: a log file sees the wait is alive)."""
+    start = time.monotonic()
+    while True:
+        elapsed = time.monotonic() - start
+        left = None if timeout is None else max(0.0, timeout - elapsed)
+        status = flow.wait(job_id, PROGRESS_EVERY if left is None else min(PROGRESS_EVERY, left))
+        elapsed = time.monotonic() - start
+        ended = status.finished or status is Status.Missing or (timeout is not None and elapsed >= timeout)
+        _say(f"job {job_id}: {status.value} after {elapsed:.0f} s")
+        if ended:
+            return status
+
+
+def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json: bool,
+          progress: bool = False) -> int:
+    """Print a job's result (stdout) or error (stderr); return the exit code for its state.
+    ``progress``: with ``wait``, progress lines on stderr (get --wait --progress)."""
+    if wait and progress:
+        status = _wait_saying(flow, job_id, timeout)
+    else:
+        status = flow.wait(job_id, timeout) if wait else flow.status(job_id)
     if status is Status.Missing:
         raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
     if as_json:
@@ -7971,12 +7996,14 @@ def _cmd_status(args: Any) -> int:
 
 def _cmd_wait(args: Any) -> int:
     flow = Flow(args.workspace)
-    progress = not args.quiet and sys.stderr is not None and sys.stderr.isatty()
+    as_lines = args.progress  # lines a log file keeps, whatever stderr is
+    progress = as_lines or (not args.quiet and sys.stderr is not None and sys.stderr.isatty())
     start, tokens, already = time.monotonic(), 0, 0
     seen: Optional[set[str]] = None  # finished before the wait: not in the rates
+    said_at, said_finished, unsaid = -math.inf, -1, ""
 
     def draw(states: dict[str, Status]) -> None:
-        nonlocal seen, tokens, already
+        nonlocal seen, tokens, already, said_at, said_finished, unsaid
         finished = [j for j, s in states.items() if s.finished]
         if seen is None:
             seen, already = set(finished), len(finished)
@@ -7986,10 +8013,23 @@ def _cmd_wait(args: Any) -> int:
                 tokens += int(job.meta.get("generated_tokens") or 0) if job else 0
                 seen.add(job_id)
         done = sum(1 for s in states.values() if s is Status.Done)
-        _draw_progress(len(finished) - already, done, len(finished) - done, len(states), time.monotonic() - start, tokens)
+        now = time.monotonic()
+        text = _progress_text(len(finished) - already, done, len(finished) - done, len(states), now - start, tokens)
+        if not as_lines:
+            _draw_progress(text)
+            return
+        # A line when jobs have finished (at most one a second, however fast they finish)
+        # and every PROGRESS_EVERY seconds while none do: a log file's pulse.
+        if now - said_at >= PROGRESS_EVERY or (len(finished) != said_finished and now - said_at >= 1.0):
+            _say(f"{text} after {now - start:.0f} s")
+            said_at, said_finished, unsaid = now, len(finished), ""
+        elif len(finished) != said_finished:
+            unsaid = f"{text} after {now - start:.0f} s"
 
     states = flow.wait_all(args.ids, args.tag, args.timeout, draw if progress else None)
-    if progress:
+    if unsaid:  # the last jobs ended within a second of a line: the log still gets the final count
+        _say(unsaid)
+    elif progress and not as_lines:
         sys.stderr.write("\n")
     unfinished = sum(1 for s in states.values() if not s.finished and s is not Status.Missing)
     failed = sum(1 for s in states.values() if s is Status.Failed)
@@ -8007,15 +8047,19 @@ def _cmd_wait(args: Any) -> int:
     return EXIT_OK
 
 
-def _draw_progress(new: int, done: int, failed: int, total: int, elapsed: float, tokens: int) -> None:
-    """One refreshed line on stderr: done / failed / total, jobs/s, tokens/s, ETA (rates
-    count only what finished while we waited)."""
+def _progress_text(new: int, done: int, failed: int, total: int, elapsed: float, tokens: int) -> str:
+    """done / failed / total, jobs/s, tokens/s, ETA (rates count only what finished while we
+    waited)."""
     elapsed = max(elapsed, 1e-6)
     rate, left = new / elapsed, total - done - failed
     eta = f"{int(left / rate) // 60}m{int(left / rate) % 60:02d}s" if rate > 0 else "?"
+    return f"{done} done / {failed} failed / {total} total  {rate:.1f} jobs/s  {tokens / elapsed:.0f} tok/s  ETA {eta}"
+
+
+def _draw_progress(text: str) -> None:
+    """The progress line on a terminal, redrawn in place."""
     try:
-        sys.stderr.write(f"\r{done} done / {failed} failed / {total} total  {rate:.1f} jobs/s  "
-                         f"{tokens / elapsed:.0f} tok/s  ETA {eta}   ")
+        sys.stderr.write(f"\r{text}   ")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
@@ -8249,6 +8293,8 @@ def _wait_arguments(parser: Any) -> None:
     _selection_arguments(parser)
     parser.add_argument("--timeout", type=_positive_float, metavar="S", help="give up after S seconds (exit 4)")
     parser.add_argument("--quiet", action="store_true", help="no progress line on a terminal")
+    parser.add_argument("--progress", action="store_true", help="progress as lines on stderr, even when it is not "
+                        f"a terminal (a log file): when jobs finish, and every {PROGRESS_EVERY:g} s")
 
 
 def _export_arguments(parser: Any) -> None:
@@ -8301,6 +8347,8 @@ def _get_arguments(parser: Any) -> None:
     parser.add_argument("id", metavar="ID")
     parser.add_argument("--wait", action="store_true", help="wait until the job is finished")
     parser.add_argument("--timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    parser.add_argument("--progress", action="store_true", help="with --wait: a line on stderr every "
+                        f"{PROGRESS_EVERY:g} s and at the end, even when it is not a terminal (a log file)")
     parser.add_argument("--json", action="store_true", help="the whole job as one JSON object")
     parser.add_argument("--follow", action="store_true", help="print the text as it is generated, then exit "
                         "with the job's code")

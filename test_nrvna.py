@@ -1949,6 +1949,40 @@ def test_wait_draws_progress_on_a_terminal(ws: str, run_main: RunMain) -> None:
     assert quiet.returncode == 0 and quiet.stderr == b""
 
 
+def test_wait_and_get_progress_lines_reach_a_pipe(ws: str) -> None:
+    """`nrvna wait ... --progress 2>>log`: a line at the start and as jobs finish, even though
+    stderr is a pipe (without --progress, nothing: see the test above)."""
+    ids = [submit(ws, f"p{i}") for i in range(2)]
+    waiting = subprocess.Popen([sys.executable, SCRIPT, "wait", ws, *ids, "--progress"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    first = waiting.stderr.readline()  # its first look, before any job can finish
+    with serving(ws, lambda job: time.sleep(1.3) or "ok", workers=1):
+        assert waiting.wait(60) == 0
+    err = first + waiting.stderr.read()
+    lines = err.decode().splitlines()
+    assert waiting.stdout.read() == b"" and b"\r" not in err, err
+    assert [line.split(" done ")[0] for line in lines] == ["nrvna: 0", "nrvna: 1", "nrvna: 2"], lines
+    assert lines[-1].startswith("nrvna: 2 done / 0 failed / 2 total") and " jobs/s " in lines[-1]
+    assert lines[-1].endswith(" s") and "after" in lines[-1]
+
+
+def test_progress_lines_come_every_interval_while_nothing_finishes(ws: str, run_main: RunMain,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nrvna, "PROGRESS_EVERY", 0.3)
+    job_id = submit(ws, "slow")
+    with serving(ws, lambda job: time.sleep(1.6) or "the result", workers=1):
+        waited = run_main("wait", ws, job_id, "--progress")
+        other = submit(ws, "slow too")
+        got = run_main("get", ws, other, "--wait", "--progress")
+    pulses = [line for line in waited.stderr.decode().splitlines() if line.startswith("nrvna: 0 done / 0 failed / 1 total")]
+    assert waited.returncode == 0 and len(pulses) >= 3, waited.stderr  # 1.6 s at 0.3 s a line
+    assert got.returncode == 0 and got.stdout == b"the result"
+    said = got.stderr.decode().splitlines()
+    assert len(said) >= 3 and said[-1].startswith(f"nrvna: job {other}: done after "), said
+    assert all(re.fullmatch(rf"nrvna: job {other}: (queued|running|done) after \d+ s", line) for line in said), said
+    assert run_main("get", ws, other, "--wait").stderr == b""  # without --progress, silent as before
+
+
 def finished_batch(ws: str, tmp_path: Path, run_main: RunMain) -> list[str]:
     """Four jobs from an OpenAI batch file: two done (chat, completion), one failed, one queued."""
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": url, "body": body} for i, (url, body) in enumerate([
