@@ -4285,11 +4285,168 @@ def test_clean_ends_a_key_and_retry_keeps_it(ws: str, run_main: RunMain) -> None
 # ==============================================================================
 
 
+def documentation() -> list[Path]:
+    """README.md and the manual's pages."""
+    return [HERE / "README.md"] + sorted((HERE / "docs").glob("*.md"))
+
+
+def fenced_blocks(text: str) -> list[tuple[int, list[str], str]]:
+    """Each fenced block of a Markdown text: (its opening line's number, the words of its info
+    string, its code)."""
+    blocks, lines, i = [], text.split("\n"), 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            start, info, body = i + 1, lines[i][3:].split(), []
+            i += 1
+            while i < len(lines) and not lines[i].startswith("```"):
+                body.append(lines[i])
+                i += 1
+            blocks.append((start, info, "\n".join(body) + "\n"))
+        i += 1
+    return blocks
+
+
+def runnable_examples(path: Path) -> list[tuple[int, str, str]]:
+    """(line, language, code) of every block of ``path`` whose fence says ```sh runnable or
+    ```python runnable."""
+    found = []
+    for line, info, code in fenced_blocks(path.read_text(encoding="utf-8")):
+        if "runnable" in info[1:]:
+            assert info[0] in ("sh", "python"), f"{path.name}:{line}: only sh and python blocks can be runnable"
+            found.append((line, info[0], code))
+    return found
+
+
+def example_script(path: Path) -> str:
+    """One bash script of ``path``'s runnable blocks in their order (python ones through a here
+    document), so a daemon started by one block serves the next; it stops the workspaces' daemons
+    at its end, and the test kills what is left."""
+    parts = ["set -eu -o pipefail",
+             "trap 'for w in ws ews; do [ -e \"$w/.nrvna.lock\" ] && nrvna stop \"$w\" --timeout 60 >/dev/null 2>&1; done; true' EXIT"]
+    for line, language, code in runnable_examples(path):
+        parts.append(f"echo '### {path.name}:{line}' >&2")
+        parts.append(code if language == "sh" else f"python - <<'NRVNA_EXAMPLE_END'\n{code}NRVNA_EXAMPLE_END")
+    return "\n".join(parts) + "\n"
+
+
+def _example_pages() -> list[Any]:
+    pages = []
+    for path in documentation():
+        blocks = runnable_examples(path)
+        if blocks:
+            needs_model = any("models/" in code for _, _, code in blocks)
+            pages.append(pytest.param(path, id=str(path.relative_to(HERE)),
+                                      marks=[pytest.mark.model] if needs_model else []))
+    return pages
+
+
+@pytest.mark.parametrize("page", _example_pages())
+def test_every_runnable_example_runs(page: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Each page's runnable examples, in order, as a user runs them from the clone's root: in a
+    fresh directory with a copy of examples/, models/ (the real models, for a page that names
+    them), and `nrvna` and `python` on PATH running this checkout. Every file they leave in the
+    clone is one git ignores."""
+    if request.node.get_closest_marker("model"):
+        request.getfixturevalue("model_file")  # llama-cpp-python and the model, or a clear failure
+    shutil.copytree(HERE / "examples", tmp_path / "examples")
+    (tmp_path / "models").symlink_to(HERE / "models")
+    bin_dir = tmp_path / ".bin"
+    bin_dir.mkdir()
+    for name, command in (("nrvna", f'"{sys.executable}" "{HERE / "nrvna.py"}"'), ("python", f'"{sys.executable}"')):
+        (bin_dir / name).write_text(f"#!/bin/sh\nexec {command} \"$@\"\n")
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NRVNA_")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(HERE), NRVNA_LOG_LEVEL="warn")
+    log = tmp_path / ".log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["bash", "-c", example_script(page)], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=420)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # a daemon left by a failed example
+            proc.wait()
+    output = log.read_text(encoding="utf-8", errors="replace")
+    assert rc == 0, f"{page.name}: an example failed (exit {rc}; the last '###' names its block):\n{output[-6000:]}"
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("examples", "models", ".bin", ".log"))
+    for name in left:
+        done = subprocess.run(["git", "-C", str(HERE), "check-ignore", "--no-index", "-q", name], timeout=60)
+        assert done.returncode == 0, f"{page.name}'s examples leave {name!r} in the clone, and git does not ignore it"
+
+
+def github_anchor(heading: str, seen: dict[str, int]) -> str:
+    """The anchor GitHub gives a heading: lowercase, punctuation dropped, spaces to hyphens, and
+    -1, -2, ... after a repeat."""
+    heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text
+    anchor = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+    count = seen.get(anchor, 0)
+    seen[anchor] = count + 1
+    return anchor if count == 0 else f"{anchor}-{count}"
+
+
+def markdown_anchors(text: str) -> set[str]:
+    seen: dict[str, int] = {}
+    anchors, fence = set(), False
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and re.match(r"#{1,6} ", line):
+            anchors.add(github_anchor(line.lstrip("#"), seen))
+    return anchors
+
+
+def markdown_links(text: str) -> list[str]:
+    """The targets of a Markdown text's links, outside code blocks and `code`."""
+    links, fence = [], False
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence:
+            links += re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line))
+    return links
+
+
+def test_every_relative_link_and_anchor_in_the_readme_and_the_manual_resolves() -> None:
+    broken = []
+    for path in documentation() + [HERE / "examples" / "README.md"]:
+        for link in markdown_links(path.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", link):
+                continue  # https:, mailto:
+            target, _, anchor = link.partition("#")
+            where = (path.parent / target).resolve() if target else path
+            if not where.exists():
+                broken.append(f"{path.relative_to(HERE)}: {link} (no such file)")
+            elif anchor and where.suffix == ".md" and anchor not in markdown_anchors(where.read_text(encoding="utf-8")):
+                broken.append(f"{path.relative_to(HERE)}: {link} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_readme_is_short_and_the_manual_holds_the_rest() -> None:
+    """The README is the pitch, the quick start and a tour (at most 40 KB); each page of docs/ is
+    in the manual's index, and every command has a runnable example in the README."""
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    assert len(readme.encode()) <= 40_960
+    index = (HERE / "docs" / "README.md").read_text(encoding="utf-8")
+    for page in (HERE / "docs").glob("*.md"):
+        if page.name != "README.md":
+            assert f"({page.name})" in index, page.name
+    examples = "".join(code for _, _, code in runnable_examples(HERE / "README.md"))
+    for command in ("daemon", "submit", "status", "get", "wait", "export", "events", "cancel", "retry", "clean", "stop"):
+        assert re.search(rf"\bnrvna {command}\b", examples), command
+    for name in ("--file", "--template", "--json-schema", "--grammar", "--priority", "--idempotency-key", "--embed"):
+        assert name in examples, name
+
+
 def test_the_readme_s_tables_are_generated_from_nrvna_s_tables() -> None:
+    """The tables live in the manual (settings and parameters in docs/configuration.md, exit
+    codes in docs/commands.md, failure codes in docs/workspace.md); the script finds them there."""
     done = subprocess.run([sys.executable, str(HERE / "scripts" / "readme_tables.py"), "--check"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    readme = "\n".join(path.read_text(encoding="utf-8") for path in documentation())
     for name, table in nrvna.markdown_tables().items():
         assert table in readme, name
     for setting in nrvna.SETTINGS.values():
