@@ -4322,9 +4322,9 @@ def example_script(path: Path) -> str:
     document), so a daemon started by one block serves the next; it stops the workspaces' daemons
     at its end, and the test kills what is left."""
     parts = ["set -eu -o pipefail",
-             "trap 'for w in ws ews; do [ -e \"$w/.nrvna.lock\" ] && nrvna stop \"$w\" --timeout 60 >/dev/null 2>&1; done; true' EXIT"]
+             "trap 'set +e; for w in ws ews; do [ -e \"$w/.nrvna.lock\" ] && nrvna stop \"$w\" --timeout 60 >/dev/null 2>&1; done' EXIT"]
     for line, language, code in runnable_examples(path):
-        parts.append(f"echo '### {path.name}:{line}' >&2")
+        parts.append(f"echo \"### {path.name}:{line} $SECONDS s\" >&2")
         parts.append(code if language == "sh" else f"python - <<'NRVNA_EXAMPLE_END'\n{code}NRVNA_EXAMPLE_END")
     return "\n".join(parts) + "\n"
 
