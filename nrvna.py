@@ -4941,7 +4941,7 @@ def _import_llama() -> Any:
         raise ModelError(
             "the daemon needs llama-cpp-python, which the quick start installs in .venv: run "
             "`bash scripts/setup.sh`, then `source .venv/bin/activate` (or use .venv/bin/python); "
-            f"to build it yourself see README, 'Install' ({err})") from None
+            f"to build it yourself see docs/install.md ({err})") from None
     return llama_cpp
 
 

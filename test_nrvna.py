@@ -1,5 +1,5 @@
 """Tests for nrvna. Fast queue tests inject a runner; the llama.cpp path runs on the real
-SmolLM2-135M GGUF (see README: a missing model or llama-cpp-python is a failure, not a skip).
+SmolLM2-135M GGUF (see docs/development.md: a missing model or llama-cpp-python is a failure, not a skip).
 
 Run: python -m pytest test_nrvna.py                  (all; CI runs it as bash scripts/test.sh)
      python -m pytest test_nrvna.py -m "not model"   (no model, no llama-cpp-python needed)
@@ -113,7 +113,7 @@ def model_file() -> str:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        pytest.fail("llama-cpp-python is not installed: see README 'Install'")
+        pytest.fail("llama-cpp-python is not installed: see docs/install.md")
     return path
 
 
@@ -4371,7 +4371,8 @@ def test_every_runnable_example_runs(page: Path, tmp_path: Path, request: pytest
             proc.wait()
     output = log.read_text(encoding="utf-8", errors="replace")
     assert rc == 0, f"{page.name}: an example failed (exit {rc}; the last '###' names its block):\n{output[-6000:]}"
-    left = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("examples", "models", ".bin", ".log"))
+    left = sorted(p.name + ("/" if p.is_dir() else "") for p in tmp_path.iterdir()
+                  if p.name not in ("examples", "models", ".bin", ".log"))
     for name in left:
         done = subprocess.run(["git", "-C", str(HERE), "check-ignore", "--no-index", "-q", name], timeout=60)
         assert done.returncode == 0, f"{page.name}'s examples leave {name!r} in the clone, and git does not ignore it"
@@ -5543,7 +5544,7 @@ def test_a_client_killed_mid_submit_never_publishes_half_a_job(ws: str, point: s
     ready = os.listdir(os.path.join(ws, nrvna.READY))
     if point == "fsync" and k >= 3:  # killed after the publishing rename: queued, intact
         assert len(ready) == 1 and Flow(ws).get(ready[0]).prompt == prompt
-        assert done.stdout == b""  # ...but its ID was never printed (see README, Guarantees)
+        assert done.stdout == b""  # ...but its ID was never printed (see docs/guarantees.md)
         return
     assert ready == []
     leftovers = os.listdir(os.path.join(ws, nrvna.WRITING))
