@@ -4412,7 +4412,7 @@ def markdown_links(text: str) -> list[str]:
 
 def test_every_relative_link_and_anchor_in_the_readme_and_the_manual_resolves() -> None:
     broken = []
-    for path in documentation() + [HERE / "examples" / "README.md"]:
+    for path in documentation() + [HERE / "examples" / "README.md", HERE / "bench" / "README.md"]:
         for link in markdown_links(path.read_text(encoding="utf-8")):
             if re.match(r"[a-z]+:", link):
                 continue  # https:, mailto:
