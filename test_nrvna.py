@@ -69,6 +69,9 @@ class _WithoutPytest:
     def fixture(self, *args: Any, **kwargs: Any) -> Any:
         return self.mark.fixture(*args, **kwargs)
 
+    def param(self, *values: Any, **kwargs: Any) -> Any:  # (parametrize's cases, unused here)
+        return values
+
 
 if __name__ == "__main__" and sys.argv[1:2] == ["faultpoint"]:
     pytest: Any = _WithoutPytest()
