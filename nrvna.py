@@ -1829,8 +1829,16 @@ class GrammarVocab:
         self.np = np
         self.pieces = pieces  # b"" for tokens llama.cpp rejects outright (end of generation, empty)
         self.decoded: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.lock = threading.Lock()  # workers share it: one decodes, the others wait for that
 
     def points(self, partial: tuple[int, int]) -> tuple[Any, Any]:
+        found = self.decoded.get(partial)
+        if found is not None:
+            return found
+        with self.lock:
+            return self._decode(partial)
+
+    def _decode(self, partial: tuple[int, int]) -> tuple[Any, Any]:
         found = self.decoded.get(partial)
         if found is None:
             np = self.np
@@ -5426,10 +5434,13 @@ class LlamaRunner(Runner):
 
     def grammar_vocab(self) -> GrammarVocab:
         """The vocabulary as the grammar sees it, for GrammarShape.vocab_cost (made once)."""
-        if self._grammar_vocab is None:
-            L = self.L
-            pieces = [b"" if L.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
-            self._grammar_vocab = GrammarVocab(self.np, pieces)
+        if self._grammar_vocab is not None:  # (every redraw asks: no lock once it is made)
+            return self._grammar_vocab
+        with self._grammars_lock:
+            if self._grammar_vocab is None:
+                L = self.L
+                pieces = [b"" if L.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
+                self._grammar_vocab = GrammarVocab(self.np, pieces)
         return self._grammar_vocab
 
     def _make_grammar(self, kind: str, params: Mapping[str, Any]) -> str:
