@@ -1578,7 +1578,7 @@ class GrammarShape:
             below = current[:-1] + (after,) if self.elements[after] is not None else current[:-1]
             for first in self.alternatives[element[1]]:
                 todo.append(below if first is None else below + (first,))
-        if len(self.advanced) > 200_000:
+        if len(self.advanced) > 20_000:
             self.advanced.clear()
         found = self.advanced[stack] = tuple(out)
         return found
@@ -1655,6 +1655,8 @@ class GrammarShape:
                         [GRAMMAR_CHECK_WORK], 0)
         except GrammarLimit as err:
             return str(err)
+        finally:
+            self.costs.clear()  # (only this check uses them; the daemon keeps shapes for long)
         return ""
 
     def _paths(self, items: dict[Stack, int], depth: int, budget: list[int], spent: int) -> int:
@@ -1673,7 +1675,7 @@ class GrammarShape:
                     for child in {id(child): child for child in children if child}.values():
                         worst = max(worst, self._paths(child, depth - 1, budget, spent + total))
                 found = total + worst
-                if len(self.costs) > 200_000:
+                if len(self.costs) > 50_000:
                     self.costs.clear()
                 self.costs[key] = found
             else:
@@ -1747,7 +1749,7 @@ class GrammarShape:
         if ids is not None and state in self.asked:
             ids = None
         elif ids is not None:
-            if len(self.asked) > 10_000:
+            if len(self.asked) > 4_000:
                 self.asked.clear()
             self.asked.add(state)
         np = vocab.np
@@ -1777,7 +1779,7 @@ class GrammarShape:
                 if split is None:
                     edges, children = self._children(items, budget)
                     split = (np.asarray(edges, dtype=np.int64), children)
-                    if len(self.splits) > 50_000:
+                    if len(self.splits) > 10_000:
                         self.splits.clear()
                     self.splits[key] = split
                 edges, children = split
@@ -1815,7 +1817,7 @@ class GrammarShape:
             raise GrammarLimit(f"too wide: checking the vocabulary here takes {total:,} parse steps "
                                f"(the limit is {GRAMMAR_VOCAB_WORK:,})")
         if ids is None:
-            if len(self.vocab_costs) > 10_000:
+            if len(self.vocab_costs) > 4_000:
                 self.vocab_costs.clear()
             self.vocab_costs[state] = (total, worst)
         return total, worst
@@ -1828,6 +1830,10 @@ class GrammarVocab:
     def __init__(self, np: Any, pieces: list[bytes]) -> None:
         self.np = np
         self.pieces = pieces  # b"" for tokens llama.cpp rejects outright (end of generation, empty)
+        # Only these can go on with a character half done (a continuation byte first): for the
+        # others llama.cpp's decoding fails at once, and a job's state after half a character
+        # (CJK, emoji split into byte tokens) needs only their rows, a few hundred
+        self.continuing = [i for i, piece in enumerate(pieces) if piece and piece[0] >> 6 == 2]
         self.decoded: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.lock = threading.Lock()  # workers share it: one decodes, the others wait for that
 
@@ -1842,14 +1848,16 @@ class GrammarVocab:
         found = self.decoded.get(partial)
         if found is None:
             np = self.np
-            rows = [grammar_code_points(piece, partial)[0] if piece and piece[0] else [] for piece in self.pieces]
-            width = max(map(len, rows), default=0)
-            points = np.full((len(rows), max(width, 1)), -1, dtype=np.int32)
-            for i, row in enumerate(rows):
+            which = range(len(self.pieces)) if partial == (0, 0) else self.continuing
+            rows = {i: grammar_code_points(self.pieces[i], partial)[0] for i in which if self.pieces[i][:1] not in (b"", b"\0")}
+            points = np.full((len(self.pieces), max(map(len, rows.values()), default=1) or 1), -1, dtype=np.int32)
+            lengths = np.zeros(len(self.pieces), dtype=np.int64)
+            for i, row in rows.items():
                 points[i, :len(row)] = row
-            if len(self.decoded) >= 4:  # 16 MB each for SmolLM2; other partial characters are rare
+                lengths[i] = len(row)
+            if len(self.decoded) >= 64:  # (the whole vocabulary's is 16 MB for SmolLM2; a partial's, a column or two)
                 self.decoded.pop(next(iter(self.decoded)))
-            found = self.decoded[partial] = (points, np.asarray(list(map(len, rows)), dtype=np.int64))
+            found = self.decoded[partial] = (points, lengths)
         return found
 
 
