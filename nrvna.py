@@ -74,6 +74,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations are strings at run time: importing typing costs 4 ms a start
     from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
+_INF = float("inf")  # JSON from Python's json module may hold Infinity
+
 # Heavy or daemon-only modules (json, logging, ctypes, argparse, llama_cpp) are imported
 # where used: `nrvna submit` must start about as fast as `python -c pass`.
 
@@ -209,16 +211,79 @@ def setting_default(name: str) -> Any:
     return _parse_setting(name, raw)
 
 
-class Param(namedtuple("Param", "kind low high default flag openai line help read", defaults=(None,))):
-    """One per-job parameter: its type (``int``, ``float``, ``str``, ``bool``, ``list`` of
-    strings, ``"messages"``, ``"response_format"``, ``"logit_bias"``, ``"input"`` (texts to
-    embed) or a tuple of the strings it may be) and limits; its
-    default (a literal, or None: the daemon's setting of the same name in SETTINGS, else
-    unset); its ``submit`` flag (None: none); the OpenAI Batch body fields that carry it (a
-    later one wins); whether nrvna's JSONL lines may carry it; its help line; and how the
-    flag's argument becomes the value (``read``: (metavar, function), None: by its type)."""
+class Param:
+    """One per-job parameter, every field by keyword.
 
-    __slots__ = ()
+    ``kind`` is the type its JSON value has: ``bool``, ``int``, ``float``, ``str``, ``list``
+    (of strings, unless ``check`` says otherwise), ``dict``, or a tuple of the strings it may
+    be; ``low``/``high`` its range (for a string or a list, its most bytes or items);
+    ``check`` the row's own check for values no type describes (called as ``check(value,
+    param)``, returning the value normalized) and ``what`` how the docs name such a value
+    (``{low}`` and ``{high}`` filled in). ``default`` is a literal, or None: the daemon's
+    setting of the same name in SETTINGS, else unset. ``flag`` is its ``submit`` flag (None:
+    none), ``read`` how the flag's argument becomes the value ((metavar, function); None: by
+    its type), ``gather`` what a repeated flag's values become (None: a single flag).
+    ``openai`` names the OpenAI Batch body fields that carry it (a later one wins),
+    ``jsonl`` whether nrvna's JSONL lines may, and ``jobs`` which jobs may carry it:
+    "generate", "embed" or "any"."""
+
+    __slots__ = ("kind", "low", "high", "default", "flag", "openai", "jsonl", "help", "read", "gather", "check",
+                 "what", "jobs")
+
+    def __init__(self, kind: Any, *, help: str, low: Any = None, high: Any = None, default: Any = None,
+                 flag: Optional[str] = None, openai: tuple[str, ...] = (), jsonl: bool = True,
+                 read: Optional[tuple[str, Callable[[str], Any]]] = None, gather: Optional[Callable[[list[Any]], Any]] = None,
+                 check: Optional[Callable[[Any, "Param"], Any]] = None, what: str = "", jobs: str = "generate") -> None:
+        self.kind, self.low, self.high, self.default = kind, low, high, default
+        self.flag, self.openai, self.jsonl, self.help = flag, openai, jsonl, help
+        self.read, self.gather, self.check, self.what, self.jobs = read, gather, check, what, jobs
+
+    def validate(self, key: str, value: Any) -> Any:
+        """``value`` normalized, or InvalidInput naming ``key``."""
+        kind, low, high = self.kind, self.low, self.high
+        if self.check is not None:
+            return self.check(value, self)
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise InvalidInput(f"parameter {key} must be true or false")
+        elif kind is str:
+            if not isinstance(value, str) or len(value.encode("utf-8", "surrogatepass")) > high:
+                raise InvalidInput(f"parameter {key} must be a string of at most {high} bytes")
+            _check_text(key, value)
+        elif kind is list:
+            if (not isinstance(value, list) or len(value) > high
+                    or not all(isinstance(s, str) and s for s in value)):
+                raise InvalidInput(f"parameter {key} must be a list of at most {high} non-empty strings")
+            for text in value:
+                _check_text(key, text)
+        elif isinstance(kind, tuple):
+            if value not in kind:
+                raise InvalidInput(f"parameter {key} must be one of {', '.join(kind)}")
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF, -_INF):
+                raise InvalidInput(f"parameter {key} must be {'an integer' if kind is int else 'a finite number'}")
+            if kind is int and value != int(value):
+                raise InvalidInput(f"parameter {key} must be an integer")
+            value = kind(value)
+            if not (low <= value <= high):
+                raise InvalidInput(f"parameter {key}={value} is out of range ({low} to {high})")
+        return value
+
+    def describe(self) -> str:
+        """Its type and range, as the docs' table gives them."""
+        if self.what:
+            return self.what.format(low=self.low, high=self.high)
+        if self.kind is bool:
+            return "boolean"
+        if self.kind is int:
+            return f"integer, {self.low} to {self.high}"
+        if self.kind is float:
+            return f"number, {self.low:g} to {self.high:g}"
+        if self.kind is str:
+            return f"string, up to {self.high} bytes"
+        if isinstance(self.kind, tuple):
+            return " or ".join(f"`{choice}`" for choice in self.kind)
+        return f"list of up to {self.high} strings"
 
 
 # A grammar's limit, and a JSON schema's as compact JSON (their rows in PARAMS). A --json-schema
@@ -307,46 +372,222 @@ def _read_bias(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN_ID=BIAS (e.g. 15043=-100)") from None
 
 
+# Schemas and grammars already checked in this process (a batch file repeats one schema on
+# every line): key -> the error message, or None when it passed.
+_CHECKED: dict[Any, Optional[str]] = {}
+
+
+def _checked(key: Any, check: Callable[[], None]) -> None:
+    """Run ``check`` once per distinct ``key`` (a schema's or grammar's text)."""
+    if key not in _CHECKED:
+        try:
+            check()
+            _CHECKED[key] = None
+        except InvalidInput as err:
+            _CHECKED[key] = str(err)
+        if len(_CHECKED) > 256:
+            _CHECKED.pop(next(iter(_CHECKED)))
+    if _CHECKED[key] is not None:
+        raise InvalidInput(_CHECKED[key])
+
+
+def _check_metadata(value: Any, param: Param) -> dict[str, Any]:
+    """A JSON object of at most ``param.high`` bytes as JSON, kept as given."""
+    import json
+
+    key, limit = "metadata", param.high
+    if not isinstance(value, dict):
+        raise InvalidInput(f"parameter {key} must be a JSON object")
+    try:
+        size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8"))
+    except RecursionError:
+        raise InvalidInput(f"parameter {key}: JSON nested too deeply") from None
+    except (TypeError, ValueError, UnicodeEncodeError) as err:
+        raise InvalidInput(f"parameter {key} cannot be written as JSON ({err})") from None
+    if size > limit:
+        raise InvalidInput(f"parameter {key} is {size} bytes as JSON; the limit is {limit}")
+    return value
+
+
+def _check_text(key: str, text: str) -> None:
+    """A parameter's text must be writable as UTF-8 (a lone surrogate, from a JSON escape
+    or from undecodable bytes in an argument, is not) and hold no NUL."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(f"parameter {key} is not valid Unicode (a lone surrogate or undecodable bytes)") from None
+    if "\x00" in text:
+        raise InvalidInput(f"parameter {key} contains a NUL byte")
+
+
+def _check_messages(messages: Any, param: Param) -> list[dict[str, str]]:
+    """Chat turns as ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``."""
+    limit = param.high
+    if not isinstance(messages, list) or not 1 <= len(messages) <= limit:
+        raise InvalidInput(f"messages must be a list of 1 to {limit} {{role, content}} objects")
+    clean = []
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, dict) or set(turn) - {"role", "content", "name"}:
+            raise InvalidInput(f"messages[{i}] must be an object with role and content")
+        role, content = turn.get("role"), turn.get("content")
+        if role not in ROLES:
+            raise InvalidInput(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+        if isinstance(content, list):  # OpenAI content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise InvalidInput(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InvalidInput(f"messages[{i}].content must be a string without NUL bytes")
+        _check_text(f"messages[{i}].content", content)
+        clean.append({"role": role, "content": content})
+    if not any(t["content"].strip() for t in clean):
+        raise InvalidInput("messages are all empty")
+    return clean
+
+
+ROLES = ("system", "user", "assistant")
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _check_response_format(value: Any, param: Param) -> dict[str, Any]:
+    """OpenAI's response_format: text, json_object, or json_schema with a schema the
+    grammar converter honours whole (see check_json_schema)."""
+    import json
+
+    limit = param.high
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidInput('response_format must be {"type": "json_schema", "json_schema": {...}}, '
+                           '{"type": "json_object"} or {"type": "text"}')
+    kind = value["type"]
+    if kind != "json_schema":
+        if set(value) != {"type"}:
+            raise InvalidInput(f"response_format of type {kind} takes no other field "
+                               f"({sorted(set(value) - {'type'})[0]!r})")
+        return {"type": kind}
+    if set(value) != {"type", "json_schema"} or not isinstance(value["json_schema"], dict):
+        raise InvalidInput('response_format json_schema must be {"type": "json_schema", "json_schema": '
+                           '{"name", "schema", "strict"}}')
+    spec = value["json_schema"]
+    unknown = set(spec) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise InvalidInput(f"response_format.json_schema: unknown field {sorted(unknown)[0]!r}")
+    if "name" in spec and not (isinstance(spec["name"], str) and _SCHEMA_NAME.fullmatch(spec["name"])):
+        raise InvalidInput("response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
+    if spec.get("strict") not in (None, True, False):
+        raise InvalidInput("response_format.json_schema.strict must be true or false")
+    if not isinstance(spec.get("description", ""), str):
+        raise InvalidInput("response_format.json_schema.description must be a string")
+    if not isinstance(spec.get("schema"), dict):
+        raise InvalidInput("response_format.json_schema.schema must be a JSON Schema object")
+    try:
+        text = json.dumps(spec["schema"], ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        raise InvalidInput("response_format.json_schema.schema holds a number that is not finite") from None
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidInput("response_format.json_schema.schema is not valid Unicode (a lone surrogate)") from None
+    if size > limit:
+        raise InvalidInput(f"response_format.json_schema.schema is over {limit} bytes")
+
+    def check() -> None:
+        try:
+            check_json_schema(spec["schema"])
+        except InvalidInput as err:
+            raise InvalidInput(f"response_format: {err}") from None
+
+    _checked(("schema", text), check)
+    return value
+
+
+def _check_logit_bias(value: Any, param: Param) -> dict[str, float]:
+    """OpenAI's logit_bias: {"token ID": bias}."""
+    low, high = param.low, param.high
+    if not isinstance(value, dict) or len(value) > 1024:
+        raise InvalidInput('logit_bias must be an object {"TOKEN_ID": BIAS} of at most 1024 tokens')
+    clean = {}
+    for token, bias in value.items():
+        if not (isinstance(token, str) and re.fullmatch("[0-9]{1,10}", token)):
+            raise InvalidInput(f"logit_bias: {token!r} is not a token ID")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
+            raise InvalidInput(f"logit_bias: the bias of token {token} must be a number from {low:g} to {high:g}")
+        clean[str(int(token))] = float(bias)
+    return clean
+
+
+def _check_input(value: Any, param: Param) -> list[str]:
+    """An embed job's texts (see check_inputs)."""
+    return check_inputs(value, param.high)
+
+
 # Every per-job parameter: validation, `submit`'s flags, the OpenAI line mapping, the
 # engine's defaults (`job_param`), `--help` and the README's table come from here. A new
 # sampling parameter is one row here and its use in the engine.
 PARAMS: dict[str, Param] = {
-    "max_tokens": Param(int, 1, 1 << 20, None, "--max-tokens", ("max_tokens", "max_completion_tokens"), True, "most tokens to generate"),
-    "temperature": Param(float, 0.0, 100.0, None, "--temperature", ("temperature",), True, "sampling temperature (0 = greedy)"),
-    "top_k": Param(int, 0, 1 << 20, None, "--top-k", ("top_k",), True, "sample from the K most likely tokens (0 = off)"),
-    "top_p": Param(float, 0.0, 1.0, None, "--top-p", ("top_p",), True, "nucleus sampling: the smallest set with this probability (1 = off)"),
-    "min_p": Param(float, 0.0, 1.0, None, "--min-p", ("min_p",), True, "drop tokens less likely than this fraction of the best one (0 = off)"),
-    "repeat_penalty": Param(float, 0.0, 100.0, None, "--repeat-penalty", ("repeat_penalty",), True, "divide the logits of the last 64 generated tokens by this (1 = off)"),
-    "presence_penalty": Param(float, -2.0, 2.0, 0.0, "--presence-penalty", ("presence_penalty",), True, "subtract this from the logit of every token among the last 64 generated (0 = off)"),
-    "frequency_penalty": Param(float, -2.0, 2.0, 0.0, "--frequency-penalty", ("frequency_penalty",), True, "subtract this times its count from the logit of each token among the last 64 generated (0 = off)"),
-    "logit_bias": Param("logit_bias", -100.0, 100.0, None, "--logit-bias", ("logit_bias",), True, "add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)", ("ID=BIAS", _read_bias)),
-    "seed": Param(int, 0, 0xFFFFFFFE, None, "--seed", ("seed",), True, "sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
-    "stop": Param(list, 0, 16, None, "--stop", ("stop",), True, "strings that end the generation, not included in the result (a flag per string)"),
-    "ignore_eos": Param(bool, None, None, False, "--ignore-eos", (), True, "keep generating past the model's end-of-generation token (not past the end of a grammar)"),
-    "response_format": Param("response_format", 0, STRUCTURE_LIMIT, None, "--json-schema", ("response_format",), True, "constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file", ("FILE|JSON", _read_json_schema)),
-    "grammar": Param(str, 0, STRUCTURE_LIMIT, None, "--grammar", ("grammar",), True, "constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file", ("FILE", _read_grammar)),
-    "logprobs": Param(bool, None, None, False, "--logprobs", ("logprobs",), True, "record each generated token's log-probability (get --json, export)"),
-    "top_logprobs": Param(int, 0, 20, None, "--top-logprobs", ("top_logprobs",), True, "with logprobs: also the N most likely tokens at each step"),
-    "embed": Param(bool, None, None, False, "--embed", (), True, "embed the input instead of generating: a vector per text (the result holds one JSON array per text, one per line)"),
-    "input": Param("input", 1, 2048, None, None, ("input",), True, "with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
-    "dimensions": Param(int, 1, 1 << 16, None, "--dimensions", ("dimensions",), True, "with embed: keep each vector's first N values (normalized again): for models trained for it (Matryoshka)"),
-    "encoding_format": Param(("float", "base64"), None, None, "float", None, ("encoding_format",), True, "with embed: how export --format openai writes the vectors (base64: little-endian float32)"),
-    "system": Param(str, 0, 1 << 20, None, "--system", (), True, "a system message for the chat template"),
-    "raw": Param(bool, None, None, False, "--raw", (), True, "send the prompt as is, without the chat template"),
-    "timeout": Param(float, 0.001, 1e7, None, "--timeout", (), True, "seconds of generation before the job fails with code timeout, keeping its partial text"),
-    "messages": Param("messages", 1, 4096, None, None, ("messages",), True, "chat turns [{role, content}] instead of a prompt, through the chat template"),
-    "custom_id": Param(str, 0, 512, None, None, (), True, "the caller's name for the job (batch files, export; default line-N)"),
-    "priority": Param(int, -1000, 1000, 0, "--priority", ("priority",), True, "higher runs first (FIFO within a priority); a job above every running one pauses lower ones in its context until it ends"),
-    "idempotency_key": Param(str, 1, 256, None, "--idempotency-key", (), True, "submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
-    "metadata": Param("metadata", 0, 1 << 20, None, "--metadata", ("metadata",), True, "the caller's fields, kept with the job and given back by export --format jsonl: a JSON object (a template's record, by default); never read by the daemon", ("JSON", _read_metadata)),
-    "tag": Param(str, 0, 128, None, "--tag", (), False, "label the jobs (status/wait/export/cancel/retry --tag)"),
-    "endpoint": Param(str, 0, 32, None, None, (), False, "the OpenAI Batch url a job came from: export answers in its shape"),
+    "max_tokens": Param(int, low=1, high=1 << 20, flag="--max-tokens", openai=("max_tokens", "max_completion_tokens"),
+                         help="most tokens to generate"),
+    "temperature": Param(float, low=0.0, high=100.0, flag="--temperature", openai=("temperature",),
+                          help="sampling temperature (0 = greedy)"),
+    "top_k": Param(int, low=0, high=1 << 20, flag="--top-k", openai=("top_k",),
+                    help="sample from the K most likely tokens (0 = off)"),
+    "top_p": Param(float, low=0.0, high=1.0, flag="--top-p", openai=("top_p",),
+                    help="nucleus sampling: the smallest set with this probability (1 = off)"),
+    "min_p": Param(float, low=0.0, high=1.0, flag="--min-p", openai=("min_p",),
+                    help="drop tokens less likely than this fraction of the best one (0 = off)"),
+    "repeat_penalty": Param(float, low=0.0, high=100.0, flag="--repeat-penalty", openai=("repeat_penalty",),
+                             help="divide the logits of the last 64 generated tokens by this (1 = off)"),
+    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty", openai=("presence_penalty",),
+                               help="subtract this from the logit of every token among the last 64 generated (0 = off)"),
+    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty", openai=("frequency_penalty",),
+                                help="subtract this times its count from the logit of each token among the last 64 generated (0 = off)"),
+    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",), read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias, what="object, biases {low:g} to {high:g}",
+                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
+    "seed": Param(int, low=0, high=0xFFFFFFFE, flag="--seed", openai=("seed",),
+                   help="sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
+    "stop": Param(list, low=0, high=16, flag="--stop", openai=("stop",),
+                   help="strings that end the generation, not included in the result (a flag per string)"),
+    "ignore_eos": Param(bool, default=False, flag="--ignore-eos",
+                         help="keep generating past the model's end-of-generation token (not past the end of a grammar)"),
+    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",), read=("FILE|JSON", _read_json_schema), check=_check_response_format, what="object (OpenAI's)",
+                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
+    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",), read=("FILE", _read_grammar),
+                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file"),
+    "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
+                       help="record each generated token's log-probability (get --json, export)"),
+    "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
+                           help="with logprobs: also the N most likely tokens at each step"),
+    "embed": Param(bool, default=False, flag="--embed", jobs="any",
+                    help="embed the input instead of generating: a vector per text (the result holds one JSON array per text, one per line)"),
+    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input, what="list of {low} to {high} strings", jobs="embed",
+                    help="with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
+    "dimensions": Param(int, low=1, high=1 << 16, flag="--dimensions", openai=("dimensions",), jobs="embed",
+                         help="with embed: keep each vector's first N values (normalized again): for models trained for it (Matryoshka)"),
+    "encoding_format": Param(("float", "base64"), default="float", openai=("encoding_format",), jobs="embed",
+                              help="with embed: how export --format openai writes the vectors (base64: little-endian float32)"),
+    "system": Param(str, low=0, high=1 << 20, flag="--system",
+                     help="a system message for the chat template"),
+    "raw": Param(bool, default=False, flag="--raw",
+                  help="send the prompt as is, without the chat template"),
+    "timeout": Param(float, low=0.001, high=1e7, flag="--timeout", jobs="any",
+                      help="seconds of generation before the job fails with code timeout, keeping its partial text"),
+    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages, what="list of up to {high} {{role, content}}",
+                       help="chat turns [{role, content}] instead of a prompt, through the chat template"),
+    "custom_id": Param(str, low=0, high=512, jobs="any",
+                        help="the caller's name for the job (batch files, export; default line-N)"),
+    "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
+                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower ones in its context until it ends"),
+    "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
+                              help="submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
+    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",), read=("JSON", _read_metadata), check=_check_metadata, what="object, up to {high} bytes as JSON", jobs="any",
+                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON object (a template's record, by default); never read by the daemon"),
+    "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
+                  help="label the jobs (status/wait/export/cancel/retry --tag)"),
+    "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
+                       help="the OpenAI Batch url a job came from: export answers in its shape"),
 }
-ROLES = ("system", "user", "assistant")
 # The parameters an embed job may carry (every other one is about generating); those only it may.
-EMBED_PARAMS = frozenset({"embed", "input", "dimensions", "encoding_format", "timeout", "custom_id", "tag", "endpoint",
-                          "idempotency_key", "priority", "metadata"})
-EMBED_ONLY = ("input", "dimensions", "encoding_format")
+EMBED_PARAMS = frozenset(name for name, param in PARAMS.items() if param.jobs != "generate")
+EMBED_ONLY = tuple(name for name, param in PARAMS.items() if param.jobs == "embed")
 # Flags that set a job parameter to a fixed value: flag -> (parameter, value, help).
 FLAG_SHORTHANDS = {"--json": ("response_format", {"type": "json_object"}, "constrain the output to a JSON object "
                                                                           "(response_format json_object)")}
@@ -354,7 +595,6 @@ FLAG_SHORTHANDS = {"--json": ("response_format", {"type": "json_object"}, "const
 OPENAI_FIELDS = {field: name for name, param in PARAMS.items() for field in param.openai}
 
 
-_INF = float("inf")  # JSON from Python's json module may hold Infinity
 
 
 def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = None) -> Any:
@@ -403,7 +643,7 @@ def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
         if key not in PARAMS:
             raise InvalidInput(f"unknown parameter {key!r} (known: {', '.join(PARAMS)})")
         if value is not None:
-            clean[key] = _check_param(key, PARAMS[key], value)
+            clean[key] = PARAMS[key].validate(key, value)
     if "tag" in clean and not ID_PATTERN.fullmatch(clean["tag"]):
         raise InvalidInput(f"invalid tag {clean['tag']!r} (letters, digits, '.', '_', '-'; not starting with '.')")
     if clean.get("idempotency_key") == "":
@@ -468,208 +708,9 @@ def render_inputs(texts: list[str]) -> str:
     return "\n\n".join(f"[input {i}]\n{text}" for i, text in enumerate(texts)) + "\n"
 
 
-# Schemas and grammars already checked in this process (a batch file repeats one schema on
-# every line): key -> the error message, or None when it passed.
-_CHECKED: dict[Any, Optional[str]] = {}
-
-
-def _checked(key: Any, check: Callable[[], None]) -> None:
-    """Run ``check`` once per distinct ``key`` (a schema's or grammar's text)."""
-    if key not in _CHECKED:
-        try:
-            check()
-            _CHECKED[key] = None
-        except InvalidInput as err:
-            _CHECKED[key] = str(err)
-        if len(_CHECKED) > 256:
-            _CHECKED.pop(next(iter(_CHECKED)))
-    if _CHECKED[key] is not None:
-        raise InvalidInput(_CHECKED[key])
-
-
-def _check_param(key: str, param: Param, value: Any) -> Any:
-    kind, low, high = param.kind, param.low, param.high
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise InvalidInput(f"parameter {key} must be true or false")
-    elif kind is str:
-        if not isinstance(value, str) or len(value.encode("utf-8", "surrogatepass")) > high:
-            raise InvalidInput(f"parameter {key} must be a string of at most {high} bytes")
-        _check_text(key, value)
-    elif kind is list:
-        if (not isinstance(value, list) or len(value) > high
-                or not all(isinstance(s, str) and s for s in value)):
-            raise InvalidInput(f"parameter {key} must be a list of at most {high} non-empty strings")
-        for text in value:
-            _check_text(key, text)
-    elif kind == "messages":
-        value = _check_messages(value, high)
-    elif kind == "response_format":
-        value = _check_response_format(value, high)
-    elif kind == "logit_bias":
-        value = _check_logit_bias(value, low, high)
-    elif kind == "input":
-        value = check_inputs(value, high)
-    elif kind == "metadata":
-        value = _check_metadata(key, value, high)
-    elif isinstance(kind, tuple):
-        if value not in kind:
-            raise InvalidInput(f"parameter {key} must be one of {', '.join(kind)}")
-    else:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF, -_INF):
-            raise InvalidInput(f"parameter {key} must be {'an integer' if kind is int else 'a finite number'}")
-        if kind is int and value != int(value):
-            raise InvalidInput(f"parameter {key} must be an integer")
-        value = kind(value)
-        if not (low <= value <= high):
-            raise InvalidInput(f"parameter {key}={value} is out of range ({low} to {high})")
-    return value
-
-
-def _check_metadata(key: str, value: Any, limit: int) -> dict[str, Any]:
-    """A JSON object of at most ``limit`` bytes as JSON, kept as given."""
-    import json
-
-    if not isinstance(value, dict):
-        raise InvalidInput(f"parameter {key} must be a JSON object")
-    try:
-        size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8"))
-    except RecursionError:
-        raise InvalidInput(f"parameter {key}: JSON nested too deeply") from None
-    except (TypeError, ValueError, UnicodeEncodeError) as err:
-        raise InvalidInput(f"parameter {key} cannot be written as JSON ({err})") from None
-    if size > limit:
-        raise InvalidInput(f"parameter {key} is {size} bytes as JSON; the limit is {limit}")
-    return value
-
-
-def _check_text(key: str, text: str) -> None:
-    """A parameter's text must be writable as UTF-8 (a lone surrogate, from a JSON escape
-    or from undecodable bytes in an argument, is not) and hold no NUL."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidInput(f"parameter {key} is not valid Unicode (a lone surrogate or undecodable bytes)") from None
-    if "\x00" in text:
-        raise InvalidInput(f"parameter {key} contains a NUL byte")
-
-
-def _check_messages(messages: Any, limit: int) -> list[dict[str, str]]:
-    """Chat turns as ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``."""
-    if not isinstance(messages, list) or not 1 <= len(messages) <= limit:
-        raise InvalidInput(f"messages must be a list of 1 to {limit} {{role, content}} objects")
-    clean = []
-    for i, turn in enumerate(messages):
-        if not isinstance(turn, dict) or set(turn) - {"role", "content", "name"}:
-            raise InvalidInput(f"messages[{i}] must be an object with role and content")
-        role, content = turn.get("role"), turn.get("content")
-        if role not in ROLES:
-            raise InvalidInput(f"messages[{i}].role must be one of {', '.join(ROLES)}")
-        if isinstance(content, list):  # OpenAI content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise InvalidInput(f"messages[{i}].content: only text parts are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise InvalidInput(f"messages[{i}].content must be a string without NUL bytes")
-        _check_text(f"messages[{i}].content", content)
-        clean.append({"role": role, "content": content})
-    if not any(t["content"].strip() for t in clean):
-        raise InvalidInput("messages are all empty")
-    return clean
-
-
-_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def _check_response_format(value: Any, limit: int) -> dict[str, Any]:
-    """OpenAI's response_format: text, json_object, or json_schema with a schema the
-    grammar converter honours whole (see check_json_schema)."""
-    import json
-
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-        raise InvalidInput('response_format must be {"type": "json_schema", "json_schema": {...}}, '
-                           '{"type": "json_object"} or {"type": "text"}')
-    kind = value["type"]
-    if kind != "json_schema":
-        if set(value) != {"type"}:
-            raise InvalidInput(f"response_format of type {kind} takes no other field "
-                               f"({sorted(set(value) - {'type'})[0]!r})")
-        return {"type": kind}
-    if set(value) != {"type", "json_schema"} or not isinstance(value["json_schema"], dict):
-        raise InvalidInput('response_format json_schema must be {"type": "json_schema", "json_schema": '
-                           '{"name", "schema", "strict"}}')
-    spec = value["json_schema"]
-    unknown = set(spec) - {"name", "schema", "strict", "description"}
-    if unknown:
-        raise InvalidInput(f"response_format.json_schema: unknown field {sorted(unknown)[0]!r}")
-    if "name" in spec and not (isinstance(spec["name"], str) and _SCHEMA_NAME.fullmatch(spec["name"])):
-        raise InvalidInput("response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
-    if spec.get("strict") not in (None, True, False):
-        raise InvalidInput("response_format.json_schema.strict must be true or false")
-    if not isinstance(spec.get("description", ""), str):
-        raise InvalidInput("response_format.json_schema.description must be a string")
-    if not isinstance(spec.get("schema"), dict):
-        raise InvalidInput("response_format.json_schema.schema must be a JSON Schema object")
-    try:
-        text = json.dumps(spec["schema"], ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    except ValueError:
-        raise InvalidInput("response_format.json_schema.schema holds a number that is not finite") from None
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise InvalidInput("response_format.json_schema.schema is not valid Unicode (a lone surrogate)") from None
-    if size > limit:
-        raise InvalidInput(f"response_format.json_schema.schema is over {limit} bytes")
-
-    def check() -> None:
-        try:
-            check_json_schema(spec["schema"])
-        except InvalidInput as err:
-            raise InvalidInput(f"response_format: {err}") from None
-
-    _checked(("schema", text), check)
-    return value
-
-
-def _check_logit_bias(value: Any, low: float, high: float) -> dict[str, float]:
-    """OpenAI's logit_bias: {"token ID": bias}."""
-    if not isinstance(value, dict) or len(value) > 1024:
-        raise InvalidInput('logit_bias must be an object {"TOKEN_ID": BIAS} of at most 1024 tokens')
-    clean = {}
-    for token, bias in value.items():
-        if not (isinstance(token, str) and re.fullmatch("[0-9]{1,10}", token)):
-            raise InvalidInput(f"logit_bias: {token!r} is not a token ID")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
-            raise InvalidInput(f"logit_bias: the bias of token {token} must be a number from {low:g} to {high:g}")
-        clean[str(int(token))] = float(bias)
-    return clean
-
-
 def render_messages(messages: list[dict[str, str]]) -> str:
     """Chat turns as text a person can read (what prompt.txt holds for a messages job)."""
     return "\n\n".join(f"[{turn['role']}]\n{turn['content']}" for turn in messages) + "\n"
-
-
-def _describe_param(param: Param) -> str:
-    if param.kind is bool:
-        return "boolean"
-    if param.kind is int:
-        return f"integer, {param.low} to {param.high}"
-    if param.kind is float:
-        return f"number, {param.low:g} to {param.high:g}"
-    if param.kind is str:
-        return f"string, up to {param.high} bytes"
-    if param.kind == "response_format":
-        return "object (OpenAI's)"
-    if param.kind == "logit_bias":
-        return f"object, biases {param.low:g} to {param.high:g}"
-    if param.kind == "input":
-        return f"list of {param.low} to {param.high} strings"
-    if param.kind == "metadata":
-        return f"object, up to {param.high} bytes as JSON"
-    if isinstance(param.kind, tuple):
-        return " or ".join(f"`{choice}`" for choice in param.kind)
-    return f"list of up to {param.high} " + ("strings" if param.kind is list else "{role, content}")
 
 
 # Defaults that depend on the machine, as the README states them.
@@ -686,12 +727,12 @@ def markdown_tables() -> dict[str, str]:
         settings.append(f"| `{setting.env}` | {default} | {setting.help} |")
     params = ["| parameter | type | default | `submit` flag | OpenAI body | meaning |", "|---|---|---|---|---|---|"]
     for name, param in PARAMS.items():
-        kind = _describe_param(param)
+        kind = param.describe()
         default = f"`{SETTINGS[name].env}`" if name in SETTINGS else ("—" if param.default is None else str(param.default).lower())
         flags = [param.flag] + [f for f, (target, _, _) in FLAG_SHORTHANDS.items() if target == name] if param.flag else []
         flag = ", ".join(f"`{f}`" for f in flags) or "—"
         openai = ", ".join(f"`{field}`" for field in param.openai) or "—"
-        line = "" if param.line else " (not a JSONL field)"
+        line = "" if param.jsonl else " (not a JSONL field)"
         params.append(f"| `{name}` | {kind} | {default} | {flag} | {openai} | {param.help}{line} |")
     exit_codes = ["| code | meaning |", "|---|---|"] + [f"| {code} | {meaning} |" for code, meaning in EXIT_CODES.items()]
     failures = ["| code | the job failed because |", "|---|---|"] + [
@@ -4325,7 +4366,7 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
         return _openai_line(obj, notes)
     params = dict(obj)
     for key in params:
-        if key in PARAMS and not PARAMS[key].line:
+        if key in PARAMS and not PARAMS[key].jsonl:
             raise InvalidInput(f"unknown field {key!r} (tags are given with --tag)")
     embed = params.get("embed")
     if "embed" in params and not isinstance(embed, (bool, str, list)):
@@ -4342,7 +4383,7 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
     if (prompt is None) == (messages is None):
         raise InvalidInput("give exactly one of prompt or messages")
     if messages is not None:
-        params["messages"] = _check_messages(messages, PARAMS["messages"].high)
+        params["messages"] = _check_messages(messages, PARAMS["messages"])
         return render_messages(params["messages"]), params
     if not isinstance(prompt, str):
         raise InvalidInput("prompt must be a string")
@@ -4417,7 +4458,7 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
     for field, name in OPENAI_FIELDS.items():  # in table order: max_completion_tokens wins over max_tokens
         if field in body and field != endpoint.input:
             value = body[field]
-            params[name] = [value] if PARAMS[name].kind is list and isinstance(value, str) else value  # "stop": "x"
+            params[name] = [value] if name == "stop" and isinstance(value, str) else value  # OpenAI's stop may be one string
     if endpoint.input == "prompt":
         # The legacy completions API's logprobs is a count: how many of the likeliest tokens.
         count = body.get("logprobs")
@@ -4435,7 +4476,7 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
         return body["prompt"], params
     if "prompt" in body or "messages" not in body:
         raise InvalidInput(f"a {url} body needs messages")
-    params["messages"] = _check_messages(body["messages"], PARAMS["messages"].high)
+    params["messages"] = _check_messages(body["messages"], PARAMS["messages"])
     return render_messages(params["messages"]), params
 
 
@@ -7832,8 +7873,9 @@ def _job_params(args: Any) -> dict[str, Any]:
     """The job parameters given as ``submit`` flags (see PARAMS)."""
     params = {name: getattr(args, name) for name, param in PARAMS.items()
               if param.flag and getattr(args, name) is not None}
-    if "logit_bias" in params:  # a flag per token: (id, bias) pairs
-        params["logit_bias"] = dict(params["logit_bias"])
+    for name in params:
+        if PARAMS[name].gather is not None:  # a repeated flag: logit_bias's (id, bias) pairs
+            params[name] = PARAMS[name].gather(params[name])
     return params
 
 
@@ -8262,7 +8304,7 @@ def _param_arguments(parser: Any) -> None:
         group = parser.add_mutually_exclusive_group() if shorthands else parser
         if param.read is not None:
             metavar, read = param.read
-            action = "append" if param.kind == "logit_bias" else "store"
+            action = "append" if param.gather is not None else "store"
             group.add_argument(param.flag, dest=name, type=read, action=action, metavar=metavar, help=param.help + default)
         elif param.kind is bool:
             group.add_argument(param.flag, dest=name, action="store_const", const=True, help=param.help + default)
