@@ -84,8 +84,10 @@ _INF = float("inf")  # JSON from Python's json module may hold Infinity
 # Settings and job parameters: one table each (SETTINGS, PARAMS) drives validation, flags, help and the README
 ##############################################################################
 
-# A setting's type, default, range (low, high; for a str setting, low is its choices or None) and help.
-_Setting = namedtuple("_Setting", "env kind default low high help")
+# A setting's variable, type, default, range (low, high: a number's), help; a str setting's
+# choices (None: any text); the daemon's flags that set it; its default as the docs state it
+# where the machine decides it.
+_Setting = namedtuple("_Setting", "env kind default low high help choices flags shown", defaults=(None, (), None))
 
 
 def _default_gpu_layers() -> int:
@@ -106,12 +108,15 @@ POOLINGS = ("model", "mean", "cls", "last", "none")  # llama.cpp's pooling types
 # Every NRVNA_* variable: parsing, validation, `--help` and the README's table come from here.
 # A setting named like a job parameter (max_tokens, temperature...) is that parameter's default.
 SETTINGS: dict[str, _Setting] = {
-    "workers": _Setting("NRVNA_WORKERS", int, min(4, cpu_count()), 1, 256, "worker threads, each with its own context (default 4, or the core count if fewer)"),
-    "seqs": _Setting("NRVNA_SEQS", int, 16, 1, 255, "sequences each worker context generates at once (beyond 8, as the jobs' budgets leave room; one more is kept for a higher-priority job)"),
+    "workers": _Setting("NRVNA_WORKERS", int, min(4, cpu_count()), 1, 256, "worker threads, each with its own context",
+                         flags=("-w", "--workers"), shown="4, or the cores if fewer"),
+    "seqs": _Setting("NRVNA_SEQS", int, 16, 1, 255, "sequences each worker context generates at once (beyond 8, as the jobs' budgets leave room; one more is kept for a higher-priority job)",
+                      flags=("-s", "--seqs")),
     "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
     "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
     "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
-    "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all; default 99 on macOS, else 0)"),
+    "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all)",
+                            shown="0 (99 on macOS)"),
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
     "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs"),
     "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job (default of max_tokens)"),
@@ -126,14 +131,37 @@ SETTINGS: dict[str, _Setting] = {
     "max_batch_lines": _Setting("NRVNA_MAX_BATCH_LINES", int, 1_000_000, 1, 1 << 31, "most lines a batch file (submit --file) may hold: it is held whole while checked, about 0.8 KB a line"),
     "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0, "seconds a submit waits for another live submit that holds its idempotency key to publish its job (then exit 4, nothing queued)"),
     "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
-    "pooling": _Setting("NRVNA_POOLING", str, "model", POOLINGS, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)"),
+    "pooling": _Setting("NRVNA_POOLING", str, "model", None, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)", choices=POOLINGS),
     "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1, "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
-    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", LOG_LEVELS, None, "error, warn, info, debug or trace"),
-    "on_done": _Setting("NRVNA_ON_DONE", str, "", None, None, "a shell command run for every job that ends (daemon --on-done; see On-done hooks)"),
-    "on_batch_done": _Setting("NRVNA_ON_BATCH_DONE", str, "", None, None, "a shell command run once when every job of a tag has ended (daemon --on-batch-done)"),
+    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace", choices=LOG_LEVELS),
+    "on_done": _Setting("NRVNA_ON_DONE", str, "", None, None, "a shell command run for every job that ends, with the job's directory appended as its last argument ($1 of a script)",
+                         flags=("--on-done",)),
+    "on_batch_done": _Setting("NRVNA_ON_BATCH_DONE", str, "", None, None, "a shell command run once when every job of a tag has ended, with the tag appended as its argument",
+                               flags=("--on-batch-done",)),
     "hook_jobs": _Setting("NRVNA_HOOK_JOBS", int, 2, 1, 256, "hooks run at most this many at a time"),
     "hook_timeout": _Setting("NRVNA_HOOK_TIMEOUT", float, 60.0, 0.1, 86400.0, "seconds a hook may run before it is killed (and logged; not run again)"),
 }
+
+
+# What a hook's environment holds: variable -> (the settings whose hooks get it, meaning). The
+# hooks' environments, the daemon's --help and the manual's table come from here.
+HOOK_VARIABLES: dict[str, tuple[tuple[str, ...], str]] = {
+    "NRVNA_WORKSPACE": (("on_done", "on_batch_done"), "the workspace, as an absolute path"),
+    "NRVNA_JOB_ID": (("on_done",), "the job's ID"),
+    "NRVNA_STATUS": (("on_done",), "`done` or `failed`"),
+    "NRVNA_CODE": (("on_done",), "why it failed (its failure code); empty when done"),
+    "NRVNA_CUSTOM_ID": (("on_done",), "its custom_id; empty when none"),
+    "NRVNA_TAG": (("on_done", "on_batch_done"), "its tag (the batch's, for --on-batch-done); empty when none"),
+    "NRVNA_JOBS": (("on_batch_done",), "jobs ever submitted with the tag"),
+    "NRVNA_DONE": (("on_batch_done",), "of those, how many are done"),
+    "NRVNA_FAILED": (("on_batch_done",), "of those, how many failed"),
+}
+
+
+def hook_environment(hook: str, values: Mapping[str, str]) -> dict[str, str]:
+    """The variables HOOK_VARIABLES gives ``hook`` ("on_done" or "on_batch_done"), from
+    ``values`` (which must hold each of them)."""
+    return {name: values[name] for name, (hooks, _) in HOOK_VARIABLES.items() if hook in hooks}
 
 
 class Config:
@@ -185,8 +213,8 @@ def _check_setting(name: str, value: Any) -> Any:
         level = "warn" if level == "warning" else level
         value = level
     if setting.kind is str:
-        if setting.low is not None and value not in setting.low:
-            raise ConfigError(f"{setting.env}={value!r} is not one of {', '.join(setting.low)}")
+        if setting.choices is not None and value not in setting.choices:
+            raise ConfigError(f"{setting.env}={value!r} is not one of {', '.join(setting.choices)}")
         return str(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{setting.env}={value!r} is not {_describe(setting)}")
@@ -658,32 +686,32 @@ def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
 
 def constraint(params: Mapping[str, Any]) -> Optional[str]:
     """What constrains a job's output: "json_schema", "json_object", "grammar" or None."""
-    if params.get("grammar") is not None:
+    if job_param(params, "grammar") is not None:
         return "grammar"
-    kind = (params.get("response_format") or {}).get("type")
+    kind = (job_param(params, "response_format") or {}).get("type")
     return kind if kind in ("json_schema", "json_object") else None
 
 
 def check_combination(params: Mapping[str, Any]) -> None:
     """Raise InvalidInput for parameters that cannot go together (also for a batch line
     merged with the file's defaults)."""
-    kind = (params.get("response_format") or {}).get("type")
-    if params.get("grammar") is not None and kind in ("json_schema", "json_object"):
+    kind = (job_param(params, "response_format") or {}).get("type")
+    if job_param(params, "grammar") is not None and kind in ("json_schema", "json_object"):
         raise InvalidInput("give grammar or response_format, not both")
-    if params.get("stop") and constraint(params):
+    if job_param(params, "stop") and constraint(params):
         raise InvalidInput("stop cannot be combined with grammar or response_format: the grammar decides "
                            "where the output ends (a stop string inside a JSON value would cut it short)")
-    if params.get("top_logprobs") is not None and not params.get("logprobs"):
+    if job_param(params, "top_logprobs") is not None and not job_param(params, "logprobs"):
         raise InvalidInput("top_logprobs needs logprobs: true")
-    if params.get("endpoint") and (params["endpoint"] == "/v1/embeddings") != bool(params.get("embed")):
+    if job_param(params, "endpoint") and (params["endpoint"] == "/v1/embeddings") != bool(job_param(params, "embed")):
         raise InvalidInput("endpoint /v1/embeddings goes with embed jobs only")
-    if params.get("embed"):
+    if job_param(params, "embed"):
         for key, value in params.items():
             if key not in EMBED_PARAMS and value != PARAMS[key].default:
                 raise InvalidInput(f"an embed job takes no {key} (it generates nothing)")
     else:
         for key in EMBED_ONLY:
-            if params.get(key, PARAMS[key].default) != PARAMS[key].default:
+            if job_param(params, key) != PARAMS[key].default:
                 raise InvalidInput(f"{key} is for embed jobs (give embed: true, or submit --embed)")
 
 
@@ -713,17 +741,13 @@ def render_messages(messages: list[dict[str, str]]) -> str:
     return "\n\n".join(f"[{turn['role']}]\n{turn['content']}" for turn in messages) + "\n"
 
 
-# Defaults that depend on the machine, as the README states them.
-_MACHINE_DEFAULTS = {"workers": "4, or the cores if fewer", "gpu_layers": "0 (99 on macOS)"}
-
-
 def markdown_tables() -> dict[str, str]:
-    """The README's generated tables: settings, params, exit-codes and failure-codes, from
-    SETTINGS, PARAMS, EXIT_CODES and FAILURE_CODES (scripts/readme_tables.py writes them; a
+    """The manual's generated tables: settings, params, exit-codes, failure-codes and
+    hook-variables, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES and HOOK_VARIABLES (scripts/readme_tables.py writes them; a
     test checks them)."""
     settings = ["| variable | default | meaning |", "|---|---|---|"]
-    for name, setting in SETTINGS.items():
-        default = _MACHINE_DEFAULTS.get(name, setting.default)
+    for setting in SETTINGS.values():
+        default = setting.default if setting.shown is None else setting.shown
         settings.append(f"| `{setting.env}` | {default} | {setting.help} |")
     params = ["| parameter | type | default | `submit` flag | OpenAI body | meaning |", "|---|---|---|---|---|---|"]
     for name, param in PARAMS.items():
@@ -737,8 +761,11 @@ def markdown_tables() -> dict[str, str]:
     exit_codes = ["| code | meaning |", "|---|---|"] + [f"| {code} | {meaning} |" for code, meaning in EXIT_CODES.items()]
     failures = ["| code | the job failed because |", "|---|---|"] + [
         f"| `{code}` | {meaning} |" for code, meaning in FAILURE_CODES.items()]
+    hooks = ["| variable | set for | meaning |", "|---|---|---|"] + [
+        f"| `{name}` | {', '.join('`--' + hook.replace('_', '-') + '`' for hook in on)} | {meaning} |"
+        for name, (on, meaning) in HOOK_VARIABLES.items()]
     return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
-            "failure-codes": "\n".join(failures)}
+            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks)}
 
 
 ##############################################################################
@@ -2262,7 +2289,10 @@ TAGS = "tags"  # tags/<tag>/<time_ns>_<first id>.ids: which jobs a submit labell
 KEYS = "keys"  # keys/<sha256 of an idempotency key>: the ID of the job submitted with it
 HOOKS_OWED = os.path.join("hooks", "done")  # hooks/done/<id>: a job ended and its hooks have not run yet
 HOOKS_BATCH = os.path.join("hooks", "batch")  # hooks/batch/<tag>: {"jobs": N, "done", "failed", "ran": bool} of its last batch hook
-HOOK_RETRY_SECONDS = 0.5  # a job's hook bookkeeping that raised is tried again after 1 s, 2 s, 4 s... (at most 10 min)
+# A job's hook bookkeeping that raised is tried again after 2 x, 4 x, 8 x... this (1 s, 2 s, 4 s...),
+# at most every HOOK_RETRY_MAX seconds.
+HOOK_RETRY_SECONDS = 0.5
+HOOK_RETRY_MAX = 600.0
 LOCK_FILE = ".nrvna.lock"
 # A non-directory found in ready/ is wrapped in a real job dir under this name in failed/.
 QUARANTINED_ENTRY = "entry"
@@ -3078,7 +3108,7 @@ class Work:
         if "input" in params:
             raise InvalidInput("give the texts to embed as the prompt: publish([text, ...], embed=True)")
         if isinstance(prompt, (list, tuple)):  # texts to embed
-            if not params.get("embed"):
+            if not job_param(params, "embed"):
                 raise InvalidInput("a list of texts is for embed jobs: give embed=True")
             prompt, params = _embed_input(check_inputs(list(prompt), PARAMS["input"].high), dict(params))
         data = check_prompt(prompt, setting_default("max_prompt_bytes"))
@@ -3166,7 +3196,7 @@ class Work:
                 # another client holds is not published, and answers with that client's job.
                 final = [job_id for job_id, _ in staged]
                 for i, entry in enumerate(chunk):
-                    key = entry.params.get("idempotency_key")
+                    key = job_param(entry.params, "idempotency_key")
                     if key is None or holder is None:
                         continue
                     if key in mine:  # an earlier line of this call has it: our own lock, never waited on
@@ -3181,7 +3211,7 @@ class Work:
                             break
                     mine[key] = final[i]
                 if tag:
-                    _write_manifest(self.workspace, tag, [(job_id, e.params.get("custom_id"))
+                    _write_manifest(self.workspace, tag, [(job_id, job_param(e.params, "custom_id"))
                                                           for job_id, e in zip(final, chunk)])
                 for (job_id, staging), published in zip(staged, final):
                     if published == job_id:
@@ -3245,7 +3275,7 @@ class Work:
             validate_params({"tag": tag})
         # The flags' generation parameters are defaults for the file's generation lines only.
         embed_defaults = {k: v for k, v in defaults.items() if k in EMBED_PARAMS}
-        entries = [BatchEntry(e.line, e.prompt, {**(embed_defaults if e.params.get("embed") else defaults), **e.params})
+        entries = [BatchEntry(e.line, e.prompt, {**(embed_defaults if job_param(e.params, "embed") else defaults), **e.params})
                    for e in entries]
         if "idempotency_key" in defaults:
             raise InvalidInput("--idempotency-key names one job: give each line its own idempotency_key, "
@@ -3268,14 +3298,14 @@ class Work:
         ids: list[Optional[str]] = [existing.get(e.params["custom_id"]) for e in entries]
         keyed = 0
         for i, entry in enumerate(entries):
-            key = entry.params.get("idempotency_key")
+            key = job_param(entry.params, "idempotency_key")
             if ids[i] is None and key is not None and os.path.isdir(self.workspace):
                 ids[i] = key_job(self.workspace, key, notify=self.notify)
                 keyed += ids[i] is not None
         first_with: dict[str, int] = {}
         same_as: dict[int, int] = {}  # a line whose key an earlier line of the file has -> that line
         for i, entry in enumerate(entries):
-            key = entry.params.get("idempotency_key")
+            key = job_param(entry.params, "idempotency_key")
             if ids[i] is None and key is not None:
                 if key in first_with:
                     same_as[i] = first_with[key]
@@ -3715,11 +3745,11 @@ def iter_events(workspace: str, since: Optional[float] = None, tag: Optional[str
         if read is None:
             return []
         history, params = read
-        if tag is not None and params.get("tag") != tag:
+        if tag is not None and job_param(params, "tag") != tag:
             return []
         out, first = [], emitted.get(job_id, 0)
         emitted[job_id] = max(first, len(history))
-        order, cid, job_tag = order_key(job_id), params.get("custom_id"), params.get("tag")
+        order, cid, job_tag = order_key(job_id), job_param(params, "custom_id"), job_param(params, "tag")
         for i in range(first, len(history)):
             when, to = history[i][0], history[i][1]
             if since is not None and when < since:
@@ -4368,7 +4398,7 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
     for key in params:
         if key in PARAMS and not PARAMS[key].jsonl:
             raise InvalidInput(f"unknown field {key!r} (tags are given with --tag)")
-    embed = params.get("embed")
+    embed = job_param(params, "embed")
     if "embed" in params and not isinstance(embed, (bool, str, list)):
         raise InvalidInput("embed must be a text, a list of texts, or true (with input or prompt)")
     if embed is True and not {"input", "prompt", "messages"} & set(params):
@@ -4379,7 +4409,7 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
             raise InvalidInput("give the texts to embed once: in embed, or as input with embed: true")
         params["embed"] = True
         return _embed_input(check_inputs(params.pop("input", embed), PARAMS["input"].high), params)
-    prompt, messages = params.pop("prompt", None), params.get("messages")
+    prompt, messages = params.pop("prompt", None), job_param(params, "messages")
     if (prompt is None) == (messages is None):
         raise InvalidInput("give exactly one of prompt or messages")
     if messages is not None:
@@ -4517,15 +4547,15 @@ def _float32_bytes(vector: list[float]) -> bytes:
 
 def _jsonl_record(job: Job) -> dict[str, Any]:
     params = job.params or {}
-    embedded = job.status is Status.Done and params.get("embed")
-    record = {"id": job.id, "custom_id": params.get("custom_id"), "status": job.status.value,
+    embedded = job.status is Status.Done and job_param(params, "embed")
+    record = {"id": job.id, "custom_id": job_param(params, "custom_id"), "status": job.status.value,
               "prompt": job.prompt, "result": None if embedded else job.result,
               "error": job.error.rstrip("\n") if job.error else None, "meta": job.meta}
     if embedded:
         record["embeddings"] = job_vectors(job)
     if job.logprobs is not None:
         record["logprobs"] = job.logprobs
-    if params.get("metadata") is not None:
+    if job_param(params, "metadata") is not None:
         record["metadata"] = params["metadata"]
     return record
 
@@ -4545,18 +4575,18 @@ def _embeddings_body(job: Job) -> dict[str, Any]:
 
 def _openai_record(job: Job) -> dict[str, Any]:
     meta, params = job.meta, job.params or {}
-    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": params.get("custom_id")}
+    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": job_param(params, "custom_id")}
     if job.status is not Status.Done:
         line["response"] = None
         line["error"] = {"code": meta.get("code") or "failed", "message": (job.error or "").rstrip("\n")}
         return line
-    if params.get("embed"):
+    if job_param(params, "embed"):
         line["response"] = {"status_code": 200, "request_id": job.id, "body": _embeddings_body(job)}
         line["error"] = None
         return line
     prompt_tokens, completion_tokens = int(meta.get("prompt_tokens") or 0), int(meta.get("generated_tokens") or 0)
     finish_reason = meta.get("finish_reason") if meta.get("finish_reason") in ("stop", "length") else "stop"
-    endpoint = ENDPOINTS[params.get("endpoint") or "/v1/chat/completions"]
+    endpoint = ENDPOINTS[job_param(params, "endpoint") or "/v1/chat/completions"]
     if endpoint.input == "prompt":
         choice = {"text": job.result, "index": 0, "logprobs": _legacy_logprobs(job.logprobs, job.prompt or ""),
                   "finish_reason": finish_reason}
@@ -7182,7 +7212,7 @@ class Hooks:
                     log.error(f"hook error for {task}: {err!r}; tried again at the next start")
                 else:  # its record stays: tried again, less and less often (never every round)
                     errors = self._errors.get(task, (0, 0.0))[0] + 1
-                    delay = min(HOOK_RETRY_SECONDS * 2 ** errors, 600.0)
+                    delay = min(HOOK_RETRY_SECONDS * 2 ** errors, HOOK_RETRY_MAX)
                     self._errors[task] = (errors, time.monotonic() + delay)
                     log.error(f"hook error for {task}: {err!r}; tried again in {delay:g} s")
             finally:
@@ -7210,12 +7240,13 @@ class Hooks:
         # A hand-made job's params.json was never validated (its claim failed it): a tag that is
         # not a valid name names no batch, and no field may break the environment (either
         # raised here before, and the record stayed: the hook ran again every 0.5 s, forever).
-        tag = params.get("tag")
+        tag = job_param(params, "tag")
         tag = tag if isinstance(tag, str) and ID_PATTERN.fullmatch(tag) else None
         if self.on_done:
-            env = {"NRVNA_WORKSPACE": self.workspace, "NRVNA_JOB_ID": job_id, "NRVNA_STATUS": status.value,
-                   "NRVNA_CODE": _env_text(meta.get("code")) if status is Status.Failed else "",
-                   "NRVNA_CUSTOM_ID": _env_text(params.get("custom_id")), "NRVNA_TAG": tag or ""}
+            env = hook_environment("on_done", {
+                "NRVNA_WORKSPACE": self.workspace, "NRVNA_JOB_ID": job_id, "NRVNA_STATUS": status.value,
+                "NRVNA_CODE": _env_text(meta.get("code")) if status is Status.Failed else "",
+                "NRVNA_CUSTOM_ID": _env_text(job_param(params, "custom_id")), "NRVNA_TAG": tag or ""})
             if not self._run(f"on-done hook for {job_id}", self.on_done, env, path):
                 return  # stopped by the daemon's stop: runs again at the next start
         if self.on_batch_done and tag:
@@ -7253,8 +7284,9 @@ class Hooks:
         record = self._batch_record(tag)
         if record.get("ran") is not False:
             return
-        env = {"NRVNA_WORKSPACE": self.workspace, "NRVNA_TAG": tag, "NRVNA_JOBS": str(record.get("jobs")),
-               "NRVNA_DONE": str(record.get("done")), "NRVNA_FAILED": str(record.get("failed"))}
+        env = hook_environment("on_batch_done", {
+            "NRVNA_WORKSPACE": self.workspace, "NRVNA_TAG": tag, "NRVNA_JOBS": str(record.get("jobs")),
+            "NRVNA_DONE": str(record.get("done")), "NRVNA_FAILED": str(record.get("failed"))})
         if self._run(f"on-batch-done hook for tag {tag}", self.on_batch_done, env, tag):
             self._write_batch_record(tag, dict(record, ran=True), sync=False)
 
@@ -7507,7 +7539,7 @@ class Server:
             running = list(self._running.values())
         for job in running:
             if job.interrupt is None:
-                timeout = job.params.get("timeout")
+                timeout = job_param(job.params, "timeout")
                 if timeout is not None and now - job.started > timeout:
                     job.interrupt = ("timeout", f"generation took longer than its timeout of {timeout:g} s")
                 elif os.path.lexists(os.path.join(job.path, CANCEL_FILE)):
@@ -7606,7 +7638,7 @@ class Server:
                 active = session.active()
                 self._tops[index] = None
                 if active and not self._stop.is_set():
-                    mine = self._tops[index] = max(int(job.params.get("priority") or 0) for job in active)
+                    mine = self._tops[index] = max(job_param(job.params, "priority") for job in active)
                     if any(top is not None and top > mine for top in self._tops):
                         # Another worker runs a job above all of this one's: pause, and lend it
                         # this worker's threads (see _share_cores), until it has ended.
@@ -7664,7 +7696,7 @@ class Server:
                 top = self.pool.top_priority()
                 if top is None or session.reserve(top) <= 0:
                     return
-                above = max((int(job.params.get("priority") or 0) for job in active), default=None)
+                above = max((job_param(job.params, "priority") for job in active), default=None)
                 # Said before the claim (a rename and fsyncs): the other workers pause now.
                 self._tops[index] = top
                 self._outranked(top)
@@ -7719,8 +7751,8 @@ class Server:
             if self.hooks is not None:
                 self.hooks.poke()
             if outcome.error_code is None:
-                if job.params.get("embed"):
-                    texts = len(job.params.get("input") or [job.prompt])
+                if job_param(job.params, "embed"):
+                    texts = len(job_param(job.params, "input") or [job.prompt])
                     log.info(f"Job completed: {job.id} ({texts} {'text' if texts == 1 else 'texts'} embedded, "
                              f"{outcome.prompt_tokens} tokens)")
                 else:
@@ -7800,8 +7832,7 @@ def _print_json(value: Any, indent: Optional[int] = None) -> None:
 def _cmd_daemon(args: Any) -> int:
     import signal
 
-    config = Config.from_env(workers=args.workers, seqs=args.seqs, on_done=args.on_done,
-                             on_batch_done=args.on_batch_done)
+    config = Config.from_env(**{name: getattr(args, name) for name, setting in SETTINGS.items() if setting.flags})
     configure_logging(config.log_level)
     threading.current_thread().name = "Main"
     server = Server(args.model, args.workspace, config=config, drain=args.drain, runner=args.runner)
@@ -8284,14 +8315,15 @@ def _positive_float(text: str) -> float:
 def _daemon_arguments(parser: Any) -> None:
     parser.add_argument("model", metavar="MODEL", help="GGUF path, or a name in NRVNA_MODELS_DIR")
     parser.add_argument("workspace", metavar="WORKSPACE")
-    parser.add_argument("-w", "--workers", type=int, help="worker threads (NRVNA_WORKERS; default 4, or the cores if fewer)")
-    parser.add_argument("-s", "--seqs", type=int, help="sequences per worker context (NRVNA_SEQS, default 16)")
     parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0")
-    parser.add_argument("--on-done", metavar="CMD", help="run the shell command CMD for every job that ends, with the "
-                        "job's directory appended as its last argument ($1 of a script) and NRVNA_JOB_ID, NRVNA_STATUS, NRVNA_CODE, NRVNA_CUSTOM_ID, "
-                        "NRVNA_TAG, NRVNA_WORKSPACE set (NRVNA_ON_DONE)")
-    parser.add_argument("--on-batch-done", metavar="CMD", help="run CMD once every job of a tag has ended, with the "
-                        "tag appended as its argument and NRVNA_TAG, NRVNA_JOBS, NRVNA_DONE, NRVNA_FAILED set (NRVNA_ON_BATCH_DONE)")
+    for name, setting in SETTINGS.items():  # the settings with a flag of their own
+        if setting.flags:
+            hooked = [var for var, (hooks, _) in HOOK_VARIABLES.items() if name in hooks]
+            env = f"; sets {', '.join(hooked)}" if hooked else ""
+            default = setting.default if setting.shown is None else setting.shown
+            default = f", default {default}" if default != "" else ""
+            kind = {"type": setting.kind} if setting.kind is not str else {"metavar": "CMD"}
+            parser.add_argument(*setting.flags, dest=name, help=f"{setting.help}{env} ({setting.env}{default})", **kind)
 
 
 def _param_arguments(parser: Any) -> None:
