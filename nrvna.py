@@ -2709,7 +2709,7 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
             _unlink_quietly(name, dir_fd)
 
 
-def _names(workspace: str, sub: str) -> set[str]:
+def _folder_entries(workspace: str, sub: str) -> set[str]:
     """The entries of a workspace folder (a state directory, hooks/done/), not its temporaries."""
     try:
         return {name for name in os.listdir(job_path(workspace, sub)) if not name.startswith(".")}
@@ -2719,7 +2719,7 @@ def _names(workspace: str, sub: str) -> set[str]:
 
 def _all_jobs(workspace: str) -> list[str]:
     """Every job in the workspace, in submission order."""
-    return sorted(set().union(*(_names(workspace, sub) for sub, _ in STATE_DIRS)), key=order_key)
+    return sorted(set().union(*(_folder_entries(workspace, sub) for sub, _ in STATE_DIRS)), key=order_key)
 
 
 def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
@@ -3072,7 +3072,8 @@ def check_prompt(prompt: Any, limit: int) -> bytes:
 
 
 class Work:
-    """Submits jobs to a workspace. Create one per thread (it keeps no shared state)."""
+    """Submits jobs to a workspace. Create one per thread: it holds no lock and nothing other
+    Work objects see, but ``existing`` and ``existing_lines`` report its own last publish."""
 
     def __init__(self, workspace: Any, notify: Optional[Callable[[str], None]] = None) -> None:
         self.workspace = os.fspath(workspace)
@@ -3590,7 +3591,7 @@ class Flow:
         """Write one line per finished job, in submission order, in ``format`` (a key of
         EXPORT_FORMATS) to ``out``, and failed jobs' lines to ``errors`` if given. Each is a
         text stream or a path (``-`` is stdout; a file is written whole or not at all: see
-        ``_Output`` for the policy). Return
+        ``_ExportTarget`` for the policy). Return
         (lines written, unfinished jobs left out). Memory stays flat: one job at a time, and
         with a tag alone one chunk of its index.
 
@@ -3636,10 +3637,10 @@ class Flow:
         first_row: Optional[tuple[int, str]] = None  # f32: (bytes a row, 4 a float; its job)
         try:
             for target in (out, errors):
-                targets.append(_Output(target, binary and not targets) if isinstance(target, (str, os.PathLike))
+                targets.append(_ExportTarget(target, binary and not targets) if isinstance(target, (str, os.PathLike))
                                else target)
             if binary:
-                targets.append(_Output(ids_file) if isinstance(ids_file, (str, os.PathLike)) else ids_file)
+                targets.append(_ExportTarget(ids_file) if isinstance(ids_file, (str, os.PathLike)) else ids_file)
             for job_id in selected:
                 try:
                     job = self.get(job_id)
@@ -3671,13 +3672,13 @@ class Flow:
                 target.write(data)
                 exported += 1
             for target in targets:
-                if isinstance(target, _Output):
+                if isinstance(target, _ExportTarget):
                     target.commit()
                 elif target is not None:
                     target.flush()
         except BaseException:
             for target in targets:
-                if isinstance(target, _Output):
+                if isinstance(target, _ExportTarget):
                     try:
                         target.abort()
                     except OSError:
@@ -3766,7 +3767,7 @@ def iter_events(workspace: str, since: Optional[float] = None, tag: Optional[str
                    for when, _, _, job_id, cid, job_tag, from_, to, code in found[first:first + 10_000]]
 
     watches = _watch_states(workspace) if follow else None
-    listed = {sub: _names(workspace, sub) for sub, _ in STATE_DIRS}
+    listed = {sub: _folder_entries(workspace, sub) for sub, _ in STATE_DIRS}
     mtimes = {sub: _mtime(workspace, sub) for sub in listed}
     if tag is not None:
         members = {job_id for job_id, _ in tag_members(workspace, tag)}
@@ -3787,7 +3788,7 @@ def iter_events(workspace: str, since: Optional[float] = None, tag: Optional[str
                 events, overflow = watch.read()
                 names.update(name for _, name in events)
                 if overflow:  # the kernel dropped some: look at everything
-                    names.update(n for sub in listed for n in _names(workspace, sub))
+                    names.update(n for sub in listed for n in _folder_entries(workspace, sub))
         else:
             time.sleep(0.5)
             for sub in listed:
@@ -3795,7 +3796,7 @@ def iter_events(workspace: str, since: Optional[float] = None, tag: Optional[str
                 # A change in the same clock tick as the last listing keeps the mtime: while it
                 # is recent, list again.
                 if mtime != mtimes[sub] or time.time() - mtime / 1e9 < 1.0:
-                    mtimes[sub], current = mtime, _names(workspace, sub)
+                    mtimes[sub], current = mtime, _folder_entries(workspace, sub)
                     names.update(current - listed[sub])
                     listed[sub] = current
         found = [change for job_id in names if is_valid_id(job_id) for change in changes(job_id, None)]
@@ -4682,7 +4683,7 @@ def export_record(job: Job, form: str) -> dict[str, Any]:
     return record(job)
 
 
-class _Output:
+class _ExportTarget:
     """Where an export's lines go (``-o FILE``, ``--errors FILE``), as a policy:
 
     - ``-`` is standard output;
@@ -4835,24 +4836,16 @@ class RunningJob:
     (``(code, message)``: cancelled or timed out; the job fails with its partial text).
     """
 
-    __slots__ = ("id", "prompt", "params", "stop", "dir_fd", "meta", "worker", "path", "started",
-                 "interrupt", "emitted", "lock", "closed")
+    __slots__ = ("id", "prompt", "params", "stop", "started", "interrupt", "emitted")
 
-    def __init__(self, job_id: str, prompt: str, params: dict[str, Any], stop: threading.Event,
-                 dir_fd: int, meta: dict[str, Any], worker: str, path: str) -> None:
+    def __init__(self, job_id: str, prompt: str, params: dict[str, Any], stop: threading.Event) -> None:
         self.id = job_id
         self.prompt = prompt
         self.params = params
         self.stop = stop  # set when the daemon shuts down: stop between tokens
-        self.dir_fd = dir_fd
-        self.meta = meta
-        self.worker = worker
-        self.path = path
         self.started = time.monotonic()
         self.interrupt: Optional[tuple[str, str]] = None
         self.emitted: Any = deque()  # text not yet in partial.txt (deque: safe across threads)
-        self.lock = threading.Lock()  # dir_fd's users: the worker finishing, the partial flusher
-        self.closed = False
 
     def emit(self, text: str) -> None:
         """Report newly generated text (safe from any thread)."""
@@ -6743,6 +6736,19 @@ class _HandBack(Exception):
     """A job could not be claimed or finished because of an I/O error; it is back in ready/."""
 
 
+class _Claim:
+    """The daemon's hold on a running job (runners never see it): its open directory, where it
+    is, its meta.json as the claim wrote it, and the lock the worker finishing it and the
+    partial.txt flusher share."""
+
+    __slots__ = ("dir_fd", "meta", "path", "lock", "closed")
+
+    def __init__(self, dir_fd: int, meta: dict[str, Any], path: str) -> None:
+        self.dir_fd, self.meta, self.path = dir_fd, meta, path
+        self.lock = threading.Lock()
+        self.closed = False
+
+
 class Processor:
     """Moves jobs through their states. Shared by the workers: each call works on a job
     that the calling worker owns (the claim rename made it so), so it needs no lock.
@@ -6756,7 +6762,9 @@ class Processor:
         self.workspace = workspace
         self.config = config
         self.model_name = model_name
-        self.hooks = bool(config.on_done or config.on_batch_done)  # record each end in hooks/done/
+        self.records_ends = bool(config.on_done or config.on_batch_done)  # each end in hooks/done/, for its hook
+        self._claims: dict[str, _Claim] = {}  # the running jobs' directories, by ID
+        self._claims_lock = threading.Lock()
 
     def _path(self, sub: str, name: str = "") -> str:
         return job_path(self.workspace, sub, name)
@@ -6808,7 +6816,7 @@ class Processor:
             log.error(f"cannot claim {job_id}: {_os_error(err)}; handing it back")
             self._hand_back(job_id)
             raise _HandBack(job_id) from None
-        job = RunningJob(job_id, "", {}, stop, dir_fd, meta, worker, path)
+        job = self._hold(RunningJob(job_id, "", {}, stop), dir_fd, meta, path)
         try:
             if _exists(dir_fd, CANCEL_FILE):  # cancelled while we claimed it
                 raise JobError("cancelled", "cancelled before it started (nrvna cancel)")
@@ -6851,14 +6859,54 @@ class Processor:
         except Exception as err:  # a check's own bug must fail this job alone, never its batch-mates
             raise JobError("bad_request", f"params.json could not be checked: {err!r}") from None
 
+    def _hold(self, job: RunningJob, dir_fd: int, meta: dict[str, Any], path: str) -> RunningJob:
+        with self._claims_lock:
+            self._claims[job.id] = _Claim(dir_fd, meta, path)
+        return job
+
+    def _release(self, job: RunningJob) -> _Claim:
+        """``job``'s claim, closed to the partial.txt flusher (its directory is the caller's to
+        close)."""
+        with self._claims_lock:
+            claim = self._claims.pop(job.id)
+        with claim.lock:  # the partial.txt flusher must not touch dir_fd once it is closed
+            claim.closed = True
+        return claim
+
+    def cancel_requested(self, job: RunningJob) -> bool:
+        """Whether ``nrvna cancel`` has asked to stop the running ``job``."""
+        claim = self._claims.get(job.id)
+        return claim is not None and os.path.lexists(os.path.join(claim.path, CANCEL_FILE))
+
+    def flush_partial(self, job: RunningJob) -> None:
+        """Append the text ``job`` emitted since the last flush to its partial.txt (no fsync:
+        partial.txt is for watching, result.txt is the record)."""
+        if not job.emitted:
+            return
+        claim = self._claims.get(job.id)
+        if claim is None:
+            return
+        with claim.lock:
+            if claim.closed:
+                return
+            chunks = []
+            while job.emitted:
+                chunks.append(job.emitted.popleft())
+            data = "".join(chunks).encode("utf-8")
+            fd = os.open(PARTIAL_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND | O_NOFOLLOW | O_CLOEXEC,
+                         FILE_MODE, dir_fd=claim.dir_fd)
+            try:
+                write_all(fd, data)
+            finally:
+                os.close(fd)
+
     # -- finish --------------------------------------------------------------------------
 
     def finish(self, job: RunningJob, outcome: Outcome) -> bool:
         """Record the outcome and move the job to output/ or failed/. Returns False when an
         I/O error forced it back to ready/ (the caller retries it later)."""
-        with job.lock:  # the partial.txt flusher must not touch dir_fd once it is closed
-            job.closed = True
-        meta = job.meta
+        claim = self._release(job)
+        meta, dir_fd = claim.meta, claim.dir_fd
         meta.update(finished=round(time.time(), 3), prompt_tokens=outcome.prompt_tokens,
                     generated_tokens=outcome.generated_tokens)
         if outcome.error_code is None:
@@ -6883,36 +6931,36 @@ class Processor:
                 if dest == OUTPUT:  # result.txt holds it all; a late cancel did not take effect
                     # Unconditional: whether the Watcher wrote partial.txt depends on timing,
                     # and a finish must make the same calls every time (crash-point tests).
-                    _unlink_quietly(PARTIAL_FILE, job.dir_fd)
-                    _unlink_quietly(CANCEL_FILE, job.dir_fd)
+                    _unlink_quietly(PARTIAL_FILE, dir_fd)
+                    _unlink_quietly(CANCEL_FILE, dir_fd)
                 for name, data in files:
-                    write_file(job.dir_fd, name, data)
-                write_file(job.dir_fd, META_FILE, dump_meta(meta))
-                os.fsync(job.dir_fd)
-                if self.hooks:
+                    write_file(dir_fd, name, data)
+                write_file(dir_fd, META_FILE, dump_meta(meta))
+                os.fsync(dir_fd)
+                if self.records_ends:
                     owe_hooks(self.workspace, job.id)
                 try:
                     move_job(self.workspace, job.id, PROCESSING, dest)
                 except FileExistsError:
-                    self._name_taken(job, dest)
+                    self._name_taken(job.id, dir_fd, dest)
                 return True
             except OSError as err:
                 log.error(f"cannot finish {job.id}: {_os_error(err)}; handing it back to the queue")
                 self._hand_back(job.id)
                 return False
         finally:
-            os.close(job.dir_fd)
+            os.close(dir_fd)
 
-    def _name_taken(self, job: RunningJob, dest: str) -> None:
+    def _name_taken(self, job_id: str, dir_fd: int, dest: str) -> None:
         """``dest/<id>`` already exists: never replace it, never lose this job either."""
         if dest == FAILED:
-            log.error(f"failed/{job.id} already exists; job left in processing/")
+            log.error(f"failed/{job_id} already exists; job left in processing/")
             return
-        write_file(job.dir_fd, ERROR_FILE,
-                   f"output/{job.id} already exists, so this job's result could not be published "
+        write_file(dir_fd, ERROR_FILE,
+                   f"output/{job_id} already exists, so this job's result could not be published "
                    f"there; result.txt is kept here\n".encode())
-        os.fsync(job.dir_fd)
-        move_job(self.workspace, job.id, PROCESSING, FAILED)
+        os.fsync(dir_fd)
+        move_job(self.workspace, job_id, PROCESSING, FAILED)
 
     def _hand_back(self, job_id: str) -> None:
         """Put a job whose claim or finish hit an I/O error back in ready/, untouched."""
@@ -6924,23 +6972,23 @@ class Processor:
 
     def requeue(self, job: RunningJob) -> None:
         """Return an interrupted job to ready/ (shutdown), not counting the attempt."""
-        with job.lock:
-            job.closed = True
+        claim = self._release(job)
+        dir_fd = claim.dir_fd
         try:
-            meta = dict(job.meta)
+            meta = dict(claim.meta)
             meta["attempts"] = max(0, int(meta.get("attempts", 1)) - 1)
             for key in ("started", "worker"):
                 meta.pop(key, None)
             record_event(meta, Status.Running, "requeued", "stopped")
-            _clear_outputs(job.dir_fd)
-            write_file(job.dir_fd, META_FILE, dump_meta(meta))
-            os.fsync(job.dir_fd)
+            _clear_outputs(dir_fd)
+            write_file(dir_fd, META_FILE, dump_meta(meta))
+            os.fsync(dir_fd)
             move_job(self.workspace, job.id, PROCESSING, READY)
             log.info(f"Returned job to the queue: {job.id}")
         except OSError as err:
             log.error(f"cannot requeue {job.id}: {_os_error(err)}; recovered at next start")
         finally:
-            os.close(job.dir_fd)
+            os.close(dir_fd)
 
     def _fail_inaccessible(self, job_id: str, sub: str) -> bool:
         """A job directory the daemon may not open or move because its own mode lacks the
@@ -6960,7 +7008,7 @@ class Processor:
             os.chmod(path, DIR_MODE)
             mark_failed(self.workspace, sub, job_id, "bad_request", f"the job directory was not accessible to "
                         f"the daemon (mode {mode:o}); it was failed without being read")
-            if self.hooks:
+            if self.records_ends:
                 owe_hooks(self.workspace, job_id)
             move_job(self.workspace, job_id, sub, FAILED)
         except OSError as err:
@@ -6991,7 +7039,7 @@ class Processor:
         self._publish_quarantine(job_id, wrap)
 
     def _publish_quarantine(self, job_id: str, wrap: str) -> None:
-        if self.hooks:
+        if self.records_ends:
             owe_hooks(self.workspace, job_id)
         try:
             move(wrap, self._path(FAILED, job_id))
@@ -7027,7 +7075,7 @@ class Processor:
                 # The killed attempt's temporaries and results go; its partial text stays
                 # (what it generated before the deaths is the evidence).
                 _clear_outputs(dir_fd, keep=(PARTIAL_FILE,))
-                job = RunningJob(name, "", {}, threading.Event(), dir_fd, meta, "Main", path)
+                job = self._hold(RunningJob(name, "", {}, threading.Event()), dir_fd, meta, path)
                 self.finish(job, Outcome(error_code="crash_ceiling", error=(
                     f"the daemon stopped {attempts} times while running this job "
                     f"(NRVNA_MAX_ATTEMPTS={self.config.max_attempts}); it is not retried again")))
@@ -7156,7 +7204,7 @@ class Hooks:
         with self._lock:
             if self._in_flight:
                 return False
-        return not _names(self.workspace, HOOKS_OWED)
+        return not _folder_entries(self.workspace, HOOKS_OWED)
 
     def stop(self) -> None:
         """Stop the running hooks (their records stay: they run again at the next start)."""
@@ -7263,7 +7311,7 @@ class Hooks:
                     return
             ids = [member for member, _ in tag_members(self.workspace, tag)]
             states = bulk_states(self.workspace, ids)
-            unfinished = set(ids).intersection(_names(self.workspace, WRITING))  # staged: not published yet
+            unfinished = set(ids).intersection(_folder_entries(self.workspace, WRITING))  # staged: not published yet
             unfinished.update(member for member, state in states.items() if state in (Status.Queued, Status.Running))
             if unfinished:
                 self._unfinished[tag] = unfinished
@@ -7383,7 +7431,7 @@ class Server:
         self._threads: list[threading.Thread] = []
         self._loads: list[int] = []  # sequences in flight per worker (read without a lock: a hint)
         self._tops: list[Optional[int]] = []  # each worker's highest running priority (None: idle)
-        self._sessions: list[Any] = []
+        self._sessions: list[Session] = []
         self._thread_budget = 0  # threads the workers' contexts share; 0: no lending
         self._lock_fd: Optional[int] = None
         self.scanner: Optional[Scanner] = None
@@ -7426,7 +7474,7 @@ class Server:
                 self.hooks = Hooks(self.workspace, self.config, self._stop)
                 self.hooks.prepare()
             else:
-                owed = _names(self.workspace, HOOKS_OWED)
+                owed = _folder_entries(self.workspace, HOOKS_OWED)
                 if owed:
                     log.warning(f"{len(owed)} jobs' hooks are owed (hooks/done/); they run when a daemon starts "
                                 "with --on-done or --on-batch-done (delete hooks/ to forget them)")
@@ -7461,7 +7509,7 @@ class Server:
         log.info(f"Server started: {self.workspace}, {self.config.workers} workers x "
                  f"{self.config.seqs} sequences, pid {os.getpid()}")
 
-    def _run_last_chances(self, recovered: list[tuple[str, int]], session: Any) -> None:
+    def _run_last_chances(self, recovered: list[tuple[str, int]], session: Session) -> None:
         """Run alone, one by one, the orphans whose next daemon death would fail them.
 
         A daemon death counts an attempt against every job in flight, and submission order
@@ -7542,32 +7590,14 @@ class Server:
                 timeout = job_param(job.params, "timeout")
                 if timeout is not None and now - job.started > timeout:
                     job.interrupt = ("timeout", f"generation took longer than its timeout of {timeout:g} s")
-                elif os.path.lexists(os.path.join(job.path, CANCEL_FILE)):
+                elif self.processor.cancel_requested(job):
                     job.interrupt = ("cancelled", "cancelled while running (nrvna cancel)")
-            self._flush_partial(job)
+            self.processor.flush_partial(job)
         if now >= self._next_status:
             self._next_status = now + DAEMON_STATUS_SECONDS
             self.write_status()
             if self._lock_fd is not None and _read_lock_pid(self.workspace) != os.getpid():
                 _write_lock_pid(self._lock_fd)  # replaced: `stop` reads the holder's pid there
-
-    @staticmethod
-    def _flush_partial(job: RunningJob) -> None:
-        if not job.emitted:
-            return
-        with job.lock:
-            if job.closed:
-                return
-            chunks = []
-            while job.emitted:
-                chunks.append(job.emitted.popleft())
-            data = "".join(chunks).encode("utf-8")
-            fd = os.open(PARTIAL_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND | O_NOFOLLOW | O_CLOEXEC,
-                         FILE_MODE, dir_fd=job.dir_fd)
-            try:
-                write_all(fd, data)  # no fsync: partial.txt is for watching, result.txt is the record
-            finally:
-                os.close(fd)
 
     def write_status(self) -> None:
         """Rewrite daemon.json atomically (what ``nrvna status WS --daemon`` prints)."""
@@ -7628,7 +7658,7 @@ class Server:
 
     # -- workers -------------------------------------------------------------------------
 
-    def _work(self, index: int, session: Any) -> None:
+    def _work(self, index: int, session: Session) -> None:
         name = threading.current_thread().name
         _name_os_thread(name)
         while not self._stop.is_set():
@@ -7665,7 +7695,7 @@ class Server:
             self.pool.done(job.id)
         log.debug(f"{name} exiting")
 
-    def _share_cores(self, index: int, session: Any) -> None:
+    def _share_cores(self, index: int, session: Session) -> None:
         """Spread the workers' threads over the workers that have jobs, before each step.
 
         A worker whose queue share ran out (the tail of a batch, a lone job) would leave
@@ -7681,7 +7711,7 @@ class Server:
         share += busy.index(index) < extra
         session.set_threads(max(session.base_threads, min(share, cpu_count())))
 
-    def _admit(self, index: int, session: Any, name: str) -> None:
+    def _admit(self, index: int, session: Session, name: str) -> None:
         """Claim jobs while the session has free slots (blocking only when it is idle).
 
         A busy worker leaves a job to any worker running fewer sequences: otherwise the

@@ -20,8 +20,12 @@ Contents, one section each:
     Continuous batching
     Batch files, tags, wait, export, cancel, retry, clean, follow, stop
     Structured output, log-probabilities and logit bias
+    Embeddings
+    Priority lanes
+    Submit once: idempotency keys
     Tables, the library and the runner protocol
     Hostile paths and hostile text
+    Into the pipeline: templates and metadata, events, hooks
     Crashes, kills and concurrency
     Fault injection harness
     Crash points and injected faults
@@ -29,6 +33,7 @@ Contents, one section each:
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import ctypes
 import errno
@@ -1188,7 +1193,7 @@ def llama(model: str, llama_runner: nrvna.LlamaRunner) -> nrvna.LlamaRunner:
 
 
 def fake_job(prompt: str, **params: Any) -> nrvna.RunningJob:
-    return nrvna.RunningJob("1_1_1", prompt, params, threading.Event(), -1, {}, "Worker-0", "")
+    return nrvna.RunningJob("1_1_1", prompt, params, threading.Event())
 
 
 def generate(runner: nrvna.LlamaRunner, prompt: str, seqs: int = 1, **params: Any) -> Outcome:
@@ -4609,6 +4614,98 @@ def test_client_code_never_calls_a_daemon_class_s_private_methods() -> None:
     assert offenders == []
 
 
+def _banners(path: Path) -> list[tuple[int, str]]:
+    """(line, title) of each banner of a file: a line of #s (or =s), title lines, a line of them."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    found, i = [], 0
+    while i < len(lines):
+        if re.fullmatch(r"# ?[#=]{20,}", lines[i]):
+            j = i + 1
+            while j < len(lines) and lines[j].startswith("# ") and not re.fullmatch(r"# ?[#=]{20,}", lines[j]):
+                j += 1
+            if j > i + 1 and j < len(lines) and re.fullmatch(r"# ?[#=]{20,}", lines[j]):
+                found.append((i + 1, " ".join(line[2:] for line in lines[i + 1:j])))
+                i = j
+        i += 1
+    return found
+
+
+def _contents(path: Path) -> list[str]:
+    """The section names a file's docstring lists under "Contents": one line each, numbered or
+    indented four spaces (deeper lines continue an entry), ended by a blank line."""
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+    names: list[str] = []
+    for line in doc.split("Contents", 1)[1].split("\n")[1:]:
+        if not line.strip():
+            if names:
+                break
+            continue
+        if re.match(r"\d+\. |    \S", line):
+            names.append(re.split(r"\s{2,}", re.sub(r"^\s*\d+\.\s*", "", line).strip())[0])
+    return names
+
+
+@pytest.mark.parametrize("name", ["nrvna.py", "test_nrvna.py"])
+def test_the_contents_list_names_every_banner_in_order(name: str) -> None:
+    titles = [title for _, title in _banners(HERE / name)]
+    listed = _contents(HERE / name)
+    assert len(listed) == len(titles) and all(title == entry or title.startswith(entry + ":")
+                                              for entry, title in zip(listed, titles)), (listed, titles)
+
+
+def test_no_name_is_used_above_the_section_that_defines_it() -> None:
+    """nrvna.py reads top to bottom: code in one banner's section uses only what that section
+    or one above it defines (a function's own locals aside; annotations are not evaluated)."""
+    path = Path(nrvna.__file__)
+    starts = [line for line, _ in _banners(path)]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+
+    def section(lineno: int) -> int:
+        return sum(1 for start in starts if start <= lineno)
+
+    defined: dict[str, int] = {}
+    for node in tree.body:
+        targets = [node] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        for target in targets:
+            names = [target.name] if isinstance(target, (ast.FunctionDef, ast.ClassDef)) else [
+                n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+            for name in names:
+                defined.setdefault(name, section(node.lineno))
+
+    def local_names(fn: Any) -> set[str]:
+        args = fn.args
+        names = {a.arg for a in args.args + args.kwonlyargs + args.posonlyargs + [a for a in (args.vararg, args.kwarg) if a]}
+        for sub in ast.walk(fn):
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                names.add(sub.id)
+            elif isinstance(sub, (ast.Import, ast.ImportFrom)):
+                names.update((alias.asname or alias.name).split(".")[0] for alias in sub.names)
+            elif isinstance(sub, (ast.FunctionDef, ast.ClassDef)) and sub is not fn:
+                names.add(sub.name)
+        return names
+
+    early: list[str] = []
+
+    def visit(node: Any, local: set[str]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.Lambda)):
+            local = local | local_names(node)
+            if isinstance(node, ast.FunctionDef):  # annotations: strings at run time
+                for arg in node.args.args + node.args.kwonlyargs + node.args.posonlyargs:
+                    arg.annotation = None
+                node.returns = None
+        if isinstance(node, ast.AnnAssign):
+            node.annotation = ast.Constant(None)
+        if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local
+                and section(node.lineno) < defined.get(node.id, 0)):
+            early.append(f"line {node.lineno}: {node.id}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, local)
+
+    visit(tree, set())
+    assert early == []
+
+
 # ==============================================================================
 # Hostile paths and hostile text
 # ==============================================================================
@@ -4681,7 +4778,7 @@ def test_export_never_replaces_what_is_at_its_output_path(ws: str, tmp_path: Pat
     assert os.listdir(tmp_path / "dir") == [] and not os.path.exists(tmp_path / "same.jsonl")
     assert os.listdir(os.path.join(ws, nrvna.READY)) == [] and Flow(ws).get(job_id).result == "echo:hi"
     # a failed commit removes its temporary file; two writers never share one
-    first, second = nrvna._Output(str(tmp_path / "out.jsonl")), nrvna._Output(str(tmp_path / "out.jsonl"))
+    first, second = nrvna._ExportTarget(str(tmp_path / "out.jsonl")), nrvna._ExportTarget(str(tmp_path / "out.jsonl"))
     assert first.temp != second.temp
     first.abort()
     second.write("x\n")
@@ -4869,7 +4966,7 @@ def test_an_export_whose_fifo_reader_went_away_fails_and_leaves_no_temporary_fil
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # lets the writer open it, then goes away
-    out = nrvna._Output(fifo)
+    out = nrvna._ExportTarget(fifo)
     os.close(reader)
     with pytest.raises(nrvna.WorkspaceError, match="reader went away"):
         out.write("x" * 100_000)

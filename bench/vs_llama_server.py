@@ -129,9 +129,9 @@ def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: in
 class Daemon:
     """An nrvna daemon on a fresh workspace, warm (model loaded, one job done)."""
 
-    def __init__(self, model: str, base: str, env: dict[str, str]) -> None:
+    def __init__(self, model: str, base: str, env: dict[str, str], root: str = ROOT) -> None:
         self.ws = tempfile.mkdtemp(dir=base)
-        self.proc = subprocess.Popen([PYTHON, os.path.join(ROOT, "nrvna.py"), "daemon", model, self.ws],
+        self.proc = subprocess.Popen([PYTHON, os.path.join(root, "nrvna.py"), "daemon", model, self.ws],
                                      env={**os.environ, "NRVNA_LOG_LEVEL": "warn", **env})
         self.work, self.flow = nrvna.Work(self.ws), nrvna.Flow(self.ws)
         assert self.flow.wait(self.work.publish("warm up", max_tokens=8), 300) is nrvna.Status.Done
@@ -184,6 +184,38 @@ def lone_latency(model: str, base: str, texts: list[str], tokens: int, pairs: in
             "pairs": [a / b for a, b in zip(times[0], times[1])]}
 
 
+def against(binary: str, model: str, texts: list[str], tokens: int, rounds: int, other: str) -> None:
+    """nrvna's defaults from this checkout and from ``other``, each against the better of
+    llama-server -np 8 and -np 16, in interleaved rounds (each nrvna arm between the two)."""
+    base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
+    arms = {"this checkout": ROOT, other: other}
+    runs: dict[str, list[float]] = {name: [] for name in [*arms, "np 8", "np 16"]}
+    try:
+        for r in range(rounds):
+            nrvna_order = list(arms) if r % 2 == 0 else list(arms)[::-1]  # neither always first
+            for name in [nrvna_order[0], "np 8", nrvna_order[1], "np 16"]:
+                if name.startswith("np "):
+                    slots = int(name[3:])
+                    runs[name].append(server_arm(binary, model, texts, tokens, slots, slots)["tok/s"])
+                    continue
+                daemon = Daemon(model, base, {}, root=arms[name])
+                try:
+                    runs[name].append(daemon.run(texts, tokens)["tok/s"])
+                finally:
+                    daemon.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"machine: {machine()}; model {os.path.basename(model)}; {len(texts)} prompts x {tokens} tokens; "
+          f"{rounds} interleaved rounds")
+    best = [max(a, b) for a, b in zip(runs["np 8"], runs["np 16"])]
+    rows = []
+    for name in [*arms, "np 8", "np 16"]:
+        ratios = [v / b for v, b in zip(runs[name], best)]
+        rows.append([f"nrvna defaults, {name}" if name in arms else f"llama-server -np {name[3:]}",
+                     statistics.median(runs[name]), ", ".join(f"{x:.2f}" for x in ratios), statistics.median(ratios)])
+    print(table(["arm", "median tok/s", "vs best llama-server, round by round", "median ratio"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=(sorted(glob.glob(os.path.join(ROOT, "models", "*.gguf"))) or [""])[0])
@@ -191,10 +223,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--server", help="llama-server binary (default: build it)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the throughput arms")
+    parser.add_argument("--against", metavar="DIR", help="only the ratio that matters, for this nrvna.py and DIR's (a "
+                                                        "checkout of another commit): nrvna defaults of each against "
+                                                        "llama-server -np 8 and -np 16, interleaved")
     args = parser.parse_args()
     binary = args.server or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
                                            capture_output=True, text=True, check=True).stdout.strip()
     texts = prompts(args.prompts)
+    if args.against:
+        return against(binary, args.model, texts, args.tokens, args.rounds, os.path.abspath(args.against))
     base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
     rows, results = [], {}
     try:
