@@ -1339,37 +1339,37 @@ def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared
             session.start(job(topic))
         while session.active():
             session.step()
-        before = [len(tokens) for tokens in session.held]
-        shared = nrvna._common_prefix(session.held[0], session.held[1])
+        before = [len(tokens) for tokens in session.prefixes.held]
+        shared = nrvna._common_prefix(session.prefixes.held[0], session.prefixes.held[1])
         assert shared >= 60 and all(n > shared + 8 for n in before[:3])  # own prompt tail + 8 generated
-        last = session.last_kept
+        last = session.prefixes.last_kept
         assert last in (0, 1, 2)
         session.idle()
-        assert [len(tokens) for tokens in session.held] == [before[i] if i == last else shared for i in range(3)] + [0, 0]
+        assert [len(tokens) for tokens in session.prefixes.held] == [before[i] if i == last else shared for i in range(3)] + [0, 0]
         for i in range(3):  # the cells match what is held: nothing beyond it is left
-            assert llama.L.llama_memory_seq_pos_max(session.memory, i) == len(session.held[i]) - 1
+            assert llama.L.llama_memory_seq_pos_max(session.memory, i) == len(session.prefixes.held[i]) - 1
         # A new prompt shares only the prefix with every slot: it takes the slot kept whole
         # (dropping that slot's tail) and reuses exactly the prefix.
-        reused = session.reused_tokens
+        reused = session.prefixes.reused_tokens
         glass = run("glass")
-        assert session.reused_tokens - reused == shared and session.last_kept == last
-        assert [len(tokens) for tokens in session.held][:3].count(shared) == 2
+        assert session.prefixes.reused_tokens - reused == shared and session.prefixes.last_kept == last
+        assert [len(tokens) for tokens in session.prefixes.held][:3].count(shared) == 2
         session.idle()
         # The same prompt again (a retry, or a conversation's next turn) reuses all of it
         # but the token decoded for its logits.
-        reused, n_prompt = session.reused_tokens, len(llama.tokens(job("glass")))
+        reused, n_prompt = session.prefixes.reused_tokens, len(llama.tokens(job("glass")))
         assert run("glass") == glass
-        assert session.reused_tokens - reused == n_prompt - 1
+        assert session.prefixes.reused_tokens - reused == n_prompt - 1
         # A conversation's next turn starts with the whole last job: prompt and answer.
         session.idle()
-        reused = session.reused_tokens
+        reused = session.prefixes.reused_tokens
         turn = fake_job("", max_tokens=4, temperature=0, messages=[
             {"role": "system", "content": system}, {"role": "user", "content": "One word about glass."},
             {"role": "assistant", "content": glass}, {"role": "user", "content": "And about salt?"}])
         session.start(turn)
         while session.active():
             session.step()
-        assert session.reused_tokens - reused > n_prompt  # the answer's cells too
+        assert session.prefixes.reused_tokens - reused > n_prompt  # the answer's cells too
     finally:
         session.close()
     assert glass == generate(llama, "One word about glass.", system=system, max_tokens=8, temperature=0,
@@ -1395,14 +1395,14 @@ def test_a_context_admits_jobs_by_the_cells_their_budgets_need(llama: nrvna.Llam
         while session.active():
             outcomes += [o for _, o in session.step()]
         assert [(o.error_code, o.generated_tokens) for o in outcomes] == [(None, 40)] * 16
-        assert sum(len(t) for t in session.held) > 16 * 40  # every slot keeps its job's cells
+        assert sum(len(t) for t in session.prefixes.held) > 16 * 40  # every slot keeps its job's cells
         long = []
         while session.free() > 0:  # budget 128 (the per-job length) each: 8 fit, not 16
             long.append(fake_job(f"{words[len(long)]} were", raw=True, max_tokens=500, temperature=0, ignore_eos=True))
             session.start(long[-1])
         assert len(long) == 8 and session.slots.count(None) == 9
-        assert sum(len(t) for t in session.held) + 8 * 128 <= session.cells  # the rest were dropped...
-        for i, tokens in enumerate(session.held):  # ...from the cache too
+        assert sum(len(t) for t in session.prefixes.held) + 8 * 128 <= session.cells  # the rest were dropped...
+        for i, tokens in enumerate(session.prefixes.held):  # ...from the cache too
             if not tokens and session.slots[i] is None:
                 assert L.llama_memory_seq_pos_max(session.memory, i) == -1
         outcomes = []
@@ -1740,7 +1740,7 @@ def prefix_runs(llama: nrvna.LlamaRunner, seqs: int, waves: list[list[str]]) -> 
                     session.start(fake_job(f"One word about {topic}.", system=SYSTEM, max_tokens=6, temperature=0))
                 while session.active():
                     texts.update((job.prompt, outcome.text) for job, outcome in session.step())
-            outputs[reuse] = (texts, session.reused_tokens)
+            outputs[reuse] = (texts, session.prefixes.reused_tokens)
         finally:
             session.close()
     llama.config.prefix_cache = 1
@@ -2958,7 +2958,7 @@ def test_a_schema_is_converted_once_for_many_jobs_and_parsed_once_per_context(ll
 
         assert len(run(24, response_format=schema_format(schema))) == 24
         assert llama.conversions - before == 1  # 24 jobs on 2 workers: one conversion
-        assert all(len(s.templates) == 1 for s in sessions)  # and one parsed grammar per context
+        assert all(len(s.templates.parsed) == 1 for s in sessions)  # and one parsed grammar per context
         run(6, response_format=schema_format(reordered))  # another property order: another grammar
         run(6, response_format={"type": "json_object"})
         run(6, grammar='root ::= "x"+')
@@ -2981,32 +2981,32 @@ def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_dra
 
     config = nrvna.Config(workers=1, seqs=8, max_ctx=2048)
     session = llama.session(0, config)
-    L, compared, fell_back, redraws = llama.L, [0, 0], [0], session._resample
+    L, compared, fell_back, redraws = llama.L, [0, 0], [0], nrvna._JobSampler._resample
 
-    def both(seq: Any, logits: Any) -> int:
-        if session.candidates is None:  # the first redraw makes the arrays
-            return redraws(seq, logits)
+    def both(sampler: Any, logits: Any) -> int:
+        if session.scratch.candidates is None:  # the first redraw makes the arrays
+            return redraws(sampler, logits)
         row = numpy.ctypeslib.as_array(logits, shape=(llama.n_vocab,)).copy()
         ids = numpy.sort(numpy.argpartition(row, llama.n_vocab - nrvna.SHORTLIST)[-nrvna.SHORTLIST:])
-        allowed = session._apply_grammar(seq, ids, row[ids])
-        if allowed is not None and session._shortlist_suffices(seq, numpy.sort(allowed)[::-1], float(row[ids].min())):
-            chain, clones = seq.sampler, [L.llama_sampler_clone(seq.sampler) for _ in range(2)]
+        allowed = sampler._apply_grammar(ids, row[ids])
+        if allowed is not None and sampler._shortlist_suffices(numpy.sort(allowed)[::-1], float(row[ids].min())):
+            chain, clones = sampler.chain, [L.llama_sampler_clone(sampler.chain) for _ in range(2)]
             try:
-                seq.sampler = clones[0]
-                session._apply_grammar(seq, session.token_ids, row)
-                whole = session._draw(seq)
-                seq.sampler = clones[1]
+                sampler.chain = clones[0]
+                sampler._apply_grammar(session.scratch.token_ids, row)
+                whole = sampler._draw()
+                sampler.chain = clones[1]
                 compared[0] += 1
-                compared[1] += whole == redraws(seq, logits)
+                compared[1] += whole == redraws(sampler, logits)
             finally:
-                seq.sampler = chain
+                sampler.chain = chain
                 for clone in clones:
                     L.llama_sampler_free(clone)
         else:
             fell_back[0] += 1
-        return redraws(seq, logits)
+        return redraws(sampler, logits)
 
-    session._resample = both
+    monkeypatch.setattr(nrvna._JobSampler, "_resample", both)
     try:
         for sampling in ({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05},
                          {"temperature": 1.0, "top_k": 0, "top_p": 0.95, "min_p": 0.1},
@@ -3034,8 +3034,9 @@ def test_the_shortlist_suffices_only_where_the_chain_cannot_reach_beyond_it(llam
     session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
     try:
         def suffices(chain: tuple, threshold: float, allowed: tuple = (10.0, 9.0)) -> bool:
-            seq = types.SimpleNamespace(chain=chain)  # a stand-in for a _Sequence: only its chain is read
-            return session._shortlist_suffices(seq, numpy.array(allowed, dtype=numpy.float32), threshold)
+            # a stand-in for a _JobSampler: only its chain's settings and the runner are read
+            sampler = types.SimpleNamespace(chain_settings=chain, runner=session.runner)
+            return nrvna._JobSampler._shortlist_suffices(sampler, numpy.array(allowed, dtype=numpy.float32), threshold)
 
         assert suffices((True, 0, 1.0, 0.0), 9.9) and not suffices((True, 0, 1.0, 0.0), 10.0)  # greedy: the best is in
         assert suffices((False, 2, 0.9, 0.0), 9.9)  # top_k: the shortlist holds top_k allowed tokens
