@@ -11,24 +11,26 @@ filesystem: ``from nrvna import Work, Flow`` works on a bare Python.
     id=$(python nrvna.py submit ws "What is AI?")
     python nrvna.py get ws "$id" --wait
 
-Contents (one banner each, in this order):
+Contents (one banner each, in dependency order: a section uses only what is above it):
 
-1. Settings and job parameters    SETTINGS, Config, PARAMS, validate_params, job_param
-   Structured output              check_json_schema, check_grammar, number_rule
-2. Errors and exit codes          NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
-3. Logging                        configure_logging, log
+1. Errors and exit codes          NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
+2. Settings                       SETTINGS, Config, setting_default, HOOK_VARIABLES
+3. Logging                        configure_logging, log, OS thread names
 4. File primitives                write_file, read_file, fsync_dir, move (never replaces)
-5. Workspace and job directories  layout, IDs, Status, locate_job, read_meta, mark_failed,
-                                  job_history (meta.json's events), owe_hooks, move_job,
-                                  the tag index, idempotency keys, the workspace lock
-6. Client                         Work, Flow, iter_events, cancel/retry/clean, daemon_info, stop_daemon
-7. Batch files and export         read_batch, parse_batch, parse_records (templates), ENDPOINTS, EXPORT_FORMATS,
+5. Structured output              check_json_schema, check_grammar, number_rule, GrammarShape, GrammarVocab
+6. Job parameters                 Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt
+7. Workspace and job directories  layout, IDs, Status, Job, locate_job, read_meta, mark_failed,
+                                  job_history (meta.json's events), owe_hooks, move_job, read_priority,
+                                  the tag index, idempotency keys, the workspace lock, _DirWatch
+8. Batch files and export         read_batch, parse_batch, parse_records (templates), EXPORT_FORMATS,
                                   export_record, job_vectors
-8. Runner protocol                Runner, Session, RunningJob, Outcome, FunctionRunner
-9. llama.cpp engine               LlamaRunner, LlamaSession (continuous batching): _Sequence, _JobSampler
+9. Client                         Work, Flow, iter_events, bulk_states, cancel/retry/clean, daemon_info,
+                                  stop_daemon
+10. Runner protocol               Runner, Session, RunningJob, Outcome, FunctionRunner
+11. llama.cpp engine              LlamaRunner, LlamaSession (continuous batching): _Sequence, _JobSampler
                                   (sampling: _Penalties, _GrammarTemplates, _SamplingScratch), _PrefixCache; _Embedder
-10. Daemon                        Pool, Scanner, Processor, Hooks, Server
-11. CLI                           main() and one _cmd_* per command
+12. Daemon                        Pool, Scanner, Processor (and its _Claim on each running job), Hooks, Server
+13. CLI                           main(), one _cmd_* per command, markdown_tables (the manual's tables)
 """
 
 from __future__ import annotations
@@ -82,7 +84,115 @@ _INF = float("inf")  # JSON from Python's json module may hold Infinity
 
 
 ##############################################################################
-# Settings and job parameters: one table each (SETTINGS, PARAMS) drives validation, flags, help and the README
+# Errors and exit codes
+##############################################################################
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISSING, EXIT_UNFINISHED = 0, 1, 2, 3, 4
+# What the CLI's exit codes mean (--help and the README).
+EXIT_CODES = {
+    EXIT_OK: "ok; the job is done (wait: all done; cancel: all cancelled)",
+    EXIT_FAILED: "the job failed (wait: one failed; cancel: one had finished; retry: a named job is not failed), "
+                 "or the daemon could not start or run (model, workspace, lock)",
+    EXIT_USAGE: "usage error or invalid input (prompt, ID, parameter, batch line, NRVNA_* value)",
+    EXIT_MISSING: "no such job or tag (status --daemon, stop: no daemon running)",
+    EXIT_UNFINISHED: "not finished yet: queued or running, a --wait-timeout or wait/stop --timeout ran out, "
+                     "export left unfinished jobs out, submit: a live submit holding the idempotency key has not "
+                     "published its job (NRVNA_KEY_WAIT ran out; nothing queued)",
+}
+
+# Why a job failed: the ``code`` in its meta.json (and JobError's), with what it means. `retry
+# --code` accepts these alone, its --help lists them, and the README's table comes from here;
+# a test finds every code literal in this file and checks it is a row.
+FAILURE_CODES = {
+    "cancelled": "`nrvna cancel` (a running job keeps its partial text in `partial.txt`)",
+    "timeout": "it generated for longer than its `timeout` parameter (partial text kept)",
+    "context_overflow": "its prompt does not fit in a sequence's share of the context: `prompt is N tokens; a "
+                        "sequence holds M`; an embed job's text is longer than an embedding may be (`input[i] is "
+                        "N tokens; an embedding takes at most M`)",
+    "unsupported": "the model cannot run this kind of job: a generation job on an embedding model, or an embed "
+                   "job on a model without a pooling type (`NRVNA_POOLING`)",
+    "bad_request": "the job itself is malformed: no or empty `prompt.txt`, invalid UTF-8, a NUL byte, bad "
+                   "`params.json`, a prompt over `NRVNA_MAX_PROMPT_BYTES`, a symlink, FIFO or plain file instead "
+                   "of a job directory or prompt, a chat template that fails on it, a grammar llama.cpp refuses, "
+                   "a `logit_bias` token outside the vocabulary",
+    "grammar_error": "no token of the model's vocabulary can continue the job's grammar, or its next step would "
+                     "take llama.cpp past nrvna's grammar work limits (too ambiguous, or too wide: see Guarantees)",
+    "crash_ceiling": "the daemon died while running it `NRVNA_MAX_ATTEMPTS` times (the killed attempt's "
+                     "`partial.txt` kept)",
+    "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "
+                   "apart)",
+    "runner_error": "the runner raised an unexpected exception (the message names it); the worker lives on",
+}
+
+
+class NrvnaError(Exception):
+    """Base of every error nrvna raises; ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class InvalidInput(NrvnaError):
+    """Bad user input: a prompt, an ID, a parameter, an argument."""
+
+    exit_code = 2
+
+
+class ConfigError(InvalidInput):
+    """An invalid NRVNA_* variable or daemon option."""
+
+
+class NoSuchJob(NrvnaError):
+    """No job with that ID exists in the workspace."""
+
+    exit_code = 3
+
+
+class NotFinished(NrvnaError):
+    """The job is still queued or running (or a wait timed out)."""
+
+    exit_code = 4
+
+
+class KeyHeld(NotFinished):
+    """Another submit, alive, holds the idempotency key and has not published its job yet
+    (NRVNA_KEY_WAIT ran out): nothing was queued."""
+
+
+class WorkspaceError(NrvnaError):
+    """The workspace cannot be used (not a directory, not writable, locked)."""
+
+
+class ModelError(NrvnaError):
+    """The model cannot be found or loaded, or a context cannot be created."""
+
+
+class NotDurable(NrvnaError):
+    """The job was published but the fsync confirming it failed: it may not survive power loss."""
+
+    def __init__(self, job_id: str, cause: OSError) -> None:
+        super().__init__(f"job {job_id} is queued but not confirmed durable: {_os_error(cause)}")
+        self.job_id = job_id
+
+
+class JobError(Exception):
+    """Raised inside a runner to fail one job with a short code (a key of FAILURE_CODES) and a
+    clear message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Interrupted(Exception):
+    """Raised by a runner that stopped a job because the daemon is shutting down."""
+
+
+def _os_error(err: OSError) -> str:
+    return err.strerror or str(err) if isinstance(err, OSError) else str(err)
+
+
+##############################################################################
+# Settings: one table (SETTINGS) drives the NRVNA_* variables, the daemon's flags, --help and the docs
 ##############################################################################
 
 # A setting's variable, type, default, range (low, high: a number's), help; a str setting's
@@ -240,533 +350,245 @@ def setting_default(name: str) -> Any:
     return _parse_setting(name, raw)
 
 
-class Param:
-    """One per-job parameter, every field by keyword.
+##############################################################################
+# Logging: `[time] [LEVEL] [Thread] message`, everything on stderr (stdout carries data only)
+##############################################################################
 
-    ``kind`` is the type its JSON value has: ``bool``, ``int``, ``float``, ``str``, ``list``
-    (of strings, unless ``check`` says otherwise), ``dict``, or a tuple of the strings it may
-    be; ``low``/``high`` its range (for a string or a list, its most bytes or items);
-    ``check`` the row's own check for values no type describes (called as ``check(value,
-    param)``, returning the value normalized) and ``what`` how the docs name such a value
-    (``{low}`` and ``{high}`` filled in). ``default`` is a literal, or None: the daemon's
-    setting of the same name in SETTINGS, else unset. ``flag`` is its ``submit`` flag (None:
-    none), ``read`` how the flag's argument becomes the value ((metavar, function); None: by
-    its type), ``gather`` what a repeated flag's values become (None: a single flag).
-    ``openai`` names the OpenAI Batch body fields that carry it (a later one wins),
-    ``jsonl`` whether nrvna's JSONL lines may, and ``jobs`` which jobs may carry it:
-    "generate", "embed" or "any"."""
-
-    __slots__ = ("kind", "low", "high", "default", "flag", "openai", "jsonl", "help", "read", "gather", "check",
-                 "what", "jobs")
-
-    def __init__(self, kind: Any, *, help: str, low: Any = None, high: Any = None, default: Any = None,
-                 flag: Optional[str] = None, openai: tuple[str, ...] = (), jsonl: bool = True,
-                 read: Optional[tuple[str, Callable[[str], Any]]] = None, gather: Optional[Callable[[list[Any]], Any]] = None,
-                 check: Optional[Callable[[Any, "Param"], Any]] = None, what: str = "", jobs: str = "generate") -> None:
-        self.kind, self.low, self.high, self.default = kind, low, high, default
-        self.flag, self.openai, self.jsonl, self.help = flag, openai, jsonl, help
-        self.read, self.gather, self.check, self.what, self.jobs = read, gather, check, what, jobs
-
-    def validate(self, key: str, value: Any) -> Any:
-        """``value`` normalized, or InvalidInput naming ``key``."""
-        kind, low, high = self.kind, self.low, self.high
-        if self.check is not None:
-            return self.check(value, self)
-        if kind is bool:
-            if not isinstance(value, bool):
-                raise InvalidInput(f"parameter {key} must be true or false")
-        elif kind is str:
-            if not isinstance(value, str) or len(value.encode("utf-8", "surrogatepass")) > high:
-                raise InvalidInput(f"parameter {key} must be a string of at most {high} bytes")
-            _check_text(key, value)
-        elif kind is list:
-            if (not isinstance(value, list) or len(value) > high
-                    or not all(isinstance(s, str) and s for s in value)):
-                raise InvalidInput(f"parameter {key} must be a list of at most {high} non-empty strings")
-            for text in value:
-                _check_text(key, text)
-        elif isinstance(kind, tuple):
-            if value not in kind:
-                raise InvalidInput(f"parameter {key} must be one of {', '.join(kind)}")
-        else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF, -_INF):
-                raise InvalidInput(f"parameter {key} must be {'an integer' if kind is int else 'a finite number'}")
-            if kind is int and value != int(value):
-                raise InvalidInput(f"parameter {key} must be an integer")
-            value = kind(value)
-            if not (low <= value <= high):
-                raise InvalidInput(f"parameter {key}={value} is out of range ({low} to {high})")
-        return value
-
-    def describe(self) -> str:
-        """Its type and range, as the docs' table gives them."""
-        if self.what:
-            return self.what.format(low=self.low, high=self.high)
-        if self.kind is bool:
-            return "boolean"
-        if self.kind is int:
-            return f"integer, {self.low} to {self.high}"
-        if self.kind is float:
-            return f"number, {self.low:g} to {self.high:g}"
-        if self.kind is str:
-            return f"string, up to {self.high} bytes"
-        if isinstance(self.kind, tuple):
-            return " or ".join(f"`{choice}`" for choice in self.kind)
-        return f"list of up to {self.high} strings"
+TRACE = 5
 
 
-# A grammar's limit, and a JSON schema's as compact JSON (their rows in PARAMS). A --json-schema
-# file may be indented, so it is read up to 4 times that.
-STRUCTURE_LIMIT = 1 << 18
+class _Log:
+    """The ``nrvna`` logger, imported on first use: client commands never log."""
+
+    def __getattr__(self, name: str) -> Any:
+        import logging
+
+        return getattr(logging.getLogger("nrvna"), name)
+
+    def trace(self, message: str) -> None:
+        """Log at the spec's TRACE level (below DEBUG)."""
+        self.log(TRACE, message)
 
 
-def _read_limited(path: str, limit: int, what: str) -> str:
-    """A text file named by a flag, read to at most ``limit`` characters (and so bytes) + 1: a
-    longer one is refused unread beyond that (``--grammar /dev/zero`` took gigabytes whole)."""
-    import argparse
+log = _Log()
 
+
+def configure_logging(level: str = "info", stream: Any = None) -> None:
+    """Send nrvna's log to ``stream`` (stderr) as ``[time] [LEVEL] [Thread] message``."""
+    import logging
+
+    logging.addLevelName(TRACE, "TRACE")
+    tags = {logging.ERROR: "ERROR", logging.WARNING: "WARN ", logging.INFO: "INFO ",
+            logging.DEBUG: "DEBUG", TRACE: "TRACE", logging.CRITICAL: "ERROR"}
+
+    class SpecFormatter(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
+            tag = tags.get(record.levelno, record.levelname[:5].ljust(5))
+            text = f"[{stamp}.{int(record.msecs):03d}] [{tag}] [{record.threadName}] {record.getMessage()}"
+            if record.exc_info and level in ("debug", "trace"):
+                text += "\n" + self.formatException(record.exc_info)
+            return text
+
+    logger = logging.getLogger("nrvna")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(SpecFormatter())
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel({"error": logging.ERROR, "warn": logging.WARNING, "info": logging.INFO,
+                     "debug": logging.DEBUG, "trace": TRACE}[level])
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread its log name in the OS too (``ps -T``, ``top -H``), on Linux."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read(limit + 1)
-    except (OSError, UnicodeDecodeError) as err:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
-    if len(text) > limit:
-        raise argparse.ArgumentTypeError(f"{path} is over {limit} bytes, {what}")
-    return text
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
-def _read_json_schema(text: str) -> dict[str, Any]:
-    """``--json-schema FILE|JSON``: a JSON schema, an OpenAI ``json_schema`` object
-    (``{"name", "schema", "strict"}``) or a whole ``response_format``, given inline or as a
-    file; returned as a response_format."""
-    import argparse
-    import json
+##############################################################################
+# File primitives: every file is written whole and fsynced before it counts; renames never replace
+##############################################################################
 
-    source = "the argument"
-    if not text.lstrip().startswith(("{", "[")):  # inline JSON, else a file's name
-        source = text
-        text = _read_limited(text, 4 * STRUCTURE_LIMIT, "the limit of --json-schema")
+FILE_MODE = 0o600
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte: ``os.write`` may write less than asked without an error."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[written:]
+
+
+def write_file(dir_fd: int, name: str, data: bytes, sync: bool = True) -> None:
+    """Write ``name`` inside an open directory: temporary name, fsync, rename into place.
+    (``sync=False``: atomic but not durable, for files rewritten often and worth little.)
+
+    The caller fsyncs the directory once after its last file, which makes the renames durable.
+    Only one thread ever writes into a given job directory, so the temporary name is fixed.
+    """
+    temp = f".{name}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_NOFOLLOW | O_CLOEXEC,
+                 FILE_MODE, dir_fd=dir_fd)
     try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"{source} is not JSON ({err})") from None
-    except RecursionError:
-        raise argparse.ArgumentTypeError(f"{source} is nested too deeply") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{source} is not a JSON object")
-    if value.get("type") == "json_schema" and "json_schema" in value:
-        return value
-    if "schema" in value and "name" in value and "type" not in value:
-        return {"type": "json_schema", "json_schema": value}
-    name = re.sub(r"[^A-Za-z0-9_-]", "_", os.path.splitext(os.path.basename(source))[0])[:64]
-    return {"type": "json_schema", "json_schema": {"name": name if source != "the argument" and name else "schema",
-                                                   "schema": value, "strict": True}}
+        write_all(fd, data)
+        if sync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(temp, dir_fd)
+        raise
+    os.close(fd)
+    os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
-def _read_grammar(path: str) -> str:
-    """``--grammar FILE``: the file's text."""
-    return _read_limited(path, STRUCTURE_LIMIT, "the limit of --grammar")
-
-
-def _read_template(path: str) -> str:
-    """``--template-file FILE``: the file's text, no longer than a prompt (each prompt holds it)."""
-    return _read_limited(path, setting_default("max_prompt_bytes"), "the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)")
-
-
-def _read_metadata(text: str) -> dict[str, Any]:
-    """``--metadata JSON``: an object."""
-    import argparse
-    import json
-
+def _write_new(dir_fd: int, name: str, data: bytes) -> None:
+    """Create ``name`` (it must not exist) and write all of ``data``; no fsync."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE, dir_fd=dir_fd)
     try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"not JSON ({err})") from None
-    except RecursionError:
-        # Input, not a usage mistake: one line, as a JSONL line's says (main reports it).
-        raise InvalidInput("--metadata: JSON nested too deeply") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("not a JSON object")
-    return value
-
-
-def _read_bias(text: str) -> tuple[str, float]:
-    """``--logit-bias ID=BIAS``: one token's bias."""
-    import argparse
-
-    token, _, bias = text.partition("=")
-    try:
-        return str(int(token)), float(bias)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN_ID=BIAS (e.g. 15043=-100)") from None
-
-
-# Schemas and grammars already checked in this process (a batch file repeats one schema on
-# every line): key -> the error message, or None when it passed.
-_CHECKED: dict[Any, Optional[str]] = {}
-
-
-def _checked(key: Any, check: Callable[[], None]) -> None:
-    """Run ``check`` once per distinct ``key`` (a schema's or grammar's text)."""
-    if key not in _CHECKED:
-        try:
-            check()
-            _CHECKED[key] = None
-        except InvalidInput as err:
-            _CHECKED[key] = str(err)
-        if len(_CHECKED) > 256:
-            _CHECKED.pop(next(iter(_CHECKED)))
-    if _CHECKED[key] is not None:
-        raise InvalidInput(_CHECKED[key])
-
-
-def _check_metadata(value: Any, param: Param) -> dict[str, Any]:
-    """A JSON object of at most ``param.high`` bytes as JSON, kept as given."""
-    import json
-
-    key, limit = "metadata", param.high
-    if not isinstance(value, dict):
-        raise InvalidInput(f"parameter {key} must be a JSON object")
-    try:
-        size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8"))
-    except RecursionError:
-        raise InvalidInput(f"parameter {key}: JSON nested too deeply") from None
-    except (TypeError, ValueError, UnicodeEncodeError) as err:
-        raise InvalidInput(f"parameter {key} cannot be written as JSON ({err})") from None
-    if size > limit:
-        raise InvalidInput(f"parameter {key} is {size} bytes as JSON; the limit is {limit}")
-    return value
-
-
-def _check_text(key: str, text: str) -> None:
-    """A parameter's text must be writable as UTF-8 (a lone surrogate, from a JSON escape
-    or from undecodable bytes in an argument, is not) and hold no NUL."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidInput(f"parameter {key} is not valid Unicode (a lone surrogate or undecodable bytes)") from None
-    if "\x00" in text:
-        raise InvalidInput(f"parameter {key} contains a NUL byte")
-
-
-def _check_messages(messages: Any, param: Param) -> list[dict[str, str]]:
-    """Chat turns as ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``."""
-    limit = param.high
-    if not isinstance(messages, list) or not 1 <= len(messages) <= limit:
-        raise InvalidInput(f"messages must be a list of 1 to {limit} {{role, content}} objects")
-    clean = []
-    for i, turn in enumerate(messages):
-        if not isinstance(turn, dict) or set(turn) - {"role", "content", "name"}:
-            raise InvalidInput(f"messages[{i}] must be an object with role and content")
-        role, content = turn.get("role"), turn.get("content")
-        if role not in ROLES:
-            raise InvalidInput(f"messages[{i}].role must be one of {', '.join(ROLES)}")
-        if isinstance(content, list):  # OpenAI content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise InvalidInput(f"messages[{i}].content: only text parts are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise InvalidInput(f"messages[{i}].content must be a string without NUL bytes")
-        _check_text(f"messages[{i}].content", content)
-        clean.append({"role": role, "content": content})
-    if not any(t["content"].strip() for t in clean):
-        raise InvalidInput("messages are all empty")
-    return clean
-
-
-ROLES = ("system", "user", "assistant")
-_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def _check_response_format(value: Any, param: Param) -> dict[str, Any]:
-    """OpenAI's response_format: text, json_object, or json_schema with a schema the
-    grammar converter honours whole (see check_json_schema)."""
-    import json
-
-    limit = param.high
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-        raise InvalidInput('response_format must be {"type": "json_schema", "json_schema": {...}}, '
-                           '{"type": "json_object"} or {"type": "text"}')
-    kind = value["type"]
-    if kind != "json_schema":
-        if set(value) != {"type"}:
-            raise InvalidInput(f"response_format of type {kind} takes no other field "
-                               f"({sorted(set(value) - {'type'})[0]!r})")
-        return {"type": kind}
-    if set(value) != {"type", "json_schema"} or not isinstance(value["json_schema"], dict):
-        raise InvalidInput('response_format json_schema must be {"type": "json_schema", "json_schema": '
-                           '{"name", "schema", "strict"}}')
-    spec = value["json_schema"]
-    unknown = set(spec) - {"name", "schema", "strict", "description"}
-    if unknown:
-        raise InvalidInput(f"response_format.json_schema: unknown field {sorted(unknown)[0]!r}")
-    if "name" in spec and not (isinstance(spec["name"], str) and _SCHEMA_NAME.fullmatch(spec["name"])):
-        raise InvalidInput("response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
-    if spec.get("strict") not in (None, True, False):
-        raise InvalidInput("response_format.json_schema.strict must be true or false")
-    if not isinstance(spec.get("description", ""), str):
-        raise InvalidInput("response_format.json_schema.description must be a string")
-    if not isinstance(spec.get("schema"), dict):
-        raise InvalidInput("response_format.json_schema.schema must be a JSON Schema object")
-    try:
-        text = json.dumps(spec["schema"], ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    except ValueError:
-        raise InvalidInput("response_format.json_schema.schema holds a number that is not finite") from None
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise InvalidInput("response_format.json_schema.schema is not valid Unicode (a lone surrogate)") from None
-    if size > limit:
-        raise InvalidInput(f"response_format.json_schema.schema is over {limit} bytes")
-
-    def check() -> None:
-        try:
-            check_json_schema(spec["schema"])
-        except InvalidInput as err:
-            raise InvalidInput(f"response_format: {err}") from None
-
-    _checked(("schema", text), check)
-    return value
-
-
-def _check_logit_bias(value: Any, param: Param) -> dict[str, float]:
-    """OpenAI's logit_bias: {"token ID": bias}."""
-    low, high = param.low, param.high
-    if not isinstance(value, dict) or len(value) > 1024:
-        raise InvalidInput('logit_bias must be an object {"TOKEN_ID": BIAS} of at most 1024 tokens')
-    clean = {}
-    for token, bias in value.items():
-        if not (isinstance(token, str) and re.fullmatch("[0-9]{1,10}", token)):
-            raise InvalidInput(f"logit_bias: {token!r} is not a token ID")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
-            raise InvalidInput(f"logit_bias: the bias of token {token} must be a number from {low:g} to {high:g}")
-        clean[str(int(token))] = float(bias)
-    return clean
-
-
-def _check_input(value: Any, param: Param) -> list[str]:
-    """An embed job's texts (see check_inputs)."""
-    return check_inputs(value, param.high)
-
-
-# Every per-job parameter: validation, `submit`'s flags, the OpenAI line mapping, the
-# engine's defaults (`job_param`), `--help` and the README's table come from here. A new
-# sampling parameter is one row here and its use in the engine.
-PARAMS: dict[str, Param] = {
-    "max_tokens": Param(int, low=1, high=1 << 20, flag="--max-tokens", openai=("max_tokens", "max_completion_tokens"),
-                         help="most tokens to generate"),
-    "temperature": Param(float, low=0.0, high=100.0, flag="--temperature", openai=("temperature",),
-                          help="sampling temperature (0 = greedy)"),
-    "top_k": Param(int, low=0, high=1 << 20, flag="--top-k", openai=("top_k",),
-                    help="sample from the K most likely tokens (0 = off)"),
-    "top_p": Param(float, low=0.0, high=1.0, flag="--top-p", openai=("top_p",),
-                    help="nucleus sampling: the smallest set with this probability (1 = off)"),
-    "min_p": Param(float, low=0.0, high=1.0, flag="--min-p", openai=("min_p",),
-                    help="drop tokens less likely than this fraction of the best one (0 = off)"),
-    "repeat_penalty": Param(float, low=0.0, high=100.0, flag="--repeat-penalty", openai=("repeat_penalty",),
-                             help="divide the logits of the last 64 generated tokens by this (1 = off)"),
-    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty", openai=("presence_penalty",),
-                               help="subtract this from the logit of every token among the last 64 generated (0 = off)"),
-    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty", openai=("frequency_penalty",),
-                                help="subtract this times its count from the logit of each token among the last 64 generated (0 = off)"),
-    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",), read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias, what="object, biases {low:g} to {high:g}",
-                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
-    "seed": Param(int, low=0, high=0xFFFFFFFE, flag="--seed", openai=("seed",),
-                   help="sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
-    "stop": Param(list, low=0, high=16, flag="--stop", openai=("stop",),
-                   help="strings that end the generation, not included in the result (a flag per string)"),
-    "ignore_eos": Param(bool, default=False, flag="--ignore-eos",
-                         help="keep generating past the model's end-of-generation token (not past the end of a grammar)"),
-    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",), read=("FILE|JSON", _read_json_schema), check=_check_response_format, what="object (OpenAI's)",
-                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
-    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",), read=("FILE", _read_grammar),
-                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file"),
-    "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
-                       help="record each generated token's log-probability (get --json, export)"),
-    "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
-                           help="with logprobs: also the N most likely tokens at each step"),
-    "embed": Param(bool, default=False, flag="--embed", jobs="any",
-                    help="embed the input instead of generating: a vector per text (the result holds one JSON array per text, one per line)"),
-    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input, what="list of {low} to {high} strings", jobs="embed",
-                    help="with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
-    "dimensions": Param(int, low=1, high=1 << 16, flag="--dimensions", openai=("dimensions",), jobs="embed",
-                         help="with embed: keep each vector's first N values (normalized again): for models trained for it (Matryoshka)"),
-    "encoding_format": Param(("float", "base64"), default="float", openai=("encoding_format",), jobs="embed",
-                              help="with embed: how export --format openai writes the vectors (base64: little-endian float32)"),
-    "system": Param(str, low=0, high=1 << 20, flag="--system",
-                     help="a system message for the chat template"),
-    "raw": Param(bool, default=False, flag="--raw",
-                  help="send the prompt as is, without the chat template"),
-    "timeout": Param(float, low=0.001, high=1e7, flag="--timeout", jobs="any",
-                      help="seconds of generation before the job fails with code timeout, keeping its partial text"),
-    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages, what="list of up to {high} {{role, content}}",
-                       help="chat turns [{role, content}] instead of a prompt, through the chat template"),
-    "custom_id": Param(str, low=0, high=512, jobs="any",
-                        help="the caller's name for the job (batch files, export; default line-N)"),
-    "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
-                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower ones in its context until it ends"),
-    "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
-                              help="submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
-    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",), read=("JSON", _read_metadata), check=_check_metadata, what="object, up to {high} bytes as JSON", jobs="any",
-                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON object (a template's record, by default); never read by the daemon"),
-    "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
-                  help="label the jobs (status/wait/export/cancel/retry --tag)"),
-    "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
-                       help="the OpenAI Batch url a job came from: export answers in its shape"),
-}
-# The parameters an embed job may carry (every other one is about generating); those only it may.
-EMBED_PARAMS = frozenset(name for name, param in PARAMS.items() if param.jobs != "generate")
-EMBED_ONLY = tuple(name for name, param in PARAMS.items() if param.jobs == "embed")
-# Flags that set a job parameter to a fixed value: flag -> (parameter, value, help).
-FLAG_SHORTHANDS = {"--json": ("response_format", {"type": "json_object"}, "constrain the output to a JSON object "
-                                                                          "(response_format json_object)")}
-# OpenAI Batch body field -> the job parameter it carries, in table order.
-OPENAI_FIELDS = {field: name for name, param in PARAMS.items() for field in param.openai}
-
-
-
-
-def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = None) -> Any:
-    """A job's parameter: its own value, else the daemon's setting of that name, else the
-    table's default."""
-    if name in params:
-        return params[name]
-    if config is not None and name in SETTINGS:
-        return getattr(config, name)
-    return PARAMS[name].default
-
-
-def read_priority(job_dir: str) -> int:
-    """A queued job's priority from its params.json (0 when it has none, or cannot be read:
-    its claim will say why). Cheap for the default lane: the JSON is parsed only when the file
-    mentions a priority."""
-    import json
-
-    # The Scanner calls this under the Pool's lock: like the claim, it follows no symlink
-    # and opens no FIFO (a planted params.json FIFO would block every worker).
-    try:
-        dir_fd = open_dir(job_dir)
-    except OSError:
-        return 0
-    try:
-        data = read_file(dir_fd, PARAMS_FILE, params_limit())
-    except (OSError, JobError):
-        return 0
+        write_all(fd, data)
     finally:
-        os.close(dir_fd)
-    if b'"priority"' not in data:
-        return 0
+        os.close(fd)
+
+
+def _exists(dir_fd: int, name: str) -> bool:
     try:
-        value = json.loads(data).get("priority", 0)
-    except (ValueError, RecursionError, AttributeError):
-        return 0
-    return value if isinstance(value, int) and not isinstance(value, bool) and -1000 <= value <= 1000 else 0
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
 
 
-def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
-    """Check per-job parameters; return them normalized or raise InvalidInput."""
-    if not isinstance(params, dict):
-        raise InvalidInput("params must be a JSON object")
-    clean: dict[str, Any] = {}
-    for key, value in params.items():
-        if key not in PARAMS:
-            raise InvalidInput(f"unknown parameter {key!r} (known: {', '.join(PARAMS)})")
-        if value is not None:
-            clean[key] = PARAMS[key].validate(key, value)
-    if "tag" in clean and not ID_PATTERN.fullmatch(clean["tag"]):
-        raise InvalidInput(f"invalid tag {clean['tag']!r} (letters, digits, '.', '_', '-'; not starting with '.')")
-    if clean.get("idempotency_key") == "":
-        raise InvalidInput("idempotency_key is empty")
-    if "endpoint" in clean and clean["endpoint"] not in ENDPOINTS:
-        raise InvalidInput(f"endpoint must be one of {', '.join(ENDPOINTS)}")
-    if "grammar" in clean:
-        _checked(("grammar", clean["grammar"]), lambda: check_grammar(clean["grammar"]))
-    check_combination(clean)
-    return clean
+def _unlink_quietly(name: str, dir_fd: Optional[int]) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 
-def constraint(params: Mapping[str, Any]) -> Optional[str]:
-    """What constrains a job's output: "json_schema", "json_object", "grammar" or None."""
-    if job_param(params, "grammar") is not None:
-        return "grammar"
-    kind = (job_param(params, "response_format") or {}).get("type")
-    return kind if kind in ("json_schema", "json_object") else None
+def open_dir(path: str, dir_fd: Optional[int] = None) -> int:
+    """Open a directory without following a symlink in its last component."""
+    return os.open(path, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=dir_fd)
 
 
-def check_combination(params: Mapping[str, Any]) -> None:
-    """Raise InvalidInput for parameters that cannot go together (also for a batch line
-    merged with the file's defaults)."""
-    kind = (job_param(params, "response_format") or {}).get("type")
-    if job_param(params, "grammar") is not None and kind in ("json_schema", "json_object"):
-        raise InvalidInput("give grammar or response_format, not both")
-    if job_param(params, "stop") and constraint(params):
-        raise InvalidInput("stop cannot be combined with grammar or response_format: the grammar decides "
-                           "where the output ends (a stop string inside a JSON value would cut it short)")
-    if job_param(params, "top_logprobs") is not None and not job_param(params, "logprobs"):
-        raise InvalidInput("top_logprobs needs logprobs: true")
-    if job_param(params, "endpoint") and (params["endpoint"] == "/v1/embeddings") != bool(job_param(params, "embed")):
-        raise InvalidInput("endpoint /v1/embeddings goes with embed jobs only")
-    if job_param(params, "embed"):
-        for key, value in params.items():
-            if key not in EMBED_PARAMS and value != PARAMS[key].default:
-                raise InvalidInput(f"an embed job takes no {key} (it generates nothing)")
-    else:
-        for key in EMBED_ONLY:
-            if job_param(params, key) != PARAMS[key].default:
-                raise InvalidInput(f"{key} is for embed jobs (give embed: true, or submit --embed)")
+def fsync_dir(path: str) -> None:
+    """fsync a directory so the entries created, renamed or removed in it are durable."""
+    fd = open_dir(path)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def check_inputs(texts: Any, limit: int = 2048) -> list[str]:
-    """An embed job's texts: 1 to ``limit`` non-empty strings (OpenAI's limit is 2048)."""
-    if isinstance(texts, str):
-        texts = [texts]
-    if not isinstance(texts, list) or not 1 <= len(texts) <= limit:
-        raise InvalidInput(f"input must be a string or a list of 1 to {limit} strings")
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            kind = "token IDs" if isinstance(text, (int, list)) else "not a string"
-            raise InvalidInput(f"input[{i}] is {kind}: send text (token arrays are not supported)")
-        if not text.strip():
-            raise InvalidInput(f"input[{i}] is empty")
-        _check_text(f"input[{i}]", text)
-    return texts
+def read_file(dir_fd: int, name: str, limit: int) -> bytes:
+    """Read a regular file in an open directory, refusing symlinks, FIFOs and oversize files."""
+    try:
+        fd = os.open(name, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise JobError("bad_request", f"{name} is a symbolic link; it was not followed") from None
+        if err.errno == errno.EISDIR:
+            raise JobError("bad_request", f"{name} is a directory, not a file") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise JobError("bad_request", f"{name} is a directory, not a file")
+        if not stat.S_ISREG(info.st_mode):
+            raise JobError("bad_request", f"{name} is not a regular file")
+        if info.st_size > limit:
+            raise JobError("bad_request", f"{name} is {info.st_size} bytes; the limit is {limit}")
+        chunks = []
+        remaining = limit + 1
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            raise JobError("bad_request", f"{name} is over the limit of {limit} bytes")
+        return data
+    finally:
+        os.close(fd)
 
 
-def render_inputs(texts: list[str]) -> str:
-    """An embed job's texts as text a person can read (what prompt.txt holds for a list)."""
-    return "\n\n".join(f"[input {i}]\n{text}" for i, text in enumerate(texts)) + "\n"
+_renameat2: Any = None  # False when the platform has none
 
 
-def render_messages(messages: list[dict[str, str]]) -> str:
-    """Chat turns as text a person can read (what prompt.txt holds for a messages job)."""
-    return "\n\n".join(f"[{turn['role']}]\n{turn['content']}" for turn in messages) + "\n"
+def move(src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst`` atomically, never replacing anything already at ``dst``.
+
+    Plain ``rename()`` silently replaces an empty directory; ``renameat2(RENAME_NOREPLACE)``
+    refuses with EEXIST. Where the platform lacks it, check first (racy only against a
+    hostile writer of the workspace, which the 0700 layout already excludes).
+    """
+    global _renameat2
+    if _renameat2 is None:
+        _renameat2 = _load_renameat2()
+    if _renameat2:
+        if _renameat2(-100, os.fsencode(src), -100, os.fsencode(dst), 1) == 0:  # AT_FDCWD, NOREPLACE
+            return
+        import ctypes
+
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise OSError(code, os.strerror(code), src, None, dst)
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    os.rename(src, dst)
 
 
-def markdown_tables() -> dict[str, str]:
-    """The manual's generated tables: settings, params, exit-codes, failure-codes and
-    hook-variables, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES and HOOK_VARIABLES (scripts/readme_tables.py writes them; a
-    test checks them)."""
-    settings = ["| variable | default | meaning |", "|---|---|---|"]
-    for setting in SETTINGS.values():
-        default = setting.default if setting.shown is None else setting.shown
-        settings.append(f"| `{setting.env}` | {default} | {setting.help} |")
-    params = ["| parameter | type | default | `submit` flag | OpenAI body | meaning |", "|---|---|---|---|---|---|"]
-    for name, param in PARAMS.items():
-        kind = param.describe()
-        default = f"`{SETTINGS[name].env}`" if name in SETTINGS else ("—" if param.default is None else str(param.default).lower())
-        flags = [param.flag] + [f for f, (target, _, _) in FLAG_SHORTHANDS.items() if target == name] if param.flag else []
-        flag = ", ".join(f"`{f}`" for f in flags) or "—"
-        openai = ", ".join(f"`{field}`" for field in param.openai) or "—"
-        line = "" if param.jsonl else " (not a JSONL field)"
-        params.append(f"| `{name}` | {kind} | {default} | {flag} | {openai} | {param.help}{line} |")
-    exit_codes = ["| code | meaning |", "|---|---|"] + [f"| {code} | {meaning} |" for code, meaning in EXIT_CODES.items()]
-    failures = ["| code | the job failed because |", "|---|---|"] + [
-        f"| `{code}` | {meaning} |" for code, meaning in FAILURE_CODES.items()]
-    hooks = ["| variable | set for | meaning |", "|---|---|---|"] + [
-        f"| `{name}` | {', '.join('`--' + hook.replace('_', '-') + '`' for hook in on)} | {meaning} |"
-        for name, (on, meaning) in HOOK_VARIABLES.items()]
-    return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
-            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks)}
+def _load_renameat2() -> Any:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _syncfs(path: str) -> None:
+    """Flush every file and directory of the filesystem holding ``path`` in one call:
+    a batch is made durable with one flush instead of several fsyncs per job."""
+    import ctypes
+
+    fd = open_dir(path)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if getattr(libc, "syncfs", None) is None:
+            os.sync()  # no syncfs: flush every filesystem (slower, as safe)
+            return
+        if libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+    finally:
+        os.close(fd)
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
 
 
 ##############################################################################
@@ -1535,6 +1357,8 @@ class _GbnfParser:
                     state[rule_id] = 2
                     stack.pop()
         return None
+
+
 # -- Grammar work: what one step of a constrained job may cost ------------------------------------
 # llama.cpp tracks a grammar as a set of pushdown stacks, one per way the text so far parses, and
 # checks a candidate token by walking its characters down each stack, without merging walks that
@@ -1931,344 +1755,557 @@ class GrammarVocab:
 
 
 ##############################################################################
-# Errors and exit codes
+# Job parameters: one table (PARAMS) drives validation, submit's flags, the OpenAI Batch mapping,
+# the engine's defaults (job_param), --help and the docs
 ##############################################################################
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISSING, EXIT_UNFINISHED = 0, 1, 2, 3, 4
-# What the CLI's exit codes mean (--help and the README).
-EXIT_CODES = {
-    EXIT_OK: "ok; the job is done (wait: all done; cancel: all cancelled)",
-    EXIT_FAILED: "the job failed (wait: one failed; cancel: one had finished; retry: a named job is not failed), "
-                 "or the daemon could not start or run (model, workspace, lock)",
-    EXIT_USAGE: "usage error or invalid input (prompt, ID, parameter, batch line, NRVNA_* value)",
-    EXIT_MISSING: "no such job or tag (status --daemon, stop: no daemon running)",
-    EXIT_UNFINISHED: "not finished yet: queued or running, a --wait-timeout or wait/stop --timeout ran out, "
-                     "export left unfinished jobs out, submit: a live submit holding the idempotency key has not "
-                     "published its job (NRVNA_KEY_WAIT ran out; nothing queued)",
+# Any ID a user may name: hand-made job dirs work, nothing can climb out of the workspace
+# (no '/', and a leading '.' is impossible, so '.' and '..' are excluded too).
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class Param:
+    """One per-job parameter, every field by keyword.
+
+    ``kind`` is the type its JSON value has: ``bool``, ``int``, ``float``, ``str``, ``list``
+    (of strings, unless ``check`` says otherwise), ``dict``, or a tuple of the strings it may
+    be; ``low``/``high`` its range (for a string or a list, its most bytes or items);
+    ``check`` the row's own check for values no type describes (called as ``check(value,
+    param)``, returning the value normalized) and ``what`` how the docs name such a value
+    (``{low}`` and ``{high}`` filled in). ``default`` is a literal, or None: the daemon's
+    setting of the same name in SETTINGS, else unset. ``flag`` is its ``submit`` flag (None:
+    none), ``read`` how the flag's argument becomes the value ((metavar, function); None: by
+    its type), ``gather`` what a repeated flag's values become (None: a single flag).
+    ``openai`` names the OpenAI Batch body fields that carry it (a later one wins),
+    ``jsonl`` whether nrvna's JSONL lines may, and ``jobs`` which jobs may carry it:
+    "generate", "embed" or "any"."""
+
+    __slots__ = ("kind", "low", "high", "default", "flag", "openai", "jsonl", "help", "read", "gather", "check",
+                 "what", "jobs")
+
+    def __init__(self, kind: Any, *, help: str, low: Any = None, high: Any = None, default: Any = None,
+                 flag: Optional[str] = None, openai: tuple[str, ...] = (), jsonl: bool = True,
+                 read: Optional[tuple[str, Callable[[str], Any]]] = None, gather: Optional[Callable[[list[Any]], Any]] = None,
+                 check: Optional[Callable[[Any, "Param"], Any]] = None, what: str = "", jobs: str = "generate") -> None:
+        self.kind, self.low, self.high, self.default = kind, low, high, default
+        self.flag, self.openai, self.jsonl, self.help = flag, openai, jsonl, help
+        self.read, self.gather, self.check, self.what, self.jobs = read, gather, check, what, jobs
+
+    def validate(self, key: str, value: Any) -> Any:
+        """``value`` normalized, or InvalidInput naming ``key``."""
+        kind, low, high = self.kind, self.low, self.high
+        if self.check is not None:
+            return self.check(value, self)
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise InvalidInput(f"parameter {key} must be true or false")
+        elif kind is str:
+            if not isinstance(value, str) or len(value.encode("utf-8", "surrogatepass")) > high:
+                raise InvalidInput(f"parameter {key} must be a string of at most {high} bytes")
+            _check_text(key, value)
+        elif kind is list:
+            if (not isinstance(value, list) or len(value) > high
+                    or not all(isinstance(s, str) and s for s in value)):
+                raise InvalidInput(f"parameter {key} must be a list of at most {high} non-empty strings")
+            for text in value:
+                _check_text(key, text)
+        elif isinstance(kind, tuple):
+            if value not in kind:
+                raise InvalidInput(f"parameter {key} must be one of {', '.join(kind)}")
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF, -_INF):
+                raise InvalidInput(f"parameter {key} must be {'an integer' if kind is int else 'a finite number'}")
+            if kind is int and value != int(value):
+                raise InvalidInput(f"parameter {key} must be an integer")
+            value = kind(value)
+            if not (low <= value <= high):
+                raise InvalidInput(f"parameter {key}={value} is out of range ({low} to {high})")
+        return value
+
+    def describe(self) -> str:
+        """Its type and range, as the docs' table gives them."""
+        if self.what:
+            return self.what.format(low=self.low, high=self.high)
+        if self.kind is bool:
+            return "boolean"
+        if self.kind is int:
+            return f"integer, {self.low} to {self.high}"
+        if self.kind is float:
+            return f"number, {self.low:g} to {self.high:g}"
+        if self.kind is str:
+            return f"string, up to {self.high} bytes"
+        if isinstance(self.kind, tuple):
+            return " or ".join(f"`{choice}`" for choice in self.kind)
+        return f"list of up to {self.high} strings"
+
+
+# A grammar's limit, and a JSON schema's as compact JSON (their rows in PARAMS). A --json-schema
+# file may be indented, so it is read up to 4 times that.
+STRUCTURE_LIMIT = 1 << 18
+
+
+def _read_limited(path: str, limit: int, what: str) -> str:
+    """A text file named by a flag, read to at most ``limit`` characters (and so bytes) + 1: a
+    longer one is refused unread beyond that (``--grammar /dev/zero`` took gigabytes whole)."""
+    import argparse
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read(limit + 1)
+    except (OSError, UnicodeDecodeError) as err:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+    if len(text) > limit:
+        raise argparse.ArgumentTypeError(f"{path} is over {limit} bytes, {what}")
+    return text
+
+
+def _read_json_schema(text: str) -> dict[str, Any]:
+    """``--json-schema FILE|JSON``: a JSON schema, an OpenAI ``json_schema`` object
+    (``{"name", "schema", "strict"}``) or a whole ``response_format``, given inline or as a
+    file; returned as a response_format."""
+    import argparse
+    import json
+
+    source = "the argument"
+    if not text.lstrip().startswith(("{", "[")):  # inline JSON, else a file's name
+        source = text
+        text = _read_limited(text, 4 * STRUCTURE_LIMIT, "the limit of --json-schema")
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{source} is not JSON ({err})") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"{source} is nested too deeply") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{source} is not a JSON object")
+    if value.get("type") == "json_schema" and "json_schema" in value:
+        return value
+    if "schema" in value and "name" in value and "type" not in value:
+        return {"type": "json_schema", "json_schema": value}
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", os.path.splitext(os.path.basename(source))[0])[:64]
+    return {"type": "json_schema", "json_schema": {"name": name if source != "the argument" and name else "schema",
+                                                   "schema": value, "strict": True}}
+
+
+def _read_grammar(path: str) -> str:
+    """``--grammar FILE``: the file's text."""
+    return _read_limited(path, STRUCTURE_LIMIT, "the limit of --grammar")
+
+
+def _read_template(path: str) -> str:
+    """``--template-file FILE``: the file's text, no longer than a prompt (each prompt holds it)."""
+    return _read_limited(path, setting_default("max_prompt_bytes"), "the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)")
+
+
+def _read_metadata(text: str) -> dict[str, Any]:
+    """``--metadata JSON``: an object."""
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err})") from None
+    except RecursionError:
+        # Input, not a usage mistake: one line, as a JSONL line's says (main reports it).
+        raise InvalidInput("--metadata: JSON nested too deeply") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return value
+
+
+def _read_bias(text: str) -> tuple[str, float]:
+    """``--logit-bias ID=BIAS``: one token's bias."""
+    import argparse
+
+    token, _, bias = text.partition("=")
+    try:
+        return str(int(token)), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN_ID=BIAS (e.g. 15043=-100)") from None
+
+
+# Schemas and grammars already checked in this process (a batch file repeats one schema on
+# every line): key -> the error message, or None when it passed.
+_CHECKED: dict[Any, Optional[str]] = {}
+
+
+def _checked(key: Any, check: Callable[[], None]) -> None:
+    """Run ``check`` once per distinct ``key`` (a schema's or grammar's text)."""
+    if key not in _CHECKED:
+        try:
+            check()
+            _CHECKED[key] = None
+        except InvalidInput as err:
+            _CHECKED[key] = str(err)
+        if len(_CHECKED) > 256:
+            _CHECKED.pop(next(iter(_CHECKED)))
+    if _CHECKED[key] is not None:
+        raise InvalidInput(_CHECKED[key])
+
+
+def _check_metadata(value: Any, param: Param) -> dict[str, Any]:
+    """A JSON object of at most ``param.high`` bytes as JSON, kept as given."""
+    import json
+
+    key, limit = "metadata", param.high
+    if not isinstance(value, dict):
+        raise InvalidInput(f"parameter {key} must be a JSON object")
+    try:
+        size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8"))
+    except RecursionError:
+        raise InvalidInput(f"parameter {key}: JSON nested too deeply") from None
+    except (TypeError, ValueError, UnicodeEncodeError) as err:
+        raise InvalidInput(f"parameter {key} cannot be written as JSON ({err})") from None
+    if size > limit:
+        raise InvalidInput(f"parameter {key} is {size} bytes as JSON; the limit is {limit}")
+    return value
+
+
+def _check_text(key: str, text: str) -> None:
+    """A parameter's text must be writable as UTF-8 (a lone surrogate, from a JSON escape
+    or from undecodable bytes in an argument, is not) and hold no NUL."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(f"parameter {key} is not valid Unicode (a lone surrogate or undecodable bytes)") from None
+    if "\x00" in text:
+        raise InvalidInput(f"parameter {key} contains a NUL byte")
+
+
+def _check_messages(messages: Any, param: Param) -> list[dict[str, str]]:
+    """Chat turns as ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``."""
+    limit = param.high
+    if not isinstance(messages, list) or not 1 <= len(messages) <= limit:
+        raise InvalidInput(f"messages must be a list of 1 to {limit} {{role, content}} objects")
+    clean = []
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, dict) or set(turn) - {"role", "content", "name"}:
+            raise InvalidInput(f"messages[{i}] must be an object with role and content")
+        role, content = turn.get("role"), turn.get("content")
+        if role not in ROLES:
+            raise InvalidInput(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+        if isinstance(content, list):  # OpenAI content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise InvalidInput(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InvalidInput(f"messages[{i}].content must be a string without NUL bytes")
+        _check_text(f"messages[{i}].content", content)
+        clean.append({"role": role, "content": content})
+    if not any(t["content"].strip() for t in clean):
+        raise InvalidInput("messages are all empty")
+    return clean
+
+
+ROLES = ("system", "user", "assistant")
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _check_response_format(value: Any, param: Param) -> dict[str, Any]:
+    """OpenAI's response_format: text, json_object, or json_schema with a schema the
+    grammar converter honours whole (see check_json_schema)."""
+    import json
+
+    limit = param.high
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidInput('response_format must be {"type": "json_schema", "json_schema": {...}}, '
+                           '{"type": "json_object"} or {"type": "text"}')
+    kind = value["type"]
+    if kind != "json_schema":
+        if set(value) != {"type"}:
+            raise InvalidInput(f"response_format of type {kind} takes no other field "
+                               f"({sorted(set(value) - {'type'})[0]!r})")
+        return {"type": kind}
+    if set(value) != {"type", "json_schema"} or not isinstance(value["json_schema"], dict):
+        raise InvalidInput('response_format json_schema must be {"type": "json_schema", "json_schema": '
+                           '{"name", "schema", "strict"}}')
+    spec = value["json_schema"]
+    unknown = set(spec) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise InvalidInput(f"response_format.json_schema: unknown field {sorted(unknown)[0]!r}")
+    if "name" in spec and not (isinstance(spec["name"], str) and _SCHEMA_NAME.fullmatch(spec["name"])):
+        raise InvalidInput("response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
+    if spec.get("strict") not in (None, True, False):
+        raise InvalidInput("response_format.json_schema.strict must be true or false")
+    if not isinstance(spec.get("description", ""), str):
+        raise InvalidInput("response_format.json_schema.description must be a string")
+    if not isinstance(spec.get("schema"), dict):
+        raise InvalidInput("response_format.json_schema.schema must be a JSON Schema object")
+    try:
+        text = json.dumps(spec["schema"], ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        raise InvalidInput("response_format.json_schema.schema holds a number that is not finite") from None
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidInput("response_format.json_schema.schema is not valid Unicode (a lone surrogate)") from None
+    if size > limit:
+        raise InvalidInput(f"response_format.json_schema.schema is over {limit} bytes")
+
+    def check() -> None:
+        try:
+            check_json_schema(spec["schema"])
+        except InvalidInput as err:
+            raise InvalidInput(f"response_format: {err}") from None
+
+    _checked(("schema", text), check)
+    return value
+
+
+def _check_logit_bias(value: Any, param: Param) -> dict[str, float]:
+    """OpenAI's logit_bias: {"token ID": bias}."""
+    low, high = param.low, param.high
+    if not isinstance(value, dict) or len(value) > 1024:
+        raise InvalidInput('logit_bias must be an object {"TOKEN_ID": BIAS} of at most 1024 tokens')
+    clean = {}
+    for token, bias in value.items():
+        if not (isinstance(token, str) and re.fullmatch("[0-9]{1,10}", token)):
+            raise InvalidInput(f"logit_bias: {token!r} is not a token ID")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
+            raise InvalidInput(f"logit_bias: the bias of token {token} must be a number from {low:g} to {high:g}")
+        clean[str(int(token))] = float(bias)
+    return clean
+
+
+def _check_input(value: Any, param: Param) -> list[str]:
+    """An embed job's texts (see check_inputs)."""
+    return check_inputs(value, param.high)
+
+
+# Every per-job parameter: validation, `submit`'s flags, the OpenAI line mapping, the
+# engine's defaults (`job_param`), `--help` and the README's table come from here. A new
+# sampling parameter is one row here and its use in the engine.
+PARAMS: dict[str, Param] = {
+    "max_tokens": Param(int, low=1, high=1 << 20, flag="--max-tokens", openai=("max_tokens", "max_completion_tokens"),
+                         help="most tokens to generate"),
+    "temperature": Param(float, low=0.0, high=100.0, flag="--temperature", openai=("temperature",),
+                          help="sampling temperature (0 = greedy)"),
+    "top_k": Param(int, low=0, high=1 << 20, flag="--top-k", openai=("top_k",),
+                    help="sample from the K most likely tokens (0 = off)"),
+    "top_p": Param(float, low=0.0, high=1.0, flag="--top-p", openai=("top_p",),
+                    help="nucleus sampling: the smallest set with this probability (1 = off)"),
+    "min_p": Param(float, low=0.0, high=1.0, flag="--min-p", openai=("min_p",),
+                    help="drop tokens less likely than this fraction of the best one (0 = off)"),
+    "repeat_penalty": Param(float, low=0.0, high=100.0, flag="--repeat-penalty", openai=("repeat_penalty",),
+                             help="divide the logits of the last 64 generated tokens by this (1 = off)"),
+    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty", openai=("presence_penalty",),
+                               help="subtract this from the logit of every token among the last 64 generated (0 = off)"),
+    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty", openai=("frequency_penalty",),
+                                help="subtract this times its count from the logit of each token among the last 64 generated (0 = off)"),
+    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",), read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias, what="object, biases {low:g} to {high:g}",
+                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
+    "seed": Param(int, low=0, high=0xFFFFFFFE, flag="--seed", openai=("seed",),
+                   help="sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
+    "stop": Param(list, low=0, high=16, flag="--stop", openai=("stop",),
+                   help="strings that end the generation, not included in the result (a flag per string)"),
+    "ignore_eos": Param(bool, default=False, flag="--ignore-eos",
+                         help="keep generating past the model's end-of-generation token (not past the end of a grammar)"),
+    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",), read=("FILE|JSON", _read_json_schema), check=_check_response_format, what="object (OpenAI's)",
+                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
+    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",), read=("FILE", _read_grammar),
+                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file"),
+    "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
+                       help="record each generated token's log-probability (get --json, export)"),
+    "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
+                           help="with logprobs: also the N most likely tokens at each step"),
+    "embed": Param(bool, default=False, flag="--embed", jobs="any",
+                    help="embed the input instead of generating: a vector per text (the result holds one JSON array per text, one per line)"),
+    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input, what="list of {low} to {high} strings", jobs="embed",
+                    help="with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
+    "dimensions": Param(int, low=1, high=1 << 16, flag="--dimensions", openai=("dimensions",), jobs="embed",
+                         help="with embed: keep each vector's first N values (normalized again): for models trained for it (Matryoshka)"),
+    "encoding_format": Param(("float", "base64"), default="float", openai=("encoding_format",), jobs="embed",
+                              help="with embed: how export --format openai writes the vectors (base64: little-endian float32)"),
+    "system": Param(str, low=0, high=1 << 20, flag="--system",
+                     help="a system message for the chat template"),
+    "raw": Param(bool, default=False, flag="--raw",
+                  help="send the prompt as is, without the chat template"),
+    "timeout": Param(float, low=0.001, high=1e7, flag="--timeout", jobs="any",
+                      help="seconds of generation before the job fails with code timeout, keeping its partial text"),
+    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages, what="list of up to {high} {{role, content}}",
+                       help="chat turns [{role, content}] instead of a prompt, through the chat template"),
+    "custom_id": Param(str, low=0, high=512, jobs="any",
+                        help="the caller's name for the job (batch files, export; default line-N)"),
+    "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
+                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower ones in its context until it ends"),
+    "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
+                              help="submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
+    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",), read=("JSON", _read_metadata), check=_check_metadata, what="object, up to {high} bytes as JSON", jobs="any",
+                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON object (a template's record, by default); never read by the daemon"),
+    "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
+                  help="label the jobs (status/wait/export/cancel/retry --tag)"),
+    "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
+                       help="the OpenAI Batch url a job came from: export answers in its shape"),
 }
+# The parameters an embed job may carry (every other one is about generating); those only it may.
+EMBED_PARAMS = frozenset(name for name, param in PARAMS.items() if param.jobs != "generate")
+EMBED_ONLY = tuple(name for name, param in PARAMS.items() if param.jobs == "embed")
+# Flags that set a job parameter to a fixed value: flag -> (parameter, value, help).
+FLAG_SHORTHANDS = {"--json": ("response_format", {"type": "json_object"}, "constrain the output to a JSON object "
+                                                                          "(response_format json_object)")}
+# OpenAI Batch body field -> the job parameter it carries, in table order.
+OPENAI_FIELDS = {field: name for name, param in PARAMS.items() for field in param.openai}
 
-# Why a job failed: the ``code`` in its meta.json (and JobError's), with what it means. `retry
-# --code` accepts these alone, its --help lists them, and the README's table comes from here;
-# a test finds every code literal in this file and checks it is a row.
-FAILURE_CODES = {
-    "cancelled": "`nrvna cancel` (a running job keeps its partial text in `partial.txt`)",
-    "timeout": "it generated for longer than its `timeout` parameter (partial text kept)",
-    "context_overflow": "its prompt does not fit in a sequence's share of the context: `prompt is N tokens; a "
-                        "sequence holds M`; an embed job's text is longer than an embedding may be (`input[i] is "
-                        "N tokens; an embedding takes at most M`)",
-    "unsupported": "the model cannot run this kind of job: a generation job on an embedding model, or an embed "
-                   "job on a model without a pooling type (`NRVNA_POOLING`)",
-    "bad_request": "the job itself is malformed: no or empty `prompt.txt`, invalid UTF-8, a NUL byte, bad "
-                   "`params.json`, a prompt over `NRVNA_MAX_PROMPT_BYTES`, a symlink, FIFO or plain file instead "
-                   "of a job directory or prompt, a chat template that fails on it, a grammar llama.cpp refuses, "
-                   "a `logit_bias` token outside the vocabulary",
-    "grammar_error": "no token of the model's vocabulary can continue the job's grammar, or its next step would "
-                     "take llama.cpp past nrvna's grammar work limits (too ambiguous, or too wide: see Guarantees)",
-    "crash_ceiling": "the daemon died while running it `NRVNA_MAX_ATTEMPTS` times (the killed attempt's "
-                     "`partial.txt` kept)",
-    "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "
-                   "apart)",
-    "runner_error": "the runner raised an unexpected exception (the message names it); the worker lives on",
+
+def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = None) -> Any:
+    """A job's parameter: its own value, else the daemon's setting of that name, else the
+    table's default."""
+    if name in params:
+        return params[name]
+    if config is not None and name in SETTINGS:
+        return getattr(config, name)
+    return PARAMS[name].default
+
+
+def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Check per-job parameters; return them normalized or raise InvalidInput."""
+    if not isinstance(params, dict):
+        raise InvalidInput("params must be a JSON object")
+    clean: dict[str, Any] = {}
+    for key, value in params.items():
+        if key not in PARAMS:
+            raise InvalidInput(f"unknown parameter {key!r} (known: {', '.join(PARAMS)})")
+        if value is not None:
+            clean[key] = PARAMS[key].validate(key, value)
+    if "tag" in clean and not ID_PATTERN.fullmatch(clean["tag"]):
+        raise InvalidInput(f"invalid tag {clean['tag']!r} (letters, digits, '.', '_', '-'; not starting with '.')")
+    if clean.get("idempotency_key") == "":
+        raise InvalidInput("idempotency_key is empty")
+    if "endpoint" in clean and clean["endpoint"] not in ENDPOINTS:
+        raise InvalidInput(f"endpoint must be one of {', '.join(ENDPOINTS)}")
+    if "grammar" in clean:
+        _checked(("grammar", clean["grammar"]), lambda: check_grammar(clean["grammar"]))
+    check_combination(clean)
+    return clean
+
+
+def constraint(params: Mapping[str, Any]) -> Optional[str]:
+    """What constrains a job's output: "json_schema", "json_object", "grammar" or None."""
+    if job_param(params, "grammar") is not None:
+        return "grammar"
+    kind = (job_param(params, "response_format") or {}).get("type")
+    return kind if kind in ("json_schema", "json_object") else None
+
+
+def check_combination(params: Mapping[str, Any]) -> None:
+    """Raise InvalidInput for parameters that cannot go together (also for a batch line
+    merged with the file's defaults)."""
+    kind = (job_param(params, "response_format") or {}).get("type")
+    if job_param(params, "grammar") is not None and kind in ("json_schema", "json_object"):
+        raise InvalidInput("give grammar or response_format, not both")
+    if job_param(params, "stop") and constraint(params):
+        raise InvalidInput("stop cannot be combined with grammar or response_format: the grammar decides "
+                           "where the output ends (a stop string inside a JSON value would cut it short)")
+    if job_param(params, "top_logprobs") is not None and not job_param(params, "logprobs"):
+        raise InvalidInput("top_logprobs needs logprobs: true")
+    if job_param(params, "endpoint") and (job_param(params, "endpoint") == "/v1/embeddings") != bool(job_param(params, "embed")):
+        raise InvalidInput("endpoint /v1/embeddings goes with embed jobs only")
+    if job_param(params, "embed"):
+        for key, value in params.items():
+            if key not in EMBED_PARAMS and value != PARAMS[key].default:
+                raise InvalidInput(f"an embed job takes no {key} (it generates nothing)")
+    else:
+        for key in EMBED_ONLY:
+            if job_param(params, key) != PARAMS[key].default:
+                raise InvalidInput(f"{key} is for embed jobs (give embed: true, or submit --embed)")
+
+
+def check_inputs(texts: Any, limit: int = 2048) -> list[str]:
+    """An embed job's texts: 1 to ``limit`` non-empty strings (OpenAI's limit is 2048)."""
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list) or not 1 <= len(texts) <= limit:
+        raise InvalidInput(f"input must be a string or a list of 1 to {limit} strings")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            kind = "token IDs" if isinstance(text, (int, list)) else "not a string"
+            raise InvalidInput(f"input[{i}] is {kind}: send text (token arrays are not supported)")
+        if not text.strip():
+            raise InvalidInput(f"input[{i}] is empty")
+        _check_text(f"input[{i}]", text)
+    return texts
+
+
+def render_inputs(texts: list[str]) -> str:
+    """An embed job's texts as text a person can read (what prompt.txt holds for a list)."""
+    return "\n\n".join(f"[input {i}]\n{text}" for i, text in enumerate(texts)) + "\n"
+
+
+def render_messages(messages: list[dict[str, str]]) -> str:
+    """Chat turns as text a person can read (what prompt.txt holds for a messages job)."""
+    return "\n\n".join(f"[{turn['role']}]\n{turn['content']}" for turn in messages) + "\n"
+
+
+def check_prompt(prompt: Any, limit: int) -> bytes:
+    """Validate a prompt and return its UTF-8 bytes, or raise InvalidInput."""
+    if isinstance(prompt, bytes):
+        try:
+            prompt = prompt.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InvalidInput(f"prompt is not valid UTF-8 (byte {err.start})") from None
+    if not isinstance(prompt, str):
+        raise InvalidInput("prompt must be a string")
+    try:
+        data = prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput("prompt is not valid Unicode (lone surrogate)") from None
+    if not prompt.strip():
+        raise InvalidInput("prompt is empty")
+    if b"\x00" in data:
+        raise InvalidInput("prompt contains a NUL byte")
+    if len(data) > limit:
+        raise InvalidInput(f"prompt is {len(data)} bytes; the limit is {limit} (NRVNA_MAX_PROMPT_BYTES)")
+    return data
+
+
+class Endpoint(namedtuple("Endpoint", "input raw object id_prefix")):
+    """An OpenAI Batch ``url`` nrvna serves: the body field holding the input (``messages``,
+    ``prompt`` or ``input``: texts to embed), whether the prompt skips the chat template, and
+    the response object."""
+
+    __slots__ = ()
+
+
+# The OpenAI Batch endpoints: what a request line may carry and how export answers it.
+ENDPOINTS: dict[str, Endpoint] = {
+    "/v1/chat/completions": Endpoint("messages", False, "chat.completion", "chatcmpl-"),
+    "/v1/completions": Endpoint("prompt", True, "text_completion", "cmpl-"),
+    "/v1/embeddings": Endpoint("input", False, "list", ""),
 }
-
-
-class NrvnaError(Exception):
-    """Base of every error nrvna raises; ``exit_code`` is what the CLI exits with."""
-
-    exit_code = 1
-
-
-class InvalidInput(NrvnaError):
-    """Bad user input: a prompt, an ID, a parameter, an argument."""
-
-    exit_code = 2
-
-
-class ConfigError(InvalidInput):
-    """An invalid NRVNA_* variable or daemon option."""
-
-
-class NoSuchJob(NrvnaError):
-    """No job with that ID exists in the workspace."""
-
-    exit_code = 3
-
-
-class NotFinished(NrvnaError):
-    """The job is still queued or running (or a wait timed out)."""
-
-    exit_code = 4
-
-
-class KeyHeld(NotFinished):
-    """Another submit, alive, holds the idempotency key and has not published its job yet
-    (NRVNA_KEY_WAIT ran out): nothing was queued."""
-
-
-class WorkspaceError(NrvnaError):
-    """The workspace cannot be used (not a directory, not writable, locked)."""
-
-
-class ModelError(NrvnaError):
-    """The model cannot be found or loaded, or a context cannot be created."""
-
-
-class NotDurable(NrvnaError):
-    """The job was published but the fsync confirming it failed: it may not survive power loss."""
-
-    def __init__(self, job_id: str, cause: OSError) -> None:
-        super().__init__(f"job {job_id} is queued but not confirmed durable: {_os_error(cause)}")
-        self.job_id = job_id
-
-
-class JobError(Exception):
-    """Raised inside a runner to fail one job with a short code (a key of FAILURE_CODES) and a
-    clear message."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class Interrupted(Exception):
-    """Raised by a runner that stopped a job because the daemon is shutting down."""
-
-
-def _os_error(err: OSError) -> str:
-    return err.strerror or str(err) if isinstance(err, OSError) else str(err)
-
-
-##############################################################################
-# Logging: `[time] [LEVEL] [Thread] message`, everything on stderr (stdout carries data only)
-##############################################################################
-
-TRACE = 5
-
-
-class _Log:
-    """The ``nrvna`` logger, imported on first use: client commands never log."""
-
-    def __getattr__(self, name: str) -> Any:
-        import logging
-
-        return getattr(logging.getLogger("nrvna"), name)
-
-    def trace(self, message: str) -> None:
-        """Log at the spec's TRACE level (below DEBUG)."""
-        self.log(TRACE, message)
-
-
-log = _Log()
-
-
-def configure_logging(level: str = "info", stream: Any = None) -> None:
-    """Send nrvna's log to ``stream`` (stderr) as ``[time] [LEVEL] [Thread] message``."""
-    import logging
-
-    logging.addLevelName(TRACE, "TRACE")
-    tags = {logging.ERROR: "ERROR", logging.WARNING: "WARN ", logging.INFO: "INFO ",
-            logging.DEBUG: "DEBUG", TRACE: "TRACE", logging.CRITICAL: "ERROR"}
-
-    class SpecFormatter(logging.Formatter):
-        def format(self, record: logging.LogRecord) -> str:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
-            tag = tags.get(record.levelno, record.levelname[:5].ljust(5))
-            text = f"[{stamp}.{int(record.msecs):03d}] [{tag}] [{record.threadName}] {record.getMessage()}"
-            if record.exc_info and level in ("debug", "trace"):
-                text += "\n" + self.formatException(record.exc_info)
-            return text
-
-    logger = logging.getLogger("nrvna")
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(SpecFormatter())
-    logger.addHandler(handler)
-    logger.propagate = False
-    logger.setLevel({"error": logging.ERROR, "warn": logging.WARNING, "info": logging.INFO,
-                     "debug": logging.DEBUG, "trace": TRACE}[level])
-
-
-##############################################################################
-# File primitives: every file is written whole and fsynced before it counts; renames never replace
-##############################################################################
-
-O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """Write every byte: ``os.write`` may write less than asked without an error."""
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        if written <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        view = view[written:]
-
-
-def write_file(dir_fd: int, name: str, data: bytes, sync: bool = True) -> None:
-    """Write ``name`` inside an open directory: temporary name, fsync, rename into place.
-    (``sync=False``: atomic but not durable, for files rewritten often and worth little.)
-
-    The caller fsyncs the directory once after its last file, which makes the renames durable.
-    Only one thread ever writes into a given job directory, so the temporary name is fixed.
-    """
-    temp = f".{name}.tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_NOFOLLOW | O_CLOEXEC,
-                 FILE_MODE, dir_fd=dir_fd)
-    try:
-        write_all(fd, data)
-        if sync:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        _unlink_quietly(temp, dir_fd)
-        raise
-    os.close(fd)
-    os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-
-
-def _write_new(dir_fd: int, name: str, data: bytes) -> None:
-    """Create ``name`` (it must not exist) and write all of ``data``; no fsync."""
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE, dir_fd=dir_fd)
-    try:
-        write_all(fd, data)
-    finally:
-        os.close(fd)
-
-
-def _exists(dir_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _unlink_quietly(name: str, dir_fd: Optional[int]) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        pass
-
-
-def open_dir(path: str, dir_fd: Optional[int] = None) -> int:
-    """Open a directory without following a symlink in its last component."""
-    return os.open(path, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=dir_fd)
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory so the entries created, renamed or removed in it are durable."""
-    fd = open_dir(path)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_file(dir_fd: int, name: str, limit: int) -> bytes:
-    """Read a regular file in an open directory, refusing symlinks, FIFOs and oversize files."""
-    try:
-        fd = os.open(name, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise JobError("bad_request", f"{name} is a symbolic link; it was not followed") from None
-        if err.errno == errno.EISDIR:
-            raise JobError("bad_request", f"{name} is a directory, not a file") from None
-        raise
-    try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise JobError("bad_request", f"{name} is a directory, not a file")
-        if not stat.S_ISREG(info.st_mode):
-            raise JobError("bad_request", f"{name} is not a regular file")
-        if info.st_size > limit:
-            raise JobError("bad_request", f"{name} is {info.st_size} bytes; the limit is {limit}")
-        chunks = []
-        remaining = limit + 1
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        data = b"".join(chunks)
-        if len(data) > limit:
-            raise JobError("bad_request", f"{name} is over the limit of {limit} bytes")
-        return data
-    finally:
-        os.close(fd)
-
-
-_renameat2: Any = None  # False when the platform has none
-
-
-def move(src: str, dst: str) -> None:
-    """Rename ``src`` to ``dst`` atomically, never replacing anything already at ``dst``.
-
-    Plain ``rename()`` silently replaces an empty directory; ``renameat2(RENAME_NOREPLACE)``
-    refuses with EEXIST. Where the platform lacks it, check first (racy only against a
-    hostile writer of the workspace, which the 0700 layout already excludes).
-    """
-    global _renameat2
-    if _renameat2 is None:
-        _renameat2 = _load_renameat2()
-    if _renameat2:
-        if _renameat2(-100, os.fsencode(src), -100, os.fsencode(dst), 1) == 0:  # AT_FDCWD, NOREPLACE
-            return
-        import ctypes
-
-        code = ctypes.get_errno()
-        if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise OSError(code, os.strerror(code), src, None, dst)
-    if os.path.lexists(dst):
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
-    os.rename(src, dst)
-
-
-def _load_renameat2() -> Any:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        function = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-def _syncfs(path: str) -> None:
-    """Flush every file and directory of the filesystem holding ``path`` in one call:
-    a batch is made durable with one flush instead of several fsyncs per job."""
-    import ctypes
-
-    fd = open_dir(path)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if getattr(libc, "syncfs", None) is None:
-            os.sync()  # no syncfs: flush every filesystem (slower, as safe)
-            return
-        if libc.syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), path)
-    finally:
-        os.close(fd)
-
-
-def _remove_tree(path: str) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 ##############################################################################
 # Workspace and job directories: layout, IDs, states, meta.json, durable moves, the tag index, the lock
 ##############################################################################
+
+def read_priority(job_dir: str) -> int:
+    """A queued job's priority from its params.json (0 when it has none, or cannot be read:
+    its claim will say why). Cheap for the default lane: the JSON is parsed only when the file
+    mentions a priority."""
+    import json
+
+    # The Scanner calls this under the Pool's lock: like the claim, it follows no symlink
+    # and opens no FIFO (a planted params.json FIFO would block every worker).
+    try:
+        dir_fd = open_dir(job_dir)
+    except OSError:
+        return 0
+    try:
+        data = read_file(dir_fd, PARAMS_FILE, params_limit())
+    except (OSError, JobError):
+        return 0
+    finally:
+        os.close(dir_fd)
+    if b'"priority"' not in data:
+        return 0
+    try:
+        value = json.loads(data).get("priority", 0)
+    except (ValueError, RecursionError, AttributeError):
+        return 0
+    lane = PARAMS["priority"]
+    return value if isinstance(value, int) and not isinstance(value, bool) and lane.low <= value <= lane.high else 0
+
 
 # The state directories: a job's place is its state.
 WRITING = os.path.join("input", "writing")
@@ -2297,11 +2334,7 @@ HOOK_RETRY_MAX = 600.0
 LOCK_FILE = ".nrvna.lock"
 # A non-directory found in ready/ is wrapped in a real job dir under this name in failed/.
 QUARANTINED_ENTRY = "entry"
-# Any ID a user may name: hand-made job dirs work, nothing can climb out of the workspace
-# (no '/', and a leading '.' is impossible, so '.' and '..' are excluded too).
-ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 GENERATED_ID = re.compile(r"(\d+)_(\d+)_(\d+)")
-FILE_MODE = 0o600
 DIR_MODE = 0o700
 
 
@@ -2723,26 +2756,6 @@ def _all_jobs(workspace: str) -> list[str]:
     return sorted(set().union(*(_folder_entries(workspace, sub) for sub, _ in STATE_DIRS)), key=order_key)
 
 
-def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
-    """The state of many jobs at once: one listing per state directory, not a lookup per job.
-
-    Directories are listed in lifecycle order, so a job moving forward meanwhile is seen in
-    its newer state; jobs seen nowhere (a requeue raced the listing) are looked up again."""
-    wanted = set(ids)
-    found: dict[str, Status] = {}
-    for sub, status in STATE_DIRS:
-        try:
-            names = os.listdir(os.path.join(workspace, sub))
-        except FileNotFoundError:
-            continue
-        for name in wanted.intersection(names):
-            found[name] = status
-    flow = Flow(workspace)
-    for job_id in wanted - found.keys():
-        found[job_id] = flow.status(job_id)
-    return found
-
-
 def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str]]]) -> None:
     """Record durably that ``rows`` (id, custom_id) carry ``tag``, before they are published."""
     import json
@@ -3029,17 +3042,6 @@ def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, 
         yield name, [(job_id, cid) for job_id, cid in rows]
 
 
-##############################################################################
-# Client: Work submits, Flow reads and waits; cancel, retry, clean, stop
-##############################################################################
-
-class SubmitResult(namedtuple("SubmitResult", "ok id message")):
-    """What ``Work.submit`` returns (``ok: bool, id: str, message: str``): errors are values
-    here, never exceptions."""
-
-    __slots__ = ()
-
-
 class Job(namedtuple("Job", "id status prompt result error meta params logprobs", defaults=(None, None))):
     """A job as read back from the workspace: ``id: str, status: Status`` and
     ``prompt, result, error: str | None`` and ``meta, params: dict`` (params.json: the
@@ -3050,26 +3052,738 @@ class Job(namedtuple("Job", "id status prompt result error meta params logprobs"
     __slots__ = ()
 
 
-def check_prompt(prompt: Any, limit: int) -> bytes:
-    """Validate a prompt and return its UTF-8 bytes, or raise InvalidInput."""
-    if isinstance(prompt, bytes):
+class _DirWatch:
+    """inotify on one directory (Linux, through ctypes): which names were moved or created."""
+
+    IN_CREATE, IN_MOVED_TO, IN_Q_OVERFLOW, IN_ONLYDIR = 0x100, 0x80, 0x4000, 0x01000000
+
+    def __init__(self, path: str) -> None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | O_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1 failed")
+        mask = self.IN_CREATE | self.IN_MOVED_TO | self.IN_ONLYDIR
+        if libc.inotify_add_watch(self.fd, os.fsencode(path), mask) < 0:
+            code = ctypes.get_errno()
+            os.close(self.fd)
+            raise OSError(code, f"inotify_add_watch failed: {os.strerror(code)}")
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def read(self) -> tuple[list[tuple[int, str]], bool]:
+        """Pending events as (mask, name), and whether the kernel dropped some."""
+        import struct
+
+        events, overflow = [], False
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return events, overflow
+            offset = 0
+            while offset < len(data):
+                _wd, mask, _cookie, length = struct.unpack_from("iIII", data, offset)
+                name = data[offset + 16:offset + 16 + length].rstrip(b"\0")
+                offset += 16 + length
+                if mask & self.IN_Q_OVERFLOW:
+                    overflow = True
+                elif name:
+                    events.append((mask, os.fsdecode(name)))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+##############################################################################
+# Batch files and export: nrvna's JSONL lines, OpenAI Batch lines (ENDPOINTS), export formats (EXPORT_FORMATS)
+##############################################################################
+
+BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
+
+
+class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
+    """One job of a batch file: its line number, prompt bytes (what prompt.txt holds) and
+    validated params (``custom_id`` always set)."""
+
+    __slots__ = ()
+
+
+def batch_line_limit() -> int:
+    """The longest line a batch file may have: a job's params.json at its largest
+    (``params_limit``) and its prompt with every character escaped (6 bytes: \\u0001);
+    14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB, 22 MiB by default."""
+    prompt = setting_default("max_prompt_bytes")
+    return params_limit(prompt) + 6 * prompt
+
+
+def read_batch(handle: Any) -> bytearray:
+    """A batch file's bytes from the binary stream ``handle``, a line at a time: a line longer
+    than ``batch_line_limit`` is refused as soon as that much of it is read (a file with no
+    newline, /dev/zero, took gigabytes whole), and a file of more than NRVNA_MAX_BATCH_LINES
+    lines at the line past it (`yes | nrvna submit ws --file -` grew without end): the file is
+    held whole, as every line is checked before any is queued."""
+    limit = batch_line_limit()
+    most = setting_default("max_batch_lines")
+    data = bytearray()
+    number = 0
+    while True:
+        line = handle.readline(limit + 2)  # the line, its newline, and one byte more shows it is over
+        if not line:
+            return data
+        number += 1
+        if number > most:
+            raise InvalidInput(f"line {number}: a batch file holds at most {most:,} lines (NRVNA_MAX_BATCH_LINES): "
+                               "split it")
+        if len(line) - line.endswith(b"\n") > limit:
+            raise InvalidInput(f"line {number}: over {limit} bytes, a batch line's limit "
+                               "(14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)")
+        data += line
+
+
+def parse_batch(data: bytes, jsonl: Optional[bool] = None, notes: Optional[list[str]] = None) -> list[BatchEntry]:
+    """Parse and validate a whole batch file; raise InvalidInput naming the first bad line.
+
+    JSONL (``jsonl`` True, or None and every non-empty line a JSON object): nrvna's lines
+    ``{"prompt"|"messages", "custom_id"?, params...}`` or OpenAI Batch request lines. Otherwise
+    one prompt per non-empty line. A line without a custom_id gets ``line-N``.
+    """
+    import json
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise InvalidInput(f"line {line}: not valid UTF-8") from None
+    lines = [(n, raw) for n, raw in enumerate(text.split("\n"), 1) if raw.strip()]
+    if not lines:
+        raise InvalidInput("the file has no prompts")
+    if jsonl is None:
+        jsonl = all(raw.lstrip().startswith("{") for _, raw in lines) and _all_objects(lines)
+    limit = setting_default("max_prompt_bytes")
+    entries, seen = [], {}
+    for n, raw in lines:
         try:
-            prompt = prompt.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise InvalidInput(f"prompt is not valid UTF-8 (byte {err.start})") from None
+            if jsonl:
+                try:
+                    obj = json.loads(raw)
+                except ValueError as err:
+                    raise InvalidInput(f"invalid JSON ({err.msg} at column {err.colno})") from None
+                except RecursionError:
+                    raise InvalidInput("JSON nested too deeply") from None
+                prompt, params = _batch_line(obj, notes)
+            else:
+                prompt, params = raw.rstrip("\r"), {}
+            params.setdefault("custom_id", f"line-{n}")
+            params = validate_params(params)
+            data_bytes = check_prompt(prompt, limit)
+        except InvalidInput as err:
+            raise InvalidInput(f"line {n}: {err}") from None
+        cid = job_param(params, "custom_id")
+        if cid in seen:
+            raise InvalidInput(f"line {n}: duplicate custom_id {cid!r} (first on line {seen[cid]})")
+        seen[cid] = n
+        entries.append(BatchEntry(n, data_bytes, params))
+    return entries
+
+
+def compile_template(text: str) -> list[tuple[str, Optional[str]]]:
+    """A template as (literal text, field name or None) parts: ``{name}`` is a record's field,
+    ``{{`` and ``}}`` are literal braces. Raise InvalidInput for a brace that is neither."""
+    parts: list[tuple[str, Optional[str]]] = []
+    literal: list[str] = []
+    i = 0
+    while i < len(text):
+        char = text[i]
+        if char in "{}" and text[i + 1:i + 2] == char:
+            literal.append(char)
+            i += 2
+        elif char == "}":
+            raise InvalidInput(f"template: a lone '}}' at character {i + 1} (write '}}}}' for a brace)")
+        elif char == "{":
+            end = text.find("}", i + 1)
+            name = text[i + 1:end] if end > 0 else ""
+            if end < 0 or not name.strip() or "{" in name:
+                raise InvalidInput(f"template: '{{' at character {i + 1} opens no {{field}} (write '{{{{' for a brace)")
+            parts.append(("".join(literal), name))
+            literal = []
+            i = end + 1
+        else:
+            literal.append(char)
+            i += 1
+    if not parts:
+        raise InvalidInput("template: it names no {field}, so every job would be the same")
+    parts.append(("".join(literal), None))
+    return parts
+
+
+def fill_template(parts: list[tuple[str, Optional[str]]], record: Mapping[str, Any]) -> str:
+    """A record's prompt: strings as they are, any other JSON value as JSON. Raise KeyError
+    naming the first field the record lacks."""
+    import json
+
+    out = []
+    for literal, name in parts:
+        out.append(literal)
+        if name is not None:
+            value = record[name]
+            out.append(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+    return "".join(out)
+
+
+def parse_records(data: bytes, template: str, id_field: Optional[str] = None,
+                  csv: Optional[bool] = None) -> list[BatchEntry]:
+    """A data file as jobs: each record (a JSONL object, or a CSV row under its header row)
+    fills ``template`` and keeps its fields, but ``id_field``, as the job's ``metadata``;
+    ``custom_id`` is the ``id_field`` value, else ``line-N``. ``csv`` None: CSV unless the
+    first non-empty line is a JSON object. Raise InvalidInput naming the line (and field)."""
+    import json
+
+    parts = compile_template(template)
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise InvalidInput(f"line {line}: not valid UTF-8") from None
+    if csv is None:
+        csv = not text.lstrip().startswith("{")
+    records = _csv_records(text) if csv else _jsonl_records(text, json)
+    limit = setting_default("max_prompt_bytes")
+    entries, seen = [], {}
+    for n, record in records:
+        try:
+            cid = f"line-{n}"
+            if id_field is not None:
+                value = record.get(id_field)
+                if value is None or isinstance(value, (dict, list, bool)) or value == "":
+                    raise InvalidInput(f"no usable id field {id_field!r} (a string or a number; --id-field)")
+                cid = value if isinstance(value, str) else json.dumps(value)
+            try:
+                prompt = fill_template(parts, record)
+            except KeyError as err:
+                fields = ", ".join(record) or "none"
+                raise InvalidInput(f"no field {err.args[0]!r}, which the template needs (the record has: {fields})") from None
+            params = validate_params({"custom_id": cid, "metadata": {k: v for k, v in record.items() if k != id_field}})
+            prompt_bytes = check_prompt(prompt, limit)
+        except InvalidInput as err:
+            raise InvalidInput(f"line {n}: {err}") from None
+        if cid in seen:
+            raise InvalidInput(f"line {n}: duplicate custom_id {cid!r} (first on line {seen[cid]})")
+        seen[cid] = n
+        entries.append(BatchEntry(n, prompt_bytes, params))
+    if not entries:
+        raise InvalidInput("the file has no records")
+    return entries
+
+
+def _jsonl_records(text: str, json: Any) -> Iterator[tuple[int, dict[str, Any]]]:
+    for n, raw in enumerate(text.split("\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (ValueError, RecursionError) as err:
+            raise InvalidInput(f"line {n}: invalid JSON ({getattr(err, 'msg', err)})") from None
+        if not isinstance(record, dict):
+            raise InvalidInput(f"line {n}: a record must be a JSON object")
+        yield n, record
+
+
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
+
+
+def _csv_value(cell: str) -> Any:
+    """A CSV cell as a record's value: a number when the cell is exactly how JSON writes that
+    number (``5``, ``-2``, ``4.5``), so that ``"stars": 5`` comes back a number in metadata as
+    it would from JSONL; else the string. Lossless: the prompt and custom_id read the same
+    text. ``007``, ``1e3``, ``4.50`` and integers past 2**53 (which JSON readers in
+    JavaScript round) stay strings."""
+    if not _JSON_NUMBER.fullmatch(cell):
+        return cell
+    if "." not in cell:
+        number = int(cell)
+        return number if abs(number) <= 1 << 53 and str(number) == cell else cell  # "-0" stays "-0"
+    value = float(cell)
+    return value if repr(value) == cell else cell
+
+
+def _csv_records(text: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    import csv
+
+    reader = csv.reader(text.splitlines(keepends=True), strict=True)
+    header: Optional[list[str]] = None
+    line = 0
+    try:
+        for row in reader:
+            start, line = line + 1, reader.line_num
+            if not any(cell.strip() for cell in row):
+                continue
+            if header is None:
+                header = row
+                twice = sorted({name for name in row if row.count(name) > 1})
+                if twice:
+                    raise InvalidInput(f"line {start}: the header row names the column {twice[0]!r} twice")
+                if "" in row:
+                    raise InvalidInput(f"line {start}: the header row has an empty name")
+                continue
+            if len(row) != len(header):
+                raise InvalidInput(f"line {start}: {len(row)} cells; the header row has {len(header)}")
+            yield start, {name: _csv_value(cell) for name, cell in zip(header, row)}
+    except csv.Error as err:
+        raise InvalidInput(f"line {reader.line_num}: not valid CSV ({err})") from None
+    if header is None:
+        raise InvalidInput("the file has no header row")
+
+
+def _all_objects(lines: list[tuple[int, str]]) -> bool:
+    import json
+
+    try:
+        return all(isinstance(json.loads(raw), dict) for _, raw in lines)
+    except (ValueError, RecursionError):
+        return False
+
+
+def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
+    """(prompt text, params) of one JSONL line, in nrvna's form or OpenAI's."""
+    if not isinstance(obj, dict):
+        raise InvalidInput("expected a JSON object")
+    if {"method", "url", "body"} & set(obj):
+        return _openai_line(obj, notes)
+    params = dict(obj)
+    for key in params:
+        if key in PARAMS and not PARAMS[key].jsonl:
+            raise InvalidInput(f"unknown field {key!r} (tags are given with --tag)")
+    embed = job_param(params, "embed")
+    if "embed" in params and not isinstance(embed, (bool, str, list)):
+        raise InvalidInput("embed must be a text, a list of texts, or true (with input or prompt)")
+    if embed is True and not {"input", "prompt", "messages"} & set(params):
+        raise InvalidInput("embed: true needs the texts to embed: give input or prompt (or the texts as embed)")
+    if isinstance(embed, (str, list)) or (embed is True and "input" in params):
+        # {"embed": "text" | ["text", ...]} (or {"embed": true, "input": [...]}): texts to embed
+        if {"prompt", "messages"} & set(params) or (embed is not True and "input" in params):
+            raise InvalidInput("give the texts to embed once: in embed, or as input with embed: true")
+        params["embed"] = True
+        return _embed_input(check_inputs(params.pop("input", embed), PARAMS["input"].high), params)
+    prompt, messages = params.pop("prompt", None), job_param(params, "messages")
+    if (prompt is None) == (messages is None):
+        raise InvalidInput("give exactly one of prompt or messages")
+    if messages is not None:
+        params["messages"] = _check_messages(messages, PARAMS["messages"])
+        return render_messages(job_param(params, "messages")), params
     if not isinstance(prompt, str):
         raise InvalidInput("prompt must be a string")
+    return prompt, params
+
+
+def _embed_input(texts: list[str], params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(prompt text, params) of an embed job: one text is the prompt itself; several are
+    params' ``input``, and the prompt is their rendering."""
+    if len(texts) == 1:
+        return texts[0], params
+    params["input"] = texts
+    return render_inputs(texts), params
+
+
+# OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
+OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "model": "ignored (the daemon's model answers)",
+                     "n": "must be 1", "stream": "must be false"}
+# OpenAI body fields refused with a reason (any other unknown field is refused by name).
+OPENAI_BODY_REFUSED = {field: "tool calls are not supported by nrvna" for field in
+                       ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")}
+
+
+def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
+    unknown = set(obj) - {"custom_id", "method", "url", "body"}
+    if unknown:
+        raise InvalidInput(f"unknown field {sorted(unknown)[0]!r} in an OpenAI Batch line")
+    if obj.get("method", "POST") != "POST":
+        raise InvalidInput("method must be POST")
+    url, body = obj.get("url"), obj.get("body")
+    if url not in ENDPOINTS:
+        raise InvalidInput(f"url {url!r} is not supported (use {' or '.join(ENDPOINTS)})")
+    if not isinstance(body, dict):
+        raise InvalidInput("body must be a JSON object")
+    if "custom_id" not in obj:
+        raise InvalidInput("an OpenAI Batch line needs a custom_id")
+    for key in body:
+        if key in OPENAI_BODY_REFUSED:
+            raise InvalidInput(f"body field {key!r}: {OPENAI_BODY_REFUSED[key]}")
+        if key not in OPENAI_FIELDS and key not in OPENAI_BODY_EXTRA:
+            raise InvalidInput(f"body field {key!r} is not supported by nrvna")
+    if body.get("n", 1) != 1:
+        raise InvalidInput("body field 'n' must be 1")
+    if body.get("stream", False) is not False:
+        raise InvalidInput("body field 'stream' must be false")
+    if "model" in body and notes is not None and not notes:
+        notes.append(f"body.model ({body['model']!r}) is ignored: the daemon's model answers")
+    endpoint = ENDPOINTS[url]
+    params: dict[str, Any] = {"custom_id": obj["custom_id"], "endpoint": url}
+    if endpoint.input == "input":  # /v1/embeddings
+        if {"prompt", "messages"} & set(body) or "input" not in body:
+            raise InvalidInput(f"a {url} body needs input (a string or a list of strings), and no prompt or messages")
+        params["embed"] = True
+        for field, name in OPENAI_FIELDS.items():
+            if field in body and field != "input":
+                params[name] = body[field]
+        return _embed_input(check_inputs(body["input"], PARAMS["input"].high), params)
+    for field, name in OPENAI_FIELDS.items():  # in table order: max_completion_tokens wins over max_tokens
+        if field in body and field != endpoint.input:
+            value = body[field]
+            params[name] = [value] if name == "stop" and isinstance(value, str) else value  # OpenAI's stop may be one string
+    if endpoint.input == "prompt":
+        # The legacy completions API's logprobs is a count: how many of the likeliest tokens.
+        count = body.get("logprobs")
+        if "top_logprobs" in body:
+            raise InvalidInput(f"body field 'top_logprobs' is not a {url} field (its logprobs is a count)")
+        if count is None or count is False:
+            params.pop("logprobs", None)
+        elif isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= 5:
+            raise InvalidInput(f"body field 'logprobs' of {url} must be an integer from 0 to 5")
+        else:
+            params.update(logprobs=True, top_logprobs=count)
+        if "messages" in body or not isinstance(body.get("prompt"), str):
+            raise InvalidInput(f"a {url} body needs a string prompt")
+        params["raw"] = endpoint.raw
+        return body["prompt"], params
+    if "prompt" in body or "messages" not in body:
+        raise InvalidInput(f"a {url} body needs messages")
+    params["messages"] = _check_messages(body["messages"], PARAMS["messages"])
+    return render_messages(job_param(params, "messages")), params
+
+
+def job_vectors(job: Job) -> list[list[float]]:
+    """A done embed job's vectors, one per text, from its result (one JSON array per line).
+    Raise NotFinished for a queued or running job (``Flow.wait`` first), NrvnaError for a
+    failed one, InvalidInput for a job that is not an embed job: never a complaint about
+    result.txt, which such a job does not yet (or ever) hold vectors in."""
+    import json
+
+    if not job.status.finished:
+        raise NotFinished(f"job {job.id} is {job.status.value}, not finished: its vectors come when it is done "
+                          "(wait for it first: Flow.wait, nrvna wait)")
+    if job.status is Status.Failed:
+        reason = (job.error or "").strip().splitlines()
+        raise NrvnaError(f"job {job.id} failed, so it has no vectors" + (f": {reason[0]}" if reason else ""))
+    if not (job.params or {}).get("embed"):
+        raise InvalidInput(f"job {job.id} is not an embed job: it has text, not vectors")
     try:
-        data = prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidInput("prompt is not valid Unicode (lone surrogate)") from None
-    if not prompt.strip():
-        raise InvalidInput("prompt is empty")
-    if b"\x00" in data:
-        raise InvalidInput("prompt contains a NUL byte")
-    if len(data) > limit:
-        raise InvalidInput(f"prompt is {len(data)} bytes; the limit is {limit} (NRVNA_MAX_PROMPT_BYTES)")
-    return data
+        vectors = [json.loads(line) for line in (job.result or "").splitlines() if line.strip()]
+    except ValueError:
+        vectors = None
+    if not vectors or not all(isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)
+                              for v in vectors):
+        raise WorkspaceError(f"job {job.id}: result.txt does not hold its vectors (one JSON array of numbers per line)")
+    return vectors
+
+
+def _float32_bytes(vector: list[float]) -> bytes:
+    """A vector as little-endian float32 (OpenAI's base64 embeddings, export --format f32)."""
+    import array
+
+    row = array.array("f", vector)
+    if sys.byteorder == "big":
+        row.byteswap()
+    return row.tobytes()
+
+
+def _jsonl_record(job: Job) -> dict[str, Any]:
+    params = job.params or {}
+    embedded = job.status is Status.Done and job_param(params, "embed")
+    record = {"id": job.id, "custom_id": job_param(params, "custom_id"), "status": job.status.value,
+              "prompt": job.prompt, "result": None if embedded else job.result,
+              "error": job.error.rstrip("\n") if job.error else None, "meta": job.meta}
+    if embedded:
+        record["embeddings"] = job_vectors(job)
+    if job.logprobs is not None:
+        record["logprobs"] = job.logprobs
+    if job_param(params, "metadata") is not None:
+        record["metadata"] = job_param(params, "metadata")
+    return record
+
+
+def _embeddings_body(job: Job) -> dict[str, Any]:
+    """Exactly OpenAI's embeddings response body."""
+    import base64
+
+    tokens = int(job.meta.get("prompt_tokens") or 0)
+    as_text = (job.params or {}).get("encoding_format") == "base64"
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(_float32_bytes(vector)).decode("ascii") if as_text else vector}
+            for i, vector in enumerate(job_vectors(job))]
+    return {"object": "list", "data": data, "model": job.meta.get("model"),
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def _openai_record(job: Job) -> dict[str, Any]:
+    meta, params = job.meta, job.params or {}
+    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": job_param(params, "custom_id")}
+    if job.status is not Status.Done:
+        line["response"] = None
+        line["error"] = {"code": meta.get("code") or "failed", "message": (job.error or "").rstrip("\n")}
+        return line
+    if job_param(params, "embed"):
+        line["response"] = {"status_code": 200, "request_id": job.id, "body": _embeddings_body(job)}
+        line["error"] = None
+        return line
+    prompt_tokens, completion_tokens = int(meta.get("prompt_tokens") or 0), int(meta.get("generated_tokens") or 0)
+    finish_reason = meta.get("finish_reason") if meta.get("finish_reason") in ("stop", "length") else "stop"
+    endpoint = ENDPOINTS[job_param(params, "endpoint") or "/v1/chat/completions"]
+    if endpoint.input == "prompt":
+        choice = {"text": job.result, "index": 0, "logprobs": _legacy_logprobs(job.logprobs, job.prompt or ""),
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": job.result, "refusal": None},
+                  "logprobs": None if job.logprobs is None else {"content": job.logprobs, "refusal": None},
+                  "finish_reason": finish_reason}
+    body = {"id": f"{endpoint.id_prefix}{job.id}", "object": endpoint.object,
+            "created": int(meta.get("finished") or time.time()), "model": meta.get("model"), "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+            "system_fingerprint": None}
+    line["response"] = {"status_code": 200, "request_id": job.id, "body": body}
+    line["error"] = None
+    return line
+
+
+def _legacy_logprobs(content: Optional[list[dict[str, Any]]], prompt: str) -> Optional[dict[str, Any]]:
+    """Log-probabilities in the shape of OpenAI's legacy completions (text_completion): each
+    token's character offset counts from the prompt's start, as OpenAI's do, and its
+    top_logprobs always hold the sampled token."""
+    if content is None:
+        return None
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a character split over tokens counts once
+    offsets, offset, tops = [], len(prompt), []
+    try:
+        for entry in content:
+            offsets.append(offset)
+            offset += len(decoder.decode(bytes(entry["bytes"])))
+            top = {t["token"]: t["logprob"] for t in entry["top_logprobs"]}
+            top.setdefault(entry["token"], entry["logprob"])
+            tops.append(top)
+        return {"tokens": [e["token"] for e in content], "token_logprobs": [e["logprob"] for e in content],
+                "top_logprobs": tops, "text_offset": offsets}
+    except (KeyError, TypeError, ValueError):  # a hand-made logprobs.json: exported without them
+        return None
+
+
+def _text_line(job: Job) -> str:
+    text = job.result if job.status is Status.Done else f"[failed: {(job.error or '').strip()}]"
+    return text.rstrip("\n") + "\n\n"
+
+
+def _json_line(record: Callable[[Job], dict[str, Any]]) -> Callable[[Job], str]:
+    import json
+
+    return lambda job: json.dumps(record(job), ensure_ascii=False) + "\n"
+
+
+def _f32_rows(job: Job) -> bytes:
+    if not (job.params or {}).get("embed"):
+        raise InvalidInput(f"job {job.id} is not an embed job: --format f32 exports embed jobs' vectors only")
+    vectors = job_vectors(job)
+    widths = sorted({len(vector) for vector in vectors})
+    if len(widths) > 1:  # a daemon writes one width a job; a hand-made result may not
+        raise WorkspaceError(f"job {job.id}: result.txt holds vectors of {widths[0]} and {widths[-1]} floats")
+    return b"".join(_float32_bytes(vector) for vector in vectors)
+
+
+def _f32_ids(job: Job) -> str:
+    custom_id = (job.params or {}).get("custom_id") or ""
+    return "".join(f"{job.id}\t{custom_id}\t{i}\n" for i in range(len(job_vectors(job))))
+
+
+class ExportFormat(namedtuple("ExportFormat", "record line help side", defaults=(None,))):
+    """An export format: the job as a JSON record (None for plain text), the job as what is
+    written (bytes for a binary format), its help, and for a binary format the lines of its
+    side file (``FILE.ids``: what each row is)."""
+
+    __slots__ = ()
+
+
+# `export --format`: the choices, their help and the writers all come from here.
+EXPORT_FORMATS: dict[str, ExportFormat] = {
+    "jsonl": ExportFormat(_jsonl_record, _json_line(_jsonl_record),
+                          'nrvna\'s record: {"id", "custom_id", "status", "prompt", "result", "error", "meta"}'),
+    "openai": ExportFormat(_openai_record, _json_line(_openai_record),
+                           "exactly an OpenAI Batch output line (a chat.completion or text_completion body)"),
+    "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line"),
+    "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
+                        "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
+                        "custom_id and input index, tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
+}
+
+
+def export_record(job: Job, form: str) -> dict[str, Any]:
+    """One finished job as an export record: nrvna's ``jsonl`` record, or exactly an OpenAI
+    Batch output line (``openai``)."""
+    record = EXPORT_FORMATS[form].record if form in EXPORT_FORMATS else None
+    if record is None:
+        raise InvalidInput(f"export format {form!r} has no JSON record (JSON formats: "
+                           f"{', '.join(k for k, v in EXPORT_FORMATS.items() if v.record)})")
+    return record(job)
+
+
+class _ExportTarget:
+    """Where an export's lines go (``-o FILE``, ``--errors FILE``), as a policy:
+
+    - ``-`` is standard output;
+    - an existing FIFO, character device (a terminal, /dev/null) or socket, and any path
+      under /dev/ or /proc/ (``/dev/stdout`` may be a file the shell opened), is written
+      through: opened for appending and written as it is, not atomically;
+    - anything else is written whole or not at all: a temporary file of its own beside the
+      real target (a symlink's target is replaced, never the link), fsynced, renamed over the
+      target, the directory fsynced; the temporary file goes on every failure path;
+    - an empty path, a directory and any path inside an nrvna workspace are refused: an
+      export must never replace a job, the queue or the workspace lock.
+    """
+
+    def __init__(self, path: Any, binary: bool = False) -> None:
+        path = os.fspath(path)
+        self.temp: Optional[str] = None
+        suffix, encoding = ("b", None) if binary else ("", "utf-8")
+        if path == "-":
+            self.handle, self.path, self.through = (sys.stdout.buffer if binary else sys.stdout), "-", True
+            return
+        if not path:
+            raise InvalidInput("an output path is empty (use - for standard output)")
+        self.path = os.path.realpath(path)
+        workspace = _workspace_of(self.path)
+        if workspace is not None:
+            raise InvalidInput(f"{path} is inside the nrvna workspace {workspace}; write exports outside it")
+        try:
+            mode: Optional[int] = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and stat.S_ISDIR(mode):
+            raise InvalidInput(f"{path} is a directory")
+        self.through = _written_through(path)
+        if self.through:
+            self.handle = open(path, "a" + suffix, encoding=encoding)
+            return
+        folder, name = os.path.split(self.path)
+        for _ in range(100):
+            temp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+            try:  # 0666 less the umask, as any new file; an existing target keeps its mode
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o666)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise WorkspaceError(f"cannot find a free temporary name beside {path}")
+        self.temp = temp
+        try:
+            if mode is not None:
+                os.fchmod(fd, stat.S_IMODE(mode))
+            self.handle = open(fd, "w" + suffix, encoding=encoding, closefd=True)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(temp, None)
+            raise
+
+    def write(self, text: Any) -> None:
+        """Append ``text`` (bytes for a binary output)."""
+        try:
+            self.handle.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        if self.path == "-":
+            raise BrokenPipeError  # `nrvna export ... | head`: main() exits quietly
+        raise WorkspaceError(f"{self.path}: its reader went away (broken pipe); the export is incomplete") from None
+
+    def commit(self) -> None:
+        """Make the file whole (durable, under its final name) or flush the stream."""
+        if self.temp is None:
+            try:
+                self.handle.flush()
+                if self.path != "-":
+                    self.handle.close()
+            except BrokenPipeError:
+                self._reader_gone()
+            return
+        self.handle.flush()
+        try:
+            os.fsync(self.handle.fileno())
+            self.handle.close()
+            os.rename(self.temp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        self.temp = None
+        fsync_dir(os.path.dirname(self.path))
+
+    def abort(self) -> None:
+        """Drop the temporary file (the target is untouched); nothing after a commit."""
+        if self.path != "-" and not self.handle.closed:
+            try:
+                self.handle.close()  # flushes what is buffered, which may fail again
+            except OSError:
+                pass
+        if self.temp is not None:
+            _unlink_quietly(self.temp, None)
+            self.temp = None
+
+
+def _written_through(path: str) -> bool:
+    """Whether an export writes through ``path`` (an existing FIFO, device or socket, anything
+    under /dev/ or /proc/) rather than replacing a regular file there. /dev/stdout and its
+    kind name an open descriptor, which may be a file the shell opened: written through,
+    appending, never replaced."""
+    try:
+        mode: Optional[int] = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    return (mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)) or (
+        os.path.abspath(path).startswith("/dev/") or os.path.realpath(path).startswith("/proc/"))
+
+
+def _workspace_of(path: str) -> Optional[str]:
+    """The nrvna workspace holding ``path`` (an absolute, resolved path), if any: the
+    nearest directory at or above it with the queue's layout or a lock file."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    while True:
+        if os.path.lexists(os.path.join(folder, LOCK_FILE)) or (
+                os.path.isdir(os.path.join(folder, READY)) and os.path.isdir(os.path.join(folder, PROCESSING))):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+
+
+##############################################################################
+# Client: Work submits, Flow reads and waits; cancel, retry, clean, stop
+##############################################################################
+
+def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
+    """The state of many jobs at once: one listing per state directory, not a lookup per job.
+
+    Directories are listed in lifecycle order, so a job moving forward meanwhile is seen in
+    its newer state; jobs seen nowhere (a requeue raced the listing) are looked up again."""
+    wanted = set(ids)
+    found: dict[str, Status] = {}
+    for sub, status in STATE_DIRS:
+        try:
+            names = os.listdir(os.path.join(workspace, sub))
+        except FileNotFoundError:
+            continue
+        for name in wanted.intersection(names):
+            found[name] = status
+    flow = Flow(workspace)
+    for job_id in wanted - found.keys():
+        found[job_id] = flow.status(job_id)
+    return found
+
+
+class SubmitResult(namedtuple("SubmitResult", "ok id message")):
+    """What ``Work.submit`` returns (``ok: bool, id: str, message: str``): errors are values
+    here, never exceptions."""
+
+    __slots__ = ()
 
 
 class Work:
@@ -3297,7 +4011,7 @@ class Work:
             members = tag_members(self.workspace, tag)
             states = bulk_states(self.workspace, [job_id for job_id, _ in members])
             existing = {cid: job_id for job_id, cid in members if cid is not None and states[job_id] is not Status.Missing}
-        ids: list[Optional[str]] = [existing.get(e.params["custom_id"]) for e in entries]
+        ids: list[Optional[str]] = [existing.get(job_param(e.params, "custom_id")) for e in entries]
         keyed = 0
         for i, entry in enumerate(entries):
             key = job_param(entry.params, "idempotency_key")
@@ -4142,678 +4856,6 @@ def _running_daemon(workspace: str) -> int:
 
 
 ##############################################################################
-# Batch files and export: nrvna's JSONL lines, OpenAI Batch lines (ENDPOINTS), export formats (EXPORT_FORMATS)
-##############################################################################
-
-BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
-
-
-class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
-    """One job of a batch file: its line number, prompt bytes (what prompt.txt holds) and
-    validated params (``custom_id`` always set)."""
-
-    __slots__ = ()
-
-
-def batch_line_limit() -> int:
-    """The longest line a batch file may have: a job's params.json at its largest
-    (``params_limit``) and its prompt with every character escaped (6 bytes: \\u0001);
-    14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB, 22 MiB by default."""
-    prompt = setting_default("max_prompt_bytes")
-    return params_limit(prompt) + 6 * prompt
-
-
-def read_batch(handle: Any) -> bytearray:
-    """A batch file's bytes from the binary stream ``handle``, a line at a time: a line longer
-    than ``batch_line_limit`` is refused as soon as that much of it is read (a file with no
-    newline, /dev/zero, took gigabytes whole), and a file of more than NRVNA_MAX_BATCH_LINES
-    lines at the line past it (`yes | nrvna submit ws --file -` grew without end): the file is
-    held whole, as every line is checked before any is queued."""
-    limit = batch_line_limit()
-    most = setting_default("max_batch_lines")
-    data = bytearray()
-    number = 0
-    while True:
-        line = handle.readline(limit + 2)  # the line, its newline, and one byte more shows it is over
-        if not line:
-            return data
-        number += 1
-        if number > most:
-            raise InvalidInput(f"line {number}: a batch file holds at most {most:,} lines (NRVNA_MAX_BATCH_LINES): "
-                               "split it")
-        if len(line) - line.endswith(b"\n") > limit:
-            raise InvalidInput(f"line {number}: over {limit} bytes, a batch line's limit "
-                               "(14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)")
-        data += line
-
-
-def parse_batch(data: bytes, jsonl: Optional[bool] = None, notes: Optional[list[str]] = None) -> list[BatchEntry]:
-    """Parse and validate a whole batch file; raise InvalidInput naming the first bad line.
-
-    JSONL (``jsonl`` True, or None and every non-empty line a JSON object): nrvna's lines
-    ``{"prompt"|"messages", "custom_id"?, params...}`` or OpenAI Batch request lines. Otherwise
-    one prompt per non-empty line. A line without a custom_id gets ``line-N``.
-    """
-    import json
-
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data[:err.start].count(b"\n") + 1
-        raise InvalidInput(f"line {line}: not valid UTF-8") from None
-    lines = [(n, raw) for n, raw in enumerate(text.split("\n"), 1) if raw.strip()]
-    if not lines:
-        raise InvalidInput("the file has no prompts")
-    if jsonl is None:
-        jsonl = all(raw.lstrip().startswith("{") for _, raw in lines) and _all_objects(lines)
-    limit = setting_default("max_prompt_bytes")
-    entries, seen = [], {}
-    for n, raw in lines:
-        try:
-            if jsonl:
-                try:
-                    obj = json.loads(raw)
-                except ValueError as err:
-                    raise InvalidInput(f"invalid JSON ({err.msg} at column {err.colno})") from None
-                except RecursionError:
-                    raise InvalidInput("JSON nested too deeply") from None
-                prompt, params = _batch_line(obj, notes)
-            else:
-                prompt, params = raw.rstrip("\r"), {}
-            params.setdefault("custom_id", f"line-{n}")
-            params = validate_params(params)
-            data_bytes = check_prompt(prompt, limit)
-        except InvalidInput as err:
-            raise InvalidInput(f"line {n}: {err}") from None
-        cid = params["custom_id"]
-        if cid in seen:
-            raise InvalidInput(f"line {n}: duplicate custom_id {cid!r} (first on line {seen[cid]})")
-        seen[cid] = n
-        entries.append(BatchEntry(n, data_bytes, params))
-    return entries
-
-
-def compile_template(text: str) -> list[tuple[str, Optional[str]]]:
-    """A template as (literal text, field name or None) parts: ``{name}`` is a record's field,
-    ``{{`` and ``}}`` are literal braces. Raise InvalidInput for a brace that is neither."""
-    parts: list[tuple[str, Optional[str]]] = []
-    literal: list[str] = []
-    i = 0
-    while i < len(text):
-        char = text[i]
-        if char in "{}" and text[i + 1:i + 2] == char:
-            literal.append(char)
-            i += 2
-        elif char == "}":
-            raise InvalidInput(f"template: a lone '}}' at character {i + 1} (write '}}}}' for a brace)")
-        elif char == "{":
-            end = text.find("}", i + 1)
-            name = text[i + 1:end] if end > 0 else ""
-            if end < 0 or not name.strip() or "{" in name:
-                raise InvalidInput(f"template: '{{' at character {i + 1} opens no {{field}} (write '{{{{' for a brace)")
-            parts.append(("".join(literal), name))
-            literal = []
-            i = end + 1
-        else:
-            literal.append(char)
-            i += 1
-    if not parts:
-        raise InvalidInput("template: it names no {field}, so every job would be the same")
-    parts.append(("".join(literal), None))
-    return parts
-
-
-def fill_template(parts: list[tuple[str, Optional[str]]], record: Mapping[str, Any]) -> str:
-    """A record's prompt: strings as they are, any other JSON value as JSON. Raise KeyError
-    naming the first field the record lacks."""
-    import json
-
-    out = []
-    for literal, name in parts:
-        out.append(literal)
-        if name is not None:
-            value = record[name]
-            out.append(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
-    return "".join(out)
-
-
-def parse_records(data: bytes, template: str, id_field: Optional[str] = None,
-                  csv: Optional[bool] = None) -> list[BatchEntry]:
-    """A data file as jobs: each record (a JSONL object, or a CSV row under its header row)
-    fills ``template`` and keeps its fields, but ``id_field``, as the job's ``metadata``;
-    ``custom_id`` is the ``id_field`` value, else ``line-N``. ``csv`` None: CSV unless the
-    first non-empty line is a JSON object. Raise InvalidInput naming the line (and field)."""
-    import json
-
-    parts = compile_template(template)
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        line = data[:err.start].count(b"\n") + 1
-        raise InvalidInput(f"line {line}: not valid UTF-8") from None
-    if csv is None:
-        csv = not text.lstrip().startswith("{")
-    records = _csv_records(text) if csv else _jsonl_records(text, json)
-    limit = setting_default("max_prompt_bytes")
-    entries, seen = [], {}
-    for n, record in records:
-        try:
-            cid = f"line-{n}"
-            if id_field is not None:
-                value = record.get(id_field)
-                if value is None or isinstance(value, (dict, list, bool)) or value == "":
-                    raise InvalidInput(f"no usable id field {id_field!r} (a string or a number; --id-field)")
-                cid = value if isinstance(value, str) else json.dumps(value)
-            try:
-                prompt = fill_template(parts, record)
-            except KeyError as err:
-                fields = ", ".join(record) or "none"
-                raise InvalidInput(f"no field {err.args[0]!r}, which the template needs (the record has: {fields})") from None
-            params = validate_params({"custom_id": cid, "metadata": {k: v for k, v in record.items() if k != id_field}})
-            prompt_bytes = check_prompt(prompt, limit)
-        except InvalidInput as err:
-            raise InvalidInput(f"line {n}: {err}") from None
-        if cid in seen:
-            raise InvalidInput(f"line {n}: duplicate custom_id {cid!r} (first on line {seen[cid]})")
-        seen[cid] = n
-        entries.append(BatchEntry(n, prompt_bytes, params))
-    if not entries:
-        raise InvalidInput("the file has no records")
-    return entries
-
-
-def _jsonl_records(text: str, json: Any) -> Iterator[tuple[int, dict[str, Any]]]:
-    for n, raw in enumerate(text.split("\n"), 1):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-        except (ValueError, RecursionError) as err:
-            raise InvalidInput(f"line {n}: invalid JSON ({getattr(err, 'msg', err)})") from None
-        if not isinstance(record, dict):
-            raise InvalidInput(f"line {n}: a record must be a JSON object")
-        yield n, record
-
-
-_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
-
-
-def _csv_value(cell: str) -> Any:
-    """A CSV cell as a record's value: a number when the cell is exactly how JSON writes that
-    number (``5``, ``-2``, ``4.5``), so that ``"stars": 5`` comes back a number in metadata as
-    it would from JSONL; else the string. Lossless: the prompt and custom_id read the same
-    text. ``007``, ``1e3``, ``4.50`` and integers past 2**53 (which JSON readers in
-    JavaScript round) stay strings."""
-    if not _JSON_NUMBER.fullmatch(cell):
-        return cell
-    if "." not in cell:
-        number = int(cell)
-        return number if abs(number) <= 1 << 53 and str(number) == cell else cell  # "-0" stays "-0"
-    value = float(cell)
-    return value if repr(value) == cell else cell
-
-
-def _csv_records(text: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    import csv
-
-    reader = csv.reader(text.splitlines(keepends=True), strict=True)
-    header: Optional[list[str]] = None
-    line = 0
-    try:
-        for row in reader:
-            start, line = line + 1, reader.line_num
-            if not any(cell.strip() for cell in row):
-                continue
-            if header is None:
-                header = row
-                twice = sorted({name for name in row if row.count(name) > 1})
-                if twice:
-                    raise InvalidInput(f"line {start}: the header row names the column {twice[0]!r} twice")
-                if "" in row:
-                    raise InvalidInput(f"line {start}: the header row has an empty name")
-                continue
-            if len(row) != len(header):
-                raise InvalidInput(f"line {start}: {len(row)} cells; the header row has {len(header)}")
-            yield start, {name: _csv_value(cell) for name, cell in zip(header, row)}
-    except csv.Error as err:
-        raise InvalidInput(f"line {reader.line_num}: not valid CSV ({err})") from None
-    if header is None:
-        raise InvalidInput("the file has no header row")
-
-
-def _all_objects(lines: list[tuple[int, str]]) -> bool:
-    import json
-
-    try:
-        return all(isinstance(json.loads(raw), dict) for _, raw in lines)
-    except (ValueError, RecursionError):
-        return False
-
-
-def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
-    """(prompt text, params) of one JSONL line, in nrvna's form or OpenAI's."""
-    if not isinstance(obj, dict):
-        raise InvalidInput("expected a JSON object")
-    if {"method", "url", "body"} & set(obj):
-        return _openai_line(obj, notes)
-    params = dict(obj)
-    for key in params:
-        if key in PARAMS and not PARAMS[key].jsonl:
-            raise InvalidInput(f"unknown field {key!r} (tags are given with --tag)")
-    embed = job_param(params, "embed")
-    if "embed" in params and not isinstance(embed, (bool, str, list)):
-        raise InvalidInput("embed must be a text, a list of texts, or true (with input or prompt)")
-    if embed is True and not {"input", "prompt", "messages"} & set(params):
-        raise InvalidInput("embed: true needs the texts to embed: give input or prompt (or the texts as embed)")
-    if isinstance(embed, (str, list)) or (embed is True and "input" in params):
-        # {"embed": "text" | ["text", ...]} (or {"embed": true, "input": [...]}): texts to embed
-        if {"prompt", "messages"} & set(params) or (embed is not True and "input" in params):
-            raise InvalidInput("give the texts to embed once: in embed, or as input with embed: true")
-        params["embed"] = True
-        return _embed_input(check_inputs(params.pop("input", embed), PARAMS["input"].high), params)
-    prompt, messages = params.pop("prompt", None), job_param(params, "messages")
-    if (prompt is None) == (messages is None):
-        raise InvalidInput("give exactly one of prompt or messages")
-    if messages is not None:
-        params["messages"] = _check_messages(messages, PARAMS["messages"])
-        return render_messages(params["messages"]), params
-    if not isinstance(prompt, str):
-        raise InvalidInput("prompt must be a string")
-    return prompt, params
-
-
-def _embed_input(texts: list[str], params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(prompt text, params) of an embed job: one text is the prompt itself; several are
-    params' ``input``, and the prompt is their rendering."""
-    if len(texts) == 1:
-        return texts[0], params
-    params["input"] = texts
-    return render_inputs(texts), params
-
-
-class Endpoint(namedtuple("Endpoint", "input raw object id_prefix")):
-    """An OpenAI Batch ``url`` nrvna serves: the body field holding the input (``messages``,
-    ``prompt`` or ``input``: texts to embed), whether the prompt skips the chat template, and
-    the response object."""
-
-    __slots__ = ()
-
-
-# The OpenAI Batch endpoints: what a request line may carry and how export answers it.
-ENDPOINTS: dict[str, Endpoint] = {
-    "/v1/chat/completions": Endpoint("messages", False, "chat.completion", "chatcmpl-"),
-    "/v1/completions": Endpoint("prompt", True, "text_completion", "cmpl-"),
-    "/v1/embeddings": Endpoint("input", False, "list", ""),
-}
-# OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
-OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "model": "ignored (the daemon's model answers)",
-                     "n": "must be 1", "stream": "must be false"}
-# OpenAI body fields refused with a reason (any other unknown field is refused by name).
-OPENAI_BODY_REFUSED = {field: "tool calls are not supported by nrvna" for field in
-                       ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")}
-
-
-def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
-    unknown = set(obj) - {"custom_id", "method", "url", "body"}
-    if unknown:
-        raise InvalidInput(f"unknown field {sorted(unknown)[0]!r} in an OpenAI Batch line")
-    if obj.get("method", "POST") != "POST":
-        raise InvalidInput("method must be POST")
-    url, body = obj.get("url"), obj.get("body")
-    if url not in ENDPOINTS:
-        raise InvalidInput(f"url {url!r} is not supported (use {' or '.join(ENDPOINTS)})")
-    if not isinstance(body, dict):
-        raise InvalidInput("body must be a JSON object")
-    if "custom_id" not in obj:
-        raise InvalidInput("an OpenAI Batch line needs a custom_id")
-    for key in body:
-        if key in OPENAI_BODY_REFUSED:
-            raise InvalidInput(f"body field {key!r}: {OPENAI_BODY_REFUSED[key]}")
-        if key not in OPENAI_FIELDS and key not in OPENAI_BODY_EXTRA:
-            raise InvalidInput(f"body field {key!r} is not supported by nrvna")
-    if body.get("n", 1) != 1:
-        raise InvalidInput("body field 'n' must be 1")
-    if body.get("stream", False) is not False:
-        raise InvalidInput("body field 'stream' must be false")
-    if "model" in body and notes is not None and not notes:
-        notes.append(f"body.model ({body['model']!r}) is ignored: the daemon's model answers")
-    endpoint = ENDPOINTS[url]
-    params: dict[str, Any] = {"custom_id": obj["custom_id"], "endpoint": url}
-    if endpoint.input == "input":  # /v1/embeddings
-        if {"prompt", "messages"} & set(body) or "input" not in body:
-            raise InvalidInput(f"a {url} body needs input (a string or a list of strings), and no prompt or messages")
-        params["embed"] = True
-        for field, name in OPENAI_FIELDS.items():
-            if field in body and field != "input":
-                params[name] = body[field]
-        return _embed_input(check_inputs(body["input"], PARAMS["input"].high), params)
-    for field, name in OPENAI_FIELDS.items():  # in table order: max_completion_tokens wins over max_tokens
-        if field in body and field != endpoint.input:
-            value = body[field]
-            params[name] = [value] if name == "stop" and isinstance(value, str) else value  # OpenAI's stop may be one string
-    if endpoint.input == "prompt":
-        # The legacy completions API's logprobs is a count: how many of the likeliest tokens.
-        count = body.get("logprobs")
-        if "top_logprobs" in body:
-            raise InvalidInput(f"body field 'top_logprobs' is not a {url} field (its logprobs is a count)")
-        if count is None or count is False:
-            params.pop("logprobs", None)
-        elif isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= 5:
-            raise InvalidInput(f"body field 'logprobs' of {url} must be an integer from 0 to 5")
-        else:
-            params.update(logprobs=True, top_logprobs=count)
-        if "messages" in body or not isinstance(body.get("prompt"), str):
-            raise InvalidInput(f"a {url} body needs a string prompt")
-        params["raw"] = endpoint.raw
-        return body["prompt"], params
-    if "prompt" in body or "messages" not in body:
-        raise InvalidInput(f"a {url} body needs messages")
-    params["messages"] = _check_messages(body["messages"], PARAMS["messages"])
-    return render_messages(params["messages"]), params
-
-
-def job_vectors(job: Job) -> list[list[float]]:
-    """A done embed job's vectors, one per text, from its result (one JSON array per line).
-    Raise NotFinished for a queued or running job (``Flow.wait`` first), NrvnaError for a
-    failed one, InvalidInput for a job that is not an embed job: never a complaint about
-    result.txt, which such a job does not yet (or ever) hold vectors in."""
-    import json
-
-    if not job.status.finished:
-        raise NotFinished(f"job {job.id} is {job.status.value}, not finished: its vectors come when it is done "
-                          "(wait for it first: Flow.wait, nrvna wait)")
-    if job.status is Status.Failed:
-        reason = (job.error or "").strip().splitlines()
-        raise NrvnaError(f"job {job.id} failed, so it has no vectors" + (f": {reason[0]}" if reason else ""))
-    if not (job.params or {}).get("embed"):
-        raise InvalidInput(f"job {job.id} is not an embed job: it has text, not vectors")
-    try:
-        vectors = [json.loads(line) for line in (job.result or "").splitlines() if line.strip()]
-    except ValueError:
-        vectors = None
-    if not vectors or not all(isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)
-                              for v in vectors):
-        raise WorkspaceError(f"job {job.id}: result.txt does not hold its vectors (one JSON array of numbers per line)")
-    return vectors
-
-
-def _float32_bytes(vector: list[float]) -> bytes:
-    """A vector as little-endian float32 (OpenAI's base64 embeddings, export --format f32)."""
-    import array
-
-    row = array.array("f", vector)
-    if sys.byteorder == "big":
-        row.byteswap()
-    return row.tobytes()
-
-
-def _jsonl_record(job: Job) -> dict[str, Any]:
-    params = job.params or {}
-    embedded = job.status is Status.Done and job_param(params, "embed")
-    record = {"id": job.id, "custom_id": job_param(params, "custom_id"), "status": job.status.value,
-              "prompt": job.prompt, "result": None if embedded else job.result,
-              "error": job.error.rstrip("\n") if job.error else None, "meta": job.meta}
-    if embedded:
-        record["embeddings"] = job_vectors(job)
-    if job.logprobs is not None:
-        record["logprobs"] = job.logprobs
-    if job_param(params, "metadata") is not None:
-        record["metadata"] = params["metadata"]
-    return record
-
-
-def _embeddings_body(job: Job) -> dict[str, Any]:
-    """Exactly OpenAI's embeddings response body."""
-    import base64
-
-    tokens = int(job.meta.get("prompt_tokens") or 0)
-    as_text = (job.params or {}).get("encoding_format") == "base64"
-    data = [{"object": "embedding", "index": i,
-             "embedding": base64.b64encode(_float32_bytes(vector)).decode("ascii") if as_text else vector}
-            for i, vector in enumerate(job_vectors(job))]
-    return {"object": "list", "data": data, "model": job.meta.get("model"),
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-
-def _openai_record(job: Job) -> dict[str, Any]:
-    meta, params = job.meta, job.params or {}
-    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": job_param(params, "custom_id")}
-    if job.status is not Status.Done:
-        line["response"] = None
-        line["error"] = {"code": meta.get("code") or "failed", "message": (job.error or "").rstrip("\n")}
-        return line
-    if job_param(params, "embed"):
-        line["response"] = {"status_code": 200, "request_id": job.id, "body": _embeddings_body(job)}
-        line["error"] = None
-        return line
-    prompt_tokens, completion_tokens = int(meta.get("prompt_tokens") or 0), int(meta.get("generated_tokens") or 0)
-    finish_reason = meta.get("finish_reason") if meta.get("finish_reason") in ("stop", "length") else "stop"
-    endpoint = ENDPOINTS[job_param(params, "endpoint") or "/v1/chat/completions"]
-    if endpoint.input == "prompt":
-        choice = {"text": job.result, "index": 0, "logprobs": _legacy_logprobs(job.logprobs, job.prompt or ""),
-                  "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": job.result, "refusal": None},
-                  "logprobs": None if job.logprobs is None else {"content": job.logprobs, "refusal": None},
-                  "finish_reason": finish_reason}
-    body = {"id": f"{endpoint.id_prefix}{job.id}", "object": endpoint.object,
-            "created": int(meta.get("finished") or time.time()), "model": meta.get("model"), "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-            "system_fingerprint": None}
-    line["response"] = {"status_code": 200, "request_id": job.id, "body": body}
-    line["error"] = None
-    return line
-
-
-def _legacy_logprobs(content: Optional[list[dict[str, Any]]], prompt: str) -> Optional[dict[str, Any]]:
-    """Log-probabilities in the shape of OpenAI's legacy completions (text_completion): each
-    token's character offset counts from the prompt's start, as OpenAI's do, and its
-    top_logprobs always hold the sampled token."""
-    if content is None:
-        return None
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a character split over tokens counts once
-    offsets, offset, tops = [], len(prompt), []
-    try:
-        for entry in content:
-            offsets.append(offset)
-            offset += len(decoder.decode(bytes(entry["bytes"])))
-            top = {t["token"]: t["logprob"] for t in entry["top_logprobs"]}
-            top.setdefault(entry["token"], entry["logprob"])
-            tops.append(top)
-        return {"tokens": [e["token"] for e in content], "token_logprobs": [e["logprob"] for e in content],
-                "top_logprobs": tops, "text_offset": offsets}
-    except (KeyError, TypeError, ValueError):  # a hand-made logprobs.json: exported without them
-        return None
-
-
-def _text_line(job: Job) -> str:
-    text = job.result if job.status is Status.Done else f"[failed: {(job.error or '').strip()}]"
-    return text.rstrip("\n") + "\n\n"
-
-
-def _json_line(record: Callable[[Job], dict[str, Any]]) -> Callable[[Job], str]:
-    import json
-
-    return lambda job: json.dumps(record(job), ensure_ascii=False) + "\n"
-
-
-def _f32_rows(job: Job) -> bytes:
-    if not (job.params or {}).get("embed"):
-        raise InvalidInput(f"job {job.id} is not an embed job: --format f32 exports embed jobs' vectors only")
-    vectors = job_vectors(job)
-    widths = sorted({len(vector) for vector in vectors})
-    if len(widths) > 1:  # a daemon writes one width a job; a hand-made result may not
-        raise WorkspaceError(f"job {job.id}: result.txt holds vectors of {widths[0]} and {widths[-1]} floats")
-    return b"".join(_float32_bytes(vector) for vector in vectors)
-
-
-def _f32_ids(job: Job) -> str:
-    custom_id = (job.params or {}).get("custom_id") or ""
-    return "".join(f"{job.id}\t{custom_id}\t{i}\n" for i in range(len(job_vectors(job))))
-
-
-class ExportFormat(namedtuple("ExportFormat", "record line help side", defaults=(None,))):
-    """An export format: the job as a JSON record (None for plain text), the job as what is
-    written (bytes for a binary format), its help, and for a binary format the lines of its
-    side file (``FILE.ids``: what each row is)."""
-
-    __slots__ = ()
-
-
-# `export --format`: the choices, their help and the writers all come from here.
-EXPORT_FORMATS: dict[str, ExportFormat] = {
-    "jsonl": ExportFormat(_jsonl_record, _json_line(_jsonl_record),
-                          'nrvna\'s record: {"id", "custom_id", "status", "prompt", "result", "error", "meta"}'),
-    "openai": ExportFormat(_openai_record, _json_line(_openai_record),
-                           "exactly an OpenAI Batch output line (a chat.completion or text_completion body)"),
-    "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line"),
-    "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
-                        "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
-                        "custom_id and input index, tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
-}
-
-
-def export_record(job: Job, form: str) -> dict[str, Any]:
-    """One finished job as an export record: nrvna's ``jsonl`` record, or exactly an OpenAI
-    Batch output line (``openai``)."""
-    record = EXPORT_FORMATS[form].record if form in EXPORT_FORMATS else None
-    if record is None:
-        raise InvalidInput(f"export format {form!r} has no JSON record (JSON formats: "
-                           f"{', '.join(k for k, v in EXPORT_FORMATS.items() if v.record)})")
-    return record(job)
-
-
-class _ExportTarget:
-    """Where an export's lines go (``-o FILE``, ``--errors FILE``), as a policy:
-
-    - ``-`` is standard output;
-    - an existing FIFO, character device (a terminal, /dev/null) or socket, and any path
-      under /dev/ or /proc/ (``/dev/stdout`` may be a file the shell opened), is written
-      through: opened for appending and written as it is, not atomically;
-    - anything else is written whole or not at all: a temporary file of its own beside the
-      real target (a symlink's target is replaced, never the link), fsynced, renamed over the
-      target, the directory fsynced; the temporary file goes on every failure path;
-    - an empty path, a directory and any path inside an nrvna workspace are refused: an
-      export must never replace a job, the queue or the workspace lock.
-    """
-
-    def __init__(self, path: Any, binary: bool = False) -> None:
-        path = os.fspath(path)
-        self.temp: Optional[str] = None
-        suffix, encoding = ("b", None) if binary else ("", "utf-8")
-        if path == "-":
-            self.handle, self.path, self.through = (sys.stdout.buffer if binary else sys.stdout), "-", True
-            return
-        if not path:
-            raise InvalidInput("an output path is empty (use - for standard output)")
-        self.path = os.path.realpath(path)
-        workspace = _workspace_of(self.path)
-        if workspace is not None:
-            raise InvalidInput(f"{path} is inside the nrvna workspace {workspace}; write exports outside it")
-        try:
-            mode: Optional[int] = os.stat(path).st_mode
-        except FileNotFoundError:
-            mode = None
-        if mode is not None and stat.S_ISDIR(mode):
-            raise InvalidInput(f"{path} is a directory")
-        self.through = _written_through(path)
-        if self.through:
-            self.handle = open(path, "a" + suffix, encoding=encoding)
-            return
-        folder, name = os.path.split(self.path)
-        for _ in range(100):
-            temp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-            try:  # 0666 less the umask, as any new file; an existing target keeps its mode
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o666)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise WorkspaceError(f"cannot find a free temporary name beside {path}")
-        self.temp = temp
-        try:
-            if mode is not None:
-                os.fchmod(fd, stat.S_IMODE(mode))
-            self.handle = open(fd, "w" + suffix, encoding=encoding, closefd=True)
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(temp, None)
-            raise
-
-    def write(self, text: Any) -> None:
-        """Append ``text`` (bytes for a binary output)."""
-        try:
-            self.handle.write(text)
-        except BrokenPipeError:
-            self._reader_gone()
-
-    def _reader_gone(self) -> None:
-        if self.path == "-":
-            raise BrokenPipeError  # `nrvna export ... | head`: main() exits quietly
-        raise WorkspaceError(f"{self.path}: its reader went away (broken pipe); the export is incomplete") from None
-
-    def commit(self) -> None:
-        """Make the file whole (durable, under its final name) or flush the stream."""
-        if self.temp is None:
-            try:
-                self.handle.flush()
-                if self.path != "-":
-                    self.handle.close()
-            except BrokenPipeError:
-                self._reader_gone()
-            return
-        self.handle.flush()
-        try:
-            os.fsync(self.handle.fileno())
-            self.handle.close()
-            os.rename(self.temp, self.path)
-        except BaseException:
-            self.abort()
-            raise
-        self.temp = None
-        fsync_dir(os.path.dirname(self.path))
-
-    def abort(self) -> None:
-        """Drop the temporary file (the target is untouched); nothing after a commit."""
-        if self.path != "-" and not self.handle.closed:
-            try:
-                self.handle.close()  # flushes what is buffered, which may fail again
-            except OSError:
-                pass
-        if self.temp is not None:
-            _unlink_quietly(self.temp, None)
-            self.temp = None
-
-
-def _written_through(path: str) -> bool:
-    """Whether an export writes through ``path`` (an existing FIFO, device or socket, anything
-    under /dev/ or /proc/) rather than replacing a regular file there. /dev/stdout and its
-    kind name an open descriptor, which may be a file the shell opened: written through,
-    appending, never replaced."""
-    try:
-        mode: Optional[int] = os.stat(path).st_mode
-    except FileNotFoundError:
-        mode = None
-    return (mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)) or (
-        os.path.abspath(path).startswith("/dev/") or os.path.realpath(path).startswith("/proc/"))
-
-
-def _workspace_of(path: str) -> Optional[str]:
-    """The nrvna workspace holding ``path`` (an absolute, resolved path), if any: the
-    nearest directory at or above it with the queue's layout or a lock file."""
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    while True:
-        if os.path.lexists(os.path.join(folder, LOCK_FILE)) or (
-                os.path.isdir(os.path.join(folder, READY)) and os.path.isdir(os.path.join(folder, PROCESSING))):
-            return folder
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            return None
-        folder = parent
-
-
-##############################################################################
 # Runner protocol: what a worker runs. A Runner makes one Session per worker; a Session holds
 # up to free() more jobs and advances them all one step at a time
 ##############################################################################
@@ -5488,9 +5530,9 @@ class LlamaRunner(Runner):
             key: Any = ("json_object",)
             params = {"grammar": _JSON_OBJECT_GBNF}
         elif kind == "grammar":
-            key = ("gbnf", params["grammar"])
+            key = ("gbnf", job_param(params, "grammar"))
         else:
-            key = ("schema", json.dumps(params["response_format"]["json_schema"]["schema"], ensure_ascii=False,
+            key = ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"], ensure_ascii=False,
                                         separators=(",", ":")))
         with self._grammars_lock:  # held while converting: two workers never convert one schema twice
             found = self._grammars.pop(key, None)
@@ -5521,9 +5563,9 @@ class LlamaRunner(Runner):
         """The GBNF of a grammar job, or its schema converted. (The checks ran at claim: the
         Processor validates params.json, a hand-made one too, with the submit's checks.)"""
         if kind != "json_schema":
-            return params["grammar"]
+            return job_param(params, "grammar")
         try:
-            text = schema_to_grammar(params["response_format"]["json_schema"]["schema"])
+            text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
         except Exception as err:  # the converter's own assertions: a gap in check_json_schema
             raise JobError("bad_request", f"response_format: the schema could not be converted: {err!r}") from None
         self.conversions += 1
@@ -6586,18 +6628,6 @@ STALE_STAGING_SECONDS = 3600  # input/writing/* older than this is a dead client
 CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long to fill up
 
 
-def _name_os_thread(name: str) -> None:
-    """Give the calling thread its log name in the OS too (``ps -T``, ``top -H``), on Linux."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
-
-
 class Pool:
     """The queue between the Scanner and the workers: a heap by priority (higher first), then
     submission order.
@@ -6716,51 +6746,6 @@ class Pool:
     def __len__(self) -> int:
         with self._cond:
             return len(self._heap) + len(self._later)
-
-
-class _DirWatch:
-    """inotify on one directory (Linux, through ctypes): which names were moved or created."""
-
-    IN_CREATE, IN_MOVED_TO, IN_Q_OVERFLOW, IN_ONLYDIR = 0x100, 0x80, 0x4000, 0x01000000
-
-    def __init__(self, path: str) -> None:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = libc.inotify_init1(os.O_NONBLOCK | O_CLOEXEC)
-        if self.fd < 0:
-            raise OSError(ctypes.get_errno(), "inotify_init1 failed")
-        mask = self.IN_CREATE | self.IN_MOVED_TO | self.IN_ONLYDIR
-        if libc.inotify_add_watch(self.fd, os.fsencode(path), mask) < 0:
-            code = ctypes.get_errno()
-            os.close(self.fd)
-            raise OSError(code, f"inotify_add_watch failed: {os.strerror(code)}")
-
-    def fileno(self) -> int:
-        return self.fd
-
-    def read(self) -> tuple[list[tuple[int, str]], bool]:
-        """Pending events as (mask, name), and whether the kernel dropped some."""
-        import struct
-
-        events, overflow = [], False
-        while True:
-            try:
-                data = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                return events, overflow
-            offset = 0
-            while offset < len(data):
-                _wd, mask, _cookie, length = struct.unpack_from("iIII", data, offset)
-                name = data[offset + 16:offset + 16 + length].rstrip(b"\0")
-                offset += 16 + length
-                if mask & self.IN_Q_OVERFLOW:
-                    overflow = True
-                elif name:
-                    events.append((mask, os.fsdecode(name)))
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class Scanner:
@@ -7961,9 +7946,42 @@ class Server:
                         f"{stat.S_IMODE(mode):o}): anyone who can write it can inject jobs; chmod 700 it")
 
 
+def _signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
+
+
 ##############################################################################
 # CLI: parse, call the library, print. Data on stdout, messages on stderr.
 ##############################################################################
+
+def markdown_tables() -> dict[str, str]:
+    """The manual's generated tables: settings, params, exit-codes, failure-codes and
+    hook-variables, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES and HOOK_VARIABLES (scripts/readme_tables.py writes them; a
+    test checks them)."""
+    settings = ["| variable | default | meaning |", "|---|---|---|"]
+    for setting in SETTINGS.values():
+        default = setting.default if setting.shown is None else setting.shown
+        settings.append(f"| `{setting.env}` | {default} | {setting.help} |")
+    params = ["| parameter | type | default | `submit` flag | OpenAI body | meaning |", "|---|---|---|---|---|---|"]
+    for name, param in PARAMS.items():
+        kind = param.describe()
+        default = f"`{SETTINGS[name].env}`" if name in SETTINGS else ("—" if param.default is None else str(param.default).lower())
+        flags = [param.flag] + [f for f, (target, _, _) in FLAG_SHORTHANDS.items() if target == name] if param.flag else []
+        flag = ", ".join(f"`{f}`" for f in flags) or "—"
+        openai = ", ".join(f"`{field}`" for field in param.openai) or "—"
+        line = "" if param.jsonl else " (not a JSONL field)"
+        params.append(f"| `{name}` | {kind} | {default} | {flag} | {openai} | {param.help}{line} |")
+    exit_codes = ["| code | meaning |", "|---|---|"] + [f"| {code} | {meaning} |" for code, meaning in EXIT_CODES.items()]
+    failures = ["| code | the job failed because |", "|---|---|"] + [
+        f"| `{code}` | {meaning} |" for code, meaning in FAILURE_CODES.items()]
+    hooks = ["| variable | set for | meaning |", "|---|---|---|"] + [
+        f"| `{name}` | {', '.join('`--' + hook.replace('_', '-') + '`' for hook in on)} | {meaning} |"
+        for name, (on, meaning) in HOOK_VARIABLES.items()]
+    return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
+            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks)}
+
 
 # Seconds between wait/get --wait --progress lines while nothing finishes: often enough that a
 # log file shows the wait is alive, rarely enough that a day's wait is a few thousand lines.
@@ -8027,12 +8045,6 @@ def _cmd_daemon(args: Any) -> int:
     finally:
         server.shutdown()
     return EXIT_OK
-
-
-def _signal_name(signum: int) -> str:
-    import signal
-
-    return signal.Signals(signum).name
 
 
 class _Signalled(BaseException):
