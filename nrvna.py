@@ -20,12 +20,13 @@ Contents (one banner each, in dependency order: a section uses only what is abov
 5. Structured output              check_json_schema, check_grammar, number_rule, GrammarShape, GrammarVocab
 6. Job parameters                 Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt
 7. Workspace and job directories  layout, IDs, Status, Job, locate_job, read_meta, mark_failed,
-                                  job_history (meta.json's events), owe_hooks, move_job, read_priority,
-                                  the tag index, idempotency keys, the workspace lock, _DirWatch
+                                  job_history (meta.json's events), owe_hooks, move_job, read_route,
+                                  model names (model_matches, resolve_model), the tag index,
+                                  idempotency keys, the workspace lock, _DirWatch
 8. Batch files and export         read_batch, parse_batch, parse_records (templates), EXPORT_FORMATS,
                                   export_record, job_vectors
 9. Client                         Work, Flow, iter_events, bulk_states, cancel/retry/clean, daemon_info,
-                                  stop_daemon
+                                  stop_daemon, check_model_names, waiting_for_model
 10. Runner protocol               Runner, Session, RunningJob, Outcome, FunctionRunner
 11. llama.cpp engine              LlamaRunner, LlamaSession (continuous batching): _Sequence, _JobSampler
                                   (sampling: _Penalties, _GrammarTemplates, _SamplingScratch), _PrefixCache; _Embedder
@@ -242,6 +243,8 @@ SETTINGS: dict[str, _Setting] = {
     "max_batch_lines": _Setting("NRVNA_MAX_BATCH_LINES", int, 1_000_000, 1, 1 << 31, "most lines a batch file (submit --file) may hold: it is held whole while checked, about 0.8 KB a line"),
     "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0, "seconds a submit waits for another live submit that holds its idempotency key to publish its job (then exit 4, nothing queued)"),
     "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
+    "model_aliases": _Setting("NRVNA_MODEL_ALIASES", str, "", None, None, "other names for models, NAME=MODEL[,NAME=MODEL...]: a job (or the daemon) naming NAME gets MODEL (e.g. gpt-4o-mini=smollm2)"),
+    "strict_models": _Setting("NRVNA_STRICT_MODELS", int, 0, 0, 1, "1: submit refuses a job whose model matches no known model (exit 2, nothing queued); 0 queues it for the daemon's model, with a note (submit --strict-models)"),
     "pooling": _Setting("NRVNA_POOLING", str, "model", None, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)", choices=POOLINGS),
     "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1, "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
     "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace", choices=LOG_LEVELS),
@@ -323,6 +326,8 @@ def _check_setting(name: str, value: Any) -> Any:
         level = str(value).lower()
         level = "warn" if level == "warning" else level
         value = level
+    if name == "model_aliases":
+        parse_aliases(str(value))  # ConfigError naming the bad entry
     if setting.kind is str:
         if setting.choices is not None and value not in setting.choices:
             raise ConfigError(f"{setting.env}={value!r} is not one of {', '.join(setting.choices)}")
@@ -340,6 +345,18 @@ def _check_setting(name: str, value: Any) -> Any:
 def _describe(setting: _Setting) -> str:
     kind = "an integer" if setting.kind is int else "a number"
     return f"{kind} from {setting.low} to {setting.high}"
+
+
+def parse_aliases(text: str) -> dict[str, str]:
+    """``NRVNA_MODEL_ALIASES`` (``NAME=MODEL[,NAME=MODEL...]``) as {name: model}."""
+    aliases: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        name, sep, model = item.partition("=")
+        if item and not (sep and name.strip() and model.strip()):
+            raise ConfigError(f"NRVNA_MODEL_ALIASES: {item!r} is not NAME=MODEL")
+        if item:
+            aliases[name.strip()] = model.strip()
+    return aliases
 
 
 def setting_default(name: str) -> Any:
@@ -2129,6 +2146,8 @@ PARAMS: dict[str, Param] = {
                         help="the caller's name for the job (batch files, export; default line-N)"),
     "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
                        help="higher runs first (FIFO within a priority); a job above every running one pauses lower ones in its context until it ends"),
+    "model": Param(str, low=1, high=256, flag="--model", openai=("model",), jobs="any",
+                    help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the daemon's model (a note says so; --strict-models refuses it), a known model no running daemon serves waits"),
     "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
                               help="submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
     "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",), read=("JSON", _read_metadata), check=_check_metadata, what="object, up to {high} bytes as JSON", jobs="any",
@@ -2279,10 +2298,10 @@ ENDPOINTS: dict[str, Endpoint] = {
 # Workspace and job directories: layout, IDs, states, meta.json, durable moves, the tag index, the lock
 ##############################################################################
 
-def read_priority(job_dir: str) -> int:
-    """A queued job's priority from its params.json (0 when it has none, or cannot be read:
-    its claim will say why). Cheap for the default lane: the JSON is parsed only when the file
-    mentions a priority."""
+def read_route(job_dir: str) -> tuple[int, Optional[str]]:
+    """A queued job's priority and the model it names, from its params.json ((0, None) when it
+    names neither, or cannot be read: its claim will say why). Cheap for the default lane and
+    model: the JSON is parsed only when the file mentions a priority or a model."""
     import json
 
     # The Scanner calls this under the Pool's lock: like the claim, it follows no symlink
@@ -2290,21 +2309,65 @@ def read_priority(job_dir: str) -> int:
     try:
         dir_fd = open_dir(job_dir)
     except OSError:
-        return 0
+        return 0, None
     try:
         data = read_file(dir_fd, PARAMS_FILE, params_limit())
     except (OSError, JobError):
-        return 0
+        return 0, None
     finally:
         os.close(dir_fd)
-    if b'"priority"' not in data:
-        return 0
+    if b'"priority"' not in data and b'"model"' not in data:
+        return 0, None
     try:
-        value = json.loads(data).get("priority", 0)
+        params = json.loads(data)
+        priority, model = params.get("priority", 0), params.get("model")
     except (ValueError, RecursionError, AttributeError):
-        return 0
+        return 0, None
     lane = PARAMS["priority"]
-    return value if isinstance(value, int) and not isinstance(value, bool) and lane.low <= value <= lane.high else 0
+    if not (isinstance(priority, int) and not isinstance(priority, bool) and lane.low <= priority <= lane.high):
+        priority = 0
+    return priority, model if isinstance(model, str) and model else None
+
+
+def read_priority(job_dir: str) -> int:
+    """A queued job's priority (see read_route)."""
+    return read_route(job_dir)[0]
+
+
+def model_matches(name: str, models_dir: str, aliases: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The model files ``name`` may mean: through ``aliases`` first, then a path (one that
+    exists, or any name with a '/'), else the ``*.gguf`` files of ``models_dir`` named
+    ``name`` (with or without .gguf) or, failing that, holding it (case aside). None, one
+    (resolved) or several (ambiguous)."""
+    name = (aliases or {}).get(name, name)
+    if os.path.exists(name) or os.sep in name:
+        return [name] if os.path.exists(name) else []
+    try:
+        candidates = sorted(f for f in os.listdir(models_dir) if f.lower().endswith(".gguf"))
+    except OSError:
+        return []
+    exact = [f for f in candidates if f == name or f[:-5] == name]
+    return [os.path.join(models_dir, f) for f in exact or [f for f in candidates if name.lower() in f.lower()]]
+
+
+def resolve_model(name: str, models_dir: str, aliases: Optional[Mapping[str, str]] = None) -> str:
+    """The model file ``name`` means (see model_matches), or ModelError saying why none."""
+    matches = model_matches(name, models_dir, aliases)
+    if len(matches) == 1:
+        return matches[0]
+    target = (aliases or {}).get(name, name)
+    shown = name if target == name else f"{name} (an alias of {target})"
+    if os.path.exists(target) or os.sep in target:
+        raise ModelError(f"model {shown} does not exist")
+    try:
+        candidates = sorted(f for f in os.listdir(models_dir) if f.lower().endswith(".gguf"))
+    except OSError:
+        raise ModelError(f"model {shown} does not exist, and models dir {models_dir} cannot be read "
+                         "(NRVNA_MODELS_DIR)") from None
+    if not matches:
+        raise ModelError(f"model {shown} does not exist; models in {models_dir}: {', '.join(candidates) or 'none'}")
+    raise ModelError(f"model name {shown} is ambiguous in {models_dir}: "
+                     f"{', '.join(os.path.basename(m) for m in matches)}")
 
 
 # The state directories: a job's place is its state.
@@ -3388,7 +3451,7 @@ def _embed_input(texts: list[str], params: dict[str, Any]) -> tuple[str, dict[st
 
 
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
-OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "model": "ignored (the daemon's model answers)",
+OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions",
                      "n": "must be 1", "stream": "must be false"}
 # OpenAI body fields refused with a reason (any other unknown field is refused by name).
 OPENAI_BODY_REFUSED = {field: "tool calls are not supported by nrvna" for field in
@@ -3417,8 +3480,6 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
         raise InvalidInput("body field 'n' must be 1")
     if body.get("stream", False) is not False:
         raise InvalidInput("body field 'stream' must be false")
-    if "model" in body and notes is not None and not notes:
-        notes.append(f"body.model ({body['model']!r}) is ignored: the daemon's model answers")
     endpoint = ENDPOINTS[url]
     params: dict[str, Any] = {"custom_id": obj["custom_id"], "endpoint": url}
     if endpoint.input == "input":  # /v1/embeddings
@@ -3786,15 +3847,89 @@ class SubmitResult(namedtuple("SubmitResult", "ok id message")):
     __slots__ = ()
 
 
+def model_view(workspace: str) -> tuple[str, dict[str, str], Optional[str]]:
+    """How model names are resolved for ``workspace``: (models dir, aliases, the model file the
+    running daemon serves), as its daemon.json says; with no daemon running, this process's
+    NRVNA_MODELS_DIR and NRVNA_MODEL_ALIASES, and no model served."""
+    info: dict[str, Any] = {}
+    if os.path.isdir(os.path.join(workspace, READY)):  # a new workspace has no daemon yet
+        try:
+            info = daemon_info(workspace)
+        except NoSuchJob:
+            pass
+    if isinstance(info.get("models_dir"), str):
+        return info["models_dir"], dict(info.get("aliases") or {}), info.get("model_path")
+    return os.path.abspath(setting_default("models_dir")), parse_aliases(setting_default("model_aliases")), None
+
+
+def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]], strict: bool) -> list[str]:
+    """Check the model each job names (``(where, name)``; None: none) as the workspace resolves
+    names (model_view): an ambiguous name is InvalidInput; a name that matches no model is
+    InvalidInput when ``strict``, else a note (the job runs on the daemon's model). Returns
+    the notes."""
+    by_name: dict[str, list[str]] = {}
+    for where, name in named:
+        if name is not None:
+            by_name.setdefault(name, []).append(where)
+    if not by_name:
+        return []
+    models_dir, aliases, served = model_view(workspace)
+    served_names = {os.path.basename(served), os.path.basename(served)[:-5]} if served else set()
+    notes = []
+    for name, places in by_name.items():
+        matches = model_matches(name, models_dir, aliases)
+        if len(matches) > 1:
+            raise InvalidInput(f"{places[0]}: model name {name!r} is ambiguous in {models_dir}: "
+                               f"{', '.join(os.path.basename(m) for m in matches)}")
+        if matches or name in served_names:
+            continue
+        if strict:
+            files = [os.path.basename(m) for m in model_matches("", models_dir)]  # "" is in every name
+            known = sorted({*files, *([os.path.basename(served)] if served else []), *aliases})
+            raise InvalidInput(f"{places[0]}: model {name!r} matches no model (known: {', '.join(known) or 'none'}; "
+                               f"NRVNA_MODELS_DIR is {models_dir})")
+        jobs = f"{len(places)} jobs run" if len(places) > 1 else "it runs"
+        notes.append(f"model {name!r} matches no model in {models_dir}: {jobs} on the daemon's model")
+    return notes
+
+
+def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
+    """Why each queued job of ``job_ids`` that names a model no running daemon serves is
+    waiting, by ID (jobs that are not waiting for a model are left out)."""
+    named = {}
+    for job_id in job_ids:
+        model = read_route(job_path(workspace, READY, job_id))[1]
+        if model is not None:
+            named[job_id] = model
+    if not named:
+        return {}
+    models_dir, aliases, served = model_view(workspace)
+    if served is None:
+        return {}  # no daemon runs: every queued job waits for one
+    reasons, verdicts = {}, {}
+    for job_id, model in named.items():
+        if model not in verdicts:
+            matches = model_matches(model, models_dir, aliases)
+            waits = len(matches) == 1 and os.path.realpath(matches[0]) != served
+            verdicts[model] = (f"waits for model {model} ({os.path.basename(matches[0])}), which no running daemon "
+                               f"serves (the daemon serves {os.path.basename(served)})") if waits else None
+        if verdicts[model] is not None:
+            reasons[job_id] = verdicts[model]
+    return reasons
+
+
 class Work:
     """Submits jobs to a workspace. Create one per thread: it holds no lock and nothing other
     Work objects see, but ``existing`` and ``existing_lines`` report its own last publish."""
 
-    def __init__(self, workspace: Any, notify: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(self, workspace: Any, notify: Optional[Callable[[str], None]] = None,
+                 strict_models: Optional[bool] = None) -> None:
         self.workspace = os.fspath(workspace)
         self.notify = notify  # hears that a submit waits for another one holding its key (the CLI: stderr)
         self.existing = False  # the last publish found its idempotency key's job: nothing was queued
         self.existing_lines = 0  # lines of the last publish_batch that found their key's job
+        # A job naming a model that matches none: refused (InvalidInput), or queued with a note.
+        self.strict_models = bool(setting_default("strict_models")) if strict_models is None else strict_models
 
     def submit(self, prompt: Any, **params: Any) -> SubmitResult:
         """Queue a prompt with optional per-job parameters; never raises. The message is
@@ -3829,13 +3964,16 @@ class Work:
             prompt, params = _embed_input(check_inputs(list(prompt), PARAMS["input"].high), dict(params))
         data = check_prompt(prompt, setting_default("max_prompt_bytes"))
         clean = validate_params(params)
+        for note in check_model_names(self.workspace, [("the job", job_param(clean, "model"))], self.strict_models):
+            if self.notify is not None:
+                self.notify(note)
         if dedupe and "idempotency_key" not in clean:
             clean["idempotency_key"] = dedupe_key(data, clean)
         ensure_workspace(self.workspace)
         files = [(PROMPT_FILE, data)]
         if clean:
             files.append((PARAMS_FILE, json.dumps(clean, ensure_ascii=False).encode()))
-        key = clean.get("idempotency_key")
+        key = job_param(clean, "idempotency_key")
         holder: Optional[_KeyHolder] = None
         try:
             while True:
@@ -3852,8 +3990,8 @@ class Work:
                     if holder is not None and not _link_key(self.workspace, key, job_id, holder.name):
                         _remove_tree(staging)  # another client's job has this key: return that one
                         continue
-                    if clean.get("tag"):
-                        _write_manifest(self.workspace, clean["tag"], [(job_id, clean.get("custom_id"))])
+                    if job_param(clean, "tag"):
+                        _write_manifest(self.workspace, job_param(clean, "tag"), [(job_id, job_param(clean, "custom_id"))])
                     move(staging, ready)
                 except BaseException:
                     _remove_tree(staging)
@@ -3957,7 +4095,7 @@ class Work:
         lines whose ``custom_id`` is already queued under that tag are not queued again: an
         interrupted submit is finished by running it again. ``on_ids(ids)`` gets the IDs in
         file order as soon as each is known and durable; ``notes`` collects remarks for the
-        user (an ignored ``body.model``, lines already queued). A line with an
+        user (a model name that matches no model, lines already queued). A line with an
         ``idempotency_key`` (or every line, with ``dedupe``: a key from its content) whose key
         names an existing job is not queued: its ID is that job's.
 
@@ -4002,6 +4140,8 @@ class Work:
                     check_combination(entry.params)
                 except InvalidInput as err:
                     raise InvalidInput(f"line {entry.line}: {err} (with the flags given for every line)") from None
+        notes.extend(check_model_names(self.workspace, [(f"line {e.line}", job_param(e.params, "model"))
+                                                        for e in entries], self.strict_models))
         if dedupe:
             entries = [e if "idempotency_key" in e.params else
                        BatchEntry(e.line, e.prompt, dict(e.params, idempotency_key=dedupe_key(e.prompt, e.params)))
@@ -5126,25 +5266,6 @@ def check_gguf(path: str) -> None:
         raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
     if magic != b"GGUF":
         raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
-
-
-def resolve_model(name: str, models_dir: str) -> str:
-    """A model path, or a (partial) name looked up among ``models_dir``'s ``*.gguf`` files."""
-    if os.path.exists(name) or os.sep in name:
-        return name
-    try:
-        candidates = sorted(f for f in os.listdir(models_dir) if f.lower().endswith(".gguf"))
-    except OSError:
-        raise ModelError(f"model {name} does not exist, and models dir {models_dir} cannot be read "
-                         "(NRVNA_MODELS_DIR)") from None
-    exact = [f for f in candidates if f == name or f[:-5] == name]
-    matches = exact or [f for f in candidates if name.lower() in f.lower()]
-    if len(matches) == 1:
-        return os.path.join(models_dir, matches[0])
-    listing = ", ".join(candidates) or "none"
-    if not matches:
-        raise ModelError(f"model {name} does not exist; models in {models_dir}: {listing}")
-    raise ModelError(f"model name {name} is ambiguous in {models_dir}: {', '.join(matches)}")
 
 
 # One character of a JSON string, as strict JSON and UTF-8 allow it. llama-cpp-python's
@@ -6633,14 +6754,17 @@ class Pool:
     submission order.
 
     ``known`` holds every ID queued or being worked on, so a job is never queued twice
-    (the spec's scanner re-submitted every queued job every second: unbounded growth).
+    (the spec's scanner re-submitted every queued job every second: unbounded growth), and
+    the IDs of jobs for a model this daemon does not serve (``elsewhere``), read once.
     """
 
-    def __init__(self, priority_of: Callable[[str], int] = lambda job_id: 0,
+    def __init__(self, priority_of: Callable[[str], Optional[int]] = lambda job_id: 0,
                  on_queued: Callable[[int], None] = lambda priority: None) -> None:
         self._cond = threading.Condition()
         self._heap: list[tuple[int, tuple[int, int, int, str], str]] = []
-        self._priority_of = priority_of  # a queued job's priority, read when it is pushed
+        # A queued job's priority, read when it is pushed; None: its model is served elsewhere.
+        self._priority_of = priority_of
+        self.elsewhere: set[str] = set()
         self._on_queued = on_queued  # told the highest priority of each push
         self._later: list[tuple[float, str]] = []  # handed back after an I/O error
         self._known: set[str] = set()
@@ -6657,6 +6781,9 @@ class Pool:
                 if job_id not in self._known:
                     self._known.add(job_id)
                     priority = self._priority_of(job_id)
+                    if priority is None:
+                        self.elsewhere.add(job_id)
+                        continue
                     self._queue(job_id, priority)
                     highest = priority if highest is None else max(highest, priority)
                     added += 1
@@ -6689,7 +6816,7 @@ class Pool:
                 now = time.monotonic()
                 while self._later and self._later[0][0] <= now:
                     _, job_id = heapq.heappop(self._later)
-                    self._queue(job_id, self._priority_of(job_id))
+                    self._queue(job_id, self._priority_of(job_id) or 0)  # it was ours when claimed
                 if self._heap and (above is None or -self._heap[0][0] > above):
                     if not self._leave_to_favored(worker):
                         self._busy += 1
@@ -7543,7 +7670,7 @@ class Server:
         self.runner = runner
         self._own_runner = runner is None
         self.drain = drain
-        self.pool = Pool(lambda job_id: read_priority(job_path(self.workspace, READY, job_id)), self._outranked)
+        self.pool = Pool(self._route, self._outranked)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._loads: list[int] = []  # sequences in flight per worker (read without a lock: a hint)
@@ -7562,6 +7689,32 @@ class Server:
         self._next_status = 0.0
         self.hooks: Optional[Hooks] = None
         self._signalled: Optional[int] = None  # see stop_from_signal
+        # The jobs it serves: those naming its model, or a name that matches no model (see _serves).
+        self._model_path: Optional[str] = None  # its model file's real path (None: an injected runner)
+        self._models_dir = os.path.abspath(self.config.models_dir)
+        self._aliases = parse_aliases(self.config.model_aliases)
+        self._served: dict[str, bool] = {}  # model name -> whether it serves it (a cache)
+
+    def _route(self, job_id: str) -> Optional[int]:
+        """A queued job's priority, or None when it names a model this daemon does not serve:
+        the job waits in ready/ for a daemon that does (read once per job: see Pool)."""
+        priority, model = read_route(job_path(self.workspace, READY, job_id))
+        return priority if model is None or self._serves(model) else None
+
+    def _serves(self, name: str) -> bool:
+        """Whether a job naming model ``name`` is this daemon's: a name that matches no model,
+        or several, runs on its model (submit noted that, or refused it with
+        --strict-models); a name that is another model's file waits for that model."""
+        served = self._served.get(name)
+        if served is None:
+            matches = model_matches(name, self._models_dir, self._aliases)
+            served = len(matches) != 1 or os.path.realpath(matches[0]) == self._model_path
+            if not served:
+                log.info(f"Jobs for model {name} ({matches[0]}) wait in the queue: this daemon serves "
+                         f"{self._model_path or self.runner and self.runner.name}")
+            if len(self._served) < 4096:
+                self._served[name] = served
+        return served
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -7572,8 +7725,9 @@ class Server:
         if self.runner is None:
             if not self.model:
                 raise ModelError("no model given")
-            model_path = resolve_model(self.model, self.config.models_dir)
+            model_path = resolve_model(self.model, self._models_dir, self._aliases)
             check_gguf(model_path)
+            self._model_path = os.path.realpath(model_path)
         ensure_workspace(self.workspace)
         self._take_lock()
         try:
@@ -7727,6 +7881,7 @@ class Server:
             window = min(60.0, max(1.0, now - self._started_at))
             recent = sum(tokens for _, tokens in self._recent)
             status = dict(self._stats, pid=os.getpid(), model=self.processor.model_name if self.processor else None,
+                          model_path=self._model_path, models_dir=self._models_dir, aliases=self._aliases,
                           workers=self.config.workers, seqs=self.config.seqs, started=round(self._started_at, 3),
                           updated=round(now, 3), running=len(self._running),
                           tokens_per_second_last_minute=round(recent / window, 1))
@@ -7740,8 +7895,8 @@ class Server:
         if not self.pool.idle() or self.scanner is None or self.scanner.scans == 0:
             return False
         with os.scandir(os.path.join(self.workspace, READY)) as entries:
-            if not any(not e.name.startswith(".") for e in entries):
-                return True
+            if not any(not e.name.startswith(".") and e.name not in self.pool.elsewhere for e in entries):
+                return True  # what is left waits for a model served elsewhere
         self.scanner.scan()  # something the events did not report (a mkdir'ed dir in grace)
         return False
 
@@ -8086,6 +8241,7 @@ def _job_params(args: Any) -> dict[str, Any]:
 
 def _cmd_submit(args: Any) -> int:
     params = _job_params(args)
+    strict = True if args.strict_models else None  # else NRVNA_STRICT_MODELS
     if args.dedupe and "idempotency_key" in params:
         raise InvalidInput("give --idempotency-key or --dedupe, not both")
     if args.file is None and (args.template is not None or args.id_field is not None):
@@ -8096,14 +8252,14 @@ def _cmd_submit(args: Any) -> int:
         source = _stdin("--file -") if args.file == "-" else args.file
         notes: list[str] = []
         try:
-            Work(args.workspace, _say).submit_file(source, tag=params.pop("tag", None), on_ids=_print_lines,
+            Work(args.workspace, _say, strict).submit_file(source, tag=params.pop("tag", None), on_ids=_print_lines,
                                              notes=notes, dedupe=args.dedupe, template=args.template,
                                              id_field=args.id_field, **params)
         finally:
             for note in notes:
                 _say(note)
         return EXIT_OK
-    work = Work(args.workspace, _say)
+    work = Work(args.workspace, _say, strict)
     try:
         job_id = work.publish(_read_prompt(args), dedupe=args.dedupe, **params)
     except NotDurable as err:
@@ -8239,6 +8395,7 @@ def _cmd_status(args: Any) -> int:
     if Status.Queued in statuses:
         for priority, ids in flow.lanes():
             places.update({job_id: (n, len(ids), priority) for n, job_id in enumerate(ids, 1)})
+    waiting = waiting_for_model(args.workspace, [j for j, s in zip(args.ids, statuses) if s is Status.Queued])
     if args.json:
         report: dict[str, dict[str, Any]] = {}
         for job_id, s in zip(args.ids, statuses):
@@ -8246,9 +8403,13 @@ def _cmd_status(args: Any) -> int:
             if s is Status.Queued and job_id in places:
                 n, of, priority = places[job_id]
                 report[job_id].update(lane=priority, position=n, of=of)
+            if job_id in waiting:
+                report[job_id]["waiting"] = waiting[job_id]
         _print_json(report)
     else:
         _print_lines(s.value for s in statuses)
+        for job_id in waiting:  # never a silent wait
+            _say(f"{job_id}: {waiting[job_id]}")
         if sys.stderr is not None and sys.stderr.isatty():  # for the person at the terminal only
             for job_id, s in zip(args.ids, statuses):
                 if s is Status.Queued and job_id in places:
@@ -8292,6 +8453,13 @@ def _cmd_wait(args: Any) -> int:
         elif len(finished) != said_finished:
             unsaid = f"{text} after {now - start:.0f} s"
 
+    if not args.quiet:  # never a silent wait: say which jobs wait for a model nobody serves
+        ids, states = flow.select(args.ids, args.tag)
+        reasons: dict[str, list[str]] = {}
+        for job_id, reason in waiting_for_model(args.workspace, [j for j in ids if states[j] is Status.Queued]).items():
+            reasons.setdefault(reason, []).append(job_id)
+        for reason, waiting in reasons.items():
+            _say(f"{waiting[0]} {reason}" if len(waiting) == 1 else f"{len(waiting)} jobs ({waiting[0]}, ...) {reason}")
     states = flow.wait_all(args.ids, args.tag, args.timeout, draw if progress else None)
     if unsaid:  # the last jobs ended within a second of a line: the log still gets the final count
         _say(unsaid)
@@ -8541,6 +8709,9 @@ def _submit_arguments(parser: Any) -> None:
     parser.add_argument("--wait-timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--dedupe", action="store_true", help="queue identical work once: the idempotency key is "
                         "derived from the prompt and every parameter (each line's own, with --file)")
+    parser.add_argument("--strict-models", action="store_true", help="refuse a job whose model matches no known "
+                        "model (exit 2 naming the line and the models known; nothing queued), instead of queuing "
+                        "it for the daemon's model with a note (NRVNA_STRICT_MODELS=1)")
     _param_arguments(parser)
 
 

@@ -966,6 +966,108 @@ def test_a_read_only_workspace_is_refused(tmp_path: Path, model: str) -> None:
     assert b"rc=1" in done.stdout and b"Read-only file system" in done.stderr and b"Traceback" not in done.stderr
 
 
+# -- Jobs name their model ---------------------------------------------------------------------
+
+
+def test_a_job_names_its_model_by_flag_line_openai_body_or_library(ws: str, tmp_path: Path, run_main: RunMain,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("SmolLM2-135M.gguf", "Qwen-0.5B.gguf", "Qwen-1.5B.gguf"):
+        (models / name).write_bytes(b"GGUF")
+    env = {"NRVNA_MODELS_DIR": str(models), "NRVNA_MODEL_ALIASES": "gpt-4o-mini=smollm"}
+    monkeypatch.setenv("NRVNA_MODELS_DIR", str(models))
+    known = run_main("submit", ws, "hi", "--model", "Qwen-0.5B", env=env)
+    assert known.returncode == 0 and known.stderr == b""
+    assert Flow(ws).get(known.stdout.decode().strip()).params["model"] == "Qwen-0.5B"
+    alias = run_main("submit", ws, "hi", "--model", "gpt-4o-mini", "--strict-models", env=env)
+    assert alias.returncode == 0 and alias.stderr == b""
+    # A name that matches no model: queued for the daemon's model, with a note; refused when strict.
+    unknown = run_main("submit", ws, "hi", "--model", "llama-70b", env=env)
+    assert unknown.returncode == 0
+    assert b"model 'llama-70b' matches no model in" in unknown.stderr and b"on the daemon's model" in unknown.stderr
+    before = Flow(ws).counts()["queued"]
+    for strict in (["--strict-models"], []):
+        refused = run_main("submit", ws, "hi", "--model", "llama-70b", *strict,
+                           env=dict(env, NRVNA_STRICT_MODELS="1") if not strict else env)
+        assert refused.returncode == 2 and refused.stdout == b""
+        assert refused.stderr.decode().count("\n") == 1
+        assert "model 'llama-70b' matches no model (known: Qwen-0.5B.gguf, Qwen-1.5B.gguf, SmolLM2-135M.gguf, " \
+               "gpt-4o-mini" in refused.stderr.decode()
+    ambiguous = run_main("submit", ws, "hi", "--model", "qwen", env=env)
+    assert ambiguous.returncode == 2 and b"model name 'qwen' is ambiguous" in ambiguous.stderr
+    batch = tmp_path / "batch.jsonl"
+    lines = [{"prompt": "a", "model": "smollm"}, {"prompt": "b", "model": "nope"},
+             {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "c"}]}}]
+    batch.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    strict = run_main("submit", ws, "--file", str(batch), "--strict-models", env=env)
+    assert strict.returncode == 2 and strict.stderr.decode().startswith("nrvna: error: line 2: model 'nope' matches no model")
+    assert Flow(ws).counts()["queued"] == before
+    loose = run_main("submit", ws, "--file", str(batch), env=env)
+    ids = loose.stdout.decode().split()
+    assert loose.returncode == 0 and len(ids) == 3 and b"model 'nope' matches no model" in loose.stderr
+    assert [Flow(ws).get(i).params["model"] for i in ids] == ["smollm", "nope", "gpt-4o-mini"]
+    assert Work(ws).publish("hi", model="SmolLM2-135M") and Work(ws, strict_models=True)
+    with pytest.raises(nrvna.InvalidInput, match="matches no model"):
+        Work(ws, strict_models=True).publish("hi", model="llama-70b")
+    bad = run_main("submit", ws, "hi", "--model", "x", env=dict(env, NRVNA_MODEL_ALIASES="oops"))
+    assert bad.returncode == 2 and b"NRVNA_MODEL_ALIASES: 'oops' is not NAME=MODEL" in bad.stderr
+
+
+@pytest.mark.model
+def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: str, tmp_path: Path, model: str,
+                                                                          run_main: RunMain) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    os.link(model, models / "smol.gguf")
+    os.link(model, models / "other.gguf")  # the same bytes, another model as far as names go
+    env = {"NRVNA_MODELS_DIR": str(models), "NRVNA_MODEL_ALIASES": "gpt-4o-mini=smol"}
+    ids = {}
+    for name in ("smol", "other", "gpt-4o-mini", "unheard-of", None):
+        flags = ["--model", name] if name else []
+        ids[name] = run_main("submit", ws, "Say hi.", "--max-tokens", "4", *flags, env=env).stdout.decode().strip()
+    daemon = start_daemon("smol", ws, "--drain", env=env)
+    try:
+        out, err = daemon.communicate(timeout=300)
+    finally:
+        daemon.kill()
+    assert daemon.returncode == 0, err.decode()[-2000:]
+    flow = Flow(ws)
+    for name, job_id in ids.items():
+        assert flow.status(job_id) is (Status.Queued if name == "other" else Status.Done), name
+        if name != "other":
+            assert flow.get(job_id).meta["model"] == "smol.gguf"
+    assert b"Jobs for model other" in err and b"wait in the queue" in err
+    # With the daemon up, status and wait say why the job waits (never a silent hang).
+    daemon = start_daemon("smol", ws, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until the daemon has written daemon.json
+            with contextlib.suppress(nrvna.NoSuchJob):
+                if "model_path" in nrvna.daemon_info(ws):
+                    break
+            assert time.monotonic() < deadline and daemon.poll() is None
+            time.sleep(0.1)
+        status = run_main("status", ws, ids["other"], "--json", env=env)
+        assert status.returncode == nrvna.EXIT_UNFINISHED
+        report = json.loads(status.stdout)[ids["other"]]
+        assert report["status"] == "queued"
+        assert report["waiting"] == "waits for model other (other.gguf), which no running daemon serves " \
+                                    "(the daemon serves smol.gguf)"
+        waited = run_main("wait", ws, ids["other"], "--timeout", "0.5", env=env)
+        assert waited.returncode == nrvna.EXIT_UNFINISHED and b"waits for model other (other.gguf)" in waited.stderr
+    finally:
+        daemon.terminate()
+        daemon.wait(60)
+    other = start_daemon("other", ws, "--drain", env=env)
+    try:
+        other.communicate(timeout=300)
+    finally:
+        other.kill()
+    assert flow.status(ids["other"]) is Status.Done and flow.get(ids["other"]).meta["model"] == "other.gguf"
+
+
 # ==============================================================================
 # Command line: output, exit codes, pipes
 # ==============================================================================
