@@ -1,0 +1,187 @@
+"""Several models behind one workspace: nrvna against llama-server's router mode on one batch
+that interleaves three models line by line; same models, jobs, sampling and machine, model
+loads counted on both sides (issue 31's benchmark).
+
+Models: SmolLM2-135M-Instruct (chat A); a second file of the same weights (chat B: the router
+and nrvna each load it as a model of its own, so a swap costs what a real one of that size
+does); all-MiniLM-L6-v2 (embeddings C, made by scripts/embed_model.py when missing). The batch:
+JOBS lines per model in file order A, B, C, A, B, C, ... as OpenAI Batch lines naming their
+model: a chat line generates TOKENS tokens (end-of-generation ignored, temperature 0.8, top_k
+40, top_p 0.9, min_p 0.05), an embedding line embeds 2 texts.
+
+Arms:
+- llama-server in router mode: `--models-dir` holding A and B, a `--models-preset` adding C
+  with `embeddings` and `pooling = mean`, `--models-max 2` and `--models-max 3`, children with
+  -np 8; 8 concurrent clients send the lines in file order. Loads: the router's "spawning server
+  instance" log lines.
+- nrvna as it stands (issue 31's first part: jobs name their model, a daemon runs only its
+  model's jobs): the file submitted once, then `nrvna daemon MODEL WS --drain` for A, B and C in
+  a row, each loading its model once. Loads: the daemons' "Loading model" log lines. Every job's
+  meta.json must name the model its line named.
+
+    python bench/models.py [--jobs 50] [--tokens 32] [--server PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+
+from common import PYTHON, ROOT, machine, table
+from vs_llama_server import SAMPLING, concurrently, free_port
+
+import nrvna
+
+WORDS = ("river stone lantern harbor meadow copper violin orchard glacier compass ember thistle "
+         "falcon quarry ribbon saddle").split()
+
+
+def text(i: int, n: int = 12) -> str:
+    return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(n))
+
+
+def make_models(base: str) -> dict[str, str]:
+    """A models directory with chat-a.gguf, chat-b.gguf (hard links, else copies, of SmolLM2: one
+    file each, so neither side can tell they hold the same weights) and minilm.gguf."""
+    chat = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    embed = os.path.join(ROOT, "models", "all-MiniLM-L6-v2-f16.gguf")
+    if not os.path.exists(embed):
+        subprocess.run([PYTHON, os.path.join(ROOT, "scripts", "embed_model.py")], check=True)
+    folder = os.path.join(base, "models")
+    os.mkdir(folder)
+    paths = {}
+    for name, source in (("chat-a", chat), ("chat-b", chat), ("minilm", embed)):
+        paths[name] = os.path.join(folder, f"{name}.gguf")
+        try:
+            os.link(source, paths[name])
+        except OSError:
+            shutil.copyfile(source, paths[name])
+    return paths
+
+
+def batch_lines(jobs: int, tokens: int) -> list[dict]:
+    lines = []
+    for i in range(jobs):
+        for name in ("chat-a", "chat-b"):
+            lines.append({"custom_id": f"{name}-{i}", "method": "POST", "url": "/v1/chat/completions",
+                          "body": {"model": name, "max_tokens": tokens, "ignore_eos": True, **SAMPLING,
+                                   "messages": [{"role": "user", "content": f"Tell me about {text(i, 4)}."}]}})
+        lines.append({"custom_id": f"minilm-{i}", "method": "POST", "url": "/v1/embeddings",
+                      "body": {"model": "minilm", "input": [text(2 * i), text(2 * i + 1)]}})
+    return lines
+
+
+def router_arm(binary: str, paths: dict[str, str], lines: list[dict], most: int, base: str) -> dict:
+    chats = os.path.join(base, f"router-{most}")
+    os.mkdir(chats)
+    for name in ("chat-a", "chat-b"):
+        os.symlink(paths[name], os.path.join(chats, f"{name}.gguf"))
+    preset = os.path.join(base, f"router-{most}.ini")
+    with open(preset, "w") as handle:
+        handle.write(f"version = 1\n\n[minilm]\nmodel = {paths['minilm']}\nembeddings = true\npooling = mean\n")
+    port, cores = free_port(), nrvna.cpu_count()
+    log_path = os.path.join(base, f"router-{most}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([binary, "--models-dir", chats, "--models-preset", preset, "--models-max", str(most),
+                                 "--host", "127.0.0.1", "--port", str(port), "-np", "8", "-c", "8192", "-t", str(cores),
+                                 "-tb", str(cores), "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"the router did not start (see {log_path})") from None
+                time.sleep(0.2)
+        lock, done = threading.Lock(), [0]
+
+        def send(line: dict) -> None:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{line['url']}", data=json.dumps(line["body"]).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=900) as response:
+                reply = json.loads(response.read())
+            if line["url"] == "/v1/embeddings":
+                assert len(reply["data"]) == 2, reply
+            else:
+                assert reply["usage"]["completion_tokens"] == line["body"]["max_tokens"], reply["usage"]
+            with lock:
+                done[0] += 1
+
+        elapsed = concurrently(lines, 8, send)
+        assert done[0] == len(lines)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    with open(log_path, errors="replace") as handle:
+        spawned = re.findall(r"spawning server instance with name=(\S+)", handle.read())
+    return {"seconds": elapsed, "jobs/s": len(lines) / elapsed, "loads": len(spawned),
+            "by model": {name: spawned.count(name) for name in sorted(set(spawned))}}
+
+
+def nrvna_arm(paths: dict[str, str], lines: list[dict], base: str) -> dict:
+    ws = os.path.join(base, "ws")
+    batch = os.path.join(base, "batch.jsonl")
+    with open(batch, "w") as handle:
+        handle.writelines(json.dumps(line) + "\n" for line in lines)
+    env = {**os.environ, "NRVNA_MODELS_DIR": os.path.dirname(paths["chat-a"]), "NRVNA_LOG_LEVEL": "info"}
+    os.environ["NRVNA_MODELS_DIR"] = env["NRVNA_MODELS_DIR"]  # submit resolves names as the daemons will
+    start = time.perf_counter()
+    ids = nrvna.Work(ws, strict_models=True).submit_file(batch)
+    loads = 0
+    for name in ("chat-a", "chat-b", "minilm"):
+        daemon = subprocess.run([PYTHON, os.path.join(ROOT, "nrvna.py"), "daemon", name, ws, "--drain"], env=env,
+                                capture_output=True, text=True)
+        assert daemon.returncode == 0, daemon.stderr[-2000:]
+        loads += daemon.stderr.count("Loading model")
+    elapsed = time.perf_counter() - start
+    flow = nrvna.Flow(ws)
+    for job_id, line in zip(ids, lines):
+        job = flow.get(job_id)
+        assert job.status is nrvna.Status.Done, (job_id, job.error)
+        assert job.meta["model"] == f"{line['body']['model']}.gguf", (job.meta["model"], line["custom_id"])
+    return {"seconds": elapsed, "jobs/s": len(lines) / elapsed, "loads": loads}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=50, help="lines per model")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per chat line")
+    parser.add_argument("--server", help="llama-server binary (default: build it)")
+    args = parser.parse_args()
+    binary = args.server or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
+                                           capture_output=True, text=True, check=True).stdout.strip()
+    base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
+    try:
+        paths = make_models(base)
+        lines = batch_lines(args.jobs, args.tokens)
+        results = {"nrvna: one --drain daemon per model, in a row": nrvna_arm(paths, lines, base)}
+        for most in (2, 3):
+            results[f"llama-server router, --models-max {most}"] = router_arm(binary, paths, lines, most, base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"machine: {machine()}; {len(lines)} lines ({args.jobs} per model: 2 chat models x {args.tokens} tokens, "
+          "1 embedding model x 2 texts), interleaved line by line")
+    nrvna_rate = results["nrvna: one --drain daemon per model, in a row"]["jobs/s"]
+    rows = [[name, r["seconds"], r["jobs/s"], r["loads"], nrvna_rate / r["jobs/s"]] for name, r in results.items()]
+    print(table(["arm", "seconds", "jobs/s", "model loads", "nrvna's jobs/s over this"], rows))
+    for name, r in results.items():
+        if "by model" in r:
+            print(f"{name}: loads by model {r['by model']}")
+
+
+if __name__ == "__main__":
+    main()
