@@ -6,7 +6,7 @@ Models: SmolLM2-135M-Instruct (chat A); a second file of the same weights (chat 
 and nrvna each load it as a model of its own, so a swap costs what a real one of that size
 does); all-MiniLM-L6-v2 (embeddings C, made by scripts/embed_model.py when missing). The batch:
 JOBS lines per model in file order A, B, C, A, B, C, ... as OpenAI Batch lines naming their
-model: a chat line generates TOKENS tokens (end-of-generation ignored, temperature 0.8, top_k
+model (nrvna gets the same jobs as its own JSONL lines, which may say ignore_eos): a chat line generates TOKENS tokens (end-of-generation ignored, temperature 0.8, top_k
 40, top_p 0.9, min_p 0.05), an embedding line embeds 2 texts.
 
 Arms:
@@ -135,8 +135,12 @@ def router_arm(binary: str, paths: dict[str, str], lines: list[dict], most: int,
 def nrvna_arm(paths: dict[str, str], lines: list[dict], base: str) -> dict:
     ws = os.path.join(base, "ws")
     batch = os.path.join(base, "batch.jsonl")
-    with open(batch, "w") as handle:
-        handle.writelines(json.dumps(line) + "\n" for line in lines)
+    with open(batch, "w") as handle:  # the same jobs as nrvna's own lines (ignore_eos is no OpenAI field)
+        for line in lines:
+            body = dict(line["body"], custom_id=line["custom_id"])
+            if line["url"] == "/v1/embeddings":
+                body["embed"] = True
+            handle.write(json.dumps(body) + "\n")
     env = {**os.environ, "NRVNA_MODELS_DIR": os.path.dirname(paths["chat-a"]), "NRVNA_LOG_LEVEL": "info"}
     os.environ["NRVNA_MODELS_DIR"] = env["NRVNA_MODELS_DIR"]  # submit resolves names as the daemons will
     start = time.perf_counter()
