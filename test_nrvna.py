@@ -4448,7 +4448,8 @@ def _example_pages() -> list[Any]:
     for path in documentation():
         blocks = runnable_examples(path)
         if blocks:
-            needs_model = any("models/" in code for _, _, code in blocks)
+            # A page that names a model file, or starts a daemon (by a model's name, say), needs both.
+            needs_model = any("models/" in code or "nrvna daemon" in code for _, _, code in blocks)
             pages.append(pytest.param(path, id=str(path.relative_to(HERE)),
                                       marks=[pytest.mark.model] if needs_model else []))
     return pages
