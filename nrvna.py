@@ -2320,9 +2320,11 @@ def read_route(job_dir: str) -> tuple[int, Optional[str]]:
         return 0, None
     try:
         params = json.loads(data)
-        priority, model = params.get("priority", 0), params.get("model")
-    except (ValueError, RecursionError, AttributeError):
+    except (ValueError, RecursionError):
         return 0, None
+    if not isinstance(params, dict):  # a hand-made params.json: its claim fails it
+        return 0, None
+    priority, model = job_param(params, "priority"), job_param(params, "model")
     lane = PARAMS["priority"]
     if not (isinstance(priority, int) and not isinstance(priority, bool) and lane.low <= priority <= lane.high):
         priority = 0
@@ -3528,7 +3530,7 @@ def job_vectors(job: Job) -> list[list[float]]:
     if job.status is Status.Failed:
         reason = (job.error or "").strip().splitlines()
         raise NrvnaError(f"job {job.id} failed, so it has no vectors" + (f": {reason[0]}" if reason else ""))
-    if not (job.params or {}).get("embed"):
+    if not job_param(job.params or {}, "embed"):
         raise InvalidInput(f"job {job.id} is not an embed job: it has text, not vectors")
     try:
         vectors = [json.loads(line) for line in (job.result or "").splitlines() if line.strip()]
@@ -3570,7 +3572,7 @@ def _embeddings_body(job: Job) -> dict[str, Any]:
     import base64
 
     tokens = int(job.meta.get("prompt_tokens") or 0)
-    as_text = (job.params or {}).get("encoding_format") == "base64"
+    as_text = job_param(job.params or {}, "encoding_format") == "base64"
     data = [{"object": "embedding", "index": i,
              "embedding": base64.b64encode(_float32_bytes(vector)).decode("ascii") if as_text else vector}
             for i, vector in enumerate(job_vectors(job))]
@@ -3642,7 +3644,7 @@ def _json_line(record: Callable[[Job], dict[str, Any]]) -> Callable[[Job], str]:
 
 
 def _f32_rows(job: Job) -> bytes:
-    if not (job.params or {}).get("embed"):
+    if not job_param(job.params or {}, "embed"):
         raise InvalidInput(f"job {job.id} is not an embed job: --format f32 exports embed jobs' vectors only")
     vectors = job_vectors(job)
     widths = sorted({len(vector) for vector in vectors})
@@ -3652,7 +3654,7 @@ def _f32_rows(job: Job) -> bytes:
 
 
 def _f32_ids(job: Job) -> str:
-    custom_id = (job.params or {}).get("custom_id") or ""
+    custom_id = job_param(job.params or {}, "custom_id") or ""
     return "".join(f"{job.id}\t{custom_id}\t{i}\n" for i in range(len(job_vectors(job))))
 
 
@@ -8317,7 +8319,7 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
             raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
         record = {"id": job.id, "status": job.status.value, "prompt": job.prompt, "result": job.result,
                   "error": job.error, "meta": job.meta, "params": job.params, "logprobs": job.logprobs}
-        if job.status is Status.Done and (job.params or {}).get("embed"):
+        if job.status is Status.Done and job_param(job.params or {}, "embed"):
             record.update(result=None, embeddings=job_vectors(job))
         _print_json(record)
         return STATUS_EXIT[job.status]

@@ -1015,6 +1015,18 @@ def test_a_job_names_its_model_by_flag_line_openai_body_or_library(ws: str, tmp_
     assert bad.returncode == 2 and b"NRVNA_MODEL_ALIASES: 'oops' is not NAME=MODEL" in bad.stderr
 
 
+def test_a_queued_job_s_lane_and_model_are_read_from_any_params_json(tmp_path: Path) -> None:
+    """The Scanner reads them for every queued job: a hand-made file never raises there (it
+    would stop discovery); its claim fails the job instead."""
+    cases = {'{"priority": 5, "model": "m"}': (5, "m"), '"priority model"': (0, None), '["model"]': (0, None),
+             '{"priority": true, "model": 7}': (0, None), '{"priority": 1001}': (0, None), '{"model": "": 1': (0, None)}
+    for n, (text, expected) in enumerate(cases.items()):
+        job = tmp_path / f"job{n}"
+        job.mkdir()
+        (job / "params.json").write_text(text)
+        assert nrvna.read_route(str(job)) == expected, text
+
+
 @pytest.mark.model
 def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: str, tmp_path: Path, model: str,
                                                                           run_main: RunMain) -> None:
