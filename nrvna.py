@@ -3895,6 +3895,15 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
     return notes
 
 
+def _absolute_model(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with a model named by a path made absolute: the daemon resolves it from
+    another directory than the submitter's."""
+    model = job_param(params, "model")
+    if model is None or os.sep not in model or os.path.isabs(model):
+        return params
+    return dict(params, model=os.path.abspath(model))
+
+
 def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
     """Why each queued job of ``job_ids`` that names a model no running daemon serves is
     waiting, by ID (jobs that are not waiting for a model are left out)."""
@@ -3969,6 +3978,7 @@ class Work:
         for note in check_model_names(self.workspace, [("the job", job_param(clean, "model"))], self.strict_models):
             if self.notify is not None:
                 self.notify(note)
+        clean = _absolute_model(clean)
         if dedupe and "idempotency_key" not in clean:
             clean["idempotency_key"] = dedupe_key(data, clean)
         ensure_workspace(self.workspace)
@@ -4144,6 +4154,7 @@ class Work:
                     raise InvalidInput(f"line {entry.line}: {err} (with the flags given for every line)") from None
         notes.extend(check_model_names(self.workspace, [(f"line {e.line}", job_param(e.params, "model"))
                                                         for e in entries], self.strict_models))
+        entries = [BatchEntry(e.line, e.prompt, _absolute_model(e.params)) for e in entries]
         if dedupe:
             entries = [e if "idempotency_key" in e.params else
                        BatchEntry(e.line, e.prompt, dict(e.params, idempotency_key=dedupe_key(e.prompt, e.params)))

@@ -1011,6 +1011,11 @@ def test_a_job_names_its_model_by_flag_line_openai_body_or_library(ws: str, tmp_
     assert Work(ws).publish("hi", model="SmolLM2-135M") and Work(ws, strict_models=True)
     with pytest.raises(nrvna.InvalidInput, match="matches no model"):
         Work(ws, strict_models=True).publish("hi", model="llama-70b")
+    # A path is kept absolute: the daemon resolves it from its own directory.
+    monkeypatch.chdir(tmp_path)
+    by_path = run_main("submit", ws, "hi", "--model", "models/Qwen-0.5B.gguf", env=env)
+    assert by_path.returncode == 0 and by_path.stderr == b""
+    assert Flow(ws).get(by_path.stdout.decode().strip()).params["model"] == str(models / "Qwen-0.5B.gguf")
     bad = run_main("submit", ws, "hi", "--model", "x", env=dict(env, NRVNA_MODEL_ALIASES="oops"))
     assert bad.returncode == 2 and b"NRVNA_MODEL_ALIASES: 'oops' is not NAME=MODEL" in bad.stderr
 
