@@ -198,8 +198,9 @@ def _os_error(err: OSError) -> str:
 
 # A setting's variable, type, default, range (low, high: a number's), help; a str setting's
 # choices (None: any text); the daemon's flags that set it; its default as the docs state it
-# where the machine decides it.
-_Setting = namedtuple("_Setting", "env kind default low high help choices flags shown", defaults=(None, (), None))
+# where the machine decides it; and its own check, where a value needs more than its type's.
+_Setting = namedtuple("_Setting", "env kind default low high help choices flags shown check",
+                      defaults=(None, (), None, None))
 
 
 def _default_gpu_layers() -> int:
@@ -215,6 +216,16 @@ def cpu_count() -> int:
 
 
 LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
+
+
+def _log_level(value: Any) -> str:
+    level = str(value).lower()
+    return "warn" if level == "warning" else level
+
+
+def _check_aliases(value: Any) -> str:
+    parse_aliases(str(value))  # ConfigError naming the bad entry
+    return str(value)
 POOLINGS = ("model", "mean", "cls", "last", "none")  # llama.cpp's pooling types, by name
 
 # Every NRVNA_* variable: parsing, validation, `--help` and the README's table come from here.
@@ -243,11 +254,13 @@ SETTINGS: dict[str, _Setting] = {
     "max_batch_lines": _Setting("NRVNA_MAX_BATCH_LINES", int, 1_000_000, 1, 1 << 31, "most lines a batch file (submit --file) may hold: it is held whole while checked, about 0.8 KB a line"),
     "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0, "seconds a submit waits for another live submit that holds its idempotency key to publish its job (then exit 4, nothing queued)"),
     "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
-    "model_aliases": _Setting("NRVNA_MODEL_ALIASES", str, "", None, None, "other names for models, NAME=MODEL[,NAME=MODEL...]: a job (or the daemon) naming NAME gets MODEL (e.g. gpt-4o-mini=smollm2)"),
+    "model_aliases": _Setting("NRVNA_MODEL_ALIASES", str, "", None, None, "other names for models, NAME=MODEL[,NAME=MODEL...]: a job (or the daemon) naming NAME gets MODEL (e.g. gpt-4o-mini=smollm2)",
+                             check=_check_aliases),
     "strict_models": _Setting("NRVNA_STRICT_MODELS", int, 0, 0, 1, "1: submit refuses a job whose model matches no known model (exit 2, nothing queued); 0 queues it for the daemon's model, with a note (submit --strict-models)"),
     "pooling": _Setting("NRVNA_POOLING", str, "model", None, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)", choices=POOLINGS),
     "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1, "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
-    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace", choices=LOG_LEVELS),
+    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace", choices=LOG_LEVELS,
+                           check=_log_level),
     "on_done": _Setting("NRVNA_ON_DONE", str, "", None, None, "a shell command run for every job that ends, with the job's directory appended as its last argument ($1 of a script)",
                          flags=("--on-done",)),
     "on_batch_done": _Setting("NRVNA_ON_BATCH_DONE", str, "", None, None, "a shell command run once when every job of a tag has ended, with the tag appended as its argument",
@@ -322,12 +335,8 @@ def _parse_setting(name: str, raw: str) -> Any:
 
 def _check_setting(name: str, value: Any) -> Any:
     setting = SETTINGS[name]
-    if name == "log_level":
-        level = str(value).lower()
-        level = "warn" if level == "warning" else level
-        value = level
-    if name == "model_aliases":
-        parse_aliases(str(value))  # ConfigError naming the bad entry
+    if setting.check is not None:  # the setting's own: normalizes, or raises ConfigError
+        value = setting.check(value)
     if setting.kind is str:
         if setting.choices is not None and value not in setting.choices:
             raise ConfigError(f"{setting.env}={value!r} is not one of {', '.join(setting.choices)}")
@@ -2336,6 +2345,22 @@ def read_priority(job_dir: str) -> int:
     return read_route(job_dir)[0]
 
 
+def gguf_files(models_dir: str) -> Optional[list[str]]:
+    """The ``*.gguf`` file names in ``models_dir``, sorted (None when it cannot be read)."""
+    try:
+        return sorted(f for f in os.listdir(models_dir) if f.lower().endswith(".gguf"))
+    except OSError:
+        return None
+
+
+def model_elsewhere(name: str, models_dir: str, aliases: Mapping[str, str], served: Optional[str]) -> Optional[str]:
+    """The model file a job naming ``name`` waits for, when that is not ``served`` (the real
+    path of the model a daemon serves); None when the daemon runs it: a name that matches no
+    model, or several, runs on its model (submit noted that, or refused it)."""
+    matches = model_matches(name, models_dir, aliases)
+    return matches[0] if len(matches) == 1 and os.path.realpath(matches[0]) != served else None
+
+
 def model_matches(name: str, models_dir: str, aliases: Optional[Mapping[str, str]] = None) -> list[str]:
     """The model files ``name`` may mean: through ``aliases`` first, then a path (one that
     exists, or any name with a '/'), else the ``*.gguf`` files of ``models_dir`` named
@@ -2344,10 +2369,7 @@ def model_matches(name: str, models_dir: str, aliases: Optional[Mapping[str, str
     name = (aliases or {}).get(name, name)
     if os.path.exists(name) or os.sep in name:
         return [name] if os.path.exists(name) else []
-    try:
-        candidates = sorted(f for f in os.listdir(models_dir) if f.lower().endswith(".gguf"))
-    except OSError:
-        return []
+    candidates = gguf_files(models_dir) or []
     exact = [f for f in candidates if f == name or f[:-5] == name]
     return [os.path.join(models_dir, f) for f in exact or [f for f in candidates if name.lower() in f.lower()]]
 
@@ -2361,11 +2383,10 @@ def resolve_model(name: str, models_dir: str, aliases: Optional[Mapping[str, str
     shown = name if target == name else f"{name} (an alias of {target})"
     if os.path.exists(target) or os.sep in target:
         raise ModelError(f"model {shown} does not exist")
-    try:
-        candidates = sorted(f for f in os.listdir(models_dir) if f.lower().endswith(".gguf"))
-    except OSError:
+    candidates = gguf_files(models_dir)
+    if candidates is None:
         raise ModelError(f"model {shown} does not exist, and models dir {models_dir} cannot be read "
-                         "(NRVNA_MODELS_DIR)") from None
+                         "(NRVNA_MODELS_DIR)")
     if not matches:
         raise ModelError(f"model {shown} does not exist; models in {models_dir}: {', '.join(candidates) or 'none'}")
     raise ModelError(f"model name {shown} is ambiguous in {models_dir}: "
@@ -3886,8 +3907,7 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
         if matches or name in served_names:
             continue
         if strict:
-            files = [os.path.basename(m) for m in model_matches("", models_dir)]  # "" is in every name
-            known = sorted({*files, *([os.path.basename(served)] if served else []), *aliases})
+            known = sorted({*(gguf_files(models_dir) or []), *([os.path.basename(served)] if served else []), *aliases})
             raise InvalidInput(f"{places[0]}: model {name!r} matches no model (known: {', '.join(known) or 'none'}; "
                                f"NRVNA_MODELS_DIR is {models_dir})")
         jobs = f"{len(places)} jobs run" if len(places) > 1 else "it runs"
@@ -3920,10 +3940,9 @@ def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
     reasons, verdicts = {}, {}
     for job_id, model in named.items():
         if model not in verdicts:
-            matches = model_matches(model, models_dir, aliases)
-            waits = len(matches) == 1 and os.path.realpath(matches[0]) != served
-            verdicts[model] = (f"waits for model {model} ({os.path.basename(matches[0])}), which no running daemon "
-                               f"serves (the daemon serves {os.path.basename(served)})") if waits else None
+            other = model_elsewhere(model, models_dir, aliases, served)
+            verdicts[model] = (f"waits for model {model} ({os.path.basename(other)}), which no running daemon "
+                               f"serves (the daemon serves {os.path.basename(served)})") if other else None
         if verdicts[model] is not None:
             reasons[job_id] = verdicts[model]
     return reasons
@@ -7715,15 +7734,13 @@ class Server:
         return priority if model is None or self._serves(model) else None
 
     def _serves(self, name: str) -> bool:
-        """Whether a job naming model ``name`` is this daemon's: a name that matches no model,
-        or several, runs on its model (submit noted that, or refused it with
-        --strict-models); a name that is another model's file waits for that model."""
+        """Whether a job naming model ``name`` is this daemon's (see model_elsewhere)."""
         served = self._served.get(name)
         if served is None:
-            matches = model_matches(name, self._models_dir, self._aliases)
-            served = len(matches) != 1 or os.path.realpath(matches[0]) == self._model_path
+            other = model_elsewhere(name, self._models_dir, self._aliases, self._model_path)
+            served = other is None
             if not served:
-                log.info(f"Jobs for model {name} ({matches[0]}) wait in the queue: this daemon serves "
+                log.info(f"Jobs for model {name} ({other}) wait in the queue: this daemon serves "
                          f"{self._model_path or self.runner and self.runner.name}")
             if len(self._served) < 4096:
                 self._served[name] = served
