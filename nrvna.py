@@ -50,7 +50,8 @@ __all__ = [
     "check_grammar", "GrammarShape", "GrammarVocab", "GrammarLimit", "grammar_code_points",
     "render_inputs",
     # job directories
-    "locate_job", "read_meta", "dump_meta", "mark_failed", "move_job", "ensure_workspace",
+    "locate_job", "read_meta", "dump_meta", "mark_failed", "move_job", "ensure_workspace", "Route", "read_route",
+    "WorkspaceLock", "daemon_records",
     "job_history", "record_event", "iter_events", "format_time", "owe_hooks", "EVENT_STATUS",
     # errors
     "NrvnaError", "InvalidInput", "ConfigError", "NoSuchJob", "NotFinished", "KeyHeld", "WorkspaceError",
@@ -240,6 +241,12 @@ SETTINGS: dict[str, _Setting] = {
     "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
     "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all)",
                             shown="0 (99 on macOS)"),
+    "gpu": _Setting("NRVNA_GPU", int, -1, -1, 1023, "the GPU this daemon runs on, whole (llama.cpp's main GPU, no split; one daemon per GPU); -1 lets llama.cpp spread the layers over every GPU",
+                     flags=("--gpu",)),
+    "max_loaded": _Setting("NRVNA_MAX_LOADED", int, 2, 1, 64, "models a daemon serving several keeps loaded at once (the one with nothing queued is evicted first)",
+                            flags=("--max-loaded",)),
+    "model_turn": _Setting("NRVNA_MODEL_TURN", float, 60.0, 0.0, 86400.0, "seconds a model keeps the daemon while other models' jobs wait; then the longest-waiting model gets its turn (as soon as its running jobs end)",
+                            flags=("--model-turn",)),
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
     "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs"),
     "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job (default of max_tokens)"),
@@ -2307,10 +2314,14 @@ ENDPOINTS: dict[str, Endpoint] = {
 # Workspace and job directories: layout, IDs, states, meta.json, durable moves, the tag index, the lock
 ##############################################################################
 
-def read_route(job_dir: str) -> tuple[int, Optional[str]]:
-    """A queued job's priority and the model it names, from its params.json ((0, None) when it
-    names neither, or cannot be read: its claim will say why). Cheap for the default lane and
-    model: the JSON is parsed only when the file mentions a priority or a model."""
+Route = namedtuple("Route", "priority model embed")
+
+
+def read_route(job_dir: str) -> Route:
+    """A queued job's priority, the model it names and whether it is an embed job, from its
+    params.json ((0, None, False) when it says none, or cannot be read: its claim will say
+    why). Cheap for the default lane and model: the JSON is parsed only when the file
+    mentions a priority, a model or embed."""
     import json
 
     # The Scanner calls this under the Pool's lock: like the claim, it follows no symlink
@@ -2318,26 +2329,26 @@ def read_route(job_dir: str) -> tuple[int, Optional[str]]:
     try:
         dir_fd = open_dir(job_dir)
     except OSError:
-        return 0, None
+        return Route(0, None, False)
     try:
         data = read_file(dir_fd, PARAMS_FILE, params_limit())
     except (OSError, JobError):
-        return 0, None
+        return Route(0, None, False)
     finally:
         os.close(dir_fd)
-    if b'"priority"' not in data and b'"model"' not in data:
-        return 0, None
+    if b'"priority"' not in data and b'"model"' not in data and b'"embed"' not in data:
+        return Route(0, None, False)
     try:
         params = json.loads(data)
     except (ValueError, RecursionError):
-        return 0, None
+        return Route(0, None, False)
     if not isinstance(params, dict):  # a hand-made params.json: its claim fails it
-        return 0, None
+        return Route(0, None, False)
     priority, model = job_param(params, "priority"), job_param(params, "model")
     lane = PARAMS["priority"]
     if not (isinstance(priority, int) and not isinstance(priority, bool) and lane.low <= priority <= lane.high):
         priority = 0
-    return priority, model if isinstance(model, str) and model else None
+    return Route(priority, model if isinstance(model, str) and model else None, job_param(params, "embed") is True)
 
 
 def read_priority(job_dir: str) -> int:
@@ -2353,12 +2364,13 @@ def gguf_files(models_dir: str) -> Optional[list[str]]:
         return None
 
 
-def model_elsewhere(name: str, models_dir: str, aliases: Mapping[str, str], served: Optional[str]) -> Optional[str]:
-    """The model file a job naming ``name`` waits for, when that is not ``served`` (the real
-    path of the model a daemon serves); None when the daemon runs it: a name that matches no
-    model, or several, runs on its model (submit noted that, or refused it)."""
+def model_elsewhere(name: str, models_dir: str, aliases: Mapping[str, str], served: Iterable[str]) -> Optional[str]:
+    """The model file a job naming ``name`` waits for, when that is none of ``served`` (the
+    real paths of the models a daemon serves); None when it is one of them, or when the name
+    matches no model, or several: such a job runs as if it named none (submit noted that, or
+    refused it)."""
     matches = model_matches(name, models_dir, aliases)
-    return matches[0] if len(matches) == 1 and os.path.realpath(matches[0]) != served else None
+    return matches[0] if len(matches) == 1 and os.path.realpath(matches[0]) not in set(served) else None
 
 
 def model_matches(name: str, models_dir: str, aliases: Optional[Mapping[str, str]] = None) -> list[str]:
@@ -2417,7 +2429,7 @@ HOOKS_BATCH = os.path.join("hooks", "batch")  # hooks/batch/<tag>: {"jobs": N, "
 # at most every HOOK_RETRY_MAX seconds.
 HOOK_RETRY_SECONDS = 0.5
 HOOK_RETRY_MAX = 600.0
-LOCK_FILE = ".nrvna.lock"
+DAEMONS = "daemons"  # daemons/<pid>-<ns>.lock (flock'ed by its daemon while it lives) and .json (its figures)
 # A non-directory found in ready/ is wrapped in a real job dir under this name in failed/.
 QUARANTINED_ENTRY = "entry"
 GENERATED_ID = re.compile(r"(\d+)_(\d+)_(\d+)")
@@ -2460,107 +2472,162 @@ def ensure_workspace(workspace: str) -> None:
         raise WorkspaceError(f"workspace {workspace}: {_os_error(err)}") from None
 
 
-def _try_lock(workspace: str) -> tuple[int, bool]:
-    """Try to take the workspace lock, not waiting: an exclusive flock on the workspace
-    directory itself. Return the directory's descriptor (closing it releases the lock) and
-    whether the lock is held.
-
-    The lock is on the directory, not on a file in it: a file can be replaced (``export -o
-    WS/.nrvna.lock`` did it) while the old inode stays locked, and a second daemon then
-    locks the new one; the directory every job path goes through cannot be swapped that way.
-    LOCK_FILE only records the holder's pid, for ``stop`` and the messages."""
+def _flock(fd: int, exclusive: bool = True, wait: bool = False) -> bool:
+    """Take a flock on ``fd``; False when another open file holds a conflicting one and
+    ``wait`` is False. OSError where the filesystem cannot lock (NFS, say)."""
     import fcntl
 
-    fd = open_dir(workspace)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd, True
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB))
+        return True
     except BlockingIOError:
-        return fd, False
-    except OSError:  # not "held": the filesystem cannot lock a directory (NFS, say)
+        return False
+
+
+class WorkspaceLock:
+    """The workspace directory's own flock, held for moments, never for a daemon's life: by a
+    recovery pass (a daemon's start, or a live daemon requeuing a dead one's jobs), by a
+    daemon's registration, by a quarantine and by a client failing an orphan, so that no two
+    of them touch a job nobody holds at the same time. A running job is held by its own lock
+    (``hold_job``), which the kernel drops when its daemon dies: that is the proof of life."""
+
+    def __init__(self, workspace: str) -> None:
+        self.workspace = workspace
+        self.fd = -1
+
+    def __enter__(self) -> "WorkspaceLock":
+        try:
+            self.fd = open_dir(self.workspace)
+            _flock(self.fd, wait=True)
+        except OSError as err:
+            if self.fd >= 0:
+                os.close(self.fd)
+            raise WorkspaceError(f"workspace {self.workspace} cannot be locked: {_os_error(err)}") from None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        os.close(self.fd)
+
+
+def hold_job(path: str) -> Optional[int]:
+    """Open job directory ``path`` and take its lock, not waiting: the descriptor (closing it
+    lets go), or None when someone holds it (a live daemon runs it, or is moving it). OSError
+    when it cannot be opened. A daemon holds every job it has claimed, from before the
+    claim's rename until after the job's last move."""
+    fd = open_dir(path)
+    try:
+        if _flock(fd):
+            return fd
+    except OSError:
         os.close(fd)
         raise
-
-
-def _write_lock_pid(dir_fd: int) -> None:
-    """Record this process as the lock's holder in LOCK_FILE (the lock itself is on the
-    directory: a stale file left by SIGKILL is harmless)."""
-    fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW, FILE_MODE, dir_fd=dir_fd)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{LOCK_FILE} is not a regular file; remove it")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    finally:
-        os.close(fd)
-
-
-def _read_lock_pid(workspace: str) -> Optional[int]:
-    """The pid LOCK_FILE names, if it names one."""
-    try:
-        fd = os.open(os.path.join(workspace, LOCK_FILE), os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
-        try:
-            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        finally:
-            os.close(fd)
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _kernel_lock_holder(workspace: str) -> Optional[int]:
-    """The pid of the process holding the exclusive flock on ``workspace`` as the kernel
-    records it (Linux's /proc/locks: "1: FLOCK ADVISORY WRITE <pid> <maj>:<min>:<inode> ...");
-    None where there is no such record (another system, or no lock)."""
-    try:
-        info = os.stat(workspace)
-        with open("/proc/locks", encoding="ascii", errors="replace") as handle:
-            lines = handle.read().splitlines()
-    except OSError:
-        return None
-    place = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
-    for line in lines:
-        fields = line.split()  # a waiter's line has "->" before FLOCK: never matches here
-        if fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and len(fields) > 5 and fields[5] == place:
-            pid = fields[4]
-            if pid.isdigit() and int(pid) > 0:  # 0: a holder outside our pid namespace
-                return int(pid)
+    os.close(fd)
     return None
 
 
-def _lock_holder(workspace: str) -> int:
-    """The pid of the lock's holder: the kernel's record where there is one (LOCK_FILE can be
-    replaced and name anyone), else as LOCK_FILE names it (-1 if it names none: the holder is
-    just starting, or the file was replaced and the holder has not yet rewritten it)."""
-    pid = _kernel_lock_holder(workspace)
-    if pid is not None:
-        return pid
-    for _ in range(50):  # a daemon that just took the lock writes its pid next
-        pid = _read_lock_pid(workspace)
-        if pid is not None:
-            return pid
-        time.sleep(0.01)
-    return -1
-
-
-def _daemon_holds(workspace: str) -> Optional[int]:
-    """The pid of the daemon holding ``workspace``'s lock, or None when no daemon runs.
-    Decided by the lock itself (the kernel drops it when its holder dies), never by a file."""
-    import fcntl
-
+def _same_entry(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the directory open as ``fd`` (it was not moved meanwhile)."""
     try:
-        fd = open_dir(workspace)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
+        here, there = os.fstat(fd), os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def hold_orphan(workspace: str, job_id: str) -> Optional[int]:
+    """processing/<id> held (see hold_job) when no live daemon holds it: its daemon died.
+    None when it is held, gone, or not a directory that can be opened. The caller holds the
+    WorkspaceLock, so no other recovery takes it meanwhile."""
+    path = job_path(workspace, PROCESSING, job_id)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return _lock_holder(workspace)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
+        fd = hold_job(path)
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES):
+            return None
+        raise
+    if fd is not None and not _same_entry(fd, path):  # ended or requeued before we took it
         os.close(fd)
+        return None
+    return fd
+
+
+def register_daemon(workspace: str) -> tuple[int, str]:
+    """Make this process a daemon of ``workspace``: a lock file of its own in daemons/, held
+    while it lives (flock). Return the lock's descriptor and the daemon's name, ``<pid>-<ns>``
+    (unique, where a bare pid could be reused after a SIGKILL). The file is locked under a
+    hidden name before it is renamed into place, so a client never sees it unlocked."""
+    folder = os.path.join(workspace, DAEMONS)
+    try:
+        os.mkdir(folder, DIR_MODE)  # not fsynced: liveness, not state (no daemon outlives a power loss)
+    except FileExistsError:
+        pass
+    name = f"{os.getpid()}-{time.time_ns()}"
+    folder_fd = open_dir(folder)
+    try:
+        fd = os.open(f".{name}.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE,
+                     dir_fd=folder_fd)
+        try:
+            _flock(fd)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            os.rename(f".{name}.lock", f"{name}.lock", src_dir_fd=folder_fd, dst_dir_fd=folder_fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(f".{name}.lock", folder_fd)
+            raise
+    finally:
+        os.close(folder_fd)
+    return fd, name
+
+
+def _daemon_locks(workspace: str) -> list[str]:
+    """The names of daemons/' lock files, oldest daemon first (its name starts with its pid)."""
+    try:
+        names = os.listdir(os.path.join(workspace, DAEMONS))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted((n[:-5] for n in names if n.endswith(".lock") and not n.startswith(".")),
+                  key=lambda n: n.split("-")[-1])
+
+
+def daemon_lock_state(workspace: str, name: str, exclusive: bool = False) -> Optional[int]:
+    """Test daemon ``name``'s lock without waiting: None while its daemon lives; else (it died,
+    or its file is gone) a descriptor holding the lock (exclusive: a dead daemon's files are
+    removed under it), or -1 where no file is left to hold."""
+    try:
+        fd = os.open(os.path.join(workspace, DAEMONS, f"{name}.lock"), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+    except FileNotFoundError:
+        return -1
+    try:
+        if _flock(fd, exclusive):
+            return fd
+    except OSError:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
+def daemon_records(workspace: str) -> list[dict[str, Any]]:
+    """Every live daemon's record (its daemons/<name>.json: pid, models, GPU, figures), oldest
+    first; ``{"pid", "name", "starting": True}`` for one that has not written it yet. A
+    daemon is live while it holds its lock (the kernel drops it when its holder dies), never
+    because a file says so."""
+    records = []
+    for name in _daemon_locks(workspace):
+        fd = daemon_lock_state(workspace, name)
+        if fd is not None:
+            if fd >= 0:
+                os.close(fd)
+            continue
+        try:
+            with open(os.path.join(workspace, DAEMONS, f"{name}.json"), encoding="utf-8") as handle:
+                record = parse_meta(handle.read())
+        except OSError:
+            record = {}
+        pid = name.split("-")[0]
+        records.append(dict(record, name=name) if record else
+                       {"pid": int(pid) if pid.isdigit() else -1, "name": name, "starting": True})
+    return records
 
 
 _id_counter = itertools.count()
@@ -3830,8 +3897,7 @@ def _workspace_of(path: str) -> Optional[str]:
     nearest directory at or above it with the queue's layout or a lock file."""
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     while True:
-        if os.path.lexists(os.path.join(folder, LOCK_FILE)) or (
-                os.path.isdir(os.path.join(folder, READY)) and os.path.isdir(os.path.join(folder, PROCESSING))):
+        if os.path.isdir(os.path.join(folder, READY)) and os.path.isdir(os.path.join(folder, PROCESSING)):
             return folder
         parent = os.path.dirname(folder)
         if parent == folder:
@@ -3870,19 +3936,18 @@ class SubmitResult(namedtuple("SubmitResult", "ok id message")):
     __slots__ = ()
 
 
-def model_view(workspace: str) -> tuple[str, dict[str, str], Optional[str]]:
-    """How model names are resolved for ``workspace``: (models dir, aliases, the model file the
-    running daemon serves), as its daemon.json says; with no daemon running, this process's
-    NRVNA_MODELS_DIR and NRVNA_MODEL_ALIASES, and no model served."""
-    info: dict[str, Any] = {}
-    if os.path.isdir(os.path.join(workspace, READY)):  # a new workspace has no daemon yet
-        try:
-            info = daemon_info(workspace)
-        except NoSuchJob:
-            pass
-    if isinstance(info.get("models_dir"), str):
-        return info["models_dir"], dict(info.get("aliases") or {}), info.get("model_path")
-    return os.path.abspath(setting_default("models_dir")), parse_aliases(setting_default("model_aliases")), None
+def model_view(workspace: str) -> tuple[str, dict[str, str], list[str]]:
+    """How model names are resolved for ``workspace``: (models dir, aliases, the model files
+    its running daemons serve), as the oldest daemon's record says (every daemon resolves
+    names its own way, but a workspace's daemons are started alike); with no daemon running,
+    this process's NRVNA_MODELS_DIR and NRVNA_MODEL_ALIASES, and no model served."""
+    records = daemon_records(workspace) if os.path.isdir(os.path.join(workspace, READY)) else []
+    served = [m["path"] for r in records for m in r.get("models") or () if isinstance(m, dict)
+              and isinstance(m.get("path"), str)]
+    first = next((r for r in records if isinstance(r.get("models_dir"), str)), None)
+    if first is not None:
+        return first["models_dir"], dict(first.get("aliases") or {}), served
+    return os.path.abspath(setting_default("models_dir")), parse_aliases(setting_default("model_aliases")), served
 
 
 def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]], strict: bool) -> list[str]:
@@ -3897,7 +3962,7 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
     if not by_name:
         return []
     models_dir, aliases, served = model_view(workspace)
-    served_names = {os.path.basename(served), os.path.basename(served)[:-5]} if served else set()
+    served_names = {n for path in served for n in (os.path.basename(path), os.path.basename(path)[:-5])}
     notes = []
     for name, places in by_name.items():
         matches = model_matches(name, models_dir, aliases)
@@ -3907,11 +3972,11 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
         if matches or name in served_names:
             continue
         if strict:
-            known = sorted({*(gguf_files(models_dir) or []), *([os.path.basename(served)] if served else []), *aliases})
+            known = sorted({*(gguf_files(models_dir) or []), *map(os.path.basename, served), *aliases})
             raise InvalidInput(f"{places[0]}: model {name!r} matches no model (known: {', '.join(known) or 'none'}; "
                                f"NRVNA_MODELS_DIR is {models_dir})")
         jobs = f"{len(places)} jobs run" if len(places) > 1 else "it runs"
-        notes.append(f"model {name!r} matches no model in {models_dir}: {jobs} on the daemon's model")
+        notes.append(f"model {name!r} matches no model in {models_dir}: {jobs} on a daemon's default model")
     return notes
 
 
@@ -3935,14 +4000,15 @@ def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
     if not named:
         return {}
     models_dir, aliases, served = model_view(workspace)
-    if served is None:
+    if not served:
         return {}  # no daemon runs: every queued job waits for one
     reasons, verdicts = {}, {}
+    serving = ", ".join(sorted({os.path.basename(path) for path in served}))
     for job_id, model in named.items():
         if model not in verdicts:
             other = model_elsewhere(model, models_dir, aliases, served)
             verdicts[model] = (f"waits for model {model} ({os.path.basename(other)}), which no running daemon "
-                               f"serves (the daemon serves {os.path.basename(served)})") if other else None
+                               f"serves (they serve {serving})") if other else None
         if verdicts[model] is not None:
             reasons[job_id] = verdicts[model]
     return reasons
@@ -4766,7 +4832,7 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
             return "cancelled", f"job {job_id} cancelled"
         # Running: the daemon stops it; wait to see how it ended.
         while flow.status(job_id) is Status.Running and time.monotonic() < deadline:
-            if _cancel_orphan(workspace, job_id):  # no daemon holds the lock: nobody else will
+            if _cancel_orphan(workspace, job_id):  # no daemon holds it: nobody else will
                 break
             time.sleep(0.02)
         if flow.status(job_id) is Status.Running:
@@ -4774,20 +4840,21 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
 
 
 def _cancel_orphan(workspace: str, job_id: str) -> bool:
-    """No daemon runs, yet the job is in processing/ (its daemon died): fail it here, under
-    the workspace lock so that no daemon can start and recover it meanwhile."""
-    fd, locked = _try_lock(workspace)
-    try:
-        if not locked or not os.path.isdir(os.path.join(workspace, PROCESSING, job_id)):
+    """The job is in processing/ and no live daemon holds it (its daemon died): fail it here,
+    holding it and the WorkspaceLock so that no daemon recovers it meanwhile."""
+    with WorkspaceLock(workspace):
+        fd = hold_orphan(workspace, job_id)
+        if fd is None:
             return False
-        mark_failed(workspace, PROCESSING, job_id, "cancelled", "cancelled while no daemon was running (nrvna cancel)")
-        owe_hooks(workspace, job_id)
-        move(os.path.join(workspace, PROCESSING, job_id), os.path.join(workspace, FAILED, job_id))
-        fsync_dir(os.path.join(workspace, FAILED))
-        fsync_dir(os.path.join(workspace, PROCESSING))
-        return True
-    finally:
-        os.close(fd)
+        try:
+            mark_failed(workspace, PROCESSING, job_id, "cancelled", "cancelled while no daemon ran it (nrvna cancel)")
+            owe_hooks(workspace, job_id)
+            move(os.path.join(workspace, PROCESSING, job_id), os.path.join(workspace, FAILED, job_id))
+            fsync_dir(os.path.join(workspace, FAILED))
+            fsync_dir(os.path.join(workspace, PROCESSING))
+            return True
+        finally:
+            os.close(fd)
 
 
 def cancel_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = None,
@@ -4978,53 +5045,42 @@ def _finished_at(path: str) -> float:
         os.close(fd)
 
 
-def daemon_info(workspace: str) -> dict[str, Any]:
-    """The running daemon's daemon.json (pid, model, workers, counters, tokens/s), or
-    ``{"pid", "starting": True}`` while it loads its model. Raise NoSuchJob when no daemon
-    holds the workspace (decided by its lock, never by a stale file)."""
-    pid = _running_daemon(workspace)
-    try:
-        with open(os.path.join(workspace, DAEMON_FILE), encoding="utf-8") as handle:
-            info = parse_meta(handle.read())
-    except FileNotFoundError:
-        info = {}
-    return info or {"pid": pid, "starting": True}
+def daemon_info(workspace: str) -> list[dict[str, Any]]:
+    """Every running daemon's record, oldest first: pid, name, models (each with its path,
+    kind and whether it is loaded), GPU, workers, counters, tokens/s; ``{"pid", "name",
+    "starting": True}`` while one registers. Raise NoSuchJob when no daemon runs (decided by
+    each daemon's lock, never by a stale file)."""
+    require_workspace(workspace)
+    records = daemon_records(workspace)
+    if not records:
+        raise NoSuchJob(f"no daemon is running on {workspace}")
+    return records
 
 
-def stop_daemon(workspace: str, timeout: Optional[float] = None) -> int:
-    """Send SIGTERM to the daemon holding ``workspace`` and wait until it has let go of it
-    (its in-flight jobs are back in the queue); return its pid. Raise NoSuchJob when none
-    runs, NotFinished when it still holds the workspace after ``timeout`` seconds."""
+def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[int] = None) -> list[int]:
+    """Send SIGTERM to every daemon of ``workspace`` (or only to the one with ``pid``) and
+    wait until each has let go (its in-flight jobs are back in the queue); return their pids.
+    Raise NoSuchJob when none runs (or none has that pid), NotFinished when one still runs
+    after ``timeout`` seconds."""
     import signal
 
-    pid, signalled = _running_daemon(workspace), False
+    records = [r for r in daemon_info(workspace) if pid is None or r.get("pid") == pid]
+    if not records:
+        raise NoSuchJob(f"no daemon with pid {pid} is running on {workspace}")
     deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        if pid > 0 and not signalled:  # unknown (-1) while LOCK_FILE names nobody: ask again
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                raise NrvnaError(f"not allowed to signal the daemon (pid {pid})") from None
-            signalled = True
-        holder = _daemon_holds(workspace)
-        if holder is None:
-            return pid
-        if not signalled:
-            pid = holder
-        if deadline is not None and time.monotonic() > deadline:
-            raise NotFinished(f"the daemon (pid {pid}) has not stopped after {timeout:g} s")
-        time.sleep(0.05)
-
-
-def _running_daemon(workspace: str) -> int:
-    """The pid of the daemon holding ``workspace``; NoSuchJob (exit 3) when none does."""
-    require_workspace(workspace)
-    pid = _daemon_holds(workspace)
-    if pid is None:
-        raise NoSuchJob(f"no daemon is running on {workspace}")
-    return pid
+    for record in records:
+        try:
+            os.kill(record["pid"], signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            raise NrvnaError(f"not allowed to signal the daemon (pid {record['pid']})") from None
+    for record in records:
+        while daemon_lock_state(workspace, record["name"]) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise NotFinished(f"the daemon (pid {record['pid']}) has not stopped after {timeout:g} s")
+            time.sleep(0.05)
+    return [record["pid"] for record in records]
 
 
 ##############################################################################
@@ -5300,6 +5356,61 @@ def check_gguf(path: str) -> None:
         raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
 
 
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
+
+
+def gguf_strings(path: str) -> dict[str, str]:
+    """A GGUF file's string-valued metadata, read from its header without loading the model
+    (the daemon routes jobs by a model's kind before it loads it). Empty if unreadable."""
+    import struct
+
+    found: dict[str, str] = {}
+    try:
+        with open(path, "rb") as handle:
+            def unpack(fmt: str) -> Any:
+                data = handle.read(struct.calcsize(fmt))
+                if len(data) < struct.calcsize(fmt):
+                    raise EOFError
+                return struct.unpack(fmt, data)[0]
+
+            def text() -> bytes:
+                size = unpack("<Q")
+                data = handle.read(size) if size < 1 << 20 else b""
+                if len(data) != size:
+                    raise EOFError
+                return data
+
+            if handle.read(4) != b"GGUF" or unpack("<I") < 2:
+                return found
+            handle.seek(8, 1)  # tensor count
+            for _ in range(min(unpack("<Q"), 1 << 16)):
+                key, kind = text().decode("utf-8", "replace"), unpack("<I")
+                if kind == 8:
+                    found[key] = text().decode("utf-8", "replace")
+                elif kind == 9:
+                    item, count = unpack("<I"), unpack("<Q")
+                    if item == 8:
+                        for _ in range(count):
+                            handle.seek(unpack("<Q"), 1)
+                    else:
+                        handle.seek(_GGUF_SCALARS[item] * count, 1)
+                else:
+                    value = handle.read(_GGUF_SCALARS[kind])
+                    if kind in (4, 5) and key.endswith(".pooling_type"):  # the one number routing needs
+                        found[key] = str(int.from_bytes(value, "little"))
+    except (OSError, EOFError, KeyError):
+        pass
+    return found
+
+
+def gguf_kind(path: str) -> str:
+    """"embed" for an embedding model (its GGUF names a pooling type, or its architecture is
+    an encoder's: LlamaRunner's own test), else "chat"."""
+    meta = gguf_strings(path)
+    arch = meta.get("general.architecture", "")
+    return "embed" if f"{arch}.pooling_type" in meta or arch in ENCODER_ARCHS else "chat"
+
+
 # One character of a JSON string, as strict JSON and UTF-8 allow it. llama-cpp-python's
 # converter lets a string hold raw control characters (its "char" rule is [^"\\]), which
 # json.loads refuses; llama.cpp's own converter and JSON grammar exclude them, and so does nrvna.
@@ -5447,6 +5558,9 @@ class LlamaRunner(Runner):
         L.llama_backend_init()
         params = L.llama_model_default_params()
         params.n_gpu_layers = config.gpu_layers
+        if config.gpu >= 0:  # one GPU, whole: several daemons share a machine one GPU each
+            params.main_gpu = config.gpu
+            params.split_mode = 0  # LLAMA_SPLIT_MODE_NONE
         if not config.repack:
             params.use_extra_bufts = False  # no AMX/repacked buffers (llama.cpp #20824)
         del _llama_log_tail[:]
@@ -6775,67 +6889,93 @@ _FLOAT32_TEXT = "{:.9g}".format
 # Daemon: Pool (in-memory queue), Scanner (discovery), Processor (state moves), Server
 ##############################################################################
 
-DAEMON_STATUS_SECONDS = 2.0  # how often daemon.json is rewritten
+DAEMON_STATUS_SECONDS = 2.0  # how often a daemon's record (daemons/<name>.json) is rewritten
 WATCH_SECONDS = 0.1  # how often running jobs are checked for cancel/timeout and partial.txt flushed
+REAP_SECONDS = 0.5  # how often a daemon looks for daemons that died (their running jobs are requeued)
 STALE_STAGING_SECONDS = 3600  # input/writing/* older than this is a dead client's leftover
 CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long to fill up
 
 
 class Pool:
-    """The queue between the Scanner and the workers: a heap by priority (higher first), then
-    submission order.
+    """The queue between the Scanner and the workers: a heap per model (a lane of the pool),
+    each by priority (higher first), then submission order. Workers take from the active
+    lane only (``lane``; None while the daemon switches models).
 
     ``known`` holds every ID queued or being worked on, so a job is never queued twice
     (the spec's scanner re-submitted every queued job every second: unbounded growth), and
     the IDs of jobs for a model this daemon does not serve (``elsewhere``), read once.
     """
 
-    def __init__(self, priority_of: Callable[[str], Optional[int]] = lambda job_id: 0,
-                 on_queued: Callable[[int], None] = lambda priority: None) -> None:
+    def __init__(self, route: Callable[[str], Optional[tuple[int, int]]] = lambda job_id: (0, 0),
+                 on_queued: Callable[[int, int], None] = lambda priority, lane: None) -> None:
         self._cond = threading.Condition()
-        self._heap: list[tuple[int, tuple[int, int, int, str], str]] = []
-        # A queued job's priority, read when it is pushed; None: its model is served elsewhere.
-        self._priority_of = priority_of
+        self._heaps: dict[int, list[tuple[int, tuple[int, int, int, str], str]]] = {}
+        # A queued job's (priority, lane), read when it is pushed; None: served elsewhere.
+        self._route = route
         self.elsewhere: set[str] = set()
-        self._on_queued = on_queued  # told the highest priority of each push
+        self._on_queued = on_queued  # told the highest priority of each push, per lane
         self._later: list[tuple[float, str]] = []  # handed back after an I/O error
         self._known: set[str] = set()
         self._busy = 0
         self._closed = False
+        self.lane: Optional[int] = 0
         self._waiting: set[int] = set()  # idle workers blocked in get()
         self._favored: Optional[int] = None  # the worker whose job ended last
 
     def push(self, job_ids: Iterable[str]) -> int:
         """Queue the IDs not already queued or running; return how many were new."""
-        added, highest = 0, None
+        added, highest = 0, {}
         with self._cond:
             for job_id in job_ids:
                 if job_id not in self._known:
                     self._known.add(job_id)
-                    priority = self._priority_of(job_id)
-                    if priority is None:
+                    route = self._route(job_id)
+                    if route is None:
                         self.elsewhere.add(job_id)
                         continue
-                    self._queue(job_id, priority)
-                    highest = priority if highest is None else max(highest, priority)
+                    priority, lane = route
+                    self._queue(job_id, priority, lane)
+                    highest[lane] = max(highest.get(lane, priority), priority)
                     added += 1
             if added:
                 self._cond.notify(added)
-        if highest is not None:
-            self._on_queued(highest)
+        for lane, priority in highest.items():
+            self._on_queued(priority, lane)
         return added
 
-    def _queue(self, job_id: str, priority: int) -> None:
-        heapq.heappush(self._heap, (-priority, order_key(job_id), job_id))
-
-    def top_priority(self) -> Optional[int]:
-        """The priority of the job ``get`` would return next; None if none is queued."""
+    def reroute(self) -> None:
+        """Route the jobs left for other daemons again (the daemons serving them changed)."""
         with self._cond:
-            return -self._heap[0][0] if self._heap else None
+            again, self.elsewhere = self.elsewhere, set()
+            self._known -= again
+        self.push(again)
+
+    def _queue(self, job_id: str, priority: int, lane: int) -> None:
+        heapq.heappush(self._heaps.setdefault(lane, []), (-priority, order_key(job_id), job_id))
+
+    def top_priority(self, lane: Optional[int] = None) -> Optional[int]:
+        """The priority of the job ``get`` would return next (from ``lane``, by default the
+        active one); None if none is queued."""
+        with self._cond:
+            heap = self._heaps.get(self.lane if lane is None else lane)
+            return -heap[0][0] if heap else None
+
+    def lanes(self) -> dict[int, tuple[int, int, tuple[int, int, int, str]]]:
+        """Every lane with jobs queued: (how many, the top priority, the oldest job's order key)."""
+        with self._cond:
+            return {lane: (len(heap), -heap[0][0], min(entry[1] for entry in heap))
+                    for lane, heap in self._heaps.items() if heap}
+
+    def set_lane(self, lane: Optional[int]) -> None:
+        """Make ``lane`` the one ``get`` takes from (None: none, while models switch)."""
+        with self._cond:
+            self.lane = lane
+            self._cond.notify_all()
 
     def get(self, timeout: float, worker: Optional[int] = None, above: Optional[int] = None) -> Optional[str]:
-        """The first queued ID (highest priority, then oldest), waiting up to ``timeout`` s;
-        None if none or closed. With ``above``, only a job of a higher priority than that.
+        """The first queued ID of the active lane (highest priority, then oldest), waiting up
+        to ``timeout`` s; None if none, closed, or the lane is switching. With ``above``,
+        only a job of a higher priority than that.
 
         A lone queued job is left to the worker whose job ended last while that worker
         waits here idle: its context still holds that job's cells, which a conversation's
@@ -6844,15 +6984,16 @@ class Pool:
         """
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not self._closed:
+            while not self._closed and self.lane is not None:
                 now = time.monotonic()
                 while self._later and self._later[0][0] <= now:
                     _, job_id = heapq.heappop(self._later)
-                    self._queue(job_id, self._priority_of(job_id) or 0)  # it was ours when claimed
-                if self._heap and (above is None or -self._heap[0][0] > above):
-                    if not self._leave_to_favored(worker):
+                    self._queue(job_id, *(self._route(job_id) or (0, self.lane)))  # it was ours when claimed
+                heap = self._heaps.get(self.lane)
+                if heap and (above is None or -heap[0][0] > above):
+                    if not self._leave_to_favored(worker, heap):
                         self._busy += 1
-                        return heapq.heappop(self._heap)[2]
+                        return heapq.heappop(heap)[2]
                     self._cond.notify_all()  # the favored worker takes it
                 left = deadline - now
                 if left <= 0:
@@ -6867,10 +7008,10 @@ class Pool:
                     self._waiting.discard(worker)
         return None
 
-    def _leave_to_favored(self, worker: Optional[int]) -> bool:
+    def _leave_to_favored(self, worker: Optional[int], heap: list[Any]) -> bool:
         favored = self._favored
         return (worker is not None and favored is not None and favored != worker
-                and len(self._heap) == 1 and favored in self._waiting)
+                and len(heap) == 1 and favored in self._waiting)
 
     def favor(self, worker: int) -> None:
         """``worker``'s job is the one that ended last (see ``get``)."""
@@ -6900,11 +7041,23 @@ class Pool:
     def idle(self) -> bool:
         """Nothing queued, waiting or being worked on."""
         with self._cond:
-            return not self._heap and not self._later and self._busy == 0
+            return not any(self._heaps.values()) and not self._later and self._busy == 0
+
+    def running(self) -> int:
+        """How many jobs workers have taken and not yet ended."""
+        with self._cond:
+            return self._busy
+
+    def take_lane(self, lane: int) -> list[str]:
+        """Empty ``lane`` (its model cannot be loaded) and return its IDs."""
+        with self._cond:
+            heap = self._heaps.pop(lane, [])
+        return [entry[2] for entry in heap]
 
     def __len__(self) -> int:
+        """Jobs queued in the active lane, and handed back ones."""
         with self._cond:
-            return len(self._heap) + len(self._later)
+            return len(self._heaps.get(self.lane, ())) + len(self._later)
 
 
 class Scanner:
@@ -7012,6 +7165,10 @@ class _HandBack(Exception):
     """A job could not be claimed or finished because of an I/O error; it is back in ready/."""
 
 
+class _Busy(Exception):
+    """A job could not be claimed now: another claimer holds it, or a requeue still does."""
+
+
 class _Claim:
     """The daemon's hold on a running job (runners never see it): its open directory, where it
     is, its meta.json as the claim wrote it, and the lock the worker finishing it and the
@@ -7038,6 +7195,7 @@ class Processor:
         self.workspace = workspace
         self.config = config
         self.model_name = model_name
+        self.daemon = ""  # the name of the daemon that runs it (daemons/<name>.lock), recorded by each claim
         self.records_ends = bool(config.on_done or config.on_batch_done)  # each end in hooks/done/, for its hook
         self._claims: dict[str, _Claim] = {}  # the running jobs' directories, by ID
         self._claims_lock = threading.Lock()
@@ -7047,39 +7205,48 @@ class Processor:
 
     # -- claim ---------------------------------------------------------------------------
 
-    def claim(self, job_id: str, worker: str, stop: threading.Event) -> Optional[RunningJob]:
-        """Take ``job_id`` from ready/ into processing/; None if someone else took it or it
-        was malformed (then it is already in failed/). Raises _HandBack on an I/O error."""
+    def claim(self, job_id: str, worker: str, stop: threading.Event, model: Optional[str] = None) -> Optional[RunningJob]:
+        """Take ``job_id`` from ready/ into processing/, holding it (hold_job) from before the
+        rename until it has moved on; None if someone else took it or it was malformed (then
+        it is already in failed/). Raises _HandBack on an I/O error, _Busy while another
+        claimer or a requeue holds it. ``model``: the model meta.json records."""
+        ready = self._path(READY, job_id)
         try:
-            move(self._path(READY, job_id), self._path(PROCESSING, job_id))
-        except FileNotFoundError:
-            return None  # another claimer won, or the job was removed
-        except FileExistsError:
-            log.error(f"cannot claim {job_id}: processing/{job_id} already exists; left in ready/")
-            return None
-        except PermissionError:  # a directory changes parent only if it is writable itself
-            if not self._fail_inaccessible(job_id, READY):
-                raise
-            return None
+            dir_fd = hold_job(ready)
+        except OSError as err:
+            if err.errno == errno.ENOENT:
+                return None  # another claimer won, or the job was removed
+            if err.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or a symlink, not a job directory
+                with WorkspaceLock(self.workspace):
+                    self._quarantine(job_id, READY)
+                return None
+            if err.errno == errno.EACCES and self._fail_inaccessible(job_id, READY):
+                return None
+            raise
+        if dir_fd is None:
+            raise _Busy(job_id)
         path = self._path(PROCESSING, job_id)
-        info = os.lstat(path)
-        if not stat.S_ISDIR(info.st_mode):
-            self._quarantine(job_id, info.st_mode)
-            return None
         try:
-            dir_fd = open_dir(path)
-        except PermissionError:
-            if not self._fail_inaccessible(job_id, PROCESSING):
-                self._hand_back(job_id)
-                raise _HandBack(job_id) from None
-            return None
+            move(ready, path)
+            if not _same_entry(dir_fd, path):  # ready/<id> was replaced between the open and the move
+                raise FileNotFoundError(errno.ENOENT, "replaced while being claimed", ready)
+        except BaseException as err:
+            os.close(dir_fd)
+            if isinstance(err, FileNotFoundError):
+                return None
+            if isinstance(err, FileExistsError):
+                log.error(f"cannot claim {job_id}: processing/{job_id} already exists; left in ready/")
+                return None
+            if isinstance(err, PermissionError) and self._fail_inaccessible(job_id, READY):
+                return None  # a directory changes parent only if it is writable itself
+            raise
         try:
             meta = read_meta(dir_fd)
             attempts = meta.get("attempts") if isinstance(meta.get("attempts"), int) else 0
             if "submitted" not in meta:
                 meta["submitted"] = submitted_time(job_id, dir_fd)
-            meta.update(id=job_id, started=round(time.time(), 3), worker=worker,
-                        model=self.model_name, attempts=attempts + 1)
+            meta.update(id=job_id, started=round(time.time(), 3), worker=worker, daemon=self.daemon,
+                        model=model or self.model_name, attempts=attempts + 1)
             for key in ("finished", "code", "finish_reason"):
                 meta.pop(key, None)
             record_event(meta, Status.Queued, "running")
@@ -7088,9 +7255,9 @@ class Processor:
             fsync_dir(self._path(PROCESSING))
             fsync_dir(self._path(READY))
         except OSError as err:
-            os.close(dir_fd)
             log.error(f"cannot claim {job_id}: {_os_error(err)}; handing it back")
             self._hand_back(job_id)
+            os.close(dir_fd)
             raise _HandBack(job_id) from None
         job = self._hold(RunningJob(job_id, "", {}, stop), dir_fd, meta, path)
         try:
@@ -7294,8 +7461,14 @@ class Processor:
         log.warning(f"Job failed: {job_id}: its directory was not accessible (mode {mode:o})")
         return True
 
-    def _quarantine(self, job_id: str, mode: int) -> None:
-        """A non-directory was claimed: wrap it, unopened, in a real failed/<id>/ dir."""
+    def _quarantine(self, job_id: str, sub: str) -> None:
+        """A non-directory in ``sub`` (ready/ or processing/): wrap it, unopened, in a real
+        failed/<id>/ dir. The caller holds the WorkspaceLock (recovery publishes a wrap that
+        a dead daemon left)."""
+        try:
+            mode = os.lstat(self._path(sub, job_id)).st_mode
+        except FileNotFoundError:
+            return  # taken by a quarantine that held the lock before us
         kind = ("a symbolic link" if stat.S_ISLNK(mode) else
                 "a regular file" if stat.S_ISREG(mode) else "not a directory")
         wrap = self._path(PROCESSING, f".{job_id}.quarantine")
@@ -7310,8 +7483,9 @@ class Processor:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(self._path(PROCESSING, job_id), os.path.join(wrap, QUARANTINED_ENTRY))
+        os.rename(self._path(sub, job_id), os.path.join(wrap, QUARANTINED_ENTRY))
         fsync_dir(wrap)
+        fsync_dir(self._path(sub))
         self._publish_quarantine(job_id, wrap)
 
     def _publish_quarantine(self, job_id: str, wrap: str) -> None:
@@ -7329,45 +7503,54 @@ class Processor:
     # -- start-up ------------------------------------------------------------------------
 
     def recover(self) -> list[tuple[str, int]]:
-        """Return orphans in processing/ (a daemon died) to ready/, or fail them at the
-        attempt ceiling; return the recovered (id, attempts). Runs under the workspace lock,
-        before any worker starts."""
+        """Return orphans in processing/ (their daemon died) to ready/, or fail them at the
+        attempt ceiling; return the recovered (id, attempts). A job a live daemon holds is
+        left alone. At a daemon's start, and whenever a live daemon sees another one die;
+        under the WorkspaceLock, so two recoveries never take the same job."""
         recovered = []
-        with os.scandir(self._path(PROCESSING)) as entries:
-            names = sorted(e.name for e in entries)
-        for name in names:
-            path = self._path(PROCESSING, name)
-            if name.startswith("."):
-                self._recover_hidden(name, path)
-                continue
-            info = os.lstat(path)
-            if not stat.S_ISDIR(info.st_mode):
-                self._quarantine(name, info.st_mode)
-                continue
-            dir_fd = open_dir(path)
-            meta = read_meta(dir_fd)
-            attempts = meta.get("attempts") if isinstance(meta.get("attempts"), int) else 0
-            if attempts >= self.config.max_attempts:
-                # The killed attempt's temporaries and results go; its partial text stays
-                # (what it generated before the deaths is the evidence).
-                _clear_outputs(dir_fd, keep=(PARTIAL_FILE,))
-                job = self._hold(RunningJob(name, "", {}, threading.Event()), dir_fd, meta, path)
-                self.finish(job, Outcome(error_code="crash_ceiling", error=(
-                    f"the daemon stopped {attempts} times while running this job "
-                    f"(NRVNA_MAX_ATTEMPTS={self.config.max_attempts}); it is not retried again")))
-                log.warning(f"Failed orphaned job after {attempts} attempts: {name}")
-                continue
-            try:
-                _clear_outputs(dir_fd)
-                record_event(meta, Status.Running, "requeued", "crashed")
-                write_file(dir_fd, META_FILE, dump_meta(meta))
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-            move_job(self.workspace, name, PROCESSING, READY)
-            recovered.append((name, attempts))
-            log.warning(f"Recovered orphaned job: {name} (attempt {attempts} of {self.config.max_attempts})")
+        with WorkspaceLock(self.workspace):
+            with os.scandir(self._path(PROCESSING)) as entries:
+                names = sorted(e.name for e in entries)
+            for name in names:
+                path = self._path(PROCESSING, name)
+                if name.startswith("."):
+                    self._recover_hidden(name, path)  # a dead daemon's (quarantines hold the lock)
+                    continue
+                dir_fd = hold_orphan(self.workspace, name)
+                if dir_fd is None:
+                    if os.path.lexists(path) and not os.path.isdir(path):
+                        self._quarantine(name, PROCESSING)
+                    continue  # held by a live daemon, or moved on meanwhile
+                attempts = self._recover_one(name, dir_fd, path)
+                if attempts is not None:
+                    recovered.append((name, attempts))
         return recovered
+
+    def _recover_one(self, name: str, dir_fd: int, path: str) -> Optional[int]:
+        """Requeue the orphan ``name`` (held as ``dir_fd``, closed here); its attempts, or
+        None when it was failed at the attempt ceiling."""
+        meta = read_meta(dir_fd)
+        attempts = meta.get("attempts") if isinstance(meta.get("attempts"), int) else 0
+        if attempts >= self.config.max_attempts:
+            # The killed attempt's temporaries and results go; its partial text stays
+            # (what it generated before the deaths is the evidence).
+            _clear_outputs(dir_fd, keep=(PARTIAL_FILE,))
+            job = self._hold(RunningJob(name, "", {}, threading.Event()), dir_fd, meta, path)
+            self.finish(job, Outcome(error_code="crash_ceiling", error=(
+                f"the daemon stopped {attempts} times while running this job "
+                f"(NRVNA_MAX_ATTEMPTS={self.config.max_attempts}); it is not retried again")))
+            log.warning(f"Failed orphaned job after {attempts} attempts: {name}")
+            return None
+        try:
+            _clear_outputs(dir_fd)
+            record_event(meta, Status.Running, "requeued", "crashed")
+            write_file(dir_fd, META_FILE, dump_meta(meta))
+            os.fsync(dir_fd)
+            move_job(self.workspace, name, PROCESSING, READY)
+        finally:
+            os.close(dir_fd)
+        log.warning(f"Recovered orphaned job: {name} (attempt {attempts} of {self.config.max_attempts})")
+        return attempts
 
     def _recover_hidden(self, name: str, path: str) -> None:
         if name.endswith(".quarantine") and os.path.lexists(os.path.join(path, QUARANTINED_ENTRY)):
@@ -7450,6 +7633,7 @@ class Hooks:
         self._unfinished: dict[str, set[str]] = {}  # tag -> its jobs not ended yet (as last seen)
         self._errors: dict[str, tuple[int, float]] = {}  # job ID -> (errors in a row, when to try again)
         self._threads: list[threading.Thread] = []
+        self._held: Optional[int] = None  # hooks/' lock: this daemon's turn to run hooks (see _take_turn)
 
     def prepare(self) -> None:
         """Make hooks/ (before recovery: a job it fails owes its hooks too)."""
@@ -7462,9 +7646,6 @@ class Hooks:
         fsync_dir(os.path.dirname(self.owed))
 
     def start(self) -> None:
-        for tag in sorted(os.listdir(self.batches)):  # a batch hook owed by a daemon that died
-            if ID_PATTERN.fullmatch(tag) and self._batch_record(tag).get("ran") is False:
-                self._submit("tag:" + tag)
         self._threads = [threading.Thread(target=self._coordinate, name="Hooks", daemon=True)]
         self._threads += [threading.Thread(target=self._run_tasks, name=f"Hook-{i}", daemon=True)
                           for i in range(self.jobs)]
@@ -7496,6 +7677,9 @@ class Hooks:
                 pass
         for thread in self._threads:
             thread.join()
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
 
     def _submit(self, task: str) -> None:
         with self._lock:
@@ -7504,10 +7688,29 @@ class Hooks:
             self._in_flight.add(task)
         self._tasks.put(task)
 
+    def _take_turn(self) -> bool:
+        """Whether this daemon runs the workspace's hooks: the one holding hooks/' lock does,
+        so each job's hook runs once whichever daemon ran the job; when it stops or dies,
+        another daemon with hooks takes over (and runs what it left owed)."""
+        if self._held is not None:
+            return True
+        fd = open_dir(os.path.dirname(self.owed))
+        if not _flock(fd):
+            os.close(fd)
+            return False
+        self._held = fd
+        for tag in sorted(os.listdir(self.batches)):  # a batch hook owed by a daemon that stopped
+            if ID_PATTERN.fullmatch(tag) and self._batch_record(tag).get("ran") is False:
+                self._submit("tag:" + tag)
+        return True
+
     def _coordinate(self) -> None:
         _name_os_thread("Hooks")
         while not self._stop.is_set():
             try:
+                if not self._take_turn():
+                    self._stop.wait(0.5)
+                    continue
                 now = time.monotonic()
                 for name in sorted(os.listdir(self.owed), key=order_key):
                     if is_valid_id(name) and self._errors.get(name, (0, now))[1] <= now:
@@ -7680,15 +7883,357 @@ class Hooks:
         return True
 
 
-class Server:
-    """The daemon: locks the workspace, loads the model once, recovers orphans, then runs
-    one Scanner thread and N worker threads (``Worker-0``...) until ``shutdown()``.
+class _ServedModel:
+    """One model a daemon serves: its file, its kind ("chat" or "embed", read from the GGUF
+    before loading) and, while loaded, its runner and one session per worker."""
 
+    __slots__ = ("name", "path", "kind", "runner", "sessions", "used")
+
+    def __init__(self, name: str, path: Optional[str], kind: str, runner: Optional[Runner] = None) -> None:
+        self.name, self.path, self.kind, self.runner = name, path, kind, runner
+        self.sessions: list[Session] = []
+        self.used = 0.0  # when it last became the active model (eviction: least recently used)
+
+
+class _Models:
+    """The models a daemon serves (a lane of the Pool each): which lane a job goes to, which
+    models are loaded (at most NRVNA_MAX_LOADED), and which one the workers run next.
+
+    One model runs at a time, with every worker and core: two models decoding at once on
+    one machine's cores or GPU only slow each other (measured: llama-server's router with
+    three models loaded, 1.06 jobs/s against 9.21 for one model at a time). The others
+    stay loaded, so switching back costs no load. ``choose`` says when to switch: see it.
+    """
+
+    def __init__(self, names: Any, runner: Optional[Runner], config: Config, models_dir: str,
+                 aliases: Mapping[str, str]) -> None:
+        self.config, self.models_dir, self.aliases = config, models_dir, aliases
+        folders = [n for n in ([names] if isinstance(names, str) else names or ()) if os.path.isdir(n)
+                   and not n.lower().endswith(".gguf")]
+        if folders:  # `daemon shelf/ WS`: jobs name shelf's models
+            self.models_dir = os.path.abspath(folders[0])
+        if runner is not None:
+            self.served = [_ServedModel(runner.name, None, "chat", runner)]
+        else:
+            self.served = [_ServedModel(os.path.basename(p), os.path.realpath(p), gguf_kind(p))
+                           for p in self._files(names)]
+        kinds = [m.kind for m in self.served]
+        # A job naming no model (or a name that matches none) goes to the first model of its kind.
+        self.defaults = {kind: kinds.index(kind) if kind in kinds else 0 for kind in ("chat", "embed")}
+        self.active = 0
+        self.since = time.monotonic()
+        self.loads = 0
+        self.failed: set[int] = set()  # lanes whose model could not be loaded: their jobs wait
+        self.kinds_elsewhere: set[str] = set()  # the kinds of model the workspace's other daemons serve
+        self._lanes: dict[tuple[str, bool], Optional[int]] = {}  # (name, embed) -> lane (a cache)
+
+    def _files(self, names: Any) -> list[str]:
+        """The model files MODEL arguments name: a directory's *.gguf, or each name resolved."""
+        names = [names] if isinstance(names, str) else list(names or [])
+        if not names:
+            raise ModelError("no model given")
+        files: list[str] = []
+        for name in names:
+            if os.path.isdir(name) and not name.lower().endswith(".gguf"):  # model.gguf/ is check_gguf's to refuse
+                found = gguf_files(name)
+                if not found:
+                    raise ModelError(f"models directory {name} holds no *.gguf file")
+                files += [os.path.join(name, f) for f in found]
+            else:
+                files.append(resolve_model(name, self.models_dir, self.aliases))
+        unique = {os.path.realpath(f): f for f in reversed(files)}  # the same file twice is one model
+        files = [f for f in files if unique.get(os.path.realpath(f)) is f]
+        for path in files:
+            check_gguf(path)
+        return files
+
+    def lane_of(self, name: Optional[str], embed: bool) -> Optional[int]:
+        """The lane of a job naming model ``name`` (an embed job, or not); None when it names
+        a model this daemon does not serve: it waits in ready/ for a daemon that does."""
+        key = (name or "", embed)
+        lane = self._lanes.get(key, -1)
+        if lane != -1:
+            return None if lane in self.failed else lane
+        kind = "embed" if embed else "chat"
+        lane = self.defaults[kind]
+        if self.served[lane].kind != kind and kind in self.kinds_elsewhere:
+            lane = None  # no model of its kind here, and another daemon has one: it waits for that one
+        if name is not None and lane is not None:
+            served = [m.path for m in self.served if m.path]
+            other = model_elsewhere(name, self.models_dir, self.aliases, served)
+            if other is not None:
+                lane = None
+                log.info(f"Jobs for model {name} ({other}) wait in the queue: this daemon serves "
+                         f"{', '.join(m.name for m in self.served)}")
+            else:
+                matches = model_matches(name, self.models_dir, self.aliases)
+                real = os.path.realpath(matches[0]) if len(matches) == 1 else None
+                lane = next((i for i, m in enumerate(self.served) if m.path and m.path == real), lane)
+        if len(self._lanes) < 4096:
+            self._lanes[key] = lane
+        return None if lane in self.failed else lane
+
+    def peers(self, kinds: set[str]) -> bool:
+        """The other daemons now serve models of ``kinds``; True if that changes any route."""
+        if kinds == self.kinds_elsewhere:
+            return False
+        self.kinds_elsewhere = kinds
+        self._lanes.clear()
+        return True
+
+    def choose(self, lanes: Mapping[int, tuple[int, int, Any]], running: bool, running_top: Optional[int],
+               now: float) -> Optional[int]:
+        """The model to switch to now, or None to keep the active one. The active model keeps
+        the workers while it has jobs queued or running, so each is loaded once per backlog,
+        not once per job. Another model takes over (once the active model's running jobs
+        end) when it has a job above all the active model's, or when the active model has
+        had NRVNA_MODEL_TURN seconds while others waited: no model's jobs starve. The next
+        model is the one with the highest job, then a loaded one, then the oldest job."""
+        waiting = [lane for lane in lanes if lane != self.active]
+        if not waiting:
+            return None
+
+        def best(candidates: list[int]) -> int:
+            return min(candidates, key=lambda lane: (-lanes[lane][1], self.served[lane].runner is None,
+                                                     lanes[lane][2]))
+
+        mine = [lanes[self.active][1]] if self.active in lanes else []
+        if running and running_top is not None:
+            mine.append(running_top)
+        if not mine:
+            return best(waiting)
+        above = [lane for lane in waiting if lanes[lane][1] > max(mine)]
+        if above:
+            return best(above)
+        if now - self.since >= self.config.model_turn:
+            return best(waiting)
+        return None
+
+    def activate(self, lane: int, workers: int, queued: Iterable[int]) -> list[Session]:
+        """Make ``lane``'s model the active one and return its sessions, loading it first
+        (and evicting the least recently used loaded model with nothing ``queued``, then
+        any, to stay within NRVNA_MAX_LOADED). Raises ModelError when it cannot be loaded."""
+        model = self.served[lane]
+        if model.runner is None:
+            loaded = [m for m in self.served if m.runner is not None and m is not model]
+            busy = set(queued)
+            while loaded and len(loaded) >= self.config.max_loaded:
+                victim = min(loaded, key=lambda m: (self.served.index(m) in busy, m.used))
+                log.info(f"Unloading model {victim.name}")
+                self._unload(victim)
+                loaded.remove(victim)
+            log.info(f"Loading model {model.path}")
+            model.runner = LlamaRunner(model.path, self.config)
+            self.loads += 1
+        if not model.sessions:
+            try:
+                model.sessions = [model.runner.session(i, self.config) for i in range(workers)]
+            except BaseException:
+                self._unload(model)
+                raise
+        self.active, self.since = lane, time.monotonic()
+        model.used = self.since
+        return model.sessions
+
+    def _unload(self, model: _ServedModel) -> None:
+        if model.runner is not None:
+            model.runner.close()  # closes its sessions too
+        model.sessions = []
+        if model.path is not None:  # an injected runner stays (its caller made it)
+            model.runner = None
+
+    def close(self) -> None:
+        for model in self.served:
+            self._unload(model)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each model as the daemon's record lists it."""
+        return [{"name": m.name, "path": m.path, "kind": m.kind, "loaded": bool(m.sessions),
+                 "active": i == self.active} for i, m in enumerate(self.served)]
+
+
+def _clash(mine: list[dict[str, Any]], gpu: int, other: dict[str, Any]) -> Optional[str]:
+    """Why a live daemon's record excludes a daemon serving ``mine`` (_Models.describe) on
+    ``gpu``: the other serves one of the same models on the same GPU (or both on the CPU),
+    where a second copy would only halve the first."""
+    theirs = other.get("gpu") if isinstance(other.get("gpu"), int) else -1
+    if max(theirs, -1) != max(gpu, -1) or other.get("starting"):
+        return None
+    same = sorted({m["path"] or m["name"] for m in mine}
+                  & {m.get("path") or m.get("name") for m in other.get("models") or () if isinstance(m, dict)})
+    if not same:
+        return None
+    where = f"GPU {gpu}" if gpu >= 0 else "this machine's CPU (or its default GPUs)"
+    return (f"serving {', '.join(map(os.path.basename, same))} on {where}; another GPU (--gpu N) or another "
+            "model may be served beside it")
+
+
+class _Registry:
+    """A daemon's place among the daemons of its workspace: its lock in daemons/ (the proof
+    that it lives), its record beside it (what ``status --daemon`` lists), and the watch for
+    daemons that died, whose running jobs it requeues at once."""
+
+    def __init__(self, workspace: str) -> None:
+        self.workspace = workspace
+        self.folder = os.path.join(workspace, DAEMONS)
+        self.name = ""
+        self._fd: Optional[int] = None
+
+    def register(self, record: Callable[[], dict[str, Any]], clash: Callable[[dict[str, Any]], Optional[str]]) -> None:
+        """Take this daemon's lock and write its record, unless ``clash`` names a reason a live
+        daemon excludes it (WorkspaceError). Under the WorkspaceLock: two daemons starting
+        at once see each other."""
+        with WorkspaceLock(self.workspace):
+            for other in daemon_records(self.workspace):
+                reason = clash(other)
+                if reason:
+                    raise WorkspaceError(f"workspace {self.workspace} is in use by another daemon (pid "
+                                         f"{other.get('pid')}) {reason}")
+            try:
+                self._fd, self.name = register_daemon(self.workspace)
+                self.write(record())
+            except OSError as err:
+                self.release()
+                raise WorkspaceError(f"workspace {self.workspace} is not writable: {_os_error(err)}") from None
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Rewrite the record atomically (no fsync: it is for watching, not state)."""
+        import json
+
+        fd = open_dir(self.folder)
+        try:
+            write_file(fd, f"{self.name}.json", (json.dumps(record, indent=1, sort_keys=True) + "\n").encode(),
+                       sync=False)
+        finally:
+            os.close(fd)
+
+    def keep(self) -> None:
+        """Put the lock file back if it was removed or replaced (the lock held is on the old
+        file: the others would take this daemon for dead and list it no more)."""
+        if self._fd is not None and not _same_entry(self._fd, os.path.join(self.folder, f"{self.name}.lock")):
+            log.warning(f"{DAEMONS}/{self.name}.lock was removed or replaced; taking it again")
+            fd, name = register_daemon(self.workspace)
+            old = self.name
+            self._release_files()
+            os.close(self._fd)
+            self._fd, self.name = fd, name
+            log.info(f"This daemon is now {name} (was {old})")
+
+    def dead(self) -> Iterator[str]:
+        """The daemons that died (their locks are free): each is forgotten (its files removed,
+        so no listing shows it) and held, so no other daemon reaps it too, while the caller
+        recovers the jobs it ran."""
+        for name in _daemon_locks(self.workspace):
+            if name == self.name:
+                continue
+            fd = daemon_lock_state(self.workspace, name, exclusive=True)
+            if fd is None or fd < 0:
+                continue
+            try:
+                for leftover in (f"{name}.lock", f"{name}.json", f".{name}.json.tmp"):
+                    _unlink_quietly(os.path.join(self.folder, leftover), None)
+                yield name
+            finally:
+                os.close(fd)
+
+    def _release_files(self) -> None:
+        for leftover in (f"{self.name}.json", f"{self.name}.lock"):
+            _unlink_quietly(os.path.join(self.folder, leftover), None)
+
+    def release(self) -> None:
+        """Remove the record and let go of the lock (the daemon has stopped)."""
+        if self._fd is not None:
+            self._release_files()
+            os.close(self._fd)
+            self._fd = None
+
+
+class _ModelSwitch:
+    """The Models thread of a daemon serving several models: when _Models.choose says, it
+    stops the workers taking jobs, waits until every worker has parked (its running jobs
+    ended), makes the next model the active one, and lets the workers go on with its jobs."""
+
+    def __init__(self, models: _Models, pool: Pool, stop: threading.Event, workers: int,
+                 use: Callable[[list[Session]], None], tops: list[Optional[int]]) -> None:
+        self.models, self.pool, self.stop, self.workers, self.use, self.tops = models, pool, stop, workers, use, tops
+        self.wake = threading.Event()
+        self._cond = threading.Condition()
+        self._parked = 0
+        self._generation = 0  # counts switches: a parked worker waits for the next
+
+    def run(self) -> None:
+        _name_os_thread("Models")
+        while not self.stop.is_set():
+            self.wake.wait(0.1)
+            self.wake.clear()
+            try:
+                tops = [top for top in self.tops if top is not None]
+                target = self.models.choose(self.pool.lanes(), self.pool.running() > 0, max(tops, default=None),
+                                            time.monotonic())
+                if target is not None:
+                    self._switch(target)
+            except Exception as err:  # a switch that failed leaves the active model running
+                log.error(f"model switch error: {err!r}")
+                self.pool.set_lane(self.models.active)
+                self._unpark()
+
+    def _switch(self, lane: int) -> None:
+        models = self.models
+        old = models.served[models.active].name
+        self.pool.set_lane(None)  # no worker takes a job now; each parks once its jobs end
+        with self._cond:
+            while self._parked < self.workers and not self.stop.is_set():
+                self._cond.wait(0.1)
+        if self.stop.is_set():
+            return
+        began = time.monotonic()
+        try:
+            self.use(models.activate(lane, self.workers, self.pool.lanes()))
+        except ModelError as err:
+            log.error(f"{err}; its jobs wait (they run if a daemon that can load it starts)")
+            models.failed.add(lane)
+            self.pool.elsewhere.update(self.pool.take_lane(lane))
+            lane = models.active
+        else:
+            log.info(f"Switched from model {old} to {models.served[lane].name} ({time.monotonic() - began:.2f} s)")
+        self.pool.set_lane(lane)
+        self._unpark()
+
+    def park(self) -> None:
+        """A worker with no job while a switch waits: wait here until it is done."""
+        with self._cond:
+            if self.pool.lane is not None:  # the switch ended before this worker came to park
+                return
+            generation = self._generation
+            self._parked += 1
+            self._cond.notify_all()
+            while self._generation == generation and not self.stop.is_set():
+                self._cond.wait(0.1)
+            self._parked -= 1
+
+    def _unpark(self) -> None:
+        with self._cond:
+            self._generation += 1
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        """The daemon stops: wake everyone waiting."""
+        self.wake.set()
+        with self._cond:
+            self._cond.notify_all()
+
+
+class Server:
+    """The daemon: registers among the workspace's daemons, loads its (first) model, recovers
+    orphans, then runs one Scanner thread and N worker threads (``Worker-0``...) until
+    ``shutdown()``; serving several models, a ``Models`` thread switches between them.
+
+    ``model``: a GGUF path or name, a directory of GGUFs, or a list of them (see _Models).
     ``runner`` replaces llama.cpp (tests, custom back-ends): a ``FunctionRunner`` or any
     callable ``fn(job) -> str``. ``drain=True`` stops by itself once the queue is empty.
     """
 
-    def __init__(self, model: Optional[str], workspace: Any, workers: Optional[int] = None, *,
+    def __init__(self, model: Any, workspace: Any, workers: Optional[int] = None, *,
                  runner: Any = None, config: Optional[Config] = None, drain: bool = False) -> None:
         self.config = config if config is not None else Config.from_env()
         if workers is not None:
@@ -7702,14 +8247,17 @@ class Server:
         self.runner = runner
         self._own_runner = runner is None
         self.drain = drain
-        self.pool = Pool(self._route, self._outranked)
+        self.pool = Pool(self._route, self._queued)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._loads: list[int] = []  # sequences in flight per worker (read without a lock: a hint)
         self._tops: list[Optional[int]] = []  # each worker's highest running priority (None: idle)
         self._sessions: list[Session] = []
         self._thread_budget = 0  # threads the workers' contexts share; 0: no lending
-        self._lock_fd: Optional[int] = None
+        self.registry = _Registry(self.workspace)
+        self.models: Optional[_Models] = None
+        self.switch: Optional[_ModelSwitch] = None  # serving several models: the Models thread
+        self._next_reap = 0.0
         self.scanner: Optional[Scanner] = None
         self.processor: Optional[Processor] = None
         self.started = False
@@ -7721,56 +8269,38 @@ class Server:
         self._next_status = 0.0
         self.hooks: Optional[Hooks] = None
         self._signalled: Optional[int] = None  # see stop_from_signal
-        # The jobs it serves: those naming its model, or a name that matches no model (see _serves).
-        self._model_path: Optional[str] = None  # its model file's real path (None: an injected runner)
         self._models_dir = os.path.abspath(self.config.models_dir)
         self._aliases = parse_aliases(self.config.model_aliases)
-        self._served: dict[str, bool] = {}  # model name -> whether it serves it (a cache)
 
-    def _route(self, job_id: str) -> Optional[int]:
-        """A queued job's priority, or None when it names a model this daemon does not serve:
-        the job waits in ready/ for a daemon that does (read once per job: see Pool)."""
-        priority, model = read_route(job_path(self.workspace, READY, job_id))
-        return priority if model is None or self._serves(model) else None
+    def _route(self, job_id: str) -> Optional[tuple[int, int]]:
+        """A queued job's (priority, lane), or None when it names a model this daemon does not
+        serve: the job waits in ready/ for a daemon that does (read once per job: see Pool)."""
+        route = read_route(job_path(self.workspace, READY, job_id))
+        lane = self.models.lane_of(route.model, route.embed) if self.models else 0
+        return None if lane is None else (route.priority, lane)
 
-    def _serves(self, name: str) -> bool:
-        """Whether a job naming model ``name`` is this daemon's (see model_elsewhere)."""
-        served = self._served.get(name)
-        if served is None:
-            other = model_elsewhere(name, self._models_dir, self._aliases, self._model_path)
-            served = other is None
-            if not served:
-                log.info(f"Jobs for model {name} ({other}) wait in the queue: this daemon serves "
-                         f"{self._model_path or self.runner and self.runner.name}")
-            if len(self._served) < 4096:
-                self._served[name] = served
-        return served
+    def _queued(self, priority: int, lane: int) -> None:
+        if lane == self.pool.lane:
+            self._outranked(priority)
+        elif self.switch is not None:
+            self.switch.wake.set()  # another model's job: perhaps a reason to switch
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
         """Check everything, take the workspace, load the model, recover, start threads.
         Raises NrvnaError with a one-line reason; on failure nothing is left running."""
-        model_path = None
-        if self.runner is None:
-            if not self.model:
-                raise ModelError("no model given")
-            model_path = resolve_model(self.model, self._models_dir, self._aliases)
-            check_gguf(model_path)
-            self._model_path = os.path.realpath(model_path)
+        self.models = models = _Models(self.model, self.runner, self.config, self._models_dir, self._aliases)
+        self._models_dir = models.models_dir
         ensure_workspace(self.workspace)
-        self._take_lock()
+        self.registry.register(self.status, lambda other: _clash(models.describe(), self.config.gpu, other))
         try:
             self._warn_if_shared()
-            if self.runner is None:
-                log.info(f"Loading model {model_path}")
-                self.runner = LlamaRunner(model_path, self.config)
-            sessions = [self.runner.session(i, self.config) for i in range(self.config.workers)]
-            name = os.path.basename(model_path) if model_path else self.runner.name
-            self.processor = Processor(self.workspace, self.config, name)
-            stale = os.path.join(self.workspace, f".{DAEMON_FILE}.tmp")  # a killed daemon's
-            if os.path.lexists(stale):
-                _unlink_quietly(stale, None)
+            for name in self.registry.dead():  # their files only: this start's recovery takes their jobs
+                log.info(f"Daemon {name} had died; forgetting it")
+            sessions = models.activate(0, self.config.workers, ())
+            self.processor = Processor(self.workspace, self.config, models.served[0].name)
+            self.processor.daemon = self.registry.name
             if self.config.on_done or self.config.on_batch_done:
                 self.hooks = Hooks(self.workspace, self.config, self._stop)
                 self.hooks.prepare()
@@ -7783,25 +8313,24 @@ class Server:
             recovered = self.processor.recover()
             self.processor.clean_staging()
             self._run_last_chances(recovered, sessions[0])
+            models.peers(self._peer_kinds())  # before the first scan routes a job
             self.scanner = Scanner(self.workspace, self.pool, self._stop)
         except BaseException:
             self.hooks = None
-            self._close_runner()
-            self._release_lock()
+            models.close()
+            self.registry.release()
             raise
         self._started_at = time.time()
         self._threads = [threading.Thread(target=self.scanner.run, name="Scanner", daemon=True),
                          threading.Thread(target=self._watch_loop, name="Watcher", daemon=True)]
         self._loads = [0] * len(sessions)
         self._tops = [None] * len(sessions)
-        self._sessions = sessions
-        # Threads are lent only between one-thread contexts: then the lender's thread, the
-        # one wide thread, is the only OpenMP team (see LlamaRunner.decode_wide).
-        if len(sessions) > 1 and all(s.base_threads == 1 for s in sessions):
-            self._thread_budget = len(sessions)
-        for index, session in enumerate(sessions):
-            self._threads.append(threading.Thread(target=self._work, args=(index, session),
-                                                  name=f"Worker-{index}", daemon=True))
+        if len(models.served) > 1:
+            self.switch = _ModelSwitch(models, self.pool, self._stop, len(sessions), self._use, self._tops)
+            self._threads.append(threading.Thread(target=self.switch.run, name="Models", daemon=True))
+        self._use(sessions)
+        for index in range(len(sessions)):
+            self._threads.append(threading.Thread(target=self._work, args=(index,), name=f"Worker-{index}", daemon=True))
         for thread in self._threads:
             thread.start()
         if self.hooks is not None:
@@ -7809,6 +8338,14 @@ class Server:
         self.started = True
         log.info(f"Server started: {self.workspace}, {self.config.workers} workers x "
                  f"{self.config.seqs} sequences, pid {os.getpid()}")
+
+    def _use(self, sessions: list[Session]) -> None:
+        """Make ``sessions`` (one per worker) the ones the workers step."""
+        self._sessions = sessions
+        # Threads are lent only between one-thread contexts: then the lender's thread, the
+        # one wide thread, is the only OpenMP team (see LlamaRunner.decode_wide).
+        lending = len(sessions) > 1 and all(s.base_threads == 1 for s in sessions)
+        self._thread_budget = len(sessions) if lending else 0
 
     def _run_last_chances(self, recovered: list[tuple[str, int]], session: Session) -> None:
         """Run alone, one by one, the orphans whose next daemon death would fail them.
@@ -7818,15 +8355,15 @@ class Server:
         innocent batch-mates to the attempt ceiling with it. Alone, it only fails itself.
         """
         ceiling = self.config.max_attempts
-        last = sorted((job_id for job_id, attempts in recovered if 1 <= attempts and attempts >= ceiling - 1),
-                      key=order_key)
+        last = sorted((job_id for job_id, attempts in recovered if 1 <= attempts and attempts >= ceiling - 1
+                       and (self._route(job_id) or (0, -1))[1] == self.models.active), key=order_key)
         for job_id in last:
             if self._stop.is_set():
                 return
             log.warning(f"Running job alone (the daemon died while it ran): {job_id}")
             try:
                 job = self.processor.claim(job_id, "Main", self._stop)
-            except _HandBack:
+            except (_HandBack, _Busy):
                 continue
             if job is None:
                 continue
@@ -7850,6 +8387,8 @@ class Server:
         ``serve_forever`` runs, call ``stop_from_signal`` instead."""
         self._stop.set()
         self.pool.close()
+        if self.switch is not None:
+            self.switch.release()
         if self.scanner is not None:
             self.scanner.wake()
 
@@ -7894,35 +8433,53 @@ class Server:
                 elif self.processor.cancel_requested(job):
                     job.interrupt = ("cancelled", "cancelled while running (nrvna cancel)")
             self.processor.flush_partial(job)
+        if now >= self._next_reap:
+            self._next_reap = now + REAP_SECONDS
+            self._reap()
         if now >= self._next_status:
             self._next_status = now + DAEMON_STATUS_SECONDS
+            self.registry.keep()
             self.write_status()
-            if self._lock_fd is not None and _read_lock_pid(self.workspace) != os.getpid():
-                _write_lock_pid(self._lock_fd)  # replaced: `stop` reads the holder's pid there
 
-    def write_status(self) -> None:
-        """Rewrite daemon.json atomically (what ``nrvna status WS --daemon`` prints)."""
-        import json
+    def _reap(self) -> None:
+        """Requeue at once the running jobs of daemons that died (their locks are free); route
+        again the jobs left for others when the other daemons' kinds of model change."""
+        for name in self.registry.dead():
+            log.warning(f"Daemon {name} died; requeuing the jobs it was running")
+            recovered = self.processor.recover()
+            log.info(f"Requeued {len(recovered)} jobs of daemon {name}")
+        if self.models.peers(self._peer_kinds()):
+            self.pool.reroute()
 
+    def _peer_kinds(self) -> set[str]:
+        """The kinds of model ("chat", "embed") the workspace's other live daemons serve."""
+        others = [r for r in daemon_records(self.workspace) if r.get("name") != self.registry.name]
+        return {m["kind"] for r in others for m in r.get("models") or ()
+                if isinstance(m, dict) and m.get("kind") in ("chat", "embed")}
+
+    def status(self) -> dict[str, Any]:
+        """This daemon's record (what ``nrvna status WS --daemon`` lists)."""
         now = time.time()
         with self._stats_lock:
             while self._recent and now - self._recent[0][0] > 60:
                 self._recent.popleft()
             window = min(60.0, max(1.0, now - self._started_at))
             recent = sum(tokens for _, tokens in self._recent)
-            status = dict(self._stats, pid=os.getpid(), model=self.processor.model_name if self.processor else None,
-                          model_path=self._model_path, models_dir=self._models_dir, aliases=self._aliases,
-                          workers=self.config.workers, seqs=self.config.seqs, started=round(self._started_at, 3),
-                          updated=round(now, 3), running=len(self._running),
-                          tokens_per_second_last_minute=round(recent / window, 1))
-        fd = open_dir(self.workspace)
-        try:
-            write_file(fd, DAEMON_FILE, (json.dumps(status, indent=1, sort_keys=True) + "\n").encode(), sync=False)
-        finally:
-            os.close(fd)
+            models = self.models.describe() if self.models else []
+            default = models[0] if models else {}
+            return dict(self._stats, pid=os.getpid(), name=self.registry.name, models=models,
+                        model=next((m["name"] for m in models if m["active"]), None), model_path=default.get("path"),
+                        loads=self.models.loads if self.models else 0, models_dir=self._models_dir,
+                        aliases=self._aliases, gpu=self.config.gpu, workers=self.config.workers, seqs=self.config.seqs,
+                        started=round(self._started_at, 3), updated=round(now, 3), running=len(self._running),
+                        tokens_per_second_last_minute=round(recent / window, 1))
+
+    def write_status(self) -> None:
+        """Rewrite this daemon's record in daemons/ atomically."""
+        self.registry.write(self.status())
 
     def _drained(self) -> bool:
-        if not self.pool.idle() or self.scanner is None or self.scanner.scans == 0:
+        if not self.pool.idle() or self.scanner is None or self.scanner.scans == 0 or self.pool.lane is None:
             return False
         with os.scandir(os.path.join(self.workspace, READY)) as entries:
             if not any(not e.name.startswith(".") and e.name not in self.pool.elsewhere for e in entries):
@@ -7941,13 +8498,9 @@ class Server:
         if self.hooks is not None:
             self.hooks.stop()
             self.hooks = None
-        self._close_runner()
-        if self._lock_fd is not None:
-            try:
-                os.unlink(os.path.join(self.workspace, DAEMON_FILE))
-            except OSError:
-                pass
-        self._release_lock()
+        if self.models is not None:
+            self.models.close()
+        self.registry.release()
         self.started = False
         log.info("Server stopped")
 
@@ -7960,15 +8513,21 @@ class Server:
 
     # -- workers -------------------------------------------------------------------------
 
-    def _work(self, index: int, session: Session) -> None:
+    def _work(self, index: int) -> None:
         name = threading.current_thread().name
         _name_os_thread(name)
+        session = self._sessions[index]
         while not self._stop.is_set():
             try:
                 session.clear_preempt()  # a later preempt() cuts the coming step short
                 self._admit(index, session, name)
                 active = session.active()
                 self._tops[index] = None
+                if not active and self.pool.lane is None and self.switch is not None:  # models switch
+                    self._loads[index] = 0
+                    self.switch.park()
+                    session = self._sessions[index]
+                    continue
                 if active and not self._stop.is_set():
                     mine = self._tops[index] = max(job_param(job.params, "priority") for job in active)
                     if any(top is not None and top > mine for top in self._tops):
@@ -8040,9 +8599,12 @@ class Server:
             if job_id is None:
                 return
             try:
-                job = self.processor.claim(job_id, name, self._stop)
+                job = self.processor.claim(job_id, name, self._stop, self.models.served[self.models.active].name)
             except _HandBack:
                 self.pool.retry_later(job_id, 1.0)
+                continue
+            except _Busy:  # another claimer (it takes it), or a requeue not yet done with it
+                self.pool.retry_later(job_id, 0.05)
                 continue
             except OSError as err:  # the claim rename failed: still in ready/, try again later
                 log.error(f"cannot claim {job_id}: {_os_error(err)}; retrying in 2 s")
@@ -8082,6 +8644,8 @@ class Server:
             self.pool.done(job.id)
             if self.hooks is not None:
                 self.hooks.poke()
+            if self.switch is not None:
+                self.switch.wake.set()
             if outcome.error_code is None:
                 if job_param(job.params, "embed"):
                     texts = len(job_param(job.params, "input") or [job.prompt])
@@ -8093,36 +8657,6 @@ class Server:
                 log.warning(f"Job failed: {job.id}: {outcome.error}")
         else:
             self.pool.retry_later(job.id, 2.0)
-
-    # -- workspace lock ------------------------------------------------------------------
-
-    def _take_lock(self) -> None:
-        try:
-            fd, locked = _try_lock(self.workspace)
-        except OSError as err:
-            raise WorkspaceError(f"workspace {self.workspace} cannot be opened: {_os_error(err)}") from None
-        if not locked:
-            os.close(fd)
-            holder = _lock_holder(self.workspace)
-            raise WorkspaceError(f"workspace {self.workspace} is in use by another daemon "
-                                 f"(pid {holder if holder > 0 else 'unknown'})") from None
-        try:
-            _write_lock_pid(fd)
-        except OSError as err:
-            os.close(fd)
-            raise WorkspaceError(f"workspace {self.workspace} is not writable: {_os_error(err)}") from None
-        self._lock_fd = fd
-
-    def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    def _close_runner(self) -> None:
-        if self.runner is not None:
-            self.runner.close()
-        if self._own_runner:
-            self.runner = None
 
     def _warn_if_shared(self) -> None:
         mode = os.stat(self.workspace).st_mode
@@ -8594,8 +9128,8 @@ def _cmd_clean(args: Any) -> int:
 
 
 def _cmd_stop(args: Any) -> int:
-    pid = stop_daemon(args.workspace, args.timeout)
-    _say(f"daemon (pid {pid}) stopped")
+    pids = stop_daemon(args.workspace, args.timeout, args.pid)
+    _say(f"daemon{'s' if len(pids) > 1 else ''} (pid {', '.join(map(str, pids))}) stopped")
     return EXIT_OK
 
 
@@ -8685,7 +9219,9 @@ def _positive_float(text: str) -> float:
 
 
 def _daemon_arguments(parser: Any) -> None:
-    parser.add_argument("model", metavar="MODEL", help="GGUF path, or a name in NRVNA_MODELS_DIR")
+    parser.add_argument("model", metavar="MODEL", nargs="+",
+                        help="GGUF path, a name in NRVNA_MODELS_DIR, or a directory of GGUFs; several serve several "
+                             "models (the first is the default)")
     parser.add_argument("workspace", metavar="WORKSPACE")
     parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0")
     for name, setting in SETTINGS.items():  # the settings with a flag of their own
@@ -8747,7 +9283,7 @@ def _submit_arguments(parser: Any) -> None:
 
 def _status_arguments(parser: Any) -> None:
     _selection_arguments(parser)
-    parser.add_argument("--daemon", action="store_true", help="the running daemon's daemon.json (exit 3: none)")
+    parser.add_argument("--daemon", action="store_true", help="every running daemon's record, a JSON list (exit 3: none)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
 
 
@@ -8808,6 +9344,7 @@ def _clean_arguments(parser: Any) -> None:
 def _stop_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
     parser.add_argument("--timeout", type=_positive_float, metavar="S", help="give up waiting after S seconds (exit 4)")
+    parser.add_argument("--pid", type=int, metavar="N", help="stop only the daemon with pid N (default: every daemon)")
 
 
 def _get_arguments(parser: Any) -> None:
