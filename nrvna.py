@@ -7196,12 +7196,17 @@ class Processor:
         self.config = config
         self.model_name = model_name
         self.daemon = ""  # the name of the daemon that runs it (daemons/<name>.lock), recorded by each claim
-        self.records_ends = bool(config.on_done or config.on_batch_done)  # each end in hooks/done/, for its hook
+        self.hooked = bool(config.on_done or config.on_batch_done)
         self._claims: dict[str, _Claim] = {}  # the running jobs' directories, by ID
         self._claims_lock = threading.Lock()
 
     def _path(self, sub: str, name: str = "") -> str:
         return job_path(self.workspace, sub, name)
+
+    def records_ends(self) -> bool:
+        """Whether each end is recorded in hooks/done/ for its hook: this daemon has hooks, or
+        hooks/ exists (another daemon of the workspace runs them, or one will)."""
+        return self.hooked or os.path.isdir(os.path.join(self.workspace, HOOKS_OWED))
 
     # -- claim ---------------------------------------------------------------------------
 
@@ -7380,7 +7385,7 @@ class Processor:
                     write_file(dir_fd, name, data)
                 write_file(dir_fd, META_FILE, dump_meta(meta))
                 os.fsync(dir_fd)
-                if self.records_ends:
+                if self.records_ends():
                     owe_hooks(self.workspace, job.id)
                 try:
                     move_job(self.workspace, job.id, PROCESSING, dest)
@@ -7451,7 +7456,7 @@ class Processor:
             os.chmod(path, DIR_MODE)
             mark_failed(self.workspace, sub, job_id, "bad_request", f"the job directory was not accessible to "
                         f"the daemon (mode {mode:o}); it was failed without being read")
-            if self.records_ends:
+            if self.records_ends():
                 owe_hooks(self.workspace, job_id)
             move_job(self.workspace, job_id, sub, FAILED)
         except OSError as err:
@@ -7489,7 +7494,7 @@ class Processor:
         self._publish_quarantine(job_id, wrap)
 
     def _publish_quarantine(self, job_id: str, wrap: str) -> None:
-        if self.records_ends:
+        if self.records_ends():
             owe_hooks(self.workspace, job_id)
         try:
             move(wrap, self._path(FAILED, job_id))

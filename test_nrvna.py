@@ -1069,6 +1069,12 @@ def test_a_daemon_of_several_models_routes_each_job_and_switches_only_when_it_sh
     assert [models.lane_of(name, embed) for name, embed in [
         ("other", False), ("gpt-4o-mini", False), (None, False), (None, True), ("nope", True), ("nope", False),
         ("bert", False), ("unserved", False), ("gguf", False)]] == [1, 1, 0, 2, 2, 0, 2, None, 0]
+    # An alias to a model that does not exist: its jobs run as if they named none; a daemon
+    # asked to serve it says so.
+    aliased = nrvna._Models([chat], None, nrvna.Config(), str(tmp_path), {"gpt": "nope"})
+    assert aliased.lane_of("gpt", False) == 0
+    with pytest.raises(nrvna.ModelError, match=r"model gpt \(an alias of nope\) does not exist; models in"):
+        nrvna._Models(["gpt"], None, nrvna.Config(), str(tmp_path), {"gpt": "nope"})
     (tmp_path / "empty").mkdir()
     with pytest.raises(nrvna.ModelError, match="holds no"):
         nrvna._Models([str(tmp_path / "empty")], None, nrvna.Config(), str(tmp_path), {})
@@ -1084,6 +1090,29 @@ def test_a_daemon_of_several_models_routes_each_job_and_switches_only_when_it_sh
     assert models.choose({0: (9, 0, key[1]), 1: (1, 0, key[9])}, True, 5, start + 1) is None  # nor one under a running job
     assert models.choose({0: (9, 0, key[1]), 1: (1, 0, key[9])}, True, 0, start + 60) == 1  # the turn is up: no starving
     assert models.choose({0: (9, 0, key[1])}, True, 0, start + 600) is None  # nobody else waits: keep going
+
+
+def test_each_job_s_hook_runs_once_whichever_of_two_daemons_ran_it(ws: str, tmp_path: Path) -> None:
+    ran = tmp_path / "hooks.log"
+    hook = f"echo \"$NRVNA_JOB_ID\" >> '{ran}'"
+
+    def slow(job: nrvna.RunningJob) -> str:
+        time.sleep(0.02)  # long enough that both daemons get jobs
+        return f"echo:{job.prompt}"
+
+    submit(ws, "warm")
+    for hooks_beside in (hook, ""):  # both daemons with hooks; then the second without
+        ran.write_text("")
+        with serving(ws, slow, on_done=hook), serving(ws, slow, gpu=1, on_done=hooks_beside):
+            ids = [submit(ws, f"h{i}") for i in range(30)]
+            assert wait_all(ws, ids) == [Status.Done] * 30
+            deadline = time.monotonic() + 30
+            while len(set(ran.read_text().split()) & set(ids)) < 30 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len({Flow(ws).get(job_id).meta["daemon"] for job_id in ids}) == 2, hooks_beside
+        hooked = [line for line in ran.read_text().split() if line in ids]
+        assert sorted(hooked) == sorted(ids), hooks_beside  # each once
+        assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
 
 
 @pytest.mark.model
@@ -1126,6 +1155,37 @@ def test_one_daemon_serves_a_mixed_batch_loading_each_model_once(ws: str, tmp_pa
     assert len(submitted.stdout.decode().split()) == len(expected)
     exported = run_main("export", ws, "--format", "openai", env=env)
     assert sorted(json.loads(line)["custom_id"] for line in exported.stdout.decode().splitlines()) == sorted(expected)
+
+
+@pytest.mark.model
+def test_a_higher_lane_or_the_end_of_a_turn_switches_models_before_a_backlog_ends(tmp_path: Path, model: str,
+                                                                                run_main: RunMain) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        os.link(model, models / name)
+    env = {"NRVNA_MODELS_DIR": str(models)}
+    for case, flags, extra in (("priority", [], ["--priority", "5"]), ("turn", ["--model-turn", "0.5"], [])):
+        ws = str(tmp_path / case)
+        backlog = [run_main("submit", ws, f"Tell a story {i}.", "--model", "a", "--max-tokens", "48", "--ignore-eos",
+                            env=env).stdout.decode().strip() for i in range(16)]
+        daemon = start_daemon(str(models), ws, "--max-loaded", "1", "-w", "1", "-s", "2", *flags, env=env)
+        try:
+            flow, deadline = Flow(ws), time.monotonic() + 300
+            while flow.status(backlog[0]) is not Status.Done and time.monotonic() < deadline:
+                time.sleep(0.02)
+            other = run_main("submit", ws, "Say hi.", "--model", "b", "--max-tokens", "4", *extra,
+                             env=env).stdout.decode().strip()
+            while flow.status(other) is not Status.Done and time.monotonic() < deadline:
+                time.sleep(0.02)
+            finished = sum(flow.status(job_id) is Status.Done for job_id in backlog)
+            assert finished < len(backlog), case  # it did not wait for the backlog's end
+            assert flow.get(other).meta["model"] == "b.gguf"
+            assert flow.wait_all(backlog, timeout=300) == {job_id: Status.Done for job_id in backlog}
+        finally:
+            daemon.terminate()
+            _, err = daemon.communicate(timeout=60)
+        assert err.decode().count("Loading model") == 3, err.decode()[-3000:]  # a, b, then a again
 
 
 @pytest.mark.model
@@ -4625,7 +4685,7 @@ def example_script(path: Path) -> str:
     document), so a daemon started by one block serves the next; it stops the workspaces' daemons
     at its end, and the test kills what is left."""
     parts = ["set -eu -o pipefail",
-             "trap 'set +e; for w in ws ews; do [ -d \"$w/daemons\" ] && nrvna stop \"$w\" --timeout 60 >/dev/null 2>&1; done' EXIT"]
+             "trap 'set +e; for w in ws ews mws dws; do [ -d \"$w/daemons\" ] && nrvna stop \"$w\" --timeout 60 >/dev/null 2>&1; done' EXIT"]
     for line, language, code in runnable_examples(path):
         parts.append(f"echo \"### {path.name}:{line} $SECONDS s\" >&2")
         parts.append(code if language == "sh" else f"python - <<'NRVNA_EXAMPLE_END'\n{code}NRVNA_EXAMPLE_END")

@@ -14,10 +14,11 @@ Arms:
   with `embeddings` and `pooling = mean`, `--models-max 2` and `--models-max 3`, children with
   -np 8; 8 concurrent clients send the lines in file order. Loads: the router's "spawning server
   instance" log lines.
-- nrvna as it stands (issue 31's first part: jobs name their model, a daemon runs only its
-  model's jobs): the file submitted once, then `nrvna daemon MODEL WS --drain` for A, B and C in
-  a row, each loading its model once. Loads: the daemons' "Loading model" log lines. Every job's
-  meta.json must name the model its line named.
+- nrvna, one daemon serving all three: the file submitted once, then `nrvna daemon MODELS_DIR WS
+  --max-loaded N --drain` with N = 1, 2 and 3 (room for one model, two, all three); it drains one
+  model's backlog before it switches. Loads: the daemon's "Loading model" log lines.
+- nrvna, one `--drain` daemon per model in a row (A, B, C), each loading its model once.
+Every job's meta.json must name the model its line named.
 
     python bench/models.py [--jobs 50] [--tokens 32] [--server PATH]
 """
@@ -132,9 +133,11 @@ def router_arm(binary: str, paths: dict[str, str], lines: list[dict], most: int,
             "by model": {name: spawned.count(name) for name in sorted(set(spawned))}}
 
 
-def nrvna_arm(paths: dict[str, str], lines: list[dict], base: str) -> dict:
-    ws = os.path.join(base, "ws")
-    batch = os.path.join(base, "batch.jsonl")
+def nrvna_arm(paths: dict[str, str], lines: list[dict], base: str, most: int = 0) -> dict:
+    """``most`` > 0: one daemon serving the three models with --max-loaded ``most``; 0: one
+    daemon per model, in a row."""
+    ws = os.path.join(base, f"ws-{most}")
+    batch = os.path.join(base, f"batch-{most}.jsonl")
     with open(batch, "w") as handle:  # the same jobs as nrvna's own lines (ignore_eos is no OpenAI field)
         for line in lines:
             body = dict(line["body"], custom_id=line["custom_id"])
@@ -145,19 +148,32 @@ def nrvna_arm(paths: dict[str, str], lines: list[dict], base: str) -> dict:
     os.environ["NRVNA_MODELS_DIR"] = env["NRVNA_MODELS_DIR"]  # submit resolves names as the daemons will
     start = time.perf_counter()
     ids = nrvna.Work(ws, strict_models=True).submit_file(batch)
-    loads = 0
-    for name in ("chat-a", "chat-b", "minilm"):
-        daemon = subprocess.run([PYTHON, os.path.join(ROOT, "nrvna.py"), "daemon", name, ws, "--drain"], env=env,
+    loads, serving = 0, 0.0
+    runs = [[os.path.dirname(paths["chat-a"]), "--max-loaded", str(most)]] if most else \
+        [[name] for name in ("chat-a", "chat-b", "minilm")]
+    for models in runs:
+        daemon = subprocess.run([PYTHON, os.path.join(ROOT, "nrvna.py"), "daemon", *models, ws, "--drain"], env=env,
                                 capture_output=True, text=True)
         assert daemon.returncode == 0, daemon.stderr[-2000:]
         loads += daemon.stderr.count("Loading model")
+        serving += log_span(daemon.stderr, "Server started", "Queue drained")
     elapsed = time.perf_counter() - start
     flow = nrvna.Flow(ws)
     for job_id, line in zip(ids, lines):
         job = flow.get(job_id)
         assert job.status is nrvna.Status.Done, (job_id, job.error)
         assert job.meta["model"] == f"{line['body']['model']}.gguf", (job.meta["model"], line["custom_id"])
-    return {"seconds": elapsed, "jobs/s": len(lines) / elapsed, "loads": loads}
+    return {"seconds": elapsed, "jobs/s": len(lines) / elapsed, "loads": loads, "serving": serving}
+
+
+def log_span(log: str, first: str, last: str) -> float:
+    """Seconds between the log lines holding ``first`` and ``last`` (their timestamps)."""
+    stamps = {}
+    for line in log.splitlines():
+        for mark in (first, last):
+            if mark in line and mark not in stamps:
+                stamps[mark] = time.mktime(time.strptime(line[1:20], "%Y-%m-%d %H:%M:%S")) + float(line[20:24])
+    return stamps[last] - stamps[first]
 
 
 def main() -> None:
@@ -172,16 +188,28 @@ def main() -> None:
     try:
         paths = make_models(base)
         lines = batch_lines(args.jobs, args.tokens)
-        results = {"nrvna: one --drain daemon per model, in a row": nrvna_arm(paths, lines, base)}
+        results = {}
+        for most in (1, 2, 3):
+            results[f"nrvna: one daemon, --max-loaded {most}"] = nrvna_arm(paths, lines, base, most)
+        results["nrvna: one --drain daemon per model, in a row"] = nrvna_arm(paths, lines, base)
         for most in (2, 3):
             results[f"llama-server router, --models-max {most}"] = router_arm(binary, paths, lines, most, base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"machine: {machine()}; {len(lines)} lines ({args.jobs} per model: 2 chat models x {args.tokens} tokens, "
           "1 embedding model x 2 texts), interleaved line by line")
-    nrvna_rate = results["nrvna: one --drain daemon per model, in a row"]["jobs/s"]
-    rows = [[name, r["seconds"], r["jobs/s"], r["loads"], nrvna_rate / r["jobs/s"]] for name, r in results.items()]
-    print(table(["arm", "seconds", "jobs/s", "model loads", "nrvna's jobs/s over this"], rows))
+    rows = [[name, r["seconds"], r["jobs/s"], r.get("serving", r["seconds"]), len(lines) / r.get("serving", r["seconds"]),
+             r["loads"]] for name, r in results.items()]
+    print(table(["arm", "seconds", "jobs/s", "serving s", "serving jobs/s", "model loads"], rows))
+    print("seconds: nrvna from the submit to the daemon's exit, its start (Python, llama.cpp, the first model)"
+          " included; the router from the first request to the last reply, its start excluded.\n"
+          "serving: nrvna from the daemon's 'Server started' to its 'Queue drained' (the first model's load"
+          " excluded, the others' included); the router's the same as its seconds (every load included).")
+    for most in (2, 3):  # the same room for models on both sides
+        ours, theirs = results[f"nrvna: one daemon, --max-loaded {most}"], results[f"llama-server router, --models-max {most}"]
+        print(f"room for {most} models: nrvna {ours['jobs/s']:.2f} jobs/s ({ours['loads']} loads) against the router's "
+              f"{theirs['jobs/s']:.2f} ({theirs['loads']} loads): {ours['jobs/s'] / theirs['jobs/s']:.2f}x; serving "
+              f"{len(lines) / ours['serving'] / theirs['jobs/s']:.2f}x")
     for name, r in results.items():
         if "by model" in r:
             print(f"{name}: loads by model {r['by model']}")
