@@ -5076,7 +5076,12 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[i
         except PermissionError:
             raise NrvnaError(f"not allowed to signal the daemon (pid {record['pid']})") from None
     for record in records:
-        while daemon_lock_state(workspace, record["name"]) is None:
+        while True:
+            held = daemon_lock_state(workspace, record["name"])
+            if held is not None:
+                if held >= 0:
+                    os.close(held)  # a lock held here would keep the daemons from reaping it
+                break
             if deadline is not None and time.monotonic() > deadline:
                 raise NotFinished(f"the daemon (pid {record['pid']}) has not stopped after {timeout:g} s")
             time.sleep(0.05)
@@ -8444,6 +8449,7 @@ class Server:
         if now >= self._next_status:
             self._next_status = now + DAEMON_STATUS_SECONDS
             self.registry.keep()
+            self.processor.daemon = self.registry.name  # (a new name, if its lock file was replaced)
             self.write_status()
 
     def _reap(self) -> None:
