@@ -2485,11 +2485,13 @@ def _flock(fd: int, exclusive: bool = True, wait: bool = False) -> bool:
 
 
 class WorkspaceLock:
-    """The workspace directory's own flock, held for moments, never for a daemon's life: by a
-    recovery pass (a daemon's start, or a live daemon requeuing a dead one's jobs), by a
-    daemon's registration, by a quarantine and by a client failing an orphan, so that no two
-    of them touch a job nobody holds at the same time. A running job is held by its own lock
-    (``hold_job``), which the kernel drops when its daemon dies: that is the proof of life."""
+    """A flock on processing/ (what it guards), held for moments, never for a daemon's life: by
+    a recovery pass (a daemon's start; a live daemon requeuing a dead one's jobs, or any job
+    nobody holds), by a daemon's registration, by a quarantine and by a client failing an
+    orphan, so that no two of them touch a job nobody holds at the same time. A running job
+    is held by its own lock (``hold_job``), which the kernel drops when its daemon dies: that
+    is the proof of life. (Not the workspace directory's: earlier versions' daemons held that
+    one for life, and a daemon tests it to refuse to start beside one: see _Registry.register.)"""
 
     def __init__(self, workspace: str) -> None:
         self.workspace = workspace
@@ -2497,7 +2499,7 @@ class WorkspaceLock:
 
     def __enter__(self) -> "WorkspaceLock":
         try:
-            self.fd = open_dir(self.workspace)
+            self.fd = open_dir(os.path.join(self.workspace, PROCESSING))
             _flock(self.fd, wait=True)
         except OSError as err:
             if self.fd >= 0:
@@ -2514,9 +2516,13 @@ def hold_job(path: str) -> Optional[int]:
     lets go), or None when someone holds it (a live daemon runs it, or is moving it). OSError
     when it cannot be opened. A daemon holds every job it has claimed, from before the
     claim's rename until after the job's last move."""
-    fd = open_dir(path)
+    return _locked(open_dir(path))
+
+
+def _locked(fd: int, exclusive: bool = True) -> Optional[int]:
+    """``fd`` once a flock on it is taken (not waiting); else None, ``fd`` closed."""
     try:
-        if _flock(fd):
+        if _flock(fd, exclusive):
             return fd
     except OSError:
         os.close(fd)
@@ -2597,14 +2603,7 @@ def daemon_lock_state(workspace: str, name: str, exclusive: bool = False) -> Opt
         fd = os.open(os.path.join(workspace, DAEMONS, f"{name}.lock"), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
     except FileNotFoundError:
         return -1
-    try:
-        if _flock(fd, exclusive):
-            return fd
-    except OSError:
-        os.close(fd)
-        raise
-    os.close(fd)
-    return None
+    return _locked(fd, exclusive)
 
 
 def daemon_records(workspace: str) -> list[dict[str, Any]]:
@@ -6897,6 +6896,7 @@ _FLOAT32_TEXT = "{:.9g}".format
 DAEMON_STATUS_SECONDS = 2.0  # how often a daemon's record (daemons/<name>.json) is rewritten
 WATCH_SECONDS = 0.1  # how often running jobs are checked for cancel/timeout and partial.txt flushed
 REAP_SECONDS = 0.5  # how often a daemon looks for daemons that died (their running jobs are requeued)
+ORPHAN_SECONDS = 30.0  # how often it also requeues any job in processing/ that nobody holds
 STALE_STAGING_SECONDS = 3600  # input/writing/* older than this is a dead client's leftover
 CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long to fill up
 
@@ -6919,8 +6919,9 @@ class Pool:
         self._route = route
         self.elsewhere: set[str] = set()
         self._on_queued = on_queued  # told the highest priority of each push, per lane
-        self._later: list[tuple[float, str]] = []  # handed back after an I/O error
+        self._later: list[tuple[float, str, int, int]] = []  # (when, id, priority, lane): handed back for now
         self._known: set[str] = set()
+        self._taken: dict[str, tuple[int, int]] = {}  # (priority, lane) of each job a worker took
         self._busy = 0
         self._closed = False
         self.lane: Optional[int] = 0
@@ -6948,9 +6949,12 @@ class Pool:
             self._on_queued(priority, lane)
         return added
 
-    def reroute(self) -> None:
-        """Route the jobs left for other daemons again (the daemons serving them changed)."""
+    def reroute(self, change: Callable[[], bool]) -> None:
+        """Route the jobs left for other daemons again if ``change()``, called under the
+        pool's lock (the routing it changes is read under it), says the routes changed."""
         with self._cond:
+            if not change():
+                return
             again, self.elsewhere = self.elsewhere, set()
             self._known -= again
         self.push(again)
@@ -6992,13 +6996,15 @@ class Pool:
             while not self._closed and self.lane is not None:
                 now = time.monotonic()
                 while self._later and self._later[0][0] <= now:
-                    _, job_id = heapq.heappop(self._later)
-                    self._queue(job_id, *(self._route(job_id) or (0, self.lane)))  # it was ours when claimed
+                    _, job_id, priority, lane = heapq.heappop(self._later)
+                    self._queue(job_id, priority, lane)
                 heap = self._heaps.get(self.lane)
                 if heap and (above is None or -heap[0][0] > above):
                     if not self._leave_to_favored(worker, heap):
                         self._busy += 1
-                        return heapq.heappop(heap)[2]
+                        priority, _, job_id = heapq.heappop(heap)
+                        self._taken[job_id] = (-priority, self.lane)
+                        return job_id
                     self._cond.notify_all()  # the favored worker takes it
                 left = deadline - now
                 if left <= 0:
@@ -7027,14 +7033,17 @@ class Pool:
         """The worker is finished with ``job_id`` (ended, lost a claim race, or requeued)."""
         with self._cond:
             self._known.discard(job_id)
+            self._taken.pop(job_id, None)
             self._busy -= 1
             self._cond.notify_all()
 
     def retry_later(self, job_id: str, delay: float) -> None:
-        """Queue ``job_id`` again after ``delay`` s (it was handed back after an I/O error)."""
+        """Queue ``job_id`` again after ``delay`` s, in its lane (handed back after an I/O
+        error, or held by another claimer for now)."""
         with self._cond:
             self._busy -= 1
-            heapq.heappush(self._later, (time.monotonic() + delay, job_id))
+            priority, lane = self._taken.pop(job_id, (0, self.lane or 0))
+            heapq.heappush(self._later, (time.monotonic() + delay, job_id, priority, lane))
             self._cond.notify()
 
     def close(self) -> None:
@@ -7053,11 +7062,18 @@ class Pool:
         with self._cond:
             return self._busy
 
-    def take_lane(self, lane: int) -> list[str]:
-        """Empty ``lane`` (its model cannot be loaded) and return its IDs."""
+    def set_aside(self, lane: int) -> None:
+        """``lane``'s model cannot be loaded: its jobs are left for another daemon."""
         with self._cond:
-            heap = self._heaps.pop(lane, [])
-        return [entry[2] for entry in heap]
+            self.elsewhere.update(entry[2] for entry in self._heaps.pop(lane, []))
+
+    def forget_gone(self, present: set[str]) -> None:
+        """Forget the jobs left for other daemons that are no longer in ready/ (``present``):
+        other daemons ran them."""
+        with self._cond:
+            gone = self.elsewhere - present
+            self.elsewhere -= gone
+            self._known -= gone
 
     def __len__(self) -> int:
         """Jobs queued in the active lane, and handed back ones."""
@@ -7230,8 +7246,10 @@ class Processor:
                 with WorkspaceLock(self.workspace):
                     self._quarantine(job_id, READY)
                 return None
-            if err.errno == errno.EACCES and self._fail_inaccessible(job_id, READY):
-                return None
+            if err.errno == errno.EACCES:
+                with WorkspaceLock(self.workspace):  # two daemons never fail it both
+                    if not os.path.lexists(ready) or self._fail_inaccessible(job_id, READY):
+                        return None
             raise
         if dir_fd is None:
             raise _Busy(job_id)
@@ -7528,9 +7546,15 @@ class Processor:
                     continue
                 dir_fd = hold_orphan(self.workspace, name)
                 if dir_fd is None:
-                    if os.path.lexists(path) and not os.path.isdir(path):
+                    try:
+                        mode = os.lstat(path).st_mode
+                    except FileNotFoundError:
+                        continue  # moved on meanwhile
+                    if not stat.S_ISDIR(mode):
                         self._quarantine(name, PROCESSING)
-                    continue  # held by a live daemon, or moved on meanwhile
+                    elif stat.S_IMODE(mode) & 0o700 != 0o700:
+                        self._fail_inaccessible(name, PROCESSING)
+                    continue  # otherwise held by a live daemon
                 attempts = self._recover_one(name, dir_fd, path)
                 if attempts is not None:
                     recovered.append((name, attempts))
@@ -7757,6 +7781,8 @@ class Hooks:
                     self._in_flight.discard(task)
 
     def _job_ended(self, job_id: str) -> None:
+        if not os.path.lexists(os.path.join(self.owed, job_id)):
+            return  # its hook ran: a listing taken before the record went queued it again
         status, path = locate_job(self.workspace, job_id)
         if status is Status.Missing:  # removed (clean) before its hooks ran
             _unlink_quietly(os.path.join(self.owed, job_id), None)
@@ -8093,6 +8119,14 @@ class _Registry:
         """Take this daemon's lock and write its record, unless ``clash`` names a reason a live
         daemon excludes it (WorkspaceError). Under the WorkspaceLock: two daemons starting
         at once see each other."""
+        try:
+            held = _locked(open_dir(self.workspace), exclusive=False)
+        except OSError as err:
+            raise WorkspaceError(f"workspace {self.workspace} cannot be locked: {_os_error(err)}") from None
+        if held is None:
+            raise WorkspaceError(f"workspace {self.workspace} is in use by a daemon of an earlier nrvna version "
+                                 "(it holds the workspace directory's lock); stop it first")
+        os.close(held)
         with WorkspaceLock(self.workspace):
             for other in daemon_records(self.workspace):
                 reason = clash(other)
@@ -8182,14 +8216,12 @@ class _ModelSwitch:
                                             time.monotonic())
                 if target is not None:
                     self._switch(target)
-            except Exception as err:  # a switch that failed leaves the active model running
+            except Exception as err:  # choose's own bug: the active model goes on
                 log.error(f"model switch error: {err!r}")
-                self.pool.set_lane(self.models.active)
-                self._unpark()
 
     def _switch(self, lane: int) -> None:
         models = self.models
-        old = models.served[models.active].name
+        previous = models.active
         self.pool.set_lane(None)  # no worker takes a job now; each parks once its jobs end
         with self._cond:
             while self._parked < self.workers and not self.stop.is_set():
@@ -8199,15 +8231,26 @@ class _ModelSwitch:
         began = time.monotonic()
         try:
             self.use(models.activate(lane, self.workers, self.pool.lanes()))
-        except ModelError as err:
-            log.error(f"{err}; its jobs wait (they run if a daemon that can load it starts)")
+            log.info(f"Switched from model {models.served[previous].name} to {models.served[lane].name} "
+                     f"({time.monotonic() - began:.2f} s)")
+        except Exception as err:  # out of memory, say: its jobs wait for a daemon that can load it
+            log.error(f"model {models.served[lane].name} could not be made ready ({err}); its jobs wait for "
+                      "a daemon that can load it")
             models.failed.add(lane)
-            self.pool.elsewhere.update(self.pool.take_lane(lane))
-            lane = models.active
-        else:
-            log.info(f"Switched from model {old} to {models.served[lane].name} ({time.monotonic() - began:.2f} s)")
+            self.pool.set_aside(lane)
+            lane = previous
+            try:  # the eviction that made room may have unloaded it
+                self.use(models.activate(previous, self.workers, self.pool.lanes()))
+            except Exception as again:
+                log.error(f"model {models.served[previous].name} cannot be loaded again ({again}); stopping")
+                self.stop.set()
+                self.pool.close()
+                return
         self.pool.set_lane(lane)
-        self._unpark()
+        with self._cond:  # every parked worker goes: none is counted until it parks again
+            self._generation += 1
+            self._parked = 0
+            self._cond.notify_all()
 
     def park(self) -> None:
         """A worker with no job while a switch waits: wait here until it is done."""
@@ -8219,11 +8262,11 @@ class _ModelSwitch:
             self._cond.notify_all()
             while self._generation == generation and not self.stop.is_set():
                 self._cond.wait(0.1)
-            self._parked -= 1
 
-    def _unpark(self) -> None:
+    def leave(self) -> None:
+        """A worker thread ends: switches wait for one worker fewer."""
         with self._cond:
-            self._generation += 1
+            self.workers -= 1
             self._cond.notify_all()
 
     def release(self) -> None:
@@ -8268,6 +8311,7 @@ class Server:
         self.models: Optional[_Models] = None
         self.switch: Optional[_ModelSwitch] = None  # serving several models: the Models thread
         self._next_reap = 0.0
+        self._next_orphans = time.monotonic() + ORPHAN_SECONDS
         self.scanner: Optional[Scanner] = None
         self.processor: Optional[Processor] = None
         self.started = False
@@ -8445,22 +8489,30 @@ class Server:
             self.processor.flush_partial(job)
         if now >= self._next_reap:
             self._next_reap = now + REAP_SECONDS
-            self._reap()
+            self._reap(now)
         if now >= self._next_status:
             self._next_status = now + DAEMON_STATUS_SECONDS
             self.registry.keep()
             self.processor.daemon = self.registry.name  # (a new name, if its lock file was replaced)
             self.write_status()
 
-    def _reap(self) -> None:
-        """Requeue at once the running jobs of daemons that died (their locks are free); route
-        again the jobs left for others when the other daemons' kinds of model change."""
-        for name in self.registry.dead():
+    def _reap(self, now: float) -> None:
+        """Requeue at once the running jobs of daemons that died (their locks are free), and
+        every ORPHAN_SECONDS any job in processing/ that nobody holds (a requeue or a reaping
+        that failed); route again the jobs left for others when the other daemons' kinds of
+        model change, and forget those that others ran."""
+        dead = list(self.registry.dead())
+        for name in dead:
             log.warning(f"Daemon {name} died; requeuing the jobs it was running")
+        if dead or now >= self._next_orphans:
+            self._next_orphans = now + ORPHAN_SECONDS
             recovered = self.processor.recover()
-            log.info(f"Requeued {len(recovered)} jobs of daemon {name}")
-        if self.models.peers(self._peer_kinds()):
-            self.pool.reroute()
+            if recovered:
+                log.info(f"Requeued {len(recovered)} jobs that no live daemon held")
+            if not dead:
+                self.pool.forget_gone(set(os.listdir(os.path.join(self.workspace, READY))))
+        kinds = self._peer_kinds()
+        self.pool.reroute(lambda: self.models.peers(kinds))
 
     def _peer_kinds(self) -> set[str]:
         """The kinds of model ("chat", "embed") the workspace's other live daemons serve."""
@@ -8525,6 +8577,13 @@ class Server:
     # -- workers -------------------------------------------------------------------------
 
     def _work(self, index: int) -> None:
+        try:
+            self._work_loop(index)
+        finally:
+            if self.switch is not None:
+                self.switch.leave()
+
+    def _work_loop(self, index: int) -> None:
         name = threading.current_thread().name
         _name_os_thread(name)
         session = self._sessions[index]
@@ -8616,6 +8675,10 @@ class Server:
                 continue
             except _Busy:  # another claimer (it takes it), or a requeue not yet done with it
                 self.pool.retry_later(job_id, 0.05)
+                continue
+            except NrvnaError as err:  # the WorkspaceLock of a quarantine could not be taken
+                log.error(f"cannot claim {job_id}: {err}; retrying in 2 s")
+                self.pool.retry_later(job_id, 2.0)
                 continue
             except OSError as err:  # the claim rename failed: still in ready/, try again later
                 log.error(f"cannot claim {job_id}: {_os_error(err)}; retrying in 2 s")

@@ -1189,6 +1189,29 @@ def test_a_higher_lane_or_the_end_of_a_turn_switches_models_before_a_backlog_end
 
 
 @pytest.mark.model
+def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: str, tmp_path: Path, model: str,
+                                                                         run_main: RunMain) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    os.link(model, models / "a.gguf")
+    (models / "b.gguf").write_bytes(Path(model).read_bytes()[:3_000_000])  # a GGUF header, truncated weights
+    env = {"NRVNA_MODELS_DIR": str(models)}
+    ids = {name: [run_main("submit", ws, "Say hi.", "--model", name, "--max-tokens", "4", env=env).stdout.decode().strip()
+                  for _ in range(3)] for name in ("a", "b")}
+    daemon = start_daemon(str(models), ws, "--max-loaded", "1", "-w", "1", "--drain", env=env)
+    try:
+        _, err = daemon.communicate(timeout=300)
+    finally:
+        daemon.kill()
+    log = err.decode()
+    assert daemon.returncode == 0 and "Traceback" not in log, log[-3000:]
+    assert "model b.gguf could not be made ready" in log and log.count("Loading model") == 3, log[-3000:]
+    flow = Flow(ws)
+    assert [flow.status(job_id) for job_id in ids["a"]] == [Status.Done] * 3
+    assert [flow.status(job_id) for job_id in ids["b"]] == [Status.Queued] * 3  # for a daemon that can load it
+
+
+@pytest.mark.model
 def test_two_daemons_share_a_workspace_and_a_killed_ones_jobs_are_requeued_at_once(ws: str, tmp_path: Path,
                                                                                  model: str, run_main: RunMain) -> None:
     models = tmp_path / "models"
@@ -1242,6 +1265,19 @@ def test_two_daemons_share_a_workspace_and_a_killed_ones_jobs_are_requeued_at_on
         assert job.status is Status.Done and job.meta["model"] == model_name, (job_id, job.error)
         assert [p for p in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, p, job_id))] == [nrvna.OUTPUT]
     assert job_id and audit_clean(ws)
+
+
+def test_a_job_nobody_holds_in_processing_is_requeued_by_a_live_daemon(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A requeue that failed, a reaping cut short: a live daemon finds such a job within
+    ORPHAN_SECONDS, while a job it runs itself is never touched."""
+    monkeypatch.setattr(nrvna, "ORPHAN_SECONDS", 0.3)
+    with serving(ws, echo):
+        running = [submit(ws, f"r{i}") for i in range(5)]
+        job_id = orphan(ws, "left behind", 1)
+        assert wait_all(ws, running + [job_id]) == [Status.Done] * 6
+        job = Flow(ws).get(job_id)
+        assert job.result == "echo:left behind" and job.meta["attempts"] == 2
+        assert [e[1:] for e in job.meta["events"]][-3:] == [["requeued", "crashed"], ["running"], ["done"]]
 
 
 def test_a_second_daemon_for_the_same_model_needs_another_gpu(ws: str) -> None:
