@@ -1041,6 +1041,29 @@ def test_a_queued_job_s_lane_and_model_are_read_from_any_params_json(tmp_path: P
         assert nrvna.read_route(str(job)) == expected, text
 
 
+def models_dir(tmp_path: Path, **files: str) -> tuple[Path, dict[str, str]]:
+    """A models directory of hard links (``name="source path"``: separate models as far as names
+    go, the same bytes), and the environment that makes it NRVNA_MODELS_DIR."""
+    models = tmp_path / "models"
+    models.mkdir()
+    for name, source in files.items():
+        os.link(source, models / f"{name}.gguf")
+    return models, {"NRVNA_MODELS_DIR": str(models)}
+
+
+def drain_with_room_for_one(models: Path, ws: str, env: dict[str, str]) -> str:
+    """Run `daemon MODELS_DIR WS --max-loaded 1 -w 1 --drain` to its end; its log (exit 0, no
+    traceback)."""
+    daemon = start_daemon(str(models), ws, "--max-loaded", "1", "-w", "1", "--drain", env=env)
+    try:
+        _, err = daemon.communicate(timeout=600)
+    finally:
+        daemon.kill()
+    log = err.decode()
+    assert daemon.returncode == 0 and "Traceback" not in log, log[-3000:]
+    return log
+
+
 def fake_gguf(path: Path, arch: str = "llama", pooling: int | None = None) -> str:
     """A GGUF header naming ``arch`` (and a pooling type): enough for check_gguf and
     gguf_kind, never for loading."""
@@ -1121,10 +1144,7 @@ def test_one_daemon_serves_a_mixed_batch_loading_each_model_once(ws: str, tmp_pa
     """Two chat models and an embedding model, interleaved line by line in one OpenAI batch
     file, through one daemon with room for one model: each line done by the model it names,
     each model loaded once."""
-    models = tmp_path / "models"
-    models.mkdir()
-    for name, source in (("smol.gguf", model), ("smol2.gguf", model), ("minilm.gguf", bert)):
-        os.link(source, models / name)  # hard links: separate models as far as names go
+    models, env = models_dir(tmp_path, smol=model, smol2=model, minilm=bert)
     lines, expected = [], {}
     for i in range(4):
         for name in ("smol", "smol2"):
@@ -1136,16 +1156,9 @@ def test_one_daemon_serves_a_mixed_batch_loading_each_model_once(ws: str, tmp_pa
         expected[f"e-{i}"] = "minilm.gguf"
     batch = tmp_path / "mixed.jsonl"
     batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    env = {"NRVNA_MODELS_DIR": str(models)}
     submitted = run_main("submit", ws, "--file", str(batch), "--strict-models", env=env)
     assert submitted.returncode == 0, submitted.stderr
-    daemon = start_daemon(str(models), ws, "--max-loaded", "1", "-w", "1", "--drain", env=env)
-    try:
-        _, err = daemon.communicate(timeout=600)
-    finally:
-        daemon.kill()
-    log = err.decode()
-    assert daemon.returncode == 0, log[-3000:]
+    log = drain_with_room_for_one(models, ws, env)
     assert log.count("Loading model") == 3 and log.count("Unloading model") == 2, log[-3000:]
     flow = Flow(ws)
     for job_id in submitted.stdout.decode().split():
@@ -1160,11 +1173,7 @@ def test_one_daemon_serves_a_mixed_batch_loading_each_model_once(ws: str, tmp_pa
 @pytest.mark.model
 def test_a_higher_lane_or_the_end_of_a_turn_switches_models_before_a_backlog_ends(tmp_path: Path, model: str,
                                                                                 run_main: RunMain) -> None:
-    models = tmp_path / "models"
-    models.mkdir()
-    for name in ("a.gguf", "b.gguf"):
-        os.link(model, models / name)
-    env = {"NRVNA_MODELS_DIR": str(models)}
+    models, env = models_dir(tmp_path, a=model, b=model)
     for case, flags, extra in (("priority", [], ["--priority", "5"]), ("turn", ["--model-turn", "0.5"], [])):
         ws = str(tmp_path / case)
         backlog = [run_main("submit", ws, f"Tell a story {i}.", "--model", "a", "--max-tokens", "48", "--ignore-eos",
@@ -1191,20 +1200,11 @@ def test_a_higher_lane_or_the_end_of_a_turn_switches_models_before_a_backlog_end
 @pytest.mark.model
 def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: str, tmp_path: Path, model: str,
                                                                          run_main: RunMain) -> None:
-    models = tmp_path / "models"
-    models.mkdir()
-    os.link(model, models / "a.gguf")
+    models, env = models_dir(tmp_path, a=model)
     (models / "b.gguf").write_bytes(Path(model).read_bytes()[:3_000_000])  # a GGUF header, truncated weights
-    env = {"NRVNA_MODELS_DIR": str(models)}
     ids = {name: [run_main("submit", ws, "Say hi.", "--model", name, "--max-tokens", "4", env=env).stdout.decode().strip()
                   for _ in range(3)] for name in ("a", "b")}
-    daemon = start_daemon(str(models), ws, "--max-loaded", "1", "-w", "1", "--drain", env=env)
-    try:
-        _, err = daemon.communicate(timeout=300)
-    finally:
-        daemon.kill()
-    log = err.decode()
-    assert daemon.returncode == 0 and "Traceback" not in log, log[-3000:]
+    log = drain_with_room_for_one(models, ws, env)
     assert "model b.gguf could not be made ready" in log and log.count("Loading model") == 3, log[-3000:]
     flow = Flow(ws)
     assert [flow.status(job_id) for job_id in ids["a"]] == [Status.Done] * 3
@@ -1214,11 +1214,7 @@ def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: st
 @pytest.mark.model
 def test_two_daemons_share_a_workspace_and_a_killed_ones_jobs_are_requeued_at_once(ws: str, tmp_path: Path,
                                                                                  model: str, run_main: RunMain) -> None:
-    models = tmp_path / "models"
-    models.mkdir()
-    for name in ("smol.gguf", "smol2.gguf"):
-        os.link(model, models / name)
-    env = {"NRVNA_MODELS_DIR": str(models)}
+    _, env = models_dir(tmp_path, smol=model, smol2=model)
     ids = {}
     for i in range(8):
         for name in ("smol", "smol2"):
@@ -1300,11 +1296,8 @@ def test_a_second_daemon_for_the_same_model_needs_another_gpu(ws: str) -> None:
 @pytest.mark.model
 def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: str, tmp_path: Path, model: str,
                                                                           run_main: RunMain) -> None:
-    models = tmp_path / "models"
-    models.mkdir()
-    os.link(model, models / "smol.gguf")
-    os.link(model, models / "other.gguf")  # the same bytes, another model as far as names go
-    env = {"NRVNA_MODELS_DIR": str(models), "NRVNA_MODEL_ALIASES": "gpt-4o-mini=smol"}
+    _, env = models_dir(tmp_path, smol=model, other=model)
+    env["NRVNA_MODEL_ALIASES"] = "gpt-4o-mini=smol"
     ids = {}
     for name in ("smol", "other", "gpt-4o-mini", "unheard-of", None):
         flags = ["--model", name] if name else []
