@@ -22,7 +22,8 @@ Contents (one banner each, in dependency order: a section uses only what is abov
 7. Workspace and job directories  layout, IDs, Status, Job, locate_job, read_meta, mark_failed,
                                   job_history (meta.json's events), owe_hooks, move_job, read_route,
                                   model names (model_matches, resolve_model), the tag index,
-                                  idempotency keys, the workspace lock, _DirWatch
+                                  idempotency keys, locks (WorkspaceLock, hold_job: a job's;
+                                  register_daemon, daemon_records: the daemons'), _DirWatch
 8. Batch files and export         read_batch, parse_batch, parse_records (templates), EXPORT_FORMATS,
                                   export_record, job_vectors
 9. Client                         Work, Flow, iter_events, bulk_states, cancel/retry/clean, daemon_info,
@@ -30,7 +31,8 @@ Contents (one banner each, in dependency order: a section uses only what is abov
 10. Runner protocol               Runner, Session, RunningJob, Outcome, FunctionRunner
 11. llama.cpp engine              LlamaRunner, LlamaSession (continuous batching): _Sequence, _JobSampler
                                   (sampling: _Penalties, _GrammarTemplates, _SamplingScratch), _PrefixCache; _Embedder
-12. Daemon                        Pool, Scanner, Processor (and its _Claim on each running job), Hooks, Server
+12. Daemon                        Pool, Scanner, Processor (and its _Claim on each running job), Hooks,
+                                  _Models and _ModelSwitch (several models), _Registry (several daemons), Server
 13. CLI                           main(), one _cmd_* per command, markdown_tables (the manual's tables)
 """
 
