@@ -2366,13 +2366,20 @@ def gguf_files(models_dir: str) -> Optional[list[str]]:
         return None
 
 
-def model_elsewhere(name: str, models_dir: str, aliases: Mapping[str, str], served: Iterable[str]) -> Optional[str]:
-    """The model file a job naming ``name`` waits for, when that is none of ``served`` (the
-    real paths of the models a daemon serves); None when it is one of them, or when the name
+def model_file(name: str, models_dir: str, aliases: Mapping[str, str]) -> Optional[str]:
+    """The real path of the one model file ``name`` means (see model_matches); None when it
     matches no model, or several: such a job runs as if it named none (submit noted that, or
     refused it)."""
     matches = model_matches(name, models_dir, aliases)
-    return matches[0] if len(matches) == 1 and os.path.realpath(matches[0]) not in set(served) else None
+    return os.path.realpath(matches[0]) if len(matches) == 1 else None
+
+
+def model_elsewhere(name: str, models_dir: str, aliases: Mapping[str, str], served: Iterable[str]) -> Optional[str]:
+    """The model file a job naming ``name`` waits for, when that is none of ``served`` (the
+    real paths of the models a daemon serves); None when it is one of them, or names no one
+    model (see model_file)."""
+    path = model_file(name, models_dir, aliases)
+    return path if path is not None and path not in set(served) else None
 
 
 def model_matches(name: str, models_dir: str, aliases: Optional[Mapping[str, str]] = None) -> list[str]:
@@ -2597,15 +2604,25 @@ def _daemon_locks(workspace: str) -> list[str]:
                   key=lambda n: n.split("-")[-1])
 
 
-def daemon_lock_state(workspace: str, name: str, exclusive: bool = False) -> Optional[int]:
-    """Test daemon ``name``'s lock without waiting: None while its daemon lives; else (it died,
-    or its file is gone) a descriptor holding the lock (exclusive: a dead daemon's files are
-    removed under it), or -1 where no file is left to hold."""
+def _dead_daemon_lock(workspace: str, name: str, exclusive: bool = False) -> Optional[int]:
+    """Daemon ``name``'s lock, taken without waiting: a descriptor holding it when its daemon
+    has died (exclusive: to remove its files), None while it lives; -1 when its file is gone."""
     try:
         fd = os.open(os.path.join(workspace, DAEMONS, f"{name}.lock"), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
     except FileNotFoundError:
         return -1
     return _locked(fd, exclusive)
+
+
+def daemon_alive(workspace: str, name: str) -> bool:
+    """Whether daemon ``name`` lives: it holds its lock (the kernel drops it when its holder
+    dies), whatever any file says."""
+    held = _dead_daemon_lock(workspace, name)
+    if held is None:
+        return True
+    if held >= 0:
+        os.close(held)  # held here, it would keep the daemons from reaping it
+    return False
 
 
 def daemon_records(workspace: str) -> list[dict[str, Any]]:
@@ -2615,10 +2632,7 @@ def daemon_records(workspace: str) -> list[dict[str, Any]]:
     because a file says so."""
     records = []
     for name in _daemon_locks(workspace):
-        fd = daemon_lock_state(workspace, name)
-        if fd is not None:
-            if fd >= 0:
-                os.close(fd)
+        if not daemon_alive(workspace, name):
             continue
         try:
             with open(os.path.join(workspace, DAEMONS, f"{name}.json"), encoding="utf-8") as handle:
@@ -3954,7 +3968,7 @@ def model_view(workspace: str) -> tuple[str, dict[str, str], list[str]]:
 def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]], strict: bool) -> list[str]:
     """Check the model each job names (``(where, name)``; None: none) as the workspace resolves
     names (model_view): an ambiguous name is InvalidInput; a name that matches no model is
-    InvalidInput when ``strict``, else a note (the job runs on the daemon's model). Returns
+    InvalidInput when ``strict``, else a note (the job runs on a daemon's default model). Returns
     the notes."""
     by_name: dict[str, list[str]] = {}
     for where, name in named:
@@ -5077,12 +5091,7 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[i
         except PermissionError:
             raise NrvnaError(f"not allowed to signal the daemon (pid {record['pid']})") from None
     for record in records:
-        while True:
-            held = daemon_lock_state(workspace, record["name"])
-            if held is not None:
-                if held >= 0:
-                    os.close(held)  # a lock held here would keep the daemons from reaping it
-                break
+        while daemon_alive(workspace, record["name"]):
             if deadline is not None and time.monotonic() > deadline:
                 raise NotFinished(f"the daemon (pid {record['pid']}) has not stopped after {timeout:g} s")
             time.sleep(0.05)
@@ -6972,10 +6981,11 @@ class Pool:
             return -heap[0][0] if heap else None
 
     def lanes(self) -> dict[int, tuple[int, int, tuple[int, int, int, str]]]:
-        """Every lane with jobs queued: (how many, the top priority, the oldest job's order key)."""
+        """Every lane with jobs queued: (how many, the top priority, the order key of the job
+        ``get`` would take next: the oldest of that priority). The heads only: the Models
+        thread asks every 0.1 s, whatever the backlog."""
         with self._cond:
-            return {lane: (len(heap), -heap[0][0], min(entry[1] for entry in heap))
-                    for lane, heap in self._heaps.items() if heap}
+            return {lane: (len(heap), -heap[0][0], heap[0][1]) for lane, heap in self._heaps.items() if heap}
 
     def set_lane(self, lane: Optional[int]) -> None:
         """Make ``lane`` the one ``get`` takes from (None: none, while models switch)."""
@@ -7258,18 +7268,21 @@ class Processor:
         path = self._path(PROCESSING, job_id)
         try:
             move(ready, path)
-            if not _same_entry(dir_fd, path):  # ready/<id> was replaced between the open and the move
-                raise FileNotFoundError(errno.ENOENT, "replaced while being claimed", ready)
-        except BaseException as err:
+        except OSError as err:
             os.close(dir_fd)
             if isinstance(err, FileNotFoundError):
-                return None
+                return None  # another claimer won
             if isinstance(err, FileExistsError):
                 log.error(f"cannot claim {job_id}: processing/{job_id} already exists; left in ready/")
                 return None
             if isinstance(err, PermissionError) and self._fail_inaccessible(job_id, READY):
                 return None  # a directory changes parent only if it is writable itself
             raise
+        if not _same_entry(dir_fd, path):
+            # ready/<id> was replaced between the open and the move: the directory moved is
+            # nobody's, and the next recovery pass requeues it.
+            os.close(dir_fd)
+            return None
         try:
             meta = read_meta(dir_fd)
             attempts = meta.get("attempts") if isinstance(meta.get("attempts"), int) else 0
@@ -7535,8 +7548,8 @@ class Processor:
     def recover(self) -> list[tuple[str, int]]:
         """Return orphans in processing/ (their daemon died) to ready/, or fail them at the
         attempt ceiling; return the recovered (id, attempts). A job a live daemon holds is
-        left alone. At a daemon's start, and whenever a live daemon sees another one die;
-        under the WorkspaceLock, so two recoveries never take the same job."""
+        left alone. At a daemon's start, whenever a live daemon sees another one die, and
+        every ORPHAN_SECONDS; under the WorkspaceLock, so two recoveries never take the same job."""
         recovered = []
         with WorkspaceLock(self.workspace):
             with os.scandir(self._path(PROCESSING)) as entries:
@@ -7730,11 +7743,9 @@ class Hooks:
         another daemon with hooks takes over (and runs what it left owed)."""
         if self._held is not None:
             return True
-        fd = open_dir(os.path.dirname(self.owed))
-        if not _flock(fd):
-            os.close(fd)
+        self._held = _locked(open_dir(os.path.dirname(self.owed)))
+        if self._held is None:
             return False
-        self._held = fd
         for tag in sorted(os.listdir(self.batches)):  # a batch hook owed by a daemon that stopped
             if ID_PATTERN.fullmatch(tag) and self._batch_record(tag).get("ran") is False:
                 self._submit("tag:" + tag)
@@ -7933,6 +7944,11 @@ class _ServedModel:
         self.used = 0.0  # when it last became the active model (eviction: least recently used)
 
 
+def _models_folder(name: str) -> bool:
+    """Whether a MODEL argument names a directory of models (model.gguf/ is check_gguf's to refuse)."""
+    return os.path.isdir(name) and not name.lower().endswith(".gguf")
+
+
 class _Models:
     """The models a daemon serves (a lane of the Pool each): which lane a job goes to, which
     models are loaded (at most NRVNA_MAX_LOADED), and which one the workers run next.
@@ -7946,8 +7962,8 @@ class _Models:
     def __init__(self, names: Any, runner: Optional[Runner], config: Config, models_dir: str,
                  aliases: Mapping[str, str]) -> None:
         self.config, self.models_dir, self.aliases = config, models_dir, aliases
-        folders = [n for n in ([names] if isinstance(names, str) else names or ()) if os.path.isdir(n)
-                   and not n.lower().endswith(".gguf")]
+        names = [names] if isinstance(names, str) else list(names or [])
+        folders = [n for n in names if _models_folder(n)]
         if folders:  # `daemon shelf/ WS`: jobs name shelf's models
             self.models_dir = os.path.abspath(folders[0])
         if runner is not None:
@@ -7965,14 +7981,13 @@ class _Models:
         self.kinds_elsewhere: set[str] = set()  # the kinds of model the workspace's other daemons serve
         self._lanes: dict[tuple[str, bool], Optional[int]] = {}  # (name, embed) -> lane (a cache)
 
-    def _files(self, names: Any) -> list[str]:
+    def _files(self, names: list[str]) -> list[str]:
         """The model files MODEL arguments name: a directory's *.gguf, or each name resolved."""
-        names = [names] if isinstance(names, str) else list(names or [])
         if not names:
             raise ModelError("no model given")
         files: list[str] = []
         for name in names:
-            if os.path.isdir(name) and not name.lower().endswith(".gguf"):  # model.gguf/ is check_gguf's to refuse
+            if _models_folder(name):
                 found = gguf_files(name)
                 if not found:
                     raise ModelError(f"models directory {name} holds no *.gguf file")
@@ -7987,26 +8002,23 @@ class _Models:
 
     def lane_of(self, name: Optional[str], embed: bool) -> Optional[int]:
         """The lane of a job naming model ``name`` (an embed job, or not); None when it names
-        a model this daemon does not serve: it waits in ready/ for a daemon that does."""
+        a model this daemon does not serve, or names none and only another daemon has a
+        model of its kind: it waits in ready/ for a daemon that does."""
         key = (name or "", embed)
         lane = self._lanes.get(key, -1)
         if lane != -1:
             return None if lane in self.failed else lane
-        kind = "embed" if embed else "chat"
-        lane = self.defaults[kind]
-        if self.served[lane].kind != kind and kind in self.kinds_elsewhere:
-            lane = None  # no model of its kind here, and another daemon has one: it waits for that one
-        if name is not None and lane is not None:
-            served = [m.path for m in self.served if m.path]
-            other = model_elsewhere(name, self.models_dir, self.aliases, served)
-            if other is not None:
-                lane = None
-                log.info(f"Jobs for model {name} ({other}) wait in the queue: this daemon serves "
+        path = model_file(name, self.models_dir, self.aliases) if name is not None else None
+        if path is not None:  # a job naming one model goes to it, here or in another daemon
+            lane = next((i for i, m in enumerate(self.served) if m.path == path), None)
+            if lane is None:
+                log.info(f"Jobs for model {name} ({path}) wait in the queue: this daemon serves "
                          f"{', '.join(m.name for m in self.served)}")
-            else:
-                matches = model_matches(name, self.models_dir, self.aliases)
-                real = os.path.realpath(matches[0]) if len(matches) == 1 else None
-                lane = next((i for i, m in enumerate(self.served) if m.path and m.path == real), lane)
+        else:  # the first model of its kind, unless only another daemon has one
+            kind = "embed" if embed else "chat"
+            lane = self.defaults[kind]
+            if self.served[lane].kind != kind and kind in self.kinds_elsewhere:
+                lane = None
         if len(self._lanes) < 4096:
             self._lanes[key] = lane
         return None if lane in self.failed else lane
@@ -8026,7 +8038,8 @@ class _Models:
         not once per job. Another model takes over (once the active model's running jobs
         end) when it has a job above all the active model's, or when the active model has
         had NRVNA_MODEL_TURN seconds while others waited: no model's jobs starve. The next
-        model is the one with the highest job, then a loaded one, then the oldest job."""
+        model is the one with the highest job, then a loaded one, then the one whose next job
+        is oldest."""
         waiting = [lane for lane in lanes if lane != self.active]
         if not waiting:
             return None
@@ -8172,7 +8185,7 @@ class _Registry:
         for name in _daemon_locks(self.workspace):
             if name == self.name:
                 continue
-            fd = daemon_lock_state(self.workspace, name, exclusive=True)
+            fd = _dead_daemon_lock(self.workspace, name, exclusive=True)
             if fd is None or fd < 0:
                 continue
             try:
@@ -8300,7 +8313,6 @@ class Server:
                 raise TypeError("runner must be a Runner or a function fn(job) -> str")
             runner = FunctionRunner(runner)
         self.runner = runner
-        self._own_runner = runner is None
         self.drain = drain
         self.pool = Pool(self._route, self._queued)
         self._stop = threading.Event()
