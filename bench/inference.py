@@ -34,7 +34,7 @@ def sequential_llama(model: str, texts: list[str], tokens: int) -> float:
     from llama_cpp import Llama
 
     llm = Llama(model_path=model, n_ctx=2048, n_threads=nrvna.cpu_count(), n_threads_batch=nrvna.cpu_count(),
-                verbose=False, seed=1)
+                n_gpu_layers=int(os.environ.get("NRVNA_GPU_LAYERS", "0")), verbose=False, seed=1)
     sampling = dict(max_tokens=tokens, temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repeat_penalty=1.1)
     llm.create_chat_completion([{"role": "user", "content": "warm up"}], max_tokens=8)
     start = time.perf_counter()

@@ -62,8 +62,11 @@ def start_server(binary: str, model: str, slots: int, *extra: str) -> tuple[subp
     (its process, its port). The caller terminates it."""
     port = free_port()
     cores = nrvna.cpu_count()
+    # On a GPU every arm offloads the same layers: NRVNA_GPU_LAYERS, which nrvna reads too (-1: all).
+    layers = os.environ.get("NRVNA_GPU_LAYERS")
+    offload = ["-ngl", "999" if layers == "-1" else layers] if layers else []
     proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-                             "-c", str(1024 * slots), "-t", str(cores), "-tb", str(cores), "--no-webui", *extra],
+                             "-c", str(1024 * slots), "-t", str(cores), "-tb", str(cores), "--no-webui", *offload, *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while True:
@@ -216,6 +219,41 @@ def against(binary: str, model: str, texts: list[str], tokens: int, rounds: int,
     print(table(["arm", "median tok/s", "vs best llama-server, round by round", "median ratio"], rows))
 
 
+def quick(binary: str, model: str, texts: list[str], tokens: int, rounds: int, slots: tuple[int, ...]) -> None:
+    """nrvna's defaults against llama-server with each of ``slots`` (as many clients), in
+    interleaved rounds: the few arms a short GPU lease has time for (bench/gpu.sh)."""
+    base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
+    names = ["nrvna defaults", *(f"llama-server -np {n}" for n in slots)]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    try:
+        for r in range(rounds):
+            order = names if r % 2 == 0 else names[::-1]  # no arm always first
+            for name in order:
+                if name.startswith("llama-server"):
+                    n = int(name.rsplit(" ", 1)[1])
+                    runs[name].append(server_arm(binary, model, texts, tokens, n, n))
+                    continue
+                daemon = Daemon(model, base, {})
+                try:
+                    runs[name].append(daemon.run(texts, tokens))
+                finally:
+                    daemon.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    best = [max(runs[name][r]["tok/s"] for name in names[1:]) for r in range(rounds)]
+    print(f"machine: {machine()}; GPU layers {os.environ.get('NRVNA_GPU_LAYERS', '0')}; model {os.path.basename(model)}; "
+          f"{len(texts)} prompts x {tokens} tokens; {rounds} interleaved rounds")
+    rows = []
+    for name in names:
+        tps = [run["tok/s"] for run in runs[name]]
+        ratios = [v / b for v, b in zip(tps, best)]
+        rows.append([name, statistics.median(tps), f"{min(tps):.0f}-{max(tps):.0f}",
+                     statistics.median(run["p50 s"] for run in runs[name]), ", ".join(f"{x:.2f}" for x in ratios),
+                     statistics.median(ratios)])
+    print(table(["arm", "median tok/s", "range", "p50 job latency s", "vs best llama-server, round by round",
+                 "median ratio"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=(sorted(glob.glob(os.path.join(ROOT, "models", "*.gguf"))) or [""])[0])
@@ -226,10 +264,14 @@ def main() -> None:
     parser.add_argument("--against", metavar="DIR", help="only the ratio that matters, for this nrvna.py and DIR's (a "
                                                         "checkout of another commit): nrvna defaults of each against "
                                                         "llama-server -np 8 and -np 16, interleaved")
+    parser.add_argument("--quick", metavar="N,N", help="only nrvna's defaults against llama-server with each of these "
+                                                       "numbers of slots (and clients), interleaved (bench/gpu.sh)")
     args = parser.parse_args()
     binary = args.server or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
                                            capture_output=True, text=True, check=True).stdout.strip()
     texts = prompts(args.prompts)
+    if args.quick:
+        return quick(binary, args.model, texts, args.tokens, args.rounds, tuple(int(n) for n in args.quick.split(",")))
     if args.against:
         return against(binary, args.model, texts, args.tokens, args.rounds, os.path.abspath(args.against))
     base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
