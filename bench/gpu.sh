@@ -51,7 +51,8 @@ if [ ! -x "$CACHE/build/bin/llama-server" ]; then
   say "building llama.cpp with CUDA (arch $ARCH) on $(nproc) cores"
   start=$SECONDS
   cmake -S "$SRC" -B "$CACHE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-        -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=OFF -DLLAMA_OPENSSL=OFF \
+        -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DBUILD_SHARED_LIBS=ON -DLLAMA_OPENSSL=OFF \
+        -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DLLAMA_BUILD_APP=OFF >"$OUT/build.log" 2>&1
   cmake --build "$CACHE/build" --target llama llama-server -j "$(nproc)" >>"$OUT/build.log" 2>&1 \
