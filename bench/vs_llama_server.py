@@ -137,7 +137,15 @@ class Daemon:
         self.proc = subprocess.Popen([PYTHON, os.path.join(root, "nrvna.py"), "daemon", model, self.ws],
                                      env={**os.environ, "NRVNA_LOG_LEVEL": "warn", **env})
         self.work, self.flow = nrvna.Work(self.ws), nrvna.Flow(self.ws)
-        assert self.flow.wait(self.work.publish("warm up", max_tokens=8), 300) is nrvna.Status.Done
+        warm = self.work.publish("warm up", max_tokens=8)
+        deadline = time.monotonic() + 300
+        # A daemon that exits at start (no llama-cpp-python, a bad model) fails the arm at
+        # once: waiting out the timeout cost a GPU lease 300 s once (bench/README.md, On a GPU).
+        while self.flow.wait(warm, 1) is not nrvna.Status.Done:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the nrvna daemon {'exited' if self.proc.poll() is not None else 'did not start in 300 s'}"
+                                   " (its messages are above)")
 
     def run(self, texts: list[str], tokens: int, **params: object) -> dict:
         start = time.time()
