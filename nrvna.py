@@ -1877,6 +1877,8 @@ class Param:
 # A grammar's limit, and a JSON schema's as compact JSON (their rows in PARAMS). A --json-schema
 # file may be indented, so it is read up to 4 times that.
 STRUCTURE_LIMIT = 1 << 18
+# Most choices one job may ask for (n): as OpenAI's limit, and each is a sequence of a context.
+CHOICES_MAX = 128
 
 
 def _read_limited(path: str, limit: int, what: str) -> str:
@@ -2132,6 +2134,9 @@ PARAMS: dict[str, Param] = {
                          help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
     "seed": Param(int, low=0, high=0xFFFFFFFE, flag="--seed", openai=("seed",),
                    help="sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
+    "n": Param(int, low=1, high=CHOICES_MAX, default=1, flag="--n", openai=("n",),
+                help="choices: N samples of the prompt in one job, its prompt computed once, choice i seeded seed + i "
+                     "(result.txt holds the first, choices.json them all)"),
     "stop": Param(list, low=0, high=16, flag="--stop", openai=("stop",),
                    help="strings that end the generation, not included in the result (a flag per string)"),
     "ignore_eos": Param(bool, default=False, flag="--ignore-eos",
@@ -2428,6 +2433,7 @@ ERROR_FILE = "error.txt"
 META_FILE = "meta.json"
 PARTIAL_FILE = "partial.txt"  # text generated so far (running), or before a failure
 LOGPROBS_FILE = "logprobs.json"  # each generated token's log-probability, for jobs that ask
+CHOICES_FILE = "choices.json"  # a job of n > 1 choices: every choice (Outcome.choices)
 CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
 DAEMON_FILE = "daemon.json"
 TAGS = "tags"  # tags/<tag>/<time_ns>_<first id>.ids: which jobs a submit labelled (the tag index)
@@ -2907,7 +2913,8 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
     for name in os.listdir(dir_fd):
         if name in keep:
             continue
-        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE) or (name.startswith(".") and name.endswith(".tmp")):
+        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE) or (
+                name.startswith(".") and name.endswith(".tmp")):
             _unlink_quietly(name, dir_fd)
 
 
@@ -3210,14 +3217,32 @@ def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, 
         yield name, [(job_id, cid) for job_id, cid in rows]
 
 
-class Job(namedtuple("Job", "id status prompt result error meta params logprobs", defaults=(None, None))):
+class Job(namedtuple("Job", "id status prompt result error meta params logprobs choices", defaults=(None, None, None))):
     """A job as read back from the workspace: ``id: str, status: Status`` and
     ``prompt, result, error: str | None`` and ``meta, params: dict`` (params.json: the
     per-job parameters, ``custom_id`` and ``tag``) and ``logprobs``: the generated tokens'
     log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``), or
-    None unless the job asked for them."""
+    None unless the job asked for them; ``choices``: a done job of n > 1 choices has every
+    one, ``[{index, text, finish_reason, generated_tokens[, logprobs]}]`` (``result`` and
+    ``logprobs`` are the first's), else None."""
 
     __slots__ = ()
+
+
+def _read_choices(text: Optional[str]) -> Optional[list[dict[str, Any]]]:
+    """choices.json's choices, or None (no file; a hand-made or damaged one: the job reads without)."""
+    if text is None:
+        return None
+    import json
+
+    try:
+        choices = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not (isinstance(choices, list) and choices and all(
+            isinstance(c, dict) and isinstance(c.get("text"), str) and isinstance(c.get("index"), int) for c in choices)):
+        return None
+    return choices
 
 
 class _DirWatch:
@@ -3556,8 +3581,7 @@ def _embed_input(texts: list[str], params: dict[str, Any]) -> tuple[str, dict[st
 
 
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
-OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions",
-                     "n": "must be 1", "stream": "must be false"}
+OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "stream": "must be false"}
 # OpenAI body fields refused with a reason (any other unknown field is refused by name).
 OPENAI_BODY_REFUSED = {field: "tool calls are not supported by nrvna" for field in
                        ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")}
@@ -3581,8 +3605,6 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
             raise InvalidInput(f"body field {key!r}: {OPENAI_BODY_REFUSED[key]}")
         if key not in OPENAI_FIELDS and key not in OPENAI_BODY_EXTRA:
             raise InvalidInput(f"body field {key!r} is not supported by nrvna")
-    if body.get("n", 1) != 1:
-        raise InvalidInput("body field 'n' must be 1")
     if body.get("stream", False) is not False:
         raise InvalidInput("body field 'stream' must be false")
     endpoint = ENDPOINTS[url]
@@ -3665,6 +3687,8 @@ def _jsonl_record(job: Job) -> dict[str, Any]:
         record["embeddings"] = job_vectors(job)
     if job.logprobs is not None:
         record["logprobs"] = job.logprobs
+    if job.choices is not None:
+        record["choices"] = job.choices
     if job_param(params, "metadata") is not None:
         record["metadata"] = job_param(params, "metadata")
     return record
@@ -3695,17 +3719,22 @@ def _openai_record(job: Job) -> dict[str, Any]:
         line["error"] = None
         return line
     prompt_tokens, completion_tokens = int(meta.get("prompt_tokens") or 0), int(meta.get("generated_tokens") or 0)
-    finish_reason = meta.get("finish_reason") if meta.get("finish_reason") in ("stop", "length") else "stop"
     endpoint = ENDPOINTS[job_param(params, "endpoint") or "/v1/chat/completions"]
-    if endpoint.input == "prompt":
-        choice = {"text": job.result, "index": 0, "logprobs": _legacy_logprobs(job.logprobs, job.prompt or ""),
-                  "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": job.result, "refusal": None},
-                  "logprobs": None if job.logprobs is None else {"content": job.logprobs, "refusal": None},
-                  "finish_reason": finish_reason}
+    results = job.choices or [{"index": 0, "text": job.result, "finish_reason": meta.get("finish_reason"),
+                               "logprobs": job.logprobs}]
+    choices = []
+    for result in results:
+        finish_reason = result.get("finish_reason") if result.get("finish_reason") in ("stop", "length") else "stop"
+        logprobs = result.get("logprobs")
+        if endpoint.input == "prompt":
+            choices.append({"text": result["text"], "index": result["index"],
+                            "logprobs": _legacy_logprobs(logprobs, job.prompt or ""), "finish_reason": finish_reason})
+        else:
+            choices.append({"index": result["index"], "message": {"role": "assistant", "content": result["text"], "refusal": None},
+                            "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+                            "finish_reason": finish_reason})
     body = {"id": f"{endpoint.id_prefix}{job.id}", "object": endpoint.object,
-            "created": int(meta.get("finished") or time.time()), "model": meta.get("model"), "choices": [choice],
+            "created": int(meta.get("finished") or time.time()), "model": meta.get("model"), "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
             "system_fingerprint": None}
@@ -3736,8 +3765,10 @@ def _legacy_logprobs(content: Optional[list[dict[str, Any]]], prompt: str) -> Op
 
 
 def _text_line(job: Job) -> str:
-    text = job.result if job.status is Status.Done else f"[failed: {(job.error or '').strip()}]"
-    return text.rstrip("\n") + "\n\n"
+    if job.status is not Status.Done:
+        return f"[failed: {(job.error or '').strip()}]\n\n"
+    texts = [choice["text"] for choice in job.choices] if job.choices else [job.result]
+    return "".join(text.rstrip("\n") + "\n\n" for text in texts)
 
 
 def _json_line(record: Callable[[Job], dict[str, Any]]) -> Callable[[Job], str]:
@@ -3775,7 +3806,7 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {
                           'nrvna\'s record: {"id", "custom_id", "status", "prompt", "result", "error", "meta"}'),
     "openai": ExportFormat(_openai_record, _json_line(_openai_record),
                            "exactly an OpenAI Batch output line (a chat.completion or text_completion body)"),
-    "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line"),
+    "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line (every choice of a job of n > 1)"),
     "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
                         "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
                         "custom_id and input index, tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
@@ -4387,7 +4418,7 @@ class Flow:
             raise
         try:
             files = {}
-            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE, PARAMS_FILE, LOGPROBS_FILE):
+            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE, PARAMS_FILE, LOGPROBS_FILE, CHOICES_FILE):
                 try:
                     files[name] = read_file(fd, name, 1 << 40).decode("utf-8", "replace")
                 except (FileNotFoundError, JobError):
@@ -4416,7 +4447,7 @@ class Flow:
                                                        and isinstance(e.get("top_logprobs"), list) for e in logprobs)):
                 logprobs = None
         return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, parse_meta(files[PARAMS_FILE]),
-                   logprobs)
+                   logprobs, _read_choices(files[CHOICES_FILE]))
 
     def result_bytes(self, job_id: str) -> Optional[bytes]:
         """result.txt of a done job, byte for byte (what ``nrvna get`` prints)."""
@@ -4931,7 +4962,7 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
         kept = {k: meta[k] for k in ("id", "submitted", "events") if k in meta}
         record_event(kept, Status.Failed, "requeued", "retried")
         write_file(fd, META_FILE, dump_meta(dict(kept, attempts=0, errors=history, retries=len(history))))
-        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE):
+        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE, CHOICES_FILE):
             _unlink_quietly(name, fd)
         os.fsync(fd)
     except FileNotFoundError:  # a clean renamed the directory away and is deleting it
@@ -5103,12 +5134,14 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[i
 # up to free() more jobs and advances them all one step at a time
 ##############################################################################
 
-class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error logprobs",
-                          defaults=("", "stop", 0, 0, None, None, None))):
+class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error logprobs "
+                                     "choices", defaults=("", "stop", 0, 0, None, None, None, None))):
     """How a job ended: a result (``error_code`` None) or a failure with a short code and a
     message. ``text`` is the generated text (partial text for a failure); ``logprobs`` the
     tokens' log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``)
-    when the job asked for them, else None."""
+    when the job asked for them, else None. A job of n > 1 choices has ``choices``: one
+    ``{index, text, finish_reason, generated_tokens[, logprobs]}`` per choice (the fields
+    above are the first choice's, but ``generated_tokens``: every choice's)."""
 
     __slots__ = ()
 
@@ -6256,7 +6289,7 @@ class _Sequence:
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
                  "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
-                 "budget", "priority", "reserved")
+                 "budget", "priority", "reserved", "choices", "choice")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int,
                  sampler: _JobSampler) -> None:
@@ -6281,6 +6314,8 @@ class _Sequence:
         self.unsent = ""  # generated text held back from partial.txt (see _emit)
         self.priority = job_param(job.params, "priority")
         self.reserved = False  # runs in the room kept for a job above every other (see LlamaSession)
+        self.choices: Optional[_Choices] = None  # a job of n > 1 choices: its other sequences' too
+        self.choice = 0  # which of them
 
     def add(self, token: int, piece: bytes) -> bool:
         """``token`` (its bytes ``piece``) was generated: its text is kept and passed on.
@@ -6297,7 +6332,10 @@ class _Sequence:
 
     def _emit(self, text: str) -> None:
         """Pass new text on for partial.txt, holding back what could still become the start
-        of a stop string (so partial.txt is always a prefix of the final result)."""
+        of a stop string (so partial.txt is always a prefix of the final result). Only the
+        first choice's text goes there (result.txt's)."""
+        if self.choice:
+            return
         if not self.stops:
             self.job.emit(text)
             return
@@ -6330,16 +6368,51 @@ class _Sequence:
         return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs)
 
 
+class _Choices:
+    """A job's n > 1 choices in one context: its prompt computed once by the first sequence,
+    whose cells the others copy; each choice its own sequence, sampler and seed. The job ends
+    when every choice has, or with the first that fails."""
+
+    __slots__ = ("n", "started", "ended", "results")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.started = 1  # the first choice starts with the job
+        self.ended = False
+        self.results: list[Optional[Outcome]] = [None] * n
+
+    def outcome(self) -> Outcome:
+        """The job's result, once every choice has one."""
+        first = self.results[0]
+        choices = []
+        for i, result in enumerate(self.results):
+            choice = {"index": i, "text": result.text, "finish_reason": result.finish_reason,
+                      "generated_tokens": result.generated_tokens}
+            if result.logprobs is not None:
+                choice["logprobs"] = result.logprobs
+            choices.append(choice)
+        return first._replace(generated_tokens=sum(r.generated_tokens for r in self.results), choices=choices)
+
+
+def _choice_params(params: dict[str, Any], choice: int, config: Config) -> dict[str, Any]:
+    """Choice ``choice``'s parameters: seeded seed + choice (0, random, stays random)."""
+    seed = job_param(params, "seed", config)
+    if not choice or not seed:
+        return params
+    return {**params, "seed": (seed - 1 + choice) % 0xFFFFFFFE + 1}
+
+
 class _PrefixCache:
     """Prefix sharing in a context's unified KV cache: the cells finished jobs left in their
     free slots, kept for the prompts of the next jobs, and a new sequence's longest computed
     prefix found among them and its batch-mates' cells (see attach). Like its context, one
     worker thread's."""
 
-    def __init__(self, L: Any, memory: Any, slots: int, enabled: bool) -> None:
+    def __init__(self, L: Any, memory: Any, slots: int, enabled: bool, shares_cells: bool = True) -> None:
         self.L = L
         self.memory = memory
         self.enabled = enabled  # NRVNA_PREFIX_CACHE: off, every prompt is computed whole
+        self.shares_cells = shares_cells  # False for recurrent models: no prefix of a state can be copied
         self.held: list[list[int]] = [[] for _ in range(slots)]  # tokens cached in each free slot
         self.reused_tokens = 0
         self.trimmed = False  # trim() has trimmed the held cells since the last job started
@@ -6423,6 +6496,9 @@ class _PrefixCache:
         sequence waits for it (a step or two) instead of computing the same cells itself.
         """
         tokens, limit = seq.prompt, len(seq.prompt) - 1  # the last prompt token is decoded for its logits
+        if seq.choice:
+            self._attach_choice(seq, slots, limit)
+            return
         own = _common_prefix(self.held[seq.slot], tokens) if first and self.enabled else 0
         source, computed, planned = seq.slot, own, 0
         if self.enabled:
@@ -6458,6 +6534,27 @@ class _PrefixCache:
         self.held[seq.slot] = []
         seq.cached, seq.pending, seq.pos = tokens[:computed], tokens[computed:], computed
         self.reused_tokens += computed
+
+    def _attach_choice(self, seq: _Sequence, slots: list[Optional[_Sequence]], limit: int) -> None:
+        """A job's second or later choice: the prompt's cells copied from a choice that has
+        computed them, or a wait for the first choice to (whatever NRVNA_PREFIX_CACHE says:
+        n choices compute their prompt once). Only its last token is decoded again, for this
+        choice's own logits."""
+        self.held[seq.slot] = []
+        self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+        seq.cached, seq.pending, seq.pos = [], seq.prompt, 0
+        if not self.shares_cells:  # a recurrent model's state is all or nothing: each choice computes its own
+            seq.waiting = False
+            return
+        source = next((i for i, other in enumerate(slots) if other is not None and other is not seq
+                       and other.choices is seq.choices and not other.waiting and len(other.cached) >= limit), None)
+        seq.waiting = source is None
+        if source is None:
+            return
+        if limit:
+            self.L.llama_memory_seq_cp(self.memory, source, seq.slot, 0, limit)
+        seq.cached, seq.pending, seq.pos = seq.prompt[:limit], seq.prompt[limit:], limit
+        self.reused_tokens += limit
 
 
 class LlamaSession(Session):
@@ -6517,7 +6614,9 @@ class LlamaSession(Session):
         self.n_batch = n_batch
         self.batch = L.llama_batch_init(n_batch, 0, 1)
         self.slots = [None] * (seqs + 1)
-        self.prefixes = _PrefixCache(L, self.memory, seqs + 1, bool(runner.config.prefix_cache))
+        self.prefixes = _PrefixCache(L, self.memory, seqs + 1, bool(runner.config.prefix_cache),
+                                     not (L.llama_model_is_recurrent(runner.model) or L.llama_model_is_hybrid(runner.model)))
+        self.prompt_decoded = 0  # prompt tokens this context has computed (the tests count a job's)
         self.preempted = 0  # steps cut short by preempt()
         self.templates = _GrammarTemplates(runner)
         self.scratch = _SamplingScratch(runner)  # the arrays this context's samplers draw with
@@ -6589,7 +6688,7 @@ class LlamaSession(Session):
     def active(self) -> list[RunningJob]:
         """The jobs generating in this context, then the embed jobs."""
         embedding = [e.job for e in self.embedder.jobs] if self.embedder is not None else []
-        return [s.job for s in self.slots if s is not None] + embedding
+        return list(dict.fromkeys(s.job for s in self.slots if s is not None)) + embedding  # a job of n choices once
 
     def start(self, job: RunningJob) -> None:
         """Take ``job`` into a free slot; raise JobError if its prompt cannot run here."""
@@ -6616,7 +6715,36 @@ class LlamaSession(Session):
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, sampler)
         seq.reserved = reserved
         self.prefixes.attach(seq, self.slots, first=True)
+        n = job_param(job.params, "n")
+        if n > 1:
+            seq.choices = _Choices(n)
+            # As many choices at once as the room allows (the one kept for a higher job takes none);
+            # the rest start as these end, each in the slot of the one that ended.
+            while seq.choices.started < n and not reserved:
+                running = [s for s in self.slots if s is not None and not s.reserved]
+                if len(running) >= self.seqs or self.normal_cells - sum(s.budget for s in running) < budget:
+                    break
+                free = next(i for i, s in enumerate(self.slots) if s is None)
+                self._start_choice(seq, free)
         self.prefixes.make_room(self.slots, self.cells)
+
+    def _start_choice(self, first: _Sequence, slot: int, own_cells: bool = False) -> None:
+        """The next choice of ``first``'s job, in ``slot``: over the prompt's cells a choice
+        computed (see _PrefixCache._attach_choice), or with ``own_cells`` those ``slot`` holds
+        (a choice of the job has just ended there)."""
+        choices = first.choices
+        assert choices is not None
+        params = _choice_params(first.job.params, choices.started, self.runner.config)
+        sampler = _JobSampler.for_job(self.runner, self.scratch, self.templates, params)
+        seq = self.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
+        seq.reserved, seq.choices, seq.choice = first.reserved, choices, choices.started
+        choices.started += 1
+        limit = len(seq.prompt) - 1
+        if own_cells and self.prefixes.shares_cells and self.L.llama_memory_seq_rm(self.memory, slot, limit, -1):
+            seq.cached, seq.pending, seq.pos = seq.prompt[:limit], seq.prompt[limit:], limit
+            self.prefixes.reused_tokens += limit
+        else:
+            self.prefixes.attach(seq, self.slots)
 
     def _embedder(self) -> "_Embedder":
         """The worker's embedding context, made on first use."""
@@ -6645,6 +6773,9 @@ class LlamaSession(Session):
 
     def _generate(self) -> list[tuple[RunningJob, Outcome]]:
         """One ``llama_decode`` for every generating job; return those that ended."""
+        return [ended for ended in self._generate_step() if ended is not None]
+
+    def _generate_step(self) -> list[Optional[tuple[RunningJob, Outcome]]]:
         L, batch = self.L, self.batch
         ended = [self._end(seq, error=seq.job.interrupt) for seq in self.slots
                  if seq is not None and seq.job.interrupt is not None]  # cancelled, timed out
@@ -6669,6 +6800,7 @@ class LlamaSession(Session):
             take = min(len(seq.pending), self.n_batch - n)
             chunk, seq.pending, chunks = seq.pending[:take], seq.pending[take:], True
             seq.cached.extend(chunk)
+            self.prompt_decoded += take
             for token in chunk:
                 self._put(n, token, seq.pos, seq.slot, False)
                 seq.pos += 1
@@ -6693,6 +6825,8 @@ class LlamaSession(Session):
             return ended + [self._end(seq, error=("model_error", message), keep=False) for seq in self.slots if seq is not None]
         finished = ended
         for seq, index in wanted:  # each its logits: its sampler draws, its text goes on
+            if self.slots[seq.slot] is not seq:  # a choice of a job that a batch-mate choice failed
+                continue
             try:
                 token = seq.sampler.sample(self.ctx, index)
             except GrammarLimit as err:  # before llama.cpp is asked to do that work
@@ -6721,11 +6855,37 @@ class LlamaSession(Session):
         batch.logits[index] = logits
 
     def _end(self, seq: _Sequence, reason: str = "stop", error: Optional[tuple[str, str]] = None,
-             keep: bool = True) -> tuple[RunningJob, Outcome]:
+             keep: bool = True) -> Optional[tuple[RunningJob, Outcome]]:
+        """``seq`` has ended: its job's outcome, or None while the job has other choices to end."""
+        outcome = seq.outcome(reason, error)
+        choices = seq.choices
+        if choices is not None:
+            if choices.ended:  # the job already ended (another choice failed)
+                self._release(seq, keep=False)
+                return None
+            for other in self.slots:  # choices waiting for the prompt's cells copy them before they go
+                if other is not None and other.choices is choices and other.waiting:
+                    self.prefixes.attach(other, self.slots)
+            choices.results[seq.choice] = outcome
+            if error is None and choices.started < choices.n:
+                self.slots[seq.slot] = None
+                seq.sampler.free()
+                self._start_choice(seq, seq.slot, own_cells=True)
+                return None
+            if error is None and any(r is None for r in choices.results):
+                self._release(seq, keep and not seq.reserved)
+                return None
+            choices.ended = True
+            if error is not None:  # the first failure fails the job, with this choice's partial text
+                for other in self.slots:
+                    if other is not None and other is not seq and other.choices is choices:
+                        self._release(other, keep=False)
+            else:
+                outcome = choices.outcome()
         # A job that ran in the kept room leaves no cells: the jobs it paused go on over the very
         # cache they paused with (attention over extra cells computes the same text differently).
         self._release(seq, keep and not seq.reserved)
-        return seq.job, seq.outcome(reason, error)
+        return seq.job, outcome
 
     def _release(self, seq: _Sequence, keep: bool) -> None:
         """Free the slot; with ``keep``, its KV cells stay for the next job's prefix."""
@@ -7412,6 +7572,10 @@ class Processor:
             import json
 
             files.append((LOGPROBS_FILE, json.dumps(outcome.logprobs, ensure_ascii=False).encode("utf-8")))
+        if outcome.choices is not None and dest == OUTPUT:
+            import json
+
+            files.append((CHOICES_FILE, json.dumps(outcome.choices, ensure_ascii=False).encode("utf-8")))
         try:
             try:
                 if dest == OUTPUT:  # result.txt holds it all; a late cancel did not take effect
@@ -8968,7 +9132,8 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
         if job is None:
             raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
         record = {"id": job.id, "status": job.status.value, "prompt": job.prompt, "result": job.result,
-                  "error": job.error, "meta": job.meta, "params": job.params, "logprobs": job.logprobs}
+                  "error": job.error, "meta": job.meta, "params": job.params, "logprobs": job.logprobs,
+                  "choices": job.choices}
         if job.status is Status.Done and job_param(job.params or {}, "embed"):
             record.update(result=None, embeddings=job_vectors(job))
         _print_json(record)

@@ -3170,6 +3170,21 @@ def test_a_bad_structured_line_is_named_and_nothing_is_queued(ws: str, tmp_path:
     assert not os.path.exists(ws) or Flow(ws).counts()["queued"] == 0
 
 
+def test_n_choices_is_a_job_parameter_in_every_form(ws: str, run_main: RunMain) -> None:
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "n": 4}}
+    assert nrvna.parse_batch(jsonl([line]).encode())[0].params["n"] == 4
+    assert nrvna.parse_batch(b'{"prompt": "x", "n": 2}\n', jsonl=True)[0].params["n"] == 2
+    job_id = run_main("submit", ws, "hi", "--n", "3").stdout.decode().strip()
+    assert Flow(ws).get(job_id).params["n"] == 3 and Work(ws).publish("hi", n=128)
+    for args, message in ((["hi", "--n", "0"], "parameter n=0 is out of range (1 to 128)"),
+                          (["hi", "--n", "129"], "parameter n=129 is out of range (1 to 128)")):
+        done = run_main("submit", ws, *args)
+        assert done.returncode == 2 and message in done.stderr.decode()
+    done = run_main("submit", ws, "--file", "-", input=b'{"embed": "t", "n": 2}\n')
+    assert done.returncode == 2 and b"an embed job takes no n" in done.stderr
+
+
 def test_openai_lines_carry_structured_output_and_logprobs() -> None:
     chat = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": schema_format(PERSON_SCHEMA),
@@ -4432,6 +4447,118 @@ def test_sigkill_while_a_job_is_paused_recovers_it_like_any_running_job(ws: str,
         places = [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))]
         assert places == [nrvna.OUTPUT], (job_id, places)
         assert Flow(ws).get(job_id).meta["attempts"] == 2
+
+
+@pytest.mark.model
+def test_n_choices_compute_the_prompt_once_and_draw_with_seed_plus_index(llama: nrvna.LlamaRunner) -> None:
+    def run(jobs: list[nrvna.RunningJob], seqs: int) -> tuple[dict[str, Outcome], int]:
+        session = llama.session(0, nrvna.Config(workers=1, seqs=seqs, max_ctx=1024))
+        outcomes: dict[str, Outcome] = {}
+        try:
+            pending = list(jobs)
+            while pending or len(outcomes) < len(jobs):
+                while pending and session.free() > 0:
+                    session.start(pending.pop(0))
+                for job, outcome in session.step():
+                    assert job.id not in outcomes  # a job ends once, whatever its choices
+                    outcomes[job.id] = outcome
+            assert session.active() == [] and all(slot is None for slot in session.slots)
+            return outcomes, session.prompt_decoded
+        finally:
+            session.close()
+
+    prompt, params = "Name a colour.", {"max_tokens": 12, "temperature": 1.0, "seed": 5}
+    prompt_tokens = len(llama.tokens(fake_job(prompt)))
+    outcomes, decoded = run([fake_job(prompt, n=4, **params)], seqs=8)
+    (outcome,) = outcomes.values()
+    # The prompt is computed once; each other choice decodes only its last token, for its own logits.
+    assert decoded == prompt_tokens + 3
+    texts = [choice["text"] for choice in outcome.choices]
+    assert [choice["index"] for choice in outcome.choices] == [0, 1, 2, 3] and len(set(texts)) == 4
+    assert outcome.text == texts[0] and outcome.prompt_tokens == prompt_tokens
+    assert outcome.generated_tokens == sum(choice["generated_tokens"] for choice in outcome.choices)
+    # Choice i is the job seeded seed + i: four separate jobs batched alike draw the same texts.
+    separate, decoded = run([nrvna.RunningJob(f"1_1_{i}", prompt, {**params, "seed": 5 + i}, threading.Event())
+                             for i in range(4)], seqs=8)
+    assert [separate[f"1_1_{i}"].text for i in range(4)] == texts
+    # More choices than sequences: they run in waves, each over the cells of the one it replaces.
+    outcomes, decoded = run([fake_job(prompt, n=11, **params)], seqs=4)
+    (outcome,) = outcomes.values()
+    assert len(outcome.choices) == 11 and decoded == prompt_tokens + 10
+    # A cancel or timeout ends the job once, with the failure, and frees every choice's slot.
+    job = fake_job(prompt, n=6, **params)
+    session = llama.session(0, nrvna.Config(workers=1, seqs=8, max_ctx=1024))
+    try:
+        session.start(job)
+        session.step()
+        job.interrupt = ("cancelled", "cancelled (nrvna cancel)")
+        (ended,) = session.step()
+        assert ended[0] is job and ended[1].error_code == "cancelled" and ended[1].choices is None
+        assert session.active() == [] and all(slot is None for slot in session.slots)
+    finally:
+        session.close()
+
+
+@pytest.mark.model
+def test_a_job_of_n_choices_reads_and_exports_every_choice(ws: str, tmp_path: Path, model: str, run_main: RunMain) -> None:
+    chat = {"messages": [{"role": "user", "content": "Describe a fruit as a JSON object."}], "n": 3, "max_tokens": 24,
+            "temperature": 1.0, "seed": 9, "logprobs": True, "response_format": {"type": "json_object"}}
+    rows = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+            {"custom_id": "legacy", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": "Once upon a time", "n": 2, "max_tokens": 8, "temperature": 1.0}}]
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "n.jsonl", jsonl(rows)), "--tag", "n"))
+    plain = run_main("submit", ws, "Say hi.", "--n", "2", "--max-tokens", "6").stdout.decode().strip()
+    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(run_main("get", ws, ids[0], "--json").stdout)
+    assert len(got["choices"]) == 3 and got["result"] == got["choices"][0]["text"] == run_main("get", ws, ids[0]).stdout.decode()
+    assert got["logprobs"] == got["choices"][0]["logprobs"] and got["meta"]["prompt_tokens"] > 0
+    assert got["meta"]["generated_tokens"] == sum(c["generated_tokens"] for c in got["choices"])
+    for choice in got["choices"]:  # each choice its own grammar and log-probabilities
+        assert len(choice["logprobs"]) == choice["generated_tokens"] > 0
+        assert b"".join(bytes(e["bytes"]) for e in choice["logprobs"]).decode() == choice["text"]
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(choice["text"]), dict)
+    assert len(Flow(ws).get(plain).choices) == 2
+    out = [json.loads(x) for x in run_main("export", ws, "--tag", "n", "--format", "openai").stdout.decode().splitlines()]
+    body = out[0]["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in body["choices"]] == [c["text"] for c in got["choices"]]
+    assert [c["finish_reason"] for c in body["choices"]] == [c["finish_reason"] for c in got["choices"]]
+    assert body["choices"][1]["logprobs"]["content"] == got["choices"][1]["logprobs"]
+    # usage as OpenAI counts it: the prompt once, every choice's completion
+    assert body["usage"]["prompt_tokens"] == got["meta"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == got["meta"]["generated_tokens"]
+    legacy = out[1]["response"]["body"]
+    assert [c["index"] for c in legacy["choices"]] == [0, 1] and all(c["text"] for c in legacy["choices"])
+    records = [json.loads(x) for x in run_main("export", ws, "--tag", "n").stdout.decode().splitlines()]
+    assert [len(r["choices"]) for r in records] == [3, 2]
+    text = run_main("export", ws, "--tag", "n", "--format", "text").stdout.decode()
+    assert text == "".join(c["text"].rstrip("\n") + "\n\n" for r in records for c in r["choices"])
+
+
+@pytest.mark.model
+def test_sigkill_mid_job_of_8_choices_ends_it_once_with_8(ws: str, model: str) -> None:
+    job_id = Work(ws).publish("Write a long story about a dragon.", n=8, max_tokens=96, ignore_eos=True, seed=4)
+    proc = start_daemon(model, ws, "-w", "1")
+    try:
+        partial = os.path.join(ws, nrvna.PROCESSING, job_id, nrvna.PARTIAL_FILE)
+        deadline = time.monotonic() + 120
+        while not (os.path.exists(partial) and os.path.getsize(partial) > 20) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the choices are generating: the first one's text is in partial.txt
+        assert os.path.getsize(partial) > 20
+    finally:
+        proc.kill()
+        proc.wait()
+    restart = cli("daemon", model, ws, "-w", "1", "--drain", timeout=600)
+    assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr
+    assert audit_clean(ws)
+    assert [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))] == [nrvna.OUTPUT]
+    job = Flow(ws).get(job_id)
+    assert job.meta["attempts"] == 2 and [e[1] for e in job.meta["events"]].count("done") == 1
+    assert [c["index"] for c in job.choices] == list(range(8))
+    assert all(c["generated_tokens"] == 96 and c["finish_reason"] == "length" for c in job.choices)
+    assert job.result == job.choices[0]["text"] and job.meta["generated_tokens"] == 8 * 96
 
 
 # ==============================================================================
