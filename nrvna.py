@@ -3229,6 +3229,12 @@ class Job(namedtuple("Job", "id status prompt result error meta params logprobs 
     __slots__ = ()
 
 
+def _logprobs_shape(logprobs: Any) -> bool:
+    """Whether ``logprobs`` has the shape nrvna writes (a hand-made or damaged file may not)."""
+    return isinstance(logprobs, list) and all(isinstance(e, dict) and isinstance(e.get("bytes"), list)
+                                              and isinstance(e.get("top_logprobs"), list) for e in logprobs)
+
+
 def _read_choices(text: Optional[str]) -> Optional[list[dict[str, Any]]]:
     """choices.json's choices, or None (no file; a hand-made or damaged one: the job reads without)."""
     if text is None:
@@ -3240,7 +3246,9 @@ def _read_choices(text: Optional[str]) -> Optional[list[dict[str, Any]]]:
     except (ValueError, RecursionError):
         return None
     if not (isinstance(choices, list) and choices and all(
-            isinstance(c, dict) and isinstance(c.get("text"), str) and isinstance(c.get("index"), int) for c in choices)):
+            isinstance(c, dict) and isinstance(c.get("text"), str) and c.get("finish_reason") in ("stop", "length")
+            and isinstance(c.get("generated_tokens"), int) and _logprobs_shape(c.get("logprobs", []))
+            for c in choices) and [c.get("index") for c in choices] == list(range(len(choices)))):
         return None
     return choices
 
@@ -4443,11 +4451,11 @@ class Flow:
                 logprobs = json.loads(files[LOGPROBS_FILE])
             except (ValueError, RecursionError):
                 logprobs = None  # a hand-made or damaged file: the job reads without it
-            if not (isinstance(logprobs, list) and all(isinstance(e, dict) and isinstance(e.get("bytes"), list)
-                                                       and isinstance(e.get("top_logprobs"), list) for e in logprobs)):
+            if not _logprobs_shape(logprobs):
                 logprobs = None
+        choices = _read_choices(files[CHOICES_FILE]) if status is Status.Done else None
         return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, parse_meta(files[PARAMS_FILE]),
-                   logprobs, _read_choices(files[CHOICES_FILE]))
+                   logprobs, choices)
 
     def result_bytes(self, job_id: str) -> Optional[bytes]:
         """result.txt of a done job, byte for byte (what ``nrvna get`` prints)."""
@@ -6393,6 +6401,13 @@ class _Choices:
             choices.append(choice)
         return first._replace(generated_tokens=sum(r.generated_tokens for r in self.results), choices=choices)
 
+    def failure(self, error: tuple[str, str], prompt_tokens: int, running: list["_Sequence"]) -> Outcome:
+        """The job's failure at its first failing choice: that choice's code and message, the
+        first choice's text (partial.txt has followed it) and every choice's tokens so far."""
+        first = self.results[0] or next(s.outcome("stop", None) for s in running if s.choice == 0)
+        generated = sum(r.generated_tokens for r in self.results if r is not None) + sum(s.n_gen for s in running)
+        return Outcome(first.text, "error", prompt_tokens, generated, error[0], error[1], first.logprobs)
+
 
 def _choice_params(params: dict[str, Any], choice: int, config: Config) -> dict[str, Any]:
     """Choice ``choice``'s parameters: seeded seed + choice (0, random, stays random)."""
@@ -6470,6 +6485,10 @@ class _PrefixCache:
             used -= len(self.held[i])
             self.forget(i)
 
+    def spare_slot(self, slots: list[Optional[_Sequence]]) -> int:
+        """A free slot for a job's further choice: the one whose kept cells are worth least."""
+        return min((i for i, s in enumerate(slots) if s is None), key=lambda i: (i == self.last_kept, len(self.held[i])))
+
     def forget(self, slot: int) -> None:
         """Drop every KV cell of ``slot`` (cells another slot shares stay for that slot)."""
         if self.last_kept == slot:
@@ -6540,8 +6559,7 @@ class _PrefixCache:
         computed them, or a wait for the first choice to (whatever NRVNA_PREFIX_CACHE says:
         n choices compute their prompt once). Only its last token is decoded again, for this
         choice's own logits."""
-        self.held[seq.slot] = []
-        self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+        self.forget(seq.slot)
         seq.cached, seq.pending, seq.pos = [], seq.prompt, 0
         if not self.shares_cells:  # a recurrent model's state is all or nothing: each choice computes its own
             seq.waiting = False
@@ -6669,9 +6687,17 @@ class LlamaSession(Session):
         embed = EMBED_JOBS - (len(self.embedder.jobs) if self.embedder is not None else 0)
         if self.ctx is None:
             return embed
+        if self._waiting_choices():  # a job's choices not yet started have the room first
+            return 0
         running = [s for s in self.slots if s is not None and not s.reserved]
         room = self.normal_cells - sum(s.budget for s in running)
         return max(0, min(self.seqs - len(running), room // self.ctx_per_seq, embed))
+
+    def _waiting_choices(self) -> list[_Sequence]:
+        """A sequence of each job whose further choices wait for room (not one in the kept room)."""
+        jobs = {id(s.choices): s for s in self.slots if s is not None and s.choices is not None and not s.reserved
+                and not s.choices.ended and s.choices.started < s.choices.n}
+        return list(jobs.values())
 
     def reserve(self, priority: int) -> int:
         """1 if a job of ``priority`` would run above every job here and the kept room is free."""
@@ -6718,24 +6744,39 @@ class LlamaSession(Session):
         n = job_param(job.params, "n")
         if n > 1:
             seq.choices = _Choices(n)
-            # As many choices at once as the room allows (the one kept for a higher job takes none);
-            # the rest start as these end, each in the slot of the one that ended.
-            while seq.choices.started < n and not reserved:
-                running = [s for s in self.slots if s is not None and not s.reserved]
-                if len(running) >= self.seqs or self.normal_cells - sum(s.budget for s in running) < budget:
-                    break
-                free = next(i for i, s in enumerate(self.slots) if s is None)
-                self._start_choice(seq, free)
+            try:
+                self._more_choices(seq)
+            except BaseException:  # the job fails at start: none of its choices may stay behind
+                for other in self.slots:
+                    if other is not None and other.job is job:
+                        self._release(other, keep=False)
+                raise
         self.prefixes.make_room(self.slots, self.cells)
 
-    def _start_choice(self, first: _Sequence, slot: int, own_cells: bool = False) -> None:
+    def _more_choices(self, first: _Sequence) -> None:
+        """Start more of ``first``'s job's choices in free slots, as many as the room allows (none
+        in the room kept for a job above the others: its choices run one after another)."""
+        choices = first.choices
+        assert choices is not None
+        while choices.started < choices.n and not first.reserved:
+            running = [s for s in self.slots if s is not None and not s.reserved]
+            if len(running) >= self.seqs or self.normal_cells - sum(s.budget for s in running) < first.budget:
+                return
+            self._start_choice(first, self.prefixes.spare_slot(self.slots), self._choice_sampler(first))
+
+    def _choice_sampler(self, first: _Sequence) -> _JobSampler:
+        """The sampler of ``first``'s job's next choice (seeded seed + its index)."""
+        choices = first.choices
+        assert choices is not None
+        params = _choice_params(first.job.params, choices.started, self.runner.config)
+        return _JobSampler.for_job(self.runner, self.scratch, self.templates, params)
+
+    def _start_choice(self, first: _Sequence, slot: int, sampler: _JobSampler, own_cells: bool = False) -> None:
         """The next choice of ``first``'s job, in ``slot``: over the prompt's cells a choice
         computed (see _PrefixCache._attach_choice), or with ``own_cells`` those ``slot`` holds
         (a choice of the job has just ended there)."""
         choices = first.choices
         assert choices is not None
-        params = _choice_params(first.job.params, choices.started, self.runner.config)
-        sampler = _JobSampler.for_job(self.runner, self.scratch, self.templates, params)
         seq = self.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
         seq.reserved, seq.choices, seq.choice = first.reserved, choices, choices.started
         choices.started += 1
@@ -6777,6 +6818,8 @@ class LlamaSession(Session):
 
     def _generate_step(self) -> list[Optional[tuple[RunningJob, Outcome]]]:
         L, batch = self.L, self.batch
+        for seq in self._waiting_choices():  # slots freed by other jobs go to choices not yet started
+            self._more_choices(seq)
         ended = [self._end(seq, error=seq.job.interrupt) for seq in self.slots
                  if seq is not None and seq.job.interrupt is not None]  # cancelled, timed out
         for seq in self.slots:
@@ -6868,20 +6911,22 @@ class LlamaSession(Session):
                     self.prefixes.attach(other, self.slots)
             choices.results[seq.choice] = outcome
             if error is None and choices.started < choices.n:
-                self.slots[seq.slot] = None
-                seq.sampler.free()
-                self._start_choice(seq, seq.slot, own_cells=True)
-                return None
+                try:
+                    sampler = self._choice_sampler(seq)
+                except JobError as err:  # the job fails: nothing has changed yet
+                    error = (err.code, str(err))
+                else:
+                    seq.sampler.free()
+                    self._start_choice(seq, seq.slot, sampler, own_cells=True)
+                    return None
             if error is None and any(r is None for r in choices.results):
                 self._release(seq, keep and not seq.reserved)
                 return None
             choices.ended = True
-            if error is not None:  # the first failure fails the job, with this choice's partial text
-                for other in self.slots:
-                    if other is not None and other is not seq and other.choices is choices:
-                        self._release(other, keep=False)
-            else:
-                outcome = choices.outcome()
+            siblings = [s for s in self.slots if s is not None and s is not seq and s.choices is choices]
+            outcome = choices.outcome() if error is None else choices.failure(error, seq.n_prompt, siblings)
+            for other in siblings:  # the first failure fails the job
+                self._release(other, keep=False)
         # A job that ran in the kept room leaves no cells: the jobs it paused go on over the very
         # cache they paused with (attention over extra cells computes the same text differently).
         self._release(seq, keep and not seq.reserved)

@@ -4485,6 +4485,25 @@ def test_n_choices_compute_the_prompt_once_and_draw_with_seed_plus_index(llama: 
     outcomes, decoded = run([fake_job(prompt, n=11, **params)], seqs=4)
     (outcome,) = outcomes.values()
     assert len(outcome.choices) == 11 and decoded == prompt_tokens + 10
+    # A cancel after the first wave has ended (choice 2 in the slot of choice 0 or 1) fails the job
+    # once, with the first choice's text (partial.txt followed it) and every choice's tokens so far.
+    full, _ = run([fake_job(prompt, n=3, **params)], seqs=2)
+    first = full["1_1_1"].choices[0]["text"]
+    job = fake_job(prompt, n=3, **params)
+    session = llama.session(0, nrvna.Config(workers=1, seqs=2, max_ctx=1024))
+    try:
+        session.start(job)
+        assert session.free() == 0  # a job's choices not yet started have the room first
+        while not any(s is not None and s.choice == 2 for s in session.slots):
+            assert session.step() == []
+        session.step()
+        job.interrupt = ("cancelled", "cancelled (nrvna cancel)")
+        (ended,) = session.step()
+        assert ended[1].error_code == "cancelled" and ended[1].text and first.startswith(ended[1].text)
+        assert ended[1].generated_tokens > 24
+        assert session.active() == [] and all(slot is None for slot in session.slots)
+    finally:
+        session.close()
     # A cancel or timeout ends the job once, with the failure, and frees every choice's slot.
     job = fake_job(prompt, n=6, **params)
     session = llama.session(0, nrvna.Config(workers=1, seqs=8, max_ctx=1024))
