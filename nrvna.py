@@ -5143,13 +5143,15 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[i
 ##############################################################################
 
 class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error logprobs "
-                                     "choices", defaults=("", "stop", 0, 0, None, None, None, None))):
+                                     "choices prompt_computed", defaults=("", "stop", 0, 0, None, None, None, None, None))):
     """How a job ended: a result (``error_code`` None) or a failure with a short code and a
     message. ``text`` is the generated text (partial text for a failure); ``logprobs`` the
     tokens' log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``)
     when the job asked for them, else None. A job of n > 1 choices has ``choices``: one
     ``{index, text, finish_reason, generated_tokens[, logprobs]}`` per choice (the fields
-    above are the first choice's, but ``generated_tokens``: every choice's)."""
+    above are the first choice's, but ``generated_tokens``: every choice's).
+    ``prompt_computed``: the prompt tokens the engine computed for the job, every choice's
+    (the others' cells were shared), or None where the runner does not say."""
 
     __slots__ = ()
 
@@ -6297,7 +6299,7 @@ class _Sequence:
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
                  "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
-                 "budget", "priority", "reserved", "choices", "choice")
+                 "budget", "priority", "reserved", "choices", "choice", "computed")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int,
                  sampler: _JobSampler) -> None:
@@ -6324,6 +6326,7 @@ class _Sequence:
         self.reserved = False  # runs in the room kept for a job above every other (see LlamaSession)
         self.choices: Optional[_Choices] = None  # a job of n > 1 choices: its other sequences' too
         self.choice = 0  # which of them
+        self.computed = 0  # prompt tokens decoded for it (the rest were cells shared with others)
 
     def add(self, token: int, piece: bytes) -> bool:
         """``token`` (its bytes ``piece``) was generated: its text is kept and passed on.
@@ -6372,8 +6375,9 @@ class _Sequence:
             text += self.decoder.decode(b"", final=True)
         logprobs = self.sampler.logprob_content(text, bool(self.stops))
         if error:
-            return Outcome(text, "error", self.n_prompt, self.n_gen, error[0], error[1], logprobs)
-        return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs)
+            return Outcome(text, "error", self.n_prompt, self.n_gen, error[0], error[1], logprobs,
+                           prompt_computed=self.computed)
+        return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs, prompt_computed=self.computed)
 
 
 class _Choices:
@@ -6399,14 +6403,18 @@ class _Choices:
             if result.logprobs is not None:
                 choice["logprobs"] = result.logprobs
             choices.append(choice)
-        return first._replace(generated_tokens=sum(r.generated_tokens for r in self.results), choices=choices)
+        return first._replace(generated_tokens=sum(r.generated_tokens for r in self.results), choices=choices,
+                              prompt_computed=sum(r.prompt_computed or 0 for r in self.results))
 
     def failure(self, error: tuple[str, str], prompt_tokens: int, running: list["_Sequence"]) -> Outcome:
         """The job's failure at its first failing choice: that choice's code and message, the
         first choice's text (partial.txt has followed it) and every choice's tokens so far."""
         first = self.results[0] or next(s.outcome("stop", None) for s in running if s.choice == 0)
-        generated = sum(r.generated_tokens for r in self.results if r is not None) + sum(s.n_gen for s in running)
-        return Outcome(first.text, "error", prompt_tokens, generated, error[0], error[1], first.logprobs)
+        ended = [r for r in self.results if r is not None]
+        generated = sum(r.generated_tokens for r in ended) + sum(s.n_gen for s in running)
+        computed = sum(r.prompt_computed or 0 for r in ended) + sum(s.computed for s in running)
+        return Outcome(first.text, "error", prompt_tokens, generated, error[0], error[1], first.logprobs,
+                       prompt_computed=computed)
 
 
 def _choice_params(params: dict[str, Any], choice: int, config: Config) -> dict[str, Any]:
@@ -6634,7 +6642,6 @@ class LlamaSession(Session):
         self.slots = [None] * (seqs + 1)
         self.prefixes = _PrefixCache(L, self.memory, seqs + 1, bool(runner.config.prefix_cache),
                                      not (L.llama_model_is_recurrent(runner.model) or L.llama_model_is_hybrid(runner.model)))
-        self.prompt_decoded = 0  # prompt tokens this context has computed (the tests count a job's)
         self.preempted = 0  # steps cut short by preempt()
         self.templates = _GrammarTemplates(runner)
         self.scratch = _SamplingScratch(runner)  # the arrays this context's samplers draw with
@@ -6843,7 +6850,7 @@ class LlamaSession(Session):
             take = min(len(seq.pending), self.n_batch - n)
             chunk, seq.pending, chunks = seq.pending[:take], seq.pending[take:], True
             seq.cached.extend(chunk)
-            self.prompt_decoded += take
+            seq.computed += take
             for token in chunk:
                 self._put(n, token, seq.pos, seq.slot, False)
                 seq.pos += 1
@@ -7600,6 +7607,8 @@ class Processor:
         meta, dir_fd = claim.meta, claim.dir_fd
         meta.update(finished=round(time.time(), 3), prompt_tokens=outcome.prompt_tokens,
                     generated_tokens=outcome.generated_tokens)
+        if outcome.prompt_computed is not None:
+            meta["prompt_computed"] = outcome.prompt_computed
         if outcome.error_code is None:
             meta["finish_reason"] = outcome.finish_reason
             files = [(RESULT_FILE, outcome.text.encode("utf-8"))]

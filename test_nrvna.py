@@ -4452,6 +4452,7 @@ def test_sigkill_while_a_job_is_paused_recovers_it_like_any_running_job(ws: str,
 @pytest.mark.model
 def test_n_choices_compute_the_prompt_once_and_draw_with_seed_plus_index(llama: nrvna.LlamaRunner) -> None:
     def run(jobs: list[nrvna.RunningJob], seqs: int) -> tuple[dict[str, Outcome], int]:
+        """The jobs' outcomes, and the prompt tokens computed for them all."""
         session = llama.session(0, nrvna.Config(workers=1, seqs=seqs, max_ctx=1024))
         outcomes: dict[str, Outcome] = {}
         try:
@@ -4463,7 +4464,7 @@ def test_n_choices_compute_the_prompt_once_and_draw_with_seed_plus_index(llama: 
                     assert job.id not in outcomes  # a job ends once, whatever its choices
                     outcomes[job.id] = outcome
             assert session.active() == [] and all(slot is None for slot in session.slots)
-            return outcomes, session.prompt_decoded
+            return outcomes, sum(outcome.prompt_computed for outcome in outcomes.values())
         finally:
             session.close()
 

@@ -45,9 +45,9 @@ def documents(count: int) -> list[str]:
     return texts
 
 
-def nrvna_arm(daemon: Daemon, texts: list[str], n: int, tokens: int, separate: bool) -> float:
-    """Completion tokens/s of one arm on a warm daemon: one job of n choices per prompt, or n
-    separate jobs per prompt (seeds 1..n), all submitted at once."""
+def nrvna_arm(daemon: Daemon, texts: list[str], n: int, tokens: int, separate: bool) -> tuple[float, int]:
+    """Completion tokens/s of one arm on a warm daemon, and the prompt tokens it computed: one
+    job of n choices per prompt, or n separate jobs per prompt (seeds 1..n), all submitted at once."""
     work, flow = daemon.work, daemon.flow
     start = time.time()
     ids = []
@@ -59,9 +59,10 @@ def nrvna_arm(daemon: Daemon, texts: list[str], n: int, tokens: int, separate: b
     for job_id in ids:
         assert flow.wait(job_id, 900) is nrvna.Status.Done
     end = max(os.stat(os.path.join(daemon.ws, nrvna.OUTPUT, job_id)).st_ctime for job_id in ids)
-    generated = sum(flow.get(job_id).meta["generated_tokens"] for job_id in ids)
+    metas = [flow.get(job_id).meta for job_id in ids]
+    generated = sum(meta["generated_tokens"] for meta in metas)
     assert generated == len(texts) * n * tokens, generated
-    return generated / (end - start)
+    return generated / (end - start), sum(meta["prompt_computed"] for meta in metas)
 
 
 def server_arm(binary: str, model: str, texts: list[str], n: int, tokens: int, slots: int) -> float:
@@ -103,6 +104,7 @@ def main() -> None:
     names = ["nrvna, n per job", "llama-server -np 16, n per request", "nrvna, separate jobs",
              "llama-server -np 32, n per request", "nrvna, separate jobs, NRVNA_PREFIX_CACHE=0"]
     runs: dict[str, list[float]] = {name: [] for name in names}
+    computed: dict[str, int] = {}
     try:
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:  # no arm always first
@@ -112,7 +114,8 @@ def main() -> None:
                     continue
                 daemon = Daemon(args.model, base, {"NRVNA_PREFIX_CACHE": "0"} if "CACHE=0" in name else {})
                 try:
-                    runs[name].append(nrvna_arm(daemon, texts, args.n, args.tokens, "separate" in name))
+                    speed, computed[name] = nrvna_arm(daemon, texts, args.n, args.tokens, "separate" in name)
+                    runs[name].append(speed)
                 finally:
                     daemon.close()
     finally:
@@ -124,8 +127,9 @@ def main() -> None:
     for name in names:
         ratios = [v / b for v, b in zip(runs[name], best)]
         rows.append([name, statistics.median(runs[name]), f"{min(runs[name]):.0f}-{max(runs[name]):.0f}",
-                     ", ".join(f"{x:.2f}" for x in ratios), statistics.median(ratios)])
-    print(table(["arm", "completion tok/s", "range", "vs best llama-server, round by round", "median ratio"], rows))
+                     ", ".join(f"{x:.2f}" for x in ratios), statistics.median(ratios), computed.get(name, "")])
+    print(table(["arm", "completion tok/s", "range", "vs best llama-server, round by round", "median ratio",
+                 "prompt tokens computed (last round)"], rows))
 
 
 if __name__ == "__main__":
