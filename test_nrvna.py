@@ -4559,7 +4559,7 @@ def test_a_job_of_n_choices_reads_and_exports_every_choice(ws: str, tmp_path: Pa
 
 @pytest.mark.model
 def test_sigkill_mid_job_of_8_choices_ends_it_once_with_8(ws: str, model: str) -> None:
-    job_id = Work(ws).publish("Write a long story about a dragon.", n=8, max_tokens=96, ignore_eos=True, seed=4)
+    job_id = Work(ws).publish("Write a long story about a dragon.", n=8, max_tokens=48, ignore_eos=True, seed=4)
     proc = start_daemon(model, ws, "-w", "1")
     try:
         partial = os.path.join(ws, nrvna.PROCESSING, job_id, nrvna.PARTIAL_FILE)
@@ -4577,8 +4577,8 @@ def test_sigkill_mid_job_of_8_choices_ends_it_once_with_8(ws: str, model: str) -
     job = Flow(ws).get(job_id)
     assert job.meta["attempts"] == 2 and [e[1] for e in job.meta["events"]].count("done") == 1
     assert [c["index"] for c in job.choices] == list(range(8))
-    assert all(c["generated_tokens"] == 96 and c["finish_reason"] == "length" for c in job.choices)
-    assert job.result == job.choices[0]["text"] and job.meta["generated_tokens"] == 8 * 96
+    assert all(c["generated_tokens"] == 48 and c["finish_reason"] == "length" for c in job.choices)
+    assert job.result == job.choices[0]["text"] and job.meta["generated_tokens"] == 8 * 48
 
 
 # ==============================================================================
