@@ -1356,6 +1356,7 @@ _python_classes: dict[str, tuple[tuple[int, int], ...]] = {}
 _REGEX_MAX_NESTING = 32  # groups within groups
 _PATTERN_MAX_POSITIONS = 20_000  # characters of a pattern once its counted repetitions are written out
 _PATTERN_MAX_STATES = 2_000  # grammar rules one pattern may become
+_PATTERN_MAX_WORK = 3_000_000  # set operations to make one (about a second; most patterns take a few thousand)
 _JSON_ANY = ((0, 0xD7FF), (0xE000, _LAST_POINT))  # any character a string may hold
 # states: (whether the string may end there, ((spans, the state they lead to), ...)), state 0 first
 _PatternShape = namedtuple("_PatternShape", "states shortest longest")  # longest: None = unbounded
@@ -1648,11 +1649,13 @@ class _Regex:
         return ("set", spans)
 
 
-def _positions(tree: tuple[Any, ...], sets: list[Any], follow: list[set[int]]) -> tuple[bool, set[int], set[int]]:
+def _positions(tree: tuple[Any, ...], sets: list[Any], follow: list[set[int]],
+               budget: list[int]) -> tuple[bool, set[int], set[int]]:
     """Glushkov's construction: each character of ``tree`` (a counted repetition written out
     that many times) becomes a position, appended to ``sets`` (its characters) and ``follow``
     (the positions that may come next); returns (whether the tree matches "", its first
-    positions, its last)."""
+    positions, its last). Each link between positions is charged to ``budget``: nested
+    repetitions of what may be empty link every position to every other."""
     kind = tree[0]
     if kind == "set":
         if len(sets) >= _PATTERN_MAX_POSITIONS:
@@ -1661,35 +1664,72 @@ def _positions(tree: tuple[Any, ...], sets: list[Any], follow: list[set[int]]) -
         sets.append(tree[1])
         follow.append(set())
         return False, {len(sets) - 1}, {len(sets) - 1}
+
+    def link(last: set[int], first: set[int]) -> None:
+        budget[0] -= len(last) * len(first)
+        if budget[0] < 0:
+            raise _PatternError(None, "it is too complex to make a grammar of (repetitions of what may be empty, "
+                                      "nested: write them without the empty choice)")
+        for position in last:
+            follow[position] |= first
+
     if kind == "alt":
-        parts = [_positions(choice, sets, follow) for choice in tree[1]]
+        parts = [_positions(choice, sets, follow, budget) for choice in tree[1]]
         return any(p[0] for p in parts), set().union(*(p[1] for p in parts)), set().union(*(p[2] for p in parts))
     if kind == "seq":
-        items = [_positions(item, sets, follow) for item in tree[1]]
+        items = [_positions(item, sets, follow, budget) for item in tree[1]]
     else:  # x{m,n}: m copies, then x* or n - m nested optional ones, (x(x(x)?)?)?
         _, item, least, most = tree
-        items = [_positions(item, sets, follow) for _ in range(least)]
+        if _may_be_empty(item):  # x{m,n} is x'{0,n}, x' its strings but "": linked in a line, not all to all
+            item, least = _nonempty(item), 0
+            if item is None:
+                return True, set(), set()
+        items = [_positions(item, sets, follow, budget) for _ in range(least)]
         if most is None:
-            empty, first, last = _positions(item, sets, follow)
-            for position in last:
-                follow[position] |= first
+            empty, first, last = _positions(item, sets, follow, budget)
+            link(last, first)
             items.append((True, first, last))
         else:
             tail: tuple[bool, set[int], set[int]] = (True, set(), set())
-            copies = [_positions(item, sets, follow) for _ in range(most - least)]
-            for empty, first, last in reversed(copies):
-                for position in last:
-                    follow[position] |= tail[1]
+            for empty, first, last in reversed([_positions(item, sets, follow, budget) for _ in range(most - least)]):
+                link(last, tail[1])
                 tail = (True, first | (tail[1] if empty else set()), tail[2] | last)
             items.append(tail)
     nullable, first, last = True, set(), set()
     for empty, item_first, item_last in items:
-        for position in last:
-            follow[position] |= item_first
+        link(last, item_first)
         first |= item_first if nullable else set()
         last = item_last | (last if empty else set())
         nullable = nullable and empty
     return nullable, first, last
+
+
+def _may_be_empty(tree: tuple[Any, ...]) -> bool:
+    kind = tree[0]
+    if kind == "set":
+        return False
+    if kind == "rep":
+        return tree[2] == 0 or _may_be_empty(tree[1])
+    return (all if kind == "seq" else any)(map(_may_be_empty, tree[1]))
+
+
+def _nonempty(tree: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
+    """The tree of ``tree``'s strings but "" (None if it has no other)."""
+    if not _may_be_empty(tree):
+        return tree
+    kind = tree[0]
+    if kind == "seq":  # the first item that is not empty decides: x' y z | y' z | z'
+        choices = []
+        for i, item in enumerate(tree[1]):
+            head = _nonempty(item)
+            if head is not None:
+                choices.append(("seq", (head,) + tree[1][i + 1:]))
+    elif kind == "alt":
+        choices = [choice for choice in map(_nonempty, tree[1]) if choice is not None]
+    else:
+        inner = _nonempty(tree[1])
+        return None if inner is None or tree[3] == 0 else ("rep", inner, 1, tree[3])
+    return None if not choices else choices[0] if len(choices) == 1 else ("alt", tuple(choices))
 
 
 def _sweep(spans_of: dict[int, tuple[tuple[int, int], ...]]) -> list[tuple[int, int, frozenset]]:
@@ -1723,7 +1763,8 @@ def _pattern_shape(pattern: str) -> _PatternShape:
                     for start, body, end in _Regex(pattern).parse())
     sets: list[Any] = []
     follow: list[set[int]] = []
-    nullable, first, last = _positions(("alt", choices), sets, follow)
+    budget = [_PATTERN_MAX_WORK]
+    nullable, first, last = _positions(("alt", choices), sets, follow, budget)
     # From a position of "any text" that can end the string, every string that follows matches
     done = {p for p in last if sets[p] is _JSON_ANY and p in follow[p]}
     everything = frozenset((-2,))  # the state where every string that follows matches
@@ -1736,6 +1777,9 @@ def _pattern_shape(pattern: str) -> _PatternShape:
             states.append((True, ((_JSON_ANY, numbers[state]),)))
             continue
         ahead = first if state == start else set().union(*(follow[p] for p in state))
+        budget[0] -= len(ahead) + sum(len(follow[p]) for p in state if p >= 0)
+        if budget[0] < 0:
+            raise _PatternError(None, "it is too complex to make a grammar of (its automaton takes too long to build)")
         moves: dict[int, list[tuple[int, int]]] = {}
         for low, high, taken in _sweep({p: sets[p] for p in ahead}):
             target = everything if taken & done else taken

@@ -3224,6 +3224,7 @@ def test_a_wrong_translation_fails_the_generated_strings_check(monkeypatch: pyte
     ("(" * 33 + "a" + ")" * 33, "groups nested more than 32 deep"), ("(?<1x>a)", "a group name must be"),
     (r"^(?:(?:a|aa)+b){0,500}$", "it needs more than 2,000 grammar states (each copy of a counted repetition"),
     (r"^(?:a{500}){50}$", "it is over 20,000 characters long once its counted repetitions are written out"),
+    (r"^(?:(?:[a-z]?){100}){100}$", "it is too complex to make a grammar of"),
 ])
 def test_patterns_outside_the_subset_are_refused_naming_the_construct(pattern: str, message: str) -> None:
     with pytest.raises(nrvna.InvalidInput) as raised:
