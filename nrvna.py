@@ -1115,11 +1115,11 @@ def _same_length_range(low: str, high: str) -> str:
 
 
 # -- multipleOf ----------------------------------------------------------------------------------
-# Integers that are multiples of k, written a digit at a time: after a prefix, what the digits
-# still to come must be worth modulo k is all that matters, so each (that remainder, how many
-# digits are left) is a rule of its own; the bounds' digits are followed as _same_length_range
-# follows them. A number's multipleOf is an integer (its multiples are integers) or a power of
-# ten (0.01: at most two fraction digits); other steps need digits and remainders at once.
+# Integers that are multiples of k, written a digit at a time by a deterministic automaton whose
+# state is the remainder of the digits so far and how they compare with the bounds' digits;
+# states with the same futures share a rule (for k = 100 only the last two digits matter). A
+# number's multipleOf is an integer (its multiples are integers) or a power of ten (0.01: at most
+# two fraction digits); any other step would need the fraction's digits and a remainder at once.
 
 _MULTIPLE_MAX_RULES = 2048
 
