@@ -17,7 +17,8 @@ Contents (one banner each, in dependency order: a section uses only what is abov
 2. Settings                       SETTINGS, Config, setting_default, HOOK_VARIABLES
 3. Logging                        configure_logging, log, OS thread names
 4. File primitives                write_file, read_file, fsync_dir, move (never replaces)
-5. Structured output              check_json_schema, check_grammar, number_rule, GrammarShape, GrammarVocab
+5. Structured output              check_json_schema, type_choices, number_rule (bounds, multipleOf),
+                                  string_rule (pattern, SCHEMA_FORMATS), check_grammar, GrammarShape, GrammarVocab
 6. Job parameters                 Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt
 7. Workspace and job directories  layout, IDs, Status, Job, locate_job, read_meta, mark_failed,
                                   job_history (meta.json's events), owe_hooks, move_job, read_route,
@@ -66,6 +67,7 @@ __all__ = [
 import codecs
 import enum
 import errno
+import functools
 import heapq
 import itertools
 import math
@@ -628,21 +630,22 @@ def _remove_tree(path: str) -> None:
 
 ##############################################################################
 # Structured output: what a JSON schema or a GBNF grammar may hold, checked at submit on a bare
-# Python; the numeric bounds llama-cpp-python's grammar converter lacks
+# Python; the rules llama-cpp-python's grammar converter lacks (numeric bounds, multipleOf,
+# patterns, formats)
 ##############################################################################
 
 # The daemon turns a JSON schema into a grammar with llama-cpp-python's converter
 # (llama_cpp.llama_grammar.SchemaConverter), which ignores what it does not know: a schema
 # with "uniqueItems" would be accepted and its outputs could break it. So a schema is walked
-# here, at submit, in the converter's own order, and every keyword it would drop is refused.
-# (The converter cannot run at submit: clients need no llama-cpp-python.)
+# here, at submit, in the converter's own order, and every keyword it would drop is refused,
+# or written by nrvna's own rules instead (bounds and multipleOf, pattern and format, lists of
+# types), which the daemon puts in the converter's place. (The converter cannot run at submit:
+# clients need no llama-cpp-python.)
 
 # Keywords that only annotate: no validator looks at them, so dropping them loses nothing.
 SCHEMA_ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated",
                                 "readOnly", "writeOnly", "$schema", "$id", "$defs", "definitions"})
 SCHEMA_TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
-# String formats the converter enforces (anything else it would drop).
-SCHEMA_FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5")
 # minItems/maxItems/minLength/maxLength above this are refused: the grammar grows with them.
 SCHEMA_MAX_REPEAT = 500
 SCHEMA_MAX_DEPTH = 64
@@ -713,9 +716,7 @@ class _SchemaCheck:
             for i, choice in enumerate(choices):
                 self.visit(choice, f"{where}/{key}/{i}", depth + 1, entered)
         elif isinstance(kind, list):
-            self.only(node, where, ("type",), "beside a list of types")
-            if not kind or not all(isinstance(t, str) and t in SCHEMA_TYPES for t in kind) or len(set(kind)) < len(kind):
-                self.fail(where, f"type must be one of {', '.join(SCHEMA_TYPES)} or a list of distinct ones")
+            self.type_list(node, where, depth, entered)
         elif "const" in node or "enum" in node:
             self.constants(node, where, kind)
         elif kind in (None, "object") and ("properties" in node or (
@@ -725,19 +726,24 @@ class _SchemaCheck:
             self.fail(where, "keyword 'allOf' is not supported (merge the schemas into one)")
         elif kind in (None, "array") and ("items" in node or "prefixItems" in node):
             self.array(node, where, depth)
-        elif "pattern" in node:
-            self.fail(where, "keyword 'pattern' is not supported (use enum, format or maxLength)")
-        elif kind in (None, "string") and "format" in node:
-            self.only(node, where, ("type", "format"), "beside format")
-            if node["format"] not in SCHEMA_FORMATS:
-                self.fail(where, f"format {node['format']!r} is not supported (supported: {', '.join(SCHEMA_FORMATS)})")
+        elif kind in (None, "string") and ("pattern" in node or "format" in node):
+            self.only(node, where, ("type",) + SCHEMA_TYPE_KEYWORDS["string"], "beside pattern or format")
+            self.counts(node, where, "minLength", "maxLength")
+            rules: dict[str, str] = {}
+            expression = string_rule(node, where, rules)
+            if "pattern" in node:  # what llama.cpp is given must not hang a worker: checked as a grammar is
+                try:
+                    check_grammar(f'root ::= "\\"" {expression} "\\""\n' + "".join(f"{n} ::= {b}\n" for n, b in rules.items()))
+                except InvalidInput as err:
+                    self.fail(where, f"pattern {node['pattern']!r} makes a grammar nrvna refuses ({err})")
         elif kind == "string":
             self.only(node, where, ("type", "minLength", "maxLength"), "for a string")
             self.counts(node, where, "minLength", "maxLength")
         elif kind in ("integer", "number"):
-            self.only(node, where, ("type",) + _BOUNDS, f"for {'an integer' if kind == 'integer' else 'a number'}")
-            if any(key in node for key in _BOUNDS):
-                number_rule(node, where)  # raises InvalidInput when the bounds admit nothing
+            self.only(node, where, ("type",) + SCHEMA_TYPE_KEYWORDS[kind],
+                      f"for {'an integer' if kind == 'integer' else 'a number'}")
+            if any(key in node for key in SCHEMA_TYPE_KEYWORDS[kind]):
+                number_rule(node, where, {})  # raises InvalidInput when nothing is admitted, or too much is needed
         elif kind == "object" or not node:
             self.only(node, where, ("type", "additionalProperties"), "for an object without properties")
         elif kind is None:
@@ -746,6 +752,18 @@ class _SchemaCheck:
         else:
             allowed = ("type",)
             self.only(node, where, allowed, f"for {kind}" + (" without items" if kind == "array" else ""))
+
+    def type_list(self, node: dict[str, Any], where: str, depth: int, entered: tuple[str, ...]) -> None:
+        kind = node["type"]
+        if not kind or not all(isinstance(t, str) and t in SCHEMA_TYPES for t in kind) or len(set(kind)) < len(kind):
+            self.fail(where, f"type must be one of {', '.join(SCHEMA_TYPES)} or a list of distinct ones")
+        if "const" in node or "enum" in node:
+            self.constants(node, where, kind)
+            return
+        self.only(node, where, ("type",) + tuple(key for t in kind for key in SCHEMA_TYPE_KEYWORDS[t]),
+                  f"for any of the types {', '.join(kind)}")
+        for choice in type_choices(node):  # as an anyOf of one schema per type
+            self.visit(choice, where, depth + 1, entered)
 
     def ref(self, ref: Any, where: str, depth: int, entered: tuple[str, ...]) -> None:
         if not isinstance(ref, str) or not ref.startswith("#/"):
@@ -799,7 +817,8 @@ class _SchemaCheck:
         values = [node["const"]] if key == "const" else node["enum"]
         if key == "enum" and (not isinstance(values, list) or not values):
             self.fail(where, "enum must be a non-empty list")
-        if kind is not None and not all(_json_type_is(value, kind) for value in values):
+        kinds = kind if isinstance(kind, list) else [kind]
+        if kind is not None and not all(any(_json_type_is(value, k) for k in kinds) for value in values):
             self.fail(where, f"{key} holds a value that is not of type {kind!r}")
 
     def object(self, node: dict[str, Any], where: str, depth: int) -> None:
@@ -878,12 +897,15 @@ def _json_type_is(value: Any, kind: str) -> bool:
 _FRACTION_DIGITS = 15  # the most fraction digits a bounded number is generated with
 
 
-def number_rule(node: Mapping[str, Any], where: str = "") -> str:
+def number_rule(node: Mapping[str, Any], where: str = "", rules: Optional[dict[str, str]] = None,
+                prefix: str = "multiple") -> str:
     """The GBNF expression (without trailing space) of the numbers or integers ``node``
-    (a schema of type number or integer) allows by its bounds; InvalidInput if none."""
+    (a schema of type number or integer) allows by its bounds and multipleOf; InvalidInput if
+    none. The rules an integer multipleOf needs are added to ``rules``, named ``prefix``-..."""
     import decimal
 
-    integer = node.get("type") == "integer"
+    step, digits = _multiple_of(node, where, node.get("type") == "integer")
+    integer = digits == 0
     low = high = None
     low_strict = high_strict = False
     for key in _BOUNDS:
@@ -914,22 +936,36 @@ def number_rule(node: Mapping[str, Any], where: str = "") -> str:
             high, high_strict = (high.to_integral_value(decimal.ROUND_CEILING) - 1 if high_strict
                                  else high.to_integral_value(decimal.ROUND_FLOOR)), False
     branches = []
+    if step > 1:  # integers, and the bounds are inclusive
+        made: dict[str, str] = {} if rules is None else rules
+        memo: dict[str, dict[Any, Any]] = {}
+        if high is None or high >= 0:
+            branches.append(_multiples(max(int(low or 0), 0), None if high is None else int(high), step, made, prefix,
+                                       where, memo))
+        if low is None or low < 0:
+            least = max(1, -int(high)) if high is not None else 1
+            text = _multiples(least, None if low is None else -int(low), step, made, prefix, where, memo)
+            branches.append(f'"-" ({text})' if " | " in text else f'"-" {text}' if text else "")
+        branches = [branch for branch in branches if branch]
     # Non-negative values: digits as they are; negative ones: "-" and the magnitude's digits.
-    if high is None or high > 0 or (high == 0 and not high_strict):
+    elif high is None or high > 0 or (high == 0 and not high_strict):
         floor = (low, low_strict) if low is not None and low >= 0 else (decimal.Decimal(0), False)
-        branches += _magnitude_rules(floor, (high, high_strict), integer)
-    if low is None or low < 0:
+        branches += _magnitude_rules(floor, (high, high_strict), integer, digits)
+    if step == 1 and (low is None or low < 0):
         ceiling = (-low, low_strict) if low is not None else (None, False)
         floor = (-high, high_strict) if high is not None and high < 0 else (decimal.Decimal(0), True)
-        branches += [f'"-" {rule}' for rule in _magnitude_rules(floor, ceiling, integer)]
+        branches += [f'"-" {rule}' for rule in _magnitude_rules(floor, ceiling, integer, digits)]
     if not branches:
-        raise InvalidInput(f"schema {where or '/'}: no {'integer' if integer else 'number'} lies within its bounds")
+        what = f"multiple of {node['multipleOf']}" if step > 1 else "integer" if integer else "number"
+        raise InvalidInput(f"schema {where or '/'}: no {what} lies within its bounds")
     return " | ".join(f"({branch})" if " | " in branch else branch for branch in branches)
 
 
-def _magnitude_rules(low: tuple[Any, bool], high: tuple[Any, bool], integer: bool) -> list[str]:
-    """GBNF alternatives for the digit strings ``I`` or ``I.F`` (no sign) whose value m has
-    low <= m <= high (each bound a (Decimal or None, strict) pair; strict: < or >)."""
+def _magnitude_rules(low: tuple[Any, bool], high: tuple[Any, bool], integer: bool,
+                     digits: int = _FRACTION_DIGITS) -> list[str]:
+    """GBNF alternatives for the digit strings ``I`` or ``I.F`` (no sign, F at most ``digits``
+    long) whose value m has low <= m <= high (each bound a (Decimal or None, strict) pair;
+    strict: < or >)."""
     import decimal
 
     (lo, lo_strict), (hi, hi_strict) = low, high
@@ -942,16 +978,16 @@ def _magnitude_rules(low: tuple[Any, bool], high: tuple[Any, bool], integer: boo
     rules = []
 
     def with_fraction(whole: str, floor: Optional[tuple[str, bool]], ceiling: Optional[tuple[str, bool]]) -> None:
-        empty, digits = _fraction_rule(floor, ceiling, _FRACTION_DIGITS)
+        empty, fraction = _fraction_rule(floor, ceiling, digits)
         if integer:
-            digits = None
-        if digits is None and not empty:
+            fraction = None
+        if fraction is None and not empty:
             return
-        if digits is None:
+        if fraction is None:
             rules.append(whole)
         else:
-            digits = f"({digits})" if " | " in digits else digits
-            rules.append(f'{whole} ("." {digits})' + ("?" if empty else ""))
+            fraction = f"({fraction})" if " | " in fraction else fraction
+            rules.append(f'{whole} ("." {fraction})' + ("?" if empty else ""))
 
     if hi_int is not None and lo_int == hi_int:  # one integer part: both bounds on the fraction
         with_fraction(f'"{lo_int}"', (lo_frac, lo_strict), (hi_frac, hi_strict))
@@ -995,8 +1031,11 @@ def _fraction_rule(floor: Optional[tuple[str, bool]], ceiling: Optional[tuple[st
         if floor is None and ceiling is None:
             return f"[0-9]{{1,{left}}}" if left > 1 else "[0-9]"
         # The states that would recur digit by digit: "> 0 from here on" and "only zeros".
-        if ceiling is None and floor == ("", True):
-            return f"[0]{{0,{left - 1}}} [1-9] [0-9]{{0,{left - 1}}}" if left > 1 else "[1-9]"
+        if ceiling is None and floor == ("", True):  # not all zeros, at most ``left`` digits
+            text = "[1-9]"
+            for width in range(2, left + 1):
+                text = f'[1-9] [0-9]{{0,{width - 1}}} | "0" ({text})'
+            return text
         if floor is None and ceiling is not None and not ceiling[0]:
             return None if ceiling[1] else f"[0]{{1,{left}}}"
         # Group the first digit by what it leaves for the rest.
@@ -1073,6 +1112,833 @@ def _same_length_range(low: str, high: str) -> str:
     if tail:
         parts.append(tail)
     return " | ".join(parts)
+
+
+# -- multipleOf ----------------------------------------------------------------------------------
+# Integers that are multiples of k, written a digit at a time by a deterministic automaton whose
+# state is the remainder of the digits so far and how they compare with the bounds' digits;
+# states with the same futures share a rule (for k = 100 only the last two digits matter). A
+# number's multipleOf is an integer (its multiples are integers) or a power of ten (0.01: at most
+# two fraction digits); any other step would need the fraction's digits and a remainder at once.
+
+_MULTIPLE_MAX_RULES = 2048
+
+
+def _multiple_of(node: Mapping[str, Any], where: str, integer: bool) -> tuple[int, int]:
+    """(k, d) for ``node``'s multipleOf: its values are multiples of the integer k (1: any)
+    with at most d fraction digits (0: integers)."""
+    import decimal
+    import fractions
+
+    value = node.get("multipleOf")
+    if value is None:
+        return 1, 0 if integer else _FRACTION_DIGITS
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < _INF:
+        raise InvalidInput(f"schema {where or '/'}: multipleOf must be a number above 0")
+    step = fractions.Fraction(decimal.Decimal(repr(value)) if isinstance(value, float) else value)
+    if step.numerator >= 10 ** 15 or step.denominator > 10 ** _FRACTION_DIGITS:
+        raise InvalidInput(f"schema {where or '/'}: multipleOf {value} is beyond what nrvna generates "
+                           f"(below 1e15, at most {_FRACTION_DIGITS} fraction digits)")
+    if integer or step.denominator == 1:  # an integer n is a multiple of p/q (lowest terms) iff p divides n
+        return step.numerator, 0
+    digits = len(str(step.denominator)) - 1
+    if step.numerator == 1 and step.denominator == 10 ** digits:
+        return 1, digits
+    raise InvalidInput(f"schema {where or '/'}: multipleOf {value} on a number is not supported: only an integer "
+                       "or a power of ten (0.1, 0.01, ...) is (use type integer, or scale the values)")
+
+
+def _multiples(low: int, high: Optional[int], step: int, rules: dict[str, str], prefix: str, where: str,
+               memo: dict[str, dict[Any, Any]]) -> str:
+    """GBNF for the numerals (no leading zeros) of the multiples of ``step`` from ``low`` to
+    ``high`` (None: up to 16 digits), "" if there are none. A walk along the digits, whose state
+    is (remainder so far, digits so far, how they compare with low's and high's first digits):
+    deterministic (one parse stack, whatever the length), every state able to end, and one rule
+    per set of states with the same futures (``future``); the rules are added to ``rules``,
+    named ``prefix``-N, and shared with other ranges of the same step through ``memo``."""
+    bottom, top = str(low), str(10 ** 16 - 1 if high is None else high)
+    made: dict[Any, str] = memo.setdefault("made", {})
+    live: dict[Any, bool] = memo.setdefault("live", {})
+    twos = fives = 0  # step is 2^twos 5^fives k with k prime to 10: its 2s and 5s see the last digits alone
+    while step % 2 ** (twos + 1) == 0:
+        twos += 1
+    while step % 5 ** (fives + 1) == 0:
+        fives += 1
+    tail = max(twos, fives)
+
+    def future(state: tuple[int, int, int, int]) -> Any:
+        # What decides which digits may follow. Off the bounds' own digits: how many may come
+        # (least to most), and for each count m the value mod step they must have, -rest * 10^m;
+        # past m = tail that is decided by rest * 10^tail mod step. (100 needs 3 sets per count, not 100.)
+        rest, n, below, above = state
+        if below == 0 or above == 0:
+            return (bottom, top) + state
+        least = max(0, len(bottom) - n + (below < 0))
+        most = len(top) - n - (above > 0)
+        needs = tuple(need if need < 10 ** m else None
+                      for m in range(max(1, least), min(most, tail) + 1) for need in [-rest * 10 ** m % step])
+        return rest == 0 if least == 0 else None, least, most, needs, rest * 10 ** tail % step if most > tail else None
+
+    def after(state: tuple[int, int, int, int], d: int) -> Optional[tuple[int, int, int, int]]:
+        rest, n, below, above = state  # below/above: -1, 0, 1 as the digits compare with low's/high's
+        if n + 1 > len(top):
+            return None
+        below = 1 if n + 1 > len(bottom) else below or (d > int(bottom[n])) - (d < int(bottom[n]))
+        return (rest * 10 + d) % step, n + 1, below, above or (d > int(top[n])) - (d < int(top[n]))
+
+    def ends(state: tuple[int, int, int, int]) -> bool:
+        rest, n, below, above = state
+        return rest == 0 and (n > len(bottom) or (n == len(bottom) and below >= 0)) and (n < len(top) or above <= 0)
+
+    def alive(state: Optional[tuple[int, int, int, int]]) -> bool:
+        if state is None:
+            return False
+        key = future(state)
+        if key not in live:
+            live[key] = ends(state) or any(alive(after(state, d)) for d in range(10))
+        return live[key]
+
+    def digit_class(ds: list[int]) -> str:
+        if len(ds) == 1:
+            return f'"{ds[0]}"'
+        return f"[{ds[0]}-{ds[-1]}]" if ds == list(range(ds[0], ds[-1] + 1)) else "[" + "".join(map(str, ds)) + "]"
+
+    def moves(state: tuple[int, int, int, int], digits: range) -> list[str]:
+        groups: dict[str, list[int]] = {}
+        for d in digits:
+            following = after(state, d)
+            if alive(following):
+                groups.setdefault(rule(following), []).append(d)
+        return [f"{digit_class(ds)} {rest}".rstrip() for rest, ds in groups.items()]
+
+    def rule(state: tuple[int, int, int, int]) -> str:  # "" where nothing may follow
+        key = future(state)
+        if key not in made:  # (no loops: a state's digits only grow)
+            alternatives = moves(state, range(10))
+            name = f"{prefix}-{len(rules)}" if alternatives else ""
+            if alternatives:
+                if len(rules) >= _MULTIPLE_MAX_RULES:
+                    raise InvalidInput(f"schema {where or '/'}: multipleOf {step} needs more than "
+                                       f"{_MULTIPLE_MAX_RULES:,} grammar rules within these bounds (a maximum, "
+                                       "or a smaller multipleOf, needs fewer)")
+                rules[name] = " | ".join(([""] if ends(state) else []) + alternatives)  # (empty first, as GBNF allows)
+            made[key] = name
+        return made[key]
+
+    start = (0, 0, 0, 0)
+    zero = ['"0"'] if low == 0 and 0 <= int(top) else []
+    return " | ".join(zero + moves(start, range(1, 10)))
+
+
+# -- JSON strings: the characters a grammar may write between the quotes ------------------------
+
+# One character of a JSON string, as strict JSON and UTF-8 allow it. llama-cpp-python's
+# converter lets a string hold raw control characters (its "char" rule is [^"\\]), which
+# json.loads refuses; llama.cpp's own converter and JSON grammar exclude them, and so does nrvna.
+# A \u escape is a BMP code point that is no surrogate, or a high surrogate followed by a low
+# one: a lone surrogate (json.loads takes it) cannot be encoded in UTF-8 and strict parsers
+# refuse it, and a pair is one character, so minLength/maxLength (a repetition of this rule)
+# count characters as JSON Schema does. Raw text excludes what llama.cpp decodes from bytes
+# that are not UTF-8 (surrogates, code points past U+10FFFF) for the same reason: a class of
+# what is allowed, as llama.cpp refuses a token that ends inside a character (an ED byte
+# alone, say) when any character it could begin is in a negated class (U+D000-U+D7FF too).
+_JSON_HEX = "[0-9a-fA-F]"
+_JSON_CHAR_RULE = (r'[\x20-\x21\x23-\x5B\x5D-\x7E\x80-\uD7FF\uE000-\U0010FFFF] | "\\" (["\\/bfnrt] | "u" ('
+                   f'[0-9a-cA-CeEfF] {_JSON_HEX} {_JSON_HEX} {_JSON_HEX} | [dD] [0-7] {_JSON_HEX} {_JSON_HEX} | '
+                   f'[dD] [89abAB] {_JSON_HEX} {_JSON_HEX} "\\\\u" [dD] [c-fC-F] {_JSON_HEX} {_JSON_HEX}))')
+_JSON_SHORT_ESCAPES = {0x08: "b", 0x09: "t", 0x0A: "n", 0x0C: "f", 0x0D: "r"}
+
+# Sets of code points are spans: sorted, disjoint, non-adjacent (first, last) pairs.
+_LAST_POINT = 0x10FFFF
+_BMP = ((0, 0xD7FF), (0xE000, 0xFFFF))  # the Basic Multilingual Plane without its surrogates
+_JSON_RAW = ((0x20, 0x21), (0x23, 0x5B), (0x5D, 0xD7FF), (0xE000, _LAST_POINT))  # written as they are
+
+
+def _spans(pairs: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for low, high in sorted(pairs):
+        if out and low <= out[-1][1] + 1:
+            if high > out[-1][1]:
+                out[-1] = (out[-1][0], high)
+        else:
+            out.append((low, high))
+    return tuple(out)
+
+
+def _spans_not(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    out, start = [], 0
+    for low, high in spans:
+        if low > start:
+            out.append((start, low - 1))
+        start = high + 1
+    if start <= _LAST_POINT:
+        out.append((start, _LAST_POINT))
+    return tuple(out)
+
+
+def _spans_and(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    return _spans_not(_spans(_spans_not(a) + _spans_not(b)))
+
+
+def _spans_hold(spans: tuple[tuple[int, int], ...], point: int) -> bool:
+    return any(low <= point <= high for low, high in spans)
+
+
+def _gbnf_class(spans: tuple[tuple[int, int], ...]) -> str:
+    """A GBNF character class of ``spans``, every character but letters and digits escaped."""
+    def one(point: int) -> str:
+        if point < 0x80 and chr(point).isalnum():
+            return chr(point)
+        return f"\\x{point:02X}" if point < 0x100 else f"\\u{point:04X}" if point < 0x10000 else f"\\U{point:08X}"
+
+    return "[" + "".join(one(low) + ("" if low == high else "-" + one(high)) for low, high in spans) + "]"
+
+
+def _json_text(point: int) -> str:
+    """How a JSON string writes the character ``point``: \\" \\\\ \\n \\u0001, else itself."""
+    if point == 0x22 or point == 0x5C:
+        return "\\" + chr(point)
+    if point < 0x20:
+        return "\\" + _JSON_SHORT_ESCAPES[point] if point in _JSON_SHORT_ESCAPES else f"\\u{point:04x}"
+    return chr(point)
+
+
+def _gbnf_literal(text: str) -> str:
+    """A quoted GBNF literal of ``text`` (ASCII: anything else escaped)."""
+    out = []
+    for c in text:
+        if c in '"\\':
+            out.append("\\" + c)
+        elif " " <= c <= "~":
+            out.append(c)
+        else:
+            point = ord(c)
+            out.append(f"\\x{point:02X}" if point < 0x100 else f"\\u{point:04X}" if point < 0x10000 else f"\\U{point:08X}")
+    return '"' + "".join(out) + '"'
+
+
+def _json_char_gbnf(spans: tuple[tuple[int, int], ...]) -> tuple[str, bool]:
+    """GBNF for one character of ``spans`` as a JSON string writes it (a quote, a backslash
+    or a control character as its escape), and whether it is one element (a quantifier may
+    follow it without parentheses)."""
+    parts = []
+    raw = _spans_and(spans, _JSON_RAW)
+    if raw:
+        parts.append(_gbnf_class(raw))
+    for point in (0x22, 0x5C):
+        if _spans_hold(spans, point):
+            parts.append(_gbnf_literal(_json_text(point)))
+    controls = [p for p in range(0x20) if _spans_hold(spans, p)]
+    short = "".join(_JSON_SHORT_ESCAPES[p] for p in controls if p in _JSON_SHORT_ESCAPES)
+    if short:
+        parts.append(f'"\\\\" [{short}]' if len(short) > 1 else _gbnf_literal("\\" + short))
+    for high in (0, 1):
+        lows = [p & 0xF for p in controls if p >> 4 == high and p not in _JSON_SHORT_ESCAPES]
+        if lows:
+            parts.append(_gbnf_literal(f"\\u00{high}") + " [" + "".join(f"{low:x}" for low in lows) + "]")
+    single = len(parts) == 1 and " " not in parts[0]
+    return " | ".join(parts), single
+
+
+# -- patterns: the regular expressions of JSON Schema's "pattern" and of the formats ------------
+# A pattern is matched against the *decoded* string, by Python's re (python-jsonschema) or by
+# ECMA-262 (what the JSON Schema spec, JavaScript validators and OpenAI mean), and the two differ:
+# \d is [0-9] in ECMA-262 and every Unicode digit in Python, "." excludes \r in ECMA-262 only, and
+# without its u flag ECMA-262 reads a character past U+FFFF as two. So a class here holds what
+# both would match (a negated one: what neither would), and only characters of the BMP: a
+# grammar made of them admits only strings that match under either.
+
+# ECMA-262's \d, \w and \s (U+180E was a space before Unicode 6.3: older engines count it).
+_ECMA_CLASSES = {"d": ((0x30, 0x39),), "w": ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)),
+                 "s": ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x180E, 0x180E), (0x2000, 0x200A),
+                       (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF))}
+_python_classes: dict[str, tuple[tuple[int, int], ...]] = {}
+_REGEX_MAX_NESTING = 32  # groups within groups
+_PATTERN_MAX_POSITIONS = 20_000  # characters of a pattern once its counted repetitions are written out
+_PATTERN_MAX_STATES = 2_000  # grammar rules one pattern may become
+_PATTERN_MAX_WORK = 3_000_000  # set operations to make one (about a second; most patterns take a few thousand)
+_JSON_ANY = ((0, 0xD7FF), (0xE000, _LAST_POINT))  # any character a string may hold
+# states: (whether the string may end there, ((spans, the state they lead to), ...)), state 0 first
+_PatternShape = namedtuple("_PatternShape", "states shortest longest")  # longest: None = unbounded
+
+
+def _python_class(name: str) -> tuple[tuple[int, int], ...]:
+    """The BMP characters Python's re matches with \\d, \\w or \\s in a str pattern (they are
+    Unicode-aware), or "unassigned": those this Python's Unicode has no character for (a later
+    one may make them digits or letters; a class that depends on \\d, \\w or \\s leaves them out)."""
+    if not _python_classes:
+        import unicodedata
+
+        text = "".join(map(chr, range(0x10000)))
+        found = {name: _spans((ord(c), ord(c)) for c in re.findall("\\" + name, text)) for name in "dws"}
+        found["unassigned"] = _spans((p, p) for p in range(0x10000) if unicodedata.category(chr(p)) == "Cn")
+        _python_classes.update(found)  # (whole: threads that race compute the same)
+    return _python_classes[name]
+
+
+class _PatternError(ValueError):
+    """A pattern outside the subset: (where in it or None, what)."""
+
+
+class _Regex:
+    """A pattern parsed into a tree: ("set", spans) one character, ("seq", items), ("alt",
+    choices), ("rep", item, least, most or None). ``parse`` gives the top-level alternatives,
+    each (anchored at the start, its sequence, anchored at the end)."""
+
+    def __init__(self, pattern: str) -> None:
+        self.src = pattern
+        self.pos = 0
+        self.depth = 0
+
+    def fail(self, message: str, pos: Optional[int] = None) -> None:
+        raise _PatternError(self.pos if pos is None else pos, message)
+
+    def peek(self, ahead: int = 0) -> str:
+        return self.src[self.pos + ahead] if self.pos + ahead < len(self.src) else ""
+
+    def parse(self) -> list[tuple[bool, tuple[Any, ...], bool]]:
+        alternatives = []
+        while True:
+            start = self.peek() == "^"
+            self.pos += start
+            items = self.sequence(top=True)
+            end = self.peek() == "$"
+            self.pos += end
+            alternatives.append((start, ("seq", tuple(items)), end))
+            if self.peek() != "|":
+                break
+            self.pos += 1
+        if self.pos < len(self.src):
+            self.fail("an unmatched ')'")
+        return alternatives
+
+    def alternation(self) -> tuple[Any, ...]:
+        choices = [self.sequence(top=False)]
+        while self.peek() == "|":
+            self.pos += 1
+            choices.append(self.sequence(top=False))
+        trees = [items[0] if len(items) == 1 else ("seq", tuple(items)) for items in choices]
+        return trees[0] if len(trees) == 1 else ("alt", tuple(trees))
+
+    def sequence(self, top: bool) -> list[tuple[Any, ...]]:
+        items: list[tuple[Any, ...]] = []
+        while True:
+            c = self.peek()
+            if c in ("", "|", ")"):
+                return items
+            if c == "^":
+                self.fail("'^' is supported only at the start of the pattern or of one of its top-level alternatives")
+            if c == "$":
+                if top and self.peek(1) in ("", "|"):
+                    return items
+                self.fail("'$' is supported only at the end of the pattern or of one of its top-level alternatives")
+            items.append(self.quantified(self.atom()))
+
+    def atom(self) -> tuple[Any, ...]:
+        c = self.peek()
+        if c == "(":
+            return self.group()
+        if c == "[":
+            return self.char_class()
+        if c == ".":
+            self.pos += 1
+            return self.shape([(_spans_not(((0x0A, 0x0A),)), _spans_not(((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))))],
+                              False)
+        if c == "\\":
+            kind, value = self.escape(in_class=False)
+            if kind == "class":
+                return self.shape([value], False)
+            return ("set", ((value, value),))
+        if c in "*+?" or (c == "{" and self.brace() is not None):
+            self.fail(f"nothing to repeat before '{c}'")
+        point = ord(c)
+        if 0xD800 <= point <= 0xDFFF:
+            self.fail(f"U+{point:04X} is a surrogate, which no string holds")
+        self.pos += 1
+        return ("set", ((point, point),))
+
+    def group(self) -> tuple[Any, ...]:
+        start = self.pos
+        self.pos += 1
+        if self.peek() == "?":
+            head = self.src[self.pos:self.pos + 4]
+            names = {"?=": "a lookahead (?=...)", "?!": "a negative lookahead (?!...)", "?<=": "a lookbehind (?<=...)",
+                     "?<!": "a negative lookbehind (?<!...)", "?P=": "a backreference (?P=name)",
+                     "?#": "a comment (?#...)", "?>": "an atomic group (?>...)", "?(": "a conditional (?(...)...)"}
+            for prefix in sorted(names, key=len, reverse=True):
+                if head.startswith(prefix):
+                    self.fail(f"{names[prefix]} is not supported (the grammar cannot express it)", start)
+            if head.startswith("?:"):
+                self.pos += 2
+            elif head.startswith(("?P<", "?<")):
+                match = re.compile(r"\?P?<([A-Za-z_][A-Za-z0-9_]*)>").match(self.src, self.pos)
+                if not match:
+                    self.fail("a group name must be letters, digits and '_', not starting with a digit", start)
+                self.pos = match.end()
+            else:
+                self.fail("inline flags ((?i), (?s), (?x), ...) are not supported: the grammar holds the pattern "
+                          "as written", start)
+        self.depth += 1
+        if self.depth > _REGEX_MAX_NESTING:
+            self.fail(f"groups nested more than {_REGEX_MAX_NESTING} deep", start)
+        inner = self.alternation()
+        self.depth -= 1
+        if self.peek() != ")":
+            self.fail("a '(' without its ')'", start)
+        self.pos += 1
+        return inner
+
+    def brace(self) -> Optional[tuple[int, Optional[int], int]]:
+        """The repetition {m}, {m,} or {m,n} at ``pos`` as (m, n or None, where it ends); None
+        where the "{" is a character to both Python and ECMA-262 ("{", "{}", "{a")."""
+        match = re.compile(r"\{(\d*)(,?)(\d*)\}").match(self.src, self.pos)
+        if match is None or not (match.group(1) or match.group(2)):
+            return None
+        if not match.group(1):
+            self.fail("{,n} is a repetition to Python and text to ECMA-262: write {0,n}")
+        least = int(match.group(1))
+        most = least if not match.group(2) else int(match.group(3)) if match.group(3) else None
+        return least, most, match.end()
+
+    def quantified(self, item: tuple[Any, ...]) -> tuple[Any, ...]:
+        c = self.peek()
+        if c == "{":
+            found = self.brace()
+            if found is None:
+                return item
+            least, most, self.pos = found
+        elif c in ("*", "+", "?"):
+            least, most = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            self.pos += 1
+        else:
+            return item
+        for count in (least, most):
+            if count is not None and count > SCHEMA_MAX_REPEAT:
+                self.fail(f"a repetition count above {SCHEMA_MAX_REPEAT} is not supported (the grammar grows with it)")
+        if most is not None and most < least:
+            self.fail(f"{{{least},{most}}}: the most is less than the least")
+        if item[0] == "set" and item[1][0][0] > 0xFFFF:
+            self.fail("a quantifier after a character beyond U+FFFF: ECMA-262 without its u flag would repeat "
+                      "half of it (put it in a group)")
+        if self.peek() == "?":
+            self.pos += 1  # lazy: which match is found changes, whether one is found does not
+        elif self.peek() == "+":
+            self.fail("a possessive quantifier (*+, ++, ?+, {m,n}+) is not supported")
+        if self.peek() in ("*", "+", "?") or (self.peek() == "{" and self.brace() is not None):
+            self.fail("a quantifier right after another (put the first in a group)")
+        return ("rep", item, least, most)
+
+    def char_class(self) -> tuple[Any, ...]:
+        start = self.pos
+        self.pos += 1
+        negated = self.peek() == "^"
+        self.pos += negated
+        if self.peek() == "]":
+            self.fail("a ']' first in a class is a character to Python and ends an empty class in ECMA-262: write \\]")
+        parts: list[tuple[Any, Any]] = []
+        while self.peek() != "]":
+            if not self.peek():
+                self.fail("a '[' without its ']'", start)
+            if self.src.startswith(("--", "&&", "~~", "||"), self.pos):
+                self.fail(f"{self.src[self.pos:self.pos + 2]!r} in a class (Python warns that it will mean set "
+                          "operations, as in ECMA-262's v flag): escape one of them")
+            if self.peek() == "[":
+                self.fail("a '[' inside a class (a nested set to some engines): write \\[")
+            kind, low = self.class_atom()
+            if kind == "class":
+                if self.peek() == "-" and self.peek(1) not in ("]", ""):
+                    self.fail("a range with \\d, \\w or \\s at an end (Python refuses it, ECMA-262 reads a '-')")
+                parts.append(low)
+                continue
+            high = low
+            if self.peek() == "-" and self.peek(1) not in ("]", ""):
+                self.pos += 1
+                kind, high = self.class_atom()
+                if kind == "class":
+                    self.fail("a range with \\d, \\w or \\s at an end (Python refuses it, ECMA-262 reads a '-')")
+                if high < low:
+                    self.fail(f"the range {chr(low)!r}-{chr(high)!r} is out of order")
+            span = ((low, high),)
+            parts.append((span, span))
+        self.pos += 1
+        return self.shape(parts, negated)
+
+    def class_atom(self) -> tuple[str, Any]:
+        if self.peek() == "\\":
+            return self.escape(in_class=True)
+        point = ord(self.peek())
+        if point > 0xFFFF:
+            self.fail("a character beyond U+FFFF in a class: ECMA-262 without its u flag reads it as two")
+        if 0xD800 <= point <= 0xDFFF:
+            self.fail(f"U+{point:04X} is a surrogate, which no string holds")
+        self.pos += 1
+        return "char", point
+
+    def escape(self, in_class: bool) -> tuple[str, Any]:
+        """An escape at ``pos``: ("char", code point) or ("class", (letter, negated)) for \\d \\w \\s
+        and their negations."""
+        start = self.pos
+        c = self.peek(1)
+        self.pos += 2
+        if not c:
+            self.fail("a pattern cannot end with '\\'", start)
+        if c in "dwsDWS":
+            return "class", (c.lower(), c.isupper())
+        simple = {"t": 0x09, "n": 0x0A, "r": 0x0D, "f": 0x0C, "v": 0x0B}
+        if c in simple:
+            return "char", simple[c]
+        if c == "0":
+            if self.peek().isdigit():
+                self.fail("octal escapes are not supported: write \\xHH", start)
+            return "char", 0
+        if c == "b" and in_class:
+            return "char", 0x08
+        if c in "xu":
+            size = 2 if c == "x" else 4
+            digits = self.src[self.pos:self.pos + size]
+            if c == "u" and self.peek() == "{":
+                self.fail("\\u{...} is ECMA-262's u flag only: write \\uXXXX or the character", start)
+            if len(digits) != size or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                self.fail(f"\\{c} needs {size} hex digits", start)
+            self.pos += size
+            point = int(digits, 16)
+            if 0xD800 <= point <= 0xDFFF:
+                self.fail(f"\\u{digits} is a surrogate (write the character itself)", start)
+            return "char", point
+        refused = {"b": "\\b (a word boundary)", "B": "\\B (not a word boundary)", "p": "\\p{...} (a Unicode property)",
+                   "P": "\\P{...} (a Unicode property)", "k": "a backreference (\\k<name>)",
+                   "c": "\\cX (a control character to ECMA-262, not to Python; write \\xHH)",
+                   "A": "\\A (Python's start anchor, ECMA-262's letter A; write ^)", "Z": "\\Z (write $)",
+                   "z": "\\z (write $)", "G": "\\G", "U": "\\U (Python only; write the character)",
+                   "N": "\\N{...} (Python only; write the character)", "a": "\\a (Python only; write \\x07)"}
+        if c in "123456789":
+            self.fail(f"a backreference (\\{c}) is not supported (the grammar cannot express it)", start)
+        if c in refused:
+            self.fail(f"{refused[c]} is not supported", start)
+        if c.isascii() and c.isalnum():
+            self.fail(f"the escape \\{c} is not supported", start)
+        point = ord(c)
+        if point > 0xFFFF and in_class:
+            self.fail("a character beyond U+FFFF in a class: ECMA-262 without its u flag reads it as two", start)
+        return "char", point  # an escaped sign: the sign itself
+
+    def shape(self, parts: list[tuple[Any, Any]], negated: bool) -> tuple[Any, ...]:
+        """One character: of the parts (Python's set, ECMA-262's set) and shorthands (letter,
+        negated), what both would match (negated: what neither would), in the BMP. Python's \\d,
+        \\w, \\s are this Python's: a character that is unassigned here is kept only where it
+        would be whatever a later Unicode makes it (a digit, a letter, a space or none)."""
+        fixed = [part for part in parts if not isinstance(part[0], str)]
+        shorthands = [part for part in parts if isinstance(part[0], str)]
+        ecma = _spans([span for _, spans in fixed for span in spans]
+                      + [span for letter, negative in shorthands
+                         for span in (_spans_not(_ECMA_CLASSES[letter]) if negative else _ECMA_CLASSES[letter])])
+        unassigned = _python_class("unassigned") if shorthands else ()
+        found: Optional[tuple[tuple[int, int], ...]] = None
+        for later in range(8 if shorthands else 1):  # which of \\d \\w \\s the unassigned would join
+            python = [span for spans, _ in fixed for span in spans]
+            for letter, negative in shorthands:
+                matched = _python_class(letter)
+                if later >> "dws".index(letter) & 1:
+                    matched = _spans(matched + unassigned)
+                python += _spans_not(matched) if negative else matched
+            spans = _spans_not(_spans(tuple(python) + ecma)) if negated else _spans_and(_spans(python), ecma)
+            found = spans if found is None else _spans_and(found, spans)
+        spans = _spans_and(found or (), _BMP)
+        if not spans:
+            self.fail("a class that no character matches (under both Python and ECMA-262)")
+        return ("set", spans)
+
+
+def _positions(tree: tuple[Any, ...], sets: list[Any], follow: list[set[int]],
+               budget: list[int]) -> tuple[bool, set[int], set[int]]:
+    """Glushkov's construction: each character of ``tree`` (a counted repetition written out
+    that many times) becomes a position, appended to ``sets`` (its characters) and ``follow``
+    (the positions that may come next); returns (whether the tree matches "", its first
+    positions, its last). Each link between positions is charged to ``budget``: nested
+    repetitions of what may be empty link every position to every other."""
+    kind = tree[0]
+    if kind == "set":
+        if len(sets) >= _PATTERN_MAX_POSITIONS:
+            raise _PatternError(None, f"it is over {_PATTERN_MAX_POSITIONS:,} characters long once its counted "
+                                      "repetitions are written out")
+        sets.append(tree[1])
+        follow.append(set())
+        return False, {len(sets) - 1}, {len(sets) - 1}
+
+    def link(last: set[int], first: set[int]) -> None:
+        budget[0] -= len(last) * len(first)
+        if budget[0] < 0:
+            raise _PatternError(None, "it is too complex to make a grammar of (repetitions of what may be empty, "
+                                      "nested: write them without the empty choice)")
+        for position in last:
+            follow[position] |= first
+
+    if kind == "alt":
+        parts = [_positions(choice, sets, follow, budget) for choice in tree[1]]
+        return any(p[0] for p in parts), set().union(*(p[1] for p in parts)), set().union(*(p[2] for p in parts))
+    if kind == "seq":
+        items = [_positions(item, sets, follow, budget) for item in tree[1]]
+    else:  # x{m,n}: m copies, then x* or n - m nested optional ones, (x(x(x)?)?)?
+        _, item, least, most = tree
+        if _may_be_empty(item):  # x{m,n} is x'{0,n}, x' its strings but "": linked in a line, not all to all
+            item, least = _nonempty(item), 0
+            if item is None:
+                return True, set(), set()
+        items = [_positions(item, sets, follow, budget) for _ in range(least)]
+        if most is None:
+            empty, first, last = _positions(item, sets, follow, budget)
+            link(last, first)
+            items.append((True, first, last))
+        else:
+            tail: tuple[bool, set[int], set[int]] = (True, set(), set())
+            for empty, first, last in reversed([_positions(item, sets, follow, budget) for _ in range(most - least)]):
+                link(last, tail[1])
+                tail = (True, first | (tail[1] if empty else set()), tail[2] | last)
+            items.append(tail)
+    nullable, first, last = True, set(), set()
+    for empty, item_first, item_last in items:
+        link(last, item_first)
+        first |= item_first if nullable else set()
+        last = item_last | (last if empty else set())
+        nullable = nullable and empty
+    return nullable, first, last
+
+
+def _may_be_empty(tree: tuple[Any, ...]) -> bool:
+    kind = tree[0]
+    if kind == "set":
+        return False
+    if kind == "rep":
+        return tree[2] == 0 or _may_be_empty(tree[1])
+    return (all if kind == "seq" else any)(map(_may_be_empty, tree[1]))
+
+
+def _nonempty(tree: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
+    """The tree of ``tree``'s strings but "" (None if it has no other)."""
+    if not _may_be_empty(tree):
+        return tree
+    kind = tree[0]
+    if kind == "seq":  # the first item that is not empty decides: x' y z | y' z | z'
+        choices = []
+        for i, item in enumerate(tree[1]):
+            head = _nonempty(item)
+            if head is not None:
+                choices.append(("seq", (head,) + tree[1][i + 1:]))
+    elif kind == "alt":
+        choices = [choice for choice in map(_nonempty, tree[1]) if choice is not None]
+    else:
+        inner = _nonempty(tree[1])
+        return None if inner is None or tree[3] == 0 else ("rep", inner, 1, tree[3])
+    return None if not choices else choices[0] if len(choices) == 1 else ("alt", tuple(choices))
+
+
+def _sweep(spans_of: dict[int, tuple[tuple[int, int], ...]]) -> list[tuple[int, int, frozenset]]:
+    """The code points the sets of ``spans_of`` (key -> spans) tell apart: (first, last, the
+    keys whose set holds them) for each run of code points some set holds."""
+    events: dict[int, list[tuple[int, int]]] = {}
+    for key, spans in spans_of.items():
+        for low, high in spans:
+            events.setdefault(low, []).append((key, 1))
+            events.setdefault(high + 1, []).append((key, -1))
+    edges = sorted(events)
+    active: dict[int, int] = {}
+    runs = []
+    for edge, following in zip(edges, edges[1:] + [None]):
+        for key, change in events[edge]:
+            active[key] = active.get(key, 0) + change
+            if not active[key]:
+                del active[key]
+        if active and following is not None:
+            runs.append((edge, following - 1, frozenset(active)))
+    return runs
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern_shape(pattern: str) -> _PatternShape:
+    """A pattern as a deterministic automaton on characters: one grammar rule per state, so that
+    llama.cpp holds one parse stack however the pattern is written ((\\w+\\s?)+ included). A side
+    not anchored (^, $) is any text: JSON Schema's pattern searches, as re.search does."""
+    anything = ("rep", ("set", _JSON_ANY), 0, None)
+    choices = tuple(("seq", (() if start else (anything,)) + (body,) + (() if end else (anything,)))
+                    for start, body, end in _Regex(pattern).parse())
+    sets: list[Any] = []
+    follow: list[set[int]] = []
+    budget = [_PATTERN_MAX_WORK]
+    nullable, first, last = _positions(("alt", choices), sets, follow, budget)
+    # From a position of "any text" that can end the string, every string that follows matches
+    done = {p for p in last if sets[p] is _JSON_ANY and p in follow[p]}
+    everything = frozenset((-2,))  # the state where every string that follows matches
+    start = frozenset((-1,))  # the state before the first character
+    numbers = {start: 0}
+    order = [start]
+    states = []
+    for state in order:  # breadth first: a state's number is its place
+        if state == everything:
+            states.append((True, ((_JSON_ANY, numbers[state]),)))
+            continue
+        ahead = first if state == start else set().union(*(follow[p] for p in state))
+        budget[0] -= len(ahead) + sum(len(follow[p]) for p in state if p >= 0)
+        if budget[0] < 0:
+            raise _PatternError(None, "it is too complex to make a grammar of (its automaton takes too long to build)")
+        moves: dict[int, list[tuple[int, int]]] = {}
+        for low, high, taken in _sweep({p: sets[p] for p in ahead}):
+            target = everything if taken & done else taken
+            if target not in numbers:
+                if len(order) >= _PATTERN_MAX_STATES:
+                    raise _PatternError(None, f"it needs more than {_PATTERN_MAX_STATES:,} grammar states (each copy "
+                                              "of a counted repetition has states of its own)")
+                numbers[target] = len(order)
+                order.append(target)
+            moves.setdefault(numbers[target], []).append((low, high))
+        ends = nullable if state == start else bool(state & last)
+        states.append((ends, tuple((_spans(spans), target) for target, spans in moves.items())))
+    shortest, longest = _path_lengths(states)
+    return _PatternShape(tuple(states), shortest, longest)
+
+
+def _path_lengths(states: list[tuple[bool, tuple[Any, ...]]]) -> tuple[int, Optional[int]]:
+    """The fewest and most characters from state 0 to an end (None: no most, a loop is on the
+    way: every state can reach an end, as every Glushkov position can)."""
+    depth, queue, shortest = {0: 0}, [0], 0
+    for state in queue:  # breadth first
+        if states[state][0]:
+            shortest = depth[state]
+            break
+        for _, target in states[state][1]:
+            if target not in depth:
+                depth[target] = depth[state] + 1
+                queue.append(target)
+    entering = [0] * len(states)
+    for _, moves in states:
+        for _, target in moves:
+            entering[target] += 1
+    ready, most, seen = [0], [0] * len(states), 0
+    while ready:  # Kahn's order: a loop leaves states unseen
+        state = ready.pop()
+        seen += 1
+        for _, target in states[state][1]:
+            most[target] = max(most[target], most[state] + 1)
+            entering[target] -= 1
+            if not entering[target]:
+                ready.append(target)
+    if seen < len(states):
+        return shortest, None
+    return shortest, max(most[s] for s, (ends, _) in enumerate(states) if ends)
+
+
+# String formats: each an anchored pattern, made a grammar as a pattern is. Every string one
+# admits passes python-jsonschema's FormatChecker (with jsonschema[format-nongpl]) and its RFC:
+# dates exist (30 days in April, 29 in February in leap years only), hostnames are at most 4
+# labels of 62 characters (253 in all), e-mail addresses a dot-atom local part (RFC 5321) of at
+# most 62 characters and a hostname of 2 to 4 labels of 40, IPv6 addresses without an IPv4 tail.
+_YEAR = "(?:[0-9]{3}[1-9]|[0-9][0-9][1-9]0|[0-9][1-9]00|[1-9]000)"  # 0001-9999: RFC 3339 has no year 0
+_LEAP_YEAR = "(?:[0-9][0-9](?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
+_TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_COUNT = "[0-9]{1,9}"
+_DURATION_TIME = f"T(?:{_COUNT}H(?:{_COUNT}M(?:{_COUNT}S)?)?|{_COUNT}M(?:{_COUNT}S)?|{_COUNT}S)"
+_DURATION_DATE = f"(?:{_COUNT}D|{_COUNT}M(?:{_COUNT}D)?|{_COUNT}Y(?:{_COUNT}M(?:{_COUNT}D)?)?)"
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_H16 = "[0-9a-fA-F]{1,4}"
+_IPV6 = "|".join([f"(?:{_H16}:){{7}}{_H16}", f"(?:{_H16}:){{1,7}}:"]
+                 + [f"(?:{_H16}:){{1,{6 - i}}}(?::{_H16}){{1,{i + 1}}}" for i in range(5)]
+                 + [f"{_H16}:(?::{_H16}){{1,6}}", f":(?:(?::{_H16}){{1,7}}|:)"])
+
+
+def _label(most: int) -> str:
+    return f"[A-Za-z0-9](?:[A-Za-z0-9-]{{0,{most - 2}}}[A-Za-z0-9])?"
+
+
+def _uuid(version: str) -> str:
+    hex_ = "[0-9a-fA-F]"
+    if not version:
+        return f"^{hex_}{{8}}-{hex_}{{4}}-{hex_}{{4}}-{hex_}{{4}}-{hex_}{{12}}$"
+    return f"^{hex_}{{8}}-{hex_}{{4}}-{version}{hex_}{{3}}-[89abAB]{hex_}{{3}}-{hex_}{{12}}$"  # RFC 4122's variant
+
+
+SCHEMA_FORMATS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "duration": f"^P(?:{_DURATION_DATE}(?:{_DURATION_TIME})?|{_DURATION_TIME}|{_COUNT}W)$",
+    "email": (r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]{1,20}(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]{1,20}){0,2}"
+              rf"@{_label(40)}(?:\.{_label(40)}){{1,3}}$"),
+    "hostname": rf"^{_label(62)}(?:\.{_label(62)}){{0,3}}$",
+    "ipv4": rf"^{_OCTET}(?:\.{_OCTET}){{3}}$",
+    "ipv6": f"^(?:{_IPV6})$",
+    "uuid": _uuid(""), **{f"uuid{v}": _uuid(str(v)) for v in range(1, 6)},
+}
+
+
+def string_rule(node: Mapping[str, Any], where: str = "", rules: Optional[dict[str, str]] = None,
+                prefix: str = "pattern") -> str:
+    """The GBNF expression for the text between the quotes of the strings ``node`` (a string
+    schema with a pattern or a format) allows, its rules added to ``rules`` (named
+    ``prefix``-N); InvalidInput naming what is outside the subset. minLength/maxLength beside
+    them are taken where the pattern's own lengths keep within them, and refused elsewhere
+    (the grammar would have to count both at once)."""
+    pattern, name = node.get("pattern"), node.get("format")
+    here = f"schema {where or '/'}"
+    if pattern is not None and name is not None:
+        raise InvalidInput(f"{here}: give pattern or format, not both (the grammar enforces one)")
+    if name is not None:
+        if name not in SCHEMA_FORMATS:
+            raise InvalidInput(f"{here}: format {name!r} is not supported (supported: {', '.join(SCHEMA_FORMATS)})")
+        shape, what = _pattern_shape(SCHEMA_FORMATS[name]), f"format {name!r}"
+    else:
+        if not isinstance(pattern, str):
+            raise InvalidInput(f"{here}: pattern must be a string")
+        try:
+            shape = _pattern_shape(pattern)
+        except _PatternError as err:
+            place = "" if err.args[0] is None else f" (at character {err.args[0] + 1})"
+            raise InvalidInput(f"{here}: pattern {pattern!r}: {err.args[1]}{place}") from None
+        what = "the pattern"
+    low, high = node.get("minLength", 0), node.get("maxLength")
+    if low > shape.shortest or (high is not None and (shape.longest is None or shape.longest > high)):
+        span = f"{shape.shortest} to {shape.longest}" if shape.longest is not None else f"{shape.shortest} or more"
+        raise InvalidInput(f"{here}: minLength/maxLength beside {what} are supported only where its own strings "
+                           f"keep within them, and its strings are {span} characters long (bound the pattern's "
+                           "repetitions instead, anchored with ^ and $)")
+    made = {} if rules is None else rules
+    names = [f"{prefix}-{i}" for i in range(len(shape.states))]
+    last = [ends and not moves for ends, moves in shape.states]  # nothing may follow: no rule
+    uses: dict[Any, int] = {}
+    for _, moves in shape.states:
+        for spans, _ in moves:
+            uses[spans] = uses.get(spans, 0) + 1
+    characters: dict[Any, str] = {}
+    for spans, count in uses.items():
+        text, single = _json_char_gbnf(spans)
+        if count > 1 and len(text) > 24:  # a long class used by several states: a rule of its own
+            made[f"{prefix}-c{len(characters)}"] = text
+            text, single = f"{prefix}-c{len(characters)}", True
+        characters[spans] = text if single else f"({text})"
+    for i, (ends, moves) in enumerate(shape.states):
+        if not last[i]:
+            alternatives = [""] if ends else []  # (the empty one first, as GBNF allows)
+            for spans, target in moves:
+                alternatives.append(characters[spans] + ("" if last[target] else f" {names[target]}"))
+            made[names[i]] = " | ".join(alternatives)
+    return '""' if last[0] else names[0]
+
+
+# A schema whose "type" is a list is one schema per type, each with the keywords for its type.
+SCHEMA_TYPE_KEYWORDS = {
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "number": _BOUNDS + ("multipleOf",), "integer": _BOUNDS + ("multipleOf",),
+    "array": ("items", "prefixItems", "minItems", "maxItems"),
+    "object": ("properties", "required", "additionalProperties"),
+    "boolean": (), "null": (),
+}
+
+
+def type_choices(node: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """{"type": ["integer", "null"], "minimum": 0} as [{"type": "integer", "minimum": 0},
+    {"type": "null"}]: the anyOf both the check and the converter read it as."""
+    return [{"type": kind, **{key: value for key, value in node.items() if key in SCHEMA_TYPE_KEYWORDS[kind]}}
+            for kind in node["type"]]
 
 
 # -- GBNF --------------------------------------------------------------------------------------
@@ -5469,20 +6335,6 @@ def gguf_kind(path: str) -> str:
     return "embed" if f"{arch}.pooling_type" in meta or arch in ENCODER_ARCHS else "chat"
 
 
-# One character of a JSON string, as strict JSON and UTF-8 allow it. llama-cpp-python's
-# converter lets a string hold raw control characters (its "char" rule is [^"\\]), which
-# json.loads refuses; llama.cpp's own converter and JSON grammar exclude them, and so does nrvna.
-# A \u escape is a BMP code point that is no surrogate, or a high surrogate followed by a low
-# one: a lone surrogate (json.loads takes it) cannot be encoded in UTF-8 and strict parsers
-# refuse it, and a pair is one character, so minLength/maxLength (a repetition of this rule)
-# count characters as JSON Schema does. Raw text excludes what llama.cpp decodes from bytes
-# that are not UTF-8 (surrogates, code points past U+10FFFF) for the same reason: a class of
-# what is allowed, as llama.cpp refuses a token that ends inside a character (an ED byte
-# alone, say) when any character it could begin is in a negated class (U+D000-U+D7FF too).
-_JSON_HEX = "[0-9a-fA-F]"
-_JSON_CHAR_RULE = (r'[\x20-\x21\x23-\x5B\x5D-\x7E\x80-\uD7FF\uE000-\U0010FFFF] | "\\" (["\\/bfnrt] | "u" ('
-                   f'[0-9a-cA-CeEfF] {_JSON_HEX} {_JSON_HEX} {_JSON_HEX} | [dD] [0-7] {_JSON_HEX} {_JSON_HEX} | '
-                   f'[dD] [89abAB] {_JSON_HEX} {_JSON_HEX} "\\\\u" [dD] [c-fC-F] {_JSON_HEX} {_JSON_HEX}))')
 # {"type": "json_object"}: llama-cpp-python's JSON_GBNF (any object) with its strings made of
 # _JSON_CHAR_RULE characters (its own take a lone surrogate escape, and refuse the escape "\/").
 _JSON_OBJECT_GBNF = "\n".join([
@@ -5542,12 +6394,37 @@ def _converter_class(grammar: Any) -> Any:
             return names[ref]
 
         def visit(self, schema: Any, name: str) -> str:
-            if (isinstance(schema, dict) and schema.get("type") in ("integer", "number")
-                    and any(key in schema for key in _BOUNDS)
-                    and not {"$ref", "oneOf", "anyOf", "const", "enum"} & set(schema)):
-                rule_name = name + "-" if name in grammar.RESERVED_NAMES else name or "root"
-                return self._add_rule(rule_name, f"({number_rule(schema)}) space")
+            # The branches check_json_schema takes where the converter's own would drop a keyword
+            # (a schema it accepted has nothing beside them that another branch would take first)
+            if not isinstance(schema, dict) or {"$ref", "oneOf", "anyOf"} & set(schema):
+                return super().visit(schema, name)
+            kind = schema.get("type")
+            rule_name = name + "-" if name in grammar.RESERVED_NAMES else name or "root"
+            if isinstance(kind, list):  # one schema per type, each with its keywords
+                if "const" in schema or "enum" in schema:
+                    return self.visit({key: value for key, value in schema.items() if key != "type"}, name)
+                return self.visit({"anyOf": type_choices(schema)}, name)
+            if "const" in schema or "enum" in schema:
+                return super().visit(schema, name)
+            if kind in ("integer", "number") and any(key in schema for key in SCHEMA_TYPE_KEYWORDS[kind]):
+                rules: dict[str, str] = {}
+                expression = number_rule(schema, "", rules, self._fresh_prefix("multiple"))
+                self._rules.update(rules)
+                return self._add_rule(rule_name, f"({expression}) space")
+            if kind in (None, "string") and ("pattern" in schema or "format" in schema) and not {
+                    "properties", "additionalProperties", "allOf", "items", "prefixItems"} & set(schema):
+                rules = {}
+                expression = string_rule(schema, "", rules, self._fresh_prefix("pattern"))
+                self._rules.update(rules)
+                return self._add_rule(rule_name, f'"\\"" {expression} "\\"" space')
             return super().visit(schema, name)
+
+        def _fresh_prefix(self, base: str) -> str:
+            # the rules of a multipleOf or a pattern: under a name no rule of the grammar starts with
+            number = len(self._rules)
+            while any(rule == f"{base}{number}" or rule.startswith(f"{base}{number}-") for rule in self._rules):
+                number += 1
+            return f"{base}{number}"
 
         def _add_primitive(self, name: str, rule: Any) -> str:
             if name == "char":

@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 
 class _WithoutPytest:
@@ -2979,10 +2979,11 @@ def test_json_schemas_the_converter_honours_whole_are_accepted(schema: dict[str,
 
 @pytest.mark.parametrize("schema, message", [
     ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "schema /: keyword 'uniqueItems' is not supported"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a$"}}}, "schema /properties/a: keyword 'pattern'"),
-    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 5}}}, "/properties/n: keyword 'multipleOf'"),
-    ({"type": "string", "format": "email"}, "format 'email' is not supported"),
-    ({"type": "string", "format": "date", "maxLength": 4}, "keyword 'maxLength' is not supported beside format"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)"}}},
+     "schema /properties/a: pattern '^(?=a)': a lookahead (?=...) is not supported"),
+    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}, "/properties/n: multipleOf 0.5 on a number"),
+    ({"type": "string", "format": "uri"}, "format 'uri' is not supported (supported: date, time, date-time, duration, email"),
+    ({"type": "string", "format": "date", "maxLength": 4}, "minLength/maxLength beside format 'date' are supported only where"),
     ({"type": "object", "minProperties": 1, "properties": {}}, "keyword 'minProperties'"),
     ({"type": "object", "required": ["a"]}, "keyword 'required' is not supported for an object without properties"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required property 'b' is not in properties"),
@@ -3068,6 +3069,489 @@ def test_bad_grammars_are_refused_at_submit_with_where(grammar: str, message: st
     assert message in str(raised.value)
 
 
+# -- patterns, formats, multipleOf, type lists -------------------------------------------------
+# The grammar nrvna makes for each is walked at random (GrammarShape: llama.cpp's parse stacks)
+# to generate strings, and every one must satisfy the keyword by an independent check: Python's
+# re, jsonschema's FormatChecker, date.fromisoformat, exact fractions.
+
+def grammar_walk(shape: nrvna.GrammarShape, rng: random.Random, most: int = 4000) -> str:
+    """A random text the grammar admits, a character at a time: a random parse stack's class,
+    a random character of it; past 30 characters it heads for the nearest end."""
+    to_end = completion_lengths(shape)
+    stacks, out = set(shape.start[0]), []
+    while True:
+        live = sorted(s for s in stacks if s)
+        if () in stacks and (not live or rng.random() < (0.2 if len(out) < 30 else 0.9)):
+            return "".join(out)
+        assert len(out) < most, "the walk did not end"
+        if len(out) >= 30:
+            nearest = min(map(to_end, live))
+            live = [s for s in live if to_end(s) == nearest]
+        _, positive, ranges = shape.elements[rng.choice(live)[-1]]
+        assert positive  # (nrvna writes positive classes only)
+        low, high = rng.choice(ranges)
+        point = rng.randint(low, high)
+        out.append(chr(point))
+        stacks = {after for s in stacks if s and shape.matches(s, point) for after in shape._pop(s)}
+
+
+def completion_lengths(shape: nrvna.GrammarShape) -> Callable[[tuple], int]:
+    """How many characters a parse stack needs at least to reach the grammar's end: each
+    rule's shortest text, found by iterating to a fixed point, summed down the stack."""
+    shortest = {rule: math.inf for rule in shape.alternatives}
+
+    def rest(position: int) -> float:  # the elements from here to the end of their alternative
+        total = 0.0
+        while shape.elements[position] is not None:
+            element = shape.elements[position]
+            total += 1 if element[0] == "sym" else shortest[element[1]]
+            position += 1
+        return total
+
+    changed = True
+    while changed:
+        changed = False
+        for rule, firsts in shape.alternatives.items():
+            best = min(0 if first is None else rest(first) for first in firsts)
+            if best < shortest[rule]:
+                shortest[rule], changed = best, True
+    return lambda stack: int(sum(rest(position) for position in stack))
+
+
+def grammar_accepts(shape: nrvna.GrammarShape, text: str) -> bool:
+    stacks = set(shape.start[0])
+    for c in text:
+        stacks = {after for s in stacks if s and shape.matches(s, ord(c)) for after in shape._pop(s)}
+    return () in stacks
+
+
+def string_grammar(schema: dict[str, Any]) -> str:
+    """The grammar of a JSON string (quotes included) of a schema with a pattern or a format."""
+    rules: dict[str, str] = {}
+    expression = nrvna.string_rule(schema, "", rules)
+    return f'root ::= "\\"" {expression} "\\""\n' + "".join(f"{name} ::= {body}\n" for name, body in rules.items())
+
+
+def string_shape(schema: dict[str, Any]) -> nrvna.GrammarShape:
+    return nrvna.check_grammar(string_grammar(schema))
+
+
+def string_values(schema: dict[str, Any], count: int, seed: int = 1) -> list[str]:
+    shape, rng = string_shape(schema), random.Random(seed)
+    return [json.loads(grammar_walk(shape, rng)) for _ in range(count)]
+
+
+# (pattern, the feature it shows)
+PATTERNS = [
+    (r"^\d{3}-\d{4}$", "\\d, {m}"), (r"^[A-Z][a-z]+$", "classes with ranges, +"), (r"^[^a-z]{2,4}$", "a negated class, {m,n}"),
+    (r"^\w+$", "\\w"), (r"^\W+$", "\\W (Unicode-aware in Python)"), (r"^\s\S\D$", "\\s \\S \\D"), (r"^.{1,8}$", "."),
+    (r"^[\s\S]{3}$", "[\\s\\S]: any character"), (r"^[\d\s]+$", "shorthands in a class"), (r"^[^\d\s]+$", "... negated"),
+    (r"^[^\W\d]+$", "a negated negation"), (r"^(?:ab|cd)+$", "(?:...), alternation"), (r"^(?P<x>x|y)(z)?$", "named and capturing groups"),
+    (r"^(a|b|)c?$", "an empty alternative"), (r'^["\\/]\n\t\r\f\v\x00\x1f\u00e9\u2028$', "escapes, and JSON's"),
+    (r"^\x41\u0042[\x43-\x45]$", "\\x \\u in and out of classes"), (r"^[\]\[\\^-]+$", "escaped signs in a class"),
+    (r"^\.\*\+\?\(\)\{\}\|\$$", "escaped metacharacters"), (r"^a{2}b{1,}c{0,2}d*?e+?$", "every quantifier, lazy ones"),
+    (r"^[\w.-]+@[\w-]+\.[a-z]{2,3}$", "an e-mail-like pattern"), ("^\U0001F600x$", "a character past U+FFFF"),
+    (r"colou?r", "unanchored: searched for"), (r"^abc", "anchored at the start only"), (r"xyz$", "at the end only"),
+    (r"^a|b$", "anchors per top-level alternative"), (r"(a*)*b", "a repetition of a repetition"), (r"^(a?){3,}$", "... of a nullable group"),
+    (r"^(x+)+y$", "nested +"), (r"^(?:a|(?:b|(?:c|d)*)+)e$", "nested unbounded alternatives"), (r"^(?:(?:a|b)*c){2}$", "a counted group"),
+    (r"^$", "only the empty string"), (r"", "anything"), (r"^x{0}y$", "{0}"), (r"^[^\x00-\x7f]+$", "non-ASCII only"),
+    (r"^[^\"\\]*$", "no quote or backslash"), (r"^(?:[01]\d|2[0-3]):[0-5]\d$", "a time of day"),
+]
+
+
+@pytest.mark.parametrize("pattern, feature", PATTERNS)
+def test_every_string_a_pattern_s_grammar_admits_matches_it(pattern: str, feature: str) -> None:
+    values = string_values({"type": "string", "pattern": pattern}, 300)
+    assert all(re.search(pattern, value) for value in values), [v for v in values if not re.search(pattern, v)][:3]
+    assert len(set(values)) >= 2 or pattern in ("^$", r"^\.\*\+\?\(\)\{\}\|\$$", "^\U0001F600x$", r"^x{0}y$")
+
+
+@pytest.mark.parametrize("pattern, alphabet", [
+    (r"^(a?){3,}b$", "ab"), (r"^(?:a|bc)*c?$", "abc"), (r"^[^a]{1,2}b*$", "ab\n"), (r"^(a|b|)c?$", "abc"),
+    (r"^(?:ab|a)(?:c|bc)$", "abc"), (r"^(x+)+y$", "xy"), (r"^a{2}b{1,}c{0,2}$", "abc"),
+])
+def test_a_pattern_s_grammar_admits_exactly_its_strings(pattern: str, alphabet: str) -> None:
+    """Every string over a small alphabet up to 5 characters: the grammar admits it iff it
+    matches (to the very end: Python's $ also matches before a last newline)."""
+    import itertools
+
+    shape = string_shape({"type": "string", "pattern": pattern})
+    for length in range(6):
+        for chars in itertools.product(alphabet, repeat=length):
+            text = "".join(chars)
+            assert grammar_accepts(shape, json.dumps(text)) == bool(re.search(pattern[:-1] + r"\Z", text)), (pattern, text)
+
+
+def test_a_wrong_translation_fails_the_generated_strings_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above can fail: with \\d made [0-9a-z] in both flavours, or a quote written raw,
+    generated strings break the pattern (or JSON)."""
+    nrvna._python_class("d")
+    for table, key in ((nrvna._python_classes, "d"), (nrvna._ECMA_CLASSES, "d")):
+        monkeypatch.setitem(table, key, ((0x30, 0x39), (0x61, 0x7A)))
+    nrvna._pattern_shape.cache_clear()
+    try:
+        values = string_values({"type": "string", "pattern": r"^\d{4}$"}, 50)
+        assert not all(re.search(r"^\d{4}$", value) for value in values)
+        monkeypatch.undo()
+        nrvna._pattern_shape.cache_clear()
+        monkeypatch.setattr(nrvna, "_json_text", lambda point: chr(point))
+        with pytest.raises(ValueError):  # a raw quote ends the JSON string early
+            string_values({"type": "string", "pattern": '^"{3}$'}, 5)
+    finally:
+        nrvna._pattern_shape.cache_clear()
+
+
+@pytest.mark.parametrize("pattern, message", [
+    (r"(a)\1", r"a backreference (\1) is not supported (the grammar cannot express it) (at character 4)"),
+    (r"\k<n>", "a backreference (\\k<name>)"), (r"(?P=n)", "a backreference (?P=name)"),
+    (r"^(?=a)b", "a lookahead (?=...) is not supported"), (r"(?!a)", "a negative lookahead"),
+    (r"(?<=a)b", "a lookbehind (?<=...)"), (r"(?<!a)b", "a negative lookbehind"),
+    (r"a*+", "a possessive quantifier"), (r"(?i)abc", "inline flags ((?i), (?s), (?x), ...) are not supported"),
+    (r"(?>a)", "an atomic group"), (r"(?#x)a", "a comment (?#...)"), (r"(?(1)a|b)", "a conditional"),
+    (r"\bword\b", r"\b (a word boundary) is not supported"), (r"\B", r"\B (not a word boundary)"),
+    (r"\p{L}", r"\p{...} (a Unicode property) is not supported"), (r"\P{L}", "a Unicode property"),
+    (r"\Aa", r"\A (Python's start anchor"), (r"a\Z", r"\Z (write $)"), (r"\cA", r"\cX (a control character"),
+    (r"\u{41}", r"\u{...} is ECMA-262's u flag only"), (r"\ud800", "is a surrogate"), (r"\q", r"the escape \q is not supported"),
+    (r"\01", "octal escapes"), ("a{501}", "a repetition count above 500"), ("a{2,1}", "the most is less than the least"),
+    ("a{,3}", "{,n} is a repetition to Python and text to ECMA-262"), ("[]a]", "a ']' first in a class"),
+    ("[[]", "a '[' inside a class"), ("[a&&b]", "'&&' in a class"), (r"[\d-z]", r"a range with \d, \w or \s at an end"),
+    ("[z-a]", "the range 'z'-'a' is out of order"), (r"[^\s\S]", "a class that no character matches"),
+    ("[😀]", "a character beyond U+FFFF in a class"), ("😀+", "a quantifier after a character beyond U+FFFF"),
+    ("^(^a)", "'^' is supported only at the start of the pattern or of one of its top-level alternatives"),
+    ("a$b", "'$' is supported only at the end"), ("(a$)", "'$' is supported only at the end"),
+    ("*a", "nothing to repeat before '*'"), ("a**", "a quantifier right after another"), ("a{2}{3}", "a quantifier right after another"),
+    ("(a", "a '(' without its ')'"), ("a)", "an unmatched ')'"), ("[a", "a '[' without its ']'"), ("a\\", "a pattern cannot end with '\\'"),
+    ("(" * 33 + "a" + ")" * 33, "groups nested more than 32 deep"), ("(?<1x>a)", "a group name must be"),
+    (r"^(?:(?:a|aa)+b){0,500}$", "it needs more than 2,000 grammar states (each copy of a counted repetition"),
+    (r"^(?:a{500}){50}$", "it is over 20,000 characters long once its counted repetitions are written out"),
+    (r"^(?:(?:[a-z]?){100}){100}$", "it is too complex to make a grammar of"),
+])
+def test_patterns_outside_the_subset_are_refused_naming_the_construct(pattern: str, message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput) as raised:
+        nrvna.check_json_schema({"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}})
+    assert str(raised.value).startswith(f"schema /properties/p: pattern {pattern!r}") and message in str(raised.value), raised.value
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "string", "pattern": "^[a-z]{2,8}$", "minLength": 2, "maxLength": 8}, None),  # bounds the pattern keeps
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 8}, "its strings are 1 or more characters long"),
+    ({"type": "string", "pattern": "^[a-z]{2,8}$", "minLength": 3}, "its strings are 2 to 8 characters long"),
+    ({"type": "string", "pattern": "^ab", "maxLength": 9}, "its strings are 2 or more"),  # unanchored: any length
+    ({"type": "string", "format": "date", "minLength": 10, "maxLength": 10}, None),
+    ({"type": "string", "pattern": "^a$", "format": "date"}, "give pattern or format, not both"),
+    ({"type": "string", "pattern": 5}, "pattern must be a string"),
+    ({"type": "integer", "pattern": "^1$"}, "keyword 'pattern' is not supported for an integer"),
+    ({"type": "string", "pattern": "^a$", "enum": ["a"]}, "keyword 'pattern' is not supported beside enum"),
+])
+def test_pattern_beside_lengths_is_taken_only_where_the_pattern_keeps_them(schema: dict[str, Any], message: Optional[str]) -> None:
+    if message is None:
+        nrvna.check_json_schema(schema)
+        return
+    with pytest.raises(nrvna.InvalidInput) as raised:
+        nrvna.check_json_schema(schema)
+    assert message in str(raised.value), raised.value
+
+
+@pytest.mark.parametrize("name", list(nrvna.SCHEMA_FORMATS))
+def test_every_string_a_format_s_grammar_admits_passes_its_checker(name: str) -> None:
+    """jsonschema's FormatChecker (with jsonschema[format-nongpl]: fqdn, isoduration,
+    rfc3339-validator), and the RFC where the checker is lax (e-mail: RFC 5321's lengths)."""
+    import datetime
+    import uuid
+
+    import jsonschema
+
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    checked = "uuid" if name.startswith("uuid") else name
+    assert checked in checker.checkers, f"no checker for {checked}: install jsonschema[format-nongpl]"
+    values = string_values({"type": "string", "format": name}, 600, seed=len(name))
+    assert len(set(values)) > 300
+    for value in values:
+        assert checker.conforms(value, checked), (name, value)
+        if name == "date":
+            datetime.date.fromisoformat(value)
+        elif name == "date-time":
+            datetime.date.fromisoformat(value[:10])
+        elif name.startswith("uuid") and name[4:]:
+            assert uuid.UUID(value).version == int(name[4:]) and uuid.UUID(value).variant == uuid.RFC_4122
+        elif name == "email":
+            from fqdn import FQDN
+
+            local, _, domain = value.rpartition("@")
+            assert len(local) <= 64 and len(value) <= 254 and FQDN(domain, min_labels=2).is_valid, value
+            assert re.fullmatch(r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*", local), value
+        elif name == "hostname":
+            assert len(value) <= 253
+
+
+def test_dates_that_do_not_exist_are_never_admitted() -> None:
+    """Every day 00-32 of every month 00-13 of years around the leap rules: the date and
+    date-time grammars admit exactly the dates date.fromisoformat takes."""
+    import datetime
+
+    date, stamp = string_shape({"type": "string", "format": "date"}), string_shape({"type": "string", "format": "date-time"})
+    admitted = 0
+    for year in (0, 1, 4, 100, 400, 1900, 1999, 2000, 2023, 2024, 2100, 2400, 9996, 9999):
+        for month in range(14):
+            for day in range(33):
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                try:
+                    real = bool(datetime.date.fromisoformat(text)) and year > 0
+                except ValueError:
+                    real = False
+                assert grammar_accepts(date, f'"{text}"') == real, text
+                assert grammar_accepts(stamp, f'"{text}T12:30:00Z"') == real, text
+                admitted += real
+    assert admitted == 13 * 365 + 6  # 6 leap years (4, 400, 2000, 2024, 2400, 9996); 1900, 2100 and year 0 not
+    assert not grammar_accepts(stamp, '"2024-01-01T24:00:00Z"') and not grammar_accepts(stamp, '"2024-01-01T12:00:60Z"')
+
+
+def number_shape(schema: dict[str, Any]) -> tuple[nrvna.GrammarShape, int]:
+    """The grammar of a number schema's values, and how many rules its multipleOf made."""
+    rules: dict[str, str] = {}
+    expression = nrvna.number_rule(schema, "", rules, "m")
+    return nrvna.check_grammar(f"root ::= {expression}\n" + "".join(f"{n} ::= {b}\n" for n, b in rules.items())), len(rules)
+
+
+@pytest.mark.parametrize("schema, window", [
+    ({"type": "integer", "multipleOf": 7}, range(-3000, 3000)),
+    ({"type": "integer", "multipleOf": 7, "minimum": -100, "maximum": 250}, range(-500, 500)),
+    ({"type": "integer", "multipleOf": 12, "exclusiveMinimum": 5, "exclusiveMaximum": 1000}, range(-100, 1200)),
+    ({"type": "integer", "multipleOf": 100}, range(-3000, 3000)),
+    ({"type": "integer", "multipleOf": 1000, "minimum": 0}, range(-2000, 12000)),
+    ({"type": "integer", "multipleOf": 2.5, "maximum": -3}, range(-700, 100)),  # 2.5 = 5/2: the multiples of 5
+    ({"type": "integer", "multipleOf": 0.01, "maximum": 3}, range(-50, 50)),  # every integer
+    ({"type": "number", "multipleOf": 5, "minimum": 2.5, "maximum": 1234.5}, range(-100, 1400)),  # integers only
+    ({"type": "integer", "multipleOf": 3, "minimum": 999990, "maximum": 1000020}, range(999000, 1001000)),
+    ({"type": "integer", "multipleOf": 97}, range(-2000, 2000)),
+])
+def test_integer_multiples_are_exact_within_their_bounds(schema: dict[str, Any], window: range) -> None:
+    from decimal import Decimal
+    from fractions import Fraction
+
+    shape, _ = number_shape(schema)
+    step = Fraction(Decimal(repr(schema["multipleOf"])))
+    low, high = Decimal(str(schema.get("minimum", "-Infinity"))), Decimal(str(schema.get("maximum", "Infinity")))
+    above, below = Decimal(str(schema.get("exclusiveMinimum", "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
+    for value in window:
+        wanted = (value / step).denominator == 1 and low <= value <= high and above < value < below
+        assert grammar_accepts(shape, str(value)) == wanted, value
+    for text in ("-0", "007", "1.0", "+7", "7e1", "-007", "00"):
+        assert not grammar_accepts(shape, text), text
+    rng = random.Random(3)
+    for _ in range(300):  # and anywhere in range (up to 16 digits)
+        value = int(grammar_walk(shape, rng))
+        assert (value / step).denominator == 1 and low <= value <= high and above < value < below and abs(value) < 10 ** 16
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "number", "multipleOf": 0.01},
+    {"type": "number", "multipleOf": 0.01, "minimum": -1.5, "exclusiveMaximum": 2},
+    {"type": "number", "multipleOf": 0.1, "exclusiveMinimum": 0.05, "maximum": 0.3},
+    {"type": "number", "multipleOf": 1, "minimum": 0.5, "maximum": 20.5},
+])
+def test_number_multiples_of_a_power_of_ten_have_no_more_fraction_digits(schema: dict[str, Any]) -> None:
+    from decimal import Decimal
+
+    shape, _ = number_shape(schema)
+    step = Decimal(repr(schema["multipleOf"]))
+    low, high = Decimal(str(schema.get("minimum", "-Infinity"))), Decimal(str(schema.get("maximum", "Infinity")))
+    above, below = Decimal(str(schema.get("exclusiveMinimum", "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
+    texts = {f"{sign}{i}{fraction}" for sign in ("", "-") for i in range(25) for fraction in ("", ".0", ".5", ".05", ".25", ".125", ".1", ".99")}
+    for text in texts:
+        value = Decimal(text)
+        wanted = (value % step == 0 and low <= value <= high and above < value < below
+                  and not (text.startswith("-") and value == 0)  # "-0" is never written
+                  and not (step == 1 and "." in text))  # integer-valued numbers are written as integers
+        if wanted and "." in text and len(text.split(".")[1]) > -step.as_tuple().exponent:
+            wanted = False
+        assert grammar_accepts(shape, text) == wanted, text
+    rng = random.Random(4)
+    for _ in range(300):
+        value = Decimal(grammar_walk(shape, rng))
+        assert value % step == 0 and low <= value <= high and above < value < below
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf 0.5 on a number is not supported: only an integer or a power of ten"),
+    ({"type": "number", "multipleOf": 0.25, "minimum": 0}, "multipleOf 0.25 on a number"),
+    ({"type": "integer", "multipleOf": 0}, "multipleOf must be a number above 0"),
+    ({"type": "integer", "multipleOf": -3}, "multipleOf must be a number above 0"),
+    ({"type": "integer", "multipleOf": True}, "multipleOf must be a number above 0"),
+    ({"type": "integer", "multipleOf": "2"}, "multipleOf must be a number above 0"),
+    ({"type": "integer", "multipleOf": 5, "minimum": 1, "maximum": 4}, "no multiple of 5 lies within its bounds"),
+    ({"type": "integer", "multipleOf": 1e15}, "is beyond what nrvna generates (below 1e15"),
+    ({"type": "number", "multipleOf": 1e-16}, "is beyond what nrvna generates"),
+    ({"type": "integer", "multipleOf": 7919}, "multipleOf 7919 needs more than 2,048 grammar rules within these bounds"),
+    ({"type": "string", "multipleOf": 2}, "keyword 'multipleOf' is not supported for a string"),
+])
+def test_multiples_nrvna_cannot_write_are_refused(schema: dict[str, Any], message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput) as raised:
+        nrvna.check_json_schema(schema)
+    assert message in str(raised.value), raised.value
+
+
+def test_a_bounded_multiple_of_a_large_step_is_taken() -> None:
+    nrvna.check_json_schema({"type": "integer", "multipleOf": 7919, "minimum": 0, "maximum": 100_000})
+    assert number_shape({"type": "integer", "multipleOf": 7919, "minimum": 0, "maximum": 100_000})[1] < 200
+
+
+@pytest.mark.parametrize("schema, choices", [
+    ({"type": ["integer", "null"], "minimum": 0}, [{"type": "integer", "minimum": 0}, {"type": "null"}]),
+    ({"type": ["string", "null"], "maxLength": 5, "pattern": "^[a-z]{1,5}$", "description": "d"},
+     [{"type": "string", "maxLength": 5, "pattern": "^[a-z]{1,5}$"}, {"type": "null"}]),
+    ({"type": ["number", "integer"], "multipleOf": 0.5, "maximum": 3},
+     None),  # 0.5 is refused for the number
+    ({"type": ["array", "null"], "items": {"type": "string", "format": "date"}, "maxItems": 2},
+     [{"type": "array", "items": {"type": "string", "format": "date"}, "maxItems": 2}, {"type": "null"}]),
+    ({"type": ["object", "null"], "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
+     [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}, {"type": "null"}]),
+    ({"type": ["string", "integer"], "format": "email", "exclusiveMaximum": 10},
+     [{"type": "string", "format": "email"}, {"type": "integer", "exclusiveMaximum": 10}]),
+])
+def test_a_list_of_types_with_keywords_is_one_schema_per_type(schema: dict[str, Any], choices: Optional[list]) -> None:
+    if choices is None:
+        with pytest.raises(nrvna.InvalidInput, match="multipleOf 0.5 on a number"):
+            nrvna.check_json_schema(schema)
+        return
+    nrvna.check_json_schema(schema)
+    assert nrvna.type_choices(schema) == choices
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": ["string", "null"], "minimum": 0}, "keyword 'minimum' is not supported for any of the types string, null"),
+    ({"type": ["integer", "null"], "minimum": "0"}, "minimum must be a finite number"),
+    ({"type": ["string", "null"], "pattern": "(?=x)"}, "a lookahead"),
+    ({"type": ["array", "null"], "items": {"type": "string"}, "uniqueItems": True}, "keyword 'uniqueItems' is not supported"),
+    ({"type": ["string", "null"], "enum": ["a", 1]}, "enum holds a value that is not of type ['string', 'null']"),
+    ({"type": ["string", "string"], "maxLength": 2}, "a list of distinct ones"),
+])
+def test_a_list_of_types_refuses_what_no_type_of_it_takes(schema: dict[str, Any], message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput) as raised:
+        nrvna.check_json_schema(schema)
+    assert message in str(raised.value), raised.value
+
+
+def test_a_list_of_types_beside_enum_or_const_is_the_values() -> None:
+    nrvna.check_json_schema({"type": ["string", "null"], "enum": ["a", "b", None]})
+    nrvna.check_json_schema({"type": ["integer", "null"], "const": None})
+
+
+def exact_validator(schema: dict[str, Any]) -> Any:
+    """jsonschema's validator with its FormatChecker, multipleOf decided in exact decimals
+    (python-jsonschema divides floats: 0.07 / 0.01 is 7.000000000000001, "not a multiple")."""
+    from fractions import Fraction
+
+    import jsonschema
+
+    def multiple_of(validator: Any, step: Any, instance: Any, schema: Any) -> Iterator[Any]:
+        if validator.is_type(instance, "number") and (Fraction(repr(instance)) / Fraction(repr(step))).denominator != 1:
+            yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {step!r}")
+
+    kind = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"multipleOf": multiple_of})
+    return kind(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+KEYWORD_SCHEMAS = {
+    "strings": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": r"^[A-Z]{3}-\d{2}$"}, "colour": {"type": "string", "pattern": "^(red|green|blue)( [a-z]+)?$"},
+        "day": {"type": "string", "format": "date"}, "at": {"type": "string", "format": "time"},
+        "when": {"type": "string", "format": "date-time"}, "span": {"type": "string", "format": "duration"}},
+        "required": ["code", "colour", "day", "at", "when", "span"], "additionalProperties": False},
+    "network": {"type": "object", "properties": {
+        "mail": {"type": "string", "format": "email"}, "host": {"type": "string", "format": "hostname"},
+        "v4": {"type": "string", "format": "ipv4"}, "v6": {"type": "string", "format": "ipv6"}, "id": {"type": "string", "format": "uuid"}},
+        "required": ["mail", "host", "v4", "v6", "id"], "additionalProperties": False},
+    "numbers": {"type": "object", "properties": {
+        "dozen": {"type": "integer", "multipleOf": 12, "minimum": 0, "maximum": 1000},
+        "price": {"type": "number", "multipleOf": 0.01, "minimum": 0, "maximum": 100},
+        "round": {"type": "integer", "multipleOf": 5},
+        "maybe": {"type": ["integer", "null"], "minimum": 0, "maximum": 9},
+        "name": {"type": ["string", "null"], "maxLength": 12, "pattern": "^[A-Za-z ]{1,12}$"},
+        "tags": {"type": ["array", "null"], "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+        "pick": {"type": ["string", "null"], "enum": ["yes", "no", None]}},
+        "required": ["dozen", "price", "round", "maybe", "name", "tags", "pick"], "additionalProperties": False},
+    "unanchored": {"type": "object", "properties": {"note": {"type": "string", "pattern": "cat"}, "tail": {"type": "string", "pattern": "[0-9]$"}},
+                   "required": ["note", "tail"], "additionalProperties": False},
+}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", list(KEYWORD_SCHEMAS))
+def test_converted_schemas_with_the_new_keywords_admit_only_valid_json(name: str) -> None:
+    """The converter's whole grammar (nrvna's rules in llama-cpp-python's): 200 walks, each
+    valid JSON that jsonschema (with formats) finds valid."""
+    schema = KEYWORD_SCHEMAS[name]
+    nrvna.check_json_schema(schema)
+    shape, rng, validator = nrvna.check_grammar(nrvna.schema_to_grammar(schema)), random.Random(5), exact_validator(schema)
+    values = [json.loads(grammar_walk(shape, rng)) for _ in range(200)]
+    for value in values:
+        errors = [error.message for error in validator.iter_errors(value)]
+        assert not errors, (value, errors)
+    assert len({json.dumps(v) for v in values}) > 150
+
+
+@pytest.mark.model
+def test_llama_cpp_takes_the_grammars_and_admits_what_they_admit(llama: nrvna.LlamaRunner) -> None:
+    """llama.cpp's own grammar sampler parses each grammar, takes strings GrammarShape
+    generated, and refuses ones that break the pattern."""
+    rng, tokens = random.Random(6), piece_tokens(llama)
+    schemas = [{"type": "string", "pattern": pattern} for pattern, _ in PATTERNS] + [
+        {"type": "string", "format": name} for name in nrvna.SCHEMA_FORMATS]
+    for schema in schemas:
+        grammar = string_grammar(schema)
+        shape = nrvna.check_grammar(grammar)
+        texts = [grammar_walk(shape, rng, most=300) for _ in range(12)]
+        texts = [text for text in texts if all(bytes([b]) in tokens for b in text.encode())][:4]  # (bytes it has tokens for)
+        assert texts, schema
+        for text in texts:
+            assert grammar_admits(llama, grammar, text.encode()), (schema, text)
+    refused = {r"^\d{3}$": ["12", "1234", "12a", "١٢٣"], r"^[^a-z]+$": ["a", "Ab", ""], "^.$": ["\\n", "\\r", "\\u2028", "ab"],
+               "^\\w+$": ["é", "a-b"], "colou?r": ["colr", "COLOR"]}
+    for pattern, texts in refused.items():
+        grammar = string_grammar({"type": "string", "pattern": pattern})
+        for text in texts:
+            assert not grammar_admits(llama, grammar, f'"{text}"'.encode()), (pattern, text)
+    for schema in KEYWORD_SCHEMAS.values():
+        assert grammar_admits(llama, nrvna.schema_to_grammar(schema), b"x") is False  # parsed; and "x" is no object
+
+
+@pytest.mark.model
+def test_real_model_jobs_with_the_new_keywords_come_out_valid(llama: nrvna.LlamaRunner) -> None:
+    """A few sampled jobs per schema on SmolLM2, decoded together: every output that ends
+    with stop passes jsonschema with its FormatChecker. (An unanchored pattern's string may
+    ramble on before it holds a match: those jobs are mostly cut by max_tokens.)"""
+    prompts = {"strings": "Make up a product code, a colour, a date, a time, a timestamp and a duration as JSON.",
+               "network": "Describe a server: its admin's e-mail, hostname, IPv4 and IPv6 addresses and an ID, as JSON.",
+               "numbers": "Give a count in dozens, a price, a round number, a digit or null, a name, tags and yes or no, as JSON.",
+               "unanchored": "Write a short note about a cat and a line ending with a digit, as JSON."}
+    session = llama.session(0, nrvna.Config(workers=1, seqs=12, max_ctx=2048))
+    jobs = {(name, seed): fake_job(prompts[name], seed=seed, temperature=0.8, max_tokens={"network": 220}.get(name, 110),
+                                   response_format=schema_format(KEYWORD_SCHEMAS[name]))
+            for name in KEYWORD_SCHEMAS for seed in (1, 2, 3)}
+    waiting = list(jobs.values())
+    outcomes: dict[int, Outcome] = {}
+    try:
+        while waiting or session.active():
+            while waiting and session.free() > 0:
+                session.start(waiting.pop())
+            outcomes.update((id(job), outcome) for job, outcome in session.step())
+    finally:
+        session.close()
+    stopped = {name: 0 for name in KEYWORD_SCHEMAS}
+    for (name, seed), job in jobs.items():
+        outcome = outcomes[id(job)]
+        assert outcome.error_code is None, outcome.error
+        if outcome.finish_reason == "stop":
+            value = json.loads(outcome.text)
+            errors = [error.message for error in exact_validator(KEYWORD_SCHEMAS[name]).iter_errors(value)]
+            assert not errors, (name, seed, outcome.text, errors)
+            stopped[name] += 1
+        else:
+            assert outcome.finish_reason == "length"
+    assert sum(stopped.values()) >= 8 and min(stopped["strings"], stopped["network"], stopped["numbers"]) >= 1, stopped
+
+
 @pytest.mark.parametrize("params, message", [
     ({"response_format": {"type": "json"}}, "response_format must be"),
     ({"response_format": {"type": "json_object", "schema": {}}}, "takes no other field ('schema')"),
@@ -3130,7 +3614,7 @@ def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain)
         (("--json", "--json-schema", path), b"not allowed with argument"),
         (("--json-schema", str(tmp_path / "missing.json")), b"cannot read"),
         (("--json-schema", "[1]"), b"is not a JSON object"),
-        (("--json-schema", '{"type": "string", "pattern": "^x$"}'), b"keyword 'pattern' is not supported"),
+        (("--json-schema", '{"type": "string", "pattern": "^(x)\\\\1$"}'), b"a backreference (\\1) is not supported"),
         (("--grammar", write(tmp_path / "bad.gbnf", "root ::= nothing\n")), b"rule 'nothing' is used but never defined"),
         (("--logit-bias", "x=1"), b"is not TOKEN_ID=BIAS"),
         (("--logprobs", "--top-logprobs", "21"), b"out of range (0 to 20)"),
@@ -3143,12 +3627,12 @@ def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain)
 
 
 @pytest.mark.parametrize("line, message", [
-    ({"prompt": "x", "response_format": schema_format({"type": "string", "format": "email"})},
-     "line 2: response_format: schema /: format 'email' is not supported"),
+    ({"prompt": "x", "response_format": schema_format({"type": "string", "format": "uri"})},
+     "line 2: response_format: schema /: format 'uri' is not supported"),
     ({"prompt": "x", "grammar": "root ::= x"}, "line 2: grammar: rule 'x' is used but never defined"),
     ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-      "body": {"messages": [{"role": "user", "content": "x"}], "response_format": schema_format({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 2}}})}},
-     "line 2: response_format: schema /properties/a: keyword 'multipleOf' is not supported"),
+      "body": {"messages": [{"role": "user", "content": "x"}], "response_format": schema_format({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.5}}})}},
+     "line 2: response_format: schema /properties/a: multipleOf 0.5 on a number is not supported"),
     ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
       "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}},
      "line 2: body field 'tools': tool calls are not supported"),
@@ -3535,13 +4019,24 @@ def test_grammar_shape_counts_llama_cpp_s_walks() -> None:
     assert split.walk(after, b"\xa9x")[1] == (frozenset({()}), (0, 0))
 
 
+_PIECE_TOKENS: dict[int, dict[bytes, int]] = {}
+
+
+def piece_tokens(llama: nrvna.LlamaRunner) -> dict[bytes, int]:
+    """A token for each piece of text of the vocabulary (made once per runner)."""
+    tokens = _PIECE_TOKENS.get(id(llama))
+    if tokens is None:
+        tokens = _PIECE_TOKENS[id(llama)] = {}
+        for token in range(llama.n_vocab):
+            tokens.setdefault(llama.piece(token), token)
+    return tokens
+
+
 def grammar_admits(llama: nrvna.LlamaRunner, grammar: str, data: bytes) -> bool:
     """Whether llama.cpp's grammar sampler takes ``data`` whole, fed one byte token at a time
     (any bytes, UTF-8 or not), and then lets generation end."""
     L = llama.L
-    tokens = {}
-    for token in range(llama.n_vocab):
-        tokens.setdefault(llama.piece(token), token)
+    tokens = piece_tokens(llama)
     sampler = L.llama_sampler_init_grammar(llama.vocab, grammar.encode(), b"root")
     assert sampler, grammar
     try:

