@@ -7573,9 +7573,13 @@ class LlamaSession(Session):
             return embed
         if self._waiting_choices():  # a job's choices not yet started have the room first
             return 0
+        running, room = self._room()
+        return max(0, min(self.seqs - running, room // self.ctx_per_seq, embed))
+
+    def _room(self) -> tuple[int, int]:
+        """The sequences running outside the kept room, and the cells their budgets leave."""
         running = [s for s in self.slots if s is not None and not s.reserved]
-        room = self.normal_cells - sum(s.budget for s in running)
-        return max(0, min(self.seqs - len(running), room // self.ctx_per_seq, embed))
+        return len(running), self.normal_cells - sum(s.budget for s in running)
 
     def _waiting_choices(self) -> list[_Sequence]:
         """A sequence of each job whose further choices wait for room (not one in the kept room)."""
@@ -7643,8 +7647,8 @@ class LlamaSession(Session):
         choices = first.choices
         assert choices is not None
         while choices.started < choices.n and not first.reserved:
-            running = [s for s in self.slots if s is not None and not s.reserved]
-            if len(running) >= self.seqs or self.normal_cells - sum(s.budget for s in running) < first.budget:
+            running, room = self._room()
+            if running >= self.seqs or room < first.budget:
                 return
             self._start_choice(first, self.prefixes.spare_slot(self.slots), self._choice_sampler(first))
 

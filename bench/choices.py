@@ -15,17 +15,15 @@ each, so -np / N requests run at once). The figure is completion tokens/s.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import random
 import shutil
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
 
-from common import ROOT, machine, table
+from common import default_model, llama_server, machine, ROOT, table
 from inference import TOPICS
 from vs_llama_server import SAMPLING, Daemon, concurrently, post, start_server
 
@@ -90,15 +88,14 @@ def server_arm(binary: str, model: str, texts: list[str], n: int, tokens: int, s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=(sorted(glob.glob(os.path.join(ROOT, "models", "*.gguf"))) or [""])[0])
+    parser.add_argument("--model", default=default_model())
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--server", help="llama-server binary (default: build it)")
     args = parser.parse_args()
-    binary = args.server or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
-                                           capture_output=True, text=True, check=True).stdout.strip()
+    binary = llama_server(args.server)
     texts = documents(args.prompts)
     base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
     names = ["nrvna, n per job", "llama-server -np 16, n per request", "nrvna, separate jobs",

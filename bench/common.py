@@ -77,3 +77,16 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def default_model() -> str:
+    """The first models/*.gguf (the SmolLM2 test model after the quick start), or ""."""
+    import glob
+
+    return (sorted(glob.glob(os.path.join(ROOT, "models", "*.gguf"))) or [""])[0]
+
+
+def llama_server(binary: str | None) -> str:
+    """``binary``, or llama-server built by bench/build_llama_server.sh (cached)."""
+    return binary or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
+                                    capture_output=True, text=True, check=True).stdout.strip()

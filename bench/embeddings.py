@@ -97,7 +97,7 @@ import urllib.request
 from types import ModuleType
 from typing import Callable
 
-from common import PYTHON, ROOT, machine, table
+from common import llama_server, machine, PYTHON, ROOT, table
 from vs_llama_server import concurrently, peak_rss_mb, start_server
 
 import nrvna
@@ -602,8 +602,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still removes the workspaces
     script = os.path.abspath(args.nrvna)
     module = load_nrvna(script)
-    binary = args.server or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
-                                           capture_output=True, text=True, check=True).stdout.strip()
+    binary = llama_server(args.server)
     tokenizer = Tokenizer(args.model)
     texts, counts = make_texts(tokenizer, args.texts, args.seed, args.min_tokens, args.max_tokens)
     del tokenizer

@@ -10,14 +10,13 @@ prompts run one after another through `llama_cpp.Llama` in this process. Every a
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import shutil
 import subprocess
 import tempfile
 import time
 
-from common import PYTHON, ROOT, machine, table
+from common import default_model, machine, PYTHON, ROOT, table
 
 import nrvna
 
@@ -71,7 +70,7 @@ def nrvna_end_to_end(model: str, texts: list[str], tokens: int, workers: int, se
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=(sorted(glob.glob(os.path.join(ROOT, "models", "*.gguf"))) or [""])[0])
+    parser.add_argument("--model", default=default_model())
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--arms", default="2x1,4x1", help="nrvna arms as WORKERSxSEQS, comma-separated")

@@ -36,7 +36,7 @@ import threading
 import time
 import urllib.request
 
-from common import PYTHON, ROOT, machine, table
+from common import llama_server, machine, PYTHON, ROOT, table
 from vs_llama_server import SAMPLING, concurrently, free_port
 
 import nrvna
@@ -182,8 +182,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens per chat line")
     parser.add_argument("--server", help="llama-server binary (default: build it)")
     args = parser.parse_args()
-    binary = args.server or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
-                                           capture_output=True, text=True, check=True).stdout.strip()
+    binary = llama_server(args.server)
     base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
     try:
         paths = make_models(base)

@@ -16,17 +16,15 @@ free jobs made to generate exactly as many tokens each (ignore_eos, max_tokens).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
 
-from common import ROOT, machine, table
+from common import default_model, llama_server, machine, ROOT, table
 import vs_llama_server
 from vs_llama_server import SAMPLING, Daemon, concurrently, peak_rss_mb, post, start_server
 
@@ -139,7 +137,7 @@ def summarize(results: list[dict], elapsed: float, rss: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=(sorted(glob.glob(os.path.join(ROOT, "models", "*.gguf"))) or [""])[0])
+    parser.add_argument("--model", default=default_model())
     parser.add_argument("--server", help="llama-server binary (default: build it)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--against", metavar="DIR", help="compare with the nrvna.py in DIR (a checkout of another "
@@ -147,8 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.against:
         return against(args.model, os.path.abspath(args.against), args.rounds)
-    binary = args.server or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
-                                           capture_output=True, text=True, check=True).stdout.strip()
+    binary = llama_server(args.server)
     work = jobs()
     base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
     arms = ["nrvna, defaults", "llama-server -np 8, 8 clients", "llama-server -np 16, 16 clients"]

@@ -17,7 +17,6 @@ llama-cpp-python sdist (bench/build_llama_server.sh).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import queue
@@ -31,7 +30,7 @@ import time
 import urllib.request
 from typing import Any, Callable
 
-from common import PYTHON, ROOT, machine, table
+from common import default_model, llama_server, machine, PYTHON, ROOT, table
 from inference import prompts, sequential_llama
 
 import nrvna
@@ -264,7 +263,7 @@ def quick(binary: str, model: str, texts: list[str], tokens: int, rounds: int, s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=(sorted(glob.glob(os.path.join(ROOT, "models", "*.gguf"))) or [""])[0])
+    parser.add_argument("--model", default=default_model())
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--server", help="llama-server binary (default: build it)")
@@ -275,8 +274,7 @@ def main() -> None:
     parser.add_argument("--quick", metavar="N,N", help="only nrvna's defaults against llama-server with each of these "
                                                        "numbers of slots (and clients), interleaved (bench/gpu.sh)")
     args = parser.parse_args()
-    binary = args.server or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],
-                                           capture_output=True, text=True, check=True).stdout.strip()
+    binary = llama_server(args.server)
     texts = prompts(args.prompts)
     if args.quick:
         return quick(binary, args.model, texts, args.tokens, args.rounds, tuple(int(n) for n in args.quick.split(",")))
