@@ -3906,6 +3906,157 @@ def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_dra
     assert fell_back[0] > 50  # and the whole vocabulary was needed often
 
 
+def whole_vocabulary_draw(runner: nrvna.LlamaRunner, scratch: Any, chain: Any, row: Any) -> int:
+    """What llama_sampler_sample does with a row of logits: the whole vocabulary in token order
+    as the candidates, the chain applied, the token accepted."""
+    import numpy
+
+    scratch.whole_vocabulary(numpy, runner.n_vocab)
+    candidates, array = scratch.candidates, scratch.candidates_array
+    candidates["id"], candidates["logit"], candidates["p"] = scratch.token_ids, row, 0.0
+    array.size, array.selected, array.sorted = runner.n_vocab, -1, False
+    runner.L.llama_sampler_apply(chain, scratch.byref(array))
+    token = int(candidates["id"][array.selected])
+    runner.L.llama_sampler_accept(chain, token)
+    return token
+
+
+def logit_rows(kind: str, count: int, n_vocab: int, seed: int) -> Any:
+    """Rows of logits shaped like a model's (a bulk and a few dozen standouts); "ties": rounded
+    to halves, so tied logits abound; "edge": the 40th and 41st largest made equal."""
+    import numpy
+
+    rng = numpy.random.default_rng(seed)
+    rows = (rng.standard_normal((count, n_vocab)) * 2).astype(numpy.float32)
+    for row in rows:
+        row[rng.integers(0, n_vocab, 30)] += rng.uniform(4, 14, 30).astype(numpy.float32)
+        if kind == "edge":
+            order = numpy.argsort(row)[::-1]
+            row[order[40]] = row[order[39]]
+    return numpy.round(rows * 2) / 2 if kind == "ties" else rows
+
+
+SHORTLIST_CHAINS = [{"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05}, {"temperature": 0},
+                    {"temperature": 1.5, "top_k": 5, "top_p": 1.0, "min_p": 0.0},
+                    {"temperature": 1.0, "top_k": 200, "top_p": 0.95, "min_p": 0.0},  # llama.cpp's bucket sort
+                    {"temperature": 0.7, "top_k": 1}, {"temperature": 1.0, "top_k": 511, "top_p": 0.5, "min_p": 0.01},
+                    {"temperature": 1.0, "top_k": 0, "top_p": 0.9, "min_p": 0.05}]  # no top_k: the whole vocabulary
+
+
+def shortlist_draws(runner: nrvna.LlamaRunner, rows: Any, params: dict[str, Any]) -> tuple[int, int]:
+    """Each row drawn from by a chain of ``params`` from the whole vocabulary, and by a clone
+    of it (the same random state) as a session draws (from the shortlist where _likeliest
+    finds one): (draws that differ, draws made from a shortlist)."""
+    import numpy
+
+    scratch = nrvna._SamplingScratch(runner)
+    config = runner.config
+    chain = runner.sampler(params)
+    settings = (nrvna.job_param(params, "temperature", config) <= 0, nrvna.job_param(params, "top_k", config),
+                nrvna.job_param(params, "top_p", config), nrvna.job_param(params, "min_p", config))
+    sampler = nrvna._JobSampler(runner, scratch, runner.L.llama_sampler_clone(chain), settings)
+    try:
+        size = sampler.shortlist_size
+        found = nrvna._likeliest(numpy, rows, list(range(len(rows))), [size] * len(rows))
+        differ = short = 0
+        for row, likeliest in zip(rows, found):
+            whole = whole_vocabulary_draw(runner, scratch, chain, row)
+            if likeliest is None:
+                drawn = whole_vocabulary_draw(runner, scratch, sampler.chain, row)
+            else:
+                drawn, short = sampler._draw_short(*likeliest), short + 1
+            differ += drawn != whole
+        return differ, short
+    finally:
+        runner.L.llama_sampler_free(chain)
+        sampler.free()
+
+
+@pytest.mark.model
+def test_a_top_k_draw_from_the_likeliest_tokens_is_the_whole_vocabulary_s_draw(llama: nrvna.LlamaRunner,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """6,300 draws (3 kinds of rows x 300 x 7 chains, the same seed for both sides): a draw
+    from the k likeliest tokens equals llama.cpp's draw from the whole vocabulary every time;
+    rows with tied logits near the top go to the whole vocabulary. Breaking either condition
+    (ties allowed, or a shortlist for a chain with no top_k) makes draws differ."""
+    drawn_short = {}
+    for kind in ("plain", "ties", "edge"):
+        rows = logit_rows(kind, 300, llama.n_vocab, seed=len(kind))
+        for i, params in enumerate(SHORTLIST_CHAINS):
+            differ, short = shortlist_draws(llama, rows, dict(params, seed=11 + i))
+            assert differ == 0, (kind, params, differ)
+            drawn_short[kind, i] = short
+    # (the 512 largest of 49,152 float logits hold a tie now and then: 283 of 300 rows had none)
+    assert all(drawn_short["plain", i] >= 270 for i in range(6)) and drawn_short["plain", 6] == 0
+    assert drawn_short["ties", 0] == 0 and drawn_short["edge", 0] == 0  # their 41 largest hold ties
+    assert drawn_short["edge", 2] == 300  # top_k 5: the tie at 40 is beyond what it looks at
+
+    ties = logit_rows("ties", 300, llama.n_vocab, seed=4)
+    with monkeypatch.context() as mutated:
+        mutated.setattr(nrvna, "_strictly_decreasing", lambda values: values[:-1] == values[:-1])
+        assert shortlist_draws(llama, ties, dict(SHORTLIST_CHAINS[0], seed=3))[0] > 0
+    plain = logit_rows("plain", 300, llama.n_vocab, seed=5)
+    with monkeypatch.context() as mutated:
+        mutated.setattr(nrvna, "_shortlist_size", lambda settings: 1 if settings[0] else settings[1] or 40)
+        assert shortlist_draws(llama, plain, dict(SHORTLIST_CHAINS[6], seed=3))[0] > 0
+
+
+def test_the_likeliest_tokens_are_found_only_in_finite_rows_and_in_order() -> None:
+    """_likeliest: the k largest logits, likeliest first, for the rows asked; None for a row
+    with a NaN or an infinity, a k of 0 or of SHORTLIST_COLUMNS, a vocabulary too small."""
+    numpy = pytest.importorskip("numpy")
+    rng = numpy.random.default_rng(2)
+    rows = rng.standard_normal((6, 5000)).astype(numpy.float32)
+    rows[3, 17], rows[4, 99] = numpy.nan, numpy.inf
+    found = nrvna._likeliest(numpy, rows, [0, 2, 3, 4, 5, 1], [40, 1, 40, 40, 0, nrvna.SHORTLIST_COLUMNS])
+    for (ids, values), row in ((found[0], rows[0]), (found[1], rows[2])):
+        expected = numpy.argsort(row)[::-1][:len(ids)]
+        assert list(ids) == list(expected) and list(values) == list(row[expected])
+    assert len(found[0][0]) == 40 and len(found[1][0]) == 1 and found[2:] == [None] * 4
+    assert nrvna._likeliest(numpy, rows[:, :1000], [0], [40]) == [None]  # fewer than 2 x SHORTLIST_COLUMNS tokens
+
+
+@pytest.mark.model
+def test_jobs_draw_from_the_shortlist_what_the_whole_vocabulary_gives(llama: nrvna.LlamaRunner,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real jobs, batched, with penalties, logit biases, greedy and n choices: each draw made
+    from a shortlist equals the chain's draw (a clone of it) from the whole penalised row."""
+    import numpy
+
+    session = llama.session(0, nrvna.Config(workers=1, seqs=8, max_ctx=2048))
+    compared, differ, sample = [0], [0], nrvna._JobSampler.sample
+
+    def both(sampler: Any, ctx: Any, index: int, logits: Any, likeliest: Any = None) -> int:
+        if likeliest is not None:
+            row = numpy.ctypeslib.as_array(logits, shape=(llama.n_vocab,)).copy()
+            clone = llama.L.llama_sampler_clone(sampler.chain)
+            try:
+                whole = whole_vocabulary_draw(llama, nrvna._SamplingScratch(llama), clone, row)
+            finally:
+                llama.L.llama_sampler_free(clone)
+            token = sample(sampler, ctx, index, logits, likeliest)
+            compared[0] += 1
+            differ[0] += token != whole
+            return token
+        return sample(sampler, ctx, index, logits, likeliest)
+
+    monkeypatch.setattr(nrvna._JobSampler, "sample", both)
+    params = [{}, {"repeat_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.4},
+              {"logit_bias": {"28": 5.0, "30": -3.0}}, {"temperature": 0}, {"top_k": 5, "temperature": 1.2},
+              {"n": 3}, {"top_k": 0}]
+    try:
+        jobs = [fake_job(f"Tell me about topic {i}.", seed=i + 1, max_tokens=40, ignore_eos=True, **p)
+                for i, p in enumerate(params)]
+        while jobs or session.active():
+            while jobs and session.free() > 0:
+                session.start(jobs.pop())
+            session.step()
+        assert session.scratch.draws[1] >= 40  # top_k 0: the whole vocabulary
+    finally:
+        session.close()
+    assert compared[0] >= 6 * 40 and differ[0] == 0, (compared, differ)
+
+
 @pytest.mark.model
 def test_the_shortlist_suffices_only_where_the_chain_cannot_reach_beyond_it(llama: nrvna.LlamaRunner) -> None:
     """Allowed tokens of the shortlist with logits 10 and 9; every token outside is at most

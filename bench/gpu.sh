@@ -6,8 +6,8 @@
 # on PYTHONPATH, so no second compile) and gives llama-server. Makes the models with
 # bench/random_model.py (random weights, SmolLM2's tokenizer: smol = SmolLM2-135M's shape,
 # 1b = Llama-3.2-1B's, host = 1 layer of width 64), adds the real SmolLM2 if models/ has it, and
-# runs bench/vs_llama_server.py --quick on each with every layer on the GPU. Tables go to stdout
-# and to OUTDIR.
+# runs bench/vs_llama_server.py --quick on each with every layer on the GPU, then bench/host_bound.py
+# on the 1-layer model (the host's work per token, profiled). Tables go to stdout and to OUTDIR.
 #
 #   usage: bash bench/gpu.sh [OUTDIR]
 #   NRVNA_LLAMA_SDIST  the llama-cpp-python sdist (.tar.gz/.tar.xz or its folder); default: pip download
@@ -15,6 +15,7 @@
 #   NRVNA_CUDA_ARCH    CMAKE_CUDA_ARCHITECTURES (default: native, the GPU of this machine)
 #   NRVNA_GPU_MODELS   which models, in order (default: "smollm2 smol host 1b"; absent ones skipped)
 #   PROMPTS, TOKENS, ROUNDS, SLOTS   the benchmark's size (default 64, 128, 3, "16,64")
+#   HOST_PROMPTS, HOST_TOKENS        host_bound.py's size (default 256, 256)
 #   PYTHON             the interpreter (default python3; it needs numpy, jinja2, diskcache, pyyaml)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -108,3 +109,10 @@ for model in "${models[@]}"; do
      --quick "${SLOTS:-16,64}" --prompts "${PROMPTS:-64}" --tokens "${TOKENS:-128}" --rounds "${ROUNDS:-3}") \
     2>&1 | tee "$OUT/vs-$name.txt"
 done
+# 5. The host's work per token (issue 33): bench/host_bound.py on the 1-layer model, with its profile.
+if [ -f "$CACHE/models/host.gguf" ]; then
+  say "host_bound.py on the 1-layer model"
+  (cd bench && "$PYTHON" host_bound.py --model "$CACHE/models/host.gguf" --server "$CACHE/build/bin/llama-server" \
+     --slots "${SLOTS:-16,64}" --prompts "${HOST_PROMPTS:-256}" --tokens "${HOST_TOKENS:-256}" --rounds "${ROUNDS:-3}") \
+    2>&1 | tee "$OUT/host-bound.txt"
+fi

@@ -75,7 +75,10 @@ def make(source: str, out: str, shape: str | None) -> None:
         rng = np.random.default_rng(0)
         block = (rng.standard_normal(1 << 20, dtype=np.float32) * 0.02).astype(np.float16)
         ones = np.ones(width, dtype=np.float32)
-        tensors = {"token_embd.weight": random_tensor(rng, block, (vocab, width)), "output_norm.weight": ones}
+        # The embedding is the output layer too (tied): drawn whole, not tiled, so no two tokens
+        # share a row, hence a logit (tied logits would make every step a case of ties).
+        embedding = (rng.standard_normal((vocab, width), dtype=np.float32) * 0.02).astype(np.float16)
+        tensors = {"token_embd.weight": embedding, "output_norm.weight": ones}
         for i in range(layers):
             for name, dims in (("attn_q", (width, width)), ("attn_k", (kv_heads * head, width)),
                                ("attn_v", (kv_heads * head, width)), ("attn_output", (width, width)),

@@ -105,10 +105,11 @@ def concurrently(items: list, clients: int, handle: Callable[[Any], None]) -> fl
     return time.perf_counter() - start
 
 
-def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: int, clients: int) -> dict:
+def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: int, clients: int,
+               sampling: dict = SAMPLING) -> dict:
     proc, port = start_server(binary, model, slots)
     try:
-        body = {"max_tokens": tokens, "ignore_eos": True, **SAMPLING}
+        body = {"max_tokens": tokens, "ignore_eos": True, **sampling}
         post(port, {**body, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 8})
         latencies, generated, lock = [], [0], threading.Lock()
 
