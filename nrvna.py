@@ -6533,9 +6533,11 @@ class LlamaRunner(Runner):
         self.np = numpy
         self._grammars: dict[Any, tuple[str, GrammarShape]] = {}  # a schema or grammar -> its GBNF (LRU order)
         self._grammar_vocab: Optional[GrammarVocab] = None
+        # End-of-generation tokens: a set, as every generated token is looked up (a call costs 1-2 us).
+        self.eog_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
         # Control tokens but end-of-generation: never in a constrained output (see _JobSampler._allowed).
         self.control_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_control(self.vocab, t)
-                                        and not L.llama_vocab_is_eog(self.vocab, t))
+                                        and t not in self.eog_tokens)
         self.control_mask = numpy.zeros(self.n_vocab, dtype=bool)
         self.control_mask[list(self.control_tokens)] = True
         self._grammars_lock = threading.Lock()
@@ -6720,7 +6722,7 @@ class LlamaRunner(Runner):
                                               f"(IDs 0 to {self.n_vocab - 1})")
         if (repeat == 1.0 or repeat <= 0) and not frequency and not presence and not bias:
             return None
-        return _Penalties(repeat, frequency, presence, bias)
+        return _Penalties(self.np, repeat, frequency, presence, bias)
 
     def grammar(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str, GrammarShape]]:
         """The job's grammar, if its output is constrained: (a key naming it, its GBNF text,
@@ -6814,39 +6816,44 @@ class LlamaRunner(Runner):
 
 
 class _Penalties:
-    """llama.cpp's penalties (repetition, frequency, presence), applied in place to one
-    sequence's logits.
+    """llama.cpp's penalties (repetition, frequency, presence) and logit biases, applied in
+    place to one sequence's logits.
 
     Each token among the last ``PENALTY_WINDOW`` generated has its logit divided by the
     repetition penalty if positive, multiplied if not, then lowered by its count times the
     frequency penalty plus the presence penalty: what llama.cpp's penalties sampler does,
     but that sampler looks every vocabulary entry up in a hash map, 80% of sampling time
     (0.16 of 0.20 ms a token on a 49k vocabulary, measured); this touches the window's
-    distinct tokens only. The floats are the same: each step is computed in double and
-    rounded to float, as llama.cpp computes it in float.
+    distinct tokens only, in numpy's float32, the floats llama.cpp computes in C. A bias
+    is then added to its token's logit, as llama.cpp's logit-bias sampler adds it.
     """
 
-    __slots__ = ("factor", "frequency", "presence", "bias", "window", "counts")
+    __slots__ = ("np", "factor", "frequency", "presence", "bias_ids", "bias_values", "window", "counts")
 
-    def __init__(self, repeat: float, frequency: float = 0.0, presence: float = 0.0,
+    def __init__(self, np: Any, repeat: float, frequency: float = 0.0, presence: float = 0.0,
                  bias: Optional[dict[int, float]] = None) -> None:
-        self.factor = _float32(repeat) if repeat > 0 else 1.0  # the floats llama.cpp would use
-        self.frequency, self.presence = _float32(frequency), _float32(presence)
-        self.bias = bias or {}  # token -> added to its logit (OpenAI's logit_bias), after the penalties
+        self.np = np
+        self.factor = np.float32(repeat if repeat > 0 else 1.0)  # the floats llama.cpp would use
+        self.frequency, self.presence = np.float32(frequency), np.float32(presence)
+        bias = bias or {}  # token -> added to its logit (OpenAI's logit_bias), after the penalties
+        self.bias_ids = np.array(list(bias), dtype=np.intp)
+        self.bias_values = np.array(list(bias.values()), dtype=np.float32)
         self.window: Any = deque()
         self.counts: dict[int, int] = {}
 
-    def apply(self, logits: Any) -> None:
-        """Penalise ``logits`` (a ctypes float pointer to one output row) in place."""
-        factor, frequency, presence = self.factor, self.frequency, self.presence
-        for token, count in self.counts.items():
-            value = logits[token]
-            value = value * factor if value <= 0 else value / factor
-            if frequency or presence:
-                value = _float32(value) - _float32(_float32(count * frequency) + presence)
-            logits[token] = value  # rounded to float on the way in
-        for token, bias in self.bias.items():
-            logits[token] += bias
+    def apply(self, row: Any) -> None:
+        """Penalise ``row`` (a float32 array: one output row of logits) in place."""
+        np, counts = self.np, self.counts
+        if counts and (self.factor != 1 or self.frequency or self.presence):
+            ids = np.fromiter(counts, dtype=np.intp, count=len(counts))
+            values = row[ids]
+            values = np.where(values <= 0, values * self.factor, values / self.factor)
+            if self.frequency or self.presence:
+                times = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+                values -= times * self.frequency + self.presence
+            row[ids] = values
+        if len(self.bias_ids):
+            row[self.bias_ids] += self.bias_values  # (ids are distinct: a dict's keys)
 
     def accept(self, token: int) -> None:
         """``token`` was generated: it enters the window, the oldest may leave."""
@@ -6864,13 +6871,6 @@ def _token_entry(data: bytes, logprob: float) -> dict[str, Any]:
     """One token as OpenAI's logprobs give it: its text (a piece of a UTF-8 character shows
     as \\xNN escapes), logprob and bytes."""
     return {"token": data.decode("utf-8", "backslashreplace"), "logprob": logprob, "bytes": list(data)}
-
-
-def _float32(value: float) -> float:
-    """``value`` rounded to the nearest float32 (what C's float arithmetic keeps)."""
-    import struct
-
-    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def _common_prefix(a: list[int], b: list[int], limit: Optional[int] = None) -> int:
@@ -7070,17 +7070,17 @@ class _JobSampler:
         return cls(runner, scratch, runner.sampler(params), settings, penalties, grammar, shape,
                    bool(job_param(params, "logprobs")), job_param(params, "top_logprobs") or 0)
 
-    def prepare(self, logits: Any) -> None:
-        """Ready the step's ``logits`` (a ctypes float pointer to the job's output row) for
+    def prepare(self, row: Any) -> None:
+        """Ready the step's ``row`` of logits (a float32 view of the job's output row) for
         ``sample``: their log-probabilities are kept if asked for, then the penalties and
         logit biases change them in place."""
         # Log-probabilities are the model's own: before penalties, biases, grammar, temperature.
-        self.step_logprobs = self._log_softmax(logits) if self.logprobs is not None else None
+        self.step_logprobs = self._log_softmax(row) if self.logprobs is not None else None
         if self.penalties is not None:
-            self.penalties.apply(logits)
+            self.penalties.apply(row)
 
-    def sample(self, ctx: Any, index: int, logits: Any, likeliest: Optional[tuple[Any, Any]] = None) -> int:
-        """The job's next token from output row ``index`` of ``ctx``'s last decode (``logits``,
+    def sample(self, ctx: Any, index: int, row: Any, likeliest: Optional[tuple[Any, Any]] = None) -> int:
+        """The job's next token from output row ``index`` of ``ctx``'s last decode (``row``,
         readied by ``prepare``), or -1 if its grammar allows no token of the vocabulary here;
         raises GrammarLimit where counting the grammar's work passes the limits.
         ``likeliest``: the row's ``shortlist_size`` likeliest tokens, (IDs, logits) likeliest
@@ -7092,7 +7092,7 @@ class _JobSampler:
             self.scratch.draws[1] += 1
             token = self.L.llama_sampler_sample(self.chain, ctx, index)
         if self.grammar is not None and not self._allowed(token):
-            token = self._resample(logits)
+            token = self._resample(row)
         return token
 
     def _draw_short(self, ids: Any, logits: Any) -> int:
@@ -7149,7 +7149,7 @@ class _JobSampler:
         the state it leads to in ``after``."""
         if token in self.runner.control_tokens:
             return False
-        eog = self.L.llama_vocab_is_eog(self.runner.vocab, token)
+        eog = token in self.runner.eog_tokens
         if not eog:
             _, self.after = self.shape.walk(self.state, self.runner.piece(token))
         scratch = self.scratch
@@ -7165,7 +7165,7 @@ class _JobSampler:
             raise GrammarLimit(f"nrvna's count of the grammar refused token {token}, which llama.cpp allowed")
         return allowed
 
-    def _resample(self, logits: Any) -> int:
+    def _resample(self, row: Any) -> int:
         """The job's token drawn again from the tokens its grammar allows (the grammar, then
         its sampler chain), or -1 if the grammar allows none.
 
@@ -7177,7 +7177,6 @@ class _JobSampler:
         np, n_vocab = self.runner.np, self.runner.n_vocab
         vocab = self.runner.grammar_vocab()
         self.scratch.whole_vocabulary(np, n_vocab)
-        row = np.ctypeslib.as_array(logits, shape=(n_vocab,))
         if n_vocab > 2 * SHORTLIST:
             ids = np.sort(np.argpartition(row, n_vocab - SHORTLIST)[n_vocab - SHORTLIST:])  # in ID order, as all are
             self.shape.vocab_cost(self.state, vocab, ids)  # GrammarLimit before llama.cpp is asked
@@ -7246,13 +7245,13 @@ class _JobSampler:
         most = int(np.searchsorted(cumulative, top_p * (total + outside) * (1 + 1e-5)))  # with all of it
         return min(most, count - 1) == fewest
 
-    def _log_softmax(self, logits: Any) -> Any:
+    def _log_softmax(self, row: Any) -> Any:
         """The log-probability of every token, from one output row of raw logits."""
         np = self.runner.np
-        row = np.ctypeslib.as_array(logits, shape=(self.runner.n_vocab,)).astype(np.float64)
-        row -= row.max()
-        row -= np.log(np.exp(row).sum())
-        return row
+        logprobs = row.astype(np.float64)
+        logprobs -= logprobs.max()
+        logprobs -= np.log(np.exp(logprobs).sum())
+        return logprobs
 
     def _logprob(self, logprobs: Any, token: int) -> tuple[int, float, list[tuple[int, float]]]:
         """(token, its logprob, the ``top_logprobs`` likeliest tokens with theirs, likeliest first)."""
@@ -7627,6 +7626,7 @@ class LlamaSession(Session):
         self.memory = L.llama_get_memory(self.ctx)
         self.n_batch = n_batch
         self.batch = L.llama_batch_init(n_batch, 0, 1)
+        self.seq_ids = self.batch.seq_id[:n_batch]  # each entry's own array of sequence IDs, found once
         self.slots = [None] * (seqs + 1)
         self.prefixes = _PrefixCache(L, self.memory, seqs + 1, bool(runner.config.prefix_cache),
                                      not (L.llama_model_is_recurrent(runner.model) or L.llama_model_is_hybrid(runner.model)))
@@ -7866,15 +7866,22 @@ class LlamaSession(Session):
             message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
             return ended + [self._end(seq, error=("model_error", message), keep=False) for seq in self.slots if seq is not None]
         finished = ended
-        rows = [L.llama_get_logits_ith(self.ctx, index) for _, index in wanted]
-        for (seq, _), logits in zip(wanted, rows):
-            seq.sampler.prepare(logits)
-        likeliest = self._likeliest(wanted, rows)
-        for (seq, index), logits, short in zip(wanted, rows, likeliest):  # each its logits: its sampler draws, its text goes on
+        if not wanted:  # prompt chunks only
+            return finished
+        # llama.h: the logits of the batch entries asked for are stored in their batch order,
+        # one row each; ``wanted`` is in batch order.
+        matrix = self.runner.np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(len(wanted), self.runner.n_vocab))
+        for (seq, _), row in zip(wanted, matrix):
+            seq.sampler.prepare(row)
+        sizes = [seq.sampler.shortlist_size for seq, _ in wanted]
+        numbers = list(range(len(wanted)))
+        likeliest = _likeliest(self.runner.np, matrix, numbers, sizes) if any(sizes) else [None] * len(wanted)
+        eog_tokens = self.runner.eog_tokens
+        for (seq, index), row, short in zip(wanted, matrix, likeliest):  # each its logits: its sampler draws, its text goes on
             if self.slots[seq.slot] is not seq:  # a choice of a job that a batch-mate choice failed
                 continue
             try:
-                token = seq.sampler.sample(self.ctx, index, logits, short)
+                token = seq.sampler.sample(self.ctx, index, row, short)
             except GrammarLimit as err:  # before llama.cpp is asked to do that work
                 finished.append(self._end(seq, error=("grammar_error", f"{err} after {seq.n_gen} tokens")))
                 continue
@@ -7882,7 +7889,7 @@ class LlamaSession(Session):
                 finished.append(self._end(seq, error=("grammar_error", "no token of the model's vocabulary "
                                                                        "can continue the grammar here")))
                 continue
-            if L.llama_vocab_is_eog(self.runner.vocab, token) and (not seq.ignore_eos or seq.sampler.grammar is not None):
+            if token in eog_tokens and (not seq.ignore_eos or seq.sampler.grammar is not None):
                 finished.append(self._end(seq, "stop"))  # with a grammar: allowed only once it is complete
                 continue
             seq.sampler.accept(token)
@@ -7892,26 +7899,12 @@ class LlamaSession(Session):
                 finished.append(self._end(seq, "length"))
         return finished
 
-    def _likeliest(self, wanted: list[tuple[_Sequence, int]], rows: list[Any]) -> list[Optional[tuple[Any, Any]]]:
-        """Each sequence's shortlist (see _likeliest), for the step's readied ``rows``: found
-        for all in one pass over the step's logits."""
-        sizes = [seq.sampler.shortlist_size for seq, _ in wanted]
-        if not any(sizes):
-            return [None] * len(wanted)
-        import ctypes
-
-        np, n_vocab = self.runner.np, self.runner.n_vocab
-        base = ctypes.cast(self.L.llama_get_logits(self.ctx), ctypes.c_void_p).value
-        numbers = [(ctypes.cast(row, ctypes.c_void_p).value - base) // (4 * n_vocab) for row in rows]
-        matrix = np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(max(numbers) + 1, n_vocab))
-        return _likeliest(np, matrix, numbers, sizes)
-
     def _put(self, index: int, token: int, pos: int, slot: int, logits: bool) -> None:
         batch = self.batch
         batch.token[index] = token
         batch.pos[index] = pos
         batch.n_seq_id[index] = 1
-        batch.seq_id[index][0] = slot
+        self.seq_ids[index][0] = slot
         batch.logits[index] = logits
 
     def _end(self, seq: _Sequence, reason: str = "stop", error: Optional[tuple[str, str]] = None,

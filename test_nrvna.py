@@ -1625,6 +1625,8 @@ def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks
     vocabulary entry): token for token, the same floats and choices as llama.cpp's chain,
     seeded sampling and greedy, repetition alone and with frequency and presence penalties,
     over more tokens than the penalty window."""
+    import numpy
+
     L = llama.L
     session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
     try:
@@ -1662,7 +1664,7 @@ def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks
                     data = (L.llama_token_data * len(probe))(*[L.llama_token_data(t, v, 0.0) for t, v in zip(probe, original)])
                     array = L.llama_token_data_array(data, len(probe), -1, False)
                     L.llama_sampler_apply(own, ctypes.byref(array))
-                    penalty.apply(logits)
+                    penalty.apply(numpy.ctypeslib.as_array(logits, shape=(llama.n_vocab,)))
                     assert [logits[t] for t in probe] == [d.logit for d in data]  # the same floats
                     changed += sum(o != d.logit for o, d in zip(original, data))
                     got = L.llama_sampler_sample(chain, session.ctx, index)
@@ -3869,7 +3871,7 @@ def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_dra
     def both(sampler: Any, logits: Any) -> int:
         if session.scratch.candidates is None:  # the first redraw makes the arrays
             return redraws(sampler, logits)
-        row = numpy.ctypeslib.as_array(logits, shape=(llama.n_vocab,)).copy()
+        row = numpy.array(logits)
         ids = numpy.sort(numpy.argpartition(row, llama.n_vocab - nrvna.SHORTLIST)[-nrvna.SHORTLIST:])
         allowed = sampler._apply_grammar(ids, row[ids])
         if allowed is not None and sampler._shortlist_suffices(numpy.sort(allowed)[::-1], float(row[ids].min())):
@@ -4028,7 +4030,7 @@ def test_jobs_draw_from_the_shortlist_what_the_whole_vocabulary_gives(llama: nrv
 
     def both(sampler: Any, ctx: Any, index: int, logits: Any, likeliest: Any = None) -> int:
         if likeliest is not None:
-            row = numpy.ctypeslib.as_array(logits, shape=(llama.n_vocab,)).copy()
+            row = numpy.array(logits)
             clone = llama.L.llama_sampler_clone(sampler.chain)
             try:
                 whole = whole_vocabulary_draw(llama, nrvna._SamplingScratch(llama), clone, row)

@@ -120,11 +120,10 @@ nrvna.LlamaSession.step = timed_step
 timed(nrvna.LlamaSession, "step", "step loop")
 timed(nrvna.LlamaSession, "_decode", "decode")
 timed(nrvna._JobSampler, "sample", "sampling")
-for method in ("prepare", "_likeliest"):  # (this checkout's: a step's shortlists, before the draws)
-    if hasattr(nrvna._JobSampler, method):
-        timed(nrvna._JobSampler, method, "sampling")
-    if hasattr(nrvna.LlamaSession, method):
-        timed(nrvna.LlamaSession, method, "sampling")
+# A step's shortlists and the rows readied before the draws (where the checkout has them).
+for owner, name in ((nrvna._JobSampler, "prepare"), (nrvna.LlamaSession, "_logits"), (nrvna, "_likeliest")):
+    if hasattr(owner, name):
+        timed(owner, name, "sampling")
 timed(nrvna._JobSampler, "accept", "sampling")
 timed(nrvna._Sequence, "add", "detokenizing")
 timed(nrvna.LlamaRunner, "piece", "detokenizing")
