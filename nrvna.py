@@ -8121,6 +8121,8 @@ _FLOAT32_TEXT = "{:.9g}".format
 
 DAEMON_STATUS_SECONDS = 2.0  # how often a daemon's record (daemons/<name>.json) is rewritten
 WATCH_SECONDS = 0.1  # how often running jobs are checked for cancel/timeout and partial.txt flushed
+# Ended jobs a worker leaves to the Finisher thread at most; past that it finishes its own (see Server._work_loop).
+FINISH_BACKLOG = 64
 REAP_SECONDS = 0.5  # how often a daemon looks for daemons that died (their running jobs are requeued)
 ORPHAN_SECONDS = 30.0  # how often it also requeues any job in processing/ that nobody holds
 STALE_STAGING_SECONDS = 3600  # input/writing/* older than this is a dead client's leftover
@@ -9551,6 +9553,8 @@ class Server:
         self.processor: Optional[Processor] = None
         self.started = False
         self._running: dict[str, RunningJob] = {}  # in flight, for the watcher (under _stats_lock)
+        self._finishing: Any = None  # (job, outcome) for the Finisher thread; None ends it
+        self._finisher: Optional[threading.Thread] = None
         self._stats_lock = threading.Lock()
         self._stats = {"jobs_done": 0, "jobs_failed": 0, "tokens_generated": 0}
         self._recent: Any = deque()  # (time, tokens) of jobs ended in the last minute
@@ -9620,6 +9624,11 @@ class Server:
         self._use(sessions)
         for index in range(len(sessions)):
             self._threads.append(threading.Thread(target=self._work, args=(index,), name=f"Worker-{index}", daemon=True))
+        import queue
+
+        self._finishing = queue.SimpleQueue()
+        self._finisher = threading.Thread(target=self._finish_loop, name="Finisher", daemon=True)
+        self._finisher.start()
         for thread in self._threads:
             thread.start()
         if self.hooks is not None:
@@ -9793,6 +9802,10 @@ class Server:
         for thread in self._threads:
             thread.join()
         self._threads = []
+        if self._finisher is not None:  # after the workers: every job they ended is recorded first
+            self._finishing.put(None)
+            self._finisher.join()
+            self._finisher = None
         if self.hooks is not None:
             self.hooks.stop()
             self.hooks = None
@@ -9843,8 +9856,14 @@ class Server:
                         continue
                     self._share_cores(index, session)
                     ended = session.step()
+                    # A job's files (writes, fsyncs, renames: milliseconds) would hold up the
+                    # jobs still running here: the Finisher records it while they go on.
+                    later = bool(ended) and bool(session.active())
                     for job, outcome in ended:
-                        self._end(job, outcome)
+                        if later and self._finishing.qsize() < FINISH_BACKLOG:
+                            self._finishing.put((job, outcome))
+                        else:
+                            self._end(job, outcome)
                     if ended:
                         self.pool.favor(index)
             except Exception as err:  # a runner bug fails its jobs, never the worker
@@ -9932,6 +9951,19 @@ class Server:
                 self._end(job, Outcome(error_code=err.code, error=str(err)))
             except Exception as err:
                 self._end(job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}"))
+
+    def _finish_loop(self) -> None:
+        """The Finisher thread: record the outcomes workers hand it (see _work_loop), in
+        order, until shutdown sends None (after the workers have stopped)."""
+        _name_os_thread("Finisher")
+        while True:
+            item = self._finishing.get()
+            if item is None:
+                return
+            try:
+                self._end(*item)
+            except Exception as err:  # the job stays in processing/, held: the next recovery requeues it
+                log.error(f"finisher error: {err!r}")
 
     def _outranked(self, priority: int) -> None:
         """A job of ``priority`` is queued or being claimed: cut short the steps of the workers

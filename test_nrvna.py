@@ -807,6 +807,56 @@ def test_drain_processes_everything_then_stops(ws: str) -> None:
     assert {Flow(ws).status(i) for i in ids} == {Status.Done}
 
 
+def test_jobs_ended_beside_running_ones_are_recorded_by_the_finisher_and_none_is_lost_at_shutdown(
+        ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session holding several jobs hands the ones that end to the Finisher thread, which
+    records them (its finishes slowed here, so a backlog builds); past FINISH_BACKLOG the
+    worker finishes its own. Shutdown right after the last step: every job is done, once,
+    none back in ready/ or left in processing/, and drain waited for the finishes."""
+    monkeypatch.setattr(nrvna, "FINISH_BACKLOG", 3)
+    finish, where = nrvna.Processor.finish, []
+
+    def slow_finish(self: Any, job: nrvna.RunningJob, outcome: Outcome) -> bool:
+        where.append(threading.current_thread().name)
+        if threading.current_thread().name == "Finisher":
+            time.sleep(0.05)
+        return finish(self, job, outcome)
+
+    monkeypatch.setattr(nrvna.Processor, "finish", slow_finish)
+    ids = [submit(ws, f"f{i}") for i in range(30)]
+    server = Server(None, ws, 2, runner=nrvna.FunctionRunner(echo, capacity=4), config=nrvna.Config(), drain=True)
+    server.start()
+    try:
+        server.serve_forever()  # returns once drained: the Finisher's backlog included
+        assert {Flow(ws).status(i) for i in ids} == {Status.Done}
+    finally:
+        server.shutdown()
+    assert [Flow(ws).get(i).result for i in ids] == [f"echo:f{i}" for i in range(30)]
+    assert all(Flow(ws).get(i).meta["attempts"] == 1 for i in ids)
+    assert not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and not os.listdir(os.path.join(ws, nrvna.READY))
+    assert len(where) == 30 and "Finisher" in where and any(name.startswith("Worker") for name in where)
+
+    # Shutdown while the Finisher still holds ended jobs: it records them all before the daemon stops.
+    ran = []
+
+    def counted(job: nrvna.RunningJob) -> str:
+        ran.append(job.id)
+        return echo(job)
+
+    more = [submit(ws, f"g{i}") for i in range(12)]
+    server = Server(None, ws, 2, runner=nrvna.FunctionRunner(counted, capacity=4), config=nrvna.Config())
+    server.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(ran) < len(more) and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        server.shutdown()
+    assert len(ran) == len(more)
+    assert [Flow(ws).get(i).result for i in more] == [f"echo:g{i}" for i in range(12)]
+    assert not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and not os.listdir(os.path.join(ws, nrvna.READY))
+
+
 def test_an_io_error_while_finishing_hands_the_job_back(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Disk full while writing a result: the job is not lost; it is retried and finishes."""
     real_write_file = nrvna.write_file

@@ -23,9 +23,11 @@ The texts: --texts (1,000) deterministic synthetic English-ish texts, --min-toke
   Python's start, the model load and the drain check ("incl. load"), and the processing alone:
   the first job's claim to the last job's finish (meta.json's started/finished). Every job
   must be done, with one vector of the model's dimensions. The "nrvna, defaults" row runs the
-  plain CLI; the extra rows (--variants, e.g. NRVNA_BATCH=1024, NRVNA_WORKERS=1) and the
+  plain CLI; the extra rows (--variants, e.g. BENCH_EMBED_PACK=512, NRVNA_WORKERS=1) and the
   profile run the same daemon in a child that wraps `_Embedder.step` and the decode it calls
-  with timers (a perf_counter pair per decode), so they also report texts and tokens per
+  with timers (a perf_counter pair per decode; BENCH_EMBED_PACK sets its tokens per decode,
+  nrvna's EMBED_PACK, and BENCH_FINISH_BACKLOG=0 makes every worker finish its own jobs), so
+  they also report texts and tokens per
   decode, decode time per text, and a worker's time outside the decode.
 
 Ratios in the main table are against the best llama-server arm's median and Llama.embed's
@@ -295,11 +297,15 @@ def load_nrvna(path: str) -> ModuleType:
 # A daemon whose embedding decodes are timed: argv NRVNA MODEL WS OUT. Each record: the
 # worker thread, the step's start and end, the decode's start and end, texts and tokens in it.
 PROFILED_DAEMON = r"""
-import importlib.util, json, sys, threading, time
+import importlib.util, json, os, sys, threading, time
 spec = importlib.util.spec_from_file_location("nrvna", sys.argv[1])
 nrvna = importlib.util.module_from_spec(spec)
 sys.modules["nrvna"] = nrvna
 spec.loader.exec_module(nrvna)
+if os.environ.get("BENCH_EMBED_PACK"):  # a variant's tokens per embedding decode (nrvna's EMBED_PACK)
+    nrvna.EMBED_PACK = int(os.environ["BENCH_EMBED_PACK"])
+if os.environ.get("BENCH_FINISH_BACKLOG"):  # 0: every worker finishes its own jobs (no Finisher)
+    nrvna.FINISH_BACKLOG = int(os.environ["BENCH_FINISH_BACKLOG"])
 records, lock, step = [], threading.Lock(), nrvna._Embedder.step
 
 def timed_step(self, decode):

@@ -22,6 +22,8 @@ token. The wrappers cost about 2 us a call.
     python bench/host_bound.py [SOURCE.gguf] [--prompts 256] [--tokens 256] [--rounds 3]
         [--slots 16,64] [--penalty 1.0] [--server BIN] [--gguf-py DIR] [--no-profile]
         [--against DIR]   # also nrvna's defaults from DIR (a checkout of another commit)
+    python bench/host_bound.py --in-process [--rounds 3] [--penalty 1.0]   # the sampling change alone:
+        # one session in this process, the k-likeliest draws on and off in alternation
 """
 
 from __future__ import annotations
@@ -188,6 +190,56 @@ def print_profile(profile: dict) -> None:
     print(table(["part", "wall us a token", "CPU us a token", "share of the wall"], rows))
 
 
+def session_host_work(model: str, shortlist: bool, seqs: int, tokens: int, penalty: float) -> tuple[float, float]:
+    """One worker's session in this process, ``seqs`` jobs of ``tokens`` stepped to the end:
+    (host microseconds per token, everything but llama_decode; decode microseconds per token).
+    Without ``shortlist``, every draw is from the whole vocabulary, as before issue 33."""
+    import threading
+
+    size = nrvna._shortlist_size
+    nrvna._shortlist_size = size if shortlist else (lambda settings: 0)
+    config = nrvna.Config(max_ctx=8192, workers=1, seqs=seqs, threads=1)
+    runner = session_host_work.runner = getattr(session_host_work, "runner", None) or nrvna.LlamaRunner(model, config)
+    session = runner.session(0, config)
+    try:
+        for i in range(seqs):
+            session.start(nrvna.RunningJob("1_1_1", f"Story {i}", {"max_tokens": tokens, "ignore_eos": True, "seed": i + 1,
+                                                                   "repeat_penalty": penalty}, threading.Event()))
+        decode, spent = session._decode, [0.0]
+
+        def timed(ctx, batch):  # noqa: ANN001, ANN202
+            start = time.perf_counter()
+            code = decode(ctx, batch)
+            spent[0] += time.perf_counter() - start
+            return code
+
+        session._decode = timed
+        start, generated = time.perf_counter(), 0
+        while session.active():
+            generated += sum(1 for seq in session.slots if seq is not None and not seq.pending)
+            session.step()
+        total = time.perf_counter() - start
+    finally:
+        session.close()
+        nrvna._shortlist_size = size
+    return 1e6 * (total - spent[0]) / generated, 1e6 * spent[0] / generated
+
+
+def in_process(model: str, rounds: int, penalty: float) -> None:
+    """The sampling change alone: one session, 16 jobs of 128 tokens, the shortlist on and off
+    in alternation (no daemon, files or clients: the host work of the step loop itself)."""
+    runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for r in range(rounds):
+        for shortlist in (True, False) if r % 2 == 0 else (False, True):
+            runs[shortlist].append(session_host_work(model, shortlist, 16, 128, penalty))
+    print(f"machine: {machine()}; model {os.path.basename(model)}; one session in this process, 16 jobs x 128 "
+          f"tokens, repeat_penalty {penalty}; {rounds} alternating rounds")
+    rows = [[name, statistics.median(h for h, _ in runs[on]), f"{min(h for h, _ in runs[on]):.1f}-{max(h for h, _ in runs[on]):.1f}",
+             statistics.median(d for _, d in runs[on])]
+            for name, on in (("top_k draws from the k likeliest (now)", True), ("every draw from the whole vocabulary", False))]
+    print(table(["sampling", "host us a token (median)", "range", "decode us a token"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", nargs="?", default=default_model(), help="the GGUF whose tokenizer and metadata to use")
@@ -201,9 +253,13 @@ def main() -> None:
     parser.add_argument("--model", help="use this model as it is (default: make the host-bound one from SOURCE)")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--against", metavar="DIR", help="also nrvna's defaults from DIR's nrvna.py")
+    parser.add_argument("--in-process", action="store_true", help="only the host work of one session, the "
+                                                                   "shortlist on and off (no daemon, no server)")
     args = parser.parse_args()
-    binary = llama_server(args.server)
     model = args.model or host_model(args.source, args.gguf_py)
+    if args.in_process:
+        return in_process(model, max(args.rounds, 2) * 2, args.penalty)
+    binary = llama_server(args.server)
     texts = prompts(args.prompts)
     sampling = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "repeat_penalty": args.penalty}
     roots = {"nrvna defaults": ROOT}
