@@ -18,12 +18,11 @@ import argparse
 import os
 import random
 import shutil
-import statistics
 import tempfile
 import threading
 import time
 
-from common import default_model, llama_server, machine, ROOT, table
+from common import default_model, llama_server, machine, ratio_rows, ROOT, table
 from inference import TOPICS
 from vs_llama_server import SAMPLING, Daemon, concurrently, post, start_server
 
@@ -120,11 +119,7 @@ def main() -> None:
     best = [max(runs[name][r] for name in names if name.startswith("llama-server")) for r in range(args.rounds)]
     print(f"machine: {machine()}; model {os.path.basename(args.model)}; {args.prompts} prompts of ~200 tokens x "
           f"n={args.n} x {args.tokens} tokens; {args.rounds} interleaved rounds")
-    rows = []
-    for name in names:
-        ratios = [v / b for v, b in zip(runs[name], best)]
-        rows.append([name, statistics.median(runs[name]), f"{min(runs[name]):.0f}-{max(runs[name]):.0f}",
-                     ", ".join(f"{x:.2f}" for x in ratios), statistics.median(ratios), computed.get(name, "")])
+    rows = [row + [computed.get(row[0], "")] for row in ratio_rows(names, runs, best)]
     print(table(["arm", "completion tok/s", "range", "vs best llama-server, round by round", "median ratio",
                  "prompt tokens computed (last round)"], rows))
 

@@ -79,6 +79,29 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
 
 
+# The start of a child script (``python -c``) that loads the nrvna.py its first argument names as
+# the module nrvna: a profiled daemon wraps that module's methods, then runs its main().
+LOAD_NRVNA = r"""
+import importlib.util, json, os, sys, threading, time
+spec = importlib.util.spec_from_file_location("nrvna", sys.argv[1])
+nrvna = importlib.util.module_from_spec(spec)
+sys.modules["nrvna"] = nrvna
+spec.loader.exec_module(nrvna)
+"""
+
+
+def ratio_rows(names: Sequence[str], runs: dict[str, list[float]], best: list[float]) -> list[list[Any]]:
+    """Per arm: its median, its range, its ratio to ``best`` round by round, and that ratio's median."""
+    import statistics
+
+    rows = []
+    for name in names:
+        ratios = [v / b for v, b in zip(runs[name], best)]
+        rows.append([name, statistics.median(runs[name]), f"{min(runs[name]):.0f}-{max(runs[name]):.0f}",
+                     ", ".join(f"{x:.2f}" for x in ratios), statistics.median(ratios)])
+    return rows
+
+
 def default_model() -> str:
     """The first models/*.gguf (the SmolLM2 test model after the quick start), or ""."""
     import glob

@@ -99,7 +99,7 @@ import urllib.request
 from types import ModuleType
 from typing import Callable
 
-from common import llama_server, machine, PYTHON, ROOT, table
+from common import LOAD_NRVNA, llama_server, machine, PYTHON, ROOT, table
 from vs_llama_server import concurrently, peak_rss_mb, start_server
 
 import nrvna
@@ -296,12 +296,7 @@ def load_nrvna(path: str) -> ModuleType:
 
 # A daemon whose embedding decodes are timed: argv NRVNA MODEL WS OUT. Each record: the
 # worker thread, the step's start and end, the decode's start and end, texts and tokens in it.
-PROFILED_DAEMON = r"""
-import importlib.util, json, os, sys, threading, time
-spec = importlib.util.spec_from_file_location("nrvna", sys.argv[1])
-nrvna = importlib.util.module_from_spec(spec)
-sys.modules["nrvna"] = nrvna
-spec.loader.exec_module(nrvna)
+PROFILED_DAEMON = LOAD_NRVNA + r"""
 if os.environ.get("BENCH_EMBED_PACK"):  # a variant's tokens per embedding decode (nrvna's EMBED_PACK)
     nrvna.EMBED_PACK = int(os.environ["BENCH_EMBED_PACK"])
 if os.environ.get("BENCH_FINISH_BACKLOG"):  # 0: every worker finishes its own jobs (no Finisher)

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from common import default_model, llama_server, machine, PYTHON, ROOT, table
+from common import default_model, LOAD_NRVNA, llama_server, machine, PYTHON, ratio_rows, ROOT, table
 from inference import prompts
 from vs_llama_server import Daemon, server_arm
 
@@ -67,12 +67,7 @@ def host_model(source: str, gguf_py: str | None) -> str:
 # The profiled daemon: argv NRVNA_PY MODEL WS OUT.json. Each timed method adds its time, less the
 # timed calls inside it, to its category for the calling thread; a worker's step also marks
 # where its steps begin and end, so the time between them is known.
-PROFILED_DAEMON = r"""
-import importlib.util, json, os, sys, threading, time
-spec = importlib.util.spec_from_file_location("nrvna", sys.argv[1])
-nrvna = importlib.util.module_from_spec(spec)
-sys.modules["nrvna"] = nrvna
-spec.loader.exec_module(nrvna)
+PROFILED_DAEMON = LOAD_NRVNA + r"""
 clock, cpu_clock, local, threads = time.perf_counter, time.thread_time, threading.local(), {}
 lock = threading.Lock()
 
@@ -288,11 +283,7 @@ def main() -> None:
     best = [max(runs[name][r] for name in servers) for r in range(args.rounds)]
     print(f"machine: {machine()}; model {os.path.basename(model)}; {len(texts)} prompts x {args.tokens} tokens; "
           f"sampling {json.dumps(sampling)}; {args.rounds} interleaved rounds; {time.strftime('%Y-%m-%d')}")
-    rows = []
-    for name in names:
-        ratios = [v / b for v, b in zip(runs[name], best)]
-        rows.append([name, statistics.median(runs[name]), f"{min(runs[name]):.0f}-{max(runs[name]):.0f}",
-                     ", ".join(f"{x:.2f}" for x in ratios), statistics.median(ratios)])
+    rows = ratio_rows(names, runs, best)
     print(table(["arm", "median tok/s", "range", "vs better llama-server, round by round", "median ratio"], rows))
     if profile is not None:
         print_profile(profile)
