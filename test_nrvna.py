@@ -4053,10 +4053,12 @@ def test_a_top_k_draw_from_the_likeliest_tokens_is_the_whole_vocabulary_s_draw(l
         assert shortlist_draws(llama, plain, dict(SHORTLIST_CHAINS[6], seed=3))[0] > 0
 
 
+@pytest.mark.model  # (no model: numpy, which comes with llama-cpp-python)
 def test_the_likeliest_tokens_are_found_only_in_finite_rows_and_in_order() -> None:
     """_likeliest: the k largest logits, likeliest first, for the rows asked; None for a row
     with a NaN or an infinity, a k of 0 or of SHORTLIST_COLUMNS, a vocabulary too small."""
-    numpy = pytest.importorskip("numpy")
+    import numpy
+
     rng = numpy.random.default_rng(2)
     rows = rng.standard_normal((6, 5000)).astype(numpy.float32)
     rows[3, 17], rows[4, 99] = numpy.nan, numpy.inf
