@@ -79,7 +79,7 @@ for name in ${NRVNA_GPU_MODELS:-smollm2 smol host 1b}; do
     [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ] && models+=(models/SmolLM2-135M-Instruct.Q4_1.gguf)
     continue
   fi
-  file=$CACHE/models/$name.gguf
+  file=$CACHE/models/$name-v2.gguf  # v2: random_model.py draws the embedding whole (no tied logits)
   if [ ! -f "$file" ]; then
     "$PYTHON" bench/random_model.py "$VOCAB" "$file.part" --shape "$name" --gguf-py "$SRC/gguf-py"
     mv "$file.part" "$file"
@@ -110,9 +110,9 @@ for model in "${models[@]}"; do
     2>&1 | tee "$OUT/vs-$name.txt"
 done
 # 5. The host's work per token (issue 33): bench/host_bound.py on the 1-layer model, with its profile.
-if [ -f "$CACHE/models/host.gguf" ]; then
+if [ -f "$CACHE/models/host-v2.gguf" ]; then
   say "host_bound.py on the 1-layer model"
-  (cd bench && "$PYTHON" host_bound.py --model "$CACHE/models/host.gguf" --server "$CACHE/build/bin/llama-server" \
+  (cd bench && "$PYTHON" host_bound.py --model "$CACHE/models/host-v2.gguf" --server "$CACHE/build/bin/llama-server" \
      --slots "${SLOTS:-16,64}" --prompts "${HOST_PROMPTS:-256}" --tokens "${HOST_TOKENS:-256}" --rounds "${ROUNDS:-3}") \
     2>&1 | tee "$OUT/host-bound.txt"
 fi

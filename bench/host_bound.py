@@ -118,7 +118,7 @@ timed(nrvna.LlamaSession, "step", "step loop")
 timed(nrvna.LlamaSession, "_decode", "decode")
 timed(nrvna._JobSampler, "sample", "sampling")
 # A step's shortlists and the rows readied before the draws (where the checkout has them).
-for owner, name in ((nrvna._JobSampler, "prepare"), (nrvna.LlamaSession, "_logits"), (nrvna, "_likeliest")):
+for owner, name in ((nrvna._JobSampler, "prepare"), (nrvna, "_likeliest")):
     if hasattr(owner, name):
         timed(owner, name, "sampling")
 timed(nrvna._JobSampler, "accept", "sampling")
