@@ -109,6 +109,13 @@ def default_model() -> str:
     return (sorted(glob.glob(os.path.join(ROOT, "models", "*.gguf"))) or [""])[0]
 
 
+def gpu_offload() -> list[str]:
+    """llama-server's flags for the layers nrvna offloads: on a GPU every arm offloads the same
+    layers, NRVNA_GPU_LAYERS (-1: all), which nrvna reads too; none where it is unset."""
+    layers = os.environ.get("NRVNA_GPU_LAYERS")
+    return ["-ngl", "999" if layers == "-1" else layers] if layers else []
+
+
 def llama_server(binary: str | None) -> str:
     """``binary``, or llama-server built by bench/build_llama_server.sh (cached)."""
     return binary or subprocess.run(["bash", os.path.join(ROOT, "bench", "build_llama_server.sh")],

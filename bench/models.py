@@ -20,7 +20,11 @@ Arms:
 - nrvna, one `--drain` daemon per model in a row (A, B, C), each loading its model once.
 Every job's meta.json must name the model its line named.
 
-    python bench/models.py [--jobs 50] [--tokens 32] [--server PATH]
+    python bench/models.py [--jobs 50] [--tokens 32] [--server PATH] [--chat GGUF] [--embed GGUF]
+
+--chat and --embed replace SmolLM2 and MiniLM (bench/gpu.sh gives a random-weight model of
+SmolLM2's shape, as SmolLM2 itself cannot travel there). Where NRVNA_GPU_LAYERS is set, both
+sides offload those layers (the router passes -ngl to its children).
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import urllib.request
 
-from common import llama_server, machine, PYTHON, ROOT, table
+from common import gpu_offload, llama_server, machine, PYTHON, ROOT, table
 from vs_llama_server import SAMPLING, concurrently, free_port
 
 import nrvna
@@ -49,12 +54,14 @@ def text(i: int, n: int = 12) -> str:
     return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(n))
 
 
-def make_models(base: str) -> dict[str, str]:
-    """A models directory with chat-a.gguf, chat-b.gguf (hard links, else copies, of SmolLM2: one
-    file each, so neither side can tell they hold the same weights) and minilm.gguf."""
-    chat = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
-    embed = os.path.join(ROOT, "models", "all-MiniLM-L6-v2-f16.gguf")
-    if not os.path.exists(embed):
+CHAT = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+EMBED = os.path.join(ROOT, "models", "all-MiniLM-L6-v2-f16.gguf")
+
+
+def make_models(base: str, chat: str = CHAT, embed: str = EMBED) -> dict[str, str]:
+    """A models directory with chat-a.gguf, chat-b.gguf (hard links, else copies, of ``chat``:
+    one file each, so neither side can tell they hold the same weights) and minilm.gguf."""
+    if embed == EMBED and not os.path.exists(embed):
         subprocess.run([PYTHON, os.path.join(ROOT, "scripts", "embed_model.py")], check=True)
     folder = os.path.join(base, "models")
     os.mkdir(folder)
@@ -93,7 +100,7 @@ def router_arm(binary: str, paths: dict[str, str], lines: list[dict], most: int,
     with open(log_path, "w") as log:
         proc = subprocess.Popen([binary, "--models-dir", chats, "--models-preset", preset, "--models-max", str(most),
                                  "--host", "127.0.0.1", "--port", str(port), "-np", "8", "-c", "8192", "-t", str(cores),
-                                 "-tb", str(cores), "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
+                                 "-tb", str(cores), "--no-webui", *gpu_offload()], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -181,21 +188,34 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=50, help="lines per model")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per chat line")
     parser.add_argument("--server", help="llama-server binary (default: build it)")
+    parser.add_argument("--chat", default=CHAT, help="the chat model (both chat-a and chat-b)")
+    parser.add_argument("--embed", default=EMBED, help="the embedding model")
     args = parser.parse_args()
     binary = llama_server(args.server)
     base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
     try:
-        paths = make_models(base)
+        paths = make_models(base, os.path.abspath(args.chat), os.path.abspath(args.embed))
         lines = batch_lines(args.jobs, args.tokens)
+        arms = [(f"nrvna: one daemon, --max-loaded {most}", lambda most=most: nrvna_arm(paths, lines, base, most), "")
+                for most in (1, 2, 3)]
+        arms.append(("nrvna: one --drain daemon per model, in a row", lambda: nrvna_arm(paths, lines, base), ""))
+        arms += [(f"llama-server router, --models-max {most}", lambda most=most: router_arm(binary, paths, lines, most, base),
+                  os.path.join(base, f"router-{most}.log")) for most in (2, 3)]
         results = {}
-        for most in (1, 2, 3):
-            results[f"nrvna: one daemon, --max-loaded {most}"] = nrvna_arm(paths, lines, base, most)
-        results["nrvna: one --drain daemon per model, in a row"] = nrvna_arm(paths, lines, base)
-        for most in (2, 3):
-            results[f"llama-server router, --models-max {most}"] = router_arm(binary, paths, lines, most, base)
+        for name, arm, log in arms:  # an arm that fails is reported and left out; the others still run
+            try:
+                results[name] = arm()
+            except (AssertionError, RuntimeError, OSError) as exc:
+                print(f"models.py: {name} failed: {exc!r}"[:3000], file=sys.stderr)
+                if log and os.path.exists(log):
+                    with open(log, errors="replace") as handle:
+                        print(f"the end of its log:\n{handle.read()[-1500:]}", file=sys.stderr)
+        if not results:
+            raise SystemExit("models.py: every arm failed")
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"machine: {machine()}; {len(lines)} lines ({args.jobs} per model: 2 chat models x {args.tokens} tokens, "
+    print(f"machine: {machine()}; GPU layers {os.environ.get('NRVNA_GPU_LAYERS', '0')}; chat model "
+          f"{os.path.basename(args.chat)}; {len(lines)} lines ({args.jobs} per model: 2 chat models x {args.tokens} tokens, "
           "1 embedding model x 2 texts), interleaved line by line")
     rows = [[name, r["seconds"], r["jobs/s"], r.get("serving", r["seconds"]), len(lines) / r.get("serving", r["seconds"]),
              r["loads"]] for name, r in results.items()]
@@ -205,6 +225,8 @@ def main() -> None:
           "serving: nrvna from the daemon's 'Server started' to its 'Queue drained' (the first model's load"
           " excluded, the others' included); the router's the same as its seconds (every load included).")
     for most in (2, 3):  # the same room for models on both sides
+        if f"nrvna: one daemon, --max-loaded {most}" not in results or f"llama-server router, --models-max {most}" not in results:
+            continue
         ours, theirs = results[f"nrvna: one daemon, --max-loaded {most}"], results[f"llama-server router, --models-max {most}"]
         print(f"room for {most} models: nrvna {ours['jobs/s']:.2f} jobs/s ({ours['loads']} loads) against the router's "
               f"{theirs['jobs/s']:.2f} ({theirs['loads']} loads): {ours['jobs/s'] / theirs['jobs/s']:.2f}x; serving "

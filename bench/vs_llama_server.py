@@ -30,7 +30,7 @@ import time
 import urllib.request
 from typing import Any, Callable
 
-from common import default_model, llama_server, machine, PYTHON, ROOT, table
+from common import default_model, gpu_offload, llama_server, machine, PYTHON, ROOT, table
 from inference import prompts, sequential_llama
 
 import nrvna
@@ -61,11 +61,8 @@ def start_server(binary: str, model: str, slots: int, *extra: str) -> tuple[subp
     (its process, its port). The caller terminates it."""
     port = free_port()
     cores = nrvna.cpu_count()
-    # On a GPU every arm offloads the same layers: NRVNA_GPU_LAYERS, which nrvna reads too (-1: all).
-    layers = os.environ.get("NRVNA_GPU_LAYERS")
-    offload = ["-ngl", "999" if layers == "-1" else layers] if layers else []
     proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-                             "-c", str(1024 * slots), "-t", str(cores), "-tb", str(cores), "--no-webui", *offload, *extra],
+                             "-c", str(1024 * slots), "-t", str(cores), "-tb", str(cores), "--no-webui", *gpu_offload(), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while True:
