@@ -249,6 +249,7 @@ SETTINGS: dict[str, _Setting] = {
                      flags=("--gpu",)),
     "max_loaded": _Setting("NRVNA_MAX_LOADED", int, 2, 1, 64, "models a daemon serving several keeps loaded at once (the one with nothing queued is evicted first)",
                             flags=("--max-loaded",)),
+    "load_ahead": _Setting("NRVNA_LOAD_AHEAD", int, 1, 0, 1, "1 loads the model whose jobs come next while another model runs, into room --max-loaded leaves (or a loaded model's with nothing queued), so its turn starts without a load"),
     "model_turn": _Setting("NRVNA_MODEL_TURN", float, 60.0, 0.0, 86400.0, "seconds a model keeps the daemon while other models' jobs wait; then the longest-waiting model gets its turn (as soon as its running jobs end)",
                             flags=("--model-turn",)),
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
@@ -9202,6 +9203,7 @@ class _Models:
         self.since = time.monotonic()
         self.loads = 0
         self.failed: set[int] = set()  # lanes whose model could not be loaded: their jobs wait
+        self.early_failed: set[int] = set()  # lanes whose model could not be loaded ahead of its turn
         self.kinds_elsewhere: set[str] = set()  # the kinds of model the workspace's other daemons serve
         self._lanes: dict[tuple[str, bool], Optional[int]] = {}  # (name, embed) -> lane (a cache)
 
@@ -9267,22 +9269,54 @@ class _Models:
         waiting = [lane for lane in lanes if lane != self.active]
         if not waiting:
             return None
-
-        def best(candidates: list[int]) -> int:
-            return min(candidates, key=lambda lane: (-lanes[lane][1], self.served[lane].runner is None,
-                                                     lanes[lane][2]))
-
         mine = [lanes[self.active][1]] if self.active in lanes else []
         if running and running_top is not None:
             mine.append(running_top)
         if not mine:
-            return best(waiting)
+            return self._best(lanes, waiting)
         above = [lane for lane in waiting if lanes[lane][1] > max(mine)]
         if above:
-            return best(above)
+            return self._best(lanes, above)
         if now - self.since >= self.config.model_turn:
-            return best(waiting)
+            return self._best(lanes, waiting)
         return None
+
+    def _best(self, lanes: Mapping[int, tuple[int, int, Any]], candidates: list[int]) -> int:
+        return min(candidates, key=lambda lane: (-lanes[lane][1], self.served[lane].runner is None, lanes[lane][2]))
+
+    def load_ahead(self, lanes: Mapping[int, tuple[int, int, Any]], workers: int) -> bool:
+        """Load the model whose jobs come next (as ``choose`` would pick it) while the active
+        one runs, so that its turn starts without a load: only into room NRVNA_MAX_LOADED
+        leaves, or into the place of a loaded model with nothing queued (which its turn would
+        evict anyway); never the active model's. True if it loaded one. A model that fails
+        here is not tried again ahead of its turn: the switch tries, and says why."""
+        waiting = [lane for lane in lanes if lane != self.active and lane not in self.failed
+                   and lane not in self.early_failed]
+        if not waiting:
+            return False
+        lane = self._best(lanes, waiting)
+        model = self.served[lane]
+        if model.runner is not None:
+            return False
+        loaded = [m for m in self.served if m.runner is not None]
+        if len(loaded) >= self.config.max_loaded:
+            idle = [m for i, m in enumerate(self.served) if m.runner is not None and i != self.active and i not in lanes]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda m: m.used)
+            log.info(f"Unloading model {victim.name}")
+            self._unload(victim)
+        log.info(f"Loading model {model.path} (ahead of its turn)")
+        try:
+            model.runner = LlamaRunner(model.path, self.config)
+            self.loads += 1
+            model.sessions = [model.runner.session(i, self.config) for i in range(workers)]
+        except Exception as err:  # out of memory beside the active model, say
+            log.warning(f"model {model.name} could not be loaded ahead of its turn ({err}); it is loaded at its turn")
+            self._unload(model)
+            self.early_failed.add(lane)
+            return False
+        return True
 
     def activate(self, lane: int, workers: int, queued: Iterable[int]) -> list[Session]:
         """Make ``lane``'s model the active one and return its sessions, loading it first
@@ -9455,6 +9489,8 @@ class _ModelSwitch:
                                             time.monotonic())
                 if target is not None:
                     self._switch(target)
+                elif self.models.config.load_ahead:
+                    self.models.load_ahead(self.pool.lanes(), self.workers)
             except Exception as err:  # choose's own bug: the active model goes on
                 log.error(f"model switch error: {err!r}")
 

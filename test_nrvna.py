@@ -1105,7 +1105,12 @@ def models_dir(tmp_path: Path, **files: str) -> tuple[Path, dict[str, str]]:
 def drain_with_room_for_one(models: Path, ws: str, env: dict[str, str]) -> str:
     """Run `daemon MODELS_DIR WS --max-loaded 1 -w 1 --drain` to its end; its log (exit 0, no
     traceback)."""
-    daemon = start_daemon(str(models), ws, "--max-loaded", "1", "-w", "1", "--drain", env=env)
+    return drain(models, ws, env, "--max-loaded", "1")
+
+
+def drain(models: Path, ws: str, env: dict[str, str], *flags: str) -> str:
+    """Run `daemon MODELS_DIR WS -w 1 --drain FLAGS` to its end; its log (exit 0, no traceback)."""
+    daemon = start_daemon(str(models), ws, "-w", "1", "--drain", *flags, env=env)
     try:
         _, err = daemon.communicate(timeout=600)
     finally:
@@ -1249,17 +1254,54 @@ def test_a_higher_lane_or_the_end_of_a_turn_switches_models_before_a_backlog_end
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("room", [1, 2])
 def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: str, tmp_path: Path, model: str,
-                                                                         run_main: RunMain) -> None:
+                                                                         run_main: RunMain, room: int) -> None:
+    """With room for one model, b's load fails at its turn; with room for two it fails first
+    ahead of its turn (while a's jobs run), and again at its turn, which says so."""
     models, env = models_dir(tmp_path, a=model)
     (models / "b.gguf").write_bytes(Path(model).read_bytes()[:3_000_000])  # a GGUF header, truncated weights
-    ids = {name: [run_main("submit", ws, "Say hi.", "--model", name, "--max-tokens", "4", env=env).stdout.decode().strip()
-                  for _ in range(3)] for name in ("a", "b")}
-    log = drain_with_room_for_one(models, ws, env)
-    assert "model b.gguf could not be made ready" in log and log.count("Loading model") == 3, log[-3000:]
+    ids = {name: [run_main("submit", ws, "Tell a story.", "--model", name, "--max-tokens", "32", "--ignore-eos",
+                           env=env).stdout.decode().strip() for _ in range(3)] for name in ("a", "b")}
+    if room == 1:
+        log = drain_with_room_for_one(models, ws, env)
+    else:
+        log = drain(models, ws, env, "--max-loaded", "2")
+        assert log.index("model b.gguf could not be loaded ahead of its turn") < log.index("could not be made ready")
+    assert "model b.gguf could not be made ready" in log and log.count("Loading model") == 3, log[-3000:]  # a, b, a again (room 2: a, b ahead, b)
     flow = Flow(ws)
     assert [flow.status(job_id) for job_id in ids["a"]] == [Status.Done] * 3
     assert [flow.status(job_id) for job_id in ids["b"]] == [Status.Queued] * 3  # for a daemon that can load it
+
+
+@pytest.mark.model
+def test_with_room_the_next_model_is_loaded_while_the_running_one_works(ws: str, tmp_path: Path, model: str,
+                                                                      bert: str, run_main: RunMain) -> None:
+    """Room for two of three models: b is loaded while a's jobs run, then e in a's place
+    (nothing of a's is queued) while b's run; each once, every job done by its model. With
+    NRVNA_LOAD_AHEAD=0 each is loaded at its turn."""
+    models, env = models_dir(tmp_path, a=model, b=model, e=bert)
+    for ahead in ("1", "0"):
+        workspace = f"{ws}-{ahead}"
+        ids = {}
+        for i in range(8):
+            for name in ("a", "b"):
+                done = run_main("submit", workspace, f"Tell a story, part {i}.", "--model", name, "--max-tokens", "32",
+                                "--ignore-eos", env=env)
+                ids[done.stdout.decode().strip()] = f"{name}.gguf"
+            done = run_main("submit", workspace, "--embed", f"text {i}", "--model", "e", env=env)
+            ids[done.stdout.decode().strip()] = "e.gguf"
+        log = drain(models, workspace, {**env, "NRVNA_LOAD_AHEAD": ahead}, "--max-loaded", "2")
+        loads = re.findall(r"Loading model \S+/(\w)\.gguf( \(ahead of its turn\))?", log)
+        assert loads == ([("a", ""), ("b", " (ahead of its turn)"), ("e", " (ahead of its turn)")] if ahead == "1"
+                         else [("a", ""), ("b", ""), ("e", "")]), log[-3000:]
+        if ahead == "1":
+            assert log.index("(ahead of its turn)") < log.index("Switched from model a.gguf to b.gguf")
+            assert log.index("Unloading model a.gguf") < log.index("e.gguf (ahead") < log.index("to e.gguf")
+        flow = Flow(workspace)
+        for job_id, name in ids.items():
+            job = flow.get(job_id)
+            assert job.status is Status.Done and job.meta["model"] == name, (job_id, job.error)
 
 
 @pytest.mark.model

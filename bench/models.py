@@ -21,6 +21,8 @@ Arms:
 Every job's meta.json must name the model its line named.
 
     python bench/models.py [--jobs 50] [--tokens 32] [--server PATH] [--chat GGUF] [--embed GGUF]
+    python bench/models.py --load-ahead ROUNDS   # nrvna alone: NRVNA_LOAD_AHEAD 1 against 0,
+        # room for 2 and 3 models, ROUNDS interleaved rounds (the next model loaded while one runs)
 
 --chat and --embed replace SmolLM2 and MiniLM (bench/gpu.sh gives a random-weight model of
 SmolLM2's shape, as SmolLM2 itself cannot travel there). Where NRVNA_GPU_LAYERS is set, both
@@ -34,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,6 +100,7 @@ def router_arm(binary: str, paths: dict[str, str], lines: list[dict], most: int,
         handle.write(f"version = 1\n\n[minilm]\nmodel = {paths['minilm']}\nembeddings = true\npooling = mean\n")
     port, cores = free_port(), nrvna.cpu_count()
     log_path = os.path.join(base, f"router-{most}.log")
+    launched = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([binary, "--models-dir", chats, "--models-preset", preset, "--models-max", str(most),
                                  "--host", "127.0.0.1", "--port", str(port), "-np", "8", "-c", "8192", "-t", str(cores),
@@ -110,7 +114,8 @@ def router_arm(binary: str, paths: dict[str, str], lines: list[dict], most: int,
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError(f"the router did not start (see {log_path})") from None
-                time.sleep(0.2)
+                time.sleep(0.05)
+        start = time.perf_counter() - launched
         lock, done = threading.Lock(), [0]
 
         def send(line: dict) -> None:
@@ -136,7 +141,7 @@ def router_arm(binary: str, paths: dict[str, str], lines: list[dict], most: int,
             proc.wait()
     with open(log_path, errors="replace") as handle:
         spawned = re.findall(r"spawning server instance with name=(\S+)", handle.read())
-    return {"seconds": elapsed, "jobs/s": len(lines) / elapsed, "loads": len(spawned),
+    return {"seconds": elapsed, "jobs/s": len(lines) / elapsed, "loads": len(spawned), "start": start,
             "by model": {name: spawned.count(name) for name in sorted(set(spawned))}}
 
 
@@ -173,6 +178,28 @@ def nrvna_arm(paths: dict[str, str], lines: list[dict], base: str, most: int = 0
     return {"seconds": elapsed, "jobs/s": len(lines) / elapsed, "loads": loads, "serving": serving}
 
 
+def load_ahead(paths: dict[str, str], lines: list[dict], base: str, rounds: int) -> None:
+    """nrvna's one-daemon arms with NRVNA_LOAD_AHEAD=1 against 0, rounds interleaved, the order
+    turned each round; seconds from the submit to the daemon's exit."""
+    runs: dict[tuple[int, str], list[float]] = {}
+    for r in range(rounds):
+        for most in (2, 3):
+            for ahead in ("1", "0") if r % 2 else ("0", "1"):
+                os.environ["NRVNA_LOAD_AHEAD"] = ahead
+                result = nrvna_arm(paths, lines, tempfile.mkdtemp(dir=base), most)
+                runs.setdefault((most, ahead), []).append(result["seconds"])
+                print(f"round {r + 1}: room for {most}, NRVNA_LOAD_AHEAD={ahead}: {result['seconds']:.2f} s, "
+                      f"{result['loads']} loads", file=sys.stderr)
+    os.environ.pop("NRVNA_LOAD_AHEAD")
+    rows = []
+    for most in (2, 3):
+        off, on = runs[(most, "0")], runs[(most, "1")]
+        rows.append([f"room for {most}", statistics.median(off), statistics.median(on),
+                     ", ".join(f"{a / b:.2f}" for a, b in zip(off, on)), statistics.median(off) / statistics.median(on)])
+    print(table(["nrvna, one daemon", "seconds, each model at its turn", "seconds, the next loaded ahead",
+                 "speed-up, round by round", "speed-up of the medians"], rows))
+
+
 def log_span(log: str, first: str, last: str) -> float:
     """Seconds between the log lines holding ``first`` and ``last`` (their timestamps)."""
     stamps = {}
@@ -190,12 +217,17 @@ def main() -> None:
     parser.add_argument("--server", help="llama-server binary (default: build it)")
     parser.add_argument("--chat", default=CHAT, help="the chat model (both chat-a and chat-b)")
     parser.add_argument("--embed", default=EMBED, help="the embedding model")
+    parser.add_argument("--load-ahead", type=int, metavar="ROUNDS", help="only nrvna: NRVNA_LOAD_AHEAD 1 against 0")
     args = parser.parse_args()
-    binary = llama_server(args.server)
+    binary = llama_server(args.server) if not args.load_ahead else ""
     base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
     try:
         paths = make_models(base, os.path.abspath(args.chat), os.path.abspath(args.embed))
         lines = batch_lines(args.jobs, args.tokens)
+        if args.load_ahead:
+            print(f"machine: {machine()}; GPU layers {os.environ.get('NRVNA_GPU_LAYERS', '0')}; chat model "
+                  f"{os.path.basename(args.chat)}; {len(lines)} lines; {args.load_ahead} interleaved rounds")
+            return load_ahead(paths, lines, base, args.load_ahead)
         arms = [(f"nrvna: one daemon, --max-loaded {most}", lambda most=most: nrvna_arm(paths, lines, base, most), "")
                 for most in (1, 2, 3)]
         arms.append(("nrvna: one --drain daemon per model, in a row", lambda: nrvna_arm(paths, lines, base), ""))
@@ -230,7 +262,8 @@ def main() -> None:
         ours, theirs = results[f"nrvna: one daemon, --max-loaded {most}"], results[f"llama-server router, --models-max {most}"]
         print(f"room for {most} models: nrvna {ours['jobs/s']:.2f} jobs/s ({ours['loads']} loads) against the router's "
               f"{theirs['jobs/s']:.2f} ({theirs['loads']} loads): {ours['jobs/s'] / theirs['jobs/s']:.2f}x; serving "
-              f"{len(lines) / ours['serving'] / theirs['jobs/s']:.2f}x")
+              f"{len(lines) / ours['serving'] / theirs['jobs/s']:.2f}x; with the router's start ({theirs['start']:.2f} s) "
+              f"counted as nrvna's is: {(theirs['seconds'] + theirs['start']) / ours['seconds']:.2f}x")
     for name, r in results.items():
         if "by model" in r:
             print(f"{name}: loads by model {r['by model']}")
