@@ -1120,6 +1120,22 @@ def drain(models: Path, ws: str, env: dict[str, str], *flags: str) -> str:
     return log
 
 
+def submit_stories(run_main: RunMain, ws: str, env: dict[str, str], names: tuple[str, ...], tokens: int,
+                   embed: str = "") -> dict[str, str]:
+    """8 rounds of a story job of ``tokens`` tokens (end-of-generation ignored) for each model
+    of ``names`` (and an embed job for model ``embed``), interleaved; {job ID: its model's file}."""
+    ids = {}
+    for i in range(8):
+        for name in names:
+            done = run_main("submit", ws, f"Tell a long story, part {i}.", "--model", name, "--max-tokens", str(tokens),
+                            "--ignore-eos", env=env)
+            ids[done.stdout.decode().strip()] = f"{name}.gguf"
+        if embed:
+            done = run_main("submit", ws, "--embed", f"text {i}", "--model", embed, env=env)
+            ids[done.stdout.decode().strip()] = f"{embed}.gguf"
+    return ids
+
+
 def fake_gguf(path: Path, arch: str = "llama", pooling: int | None = None) -> str:
     """A GGUF header naming ``arch`` (and a pooling type): enough for check_gguf and
     gguf_kind, never for loading."""
@@ -1283,14 +1299,7 @@ def test_with_room_the_next_model_is_loaded_while_the_running_one_works(ws: str,
     models, env = models_dir(tmp_path, a=model, b=model, e=bert)
     for ahead in ("1", "0"):
         workspace = f"{ws}-{ahead}"
-        ids = {}
-        for i in range(8):
-            for name in ("a", "b"):
-                done = run_main("submit", workspace, f"Tell a story, part {i}.", "--model", name, "--max-tokens", "32",
-                                "--ignore-eos", env=env)
-                ids[done.stdout.decode().strip()] = f"{name}.gguf"
-            done = run_main("submit", workspace, "--embed", f"text {i}", "--model", "e", env=env)
-            ids[done.stdout.decode().strip()] = "e.gguf"
+        ids = submit_stories(run_main, workspace, env, ("a", "b"), 32, embed="e")
         log = drain(models, workspace, {**env, "NRVNA_LOAD_AHEAD": ahead}, "--max-loaded", "2")
         loads = re.findall(r"Loading model \S+/(\w)\.gguf( \(ahead of its turn\))?", log)
         assert loads == ([("a", ""), ("b", " (ahead of its turn)"), ("e", " (ahead of its turn)")] if ahead == "1"
@@ -1308,12 +1317,7 @@ def test_with_room_the_next_model_is_loaded_while_the_running_one_works(ws: str,
 def test_two_daemons_share_a_workspace_and_a_killed_ones_jobs_are_requeued_at_once(ws: str, tmp_path: Path,
                                                                                  model: str, run_main: RunMain) -> None:
     _, env = models_dir(tmp_path, smol=model, smol2=model)
-    ids = {}
-    for i in range(8):
-        for name in ("smol", "smol2"):
-            done = run_main("submit", ws, f"Tell a long story, part {i}.", "--model", name, "--max-tokens", "48",
-                            "--ignore-eos", env=env)
-            ids[done.stdout.decode().strip()] = f"{name}.gguf"
+    ids = submit_stories(run_main, ws, env, ("smol", "smol2"), 48)
     first = start_daemon("smol", ws, "-w", "1", env=env)
     second = start_daemon("smol2", ws, "-w", "1", env=env)
     try:
