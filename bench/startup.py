@@ -1,6 +1,9 @@
 """Client start-up: wall time of `python nrvna.py submit WS "hi"` against `python -c pass`,
-and of the installed entry point (`python -c "import nrvna; nrvna.main()"`, which runs from
-cached bytecode like the `nrvna` console script). Medians over N runs, same process.
+of `python -m nrvna submit WS "hi"` run in the folder holding nrvna.py (the vendored file,
+from the bytecode Python caches in __pycache__/), and of the installed entry point (`python -c
+"import nrvna; nrvna.main()"`, which runs from cached bytecode like the `nrvna` console
+script). Medians over N runs, same process. A script run as `python FILE` is compiled whole on
+every run: Python caches bytecode only for imported modules.
 
     python bench/startup.py [--runs 40]
 """
@@ -43,15 +46,18 @@ def main() -> None:
         script = os.path.join(copy, "nrvna.py")
         baseline = timed([PYTHON, "-c", "pass"], args.runs, env)
         as_script = timed([PYTHON, script, "submit", ws, "hi"], args.runs, env)
+        as_dash_m = timed([PYTHON, "-m", "nrvna", "submit", ws, "hi"], args.runs, {**env, "PYTHONPATH": copy})
         as_module = timed([PYTHON, "-c", f"import sys; sys.path.insert(0, {copy!r}); import nrvna; "
                                          f"sys.exit(nrvna.main(['submit', {ws!r}, 'hi']))"], args.runs, env)
         print(f"machine: {machine()}")
         print(table(["command", "median ms", "vs python -c pass"], [
             ["python -c pass", baseline * 1000, 1.0],
             ["python nrvna.py submit ws hi", as_script * 1000, as_script / baseline],
+            ["python -m nrvna submit ws hi (cached bytecode)", as_dash_m * 1000, as_dash_m / baseline],
             ["nrvna submit ws hi (entry point, cached bytecode)", as_module * 1000, as_module / baseline],
         ]))
-        print(f"\ntarget <= 1.5x: script {as_script / baseline:.2f}x, entry point {as_module / baseline:.2f}x")
+        print(f"\ntarget <= 1.5x: script {as_script / baseline:.2f}x, -m {as_dash_m / baseline:.2f}x, "
+              f"entry point {as_module / baseline:.2f}x")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
