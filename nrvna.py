@@ -33,7 +33,8 @@ Contents (one banner each, in dependency order: a section uses only what is abov
 11. llama.cpp engine              LlamaRunner, LlamaSession (continuous batching): _Sequence, _JobSampler
                                   (sampling: _Penalties, _GrammarTemplates, _SamplingScratch), _PrefixCache; _Embedder
 12. Daemon                        Pool, Scanner, Processor (and its _Claim on each running job), Hooks,
-                                  _Models and _ModelSwitch (several models), _Registry (several daemons), Server
+                                  _Models and _ModelSwitch (several models), _Registry (several daemons),
+                                  _Watcher (cancels, timeouts, dead daemons), Server
 13. CLI                           main(), one _cmd_* per command, markdown_tables (the manual's tables)
 """
 
@@ -9551,6 +9552,74 @@ class _ModelSwitch:
             self._cond.notify_all()
 
 
+class _Watcher:
+    """A daemon's Watcher thread, every WATCH_SECONDS: sees cancel requests and timeouts of
+    running jobs and appends their new text to partial.txt; every REAP_SECONDS looks for
+    daemons of the workspace that died and requeues their running jobs; every
+    DAEMON_STATUS_SECONDS rewrites this daemon's record. (Off the workers' threads: decoding
+    never waits for this I/O.)"""
+
+    def __init__(self, workspace: str, registry: _Registry, processor: Processor, pool: Pool, models: _Models,
+                 running: Callable[[], list[RunningJob]], write_status: Callable[[], None]) -> None:
+        self.workspace, self.registry, self.processor, self.pool, self.models = (workspace, registry, processor,
+                                                                                  pool, models)
+        self.running, self.write_status = running, write_status
+        self._next_reap = 0.0
+        self._next_orphans = time.monotonic() + ORPHAN_SECONDS
+        self._next_status = 0.0
+
+    def run(self, stop: threading.Event) -> None:
+        _name_os_thread("Watcher")
+        while not stop.wait(WATCH_SECONDS):
+            try:
+                self.round()
+            except Exception as err:  # bookkeeping must never take the daemon down
+                log.error(f"watcher error: {err!r}")
+
+    def round(self) -> None:
+        now = time.monotonic()
+        for job in self.running():
+            if job.interrupt is None:
+                timeout = job_param(job.params, "timeout")
+                if timeout is not None and now - job.started > timeout:
+                    job.interrupt = ("timeout", f"generation took longer than its timeout of {timeout:g} s")
+                elif self.processor.cancel_requested(job):
+                    job.interrupt = ("cancelled", "cancelled while running (nrvna cancel)")
+            self.processor.flush_partial(job)
+        if now >= self._next_reap:
+            self._next_reap = now + REAP_SECONDS
+            self._reap(now)
+        if now >= self._next_status:
+            self._next_status = now + DAEMON_STATUS_SECONDS
+            self.registry.keep()
+            self.processor.daemon = self.registry.name  # (a new name, if its lock file was replaced)
+            self.write_status()
+
+    def _reap(self, now: float) -> None:
+        """Requeue at once the running jobs of daemons that died (their locks are free), and
+        every ORPHAN_SECONDS any job in processing/ that nobody holds (a requeue or a reaping
+        that failed); route again the jobs left for others when the other daemons' kinds of
+        model change, and forget those that others ran."""
+        dead = list(self.registry.dead())
+        for name in dead:
+            log.warning(f"Daemon {name} died; requeuing the jobs it was running")
+        if dead or now >= self._next_orphans:
+            self._next_orphans = now + ORPHAN_SECONDS
+            recovered = self.processor.recover()
+            if recovered:
+                log.info(f"Requeued {len(recovered)} jobs that no live daemon held")
+            if not dead:
+                self.pool.forget_gone(set(os.listdir(os.path.join(self.workspace, READY))))
+        kinds = self.peer_kinds()
+        self.pool.reroute(lambda: self.models.peers(kinds))
+
+    def peer_kinds(self) -> set[str]:
+        """The kinds of model ("chat", "embed") the workspace's other live daemons serve."""
+        others = [r for r in daemon_records(self.workspace) if r.get("name") != self.registry.name]
+        return {m["kind"] for r in others for m in r.get("models") or ()
+                if isinstance(m, dict) and m.get("kind") in ("chat", "embed")}
+
+
 class Server:
     """The daemon: registers among the workspace's daemons, loads its (first) model, recovers
     orphans, then runs one Scanner thread and N worker threads (``Worker-0``...) until
@@ -9584,8 +9653,7 @@ class Server:
         self.registry = _Registry(self.workspace)
         self.models: Optional[_Models] = None
         self.switch: Optional[_ModelSwitch] = None  # serving several models: the Models thread
-        self._next_reap = 0.0
-        self._next_orphans = time.monotonic() + ORPHAN_SECONDS
+        self.watcher: Optional[_Watcher] = None
         self.scanner: Optional[Scanner] = None
         self.processor: Optional[Processor] = None
         self.started = False
@@ -9596,7 +9664,6 @@ class Server:
         self._stats = {"jobs_done": 0, "jobs_failed": 0, "tokens_generated": 0}
         self._recent: Any = deque()  # (time, tokens) of jobs ended in the last minute
         self._started_at = time.time()
-        self._next_status = 0.0
         self.hooks: Optional[Hooks] = None
         self._signalled: Optional[int] = None  # see stop_from_signal
         self._models_dir = os.path.abspath(self.config.models_dir)
@@ -9643,7 +9710,9 @@ class Server:
             recovered = self.processor.recover()
             self.processor.clean_staging()
             self._run_last_chances(recovered, sessions[0])
-            models.peers(self._peer_kinds())  # before the first scan routes a job
+            self.watcher = _Watcher(self.workspace, self.registry, self.processor, self.pool, models,
+                                    self._running_jobs, self.write_status)
+            models.peers(self.watcher.peer_kinds())  # before the first scan routes a job
             self.scanner = Scanner(self.workspace, self.pool, self._stop)
         except BaseException:
             self.hooks = None
@@ -9652,7 +9721,7 @@ class Server:
             raise
         self._started_at = time.time()
         self._threads = [threading.Thread(target=self.scanner.run, name="Scanner", daemon=True),
-                         threading.Thread(target=self._watch_loop, name="Watcher", daemon=True)]
+                         threading.Thread(target=self.watcher.run, args=(self._stop,), name="Watcher", daemon=True)]
         self._loads = [0] * len(sessions)
         self._tops = [None] * len(sessions)
         if len(models.served) > 1:
@@ -9745,61 +9814,9 @@ class Server:
                 log.info("Queue drained")
                 self.request_stop()
 
-    def _watch_loop(self) -> None:
-        _name_os_thread("Watcher")
-        while not self._stop.wait(WATCH_SECONDS):
-            try:
-                self.watch()
-            except Exception as err:  # bookkeeping must never take the daemon down
-                log.error(f"watcher error: {err!r}")
-
-    def watch(self) -> None:
-        """The Watcher thread's round, every 100 ms: see cancel requests and timeouts of
-        running jobs, append their new text to partial.txt, now and then rewrite daemon.json.
-        (Off the workers' threads: decoding never waits for this I/O.)"""
-        now = time.monotonic()
+    def _running_jobs(self) -> list[RunningJob]:
         with self._stats_lock:
-            running = list(self._running.values())
-        for job in running:
-            if job.interrupt is None:
-                timeout = job_param(job.params, "timeout")
-                if timeout is not None and now - job.started > timeout:
-                    job.interrupt = ("timeout", f"generation took longer than its timeout of {timeout:g} s")
-                elif self.processor.cancel_requested(job):
-                    job.interrupt = ("cancelled", "cancelled while running (nrvna cancel)")
-            self.processor.flush_partial(job)
-        if now >= self._next_reap:
-            self._next_reap = now + REAP_SECONDS
-            self._reap(now)
-        if now >= self._next_status:
-            self._next_status = now + DAEMON_STATUS_SECONDS
-            self.registry.keep()
-            self.processor.daemon = self.registry.name  # (a new name, if its lock file was replaced)
-            self.write_status()
-
-    def _reap(self, now: float) -> None:
-        """Requeue at once the running jobs of daemons that died (their locks are free), and
-        every ORPHAN_SECONDS any job in processing/ that nobody holds (a requeue or a reaping
-        that failed); route again the jobs left for others when the other daemons' kinds of
-        model change, and forget those that others ran."""
-        dead = list(self.registry.dead())
-        for name in dead:
-            log.warning(f"Daemon {name} died; requeuing the jobs it was running")
-        if dead or now >= self._next_orphans:
-            self._next_orphans = now + ORPHAN_SECONDS
-            recovered = self.processor.recover()
-            if recovered:
-                log.info(f"Requeued {len(recovered)} jobs that no live daemon held")
-            if not dead:
-                self.pool.forget_gone(set(os.listdir(os.path.join(self.workspace, READY))))
-        kinds = self._peer_kinds()
-        self.pool.reroute(lambda: self.models.peers(kinds))
-
-    def _peer_kinds(self) -> set[str]:
-        """The kinds of model ("chat", "embed") the workspace's other live daemons serve."""
-        others = [r for r in daemon_records(self.workspace) if r.get("name") != self.registry.name]
-        return {m["kind"] for r in others for m in r.get("models") or ()
-                if isinstance(m, dict) and m.get("kind") in ("chat", "embed")}
+            return list(self._running.values())
 
     def status(self) -> dict[str, Any]:
         """This daemon's record (what ``nrvna status WS --daemon`` lists)."""
