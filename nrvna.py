@@ -250,7 +250,7 @@ SETTINGS: dict[str, _Setting] = {
                      flags=("--gpu",)),
     "max_loaded": _Setting("NRVNA_MAX_LOADED", int, 2, 1, 64, "models a daemon serving several keeps loaded at once (the one with nothing queued is evicted first)",
                             flags=("--max-loaded",)),
-    "load_ahead": _Setting("NRVNA_LOAD_AHEAD", int, 1, 0, 1, "1 loads the model whose jobs come next while another model runs, into room --max-loaded leaves (or a loaded model's with nothing queued), so its turn starts without a load"),
+    "load_ahead": _Setting("NRVNA_LOAD_AHEAD", int, 1, 0, 1, "1 loads the model whose jobs come next while another model runs, into room --max-loaded leaves (it unloads nothing), so its turn starts without a load"),
     "model_turn": _Setting("NRVNA_MODEL_TURN", float, 60.0, 0.0, 86400.0, "seconds a model keeps the daemon while other models' jobs wait; then the longest-waiting model gets its turn (as soon as its running jobs end)",
                             flags=("--model-turn",)),
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
@@ -6253,6 +6253,13 @@ def _install_llama_logging(llama: Any, level: str) -> None:
     llama.llama_log_set(_llama_log_callback, None)
 
 
+def _llama_log_reason(form: str) -> str:
+    """``form`` filled with llama.cpp's last warning or error line, or "" when there is none.
+    (Another thread may append or clear at the same time: one slice reads it whole.)"""
+    last = _llama_log_tail[-1:]
+    return form.format(last[0]) if last else ""
+
+
 def _strlen_callback(L: Any) -> Any:
     """libc's strlen as a ggml_abort_callback (see LlamaSession.preempt), where a bool result
     is read from the low byte of the integer register that holds strlen's (x86-64, arm64);
@@ -6488,7 +6495,9 @@ class LlamaRunner(Runner):
 
     name = "llama.cpp"
 
-    def __init__(self, model_path: str, config: Config) -> None:
+    def __init__(self, model_path: str, config: Config, cancel: Optional[threading.Event] = None) -> None:
+        """Load ``model_path``; ModelError says why not. Setting ``cancel`` cuts the load short
+        (a daemon stopping while it loads a model ahead of its turn)."""
         check_gguf(model_path)
         self.L = L = _import_llama()
         self.config = config
@@ -6503,11 +6512,15 @@ class LlamaRunner(Runner):
             params.split_mode = 0  # LLAMA_SPLIT_MODE_NONE
         if not config.repack:
             params.use_extra_bufts = False  # no AMX/repacked buffers (llama.cpp #20824)
+        if cancel is not None:  # kept here while llama.cpp may call it: it holds only its address
+            self._progress = L.llama_progress_callback(lambda progress, data: not cancel.is_set())
+            params.progress_callback = self._progress
         del _llama_log_tail[:]
         self.model = L.llama_model_load_from_file(model_path.encode(), params)
         if not self.model:
-            reason = f": {_llama_log_tail[-1]}" if _llama_log_tail else ""
-            raise ModelError(f"model {model_path} could not be loaded by llama.cpp{reason}")
+            if cancel is not None and cancel.is_set():
+                raise ModelError(f"model {model_path}: its load was cut short (the daemon is stopping)")
+            raise ModelError(f"model {model_path} could not be loaded by llama.cpp{_llama_log_reason(': {}')}")
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.train_ctx = L.llama_model_n_ctx_train(self.model)
@@ -7000,7 +7013,7 @@ class _GrammarTemplates:
             del _llama_log_tail[:]
             template = L.llama_sampler_init_grammar(self.runner.vocab, text.encode("utf-8"), b"root")
             if not template:
-                reason = f" ({_llama_log_tail[-1]})" if _llama_log_tail else ""
+                reason = _llama_log_reason(" ({})")
                 raise JobError("bad_request", f"llama.cpp refused the grammar{reason}")
             while len(self.parsed) >= GRAMMAR_TEMPLATES:
                 L.llama_sampler_free(self.parsed.pop(next(iter(self.parsed))))
@@ -9285,37 +9298,31 @@ class _Models:
     def _best(self, lanes: Mapping[int, tuple[int, int, Any]], candidates: list[int]) -> int:
         return min(candidates, key=lambda lane: (-lanes[lane][1], self.served[lane].runner is None, lanes[lane][2]))
 
-    def load_ahead(self, lanes: Mapping[int, tuple[int, int, Any]], workers: int) -> bool:
+    def load_ahead(self, lanes: Mapping[int, tuple[int, int, Any]], workers: int, stop: threading.Event) -> bool:
         """Load the model whose jobs come next (as ``choose`` would pick it) while the active
-        one runs, so that its turn starts without a load: only into room NRVNA_MAX_LOADED
-        leaves, or into the place of a loaded model with nothing queued (which its turn would
-        evict anyway); never the active model's. True if it loaded one. A model that fails
-        here is not tried again ahead of its turn: the switch tries, and says why."""
-        waiting = [lane for lane in lanes if lane != self.active and lane not in self.failed
-                   and lane not in self.early_failed]
-        if not waiting:
+        one runs, so that its turn starts without a load; True if it loaded one. Only into
+        the room NRVNA_MAX_LOADED leaves: it unloads nothing, as a model with nothing queued
+        now may be the next one needed (a higher lane's job), and unloading it early would
+        cost a load (a review traced two per such job). ``stop`` cuts the load short. A model that fails here is not tried again
+        ahead of its turn: its turn tries, and says why."""
+        waiting = [lane for lane in lanes if lane != self.active and lane not in self.failed]
+        if not waiting or sum(m.runner is not None for m in self.served) >= self.config.max_loaded:
             return False
         lane = self._best(lanes, waiting)
         model = self.served[lane]
-        if model.runner is not None:
+        if model.runner is not None or lane in self.early_failed:
             return False
-        loaded = [m for m in self.served if m.runner is not None]
-        if len(loaded) >= self.config.max_loaded:
-            idle = [m for i, m in enumerate(self.served) if m.runner is not None and i != self.active and i not in lanes]
-            if not idle:
-                return False
-            victim = min(idle, key=lambda m: m.used)
-            log.info(f"Unloading model {victim.name}")
-            self._unload(victim)
         log.info(f"Loading model {model.path} (ahead of its turn)")
         try:
-            model.runner = LlamaRunner(model.path, self.config)
+            model.runner = LlamaRunner(model.path, self.config, cancel=stop)
             self.loads += 1
             model.sessions = [model.runner.session(i, self.config) for i in range(workers)]
         except Exception as err:  # out of memory beside the active model, say
-            log.warning(f"model {model.name} could not be loaded ahead of its turn ({err}); it is loaded at its turn")
             self._unload(model)
-            self.early_failed.add(lane)
+            if not stop.is_set():
+                log.warning(f"model {model.name} could not be loaded ahead of its turn ({err}); it is tried "
+                            "again at its turn")
+                self.early_failed.add(lane)
             return False
         return True
 
@@ -9488,10 +9495,12 @@ class _ModelSwitch:
                 tops = [top for top in self.tops if top is not None]
                 target = self.models.choose(self.pool.lanes(), self.pool.running() > 0, max(tops, default=None),
                                             time.monotonic())
+                if self.stop.is_set():
+                    break
                 if target is not None:
                     self._switch(target)
                 elif self.models.config.load_ahead:
-                    self.models.load_ahead(self.pool.lanes(), self.workers)
+                    self.models.load_ahead(self.pool.lanes(), self.workers, self.stop)
             except Exception as err:  # choose's own bug: the active model goes on
                 log.error(f"model switch error: {err!r}")
 

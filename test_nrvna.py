@@ -1291,22 +1291,36 @@ def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: st
 
 
 @pytest.mark.model
+def test_a_load_is_cut_short_when_its_cancel_is_set(model: str) -> None:
+    """A daemon that stops while it loads a model ahead of its turn does not wait for the load."""
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(nrvna.ModelError, match="its load was cut short"):
+        nrvna.LlamaRunner(model, nrvna.Config(), cancel=cancel)
+    nrvna.LlamaRunner(model, nrvna.Config(), cancel=threading.Event()).close()  # not set: it loads
+
+
+@pytest.mark.model
 def test_with_room_the_next_model_is_loaded_while_the_running_one_works(ws: str, tmp_path: Path, model: str,
                                                                       bert: str, run_main: RunMain) -> None:
-    """Room for two of three models: b is loaded while a's jobs run, then e in a's place
-    (nothing of a's is queued) while b's run; each once, every job done by its model. With
-    NRVNA_LOAD_AHEAD=0 each is loaded at its turn."""
+    """Three models: with room for three, b is loaded while a's jobs run and e while b's run;
+    with room for two, b ahead, and e only at its turn, in a's place (loading ahead unloads
+    nothing); with NRVNA_LOAD_AHEAD=0 each at its turn. Each once, every job done by its model."""
     models, env = models_dir(tmp_path, a=model, b=model, e=bert)
-    for ahead in ("1", "0"):
-        workspace = f"{ws}-{ahead}"
+    ahead, turn = " (ahead of its turn)", ""
+    for room, setting, expected in (("3", "1", [("a", turn), ("b", ahead), ("e", ahead)]),
+                                    ("2", "1", [("a", turn), ("b", ahead), ("e", turn)]),
+                                    ("2", "0", [("a", turn), ("b", turn), ("e", turn)])):
+        workspace = f"{ws}-{room}-{setting}"
         ids = submit_stories(run_main, workspace, env, ("a", "b"), 32, embed="e")
-        log = drain(models, workspace, {**env, "NRVNA_LOAD_AHEAD": ahead}, "--max-loaded", "2")
+        log = drain(models, workspace, {**env, "NRVNA_LOAD_AHEAD": setting}, "--max-loaded", room)
         loads = re.findall(r"Loading model \S+/(\w)\.gguf( \(ahead of its turn\))?", log)
-        assert loads == ([("a", ""), ("b", " (ahead of its turn)"), ("e", " (ahead of its turn)")] if ahead == "1"
-                         else [("a", ""), ("b", ""), ("e", "")]), log[-3000:]
-        if ahead == "1":
-            assert log.index("(ahead of its turn)") < log.index("Switched from model a.gguf to b.gguf")
-            assert log.index("Unloading model a.gguf") < log.index("e.gguf (ahead") < log.index("to e.gguf")
+        assert loads == expected, log[-3000:]
+        if setting == "1":
+            assert log.index(ahead) < log.index("Switched from model a.gguf to b.gguf")
+        if room == "2":
+            assert log.index("Switched from model a.gguf to b.gguf") < log.index("Unloading model a.gguf") < \
+                log.index("e.gguf")
         flow = Flow(workspace)
         for job_id, name in ids.items():
             job = flow.get(job_id)
