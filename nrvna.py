@@ -9303,8 +9303,9 @@ class _Models:
         one runs, so that its turn starts without a load; True if it loaded one. Only into
         the room NRVNA_MAX_LOADED leaves: it unloads nothing, as a model with nothing queued
         now may be the next one needed (a higher lane's job), and unloading it early would
-        cost a load (a review traced two per such job). ``stop`` cuts the load short. A model that fails here is not tried again
-        ahead of its turn: its turn tries, and says why."""
+        cost a load (a review traced two per such job). ``stop`` cuts the load short. A
+        model that fails here is not tried again ahead of its turn: its turn tries, and says
+        why."""
         waiting = [lane for lane in lanes if lane != self.active and lane not in self.failed]
         if not waiting or sum(m.runner is not None for m in self.served) >= self.config.max_loaded:
             return False
