@@ -9492,16 +9492,16 @@ class _ModelSwitch:
         while not self.stop.is_set():
             self.wake.wait(0.1)
             self.wake.clear()
+            if self.stop.is_set():  # (request_stop sets wake too): no switch or load begins now
+                break
             try:
                 tops = [top for top in self.tops if top is not None]
-                target = self.models.choose(self.pool.lanes(), self.pool.running() > 0, max(tops, default=None),
-                                            time.monotonic())
-                if self.stop.is_set():
-                    break
+                lanes = self.pool.lanes()
+                target = self.models.choose(lanes, self.pool.running() > 0, max(tops, default=None), time.monotonic())
                 if target is not None:
                     self._switch(target)
                 elif self.models.config.load_ahead:
-                    self.models.load_ahead(self.pool.lanes(), self.workers, self.stop)
+                    self.models.load_ahead(lanes, self.workers, self.stop)
             except Exception as err:  # choose's own bug: the active model goes on
                 log.error(f"model switch error: {err!r}")
 

@@ -200,6 +200,11 @@ def load_ahead(paths: dict[str, str], lines: list[dict], base: str, rounds: int)
                  "speed-up, round by round", "speed-up of the medians"], rows))
 
 
+def header(args: argparse.Namespace, lines: list[dict]) -> str:
+    return (f"machine: {machine()}; GPU layers {os.environ.get('NRVNA_GPU_LAYERS', '0')}; chat model "
+            f"{os.path.basename(args.chat)}; {len(lines)} lines")
+
+
 def log_span(log: str, first: str, last: str) -> float:
     """Seconds between the log lines holding ``first`` and ``last`` (their timestamps)."""
     stamps = {}
@@ -225,8 +230,7 @@ def main() -> None:
         paths = make_models(base, os.path.abspath(args.chat), os.path.abspath(args.embed))
         lines = batch_lines(args.jobs, args.tokens)
         if args.load_ahead:
-            print(f"machine: {machine()}; GPU layers {os.environ.get('NRVNA_GPU_LAYERS', '0')}; chat model "
-                  f"{os.path.basename(args.chat)}; {len(lines)} lines; {args.load_ahead} interleaved rounds")
+            print(f"{header(args, lines)}; {args.load_ahead} interleaved rounds")
             return load_ahead(paths, lines, base, args.load_ahead)
         arms = [(f"nrvna: one daemon, --max-loaded {most}", lambda most=most: nrvna_arm(paths, lines, base, most), "")
                 for most in (1, 2, 3)]
@@ -246,8 +250,7 @@ def main() -> None:
             raise SystemExit("models.py: every arm failed")
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"machine: {machine()}; GPU layers {os.environ.get('NRVNA_GPU_LAYERS', '0')}; chat model "
-          f"{os.path.basename(args.chat)}; {len(lines)} lines ({args.jobs} per model: 2 chat models x {args.tokens} tokens, "
+    print(f"{header(args, lines)} ({args.jobs} per model: 2 chat models x {args.tokens} tokens, "
           "1 embedding model x 2 texts), interleaved line by line")
     rows = [[name, r["seconds"], r["jobs/s"], r.get("serving", r["seconds"]), len(lines) / r.get("serving", r["seconds"]),
              r["loads"]] for name, r in results.items()]
