@@ -2,9 +2,12 @@
 that interleaves three models line by line; same models, jobs, sampling and machine, model
 loads counted on both sides (issue 31's benchmark).
 
-Models: SmolLM2-135M-Instruct (chat A); a second file of the same weights (chat B: the router
-and nrvna each load it as a model of its own, so a swap costs what a real one of that size
-does); all-MiniLM-L6-v2 (embeddings C, made by scripts/embed_model.py when missing). The batch:
+Models: SmolLM2-135M-Instruct (chat A); chat B, by default a second file of the same weights
+(the router and nrvna each load it as a model of its own, so a swap costs what a real one of
+that size does), or with `--chat-b host` issue 31's own: a random-weight model of 1 layer of
+width 64 with SmolLM2's vocabulary (bench/random_model.py --shape host, cached as
+host_bound.py caches it), whose decode and load cost little; all-MiniLM-L6-v2 (embeddings C,
+made by scripts/embed_model.py when missing). The batch:
 JOBS lines per model in file order A, B, C, A, B, C, ... as OpenAI Batch lines naming their
 model (nrvna gets the same jobs as its own JSONL lines, which may say ignore_eos): a chat line generates TOKENS tokens (end-of-generation ignored, temperature 0.8, top_k
 40, top_p 0.9, min_p 0.05), an embedding line embeds 2 texts.
@@ -20,7 +23,8 @@ Arms:
 - nrvna, one `--drain` daemon per model in a row (A, B, C), each loading its model once.
 Every job's meta.json must name the model its line named.
 
-    python bench/models.py [--jobs 50] [--tokens 32] [--server PATH] [--chat GGUF] [--embed GGUF]
+    python bench/models.py [--jobs 50] [--tokens 32] [--server PATH] [--chat GGUF] [--chat-b GGUF|host]
+        [--embed GGUF]
     python bench/models.py --load-ahead ROUNDS   # nrvna alone: NRVNA_LOAD_AHEAD 1 against 0,
         # room for 2 and 3 models, ROUNDS interleaved rounds (the next model loaded while one runs)
 
@@ -45,6 +49,7 @@ import time
 import urllib.request
 
 from common import gpu_offload, llama_server, machine, PYTHON, ROOT, table
+from host_bound import host_model
 from vs_llama_server import SAMPLING, concurrently, free_port
 
 import nrvna
@@ -61,15 +66,16 @@ CHAT = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 EMBED = os.path.join(ROOT, "models", "all-MiniLM-L6-v2-f16.gguf")
 
 
-def make_models(base: str, chat: str = CHAT, embed: str = EMBED) -> dict[str, str]:
-    """A models directory with chat-a.gguf, chat-b.gguf (hard links, else copies, of ``chat``:
-    one file each, so neither side can tell they hold the same weights) and minilm.gguf."""
+def make_models(base: str, chat: str = CHAT, embed: str = EMBED, chat_b: str = "") -> dict[str, str]:
+    """A models directory with chat-a.gguf, chat-b.gguf and minilm.gguf: hard links, else copies,
+    of ``chat``, ``chat_b`` (default: ``chat`` again, one file each, so neither side can tell they
+    hold the same weights) and ``embed``."""
     if embed == EMBED and not os.path.exists(embed):
         subprocess.run([PYTHON, os.path.join(ROOT, "scripts", "embed_model.py")], check=True)
     folder = os.path.join(base, "models")
     os.mkdir(folder)
     paths = {}
-    for name, source in (("chat-a", chat), ("chat-b", chat), ("minilm", embed)):
+    for name, source in (("chat-a", chat), ("chat-b", chat_b or chat), ("minilm", embed)):
         paths[name] = os.path.join(folder, f"{name}.gguf")
         try:
             os.link(source, paths[name])
@@ -201,8 +207,9 @@ def load_ahead(paths: dict[str, str], lines: list[dict], base: str, rounds: int)
 
 
 def header(args: argparse.Namespace, lines: list[dict]) -> str:
+    second = f"chat-b {os.path.basename(args.chat_b)}" if args.chat_b else "chat-b a second file of it"
     return (f"machine: {machine()}; GPU layers {os.environ.get('NRVNA_GPU_LAYERS', '0')}; chat model "
-            f"{os.path.basename(args.chat)}; {len(lines)} lines")
+            f"{os.path.basename(args.chat)}, {second}; {len(lines)} lines")
 
 
 def log_span(log: str, first: str, last: str) -> float:
@@ -220,14 +227,18 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=50, help="lines per model")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per chat line")
     parser.add_argument("--server", help="llama-server binary (default: build it)")
-    parser.add_argument("--chat", default=CHAT, help="the chat model (both chat-a and chat-b)")
+    parser.add_argument("--chat", default=CHAT, help="the chat model (chat-a, and chat-b unless --chat-b)")
+    parser.add_argument("--chat-b", default="", help="chat-b's model; 'host': issue 31's 1-layer random model "
+                        "with --chat's vocabulary (default: a second file of --chat)")
     parser.add_argument("--embed", default=EMBED, help="the embedding model")
     parser.add_argument("--load-ahead", type=int, metavar="ROUNDS", help="only nrvna: NRVNA_LOAD_AHEAD 1 against 0")
     args = parser.parse_args()
     binary = llama_server(args.server) if not args.load_ahead else ""
     base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
     try:
-        paths = make_models(base, os.path.abspath(args.chat), os.path.abspath(args.embed))
+        if args.chat_b:
+            args.chat_b = os.path.abspath(host_model(args.chat, None) if args.chat_b == "host" else args.chat_b)
+        paths = make_models(base, os.path.abspath(args.chat), os.path.abspath(args.embed), args.chat_b)
         lines = batch_lines(args.jobs, args.tokens)
         if args.load_ahead:
             print(f"{header(args, lines)}; {args.load_ahead} interleaved rounds")
