@@ -9313,13 +9313,9 @@ class _Models:
         model = self.served[lane]
         if model.runner is not None or lane in self.early_failed:
             return False
-        log.info(f"Loading model {model.path} (ahead of its turn)")
         try:
-            model.runner = LlamaRunner(model.path, self.config, cancel=stop)
-            self.loads += 1
-            model.sessions = [model.runner.session(i, self.config) for i in range(workers)]
+            self._load(model, workers, " (ahead of its turn)", cancel=stop)
         except Exception as err:  # out of memory beside the active model, say
-            self._unload(model)
             if not stop.is_set():
                 log.warning(f"model {model.name} could not be loaded ahead of its turn ({err}); it is tried "
                             "again at its turn")
@@ -9340,8 +9336,17 @@ class _Models:
                 log.info(f"Unloading model {victim.name}")
                 self._unload(victim)
                 loaded.remove(victim)
-            log.info(f"Loading model {model.path}")
-            model.runner = LlamaRunner(model.path, self.config)
+        self._load(model, workers)
+        self.active, self.since = lane, time.monotonic()
+        model.used = self.since
+        return model.sessions
+
+    def _load(self, model: _ServedModel, workers: int, why: str = "", cancel: Optional[threading.Event] = None) -> None:
+        """Load ``model`` (unless it is) and its ``workers`` sessions (unless it has them); on
+        failure nothing of it stays loaded, and the error is raised."""
+        if model.runner is None:
+            log.info(f"Loading model {model.path}{why}")
+            model.runner = LlamaRunner(model.path, self.config, cancel=cancel)
             self.loads += 1
         if not model.sessions:
             try:
@@ -9349,9 +9354,6 @@ class _Models:
             except BaseException:
                 self._unload(model)
                 raise
-        self.active, self.since = lane, time.monotonic()
-        model.used = self.since
-        return model.sessions
 
     def _unload(self, model: _ServedModel) -> None:
         if model.runner is not None:
