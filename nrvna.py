@@ -652,6 +652,12 @@ SCHEMA_TYPES = ("string", "number", "integer", "boolean", "null", "object", "arr
 SCHEMA_MAX_REPEAT = 500
 SCHEMA_MAX_DEPTH = 64
 SCHEMA_MAX_PROPERTIES = 256  # the converter recurses once per optional property
+# A schema's patterns and formats together, counted as one pattern's are (_pattern_shape): the
+# steps their automata take to make (each distinct one once) and the grammar states they become
+# (each use: each is a copy of its rules). Ten patterns of 1.5 million steps each passed the
+# per-pattern limits, and then took a minute to check and convert on a worker.
+SCHEMA_MAX_PATTERN_WORK = 3_000_000
+SCHEMA_MAX_PATTERN_STATES = 40_000
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
@@ -677,6 +683,8 @@ class _SchemaCheck:
         self.refs_seen: set[str] = set()
         self.ref_nodes: set[int] = set()  # the $ref objects visited as schemas
         self.leads: dict[str, set[str]] = {}  # $ref -> the $refs its schema may start with
+        self.pattern_work: dict[str, int] = {}  # pattern (or format's pattern) -> its automaton's steps
+        self.pattern_states = 0  # grammar states of every pattern and format, each use counted
 
     def fail(self, where: str, message: str) -> None:
         raise InvalidInput(f"schema {where or '/'}: {message}")
@@ -733,6 +741,7 @@ class _SchemaCheck:
             self.counts(node, where, "minLength", "maxLength")
             rules: dict[str, str] = {}
             expression = string_rule(node, where, rules)
+            self.count_pattern(node, where)
             if "pattern" in node:  # what llama.cpp is given must not hang a worker: checked as a grammar is
                 try:
                     check_grammar(f'root ::= "\\"" {expression} "\\""\n' + "".join(f"{n} ::= {b}\n" for n, b in rules.items()))
@@ -869,6 +878,24 @@ class _SchemaCheck:
         key = "items" if isinstance(items, list) else "prefixItems"
         for i, sub in enumerate(tuple_items):
             self.visit(sub, f"{where}/{key}/{i}", depth + 1)
+
+    def count_pattern(self, node: dict[str, Any], where: str) -> None:
+        """Add a pattern's or format's work (string_rule has made it) to the schema's, and
+        refuse the schema once the total passes SCHEMA_MAX_PATTERN_WORK or _STATES: the
+        check here, the conversion in the daemon and llama.cpp's parse grow with them."""
+        source = node["pattern"] if "pattern" in node else SCHEMA_FORMATS[node["format"]]
+        shape = _pattern_shape(source)  # (remembered: string_rule has just made it)
+        self.pattern_work[source] = shape.work
+        self.pattern_states += len(shape.states)
+        work = sum(self.pattern_work.values())
+        if work > SCHEMA_MAX_PATTERN_WORK:
+            self.fail(where, f"the schema's patterns and formats take {work:,} steps to make into a grammar with "
+                             f"this one, over the {SCHEMA_MAX_PATTERN_WORK:,} a schema may take (this one takes "
+                             f"{shape.work:,}): use fewer or simpler patterns")
+        if self.pattern_states > SCHEMA_MAX_PATTERN_STATES:
+            self.fail(where, f"the schema's patterns and formats make {self.pattern_states:,} grammar states with "
+                             f"this one, over the {SCHEMA_MAX_PATTERN_STATES:,} a schema may make (this one makes "
+                             f"{len(shape.states):,}; each count of a counted repetition is a state)")
 
     def counts(self, node: dict[str, Any], where: str, low_key: str, high_key: str) -> None:
         low, high = node.get(low_key, 0), node.get(high_key)
@@ -1361,7 +1388,9 @@ _PATTERN_MAX_STATES = 2_000  # grammar rules one pattern may become
 _PATTERN_MAX_WORK = 3_000_000  # set operations to make one (about a second; most patterns take a few thousand)
 _JSON_ANY = ((0, 0xD7FF), (0xE000, _LAST_POINT))  # any character a string may hold
 # states: (whether the string may end there, ((spans, the state they lead to), ...)), state 0 first
-_PatternShape = namedtuple("_PatternShape", "states shortest longest")  # longest: None = unbounded
+# work: the set operations its automaton took (counted against _PATTERN_MAX_WORK and a schema's
+# SCHEMA_MAX_PATTERN_WORK)
+_PatternShape = namedtuple("_PatternShape", "states shortest longest work")  # longest: None = unbounded
 
 
 def _python_class(name: str) -> tuple[tuple[int, int], ...]:
@@ -1767,6 +1796,17 @@ def _pattern_shape(pattern: str) -> _PatternShape:
     follow: list[set[int]] = []
     budget = [_PATTERN_MAX_WORK]
     nullable, first, last = _positions(("alt", choices), sets, follow, budget)
+    # The positions of one character set are swept as one, and a state's positions are
+    # handled by set operations, never one by one in Python: .{0,500} is 500 positions of one
+    # set, and a state after k characters holds k of them (one by one, the states of
+    # ^.{0,500}.{0,500}.{0,400}$ took 6 s to make; so, about a tenth of a second).
+    kinds: dict[Any, int] = {}
+    kind_of = [kinds.setdefault(spans, len(kinds)) for spans in sets]
+    spans_of = list(kinds)
+    holding: list[set[int]] = [set() for _ in spans_of]  # kind -> the positions of that set
+    for p, kind in enumerate(kind_of):
+        holding[kind].add(p)
+    follow_of = follow.__getitem__
     # From a position of "any text" that can end the string, every string that follows matches
     done = {p for p in last if sets[p] is _JSON_ANY and p in follow[p]}
     everything = frozenset((-2,))  # the state where every string that follows matches
@@ -1778,12 +1818,15 @@ def _pattern_shape(pattern: str) -> _PatternShape:
         if state == everything:
             states.append((True, ((_JSON_ANY, numbers[state]),)))
             continue
-        ahead = first if state == start else set().union(*(follow[p] for p in state))
-        budget[0] -= len(ahead) + sum(len(follow[p]) for p in state if p >= 0)
+        ahead = first if state == start else set().union(*map(follow_of, state))
+        budget[0] -= len(ahead) + (0 if state == start else sum(map(len, map(follow_of, state))))
         if budget[0] < 0:
             raise _PatternError(None, "it is too complex to make a grammar of (its automaton takes too long to build)")
         moves: dict[int, list[tuple[int, int]]] = {}
-        for low, high, taken in _sweep({p: sets[p] for p in ahead}):
+        here = set(map(kind_of.__getitem__, ahead))
+        groups = {kind: ahead if len(here) == 1 else ahead & holding[kind] for kind in here}
+        for low, high, taken_kinds in _sweep({kind: spans_of[kind] for kind in groups}):
+            taken = frozenset().union(*map(groups.__getitem__, taken_kinds))
             target = everything if taken & done else taken
             if target not in numbers:
                 if len(order) >= _PATTERN_MAX_STATES:
@@ -1795,7 +1838,7 @@ def _pattern_shape(pattern: str) -> _PatternShape:
         ends = nullable if state == start else bool(state & last)
         states.append((ends, tuple((_spans(spans), target) for target, spans in moves.items())))
     shortest, longest = _path_lengths(states)
-    return _PatternShape(tuple(states), shortest, longest)
+    return _PatternShape(tuple(states), shortest, longest, _PATTERN_MAX_WORK - budget[0])
 
 
 def _path_lengths(states: list[tuple[bool, tuple[Any, ...]]]) -> tuple[int, Optional[int]]:
@@ -1954,6 +1997,7 @@ GRAMMAR_MAX_REPETITION = 2000  # llama.cpp's MAX_REPETITION_THRESHOLD
 GRAMMAR_MAX_ELEMENTS = 200_000
 _GBNF_ESCAPES = {"t": "\t", "r": "\r", "n": "\n", "\\": "\\", '"': '"', "[": "[", "]": "]", "-": "-"}
 _GBNF_HEX = {"x": 2, "u": 4, "U": 8}
+_GBNF_NAME = re.compile(r"[A-Za-z0-9-]*")  # a rule name: ASCII letters, digits and '-'
 
 
 def check_grammar(text: str) -> "GrammarShape":
@@ -2003,9 +2047,7 @@ class _GbnfParser:
         return pos
 
     def name(self, pos: int) -> int:
-        end = pos
-        while end < len(self.src) and (self.src[end].isascii() and (self.src[end].isalnum() or self.src[end] == "-")):
-            end += 1
+        end = _GBNF_NAME.match(self.src, pos).end()  # type: ignore[union-attr]
         if end == pos:
             self.fail(pos, "expecting a rule name")
         return end
@@ -2222,15 +2264,30 @@ class _GbnfParser:
         Stricter than llama.cpp, on purpose: its check counts a rule as possibly empty only
         when one of its alternatives is written empty, so ``x ::= ws x`` with ``ws ::= [ ]*``
         passes it, and then building the grammar recurses without end until the daemon dies."""
+        # A rule is nullable if an alternative is nothing but nullable rules: each such
+        # alternative waits for its rules, once each (a pass over every rule until nothing
+        # changed took as many passes as the longest chain: seconds for a schema's patterns).
+        waiting: dict[int, list[list[Any]]] = {}  # rule -> the alternatives that wait for it
+        ready = []
+        for rule_id, alternatives in self.rules.items():
+            for alt in alternatives:
+                if all(e[0] == "ref" for e in alt):
+                    refs = {e[1] for e in alt}
+                    entry = [rule_id, len(refs)]  # the rules it still waits for
+                    for ref in refs:
+                        waiting.setdefault(ref, []).append(entry)
+                    if not refs:
+                        ready.append(rule_id)
         nullable: set[int] = set()
-        changed = True
-        while changed:  # a rule is nullable if an alternative is nothing but nullable rules
-            changed = False
-            for rule_id, alternatives in self.rules.items():
-                if rule_id not in nullable and any(all(e[0] == "ref" and e[1] in nullable for e in alt)
-                                                   for alt in alternatives):
-                    nullable.add(rule_id)
-                    changed = True
+        while ready:
+            rule_id = ready.pop()
+            if rule_id in nullable:
+                continue
+            nullable.add(rule_id)
+            for entry in waiting.get(rule_id, ()):
+                entry[1] -= 1
+                if not entry[1]:
+                    ready.append(entry[0])
         leading: dict[int, list[int]] = {}  # rule -> the rules it may start with
         for rule_id, alternatives in self.rules.items():
             starts = leading[rule_id] = []
