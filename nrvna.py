@@ -6247,6 +6247,7 @@ PREFIX_WAIT_TOKENS = 16
 PENALTY_WINDOW = 64
 # Distinct grammars a runner keeps converted, and each context keeps parsed.
 GRAMMAR_CACHE = 256
+CONVERSION_POLL = 0.05  # seconds a session with nothing but grammars being made waits in a step
 GRAMMAR_TEMPLATES = 16
 # A draw its grammar refuses is first redrawn from this many likeliest tokens (see _JobSampler._resample).
 SHORTLIST = 4096
@@ -6526,6 +6527,11 @@ class _CallThread:
                 box.append(err)
             done.set()
 
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on this thread, after the calls before it, without waiting for it
+        (``fn`` hands its result over itself)."""
+        self._calls.put((fn, args, [], threading.Event()))
+
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on this thread; its result, or its exception raised here."""
         box: list[Any] = []
@@ -6536,10 +6542,24 @@ class _CallThread:
             raise box[0]
         return box[0]
 
-    def close(self) -> None:
-        """Finish the calls handed over, then end the thread."""
+    def close(self, wait: bool = True) -> None:
+        """Finish the calls handed over, then end the thread (``wait``: before returning)."""
         self._calls.put(None)
-        self._thread.join()
+        if wait:
+            self._thread.join()
+
+
+class _Conversion:
+    """A job's grammar being made on its runner's Grammar thread (LlamaRunner.prepare_grammar):
+    ``done`` is set once ``found`` ((key, GBNF, shape), as LlamaRunner.grammar gives) or
+    ``error`` (the JobError that fails the jobs waiting for it) is."""
+
+    __slots__ = ("done", "found", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.found: Optional[tuple[Any, str, GrammarShape]] = None
+        self.error: Optional[JobError] = None
 
 
 class LlamaRunner(Runner):
@@ -6612,7 +6632,9 @@ class LlamaRunner(Runner):
                                         and t not in self.eog_tokens)
         self.control_mask = numpy.zeros(self.n_vocab, dtype=bool)
         self.control_mask[list(self.control_tokens)] = True
-        self._grammars_lock = threading.Lock()
+        self._grammars_lock = threading.Lock()  # held for the dictionaries, never while converting
+        self._converting: dict[Any, _Conversion] = {}  # grammars the Grammar thread is making
+        self._converter: Optional[_CallThread] = None  # the Grammar thread, made on first use
         self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
         self._lock = threading.Lock()
         self._sessions: list[LlamaSession] = []
@@ -6798,34 +6820,90 @@ class LlamaRunner(Runner):
 
     def grammar(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str, GrammarShape]]:
         """The job's grammar, if its output is constrained: (a key naming it, its GBNF text,
-        its shape). A JSON schema is converted once per distinct schema, then found here again.
+        its shape). A JSON schema is converted once per distinct schema, then found here again
+        (here, on the calling thread, if no conversion of it is done: see prepare_grammar).
         Raises JobError (grammar_error) for one whose start is past the work limits."""
+        named = self._grammar_key(params)
+        if named is None:
+            return None
+        kind, key, params = named
+        with self._grammars_lock:
+            found = self._grammars.pop(key, None)
+            if found is not None:
+                self._grammars[key] = found  # most recently used last
+                return (key,) + found
+        found = self._made(kind, params)
+        self._remember(key, found)
+        return (key,) + found
+
+    def prepare_grammar(self, params: Mapping[str, Any]) -> Optional[_Conversion]:
+        """None when the job's grammar is made (or it has none); otherwise its conversion,
+        begun now on the runner's Grammar thread or joined there, for a session to wait for
+        while its other sequences go on stepping: a schema's conversion and check take up
+        to the counted work its submit allows (SCHEMA_MAX_PATTERN_WORK), and no decode waits
+        for them."""
+        named = self._grammar_key(params)
+        if named is None:
+            return None
+        kind, key, params = named
+        with self._grammars_lock:
+            if key in self._grammars:
+                return None
+            conversion = self._converting.get(key)
+            if conversion is None:
+                conversion = self._converting[key] = _Conversion()
+                if self._converter is None:
+                    self._converter = _CallThread("Grammar")
+                self._converter.post(self._convert, kind, key, params, conversion)
+        return conversion
+
+    def _convert(self, kind: str, key: Any, params: Mapping[str, Any], conversion: _Conversion) -> None:
+        """The Grammar thread's call: make the grammar, remember it, and tell who waits."""
+        found: Optional[tuple[str, GrammarShape]] = None
+        try:
+            found = self._made(kind, params)
+            conversion.found = (key,) + found
+        except JobError as err:
+            conversion.error = err
+        except Exception as err:  # a check's own bug fails the jobs that wait, never the thread
+            conversion.error = JobError("runner_error", f"runner failed: {err!r}")
+        finally:
+            self._remember(key, found)
+            conversion.done.set()
+
+    def _grammar_key(self, params: Mapping[str, Any]) -> Optional[tuple[str, Any, Mapping[str, Any]]]:
+        """(its kind, the key naming it, the params that make it) of a constrained job's grammar."""
         import json
 
         kind = constraint(params)
         if kind is None:
             return None
         if kind == "json_object":
-            key: Any = ("json_object",)
-            params = {"grammar": _JSON_OBJECT_GBNF}
-        elif kind == "grammar":
-            key = ("gbnf", job_param(params, "grammar"))
-        else:
-            key = ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"], ensure_ascii=False,
-                                        separators=(",", ":")))
-        with self._grammars_lock:  # held while converting: two workers never convert one schema twice
-            found = self._grammars.pop(key, None)
+            return kind, ("json_object",), {"grammar": _JSON_OBJECT_GBNF}
+        if kind == "grammar":
+            return kind, ("gbnf", job_param(params, "grammar")), params
+        return kind, ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"],
+                                           ensure_ascii=False, separators=(",", ":"))), params
+
+    def _made(self, kind: str, params: Mapping[str, Any]) -> tuple[str, GrammarShape]:
+        """A grammar's GBNF and shape, made (no lock held: it takes what the schema's counted
+        work allows). Raises JobError."""
+        text = self._make_grammar(kind, params)
+        try:
+            return text, check_grammar(text)
+        except InvalidInput as err:  # a converted schema's grammar, past the work limits
+            raise JobError("grammar_error", str(err)) from None
+
+    def _remember(self, key: Any, found: Optional[tuple[str, GrammarShape]]) -> None:
+        """Keep a grammar made (None: its conversion failed), as the most recently used."""
+        with self._grammars_lock:
+            self._converting.pop(key, None)
             if found is None:
-                text = self._make_grammar(kind, params)
-                try:
-                    shape = check_grammar(text)
-                except InvalidInput as err:  # a converted schema's grammar, past the work limits
-                    raise JobError("grammar_error", str(err)) from None
-                found = (text, shape)
-            self._grammars[key] = found  # most recently used last
+                return
+            self._grammars.pop(key, None)
+            self._grammars[key] = found
             if len(self._grammars) > GRAMMAR_CACHE:
                 self._grammars.pop(next(iter(self._grammars)))
-        return (key,) + found
 
     def grammar_vocab(self) -> GrammarVocab:
         """The vocabulary as the grammar sees it, for GrammarShape.vocab_cost (made once)."""
@@ -6882,6 +6960,9 @@ class LlamaRunner(Runner):
         if self._wide is not None:
             self._wide.close()
             self._wide = None
+        if self._converter is not None:  # a conversion under way is abandoned, not waited for
+            self._converter.close(wait=False)
+            self._converter = None
         if self.model:
             self.L.llama_model_free(self.model)
             self.model = None
@@ -7057,10 +7138,12 @@ class _GrammarTemplates:
         self.runner = runner
         self.parsed: dict[Any, Any] = {}  # grammar key -> a parsed grammar sampler, cloned per job (LRU)
 
-    def clone(self, params: Mapping[str, Any]) -> Optional[tuple[Any, GrammarShape]]:
+    def clone(self, params: Mapping[str, Any], made: Optional[tuple[Any, str, GrammarShape]] = None
+              ) -> Optional[tuple[Any, GrammarShape]]:
         """A grammar sampler of the job's own and the grammar's shape (None when its output is
-        free): cloned from the context's parsed copy of that grammar, parsing it on first use."""
-        found = self.runner.grammar(params)
+        free): cloned from the context's parsed copy of that grammar, parsing it on first use.
+        ``made``: the grammar as LlamaRunner.grammar gives it, made already."""
+        found = made or self.runner.grammar(params)
         if found is None:
             return None
         key, text, shape = found
@@ -7132,11 +7215,11 @@ class _JobSampler:
 
     @classmethod
     def for_job(cls, runner: LlamaRunner, scratch: _SamplingScratch, templates: _GrammarTemplates,
-                params: Mapping[str, Any]) -> _JobSampler:
-        """The sampler of a job with ``params``; raises JobError for a logit bias or a grammar
-        the model cannot take."""
+                params: Mapping[str, Any], made: Optional[tuple[Any, str, GrammarShape]] = None) -> _JobSampler:
+        """The sampler of a job with ``params`` (``made``: its grammar, made already); raises
+        JobError for a logit bias or a grammar the model cannot take."""
         penalties = runner.penalty(params)
-        grammar, shape = templates.clone(params) or (None, None)
+        grammar, shape = templates.clone(params, made) or (None, None)
         config = runner.config
         settings = (job_param(params, "temperature", config) <= 0, job_param(params, "top_k", config),
                     job_param(params, "top_p", config), job_param(params, "min_p", config))
@@ -7675,6 +7758,9 @@ class LlamaSession(Session):
         self.seqs = seqs
         self.normal_cells = per_seq * full
         self.cells = self.normal_cells + per_seq
+        # Jobs whose grammar the runner's Grammar thread is making (prepare_grammar): each holds
+        # a slot and a full share of cells, and starts at the first step after it is made.
+        self.converting: list[tuple[RunningJob, _Conversion]] = []
         if runner.embedding_only:  # no generation context: generation jobs fail at start()
             self.ctx = None
             self.slots: list[Optional[_Sequence]] = []
@@ -7758,7 +7844,8 @@ class LlamaSession(Session):
         if self._waiting_choices():  # a job's choices not yet started have the room first
             return 0
         running, room = self._room()
-        return max(0, min(self.seqs - running, room // self.ctx_per_seq, embed))
+        parked = len(self.converting)
+        return max(0, min(self.seqs - running - parked, room // self.ctx_per_seq - parked, embed))
 
     def _room(self) -> tuple[int, int]:
         """The sequences running outside the kept room, and the cells their budgets leave."""
@@ -7772,7 +7859,11 @@ class LlamaSession(Session):
         return list(jobs.values())
 
     def reserve(self, priority: int) -> int:
-        """1 if a job of ``priority`` would run above every job here and the kept room is free."""
+        """1 if a job of ``priority`` would run above every job here and the kept room is free
+        (0 while a job's grammar is being made: that job may need the room)."""
+        return 0 if self.converting else self._reserve(priority)
+
+    def _reserve(self, priority: int) -> int:
         if self.ctx is None or any(s is not None and (s.reserved or s.priority >= priority) for s in self.slots):
             return 0
         return 1 if self.embedder is None or len(self.embedder.jobs) < EMBED_JOBS else 0
@@ -7784,9 +7875,11 @@ class LlamaSession(Session):
             self.prefixes.trim(self.slots)
 
     def active(self) -> list[RunningJob]:
-        """The jobs generating in this context, then the embed jobs."""
+        """The jobs generating in this context, then those whose grammar is being made, then
+        the embed jobs."""
         embedding = [e.job for e in self.embedder.jobs] if self.embedder is not None else []
-        return list(dict.fromkeys(s.job for s in self.slots if s is not None)) + embedding  # a job of n choices once
+        converting = [job for job, _ in self.converting]
+        return list(dict.fromkeys(s.job for s in self.slots if s is not None)) + converting + embedding  # a job of n choices once
 
     def start(self, job: RunningJob) -> None:
         """Take ``job`` into a free slot; raise JobError if its prompt cannot run here."""
@@ -7796,6 +7889,14 @@ class LlamaSession(Session):
         if self.ctx is None:
             raise JobError("unsupported", f"the model is an embedding model ({self.runner.arch}): it serves "
                                           "embed jobs only (submit --embed)")
+        conversion = self.runner.prepare_grammar(job.params)
+        if conversion is not None:  # made on the Grammar thread while the others step; begun then
+            self.converting.append((job, conversion))
+            return
+        self._begin(job)
+
+    def _begin(self, job: RunningJob, made: Optional[tuple[Any, str, GrammarShape]] = None) -> None:
+        """Start ``job`` in a free slot (``made``: its grammar); JobError if it cannot run here."""
         tokens = self.runner.tokens(job)
         if len(tokens) >= self.ctx_per_seq:
             holder = "the context holds" if self.seqs == 1 else "a sequence holds"
@@ -7804,12 +7905,12 @@ class LlamaSession(Session):
             raise JobError("bad_request", "prompt has no tokens")
         priority = job_param(job.params, "priority")
         reserved = self.free() <= 0
-        if reserved and self.reserve(priority) <= 0:  # a caller's bug: the worker checks before it claims
+        if reserved and self._reserve(priority) <= 0:  # a caller's bug: the worker checks before it claims
             raise RuntimeError("no room for another job in this context")
         slot = self.prefixes.take_slot(self.slots, tokens)
         max_tokens = job_param(job.params, "max_tokens", self.runner.config)
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
-        sampler = _JobSampler.for_job(self.runner, self.scratch, self.templates, job.params)
+        sampler = _JobSampler.for_job(self.runner, self.scratch, self.templates, job.params, made)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, sampler)
         seq.reserved = reserved
         self.prefixes.attach(seq, self.slots, first=True)
@@ -7878,10 +7979,40 @@ class LlamaSession(Session):
 
     def step(self) -> list[tuple[RunningJob, Outcome]]:
         """One ``llama_decode`` for every generating job and one for texts of embed jobs;
-        return the jobs that ended, with outcomes."""
-        ended = self._generate() if self.ctx is not None else []
+        return the jobs that ended, with outcomes. Jobs whose grammar has been made begin."""
+        ended = self._converted() if self.converting else []
+        stepping = any(s is not None for s in self.slots) or (self.embedder is not None and bool(self.embedder.jobs))
+        ended += self._generate() if self.ctx is not None else []
         if self.embedder is not None and self.embedder.jobs:
             ended += self.embedder.step(self._decode)
+        if not stepping and not ended and self.converting:  # nothing else to do: wait a little, not spin
+            self.converting[0][1].done.wait(CONVERSION_POLL)
+        return ended
+
+    def _converted(self) -> list[tuple[RunningJob, Outcome]]:
+        """Begin the jobs whose grammar is made, if there is room (choices of a running job may
+        have taken theirs: then they wait for it); end those cancelled or timed out meanwhile,
+        and those whose grammar or start failed, each alone."""
+        ended = []
+        for entry in list(self.converting):
+            job, conversion = entry
+            if job.interrupt is None and not conversion.done.is_set():
+                continue
+            self.converting.remove(entry)
+            try:
+                if job.interrupt is not None:
+                    raise JobError(*job.interrupt)
+                if conversion.error is not None:
+                    raise conversion.error
+                if self.free() <= 0 and self._reserve(job_param(job.params, "priority")) <= 0:
+                    self.converting.append(entry)
+                    continue
+                self._begin(job, conversion.found)
+            except JobError as err:
+                ended.append((job, Outcome(error_code=err.code, error=str(err))))
+            except Exception as err:  # as a failed start: this job alone
+                self.drop(job)
+                ended.append((job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}")))
         return ended
 
     def _generate(self) -> list[tuple[RunningJob, Outcome]]:
@@ -8022,7 +8153,9 @@ class LlamaSession(Session):
         self.prefixes.release(seq, keep)
 
     def drop(self, job: RunningJob) -> None:
-        """Forget ``job`` (it is being handed back to the queue) and free its slot."""
+        """Forget ``job`` (it is being handed back to the queue) and free its slot (a conversion
+        of its grammar goes on for the jobs that share it, or is abandoned)."""
+        self.converting = [entry for entry in self.converting if entry[0] is not job]
         for seq in self.slots:
             if seq is not None and seq.job is job:
                 self._release(seq, keep=False)
@@ -8033,6 +8166,7 @@ class LlamaSession(Session):
         """Free the contexts, their batches and every sampler."""
         if self.embedder is not None:
             self.embedder.close()
+        self.converting = []
         for seq in self.slots:
             if seq is not None:
                 self._release(seq, keep=False)

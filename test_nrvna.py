@@ -3346,6 +3346,33 @@ def test_patterns_outside_the_subset_are_refused_naming_the_construct(pattern: s
     assert str(raised.value).startswith(f"schema /properties/p: pattern {pattern!r}") and message in str(raised.value), raised.value
 
 
+def costly_patterns(count: int) -> dict[str, Any]:
+    """Issue 42's schema: patterns of 1.4 million steps each, within the per-pattern limits."""
+    return {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "^.{0,500}.{0,500}.{0,%d}$" % (400 - i)}
+                                             for i in range(count)}, "required": [f"f{i}" for i in range(count)]}
+
+
+def test_a_schema_s_patterns_are_counted_together_and_refused_past_the_bound(ws: str, tmp_path: Path,
+                                                                             run_main: RunMain) -> None:
+    """Ten patterns that each passed the per-pattern limits took about 6 s each to check and
+    convert, on a worker: together they are counted as one pattern is, and the schema is exit 2
+    at the pattern that passes the bound, by counted steps (the same on any machine)."""
+    nrvna.check_json_schema(costly_patterns(1))  # one is within the bound
+    done = run_main("submit", ws, "Fill in the form.", "--json-schema", write(tmp_path / "s.json", json.dumps(costly_patterns(10))))
+    assert done.returncode == 2 and done.stderr.count(b"\n") == 1, done.stderr
+    assert b"schema /properties/f1: the schema's patterns and formats take 3,1" in done.stderr, done.stderr
+    assert b"over the 3,000,000 a schema may take" in done.stderr
+    assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or not os.listdir(os.path.join(ws, nrvna.READY))
+    # Cheap patterns, each a state per count: their states (the grammar's rules) are counted too
+    wide = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "^a{500}b{500}c{400}%d$" % i}
+                                             for i in range(30)}}
+    with pytest.raises(nrvna.InvalidInput, match=re.escape("schema /properties/f28: the schema's patterns and formats "
+                                                           "make 40,677 grammar states with this one, over the 40,000")):
+        nrvna.check_json_schema(wide)
+    emails = {"type": "object", "properties": {f"e{i}": {"type": "string", "format": "email"} for i in range(60)}}
+    nrvna.check_json_schema(emails)  # 60 e-mail addresses are 22,740 states
+
+
 @pytest.mark.parametrize("schema, message", [
     ({"type": "string", "pattern": "^[a-z]{2,8}$", "minLength": 2, "maxLength": 8}, None),  # bounds the pattern keeps
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 8}, "its strings are 1 or more characters long"),
@@ -4420,6 +4447,75 @@ def test_a_job_past_the_grammar_limits_fails_alone_and_the_daemon_stops_on_time(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def converting_slowly(monkeypatch: pytest.MonkeyPatch, beside: Optional[nrvna.RunningJob] = None
+                      ) -> tuple[list[str], threading.Event]:
+    """Make every schema's conversion slow, by events rather than by time: it waits for 5 more
+    tokens of the job ``beside`` (none can come while it runs on that job's worker), and a
+    schema described "held" waits for the event returned. Returns the list of what happened."""
+    made, events, release = nrvna.schema_to_grammar, [], threading.Event()
+
+    def converting(schema: Any) -> str:
+        events.append("converting")
+        if beside is not None:
+            first, deadline = len(beside.emitted), time.monotonic() + 30  # (a hang guard)
+            while len(beside.emitted) < first + 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            events.append(f"{len(beside.emitted) - first} tokens beside")
+        if schema.get("description") == "held":
+            release.wait(60)  # (a hang guard)
+        events.append("converted")
+        return made(schema)
+
+    monkeypatch.setattr(nrvna, "schema_to_grammar", converting)
+    return events, release
+
+
+@pytest.mark.model
+def test_a_schema_being_converted_holds_up_neither_the_jobs_beside_it_nor_a_stop(
+        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42: a schema's conversion ran on the worker, under the runner's grammar lock, and
+    the sequences beside it made no token for 72 s. It runs on the runner's Grammar thread: the
+    job beside it goes on generating meanwhile, the job begins once its grammar is made, and a
+    job dropped while its grammar is made (a stop) leaves at once, the conversion abandoned."""
+    beside = fake_job("Count from one to a hundred in words.", temperature=0, max_tokens=300, ignore_eos=True)
+    events, release = converting_slowly(monkeypatch, beside)
+    session = llama.session(0, nrvna.Config(workers=1, seqs=3, max_ctx=1536))
+    try:
+        session.start(beside)
+        session.step()  # its prompt: from here on it makes a token a step
+        form = fake_job("Fill in the form as JSON.", max_tokens=6, response_format=schema_format(
+            costly_patterns(1) | {"description": "beside"}))
+        session.start(form)
+        assert form in session.active() and session.free() == 1  # it holds its slot while it waits
+        ended: dict[int, Outcome] = {}
+        for _ in range(3000):
+            ended.update((id(job), outcome) for job, outcome in session.step())
+            if id(form) in ended:
+                break
+        assert events[:3] == ["converting", "5 tokens beside", "converted"], events
+        assert ended[id(form)].error_code is None and ended[id(form)].generated_tokens == 6, ended[id(form)]
+        held = fake_job("Fill in the form as JSON.", max_tokens=6, response_format=schema_format(
+            costly_patterns(1) | {"description": "held"}))
+        session.start(held)
+        for _ in range(3000):  # until its conversion has begun, and is held
+            if events.count("5 tokens beside") == 2:
+                break
+            session.step()
+        session.drop(held)
+        assert held not in session.active()
+        session.step()  # the job beside goes on
+        events.append("dropped")
+    finally:
+        session.close()
+        events.append("closed")
+        release.set()
+    for _ in range(600):
+        if events.count("converted") == 2:
+            break
+        time.sleep(0.1)
+    assert events[3:] == ["converting", "5 tokens beside", "dropped", "closed", "converted"], events
 
 
 @pytest.mark.model
