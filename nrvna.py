@@ -6248,6 +6248,7 @@ PENALTY_WINDOW = 64
 # Distinct grammars a runner keeps converted, and each context keeps parsed.
 GRAMMAR_CACHE = 256
 CONVERSION_POLL = 0.05  # seconds a session with nothing but grammars being made waits in a step
+GRAMMAR_INLINE_BYTES = 4096  # a grammar or schema (without patterns) made on the worker: see _small_grammar
 GRAMMAR_TEMPLATES = 16
 # A draw its grammar refuses is first redrawn from this many likeliest tokens (see _JobSampler._resample).
 SHORTLIST = 4096
@@ -6549,6 +6550,14 @@ class _CallThread:
             self._thread.join()
 
 
+def _small_grammar(key: tuple[str, Any]) -> bool:
+    """Whether a grammar (its LlamaRunner key) is made inline, by its text, not by time: a
+    schema without patterns, or a grammar, of at most GRAMMAR_INLINE_BYTES takes milliseconds,
+    and its job begins in the very step it was claimed for, as the same job always does."""
+    return key[0] == "json_object" or (len(key[1]) <= GRAMMAR_INLINE_BYTES
+                                       and (key[0] == "gbnf" or '"pattern":' not in key[1]))
+
+
 class _Conversion:
     """A job's grammar being made on its runner's Grammar thread (LlamaRunner.prepare_grammar):
     ``done`` is set once ``found`` ((key, GBNF, shape), as LlamaRunner.grammar gives) or
@@ -6843,7 +6852,7 @@ class LlamaRunner(Runner):
         to the counted work its submit allows (SCHEMA_MAX_PATTERN_WORK), and no decode waits
         for them."""
         named = self._grammar_key(params)
-        if named is None:
+        if named is None or _small_grammar(named[1]):
             return None
         kind, key, params = named
         with self._grammars_lock:
