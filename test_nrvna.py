@@ -1290,6 +1290,134 @@ def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: st
     assert [flow.status(job_id) for job_id in ids["b"]] == [Status.Queued] * 3  # for a daemon that can load it
 
 
+@pytest.fixture
+def fake_loads(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """LlamaRunner replaced: a model file loads as a FunctionRunner (``vectors`` for an
+    embedding model, ``echo`` for a chat model) unless its file name is in ``broken`` (or it
+    has loaded ``vanishes`` times already), which fails as a truncated GGUF does; ``loads``
+    counts the loads of each file name."""
+    state: dict[str, Any] = {"broken": set(), "loads": {}, "vanishes": {}}
+
+    def load(path: str, config: nrvna.Config, cancel: Any = None) -> nrvna.Runner:
+        name = os.path.basename(path)
+        state["loads"][name] = state["loads"].get(name, 0) + 1
+        if name in state["broken"] or state["loads"][name] > state["vanishes"].get(name, math.inf):
+            raise nrvna.ModelError(f"model {path} could not be loaded by llama.cpp: tensor data is not within the "
+                                   "file bounds")
+        return nrvna.FunctionRunner(vectors if nrvna.gguf_kind(path) == "embed" else echo)
+
+    monkeypatch.setattr(nrvna, "LlamaRunner", load)
+    return state
+
+
+def test_a_job_whose_kind_no_model_here_serves_waits_for_one_and_status_says_why(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain) -> None:
+    """A chat daemon beside an embedding daemon: when the embedding daemon stops (a restart),
+    the embed jobs naming no model wait for it, never run (or fail) on the chat model."""
+    chat, bert = fake_gguf(tmp_path / "chat.gguf"), fake_gguf(tmp_path / "bert.gguf", "bert")
+    config = nrvna.Config(models_dir=str(tmp_path))
+    only_chat, only_bert = (nrvna._Models([p], None, config, str(tmp_path), {}) for p in (chat, bert))
+    assert (only_chat.lane_of(None, True), only_chat.lane_of(None, False)) == (None, 0)
+    assert (only_bert.lane_of(None, False), only_bert.lane_of(None, True)) == (None, 0)
+    assert (only_chat.kinds(), only_bert.kinds()) == (["chat"], ["embed"])  # (their records say, for status)
+    assert only_chat.lane_of("chat", True) == 0  # a job naming the model runs there (and fails unsupported)
+    pooled = nrvna._Models([chat], None, nrvna.Config(pooling="mean"), str(tmp_path), {})
+    assert pooled.lane_of(None, True) == 0 and pooled.kinds() == ["chat", "embed"]
+    chat_daemon = Server(chat, ws, 1, config=nrvna.Config(models_dir=str(tmp_path)))
+    chat_daemon.start()
+    try:
+        for round_ in range(2):  # before the embedding daemon ever ran, and after it stopped
+            embed_ids = [Work(ws).publish(f"text {round_} {i}", embed=True) for i in range(3)]
+            said = submit(ws, "hello")
+            assert wait_all(ws, [said]) == [Status.Done]
+            assert [Flow(ws).status(j) for j in embed_ids] == [Status.Queued] * 3  # not taken by the chat model
+            status = run_main("status", ws, embed_ids[0], "--json")
+            assert "waits for a daemon with an embedding model" in json.loads(status.stdout)[embed_ids[0]]["waiting"]
+            waited = run_main("wait", ws, *embed_ids, "--timeout", "0.2")
+            assert b"3 jobs (" in waited.stderr and b"waits for a daemon with an embedding model" in waited.stderr
+            embed_daemon = Server(bert, ws, 1, config=nrvna.Config(models_dir=str(tmp_path)))
+            embed_daemon.start()
+            try:
+                assert wait_all(ws, embed_ids) == [Status.Done] * 3
+            finally:
+                embed_daemon.shutdown()
+            assert {Flow(ws).get(j).meta["model"] for j in embed_ids} == {"bert.gguf"}
+    finally:
+        chat_daemon.shutdown()
+
+
+def test_a_model_that_fails_to_load_says_why_is_tried_again_later_then_fails_its_jobs(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon of two models, b's file broken: b's jobs wait with the reason in status and
+    wait, b is tried again after a backoff (not every round), a daemon for b alone may start
+    beside it, and after NRVNA_MAX_LOAD_FAILURES loads its jobs fail with load_failed, naming
+    the file and the reason; once the file is fixed, retry runs them."""
+    models, _ = models_dir(tmp_path)
+    fake_gguf(models / "a.gguf")
+    broken = fake_gguf(models / "b.gguf")
+    fake_loads["broken"].add("b.gguf")
+    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))  # 3 failed loads (the default)
+    server.start()
+    try:
+        waiting = submit(ws, "for b", model="b")
+        deadline = time.monotonic() + 30
+        while not server.models.failed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server.write_status()
+        for _ in range(3):  # rounds of the Models thread go by: no load of b before its next try
+            assert wait_all(ws, [submit(ws, "for a", model="a")]) == [Status.Done]
+        assert fake_loads["loads"]["b.gguf"] == 1 and Flow(ws).status(waiting) is Status.Queued
+        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
+        assert reason.startswith("waits for model b (b.gguf), which daemon") and "(1 of 3 failed loads" in reason
+        assert "tensor data is not within the file bounds" in reason and "tried again in" in reason
+        text = run_main("status", ws, waiting)
+        assert text.stdout == b"queued\n" and b"1 of 3 failed loads" in text.stderr
+        assert b"1 of 3 failed loads" in run_main("wait", ws, waiting, "--timeout", "0.2").stderr
+        # The daemon its log recommends, one for b: not refused as a clash (its own load fails).
+        with pytest.raises(nrvna.ModelError, match="could not be loaded by llama.cpp"):
+            Server(broken, ws, 1, config=nrvna.Config(models_dir=str(models))).start()
+        monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 0.05)
+        server.models.failed[1].retry_at = 0.0  # the next try is due now; then 0.05 s, 0.1 s
+        assert Flow(ws).wait(waiting, 30) is Status.Failed
+        job = Flow(ws).get(waiting)
+        assert job.meta["code"] == "load_failed" and fake_loads["loads"]["b.gguf"] == 2 + 2  # b alone's, once
+        assert f"model {os.path.realpath(broken)} could not be loaded by llama.cpp: tensor data" in job.error
+        assert "(3 failed loads; NRVNA_MAX_LOAD_FAILURES is 3)" in job.error
+        later = submit(ws, "for b, after", model="b")  # given up: it fails without another load
+        assert Flow(ws).wait(later, 30) is Status.Failed and fake_loads["loads"]["b.gguf"] == 4
+        fake_loads["broken"].clear()
+        fake_gguf(models / "b.gguf.new")
+        os.replace(models / "b.gguf.new", broken)  # fixed: a new file
+        assert run_main("retry", ws, "--failed", "--code", "load_failed").returncode == 0
+        assert wait_all(ws, [waiting, later]) == [Status.Done] * 2
+        assert Flow(ws).get(later).meta["model"] == "b.gguf" and fake_loads["loads"]["b.gguf"] == 5
+    finally:
+        server.shutdown()
+
+
+def test_drain_and_a_daemon_that_stops_itself_exit_1_saying_why(ws: str, tmp_path: Path, fake_loads: dict[str, Any],
+                                                                 run_main: RunMain) -> None:
+    models, env = models_dir(tmp_path)
+    fake_gguf(models / "a.gguf")
+    fake_gguf(models / "b.gguf")
+    fake_loads["broken"].add("b.gguf")
+    done, waiting = submit(ws, "for a", model="a"), submit(ws, "for b", model="b")
+    drained = run_main("daemon", str(models), ws, "-w", "1", "--drain", env=env)
+    assert drained.returncode == nrvna.EXIT_FAILED, drained.stderr[-2000:]
+    assert f"1 jobs left queued ({waiting}): waits for model b (b.gguf), which daemon".encode() in drained.stderr
+    assert b"The daemon stopped: 1 jobs left queued that no live daemon serves" in drained.stderr
+    assert Flow(ws).status(done) is Status.Done and Flow(ws).status(waiting) is Status.Queued
+    # a.gguf vanishes after its first load, and b's turn fails: a cannot be loaded again, so
+    # the daemon stops.
+    fake_loads["vanishes"]["a.gguf"] = fake_loads["loads"]["a.gguf"] + 1
+    stopped = run_main("daemon", str(models), ws, "-w", "1", "--max-loaded", "1", env=env)
+    assert stopped.returncode == nrvna.EXIT_FAILED, stopped.stderr[-2000:]
+    assert b"The daemon stopped: model a.gguf cannot be loaded again" in stopped.stderr
+    assert Flow(ws).status(waiting) is Status.Queued and nrvna.daemon_records(ws) == []
+
+
 @pytest.mark.model
 def test_a_load_is_cut_short_when_its_cancel_is_set(model: str) -> None:
     """A daemon that stops while it loads a model ahead of its turn does not wait for the load."""
