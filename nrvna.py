@@ -10007,6 +10007,8 @@ class Server:
         """--drain stops: say which jobs it leaves queued that no live daemon serves (a model
         nobody serves or could load, a kind no model serves), by reason; it then exits 1."""
         left = sorted((j for j in _folder_entries(self.workspace, READY) if j in self.pool.elsewhere), key=order_key)
+        if left:
+            self.write_status()  # the reasons read this record too: a load may have failed since its last write
         reasons: dict[str, list[str]] = {}
         for job_id, reason in waiting_for_model(self.workspace, left).items():
             reasons.setdefault(reason, []).append(job_id)
@@ -10846,7 +10848,7 @@ def _daemon_arguments(parser: Any) -> None:
                         help="GGUF path, a name in NRVNA_MODELS_DIR, or a directory of GGUFs; several serve several "
                              "models (the first is the default)")
     parser.add_argument("workspace", metavar="WORKSPACE")
-    parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0")
+    parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0 (1 when jobs are left that no live daemon serves)")
     for name, setting in SETTINGS.items():  # the settings with a flag of their own
         if setting.flags:
             hooked = [var for var, (hooks, _) in HOOK_VARIABLES.items() if name in hooks]

@@ -1108,15 +1108,16 @@ def drain_with_room_for_one(models: Path, ws: str, env: dict[str, str]) -> str:
     return drain(models, ws, env, "--max-loaded", "1")
 
 
-def drain(models: Path, ws: str, env: dict[str, str], *flags: str) -> str:
-    """Run `daemon MODELS_DIR WS -w 1 --drain FLAGS` to its end; its log (exit 0, no traceback)."""
+def drain(models: Path, ws: str, env: dict[str, str], *flags: str, code: int = 0) -> str:
+    """Run `daemon MODELS_DIR WS -w 1 --drain FLAGS` to its end; its log (exit ``code``, no
+    traceback)."""
     daemon = start_daemon(str(models), ws, "-w", "1", "--drain", *flags, env=env)
     try:
         _, err = daemon.communicate(timeout=600)
     finally:
         daemon.kill()
     log = err.decode()
-    assert daemon.returncode == 0 and "Traceback" not in log, log[-3000:]
+    assert daemon.returncode == code and "Traceback" not in log, log[-3000:]
     return log
 
 
@@ -1274,15 +1275,16 @@ def test_a_higher_lane_or_the_end_of_a_turn_switches_models_before_a_backlog_end
 def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: str, tmp_path: Path, model: str,
                                                                          run_main: RunMain, room: int) -> None:
     """With room for one model, b's load fails at its turn; with room for two it fails first
-    ahead of its turn (while a's jobs run), and again at its turn, which says so."""
+    ahead of its turn (while a's jobs run), and again at its turn, which says so. --drain
+    stops with b's jobs queued, and says so: exit 1."""
     models, env = models_dir(tmp_path, a=model)
     (models / "b.gguf").write_bytes(Path(model).read_bytes()[:3_000_000])  # a GGUF header, truncated weights
     ids = {name: [run_main("submit", ws, "Tell a story.", "--model", name, "--max-tokens", "32", "--ignore-eos",
                            env=env).stdout.decode().strip() for _ in range(3)] for name in ("a", "b")}
-    if room == 1:
-        log = drain_with_room_for_one(models, ws, env)
-    else:
-        log = drain(models, ws, env, "--max-loaded", "2")
+    log = drain(models, ws, env, "--max-loaded", str(room), code=nrvna.EXIT_FAILED)
+    assert f"3 jobs left queued ({ids['b'][0]}, ...): waits for model b (b.gguf), which daemon" in log
+    assert "(1 of 3 failed loads: model " in log and "could not be loaded by llama.cpp" in log, log[-3000:]
+    if room == 2:
         assert log.index("model b.gguf could not be loaded ahead of its turn") < log.index("could not be made ready")
     assert "model b.gguf could not be made ready" in log and log.count("Loading model") == 3, log[-3000:]  # a, b, a again (room 2: a, b ahead, b)
     flow = Flow(ws)
@@ -1502,6 +1504,55 @@ def test_two_daemons_share_a_workspace_and_a_killed_ones_jobs_are_requeued_at_on
     assert job_id and audit_clean(ws)
 
 
+@pytest.mark.model
+def test_a_restart_of_the_embedding_daemon_leaves_the_embed_jobs_to_it(ws: str, tmp_path: Path, model: str,
+                                                                       bert: str, run_main: RunMain) -> None:
+    """A chat daemon beside an embedding daemon, embed jobs naming no model: the embedding
+    daemon SIGKILLed mid-batch, restarted, then stopped with stop --pid. Its jobs wait for it
+    (status says why), never run or fail on the chat model; each ends once, done by it."""
+    _, env = models_dir(tmp_path, smol=model, minilm=bert)
+    ids = [Work(ws).publish([f"Sentence {i} about topic {j}. " * 6 for j in range(6)], embed=True) for i in range(150)]
+    chat = start_daemon("smol", ws, "-w", "1", env=env)
+    embedders = [start_daemon("minilm", ws, "-w", "1", env=env)]
+    flow, deadline = Flow(ws), time.monotonic() + 300
+
+    def chat_round_trip() -> None:
+        """A chat job submitted now is done: the chat daemon has routed what was queued before it."""
+        said = submit(ws, "Say hi.", max_tokens=2)
+        assert flow.wait(said, 120) is Status.Done
+
+    try:
+        while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        embedders[0].kill()
+        embedders[0].wait(30)
+        while [r["pid"] for r in nrvna.daemon_records(ws)] != [chat.pid] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the chat daemon has reaped it
+        chat_round_trip()
+        left = [j for j in ids if flow.status(j) is not Status.Done]
+        assert left and all(flow.status(j) is Status.Queued for j in left)
+        reason = json.loads(run_main("status", ws, left[0], "--json", env=env).stdout)[left[0]]
+        assert "waits for a daemon with an embedding model" in reason["waiting"], reason
+        embedders.append(start_daemon("minilm", ws, "-w", "1", env=env))
+        while flow.status(left[0]) is not Status.Done and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stopped = run_main("stop", ws, "--pid", str(embedders[1].pid), "--timeout", "60", env=env)
+        assert stopped.returncode == 0 and embedders[1].wait(30) == 0, stopped.stderr
+        chat_round_trip()
+        assert not any(flow.status(j) in (Status.Failed, Status.Running) for j in ids)
+        embedders.append(start_daemon("minilm", ws, "-w", "1", "--drain", env=env))
+        assert embedders[2].wait(300) == 0
+    finally:
+        for proc in [chat, *embedders]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+    for job_id in ids:
+        job = flow.get(job_id)
+        assert job.status is Status.Done and job.meta["model"] == "minilm.gguf", (job_id, job.error)
+    assert audit_clean(ws)
+
+
 def test_a_job_nobody_holds_in_processing_is_requeued_by_a_live_daemon(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A requeue that failed, a reaping cut short: a live daemon finds such a job within
     ORPHAN_SECONDS, while a job it runs itself is never touched."""
@@ -1546,7 +1597,8 @@ def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: s
         out, err = daemon.communicate(timeout=300)
     finally:
         daemon.kill()
-    assert daemon.returncode == 0, err.decode()[-2000:]
+    assert daemon.returncode == nrvna.EXIT_FAILED, err.decode()[-2000:]  # it left a job nobody serves
+    assert f"1 jobs left queued ({ids['other']}): waits for model other (other.gguf)".encode() in err
     flow = Flow(ws)
     for name, job_id in ids.items():
         assert flow.status(job_id) is (Status.Queued if name == "other" else Status.Done), name
@@ -5135,16 +5187,21 @@ def test_mixed_generation_and_embed_lines_each_end_once_in_its_own_shape(ws: str
 
 @pytest.mark.model
 def test_a_model_serves_only_the_jobs_it_can(ws: str, model: str, bert: str) -> None:
-    embed_on_smollm2 = Work(ws).publish("text", embed=True)
-    assert cli("daemon", model, ws, "--drain", "-w", "1", timeout=120).returncode == 0
+    """A job naming a model that cannot run its kind fails (unsupported); one naming no model
+    waits for a daemon with a model of its kind (a chat daemon's --drain leaves it: exit 1)."""
+    embed_on_smollm2 = Work(ws).publish("text", embed=True, model=model)
+    embed_waits = Work(ws).publish("text", embed=True)
+    drained = cli("daemon", model, ws, "--drain", "-w", "1", timeout=120)
+    assert drained.returncode == nrvna.EXIT_FAILED and b"waits for a daemon with an embedding model" in drained.stderr
     job = Flow(ws).get(embed_on_smollm2)
     assert job.meta["code"] == "unsupported" and "NRVNA_POOLING=mean" in job.error
-    generate_on_bert = Work(ws).publish("Say hi.")
+    assert Flow(ws).status(embed_waits) is Status.Queued
+    generate_on_bert = Work(ws).publish("Say hi.", model=bert)
     embed_on_bert = Work(ws).publish("text", embed=True)
     assert cli("daemon", bert, ws, "--drain", "-w", "1", timeout=120).returncode == 0
     job = Flow(ws).get(generate_on_bert)
     assert job.meta["code"] == "unsupported" and "embedding model (bert)" in job.error
-    assert Flow(ws).status(embed_on_bert) is Status.Done
+    assert [Flow(ws).status(j) for j in (embed_on_bert, embed_waits)] == [Status.Done] * 2
     refused = cli("daemon", bert, ws, "--drain", env={"NRVNA_POOLING": "none"}, timeout=120)
     assert refused.returncode != 0 and b"set NRVNA_POOLING to mean, cls or last" in refused.stderr
     assert b"Traceback" not in refused.stderr
