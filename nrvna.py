@@ -126,6 +126,9 @@ FAILURE_CODES = {
                      "take llama.cpp past nrvna's grammar work limits (too ambiguous, or too wide: see Guarantees)",
     "crash_ceiling": "the daemon died while running it `NRVNA_MAX_ATTEMPTS` times (the killed attempt's "
                      "`partial.txt` kept)",
+    "load_failed": "the model it names (or its kind's) could not be loaded `NRVNA_MAX_LOAD_FAILURES` times by the "
+                   "daemon serving it: the error names the file and llama.cpp's reason (`nrvna retry` queues it "
+                   "again once the file is fixed)",
     "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "
                    "apart)",
     "runner_error": "the runner raised an unexpected exception (the message names it); the worker lives on",
@@ -250,6 +253,7 @@ SETTINGS: dict[str, _Setting] = {
                      flags=("--gpu",)),
     "max_loaded": _Setting("NRVNA_MAX_LOADED", int, 2, 1, 64, "models a daemon serving several keeps loaded at once (the one with nothing queued is evicted first)",
                             flags=("--max-loaded",)),
+    "max_load_failures": _Setting("NRVNA_MAX_LOAD_FAILURES", int, 3, 1, 1000, "failed loads of a model (at its turn; tried again after 5 s, then twice as long each time, at most 300 s) after which a daemon serving several models fails its queued jobs with load_failed"),
     "load_ahead": _Setting("NRVNA_LOAD_AHEAD", int, 1, 0, 1, "1 loads the model whose jobs come next while another model runs, into room --max-loaded leaves (it unloads nothing), so its turn starts without a load"),
     "model_turn": _Setting("NRVNA_MODEL_TURN", float, 60.0, 0.0, 86400.0, "seconds a model keeps the daemon while other models' jobs wait; then the longest-waiting model gets its turn (as soon as its running jobs end)",
                             flags=("--model-turn",)),
@@ -4969,28 +4973,59 @@ def _absolute_model(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
-    """Why each queued job of ``job_ids`` that names a model no running daemon serves is
-    waiting, by ID (jobs that are not waiting for a model are left out)."""
-    named = {}
-    for job_id in job_ids:
-        model = read_route(job_path(workspace, READY, job_id))[1]
-        if model is not None:
-            named[job_id] = model
-    if not named:
+    """Why each queued job of ``job_ids`` waits although daemons run, by ID: it names a model
+    no running daemon serves, or one that its daemon could not load (how many times, the
+    error), or it names none and no running daemon serves its kind. Jobs that are not
+    waiting for a model are left out; with no daemon running, every queued job waits for one."""
+    routes = {job_id: read_route(job_path(workspace, READY, job_id)) for job_id in job_ids}
+    records = daemon_records(workspace) if routes and os.path.isdir(os.path.join(workspace, READY)) else []
+    if not records or any(r.get("starting") for r in records):
         return {}
     models_dir, aliases, served = model_view(workspace)
-    if not served:
-        return {}  # no daemon runs: every queued job waits for one
-    reasons, verdicts = {}, {}
+    healthy = {m["path"] for r in records for m in r.get("models") or ()
+               if isinstance(m, dict) and isinstance(m.get("path"), str) and not m.get("load_failures")}
+    failed = _failed_models(records)
+    kinds = {k for r in records for k in (r["kinds"] if isinstance(r.get("kinds"), list) else
+                                          [m.get("kind") for m in r.get("models") or () if isinstance(m, dict)])}
     serving = ", ".join(sorted({os.path.basename(path) for path in served}))
-    for job_id, model in named.items():
-        if model not in verdicts:
-            other = model_elsewhere(model, models_dir, aliases, served)
-            verdicts[model] = (f"waits for model {model} ({os.path.basename(other)}), which no running daemon "
-                               f"serves (they serve {serving})") if other else None
-        if verdicts[model] is not None:
-            reasons[job_id] = verdicts[model]
+    reasons, verdicts = {}, {}
+    for job_id, route in routes.items():
+        key = (route.model, route.embed)
+        if key not in verdicts:
+            path = model_file(route.model, models_dir, aliases) if route.model is not None else None
+            if path is None:  # names none (or no one model): the first model of its kind
+                kind = "embed" if route.embed else "chat"
+                verdicts[key] = None if kind in kinds else _kind_waits(kind, serving)
+            elif path not in healthy:
+                why = failed.get(path, f"which no running daemon serves (they serve {serving})")
+                verdicts[key] = f"waits for model {route.model} ({os.path.basename(path)}), {why}"
+            else:
+                verdicts[key] = None
+        if verdicts[key] is not None:
+            reasons[job_id] = verdicts[key]
     return reasons
+
+
+def _failed_models(records: list[dict[str, Any]]) -> dict[str, str]:
+    """The model files live daemons could not load (and no daemon serves), each with why."""
+    failed = {}
+    for record in records:
+        for m in record.get("models") or ():
+            if not isinstance(m, dict) or not isinstance(m.get("path"), str) or not m.get("load_failures"):
+                continue
+            retry = m.get("retry_at")
+            then = (f"tried again in {max(0, retry - time.time()):.0f} s" if isinstance(retry, (int, float))
+                    else "its jobs fail (load_failed) until the file changes")
+            failed[m["path"]] = (f"which daemon {record.get('pid')} could not load ({m['load_failures']} of "
+                                 f"{m.get('max_load_failures', '?')} failed loads: {m.get('load_error')}); {then}")
+    return failed
+
+
+def _kind_waits(kind: str, serving: str) -> str:
+    if kind == "embed":
+        return (f"waits for a daemon with an embedding model (or a chat model with NRVNA_POOLING=mean, cls or last): "
+                f"the running daemons serve no embed jobs ({serving})")
+    return f"waits for a daemon with a chat model: the running daemons serve embed jobs only ({serving})"
 
 
 class Work:
@@ -8507,6 +8542,16 @@ class Pool:
         with self._cond:
             return self._busy
 
+    def take_lane(self, lane: int) -> list[str]:
+        """Take every job queued in ``lane`` as workers take them (each then ends with ``done``
+        or ``retry_later``): the jobs of a model that cannot be loaded, to fail them."""
+        with self._cond:
+            heap = sorted(self._heaps.pop(lane, []))
+            for priority, _, job_id in heap:
+                self._taken[job_id] = (-priority, lane)
+            self._busy += len(heap)
+            return [entry[2] for entry in heap]
+
     def set_aside(self, lane: int) -> None:
         """``lane``'s model cannot be loaded: its jobs are left for another daemon."""
         with self._cond:
@@ -9383,6 +9428,39 @@ class _ServedModel:
         self.used = 0.0  # when it last became the active model (eviction: least recently used)
 
 
+LOAD_RETRY_SECONDS = 5.0  # a model that failed to load is tried again after this, then twice as long each time
+LOAD_RETRY_MAX_SECONDS = 300.0
+
+
+def _file_signature(path: Optional[str]) -> Optional[tuple[int, int, int]]:
+    """What tells a replaced or rewritten model file from the one that failed to load."""
+    try:
+        info = os.stat(path) if path is not None else None
+    except OSError:
+        return None
+    return (info.st_ino, info.st_size, info.st_mtime_ns) if info is not None else None
+
+
+class _LoadFailure:
+    """A model of a daemon that could not be loaded at its turn: its jobs wait (set aside)
+    until ``retry_at``, then are routed to it again (``due``) for one more try; after
+    NRVNA_MAX_LOAD_FAILURES failures (``gave_up``) they fail with load_failed, until the
+    file changes (``signature``). ``wall`` is retry_at on the clock the records show."""
+
+    __slots__ = ("count", "error", "retry_at", "wall", "due", "gave_up", "signature")
+
+    def __init__(self, path: Optional[str]) -> None:
+        self.count, self.error, self.due, self.gave_up = 0, "", False, False
+        self.retry_at, self.wall = 0.0, 0.0
+        self.signature = _file_signature(path)
+
+    def failed(self, error: str, limit: int) -> None:
+        self.count += 1
+        self.error, self.due, self.gave_up = error, False, self.count >= limit
+        delay = min(LOAD_RETRY_SECONDS * 2 ** (self.count - 1), LOAD_RETRY_MAX_SECONDS)
+        self.retry_at, self.wall = time.monotonic() + delay, time.time() + delay
+
+
 def _models_folder(name: str) -> bool:
     """Whether a MODEL argument names a directory of models (model.gguf/ is check_gguf's to refuse)."""
     return os.path.isdir(name) and not name.lower().endswith(".gguf")
@@ -9410,15 +9488,18 @@ class _Models:
         else:
             self.served = [_ServedModel(os.path.basename(p), os.path.realpath(p), gguf_kind(p))
                            for p in self._files(names)]
-        kinds = [m.kind for m in self.served]
-        # A job naming no model (or a name that matches none) goes to the first model of its kind.
-        self.defaults = {kind: kinds.index(kind) if kind in kinds else 0 for kind in ("chat", "embed")}
+        # A job naming no model (or a name that matches none) goes to the first model that
+        # serves its kind; with none here, it waits in ready/ for a daemon with one (a chat
+        # model would only fail an embed job as unsupported, and the other way round).
+        self.defaults = {kind: next((i for i, m in enumerate(self.served) if self._serves(m, kind)), None)
+                         for kind in ("chat", "embed")}
         self.active = 0
         self.since = time.monotonic()
         self.loads = 0
-        self.failed: set[int] = set()  # lanes whose model could not be loaded: their jobs wait
+        self.failed: dict[int, _LoadFailure] = {}  # lanes whose model could not be loaded at its turn
         self.early_failed: set[int] = set()  # lanes whose model could not be loaded ahead of its turn
         self.kinds_elsewhere: set[str] = set()  # the kinds of model the workspace's other daemons serve
+        self.paths_elsewhere: set[str] = set()  # the model files the other daemons have loaded
         self._lanes: dict[tuple[str, bool], Optional[int]] = {}  # (name, embed) -> lane (a cache)
 
     def _files(self, names: list[str]) -> list[str]:
@@ -9440,14 +9521,25 @@ class _Models:
             check_gguf(path)
         return files
 
+    def _serves(self, model: _ServedModel, kind: str) -> bool:
+        """Whether ``model`` runs jobs of ``kind`` that name no model: one of that kind, an
+        injected runner (it decides), or a chat model that NRVNA_POOLING lets embed."""
+        return (model.kind == kind or model.path is None
+                or (kind == "embed" and self.config.pooling in ("mean", "cls", "last")))
+
+    def kinds(self) -> list[str]:
+        """The kinds of job naming no model this daemon runs (its record says, for status)."""
+        return [kind for kind, lane in self.defaults.items() if lane is not None]
+
     def lane_of(self, name: Optional[str], embed: bool) -> Optional[int]:
         """The lane of a job naming model ``name`` (an embed job, or not); None when it names
-        a model this daemon does not serve, or names none and only another daemon has a
-        model of its kind: it waits in ready/ for a daemon that does."""
+        a model this daemon does not serve, or names none and no model here serves its kind
+        (or only through NRVNA_POOLING while another daemon has a model of its kind), or its
+        model could not be loaded here (see _LoadFailure): it waits in ready/."""
         key = (name or "", embed)
         lane = self._lanes.get(key, -1)
         if lane != -1:
-            return None if lane in self.failed else lane
+            return lane if self.takes(lane) else None
         path = model_file(name, self.models_dir, self.aliases) if name is not None else None
         if path is not None:  # a job naming one model goes to it, here or in another daemon
             lane = next((i for i, m in enumerate(self.served) if m.path == path), None)
@@ -9457,19 +9549,58 @@ class _Models:
         else:  # the first model of its kind, unless only another daemon has one
             kind = "embed" if embed else "chat"
             lane = self.defaults[kind]
-            if self.served[lane].kind != kind and kind in self.kinds_elsewhere:
+            if lane is not None and self.served[lane].kind != kind and kind in self.kinds_elsewhere:
                 lane = None
         if len(self._lanes) < 4096:
             self._lanes[key] = lane
-        return None if lane in self.failed else lane
+        return lane if self.takes(lane) else None
 
-    def peers(self, kinds: set[str]) -> bool:
-        """The other daemons now serve models of ``kinds``; True if that changes any route."""
-        if kinds == self.kinds_elsewhere:
+    def takes(self, lane: Optional[int]) -> bool:
+        """Whether ``lane``'s jobs are queued here now: not while its model, which failed to
+        load, waits for its next try, nor while another daemon has it loaded."""
+        failure = self.failed.get(lane) if lane is not None else None
+        if failure is None:
+            return lane is not None
+        return (failure.due or failure.gave_up) and self.served[lane].path not in self.paths_elsewhere
+
+    def peers(self, kinds: set[str], paths: Optional[set[str]] = None) -> bool:
+        """The other daemons now serve models of ``kinds`` and have the model files ``paths``
+        loaded; True if that changes any route."""
+        paths = self.paths_elsewhere if paths is None else paths
+        if kinds == self.kinds_elsewhere and paths == self.paths_elsewhere:
             return False
-        self.kinds_elsewhere = kinds
+        self.kinds_elsewhere, self.paths_elsewhere = kinds, paths
         self._lanes.clear()
         return True
+
+    def load_failed(self, lane: int, error: str) -> _LoadFailure:
+        """``lane``'s model could not be loaded at its turn (see _LoadFailure)."""
+        failure = self.failed.setdefault(lane, _LoadFailure(self.served[lane].path))
+        failure.failed(error, self.config.max_load_failures)
+        return failure
+
+    def retries(self) -> bool:
+        """Make the failed models whose next try is due, or whose file changed since it
+        failed, take their jobs again; True if any did (their jobs are routed again)."""
+        now, changed = time.monotonic(), False
+        for lane, failure in list(self.failed.items()):
+            model = self.served[lane]
+            if _file_signature(model.path) != failure.signature:
+                log.info(f"Model file {model.path} changed since it failed to load; trying it again")
+                del self.failed[lane]
+                self.early_failed.discard(lane)
+                changed = True
+            elif not failure.due and not failure.gave_up and now >= failure.retry_at:
+                log.info(f"Trying model {model.name} again (it failed to load {failure.count} times)")
+                failure.due = changed = True
+        if changed:
+            self._lanes.clear()
+        return changed
+
+    def turn(self, lane: int) -> bool:
+        """Whether ``lane`` may be chosen to run: not while its model is failed, unless a try is due."""
+        failure = self.failed.get(lane)
+        return failure is None or failure.due
 
     def choose(self, lanes: Mapping[int, tuple[int, int, Any]], running: bool, running_top: Optional[int],
                now: float) -> Optional[int]:
@@ -9537,6 +9668,7 @@ class _Models:
                 self._unload(victim)
                 loaded.remove(victim)
         self._load(model, workers)
+        self.failed.pop(lane, None)
         self.active, self.since = lane, time.monotonic()
         model.used = self.since
         return model.sessions
@@ -9568,8 +9700,16 @@ class _Models:
 
     def describe(self) -> list[dict[str, Any]]:
         """Each model as the daemon's record lists it."""
-        return [{"name": m.name, "path": m.path, "kind": m.kind, "loaded": bool(m.sessions),
-                 "active": i == self.active} for i, m in enumerate(self.served)]
+        described = []
+        for i, m in enumerate(self.served):
+            described.append({"name": m.name, "path": m.path, "kind": m.kind, "loaded": bool(m.sessions),
+                              "active": i == self.active})
+            failure = self.failed.get(i)
+            if failure is not None:  # status and wait tell the jobs waiting for it why
+                described[-1].update(load_failures=failure.count, load_error=failure.error,
+                                     max_load_failures=self.config.max_load_failures,
+                                     retry_at=None if failure.gave_up else round(failure.wall, 3))
+        return described
 
 
 def _clash(mine: list[dict[str, Any]], gpu: int, other: dict[str, Any]) -> Optional[str]:
@@ -9579,8 +9719,10 @@ def _clash(mine: list[dict[str, Any]], gpu: int, other: dict[str, Any]) -> Optio
     theirs = other.get("gpu") if isinstance(other.get("gpu"), int) else -1
     if max(theirs, -1) != max(gpu, -1) or other.get("starting"):
         return None
+    # A model the other could not load is no clash: a daemon for it is what its jobs wait for.
     same = sorted({m["path"] or m["name"] for m in mine}
-                  & {m.get("path") or m.get("name") for m in other.get("models") or () if isinstance(m, dict)})
+                  & {m.get("path") or m.get("name") for m in other.get("models") or ()
+                     if isinstance(m, dict) and not m.get("load_failures")})
     if not same:
         return None
     where = f"GPU {gpu}" if gpu >= 0 else "this machine's CPU (or its default GPUs)"
@@ -9682,8 +9824,11 @@ class _ModelSwitch:
     ended), makes the next model the active one, and lets the workers go on with its jobs."""
 
     def __init__(self, models: _Models, pool: Pool, stop: threading.Event, workers: int,
-                 use: Callable[[list[Session]], None], tops: list[Optional[int]]) -> None:
+                 use: Callable[[list[Session]], None], tops: list[Optional[int]],
+                 fail: Callable[[list[str], str, str], None] = lambda ids, model, error: None) -> None:
         self.models, self.pool, self.stop, self.workers, self.use, self.tops = models, pool, stop, workers, use, tops
+        self.fail = fail  # fails queued jobs (IDs, their model's name, the error) with load_failed
+        self.failure: Optional[str] = None  # why this thread stopped the daemon (it exits 1)
         self.wake = threading.Event()
         self._cond = threading.Condition()
         self._parked = 0
@@ -9697,8 +9842,9 @@ class _ModelSwitch:
             if self.stop.is_set():  # (request_stop sets wake too): no switch or load begins now
                 break
             try:
+                self._tend_failures()
                 tops = [top for top in self.tops if top is not None]
-                lanes = self.pool.lanes()
+                lanes = {lane: head for lane, head in self.pool.lanes().items() if self.models.turn(lane)}
                 target = self.models.choose(lanes, self.pool.running() > 0, max(tops, default=None), time.monotonic())
                 if target is not None:
                     self._switch(target)
@@ -9706,6 +9852,25 @@ class _ModelSwitch:
                     self.models.load_ahead(lanes, self.workers, self.stop)
             except Exception as err:  # choose's own bug: the active model goes on
                 log.error(f"model switch error: {err!r}")
+
+    def _tend_failures(self) -> None:
+        """Route again the jobs of failed models due for another try (or whose file changed);
+        fail the jobs of models given up on, or leave them to another daemon that has the
+        model loaded."""
+        models = self.models
+        if models.failed:
+            self.pool.reroute(models.retries)
+        for lane, failure in list(models.failed.items()):
+            if failure.due:  # chosen as any other lane (see _Models.turn)
+                continue
+            if failure.gave_up and models.served[lane].path not in models.paths_elsewhere:
+                taken = self.pool.take_lane(lane)
+                if taken:
+                    self.fail(taken, models.served[lane].name,
+                              f"{failure.error} ({failure.count} failed loads; NRVNA_MAX_LOAD_FAILURES is "
+                              f"{models.config.max_load_failures}): fix or replace the file, then nrvna retry")
+            else:
+                self.pool.set_aside(lane)
 
     def _switch(self, lane: int) -> None:
         models = self.models
@@ -9721,16 +9886,23 @@ class _ModelSwitch:
             self.use(models.activate(lane, self.workers, self.pool.lanes()))
             log.info(f"Switched from model {models.served[previous].name} to {models.served[lane].name} "
                      f"({time.monotonic() - began:.2f} s)")
-        except Exception as err:  # out of memory, say: its jobs wait for a daemon that can load it
-            log.error(f"model {models.served[lane].name} could not be made ready ({err}); its jobs wait for "
-                      "a daemon that can load it")
-            models.failed.add(lane)
-            self.pool.set_aside(lane)
+        except Exception as err:  # a broken file, out of memory: its jobs wait, then fail (see _LoadFailure)
+            failure = models.load_failed(lane, str(err))
+            if failure.gave_up:
+                then = f"its queued jobs fail (load_failed): {failure.count} failed loads"
+            else:
+                then = (f"its jobs wait; tried again in {failure.retry_at - time.monotonic():.0f} s "
+                        f"({failure.count} of NRVNA_MAX_LOAD_FAILURES {models.config.max_load_failures} failed "
+                        "loads), or start a daemon for it")
+            log.error(f"model {models.served[lane].name} could not be made ready ({err}); {then}")
+            if not failure.gave_up:  # (a given-up model's jobs stay queued here, for _tend_failures)
+                self.pool.set_aside(lane)
             lane = previous
             try:  # the eviction that made room may have unloaded it
                 self.use(models.activate(previous, self.workers, self.pool.lanes()))
             except Exception as again:
-                log.error(f"model {models.served[previous].name} cannot be loaded again ({again}); stopping")
+                self.failure = f"model {models.served[previous].name} cannot be loaded again ({again})"
+                log.error(f"{self.failure}; stopping")
                 self.stop.set()
                 self.pool.close()
                 return
@@ -9822,14 +9994,16 @@ class _Watcher:
                 log.info(f"Requeued {len(recovered)} jobs that no live daemon held")
             if not dead:
                 self.pool.forget_gone(set(os.listdir(os.path.join(self.workspace, READY))))
-        kinds = self.peer_kinds()
-        self.pool.reroute(lambda: self.models.peers(kinds))
+        kinds, paths = self.peer_models()
+        self.pool.reroute(lambda: self.models.peers(kinds, paths))
 
-    def peer_kinds(self) -> set[str]:
-        """The kinds of model ("chat", "embed") the workspace's other live daemons serve."""
+    def peer_models(self) -> tuple[set[str], set[str]]:
+        """The kinds of model ("chat", "embed") the workspace's other live daemons serve, and
+        their model files (those they could not load left out)."""
         others = [r for r in daemon_records(self.workspace) if r.get("name") != self.registry.name]
-        return {m["kind"] for r in others for m in r.get("models") or ()
-                if isinstance(m, dict) and m.get("kind") in ("chat", "embed")}
+        models = [m for r in others for m in r.get("models") or () if isinstance(m, dict) and not m.get("load_failures")]
+        return ({m["kind"] for m in models if m.get("kind") in ("chat", "embed")},
+                {m["path"] for m in models if isinstance(m.get("path"), str)})
 
 
 class Server:
@@ -9855,6 +10029,7 @@ class Server:
             runner = FunctionRunner(runner)
         self.runner = runner
         self.drain = drain
+        self.stranded = 0  # --drain: the jobs it stopped with queued that no live daemon serves (it exits 1)
         self.pool = Pool(self._route, self._queued)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -9924,7 +10099,7 @@ class Server:
             self._run_last_chances(recovered, sessions[0])
             self.watcher = _Watcher(self.workspace, self.registry, self.processor, self.pool, models,
                                     self._running_jobs, self.write_status)
-            models.peers(self.watcher.peer_kinds())  # before the first scan routes a job
+            models.peers(*self.watcher.peer_models())  # before the first scan routes a job
             self.scanner = Scanner(self.workspace, self.pool, self._stop)
         except BaseException:
             self.hooks = None
@@ -9937,7 +10112,8 @@ class Server:
         self._loads = [0] * len(sessions)
         self._tops = [None] * len(sessions)
         if len(models.served) > 1:
-            self.switch = _ModelSwitch(models, self.pool, self._stop, len(sessions), self._use, self._tops)
+            self.switch = _ModelSwitch(models, self.pool, self._stop, len(sessions), self._use, self._tops,
+                                       self._fail_unloadable)
             self._threads.append(threading.Thread(target=self.switch.run, name="Models", daemon=True))
         self._use(sessions)
         for index in range(len(sessions)):
@@ -10024,7 +10200,27 @@ class Server:
                 self.request_stop()
             elif self.drain and self._drained() and (self.hooks is None or self.hooks.idle()):
                 log.info("Queue drained")
+                self._say_stranded()
                 self.request_stop()
+
+    def _say_stranded(self) -> None:
+        """--drain stops: say which jobs it leaves queued that no live daemon serves (a model
+        nobody serves or could load, a kind no model serves), by reason; it then exits 1."""
+        left = sorted((j for j in _folder_entries(self.workspace, READY) if j in self.pool.elsewhere), key=order_key)
+        if left:
+            self.write_status()  # the reasons read this record too: a load may have failed since its last write
+        reasons: dict[str, list[str]] = {}
+        for job_id, reason in waiting_for_model(self.workspace, left).items():
+            reasons.setdefault(reason, []).append(job_id)
+        for reason, ids in reasons.items():
+            log.error(f"{len(ids)} jobs left queued ({ids[0]}{', ...' if len(ids) > 1 else ''}): {reason}")
+        self.stranded = sum(map(len, reasons.values()))
+
+    def failure(self) -> Optional[str]:
+        """Why the daemon stopped as it should not have (it exits 1), or None."""
+        if self.switch is not None and self.switch.failure:
+            return self.switch.failure
+        return f"{self.stranded} jobs left queued that no live daemon serves" if self.stranded else None
 
     def _running_jobs(self) -> list[RunningJob]:
         with self._stats_lock:
@@ -10042,6 +10238,7 @@ class Server:
             default = models[0] if models else {}
             return dict(self._stats, pid=os.getpid(), name=self.registry.name, models=models,
                         model=next((m["name"] for m in models if m["active"]), None), model_path=default.get("path"),
+                        kinds=self.models.kinds() if self.models else [],
                         loads=self.models.loads if self.models else 0, models_dir=self._models_dir,
                         aliases=self._aliases, gpu=self.config.gpu, workers=self.config.workers, seqs=self.config.seqs,
                         started=round(self._started_at, 3), updated=round(now, 3), running=len(self._running),
@@ -10265,6 +10462,22 @@ class Server:
         else:
             self.pool.retry_later(job.id, 2.0)
 
+    def _fail_unloadable(self, job_ids: list[str], model: str, error: str) -> None:
+        """Fail queued jobs (taken from the Pool) whose model this daemon gave up loading:
+        claimed and ended as a worker ends a job, with load_failed."""
+        for job_id in job_ids:
+            try:
+                job = self.processor.claim(job_id, "Models", self._stop, model)
+            except (_HandBack, _Busy, NrvnaError, OSError):  # as _admit: tried again later
+                self.pool.retry_later(job_id, 1.0)
+                continue
+            if job is None:
+                self.pool.done(job_id)
+                continue
+            with self._stats_lock:
+                self._running[job_id] = job
+            self._end(job, Outcome(error_code="load_failed", error=error))
+
     def _warn_if_shared(self) -> None:
         mode = os.stat(self.workspace).st_mode
         if mode & 0o022:
@@ -10370,6 +10583,10 @@ def _cmd_daemon(args: Any) -> int:
         server.serve_forever()
     finally:
         server.shutdown()
+    failure = server.failure()
+    if failure:
+        log.error(f"The daemon stopped: {failure}")
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -10831,7 +11048,7 @@ def _daemon_arguments(parser: Any) -> None:
                         help="GGUF path, a name in NRVNA_MODELS_DIR, or a directory of GGUFs; several serve several "
                              "models (the first is the default)")
     parser.add_argument("workspace", metavar="WORKSPACE")
-    parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0")
+    parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0 (1 when jobs are left that no live daemon serves)")
     for name, setting in SETTINGS.items():  # the settings with a flag of their own
         if setting.flags:
             hooked = [var for var, (hooks, _) in HOOK_VARIABLES.items() if name in hooks]

@@ -1108,15 +1108,16 @@ def drain_with_room_for_one(models: Path, ws: str, env: dict[str, str]) -> str:
     return drain(models, ws, env, "--max-loaded", "1")
 
 
-def drain(models: Path, ws: str, env: dict[str, str], *flags: str) -> str:
-    """Run `daemon MODELS_DIR WS -w 1 --drain FLAGS` to its end; its log (exit 0, no traceback)."""
+def drain(models: Path, ws: str, env: dict[str, str], *flags: str, code: int = 0) -> str:
+    """Run `daemon MODELS_DIR WS -w 1 --drain FLAGS` to its end; its log (exit ``code``, no
+    traceback)."""
     daemon = start_daemon(str(models), ws, "-w", "1", "--drain", *flags, env=env)
     try:
         _, err = daemon.communicate(timeout=600)
     finally:
         daemon.kill()
     log = err.decode()
-    assert daemon.returncode == 0 and "Traceback" not in log, log[-3000:]
+    assert daemon.returncode == code and "Traceback" not in log, log[-3000:]
     return log
 
 
@@ -1274,20 +1275,149 @@ def test_a_higher_lane_or_the_end_of_a_turn_switches_models_before_a_backlog_end
 def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: str, tmp_path: Path, model: str,
                                                                          run_main: RunMain, room: int) -> None:
     """With room for one model, b's load fails at its turn; with room for two it fails first
-    ahead of its turn (while a's jobs run), and again at its turn, which says so."""
+    ahead of its turn (while a's jobs run), and again at its turn, which says so. --drain
+    stops with b's jobs queued, and says so: exit 1."""
     models, env = models_dir(tmp_path, a=model)
     (models / "b.gguf").write_bytes(Path(model).read_bytes()[:3_000_000])  # a GGUF header, truncated weights
     ids = {name: [run_main("submit", ws, "Tell a story.", "--model", name, "--max-tokens", "32", "--ignore-eos",
                            env=env).stdout.decode().strip() for _ in range(3)] for name in ("a", "b")}
-    if room == 1:
-        log = drain_with_room_for_one(models, ws, env)
-    else:
-        log = drain(models, ws, env, "--max-loaded", "2")
+    log = drain(models, ws, env, "--max-loaded", str(room), code=nrvna.EXIT_FAILED)
+    assert f"3 jobs left queued ({ids['b'][0]}, ...): waits for model b (b.gguf), which daemon" in log
+    assert "(1 of 3 failed loads: model " in log and "could not be loaded by llama.cpp" in log, log[-3000:]
+    if room == 2:
         assert log.index("model b.gguf could not be loaded ahead of its turn") < log.index("could not be made ready")
     assert "model b.gguf could not be made ready" in log and log.count("Loading model") == 3, log[-3000:]  # a, b, a again (room 2: a, b ahead, b)
     flow = Flow(ws)
     assert [flow.status(job_id) for job_id in ids["a"]] == [Status.Done] * 3
     assert [flow.status(job_id) for job_id in ids["b"]] == [Status.Queued] * 3  # for a daemon that can load it
+
+
+@pytest.fixture
+def fake_loads(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """LlamaRunner replaced: a model file loads as a FunctionRunner (``vectors`` for an
+    embedding model, ``echo`` for a chat model) unless its file name is in ``broken`` (or it
+    has loaded ``vanishes`` times already), which fails as a truncated GGUF does; ``loads``
+    counts the loads of each file name."""
+    state: dict[str, Any] = {"broken": set(), "loads": {}, "vanishes": {}}
+
+    def load(path: str, config: nrvna.Config, cancel: Any = None) -> nrvna.Runner:
+        name = os.path.basename(path)
+        state["loads"][name] = state["loads"].get(name, 0) + 1
+        if name in state["broken"] or state["loads"][name] > state["vanishes"].get(name, math.inf):
+            raise nrvna.ModelError(f"model {path} could not be loaded by llama.cpp: tensor data is not within the "
+                                   "file bounds")
+        return nrvna.FunctionRunner(vectors if nrvna.gguf_kind(path) == "embed" else echo)
+
+    monkeypatch.setattr(nrvna, "LlamaRunner", load)
+    return state
+
+
+def test_a_job_whose_kind_no_model_here_serves_waits_for_one_and_status_says_why(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain) -> None:
+    """A chat daemon beside an embedding daemon: when the embedding daemon stops (a restart),
+    the embed jobs naming no model wait for it, never run (or fail) on the chat model."""
+    chat, bert = fake_gguf(tmp_path / "chat.gguf"), fake_gguf(tmp_path / "bert.gguf", "bert")
+    config = nrvna.Config(models_dir=str(tmp_path))
+    only_chat, only_bert = (nrvna._Models([p], None, config, str(tmp_path), {}) for p in (chat, bert))
+    assert (only_chat.lane_of(None, True), only_chat.lane_of(None, False)) == (None, 0)
+    assert (only_bert.lane_of(None, False), only_bert.lane_of(None, True)) == (None, 0)
+    assert (only_chat.kinds(), only_bert.kinds()) == (["chat"], ["embed"])  # (their records say, for status)
+    assert only_chat.lane_of("chat", True) == 0  # a job naming the model runs there (and fails unsupported)
+    pooled = nrvna._Models([chat], None, nrvna.Config(pooling="mean"), str(tmp_path), {})
+    assert pooled.lane_of(None, True) == 0 and pooled.kinds() == ["chat", "embed"]
+    chat_daemon = Server(chat, ws, 1, config=nrvna.Config(models_dir=str(tmp_path)))
+    chat_daemon.start()
+    try:
+        for round_ in range(2):  # before the embedding daemon ever ran, and after it stopped
+            embed_ids = [Work(ws).publish(f"text {round_} {i}", embed=True) for i in range(3)]
+            said = submit(ws, "hello")
+            assert wait_all(ws, [said]) == [Status.Done]
+            assert [Flow(ws).status(j) for j in embed_ids] == [Status.Queued] * 3  # not taken by the chat model
+            status = run_main("status", ws, embed_ids[0], "--json")
+            assert "waits for a daemon with an embedding model" in json.loads(status.stdout)[embed_ids[0]]["waiting"]
+            waited = run_main("wait", ws, *embed_ids, "--timeout", "0.2")
+            assert b"3 jobs (" in waited.stderr and b"waits for a daemon with an embedding model" in waited.stderr
+            embed_daemon = Server(bert, ws, 1, config=nrvna.Config(models_dir=str(tmp_path)))
+            embed_daemon.start()
+            try:
+                assert wait_all(ws, embed_ids) == [Status.Done] * 3
+            finally:
+                embed_daemon.shutdown()
+            assert {Flow(ws).get(j).meta["model"] for j in embed_ids} == {"bert.gguf"}
+    finally:
+        chat_daemon.shutdown()
+
+
+def test_a_model_that_fails_to_load_says_why_is_tried_again_later_then_fails_its_jobs(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon of two models, b's file broken: b's jobs wait with the reason in status and
+    wait, b is tried again after a backoff (not every round), a daemon for b alone may start
+    beside it, and after NRVNA_MAX_LOAD_FAILURES loads its jobs fail with load_failed, naming
+    the file and the reason; once the file is fixed, retry runs them."""
+    models, _ = models_dir(tmp_path)
+    fake_gguf(models / "a.gguf")
+    broken = fake_gguf(models / "b.gguf")
+    fake_loads["broken"].add("b.gguf")
+    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))  # 3 failed loads (the default)
+    server.start()
+    try:
+        waiting = submit(ws, "for b", model="b")
+        deadline = time.monotonic() + 30
+        while not server.models.failed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server.write_status()
+        for _ in range(3):  # rounds of the Models thread go by: no load of b before its next try
+            assert wait_all(ws, [submit(ws, "for a", model="a")]) == [Status.Done]
+        assert fake_loads["loads"]["b.gguf"] == 1 and Flow(ws).status(waiting) is Status.Queued
+        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
+        assert reason.startswith("waits for model b (b.gguf), which daemon") and "(1 of 3 failed loads" in reason
+        assert "tensor data is not within the file bounds" in reason and "tried again in" in reason
+        text = run_main("status", ws, waiting)
+        assert text.stdout == b"queued\n" and b"1 of 3 failed loads" in text.stderr
+        assert b"1 of 3 failed loads" in run_main("wait", ws, waiting, "--timeout", "0.2").stderr
+        # The daemon its log recommends, one for b: not refused as a clash (its own load fails).
+        with pytest.raises(nrvna.ModelError, match="could not be loaded by llama.cpp"):
+            Server(broken, ws, 1, config=nrvna.Config(models_dir=str(models))).start()
+        monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 0.05)
+        server.models.failed[1].retry_at = 0.0  # the next try is due now; then 0.05 s, 0.1 s
+        assert Flow(ws).wait(waiting, 30) is Status.Failed
+        job = Flow(ws).get(waiting)
+        assert job.meta["code"] == "load_failed" and fake_loads["loads"]["b.gguf"] == 2 + 2  # b alone's, once
+        assert f"model {os.path.realpath(broken)} could not be loaded by llama.cpp: tensor data" in job.error
+        assert "(3 failed loads; NRVNA_MAX_LOAD_FAILURES is 3)" in job.error
+        later = submit(ws, "for b, after", model="b")  # given up: it fails without another load
+        assert Flow(ws).wait(later, 30) is Status.Failed and fake_loads["loads"]["b.gguf"] == 4
+        fake_loads["broken"].clear()
+        fake_gguf(models / "b.gguf.new")
+        os.replace(models / "b.gguf.new", broken)  # fixed: a new file
+        assert run_main("retry", ws, "--failed", "--code", "load_failed").returncode == 0
+        assert wait_all(ws, [waiting, later]) == [Status.Done] * 2
+        assert Flow(ws).get(later).meta["model"] == "b.gguf" and fake_loads["loads"]["b.gguf"] == 5
+    finally:
+        server.shutdown()
+
+
+def test_drain_and_a_daemon_that_stops_itself_exit_1_saying_why(ws: str, tmp_path: Path, fake_loads: dict[str, Any],
+                                                                 run_main: RunMain) -> None:
+    models, env = models_dir(tmp_path)
+    fake_gguf(models / "a.gguf")
+    fake_gguf(models / "b.gguf")
+    fake_loads["broken"].add("b.gguf")
+    done, waiting = submit(ws, "for a", model="a"), submit(ws, "for b", model="b")
+    drained = run_main("daemon", str(models), ws, "-w", "1", "--drain", env=env)
+    assert drained.returncode == nrvna.EXIT_FAILED, drained.stderr[-2000:]
+    assert f"1 jobs left queued ({waiting}): waits for model b (b.gguf), which daemon".encode() in drained.stderr
+    assert b"The daemon stopped: 1 jobs left queued that no live daemon serves" in drained.stderr
+    assert Flow(ws).status(done) is Status.Done and Flow(ws).status(waiting) is Status.Queued
+    # a.gguf vanishes after its first load, and b's turn fails: a cannot be loaded again, so
+    # the daemon stops.
+    fake_loads["vanishes"]["a.gguf"] = fake_loads["loads"]["a.gguf"] + 1
+    stopped = run_main("daemon", str(models), ws, "-w", "1", "--max-loaded", "1", env=env)
+    assert stopped.returncode == nrvna.EXIT_FAILED, stopped.stderr[-2000:]
+    assert b"The daemon stopped: model a.gguf cannot be loaded again" in stopped.stderr
+    assert Flow(ws).status(waiting) is Status.Queued and nrvna.daemon_records(ws) == []
 
 
 @pytest.mark.model
@@ -1374,6 +1504,55 @@ def test_two_daemons_share_a_workspace_and_a_killed_ones_jobs_are_requeued_at_on
     assert job_id and audit_clean(ws)
 
 
+@pytest.mark.model
+def test_a_restart_of_the_embedding_daemon_leaves_the_embed_jobs_to_it(ws: str, tmp_path: Path, model: str,
+                                                                       bert: str, run_main: RunMain) -> None:
+    """A chat daemon beside an embedding daemon, embed jobs naming no model: the embedding
+    daemon SIGKILLed mid-batch, restarted, then stopped with stop --pid. Its jobs wait for it
+    (status says why), never run or fail on the chat model; each ends once, done by it."""
+    _, env = models_dir(tmp_path, smol=model, minilm=bert)
+    ids = [Work(ws).publish([f"Sentence {i} about topic {j}. " * 6 for j in range(6)], embed=True) for i in range(150)]
+    chat = start_daemon("smol", ws, "-w", "1", env=env)
+    embedders = [start_daemon("minilm", ws, "-w", "1", env=env)]
+    flow, deadline = Flow(ws), time.monotonic() + 300
+
+    def chat_round_trip() -> None:
+        """A chat job submitted now is done: the chat daemon has routed what was queued before it."""
+        said = submit(ws, "Say hi.", max_tokens=2)
+        assert flow.wait(said, 120) is Status.Done
+
+    try:
+        while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        embedders[0].kill()
+        embedders[0].wait(30)
+        while [r["pid"] for r in nrvna.daemon_records(ws)] != [chat.pid] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the chat daemon has reaped it
+        chat_round_trip()
+        left = [j for j in ids if flow.status(j) is not Status.Done]
+        assert left and all(flow.status(j) is Status.Queued for j in left)
+        reason = json.loads(run_main("status", ws, left[0], "--json", env=env).stdout)[left[0]]
+        assert "waits for a daemon with an embedding model" in reason["waiting"], reason
+        embedders.append(start_daemon("minilm", ws, "-w", "1", env=env))
+        while flow.status(left[0]) is not Status.Done and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stopped = run_main("stop", ws, "--pid", str(embedders[1].pid), "--timeout", "60", env=env)
+        assert stopped.returncode == 0 and embedders[1].wait(30) == 0, stopped.stderr
+        chat_round_trip()
+        assert not any(flow.status(j) in (Status.Failed, Status.Running) for j in ids)
+        embedders.append(start_daemon("minilm", ws, "-w", "1", "--drain", env=env))
+        assert embedders[2].wait(300) == 0
+    finally:
+        for proc in [chat, *embedders]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+    for job_id in ids:
+        job = flow.get(job_id)
+        assert job.status is Status.Done and job.meta["model"] == "minilm.gguf", (job_id, job.error)
+    assert audit_clean(ws)
+
+
 def test_a_job_nobody_holds_in_processing_is_requeued_by_a_live_daemon(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A requeue that failed, a reaping cut short: a live daemon finds such a job within
     ORPHAN_SECONDS, while a job it runs itself is never touched."""
@@ -1418,7 +1597,8 @@ def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: s
         out, err = daemon.communicate(timeout=300)
     finally:
         daemon.kill()
-    assert daemon.returncode == 0, err.decode()[-2000:]
+    assert daemon.returncode == nrvna.EXIT_FAILED, err.decode()[-2000:]  # it left a job nobody serves
+    assert f"1 jobs left queued ({ids['other']}): waits for model other (other.gguf)".encode() in err
     flow = Flow(ws)
     for name, job_id in ids.items():
         assert flow.status(job_id) is (Status.Queued if name == "other" else Status.Done), name
@@ -5103,16 +5283,21 @@ def test_mixed_generation_and_embed_lines_each_end_once_in_its_own_shape(ws: str
 
 @pytest.mark.model
 def test_a_model_serves_only_the_jobs_it_can(ws: str, model: str, bert: str) -> None:
-    embed_on_smollm2 = Work(ws).publish("text", embed=True)
-    assert cli("daemon", model, ws, "--drain", "-w", "1", timeout=120).returncode == 0
+    """A job naming a model that cannot run its kind fails (unsupported); one naming no model
+    waits for a daemon with a model of its kind (a chat daemon's --drain leaves it: exit 1)."""
+    embed_on_smollm2 = Work(ws).publish("text", embed=True, model=model)
+    embed_waits = Work(ws).publish("text", embed=True)
+    drained = cli("daemon", model, ws, "--drain", "-w", "1", timeout=120)
+    assert drained.returncode == nrvna.EXIT_FAILED and b"waits for a daemon with an embedding model" in drained.stderr
     job = Flow(ws).get(embed_on_smollm2)
     assert job.meta["code"] == "unsupported" and "NRVNA_POOLING=mean" in job.error
-    generate_on_bert = Work(ws).publish("Say hi.")
+    assert Flow(ws).status(embed_waits) is Status.Queued
+    generate_on_bert = Work(ws).publish("Say hi.", model=bert)
     embed_on_bert = Work(ws).publish("text", embed=True)
     assert cli("daemon", bert, ws, "--drain", "-w", "1", timeout=120).returncode == 0
     job = Flow(ws).get(generate_on_bert)
     assert job.meta["code"] == "unsupported" and "embedding model (bert)" in job.error
-    assert Flow(ws).status(embed_on_bert) is Status.Done
+    assert [Flow(ws).status(j) for j in (embed_on_bert, embed_waits)] == [Status.Done] * 2
     refused = cli("daemon", bert, ws, "--drain", env={"NRVNA_POOLING": "none"}, timeout=120)
     assert refused.returncode != 0 and b"set NRVNA_POOLING to mean, cls or last" in refused.stderr
     assert b"Traceback" not in refused.stderr
