@@ -1882,9 +1882,11 @@ def string_rule(node: Mapping[str, Any], where: str = "", rules: Optional[dict[s
     (the grammar would have to count both at once)."""
     pattern, name = node.get("pattern"), node.get("format")
     here = f"schema {where or '/'}"
-    if pattern is not None and name is not None:
+    if "pattern" in node and "format" in node:
         raise InvalidInput(f"{here}: give pattern or format, not both (the grammar enforces one)")
-    if name is not None:
+    if "format" in node:  # {"format": null} is a format error, not the pattern's
+        if not isinstance(name, str):
+            raise InvalidInput(f"{here}: format must be a string (supported: {', '.join(SCHEMA_FORMATS)})")
         if name not in SCHEMA_FORMATS:
             raise InvalidInput(f"{here}: format {name!r} is not supported (supported: {', '.join(SCHEMA_FORMATS)})")
         shape, what = _pattern_shape(SCHEMA_FORMATS[name]), f"format {name!r}"
@@ -2705,6 +2707,8 @@ class Param:
         elif kind is str:
             if not isinstance(value, str) or len(value.encode("utf-8", "surrogatepass")) > high:
                 raise InvalidInput(f"parameter {key} must be a string of at most {high} bytes")
+            if len(value) < (low or 0):  # an empty model name is a part of every model's name
+                raise InvalidInput(f"{key} is empty")
             _check_text(key, value)
         elif kind is list:
             if (not isinstance(value, list) or len(value) > high
@@ -2736,7 +2740,7 @@ class Param:
         if self.kind is float:
             return f"number, {self.low:g} to {self.high:g}"
         if self.kind is str:
-            return f"string, up to {self.high} bytes"
+            return f"string, {'1 to' if self.low else 'up to'} {self.high} bytes"
         if isinstance(self.kind, tuple):
             return " or ".join(f"`{choice}`" for choice in self.kind)
         return f"list of up to {self.high} strings"
@@ -3080,8 +3084,6 @@ def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
             clean[key] = PARAMS[key].validate(key, value)
     if "tag" in clean and not ID_PATTERN.fullmatch(clean["tag"]):
         raise InvalidInput(f"invalid tag {clean['tag']!r} (letters, digits, '.', '_', '-'; not starting with '.')")
-    if clean.get("idempotency_key") == "":
-        raise InvalidInput("idempotency_key is empty")
     if "endpoint" in clean and clean["endpoint"] not in ENDPOINTS:
         raise InvalidInput(f"endpoint must be one of {', '.join(ENDPOINTS)}")
     if "grammar" in clean:
@@ -4891,7 +4893,10 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
         if len(matches) > 1:
             raise InvalidInput(f"{places[0]}: model name {name!r} is ambiguous in {models_dir}: "
                                f"{', '.join(os.path.basename(m) for m in matches)}")
-        if matches or name in served_names:
+        if matches:
+            _check_model_file(places[0], name, matches[0])
+            continue
+        if name in served_names:
             continue
         if strict:
             known = sorted({*(gguf_files(models_dir) or []), *map(os.path.basename, served), *aliases})
@@ -4900,6 +4905,18 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
         jobs = f"{len(places)} jobs run" if len(places) > 1 else "it runs"
         notes.append(f"model {name!r} matches no model in {models_dir}: {jobs} on a daemon's default model")
     return notes
+
+
+def _check_model_file(where: str, name: str, path: str) -> None:
+    """InvalidInput unless ``path``, the file model ``name`` resolves to, is a GGUF file: a job
+    naming /dev/zero, a directory, a FIFO or /etc/passwd would wait forever for a daemon that
+    can never serve it."""
+    try:
+        check_gguf(path)
+    except ModelError as err:
+        shown = "" if path == name else f" ({path})"
+        raise InvalidInput(f"{where}: model {name!r}{shown} {str(err).removeprefix(f'model {path} ')}; a model "
+                           "must be a regular file that starts with GGUF, or a name resolving to one") from None
 
 
 def _absolute_model(params: dict[str, Any]) -> dict[str, Any]:
@@ -6283,9 +6300,14 @@ def check_gguf(path: str) -> None:
         raise ModelError(f"model {path} is a directory, not a GGUF file")
     if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the daemon in open()
         raise ModelError(f"model {path} is not a regular file")
-    try:
-        with open(path, "rb") as handle:
-            magic = handle.read(4)
+    try:  # O_NONBLOCK: a FIFO put in its place since the stat must not block (submit checks too)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ModelError(f"model {path} is not a regular file")
+            magic = os.read(fd, 4)
+        finally:
+            os.close(fd)
     except OSError as err:
         raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
     if magic != b"GGUF":

@@ -1078,6 +1078,37 @@ def test_a_job_names_its_model_by_flag_line_openai_body_or_library(ws: str, tmp_
     assert bad.returncode == 2 and b"NRVNA_MODEL_ALIASES: 'oops' is not NAME=MODEL" in bad.stderr
 
 
+def test_a_model_that_is_no_gguf_file_or_an_empty_name_is_refused_at_submit(ws: str, tmp_path: Path,
+                                                                            run_main: RunMain) -> None:
+    """Such a job waited forever for a daemon that could never serve it, --strict-models or not;
+    an empty name was part of every model's name (the one model in the folder took it)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "only.gguf").write_bytes(b"GGUF")
+    (models / "zero.gguf").symlink_to("/dev/zero")
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "text").write_text("not a model\n")
+    env = {"NRVNA_MODELS_DIR": str(models)}
+    for name, why in [("/dev/zero", "is not a regular file"), (str(tmp_path / "folder"), "is a directory"),
+                      (str(tmp_path / "fifo"), "is not a regular file"), ("/etc/passwd", "is not a GGUF file"),
+                      (str(tmp_path / "text"), "is not a GGUF file"), ("zero", "is not a regular file")]:
+        for strict in ([], ["--strict-models"]):
+            refused = run_main("submit", ws, "hi", "--model", name, *strict, env=env, timeout=20)
+            said = refused.stderr.decode()
+            assert refused.returncode == 2 and refused.stdout == b"" and said.count("\n") == 1, (name, said)
+            assert f"model {name!r}" in said and why in said and "a model must be a regular file that starts with GGUF" in said
+    line = tmp_path / "line.jsonl"
+    line.write_text('{"prompt": "a", "model": "only"}\n{"prompt": "b", "model": "/dev/zero"}\n')
+    batch = run_main("submit", ws, "--file", str(line), env=env, timeout=20)
+    assert batch.returncode == 2 and batch.stderr.decode().startswith("nrvna: error: line 2: model '/dev/zero' is not")
+    (models / "zero.gguf").unlink()  # only.gguf alone: '' matched it
+    empty = run_main("submit", ws, "hi", "--model", "", "--strict-models", env=env)
+    assert empty.returncode == 2 and empty.stderr == b"nrvna: error: model is empty\n"
+    assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or Flow(ws).counts()["queued"] == 0
+    assert run_main("submit", ws, "hi", "--model", "only", "--strict-models", env=env).returncode == 0
+
+
 def test_a_queued_job_s_lane_and_model_are_read_from_any_params_json(tmp_path: Path) -> None:
     """The Scanner reads them for every queued job: a hand-made file never raises there (it
     would stop discovery); its claim fails the job instead."""
@@ -3354,6 +3385,9 @@ def test_patterns_outside_the_subset_are_refused_naming_the_construct(pattern: s
     ({"type": "string", "format": "date", "minLength": 10, "maxLength": 10}, None),
     ({"type": "string", "pattern": "^a$", "format": "date"}, "give pattern or format, not both"),
     ({"type": "string", "pattern": 5}, "pattern must be a string"),
+    ({"type": "string", "format": None}, "schema /: format must be a string (supported: date, "),  # not the pattern's
+    ({"format": ["date"]}, "schema /: format must be a string"),
+    ({"type": "string", "pattern": None, "format": "date"}, "give pattern or format, not both"),
     ({"type": "integer", "pattern": "^1$"}, "keyword 'pattern' is not supported for an integer"),
     ({"type": "string", "pattern": "^a$", "enum": ["a"]}, "keyword 'pattern' is not supported beside enum"),
 ])
