@@ -326,7 +326,10 @@ class Config:
             raw = environ.get(setting.env)
             if raw is not None and raw.strip() != "":
                 values[name] = _parse_setting(name, raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        for name, value in overrides.items():  # the daemon's flags: an error names the flag given
+            if value is not None:
+                flags = SETTINGS[name].flags if name in SETTINGS else ()
+                values[name] = _check_setting(name, value, flags[-1]) if flags else value
         return cls(**values)
 
     def as_dict(self) -> dict[str, Any]:
@@ -346,21 +349,24 @@ def _parse_setting(name: str, raw: str) -> Any:
     return _check_setting(name, value)
 
 
-def _check_setting(name: str, value: Any) -> Any:
+def _check_setting(name: str, value: Any, flag: Optional[str] = None) -> Any:
+    """``value`` checked and normalized, or ConfigError naming ``flag`` where the value came
+    from that flag, else the setting's variable."""
     setting = SETTINGS[name]
     if setting.check is not None:  # the setting's own: normalizes, or raises ConfigError
         value = setting.check(value)
+    given = f"{flag} {value!r}" if flag else f"{setting.env}={value!r}"
     if setting.kind is str:
         if setting.choices is not None and value not in setting.choices:
-            raise ConfigError(f"{setting.env}={value!r} is not one of {', '.join(setting.choices)}")
+            raise ConfigError(f"{given} is not one of {', '.join(setting.choices)}")
         return str(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{setting.env}={value!r} is not {_describe(setting)}")
+        raise ConfigError(f"{given} is not {_describe(setting)}")
     if setting.kind is int and value != int(value):
-        raise ConfigError(f"{setting.env}={value!r} is not {_describe(setting)}")
+        raise ConfigError(f"{given} is not {_describe(setting)}")
     value = setting.kind(value)
     if value != value or not (setting.low <= value <= setting.high):  # NaN fails too
-        raise ConfigError(f"{setting.env}={value!r} is not {_describe(setting)}")
+        raise ConfigError(f"{given} is not {_describe(setting)}")
     return value
 
 
@@ -376,6 +382,8 @@ def parse_aliases(text: str) -> dict[str, str]:
         name, sep, model = item.partition("=")
         if item and not (sep and name.strip() and model.strip()):
             raise ConfigError(f"NRVNA_MODEL_ALIASES: {item!r} is not NAME=MODEL")
+        if item and name.strip() in aliases:  # the later one won silently
+            raise ConfigError(f"NRVNA_MODEL_ALIASES: alias {name.strip()!r} is given twice")
         if item:
             aliases[name.strip()] = model.strip()
     return aliases

@@ -447,6 +447,33 @@ def test_invalid_env_values_are_named(name: str, value: str) -> None:
     assert name in str(err.value)
 
 
+@pytest.mark.parametrize("flags, env, named", [
+    (["--workers", "0"], {}, "--workers 0 is not an integer from 1 to 256"),
+    (["-w", "0"], {}, "--workers 0 is not an integer from 1 to 256"),
+    (["--seqs", "999"], {}, "--seqs 999 is not an integer from 1 to 255"),
+    (["--max-loaded", "0"], {}, "--max-loaded 0 is not an integer from 1 to 64"),
+    ([], {"NRVNA_WORKERS": "0"}, "NRVNA_WORKERS=0 is not an integer from 1 to 256"),
+    (["--seqs", "4"], {"NRVNA_WORKERS": "0"}, "NRVNA_WORKERS=0 is not"),
+])
+def test_a_bad_setting_is_named_as_it_was_given_by_flag_or_variable(ws: str, run_main: RunMain, flags: list[str],
+                                                                     env: dict[str, str], named: str) -> None:
+    """`daemon --workers 0` said NRVNA_WORKERS, a variable the user never set."""
+    done = run_main("daemon", "model.gguf", ws, *flags, env=env)
+    said = done.stderr.decode()
+    assert done.returncode == 2 and said.startswith(f"nrvna: error: {named}") and said.count("\n") == 1, said
+    assert not os.path.exists(ws)
+
+
+@pytest.mark.parametrize("aliases", ["a=x,a=y", "a=x, b=y, a=x"])
+def test_an_alias_given_twice_is_refused_naming_it(ws: str, run_main: RunMain, aliases: str) -> None:
+    """The later one won silently."""
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_MODEL_ALIASES: alias 'a' is given twice"):
+        nrvna.parse_aliases(aliases)
+    for command in (["submit", ws, "hi", "--model", "a"], ["daemon", "model.gguf", ws]):
+        done = run_main(*command, env={"NRVNA_MODEL_ALIASES": aliases})
+        assert done.returncode == 2 and done.stderr == b"nrvna: error: NRVNA_MODEL_ALIASES: alias 'a' is given twice\n"
+
+
 def test_env_values_are_read() -> None:
     config = nrvna.Config.from_env({"NRVNA_WORKERS": "8", "NRVNA_TEMP": "0.2", "NRVNA_LOG_LEVEL": "TRACE",
                                     "NRVNA_SEED": "7", "NRVNA_MODELS_DIR": "/m"})
