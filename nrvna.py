@@ -5764,6 +5764,8 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
             os.fsync(fd)
         except FileNotFoundError:
             continue
+        except OSError as err:  # a read-only or full workspace: say which job it left alone
+            return "refused", f"job {job_id} cannot be cancelled: its {CANCEL_FILE} file cannot be written ({_os_error(err)})"
         finally:
             os.close(fd)
         if status is Status.Queued:

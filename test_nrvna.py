@@ -2678,6 +2678,21 @@ def test_cancel_an_orphan_while_no_daemon_runs(ws: str, run_main: RunMain) -> No
     assert job.status is Status.Failed and job.meta["code"] == "cancelled"
 
 
+def test_a_cancel_on_a_read_only_workspace_names_each_job_it_left_alone(ws: str) -> None:
+    """Root ignores chmod, so the workspace is a read-only mount in a user namespace. The error
+    was `.cancel.tmp: Read-only file system`, naming no job."""
+    ids = [submit(ws, "one"), submit(ws, "two")]
+    done = in_user_namespace(f"mount --bind {ws} {ws} && mount -o remount,bind,ro {ws} && "
+                             f"'{sys.executable}' '{SCRIPT}' cancel '{ws}' {' '.join(ids)}; echo rc=$?")
+    if b"rc=" not in done.stdout:
+        pytest.skip(f"this host refuses user namespaces: {done.stderr.decode().strip()}")
+    lines = done.stderr.decode().splitlines()
+    assert b"rc=1" in done.stdout and len(lines) == 2, lines
+    for job_id, line in zip(ids, lines):
+        assert line == f"nrvna: job {job_id} cannot be cancelled: its cancel file cannot be written (Read-only file system)"
+    assert Flow(ws).counts()["queued"] == 2
+
+
 def test_a_cancel_file_seen_at_claim_fails_the_job_unrun(ws: str) -> None:
     job_id = submit(ws, "marked")
     with open(os.path.join(ws, nrvna.READY, job_id, nrvna.CANCEL_FILE), "w") as handle:
