@@ -2759,6 +2759,10 @@ class Param:
 STRUCTURE_LIMIT = 1 << 18
 # Most choices one job may ask for (n): as OpenAI's limit, and each is a sequence of a context.
 CHOICES_MAX = 128
+# Most log-probabilities one job may record, n x max_tokens x (top_logprobs + 1): the daemon holds
+# them all until the job ends, and `get --json` reads them whole (n=16, 992 tokens, 20 each took
+# 490 MB in a daemon and 479 MB to read back; at this cap, about 10 MB of JSON).
+LOGPROBS_MAX = 1 << 17
 
 
 def _read_limited(path: str, limit: int, what: str) -> str:
@@ -3026,7 +3030,8 @@ PARAMS: dict[str, Param] = {
     "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",), read=("FILE", _read_grammar),
                       help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file"),
     "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
-                       help="record each generated token's log-probability (get --json, export)"),
+                       help=f"record each generated token's log-probability (get --json, export); n x max_tokens x "
+                            f"(top_logprobs + 1) may be at most {LOGPROBS_MAX} a job"),
     "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
                            help="with logprobs: also the N most likely tokens at each step"),
     "embed": Param(bool, default=False, flag="--embed", jobs="any",
@@ -3080,8 +3085,9 @@ def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = N
     return PARAMS[name].default
 
 
-def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
-    """Check per-job parameters; return them normalized or raise InvalidInput."""
+def validate_params(params: Mapping[str, Any], max_tokens: Optional[int] = None) -> dict[str, Any]:
+    """Check per-job parameters; return them normalized or raise InvalidInput. ``max_tokens``:
+    the daemon's default of that parameter (None: NRVNA_PREDICT as this process sees it)."""
     if not isinstance(params, dict):
         raise InvalidInput("params must be a JSON object")
     clean: dict[str, Any] = {}
@@ -3096,7 +3102,7 @@ def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
         raise InvalidInput(f"endpoint must be one of {', '.join(ENDPOINTS)}")
     if "grammar" in clean:
         _checked(("grammar", clean["grammar"]), lambda: check_grammar(clean["grammar"]))
-    check_combination(clean)
+    check_combination(clean, max_tokens)
     return clean
 
 
@@ -3108,9 +3114,26 @@ def constraint(params: Mapping[str, Any]) -> Optional[str]:
     return kind if kind in ("json_schema", "json_object") else None
 
 
-def check_combination(params: Mapping[str, Any]) -> None:
+def check_logprobs_size(params: Mapping[str, Any], max_tokens: Optional[int] = None) -> None:
+    """InvalidInput when a job would record more than LOGPROBS_MAX log-probabilities (its
+    max_tokens, else ``max_tokens``, else NRVNA_PREDICT as this process sees it)."""
+    if not job_param(params, "logprobs"):
+        return
+    n, top = job_param(params, "n"), job_param(params, "top_logprobs") or 0
+    tokens = job_param(params, "max_tokens")
+    given = tokens is not None
+    if not given:
+        tokens = max_tokens if max_tokens is not None else setting_default("max_tokens")
+    if n * tokens * (top + 1) > LOGPROBS_MAX:
+        whence = "" if given else " (the default, NRVNA_PREDICT)"
+        raise InvalidInput(f"logprobs: n x max_tokens x (top_logprobs + 1) = {n} x {tokens}{whence} x {top + 1} = "
+                           f"{n * tokens * (top + 1)} log-probabilities, over the limit of {LOGPROBS_MAX} a job "
+                           "(give a smaller max_tokens, n or top_logprobs)")
+
+
+def check_combination(params: Mapping[str, Any], max_tokens: Optional[int] = None) -> None:
     """Raise InvalidInput for parameters that cannot go together (also for a batch line
-    merged with the file's defaults)."""
+    merged with the file's defaults); ``max_tokens`` as for validate_params."""
     kind = (job_param(params, "response_format") or {}).get("type")
     if job_param(params, "grammar") is not None and kind in ("json_schema", "json_object"):
         raise InvalidInput("give grammar or response_format, not both")
@@ -3119,6 +3142,7 @@ def check_combination(params: Mapping[str, Any]) -> None:
                            "where the output ends (a stop string inside a JSON value would cut it short)")
     if job_param(params, "top_logprobs") is not None and not job_param(params, "logprobs"):
         raise InvalidInput("top_logprobs needs logprobs: true")
+    check_logprobs_size(params, max_tokens)
     if job_param(params, "endpoint") and (job_param(params, "endpoint") == "/v1/embeddings") != bool(job_param(params, "embed")):
         raise InvalidInput("endpoint /v1/embeddings goes with embed jobs only")
     if job_param(params, "embed"):
@@ -8603,8 +8627,8 @@ class Processor:
             params = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError) as err:
             raise JobError("bad_request", f"params.json is not valid JSON: {err!r}") from None
-        try:
-            return prompt, validate_params(params)
+        try:  # with this daemon's own default of max_tokens, which may not be the submitter's
+            return prompt, validate_params(params, self.config.max_tokens)
         except InvalidInput as err:
             raise JobError("bad_request", f"params.json: {err}") from None
         except Exception as err:  # a check's own bug must fail this job alone, never its batch-mates

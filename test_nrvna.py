@@ -3872,6 +3872,38 @@ def test_openai_lines_carry_structured_output_and_logprobs() -> None:
     assert "logprobs" not in c.params
 
 
+def test_the_log_probabilities_a_job_may_record_are_bounded_at_submit_and_at_claim(
+        ws: str, tmp_path: Path, run_main: RunMain, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n x max_tokens x (top_logprobs + 1) at most LOGPROBS_MAX: n=16, 992 tokens and 20 each
+    held 490 MB in a daemon and took 479 MB to read back."""
+    cap = nrvna.LOGPROBS_MAX
+    monkeypatch.delenv("NRVNA_PREDICT", raising=False)
+    refused = run_main("submit", ws, "hi", "--n", "16", "--max-tokens", "992", "--logprobs", "--top-logprobs", "20")
+    assert refused.returncode == 2 and refused.stdout == b""
+    assert refused.stderr.decode() == (f"nrvna: error: logprobs: n x max_tokens x (top_logprobs + 1) = 16 x 992 x 21 = "
+                                       f"333312 log-probabilities, over the limit of {cap} a job (give a smaller "
+                                       "max_tokens, n or top_logprobs)\n")
+    default = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20")  # 4 x 2048 x 21
+    assert default.returncode == 2 and b"4 x 2048 (the default, NRVNA_PREDICT) x 21" in default.stderr
+    smaller = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20", env={"NRVNA_PREDICT": "512"})
+    assert smaller.returncode == 0, smaller.stderr  # 4 x 512 x 21 = 43008
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "x", "n": 128, "max_tokens": 256, "logprobs": 5}}  # 128 x 256 x 6
+    batch = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line])))
+    assert batch.returncode == 2 and b"line 1: logprobs: n x max_tokens x (top_logprobs + 1) = 128 x 256 x 6" in batch.stderr
+    assert Work(ws).publish("hi", n=2, max_tokens=cap // 42, logprobs=True, top_logprobs=20)  # 2 x 3120 x 21, under
+    assert nrvna.LOGPROBS_MAX >= 2048 * 21  # one job of the default length with every top_logprob fits
+    assert str(cap) in nrvna.PARAMS["logprobs"].help
+    # A daemon whose own default of max_tokens is larger fails a job that names none at its claim.
+    job_id = submit(ws, "x", n=2, logprobs=True, top_logprobs=20)  # 2 x 2048 x 21 = 86016 here
+    assert Flow(ws).counts()["queued"] == 3
+    with serving(ws, echo, max_tokens=4096):
+        states = wait_all(ws, [job_id])
+    job = Flow(ws).get(job_id)
+    assert states == [Status.Failed] and job.meta["code"] == "bad_request"
+    assert "2 x 4096 (the default, NRVNA_PREDICT) x 21 = 172032 log-probabilities" in job.error
+
+
 def logprob_runner(job: nrvna.RunningJob) -> Outcome:
     """A runner that reports made-up log-probabilities in the engine's shape."""
     entries = [{"token": t, "logprob": -0.5 * i, "bytes": list(t.encode()),
