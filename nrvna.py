@@ -9444,6 +9444,22 @@ def _clash(mine: list[dict[str, Any]], gpu: int, other: dict[str, Any]) -> Optio
             "model may be served beside it")
 
 
+def _hooks_clash(mine: dict[str, str], other: dict[str, Any]) -> Optional[str]:
+    """Why a live daemon's record excludes a daemon with hooks ``mine`` ({"on_done",
+    "on_batch_done"}): one daemon at a time runs a workspace's hooks, with its own commands
+    (Hooks._take_turn), so a second set would be dropped silently. A daemon without hooks runs
+    none and is welcome beside any (it records its jobs' ends for the one that runs them)."""
+    theirs = other.get("hooks")
+    if not isinstance(theirs, dict) or not any(theirs.values()) or not any(mine.values()):
+        return None
+    theirs = {name: theirs.get(name) or "" for name in mine}
+    if theirs == mine:
+        return None
+    shown = ", ".join(f"--{name.replace('_', '-')} {theirs[name]!r}" for name in mine)
+    return (f"with other hooks ({shown}): one daemon runs every hook of a workspace, with its own commands; "
+            "start this one with the same --on-done and --on-batch-done, or with none")
+
+
 class _Registry:
     """A daemon's place among the daemons of its workspace: its lock in daemons/ (the proof
     that it lives), its record beside it (what ``status --daemon`` lists), and the watch for
@@ -9758,7 +9774,9 @@ class Server:
         self.models = models = _Models(self.model, self.runner, self.config, self._models_dir, self._aliases)
         self._models_dir = models.models_dir
         ensure_workspace(self.workspace)
-        self.registry.register(self.status, lambda other: _clash(models.describe(), self.config.gpu, other))
+        hooks = {"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done}
+        self.registry.register(self.status, lambda other: _clash(models.describe(), self.config.gpu, other)
+                               or _hooks_clash(hooks, other))
         try:
             self._warn_if_shared()
             for name in self.registry.dead():  # their files only: this start's recovery takes their jobs
@@ -9900,6 +9918,7 @@ class Server:
                         model=next((m["name"] for m in models if m["active"]), None), model_path=default.get("path"),
                         loads=self.models.loads if self.models else 0, models_dir=self._models_dir,
                         aliases=self._aliases, gpu=self.config.gpu, workers=self.config.workers, seqs=self.config.seqs,
+                        hooks={"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done},
                         started=round(self._started_at, 3), updated=round(now, 3), running=len(self._running),
                         tokens_per_second_last_minute=round(recent / window, 1))
 

@@ -1268,6 +1268,35 @@ def test_each_job_s_hook_runs_once_whichever_of_two_daemons_ran_it(ws: str, tmp_
         assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
 
 
+def test_a_daemon_whose_hooks_differ_from_a_running_daemon_s_is_refused(ws: str, tmp_path: Path) -> None:
+    """One daemon runs every hook of a workspace, with its own commands: a second daemon's
+    different --on-done (or --on-batch-done) was dropped silently. The same hooks, or none on
+    either side, are welcome."""
+    ran = tmp_path / "hooks.log"
+    first = f"echo first \"$NRVNA_JOB_ID\" >> '{ran}'"
+    with serving(ws, echo, on_done=first):
+        for hooks in ({"on_done": "echo second"}, {"on_done": first, "on_batch_done": "echo batch"},
+                      {"on_batch_done": "echo batch"}):
+            with pytest.raises(nrvna.WorkspaceError) as refused:
+                with serving(ws, echo, gpu=1, **hooks):
+                    pass
+            said = str(refused.value)
+            assert f"is in use by another daemon (pid {os.getpid()}) with other hooks (--on-done {first!r}, " \
+                   "--on-batch-done ''): one daemon runs every hook of a workspace" in said, said
+            assert len(nrvna.daemon_records(ws)) == 1  # the refused one left no record
+        for hooks in ({"on_done": first}, {}):
+            with serving(ws, echo, gpu=1, **hooks):
+                assert len(nrvna.daemon_records(ws)) == 2
+    with serving(ws, echo):  # without hooks first: a daemon with them is welcome beside it
+        with serving(ws, echo, gpu=1, on_done=first):
+            job_id = submit(ws, "hooked")
+            assert wait_all(ws, [job_id]) == [Status.Done]
+            deadline = time.monotonic() + 30
+            while job_id not in ran.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+    assert ran.read_text().split()[:2] == ["first", job_id] and ran.read_text().count("\n") == 1
+
+
 @pytest.mark.model
 def test_one_daemon_serves_a_mixed_batch_loading_each_model_once(ws: str, tmp_path: Path, model: str, bert: str,
                                                                 run_main: RunMain) -> None:
