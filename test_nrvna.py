@@ -1273,6 +1273,7 @@ def test_a_daemon_whose_hooks_differ_from_a_running_daemon_s_is_refused(ws: str,
     different --on-done (or --on-batch-done) was dropped silently. The same hooks, or none on
     either side, are welcome."""
     ran = tmp_path / "hooks.log"
+    ran.write_text("")
     first = f"echo first \"$NRVNA_JOB_ID\" >> '{ran}'"
     with serving(ws, echo, on_done=first):
         for hooks in ({"on_done": "echo second"}, {"on_done": first, "on_batch_done": "echo batch"},
