@@ -2748,7 +2748,7 @@ class Param:
         if self.kind is float:
             return f"number, {self.low:g} to {self.high:g}"
         if self.kind is str:
-            return f"string, {'1 to' if self.low else 'up to'} {self.high} bytes"
+            return f"string, {f'{self.low} to' if self.low else 'up to'} {self.high} bytes"
         if isinstance(self.kind, tuple):
             return " or ".join(f"`{choice}`" for choice in self.kind)
         return f"list of up to {self.high} strings"
