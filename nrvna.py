@@ -330,7 +330,10 @@ class Config:
             raw = environ.get(setting.env)
             if raw is not None and raw.strip() != "":
                 values[name] = _parse_setting(name, raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        for name, value in overrides.items():  # the daemon's flags: an error names the flag given
+            if value is not None:
+                flags = SETTINGS[name].flags if name in SETTINGS else ()
+                values[name] = _check_setting(name, value, flags[-1]) if flags else value
         return cls(**values)
 
     def as_dict(self) -> dict[str, Any]:
@@ -350,21 +353,24 @@ def _parse_setting(name: str, raw: str) -> Any:
     return _check_setting(name, value)
 
 
-def _check_setting(name: str, value: Any) -> Any:
+def _check_setting(name: str, value: Any, flag: Optional[str] = None) -> Any:
+    """``value`` checked and normalized, or ConfigError naming ``flag`` where the value came
+    from that flag, else the setting's variable."""
     setting = SETTINGS[name]
     if setting.check is not None:  # the setting's own: normalizes, or raises ConfigError
         value = setting.check(value)
+    given = f"{flag} {value!r}" if flag else f"{setting.env}={value!r}"
     if setting.kind is str:
         if setting.choices is not None and value not in setting.choices:
-            raise ConfigError(f"{setting.env}={value!r} is not one of {', '.join(setting.choices)}")
+            raise ConfigError(f"{given} is not one of {', '.join(setting.choices)}")
         return str(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{setting.env}={value!r} is not {_describe(setting)}")
+        raise ConfigError(f"{given} is not {_describe(setting)}")
     if setting.kind is int and value != int(value):
-        raise ConfigError(f"{setting.env}={value!r} is not {_describe(setting)}")
+        raise ConfigError(f"{given} is not {_describe(setting)}")
     value = setting.kind(value)
     if value != value or not (setting.low <= value <= setting.high):  # NaN fails too
-        raise ConfigError(f"{setting.env}={value!r} is not {_describe(setting)}")
+        raise ConfigError(f"{given} is not {_describe(setting)}")
     return value
 
 
@@ -380,6 +386,8 @@ def parse_aliases(text: str) -> dict[str, str]:
         name, sep, model = item.partition("=")
         if item and not (sep and name.strip() and model.strip()):
             raise ConfigError(f"NRVNA_MODEL_ALIASES: {item!r} is not NAME=MODEL")
+        if item and name.strip() in aliases:  # the later one won silently
+            raise ConfigError(f"NRVNA_MODEL_ALIASES: alias {name.strip()!r} is given twice")
         if item:
             aliases[name.strip()] = model.strip()
     return aliases
@@ -1929,9 +1937,11 @@ def string_rule(node: Mapping[str, Any], where: str = "", rules: Optional[dict[s
     (the grammar would have to count both at once)."""
     pattern, name = node.get("pattern"), node.get("format")
     here = f"schema {where or '/'}"
-    if pattern is not None and name is not None:
+    if "pattern" in node and "format" in node:
         raise InvalidInput(f"{here}: give pattern or format, not both (the grammar enforces one)")
-    if name is not None:
+    if "format" in node:  # {"format": null} is a format error, not the pattern's
+        if not isinstance(name, str):
+            raise InvalidInput(f"{here}: format must be a string (supported: {', '.join(SCHEMA_FORMATS)})")
         if name not in SCHEMA_FORMATS:
             raise InvalidInput(f"{here}: format {name!r} is not supported (supported: {', '.join(SCHEMA_FORMATS)})")
         shape, what = _pattern_shape(SCHEMA_FORMATS[name]), f"format {name!r}"
@@ -2766,6 +2776,8 @@ class Param:
         elif kind is str:
             if not isinstance(value, str) or len(value.encode("utf-8", "surrogatepass")) > high:
                 raise InvalidInput(f"parameter {key} must be a string of at most {high} bytes")
+            if len(value) < (low or 0):  # an empty model name is a part of every model's name
+                raise InvalidInput(f"{key} is empty")
             _check_text(key, value)
         elif kind is list:
             if (not isinstance(value, list) or len(value) > high
@@ -2797,7 +2809,7 @@ class Param:
         if self.kind is float:
             return f"number, {self.low:g} to {self.high:g}"
         if self.kind is str:
-            return f"string, up to {self.high} bytes"
+            return f"string, {f'{self.low} to' if self.low else 'up to'} {self.high} bytes"
         if isinstance(self.kind, tuple):
             return " or ".join(f"`{choice}`" for choice in self.kind)
         return f"list of up to {self.high} strings"
@@ -2808,6 +2820,10 @@ class Param:
 STRUCTURE_LIMIT = 1 << 18
 # Most choices one job may ask for (n): as OpenAI's limit, and each is a sequence of a context.
 CHOICES_MAX = 128
+# Most log-probabilities one job may record, n x max_tokens x (top_logprobs + 1): the daemon holds
+# them all until the job ends, and `get --json` reads them whole (n=16, 992 tokens, 20 each took
+# 490 MB in a daemon and 479 MB to read back; at this cap, about 10 MB of JSON).
+LOGPROBS_MAX = 1 << 17
 
 
 def _read_limited(path: str, limit: int, what: str) -> str:
@@ -3075,7 +3091,8 @@ PARAMS: dict[str, Param] = {
     "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",), read=("FILE", _read_grammar),
                       help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file"),
     "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
-                       help="record each generated token's log-probability (get --json, export)"),
+                       help=f"record each generated token's log-probability (get --json, export); n x max_tokens x "
+                            f"(top_logprobs + 1) may be at most {LOGPROBS_MAX} a job"),
     "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
                            help="with logprobs: also the N most likely tokens at each step"),
     "embed": Param(bool, default=False, flag="--embed", jobs="any",
@@ -3129,8 +3146,9 @@ def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = N
     return PARAMS[name].default
 
 
-def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
-    """Check per-job parameters; return them normalized or raise InvalidInput."""
+def validate_params(params: Mapping[str, Any], max_tokens: Optional[int] = None) -> dict[str, Any]:
+    """Check per-job parameters; return them normalized or raise InvalidInput. ``max_tokens``:
+    the daemon's default of that parameter (None: NRVNA_PREDICT as this process sees it)."""
     if not isinstance(params, dict):
         raise InvalidInput("params must be a JSON object")
     clean: dict[str, Any] = {}
@@ -3141,13 +3159,11 @@ def validate_params(params: Mapping[str, Any]) -> dict[str, Any]:
             clean[key] = PARAMS[key].validate(key, value)
     if "tag" in clean and not ID_PATTERN.fullmatch(clean["tag"]):
         raise InvalidInput(f"invalid tag {clean['tag']!r} (letters, digits, '.', '_', '-'; not starting with '.')")
-    if clean.get("idempotency_key") == "":
-        raise InvalidInput("idempotency_key is empty")
     if "endpoint" in clean and clean["endpoint"] not in ENDPOINTS:
         raise InvalidInput(f"endpoint must be one of {', '.join(ENDPOINTS)}")
     if "grammar" in clean:
         _checked(("grammar", clean["grammar"]), lambda: check_grammar(clean["grammar"]))
-    check_combination(clean)
+    check_combination(clean, max_tokens)
     return clean
 
 
@@ -3159,9 +3175,26 @@ def constraint(params: Mapping[str, Any]) -> Optional[str]:
     return kind if kind in ("json_schema", "json_object") else None
 
 
-def check_combination(params: Mapping[str, Any]) -> None:
+def check_logprobs_size(params: Mapping[str, Any], max_tokens: Optional[int] = None) -> None:
+    """InvalidInput when a job would record more than LOGPROBS_MAX log-probabilities (its
+    max_tokens, else ``max_tokens``, else NRVNA_PREDICT as this process sees it)."""
+    if not job_param(params, "logprobs"):
+        return
+    n, top = job_param(params, "n"), job_param(params, "top_logprobs") or 0
+    tokens = job_param(params, "max_tokens")
+    given = tokens is not None
+    if not given:
+        tokens = max_tokens if max_tokens is not None else setting_default("max_tokens")
+    if n * tokens * (top + 1) > LOGPROBS_MAX:
+        whence = "" if given else " (the default, NRVNA_PREDICT)"
+        raise InvalidInput(f"logprobs: n x max_tokens x (top_logprobs + 1) = {n} x {tokens}{whence} x {top + 1} = "
+                           f"{n * tokens * (top + 1)} log-probabilities, over the limit of {LOGPROBS_MAX} a job "
+                           "(give a smaller max_tokens, n or top_logprobs)")
+
+
+def check_combination(params: Mapping[str, Any], max_tokens: Optional[int] = None) -> None:
     """Raise InvalidInput for parameters that cannot go together (also for a batch line
-    merged with the file's defaults)."""
+    merged with the file's defaults); ``max_tokens`` as for validate_params."""
     kind = (job_param(params, "response_format") or {}).get("type")
     if job_param(params, "grammar") is not None and kind in ("json_schema", "json_object"):
         raise InvalidInput("give grammar or response_format, not both")
@@ -3170,6 +3203,7 @@ def check_combination(params: Mapping[str, Any]) -> None:
                            "where the output ends (a stop string inside a JSON value would cut it short)")
     if job_param(params, "top_logprobs") is not None and not job_param(params, "logprobs"):
         raise InvalidInput("top_logprobs needs logprobs: true")
+    check_logprobs_size(params, max_tokens)
     if job_param(params, "endpoint") and (job_param(params, "endpoint") == "/v1/embeddings") != bool(job_param(params, "embed")):
         raise InvalidInput("endpoint /v1/embeddings goes with embed jobs only")
     if job_param(params, "embed"):
@@ -4952,7 +4986,10 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
         if len(matches) > 1:
             raise InvalidInput(f"{places[0]}: model name {name!r} is ambiguous in {models_dir}: "
                                f"{', '.join(os.path.basename(m) for m in matches)}")
-        if matches or name in served_names:
+        if matches:
+            _check_model_file(places[0], name, matches[0])
+            continue
+        if name in served_names:
             continue
         if strict:
             known = sorted({*(gguf_files(models_dir) or []), *map(os.path.basename, served), *aliases})
@@ -4961,6 +4998,18 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
         jobs = f"{len(places)} jobs run" if len(places) > 1 else "it runs"
         notes.append(f"model {name!r} matches no model in {models_dir}: {jobs} on a daemon's default model")
     return notes
+
+
+def _check_model_file(where: str, name: str, path: str) -> None:
+    """InvalidInput unless ``path``, the file model ``name`` resolves to, is a GGUF file: a job
+    naming /dev/zero, a directory, a FIFO or /etc/passwd would wait forever for a daemon that
+    can never serve it."""
+    try:
+        check_gguf(path)
+    except ModelError as err:
+        shown = "" if path == name else f" ({path})"
+        raise InvalidInput(f"{where}: model {name!r}{shown} {str(err).removeprefix(f'model {path} ')}; a model "
+                           "must be a regular file that starts with GGUF, or a name resolving to one") from None
 
 
 def _absolute_model(params: dict[str, Any]) -> dict[str, Any]:
@@ -5831,6 +5880,8 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
             os.fsync(fd)
         except FileNotFoundError:
             continue
+        except OSError as err:  # a read-only or full workspace: say which job it left alone
+            return "refused", f"job {job_id} cannot be cancelled: its {CANCEL_FILE} file cannot be written ({_os_error(err)})"
         finally:
             os.close(fd)
         if status is Status.Queued:
@@ -6377,9 +6428,14 @@ def check_gguf(path: str) -> None:
         raise ModelError(f"model {path} is a directory, not a GGUF file")
     if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the daemon in open()
         raise ModelError(f"model {path} is not a regular file")
-    try:
-        with open(path, "rb") as handle:
-            magic = handle.read(4)
+    try:  # O_NONBLOCK: a FIFO put in its place since the stat must not block (submit checks too)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ModelError(f"model {path} is not a regular file")
+            magic = os.read(fd, 4)
+        finally:
+            os.close(fd)
     except OSError as err:
         raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
     if magic != b"GGUF":
@@ -8816,8 +8872,8 @@ class Processor:
             params = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError) as err:
             raise JobError("bad_request", f"params.json is not valid JSON: {err!r}") from None
-        try:
-            return prompt, validate_params(params)
+        try:  # with this daemon's own default of max_tokens, which may not be the submitter's
+            return prompt, validate_params(params, self.config.max_tokens)
         except InvalidInput as err:
             raise JobError("bad_request", f"params.json: {err}") from None
         except Exception as err:  # a check's own bug must fail this job alone, never its batch-mates
@@ -9730,6 +9786,22 @@ def _clash(mine: list[dict[str, Any]], gpu: int, other: dict[str, Any]) -> Optio
             "model may be served beside it")
 
 
+def _hooks_clash(mine: dict[str, str], other: dict[str, Any]) -> Optional[str]:
+    """Why a live daemon's record excludes a daemon with hooks ``mine`` ({"on_done",
+    "on_batch_done"}): one daemon at a time runs a workspace's hooks, with its own commands
+    (Hooks._take_turn), so a second set would be dropped silently. A daemon without hooks runs
+    none and is welcome beside any (it records its jobs' ends for the one that runs them)."""
+    theirs = other.get("hooks")
+    if not isinstance(theirs, dict) or not any(theirs.values()) or not any(mine.values()):
+        return None
+    theirs = {name: theirs.get(name) or "" for name in mine}
+    if theirs == mine:
+        return None
+    shown = ", ".join(f"--{name.replace('_', '-')} {theirs[name]!r}" for name in mine)
+    return (f"with other hooks ({shown}): one daemon runs every hook of a workspace, with its own commands; "
+            "start this one with the same --on-done and --on-batch-done, or with none")
+
+
 class _Registry:
     """A daemon's place among the daemons of its workspace: its lock in daemons/ (the proof
     that it lives), its record beside it (what ``status --daemon`` lists), and the watch for
@@ -10077,7 +10149,9 @@ class Server:
         self.models = models = _Models(self.model, self.runner, self.config, self._models_dir, self._aliases)
         self._models_dir = models.models_dir
         ensure_workspace(self.workspace)
-        self.registry.register(self.status, lambda other: _clash(models.describe(), self.config.gpu, other))
+        hooks = {"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done}
+        self.registry.register(self.status, lambda other: _clash(models.describe(), self.config.gpu, other)
+                               or _hooks_clash(hooks, other))
         try:
             self._warn_if_shared()
             for name in self.registry.dead():  # their files only: this start's recovery takes their jobs
@@ -10241,6 +10315,7 @@ class Server:
                         kinds=self.models.kinds() if self.models else [],
                         loads=self.models.loads if self.models else 0, models_dir=self._models_dir,
                         aliases=self._aliases, gpu=self.config.gpu, workers=self.config.workers, seqs=self.config.seqs,
+                        hooks={"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done},
                         started=round(self._started_at, 3), updated=round(now, 3), running=len(self._running),
                         tokens_per_second_last_minute=round(recent / window, 1))
 

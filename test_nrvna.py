@@ -447,6 +447,33 @@ def test_invalid_env_values_are_named(name: str, value: str) -> None:
     assert name in str(err.value)
 
 
+@pytest.mark.parametrize("flags, env, named", [
+    (["--workers", "0"], {}, "--workers 0 is not an integer from 1 to 256"),
+    (["-w", "0"], {}, "--workers 0 is not an integer from 1 to 256"),
+    (["--seqs", "999"], {}, "--seqs 999 is not an integer from 1 to 255"),
+    (["--max-loaded", "0"], {}, "--max-loaded 0 is not an integer from 1 to 64"),
+    ([], {"NRVNA_WORKERS": "0"}, "NRVNA_WORKERS=0 is not an integer from 1 to 256"),
+    (["--seqs", "4"], {"NRVNA_WORKERS": "0"}, "NRVNA_WORKERS=0 is not"),
+])
+def test_a_bad_setting_is_named_as_it_was_given_by_flag_or_variable(ws: str, run_main: RunMain, flags: list[str],
+                                                                     env: dict[str, str], named: str) -> None:
+    """`daemon --workers 0` said NRVNA_WORKERS, a variable the user never set."""
+    done = run_main("daemon", "model.gguf", ws, *flags, env=env)
+    said = done.stderr.decode()
+    assert done.returncode == 2 and said.startswith(f"nrvna: error: {named}") and said.count("\n") == 1, said
+    assert not os.path.exists(ws)
+
+
+@pytest.mark.parametrize("aliases", ["a=x,a=y", "a=x, b=y, a=x"])
+def test_an_alias_given_twice_is_refused_naming_it(ws: str, run_main: RunMain, aliases: str) -> None:
+    """The later one won silently."""
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_MODEL_ALIASES: alias 'a' is given twice"):
+        nrvna.parse_aliases(aliases)
+    for command in (["submit", ws, "hi", "--model", "a"], ["daemon", "model.gguf", ws]):
+        done = run_main(*command, env={"NRVNA_MODEL_ALIASES": aliases})
+        assert done.returncode == 2 and done.stderr == b"nrvna: error: NRVNA_MODEL_ALIASES: alias 'a' is given twice\n"
+
+
 def test_env_values_are_read() -> None:
     config = nrvna.Config.from_env({"NRVNA_WORKERS": "8", "NRVNA_TEMP": "0.2", "NRVNA_LOG_LEVEL": "TRACE",
                                     "NRVNA_SEED": "7", "NRVNA_MODELS_DIR": "/m"})
@@ -1078,6 +1105,37 @@ def test_a_job_names_its_model_by_flag_line_openai_body_or_library(ws: str, tmp_
     assert bad.returncode == 2 and b"NRVNA_MODEL_ALIASES: 'oops' is not NAME=MODEL" in bad.stderr
 
 
+def test_a_model_that_is_no_gguf_file_or_an_empty_name_is_refused_at_submit(ws: str, tmp_path: Path,
+                                                                            run_main: RunMain) -> None:
+    """Such a job waited forever for a daemon that could never serve it, --strict-models or not;
+    an empty name was part of every model's name (the one model in the folder took it)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "only.gguf").write_bytes(b"GGUF")
+    (models / "zero.gguf").symlink_to("/dev/zero")
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "text").write_text("not a model\n")
+    env = {"NRVNA_MODELS_DIR": str(models)}
+    for name, why in [("/dev/zero", "is not a regular file"), (str(tmp_path / "folder"), "is a directory"),
+                      (str(tmp_path / "fifo"), "is not a regular file"), ("/etc/passwd", "is not a GGUF file"),
+                      (str(tmp_path / "text"), "is not a GGUF file"), ("zero", "is not a regular file")]:
+        for strict in ([], ["--strict-models"]):
+            refused = run_main("submit", ws, "hi", "--model", name, *strict, env=env, timeout=20)
+            said = refused.stderr.decode()
+            assert refused.returncode == 2 and refused.stdout == b"" and said.count("\n") == 1, (name, said)
+            assert f"model {name!r}" in said and why in said and "a model must be a regular file that starts with GGUF" in said
+    line = tmp_path / "line.jsonl"
+    line.write_text('{"prompt": "a", "model": "only"}\n{"prompt": "b", "model": "/dev/zero"}\n')
+    batch = run_main("submit", ws, "--file", str(line), env=env, timeout=20)
+    assert batch.returncode == 2 and batch.stderr.decode().startswith("nrvna: error: line 2: model '/dev/zero' is not")
+    (models / "zero.gguf").unlink()  # only.gguf alone: '' matched it
+    empty = run_main("submit", ws, "hi", "--model", "", "--strict-models", env=env)
+    assert empty.returncode == 2 and empty.stderr == b"nrvna: error: model is empty\n"
+    assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or Flow(ws).counts()["queued"] == 0
+    assert run_main("submit", ws, "hi", "--model", "only", "--strict-models", env=env).returncode == 0
+
+
 def test_a_queued_job_s_lane_and_model_are_read_from_any_params_json(tmp_path: Path) -> None:
     """The Scanner reads them for every queued job: a hand-made file never raises there (it
     would stop discovery); its claim fails the job instead."""
@@ -1209,6 +1267,36 @@ def test_each_job_s_hook_runs_once_whichever_of_two_daemons_ran_it(ws: str, tmp_
         hooked = [line for line in ran.read_text().split() if line in ids]
         assert sorted(hooked) == sorted(ids), hooks_beside  # each once
         assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
+
+
+def test_a_daemon_whose_hooks_differ_from_a_running_daemon_s_is_refused(ws: str, tmp_path: Path) -> None:
+    """One daemon runs every hook of a workspace, with its own commands: a second daemon's
+    different --on-done (or --on-batch-done) was dropped silently. The same hooks, or none on
+    either side, are welcome."""
+    ran = tmp_path / "hooks.log"
+    ran.write_text("")
+    first = f"echo first \"$NRVNA_JOB_ID\" >> '{ran}'"
+    with serving(ws, echo, on_done=first):
+        for hooks in ({"on_done": "echo second"}, {"on_done": first, "on_batch_done": "echo batch"},
+                      {"on_batch_done": "echo batch"}):
+            with pytest.raises(nrvna.WorkspaceError) as refused:
+                with serving(ws, echo, gpu=1, **hooks):
+                    pass
+            said = str(refused.value)
+            assert f"is in use by another daemon (pid {os.getpid()}) with other hooks (--on-done {first!r}, " \
+                   "--on-batch-done ''): one daemon runs every hook of a workspace" in said, said
+            assert len(nrvna.daemon_records(ws)) == 1  # the refused one left no record
+        for hooks in ({"on_done": first}, {}):
+            with serving(ws, echo, gpu=1, **hooks):
+                assert len(nrvna.daemon_records(ws)) == 2
+    with serving(ws, echo):  # without hooks first: a daemon with them is welcome beside it
+        with serving(ws, echo, gpu=1, on_done=first):
+            job_id = submit(ws, "hooked")
+            assert wait_all(ws, [job_id]) == [Status.Done]
+            deadline = time.monotonic() + 30
+            while job_id not in ran.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+    assert ran.read_text().split()[:2] == ["first", job_id] and ran.read_text().count("\n") == 1
 
 
 @pytest.mark.model
@@ -2800,6 +2888,21 @@ def test_cancel_an_orphan_while_no_daemon_runs(ws: str, run_main: RunMain) -> No
     assert job.status is Status.Failed and job.meta["code"] == "cancelled"
 
 
+def test_a_cancel_on_a_read_only_workspace_names_each_job_it_left_alone(ws: str) -> None:
+    """Root ignores chmod, so the workspace is a read-only mount in a user namespace. The error
+    was `.cancel.tmp: Read-only file system`, naming no job."""
+    ids = [submit(ws, "one"), submit(ws, "two")]
+    done = in_user_namespace(f"mount --bind {ws} {ws} && mount -o remount,bind,ro {ws} && "
+                             f"'{sys.executable}' '{SCRIPT}' cancel '{ws}' {' '.join(ids)}; echo rc=$?")
+    if b"rc=" not in done.stdout:
+        pytest.skip(f"this host refuses user namespaces: {done.stderr.decode().strip()}")
+    lines = done.stderr.decode().splitlines()
+    assert b"rc=1" in done.stdout and len(lines) == 2, lines
+    for job_id, line in zip(ids, lines):
+        assert line == f"nrvna: job {job_id} cannot be cancelled: its cancel file cannot be written (Read-only file system)"
+    assert Flow(ws).counts()["queued"] == 2
+
+
 def test_a_cancel_file_seen_at_claim_fails_the_job_unrun(ws: str) -> None:
     job_id = submit(ws, "marked")
     with open(os.path.join(ws, nrvna.READY, job_id, nrvna.CANCEL_FILE), "w") as handle:
@@ -3561,6 +3664,9 @@ def test_a_schema_s_patterns_are_counted_together_and_refused_past_the_bound(ws:
     ({"type": "string", "format": "date", "minLength": 10, "maxLength": 10}, None),
     ({"type": "string", "pattern": "^a$", "format": "date"}, "give pattern or format, not both"),
     ({"type": "string", "pattern": 5}, "pattern must be a string"),
+    ({"type": "string", "format": None}, "schema /: format must be a string (supported: date, "),  # not the pattern's
+    ({"format": ["date"]}, "schema /: format must be a string"),
+    ({"type": "string", "pattern": None, "format": "date"}, "give pattern or format, not both"),
     ({"type": "integer", "pattern": "^1$"}, "keyword 'pattern' is not supported for an integer"),
     ({"type": "string", "pattern": "^a$", "enum": ["a"]}, "keyword 'pattern' is not supported beside enum"),
 ])
@@ -4001,6 +4107,38 @@ def test_openai_lines_carry_structured_output_and_logprobs() -> None:
     assert a.params["logit_bias"] == {"50256": -100.0} and a.params["logprobs"] is True
     assert b.params["logprobs"] is True and b.params["top_logprobs"] == 3
     assert "logprobs" not in c.params
+
+
+def test_the_log_probabilities_a_job_may_record_are_bounded_at_submit_and_at_claim(
+        ws: str, tmp_path: Path, run_main: RunMain, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n x max_tokens x (top_logprobs + 1) at most LOGPROBS_MAX: n=16, 992 tokens and 20 each
+    held 490 MB in a daemon and took 479 MB to read back."""
+    cap = nrvna.LOGPROBS_MAX
+    monkeypatch.delenv("NRVNA_PREDICT", raising=False)
+    refused = run_main("submit", ws, "hi", "--n", "16", "--max-tokens", "992", "--logprobs", "--top-logprobs", "20")
+    assert refused.returncode == 2 and refused.stdout == b""
+    assert refused.stderr.decode() == (f"nrvna: error: logprobs: n x max_tokens x (top_logprobs + 1) = 16 x 992 x 21 = "
+                                       f"333312 log-probabilities, over the limit of {cap} a job (give a smaller "
+                                       "max_tokens, n or top_logprobs)\n")
+    default = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20")  # 4 x 2048 x 21
+    assert default.returncode == 2 and b"4 x 2048 (the default, NRVNA_PREDICT) x 21" in default.stderr
+    smaller = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20", env={"NRVNA_PREDICT": "512"})
+    assert smaller.returncode == 0, smaller.stderr  # 4 x 512 x 21 = 43008
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "x", "n": 128, "max_tokens": 256, "logprobs": 5}}  # 128 x 256 x 6
+    batch = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line])))
+    assert batch.returncode == 2 and b"line 1: logprobs: n x max_tokens x (top_logprobs + 1) = 128 x 256 x 6" in batch.stderr
+    assert Work(ws).publish("hi", n=2, max_tokens=cap // 42, logprobs=True, top_logprobs=20)  # 2 x 3120 x 21, under
+    assert nrvna.LOGPROBS_MAX >= 2048 * 21  # one job of the default length with every top_logprob fits
+    assert str(cap) in nrvna.PARAMS["logprobs"].help
+    # A daemon whose own default of max_tokens is larger fails a job that names none at its claim.
+    job_id = submit(ws, "x", n=2, logprobs=True, top_logprobs=20)  # 2 x 2048 x 21 = 86016 here
+    assert Flow(ws).counts()["queued"] == 3
+    with serving(ws, echo, max_tokens=4096):
+        states = wait_all(ws, [job_id])
+    job = Flow(ws).get(job_id)
+    assert states == [Status.Failed] and job.meta["code"] == "bad_request"
+    assert "2 x 4096 (the default, NRVNA_PREDICT) x 21 = 172032 log-probabilities" in job.error
 
 
 def logprob_runner(job: nrvna.RunningJob) -> Outcome:
