@@ -45,6 +45,7 @@ import math
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import stat
@@ -2501,6 +2502,75 @@ def test_progress_lines_come_every_interval_while_nothing_finishes(ws: str, run_
     assert len(said) >= 3 and said[-1].startswith(f"nrvna: job {other}: done after "), said
     assert all(re.fullmatch(rf"nrvna: job {other}: (queued|running|done) after \d+ s", line) for line in said), said
     assert run_main("get", ws, other, "--wait").stderr == b""  # without --progress, silent as before
+
+
+def test_a_wait_with_no_daemon_says_so_and_goes_on_and_says_nothing_while_one_runs(
+        ws: str, run_main: RunMain, capsysbinary: pytest.CaptureFixture[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    """submit --wait, get --wait/--follow and wait on a workspace no daemon serves say so on
+    stderr after NO_DAEMON_AFTER seconds (once), with the command to start one, and keep
+    waiting (until their timeout: exit 4, the job still queued); never while a daemon runs."""
+    monkeypatch.setattr(nrvna, "NO_DAEMON_AFTER", 0.3, raising=False)
+    monkeypatch.setattr(nrvna, "DAEMON_LOOK_EVERY", 0.1, raising=False)
+    job_id = submit(ws, "nobody serves this")
+    for args in (("submit", ws, "another", "--wait", "--wait-timeout", "1.2"),
+                 ("get", ws, job_id, "--wait", "--timeout", "1.2"), ("get", ws, job_id, "--wait", "--timeout", "1.2", "--progress"),
+                 ("wait", ws, job_id, "--timeout", "1.2"), ("wait", ws, "--timeout", "1.2", "--progress")):
+        done = run_main(*args)
+        assert done.returncode == 4 and done.stderr.count(f"no daemon runs on {ws} (for ".encode()) == 1, (args, done.stderr)
+        assert b"still waiting" in done.stderr and f"start one: nrvna daemon MODEL {ws})".encode() in done.stderr
+    with pytest.raises(subprocess.TimeoutExpired):  # --follow has no timeout: it waits on
+        run_main("get", ws, job_id, "--follow", timeout=1.2)
+    assert f"no daemon runs on {ws} (for ".encode() in capsysbinary.readouterr().err
+    assert Flow(ws).counts()["queued"] == 2
+    release = threading.Event()
+    with serving(ws, lambda job: release.wait(30) and "ok", workers=1):  # one job runs, the other waits its turn
+        for args in (("wait", ws, "--timeout", "1.2"), ("get", ws, job_id, "--wait", "--timeout", "1.2")):
+            done = run_main(*args)
+            assert done.returncode == 4 and b"daemon" not in done.stderr, (args, done.stderr)
+        release.set()
+
+
+def test_a_wait_says_when_its_daemon_dies_and_when_another_starts(ws: str) -> None:
+    """A daemon SIGKILLed under a running job: get --wait (no timeout) says within seconds
+    that none runs, waits on, says when the next daemon starts, and prints the result that
+    daemon makes of the job it recovered."""
+    job_id = submit(ws, "a job outliving its daemon")
+    first = child_daemon(ws, "stubborn", "-w", "1", env={"TEST_STUBBORN": "600"})
+    getter = None
+    try:
+        deadline = time.monotonic() + 60
+        while Flow(ws).status(job_id) is not Status.Running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        getter = subprocess.Popen([sys.executable, SCRIPT, "get", ws, job_id, "--wait"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)
+        time.sleep(2)  # the getter sees the daemon alive, and says nothing
+        assert select.select([getter.stderr], [], [], 0)[0] == [] and getter.poll() is None
+        first.kill()
+        first.wait(30)
+        gone = stderr_line(getter, 30)
+        assert f"the daemon of {ws} stopped and none runs (for ".encode() in gone and b"still waiting" in gone, gone
+        assert getter.poll() is None and Flow(ws).status(job_id) is Status.Running  # orphaned, kept
+        second = child_daemon(ws, "derived", "-w", "1", env={"TEST_RUNNER_DELAY": "2"})
+        try:
+            back = stderr_line(getter, 30)
+            assert f"a daemon runs on {ws} again (pid {second.pid}): job {job_id} can run now".encode() in back, back
+            assert getter.wait(60) == 0 and getter.stdout.read() == expected_result("a job outliving its daemon").encode()
+        finally:
+            second.terminate()
+            second.wait(30)
+    finally:
+        first.kill()
+        first.wait(30)
+        if getter is not None and getter.poll() is None:
+            getter.kill()
+            getter.wait(30)
+
+
+def stderr_line(proc: subprocess.Popen, timeout: float) -> bytes:
+    """The next line ``proc`` writes to stderr, or b"" if none comes within ``timeout``."""
+    if not select.select([proc.stderr], [], [], timeout)[0]:
+        return b""
+    return proc.stderr.readline()
 
 
 def finished_batch(ws: str, tmp_path: Path, run_main: RunMain) -> list[str]:
