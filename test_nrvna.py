@@ -1609,11 +1609,14 @@ def test_cli_get_into_a_closed_pipe_exits_quietly(ws: str) -> None:
 @pytest.mark.model
 def test_setup_puts_the_nrvna_command_in_the_venv(tmp_path: Path, model_file: str, bert_file: str) -> None:
     """After scripts/setup.sh, `.venv/bin/nrvna` runs (the README's examples say `nrvna ...`),
-    offline and without setuptools. Run on a copy whose .venv sees this venv's packages
-    through a .pth, so that setup only checks, and writes nothing into the real venv."""
+    offline and without setuptools, and `import nrvna` works with `.venv/bin/python` wherever
+    the command does: from any directory, and from a script beside the clone (whose folder,
+    named nrvna, must not be imported in its place). Run on a copy whose .venv sees this
+    venv's packages through a .pth, so that setup only checks, and writes nothing into the
+    real venv."""
     import sysconfig
 
-    repo = tmp_path / "my repo"  # a space: the command must quote its paths
+    repo = tmp_path / "my dir" / "nrvna"  # a space: the command must quote its paths; named as `git clone` names it
     (repo / "scripts").mkdir(parents=True)
     (repo / "models").mkdir()
     for name in ("nrvna.py", "scripts/setup.sh"):
@@ -1633,6 +1636,15 @@ def test_setup_puts_the_nrvna_command_in_the_venv(tmp_path: Path, model_file: st
     ws = str(tmp_path / "ws")
     job_id = subprocess.run([str(repo / ".venv/bin/nrvna"), "submit", ws, "hi"], capture_output=True, timeout=60).stdout
     assert Flow(ws).status(job_id.decode().strip()) is Status.Queued
+    script = repo.parent / "use.py"
+    script.write_text("import nrvna\nfrom nrvna import Flow, Work\n"
+                      f"print(nrvna.__file__, Flow({ws!r}).status(Work({ws!r}).submit('hi').id).value)\n")
+    for args in (["-c", "import nrvna; print(nrvna.__file__, nrvna.__version__)"], [str(script)]):
+        imported = subprocess.run([str(repo / ".venv/bin/python"), *args], cwd=tmp_path, capture_output=True,
+                                  timeout=60)
+        assert imported.returncode == 0, imported.stderr[-2000:]
+        path, word = imported.stdout.decode().rsplit(" ", 1)
+        assert os.path.samefile(path, repo / "nrvna.py") and word.strip() in (nrvna.__version__, "queued"), imported
 
 
 def test_the_readmes_workspaces_in_the_clone_are_ignored_by_git() -> None:
