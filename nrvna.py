@@ -4938,12 +4938,13 @@ def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
 
 def _refuse_changed_lines(workspace: str, tag: str, entries: list[BatchEntry], ids: list[Optional[str]]) -> None:
     """Raise InvalidInput, before anything is queued, when a line's job (the job ``tag``
-    already has for its custom_id, ``ids[i]``) holds another prompt or other parameters
-    than the line would now be queued with: a changed file, template or flag. Running a
-    submit again finishes an interrupted one; it never replaces a job, so queuing the other
-    lines and printing the old jobs' IDs for changed ones would hand back old answers."""
+    already has for its custom_id, ``ids[i]``) holds another prompt than the line's: the
+    file or its template changed. Running a submit again finishes an interrupted one; it
+    never replaces a job, so queuing the other lines and printing the old jobs' IDs for the
+    changed ones would hand back answers to prompts nobody asked now. (Flags may differ: a
+    resume need not repeat them.)"""
     changed = [i for i, job_id in enumerate(ids)
-               if job_id is not None and _job_differs(workspace, job_id, entries[i], tag)]
+               if job_id is not None and _prompt_differs(workspace, job_id, entries[i].prompt)]
     if not changed:
         return
     import shlex
@@ -4951,17 +4952,14 @@ def _refuse_changed_lines(workspace: str, tag: str, entries: list[BatchEntry], i
     first, kept = changed[0], sum(1 for job_id in ids if job_id is not None)
     raise InvalidInput(
         f"{len(changed)} of {len(entries)} lines differ from the jobs tag {tag} already has for their custom_id "
-        f"(line {entries[first].line}: job {ids[first]} has another prompt or other parameters); nothing was queued "
-        f"and the {kept} existing jobs were kept unchanged. To queue the new lines, submit them under a new --tag "
+        f"(line {entries[first].line}: job {ids[first]} has another prompt); nothing was queued and the {kept} "
+        f"existing jobs were kept unchanged. To queue the new lines, submit them under a new --tag "
         f"('nrvna cancel {shlex.quote(workspace)} --tag {tag}' stops the old jobs)")
 
 
-def _job_differs(workspace: str, job_id: str, entry: BatchEntry, tag: str) -> bool:
-    """Whether job ``job_id`` holds another prompt or other parameters than ``entry`` queued
-    with ``tag`` would (an unreadable or hand-made job: not known to differ)."""
-    import json
-
-    expected = json.loads(json.dumps(dict(entry.params, tag=tag), ensure_ascii=False))  # as params.json reads back
+def _prompt_differs(workspace: str, job_id: str, prompt: bytes) -> bool:
+    """Whether job ``job_id``'s prompt.txt is not ``prompt`` (an unreadable or hand-made job:
+    not known to differ). Reads at most one byte more than ``prompt``."""
     for _ in range(3):  # it may move on between the lookup and the open
         status, path = locate_job(workspace, job_id)
         if status is Status.Missing:
@@ -4973,12 +4971,10 @@ def _job_differs(workspace: str, job_id: str, entry: BatchEntry, tag: str) -> bo
         except OSError:
             return False
         try:
-            if read_file(fd, PROMPT_FILE, len(entry.prompt)) != entry.prompt:
-                return True
-            return parse_meta(read_file(fd, PARAMS_FILE, params_limit()).decode("utf-8", "replace")) != expected
+            return read_file(fd, PROMPT_FILE, len(prompt)) != prompt
         except FileNotFoundError:
             continue
-        except JobError:  # a prompt longer than the line's (or not a file): not this line's job
+        except JobError:  # longer than the line's prompt (or not a file): not this line's job
             return True
         except OSError:
             return False
@@ -5164,7 +5160,7 @@ class Work:
         line's own win). The whole file is checked first (InvalidInput naming the line; nothing queued). With ``tag``,
         lines whose ``custom_id`` is already queued under that tag are not queued again: an
         interrupted submit is finished by running it again; a line whose job there holds another
-        prompt or other parameters is InvalidInput, nothing queued. ``on_ids(ids)`` gets the IDs in
+        prompt (the file or template changed) is InvalidInput, nothing queued. ``on_ids(ids)`` gets the IDs in
         file order as soon as each is known and durable; ``notes`` collects remarks for the
         user (a model name that matches no model, lines already queued). A line with an
         ``idempotency_key`` (or every line, with ``dedupe``: a key from its content) whose key

@@ -2400,17 +2400,18 @@ def test_an_interrupted_submit_file_is_finished_by_running_it_again(ws: str, tmp
 
 def test_a_tag_s_file_submitted_again_with_a_changed_template_queues_nothing_and_says_so(ws: str, tmp_path: Path,
                                                                                         run_main: RunMain) -> None:
-    """Running a submit again finishes an interrupted one (exit 0, the same IDs); a line whose
-    job holds another prompt or other parameters (the template, the file or a flag changed) is
-    not that job: exit 2, nothing queued, the old jobs kept, and how to queue the new lines."""
+    """Running a submit again finishes an interrupted one (exit 0, the same IDs, even with other
+    flags); a line whose job holds another prompt (the template or the file changed) is not
+    that job: exit 2, nothing queued, the old jobs kept, and how to queue the new lines."""
     data = write(tmp_path / "data.csv", "name\nalice\nbob\n")
     first = run_main("submit", ws, "--file", data, "--tag", "t", "--template", "Hi {name}")
-    again = run_main("submit", ws, "--file", data, "--tag", "t", "--template", "Hi {name}")
+    again = run_main("submit", ws, "--file", data, "--tag", "t", "--template", "Hi {name}", "--max-tokens", "5")
     assert first.returncode == again.returncode == 0 and ids_of(again) == ids_of(first) and len(ids_of(first)) == 2
-    for changed in (("--template", "Bye {name}"), ("--template", "Hi {name}", "--max-tokens", "5")):
-        done = run_main("submit", ws, "--file", data, "--tag", "t", *changed)
+    edited = write(tmp_path / "edited.csv", "name\nalice\nbobby\n")
+    for file, template, differ in ((data, "Bye {name}", b"2 of 2 lines"), (edited, "Hi {name}", b"1 of 2 lines")):
+        done = run_main("submit", ws, "--file", file, "--tag", "t", "--template", template)
         assert done.returncode == 2 and done.stdout == b"" and done.stderr.count(b"\n") == 1, done.stderr
-        for said in (b"2 of 2 lines differ from the jobs tag t already has", b"nothing was queued",
+        for said in (differ + b" differ from the jobs tag t already has", b"nothing was queued",
                      b"the 2 existing jobs were kept unchanged", b"under a new --tag", b"--tag t' stops the old jobs"):
             assert said in done.stderr, done.stderr
     assert [Flow(ws).get(i).prompt for i in ids_of(first)] == ["Hi alice", "Hi bob"] and Flow(ws).counts()["queued"] == 2
