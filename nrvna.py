@@ -5075,6 +5075,51 @@ def _kind_waits(kind: str, serving: str) -> str:
         return (f"waits for a daemon with an embedding model (or a chat model with NRVNA_POOLING=mean, cls or last): "
                 f"the running daemons serve no embed jobs ({serving})")
     return f"waits for a daemon with a chat model: the running daemons serve embed jobs only ({serving})"
+def _refuse_changed_lines(workspace: str, tag: str, entries: list[BatchEntry], ids: list[Optional[str]]) -> None:
+    """Raise InvalidInput, before anything is queued, when a line's job (the job ``tag``
+    already has for its custom_id, ``ids[i]``) holds another prompt than the line's: the
+    file or its template changed. Running a submit again finishes an interrupted one; it
+    never replaces a job, so queuing the other lines and printing the old jobs' IDs for the
+    changed ones would hand back answers to prompts nobody asked now. (Flags may differ: a
+    resume need not repeat them.)"""
+    changed = [i for i, job_id in enumerate(ids)
+               if job_id is not None and _prompt_differs(workspace, job_id, entries[i].prompt)]
+    if not changed:
+        return
+    import shlex
+
+    first, kept = changed[0], sum(1 for job_id in ids if job_id is not None)
+    raise InvalidInput(
+        f"{len(changed)} of {len(entries)} lines differ from the jobs tag {tag} already has for their custom_id "
+        f"(line {entries[first].line}: job {ids[first]} has another prompt); nothing was queued and the {kept} "
+        f"existing jobs were kept unchanged. To queue the new lines, submit them under a new --tag "
+        f"('nrvna cancel {shlex.quote(workspace)} --tag {tag}' stops the old jobs)")
+
+
+def _prompt_differs(workspace: str, job_id: str, prompt: bytes) -> bool:
+    """Whether job ``job_id``'s prompt.txt is not ``prompt`` (an unreadable or hand-made job:
+    not known to differ). Reads at most one byte more than ``prompt``."""
+    for _ in range(3):  # it may move on between the lookup and the open
+        status, path = locate_job(workspace, job_id)
+        if status is Status.Missing:
+            return False
+        try:
+            fd = open_dir(path)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return False
+        try:
+            return read_file(fd, PROMPT_FILE, len(prompt)) != prompt
+        except FileNotFoundError:
+            continue
+        except JobError:  # longer than the line's prompt (or not a file): not this line's job
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+    return False
 
 
 class Work:
@@ -5253,7 +5298,8 @@ class Work:
         ``batch_line_limit`` is refused). ``defaults`` are job parameters for every line (a
         line's own win). The whole file is checked first (InvalidInput naming the line; nothing queued). With ``tag``,
         lines whose ``custom_id`` is already queued under that tag are not queued again: an
-        interrupted submit is finished by running it again. ``on_ids(ids)`` gets the IDs in
+        interrupted submit is finished by running it again; a line whose job there holds another
+        prompt (the file or template changed) is InvalidInput, nothing queued. ``on_ids(ids)`` gets the IDs in
         file order as soon as each is known and durable; ``notes`` collects remarks for the
         user (a model name that matches no model, lines already queued). A line with an
         ``idempotency_key`` (or every line, with ``dedupe``: a key from its content) whose key
@@ -5313,6 +5359,8 @@ class Work:
             states = bulk_states(self.workspace, [job_id for job_id, _ in members])
             existing = {cid: job_id for job_id, cid in members if cid is not None and states[job_id] is not Status.Missing}
         ids: list[Optional[str]] = [existing.get(job_param(e.params, "custom_id")) for e in entries]
+        if existing:
+            _refuse_changed_lines(self.workspace, tag, entries, ids)  # type: ignore[arg-type]
         keyed = 0
         for i, entry in enumerate(entries):
             key = job_param(entry.params, "idempotency_key")
@@ -5480,14 +5528,18 @@ class Flow:
 
         return self._retrying(job_id, read)
 
-    def wait(self, job_id: str, timeout: Optional[float] = None) -> Status:
-        """Block until the job is Done or Failed (or Missing, or ``timeout`` seconds pass)."""
+    def wait(self, job_id: str, timeout: Optional[float] = None,
+             on_look: Optional[Callable[[Status], None]] = None) -> Status:
+        """Block until the job is Done or Failed (or Missing, or ``timeout`` seconds pass).
+        ``on_look(status)`` is called after every look that finds it unfinished."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.005
         while True:
             status = self.status(job_id)
             if status.finished or status is Status.Missing:
                 return status
+            if on_look is not None:
+                on_look(status)
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -5562,11 +5614,13 @@ class Flow:
             states = bulk_states(self.workspace, selected)
             delay = max(0.1, min(1.0, 3 * (time.monotonic() - began)))  # listing 100k jobs takes a while
 
-    def follow(self, job_id: str, on_restart: Optional[Callable[[], None]] = None) -> Iterator[bytes]:
+    def follow(self, job_id: str, on_restart: Optional[Callable[[], None]] = None,
+               on_look: Optional[Callable[[Status], None]] = None) -> Iterator[bytes]:
         """The job's text as the daemon generates it (partial.txt, then result.txt), in
         pieces, until the job is done or failed; then read ``status``. What it yields is
         always a prefix of the final result, unless the daemon restarted the job: then
-        ``on_restart()`` is called and the text is yielded again from its start."""
+        ``on_restart()`` is called and the text is yielded again from its start.
+        ``on_look(status)`` is called after every look that finds it unfinished."""
         printed, attempt, delay = 0, None, 0.02
         while True:
             status, path = self.locate(job_id)
@@ -5599,6 +5653,8 @@ class Flow:
                 printed = len(data)
             if status.finished:
                 return
+            if on_look is not None:
+                on_look(status)
             time.sleep(delay)
             delay = min(delay * 1.5, 0.1)
 
@@ -10611,6 +10667,53 @@ def _say(message: str) -> None:
         pass
 
 
+# Seconds a wait sees no live daemon on its workspace before it says so: a daemon started
+# beside the wait, or restarting, holds its lock by then; a person at the terminal learns why
+# nothing moves before they wonder.
+NO_DAEMON_AFTER = 3.0
+DAEMON_LOOK_EVERY = 1.0  # seconds between a wait's looks at daemons/ (a few opens and flocks each)
+
+
+class _DaemonWatch:
+    """A wait's look at the workspace's daemons (every DAEMON_LOOK_EVERY s, by their locks: see
+    ``daemon_records``): it says on stderr when none has run for NO_DAEMON_AFTER seconds,
+    again each time the last one goes, and when one is back. The wait goes on: the jobs are
+    durable, and the next daemon runs them (or reruns a dead one's running job)."""
+
+    def __init__(self, workspace: str, what: str, say: Callable[[str], None] = _say) -> None:
+        self.workspace, self.what, self.say = workspace, what, say  # what: "job ID", "the jobs"
+        self.looked = -math.inf
+        self.none_since: Optional[float] = None  # when this absence of daemons was first seen
+        self.said = False  # this absence was told
+        self.seen = False  # a live daemon was seen while waiting
+
+    def __call__(self, *_: Any) -> None:
+        now = time.monotonic()
+        if now - self.looked < DAEMON_LOOK_EVERY:
+            return
+        self.looked = now
+        try:
+            live = daemon_records(self.workspace)
+        except OSError:
+            return  # unreadable daemons/: nothing known to tell
+        if live:
+            if self.said:
+                pids = ", ".join(str(record.get("pid")) for record in live)
+                self.say(f"a daemon runs on {self.workspace} again (pid {pids}): {self.what} can run now")
+            self.none_since, self.said, self.seen = None, False, True
+            return
+        if self.none_since is None:
+            self.none_since = now
+        if not self.said and now - self.none_since >= NO_DAEMON_AFTER:
+            import shlex
+
+            none = f"the daemon of {self.workspace} stopped and none runs" if self.seen else \
+                f"no daemon runs on {self.workspace}"
+            self.say(f"{none} (for {now - self.none_since:.0f} s): nothing will run {self.what} until one starts; "
+                     f"still waiting (jobs are kept: a daemon started later runs them; start one: nrvna daemon MODEL {shlex.quote(self.workspace)})")
+            self.said = True
+
+
 def _print_lines(lines: Iterable[str]) -> None:
     sys.stdout.write("".join(f"{line}\n" for line in lines))
     sys.stdout.flush()
@@ -10749,14 +10852,14 @@ def _cmd_get(args: Any) -> int:
     return _emit(Flow(args.workspace), args.id, args.wait, args.timeout, args.json, args.progress)
 
 
-def _wait_saying(flow: Flow, job_id: str, timeout: Optional[float]) -> Status:
+def _wait_saying(flow: Flow, job_id: str, timeout: Optional[float], watch: _DaemonWatch) -> Status:
     """``flow.wait``, with a line on stderr every PROGRESS_EVERY seconds and one at the end
     (get --wait --progress: a log file sees the wait is alive)."""
     start = time.monotonic()
     while True:
         elapsed = time.monotonic() - start
         left = None if timeout is None else max(0.0, timeout - elapsed)
-        status = flow.wait(job_id, PROGRESS_EVERY if left is None else min(PROGRESS_EVERY, left))
+        status = flow.wait(job_id, PROGRESS_EVERY if left is None else min(PROGRESS_EVERY, left), watch)
         elapsed = time.monotonic() - start
         ended = status.finished or status is Status.Missing or (timeout is not None and elapsed >= timeout)
         _say(f"job {job_id}: {status.value} after {elapsed:.0f} s")
@@ -10768,10 +10871,11 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
           progress: bool = False) -> int:
     """Print a job's result (stdout) or error (stderr); return the exit code for its state.
     ``progress``: with ``wait``, progress lines on stderr (get --wait --progress)."""
+    watch = _DaemonWatch(flow.workspace, f"job {job_id}")  # never a silent wait
     if wait and progress:
-        status = _wait_saying(flow, job_id, timeout)
+        status = _wait_saying(flow, job_id, timeout, watch)
     else:
-        status = flow.wait(job_id, timeout) if wait else flow.status(job_id)
+        status = flow.wait(job_id, timeout, watch) if wait else flow.status(job_id)
     if status is Status.Missing:
         raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
     if as_json:
@@ -10812,7 +10916,7 @@ def _follow(flow: Flow, job_id: str) -> int:
         _say(f"job {job_id} was restarted; its text follows again")
         out.write(b"\n")
 
-    for piece in flow.follow(job_id, on_restart):
+    for piece in flow.follow(job_id, on_restart, _DaemonWatch(flow.workspace, f"job {job_id}")):
         out.write(piece)
         out.flush()
     if flow.status(job_id) is Status.Failed:
@@ -10924,7 +11028,15 @@ def _cmd_wait(args: Any) -> int:
             reasons.setdefault(reason, []).append(job_id)
         for reason, waiting in reasons.items():
             _say(f"{waiting[0]} {reason}" if len(waiting) == 1 else f"{len(waiting)} jobs ({waiting[0]}, ...) {reason}")
-    states = flow.wait_all(args.ids, args.tag, args.timeout, draw if progress else None)
+    watch = _DaemonWatch(args.workspace, "the jobs", _say_below_progress if progress and not as_lines else _say)
+
+    def look(states: dict[str, Status]) -> None:
+        if any(not s.finished and s is not Status.Missing for s in states.values()):
+            watch()  # never a silent wait: say when no daemon runs to finish them
+        if progress:
+            draw(states)
+
+    states = flow.wait_all(args.ids, args.tag, args.timeout, look)
     if unsaid:  # the last jobs ended within a second of a line: the log still gets the final count
         _say(unsaid)
     elif progress and not as_lines:
@@ -10952,6 +11064,16 @@ def _progress_text(new: int, done: int, failed: int, total: int, elapsed: float,
     rate, left = new / elapsed, total - done - failed
     eta = f"{int(left / rate) // 60}m{int(left / rate) % 60:02d}s" if rate > 0 else "?"
     return f"{done} done / {failed} failed / {total} total  {rate:.1f} jobs/s  {tokens / elapsed:.0f} tok/s  ETA {eta}"
+
+
+def _say_below_progress(message: str) -> None:
+    """``_say`` on a line of its own under the progress line drawn in place (which goes on
+    below it)."""
+    try:
+        sys.stderr.write("\n")
+    except (OSError, ValueError):
+        pass
+    _say(message)
 
 
 def _draw_progress(text: str) -> None:

