@@ -5075,6 +5075,8 @@ def _kind_waits(kind: str, serving: str) -> str:
         return (f"waits for a daemon with an embedding model (or a chat model with NRVNA_POOLING=mean, cls or last): "
                 f"the running daemons serve no embed jobs ({serving})")
     return f"waits for a daemon with a chat model: the running daemons serve embed jobs only ({serving})"
+
+
 def _refuse_changed_lines(workspace: str, tag: str, entries: list[BatchEntry], ids: list[Optional[str]]) -> None:
     """Raise InvalidInput, before anything is queued, when a line's job (the job ``tag``
     already has for its custom_id, ``ids[i]``) holds another prompt than the line's: the
