@@ -876,6 +876,119 @@ def test_an_io_error_while_finishing_hands_the_job_back(ws: str, monkeypatch: py
     assert Flow(ws).get(job_id).result == "echo:spacey"
 
 
+def test_a_hand_back_leaves_the_job_as_claimed_and_counts_no_attempt(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finish that fails after writing result.txt and logprobs.json (meta.json does not
+    fit): the job goes back to ready/ as it was claimed, with no attempt counted and the
+    failed finish counted instead; the next finish succeeds."""
+    real_write_file = nrvna.write_file
+    failures: list[str] = []
+
+    def full_disk(dir_fd: int, name: str, data: bytes, sync: bool = True) -> None:
+        if name == "meta.json" and b'"finished"' in data and len(failures) < 2:
+            failures.append(name)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write_file(dir_fd, name, data, sync)
+
+    seen: list[tuple[list[str], dict[str, Any]]] = []
+    real_hand_back = nrvna.Processor._hand_back
+
+    def watched(self: nrvna.Processor, job_id: str) -> None:
+        real_hand_back(self, job_id)
+        path = os.path.join(ws, nrvna.READY, job_id)
+        seen.append((sorted(os.listdir(path)), json.loads(Path(path, "meta.json").read_text())))
+
+    def with_logprobs(job: nrvna.RunningJob) -> nrvna.Outcome:
+        return nrvna.Outcome(text=f"echo:{job.prompt}", logprobs=[{"token": "e", "logprob": -0.5, "bytes": [101]}])
+
+    monkeypatch.setattr(nrvna, "write_file", full_disk)
+    monkeypatch.setattr(nrvna.Processor, "_hand_back", watched)
+    job_id = submit(ws, "spacey")
+    submitted = sorted(os.listdir(os.path.join(ws, nrvna.READY, job_id)))
+    with serving(ws, with_logprobs, workers=1):
+        assert Flow(ws).wait(job_id, 30) is Status.Done
+    assert len(seen) == 2
+    for tries, (entries, meta) in enumerate(seen, 1):
+        assert sorted(set(entries) - {"meta.json"}) == submitted, entries  # no result.txt, no logprobs.json
+        assert meta.get("attempts", 0) == 0 and "started" not in meta, meta
+        assert (meta["write_failures"], meta["last_write_error"]) == (tries, "No space left on device")
+    job = Flow(ws).get(job_id)
+    assert job.result == "echo:spacey" and job.meta["attempts"] == 1 and job.meta["write_failures"] == 2
+    assert [e[1:] for e in job.meta["events"]] == [["running"], ["requeued", "write_error"]] * 2 + [["running"], ["done"]]
+    assert audit_clean(ws)
+
+
+def test_a_job_whose_result_never_fits_fails_with_write_error_after_the_bound(
+        ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A result that can never be written is generated NRVNA_MAX_WRITE_TRIES times, then the
+    job fails with write_error naming the error, its attempts uncounted; where even its count
+    cannot be written, the daemon counts in memory; `nrvna retry` starts the count afresh."""
+    real_write_file = nrvna.write_file
+    disk = {"result": True, "count": True}  # which writes fail
+
+    def full_disk(dir_fd: int, name: str, data: bytes, sync: bool = True) -> None:
+        if (name == "result.txt" and disk["result"]) or (name == "meta.json" and disk["count"] == "full"
+                                                         and b'"write_failures"' in data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write_file(dir_fd, name, data, sync)
+
+    runs: list[str] = []
+
+    def counted(job: nrvna.RunningJob) -> str:
+        runs.append(job.prompt)
+        return "x" * 1000
+
+    monkeypatch.setattr(nrvna, "write_file", full_disk)
+    with serving(ws, counted, workers=1):
+        job_id = submit(ws, "too big")
+        assert Flow(ws).wait(job_id, 60) is Status.Failed
+        job = Flow(ws).get(job_id)
+        assert job.meta["code"] == "write_error" and runs == ["too big"] * 3, (job.error, runs)
+        assert "No space left on device" in job.error and "NRVNA_MAX_WRITE_TRIES=3" in job.error
+        assert job.meta["attempts"] == 1 and job.meta["write_failures"] == 3
+        assert sorted(os.listdir(os.path.join(ws, nrvna.FAILED, job_id))) == ["error.txt", "meta.json", "prompt.txt"]
+
+        disk["count"] = "full"  # not even the count fits: the daemon remembers it
+        runs.clear()
+        other = submit(ws, "too big as well")
+        assert Flow(ws).wait(other, 60) is Status.Failed
+        assert Flow(ws).get(other).meta["code"] == "write_error" and runs == ["too big as well"] * 3
+        assert "write_failures" not in Flow(ws).get(other).meta
+
+        disk.update(result=False, count=True)  # space freed: a retry runs each again, from a count of 0
+        runs.clear()
+        assert [outcome for _, outcome, _ in nrvna.retry_jobs(ws, [job_id, other])] == ["queued", "queued"]
+        assert wait_all(ws, [job_id, other]) == [Status.Done, Status.Done]
+    assert sorted(runs) == ["too big", "too big as well"]
+    assert all(Flow(ws).get(i).meta["attempts"] == 1 for i in (job_id, other))
+
+
+def test_log_limited_logs_a_lasting_fault_once_in_a_while_with_a_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(f"{record.levelname} {record.getMessage()}")
+
+    handler = Collect()
+    logger = logging.getLogger("nrvna")
+    logger.addHandler(handler)
+    monkeypatch.setattr(nrvna, "LOG_REPEAT_SECONDS", 0.3)
+    try:
+        for i in range(50):
+            nrvna.log.limited("test:28", f"cannot finish job{i}: No space left on device")
+            nrvna.log.limited("test:5", f"cannot claim job{i}: Input/output error", level="warning")
+        time.sleep(0.35)
+        nrvna.log.limited("test:28", "cannot finish job50: No space left on device")
+    finally:
+        logger.removeHandler(handler)
+    assert lines[:2] == ["ERROR cannot finish job0: No space left on device",
+                         "WARNING cannot claim job0: Input/output error"]
+    assert len(lines) == 3 and lines[2].startswith("ERROR cannot finish job50: No space left on device (49 more "
+                                                   "like this in the last 0 s not logged)"), lines
+
+
 def test_claim_and_finish_fsync_every_file_and_directory_that_changed(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
     job_id = submit(ws, "durable")
     synced: list[str] = []
