@@ -8472,19 +8472,21 @@ def _write_key(job_id: str, before: Mapping[str, Any]) -> tuple[str, int]:
     return job_id, _int_field(before, "retries")
 
 
-def _link_claimed_meta(dir_fd: int) -> bool:
+def _link_claimed_meta(dir_fd: int) -> str:
     """Keep meta.json as the claim finds it under CLAIMED_META (a hard link: no space
-    needed). False where there is none to keep or the filesystem makes no links: a
-    hand-back then writes it back from memory."""
+    needed): "link"; "none" where the job has no meta.json yet (a hand-back removes the
+    claim's); "" where the filesystem makes no links (a hand-back writes it from memory)."""
     for _ in range(2):
         try:
             os.link(META_FILE, CLAIMED_META, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-            return True
+            return "link"
+        except FileNotFoundError:
+            return "none"
         except FileExistsError:  # left by a hand-back that could not remove it
             _unlink_quietly(CLAIMED_META, dir_fd)
         except OSError:
-            return False
-    return False
+            return ""
+    return ""
 
 
 class _HandBack(Exception):
@@ -8500,16 +8502,17 @@ class _Claim:
     is, its meta.json as the claim wrote it, and the lock the worker finishing it and the
     partial.txt flusher share."""
 
-    __slots__ = ("dir_fd", "meta", "path", "lock", "closed", "before", "linked", "cancel_dropped")
+    __slots__ = ("dir_fd", "meta", "path", "lock", "closed", "before", "kept", "cancel_dropped")
 
     def __init__(self, dir_fd: int, meta: dict[str, Any], path: str, before: dict[str, Any],
-                 linked: bool = False) -> None:
+                 kept: str = "") -> None:
         self.dir_fd, self.meta, self.path = dir_fd, meta, path
         self.lock = threading.Lock()
         self.closed = False
-        # What a hand-back restores: meta.json as the claim found it (``linked``: also kept
-        # on disk as CLAIMED_META), and a cancel request the finish removed (``cancel_dropped``).
-        self.before, self.linked, self.cancel_dropped = before, linked, False
+        # What a hand-back restores: meta.json as the claim found it (``kept``: "link", also
+        # on disk as CLAIMED_META; "none", it had none; "", in memory only), and a cancel
+        # request the finish removed (``cancel_dropped``).
+        self.before, self.kept, self.cancel_dropped = before, kept, False
 
 
 class Processor:
@@ -8759,7 +8762,7 @@ class Processor:
         # Unconditional too; gone before the fsync, so no finished job keeps it. A failure
         # after this point restores meta.json by writing it (see _restore_meta).
         _unlink_quietly(CLAIMED_META, dir_fd)
-        claim.linked = False
+        claim.kept = ""
         os.fsync(dir_fd)
         if self.records_ends():
             owe_hooks(self.workspace, job_id)
@@ -8818,25 +8821,33 @@ class Processor:
 
     def _restore_meta(self, job_id: str, claim: _Claim, meta: Optional[dict[str, Any]] = None) -> None:
         """Put meta.json back as the claim found it, so that a hand-back counts no attempt, or
-        as ``meta`` (that, with a count and the events of the attempt). The claim's hard link
-        is renamed back first: a rename needs no free space. Then ``meta`` is written, or,
-        where there was no link, the claim's: on a full disk that may fail (the count then
+        as ``meta`` (that, with a count and the events of the attempt). First what needs no
+        free space: the claim's hard link is renamed back, or, where the job had no
+        meta.json, the claim's is removed. Then ``meta`` is written, or, where the
+        filesystem made no link, the claim's: on a full disk that may fail (the count then
         lives on in memory only, and the events miss the attempt).
 
-        If neither works (an I/O error, since a rename needs no space), meta.json keeps the
+        If neither works (an I/O error: a rename needs no space), meta.json keeps the
         claim's count, one attempt too many, and the job goes back to the queue all the same:
         an attempt too many can at worst fail it a death early (crash_ceiling), while a job
         left in processing/ would wait for a recovery and count that attempt anyway."""
         dir_fd, failure = claim.dir_fd, None
         restored = False
-        if claim.linked:
-            try:
+        try:
+            if claim.kept == "link":
                 os.rename(CLAIMED_META, META_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 restored = True
-            except OSError as err:
-                failure = err
+            elif claim.kept == "none":  # it had no meta.json (as submitted)
+                restored = True
+                os.unlink(META_FILE, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass  # the claim failed before its meta.json
+        except OSError as err:
+            restored = False
+            failure = err
+        if claim.kept == "link":
             _unlink_quietly(CLAIMED_META, dir_fd)  # a rename between two names of one file does nothing
-            claim.linked = False
+        claim.kept = ""
         if meta is not None or not restored:
             try:
                 write_file(dir_fd, META_FILE, dump_meta(claim.before if meta is None else meta))
@@ -8849,7 +8860,7 @@ class Processor:
             restored, failure = False, err
         if not restored and failure is not None:
             log.limited(f"restore:{failure.errno}", f"cannot put {job_id}'s meta.json back as claimed "
-                        f"({_os_error(failure)}); it goes back to the queue with one attempt too many counted")
+                        f"({_os_error(failure)}); it goes back to the queue, its attempt counted")
 
     def _hand_back(self, job_id: str) -> None:
         """Put a job whose claim or finish hit an I/O error back in ready/ (as it was claimed:

@@ -278,6 +278,8 @@ def derived(job: nrvna.RunningJob) -> str:
     time.sleep(float(os.environ.get("TEST_RUNNER_DELAY", "0")))
     if os.environ.get("BIG_RESULT"):
         return "B" * 200_000
+    if job.prompt == os.environ.get("NEVER_FITS"):
+        return "N" * 4_000_000  # more than the tests' small tmpfs holds
     return expected_result(job.prompt)
 
 
@@ -7163,7 +7165,9 @@ def test_a_lock_left_by_a_sigkilled_daemon_does_not_block_the_next(ws: str) -> N
 @pytest.mark.slow
 def test_a_full_disk_loses_no_job_and_the_queue_finishes_once_space_is_freed(tmp_path: Path) -> None:
     """A real ENOSPC: the workspace is a 600 KiB tmpfs in a user namespace. Results of
-    ~200 KB fill it; the daemon keeps serving; deleting finished jobs lets the rest finish."""
+    ~200 KB fill it; the daemon keeps serving; deleting finished jobs lets the rest finish.
+    The jobs handed back meanwhile are as they were claimed, and count no attempt (the
+    disk is freed within NRVNA_MAX_WRITE_TRIES, raised here: the bound has its own test)."""
     ws = tmp_path / "small"
     ws.mkdir()
     script = f"""
@@ -7171,17 +7175,27 @@ set -e
 mount -t tmpfs -o size=600k tmpfs {ws}
 cd {HERE}
 '{sys.executable}' - <<'PY'
-import os, shutil, subprocess, sys, time
+import json, os, shutil, subprocess, sys, time
 sys.path.insert(0, {str(HERE)!r})
 import nrvna, test_nrvna
 ws = {str(ws / "ws")!r}
+began = time.monotonic()
 ids = [nrvna.Work(ws).publish("big " + str(i)) for i in range(6)]
-daemon = test_nrvna.child_daemon(ws, "derived", "-w", "2", env={{"BIG_RESULT": "1"}}, stderr=subprocess.PIPE)
+daemon = test_nrvna.child_daemon(ws, "derived", "-w", "2", env={{"BIG_RESULT": "1", "NRVNA_MAX_WRITE_TRIES": "1000"}},
+                                 stderr=subprocess.PIPE)
 flow = nrvna.Flow(ws)
 deadline = time.monotonic() + 60
 while flow.counts()["done"] < 2 and time.monotonic() < deadline:
     time.sleep(0.1)
-time.sleep(1.5)   # the rest hit ENOSPC and are handed back, again and again
+handed_back = []
+for _ in range(15):   # the rest hit ENOSPC and are handed back, again and again
+    time.sleep(0.1)
+    for job_id in os.listdir(os.path.join(ws, "input", "ready")):
+        try:
+            handed_back.append((sorted(os.listdir(os.path.join(ws, "input", "ready", job_id))), json.loads(
+                open(os.path.join(ws, "input", "ready", job_id, "meta.json")).read() or "{{}}")))
+        except (FileNotFoundError, ValueError):
+            pass  # claimed meanwhile, or has no meta.json yet
 stuck = flow.counts()
 freed = 0
 deadline = time.monotonic() + 120
@@ -7189,10 +7203,17 @@ while flow.counts()["done"] + freed < 6 and time.monotonic() < deadline:
     for job_id in os.listdir(os.path.join(ws, "output")):
         shutil.rmtree(os.path.join(ws, "output", job_id)); freed += 1
     time.sleep(0.2)
+attempts = [flow.get(i).meta["attempts"] for i in ids if flow.status(i).value == "done"]
 daemon.terminate(); _, err = daemon.communicate(timeout=30)
-print("stuck", stuck, "freed", freed, "rc", daemon.returncode, "enospc", err.count(b"No space left on device"))
+lines = err.count(b"No space left on device")
+print("stuck", stuck, "freed", freed, "rc", daemon.returncode, "handed back", len(handed_back), "enospc lines", lines,
+      "in", round(time.monotonic() - began), "s")
 assert daemon.returncode == 0 and stuck["done"] < 6 and freed == 6 - flow.counts()["done"]
 assert flow.counts()["failed"] == 0 and b"Traceback" not in err
+assert handed_back and all(names == ["meta.json", "prompt.txt"] and meta.get("attempts", 0) == 0
+                           for names, meta in handed_back), handed_back
+assert attempts == [1] * len(attempts), attempts
+assert lines <= 3 * (1 + (time.monotonic() - began) // 30), err.decode()[-3000:]
 PY
 """
     done = in_user_namespace(script)
@@ -7200,6 +7221,70 @@ PY
         pytest.skip(f"this host refuses user namespaces: {done.stderr.decode().strip()}")
     print(done.stdout.decode())
     assert done.returncode == 0, done.stderr.decode()[-3000:]
+
+
+@pytest.mark.slow
+def test_a_result_that_never_fits_fails_with_write_error_and_a_full_disk_logs_little(tmp_path: Path) -> None:
+    """A real ENOSPC (a 600 KiB tmpfs): a 4 MB result is generated NRVNA_MAX_WRITE_TRIES (3)
+    times and fails with write_error, uncounted as an attempt, while the jobs beside it end;
+    then, the disk filled to its last byte while 30 jobs wait, every claim fails for 5 s and
+    the log says so a few times (one line per cause per 30 s), not once per job per second;
+    once space is freed, every job ends once, with one attempt."""
+    ws = tmp_path / "small"
+    ws.mkdir()
+    script = f"""
+set -e
+mount -t tmpfs -o size=600k tmpfs {ws}
+cd {HERE}
+'{sys.executable}' - <<'PY'
+import os, subprocess, sys, time
+sys.path.insert(0, {str(HERE)!r})
+import nrvna, test_nrvna
+ws = {str(ws / "ws")!r}
+flow = nrvna.Flow(ws)
+huge = nrvna.Work(ws).publish("never fits")
+small = [nrvna.Work(ws).publish("small " + str(i)) for i in range(5)]
+daemon = test_nrvna.child_daemon(ws, "derived", "-w", "2", "--drain", env={{"NEVER_FITS": "never fits"}},
+                                 stderr=subprocess.PIPE)
+_, err = daemon.communicate(timeout=120)
+job = flow.get(huge)
+print("huge:", job.status.value, job.meta.get("code"), job.meta.get("write_failures"), repr(job.error))
+assert daemon.returncode == 0 and job.meta["code"] == "write_error" and job.meta["attempts"] == 1
+assert job.meta["write_failures"] == 3 and "No space left on device" in job.error
+assert [flow.status(i).value for i in small] == ["done"] * 5
+
+waiting = [nrvna.Work(ws).publish("waiting " + str(i)) for i in range(30)]
+daemon = test_nrvna.child_daemon(ws, "derived", "-w", "1", env={{"TEST_RUNNER_DELAY": "0.3"}}, stderr=subprocess.PIPE)
+deadline = time.monotonic() + 60
+while not flow.counts()["running"] and time.monotonic() < deadline:
+    time.sleep(0.02)
+filler = os.path.join({str(ws)!r}, "filler")
+fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+try:
+    while True:
+        os.write(fd, b"f" * 4096)
+except OSError:
+    os.close(fd)
+time.sleep(5)
+full = flow.counts()
+os.unlink(filler)
+deadline = time.monotonic() + 120
+while flow.counts()["done"] < 35 and time.monotonic() < deadline:
+    time.sleep(0.1)
+daemon.terminate(); _, err = daemon.communicate(timeout=30)
+lines = err.count(b"No space left on device")
+print("while full:", full, "enospc lines:", lines)
+assert daemon.returncode == 0 and b"Traceback" not in err, err.decode()[-3000:]
+assert full["queued"] >= 20 and lines <= 4, err.decode()[-3000:]
+assert [flow.get(i).meta.get("attempts") for i in waiting] == [1] * 30, ([flow.get(i).meta.get("attempts") for i in waiting], flow.counts(), [l for l in err.decode().splitlines() if "INFO" not in l])
+assert all(flow.get(i).result == test_nrvna.expected_result("waiting " + str(n)) for n, i in enumerate(waiting))
+PY
+"""
+    done = in_user_namespace(script)
+    if b"huge:" not in done.stdout and b"unshare" in done.stderr:
+        pytest.skip(f"this host refuses user namespaces: {done.stderr.decode().strip()}")
+    print(done.stdout.decode())
+    assert done.returncode == 0, done.stdout.decode()[-2000:] + done.stderr.decode()[-3000:]
 
 
 @pytest.mark.model
