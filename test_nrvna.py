@@ -277,7 +277,7 @@ def derived(job: nrvna.RunningJob) -> str:
     so that kills land mid-job."""
     time.sleep(float(os.environ.get("TEST_RUNNER_DELAY", "0")))
     if os.environ.get("BIG_RESULT"):
-        return "B" * 200_000
+        return expected_result(job.prompt).ljust(200_000, "B")
     if job.prompt == os.environ.get("NEVER_FITS"):
         return "N" * 4_000_000  # more than the tests' small tmpfs holds
     return expected_result(job.prompt)
@@ -7287,6 +7287,73 @@ PY
     assert done.returncode == 0, done.stdout.decode()[-2000:] + done.stderr.decode()[-3000:]
 
 
+@pytest.mark.slow
+def test_three_daemons_on_a_full_disk_with_a_sigkill_end_every_job_once_counting_only_deaths(tmp_path: Path) -> None:
+    """The fault matrix's full disk with several daemons: three daemon processes (on GPUs 0-2,
+    injected runner) share a 1 MiB tmpfs workspace whose ~200 KB results keep filling it, while
+    a reader takes the results out of output/ once a second (freeing space, a burst at a
+    time); one daemon is SIGKILLed mid-job. Every job ends exactly once with its own result,
+    the hand-backs count no attempt, and only a death does: attempts is 1 for every job the
+    dead daemon was not running, 2 (or 1: killed before its claim's count) for those it was."""
+    ws = tmp_path / "small"
+    ws.mkdir()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    script = f"""
+set -e
+mount -t tmpfs -o size=1m tmpfs {ws}
+cd {HERE}
+'{sys.executable}' - <<'PY'
+import os, shutil, signal, sys, time
+sys.path.insert(0, {str(HERE)!r})
+import nrvna, test_nrvna
+ws = {str(ws / "ws")!r}
+flow = nrvna.Flow(ws)
+prompts = {{nrvna.Work(ws).publish("full " + str(i)): "full " + str(i) for i in range(40)}}
+env = {{"BIG_RESULT": "1", "TEST_RUNNER_DELAY": "0.2", "NRVNA_MAX_WRITE_TRIES": "1000"}}
+daemons = [test_nrvna.child_daemon(ws, "derived", "-w", "2", env=dict(env, NRVNA_GPU=str(gpu)),
+                                   stderr=open(os.path.join({str(logs)!r}, str(gpu)), "wb")) for gpu in range(3)]
+ended, killed, deadline, next_take = {{}}, None, time.monotonic() + 240, 0.0
+while len(ended) < 40 and time.monotonic() < deadline:
+    for job_id in sorted(os.listdir(os.path.join(ws, "output"))) if time.monotonic() >= next_take else []:
+        job = flow.get(job_id)
+        assert job_id not in ended, job_id  # ended twice
+        ended[job_id] = (job.result == test_nrvna.expected_result(prompts[job_id]).ljust(200_000, "B"), job.meta["attempts"],
+                         [e[1:] for e in job.meta["events"]])
+        shutil.rmtree(os.path.join(ws, "output", job_id))
+        next_take = time.monotonic() + 1.0  # a burst a second: the disk fills in between
+    if killed is None and len(ended) >= 8:
+        mine = [j for j in os.listdir(os.path.join(ws, "processing"))
+                if (flow.get(j).meta if flow.get(j) else {{}}).get("daemon", "").startswith(str(daemons[0].pid) + "-")]
+        if mine:
+            daemons[0].send_signal(signal.SIGKILL)
+            killed = daemons[0].wait()
+    time.sleep(0.05)
+for daemon in daemons[1:]:
+    daemon.terminate()
+    assert daemon.wait(30) == 0
+log = b"".join(open(os.path.join({str(logs)!r}, str(gpu)), "rb").read() for gpu in range(3))
+crashed = [i for i, (_, _, events) in ended.items() if ["requeued", "crashed"] in events]
+handed_back = sum(events.count(["requeued", "write_error"]) for _, _, events in ended.values())
+print("ended", len(ended), "killed", killed, "jobs it was running", len(crashed), "attempts",
+      sorted(attempts for _, attempts, _ in ended.values()), "hand-backs", handed_back, "log lines",
+      log.count(b"No space left on device"))
+assert killed == -signal.SIGKILL and sorted(ended) == sorted(prompts) and b"Traceback" not in log
+assert all(whole for whole, _, _ in ended.values())
+assert handed_back >= 3 and b"cannot finish" in log  # the disk really was full
+assert crashed and any(ended[i][1] == 2 for i in crashed)
+assert all(attempts == 1 for i, (_, attempts, _) in ended.items() if i not in crashed), ended
+assert all(attempts in (1, 2) for _, attempts, events in ended.values() if events.count(["requeued", "crashed"]) == 1)
+assert test_nrvna.audit_clean(ws)
+PY
+"""
+    done = in_user_namespace(script)
+    if b"ended" not in done.stdout and b"unshare" in done.stderr:
+        pytest.skip(f"this host refuses user namespaces: {done.stderr.decode().strip()}")
+    print(done.stdout.decode())
+    assert done.returncode == 0, done.stdout.decode()[-2000:] + done.stderr.decode()[-3000:]
+
+
 @pytest.mark.model
 @pytest.mark.slow
 def test_sigkill_mid_generation_on_the_real_model_then_restart_finishes(ws: str, model: str) -> None:
@@ -7387,6 +7454,7 @@ def faultpoint_main(argv: list[str]) -> int:
     wrap("fsync", os.fsync, lambda fd: resolve(fd))
     wrap("rename", os.rename, lambda s, d, *, src_dir_fd=None, **k: resolve(s, src_dir_fd))
     wrap("unlink", os.unlink, lambda p, *, dir_fd=None: resolve(p, dir_fd))
+    wrap("link", os.link, lambda s, d, *, src_dir_fd=None, **k: resolve(s, src_dir_fd))
     wrap("rmdir", os.rmdir, lambda p, *, dir_fd=None: resolve(p, dir_fd))
     real_renameat2 = nrvna._load_renameat2()
     if real_renameat2:
@@ -7445,20 +7513,22 @@ def test_faultpoint_sees_every_workspace_syscall_that_strace_sees(tmp_path: Path
     code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import nrvna, test_nrvna; "
             f"sys.exit(nrvna.main(['daemon', '-', {ws!r}, '-w', '1', '--drain'], runner=test_nrvna.derived))")
     done = subprocess.run(["strace", "-f", "-y", "-o", trace, "-e",
-                           "trace=mkdir,mkdirat,openat,write,pwrite64,ftruncate,fsync,rename,renameat,renameat2,unlink,unlinkat,rmdir",
+                           "trace=mkdir,mkdirat,openat,write,pwrite64,ftruncate,fsync,rename,renameat,renameat2,unlink,unlinkat,rmdir,"
+                           "link,linkat",
                            sys.executable, "-c", code], capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     real_ws = os.path.realpath(ws)
     theirs = []
     for line in open(trace):
         name = line.split(None, 1)[1].split("(", 1)[0] if " " in line else ""
-        if real_ws not in line or "= -1" in line and name != "unlinkat" or "resumed" in line:
+        if real_ws not in line or "= -1" in line and name not in ("unlinkat", "linkat") or "resumed" in line:
             continue
         if os.sep + nrvna.DAEMONS in line:  # liveness and records, which the harness does not count
             continue
         if name == "openat" and not any(f in line for f in ("O_WRONLY", "O_RDWR", "O_CREAT")):
             continue
-        theirs.append({"openat": "open", "pwrite64": "pwrite", "renameat": "rename", "unlinkat": "unlink"}.get(name, name))
+        theirs.append({"openat": "open", "pwrite64": "pwrite", "renameat": "rename", "unlinkat": "unlink",
+                       "linkat": "link"}.get(name, name))
     assert [c.split()[0] for c in ours] == theirs
     print(f"\n{len(ours)} workspace-changing syscalls for one job: {' '.join(theirs)}")
 
@@ -7573,7 +7643,7 @@ def test_a_client_killed_at_every_crash_point_never_queues_half_a_job(tmp_path: 
 
 
 ERRNOS = {"fsync": ["EIO"], "write": ["ENOSPC"], "rename": ["EIO", "EXDEV"], "renameat2": ["EIO", "EXDEV"],
-          "open": ["ENOSPC"]}
+          "open": ["ENOSPC"], "link": ["EIO"]}
 
 
 @pytest.mark.slow
@@ -7592,6 +7662,7 @@ def test_daemon_io_errors_at_every_point_never_lose_or_truncate(tmp_path: Path) 
             assert job.status in (Status.Done, Status.Failed), (k, call, code)
             if job.status is Status.Done:
                 assert job.result == expected_result("crash point job")
+                assert job.meta["attempts"] == 1, (k, call, code)  # a hand-back counts no attempt
             else:
                 assert os.strerror(getattr(errno_module(), code)) in job.error
             points += 1
