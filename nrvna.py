@@ -8621,7 +8621,8 @@ class Processor:
         except (JobError, OSError) as err:
             code = err.code if isinstance(err, JobError) else "bad_request"
             message = str(err) if isinstance(err, JobError) else f"cannot read job: {_os_error(err)}"
-            self.finish(job, Outcome(error_code=code, error=message))
+            if not self.finish(job, Outcome(error_code=code, error=message)):
+                raise _HandBack(job_id) from None  # back in ready/ (a full disk): the caller retries it
             log.warning(f"Job failed: {job_id}: {message}")
             return None
         return job

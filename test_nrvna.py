@@ -925,11 +925,15 @@ def test_a_job_whose_result_never_fits_fails_with_write_error_after_the_bound(
     job fails with write_error naming the error, its attempts uncounted; where even its count
     cannot be written, the daemon counts in memory; `nrvna retry` starts the count afresh."""
     real_write_file = nrvna.write_file
-    disk = {"result": True, "count": True}  # which writes fail
+    disk = {"result": True, "count": True, "error": False}  # which writes fail
+    errors: list[str] = []
 
     def full_disk(dir_fd: int, name: str, data: bytes, sync: bool = True) -> None:
         if (name == "result.txt" and disk["result"]) or (name == "meta.json" and disk["count"] == "full"
                                                          and b'"write_failures"' in data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if name == "error.txt" and disk["error"]:
+            errors.append(name)
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write_file(dir_fd, name, data, sync)
 
@@ -955,6 +959,17 @@ def test_a_job_whose_result_never_fits_fails_with_write_error_after_the_bound(
         assert Flow(ws).wait(other, 60) is Status.Failed
         assert Flow(ws).get(other).meta["code"] == "write_error" and runs == ["too big as well"] * 3
         assert "write_failures" not in Flow(ws).get(other).meta
+
+        disk.update(count=True, error=True)  # not even its failure fits: it waits, queued, and ends later
+        runs.clear()
+        third = submit(ws, "too big, and no room to say so")
+        deadline = time.monotonic() + 60
+        while len(errors) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert Flow(ws).status(third) is Status.Queued and len(runs) == 3
+        disk["error"] = False
+        assert Flow(ws).wait(third, 30) is Status.Failed and Flow(ws).get(third).meta["code"] == "write_error"
+        assert len(runs) == 3  # failed at its claim, unrun
 
         disk.update(result=False, count=True)  # space freed: a retry runs each again, from a count of 0
         runs.clear()
