@@ -9020,8 +9020,13 @@ class Processor:
         try:
             _clear_outputs(dir_fd)
             record_event(meta, Status.Running, "requeued", "crashed")
-            write_file(dir_fd, META_FILE, dump_meta(meta))
-            os.fsync(dir_fd)
+            try:
+                write_file(dir_fd, META_FILE, dump_meta(meta))
+                os.fsync(dir_fd)
+            except OSError as err:  # a full disk: only the event is lost (events read the move anyway);
+                # the attempt was counted durably by the claim. A start must not fail over it.
+                log.limited(f"recover:{err.errno}", f"cannot record {name}'s requeue in its meta.json "
+                            f"({_os_error(err)}); requeuing it all the same")
             move_job(self.workspace, name, PROCESSING, READY)
         finally:
             os.close(dir_fd)
@@ -10189,7 +10194,7 @@ class Server:
                 self.pool.retry_later(job_id, 2.0)
                 continue
             except OSError as err:  # the claim rename failed: still in ready/, try again later
-                log.error(f"cannot claim {job_id}: {_os_error(err)}; retrying in 2 s")
+                log.limited(f"claim rename:{err.errno}", f"cannot claim {job_id}: {_os_error(err)}; retrying in 2 s")
                 self.pool.retry_later(job_id, 2.0)
                 continue
             if job is None:

@@ -743,6 +743,25 @@ def test_orphans_are_recovered_and_poison_jobs_hit_the_ceiling(ws: str) -> None:
     assert sorted(os.listdir(os.path.join(ws, nrvna.FAILED, poison))) == ["error.txt", "meta.json", "partial.txt", "prompt.txt"]
 
 
+def test_a_daemon_starting_on_a_full_disk_requeues_an_orphan_all_the_same(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recovery's meta.json write (the requeue's event) fails for want of space: the orphan
+    is requeued anyway, with the attempt its claim counted, and the start goes on."""
+    real_write_file = nrvna.write_file
+    refused: list[str] = []
+
+    def full_disk(dir_fd: int, name: str, data: bytes, sync: bool = True) -> None:
+        if name == "meta.json" and b'"crashed"' in data:
+            refused.append(name)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write_file(dir_fd, name, data, sync)
+
+    again = orphan(ws, "again", 1)
+    monkeypatch.setattr(nrvna, "write_file", full_disk)
+    with serving(ws, echo):
+        assert wait_all(ws, [again]) == [Status.Done]
+    assert refused and Flow(ws).get(again).meta["attempts"] == 2 and audit_clean(ws)
+
+
 def test_stale_staging_dirs_are_removed_at_start_and_fresh_ones_kept(ws: str) -> None:
     nrvna.ensure_workspace(ws)
     old = os.path.join(ws, nrvna.WRITING, "1_1_1")
