@@ -7700,8 +7700,8 @@ def test_daemon_io_errors_at_every_point_never_lose_or_truncate(tmp_path: Path) 
             else:
                 assert os.strerror(getattr(errno_module(), code)) in job.error
             points += 1
-    print(f"\ndaemon: {points} injected I/O errors (EIO on fsync, ENOSPC on open/write, EIO and EXDEV on rename); "
-          "every job ended intact")
+    print(f"\ndaemon: {points} injected I/O errors (EIO on fsync or link, ENOSPC on open/write, EIO and EXDEV on "
+          "rename); every job ended intact, done with one attempt")
 
 
 def errno_module() -> Any:
