@@ -8861,7 +8861,7 @@ class Processor:
             restored, failure = False, err
         if not restored and failure is not None:
             log.limited(f"restore:{failure.errno}", f"cannot put {job_id}'s meta.json back as claimed "
-                        f"({_os_error(failure)}); it goes back to the queue, its attempt counted")
+                        f"({_os_error(failure)}); it goes back to the queue, perhaps with its attempt counted")
 
     def _hand_back(self, job_id: str) -> None:
         """Put a job whose claim or finish hit an I/O error back in ready/ (as it was claimed:
