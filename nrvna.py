@@ -129,6 +129,8 @@ FAILURE_CODES = {
     "load_failed": "the model it names (or its kind's) could not be loaded `NRVNA_MAX_LOAD_FAILURES` times by the "
                    "daemon serving it: the error names the file and llama.cpp's reason (`nrvna retry` queues it "
                    "again once the file is fixed)",
+    "write_error": "its result could not be written `NRVNA_MAX_WRITE_TRIES` times (a full disk, an I/O error): the "
+                   "message names the last error; each failed finish handed it back to the queue unchanged",
     "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "
                    "apart)",
     "runner_error": "the runner raised an unexpected exception (the message names it); the worker lives on",
@@ -267,6 +269,7 @@ SETTINGS: dict[str, _Setting] = {
     "repeat_penalty": _Setting("NRVNA_REPEAT_PENALTY", float, 1.1, 0.0, 100.0, "repetition penalty, 1 = off (default of repeat_penalty)"),
     "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE, "sampling seed; 0 = random, anything else reproducible (default of seed)"),
     "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
+    "max_write_tries": _Setting("NRVNA_MAX_WRITE_TRIES", int, 3, 1, 1000, "finishes of a job that may fail to be written (a full disk, an I/O error) before it fails with `write_error`; each such finish hands the job back to the queue, uncounted as an attempt, and it is generated again 2 s later"),
     "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
     "max_batch_lines": _Setting("NRVNA_MAX_BATCH_LINES", int, 1_000_000, 1, 1 << 31, "most lines a batch file (submit --file) may hold: it is held whole while checked, about 0.8 KB a line"),
     "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0, "seconds a submit waits for another live submit that holds its idempotency key to publish its job (then exit 4, nothing queued)"),
@@ -420,8 +423,27 @@ class _Log:
         """Log at the spec's TRACE level (below DEBUG)."""
         self.log(TRACE, message)
 
+    def limited(self, cause: str, message: str, level: str = "error") -> None:
+        """Log ``message`` at ``level`` unless a line of the same ``cause`` was logged in the
+        last LOG_REPEAT_SECONDS: a lasting fault that every job meets (a full disk) would
+        otherwise print a line per job per retry (584 lines in 10 s). The next line of that
+        cause says how many were left out."""
+        now = time.monotonic()
+        with _LIMITED_LOCK:
+            last, left_out = _LIMITED.get(cause, (None, 0))
+            if last is not None and now - last < LOG_REPEAT_SECONDS:
+                _LIMITED[cause] = (last, left_out + 1)
+                return
+            _LIMITED[cause] = (now, 0)
+        if left_out:
+            message += f" ({left_out} more like this in the last {now - last:.0f} s not logged)"
+        getattr(self, level)(message)
+
 
 log = _Log()
+LOG_REPEAT_SECONDS = 30.0  # at most one line per cause this often (log.limited)
+_LIMITED: dict[str, tuple[float, int]] = {}  # cause -> (when its last line was logged, lines left out since)
+_LIMITED_LOCK = threading.Lock()
 
 
 def configure_logging(level: str = "info", stream: Any = None) -> None:
@@ -3398,6 +3420,9 @@ PARTIAL_FILE = "partial.txt"  # text generated so far (running), or before a fai
 LOGPROBS_FILE = "logprobs.json"  # each generated token's log-probability, for jobs that ask
 CHOICES_FILE = "choices.json"  # a job of n > 1 choices: every choice (Outcome.choices)
 CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
+# A running job's meta.json as its claim found it, hard-linked by the claim: a hand-back puts it
+# back with a rename, which needs no free space. A temporary (.tmp) to recovery, which removes it.
+CLAIMED_META = ".meta.json.claimed.tmp"
 DAEMON_FILE = "daemon.json"
 TAGS = "tags"  # tags/<tag>/<time_ns>_<first id>.ids: which jobs a submit labelled (the tag index)
 KEYS = "keys"  # keys/<sha256 of an idempotency key>: the ID of the job submitted with it
@@ -8786,6 +8811,43 @@ class Scanner:
             pass
 
 
+def _unlinked(name: str, dir_fd: int) -> bool:
+    """Remove ``name`` if it is there; whether it was."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False
+
+
+def _int_field(meta: Mapping[str, Any], key: str) -> int:
+    value = meta.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _write_key(job_id: str, before: Mapping[str, Any]) -> tuple[str, int]:
+    """The key of a job's failed finishes in a daemon's memory: its ID and how often `nrvna
+    retry` sent it back (a retry starts the count afresh, as it does in meta.json)."""
+    return job_id, _int_field(before, "retries")
+
+
+def _link_claimed_meta(dir_fd: int) -> str:
+    """Keep meta.json as the claim finds it under CLAIMED_META (a hard link: no space
+    needed): "link"; "none" where the job has no meta.json yet (a hand-back removes the
+    claim's); "" where the filesystem makes no links (a hand-back writes it from memory)."""
+    for _ in range(2):
+        try:
+            os.link(META_FILE, CLAIMED_META, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            return "link"
+        except FileNotFoundError:
+            return "none"
+        except FileExistsError:  # left by a hand-back that could not remove it
+            _unlink_quietly(CLAIMED_META, dir_fd)
+        except OSError:
+            return ""
+    return ""
+
+
 class _HandBack(Exception):
     """A job could not be claimed or finished because of an I/O error; it is back in ready/."""
 
@@ -8799,12 +8861,17 @@ class _Claim:
     is, its meta.json as the claim wrote it, and the lock the worker finishing it and the
     partial.txt flusher share."""
 
-    __slots__ = ("dir_fd", "meta", "path", "lock", "closed")
+    __slots__ = ("dir_fd", "meta", "path", "lock", "closed", "before", "kept", "cancel_dropped")
 
-    def __init__(self, dir_fd: int, meta: dict[str, Any], path: str) -> None:
+    def __init__(self, dir_fd: int, meta: dict[str, Any], path: str, before: dict[str, Any],
+                 kept: str = "") -> None:
         self.dir_fd, self.meta, self.path = dir_fd, meta, path
         self.lock = threading.Lock()
         self.closed = False
+        # What a hand-back restores: meta.json as the claim found it (``kept``: "link", also
+        # on disk as CLAIMED_META; "none", it had none; "", in memory only), and a cancel
+        # request the finish removed (``cancel_dropped``).
+        self.before, self.kept, self.cancel_dropped = before, kept, False
 
 
 class Processor:
@@ -8824,6 +8891,9 @@ class Processor:
         self.hooked = bool(config.on_done or config.on_batch_done)
         self._claims: dict[str, _Claim] = {}  # the running jobs' directories, by ID
         self._claims_lock = threading.Lock()
+        # Failed finishes (count, last error) by job (see _write_key): meta.json holds them
+        # too, but on a full disk it may not take them.
+        self._write_failures: dict[tuple[str, int], tuple[int, str]] = {}
 
     def _path(self, sub: str, name: str = "") -> str:
         return job_path(self.workspace, sub, name)
@@ -8875,8 +8945,12 @@ class Processor:
             # nobody's, and the next recovery pass requeues it.
             os.close(dir_fd)
             return None
+        import copy
+
+        claim: Optional[_Claim] = None
         try:
             meta = read_meta(dir_fd)
+            claim = _Claim(dir_fd, meta, path, copy.deepcopy(meta), _link_claimed_meta(dir_fd))
             attempts = meta.get("attempts") if isinstance(meta.get("attempts"), int) else 0
             if "submitted" not in meta:
                 meta["submitted"] = submitted_time(job_id, dir_fd)
@@ -8890,19 +8964,24 @@ class Processor:
             fsync_dir(self._path(PROCESSING))
             fsync_dir(self._path(READY))
         except OSError as err:
-            log.error(f"cannot claim {job_id}: {_os_error(err)}; handing it back")
+            log.limited(f"claim:{err.errno}", f"cannot claim {job_id}: {_os_error(err)}; handing it back "
+                        "(no attempt counted)")
+            if claim is not None:
+                self._restore_meta(job_id, claim)
             self._hand_back(job_id)
             os.close(dir_fd)
             raise _HandBack(job_id) from None
-        job = self._hold(RunningJob(job_id, "", {}, stop), dir_fd, meta, path)
+        job = self._hold(RunningJob(job_id, "", {}, stop), claim)
         try:
             if _exists(dir_fd, CANCEL_FILE):  # cancelled while we claimed it
                 raise JobError("cancelled", "cancelled before it started (nrvna cancel)")
+            self._check_write_failures(job_id, claim.before)
             job.prompt, job.params = self._read_input(dir_fd)
         except (JobError, OSError) as err:
             code = err.code if isinstance(err, JobError) else "bad_request"
             message = str(err) if isinstance(err, JobError) else f"cannot read job: {_os_error(err)}"
-            self.finish(job, Outcome(error_code=code, error=message))
+            if not self.finish(job, Outcome(error_code=code, error=message)):
+                raise _HandBack(job_id) from None  # back in ready/ (a full disk): the caller retries it
             log.warning(f"Job failed: {job_id}: {message}")
             return None
         return job
@@ -8937,9 +9016,9 @@ class Processor:
         except Exception as err:  # a check's own bug must fail this job alone, never its batch-mates
             raise JobError("bad_request", f"params.json could not be checked: {err!r}") from None
 
-    def _hold(self, job: RunningJob, dir_fd: int, meta: dict[str, Any], path: str) -> RunningJob:
+    def _hold(self, job: RunningJob, claim: _Claim) -> RunningJob:
         with self._claims_lock:
-            self._claims[job.id] = _Claim(dir_fd, meta, path)
+            self._claims[job.id] = claim
         return job
 
     def _release(self, job: RunningJob) -> _Claim:
@@ -8971,20 +9050,36 @@ class Processor:
             while job.emitted:
                 chunks.append(job.emitted.popleft())
             data = "".join(chunks).encode("utf-8")
-            fd = os.open(PARTIAL_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND | O_NOFOLLOW | O_CLOEXEC,
-                         FILE_MODE, dir_fd=claim.dir_fd)
             try:
-                write_all(fd, data)
-            finally:
-                os.close(fd)
+                fd = os.open(PARTIAL_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND | O_NOFOLLOW | O_CLOEXEC,
+                             FILE_MODE, dir_fd=claim.dir_fd)
+                try:
+                    write_all(fd, data)
+                finally:
+                    os.close(fd)
+            except OSError as err:  # a full disk: this text is missing from partial.txt, not from the job
+                log.limited(f"partial:{err.errno}", f"cannot append to {job.id}'s partial.txt: {_os_error(err)}")
 
     # -- finish --------------------------------------------------------------------------
 
     def finish(self, job: RunningJob, outcome: Outcome) -> bool:
         """Record the outcome and move the job to output/ or failed/. Returns False when an
-        I/O error forced it back to ready/ (the caller retries it later)."""
+        I/O error forced it back to ready/ (see _cannot_finish; the caller retries it later)."""
         claim = self._release(job)
-        meta, dir_fd = claim.meta, claim.dir_fd
+        try:
+            meta = dict(claim.meta)  # the claim's stays as it was, for a hand-back's events
+            files, dest = self._record(meta, outcome)
+            try:
+                self._publish(job.id, claim, meta, files, dest)
+            except OSError as err:
+                return self._cannot_finish(job.id, claim, err)
+            self._write_failures.pop(_write_key(job.id, claim.before), None)
+            return True
+        finally:
+            os.close(claim.dir_fd)
+
+    def _record(self, meta: dict[str, Any], outcome: Outcome) -> tuple[list[tuple[str, bytes]], str]:
+        """Put ``outcome`` into ``meta``; return the files to write and the state it goes to."""
         meta.update(finished=round(time.time(), 3), prompt_tokens=outcome.prompt_tokens,
                     generated_tokens=outcome.generated_tokens)
         if outcome.prompt_computed is not None:
@@ -9010,30 +9105,131 @@ class Processor:
             import json
 
             files.append((CHOICES_FILE, json.dumps(outcome.choices, ensure_ascii=False).encode("utf-8")))
+        return files, dest
+
+    def _publish(self, job_id: str, claim: _Claim, meta: dict[str, Any], files: list[tuple[str, bytes]],
+                 dest: str) -> None:
+        """Write ``files`` and ``meta`` into the claimed job's directory and move it to ``dest``."""
+        dir_fd = claim.dir_fd
+        if dest == OUTPUT:  # result.txt holds it all; a late cancel did not take effect
+            # Unconditional: whether the Watcher wrote partial.txt depends on timing,
+            # and a finish must make the same calls every time (crash-point tests).
+            _unlink_quietly(PARTIAL_FILE, dir_fd)
+            claim.cancel_dropped = _unlinked(CANCEL_FILE, dir_fd)
+        for name, data in files:
+            write_file(dir_fd, name, data)
+        write_file(dir_fd, META_FILE, dump_meta(meta))
+        # Unconditional too; gone before the fsync, so no finished job keeps it. A failure
+        # after this point restores meta.json by writing it (see _restore_meta).
+        _unlink_quietly(CLAIMED_META, dir_fd)
+        claim.kept = ""
+        os.fsync(dir_fd)
+        if self.records_ends():
+            owe_hooks(self.workspace, job_id)
         try:
+            move_job(self.workspace, job_id, PROCESSING, dest)
+        except FileExistsError:
+            self._name_taken(job_id, dir_fd, dest)
+
+    def _cannot_finish(self, job_id: str, claim: _Claim, err: OSError) -> bool:
+        """A finish failed with an I/O error (a full disk, most often): hand the job back as
+        it was claimed, its attempt uncounted. The files the finish wrote go first (that
+        frees the space the rest needs), then meta.json is put back (_restore_meta) with the
+        failed finish counted (``write_failures``; in memory too, where that cannot be
+        written): the claim after NRVNA_MAX_WRITE_TRIES of them fails the job with
+        write_error, unrun. Returns True when the job had moved on after all (the move
+        happened, an fsync after it failed): it ended, and nothing is undone."""
+        reason = _os_error(err)
+        dir_fd = claim.dir_fd
+        if not _same_entry(dir_fd, self._path(PROCESSING, job_id)):
+            log.error(f"{job_id} ended, but making its move durable failed: {reason}")
+            return True
+        failures = self._count_write_failure(job_id, claim.before, reason)
+        _clear_outputs(dir_fd, keep=(CLAIMED_META,))
+        if claim.cancel_dropped:  # the user's request stands: the next claim fails it unrun
             try:
-                if dest == OUTPUT:  # result.txt holds it all; a late cancel did not take effect
-                    # Unconditional: whether the Watcher wrote partial.txt depends on timing,
-                    # and a finish must make the same calls every time (crash-point tests).
-                    _unlink_quietly(PARTIAL_FILE, dir_fd)
-                    _unlink_quietly(CANCEL_FILE, dir_fd)
-                for name, data in files:
-                    write_file(dir_fd, name, data)
-                write_file(dir_fd, META_FILE, dump_meta(meta))
-                os.fsync(dir_fd)
-                if self.records_ends():
-                    owe_hooks(self.workspace, job.id)
-                try:
-                    move_job(self.workspace, job.id, PROCESSING, dest)
-                except FileExistsError:
-                    self._name_taken(job.id, dir_fd, dest)
-                return True
+                write_file(dir_fd, CANCEL_FILE, b"cancelled by nrvna cancel while its result was being written\n")
+            except OSError:
+                pass  # the disk is that full: the job runs again, and a new cancel stops it
+        meta = dict(claim.before, write_failures=failures, last_write_error=reason,
+                    events=claim.meta.get("events") or [])
+        record_event(meta, Status.Running, "requeued", "write_error")
+        self._restore_meta(job_id, claim, meta)
+        log.limited(f"finish:{err.errno}", f"cannot finish {job_id}: {reason}; handed it back to the queue "
+                    f"(failed finish {failures} of NRVNA_MAX_WRITE_TRIES={self.config.max_write_tries}; "
+                    "no attempt counted)")
+        self._hand_back(job_id)
+        return False
+
+    def _count_write_failure(self, job_id: str, before: dict[str, Any], reason: str) -> int:
+        """Count one more failed finish of ``job_id``, in memory; return the count so far."""
+        key = _write_key(job_id, before)
+        failures = max(_int_field(before, "write_failures"), self._write_failures.get(key, (0, ""))[0]) + 1
+        self._write_failures[key] = (failures, reason)
+        return failures
+
+    def _check_write_failures(self, job_id: str, before: dict[str, Any]) -> None:
+        """Raise write_error once NRVNA_MAX_WRITE_TRIES finishes of ``job_id`` have failed (as
+        meta.json says, or, where its count could not be written, this daemon remembers)."""
+        failures, reason = self._write_failures.get(_write_key(job_id, before), (0, ""))
+        if _int_field(before, "write_failures") >= failures:
+            failures, reason = _int_field(before, "write_failures"), str(before.get("last_write_error") or "")
+        if failures >= self.config.max_write_tries:
+            raise JobError("write_error", f"its result could not be written {failures} times "
+                           f"(NRVNA_MAX_WRITE_TRIES={self.config.max_write_tries}); the last error: "
+                           f"{reason or 'unknown'}; it is not retried again")
+
+    def _restore_meta(self, job_id: str, claim: _Claim, meta: Optional[dict[str, Any]] = None) -> None:
+        """Put meta.json back as the claim found it, so that a hand-back counts no attempt, or
+        as ``meta`` (that, with a count and the events of the attempt). First what needs no
+        free space: the claim's hard link is renamed back, or, where the job had no
+        meta.json, the claim's is removed. Then ``meta`` is written, or, where the
+        filesystem made no link, the claim's: on a full disk that may fail (the count then
+        lives on in memory only, and the events miss the attempt).
+
+        If neither works (an I/O error: a rename needs no space), meta.json keeps the
+        claim's count, one attempt too many, and the job goes back to the queue all the same:
+        an attempt too many can at worst fail it a death early (crash_ceiling), while a job
+        left in processing/ would wait for a recovery and count that attempt anyway."""
+        dir_fd, failure = claim.dir_fd, None
+        restored = False
+        try:
+            if claim.kept == "link":
+                os.rename(CLAIMED_META, META_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                restored = True
+            elif claim.kept == "none":  # it had no meta.json (as submitted)
+                restored = True
+                os.unlink(META_FILE, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass  # the claim failed before its meta.json
+        except OSError as err:
+            restored = False
+            failure = err
+        if claim.kept == "link":
+            _unlink_quietly(CLAIMED_META, dir_fd)  # a rename between two names of one file does nothing
+        claim.kept = ""
+        if meta is not None or not restored:
+            try:
+                write_file(dir_fd, META_FILE, dump_meta(claim.before if meta is None else meta))
+                restored = True
             except OSError as err:
-                log.error(f"cannot finish {job.id}: {_os_error(err)}; handing it back to the queue")
-                self._hand_back(job.id)
-                return False
-        finally:
-            os.close(dir_fd)
+                failure = failure if restored else err
+        try:
+            os.fsync(dir_fd)
+        except OSError as err:
+            restored, failure = False, err
+        if not restored and failure is not None:
+            log.limited(f"restore:{failure.errno}", f"cannot put {job_id}'s meta.json back as claimed "
+                        f"({_os_error(failure)}); it goes back to the queue, perhaps with its attempt counted")
+
+    def _hand_back(self, job_id: str) -> None:
+        """Put a job whose claim or finish hit an I/O error back in ready/ (as it was claimed:
+        see _cannot_finish and _restore_meta)."""
+        try:
+            move_job(self.workspace, job_id, PROCESSING, READY)
+        except OSError as err:
+            log.limited(f"hand back:{err.errno}", f"cannot hand {job_id} back ({_os_error(err)}); it stays in "
+                        "processing/ until a recovery requeues it (within 30 s)")
 
     def _name_taken(self, job_id: str, dir_fd: int, dest: str) -> None:
         """``dest/<id>`` already exists: never replace it, never lose this job either."""
@@ -9045,14 +9241,6 @@ class Processor:
                    f"there; result.txt is kept here\n".encode())
         os.fsync(dir_fd)
         move_job(self.workspace, job_id, PROCESSING, FAILED)
-
-    def _hand_back(self, job_id: str) -> None:
-        """Put a job whose claim or finish hit an I/O error back in ready/, untouched."""
-        try:
-            move_job(self.workspace, job_id, PROCESSING, READY)
-        except OSError as err:
-            log.error(f"cannot hand {job_id} back ({_os_error(err)}); it stays in processing/ "
-                      "until the next daemon start")
 
     def requeue(self, job: RunningJob) -> None:
         """Return an interrupted job to ready/ (shutdown), not counting the attempt."""
@@ -9182,7 +9370,7 @@ class Processor:
             # The killed attempt's temporaries and results go; its partial text stays
             # (what it generated before the deaths is the evidence).
             _clear_outputs(dir_fd, keep=(PARTIAL_FILE,))
-            job = self._hold(RunningJob(name, "", {}, threading.Event()), dir_fd, meta, path)
+            job = self._hold(RunningJob(name, "", {}, threading.Event()), _Claim(dir_fd, meta, path, dict(meta)))
             self.finish(job, Outcome(error_code="crash_ceiling", error=(
                 f"the daemon stopped {attempts} times while running this job "
                 f"(NRVNA_MAX_ATTEMPTS={self.config.max_attempts}); it is not retried again")))
@@ -9191,8 +9379,13 @@ class Processor:
         try:
             _clear_outputs(dir_fd)
             record_event(meta, Status.Running, "requeued", "crashed")
-            write_file(dir_fd, META_FILE, dump_meta(meta))
-            os.fsync(dir_fd)
+            try:
+                write_file(dir_fd, META_FILE, dump_meta(meta))
+                os.fsync(dir_fd)
+            except OSError as err:  # a full disk: only the event is lost (events read the move anyway);
+                # the attempt was counted durably by the claim. A start must not fail over it.
+                log.limited(f"recover:{err.errno}", f"cannot record {name}'s requeue in its meta.json "
+                            f"({_os_error(err)}); requeuing it all the same")
             move_job(self.workspace, name, PROCESSING, READY)
         finally:
             os.close(dir_fd)
@@ -10088,7 +10281,7 @@ class _Watcher:
             try:
                 self.round()
             except Exception as err:  # bookkeeping must never take the daemon down
-                log.error(f"watcher error: {err!r}")
+                log.limited(f"watcher:{type(err).__name__}", f"watcher error: {err!r}")
 
     def round(self) -> None:
         now = time.monotonic()
@@ -10531,7 +10724,7 @@ class Server:
                 self.pool.retry_later(job_id, 2.0)
                 continue
             except OSError as err:  # the claim rename failed: still in ready/, try again later
-                log.error(f"cannot claim {job_id}: {_os_error(err)}; retrying in 2 s")
+                log.limited(f"claim rename:{err.errno}", f"cannot claim {job_id}: {_os_error(err)}; retrying in 2 s")
                 self.pool.retry_later(job_id, 2.0)
                 continue
             if job is None:
