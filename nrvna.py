@@ -5979,30 +5979,135 @@ def daemon_info(workspace: str) -> list[dict[str, Any]]:
     return records
 
 
-def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[int] = None) -> list[int]:
-    """Send SIGTERM to every daemon of ``workspace`` (or only to the one with ``pid``) and
-    wait until each has let go (its in-flight jobs are back in the queue); return their pids.
-    Raise NoSuchJob when none runs (or none has that pid), NotFinished when one still runs
-    after ``timeout`` seconds."""
+_DAEMON_NAME = re.compile(r"([0-9]+)-[0-9]+")  # register_daemon's <pid>-<ns>
+
+
+def _holds_lock(pid: int, lock: os.stat_result) -> Optional[bool]:
+    """Whether process ``pid`` holds a flock on the file ``lock`` through a descriptor of its
+    own (Linux: /proc/<pid>/fd and fdinfo's lock lines); None where /proc cannot say."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    folder = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(folder)
+    except FileNotFoundError:
+        return False
+    for fd in fds:
+        try:
+            seen = os.stat(os.path.join(folder, fd))
+            if (seen.st_dev, seen.st_ino) != (lock.st_dev, lock.st_ino):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii", errors="replace") as handle:
+                if any(line.startswith("lock:") and " FLOCK " in line for line in handle):
+                    return True
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return False
+
+
+def _proven_daemon(workspace: str, record: dict[str, Any]) -> tuple[Optional[int], str]:
+    """``(pid, "")`` when ``record`` (from daemon_records) is proven a live daemon of
+    ``workspace``: its name is ``<pid>-<ns>``, its record and its lock file say that pid (an
+    int above 1), and that process holds the lock (on Linux, seen in /proc; elsewhere, the
+    process exists and the lock is held). Else ``(None, why)``: stop signals nothing on the
+    word of a file (a pid of -1 or 0 would signal every process, or the caller's group).
+    Raise NrvnaError when /proc shows the process but not its descriptors (another user's)."""
+    name = record.get("name")
+    match = _DAEMON_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None:
+        return None, "its name is not <pid>-<number>"
+    pid = record.get("pid")
+    if type(pid) is not int or pid <= 1 or pid != int(match.group(1)):
+        return None, f"its record's pid ({pid!r}) is not the pid its name starts with"
+    path = os.path.join(workspace, DAEMONS, f"{name}.lock")
+    try:
+        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+        try:
+            lock, written = os.fstat(fd), os.read(fd, 32)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        return None, f"its lock cannot be read: {_os_error(err)}"
+    if written.strip() != str(pid).encode():
+        return None, f"its lock file does not hold pid {pid}"
+    try:
+        held = _holds_lock(pid, lock)
+    except PermissionError:
+        raise NrvnaError(f"not allowed to signal the daemon (pid {pid}): its descriptors cannot be read") from None
+    if held is None:
+        held = _process_exists(pid) and daemon_alive(workspace, name)
+    return (pid, "") if held else (None, f"pid {pid} is not a live process holding it")
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_proven(workspace: str, record: dict[str, Any]) -> Optional[str]:
+    """SIGTERM the daemon of ``record`` once proven (see _proven_daemon); the reason it was
+    left alone, else None. Through a pidfd where there is one, taken before the proof: the
+    signal reaches the process that was proven or none, even if its pid was reused meanwhile."""
     import signal
 
-    records = [r for r in daemon_info(workspace) if pid is None or r.get("pid") == pid]
-    if not records:
-        raise NoSuchJob(f"no daemon with pid {pid} is running on {workspace}")
-    deadline = None if timeout is None else time.monotonic() + timeout
-    for record in records:
+    pidfd = -1
+    pid = record.get("pid")
+    if hasattr(os, "pidfd_open") and type(pid) is int and pid > 1:
         try:
-            os.kill(record["pid"], signal.SIGTERM)
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return f"no process has pid {pid}"
+        except OSError:
+            pidfd = -1  # pidfds unsupported here: os.kill below, after the proof
+    try:
+        pid, why = _proven_daemon(workspace, record)
+        if pid is None:
+            return why
+        try:
+            if pidfd >= 0:
+                signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+            else:
+                os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
         except PermissionError:
-            raise NrvnaError(f"not allowed to signal the daemon (pid {record['pid']})") from None
+            raise NrvnaError(f"not allowed to signal the daemon (pid {pid})") from None
+        return None
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[int] = None,
+                notes: Optional[list[str]] = None) -> list[int]:
+    """Send SIGTERM to every daemon of ``workspace`` (or only to the one with ``pid``) and
+    wait until each has let go (its in-flight jobs are back in the queue); return their pids.
+    Only a pid proven a live daemon of this workspace is signalled (_proven_daemon); each lock
+    in daemons/ that is held but not proven is left alone, one line for it in ``notes``.
+    Raise NoSuchJob when none runs (or none has that pid), NotFinished when one still runs
+    after ``timeout`` seconds."""
+    records = [r for r in daemon_info(workspace) if pid is None or r.get("pid") == pid]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    stopped = []
     for record in records:
+        why = _signal_proven(workspace, record)
+        if why is None:
+            stopped.append(record)
+        elif notes is not None:
+            notes.append(f"{DAEMONS}/{record.get('name')}.lock is held but left alone: {why}")
+    if not stopped:
+        raise NoSuchJob(f"no daemon{'' if pid is None else f' with pid {pid}'} is running on {workspace}")
+    for record in stopped:
         while daemon_alive(workspace, record["name"]):
             if deadline is not None and time.monotonic() > deadline:
                 raise NotFinished(f"the daemon (pid {record['pid']}) has not stopped after {timeout:g} s")
             time.sleep(0.05)
-    return [record["pid"] for record in records]
+    return [record["pid"] for record in stopped]
 
 
 ##############################################################################
@@ -10536,7 +10641,12 @@ def _cmd_clean(args: Any) -> int:
 
 
 def _cmd_stop(args: Any) -> int:
-    pids = stop_daemon(args.workspace, args.timeout, args.pid)
+    notes: list[str] = []
+    try:
+        pids = stop_daemon(args.workspace, args.timeout, args.pid, notes)
+    finally:
+        for note in notes:
+            _say(note)
     _say(f"daemon{'s' if len(pids) > 1 else ''} (pid {', '.join(map(str, pids))}) stopped")
     return EXIT_OK
 

@@ -2861,6 +2861,100 @@ def test_a_stale_daemon_json_does_not_make_a_daemon(ws: str, run_main: RunMain) 
     assert run_main("status", ws, "--daemon").returncode == 3 and run_main("stop", ws).returncode == 3
 
 
+# Run as PID 1 of a new PID namespace (test_stop_signals_only_a_proven_daemon): every process a
+# wrong signal could reach (kill(-1), kill(0), a foreign pid) is in here, and is watched.
+_STOP_IN_A_PID_NAMESPACE = r"""
+import json, os, subprocess, sys, time
+os.setsid()  # a process group is not confined by a PID namespace: kill(0) would reach the test's own
+script, ws = sys.argv[1], sys.argv[2]
+sys.path.insert(0, os.path.dirname(script))
+import nrvna
+nrvna.ensure_workspace(ws)
+folder = os.path.join(ws, nrvna.DAEMONS)
+os.makedirs(folder, exist_ok=True)
+HOLD = ("import fcntl, os, sys, time\n"
+        "for spec in sys.argv[1:]:\n"
+        "    path, text = spec.split('=', 1)\n"
+        "    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)\n"
+        "    fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "    os.write(fd, text.encode())\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n")
+DAEMON = ("import json, os, sys, time\n"
+          "sys.path.insert(0, os.path.dirname(sys.argv[1]))\n"
+          "import nrvna\n"
+          "fd, name = nrvna.register_daemon(sys.argv[2])\n"
+          "open(os.path.join(sys.argv[2], 'daemons', name + '.json'), 'w').write(json.dumps({'pid': os.getpid()}))\n"
+          "print('held', flush=True)\n"
+          "time.sleep(600)\n")
+victim = subprocess.Popen(["sleep", "600"])  # in the stop's process group, as is the holder
+gone = subprocess.Popen(["true"])
+gone.wait()
+cases = {  # name: (lock file, its text, daemons/<name>.json or None)
+    "pid -1": ("evil", "1\n", None),
+    "pid 0": ("0-1", "0\n", None),
+    "abc": (f"{victim.pid}-2", f"{victim.pid}\n", {"pid": "abc"}),
+    "missing pid": (f"{victim.pid}-3", f"{victim.pid}\n", {"models": []}),
+    "foreign pid": (f"{victim.pid}-4", f"{victim.pid}\n", {"pid": victim.pid}),
+    "stale pid": (f"{gone.pid}-5", f"{gone.pid}\n", {"pid": gone.pid}),
+}
+
+
+def plant(specs):
+    for name, _, record in specs:
+        if record is not None:
+            with open(os.path.join(folder, name + ".json"), "w") as handle:
+                json.dump(record, handle)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD] + [f"{os.path.join(folder, n)}.lock={t}" for n, t, _ in specs],
+                              stdout=subprocess.PIPE)
+    assert holder.stdout.readline() == b"held\n"
+    return holder
+
+
+def stop(*extra):
+    return subprocess.run([sys.executable, script, "stop", ws, "--timeout", "10", *extra], capture_output=True,
+                          timeout=60)
+
+
+results = {}
+for case, spec in cases.items():
+    holder = plant([spec])
+    done = stop()
+    results[case] = {"rc": done.returncode, "stderr": done.stderr.decode(), "lock": spec[0],
+                     "alive": victim.poll() is None and holder.poll() is None}
+    holder.kill()
+    holder.wait()
+    for entry in os.listdir(folder):
+        os.unlink(os.path.join(folder, entry))
+holder = plant(list(cases.values()))
+daemon = subprocess.Popen([sys.executable, "-c", DAEMON, script, ws], stdout=subprocess.PIPE)
+assert daemon.stdout.readline() == b"held\n"
+done = stop()
+results["beside a daemon"] = {"rc": done.returncode, "stderr": done.stderr.decode(), "daemon": daemon.wait(10),
+                              "alive": victim.poll() is None and holder.poll() is None}
+print(json.dumps(results))
+"""
+
+
+def test_stop_signals_only_a_proven_daemon(tmp_path: Path) -> None:
+    # A held lock in daemons/ whose name or record is not a daemon's must never be signalled:
+    # pid -1 is every process, 0 the caller's group. The stop runs in a PID namespace of its
+    # own, so a wrong signal reaches only the processes watched here.
+    assert shutil.which("unshare"), "unshare is needed to run stop where a wrong signal cannot escape"
+    harness = write(tmp_path / "harness.py", _STOP_IN_A_PID_NAMESPACE)
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
+                           sys.executable, harness, SCRIPT, str(tmp_path / "ws")], capture_output=True, timeout=300,
+                          start_new_session=True)
+    assert done.returncode == 0, done.stderr.decode()
+    results = json.loads(done.stdout)
+    beside = results.pop("beside a daemon")
+    for case, result in results.items():
+        assert result["alive"], f"{case}: a process that is no daemon was signalled"
+        assert result["rc"] == nrvna.EXIT_MISSING and "Traceback" not in result["stderr"], (case, result)
+        assert f"daemons/{result['lock']}.lock is held but left alone" in result["stderr"], (case, result)
+    assert beside["alive"] and beside["rc"] == 0 and beside["daemon"] == -signal.SIGTERM, beside
+    assert beside["stderr"].count("left alone") == len(results) and "stopped" in beside["stderr"], beside
+
 def test_cancel_and_stop_that_are_not_honoured_in_time_exit_4(ws: str) -> None:
     # cancel and stop as child processes, as before: in-process, the cancel can land within the
     # claim (seen as running, runner not yet started), where it fails the job unrun at once by
