@@ -6381,7 +6381,8 @@ def _strlen_callback(L: Any) -> Any:
 
 
 def check_gguf(path: str) -> None:
-    """Fail fast, before any queue work, unless ``path`` is a readable file starting GGUF."""
+    """Fail fast, before any queue work, unless ``path`` is a readable file starting GGUF
+    whose header (its metadata) is within bounds (see gguf_strings)."""
     if not os.path.exists(path):
         raise ModelError(f"model {path} does not exist")
     if os.path.isdir(path):
@@ -6395,53 +6396,130 @@ def check_gguf(path: str) -> None:
         raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
     if magic != b"GGUF":
         raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
+    gguf_strings(path)
 
 
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+# A GGUF header's bounds, past which nrvna refuses the file rather than walk it (a crafted
+# string array of 2^63 items took hours, 8 bytes at a time). Real models are far inside them:
+# tens of keys, and about a million strings in all (a 262k-token vocabulary, or 151k tokens
+# and as many merges); a string of a header is a key, a name or a chat template (kilobytes).
+GGUF_MAX_KEYS = 1 << 16
+GGUF_MAX_KEY_BYTES = 1 << 16  # the GGUF spec's own limit on a key
+GGUF_MAX_STRING_BYTES = 1 << 24
+GGUF_MAX_ARRAY_STRINGS = 1 << 22  # strings in the header's arrays, all together
+_gguf_headers: dict[tuple[int, int, int, int], dict[str, str]] = {}  # (dev, ino, size, mtime) -> strings
+
+
+class _GgufHeader:
+    """A GGUF header read within bounds: each count or length is checked against the bytes
+    left in the file and against the GGUF_MAX_* caps before anything is read or skipped, so
+    any file is read or refused in time proportional to what a real header holds."""
+
+    def __init__(self, handle: Any, path: str, size: int) -> None:
+        self.handle, self.path, self.size = handle, path, size
+        self.strings = 0  # array strings walked so far
+
+    def fail(self, field: str, what: str) -> ModelError:
+        return ModelError(f"model {self.path} has a GGUF header out of bounds: {field} {what}")
+
+    def unpack(self, fmt: str, field: str) -> int:
+        import struct
+
+        want = struct.calcsize(fmt)
+        data = self.handle.read(want)
+        if len(data) < want:
+            raise self.fail(field, f"is cut short: the file ends at byte {self.size:,}")
+        return struct.unpack(fmt, data)[0]
+
+    def count(self, field: str, unit: int, cap: int) -> int:
+        """A count (or length) of ``unit``-byte things, refused past ``cap`` or the file's end."""
+        number = self.unpack("<Q", field)
+        left = self.size - self.handle.tell()
+        if number > cap:
+            raise self.fail(field, f"says {number:,}, more than the {cap:,} nrvna reads")
+        if number * unit > left:
+            raise self.fail(field, f"says {number:,}, more than the {left:,} bytes left in the file could hold")
+        return number
+
+    def text(self, field: str, cap: int) -> str:
+        return self.handle.read(self.count(field, 1, cap)).decode("utf-8", "replace")
+
+    def skip_array(self, key: str) -> None:
+        item = self.unpack("<I", f"array {key!r}'s item type")
+        if item == _GGUF_STRING:
+            number = self.count(f"array {key!r}'s length", 8, GGUF_MAX_ARRAY_STRINGS - self.strings)
+            self.strings += number
+            self.skip_strings(key, number)
+        elif item in _GGUF_SCALARS:
+            self.handle.seek(_GGUF_SCALARS[item] * self.count(f"array {key!r}'s length", _GGUF_SCALARS[item],
+                                                               1 << 62), 1)
+        else:
+            raise self.fail(f"array {key!r}'s item type", f"is {item}, not one nrvna reads")
+
+    def skip_strings(self, key: str, number: int) -> None:
+        """Skip ``number`` strings, each length checked (the one loop over a vocabulary)."""
+        import struct
+
+        read, seek, unpack = self.handle.read, self.handle.seek, struct.Struct("<Q").unpack
+        at = self.handle.tell()
+        for index in range(number):
+            data = read(8)
+            length = unpack(data)[0] if len(data) == 8 else -1
+            at += 8 + length
+            if length < 0 or length > GGUF_MAX_STRING_BYTES or at > self.size:
+                raise self.fail(f"string {index} of array {key!r}", f"runs past the file's end (byte {self.size:,})"
+                                if length <= GGUF_MAX_STRING_BYTES else
+                                f"is {length:,} bytes, more than the {GGUF_MAX_STRING_BYTES:,} nrvna reads")
+            seek(length, 1)
+
+    def read(self) -> dict[str, str]:
+        """The header's string values (and a pooling type, the one number routing needs)."""
+        found: dict[str, str] = {}
+        if self.handle.read(4) != b"GGUF":
+            raise ModelError(f"model {self.path} is not a GGUF file (it does not start with 'GGUF')")
+        version = self.unpack("<I", "the version")
+        if version < 2:
+            raise self.fail("the version", f"is {version}; nrvna reads GGUF 2 and later")
+        self.unpack("<Q", "the tensor count")
+        for index in range(self.count("the metadata count", 13, GGUF_MAX_KEYS)):  # 13: the least a key takes
+            key = self.text(f"key {index}'s length", GGUF_MAX_KEY_BYTES)
+            kind = self.unpack("<I", f"{key!r}'s type")
+            if kind == _GGUF_STRING:
+                found[key] = self.text(f"{key!r}'s length", GGUF_MAX_STRING_BYTES)
+            elif kind == _GGUF_ARRAY:
+                self.skip_array(key)
+            elif kind in _GGUF_SCALARS:
+                value = self.handle.read(_GGUF_SCALARS[kind])
+                if len(value) < _GGUF_SCALARS[kind]:
+                    raise self.fail(f"{key!r}'s value", f"is cut short: the file ends at byte {self.size:,}")
+                if kind in (4, 5) and key.endswith(".pooling_type"):
+                    found[key] = str(int.from_bytes(value, "little"))
+            else:
+                raise self.fail(f"{key!r}'s type", f"is {kind}, not one nrvna reads")
+        return found
 
 
 def gguf_strings(path: str) -> dict[str, str]:
-    """A GGUF file's string-valued metadata, read from its header without loading the model
-    (the daemon routes jobs by a model's kind before it loads it). Empty if unreadable."""
-    import struct
-
-    found: dict[str, str] = {}
+    """A GGUF file's string-valued metadata (and its pooling type), read from its header
+    without loading the model (the daemon routes jobs by a model's kind before it loads it).
+    Raise ModelError, naming the file and the field, for a header past its bounds (a count
+    or a length beyond the file's end or a GGUF_MAX_* cap) or one cut short."""
     try:
         with open(path, "rb") as handle:
-            def unpack(fmt: str) -> Any:
-                data = handle.read(struct.calcsize(fmt))
-                if len(data) < struct.calcsize(fmt):
-                    raise EOFError
-                return struct.unpack(fmt, data)[0]
-
-            def text() -> bytes:
-                size = unpack("<Q")
-                data = handle.read(size) if size < 1 << 20 else b""
-                if len(data) != size:
-                    raise EOFError
-                return data
-
-            if handle.read(4) != b"GGUF" or unpack("<I") < 2:
-                return found
-            handle.seek(8, 1)  # tensor count
-            for _ in range(min(unpack("<Q"), 1 << 16)):
-                key, kind = text().decode("utf-8", "replace"), unpack("<I")
-                if kind == 8:
-                    found[key] = text().decode("utf-8", "replace")
-                elif kind == 9:
-                    item, count = unpack("<I"), unpack("<Q")
-                    if item == 8:
-                        for _ in range(count):
-                            handle.seek(unpack("<Q"), 1)
-                    else:
-                        handle.seek(_GGUF_SCALARS[item] * count, 1)
-                else:
-                    value = handle.read(_GGUF_SCALARS[kind])
-                    if kind in (4, 5) and key.endswith(".pooling_type"):  # the one number routing needs
-                        found[key] = str(int.from_bytes(value, "little"))
-    except (OSError, EOFError, KeyError):
-        pass
-    return found
+            info = os.fstat(handle.fileno())
+            key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+            if key in _gguf_headers:
+                return dict(_gguf_headers[key])
+            log.info(f"Reading the GGUF header of {path} ({info.st_size:,} bytes)")
+            found = _GgufHeader(handle, path, info.st_size).read()
+    except OSError as err:
+        raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
+    if len(_gguf_headers) >= 64:
+        _gguf_headers.clear()
+    _gguf_headers[key] = found
+    return dict(found)
 
 
 def gguf_kind(path: str) -> str:

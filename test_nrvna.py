@@ -975,6 +975,68 @@ def test_daemon_refuses_a_bad_model_before_touching_the_queue(ws: str, tmp_path:
     assert os.path.isdir(os.path.join(ws, nrvna.PROCESSING, job_id))  # untouched: not recovered
 
 
+def crafted_gguf(path: Path, entries: bytes, keys: int, size: int = 0) -> str:
+    """A GGUF header of ``keys`` metadata entries written as ``entries`` (crafted freely), the
+    file extended with a hole to ``size`` bytes: a sparse file costs no disk."""
+    with open(path, "wb") as handle:
+        handle.write(b"GGUF" + struct.pack("<IQQ", 3, 0, keys) + entries)
+        handle.truncate(max(size, handle.tell()))
+    return str(path)
+
+
+def gguf_text(value: str) -> bytes:
+    return struct.pack("<Q", len(value.encode())) + value.encode()
+
+
+def test_a_crafted_gguf_header_is_refused_naming_the_file_and_the_field(tmp_path: Path) -> None:
+    # Each count or length is checked against the file's size and a cap before anything is
+    # walked: a string array of 2^63 items in a file of 8 GiB of zeros (sparse) walked 8 bytes a
+    # time, for hours; a header cut short or of unknown types said nothing and passed.
+    arch = gguf_text("general.architecture") + struct.pack("<I", 8) + gguf_text("llama")
+    tokens = gguf_text("tokenizer.ggml.tokens") + struct.pack("<II", 9, 8)
+    cases = {
+        "array past the file": (arch + tokens + struct.pack("<Q", 1 << 20), 2, 0,
+                                "array 'tokenizer.ggml.tokens''s length says 1,048,576, more than the 0 bytes left"),
+        "string past the file": (arch + tokens + struct.pack("<QQ", 1, 1 << 40), 2, 1 << 20,
+                                 "string 0 of array 'tokenizer.ggml.tokens' is 1,099,511,627,776 bytes"),
+        "scalar array past the file": (arch + gguf_text("scores") + struct.pack("<IIQ", 9, 6, 1 << 61), 2, 1 << 30,
+                                       "array 'scores''s length says 2,305,843,009,213,693,952, more than the "),
+        "key count": (arch, 1 << 40, 8 << 30, "the metadata count says 1,099,511,627,776, more than the 65,536"),
+        "key length": (struct.pack("<Q", 1 << 62), 1, 8 << 30, "key 0's length says 4,611,686,018,427,387,904"),
+        "value length": (gguf_text("general.name") + struct.pack("<IQ", 8, 1 << 30), 1, 8 << 30,
+                         "'general.name''s length says 1,073,741,824, more than the 16,777,216 nrvna reads"),
+        "cut short": (arch + gguf_text("general.name") + struct.pack("<I", 8), 3, 0,
+                      "'general.name''s length is cut short"),
+        "unknown type": (arch + gguf_text("general.x") + struct.pack("<I", 99), 2, 0, "'general.x''s type is 99"),
+        "nested array": (arch + gguf_text("general.x") + struct.pack("<II", 9, 9), 2, 0,
+                         "array 'general.x''s item type is 9"),
+        "version 1": (b"", 0, 0, "the version is 1"),
+        "huge string array": (arch + tokens + struct.pack("<Q", 1 << 63), 2, 8 << 30,
+                              "array 'tokenizer.ggml.tokens''s length says 9,223,372,036,854,775,808, more than the "
+                              "4,194,304 nrvna reads"),
+    }
+    for name, (entries, keys, size, field) in cases.items():
+        path = crafted_gguf(tmp_path / f"{name}.gguf", entries, keys, size)
+        if name == "version 1":
+            with open(path, "r+b") as handle:
+                handle.seek(4)
+                handle.write(struct.pack("<I", 1))
+        for read in (nrvna.check_gguf, nrvna.gguf_kind):
+            with pytest.raises(nrvna.ModelError) as caught:
+                read(path)
+            assert str(caught.value).startswith(f"model {path} has a GGUF header out of bounds: {field}"), (name, caught)
+    # A daemon serving a folder with such a file beside a good one says what it reads, then
+    # refuses the file at once, naming it and the field.
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    fake_gguf(shelf / "good.gguf")
+    crafted = crafted_gguf(shelf / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 8 << 30)
+    done = cli("daemon", str(shelf), str(tmp_path / "ws"), "-w", "1", timeout=120)
+    err = done.stderr.decode()
+    assert done.returncode == 1 and "Traceback" not in err, err
+    assert f"Reading the GGUF header of {crafted}" in err and "'tokenizer.ggml.tokens''s length says" in err, err
+    assert nrvna.gguf_kind(str(shelf / "good.gguf")) == "chat"
+
 @pytest.mark.model
 @pytest.mark.parametrize("env", [{"NRVNA_WORKERS": "abc"}, {"NRVNA_WORKERS": "0"}, {"NRVNA_WORKERS": "-1"},
                                  {"NRVNA_WORKERS": "100000"}, {"NRVNA_TEMP": "warm"}, {"NRVNA_LOG_LEVEL": "x"}])
