@@ -1026,14 +1026,16 @@ def test_a_crafted_gguf_header_is_refused_naming_the_file_and_the_field(tmp_path
                 read(path)
             assert str(caught.value).startswith(f"model {path} has a GGUF header out of bounds: {field}"), (name, caught)
     # A daemon serving a folder with such a file beside a good one says what it reads, then
-    # refuses the file at once, naming it and the field.
+    # refuses the file at once, naming it and the field, before it touches the queue.
     shelf = tmp_path / "shelf"
     shelf.mkdir()
     fake_gguf(shelf / "good.gguf")
     crafted = crafted_gguf(shelf / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 8 << 30)
+    job_id = orphan(str(tmp_path / "ws"), "keep me", 1)
     done = cli("daemon", str(shelf), str(tmp_path / "ws"), "-w", "1", timeout=120)
     err = done.stderr.decode()
     assert done.returncode == 1 and "Traceback" not in err, err
+    assert os.path.isdir(os.path.join(tmp_path, "ws", nrvna.PROCESSING, job_id))  # untouched: not recovered
     assert f"Reading the GGUF header of {crafted}" in err and "'tokenizer.ggml.tokens''s length says" in err, err
     assert nrvna.gguf_kind(str(shelf / "good.gguf")) == "chat"
 
