@@ -254,6 +254,8 @@ SETTINGS: dict[str, _Setting] = {
     "model_turn": _Setting("NRVNA_MODEL_TURN", float, 60.0, 0.0, 86400.0, "seconds a model keeps the daemon while other models' jobs wait; then the longest-waiting model gets its turn (as soon as its running jobs end)",
                             flags=("--model-turn",)),
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
+    "mmap": _Setting("NRVNA_MMAP", int, 1, 0, 1, "1 maps model files into memory (loads fast, shares the page cache); 0 reads them into the daemon's memory, so that a model file overwritten in place (cp new.gguf model.gguf) cannot kill the daemon with SIGBUS",
+                      flags=("--mmap",)),
     "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs"),
     "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job (default of max_tokens)"),
     "temperature": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature, 0 = greedy (default of temperature)"),
@@ -6380,6 +6382,19 @@ def _strlen_callback(L: Any) -> Any:
         return None
 
 
+def _load_unmapped(L: Any, params: Any) -> None:
+    """Make ``params`` (llama_model_params) read the weights into memory of their own instead of
+    mapping the file. A mapped file truncated in place (cp over it) is SIGBUS at the next touch
+    of a page gone: the daemon dies (its jobs are recovered as after any crash); unmapped, the
+    weights are the daemon's, whatever happens to the file."""
+    fields = {name for name, _ in type(params)._fields_}
+    if "load_mode" in fields:  # llama.cpp's load modes (llama-cpp-python 0.3.36)
+        params.load_mode = L.LLAMA_LOAD_MODE_NONE
+        params.lazy_mode = L.LLAMA_LAZY_MODE_OFF  # lazy rows are read through the mapping
+    else:
+        params.use_mmap = False
+
+
 def check_gguf(path: str) -> None:
     """Fail fast, before any queue work, unless ``path`` is a readable file starting GGUF
     whose header (its metadata) is within bounds (see gguf_strings)."""
@@ -6695,6 +6710,8 @@ class LlamaRunner(Runner):
             params.split_mode = 0  # LLAMA_SPLIT_MODE_NONE
         if not config.repack:
             params.use_extra_bufts = False  # no AMX/repacked buffers (llama.cpp #20824)
+        if not config.mmap:
+            _load_unmapped(L, params)
         if cancel is not None:  # kept here while llama.cpp may call it: it holds only its address
             self._progress = L.llama_progress_callback(lambda progress, data: not cancel.is_set())
             params.progress_callback = self._progress

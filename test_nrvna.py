@@ -7268,6 +7268,63 @@ def test_sigkill_mid_generation_on_the_real_model_then_restart_finishes(ws: str,
     assert audit_clean(ws)
 
 
+def _overwrite_in_place_mid_job(ws: str, model: str, tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str, Path]:
+    """A daemon on a private copy of the model, its one job generating, when the copy is
+    truncated in place (as `cp new.gguf model.gguf` opens it with O_TRUNC before writing)."""
+    copy = tmp_path / "model.gguf"
+    shutil.copyfile(model, copy)  # a file of its own: never truncate the shared model (models/ holds links)
+    job_id = submit(ws, "Write a long story about a lighthouse.", max_tokens=300, ignore_eos=True, seed=7)
+    proc = start_daemon(str(copy), ws, "-w", "1", "-s", "1", env=env)
+    partial = os.path.join(ws, nrvna.PROCESSING, job_id, "partial.txt")
+    deadline = time.monotonic() + 120
+    while not (os.path.exists(partial) and os.path.getsize(partial)) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.02)
+    with open(copy, "wb"):
+        pass
+    assert Flow(ws).status(job_id) is Status.Running  # the truncation came mid-job
+    return proc, job_id, copy
+
+
+@pytest.mark.model
+def test_a_model_overwritten_in_place_kills_the_daemon_and_the_next_one_recovers_its_job(
+        ws: str, model: str, tmp_path: Path) -> None:
+    # Mapped (NRVNA_MMAP=1, the default), the weights' pages are gone with the file's bytes:
+    # the next token's touch is SIGBUS (docs/models.md says to replace a model with mv).
+    proc, job_id, copy = _overwrite_in_place_mid_job(ws, model, tmp_path, {"NRVNA_MMAP": "1"})
+    try:
+        died = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        died = proc.wait()
+    assert died in (-signal.SIGBUS, -signal.SIGKILL), died
+    shutil.copyfile(model, copy)  # the cp finishes: a good model again
+    restart = cli("daemon", str(copy), ws, "-w", "1", "-s", "1", "--drain", timeout=300)
+    assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr, restart.stderr[-2000:]
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Done and job.meta["generated_tokens"] == 300 and job.meta["attempts"] == 2
+    assert audit_clean(ws)
+
+
+@pytest.mark.model
+def test_with_mmap_off_a_model_overwritten_in_place_does_not_stop_the_daemon(ws: str, model: str,
+                                                                            tmp_path: Path) -> None:
+    proc, job_id, copy = _overwrite_in_place_mid_job(ws, model, tmp_path, {"NRVNA_MMAP": "0"})
+    try:
+        deadline = time.monotonic() + 120
+        while Flow(ws).status(job_id) is not Status.Done and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the daemon died ({proc.returncode}) when its model was overwritten"
+        job = Flow(ws).get(job_id)
+        assert job.meta["generated_tokens"] == 300 and job.meta["attempts"] == 1
+        assert os.path.getsize(copy) == 0 and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert audit_clean(ws)
+
 # ==============================================================================
 # Fault injection harness
 # ==============================================================================
