@@ -260,6 +260,8 @@ SETTINGS: dict[str, _Setting] = {
     "model_turn": _Setting("NRVNA_MODEL_TURN", float, 60.0, 0.0, 86400.0, "seconds a model keeps the daemon while other models' jobs wait; then the longest-waiting model gets its turn (as soon as its running jobs end)",
                             flags=("--model-turn",)),
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
+    "mmap": _Setting("NRVNA_MMAP", int, 1, 0, 1, "1 maps model files into memory (loads fast, shares the page cache); 0 reads them into the daemon's memory, so that a model file overwritten in place (cp new.gguf model.gguf) cannot kill the daemon with SIGBUS",
+                      flags=("--mmap",)),
     "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs"),
     "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job (default of max_tokens)"),
     "temperature": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature, 0 = greedy (default of temperature)"),
@@ -6205,30 +6207,135 @@ def daemon_info(workspace: str) -> list[dict[str, Any]]:
     return records
 
 
-def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[int] = None) -> list[int]:
-    """Send SIGTERM to every daemon of ``workspace`` (or only to the one with ``pid``) and
-    wait until each has let go (its in-flight jobs are back in the queue); return their pids.
-    Raise NoSuchJob when none runs (or none has that pid), NotFinished when one still runs
-    after ``timeout`` seconds."""
+_DAEMON_NAME = re.compile(r"([0-9]+)-[0-9]+")  # register_daemon's <pid>-<ns>
+
+
+def _holds_lock(pid: int, lock: os.stat_result) -> Optional[bool]:
+    """Whether process ``pid`` holds a flock on the file ``lock`` through a descriptor of its
+    own (Linux: /proc/<pid>/fd and fdinfo's lock lines); None where /proc cannot say."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    folder = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(folder)
+    except FileNotFoundError:
+        return False
+    for fd in fds:
+        try:
+            seen = os.stat(os.path.join(folder, fd))
+            if (seen.st_dev, seen.st_ino) != (lock.st_dev, lock.st_ino):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii", errors="replace") as handle:
+                if any(line.startswith("lock:") and " FLOCK " in line for line in handle):
+                    return True
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return False
+
+
+def _proven_daemon(workspace: str, record: dict[str, Any]) -> tuple[Optional[int], str]:
+    """``(pid, "")`` when ``record`` (from daemon_records) is proven a live daemon of
+    ``workspace``: its name is ``<pid>-<ns>``, its record and its lock file say that pid (an
+    int above 1), and that process holds the lock (on Linux, seen in /proc; elsewhere, the
+    process exists and the lock is held). Else ``(None, why)``: stop signals nothing on the
+    word of a file (a pid of -1 or 0 would signal every process, or the caller's group).
+    Raise NrvnaError when /proc shows the process but not its descriptors (another user's)."""
+    name = record.get("name")
+    match = _DAEMON_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None:
+        return None, "its name is not <pid>-<number>"
+    pid = record.get("pid")
+    if type(pid) is not int or pid <= 1 or pid != int(match.group(1)):
+        return None, f"its record's pid ({pid!r}) is not the pid its name starts with"
+    path = os.path.join(workspace, DAEMONS, f"{name}.lock")
+    try:
+        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+        try:
+            lock, written = os.fstat(fd), os.read(fd, 32)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        return None, f"its lock cannot be read: {_os_error(err)}"
+    if written.strip() != str(pid).encode():
+        return None, f"its lock file does not hold pid {pid}"
+    try:
+        held = _holds_lock(pid, lock)
+    except PermissionError:
+        raise NrvnaError(f"not allowed to signal the daemon (pid {pid}): its descriptors cannot be read") from None
+    if held is None:
+        held = _process_exists(pid) and daemon_alive(workspace, name)
+    return (pid, "") if held else (None, f"pid {pid} is not a live process holding it")
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_proven(workspace: str, record: dict[str, Any]) -> Optional[str]:
+    """SIGTERM the daemon of ``record`` once proven (see _proven_daemon); the reason it was
+    left alone, else None. Through a pidfd where there is one, taken before the proof: the
+    signal reaches the process that was proven or none, even if its pid was reused meanwhile."""
     import signal
 
-    records = [r for r in daemon_info(workspace) if pid is None or r.get("pid") == pid]
-    if not records:
-        raise NoSuchJob(f"no daemon with pid {pid} is running on {workspace}")
-    deadline = None if timeout is None else time.monotonic() + timeout
-    for record in records:
+    pidfd = -1
+    pid = record.get("pid")
+    if hasattr(os, "pidfd_open") and type(pid) is int and pid > 1:
         try:
-            os.kill(record["pid"], signal.SIGTERM)
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return f"no process has pid {pid}"
+        except OSError:
+            pidfd = -1  # pidfds unsupported here: os.kill below, after the proof
+    try:
+        pid, why = _proven_daemon(workspace, record)
+        if pid is None:
+            return why
+        try:
+            if pidfd >= 0:
+                signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+            else:
+                os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
         except PermissionError:
-            raise NrvnaError(f"not allowed to signal the daemon (pid {record['pid']})") from None
+            raise NrvnaError(f"not allowed to signal the daemon (pid {pid})") from None
+        return None
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[int] = None,
+                notes: Optional[list[str]] = None) -> list[int]:
+    """Send SIGTERM to every daemon of ``workspace`` (or only to the one with ``pid``) and
+    wait until each has let go (its in-flight jobs are back in the queue); return their pids.
+    Only a pid proven a live daemon of this workspace is signalled (_proven_daemon); each lock
+    in daemons/ that is held but not proven is left alone, one line for it in ``notes``.
+    Raise NoSuchJob when none runs (or none has that pid), NotFinished when one still runs
+    after ``timeout`` seconds."""
+    records = [r for r in daemon_info(workspace) if pid is None or r.get("pid") == pid]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    stopped = []
     for record in records:
+        why = _signal_proven(workspace, record)
+        if why is None:
+            stopped.append(record)
+        elif notes is not None:
+            notes.append(f"{DAEMONS}/{record.get('name')}.lock is held but left alone: {why}")
+    if not stopped:
+        raise NoSuchJob(f"no daemon{'' if pid is None else f' with pid {pid}'} is running on {workspace}")
+    for record in stopped:
         while daemon_alive(workspace, record["name"]):
             if deadline is not None and time.monotonic() > deadline:
                 raise NotFinished(f"the daemon (pid {record['pid']}) has not stopped after {timeout:g} s")
             time.sleep(0.05)
-    return [record["pid"] for record in records]
+    return [record["pid"] for record in stopped]
 
 
 ##############################################################################
@@ -6503,8 +6610,22 @@ def _strlen_callback(L: Any) -> Any:
         return None
 
 
+def _load_unmapped(L: Any, params: Any) -> None:
+    """Make ``params`` (llama_model_params) read the weights into memory of their own instead of
+    mapping the file. A mapped file truncated in place (cp over it) is SIGBUS at the next touch
+    of a page gone: the daemon dies (its jobs are recovered as after any crash); unmapped, the
+    weights are the daemon's, whatever happens to the file."""
+    fields = {name for name, _ in type(params)._fields_}
+    if "load_mode" in fields:  # llama.cpp's load modes (llama-cpp-python 0.3.36)
+        params.load_mode = L.LLAMA_LOAD_MODE_NONE
+        params.lazy_mode = L.LLAMA_LAZY_MODE_OFF  # lazy rows are read through the mapping
+    else:
+        params.use_mmap = False
+
+
 def check_gguf(path: str) -> None:
-    """Fail fast, before any queue work, unless ``path`` is a readable file starting GGUF."""
+    """Fail fast, before any queue work, unless ``path`` is a readable file starting GGUF
+    whose header (its metadata) is within bounds (see gguf_strings)."""
     if not os.path.exists(path):
         raise ModelError(f"model {path} does not exist")
     if os.path.isdir(path):
@@ -6523,53 +6644,130 @@ def check_gguf(path: str) -> None:
         raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
     if magic != b"GGUF":
         raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
+    gguf_strings(path)
 
 
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+# A GGUF header's bounds, past which nrvna refuses the file rather than walk it (a crafted
+# string array of 2^63 items took hours, 8 bytes at a time). Real models are far inside them:
+# tens of keys, and about a million strings in all (a 262k-token vocabulary, or 151k tokens
+# and as many merges); a string of a header is a key, a name or a chat template (kilobytes).
+GGUF_MAX_KEYS = 1 << 16
+GGUF_MAX_KEY_BYTES = 1 << 16  # the GGUF spec's own limit on a key
+GGUF_MAX_STRING_BYTES = 1 << 24
+GGUF_MAX_ARRAY_STRINGS = 1 << 22  # strings in the header's arrays, all together
+_gguf_headers: dict[tuple[int, int, int, int], dict[str, str]] = {}  # (dev, ino, size, mtime) -> strings
+
+
+class _GgufHeader:
+    """A GGUF header read within bounds: each count or length is checked against the bytes
+    left in the file and against the GGUF_MAX_* caps before anything is read or skipped, so
+    any file is read or refused in time proportional to what a real header holds."""
+
+    def __init__(self, handle: Any, path: str, size: int) -> None:
+        self.handle, self.path, self.size = handle, path, size
+        self.strings = 0  # array strings walked so far
+
+    def fail(self, field: str, what: str) -> ModelError:
+        return ModelError(f"model {self.path} has a GGUF header out of bounds: {field} {what}")
+
+    def unpack(self, fmt: str, field: str) -> int:
+        import struct
+
+        want = struct.calcsize(fmt)
+        data = self.handle.read(want)
+        if len(data) < want:
+            raise self.fail(field, f"is cut short: the file ends at byte {self.size:,}")
+        return struct.unpack(fmt, data)[0]
+
+    def count(self, field: str, unit: int, cap: int) -> int:
+        """A count (or length) of ``unit``-byte things, refused past ``cap`` or the file's end."""
+        number = self.unpack("<Q", field)
+        left = self.size - self.handle.tell()
+        if number > cap:
+            raise self.fail(field, f"says {number:,}, more than the {cap:,} nrvna reads")
+        if number * unit > left:
+            raise self.fail(field, f"says {number:,}, more than the {left:,} bytes left in the file could hold")
+        return number
+
+    def text(self, field: str, cap: int) -> str:
+        return self.handle.read(self.count(field, 1, cap)).decode("utf-8", "replace")
+
+    def skip_array(self, key: str) -> None:
+        item = self.unpack("<I", f"array {key!r}'s item type")
+        if item == _GGUF_STRING:
+            number = self.count(f"array {key!r}'s length", 8, GGUF_MAX_ARRAY_STRINGS - self.strings)
+            self.strings += number
+            self.skip_strings(key, number)
+        elif item in _GGUF_SCALARS:
+            self.handle.seek(_GGUF_SCALARS[item] * self.count(f"array {key!r}'s length", _GGUF_SCALARS[item],
+                                                               1 << 62), 1)
+        else:
+            raise self.fail(f"array {key!r}'s item type", f"is {item}, not one nrvna reads")
+
+    def skip_strings(self, key: str, number: int) -> None:
+        """Skip ``number`` strings, each length checked (the one loop over a vocabulary)."""
+        import struct
+
+        read, seek, unpack = self.handle.read, self.handle.seek, struct.Struct("<Q").unpack
+        at = self.handle.tell()
+        for index in range(number):
+            data = read(8)
+            length = unpack(data)[0] if len(data) == 8 else -1
+            at += 8 + length
+            if length < 0 or length > GGUF_MAX_STRING_BYTES or at > self.size:
+                raise self.fail(f"string {index} of array {key!r}", f"runs past the file's end (byte {self.size:,})"
+                                if length <= GGUF_MAX_STRING_BYTES else
+                                f"is {length:,} bytes, more than the {GGUF_MAX_STRING_BYTES:,} nrvna reads")
+            seek(length, 1)
+
+    def read(self) -> dict[str, str]:
+        """The header's string values (and a pooling type, the one number routing needs)."""
+        found: dict[str, str] = {}
+        if self.handle.read(4) != b"GGUF":
+            raise ModelError(f"model {self.path} is not a GGUF file (it does not start with 'GGUF')")
+        version = self.unpack("<I", "the version")
+        if version < 2:
+            raise self.fail("the version", f"is {version}; nrvna reads GGUF 2 and later")
+        self.unpack("<Q", "the tensor count")
+        for index in range(self.count("the metadata count", 13, GGUF_MAX_KEYS)):  # 13: the least a key takes
+            key = self.text(f"key {index}'s length", GGUF_MAX_KEY_BYTES)
+            kind = self.unpack("<I", f"{key!r}'s type")
+            if kind == _GGUF_STRING:
+                found[key] = self.text(f"{key!r}'s length", GGUF_MAX_STRING_BYTES)
+            elif kind == _GGUF_ARRAY:
+                self.skip_array(key)
+            elif kind in _GGUF_SCALARS:
+                value = self.handle.read(_GGUF_SCALARS[kind])
+                if len(value) < _GGUF_SCALARS[kind]:
+                    raise self.fail(f"{key!r}'s value", f"is cut short: the file ends at byte {self.size:,}")
+                if kind in (4, 5) and key.endswith(".pooling_type"):
+                    found[key] = str(int.from_bytes(value, "little"))
+            else:
+                raise self.fail(f"{key!r}'s type", f"is {kind}, not one nrvna reads")
+        return found
 
 
 def gguf_strings(path: str) -> dict[str, str]:
-    """A GGUF file's string-valued metadata, read from its header without loading the model
-    (the daemon routes jobs by a model's kind before it loads it). Empty if unreadable."""
-    import struct
-
-    found: dict[str, str] = {}
+    """A GGUF file's string-valued metadata (and its pooling type), read from its header
+    without loading the model (the daemon routes jobs by a model's kind before it loads it).
+    Raise ModelError, naming the file and the field, for a header past its bounds (a count
+    or a length beyond the file's end or a GGUF_MAX_* cap) or one cut short."""
     try:
         with open(path, "rb") as handle:
-            def unpack(fmt: str) -> Any:
-                data = handle.read(struct.calcsize(fmt))
-                if len(data) < struct.calcsize(fmt):
-                    raise EOFError
-                return struct.unpack(fmt, data)[0]
-
-            def text() -> bytes:
-                size = unpack("<Q")
-                data = handle.read(size) if size < 1 << 20 else b""
-                if len(data) != size:
-                    raise EOFError
-                return data
-
-            if handle.read(4) != b"GGUF" or unpack("<I") < 2:
-                return found
-            handle.seek(8, 1)  # tensor count
-            for _ in range(min(unpack("<Q"), 1 << 16)):
-                key, kind = text().decode("utf-8", "replace"), unpack("<I")
-                if kind == 8:
-                    found[key] = text().decode("utf-8", "replace")
-                elif kind == 9:
-                    item, count = unpack("<I"), unpack("<Q")
-                    if item == 8:
-                        for _ in range(count):
-                            handle.seek(unpack("<Q"), 1)
-                    else:
-                        handle.seek(_GGUF_SCALARS[item] * count, 1)
-                else:
-                    value = handle.read(_GGUF_SCALARS[kind])
-                    if kind in (4, 5) and key.endswith(".pooling_type"):  # the one number routing needs
-                        found[key] = str(int.from_bytes(value, "little"))
-    except (OSError, EOFError, KeyError):
-        pass
-    return found
+            info = os.fstat(handle.fileno())
+            key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+            if key in _gguf_headers:
+                return dict(_gguf_headers[key])
+            log.info(f"Reading the GGUF header of {path} ({info.st_size:,} bytes)")
+            found = _GgufHeader(handle, path, info.st_size).read()
+    except OSError as err:
+        raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
+    if len(_gguf_headers) >= 64:
+        _gguf_headers.clear()
+    _gguf_headers[key] = found
+    return dict(found)
 
 
 def gguf_kind(path: str) -> str:
@@ -6772,6 +6970,8 @@ class LlamaRunner(Runner):
             params.split_mode = 0  # LLAMA_SPLIT_MODE_NONE
         if not config.repack:
             params.use_extra_bufts = False  # no AMX/repacked buffers (llama.cpp #20824)
+        if not config.mmap:
+            _load_unmapped(L, params)
         if cancel is not None:  # kept here while llama.cpp may call it: it holds only its address
             self._progress = L.llama_progress_callback(lambda progress, data: not cancel.is_set())
             params.progress_callback = self._progress
@@ -11345,7 +11545,12 @@ def _cmd_clean(args: Any) -> int:
 
 
 def _cmd_stop(args: Any) -> int:
-    pids = stop_daemon(args.workspace, args.timeout, args.pid)
+    notes: list[str] = []
+    try:
+        pids = stop_daemon(args.workspace, args.timeout, args.pid, notes)
+    finally:
+        for note in notes:
+            _say(note)
     _say(f"daemon{'s' if len(pids) > 1 else ''} (pid {', '.join(map(str, pids))}) stopped")
     return EXIT_OK
 

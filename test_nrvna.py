@@ -1152,6 +1152,70 @@ def test_daemon_refuses_a_bad_model_before_touching_the_queue(ws: str, tmp_path:
     assert os.path.isdir(os.path.join(ws, nrvna.PROCESSING, job_id))  # untouched: not recovered
 
 
+def crafted_gguf(path: Path, entries: bytes, keys: int, size: int = 0) -> str:
+    """A GGUF header of ``keys`` metadata entries written as ``entries`` (crafted freely), the
+    file extended with a hole to ``size`` bytes: a sparse file costs no disk."""
+    with open(path, "wb") as handle:
+        handle.write(b"GGUF" + struct.pack("<IQQ", 3, 0, keys) + entries)
+        handle.truncate(max(size, handle.tell()))
+    return str(path)
+
+
+def gguf_text(value: str) -> bytes:
+    return struct.pack("<Q", len(value.encode())) + value.encode()
+
+
+def test_a_crafted_gguf_header_is_refused_naming_the_file_and_the_field(tmp_path: Path) -> None:
+    # Each count or length is checked against the file's size and a cap before anything is
+    # walked: a string array of 2^63 items in a file of 8 GiB of zeros (sparse) walked 8 bytes a
+    # time, for hours; a header cut short or of unknown types said nothing and passed.
+    arch = gguf_text("general.architecture") + struct.pack("<I", 8) + gguf_text("llama")
+    tokens = gguf_text("tokenizer.ggml.tokens") + struct.pack("<II", 9, 8)
+    cases = {
+        "array past the file": (arch + tokens + struct.pack("<Q", 1 << 20), 2, 0,
+                                "array 'tokenizer.ggml.tokens''s length says 1,048,576, more than the 0 bytes left"),
+        "string past the file": (arch + tokens + struct.pack("<QQ", 1, 1 << 40), 2, 1 << 20,
+                                 "string 0 of array 'tokenizer.ggml.tokens' is 1,099,511,627,776 bytes"),
+        "scalar array past the file": (arch + gguf_text("scores") + struct.pack("<IIQ", 9, 6, 1 << 61), 2, 1 << 30,
+                                       "array 'scores''s length says 2,305,843,009,213,693,952, more than the "),
+        "key count": (arch, 1 << 40, 8 << 30, "the metadata count says 1,099,511,627,776, more than the 65,536"),
+        "key length": (struct.pack("<Q", 1 << 62), 1, 8 << 30, "key 0's length says 4,611,686,018,427,387,904"),
+        "value length": (gguf_text("general.name") + struct.pack("<IQ", 8, 1 << 30), 1, 8 << 30,
+                         "'general.name''s length says 1,073,741,824, more than the 16,777,216 nrvna reads"),
+        "cut short": (arch + gguf_text("general.name") + struct.pack("<I", 8), 3, 0,
+                      "'general.name''s length is cut short"),
+        "unknown type": (arch + gguf_text("general.x") + struct.pack("<I", 99), 2, 0, "'general.x''s type is 99"),
+        "nested array": (arch + gguf_text("general.x") + struct.pack("<II", 9, 9), 2, 0,
+                         "array 'general.x''s item type is 9"),
+        "version 1": (b"", 0, 0, "the version is 1"),
+        "huge string array": (arch + tokens + struct.pack("<Q", 1 << 63), 2, 8 << 30,
+                              "array 'tokenizer.ggml.tokens''s length says 9,223,372,036,854,775,808, more than the "
+                              "4,194,304 nrvna reads"),
+    }
+    for name, (entries, keys, size, field) in cases.items():
+        path = crafted_gguf(tmp_path / f"{name}.gguf", entries, keys, size)
+        if name == "version 1":
+            with open(path, "r+b") as handle:
+                handle.seek(4)
+                handle.write(struct.pack("<I", 1))
+        for read in (nrvna.check_gguf, nrvna.gguf_kind):
+            with pytest.raises(nrvna.ModelError) as caught:
+                read(path)
+            assert str(caught.value).startswith(f"model {path} has a GGUF header out of bounds: {field}"), (name, caught)
+    # A daemon serving a folder with such a file beside a good one says what it reads, then
+    # refuses the file at once, naming it and the field, before it touches the queue.
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    fake_gguf(shelf / "good.gguf")
+    crafted = crafted_gguf(shelf / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 8 << 30)
+    job_id = orphan(str(tmp_path / "ws"), "keep me", 1)
+    done = cli("daemon", str(shelf), str(tmp_path / "ws"), "-w", "1", timeout=120)
+    err = done.stderr.decode()
+    assert done.returncode == 1 and "Traceback" not in err, err
+    assert os.path.isdir(os.path.join(tmp_path, "ws", nrvna.PROCESSING, job_id))  # untouched: not recovered
+    assert f"Reading the GGUF header of {crafted}" in err and "'tokenizer.ggml.tokens''s length says" in err, err
+    assert nrvna.gguf_kind(str(shelf / "good.gguf")) == "chat"
+
 @pytest.mark.model
 @pytest.mark.parametrize("env", [{"NRVNA_WORKERS": "abc"}, {"NRVNA_WORKERS": "0"}, {"NRVNA_WORKERS": "-1"},
                                  {"NRVNA_WORKERS": "100000"}, {"NRVNA_TEMP": "warm"}, {"NRVNA_LOG_LEVEL": "x"}])
@@ -3395,6 +3459,100 @@ def test_a_stale_daemon_json_does_not_make_a_daemon(ws: str, run_main: RunMain) 
     write(os.path.join(ws, nrvna.DAEMONS, f"{os.getpid()}-1.lock"), f"{os.getpid()}\n")
     assert run_main("status", ws, "--daemon").returncode == 3 and run_main("stop", ws).returncode == 3
 
+
+# Run as PID 1 of a new PID namespace (test_stop_signals_only_a_proven_daemon): every process a
+# wrong signal could reach (kill(-1), kill(0), a foreign pid) is in here, and is watched.
+_STOP_IN_A_PID_NAMESPACE = r"""
+import json, os, subprocess, sys, time
+os.setsid()  # a process group is not confined by a PID namespace: kill(0) would reach the test's own
+script, ws = sys.argv[1], sys.argv[2]
+sys.path.insert(0, os.path.dirname(script))
+import nrvna
+nrvna.ensure_workspace(ws)
+folder = os.path.join(ws, nrvna.DAEMONS)
+os.makedirs(folder, exist_ok=True)
+HOLD = ("import fcntl, os, sys, time\n"
+        "for spec in sys.argv[1:]:\n"
+        "    path, text = spec.split('=', 1)\n"
+        "    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)\n"
+        "    fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "    os.write(fd, text.encode())\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n")
+DAEMON = ("import json, os, sys, time\n"
+          "sys.path.insert(0, os.path.dirname(sys.argv[1]))\n"
+          "import nrvna\n"
+          "fd, name = nrvna.register_daemon(sys.argv[2])\n"
+          "open(os.path.join(sys.argv[2], 'daemons', name + '.json'), 'w').write(json.dumps({'pid': os.getpid()}))\n"
+          "print('held', flush=True)\n"
+          "time.sleep(600)\n")
+victim = subprocess.Popen(["sleep", "600"])  # in the stop's process group, as is the holder
+gone = subprocess.Popen(["true"])
+gone.wait()
+cases = {  # name: (lock file, its text, daemons/<name>.json or None)
+    "pid -1": ("evil", "1\n", None),
+    "pid 0": ("0-1", "0\n", None),
+    "abc": (f"{victim.pid}-2", f"{victim.pid}\n", {"pid": "abc"}),
+    "missing pid": (f"{victim.pid}-3", f"{victim.pid}\n", {"models": []}),
+    "foreign pid": (f"{victim.pid}-4", f"{victim.pid}\n", {"pid": victim.pid}),
+    "stale pid": (f"{gone.pid}-5", f"{gone.pid}\n", {"pid": gone.pid}),
+}
+
+
+def plant(specs):
+    for name, _, record in specs:
+        if record is not None:
+            with open(os.path.join(folder, name + ".json"), "w") as handle:
+                json.dump(record, handle)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD] + [f"{os.path.join(folder, n)}.lock={t}" for n, t, _ in specs],
+                              stdout=subprocess.PIPE)
+    assert holder.stdout.readline() == b"held\n"
+    return holder
+
+
+def stop(*extra):
+    return subprocess.run([sys.executable, script, "stop", ws, "--timeout", "10", *extra], capture_output=True,
+                          timeout=60)
+
+
+results = {}
+for case, spec in cases.items():
+    holder = plant([spec])
+    done = stop()
+    results[case] = {"rc": done.returncode, "stderr": done.stderr.decode(), "lock": spec[0],
+                     "alive": victim.poll() is None and holder.poll() is None}
+    holder.kill()
+    holder.wait()
+    for entry in os.listdir(folder):
+        os.unlink(os.path.join(folder, entry))
+holder = plant(list(cases.values()))
+daemon = subprocess.Popen([sys.executable, "-c", DAEMON, script, ws], stdout=subprocess.PIPE)
+assert daemon.stdout.readline() == b"held\n"
+done = stop()
+results["beside a daemon"] = {"rc": done.returncode, "stderr": done.stderr.decode(), "daemon": daemon.wait(10),
+                              "alive": victim.poll() is None and holder.poll() is None}
+print(json.dumps(results))
+"""
+
+
+def test_stop_signals_only_a_proven_daemon(tmp_path: Path) -> None:
+    # A held lock in daemons/ whose name or record is not a daemon's must never be signalled:
+    # pid -1 is every process, 0 the caller's group. The stop runs in a PID namespace of its
+    # own, so a wrong signal reaches only the processes watched here.
+    assert shutil.which("unshare"), "unshare is needed to run stop where a wrong signal cannot escape"
+    harness = write(tmp_path / "harness.py", _STOP_IN_A_PID_NAMESPACE)
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
+                           sys.executable, harness, SCRIPT, str(tmp_path / "ws")], capture_output=True, timeout=300,
+                          start_new_session=True)
+    assert done.returncode == 0, done.stderr.decode()
+    results = json.loads(done.stdout)
+    beside = results.pop("beside a daemon")
+    for case, result in results.items():
+        assert result["alive"], f"{case}: a process that is no daemon was signalled"
+        assert result["rc"] == nrvna.EXIT_MISSING and "Traceback" not in result["stderr"], (case, result)
+        assert f"daemons/{result['lock']}.lock is held but left alone" in result["stderr"], (case, result)
+    assert beside["alive"] and beside["rc"] == 0 and beside["daemon"] == -signal.SIGTERM, beside
+    assert beside["stderr"].count("left alone") == len(results) and "stopped" in beside["stderr"], beside
 
 def test_cancel_and_stop_that_are_not_honoured_in_time_exit_4(ws: str) -> None:
     # cancel and stop as child processes, as before: in-process, the cancel can land within the
@@ -7930,6 +8088,63 @@ def test_sigkill_mid_generation_on_the_real_model_then_restart_finishes(ws: str,
     assert sorted(j.meta["attempts"] for j in jobs) == [1, 2, 2]
     assert audit_clean(ws)
 
+
+def _overwrite_in_place_mid_job(ws: str, model: str, tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str, Path]:
+    """A daemon on a private copy of the model, its one job generating, when the copy is
+    truncated in place (as `cp new.gguf model.gguf` opens it with O_TRUNC before writing)."""
+    copy = tmp_path / "model.gguf"
+    shutil.copyfile(model, copy)  # a file of its own: never truncate the shared model (models/ holds links)
+    job_id = submit(ws, "Write a long story about a lighthouse.", max_tokens=300, ignore_eos=True, seed=7)
+    proc = start_daemon(str(copy), ws, "-w", "1", "-s", "1", env=env)
+    partial = os.path.join(ws, nrvna.PROCESSING, job_id, "partial.txt")
+    deadline = time.monotonic() + 120
+    while not (os.path.exists(partial) and os.path.getsize(partial)) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.02)
+    with open(copy, "wb"):
+        pass
+    assert Flow(ws).status(job_id) is Status.Running  # the truncation came mid-job
+    return proc, job_id, copy
+
+
+@pytest.mark.model
+def test_a_model_overwritten_in_place_kills_the_daemon_and_the_next_one_recovers_its_job(
+        ws: str, model: str, tmp_path: Path) -> None:
+    # Mapped (NRVNA_MMAP=1, the default), the weights' pages are gone with the file's bytes:
+    # the next token's touch is SIGBUS (docs/models.md says to replace a model with mv).
+    proc, job_id, copy = _overwrite_in_place_mid_job(ws, model, tmp_path, {"NRVNA_MMAP": "1"})
+    try:
+        died = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        died = proc.wait()
+    assert died in (-signal.SIGBUS, -signal.SIGKILL), died
+    shutil.copyfile(model, copy)  # the cp finishes: a good model again
+    restart = cli("daemon", str(copy), ws, "-w", "1", "-s", "1", "--drain", timeout=300)
+    assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr, restart.stderr[-2000:]
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Done and job.meta["generated_tokens"] == 300 and job.meta["attempts"] == 2
+    assert audit_clean(ws)
+
+
+@pytest.mark.model
+def test_with_mmap_off_a_model_overwritten_in_place_does_not_stop_the_daemon(ws: str, model: str,
+                                                                            tmp_path: Path) -> None:
+    proc, job_id, copy = _overwrite_in_place_mid_job(ws, model, tmp_path, {"NRVNA_MMAP": "0"})
+    try:
+        deadline = time.monotonic() + 120
+        while Flow(ws).status(job_id) is not Status.Done and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the daemon died ({proc.returncode}) when its model was overwritten"
+        job = Flow(ws).get(job_id)
+        assert job.meta["generated_tokens"] == 300 and job.meta["attempts"] == 1
+        assert os.path.getsize(copy) == 0 and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert audit_clean(ws)
 
 # ==============================================================================
 # Fault injection harness
