@@ -129,8 +129,9 @@ FAILURE_CODES = {
     "load_failed": "the model it names (or its kind's) could not be loaded `NRVNA_MAX_LOAD_FAILURES` times by the "
                    "daemon serving it: the error names the file and llama.cpp's reason (`nrvna retry` queues it "
                    "again once the file is fixed)",
-    "write_error": "its result could not be written `NRVNA_MAX_WRITE_TRIES` times (a full disk, an I/O error): the "
-                   "message names the last error; each failed finish handed it back to the queue unchanged",
+    "write_error": "its result could not be written `NRVNA_MAX_WRITE_TRIES` times (an I/O error, a file size "
+                   "limit, a result larger than the whole filesystem; a full disk is waited out, never counted): "
+                   "the message names the last error; each failed finish handed it back to the queue unchanged",
     "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "
                    "apart)",
     "runner_error": "the runner raised an unexpected exception (the message names it); the worker lives on",
@@ -271,7 +272,7 @@ SETTINGS: dict[str, _Setting] = {
     "repeat_penalty": _Setting("NRVNA_REPEAT_PENALTY", float, 1.1, 0.0, 100.0, "repetition penalty, 1 = off (default of repeat_penalty)"),
     "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE, "sampling seed; 0 = random, anything else reproducible (default of seed)"),
     "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
-    "max_write_tries": _Setting("NRVNA_MAX_WRITE_TRIES", int, 3, 1, 1000, "finishes of a job that may fail to be written (a full disk, an I/O error) before it fails with `write_error`; each such finish hands the job back to the queue, uncounted as an attempt, and it is generated again 2 s later"),
+    "max_write_tries": _Setting("NRVNA_MAX_WRITE_TRIES", int, 3, 1, 1000, "finishes of a job that may fail to be written (an I/O error, a file size limit, a result larger than the whole filesystem) before it fails with `write_error`; each such finish hands the job back to the queue, uncounted as an attempt, and it is generated again 1 s later. A full disk counts none: its jobs wait, uncounted and not generated again, until there is room"),
     "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
     "max_batch_lines": _Setting("NRVNA_MAX_BATCH_LINES", int, 1_000_000, 1, 1 << 31, "most lines a batch file (submit --file) may hold: it is held whole while checked, about 0.8 KB a line"),
     "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0, "seconds a submit waits for another live submit that holds its idempotency key to publish its job (then exit 4, nothing queued)"),
@@ -9031,6 +9032,20 @@ def _write_key(job_id: str, before: Mapping[str, Any]) -> tuple[str, int]:
     return job_id, _int_field(before, "retries")
 
 
+# Bytes counted per file on top of its data when a finish's need for room is reckoned: a
+# block (and a directory entry) each; a result is not generated again until that much is free.
+ROOM_SLACK = 4096
+
+
+def _disk_size(path: str) -> int:
+    """The size of the filesystem holding ``path``, in bytes (unknown: as large as any result)."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return sys.maxsize
+    return fs.f_blocks * fs.f_frsize
+
+
 def _link_claimed_meta(dir_fd: int) -> str:
     """Keep meta.json as the claim finds it under CLAIMED_META (a hard link: no space
     needed): "link"; "none" where the job has no meta.json yet (a hand-back removes the
@@ -9094,6 +9109,9 @@ class Processor:
         # Failed finishes (count, last error) by job (see _write_key): meta.json holds them
         # too, but on a full disk it may not take them.
         self._write_failures: dict[tuple[str, int], tuple[int, str]] = {}
+        # Jobs handed back because the disk was full, with the bytes their finish needed: not
+        # claimed (not generated again) until the filesystem has that much free (_has_room).
+        self._room_needed: dict[str, int] = {}
 
     def _path(self, sub: str, name: str = "") -> str:
         return job_path(self.workspace, sub, name)
@@ -9110,6 +9128,14 @@ class Processor:
         rename until it has moved on; None if someone else took it or it was malformed (then
         it is already in failed/). Raises _HandBack on an I/O error, _Busy while another
         claimer or a requeue holds it. ``model``: the model meta.json records."""
+        needed = self._room_needed.get(job_id)
+        if needed is not None:
+            if not self._has_room(needed):
+                log.limited("room", f"the disk holding {self.workspace} is full: jobs wait in input/ready/ until "
+                            f"there is room for their results ({job_id} needs {needed:,} bytes); none is generated "
+                            "again before that, and no attempt or write failure is counted", level="warning")
+                raise _HandBack(job_id)
+            del self._room_needed[job_id]
         ready = self._path(READY, job_id)
         try:
             dir_fd = hold_job(ready)
@@ -9272,7 +9298,9 @@ class Processor:
             try:
                 self._publish(job.id, claim, meta, files, dest)
             except OSError as err:
-                return self._cannot_finish(job.id, claim, err)
+                # What the finish writes, each file rounded up to a block, meta.json included.
+                needed = sum(len(data) for _, data in files) + ROOM_SLACK * (len(files) + 2)
+                return self._cannot_finish(job.id, claim, err, needed)
             self._write_failures.pop(_write_key(job.id, claim.before), None)
             return True
         finally:
@@ -9331,11 +9359,15 @@ class Processor:
         except FileExistsError:
             self._name_taken(job_id, dir_fd, dest)
 
-    def _cannot_finish(self, job_id: str, claim: _Claim, err: OSError) -> bool:
-        """A finish failed with an I/O error (a full disk, most often): hand the job back as
-        it was claimed, its attempt uncounted. The files the finish wrote go first (that
-        frees the space the rest needs), then meta.json is put back (_restore_meta) with the
-        failed finish counted (``write_failures``; in memory too, where that cannot be
+    def _cannot_finish(self, job_id: str, claim: _Claim, err: OSError, needed: int) -> bool:
+        """A finish that needed ``needed`` bytes failed with an I/O error: hand the job back
+        as it was claimed, its attempt uncounted. The files the finish wrote go first (that
+        frees the space the rest needs), then meta.json is put back (_restore_meta).
+
+        A full disk (ENOSPC, for a result that fits the filesystem at all) fails no job: the
+        job waits in ready/, not generated again until there is room for it (_has_room). Any
+        other failure (EIO, EFBIG past a file size limit, EDQUOT, a result larger than the
+        whole filesystem) is counted (``write_failures``; in memory too, where that cannot be
         written): the claim after NRVNA_MAX_WRITE_TRIES of them fails the job with
         write_error, unrun. Returns True when the job had moved on after all (the move
         happened, an fsync after it failed): it ended, and nothing is undone."""
@@ -9344,13 +9376,11 @@ class Processor:
         if not _same_entry(dir_fd, self._path(PROCESSING, job_id)):
             log.error(f"{job_id} ended, but making its move durable failed: {reason}")
             return True
-        failures = self._count_write_failure(job_id, claim.before, reason)
         _clear_outputs(dir_fd, keep=(CLAIMED_META,))
-        if claim.cancel_dropped:  # the user's request stands: the next claim fails it unrun
-            try:
-                write_file(dir_fd, CANCEL_FILE, b"cancelled by nrvna cancel while its result was being written\n")
-            except OSError:
-                pass  # the disk is that full: the job runs again, and a new cancel stops it
+        if err.errno == errno.ENOSPC and needed <= _disk_size(self.workspace):
+            return self._wait_for_room(job_id, claim, reason, needed)
+        failures = self._count_write_failure(job_id, claim.before, reason)
+        self._put_back_cancel(claim)
         meta = dict(claim.before, write_failures=failures, last_write_error=reason,
                     events=claim.meta.get("events") or [])
         record_event(meta, Status.Running, "requeued", "write_error")
@@ -9360,6 +9390,37 @@ class Processor:
                     "no attempt counted)")
         self._hand_back(job_id)
         return False
+
+    def _wait_for_room(self, job_id: str, claim: _Claim, reason: str, needed: int) -> bool:
+        """Hand back a job whose result did not fit a full disk, uncounted: it is claimed again
+        once the filesystem has ``needed`` bytes free (in this daemon's memory; another daemon
+        that claims it meanwhile learns the same by one failed finish)."""
+        self._room_needed[job_id] = needed
+        self._put_back_cancel(claim)
+        meta = dict(claim.before, events=claim.meta.get("events") or [])
+        record_event(meta, Status.Running, "requeued", "no_space")
+        self._restore_meta(job_id, claim, meta)
+        log.limited("finish:no space", f"cannot finish {job_id}: {reason}; handed it back to the queue, where it "
+                    f"waits for {needed:,} bytes of room (no attempt and no write failure counted)")
+        self._hand_back(job_id)
+        return False
+
+    @staticmethod
+    def _put_back_cancel(claim: _Claim) -> None:
+        """A cancel request the failed finish removed stands: the next claim fails the job unrun."""
+        if claim.cancel_dropped:
+            try:
+                write_file(claim.dir_fd, CANCEL_FILE, b"cancelled by nrvna cancel while its result was being written\n")
+            except OSError:
+                pass  # the disk is that full: the job runs again, and a new cancel stops it
+
+    def _has_room(self, needed: int) -> bool:
+        """Whether the workspace's filesystem has ``needed`` bytes and a few inodes free."""
+        try:
+            fs = os.statvfs(self.workspace)
+        except OSError:
+            return True  # unknown: try, as before
+        return fs.f_bavail * fs.f_frsize >= needed and (fs.f_files == 0 or fs.f_favail >= 16)
 
     def _count_write_failure(self, job_id: str, before: dict[str, Any], reason: str) -> int:
         """Count one more failed finish of ``job_id``, in memory; return the count so far."""

@@ -927,15 +927,17 @@ def test_an_io_error_while_finishing_hands_the_job_back(ws: str, monkeypatch: py
 
 def test_a_hand_back_leaves_the_job_as_claimed_and_counts_no_attempt(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A finish that fails after writing result.txt and logprobs.json (meta.json does not
-    fit): the job goes back to ready/ as it was claimed, with no attempt counted and the
-    failed finish counted instead; the next finish succeeds."""
+    fit, then an I/O error): the job goes back to ready/ as it was claimed, with no attempt
+    counted; the full disk counts nothing (it is waited out), the I/O error counts one failed
+    finish; the next finish succeeds."""
     real_write_file = nrvna.write_file
     failures: list[str] = []
+    faults = [OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EIO, "Input/output error")]
 
     def full_disk(dir_fd: int, name: str, data: bytes, sync: bool = True) -> None:
         if name == "meta.json" and b'"finished"' in data and len(failures) < 2:
             failures.append(name)
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise faults[len(failures) - 1]
         real_write_file(dir_fd, name, data, sync)
 
     seen: list[tuple[list[str], dict[str, Any]]] = []
@@ -956,28 +958,32 @@ def test_a_hand_back_leaves_the_job_as_claimed_and_counts_no_attempt(ws: str, mo
     with serving(ws, with_logprobs, workers=1):
         assert Flow(ws).wait(job_id, 30) is Status.Done
     assert len(seen) == 2
-    for tries, (entries, meta) in enumerate(seen, 1):
+    for entries, meta in seen:
         assert sorted(set(entries) - {"meta.json"}) == submitted, entries  # no result.txt, no logprobs.json
         assert meta.get("attempts", 0) == 0 and "started" not in meta, meta
-        assert (meta["write_failures"], meta["last_write_error"]) == (tries, "No space left on device")
+    assert "write_failures" not in seen[0][1]  # a full disk counts no failed finish
+    assert (seen[1][1]["write_failures"], seen[1][1]["last_write_error"]) == (1, "Input/output error")
     job = Flow(ws).get(job_id)
-    assert job.result == "echo:spacey" and job.meta["attempts"] == 1 and job.meta["write_failures"] == 2
-    assert [e[1:] for e in job.meta["events"]] == [["running"], ["requeued", "write_error"]] * 2 + [["running"], ["done"]]
+    assert job.result == "echo:spacey" and job.meta["attempts"] == 1 and job.meta["write_failures"] == 1
+    assert [e[1:] for e in job.meta["events"]] == [["running"], ["requeued", "no_space"], ["running"],
+                                                   ["requeued", "write_error"], ["running"], ["done"]]
     assert audit_clean(ws)
 
 
 def test_a_job_whose_result_never_fits_fails_with_write_error_after_the_bound(
         ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A result that can never be written is generated NRVNA_MAX_WRITE_TRIES times, then the
-    job fails with write_error naming the error, its attempts uncounted; where even its count
-    cannot be written, the daemon counts in memory; `nrvna retry` starts the count afresh."""
+    """A result that can never be written (EFBIG: past a file size limit) is generated
+    NRVNA_MAX_WRITE_TRIES times, then the job fails with write_error naming the error, its
+    attempts uncounted; where even its count cannot be written (ENOSPC), the daemon counts in
+    memory; `nrvna retry` starts the count afresh."""
     real_write_file = nrvna.write_file
     disk = {"result": True, "count": True, "error": False}  # which writes fail
     errors: list[str] = []
 
     def full_disk(dir_fd: int, name: str, data: bytes, sync: bool = True) -> None:
-        if (name == "result.txt" and disk["result"]) or (name == "meta.json" and disk["count"] == "full"
-                                                         and b'"write_failures"' in data):
+        if name == "result.txt" and disk["result"]:
+            raise OSError(errno.EFBIG, "File too large")
+        if name == "meta.json" and disk["count"] == "full" and b'"write_failures"' in data:
             raise OSError(errno.ENOSPC, "No space left on device")
         if name == "error.txt" and disk["error"]:
             errors.append(name)
@@ -996,7 +1002,7 @@ def test_a_job_whose_result_never_fits_fails_with_write_error_after_the_bound(
         assert Flow(ws).wait(job_id, 60) is Status.Failed
         job = Flow(ws).get(job_id)
         assert job.meta["code"] == "write_error" and runs == ["too big"] * 3, (job.error, runs)
-        assert "No space left on device" in job.error and "NRVNA_MAX_WRITE_TRIES=3" in job.error
+        assert "File too large" in job.error and "NRVNA_MAX_WRITE_TRIES=3" in job.error
         assert job.meta["attempts"] == 1 and job.meta["write_failures"] == 3
         assert sorted(os.listdir(os.path.join(ws, nrvna.FAILED, job_id))) == ["error.txt", "meta.json", "prompt.txt"]
 
@@ -7880,8 +7886,8 @@ def test_a_lock_left_by_a_sigkilled_daemon_does_not_block_the_next(ws: str) -> N
 def test_a_full_disk_loses_no_job_and_the_queue_finishes_once_space_is_freed(tmp_path: Path) -> None:
     """A real ENOSPC: the workspace is a 600 KiB tmpfs in a user namespace. Results of
     ~200 KB fill it; the daemon keeps serving; deleting finished jobs lets the rest finish.
-    The jobs handed back meanwhile are as they were claimed, and count no attempt (the
-    disk is freed within NRVNA_MAX_WRITE_TRIES, raised here: the bound has its own test)."""
+    The jobs handed back meanwhile are as they were claimed, and count no attempt and no
+    write failure (NRVNA_MAX_WRITE_TRIES at its default: a full disk fails no job)."""
     ws = tmp_path / "small"
     ws.mkdir()
     script = f"""
@@ -7895,7 +7901,7 @@ import nrvna, test_nrvna
 ws = {str(ws / "ws")!r}
 began = time.monotonic()
 ids = [nrvna.Work(ws).publish("big " + str(i)) for i in range(6)]
-daemon = test_nrvna.child_daemon(ws, "derived", "-w", "2", env={{"BIG_RESULT": "1", "NRVNA_MAX_WRITE_TRIES": "1000"}},
+daemon = test_nrvna.child_daemon(ws, "derived", "-w", "2", env={{"BIG_RESULT": "1"}},
                                  stderr=subprocess.PIPE)
 flow = nrvna.Flow(ws)
 deadline = time.monotonic() + 60
@@ -8024,7 +8030,7 @@ import nrvna, test_nrvna
 ws = {str(ws / "ws")!r}
 flow = nrvna.Flow(ws)
 prompts = {{nrvna.Work(ws).publish("full " + str(i)): "full " + str(i) for i in range(40)}}
-env = {{"BIG_RESULT": "1", "TEST_RUNNER_DELAY": "0.2", "NRVNA_MAX_WRITE_TRIES": "1000"}}
+env = {{"BIG_RESULT": "1", "TEST_RUNNER_DELAY": "0.2"}}
 daemons = [test_nrvna.child_daemon(ws, "derived", "-w", "2", env=dict(env, NRVNA_GPU=str(gpu)),
                                    stderr=open(os.path.join({str(logs)!r}, str(gpu)), "wb")) for gpu in range(3)]
 ended, killed, deadline, next_take = {{}}, None, time.monotonic() + 240, 0.0
@@ -8048,7 +8054,8 @@ for daemon in daemons[1:]:
     assert daemon.wait(30) == 0
 log = b"".join(open(os.path.join({str(logs)!r}, str(gpu)), "rb").read() for gpu in range(3))
 crashed = [i for i, (_, _, events) in ended.items() if ["requeued", "crashed"] in events]
-handed_back = sum(events.count(["requeued", "write_error"]) for _, _, events in ended.values())
+handed_back = sum(events.count(["requeued", "no_space"]) for _, _, events in ended.values())
+assert not any(["requeued", "write_error"] in events for _, _, events in ended.values())
 print("ended", len(ended), "killed", killed, "jobs it was running", len(crashed), "attempts",
       sorted(attempts for _, attempts, _ in ended.values()), "hand-backs", handed_back, "log lines",
       log.count(b"No space left on device"))
