@@ -970,6 +970,49 @@ def test_a_hand_back_leaves_the_job_as_claimed_and_counts_no_attempt(ws: str, mo
     assert audit_clean(ws)
 
 
+def test_a_result_that_meets_a_full_disk_is_not_generated_again_until_there_is_room(
+        ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC on a result the filesystem could hold: the job is handed back uncounted
+    (requeued, no_space) and is not claimed, so not generated again, while the filesystem
+    lacks room for it, however long that lasts (past NRVNA_MAX_WRITE_TRIES); once there is
+    room it runs once more and ends done, with one attempt and no write failure."""
+    real_write_file = nrvna.write_file
+    disk = {"full": True}
+    looked: list[int] = []
+
+    def full_disk(dir_fd: int, name: str, data: bytes, sync: bool = True) -> None:
+        if name == "result.txt" and disk["full"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write_file(dir_fd, name, data, sync)
+
+    def room(self: nrvna.Processor, needed: int) -> bool:
+        looked.append(needed)
+        return not disk["full"]
+
+    runs: list[str] = []
+
+    def counted(job: nrvna.RunningJob) -> str:
+        runs.append(job.prompt)
+        return "y" * 5000
+
+    monkeypatch.setattr(nrvna, "write_file", full_disk)
+    monkeypatch.setattr(nrvna.Processor, "_has_room", room)
+    with serving(ws, counted, workers=1):
+        job_id = submit(ws, "waits for room")
+        deadline = time.monotonic() + 30
+        while len(looked) < 5 and time.monotonic() < deadline:  # claims refused for want of room
+            time.sleep(0.05)
+        assert runs == ["waits for room"] and Flow(ws).status(job_id) is Status.Queued
+        assert looked and all(needed >= 5000 for needed in looked), looked
+        disk["full"] = False
+        assert Flow(ws).wait(job_id, 30) is Status.Done
+    job = Flow(ws).get(job_id)
+    assert runs == ["waits for room"] * 2 and job.result == "y" * 5000
+    assert job.meta["attempts"] == 1 and "write_failures" not in job.meta
+    assert [e[1:] for e in job.meta["events"]] == [["running"], ["requeued", "no_space"], ["running"], ["done"]]
+    assert audit_clean(ws)
+
+
 def test_a_job_whose_result_never_fits_fails_with_write_error_after_the_bound(
         ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A result that can never be written (EFBIG: past a file size limit) is generated
