@@ -5033,7 +5033,7 @@ def _check_model_file(where: str, name: str, path: str) -> None:
     naming /dev/zero, a directory, a FIFO or /etc/passwd would wait forever for a daemon that
     can never serve it."""
     try:
-        check_gguf(path)
+        check_gguf(path, header=False)
     except ModelError as err:
         shown = "" if path == name else f" ({path})"
         raise InvalidInput(f"{where}: model {name!r}{shown} {str(err).removeprefix(f'model {path} ')}; a model "
@@ -6624,9 +6624,10 @@ def _load_unmapped(L: Any, params: Any) -> None:
         params.use_mmap = False
 
 
-def check_gguf(path: str) -> None:
+def check_gguf(path: str, header: bool = True) -> None:
     """Fail fast, before any queue work, unless ``path`` is a readable file starting GGUF
-    whose header (its metadata) is within bounds (see gguf_strings)."""
+    whose header (its metadata) is within bounds (see gguf_strings; ``header`` False: the
+    magic alone, as a submit checks a model it names: the daemon reads the header)."""
     if not os.path.exists(path):
         raise ModelError(f"model {path} does not exist")
     if os.path.isdir(path):
@@ -6645,7 +6646,8 @@ def check_gguf(path: str) -> None:
         raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
     if magic != b"GGUF":
         raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
-    gguf_strings(path)
+    if header:
+        gguf_strings(path)
 
 
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
