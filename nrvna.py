@@ -3359,6 +3359,29 @@ def gguf_files(models_dir: str) -> Optional[list[str]]:
         return None
 
 
+def _check_gguf_magic(path: str) -> None:
+    """ModelError unless ``path`` is a readable regular file that starts with GGUF (what a
+    submit checks of a model it names; the daemon reads the header too: check_gguf)."""
+    if not os.path.exists(path):
+        raise ModelError(f"model {path} does not exist")
+    if os.path.isdir(path):
+        raise ModelError(f"model {path} is a directory, not a GGUF file")
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the daemon in open()
+        raise ModelError(f"model {path} is not a regular file")
+    try:  # O_NONBLOCK: a FIFO put in its place since the stat must not block (submit checks too)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ModelError(f"model {path} is not a regular file")
+            magic = os.read(fd, 4)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
+    if magic != b"GGUF":
+        raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
+
+
 def model_file(name: str, models_dir: str, aliases: Mapping[str, str]) -> Optional[str]:
     """The real path of the one model file ``name`` means (see model_matches); None when it
     matches no model, or several: such a job runs as if it named none (submit noted that, or
@@ -5033,7 +5056,7 @@ def _check_model_file(where: str, name: str, path: str) -> None:
     naming /dev/zero, a directory, a FIFO or /etc/passwd would wait forever for a daemon that
     can never serve it."""
     try:
-        check_gguf(path, header=False)
+        _check_gguf_magic(path)
     except ModelError as err:
         shown = "" if path == name else f" ({path})"
         raise InvalidInput(f"{where}: model {name!r}{shown} {str(err).removeprefix(f'model {path} ')}; a model "
@@ -6624,30 +6647,11 @@ def _load_unmapped(L: Any, params: Any) -> None:
         params.use_mmap = False
 
 
-def check_gguf(path: str, header: bool = True) -> None:
+def check_gguf(path: str) -> None:
     """Fail fast, before any queue work, unless ``path`` is a readable file starting GGUF
-    whose header (its metadata) is within bounds (see gguf_strings; ``header`` False: the
-    magic alone, as a submit checks a model it names: the daemon reads the header)."""
-    if not os.path.exists(path):
-        raise ModelError(f"model {path} does not exist")
-    if os.path.isdir(path):
-        raise ModelError(f"model {path} is a directory, not a GGUF file")
-    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the daemon in open()
-        raise ModelError(f"model {path} is not a regular file")
-    try:  # O_NONBLOCK: a FIFO put in its place since the stat must not block (submit checks too)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ModelError(f"model {path} is not a regular file")
-            magic = os.read(fd, 4)
-        finally:
-            os.close(fd)
-    except OSError as err:
-        raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
-    if magic != b"GGUF":
-        raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
-    if header:
-        gguf_strings(path)
+    whose header (its metadata) is within bounds (see gguf_strings)."""
+    _check_gguf_magic(path)
+    gguf_strings(path)
 
 
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes

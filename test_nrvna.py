@@ -41,6 +41,7 @@ import functools
 import glob
 import io
 import json
+import logging
 import math
 import os
 import random
@@ -185,6 +186,9 @@ def run_main(capsysbinary: pytest.CaptureFixture[bytes]) -> RunMain:
         saved_env = {name: os.environ.get(name) for name in env or {}}
         os.environ.update(env or {})
         saved_stdin, sys.stdin = sys.stdin, _Stdin(input or b"")
+        # An in-process `daemon` points nrvna's log at this command's captured stderr, which is
+        # closed once it returns: a later in-process daemon would log into a closed file.
+        saved_handlers = list(logging.getLogger("nrvna").handlers)
         previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
@@ -200,6 +204,7 @@ def run_main(capsysbinary: pytest.CaptureFixture[bytes]) -> RunMain:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
             sys.stdin = saved_stdin
+            logging.getLogger("nrvna").handlers[:] = saved_handlers
             for name, value in saved_env.items():
                 if value is None:
                     os.environ.pop(name, None)
