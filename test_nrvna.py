@@ -266,8 +266,33 @@ def orphan(ws: str, prompt: str, attempts: int) -> str:
     return job_id
 
 
-def in_user_namespace(script: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, timeout=120)
+def in_user_namespace(script: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, timeout=timeout)
+
+
+def on_tmpfs(tmp_path: Path, size: str, body: str, says: bytes) -> None:
+    """Run the Python ``body`` in a user namespace, with ``ws`` a workspace on a tmpfs of
+    ``size`` mounted at ``small`` (a real ENOSPC), nrvna, test_nrvna and the usual modules
+    imported; it prints its figures (``says`` is in them once it ran) and asserts."""
+    small = tmp_path / "small"
+    small.mkdir()
+    script = f"""
+set -e
+mount -t tmpfs -o size={size} tmpfs {small}
+cd {HERE}
+'{sys.executable}' - <<'PY'
+import json, os, shutil, signal, subprocess, sys, time
+sys.path.insert(0, {str(HERE)!r})
+import nrvna, test_nrvna
+ws = {str(small / "ws")!r}
+{body}
+PY
+"""
+    done = in_user_namespace(script, timeout=300)
+    if says not in done.stdout and b"unshare" in done.stderr:
+        pytest.skip(f"this host refuses user namespaces: {done.stderr.decode().strip()}")
+    print(done.stdout.decode())
+    assert done.returncode == 0, done.stdout.decode()[-2000:] + done.stderr.decode()[-3000:]
 
 
 # ==============================================================================
@@ -7936,20 +7961,10 @@ def test_a_full_disk_loses_no_job_and_the_queue_finishes_once_space_is_freed(tmp
     ~200 KB fill it; the daemon keeps serving; deleting finished jobs lets the rest finish.
     The jobs handed back meanwhile are as they were claimed, and count no attempt and no
     write failure (NRVNA_MAX_WRITE_TRIES at its default: a full disk fails no job)."""
-    ws = tmp_path / "small"
-    ws.mkdir()
-    script = f"""
-set -e
-mount -t tmpfs -o size=600k tmpfs {ws}
-cd {HERE}
-'{sys.executable}' - <<'PY'
-import json, os, shutil, subprocess, sys, time
-sys.path.insert(0, {str(HERE)!r})
-import nrvna, test_nrvna
-ws = {str(ws / "ws")!r}
+    on_tmpfs(tmp_path, "600k", """
 began = time.monotonic()
 ids = [nrvna.Work(ws).publish("big " + str(i)) for i in range(6)]
-daemon = test_nrvna.child_daemon(ws, "derived", "-w", "2", env={{"BIG_RESULT": "1"}},
+daemon = test_nrvna.child_daemon(ws, "derived", "-w", "2", env={"BIG_RESULT": "1"},
                                  stderr=subprocess.PIPE)
 flow = nrvna.Flow(ws)
 deadline = time.monotonic() + 60
@@ -7961,7 +7976,7 @@ for _ in range(15):   # the rest hit ENOSPC and are handed back, again and again
     for job_id in os.listdir(os.path.join(ws, "input", "ready")):
         try:
             handed_back.append((sorted(os.listdir(os.path.join(ws, "input", "ready", job_id))), json.loads(
-                open(os.path.join(ws, "input", "ready", job_id, "meta.json")).read() or "{{}}")))
+                open(os.path.join(ws, "input", "ready", job_id, "meta.json")).read() or "{}")))
         except (FileNotFoundError, ValueError):
             pass  # claimed meanwhile, or has no meta.json yet
 stuck = flow.counts()
@@ -7981,14 +7996,7 @@ assert flow.counts()["failed"] == 0 and b"Traceback" not in err
 assert handed_back and all(names == ["meta.json", "prompt.txt"] and meta.get("attempts", 0) == 0
                            for names, meta in handed_back), handed_back
 assert attempts == [1] * len(attempts), attempts
-assert lines <= 3 * (1 + (time.monotonic() - began) // 30), err.decode()[-3000:]
-PY
-"""
-    done = in_user_namespace(script)
-    if b"stuck" not in done.stdout and b"unshare" in done.stderr:
-        pytest.skip(f"this host refuses user namespaces: {done.stderr.decode().strip()}")
-    print(done.stdout.decode())
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
+assert lines <= 3 * (1 + (time.monotonic() - began) // 30), err.decode()[-3000:]""", b"stuck")
 
 
 @pytest.mark.slow
@@ -7998,17 +8006,7 @@ def test_a_result_that_never_fits_fails_with_write_error_and_a_full_disk_logs_li
     then, the disk filled to its last byte while 30 jobs wait, every claim fails for 5 s and
     the log says so a few times (one line per cause per 30 s), not once per job per second;
     once space is freed, every job ends once, with one attempt."""
-    ws = tmp_path / "small"
-    ws.mkdir()
-    script = f"""
-set -e
-mount -t tmpfs -o size=600k tmpfs {ws}
-cd {HERE}
-'{sys.executable}' - <<'PY'
-import os, subprocess, sys, time
-sys.path.insert(0, {str(HERE)!r})
-import nrvna, test_nrvna
-ws = {str(ws / "ws")!r}
+    on_tmpfs(tmp_path, "600k", f"""
 flow = nrvna.Flow(ws)
 huge = nrvna.Work(ws).publish("never fits")
 small = [nrvna.Work(ws).publish("small " + str(i)) for i in range(5)]
@@ -8026,7 +8024,7 @@ daemon = test_nrvna.child_daemon(ws, "derived", "-w", "1", env={{"TEST_RUNNER_DE
 deadline = time.monotonic() + 60
 while not flow.counts()["running"] and time.monotonic() < deadline:
     time.sleep(0.02)
-filler = os.path.join({str(ws)!r}, "filler")
+filler = os.path.join({str(tmp_path / "small")!r}, "filler")
 fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
 try:
     while True:
@@ -8045,14 +8043,7 @@ print("while full:", full, "enospc lines:", lines)
 assert daemon.returncode == 0 and b"Traceback" not in err, err.decode()[-3000:]
 assert full["queued"] >= 20 and lines <= 4, err.decode()[-3000:]
 assert [flow.get(i).meta.get("attempts") for i in waiting] == [1] * 30, ([flow.get(i).meta.get("attempts") for i in waiting], flow.counts(), [l for l in err.decode().splitlines() if "INFO" not in l])
-assert all(flow.get(i).result == test_nrvna.expected_result("waiting " + str(n)) for n, i in enumerate(waiting))
-PY
-"""
-    done = in_user_namespace(script)
-    if b"huge:" not in done.stdout and b"unshare" in done.stderr:
-        pytest.skip(f"this host refuses user namespaces: {done.stderr.decode().strip()}")
-    print(done.stdout.decode())
-    assert done.returncode == 0, done.stdout.decode()[-2000:] + done.stderr.decode()[-3000:]
+assert all(flow.get(i).result == test_nrvna.expected_result("waiting " + str(n)) for n, i in enumerate(waiting))""", b"huge:")
 
 
 @pytest.mark.slow
@@ -8063,19 +8054,9 @@ def test_three_daemons_on_a_full_disk_with_a_sigkill_end_every_job_once_counting
     time); one daemon is SIGKILLed mid-job. Every job ends exactly once with its own result,
     the hand-backs count no attempt, and only a death does: attempts is 1 for every job the
     dead daemon was not running, 2 (or 1: killed before its claim's count) for those it was."""
-    ws = tmp_path / "small"
-    ws.mkdir()
     logs = tmp_path / "logs"
     logs.mkdir()
-    script = f"""
-set -e
-mount -t tmpfs -o size=1m tmpfs {ws}
-cd {HERE}
-'{sys.executable}' - <<'PY'
-import os, shutil, signal, sys, time
-sys.path.insert(0, {str(HERE)!r})
-import nrvna, test_nrvna
-ws = {str(ws / "ws")!r}
+    on_tmpfs(tmp_path, "1m", f"""
 flow = nrvna.Flow(ws)
 prompts = {{nrvna.Work(ws).publish("full " + str(i)): "full " + str(i) for i in range(40)}}
 env = {{"BIG_RESULT": "1", "TEST_RUNNER_DELAY": "0.2"}}
@@ -8113,14 +8094,7 @@ assert handed_back >= 3 and b"cannot finish" in log  # the disk really was full
 assert crashed and any(ended[i][1] == 2 for i in crashed)
 assert all(attempts == 1 for i, (_, attempts, _) in ended.items() if i not in crashed), ended
 assert all(attempts in (1, 2) for _, attempts, events in ended.values() if events.count(["requeued", "crashed"]) == 1)
-assert test_nrvna.audit_clean(ws)
-PY
-"""
-    done = in_user_namespace(script)
-    if b"ended" not in done.stdout and b"unshare" in done.stderr:
-        pytest.skip(f"this host refuses user namespaces: {done.stderr.decode().strip()}")
-    print(done.stdout.decode())
-    assert done.returncode == 0, done.stdout.decode()[-2000:] + done.stderr.decode()[-3000:]
+assert test_nrvna.audit_clean(ws)""", b"ended")
 
 
 @pytest.mark.model
