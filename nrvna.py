@@ -711,9 +711,47 @@ def check_json_schema(schema: Any) -> None:
     check.stray_refs(schema, "")
 
 
+def _schema_branch(node: Mapping[str, Any]) -> str:
+    """The branch a schema object takes, in the order llama_cpp.llama_grammar.SchemaConverter.visit
+    tests them, with nrvna's own in its place (type lists, bounds and multipleOf, patterns and
+    formats). The one place the order is decided: _SchemaCheck.visit checks each branch's
+    keywords and the daemon's converter (_converter_class) writes the same branch, so a new
+    keyword is one edit here. One of: "ref", "oneOf", "anyOf", "types" (a list of types),
+    "constants", "object", "allOf", "array", "pattern" (or format), "string", "number",
+    "bare object" (an object without properties, or {}), "untyped", "other" (boolean, null,
+    an array without items)."""
+    kind = node.get("type")
+    if "$ref" in node:
+        return "ref"
+    if "oneOf" in node:
+        return "oneOf"
+    if "anyOf" in node:
+        return "anyOf"
+    if isinstance(kind, list):
+        return "types"
+    if "const" in node or "enum" in node:
+        return "constants"
+    if kind in (None, "object") and ("properties" in node or (
+            "additionalProperties" in node and node["additionalProperties"] is not True)):
+        return "object"
+    if "allOf" in node:
+        return "allOf"
+    if kind in (None, "array") and ("items" in node or "prefixItems" in node):
+        return "array"
+    if kind in (None, "string") and ("pattern" in node or "format" in node):
+        return "pattern"
+    if kind == "string":
+        return "string"
+    if kind in ("integer", "number"):
+        return "number"
+    if kind == "object" or not node:
+        return "bare object"
+    return "untyped" if kind is None else "other"
+
+
 class _SchemaCheck:
-    """One walk of a schema, in the order llama_cpp.llama_grammar.SchemaConverter.visit takes
-    its branches: a branch honours some keywords and silently drops the rest."""
+    """One walk of a schema, taking the branches _schema_branch names: a branch of the converter
+    honours some keywords and silently drops the rest, so each refuses what its branch drops."""
 
     def __init__(self, root: Any) -> None:
         self.root = root
@@ -745,16 +783,17 @@ class _SchemaCheck:
             self.fail(where, "type must be a string or a list of strings")
         if isinstance(kind, str) and kind not in SCHEMA_TYPES:
             self.fail(where, f"unknown type {kind!r} (known: {', '.join(SCHEMA_TYPES)})")
-        if "$ref" in node:
+        branch = _schema_branch(node)
+        if branch == "ref":
             self.ref_nodes.add(id(node))
             self.only(node, where, ("$ref",), "beside $ref")
             if where and ("$defs" in node or "definitions" in node):  # the converter would not see into them
                 self.fail(where, "$defs beside $ref is supported at the top of the schema only")
             self.ref(node["$ref"], where, depth, entered)
-        elif "oneOf" in node:
+        elif branch == "oneOf":
             self.fail(where, "keyword 'oneOf' is not supported: the grammar would enforce it as anyOf (an output "
                              "matching two alternatives breaks oneOf); write anyOf where they cannot overlap")
-        elif "anyOf" in node:
+        elif branch == "anyOf":
             key = "anyOf"
             self.only(node, where, (key,), f"beside {key} (put it in each alternative)")
             choices = node[key]
@@ -762,44 +801,47 @@ class _SchemaCheck:
                 self.fail(where, f"{key} must be a non-empty list of schemas")
             for i, choice in enumerate(choices):
                 self.visit(choice, f"{where}/{key}/{i}", depth + 1, entered)
-        elif isinstance(kind, list):
+        elif branch == "types":
             self.type_list(node, where, depth, entered)
-        elif "const" in node or "enum" in node:
+        elif branch == "constants":
             self.constants(node, where, kind)
-        elif kind in (None, "object") and ("properties" in node or (
-                "additionalProperties" in node and node["additionalProperties"] is not True)):
+        elif branch == "object":
             self.object(node, where, depth)
-        elif "allOf" in node:
+        elif branch == "allOf":
             self.fail(where, "keyword 'allOf' is not supported (merge the schemas into one)")
-        elif kind in (None, "array") and ("items" in node or "prefixItems" in node):
+        elif branch == "array":
             self.array(node, where, depth)
-        elif kind in (None, "string") and ("pattern" in node or "format" in node):
-            self.only(node, where, ("type",) + SCHEMA_TYPE_KEYWORDS["string"], "beside pattern or format")
-            self.counts(node, where, "minLength", "maxLength")
-            rules: dict[str, str] = {}
-            expression = string_rule(node, where, rules)
-            self.count_pattern(node, where)
-            if "pattern" in node:  # what llama.cpp is given must not hang a worker: checked as a grammar is
-                try:
-                    check_grammar(f'root ::= "\\"" {expression} "\\""\n' + "".join(f"{n} ::= {b}\n" for n, b in rules.items()))
-                except InvalidInput as err:
-                    self.fail(where, f"pattern {node['pattern']!r} makes a grammar nrvna refuses ({err})")
-        elif kind == "string":
+        elif branch == "pattern":
+            self.pattern(node, where)
+        elif branch == "string":
             self.only(node, where, ("type", "minLength", "maxLength"), "for a string")
             self.counts(node, where, "minLength", "maxLength")
-        elif kind in ("integer", "number"):
+        elif branch == "number":
             self.only(node, where, ("type",) + SCHEMA_TYPE_KEYWORDS[kind],
                       f"for {'an integer' if kind == 'integer' else 'a number'}")
             if any(key in node for key in SCHEMA_TYPE_KEYWORDS[kind]):
                 number_rule(node, where, {})  # raises InvalidInput when nothing is admitted, or too much is needed
-        elif kind == "object" or not node:
+        elif branch == "bare object":
             self.only(node, where, ("type", "additionalProperties"), "for an object without properties")
-        elif kind is None:
+        elif branch == "untyped":
             self.only(node, where, (), "")
             self.fail(where, "a schema needs a type (or properties, items, enum, const, $ref, anyOf)")
         else:
             allowed = ("type",)
             self.only(node, where, allowed, f"for {kind}" + (" without items" if kind == "array" else ""))
+
+    def pattern(self, node: dict[str, Any], where: str) -> None:
+        """A string with a pattern or a format: nrvna writes its rule in the converter's place."""
+        self.only(node, where, ("type",) + SCHEMA_TYPE_KEYWORDS["string"], "beside pattern or format")
+        self.counts(node, where, "minLength", "maxLength")
+        rules: dict[str, str] = {}
+        expression = string_rule(node, where, rules)
+        self.count_pattern(node, where)
+        if "pattern" in node:  # what llama.cpp is given must not hang a worker: checked as a grammar is
+            try:
+                check_grammar(f'root ::= "\\"" {expression} "\\""\n' + "".join(f"{n} ::= {b}\n" for n, b in rules.items()))
+            except InvalidInput as err:
+                self.fail(where, f"pattern {node['pattern']!r} makes a grammar nrvna refuses ({err})")
 
     def type_list(self, node: dict[str, Any], where: str, depth: int, entered: tuple[str, ...]) -> None:
         kind = node["type"]
@@ -6838,25 +6880,21 @@ def _converter_class(grammar: Any) -> Any:
             return names[ref]
 
         def visit(self, schema: Any, name: str) -> str:
-            # The branches check_json_schema takes where the converter's own would drop a keyword
-            # (a schema it accepted has nothing beside them that another branch would take first)
-            if not isinstance(schema, dict) or {"$ref", "oneOf", "anyOf"} & set(schema):
-                return super().visit(schema, name)
-            kind = schema.get("type")
+            # The branches check_json_schema checked where the converter's own would drop a
+            # keyword: _schema_branch decides them for both
+            branch = _schema_branch(schema) if isinstance(schema, dict) else None
+            kind = schema.get("type") if isinstance(schema, dict) else None
             rule_name = name + "-" if name in grammar.RESERVED_NAMES else name or "root"
-            if isinstance(kind, list):  # one schema per type, each with its keywords
+            if branch == "types":  # one schema per type, each with its keywords
                 if "const" in schema or "enum" in schema:
                     return self.visit({key: value for key, value in schema.items() if key != "type"}, name)
                 return self.visit({"anyOf": type_choices(schema)}, name)
-            if "const" in schema or "enum" in schema:
-                return super().visit(schema, name)
-            if kind in ("integer", "number") and any(key in schema for key in SCHEMA_TYPE_KEYWORDS[kind]):
+            if branch == "number" and any(key in schema for key in SCHEMA_TYPE_KEYWORDS[kind]):
                 rules: dict[str, str] = {}
                 expression = number_rule(schema, "", rules, self._fresh_prefix("multiple"))
                 self._rules.update(rules)
                 return self._add_rule(rule_name, f"({expression}) space")
-            if kind in (None, "string") and ("pattern" in schema or "format" in schema) and not {
-                    "properties", "additionalProperties", "allOf", "items", "prefixItems"} & set(schema):
+            if branch == "pattern":
                 rules = {}
                 expression = string_rule(schema, "", rules, self._fresh_prefix("pattern"))
                 self._rules.update(rules)

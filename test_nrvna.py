@@ -4378,6 +4378,47 @@ def test_converted_schemas_with_the_new_keywords_admit_only_valid_json(name: str
 
 
 @pytest.mark.model
+def test_the_check_and_the_converter_take_each_schema_branch_from_one_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_schema_branch alone decides which branch a schema object takes: every object the
+    converter writes is one the check named the same branch for, and nrvna's own rules
+    (bounds, patterns, lists of types) are written exactly where it says so."""
+    decided: dict[str, list[tuple[str, str]]] = {"check": [], "convert": []}
+    phase = ["check"]
+    branch_of = nrvna._schema_branch
+
+    def recorded(node: Any) -> str:
+        branch = branch_of(node)
+        decided[phase[0]].append((json.dumps(node, sort_keys=True), branch))
+        return branch
+
+    monkeypatch.setattr(nrvna, "_schema_branch", recorded)
+    for schema in KEYWORD_SCHEMAS.values():
+        phase[0] = "check"
+        nrvna.check_json_schema(schema)
+        phase[0] = "convert"
+        nrvna.schema_to_grammar(schema)
+    checked = dict(decided["check"])
+    # (a list of types the converter is handed again as the anyOf, or the enum, it stands for)
+    seen = [(node, branch) for node, branch in decided["convert"] if node in checked]
+    assert len(seen) > 20 and all(checked[node] == branch for node, branch in seen)
+    assert {"pattern", "number", "types", "object", "array"} <= {branch for _, branch in seen}
+
+
+@pytest.mark.parametrize("node, branch", [
+    ({"$ref": "#/$defs/a", "type": "string"}, "ref"), ({"oneOf": [], "anyOf": []}, "oneOf"),
+    ({"anyOf": [], "type": ["string"]}, "anyOf"), ({"type": ["string", "null"], "enum": ["a"]}, "types"),
+    ({"const": 1, "properties": {}}, "constants"), ({"additionalProperties": False, "allOf": []}, "object"),
+    ({"additionalProperties": True, "allOf": []}, "allOf"), ({"items": {}, "pattern": "a"}, "array"),
+    ({"type": "array", "format": "date"}, "other"), ({"format": "date"}, "pattern"),
+    ({"type": "string", "maxLength": 2}, "string"), ({"type": "integer", "pattern": "a"}, "number"),
+    ({}, "bare object"), ({"type": "object", "required": []}, "bare object"), ({"minimum": 1}, "untyped"),
+    ({"type": "boolean"}, "other"),
+])
+def test_a_schema_object_s_branch_follows_the_converter_s_order(node: dict[str, Any], branch: str) -> None:
+    assert nrvna._schema_branch(node) == branch
+
+
+@pytest.mark.model
 def test_llama_cpp_takes_the_grammars_and_admits_what_they_admit(llama: nrvna.LlamaRunner) -> None:
     """llama.cpp's own grammar sampler parses each grammar, takes strings GrammarShape
     generated, and refuses ones that break the pattern."""
