@@ -5194,16 +5194,102 @@ def _prompt_differs(workspace: str, job_id: str, prompt: bytes) -> bool:
     return False
 
 
+class _Keys:
+    """The idempotency keys of one publish (``Work.publish``, ``publish_batch``, ``submit_file``):
+    the one place a key is looked up or taken. Taking a key links it to a staged job under a
+    _KeyHolder made at the first key and released by ``close`` once the jobs are published or
+    given up; a key this publish has taken answers with its job, never waited on as another's."""
+
+    def __init__(self, workspace: str, notify: Optional[Callable[[str], None]]) -> None:
+        self.workspace, self.notify = workspace, notify
+        self.holder: Optional[_KeyHolder] = None
+        self.taken: dict[str, str] = {}  # key -> the job this publish linked it to, or found under it
+
+    def __enter__(self) -> _Keys:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.holder is not None:
+            self.holder.close()  # published (or given up): its keys are no longer ours to publish
+
+    def find(self, key: str) -> Optional[str]:
+        """The job that has ``key`` already (one another client is publishing is waited for:
+        see key_job), or None."""
+        if key in self.taken:
+            return self.taken[key]
+        return key_job(self.workspace, key, notify=self.notify)
+
+    def take(self, key: str, job_id: str) -> str:
+        """Link ``key`` to the staged job ``job_id``, durably, and return ``job_id``; or return
+        the job another client (or this publish, for an earlier job) has under ``key``: then
+        ``job_id`` must not be published. The key is durable before its job is published: a
+        job never runs without it."""
+        if key in self.taken:
+            return self.taken[key]
+        if self.holder is None:
+            self.holder = _KeyHolder(self.workspace)
+        while not _link_key(self.workspace, key, job_id, self.holder.name):
+            existing = key_job(self.workspace, key, notify=self.notify)
+            if existing is not None:  # (else its key was stale and is gone: link again)
+                job_id = existing
+                break
+        self.taken[key] = job_id
+        return job_id
+
+
+class _LineIds:
+    """A batch file's IDs in file order as they become known: the lines published (``new``)
+    get theirs chunk by chunk, a line repeating an earlier line's key (``same_as``) gets that
+    line's, and ``on_ids`` hears each run of lines whose IDs are all known, in file order."""
+
+    def __init__(self, ids: list[Optional[str]], new: list[int], same_as: dict[int, int],
+                 on_ids: Optional[Callable[[list[str]], None]]) -> None:
+        self.ids, self.new, self.same_as, self.on_ids = ids, new, same_as, on_ids
+        self.known = self.placed = 0  # lines from the first whose IDs are known; new lines placed
+
+    def add(self, chunk: list[str]) -> None:
+        """Place the IDs of the next published lines, and hand on those now known in order."""
+        ids = self.ids
+        for job_id in chunk:
+            ids[self.new[self.placed]] = job_id
+            self.placed += 1
+        for line, earlier in self.same_as.items():
+            if ids[line] is None and ids[earlier] is not None:
+                ids[line] = ids[earlier]
+        start = self.known
+        while self.known < len(ids) and ids[self.known] is not None:
+            self.known += 1
+        if self.on_ids is not None and self.known > start:
+            self.on_ids(ids[start:self.known])  # type: ignore[arg-type]
+
+
+def _batch_source(source: Any, jsonl: Optional[bool], template: Optional[str]) -> tuple[bytes, Optional[bool]]:
+    """A batch file's bytes (``source``: a path, bytes or a binary stream), and whether it holds
+    JSON lines as its name says (None: sniffed from the content)."""
+    if isinstance(source, (bytes, bytearray)):
+        return bytes(source), jsonl
+    if not isinstance(source, (str, os.PathLike)):
+        return read_batch(source), jsonl  # stdin
+    path = os.fspath(source)
+    try:
+        with open(path, "rb") as handle:
+            data = read_batch(handle)
+    except OSError as err:
+        raise InvalidInput(f"cannot read {path}: {_os_error(err)}") from None
+    if jsonl is None and (template is None or path.endswith((".csv", ".jsonl"))):
+        jsonl = path.endswith(".jsonl")  # a template's data file of another name: sniffed
+    return data, jsonl
+
+
 class Work:
     """Submits jobs to a workspace. Create one per thread: it holds no lock and nothing other
-    Work objects see, but ``existing`` and ``existing_lines`` report its own last publish."""
+    Work objects see, but ``existing`` says whether its own last publish found its key's job."""
 
     def __init__(self, workspace: Any, notify: Optional[Callable[[str], None]] = None,
                  strict_models: Optional[bool] = None) -> None:
         self.workspace = os.fspath(workspace)
         self.notify = notify  # hears that a submit waits for another one holding its key (the CLI: stderr)
         self.existing = False  # the last publish found its idempotency key's job: nothing was queued
-        self.existing_lines = 0  # lines of the last publish_batch that found their key's job
         # A job naming a model that matches none: refused (InvalidInput), or queued with a note.
         self.strict_models = bool(setting_default("strict_models")) if strict_models is None else strict_models
 
@@ -5211,8 +5297,9 @@ class Work:
         """Queue a prompt with optional per-job parameters; never raises. The message is
         ``queued``, or ``exists`` when a job with its ``idempotency_key`` was there already."""
         try:
-            job_id = self.publish(prompt, **params)
-            return SubmitResult(True, job_id, "exists" if self.existing else "queued")
+            job_id, existed = self._publish(prompt, False, params)
+            self.existing = existed  # as after publish
+            return SubmitResult(True, job_id, "exists" if existed else "queued")
         except NotDurable as err:
             return SubmitResult(False, err.job_id, str(err))
         except NrvnaError as err:
@@ -5230,6 +5317,39 @@ class Work:
         params.json -> rename into input/ready/ -> fsync input/ready/ and input/writing/.
         Only then is the ID returned: a returned ID is a durable job.
         """
+        job_id, self.existing = self._publish(prompt, dedupe, params)
+        return job_id
+
+    def _publish(self, prompt: Any, dedupe: bool, params: dict[str, Any]) -> tuple[str, bool]:
+        """``publish``'s job ID, and whether it is an existing job found by its key."""
+        files, clean = self._job_files(prompt, dedupe, params)
+        key = job_param(clean, "idempotency_key")
+        with _Keys(self.workspace, self.notify) as keys:
+            existing = None if key is None else keys.find(key)
+            if existing is not None:
+                return existing, True
+            job_id, staging = self._stage(files)
+            try:
+                published = job_id if key is None else keys.take(key, job_id)
+                if published == job_id:
+                    if job_param(clean, "tag"):
+                        _write_manifest(self.workspace, job_param(clean, "tag"), [(job_id, job_param(clean, "custom_id"))])
+                    move(staging, os.path.join(self.workspace, READY, job_id))
+            except BaseException:
+                _remove_tree(staging)
+                raise
+            if published != job_id:
+                _remove_tree(staging)  # another client's job has this key: return that one
+                return published, True
+        try:
+            fsync_dir(os.path.join(self.workspace, READY))
+            fsync_dir(os.path.join(self.workspace, WRITING))
+        except OSError as err:
+            raise NotDurable(job_id, err) from None
+        return job_id, False
+
+    def _job_files(self, prompt: Any, dedupe: bool, params: dict[str, Any]) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
+        """A prompt's job checked whole: its files (prompt.txt, params.json) and parameters."""
         import json
 
         if "input" in params:
@@ -5250,40 +5370,7 @@ class Work:
         files = [(PROMPT_FILE, data)]
         if clean:
             files.append((PARAMS_FILE, json.dumps(clean, ensure_ascii=False).encode()))
-        key = job_param(clean, "idempotency_key")
-        holder: Optional[_KeyHolder] = None
-        try:
-            while True:
-                if key is not None:
-                    existing = key_job(self.workspace, key, notify=self.notify)
-                    if existing is not None:
-                        self.existing = True
-                        return existing
-                    holder = holder or _KeyHolder(self.workspace)
-                job_id, staging = self._stage(files)
-                ready = os.path.join(self.workspace, READY, job_id)
-                try:
-                    # The key is durable before the job is published: a job never runs without it.
-                    if holder is not None and not _link_key(self.workspace, key, job_id, holder.name):
-                        _remove_tree(staging)  # another client's job has this key: return that one
-                        continue
-                    if job_param(clean, "tag"):
-                        _write_manifest(self.workspace, job_param(clean, "tag"), [(job_id, job_param(clean, "custom_id"))])
-                    move(staging, ready)
-                except BaseException:
-                    _remove_tree(staging)
-                    raise
-                break
-        finally:
-            if holder is not None:
-                holder.close()  # published (or given up): its key is no longer ours to publish
-        try:
-            fsync_dir(os.path.join(self.workspace, READY))
-            fsync_dir(os.path.join(self.workspace, WRITING))
-        except OSError as err:
-            raise NotDurable(job_id, err) from None
-        self.existing = False
-        return job_id
+        return files, clean
 
     def publish_batch(self, entries: list[BatchEntry], tag: Optional[str] = None,
                       on_chunk: Optional[Callable[[list[str]], None]] = None) -> list[str]:
@@ -5296,67 +5383,55 @@ class Work:
         a few flushes per chunk instead of four per job. A crash leaves whole jobs in ready/
         and staged ones in writing/ (removed by the daemon later, never run).
         """
+        with _Keys(self.workspace, self.notify) as keys:
+            return self._publish_batch(entries, tag, on_chunk, keys)[0]
+
+    def _publish_batch(self, entries: list[BatchEntry], tag: Optional[str],
+                       on_chunk: Optional[Callable[[list[str]], None]], keys: _Keys) -> tuple[list[str], int]:
+        """``publish_batch``'s IDs, and how many lines found their key's job (nothing queued for them)."""
         ensure_workspace(self.workspace)
         ids: list[str] = []
-        self.existing_lines = 0
-        holder = _KeyHolder(self.workspace) if any("idempotency_key" in e.params for e in entries) else None
-        try:
-            self._publish_chunks(entries, tag, on_chunk, ids, holder)
-        finally:
-            if holder is not None:
-                holder.close()
-        return ids
-
-    def _publish_chunks(self, entries: list[BatchEntry], tag: Optional[str],
-                        on_chunk: Optional[Callable[[list[str]], None]], ids: list[str],
-                        holder: Optional[_KeyHolder]) -> None:
-        import json
-
-        mine: dict[str, str] = {}  # keys this call linked (or found): never waited on as another's
+        found = 0
         for first in range(0, len(entries), BATCH_CHUNK):
-            chunk = entries[first:first + BATCH_CHUNK]
-            staged: list[tuple[str, str]] = []
-            try:
-                for entry in chunk:
-                    params = dict(entry.params, tag=tag) if tag else entry.params
-                    staged.append(self._stage([(PROMPT_FILE, entry.prompt),
-                                               (PARAMS_FILE, json.dumps(params, ensure_ascii=False).encode())],
-                                              sync=False))
-                _syncfs(self.workspace)
-                # Lines with an idempotency key: the key first (as in publish); a line whose key
-                # another client holds is not published, and answers with that client's job.
-                final = [job_id for job_id, _ in staged]
-                for i, entry in enumerate(chunk):
-                    key = job_param(entry.params, "idempotency_key")
-                    if key is None or holder is None:
-                        continue
-                    if key in mine:  # an earlier line of this call has it: our own lock, never waited on
-                        final[i] = mine[key]
-                        self.existing_lines += 1
-                        continue
-                    while not _link_key(self.workspace, key, final[i], holder.name):
-                        existing = key_job(self.workspace, key, notify=self.notify)
-                        if existing is not None:
-                            final[i] = existing
-                            self.existing_lines += 1
-                            break
-                    mine[key] = final[i]
-                if tag:
-                    _write_manifest(self.workspace, tag, [(job_id, job_param(e.params, "custom_id"))
-                                                          for job_id, e in zip(final, chunk)])
-                for (job_id, staging), published in zip(staged, final):
-                    if published == job_id:
-                        move(staging, os.path.join(self.workspace, READY, job_id))
-                    else:
-                        _remove_tree(staging)
-                    ids.append(published)
-            finally:
-                for _, staging in staged[len(ids) - first:]:  # not published: never leave them to look like jobs
-                    _remove_tree(staging)
+            chunk, chunk_found = self._publish_chunk(entries[first:first + BATCH_CHUNK], tag, keys)
+            ids += chunk
+            found += chunk_found
             fsync_dir(os.path.join(self.workspace, READY))
             fsync_dir(os.path.join(self.workspace, WRITING))
             if on_chunk is not None:
-                on_chunk(ids[first:])
+                on_chunk(chunk)
+        return ids, found
+
+    def _publish_chunk(self, chunk: list[BatchEntry], tag: Optional[str], keys: _Keys) -> tuple[list[str], int]:
+        """Stage, flush and publish one chunk: its IDs, and how many of its lines found their key's job."""
+        import json
+
+        staged: list[tuple[str, str]] = []
+        published: list[str] = []
+        try:
+            for entry in chunk:
+                params = dict(entry.params, tag=tag) if tag else entry.params
+                staged.append(self._stage([(PROMPT_FILE, entry.prompt),
+                                           (PARAMS_FILE, json.dumps(params, ensure_ascii=False).encode())],
+                                          sync=False))
+            _syncfs(self.workspace)
+            # Lines with an idempotency key: the key first (as in publish); a line whose key
+            # another client holds is not published, and answers with that client's job.
+            final = [job_id if key is None else keys.take(key, job_id)
+                     for (job_id, _), key in zip(staged, (job_param(e.params, "idempotency_key") for e in chunk))]
+            if tag:
+                _write_manifest(self.workspace, tag, [(job_id, job_param(e.params, "custom_id"))
+                                                      for job_id, e in zip(final, chunk)])
+            for (job_id, staging), answer in zip(staged, final):
+                if answer == job_id:
+                    move(staging, os.path.join(self.workspace, READY, job_id))
+                else:
+                    _remove_tree(staging)
+                published.append(answer)
+        finally:
+            for _, staging in staged[len(published):]:  # not published: never leave them to look like jobs
+                _remove_tree(staging)
+        return published, sum(answer != job_id for (job_id, _), answer in zip(staged, published))
 
     def submit_file(self, source: Any, *, tag: Optional[str] = None, jsonl: Optional[bool] = None,
                     on_ids: Optional[Callable[[list[str]], None]] = None, notes: Optional[list[str]] = None,
@@ -5384,24 +5459,28 @@ class Work:
         """
         if id_field is not None and template is None:
             raise InvalidInput("--id-field names a field of a template's records: give --template too")
-        if isinstance(source, (bytes, bytearray)):
-            data = bytes(source)
-        elif not isinstance(source, (str, os.PathLike)):
-            data = read_batch(source)  # stdin
-        else:
-            path = os.fspath(source)
-            try:
-                with open(path, "rb") as handle:
-                    data = read_batch(handle)
-            except OSError as err:
-                raise InvalidInput(f"cannot read {path}: {_os_error(err)}") from None
-            if jsonl is None and (template is None or path.endswith((".csv", ".jsonl"))):
-                jsonl = path.endswith(".jsonl")  # a template's data file of another name: sniffed
+        data, jsonl = _batch_source(source, jsonl, template)
         notes = [] if notes is None else notes
         if template is not None:
             entries = parse_records(data, template, id_field, None if jsonl is None else not jsonl)
         else:
             entries = parse_batch(data, jsonl, notes)
+        entries = self._with_defaults(entries, tag, dedupe, notes, defaults)
+        with _Keys(self.workspace, self.notify) as keys:
+            ids, new, same_as, keyed = self._plan_lines(entries, tag, notes, keys)
+            lines = _LineIds(ids, new, same_as, on_ids)
+            lines.add([])
+            keyed += self._publish_batch([entries[i] for i in new], tag, lines.add, keys)[1]
+        if keyed:
+            notes.append(f"{keyed} of {len(entries)} lines matched an existing job by idempotency key; "
+                         "their IDs are those jobs' (nothing queued for them)")
+        return ids  # type: ignore[return-value]
+
+    def _with_defaults(self, entries: list[BatchEntry], tag: Optional[str], dedupe: bool, notes: list[str],
+                       defaults: dict[str, Any]) -> list[BatchEntry]:
+        """A batch file's lines with the flags' parameters (``defaults``) under their own,
+        checked together, each model named as a path, and (``dedupe``) a key from each line's
+        content; a note in ``notes`` for a model name that matches no model."""
         defaults = validate_params(defaults)
         if tag is not None:
             validate_params({"tag": tag})
@@ -5425,6 +5504,14 @@ class Work:
             entries = [e if "idempotency_key" in e.params else
                        BatchEntry(e.line, e.prompt, dict(e.params, idempotency_key=dedupe_key(e.prompt, e.params)))
                        for e in entries]
+        return entries
+
+    def _plan_lines(self, entries: list[BatchEntry], tag: Optional[str], notes: list[str],
+                    keys: _Keys) -> tuple[list[Optional[str]], list[int], dict[int, int], int]:
+        """Which lines of a batch file have a job already: (each line's ID, None for those to
+        queue; the lines to queue; a line whose key an earlier line has -> that line; how many
+        lines found their key's job). Those with ``tag`` queued under their ``custom_id`` (a
+        resumed submit) are told in ``notes``."""
         existing: dict[str, str] = {}
         if tag:
             members = tag_members(self.workspace, tag)
@@ -5434,13 +5521,13 @@ class Work:
         if existing:
             _refuse_changed_lines(self.workspace, tag, entries, ids)  # type: ignore[arg-type]
         keyed = 0
+        first_with: dict[str, int] = {}
+        same_as: dict[int, int] = {}
         for i, entry in enumerate(entries):
             key = job_param(entry.params, "idempotency_key")
             if ids[i] is None and key is not None and os.path.isdir(self.workspace):
-                ids[i] = key_job(self.workspace, key, notify=self.notify)
+                ids[i] = keys.find(key)
                 keyed += ids[i] is not None
-        first_with: dict[str, int] = {}
-        same_as: dict[int, int] = {}  # a line whose key an earlier line of the file has -> that line
         for i, entry in enumerate(entries):
             key = job_param(entry.params, "idempotency_key")
             if ids[i] is None and key is not None:
@@ -5455,29 +5542,7 @@ class Work:
         if existing:
             notes.append(f"{len(entries) - len(new) - len(same_as) - keyed} of {len(entries)} lines are already queued with tag "
                          f"{tag}; queuing the other {len(new)}")
-        known = placed = 0
-
-        def on_chunk(chunk: list[str]) -> None:
-            nonlocal known, placed
-            for job_id in chunk:
-                ids[new[placed]] = job_id
-                placed += 1
-            for line, earlier in same_as.items():
-                if ids[line] is None and ids[earlier] is not None:
-                    ids[line] = ids[earlier]
-            start = known
-            while known < len(ids) and ids[known] is not None:
-                known += 1
-            if on_ids is not None and known > start:
-                on_ids(ids[start:known])  # type: ignore[arg-type]
-
-        on_chunk([])
-        self.publish_batch([entries[i] for i in new], tag, on_chunk)
-        keyed += self.existing_lines
-        if keyed:
-            notes.append(f"{keyed} of {len(entries)} lines matched an existing job by idempotency key; "
-                         "their IDs are those jobs' (nothing queued for them)")
-        return ids  # type: ignore[return-value]
+        return ids, new, same_as, keyed
 
     def _stage(self, files: list[tuple[str, bytes]], sync: bool = True) -> tuple[str, str]:
         """Create input/writing/<new id>/ exclusively and write the job's files into it

@@ -6475,7 +6475,36 @@ def test_a_batch_repeating_a_key_makes_one_job_without_waiting_on_itself(ws: str
     start = time.monotonic()
     ids = work.publish_batch(entries)
     assert time.monotonic() - start < 2
-    assert ids[0] == ids[1] and os.listdir(os.path.join(ws, nrvna.READY)) == [ids[0]] and work.existing_lines == 1
+    assert ids[0] == ids[1] and os.listdir(os.path.join(ws, nrvna.READY)) == [ids[0]]
+    with nrvna._Keys(ws, pytest.fail) as keys:  # the lines that found their key's job: counted and returned
+        assert work._publish_batch(entries, None, None, keys) == ([ids[0], ids[0]], 2)
+    assert os.listdir(os.path.join(ws, nrvna.READY)) == [ids[0]] and os.listdir(os.path.join(ws, nrvna.WRITING)) == []
+
+
+def test_every_keyed_publish_looks_up_and_takes_its_keys_through_one_helper(ws: str, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """publish, publish_batch and submit_file find a key's job and link a key to a staged job
+    through _Keys alone, and hand back what they found as results."""
+    calls: list[tuple[str, str]] = []
+    find, take = nrvna._Keys.find, nrvna._Keys.take
+    monkeypatch.setattr(nrvna._Keys, "find", lambda self, key: calls.append(("find", key)) or find(self, key))
+    monkeypatch.setattr(nrvna._Keys, "take", lambda self, key, job_id: calls.append(("take", key)) or take(self, key, job_id))
+    work = Work(ws)
+    one = work.publish("a", idempotency_key="A")
+    assert calls == [("find", "A"), ("take", "A")] and work.existing is False
+    assert work.submit("again", idempotency_key="A") == nrvna.SubmitResult(True, one, "exists") and work.existing is True
+    calls.clear()
+    entries = [nrvna.BatchEntry(1, b"b", {"idempotency_key": "B"}), nrvna.BatchEntry(2, b"a", {"idempotency_key": "A"})]
+    batch = work.publish_batch(entries)
+    assert batch[1] == one and calls == [("take", "B"), ("take", "A")]
+    calls.clear()
+    notes: list[str] = []
+    lines = [{"prompt": "c", "idempotency_key": "C"}, {"prompt": "b", "idempotency_key": "B"}, {"prompt": "c2", "idempotency_key": "C"}]
+    ids = work.submit_file(write(tmp_path / "k.jsonl", jsonl(lines)), notes=notes)
+    assert ids[1] == batch[0] and ids[0] == ids[2] != batch[0]
+    assert calls == [("find", "C"), ("find", "B"), ("find", "C"), ("take", "C")]
+    assert notes == ["1 line repeats an earlier line's idempotency key: it gets its job",
+                     "1 of 3 lines matched an existing job by idempotency key; their IDs are those jobs' (nothing queued for them)"]
 
 
 def test_clean_ends_a_key_and_retry_keeps_it(ws: str, run_main: RunMain) -> None:
