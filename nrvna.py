@@ -2686,45 +2686,72 @@ class GrammarShape:
             if len(self.asked) > 4_000:
                 self.asked.clear()
             self.asked.add(state)
-        np = vocab.np
+        total, worst = _VocabWalk(vocab.np, self.splits, self._children).cost(state, vocab, ids)
+        if total > GRAMMAR_VOCAB_WORK:
+            raise GrammarLimit(f"too wide: checking the vocabulary here takes {total:,} parse steps "
+                               f"(the limit is {GRAMMAR_VOCAB_WORK:,})")
+        if ids is None:
+            if len(self.vocab_costs) > 4_000:
+                self.vocab_costs.clear()
+            self.vocab_costs[state] = (total, worst)
+        return total, worst
+
+
+class _VocabWalk:
+    """One count of GrammarShape.vocab_cost: the tokens walked a character at a time together,
+    grouped by the set of stacks (with their walks) each has reached; each set is numbered
+    here, and how its stacks split on characters (``children``) is remembered in the shape's
+    ``splits``."""
+
+    def __init__(self, np: Any, splits: dict[Any, Any],
+                 children: Callable[..., tuple[list[int], list[dict[Stack, int]]]]) -> None:
+        self.np, self.splits, self.children = np, splits, children
+        self.ids_of: dict[Any, int] = {}  # a set of stacks with their walks -> its number here
+        self.groups: list[tuple[Any, dict[Stack, int]]] = []  # by number: (its key, the set)
+        self.walks: list[int] = []
+        self.moves: dict[int, tuple[Any, Any]] = {}  # number -> (edges, the numbers its ranges lead to)
+        self.budget = [GRAMMAR_CHECK_WORK]
+
+    def number(self, items: dict[Stack, int]) -> int:
+        """The number of a set of stacks, numbered when first seen."""
+        key = frozenset(items.items())
+        found = self.ids_of.get(key)
+        if found is None:
+            found = self.ids_of[key] = len(self.groups)
+            self.groups.append((key, items))
+            self.walks.append(sum(items.values()))
+        return found
+
+    def move(self, kind: int) -> tuple[Any, Any]:
+        """Where set ``kind`` goes on each range of characters: (the ranges' first code points,
+        the numbers of the sets they lead to)."""
+        np = self.np
+        found = self.moves.get(kind)
+        if found is None:
+            key, items = self.groups[kind]
+            split = self.splits.get(key)
+            if split is None:
+                edges, children = self.children(items, self.budget)
+                split = (np.asarray(edges, dtype=np.int64), children)
+                if len(self.splits) > 10_000:
+                    self.splits.clear()
+                self.splits[key] = split
+            edges, children = split
+            found = self.moves[kind] = (edges, np.asarray([self.number(child) for child in children], dtype=np.int64))
+        return found
+
+    def cost(self, state: GrammarState, vocab: GrammarVocab, ids: Any) -> tuple[int, int]:
+        """The steps to check every token of ``vocab`` (or those of ``ids``) in ``state``, and
+        the most one token takes; GrammarLimit once one token takes more than GRAMMAR_PATHS."""
+        np = self.np
         stacks, partial = state
         points, lengths = vocab.points(partial)
         rows = np.arange(len(lengths)) if ids is None else np.asarray(ids, dtype=np.int64)
-        ids_of: dict[Any, int] = {}  # a set of stacks with their walks -> its number here
-        groups: list[tuple[Any, dict[Stack, int]]] = []  # by number: (its key, the set)
-        walks: list[int] = []
-        moves: dict[int, tuple[Any, Any]] = {}  # number -> (edges, the numbers its ranges lead to)
-        budget = [GRAMMAR_CHECK_WORK]
-
-        def number(items: dict[Stack, int]) -> int:
-            key = frozenset(items.items())
-            found = ids_of.get(key)
-            if found is None:
-                found = ids_of[key] = len(groups)
-                groups.append((key, items))
-                walks.append(sum(items.values()))
-            return found
-
-        def move(kind: int) -> tuple[Any, Any]:
-            found = moves.get(kind)
-            if found is None:
-                key, items = groups[kind]
-                split = self.splits.get(key)
-                if split is None:
-                    edges, children = self._children(items, budget)
-                    split = (np.asarray(edges, dtype=np.int64), children)
-                    if len(self.splits) > 10_000:
-                        self.splits.clear()
-                    self.splits[key] = split
-                edges, children = split
-                found = moves[kind] = (edges, np.asarray([number(child) for child in children], dtype=np.int64))
-            return found
-
-        group = np.full(len(rows), number({stack: 1 for stack in stacks}), dtype=np.int64)
+        group = np.full(len(rows), self.number({stack: 1 for stack in stacks}), dtype=np.int64)
         spent = np.zeros(len(rows), dtype=np.int64)  # steps so far, per token still being walked
         total = worst = 0
         for column in range(points.shape[1] + 1):
-            taken = np.asarray(walks, dtype=np.int64)[group]  # each walk checks this character (or the end)
+            taken = np.asarray(self.walks, dtype=np.int64)[group]  # each walk checks this character (or the end)
             spent += taken
             total += int(taken.sum())
             going = (taken > 0) & (lengths[rows] > column)
@@ -2739,21 +2766,14 @@ class GrammarShape:
                 break
             characters = points[rows, column]
             if group[0] == group[-1] and (group == group[0]).all():  # one set of stacks: the common case
-                edges, targets = move(int(group[0]))
+                edges, targets = self.move(int(group[0]))
                 group = targets[np.searchsorted(edges, characters, side="right") - 1]
                 continue
             before = group.copy()
             for kind in np.unique(before).tolist():
                 these = before == kind
-                edges, targets = move(kind)
+                edges, targets = self.move(kind)
                 group[these] = targets[np.searchsorted(edges, characters[these], side="right") - 1]
-        if total > GRAMMAR_VOCAB_WORK:
-            raise GrammarLimit(f"too wide: checking the vocabulary here takes {total:,} parse steps "
-                               f"(the limit is {GRAMMAR_VOCAB_WORK:,})")
-        if ids is None:
-            if len(self.vocab_costs) > 4_000:
-                self.vocab_costs.clear()
-            self.vocab_costs[state] = (total, worst)
         return total, worst
 
 
@@ -5580,6 +5600,37 @@ class Work:
         return job_id, staging
 
 
+def _export_form(format: str, out: Any, ids_file: Any) -> tuple[ExportFormat, Any]:
+    """``export``'s format, checked against its files, and the side file a binary format writes
+    (by default ``out + ".ids"``)."""
+    if format not in EXPORT_FORMATS:
+        raise InvalidInput(f"unknown export format {format!r} (known: {', '.join(EXPORT_FORMATS)})")
+    form = EXPORT_FORMATS[format]
+    binary = form.side is not None
+    if binary and not (isinstance(out, (str, os.PathLike)) and os.fspath(out) not in ("", "-")):
+        raise InvalidInput(f"export --format {format} needs -o FILE (it writes FILE and FILE.ids)")
+    if not binary and ids_file is not None:
+        raise InvalidInput(f"--ids names the side file of a binary format; --format {format} has none")
+    if binary and ids_file is None:
+        if _written_through(os.fspath(out)):
+            # /dev/null.ids, /dev/stdout.ids: a stray file beside a device, never what was meant
+            raise InvalidInput(f"-o {os.fspath(out)} is not a regular file, so FILE.ids cannot go beside it: "
+                               "name the rows' side file with --ids FILE")
+        ids_file = os.fspath(out) + ".ids"
+    return form, ids_file
+
+
+def _refuse_same_files(out: Any, errors: Any, ids_file: Any) -> None:
+    """InvalidInput when two of ``export``'s files (those given as paths) are one file."""
+    named = [(what, os.fspath(t)) for what, t in (("the output", out), ("the errors file", errors),
+                                                    ("the ids file", ids_file))
+             if isinstance(t, (str, os.PathLike)) and os.fspath(t) != "-"]
+    for i, (what, path) in enumerate(named):
+        for earlier, other in named[:i]:
+            if os.path.realpath(path) == os.path.realpath(other):
+                raise InvalidInput(f"{earlier} and {what} are the same file ({other})")
+
+
 class Flow:
     """Reads job states and results. Never blocks the daemon; safe to poll."""
 
@@ -5811,75 +5862,17 @@ class Flow:
         jobs with vectors of another width are refused (a ragged matrix cannot be read back).
         Failed jobs, which have no rows, go to ``errors`` as jsonl lines, or are left out
         (counted in ``notes``)."""
-        if format not in EXPORT_FORMATS:
-            raise InvalidInput(f"unknown export format {format!r} (known: {', '.join(EXPORT_FORMATS)})")
-        form = EXPORT_FORMATS[format]
-        line_of = form.line
-        binary = form.side is not None
-        if binary and not (isinstance(out, (str, os.PathLike)) and os.fspath(out) not in ("", "-")):
-            raise InvalidInput(f"export --format {format} needs -o FILE (it writes FILE and FILE.ids)")
-        if not binary and ids_file is not None:
-            raise InvalidInput(f"--ids names the side file of a binary format; --format {format} has none")
-        if binary and ids_file is None:
-            if _written_through(os.fspath(out)):
-                # /dev/null.ids, /dev/stdout.ids: a stray file beside a device, never what was meant
-                raise InvalidInput(f"-o {os.fspath(out)} is not a regular file, so FILE.ids cannot go beside it: "
-                                   "name the rows' side file with --ids FILE")
-            ids_file = os.fspath(out) + ".ids"
-        ids = list(ids)
-        if tag is not None and not ids:  # stream the tag's index: memory does not grow with the batch
-            require_workspace(self.workspace)
-            require_tag(self.workspace, tag)
-            selected: Iterable[str] = (job_id for chunk in iter_tag_members(self.workspace, tag) for job_id, _ in chunk)
-        else:
-            selected = self.select(ids, tag)[0]
-        named = [(what, os.fspath(t)) for what, t in (("the output", out), ("the errors file", errors),
-                                                        ("the ids file", ids_file))
-                 if isinstance(t, (str, os.PathLike)) and os.fspath(t) != "-"]
-        for i, (what, path) in enumerate(named):
-            for earlier, other in named[:i]:
-                if os.path.realpath(path) == os.path.realpath(other):
-                    raise InvalidInput(f"{earlier} and {what} are the same file ({other})")
+        form, ids_file = _export_form(format, out, ids_file)
+        selected = self._export_selection(ids, tag)
+        _refuse_same_files(out, errors, ids_file)
         targets: list[Any] = []
-        unfinished = exported = left_out = 0
-        unreadable: list[str] = []
-        first_row: Optional[tuple[int, str]] = None  # f32: (bytes a row, 4 a float; its job)
         try:
             for target in (out, errors):
-                targets.append(_ExportTarget(target, binary and not targets) if isinstance(target, (str, os.PathLike))
-                               else target)
-            if binary:
+                targets.append(_ExportTarget(target, form.side is not None and not targets)
+                               if isinstance(target, (str, os.PathLike)) else target)
+            if form.side is not None:
                 targets.append(_ExportTarget(ids_file) if isinstance(ids_file, (str, os.PathLike)) else ids_file)
-            for job_id in selected:
-                try:
-                    job = self.get(job_id)
-                except PermissionError:
-                    unreadable.append(job_id)
-                    continue
-                if job is None:
-                    continue  # a tagged job removed since (clean)
-                if not job.status.finished:
-                    unfinished += 1
-                    continue
-                if binary and job.status is Status.Failed:
-                    if targets[1] is None:
-                        left_out += 1
-                    else:
-                        targets[1].write(EXPORT_FORMATS["jsonl"].line(job))
-                    continue
-                target = targets[1] if targets[1] is not None and job.status is Status.Failed else targets[0]
-                data = line_of(job)
-                if binary:
-                    side = form.side(job)
-                    width = len(data) // side.count("\n")  # one width within a job: _f32_rows saw to it
-                    if first_row is None:
-                        first_row = (width, job.id)
-                    elif width != first_row[0]:
-                        raise InvalidInput(f"job {job.id} has vectors of {width // 4} floats and job {first_row[1]} "
-                                           f"of {first_row[0] // 4}: a matrix has one width (export them apart)")
-                    targets[2].write(side)
-                target.write(data)
-                exported += 1
+            exported, unfinished, left_out, unreadable = self._export_jobs(selected, form, targets)
             for target in targets:
                 if isinstance(target, _ExportTarget):
                     target.commit()
@@ -5899,6 +5892,56 @@ class Flow:
             raise WorkspaceError(f"{len(unreadable)} jobs could not be read (permission denied: {unreadable[0]}"
                                  f"{', ...' if len(unreadable) > 1 else ''}); the other {exported} were exported")
         return exported, unfinished
+
+    def _export_selection(self, ids: Iterable[str], tag: Optional[str]) -> Iterable[str]:
+        """The jobs ``export`` goes through, in submission order (checked now, read lazily)."""
+        ids = list(ids)
+        if tag is not None and not ids:  # stream the tag's index: memory does not grow with the batch
+            require_workspace(self.workspace)
+            require_tag(self.workspace, tag)
+            return (job_id for chunk in iter_tag_members(self.workspace, tag) for job_id, _ in chunk)
+        return self.select(ids, tag)[0]
+
+    def _export_jobs(self, selected: Iterable[str], form: ExportFormat,
+                     targets: list[Any]) -> tuple[int, int, int, list[str]]:
+        """Write each finished job of ``selected`` to its target (``targets``: the output, the
+        errors or None, and a binary format's side file): (lines written, unfinished jobs,
+        failed jobs a binary format left out for want of an errors target, unreadable jobs)."""
+        binary = form.side is not None
+        unfinished = exported = left_out = 0
+        unreadable: list[str] = []
+        first_row: Optional[tuple[int, str]] = None  # f32: (bytes a row, 4 a float; its job)
+        for job_id in selected:
+            try:
+                job = self.get(job_id)
+            except PermissionError:
+                unreadable.append(job_id)
+                continue
+            if job is None:
+                continue  # a tagged job removed since (clean)
+            if not job.status.finished:
+                unfinished += 1
+                continue
+            if binary and job.status is Status.Failed:
+                if targets[1] is None:
+                    left_out += 1
+                else:
+                    targets[1].write(EXPORT_FORMATS["jsonl"].line(job))
+                continue
+            target = targets[1] if targets[1] is not None and job.status is Status.Failed else targets[0]
+            data = form.line(job)
+            if binary:
+                side = form.side(job)  # type: ignore[misc]
+                width = len(data) // side.count("\n")  # one width within a job: _f32_rows saw to it
+                if first_row is None:
+                    first_row = (width, job.id)
+                elif width != first_row[0]:
+                    raise InvalidInput(f"job {job.id} has vectors of {width // 4} floats and job {first_row[1]} "
+                                       f"of {first_row[0] // 4}: a matrix has one width (export them apart)")
+                targets[2].write(side)
+            target.write(data)
+            exported += 1
+        return exported, unfinished, left_out, unreadable
 
 
 def format_time(when: float) -> str:
