@@ -2224,22 +2224,8 @@ class _GbnfParser:
                     seq.append(("sym", True, ((value, value),)))
                 pos = self.space(pos + 1, nested)
             elif c == "[":
-                pos += 1
-                positive = self.char(pos) != "^"
-                pos += not positive
                 last, prev_rules = len(seq), 1
-                ranges: list[tuple[int, int]] = []
-                while self.char(pos) != "]":
-                    low, pos = self.parse_char(pos)
-                    high = low
-                    if self.char(pos) == "-" and self.char(pos + 1) not in ("]", ""):
-                        high, pos = self.parse_char(pos + 1)
-                    elif self.char(pos) == "-" and self.char(pos + 1) == "":
-                        self.fail(pos, "unexpected end of input")
-                    ranges.append((low, high))
-                if ranges:  # llama.cpp turns "[]" into nothing at all
-                    seq.append(("sym", positive, tuple(ranges)))
-                pos = self.space(pos + 1, nested)
+                pos = self.char_class(pos + 1, nested, seq)
             elif c in "<!":
                 pos = self.token(pos + (c == "!"))
                 last, prev_rules = len(seq), 1
@@ -2264,35 +2250,60 @@ class _GbnfParser:
                 seq.append(("sym", False, ()))  # no character excluded: any
                 pos = self.space(pos + 1, nested)
             elif c in "*+?{":
-                low, high, pos = self.repetition(pos, nested)
-                if last == len(seq):
-                    self.fail(pos, "expecting an item before */+/?/{")
-                total = high if high is not None and high > 0 else (low if low > 0 else 1)
-                if prev_rules * total > GRAMMAR_MAX_REPETITION:
-                    self.fail(pos, f"repetition makes more than {GRAMMAR_MAX_REPETITION} rules")
-                item = seq[last:]
-                self.size += len(item) * max(low, high or 1)
-                if self.size > GRAMMAR_MAX_ELEMENTS:
-                    self.fail(pos, f"the grammar expands to more than {GRAMMAR_MAX_ELEMENTS:,} elements "
-                                   "(each copy of a repeated item counts)")
-                del seq[last:]
-                seq += item * low
-                # The optional repetitions as llama.cpp writes them (their shape decides how
-                # many parse stacks a step holds, which GrammarShape counts): S{m,} adds
-                # S' ::= S S' | and S{m,n} a chain S'(k) ::= S S'(k-1) | ... S'(1) ::= S |
-                optional = None
-                for _ in range(1 if high is None else high - low):
-                    rule_id = self.new_symbol(name)
-                    tail = [("ref", rule_id if high is None else optional)] if high is None or optional is not None else []
-                    self.rules[rule_id] = [item + tail, []]
-                    optional = rule_id
-                if optional is not None:
-                    seq.append(("ref", optional))
-                prev_rules *= total
+                pos, prev_rules = self.repeat(pos, name, seq, last, prev_rules, nested)
             else:
                 break
         alternatives.append(seq)
         return pos
+
+    def char_class(self, pos: int, nested: bool, seq: list[tuple[Any, ...]]) -> int:
+        """The character class starting at ``pos`` (after its "["), added to ``seq``; where the
+        parse goes on."""
+        positive = self.char(pos) != "^"
+        pos += not positive
+        ranges: list[tuple[int, int]] = []
+        while self.char(pos) != "]":
+            low, pos = self.parse_char(pos)
+            high = low
+            if self.char(pos) == "-" and self.char(pos + 1) not in ("]", ""):
+                high, pos = self.parse_char(pos + 1)
+            elif self.char(pos) == "-" and self.char(pos + 1) == "":
+                self.fail(pos, "unexpected end of input")
+            ranges.append((low, high))
+        if ranges:  # llama.cpp turns "[]" into nothing at all
+            seq.append(("sym", positive, tuple(ranges)))
+        return self.space(pos + 1, nested)
+
+    def repeat(self, pos: int, name: str, seq: list[tuple[Any, ...]], last: int, prev_rules: int,
+               nested: bool) -> tuple[int, int]:
+        """The repetition (*, +, ?, {m,n}) at ``pos`` of ``seq``'s last item (from ``last``, which
+        makes ``prev_rules`` rules), written into ``seq`` as llama.cpp writes it: (where the parse
+        goes on, the rules the repeated item makes)."""
+        low, high, pos = self.repetition(pos, nested)
+        if last == len(seq):
+            self.fail(pos, "expecting an item before */+/?/{")
+        total = high if high is not None and high > 0 else (low if low > 0 else 1)
+        if prev_rules * total > GRAMMAR_MAX_REPETITION:
+            self.fail(pos, f"repetition makes more than {GRAMMAR_MAX_REPETITION} rules")
+        item = seq[last:]
+        self.size += len(item) * max(low, high or 1)
+        if self.size > GRAMMAR_MAX_ELEMENTS:
+            self.fail(pos, f"the grammar expands to more than {GRAMMAR_MAX_ELEMENTS:,} elements "
+                           "(each copy of a repeated item counts)")
+        del seq[last:]
+        seq += item * low
+        # The optional repetitions as llama.cpp writes them (their shape decides how
+        # many parse stacks a step holds, which GrammarShape counts): S{m,} adds
+        # S' ::= S S' | and S{m,n} a chain S'(k) ::= S S'(k-1) | ... S'(1) ::= S |
+        optional = None
+        for _ in range(1 if high is None else high - low):
+            rule_id = self.new_symbol(name)
+            tail = [("ref", rule_id if high is None else optional)] if high is None or optional is not None else []
+            self.rules[rule_id] = [item + tail, []]
+            optional = rule_id
+        if optional is not None:
+            seq.append(("ref", optional))
+        return pos, prev_rules * total
 
     def repetition(self, pos: int, nested: bool) -> tuple[int, Optional[int], int]:
         c = self.src[pos]
