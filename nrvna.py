@@ -36,6 +36,61 @@ Contents (one banner each, in dependency order: a section uses only what is abov
                                   _Models and _ModelSwitch (several models), _Registry (several daemons),
                                   _Watcher (cancels, timeouts, dead daemons), Server
 13. CLI                           main(), one _cmd_* per command, markdown_tables (the manual's tables)
+
+API (``__all__``; docs/library.md documents each name, and names every other one not
+``_``-prefixed as internal: such names may change in any release):
+
+    Work               submits jobs: submit, publish, publish_batch, submit_file
+    SubmitResult       what Work.submit returns: (ok, id, message), errors as values
+    Flow               reads jobs: status, get, wait, follow, wait_all, select, counts, lanes, export
+    Status             a job's state: Queued, Running, Done, Failed, Missing
+    Job                what Flow.get returns: id, status, prompt, result, error, meta, params, logprobs, choices
+    iter_events        jobs' changes of state as event dicts, as `nrvna events` prints them
+    bulk_states        many jobs' states at once, one listing per state directory
+    cancel_job         `nrvna cancel` for one job
+    cancel_jobs        `nrvna cancel` for IDs or a tag
+    retry_job          `nrvna retry` for one job
+    retry_jobs         `nrvna retry` for IDs, a tag or every failed job
+    clean_jobs         `nrvna clean`: remove finished jobs older than a bound
+    daemon_info        `nrvna status --daemon`: the running daemons' records
+    stop_daemon        `nrvna stop`: the stopped daemons' pids
+    BatchEntry         one batch line: (line, prompt, params)
+    parse_batch        a whole batch file (bytes) checked into BatchEntry values
+    read_batch         a batch file's bytes from a binary stream, each line bounded
+    batch_line_limit   the longest batch line read_batch takes
+    parse_records      a data file's records (JSONL or CSV) filling a template, as BatchEntry values
+    export_record      one export line (a dict) for a Job
+    job_vectors        an embed job's vectors
+    ExportFormat       an export format's row of EXPORT_FORMATS
+    EXPORT_FORMATS     the export formats: jsonl, openai, text, f32
+    Config             the daemon's settings (Config.from_env(): the NRVNA_* variables)
+    SETTINGS           every NRVNA_* variable: its type, default, range and help
+    Param              a job parameter's row of PARAMS
+    PARAMS             every job parameter: its check, flag, OpenAI field and help
+    validate_params    job parameters checked as publish checks them
+    check_json_schema  a JSON schema checked as submit checks it (InvalidInput naming the keyword)
+    check_grammar      a GBNF grammar checked as submit checks it (InvalidInput)
+    NrvnaError         the base of every error nrvna raises; exit_code is the CLI's
+    InvalidInput       a bad prompt, ID, parameter, batch line or argument (exit 2)
+    ConfigError        an invalid NRVNA_* value or daemon option (an InvalidInput)
+    NoSuchJob          no job with that ID (exit 3)
+    NotFinished        the job is queued or running, or a wait ran out (exit 4)
+    KeyHeld            a live submit holds the idempotency key past NRVNA_KEY_WAIT (a NotFinished)
+    WorkspaceError     the workspace cannot be used
+    ModelError         the model cannot be found or loaded
+    NotDurable         the job was published but the fsync confirming it failed (job_id has its ID)
+    JobError           raised in a runner: fail one job with a code and a message
+    Interrupted        raised in a runner: the job stopped for a shutdown and goes back to the queue
+    EXIT_CODES         the CLI's exit codes and what each means
+    FAILURE_CODES      the codes a failed job carries and what each means
+    Runner             the runner protocol: one Session per worker
+    Session            a worker's jobs: start, step, drop, free, active, idle, close
+    RunningJob         what a runner sees of a job: id, prompt, params, emit, stop, interrupt
+    Outcome            how a job ended: text, finish reason, token counts, error, logprobs, choices
+    FunctionRunner     a function fn(job) -> str as a Runner
+    LlamaRunner        llama.cpp's runner, the daemon's default (needs llama-cpp-python)
+    Server             the daemon in-process: start, serve_forever, shutdown (a context manager)
+    main               the command line: main(argv) -> exit code
 """
 
 from __future__ import annotations
@@ -44,24 +99,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     # client
-    "Work", "Flow", "Status", "Job", "SubmitResult",
+    "Work", "SubmitResult", "Flow", "Status", "Job", "iter_events", "bulk_states",
     "cancel_job", "cancel_jobs", "retry_job", "retry_jobs", "clean_jobs", "daemon_info", "stop_daemon",
     # batch files and export
-    "BatchEntry", "parse_batch", "read_batch", "batch_line_limit", "parse_records", "compile_template", "fill_template", "tag_members", "iter_tag_members", "bulk_states", "export_record", "job_vectors",
-    "Endpoint", "ENDPOINTS", "ExportFormat", "EXPORT_FORMATS",
+    "BatchEntry", "parse_batch", "read_batch", "batch_line_limit", "parse_records", "export_record", "job_vectors",
+    "ExportFormat", "EXPORT_FORMATS",
     # settings and job parameters
-    "Config", "SETTINGS", "Param", "PARAMS", "job_param", "validate_params", "render_messages", "check_inputs",
-    "check_grammar", "GrammarShape", "GrammarVocab", "GrammarLimit", "grammar_code_points",
-    "render_inputs",
-    # job directories
-    "locate_job", "read_meta", "dump_meta", "mark_failed", "move_job", "ensure_workspace", "Route", "read_route",
-    "WorkspaceLock", "daemon_records",
-    "job_history", "record_event", "iter_events", "format_time", "owe_hooks", "EVENT_STATUS",
+    "Config", "SETTINGS", "Param", "PARAMS", "validate_params", "check_json_schema", "check_grammar",
     # errors
     "NrvnaError", "InvalidInput", "ConfigError", "NoSuchJob", "NotFinished", "KeyHeld", "WorkspaceError",
     "ModelError", "NotDurable", "JobError", "Interrupted", "EXIT_CODES", "FAILURE_CODES",
     # runners and the daemon
-    "Runner", "Session", "RunningJob", "Outcome", "FunctionRunner", "LlamaRunner", "Hooks", "Server",
+    "Runner", "Session", "RunningJob", "Outcome", "FunctionRunner", "LlamaRunner", "Server",
     "main",
 ]
 

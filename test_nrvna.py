@@ -391,12 +391,29 @@ def audit_clean(ws: str) -> bool:
 
 
 def test_all_lists_the_public_names() -> None:
-    public = {n for n in dir(nrvna) if not n.startswith("_") and n[0].isupper()
-              and getattr(getattr(nrvna, n), "__module__", None) == "nrvna"}
-    assert set(nrvna.__all__) >= {"Work", "Flow", "Server", "Status", "Job", "SubmitResult", "main"}
-    missing = {n for n in public if n not in nrvna.__all__ and not n.endswith("Error")
-               and n not in ("Pool", "Scanner", "Processor", "LlamaSession", "SubmitResult")}
-    assert missing <= {"Interrupted", "NotDurable", "InvalidInput", "NoSuchJob", "NotFinished"}
+    """__all__ is the API: the module docstring's API block and docs/library.md's "Every public
+    name" list each name of it once, in order, and nothing else; every other name nrvna.py
+    defines at its top level (class, function or constant) is _-prefixed or named in
+    library.md's "Internal names"."""
+    path = Path(nrvna.__file__)
+    defined: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    assert len(set(nrvna.__all__)) == len(nrvna.__all__) and set(nrvna.__all__) <= defined
+    block = nrvna.__doc__.split("\nAPI (", 1)[1].split("\n\n", 1)[1].split("\n\n", 1)[0].strip("\n")
+    assert [re.split(r"\s{2,}", line.strip())[0] for line in block.split("\n")] == nrvna.__all__
+    library = (HERE / "docs" / "library.md").read_text(encoding="utf-8")
+    listed = library.split("\n## Every public name\n", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^\| `(\w+)` \|", listed, re.M) == nrvna.__all__
+    internal = library.split("\n## Internal names\n", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(\w+)`", internal.split("|---|---|", 1)[1]))
+    outside = {name for name in defined if not name.startswith("_") and name not in nrvna.__all__}
+    assert outside - named == set(), "public-looking names neither in __all__ nor named internal in docs/library.md"
+    assert named - outside == set(), "docs/library.md names as internal what is no such name"
     for name in nrvna.__all__:
         assert hasattr(nrvna, name)
 
