@@ -421,12 +421,29 @@ def audit_clean(ws: str) -> bool:
 
 
 def test_all_lists_the_public_names() -> None:
-    public = {n for n in dir(nrvna) if not n.startswith("_") and n[0].isupper()
-              and getattr(getattr(nrvna, n), "__module__", None) == "nrvna"}
-    assert set(nrvna.__all__) >= {"Work", "Flow", "Server", "Status", "Job", "SubmitResult", "main"}
-    missing = {n for n in public if n not in nrvna.__all__ and not n.endswith("Error")
-               and n not in ("Pool", "Scanner", "Processor", "LlamaSession", "SubmitResult")}
-    assert missing <= {"Interrupted", "NotDurable", "InvalidInput", "NoSuchJob", "NotFinished"}
+    """__all__ is the API: the module docstring's API block and docs/library.md's "Every public
+    name" list each name of it once, in order, and nothing else; every other name nrvna.py
+    defines at its top level (class, function or constant) is _-prefixed or named in
+    library.md's "Internal names"."""
+    path = Path(nrvna.__file__)
+    defined: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    assert len(set(nrvna.__all__)) == len(nrvna.__all__) and set(nrvna.__all__) <= defined
+    block = nrvna.__doc__.split("\nAPI (", 1)[1].split("\n\n", 1)[1].split("\n\n", 1)[0].strip("\n")
+    assert [re.split(r"\s{2,}", line.strip())[0] for line in block.split("\n")] == nrvna.__all__
+    library = (HERE / "docs" / "library.md").read_text(encoding="utf-8")
+    listed = library.split("\n## Every public name\n", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^\| `(\w+)` \|", listed, re.M) == nrvna.__all__
+    internal = library.split("\n## Internal names\n", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(\w+)`", internal.split("|---|---|", 1)[1]))
+    outside = {name for name in defined if not name.startswith("_") and name not in nrvna.__all__}
+    assert outside - named == set(), "public-looking names neither in __all__ nor named internal in docs/library.md"
+    assert named - outside == set(), "docs/library.md names as internal what is no such name"
     for name in nrvna.__all__:
         assert hasattr(nrvna, name)
 
@@ -4408,6 +4425,47 @@ def test_converted_schemas_with_the_new_keywords_admit_only_valid_json(name: str
 
 
 @pytest.mark.model
+def test_the_check_and_the_converter_take_each_schema_branch_from_one_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_schema_branch alone decides which branch a schema object takes: every object the
+    converter writes is one the check named the same branch for, and nrvna's own rules
+    (bounds, patterns, lists of types) are written exactly where it says so."""
+    decided: dict[str, list[tuple[str, str]]] = {"check": [], "convert": []}
+    phase = ["check"]
+    branch_of = nrvna._schema_branch
+
+    def recorded(node: Any) -> str:
+        branch = branch_of(node)
+        decided[phase[0]].append((json.dumps(node, sort_keys=True), branch))
+        return branch
+
+    monkeypatch.setattr(nrvna, "_schema_branch", recorded)
+    for schema in KEYWORD_SCHEMAS.values():
+        phase[0] = "check"
+        nrvna.check_json_schema(schema)
+        phase[0] = "convert"
+        nrvna.schema_to_grammar(schema)
+    checked = dict(decided["check"])
+    # (a list of types the converter is handed again as the anyOf, or the enum, it stands for)
+    seen = [(node, branch) for node, branch in decided["convert"] if node in checked]
+    assert len(seen) > 20 and all(checked[node] == branch for node, branch in seen)
+    assert {"pattern", "number", "types", "object", "array"} <= {branch for _, branch in seen}
+
+
+@pytest.mark.parametrize("node, branch", [
+    ({"$ref": "#/$defs/a", "type": "string"}, "ref"), ({"oneOf": [], "anyOf": []}, "oneOf"),
+    ({"anyOf": [], "type": ["string"]}, "anyOf"), ({"type": ["string", "null"], "enum": ["a"]}, "types"),
+    ({"const": 1, "properties": {}}, "constants"), ({"additionalProperties": False, "allOf": []}, "object"),
+    ({"additionalProperties": True, "allOf": []}, "allOf"), ({"items": {}, "pattern": "a"}, "array"),
+    ({"type": "array", "format": "date"}, "other"), ({"format": "date"}, "pattern"),
+    ({"type": "string", "maxLength": 2}, "string"), ({"type": "integer", "pattern": "a"}, "number"),
+    ({}, "bare object"), ({"type": "object", "required": []}, "bare object"), ({"minimum": 1}, "untyped"),
+    ({"type": "boolean"}, "other"),
+])
+def test_a_schema_object_s_branch_follows_the_converter_s_order(node: dict[str, Any], branch: str) -> None:
+    assert nrvna._schema_branch(node) == branch
+
+
+@pytest.mark.model
 def test_llama_cpp_takes_the_grammars_and_admits_what_they_admit(llama: nrvna.LlamaRunner) -> None:
     """llama.cpp's own grammar sampler parses each grammar, takes strings GrammarShape
     generated, and refuses ones that break the pattern."""
@@ -6464,7 +6522,36 @@ def test_a_batch_repeating_a_key_makes_one_job_without_waiting_on_itself(ws: str
     start = time.monotonic()
     ids = work.publish_batch(entries)
     assert time.monotonic() - start < 2
-    assert ids[0] == ids[1] and os.listdir(os.path.join(ws, nrvna.READY)) == [ids[0]] and work.existing_lines == 1
+    assert ids[0] == ids[1] and os.listdir(os.path.join(ws, nrvna.READY)) == [ids[0]]
+    with nrvna._Keys(ws, pytest.fail) as keys:  # the lines that found their key's job: counted and returned
+        assert work._publish_batch(entries, None, None, keys) == ([ids[0], ids[0]], 2)
+    assert os.listdir(os.path.join(ws, nrvna.READY)) == [ids[0]] and os.listdir(os.path.join(ws, nrvna.WRITING)) == []
+
+
+def test_every_keyed_publish_looks_up_and_takes_its_keys_through_one_helper(ws: str, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """publish, publish_batch and submit_file find a key's job and link a key to a staged job
+    through _Keys alone, and hand back what they found as results."""
+    calls: list[tuple[str, str]] = []
+    find, take = nrvna._Keys.find, nrvna._Keys.take
+    monkeypatch.setattr(nrvna._Keys, "find", lambda self, key: calls.append(("find", key)) or find(self, key))
+    monkeypatch.setattr(nrvna._Keys, "take", lambda self, key, job_id: calls.append(("take", key)) or take(self, key, job_id))
+    work = Work(ws)
+    one = work.publish("a", idempotency_key="A")
+    assert calls == [("find", "A"), ("take", "A")] and work.existing is False
+    assert work.submit("again", idempotency_key="A") == nrvna.SubmitResult(True, one, "exists") and work.existing is True
+    calls.clear()
+    entries = [nrvna.BatchEntry(1, b"b", {"idempotency_key": "B"}), nrvna.BatchEntry(2, b"a", {"idempotency_key": "A"})]
+    batch = work.publish_batch(entries)
+    assert batch[1] == one and calls == [("take", "B"), ("take", "A")]
+    calls.clear()
+    notes: list[str] = []
+    lines = [{"prompt": "c", "idempotency_key": "C"}, {"prompt": "b", "idempotency_key": "B"}, {"prompt": "c2", "idempotency_key": "C"}]
+    ids = work.submit_file(write(tmp_path / "k.jsonl", jsonl(lines)), notes=notes)
+    assert ids[1] == batch[0] and ids[0] == ids[2] != batch[0]
+    assert calls == [("find", "C"), ("find", "B"), ("find", "C"), ("take", "C")]
+    assert notes == ["1 line repeats an earlier line's idempotency key: it gets its job",
+                     "1 of 3 lines matched an existing job by idempotency key; their IDs are those jobs' (nothing queued for them)"]
 
 
 def test_clean_ends_a_key_and_retry_keeps_it(ws: str, run_main: RunMain) -> None:
