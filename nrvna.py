@@ -8932,30 +8932,45 @@ STALE_STAGING_SECONDS = 3600  # input/writing/* older than this is a dead client
 CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long to fill up
 
 
+# Where a queued job goes: its priority and its model's queue (the model's index in
+# _Models.served).
+_Place = namedtuple("_Place", "priority queue")
+# A model's queue as the Models thread sees it: how many jobs, the top priority, and the order
+# key of the job ``Pool.get`` takes next (the oldest of that priority).
+_QueueHead = namedtuple("_QueueHead", "jobs top next_key")
+
+
 class Pool:
-    """The queue between the Scanner and the workers: a heap per model (a lane of the pool),
-    each by priority (higher first), then submission order. Workers take from the active
-    lane only (``lane``; None while the daemon switches models).
+    """The queue between the Scanner and the workers: a heap per model (the model's queue,
+    keyed by its index in _Models.served), each by priority (higher first), then submission
+    order. Workers take from the active model's queue only (``active``; None while the
+    daemon switches models).
 
     ``known`` holds every ID queued or being worked on, so a job is never queued twice
     (the spec's scanner re-submitted every queued job every second: unbounded growth), and
     the IDs of jobs for a model this daemon does not serve (``elsewhere``), read once.
+
+    Threads: the Scanner pushes, the workers get and end jobs, the Models thread reads the
+    queues' heads and switches the active queue, the Watcher reroutes and forgets. Every
+    field is read and written under ``_cond``'s lock, and ``route`` is called under it
+    (its routing is changed under it too: see ``reroute``); ``on_queued`` is called
+    outside it.
     """
 
-    def __init__(self, route: Callable[[str], Optional[tuple[int, int]]] = lambda job_id: (0, 0),
-                 on_queued: Callable[[int, int], None] = lambda priority, lane: None) -> None:
+    def __init__(self, route: Callable[[str], Optional[_Place]] = lambda job_id: _Place(0, 0),
+                 on_queued: Callable[[int, int], None] = lambda priority, queue: None) -> None:
         self._cond = threading.Condition()
         self._heaps: dict[int, list[tuple[int, tuple[int, int, int, str], str]]] = {}
-        # A queued job's (priority, lane), read when it is pushed; None: served elsewhere.
+        # A queued job's _Place, read when it is pushed; None: served elsewhere.
         self._route = route
         self.elsewhere: set[str] = set()
-        self._on_queued = on_queued  # told the highest priority of each push, per lane
-        self._later: list[tuple[float, str, int, int]] = []  # (when, id, priority, lane): handed back for now
+        self._on_queued = on_queued  # told the highest priority of each push, per queue
+        self._later: list[tuple[float, str, int, int]] = []  # (when, id, priority, queue): handed back for now
         self._known: set[str] = set()
-        self._taken: dict[str, tuple[int, int]] = {}  # (priority, lane) of each job a worker took
+        self._taken: dict[str, _Place] = {}  # where each job a worker took was queued
         self._busy = 0
         self._closed = False
-        self.lane: Optional[int] = 0
+        self.active: Optional[int] = 0  # the queue ``get`` takes from
         self._waiting: set[int] = set()  # idle workers blocked in get()
         self._favored: Optional[int] = None  # the worker whose job ended last
 
@@ -8970,14 +8985,14 @@ class Pool:
                     if route is None:
                         self.elsewhere.add(job_id)
                         continue
-                    priority, lane = route
-                    self._queue(job_id, priority, lane)
-                    highest[lane] = max(highest.get(lane, priority), priority)
+                    priority, queue = route
+                    self._put(job_id, priority, queue)
+                    highest[queue] = max(highest.get(queue, priority), priority)
                     added += 1
             if added:
                 self._cond.notify(added)
-        for lane, priority in highest.items():
-            self._on_queued(priority, lane)
+        for queue, priority in highest.items():
+            self._on_queued(priority, queue)
         return added
 
     def reroute(self, change: Callable[[], bool]) -> None:
@@ -8990,32 +9005,32 @@ class Pool:
             self._known -= again
         self.push(again)
 
-    def _queue(self, job_id: str, priority: int, lane: int) -> None:
-        heapq.heappush(self._heaps.setdefault(lane, []), (-priority, order_key(job_id), job_id))
+    def _put(self, job_id: str, priority: int, queue: int) -> None:
+        heapq.heappush(self._heaps.setdefault(queue, []), (-priority, order_key(job_id), job_id))
 
-    def top_priority(self, lane: Optional[int] = None) -> Optional[int]:
-        """The priority of the job ``get`` would return next (from ``lane``, by default the
+    def top_priority(self, queue: Optional[int] = None) -> Optional[int]:
+        """The priority of the job ``get`` would return next (from ``queue``, by default the
         active one); None if none is queued."""
         with self._cond:
-            heap = self._heaps.get(self.lane if lane is None else lane)
+            heap = self._heaps.get(self.active if queue is None else queue)
             return -heap[0][0] if heap else None
 
-    def lanes(self) -> dict[int, tuple[int, int, tuple[int, int, int, str]]]:
-        """Every lane with jobs queued: (how many, the top priority, the order key of the job
-        ``get`` would take next: the oldest of that priority). The heads only: the Models
-        thread asks every 0.1 s, whatever the backlog."""
+    def heads(self) -> dict[int, _QueueHead]:
+        """Every model's queue with jobs queued, by its head (_QueueHead). The heads only:
+        the Models thread asks every 0.1 s, whatever the backlog."""
         with self._cond:
-            return {lane: (len(heap), -heap[0][0], heap[0][1]) for lane, heap in self._heaps.items() if heap}
+            return {queue: _QueueHead(len(heap), -heap[0][0], heap[0][1])
+                    for queue, heap in self._heaps.items() if heap}
 
-    def set_lane(self, lane: Optional[int]) -> None:
-        """Make ``lane`` the one ``get`` takes from (None: none, while models switch)."""
+    def set_active(self, queue: Optional[int]) -> None:
+        """Make ``queue`` the one ``get`` takes from (None: none, while models switch)."""
         with self._cond:
-            self.lane = lane
+            self.active = queue
             self._cond.notify_all()
 
     def get(self, timeout: float, worker: Optional[int] = None, above: Optional[int] = None) -> Optional[str]:
-        """The first queued ID of the active lane (highest priority, then oldest), waiting up
-        to ``timeout`` s; None if none, closed, or the lane is switching. With ``above``,
+        """The first queued ID of the active queue (highest priority, then oldest), waiting up
+        to ``timeout`` s; None if none, closed, or the models are switching. With ``above``,
         only a job of a higher priority than that.
 
         A lone queued job is left to the worker whose job ended last while that worker
@@ -9025,17 +9040,17 @@ class Pool:
         """
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not self._closed and self.lane is not None:
+            while not self._closed and self.active is not None:
                 now = time.monotonic()
                 while self._later and self._later[0][0] <= now:
-                    _, job_id, priority, lane = heapq.heappop(self._later)
-                    self._queue(job_id, priority, lane)
-                heap = self._heaps.get(self.lane)
+                    _, job_id, priority, queue = heapq.heappop(self._later)
+                    self._put(job_id, priority, queue)
+                heap = self._heaps.get(self.active)
                 if heap and (above is None or -heap[0][0] > above):
                     if not self._leave_to_favored(worker, heap):
                         self._busy += 1
                         priority, _, job_id = heapq.heappop(heap)
-                        self._taken[job_id] = (-priority, self.lane)
+                        self._taken[job_id] = _Place(-priority, self.active)
                         return job_id
                     self._cond.notify_all()  # the favored worker takes it
                 left = deadline - now
@@ -9070,12 +9085,12 @@ class Pool:
             self._cond.notify_all()
 
     def retry_later(self, job_id: str, delay: float) -> None:
-        """Queue ``job_id`` again after ``delay`` s, in its lane (handed back after an I/O
+        """Queue ``job_id`` again after ``delay`` s, in its queue (handed back after an I/O
         error, or held by another claimer for now)."""
         with self._cond:
             self._busy -= 1
-            priority, lane = self._taken.pop(job_id, (0, self.lane or 0))
-            heapq.heappush(self._later, (time.monotonic() + delay, job_id, priority, lane))
+            priority, queue = self._taken.pop(job_id, _Place(0, self.active or 0))
+            heapq.heappush(self._later, (time.monotonic() + delay, job_id, priority, queue))
             self._cond.notify()
 
     def close(self) -> None:
@@ -9094,20 +9109,20 @@ class Pool:
         with self._cond:
             return self._busy
 
-    def take_lane(self, lane: int) -> list[str]:
-        """Take every job queued in ``lane`` as workers take them (each then ends with ``done``
-        or ``retry_later``): the jobs of a model that cannot be loaded, to fail them."""
+    def take_queue(self, queue: int) -> list[str]:
+        """Take every job of the model's ``queue`` as workers take them (each then ends with
+        ``done`` or ``retry_later``): the jobs of a model that cannot be loaded, to fail them."""
         with self._cond:
-            heap = sorted(self._heaps.pop(lane, []))
+            heap = sorted(self._heaps.pop(queue, []))
             for priority, _, job_id in heap:
-                self._taken[job_id] = (-priority, lane)
+                self._taken[job_id] = _Place(-priority, queue)
             self._busy += len(heap)
             return [entry[2] for entry in heap]
 
-    def set_aside(self, lane: int) -> None:
-        """``lane``'s model cannot be loaded: its jobs are left for another daemon."""
+    def set_aside(self, queue: int) -> None:
+        """``queue``'s model cannot be loaded: its jobs are left for another daemon."""
         with self._cond:
-            self.elsewhere.update(entry[2] for entry in self._heaps.pop(lane, []))
+            self.elsewhere.update(entry[2] for entry in self._heaps.pop(queue, []))
 
     def forget_gone(self, present: set[str]) -> None:
         """Forget the jobs left for other daemons that are no longer in ready/ (``present``):
@@ -9118,9 +9133,9 @@ class Pool:
             self._known -= gone
 
     def __len__(self) -> int:
-        """Jobs queued in the active lane, and handed back ones."""
+        """Jobs queued in the active queue, and handed back ones."""
         with self._cond:
-            return len(self._heaps.get(self.lane, ())) + len(self._later)
+            return len(self._heaps.get(self.active, ())) + len(self._later)
 
 
 class Scanner:
@@ -10247,13 +10262,25 @@ def _models_folder(name: str) -> bool:
 
 
 class _Models:
-    """The models a daemon serves (a lane of the Pool each): which lane a job goes to, which
-    models are loaded (at most NRVNA_MAX_LOADED), and which one the workers run next.
+    """The models a daemon serves (a queue of the Pool each, by its index in ``served``):
+    which model's queue a job goes to, which models are loaded (at most NRVNA_MAX_LOADED),
+    and which one the workers run next.
 
     One model runs at a time, with every worker and core: two models decoding at once on
     one machine's cores or GPU only slow each other (measured: llama-server's router with
     three models loaded, 1.06 jobs/s against 9.21 for one model at a time). The others
     stay loaded, so switching back costs no load. ``choose`` says when to switch: see it.
+
+    Threads: the routing state (``failed`` and its _LoadFailures, what the other daemons
+    serve, the route cache) is read and written under ``_lock`` only: by the Scanner
+    (``queue_of``, called under the Pool's lock), the Watcher (``peers``, under the Pool's
+    lock; ``describe``, for status), the Models thread (``retries``, ``load_failed``,
+    ``activate``, ``turn``, ``failures``). Nothing called under ``_lock`` takes another lock.
+    The loaded models (``served[i].runner``, ``sessions``), ``active``, ``since`` and
+    ``loads`` are changed by the Models thread alone (by the main thread before the daemon's
+    threads start and after they stop); the workers read ``active`` only while the Pool has
+    an active queue, which a switch clears, then waits for every worker to park, before
+    it changes ``active`` (see _ModelSwitch); ``describe`` reads them as they are.
     """
 
     def __init__(self, names: Any, runner: Optional[Runner], config: Config, models_dir: str,
@@ -10276,11 +10303,13 @@ class _Models:
         self.active = 0
         self.since = time.monotonic()
         self.loads = 0
-        self.failed: dict[int, _LoadFailure] = {}  # lanes whose model could not be loaded at its turn
-        self.early_failed: set[int] = set()  # lanes whose model could not be loaded ahead of its turn
+        self._lock = threading.Lock()  # the routing state's (see Threads above)
+        self.failed: dict[int, _LoadFailure] = {}  # queues whose model could not be loaded at its turn
+        # Queues whose model could not be loaded ahead of its turn (the Models thread's alone).
+        self.early_failed: set[int] = set()
         self.kinds_elsewhere: set[str] = set()  # the kinds of model the workspace's other daemons serve
         self.paths_elsewhere: set[str] = set()  # the model files the other daemons have loaded
-        self._lanes: dict[tuple[str, bool], Optional[int]] = {}  # (name, embed) -> lane (a cache)
+        self._routes: dict[tuple[str, bool], Optional[int]] = {}  # (name, embed) -> queue (a cache)
 
     def _files(self, names: list[str]) -> list[str]:
         """The model files MODEL arguments name: a directory's *.gguf, or each name resolved."""
@@ -10309,80 +10338,92 @@ class _Models:
 
     def kinds(self) -> list[str]:
         """The kinds of job naming no model this daemon runs (its record says, for status)."""
-        return [kind for kind, lane in self.defaults.items() if lane is not None]
+        return [kind for kind, queue in self.defaults.items() if queue is not None]
 
-    def lane_of(self, name: Optional[str], embed: bool) -> Optional[int]:
-        """The lane of a job naming model ``name`` (an embed job, or not); None when it names
+    def queue_of(self, name: Optional[str], embed: bool) -> Optional[int]:
+        """The queue of a job naming model ``name`` (an embed job, or not); None when it names
         a model this daemon does not serve, or names none and no model here serves its kind
         (or only through NRVNA_POOLING while another daemon has a model of its kind), or its
         model could not be loaded here (see _LoadFailure): it waits in ready/."""
         key = (name or "", embed)
-        lane = self._lanes.get(key, -1)
-        if lane != -1:
-            return lane if self.takes(lane) else None
-        path = model_file(name, self.models_dir, self.aliases) if name is not None else None
-        if path is not None:  # a job naming one model goes to it, here or in another daemon
-            lane = next((i for i, m in enumerate(self.served) if m.path == path), None)
-            if lane is None:
-                log.info(f"Jobs for model {name} ({path}) wait in the queue: this daemon serves "
-                         f"{', '.join(m.name for m in self.served)}")
-        else:  # the first model of its kind, unless only another daemon has one
-            kind = "embed" if embed else "chat"
-            lane = self.defaults[kind]
-            if lane is not None and self.served[lane].kind != kind and kind in self.kinds_elsewhere:
-                lane = None
-        if len(self._lanes) < 4096:
-            self._lanes[key] = lane
-        return lane if self.takes(lane) else None
+        with self._lock:
+            queue = self._routes.get(key, -1)
+            if queue != -1:
+                return queue if self._takes(queue) else None
+            path = model_file(name, self.models_dir, self.aliases) if name is not None else None
+            if path is not None:  # a job naming one model goes to it, here or in another daemon
+                queue = next((i for i, m in enumerate(self.served) if m.path == path), None)
+                if queue is None:
+                    log.info(f"Jobs for model {name} ({path}) wait in the queue: this daemon serves "
+                             f"{', '.join(m.name for m in self.served)}")
+            else:  # the first model of its kind, unless only another daemon has one
+                kind = "embed" if embed else "chat"
+                queue = self.defaults[kind]
+                if queue is not None and self.served[queue].kind != kind and kind in self.kinds_elsewhere:
+                    queue = None
+            if len(self._routes) < 4096:
+                self._routes[key] = queue
+            return queue if self._takes(queue) else None
 
-    def takes(self, lane: Optional[int]) -> bool:
-        """Whether ``lane``'s jobs are queued here now: not while its model, which failed to
-        load, waits for its next try, nor while another daemon has it loaded."""
-        failure = self.failed.get(lane) if lane is not None else None
+    def _takes(self, queue: Optional[int]) -> bool:
+        """Whether ``queue``'s jobs are queued here now: not while its model, which failed to
+        load, waits for its next try, nor while another daemon has it loaded (under _lock)."""
+        failure = self.failed.get(queue) if queue is not None else None
         if failure is None:
-            return lane is not None
-        return (failure.due or failure.gave_up) and self.served[lane].path not in self.paths_elsewhere
+            return queue is not None
+        return (failure.due or failure.gave_up) and self.served[queue].path not in self.paths_elsewhere
 
     def peers(self, kinds: set[str], paths: Optional[set[str]] = None) -> bool:
         """The other daemons now serve models of ``kinds`` and have the model files ``paths``
         loaded; True if that changes any route."""
-        paths = self.paths_elsewhere if paths is None else paths
-        if kinds == self.kinds_elsewhere and paths == self.paths_elsewhere:
-            return False
-        self.kinds_elsewhere, self.paths_elsewhere = kinds, paths
-        self._lanes.clear()
-        return True
+        with self._lock:
+            paths = self.paths_elsewhere if paths is None else paths
+            if kinds == self.kinds_elsewhere and paths == self.paths_elsewhere:
+                return False
+            self.kinds_elsewhere, self.paths_elsewhere = kinds, paths
+            self._routes.clear()
+            return True
 
-    def load_failed(self, lane: int, error: str) -> _LoadFailure:
-        """``lane``'s model could not be loaded at its turn (see _LoadFailure)."""
-        failure = self.failed.setdefault(lane, _LoadFailure(self.served[lane].path))
-        failure.failed(error, self.config.max_load_failures)
-        return failure
+    def load_failed(self, queue: int, error: str) -> _LoadFailure:
+        """``queue``'s model could not be loaded at its turn (see _LoadFailure)."""
+        with self._lock:
+            failure = self.failed.setdefault(queue, _LoadFailure(self.served[queue].path))
+            failure.failed(error, self.config.max_load_failures)
+            return failure
+
+    def failures(self) -> list[tuple[int, _LoadFailure, bool]]:
+        """Each queue whose model failed to load: its _LoadFailure, and whether another daemon
+        has that model loaded."""
+        with self._lock:
+            return [(queue, failure, self.served[queue].path in self.paths_elsewhere)
+                    for queue, failure in self.failed.items()]
 
     def retries(self) -> bool:
         """Make the failed models whose next try is due, or whose file changed since it
         failed, take their jobs again; True if any did (their jobs are routed again)."""
         now, changed = time.monotonic(), False
-        for lane, failure in list(self.failed.items()):
-            model = self.served[lane]
-            if _file_signature(model.path) != failure.signature:
-                log.info(f"Model file {model.path} changed since it failed to load; trying it again")
-                del self.failed[lane]
-                self.early_failed.discard(lane)
-                changed = True
-            elif not failure.due and not failure.gave_up and now >= failure.retry_at:
-                log.info(f"Trying model {model.name} again (it failed to load {failure.count} times)")
-                failure.due = changed = True
-        if changed:
-            self._lanes.clear()
+        with self._lock:
+            for queue, failure in list(self.failed.items()):
+                model = self.served[queue]
+                if _file_signature(model.path) != failure.signature:
+                    log.info(f"Model file {model.path} changed since it failed to load; trying it again")
+                    del self.failed[queue]
+                    self.early_failed.discard(queue)
+                    changed = True
+                elif not failure.due and not failure.gave_up and now >= failure.retry_at:
+                    log.info(f"Trying model {model.name} again (it failed to load {failure.count} times)")
+                    failure.due = changed = True
+            if changed:
+                self._routes.clear()
         return changed
 
-    def turn(self, lane: int) -> bool:
-        """Whether ``lane`` may be chosen to run: not while its model is failed, unless a try is due."""
-        failure = self.failed.get(lane)
-        return failure is None or failure.due
+    def turn(self, queue: int) -> bool:
+        """Whether ``queue`` may be chosen to run: not while its model is failed, unless a try is due."""
+        with self._lock:
+            failure = self.failed.get(queue)
+            return failure is None or failure.due
 
-    def choose(self, lanes: Mapping[int, tuple[int, int, Any]], running: bool, running_top: Optional[int],
+    def choose(self, heads: Mapping[int, _QueueHead], running: bool, running_top: Optional[int],
                now: float) -> Optional[int]:
         """The model to switch to now, or None to keep the active one. The active model keeps
         the workers while it has jobs queued or running, so each is loaded once per backlog,
@@ -10391,38 +10432,40 @@ class _Models:
         had NRVNA_MODEL_TURN seconds while others waited: no model's jobs starve. The next
         model is the one with the highest job, then a loaded one, then the one whose next job
         is oldest."""
-        waiting = [lane for lane in lanes if lane != self.active]
+        waiting = [queue for queue in heads if queue != self.active]
         if not waiting:
             return None
-        mine = [lanes[self.active][1]] if self.active in lanes else []
+        mine = [heads[self.active].top] if self.active in heads else []
         if running and running_top is not None:
             mine.append(running_top)
         if not mine:
-            return self._best(lanes, waiting)
-        above = [lane for lane in waiting if lanes[lane][1] > max(mine)]
+            return self._best(heads, waiting)
+        above = [queue for queue in waiting if heads[queue].top > max(mine)]
         if above:
-            return self._best(lanes, above)
+            return self._best(heads, above)
         if now - self.since >= self.config.model_turn:
-            return self._best(lanes, waiting)
+            return self._best(heads, waiting)
         return None
 
-    def _best(self, lanes: Mapping[int, tuple[int, int, Any]], candidates: list[int]) -> int:
-        return min(candidates, key=lambda lane: (-lanes[lane][1], self.served[lane].runner is None, lanes[lane][2]))
+    def _best(self, heads: Mapping[int, _QueueHead], candidates: list[int]) -> int:
+        return min(candidates, key=lambda queue: (-heads[queue].top, self.served[queue].runner is None,
+                                                  heads[queue].next_key))
 
-    def load_ahead(self, lanes: Mapping[int, tuple[int, int, Any]], workers: int, stop: threading.Event) -> bool:
+    def load_ahead(self, heads: Mapping[int, _QueueHead], workers: int, stop: threading.Event) -> bool:
         """Load the model whose jobs come next (as ``choose`` would pick it) while the active
         one runs, so that its turn starts without a load; True if it loaded one. Only into
         the room NRVNA_MAX_LOADED leaves: it unloads nothing, as a model with nothing queued
-        now may be the next one needed (a higher lane's job), and unloading it early would
+        now may be the next one needed (a job of a higher priority), and unloading it early would
         cost a load (a review traced two per such job). ``stop`` cuts the load short. A
         model that fails here is not tried again ahead of its turn: its turn tries, and says
         why."""
-        waiting = [lane for lane in lanes if lane != self.active and lane not in self.failed]
+        with self._lock:
+            waiting = [queue for queue in heads if queue != self.active and queue not in self.failed]
         if not waiting or sum(m.runner is not None for m in self.served) >= self.config.max_loaded:
             return False
-        lane = self._best(lanes, waiting)
-        model = self.served[lane]
-        if model.runner is not None or lane in self.early_failed:
+        queue = self._best(heads, waiting)
+        model = self.served[queue]
+        if model.runner is not None or queue in self.early_failed:
             return False
         try:
             self._load(model, workers, " (ahead of its turn)", cancel=stop)
@@ -10430,15 +10473,15 @@ class _Models:
             if not stop.is_set():
                 log.warning(f"model {model.name} could not be loaded ahead of its turn ({err}); it is tried "
                             "again at its turn")
-                self.early_failed.add(lane)
+                self.early_failed.add(queue)
             return False
         return True
 
-    def activate(self, lane: int, workers: int, queued: Iterable[int]) -> list[Session]:
-        """Make ``lane``'s model the active one and return its sessions, loading it first
+    def activate(self, queue: int, workers: int, queued: Iterable[int]) -> list[Session]:
+        """Make ``queue``'s model the active one and return its sessions, loading it first
         (and evicting the least recently used loaded model with nothing ``queued``, then
         any, to stay within NRVNA_MAX_LOADED). Raises ModelError when it cannot be loaded."""
-        model = self.served[lane]
+        model = self.served[queue]
         if model.runner is None:
             loaded = [m for m in self.served if m.runner is not None and m is not model]
             busy = set(queued)
@@ -10448,8 +10491,9 @@ class _Models:
                 self._unload(victim)
                 loaded.remove(victim)
         self._load(model, workers)
-        self.failed.pop(lane, None)
-        self.active, self.since = lane, time.monotonic()
+        with self._lock:
+            self.failed.pop(queue, None)
+        self.active, self.since = queue, time.monotonic()
         model.used = self.since
         return model.sessions
 
@@ -10481,14 +10525,15 @@ class _Models:
     def describe(self) -> list[dict[str, Any]]:
         """Each model as the daemon's record lists it."""
         described = []
-        for i, m in enumerate(self.served):
-            described.append({"name": m.name, "path": m.path, "kind": m.kind, "loaded": bool(m.sessions),
-                              "active": i == self.active})
-            failure = self.failed.get(i)
-            if failure is not None:  # status and wait tell the jobs waiting for it why
-                described[-1].update(load_failures=failure.count, load_error=failure.error,
-                                     max_load_failures=self.config.max_load_failures,
-                                     retry_at=None if failure.gave_up else round(failure.wall, 3))
+        with self._lock:
+            for i, m in enumerate(self.served):
+                described.append({"name": m.name, "path": m.path, "kind": m.kind, "loaded": bool(m.sessions),
+                                  "active": i == self.active})
+                failure = self.failed.get(i)
+                if failure is not None:  # status and wait tell the jobs waiting for it why
+                    described[-1].update(load_failures=failure.count, load_error=failure.error,
+                                         max_load_failures=self.config.max_load_failures,
+                                         retry_at=None if failure.gave_up else round(failure.wall, 3))
         return described
 
 
@@ -10620,9 +10665,10 @@ class _ModelSwitch:
     ended), makes the next model the active one, and lets the workers go on with its jobs."""
 
     def __init__(self, models: _Models, pool: Pool, stop: threading.Event, workers: int,
-                 use: Callable[[list[Session]], None], tops: list[Optional[int]],
+                 use: Callable[[list[Session]], None], loads: _WorkerLoads,
                  fail: Callable[[list[str], str, str], None] = lambda ids, model, error: None) -> None:
-        self.models, self.pool, self.stop, self.workers, self.use, self.tops = models, pool, stop, workers, use, tops
+        self.models, self.pool, self.stop, self.workers, self.use = models, pool, stop, workers, use
+        self.loads = loads  # what the workers run (the top priority running: a reason to switch)
         self.fail = fail  # fails queued jobs (IDs, their model's name, the error) with load_failed
         self.failure: Optional[str] = None  # why this thread stopped the daemon (it exits 1)
         self.wake = threading.Event()
@@ -10639,13 +10685,12 @@ class _ModelSwitch:
                 break
             try:
                 self._tend_failures()
-                tops = [top for top in self.tops if top is not None]
-                lanes = {lane: head for lane, head in self.pool.lanes().items() if self.models.turn(lane)}
-                target = self.models.choose(lanes, self.pool.running() > 0, max(tops, default=None), time.monotonic())
+                heads = {queue: head for queue, head in self.pool.heads().items() if self.models.turn(queue)}
+                target = self.models.choose(heads, self.pool.running() > 0, self.loads.top(), time.monotonic())
                 if target is not None:
                     self._switch(target)
                 elif self.models.config.load_ahead:
-                    self.models.load_ahead(lanes, self.workers, self.stop)
+                    self.models.load_ahead(heads, self.workers, self.stop)
             except Exception as err:  # choose's own bug: the active model goes on
                 log.error(f"model switch error: {err!r}")
 
@@ -10654,24 +10699,24 @@ class _ModelSwitch:
         fail the jobs of models given up on, or leave them to another daemon that has the
         model loaded."""
         models = self.models
-        if models.failed:
+        if models.failures():
             self.pool.reroute(models.retries)
-        for lane, failure in list(models.failed.items()):
-            if failure.due:  # chosen as any other lane (see _Models.turn)
+        for queue, failure, elsewhere in models.failures():
+            if failure.due:  # chosen as any other queue (see _Models.turn)
                 continue
-            if failure.gave_up and models.served[lane].path not in models.paths_elsewhere:
-                taken = self.pool.take_lane(lane)
+            if failure.gave_up and not elsewhere:
+                taken = self.pool.take_queue(queue)
                 if taken:
-                    self.fail(taken, models.served[lane].name,
+                    self.fail(taken, models.served[queue].name,
                               f"{failure.error} ({failure.count} failed loads; NRVNA_MAX_LOAD_FAILURES is "
                               f"{models.config.max_load_failures}): fix or replace the file, then nrvna retry")
             else:
-                self.pool.set_aside(lane)
+                self.pool.set_aside(queue)
 
-    def _switch(self, lane: int) -> None:
+    def _switch(self, queue: int) -> None:
         models = self.models
         previous = models.active
-        self.pool.set_lane(None)  # no worker takes a job now; each parks once its jobs end
+        self.pool.set_active(None)  # no worker takes a job now; each parks once its jobs end
         with self._cond:
             while self._parked < self.workers and not self.stop.is_set():
                 self._cond.wait(0.1)
@@ -10679,30 +10724,30 @@ class _ModelSwitch:
             return
         began = time.monotonic()
         try:
-            self.use(models.activate(lane, self.workers, self.pool.lanes()))
-            log.info(f"Switched from model {models.served[previous].name} to {models.served[lane].name} "
+            self.use(models.activate(queue, self.workers, self.pool.heads()))
+            log.info(f"Switched from model {models.served[previous].name} to {models.served[queue].name} "
                      f"({time.monotonic() - began:.2f} s)")
         except Exception as err:  # a broken file, out of memory: its jobs wait, then fail (see _LoadFailure)
-            failure = models.load_failed(lane, str(err))
+            failure = models.load_failed(queue, str(err))
             if failure.gave_up:
                 then = f"its queued jobs fail (load_failed): {failure.count} failed loads"
             else:
                 then = (f"its jobs wait; tried again in {failure.retry_at - time.monotonic():.0f} s "
                         f"({failure.count} of NRVNA_MAX_LOAD_FAILURES {models.config.max_load_failures} failed "
                         "loads), or start a daemon for it")
-            log.error(f"model {models.served[lane].name} could not be made ready ({err}); {then}")
+            log.error(f"model {models.served[queue].name} could not be made ready ({err}); {then}")
             if not failure.gave_up:  # (a given-up model's jobs stay queued here, for _tend_failures)
-                self.pool.set_aside(lane)
-            lane = previous
+                self.pool.set_aside(queue)
+            queue = previous
             try:  # the eviction that made room may have unloaded it
-                self.use(models.activate(previous, self.workers, self.pool.lanes()))
+                self.use(models.activate(previous, self.workers, self.pool.heads()))
             except Exception as again:
                 self.failure = f"model {models.served[previous].name} cannot be loaded again ({again})"
                 log.error(f"{self.failure}; stopping")
                 self.stop.set()
                 self.pool.close()
                 return
-        self.pool.set_lane(lane)
+        self.pool.set_active(queue)
         with self._cond:  # every parked worker goes: none is counted until it parks again
             self._generation += 1
             self._parked = 0
@@ -10711,7 +10756,7 @@ class _ModelSwitch:
     def park(self) -> None:
         """A worker with no job while a switch waits: wait here until it is done."""
         with self._cond:
-            if self.pool.lane is not None:  # the switch ended before this worker came to park
+            if self.pool.active is not None:  # the switch ended before this worker came to park
                 return
             generation = self._generation
             self._parked += 1
@@ -10802,6 +10847,63 @@ class _Watcher:
                 {m["path"] for m in models if isinstance(m.get("path"), str)})
 
 
+class _WorkerLoads:
+    """What each worker runs, as the others see it: its load (sequences in flight) and its
+    top (its highest running priority; None: idle, or between steps). A worker leaves a job
+    to one running fewer sequences, lends its threads to the busy ones (Server._share_cores),
+    and pauses while another runs a job above all of its own.
+
+    Threads: each worker writes its own entries and reads the others'; the Models thread
+    reads the top (a reason to switch models), the Scanner the tops (Server._outranked, when
+    a job is queued). All under ``_lock``, held for a list operation only.
+    """
+
+    def __init__(self, workers: int = 0) -> None:
+        self._lock = threading.Lock()
+        self._loads = [0] * workers
+        self._tops: list[Optional[int]] = [None] * workers
+
+    def set_load(self, index: int, load: int) -> None:
+        with self._lock:
+            self._loads[index] = load
+
+    def set_top(self, index: int, top: Optional[int]) -> None:
+        with self._lock:
+            self._tops[index] = top
+
+    def add(self, index: int) -> None:
+        """Worker ``index`` runs one sequence more."""
+        with self._lock:
+            self._loads[index] += 1
+
+    def lighter(self, index: int, load: int) -> bool:
+        """Whether another worker runs fewer than ``load`` sequences."""
+        with self._lock:
+            return any(other < load for i, other in enumerate(self._loads) if i != index)
+
+    def top(self) -> Optional[int]:
+        """The highest priority any worker runs; None if all are idle."""
+        with self._lock:
+            return max((top for top in self._tops if top is not None), default=None)
+
+    def outranked(self, priority: int) -> bool:
+        """Whether a worker runs a job above ``priority``."""
+        with self._lock:
+            return any(top is not None and top > priority for top in self._tops)
+
+    def below(self, priority: int) -> list[int]:
+        """The workers whose jobs are all below ``priority``."""
+        with self._lock:
+            return [i for i, top in enumerate(self._tops) if top is not None and top < priority]
+
+    def share(self, index: int, budget: int) -> int:
+        """Worker ``index``'s share of ``budget`` threads among the workers with jobs (and it)."""
+        with self._lock:
+            busy = [i for i, load in enumerate(self._loads) if load > 0 or i == index]
+        share, extra = divmod(budget, len(busy))
+        return share + (busy.index(index) < extra)
+
+
 class Server:
     """The daemon: registers among the workspace's daemons, loads its (first) model, recovers
     orphans, then runs one Scanner thread and N worker threads (``Worker-0``...) until
@@ -10829,8 +10931,7 @@ class Server:
         self.pool = Pool(self._route, self._queued)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._loads: list[int] = []  # sequences in flight per worker (read without a lock: a hint)
-        self._tops: list[Optional[int]] = []  # each worker's highest running priority (None: idle)
+        self._loads = _WorkerLoads()
         self._sessions: list[Session] = []
         self._thread_budget = 0  # threads the workers' contexts share; 0: no lending
         self.registry = _Registry(self.workspace)
@@ -10852,15 +10953,15 @@ class Server:
         self._models_dir = os.path.abspath(self.config.models_dir)
         self._aliases = parse_aliases(self.config.model_aliases)
 
-    def _route(self, job_id: str) -> Optional[tuple[int, int]]:
-        """A queued job's (priority, lane), or None when it names a model this daemon does not
-        serve: the job waits in ready/ for a daemon that does (read once per job: see Pool)."""
+    def _route(self, job_id: str) -> Optional[_Place]:
+        """Where a queued job goes, or None when it names a model this daemon does not serve:
+        the job waits in ready/ for a daemon that does (read once per job: see Pool)."""
         route = read_route(job_path(self.workspace, READY, job_id))
-        lane = self.models.lane_of(route.model, route.embed) if self.models else 0
-        return None if lane is None else (route.priority, lane)
+        queue = self.models.queue_of(route.model, route.embed) if self.models else 0
+        return None if queue is None else _Place(route.priority, queue)
 
-    def _queued(self, priority: int, lane: int) -> None:
-        if lane == self.pool.lane:
+    def _queued(self, priority: int, queue: int) -> None:
+        if queue == self.pool.active:
             self._outranked(priority)
         elif self.switch is not None:
             self.switch.wake.set()  # another model's job: perhaps a reason to switch
@@ -10907,10 +11008,9 @@ class Server:
         self._started_at = time.time()
         self._threads = [threading.Thread(target=self.scanner.run, name="Scanner", daemon=True),
                          threading.Thread(target=self.watcher.run, args=(self._stop,), name="Watcher", daemon=True)]
-        self._loads = [0] * len(sessions)
-        self._tops = [None] * len(sessions)
+        self._loads = _WorkerLoads(len(sessions))
         if len(models.served) > 1:
-            self.switch = _ModelSwitch(models, self.pool, self._stop, len(sessions), self._use, self._tops,
+            self.switch = _ModelSwitch(models, self.pool, self._stop, len(sessions), self._use, self._loads,
                                        self._fail_unloadable)
             self._threads.append(threading.Thread(target=self.switch.run, name="Models", daemon=True))
         self._use(sessions)
@@ -10946,7 +11046,7 @@ class Server:
         """
         ceiling = self.config.max_attempts
         last = sorted((job_id for job_id, attempts in recovered if 1 <= attempts and attempts >= ceiling - 1
-                       and (self._route(job_id) or (0, -1))[1] == self.models.active), key=order_key)
+                       and getattr(self._route(job_id), "queue", None) == self.models.active), key=order_key)
         for job_id in last:
             if self._stop.is_set():
                 return
@@ -11048,7 +11148,7 @@ class Server:
         self.registry.write(self.status())
 
     def _drained(self) -> bool:
-        if not self.pool.idle() or self.scanner is None or self.scanner.scans == 0 or self.pool.lane is None:
+        if not self.pool.idle() or self.scanner is None or self.scanner.scans == 0 or self.pool.active is None:
             return False
         with os.scandir(os.path.join(self.workspace, READY)) as entries:
             if not any(not e.name.startswith(".") and e.name not in self.pool.elsewhere for e in entries):
@@ -11102,18 +11202,19 @@ class Server:
                 session.clear_preempt()  # a later preempt() cuts the coming step short
                 self._admit(index, session, name)
                 active = session.active()
-                self._tops[index] = None
-                if not active and self.pool.lane is None and self.switch is not None:  # models switch
-                    self._loads[index] = 0
+                self._loads.set_top(index, None)
+                if not active and self.pool.active is None and self.switch is not None:  # models switch
+                    self._loads.set_load(index, 0)
                     self.switch.park()
                     session = self._sessions[index]
                     continue
                 if active and not self._stop.is_set():
-                    mine = self._tops[index] = max(job_param(job.params, "priority") for job in active)
-                    if any(top is not None and top > mine for top in self._tops):
+                    mine = max(job_param(job.params, "priority") for job in active)
+                    self._loads.set_top(index, mine)
+                    if self._loads.outranked(mine):
                         # Another worker runs a job above all of this one's: pause, and lend it
                         # this worker's threads (see _share_cores), until it has ended.
-                        self._loads[index] = 0
+                        self._loads.set_load(index, 0)
                         time.sleep(0.005)
                         continue
                     self._share_cores(index, session)
@@ -11133,7 +11234,7 @@ class Server:
                 for job in session.active():
                     session.drop(job)
                     self._end(job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}"))
-        self._tops[index] = None
+        self._loads.set_top(index, None)
         for job in session.active():
             session.drop(job)
             with self._stats_lock:
@@ -11153,9 +11254,7 @@ class Server:
         """
         if not self._thread_budget:
             return
-        busy = [i for i, load in enumerate(self._loads) if load > 0 or i == index]
-        share, extra = divmod(self._thread_budget, len(busy))
-        share += busy.index(index) < extra
+        share = self._loads.share(index, self._thread_budget)
         session.set_threads(max(session.base_threads, min(share, cpu_count())))
 
     def _admit(self, index: int, session: Session, name: str) -> None:
@@ -11166,7 +11265,8 @@ class Server:
         """
         while not self._stop.is_set():
             active = session.active()
-            load = self._loads[index] = len(active)
+            load = len(active)
+            self._loads.set_load(index, load)
             above = None
             if session.free() <= 0:
                 # Full: only a job above every running one, into the room kept for it.
@@ -11175,9 +11275,9 @@ class Server:
                     return
                 above = max((job_param(job.params, "priority") for job in active), default=None)
                 # Said before the claim (a rename and fsyncs): the other workers pause now.
-                self._tops[index] = top
+                self._loads.set_top(index, top)
                 self._outranked(top)
-            elif load and any(other < load for i, other in enumerate(self._loads) if i != index):
+            elif load and self._loads.lighter(index, load):
                 return
             if not load and not len(self.pool):
                 session.idle()
@@ -11204,7 +11304,7 @@ class Server:
                 self.pool.done(job_id)
                 continue
             log.info(f"Processing job: {job_id}")
-            self._loads[index] += 1
+            self._loads.add(index)
             with self._stats_lock:
                 self._running[job_id] = job
             try:
@@ -11230,9 +11330,9 @@ class Server:
     def _outranked(self, priority: int) -> None:
         """A job of ``priority`` is queued or being claimed: cut short the steps of the workers
         whose jobs are all below it (they pause, or one of them takes it, at once)."""
-        for top, session in zip(self._tops, self._sessions):
-            if top is not None and top < priority:
-                session.preempt()
+        sessions = self._sessions
+        for index in self._loads.below(priority):
+            sessions[index].preempt()
 
     def _end(self, job: RunningJob, outcome: Outcome) -> None:
         with self._stats_lock:

@@ -1530,30 +1530,31 @@ def test_a_daemon_of_several_models_routes_each_job_and_switches_only_when_it_sh
                                                           ("bert.gguf", "embed")]
     # By name, by alias; a name that matches no model (or several) goes to the first model of
     # its kind; a model this daemon does not serve waits for another daemon.
-    assert [models.lane_of(name, embed) for name, embed in [
+    assert [models.queue_of(name, embed) for name, embed in [
         ("other", False), ("gpt-4o-mini", False), (None, False), (None, True), ("nope", True), ("nope", False),
         ("bert", False), ("unserved", False), ("gguf", False)]] == [1, 1, 0, 2, 2, 0, 2, None, 0]
     # An alias to a model that does not exist: its jobs run as if they named none; a daemon
     # asked to serve it says so.
     aliased = nrvna._Models([chat], None, nrvna.Config(), str(tmp_path), {"gpt": "nope"})
-    assert aliased.lane_of("gpt", False) == 0
+    assert aliased.queue_of("gpt", False) == 0
     with pytest.raises(nrvna.ModelError, match=r"model gpt \(an alias of nope\) does not exist; models in"):
         nrvna._Models(["gpt"], None, nrvna.Config(), str(tmp_path), {"gpt": "nope"})
     (tmp_path / "empty").mkdir()
     with pytest.raises(nrvna.ModelError, match="holds no"):
         nrvna._Models([str(tmp_path / "empty")], None, nrvna.Config(), str(tmp_path), {})
-    # choose(lanes {lane: (queued, top priority, oldest job's key)}, running, running top, now)
+    # choose(heads {queue: (queued, top priority, oldest job's key)}, running, running top, now)
     key = [nrvna.order_key(f"1_1_{n}") for n in range(10)]
+    Head = nrvna._QueueHead
     start = models.since
-    assert models.choose({0: (3, 0, key[5]), 1: (50, 0, key[1])}, False, None, start + 1) is None  # a backlog stays whole
-    assert models.choose({1: (50, 0, key[1])}, True, 0, start + 1) is None  # its running jobs too
-    assert models.choose({1: (1, 0, key[9]), 2: (1, 0, key[2])}, False, None, start + 1) == 2  # the oldest job next
-    assert models.choose({1: (1, 1, key[9]), 2: (1, 0, key[2])}, False, None, start + 1) == 1  # the highest first
-    assert models.choose({0: (9, 0, key[1]), 1: (1, 3, key[9])}, True, 0, start + 1) == 1  # a higher lane swaps
-    assert models.choose({0: (9, 3, key[1]), 1: (1, 3, key[9])}, True, 0, start + 1) is None  # an equal one does not
-    assert models.choose({0: (9, 0, key[1]), 1: (1, 0, key[9])}, True, 5, start + 1) is None  # nor one under a running job
-    assert models.choose({0: (9, 0, key[1]), 1: (1, 0, key[9])}, True, 0, start + 60) == 1  # the turn is up: no starving
-    assert models.choose({0: (9, 0, key[1])}, True, 0, start + 600) is None  # nobody else waits: keep going
+    assert models.choose({0: Head(3, 0, key[5]), 1: Head(50, 0, key[1])}, False, None, start + 1) is None  # a backlog stays whole
+    assert models.choose({1: Head(50, 0, key[1])}, True, 0, start + 1) is None  # its running jobs too
+    assert models.choose({1: Head(1, 0, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 2  # the oldest job next
+    assert models.choose({1: Head(1, 1, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 1  # the highest first
+    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 3, key[9])}, True, 0, start + 1) == 1  # a higher lane swaps
+    assert models.choose({0: Head(9, 3, key[1]), 1: Head(1, 3, key[9])}, True, 0, start + 1) is None  # an equal one does not
+    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 5, start + 1) is None  # nor one under a running job
+    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 0, start + 60) == 1  # the turn is up: no starving
+    assert models.choose({0: Head(9, 0, key[1])}, True, 0, start + 600) is None  # nobody else waits: keep going
 
 
 def test_each_job_s_hook_runs_once_whichever_of_two_daemons_ran_it(ws: str, tmp_path: Path) -> None:
@@ -1717,12 +1718,12 @@ def test_a_job_whose_kind_no_model_here_serves_waits_for_one_and_status_says_why
     chat, bert = fake_gguf(tmp_path / "chat.gguf"), fake_gguf(tmp_path / "bert.gguf", "bert")
     config = nrvna.Config(models_dir=str(tmp_path))
     only_chat, only_bert = (nrvna._Models([p], None, config, str(tmp_path), {}) for p in (chat, bert))
-    assert (only_chat.lane_of(None, True), only_chat.lane_of(None, False)) == (None, 0)
-    assert (only_bert.lane_of(None, False), only_bert.lane_of(None, True)) == (None, 0)
+    assert (only_chat.queue_of(None, True), only_chat.queue_of(None, False)) == (None, 0)
+    assert (only_bert.queue_of(None, False), only_bert.queue_of(None, True)) == (None, 0)
     assert (only_chat.kinds(), only_bert.kinds()) == (["chat"], ["embed"])  # (their records say, for status)
-    assert only_chat.lane_of("chat", True) == 0  # a job naming the model runs there (and fails unsupported)
+    assert only_chat.queue_of("chat", True) == 0  # a job naming the model runs there (and fails unsupported)
     pooled = nrvna._Models([chat], None, nrvna.Config(pooling="mean"), str(tmp_path), {})
-    assert pooled.lane_of(None, True) == 0 and pooled.kinds() == ["chat", "embed"]
+    assert pooled.queue_of(None, True) == 0 and pooled.kinds() == ["chat", "embed"]
     chat_daemon = Server(chat, ws, 1, config=nrvna.Config(models_dir=str(tmp_path)))
     chat_daemon.start()
     try:
