@@ -9316,13 +9316,200 @@ class _Claim:
         self.before, self.kept, self.cancel_dropped = before, kept, False
 
 
+class _HandBacks:
+    """Hands back to ready/ a job whose claim or finish met an I/O error, as it was claimed
+    (its attempt uncounted), and remembers in this daemon what the job's next claim must
+    know: its failed finishes (meta.json holds them too, but a full disk may not take them)
+    and, for a result that met a full disk, the room it waits for.
+
+    Threads: called by whichever thread claims or finishes a job (the workers, the Finisher,
+    the Models thread failing an unloadable model's jobs, the Watcher's and the start's
+    recoveries), each on a job it holds (see Processor); the memory of failed finishes and
+    room is shared by them all, under ``_lock``.
+    """
+
+    def __init__(self, workspace: str, config: Config) -> None:
+        self.workspace, self.config = workspace, config
+        self._lock = threading.Lock()
+        # Failed finishes (count, last error) by job (see _write_key).
+        self._write_failures: dict[tuple[str, int], tuple[int, str]] = {}
+        # Jobs handed back because the disk was full, with the bytes their finish needed: not
+        # claimed (not generated again) until the filesystem has that much free (has_room).
+        self._room_needed: dict[str, int] = {}
+
+    def check_room(self, job_id: str) -> None:
+        """Raise _HandBack while ``job_id``, handed back for a full disk, has no room yet."""
+        with self._lock:
+            needed = self._room_needed.get(job_id)
+        if needed is None:
+            return
+        if not self.has_room(needed):
+            log.limited("room", f"the disk holding {self.workspace} is full: jobs wait in input/ready/ until "
+                        f"there is room for their results ({job_id} needs {needed:,} bytes); none is generated "
+                        "again before that, and no attempt or write failure is counted", level="warning")
+            raise _HandBack(job_id)
+        with self._lock:
+            del self._room_needed[job_id]
+
+    def finished(self, job_id: str, before: dict[str, Any]) -> None:
+        """``job_id`` ended: forget its failed finishes."""
+        with self._lock:
+            self._write_failures.pop(_write_key(job_id, before), None)
+
+    def cannot_finish(self, job_id: str, claim: _Claim, err: OSError, needed: int) -> bool:
+        """A finish that needed ``needed`` bytes failed with an I/O error: hand the job back
+        as it was claimed, its attempt uncounted. The files the finish wrote go first (that
+        frees the space the rest needs), then meta.json is put back (restore_meta).
+
+        A full disk (ENOSPC, for a result that fits the filesystem at all) fails no job: the
+        job waits in ready/, not generated again until there is room for it (has_room). Any
+        other failure (EIO, EFBIG past a file size limit, EDQUOT, a result larger than the
+        whole filesystem) is counted (``write_failures``; in memory too, where that cannot be
+        written): the claim after NRVNA_MAX_WRITE_TRIES of them fails the job with
+        write_error, unrun. Returns True when the job had moved on after all (the move
+        happened, an fsync after it failed): it ended, and nothing is undone."""
+        reason = _os_error(err)
+        dir_fd = claim.dir_fd
+        if not _same_entry(dir_fd, job_path(self.workspace, PROCESSING, job_id)):
+            log.error(f"{job_id} ended, but making its move durable failed: {reason}")
+            return True
+        _clear_outputs(dir_fd, keep=(CLAIMED_META,))
+        if err.errno == errno.ENOSPC and needed <= _disk_size(self.workspace):
+            return self._wait_for_room(job_id, claim, reason, needed)
+        failures = self._count_write_failure(job_id, claim.before, reason)
+        self._put_back_cancel(claim)
+        meta = dict(claim.before, write_failures=failures, last_write_error=reason,
+                    events=claim.meta.get("events") or [])
+        record_event(meta, Status.Running, "requeued", "write_error")
+        self.restore_meta(job_id, claim, meta)
+        log.limited(f"finish:{err.errno}", f"cannot finish {job_id}: {reason}; handed it back to the queue "
+                    f"(failed finish {failures} of NRVNA_MAX_WRITE_TRIES={self.config.max_write_tries}; "
+                    "no attempt counted)")
+        self.hand_back(job_id)
+        return False
+
+    def _wait_for_room(self, job_id: str, claim: _Claim, reason: str, needed: int) -> bool:
+        """Hand back a job whose result did not fit a full disk, uncounted: it is claimed again
+        once the filesystem has ``needed`` bytes free (in this daemon's memory; another daemon
+        that claims it meanwhile learns the same by one failed finish)."""
+        with self._lock:
+            self._room_needed[job_id] = needed
+        self._put_back_cancel(claim)
+        meta = dict(claim.before, events=claim.meta.get("events") or [])
+        record_event(meta, Status.Running, "requeued", "no_space")
+        self.restore_meta(job_id, claim, meta)
+        log.limited("finish:no space", f"cannot finish {job_id}: {reason}; handed it back to the queue, where it "
+                    f"waits for {needed:,} bytes of room (no attempt and no write failure counted)")
+        self.hand_back(job_id)
+        return False
+
+    @staticmethod
+    def _put_back_cancel(claim: _Claim) -> None:
+        """A cancel request the failed finish removed stands: the next claim fails the job unrun."""
+        if claim.cancel_dropped:
+            try:
+                write_file(claim.dir_fd, CANCEL_FILE, b"cancelled by nrvna cancel while its result was being written\n")
+            except OSError:
+                pass  # the disk is that full: the job runs again, and a new cancel stops it
+
+    def has_room(self, needed: int) -> bool:
+        """Whether the workspace's filesystem has ``needed`` bytes and a few inodes free."""
+        try:
+            fs = os.statvfs(self.workspace)
+        except OSError:
+            return True  # unknown: try, as before
+        return fs.f_bavail * fs.f_frsize >= needed and (fs.f_files == 0 or fs.f_favail >= 16)
+
+    def _count_write_failure(self, job_id: str, before: dict[str, Any], reason: str) -> int:
+        """Count one more failed finish of ``job_id``, in memory; return the count so far."""
+        key = _write_key(job_id, before)
+        with self._lock:
+            failures = max(_int_field(before, "write_failures"), self._write_failures.get(key, (0, ""))[0]) + 1
+            self._write_failures[key] = (failures, reason)
+        return failures
+
+    def check_write_failures(self, job_id: str, before: dict[str, Any]) -> None:
+        """Raise write_error once NRVNA_MAX_WRITE_TRIES finishes of ``job_id`` have failed (as
+        meta.json says, or, where its count could not be written, this daemon remembers)."""
+        with self._lock:
+            failures, reason = self._write_failures.get(_write_key(job_id, before), (0, ""))
+        if _int_field(before, "write_failures") >= failures:
+            failures, reason = _int_field(before, "write_failures"), str(before.get("last_write_error") or "")
+        if failures >= self.config.max_write_tries:
+            raise JobError("write_error", f"its result could not be written {failures} times "
+                           f"(NRVNA_MAX_WRITE_TRIES={self.config.max_write_tries}); the last error: "
+                           f"{reason or 'unknown'}; it is not retried again")
+
+    def restore_meta(self, job_id: str, claim: _Claim, meta: Optional[dict[str, Any]] = None) -> None:
+        """Put meta.json back as the claim found it, so that a hand-back counts no attempt, or
+        as ``meta`` (that, with a count and the events of the attempt). First what needs no
+        free space: the claim's hard link is renamed back, or, where the job had no
+        meta.json, the claim's is removed. Then ``meta`` is written, or, where the
+        filesystem made no link, the claim's: on a full disk that may fail (the count then
+        lives on in memory only, and the events miss the attempt).
+
+        If neither works (an I/O error: a rename needs no space), meta.json keeps the
+        claim's count, one attempt too many, and the job goes back to the queue all the same:
+        an attempt too many can at worst fail it a death early (crash_ceiling), while a job
+        left in processing/ would wait for a recovery and count that attempt anyway."""
+        dir_fd, failure = claim.dir_fd, None
+        restored = False
+        try:
+            if claim.kept == "link":
+                os.rename(CLAIMED_META, META_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                restored = True
+            elif claim.kept == "none":  # it had no meta.json (as submitted)
+                restored = True
+                os.unlink(META_FILE, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass  # the claim failed before its meta.json
+        except OSError as err:
+            restored = False
+            failure = err
+        if claim.kept == "link":
+            _unlink_quietly(CLAIMED_META, dir_fd)  # a rename between two names of one file does nothing
+        claim.kept = ""
+        if meta is not None or not restored:
+            try:
+                write_file(dir_fd, META_FILE, dump_meta(claim.before if meta is None else meta))
+                restored = True
+            except OSError as err:
+                failure = failure if restored else err
+        try:
+            os.fsync(dir_fd)
+        except OSError as err:
+            restored, failure = False, err
+        if not restored and failure is not None:
+            log.limited(f"restore:{failure.errno}", f"cannot put {job_id}'s meta.json back as claimed "
+                        f"({_os_error(failure)}); it goes back to the queue, perhaps with its attempt counted")
+
+    def hand_back(self, job_id: str) -> None:
+        """Put a job whose claim or finish hit an I/O error back in ready/ (as it was claimed:
+        see cannot_finish and restore_meta)."""
+        try:
+            move_job(self.workspace, job_id, PROCESSING, READY)
+        except OSError as err:
+            log.limited(f"hand back:{err.errno}", f"cannot hand {job_id} back ({_os_error(err)}); it stays in "
+                        "processing/ until a recovery requeues it (within 30 s)")
+
+
 class Processor:
-    """Moves jobs through their states. Shared by the workers: each call works on a job
-    that the calling worker owns (the claim rename made it so), so it needs no lock.
+    """Moves jobs through their states.
 
     Durability: files are fsynced inside the job dir, the job dir is fsynced, then it is
     renamed, then both parent directories are fsynced. The claim counts the attempt in
     meta.json and makes that durable before any inference starts.
+
+    Threads: claims and finishes come from the workers, the Finisher, the Models thread
+    (failing an unloadable model's jobs) and the main thread (a start's last chances);
+    recoveries from the main thread at start and the Watcher; the Watcher also looks at the
+    running jobs (``cancel_requested``, ``flush_partial``). Each call on a job works on one
+    that the calling thread holds alone (the Pool gave it out once; the claim rename, or a
+    recovery under the WorkspaceLock, made it this daemon's). Shared between them: the
+    running jobs' claims (``_claims``, under ``_claims_lock``), each claim's directory (the
+    finishing thread and the Watcher's partial.txt flush, under the claim's ``lock``), and the
+    memory of failed finishes (under _HandBacks' lock). ``daemon`` is written by the Watcher
+    and read by the claims (one string, replaced whole).
     """
 
     def __init__(self, workspace: str, config: Config, model_name: str) -> None:
@@ -9333,12 +9520,7 @@ class Processor:
         self.hooked = bool(config.on_done or config.on_batch_done)
         self._claims: dict[str, _Claim] = {}  # the running jobs' directories, by ID
         self._claims_lock = threading.Lock()
-        # Failed finishes (count, last error) by job (see _write_key): meta.json holds them
-        # too, but on a full disk it may not take them.
-        self._write_failures: dict[tuple[str, int], tuple[int, str]] = {}
-        # Jobs handed back because the disk was full, with the bytes their finish needed: not
-        # claimed (not generated again) until the filesystem has that much free (_has_room).
-        self._room_needed: dict[str, int] = {}
+        self.hand_backs = _HandBacks(workspace, config)
 
     def _path(self, sub: str, name: str = "") -> str:
         return job_path(self.workspace, sub, name)
@@ -9355,14 +9537,29 @@ class Processor:
         rename until it has moved on; None if someone else took it or it was malformed (then
         it is already in failed/). Raises _HandBack on an I/O error, _Busy while another
         claimer or a requeue holds it. ``model``: the model meta.json records."""
-        needed = self._room_needed.get(job_id)
-        if needed is not None:
-            if not self._has_room(needed):
-                log.limited("room", f"the disk holding {self.workspace} is full: jobs wait in input/ready/ until "
-                            f"there is room for their results ({job_id} needs {needed:,} bytes); none is generated "
-                            "again before that, and no attempt or write failure is counted", level="warning")
-                raise _HandBack(job_id)
-            del self._room_needed[job_id]
+        self.hand_backs.check_room(job_id)
+        taken = self._take(job_id)
+        if taken is None:
+            return None
+        claim = self._count_attempt(job_id, *taken, worker, model or self.model_name)
+        job = self.hold(RunningJob(job_id, "", {}, stop), claim)
+        try:
+            if _exists(claim.dir_fd, CANCEL_FILE):  # cancelled while we claimed it
+                raise JobError("cancelled", "cancelled before it started (nrvna cancel)")
+            self.hand_backs.check_write_failures(job_id, claim.before)
+            job.prompt, job.params = self._read_input(claim.dir_fd)
+        except (JobError, OSError) as err:
+            code = err.code if isinstance(err, JobError) else "bad_request"
+            message = str(err) if isinstance(err, JobError) else f"cannot read job: {_os_error(err)}"
+            if not self.finish(job, Outcome(error_code=code, error=message)):
+                raise _HandBack(job_id) from None  # back in ready/ (a full disk): the caller retries it
+            log.warning(f"Job failed: {job_id}: {message}")
+            return None
+        return job
+
+    def _take(self, job_id: str) -> Optional[tuple[int, str]]:
+        """Hold ``job_id`` and move it from ready/ to processing/: its directory's descriptor
+        and its new path, or None (see claim)."""
         ready = self._path(READY, job_id)
         try:
             dir_fd = hold_job(ready)
@@ -9371,11 +9568,11 @@ class Processor:
                 return None  # another claimer won, or the job was removed
             if err.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or a symlink, not a job directory
                 with WorkspaceLock(self.workspace):
-                    self._quarantine(job_id, READY)
+                    self.quarantine(job_id, READY)
                 return None
             if err.errno == errno.EACCES:
                 with WorkspaceLock(self.workspace):  # two daemons never fail it both
-                    if not os.path.lexists(ready) or self._fail_inaccessible(job_id, READY):
+                    if not os.path.lexists(ready) or self.fail_inaccessible(job_id, READY):
                         return None
             raise
         if dir_fd is None:
@@ -9390,7 +9587,7 @@ class Processor:
             if isinstance(err, FileExistsError):
                 log.error(f"cannot claim {job_id}: processing/{job_id} already exists; left in ready/")
                 return None
-            if isinstance(err, PermissionError) and self._fail_inaccessible(job_id, READY):
+            if isinstance(err, PermissionError) and self.fail_inaccessible(job_id, READY):
                 return None  # a directory changes parent only if it is writable itself
             raise
         if not _same_entry(dir_fd, path):
@@ -9398,6 +9595,11 @@ class Processor:
             # nobody's, and the next recovery pass requeues it.
             os.close(dir_fd)
             return None
+        return dir_fd, path
+
+    def _count_attempt(self, job_id: str, dir_fd: int, path: str, worker: str, model: str) -> _Claim:
+        """Count the attempt in the claimed job's meta.json, durably; on an I/O error hand the
+        job back as it was and raise _HandBack."""
         import copy
 
         claim: Optional[_Claim] = None
@@ -9408,7 +9610,7 @@ class Processor:
             if "submitted" not in meta:
                 meta["submitted"] = submitted_time(job_id, dir_fd)
             meta.update(id=job_id, started=round(time.time(), 3), worker=worker, daemon=self.daemon,
-                        model=model or self.model_name, attempts=attempts + 1)
+                        model=model, attempts=attempts + 1)
             for key in ("finished", "code", "finish_reason"):
                 meta.pop(key, None)
             record_event(meta, Status.Queued, "running")
@@ -9420,24 +9622,11 @@ class Processor:
             log.limited(f"claim:{err.errno}", f"cannot claim {job_id}: {_os_error(err)}; handing it back "
                         "(no attempt counted)")
             if claim is not None:
-                self._restore_meta(job_id, claim)
-            self._hand_back(job_id)
+                self.hand_backs.restore_meta(job_id, claim)
+            self.hand_backs.hand_back(job_id)
             os.close(dir_fd)
             raise _HandBack(job_id) from None
-        job = self._hold(RunningJob(job_id, "", {}, stop), claim)
-        try:
-            if _exists(dir_fd, CANCEL_FILE):  # cancelled while we claimed it
-                raise JobError("cancelled", "cancelled before it started (nrvna cancel)")
-            self._check_write_failures(job_id, claim.before)
-            job.prompt, job.params = self._read_input(dir_fd)
-        except (JobError, OSError) as err:
-            code = err.code if isinstance(err, JobError) else "bad_request"
-            message = str(err) if isinstance(err, JobError) else f"cannot read job: {_os_error(err)}"
-            if not self.finish(job, Outcome(error_code=code, error=message)):
-                raise _HandBack(job_id) from None  # back in ready/ (a full disk): the caller retries it
-            log.warning(f"Job failed: {job_id}: {message}")
-            return None
-        return job
+        return claim
 
     def _read_input(self, dir_fd: int) -> tuple[str, dict[str, Any]]:
         import json
@@ -9469,7 +9658,7 @@ class Processor:
         except Exception as err:  # a check's own bug must fail this job alone, never its batch-mates
             raise JobError("bad_request", f"params.json could not be checked: {err!r}") from None
 
-    def _hold(self, job: RunningJob, claim: _Claim) -> RunningJob:
+    def hold(self, job: RunningJob, claim: _Claim) -> RunningJob:
         with self._claims_lock:
             self._claims[job.id] = claim
         return job
@@ -9483,9 +9672,13 @@ class Processor:
             claim.closed = True
         return claim
 
+    def _claim_of(self, job: RunningJob) -> Optional[_Claim]:
+        with self._claims_lock:
+            return self._claims.get(job.id)
+
     def cancel_requested(self, job: RunningJob) -> bool:
         """Whether ``nrvna cancel`` has asked to stop the running ``job``."""
-        claim = self._claims.get(job.id)
+        claim = self._claim_of(job)
         return claim is not None and os.path.lexists(os.path.join(claim.path, CANCEL_FILE))
 
     def flush_partial(self, job: RunningJob) -> None:
@@ -9493,7 +9686,7 @@ class Processor:
         partial.txt is for watching, result.txt is the record)."""
         if not job.emitted:
             return
-        claim = self._claims.get(job.id)
+        claim = self._claim_of(job)
         if claim is None:
             return
         with claim.lock:
@@ -9517,7 +9710,8 @@ class Processor:
 
     def finish(self, job: RunningJob, outcome: Outcome) -> bool:
         """Record the outcome and move the job to output/ or failed/. Returns False when an
-        I/O error forced it back to ready/ (see _cannot_finish; the caller retries it later)."""
+        I/O error forced it back to ready/ (see _HandBacks.cannot_finish; the caller retries it
+        later)."""
         claim = self._release(job)
         try:
             meta = dict(claim.meta)  # the claim's stays as it was, for a hand-back's events
@@ -9527,8 +9721,8 @@ class Processor:
             except OSError as err:
                 # What the finish writes, each file rounded up to a block, meta.json included.
                 needed = sum(len(data) for _, data in files) + ROOM_SLACK * (len(files) + 2)
-                return self._cannot_finish(job.id, claim, err, needed)
-            self._write_failures.pop(_write_key(job.id, claim.before), None)
+                return self.hand_backs.cannot_finish(job.id, claim, err, needed)
+            self.hand_backs.finished(job.id, claim.before)
             return True
         finally:
             os.close(claim.dir_fd)
@@ -9575,7 +9769,7 @@ class Processor:
             write_file(dir_fd, name, data)
         write_file(dir_fd, META_FILE, dump_meta(meta))
         # Unconditional too; gone before the fsync, so no finished job keeps it. A failure
-        # after this point restores meta.json by writing it (see _restore_meta).
+        # after this point restores meta.json by writing it (see _HandBacks.restore_meta).
         _unlink_quietly(CLAIMED_META, dir_fd)
         claim.kept = ""
         os.fsync(dir_fd)
@@ -9585,139 +9779,6 @@ class Processor:
             move_job(self.workspace, job_id, PROCESSING, dest)
         except FileExistsError:
             self._name_taken(job_id, dir_fd, dest)
-
-    def _cannot_finish(self, job_id: str, claim: _Claim, err: OSError, needed: int) -> bool:
-        """A finish that needed ``needed`` bytes failed with an I/O error: hand the job back
-        as it was claimed, its attempt uncounted. The files the finish wrote go first (that
-        frees the space the rest needs), then meta.json is put back (_restore_meta).
-
-        A full disk (ENOSPC, for a result that fits the filesystem at all) fails no job: the
-        job waits in ready/, not generated again until there is room for it (_has_room). Any
-        other failure (EIO, EFBIG past a file size limit, EDQUOT, a result larger than the
-        whole filesystem) is counted (``write_failures``; in memory too, where that cannot be
-        written): the claim after NRVNA_MAX_WRITE_TRIES of them fails the job with
-        write_error, unrun. Returns True when the job had moved on after all (the move
-        happened, an fsync after it failed): it ended, and nothing is undone."""
-        reason = _os_error(err)
-        dir_fd = claim.dir_fd
-        if not _same_entry(dir_fd, self._path(PROCESSING, job_id)):
-            log.error(f"{job_id} ended, but making its move durable failed: {reason}")
-            return True
-        _clear_outputs(dir_fd, keep=(CLAIMED_META,))
-        if err.errno == errno.ENOSPC and needed <= _disk_size(self.workspace):
-            return self._wait_for_room(job_id, claim, reason, needed)
-        failures = self._count_write_failure(job_id, claim.before, reason)
-        self._put_back_cancel(claim)
-        meta = dict(claim.before, write_failures=failures, last_write_error=reason,
-                    events=claim.meta.get("events") or [])
-        record_event(meta, Status.Running, "requeued", "write_error")
-        self._restore_meta(job_id, claim, meta)
-        log.limited(f"finish:{err.errno}", f"cannot finish {job_id}: {reason}; handed it back to the queue "
-                    f"(failed finish {failures} of NRVNA_MAX_WRITE_TRIES={self.config.max_write_tries}; "
-                    "no attempt counted)")
-        self._hand_back(job_id)
-        return False
-
-    def _wait_for_room(self, job_id: str, claim: _Claim, reason: str, needed: int) -> bool:
-        """Hand back a job whose result did not fit a full disk, uncounted: it is claimed again
-        once the filesystem has ``needed`` bytes free (in this daemon's memory; another daemon
-        that claims it meanwhile learns the same by one failed finish)."""
-        self._room_needed[job_id] = needed
-        self._put_back_cancel(claim)
-        meta = dict(claim.before, events=claim.meta.get("events") or [])
-        record_event(meta, Status.Running, "requeued", "no_space")
-        self._restore_meta(job_id, claim, meta)
-        log.limited("finish:no space", f"cannot finish {job_id}: {reason}; handed it back to the queue, where it "
-                    f"waits for {needed:,} bytes of room (no attempt and no write failure counted)")
-        self._hand_back(job_id)
-        return False
-
-    @staticmethod
-    def _put_back_cancel(claim: _Claim) -> None:
-        """A cancel request the failed finish removed stands: the next claim fails the job unrun."""
-        if claim.cancel_dropped:
-            try:
-                write_file(claim.dir_fd, CANCEL_FILE, b"cancelled by nrvna cancel while its result was being written\n")
-            except OSError:
-                pass  # the disk is that full: the job runs again, and a new cancel stops it
-
-    def _has_room(self, needed: int) -> bool:
-        """Whether the workspace's filesystem has ``needed`` bytes and a few inodes free."""
-        try:
-            fs = os.statvfs(self.workspace)
-        except OSError:
-            return True  # unknown: try, as before
-        return fs.f_bavail * fs.f_frsize >= needed and (fs.f_files == 0 or fs.f_favail >= 16)
-
-    def _count_write_failure(self, job_id: str, before: dict[str, Any], reason: str) -> int:
-        """Count one more failed finish of ``job_id``, in memory; return the count so far."""
-        key = _write_key(job_id, before)
-        failures = max(_int_field(before, "write_failures"), self._write_failures.get(key, (0, ""))[0]) + 1
-        self._write_failures[key] = (failures, reason)
-        return failures
-
-    def _check_write_failures(self, job_id: str, before: dict[str, Any]) -> None:
-        """Raise write_error once NRVNA_MAX_WRITE_TRIES finishes of ``job_id`` have failed (as
-        meta.json says, or, where its count could not be written, this daemon remembers)."""
-        failures, reason = self._write_failures.get(_write_key(job_id, before), (0, ""))
-        if _int_field(before, "write_failures") >= failures:
-            failures, reason = _int_field(before, "write_failures"), str(before.get("last_write_error") or "")
-        if failures >= self.config.max_write_tries:
-            raise JobError("write_error", f"its result could not be written {failures} times "
-                           f"(NRVNA_MAX_WRITE_TRIES={self.config.max_write_tries}); the last error: "
-                           f"{reason or 'unknown'}; it is not retried again")
-
-    def _restore_meta(self, job_id: str, claim: _Claim, meta: Optional[dict[str, Any]] = None) -> None:
-        """Put meta.json back as the claim found it, so that a hand-back counts no attempt, or
-        as ``meta`` (that, with a count and the events of the attempt). First what needs no
-        free space: the claim's hard link is renamed back, or, where the job had no
-        meta.json, the claim's is removed. Then ``meta`` is written, or, where the
-        filesystem made no link, the claim's: on a full disk that may fail (the count then
-        lives on in memory only, and the events miss the attempt).
-
-        If neither works (an I/O error: a rename needs no space), meta.json keeps the
-        claim's count, one attempt too many, and the job goes back to the queue all the same:
-        an attempt too many can at worst fail it a death early (crash_ceiling), while a job
-        left in processing/ would wait for a recovery and count that attempt anyway."""
-        dir_fd, failure = claim.dir_fd, None
-        restored = False
-        try:
-            if claim.kept == "link":
-                os.rename(CLAIMED_META, META_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                restored = True
-            elif claim.kept == "none":  # it had no meta.json (as submitted)
-                restored = True
-                os.unlink(META_FILE, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass  # the claim failed before its meta.json
-        except OSError as err:
-            restored = False
-            failure = err
-        if claim.kept == "link":
-            _unlink_quietly(CLAIMED_META, dir_fd)  # a rename between two names of one file does nothing
-        claim.kept = ""
-        if meta is not None or not restored:
-            try:
-                write_file(dir_fd, META_FILE, dump_meta(claim.before if meta is None else meta))
-                restored = True
-            except OSError as err:
-                failure = failure if restored else err
-        try:
-            os.fsync(dir_fd)
-        except OSError as err:
-            restored, failure = False, err
-        if not restored and failure is not None:
-            log.limited(f"restore:{failure.errno}", f"cannot put {job_id}'s meta.json back as claimed "
-                        f"({_os_error(failure)}); it goes back to the queue, perhaps with its attempt counted")
-
-    def _hand_back(self, job_id: str) -> None:
-        """Put a job whose claim or finish hit an I/O error back in ready/ (as it was claimed:
-        see _cannot_finish and _restore_meta)."""
-        try:
-            move_job(self.workspace, job_id, PROCESSING, READY)
-        except OSError as err:
-            log.limited(f"hand back:{err.errno}", f"cannot hand {job_id} back ({_os_error(err)}); it stays in "
-                        "processing/ until a recovery requeues it (within 30 s)")
 
     def _name_taken(self, job_id: str, dir_fd: int, dest: str) -> None:
         """``dest/<id>`` already exists: never replace it, never lose this job either."""
@@ -9750,7 +9811,7 @@ class Processor:
         finally:
             os.close(dir_fd)
 
-    def _fail_inaccessible(self, job_id: str, sub: str) -> bool:
+    def fail_inaccessible(self, job_id: str, sub: str) -> bool:
         """A job directory the daemon may not open or move because its own mode lacks the
         owner's rwx (``chmod 000``, say): fail it unread, rather than retry its claim forever,
         and return True. It is made 0700 again, as every job directory, only so that it can
@@ -9778,7 +9839,7 @@ class Processor:
         log.warning(f"Job failed: {job_id}: its directory was not accessible (mode {mode:o})")
         return True
 
-    def _quarantine(self, job_id: str, sub: str) -> None:
+    def quarantine(self, job_id: str, sub: str) -> None:
         """A non-directory in ``sub`` (ready/ or processing/): wrap it, unopened, in a real
         failed/<id>/ dir. The caller holds the WorkspaceLock (recovery publishes a wrap that
         a dead daemon left)."""
@@ -9803,9 +9864,9 @@ class Processor:
         os.rename(self._path(sub, job_id), os.path.join(wrap, QUARANTINED_ENTRY))
         fsync_dir(wrap)
         fsync_dir(self._path(sub))
-        self._publish_quarantine(job_id, wrap)
+        self.publish_quarantine(job_id, wrap)
 
-    def _publish_quarantine(self, job_id: str, wrap: str) -> None:
+    def publish_quarantine(self, job_id: str, wrap: str) -> None:
         if self.records_ends():
             owe_hooks(self.workspace, job_id)
         try:
@@ -9817,7 +9878,22 @@ class Processor:
         fsync_dir(self._path(PROCESSING))
         log.warning(f"Job failed: {job_id}: input/ready/{job_id} was not a job directory")
 
-    # -- start-up ------------------------------------------------------------------------
+class _Recovery:
+    """Returns the jobs of daemons that died to the queue: orphans in processing/ (or fails
+    them at the attempt ceiling), then, at a start, runs alone the ones whose next death
+    would fail them; removes the staging leftovers of clients that died.
+
+    Threads: the main thread at start (``run_last_chances`` too, before the workers start),
+    then the Watcher (a daemon died, and every ORPHAN_SECONDS). Each pass is under the
+    WorkspaceLock, and leaves alone a job a live daemon holds (this one's workers' included:
+    see hold_orphan), so it touches no job another thread works on.
+    """
+
+    def __init__(self, processor: Processor) -> None:
+        self.processor, self.workspace, self.config = processor, processor.workspace, processor.config
+
+    def _path(self, sub: str, name: str = "") -> str:
+        return job_path(self.workspace, sub, name)
 
     def recover(self) -> list[tuple[str, int]]:
         """Return orphans in processing/ (their daemon died) to ready/, or fail them at the
@@ -9840,9 +9916,9 @@ class Processor:
                     except FileNotFoundError:
                         continue  # moved on meanwhile
                     if not stat.S_ISDIR(mode):
-                        self._quarantine(name, PROCESSING)
+                        self.processor.quarantine(name, PROCESSING)
                     elif stat.S_IMODE(mode) & 0o700 != 0o700:
-                        self._fail_inaccessible(name, PROCESSING)
+                        self.processor.fail_inaccessible(name, PROCESSING)
                     continue  # otherwise held by a live daemon
                 attempts = self._recover_one(name, dir_fd, path)
                 if attempts is not None:
@@ -9858,8 +9934,8 @@ class Processor:
             # The killed attempt's temporaries and results go; its partial text stays
             # (what it generated before the deaths is the evidence).
             _clear_outputs(dir_fd, keep=(PARTIAL_FILE,))
-            job = self._hold(RunningJob(name, "", {}, threading.Event()), _Claim(dir_fd, meta, path, dict(meta)))
-            self.finish(job, Outcome(error_code="crash_ceiling", error=(
+            job = self.processor.hold(RunningJob(name, "", {}, threading.Event()), _Claim(dir_fd, meta, path, dict(meta)))
+            self.processor.finish(job, Outcome(error_code="crash_ceiling", error=(
                 f"the daemon stopped {attempts} times while running this job "
                 f"(NRVNA_MAX_ATTEMPTS={self.config.max_attempts}); it is not retried again")))
             log.warning(f"Failed orphaned job after {attempts} attempts: {name}")
@@ -9882,7 +9958,7 @@ class Processor:
 
     def _recover_hidden(self, name: str, path: str) -> None:
         if name.endswith(".quarantine") and os.path.lexists(os.path.join(path, QUARANTINED_ENTRY)):
-            self._publish_quarantine(name[1:-len(".quarantine")], path)
+            self.processor.publish_quarantine(name[1:-len(".quarantine")], path)
         else:
             _remove_tree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
             fsync_dir(self._path(PROCESSING))
@@ -9910,6 +9986,43 @@ class Processor:
         if removed:
             fsync_dir(self._path(WRITING))
         return removed
+
+    def run_last_chances(self, recovered: list[tuple[str, int]], session: Session, stop: threading.Event,
+                         here: Callable[[str], bool]) -> None:
+        """Run alone, one by one, the orphans whose next daemon death would fail them.
+
+        A daemon death counts an attempt against every job in flight, and submission order
+        brings the same jobs back together: without this, a poison job would take its
+        innocent batch-mates to the attempt ceiling with it. Alone, it only fails itself.
+        ``here``: whether a job runs on the model ``session`` runs.
+        """
+        ceiling = self.config.max_attempts
+        last = sorted((job_id for job_id, attempts in recovered if 1 <= attempts and attempts >= ceiling - 1
+                       and here(job_id)), key=order_key)
+        for job_id in last:
+            if stop.is_set():
+                return
+            log.warning(f"Running job alone (the daemon died while it ran): {job_id}")
+            try:
+                job = self.processor.claim(job_id, "Main", stop)
+            except (_HandBack, _Busy):
+                continue
+            if job is None:
+                continue
+            try:
+                session.start(job)
+                while session.active():
+                    if stop.is_set():
+                        session.drop(job)
+                        self.processor.requeue(job)
+                        return
+                    for done, outcome in session.step():
+                        self.processor.finish(done, outcome)
+            except JobError as err:
+                self.processor.finish(job, Outcome(error_code=err.code, error=str(err)))
+            except Exception as err:
+                session.drop(job)
+                self.processor.finish(job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}"))
 
 
 def _env_text(value: Any) -> str:
@@ -10784,10 +10897,10 @@ class _Watcher:
     DAEMON_STATUS_SECONDS rewrites this daemon's record. (Off the workers' threads: decoding
     never waits for this I/O.)"""
 
-    def __init__(self, workspace: str, registry: _Registry, processor: Processor, pool: Pool, models: _Models,
-                 running: Callable[[], list[RunningJob]], write_status: Callable[[], None]) -> None:
-        self.workspace, self.registry, self.processor, self.pool, self.models = (workspace, registry, processor,
-                                                                                  pool, models)
+    def __init__(self, workspace: str, registry: _Registry, processor: Processor, recovery: _Recovery, pool: Pool,
+                 models: _Models, running: Callable[[], list[RunningJob]], write_status: Callable[[], None]) -> None:
+        self.workspace, self.registry, self.processor, self.recovery = workspace, registry, processor, recovery
+        self.pool, self.models = pool, models
         self.running, self.write_status = running, write_status
         self._next_reap = 0.0
         self._next_orphans = time.monotonic() + ORPHAN_SECONDS
@@ -10830,7 +10943,7 @@ class _Watcher:
             log.warning(f"Daemon {name} died; requeuing the jobs it was running")
         if dead or now >= self._next_orphans:
             self._next_orphans = now + ORPHAN_SECONDS
-            recovered = self.processor.recover()
+            recovered = self.recovery.recover()
             if recovered:
                 log.info(f"Requeued {len(recovered)} jobs that no live daemon held")
             if not dead:
@@ -10993,10 +11106,12 @@ class Server:
                     log.warning(f"{len(owed)} jobs' hooks are owed (hooks/done/); they run when a daemon starts "
                                 "with --on-done or --on-batch-done (delete hooks/ to forget them)")
             log.info("Recovering orphaned jobs...")
-            recovered = self.processor.recover()
-            self.processor.clean_staging()
-            self._run_last_chances(recovered, sessions[0])
-            self.watcher = _Watcher(self.workspace, self.registry, self.processor, self.pool, models,
+            recovery = _Recovery(self.processor)
+            recovered = recovery.recover()
+            recovery.clean_staging()
+            recovery.run_last_chances(recovered, sessions[0], self._stop,
+                                      lambda job_id: (self._route(job_id) or _Place(0, None)).queue == models.active)
+            self.watcher = _Watcher(self.workspace, self.registry, self.processor, recovery, self.pool, models,
                                     self._running_jobs, self.write_status)
             models.peers(*self.watcher.peer_models())  # before the first scan routes a job
             self.scanner = Scanner(self.workspace, self.pool, self._stop)
@@ -11036,41 +11151,6 @@ class Server:
         # one wide thread, is the only OpenMP team (see LlamaRunner.decode_wide).
         lending = len(sessions) > 1 and all(s.base_threads == 1 for s in sessions)
         self._thread_budget = len(sessions) if lending else 0
-
-    def _run_last_chances(self, recovered: list[tuple[str, int]], session: Session) -> None:
-        """Run alone, one by one, the orphans whose next daemon death would fail them.
-
-        A daemon death counts an attempt against every job in flight, and submission order
-        brings the same jobs back together: without this, a poison job would take its
-        innocent batch-mates to the attempt ceiling with it. Alone, it only fails itself.
-        """
-        ceiling = self.config.max_attempts
-        last = sorted((job_id for job_id, attempts in recovered if 1 <= attempts and attempts >= ceiling - 1
-                       and getattr(self._route(job_id), "queue", None) == self.models.active), key=order_key)
-        for job_id in last:
-            if self._stop.is_set():
-                return
-            log.warning(f"Running job alone (the daemon died while it ran): {job_id}")
-            try:
-                job = self.processor.claim(job_id, "Main", self._stop)
-            except (_HandBack, _Busy):
-                continue
-            if job is None:
-                continue
-            try:
-                session.start(job)
-                while session.active():
-                    if self._stop.is_set():
-                        session.drop(job)
-                        self.processor.requeue(job)
-                        return
-                    for done, outcome in session.step():
-                        self.processor.finish(done, outcome)
-            except JobError as err:
-                self.processor.finish(job, Outcome(error_code=err.code, error=str(err)))
-            except Exception as err:
-                session.drop(job)
-                self.processor.finish(job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}"))
 
     def request_stop(self) -> None:
         """Ask every thread to stop; ``shutdown`` waits. From a signal handler while

@@ -871,8 +871,8 @@ def test_a_staging_entry_published_while_the_daemon_starts_is_not_an_error(ws: s
             pass
 
     monkeypatch.setattr(os, "scandir", lambda path: Listing() if path.endswith("writing") else real_scandir(path))
-    processor = nrvna.Processor(ws, nrvna.Config(), "test")
-    assert processor.clean_staging() == 0
+    recovery = nrvna._Recovery(nrvna.Processor(ws, nrvna.Config(), "test"))
+    assert recovery.clean_staging() == 0
 
 
 def test_a_second_daemon_is_refused_and_a_stale_lock_file_is_not(ws: str) -> None:
@@ -988,9 +988,9 @@ def test_a_hand_back_leaves_the_job_as_claimed_and_counts_no_attempt(ws: str, mo
         real_write_file(dir_fd, name, data, sync)
 
     seen: list[tuple[list[str], dict[str, Any]]] = []
-    real_hand_back = nrvna.Processor._hand_back
+    real_hand_back = nrvna._HandBacks.hand_back
 
-    def watched(self: nrvna.Processor, job_id: str) -> None:
+    def watched(self: nrvna._HandBacks, job_id: str) -> None:
         real_hand_back(self, job_id)
         path = os.path.join(ws, nrvna.READY, job_id)
         seen.append((sorted(os.listdir(path)), json.loads(Path(path, "meta.json").read_text())))
@@ -999,7 +999,7 @@ def test_a_hand_back_leaves_the_job_as_claimed_and_counts_no_attempt(ws: str, mo
         return nrvna.Outcome(text=f"echo:{job.prompt}", logprobs=[{"token": "e", "logprob": -0.5, "bytes": [101]}])
 
     monkeypatch.setattr(nrvna, "write_file", full_disk)
-    monkeypatch.setattr(nrvna.Processor, "_hand_back", watched)
+    monkeypatch.setattr(nrvna._HandBacks, "hand_back", watched)
     job_id = submit(ws, "spacey")
     submitted = sorted(os.listdir(os.path.join(ws, nrvna.READY, job_id)))
     with serving(ws, with_logprobs, workers=1):
@@ -1032,7 +1032,7 @@ def test_a_result_that_meets_a_full_disk_is_not_generated_again_until_there_is_r
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write_file(dir_fd, name, data, sync)
 
-    def room(self: nrvna.Processor, needed: int) -> bool:
+    def room(self: nrvna._HandBacks, needed: int) -> bool:
         looked.append(needed)
         return not disk["full"]
 
@@ -1043,7 +1043,7 @@ def test_a_result_that_meets_a_full_disk_is_not_generated_again_until_there_is_r
         return "y" * 5000
 
     monkeypatch.setattr(nrvna, "write_file", full_disk)
-    monkeypatch.setattr(nrvna.Processor, "_has_room", room)
+    monkeypatch.setattr(nrvna._HandBacks, "has_room", room)
     with serving(ws, counted, workers=1):
         job_id = submit(ws, "waits for room")
         deadline = time.monotonic() + 30
