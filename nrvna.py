@@ -9145,6 +9145,10 @@ class Scanner:
     idle daemon sleeps in select(). The directory is listed only at start and after an event
     overflow, so a 100k backlog is never rescanned. Elsewhere it stats the directory every
     20 ms and lists it when its mtime changed, and once a second regardless (mtime is coarse).
+
+    Threads: its own (the Scanner), which alone touches the watch and ``_deferred``; the
+    main thread calls ``wake`` (a pipe) and, at a drain, ``scan`` (the Pool locks itself;
+    ``scans`` is only ever compared with 0, and the main thread scans only once it is not).
     """
 
     def __init__(self, workspace: str, pool: Pool, stop: threading.Event) -> None:
@@ -9291,17 +9295,25 @@ def _link_claimed_meta(dir_fd: int) -> str:
 
 
 class _HandBack(Exception):
-    """A job could not be claimed or finished because of an I/O error; it is back in ready/."""
+    """A job could not be claimed or finished because of an I/O error; it is back in ready/.
+
+    Threads: raised to, and caught by, the thread that claims the job."""
 
 
 class _Busy(Exception):
-    """A job could not be claimed now: another claimer holds it, or a requeue still does."""
+    """A job could not be claimed now: another claimer holds it, or a requeue still does.
+
+    Threads: raised to, and caught by, the thread that claims the job."""
 
 
 class _Claim:
     """The daemon's hold on a running job (runners never see it): its open directory, where it
     is, its meta.json as the claim wrote it, and the lock the worker finishing it and the
-    partial.txt flusher share."""
+    partial.txt flusher share.
+
+    Threads: the thread that holds the job (it claimed it, or a recovery did) reads and
+    writes every field; the Watcher uses ``dir_fd`` only under ``lock``, and not once
+    ``closed`` (set under ``lock`` before the holder closes ``dir_fd``)."""
 
     __slots__ = ("dir_fd", "meta", "path", "lock", "closed", "before", "kept", "cancel_dropped")
 
@@ -10055,6 +10067,12 @@ class Hooks:
     "ran": true. It runs
     once per N: a retry of one of its jobs does not run it again, more jobs added to the tag
     and ended do.
+
+    Threads: the ``Hooks`` thread lists hooks/done/ and hands tasks to NRVNA_HOOK_JOBS
+    ``Hook-N`` threads (through a queue.Queue); the workers and the Finisher call ``poke``
+    (an Event); the main thread ``prepare``, ``start``, ``idle`` and ``stop`` (which joins
+    them before it closes ``_held``, the Hooks thread's). What they share (``_in_flight``,
+    ``_procs``, ``_unfinished``, ``_errors``) is under ``_lock``.
     """
 
     def __init__(self, workspace: str, config: Config, stop: threading.Event) -> None:
@@ -10151,8 +10169,10 @@ class Hooks:
                     self._stop.wait(0.5)
                     continue
                 now = time.monotonic()
+                with self._lock:
+                    errors = dict(self._errors)
                 for name in sorted(os.listdir(self.owed), key=order_key):
-                    if is_valid_id(name) and self._errors.get(name, (0, now))[1] <= now:
+                    if is_valid_id(name) and errors.get(name, (0, now))[1] <= now:
                         self._submit(name)
             except OSError as err:
                 log.error(f"cannot list {self.owed}: {_os_error(err)}")
@@ -10172,14 +10192,16 @@ class Hooks:
                     self._run_batch(task[4:])
                 else:
                     self._job_ended(task)
-                    self._errors.pop(task, None)
+                    with self._lock:
+                        self._errors.pop(task, None)
             except Exception as err:  # a hook's bookkeeping must never take the daemon down
                 if task.startswith("tag:"):  # its record stays "ran": false
                     log.error(f"hook error for {task}: {err!r}; tried again at the next start")
                 else:  # its record stays: tried again, less and less often (never every round)
-                    errors = self._errors.get(task, (0, 0.0))[0] + 1
-                    delay = min(HOOK_RETRY_SECONDS * 2 ** errors, HOOK_RETRY_MAX)
-                    self._errors[task] = (errors, time.monotonic() + delay)
+                    with self._lock:
+                        errors = self._errors.get(task, (0, 0.0))[0] + 1
+                        delay = min(HOOK_RETRY_SECONDS * 2 ** errors, HOOK_RETRY_MAX)
+                        self._errors[task] = (errors, time.monotonic() + delay)
                     log.error(f"hook error for {task}: {err!r}; tried again in {delay:g} s")
             finally:
                 with self._lock:
@@ -10326,7 +10348,9 @@ class Hooks:
 
 class _ServedModel:
     """One model a daemon serves: its file, its kind ("chat" or "embed", read from the GGUF
-    before loading) and, while loaded, its runner and one session per worker."""
+    before loading) and, while loaded, its runner and one session per worker.
+
+    Threads: _Models' (the Models thread loads and unloads it; see there)."""
 
     __slots__ = ("name", "path", "kind", "runner", "sessions", "used")
 
@@ -10353,7 +10377,9 @@ class _LoadFailure:
     """A model of a daemon that could not be loaded at its turn: its jobs wait (set aside)
     until ``retry_at``, then are routed to it again (``due``) for one more try; after
     NRVNA_MAX_LOAD_FAILURES failures (``gave_up``) they fail with load_failed, until the
-    file changes (``signature``). ``wall`` is retry_at on the clock the records show."""
+    file changes (``signature``). ``wall`` is retry_at on the clock the records show.
+
+    Threads: read and written under _Models' lock (the Models thread changes it)."""
 
     __slots__ = ("count", "error", "retry_at", "wall", "due", "gave_up", "signature")
 
@@ -10687,13 +10713,20 @@ def _hooks_clash(mine: dict[str, str], other: dict[str, Any]) -> Optional[str]:
 class _Registry:
     """A daemon's place among the daemons of its workspace: its lock in daemons/ (the proof
     that it lives), its record beside it (what ``status --daemon`` lists), and the watch for
-    daemons that died, whose running jobs it requeues at once."""
+    daemons that died, whose running jobs it requeues at once.
+
+    Threads: the main thread registers and releases (before the daemon's threads start and
+    after they stop) and looks for the dead at start; then the Watcher keeps the lock and
+    looks for the dead. The record is written by the Watcher and, at a drain, the main
+    thread: ``write`` and ``keep`` (which renames the record) are under ``_lock``.
+    """
 
     def __init__(self, workspace: str) -> None:
         self.workspace = workspace
         self.folder = os.path.join(workspace, DAEMONS)
         self.name = ""
         self._fd: Optional[int] = None
+        self._lock = threading.Lock()  # one writer of the record at a time (its temporary name is fixed)
 
     def register(self, record: Callable[[], dict[str, Any]], clash: Callable[[dict[str, Any]], Optional[str]]) -> None:
         """Take this daemon's lock and write its record, unless ``clash`` names a reason a live
@@ -10724,12 +10757,13 @@ class _Registry:
         """Rewrite the record atomically (no fsync: it is for watching, not state)."""
         import json
 
-        fd = open_dir(self.folder)
-        try:
-            write_file(fd, f"{self.name}.json", (json.dumps(record, indent=1, sort_keys=True) + "\n").encode(),
-                       sync=False)
-        finally:
-            os.close(fd)
+        data = (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()
+        with self._lock:
+            fd = open_dir(self.folder)
+            try:
+                write_file(fd, f"{self.name}.json", data, sync=False)
+            finally:
+                os.close(fd)
 
     def keep(self) -> None:
         """Put the lock file back if it was removed or replaced (the lock held is on the old
@@ -10737,10 +10771,11 @@ class _Registry:
         if self._fd is not None and not _same_entry(self._fd, os.path.join(self.folder, f"{self.name}.lock")):
             log.warning(f"{DAEMONS}/{self.name}.lock was removed or replaced; taking it again")
             fd, name = register_daemon(self.workspace)
-            old = self.name
-            self._release_files()
-            os.close(self._fd)
-            self._fd, self.name = fd, name
+            with self._lock:
+                old = self.name
+                self._release_files()
+                os.close(self._fd)
+                self._fd, self.name = fd, name
             log.info(f"This daemon is now {name} (was {old})")
 
     def dead(self) -> Iterator[str]:
@@ -10775,7 +10810,14 @@ class _Registry:
 class _ModelSwitch:
     """The Models thread of a daemon serving several models: when _Models.choose says, it
     stops the workers taking jobs, waits until every worker has parked (its running jobs
-    ended), makes the next model the active one, and lets the workers go on with its jobs."""
+    ended), makes the next model the active one, and lets the workers go on with its jobs.
+
+    Threads: its own (Models) runs ``run`` and the switches; the workers ``park`` and
+    ``leave``; the Scanner and the workers set ``wake`` (an Event); the main thread calls
+    ``release`` and reads ``failure`` once the daemon has stopped. ``_parked``,
+    ``_generation`` and ``workers`` change under ``_cond`` (``workers`` is read without it:
+    one int, and a worker leaving mid-switch is waited for under it).
+    """
 
     def __init__(self, models: _Models, pool: Pool, stop: threading.Event, workers: int,
                  use: Callable[[list[Session]], None], loads: _WorkerLoads,
@@ -10895,7 +10937,12 @@ class _Watcher:
     running jobs and appends their new text to partial.txt; every REAP_SECONDS looks for
     daemons of the workspace that died and requeues their running jobs; every
     DAEMON_STATUS_SECONDS rewrites this daemon's record. (Off the workers' threads: decoding
-    never waits for this I/O.)"""
+    never waits for this I/O.)
+
+    Threads: its own (Watcher) alone, after the main thread made it (``peer_models`` too, at
+    start); each running job it sees it only flags (``interrupt``, one attribute its worker
+    reads between tokens) and flushes through the Processor (under the job's claim lock).
+    """
 
     def __init__(self, workspace: str, registry: _Registry, processor: Processor, recovery: _Recovery, pool: Pool,
                  models: _Models, running: Callable[[], list[RunningJob]], write_status: Callable[[], None]) -> None:
@@ -11017,6 +11064,13 @@ class _WorkerLoads:
         return share + (busy.index(index) < extra)
 
 
+def _warn_if_shared(workspace: str) -> None:
+    mode = os.stat(workspace).st_mode
+    if mode & 0o022:
+        log.warning(f"workspace {workspace} is writable by group or others (mode "
+                    f"{stat.S_IMODE(mode):o}): anyone who can write it can inject jobs; chmod 700 it")
+
+
 class Server:
     """The daemon: registers among the workspace's daemons, loads its (first) model, recovers
     orphans, then runs one Scanner thread and N worker threads (``Worker-0``...) until
@@ -11025,6 +11079,13 @@ class Server:
     ``model``: a GGUF path or name, a directory of GGUFs, or a list of them (see _Models).
     ``runner`` replaces llama.cpp (tests, custom back-ends): a ``FunctionRunner`` or any
     callable ``fn(job) -> str``. ``drain=True`` stops by itself once the queue is empty.
+
+    Threads: the main thread starts, serves (``serve_forever``), stops and shuts down; the
+    workers, the Finisher and the Models thread (``_fail_unloadable``) end jobs; the Watcher
+    reads the running jobs and the record (``status``); the Scanner calls ``_route`` and
+    ``_queued``. The running jobs and the figures are under ``_stats_lock``, the workers'
+    loads under _WorkerLoads'. ``_sessions`` and ``_thread_budget`` change only in ``_use``:
+    at start, and on the Models thread while every worker is parked (see _ModelSwitch).
     """
 
     def __init__(self, model: Any, workspace: Any, workers: Optional[int] = None, *,
@@ -11091,7 +11152,7 @@ class Server:
         self.registry.register(self.status, lambda other: _clash(models.describe(), self.config.gpu, other)
                                or _hooks_clash(hooks, other))
         try:
-            self._warn_if_shared()
+            _warn_if_shared(self.workspace)
             for name in self.registry.dead():  # their files only: this start's recovery takes their jobs
                 log.info(f"Daemon {name} had died; forgetting it")
             sessions = models.activate(0, self.config.workers, ())
@@ -11456,12 +11517,6 @@ class Server:
             with self._stats_lock:
                 self._running[job_id] = job
             self._end(job, Outcome(error_code="load_failed", error=error))
-
-    def _warn_if_shared(self) -> None:
-        mode = os.stat(self.workspace).st_mode
-        if mode & 0o022:
-            log.warning(f"workspace {self.workspace} is writable by group or others (mode "
-                        f"{stat.S_IMODE(mode):o}): anyone who can write it can inject jobs; chmod 700 it")
 
 
 def _signal_name(signum: int) -> str:
