@@ -682,6 +682,19 @@ def test_threads_carry_their_names_in_the_os(ws: str) -> None:
     assert {"Scanner", "Watcher", "Worker-0", "Worker-1"} <= names
 
 
+def test_every_daemon_class_says_which_threads_touch_it_and_what_keeps_that_safe() -> None:
+    """Each class of nrvna.py's Daemon section has a "Threads:" line in its docstring: the
+    threads that call into it, the shared state, and the lock or rule that makes it safe."""
+    path = Path(nrvna.__file__)
+    banners = _banners(path)
+    first = next(line for line, title in banners if re.match(r"[\d.]*\s*Daemon\b", title))
+    last = next(line for line, title in banners if line > first and re.match(r"[\d.]*\s*CLI\b", title))
+    classes = [node for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+               if isinstance(node, ast.ClassDef) and first < node.lineno < last]
+    assert {"Pool", "Scanner", "Processor", "Hooks", "_Models", "_ModelSwitch", "Server"} <= {c.name for c in classes}
+    assert [c.name for c in classes if "Threads:" not in (ast.get_docstring(c) or "")] == []
+
+
 def test_a_job_published_to_an_idle_daemon_is_picked_up(ws: str) -> None:
     with serving(ws, echo) as server:
         time.sleep(0.3)  # idle
@@ -698,6 +711,54 @@ def test_pool_never_queues_a_job_twice() -> None:
     assert pool.push(["1_1_1"]) == 0  # still running
     pool.done("1_1_1")
     assert pool.push(["1_1_1"]) == 1
+
+
+def test_the_pool_keeps_a_queue_per_model_and_names_each_queue_s_head() -> None:
+    places = {"1_1_1": (0, 0), "1_1_2": (5, 1), "1_1_3": (7, 1), "1_1_4": (7, 1)}
+    pool = nrvna.Pool(lambda job_id: nrvna._Place(*places[job_id]))
+    pool.push(sorted(places))
+    heads = pool.heads()
+    assert (heads[1].jobs, heads[1].top, heads[1].next_key) == (3, 7, nrvna.order_key("1_1_3"))
+    assert heads[0] == (1, 0, nrvna.order_key("1_1_1"))
+    assert pool.get(0.0) == "1_1_1" and pool.get(0.0) is None  # only the active model's queue
+    pool.set_active(None)  # models switch: no worker takes a job
+    assert pool.active is None and pool.get(0.0) is None
+    pool.set_active(1)
+    assert pool.top_priority() == 7 and pool.get(0.0) == "1_1_3"
+    assert pool.take_queue(1) == ["1_1_4", "1_1_2"] and pool.heads() == {}
+
+
+def test_the_workers_loads_and_tops_are_one_object_under_its_own_lock() -> None:
+    """What each worker runs (its sequences, its top priority), written by each worker for
+    itself and read by the others, the Scanner and the Models thread: _WorkerLoads."""
+    loads = nrvna._WorkerLoads(3)
+    assert loads.top() is None and loads.below(5) == [] and loads.share(0, 3) == 3  # alone: every thread
+    loads.set_load(1, 2)
+    loads.set_top(1, 4)
+    assert (loads.share(0, 3), loads.share(1, 3), loads.share(2, 3)) == (2, 3, 1)  # busy: itself and worker 1
+    assert loads.lighter(1, 2) and not loads.lighter(0, 0)
+    assert loads.top() == 4 and loads.outranked(3) and not loads.outranked(4) and loads.below(5) == [1]
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:  # writes its own entries, reads everyone's, as Server's workers do
+        try:
+            for step in range(3000):
+                loads.set_load(index, 0)
+                loads.add(index)
+                loads.set_top(index, step % 7 if step % 3 else None)
+                loads.outranked(step % 7)
+                loads.lighter(index, 1)
+                loads.share(index, 3)
+            loads.set_top(index, index)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and loads.top() == 2 and loads.below(2) == [0, 1] and not loads.lighter(0, 1)
 
 
 def test_many_jobs_many_workers_each_result_matches_its_prompt(ws: str) -> None:
