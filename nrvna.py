@@ -6681,7 +6681,9 @@ _gguf_headers: dict[tuple[int, int, int, int], dict[str, str]] = {}  # (dev, ino
 class _GgufHeader:
     """A GGUF header read within bounds: each count or length is checked against the bytes
     left in the file and against the GGUF_MAX_* caps before anything is read or skipped, so
-    any file is read or refused in time proportional to what a real header holds."""
+    any file is read or refused in time proportional to what a real header holds.
+
+    Threads: the caller's alone (made and read in one call, check_gguf's)."""
 
     def __init__(self, handle: Any, path: str, size: int) -> None:
         self.handle, self.path, self.size = handle, path, size
@@ -6896,7 +6898,10 @@ def _converter_class(grammar: Any) -> Any:
 
 
 class _CallThread:
-    """A thread that runs the calls handed to it, one at a time, for their callers."""
+    """A thread that runs the calls handed to it, one at a time, for their callers.
+
+    Threads: any thread hands it calls (``post``, ``call``, ``close``) through a SimpleQueue,
+    which is thread-safe; a call's result comes back in its own box, set before its Event."""
 
     def __init__(self, name: str) -> None:
         import queue
@@ -6951,7 +6956,10 @@ def _small_grammar(key: tuple[str, Any]) -> bool:
 class _Conversion:
     """A job's grammar being made on its runner's Grammar thread (LlamaRunner.prepare_grammar):
     ``done`` is set once ``found`` ((key, GBNF, shape), as LlamaRunner.grammar gives) or
-    ``error`` (the JobError that fails the jobs waiting for it) is."""
+    ``error`` (the JobError that fails the jobs waiting for it) is.
+
+    Threads: the Grammar thread writes ``found`` or ``error``, then sets ``done``; the workers
+    whose jobs wait for it read them only once ``done`` is set (the Event orders the two)."""
 
     __slots__ = ("done", "found", "error")
 
@@ -6967,6 +6975,17 @@ class LlamaRunner(Runner):
     ``Llama`` always loads its own copy of the weights, so it cannot be shared; the raw
     calls can. Each worker gets its own context (KV cache, batch, samplers), never shared
     between threads, which is llama.cpp's thread-safety rule.
+
+    Threads: made, with its sessions, and closed by whoever loads the model (_Models: the
+    Server's start, a model switch, the load-ahead thread) while no worker uses it; called by
+    every worker (tokens, piece, penalty, sampler, grammar, prepare_grammar, grammar_vocab,
+    decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
+    ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``
+    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under
+    ``_lock``; a decode with borrowed threads under ``_wide_lock``. ``_pieces`` is a cache the
+    workers fill without a lock: a token's bytes are the same whoever stores them, and one
+    dict get or set is atomic. The model, its vocabulary and the tables made at load are read
+    only (llama.cpp's model may be shared by contexts on several threads).
     """
 
     name = "llama.cpp"
@@ -7326,7 +7345,8 @@ class LlamaRunner(Runner):
             text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
         except Exception as err:  # the converter's own assertions: a gap in check_json_schema
             raise JobError("bad_request", f"response_format: the schema could not be converted: {err!r}") from None
-        self.conversions += 1
+        with self._grammars_lock:  # workers and the Grammar thread convert at once
+            self.conversions += 1
         return text
 
     def sampler(self, params: Mapping[str, Any]) -> Any:
@@ -7380,6 +7400,8 @@ class _Penalties:
     (0.16 of 0.20 ms a token on a 49k vocabulary, measured); this touches the window's
     distinct tokens only, in numpy's float32, the floats llama.cpp computes in C. A bias
     is then added to its token's logit, as llama.cpp's logit-bias sampler adds it.
+
+    Threads: one sequence's (its _JobSampler's), on its session's worker thread only.
     """
 
     __slots__ = ("np", "factor", "frequency", "presence", "bias_ids", "bias_values", "window", "counts")
@@ -7438,8 +7460,10 @@ def _common_prefix(a: list[int], b: list[int], limit: Optional[int] = None) -> i
 class _SamplingScratch:
     """A context's arrays for its jobs' samplers, made once rather than per token: the whole
     vocabulary as llama_token_data (a redraw under a grammar; made on first use), a top_k
-    draw's shortlist and a single candidate (is one token allowed by a grammar?). A session
-    belongs to one worker thread, and so does its scratch: never shared between threads."""
+    draw's shortlist and a single candidate (is one token allowed by a grammar?).
+
+    Threads: a session belongs to one worker thread, and so does its scratch: never shared
+    between threads."""
 
     __slots__ = ("L", "byref", "candidates", "candidates_array", "token_ids", "one", "one_array", "short",
                  "short_ids", "short_logits", "short_p", "short_array", "draws")
@@ -7605,6 +7629,10 @@ class _JobSampler:
     draw is redrawn under the grammar (see ``_resample``). One per sequence, made when its
     job starts and freed when it ends: the chain and the grammar sampler hold state (the
     random state, where in the grammar the job stands), never shared between jobs.
+
+    Threads: its session's worker thread only; its GrammarShape is its context's own fork
+    (see _GrammarTemplates), and what it reads of the runner (pieces, tables, the grammar
+    vocabulary) is safe to share (see LlamaRunner).
     """
 
     __slots__ = ("runner", "L", "scratch", "chain", "chain_settings", "shortlist_size", "penalties", "grammar", "shape",
@@ -8101,8 +8129,9 @@ def _choice_params(params: dict[str, Any], choice: int, config: Config) -> dict[
 class _PrefixCache:
     """Prefix sharing in a context's unified KV cache: the cells finished jobs left in their
     free slots, kept for the prompts of the next jobs, and a new sequence's longest computed
-    prefix found among them and its batch-mates' cells (see attach). Like its context, one
-    worker thread's."""
+    prefix found among them and its batch-mates' cells (see attach).
+
+    Threads: like its context, its session's worker thread only."""
 
     def __init__(self, L: Any, memory: Any, slots: int, enabled: bool, shares_cells: bool = True) -> None:
         self.L = L
@@ -8729,7 +8758,9 @@ class LlamaSession(Session):
 
 class _Embedding:
     """One embed job in a worker's embedding context: its texts as tokens, and a vector
-    line for each text embedded so far."""
+    line for each text embedded so far.
+
+    Threads: its _Embedder's worker thread only."""
 
     __slots__ = ("job", "tokens", "lines", "next", "done", "dimensions")
 
@@ -8751,6 +8782,9 @@ class _Embedder:
     ``pack`` tokens; one longer text alone, up to ``limit``). A text must fit one micro-batch: a non-causal
     model (BERT) attends over the whole text at once, so the micro-batch is as large as the
     longest text allowed (``limit``); a longer text fails its job alone (context_overflow).
+
+    Threads: its session's worker thread only (its decodes go through the session's
+    ``_decode``: on the runner's Wide thread when the worker has borrowed threads).
     """
 
     def __init__(self, runner: LlamaRunner, threads: int, limit: int, pack: int) -> None:

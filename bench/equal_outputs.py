@@ -73,9 +73,9 @@ JOBS: list[tuple[str, str, dict[str, Any]]] = [
     ("system_a", "Do you sell hammers?", {"seed": 17, "system": SYSTEM}),
     ("system_b", "Do you sell ladders?", {"seed": 18, "system": SYSTEM}),
     ("raw", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", {"seed": 19, "raw": True}),
-    ("length", STORY, {"seed": 20, "ignore_eos": True, "max_tokens": 48}),
+    ("length", STORY, {"seed": 20, "ignore_eos": True, "max_tokens": 40}),
 ]
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 EMBED_JOBS = [("embed", ["a lighthouse by the sea", "a hammer"], {}), ("embed_dims", "a cat", {"dimensions": 8})]
 
 
