@@ -36,6 +36,61 @@ Contents (one banner each, in dependency order: a section uses only what is abov
                                   _Models and _ModelSwitch (several models), _Registry (several daemons),
                                   _Watcher (cancels, timeouts, dead daemons), Server
 13. CLI                           main(), one _cmd_* per command, markdown_tables (the manual's tables)
+
+API (``__all__``; docs/library.md documents each name, and names every other one not
+``_``-prefixed as internal: such names may change in any release):
+
+    Work               submits jobs: submit, publish, publish_batch, submit_file
+    SubmitResult       what Work.submit returns: (ok, id, message), errors as values
+    Flow               reads jobs: status, get, wait, follow, wait_all, select, counts, lanes, export
+    Status             a job's state: Queued, Running, Done, Failed, Missing
+    Job                what Flow.get returns: id, status, prompt, result, error, meta, params, logprobs, choices
+    iter_events        jobs' changes of state as event dicts, as `nrvna events` prints them
+    bulk_states        many jobs' states at once, one listing per state directory
+    cancel_job         `nrvna cancel` for one job
+    cancel_jobs        `nrvna cancel` for IDs or a tag
+    retry_job          `nrvna retry` for one job
+    retry_jobs         `nrvna retry` for IDs, a tag or every failed job
+    clean_jobs         `nrvna clean`: remove finished jobs older than a bound
+    daemon_info        `nrvna status --daemon`: the running daemons' records
+    stop_daemon        `nrvna stop`: the stopped daemons' pids
+    BatchEntry         one batch line: (line, prompt, params)
+    parse_batch        a whole batch file (bytes) checked into BatchEntry values
+    read_batch         a batch file's bytes from a binary stream, each line bounded
+    batch_line_limit   the longest batch line read_batch takes
+    parse_records      a data file's records (JSONL or CSV) filling a template, as BatchEntry values
+    export_record      one export line (a dict) for a Job
+    job_vectors        an embed job's vectors
+    ExportFormat       an export format's row of EXPORT_FORMATS
+    EXPORT_FORMATS     the export formats: jsonl, openai, text, f32
+    Config             the daemon's settings (Config.from_env(): the NRVNA_* variables)
+    SETTINGS           every NRVNA_* variable: its type, default, range and help
+    Param              a job parameter's row of PARAMS
+    PARAMS             every job parameter: its check, flag, OpenAI field and help
+    validate_params    job parameters checked as publish checks them
+    check_json_schema  a JSON schema checked as submit checks it (InvalidInput naming the keyword)
+    check_grammar      a GBNF grammar checked as submit checks it (InvalidInput)
+    NrvnaError         the base of every error nrvna raises; exit_code is the CLI's
+    InvalidInput       a bad prompt, ID, parameter, batch line or argument (exit 2)
+    ConfigError        an invalid NRVNA_* value or daemon option (an InvalidInput)
+    NoSuchJob          no job with that ID (exit 3)
+    NotFinished        the job is queued or running, or a wait ran out (exit 4)
+    KeyHeld            a live submit holds the idempotency key past NRVNA_KEY_WAIT (a NotFinished)
+    WorkspaceError     the workspace cannot be used
+    ModelError         the model cannot be found or loaded
+    NotDurable         the job was published but the fsync confirming it failed (job_id has its ID)
+    JobError           raised in a runner: fail one job with a code and a message
+    Interrupted        raised in a runner: the job stopped for a shutdown and goes back to the queue
+    EXIT_CODES         the CLI's exit codes and what each means
+    FAILURE_CODES      the codes a failed job carries and what each means
+    Runner             the runner protocol: one Session per worker
+    Session            a worker's jobs: start, step, drop, free, active, idle, close
+    RunningJob         what a runner sees of a job: id, prompt, params, emit, stop, interrupt
+    Outcome            how a job ended: text, finish reason, token counts, error, logprobs, choices
+    FunctionRunner     a function fn(job) -> str as a Runner
+    LlamaRunner        llama.cpp's runner, the daemon's default (needs llama-cpp-python)
+    Server             the daemon in-process: start, serve_forever, shutdown (a context manager)
+    main               the command line: main(argv) -> exit code
 """
 
 from __future__ import annotations
@@ -44,24 +99,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     # client
-    "Work", "Flow", "Status", "Job", "SubmitResult",
+    "Work", "SubmitResult", "Flow", "Status", "Job", "iter_events", "bulk_states",
     "cancel_job", "cancel_jobs", "retry_job", "retry_jobs", "clean_jobs", "daemon_info", "stop_daemon",
     # batch files and export
-    "BatchEntry", "parse_batch", "read_batch", "batch_line_limit", "parse_records", "compile_template", "fill_template", "tag_members", "iter_tag_members", "bulk_states", "export_record", "job_vectors",
-    "Endpoint", "ENDPOINTS", "ExportFormat", "EXPORT_FORMATS",
+    "BatchEntry", "parse_batch", "read_batch", "batch_line_limit", "parse_records", "export_record", "job_vectors",
+    "ExportFormat", "EXPORT_FORMATS",
     # settings and job parameters
-    "Config", "SETTINGS", "Param", "PARAMS", "job_param", "validate_params", "render_messages", "check_inputs",
-    "check_grammar", "GrammarShape", "GrammarVocab", "GrammarLimit", "grammar_code_points",
-    "render_inputs",
-    # job directories
-    "locate_job", "read_meta", "dump_meta", "mark_failed", "move_job", "ensure_workspace", "Route", "read_route",
-    "WorkspaceLock", "daemon_records",
-    "job_history", "record_event", "iter_events", "format_time", "owe_hooks", "EVENT_STATUS",
+    "Config", "SETTINGS", "Param", "PARAMS", "validate_params", "check_json_schema", "check_grammar",
     # errors
     "NrvnaError", "InvalidInput", "ConfigError", "NoSuchJob", "NotFinished", "KeyHeld", "WorkspaceError",
     "ModelError", "NotDurable", "JobError", "Interrupted", "EXIT_CODES", "FAILURE_CODES",
     # runners and the daemon
-    "Runner", "Session", "RunningJob", "Outcome", "FunctionRunner", "LlamaRunner", "Hooks", "Server",
+    "Runner", "Session", "RunningJob", "Outcome", "FunctionRunner", "LlamaRunner", "Server",
     "main",
 ]
 
@@ -711,9 +760,47 @@ def check_json_schema(schema: Any) -> None:
     check.stray_refs(schema, "")
 
 
+def _schema_branch(node: Mapping[str, Any]) -> str:
+    """The branch a schema object takes, in the order llama_cpp.llama_grammar.SchemaConverter.visit
+    tests them, with nrvna's own in its place (type lists, bounds and multipleOf, patterns and
+    formats). The one place the order is decided: _SchemaCheck.visit checks each branch's
+    keywords and the daemon's converter (_converter_class) writes the same branch, so a new
+    keyword is one edit here. One of: "ref", "oneOf", "anyOf", "types" (a list of types),
+    "constants", "object", "allOf", "array", "pattern" (or format), "string", "number",
+    "bare object" (an object without properties, or {}), "untyped", "other" (boolean, null,
+    an array without items)."""
+    kind = node.get("type")
+    if "$ref" in node:
+        return "ref"
+    if "oneOf" in node:
+        return "oneOf"
+    if "anyOf" in node:
+        return "anyOf"
+    if isinstance(kind, list):
+        return "types"
+    if "const" in node or "enum" in node:
+        return "constants"
+    if kind in (None, "object") and ("properties" in node or (
+            "additionalProperties" in node and node["additionalProperties"] is not True)):
+        return "object"
+    if "allOf" in node:
+        return "allOf"
+    if kind in (None, "array") and ("items" in node or "prefixItems" in node):
+        return "array"
+    if kind in (None, "string") and ("pattern" in node or "format" in node):
+        return "pattern"
+    if kind == "string":
+        return "string"
+    if kind in ("integer", "number"):
+        return "number"
+    if kind == "object" or not node:
+        return "bare object"
+    return "untyped" if kind is None else "other"
+
+
 class _SchemaCheck:
-    """One walk of a schema, in the order llama_cpp.llama_grammar.SchemaConverter.visit takes
-    its branches: a branch honours some keywords and silently drops the rest."""
+    """One walk of a schema, taking the branches _schema_branch names: a branch of the converter
+    honours some keywords and silently drops the rest, so each refuses what its branch drops."""
 
     def __init__(self, root: Any) -> None:
         self.root = root
@@ -745,16 +832,17 @@ class _SchemaCheck:
             self.fail(where, "type must be a string or a list of strings")
         if isinstance(kind, str) and kind not in SCHEMA_TYPES:
             self.fail(where, f"unknown type {kind!r} (known: {', '.join(SCHEMA_TYPES)})")
-        if "$ref" in node:
+        branch = _schema_branch(node)
+        if branch == "ref":
             self.ref_nodes.add(id(node))
             self.only(node, where, ("$ref",), "beside $ref")
             if where and ("$defs" in node or "definitions" in node):  # the converter would not see into them
                 self.fail(where, "$defs beside $ref is supported at the top of the schema only")
             self.ref(node["$ref"], where, depth, entered)
-        elif "oneOf" in node:
+        elif branch == "oneOf":
             self.fail(where, "keyword 'oneOf' is not supported: the grammar would enforce it as anyOf (an output "
                              "matching two alternatives breaks oneOf); write anyOf where they cannot overlap")
-        elif "anyOf" in node:
+        elif branch == "anyOf":
             key = "anyOf"
             self.only(node, where, (key,), f"beside {key} (put it in each alternative)")
             choices = node[key]
@@ -762,44 +850,47 @@ class _SchemaCheck:
                 self.fail(where, f"{key} must be a non-empty list of schemas")
             for i, choice in enumerate(choices):
                 self.visit(choice, f"{where}/{key}/{i}", depth + 1, entered)
-        elif isinstance(kind, list):
+        elif branch == "types":
             self.type_list(node, where, depth, entered)
-        elif "const" in node or "enum" in node:
+        elif branch == "constants":
             self.constants(node, where, kind)
-        elif kind in (None, "object") and ("properties" in node or (
-                "additionalProperties" in node and node["additionalProperties"] is not True)):
+        elif branch == "object":
             self.object(node, where, depth)
-        elif "allOf" in node:
+        elif branch == "allOf":
             self.fail(where, "keyword 'allOf' is not supported (merge the schemas into one)")
-        elif kind in (None, "array") and ("items" in node or "prefixItems" in node):
+        elif branch == "array":
             self.array(node, where, depth)
-        elif kind in (None, "string") and ("pattern" in node or "format" in node):
-            self.only(node, where, ("type",) + SCHEMA_TYPE_KEYWORDS["string"], "beside pattern or format")
-            self.counts(node, where, "minLength", "maxLength")
-            rules: dict[str, str] = {}
-            expression = string_rule(node, where, rules)
-            self.count_pattern(node, where)
-            if "pattern" in node:  # what llama.cpp is given must not hang a worker: checked as a grammar is
-                try:
-                    check_grammar(f'root ::= "\\"" {expression} "\\""\n' + "".join(f"{n} ::= {b}\n" for n, b in rules.items()))
-                except InvalidInput as err:
-                    self.fail(where, f"pattern {node['pattern']!r} makes a grammar nrvna refuses ({err})")
-        elif kind == "string":
+        elif branch == "pattern":
+            self.pattern(node, where)
+        elif branch == "string":
             self.only(node, where, ("type", "minLength", "maxLength"), "for a string")
             self.counts(node, where, "minLength", "maxLength")
-        elif kind in ("integer", "number"):
+        elif branch == "number":
             self.only(node, where, ("type",) + SCHEMA_TYPE_KEYWORDS[kind],
                       f"for {'an integer' if kind == 'integer' else 'a number'}")
             if any(key in node for key in SCHEMA_TYPE_KEYWORDS[kind]):
                 number_rule(node, where, {})  # raises InvalidInput when nothing is admitted, or too much is needed
-        elif kind == "object" or not node:
+        elif branch == "bare object":
             self.only(node, where, ("type", "additionalProperties"), "for an object without properties")
-        elif kind is None:
+        elif branch == "untyped":
             self.only(node, where, (), "")
             self.fail(where, "a schema needs a type (or properties, items, enum, const, $ref, anyOf)")
         else:
             allowed = ("type",)
             self.only(node, where, allowed, f"for {kind}" + (" without items" if kind == "array" else ""))
+
+    def pattern(self, node: dict[str, Any], where: str) -> None:
+        """A string with a pattern or a format: nrvna writes its rule in the converter's place."""
+        self.only(node, where, ("type",) + SCHEMA_TYPE_KEYWORDS["string"], "beside pattern or format")
+        self.counts(node, where, "minLength", "maxLength")
+        rules: dict[str, str] = {}
+        expression = string_rule(node, where, rules)
+        self.count_pattern(node, where)
+        if "pattern" in node:  # what llama.cpp is given must not hang a worker: checked as a grammar is
+            try:
+                check_grammar(f'root ::= "\\"" {expression} "\\""\n' + "".join(f"{n} ::= {b}\n" for n, b in rules.items()))
+            except InvalidInput as err:
+                self.fail(where, f"pattern {node['pattern']!r} makes a grammar nrvna refuses ({err})")
 
     def type_list(self, node: dict[str, Any], where: str, depth: int, entered: tuple[str, ...]) -> None:
         kind = node["type"]
@@ -2182,22 +2273,8 @@ class _GbnfParser:
                     seq.append(("sym", True, ((value, value),)))
                 pos = self.space(pos + 1, nested)
             elif c == "[":
-                pos += 1
-                positive = self.char(pos) != "^"
-                pos += not positive
                 last, prev_rules = len(seq), 1
-                ranges: list[tuple[int, int]] = []
-                while self.char(pos) != "]":
-                    low, pos = self.parse_char(pos)
-                    high = low
-                    if self.char(pos) == "-" and self.char(pos + 1) not in ("]", ""):
-                        high, pos = self.parse_char(pos + 1)
-                    elif self.char(pos) == "-" and self.char(pos + 1) == "":
-                        self.fail(pos, "unexpected end of input")
-                    ranges.append((low, high))
-                if ranges:  # llama.cpp turns "[]" into nothing at all
-                    seq.append(("sym", positive, tuple(ranges)))
-                pos = self.space(pos + 1, nested)
+                pos = self.char_class(pos + 1, nested, seq)
             elif c in "<!":
                 pos = self.token(pos + (c == "!"))
                 last, prev_rules = len(seq), 1
@@ -2222,35 +2299,60 @@ class _GbnfParser:
                 seq.append(("sym", False, ()))  # no character excluded: any
                 pos = self.space(pos + 1, nested)
             elif c in "*+?{":
-                low, high, pos = self.repetition(pos, nested)
-                if last == len(seq):
-                    self.fail(pos, "expecting an item before */+/?/{")
-                total = high if high is not None and high > 0 else (low if low > 0 else 1)
-                if prev_rules * total > GRAMMAR_MAX_REPETITION:
-                    self.fail(pos, f"repetition makes more than {GRAMMAR_MAX_REPETITION} rules")
-                item = seq[last:]
-                self.size += len(item) * max(low, high or 1)
-                if self.size > GRAMMAR_MAX_ELEMENTS:
-                    self.fail(pos, f"the grammar expands to more than {GRAMMAR_MAX_ELEMENTS:,} elements "
-                                   "(each copy of a repeated item counts)")
-                del seq[last:]
-                seq += item * low
-                # The optional repetitions as llama.cpp writes them (their shape decides how
-                # many parse stacks a step holds, which GrammarShape counts): S{m,} adds
-                # S' ::= S S' | and S{m,n} a chain S'(k) ::= S S'(k-1) | ... S'(1) ::= S |
-                optional = None
-                for _ in range(1 if high is None else high - low):
-                    rule_id = self.new_symbol(name)
-                    tail = [("ref", rule_id if high is None else optional)] if high is None or optional is not None else []
-                    self.rules[rule_id] = [item + tail, []]
-                    optional = rule_id
-                if optional is not None:
-                    seq.append(("ref", optional))
-                prev_rules *= total
+                pos, prev_rules = self.repeat(pos, name, seq, last, prev_rules, nested)
             else:
                 break
         alternatives.append(seq)
         return pos
+
+    def char_class(self, pos: int, nested: bool, seq: list[tuple[Any, ...]]) -> int:
+        """The character class starting at ``pos`` (after its "["), added to ``seq``; where the
+        parse goes on."""
+        positive = self.char(pos) != "^"
+        pos += not positive
+        ranges: list[tuple[int, int]] = []
+        while self.char(pos) != "]":
+            low, pos = self.parse_char(pos)
+            high = low
+            if self.char(pos) == "-" and self.char(pos + 1) not in ("]", ""):
+                high, pos = self.parse_char(pos + 1)
+            elif self.char(pos) == "-" and self.char(pos + 1) == "":
+                self.fail(pos, "unexpected end of input")
+            ranges.append((low, high))
+        if ranges:  # llama.cpp turns "[]" into nothing at all
+            seq.append(("sym", positive, tuple(ranges)))
+        return self.space(pos + 1, nested)
+
+    def repeat(self, pos: int, name: str, seq: list[tuple[Any, ...]], last: int, prev_rules: int,
+               nested: bool) -> tuple[int, int]:
+        """The repetition (*, +, ?, {m,n}) at ``pos`` of ``seq``'s last item (from ``last``, which
+        makes ``prev_rules`` rules), written into ``seq`` as llama.cpp writes it: (where the parse
+        goes on, the rules the repeated item makes)."""
+        low, high, pos = self.repetition(pos, nested)
+        if last == len(seq):
+            self.fail(pos, "expecting an item before */+/?/{")
+        total = high if high is not None and high > 0 else (low if low > 0 else 1)
+        if prev_rules * total > GRAMMAR_MAX_REPETITION:
+            self.fail(pos, f"repetition makes more than {GRAMMAR_MAX_REPETITION} rules")
+        item = seq[last:]
+        self.size += len(item) * max(low, high or 1)
+        if self.size > GRAMMAR_MAX_ELEMENTS:
+            self.fail(pos, f"the grammar expands to more than {GRAMMAR_MAX_ELEMENTS:,} elements "
+                           "(each copy of a repeated item counts)")
+        del seq[last:]
+        seq += item * low
+        # The optional repetitions as llama.cpp writes them (their shape decides how
+        # many parse stacks a step holds, which GrammarShape counts): S{m,} adds
+        # S' ::= S S' | and S{m,n} a chain S'(k) ::= S S'(k-1) | ... S'(1) ::= S |
+        optional = None
+        for _ in range(1 if high is None else high - low):
+            rule_id = self.new_symbol(name)
+            tail = [("ref", rule_id if high is None else optional)] if high is None or optional is not None else []
+            self.rules[rule_id] = [item + tail, []]
+            optional = rule_id
+        if optional is not None:
+            seq.append(("ref", optional))
+        return pos, prev_rules * total
 
     def repetition(self, pos: int, nested: bool) -> tuple[int, Optional[int], int]:
         c = self.src[pos]
@@ -2661,45 +2763,72 @@ class GrammarShape:
             if len(self.asked) > 4_000:
                 self.asked.clear()
             self.asked.add(state)
-        np = vocab.np
+        total, worst = _VocabWalk(vocab.np, self.splits, self._children).cost(state, vocab, ids)
+        if total > GRAMMAR_VOCAB_WORK:
+            raise GrammarLimit(f"too wide: checking the vocabulary here takes {total:,} parse steps "
+                               f"(the limit is {GRAMMAR_VOCAB_WORK:,})")
+        if ids is None:
+            if len(self.vocab_costs) > 4_000:
+                self.vocab_costs.clear()
+            self.vocab_costs[state] = (total, worst)
+        return total, worst
+
+
+class _VocabWalk:
+    """One count of GrammarShape.vocab_cost: the tokens walked a character at a time together,
+    grouped by the set of stacks (with their walks) each has reached; each set is numbered
+    here, and how its stacks split on characters (``children``) is remembered in the shape's
+    ``splits``."""
+
+    def __init__(self, np: Any, splits: dict[Any, Any],
+                 children: Callable[..., tuple[list[int], list[dict[Stack, int]]]]) -> None:
+        self.np, self.splits, self.children = np, splits, children
+        self.ids_of: dict[Any, int] = {}  # a set of stacks with their walks -> its number here
+        self.groups: list[tuple[Any, dict[Stack, int]]] = []  # by number: (its key, the set)
+        self.walks: list[int] = []
+        self.moves: dict[int, tuple[Any, Any]] = {}  # number -> (edges, the numbers its ranges lead to)
+        self.budget = [GRAMMAR_CHECK_WORK]
+
+    def number(self, items: dict[Stack, int]) -> int:
+        """The number of a set of stacks, numbered when first seen."""
+        key = frozenset(items.items())
+        found = self.ids_of.get(key)
+        if found is None:
+            found = self.ids_of[key] = len(self.groups)
+            self.groups.append((key, items))
+            self.walks.append(sum(items.values()))
+        return found
+
+    def move(self, kind: int) -> tuple[Any, Any]:
+        """Where set ``kind`` goes on each range of characters: (the ranges' first code points,
+        the numbers of the sets they lead to)."""
+        np = self.np
+        found = self.moves.get(kind)
+        if found is None:
+            key, items = self.groups[kind]
+            split = self.splits.get(key)
+            if split is None:
+                edges, children = self.children(items, self.budget)
+                split = (np.asarray(edges, dtype=np.int64), children)
+                if len(self.splits) > 10_000:
+                    self.splits.clear()
+                self.splits[key] = split
+            edges, children = split
+            found = self.moves[kind] = (edges, np.asarray([self.number(child) for child in children], dtype=np.int64))
+        return found
+
+    def cost(self, state: GrammarState, vocab: GrammarVocab, ids: Any) -> tuple[int, int]:
+        """The steps to check every token of ``vocab`` (or those of ``ids``) in ``state``, and
+        the most one token takes; GrammarLimit once one token takes more than GRAMMAR_PATHS."""
+        np = self.np
         stacks, partial = state
         points, lengths = vocab.points(partial)
         rows = np.arange(len(lengths)) if ids is None else np.asarray(ids, dtype=np.int64)
-        ids_of: dict[Any, int] = {}  # a set of stacks with their walks -> its number here
-        groups: list[tuple[Any, dict[Stack, int]]] = []  # by number: (its key, the set)
-        walks: list[int] = []
-        moves: dict[int, tuple[Any, Any]] = {}  # number -> (edges, the numbers its ranges lead to)
-        budget = [GRAMMAR_CHECK_WORK]
-
-        def number(items: dict[Stack, int]) -> int:
-            key = frozenset(items.items())
-            found = ids_of.get(key)
-            if found is None:
-                found = ids_of[key] = len(groups)
-                groups.append((key, items))
-                walks.append(sum(items.values()))
-            return found
-
-        def move(kind: int) -> tuple[Any, Any]:
-            found = moves.get(kind)
-            if found is None:
-                key, items = groups[kind]
-                split = self.splits.get(key)
-                if split is None:
-                    edges, children = self._children(items, budget)
-                    split = (np.asarray(edges, dtype=np.int64), children)
-                    if len(self.splits) > 10_000:
-                        self.splits.clear()
-                    self.splits[key] = split
-                edges, children = split
-                found = moves[kind] = (edges, np.asarray([number(child) for child in children], dtype=np.int64))
-            return found
-
-        group = np.full(len(rows), number({stack: 1 for stack in stacks}), dtype=np.int64)
+        group = np.full(len(rows), self.number({stack: 1 for stack in stacks}), dtype=np.int64)
         spent = np.zeros(len(rows), dtype=np.int64)  # steps so far, per token still being walked
         total = worst = 0
         for column in range(points.shape[1] + 1):
-            taken = np.asarray(walks, dtype=np.int64)[group]  # each walk checks this character (or the end)
+            taken = np.asarray(self.walks, dtype=np.int64)[group]  # each walk checks this character (or the end)
             spent += taken
             total += int(taken.sum())
             going = (taken > 0) & (lengths[rows] > column)
@@ -2714,21 +2843,14 @@ class GrammarShape:
                 break
             characters = points[rows, column]
             if group[0] == group[-1] and (group == group[0]).all():  # one set of stacks: the common case
-                edges, targets = move(int(group[0]))
+                edges, targets = self.move(int(group[0]))
                 group = targets[np.searchsorted(edges, characters, side="right") - 1]
                 continue
             before = group.copy()
             for kind in np.unique(before).tolist():
                 these = before == kind
-                edges, targets = move(kind)
+                edges, targets = self.move(kind)
                 group[these] = targets[np.searchsorted(edges, characters[these], side="right") - 1]
-        if total > GRAMMAR_VOCAB_WORK:
-            raise GrammarLimit(f"too wide: checking the vocabulary here takes {total:,} parse steps "
-                               f"(the limit is {GRAMMAR_VOCAB_WORK:,})")
-        if ids is None:
-            if len(self.vocab_costs) > 4_000:
-                self.vocab_costs.clear()
-            self.vocab_costs[state] = (total, worst)
         return total, worst
 
 
@@ -3374,6 +3496,29 @@ def gguf_files(models_dir: str) -> Optional[list[str]]:
         return sorted(f for f in os.listdir(models_dir) if f.lower().endswith(".gguf"))
     except OSError:
         return None
+
+
+def _check_gguf_magic(path: str) -> None:
+    """ModelError unless ``path`` is a readable regular file that starts with GGUF (what a
+    submit checks of a model it names; the daemon reads the header too: check_gguf)."""
+    if not os.path.exists(path):
+        raise ModelError(f"model {path} does not exist")
+    if os.path.isdir(path):
+        raise ModelError(f"model {path} is a directory, not a GGUF file")
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the daemon in open()
+        raise ModelError(f"model {path} is not a regular file")
+    try:  # O_NONBLOCK: a FIFO put in its place since the stat must not block (submit checks too)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ModelError(f"model {path} is not a regular file")
+            magic = os.read(fd, 4)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
+    if magic != b"GGUF":
+        raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
 
 
 def model_file(name: str, models_dir: str, aliases: Mapping[str, str]) -> Optional[str]:
@@ -5050,7 +5195,7 @@ def _check_model_file(where: str, name: str, path: str) -> None:
     naming /dev/zero, a directory, a FIFO or /etc/passwd would wait forever for a daemon that
     can never serve it."""
     try:
-        check_gguf(path)
+        _check_gguf_magic(path)
     except ModelError as err:
         shown = "" if path == name else f" ({path})"
         raise InvalidInput(f"{where}: model {name!r}{shown} {str(err).removeprefix(f'model {path} ')}; a model "
@@ -5169,16 +5314,102 @@ def _prompt_differs(workspace: str, job_id: str, prompt: bytes) -> bool:
     return False
 
 
+class _Keys:
+    """The idempotency keys of one publish (``Work.publish``, ``publish_batch``, ``submit_file``):
+    the one place a key is looked up or taken. Taking a key links it to a staged job under a
+    _KeyHolder made at the first key and released by ``close`` once the jobs are published or
+    given up; a key this publish has taken answers with its job, never waited on as another's."""
+
+    def __init__(self, workspace: str, notify: Optional[Callable[[str], None]]) -> None:
+        self.workspace, self.notify = workspace, notify
+        self.holder: Optional[_KeyHolder] = None
+        self.taken: dict[str, str] = {}  # key -> the job this publish linked it to, or found under it
+
+    def __enter__(self) -> _Keys:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.holder is not None:
+            self.holder.close()  # published (or given up): its keys are no longer ours to publish
+
+    def find(self, key: str) -> Optional[str]:
+        """The job that has ``key`` already (one another client is publishing is waited for:
+        see key_job), or None."""
+        if key in self.taken:
+            return self.taken[key]
+        return key_job(self.workspace, key, notify=self.notify)
+
+    def take(self, key: str, job_id: str) -> str:
+        """Link ``key`` to the staged job ``job_id``, durably, and return ``job_id``; or return
+        the job another client (or this publish, for an earlier job) has under ``key``: then
+        ``job_id`` must not be published. The key is durable before its job is published: a
+        job never runs without it."""
+        if key in self.taken:
+            return self.taken[key]
+        if self.holder is None:
+            self.holder = _KeyHolder(self.workspace)
+        while not _link_key(self.workspace, key, job_id, self.holder.name):
+            existing = key_job(self.workspace, key, notify=self.notify)
+            if existing is not None:  # (else its key was stale and is gone: link again)
+                job_id = existing
+                break
+        self.taken[key] = job_id
+        return job_id
+
+
+class _LineIds:
+    """A batch file's IDs in file order as they become known: the lines published (``new``)
+    get theirs chunk by chunk, a line repeating an earlier line's key (``same_as``) gets that
+    line's, and ``on_ids`` hears each run of lines whose IDs are all known, in file order."""
+
+    def __init__(self, ids: list[Optional[str]], new: list[int], same_as: dict[int, int],
+                 on_ids: Optional[Callable[[list[str]], None]]) -> None:
+        self.ids, self.new, self.same_as, self.on_ids = ids, new, same_as, on_ids
+        self.known = self.placed = 0  # lines from the first whose IDs are known; new lines placed
+
+    def add(self, chunk: list[str]) -> None:
+        """Place the IDs of the next published lines, and hand on those now known in order."""
+        ids = self.ids
+        for job_id in chunk:
+            ids[self.new[self.placed]] = job_id
+            self.placed += 1
+        for line, earlier in self.same_as.items():
+            if ids[line] is None and ids[earlier] is not None:
+                ids[line] = ids[earlier]
+        start = self.known
+        while self.known < len(ids) and ids[self.known] is not None:
+            self.known += 1
+        if self.on_ids is not None and self.known > start:
+            self.on_ids(ids[start:self.known])  # type: ignore[arg-type]
+
+
+def _batch_source(source: Any, jsonl: Optional[bool], template: Optional[str]) -> tuple[bytes, Optional[bool]]:
+    """A batch file's bytes (``source``: a path, bytes or a binary stream), and whether it holds
+    JSON lines as its name says (None: sniffed from the content)."""
+    if isinstance(source, (bytes, bytearray)):
+        return bytes(source), jsonl
+    if not isinstance(source, (str, os.PathLike)):
+        return read_batch(source), jsonl  # stdin
+    path = os.fspath(source)
+    try:
+        with open(path, "rb") as handle:
+            data = read_batch(handle)
+    except OSError as err:
+        raise InvalidInput(f"cannot read {path}: {_os_error(err)}") from None
+    if jsonl is None and (template is None or path.endswith((".csv", ".jsonl"))):
+        jsonl = path.endswith(".jsonl")  # a template's data file of another name: sniffed
+    return data, jsonl
+
+
 class Work:
     """Submits jobs to a workspace. Create one per thread: it holds no lock and nothing other
-    Work objects see, but ``existing`` and ``existing_lines`` report its own last publish."""
+    Work objects see, but ``existing`` says whether its own last publish found its key's job."""
 
     def __init__(self, workspace: Any, notify: Optional[Callable[[str], None]] = None,
                  strict_models: Optional[bool] = None) -> None:
         self.workspace = os.fspath(workspace)
         self.notify = notify  # hears that a submit waits for another one holding its key (the CLI: stderr)
         self.existing = False  # the last publish found its idempotency key's job: nothing was queued
-        self.existing_lines = 0  # lines of the last publish_batch that found their key's job
         # A job naming a model that matches none: refused (InvalidInput), or queued with a note.
         self.strict_models = bool(setting_default("strict_models")) if strict_models is None else strict_models
 
@@ -5186,8 +5417,9 @@ class Work:
         """Queue a prompt with optional per-job parameters; never raises. The message is
         ``queued``, or ``exists`` when a job with its ``idempotency_key`` was there already."""
         try:
-            job_id = self.publish(prompt, **params)
-            return SubmitResult(True, job_id, "exists" if self.existing else "queued")
+            job_id, existed = self._publish(prompt, False, params)
+            self.existing = existed  # as after publish
+            return SubmitResult(True, job_id, "exists" if existed else "queued")
         except NotDurable as err:
             return SubmitResult(False, err.job_id, str(err))
         except NrvnaError as err:
@@ -5205,6 +5437,39 @@ class Work:
         params.json -> rename into input/ready/ -> fsync input/ready/ and input/writing/.
         Only then is the ID returned: a returned ID is a durable job.
         """
+        job_id, self.existing = self._publish(prompt, dedupe, params)
+        return job_id
+
+    def _publish(self, prompt: Any, dedupe: bool, params: dict[str, Any]) -> tuple[str, bool]:
+        """``publish``'s job ID, and whether it is an existing job found by its key."""
+        files, clean = self._job_files(prompt, dedupe, params)
+        key = job_param(clean, "idempotency_key")
+        with _Keys(self.workspace, self.notify) as keys:
+            existing = None if key is None else keys.find(key)
+            if existing is not None:
+                return existing, True
+            job_id, staging = self._stage(files)
+            try:
+                published = job_id if key is None else keys.take(key, job_id)
+                if published == job_id:
+                    if job_param(clean, "tag"):
+                        _write_manifest(self.workspace, job_param(clean, "tag"), [(job_id, job_param(clean, "custom_id"))])
+                    move(staging, os.path.join(self.workspace, READY, job_id))
+            except BaseException:
+                _remove_tree(staging)
+                raise
+            if published != job_id:
+                _remove_tree(staging)  # another client's job has this key: return that one
+                return published, True
+        try:
+            fsync_dir(os.path.join(self.workspace, READY))
+            fsync_dir(os.path.join(self.workspace, WRITING))
+        except OSError as err:
+            raise NotDurable(job_id, err) from None
+        return job_id, False
+
+    def _job_files(self, prompt: Any, dedupe: bool, params: dict[str, Any]) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
+        """A prompt's job checked whole: its files (prompt.txt, params.json) and parameters."""
         import json
 
         if "input" in params:
@@ -5225,40 +5490,7 @@ class Work:
         files = [(PROMPT_FILE, data)]
         if clean:
             files.append((PARAMS_FILE, json.dumps(clean, ensure_ascii=False).encode()))
-        key = job_param(clean, "idempotency_key")
-        holder: Optional[_KeyHolder] = None
-        try:
-            while True:
-                if key is not None:
-                    existing = key_job(self.workspace, key, notify=self.notify)
-                    if existing is not None:
-                        self.existing = True
-                        return existing
-                    holder = holder or _KeyHolder(self.workspace)
-                job_id, staging = self._stage(files)
-                ready = os.path.join(self.workspace, READY, job_id)
-                try:
-                    # The key is durable before the job is published: a job never runs without it.
-                    if holder is not None and not _link_key(self.workspace, key, job_id, holder.name):
-                        _remove_tree(staging)  # another client's job has this key: return that one
-                        continue
-                    if job_param(clean, "tag"):
-                        _write_manifest(self.workspace, job_param(clean, "tag"), [(job_id, job_param(clean, "custom_id"))])
-                    move(staging, ready)
-                except BaseException:
-                    _remove_tree(staging)
-                    raise
-                break
-        finally:
-            if holder is not None:
-                holder.close()  # published (or given up): its key is no longer ours to publish
-        try:
-            fsync_dir(os.path.join(self.workspace, READY))
-            fsync_dir(os.path.join(self.workspace, WRITING))
-        except OSError as err:
-            raise NotDurable(job_id, err) from None
-        self.existing = False
-        return job_id
+        return files, clean
 
     def publish_batch(self, entries: list[BatchEntry], tag: Optional[str] = None,
                       on_chunk: Optional[Callable[[list[str]], None]] = None) -> list[str]:
@@ -5271,67 +5503,55 @@ class Work:
         a few flushes per chunk instead of four per job. A crash leaves whole jobs in ready/
         and staged ones in writing/ (removed by the daemon later, never run).
         """
+        with _Keys(self.workspace, self.notify) as keys:
+            return self._publish_batch(entries, tag, on_chunk, keys)[0]
+
+    def _publish_batch(self, entries: list[BatchEntry], tag: Optional[str],
+                       on_chunk: Optional[Callable[[list[str]], None]], keys: _Keys) -> tuple[list[str], int]:
+        """``publish_batch``'s IDs, and how many lines found their key's job (nothing queued for them)."""
         ensure_workspace(self.workspace)
         ids: list[str] = []
-        self.existing_lines = 0
-        holder = _KeyHolder(self.workspace) if any("idempotency_key" in e.params for e in entries) else None
-        try:
-            self._publish_chunks(entries, tag, on_chunk, ids, holder)
-        finally:
-            if holder is not None:
-                holder.close()
-        return ids
-
-    def _publish_chunks(self, entries: list[BatchEntry], tag: Optional[str],
-                        on_chunk: Optional[Callable[[list[str]], None]], ids: list[str],
-                        holder: Optional[_KeyHolder]) -> None:
-        import json
-
-        mine: dict[str, str] = {}  # keys this call linked (or found): never waited on as another's
+        found = 0
         for first in range(0, len(entries), BATCH_CHUNK):
-            chunk = entries[first:first + BATCH_CHUNK]
-            staged: list[tuple[str, str]] = []
-            try:
-                for entry in chunk:
-                    params = dict(entry.params, tag=tag) if tag else entry.params
-                    staged.append(self._stage([(PROMPT_FILE, entry.prompt),
-                                               (PARAMS_FILE, json.dumps(params, ensure_ascii=False).encode())],
-                                              sync=False))
-                _syncfs(self.workspace)
-                # Lines with an idempotency key: the key first (as in publish); a line whose key
-                # another client holds is not published, and answers with that client's job.
-                final = [job_id for job_id, _ in staged]
-                for i, entry in enumerate(chunk):
-                    key = job_param(entry.params, "idempotency_key")
-                    if key is None or holder is None:
-                        continue
-                    if key in mine:  # an earlier line of this call has it: our own lock, never waited on
-                        final[i] = mine[key]
-                        self.existing_lines += 1
-                        continue
-                    while not _link_key(self.workspace, key, final[i], holder.name):
-                        existing = key_job(self.workspace, key, notify=self.notify)
-                        if existing is not None:
-                            final[i] = existing
-                            self.existing_lines += 1
-                            break
-                    mine[key] = final[i]
-                if tag:
-                    _write_manifest(self.workspace, tag, [(job_id, job_param(e.params, "custom_id"))
-                                                          for job_id, e in zip(final, chunk)])
-                for (job_id, staging), published in zip(staged, final):
-                    if published == job_id:
-                        move(staging, os.path.join(self.workspace, READY, job_id))
-                    else:
-                        _remove_tree(staging)
-                    ids.append(published)
-            finally:
-                for _, staging in staged[len(ids) - first:]:  # not published: never leave them to look like jobs
-                    _remove_tree(staging)
+            chunk, chunk_found = self._publish_chunk(entries[first:first + BATCH_CHUNK], tag, keys)
+            ids += chunk
+            found += chunk_found
             fsync_dir(os.path.join(self.workspace, READY))
             fsync_dir(os.path.join(self.workspace, WRITING))
             if on_chunk is not None:
-                on_chunk(ids[first:])
+                on_chunk(chunk)
+        return ids, found
+
+    def _publish_chunk(self, chunk: list[BatchEntry], tag: Optional[str], keys: _Keys) -> tuple[list[str], int]:
+        """Stage, flush and publish one chunk: its IDs, and how many of its lines found their key's job."""
+        import json
+
+        staged: list[tuple[str, str]] = []
+        published: list[str] = []
+        try:
+            for entry in chunk:
+                params = dict(entry.params, tag=tag) if tag else entry.params
+                staged.append(self._stage([(PROMPT_FILE, entry.prompt),
+                                           (PARAMS_FILE, json.dumps(params, ensure_ascii=False).encode())],
+                                          sync=False))
+            _syncfs(self.workspace)
+            # Lines with an idempotency key: the key first (as in publish); a line whose key
+            # another client holds is not published, and answers with that client's job.
+            final = [job_id if key is None else keys.take(key, job_id)
+                     for (job_id, _), key in zip(staged, (job_param(e.params, "idempotency_key") for e in chunk))]
+            if tag:
+                _write_manifest(self.workspace, tag, [(job_id, job_param(e.params, "custom_id"))
+                                                      for job_id, e in zip(final, chunk)])
+            for (job_id, staging), answer in zip(staged, final):
+                if answer == job_id:
+                    move(staging, os.path.join(self.workspace, READY, job_id))
+                else:
+                    _remove_tree(staging)
+                published.append(answer)
+        finally:
+            for _, staging in staged[len(published):]:  # not published: never leave them to look like jobs
+                _remove_tree(staging)
+        return published, sum(answer != job_id for (job_id, _), answer in zip(staged, published))
 
     def submit_file(self, source: Any, *, tag: Optional[str] = None, jsonl: Optional[bool] = None,
                     on_ids: Optional[Callable[[list[str]], None]] = None, notes: Optional[list[str]] = None,
@@ -5359,24 +5579,28 @@ class Work:
         """
         if id_field is not None and template is None:
             raise InvalidInput("--id-field names a field of a template's records: give --template too")
-        if isinstance(source, (bytes, bytearray)):
-            data = bytes(source)
-        elif not isinstance(source, (str, os.PathLike)):
-            data = read_batch(source)  # stdin
-        else:
-            path = os.fspath(source)
-            try:
-                with open(path, "rb") as handle:
-                    data = read_batch(handle)
-            except OSError as err:
-                raise InvalidInput(f"cannot read {path}: {_os_error(err)}") from None
-            if jsonl is None and (template is None or path.endswith((".csv", ".jsonl"))):
-                jsonl = path.endswith(".jsonl")  # a template's data file of another name: sniffed
+        data, jsonl = _batch_source(source, jsonl, template)
         notes = [] if notes is None else notes
         if template is not None:
             entries = parse_records(data, template, id_field, None if jsonl is None else not jsonl)
         else:
             entries = parse_batch(data, jsonl, notes)
+        entries = self._with_defaults(entries, tag, dedupe, notes, defaults)
+        with _Keys(self.workspace, self.notify) as keys:
+            ids, new, same_as, keyed = self._plan_lines(entries, tag, notes, keys)
+            lines = _LineIds(ids, new, same_as, on_ids)
+            lines.add([])
+            keyed += self._publish_batch([entries[i] for i in new], tag, lines.add, keys)[1]
+        if keyed:
+            notes.append(f"{keyed} of {len(entries)} lines matched an existing job by idempotency key; "
+                         "their IDs are those jobs' (nothing queued for them)")
+        return ids  # type: ignore[return-value]
+
+    def _with_defaults(self, entries: list[BatchEntry], tag: Optional[str], dedupe: bool, notes: list[str],
+                       defaults: dict[str, Any]) -> list[BatchEntry]:
+        """A batch file's lines with the flags' parameters (``defaults``) under their own,
+        checked together, each model named as a path, and (``dedupe``) a key from each line's
+        content; a note in ``notes`` for a model name that matches no model."""
         defaults = validate_params(defaults)
         if tag is not None:
             validate_params({"tag": tag})
@@ -5400,6 +5624,14 @@ class Work:
             entries = [e if "idempotency_key" in e.params else
                        BatchEntry(e.line, e.prompt, dict(e.params, idempotency_key=dedupe_key(e.prompt, e.params)))
                        for e in entries]
+        return entries
+
+    def _plan_lines(self, entries: list[BatchEntry], tag: Optional[str], notes: list[str],
+                    keys: _Keys) -> tuple[list[Optional[str]], list[int], dict[int, int], int]:
+        """Which lines of a batch file have a job already: (each line's ID, None for those to
+        queue; the lines to queue; a line whose key an earlier line has -> that line; how many
+        lines found their key's job). Those with ``tag`` queued under their ``custom_id`` (a
+        resumed submit) are told in ``notes``."""
         existing: dict[str, str] = {}
         if tag:
             members = tag_members(self.workspace, tag)
@@ -5409,13 +5641,13 @@ class Work:
         if existing:
             _refuse_changed_lines(self.workspace, tag, entries, ids)  # type: ignore[arg-type]
         keyed = 0
+        first_with: dict[str, int] = {}
+        same_as: dict[int, int] = {}
         for i, entry in enumerate(entries):
             key = job_param(entry.params, "idempotency_key")
             if ids[i] is None and key is not None and os.path.isdir(self.workspace):
-                ids[i] = key_job(self.workspace, key, notify=self.notify)
+                ids[i] = keys.find(key)
                 keyed += ids[i] is not None
-        first_with: dict[str, int] = {}
-        same_as: dict[int, int] = {}  # a line whose key an earlier line of the file has -> that line
         for i, entry in enumerate(entries):
             key = job_param(entry.params, "idempotency_key")
             if ids[i] is None and key is not None:
@@ -5430,29 +5662,7 @@ class Work:
         if existing:
             notes.append(f"{len(entries) - len(new) - len(same_as) - keyed} of {len(entries)} lines are already queued with tag "
                          f"{tag}; queuing the other {len(new)}")
-        known = placed = 0
-
-        def on_chunk(chunk: list[str]) -> None:
-            nonlocal known, placed
-            for job_id in chunk:
-                ids[new[placed]] = job_id
-                placed += 1
-            for line, earlier in same_as.items():
-                if ids[line] is None and ids[earlier] is not None:
-                    ids[line] = ids[earlier]
-            start = known
-            while known < len(ids) and ids[known] is not None:
-                known += 1
-            if on_ids is not None and known > start:
-                on_ids(ids[start:known])  # type: ignore[arg-type]
-
-        on_chunk([])
-        self.publish_batch([entries[i] for i in new], tag, on_chunk)
-        keyed += self.existing_lines
-        if keyed:
-            notes.append(f"{keyed} of {len(entries)} lines matched an existing job by idempotency key; "
-                         "their IDs are those jobs' (nothing queued for them)")
-        return ids  # type: ignore[return-value]
+        return ids, new, same_as, keyed
 
     def _stage(self, files: list[tuple[str, bytes]], sync: bool = True) -> tuple[str, str]:
         """Create input/writing/<new id>/ exclusively and write the job's files into it
@@ -5488,6 +5698,37 @@ class Work:
             _remove_tree(staging)
             raise
         return job_id, staging
+
+
+def _export_form(format: str, out: Any, ids_file: Any) -> tuple[ExportFormat, Any]:
+    """``export``'s format, checked against its files, and the side file a binary format writes
+    (by default ``out + ".ids"``)."""
+    if format not in EXPORT_FORMATS:
+        raise InvalidInput(f"unknown export format {format!r} (known: {', '.join(EXPORT_FORMATS)})")
+    form = EXPORT_FORMATS[format]
+    binary = form.side is not None
+    if binary and not (isinstance(out, (str, os.PathLike)) and os.fspath(out) not in ("", "-")):
+        raise InvalidInput(f"export --format {format} needs -o FILE (it writes FILE and FILE.ids)")
+    if not binary and ids_file is not None:
+        raise InvalidInput(f"--ids names the side file of a binary format; --format {format} has none")
+    if binary and ids_file is None:
+        if _written_through(os.fspath(out)):
+            # /dev/null.ids, /dev/stdout.ids: a stray file beside a device, never what was meant
+            raise InvalidInput(f"-o {os.fspath(out)} is not a regular file, so FILE.ids cannot go beside it: "
+                               "name the rows' side file with --ids FILE")
+        ids_file = os.fspath(out) + ".ids"
+    return form, ids_file
+
+
+def _refuse_same_files(out: Any, errors: Any, ids_file: Any) -> None:
+    """InvalidInput when two of ``export``'s files (those given as paths) are one file."""
+    named = [(what, os.fspath(t)) for what, t in (("the output", out), ("the errors file", errors),
+                                                    ("the ids file", ids_file))
+             if isinstance(t, (str, os.PathLike)) and os.fspath(t) != "-"]
+    for i, (what, path) in enumerate(named):
+        for earlier, other in named[:i]:
+            if os.path.realpath(path) == os.path.realpath(other):
+                raise InvalidInput(f"{earlier} and {what} are the same file ({other})")
 
 
 class Flow:
@@ -5721,75 +5962,17 @@ class Flow:
         jobs with vectors of another width are refused (a ragged matrix cannot be read back).
         Failed jobs, which have no rows, go to ``errors`` as jsonl lines, or are left out
         (counted in ``notes``)."""
-        if format not in EXPORT_FORMATS:
-            raise InvalidInput(f"unknown export format {format!r} (known: {', '.join(EXPORT_FORMATS)})")
-        form = EXPORT_FORMATS[format]
-        line_of = form.line
-        binary = form.side is not None
-        if binary and not (isinstance(out, (str, os.PathLike)) and os.fspath(out) not in ("", "-")):
-            raise InvalidInput(f"export --format {format} needs -o FILE (it writes FILE and FILE.ids)")
-        if not binary and ids_file is not None:
-            raise InvalidInput(f"--ids names the side file of a binary format; --format {format} has none")
-        if binary and ids_file is None:
-            if _written_through(os.fspath(out)):
-                # /dev/null.ids, /dev/stdout.ids: a stray file beside a device, never what was meant
-                raise InvalidInput(f"-o {os.fspath(out)} is not a regular file, so FILE.ids cannot go beside it: "
-                                   "name the rows' side file with --ids FILE")
-            ids_file = os.fspath(out) + ".ids"
-        ids = list(ids)
-        if tag is not None and not ids:  # stream the tag's index: memory does not grow with the batch
-            require_workspace(self.workspace)
-            require_tag(self.workspace, tag)
-            selected: Iterable[str] = (job_id for chunk in iter_tag_members(self.workspace, tag) for job_id, _ in chunk)
-        else:
-            selected = self.select(ids, tag)[0]
-        named = [(what, os.fspath(t)) for what, t in (("the output", out), ("the errors file", errors),
-                                                        ("the ids file", ids_file))
-                 if isinstance(t, (str, os.PathLike)) and os.fspath(t) != "-"]
-        for i, (what, path) in enumerate(named):
-            for earlier, other in named[:i]:
-                if os.path.realpath(path) == os.path.realpath(other):
-                    raise InvalidInput(f"{earlier} and {what} are the same file ({other})")
+        form, ids_file = _export_form(format, out, ids_file)
+        selected = self._export_selection(ids, tag)
+        _refuse_same_files(out, errors, ids_file)
         targets: list[Any] = []
-        unfinished = exported = left_out = 0
-        unreadable: list[str] = []
-        first_row: Optional[tuple[int, str]] = None  # f32: (bytes a row, 4 a float; its job)
         try:
             for target in (out, errors):
-                targets.append(_ExportTarget(target, binary and not targets) if isinstance(target, (str, os.PathLike))
-                               else target)
-            if binary:
+                targets.append(_ExportTarget(target, form.side is not None and not targets)
+                               if isinstance(target, (str, os.PathLike)) else target)
+            if form.side is not None:
                 targets.append(_ExportTarget(ids_file) if isinstance(ids_file, (str, os.PathLike)) else ids_file)
-            for job_id in selected:
-                try:
-                    job = self.get(job_id)
-                except PermissionError:
-                    unreadable.append(job_id)
-                    continue
-                if job is None:
-                    continue  # a tagged job removed since (clean)
-                if not job.status.finished:
-                    unfinished += 1
-                    continue
-                if binary and job.status is Status.Failed:
-                    if targets[1] is None:
-                        left_out += 1
-                    else:
-                        targets[1].write(EXPORT_FORMATS["jsonl"].line(job))
-                    continue
-                target = targets[1] if targets[1] is not None and job.status is Status.Failed else targets[0]
-                data = line_of(job)
-                if binary:
-                    side = form.side(job)
-                    width = len(data) // side.count("\n")  # one width within a job: _f32_rows saw to it
-                    if first_row is None:
-                        first_row = (width, job.id)
-                    elif width != first_row[0]:
-                        raise InvalidInput(f"job {job.id} has vectors of {width // 4} floats and job {first_row[1]} "
-                                           f"of {first_row[0] // 4}: a matrix has one width (export them apart)")
-                    targets[2].write(side)
-                target.write(data)
-                exported += 1
+            exported, unfinished, left_out, unreadable = self._export_jobs(selected, form, targets)
             for target in targets:
                 if isinstance(target, _ExportTarget):
                     target.commit()
@@ -5809,6 +5992,56 @@ class Flow:
             raise WorkspaceError(f"{len(unreadable)} jobs could not be read (permission denied: {unreadable[0]}"
                                  f"{', ...' if len(unreadable) > 1 else ''}); the other {exported} were exported")
         return exported, unfinished
+
+    def _export_selection(self, ids: Iterable[str], tag: Optional[str]) -> Iterable[str]:
+        """The jobs ``export`` goes through, in submission order (checked now, read lazily)."""
+        ids = list(ids)
+        if tag is not None and not ids:  # stream the tag's index: memory does not grow with the batch
+            require_workspace(self.workspace)
+            require_tag(self.workspace, tag)
+            return (job_id for chunk in iter_tag_members(self.workspace, tag) for job_id, _ in chunk)
+        return self.select(ids, tag)[0]
+
+    def _export_jobs(self, selected: Iterable[str], form: ExportFormat,
+                     targets: list[Any]) -> tuple[int, int, int, list[str]]:
+        """Write each finished job of ``selected`` to its target (``targets``: the output, the
+        errors or None, and a binary format's side file): (lines written, unfinished jobs,
+        failed jobs a binary format left out for want of an errors target, unreadable jobs)."""
+        binary = form.side is not None
+        unfinished = exported = left_out = 0
+        unreadable: list[str] = []
+        first_row: Optional[tuple[int, str]] = None  # f32: (bytes a row, 4 a float; its job)
+        for job_id in selected:
+            try:
+                job = self.get(job_id)
+            except PermissionError:
+                unreadable.append(job_id)
+                continue
+            if job is None:
+                continue  # a tagged job removed since (clean)
+            if not job.status.finished:
+                unfinished += 1
+                continue
+            if binary and job.status is Status.Failed:
+                if targets[1] is None:
+                    left_out += 1
+                else:
+                    targets[1].write(EXPORT_FORMATS["jsonl"].line(job))
+                continue
+            target = targets[1] if targets[1] is not None and job.status is Status.Failed else targets[0]
+            data = form.line(job)
+            if binary:
+                side = form.side(job)  # type: ignore[misc]
+                width = len(data) // side.count("\n")  # one width within a job: _f32_rows saw to it
+                if first_row is None:
+                    first_row = (width, job.id)
+                elif width != first_row[0]:
+                    raise InvalidInput(f"job {job.id} has vectors of {width // 4} floats and job {first_row[1]} "
+                                       f"of {first_row[0] // 4}: a matrix has one width (export them apart)")
+                targets[2].write(side)
+            target.write(data)
+            exported += 1
+        return exported, unfinished, left_out, unreadable
 
 
 def format_time(when: float) -> str:
@@ -6644,24 +6877,7 @@ def _load_unmapped(L: Any, params: Any) -> None:
 def check_gguf(path: str) -> None:
     """Fail fast, before any queue work, unless ``path`` is a readable file starting GGUF
     whose header (its metadata) is within bounds (see gguf_strings)."""
-    if not os.path.exists(path):
-        raise ModelError(f"model {path} does not exist")
-    if os.path.isdir(path):
-        raise ModelError(f"model {path} is a directory, not a GGUF file")
-    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the daemon in open()
-        raise ModelError(f"model {path} is not a regular file")
-    try:  # O_NONBLOCK: a FIFO put in its place since the stat must not block (submit checks too)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ModelError(f"model {path} is not a regular file")
-            magic = os.read(fd, 4)
-        finally:
-            os.close(fd)
-    except OSError as err:
-        raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
-    if magic != b"GGUF":
-        raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
+    _check_gguf_magic(path)
     gguf_strings(path)
 
 
@@ -6857,25 +7073,21 @@ def _converter_class(grammar: Any) -> Any:
             return names[ref]
 
         def visit(self, schema: Any, name: str) -> str:
-            # The branches check_json_schema takes where the converter's own would drop a keyword
-            # (a schema it accepted has nothing beside them that another branch would take first)
-            if not isinstance(schema, dict) or {"$ref", "oneOf", "anyOf"} & set(schema):
-                return super().visit(schema, name)
-            kind = schema.get("type")
+            # The branches check_json_schema checked where the converter's own would drop a
+            # keyword: _schema_branch decides them for both
+            branch = _schema_branch(schema) if isinstance(schema, dict) else None
+            kind = schema.get("type") if isinstance(schema, dict) else None
             rule_name = name + "-" if name in grammar.RESERVED_NAMES else name or "root"
-            if isinstance(kind, list):  # one schema per type, each with its keywords
+            if branch == "types":  # one schema per type, each with its keywords
                 if "const" in schema or "enum" in schema:
                     return self.visit({key: value for key, value in schema.items() if key != "type"}, name)
                 return self.visit({"anyOf": type_choices(schema)}, name)
-            if "const" in schema or "enum" in schema:
-                return super().visit(schema, name)
-            if kind in ("integer", "number") and any(key in schema for key in SCHEMA_TYPE_KEYWORDS[kind]):
+            if branch == "number" and any(key in schema for key in SCHEMA_TYPE_KEYWORDS[kind]):
                 rules: dict[str, str] = {}
                 expression = number_rule(schema, "", rules, self._fresh_prefix("multiple"))
                 self._rules.update(rules)
                 return self._add_rule(rule_name, f"({expression}) space")
-            if kind in (None, "string") and ("pattern" in schema or "format" in schema) and not {
-                    "properties", "additionalProperties", "allOf", "items", "prefixItems"} & set(schema):
+            if branch == "pattern":
                 rules = {}
                 expression = string_rule(schema, "", rules, self._fresh_prefix("pattern"))
                 self._rules.update(rules)
