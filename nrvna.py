@@ -2522,7 +2522,12 @@ class GrammarShape:
     """A grammar as llama.cpp holds it (element arrays; a stack is a tuple of positions in
     them), to count what llama.cpp will do with it. ``walk`` follows one token as
     llama_grammar_apply and llama_grammar_accept_token do; ``vocab_cost`` counts checking every
-    token of a vocabulary in a state; ``check`` is the submit-time test of the start."""
+    token of a vocabulary in a state; ``check`` is the submit-time test of the start.
+
+    Threads: its memos change as it counts, so one thread at a time counts with a shape: the
+    one that makes it (a client's submit, the runner's Grammar thread or a worker) checks it;
+    once LlamaRunner keeps it, it is never counted with again, and each worker counts with its
+    own ``fork`` (see _GrammarTemplates)."""
 
     def __init__(self, rules: Mapping[int, list[list[tuple[Any, ...]]]], root: int) -> None:
         alternatives: dict[int, list[Optional[int]]] = {}  # rule -> its alternatives' first positions
@@ -2535,15 +2540,27 @@ class GrammarShape:
                 elements.append(None)
         self.elements = elements
         self.alternatives = {rule_id: tuple(a) for rule_id, a in alternatives.items()}
+        self._new_memos()
+        stacks: dict[Stack, None] = {}
+        for first in self.alternatives[root]:
+            stacks.update(dict.fromkeys(self.advance(() if first is None else (first,))))
+        self.start: GrammarState = (frozenset(stacks), (0, 0))
+
+    def _new_memos(self) -> None:
         self.advanced: dict[Stack, tuple[Stack, ...]] = {}
         self.costs: dict[Any, int] = {}  # (stacks and walks, depth) -> the most steps (check)
         self.splits: dict[Any, Any] = {}  # stacks and walks -> (edges, children) (vocab_cost)
         self.vocab_costs: dict[Any, tuple[int, int]] = {}  # state -> (whole vocabulary, worst token)
         self.asked: set[Any] = set()  # states whose part of the vocabulary was counted once
-        stacks: dict[Stack, None] = {}
-        for first in self.alternatives[root]:
-            stacks.update(dict.fromkeys(self.advance(() if first is None else (first,))))
-        self.start: GrammarState = (frozenset(stacks), (0, 0))
+
+    def fork(self) -> GrammarShape:
+        """The same grammar with memos of its own, for one thread to count with: its elements
+        and start are shared (never changed once made), its memos start empty."""
+        import copy
+
+        twin = copy.copy(self)
+        twin._new_memos()
+        return twin
 
     def _pop(self, stack: Stack) -> tuple[Stack, ...]:
         """The stacks after ``stack``'s top class matched a character."""
@@ -6880,7 +6897,9 @@ _gguf_headers: dict[tuple[int, int, int, int], dict[str, str]] = {}  # (dev, ino
 class _GgufHeader:
     """A GGUF header read within bounds: each count or length is checked against the bytes
     left in the file and against the GGUF_MAX_* caps before anything is read or skipped, so
-    any file is read or refused in time proportional to what a real header holds."""
+    any file is read or refused in time proportional to what a real header holds.
+
+    Threads: the caller's alone (made and read in one call, check_gguf's)."""
 
     def __init__(self, handle: Any, path: str, size: int) -> None:
         self.handle, self.path, self.size = handle, path, size
@@ -7091,7 +7110,10 @@ def _converter_class(grammar: Any) -> Any:
 
 
 class _CallThread:
-    """A thread that runs the calls handed to it, one at a time, for their callers."""
+    """A thread that runs the calls handed to it, one at a time, for their callers.
+
+    Threads: any thread hands it calls (``post``, ``call``, ``close``) through a SimpleQueue,
+    which is thread-safe; a call's result comes back in its own box, set before its Event."""
 
     def __init__(self, name: str) -> None:
         import queue
@@ -7146,7 +7168,10 @@ def _small_grammar(key: tuple[str, Any]) -> bool:
 class _Conversion:
     """A job's grammar being made on its runner's Grammar thread (LlamaRunner.prepare_grammar):
     ``done`` is set once ``found`` ((key, GBNF, shape), as LlamaRunner.grammar gives) or
-    ``error`` (the JobError that fails the jobs waiting for it) is."""
+    ``error`` (the JobError that fails the jobs waiting for it) is.
+
+    Threads: the Grammar thread writes ``found`` or ``error``, then sets ``done``; the workers
+    whose jobs wait for it read them only once ``done`` is set (the Event orders the two)."""
 
     __slots__ = ("done", "found", "error")
 
@@ -7162,6 +7187,17 @@ class LlamaRunner(Runner):
     ``Llama`` always loads its own copy of the weights, so it cannot be shared; the raw
     calls can. Each worker gets its own context (KV cache, batch, samplers), never shared
     between threads, which is llama.cpp's thread-safety rule.
+
+    Threads: made, with its sessions, and closed by whoever loads the model (_Models: the
+    Server's start, a model switch, the load-ahead thread) while no worker uses it; called by
+    every worker (tokens, piece, penalty, sampler, grammar, prepare_grammar, grammar_vocab,
+    decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
+    ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``
+    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under
+    ``_lock``; a decode with borrowed threads under ``_wide_lock``. ``_pieces`` is a cache the
+    workers fill without a lock: a token's bytes are the same whoever stores them, and one
+    dict get or set is atomic. The model, its vocabulary and the tables made at load are read
+    only (llama.cpp's model may be shared by contexts on several threads).
     """
 
     name = "llama.cpp"
@@ -7521,7 +7557,8 @@ class LlamaRunner(Runner):
             text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
         except Exception as err:  # the converter's own assertions: a gap in check_json_schema
             raise JobError("bad_request", f"response_format: the schema could not be converted: {err!r}") from None
-        self.conversions += 1
+        with self._grammars_lock:  # workers and the Grammar thread convert at once
+            self.conversions += 1
         return text
 
     def sampler(self, params: Mapping[str, Any]) -> Any:
@@ -7575,6 +7612,8 @@ class _Penalties:
     (0.16 of 0.20 ms a token on a 49k vocabulary, measured); this touches the window's
     distinct tokens only, in numpy's float32, the floats llama.cpp computes in C. A bias
     is then added to its token's logit, as llama.cpp's logit-bias sampler adds it.
+
+    Threads: one sequence's (its _JobSampler's), on its session's worker thread only.
     """
 
     __slots__ = ("np", "factor", "frequency", "presence", "bias_ids", "bias_values", "window", "counts")
@@ -7633,8 +7672,10 @@ def _common_prefix(a: list[int], b: list[int], limit: Optional[int] = None) -> i
 class _SamplingScratch:
     """A context's arrays for its jobs' samplers, made once rather than per token: the whole
     vocabulary as llama_token_data (a redraw under a grammar; made on first use), a top_k
-    draw's shortlist and a single candidate (is one token allowed by a grammar?). A session
-    belongs to one worker thread, and so does its scratch: never shared between threads."""
+    draw's shortlist and a single candidate (is one token allowed by a grammar?).
+
+    Threads: a session belongs to one worker thread, and so does its scratch: never shared
+    between threads."""
 
     __slots__ = ("L", "byref", "candidates", "candidates_array", "token_ids", "one", "one_array", "short",
                  "short_ids", "short_logits", "short_p", "short_array", "draws")
@@ -7728,11 +7769,17 @@ def _strictly_decreasing(values: Any) -> Any:
 class _GrammarTemplates:
     """A context's parsed grammars: llama.cpp's grammar samplers of the GRAMMAR_TEMPLATES
     grammars used last. A job's own grammar sampler is a clone of one, so a grammar many jobs
-    share is parsed once per context (like the context, never shared between threads)."""
+    share is parsed once per context. With each, the context's own fork of the grammar's
+    GrammarShape, which its jobs count with (its memos fill as they do).
+
+    Threads: like its context, its worker's thread only; the runner's shapes it forks are never
+    changed once the runner keeps them, so reading them needs no lock."""
 
     def __init__(self, runner: LlamaRunner) -> None:
         self.runner = runner
         self.parsed: dict[Any, Any] = {}  # grammar key -> a parsed grammar sampler, cloned per job (LRU)
+        # grammar key -> (the runner's shape, this context's fork of it) (LRU, as the runner's)
+        self.shapes: dict[Any, tuple[GrammarShape, GrammarShape]] = {}
 
     def clone(self, params: Mapping[str, Any], made: Optional[tuple[Any, str, GrammarShape]] = None
               ) -> Optional[tuple[Any, GrammarShape]]:
@@ -7754,13 +7801,25 @@ class _GrammarTemplates:
             while len(self.parsed) >= GRAMMAR_TEMPLATES:
                 L.llama_sampler_free(self.parsed.pop(next(iter(self.parsed))))
         self.parsed[key] = template  # most recently used last
-        return L.llama_sampler_clone(template), shape
+        return L.llama_sampler_clone(template), self._fork(key, shape)
+
+    def _fork(self, key: Any, shape: GrammarShape) -> GrammarShape:
+        """This context's fork of the runner's ``shape``, made on first use: its memos are this
+        worker's alone, and kept as long as the runner keeps that shape (within GRAMMAR_CACHE)."""
+        found = self.shapes.pop(key, None)
+        if found is None or found[0] is not shape:
+            found = (shape, shape.fork())
+            if len(self.shapes) >= GRAMMAR_CACHE:
+                self.shapes.pop(next(iter(self.shapes)))
+        self.shapes[key] = found  # most recently used last
+        return found[1]
 
     def close(self) -> None:
         """Free every parsed grammar."""
         for template in self.parsed.values():
             self.runner.L.llama_sampler_free(template)
         self.parsed.clear()
+        self.shapes.clear()
 
 
 def _shortlist_size(chain_settings: tuple[bool, int, float, float]) -> int:
@@ -7782,6 +7841,10 @@ class _JobSampler:
     draw is redrawn under the grammar (see ``_resample``). One per sequence, made when its
     job starts and freed when it ends: the chain and the grammar sampler hold state (the
     random state, where in the grammar the job stands), never shared between jobs.
+
+    Threads: its session's worker thread only; its GrammarShape is its context's own fork
+    (see _GrammarTemplates), and what it reads of the runner (pieces, tables, the grammar
+    vocabulary) is safe to share (see LlamaRunner).
     """
 
     __slots__ = ("runner", "L", "scratch", "chain", "chain_settings", "shortlist_size", "penalties", "grammar", "shape",
@@ -8034,7 +8097,12 @@ class _JobSampler:
 
 class _Sequence:
     """One job generating in a slot of a context: its prompt and KV cells, its sampler, and
-    the text its tokens make (cut at a stop string, passed on for partial.txt)."""
+    the text its tokens make (cut at a stop string, passed on for partial.txt). Its place in
+    the prompt (``cached``, ``pending``, ``pos``) changes only through its own methods: ``at``
+    when its cells are (re)attached, ``feed_last``/``feed_chunk``/``unfeed_last`` as a step
+    fills the batch.
+
+    Threads: its session's worker thread only (made, stepped and ended there)."""
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
                  "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
@@ -8046,9 +8114,9 @@ class _Sequence:
         self.slot = slot
         self.budget = budget  # KV cells this job can come to hold: its prompt and max_tokens
         self.prompt = tokens
-        self.pending = tokens  # prompt tokens not yet decoded (set by LlamaSession._attach)
         self.cached: list[int] = []  # tokens whose KV cells this slot holds, in order
-        self.pos = 0
+        self.pending = tokens  # prompt tokens not yet decoded (see at)
+        self.pos = 0  # the position of the next token decoded: len(cached)
         self.waiting = False  # for a batch-mate to compute a prefix this prompt shares
         self.n_prompt = len(tokens)
         self.n_gen = 0
@@ -8066,6 +8134,32 @@ class _Sequence:
         self.choices: Optional[_Choices] = None  # a job of n > 1 choices: its other sequences' too
         self.choice = 0  # which of them
         self.computed = 0  # prompt tokens decoded for it (the rest were cells shared with others)
+
+    def at(self, computed: int) -> None:
+        """Its slot holds the KV cells of its prompt's first ``computed`` tokens (kept, copied
+        or none): the rest of the prompt is decoded from there."""
+        self.cached, self.pending, self.pos = self.prompt[:computed], self.prompt[computed:], computed
+
+    def feed_last(self) -> int:
+        """Its last token goes into this step's batch: the position it is decoded at."""
+        self.cached.append(self.last)
+        self.pos += 1
+        return self.pos - 1
+
+    def feed_chunk(self, most: int) -> tuple[list[int], int]:
+        """At most ``most`` of its prompt tokens not yet decoded go into this step's batch:
+        them, and the position of the first."""
+        take, first = min(len(self.pending), most), self.pos
+        chunk, self.pending = self.pending[:take], self.pending[take:]
+        self.cached.extend(chunk)
+        self.computed += take
+        self.pos += take
+        return chunk, first
+
+    def unfeed_last(self) -> None:
+        """The step that fed its last token was cut short: llama.cpp dropped that cell."""
+        self.cached.pop()
+        self.pos -= 1
 
     def add(self, token: int, piece: bytes) -> bool:
         """``token`` (its bytes ``piece``) was generated: its text is kept and passed on.
@@ -8121,8 +8215,12 @@ class _Sequence:
 
 class _Choices:
     """A job's n > 1 choices in one context: its prompt computed once by the first sequence,
-    whose cells the others copy; each choice its own sequence, sampler and seed. The job ends
-    when every choice has, or with the first that fails."""
+    whose cells the others copy; each choice its own sequence, sampler and seed. Choices start
+    as the room allows (``admit``); the job ends when every choice has, or with the first that
+    fails (``end``).
+
+    Threads: its session's worker thread only; it changes its session's slots through the
+    session's own methods (``room``, ``sampler``, ``release``) and its _PrefixCache."""
 
     __slots__ = ("n", "started", "ended", "results")
 
@@ -8131,6 +8229,82 @@ class _Choices:
         self.started = 1  # the first choice starts with the job
         self.ended = False
         self.results: list[Optional[Outcome]] = [None] * n
+
+    @staticmethod
+    def waiting(slots: list[Optional[_Sequence]]) -> list[_Sequence]:
+        """A sequence of each job whose further choices wait for room (not one in the kept room)."""
+        jobs = {id(s.choices): s for s in slots if s is not None and s.choices is not None and not s.reserved
+                and not s.choices.ended and s.choices.started < s.choices.n}
+        return list(jobs.values())
+
+    @classmethod
+    def begin(cls, session: "LlamaSession", first: _Sequence, n: int) -> None:
+        """``first``'s job asks for ``n`` choices: start as many more as the room allows; if
+        one cannot start, none of the job's choices stays behind (the job fails at start)."""
+        first.choices = cls(n)
+        try:
+            first.choices.admit(session, first)
+        except BaseException:
+            for other in session.slots:
+                if other is not None and other.job is first.job:
+                    session.release(other, keep=False)
+            raise
+
+    def admit(self, session: "LlamaSession", first: _Sequence) -> None:
+        """Start more of ``first``'s job's choices in free slots, as many as the room allows (none
+        in the room kept for a job above the others: its choices run one after another)."""
+        while self.started < self.n and not first.reserved:
+            running, room = session.room()
+            if running >= session.seqs or room < first.budget:
+                return
+            self._start(session, first, session.prefixes.spare_slot(session.slots), self._sampler(session, first))
+
+    def _sampler(self, session: "LlamaSession", first: _Sequence) -> _JobSampler:
+        """The sampler of ``first``'s job's next choice (seeded seed + its index)."""
+        return session.sampler(_choice_params(first.job.params, self.started, session.runner.config))
+
+    def _start(self, session: "LlamaSession", first: _Sequence, slot: int, sampler: _JobSampler,
+               own_cells: bool = False) -> None:
+        """The next choice of ``first``'s job, in ``slot``: over the prompt's cells a choice
+        computed (see _PrefixCache._attach_choice), or with ``own_cells`` those ``slot`` holds
+        (a choice of the job has just ended there)."""
+        seq = session.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
+        seq.reserved, seq.choices, seq.choice = first.reserved, self, self.started
+        self.started += 1
+        if not (own_cells and session.prefixes.keep_choice(seq)):
+            session.prefixes.attach(seq, session.slots)
+
+    def end(self, session: "LlamaSession", seq: _Sequence, outcome: Outcome, error: Optional[tuple[str, str]],
+            keep: bool) -> Optional[Outcome]:
+        """``seq``, one of the choices, has ended with ``outcome`` (``error``): the job's outcome
+        once the job ends, else None (the next choice has started in its slot, or the slot is
+        free). The first choice to fail ends the job and every other choice."""
+        if self.ended:  # the job already ended (another choice failed)
+            session.release(seq, keep=False)
+            return None
+        for other in session.slots:  # choices waiting for the prompt's cells copy them before they go
+            if other is not None and other.choices is self and other.waiting:
+                session.prefixes.attach(other, session.slots)
+        self.results[seq.choice] = outcome
+        if error is None and self.started < self.n:
+            try:
+                sampler = self._sampler(session, seq)
+            except JobError as err:  # the job fails: nothing has changed yet
+                error = (err.code, str(err))
+            else:
+                seq.sampler.free()
+                self._start(session, seq, seq.slot, sampler, own_cells=True)
+                return None
+        if error is None and any(r is None for r in self.results):
+            session.release(seq, keep and not seq.reserved)
+            return None
+        self.ended = True
+        siblings = [s for s in session.slots if s is not None and s is not seq and s.choices is self]
+        outcome = self.outcome() if error is None else self.failure(error, seq.n_prompt, siblings)
+        for other in siblings:  # the first failure fails the job
+            session.release(other, keep=False)
+        session.release(seq, keep and not seq.reserved)
+        return outcome
 
     def outcome(self) -> Outcome:
         """The job's result, once every choice has one."""
@@ -8167,8 +8341,9 @@ def _choice_params(params: dict[str, Any], choice: int, config: Config) -> dict[
 class _PrefixCache:
     """Prefix sharing in a context's unified KV cache: the cells finished jobs left in their
     free slots, kept for the prompts of the next jobs, and a new sequence's longest computed
-    prefix found among them and its batch-mates' cells (see attach). Like its context, one
-    worker thread's."""
+    prefix found among them and its batch-mates' cells (see attach).
+
+    Threads: like its context, its session's worker thread only."""
 
     def __init__(self, L: Any, memory: Any, slots: int, enabled: bool, shares_cells: bool = True) -> None:
         self.L = L
@@ -8298,7 +8473,7 @@ class _PrefixCache:
             self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
             computed = 0
         self.held[seq.slot] = []
-        seq.cached, seq.pending, seq.pos = tokens[:computed], tokens[computed:], computed
+        seq.at(computed)
         self.reused_tokens += computed
 
     def _attach_choice(self, seq: _Sequence, slots: list[Optional[_Sequence]], limit: int) -> None:
@@ -8307,7 +8482,7 @@ class _PrefixCache:
         n choices compute their prompt once). Only its last token is decoded again, for this
         choice's own logits."""
         self.forget(seq.slot)
-        seq.cached, seq.pending, seq.pos = [], seq.prompt, 0
+        seq.at(0)
         if not self.shares_cells:  # a recurrent model's state is all or nothing: each choice computes its own
             seq.waiting = False
             return
@@ -8318,8 +8493,131 @@ class _PrefixCache:
             return
         if limit:
             self.L.llama_memory_seq_cp(self.memory, source, seq.slot, 0, limit)
-        seq.cached, seq.pending, seq.pos = seq.prompt[:limit], seq.prompt[limit:], limit
+        seq.at(limit)
         self.reused_tokens += limit
+
+    def keep_choice(self, seq: _Sequence) -> bool:
+        """A job's further choice starting in the slot where another of its choices has just
+        ended: keep the prompt's cells there but its last token's (decoded again for this
+        choice's own logits). False where the cells cannot be cut (a recurrent model's)."""
+        limit = len(seq.prompt) - 1
+        if not (self.shares_cells and self.L.llama_memory_seq_rm(self.memory, seq.slot, limit, -1)):
+            return False
+        seq.at(limit)
+        self.reused_tokens += limit
+        return True
+
+
+class _Batch:
+    """A context's llama_batch, filled anew for each step (``fill``): one entry per token
+    decoded (token, position, slot, whether its logits are wanted).
+
+    Threads: its session's worker thread only."""
+
+    def __init__(self, L: Any, n_batch: int) -> None:
+        self.L = L
+        self.n_batch = n_batch
+        self.raw = L.llama_batch_init(n_batch, 0, 1)
+        self.seq_ids = self.raw.seq_id[:n_batch]  # each entry's own array of sequence IDs, found once
+        self.size = 0  # entries filled for this step
+        self.chunks = False  # whether prompt chunks are among them
+
+    def put(self, index: int, token: int, pos: int, slot: int, logits: bool) -> None:
+        raw = self.raw
+        raw.token[index] = token
+        raw.pos[index] = pos
+        raw.n_seq_id[index] = 1
+        self.seq_ids[index][0] = slot
+        raw.logits[index] = logits
+
+    def fill(self, slots: list[Optional[_Sequence]], top: int) -> list[tuple[_Sequence, int]]:
+        """Fill the batch for a step of the sequences of priority ``top`` (the others pause):
+        the last token of every generating sequence first, then prompt chunks in the room
+        left. Returns the sequences whose logits the step gives, each with its entry, in
+        batch order (llama.cpp stores the logits asked for in that order)."""
+        wanted: list[tuple[_Sequence, int]] = []
+        n, chunks = 0, False
+        for seq in slots:
+            if seq is not None and not seq.pending and not seq.waiting and seq.priority == top:
+                self.put(n, seq.last, seq.feed_last(), seq.slot, True)
+                wanted.append((seq, n))
+                n += 1
+        for seq in slots:
+            if seq is None or not seq.pending or seq.waiting or n >= self.n_batch or seq.priority != top:
+                continue
+            chunk, pos = seq.feed_chunk(self.n_batch - n)
+            chunks = True
+            for token in chunk:
+                self.put(n, token, pos, seq.slot, False)
+                pos += 1
+                n += 1
+            if not seq.pending:
+                self.raw.logits[n - 1] = 1
+                wanted.append((seq, n - 1))
+        self.raw.n_tokens = self.size = n
+        self.chunks = chunks
+        return wanted
+
+    def free(self) -> None:
+        self.L.llama_batch_free(self.raw)
+
+
+class _Preemption:
+    """Cutting a context's decode short (Session.preempt): llama.cpp asks abort_callback(flag)
+    between the graph's nodes; the callback is libc's strlen (see _strlen_callback): an empty
+    flag goes on, a one-byte flag stops. A step with prompt chunks is never cut (``allow``).
+
+    Threads: ``request`` from any thread (the Scanner's or another worker's, through
+    Server._outranked), the rest from the session's worker. One byte is written and read,
+    no lock: a request that lands after the worker's ``clear`` cuts its next step, which the
+    sequences take again (the cut step changes nothing)."""
+
+    def __init__(self, L: Any, ctx: Any, callback: Any) -> None:
+        import ctypes
+
+        self.L, self.ctx, self.callback = L, ctx, callback
+        self.byref = ctypes.byref
+        self.flag = ctypes.create_string_buffer(2)
+        self.never = ctypes.create_string_buffer(2)  # for steps that cannot be cut (prompt chunks)
+        self.abortable: Optional[bool] = None
+
+    def request(self) -> None:
+        self.flag[0] = b"x"
+
+    def clear(self) -> None:
+        self.flag[0] = b"\0"
+
+    def allow(self, allowed: bool) -> None:
+        """Let a request cut the coming decode short, or not (a step with prompt chunks: the
+        aborted ubatch's cells are dropped, but a chunked prompt's earlier ubatches stay)."""
+        allowed = allowed and self.callback is not None
+        if allowed != self.abortable:
+            flag = self.flag if allowed else self.never
+            self.L.llama_set_abort_callback(self.ctx, self.callback, self.byref(flag))
+            self.abortable = allowed
+
+
+def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, threads: int) -> Any:
+    """A llama context of ``cells`` tokens for ``seqs`` sequences; ModelError if it cannot be made."""
+    L = runner.L
+    params = L.llama_context_default_params()
+    params.n_ctx = cells
+    params.n_batch = n_batch
+    params.n_ubatch = n_batch
+    params.n_seq_max = seqs
+    params.n_threads = threads
+    params.n_threads_batch = threads
+    # One KV cache shared by the sequences: a shared prefix's cells serve many sequences,
+    # and every step is one ubatch. Per-sequence streams split a step into one ubatch per
+    # run of consecutive slot numbers (llama.cpp's split_equal): 3 weight passes instead
+    # of 1 once slots free up out of order. Measured 3-10% more tok/s with mixed lengths.
+    params.kv_unified = True
+    params.no_perf = True
+    ctx = L.llama_init_from_model(runner.model, params)
+    if not ctx:
+        raise ModelError(f"cannot create a llama context of {params.n_ctx} tokens "
+                         "(out of memory? lower NRVNA_MAX_CTX, NRVNA_SEQS or NRVNA_WORKERS)")
+    return ctx
 
 
 class LlamaSession(Session):
@@ -8327,16 +8625,20 @@ class LlamaSession(Session):
 
     Every step decodes one token of every generating sequence, plus prompt chunks of newly
     started ones, in a single ``llama_decode``: continuous batching. With ``seqs=1`` it is
-    the plain one-job-at-a-time loop. The session schedules the sequences (_Sequence), builds
-    the batch, decodes it and hands each sequence its logits: its _JobSampler draws the token,
-    the sequence makes its text; _PrefixCache shares KV cells between prompts.
+    the plain one-job-at-a-time loop. The session schedules the sequences (_Sequence; a job's
+    n choices: _Choices), fills the batch (_Batch), decodes it and hands each sequence its
+    logits: its _JobSampler draws the token, the sequence makes its text; _PrefixCache shares
+    KV cells between prompts.
+
+    Threads: its worker's thread only, but ``preempt`` (any thread: see _Preemption); the
+    runner's Grammar thread makes the grammars of jobs in ``converting`` and hands them over
+    through their _Conversion (an Event).
     """
 
     def __init__(self, runner: LlamaRunner, threads: int, seqs: int, n_batch: int,
                  config: Optional[Config] = None) -> None:
-        L = runner.L
         self.runner = runner
-        self.L = L
+        self.L = runner.L
         # NRVNA_MAX_CTX is each worker's context, shared by its sequences: S sequences must
         # not multiply the KV memory by S. It holds FULL_LENGTH_SEQS jobs of the full length;
         # more sequences run as the jobs' budgets leave room (see free), since a batch's
@@ -8357,63 +8659,29 @@ class LlamaSession(Session):
         # Jobs whose grammar the runner's Grammar thread is making (prepare_grammar): each holds
         # a slot and a full share of cells, and starts at the first step after it is made.
         self.converting: list[tuple[RunningJob, _Conversion]] = []
+        self.ctx: Any = None
+        self.slots: list[Optional[_Sequence]] = []
         if runner.embedding_only:  # no generation context: generation jobs fail at start()
-            self.ctx = None
-            self.slots: list[Optional[_Sequence]] = []
             return
-        params = L.llama_context_default_params()
-        params.n_ctx = self.cells
-        params.n_batch = n_batch
-        params.n_ubatch = n_batch
-        params.n_seq_max = seqs + 1
-        params.n_threads = threads
-        params.n_threads_batch = threads
-        # One KV cache shared by the sequences: a shared prefix's cells serve many sequences,
-        # and every step is one ubatch. Per-sequence streams split a step into one ubatch per
-        # run of consecutive slot numbers (llama.cpp's split_equal): 3 weight passes instead
-        # of 1 once slots free up out of order. Measured 3-10% more tok/s with mixed lengths.
-        params.kv_unified = True
-        params.no_perf = True
-        self.ctx = L.llama_init_from_model(runner.model, params)
-        if not self.ctx:
-            raise ModelError(f"cannot create a llama context of {params.n_ctx} tokens "
-                             "(out of memory? lower NRVNA_MAX_CTX, NRVNA_SEQS or NRVNA_WORKERS)")
-        self.memory = L.llama_get_memory(self.ctx)
-        self.n_batch = n_batch
-        self.batch = L.llama_batch_init(n_batch, 0, 1)
-        self.seq_ids = self.batch.seq_id[:n_batch]  # each entry's own array of sequence IDs, found once
+        self.ctx = _llama_context(runner, self.cells, n_batch, seqs + 1, threads)
+        self.memory = self.L.llama_get_memory(self.ctx)
+        self.batch = _Batch(self.L, n_batch)
         self.slots = [None] * (seqs + 1)
-        self.prefixes = _PrefixCache(L, self.memory, seqs + 1, bool(runner.config.prefix_cache),
-                                     not (L.llama_model_is_recurrent(runner.model) or L.llama_model_is_hybrid(runner.model)))
+        self.prefixes = _PrefixCache(self.L, self.memory, seqs + 1, bool(runner.config.prefix_cache),
+                                     not (self.L.llama_model_is_recurrent(runner.model)
+                                          or self.L.llama_model_is_hybrid(runner.model)))
         self.preempted = 0  # steps cut short by preempt()
+        self.preemption = _Preemption(self.L, self.ctx, runner.abort_callback)
         self.templates = _GrammarTemplates(runner)
         self.scratch = _SamplingScratch(runner)  # the arrays this context's samplers draw with
-        import ctypes
-
-        self.byref = ctypes.byref
-        # preempt(): llama.cpp asks abort_callback(flag) between the graph's nodes; the callback
-        # is libc's strlen (see _strlen_callback): an empty flag goes on, a one-byte flag stops.
-        self.preempt_flag = ctypes.create_string_buffer(2)
-        self.never_flag = ctypes.create_string_buffer(2)  # for steps that cannot be cut (prompt chunks)
-        self.abort_callback = runner.abort_callback
-        self.abortable: Optional[bool] = None
 
     def preempt(self) -> None:
         if self.ctx is not None:
-            self.preempt_flag[0] = b"x"
+            self.preemption.request()
 
     def clear_preempt(self) -> None:
         if self.ctx is not None:
-            self.preempt_flag[0] = b"\0"
-
-    def _allow_abort(self, allowed: bool) -> None:
-        """Let preempt() cut the coming decode short, or not (a step with prompt chunks: the
-        aborted ubatch's cells are dropped, but a chunked prompt's earlier ubatches stay)."""
-        allowed = allowed and self.abort_callback is not None
-        if allowed != self.abortable:
-            flag = self.preempt_flag if allowed else self.never_flag
-            self.L.llama_set_abort_callback(self.ctx, self.abort_callback, self.byref(flag))
-            self.abortable = allowed
+            self.preemption.clear()
 
     def set_threads(self, threads: int) -> None:
         """Decode with ``threads`` CPU threads from the next step on (a setting of the
@@ -8437,22 +8705,16 @@ class LlamaSession(Session):
         embed = EMBED_JOBS - (len(self.embedder.jobs) if self.embedder is not None else 0)
         if self.ctx is None:
             return embed
-        if self._waiting_choices():  # a job's choices not yet started have the room first
+        if _Choices.waiting(self.slots):  # a job's choices not yet started have the room first
             return 0
-        running, room = self._room()
+        running, room = self.room()
         parked = len(self.converting)
         return max(0, min(self.seqs - running - parked, room // self.ctx_per_seq - parked, embed))
 
-    def _room(self) -> tuple[int, int]:
+    def room(self) -> tuple[int, int]:
         """The sequences running outside the kept room, and the cells their budgets leave."""
         running = [s for s in self.slots if s is not None and not s.reserved]
         return len(running), self.normal_cells - sum(s.budget for s in running)
-
-    def _waiting_choices(self) -> list[_Sequence]:
-        """A sequence of each job whose further choices wait for room (not one in the kept room)."""
-        jobs = {id(s.choices): s for s in self.slots if s is not None and s.choices is not None and not s.reserved
-                and not s.choices.ended and s.choices.started < s.choices.n}
-        return list(jobs.values())
 
     def reserve(self, priority: int) -> int:
         """1 if a job of ``priority`` would run above every job here and the kept room is free
@@ -8491,6 +8753,12 @@ class LlamaSession(Session):
             return
         self._begin(job)
 
+    def sampler(self, params: Mapping[str, Any], made: Optional[tuple[Any, str, GrammarShape]] = None
+                ) -> _JobSampler:
+        """A sampler for a sequence of a job with ``params`` (``made``: its grammar, made), drawing
+        with this context's arrays and grammars; JobError if the model cannot take them."""
+        return _JobSampler.for_job(self.runner, self.scratch, self.templates, params, made)
+
     def _begin(self, job: RunningJob, made: Optional[tuple[Any, str, GrammarShape]] = None) -> None:
         """Start ``job`` in a free slot (``made``: its grammar); JobError if it cannot run here."""
         tokens = self.runner.tokens(job)
@@ -8506,57 +8774,15 @@ class LlamaSession(Session):
         slot = self.prefixes.take_slot(self.slots, tokens)
         max_tokens = job_param(job.params, "max_tokens", self.runner.config)
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
-        sampler = _JobSampler.for_job(self.runner, self.scratch, self.templates, job.params, made)
-        seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, sampler)
+        seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
         self.prefixes.attach(seq, self.slots, first=True)
         n = job_param(job.params, "n")
         if n > 1:
-            seq.choices = _Choices(n)
-            try:
-                self._more_choices(seq)
-            except BaseException:  # the job fails at start: none of its choices may stay behind
-                for other in self.slots:
-                    if other is not None and other.job is job:
-                        self._release(other, keep=False)
-                raise
+            _Choices.begin(self, seq, n)
         self.prefixes.make_room(self.slots, self.cells)
 
-    def _more_choices(self, first: _Sequence) -> None:
-        """Start more of ``first``'s job's choices in free slots, as many as the room allows (none
-        in the room kept for a job above the others: its choices run one after another)."""
-        choices = first.choices
-        assert choices is not None
-        while choices.started < choices.n and not first.reserved:
-            running, room = self._room()
-            if running >= self.seqs or room < first.budget:
-                return
-            self._start_choice(first, self.prefixes.spare_slot(self.slots), self._choice_sampler(first))
-
-    def _choice_sampler(self, first: _Sequence) -> _JobSampler:
-        """The sampler of ``first``'s job's next choice (seeded seed + its index)."""
-        choices = first.choices
-        assert choices is not None
-        params = _choice_params(first.job.params, choices.started, self.runner.config)
-        return _JobSampler.for_job(self.runner, self.scratch, self.templates, params)
-
-    def _start_choice(self, first: _Sequence, slot: int, sampler: _JobSampler, own_cells: bool = False) -> None:
-        """The next choice of ``first``'s job, in ``slot``: over the prompt's cells a choice
-        computed (see _PrefixCache._attach_choice), or with ``own_cells`` those ``slot`` holds
-        (a choice of the job has just ended there)."""
-        choices = first.choices
-        assert choices is not None
-        seq = self.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
-        seq.reserved, seq.choices, seq.choice = first.reserved, choices, choices.started
-        choices.started += 1
-        limit = len(seq.prompt) - 1
-        if own_cells and self.prefixes.shares_cells and self.L.llama_memory_seq_rm(self.memory, slot, limit, -1):
-            seq.cached, seq.pending, seq.pos = seq.prompt[:limit], seq.prompt[limit:], limit
-            self.prefixes.reused_tokens += limit
-        else:
-            self.prefixes.attach(seq, self.slots)
-
-    def _embedder(self) -> "_Embedder":
+    def _embedder(self) -> _Embedder:
         """The worker's embedding context, made on first use."""
         if self.runner.pooling not in ("mean", "cls", "last"):
             raise JobError("unsupported", f"the model cannot embed with pooling {self.runner.pooling} (its GGUF "
@@ -8612,138 +8838,107 @@ class LlamaSession(Session):
         return ended
 
     def _generate(self) -> list[tuple[RunningJob, Outcome]]:
-        """One ``llama_decode`` for every generating job; return those that ended."""
-        return [ended for ended in self._generate_step() if ended is not None]
+        """One ``llama_decode`` for every generating job; return those that ended. The step in
+        its parts: ready the sequences (_ready), fill the batch (_Batch.fill), decode it
+        (_decode_batch), then draw each sequence's token and end those that are done (_sample)."""
+        ended = self._ready()
+        # Only the highest priority here steps: the others pause, keeping their cells and
+        # their samplers' state, and go on where they were once it has ended.
+        top = max((seq.priority for seq in self.slots if seq is not None), default=0)
+        wanted = self.batch.fill(self.slots, top)
+        if self.batch.size:
+            failed = self._decode_batch(wanted)
+            ended += self._sample(wanted) if failed is None else failed
+        return [each for each in ended if each is not None]
 
-    def _generate_step(self) -> list[Optional[tuple[RunningJob, Outcome]]]:
-        L, batch = self.L, self.batch
-        for seq in self._waiting_choices():  # slots freed by other jobs go to choices not yet started
-            self._more_choices(seq)
+    def _ready(self) -> list[Optional[tuple[RunningJob, Outcome]]]:
+        """Before a step: slots freed by other jobs go to choices not yet started; the jobs
+        cancelled or timed out end (their outcomes, None for a job's choice that leaves
+        others); sequences waiting for a batch-mate's prefix look for it again."""
+        for seq in _Choices.waiting(self.slots):
+            assert seq.choices is not None
+            seq.choices.admit(self, seq)
         ended = [self._end(seq, error=seq.job.interrupt) for seq in self.slots
                  if seq is not None and seq.job.interrupt is not None]  # cancelled, timed out
         for seq in self.slots:
             if seq is not None and seq.waiting:
                 self.prefixes.attach(seq, self.slots)
-        # Only the highest priority here steps: the others pause, keeping their cells and
-        # their samplers' state, and go on where they were once it has ended.
-        top = max((seq.priority for seq in self.slots if seq is not None), default=0)
-        wanted: list[tuple[_Sequence, int]] = []  # sequences that get a token this step
-        n, chunks = 0, False
-        for seq in self.slots:  # one token for every generating sequence first
-            if seq is not None and not seq.pending and not seq.waiting and seq.priority == top:
-                self._put(n, seq.last, seq.pos, seq.slot, True)
-                seq.cached.append(seq.last)
-                seq.pos += 1
-                wanted.append((seq, n))
-                n += 1
-        for seq in self.slots:  # then prompt chunks in the room left
-            if seq is None or not seq.pending or seq.waiting or n >= self.n_batch or seq.priority != top:
-                continue
-            take = min(len(seq.pending), self.n_batch - n)
-            chunk, seq.pending, chunks = seq.pending[:take], seq.pending[take:], True
-            seq.cached.extend(chunk)
-            seq.computed += take
-            for token in chunk:
-                self._put(n, token, seq.pos, seq.slot, False)
-                seq.pos += 1
-                n += 1
-            if not seq.pending:
-                batch.logits[n - 1] = 1
-                wanted.append((seq, n - 1))
-        batch.n_tokens = n
-        if n == 0:
-            return ended
-        self._allow_abort(not chunks)  # one token per sequence: nothing to undo but these
-        code = self._decode(self.ctx, batch)
-        if code == 2 and self.abortable:  # preempted: llama.cpp dropped this step's cells
+        return ended
+
+    def _decode_batch(self, wanted: list[tuple[_Sequence, int]]) -> Optional[list[Optional[tuple[RunningJob, Outcome]]]]:
+        """Decode the filled batch: None when it is decoded. Otherwise the step is over: []
+        when preempt() cut it short (llama.cpp dropped its cells; the sequences take the
+        step again), or every sequence's end when the decode failed."""
+        self.preemption.allow(not self.batch.chunks)  # one token per sequence: nothing to undo but these
+        code = self._decode(self.ctx, self.batch.raw)
+        if code == 2 and self.preemption.abortable:  # preempted: llama.cpp dropped this step's cells
             for seq, _ in wanted:
-                seq.cached.pop()
-                seq.pos -= 1
+                seq.unfeed_last()
             self.preempted += 1
-            return ended
+            return []
         if code != 0:
             # The batch is shared by every sequence in it: they cannot be told apart.
             message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
-            return ended + [self._end(seq, error=("model_error", message), keep=False) for seq in self.slots if seq is not None]
-        finished = ended
+            return [self._end(seq, error=("model_error", message), keep=False) for seq in self.slots if seq is not None]
+        return None
+
+    def _sample(self, wanted: list[tuple[_Sequence, int]]) -> list[Optional[tuple[RunningJob, Outcome]]]:
+        """After a decode: each sequence's logits readied by its sampler, the likeliest tokens
+        of every row found at once (for the samplers' shortlists), then each sequence's token
+        drawn and taken (_take); the outcomes of those that ended."""
         if not wanted:  # prompt chunks only
-            return finished
+            return []
+        np = self.runner.np
         # llama.h: the logits of the batch entries asked for are stored in their batch order,
         # one row each; ``wanted`` is in batch order.
-        matrix = self.runner.np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(len(wanted), self.runner.n_vocab))
+        matrix = np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(len(wanted), self.runner.n_vocab))
         for (seq, _), row in zip(wanted, matrix):
             seq.sampler.prepare(row)
         sizes = [seq.sampler.shortlist_size for seq, _ in wanted]
-        numbers = list(range(len(wanted)))
-        likeliest = _likeliest(self.runner.np, matrix, numbers, sizes) if any(sizes) else [None] * len(wanted)
-        eog_tokens = self.runner.eog_tokens
+        likeliest = _likeliest(np, matrix, list(range(len(wanted))), sizes) if any(sizes) else [None] * len(wanted)
+        ended = []
         for (seq, index), row, short in zip(wanted, matrix, likeliest):  # each its logits: its sampler draws, its text goes on
             if self.slots[seq.slot] is not seq:  # a choice of a job that a batch-mate choice failed
                 continue
-            try:
-                token = seq.sampler.sample(self.ctx, index, row, short)
-            except GrammarLimit as err:  # before llama.cpp is asked to do that work
-                finished.append(self._end(seq, error=("grammar_error", f"{err} after {seq.n_gen} tokens")))
-                continue
-            if token < 0:
-                finished.append(self._end(seq, error=("grammar_error", "no token of the model's vocabulary "
-                                                                       "can continue the grammar here")))
-                continue
-            if token in eog_tokens and (not seq.ignore_eos or seq.sampler.grammar is not None):
-                finished.append(self._end(seq, "stop"))  # with a grammar: allowed only once it is complete
-                continue
-            seq.sampler.accept(token)
-            if seq.add(token, self.runner.piece(token)):  # a stop string
-                finished.append(self._end(seq, "stop"))
-            elif seq.n_gen >= seq.max_tokens or seq.pos >= self.ctx_per_seq:
-                finished.append(self._end(seq, "length"))
-        return finished
+            end = self._take(seq, index, row, short)
+            if end is not None:
+                ended.append(self._end(seq, *end))
+        return ended
 
-    def _put(self, index: int, token: int, pos: int, slot: int, logits: bool) -> None:
-        batch = self.batch
-        batch.token[index] = token
-        batch.pos[index] = pos
-        batch.n_seq_id[index] = 1
-        self.seq_ids[index][0] = slot
-        batch.logits[index] = logits
+    def _take(self, seq: _Sequence, index: int, row: Any, short: Optional[tuple[Any, Any]]
+              ) -> Optional[tuple[str, Optional[tuple[str, str]]]]:
+        """``seq``'s next token drawn from output ``index`` (``row``; ``short``: its likeliest
+        tokens) and taken: None if the sequence goes on, else why it ends (its finish reason,
+        and its error: code, message)."""
+        try:
+            token = seq.sampler.sample(self.ctx, index, row, short)
+        except GrammarLimit as err:  # before llama.cpp is asked to do that work
+            return "stop", ("grammar_error", f"{err} after {seq.n_gen} tokens")
+        if token < 0:
+            return "stop", ("grammar_error", "no token of the model's vocabulary can continue the grammar here")
+        if token in self.runner.eog_tokens and (not seq.ignore_eos or seq.sampler.grammar is not None):
+            return "stop", None  # with a grammar: allowed only once it is complete
+        seq.sampler.accept(token)
+        if seq.add(token, self.runner.piece(token)):  # a stop string
+            return "stop", None
+        if seq.n_gen >= seq.max_tokens or seq.pos >= self.ctx_per_seq:
+            return "length", None
+        return None
 
     def _end(self, seq: _Sequence, reason: str = "stop", error: Optional[tuple[str, str]] = None,
              keep: bool = True) -> Optional[tuple[RunningJob, Outcome]]:
         """``seq`` has ended: its job's outcome, or None while the job has other choices to end."""
         outcome = seq.outcome(reason, error)
-        choices = seq.choices
-        if choices is not None:
-            if choices.ended:  # the job already ended (another choice failed)
-                self._release(seq, keep=False)
-                return None
-            for other in self.slots:  # choices waiting for the prompt's cells copy them before they go
-                if other is not None and other.choices is choices and other.waiting:
-                    self.prefixes.attach(other, self.slots)
-            choices.results[seq.choice] = outcome
-            if error is None and choices.started < choices.n:
-                try:
-                    sampler = self._choice_sampler(seq)
-                except JobError as err:  # the job fails: nothing has changed yet
-                    error = (err.code, str(err))
-                else:
-                    seq.sampler.free()
-                    self._start_choice(seq, seq.slot, sampler, own_cells=True)
-                    return None
-            if error is None and any(r is None for r in choices.results):
-                self._release(seq, keep and not seq.reserved)
-                return None
-            choices.ended = True
-            siblings = [s for s in self.slots if s is not None and s is not seq and s.choices is choices]
-            outcome = choices.outcome() if error is None else choices.failure(error, seq.n_prompt, siblings)
-            for other in siblings:  # the first failure fails the job
-                self._release(other, keep=False)
+        if seq.choices is not None:
+            ended = seq.choices.end(self, seq, outcome, error, keep)
+            return None if ended is None else (seq.job, ended)
         # A job that ran in the kept room leaves no cells: the jobs it paused go on over the very
         # cache they paused with (attention over extra cells computes the same text differently).
-        self._release(seq, keep and not seq.reserved)
+        self.release(seq, keep and not seq.reserved)
         return seq.job, outcome
 
-    def _release(self, seq: _Sequence, keep: bool) -> None:
-        """Free the slot; with ``keep``, its KV cells stay for the next job's prefix."""
+    def release(self, seq: _Sequence, keep: bool) -> None:
+        """Free ``seq``'s slot; with ``keep``, its KV cells stay for the next job's prefix."""
         self.slots[seq.slot] = None
         seq.sampler.free()
         self.prefixes.release(seq, keep)
@@ -8754,7 +8949,7 @@ class LlamaSession(Session):
         self.converting = [entry for entry in self.converting if entry[0] is not job]
         for seq in self.slots:
             if seq is not None and seq.job is job:
-                self._release(seq, keep=False)
+                self.release(seq, keep=False)
         if self.embedder is not None:
             self.embedder.drop(job)
 
@@ -8765,17 +8960,19 @@ class LlamaSession(Session):
         self.converting = []
         for seq in self.slots:
             if seq is not None:
-                self._release(seq, keep=False)
+                self.release(seq, keep=False)
         if self.ctx:
             self.templates.close()
-            self.L.llama_batch_free(self.batch)
+            self.batch.free()
             self.L.llama_free(self.ctx)
             self.ctx = None
 
 
 class _Embedding:
     """One embed job in a worker's embedding context: its texts as tokens, and a vector
-    line for each text embedded so far."""
+    line for each text embedded so far.
+
+    Threads: its _Embedder's worker thread only."""
 
     __slots__ = ("job", "tokens", "lines", "next", "done", "dimensions")
 
@@ -8797,6 +8994,9 @@ class _Embedder:
     ``pack`` tokens; one longer text alone, up to ``limit``). A text must fit one micro-batch: a non-causal
     model (BERT) attends over the whole text at once, so the micro-batch is as large as the
     longest text allowed (``limit``); a longer text fails its job alone (context_overflow).
+
+    Threads: its session's worker thread only (its decodes go through the session's
+    ``_decode``: on the runner's Wide thread when the worker has borrowed threads).
     """
 
     def __init__(self, runner: LlamaRunner, threads: int, limit: int, pack: int) -> None:

@@ -2413,9 +2413,9 @@ def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks
             try:
                 for step in range(nrvna.PENALTY_WINDOW + 56):
                     for i, token in enumerate(tokens):
-                        session._put(i, token, position + i, 0, i == len(tokens) - 1)
-                    session.batch.n_tokens = len(tokens)
-                    assert L.llama_decode(session.ctx, session.batch) == 0
+                        session.batch.put(i, token, position + i, 0, i == len(tokens) - 1)
+                    session.batch.raw.n_tokens = len(tokens)
+                    assert L.llama_decode(session.ctx, session.batch.raw) == 0
                     position += len(tokens)
                     index = len(tokens) - 1
                     expected = L.llama_sampler_sample(reference, session.ctx, index)  # reads, never writes
@@ -4883,6 +4883,59 @@ def test_constrained_and_free_jobs_share_a_context_on_the_real_model(tmp_path: P
             assert again[cid]["result"] == job.result, cid
         else:  # the same shape: the same number of tokens, the same steps
             assert again[cid]["meta"]["generated_tokens"] == job.meta["generated_tokens"] + (job.meta["finish_reason"] == "stop")
+
+
+@pytest.mark.model
+def test_workers_count_a_shared_grammar_each_as_if_alone(llama: nrvna.LlamaRunner) -> None:
+    """Workers share the runner's grammars, and each counts its jobs' grammar work with a
+    GrammarShape of its own (a fork: the memos of the states it has counted, in part or
+    whole), so several worker threads counting the same grammars at once each get what one
+    thread alone gets. (Before, the runner's one shape was every worker's, its memos changed
+    by all of them without a lock: a worker's first count of a state came out whole when
+    another worker had asked about that state first.)"""
+    import numpy
+
+    vocab = llama.grammar_vocab()
+    ids = numpy.arange(0, llama.n_vocab, 5)  # a part of the vocabulary, as a redraw's shortlist
+    schema = {"enum": [f"shared-{i}" for i in range(120)]}
+    cases = [({"response_format": {"type": "json_object"}}, nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9", "n": [1, 2]}'),
+             ({"response_format": schema_format(schema)}, nrvna.schema_to_grammar(schema), '"shared-17"')]
+
+    def count(shapes: list[nrvna.GrammarShape]) -> list[Any]:
+        out: list[Any] = []
+        for shape, (_, _, text) in zip(shapes, cases):
+            state = shape.start
+            for token in llama.tokenize(text, False, False):
+                out.append(shape.vocab_cost(state, vocab, ids))  # the part, the first time
+                out.append(shape.vocab_cost(state, vocab, ids))  # asked again: the whole vocabulary
+                steps, state = shape.walk(state, llama.piece(token))
+                out.append((steps, state))
+        return out
+
+    alone = count([nrvna.check_grammar(grammar) for _, grammar, _ in cases])
+    workers = [(nrvna._GrammarTemplates(llama), nrvna._SamplingScratch(llama)) for _ in range(3)]
+    start, results = threading.Barrier(len(workers)), [None] * len(workers)
+
+    def worker(i: int) -> None:
+        templates, scratch = workers[i]
+        samplers = [nrvna._JobSampler.for_job(llama, scratch, templates, params) for params, _, _ in cases]
+        start.wait()
+        try:
+            results[i] = count([sampler.shape for sampler in samplers])
+        finally:
+            for sampler in samplers:
+                sampler.free()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(workers))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        for templates, _ in workers:
+            templates.close()
+    assert len(alone) > 30 and all(result == alone for result in results)
 
 
 @pytest.mark.model
