@@ -30,11 +30,15 @@ Contents (one banner each, in dependency order: a section uses only what is abov
 9. Client                         Work, Flow, iter_events, bulk_states, cancel/retry/clean, daemon_info,
                                   stop_daemon, check_model_names, waiting_for_model
 10. Runner protocol               Runner, Session, RunningJob, Outcome, FunctionRunner
-11. llama.cpp engine              LlamaRunner, LlamaSession (continuous batching): _Sequence, _JobSampler
-                                  (sampling: _Penalties, _GrammarTemplates, _SamplingScratch), _PrefixCache; _Embedder
-12. Daemon                        Pool, Scanner, Processor (and its _Claim on each running job), Hooks,
+11. llama.cpp engine              the GGUF readers (check_gguf, _GgufHeader), _CallThread and _Conversion
+                                  (the Grammar and Wide threads), LlamaRunner, LlamaSession (continuous
+                                  batching): _Sequence, _Choices (n), _Batch, _Preemption, _JobSampler
+                                  (sampling: _Penalties, _GrammarTemplates, _SamplingScratch, _likeliest),
+                                  _PrefixCache; _Embedder
+12. Daemon                        Pool, Scanner, Processor (and its _Claim on each running job), _HandBacks
+                                  (failed finishes, a full disk), _Recovery (orphans, staging), Hooks,
                                   _Models and _ModelSwitch (several models), _Registry (several daemons),
-                                  _Watcher (cancels, timeouts, dead daemons), Server
+                                  _Watcher (cancels, timeouts, dead daemons), _WorkerLoads, Server
 13. CLI                           main(), one _cmd_* per command, markdown_tables (the manual's tables)
 
 API (``__all__``; docs/library.md documents each name, and names every other one not
@@ -91,6 +95,101 @@ API (``__all__``; docs/library.md documents each name, and names every other one
     LlamaRunner        llama.cpp's runner, the daemon's default (needs llama-cpp-python)
     Server             the daemon in-process: start, serve_forever, shutdown (a context manager)
     main               the command line: main(argv) -> exit code
+
+Threads (who touches shared state, and what makes it safe; each daemon and engine class repeats
+its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock or rule:
+
+    Main -> Server: starts, serves, stops; _use (sessions, thread budget) at start; stranded; _signalled
+        (set by the signal handler) => before the other threads start and after they are joined; the
+        signal handler only sets one field (takes no lock)
+    Main -> _Registry: lock file and record: register, release, dead() at start; write at a drain
+        (_say_stranded) => register/release before threads start / after join; write and keep under
+        _Registry._lock (the record's temp name is fixed)
+    Main -> _Recovery: processing/ orphans at start, run_last_chances (claims, runs, finishes alone) =>
+        under the WorkspaceLock; before the workers start
+    Main -> Scanner: wake() (a pipe); scan() at a drain check => Pool locks itself; scans is only compared
+        with 0, and Main scans only after it is not
+    Main -> Hooks: prepare, start, idle, stop (closes _held) => _lock for _in_flight; stop joins the hook
+        threads before closing _held
+    Main -> _Models: constructor, activate(0), peers (start), describe (register), close (shutdown) =>
+        before the threads start / after they are joined; routing state under _Models._lock
+    Scanner -> Pool: push: _heaps, _known, elsewhere, _taken => Pool._cond's lock; route is called under
+        it, on_queued outside it
+    Scanner -> _Models: queue_of (route cache, failed, *_elsewhere) => _Models._lock, taken under the
+        Pool's lock (order: Pool, then _Models; nothing under _Models._lock takes another lock)
+    Scanner -> Server / _WorkerLoads: _queued -> _outranked: reads the tops, preempts sessions =>
+        _WorkerLoads._lock (held for the list operation only); session.preempt() sets a flag
+    Scanner -> _ModelSwitch: wake => a threading.Event
+    Worker-N -> Pool: get, done, retry_later, favor, top_priority, len, active => Pool._cond's lock
+    Worker-N -> _WorkerLoads: its own load and top (write); every worker's (read) => _WorkerLoads._lock
+    Worker-N -> Processor: claim, finish, requeue of the jobs it holds; _claims => a job is held by one
+        thread (the Pool gives an ID out once; the claim rename and hold_job make it this daemon's);
+        _claims under _claims_lock; a claim's dir_fd under _Claim.lock
+    Worker-N -> _HandBacks: failed-finish counts, room waited for => _HandBacks._lock
+    Worker-N -> Server: _running, _stats, _recent; _sessions[index] => _stats_lock; _sessions changes only
+        while every worker is parked (_ModelSwitch.park)
+    Worker-N -> _Models: reads active, served[active].name at a claim => read only while the Pool has an
+        active queue; a switch clears it and waits for every worker to park before activate
+    Worker-N -> _ModelSwitch: park, leave; wake => _ModelSwitch._cond; wake is an Event
+    Worker-N, Finisher -> Hooks: poke => a threading.Event
+    Finisher -> Processor, _HandBacks, Server, Pool: _end of jobs a worker handed it (finish, stats,
+        done/retry_later) => the job is the Finisher's once queued (a queue.SimpleQueue); the locks as for
+        the workers
+    Models -> _ModelSwitch: _parked, _generation, workers; failure => _cond (workers read without it: one
+        int); failure read by Main only once stopped
+    Models -> _Models: activate, load_ahead, load_failed, retries, turn, failures;
+        served[i].runner/sessions, active, since, loads, early_failed => routing state (failed, its
+        _LoadFailures, route cache, *_elsewhere) under _Models._lock; the loaded models, active, since,
+        loads, early_failed are changed by the Models thread alone
+    Models -> Pool: heads, running, set_active, take_queue, set_aside, reroute => Pool._cond's lock
+        (reroute calls _Models.retries under it)
+    Models -> _WorkerLoads: top() (a reason to switch) => _WorkerLoads._lock
+    Models -> Server: _use (sessions, thread budget) while every worker is parked; _fail_unloadable
+        (claims and ends a given-up model's jobs) => the switch protocol (park); ending as the workers do
+    Watcher -> _Watcher: _next_* timers => the Watcher's alone
+    Watcher -> Processor: cancel_requested, flush_partial (a running job's emitted, its partial.txt);
+        daemon (written) => _claims_lock, then the claim's lock (not once closed); emitted is a deque
+        (append/popleft); daemon is one string replaced whole
+    Watcher -> RunningJob: interrupt (cancel, timeout) => one attribute, set once, read by the worker
+        between tokens
+    Watcher -> _Recovery: orphans (a daemon died, every ORPHAN_SECONDS) => the WorkspaceLock; a job any
+        live daemon (this one included) holds is left alone (hold_orphan)
+    Watcher -> _Registry: keep, dead, write => _Registry._lock around write and the rename in keep
+    Watcher -> Pool, _Models: forget_gone, reroute(peers) => Pool's lock, then _Models._lock
+    Watcher -> Server: _running_jobs, status (stats, describe) => _stats_lock; describe under
+        _Models._lock
+    Hooks -> Hooks: lists hooks/done/, submits tasks; _held (hooks/' lock) => _lock for _in_flight and
+        _errors (read as a copy); _held is the Hooks thread's until Main's stop joins it
+    Hook-N -> Hooks: runs tasks: _in_flight, _procs, _unfinished, _errors => _lock; tasks come through a
+        queue.Queue, each task in flight once
+    loader (_Models: the Server's start, a model switch, the load-ahead thread) -> LlamaRunner: the model,
+        its vocabulary, the tables made at load (eog/control tokens, pooling, chat formatter); its
+        sessions => made, with its sessions, and closed while no worker uses it; read only afterwards
+        (llama.cpp's model may be shared by contexts on several threads)
+    Worker-N -> LlamaRunner: _grammars (LRU of made grammars), _converting, _converter, _grammar_vocab,
+        conversions => _grammars_lock, never held while a grammar is made
+    Worker-N -> LlamaRunner: _pieces (token -> bytes cache) => no lock: a token's bytes are the same
+        whoever stores them, and one dict get or set is atomic
+    Worker-N -> LlamaRunner: _sessions => _lock
+    Worker-N, Wide -> LlamaRunner (decode_wide, wait_wide): the Wide thread's OpenMP team => _wide_lock:
+        one borrower's decode at a time; a plain decode waits for it to end
+    Grammar -> LlamaRunner (_convert), _Conversion: a conversion's found / error => written before its
+        done Event is set; the waiting workers read them only after
+    any -> _CallThread (Grammar, Wide): its call queue => SimpleQueue (thread-safe); each call's result in
+        its own box, set before its Event
+    Worker-N -> LlamaSession and what it holds: _Sequence, _Choices, _PrefixCache, _Batch,
+        _SamplingScratch, _GrammarTemplates, _JobSampler, _Penalties, _Embedder, _Embedding: its llama
+        context(s), KV cells, batch, samplers, slots => one worker's only (llama.cpp's rule: a context is
+        never shared between threads)
+    Scanner, Worker-N (Server._outranked) -> _Preemption (LlamaSession.preempt): the one-byte abort flag
+        => no lock: one byte written and read; a request that lands after the worker's clear cuts its next
+        step, which the sequences take again (a cut step changes nothing)
+    Worker-N -> GrammarShape (a worker's fork, via _GrammarTemplates): its memos (advanced, splits,
+        vocab_costs, asked) => confined: each worker counts with its own fork; the runner's shape is
+        checked on the thread that makes it, then never counted with again (its elements and start, shared
+        by the forks, never change)
+    Worker-N -> GrammarVocab: decoded (code points per partial character) => its own lock: one decodes,
+        the others wait for that
 """
 
 from __future__ import annotations
