@@ -11,35 +11,63 @@ filesystem: ``from nrvna import Work, Flow`` works on a bare Python.
     id=$(python nrvna.py submit ws "What is AI?")
     python nrvna.py get ws "$id" --wait
 
-Contents (one banner each, in dependency order: a section uses only what is above it):
+Contents. Two levels of numbered banners, in dependency order: a section or sub-section uses only
+what is above it. Each banner has a lead (what it owns, its invariant, which threads call in). Inside
+a sub-section: constants, record types, functions and helper classes, the tables made of them, the
+main class last. No sub-section (or section without them) is over 800 lines; a test checks all this.
 
-1. Errors and exit codes          NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
-2. Settings                       SETTINGS, Config, setting_default, HOOK_VARIABLES
-3. Logging                        configure_logging, log, OS thread names
-4. File primitives                write_file, read_file, fsync_dir, move (never replaces)
-5. Structured output              check_json_schema, type_choices, number_rule (bounds, multipleOf),
-                                  string_rule (pattern, SCHEMA_FORMATS), check_grammar, GrammarShape, GrammarVocab
-6. Job parameters                 Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt
-7. Workspace and job directories  layout, IDs, Status, Job, locate_job, read_meta, mark_failed,
-                                  job_history (meta.json's events), owe_hooks, move_job, read_route,
-                                  model names (model_matches, resolve_model), the tag index,
-                                  idempotency keys, locks (WorkspaceLock, hold_job: a job's;
-                                  register_daemon, daemon_records: the daemons'), _DirWatch
-8. Batch files and export         read_batch, parse_batch, parse_records (templates), EXPORT_FORMATS,
-                                  export_record, job_vectors
-9. Client                         Work, Flow, iter_events, bulk_states, cancel/retry/clean, daemon_info,
-                                  stop_daemon, check_model_names, waiting_for_model
-10. Runner protocol               Runner, Session, RunningJob, Outcome, FunctionRunner
-11. llama.cpp engine              the GGUF readers (check_gguf, _GgufHeader), _CallThread and _Conversion
-                                  (the Grammar and Wide threads), LlamaRunner, LlamaSession (continuous
-                                  batching): _Sequence, _Choices (n), _Batch, _Preemption, _JobSampler
-                                  (sampling: _Penalties, _GrammarTemplates, _SamplingScratch, _likeliest),
-                                  _PrefixCache; _Embedder
-12. Daemon                        Pool, Scanner, Processor (and its _Claim on each running job), _HandBacks
-                                  (failed finishes, a full disk), _Recovery (orphans, staging), Hooks,
-                                  _Models and _ModelSwitch (several models), _Registry (several daemons),
-                                  _Watcher (cancels, timeouts, dead daemons), _WorkerLoads, Server
-13. CLI                           main(), one _cmd_* per command, markdown_tables (the manual's tables)
+1. Errors and exit codes            NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
+2. Settings                         SETTINGS, Config, setting_default, HOOK_VARIABLES
+3. Logging                          configure_logging, log (log.limited), OS thread names
+4. File primitives                  write_file, read_file, fsync_dir, move (never replaces)
+5. Structured output
+   5.1 Numbers                      _BOUNDS, number_rule, _fraction_rule, _multiple_of, _multiples
+   5.2 JSON strings                 _spans*, _json_char_gbnf, _gbnf_literal
+   5.3 Patterns                     _pattern_shape, _positions, _sweep, _Regex
+   5.4 Formats and types            SCHEMA_FORMATS, string_rule, type_choices
+   5.5 Grammar work                 grammar_code_points, GrammarVocab, GrammarShape
+   5.6 GBNF grammars                check_grammar, _GbnfParser
+   5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
+6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt
+7. Workspace and job directories
+   7.1 Layout, locks and the daemons' records
+                                    the layout's names, job_path, parse_meta, WorkspaceLock, hold_job,
+                                    hold_orphan, register_daemon, daemon_records
+   7.2 IDs, states and meta.json    generate_id, order_key, Status, locate_job, read_meta
+   7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job
+   7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
+   7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_members
+   7.6 Reading a job                Job, _read_choices, _DirWatch
+8. Batch files and export           read_batch, parse_batch, parse_records (templates), EXPORT_FORMATS,
+                                    export_record, job_vectors
+9. Client
+   9.1 Reading: Flow                bulk_states, Flow
+   9.2 Submitting: Work             check_model_names, waiting_for_model, _Keys, Work
+   9.3 Events                       iter_events
+   9.4 Cancel, retry, clean         cancel_job(s), retry_job(s), clean_jobs
+   9.5 Daemons: info and stop       daemon_info, stop_daemon (_proven_daemon)
+10. Runner protocol                 Runner, Session, RunningJob, Outcome, FunctionRunner
+11. llama.cpp engine
+   11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, check_gguf, _GgufHeader
+   11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion
+   11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _JobSampler
+   11.4 Sequences and choices       _Choices (n), _Sequence
+   11.5 Embeddings                  _Embedding, _Embedder
+   11.6 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
+   11.7 The runner                  LlamaRunner
+12. Daemon
+   12.1 The queue: Pool and Scanner
+                                    _Place, _QueueHead, Scanner, Pool
+   12.2 Claims and finishes: Processor
+                                    _Claim, _HandBacks (failed finishes, a full disk), Processor
+   12.3 Recovery and hooks          _Recovery (orphans, staging), Hooks
+   12.4 Models                      _ServedModel, _LoadFailure, _ModelSwitch, _Models
+   12.5 Daemons side by side, and the watch
+                                    _clash, _hooks_clash, _Registry, _Watcher (cancels, timeouts, dead daemons)
+   12.6 Server                      _WorkerLoads, Server
+13. CLI
+   13.1 Commands                    markdown_tables (the manual's tables), _DaemonWatch, one _cmd_* per command
+   13.2 Arguments and main          one _*_arguments per command, COMMANDS, main()
 
 API (``__all__``; docs/library.md documents each name, and names every other one not
 ``_``-prefixed as internal: such names may change in any release):
@@ -239,8 +267,12 @@ _INF = float("inf")  # JSON from Python's json module may hold Infinity
 
 
 ##############################################################################
-# Errors and exit codes
+# 1. Errors and exit codes
 ##############################################################################
+# Owns every exception nrvna raises and the two code tables, EXIT_CODES and FAILURE_CODES.
+# Invariant: an error reaches the CLI as one line and its table's exit code, never a traceback.
+# Stateless: any thread, any process.
+
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISSING, EXIT_UNFINISHED = 0, 1, 2, 3, 4
 # What the CLI's exit codes mean (--help and the README).
@@ -353,8 +385,30 @@ def _os_error(err: OSError) -> str:
 
 
 ##############################################################################
-# Settings: one table (SETTINGS) drives the NRVNA_* variables, the daemon's flags, --help and the docs
+# 2. Settings: one table (SETTINGS) drives the NRVNA_* variables, the daemon's flags, --help and the docs
 ##############################################################################
+# Owns SETTINGS and Config. Invariant: a value is checked where it is read (Config.from_env, a
+# daemon flag) and a Config never changes after. Read by every thread, written by none.
+
+
+LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
+POOLINGS = ("model", "mean", "cls", "last", "none")  # llama.cpp's pooling types, by name
+
+
+# What a hook's environment holds: variable -> (the settings whose hooks get it, meaning). The
+# hooks' environments, the daemon's --help and the manual's table come from here.
+HOOK_VARIABLES: dict[str, tuple[tuple[str, ...], str]] = {
+    "NRVNA_WORKSPACE": (("on_done", "on_batch_done"), "the workspace, as an absolute path"),
+    "NRVNA_JOB_ID": (("on_done",), "the job's ID"),
+    "NRVNA_STATUS": (("on_done",), "`done` or `failed`"),
+    "NRVNA_CODE": (("on_done",), "why it failed (its failure code); empty when done"),
+    "NRVNA_CUSTOM_ID": (("on_done",), "its custom_id; empty when none"),
+    "NRVNA_TAG": (("on_done", "on_batch_done"), "its tag (the batch's, for --on-batch-done); empty when none"),
+    "NRVNA_JOBS": (("on_batch_done",), "jobs ever submitted with the tag"),
+    "NRVNA_DONE": (("on_batch_done",), "of those, how many are done"),
+    "NRVNA_FAILED": (("on_batch_done",), "of those, how many failed"),
+}
+
 
 # A setting's variable, type, default, range (low, high: a number's), help; a str setting's
 # choices (None: any text); the daemon's flags that set it; its default as the docs state it
@@ -375,9 +429,6 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
-
-
 def _log_level(value: Any) -> str:
     level = str(value).lower()
     return "warn" if level == "warning" else level
@@ -386,113 +437,12 @@ def _log_level(value: Any) -> str:
 def _check_aliases(value: Any) -> str:
     parse_aliases(str(value))  # ConfigError naming the bad entry
     return str(value)
-POOLINGS = ("model", "mean", "cls", "last", "none")  # llama.cpp's pooling types, by name
-
-# Every NRVNA_* variable: parsing, validation, `--help` and the README's table come from here.
-# A setting named like a job parameter (max_tokens, temperature...) is that parameter's default.
-SETTINGS: dict[str, _Setting] = {
-    "workers": _Setting("NRVNA_WORKERS", int, min(4, cpu_count()), 1, 256, "worker threads, each with its own context",
-                         flags=("-w", "--workers"), shown="4, or the cores if fewer"),
-    "seqs": _Setting("NRVNA_SEQS", int, 16, 1, 255, "sequences each worker context generates at once (beyond 8, as the jobs' budgets leave room; one more is kept for a higher-priority job)",
-                      flags=("-s", "--seqs")),
-    "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
-    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
-    "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
-    "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all)",
-                            shown="0 (99 on macOS)"),
-    "gpu": _Setting("NRVNA_GPU", int, -1, -1, 1023, "the GPU this daemon runs on, whole (llama.cpp's main GPU, no split; one daemon per GPU); -1 lets llama.cpp spread the layers over every GPU",
-                     flags=("--gpu",)),
-    "max_loaded": _Setting("NRVNA_MAX_LOADED", int, 2, 1, 64, "models a daemon serving several keeps loaded at once (the one with nothing queued is evicted first)",
-                            flags=("--max-loaded",)),
-    "max_load_failures": _Setting("NRVNA_MAX_LOAD_FAILURES", int, 3, 1, 1000, "failed loads of a model (at its turn; tried again after 5 s, then twice as long each time, at most 300 s) after which a daemon serving several models fails its queued jobs with load_failed"),
-    "load_ahead": _Setting("NRVNA_LOAD_AHEAD", int, 1, 0, 1, "1 loads the model whose jobs come next while another model runs, into room --max-loaded leaves (it unloads nothing), so its turn starts without a load"),
-    "model_turn": _Setting("NRVNA_MODEL_TURN", float, 60.0, 0.0, 86400.0, "seconds a model keeps the daemon while other models' jobs wait; then the longest-waiting model gets its turn (as soon as its running jobs end)",
-                            flags=("--model-turn",)),
-    "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
-    "mmap": _Setting("NRVNA_MMAP", int, 1, 0, 1, "1 maps model files into memory (loads fast, shares the page cache); 0 reads them into the daemon's memory, so that a model file overwritten in place (cp new.gguf model.gguf) cannot kill the daemon with SIGBUS",
-                      flags=("--mmap",)),
-    "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs"),
-    "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job (default of max_tokens)"),
-    "temperature": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature, 0 = greedy (default of temperature)"),
-    "top_k": _Setting("NRVNA_TOP_K", int, 40, 0, 1 << 20, "top-k sampling, 0 = off (default of top_k)"),
-    "top_p": _Setting("NRVNA_TOP_P", float, 0.9, 0.0, 1.0, "top-p sampling, 1 = off (default of top_p)"),
-    "min_p": _Setting("NRVNA_MIN_P", float, 0.05, 0.0, 1.0, "min-p sampling, 0 = off (default of min_p)"),
-    "repeat_penalty": _Setting("NRVNA_REPEAT_PENALTY", float, 1.1, 0.0, 100.0, "repetition penalty, 1 = off (default of repeat_penalty)"),
-    "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE, "sampling seed; 0 = random, anything else reproducible (default of seed)"),
-    "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
-    "max_write_tries": _Setting("NRVNA_MAX_WRITE_TRIES", int, 3, 1, 1000, "finishes of a job that may fail to be written (an I/O error, a file size limit, a result larger than the whole filesystem) before it fails with `write_error`; each such finish hands the job back to the queue, uncounted as an attempt, and it is generated again 1 s later. A full disk counts none: its jobs wait, uncounted and not generated again, until there is room"),
-    "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
-    "max_batch_lines": _Setting("NRVNA_MAX_BATCH_LINES", int, 1_000_000, 1, 1 << 31, "most lines a batch file (submit --file) may hold: it is held whole while checked, about 0.8 KB a line"),
-    "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0, "seconds a submit waits for another live submit that holds its idempotency key to publish its job (then exit 4, nothing queued)"),
-    "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
-    "model_aliases": _Setting("NRVNA_MODEL_ALIASES", str, "", None, None, "other names for models, NAME=MODEL[,NAME=MODEL...]: a job (or the daemon) naming NAME gets MODEL (e.g. gpt-4o-mini=smollm2)",
-                             check=_check_aliases),
-    "strict_models": _Setting("NRVNA_STRICT_MODELS", int, 0, 0, 1, "1: submit refuses a job whose model matches no known model (exit 2, nothing queued); 0 queues it for the daemon's model, with a note (submit --strict-models)"),
-    "pooling": _Setting("NRVNA_POOLING", str, "model", None, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)", choices=POOLINGS),
-    "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1, "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
-    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace", choices=LOG_LEVELS,
-                           check=_log_level),
-    "on_done": _Setting("NRVNA_ON_DONE", str, "", None, None, "a shell command run for every job that ends, with the job's directory appended as its last argument ($1 of a script)",
-                         flags=("--on-done",)),
-    "on_batch_done": _Setting("NRVNA_ON_BATCH_DONE", str, "", None, None, "a shell command run once when every job of a tag has ended, with the tag appended as its argument",
-                               flags=("--on-batch-done",)),
-    "hook_jobs": _Setting("NRVNA_HOOK_JOBS", int, 2, 1, 256, "hooks run at most this many at a time"),
-    "hook_timeout": _Setting("NRVNA_HOOK_TIMEOUT", float, 60.0, 0.1, 86400.0, "seconds a hook may run before it is killed (and logged; not run again)"),
-}
-
-
-# What a hook's environment holds: variable -> (the settings whose hooks get it, meaning). The
-# hooks' environments, the daemon's --help and the manual's table come from here.
-HOOK_VARIABLES: dict[str, tuple[tuple[str, ...], str]] = {
-    "NRVNA_WORKSPACE": (("on_done", "on_batch_done"), "the workspace, as an absolute path"),
-    "NRVNA_JOB_ID": (("on_done",), "the job's ID"),
-    "NRVNA_STATUS": (("on_done",), "`done` or `failed`"),
-    "NRVNA_CODE": (("on_done",), "why it failed (its failure code); empty when done"),
-    "NRVNA_CUSTOM_ID": (("on_done",), "its custom_id; empty when none"),
-    "NRVNA_TAG": (("on_done", "on_batch_done"), "its tag (the batch's, for --on-batch-done); empty when none"),
-    "NRVNA_JOBS": (("on_batch_done",), "jobs ever submitted with the tag"),
-    "NRVNA_DONE": (("on_batch_done",), "of those, how many are done"),
-    "NRVNA_FAILED": (("on_batch_done",), "of those, how many failed"),
-}
 
 
 def hook_environment(hook: str, values: Mapping[str, str]) -> dict[str, str]:
     """The variables HOOK_VARIABLES gives ``hook`` ("on_done" or "on_batch_done"), from
     ``values`` (which must hold each of them)."""
     return {name: values[name] for name, (hooks, _) in HOOK_VARIABLES.items() if hook in hooks}
-
-
-class Config:
-    """Daemon settings: defaults, overridden by ``NRVNA_*`` variables, then by arguments."""
-
-    __slots__ = tuple(SETTINGS)
-
-    def __init__(self, **values: Any) -> None:
-        for name, setting in SETTINGS.items():
-            setattr(self, name, setting.default)
-        for name, value in values.items():
-            if name not in SETTINGS:
-                raise TypeError(f"unknown setting {name!r}")
-            setattr(self, name, _check_setting(name, value))
-
-    @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Config":
-        """Read every ``NRVNA_*`` variable; raise ConfigError naming the first bad one."""
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for name, setting in SETTINGS.items():
-            raw = environ.get(setting.env)
-            if raw is not None and raw.strip() != "":
-                values[name] = _parse_setting(name, raw)
-        for name, value in overrides.items():  # the daemon's flags: an error names the flag given
-            if value is not None:
-                flags = SETTINGS[name].flags if name in SETTINGS else ()
-                values[name] = _check_setting(name, value, flags[-1]) if flags else value
-        return cls(**values)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The settings as a plain dict (for logs and tests)."""
-        return {name: getattr(self, name) for name in SETTINGS}
 
 
 def _parse_setting(name: str, raw: str) -> Any:
@@ -555,11 +505,104 @@ def setting_default(name: str) -> Any:
     return _parse_setting(name, raw)
 
 
+# Every NRVNA_* variable: parsing, validation, `--help` and the README's table come from here.
+# A setting named like a job parameter (max_tokens, temperature...) is that parameter's default.
+SETTINGS: dict[str, _Setting] = {
+    "workers": _Setting("NRVNA_WORKERS", int, min(4, cpu_count()), 1, 256, "worker threads, each with its own context",
+                         flags=("-w", "--workers"), shown="4, or the cores if fewer"),
+    "seqs": _Setting("NRVNA_SEQS", int, 16, 1, 255, "sequences each worker context generates at once (beyond 8, as the jobs' budgets leave room; one more is kept for a higher-priority job)",
+                      flags=("-s", "--seqs")),
+    "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
+    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
+    "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
+    "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all)",
+                            shown="0 (99 on macOS)"),
+    "gpu": _Setting("NRVNA_GPU", int, -1, -1, 1023, "the GPU this daemon runs on, whole (llama.cpp's main GPU, no split; one daemon per GPU); -1 lets llama.cpp spread the layers over every GPU",
+                     flags=("--gpu",)),
+    "max_loaded": _Setting("NRVNA_MAX_LOADED", int, 2, 1, 64, "models a daemon serving several keeps loaded at once (the one with nothing queued is evicted first)",
+                            flags=("--max-loaded",)),
+    "max_load_failures": _Setting("NRVNA_MAX_LOAD_FAILURES", int, 3, 1, 1000, "failed loads of a model (at its turn; tried again after 5 s, then twice as long each time, at most 300 s) after which a daemon serving several models fails its queued jobs with load_failed"),
+    "load_ahead": _Setting("NRVNA_LOAD_AHEAD", int, 1, 0, 1, "1 loads the model whose jobs come next while another model runs, into room --max-loaded leaves (it unloads nothing), so its turn starts without a load"),
+    "model_turn": _Setting("NRVNA_MODEL_TURN", float, 60.0, 0.0, 86400.0, "seconds a model keeps the daemon while other models' jobs wait; then the longest-waiting model gets its turn (as soon as its running jobs end)",
+                            flags=("--model-turn",)),
+    "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
+    "mmap": _Setting("NRVNA_MMAP", int, 1, 0, 1, "1 maps model files into memory (loads fast, shares the page cache); 0 reads them into the daemon's memory, so that a model file overwritten in place (cp new.gguf model.gguf) cannot kill the daemon with SIGBUS",
+                      flags=("--mmap",)),
+    "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs"),
+    "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job (default of max_tokens)"),
+    "temperature": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature, 0 = greedy (default of temperature)"),
+    "top_k": _Setting("NRVNA_TOP_K", int, 40, 0, 1 << 20, "top-k sampling, 0 = off (default of top_k)"),
+    "top_p": _Setting("NRVNA_TOP_P", float, 0.9, 0.0, 1.0, "top-p sampling, 1 = off (default of top_p)"),
+    "min_p": _Setting("NRVNA_MIN_P", float, 0.05, 0.0, 1.0, "min-p sampling, 0 = off (default of min_p)"),
+    "repeat_penalty": _Setting("NRVNA_REPEAT_PENALTY", float, 1.1, 0.0, 100.0, "repetition penalty, 1 = off (default of repeat_penalty)"),
+    "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE, "sampling seed; 0 = random, anything else reproducible (default of seed)"),
+    "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
+    "max_write_tries": _Setting("NRVNA_MAX_WRITE_TRIES", int, 3, 1, 1000, "finishes of a job that may fail to be written (an I/O error, a file size limit, a result larger than the whole filesystem) before it fails with `write_error`; each such finish hands the job back to the queue, uncounted as an attempt, and it is generated again 1 s later. A full disk counts none: its jobs wait, uncounted and not generated again, until there is room"),
+    "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
+    "max_batch_lines": _Setting("NRVNA_MAX_BATCH_LINES", int, 1_000_000, 1, 1 << 31, "most lines a batch file (submit --file) may hold: it is held whole while checked, about 0.8 KB a line"),
+    "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0, "seconds a submit waits for another live submit that holds its idempotency key to publish its job (then exit 4, nothing queued)"),
+    "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
+    "model_aliases": _Setting("NRVNA_MODEL_ALIASES", str, "", None, None, "other names for models, NAME=MODEL[,NAME=MODEL...]: a job (or the daemon) naming NAME gets MODEL (e.g. gpt-4o-mini=smollm2)",
+                             check=_check_aliases),
+    "strict_models": _Setting("NRVNA_STRICT_MODELS", int, 0, 0, 1, "1: submit refuses a job whose model matches no known model (exit 2, nothing queued); 0 queues it for the daemon's model, with a note (submit --strict-models)"),
+    "pooling": _Setting("NRVNA_POOLING", str, "model", None, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)", choices=POOLINGS),
+    "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1, "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
+    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace", choices=LOG_LEVELS,
+                           check=_log_level),
+    "on_done": _Setting("NRVNA_ON_DONE", str, "", None, None, "a shell command run for every job that ends, with the job's directory appended as its last argument ($1 of a script)",
+                         flags=("--on-done",)),
+    "on_batch_done": _Setting("NRVNA_ON_BATCH_DONE", str, "", None, None, "a shell command run once when every job of a tag has ended, with the tag appended as its argument",
+                               flags=("--on-batch-done",)),
+    "hook_jobs": _Setting("NRVNA_HOOK_JOBS", int, 2, 1, 256, "hooks run at most this many at a time"),
+    "hook_timeout": _Setting("NRVNA_HOOK_TIMEOUT", float, 60.0, 0.1, 86400.0, "seconds a hook may run before it is killed (and logged; not run again)"),
+}
+
+
+class Config:
+    """Daemon settings: defaults, overridden by ``NRVNA_*`` variables, then by arguments."""
+
+    __slots__ = tuple(SETTINGS)
+
+    def __init__(self, **values: Any) -> None:
+        for name, setting in SETTINGS.items():
+            setattr(self, name, setting.default)
+        for name, value in values.items():
+            if name not in SETTINGS:
+                raise TypeError(f"unknown setting {name!r}")
+            setattr(self, name, _check_setting(name, value))
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Config":
+        """Read every ``NRVNA_*`` variable; raise ConfigError naming the first bad one."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, setting in SETTINGS.items():
+            raw = environ.get(setting.env)
+            if raw is not None and raw.strip() != "":
+                values[name] = _parse_setting(name, raw)
+        for name, value in overrides.items():  # the daemon's flags: an error names the flag given
+            if value is not None:
+                flags = SETTINGS[name].flags if name in SETTINGS else ()
+                values[name] = _check_setting(name, value, flags[-1]) if flags else value
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as a plain dict (for logs and tests)."""
+        return {name: getattr(self, name) for name in SETTINGS}
+
+
 ##############################################################################
-# Logging: `[time] [LEVEL] [Thread] message`, everything on stderr (stdout carries data only)
+# 3. Logging: `[time] [LEVEL] [Thread] message`, everything on stderr (stdout carries data only)
 ##############################################################################
+# Owns the nrvna logger, its line format and the OS thread names. Invariant: nothing but data
+# reaches stdout. Any thread logs (logging's lock orders the lines; log.limited's counts are
+# under _LIMITED_LOCK).
+
 
 TRACE = 5
+LOG_REPEAT_SECONDS = 30.0  # at most one line per cause this often (log.limited)
+_LIMITED: dict[str, tuple[float, int]] = {}  # cause -> (when its last line was logged, lines left out since)
+_LIMITED_LOCK = threading.Lock()
 
 
 class _Log:
@@ -589,12 +632,6 @@ class _Log:
         if left_out:
             message += f" ({left_out} more like this in the last {now - last:.0f} s not logged)"
         getattr(self, level)(message)
-
-
-log = _Log()
-LOG_REPEAT_SECONDS = 30.0  # at most one line per cause this often (log.limited)
-_LIMITED: dict[str, tuple[float, int]] = {}  # cause -> (when its last line was logged, lines left out since)
-_LIMITED_LOCK = threading.Lock()
 
 
 def configure_logging(level: str = "info", stream: Any = None) -> None:
@@ -637,14 +674,22 @@ def _name_os_thread(name: str) -> None:
         pass
 
 
+log = _Log()
+
+
 ##############################################################################
-# File primitives: every file is written whole and fsynced before it counts; renames never replace
+# 4. File primitives: every file is written whole and fsynced before it counts; renames never replace
 ##############################################################################
+# Owns how bytes reach the disk: write_file (a temporary name, fsync, rename, fsync of the
+# directory) and move (a rename that never replaces). Invariant: a file counts only once whole
+# and durable. Stateless: any thread.
+
 
 FILE_MODE = 0o600
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_renameat2: Any = None  # False when the platform has none
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -751,9 +796,6 @@ def read_file(dir_fd: int, name: str, limit: int) -> bytes:
         os.close(fd)
 
 
-_renameat2: Any = None  # False when the platform has none
-
-
 def move(src: str, dst: str) -> None:
     """Rename ``src`` to ``dst`` atomically, never replacing anything already at ``dst``.
 
@@ -816,10 +858,15 @@ def _remove_tree(path: str) -> None:
 
 
 ##############################################################################
-# Structured output: what a JSON schema or a GBNF grammar may hold, checked at submit on a bare
+# 5. Structured output: what a JSON schema or a GBNF grammar may hold, checked at submit on a bare
 # Python; the rules llama-cpp-python's grammar converter lacks (numeric bounds, multipleOf,
 # patterns, formats)
 ##############################################################################
+# Owns what a JSON schema or a GBNF grammar may hold and nrvna's own grammar rules. Invariant:
+# a schema or grammar that submit accepts is one the daemon can make and afford. Clients call it at
+# submit, the workers and the Grammar thread in the daemon; GrammarShape and GrammarVocab say
+# their own threads.
+
 
 # The daemon turns a JSON schema into a grammar with llama-cpp-python's converter
 # (llama_cpp.llama_grammar.SchemaConverter), which ignores what it does not know: a schema
@@ -829,328 +876,29 @@ def _remove_tree(path: str) -> None:
 # types), which the daemon puts in the converter's place. (The converter cannot run at submit:
 # clients need no llama-cpp-python.)
 
-# Keywords that only annotate: no validator looks at them, so dropping them loses nothing.
-SCHEMA_ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated",
-                                "readOnly", "writeOnly", "$schema", "$id", "$defs", "definitions"})
-SCHEMA_TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 # minItems/maxItems/minLength/maxLength above this are refused: the grammar grows with them.
 SCHEMA_MAX_REPEAT = 500
-SCHEMA_MAX_DEPTH = 64
-SCHEMA_MAX_PROPERTIES = 256  # the converter recurses once per optional property
-# A schema's patterns and formats together, counted as one pattern's are (_pattern_shape): the
-# steps their automata take to make (each distinct one once) and the grammar states they become
-# (each use: each is a copy of its rules). Ten patterns of 1.5 million steps each passed the
-# per-pattern limits, and then took a minute to check and convert on a worker.
-SCHEMA_MAX_PATTERN_WORK = 3_000_000
-SCHEMA_MAX_PATTERN_STATES = 40_000
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
-def check_json_schema(schema: Any) -> None:
-    """Raise InvalidInput unless the grammar converter honours every keyword of ``schema``
-    (naming the keyword and where it is, as a JSON pointer)."""
-    check = _SchemaCheck(schema)
-    check.visit(schema, "", 0)
-    for key in ("$defs", "definitions"):  # every definition, used or not: the converter reads them all
-        if isinstance(schema, dict) and isinstance(schema.get(key), dict):
-            for name in schema[key]:
-                check.ref(f"#/{key}/{name}", f"/{key}/{name}", 1, ())
-    check.loops()
-    check.stray_refs(schema, "")
+# ============================================================================
+# 5.1 Numbers
+# ============================================================================
+# number_rule: minimum, maximum and their exclusive forms, and multipleOf (_multiple_of, _multiples:
+# a deterministic automaton over digits), written as digit-by-digit grammar rules. Invariant:
+# every text a rule matches is a number the schema allows. Stateless.
 
 
-def _schema_branch(node: Mapping[str, Any]) -> str:
-    """The branch a schema object takes, in the order llama_cpp.llama_grammar.SchemaConverter.visit
-    tests them, with nrvna's own in its place (type lists, bounds and multipleOf, patterns and
-    formats). The one place the order is decided: _SchemaCheck.visit checks each branch's
-    keywords and the daemon's converter (_converter_class) writes the same branch, so a new
-    keyword is one edit here. One of: "ref", "oneOf", "anyOf", "types" (a list of types),
-    "constants", "object", "allOf", "array", "pattern" (or format), "string", "number",
-    "bare object" (an object without properties, or {}), "untyped", "other" (boolean, null,
-    an array without items)."""
-    kind = node.get("type")
-    if "$ref" in node:
-        return "ref"
-    if "oneOf" in node:
-        return "oneOf"
-    if "anyOf" in node:
-        return "anyOf"
-    if isinstance(kind, list):
-        return "types"
-    if "const" in node or "enum" in node:
-        return "constants"
-    if kind in (None, "object") and ("properties" in node or (
-            "additionalProperties" in node and node["additionalProperties"] is not True)):
-        return "object"
-    if "allOf" in node:
-        return "allOf"
-    if kind in (None, "array") and ("items" in node or "prefixItems" in node):
-        return "array"
-    if kind in (None, "string") and ("pattern" in node or "format" in node):
-        return "pattern"
-    if kind == "string":
-        return "string"
-    if kind in ("integer", "number"):
-        return "number"
-    if kind == "object" or not node:
-        return "bare object"
-    return "untyped" if kind is None else "other"
-
-
-class _SchemaCheck:
-    """One walk of a schema, taking the branches _schema_branch names: a branch of the converter
-    honours some keywords and silently drops the rest, so each refuses what its branch drops."""
-
-    def __init__(self, root: Any) -> None:
-        self.root = root
-        self.refs_seen: set[str] = set()
-        self.ref_nodes: set[int] = set()  # the $ref objects visited as schemas
-        self.leads: dict[str, set[str]] = {}  # $ref -> the $refs its schema may start with
-        self.pattern_work: dict[str, int] = {}  # pattern (or format's pattern) -> its automaton's steps
-        self.pattern_states = 0  # grammar states of every pattern and format, each use counted
-
-    def fail(self, where: str, message: str) -> None:
-        raise InvalidInput(f"schema {where or '/'}: {message}")
-
-    def only(self, node: dict[str, Any], where: str, allowed: Iterable[str], branch: str) -> None:
-        for key in node:
-            if key in SCHEMA_ANNOTATIONS or key in allowed or key.startswith("x-"):
-                continue
-            self.fail(where, f"keyword {key!r} is not supported{' ' + branch if branch else ''} "
-                             "(the grammar would not enforce it)")
-
-    def visit(self, node: Any, where: str, depth: int, entered: tuple[str, ...] = ()) -> None:
-        # entered: the $refs followed since the last object or array, which consume
-        # a character before their parts: one of them again is a loop on nothing.
-        if depth > SCHEMA_MAX_DEPTH:
-            self.fail(where, f"nested more than {SCHEMA_MAX_DEPTH} levels deep")
-        if not isinstance(node, dict):
-            self.fail(where, "a schema must be a JSON object (true/false schemas are not supported)")
-        kind = node.get("type")
-        if kind is not None and not isinstance(kind, (str, list)):
-            self.fail(where, "type must be a string or a list of strings")
-        if isinstance(kind, str) and kind not in SCHEMA_TYPES:
-            self.fail(where, f"unknown type {kind!r} (known: {', '.join(SCHEMA_TYPES)})")
-        branch = _schema_branch(node)
-        if branch == "ref":
-            self.ref_nodes.add(id(node))
-            self.only(node, where, ("$ref",), "beside $ref")
-            if where and ("$defs" in node or "definitions" in node):  # the converter would not see into them
-                self.fail(where, "$defs beside $ref is supported at the top of the schema only")
-            self.ref(node["$ref"], where, depth, entered)
-        elif branch == "oneOf":
-            self.fail(where, "keyword 'oneOf' is not supported: the grammar would enforce it as anyOf (an output "
-                             "matching two alternatives breaks oneOf); write anyOf where they cannot overlap")
-        elif branch == "anyOf":
-            key = "anyOf"
-            self.only(node, where, (key,), f"beside {key} (put it in each alternative)")
-            choices = node[key]
-            if not isinstance(choices, list) or not choices:
-                self.fail(where, f"{key} must be a non-empty list of schemas")
-            for i, choice in enumerate(choices):
-                self.visit(choice, f"{where}/{key}/{i}", depth + 1, entered)
-        elif branch == "types":
-            self.type_list(node, where, depth, entered)
-        elif branch == "constants":
-            self.constants(node, where, kind)
-        elif branch == "object":
-            self.object(node, where, depth)
-        elif branch == "allOf":
-            self.fail(where, "keyword 'allOf' is not supported (merge the schemas into one)")
-        elif branch == "array":
-            self.array(node, where, depth)
-        elif branch == "pattern":
-            self.pattern(node, where)
-        elif branch == "string":
-            self.only(node, where, ("type", "minLength", "maxLength"), "for a string")
-            self.counts(node, where, "minLength", "maxLength")
-        elif branch == "number":
-            self.only(node, where, ("type",) + SCHEMA_TYPE_KEYWORDS[kind],
-                      f"for {'an integer' if kind == 'integer' else 'a number'}")
-            if any(key in node for key in SCHEMA_TYPE_KEYWORDS[kind]):
-                number_rule(node, where, {})  # raises InvalidInput when nothing is admitted, or too much is needed
-        elif branch == "bare object":
-            self.only(node, where, ("type", "additionalProperties"), "for an object without properties")
-        elif branch == "untyped":
-            self.only(node, where, (), "")
-            self.fail(where, "a schema needs a type (or properties, items, enum, const, $ref, anyOf)")
-        else:
-            allowed = ("type",)
-            self.only(node, where, allowed, f"for {kind}" + (" without items" if kind == "array" else ""))
-
-    def pattern(self, node: dict[str, Any], where: str) -> None:
-        """A string with a pattern or a format: nrvna writes its rule in the converter's place."""
-        self.only(node, where, ("type",) + SCHEMA_TYPE_KEYWORDS["string"], "beside pattern or format")
-        self.counts(node, where, "minLength", "maxLength")
-        rules: dict[str, str] = {}
-        expression = string_rule(node, where, rules)
-        self.count_pattern(node, where)
-        if "pattern" in node:  # what llama.cpp is given must not hang a worker: checked as a grammar is
-            try:
-                check_grammar(f'root ::= "\\"" {expression} "\\""\n' + "".join(f"{n} ::= {b}\n" for n, b in rules.items()))
-            except InvalidInput as err:
-                self.fail(where, f"pattern {node['pattern']!r} makes a grammar nrvna refuses ({err})")
-
-    def type_list(self, node: dict[str, Any], where: str, depth: int, entered: tuple[str, ...]) -> None:
-        kind = node["type"]
-        if not kind or not all(isinstance(t, str) and t in SCHEMA_TYPES for t in kind) or len(set(kind)) < len(kind):
-            self.fail(where, f"type must be one of {', '.join(SCHEMA_TYPES)} or a list of distinct ones")
-        if "const" in node or "enum" in node:
-            self.constants(node, where, kind)
-            return
-        self.only(node, where, ("type",) + tuple(key for t in kind for key in SCHEMA_TYPE_KEYWORDS[t]),
-                  f"for any of the types {', '.join(kind)}")
-        for choice in type_choices(node):  # as an anyOf of one schema per type
-            self.visit(choice, where, depth + 1, entered)
-
-    def ref(self, ref: Any, where: str, depth: int, entered: tuple[str, ...]) -> None:
-        if not isinstance(ref, str) or not ref.startswith("#/"):
-            self.fail(where, f"$ref {ref!r} is not supported (only local references, '#/...')")
-        if ref in entered:
-            self.fail(where, f"$ref {ref!r} refers back to itself before any object or array (a loop on nothing)")
-        if entered:
-            self.leads.setdefault(entered[-1], set()).add(ref)
-        if ref in self.refs_seen:
-            return  # recursive schemas are fine: the grammar refers to the rule again
-        self.refs_seen.add(ref)
-        target = self.root
-        for part in ref[2:].split("/"):  # as the converter resolves it: no ~0/~1 unescaping
-            if not isinstance(target, dict) or part not in target:
-                self.fail(where, f"$ref {ref!r} points at nothing")
-            target = target[part]
-        self.visit(target, ref[1:], depth + 1, entered + (ref,))
-
-    def loops(self) -> None:
-        """A $ref that leads back to itself through others before any object or array."""
-        state: dict[str, int] = {}
-
-        def walk(ref: str) -> None:
-            state[ref] = 1
-            for nxt in self.leads.get(ref, ()):
-                if state.get(nxt) == 1:
-                    self.fail(nxt[1:], f"$ref {nxt!r} refers back to itself before any object or array (a loop on nothing)")
-                if nxt not in state:
-                    walk(nxt)
-            state[ref] = 2
-
-        for ref in list(self.leads):
-            if ref not in state:
-                walk(ref)
-
-    def stray_refs(self, node: Any, where: str) -> None:
-        """A "$ref" key anywhere else (a value in enum, const or default, a property named
-        $ref): the converter would try to resolve it."""
-        if isinstance(node, dict):
-            if "$ref" in node and id(node) not in self.ref_nodes:
-                self.fail(where, "a '$ref' key where no schema is (in a value, or a property named $ref) is not supported")
-            for key, value in node.items():
-                self.stray_refs(value, f"{where}/{key}")
-        elif isinstance(node, list):
-            for i, value in enumerate(node):
-                self.stray_refs(value, f"{where}/{i}")
-
-    def constants(self, node: dict[str, Any], where: str, kind: Any) -> None:
-        key = "const" if "const" in node else "enum"
-        self.only(node, where, (key, "type"), f"beside {key}")
-        values = [node["const"]] if key == "const" else node["enum"]
-        if key == "enum" and (not isinstance(values, list) or not values):
-            self.fail(where, "enum must be a non-empty list")
-        kinds = kind if isinstance(kind, list) else [kind]
-        if kind is not None and not all(any(_json_type_is(value, k) for k in kinds) for value in values):
-            self.fail(where, f"{key} holds a value that is not of type {kind!r}")
-
-    def object(self, node: dict[str, Any], where: str, depth: int) -> None:
-        self.only(node, where, ("type", "properties", "required", "additionalProperties"), "for an object")
-        properties = node.get("properties", {})
-        if not isinstance(properties, dict):
-            self.fail(where, "properties must be an object")
-        required = node.get("required", [])
-        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-            self.fail(where, "required must be a list of property names")
-        for name in required:
-            if name not in properties:
-                self.fail(where, f"required property {name!r} is not in properties")
-        if len(properties) > SCHEMA_MAX_PROPERTIES:
-            self.fail(where, f"more than {SCHEMA_MAX_PROPERTIES} properties")
-        for name, sub in properties.items():
-            if not name:
-                self.fail(where, "a property named '' is not supported")
-            self.visit(sub, f"{where}/properties/{name}", depth + 1)
-        extra = node.get("additionalProperties")
-        if properties and extra not in (None, False):
-            # the converter's rule for other keys would admit the declared names too, with any value
-            self.fail(where, "additionalProperties other than false beside properties is not supported")
-        if isinstance(extra, dict):
-            self.visit(extra, f"{where}/additionalProperties", depth + 1)
-        elif extra is not None and not isinstance(extra, bool):
-            self.fail(where, "additionalProperties must be true, false or a schema")
-
-    def array(self, node: dict[str, Any], where: str, depth: int) -> None:
-        items, prefix = node.get("items"), node.get("prefixItems")
-        if isinstance(items, dict):
-            if not items:  # the converter reads {} as "no items" and fails
-                self.fail(where, "items {} is not supported: give the items' type")
-            if prefix is not None:
-                self.fail(where, "give items or prefixItems, not both")
-            self.only(node, where, ("type", "items", "minItems", "maxItems"), "for an array")
-            self.counts(node, where, "minItems", "maxItems")
-            self.visit(items, f"{where}/items", depth + 1)
-            return
-        # A tuple: "prefixItems" (with "items": false) or the older "items": [...].
-        tuple_items = items if isinstance(items, list) else prefix
-        if not isinstance(tuple_items, list) or not tuple_items or (items is not None and items is not False
-                                                                     and not isinstance(items, list)):
-            self.fail(where, "items must be a schema, or prefixItems a non-empty list of schemas")
-        self.only(node, where, ("type", "items", "prefixItems"), "for a tuple (prefixItems)")
-        key = "items" if isinstance(items, list) else "prefixItems"
-        for i, sub in enumerate(tuple_items):
-            self.visit(sub, f"{where}/{key}/{i}", depth + 1)
-
-    def count_pattern(self, node: dict[str, Any], where: str) -> None:
-        """Add a pattern's or format's work (string_rule has made it) to the schema's, and
-        refuse the schema once the total passes SCHEMA_MAX_PATTERN_WORK or _STATES: the
-        check here, the conversion in the daemon and llama.cpp's parse grow with them."""
-        source = node["pattern"] if "pattern" in node else SCHEMA_FORMATS[node["format"]]
-        shape = _pattern_shape(source)  # (remembered: string_rule has just made it)
-        self.pattern_work[source] = shape.work
-        self.pattern_states += len(shape.states)
-        work = sum(self.pattern_work.values())
-        if work > SCHEMA_MAX_PATTERN_WORK:
-            self.fail(where, f"the schema's patterns and formats take {work:,} steps to make into a grammar with "
-                             f"this one, over the {SCHEMA_MAX_PATTERN_WORK:,} a schema may take (this one takes "
-                             f"{shape.work:,}): use fewer or simpler patterns")
-        if self.pattern_states > SCHEMA_MAX_PATTERN_STATES:
-            self.fail(where, f"the schema's patterns and formats make {self.pattern_states:,} grammar states with "
-                             f"this one, over the {SCHEMA_MAX_PATTERN_STATES:,} a schema may make (this one makes "
-                             f"{len(shape.states):,}; each count of a counted repetition is a state)")
-
-    def counts(self, node: dict[str, Any], where: str, low_key: str, high_key: str) -> None:
-        low, high = node.get(low_key, 0), node.get(high_key)
-        for key, value in ((low_key, low), (high_key, high)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 0 <= value <= SCHEMA_MAX_REPEAT):
-                self.fail(where, f"{key} must be an integer from 0 to {SCHEMA_MAX_REPEAT}")
-        if high is not None and low > high:
-            self.fail(where, f"{low_key} {low} is more than {high_key} {high}")
-
-
-def _json_type_is(value: Any, kind: str) -> bool:
-    """Whether a JSON value is of a JSON Schema type."""
-    if isinstance(value, bool):
-        return kind == "boolean"
-    if kind == "integer":
-        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if kind == "number":
-        return isinstance(value, (int, float))
-    return isinstance(value, {"string": str, "null": type(None), "object": dict, "array": list, "boolean": bool}[kind])
-
-
-# -- numeric bounds ----------------------------------------------------------------------------
 # The converter ignores minimum/maximum; nrvna writes those rules itself: digit strings whose
 # value lies within the bounds, sound by construction (every string the rule admits is in
 # range) and complete for up to 15 fraction digits, without exponents.
 
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
 _FRACTION_DIGITS = 15  # the most fraction digits a bounded number is generated with
+
+
+_MULTIPLE_MAX_RULES = 2048
 
 
 def number_rule(node: Mapping[str, Any], where: str = "", rules: Optional[dict[str, str]] = None,
@@ -1370,15 +1118,11 @@ def _same_length_range(low: str, high: str) -> str:
     return " | ".join(parts)
 
 
-# -- multipleOf ----------------------------------------------------------------------------------
 # Integers that are multiples of k, written a digit at a time by a deterministic automaton whose
 # state is the remainder of the digits so far and how they compare with the bounds' digits;
 # states with the same futures share a rule (for k = 100 only the last two digits matter). A
 # number's multipleOf is an integer (its multiples are integers) or a power of ten (0.01: at most
 # two fraction digits); any other step would need the fraction's digits and a remainder at once.
-
-_MULTIPLE_MAX_RULES = 2048
-
 
 def _multiple_of(node: Mapping[str, Any], where: str, integer: bool) -> tuple[int, int]:
     """(k, d) for ``node``'s multipleOf: its values are multiples of the integer k (1: any)
@@ -1486,7 +1230,12 @@ def _multiples(low: int, high: Optional[int], step: int, rules: dict[str, str], 
     return " | ".join(zero + moves(start, range(1, 10)))
 
 
-# -- JSON strings: the characters a grammar may write between the quotes ------------------------
+# ============================================================================
+# 5.2 JSON strings
+# ============================================================================
+# Characters as the spans a grammar's classes hold, and a decoded character as the JSON text that
+# writes it (_json_char_gbnf): raw or escaped, as JSON allows. Stateless.
+
 
 # One character of a JSON string, as strict JSON and UTF-8 allow it. llama-cpp-python's
 # converter lets a string hold raw control characters (its "char" rule is [^"\\]), which
@@ -1596,7 +1345,14 @@ def _json_char_gbnf(spans: tuple[tuple[int, int], ...]) -> tuple[str, bool]:
     return " | ".join(parts), single
 
 
-# -- patterns: the regular expressions of JSON Schema's "pattern" and of the formats ------------
+# ============================================================================
+# 5.3 Patterns
+# ============================================================================
+# The pattern compiler: a regex parsed (_Regex), made an automaton (_positions, _sweep) and
+# measured (_pattern_shape) within fixed bounds of work. Invariant: a pattern's rules match the JSON
+# strings whose text it matches. Stateless (_python_classes caches fixed values).
+
+
 # A pattern is matched against the *decoded* string, by Python's re (python-jsonschema) or by
 # ECMA-262 (what the JSON Schema spec, JavaScript validators and OpenAI mean), and the two differ:
 # \d is [0-9] in ECMA-262 and every Unicode digit in Python, "." excludes \r in ECMA-262 only, and
@@ -1614,10 +1370,16 @@ _PATTERN_MAX_POSITIONS = 20_000  # characters of a pattern once its counted repe
 _PATTERN_MAX_STATES = 2_000  # grammar rules one pattern may become
 _PATTERN_MAX_WORK = 3_000_000  # set operations to make one (about a second; most patterns take a few thousand)
 _JSON_ANY = ((0, 0xD7FF), (0xE000, _LAST_POINT))  # any character a string may hold
+
+
 # states: (whether the string may end there, ((spans, the state they lead to), ...)), state 0 first
 # work: the set operations its automaton took (counted against _PATTERN_MAX_WORK and a schema's
 # SCHEMA_MAX_PATTERN_WORK)
 _PatternShape = namedtuple("_PatternShape", "states shortest longest work")  # longest: None = unbounded
+
+
+class _PatternError(ValueError):
+    """A pattern outside the subset: (where in it or None, what)."""
 
 
 def _python_class(name: str) -> tuple[tuple[int, int], ...]:
@@ -1634,8 +1396,195 @@ def _python_class(name: str) -> tuple[tuple[int, int], ...]:
     return _python_classes[name]
 
 
-class _PatternError(ValueError):
-    """A pattern outside the subset: (where in it or None, what)."""
+def _positions(tree: tuple[Any, ...], sets: list[Any], follow: list[set[int]],
+               budget: list[int]) -> tuple[bool, set[int], set[int]]:
+    """Glushkov's construction: each character of ``tree`` (a counted repetition written out
+    that many times) becomes a position, appended to ``sets`` (its characters) and ``follow``
+    (the positions that may come next); returns (whether the tree matches "", its first
+    positions, its last). Each link between positions is charged to ``budget``: nested
+    repetitions of what may be empty link every position to every other."""
+    kind = tree[0]
+    if kind == "set":
+        if len(sets) >= _PATTERN_MAX_POSITIONS:
+            raise _PatternError(None, f"it is over {_PATTERN_MAX_POSITIONS:,} characters long once its counted "
+                                      "repetitions are written out")
+        sets.append(tree[1])
+        follow.append(set())
+        return False, {len(sets) - 1}, {len(sets) - 1}
+
+    def link(last: set[int], first: set[int]) -> None:
+        budget[0] -= len(last) * len(first)
+        if budget[0] < 0:
+            raise _PatternError(None, "it is too complex to make a grammar of (repetitions of what may be empty, "
+                                      "nested: write them without the empty choice)")
+        for position in last:
+            follow[position] |= first
+
+    if kind == "alt":
+        parts = [_positions(choice, sets, follow, budget) for choice in tree[1]]
+        return any(p[0] for p in parts), set().union(*(p[1] for p in parts)), set().union(*(p[2] for p in parts))
+    if kind == "seq":
+        items = [_positions(item, sets, follow, budget) for item in tree[1]]
+    else:  # x{m,n}: m copies, then x* or n - m nested optional ones, (x(x(x)?)?)?
+        _, item, least, most = tree
+        if _may_be_empty(item):  # x{m,n} is x'{0,n}, x' its strings but "": linked in a line, not all to all
+            item, least = _nonempty(item), 0
+            if item is None:
+                return True, set(), set()
+        items = [_positions(item, sets, follow, budget) for _ in range(least)]
+        if most is None:
+            empty, first, last = _positions(item, sets, follow, budget)
+            link(last, first)
+            items.append((True, first, last))
+        else:
+            tail: tuple[bool, set[int], set[int]] = (True, set(), set())
+            for empty, first, last in reversed([_positions(item, sets, follow, budget) for _ in range(most - least)]):
+                link(last, tail[1])
+                tail = (True, first | (tail[1] if empty else set()), tail[2] | last)
+            items.append(tail)
+    nullable, first, last = True, set(), set()
+    for empty, item_first, item_last in items:
+        link(last, item_first)
+        first |= item_first if nullable else set()
+        last = item_last | (last if empty else set())
+        nullable = nullable and empty
+    return nullable, first, last
+
+
+def _may_be_empty(tree: tuple[Any, ...]) -> bool:
+    kind = tree[0]
+    if kind == "set":
+        return False
+    if kind == "rep":
+        return tree[2] == 0 or _may_be_empty(tree[1])
+    return (all if kind == "seq" else any)(map(_may_be_empty, tree[1]))
+
+
+def _nonempty(tree: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
+    """The tree of ``tree``'s strings but "" (None if it has no other)."""
+    if not _may_be_empty(tree):
+        return tree
+    kind = tree[0]
+    if kind == "seq":  # the first item that is not empty decides: x' y z | y' z | z'
+        choices = []
+        for i, item in enumerate(tree[1]):
+            head = _nonempty(item)
+            if head is not None:
+                choices.append(("seq", (head,) + tree[1][i + 1:]))
+    elif kind == "alt":
+        choices = [choice for choice in map(_nonempty, tree[1]) if choice is not None]
+    else:
+        inner = _nonempty(tree[1])
+        return None if inner is None or tree[3] == 0 else ("rep", inner, 1, tree[3])
+    return None if not choices else choices[0] if len(choices) == 1 else ("alt", tuple(choices))
+
+
+def _sweep(spans_of: dict[int, tuple[tuple[int, int], ...]]) -> list[tuple[int, int, frozenset]]:
+    """The code points the sets of ``spans_of`` (key -> spans) tell apart: (first, last, the
+    keys whose set holds them) for each run of code points some set holds."""
+    events: dict[int, list[tuple[int, int]]] = {}
+    for key, spans in spans_of.items():
+        for low, high in spans:
+            events.setdefault(low, []).append((key, 1))
+            events.setdefault(high + 1, []).append((key, -1))
+    edges = sorted(events)
+    active: dict[int, int] = {}
+    runs = []
+    for edge, following in zip(edges, edges[1:] + [None]):
+        for key, change in events[edge]:
+            active[key] = active.get(key, 0) + change
+            if not active[key]:
+                del active[key]
+        if active and following is not None:
+            runs.append((edge, following - 1, frozenset(active)))
+    return runs
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern_shape(pattern: str) -> _PatternShape:
+    """A pattern as a deterministic automaton on characters: one grammar rule per state, so that
+    llama.cpp holds one parse stack however the pattern is written ((\\w+\\s?)+ included). A side
+    not anchored (^, $) is any text: JSON Schema's pattern searches, as re.search does."""
+    anything = ("rep", ("set", _JSON_ANY), 0, None)
+    choices = tuple(("seq", (() if start else (anything,)) + (body,) + (() if end else (anything,)))
+                    for start, body, end in _Regex(pattern).parse())
+    sets: list[Any] = []
+    follow: list[set[int]] = []
+    budget = [_PATTERN_MAX_WORK]
+    nullable, first, last = _positions(("alt", choices), sets, follow, budget)
+    # The positions of one character set are swept as one, and a state's positions are
+    # handled by set operations, never one by one in Python: .{0,500} is 500 positions of one
+    # set, and a state after k characters holds k of them (one by one, the states of
+    # ^.{0,500}.{0,500}.{0,400}$ took 6 s to make; so, about a tenth of a second).
+    kinds: dict[Any, int] = {}
+    kind_of = [kinds.setdefault(spans, len(kinds)) for spans in sets]
+    spans_of = list(kinds)
+    holding: list[set[int]] = [set() for _ in spans_of]  # kind -> the positions of that set
+    for p, kind in enumerate(kind_of):
+        holding[kind].add(p)
+    follow_of = follow.__getitem__
+    # From a position of "any text" that can end the string, every string that follows matches
+    done = {p for p in last if sets[p] is _JSON_ANY and p in follow[p]}
+    everything = frozenset((-2,))  # the state where every string that follows matches
+    start = frozenset((-1,))  # the state before the first character
+    numbers = {start: 0}
+    order = [start]
+    states = []
+    for state in order:  # breadth first: a state's number is its place
+        if state == everything:
+            states.append((True, ((_JSON_ANY, numbers[state]),)))
+            continue
+        ahead = first if state == start else set().union(*map(follow_of, state))
+        budget[0] -= len(ahead) + (0 if state == start else sum(map(len, map(follow_of, state))))
+        if budget[0] < 0:
+            raise _PatternError(None, "it is too complex to make a grammar of (its automaton takes too long to build)")
+        moves: dict[int, list[tuple[int, int]]] = {}
+        here = set(map(kind_of.__getitem__, ahead))
+        groups = {kind: ahead if len(here) == 1 else ahead & holding[kind] for kind in here}
+        for low, high, taken_kinds in _sweep({kind: spans_of[kind] for kind in groups}):
+            taken = frozenset().union(*map(groups.__getitem__, taken_kinds))
+            target = everything if taken & done else taken
+            if target not in numbers:
+                if len(order) >= _PATTERN_MAX_STATES:
+                    raise _PatternError(None, f"it needs more than {_PATTERN_MAX_STATES:,} grammar states (each copy "
+                                              "of a counted repetition has states of its own)")
+                numbers[target] = len(order)
+                order.append(target)
+            moves.setdefault(numbers[target], []).append((low, high))
+        ends = nullable if state == start else bool(state & last)
+        states.append((ends, tuple((_spans(spans), target) for target, spans in moves.items())))
+    shortest, longest = _path_lengths(states)
+    return _PatternShape(tuple(states), shortest, longest, _PATTERN_MAX_WORK - budget[0])
+
+
+def _path_lengths(states: list[tuple[bool, tuple[Any, ...]]]) -> tuple[int, Optional[int]]:
+    """The fewest and most characters from state 0 to an end (None: no most, a loop is on the
+    way: every state can reach an end, as every Glushkov position can)."""
+    depth, queue, shortest = {0: 0}, [0], 0
+    for state in queue:  # breadth first
+        if states[state][0]:
+            shortest = depth[state]
+            break
+        for _, target in states[state][1]:
+            if target not in depth:
+                depth[target] = depth[state] + 1
+                queue.append(target)
+    entering = [0] * len(states)
+    for _, moves in states:
+        for _, target in moves:
+            entering[target] += 1
+    ready, most, seen = [0], [0] * len(states), 0
+    while ready:  # Kahn's order: a loop leaves states unseen
+        state = ready.pop()
+        seen += 1
+        for _, target in states[state][1]:
+            most[target] = max(most[target], most[state] + 1)
+            entering[target] -= 1
+            if not entering[target]:
+                ready.append(target)
+    if seen < len(states):
+        return shortest, None
+    return shortest, max(most[s] for s, (ends, _) in enumerate(states) if ends)
 
 
 class _Regex:
@@ -1907,195 +1856,11 @@ class _Regex:
         return ("set", spans)
 
 
-def _positions(tree: tuple[Any, ...], sets: list[Any], follow: list[set[int]],
-               budget: list[int]) -> tuple[bool, set[int], set[int]]:
-    """Glushkov's construction: each character of ``tree`` (a counted repetition written out
-    that many times) becomes a position, appended to ``sets`` (its characters) and ``follow``
-    (the positions that may come next); returns (whether the tree matches "", its first
-    positions, its last). Each link between positions is charged to ``budget``: nested
-    repetitions of what may be empty link every position to every other."""
-    kind = tree[0]
-    if kind == "set":
-        if len(sets) >= _PATTERN_MAX_POSITIONS:
-            raise _PatternError(None, f"it is over {_PATTERN_MAX_POSITIONS:,} characters long once its counted "
-                                      "repetitions are written out")
-        sets.append(tree[1])
-        follow.append(set())
-        return False, {len(sets) - 1}, {len(sets) - 1}
-
-    def link(last: set[int], first: set[int]) -> None:
-        budget[0] -= len(last) * len(first)
-        if budget[0] < 0:
-            raise _PatternError(None, "it is too complex to make a grammar of (repetitions of what may be empty, "
-                                      "nested: write them without the empty choice)")
-        for position in last:
-            follow[position] |= first
-
-    if kind == "alt":
-        parts = [_positions(choice, sets, follow, budget) for choice in tree[1]]
-        return any(p[0] for p in parts), set().union(*(p[1] for p in parts)), set().union(*(p[2] for p in parts))
-    if kind == "seq":
-        items = [_positions(item, sets, follow, budget) for item in tree[1]]
-    else:  # x{m,n}: m copies, then x* or n - m nested optional ones, (x(x(x)?)?)?
-        _, item, least, most = tree
-        if _may_be_empty(item):  # x{m,n} is x'{0,n}, x' its strings but "": linked in a line, not all to all
-            item, least = _nonempty(item), 0
-            if item is None:
-                return True, set(), set()
-        items = [_positions(item, sets, follow, budget) for _ in range(least)]
-        if most is None:
-            empty, first, last = _positions(item, sets, follow, budget)
-            link(last, first)
-            items.append((True, first, last))
-        else:
-            tail: tuple[bool, set[int], set[int]] = (True, set(), set())
-            for empty, first, last in reversed([_positions(item, sets, follow, budget) for _ in range(most - least)]):
-                link(last, tail[1])
-                tail = (True, first | (tail[1] if empty else set()), tail[2] | last)
-            items.append(tail)
-    nullable, first, last = True, set(), set()
-    for empty, item_first, item_last in items:
-        link(last, item_first)
-        first |= item_first if nullable else set()
-        last = item_last | (last if empty else set())
-        nullable = nullable and empty
-    return nullable, first, last
-
-
-def _may_be_empty(tree: tuple[Any, ...]) -> bool:
-    kind = tree[0]
-    if kind == "set":
-        return False
-    if kind == "rep":
-        return tree[2] == 0 or _may_be_empty(tree[1])
-    return (all if kind == "seq" else any)(map(_may_be_empty, tree[1]))
-
-
-def _nonempty(tree: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
-    """The tree of ``tree``'s strings but "" (None if it has no other)."""
-    if not _may_be_empty(tree):
-        return tree
-    kind = tree[0]
-    if kind == "seq":  # the first item that is not empty decides: x' y z | y' z | z'
-        choices = []
-        for i, item in enumerate(tree[1]):
-            head = _nonempty(item)
-            if head is not None:
-                choices.append(("seq", (head,) + tree[1][i + 1:]))
-    elif kind == "alt":
-        choices = [choice for choice in map(_nonempty, tree[1]) if choice is not None]
-    else:
-        inner = _nonempty(tree[1])
-        return None if inner is None or tree[3] == 0 else ("rep", inner, 1, tree[3])
-    return None if not choices else choices[0] if len(choices) == 1 else ("alt", tuple(choices))
-
-
-def _sweep(spans_of: dict[int, tuple[tuple[int, int], ...]]) -> list[tuple[int, int, frozenset]]:
-    """The code points the sets of ``spans_of`` (key -> spans) tell apart: (first, last, the
-    keys whose set holds them) for each run of code points some set holds."""
-    events: dict[int, list[tuple[int, int]]] = {}
-    for key, spans in spans_of.items():
-        for low, high in spans:
-            events.setdefault(low, []).append((key, 1))
-            events.setdefault(high + 1, []).append((key, -1))
-    edges = sorted(events)
-    active: dict[int, int] = {}
-    runs = []
-    for edge, following in zip(edges, edges[1:] + [None]):
-        for key, change in events[edge]:
-            active[key] = active.get(key, 0) + change
-            if not active[key]:
-                del active[key]
-        if active and following is not None:
-            runs.append((edge, following - 1, frozenset(active)))
-    return runs
-
-
-@functools.lru_cache(maxsize=256)
-def _pattern_shape(pattern: str) -> _PatternShape:
-    """A pattern as a deterministic automaton on characters: one grammar rule per state, so that
-    llama.cpp holds one parse stack however the pattern is written ((\\w+\\s?)+ included). A side
-    not anchored (^, $) is any text: JSON Schema's pattern searches, as re.search does."""
-    anything = ("rep", ("set", _JSON_ANY), 0, None)
-    choices = tuple(("seq", (() if start else (anything,)) + (body,) + (() if end else (anything,)))
-                    for start, body, end in _Regex(pattern).parse())
-    sets: list[Any] = []
-    follow: list[set[int]] = []
-    budget = [_PATTERN_MAX_WORK]
-    nullable, first, last = _positions(("alt", choices), sets, follow, budget)
-    # The positions of one character set are swept as one, and a state's positions are
-    # handled by set operations, never one by one in Python: .{0,500} is 500 positions of one
-    # set, and a state after k characters holds k of them (one by one, the states of
-    # ^.{0,500}.{0,500}.{0,400}$ took 6 s to make; so, about a tenth of a second).
-    kinds: dict[Any, int] = {}
-    kind_of = [kinds.setdefault(spans, len(kinds)) for spans in sets]
-    spans_of = list(kinds)
-    holding: list[set[int]] = [set() for _ in spans_of]  # kind -> the positions of that set
-    for p, kind in enumerate(kind_of):
-        holding[kind].add(p)
-    follow_of = follow.__getitem__
-    # From a position of "any text" that can end the string, every string that follows matches
-    done = {p for p in last if sets[p] is _JSON_ANY and p in follow[p]}
-    everything = frozenset((-2,))  # the state where every string that follows matches
-    start = frozenset((-1,))  # the state before the first character
-    numbers = {start: 0}
-    order = [start]
-    states = []
-    for state in order:  # breadth first: a state's number is its place
-        if state == everything:
-            states.append((True, ((_JSON_ANY, numbers[state]),)))
-            continue
-        ahead = first if state == start else set().union(*map(follow_of, state))
-        budget[0] -= len(ahead) + (0 if state == start else sum(map(len, map(follow_of, state))))
-        if budget[0] < 0:
-            raise _PatternError(None, "it is too complex to make a grammar of (its automaton takes too long to build)")
-        moves: dict[int, list[tuple[int, int]]] = {}
-        here = set(map(kind_of.__getitem__, ahead))
-        groups = {kind: ahead if len(here) == 1 else ahead & holding[kind] for kind in here}
-        for low, high, taken_kinds in _sweep({kind: spans_of[kind] for kind in groups}):
-            taken = frozenset().union(*map(groups.__getitem__, taken_kinds))
-            target = everything if taken & done else taken
-            if target not in numbers:
-                if len(order) >= _PATTERN_MAX_STATES:
-                    raise _PatternError(None, f"it needs more than {_PATTERN_MAX_STATES:,} grammar states (each copy "
-                                              "of a counted repetition has states of its own)")
-                numbers[target] = len(order)
-                order.append(target)
-            moves.setdefault(numbers[target], []).append((low, high))
-        ends = nullable if state == start else bool(state & last)
-        states.append((ends, tuple((_spans(spans), target) for target, spans in moves.items())))
-    shortest, longest = _path_lengths(states)
-    return _PatternShape(tuple(states), shortest, longest, _PATTERN_MAX_WORK - budget[0])
-
-
-def _path_lengths(states: list[tuple[bool, tuple[Any, ...]]]) -> tuple[int, Optional[int]]:
-    """The fewest and most characters from state 0 to an end (None: no most, a loop is on the
-    way: every state can reach an end, as every Glushkov position can)."""
-    depth, queue, shortest = {0: 0}, [0], 0
-    for state in queue:  # breadth first
-        if states[state][0]:
-            shortest = depth[state]
-            break
-        for _, target in states[state][1]:
-            if target not in depth:
-                depth[target] = depth[state] + 1
-                queue.append(target)
-    entering = [0] * len(states)
-    for _, moves in states:
-        for _, target in moves:
-            entering[target] += 1
-    ready, most, seen = [0], [0] * len(states), 0
-    while ready:  # Kahn's order: a loop leaves states unseen
-        state = ready.pop()
-        seen += 1
-        for _, target in states[state][1]:
-            most[target] = max(most[target], most[state] + 1)
-            entering[target] -= 1
-            if not entering[target]:
-                ready.append(target)
-    if seen < len(states):
-        return shortest, None
-    return shortest, max(most[s] for s, (ends, _) in enumerate(states) if ends)
+# ============================================================================
+# 5.4 Formats and types
+# ============================================================================
+# The formats a string may name (SCHEMA_FORMATS, each a pattern), string_rule (lengths, pattern and
+# format together) and the choices of the type keyword. Stateless.
 
 
 # String formats: each an anchored pattern, made a grammar as a pattern is. Every string one
@@ -2118,6 +1883,16 @@ _IPV6 = "|".join([f"(?:{_H16}:){{7}}{_H16}", f"(?:{_H16}:){{1,7}}:"]
                  + [f"{_H16}:(?::{_H16}){{1,6}}", f":(?:(?::{_H16}){{1,7}}|:)"])
 
 
+# A schema whose "type" is a list is one schema per type, each with the keywords for its type.
+SCHEMA_TYPE_KEYWORDS = {
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "number": _BOUNDS + ("multipleOf",), "integer": _BOUNDS + ("multipleOf",),
+    "array": ("items", "prefixItems", "minItems", "maxItems"),
+    "object": ("properties", "required", "additionalProperties"),
+    "boolean": (), "null": (),
+}
+
+
 def _label(most: int) -> str:
     return f"[A-Za-z0-9](?:[A-Za-z0-9-]{{0,{most - 2}}}[A-Za-z0-9])?"
 
@@ -2127,20 +1902,6 @@ def _uuid(version: str) -> str:
     if not version:
         return f"^{hex_}{{8}}-{hex_}{{4}}-{hex_}{{4}}-{hex_}{{4}}-{hex_}{{12}}$"
     return f"^{hex_}{{8}}-{hex_}{{4}}-{version}{hex_}{{3}}-[89abAB]{hex_}{{3}}-{hex_}{{12}}$"  # RFC 4122's variant
-
-
-SCHEMA_FORMATS = {
-    "date": f"^{_DATE}$",
-    "time": f"^{_TIME}$",
-    "date-time": f"^{_DATE}T{_TIME}$",
-    "duration": f"^P(?:{_DURATION_DATE}(?:{_DURATION_TIME})?|{_DURATION_TIME}|{_COUNT}W)$",
-    "email": (r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]{1,20}(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]{1,20}){0,2}"
-              rf"@{_label(40)}(?:\.{_label(40)}){{1,3}}$"),
-    "hostname": rf"^{_label(62)}(?:\.{_label(62)}){{0,3}}$",
-    "ipv4": rf"^{_OCTET}(?:\.{_OCTET}){{3}}$",
-    "ipv6": f"^(?:{_IPV6})$",
-    "uuid": _uuid(""), **{f"uuid{v}": _uuid(str(v)) for v in range(1, 6)},
-}
 
 
 def string_rule(node: Mapping[str, Any], where: str = "", rules: Optional[dict[str, str]] = None,
@@ -2198,16 +1959,6 @@ def string_rule(node: Mapping[str, Any], where: str = "", rules: Optional[dict[s
     return '""' if last[0] else names[0]
 
 
-# A schema whose "type" is a list is one schema per type, each with the keywords for its type.
-SCHEMA_TYPE_KEYWORDS = {
-    "string": ("minLength", "maxLength", "pattern", "format"),
-    "number": _BOUNDS + ("multipleOf",), "integer": _BOUNDS + ("multipleOf",),
-    "array": ("items", "prefixItems", "minItems", "maxItems"),
-    "object": ("properties", "required", "additionalProperties"),
-    "boolean": (), "null": (),
-}
-
-
 def type_choices(node: Mapping[str, Any]) -> list[dict[str, Any]]:
     """{"type": ["integer", "null"], "minimum": 0} as [{"type": "integer", "minimum": 0},
     {"type": "null"}]: the anyOf both the check and the converter read it as."""
@@ -2215,7 +1966,469 @@ def type_choices(node: Mapping[str, Any]) -> list[dict[str, Any]]:
             for kind in node["type"]]
 
 
-# -- GBNF --------------------------------------------------------------------------------------
+SCHEMA_FORMATS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "duration": f"^P(?:{_DURATION_DATE}(?:{_DURATION_TIME})?|{_DURATION_TIME}|{_COUNT}W)$",
+    "email": (r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]{1,20}(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]{1,20}){0,2}"
+              rf"@{_label(40)}(?:\.{_label(40)}){{1,3}}$"),
+    "hostname": rf"^{_label(62)}(?:\.{_label(62)}){{0,3}}$",
+    "ipv4": rf"^{_OCTET}(?:\.{_OCTET}){{3}}$",
+    "ipv6": f"^(?:{_IPV6})$",
+    "uuid": _uuid(""), **{f"uuid{v}": _uuid(str(v)) for v in range(1, 6)},
+}
+
+
+# ============================================================================
+# 5.5 Grammar work
+# ============================================================================
+# GrammarShape follows llama.cpp's stacks to bound what a grammar costs per token (GRAMMAR_STACKS,
+# GRAMMAR_PATHS, GRAMMAR_VOCAB_WORK); GrammarVocab holds a vocabulary's texts for it. Each worker
+# counts with its own fork of a shape; GrammarVocab locks its decoding.
+
+
+# llama.cpp tracks a grammar as a set of pushdown stacks, one per way the text so far parses, and
+# checks a candidate token by walking its characters down each stack, without merging walks that
+# meet again. An ambiguous grammar (x ::= [a-z] x "." | [a-z] x "," ...) multiplies both with
+# every character, inside C calls nothing can interrupt: a worker stalled for good. GrammarShape
+# is that machinery in Python, counting instead of matching, so that llama.cpp is never asked to
+# do more than these limits: a grammar whose start already would is refused at submit, a job
+# that reaches such a state fails (grammar_error) before the call. Counted work, not seconds,
+# decides, so the machine's load never does. The README's Guarantees give the bound.
+
+GRAMMAR_STACKS = 4096  # parse stacks open at once (an enum of 3,000 strings opens 3,000)
+GRAMMAR_PATHS = 65536  # stack steps to check one candidate token, as llama.cpp walks them
+
+
+# Stack steps to check the whole vocabulary in one state, the most a step of a job may take:
+# llama.cpp walked 1.7e8 to 4.1e8 steps a second on the 2-core test machine (an enum of 3,000
+# strings inside an object: 2.4e8 steps, 1.45 s), plus about 0.4 us a token.
+GRAMMAR_VOCAB_WORK = 400_000_000
+GRAMMAR_SUBMIT_CHARS = 16  # how far past its start a grammar is checked at submit
+GRAMMAR_CHECK_WORK = 1_000_000  # dict operations GrammarShape may take to answer one question
+
+
+# The submit check counts on the top elements of stacks alone: walks multiply there, and stacks
+# that differ only deeper (JSON nested 30 deep, or 31) count as one state, their walks added.
+GRAMMAR_COST_DEPTH = 3
+_UTF8_LENGTHS = (1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 2, 2, 3, 4)  # by a first byte's high 4 bits
+Stack = tuple  # positions in GrammarShape.elements, the top last
+GrammarState = tuple  # (frozenset of stacks, (partial UTF-8 value, bytes it still needs))
+
+
+class GrammarLimit(Exception):
+    """A grammar step would take more work than nrvna allows (the message says which)."""
+
+
+def grammar_code_points(piece: bytes, partial: tuple[int, int]) -> tuple[list[int], tuple[int, int]]:
+    """llama.cpp's decode_utf8 (llama-grammar.cpp): the code points ``piece`` completes after
+    ``partial`` (value, bytes still to come), and the partial character it ends in; an invalid
+    byte gives no code points and (0, -1), which llama.cpp's grammar refuses."""
+    end = piece.find(b"\0")  # C strings
+    data = piece if end < 0 else piece[:end]
+    value, remain = partial
+    points: list[int] = []
+    i = 0
+    while i < len(data) and remain > 0:
+        if data[i] >> 6 != 2:
+            return [], (0, -1)
+        value, remain, i = (value << 6) + (data[i] & 0x3F), remain - 1, i + 1
+    if partial[1] > 0 and remain == 0:
+        points.append(value)
+    while i < len(data):
+        remain = _UTF8_LENGTHS[data[i] >> 4] - 1
+        if remain < 0:
+            return [], (0, -1)
+        value, i = data[i] & ((1 << (7 - remain)) - 1), i + 1
+        while i < len(data) and remain > 0:
+            value, remain, i = (value << 6) + (data[i] & 0x3F), remain - 1, i + 1
+        if remain == 0:
+            points.append(value)
+    return points, ((value, remain) if remain > 0 else (0, 0))
+
+
+class _VocabWalk:
+    """One count of GrammarShape.vocab_cost: the tokens walked a character at a time together,
+    grouped by the set of stacks (with their walks) each has reached; each set is numbered
+    here, and how its stacks split on characters (``children``) is remembered in the shape's
+    ``splits``."""
+
+    def __init__(self, np: Any, splits: dict[Any, Any],
+                 children: Callable[..., tuple[list[int], list[dict[Stack, int]]]]) -> None:
+        self.np, self.splits, self.children = np, splits, children
+        self.ids_of: dict[Any, int] = {}  # a set of stacks with their walks -> its number here
+        self.groups: list[tuple[Any, dict[Stack, int]]] = []  # by number: (its key, the set)
+        self.walks: list[int] = []
+        self.moves: dict[int, tuple[Any, Any]] = {}  # number -> (edges, the numbers its ranges lead to)
+        self.budget = [GRAMMAR_CHECK_WORK]
+
+    def number(self, items: dict[Stack, int]) -> int:
+        """The number of a set of stacks, numbered when first seen."""
+        key = frozenset(items.items())
+        found = self.ids_of.get(key)
+        if found is None:
+            found = self.ids_of[key] = len(self.groups)
+            self.groups.append((key, items))
+            self.walks.append(sum(items.values()))
+        return found
+
+    def move(self, kind: int) -> tuple[Any, Any]:
+        """Where set ``kind`` goes on each range of characters: (the ranges' first code points,
+        the numbers of the sets they lead to)."""
+        np = self.np
+        found = self.moves.get(kind)
+        if found is None:
+            key, items = self.groups[kind]
+            split = self.splits.get(key)
+            if split is None:
+                edges, children = self.children(items, self.budget)
+                split = (np.asarray(edges, dtype=np.int64), children)
+                if len(self.splits) > 10_000:
+                    self.splits.clear()
+                self.splits[key] = split
+            edges, children = split
+            found = self.moves[kind] = (edges, np.asarray([self.number(child) for child in children], dtype=np.int64))
+        return found
+
+    def cost(self, state: GrammarState, vocab: GrammarVocab, ids: Any) -> tuple[int, int]:
+        """The steps to check every token of ``vocab`` (or those of ``ids``) in ``state``, and
+        the most one token takes; GrammarLimit once one token takes more than GRAMMAR_PATHS."""
+        np = self.np
+        stacks, partial = state
+        points, lengths = vocab.points(partial)
+        rows = np.arange(len(lengths)) if ids is None else np.asarray(ids, dtype=np.int64)
+        group = np.full(len(rows), self.number({stack: 1 for stack in stacks}), dtype=np.int64)
+        spent = np.zeros(len(rows), dtype=np.int64)  # steps so far, per token still being walked
+        total = worst = 0
+        for column in range(points.shape[1] + 1):
+            taken = np.asarray(self.walks, dtype=np.int64)[group]  # each walk checks this character (or the end)
+            spent += taken
+            total += int(taken.sum())
+            going = (taken > 0) & (lengths[rows] > column)
+            if len(spent):
+                worst = max(worst, int(spent.max()))
+            if worst > GRAMMAR_PATHS:
+                raise GrammarLimit(f"too ambiguous: checking a token here takes {worst:,} parse steps "
+                                   f"(the limit is {GRAMMAR_PATHS:,})")
+            if not going.all():
+                rows, group, spent = rows[going], group[going], spent[going]
+            if not len(rows) or column == points.shape[1]:
+                break
+            characters = points[rows, column]
+            if group[0] == group[-1] and (group == group[0]).all():  # one set of stacks: the common case
+                edges, targets = self.move(int(group[0]))
+                group = targets[np.searchsorted(edges, characters, side="right") - 1]
+                continue
+            before = group.copy()
+            for kind in np.unique(before).tolist():
+                these = before == kind
+                edges, targets = self.move(kind)
+                group[these] = targets[np.searchsorted(edges, characters[these], side="right") - 1]
+        return total, worst
+
+
+class GrammarVocab:
+    """A model's tokens as llama.cpp's grammar sees them: each token's code points (a row,
+    padded with -1), per partial UTF-8 character a job may be in (made when first needed)."""
+
+    def __init__(self, np: Any, pieces: list[bytes]) -> None:
+        self.np = np
+        self.pieces = pieces  # b"" for tokens llama.cpp rejects outright (end of generation, empty)
+        # Only these can go on with a character half done (a continuation byte first): for the
+        # others llama.cpp's decoding fails at once, and a job's state after half a character
+        # (CJK, emoji split into byte tokens) needs only their rows, a few hundred
+        self.continuing = [i for i, piece in enumerate(pieces) if piece and piece[0] >> 6 == 2]
+        self.decoded: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.lock = threading.Lock()  # workers share it: one decodes, the others wait for that
+
+    def points(self, partial: tuple[int, int]) -> tuple[Any, Any]:
+        found = self.decoded.get(partial)
+        if found is not None:
+            return found
+        with self.lock:
+            return self._decode(partial)
+
+    def _decode(self, partial: tuple[int, int]) -> tuple[Any, Any]:
+        found = self.decoded.get(partial)
+        if found is None:
+            np = self.np
+            which = range(len(self.pieces)) if partial == (0, 0) else self.continuing
+            rows = {i: grammar_code_points(self.pieces[i], partial)[0] for i in which if self.pieces[i][:1] not in (b"", b"\0")}
+            points = np.full((len(self.pieces), max(map(len, rows.values()), default=1) or 1), -1, dtype=np.int32)
+            lengths = np.zeros(len(self.pieces), dtype=np.int64)
+            for i, row in rows.items():
+                points[i, :len(row)] = row
+                lengths[i] = len(row)
+            if len(self.decoded) >= 64:  # (the whole vocabulary's is 16 MB for SmolLM2; a partial's, a column or two)
+                self.decoded.pop(next(iter(self.decoded)))
+            found = self.decoded[partial] = (points, lengths)
+        return found
+
+
+class GrammarShape:
+    """A grammar as llama.cpp holds it (element arrays; a stack is a tuple of positions in
+    them), to count what llama.cpp will do with it. ``walk`` follows one token as
+    llama_grammar_apply and llama_grammar_accept_token do; ``vocab_cost`` counts checking every
+    token of a vocabulary in a state; ``check`` is the submit-time test of the start.
+
+    Threads: its memos change as it counts, so one thread at a time counts with a shape: the
+    one that makes it (a client's submit, the runner's Grammar thread or a worker) checks it;
+    once LlamaRunner keeps it, it is never counted with again, and each worker counts with its
+    own ``fork`` (see _GrammarTemplates)."""
+
+    def __init__(self, rules: Mapping[int, list[list[tuple[Any, ...]]]], root: int) -> None:
+        alternatives: dict[int, list[Optional[int]]] = {}  # rule -> its alternatives' first positions
+        elements: list[Any] = []  # ("ref", rule) or ("sym", positive, ranges); None ends an alternative
+        for rule_id, rule in rules.items():
+            alternatives[rule_id] = []
+            for alternative in rule:
+                alternatives[rule_id].append(len(elements) if alternative else None)
+                elements += alternative
+                elements.append(None)
+        self.elements = elements
+        self.alternatives = {rule_id: tuple(a) for rule_id, a in alternatives.items()}
+        self._new_memos()
+        stacks: dict[Stack, None] = {}
+        for first in self.alternatives[root]:
+            stacks.update(dict.fromkeys(self.advance(() if first is None else (first,))))
+        self.start: GrammarState = (frozenset(stacks), (0, 0))
+
+    def _new_memos(self) -> None:
+        self.advanced: dict[Stack, tuple[Stack, ...]] = {}
+        self.costs: dict[Any, int] = {}  # (stacks and walks, depth) -> the most steps (check)
+        self.splits: dict[Any, Any] = {}  # stacks and walks -> (edges, children) (vocab_cost)
+        self.vocab_costs: dict[Any, tuple[int, int]] = {}  # state -> (whole vocabulary, worst token)
+        self.asked: set[Any] = set()  # states whose part of the vocabulary was counted once
+
+    def fork(self) -> GrammarShape:
+        """The same grammar with memos of its own, for one thread to count with: its elements
+        and start are shared (never changed once made), its memos start empty."""
+        import copy
+
+        twin = copy.copy(self)
+        twin._new_memos()
+        return twin
+
+    def _pop(self, stack: Stack) -> tuple[Stack, ...]:
+        """The stacks after ``stack``'s top class matched a character."""
+        position = stack[-1] + 1
+        return self.advance(stack[:-1] + (position,) if self.elements[position] is not None else stack[:-1])
+
+    def advance(self, stack: Stack) -> tuple[Stack, ...]:
+        """llama_grammar_advance_stack: the stacks ``stack`` expands to, each topped by a
+        character class (or empty: the grammar complete). Remembered: stacks recur."""
+        found = self.advanced.get(stack)
+        if found is not None:
+            return found
+        out: dict[Stack, None] = {}
+        seen: set[Stack] = set()
+        todo = [stack]
+        while todo:
+            current = todo.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            element = self.elements[current[-1]] if current else None
+            if element is None or element[0] == "sym":
+                out[current] = None
+                continue
+            after = current[-1] + 1
+            below = current[:-1] + (after,) if self.elements[after] is not None else current[:-1]
+            for first in self.alternatives[element[1]]:
+                todo.append(below if first is None else below + (first,))
+        if len(self.advanced) > 20_000:
+            self.advanced.clear()
+        found = self.advanced[stack] = tuple(out)
+        return found
+
+    def matches(self, stack: Stack, point: int) -> bool:
+        if not stack:
+            return False
+        _, positive, ranges = self.elements[stack[-1]]
+        return any(low <= point <= high for low, high in ranges) == positive
+
+    def walk(self, state: GrammarState, piece: bytes) -> tuple[int, Optional[GrammarState]]:
+        """A token with text ``piece`` in ``state``: the steps llama.cpp takes to check it
+        (walks down every stack, none merged), and the state after it, or None if the grammar
+        refuses it. Raises GrammarLimit past GRAMMAR_PATHS steps or GRAMMAR_STACKS stacks."""
+        stacks, partial = state
+        points, partial = grammar_code_points(piece, partial)
+        if partial[1] < 0:
+            return len(stacks), None
+        result: dict[Stack, None] = {}
+        steps = len(stacks)
+        for stack in stacks:
+            current = {stack: 1} if stack or not points else {}
+            for point in points:
+                following: dict[Stack, int] = {}
+                for each, walks in current.items():
+                    if self.matches(each, point):
+                        for after in self._pop(each):
+                            following[after] = following.get(after, 0) + walks
+                steps += sum(following.values())
+                if steps > GRAMMAR_PATHS:
+                    raise GrammarLimit(f"too ambiguous: checking one token took more than {GRAMMAR_PATHS:,} "
+                                       "parse steps")
+                current = following
+                if not current:
+                    break
+            result.update(dict.fromkeys(current))
+        if len(result) > GRAMMAR_STACKS:
+            raise GrammarLimit(f"too ambiguous: {len(result):,} ways to parse the text so far are open at "
+                               f"once (the limit is {GRAMMAR_STACKS:,})")
+        # Where the token ends, a stack takes it if the grammar is complete there and no
+        # character is left half done, or if its class can hold the character half done
+        # (llama.cpp keeps every stack all the same)
+        if not any(self._may_end(stack, partial) for stack in result):
+            return steps, None
+        return steps, (frozenset(result), partial)
+
+    def _may_end(self, stack: Stack, partial: tuple[int, int]) -> bool:
+        """llama_grammar_match_partial_char, and the empty stack's case."""
+        value, remain = partial
+        if remain == 0:
+            return True
+        if not stack or (remain == 1 and value < 2):
+            return False
+        low = value << (remain * 6)
+        high = low | ((1 << (remain * 6)) - 1)
+        if low == 0:
+            low = {2: 1 << 11, 3: 1 << 16}.get(remain, low)
+        _, positive, ranges = self.elements[stack[-1]]
+        if any(first <= high and low <= last for first, last in ranges):
+            return positive
+        return not positive
+
+    def check(self) -> str:
+        """Why this grammar is refused at the door ("" if it is not): its start opens more
+        than GRAMMAR_STACKS stacks, or a text of GRAMMAR_SUBMIT_CHARS characters from its
+        start takes more than GRAMMAR_PATHS steps to check. (What it does later is bounded
+        as it happens, by ``walk`` and ``vocab_cost``.)"""
+        stacks = self.start[0]
+        try:
+            if len(stacks) > GRAMMAR_STACKS:
+                raise GrammarLimit(f"too wide: {len(stacks):,} ways to parse are open at once "
+                                   f"(the limit is {GRAMMAR_STACKS:,})")
+            self._paths({stack[-GRAMMAR_COST_DEPTH:]: 1 for stack in stacks}, GRAMMAR_SUBMIT_CHARS,
+                        [GRAMMAR_CHECK_WORK], 0)
+        except GrammarLimit as err:
+            return str(err)
+        finally:
+            self.costs.clear()  # (only this check uses them; the daemon keeps shapes for long)
+        return ""
+
+    def _paths(self, items: dict[Stack, int], depth: int, budget: list[int], spent: int) -> int:
+        """The most steps llama.cpp takes to check a text of at most ``depth`` more characters
+        from the stacks ``items`` (stack -> walks reaching it), ``spent`` steps into it.
+        Raises GrammarLimit once a text passes GRAMMAR_PATHS."""
+        budget[0] -= len(items)
+        key = (frozenset(items.items()), depth)
+        found = self.costs.get(key)
+        if found is None:
+            total = sum(items.values())
+            if spent + total <= GRAMMAR_PATHS:
+                worst = 0
+                if depth > 0:
+                    children = self._children(items, budget, GRAMMAR_COST_DEPTH)[1]
+                    for child in {id(child): child for child in children if child}.values():
+                        worst = max(worst, self._paths(child, depth - 1, budget, spent + total))
+                found = total + worst
+                if len(self.costs) > 50_000:
+                    self.costs.clear()
+                self.costs[key] = found
+            else:
+                found = total
+        if spent + found > GRAMMAR_PATHS:
+            raise GrammarLimit(f"too ambiguous: checking a text of {GRAMMAR_SUBMIT_CHARS} characters from its "
+                               f"start can take more than {GRAMMAR_PATHS:,} parse steps")
+        return found
+
+    def _children(self, items: dict[Stack, int], budget: list[int],
+                  cut: Optional[int] = None) -> tuple[list[int], list[dict[Stack, int]]]:
+        """The code points the top classes of ``items`` tell apart, as ``edges`` (range i is
+        edges[i] to edges[i + 1] - 1), and for each range the stacks (with their walks) a
+        character in it leads to (one dict for ranges that lead alike), cut to their top
+        ``cut`` elements if given. Charges its work to ``budget``."""
+        import bisect
+
+        bounds = {0, 0x110000}
+        for stack in items:
+            if stack:
+                for low, high in self.elements[stack[-1]][2]:
+                    bounds.update((low, high + 1))
+        edges = sorted(bounds)
+        spans = len(edges) - 1
+        covered: dict[int, list[Stack]] = {}  # range -> the stacks whose top class holds it
+        work = len(items) + len(edges)
+        for stack in items:
+            if not stack:
+                continue
+            _, positive, ranges = self.elements[stack[-1]]
+            inside: set[int] = set()
+            for low, high in ranges:
+                inside.update(range(bisect.bisect_left(edges, low), bisect.bisect_left(edges, high + 1)))
+            held = inside if positive else set(range(spans)) - inside
+            work += len(held) + (0 if positive else spans)
+            for index in held:
+                covered.setdefault(index, []).append(stack)
+        budget[0] -= work
+        if budget[0] < 0:
+            raise GrammarLimit(f"too ambiguous: counting its work took more than {GRAMMAR_CHECK_WORK:,} steps")
+        made: dict[tuple[Stack, ...], dict[Stack, int]] = {}
+        children = []
+        for index in range(spans):
+            matching = tuple(covered.get(index, ()))
+            child = made.get(matching)
+            if child is None:
+                child = made[matching] = {}
+                for stack in matching:
+                    walks = items[stack]
+                    for after in self._pop(stack):
+                        if cut is not None:
+                            after = after[-cut:]
+                        child[after] = child.get(after, 0) + walks
+                        work += 1
+                budget[0] -= len(matching) + len(child)
+            children.append(child)
+        if budget[0] < 0:
+            raise GrammarLimit(f"too ambiguous: counting its work took more than {GRAMMAR_CHECK_WORK:,} steps")
+        return edges, children
+
+    def vocab_cost(self, state: GrammarState, vocab: "GrammarVocab", ids: Any = None) -> tuple[int, int]:
+        """The steps llama.cpp takes to check every token of ``vocab`` (or those of ``ids``) in
+        ``state``, and the most one token takes: each token's characters walked down every
+        stack, none merged, the tokens a character at a time together (numpy). Raises
+        GrammarLimit past the limits. The whole vocabulary's cost is remembered per state, and
+        bounds any part's: a state asked about a second time is counted whole (a few ms, once;
+        a part of 4,096 tokens takes about 0.5 ms each time)."""
+        found = self.vocab_costs.get(state)
+        if found is not None:
+            return found
+        if ids is not None and state in self.asked:
+            ids = None
+        elif ids is not None:
+            if len(self.asked) > 4_000:
+                self.asked.clear()
+            self.asked.add(state)
+        total, worst = _VocabWalk(vocab.np, self.splits, self._children).cost(state, vocab, ids)
+        if total > GRAMMAR_VOCAB_WORK:
+            raise GrammarLimit(f"too wide: checking the vocabulary here takes {total:,} parse steps "
+                               f"(the limit is {GRAMMAR_VOCAB_WORK:,})")
+        if ids is None:
+            if len(self.vocab_costs) > 4_000:
+                self.vocab_costs.clear()
+            self.vocab_costs[state] = (total, worst)
+        return total, worst
+
+
+# ============================================================================
+# 5.6 GBNF grammars
+# ============================================================================
+# check_grammar and _GbnfParser: a grammar parsed as llama.cpp parses it, bounded in size and
+# repetition, into the elements GrammarShape walks. Stateless.
+
+
 # A grammar job's grammar is parsed here at submit the way llama.cpp parses it
 # (src/llama-grammar.cpp: llama_grammar_parser::parse, then llama_grammar_init_impl's checks), so
 # that a bad grammar is exit 2 at the door rather than a failed job later.
@@ -2559,446 +2772,371 @@ class _GbnfParser:
         return None
 
 
-# -- Grammar work: what one step of a constrained job may cost ------------------------------------
-# llama.cpp tracks a grammar as a set of pushdown stacks, one per way the text so far parses, and
-# checks a candidate token by walking its characters down each stack, without merging walks that
-# meet again. An ambiguous grammar (x ::= [a-z] x "." | [a-z] x "," ...) multiplies both with
-# every character, inside C calls nothing can interrupt: a worker stalled for good. GrammarShape
-# is that machinery in Python, counting instead of matching, so that llama.cpp is never asked to
-# do more than these limits: a grammar whose start already would is refused at submit, a job
-# that reaches such a state fails (grammar_error) before the call. Counted work, not seconds,
-# decides, so the machine's load never does. The README's Guarantees give the bound.
-
-GRAMMAR_STACKS = 4096  # parse stacks open at once (an enum of 3,000 strings opens 3,000)
-GRAMMAR_PATHS = 65536  # stack steps to check one candidate token, as llama.cpp walks them
-# Stack steps to check the whole vocabulary in one state, the most a step of a job may take:
-# llama.cpp walked 1.7e8 to 4.1e8 steps a second on the 2-core test machine (an enum of 3,000
-# strings inside an object: 2.4e8 steps, 1.45 s), plus about 0.4 us a token.
-GRAMMAR_VOCAB_WORK = 400_000_000
-GRAMMAR_SUBMIT_CHARS = 16  # how far past its start a grammar is checked at submit
-GRAMMAR_CHECK_WORK = 1_000_000  # dict operations GrammarShape may take to answer one question
-# The submit check counts on the top elements of stacks alone: walks multiply there, and stacks
-# that differ only deeper (JSON nested 30 deep, or 31) count as one state, their walks added.
-GRAMMAR_COST_DEPTH = 3
-_UTF8_LENGTHS = (1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 2, 2, 3, 4)  # by a first byte's high 4 bits
-
-Stack = tuple  # positions in GrammarShape.elements, the top last
-GrammarState = tuple  # (frozenset of stacks, (partial UTF-8 value, bytes it still needs))
+# ============================================================================
+# 5.7 JSON schemas
+# ============================================================================
+# check_json_schema walks a schema in the converter's order and refuses what the converter would
+# drop; _schema_branch is the one rule of which keywords decide a branch, used here and by the
+# daemon's converter (11.2). Stateless.
 
 
-def grammar_code_points(piece: bytes, partial: tuple[int, int]) -> tuple[list[int], tuple[int, int]]:
-    """llama.cpp's decode_utf8 (llama-grammar.cpp): the code points ``piece`` completes after
-    ``partial`` (value, bytes still to come), and the partial character it ends in; an invalid
-    byte gives no code points and (0, -1), which llama.cpp's grammar refuses."""
-    end = piece.find(b"\0")  # C strings
-    data = piece if end < 0 else piece[:end]
-    value, remain = partial
-    points: list[int] = []
-    i = 0
-    while i < len(data) and remain > 0:
-        if data[i] >> 6 != 2:
-            return [], (0, -1)
-        value, remain, i = (value << 6) + (data[i] & 0x3F), remain - 1, i + 1
-    if partial[1] > 0 and remain == 0:
-        points.append(value)
-    while i < len(data):
-        remain = _UTF8_LENGTHS[data[i] >> 4] - 1
-        if remain < 0:
-            return [], (0, -1)
-        value, i = data[i] & ((1 << (7 - remain)) - 1), i + 1
-        while i < len(data) and remain > 0:
-            value, remain, i = (value << 6) + (data[i] & 0x3F), remain - 1, i + 1
-        if remain == 0:
-            points.append(value)
-    return points, ((value, remain) if remain > 0 else (0, 0))
+# Keywords that only annotate: no validator looks at them, so dropping them loses nothing.
+SCHEMA_ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated",
+                                "readOnly", "writeOnly", "$schema", "$id", "$defs", "definitions"})
+SCHEMA_TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
+SCHEMA_MAX_DEPTH = 64
+SCHEMA_MAX_PROPERTIES = 256  # the converter recurses once per optional property
+# A schema's patterns and formats together, counted as one pattern's are (_pattern_shape): the
+# steps their automata take to make (each distinct one once) and the grammar states they become
+# (each use: each is a copy of its rules). Ten patterns of 1.5 million steps each passed the
+# per-pattern limits, and then took a minute to check and convert on a worker.
+SCHEMA_MAX_PATTERN_WORK = 3_000_000
+SCHEMA_MAX_PATTERN_STATES = 40_000
+def check_json_schema(schema: Any) -> None:
+    """Raise InvalidInput unless the grammar converter honours every keyword of ``schema``
+    (naming the keyword and where it is, as a JSON pointer)."""
+    check = _SchemaCheck(schema)
+    check.visit(schema, "", 0)
+    for key in ("$defs", "definitions"):  # every definition, used or not: the converter reads them all
+        if isinstance(schema, dict) and isinstance(schema.get(key), dict):
+            for name in schema[key]:
+                check.ref(f"#/{key}/{name}", f"/{key}/{name}", 1, ())
+    check.loops()
+    check.stray_refs(schema, "")
 
 
-class GrammarLimit(Exception):
-    """A grammar step would take more work than nrvna allows (the message says which)."""
+def _schema_branch(node: Mapping[str, Any]) -> str:
+    """The branch a schema object takes, in the order llama_cpp.llama_grammar.SchemaConverter.visit
+    tests them, with nrvna's own in its place (type lists, bounds and multipleOf, patterns and
+    formats). The one place the order is decided: _SchemaCheck.visit checks each branch's
+    keywords and the daemon's converter (_converter_class) writes the same branch, so a new
+    keyword is one edit here. One of: "ref", "oneOf", "anyOf", "types" (a list of types),
+    "constants", "object", "allOf", "array", "pattern" (or format), "string", "number",
+    "bare object" (an object without properties, or {}), "untyped", "other" (boolean, null,
+    an array without items)."""
+    kind = node.get("type")
+    if "$ref" in node:
+        return "ref"
+    if "oneOf" in node:
+        return "oneOf"
+    if "anyOf" in node:
+        return "anyOf"
+    if isinstance(kind, list):
+        return "types"
+    if "const" in node or "enum" in node:
+        return "constants"
+    if kind in (None, "object") and ("properties" in node or (
+            "additionalProperties" in node and node["additionalProperties"] is not True)):
+        return "object"
+    if "allOf" in node:
+        return "allOf"
+    if kind in (None, "array") and ("items" in node or "prefixItems" in node):
+        return "array"
+    if kind in (None, "string") and ("pattern" in node or "format" in node):
+        return "pattern"
+    if kind == "string":
+        return "string"
+    if kind in ("integer", "number"):
+        return "number"
+    if kind == "object" or not node:
+        return "bare object"
+    return "untyped" if kind is None else "other"
 
 
-class GrammarShape:
-    """A grammar as llama.cpp holds it (element arrays; a stack is a tuple of positions in
-    them), to count what llama.cpp will do with it. ``walk`` follows one token as
-    llama_grammar_apply and llama_grammar_accept_token do; ``vocab_cost`` counts checking every
-    token of a vocabulary in a state; ``check`` is the submit-time test of the start.
+def _json_type_is(value: Any, kind: str) -> bool:
+    """Whether a JSON value is of a JSON Schema type."""
+    if isinstance(value, bool):
+        return kind == "boolean"
+    if kind == "integer":
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if kind == "number":
+        return isinstance(value, (int, float))
+    return isinstance(value, {"string": str, "null": type(None), "object": dict, "array": list, "boolean": bool}[kind])
 
-    Threads: its memos change as it counts, so one thread at a time counts with a shape: the
-    one that makes it (a client's submit, the runner's Grammar thread or a worker) checks it;
-    once LlamaRunner keeps it, it is never counted with again, and each worker counts with its
-    own ``fork`` (see _GrammarTemplates)."""
 
-    def __init__(self, rules: Mapping[int, list[list[tuple[Any, ...]]]], root: int) -> None:
-        alternatives: dict[int, list[Optional[int]]] = {}  # rule -> its alternatives' first positions
-        elements: list[Any] = []  # ("ref", rule) or ("sym", positive, ranges); None ends an alternative
-        for rule_id, rule in rules.items():
-            alternatives[rule_id] = []
-            for alternative in rule:
-                alternatives[rule_id].append(len(elements) if alternative else None)
-                elements += alternative
-                elements.append(None)
-        self.elements = elements
-        self.alternatives = {rule_id: tuple(a) for rule_id, a in alternatives.items()}
-        self._new_memos()
-        stacks: dict[Stack, None] = {}
-        for first in self.alternatives[root]:
-            stacks.update(dict.fromkeys(self.advance(() if first is None else (first,))))
-        self.start: GrammarState = (frozenset(stacks), (0, 0))
+class _SchemaCheck:
+    """One walk of a schema, taking the branches _schema_branch names: a branch of the converter
+    honours some keywords and silently drops the rest, so each refuses what its branch drops."""
 
-    def _new_memos(self) -> None:
-        self.advanced: dict[Stack, tuple[Stack, ...]] = {}
-        self.costs: dict[Any, int] = {}  # (stacks and walks, depth) -> the most steps (check)
-        self.splits: dict[Any, Any] = {}  # stacks and walks -> (edges, children) (vocab_cost)
-        self.vocab_costs: dict[Any, tuple[int, int]] = {}  # state -> (whole vocabulary, worst token)
-        self.asked: set[Any] = set()  # states whose part of the vocabulary was counted once
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.refs_seen: set[str] = set()
+        self.ref_nodes: set[int] = set()  # the $ref objects visited as schemas
+        self.leads: dict[str, set[str]] = {}  # $ref -> the $refs its schema may start with
+        self.pattern_work: dict[str, int] = {}  # pattern (or format's pattern) -> its automaton's steps
+        self.pattern_states = 0  # grammar states of every pattern and format, each use counted
 
-    def fork(self) -> GrammarShape:
-        """The same grammar with memos of its own, for one thread to count with: its elements
-        and start are shared (never changed once made), its memos start empty."""
-        import copy
+    def fail(self, where: str, message: str) -> None:
+        raise InvalidInput(f"schema {where or '/'}: {message}")
 
-        twin = copy.copy(self)
-        twin._new_memos()
-        return twin
-
-    def _pop(self, stack: Stack) -> tuple[Stack, ...]:
-        """The stacks after ``stack``'s top class matched a character."""
-        position = stack[-1] + 1
-        return self.advance(stack[:-1] + (position,) if self.elements[position] is not None else stack[:-1])
-
-    def advance(self, stack: Stack) -> tuple[Stack, ...]:
-        """llama_grammar_advance_stack: the stacks ``stack`` expands to, each topped by a
-        character class (or empty: the grammar complete). Remembered: stacks recur."""
-        found = self.advanced.get(stack)
-        if found is not None:
-            return found
-        out: dict[Stack, None] = {}
-        seen: set[Stack] = set()
-        todo = [stack]
-        while todo:
-            current = todo.pop()
-            if current in seen:
+    def only(self, node: dict[str, Any], where: str, allowed: Iterable[str], branch: str) -> None:
+        for key in node:
+            if key in SCHEMA_ANNOTATIONS or key in allowed or key.startswith("x-"):
                 continue
-            seen.add(current)
-            element = self.elements[current[-1]] if current else None
-            if element is None or element[0] == "sym":
-                out[current] = None
-                continue
-            after = current[-1] + 1
-            below = current[:-1] + (after,) if self.elements[after] is not None else current[:-1]
-            for first in self.alternatives[element[1]]:
-                todo.append(below if first is None else below + (first,))
-        if len(self.advanced) > 20_000:
-            self.advanced.clear()
-        found = self.advanced[stack] = tuple(out)
-        return found
+            self.fail(where, f"keyword {key!r} is not supported{' ' + branch if branch else ''} "
+                             "(the grammar would not enforce it)")
 
-    def matches(self, stack: Stack, point: int) -> bool:
-        if not stack:
-            return False
-        _, positive, ranges = self.elements[stack[-1]]
-        return any(low <= point <= high for low, high in ranges) == positive
+    def visit(self, node: Any, where: str, depth: int, entered: tuple[str, ...] = ()) -> None:
+        # entered: the $refs followed since the last object or array, which consume
+        # a character before their parts: one of them again is a loop on nothing.
+        if depth > SCHEMA_MAX_DEPTH:
+            self.fail(where, f"nested more than {SCHEMA_MAX_DEPTH} levels deep")
+        if not isinstance(node, dict):
+            self.fail(where, "a schema must be a JSON object (true/false schemas are not supported)")
+        kind = node.get("type")
+        if kind is not None and not isinstance(kind, (str, list)):
+            self.fail(where, "type must be a string or a list of strings")
+        if isinstance(kind, str) and kind not in SCHEMA_TYPES:
+            self.fail(where, f"unknown type {kind!r} (known: {', '.join(SCHEMA_TYPES)})")
+        branch = _schema_branch(node)
+        if branch == "ref":
+            self.ref_nodes.add(id(node))
+            self.only(node, where, ("$ref",), "beside $ref")
+            if where and ("$defs" in node or "definitions" in node):  # the converter would not see into them
+                self.fail(where, "$defs beside $ref is supported at the top of the schema only")
+            self.ref(node["$ref"], where, depth, entered)
+        elif branch == "oneOf":
+            self.fail(where, "keyword 'oneOf' is not supported: the grammar would enforce it as anyOf (an output "
+                             "matching two alternatives breaks oneOf); write anyOf where they cannot overlap")
+        elif branch == "anyOf":
+            key = "anyOf"
+            self.only(node, where, (key,), f"beside {key} (put it in each alternative)")
+            choices = node[key]
+            if not isinstance(choices, list) or not choices:
+                self.fail(where, f"{key} must be a non-empty list of schemas")
+            for i, choice in enumerate(choices):
+                self.visit(choice, f"{where}/{key}/{i}", depth + 1, entered)
+        elif branch == "types":
+            self.type_list(node, where, depth, entered)
+        elif branch == "constants":
+            self.constants(node, where, kind)
+        elif branch == "object":
+            self.object(node, where, depth)
+        elif branch == "allOf":
+            self.fail(where, "keyword 'allOf' is not supported (merge the schemas into one)")
+        elif branch == "array":
+            self.array(node, where, depth)
+        elif branch == "pattern":
+            self.pattern(node, where)
+        elif branch == "string":
+            self.only(node, where, ("type", "minLength", "maxLength"), "for a string")
+            self.counts(node, where, "minLength", "maxLength")
+        elif branch == "number":
+            self.only(node, where, ("type",) + SCHEMA_TYPE_KEYWORDS[kind],
+                      f"for {'an integer' if kind == 'integer' else 'a number'}")
+            if any(key in node for key in SCHEMA_TYPE_KEYWORDS[kind]):
+                number_rule(node, where, {})  # raises InvalidInput when nothing is admitted, or too much is needed
+        elif branch == "bare object":
+            self.only(node, where, ("type", "additionalProperties"), "for an object without properties")
+        elif branch == "untyped":
+            self.only(node, where, (), "")
+            self.fail(where, "a schema needs a type (or properties, items, enum, const, $ref, anyOf)")
+        else:
+            allowed = ("type",)
+            self.only(node, where, allowed, f"for {kind}" + (" without items" if kind == "array" else ""))
 
-    def walk(self, state: GrammarState, piece: bytes) -> tuple[int, Optional[GrammarState]]:
-        """A token with text ``piece`` in ``state``: the steps llama.cpp takes to check it
-        (walks down every stack, none merged), and the state after it, or None if the grammar
-        refuses it. Raises GrammarLimit past GRAMMAR_PATHS steps or GRAMMAR_STACKS stacks."""
-        stacks, partial = state
-        points, partial = grammar_code_points(piece, partial)
-        if partial[1] < 0:
-            return len(stacks), None
-        result: dict[Stack, None] = {}
-        steps = len(stacks)
-        for stack in stacks:
-            current = {stack: 1} if stack or not points else {}
-            for point in points:
-                following: dict[Stack, int] = {}
-                for each, walks in current.items():
-                    if self.matches(each, point):
-                        for after in self._pop(each):
-                            following[after] = following.get(after, 0) + walks
-                steps += sum(following.values())
-                if steps > GRAMMAR_PATHS:
-                    raise GrammarLimit(f"too ambiguous: checking one token took more than {GRAMMAR_PATHS:,} "
-                                       "parse steps")
-                current = following
-                if not current:
-                    break
-            result.update(dict.fromkeys(current))
-        if len(result) > GRAMMAR_STACKS:
-            raise GrammarLimit(f"too ambiguous: {len(result):,} ways to parse the text so far are open at "
-                               f"once (the limit is {GRAMMAR_STACKS:,})")
-        # Where the token ends, a stack takes it if the grammar is complete there and no
-        # character is left half done, or if its class can hold the character half done
-        # (llama.cpp keeps every stack all the same)
-        if not any(self._may_end(stack, partial) for stack in result):
-            return steps, None
-        return steps, (frozenset(result), partial)
+    def pattern(self, node: dict[str, Any], where: str) -> None:
+        """A string with a pattern or a format: nrvna writes its rule in the converter's place."""
+        self.only(node, where, ("type",) + SCHEMA_TYPE_KEYWORDS["string"], "beside pattern or format")
+        self.counts(node, where, "minLength", "maxLength")
+        rules: dict[str, str] = {}
+        expression = string_rule(node, where, rules)
+        self.count_pattern(node, where)
+        if "pattern" in node:  # what llama.cpp is given must not hang a worker: checked as a grammar is
+            try:
+                check_grammar(f'root ::= "\\"" {expression} "\\""\n' + "".join(f"{n} ::= {b}\n" for n, b in rules.items()))
+            except InvalidInput as err:
+                self.fail(where, f"pattern {node['pattern']!r} makes a grammar nrvna refuses ({err})")
 
-    def _may_end(self, stack: Stack, partial: tuple[int, int]) -> bool:
-        """llama_grammar_match_partial_char, and the empty stack's case."""
-        value, remain = partial
-        if remain == 0:
-            return True
-        if not stack or (remain == 1 and value < 2):
-            return False
-        low = value << (remain * 6)
-        high = low | ((1 << (remain * 6)) - 1)
-        if low == 0:
-            low = {2: 1 << 11, 3: 1 << 16}.get(remain, low)
-        _, positive, ranges = self.elements[stack[-1]]
-        if any(first <= high and low <= last for first, last in ranges):
-            return positive
-        return not positive
+    def type_list(self, node: dict[str, Any], where: str, depth: int, entered: tuple[str, ...]) -> None:
+        kind = node["type"]
+        if not kind or not all(isinstance(t, str) and t in SCHEMA_TYPES for t in kind) or len(set(kind)) < len(kind):
+            self.fail(where, f"type must be one of {', '.join(SCHEMA_TYPES)} or a list of distinct ones")
+        if "const" in node or "enum" in node:
+            self.constants(node, where, kind)
+            return
+        self.only(node, where, ("type",) + tuple(key for t in kind for key in SCHEMA_TYPE_KEYWORDS[t]),
+                  f"for any of the types {', '.join(kind)}")
+        for choice in type_choices(node):  # as an anyOf of one schema per type
+            self.visit(choice, where, depth + 1, entered)
 
-    def check(self) -> str:
-        """Why this grammar is refused at the door ("" if it is not): its start opens more
-        than GRAMMAR_STACKS stacks, or a text of GRAMMAR_SUBMIT_CHARS characters from its
-        start takes more than GRAMMAR_PATHS steps to check. (What it does later is bounded
-        as it happens, by ``walk`` and ``vocab_cost``.)"""
-        stacks = self.start[0]
-        try:
-            if len(stacks) > GRAMMAR_STACKS:
-                raise GrammarLimit(f"too wide: {len(stacks):,} ways to parse are open at once "
-                                   f"(the limit is {GRAMMAR_STACKS:,})")
-            self._paths({stack[-GRAMMAR_COST_DEPTH:]: 1 for stack in stacks}, GRAMMAR_SUBMIT_CHARS,
-                        [GRAMMAR_CHECK_WORK], 0)
-        except GrammarLimit as err:
-            return str(err)
-        finally:
-            self.costs.clear()  # (only this check uses them; the daemon keeps shapes for long)
-        return ""
+    def ref(self, ref: Any, where: str, depth: int, entered: tuple[str, ...]) -> None:
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            self.fail(where, f"$ref {ref!r} is not supported (only local references, '#/...')")
+        if ref in entered:
+            self.fail(where, f"$ref {ref!r} refers back to itself before any object or array (a loop on nothing)")
+        if entered:
+            self.leads.setdefault(entered[-1], set()).add(ref)
+        if ref in self.refs_seen:
+            return  # recursive schemas are fine: the grammar refers to the rule again
+        self.refs_seen.add(ref)
+        target = self.root
+        for part in ref[2:].split("/"):  # as the converter resolves it: no ~0/~1 unescaping
+            if not isinstance(target, dict) or part not in target:
+                self.fail(where, f"$ref {ref!r} points at nothing")
+            target = target[part]
+        self.visit(target, ref[1:], depth + 1, entered + (ref,))
 
-    def _paths(self, items: dict[Stack, int], depth: int, budget: list[int], spent: int) -> int:
-        """The most steps llama.cpp takes to check a text of at most ``depth`` more characters
-        from the stacks ``items`` (stack -> walks reaching it), ``spent`` steps into it.
-        Raises GrammarLimit once a text passes GRAMMAR_PATHS."""
-        budget[0] -= len(items)
-        key = (frozenset(items.items()), depth)
-        found = self.costs.get(key)
-        if found is None:
-            total = sum(items.values())
-            if spent + total <= GRAMMAR_PATHS:
-                worst = 0
-                if depth > 0:
-                    children = self._children(items, budget, GRAMMAR_COST_DEPTH)[1]
-                    for child in {id(child): child for child in children if child}.values():
-                        worst = max(worst, self._paths(child, depth - 1, budget, spent + total))
-                found = total + worst
-                if len(self.costs) > 50_000:
-                    self.costs.clear()
-                self.costs[key] = found
-            else:
-                found = total
-        if spent + found > GRAMMAR_PATHS:
-            raise GrammarLimit(f"too ambiguous: checking a text of {GRAMMAR_SUBMIT_CHARS} characters from its "
-                               f"start can take more than {GRAMMAR_PATHS:,} parse steps")
-        return found
+    def loops(self) -> None:
+        """A $ref that leads back to itself through others before any object or array."""
+        state: dict[str, int] = {}
 
-    def _children(self, items: dict[Stack, int], budget: list[int],
-                  cut: Optional[int] = None) -> tuple[list[int], list[dict[Stack, int]]]:
-        """The code points the top classes of ``items`` tell apart, as ``edges`` (range i is
-        edges[i] to edges[i + 1] - 1), and for each range the stacks (with their walks) a
-        character in it leads to (one dict for ranges that lead alike), cut to their top
-        ``cut`` elements if given. Charges its work to ``budget``."""
-        import bisect
+        def walk(ref: str) -> None:
+            state[ref] = 1
+            for nxt in self.leads.get(ref, ()):
+                if state.get(nxt) == 1:
+                    self.fail(nxt[1:], f"$ref {nxt!r} refers back to itself before any object or array (a loop on nothing)")
+                if nxt not in state:
+                    walk(nxt)
+            state[ref] = 2
 
-        bounds = {0, 0x110000}
-        for stack in items:
-            if stack:
-                for low, high in self.elements[stack[-1]][2]:
-                    bounds.update((low, high + 1))
-        edges = sorted(bounds)
-        spans = len(edges) - 1
-        covered: dict[int, list[Stack]] = {}  # range -> the stacks whose top class holds it
-        work = len(items) + len(edges)
-        for stack in items:
-            if not stack:
-                continue
-            _, positive, ranges = self.elements[stack[-1]]
-            inside: set[int] = set()
-            for low, high in ranges:
-                inside.update(range(bisect.bisect_left(edges, low), bisect.bisect_left(edges, high + 1)))
-            held = inside if positive else set(range(spans)) - inside
-            work += len(held) + (0 if positive else spans)
-            for index in held:
-                covered.setdefault(index, []).append(stack)
-        budget[0] -= work
-        if budget[0] < 0:
-            raise GrammarLimit(f"too ambiguous: counting its work took more than {GRAMMAR_CHECK_WORK:,} steps")
-        made: dict[tuple[Stack, ...], dict[Stack, int]] = {}
-        children = []
-        for index in range(spans):
-            matching = tuple(covered.get(index, ()))
-            child = made.get(matching)
-            if child is None:
-                child = made[matching] = {}
-                for stack in matching:
-                    walks = items[stack]
-                    for after in self._pop(stack):
-                        if cut is not None:
-                            after = after[-cut:]
-                        child[after] = child.get(after, 0) + walks
-                        work += 1
-                budget[0] -= len(matching) + len(child)
-            children.append(child)
-        if budget[0] < 0:
-            raise GrammarLimit(f"too ambiguous: counting its work took more than {GRAMMAR_CHECK_WORK:,} steps")
-        return edges, children
+        for ref in list(self.leads):
+            if ref not in state:
+                walk(ref)
 
-    def vocab_cost(self, state: GrammarState, vocab: "GrammarVocab", ids: Any = None) -> tuple[int, int]:
-        """The steps llama.cpp takes to check every token of ``vocab`` (or those of ``ids``) in
-        ``state``, and the most one token takes: each token's characters walked down every
-        stack, none merged, the tokens a character at a time together (numpy). Raises
-        GrammarLimit past the limits. The whole vocabulary's cost is remembered per state, and
-        bounds any part's: a state asked about a second time is counted whole (a few ms, once;
-        a part of 4,096 tokens takes about 0.5 ms each time)."""
-        found = self.vocab_costs.get(state)
-        if found is not None:
-            return found
-        if ids is not None and state in self.asked:
-            ids = None
-        elif ids is not None:
-            if len(self.asked) > 4_000:
-                self.asked.clear()
-            self.asked.add(state)
-        total, worst = _VocabWalk(vocab.np, self.splits, self._children).cost(state, vocab, ids)
-        if total > GRAMMAR_VOCAB_WORK:
-            raise GrammarLimit(f"too wide: checking the vocabulary here takes {total:,} parse steps "
-                               f"(the limit is {GRAMMAR_VOCAB_WORK:,})")
-        if ids is None:
-            if len(self.vocab_costs) > 4_000:
-                self.vocab_costs.clear()
-            self.vocab_costs[state] = (total, worst)
-        return total, worst
+    def stray_refs(self, node: Any, where: str) -> None:
+        """A "$ref" key anywhere else (a value in enum, const or default, a property named
+        $ref): the converter would try to resolve it."""
+        if isinstance(node, dict):
+            if "$ref" in node and id(node) not in self.ref_nodes:
+                self.fail(where, "a '$ref' key where no schema is (in a value, or a property named $ref) is not supported")
+            for key, value in node.items():
+                self.stray_refs(value, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                self.stray_refs(value, f"{where}/{i}")
 
+    def constants(self, node: dict[str, Any], where: str, kind: Any) -> None:
+        key = "const" if "const" in node else "enum"
+        self.only(node, where, (key, "type"), f"beside {key}")
+        values = [node["const"]] if key == "const" else node["enum"]
+        if key == "enum" and (not isinstance(values, list) or not values):
+            self.fail(where, "enum must be a non-empty list")
+        kinds = kind if isinstance(kind, list) else [kind]
+        if kind is not None and not all(any(_json_type_is(value, k) for k in kinds) for value in values):
+            self.fail(where, f"{key} holds a value that is not of type {kind!r}")
 
-class _VocabWalk:
-    """One count of GrammarShape.vocab_cost: the tokens walked a character at a time together,
-    grouped by the set of stacks (with their walks) each has reached; each set is numbered
-    here, and how its stacks split on characters (``children``) is remembered in the shape's
-    ``splits``."""
+    def object(self, node: dict[str, Any], where: str, depth: int) -> None:
+        self.only(node, where, ("type", "properties", "required", "additionalProperties"), "for an object")
+        properties = node.get("properties", {})
+        if not isinstance(properties, dict):
+            self.fail(where, "properties must be an object")
+        required = node.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            self.fail(where, "required must be a list of property names")
+        for name in required:
+            if name not in properties:
+                self.fail(where, f"required property {name!r} is not in properties")
+        if len(properties) > SCHEMA_MAX_PROPERTIES:
+            self.fail(where, f"more than {SCHEMA_MAX_PROPERTIES} properties")
+        for name, sub in properties.items():
+            if not name:
+                self.fail(where, "a property named '' is not supported")
+            self.visit(sub, f"{where}/properties/{name}", depth + 1)
+        extra = node.get("additionalProperties")
+        if properties and extra not in (None, False):
+            # the converter's rule for other keys would admit the declared names too, with any value
+            self.fail(where, "additionalProperties other than false beside properties is not supported")
+        if isinstance(extra, dict):
+            self.visit(extra, f"{where}/additionalProperties", depth + 1)
+        elif extra is not None and not isinstance(extra, bool):
+            self.fail(where, "additionalProperties must be true, false or a schema")
 
-    def __init__(self, np: Any, splits: dict[Any, Any],
-                 children: Callable[..., tuple[list[int], list[dict[Stack, int]]]]) -> None:
-        self.np, self.splits, self.children = np, splits, children
-        self.ids_of: dict[Any, int] = {}  # a set of stacks with their walks -> its number here
-        self.groups: list[tuple[Any, dict[Stack, int]]] = []  # by number: (its key, the set)
-        self.walks: list[int] = []
-        self.moves: dict[int, tuple[Any, Any]] = {}  # number -> (edges, the numbers its ranges lead to)
-        self.budget = [GRAMMAR_CHECK_WORK]
+    def array(self, node: dict[str, Any], where: str, depth: int) -> None:
+        items, prefix = node.get("items"), node.get("prefixItems")
+        if isinstance(items, dict):
+            if not items:  # the converter reads {} as "no items" and fails
+                self.fail(where, "items {} is not supported: give the items' type")
+            if prefix is not None:
+                self.fail(where, "give items or prefixItems, not both")
+            self.only(node, where, ("type", "items", "minItems", "maxItems"), "for an array")
+            self.counts(node, where, "minItems", "maxItems")
+            self.visit(items, f"{where}/items", depth + 1)
+            return
+        # A tuple: "prefixItems" (with "items": false) or the older "items": [...].
+        tuple_items = items if isinstance(items, list) else prefix
+        if not isinstance(tuple_items, list) or not tuple_items or (items is not None and items is not False
+                                                                     and not isinstance(items, list)):
+            self.fail(where, "items must be a schema, or prefixItems a non-empty list of schemas")
+        self.only(node, where, ("type", "items", "prefixItems"), "for a tuple (prefixItems)")
+        key = "items" if isinstance(items, list) else "prefixItems"
+        for i, sub in enumerate(tuple_items):
+            self.visit(sub, f"{where}/{key}/{i}", depth + 1)
 
-    def number(self, items: dict[Stack, int]) -> int:
-        """The number of a set of stacks, numbered when first seen."""
-        key = frozenset(items.items())
-        found = self.ids_of.get(key)
-        if found is None:
-            found = self.ids_of[key] = len(self.groups)
-            self.groups.append((key, items))
-            self.walks.append(sum(items.values()))
-        return found
+    def count_pattern(self, node: dict[str, Any], where: str) -> None:
+        """Add a pattern's or format's work (string_rule has made it) to the schema's, and
+        refuse the schema once the total passes SCHEMA_MAX_PATTERN_WORK or _STATES: the
+        check here, the conversion in the daemon and llama.cpp's parse grow with them."""
+        source = node["pattern"] if "pattern" in node else SCHEMA_FORMATS[node["format"]]
+        shape = _pattern_shape(source)  # (remembered: string_rule has just made it)
+        self.pattern_work[source] = shape.work
+        self.pattern_states += len(shape.states)
+        work = sum(self.pattern_work.values())
+        if work > SCHEMA_MAX_PATTERN_WORK:
+            self.fail(where, f"the schema's patterns and formats take {work:,} steps to make into a grammar with "
+                             f"this one, over the {SCHEMA_MAX_PATTERN_WORK:,} a schema may take (this one takes "
+                             f"{shape.work:,}): use fewer or simpler patterns")
+        if self.pattern_states > SCHEMA_MAX_PATTERN_STATES:
+            self.fail(where, f"the schema's patterns and formats make {self.pattern_states:,} grammar states with "
+                             f"this one, over the {SCHEMA_MAX_PATTERN_STATES:,} a schema may make (this one makes "
+                             f"{len(shape.states):,}; each count of a counted repetition is a state)")
 
-    def move(self, kind: int) -> tuple[Any, Any]:
-        """Where set ``kind`` goes on each range of characters: (the ranges' first code points,
-        the numbers of the sets they lead to)."""
-        np = self.np
-        found = self.moves.get(kind)
-        if found is None:
-            key, items = self.groups[kind]
-            split = self.splits.get(key)
-            if split is None:
-                edges, children = self.children(items, self.budget)
-                split = (np.asarray(edges, dtype=np.int64), children)
-                if len(self.splits) > 10_000:
-                    self.splits.clear()
-                self.splits[key] = split
-            edges, children = split
-            found = self.moves[kind] = (edges, np.asarray([self.number(child) for child in children], dtype=np.int64))
-        return found
-
-    def cost(self, state: GrammarState, vocab: GrammarVocab, ids: Any) -> tuple[int, int]:
-        """The steps to check every token of ``vocab`` (or those of ``ids``) in ``state``, and
-        the most one token takes; GrammarLimit once one token takes more than GRAMMAR_PATHS."""
-        np = self.np
-        stacks, partial = state
-        points, lengths = vocab.points(partial)
-        rows = np.arange(len(lengths)) if ids is None else np.asarray(ids, dtype=np.int64)
-        group = np.full(len(rows), self.number({stack: 1 for stack in stacks}), dtype=np.int64)
-        spent = np.zeros(len(rows), dtype=np.int64)  # steps so far, per token still being walked
-        total = worst = 0
-        for column in range(points.shape[1] + 1):
-            taken = np.asarray(self.walks, dtype=np.int64)[group]  # each walk checks this character (or the end)
-            spent += taken
-            total += int(taken.sum())
-            going = (taken > 0) & (lengths[rows] > column)
-            if len(spent):
-                worst = max(worst, int(spent.max()))
-            if worst > GRAMMAR_PATHS:
-                raise GrammarLimit(f"too ambiguous: checking a token here takes {worst:,} parse steps "
-                                   f"(the limit is {GRAMMAR_PATHS:,})")
-            if not going.all():
-                rows, group, spent = rows[going], group[going], spent[going]
-            if not len(rows) or column == points.shape[1]:
-                break
-            characters = points[rows, column]
-            if group[0] == group[-1] and (group == group[0]).all():  # one set of stacks: the common case
-                edges, targets = self.move(int(group[0]))
-                group = targets[np.searchsorted(edges, characters, side="right") - 1]
-                continue
-            before = group.copy()
-            for kind in np.unique(before).tolist():
-                these = before == kind
-                edges, targets = self.move(kind)
-                group[these] = targets[np.searchsorted(edges, characters[these], side="right") - 1]
-        return total, worst
-
-
-class GrammarVocab:
-    """A model's tokens as llama.cpp's grammar sees them: each token's code points (a row,
-    padded with -1), per partial UTF-8 character a job may be in (made when first needed)."""
-
-    def __init__(self, np: Any, pieces: list[bytes]) -> None:
-        self.np = np
-        self.pieces = pieces  # b"" for tokens llama.cpp rejects outright (end of generation, empty)
-        # Only these can go on with a character half done (a continuation byte first): for the
-        # others llama.cpp's decoding fails at once, and a job's state after half a character
-        # (CJK, emoji split into byte tokens) needs only their rows, a few hundred
-        self.continuing = [i for i, piece in enumerate(pieces) if piece and piece[0] >> 6 == 2]
-        self.decoded: dict[tuple[int, int], tuple[Any, Any]] = {}
-        self.lock = threading.Lock()  # workers share it: one decodes, the others wait for that
-
-    def points(self, partial: tuple[int, int]) -> tuple[Any, Any]:
-        found = self.decoded.get(partial)
-        if found is not None:
-            return found
-        with self.lock:
-            return self._decode(partial)
-
-    def _decode(self, partial: tuple[int, int]) -> tuple[Any, Any]:
-        found = self.decoded.get(partial)
-        if found is None:
-            np = self.np
-            which = range(len(self.pieces)) if partial == (0, 0) else self.continuing
-            rows = {i: grammar_code_points(self.pieces[i], partial)[0] for i in which if self.pieces[i][:1] not in (b"", b"\0")}
-            points = np.full((len(self.pieces), max(map(len, rows.values()), default=1) or 1), -1, dtype=np.int32)
-            lengths = np.zeros(len(self.pieces), dtype=np.int64)
-            for i, row in rows.items():
-                points[i, :len(row)] = row
-                lengths[i] = len(row)
-            if len(self.decoded) >= 64:  # (the whole vocabulary's is 16 MB for SmolLM2; a partial's, a column or two)
-                self.decoded.pop(next(iter(self.decoded)))
-            found = self.decoded[partial] = (points, lengths)
-        return found
+    def counts(self, node: dict[str, Any], where: str, low_key: str, high_key: str) -> None:
+        low, high = node.get(low_key, 0), node.get(high_key)
+        for key, value in ((low_key, low), (high_key, high)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= SCHEMA_MAX_REPEAT):
+                self.fail(where, f"{key} must be an integer from 0 to {SCHEMA_MAX_REPEAT}")
+        if high is not None and low > high:
+            self.fail(where, f"{low_key} {low} is more than {high_key} {high}")
 
 
 ##############################################################################
-# Job parameters: one table (PARAMS) drives validation, submit's flags, the OpenAI Batch mapping,
+# 6. Job parameters: one table (PARAMS) drives validation, submit's flags, the OpenAI Batch mapping,
 # the engine's defaults (job_param), --help and the docs
 ##############################################################################
+# Owns PARAMS, the one table of per-job parameters, and the prompt's checks. Invariant: a
+# client and a daemon check a job's parameters with the same code. Stateless: any thread.
+
 
 # Any ID a user may name: hand-made job dirs work, nothing can climb out of the workspace
 # (no '/', and a leading '.' is impossible, so '.' and '..' are excluded too).
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+# A grammar's limit, and a JSON schema's as compact JSON (their rows in PARAMS). A --json-schema
+# file may be indented, so it is read up to 4 times that.
+STRUCTURE_LIMIT = 1 << 18
+
+
+# Most choices one job may ask for (n): as OpenAI's limit, and each is a sequence of a context.
+CHOICES_MAX = 128
+
+
+# Most log-probabilities one job may record, n x max_tokens x (top_logprobs + 1): the daemon holds
+# them all until the job ends, and `get --json` reads them whole (n=16, 992 tokens, 20 each took
+# 490 MB in a daemon and 479 MB to read back; at this cap, about 10 MB of JSON).
+LOGPROBS_MAX = 1 << 17
+
+
+# Schemas and grammars already checked in this process (a batch file repeats one schema on
+# every line): key -> the error message, or None when it passed.
+_CHECKED: dict[Any, Optional[str]] = {}
+ROLES = ("system", "user", "assistant")
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+# Flags that set a job parameter to a fixed value: flag -> (parameter, value, help).
+FLAG_SHORTHANDS = {"--json": ("response_format", {"type": "json_object"}, "constrain the output to a JSON object "
+                                                                          "(response_format json_object)")}
+
+
+class Endpoint(namedtuple("Endpoint", "input raw object id_prefix")):
+    """An OpenAI Batch ``url`` nrvna serves: the body field holding the input (``messages``,
+    ``prompt`` or ``input``: texts to embed), whether the prompt skips the chat template, and
+    the response object."""
+
+    __slots__ = ()
 
 
 class Param:
@@ -3076,17 +3214,6 @@ class Param:
         if isinstance(self.kind, tuple):
             return " or ".join(f"`{choice}`" for choice in self.kind)
         return f"list of up to {self.high} strings"
-
-
-# A grammar's limit, and a JSON schema's as compact JSON (their rows in PARAMS). A --json-schema
-# file may be indented, so it is read up to 4 times that.
-STRUCTURE_LIMIT = 1 << 18
-# Most choices one job may ask for (n): as OpenAI's limit, and each is a sequence of a context.
-CHOICES_MAX = 128
-# Most log-probabilities one job may record, n x max_tokens x (top_logprobs + 1): the daemon holds
-# them all until the job ends, and `get --json` reads them whole (n=16, 992 tokens, 20 each took
-# 490 MB in a daemon and 479 MB to read back; at this cap, about 10 MB of JSON).
-LOGPROBS_MAX = 1 << 17
 
 
 def _read_limited(path: str, limit: int, what: str) -> str:
@@ -3170,11 +3297,6 @@ def _read_bias(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN_ID=BIAS (e.g. 15043=-100)") from None
 
 
-# Schemas and grammars already checked in this process (a batch file repeats one schema on
-# every line): key -> the error message, or None when it passed.
-_CHECKED: dict[Any, Optional[str]] = {}
-
-
 def _checked(key: Any, check: Callable[[], None]) -> None:
     """Run ``check`` once per distinct ``key`` (a schema's or grammar's text)."""
     if key not in _CHECKED:
@@ -3241,10 +3363,6 @@ def _check_messages(messages: Any, param: Param) -> list[dict[str, str]]:
     if not any(t["content"].strip() for t in clean):
         raise InvalidInput("messages are all empty")
     return clean
-
-
-ROLES = ("system", "user", "assistant")
-_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _check_response_format(value: Any, param: Param) -> dict[str, Any]:
@@ -3316,87 +3434,6 @@ def _check_logit_bias(value: Any, param: Param) -> dict[str, float]:
 def _check_input(value: Any, param: Param) -> list[str]:
     """An embed job's texts (see check_inputs)."""
     return check_inputs(value, param.high)
-
-
-# Every per-job parameter: validation, `submit`'s flags, the OpenAI line mapping, the
-# engine's defaults (`job_param`), `--help` and the README's table come from here. A new
-# sampling parameter is one row here and its use in the engine.
-PARAMS: dict[str, Param] = {
-    "max_tokens": Param(int, low=1, high=1 << 20, flag="--max-tokens", openai=("max_tokens", "max_completion_tokens"),
-                         help="most tokens to generate"),
-    "temperature": Param(float, low=0.0, high=100.0, flag="--temperature", openai=("temperature",),
-                          help="sampling temperature (0 = greedy)"),
-    "top_k": Param(int, low=0, high=1 << 20, flag="--top-k", openai=("top_k",),
-                    help="sample from the K most likely tokens (0 = off)"),
-    "top_p": Param(float, low=0.0, high=1.0, flag="--top-p", openai=("top_p",),
-                    help="nucleus sampling: the smallest set with this probability (1 = off)"),
-    "min_p": Param(float, low=0.0, high=1.0, flag="--min-p", openai=("min_p",),
-                    help="drop tokens less likely than this fraction of the best one (0 = off)"),
-    "repeat_penalty": Param(float, low=0.0, high=100.0, flag="--repeat-penalty", openai=("repeat_penalty",),
-                             help="divide the logits of the last 64 generated tokens by this (1 = off)"),
-    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty", openai=("presence_penalty",),
-                               help="subtract this from the logit of every token among the last 64 generated (0 = off)"),
-    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty", openai=("frequency_penalty",),
-                                help="subtract this times its count from the logit of each token among the last 64 generated (0 = off)"),
-    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",), read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias, what="object, biases {low:g} to {high:g}",
-                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
-    "seed": Param(int, low=0, high=0xFFFFFFFE, flag="--seed", openai=("seed",),
-                   help="sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
-    "n": Param(int, low=1, high=CHOICES_MAX, default=1, flag="--n", openai=("n",),
-                help="choices: N samples of the prompt in one job, its prompt computed once, choice i seeded seed + i "
-                     "(result.txt holds the first, choices.json them all)"),
-    "stop": Param(list, low=0, high=16, flag="--stop", openai=("stop",),
-                   help="strings that end the generation, not included in the result (a flag per string)"),
-    "ignore_eos": Param(bool, default=False, flag="--ignore-eos",
-                         help="keep generating past the model's end-of-generation token (not past the end of a grammar)"),
-    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",), read=("FILE|JSON", _read_json_schema), check=_check_response_format, what="object (OpenAI's)",
-                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
-    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",), read=("FILE", _read_grammar),
-                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file"),
-    "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
-                       help=f"record each generated token's log-probability (get --json, export); n x max_tokens x "
-                            f"(top_logprobs + 1) may be at most {LOGPROBS_MAX} a job"),
-    "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
-                           help="with logprobs: also the N most likely tokens at each step"),
-    "embed": Param(bool, default=False, flag="--embed", jobs="any",
-                    help="embed the input instead of generating: a vector per text (the result holds one JSON array per text, one per line)"),
-    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input, what="list of {low} to {high} strings", jobs="embed",
-                    help="with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
-    "dimensions": Param(int, low=1, high=1 << 16, flag="--dimensions", openai=("dimensions",), jobs="embed",
-                         help="with embed: keep each vector's first N values (normalized again): for models trained for it (Matryoshka)"),
-    "encoding_format": Param(("float", "base64"), default="float", openai=("encoding_format",), jobs="embed",
-                              help="with embed: how export --format openai writes the vectors (base64: little-endian float32)"),
-    "system": Param(str, low=0, high=1 << 20, flag="--system",
-                     help="a system message for the chat template"),
-    "raw": Param(bool, default=False, flag="--raw",
-                  help="send the prompt as is, without the chat template"),
-    "timeout": Param(float, low=0.001, high=1e7, flag="--timeout", jobs="any",
-                      help="seconds of generation before the job fails with code timeout, keeping its partial text"),
-    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages, what="list of up to {high} {{role, content}}",
-                       help="chat turns [{role, content}] instead of a prompt, through the chat template"),
-    "custom_id": Param(str, low=0, high=512, jobs="any",
-                        help="the caller's name for the job (batch files, export; default line-N)"),
-    "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
-                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower ones in its context until it ends"),
-    "model": Param(str, low=1, high=256, flag="--model", openai=("model",), jobs="any",
-                    help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the daemon's model (a note says so; --strict-models refuses it), a known model no running daemon serves waits"),
-    "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
-                              help="submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
-    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",), read=("JSON", _read_metadata), check=_check_metadata, what="object, up to {high} bytes as JSON", jobs="any",
-                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON object (a template's record, by default); never read by the daemon"),
-    "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
-                  help="label the jobs (status/wait/export/cancel/retry --tag)"),
-    "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
-                       help="the OpenAI Batch url a job came from: export answers in its shape"),
-}
-# The parameters an embed job may carry (every other one is about generating); those only it may.
-EMBED_PARAMS = frozenset(name for name, param in PARAMS.items() if param.jobs != "generate")
-EMBED_ONLY = tuple(name for name, param in PARAMS.items() if param.jobs == "embed")
-# Flags that set a job parameter to a fixed value: flag -> (parameter, value, help).
-FLAG_SHORTHANDS = {"--json": ("response_format", {"type": "json_object"}, "constrain the output to a JSON object "
-                                                                          "(response_format json_object)")}
-# OpenAI Batch body field -> the job parameter it carries, in table order.
-OPENAI_FIELDS = {field: name for name, param in PARAMS.items() for field in param.openai}
 
 
 def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = None) -> Any:
@@ -3527,12 +3564,86 @@ def check_prompt(prompt: Any, limit: int) -> bytes:
     return data
 
 
-class Endpoint(namedtuple("Endpoint", "input raw object id_prefix")):
-    """An OpenAI Batch ``url`` nrvna serves: the body field holding the input (``messages``,
-    ``prompt`` or ``input``: texts to embed), whether the prompt skips the chat template, and
-    the response object."""
+# Every per-job parameter: validation, `submit`'s flags, the OpenAI line mapping, the
+# engine's defaults (`job_param`), `--help` and the README's table come from here. A new
+# sampling parameter is one row here and its use in the engine.
+PARAMS: dict[str, Param] = {
+    "max_tokens": Param(int, low=1, high=1 << 20, flag="--max-tokens", openai=("max_tokens", "max_completion_tokens"),
+                         help="most tokens to generate"),
+    "temperature": Param(float, low=0.0, high=100.0, flag="--temperature", openai=("temperature",),
+                          help="sampling temperature (0 = greedy)"),
+    "top_k": Param(int, low=0, high=1 << 20, flag="--top-k", openai=("top_k",),
+                    help="sample from the K most likely tokens (0 = off)"),
+    "top_p": Param(float, low=0.0, high=1.0, flag="--top-p", openai=("top_p",),
+                    help="nucleus sampling: the smallest set with this probability (1 = off)"),
+    "min_p": Param(float, low=0.0, high=1.0, flag="--min-p", openai=("min_p",),
+                    help="drop tokens less likely than this fraction of the best one (0 = off)"),
+    "repeat_penalty": Param(float, low=0.0, high=100.0, flag="--repeat-penalty", openai=("repeat_penalty",),
+                             help="divide the logits of the last 64 generated tokens by this (1 = off)"),
+    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty", openai=("presence_penalty",),
+                               help="subtract this from the logit of every token among the last 64 generated (0 = off)"),
+    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty", openai=("frequency_penalty",),
+                                help="subtract this times its count from the logit of each token among the last 64 generated (0 = off)"),
+    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",), read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias, what="object, biases {low:g} to {high:g}",
+                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
+    "seed": Param(int, low=0, high=0xFFFFFFFE, flag="--seed", openai=("seed",),
+                   help="sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
+    "n": Param(int, low=1, high=CHOICES_MAX, default=1, flag="--n", openai=("n",),
+                help="choices: N samples of the prompt in one job, its prompt computed once, choice i seeded seed + i "
+                     "(result.txt holds the first, choices.json them all)"),
+    "stop": Param(list, low=0, high=16, flag="--stop", openai=("stop",),
+                   help="strings that end the generation, not included in the result (a flag per string)"),
+    "ignore_eos": Param(bool, default=False, flag="--ignore-eos",
+                         help="keep generating past the model's end-of-generation token (not past the end of a grammar)"),
+    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",), read=("FILE|JSON", _read_json_schema), check=_check_response_format, what="object (OpenAI's)",
+                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
+    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",), read=("FILE", _read_grammar),
+                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file"),
+    "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
+                       help=f"record each generated token's log-probability (get --json, export); n x max_tokens x "
+                            f"(top_logprobs + 1) may be at most {LOGPROBS_MAX} a job"),
+    "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
+                           help="with logprobs: also the N most likely tokens at each step"),
+    "embed": Param(bool, default=False, flag="--embed", jobs="any",
+                    help="embed the input instead of generating: a vector per text (the result holds one JSON array per text, one per line)"),
+    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input, what="list of {low} to {high} strings", jobs="embed",
+                    help="with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
+    "dimensions": Param(int, low=1, high=1 << 16, flag="--dimensions", openai=("dimensions",), jobs="embed",
+                         help="with embed: keep each vector's first N values (normalized again): for models trained for it (Matryoshka)"),
+    "encoding_format": Param(("float", "base64"), default="float", openai=("encoding_format",), jobs="embed",
+                              help="with embed: how export --format openai writes the vectors (base64: little-endian float32)"),
+    "system": Param(str, low=0, high=1 << 20, flag="--system",
+                     help="a system message for the chat template"),
+    "raw": Param(bool, default=False, flag="--raw",
+                  help="send the prompt as is, without the chat template"),
+    "timeout": Param(float, low=0.001, high=1e7, flag="--timeout", jobs="any",
+                      help="seconds of generation before the job fails with code timeout, keeping its partial text"),
+    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages, what="list of up to {high} {{role, content}}",
+                       help="chat turns [{role, content}] instead of a prompt, through the chat template"),
+    "custom_id": Param(str, low=0, high=512, jobs="any",
+                        help="the caller's name for the job (batch files, export; default line-N)"),
+    "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
+                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower ones in its context until it ends"),
+    "model": Param(str, low=1, high=256, flag="--model", openai=("model",), jobs="any",
+                    help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the daemon's model (a note says so; --strict-models refuses it), a known model no running daemon serves waits"),
+    "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
+                              help="submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
+    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",), read=("JSON", _read_metadata), check=_check_metadata, what="object, up to {high} bytes as JSON", jobs="any",
+                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON object (a template's record, by default); never read by the daemon"),
+    "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
+                  help="label the jobs (status/wait/export/cancel/retry --tag)"),
+    "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
+                       help="the OpenAI Batch url a job came from: export answers in its shape"),
+}
 
-    __slots__ = ()
+
+# OpenAI Batch body field -> the job parameter it carries, in table order.
+OPENAI_FIELDS = {field: name for name, param in PARAMS.items() for field in param.openai}
+EMBED_ONLY = tuple(name for name, param in PARAMS.items() if param.jobs == "embed")
+
+
+# The parameters an embed job may carry (every other one is about generating); those only it may.
+EMBED_PARAMS = frozenset(name for name, param in PARAMS.items() if param.jobs != "generate")
 
 
 # The OpenAI Batch endpoints: what a request line may carry and how export answers it.
@@ -3544,128 +3655,19 @@ ENDPOINTS: dict[str, Endpoint] = {
 
 
 ##############################################################################
-# Workspace and job directories: layout, IDs, states, meta.json, durable moves, the tag index, the lock
+# 7. Workspace and job directories: layout, IDs, states, meta.json, durable moves, the tag index, the lock
 ##############################################################################
-
-Route = namedtuple("Route", "priority model embed")
-
-
-def read_route(job_dir: str) -> Route:
-    """A queued job's priority, the model it names and whether it is an embed job, from its
-    params.json ((0, None, False) when it says none, or cannot be read: its claim will say
-    why). Cheap for the default lane and model: the JSON is parsed only when the file
-    mentions a priority, a model or embed."""
-    import json
-
-    # The Scanner calls this under the Pool's lock: like the claim, it follows no symlink
-    # and opens no FIFO (a planted params.json FIFO would block every worker).
-    try:
-        dir_fd = open_dir(job_dir)
-    except OSError:
-        return Route(0, None, False)
-    try:
-        data = read_file(dir_fd, PARAMS_FILE, params_limit())
-    except (OSError, JobError):
-        return Route(0, None, False)
-    finally:
-        os.close(dir_fd)
-    if b'"priority"' not in data and b'"model"' not in data and b'"embed"' not in data:
-        return Route(0, None, False)
-    try:
-        params = json.loads(data)
-    except (ValueError, RecursionError):
-        return Route(0, None, False)
-    if not isinstance(params, dict):  # a hand-made params.json: its claim fails it
-        return Route(0, None, False)
-    priority, model = job_param(params, "priority"), job_param(params, "model")
-    lane = PARAMS["priority"]
-    if not (isinstance(priority, int) and not isinstance(priority, bool) and lane.low <= priority <= lane.high):
-        priority = 0
-    return Route(priority, model if isinstance(model, str) and model else None, job_param(params, "embed") is True)
+# Owns the layout on disk and every primitive that reads or moves a job. Invariant: a job's state
+# is where its directory is, changed only by move_job (a rename on one filesystem); keys, tags and
+# locks are files beside the jobs. Clients and every daemon thread call in; the locks are flocks.
 
 
-def read_priority(job_dir: str) -> int:
-    """A queued job's priority (see read_route)."""
-    return read_route(job_dir)[0]
-
-
-def gguf_files(models_dir: str) -> Optional[list[str]]:
-    """The ``*.gguf`` file names in ``models_dir``, sorted (None when it cannot be read)."""
-    try:
-        return sorted(f for f in os.listdir(models_dir) if f.lower().endswith(".gguf"))
-    except OSError:
-        return None
-
-
-def _check_gguf_magic(path: str) -> None:
-    """ModelError unless ``path`` is a readable regular file that starts with GGUF (what a
-    submit checks of a model it names; the daemon reads the header too: check_gguf)."""
-    if not os.path.exists(path):
-        raise ModelError(f"model {path} does not exist")
-    if os.path.isdir(path):
-        raise ModelError(f"model {path} is a directory, not a GGUF file")
-    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the daemon in open()
-        raise ModelError(f"model {path} is not a regular file")
-    try:  # O_NONBLOCK: a FIFO put in its place since the stat must not block (submit checks too)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ModelError(f"model {path} is not a regular file")
-            magic = os.read(fd, 4)
-        finally:
-            os.close(fd)
-    except OSError as err:
-        raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
-    if magic != b"GGUF":
-        raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
-
-
-def model_file(name: str, models_dir: str, aliases: Mapping[str, str]) -> Optional[str]:
-    """The real path of the one model file ``name`` means (see model_matches); None when it
-    matches no model, or several: such a job runs as if it named none (submit noted that, or
-    refused it)."""
-    matches = model_matches(name, models_dir, aliases)
-    return os.path.realpath(matches[0]) if len(matches) == 1 else None
-
-
-def model_elsewhere(name: str, models_dir: str, aliases: Mapping[str, str], served: Iterable[str]) -> Optional[str]:
-    """The model file a job naming ``name`` waits for, when that is none of ``served`` (the
-    real paths of the models a daemon serves); None when it is one of them, or names no one
-    model (see model_file)."""
-    path = model_file(name, models_dir, aliases)
-    return path if path is not None and path not in set(served) else None
-
-
-def model_matches(name: str, models_dir: str, aliases: Optional[Mapping[str, str]] = None) -> list[str]:
-    """The model files ``name`` may mean: through ``aliases`` first, then a path (one that
-    exists, or any name with a '/'), else the ``*.gguf`` files of ``models_dir`` named
-    ``name`` (with or without .gguf) or, failing that, holding it (case aside). None, one
-    (resolved) or several (ambiguous)."""
-    name = (aliases or {}).get(name, name)
-    if os.path.exists(name) or os.sep in name:
-        return [name] if os.path.exists(name) else []
-    candidates = gguf_files(models_dir) or []
-    exact = [f for f in candidates if f == name or f[:-5] == name]
-    return [os.path.join(models_dir, f) for f in exact or [f for f in candidates if name.lower() in f.lower()]]
-
-
-def resolve_model(name: str, models_dir: str, aliases: Optional[Mapping[str, str]] = None) -> str:
-    """The model file ``name`` means (see model_matches), or ModelError saying why none."""
-    matches = model_matches(name, models_dir, aliases)
-    if len(matches) == 1:
-        return matches[0]
-    target = (aliases or {}).get(name, name)
-    shown = name if target == name else f"{name} (an alias of {target})"
-    if os.path.exists(target) or os.sep in target:
-        raise ModelError(f"model {shown} does not exist")
-    candidates = gguf_files(models_dir)
-    if candidates is None:
-        raise ModelError(f"model {shown} does not exist, and models dir {models_dir} cannot be read "
-                         "(NRVNA_MODELS_DIR)")
-    if not matches:
-        raise ModelError(f"model {shown} does not exist; models in {models_dir}: {', '.join(candidates) or 'none'}")
-    raise ModelError(f"model name {shown} is ambiguous in {models_dir}: "
-                     f"{', '.join(os.path.basename(m) for m in matches)}")
+# ============================================================================
+# 7.1 Layout, locks and the daemons' records
+# ============================================================================
+# The workspace's directories and file names (job_path), the workspace lock, a job's lock (hold_job) and
+# the daemons' records in daemons/. Invariant: a held flock is the only proof that a daemon or a
+# holder is alive; a pid only names it.
 
 
 # The state directories: a job's place is its state.
@@ -3701,6 +3703,24 @@ DAEMONS = "daemons"  # daemons/<pid>-<ns>.lock (flock'ed by its daemon while it 
 QUARANTINED_ENTRY = "entry"
 GENERATED_ID = re.compile(r"(\d+)_(\d+)_(\d+)")
 DIR_MODE = 0o700
+
+
+def parse_meta(text: Optional[str]) -> dict[str, Any]:
+    """meta.json's text as a dict ({} when absent or unreadable)."""
+    import json
+
+    if not text:
+        return {}
+    try:
+        meta = json.loads(text)
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def job_path(workspace: str, sub: str, job_id: str = "") -> str:
+    """``workspace/sub/job_id`` (or the state directory itself)."""
+    return os.path.join(workspace, sub, job_id) if job_id else os.path.join(workspace, sub)
 
 
 def ensure_workspace(workspace: str) -> None:
@@ -3903,6 +3923,13 @@ def daemon_records(workspace: str) -> list[dict[str, Any]]:
     return records
 
 
+# ============================================================================
+# 7.2 IDs, states and meta.json
+# ============================================================================
+# Job IDs (ordered by time), Status and each state's directory, reading meta.json. Invariant:
+# the directory's place is the job's state; meta.json says more, never otherwise. Stateless.
+
+
 _id_counter = itertools.count()
 
 
@@ -3943,21 +3970,6 @@ class Status(str, enum.Enum):
         return self in (Status.Done, Status.Failed)
 
 
-# Lifecycle order: a job only moves forward through these (except a requeue), so a reader
-# checking them in this order cannot miss a job that moves forward while it looks.
-STATE_DIRS = ((READY, Status.Queued), (PROCESSING, Status.Running),
-              (OUTPUT, Status.Done), (FAILED, Status.Failed))
-STATUS_DIR = {status: sub for sub, status in STATE_DIRS}
-# The CLI's exit code for a job in each state.
-STATUS_EXIT = {Status.Done: EXIT_OK, Status.Failed: EXIT_FAILED, Status.Missing: EXIT_MISSING,
-               Status.Queued: EXIT_UNFINISHED, Status.Running: EXIT_UNFINISHED}
-
-
-def job_path(workspace: str, sub: str, job_id: str = "") -> str:
-    """``workspace/sub/job_id`` (or the state directory itself)."""
-    return os.path.join(workspace, sub, job_id) if job_id else os.path.join(workspace, sub)
-
-
 def locate_job(workspace: str, job_id: str) -> tuple[Status, str]:
     """Where a job is now: its state and directory (``Missing`` and "" if nowhere)."""
     if not is_valid_id(job_id):
@@ -3970,19 +3982,6 @@ def locate_job(workspace: str, job_id: str) -> tuple[Status, str]:
             if os.path.lexists(path):
                 return status, path
     return Status.Missing, ""
-
-
-def parse_meta(text: Optional[str]) -> dict[str, Any]:
-    """meta.json's text as a dict ({} when absent or unreadable)."""
-    import json
-
-    if not text:
-        return {}
-    try:
-        meta = json.loads(text)
-    except ValueError:
-        return {}
-    return meta if isinstance(meta, dict) else {}
 
 
 def read_meta(dir_fd: int) -> dict[str, Any]:
@@ -4032,6 +4031,42 @@ def submitted_time(job_id: str, dir_fd: int) -> Optional[float]:
         return float(match.group(1)) if match else None
 
 
+# Lifecycle order: a job only moves forward through these (except a requeue), so a reader
+# checking them in this order cannot miss a job that moves forward while it looks.
+STATE_DIRS = ((READY, Status.Queued), (PROCESSING, Status.Running),
+              (OUTPUT, Status.Done), (FAILED, Status.Failed))
+STATUS_DIR = {status: sub for sub, status in STATE_DIRS}
+
+
+# The CLI's exit code for a job in each state.
+STATUS_EXIT = {Status.Done: EXIT_OK, Status.Failed: EXIT_FAILED, Status.Missing: EXIT_MISSING,
+               Status.Queued: EXIT_UNFINISHED, Status.Running: EXIT_UNFINISHED}
+
+
+# ============================================================================
+# 7.3 A job's history
+# ============================================================================
+# job_history, record_event, owe_hooks, move_job and mark_failed. Invariant: job_history reconciles
+# meta.json's events with where the job is, so no change is reported that did not happen and none
+# that did is lost.
+
+
+# Each change of state appends [time, to] or [time, to, code] to meta.json's "events", in the
+# same meta.json write the change makes anyway: no other file, no extra fsync. Some writes
+# come before their rename (done, failed, cancelled, requeued: the job's files first, then
+# the move) and one after (running: the claim's rename, then meta.json), so a crash can leave
+# one entry that did not happen, or miss one that did. The job's directory is the truth, and
+# job_history() reconciles the entries with it: a last entry whose move did not happen (the
+# job is still where it was before it) is dropped; a move that has no entry gets one, timed
+# by the directory's ctime. So no change is reported that did not happen, and none that did
+# is lost (`nrvna events`, and the on-done hook's at-least-once, rest on this).
+
+EVENT_STATUS = {"queued": Status.Queued, "requeued": Status.Queued, "running": Status.Running,
+                "done": Status.Done, "failed": Status.Failed, "cancelled": Status.Failed}
+_WRITTEN_BEFORE_MOVE = frozenset({"done", "failed", "cancelled", "requeued"})
+SUB_STATUS = {sub: status for sub, status in STATE_DIRS}
+
+
 def mark_failed(workspace: str, sub: str, job_id: str, code: str, message: str,
                 came_from: Optional[Status] = None) -> None:
     """Write error.txt and meta.json (with ``code``) into the job dir ``sub/job_id``, durably
@@ -4050,24 +4085,6 @@ def mark_failed(workspace: str, sub: str, job_id: str, code: str, message: str,
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# -- a job's history: meta.json's "events" ---------------------------------------------------
-#
-# Each change of state appends [time, to] or [time, to, code] to meta.json's "events", in the
-# same meta.json write the change makes anyway: no other file, no extra fsync. Some writes
-# come before their rename (done, failed, cancelled, requeued: the job's files first, then
-# the move) and one after (running: the claim's rename, then meta.json), so a crash can leave
-# one entry that did not happen, or miss one that did. The job's directory is the truth, and
-# job_history() reconciles the entries with it: a last entry whose move did not happen (the
-# job is still where it was before it) is dropped; a move that has no entry gets one, timed
-# by the directory's ctime. So no change is reported that did not happen, and none that did
-# is lost (`nrvna events`, and the on-done hook's at-least-once, rest on this).
-
-EVENT_STATUS = {"queued": Status.Queued, "requeued": Status.Queued, "running": Status.Running,
-                "done": Status.Done, "failed": Status.Failed, "cancelled": Status.Failed}
-_WRITTEN_BEFORE_MOVE = frozenset({"done", "failed", "cancelled", "requeued"})
-SUB_STATUS = {sub: status for sub, status in STATE_DIRS}
 
 
 def job_history(meta: Mapping[str, Any], state: Status, submitted: Optional[float],
@@ -4203,6 +4220,142 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
     finally:
         os.close(fd)
     fsync_dir(os.path.dirname(folder))
+
+
+# ============================================================================
+# 7.4 Routes and model files
+# ============================================================================
+# A queued job's route (priority, model, kind) read cheaply from its params.json, and how a model
+# name finds its GGUF file. Stateless: the Scanner, the daemon's start and clients call it.
+
+
+Route = namedtuple("Route", "priority model embed")
+
+
+def read_route(job_dir: str) -> Route:
+    """A queued job's priority, the model it names and whether it is an embed job, from its
+    params.json ((0, None, False) when it says none, or cannot be read: its claim will say
+    why). Cheap for the default lane and model: the JSON is parsed only when the file
+    mentions a priority, a model or embed."""
+    import json
+
+    # The Scanner calls this under the Pool's lock: like the claim, it follows no symlink
+    # and opens no FIFO (a planted params.json FIFO would block every worker).
+    try:
+        dir_fd = open_dir(job_dir)
+    except OSError:
+        return Route(0, None, False)
+    try:
+        data = read_file(dir_fd, PARAMS_FILE, params_limit())
+    except (OSError, JobError):
+        return Route(0, None, False)
+    finally:
+        os.close(dir_fd)
+    if b'"priority"' not in data and b'"model"' not in data and b'"embed"' not in data:
+        return Route(0, None, False)
+    try:
+        params = json.loads(data)
+    except (ValueError, RecursionError):
+        return Route(0, None, False)
+    if not isinstance(params, dict):  # a hand-made params.json: its claim fails it
+        return Route(0, None, False)
+    priority, model = job_param(params, "priority"), job_param(params, "model")
+    lane = PARAMS["priority"]
+    if not (isinstance(priority, int) and not isinstance(priority, bool) and lane.low <= priority <= lane.high):
+        priority = 0
+    return Route(priority, model if isinstance(model, str) and model else None, job_param(params, "embed") is True)
+
+
+def read_priority(job_dir: str) -> int:
+    """A queued job's priority (see read_route)."""
+    return read_route(job_dir)[0]
+
+
+def gguf_files(models_dir: str) -> Optional[list[str]]:
+    """The ``*.gguf`` file names in ``models_dir``, sorted (None when it cannot be read)."""
+    try:
+        return sorted(f for f in os.listdir(models_dir) if f.lower().endswith(".gguf"))
+    except OSError:
+        return None
+
+
+def _check_gguf_magic(path: str) -> None:
+    """ModelError unless ``path`` is a readable regular file that starts with GGUF (what a
+    submit checks of a model it names; the daemon reads the header too: check_gguf)."""
+    if not os.path.exists(path):
+        raise ModelError(f"model {path} does not exist")
+    if os.path.isdir(path):
+        raise ModelError(f"model {path} is a directory, not a GGUF file")
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the daemon in open()
+        raise ModelError(f"model {path} is not a regular file")
+    try:  # O_NONBLOCK: a FIFO put in its place since the stat must not block (submit checks too)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ModelError(f"model {path} is not a regular file")
+            magic = os.read(fd, 4)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise ModelError(f"model {path} cannot be read: {_os_error(err)}") from None
+    if magic != b"GGUF":
+        raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
+
+
+def model_file(name: str, models_dir: str, aliases: Mapping[str, str]) -> Optional[str]:
+    """The real path of the one model file ``name`` means (see model_matches); None when it
+    matches no model, or several: such a job runs as if it named none (submit noted that, or
+    refused it)."""
+    matches = model_matches(name, models_dir, aliases)
+    return os.path.realpath(matches[0]) if len(matches) == 1 else None
+
+
+def model_elsewhere(name: str, models_dir: str, aliases: Mapping[str, str], served: Iterable[str]) -> Optional[str]:
+    """The model file a job naming ``name`` waits for, when that is none of ``served`` (the
+    real paths of the models a daemon serves); None when it is one of them, or names no one
+    model (see model_file)."""
+    path = model_file(name, models_dir, aliases)
+    return path if path is not None and path not in set(served) else None
+
+
+def model_matches(name: str, models_dir: str, aliases: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The model files ``name`` may mean: through ``aliases`` first, then a path (one that
+    exists, or any name with a '/'), else the ``*.gguf`` files of ``models_dir`` named
+    ``name`` (with or without .gguf) or, failing that, holding it (case aside). None, one
+    (resolved) or several (ambiguous)."""
+    name = (aliases or {}).get(name, name)
+    if os.path.exists(name) or os.sep in name:
+        return [name] if os.path.exists(name) else []
+    candidates = gguf_files(models_dir) or []
+    exact = [f for f in candidates if f == name or f[:-5] == name]
+    return [os.path.join(models_dir, f) for f in exact or [f for f in candidates if name.lower() in f.lower()]]
+
+
+def resolve_model(name: str, models_dir: str, aliases: Optional[Mapping[str, str]] = None) -> str:
+    """The model file ``name`` means (see model_matches), or ModelError saying why none."""
+    matches = model_matches(name, models_dir, aliases)
+    if len(matches) == 1:
+        return matches[0]
+    target = (aliases or {}).get(name, name)
+    shown = name if target == name else f"{name} (an alias of {target})"
+    if os.path.exists(target) or os.sep in target:
+        raise ModelError(f"model {shown} does not exist")
+    candidates = gguf_files(models_dir)
+    if candidates is None:
+        raise ModelError(f"model {shown} does not exist, and models dir {models_dir} cannot be read "
+                         "(NRVNA_MODELS_DIR)")
+    if not matches:
+        raise ModelError(f"model {shown} does not exist; models in {models_dir}: {', '.join(candidates) or 'none'}")
+    raise ModelError(f"model name {shown} is ambiguous in {models_dir}: "
+                     f"{', '.join(os.path.basename(m) for m in matches)}")
+
+
+# ============================================================================
+# 7.5 Idempotency keys and tags
+# ============================================================================
+# keys/ maps a submit's key to its one job (a link, and a holder's file while it publishes);
+# tags/ lists the jobs of a tag. Invariant: one key names one job however many submits race; a
+# tag's list may name jobs since removed (readers check).
 
 
 # A key written by an older nrvna names no holder: its client's life cannot be proven, so its
@@ -4469,6 +4622,13 @@ def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, 
         yield name, [(job_id, cid) for job_id, cid in rows]
 
 
+# ============================================================================
+# 7.6 Reading a job
+# ============================================================================
+# Job (what Flow.get returns), the readers of logprobs.json and choices.json, and _DirWatch
+# (inotify on a directory). Read only; any thread.
+
+
 class Job(namedtuple("Job", "id status prompt result error meta params logprobs choices", defaults=(None, None, None))):
     """A job as read back from the workspace: ``id: str, status: Status`` and
     ``prompt, result, error: str | None`` and ``meta, params: dict`` (params.json: the
@@ -4551,15 +4711,36 @@ class _DirWatch:
 
 
 ##############################################################################
-# Batch files and export: nrvna's JSONL lines, OpenAI Batch lines (ENDPOINTS), export formats (EXPORT_FORMATS)
+# 8. Batch files and export: nrvna's JSONL lines, OpenAI Batch lines (ENDPOINTS), export formats (EXPORT_FORMATS)
 ##############################################################################
+# Owns batch lines (nrvna's and OpenAI's), data templates and the export formats. Invariant: a
+# batch file is checked whole before any job of it is queued. Client code; stateless.
+
 
 BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
+
+
+# OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
+OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "stream": "must be false"}
+
+
+# OpenAI body fields refused with a reason (any other unknown field is refused by name).
+OPENAI_BODY_REFUSED = {field: "tool calls are not supported by nrvna" for field in
+                       ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")}
 
 
 class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
     """One job of a batch file: its line number, prompt bytes (what prompt.txt holds) and
     validated params (``custom_id`` always set)."""
+
+    __slots__ = ()
+
+
+class ExportFormat(namedtuple("ExportFormat", "record line help side", defaults=(None,))):
+    """An export format: the job as a JSON record (None for plain text), the job as what is
+    written (bytes for a binary format), its help, and for a binary format the lines of its
+    side file (``FILE.ids``: what each row is)."""
 
     __slots__ = ()
 
@@ -4744,9 +4925,6 @@ def _jsonl_records(text: str, json: Any) -> Iterator[tuple[int, dict[str, Any]]]
         yield n, record
 
 
-_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
-
-
 def _csv_value(cell: str) -> Any:
     """A CSV cell as a record's value: a number when the cell is exactly how JSON writes that
     number (``5``, ``-2``, ``4.5``), so that ``"stars": 5`` comes back a number in metadata as
@@ -4838,13 +5016,6 @@ def _embed_input(texts: list[str], params: dict[str, Any]) -> tuple[str, dict[st
         return texts[0], params
     params["input"] = texts
     return render_inputs(texts), params
-
-
-# OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
-OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "stream": "must be false"}
-# OpenAI body fields refused with a reason (any other unknown field is refused by name).
-OPENAI_BODY_REFUSED = {field: "tool calls are not supported by nrvna" for field in
-                       ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")}
 
 
 def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
@@ -5052,12 +5223,40 @@ def _f32_ids(job: Job) -> str:
     return "".join(f"{job.id}\t{custom_id}\t{i}\n" for i in range(len(job_vectors(job))))
 
 
-class ExportFormat(namedtuple("ExportFormat", "record line help side", defaults=(None,))):
-    """An export format: the job as a JSON record (None for plain text), the job as what is
-    written (bytes for a binary format), its help, and for a binary format the lines of its
-    side file (``FILE.ids``: what each row is)."""
+def export_record(job: Job, form: str) -> dict[str, Any]:
+    """One finished job as an export record: nrvna's ``jsonl`` record, or exactly an OpenAI
+    Batch output line (``openai``)."""
+    record = EXPORT_FORMATS[form].record if form in EXPORT_FORMATS else None
+    if record is None:
+        raise InvalidInput(f"export format {form!r} has no JSON record (JSON formats: "
+                           f"{', '.join(k for k, v in EXPORT_FORMATS.items() if v.record)})")
+    return record(job)
 
-    __slots__ = ()
+
+def _written_through(path: str) -> bool:
+    """Whether an export writes through ``path`` (an existing FIFO, device or socket, anything
+    under /dev/ or /proc/) rather than replacing a regular file there. /dev/stdout and its
+    kind name an open descriptor, which may be a file the shell opened: written through,
+    appending, never replaced."""
+    try:
+        mode: Optional[int] = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    return (mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)) or (
+        os.path.abspath(path).startswith("/dev/") or os.path.realpath(path).startswith("/proc/"))
+
+
+def _workspace_of(path: str) -> Optional[str]:
+    """The nrvna workspace holding ``path`` (an absolute, resolved path), if any: the
+    nearest directory at or above it with the queue's layout or a lock file."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    while True:
+        if os.path.isdir(os.path.join(folder, READY)) and os.path.isdir(os.path.join(folder, PROCESSING)):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
 
 
 # `export --format`: the choices, their help and the writers all come from here.
@@ -5071,16 +5270,6 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {
                         "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
                         "custom_id and input index, tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
 }
-
-
-def export_record(job: Job, form: str) -> dict[str, Any]:
-    """One finished job as an export record: nrvna's ``jsonl`` record, or exactly an OpenAI
-    Batch output line (``openai``)."""
-    record = EXPORT_FORMATS[form].record if form in EXPORT_FORMATS else None
-    if record is None:
-        raise InvalidInput(f"export format {form!r} has no JSON record (JSON formats: "
-                           f"{', '.join(k for k, v in EXPORT_FORMATS.items() if v.record)})")
-    return record(job)
 
 
 class _ExportTarget:
@@ -5185,35 +5374,20 @@ class _ExportTarget:
             self.temp = None
 
 
-def _written_through(path: str) -> bool:
-    """Whether an export writes through ``path`` (an existing FIFO, device or socket, anything
-    under /dev/ or /proc/) rather than replacing a regular file there. /dev/stdout and its
-    kind name an open descriptor, which may be a file the shell opened: written through,
-    appending, never replaced."""
-    try:
-        mode: Optional[int] = os.stat(path).st_mode
-    except FileNotFoundError:
-        mode = None
-    return (mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)) or (
-        os.path.abspath(path).startswith("/dev/") or os.path.realpath(path).startswith("/proc/"))
-
-
-def _workspace_of(path: str) -> Optional[str]:
-    """The nrvna workspace holding ``path`` (an absolute, resolved path), if any: the
-    nearest directory at or above it with the queue's layout or a lock file."""
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    while True:
-        if os.path.isdir(os.path.join(folder, READY)) and os.path.isdir(os.path.join(folder, PROCESSING)):
-            return folder
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            return None
-        folder = parent
-
-
 ##############################################################################
-# Client: Work submits, Flow reads and waits; cancel, retry, clean, stop
+# 9. Client: Work submits, Flow reads and waits; cancel, retry, clean, stop
 ##############################################################################
+# Owns Work, Flow and the commands on jobs. Invariant: a client changes a job only through
+# section 7's renames and files, so a daemon's claim and a client's cancel or retry never both win.
+# Runs in client processes; no daemon thread calls in.
+
+
+# ============================================================================
+# 9.1 Reading: Flow
+# ============================================================================
+# Flow reads, waits for and exports jobs, and bulk_states reads many jobs' states at once.
+# Invariant: neither moves a job or writes in one. Client threads, any number at once.
+
 
 def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
     """The state of many jobs at once: one listing per state directory, not a lookup per job.
@@ -5233,6 +5407,358 @@ def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
     for job_id in wanted - found.keys():
         found[job_id] = flow.status(job_id)
     return found
+
+
+def _export_form(format: str, out: Any, ids_file: Any) -> tuple[ExportFormat, Any]:
+    """``export``'s format, checked against its files, and the side file a binary format writes
+    (by default ``out + ".ids"``)."""
+    if format not in EXPORT_FORMATS:
+        raise InvalidInput(f"unknown export format {format!r} (known: {', '.join(EXPORT_FORMATS)})")
+    form = EXPORT_FORMATS[format]
+    binary = form.side is not None
+    if binary and not (isinstance(out, (str, os.PathLike)) and os.fspath(out) not in ("", "-")):
+        raise InvalidInput(f"export --format {format} needs -o FILE (it writes FILE and FILE.ids)")
+    if not binary and ids_file is not None:
+        raise InvalidInput(f"--ids names the side file of a binary format; --format {format} has none")
+    if binary and ids_file is None:
+        if _written_through(os.fspath(out)):
+            # /dev/null.ids, /dev/stdout.ids: a stray file beside a device, never what was meant
+            raise InvalidInput(f"-o {os.fspath(out)} is not a regular file, so FILE.ids cannot go beside it: "
+                               "name the rows' side file with --ids FILE")
+        ids_file = os.fspath(out) + ".ids"
+    return form, ids_file
+
+
+def _refuse_same_files(out: Any, errors: Any, ids_file: Any) -> None:
+    """InvalidInput when two of ``export``'s files (those given as paths) are one file."""
+    named = [(what, os.fspath(t)) for what, t in (("the output", out), ("the errors file", errors),
+                                                    ("the ids file", ids_file))
+             if isinstance(t, (str, os.PathLike)) and os.fspath(t) != "-"]
+    for i, (what, path) in enumerate(named):
+        for earlier, other in named[:i]:
+            if os.path.realpath(path) == os.path.realpath(other):
+                raise InvalidInput(f"{earlier} and {what} are the same file ({other})")
+
+
+class Flow:
+    """Reads job states and results. Never blocks the daemon; safe to poll."""
+
+    def __init__(self, workspace: Any) -> None:
+        self.workspace = os.fspath(workspace)
+
+    def status(self, job_id: str) -> Status:
+        """The job's state; ``Missing`` for an unknown or invalid ID."""
+        return self.locate(job_id)[0]
+
+    def locate(self, job_id: str) -> tuple[Status, str]:
+        """The job's state and directory (``Missing`` and "" if there is none)."""
+        return locate_job(self.workspace, job_id)
+
+    def get(self, job_id: str) -> Optional[Job]:
+        """The job with its prompt, result or error and meta; None if there is none."""
+        return self._retrying(job_id, lambda status, path: self._read(job_id, status, path))
+
+    def _retrying(self, job_id: str, read: Callable[[Status, str], Any]) -> Any:
+        """``read(status, path)`` of the job's directory, looked up again if the job moved
+        on between the lookup and the read; None if there is no such job."""
+        for _ in range(3):
+            status, path = self.locate(job_id)
+            if status is Status.Missing:
+                return None
+            try:
+                return read(status, path)
+            except FileNotFoundError:
+                continue
+        return None
+
+    def _read(self, job_id: str, status: Status, path: str) -> Job:
+        try:
+            fd = open_dir(path)
+        except OSError as err:
+            if err.errno in (errno.ENOTDIR, errno.ELOOP):
+                return Job(job_id, status, None, None, "not a job directory", {}, {})
+            raise
+        try:
+            files = {}
+            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE, PARAMS_FILE, LOGPROBS_FILE, CHOICES_FILE):
+                try:
+                    files[name] = read_file(fd, name, 1 << 40).decode("utf-8", "replace")
+                except (FileNotFoundError, JobError):
+                    files[name] = None
+            if status is Status.Done and files[RESULT_FILE] is None:
+                raise FileNotFoundError(path)  # moved on between the lookup and the open
+        finally:
+            os.close(fd)
+        meta = parse_meta(files[META_FILE])
+        error = files[ERROR_FILE]
+        if status is Status.Failed and error is None:  # a cancel or retry was cut off midway
+            history = meta.get("errors")
+            if isinstance(history, list) and history and isinstance(history[-1], dict):
+                error = f"{history[-1].get('error')}\n"
+            elif os.path.lexists(os.path.join(path, CANCEL_FILE)):
+                error, meta = "cancelled (nrvna cancel)\n", dict(meta, code="cancelled")
+        logprobs = None
+        if files[LOGPROBS_FILE] is not None:
+            import json
+
+            try:
+                logprobs = json.loads(files[LOGPROBS_FILE])
+            except (ValueError, RecursionError):
+                logprobs = None  # a hand-made or damaged file: the job reads without it
+            if not _logprobs_shape(logprobs):
+                logprobs = None
+        choices = _read_choices(files[CHOICES_FILE]) if status is Status.Done else None
+        return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, parse_meta(files[PARAMS_FILE]),
+                   logprobs, choices)
+
+    def result_bytes(self, job_id: str) -> Optional[bytes]:
+        """result.txt of a done job, byte for byte (what ``nrvna get`` prints)."""
+
+        def read(status: Status, path: str) -> Optional[bytes]:
+            if status is not Status.Done:
+                return None
+            fd = open_dir(path)
+            try:
+                return read_file(fd, RESULT_FILE, 1 << 40)
+            finally:
+                os.close(fd)
+
+        return self._retrying(job_id, read)
+
+    def wait(self, job_id: str, timeout: Optional[float] = None,
+             on_look: Optional[Callable[[Status], None]] = None) -> Status:
+        """Block until the job is Done or Failed (or Missing, or ``timeout`` seconds pass).
+        ``on_look(status)`` is called after every look that finds it unfinished."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            status = self.status(job_id)
+            if status.finished or status is Status.Missing:
+                return status
+            if on_look is not None:
+                on_look(status)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return status
+                delay = min(delay, left)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.1)
+
+    def counts(self) -> dict[str, int]:
+        """How many jobs are in each state."""
+        counts = {}
+        for sub, status in STATE_DIRS:
+            try:
+                with os.scandir(os.path.join(self.workspace, sub)) as entries:
+                    counts[status.value] = sum(1 for e in entries if not e.name.startswith("."))
+            except FileNotFoundError:
+                counts[status.value] = 0
+        return counts
+
+    def lanes(self) -> list[tuple[int, list[str]]]:
+        """The queued jobs by priority, highest first, each lane in the order the daemon takes
+        them (submission order): [(priority, [id, ...]), ...]."""
+        ready = os.path.join(self.workspace, READY)
+        try:
+            with os.scandir(ready) as entries:
+                names = [e.name for e in entries if not e.name.startswith(".")]
+        except FileNotFoundError:
+            return []
+        lanes: dict[int, list[str]] = {}
+        for name in names:
+            lanes.setdefault(read_priority(os.path.join(ready, name)), []).append(name)
+        return [(priority, sorted(lanes[priority], key=order_key)) for priority in sorted(lanes, reverse=True)]
+
+    def select(self, ids: Iterable[str] = (), tag: Optional[str] = None) -> tuple[list[str], dict[str, Status]]:
+        """The jobs named by ``ids`` and/or ``tag`` (neither: every job in the workspace), in
+        order, without repeats, and their states. Raise NoSuchJob naming an unknown ID; a
+        tag's jobs that no longer exist (cleaned) are left out."""
+        require_workspace(self.workspace)
+        named = list(ids)
+        check_ids(named)
+        wanted = list(named)
+        if tag is not None:
+            require_tag(self.workspace, tag)
+            wanted += [job_id for job_id, _ in tag_members(self.workspace, tag)]
+        elif not wanted:
+            wanted = _all_jobs(self.workspace)
+        states = bulk_states(self.workspace, wanted)
+        missing = [job_id for job_id in named if states[job_id] is Status.Missing]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise NoSuchJob(f"no job {missing[0]} in {self.workspace}{more}")
+        return [j for j in dict.fromkeys(wanted) if states[j] is not Status.Missing], states
+
+    def wait_all(self, ids: Iterable[str] = (), tag: Optional[str] = None, timeout: Optional[float] = None,
+                 on_progress: Optional[Callable[[dict[str, Status]], None]] = None) -> dict[str, Status]:
+        """Wait until every selected job (see ``select``) is done or failed (or removed
+        meanwhile: Missing), or ``timeout`` seconds pass; return their states then, in order. ``on_progress(states)`` is called
+        after every look (one listing per state directory, however many jobs)."""
+        selected, states = self.select(ids, tag)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.1
+        while True:
+            current = {job_id: states[job_id] for job_id in selected}
+            if on_progress is not None:
+                on_progress(current)
+            if all(state.finished or state is Status.Missing for state in current.values()):
+                return current  # Missing: removed meanwhile (clean); it will not finish
+            if deadline is not None and time.monotonic() >= deadline:
+                return current
+            time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
+            began = time.monotonic()
+            states = bulk_states(self.workspace, selected)
+            delay = max(0.1, min(1.0, 3 * (time.monotonic() - began)))  # listing 100k jobs takes a while
+
+    def follow(self, job_id: str, on_restart: Optional[Callable[[], None]] = None,
+               on_look: Optional[Callable[[Status], None]] = None) -> Iterator[bytes]:
+        """The job's text as the daemon generates it (partial.txt, then result.txt), in
+        pieces, until the job is done or failed; then read ``status``. What it yields is
+        always a prefix of the final result, unless the daemon restarted the job: then
+        ``on_restart()`` is called and the text is yielded again from its start.
+        ``on_look(status)`` is called after every look that finds it unfinished."""
+        printed, attempt, delay = 0, None, 0.02
+        while True:
+            status, path = self.locate(job_id)
+            if status is Status.Missing:
+                raise NoSuchJob(f"no job {job_id} in {self.workspace}")
+            data = None
+            if status is not Status.Queued:
+                try:
+                    fd = open_dir(path)
+                except FileNotFoundError:
+                    continue  # it moved on between the lookup and the open
+                except NotADirectoryError:
+                    return  # a hand-made entry, not a job: nothing will ever be generated
+                try:
+                    if status is Status.Running:
+                        started = read_meta(fd).get("started")
+                        if attempt is not None and started != attempt and printed:
+                            if on_restart is not None:
+                                on_restart()
+                            printed = 0
+                        attempt = started
+                    data = _read_or_none(fd, RESULT_FILE if status is Status.Done else PARTIAL_FILE)
+                finally:
+                    os.close(fd)
+            if status is Status.Done and data is None:
+                time.sleep(delay)
+                continue  # still being moved (or a hand-made job without result.txt): look again
+            if data is not None and len(data) > printed:
+                yield data[printed:]
+                printed = len(data)
+            if status.finished:
+                return
+            if on_look is not None:
+                on_look(status)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.1)
+
+    def export(self, out: Any, ids: Iterable[str] = (), tag: Optional[str] = None, format: str = "jsonl",
+               errors: Any = None, notes: Optional[list[str]] = None, ids_file: Any = None) -> tuple[int, int]:
+        """Write one line per finished job, in submission order, in ``format`` (a key of
+        EXPORT_FORMATS) to ``out``, and failed jobs' lines to ``errors`` if given. Each is a
+        text stream or a path (``-`` is stdout; a file is written whole or not at all: see
+        ``_ExportTarget`` for the policy). Return
+        (lines written, unfinished jobs left out). Memory stays flat: one job at a time, and
+        with a tag alone one chunk of its index.
+
+        A binary format (``f32``) needs ``out`` to be a path: it writes the rows there and
+        their side file to ``ids_file``, by default ``out + ".ids"`` (both whole or not at
+        all), which needs ``out`` to be a regular file's path: beside a device, a FIFO or
+        anything under /dev/ or /proc/, ``ids_file`` must be given. Every row has one width:
+        jobs with vectors of another width are refused (a ragged matrix cannot be read back).
+        Failed jobs, which have no rows, go to ``errors`` as jsonl lines, or are left out
+        (counted in ``notes``)."""
+        form, ids_file = _export_form(format, out, ids_file)
+        selected = self._export_selection(ids, tag)
+        _refuse_same_files(out, errors, ids_file)
+        targets: list[Any] = []
+        try:
+            for target in (out, errors):
+                targets.append(_ExportTarget(target, form.side is not None and not targets)
+                               if isinstance(target, (str, os.PathLike)) else target)
+            if form.side is not None:
+                targets.append(_ExportTarget(ids_file) if isinstance(ids_file, (str, os.PathLike)) else ids_file)
+            exported, unfinished, left_out, unreadable = self._export_jobs(selected, form, targets)
+            for target in targets:
+                if isinstance(target, _ExportTarget):
+                    target.commit()
+                elif target is not None:
+                    target.flush()
+        except BaseException:
+            for target in targets:
+                if isinstance(target, _ExportTarget):
+                    try:
+                        target.abort()
+                    except OSError:
+                        pass  # the next target's temporary file must go too
+            raise
+        if left_out and notes is not None:
+            notes.append(f"{left_out} failed jobs have no vectors and were left out (--errors FILE lists them)")
+        if unreadable:
+            raise WorkspaceError(f"{len(unreadable)} jobs could not be read (permission denied: {unreadable[0]}"
+                                 f"{', ...' if len(unreadable) > 1 else ''}); the other {exported} were exported")
+        return exported, unfinished
+
+    def _export_selection(self, ids: Iterable[str], tag: Optional[str]) -> Iterable[str]:
+        """The jobs ``export`` goes through, in submission order (checked now, read lazily)."""
+        ids = list(ids)
+        if tag is not None and not ids:  # stream the tag's index: memory does not grow with the batch
+            require_workspace(self.workspace)
+            require_tag(self.workspace, tag)
+            return (job_id for chunk in iter_tag_members(self.workspace, tag) for job_id, _ in chunk)
+        return self.select(ids, tag)[0]
+
+    def _export_jobs(self, selected: Iterable[str], form: ExportFormat,
+                     targets: list[Any]) -> tuple[int, int, int, list[str]]:
+        """Write each finished job of ``selected`` to its target (``targets``: the output, the
+        errors or None, and a binary format's side file): (lines written, unfinished jobs,
+        failed jobs a binary format left out for want of an errors target, unreadable jobs)."""
+        binary = form.side is not None
+        unfinished = exported = left_out = 0
+        unreadable: list[str] = []
+        first_row: Optional[tuple[int, str]] = None  # f32: (bytes a row, 4 a float; its job)
+        for job_id in selected:
+            try:
+                job = self.get(job_id)
+            except PermissionError:
+                unreadable.append(job_id)
+                continue
+            if job is None:
+                continue  # a tagged job removed since (clean)
+            if not job.status.finished:
+                unfinished += 1
+                continue
+            if binary and job.status is Status.Failed:
+                if targets[1] is None:
+                    left_out += 1
+                else:
+                    targets[1].write(EXPORT_FORMATS["jsonl"].line(job))
+                continue
+            target = targets[1] if targets[1] is not None and job.status is Status.Failed else targets[0]
+            data = form.line(job)
+            if binary:
+                side = form.side(job)  # type: ignore[misc]
+                width = len(data) // side.count("\n")  # one width within a job: _f32_rows saw to it
+                if first_row is None:
+                    first_row = (width, job.id)
+                elif width != first_row[0]:
+                    raise InvalidInput(f"job {job.id} has vectors of {width // 4} floats and job {first_row[1]} "
+                                       f"of {first_row[0] // 4}: a matrix has one width (export them apart)")
+                targets[2].write(side)
+            target.write(data)
+            exported += 1
+        return exported, unfinished, left_out, unreadable
+
+
+# ============================================================================
+# 9.2 Submitting: Work
+# ============================================================================
+# Work and the checks a submit makes before it stages anything (model names, changed lines,
+# keys). Invariant: a job is written whole in input/writing/, fsynced, then published by one rename;
+# a key publishes once (_Keys).
 
 
 class SubmitResult(namedtuple("SubmitResult", "ok id message")):
@@ -5799,348 +6325,11 @@ class Work:
         return job_id, staging
 
 
-def _export_form(format: str, out: Any, ids_file: Any) -> tuple[ExportFormat, Any]:
-    """``export``'s format, checked against its files, and the side file a binary format writes
-    (by default ``out + ".ids"``)."""
-    if format not in EXPORT_FORMATS:
-        raise InvalidInput(f"unknown export format {format!r} (known: {', '.join(EXPORT_FORMATS)})")
-    form = EXPORT_FORMATS[format]
-    binary = form.side is not None
-    if binary and not (isinstance(out, (str, os.PathLike)) and os.fspath(out) not in ("", "-")):
-        raise InvalidInput(f"export --format {format} needs -o FILE (it writes FILE and FILE.ids)")
-    if not binary and ids_file is not None:
-        raise InvalidInput(f"--ids names the side file of a binary format; --format {format} has none")
-    if binary and ids_file is None:
-        if _written_through(os.fspath(out)):
-            # /dev/null.ids, /dev/stdout.ids: a stray file beside a device, never what was meant
-            raise InvalidInput(f"-o {os.fspath(out)} is not a regular file, so FILE.ids cannot go beside it: "
-                               "name the rows' side file with --ids FILE")
-        ids_file = os.fspath(out) + ".ids"
-    return form, ids_file
-
-
-def _refuse_same_files(out: Any, errors: Any, ids_file: Any) -> None:
-    """InvalidInput when two of ``export``'s files (those given as paths) are one file."""
-    named = [(what, os.fspath(t)) for what, t in (("the output", out), ("the errors file", errors),
-                                                    ("the ids file", ids_file))
-             if isinstance(t, (str, os.PathLike)) and os.fspath(t) != "-"]
-    for i, (what, path) in enumerate(named):
-        for earlier, other in named[:i]:
-            if os.path.realpath(path) == os.path.realpath(other):
-                raise InvalidInput(f"{earlier} and {what} are the same file ({other})")
-
-
-class Flow:
-    """Reads job states and results. Never blocks the daemon; safe to poll."""
-
-    def __init__(self, workspace: Any) -> None:
-        self.workspace = os.fspath(workspace)
-
-    def status(self, job_id: str) -> Status:
-        """The job's state; ``Missing`` for an unknown or invalid ID."""
-        return self.locate(job_id)[0]
-
-    def locate(self, job_id: str) -> tuple[Status, str]:
-        """The job's state and directory (``Missing`` and "" if there is none)."""
-        return locate_job(self.workspace, job_id)
-
-    def get(self, job_id: str) -> Optional[Job]:
-        """The job with its prompt, result or error and meta; None if there is none."""
-        return self._retrying(job_id, lambda status, path: self._read(job_id, status, path))
-
-    def _retrying(self, job_id: str, read: Callable[[Status, str], Any]) -> Any:
-        """``read(status, path)`` of the job's directory, looked up again if the job moved
-        on between the lookup and the read; None if there is no such job."""
-        for _ in range(3):
-            status, path = self.locate(job_id)
-            if status is Status.Missing:
-                return None
-            try:
-                return read(status, path)
-            except FileNotFoundError:
-                continue
-        return None
-
-    def _read(self, job_id: str, status: Status, path: str) -> Job:
-        try:
-            fd = open_dir(path)
-        except OSError as err:
-            if err.errno in (errno.ENOTDIR, errno.ELOOP):
-                return Job(job_id, status, None, None, "not a job directory", {}, {})
-            raise
-        try:
-            files = {}
-            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE, PARAMS_FILE, LOGPROBS_FILE, CHOICES_FILE):
-                try:
-                    files[name] = read_file(fd, name, 1 << 40).decode("utf-8", "replace")
-                except (FileNotFoundError, JobError):
-                    files[name] = None
-            if status is Status.Done and files[RESULT_FILE] is None:
-                raise FileNotFoundError(path)  # moved on between the lookup and the open
-        finally:
-            os.close(fd)
-        meta = parse_meta(files[META_FILE])
-        error = files[ERROR_FILE]
-        if status is Status.Failed and error is None:  # a cancel or retry was cut off midway
-            history = meta.get("errors")
-            if isinstance(history, list) and history and isinstance(history[-1], dict):
-                error = f"{history[-1].get('error')}\n"
-            elif os.path.lexists(os.path.join(path, CANCEL_FILE)):
-                error, meta = "cancelled (nrvna cancel)\n", dict(meta, code="cancelled")
-        logprobs = None
-        if files[LOGPROBS_FILE] is not None:
-            import json
-
-            try:
-                logprobs = json.loads(files[LOGPROBS_FILE])
-            except (ValueError, RecursionError):
-                logprobs = None  # a hand-made or damaged file: the job reads without it
-            if not _logprobs_shape(logprobs):
-                logprobs = None
-        choices = _read_choices(files[CHOICES_FILE]) if status is Status.Done else None
-        return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, parse_meta(files[PARAMS_FILE]),
-                   logprobs, choices)
-
-    def result_bytes(self, job_id: str) -> Optional[bytes]:
-        """result.txt of a done job, byte for byte (what ``nrvna get`` prints)."""
-
-        def read(status: Status, path: str) -> Optional[bytes]:
-            if status is not Status.Done:
-                return None
-            fd = open_dir(path)
-            try:
-                return read_file(fd, RESULT_FILE, 1 << 40)
-            finally:
-                os.close(fd)
-
-        return self._retrying(job_id, read)
-
-    def wait(self, job_id: str, timeout: Optional[float] = None,
-             on_look: Optional[Callable[[Status], None]] = None) -> Status:
-        """Block until the job is Done or Failed (or Missing, or ``timeout`` seconds pass).
-        ``on_look(status)`` is called after every look that finds it unfinished."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.005
-        while True:
-            status = self.status(job_id)
-            if status.finished or status is Status.Missing:
-                return status
-            if on_look is not None:
-                on_look(status)
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return status
-                delay = min(delay, left)
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.1)
-
-    def counts(self) -> dict[str, int]:
-        """How many jobs are in each state."""
-        counts = {}
-        for sub, status in STATE_DIRS:
-            try:
-                with os.scandir(os.path.join(self.workspace, sub)) as entries:
-                    counts[status.value] = sum(1 for e in entries if not e.name.startswith("."))
-            except FileNotFoundError:
-                counts[status.value] = 0
-        return counts
-
-    def lanes(self) -> list[tuple[int, list[str]]]:
-        """The queued jobs by priority, highest first, each lane in the order the daemon takes
-        them (submission order): [(priority, [id, ...]), ...]."""
-        ready = os.path.join(self.workspace, READY)
-        try:
-            with os.scandir(ready) as entries:
-                names = [e.name for e in entries if not e.name.startswith(".")]
-        except FileNotFoundError:
-            return []
-        lanes: dict[int, list[str]] = {}
-        for name in names:
-            lanes.setdefault(read_priority(os.path.join(ready, name)), []).append(name)
-        return [(priority, sorted(lanes[priority], key=order_key)) for priority in sorted(lanes, reverse=True)]
-
-    def select(self, ids: Iterable[str] = (), tag: Optional[str] = None) -> tuple[list[str], dict[str, Status]]:
-        """The jobs named by ``ids`` and/or ``tag`` (neither: every job in the workspace), in
-        order, without repeats, and their states. Raise NoSuchJob naming an unknown ID; a
-        tag's jobs that no longer exist (cleaned) are left out."""
-        require_workspace(self.workspace)
-        named = list(ids)
-        check_ids(named)
-        wanted = list(named)
-        if tag is not None:
-            require_tag(self.workspace, tag)
-            wanted += [job_id for job_id, _ in tag_members(self.workspace, tag)]
-        elif not wanted:
-            wanted = _all_jobs(self.workspace)
-        states = bulk_states(self.workspace, wanted)
-        missing = [job_id for job_id in named if states[job_id] is Status.Missing]
-        if missing:
-            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise NoSuchJob(f"no job {missing[0]} in {self.workspace}{more}")
-        return [j for j in dict.fromkeys(wanted) if states[j] is not Status.Missing], states
-
-    def wait_all(self, ids: Iterable[str] = (), tag: Optional[str] = None, timeout: Optional[float] = None,
-                 on_progress: Optional[Callable[[dict[str, Status]], None]] = None) -> dict[str, Status]:
-        """Wait until every selected job (see ``select``) is done or failed (or removed
-        meanwhile: Missing), or ``timeout`` seconds pass; return their states then, in order. ``on_progress(states)`` is called
-        after every look (one listing per state directory, however many jobs)."""
-        selected, states = self.select(ids, tag)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.1
-        while True:
-            current = {job_id: states[job_id] for job_id in selected}
-            if on_progress is not None:
-                on_progress(current)
-            if all(state.finished or state is Status.Missing for state in current.values()):
-                return current  # Missing: removed meanwhile (clean); it will not finish
-            if deadline is not None and time.monotonic() >= deadline:
-                return current
-            time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
-            began = time.monotonic()
-            states = bulk_states(self.workspace, selected)
-            delay = max(0.1, min(1.0, 3 * (time.monotonic() - began)))  # listing 100k jobs takes a while
-
-    def follow(self, job_id: str, on_restart: Optional[Callable[[], None]] = None,
-               on_look: Optional[Callable[[Status], None]] = None) -> Iterator[bytes]:
-        """The job's text as the daemon generates it (partial.txt, then result.txt), in
-        pieces, until the job is done or failed; then read ``status``. What it yields is
-        always a prefix of the final result, unless the daemon restarted the job: then
-        ``on_restart()`` is called and the text is yielded again from its start.
-        ``on_look(status)`` is called after every look that finds it unfinished."""
-        printed, attempt, delay = 0, None, 0.02
-        while True:
-            status, path = self.locate(job_id)
-            if status is Status.Missing:
-                raise NoSuchJob(f"no job {job_id} in {self.workspace}")
-            data = None
-            if status is not Status.Queued:
-                try:
-                    fd = open_dir(path)
-                except FileNotFoundError:
-                    continue  # it moved on between the lookup and the open
-                except NotADirectoryError:
-                    return  # a hand-made entry, not a job: nothing will ever be generated
-                try:
-                    if status is Status.Running:
-                        started = read_meta(fd).get("started")
-                        if attempt is not None and started != attempt and printed:
-                            if on_restart is not None:
-                                on_restart()
-                            printed = 0
-                        attempt = started
-                    data = _read_or_none(fd, RESULT_FILE if status is Status.Done else PARTIAL_FILE)
-                finally:
-                    os.close(fd)
-            if status is Status.Done and data is None:
-                time.sleep(delay)
-                continue  # still being moved (or a hand-made job without result.txt): look again
-            if data is not None and len(data) > printed:
-                yield data[printed:]
-                printed = len(data)
-            if status.finished:
-                return
-            if on_look is not None:
-                on_look(status)
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.1)
-
-    def export(self, out: Any, ids: Iterable[str] = (), tag: Optional[str] = None, format: str = "jsonl",
-               errors: Any = None, notes: Optional[list[str]] = None, ids_file: Any = None) -> tuple[int, int]:
-        """Write one line per finished job, in submission order, in ``format`` (a key of
-        EXPORT_FORMATS) to ``out``, and failed jobs' lines to ``errors`` if given. Each is a
-        text stream or a path (``-`` is stdout; a file is written whole or not at all: see
-        ``_ExportTarget`` for the policy). Return
-        (lines written, unfinished jobs left out). Memory stays flat: one job at a time, and
-        with a tag alone one chunk of its index.
-
-        A binary format (``f32``) needs ``out`` to be a path: it writes the rows there and
-        their side file to ``ids_file``, by default ``out + ".ids"`` (both whole or not at
-        all), which needs ``out`` to be a regular file's path: beside a device, a FIFO or
-        anything under /dev/ or /proc/, ``ids_file`` must be given. Every row has one width:
-        jobs with vectors of another width are refused (a ragged matrix cannot be read back).
-        Failed jobs, which have no rows, go to ``errors`` as jsonl lines, or are left out
-        (counted in ``notes``)."""
-        form, ids_file = _export_form(format, out, ids_file)
-        selected = self._export_selection(ids, tag)
-        _refuse_same_files(out, errors, ids_file)
-        targets: list[Any] = []
-        try:
-            for target in (out, errors):
-                targets.append(_ExportTarget(target, form.side is not None and not targets)
-                               if isinstance(target, (str, os.PathLike)) else target)
-            if form.side is not None:
-                targets.append(_ExportTarget(ids_file) if isinstance(ids_file, (str, os.PathLike)) else ids_file)
-            exported, unfinished, left_out, unreadable = self._export_jobs(selected, form, targets)
-            for target in targets:
-                if isinstance(target, _ExportTarget):
-                    target.commit()
-                elif target is not None:
-                    target.flush()
-        except BaseException:
-            for target in targets:
-                if isinstance(target, _ExportTarget):
-                    try:
-                        target.abort()
-                    except OSError:
-                        pass  # the next target's temporary file must go too
-            raise
-        if left_out and notes is not None:
-            notes.append(f"{left_out} failed jobs have no vectors and were left out (--errors FILE lists them)")
-        if unreadable:
-            raise WorkspaceError(f"{len(unreadable)} jobs could not be read (permission denied: {unreadable[0]}"
-                                 f"{', ...' if len(unreadable) > 1 else ''}); the other {exported} were exported")
-        return exported, unfinished
-
-    def _export_selection(self, ids: Iterable[str], tag: Optional[str]) -> Iterable[str]:
-        """The jobs ``export`` goes through, in submission order (checked now, read lazily)."""
-        ids = list(ids)
-        if tag is not None and not ids:  # stream the tag's index: memory does not grow with the batch
-            require_workspace(self.workspace)
-            require_tag(self.workspace, tag)
-            return (job_id for chunk in iter_tag_members(self.workspace, tag) for job_id, _ in chunk)
-        return self.select(ids, tag)[0]
-
-    def _export_jobs(self, selected: Iterable[str], form: ExportFormat,
-                     targets: list[Any]) -> tuple[int, int, int, list[str]]:
-        """Write each finished job of ``selected`` to its target (``targets``: the output, the
-        errors or None, and a binary format's side file): (lines written, unfinished jobs,
-        failed jobs a binary format left out for want of an errors target, unreadable jobs)."""
-        binary = form.side is not None
-        unfinished = exported = left_out = 0
-        unreadable: list[str] = []
-        first_row: Optional[tuple[int, str]] = None  # f32: (bytes a row, 4 a float; its job)
-        for job_id in selected:
-            try:
-                job = self.get(job_id)
-            except PermissionError:
-                unreadable.append(job_id)
-                continue
-            if job is None:
-                continue  # a tagged job removed since (clean)
-            if not job.status.finished:
-                unfinished += 1
-                continue
-            if binary and job.status is Status.Failed:
-                if targets[1] is None:
-                    left_out += 1
-                else:
-                    targets[1].write(EXPORT_FORMATS["jsonl"].line(job))
-                continue
-            target = targets[1] if targets[1] is not None and job.status is Status.Failed else targets[0]
-            data = form.line(job)
-            if binary:
-                side = form.side(job)  # type: ignore[misc]
-                width = len(data) // side.count("\n")  # one width within a job: _f32_rows saw to it
-                if first_row is None:
-                    first_row = (width, job.id)
-                elif width != first_row[0]:
-                    raise InvalidInput(f"job {job.id} has vectors of {width // 4} floats and job {first_row[1]} "
-                                       f"of {first_row[0] // 4}: a matrix has one width (export them apart)")
-                targets[2].write(side)
-            target.write(data)
-            exported += 1
-        return exported, unfinished, left_out, unreadable
+# ============================================================================
+# 9.3 Events
+# ============================================================================
+# iter_events: jobs' changes of state from meta.json's events, in order, followed live by
+# watching the state directories (section 7's job_history reconciles each job).
 
 
 def format_time(when: float) -> str:
@@ -6276,6 +6465,13 @@ def _watch_states(workspace: str) -> Optional[list[Any]]:
             watch.close()
         return None
     return watches
+
+
+# ============================================================================
+# 9.4 Cancel, retry, clean
+# ============================================================================
+# The commands that change queued or ended jobs. Invariant: each acts by a rename that loses to
+# a daemon's claim cleanly; a running job is cancelled by its cancel file, which the Watcher reads.
 
 
 def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str, str]:
@@ -6545,6 +6741,16 @@ def _finished_at(path: str) -> float:
         os.close(fd)
 
 
+# ============================================================================
+# 9.5 Daemons: info and stop
+# ============================================================================
+# daemon_info reads the daemons' records; stop_daemon signals only a pid proven to be a live
+# daemon of this workspace (its lock, its record and the process agree).
+
+
+_DAEMON_NAME = re.compile(r"([0-9]+)-[0-9]+")  # register_daemon's <pid>-<ns>
+
+
 def daemon_info(workspace: str) -> list[dict[str, Any]]:
     """Every running daemon's record, oldest first: pid, name, models (each with its path,
     kind and whether it is loaded), GPU, workers, counters, tokens/s; ``{"pid", "name",
@@ -6555,9 +6761,6 @@ def daemon_info(workspace: str) -> list[dict[str, Any]]:
     if not records:
         raise NoSuchJob(f"no daemon is running on {workspace}")
     return records
-
-
-_DAEMON_NAME = re.compile(r"([0-9]+)-[0-9]+")  # register_daemon's <pid>-<ns>
 
 
 def _holds_lock(pid: int, lock: os.stat_result) -> Optional[bool]:
@@ -6689,9 +6892,12 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[i
 
 
 ##############################################################################
-# Runner protocol: what a worker runs. A Runner makes one Session per worker; a Session holds
+# 10. Runner protocol: what a worker runs. A Runner makes one Session per worker; a Session holds
 # up to free() more jobs and advances them all one step at a time
 ##############################################################################
+# Owns the interface between the daemon and an engine: Runner, Session, RunningJob, Outcome.
+# Invariant: a Session is used by one worker thread only; FunctionRunner is the library's engine.
+
 
 class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error logprobs "
                                      "choices prompt_computed", defaults=("", "stop", 0, 0, None, None, None, None, None))):
@@ -6863,8 +7069,12 @@ class _FunctionSession(Session):
 
 
 ##############################################################################
-# llama.cpp engine: one model shared by every worker, one context per worker, continuous batching
+# 11. llama.cpp engine: one model shared by every worker, one context per worker, continuous batching
 ##############################################################################
+# Owns every call into llama.cpp: loading, grammars, sampling, batching, embeddings. Invariant:
+# the model is shared and read only; a context, batch or sampler is one worker's (llama.cpp's rule).
+# The workers, the Grammar and Wide threads and the model's loader call in (the Threads table).
+
 
 # A new prompt waits a step for a batch-mate computing a prefix it shares when that saves
 # at least this many tokens of prefill.
@@ -6899,6 +7109,33 @@ EMBED_PACK = 256
 FULL_LENGTH_SEQS = 8
 
 
+# ============================================================================
+# 11.1 llama.cpp and GGUF files
+# ============================================================================
+# llama_cpp imported when first needed, its log routed to nrvna's, and a GGUF file's header read
+# without llama.cpp in bounded reads (a crafted file is refused, not followed). The log callback
+# stays referenced for the process's life (llama.cpp keeps its pointer).
+
+
+# llama.cpp calls this from any thread; ctypes would free the callback if nothing held it
+# and the next log line would then jump into freed memory (a segfault), hence the global.
+_llama_log_callback: Any = None
+_llama_log_tail: list[str] = []
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+# A GGUF header's bounds, past which nrvna refuses the file rather than walk it (a crafted
+# string array of 2^63 items took hours, 8 bytes at a time). Real models are far inside them:
+# tens of keys, and about a million strings in all (a 262k-token vocabulary, or 151k tokens
+# and as many merges); a string of a header is a key, a name or a chat template (kilobytes).
+GGUF_MAX_KEYS = 1 << 16
+GGUF_MAX_KEY_BYTES = 1 << 16  # the GGUF spec's own limit on a key
+GGUF_MAX_STRING_BYTES = 1 << 24
+GGUF_MAX_ARRAY_STRINGS = 1 << 22  # strings in the header's arrays, all together
+_gguf_headers: dict[tuple[int, int, int, int], dict[str, str]] = {}  # (dev, ino, size, mtime) -> strings
+
+
 def _import_llama() -> Any:
     try:
         import llama_cpp
@@ -6908,12 +7145,6 @@ def _import_llama() -> Any:
             "`bash scripts/setup.sh`, then `source .venv/bin/activate` (or use .venv/bin/python); "
             f"to build it yourself see docs/install.md ({err})") from None
     return llama_cpp
-
-
-# llama.cpp calls this from any thread; ctypes would free the callback if nothing held it
-# and the next log line would then jump into freed memory (a segfault), hence the global.
-_llama_log_callback: Any = None
-_llama_log_tail: list[str] = []
 
 
 def _install_llama_logging(llama: Any, level: str) -> None:
@@ -6978,19 +7209,6 @@ def check_gguf(path: str) -> None:
     whose header (its metadata) is within bounds (see gguf_strings)."""
     _check_gguf_magic(path)
     gguf_strings(path)
-
-
-_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-# A GGUF header's bounds, past which nrvna refuses the file rather than walk it (a crafted
-# string array of 2^63 items took hours, 8 bytes at a time). Real models are far inside them:
-# tens of keys, and about a million strings in all (a 262k-token vocabulary, or 151k tokens
-# and as many merges); a string of a header is a key, a name or a chat template (kilobytes).
-GGUF_MAX_KEYS = 1 << 16
-GGUF_MAX_KEY_BYTES = 1 << 16  # the GGUF spec's own limit on a key
-GGUF_MAX_STRING_BYTES = 1 << 24
-GGUF_MAX_ARRAY_STRINGS = 1 << 22  # strings in the header's arrays, all together
-_gguf_headers: dict[tuple[int, int, int, int], dict[str, str]] = {}  # (dev, ino, size, mtime) -> strings
 
 
 class _GgufHeader:
@@ -7113,6 +7331,14 @@ def gguf_kind(path: str) -> str:
     return "embed" if f"{arch}.pooling_type" in meta or arch in ENCODER_ARCHS else "chat"
 
 
+# ============================================================================
+# 11.2 Grammar conversion
+# ============================================================================
+# A schema or json_object made a GBNF grammar (llama-cpp-python's converter, with section 5's
+# rules in its place), on the runner's Grammar thread (_CallThread) unless small. Invariant: a worker
+# never waits for a large conversion; its job waits in its session while the others run.
+
+
 # {"type": "json_object"}: llama-cpp-python's JSON_GBNF (any object) with its strings made of
 # _JSON_CHAR_RULE characters (its own take a lone surrogate escape, and refuse the escape "\/").
 _JSON_OBJECT_GBNF = "\n".join([
@@ -7127,6 +7353,22 @@ _JSON_OBJECT_GBNF = "\n".join([
     ''])
 _schema_converter: Any = None
 _GBNF_LITERAL_ESCAPES = {"\\": "\\\\", "\r": "\\r", "\n": "\\n", '"': '\\"'}
+
+
+class _Conversion:
+    """A job's grammar being made on its runner's Grammar thread (LlamaRunner.prepare_grammar):
+    ``done`` is set once ``found`` ((key, GBNF, shape), as LlamaRunner.grammar gives) or
+    ``error`` (the JobError that fails the jobs waiting for it) is.
+
+    Threads: the Grammar thread writes ``found`` or ``error``, then sets ``done``; the workers
+    whose jobs wait for it read them only once ``done`` is set (the Event orders the two)."""
+
+    __slots__ = ("done", "found", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.found: Optional[tuple[Any, str, GrammarShape]] = None
+        self.error: Optional[JobError] = None
 
 
 def schema_to_grammar(schema: Mapping[str, Any]) -> str:
@@ -7264,440 +7506,12 @@ def _small_grammar(key: tuple[str, Any]) -> bool:
                                        and (key[0] == "gbnf" or '"pattern":' not in key[1]))
 
 
-class _Conversion:
-    """A job's grammar being made on its runner's Grammar thread (LlamaRunner.prepare_grammar):
-    ``done`` is set once ``found`` ((key, GBNF, shape), as LlamaRunner.grammar gives) or
-    ``error`` (the JobError that fails the jobs waiting for it) is.
-
-    Threads: the Grammar thread writes ``found`` or ``error``, then sets ``done``; the workers
-    whose jobs wait for it read them only once ``done`` is set (the Event orders the two)."""
-
-    __slots__ = ("done", "found", "error")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.found: Optional[tuple[Any, str, GrammarShape]] = None
-        self.error: Optional[JobError] = None
-
-
-class LlamaRunner(Runner):
-    """llama.cpp through llama-cpp-python's raw API: one model, shared by every worker.
-
-    ``Llama`` always loads its own copy of the weights, so it cannot be shared; the raw
-    calls can. Each worker gets its own context (KV cache, batch, samplers), never shared
-    between threads, which is llama.cpp's thread-safety rule.
-
-    Threads: made, with its sessions, and closed by whoever loads the model (_Models: the
-    Server's start, a model switch, the load-ahead thread) while no worker uses it; called by
-    every worker (tokens, piece, penalty, sampler, grammar, prepare_grammar, grammar_vocab,
-    decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
-    ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``
-    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under
-    ``_lock``; a decode with borrowed threads under ``_wide_lock``. ``_pieces`` is a cache the
-    workers fill without a lock: a token's bytes are the same whoever stores them, and one
-    dict get or set is atomic. The model, its vocabulary and the tables made at load are read
-    only (llama.cpp's model may be shared by contexts on several threads).
-    """
-
-    name = "llama.cpp"
-
-    def __init__(self, model_path: str, config: Config, cancel: Optional[threading.Event] = None) -> None:
-        """Load ``model_path``; ModelError says why not. Setting ``cancel`` cuts the load short
-        (a daemon stopping while it loads a model ahead of its turn)."""
-        check_gguf(model_path)
-        self.L = L = _import_llama()
-        self.config = config
-        self.abort_callback = _strlen_callback(L)  # kept here: llama.cpp holds only its address
-        self.model_name = os.path.basename(model_path)
-        _install_llama_logging(L, config.log_level)
-        L.llama_backend_init()
-        params = L.llama_model_default_params()
-        params.n_gpu_layers = config.gpu_layers
-        if config.gpu >= 0:  # one GPU, whole: several daemons share a machine one GPU each
-            params.main_gpu = config.gpu
-            params.split_mode = 0  # LLAMA_SPLIT_MODE_NONE
-        if not config.repack:
-            params.use_extra_bufts = False  # no AMX/repacked buffers (llama.cpp #20824)
-        if not config.mmap:
-            _load_unmapped(L, params)
-        if cancel is not None:  # kept here while llama.cpp may call it: it holds only its address
-            self._progress = L.llama_progress_callback(lambda progress, data: not cancel.is_set())
-            params.progress_callback = self._progress
-        del _llama_log_tail[:]
-        self.model = L.llama_model_load_from_file(model_path.encode(), params)
-        if not self.model:
-            if cancel is not None and cancel.is_set():
-                raise ModelError(f"model {model_path}: its load was cut short (the daemon is stopping)")
-            raise ModelError(f"model {model_path} could not be loaded by llama.cpp{_llama_log_reason(': {}')}")
-        self.vocab = L.llama_model_get_vocab(self.model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.train_ctx = L.llama_model_n_ctx_train(self.model)
-        self.n_embd = L.llama_model_n_embd_out(self.model) or L.llama_model_n_embd(self.model)
-        self.arch = self.meta("general.architecture") or "unknown"
-        model_pooling = self.meta(f"{self.arch}.pooling_type")
-        # An embedding model: one whose GGUF names a pooling type, or an encoder's architecture.
-        self.embedding_only = model_pooling is not None or self.arch in ENCODER_ARCHS
-        # Causal attention (a decoder, with a KV cache) unless the GGUF or the architecture says not.
-        self.causal = self.meta(f"{self.arch}.attention.causal") != "false" and self.arch not in ENCODER_ARCHS
-        if config.pooling != "model":
-            self.pooling = config.pooling
-        elif model_pooling is not None and model_pooling.isdigit() and int(model_pooling) < len(POOLING_CODES):
-            self.pooling = POOLING_CODES[int(model_pooling)]  # "rank" (rerankers) embeds nothing here
-        else:
-            self.pooling = "none"
-        if self.embedding_only and self.pooling not in ("mean", "cls", "last"):
-            L.llama_model_free(self.model)
-            raise ModelError(f"model {model_path} is an embedding model ({self.arch}), and its pooling is "
-                             f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
-        self._pieces: dict[int, bytes] = {}
-        self._formatter = self._chat_formatter()
-        import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
-
-        self.np = numpy
-        self._grammars: dict[Any, tuple[str, GrammarShape]] = {}  # a schema or grammar -> its GBNF (LRU order)
-        self._grammar_vocab: Optional[GrammarVocab] = None
-        # End-of-generation tokens: a set, as every generated token is looked up (a call costs 1-2 us).
-        self.eog_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
-        # Control tokens but end-of-generation: never in a constrained output (see _JobSampler._allowed).
-        self.control_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_control(self.vocab, t)
-                                        and t not in self.eog_tokens)
-        self.control_mask = numpy.zeros(self.n_vocab, dtype=bool)
-        self.control_mask[list(self.control_tokens)] = True
-        self._grammars_lock = threading.Lock()  # held for the dictionaries, never while converting
-        self._converting: dict[Any, _Conversion] = {}  # grammars the Grammar thread is making
-        self._converter: Optional[_CallThread] = None  # the Grammar thread, made on first use
-        self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
-        self._lock = threading.Lock()
-        self._sessions: list[LlamaSession] = []
-        self._wide: Optional[_CallThread] = None
-        self._wide_lock = threading.Lock()  # held while a decode with borrowed threads runs
-
-    def meta(self, key: str) -> Optional[str]:
-        """A GGUF metadata value as text, or None if the model has no such key."""
-        size = 256
-        while True:
-            buf = self._char_array(size)
-            count = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, size)
-            if count < 0:
-                return None
-            if count < size:
-                return buf.value.decode("utf-8", "replace")
-            size = count + 1
-
-    def decode_wide(self, ctx: Any, batch: Any) -> int:
-        """``llama_decode`` on the runner's one thread for decodes with borrowed threads.
-
-        llama.cpp's CPU threads come from OpenMP, and libgomp gives every OS thread that
-        runs a multi-threaded decode a team of its own; once the teams together hold more
-        threads than there are cores, it stops spinning at barriers in every team. Measured
-        here: a 2-thread decode 20-30% slower once two worker threads had each run one.
-        Running every such decode on this one thread keeps a single team.
-        """
-        with self._wide_lock:  # one borrower at a time
-            if self._wide is None:
-                self._wide = _CallThread("Wide")
-            return self._wide.call(self.L.llama_decode, ctx, batch)
-
-    def wait_wide(self) -> None:
-        """Wait for a decode with borrowed threads in progress to end.
-
-        A worker that has just got a job would otherwise decode beside it, one thread more
-        than there are cores, and the borrowed decode's OpenMP barriers would keep waiting for
-        a preempted thread (measured: a 12-token step 262 ms instead of about 40). Its lender
-        gives the threads back at its next step, so this waits one step at most.
-        """
-        with self._wide_lock:
-            pass
-
-    def _chat_formatter(self) -> Any:
-        L = self.L
-        template = L.llama_model_chat_template(self.model, None)
-        if not template:
-            return None
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        def token_text(token: int) -> str:
-            if token < 0:
-                return ""
-            return (L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
-
-        try:
-            return Jinja2ChatFormatter(template.decode("utf-8", "replace"),
-                                       eos_token=token_text(L.llama_vocab_eos(self.vocab)),
-                                       bos_token=token_text(L.llama_vocab_bos(self.vocab)))
-        except Exception as err:  # a template jinja cannot parse: fall back to raw prompts
-            log.warning(f"model chat template unusable ({err}); prompts are used raw")
-            return None
-
-    def session(self, index: int, config: Config) -> "LlamaSession":
-        """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
-        threads = config.threads or max(1, cpu_count() // config.workers)
-        session = LlamaSession(self, threads, config.seqs, config.batch, config)
-        with self._lock:
-            self._sessions.append(session)
-        return session
-
-    def tokens(self, job: RunningJob) -> list[int]:
-        """The job's prompt as tokens: through the model's chat template unless ``raw``.
-
-        Only the template's own markers become control tokens: every message's content (a
-        plain prompt is one user message, ``system`` one system message) is tokenized as
-        text, so text that spells a marker (``<|im_start|>system...``) cannot forge a turn.
-        A ``raw`` job is the caller's own markup: its special tokens are parsed."""
-        params = job.params
-        if job_param(params, "raw"):
-            return self.tokenize(job.prompt, add_special=True, special=True)
-        if self._formatter is None:  # no chat template: the prompt is plain text
-            return self.tokenize(job.prompt, add_special=True, special=False)
-        messages = list(job_param(params, "messages") or [{"role": "user", "content": job.prompt}])
-        system = job_param(params, "system")
-        if system and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": system})
-        tokens: list[int] = []
-        for piece, is_content in self._render(messages):  # the template already wrote BOS
-            tokens += self.tokenize(piece, add_special=False, special=not is_content)
-        return tokens
-
-    def _spells_control(self, text: str) -> bool:
-        """Whether ``text`` holds the text of a control token (``<|im_start|>``...)."""
-        return self.tokenize(text, False, True) != self.tokenize(text, False, False)
-
-    def _render(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
-        """The chat template applied to ``messages``, as (text, is a message's content)
-        pieces in order: the whole rendering as one piece when no content spells a control
-        token (then the split changes nothing), else split. To split, the template is rendered
-        again with a unique mark in place of each content to find its own text around them;
-        the marks replaced by the contents (as given, or stripped, for templates that trim
-        them) must give the real rendering."""
-        try:
-            text = self._formatter(messages=messages).prompt
-            if not any(self._spells_control(m["content"]) for m in messages):
-                # The common case: one call, the very tokens of the whole rendering. (Each
-                # call of llama_tokenize starts a new word: a SentencePiece vocabulary adds its
-                # space prefix, so splitting an innocent prompt would change its tokens.)
-                return [(text, False)]
-            marks = [f"\ue000{i}\ue001" if m["content"] else "" for i, m in enumerate(messages)]
-            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)]).prompt
-        except JobError:
-            raise
-        except Exception as err:
-            raise JobError("bad_request", f"chat template failed: {err}") from None
-        around: Optional[list[str]] = []  # the template's text before each mark, and after the last
-        rest = marked
-        for mark in marks:
-            if not mark:  # an empty content: nothing to find, nothing to keep apart
-                around.append("")
-                continue
-            before, found, rest = rest.partition(mark)
-            if not found or mark in rest:
-                around = None  # the template dropped or repeated a content: not separable this way
-                break
-            around.append(before)
-        if around is not None:
-            for contents in ([m["content"] for m in messages], [m["content"].strip() for m in messages]):
-                if "".join(t + c for t, c in zip(around, contents)) + rest == text:
-                    pieces = [piece for t, c in zip(around, contents) for piece in ((t, False), (c, True))]
-                    return [(t, is_content) for t, is_content in pieces + [(rest, False)] if t]
-        raise JobError("bad_request", "a message spells a control token, and the chat template changes "
-                                      "message contents in a way nrvna cannot keep apart from its own markup")
-
-    def tokenize(self, text: str, add_special: bool, special: bool) -> list[int]:
-        """``text`` as tokens; ``special``: control-token text (``<|im_end|>``) becomes the
-        control token, else it stays text; ``add_special``: BOS first if the model wants one."""
-        L = self.L
-        data = text.encode("utf-8")
-        capacity = len(data) + 8
-        while True:
-            buf = (L.llama_token * capacity)()
-            count = L.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, special)
-            if count >= 0:
-                return list(buf[:count])
-            capacity = -count
-
-    def piece(self, token: int) -> bytes:
-        """A token's bytes (cached: the same few thousand tokens recur)."""
-        cached = self._pieces.get(token)
-        if cached is None:
-            size = 64
-            while True:
-                buf = self._char_array(size)
-                count = self.L.llama_token_to_piece(self.vocab, token, buf, size, 0, False)
-                if count >= 0:
-                    break
-                size = -count
-            cached = self._pieces[token] = bytes(buf[:count])
-        return cached
-
-    @staticmethod
-    def _char_array(size: int) -> Any:
-        import ctypes
-
-        return (ctypes.c_char * size)()
-
-    def penalty(self, params: Mapping[str, Any]) -> Optional["_Penalties"]:
-        """The job's penalties and logit biases (None if all are off): applied to the logits
-        before its sampler chain runs (see _Penalties)."""
-        repeat = job_param(params, "repeat_penalty", self.config)
-        frequency = job_param(params, "frequency_penalty", self.config)
-        presence = job_param(params, "presence_penalty", self.config)
-        bias = {int(token): value for token, value in (job_param(params, "logit_bias") or {}).items()}
-        for token in bias:
-            if token >= self.n_vocab:
-                raise JobError("bad_request", f"logit_bias: token {token} is not in the model's vocabulary "
-                                              f"(IDs 0 to {self.n_vocab - 1})")
-        if (repeat == 1.0 or repeat <= 0) and not frequency and not presence and not bias:
-            return None
-        return _Penalties(self.np, repeat, frequency, presence, bias)
-
-    def grammar(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str, GrammarShape]]:
-        """The job's grammar, if its output is constrained: (a key naming it, its GBNF text,
-        its shape). A JSON schema is converted once per distinct schema, then found here again
-        (here, on the calling thread, if no conversion of it is done: see prepare_grammar).
-        Raises JobError (grammar_error) for one whose start is past the work limits."""
-        named = self._grammar_key(params)
-        if named is None:
-            return None
-        kind, key, params = named
-        with self._grammars_lock:
-            found = self._grammars.pop(key, None)
-            if found is not None:
-                self._grammars[key] = found  # most recently used last
-                return (key,) + found
-        found = self._made(kind, params)
-        self._remember(key, found)
-        return (key,) + found
-
-    def prepare_grammar(self, params: Mapping[str, Any]) -> Optional[_Conversion]:
-        """None when the job's grammar is made (or it has none); otherwise its conversion,
-        begun now on the runner's Grammar thread or joined there, for a session to wait for
-        while its other sequences go on stepping: a schema's conversion and check take up
-        to the counted work its submit allows (SCHEMA_MAX_PATTERN_WORK), and no decode waits
-        for them."""
-        named = self._grammar_key(params)
-        if named is None or _small_grammar(named[1]):
-            return None
-        kind, key, params = named
-        with self._grammars_lock:
-            if key in self._grammars:
-                return None
-            conversion = self._converting.get(key)
-            if conversion is None:
-                conversion = self._converting[key] = _Conversion()
-                if self._converter is None:
-                    self._converter = _CallThread("Grammar")
-                self._converter.post(self._convert, kind, key, params, conversion)
-        return conversion
-
-    def _convert(self, kind: str, key: Any, params: Mapping[str, Any], conversion: _Conversion) -> None:
-        """The Grammar thread's call: make the grammar, remember it, and tell who waits."""
-        found: Optional[tuple[str, GrammarShape]] = None
-        try:
-            found = self._made(kind, params)
-            conversion.found = (key,) + found
-        except JobError as err:
-            conversion.error = err
-        except Exception as err:  # a check's own bug fails the jobs that wait, never the thread
-            conversion.error = JobError("runner_error", f"runner failed: {err!r}")
-        finally:
-            self._remember(key, found)
-            conversion.done.set()
-
-    def _grammar_key(self, params: Mapping[str, Any]) -> Optional[tuple[str, Any, Mapping[str, Any]]]:
-        """(its kind, the key naming it, the params that make it) of a constrained job's grammar."""
-        import json
-
-        kind = constraint(params)
-        if kind is None:
-            return None
-        if kind == "json_object":
-            return kind, ("json_object",), {"grammar": _JSON_OBJECT_GBNF}
-        if kind == "grammar":
-            return kind, ("gbnf", job_param(params, "grammar")), params
-        return kind, ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"],
-                                           ensure_ascii=False, separators=(",", ":"))), params
-
-    def _made(self, kind: str, params: Mapping[str, Any]) -> tuple[str, GrammarShape]:
-        """A grammar's GBNF and shape, made (no lock held: it takes what the schema's counted
-        work allows). Raises JobError."""
-        text = self._make_grammar(kind, params)
-        try:
-            return text, check_grammar(text)
-        except InvalidInput as err:  # a converted schema's grammar, past the work limits
-            raise JobError("grammar_error", str(err)) from None
-
-    def _remember(self, key: Any, found: Optional[tuple[str, GrammarShape]]) -> None:
-        """Keep a grammar made (None: its conversion failed), as the most recently used."""
-        with self._grammars_lock:
-            self._converting.pop(key, None)
-            if found is None:
-                return
-            self._grammars.pop(key, None)
-            self._grammars[key] = found
-            if len(self._grammars) > GRAMMAR_CACHE:
-                self._grammars.pop(next(iter(self._grammars)))
-
-    def grammar_vocab(self) -> GrammarVocab:
-        """The vocabulary as the grammar sees it, for GrammarShape.vocab_cost (made once)."""
-        if self._grammar_vocab is not None:  # (every redraw asks: no lock once it is made)
-            return self._grammar_vocab
-        with self._grammars_lock:
-            if self._grammar_vocab is None:
-                L = self.L
-                pieces = [b"" if L.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
-                self._grammar_vocab = GrammarVocab(self.np, pieces)
-        return self._grammar_vocab
-
-    def _make_grammar(self, kind: str, params: Mapping[str, Any]) -> str:
-        """The GBNF of a grammar job, or its schema converted. (The checks ran at claim: the
-        Processor validates params.json, a hand-made one too, with the submit's checks.)"""
-        if kind != "json_schema":
-            return job_param(params, "grammar")
-        try:
-            text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
-        except Exception as err:  # the converter's own assertions: a gap in check_json_schema
-            raise JobError("bad_request", f"response_format: the schema could not be converted: {err!r}") from None
-        with self._grammars_lock:  # workers and the Grammar thread convert at once
-            self.conversions += 1
-        return text
-
-    def sampler(self, params: Mapping[str, Any]) -> Any:
-        """A sampler chain for one job (chains hold state: one per sequence); the
-        repetition penalty is not in it (see ``penalty``)."""
-        L, cfg = self.L, self.config
-        temperature = job_param(params, "temperature", cfg)
-        top_k = job_param(params, "top_k", cfg)
-        top_p = job_param(params, "top_p", cfg)
-        min_p = job_param(params, "min_p", cfg)
-        seed = job_param(params, "seed", cfg) or L.LLAMA_DEFAULT_SEED  # 0 = random
-        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        if temperature <= 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
-            return chain
-        if top_k > 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(top_k))
-        if top_p < 1.0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
-        if min_p > 0.0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(min_p, 1))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
-        return chain
-
-    def close(self) -> None:
-        """Free every context, then the model."""
-        with self._lock:
-            sessions, self._sessions = self._sessions, []
-        for session in sessions:
-            session.close()
-        if self._wide is not None:
-            self._wide.close()
-            self._wide = None
-        if self._converter is not None:  # a conversion under way is abandoned, not waited for
-            self._converter.close(wait=False)
-            self._converter = None
-        if self.model:
-            self.L.llama_model_free(self.model)
-            self.model = None
+# ============================================================================
+# 11.3 Sampling
+# ============================================================================
+# _JobSampler: one job's sampling (penalties, logit bias, grammar, top-k/top-p, temperature,
+# seed), with _likeliest's shortlist and the per-worker _GrammarTemplates. One worker's session owns
+# each.
 
 
 class _Penalties:
@@ -7862,7 +7676,6 @@ def _strictly_decreasing(values: Any) -> Any:
     vocabulary happens to lead it, so a draw from a shortlist holding them could land on the
     other one."""
     return values[:-1] > values[1:]
-
 
 
 class _GrammarTemplates:
@@ -8194,122 +8007,11 @@ class _JobSampler:
         return content
 
 
-class _Sequence:
-    """One job generating in a slot of a context: its prompt and KV cells, its sampler, and
-    the text its tokens make (cut at a stop string, passed on for partial.txt). Its place in
-    the prompt (``cached``, ``pending``, ``pos``) changes only through its own methods: ``at``
-    when its cells are (re)attached, ``feed_last``/``feed_chunk``/``unfeed_last`` as a step
-    fills the batch.
-
-    Threads: its session's worker thread only (made, stepped and ended there)."""
-
-    __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
-                 "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
-                 "budget", "priority", "reserved", "choices", "choice", "computed")
-
-    def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int,
-                 sampler: _JobSampler) -> None:
-        self.job = job
-        self.slot = slot
-        self.budget = budget  # KV cells this job can come to hold: its prompt and max_tokens
-        self.prompt = tokens
-        self.cached: list[int] = []  # tokens whose KV cells this slot holds, in order
-        self.pending = tokens  # prompt tokens not yet decoded (see at)
-        self.pos = 0  # the position of the next token decoded: len(cached)
-        self.waiting = False  # for a batch-mate to compute a prefix this prompt shares
-        self.n_prompt = len(tokens)
-        self.n_gen = 0
-        self.max_tokens = max_tokens
-        self.sampler = sampler
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # pieces split UTF-8
-        self.parts: list[str] = []
-        self.last = -1
-        self.ignore_eos = job_param(job.params, "ignore_eos")
-        self.stops: list[str] = list(job_param(job.params, "stop") or [])
-        self.tail = ""
-        self.unsent = ""  # generated text held back from partial.txt (see _emit)
-        self.priority = job_param(job.params, "priority")
-        self.reserved = False  # runs in the room kept for a job above every other (see LlamaSession)
-        self.choices: Optional[_Choices] = None  # a job of n > 1 choices: its other sequences' too
-        self.choice = 0  # which of them
-        self.computed = 0  # prompt tokens decoded for it (the rest were cells shared with others)
-
-    def at(self, computed: int) -> None:
-        """Its slot holds the KV cells of its prompt's first ``computed`` tokens (kept, copied
-        or none): the rest of the prompt is decoded from there."""
-        self.cached, self.pending, self.pos = self.prompt[:computed], self.prompt[computed:], computed
-
-    def feed_last(self) -> int:
-        """Its last token goes into this step's batch: the position it is decoded at."""
-        self.cached.append(self.last)
-        self.pos += 1
-        return self.pos - 1
-
-    def feed_chunk(self, most: int) -> tuple[list[int], int]:
-        """At most ``most`` of its prompt tokens not yet decoded go into this step's batch:
-        them, and the position of the first."""
-        take, first = min(len(self.pending), most), self.pos
-        chunk, self.pending = self.pending[:take], self.pending[take:]
-        self.cached.extend(chunk)
-        self.computed += take
-        self.pos += take
-        return chunk, first
-
-    def unfeed_last(self) -> None:
-        """The step that fed its last token was cut short: llama.cpp dropped that cell."""
-        self.cached.pop()
-        self.pos -= 1
-
-    def add(self, token: int, piece: bytes) -> bool:
-        """``token`` (its bytes ``piece``) was generated: its text is kept and passed on.
-        True if it completed a stop string (the text is cut where the stop string starts)."""
-        self.n_gen += 1
-        self.last = token
-        text = self.decoder.decode(piece)
-        if text:
-            self.parts.append(text)
-            if self.stops and self._hit_stop(text):
-                return True
-            self._emit(text)
-        return False
-
-    def _emit(self, text: str) -> None:
-        """Pass new text on for partial.txt, holding back what could still become the start
-        of a stop string (so partial.txt is always a prefix of the final result). Only the
-        first choice's text goes there (result.txt's)."""
-        if self.choice:
-            return
-        if not self.stops:
-            self.job.emit(text)
-            return
-        self.unsent += text
-        keep = max(len(s) for s in self.stops) - 1
-        if len(self.unsent) > keep:
-            cut = len(self.unsent) - keep
-            self.job.emit(self.unsent[:cut])
-            self.unsent = self.unsent[cut:]
-
-    def _hit_stop(self, text: str) -> bool:
-        longest = max(len(s) for s in self.stops)
-        self.tail = (self.tail + text)[-(longest + len(text)):]
-        if not any(s in self.tail for s in self.stops):
-            return False
-        full = "".join(self.parts)
-        cut = min(i for i in (full.find(s) for s in self.stops) if i >= 0)
-        self.parts = [full[:cut]]
-        return True
-
-    def outcome(self, reason: str, error: Optional[tuple[str, str]]) -> Outcome:
-        """The job's result: its text (flushing the decoder unless a stop string ended it),
-        with ``reason``, or the ``error`` (code, message)."""
-        text = "".join(self.parts)
-        if not self.stops or reason != "stop":
-            text += self.decoder.decode(b"", final=True)
-        logprobs = self.sampler.logprob_content(text, bool(self.stops))
-        if error:
-            return Outcome(text, "error", self.n_prompt, self.n_gen, error[0], error[1], logprobs,
-                           prompt_computed=self.computed)
-        return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs, prompt_computed=self.computed)
+# ============================================================================
+# 11.4 Sequences and choices
+# ============================================================================
+# _Sequence: one job's place in a context (its cells; cached, pending and pos, set by
+# _Sequence.at alone); _Choices: a job's n choices, admitted and ended together. One worker's.
 
 
 class _Choices:
@@ -8435,6 +8137,289 @@ def _choice_params(params: dict[str, Any], choice: int, config: Config) -> dict[
     if not choice or not seed:
         return params
     return {**params, "seed": (seed - 1 + choice) % 0xFFFFFFFE + 1}
+
+
+class _Sequence:
+    """One job generating in a slot of a context: its prompt and KV cells, its sampler, and
+    the text its tokens make (cut at a stop string, passed on for partial.txt). Its place in
+    the prompt (``cached``, ``pending``, ``pos``) changes only through its own methods: ``at``
+    when its cells are (re)attached, ``feed_last``/``feed_chunk``/``unfeed_last`` as a step
+    fills the batch.
+
+    Threads: its session's worker thread only (made, stepped and ended there)."""
+
+    __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
+                 "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
+                 "budget", "priority", "reserved", "choices", "choice", "computed")
+
+    def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int,
+                 sampler: _JobSampler) -> None:
+        self.job = job
+        self.slot = slot
+        self.budget = budget  # KV cells this job can come to hold: its prompt and max_tokens
+        self.prompt = tokens
+        self.cached: list[int] = []  # tokens whose KV cells this slot holds, in order
+        self.pending = tokens  # prompt tokens not yet decoded (see at)
+        self.pos = 0  # the position of the next token decoded: len(cached)
+        self.waiting = False  # for a batch-mate to compute a prefix this prompt shares
+        self.n_prompt = len(tokens)
+        self.n_gen = 0
+        self.max_tokens = max_tokens
+        self.sampler = sampler
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # pieces split UTF-8
+        self.parts: list[str] = []
+        self.last = -1
+        self.ignore_eos = job_param(job.params, "ignore_eos")
+        self.stops: list[str] = list(job_param(job.params, "stop") or [])
+        self.tail = ""
+        self.unsent = ""  # generated text held back from partial.txt (see _emit)
+        self.priority = job_param(job.params, "priority")
+        self.reserved = False  # runs in the room kept for a job above every other (see LlamaSession)
+        self.choices: Optional[_Choices] = None  # a job of n > 1 choices: its other sequences' too
+        self.choice = 0  # which of them
+        self.computed = 0  # prompt tokens decoded for it (the rest were cells shared with others)
+
+    def at(self, computed: int) -> None:
+        """Its slot holds the KV cells of its prompt's first ``computed`` tokens (kept, copied
+        or none): the rest of the prompt is decoded from there."""
+        self.cached, self.pending, self.pos = self.prompt[:computed], self.prompt[computed:], computed
+
+    def feed_last(self) -> int:
+        """Its last token goes into this step's batch: the position it is decoded at."""
+        self.cached.append(self.last)
+        self.pos += 1
+        return self.pos - 1
+
+    def feed_chunk(self, most: int) -> tuple[list[int], int]:
+        """At most ``most`` of its prompt tokens not yet decoded go into this step's batch:
+        them, and the position of the first."""
+        take, first = min(len(self.pending), most), self.pos
+        chunk, self.pending = self.pending[:take], self.pending[take:]
+        self.cached.extend(chunk)
+        self.computed += take
+        self.pos += take
+        return chunk, first
+
+    def unfeed_last(self) -> None:
+        """The step that fed its last token was cut short: llama.cpp dropped that cell."""
+        self.cached.pop()
+        self.pos -= 1
+
+    def add(self, token: int, piece: bytes) -> bool:
+        """``token`` (its bytes ``piece``) was generated: its text is kept and passed on.
+        True if it completed a stop string (the text is cut where the stop string starts)."""
+        self.n_gen += 1
+        self.last = token
+        text = self.decoder.decode(piece)
+        if text:
+            self.parts.append(text)
+            if self.stops and self._hit_stop(text):
+                return True
+            self._emit(text)
+        return False
+
+    def _emit(self, text: str) -> None:
+        """Pass new text on for partial.txt, holding back what could still become the start
+        of a stop string (so partial.txt is always a prefix of the final result). Only the
+        first choice's text goes there (result.txt's)."""
+        if self.choice:
+            return
+        if not self.stops:
+            self.job.emit(text)
+            return
+        self.unsent += text
+        keep = max(len(s) for s in self.stops) - 1
+        if len(self.unsent) > keep:
+            cut = len(self.unsent) - keep
+            self.job.emit(self.unsent[:cut])
+            self.unsent = self.unsent[cut:]
+
+    def _hit_stop(self, text: str) -> bool:
+        longest = max(len(s) for s in self.stops)
+        self.tail = (self.tail + text)[-(longest + len(text)):]
+        if not any(s in self.tail for s in self.stops):
+            return False
+        full = "".join(self.parts)
+        cut = min(i for i in (full.find(s) for s in self.stops) if i >= 0)
+        self.parts = [full[:cut]]
+        return True
+
+    def outcome(self, reason: str, error: Optional[tuple[str, str]]) -> Outcome:
+        """The job's result: its text (flushing the decoder unless a stop string ended it),
+        with ``reason``, or the ``error`` (code, message)."""
+        text = "".join(self.parts)
+        if not self.stops or reason != "stop":
+            text += self.decoder.decode(b"", final=True)
+        logprobs = self.sampler.logprob_content(text, bool(self.stops))
+        if error:
+            return Outcome(text, "error", self.n_prompt, self.n_gen, error[0], error[1], logprobs,
+                           prompt_computed=self.computed)
+        return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs, prompt_computed=self.computed)
+
+
+# ============================================================================
+# 11.5 Embeddings
+# ============================================================================
+# _Embedder: a worker's embedding context, packing texts into decodes of EMBED_PACK tokens and
+# pooling their vectors. One worker's.
+
+
+# A float32 as the shortest text that reads back as the same float32 (9 digits suffice).
+_FLOAT32_TEXT = "{:.9g}".format
+
+
+class _Embedding:
+    """One embed job in a worker's embedding context: its texts as tokens, and a vector
+    line for each text embedded so far.
+
+    Threads: its _Embedder's worker thread only."""
+
+    __slots__ = ("job", "tokens", "lines", "next", "done", "dimensions")
+
+    def __init__(self, job: RunningJob, tokens: list[list[int]], dimensions: Optional[int]) -> None:
+        self.job = job
+        self.tokens = tokens
+        self.lines: list[str] = [""] * len(tokens)
+        self.next = 0  # the first text not yet in a decode
+        self.done = 0
+        self.dimensions = dimensions
+
+
+class _Embedder:
+    """A worker's embedding context: the model's pooled vectors, many texts per decode.
+
+    A context of its own (``embeddings`` on, the runner's pooling), made when the worker's
+    first embed job arrives, never shared between threads. Each decode packs texts of the
+    queued embed jobs, in order, as sequences of their own (up to EMBED_SEQS texts and
+    ``pack`` tokens; one longer text alone, up to ``limit``). A text must fit one micro-batch: a non-causal
+    model (BERT) attends over the whole text at once, so the micro-batch is as large as the
+    longest text allowed (``limit``); a longer text fails its job alone (context_overflow).
+
+    Threads: its session's worker thread only (its decodes go through the session's
+    ``_decode``: on the runner's Wide thread when the worker has borrowed threads).
+    """
+
+    def __init__(self, runner: LlamaRunner, threads: int, limit: int, pack: int) -> None:
+        L = self.L = runner.L
+        self.runner = runner
+        self.limit = limit
+        self.pack = pack
+        size = max(limit, pack)  # a decode holds a pack of texts, or one text up to the limit
+        params = L.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = size
+        params.n_seq_max = EMBED_SEQS
+        params.n_threads = params.n_threads_batch = threads
+        params.embeddings = True
+        params.pooling_type = POOLING_CODES.index(runner.pooling)
+        params.kv_unified = True  # else each sequence gets pack / EMBED_SEQS cells
+        # Flash attention over a causal model's KV cache makes a text's vector depend on its
+        # batch-mates (cosine 0.99988 to the same text alone, measured on SmolLM2; 0.99997
+        # without it). An encoder (BERT) has no KV cache: there it changed vectors by less than
+        # 1e-6 and embedded 1.5 times as fast, so llama.cpp's default (auto: on) stays.
+        if runner.causal:
+            params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.no_perf = True
+        self.ctx = L.llama_init_from_model(runner.model, params)
+        if not self.ctx:
+            raise JobError("model_error", f"cannot create an embedding context of {size} tokens (out of memory? "
+                                          "lower NRVNA_MAX_CTX)")
+        self.memory = L.llama_get_memory(self.ctx)  # None for models without a KV cache (BERT)
+        self.batch = L.llama_batch_init(size, 0, 1)
+        self.normalize = bool(runner.config.embed_normalize)
+        self.jobs: list[_Embedding] = []
+
+    def start(self, job: RunningJob) -> None:
+        """Queue ``job``'s texts; raise JobError if one cannot be embedded here."""
+        texts = job_param(job.params, "input") or [job.prompt]
+        tokens = [self.runner.tokenize(text, add_special=True, special=False) for text in texts]
+        for i, row in enumerate(tokens):
+            which = "the text" if len(texts) == 1 else f"input[{i}]"
+            if len(row) > self.limit:
+                raise JobError("context_overflow", f"{which} is {len(row)} tokens; an embedding takes at most "
+                                                   f"{self.limit} (the model's context, or NRVNA_MAX_CTX / 8)")
+            if not row:
+                raise JobError("bad_request", f"{which} has no tokens")
+        dimensions = job_param(job.params, "dimensions")
+        if dimensions is not None and dimensions > self.runner.n_embd:
+            raise JobError("bad_request", f"dimensions={dimensions}, but the model's vectors have "
+                                          f"{self.runner.n_embd}")
+        self.jobs.append(_Embedding(job, tokens, dimensions))
+
+    def step(self, decode: Callable[[Any, Any], int]) -> list[tuple[RunningJob, Outcome]]:
+        """Embed the next texts in one decode; return the jobs whose texts are all done."""
+        ended = [self._end(e, e.job.interrupt) for e in list(self.jobs) if e.job.interrupt is not None]
+        L, batch = self.L, self.batch
+        placed: list[tuple[_Embedding, int]] = []
+        n = 0
+        for entry in self.jobs:
+            while entry.next < len(entry.tokens) and len(placed) < EMBED_SEQS:
+                row = entry.tokens[entry.next]
+                if n and n + len(row) > self.pack:
+                    break
+                for pos, token in enumerate(row):
+                    batch.token[n] = token
+                    batch.pos[n] = pos
+                    batch.n_seq_id[n] = 1
+                    batch.seq_id[n][0] = len(placed)
+                    batch.logits[n] = 1  # embeddings read every token's output
+                    n += 1
+                placed.append((entry, entry.next))
+                entry.next += 1
+            if entry.next < len(entry.tokens):
+                break  # the decode is full: keep the jobs' order
+        if not placed:
+            return ended
+        batch.n_tokens = n
+        code = decode(self.ctx, batch)
+        if self.memory:
+            L.llama_memory_clear(self.memory, True)  # every decode starts afresh
+        if code != 0:
+            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
+            failed = {id(entry): entry for entry, _ in placed}
+            return ended + [self._end(entry, ("model_error", message)) for entry in failed.values()]
+        np, size = self.runner.np, self.runner.n_embd
+        for seq, (entry, index) in enumerate(placed):
+            pointer = L.llama_get_embeddings_seq(self.ctx, seq)
+            if not pointer:
+                return ended + [self._end(e, ("model_error", "llama.cpp returned no embedding")) for e in list(self.jobs)]
+            vector = np.ctypeslib.as_array(pointer, shape=(size,))[:entry.dimensions or size].astype(np.float64)
+            if not np.isfinite(vector).all():
+                ended.append(self._end(entry, ("model_error", "the model's embedding holds NaN or infinity")))
+                continue
+            if self.normalize:
+                norm = math.sqrt(float(vector @ vector))
+                vector = vector / norm if norm > 0 else vector
+            entry.lines[index] = "[" + ",".join(map(_FLOAT32_TEXT, vector.astype(np.float32).tolist())) + "]\n"
+            entry.done += 1
+        return ended + [self._end(entry) for entry in list(self.jobs) if entry.done == len(entry.tokens)]
+
+    def _end(self, entry: _Embedding, error: Optional[tuple[str, str]] = None) -> tuple[RunningJob, Outcome]:
+        if entry in self.jobs:
+            self.jobs.remove(entry)
+        tokens = sum(len(row) for row in entry.tokens)
+        if error is not None:
+            return entry.job, Outcome("", "error", tokens, 0, error[0], error[1])
+        return entry.job, Outcome("".join(entry.lines), "stop", tokens, 0)
+
+    def drop(self, job: RunningJob) -> None:
+        """Forget ``job`` (handed back to the queue)."""
+        self.jobs = [e for e in self.jobs if e.job is not job]
+
+    def close(self) -> None:
+        """Free the context and its batch."""
+        self.jobs.clear()
+        if self.ctx:
+            self.L.llama_batch_free(self.batch)
+            self.L.llama_free(self.ctx)
+            self.ctx = None
+
+
+# ============================================================================
+# 11.6 Continuous batching
+# ============================================================================
+# LlamaSession: a worker's context stepping every running job a token at a time (_Batch.fill,
+# decode, sample and end), sharing prefixes (_PrefixCache) and yielding to higher priorities
+# (_Preemption, the one field another thread sets). One worker's.
 
 
 class _PrefixCache:
@@ -9067,159 +9052,441 @@ class LlamaSession(Session):
             self.ctx = None
 
 
-class _Embedding:
-    """One embed job in a worker's embedding context: its texts as tokens, and a vector
-    line for each text embedded so far.
-
-    Threads: its _Embedder's worker thread only."""
-
-    __slots__ = ("job", "tokens", "lines", "next", "done", "dimensions")
-
-    def __init__(self, job: RunningJob, tokens: list[list[int]], dimensions: Optional[int]) -> None:
-        self.job = job
-        self.tokens = tokens
-        self.lines: list[str] = [""] * len(tokens)
-        self.next = 0  # the first text not yet in a decode
-        self.done = 0
-        self.dimensions = dimensions
+# ============================================================================
+# 11.7 The runner
+# ============================================================================
+# LlamaRunner: the model loaded once and shared, the runner's caches (pieces, grammars, the
+# Grammar and Wide threads) and a session per worker. Its docstring's Threads line says who calls
+# what.
 
 
-class _Embedder:
-    """A worker's embedding context: the model's pooled vectors, many texts per decode.
+class LlamaRunner(Runner):
+    """llama.cpp through llama-cpp-python's raw API: one model, shared by every worker.
 
-    A context of its own (``embeddings`` on, the runner's pooling), made when the worker's
-    first embed job arrives, never shared between threads. Each decode packs texts of the
-    queued embed jobs, in order, as sequences of their own (up to EMBED_SEQS texts and
-    ``pack`` tokens; one longer text alone, up to ``limit``). A text must fit one micro-batch: a non-causal
-    model (BERT) attends over the whole text at once, so the micro-batch is as large as the
-    longest text allowed (``limit``); a longer text fails its job alone (context_overflow).
+    ``Llama`` always loads its own copy of the weights, so it cannot be shared; the raw
+    calls can. Each worker gets its own context (KV cache, batch, samplers), never shared
+    between threads, which is llama.cpp's thread-safety rule.
 
-    Threads: its session's worker thread only (its decodes go through the session's
-    ``_decode``: on the runner's Wide thread when the worker has borrowed threads).
+    Threads: made, with its sessions, and closed by whoever loads the model (_Models: the
+    Server's start, a model switch, the load-ahead thread) while no worker uses it; called by
+    every worker (tokens, piece, penalty, sampler, grammar, prepare_grammar, grammar_vocab,
+    decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
+    ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``
+    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under
+    ``_lock``; a decode with borrowed threads under ``_wide_lock``. ``_pieces`` is a cache the
+    workers fill without a lock: a token's bytes are the same whoever stores them, and one
+    dict get or set is atomic. The model, its vocabulary and the tables made at load are read
+    only (llama.cpp's model may be shared by contexts on several threads).
     """
 
-    def __init__(self, runner: LlamaRunner, threads: int, limit: int, pack: int) -> None:
-        L = self.L = runner.L
-        self.runner = runner
-        self.limit = limit
-        self.pack = pack
-        size = max(limit, pack)  # a decode holds a pack of texts, or one text up to the limit
-        params = L.llama_context_default_params()
-        params.n_ctx = params.n_batch = params.n_ubatch = size
-        params.n_seq_max = EMBED_SEQS
-        params.n_threads = params.n_threads_batch = threads
-        params.embeddings = True
-        params.pooling_type = POOLING_CODES.index(runner.pooling)
-        params.kv_unified = True  # else each sequence gets pack / EMBED_SEQS cells
-        # Flash attention over a causal model's KV cache makes a text's vector depend on its
-        # batch-mates (cosine 0.99988 to the same text alone, measured on SmolLM2; 0.99997
-        # without it). An encoder (BERT) has no KV cache: there it changed vectors by less than
-        # 1e-6 and embedded 1.5 times as fast, so llama.cpp's default (auto: on) stays.
-        if runner.causal:
-            params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        params.no_perf = True
-        self.ctx = L.llama_init_from_model(runner.model, params)
-        if not self.ctx:
-            raise JobError("model_error", f"cannot create an embedding context of {size} tokens (out of memory? "
-                                          "lower NRVNA_MAX_CTX)")
-        self.memory = L.llama_get_memory(self.ctx)  # None for models without a KV cache (BERT)
-        self.batch = L.llama_batch_init(size, 0, 1)
-        self.normalize = bool(runner.config.embed_normalize)
-        self.jobs: list[_Embedding] = []
+    name = "llama.cpp"
 
-    def start(self, job: RunningJob) -> None:
-        """Queue ``job``'s texts; raise JobError if one cannot be embedded here."""
-        texts = job_param(job.params, "input") or [job.prompt]
-        tokens = [self.runner.tokenize(text, add_special=True, special=False) for text in texts]
-        for i, row in enumerate(tokens):
-            which = "the text" if len(texts) == 1 else f"input[{i}]"
-            if len(row) > self.limit:
-                raise JobError("context_overflow", f"{which} is {len(row)} tokens; an embedding takes at most "
-                                                   f"{self.limit} (the model's context, or NRVNA_MAX_CTX / 8)")
-            if not row:
-                raise JobError("bad_request", f"{which} has no tokens")
-        dimensions = job_param(job.params, "dimensions")
-        if dimensions is not None and dimensions > self.runner.n_embd:
-            raise JobError("bad_request", f"dimensions={dimensions}, but the model's vectors have "
-                                          f"{self.runner.n_embd}")
-        self.jobs.append(_Embedding(job, tokens, dimensions))
+    def __init__(self, model_path: str, config: Config, cancel: Optional[threading.Event] = None) -> None:
+        """Load ``model_path``; ModelError says why not. Setting ``cancel`` cuts the load short
+        (a daemon stopping while it loads a model ahead of its turn)."""
+        check_gguf(model_path)
+        self.L = L = _import_llama()
+        self.config = config
+        self.abort_callback = _strlen_callback(L)  # kept here: llama.cpp holds only its address
+        self.model_name = os.path.basename(model_path)
+        _install_llama_logging(L, config.log_level)
+        L.llama_backend_init()
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = config.gpu_layers
+        if config.gpu >= 0:  # one GPU, whole: several daemons share a machine one GPU each
+            params.main_gpu = config.gpu
+            params.split_mode = 0  # LLAMA_SPLIT_MODE_NONE
+        if not config.repack:
+            params.use_extra_bufts = False  # no AMX/repacked buffers (llama.cpp #20824)
+        if not config.mmap:
+            _load_unmapped(L, params)
+        if cancel is not None:  # kept here while llama.cpp may call it: it holds only its address
+            self._progress = L.llama_progress_callback(lambda progress, data: not cancel.is_set())
+            params.progress_callback = self._progress
+        del _llama_log_tail[:]
+        self.model = L.llama_model_load_from_file(model_path.encode(), params)
+        if not self.model:
+            if cancel is not None and cancel.is_set():
+                raise ModelError(f"model {model_path}: its load was cut short (the daemon is stopping)")
+            raise ModelError(f"model {model_path} could not be loaded by llama.cpp{_llama_log_reason(': {}')}")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.train_ctx = L.llama_model_n_ctx_train(self.model)
+        self.n_embd = L.llama_model_n_embd_out(self.model) or L.llama_model_n_embd(self.model)
+        self.arch = self.meta("general.architecture") or "unknown"
+        model_pooling = self.meta(f"{self.arch}.pooling_type")
+        # An embedding model: one whose GGUF names a pooling type, or an encoder's architecture.
+        self.embedding_only = model_pooling is not None or self.arch in ENCODER_ARCHS
+        # Causal attention (a decoder, with a KV cache) unless the GGUF or the architecture says not.
+        self.causal = self.meta(f"{self.arch}.attention.causal") != "false" and self.arch not in ENCODER_ARCHS
+        if config.pooling != "model":
+            self.pooling = config.pooling
+        elif model_pooling is not None and model_pooling.isdigit() and int(model_pooling) < len(POOLING_CODES):
+            self.pooling = POOLING_CODES[int(model_pooling)]  # "rank" (rerankers) embeds nothing here
+        else:
+            self.pooling = "none"
+        if self.embedding_only and self.pooling not in ("mean", "cls", "last"):
+            L.llama_model_free(self.model)
+            raise ModelError(f"model {model_path} is an embedding model ({self.arch}), and its pooling is "
+                             f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
+        self._pieces: dict[int, bytes] = {}
+        self._formatter = self._chat_formatter()
+        import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
-    def step(self, decode: Callable[[Any, Any], int]) -> list[tuple[RunningJob, Outcome]]:
-        """Embed the next texts in one decode; return the jobs whose texts are all done."""
-        ended = [self._end(e, e.job.interrupt) for e in list(self.jobs) if e.job.interrupt is not None]
-        L, batch = self.L, self.batch
-        placed: list[tuple[_Embedding, int]] = []
-        n = 0
-        for entry in self.jobs:
-            while entry.next < len(entry.tokens) and len(placed) < EMBED_SEQS:
-                row = entry.tokens[entry.next]
-                if n and n + len(row) > self.pack:
-                    break
-                for pos, token in enumerate(row):
-                    batch.token[n] = token
-                    batch.pos[n] = pos
-                    batch.n_seq_id[n] = 1
-                    batch.seq_id[n][0] = len(placed)
-                    batch.logits[n] = 1  # embeddings read every token's output
-                    n += 1
-                placed.append((entry, entry.next))
-                entry.next += 1
-            if entry.next < len(entry.tokens):
-                break  # the decode is full: keep the jobs' order
-        if not placed:
-            return ended
-        batch.n_tokens = n
-        code = decode(self.ctx, batch)
-        if self.memory:
-            L.llama_memory_clear(self.memory, True)  # every decode starts afresh
-        if code != 0:
-            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
-            failed = {id(entry): entry for entry, _ in placed}
-            return ended + [self._end(entry, ("model_error", message)) for entry in failed.values()]
-        np, size = self.runner.np, self.runner.n_embd
-        for seq, (entry, index) in enumerate(placed):
-            pointer = L.llama_get_embeddings_seq(self.ctx, seq)
-            if not pointer:
-                return ended + [self._end(e, ("model_error", "llama.cpp returned no embedding")) for e in list(self.jobs)]
-            vector = np.ctypeslib.as_array(pointer, shape=(size,))[:entry.dimensions or size].astype(np.float64)
-            if not np.isfinite(vector).all():
-                ended.append(self._end(entry, ("model_error", "the model's embedding holds NaN or infinity")))
+        self.np = numpy
+        self._grammars: dict[Any, tuple[str, GrammarShape]] = {}  # a schema or grammar -> its GBNF (LRU order)
+        self._grammar_vocab: Optional[GrammarVocab] = None
+        # End-of-generation tokens: a set, as every generated token is looked up (a call costs 1-2 us).
+        self.eog_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
+        # Control tokens but end-of-generation: never in a constrained output (see _JobSampler._allowed).
+        self.control_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_control(self.vocab, t)
+                                        and t not in self.eog_tokens)
+        self.control_mask = numpy.zeros(self.n_vocab, dtype=bool)
+        self.control_mask[list(self.control_tokens)] = True
+        self._grammars_lock = threading.Lock()  # held for the dictionaries, never while converting
+        self._converting: dict[Any, _Conversion] = {}  # grammars the Grammar thread is making
+        self._converter: Optional[_CallThread] = None  # the Grammar thread, made on first use
+        self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
+        self._lock = threading.Lock()
+        self._sessions: list[LlamaSession] = []
+        self._wide: Optional[_CallThread] = None
+        self._wide_lock = threading.Lock()  # held while a decode with borrowed threads runs
+
+    def meta(self, key: str) -> Optional[str]:
+        """A GGUF metadata value as text, or None if the model has no such key."""
+        size = 256
+        while True:
+            buf = self._char_array(size)
+            count = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, size)
+            if count < 0:
+                return None
+            if count < size:
+                return buf.value.decode("utf-8", "replace")
+            size = count + 1
+
+    def decode_wide(self, ctx: Any, batch: Any) -> int:
+        """``llama_decode`` on the runner's one thread for decodes with borrowed threads.
+
+        llama.cpp's CPU threads come from OpenMP, and libgomp gives every OS thread that
+        runs a multi-threaded decode a team of its own; once the teams together hold more
+        threads than there are cores, it stops spinning at barriers in every team. Measured
+        here: a 2-thread decode 20-30% slower once two worker threads had each run one.
+        Running every such decode on this one thread keeps a single team.
+        """
+        with self._wide_lock:  # one borrower at a time
+            if self._wide is None:
+                self._wide = _CallThread("Wide")
+            return self._wide.call(self.L.llama_decode, ctx, batch)
+
+    def wait_wide(self) -> None:
+        """Wait for a decode with borrowed threads in progress to end.
+
+        A worker that has just got a job would otherwise decode beside it, one thread more
+        than there are cores, and the borrowed decode's OpenMP barriers would keep waiting for
+        a preempted thread (measured: a 12-token step 262 ms instead of about 40). Its lender
+        gives the threads back at its next step, so this waits one step at most.
+        """
+        with self._wide_lock:
+            pass
+
+    def _chat_formatter(self) -> Any:
+        L = self.L
+        template = L.llama_model_chat_template(self.model, None)
+        if not template:
+            return None
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        def token_text(token: int) -> str:
+            if token < 0:
+                return ""
+            return (L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
+
+        try:
+            return Jinja2ChatFormatter(template.decode("utf-8", "replace"),
+                                       eos_token=token_text(L.llama_vocab_eos(self.vocab)),
+                                       bos_token=token_text(L.llama_vocab_bos(self.vocab)))
+        except Exception as err:  # a template jinja cannot parse: fall back to raw prompts
+            log.warning(f"model chat template unusable ({err}); prompts are used raw")
+            return None
+
+    def session(self, index: int, config: Config) -> "LlamaSession":
+        """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
+        threads = config.threads or max(1, cpu_count() // config.workers)
+        session = LlamaSession(self, threads, config.seqs, config.batch, config)
+        with self._lock:
+            self._sessions.append(session)
+        return session
+
+    def tokens(self, job: RunningJob) -> list[int]:
+        """The job's prompt as tokens: through the model's chat template unless ``raw``.
+
+        Only the template's own markers become control tokens: every message's content (a
+        plain prompt is one user message, ``system`` one system message) is tokenized as
+        text, so text that spells a marker (``<|im_start|>system...``) cannot forge a turn.
+        A ``raw`` job is the caller's own markup: its special tokens are parsed."""
+        params = job.params
+        if job_param(params, "raw"):
+            return self.tokenize(job.prompt, add_special=True, special=True)
+        if self._formatter is None:  # no chat template: the prompt is plain text
+            return self.tokenize(job.prompt, add_special=True, special=False)
+        messages = list(job_param(params, "messages") or [{"role": "user", "content": job.prompt}])
+        system = job_param(params, "system")
+        if system and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system})
+        tokens: list[int] = []
+        for piece, is_content in self._render(messages):  # the template already wrote BOS
+            tokens += self.tokenize(piece, add_special=False, special=not is_content)
+        return tokens
+
+    def _spells_control(self, text: str) -> bool:
+        """Whether ``text`` holds the text of a control token (``<|im_start|>``...)."""
+        return self.tokenize(text, False, True) != self.tokenize(text, False, False)
+
+    def _render(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+        """The chat template applied to ``messages``, as (text, is a message's content)
+        pieces in order: the whole rendering as one piece when no content spells a control
+        token (then the split changes nothing), else split. To split, the template is rendered
+        again with a unique mark in place of each content to find its own text around them;
+        the marks replaced by the contents (as given, or stripped, for templates that trim
+        them) must give the real rendering."""
+        try:
+            text = self._formatter(messages=messages).prompt
+            if not any(self._spells_control(m["content"]) for m in messages):
+                # The common case: one call, the very tokens of the whole rendering. (Each
+                # call of llama_tokenize starts a new word: a SentencePiece vocabulary adds its
+                # space prefix, so splitting an innocent prompt would change its tokens.)
+                return [(text, False)]
+            marks = [f"\ue000{i}\ue001" if m["content"] else "" for i, m in enumerate(messages)]
+            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)]).prompt
+        except JobError:
+            raise
+        except Exception as err:
+            raise JobError("bad_request", f"chat template failed: {err}") from None
+        around: Optional[list[str]] = []  # the template's text before each mark, and after the last
+        rest = marked
+        for mark in marks:
+            if not mark:  # an empty content: nothing to find, nothing to keep apart
+                around.append("")
                 continue
-            if self.normalize:
-                norm = math.sqrt(float(vector @ vector))
-                vector = vector / norm if norm > 0 else vector
-            entry.lines[index] = "[" + ",".join(map(_FLOAT32_TEXT, vector.astype(np.float32).tolist())) + "]\n"
-            entry.done += 1
-        return ended + [self._end(entry) for entry in list(self.jobs) if entry.done == len(entry.tokens)]
+            before, found, rest = rest.partition(mark)
+            if not found or mark in rest:
+                around = None  # the template dropped or repeated a content: not separable this way
+                break
+            around.append(before)
+        if around is not None:
+            for contents in ([m["content"] for m in messages], [m["content"].strip() for m in messages]):
+                if "".join(t + c for t, c in zip(around, contents)) + rest == text:
+                    pieces = [piece for t, c in zip(around, contents) for piece in ((t, False), (c, True))]
+                    return [(t, is_content) for t, is_content in pieces + [(rest, False)] if t]
+        raise JobError("bad_request", "a message spells a control token, and the chat template changes "
+                                      "message contents in a way nrvna cannot keep apart from its own markup")
 
-    def _end(self, entry: _Embedding, error: Optional[tuple[str, str]] = None) -> tuple[RunningJob, Outcome]:
-        if entry in self.jobs:
-            self.jobs.remove(entry)
-        tokens = sum(len(row) for row in entry.tokens)
-        if error is not None:
-            return entry.job, Outcome("", "error", tokens, 0, error[0], error[1])
-        return entry.job, Outcome("".join(entry.lines), "stop", tokens, 0)
+    def tokenize(self, text: str, add_special: bool, special: bool) -> list[int]:
+        """``text`` as tokens; ``special``: control-token text (``<|im_end|>``) becomes the
+        control token, else it stays text; ``add_special``: BOS first if the model wants one."""
+        L = self.L
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        while True:
+            buf = (L.llama_token * capacity)()
+            count = L.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, special)
+            if count >= 0:
+                return list(buf[:count])
+            capacity = -count
 
-    def drop(self, job: RunningJob) -> None:
-        """Forget ``job`` (handed back to the queue)."""
-        self.jobs = [e for e in self.jobs if e.job is not job]
+    def piece(self, token: int) -> bytes:
+        """A token's bytes (cached: the same few thousand tokens recur)."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            size = 64
+            while True:
+                buf = self._char_array(size)
+                count = self.L.llama_token_to_piece(self.vocab, token, buf, size, 0, False)
+                if count >= 0:
+                    break
+                size = -count
+            cached = self._pieces[token] = bytes(buf[:count])
+        return cached
+
+    @staticmethod
+    def _char_array(size: int) -> Any:
+        import ctypes
+
+        return (ctypes.c_char * size)()
+
+    def penalty(self, params: Mapping[str, Any]) -> Optional["_Penalties"]:
+        """The job's penalties and logit biases (None if all are off): applied to the logits
+        before its sampler chain runs (see _Penalties)."""
+        repeat = job_param(params, "repeat_penalty", self.config)
+        frequency = job_param(params, "frequency_penalty", self.config)
+        presence = job_param(params, "presence_penalty", self.config)
+        bias = {int(token): value for token, value in (job_param(params, "logit_bias") or {}).items()}
+        for token in bias:
+            if token >= self.n_vocab:
+                raise JobError("bad_request", f"logit_bias: token {token} is not in the model's vocabulary "
+                                              f"(IDs 0 to {self.n_vocab - 1})")
+        if (repeat == 1.0 or repeat <= 0) and not frequency and not presence and not bias:
+            return None
+        return _Penalties(self.np, repeat, frequency, presence, bias)
+
+    def grammar(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str, GrammarShape]]:
+        """The job's grammar, if its output is constrained: (a key naming it, its GBNF text,
+        its shape). A JSON schema is converted once per distinct schema, then found here again
+        (here, on the calling thread, if no conversion of it is done: see prepare_grammar).
+        Raises JobError (grammar_error) for one whose start is past the work limits."""
+        named = self._grammar_key(params)
+        if named is None:
+            return None
+        kind, key, params = named
+        with self._grammars_lock:
+            found = self._grammars.pop(key, None)
+            if found is not None:
+                self._grammars[key] = found  # most recently used last
+                return (key,) + found
+        found = self._made(kind, params)
+        self._remember(key, found)
+        return (key,) + found
+
+    def prepare_grammar(self, params: Mapping[str, Any]) -> Optional[_Conversion]:
+        """None when the job's grammar is made (or it has none); otherwise its conversion,
+        begun now on the runner's Grammar thread or joined there, for a session to wait for
+        while its other sequences go on stepping: a schema's conversion and check take up
+        to the counted work its submit allows (SCHEMA_MAX_PATTERN_WORK), and no decode waits
+        for them."""
+        named = self._grammar_key(params)
+        if named is None or _small_grammar(named[1]):
+            return None
+        kind, key, params = named
+        with self._grammars_lock:
+            if key in self._grammars:
+                return None
+            conversion = self._converting.get(key)
+            if conversion is None:
+                conversion = self._converting[key] = _Conversion()
+                if self._converter is None:
+                    self._converter = _CallThread("Grammar")
+                self._converter.post(self._convert, kind, key, params, conversion)
+        return conversion
+
+    def _convert(self, kind: str, key: Any, params: Mapping[str, Any], conversion: _Conversion) -> None:
+        """The Grammar thread's call: make the grammar, remember it, and tell who waits."""
+        found: Optional[tuple[str, GrammarShape]] = None
+        try:
+            found = self._made(kind, params)
+            conversion.found = (key,) + found
+        except JobError as err:
+            conversion.error = err
+        except Exception as err:  # a check's own bug fails the jobs that wait, never the thread
+            conversion.error = JobError("runner_error", f"runner failed: {err!r}")
+        finally:
+            self._remember(key, found)
+            conversion.done.set()
+
+    def _grammar_key(self, params: Mapping[str, Any]) -> Optional[tuple[str, Any, Mapping[str, Any]]]:
+        """(its kind, the key naming it, the params that make it) of a constrained job's grammar."""
+        import json
+
+        kind = constraint(params)
+        if kind is None:
+            return None
+        if kind == "json_object":
+            return kind, ("json_object",), {"grammar": _JSON_OBJECT_GBNF}
+        if kind == "grammar":
+            return kind, ("gbnf", job_param(params, "grammar")), params
+        return kind, ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"],
+                                           ensure_ascii=False, separators=(",", ":"))), params
+
+    def _made(self, kind: str, params: Mapping[str, Any]) -> tuple[str, GrammarShape]:
+        """A grammar's GBNF and shape, made (no lock held: it takes what the schema's counted
+        work allows). Raises JobError."""
+        text = self._make_grammar(kind, params)
+        try:
+            return text, check_grammar(text)
+        except InvalidInput as err:  # a converted schema's grammar, past the work limits
+            raise JobError("grammar_error", str(err)) from None
+
+    def _remember(self, key: Any, found: Optional[tuple[str, GrammarShape]]) -> None:
+        """Keep a grammar made (None: its conversion failed), as the most recently used."""
+        with self._grammars_lock:
+            self._converting.pop(key, None)
+            if found is None:
+                return
+            self._grammars.pop(key, None)
+            self._grammars[key] = found
+            if len(self._grammars) > GRAMMAR_CACHE:
+                self._grammars.pop(next(iter(self._grammars)))
+
+    def grammar_vocab(self) -> GrammarVocab:
+        """The vocabulary as the grammar sees it, for GrammarShape.vocab_cost (made once)."""
+        if self._grammar_vocab is not None:  # (every redraw asks: no lock once it is made)
+            return self._grammar_vocab
+        with self._grammars_lock:
+            if self._grammar_vocab is None:
+                L = self.L
+                pieces = [b"" if L.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
+                self._grammar_vocab = GrammarVocab(self.np, pieces)
+        return self._grammar_vocab
+
+    def _make_grammar(self, kind: str, params: Mapping[str, Any]) -> str:
+        """The GBNF of a grammar job, or its schema converted. (The checks ran at claim: the
+        Processor validates params.json, a hand-made one too, with the submit's checks.)"""
+        if kind != "json_schema":
+            return job_param(params, "grammar")
+        try:
+            text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
+        except Exception as err:  # the converter's own assertions: a gap in check_json_schema
+            raise JobError("bad_request", f"response_format: the schema could not be converted: {err!r}") from None
+        with self._grammars_lock:  # workers and the Grammar thread convert at once
+            self.conversions += 1
+        return text
+
+    def sampler(self, params: Mapping[str, Any]) -> Any:
+        """A sampler chain for one job (chains hold state: one per sequence); the
+        repetition penalty is not in it (see ``penalty``)."""
+        L, cfg = self.L, self.config
+        temperature = job_param(params, "temperature", cfg)
+        top_k = job_param(params, "top_k", cfg)
+        top_p = job_param(params, "top_p", cfg)
+        min_p = job_param(params, "min_p", cfg)
+        seed = job_param(params, "seed", cfg) or L.LLAMA_DEFAULT_SEED  # 0 = random
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        if temperature <= 0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+            return chain
+        if top_k > 0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(top_k))
+        if top_p < 1.0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
+        if min_p > 0.0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(min_p, 1))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
+        return chain
 
     def close(self) -> None:
-        """Free the context and its batch."""
-        self.jobs.clear()
-        if self.ctx:
-            self.L.llama_batch_free(self.batch)
-            self.L.llama_free(self.ctx)
-            self.ctx = None
-
-
-# A float32 as the shortest text that reads back as the same float32 (9 digits suffice).
-_FLOAT32_TEXT = "{:.9g}".format
+        """Free every context, then the model."""
+        with self._lock:
+            sessions, self._sessions = self._sessions, []
+        for session in sessions:
+            session.close()
+        if self._wide is not None:
+            self._wide.close()
+            self._wide = None
+        if self._converter is not None:  # a conversion under way is abandoned, not waited for
+            self._converter.close(wait=False)
+            self._converter = None
+        if self.model:
+            self.L.llama_model_free(self.model)
+            self.model = None
 
 
 ##############################################################################
-# Daemon: Pool (in-memory queue), Scanner (discovery), Processor (state moves), Server
+# 12. Daemon: the threads that work the queue, and the Server that runs them
 ##############################################################################
+# Owns the daemon's threads (Scanner, workers, Finisher, Watcher, Models, Hooks) and the Server
+# that starts and stops them. Invariant: one thread of one daemon holds a job at a time, and every
+# change of state is a section 7 move. Each class's "Threads:" line says who calls it.
+
 
 DAEMON_STATUS_SECONDS = 2.0  # how often a daemon's record (daemons/<name>.json) is rewritten
 WATCH_SECONDS = 0.1  # how often running jobs are checked for cancel/timeout and partial.txt flushed
@@ -9231,12 +9498,127 @@ STALE_STAGING_SECONDS = 3600  # input/writing/* older than this is a dead client
 CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long to fill up
 
 
+# ============================================================================
+# 12.1 The queue: Pool and Scanner
+# ============================================================================
+# Pool: a heap per model's queue, priority first, each ID given out once; Scanner: finds ready jobs
+# by inotify, listing only at start and after an overflow. Invariant: a job is queued at most once
+# while this daemon queues or holds it.
+
+
 # Where a queued job goes: its priority and its model's queue (the model's index in
 # _Models.served).
 _Place = namedtuple("_Place", "priority queue")
+
+
 # A model's queue as the Models thread sees it: how many jobs, the top priority, and the order
 # key of the job ``Pool.get`` takes next (the oldest of that priority).
 _QueueHead = namedtuple("_QueueHead", "jobs top next_key")
+
+
+class Scanner:
+    """Finds jobs in input/ready/ and hands them to the Pool.
+
+    On Linux it is told by inotify: a published job is queued within a millisecond and an
+    idle daemon sleeps in select(). The directory is listed only at start and after an event
+    overflow, so a 100k backlog is never rescanned. Elsewhere it stats the directory every
+    20 ms and lists it when its mtime changed, and once a second regardless (mtime is coarse).
+
+    Threads: its own (the Scanner), which alone touches the watch and ``_deferred``; the
+    main thread calls ``wake`` (a pipe) and, at a drain, ``scan`` (the Pool locks itself;
+    ``scans`` is only ever compared with 0, and the main thread scans only once it is not).
+    """
+
+    def __init__(self, workspace: str, pool: Pool, stop: threading.Event) -> None:
+        self.ready = os.path.join(workspace, READY)
+        self.pool = pool
+        self.stop = stop
+        self.scans = 0
+        self._wake_r, self._wake_w = os.pipe()
+        self._deferred: dict[str, float] = {}
+        try:
+            self.watch: Optional[_DirWatch] = _DirWatch(self.ready)
+        except (OSError, AttributeError) as err:
+            log.debug(f"inotify unavailable ({err}); polling input/ready/")
+            self.watch = None
+
+    def scan(self) -> int:
+        """List input/ready/ and queue what is new; return how many were new."""
+        with os.scandir(self.ready) as entries:
+            names = [e.name for e in entries if not e.name.startswith(".")]
+        self.scans += 1
+        added = self.pool.push(names)
+        if added:
+            log.debug(f"Found {added} ready jobs")
+        return added
+
+    def run(self) -> None:
+        """The Scanner thread's loop; returns when ``stop`` is set."""
+        _name_os_thread("Scanner")
+        try:
+            self.scan()
+            if self.watch is not None:
+                self._watch_loop(self.watch)
+            else:
+                self._poll_loop()
+        except Exception as err:  # the daemon cannot work without discovery: stop it
+            log.error(f"scanner failed: {err!r}; shutting down")
+            self.stop.set()
+            self.pool.close()
+        finally:
+            if self.watch is not None:
+                self.watch.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        log.debug("Scanner thread exiting")
+
+    def _watch_loop(self, watch: _DirWatch) -> None:
+        import select
+
+        while not self.stop.is_set():
+            timeout = None
+            if self._deferred:
+                timeout = max(0.0, min(self._deferred.values()) - time.monotonic())
+            readable, _, _ = select.select([watch, self._wake_r], [], [], timeout)
+            if watch in readable:
+                events, overflow = watch.read()
+                moved = [name for mask, name in events if mask & watch.IN_MOVED_TO and not name.startswith(".")]
+                for mask, name in events:
+                    if mask & watch.IN_CREATE and not name.startswith("."):
+                        # mkdir'ed in place rather than renamed in: give its writer a moment
+                        self._deferred[name] = time.monotonic() + CREATE_GRACE_SECONDS
+                if moved and self.pool.push(moved):
+                    log.trace(f"Queued {len(moved)} published jobs")
+                if overflow:
+                    log.warning("inotify queue overflowed; rescanning input/ready/")
+                    self.scan()
+            self._release_deferred()
+
+    def _release_deferred(self) -> None:
+        now = time.monotonic()
+        due = [name for name, when in self._deferred.items() if when <= now]
+        for name in due:
+            del self._deferred[name]
+        if due:
+            self.pool.push(n for n in due if os.path.lexists(os.path.join(self.ready, n)))
+
+    def _poll_loop(self) -> None:
+        last_mtime, last_scan = -1, 0.0
+        while not self.stop.wait(0.02):
+            try:
+                mtime = os.stat(self.ready).st_mtime_ns
+            except OSError:
+                continue
+            if mtime != last_mtime or time.monotonic() - last_scan >= 1.0:
+                last_mtime, last_scan = mtime, time.monotonic()
+                self.scan()
+
+    def wake(self) -> None:
+        """Make the loop notice ``stop`` now."""
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
 
 
 class Pool:
@@ -9437,160 +9819,17 @@ class Pool:
             return len(self._heaps.get(self.active, ())) + len(self._later)
 
 
-class Scanner:
-    """Finds jobs in input/ready/ and hands them to the Pool.
-
-    On Linux it is told by inotify: a published job is queued within a millisecond and an
-    idle daemon sleeps in select(). The directory is listed only at start and after an event
-    overflow, so a 100k backlog is never rescanned. Elsewhere it stats the directory every
-    20 ms and lists it when its mtime changed, and once a second regardless (mtime is coarse).
-
-    Threads: its own (the Scanner), which alone touches the watch and ``_deferred``; the
-    main thread calls ``wake`` (a pipe) and, at a drain, ``scan`` (the Pool locks itself;
-    ``scans`` is only ever compared with 0, and the main thread scans only once it is not).
-    """
-
-    def __init__(self, workspace: str, pool: Pool, stop: threading.Event) -> None:
-        self.ready = os.path.join(workspace, READY)
-        self.pool = pool
-        self.stop = stop
-        self.scans = 0
-        self._wake_r, self._wake_w = os.pipe()
-        self._deferred: dict[str, float] = {}
-        try:
-            self.watch: Optional[_DirWatch] = _DirWatch(self.ready)
-        except (OSError, AttributeError) as err:
-            log.debug(f"inotify unavailable ({err}); polling input/ready/")
-            self.watch = None
-
-    def scan(self) -> int:
-        """List input/ready/ and queue what is new; return how many were new."""
-        with os.scandir(self.ready) as entries:
-            names = [e.name for e in entries if not e.name.startswith(".")]
-        self.scans += 1
-        added = self.pool.push(names)
-        if added:
-            log.debug(f"Found {added} ready jobs")
-        return added
-
-    def run(self) -> None:
-        """The Scanner thread's loop; returns when ``stop`` is set."""
-        _name_os_thread("Scanner")
-        try:
-            self.scan()
-            if self.watch is not None:
-                self._watch_loop(self.watch)
-            else:
-                self._poll_loop()
-        except Exception as err:  # the daemon cannot work without discovery: stop it
-            log.error(f"scanner failed: {err!r}; shutting down")
-            self.stop.set()
-            self.pool.close()
-        finally:
-            if self.watch is not None:
-                self.watch.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-        log.debug("Scanner thread exiting")
-
-    def _watch_loop(self, watch: _DirWatch) -> None:
-        import select
-
-        while not self.stop.is_set():
-            timeout = None
-            if self._deferred:
-                timeout = max(0.0, min(self._deferred.values()) - time.monotonic())
-            readable, _, _ = select.select([watch, self._wake_r], [], [], timeout)
-            if watch in readable:
-                events, overflow = watch.read()
-                moved = [name for mask, name in events if mask & watch.IN_MOVED_TO and not name.startswith(".")]
-                for mask, name in events:
-                    if mask & watch.IN_CREATE and not name.startswith("."):
-                        # mkdir'ed in place rather than renamed in: give its writer a moment
-                        self._deferred[name] = time.monotonic() + CREATE_GRACE_SECONDS
-                if moved and self.pool.push(moved):
-                    log.trace(f"Queued {len(moved)} published jobs")
-                if overflow:
-                    log.warning("inotify queue overflowed; rescanning input/ready/")
-                    self.scan()
-            self._release_deferred()
-
-    def _release_deferred(self) -> None:
-        now = time.monotonic()
-        due = [name for name, when in self._deferred.items() if when <= now]
-        for name in due:
-            del self._deferred[name]
-        if due:
-            self.pool.push(n for n in due if os.path.lexists(os.path.join(self.ready, n)))
-
-    def _poll_loop(self) -> None:
-        last_mtime, last_scan = -1, 0.0
-        while not self.stop.wait(0.02):
-            try:
-                mtime = os.stat(self.ready).st_mtime_ns
-            except OSError:
-                continue
-            if mtime != last_mtime or time.monotonic() - last_scan >= 1.0:
-                last_mtime, last_scan = mtime, time.monotonic()
-                self.scan()
-
-    def wake(self) -> None:
-        """Make the loop notice ``stop`` now."""
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-
-
-def _unlinked(name: str, dir_fd: int) -> bool:
-    """Remove ``name`` if it is there; whether it was."""
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-        return True
-    except OSError:
-        return False
-
-
-def _int_field(meta: Mapping[str, Any], key: str) -> int:
-    value = meta.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _write_key(job_id: str, before: Mapping[str, Any]) -> tuple[str, int]:
-    """The key of a job's failed finishes in a daemon's memory: its ID and how often `nrvna
-    retry` sent it back (a retry starts the count afresh, as it does in meta.json)."""
-    return job_id, _int_field(before, "retries")
+# ============================================================================
+# 12.2 Claims and finishes: Processor
+# ============================================================================
+# Processor claims a job (a rename into processing/ under its lock), finishes it (every file
+# written and fsynced, then the move) or hands it back (_HandBacks; uncounted on a full disk).
+# Invariant: a job ends once; a crash at any step leaves it in processing/ for recovery.
 
 
 # Bytes counted per file on top of its data when a finish's need for room is reckoned: a
 # block (and a directory entry) each; a result is not generated again until that much is free.
 ROOM_SLACK = 4096
-
-
-def _disk_size(path: str) -> int:
-    """The size of the filesystem holding ``path``, in bytes (unknown: as large as any result)."""
-    try:
-        fs = os.statvfs(path)
-    except OSError:
-        return sys.maxsize
-    return fs.f_blocks * fs.f_frsize
-
-
-def _link_claimed_meta(dir_fd: int) -> str:
-    """Keep meta.json as the claim finds it under CLAIMED_META (a hard link: no space
-    needed): "link"; "none" where the job has no meta.json yet (a hand-back removes the
-    claim's); "" where the filesystem makes no links (a hand-back writes it from memory)."""
-    for _ in range(2):
-        try:
-            os.link(META_FILE, CLAIMED_META, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-            return "link"
-        except FileNotFoundError:
-            return "none"
-        except FileExistsError:  # left by a hand-back that could not remove it
-            _unlink_quietly(CLAIMED_META, dir_fd)
-        except OSError:
-            return ""
-    return ""
 
 
 class _HandBack(Exception):
@@ -9625,6 +9864,52 @@ class _Claim:
         # on disk as CLAIMED_META; "none", it had none; "", in memory only), and a cancel
         # request the finish removed (``cancel_dropped``).
         self.before, self.kept, self.cancel_dropped = before, kept, False
+
+
+def _unlinked(name: str, dir_fd: int) -> bool:
+    """Remove ``name`` if it is there; whether it was."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False
+
+
+def _int_field(meta: Mapping[str, Any], key: str) -> int:
+    value = meta.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _write_key(job_id: str, before: Mapping[str, Any]) -> tuple[str, int]:
+    """The key of a job's failed finishes in a daemon's memory: its ID and how often `nrvna
+    retry` sent it back (a retry starts the count afresh, as it does in meta.json)."""
+    return job_id, _int_field(before, "retries")
+
+
+def _disk_size(path: str) -> int:
+    """The size of the filesystem holding ``path``, in bytes (unknown: as large as any result)."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return sys.maxsize
+    return fs.f_blocks * fs.f_frsize
+
+
+def _link_claimed_meta(dir_fd: int) -> str:
+    """Keep meta.json as the claim finds it under CLAIMED_META (a hard link: no space
+    needed): "link"; "none" where the job has no meta.json yet (a hand-back removes the
+    claim's); "" where the filesystem makes no links (a hand-back writes it from memory)."""
+    for _ in range(2):
+        try:
+            os.link(META_FILE, CLAIMED_META, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            return "link"
+        except FileNotFoundError:
+            return "none"
+        except FileExistsError:  # left by a hand-back that could not remove it
+            _unlink_quietly(CLAIMED_META, dir_fd)
+        except OSError:
+            return ""
+    return ""
 
 
 class _HandBacks:
@@ -10189,6 +10474,14 @@ class Processor:
         fsync_dir(self._path(PROCESSING))
         log.warning(f"Job failed: {job_id}: input/ready/{job_id} was not a job directory")
 
+# ============================================================================
+# 12.3 Recovery and hooks
+# ============================================================================
+# _Recovery requeues orphans at start and when a daemon dies; Hooks runs the on-done commands
+# from hooks/done/, at least once each. Invariant: an orphan is requeued only when no live daemon
+# holds it.
+
+
 class _Recovery:
     """Returns the jobs of daemons that died to the queue: orphans in processing/ (or fails
     them at the attempt ceiling), then, at a start, runs alone the ones whose next death
@@ -10645,6 +10938,18 @@ class Hooks:
         return True
 
 
+# ============================================================================
+# 12.4 Models
+# ============================================================================
+# _Models routes jobs to the models this daemon serves and loads them (a failed load is tried
+# again later, then its jobs fail load_failed); _ModelSwitch parks every worker while the active
+# model changes.
+
+
+LOAD_RETRY_SECONDS = 5.0  # a model that failed to load is tried again after this, then twice as long each time
+LOAD_RETRY_MAX_SECONDS = 300.0
+
+
 class _ServedModel:
     """One model a daemon serves: its file, its kind ("chat" or "embed", read from the GGUF
     before loading) and, while loaded, its runner and one session per worker.
@@ -10657,10 +10962,6 @@ class _ServedModel:
         self.name, self.path, self.kind, self.runner = name, path, kind, runner
         self.sessions: list[Session] = []
         self.used = 0.0  # when it last became the active model (eviction: least recently used)
-
-
-LOAD_RETRY_SECONDS = 5.0  # a model that failed to load is tried again after this, then twice as long each time
-LOAD_RETRY_MAX_SECONDS = 300.0
 
 
 def _file_signature(path: Optional[str]) -> Optional[tuple[int, int, int]]:
@@ -10697,6 +10998,131 @@ class _LoadFailure:
 def _models_folder(name: str) -> bool:
     """Whether a MODEL argument names a directory of models (model.gguf/ is check_gguf's to refuse)."""
     return os.path.isdir(name) and not name.lower().endswith(".gguf")
+
+
+class _ModelSwitch:
+    """The Models thread of a daemon serving several models: when _Models.choose says, it
+    stops the workers taking jobs, waits until every worker has parked (its running jobs
+    ended), makes the next model the active one, and lets the workers go on with its jobs.
+
+    Threads: its own (Models) runs ``run`` and the switches; the workers ``park`` and
+    ``leave``; the Scanner and the workers set ``wake`` (an Event); the main thread calls
+    ``release`` and reads ``failure`` once the daemon has stopped. ``_parked``,
+    ``_generation`` and ``workers`` change under ``_cond`` (``workers`` is read without it:
+    one int, and a worker leaving mid-switch is waited for under it).
+    """
+
+    def __init__(self, models: _Models, pool: Pool, stop: threading.Event, workers: int,
+                 use: Callable[[list[Session]], None], loads: _WorkerLoads,
+                 fail: Callable[[list[str], str, str], None] = lambda ids, model, error: None) -> None:
+        self.models, self.pool, self.stop, self.workers, self.use = models, pool, stop, workers, use
+        self.loads = loads  # what the workers run (the top priority running: a reason to switch)
+        self.fail = fail  # fails queued jobs (IDs, their model's name, the error) with load_failed
+        self.failure: Optional[str] = None  # why this thread stopped the daemon (it exits 1)
+        self.wake = threading.Event()
+        self._cond = threading.Condition()
+        self._parked = 0
+        self._generation = 0  # counts switches: a parked worker waits for the next
+
+    def run(self) -> None:
+        _name_os_thread("Models")
+        while not self.stop.is_set():
+            self.wake.wait(0.1)
+            self.wake.clear()
+            if self.stop.is_set():  # (request_stop sets wake too): no switch or load begins now
+                break
+            try:
+                self._tend_failures()
+                heads = {queue: head for queue, head in self.pool.heads().items() if self.models.turn(queue)}
+                target = self.models.choose(heads, self.pool.running() > 0, self.loads.top(), time.monotonic())
+                if target is not None:
+                    self._switch(target)
+                elif self.models.config.load_ahead:
+                    self.models.load_ahead(heads, self.workers, self.stop)
+            except Exception as err:  # choose's own bug: the active model goes on
+                log.error(f"model switch error: {err!r}")
+
+    def _tend_failures(self) -> None:
+        """Route again the jobs of failed models due for another try (or whose file changed);
+        fail the jobs of models given up on, or leave them to another daemon that has the
+        model loaded."""
+        models = self.models
+        if models.failures():
+            self.pool.reroute(models.retries)
+        for queue, failure, elsewhere in models.failures():
+            if failure.due:  # chosen as any other queue (see _Models.turn)
+                continue
+            if failure.gave_up and not elsewhere:
+                taken = self.pool.take_queue(queue)
+                if taken:
+                    self.fail(taken, models.served[queue].name,
+                              f"{failure.error} ({failure.count} failed loads; NRVNA_MAX_LOAD_FAILURES is "
+                              f"{models.config.max_load_failures}): fix or replace the file, then nrvna retry")
+            else:
+                self.pool.set_aside(queue)
+
+    def _switch(self, queue: int) -> None:
+        models = self.models
+        previous = models.active
+        self.pool.set_active(None)  # no worker takes a job now; each parks once its jobs end
+        with self._cond:
+            while self._parked < self.workers and not self.stop.is_set():
+                self._cond.wait(0.1)
+        if self.stop.is_set():
+            return
+        began = time.monotonic()
+        try:
+            self.use(models.activate(queue, self.workers, self.pool.heads()))
+            log.info(f"Switched from model {models.served[previous].name} to {models.served[queue].name} "
+                     f"({time.monotonic() - began:.2f} s)")
+        except Exception as err:  # a broken file, out of memory: its jobs wait, then fail (see _LoadFailure)
+            failure = models.load_failed(queue, str(err))
+            if failure.gave_up:
+                then = f"its queued jobs fail (load_failed): {failure.count} failed loads"
+            else:
+                then = (f"its jobs wait; tried again in {failure.retry_at - time.monotonic():.0f} s "
+                        f"({failure.count} of NRVNA_MAX_LOAD_FAILURES {models.config.max_load_failures} failed "
+                        "loads), or start a daemon for it")
+            log.error(f"model {models.served[queue].name} could not be made ready ({err}); {then}")
+            if not failure.gave_up:  # (a given-up model's jobs stay queued here, for _tend_failures)
+                self.pool.set_aside(queue)
+            queue = previous
+            try:  # the eviction that made room may have unloaded it
+                self.use(models.activate(previous, self.workers, self.pool.heads()))
+            except Exception as again:
+                self.failure = f"model {models.served[previous].name} cannot be loaded again ({again})"
+                log.error(f"{self.failure}; stopping")
+                self.stop.set()
+                self.pool.close()
+                return
+        self.pool.set_active(queue)
+        with self._cond:  # every parked worker goes: none is counted until it parks again
+            self._generation += 1
+            self._parked = 0
+            self._cond.notify_all()
+
+    def park(self) -> None:
+        """A worker with no job while a switch waits: wait here until it is done."""
+        with self._cond:
+            if self.pool.active is not None:  # the switch ended before this worker came to park
+                return
+            generation = self._generation
+            self._parked += 1
+            self._cond.notify_all()
+            while self._generation == generation and not self.stop.is_set():
+                self._cond.wait(0.1)
+
+    def leave(self) -> None:
+        """A worker thread ends: switches wait for one worker fewer."""
+        with self._cond:
+            self.workers -= 1
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        """The daemon stops: wake everyone waiting."""
+        self.wake.set()
+        with self._cond:
+            self._cond.notify_all()
 
 
 class _Models:
@@ -10975,6 +11401,14 @@ class _Models:
         return described
 
 
+# ============================================================================
+# 12.5 Daemons side by side, and the watch
+# ============================================================================
+# _clash and _hooks_clash refuse a daemon that would fight another; _Registry keeps this daemon's
+# record beside the others'; _Watcher applies cancels and timeouts, flushes partial.txt and
+# requeues the jobs of daemons that died.
+
+
 def _clash(mine: list[dict[str, Any]], gpu: int, other: dict[str, Any]) -> Optional[str]:
     """Why a live daemon's record excludes a daemon serving ``mine`` (_Models.describe) on
     ``gpu``: the other serves one of the same models on the same GPU (or both on the CPU),
@@ -11106,131 +11540,6 @@ class _Registry:
             self._fd = None
 
 
-class _ModelSwitch:
-    """The Models thread of a daemon serving several models: when _Models.choose says, it
-    stops the workers taking jobs, waits until every worker has parked (its running jobs
-    ended), makes the next model the active one, and lets the workers go on with its jobs.
-
-    Threads: its own (Models) runs ``run`` and the switches; the workers ``park`` and
-    ``leave``; the Scanner and the workers set ``wake`` (an Event); the main thread calls
-    ``release`` and reads ``failure`` once the daemon has stopped. ``_parked``,
-    ``_generation`` and ``workers`` change under ``_cond`` (``workers`` is read without it:
-    one int, and a worker leaving mid-switch is waited for under it).
-    """
-
-    def __init__(self, models: _Models, pool: Pool, stop: threading.Event, workers: int,
-                 use: Callable[[list[Session]], None], loads: _WorkerLoads,
-                 fail: Callable[[list[str], str, str], None] = lambda ids, model, error: None) -> None:
-        self.models, self.pool, self.stop, self.workers, self.use = models, pool, stop, workers, use
-        self.loads = loads  # what the workers run (the top priority running: a reason to switch)
-        self.fail = fail  # fails queued jobs (IDs, their model's name, the error) with load_failed
-        self.failure: Optional[str] = None  # why this thread stopped the daemon (it exits 1)
-        self.wake = threading.Event()
-        self._cond = threading.Condition()
-        self._parked = 0
-        self._generation = 0  # counts switches: a parked worker waits for the next
-
-    def run(self) -> None:
-        _name_os_thread("Models")
-        while not self.stop.is_set():
-            self.wake.wait(0.1)
-            self.wake.clear()
-            if self.stop.is_set():  # (request_stop sets wake too): no switch or load begins now
-                break
-            try:
-                self._tend_failures()
-                heads = {queue: head for queue, head in self.pool.heads().items() if self.models.turn(queue)}
-                target = self.models.choose(heads, self.pool.running() > 0, self.loads.top(), time.monotonic())
-                if target is not None:
-                    self._switch(target)
-                elif self.models.config.load_ahead:
-                    self.models.load_ahead(heads, self.workers, self.stop)
-            except Exception as err:  # choose's own bug: the active model goes on
-                log.error(f"model switch error: {err!r}")
-
-    def _tend_failures(self) -> None:
-        """Route again the jobs of failed models due for another try (or whose file changed);
-        fail the jobs of models given up on, or leave them to another daemon that has the
-        model loaded."""
-        models = self.models
-        if models.failures():
-            self.pool.reroute(models.retries)
-        for queue, failure, elsewhere in models.failures():
-            if failure.due:  # chosen as any other queue (see _Models.turn)
-                continue
-            if failure.gave_up and not elsewhere:
-                taken = self.pool.take_queue(queue)
-                if taken:
-                    self.fail(taken, models.served[queue].name,
-                              f"{failure.error} ({failure.count} failed loads; NRVNA_MAX_LOAD_FAILURES is "
-                              f"{models.config.max_load_failures}): fix or replace the file, then nrvna retry")
-            else:
-                self.pool.set_aside(queue)
-
-    def _switch(self, queue: int) -> None:
-        models = self.models
-        previous = models.active
-        self.pool.set_active(None)  # no worker takes a job now; each parks once its jobs end
-        with self._cond:
-            while self._parked < self.workers and not self.stop.is_set():
-                self._cond.wait(0.1)
-        if self.stop.is_set():
-            return
-        began = time.monotonic()
-        try:
-            self.use(models.activate(queue, self.workers, self.pool.heads()))
-            log.info(f"Switched from model {models.served[previous].name} to {models.served[queue].name} "
-                     f"({time.monotonic() - began:.2f} s)")
-        except Exception as err:  # a broken file, out of memory: its jobs wait, then fail (see _LoadFailure)
-            failure = models.load_failed(queue, str(err))
-            if failure.gave_up:
-                then = f"its queued jobs fail (load_failed): {failure.count} failed loads"
-            else:
-                then = (f"its jobs wait; tried again in {failure.retry_at - time.monotonic():.0f} s "
-                        f"({failure.count} of NRVNA_MAX_LOAD_FAILURES {models.config.max_load_failures} failed "
-                        "loads), or start a daemon for it")
-            log.error(f"model {models.served[queue].name} could not be made ready ({err}); {then}")
-            if not failure.gave_up:  # (a given-up model's jobs stay queued here, for _tend_failures)
-                self.pool.set_aside(queue)
-            queue = previous
-            try:  # the eviction that made room may have unloaded it
-                self.use(models.activate(previous, self.workers, self.pool.heads()))
-            except Exception as again:
-                self.failure = f"model {models.served[previous].name} cannot be loaded again ({again})"
-                log.error(f"{self.failure}; stopping")
-                self.stop.set()
-                self.pool.close()
-                return
-        self.pool.set_active(queue)
-        with self._cond:  # every parked worker goes: none is counted until it parks again
-            self._generation += 1
-            self._parked = 0
-            self._cond.notify_all()
-
-    def park(self) -> None:
-        """A worker with no job while a switch waits: wait here until it is done."""
-        with self._cond:
-            if self.pool.active is not None:  # the switch ended before this worker came to park
-                return
-            generation = self._generation
-            self._parked += 1
-            self._cond.notify_all()
-            while self._generation == generation and not self.stop.is_set():
-                self._cond.wait(0.1)
-
-    def leave(self) -> None:
-        """A worker thread ends: switches wait for one worker fewer."""
-        with self._cond:
-            self.workers -= 1
-            self._cond.notify_all()
-
-    def release(self) -> None:
-        """The daemon stops: wake everyone waiting."""
-        self.wake.set()
-        with self._cond:
-            self._cond.notify_all()
-
-
 class _Watcher:
     """A daemon's Watcher thread, every WATCH_SECONDS: sees cancel requests and timeouts of
     running jobs and appends their new text to partial.txt; every REAP_SECONDS looks for
@@ -11306,6 +11615,13 @@ class _Watcher:
                 {m["path"] for m in models if isinstance(m.get("path"), str)})
 
 
+# ============================================================================
+# 12.6 Server
+# ============================================================================
+# _WorkerLoads (each worker's load and top priority, under one lock) and Server: it starts
+# every thread, runs the workers' loop and the Finisher, and stops them in order.
+
+
 class _WorkerLoads:
     """What each worker runs, as the others see it: its load (sequences in flight) and its
     top (its highest running priority; None: idle, or between steps). A worker leaves a job
@@ -11368,6 +11684,12 @@ def _warn_if_shared(workspace: str) -> None:
     if mode & 0o022:
         log.warning(f"workspace {workspace} is writable by group or others (mode "
                     f"{stat.S_IMODE(mode):o}): anyone who can write it can inject jobs; chmod 700 it")
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
 
 
 class Server:
@@ -11818,15 +12140,40 @@ class Server:
             self._end(job, Outcome(error_code="load_failed", error=error))
 
 
-def _signal_name(signum: int) -> str:
-    import signal
-
-    return signal.Signals(signum).name
-
-
 ##############################################################################
-# CLI: parse, call the library, print. Data on stdout, messages on stderr.
+# 13. CLI: parse, call the library, print. Data on stdout, messages on stderr.
 ##############################################################################
+# Owns argument parsing, output and exit codes. Invariant: data on stdout, one-line messages on
+# stderr, an exit code from EXIT_CODES; it calls the library, never a daemon's internals. The main
+# thread of a client or daemon process.
+
+
+# ============================================================================
+# 13.1 Commands
+# ============================================================================
+# One _cmd_* per command and their output: JSON or lines on stdout, progress and waits that
+# notice a missing daemon (_DaemonWatch) on stderr. The main thread.
+
+
+# Seconds between wait/get --wait --progress lines while nothing finishes: often enough that a
+# log file shows the wait is alive, rarely enough that a day's wait is a few thousand lines.
+PROGRESS_EVERY = 10.0
+
+
+# Seconds a wait sees no live daemon on its workspace before it says so: a daemon started
+# beside the wait, or restarting, holds its lock by then; a person at the terminal learns why
+# nothing moves before they wonder.
+NO_DAEMON_AFTER = 3.0
+DAEMON_LOOK_EVERY = 1.0  # seconds between a wait's looks at daemons/ (a few opens and flocks each)
+
+
+class _Signalled(BaseException):
+    """SIGINT or SIGTERM arrived while the daemon was starting."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
 
 def markdown_tables() -> dict[str, str]:
     """The manual's generated tables: settings, params, exit-codes, failure-codes and
@@ -11855,11 +12202,6 @@ def markdown_tables() -> dict[str, str]:
             "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks)}
 
 
-# Seconds between wait/get --wait --progress lines while nothing finishes: often enough that a
-# log file shows the wait is alive, rarely enough that a day's wait is a few thousand lines.
-PROGRESS_EVERY = 10.0
-
-
 def _say(message: str) -> None:
     """One line on stderr; never raises (stderr may be closed)."""
     try:
@@ -11867,13 +12209,6 @@ def _say(message: str) -> None:
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
-
-
-# Seconds a wait sees no live daemon on its workspace before it says so: a daemon started
-# beside the wait, or restarting, holds its lock by then; a person at the terminal learns why
-# nothing moves before they wonder.
-NO_DAEMON_AFTER = 3.0
-DAEMON_LOOK_EVERY = 1.0  # seconds between a wait's looks at daemons/ (a few opens and flocks each)
 
 
 class _DaemonWatch:
@@ -11968,14 +12303,6 @@ def _cmd_daemon(args: Any) -> int:
         log.error(f"The daemon stopped: {failure}")
         return EXIT_FAILED
     return EXIT_OK
-
-
-class _Signalled(BaseException):
-    """SIGINT or SIGTERM arrived while the daemon was starting."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
 
 
 def _stdin(what: str) -> Any:
@@ -12435,6 +12762,13 @@ def _duration(text: str) -> float:
     return value
 
 
+# ============================================================================
+# 13.2 Arguments and main
+# ============================================================================
+# The argparse parser, built from COMMANDS and the tables' flags, and main(argv) -> exit code:
+# every NrvnaError becomes one line on stderr and its exit code. The main thread.
+
+
 def _positive_float(text: str) -> float:
     import argparse
 
@@ -12588,45 +12922,6 @@ def _get_arguments(parser: Any) -> None:
                         "with the job's code")
 
 
-# name, summary, description, arguments, handler
-COMMANDS = (
-    ("daemon", "load a model and work the queue",
-     "Load MODEL once and process WORKSPACE's queue until SIGINT/SIGTERM (in-flight jobs go back "
-     "to the queue).", _daemon_arguments, _cmd_daemon),
-    ("submit", "queue a prompt; print its job ID",
-     "Queue a prompt. It comes from PROMPT, or from stdin when PROMPT is '-' or absent and stdin "
-     "is not a terminal.", _submit_arguments, _cmd_submit),
-    ("status", "state of jobs, or counts per state",
-     "With IDs: one state per line (queued running done failed missing). Without: the count in "
-     "each state.", _status_arguments, _cmd_status),
-    ("get", "print a job's result",
-     "Print result.txt exactly; a failed job's error goes to stderr (exit 1).", _get_arguments, _cmd_get),
-    ("wait", "wait until jobs are finished",
-     "Return when every named job (IDs, --tag; default: every job) is done (exit 0) or failed (1); "
-     "3 an unknown ID, 4 timeout. Draws a progress line on a terminal's stderr.", _wait_arguments, _cmd_wait),
-    ("export", "write finished jobs' results",
-     "One line per finished job in submission order; unfinished jobs are left out (exit 4).",
-     _export_arguments, _cmd_export),
-    ("cancel", "cancel queued or running jobs",
-     "A queued job goes to failed/ (code cancelled); a running one stops between tokens and "
-     "does the same. Finished jobs are left alone (exit 1).", _cancel_arguments, _cmd_cancel),
-    ("retry", "queue failed jobs again",
-     "Failed jobs go back to the queue with attempts reset; earlier errors stay in meta.json.",
-     _retry_arguments, _cmd_retry),
-    ("events", "print jobs' changes of state as JSON lines",
-     "One JSON object per change, in time order: {time, id, custom_id, tag, from, to, code}, to being "
-     "queued, running, done, failed, requeued or cancelled. Replays what the jobs' directories hold "
-     "and exits; --follow then prints each new change until SIGINT or a closed pipe.",
-     _events_arguments, _cmd_events),
-    ("clean", "remove old finished jobs",
-     "Remove done and/or failed jobs finished more than DURATION ago; never queued or running ones.",
-     _clean_arguments, _cmd_clean),
-    ("stop", "stop the daemon gracefully",
-     "Ask the daemon holding WORKSPACE to stop (SIGTERM: in-flight jobs go back to the queue) "
-     "and wait until it has; exit 3 if none runs.", _stop_arguments, _cmd_stop),
-)
-
-
 def _build_parser(only: Optional[str] = None) -> Any:
     """The CLI's parser; with ``only``, just that command's arguments (argparse's set-up is
     a large part of a client's start-up time)."""
@@ -12694,6 +12989,45 @@ def main(argv: Optional[list[str]] = None, *, runner: Any = None) -> int:
         where = f"{err.filename}: " if getattr(err, "filename", None) else ""
         _say(f"error: {where}{_os_error(err)}")
         return EXIT_FAILED
+
+
+# name, summary, description, arguments, handler
+COMMANDS = (
+    ("daemon", "load a model and work the queue",
+     "Load MODEL once and process WORKSPACE's queue until SIGINT/SIGTERM (in-flight jobs go back "
+     "to the queue).", _daemon_arguments, _cmd_daemon),
+    ("submit", "queue a prompt; print its job ID",
+     "Queue a prompt. It comes from PROMPT, or from stdin when PROMPT is '-' or absent and stdin "
+     "is not a terminal.", _submit_arguments, _cmd_submit),
+    ("status", "state of jobs, or counts per state",
+     "With IDs: one state per line (queued running done failed missing). Without: the count in "
+     "each state.", _status_arguments, _cmd_status),
+    ("get", "print a job's result",
+     "Print result.txt exactly; a failed job's error goes to stderr (exit 1).", _get_arguments, _cmd_get),
+    ("wait", "wait until jobs are finished",
+     "Return when every named job (IDs, --tag; default: every job) is done (exit 0) or failed (1); "
+     "3 an unknown ID, 4 timeout. Draws a progress line on a terminal's stderr.", _wait_arguments, _cmd_wait),
+    ("export", "write finished jobs' results",
+     "One line per finished job in submission order; unfinished jobs are left out (exit 4).",
+     _export_arguments, _cmd_export),
+    ("cancel", "cancel queued or running jobs",
+     "A queued job goes to failed/ (code cancelled); a running one stops between tokens and "
+     "does the same. Finished jobs are left alone (exit 1).", _cancel_arguments, _cmd_cancel),
+    ("retry", "queue failed jobs again",
+     "Failed jobs go back to the queue with attempts reset; earlier errors stay in meta.json.",
+     _retry_arguments, _cmd_retry),
+    ("events", "print jobs' changes of state as JSON lines",
+     "One JSON object per change, in time order: {time, id, custom_id, tag, from, to, code}, to being "
+     "queued, running, done, failed, requeued or cancelled. Replays what the jobs' directories hold "
+     "and exits; --follow then prints each new change until SIGINT or a closed pipe.",
+     _events_arguments, _cmd_events),
+    ("clean", "remove old finished jobs",
+     "Remove done and/or failed jobs finished more than DURATION ago; never queued or running ones.",
+     _clean_arguments, _cmd_clean),
+    ("stop", "stop the daemon gracefully",
+     "Ask the daemon holding WORKSPACE to stop (SIGTERM: in-flight jobs go back to the queue) "
+     "and wait until it has; exit 3 if none runs.", _stop_arguments, _cmd_stop),
+)
 
 
 if __name__ == "__main__":

@@ -7037,27 +7037,117 @@ def _banners(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def _contents(path: Path) -> list[str]:
-    """The section names a file's docstring lists under "Contents": one line each, numbered or
-    indented four spaces (deeper lines continue an entry), ended by a blank line."""
+def _contents(path: Path) -> list[tuple[str, str]]:
+    """(entry, what it lists) for each entry of a file's docstring's "Contents" list: a line that
+    starts with a section's number ("5." or "5.2") and its name, and after two or more spaces
+    (or on the lines below, indented further) the names that live there; ended by a blank line."""
     doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
-    names: list[str] = []
-    for line in doc.split("Contents", 1)[1].split("\n")[1:]:
+    entries: list[list[str]] = []
+    for line in doc.split("Contents", 1)[1].split("\n\n", 1)[1].split("\n"):
         if not line.strip():
-            if names:
-                break
-            continue
-        if re.match(r"\d+\. |    \S", line):
-            names.append(re.split(r"\s{2,}", re.sub(r"^\s*\d+\.\s*", "", line).strip())[0])
-    return names
+            break
+        if re.match(r"\s*\d+\.(\d+)? ", line):
+            entry, _, names = re.split(r"(\s{2,}|$)", line.strip(), maxsplit=1)
+            entries.append([entry, names])
+        else:
+            entries[-1][1] += " " + line.strip()
+    return [(entry, names.strip()) for entry, names in entries]
+
+
+def _numbered(title: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.match(r"(\d+(?:\.\d+)?)\.? ", title).group(1).split("."))
 
 
 @pytest.mark.parametrize("name", ["nrvna.py", "test_nrvna.py"])
 def test_the_contents_list_names_every_banner_in_order(name: str) -> None:
+    """Every banner, section ("12. Daemon") or sub-section ("12.4 Models"), is in the contents
+    list in the file's order, numbered in sequence."""
     titles = [title for _, title in _banners(HERE / name)]
-    listed = _contents(HERE / name)
+    listed = [entry for entry, _ in _contents(HERE / name)]
     assert len(listed) == len(titles) and all(title == entry or title.startswith(entry + ":")
                                               for entry, title in zip(listed, titles)), (listed, titles)
+    numbers = [_numbered(title) for title in titles]
+    for before, after in zip(numbers, numbers[1:]):
+        assert after in ((before[0] + 1,), (before[0], 1), before[:1] + (before[-1] + 1,) if len(before) == 2 else ()), (
+            before, after)
+
+
+def _regions(path: Path) -> list[tuple[str, int, int]]:
+    """(title, first line, last line) of the text each banner heads, up to the next banner."""
+    banners = _banners(path)
+    total = len(path.read_text(encoding="utf-8").split("\n"))
+    return [(title, line, (banners[i + 1][0] - 1 if i + 1 < len(banners) else total))
+            for i, (line, title) in enumerate(banners)]
+
+
+@pytest.mark.parametrize("name", ["nrvna.py", "test_nrvna.py"])
+def test_every_banner_has_a_lead_and_no_section_is_over_800_lines(name: str) -> None:
+    """Below each banner, two to four comment lines say what it owns, its invariant and which
+    threads call in; the text a banner heads (a section's own text up to its first sub-section,
+    or a sub-section) is at most 800 lines."""
+    lines = (HERE / name).read_text(encoding="utf-8").split("\n")
+    for title, first, last in _regions(HERE / name):
+        closing = next(i for i in range(first, last) if re.fullmatch(r"# ?[#=]{20,}", lines[i]))
+        lead = []
+        while lines[closing + 1 + len(lead)].startswith("# "):
+            lead.append(lines[closing + 1 + len(lead)])
+        assert 2 <= len(lead) <= 4, (title, lead)
+        assert last - first + 1 <= 800, (title, last - first + 1)
+
+
+def test_the_contents_list_names_what_each_sub_section_defines() -> None:
+    """Each name the contents list gives under a banner that nrvna.py defines at its top level is
+    defined in that banner's text (section 5.2 lists only what 5.2 defines)."""
+    path = Path(nrvna.__file__)
+    defined: dict[str, int] = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        for target in ([node] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else
+                       node.targets if isinstance(node, ast.Assign) else []):
+            for sub in ([target] if isinstance(target, (ast.FunctionDef, ast.ClassDef)) else ast.walk(target)):
+                name = getattr(sub, "name", None) or getattr(sub, "id", None)
+                if name:
+                    defined.setdefault(name, node.lineno)
+    regions = {title: (first, last) for title, first, last in _regions(path)}
+    misplaced, named = [], 0
+    for entry, names in _contents(path):
+        first, last = next(span for title, span in regions.items() if title == entry or title.startswith(entry + ":"))
+        for name in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", re.sub(r"\([^)]*\)", "", names)):
+            if name in defined:
+                named += 1
+                if not first <= defined[name] <= last:
+                    misplaced.append(f"{entry}: {name} (line {defined[name]})")
+    assert misplaced == [] and named > 100
+
+
+def test_each_sub_section_puts_its_constants_first_and_its_main_class_last() -> None:
+    """Inside a sub-section: constants (assignments that need nothing the sub-section defines)
+    before any function or class, and its main class (the largest, when 100 lines or more) last."""
+    path = Path(nrvna.__file__)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out_of_order = []
+    for title, first, last in _regions(path):
+        nodes = [n for n in tree.body if first <= n.lineno <= last
+                 and isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign))]
+        own = {getattr(n, "name", None) for n in nodes} - {None}  # its functions and classes
+        plain = []  # its assignments that need none of them, directly or through another assignment
+        for n in nodes:
+            if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None:
+                targets = {sub.id for target in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                           for sub in ast.walk(target) if isinstance(sub, ast.Name)}
+                if {sub.id for sub in ast.walk(n.value) if isinstance(sub, ast.Name)} & own:
+                    own |= targets
+                else:
+                    plain.append(n)
+        defs = [n for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        if plain and defs and plain[-1].lineno > defs[0].lineno:
+            out_of_order.append(f"{title}: constant on line {plain[-1].lineno} after a definition")
+        classes = [n for n in defs if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 >= 100]
+        main = max(classes, key=lambda n: n.end_lineno - n.lineno, default=None)
+        if main is not None and nodes[-1] is not main and not (
+                # a table built from the main class, or a record built on it, may follow it
+                all(isinstance(n, (ast.Assign, ast.AnnAssign)) for n in nodes[nodes.index(main) + 1:])):
+            out_of_order.append(f"{title}: {main.name} is not last")
+    assert out_of_order == []
 
 
 def test_no_name_is_used_above_the_section_that_defines_it() -> None:
