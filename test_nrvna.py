@@ -3805,18 +3805,38 @@ def test_wait_and_get_progress_lines_reach_a_pipe(ws: str) -> None:
 
 def test_progress_lines_come_every_interval_while_nothing_finishes(ws: str, run_main: RunMain,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait with --progress says a line every PROGRESS_EVERY seconds while its job runs. Each
+    job here runs until its wait has said three lines (not for a time: a loaded machine may
+    start the wait late), and one more comes at the end."""
     monkeypatch.setattr(nrvna, "PROGRESS_EVERY", 0.3)
+    said: list[str] = []
+    release = threading.Event()
+    real_say = nrvna._say
+
+    def say(message: str) -> None:
+        real_say(message)
+        said.append(message)
+        if len(said) == 3:  # once per job: the count starts again for the next
+            release.set()
+
+    def slow(job: nrvna.RunningJob) -> str:
+        assert release.wait(30)
+        release.clear()
+        return "the result"
+
+    monkeypatch.setattr(nrvna, "_say", say)
     job_id = submit(ws, "slow")
-    with serving(ws, lambda job: time.sleep(1.6) or "the result", workers=1):
+    with serving(ws, slow, workers=1):
         waited = run_main("wait", ws, job_id, "--progress")
+        said.clear()
         other = submit(ws, "slow too")
         got = run_main("get", ws, other, "--wait", "--progress")
     pulses = [line for line in waited.stderr.decode().splitlines() if line.startswith("nrvna: 0 done / 0 failed / 1 total")]
-    assert waited.returncode == 0 and len(pulses) >= 3, waited.stderr  # 1.6 s at 0.3 s a line
+    assert waited.returncode == 0 and len(pulses) >= 3, waited.stderr
     assert got.returncode == 0 and got.stdout == b"the result"
-    said = got.stderr.decode().splitlines()
-    assert len(said) >= 3 and said[-1].startswith(f"nrvna: job {other}: done after "), said
-    assert all(re.fullmatch(rf"nrvna: job {other}: (queued|running|done) after \d+ s", line) for line in said), said
+    lines = got.stderr.decode().splitlines()
+    assert len(lines) >= 4 and lines[-1].startswith(f"nrvna: job {other}: done after "), lines
+    assert all(re.fullmatch(rf"nrvna: job {other}: (queued|running|done) after \d+ s", line) for line in lines), lines
     assert run_main("get", ws, other, "--wait").stderr == b""  # without --progress, silent as before
 
 
@@ -3824,23 +3844,24 @@ def test_a_wait_with_no_daemon_says_so_and_goes_on_and_says_nothing_while_one_ru
         ws: str, run_main: RunMain, capsysbinary: pytest.CaptureFixture[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
     """submit --wait, get --wait/--follow and wait on a workspace no daemon serves say so on
     stderr after NO_DAEMON_AFTER seconds (once), with the command to start one, and keep
-    waiting (until their timeout: exit 4, the job still queued); never while a daemon runs."""
+    waiting (until their timeout: exit 4, the job still queued); never while a daemon runs.
+    (0.3 s against a 3 s timeout: a margin a loaded machine does not cross.)"""
     monkeypatch.setattr(nrvna, "NO_DAEMON_AFTER", 0.3, raising=False)
     monkeypatch.setattr(nrvna, "DAEMON_LOOK_EVERY", 0.1, raising=False)
     job_id = submit(ws, "nobody serves this")
-    for args in (("submit", ws, "another", "--wait", "--wait-timeout", "1.2"),
-                 ("get", ws, job_id, "--wait", "--timeout", "1.2"), ("get", ws, job_id, "--wait", "--timeout", "1.2", "--progress"),
-                 ("wait", ws, job_id, "--timeout", "1.2"), ("wait", ws, "--timeout", "1.2", "--progress")):
+    for args in (("submit", ws, "another", "--wait", "--wait-timeout", "3"),
+                 ("get", ws, job_id, "--wait", "--timeout", "3"), ("get", ws, job_id, "--wait", "--timeout", "3", "--progress"),
+                 ("wait", ws, job_id, "--timeout", "3"), ("wait", ws, "--timeout", "3", "--progress")):
         done = run_main(*args)
         assert done.returncode == 4 and done.stderr.count(f"no daemon runs on {ws} (for ".encode()) == 1, (args, done.stderr)
         assert b"still waiting" in done.stderr and f"start one: nrvna daemon MODEL {ws})".encode() in done.stderr
     with pytest.raises(subprocess.TimeoutExpired):  # --follow has no timeout: it waits on
-        run_main("get", ws, job_id, "--follow", timeout=1.2)
+        run_main("get", ws, job_id, "--follow", timeout=3)
     assert f"no daemon runs on {ws} (for ".encode() in capsysbinary.readouterr().err
     assert Flow(ws).counts()["queued"] == 2
     release = threading.Event()
     with serving(ws, lambda job: release.wait(30) and "ok", workers=1):  # one job runs, the other waits its turn
-        for args in (("wait", ws, "--timeout", "1.2"), ("get", ws, job_id, "--wait", "--timeout", "1.2")):
+        for args in (("wait", ws, "--timeout", "3"), ("get", ws, job_id, "--wait", "--timeout", "3")):
             done = run_main(*args)
             assert done.returncode == 4 and b"daemon" not in done.stderr, (args, done.stderr)
         release.set()
@@ -6391,12 +6412,18 @@ def test_a_worker_alone_with_jobs_borrows_the_idle_workers_threads(ws: str) -> N
         assert set(wait_all(ws, [long, short])) == {Status.Done}
     threads_of = lambda job_id, together: [t for ids, t, others in runner.steps if job_id in ids and others == together]
     assert threads_of(lone, False) == [lent] * 12  # both cores on a lone job
-    together, alone = threads_of(long, True), threads_of(long, False)
-    # while both workers had a job each used its own thread; once the short job ended, the
-    # long one took both (a step may straddle a change: the other worker's load is a hint)
-    assert len(together) >= 15 and together.count(1) >= len(together) - 2
-    assert len(alone) >= 30 and alone.count(lent) >= len(alone) - 2
-    assert threads_of(short, True).count(1) >= 18
+    # While both workers had a job each used its own thread; once the short job ended, the long
+    # one took both. The workers' loads are a hint read at each step, so a change shows some
+    # steps late (on a loaded machine, several): asserted is the order of the changes, not
+    # their timing. The long job's steps: borrowed (before the short one came), its own thread
+    # (together), borrowed again (once alone), each change once.
+    steps = [(threads, others) for ids, threads, others in runner.steps if long in ids]
+    runs = [threads for i, (threads, _) in enumerate(steps) if i == 0 or steps[i - 1][0] != threads]
+    assert runs in ([1, lent], [lent, 1, lent]), runs
+    assert sum(1 for threads, others in steps if others and threads == 1) >= 15
+    assert [threads for threads, _ in steps[-10:]] == [lent] * 10 and not any(others for _, others in steps[-10:])
+    short_threads = [threads for ids, threads, _ in runner.steps if short in ids]
+    assert short_threads.count(1) >= len(short_threads) - 2  # the long job's load was known long before
     assert all(s.idles > 0 for s in runner.sessions)  # idle workers were told (to trim their caches)
 
 
