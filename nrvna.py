@@ -190,7 +190,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         _errors (read as a copy); _held is the Hooks thread's until Main's stop joins it
     Hook-N -> Hooks: runs tasks: _in_flight, _procs, _unfinished, _errors => _lock; tasks come through a
         queue.Queue, each task in flight once
-    loader (_Models: the Server's start, a model switch, the load-ahead thread) -> LlamaRunner: the model,
+    loader (_Models: Main at the start, the Models thread at a switch or a load ahead) -> LlamaRunner: the model,
         its vocabulary, the tables made at load (eog/control tokens, pooling, chat formatter); its
         sessions => made, with its sessions, and closed while no worker uses it; read only afterwards
         (llama.cpp's model may be shared by contexts on several threads)
@@ -9068,7 +9068,7 @@ class LlamaRunner(Runner):
     between threads, which is llama.cpp's thread-safety rule.
 
     Threads: made, with its sessions, and closed by whoever loads the model (_Models: the
-    Server's start, a model switch, the load-ahead thread) while no worker uses it; called by
+    start (Main), a switch or a load ahead (the Models thread)) while no worker uses it; called by
     every worker (tokens, piece, penalty, sampler, grammar, prepare_grammar, grammar_vocab,
     decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
     ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``

@@ -5431,6 +5431,53 @@ def test_the_contents_list_names_what_each_sub_section_defines() -> None:
     assert misplaced == [] and named > 100
 
 
+def test_the_design_page_names_only_sections_and_names_that_exist() -> None:
+    """docs/design.md is a map of nrvna.py: each "§N" or "§N.M" it gives is a banner of the
+    file, a name in `code` right after one ("§12.2 `Processor`") is defined there, and every
+    other name in `code` that looks like one of nrvna's (a capital, an underscore) exists: not
+    a thread's, a failure code's, a parameter's, a file's or llama.cpp's."""
+    path = Path(nrvna.__file__)
+    page = (HERE / "docs" / "design.md").read_text(encoding="utf-8")
+    regions = _regions(path)
+    defined = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        for target in ([node] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else
+                       node.targets if isinstance(node, ast.Assign) else []):
+            name = getattr(target, "name", None) or getattr(target, "id", None)
+            if name:
+                defined.setdefault(name, node.lineno)
+
+    def span(number: str) -> tuple[int, int]:
+        inside = [(first, last) for title, first, last in regions
+                  if re.match(rf"{re.escape(number)}(\.\d+)*\.? ", title) or title.startswith(number + " ")]
+        assert inside, f"design.md names section {number}, which nrvna.py does not have"
+        return min(first for first, _ in inside), max(last for _, last in inside)
+
+    numbers = re.findall(r"§(\d+(?:\.\d+)?)", page)
+    assert len(numbers) > 30
+    for number in numbers:
+        span(number)
+    misplaced = []
+    for number, name in re.findall(r"§(\d+(?:\.\d+)?) `([A-Za-z_]\w*)", page):
+        first, last = span(number)
+        if not first <= defined.get(name, 0) <= last:
+            misplaced.append(f"§{number} {name}")
+    assert misplaced == []
+    missing = []
+    for code in set(re.findall(r"`([A-Za-z_][\w.]*)`", page)):
+        top = code.split(".")[0]
+        threads = {"Main", "Scanner", "Watcher", "Models", "Finisher", "Hooks", "Grammar", "Wide"}  # names in the log
+        if (top[0].isupper() or "_" in top) and not top.startswith("NRVNA_") and top not in nrvna.FAILURE_CODES \
+                and top not in threads and not code.startswith(("llama_", "Llama.")) \
+                and top not in nrvna.PARAMS and not code.endswith((".txt", ".json", ".md")):
+            obj: Any = nrvna
+            for part in code.split("."):
+                obj = getattr(obj, part, None)
+            if obj is None:
+                missing.append(code)
+    assert missing == []
+
+
 def test_each_sub_section_puts_its_constants_first_and_its_main_class_last() -> None:
     """Inside a sub-section: constants (assignments that need nothing the sub-section defines)
     before any function or class, and its main class (the largest, when 100 lines or more) last."""
