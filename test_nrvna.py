@@ -368,6 +368,15 @@ def child_daemon(ws: str, runner: str, *args: str, env: dict[str, str] | None = 
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr, env=full_env)
 
 
+def registered_daemon(ws: str, runner: str, *args: str) -> subprocess.Popen:
+    """child_daemon, once its record is in daemons/ (within 30 s)."""
+    proc = child_daemon(ws, runner, *args)
+    deadline = time.monotonic() + 30
+    while not nrvna.daemon_records(ws) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
 def start_daemon(model: str, ws: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     full_env = dict(os.environ)
     full_env.update(env or {})
@@ -2980,11 +2989,9 @@ def test_export_never_replaces_what_is_at_its_output_path(ws: str, tmp_path: Pat
 
 def test_a_replaced_lock_file_is_taken_again_and_lets_no_second_daemon_in(ws: str) -> None:
     submit(ws, "warm")
-    first = child_daemon(ws, "derived", "-w", "1")
+    first = registered_daemon(ws, "derived", "-w", "1")
     try:
         deadline = time.monotonic() + 30
-        while not nrvna.daemon_records(ws) and time.monotonic() < deadline:
-            time.sleep(0.05)
         [record] = nrvna.daemon_records(ws)
         assert record["pid"] == first.pid
         # Replaced (a hand's mistake): the lock held is on the old file, so the first daemon
@@ -3009,11 +3016,8 @@ def test_a_replaced_lock_file_is_taken_again_and_lets_no_second_daemon_in(ws: st
 def test_a_planted_lock_file_names_no_daemon(ws: str) -> None:
     """A lock file nobody holds is no daemon, whatever pid its name or text gives."""
     submit(ws, "warm")
-    first = child_daemon(ws, "derived", "-w", "1")
+    first = registered_daemon(ws, "derived", "-w", "1")
     try:
-        deadline = time.monotonic() + 30
-        while not nrvna.daemon_records(ws) and time.monotonic() < deadline:
-            time.sleep(0.05)
         write(os.path.join(ws, nrvna.DAEMONS, f"{os.getpid()}-1.lock"), f"{os.getpid()}\n")
         assert [r["pid"] for r in nrvna.daemon_records(ws)] == [first.pid]
         second = child_daemon(ws, "derived", "-w", "1", stderr=subprocess.PIPE)
@@ -4272,11 +4276,8 @@ def test_follow_prints_the_text_as_it_grows_then_exits_with_the_jobs_code(ws: st
 def test_daemon_json_status_daemon_and_stop(ws: str, run_main: RunMain) -> None:
     submit(ws, "warm")
     assert run_main("status", ws, "--daemon").returncode == 3
-    proc = child_daemon(ws, "derived", "-w", "2")
+    proc = registered_daemon(ws, "derived", "-w", "2")
     try:
-        deadline = time.monotonic() + 30
-        while not nrvna.daemon_records(ws) and time.monotonic() < deadline:
-            time.sleep(0.05)
         time.sleep(2.5)  # one more rewrite, after the job
         shown = run_main("status", ws, "--daemon")
         assert shown.returncode == 0, shown.stderr
