@@ -377,6 +377,18 @@ def registered_daemon(ws: str, runner: str, *args: str) -> subprocess.Popen:
     return proc
 
 
+def killed_after(ws: str, proc: subprocess.Popen, done: int, timeout: float = 300) -> int:
+    """SIGKILL a daemon once ``done`` of the workspace's jobs are done; how many were running."""
+    try:
+        deadline = time.monotonic() + timeout
+        while Flow(ws).counts()["done"] < done and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return Flow(ws).counts()["running"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def start_daemon(model: str, ws: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     full_env = dict(os.environ)
     full_env.update(env or {})
@@ -2755,14 +2767,7 @@ def test_sigkill_mid_batch_with_constrained_jobs_every_line_ends_once_and_valid(
     lines += [{"custom_id": f"f{i}", "prompt": f"Count to {i + 3}.", "max_tokens": 40, "seed": i + 1} for i in range(4)]
     ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "k.jsonl", jsonl(lines)), "--tag", "k"))
     proc = start_daemon(model, ws, "-w", "1", "-s", "4")
-    try:
-        deadline = time.monotonic() + 300
-        while Flow(ws).counts()["done"] < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        running = Flow(ws).counts()["running"]
-    finally:
-        proc.kill()
-        proc.wait()
+    running = killed_after(ws, proc, done=3)
     assert running > 0
     restart = cli("daemon", model, ws, "-w", "1", "-s", "4", "--drain", timeout=600)
     assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr
@@ -6282,14 +6287,7 @@ def test_sigkill_mid_batch_of_embed_jobs_every_line_ends_once(ws: str, tmp_path:
     ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "k.jsonl", jsonl(lines)), "--tag", "k"))
     env = {"NRVNA_POOLING": "mean"}
     proc = start_daemon(model, ws, "-w", "1", env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while Flow(ws).counts()["done"] < 3 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        running = Flow(ws).counts()["running"]
-    finally:
-        proc.kill()
-        proc.wait()
+    running = killed_after(ws, proc, done=3)
     assert running > 0
     restart = cli("daemon", model, ws, "-w", "1", "--drain", env=env, timeout=600)
     assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr
