@@ -5386,7 +5386,7 @@ class _ExportTarget:
 # 9.1 Reading: Flow
 # ============================================================================
 # Flow reads, waits for and exports jobs, and bulk_states reads many jobs' states at once.
-# Invariant: neither moves a job or writes in one. Client threads, any number at once.
+# Invariant: neither moves a job or writes in one. Runs in client processes.
 
 
 def bulk_states(workspace: str, ids: Iterable[str]) -> dict[str, Status]:
