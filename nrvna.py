@@ -51,7 +51,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, check_gguf, _GgufHeader
    11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion
    11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _JobSampler
-   11.4 Sequences and choices       _Choices (n), _Sequence
+   11.4 Sequences and choices       _ThinkRouter (thinking apart), _Choices (n), _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
    11.7 The runner                  LlamaRunner
@@ -8011,7 +8011,98 @@ class _JobSampler:
 # 11.4 Sequences and choices
 # ============================================================================
 # _Sequence: one job's place in a context (its cells; cached, pending and pos, set by
-# _Sequence.at alone); _Choices: a job's n choices, admitted and ended together. One worker's.
+# _Sequence.at alone); _Choices: a job's n choices, admitted and ended together; _ThinkRouter: a
+# sequence's thinking kept apart from its answer. One worker's.
+
+
+class _ThinkRouter:
+    """One sequence's generated text split into its thinking and its answer, by the thinking
+    block's tags (``open``, ``close``: ``<think>``, ``</think>``), matched in the decoded text so
+    that a tag split over tokens, or merged with its neighbours, matches alike.
+
+    ``route(text)`` takes each decoded piece and returns the part of it that is answer; the
+    rest is kept in ``parts`` (the reasoning). A piece that may be the start of a tag is held
+    back until the next settles it, as stop strings are, so no tag ever reaches the answer.
+    States: BEFORE (the model may open a block: leading whitespace, then the open tag or the
+    answer), INSIDE (thinking, until the close tag), AFTER (closed: the whitespace before the
+    answer is dropped, and a stray second close tag with it), ANSWER (an open tag here starts a
+    block again; a lone close tag is dropped). An open tag inside a block is dropped, so neither
+    part holds a tag. ``finish()`` returns what is still held.
+
+    Threads: its sequence's worker only."""
+
+    BEFORE, INSIDE, AFTER, ANSWER = range(4)
+    __slots__ = ("open", "close", "state", "held", "parts", "opened")
+
+    def __init__(self, open: str, close: str, state: int) -> None:
+        self.open, self.close, self.state = open, close, state
+        self.held = ""
+        self.parts: list[str] = []
+        self.opened = state == self.INSIDE  # a block was opened (by the prompt or the model)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.parts).strip()
+
+    def route(self, text: str) -> str:
+        held, answer = self.held + text, []
+        while held:
+            if self.state == self.BEFORE or self.state == self.AFTER:
+                held = held.lstrip()
+                tag = self.open if self.state == self.BEFORE else self.close
+                if held.startswith(tag):  # AFTER: a second close tag, dropped
+                    held = held[len(tag):]
+                    if self.state == self.BEFORE:
+                        self.state, self.opened = self.INSIDE, True
+                    continue
+                if tag.startswith(held):  # may still become the tag
+                    break
+                self.state = self.ANSWER
+            elif self.state == self.INSIDE:
+                found = [(held.find(tag), tag) for tag in (self.open, self.close) if tag in held]
+                if not found:
+                    keep = _tag_start(held, (self.open, self.close))
+                    self.parts.append(held[:len(held) - keep])
+                    held = held[len(held) - keep:]
+                    break
+                at, tag = min(found)
+                self.parts.append(held[:at])
+                held = held[at + len(tag):]
+                if tag == self.close:  # an open tag inside the block is dropped
+                    self.state = self.AFTER
+            else:
+                found = [(held.find(tag), tag) for tag in (self.open, self.close) if tag in held]
+                if not found:
+                    keep = _tag_start(held, (self.open, self.close))
+                    answer.append(held[:len(held) - keep])
+                    held = held[len(held) - keep:]
+                    break
+                at, tag = min(found)
+                answer.append(held[:at])
+                held = held[at + len(tag):]
+                if tag == self.open:
+                    self.state, self.opened = self.INSIDE, True
+        self.held = held
+        return "".join(answer)
+
+    def finish(self) -> str:
+        """What is still held: reasoning inside an unclosed block, else answer text."""
+        held, self.held = self.held, ""
+        if self.state == self.INSIDE:
+            self.parts.append(held)
+            return ""
+        return held.lstrip() if self.state != self.ANSWER else held
+
+
+def _tag_start(text: str, tags: Iterable[str]) -> int:
+    """How many of ``text``'s last characters may be the start of one of ``tags``."""
+    longest = 0
+    for tag in tags:
+        for size in range(min(len(tag) - 1, len(text)), longest, -1):
+            if text.endswith(tag[:size]):
+                longest = size
+                break
+    return longest
 
 
 class _Choices:

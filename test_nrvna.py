@@ -24,6 +24,7 @@ Contents, numbered as nrvna.py's sections and sub-sections (the tests of 12.1 si
     9.3 Events: into the pipeline (templates and metadata, events, hooks)
     10. Runner protocol: tables, the library and the runner protocol
     11. llama.cpp engine: for real, the runner and the daemon on the test model
+    11.4 Sequences and choices: thinking kept apart from the answer
     11.5 Embeddings
     11.6 Continuous batching
     12. Daemon: with an injected runner
@@ -5913,6 +5914,59 @@ def test_sigterm_mid_generation_returns_the_job_and_a_restart_finishes_it(ws: st
     assert done.returncode == 0
     job = Flow(ws).get(job_id)
     assert job.status is Status.Done and job.meta["attempts"] == 1 and job.meta["generated_tokens"] == 8
+
+
+# ==============================================================================
+# 11.4 Sequences and choices: thinking kept apart from the answer
+# ==============================================================================
+
+
+def _routed(pieces: list[str], state: int = nrvna._ThinkRouter.BEFORE) -> tuple[str, str]:
+    router = nrvna._ThinkRouter("<think>", "</think>", state)
+    answer = "".join(router.route(piece) for piece in pieces) + router.finish()
+    return answer, router.reasoning
+
+
+def test_thinking_is_kept_apart_however_the_tokens_split_its_tags() -> None:
+    """A block the model opens and closes, cut into three pieces at every pair of places (a
+    tag in two or three pieces, or merged with text): the answer is the text after it, the
+    reasoning the text inside, and no tag is in either."""
+    text = "  <think>\nI add two and two.</think>\n\nIt is 4."
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1):
+            assert _routed([text[:i], text[i:j], text[j:]]) == ("It is 4.", "I add two and two."), (i, j)
+
+
+def test_a_block_the_template_opened_a_second_close_and_a_second_block() -> None:
+    inside = nrvna._ThinkRouter.INSIDE
+    assert _routed(["\nhmm", "</thi", "nk>\n\n", "Yes"], inside) == ("Yes", "hmm")
+    # closed by the daemon after the model closed it too: the stray second tag is dropped
+    assert _routed(["x</think>", "\n\n</think>\n\nYes"], inside) == ("Yes", "x")
+    # a block opened again in the answer is reasoning too; a lone close tag is dropped
+    assert _routed(["A <think>more", "</think>B</think>C"], inside) == ("BC", "A more")
+    router = nrvna._ThinkRouter("<think>", "</think>", inside)
+    assert router.route("a</think>b<think>c</think>d") == "bd" and router.reasoning == "ac"
+
+
+def test_text_with_no_block_is_all_answer_and_an_unclosed_block_all_reasoning() -> None:
+    assert _routed(["Hello <b", ">bold</b> <", "thin", "king"]) == ("Hello <b>bold</b> <thinking", "")
+    assert _routed(["<think>", "still thinking when the job ended"]) == ("", "still thinking when the job ended")
+    assert _routed(["<thi"]) == ("<thi", "")  # ended while it might have been a tag: it was text
+    assert _routed([]) == ("", "")
+
+
+def test_no_tag_reaches_the_answer_however_text_and_tags_are_cut() -> None:
+    rng = random.Random(44)
+    words = ["a", "b c", "\n", " ", "4.", "{\"k\": 1}"]
+    for _ in range(2000):
+        text = "".join(rng.choice(words + ["<think>", "</think>"]) for _ in range(rng.randint(0, 12)))
+        cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(0, 6)))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        for state in (nrvna._ThinkRouter.BEFORE, nrvna._ThinkRouter.INSIDE):
+            answer, reasoning = _routed(pieces, state)
+            assert "<think>" not in answer and "</think>" not in answer, (pieces, answer)
+            assert "<think>" not in reasoning and "</think>" not in reasoning, (pieces, reasoning)
+            assert _routed([text], state) == (answer, reasoning)  # the cuts change nothing
 
 
 # ==============================================================================
