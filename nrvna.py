@@ -3122,6 +3122,10 @@ LOGPROBS_MAX = 1 << 17
 # Schemas and grammars already checked in this process (a batch file repeats one schema on
 # every line): key -> the error message, or None when it passed.
 _CHECKED: dict[Any, Optional[str]] = {}
+# The variables the daemon gives a chat template itself (llama-cpp-python's Jinja2ChatFormatter):
+# a job's chat_template_kwargs may set any other.
+TEMPLATE_VARIABLES = frozenset({"messages", "eos_token", "bos_token", "raise_exception", "add_generation_prompt",
+                                "functions", "function_call", "tools", "tool_choice", "strftime_now"})
 ROLES = ("system", "user", "assistant")
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -3269,21 +3273,25 @@ def _read_template(path: str) -> str:
     return _read_limited(path, setting_default("max_prompt_bytes"), "the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)")
 
 
-def _read_metadata(text: str) -> dict[str, Any]:
-    """``--metadata JSON``: an object."""
-    import argparse
-    import json
+def _read_object(flag: str) -> Callable[[str], dict[str, Any]]:
+    """A flag's argument read as a JSON object (``--metadata JSON``, ``--chat-template-kwargs JSON``)."""
 
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"not JSON ({err})") from None
-    except RecursionError:
-        # Input, not a usage mistake: one line, as a JSONL line's says (main reports it).
-        raise InvalidInput("--metadata: JSON nested too deeply") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("not a JSON object")
-    return value
+    def read(text: str) -> dict[str, Any]:
+        import argparse
+        import json
+
+        try:
+            value = json.loads(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"not JSON ({err})") from None
+        except RecursionError:
+            # Input, not a usage mistake: one line, as a JSONL line's says (main reports it).
+            raise InvalidInput(f"{flag}: JSON nested too deeply") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError("not a JSON object")
+        return value
+
+    return read
 
 
 def _read_bias(text: str) -> tuple[str, float]:
@@ -3311,11 +3319,10 @@ def _checked(key: Any, check: Callable[[], None]) -> None:
         raise InvalidInput(_CHECKED[key])
 
 
-def _check_metadata(value: Any, param: Param) -> dict[str, Any]:
-    """A JSON object of at most ``param.high`` bytes as JSON, kept as given."""
+def _json_object(key: str, value: Any, limit: int) -> dict[str, Any]:
+    """``value`` if it is a JSON object of at most ``limit`` bytes as JSON, else InvalidInput."""
     import json
 
-    key, limit = "metadata", param.high
     if not isinstance(value, dict):
         raise InvalidInput(f"parameter {key} must be a JSON object")
     try:
@@ -3326,6 +3333,21 @@ def _check_metadata(value: Any, param: Param) -> dict[str, Any]:
         raise InvalidInput(f"parameter {key} cannot be written as JSON ({err})") from None
     if size > limit:
         raise InvalidInput(f"parameter {key} is {size} bytes as JSON; the limit is {limit}")
+    return value
+
+
+def _check_metadata(value: Any, param: Param) -> dict[str, Any]:
+    """A JSON object of at most ``param.high`` bytes as JSON, kept as given."""
+    return _json_object("metadata", value, param.high)
+
+
+def _check_template_kwargs(value: Any, param: Param) -> dict[str, Any]:
+    """Variables for the chat template: a JSON object, none named as one the daemon sets."""
+    value = _json_object("chat_template_kwargs", value, param.high)
+    taken = sorted(TEMPLATE_VARIABLES.intersection(value))
+    if taken:
+        raise InvalidInput(f"parameter chat_template_kwargs may not set {', '.join(taken)}: the daemon sets "
+                           f"{'it' if len(taken) == 1 else 'them'} (give messages, tools... as parameters)")
     return value
 
 
@@ -3628,8 +3650,12 @@ PARAMS: dict[str, Param] = {
                     help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the daemon's model (a note says so; --strict-models refuses it), a known model no running daemon serves waits"),
     "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
                               help="submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
-    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",), read=("JSON", _read_metadata), check=_check_metadata, what="object, up to {high} bytes as JSON", jobs="any",
+    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",), read=("JSON", _read_object("--metadata")), check=_check_metadata, what="object, up to {high} bytes as JSON", jobs="any",
                        help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON object (a template's record, by default); never read by the daemon"),
+    "chat_template_kwargs": Param(dict, low=0, high=1 << 16, flag="--chat-template-kwargs", openai=("chat_template_kwargs",),
+                                   read=("JSON", _read_object("--chat-template-kwargs")), check=_check_template_kwargs,
+                                   what="object, up to {high} bytes as JSON",
+                                   help="variables for the model's chat template, as llama-server and vLLM pass them (e.g. {\"enable_thinking\": false}); the template's own (messages, tools, bos_token...) are refused"),
     "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
                   help="label the jobs (status/wait/export/cancel/retry --tag)"),
     "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
@@ -9325,7 +9351,8 @@ class LlamaRunner(Runner):
         if system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
         tokens: list[int] = []
-        for piece, is_content in self._render(messages):  # the template already wrote BOS
+        variables = job_param(params, "chat_template_kwargs") or {}
+        for piece, is_content in self._render(messages, variables):  # the template already wrote BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
 
@@ -9333,22 +9360,22 @@ class LlamaRunner(Runner):
         """Whether ``text`` holds the text of a control token (``<|im_start|>``...)."""
         return self.tokenize(text, False, True) != self.tokenize(text, False, False)
 
-    def _render(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    def _render(self, messages: list[dict[str, str]], variables: Mapping[str, Any]) -> list[tuple[str, bool]]:
         """The chat template applied to ``messages``, as (text, is a message's content)
         pieces in order: the whole rendering as one piece when no content spells a control
         token (then the split changes nothing), else split. To split, the template is rendered
         again with a unique mark in place of each content to find its own text around them;
         the marks replaced by the contents (as given, or stripped, for templates that trim
-        them) must give the real rendering."""
+        them) must give the real rendering. ``variables``: the job's chat_template_kwargs."""
         try:
-            text = self._formatter(messages=messages).prompt
+            text = self._formatter(messages=messages, **variables).prompt
             if not any(self._spells_control(m["content"]) for m in messages):
                 # The common case: one call, the very tokens of the whole rendering. (Each
                 # call of llama_tokenize starts a new word: a SentencePiece vocabulary adds its
                 # space prefix, so splitting an innocent prompt would change its tokens.)
                 return [(text, False)]
             marks = [f"\ue000{i}\ue001" if m["content"] else "" for i, m in enumerate(messages)]
-            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)]).prompt
+            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)], **variables).prompt
         except JobError:
             raise
         except Exception as err:

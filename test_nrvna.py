@@ -1758,7 +1758,7 @@ def test_n_choices_is_a_job_parameter_in_every_form(ws: str, run_main: RunMain) 
 
 def test_openai_lines_carry_structured_output_and_logprobs() -> None:
     chat = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": schema_format(PERSON_SCHEMA),
+            "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": schema_format(PERSON_SCHEMA),
                      "logprobs": True, "top_logprobs": 4, "logit_bias": {"50256": -100}, "presence_penalty": 0.5}}
     legacy = {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 3}}
     none = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": None}}
@@ -2815,6 +2815,28 @@ def test_all_lists_the_public_names() -> None:
     assert named - outside == set(), "docs/library.md names as internal what is no such name"
     for name in nrvna.__all__:
         assert hasattr(nrvna, name)
+
+
+def test_chat_template_kwargs_are_an_object_that_sets_none_of_the_template_s_own_names(
+        ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    assert nrvna.validate_params({"chat_template_kwargs": {"enable_thinking": False}}) == {
+        "chat_template_kwargs": {"enable_thinking": False}}
+    for value, said in (([1], "must be a JSON object"), ({"messages": []}, "may not set messages: the daemon sets it"),
+                        ({"bos_token": "", "tools": []}, "may not set bos_token, tools: the daemon sets them"),
+                        ({"x": "y" * 70000}, "the limit is 65536")):
+        with pytest.raises(nrvna.InvalidInput, match=said):
+            nrvna.validate_params({"chat_template_kwargs": value})
+    refused = run_main("submit", ws, "x", "--chat-template-kwargs", '{"add_generation_prompt": false}')
+    assert refused.returncode == 2 and b"may not set add_generation_prompt" in refused.stderr
+    assert run_main("submit", ws, "x", "--chat-template-kwargs", "[1]").returncode == 2
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}],
+                     "chat_template_kwargs": {"enable_thinking": False}}}
+    bad = dict(line, custom_id="b", body=dict(line["body"], chat_template_kwargs={"messages": 1}))
+    refused = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line, bad])))
+    assert refused.returncode == 2 and b"line 2" in refused.stderr and Flow(ws).counts()["queued"] == 0
+    [job_id] = ids_of(run_main("submit", ws, "--file", write(tmp_path / "a.jsonl", jsonl([line]))))
+    assert Flow(ws).get(job_id).params["chat_template_kwargs"] == {"enable_thinking": False}
 
 
 def test_generated_ids_have_the_spec_format_and_never_repeat() -> None:
@@ -5604,6 +5626,25 @@ def generate(runner: nrvna.LlamaRunner, prompt: str, seqs: int = 1, **params: An
 
 
 @pytest.mark.model
+@pytest.mark.model
+def test_chat_template_kwargs_reach_the_template(tmp_path: Path, model: str) -> None:
+    """A copy of SmolLM2 whose template opens a <think> block unless enable_thinking is false
+    (scripts/thinking_model.py): the job's chat_template_kwargs decide what the prompt ends with."""
+    copy = tmp_path / "thinking.gguf"
+    made = subprocess.run([sys.executable, str(HERE / "scripts" / "thinking_model.py"), model, str(copy)],
+                          capture_output=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    runner = nrvna.LlamaRunner(str(copy), nrvna.Config(max_ctx=512, workers=1))
+    try:
+        text = lambda **params: b"".join(runner.piece(t) for t in runner.tokens(fake_job("What is 2+2?", **params))).decode()
+        assert text().endswith("assistant\n<think>\n")  # control tokens have no piece
+        assert text(chat_template_kwargs={"enable_thinking": False}).endswith(
+            "assistant\n<think>\n\n</think>\n\n")
+        assert text(chat_template_kwargs={"enable_thinking": True, "unused": 1}) == text()
+    finally:
+        runner.close()
+
+
 def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> None:
     templated = llama.tokens(fake_job("Hello"))
     raw = llama.tokens(fake_job("Hello", raw=True))
