@@ -3711,6 +3711,7 @@ META_FILE = "meta.json"
 PARTIAL_FILE = "partial.txt"  # text generated so far (running), or before a failure
 LOGPROBS_FILE = "logprobs.json"  # each generated token's log-probability, for jobs that ask
 CHOICES_FILE = "choices.json"  # a job of n > 1 choices: every choice (Outcome.choices)
+REASONING_FILE = "reasoning.txt"  # a thinking model's thinking, apart from result.txt (Outcome.reasoning)
 CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
 # A running job's meta.json as its claim found it, hard-linked by the claim: a hand-back puts it
 # back with a rename, which needs no free space. A temporary (.tmp) to recovery, which removes it.
@@ -4208,7 +4209,7 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
     for name in os.listdir(dir_fd):
         if name in keep:
             continue
-        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE) or (
+        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE) or (
                 name.startswith(".") and name.endswith(".tmp")):
             _unlink_quietly(name, dir_fd)
 
@@ -6638,7 +6639,7 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
         kept = {k: meta[k] for k in ("id", "submitted", "events") if k in meta}
         record_event(kept, Status.Failed, "requeued", "retried")
         write_file(fd, META_FILE, dump_meta(dict(kept, attempts=0, errors=history, retries=len(history))))
-        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE, CHOICES_FILE):
+        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE):
             _unlink_quietly(name, fd)
         os.fsync(fd)
     except FileNotFoundError:  # a clean renamed the directory away and is deleting it
@@ -6926,7 +6927,8 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[i
 
 
 class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error logprobs "
-                                     "choices prompt_computed", defaults=("", "stop", 0, 0, None, None, None, None, None))):
+                                     "choices prompt_computed reasoning reasoning_tokens",
+                         defaults=("", "stop", 0, 0, None, None, None, None, None, None, 0))):
     """How a job ended: a result (``error_code`` None) or a failure with a short code and a
     message. ``text`` is the generated text (partial text for a failure); ``logprobs`` the
     tokens' log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``)
@@ -7102,6 +7104,8 @@ class _FunctionSession(Session):
 # The workers, the Grammar and Wide threads and the model's loader call in (the Threads table).
 
 
+# The tags of a thinking block, as Qwen3's and DeepSeek-R1's templates write them.
+THINK_TAGS = ("<think>", "</think>")
 # A new prompt waits a step for a batch-mate computing a prefix it shares when that saves
 # at least this many tokens of prefill.
 PREFIX_WAIT_TOKENS = 16
@@ -8187,6 +8191,7 @@ class _Choices:
         computed (see _PrefixCache._attach_choice), or with ``own_cells`` those ``slot`` holds
         (a choice of the job has just ended there)."""
         seq = session.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
+        seq.think = session.runner.think_router(first.prompt)
         seq.reserved, seq.choices, seq.choice = first.reserved, self, self.started
         self.started += 1
         if not (own_cells and session.prefixes.keep_choice(seq)):
@@ -8267,7 +8272,7 @@ class _Sequence:
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
                  "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
-                 "budget", "priority", "reserved", "choices", "choice", "computed")
+                 "budget", "priority", "reserved", "choices", "choice", "computed", "think", "thought")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int,
                  sampler: _JobSampler) -> None:
@@ -8295,6 +8300,8 @@ class _Sequence:
         self.choices: Optional[_Choices] = None  # a job of n > 1 choices: its other sequences' too
         self.choice = 0  # which of them
         self.computed = 0  # prompt tokens decoded for it (the rest were cells shared with others)
+        self.think: Optional[_ThinkRouter] = None  # a thinking model's: its thinking kept apart
+        self.thought = 0  # tokens generated before its answer (reasoning_tokens)
 
     def at(self, computed: int) -> None:
         """Its slot holds the KV cells of its prompt's first ``computed`` tokens (kept, copied
@@ -8328,6 +8335,10 @@ class _Sequence:
         self.n_gen += 1
         self.last = token
         text = self.decoder.decode(piece)
+        if self.think is not None:
+            if self.think.state != _ThinkRouter.ANSWER:
+                self.thought += 1
+            text = self.think.route(text)
         if text:
             self.parts.append(text)
             if self.stops and self._hit_stop(text):
@@ -8366,12 +8377,18 @@ class _Sequence:
         with ``reason``, or the ``error`` (code, message)."""
         text = "".join(self.parts)
         if not self.stops or reason != "stop":
-            text += self.decoder.decode(b"", final=True)
+            rest = self.decoder.decode(b"", final=True)
+            text += rest if self.think is None else self.think.route(rest)
+        reasoning = None
+        if self.think is not None:
+            text += self.think.finish() if not (self.stops and reason == "stop") else ""
+            reasoning = self.think.reasoning
         logprobs = self.sampler.logprob_content(text, bool(self.stops))
         if error:
             return Outcome(text, "error", self.n_prompt, self.n_gen, error[0], error[1], logprobs,
-                           prompt_computed=self.computed)
-        return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs, prompt_computed=self.computed)
+                           prompt_computed=self.computed, reasoning=reasoning, reasoning_tokens=self.thought)
+        return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs, prompt_computed=self.computed,
+                       reasoning=reasoning, reasoning_tokens=self.thought)
 
 
 # ============================================================================
@@ -8977,6 +8994,7 @@ class LlamaSession(Session):
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
+        seq.think = self.runner.think_router(tokens)
         self.prefixes.attach(seq, self.slots, first=True)
         n = job_param(job.params, "n")
         if n > 1:
@@ -9248,6 +9266,11 @@ class LlamaRunner(Runner):
                              f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
         self._pieces: dict[int, bytes] = {}
         self._formatter = self._chat_formatter()
+        # A thinking model's block tags, found in its chat template (Qwen3, DeepSeek-R1: <think>).
+        self.thinking: Optional[tuple[str, str]] = None
+        template = (L.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
+        if THINK_TAGS[1] in template:
+            self.thinking = THINK_TAGS
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy
@@ -9305,6 +9328,17 @@ class LlamaRunner(Runner):
         """
         with self._wide_lock:
             pass
+
+    def think_router(self, prompt: list[int]) -> Optional[_ThinkRouter]:
+        """A sequence's router of its thinking, for a thinking model: inside the block when the
+        prompt's rendering opened it (DeepSeek-R1, Qwen3.5), after it when the rendering closed
+        it (enable_thinking false), else before it (Qwen3: the model may open one)."""
+        if self.thinking is None:
+            return None
+        tail = b"".join(self.piece(token) for token in prompt[-8:]).decode("utf-8", "replace").rstrip()
+        opened, closed = tail.endswith(self.thinking[0]), tail.endswith(self.thinking[1])
+        state = _ThinkRouter.INSIDE if opened else _ThinkRouter.ANSWER if closed else _ThinkRouter.BEFORE
+        return _ThinkRouter(*self.thinking, state)
 
     def _chat_formatter(self) -> Any:
         L = self.L
@@ -10468,6 +10502,10 @@ class Processor:
             import json
 
             files.append((CHOICES_FILE, json.dumps(outcome.choices, ensure_ascii=False).encode("utf-8")))
+        if outcome.reasoning is not None:  # a thinking model's job: its thinking apart, counted
+            meta["reasoning_tokens"] = outcome.reasoning_tokens
+            if outcome.reasoning:
+                files.append((REASONING_FILE, outcome.reasoning.encode("utf-8")))
         return files, dest
 
     def _publish(self, job_id: str, claim: _Claim, meta: dict[str, Any], files: list[tuple[str, bytes]],

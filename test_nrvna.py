@@ -5645,6 +5645,33 @@ def test_chat_template_kwargs_reach_the_template(tmp_path: Path, model: str) -> 
         runner.close()
 
 
+@pytest.mark.model
+def test_a_thinking_model_s_thinking_is_kept_apart_from_its_answer(tmp_path: Path, model: str, ws: str) -> None:
+    """On a copy of SmolLM2 whose template opens a <think> block, a job whose grammar makes it
+    write a block and then an answer: result.txt holds the answer alone, reasoning.txt the
+    thinking, meta.json the tokens spent before the answer; the plain model has none of it."""
+    copy = tmp_path / "thinking.gguf"
+    made = subprocess.run([sys.executable, str(HERE / "scripts" / "thinking_model.py"), model, str(copy)],
+                          capture_output=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    grammar = 'root ::= "Let me see: two and two." "</think>" "\\n\\n" "It is 4."'
+    job_id = submit(ws, "What is 2+2?", grammar=grammar, max_tokens=64)
+    done = cli("daemon", str(copy), ws, "-w", "1", "--drain", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Done and job.result == "It is 4.", job.result
+    path = os.path.join(ws, nrvna.OUTPUT, job_id)
+    assert Path(path, "reasoning.txt").read_text() == "Let me see: two and two."
+    assert 0 < job.meta["reasoning_tokens"] < job.meta["generated_tokens"]
+    runner = nrvna.LlamaRunner(model, nrvna.Config(max_ctx=512, workers=1))
+    try:
+        assert runner.thinking is None
+        outcome = generate(runner, "What is 2+2?", grammar='root ::= "<think>x</think>It is 4."')
+        assert outcome.text == "<think>x</think>It is 4." and outcome.reasoning is None
+    finally:
+        runner.close()
+
+
 def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> None:
     templated = llama.tokens(fake_job("Hello"))
     raw = llama.tokens(fake_job("Hello", raw=True))
