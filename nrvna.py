@@ -76,7 +76,7 @@ API (``__all__``; docs/library.md documents each name, and names every other one
     SubmitResult       what Work.submit returns: (ok, id, message), errors as values
     Flow               reads jobs: status, get, wait, follow, wait_all, select, counts, lanes, export
     Status             a job's state: Queued, Running, Done, Failed, Missing
-    Job                what Flow.get returns: id, status, prompt, result, error, meta, params, logprobs, choices
+    Job                what Flow.get returns: id, status, prompt, result, error, meta, params, logprobs, choices, reasoning
     iter_events        jobs' changes of state as event dicts, as `nrvna events` prints them
     bulk_states        many jobs' states at once, one listing per state directory
     cancel_job         `nrvna cancel` for one job
@@ -118,7 +118,7 @@ API (``__all__``; docs/library.md documents each name, and names every other one
     Runner             the runner protocol: one Session per worker
     Session            a worker's jobs: start, step, drop, free, active, idle, close
     RunningJob         what a runner sees of a job: id, prompt, params, emit, stop, interrupt
-    Outcome            how a job ended: text, finish reason, token counts, error, logprobs, choices
+    Outcome            how a job ended: text, finish reason, token counts, error, logprobs, choices, reasoning
     FunctionRunner     a function fn(job) -> str as a Runner
     LlamaRunner        llama.cpp's runner, the daemon's default (needs llama-cpp-python)
     Server             the daemon in-process: start, serve_forever, shutdown (a context manager)
@@ -4656,14 +4656,16 @@ def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, 
 # (inotify on a directory). Read only; any thread.
 
 
-class Job(namedtuple("Job", "id status prompt result error meta params logprobs choices", defaults=(None, None, None))):
+class Job(namedtuple("Job", "id status prompt result error meta params logprobs choices reasoning",
+                     defaults=(None, None, None, None))):
     """A job as read back from the workspace: ``id: str, status: Status`` and
     ``prompt, result, error: str | None`` and ``meta, params: dict`` (params.json: the
     per-job parameters, ``custom_id`` and ``tag``) and ``logprobs``: the generated tokens'
     log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``), or
     None unless the job asked for them; ``choices``: a done job of n > 1 choices has every
     one, ``[{index, text, finish_reason, generated_tokens[, logprobs]}]`` (``result`` and
-    ``logprobs`` are the first's), else None."""
+    ``logprobs`` are the first's), else None; ``reasoning``: a thinking model's thinking
+    (reasoning.txt), else None."""
 
     __slots__ = ()
 
@@ -5147,6 +5149,8 @@ def _jsonl_record(job: Job) -> dict[str, Any]:
         record["logprobs"] = job.logprobs
     if job.choices is not None:
         record["choices"] = job.choices
+    if job.reasoning is not None:
+        record["reasoning"] = job.reasoning
     if job_param(params, "metadata") is not None:
         record["metadata"] = job_param(params, "metadata")
     return record
@@ -5188,13 +5192,18 @@ def _openai_record(job: Job) -> dict[str, Any]:
             choices.append({"text": result["text"], "index": result["index"],
                             "logprobs": _legacy_logprobs(logprobs, job.prompt or ""), "finish_reason": finish_reason})
         else:
-            choices.append({"index": result["index"], "message": {"role": "assistant", "content": result["text"], "refusal": None},
+            message = {"role": "assistant", "content": result["text"], "refusal": None}
+            reasoning = result.get("reasoning", job.reasoning if result["index"] == 0 else None)
+            if reasoning:  # llama-server's and DeepSeek's name, which most clients read
+                message["reasoning_content"] = reasoning
+            choices.append({"index": result["index"], "message": message,
                             "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
                             "finish_reason": finish_reason})
     body = {"id": f"{endpoint.id_prefix}{job.id}", "object": endpoint.object,
             "created": int(meta.get("finished") or time.time()), "model": meta.get("model"), "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
+                      "total_tokens": prompt_tokens + completion_tokens,
+                      "completion_tokens_details": {"reasoning_tokens": int(meta.get("reasoning_tokens") or 0)}},
             "system_fingerprint": None}
     line["response"] = {"status_code": 200, "request_id": job.id, "body": body}
     line["error"] = None
@@ -5507,7 +5516,8 @@ class Flow:
             raise
         try:
             files = {}
-            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE, PARAMS_FILE, LOGPROBS_FILE, CHOICES_FILE):
+            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE, PARAMS_FILE, LOGPROBS_FILE, CHOICES_FILE,
+                         REASONING_FILE):
                 try:
                     files[name] = read_file(fd, name, 1 << 40).decode("utf-8", "replace")
                 except (FileNotFoundError, JobError):
@@ -5536,17 +5546,22 @@ class Flow:
                 logprobs = None
         choices = _read_choices(files[CHOICES_FILE]) if status is Status.Done else None
         return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, parse_meta(files[PARAMS_FILE]),
-                   logprobs, choices)
+                   logprobs, choices, files[REASONING_FILE])
 
-    def result_bytes(self, job_id: str) -> Optional[bytes]:
-        """result.txt of a done job, byte for byte (what ``nrvna get`` prints)."""
+    def result_bytes(self, job_id: str, name: str = RESULT_FILE) -> Optional[bytes]:
+        """result.txt of a done job, byte for byte (what ``nrvna get`` prints); ``name``
+        REASONING_FILE: its thinking (``get --reasoning``), empty when it has none."""
 
         def read(status: Status, path: str) -> Optional[bytes]:
             if status is not Status.Done:
                 return None
             fd = open_dir(path)
             try:
-                return read_file(fd, RESULT_FILE, 1 << 40)
+                return read_file(fd, name, 1 << 40)
+            except FileNotFoundError:
+                if name == RESULT_FILE:
+                    raise
+                return b""
             finally:
                 os.close(fd)
 
@@ -12534,7 +12549,7 @@ def _cmd_get(args: Any) -> int:
     require_workspace(args.workspace)
     if args.follow:
         return _follow(Flow(args.workspace), args.id)
-    return _emit(Flow(args.workspace), args.id, args.wait, args.timeout, args.json, args.progress)
+    return _emit(Flow(args.workspace), args.id, args.wait, args.timeout, args.json, args.progress, args.reasoning)
 
 
 def _wait_saying(flow: Flow, job_id: str, timeout: Optional[float], watch: _DaemonWatch) -> Status:
@@ -12553,9 +12568,10 @@ def _wait_saying(flow: Flow, job_id: str, timeout: Optional[float], watch: _Daem
 
 
 def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json: bool,
-          progress: bool = False) -> int:
+          progress: bool = False, reasoning: bool = False) -> int:
     """Print a job's result (stdout) or error (stderr); return the exit code for its state.
-    ``progress``: with ``wait``, progress lines on stderr (get --wait --progress)."""
+    ``progress``: with ``wait``, progress lines on stderr (get --wait --progress); ``reasoning``:
+    its thinking instead of its answer (get --reasoning)."""
     watch = _DaemonWatch(flow.workspace, f"job {job_id}")  # never a silent wait
     if wait and progress:
         status = _wait_saying(flow, job_id, timeout, watch)
@@ -12569,13 +12585,13 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
             raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
         record = {"id": job.id, "status": job.status.value, "prompt": job.prompt, "result": job.result,
                   "error": job.error, "meta": job.meta, "params": job.params, "logprobs": job.logprobs,
-                  "choices": job.choices}
+                  "choices": job.choices, "reasoning": job.reasoning}
         if job.status is Status.Done and job_param(job.params or {}, "embed"):
             record.update(result=None, embeddings=job_vectors(job))
         _print_json(record)
         return STATUS_EXIT[job.status]
     if status is Status.Done:
-        data = flow.result_bytes(job_id)
+        data = flow.result_bytes(job_id, REASONING_FILE if reasoning else RESULT_FILE)
         if data is not None:
             sys.stdout.buffer.write(data)
             sys.stdout.buffer.flush()
@@ -13076,6 +13092,8 @@ def _get_arguments(parser: Any) -> None:
     parser.add_argument("--json", action="store_true", help="the whole job as one JSON object")
     parser.add_argument("--follow", action="store_true", help="print the text as it is generated, then exit "
                         "with the job's code")
+    parser.add_argument("--reasoning", action="store_true", help="a thinking model's thinking (reasoning.txt) "
+                        "instead of its answer: empty when it has none")
 
 
 def _build_parser(only: Optional[str] = None) -> Any:

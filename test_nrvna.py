@@ -3976,7 +3976,8 @@ def test_export_openai_is_the_batch_output_format_field_by_field(ws: str, tmp_pa
     assert body["object"] == "chat.completion" and body["model"] == "function" and isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "answer to [user]\nhello",
                                                         "refusal": None}, "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14,
+                             "completion_tokens_details": {"reasoning_tokens": 0}}  # a model that does not think
     text = completion["response"]["body"]
     assert text["object"] == "text_completion" and completion["custom_id"] == "c1"
     assert text["choices"] == [{"text": "answer to once", "index": 0, "logprobs": None, "finish_reason": "stop"}]
@@ -5626,7 +5627,6 @@ def generate(runner: nrvna.LlamaRunner, prompt: str, seqs: int = 1, **params: An
 
 
 @pytest.mark.model
-@pytest.mark.model
 def test_chat_template_kwargs_reach_the_template(tmp_path: Path, model: str) -> None:
     """A copy of SmolLM2 whose template opens a <think> block unless enable_thinking is false
     (scripts/thinking_model.py): the job's chat_template_kwargs decide what the prompt ends with."""
@@ -5663,6 +5663,17 @@ def test_a_thinking_model_s_thinking_is_kept_apart_from_its_answer(tmp_path: Pat
     path = os.path.join(ws, nrvna.OUTPUT, job_id)
     assert Path(path, "reasoning.txt").read_text() == "Let me see: two and two."
     assert 0 < job.meta["reasoning_tokens"] < job.meta["generated_tokens"]
+    assert job.reasoning == "Let me see: two and two."
+    assert cli("get", ws, job_id).stdout == b"It is 4."
+    assert cli("get", ws, job_id, "--reasoning").stdout == b"Let me see: two and two."
+    assert json.loads(cli("get", ws, job_id, "--json").stdout)["reasoning"] == "Let me see: two and two."
+    [line] = [json.loads(text) for text in cli("export", ws, "--format", "openai").stdout.decode().splitlines()]
+    body = line["response"]["body"]
+    assert body["choices"][0]["message"]["reasoning_content"] == "Let me see: two and two."
+    assert body["choices"][0]["message"]["content"] == "It is 4."
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": job.meta["reasoning_tokens"]}
+    [record] = [json.loads(text) for text in cli("export", ws, "--format", "jsonl").stdout.decode().splitlines()]
+    assert record["reasoning"] == "Let me see: two and two." and record["result"] == "It is 4."
     runner = nrvna.LlamaRunner(model, nrvna.Config(max_ctx=512, workers=1))
     try:
         assert runner.thinking is None
@@ -5672,6 +5683,7 @@ def test_a_thinking_model_s_thinking_is_kept_apart_from_its_answer(tmp_path: Pat
         runner.close()
 
 
+@pytest.mark.model
 def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> None:
     templated = llama.tokens(fake_job("Hello"))
     raw = llama.tokens(fake_job("Hello", raw=True))
