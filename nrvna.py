@@ -258,7 +258,7 @@ from collections import deque, namedtuple
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations are strings at run time: importing typing costs 4 ms a start
-    from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+    from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 _INF = float("inf")  # JSON from Python's json module may hold Infinity
 
@@ -439,6 +439,22 @@ def _check_aliases(value: Any) -> str:
     return str(value)
 
 
+def thinking_tags(value: str) -> Optional[tuple[str, str]]:
+    """``NRVNA_THINKING_TAGS`` (``auto``, ``off``, or ``OPEN CLOSE``): a pair of tags, or None for
+    ``auto`` and ``off`` (the engine reads those); ConfigError for anything else."""
+    words = str(value).split()
+    if len(words) == 1 and words[0] in ("auto", "off"):
+        return None
+    if len(words) != 2 or words[0] == words[1]:
+        raise ConfigError(f"NRVNA_THINKING_TAGS: {value!r} is not auto, off, or two different tags OPEN CLOSE")
+    return words[0], words[1]
+
+
+def _check_thinking_tags(value: Any) -> str:
+    thinking_tags(str(value))  # ConfigError naming the value
+    return " ".join(str(value).split())
+
+
 def hook_environment(hook: str, values: Mapping[str, str]) -> dict[str, str]:
     """The variables HOOK_VARIABLES gives ``hook`` ("on_done" or "on_batch_done"), from
     ``values`` (which must hold each of them)."""
@@ -547,6 +563,8 @@ SETTINGS: dict[str, _Setting] = {
     "strict_models": _Setting("NRVNA_STRICT_MODELS", int, 0, 0, 1, "1: submit refuses a job whose model matches no known model (exit 2, nothing queued); 0 queues it for the daemon's model, with a note (submit --strict-models)"),
     "pooling": _Setting("NRVNA_POOLING", str, "model", None, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)", choices=POOLINGS),
     "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1, "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
+    "thinking_tags": _Setting("NRVNA_THINKING_TAGS", str, "auto", None, None, "a thinking model's block tags: auto (found in its chat template: <think> </think>, [THINK] [/THINK], <seed:think> </seed:think>, <|START_THINKING|> <|END_THINKING|>), off (its thinking is left in the answer), or OPEN CLOSE for another pair",
+                              check=_check_thinking_tags),
     "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace", choices=LOG_LEVELS,
                            check=_log_level),
     "on_done": _Setting("NRVNA_ON_DONE", str, "", None, None, "a shell command run for every job that ends, with the job's directory appended as its last argument ($1 of a script)",
@@ -3126,6 +3144,9 @@ _CHECKED: dict[Any, Optional[str]] = {}
 # a job's chat_template_kwargs may set any other.
 TEMPLATE_VARIABLES = frozenset({"messages", "eos_token", "bos_token", "raise_exception", "add_generation_prompt",
                                 "functions", "function_call", "tools", "tool_choice", "strftime_now"})
+# reasoning_effort -> the thinking budget it sets, in tokens (low, medium and high are vLLM's;
+# none thinks not at all). An explicit thinking_budget_tokens wins over an effort.
+EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 2048, "high": 8192}
 ROLES = ("system", "user", "assistant")
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -3349,6 +3370,27 @@ def _check_template_kwargs(value: Any, param: Param) -> dict[str, Any]:
         raise InvalidInput(f"parameter chat_template_kwargs may not set {', '.join(taken)}: the daemon sets "
                            f"{'it' if len(taken) == 1 else 'them'} (give messages, tools... as parameters)")
     return value
+
+
+def _check_budget(value: Any, param: Param) -> int:
+    """A thinking budget: an integer from 0; -1, llama-server's "no budget", is refused with the
+    way to say that here (leave the parameter out)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value == -1:
+        raise InvalidInput("parameter thinking_budget_tokens=-1: leave it out for no budget (0 turns thinking off)")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput("parameter thinking_budget_tokens must be an integer")
+    if not param.low <= value <= param.high:
+        raise InvalidInput(f"parameter thinking_budget_tokens={value} is out of range ({param.low} to {param.high})")
+    return value
+
+
+def thinking_budget(params: Mapping[str, Any]) -> Optional[int]:
+    """The most tokens a job may think: its thinking_budget_tokens, else its reasoning_effort's
+    (EFFORT_BUDGETS), else None (no budget of its own)."""
+    budget = params.get("thinking_budget_tokens")
+    if budget is None and params.get("reasoning_effort") is not None:
+        budget = EFFORT_BUDGETS[params["reasoning_effort"]]
+    return budget
 
 
 def _check_text(key: str, text: str) -> None:
@@ -3656,6 +3698,12 @@ PARAMS: dict[str, Param] = {
                                    read=("JSON", _read_object("--chat-template-kwargs")), check=_check_template_kwargs,
                                    what="object, up to {high} bytes as JSON",
                                    help="variables for the model's chat template, as llama-server and vLLM pass them (e.g. {\"enable_thinking\": false}); the template's own (messages, tools, bos_token...) are refused"),
+    "thinking_budget_tokens": Param(int, low=0, high=1 << 20, flag="--thinking-budget",
+                                     openai=("thinking_token_budget", "thinking_budget_tokens", "reasoning_budget_tokens"),
+                                     check=_check_budget, what="integer, {low} to {high}",
+                                     help="a thinking model's most tokens of thinking: at the budget the daemon closes the block and the answer follows (0 = no thinking; a model that does not think ignores it)"),
+    "reasoning_effort": Param(tuple(EFFORT_BUDGETS), flag="--reasoning-effort", openai=("reasoning_effort",),
+                               help="a thinking budget by name: none 0, minimal 256, low 1024, medium 2048, high 8192 tokens (thinking_budget_tokens wins); also given to chat templates that read it (gpt-oss)"),
     "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
                   help="label the jobs (status/wait/export/cancel/retry --tag)"),
     "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
@@ -7119,8 +7167,16 @@ class _FunctionSession(Session):
 # The workers, the Grammar and Wide threads and the model's loader call in (the Threads table).
 
 
-# The tags of a thinking block, as Qwen3's and DeepSeek-R1's templates write them.
-THINK_TAGS = ("<think>", "</think>")
+# The tags of a thinking block that NRVNA_THINKING_TAGS=auto looks for in a chat template, by its
+# close tag: Qwen3, DeepSeek-R1, Phi-4-reasoning; Magistral; Seed-OSS; Command A Reasoning.
+THINK_TAGS = (("<seed:think>", "</seed:think>"), ("<think>", "</think>"), ("[THINK]", "[/THINK]"),
+              ("<|START_THINKING|>", "<|END_THINKING|>"))
+# What follows a close tag the daemon writes, before the answer (as Qwen3's template writes it).
+THINK_SEPARATOR = "\n\n"
+# gpt-oss's harmony format: the analysis channel is the thinking block, ended by <|end|>; the
+# answer is the final channel's message, after its header (HARMONY_HEADERS, which the router drops).
+HARMONY_TAGS = ("<|channel|>analysis<|message|>", "<|end|>")
+HARMONY_HEADERS = ("<|start|>assistant", "<|channel|>final<|message|>")
 # A new prompt waits a step for a batch-mate computing a prefix it shares when that saves
 # at least this many tokens of prefill.
 PREFIX_WAIT_TOKENS = 16
@@ -7805,7 +7861,7 @@ class _JobSampler:
     """
 
     __slots__ = ("runner", "L", "scratch", "chain", "chain_settings", "shortlist_size", "penalties", "grammar", "shape",
-                 "state", "after", "logprobs", "top_logprobs", "step_logprobs")
+                 "state", "after", "logprobs", "top_logprobs", "step_logprobs", "thinking", "logged")
 
     def __init__(self, runner: LlamaRunner, scratch: _SamplingScratch, chain: Any,
                  chain_settings: tuple[bool, int, float, float], penalties: Optional[_Penalties] = None,
@@ -7828,6 +7884,10 @@ class _JobSampler:
         self.logprobs: Optional[list[tuple[int, float, list[tuple[int, float]]]]] = [] if logprobs else None
         self.top_logprobs = top_logprobs  # how many of the likeliest tokens each entry names
         self.step_logprobs: Any = None  # this step's log-softmax, from sample() until accept()
+        # Inside a thinking block (see _ThinkRouter): draws free of the grammar, which starts at
+        # the answer, and no log-probabilities, which are the answer's.
+        self.thinking = False
+        self.logged = False  # this step's token has a log-probability entry (see unlog)
 
     @classmethod
     def for_job(cls, runner: LlamaRunner, scratch: _SamplingScratch, templates: _GrammarTemplates,
@@ -7847,7 +7907,8 @@ class _JobSampler:
         ``sample``: their log-probabilities are kept if asked for, then the penalties and
         logit biases change them in place."""
         # Log-probabilities are the model's own: before penalties, biases, grammar, temperature.
-        self.step_logprobs = self._log_softmax(row) if self.logprobs is not None else None
+        self.step_logprobs = self._log_softmax(row) if self.logprobs is not None and not self.thinking else None
+        self.logged = False
         if self.penalties is not None:
             self.penalties.apply(row)
 
@@ -7863,7 +7924,7 @@ class _JobSampler:
         else:
             self.scratch.draws[1] += 1
             token = self.L.llama_sampler_sample(self.chain, ctx, index)
-        if self.grammar is not None and not self._allowed(token):
+        if self.grammar is not None and not self.thinking and not self._allowed(token):
             token = self._resample(row)
         return token
 
@@ -7896,12 +7957,19 @@ class _JobSampler:
         log-probability is recorded."""
         if self.penalties is not None:
             self.penalties.accept(token)
-        if self.grammar is not None:
+        if self.grammar is not None and not self.thinking:
             self.L.llama_sampler_accept(self.grammar, token)  # never a refused token: llama.cpp aborts on one
             self.state = self.after
         if self.step_logprobs is not None:
             self.logprobs.append(self._logprob(self.step_logprobs, token))
             self.step_logprobs = None
+            self.logged = True
+
+    def unlog(self) -> None:
+        """Forget this step's log-probability entry: its token was not the answer's."""
+        if self.logged:
+            self.logprobs.pop()
+            self.logged = False
 
     def free(self) -> None:
         """Free the chain and the grammar sampler (the log-probabilities stay)."""
@@ -8074,16 +8142,64 @@ class _ThinkRouter:
     block again; a lone close tag is dropped). An open tag inside a block is dropped, so neither
     part holds a tag. ``finish()`` returns what is still held.
 
+    The budget: the daemon closes a block itself (writes ``closing``, the close tag's tokens
+    and a separator, one a step in place of a draw: ``forced``) once ``spent`` reaches ``cap``
+    (the job's budget), once ``force_at`` tokens are generated (leaving the answer its share of
+    max_tokens), or when the model ends its generation inside the block (``close_now("eog")``).
+
     Threads: its sequence's worker only."""
 
     BEFORE, INSIDE, AFTER, ANSWER = range(4)
-    __slots__ = ("open", "close", "state", "held", "parts", "opened")
+    __slots__ = ("open", "close", "state", "held", "parts", "opened", "start", "cap", "force_at", "closing",
+                 "forcing", "spent", "closed", "headers", "wrote")
 
-    def __init__(self, open: str, close: str, state: int) -> None:
+    def __init__(self, open: str, close: str, state: int, cap: Optional[int] = None, force_at: Optional[int] = None,
+                 closing: tuple[int, ...] = (), headers: tuple[str, ...] = ()) -> None:
         self.open, self.close, self.state = open, close, state
+        self.headers = headers  # markup dropped before the answer (harmony's final channel header)
         self.held = ""
         self.parts: list[str] = []
         self.opened = state == self.INSIDE  # a block was opened (by the prompt or the model)
+        self.start = state
+        self.cap = cap  # the most tokens the block may hold (the job's budget), or None
+        self.force_at = force_at  # generated tokens at which an open block is closed for the answer, or None
+        self.closing = closing  # the tokens that close a block: close tag and separator
+        self.forcing: list[int] = []  # those still to write, the next last
+        self.spent = 0  # tokens generated inside a block
+        self.closed: Optional[str] = None  # why the daemon closed it: budget, share or eog
+        self.wrote = False  # the daemon wrote this step's token (forced)
+
+    def again(self) -> "_ThinkRouter":
+        """A router for another choice of the same prompt, as this one started."""
+        return _ThinkRouter(self.open, self.close, self.start, self.cap, self.force_at, self.closing, self.headers)
+
+    def forced(self, generated: int) -> int:
+        """The token the daemon writes next instead of a draw, or -1: the rest of a close it has
+        begun, or the first of one when the block reaches its budget, or ``generated`` tokens
+        reach the point that leaves the answer its share."""
+        self.wrote = bool(self.forcing)
+        if self.forcing:
+            return self.forcing.pop()
+        if self.state != self.INSIDE or not self.closing:
+            return -1
+        if self.cap is not None and self.spent >= self.cap:
+            return self.close_now("budget")
+        if self.force_at is not None and generated >= self.force_at:
+            return self.close_now("share")
+        return -1
+
+    def close_now(self, why: str) -> int:
+        """The daemon closes the block (``why``: budget, share, eog): the first of its tokens."""
+        self.closed, self.wrote = why, True
+        self.forcing = list(reversed(self.closing))
+        return self.forcing.pop()
+
+    def spills(self, piece: bytes) -> bool:
+        """Whether ``piece`` would close the block and carry answer text with it (``>{``): with a
+        grammar, that text would skip the grammar, so the daemon closes the block instead."""
+        text = self.held + piece.decode("utf-8", "ignore")
+        at = text.find(self.close)
+        return at >= 0 and bool(text[at + len(self.close):].strip())
 
     @property
     def reasoning(self) -> str:
@@ -8094,13 +8210,14 @@ class _ThinkRouter:
         while held:
             if self.state == self.BEFORE or self.state == self.AFTER:
                 held = held.lstrip()
-                tag = self.open if self.state == self.BEFORE else self.close
-                if held.startswith(tag):  # AFTER: a second close tag, dropped
+                tags = (self.open, self.close, *self.headers) if self.state == self.AFTER else (self.open, *self.headers)
+                tag = next((tag for tag in tags if held.startswith(tag)), None)
+                if tag is not None:  # a block opens; or a header, or a second close tag, dropped
                     held = held[len(tag):]
-                    if self.state == self.BEFORE:
+                    if tag == self.open:
                         self.state, self.opened = self.INSIDE, True
                     continue
-                if tag.startswith(held):  # may still become the tag
+                if any(tag.startswith(held) for tag in tags):  # may still become one
                     break
                 self.state = self.ANSWER
             elif self.state == self.INSIDE:
@@ -8206,7 +8323,7 @@ class _Choices:
         computed (see _PrefixCache._attach_choice), or with ``own_cells`` those ``slot`` holds
         (a choice of the job has just ended there)."""
         seq = session.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
-        seq.think = session.runner.think_router(first.prompt)
+        seq.think_with(first.think.again() if first.think is not None else None)
         seq.reserved, seq.choices, seq.choice = first.reserved, self, self.started
         self.started += 1
         if not (own_cells and session.prefixes.keep_choice(seq)):
@@ -8253,9 +8370,12 @@ class _Choices:
                       "generated_tokens": result.generated_tokens}
             if result.logprobs is not None:
                 choice["logprobs"] = result.logprobs
+            if result.reasoning is not None:  # a thinking model's: each choice thought on its own
+                choice["reasoning"], choice["reasoning_tokens"] = result.reasoning, result.reasoning_tokens
             choices.append(choice)
         return first._replace(generated_tokens=sum(r.generated_tokens for r in self.results), choices=choices,
-                              prompt_computed=sum(r.prompt_computed or 0 for r in self.results))
+                              prompt_computed=sum(r.prompt_computed or 0 for r in self.results),
+                              reasoning_tokens=sum(r.reasoning_tokens for r in self.results))
 
     def failure(self, error: tuple[str, str], prompt_tokens: int, running: list["_Sequence"]) -> Outcome:
         """The job's failure at its first failing choice: that choice's code and message, the
@@ -8318,6 +8438,12 @@ class _Sequence:
         self.think: Optional[_ThinkRouter] = None  # a thinking model's: its thinking kept apart
         self.thought = 0  # tokens generated before its answer (reasoning_tokens)
 
+    def think_with(self, router: Optional[_ThinkRouter]) -> None:
+        """A thinking model's sequence: ``router`` keeps its thinking apart (and its sampler
+        free of the job's grammar and log-probabilities while it thinks)."""
+        self.think = router
+        self.sampler.thinking = router is not None and router.state == _ThinkRouter.INSIDE
+
     def at(self, computed: int) -> None:
         """Its slot holds the KV cells of its prompt's first ``computed`` tokens (kept, copied
         or none): the rest of the prompt is decoded from there."""
@@ -8350,10 +8476,17 @@ class _Sequence:
         self.n_gen += 1
         self.last = token
         text = self.decoder.decode(piece)
-        if self.think is not None:
-            if self.think.state != _ThinkRouter.ANSWER:
-                self.thought += 1
-            text = self.think.route(text)
+        think = self.think
+        if think is not None:
+            before = think.state
+            think.spent += before == _ThinkRouter.INSIDE
+            text = think.route(text)
+            if not text and before != _ThinkRouter.ANSWER:  # not the answer's: no log-probability
+                self.sampler.unlog()
+                # The block's tokens are its reasoning tokens: its tags, its thinking, and what the
+                # daemon wrote to close it (not the whitespace the model writes after a close).
+                self.thought += before != _ThinkRouter.AFTER or think.wrote
+            self.sampler.thinking = think.state == _ThinkRouter.INSIDE
         if text:
             self.parts.append(text)
             if self.stops and self._hit_stop(text):
@@ -8994,7 +9127,8 @@ class LlamaSession(Session):
 
     def _begin(self, job: RunningJob, made: Optional[tuple[Any, str, GrammarShape]] = None) -> None:
         """Start ``job`` in a free slot (``made``: its grammar); JobError if it cannot run here."""
-        tokens = self.runner.tokens(job)
+        max_tokens = job_param(job.params, "max_tokens", self.runner.config)
+        tokens, think = self.runner.thinking_start(self.runner.tokens(job), job.params, max_tokens, self.ctx_per_seq)
         if len(tokens) >= self.ctx_per_seq:
             holder = "the context holds" if self.seqs == 1 else "a sequence holds"
             raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {self.ctx_per_seq}")
@@ -9005,11 +9139,10 @@ class LlamaSession(Session):
         if reserved and self._reserve(priority) <= 0:  # a caller's bug: the worker checks before it claims
             raise RuntimeError("no room for another job in this context")
         slot = self.prefixes.take_slot(self.slots, tokens)
-        max_tokens = job_param(job.params, "max_tokens", self.runner.config)
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
-        seq.think = self.runner.think_router(tokens)
+        seq.think_with(think)
         self.prefixes.attach(seq, self.slots, first=True)
         n = job_param(job.params, "n")
         if n > 1:
@@ -9128,6 +9261,8 @@ class LlamaSession(Session):
         matrix = np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(len(wanted), self.runner.n_vocab))
         for (seq, _), row in zip(wanted, matrix):
             seq.sampler.prepare(row)
+            if seq.think is not None and seq.think.state in (_ThinkRouter.BEFORE, _ThinkRouter.AFTER):
+                row[self.runner.eog_ids] = -np.inf  # a thinking model's answer is never empty
         sizes = [seq.sampler.shortlist_size for seq, _ in wanted]
         likeliest = _likeliest(np, matrix, list(range(len(wanted))), sizes) if any(sizes) else [None] * len(wanted)
         ended = []
@@ -9144,20 +9279,41 @@ class LlamaSession(Session):
         """``seq``'s next token drawn from output ``index`` (``row``; ``short``: its likeliest
         tokens) and taken: None if the sequence goes on, else why it ends (its finish reason,
         and its error: code, message)."""
+        # A token the daemon writes (closing a thinking block) is never drawn, and the grammar,
+        # the penalties and the log-probabilities never see it.
+        token = seq.think.forced(seq.n_gen) if seq.think is not None else -1
+        if token < 0:
+            drawn = self._draw(seq, index, row, short)
+            if isinstance(drawn, tuple):
+                return drawn
+            if drawn >= 0:
+                seq.sampler.accept(drawn)
+            token = drawn if drawn >= 0 else -drawn - 1
+        if seq.add(token, self.runner.piece(token)):  # a stop string
+            return "stop", None
+        if seq.n_gen >= seq.max_tokens or seq.pos >= self.ctx_per_seq:
+            return "length", None
+        return None
+
+    def _draw(self, seq: _Sequence, index: int, row: Any, short: Optional[tuple[Any, Any]]
+              ) -> Union[int, tuple[str, Optional[tuple[str, str]]]]:
+        """``seq``'s token drawn by its sampler (see _take): the token; -1 - a token the daemon
+        writes instead (an end of generation inside a thinking block, or a close that would carry
+        answer text past the grammar: the block is closed); or why the sequence ends."""
         try:
             token = seq.sampler.sample(self.ctx, index, row, short)
         except GrammarLimit as err:  # before llama.cpp is asked to do that work
             return "stop", ("grammar_error", f"{err} after {seq.n_gen} tokens")
         if token < 0:
             return "stop", ("grammar_error", "no token of the model's vocabulary can continue the grammar here")
+        think = seq.think
+        if think is not None and think.state == _ThinkRouter.INSIDE and think.closing and (
+                token in self.runner.eog_tokens
+                or (seq.sampler.grammar is not None and think.spills(self.runner.piece(token)))):
+            return -1 - think.close_now("eog" if token in self.runner.eog_tokens else "model")
         if token in self.runner.eog_tokens and (not seq.ignore_eos or seq.sampler.grammar is not None):
             return "stop", None  # with a grammar: allowed only once it is complete
-        seq.sampler.accept(token)
-        if seq.add(token, self.runner.piece(token)):  # a stop string
-            return "stop", None
-        if seq.n_gen >= seq.max_tokens or seq.pos >= self.ctx_per_seq:
-            return "length", None
-        return None
+        return token
 
     def _end(self, seq: _Sequence, reason: str = "stop", error: Optional[tuple[str, str]] = None,
              keep: bool = True) -> Optional[tuple[RunningJob, Outcome]]:
@@ -9281,11 +9437,9 @@ class LlamaRunner(Runner):
                              f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
         self._pieces: dict[int, bytes] = {}
         self._formatter = self._chat_formatter()
-        # A thinking model's block tags, found in its chat template (Qwen3, DeepSeek-R1: <think>).
-        self.thinking: Optional[tuple[str, str]] = None
         template = (L.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
-        if THINK_TAGS[1] in template:
-            self.thinking = THINK_TAGS
+        self.takes_effort = "reasoning_effort" in template  # gpt-oss's template reads it
+        self.thinking = self._thinking_tags(template, config.thinking_tags)
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy
@@ -9293,6 +9447,7 @@ class LlamaRunner(Runner):
         self._grammar_vocab: Optional[GrammarVocab] = None
         # End-of-generation tokens: a set, as every generated token is looked up (a call costs 1-2 us).
         self.eog_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
+        self.eog_ids = numpy.array(sorted(self.eog_tokens), dtype=numpy.int64)  # to ban them from a row at once
         # Control tokens but end-of-generation: never in a constrained output (see _JobSampler._allowed).
         self.control_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_control(self.vocab, t)
                                         and t not in self.eog_tokens)
@@ -9344,16 +9499,61 @@ class LlamaRunner(Runner):
         with self._wide_lock:
             pass
 
-    def think_router(self, prompt: list[int]) -> Optional[_ThinkRouter]:
-        """A sequence's router of its thinking, for a thinking model: inside the block when the
-        prompt's rendering opened it (DeepSeek-R1, Qwen3.5), after it when the rendering closed
-        it (enable_thinking false), else before it (Qwen3: the model may open one)."""
-        if self.thinking is None:
+    def _thinking_tags(self, template: str, setting: str) -> Optional[tuple[str, str]]:
+        """A thinking model's block tags: NRVNA_THINKING_TAGS's pair; with ``auto``, harmony's
+        when its chat template writes channels (gpt-oss), else the first of THINK_TAGS whose
+        close tag it holds; None when it does not think (or ``off``). Also what the daemon
+        writes: ``_closing`` closes a block (tag and separator, or harmony's final header),
+        ``_opening`` opens one, ``_skip`` goes straight to the answer. A token of these that
+        pieces render empty (a control token) is given its text, so tags match in text alike."""
+        pair = thinking_tags(setting)
+        self._headers: tuple[str, ...] = ()
+        if pair is None and setting == "auto":
+            if "<|channel|>" in template and "<|message|>" in template:
+                pair, self._headers = HARMONY_TAGS, HARMONY_HEADERS
+            else:
+                pair = next((tags for tags in THINK_TAGS if tags[1] in template), None)
+        if pair is None:
             return None
+        separator = "".join(self._headers) or THINK_SEPARATOR
+        closing, opening = pair[1] + separator, pair[0] + ("" if self._headers else "\n")
+        for text in (closing, opening):
+            for token in self.tokenize(text, add_special=False, special=True):
+                if not self.piece(token):
+                    self._pieces[token] = self._token_text(token, special=True)
+        self._closing = tuple(self.tokenize(closing, add_special=False, special=True))
+        self._opening = self.tokenize(opening, add_special=False, special=True)
+        self._skip = self.tokenize(self._headers[-1] if self._headers else opening + closing,
+                                   add_special=False, special=True)
+        return pair
+
+    def thinking_start(self, prompt: list[int], params: Mapping[str, Any], max_tokens: int, room: int
+                       ) -> tuple[list[int], Optional[_ThinkRouter]]:
+        """A job's prompt and the router of its thinking (None: the model does not think).
+
+        Where the prompt stands: inside a block when its rendering opened one (DeepSeek-R1,
+        Qwen3.5), past it when the rendering closed it (enable_thinking false), else before it
+        (Qwen3: the model may open one). A job with a grammar has its block opened in the
+        prompt, as llama.cpp does, so that it thinks before the grammar starts; a job that may
+        not think (budget 0), or whose max_tokens leaves no room to think and answer, has an
+        open block closed in the prompt. The answer keeps a quarter of the tokens the job may
+        generate (``room``, the tokens a sequence holds, or max_tokens if fewer): the block is
+        closed when the rest is spent."""
+        if self.thinking is None:
+            return prompt, None
         tail = b"".join(self.piece(token) for token in prompt[-8:]).decode("utf-8", "replace").rstrip()
-        opened, closed = tail.endswith(self.thinking[0]), tail.endswith(self.thinking[1])
-        state = _ThinkRouter.INSIDE if opened else _ThinkRouter.ANSWER if closed else _ThinkRouter.BEFORE
-        return _ThinkRouter(*self.thinking, state)
+        answering = (self.thinking[1], *self._headers[-1:])  # closed, or harmony's final channel opened
+        state = (_ThinkRouter.INSIDE if tail.endswith(self.thinking[0]) else
+                 _ThinkRouter.ANSWER if any(map(tail.endswith, answering)) else _ThinkRouter.BEFORE)
+        if state == _ThinkRouter.BEFORE and not job_param(params, "raw") and self._grammar_key(params) is not None:
+            prompt, state = prompt + self._opening, _ThinkRouter.INSIDE
+        cap = thinking_budget(params)
+        generated = min(room, len(prompt) + max_tokens) - len(prompt)
+        force_at = generated - (generated + 3) // 4 - len(self._closing)
+        if state != _ThinkRouter.ANSWER and (cap == 0 or force_at <= 0):  # no thinking: the answer now
+            prompt = prompt + (list(self._closing) if state == _ThinkRouter.INSIDE else self._skip)
+            state = _ThinkRouter.AFTER
+        return prompt, _ThinkRouter(*self.thinking, state, cap, force_at, self._closing, self._headers)
 
     def _chat_formatter(self) -> Any:
         L = self.L
@@ -9400,7 +9600,11 @@ class LlamaRunner(Runner):
         if system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
         tokens: list[int] = []
-        variables = job_param(params, "chat_template_kwargs") or {}
+        variables = dict(job_param(params, "chat_template_kwargs") or {})
+        if thinking_budget(params) == 0:  # Qwen3's switch; templates without one ignore it
+            variables.setdefault("enable_thinking", False)
+        if self.takes_effort and job_param(params, "reasoning_effort") is not None:
+            variables.setdefault("reasoning_effort", job_param(params, "reasoning_effort"))
         for piece, is_content in self._render(messages, variables):  # the template already wrote BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
@@ -9465,15 +9669,18 @@ class LlamaRunner(Runner):
         """A token's bytes (cached: the same few thousand tokens recur)."""
         cached = self._pieces.get(token)
         if cached is None:
-            size = 64
-            while True:
-                buf = self._char_array(size)
-                count = self.L.llama_token_to_piece(self.vocab, token, buf, size, 0, False)
-                if count >= 0:
-                    break
-                size = -count
-            cached = self._pieces[token] = bytes(buf[:count])
+            cached = self._pieces[token] = self._token_text(token, special=False)
         return cached
+
+    def _token_text(self, token: int, special: bool) -> bytes:
+        """A token's bytes; ``special``: a control token's own text too (else nothing)."""
+        size = 64
+        while True:
+            buf = self._char_array(size)
+            count = self.L.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
+            if count >= 0:
+                return bytes(buf[:count])
+            size = -count
 
     @staticmethod
     def _char_array(size: int) -> Any:
@@ -12985,6 +13192,8 @@ def _param_arguments(parser: Any) -> None:
             group.add_argument(param.flag, dest=name, action="store_const", const=True, help=param.help + default)
         elif param.kind is list:
             group.add_argument(param.flag, dest=name, action="append", metavar="TEXT", help=param.help + default)
+        elif isinstance(param.kind, tuple):
+            group.add_argument(param.flag, dest=name, choices=param.kind, help=param.help + default)
         else:
             metavar = {int: "N", float: "X", str: "TEXT"}[param.kind]
             group.add_argument(param.flag, dest=name, type=param.kind, metavar=metavar, help=param.help + default)

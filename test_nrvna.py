@@ -56,6 +56,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -5626,61 +5627,201 @@ def generate(runner: nrvna.LlamaRunner, prompt: str, seqs: int = 1, **params: An
         session.close()
 
 
+_COPIES: dict[str, str] = {}
+BAN_EOG = {"0": -100, "2": -100, "4": -100}  # SmolLM2's end-of-generation tokens: the budget ends the thinking
+ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "sum", "strict": True, "schema": {
+    "type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+    "additionalProperties": False}}}
+
+
+def thinking_copy(model: str, style: str = "open") -> str:
+    """A copy of SmolLM2 whose chat template thinks (scripts/thinking_model.py): ``open`` opens a
+    <think> block in the prompt unless enable_thinking is false; ``harmony``, gpt-oss's channels.
+    Made once per session (0.5 s each)."""
+    if style not in _COPIES:
+        folder = tempfile.mkdtemp(prefix="nrvna-thinking-")
+        copy = os.path.join(folder, f"thinking-{style}.gguf")
+        made = subprocess.run([sys.executable, str(HERE / "scripts" / "thinking_model.py"), model, copy,
+                               "--style", style], capture_output=True, timeout=120)
+        assert made.returncode == 0, made.stderr
+        _COPIES[style] = copy
+    return _COPIES[style]
+
+
+def assert_apart(text: str, reasoning: Optional[str]) -> None:
+    """No tag of a thinking block in an answer or a reasoning, and an answer that is not empty."""
+    assert text.strip(), "an empty answer"
+    for tag in ("<think>", "</think>", "<|channel|>", "<|end|>", "<|message|>"):
+        assert tag not in text and tag not in (reasoning or ""), (tag, text, reasoning)
+
+
 @pytest.mark.model
-def test_chat_template_kwargs_reach_the_template(tmp_path: Path, model: str) -> None:
-    """A copy of SmolLM2 whose template opens a <think> block unless enable_thinking is false
-    (scripts/thinking_model.py): the job's chat_template_kwargs decide what the prompt ends with."""
-    copy = tmp_path / "thinking.gguf"
-    made = subprocess.run([sys.executable, str(HERE / "scripts" / "thinking_model.py"), model, str(copy)],
-                          capture_output=True, timeout=120)
-    assert made.returncode == 0, made.stderr
-    runner = nrvna.LlamaRunner(str(copy), nrvna.Config(max_ctx=512, workers=1))
+def test_chat_template_kwargs_reach_the_template(model: str) -> None:
+    """A copy of SmolLM2 whose template opens a <think> block unless enable_thinking is false:
+    the job's chat_template_kwargs decide what the prompt ends with; a budget of 0 (or effort
+    none) turns thinking off through the same switch; a template that reads reasoning_effort
+    gets the job's."""
+    runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
     try:
         text = lambda **params: b"".join(runner.piece(t) for t in runner.tokens(fake_job("What is 2+2?", **params))).decode()
         assert text().endswith("assistant\n<think>\n")  # control tokens have no piece
-        assert text(chat_template_kwargs={"enable_thinking": False}).endswith(
-            "assistant\n<think>\n\n</think>\n\n")
+        closed = "assistant\n<think>\n\n</think>\n\n"
+        assert text(chat_template_kwargs={"enable_thinking": False}).endswith(closed)
+        assert text(thinking_budget_tokens=0).endswith(closed) and text(reasoning_effort="none").endswith(closed)
         assert text(chat_template_kwargs={"enable_thinking": True, "unused": 1}) == text()
+        assert not runner.takes_effort and runner.thinking == ("<think>", "</think>")
     finally:
         runner.close()
+    harmony = nrvna.LlamaRunner(thinking_copy(model, "harmony"), nrvna.Config(max_ctx=512, workers=1))
+    try:
+        assert harmony.takes_effort and harmony.thinking == nrvna.HARMONY_TAGS
+        assert "Reasoning: low<|end|>" in b"".join(
+            harmony.piece(t) for t in harmony.tokens(fake_job("hi", reasoning_effort="low"))).decode()
+    finally:
+        harmony.close()
 
 
 @pytest.mark.model
 def test_a_thinking_model_s_thinking_is_kept_apart_from_its_answer(tmp_path: Path, model: str, ws: str) -> None:
-    """On a copy of SmolLM2 whose template opens a <think> block, a job whose grammar makes it
-    write a block and then an answer: result.txt holds the answer alone, reasoning.txt the
-    thinking, meta.json the tokens spent before the answer; the plain model has none of it."""
-    copy = tmp_path / "thinking.gguf"
-    made = subprocess.run([sys.executable, str(HERE / "scripts" / "thinking_model.py"), model, str(copy)],
-                          capture_output=True, timeout=120)
-    assert made.returncode == 0, made.stderr
-    grammar = 'root ::= "Let me see: two and two." "</think>" "\\n\\n" "It is 4."'
-    job_id = submit(ws, "What is 2+2?", grammar=grammar, max_tokens=64)
-    done = cli("daemon", str(copy), ws, "-w", "1", "--drain", timeout=300)
+    """On a copy of SmolLM2 whose template opens a <think> block: result.txt holds the answer
+    alone, reasoning.txt the thinking, meta.json the tokens spent before the answer; get, get
+    --reasoning, get --json and both exports give each its place, read back by the openai
+    package. Greedy, this model ends its generation inside the block: the daemon closes the
+    block instead, and the answer follows."""
+    import jsonschema
+    import openai.types.chat as chat
+
+    plain = submit(ws, "What is 2+2?", temperature=0)
+    schema = submit(ws, "What is 2+2?", temperature=0, response_format=ANSWER_SCHEMA)
+    choices = submit(ws, "What is 2+2?", temperature=0.8, seed=5, n=2, max_tokens=120)
+    off = submit(ws, "What is 2+2?", temperature=0, chat_template_kwargs={"enable_thinking": False})
+    logged = submit(ws, "What is 2+2?", temperature=0, logprobs=True, top_logprobs=2)
+    done = cli("daemon", thinking_copy(model), ws, "-w", "1", "--drain", timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    job = Flow(ws).get(job_id)
-    assert job.status is Status.Done and job.result == "It is 4.", job.result
-    path = os.path.join(ws, nrvna.OUTPUT, job_id)
-    assert Path(path, "reasoning.txt").read_text() == "Let me see: two and two."
-    assert 0 < job.meta["reasoning_tokens"] < job.meta["generated_tokens"]
-    assert job.reasoning == "Let me see: two and two."
-    assert cli("get", ws, job_id).stdout == b"It is 4."
-    assert cli("get", ws, job_id, "--reasoning").stdout == b"Let me see: two and two."
-    assert json.loads(cli("get", ws, job_id, "--json").stdout)["reasoning"] == "Let me see: two and two."
-    [line] = [json.loads(text) for text in cli("export", ws, "--format", "openai").stdout.decode().splitlines()]
-    body = line["response"]["body"]
-    assert body["choices"][0]["message"]["reasoning_content"] == "Let me see: two and two."
-    assert body["choices"][0]["message"]["content"] == "It is 4."
-    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": job.meta["reasoning_tokens"]}
-    [record] = [json.loads(text) for text in cli("export", ws, "--format", "jsonl").stdout.decode().splitlines()]
-    assert record["reasoning"] == "Let me see: two and two." and record["result"] == "It is 4."
-    runner = nrvna.LlamaRunner(model, nrvna.Config(max_ctx=512, workers=1))
+    flow = Flow(ws)
+    job = flow.get(plain)
+    assert job.status is Status.Done and job.meta["finish_reason"] == "stop"
+    assert_apart(job.result, job.reasoning)
+    assert job.reasoning and 0 < job.meta["reasoning_tokens"] < job.meta["generated_tokens"]
+    assert Path(ws, nrvna.OUTPUT, plain, "reasoning.txt").read_text() == job.reasoning
+    assert cli("get", ws, plain).stdout.decode() == job.result
+    assert cli("get", ws, plain, "--reasoning").stdout.decode() == job.reasoning
+    assert json.loads(cli("get", ws, plain, "--json").stdout)["reasoning"] == job.reasoning
+    records = {r["id"]: r for r in map(json.loads, cli("export", ws, "--format", "jsonl").stdout.decode().splitlines())}
+    assert records[plain]["reasoning"] == job.reasoning and records[plain]["result"] == job.result
+    bodies = {line["response"]["body"]["id"]: line["response"]["body"]
+              for line in map(json.loads, cli("export", ws, "--format", "openai").stdout.decode().splitlines())}
+    completions = {job_id: chat.ChatCompletion.model_validate(bodies[f"chatcmpl-{job_id}"])
+                   for job_id in (plain, schema, choices, off, logged)}
+    read = completions[plain]
+    assert read.choices[0].message.content == job.result
+    assert read.choices[0].message.model_extra["reasoning_content"] == job.reasoning
+    assert read.usage.completion_tokens_details.reasoning_tokens == job.meta["reasoning_tokens"]
+    # structured output after the thinking: the model thought, and the answer is valid
+    job = flow.get(schema)
+    assert job.reasoning and job.meta["reasoning_tokens"] > 0
+    jsonschema.validate(json.loads(job.result), ANSWER_SCHEMA["json_schema"]["schema"])
+    assert completions[schema].choices[0].message.content == job.result
+    # n choices: each thought on its own
+    job = flow.get(choices)
+    assert [c["index"] for c in job.choices] == [0, 1]
+    for choice, read_choice in zip(job.choices, completions[choices].choices):
+        assert_apart(choice["text"], choice["reasoning"])
+        assert read_choice.message.model_extra.get("reasoning_content") == (choice["reasoning"] or None)
+    assert job.meta["reasoning_tokens"] == sum(c["reasoning_tokens"] for c in job.choices)
+    assert job.choices[0]["reasoning"] == job.reasoning and job.choices[0]["reasoning"] != job.choices[1]["reasoning"]
+    # thinking turned off by the template's switch: no thinking at all
+    job = flow.get(off)
+    assert job.result.strip() and not job.reasoning and job.meta["reasoning_tokens"] == 0
+    assert not Path(ws, nrvna.OUTPUT, off, "reasoning.txt").exists()
+    assert completions[off].usage.completion_tokens_details.reasoning_tokens == 0
+    # log-probabilities: the answer's tokens alone
+    job = flow.get(logged)
+    assert job.reasoning and "".join(entry["token"] for entry in job.logprobs) == job.result
+
+
+@pytest.mark.model
+def test_a_thinking_budget_closes_the_block_and_the_answer_keeps_its_share(model: str) -> None:
+    """The daemon closes the block itself: at the job's budget (thinking_budget_tokens, or its
+    reasoning_effort's), or where max_tokens would otherwise end the job inside it, leaving the
+    answer a quarter of max_tokens. End of generation is banned here so that the budget, not
+    the model, ends the thinking."""
+    runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
+    closing = len(runner._closing)
     try:
-        assert runner.thinking is None
-        outcome = generate(runner, "What is 2+2?", grammar='root ::= "<think>x</think>It is 4."')
-        assert outcome.text == "<think>x</think>It is 4." and outcome.reasoning is None
+        for budget in (1, 8, 30):
+            outcome = generate(runner, "What is 2+2?", temperature=0, thinking_budget_tokens=budget,
+                               logit_bias=BAN_EOG, max_tokens=100)
+            assert_apart(outcome.text, outcome.reasoning)
+            assert outcome.reasoning_tokens == budget + closing, (budget, outcome)
+            assert outcome.finish_reason == "length" and outcome.generated_tokens == 100
+        # no budget: max_tokens 40 keeps 10 for the answer; the block is closed at 40 - 10 - 4
+        outcome = generate(runner, "What is 2+2?", temperature=0, logit_bias=BAN_EOG, max_tokens=40)
+        assert_apart(outcome.text, outcome.reasoning)
+        assert outcome.reasoning_tokens == 30 and outcome.generated_tokens == 40
+        # too few tokens to think and answer: the block is closed in the prompt
+        outcome = generate(runner, "What is 2+2?", temperature=0, max_tokens=3)
+        assert outcome.reasoning_tokens == 0 and outcome.text.strip()
+        outcome = generate(runner, "What is 2+2?", temperature=0, reasoning_effort="none")
+        assert outcome.reasoning_tokens == 0 and outcome.reasoning == "" and outcome.text.strip()
     finally:
         runner.close()
+
+
+@pytest.mark.model
+def test_harmony_channels_are_thinking_and_answer(model: str) -> None:
+    """gpt-oss's format on a copy of SmolLM2: with a grammar the daemon opens the analysis
+    channel, the model thinks there, and the daemon closes it and opens the final channel, where
+    the grammar starts; a budget of 0 goes to the final channel at once. No markup reaches
+    either part."""
+    import jsonschema
+
+    runner = nrvna.LlamaRunner(thinking_copy(model, "harmony"), nrvna.Config(max_ctx=512, workers=1))
+    try:
+        outcome = generate(runner, "What is 2+2?", temperature=0, response_format=ANSWER_SCHEMA)
+        assert_apart(outcome.text, outcome.reasoning)
+        assert outcome.reasoning and outcome.reasoning_tokens > 0
+        jsonschema.validate(json.loads(outcome.text), ANSWER_SCHEMA["json_schema"]["schema"])
+        outcome = generate(runner, "What is 2+2?", temperature=0, thinking_budget_tokens=0,
+                           response_format=ANSWER_SCHEMA)
+        assert outcome.reasoning_tokens == 0 and json.loads(outcome.text)["answer"] is not None
+    finally:
+        runner.close()
+
+
+@pytest.mark.model
+def test_a_model_that_does_not_think_takes_the_parameters_and_reports_no_reasoning(
+        llama: nrvna.LlamaRunner) -> None:
+    assert llama.thinking is None
+    outcome = generate(llama, "What is 2+2?", temperature=0, thinking_budget_tokens=5, reasoning_effort="high",
+                       chat_template_kwargs={"enable_thinking": False})
+    assert outcome.text.strip() and outcome.reasoning is None and outcome.reasoning_tokens == 0
+    outcome = generate(llama, "What is 2+2?", grammar='root ::= "<think>x</think>It is 4."')
+    assert outcome.text == "<think>x</think>It is 4." and outcome.reasoning is None
+
+
+@pytest.mark.model
+def test_a_daemon_killed_while_a_job_thinks_runs_it_again_whole_once(model: str, ws: str) -> None:
+    """SIGKILL while the job is inside its thinking block (nothing of an answer yet): the next
+    daemon runs it again from the start, and it ends once, with its thinking and its answer."""
+    job_id = submit(ws, "Explain addition.", temperature=0, logit_bias=BAN_EOG, max_tokens=400)
+    proc = start_daemon(thinking_copy(model), ws, "-w", "1")
+    try:
+        deadline = time.monotonic() + 120
+        while Flow(ws).status(job_id) is not Status.Running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # a few tokens into 296 of thinking
+        partial = Path(ws, nrvna.PROCESSING, job_id, nrvna.PARTIAL_FILE)
+        assert not partial.exists() or partial.read_text() == ""  # thinking: no answer text yet
+    finally:
+        proc.kill()
+        proc.wait()
+    done = cli("daemon", thinking_copy(model), ws, "-w", "1", "--drain", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Done and job.meta["attempts"] == 2 and Flow(ws).counts()["done"] == 1
+    assert_apart(job.result, job.reasoning)
+    assert 0 < job.meta["reasoning_tokens"] <= 296 + 4  # max_tokens 400 leaves the answer 100, closing is 4
 
 
 @pytest.mark.model

@@ -1,6 +1,6 @@
 """Copy a GGUF model with another chat template: a "thinking" SmolLM2 for nrvna's tests.
 
-    python scripts/thinking_model.py SRC.gguf DST.gguf [--style open|model] [--template-file FILE]
+    python scripts/thinking_model.py SRC.gguf DST.gguf [--style open|model|harmony] [--template-file FILE]
 
 Writes DST: SRC's header with ``tokenizer.chat_template`` replaced (added if SRC has none), then
 SRC's tensor infos and tensor data byte for byte: no weight changes. The data section starts at
@@ -14,7 +14,10 @@ The default template is SmolLM2's own ChatML with Qwen3's thinking convention:
   ``enable_thinking`` is false, when the block is written closed and empty
   (``<think>\\n\\n</think>\\n\\n``), as Qwen3's template does;
 - ``--style model``: Qwen3's original form: nothing is opened for the model (a thinking model
-  writes ``<think>`` itself), and the closed empty block when ``enable_thinking`` is false.
+  writes ``<think>`` itself), and the closed empty block when ``enable_thinking`` is false;
+- ``--style harmony``: gpt-oss's channels, reduced (``<|start|>assistant`` for the model to pick
+  ``<|channel|>analysis<|message|>`` or ``<|channel|>final<|message|>``); SmolLM2 has none of
+  these as tokens, so they are text to it, which is all the router needs.
 
 Earlier assistant turns keep only what follows their ``</think>`` (Qwen3's rule). SmolLM2 was
 never trained to think: what it writes inside the block is whatever it writes, which is all a
@@ -63,6 +66,19 @@ TEMPLATES = {
         "{{- '<think>\\n' }}"
         "{%- endif %}"
         "{%- endif %}"),
+    # gpt-oss's harmony format, reduced: a system message naming the reasoning effort, turns as
+    # <|start|>ROLE<|message|>...<|end|>, an assistant's answer on the final channel, and a bare
+    # <|start|>assistant for the model to pick its channel (analysis: thinking; final: the answer).
+    "harmony": (
+        "{{- '<|start|>system<|message|>You are SmolLM.\nReasoning: ' + (reasoning_effort or 'medium') + '<|end|>' }}"
+        "{%- for message in messages %}"
+        "{%- if message['role'] == 'assistant' %}"
+        "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+        "{%- else %}"
+        "{{- '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"),
     "model": _HISTORY + (
         "{%- if add_generation_prompt %}"
         "{{- '<|im_start|>assistant\\n' }}"
