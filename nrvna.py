@@ -17,7 +17,7 @@ a sub-section: constants, record types, functions and helper classes, the tables
 main class last. No sub-section (or section without them) is over 800 lines; a test checks all this.
 
 1. Errors and exit codes            NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
-2. Settings                         SETTINGS, Config, setting_default, HOOK_VARIABLES
+2. Settings                         SETTINGS, Config, setting_default, HOOK_VARIABLES, thinking_tags
 3. Logging                          configure_logging, log (log.limited), OS thread names
 4. File primitives                  write_file, read_file, fsync_dir, move (never replaces)
 5. Structured output
@@ -28,7 +28,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    5.5 Grammar work                 grammar_code_points, GrammarVocab, GrammarShape
    5.6 GBNF grammars                check_grammar, _GbnfParser
    5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
-6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt
+6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt,
+                                      EFFORT_BUDGETS, thinking_budget
 7. Workspace and job directories
    7.1 Layout, locks and the daemons' records
                                     the layout's names, job_path, parse_meta, WorkspaceLock, hold_job,
@@ -3411,7 +3412,9 @@ def _check_messages(messages: Any, param: Param) -> list[dict[str, str]]:
         raise InvalidInput(f"messages must be a list of 1 to {limit} {{role, content}} objects")
     clean = []
     for i, turn in enumerate(messages):
-        if not isinstance(turn, dict) or set(turn) - {"role", "content", "name"}:
+        # An assistant turn replayed from a thinking model's reply carries its reasoning_content:
+        # accepted and left out, as thinking templates leave past thinking out of the prompt.
+        if not isinstance(turn, dict) or set(turn) - {"role", "content", "name", "reasoning_content"}:
             raise InvalidInput(f"messages[{i}] must be an object with role and content")
         role, content = turn.get("role"), turn.get("content")
         if role not in ROLES:

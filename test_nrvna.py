@@ -2840,6 +2840,48 @@ def test_chat_template_kwargs_are_an_object_that_sets_none_of_the_template_s_own
     assert Flow(ws).get(job_id).params["chat_template_kwargs"] == {"enable_thinking": False}
 
 
+def test_a_thinking_budget_is_a_non_negative_integer_and_an_effort_one_of_five(
+        ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    assert nrvna.validate_params({"thinking_budget_tokens": 0, "reasoning_effort": "high"}) == {
+        "thinking_budget_tokens": 0, "reasoning_effort": "high"}
+    for value, said in ((-1, "=-1: leave it out for no budget"), (-5, "out of range"), ("5", "must be an integer"),
+                        (1.5, "must be an integer"), (True, "must be an integer"), (1 << 21, "out of range")):
+        with pytest.raises(nrvna.InvalidInput, match=said):
+            nrvna.validate_params({"thinking_budget_tokens": value})
+    with pytest.raises(nrvna.InvalidInput, match="reasoning_effort"):
+        nrvna.validate_params({"reasoning_effort": "max"})
+    assert [nrvna.thinking_budget(params) for params in (
+        {}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"}, {"reasoning_effort": "high", "thinking_budget_tokens": 7}
+    )] == [None, 1024, 0, 7]  # an explicit budget wins over an effort
+    for args in (("--thinking-budget", "-1"), ("--thinking-budget", "x"), ("--reasoning-effort", "max")):
+        refused = run_main("submit", ws, "x", *args)
+        assert refused.returncode == 2 and refused.stderr.count(b"\n") == 1, refused.stderr
+    [job_id] = ids_of(run_main("submit", ws, "x", "--thinking-budget", "64", "--reasoning-effort", "low"))
+    assert Flow(ws).get(job_id).params == {"thinking_budget_tokens": 64, "reasoning_effort": "low"}
+    # An OpenAI line: llama-server's and vLLM's names for the budget, the later in the table winning
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "thinking_token_budget": 9,
+                     "reasoning_budget_tokens": 32, "reasoning_effort": "minimal"}}
+    bad = [dict(line, custom_id=f"b{i}", body={"messages": line["body"]["messages"], **field}) for i, field in enumerate(
+        ({"thinking_budget_tokens": -1}, {"reasoning_effort": "extreme"}, {"chat_template_kwargs": "x"}))]
+    for row in bad:
+        refused = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line, row])))
+        assert refused.returncode == 2 and b"line 2" in refused.stderr, refused.stderr
+    assert Flow(ws).counts()["queued"] == 1
+    [job_id] = ids_of(run_main("submit", ws, "--file", write(tmp_path / "a.jsonl", jsonl([line]))))
+    assert Flow(ws).get(job_id).params["thinking_budget_tokens"] == 32
+    assert Flow(ws).get(job_id).params["reasoning_effort"] == "minimal"
+
+
+def test_thinking_tags_are_auto_off_or_a_pair() -> None:
+    assert nrvna.Config().thinking_tags == "auto"
+    assert nrvna.Config.from_env({"NRVNA_THINKING_TAGS": "  <r>   </r> "}).thinking_tags == "<r> </r>"
+    assert nrvna.thinking_tags("<r> </r>") == ("<r>", "</r>") and nrvna.thinking_tags("off") is None
+    for bad in ("<r>", "<r> <r>", "a b c"):
+        with pytest.raises(nrvna.ConfigError, match="NRVNA_THINKING_TAGS"):
+            nrvna.Config.from_env({"NRVNA_THINKING_TAGS": bad})
+
+
 def test_generated_ids_have_the_spec_format_and_never_repeat() -> None:
     ids: list[str] = []
     lock = threading.Lock()
@@ -6188,6 +6230,38 @@ def test_no_tag_reaches_the_answer_however_text_and_tags_are_cut() -> None:
             assert "<think>" not in answer and "</think>" not in answer, (pieces, answer)
             assert "<think>" not in reasoning and "</think>" not in reasoning, (pieces, reasoning)
             assert _routed([text], state) == (answer, reasoning)  # the cuts change nothing
+
+
+def test_harmony_s_channels_are_kept_apart_however_the_tokens_split_them() -> None:
+    """gpt-oss's analysis channel is the block; the final channel's header is dropped, whether
+    the daemon or the model writes it, and whether the model thinks first or not."""
+    text = "<|channel|>analysis<|message|>I add.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+
+    def routed(pieces: list[str]) -> tuple[str, str]:
+        router = nrvna._ThinkRouter(*nrvna.HARMONY_TAGS, nrvna._ThinkRouter.BEFORE, headers=nrvna.HARMONY_HEADERS)
+        return "".join(router.route(piece) for piece in pieces) + router.finish(), router.reasoning
+
+    for i in range(0, len(text) + 1, 3):
+        for j in range(i, len(text) + 1, 2):
+            assert routed([text[:i], text[i:j], text[j:]]) == ("It is 4.", "I add."), (i, j)
+    assert routed(["<|channel|>final<|message|>", "Hi"]) == ("Hi", "")
+
+
+def test_the_daemon_closes_a_block_at_its_budget_or_the_answer_s_share_one_token_a_step() -> None:
+    inside = nrvna._ThinkRouter.INSIDE
+    router = nrvna._ThinkRouter("<think>", "</think>", inside, cap=2, force_at=10, closing=(7, 8, 9))
+    assert router.forced(0) == -1 and not router.wrote
+    router.spent = 2  # (_Sequence.add counts the tokens inside)
+    assert [router.forced(3), router.forced(4), router.forced(5)] == [7, 8, 9] and router.closed == "budget"
+    assert router.wrote and router.route("</think>\n\n") == "" and router.forced(6) == -1 and not router.wrote
+    shared = nrvna._ThinkRouter("<think>", "</think>", inside, cap=None, force_at=10, closing=(7, 8, 9))
+    assert shared.forced(9) == -1 and shared.forced(10) == 7 and shared.closed == "share"
+    again = shared.again()
+    assert (again.state, again.cap, again.force_at, again.closing, again.closed) == (inside, None, 10, (7, 8, 9), None)
+    # a model's end of generation inside the block: the daemon closes it instead
+    assert again.close_now("eog") == 7 and again.forced(11) == 8 and again.closed == "eog"
+    # with a grammar, a close that carries answer text is written by the daemon instead
+    assert shared.spills(b"</think>{") and not shared.spills(b"</think>\n") and not shared.spills(b"think")
 
 
 # ==============================================================================
