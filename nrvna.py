@@ -52,7 +52,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, check_gguf, _GgufHeader
    11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion
    11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _JobSampler
-   11.4 Sequences and choices       _ThinkRouter (thinking apart), _Choices (n), _Sequence
+   11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
+                                      _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
    11.7 The runner                  LlamaRunner
@@ -8141,9 +8142,11 @@ class _ThinkRouter:
     back until the next settles it, as stop strings are, so no tag ever reaches the answer.
     States: BEFORE (the model may open a block: leading whitespace, then the open tag or the
     answer), INSIDE (thinking, until the close tag), AFTER (closed: the whitespace before the
-    answer is dropped, and a stray second close tag with it), ANSWER (an open tag here starts a
-    block again; a lone close tag is dropped). An open tag inside a block is dropped, so neither
-    part holds a tag. ``finish()`` returns what is still held.
+    answer is dropped, and a stray second close tag with it; an open tag starts another block),
+    ANSWER (an open tag here starts a block again; a lone close tag is dropped). An open tag
+    inside a block is dropped, so neither part holds a tag. ``headers`` (harmony's final
+    channel header) are dropped before the answer as whitespace is. ``finish()`` returns what
+    is still held.
 
     The budget: the daemon closes a block itself (writes ``closing``, the close tag's tokens
     and a separator, one a step in place of a draw: ``forced``) once ``spent`` reaches ``cap``
@@ -8270,6 +8273,69 @@ def _tag_start(text: str, tags: Iterable[str]) -> int:
     return longest
 
 
+class _Thinking:
+    """A thinking model's block, found in its chat template (``find``): its tags, and the tokens
+    the daemon writes: ``closing`` closes a block (close tag and a blank line, or harmony's
+    ``<|end|>`` and final header), ``opening`` opens one, ``skip`` goes straight to the answer.
+    ``start`` gives each job its prompt and the router of its thinking.
+
+    Threads: made by the model's loader; read only after (every worker's sequences start here)."""
+
+    __slots__ = ("runner", "tags", "headers", "closing", "opening", "skip")
+
+    def __init__(self, runner: "LlamaRunner", tags: tuple[str, str], headers: tuple[str, ...]) -> None:
+        self.runner, self.tags, self.headers = runner, tags, headers
+        closing = tags[1] + ("".join(headers) or THINK_SEPARATOR)
+        opening = tags[0] + ("" if headers else "\n")
+        for text in (closing, opening):  # a control token (rendered empty) is given its text
+            for token in runner.tokenize(text, add_special=False, special=True):
+                if not runner.piece(token):
+                    runner.give_text(token)
+        self.closing = tuple(runner.tokenize(closing, add_special=False, special=True))
+        self.opening = runner.tokenize(opening, add_special=False, special=True)
+        self.skip = runner.tokenize(headers[-1] if headers else opening + closing, add_special=False, special=True)
+
+    @classmethod
+    def find(cls, runner: "LlamaRunner", template: str, setting: str) -> Optional["_Thinking"]:
+        """NRVNA_THINKING_TAGS's pair; with ``auto``, harmony's when the chat template writes
+        channels (gpt-oss), else the first of THINK_TAGS whose close tag it holds; None when the
+        model does not think (or ``off``)."""
+        pair, headers = thinking_tags(setting), ()
+        if pair is None and setting == "auto":
+            if "<|channel|>" in template and "<|message|>" in template:
+                pair, headers = HARMONY_TAGS, HARMONY_HEADERS
+            else:
+                pair = next((tags for tags in THINK_TAGS if tags[1] in template), None)
+        return None if pair is None else cls(runner, pair, headers)
+
+    def start(self, prompt: list[int], params: Mapping[str, Any], max_tokens: int, room: int
+              ) -> tuple[list[int], _ThinkRouter]:
+        """A job's prompt and the router of its thinking.
+
+        Where the prompt stands: inside a block when its rendering opened one (DeepSeek-R1,
+        Qwen3.5), past it when the rendering closed it (enable_thinking false), else before it
+        (Qwen3: the model may open one). A job with a grammar has its block opened in the
+        prompt, as llama.cpp does, so that it thinks before the grammar starts; a job that may
+        not think (budget 0), or whose max_tokens leaves no room to think and answer, goes to
+        the answer in the prompt. The answer keeps a quarter of the tokens the job may generate
+        (max_tokens, or fewer where the sequence's ``room`` holds fewer): the block is closed
+        when the rest is spent."""
+        open_tag, close_tag = self.tags
+        tail = b"".join(self.runner.piece(token) for token in prompt[-8:]).decode("utf-8", "replace").rstrip()
+        answering = (close_tag, *self.headers[-1:])  # closed, or harmony's final channel opened
+        state = (_ThinkRouter.INSIDE if tail.endswith(open_tag) else
+                 _ThinkRouter.ANSWER if any(map(tail.endswith, answering)) else _ThinkRouter.BEFORE)
+        if state == _ThinkRouter.BEFORE and not job_param(params, "raw") and self.runner.has_grammar(params):
+            prompt, state = prompt + self.opening, _ThinkRouter.INSIDE
+        cap = thinking_budget(params)
+        generated = min(room, len(prompt) + max_tokens) - len(prompt)
+        force_at = generated - (generated + 3) // 4 - len(self.closing)
+        if state != _ThinkRouter.ANSWER and (cap == 0 or force_at <= 0):  # no thinking: the answer now
+            prompt = prompt + (list(self.closing) if state == _ThinkRouter.INSIDE else self.skip)
+            state = _ThinkRouter.AFTER
+        return prompt, _ThinkRouter(open_tag, close_tag, state, cap, force_at, self.closing, self.headers)
+
+
 class _Choices:
     """A job's n > 1 choices in one context: its prompt computed once by the first sequence,
     whose cells the others copy; each choice its own sequence, sampler and seed. Choices start
@@ -8388,7 +8454,7 @@ class _Choices:
         generated = sum(r.generated_tokens for r in ended) + sum(s.n_gen for s in running)
         computed = sum(r.prompt_computed or 0 for r in ended) + sum(s.computed for s in running)
         return Outcome(first.text, "error", prompt_tokens, generated, error[0], error[1], first.logprobs,
-                       prompt_computed=computed)
+                       prompt_computed=computed, reasoning=first.reasoning, reasoning_tokens=first.reasoning_tokens)
 
 
 def _choice_params(params: dict[str, Any], choice: int, config: Config) -> dict[str, Any]:
@@ -9131,7 +9197,9 @@ class LlamaSession(Session):
     def _begin(self, job: RunningJob, made: Optional[tuple[Any, str, GrammarShape]] = None) -> None:
         """Start ``job`` in a free slot (``made``: its grammar); JobError if it cannot run here."""
         max_tokens = job_param(job.params, "max_tokens", self.runner.config)
-        tokens, think = self.runner.thinking_start(self.runner.tokens(job), job.params, max_tokens, self.ctx_per_seq)
+        tokens, think = self.runner.tokens(job), None
+        if self.runner.thinking is not None:
+            tokens, think = self.runner.thinking.start(tokens, job.params, max_tokens, self.ctx_per_seq)
         if len(tokens) >= self.ctx_per_seq:
             holder = "the context holds" if self.seqs == 1 else "a sequence holds"
             raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {self.ctx_per_seq}")
@@ -9442,7 +9510,7 @@ class LlamaRunner(Runner):
         self._formatter = self._chat_formatter()
         template = (L.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
         self.takes_effort = "reasoning_effort" in template  # gpt-oss's template reads it
-        self.thinking = self._thinking_tags(template, config.thinking_tags)
+        self.thinking = _Thinking.find(self, template, config.thinking_tags)  # None: the model does not think
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy
@@ -9501,62 +9569,6 @@ class LlamaRunner(Runner):
         """
         with self._wide_lock:
             pass
-
-    def _thinking_tags(self, template: str, setting: str) -> Optional[tuple[str, str]]:
-        """A thinking model's block tags: NRVNA_THINKING_TAGS's pair; with ``auto``, harmony's
-        when its chat template writes channels (gpt-oss), else the first of THINK_TAGS whose
-        close tag it holds; None when it does not think (or ``off``). Also what the daemon
-        writes: ``_closing`` closes a block (tag and separator, or harmony's final header),
-        ``_opening`` opens one, ``_skip`` goes straight to the answer. A token of these that
-        pieces render empty (a control token) is given its text, so tags match in text alike."""
-        pair = thinking_tags(setting)
-        self._headers: tuple[str, ...] = ()
-        if pair is None and setting == "auto":
-            if "<|channel|>" in template and "<|message|>" in template:
-                pair, self._headers = HARMONY_TAGS, HARMONY_HEADERS
-            else:
-                pair = next((tags for tags in THINK_TAGS if tags[1] in template), None)
-        if pair is None:
-            return None
-        separator = "".join(self._headers) or THINK_SEPARATOR
-        closing, opening = pair[1] + separator, pair[0] + ("" if self._headers else "\n")
-        for text in (closing, opening):
-            for token in self.tokenize(text, add_special=False, special=True):
-                if not self.piece(token):
-                    self._pieces[token] = self._token_text(token, special=True)
-        self._closing = tuple(self.tokenize(closing, add_special=False, special=True))
-        self._opening = self.tokenize(opening, add_special=False, special=True)
-        self._skip = self.tokenize(self._headers[-1] if self._headers else opening + closing,
-                                   add_special=False, special=True)
-        return pair
-
-    def thinking_start(self, prompt: list[int], params: Mapping[str, Any], max_tokens: int, room: int
-                       ) -> tuple[list[int], Optional[_ThinkRouter]]:
-        """A job's prompt and the router of its thinking (None: the model does not think).
-
-        Where the prompt stands: inside a block when its rendering opened one (DeepSeek-R1,
-        Qwen3.5), past it when the rendering closed it (enable_thinking false), else before it
-        (Qwen3: the model may open one). A job with a grammar has its block opened in the
-        prompt, as llama.cpp does, so that it thinks before the grammar starts; a job that may
-        not think (budget 0), or whose max_tokens leaves no room to think and answer, has an
-        open block closed in the prompt. The answer keeps a quarter of the tokens the job may
-        generate (``room``, the tokens a sequence holds, or max_tokens if fewer): the block is
-        closed when the rest is spent."""
-        if self.thinking is None:
-            return prompt, None
-        tail = b"".join(self.piece(token) for token in prompt[-8:]).decode("utf-8", "replace").rstrip()
-        answering = (self.thinking[1], *self._headers[-1:])  # closed, or harmony's final channel opened
-        state = (_ThinkRouter.INSIDE if tail.endswith(self.thinking[0]) else
-                 _ThinkRouter.ANSWER if any(map(tail.endswith, answering)) else _ThinkRouter.BEFORE)
-        if state == _ThinkRouter.BEFORE and not job_param(params, "raw") and self._grammar_key(params) is not None:
-            prompt, state = prompt + self._opening, _ThinkRouter.INSIDE
-        cap = thinking_budget(params)
-        generated = min(room, len(prompt) + max_tokens) - len(prompt)
-        force_at = generated - (generated + 3) // 4 - len(self._closing)
-        if state != _ThinkRouter.ANSWER and (cap == 0 or force_at <= 0):  # no thinking: the answer now
-            prompt = prompt + (list(self._closing) if state == _ThinkRouter.INSIDE else self._skip)
-            state = _ThinkRouter.AFTER
-        return prompt, _ThinkRouter(*self.thinking, state, cap, force_at, self._closing, self._headers)
 
     def _chat_formatter(self) -> Any:
         L = self.L
@@ -9674,6 +9686,15 @@ class LlamaRunner(Runner):
         if cached is None:
             cached = self._pieces[token] = self._token_text(token, special=False)
         return cached
+
+    def give_text(self, token: int) -> None:
+        """Pieces of control ``token`` are its own text from now on (a thinking block's tag that
+        is one control token: rendered empty, it could not be matched in text)."""
+        self._pieces[token] = self._token_text(token, special=True)
+
+    def has_grammar(self, params: Mapping[str, Any]) -> bool:
+        """Whether a job with ``params`` is constrained by a grammar or a JSON schema."""
+        return self._grammar_key(params) is not None
 
     def _token_text(self, token: int, special: bool) -> bytes:
         """A token's bytes; ``special``: a control token's own text too (else nothing)."""

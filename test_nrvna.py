@@ -5139,12 +5139,13 @@ def _example_pages() -> list[Any]:
 def test_every_runnable_example_runs(page: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """Each page's runnable examples, in order, as a user runs them from the clone's root: in a
     fresh directory with a copy of examples/, models/ (the real models, for a page that names
-    them), and `nrvna` and `python` on PATH running this checkout. Every file they leave in the
+    them) and scripts/, and `nrvna` and `python` on PATH running this checkout. Every file they leave in the
     clone is one git ignores."""
     if request.node.get_closest_marker("model"):
         request.getfixturevalue("model_file")  # llama-cpp-python and the model, or a clear failure
     shutil.copytree(HERE / "examples", tmp_path / "examples")
     (tmp_path / "models").symlink_to(HERE / "models")
+    (tmp_path / "scripts").symlink_to(HERE / "scripts")  # the clone's helpers (scripts/thinking_model.py)
     bin_dir = tmp_path / ".bin"
     bin_dir.mkdir()
     for name, command in (("nrvna", f'"{sys.executable}" "{HERE / "nrvna.py"}"'), ("python", f'"{sys.executable}"')):
@@ -5167,7 +5168,7 @@ def test_every_runnable_example_runs(page: Path, tmp_path: Path, request: pytest
     output = log.read_text(encoding="utf-8", errors="replace")
     assert rc == 0, f"{page.name}: an example failed (exit {rc}; the last '###' names its block):\n{output[-6000:]}"
     left = sorted(p.name + ("/" if p.is_dir() else "") for p in tmp_path.iterdir()
-                  if p.name not in ("examples", "models", ".bin", ".log"))
+                  if p.name not in ("examples", "models", "scripts", ".bin", ".log"))
     for name in left:
         done = subprocess.run(["git", "-C", str(HERE), "check-ignore", "--no-index", "-q", name], timeout=60)
         assert done.returncode == 0, f"{page.name}'s examples leave {name!r} in the clone, and git does not ignore it"
@@ -5711,12 +5712,12 @@ def test_chat_template_kwargs_reach_the_template(model: str) -> None:
         assert text(chat_template_kwargs={"enable_thinking": False}).endswith(closed)
         assert text(thinking_budget_tokens=0).endswith(closed) and text(reasoning_effort="none").endswith(closed)
         assert text(chat_template_kwargs={"enable_thinking": True, "unused": 1}) == text()
-        assert not runner.takes_effort and runner.thinking == ("<think>", "</think>")
+        assert not runner.takes_effort and runner.thinking.tags == ("<think>", "</think>")
     finally:
         runner.close()
     harmony = nrvna.LlamaRunner(thinking_copy(model, "harmony"), nrvna.Config(max_ctx=512, workers=1))
     try:
-        assert harmony.takes_effort and harmony.thinking == nrvna.HARMONY_TAGS
+        assert harmony.takes_effort and harmony.thinking.tags == nrvna.HARMONY_TAGS
         assert "Reasoning: low<|end|>" in b"".join(
             harmony.piece(t) for t in harmony.tokens(fake_job("hi", reasoning_effort="low"))).decode()
     finally:
@@ -5789,7 +5790,7 @@ def test_a_thinking_budget_closes_the_block_and_the_answer_keeps_its_share(model
     answer a quarter of max_tokens. End of generation is banned here so that the budget, not
     the model, ends the thinking."""
     runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
-    closing = len(runner._closing)
+    closing = len(runner.thinking.closing)
     try:
         for budget in (1, 8, 30):
             outcome = generate(runner, "What is 2+2?", temperature=0, thinking_budget_tokens=budget,
