@@ -6994,8 +6994,8 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[i
 
 
 class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error logprobs "
-                                     "choices prompt_computed reasoning reasoning_tokens",
-                         defaults=("", "stop", 0, 0, None, None, None, None, None, None, 0))):
+                                     "choices prompt_computed reasoning reasoning_tokens thinking_closed",
+                         defaults=("", "stop", 0, 0, None, None, None, None, None, None, 0, None))):
     """How a job ended: a result (``error_code`` None) or a failure with a short code and a
     message. ``text`` is the generated text (partial text for a failure); ``logprobs`` the
     tokens' log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``)
@@ -7003,7 +7003,10 @@ class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_
     ``{index, text, finish_reason, generated_tokens[, logprobs]}`` per choice (the fields
     above are the first choice's, but ``generated_tokens``: every choice's).
     ``prompt_computed``: the prompt tokens the engine computed for the job, every choice's
-    (the others' cells were shared), or None where the runner does not say."""
+    (the others' cells were shared), or None where the runner does not say. A thinking model's
+    job has its thinking in ``reasoning`` ("" when it had none), the tokens of its thinking
+    block in ``reasoning_tokens`` (every choice's), and ``thinking_closed``: why the daemon
+    closed the block (budget, share, eog or model; None where the model closed it)."""
 
     __slots__ = ()
 
@@ -8172,7 +8175,7 @@ class _ThinkRouter:
         self.closing = closing  # the tokens that close a block: close tag and separator
         self.forcing: list[int] = []  # those still to write, the next last
         self.spent = 0  # tokens generated inside a block
-        self.closed: Optional[str] = None  # why the daemon closed it: budget, share or eog
+        self.closed: Optional[str] = None  # why the daemon closed it: budget, share, eog or model
         self.wrote = False  # the daemon wrote this step's token (forced)
 
     def again(self) -> "_ThinkRouter":
@@ -8195,7 +8198,7 @@ class _ThinkRouter:
         return -1
 
     def close_now(self, why: str) -> int:
-        """The daemon closes the block (``why``: budget, share, eog): the first of its tokens."""
+        """The daemon closes the block (``why``: budget, share, eog, model): the first of its tokens."""
         self.closed, self.wrote = why, True
         self.forcing = list(reversed(self.closing))
         return self.forcing.pop()
@@ -8441,6 +8444,8 @@ class _Choices:
                 choice["logprobs"] = result.logprobs
             if result.reasoning is not None:  # a thinking model's: each choice thought on its own
                 choice["reasoning"], choice["reasoning_tokens"] = result.reasoning, result.reasoning_tokens
+                if result.thinking_closed is not None:
+                    choice["thinking_closed"] = result.thinking_closed
             choices.append(choice)
         return first._replace(generated_tokens=sum(r.generated_tokens for r in self.results), choices=choices,
                               prompt_computed=sum(r.prompt_computed or 0 for r in self.results),
@@ -8601,11 +8606,13 @@ class _Sequence:
             text += self.think.finish() if not (self.stops and reason == "stop") else ""
             reasoning = self.think.reasoning
         logprobs = self.sampler.logprob_content(text, bool(self.stops))
+        closed = self.think.closed if self.think is not None else None
         if error:
             return Outcome(text, "error", self.n_prompt, self.n_gen, error[0], error[1], logprobs,
-                           prompt_computed=self.computed, reasoning=reasoning, reasoning_tokens=self.thought)
+                           prompt_computed=self.computed, reasoning=reasoning, reasoning_tokens=self.thought,
+                           thinking_closed=closed)
         return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs, prompt_computed=self.computed,
-                       reasoning=reasoning, reasoning_tokens=self.thought)
+                       reasoning=reasoning, reasoning_tokens=self.thought, thinking_closed=closed)
 
 
 # ============================================================================
@@ -10750,6 +10757,8 @@ class Processor:
             files.append((CHOICES_FILE, json.dumps(outcome.choices, ensure_ascii=False).encode("utf-8")))
         if outcome.reasoning is not None:  # a thinking model's job: its thinking apart, counted
             meta["reasoning_tokens"] = outcome.reasoning_tokens
+            if outcome.thinking_closed is not None:  # the daemon closed it: why (budget, share, eog, model)
+                meta["thinking_closed"] = outcome.thinking_closed
             if outcome.reasoning:
                 files.append((REASONING_FILE, outcome.reasoning.encode("utf-8")))
         return files, dest

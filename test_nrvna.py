@@ -5746,6 +5746,7 @@ def test_a_thinking_model_s_thinking_is_kept_apart_from_its_answer(tmp_path: Pat
     assert job.status is Status.Done and job.meta["finish_reason"] == "stop"
     assert_apart(job.result, job.reasoning)
     assert job.reasoning and 0 < job.meta["reasoning_tokens"] < job.meta["generated_tokens"]
+    assert job.meta["thinking_closed"] == "eog"  # the model's end of generation, inside the block
     assert Path(ws, nrvna.OUTPUT, plain, "reasoning.txt").read_text() == job.reasoning
     assert cli("get", ws, plain).stdout.decode() == job.result
     assert cli("get", ws, plain, "--reasoning").stdout.decode() == job.reasoning
@@ -5796,12 +5797,12 @@ def test_a_thinking_budget_closes_the_block_and_the_answer_keeps_its_share(model
             outcome = generate(runner, "What is 2+2?", temperature=0, thinking_budget_tokens=budget,
                                logit_bias=BAN_EOG, max_tokens=100)
             assert_apart(outcome.text, outcome.reasoning)
-            assert outcome.reasoning_tokens == budget + closing, (budget, outcome)
+            assert outcome.reasoning_tokens == budget + closing and outcome.thinking_closed == "budget", outcome
             assert outcome.finish_reason == "length" and outcome.generated_tokens == 100
         # no budget: max_tokens 40 keeps 10 for the answer; the block is closed at 40 - 10 - 4
         outcome = generate(runner, "What is 2+2?", temperature=0, logit_bias=BAN_EOG, max_tokens=40)
         assert_apart(outcome.text, outcome.reasoning)
-        assert outcome.reasoning_tokens == 30 and outcome.generated_tokens == 40
+        assert outcome.reasoning_tokens == 30 and outcome.generated_tokens == 40 and outcome.thinking_closed == "share"
         # too few tokens to think and answer: the block is closed in the prompt
         outcome = generate(runner, "What is 2+2?", temperature=0, max_tokens=3)
         assert outcome.reasoning_tokens == 0 and outcome.text.strip()
