@@ -5725,6 +5725,21 @@ def test_chat_template_kwargs_reach_the_template(model: str) -> None:
 
 
 @pytest.mark.model
+def test_thinking_vocab_reads_a_model_s_thinking_without_its_weights(model: str) -> None:
+    """scripts/thinking_vocab.py: the tags, their tokens and where a prompt starts, from the
+    vocabulary and template alone (how the real DeepSeek-R1 distill was checked, docs/reasoning.md)."""
+    script = str(HERE / "scripts" / "thinking_vocab.py")
+    shown = subprocess.run([sys.executable, script, thinking_copy(model)], capture_output=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.decode().splitlines()
+    assert lines[0] == "tags: '<think>' '</think>'" and "  '</think>' is [9617, 17400, 46] '</think>'" in lines
+    assert "the daemon closes a block with [9617, 17400, 46, 1116] '</think>\\n\\n'" in lines
+    assert "  a plain job: starts inside a block" in lines
+    plain = subprocess.run([sys.executable, script, model], capture_output=True, timeout=120)
+    assert plain.returncode == 0 and plain.stdout.startswith(b"no thinking block")
+
+
+@pytest.mark.model
 def test_a_thinking_model_s_thinking_is_kept_apart_from_its_answer(tmp_path: Path, model: str, ws: str) -> None:
     """On a copy of SmolLM2 whose template opens a <think> block: result.txt holds the answer
     alone, reasoning.txt the thinking, meta.json the tokens spent before the answer; get, get
