@@ -8160,12 +8160,16 @@ class _ThinkRouter:
 
     BEFORE, INSIDE, AFTER, ANSWER = range(4)
     __slots__ = ("open", "close", "state", "held", "parts", "opened", "start", "cap", "force_at", "closing",
-                 "forcing", "spent", "closed", "headers", "wrote")
+                 "forcing", "spent", "closed", "headers", "wrote", "mark")
 
     def __init__(self, open: str, close: str, state: int, cap: Optional[int] = None, force_at: Optional[int] = None,
                  closing: tuple[int, ...] = (), headers: tuple[str, ...] = ()) -> None:
         self.open, self.close, self.state = open, close, state
         self.headers = headers  # markup dropped before the answer (harmony's final channel header)
+        # The character every tag starts with, where they share one: text without it holds no tag
+        # (route's fast path: most pieces are plain words).
+        firsts = {tag[0] for tag in (open, close, *headers)}
+        self.mark = firsts.pop() if len(firsts) == 1 else None
         self.held = ""
         self.parts: list[str] = []
         self.opened = state == self.INSIDE  # a block was opened (by the prompt or the model)
@@ -8186,8 +8190,8 @@ class _ThinkRouter:
         """The token the daemon writes next instead of a draw, or -1: the rest of a close it has
         begun, or the first of one when the block reaches its budget, or ``generated`` tokens
         reach the point that leaves the answer its share."""
-        self.wrote = bool(self.forcing)
         if self.forcing:
+            self.wrote = True
             return self.forcing.pop()
         if self.state != self.INSIDE or not self.closing:
             return -1
@@ -8215,6 +8219,12 @@ class _ThinkRouter:
         return "".join(self.parts).strip()
 
     def route(self, text: str) -> str:
+        if not self.held and self.mark is not None and self.mark not in text:
+            if self.state == self.ANSWER:
+                return text
+            if self.state == self.INSIDE:
+                self.parts.append(text)
+                return ""
         held, answer = self.held + text, []
         while held:
             if self.state == self.BEFORE or self.state == self.AFTER:
@@ -8553,14 +8563,16 @@ class _Sequence:
         think = self.think
         if think is not None:
             before = think.state
-            think.spent += before == _ThinkRouter.INSIDE
             text = think.route(text)
-            if not text and before != _ThinkRouter.ANSWER:  # not the answer's: no log-probability
-                self.sampler.unlog()
-                # The block's tokens are its reasoning tokens: its tags, its thinking, and what the
-                # daemon wrote to close it (not the whitespace the model writes after a close).
-                self.thought += before != _ThinkRouter.AFTER or think.wrote
-            self.sampler.thinking = think.state == _ThinkRouter.INSIDE
+            if before != _ThinkRouter.ANSWER or think.state != _ThinkRouter.ANSWER:  # (an answer's token: no more)
+                think.spent += before == _ThinkRouter.INSIDE
+                if not text:  # not the answer's: no log-probability
+                    self.sampler.unlog()
+                    # The block's tokens are its reasoning tokens: its tags, its thinking, and what the
+                    # daemon wrote to close it (not the whitespace the model writes after a close).
+                    self.thought += before != _ThinkRouter.AFTER or think.wrote
+                self.sampler.thinking = think.state == _ThinkRouter.INSIDE
+            think.wrote = False
         if text:
             self.parts.append(text)
             if self.stops and self._hit_stop(text):
@@ -9359,7 +9371,8 @@ class LlamaSession(Session):
         and its error: code, message)."""
         # A token the daemon writes (closing a thinking block) is never drawn, and the grammar,
         # the penalties and the log-probabilities never see it.
-        token = seq.think.forced(seq.n_gen) if seq.think is not None else -1
+        think = seq.think
+        token = think.forced(seq.n_gen) if think is not None and (think.forcing or think.state == _ThinkRouter.INSIDE) else -1
         if token < 0:
             drawn = self._draw(seq, index, row, short)
             if isinstance(drawn, tuple):
