@@ -3374,6 +3374,26 @@ def _check_template_kwargs(value: Any, param: Param) -> dict[str, Any]:
     return value
 
 
+def conversation_turns(prompt: str, params: Mapping[str, Any], answer: str) -> Optional[list[dict[str, str]]]:
+    """A chat job's whole conversation once it has answered: its turns (its messages, or its
+    system message and prompt; a child's, its parent's before them: resolved at its claim)
+    and its answer as the assistant's turn. None for a job with no turns (raw, embed)."""
+    if job_param(params, "raw") or job_param(params, "embed"):
+        return None
+    turns = [dict(turn) for turn in (job_param(params, "messages") or [{"role": "user", "content": prompt}])]
+    system = job_param(params, "system")
+    if system and turns[0]["role"] != "system":
+        turns.insert(0, {"role": "system", "content": system})
+    return turns + [{"role": "assistant", "content": answer}]
+
+
+def _check_parent(value: Any, param: Param) -> str:
+    """A parent: a job ID's form (that the job exists is checked where the workspace is known)."""
+    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
+        raise InvalidInput(f"parameter parent must be a job ID (got {str(value)[:80]!r})")
+    return value
+
+
 def _check_budget(value: Any, param: Param) -> int:
     """A thinking budget: an integer from 0; -1, llama-server's "no budget", is refused with the
     way to say that here (leave the parameter out)."""
@@ -3571,6 +3591,8 @@ def check_combination(params: Mapping[str, Any], max_tokens: Optional[int] = Non
                            "where the output ends (a stop string inside a JSON value would cut it short)")
     if job_param(params, "top_logprobs") is not None and not job_param(params, "logprobs"):
         raise InvalidInput("top_logprobs needs logprobs: true")
+    if job_param(params, "parent") is not None and job_param(params, "raw"):
+        raise InvalidInput("a raw prompt has no turns to continue: give parent without raw")
     check_logprobs_size(params, max_tokens)
     if job_param(params, "endpoint") and (job_param(params, "endpoint") == "/v1/embeddings") != bool(job_param(params, "embed")):
         raise InvalidInput("endpoint /v1/embeddings goes with embed jobs only")
@@ -3708,6 +3730,8 @@ PARAMS: dict[str, Param] = {
                                      help="a thinking model's most tokens of thinking: at the budget the daemon closes the block and the answer follows (0 = no thinking; a model that does not think ignores it)"),
     "reasoning_effort": Param(tuple(EFFORT_BUDGETS), flag="--reasoning-effort", openai=("reasoning_effort",),
                                help="a thinking budget by name: none 0, minimal 256, low 1024, medium 2048, high 8192 tokens (thinking_budget_tokens wins); also given to chat templates that read it (gpt-oss)"),
+    "parent": Param(str, low=1, high=128, flag="--parent", check=_check_parent, what="a job ID",
+                     help="continue that job's conversation: its turns, its answer as the assistant's, then this prompt (or these messages) as the next turn; waits while it runs, fails with parent_failed if it failed"),
     "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
                   help="label the jobs (status/wait/export/cancel/retry --tag)"),
     "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
@@ -3764,6 +3788,7 @@ PARTIAL_FILE = "partial.txt"  # text generated so far (running), or before a fai
 LOGPROBS_FILE = "logprobs.json"  # each generated token's log-probability, for jobs that ask
 CHOICES_FILE = "choices.json"  # a job of n > 1 choices: every choice (Outcome.choices)
 REASONING_FILE = "reasoning.txt"  # a thinking model's thinking, apart from result.txt (Outcome.reasoning)
+CONVERSATION_FILE = "conversation.json"  # a done chat job's turns and its answer: what a child continues
 CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
 # A running job's meta.json as its claim found it, hard-linked by the claim: a hand-back puts it
 # back with a rename, which needs no free space. A temporary (.tmp) to recovery, which removes it.
@@ -4261,7 +4286,7 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
     for name in os.listdir(dir_fd):
         if name in keep:
             continue
-        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE) or (
+        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE, CONVERSATION_FILE) or (
                 name.startswith(".") and name.endswith(".tmp")):
             _unlink_quietly(name, dir_fd)
 
@@ -6120,6 +6145,18 @@ def _batch_source(source: Any, jsonl: Optional[bool], template: Optional[str]) -
     return data, jsonl
 
 
+def _check_parents(workspace: str, named: list[tuple[str, Optional[str]]]) -> None:
+    """Each (where, parent) names a job of ``workspace``, in any state; else InvalidInput
+    prefixed by ``where`` ("line N: "). A parent exists before its child: no chain is a cycle."""
+    flow = None
+    for where, parent in named:
+        if parent is None:
+            continue
+        flow = flow or Flow(workspace)
+        if flow.status(parent) is Status.Missing:
+            raise InvalidInput(f"{where}parent {parent} is no job in {workspace}")
+
+
 class Work:
     """Submits jobs to a workspace. Create one per thread: it holds no lock and nothing other
     Work objects see, but ``existing`` says whether its own last publish found its key's job."""
@@ -6203,6 +6240,7 @@ class Work:
             if self.notify is not None:
                 self.notify(note)
         clean = _absolute_model(clean)
+        _check_parents(self.workspace, [("", job_param(clean, "parent"))])
         if dedupe and "idempotency_key" not in clean:
             clean["idempotency_key"] = dedupe_key(data, clean)
         ensure_workspace(self.workspace)
@@ -6339,6 +6377,7 @@ class Work:
         notes.extend(check_model_names(self.workspace, [(f"line {e.line}", job_param(e.params, "model"))
                                                         for e in entries], self.strict_models))
         entries = [BatchEntry(e.line, e.prompt, _absolute_model(e.params)) for e in entries]
+        _check_parents(self.workspace, [(f"line {e.line}: ", job_param(e.params, "parent")) for e in entries])
         if dedupe:
             entries = [e if "idempotency_key" in e.params else
                        BatchEntry(e.line, e.prompt, dict(e.params, idempotency_key=dedupe_key(e.prompt, e.params)))
@@ -6706,7 +6745,8 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
         kept = {k: meta[k] for k in ("id", "submitted", "events") if k in meta}
         record_event(kept, Status.Failed, "requeued", "retried")
         write_file(fd, META_FILE, dump_meta(dict(kept, attempts=0, errors=history, retries=len(history))))
-        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE):
+        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE,
+                     CONVERSATION_FILE):
             _unlink_quietly(name, fd)
         os.fsync(fd)
     except FileNotFoundError:  # a clean renamed the directory away and is deleting it
@@ -10730,6 +10770,11 @@ class Processor:
         try:
             meta = dict(claim.meta)  # the claim's stays as it was, for a hand-back's events
             files, dest = self._record(meta, outcome)
+            turns = conversation_turns(job.prompt, job.params, outcome.text) if dest == OUTPUT else None
+            if turns is not None:  # what a child of this job continues (parent)
+                import json
+
+                files.append((CONVERSATION_FILE, json.dumps(turns, ensure_ascii=False).encode("utf-8")))
             try:
                 self._publish(job.id, claim, meta, files, dest)
             except OSError as err:

@@ -2873,6 +2873,42 @@ def test_a_thinking_budget_is_a_non_negative_integer_and_an_effort_one_of_five(
     assert Flow(ws).get(job_id).params["reasoning_effort"] == "minimal"
 
 
+def test_a_parent_is_a_job_of_the_workspace_and_not_a_raw_prompt(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    parent = submit(ws, "What is 2+2?")
+    [child] = ids_of(run_main("submit", ws, "And times three?", "--parent", parent))
+    assert Flow(ws).get(child).params == {"parent": parent}
+    for args, said in ((("--parent", "nope"), b"parent nope is no job in"), (("--parent", "../x"), b"must be a job ID"),
+                       (("--parent", parent, "--raw"), b"a raw prompt has no turns to continue")):
+        refused = run_main("submit", ws, "x", *args)
+        assert refused.returncode == 2 and said in refused.stderr and refused.stderr.count(b"\n") == 1, refused.stderr
+    lines = [{"prompt": "a", "parent": parent}, {"prompt": "b", "parent": "1_1_1"}]
+    refused = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl(lines)))
+    assert refused.returncode == 2 and b"line 2: parent 1_1_1 is no job in" in refused.stderr
+    assert Flow(ws).counts()["queued"] == 2
+
+
+def test_a_done_chat_job_keeps_its_conversation_for_a_child() -> None:
+    """conversation.json: the turns a child continues (the parent's system, prompt or messages,
+    and its answer); none for raw and embed jobs."""
+    assert nrvna.conversation_turns("hi", {"system": "Be brief."}, "Hello.") == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello."}]
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    assert nrvna.conversation_turns("", {"messages": turns}, "d") == turns + [{"role": "assistant", "content": "d"}]
+    assert nrvna.conversation_turns("x", {"raw": True}, "y") is None
+    assert nrvna.conversation_turns("x", {"embed": True}, "[]") is None
+
+
+def test_the_daemon_writes_a_done_chat_job_s_conversation(ws: str) -> None:
+    chat, raw = submit(ws, "hi", system="Be brief."), submit(ws, "<s>hi", raw=True)
+    with serving(ws, echo):
+        assert wait_all(ws, [chat, raw]) == [Status.Done, Status.Done]
+    path = Path(ws, nrvna.OUTPUT, chat, nrvna.CONVERSATION_FILE)
+    assert json.loads(path.read_text()) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "echo:hi"}]
+    assert not Path(ws, nrvna.OUTPUT, raw, nrvna.CONVERSATION_FILE).exists()
+
+
 def test_thinking_tags_are_auto_off_or_a_pair() -> None:
     assert nrvna.Config().thinking_tags == "auto"
     assert nrvna.Config.from_env({"NRVNA_THINKING_TAGS": "  <r>   </r> "}).thinking_tags == "<r> </r>"
