@@ -7195,7 +7195,8 @@ def test_orphans_are_recovered_and_poison_jobs_hit_the_ceiling(ws: str) -> None:
     assert flow.get(again).result == "echo:again" and flow.get(again).meta["attempts"] == 2
     job = flow.get(poison)
     assert "stopped 3 times" in job.error and job.meta["code"] == "crash_ceiling"
-    assert sorted(os.listdir(os.path.join(ws, nrvna.OUTPUT, again))) == ["meta.json", "prompt.txt", "result.txt"]
+    assert sorted(os.listdir(os.path.join(ws, nrvna.OUTPUT, again))) == ["conversation.json", "meta.json", "prompt.txt",
+                                                                        "result.txt"]
     # the killed attempt's half result and temporary file are gone; its partial text stays
     assert sorted(os.listdir(os.path.join(ws, nrvna.FAILED, poison))) == ["error.txt", "meta.json", "partial.txt", "prompt.txt"]
 
@@ -7547,7 +7548,8 @@ def test_claim_and_finish_fsync_every_file_and_directory_that_changed(ws: str, m
     job = f"processing/{job_id}"
     assert mine == [
         f"{job}/.meta.json.tmp", job, "processing", "input/ready",                      # claim
-        f"{job}/.result.txt.tmp", f"{job}/.meta.json.tmp", job, "output", "processing",  # finish
+        f"{job}/.result.txt.tmp", f"{job}/.conversation.json.tmp", f"{job}/.meta.json.tmp", job, "output",  # finish
+        "processing",
     ]
 
 
