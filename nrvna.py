@@ -3399,11 +3399,7 @@ def _check_budget(value: Any, param: Param) -> int:
     way to say that here (leave the parameter out)."""
     if isinstance(value, int) and not isinstance(value, bool) and value == -1:
         raise InvalidInput("parameter thinking_budget_tokens=-1: leave it out for no budget (0 turns thinking off)")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInput("parameter thinking_budget_tokens must be an integer")
-    if not param.low <= value <= param.high:
-        raise InvalidInput(f"parameter thinking_budget_tokens={value} is out of range ({param.low} to {param.high})")
-    return value
+    return Param(int, low=param.low, high=param.high, help=param.help).validate("thinking_budget_tokens", value)
 
 
 def thinking_budget(params: Mapping[str, Any]) -> Optional[int]:
@@ -8279,32 +8275,27 @@ class _ThinkRouter:
                 if any(tag.startswith(held) for tag in tags):  # may still become one
                     break
                 self.state = self.ANSWER
-            elif self.state == self.INSIDE:
-                found = [(held.find(tag), tag) for tag in (self.open, self.close) if tag in held]
-                if not found:
-                    keep = _tag_start(held, (self.open, self.close))
-                    self.parts.append(held[:len(held) - keep])
-                    held = held[len(held) - keep:]
+            else:  # INSIDE: the text up to a tag is reasoning; ANSWER: answer
+                before, tag, held = self._cut(held)
+                (self.parts if self.state == self.INSIDE else answer).append(before)
+                if tag is None:
                     break
-                at, tag = min(found)
-                self.parts.append(held[:at])
-                held = held[at + len(tag):]
-                if tag == self.close:  # an open tag inside the block is dropped
+                if self.state == self.INSIDE and tag == self.close:  # an open tag inside the block is dropped
                     self.state = self.AFTER
-            else:
-                found = [(held.find(tag), tag) for tag in (self.open, self.close) if tag in held]
-                if not found:
-                    keep = _tag_start(held, (self.open, self.close))
-                    answer.append(held[:len(held) - keep])
-                    held = held[len(held) - keep:]
-                    break
-                at, tag = min(found)
-                answer.append(held[:at])
-                held = held[at + len(tag):]
-                if tag == self.open:
+                elif self.state == self.ANSWER and tag == self.open:  # a lone close tag is dropped
                     self.state, self.opened = self.INSIDE, True
         self.held = held
         return "".join(answer)
+
+    def _cut(self, held: str) -> tuple[str, Optional[str], str]:
+        """``held``'s text before its first tag, that tag, and the text after it; with no tag:
+        the text, None, and the end that may still start one (held back)."""
+        found = [(held.find(tag), tag) for tag in (self.open, self.close) if tag in held]
+        if not found:
+            keep = len(held) - _tag_start(held, (self.open, self.close))
+            return held[:keep], None, held[keep:]
+        at, tag = min(found)
+        return held[:at], tag, held[at + len(tag):]
 
     def finish(self) -> str:
         """What is still held: reasoning inside an unclosed block, else answer text."""
@@ -8653,12 +8644,11 @@ class _Sequence:
         if not self.stops or reason != "stop":
             rest = self.decoder.decode(b"", final=True)
             text += rest if self.think is None else self.think.route(rest)
-        reasoning = None
+        reasoning = closed = None
         if self.think is not None:
             text += self.think.finish() if not (self.stops and reason == "stop") else ""
-            reasoning = self.think.reasoning
+            reasoning, closed = self.think.reasoning, self.think.closed
         logprobs = self.sampler.logprob_content(text, bool(self.stops))
-        closed = self.think.closed if self.think is not None else None
         if error:
             return Outcome(text, "error", self.n_prompt, self.n_gen, error[0], error[1], logprobs,
                            prompt_computed=self.computed, reasoning=reasoning, reasoning_tokens=self.thought,
@@ -9437,12 +9427,11 @@ class LlamaSession(Session):
             return "stop", ("grammar_error", f"{err} after {seq.n_gen} tokens")
         if token < 0:
             return "stop", ("grammar_error", "no token of the model's vocabulary can continue the grammar here")
-        think = seq.think
+        think, ends = seq.think, token in self.runner.eog_tokens
         if think is not None and think.state == _ThinkRouter.INSIDE and think.closing and (
-                token in self.runner.eog_tokens
-                or (seq.sampler.grammar is not None and think.spills(self.runner.piece(token)))):
-            return -1 - think.close_now("eog" if token in self.runner.eog_tokens else "model")
-        if token in self.runner.eog_tokens and (not seq.ignore_eos or seq.sampler.grammar is not None):
+                ends or (seq.sampler.grammar is not None and think.spills(self.runner.piece(token)))):
+            return -1 - think.close_now("eog" if ends else "model")
+        if ends and (not seq.ignore_eos or seq.sampler.grammar is not None):
             return "stop", None  # with a grammar: allowed only once it is complete
         return token
 

@@ -2,8 +2,9 @@
 # Install everything nrvna's daemon and tests need into .venv/, on a fresh machine:
 # llama-cpp-python 0.3.36 built from source, portable (no -march=native: a native build
 # segfaults on AMX CPUs, llama.cpp #20824), pytest, jsonschema with its format checkers
-# (the tests' independent validator) and openai (the export read back as clients read it), the SmolLM2-135M test model, the nrvna command
-# (.venv/bin/nrvna) and module (`import nrvna` with .venv/bin/python, from anywhere).
+# (the tests' independent validator) and openai (the export read back as clients read it),
+# the SmolLM2-135M test model, the nrvna command (.venv/bin/nrvna) and module (`import nrvna`
+# with .venv/bin/python, from anywhere).
 # Idempotent: a second run only checks. The built wheel is cached outside the repo, keyed
 # by the build flags, so a later setup on the same machine skips the compile
 # (BUILD_MINUTES below).
