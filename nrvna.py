@@ -314,6 +314,8 @@ FAILURE_CODES = {
     "write_error": "its result could not be written `NRVNA_MAX_WRITE_TRIES` times (an I/O error, a file size "
                    "limit, a result larger than the whole filesystem; a full disk is waited out, never counted): "
                    "the message names the last error; each failed finish handed it back to the queue unchanged",
+    "parent_failed": "it continues a job (`parent`) that failed, was cancelled or is gone (cleaned): it did not run; "
+                     "`nrvna retry` the parent, then this job",
     "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "
                    "apart)",
     "runner_error": "the runner raised an unexpected exception (the message names it); the worker lives on",
@@ -4329,7 +4331,7 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
 # name finds its GGUF file. Stateless: the Scanner, the daemon's start and clients call it.
 
 
-Route = namedtuple("Route", "priority model embed")
+Route = namedtuple("Route", "priority model embed parent", defaults=(None,))
 
 
 def read_route(job_dir: str) -> Route:
@@ -4351,7 +4353,7 @@ def read_route(job_dir: str) -> Route:
         return Route(0, None, False)
     finally:
         os.close(dir_fd)
-    if b'"priority"' not in data and b'"model"' not in data and b'"embed"' not in data:
+    if not any(key in data for key in (b'"priority"', b'"model"', b'"embed"', b'"parent"')):
         return Route(0, None, False)
     try:
         params = json.loads(data)
@@ -4363,7 +4365,9 @@ def read_route(job_dir: str) -> Route:
     lane = PARAMS["priority"]
     if not (isinstance(priority, int) and not isinstance(priority, bool) and lane.low <= priority <= lane.high):
         priority = 0
-    return Route(priority, model if isinstance(model, str) and model else None, job_param(params, "embed") is True)
+    parent = job_param(params, "parent")
+    return Route(priority, model if isinstance(model, str) and model else None, job_param(params, "embed") is True,
+                 parent if isinstance(parent, str) and is_valid_id(parent) else None)
 
 
 def read_priority(job_dir: str) -> int:
@@ -4765,6 +4769,98 @@ def _read_choices(text: Optional[str]) -> Optional[list[dict[str, Any]]]:
             for c in choices) and [c.get("index") for c in choices] == list(range(len(choices)))):
         return None
     return choices
+
+
+def continued_turns(parent: list[dict[str, str]], own: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A child's turns: its parent's conversation, then its own turns; the child's own system
+    message, if it has one, replaces the parent's."""
+    system = [t for t in own[:1] if t["role"] == "system"] or [t for t in parent[:1] if t["role"] == "system"]
+    return system + [t for t in parent if t["role"] != "system"] + [t for t in own if t["role"] != "system"]
+
+
+def _turns_shape(turns: Any) -> bool:
+    """Whether ``turns`` is a conversation as nrvna writes it (a hand-made file may not be)."""
+    return isinstance(turns, list) and bool(turns) and all(
+        isinstance(t, dict) and t.get("role") in ("system", "user", "assistant") and isinstance(t.get("content"), str)
+        for t in turns)
+
+
+def _json_or_none(text: Optional[str], missing: Any) -> Any:
+    """``text`` parsed as JSON; ``missing`` for no file, None for a damaged one."""
+    import json
+
+    if text is None:
+        return missing
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Optional[list[dict[str, str]]]:
+    """The conversation a child of ``parent`` continues: the parent's conversation.json, or,
+    for a parent finished before that file existed (or with a damaged one), its turns rebuilt
+    through its own parents. None while the parent is queued or running. JobError
+    ``parent_failed`` for a failed, cancelled or missing ancestor, ``bad_request`` for one with
+    no turns (raw, embed). ``limit``: the most bytes read of one file."""
+
+    chain: list[tuple[str, str, dict[str, Any], str]] = []  # (id, prompt, params, answer), child first
+    base: list[dict[str, str]] = []
+    job_id: Optional[str] = parent
+    while job_id is not None:
+        status, path = locate_job(workspace, job_id)
+        if status in (Status.Queued, Status.Running):
+            if job_id == parent:
+                return None
+            raise JobError("parent_failed", f"its ancestor {job_id} is {status.value} again (retried): "
+                                            "retry this job once it is done")
+        if status is not Status.Done:
+            what = f"its parent {parent}" if job_id == parent else f"its parent's ancestor {job_id}"
+            if status is Status.Missing:
+                raise JobError("parent_failed", f"{what} is gone (cleaned or removed): nothing to continue")
+            code = ""
+            try:
+                fd = open_dir(path)
+                try:
+                    code = str(read_meta(fd).get("code") or "")
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+            raise JobError("parent_failed", f"{what} failed{f' ({code})' if code else ''}: "
+                                            f"nrvna retry {job_id}, then this job")
+        try:
+            fd = open_dir(path)
+        except OSError as err:
+            raise JobError("parent_failed", f"cannot read its ancestor {job_id}: {_os_error(err)}") from None
+        try:
+            files = {}
+            for name in (CONVERSATION_FILE, PROMPT_FILE, PARAMS_FILE, RESULT_FILE):
+                try:
+                    files[name] = read_file(fd, name, limit).decode("utf-8", "replace")
+                except (FileNotFoundError, JobError):
+                    files[name] = None
+        finally:
+            os.close(fd)
+        turns, params = (_json_or_none(files[name], default) for name, default in ((CONVERSATION_FILE, None),
+                                                                                     (PARAMS_FILE, {})))
+        if _turns_shape(turns):
+            base = turns
+            break
+        if not isinstance(params, dict) or files[PROMPT_FILE] is None or files[RESULT_FILE] is None:
+            raise JobError("parent_failed", f"its ancestor {job_id} cannot be read (no prompt, result or "
+                                            "valid params.json)")
+        if job_param(params, "raw") or job_param(params, "embed"):
+            raise JobError("bad_request", f"its {'parent' if job_id == parent else 'ancestor'} {job_id} is "
+                                          f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to continue")
+        chain.append((job_id, files[PROMPT_FILE], params, files[RESULT_FILE]))
+        job_id = params.get("parent") if isinstance(params.get("parent"), str) else None
+        if len(chain) > 100_000:
+            raise JobError("parent_failed", f"its chain of parents is over 100,000 jobs long at {job_id}")
+    for _, prompt, params, answer in reversed(chain):
+        own = conversation_turns(prompt, {k: v for k, v in params.items() if k != "parent"}, answer) or []
+        base = continued_turns(base, own) if base else own
+    return base
 
 
 class _DirWatch:
@@ -5640,6 +5736,37 @@ class Flow:
 
         return self._retrying(job_id, read)
 
+    def chain(self, job_id: str) -> list[Optional[str]]:
+        """The jobs ``job_id`` continues, oldest first (``[root, ..., parent]``; ``[]`` for a
+        job with no parent), walked through each one's ``parent``; an ancestor that is gone
+        (cleaned) starts the list as None."""
+        import json
+
+        found: list[Optional[str]] = []
+        seen = {job_id}
+        current: Optional[str] = job_id
+        while current is not None:
+            status, path = locate_job(self.workspace, current)
+            if status is Status.Missing:
+                if current != job_id:
+                    found[-1] = None
+                break
+            try:
+                fd = open_dir(path)
+                try:
+                    params = json.loads(read_file(fd, PARAMS_FILE, params_limit()))
+                finally:
+                    os.close(fd)
+            except (OSError, JobError, ValueError, RecursionError):
+                params = {}
+            parent = params.get("parent") if isinstance(params, dict) else None
+            if not isinstance(parent, str) or parent in seen:  # (a hand-made cycle ends the walk)
+                break
+            seen.add(parent)
+            found.append(parent)
+            current = parent
+        return found[::-1]
+
     def wait(self, job_id: str, timeout: Optional[float] = None,
              on_look: Optional[Callable[[Status], None]] = None) -> Status:
         """Block until the job is Done or Failed (or Missing, or ``timeout`` seconds pass).
@@ -5954,12 +6081,18 @@ def _absolute_model(params: dict[str, Any]) -> dict[str, Any]:
 def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
     """Why each queued job of ``job_ids`` waits although daemons run, by ID: it names a model
     no running daemon serves, or one that its daemon could not load (how many times, the
-    error), or it names none and no running daemon serves its kind. Jobs that are not
-    waiting for a model are left out; with no daemon running, every queued job waits for one."""
+    error), or it names none and no running daemon serves its kind; or it continues a job
+    (``parent``) that is queued or running. Jobs that are not waiting are left out; with no
+    daemon running, every queued job waits for one."""
     routes = {job_id: read_route(job_path(workspace, READY, job_id)) for job_id in job_ids}
     records = daemon_records(workspace) if routes and os.path.isdir(os.path.join(workspace, READY)) else []
     if not records or any(r.get("starting") for r in records):
         return {}
+    parents = {}
+    for job_id, route in routes.items():
+        state = locate_job(workspace, route.parent)[0] if route.parent is not None else None
+        if state in (Status.Queued, Status.Running):
+            parents[job_id] = f"waits for its parent {route.parent} ({state})"
     models_dir, aliases, served = model_view(workspace)
     healthy = {m["path"] for r in records for m in r.get("models") or ()
                if isinstance(m, dict) and isinstance(m.get("path"), str) and not m.get("load_failures")}
@@ -5982,7 +6115,7 @@ def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
                 verdicts[key] = None
         if verdicts[key] is not None:
             reasons[job_id] = verdicts[key]
-    return reasons
+    return {**reasons, **parents}
 
 
 def _failed_models(records: list[dict[str, Any]]) -> dict[str, str]:
@@ -9954,8 +10087,8 @@ CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long
 
 
 # Where a queued job goes: its priority and its model's queue (the model's index in
-# _Models.served).
-_Place = namedtuple("_Place", "priority queue")
+# _Models.served); ``parent``: the unfinished job it waits for (None: it may run now).
+_Place = namedtuple("_Place", "priority queue parent", defaults=(None,))
 
 
 # A model's queue as the Models thread sees it: how many jobs, the top priority, and the order
@@ -10076,7 +10209,9 @@ class Pool:
 
     ``known`` holds every ID queued or being worked on, so a job is never queued twice
     (the spec's scanner re-submitted every queued job every second: unbounded growth), and
-    the IDs of jobs for a model this daemon does not serve (``elsewhere``), read once.
+    the IDs of jobs for a model this daemon does not serve (``elsewhere``), read once, and
+    of children whose parent has not finished (``waiting``, by parent): a parent's end
+    (``released``) routes its children again; no worker or poll is spent on them.
 
     Threads: the Scanner pushes, the workers get and end jobs, the Models thread reads the
     queues' heads and switches the active queue, the Watcher reroutes and forgets. Every
@@ -10092,6 +10227,7 @@ class Pool:
         # A queued job's _Place, read when it is pushed; None: served elsewhere.
         self._route = route
         self.elsewhere: set[str] = set()
+        self.waiting: dict[str, set[str]] = {}  # parent -> its children queued here
         self._on_queued = on_queued  # told the highest priority of each push, per queue
         self._later: list[tuple[float, str, int, int]] = []  # (when, id, priority, queue): handed back for now
         self._known: set[str] = set()
@@ -10113,7 +10249,10 @@ class Pool:
                     if route is None:
                         self.elsewhere.add(job_id)
                         continue
-                    priority, queue = route
+                    priority, queue, parent = route
+                    if parent is not None:
+                        self.waiting.setdefault(parent, set()).add(job_id)
+                        continue
                     self._put(job_id, priority, queue)
                     highest[queue] = max(highest.get(queue, priority), priority)
                     added += 1
@@ -10132,6 +10271,36 @@ class Pool:
             again, self.elsewhere = self.elsewhere, set()
             self._known -= again
         self.push(again)
+
+    def released(self, parent: str) -> None:
+        """``parent`` ended (done or failed): route its waiting children again (a failed
+        parent's fail at their claim, parent_failed)."""
+        with self._cond:
+            children = self.waiting.pop(parent, set())
+            self._known -= children
+        if children:
+            self.push(children)
+
+    def release_finished(self, unfinished: Callable[[str], bool]) -> None:
+        """Release the children of every parent no longer ``unfinished`` (ended in another
+        daemon, cancelled, or gone): the Watcher's periodic pass."""
+        with self._cond:
+            parents = list(self.waiting)
+        for parent in parents:
+            if not unfinished(parent):
+                self.released(parent)
+
+    def wait_for(self, job_id: str, parent: str) -> None:
+        """A worker's claim found ``job_id``'s parent unfinished again: it waits for it."""
+        with self._cond:
+            self._busy -= 1
+            self._taken.pop(job_id, None)
+            self.waiting.setdefault(parent, set()).add(job_id)
+            self._cond.notify_all()
+
+    def waiting_children(self) -> set[str]:
+        with self._cond:
+            return set().union(*self.waiting.values())
 
     def _put(self, job_id: str, priority: int, queue: int) -> None:
         heapq.heappush(self._heaps.setdefault(queue, []), (-priority, order_key(job_id), job_id))
@@ -10259,6 +10428,11 @@ class Pool:
             gone = self.elsewhere - present
             self.elsewhere -= gone
             self._known -= gone
+            for parent, children in list(self.waiting.items()):  # cancelled while waiting
+                self._known -= children - present
+                children &= present
+                if not children:
+                    del self.waiting[parent]
 
     def __len__(self) -> int:
         """Jobs queued in the active queue, and handed back ones."""
@@ -10289,6 +10463,17 @@ class _Busy(Exception):
     """A job could not be claimed now: another claimer holds it, or a requeue still does.
 
     Threads: raised to, and caught by, the thread that claims the job."""
+
+
+class _ParentWaits(Exception):
+    """A claimed job's parent is queued or running again (a retry since it was routed): the
+    job was handed back unchanged, to wait for it (``parent``).
+
+    Threads: raised to, and caught by, the thread that claims the job."""
+
+    def __init__(self, job_id: str, parent: str) -> None:
+        super().__init__(job_id)
+        self.parent = parent
 
 
 class _Claim:
@@ -10591,6 +10776,8 @@ class Processor:
                 raise JobError("cancelled", "cancelled before it started (nrvna cancel)")
             self.hand_backs.check_write_failures(job_id, claim.before)
             job.prompt, job.params = self._read_input(claim.dir_fd)
+            if job_param(job.params, "parent") is not None:
+                job.params = self._continue(job, claim)
         except (JobError, OSError) as err:
             code = err.code if isinstance(err, JobError) else "bad_request"
             message = str(err) if isinstance(err, JobError) else f"cannot read job: {_os_error(err)}"
@@ -10670,6 +10857,23 @@ class Processor:
             os.close(dir_fd)
             raise _HandBack(job_id) from None
         return claim
+
+    def _continue(self, job: RunningJob, claim: _Claim) -> dict[str, Any]:
+        """A child's parameters with its whole conversation as its messages (its parent's,
+        then its own turns: see parent_conversation). A parent that is queued or running again
+        hands the job back unchanged (_ParentWaits)."""
+        parent = job_param(job.params, "parent")
+        turns = parent_conversation(self.workspace, parent, self.config.max_prompt_bytes * 8 + (1 << 20))
+        if turns is None:
+            self._release(job)
+            self.hand_backs.restore_meta(job.id, claim)
+            self.hand_backs.hand_back(job.id)
+            os.close(claim.dir_fd)
+            raise _ParentWaits(job.id, parent)
+        own = conversation_turns(job.prompt, job.params, "")[:-1]  # its own turns (no answer yet)
+        params = {k: v for k, v in job.params.items() if k != "system"}
+        params["messages"] = continued_turns(turns, own)
+        return params
 
     def _read_input(self, dir_fd: int) -> tuple[str, dict[str, Any]]:
         import json
@@ -11067,7 +11271,7 @@ class _Recovery:
             log.warning(f"Running job alone (the daemon died while it ran): {job_id}")
             try:
                 job = self.processor.claim(job_id, "Main", stop)
-            except (_HandBack, _Busy):
+            except (_HandBack, _Busy, _ParentWaits):  # left in ready/ for the workers
                 continue
             if job is None:
                 continue
@@ -12002,7 +12206,8 @@ class _Watcher:
     """A daemon's Watcher thread, every WATCH_SECONDS: sees cancel requests and timeouts of
     running jobs and appends their new text to partial.txt; every REAP_SECONDS looks for
     daemons of the workspace that died and requeues their running jobs; every
-    DAEMON_STATUS_SECONDS rewrites this daemon's record. (Off the workers' threads: decoding
+    DAEMON_STATUS_SECONDS rewrites this daemon's record; every REAP_SECONDS also releases the
+    children whose parent ended elsewhere (another daemon, a cancel). (Off the workers' threads: decoding
     never waits for this I/O.)
 
     Threads: its own (Watcher) alone, after the main thread made it (``peer_models`` too, at
@@ -12061,6 +12266,8 @@ class _Watcher:
                 log.info(f"Requeued {len(recovered)} jobs that no live daemon held")
             if not dead:
                 self.pool.forget_gone(set(os.listdir(os.path.join(self.workspace, READY))))
+        # Children whose parent ended in another daemon, or was cancelled while queued.
+        self.pool.release_finished(lambda parent: locate_job(self.workspace, parent)[0] in (Status.Queued, Status.Running))
         kinds, paths = self.peer_models()
         self.pool.reroute(lambda: self.models.peers(kinds, paths))
 
@@ -12211,7 +12418,13 @@ class Server:
         the job waits in ready/ for a daemon that does (read once per job: see Pool)."""
         route = read_route(job_path(self.workspace, READY, job_id))
         queue = self.models.queue_of(route.model, route.embed) if self.models else 0
-        return None if queue is None else _Place(route.priority, queue)
+        if queue is None:
+            return None
+        return _Place(route.priority, queue, route.parent if self._unfinished(route.parent) else None)
+
+    def _unfinished(self, job_id: Optional[str]) -> bool:
+        """Whether ``job_id`` names a job that is queued or running (a parent its child waits for)."""
+        return job_id is not None and locate_job(self.workspace, job_id)[0] in (Status.Queued, Status.Running)
 
     def _queued(self, priority: int, queue: int) -> None:
         if queue == self.pool.active:
@@ -12370,9 +12583,11 @@ class Server:
     def _drained(self) -> bool:
         if not self.pool.idle() or self.scanner is None or self.scanner.scans == 0 or self.pool.active is None:
             return False
+        waiting = self.pool.waiting_children()
         with os.scandir(os.path.join(self.workspace, READY)) as entries:
-            if not any(not e.name.startswith(".") and e.name not in self.pool.elsewhere for e in entries):
-                return True  # what is left waits for a model served elsewhere
+            if not any(not e.name.startswith(".") and e.name not in self.pool.elsewhere and e.name not in waiting
+                       for e in entries):
+                return True  # what is left waits for a model served elsewhere, or for a parent
         self.scanner.scan()  # something the events did not report (a mkdir'ed dir in grace)
         return False
 
@@ -12512,6 +12727,9 @@ class Server:
             except _Busy:  # another claimer (it takes it), or a requeue not yet done with it
                 self.pool.retry_later(job_id, 0.05)
                 continue
+            except _ParentWaits as err:  # its parent was retried since it was routed
+                self.pool.wait_for(job_id, err.parent)
+                continue
             except NrvnaError as err:  # the WorkspaceLock of a quarantine could not be taken
                 log.error(f"cannot claim {job_id}: {err}; retrying in 2 s")
                 self.pool.retry_later(job_id, 2.0)
@@ -12565,6 +12783,7 @@ class Server:
             self._recent.append((time.time(), outcome.generated_tokens))
         if self.processor.finish(job, outcome):
             self.pool.done(job.id)
+            self.pool.released(job.id)  # its children, if any waited for it
             if self.hooks is not None:
                 self.hooks.poke()
             if self.switch is not None:
@@ -12589,6 +12808,9 @@ class Server:
                 job = self.processor.claim(job_id, "Models", self._stop, model)
             except (_HandBack, _Busy, NrvnaError, OSError):  # as _admit: tried again later
                 self.pool.retry_later(job_id, 1.0)
+                continue
+            except _ParentWaits as err:
+                self.pool.wait_for(job_id, err.parent)
                 continue
             if job is None:
                 self.pool.done(job_id)
@@ -12872,7 +13094,7 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
             raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
         record = {"id": job.id, "status": job.status.value, "prompt": job.prompt, "result": job.result,
                   "error": job.error, "meta": job.meta, "params": job.params, "logprobs": job.logprobs,
-                  "choices": job.choices, "reasoning": job.reasoning}
+                  "choices": job.choices, "reasoning": job.reasoning, "chain": flow.chain(job_id)}
         if job.status is Status.Done and job_param(job.params or {}, "embed"):
             record.update(result=None, embeddings=job_vectors(job))
         _print_json(record)

@@ -7861,6 +7861,146 @@ def test_sigkill_mid_job_of_8_choices_ends_it_once_with_8(ws: str, model: str) -
     assert job.result == job.choices[0]["text"] and job.meta["generated_tokens"] == 8 * 48
 
 
+
+
+# -- A job continues another (parent) ----------------------------------------------------
+
+
+def last_user(job: nrvna.RunningJob) -> str:
+    """A runner answering with its whole conversation's user turns (so a lost turn shows)."""
+    turns = job.params.get("messages") or [{"role": "user", "content": job.prompt}]
+    return "|".join(t["content"] for t in turns if t["role"] == "user")
+
+
+def test_a_child_continues_its_parent_s_conversation_down_a_chain(ws: str, run_main: RunMain) -> None:
+    seen: dict[str, list[dict[str, str]]] = {}
+
+    def runner(job: nrvna.RunningJob) -> str:
+        seen[job.prompt] = job.params.get("messages")
+        return last_user(job)
+
+    root = submit(ws, "a", system="Be brief.")
+    chain = [root]
+    for prompt in "bcde":
+        chain.append(submit(ws, prompt, parent=chain[-1]))
+    other = submit(ws, "f", parent=chain[2], system="Be long.")  # its own system replaces the parent's
+    with serving(ws, runner):
+        assert wait_all(ws, chain + [other]) == [Status.Done] * 6
+    flow = Flow(ws)
+    assert [flow.get(j).result for j in chain] == ["a", "a|b", "a|b|c", "a|b|c|d", "a|b|c|d|e"]
+    assert seen["c"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a"},
+                         {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"},
+                         {"role": "assistant", "content": "a|b"}, {"role": "user", "content": "c"}]
+    assert seen["f"][0] == {"role": "system", "content": "Be long."} and seen["f"][1:] == seen["c"][1:] + [
+        {"role": "assistant", "content": "a|b|c"}, {"role": "user", "content": "f"}]
+    conversation = json.loads(Path(ws, nrvna.OUTPUT, chain[-1], nrvna.CONVERSATION_FILE).read_text())
+    assert [t["content"] for t in conversation if t["role"] == "user"] == list("abcde")
+    shown = json.loads(run_main("get", ws, chain[-1], "--json").stdout)
+    assert shown["chain"] == chain[:-1] and shown["params"] == {"parent": chain[-2]}
+    assert json.loads(run_main("get", ws, root, "--json").stdout)["chain"] == []
+
+
+def test_a_parent_finished_before_conversation_json_existed_is_rebuilt(ws: str) -> None:
+    """A parent without conversation.json (finished by an older nrvna, or the file damaged):
+    its turns are rebuilt through its own parents."""
+    first = submit(ws, "a")
+    second = submit(ws, "b", parent=first)
+    with serving(ws, last_user):
+        assert wait_all(ws, [first, second]) == [Status.Done] * 2
+    Path(ws, nrvna.OUTPUT, second, nrvna.CONVERSATION_FILE).unlink()
+    Path(ws, nrvna.OUTPUT, first, nrvna.CONVERSATION_FILE).write_text("{damaged")
+    third = submit(ws, "c", parent=second)
+    with serving(ws, last_user):
+        assert wait_all(ws, [third]) == [Status.Done]
+    assert Flow(ws).get(third).result == "a|b|c"
+    assert nrvna.parent_conversation(ws, second) == [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "b"}, {"role": "assistant", "content": "a|b"}]
+
+
+def test_a_child_waits_for_its_parent_and_status_says_so(ws: str, run_main: RunMain) -> None:
+    gate, started = threading.Event(), []
+
+    def runner(job: nrvna.RunningJob) -> str:
+        started.append(job.prompt)
+        if job.prompt == "slow":
+            assert gate.wait(20)
+        return last_user(job)
+
+    parent = submit(ws, "slow")
+    child = submit(ws, "next", parent=parent)
+    others = [submit(ws, f"other {i}") for i in range(3)]
+    with serving(ws, runner, workers=3) as server:
+        assert wait_all(ws, others) == [Status.Done] * 3  # the free workers ran them, not the child
+        assert Flow(ws).status(child) is Status.Queued and "next" not in started
+        assert server.pool.waiting == {parent: {child}}
+        said = json.loads(run_main("status", ws, child, "--json").stdout)
+        assert said[child]["waiting"] == f"waits for its parent {parent} (running)"
+        gate.set()
+        assert wait_all(ws, [parent, child]) == [Status.Done] * 2
+        assert server.pool.waiting == {}
+    assert Flow(ws).get(child).result == "slow|next"
+
+
+def test_a_child_of_a_failed_cancelled_or_gone_parent_fails_without_running(ws: str, run_main: RunMain) -> None:
+    ran: list[str] = []
+
+    def runner(job: nrvna.RunningJob) -> str:
+        ran.append(job.prompt)
+        if job.prompt == "bad":
+            raise nrvna.JobError("bad_request", "no")
+        return last_user(job)
+
+    gone = submit(ws, "gone")
+    with serving(ws, runner):
+        assert wait_all(ws, [gone]) == [Status.Done]
+    of_gone = submit(ws, "z", parent=gone)
+    shutil.rmtree(Path(ws, nrvna.OUTPUT, gone))  # as clean would
+    failing = submit(ws, "bad")
+    of_failed = submit(ws, "x", parent=failing)
+    cancelled = submit(ws, "never")
+    of_cancelled = submit(ws, "y", parent=cancelled)
+    nrvna.cancel_job(ws, cancelled)
+    with serving(ws, runner):
+        assert wait_all(ws, [failing, of_failed, of_cancelled, of_gone]) == [Status.Failed] * 4
+    flow = Flow(ws)
+    assert [flow.status(j) for j in (failing, of_failed, of_cancelled, of_gone)] == [Status.Failed] * 4
+    assert [flow.get(j).meta["code"] for j in (of_failed, of_cancelled, of_gone)] == ["parent_failed"] * 3
+    assert f"its parent {failing} failed (bad_request): nrvna retry {failing}" in flow.get(of_failed).error
+    assert f"its parent {cancelled} failed (cancelled)" in flow.get(of_cancelled).error
+    assert f"its parent {gone} is gone" in flow.get(of_gone).error
+    assert sorted(ran) == ["bad", "gone"]
+    # Retried in order, the chain runs.
+    assert run_main("retry", ws, failing).returncode == 0
+    with serving(ws, lambda job: last_user(job) if job.prompt != "bad" else "fixed"):
+        assert run_main("retry", ws, of_failed).returncode == 0
+        assert wait_all(ws, [failing, of_failed]) == [Status.Done] * 2
+    assert flow.get(of_failed).result == "bad|x"
+
+
+def test_a_parent_cancelled_while_its_child_waits_releases_the_child(ws: str) -> None:
+    """The parent ends outside this daemon's workers (cancelled while queued, as another
+    daemon's finish would): the Watcher releases the child, which fails parent_failed."""
+    gate = threading.Event()
+
+    def runner(job: nrvna.RunningJob) -> str:
+        if job.prompt == "blocker":
+            assert gate.wait(20)
+        return "ok"
+
+    blocker = submit(ws, "blocker")
+    parent = submit(ws, "parent")
+    child = submit(ws, "child", parent=parent)
+    with serving(ws, runner, workers=1) as server:
+        deadline = time.monotonic() + 10
+        while server.pool.waiting != {parent: {child}} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.pool.waiting == {parent: {child}}
+        nrvna.cancel_job(ws, parent)
+        gate.set()
+        assert wait_all(ws, [blocker, parent, child]) == [Status.Done, Status.Failed, Status.Failed]
+    assert Flow(ws).get(child).meta["code"] == "parent_failed"
+
 # ==============================================================================
 # 12.2 Claims and finishes: Processor: crashes, kills and concurrency
 # ==============================================================================
