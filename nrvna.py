@@ -38,7 +38,9 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job
    7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
    7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_members
-   7.6 Reading a job                Job, _read_choices, _DirWatch
+   7.6 Reading a job                Job, _read_choices, continued_turns, parent_conversation, _DirWatch
+   7.7 Saved states on disk         STATES, StateHead, state_name, state_buffer, seal_state, read_state_head,
+                                      read_state, remove_states_of
 8. Batch files and export           read_batch, parse_batch, parse_records (templates), EXPORT_FORMATS,
                                     export_record, job_vectors
 9. Client
@@ -55,8 +57,9 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
                                       _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
-   11.6 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
-   11.7 The runner                  LlamaRunner
+   11.6 Saved states                _shared_prefix, StateStore (computed contexts on disk; the Saver thread)
+   11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
+   11.8 The runner                  LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
@@ -244,6 +247,7 @@ __all__ = [
 ]
 
 import codecs
+import contextlib
 import enum
 import errno
 import functools
@@ -454,6 +458,28 @@ def thinking_tags(value: str) -> Optional[tuple[str, str]]:
     return words[0], words[1]
 
 
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def size_bytes(value: Any) -> int:
+    """A size setting (``NRVNA_CACHE_DISK``) in bytes: a whole number of bytes, or with K, M, G
+    or T (1024-based; ``KB``/``KiB`` also read); ConfigError otherwise."""
+    text = str(value).strip().upper().replace("IB", "").replace("B", "")
+    number, unit = text.rstrip("KMGT"), text[len(text.rstrip("KMGT")):]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if unit not in _SIZE_UNITS or not (0 <= amount < 1 << 50) or amount != amount:
+        raise ConfigError(f"{value!r} is not a size (bytes, or a number with K, M, G or T: 512M, 2G)")
+    return int(amount * _SIZE_UNITS[unit])
+
+
+def _check_size(value: Any) -> str:
+    size_bytes(value)  # ConfigError naming the value
+    return str(value).strip()
+
+
 def _check_thinking_tags(value: Any) -> str:
     thinking_tags(str(value))  # ConfigError naming the value
     return " ".join(str(value).split())
@@ -548,7 +574,11 @@ SETTINGS: dict[str, _Setting] = {
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
     "mmap": _Setting("NRVNA_MMAP", int, 1, 0, 1, "1 maps model files into memory (loads fast, shares the page cache); 0 reads them into the daemon's memory, so that a model file overwritten in place (cp new.gguf model.gguf) cannot kill the daemon with SIGBUS",
                       flags=("--mmap",)),
-    "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs"),
+    "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs (and reads the states NRVNA_CACHE_DISK keeps); 0 computes every prompt whole"),
+    "cache_disk": _Setting("NRVNA_CACHE_DISK", str, "2G", None, None, "most bytes of computed contexts (KV states) kept on disk for later jobs, restarts and other daemons, least recently used out first: bytes, or with K, M, G, T; 0 turns the store off. 2G holds about 11 contexts of 8,000 tokens of SmolLM2-135M (23 KB a token), 2 of an 8B model (128 KB a token)",
+                           check=_check_size),
+    "cache_dir": _Setting("NRVNA_CACHE_DIR", str, "", None, None, "where the saved KV states live (empty: the workspace's states/): a faster disk than the workspace's, or one shared by workspaces"),
+    "cache_min_tokens": _Setting("NRVNA_CACHE_MIN_TOKENS", int, 512, 16, 1 << 24, "fewest tokens a saved KV state covers: a shorter context is computed again about as fast as its state is written and read"),
     "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job (default of max_tokens)"),
     "temperature": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature, 0 = greedy (default of temperature)"),
     "top_k": _Setting("NRVNA_TOP_K", int, 40, 0, 1 << 20, "top-k sampling, 0 = off (default of top_k)"),
@@ -4908,6 +4938,152 @@ class _DirWatch:
         os.close(self.fd)
 
 
+# ============================================================================
+# 7.7 Saved states on disk: the file format
+# ============================================================================
+# A saved KV state (see StateStore, §11.6) is one file, ``HASH.kv`` in the workspace's states/ (or
+# NRVNA_CACHE_DIR): magic, header length, a JSON header (the fingerprint of what makes the numbers
+# valid, the source job, the counts), the tokens it covers (int32 little-endian), llama.cpp's
+# per-sequence state, and a crc32 of everything before it. Written whole under a temporary name,
+# fsynced, renamed: a torn or damaged file fails its crc and is a miss. Stateless; any thread.
+
+
+STATES = "states"  # the workspace's folder of saved KV states (NRVNA_CACHE_DIR names another)
+STATE_MAGIC = b"NRVNAKV1"
+STATE_SUFFIX = ".kv"
+STATE_TEMP_PREFIX = ".tmp-"
+STATE_HEADER_LIMIT = 1 << 16
+
+# A saved state as its header describes it: its file name, fingerprint, source job, the tokens
+# it covers (an array of int32), the state's length in bytes, the file's size and mtime.
+StateHead = namedtuple("StateHead", "name fingerprint job tokens blob size mtime")
+
+
+def states_folder(workspace: str, cache_dir: str = "") -> str:
+    """Where a workspace's saved states live: NRVNA_CACHE_DIR, else its states/."""
+    return cache_dir or os.path.join(workspace, STATES)
+
+
+def _le_tokens(tokens: Any) -> bytes:
+    from array import array
+
+    tokens = array("i", tokens)
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    return tokens.tobytes()
+
+
+def state_name(fingerprint: str, tokens: Any) -> str:
+    """A state's file name: it names its content (two daemons saving the same context write the
+    same bytes under the same name)."""
+    import hashlib
+
+    return hashlib.sha256(fingerprint.encode("utf-8") + b"\0" + _le_tokens(tokens)).hexdigest()[:40] + STATE_SUFFIX
+
+
+def state_buffer(fingerprint: str, job_id: str, tokens: Any, blob: int) -> tuple[bytearray, int]:
+    """A state file's bytes but its state and crc: the buffer and where the state goes."""
+    import json
+    import struct
+
+    header = json.dumps({"fingerprint": fingerprint, "job": job_id, "tokens": len(tokens), "blob": blob,
+                         "created": round(time.time(), 3)}).encode("utf-8")
+    head = STATE_MAGIC + struct.pack("<I", len(header)) + header + _le_tokens(tokens)
+    data = bytearray(len(head) + blob + 4)
+    data[:len(head)] = head
+    return data, len(head)
+
+
+def seal_state(data: bytearray) -> None:
+    """Write the crc32 of everything before the last 4 bytes into them."""
+    import struct
+    import zlib
+
+    data[-4:] = struct.pack("<I", zlib.crc32(memoryview(data)[:-4]))
+
+
+def read_state_head(folder: str, name: str) -> Optional[StateHead]:
+    """A state file's header and tokens (not its state); None for anything that is not a
+    whole state file of this format (a torn, damaged or foreign file)."""
+    import json
+    import struct
+    from array import array
+
+    try:
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        start = os.pread(fd, len(STATE_MAGIC) + 4, 0)
+        if not stat.S_ISREG(info.st_mode) or len(start) < 12 or start[:8] != STATE_MAGIC:
+            return None
+        length = struct.unpack("<I", start[8:])[0]
+        header = json.loads(os.pread(fd, length, 12)) if length <= STATE_HEADER_LIMIT else None
+        if not (isinstance(header, dict) and isinstance(header.get("fingerprint"), str)
+                and all(isinstance(header.get(k), int) and header[k] >= 0 for k in ("tokens", "blob"))):
+            return None
+        raw = os.pread(fd, 4 * header["tokens"], 12 + length)
+        if len(raw) != 4 * header["tokens"] or 12 + length + len(raw) + header["blob"] + 4 != info.st_size:
+            return None
+        tokens = array("i", raw)
+        if sys.byteorder != "little":
+            tokens.byteswap()
+        job = header.get("job") if isinstance(header.get("job"), str) else ""
+        return StateHead(name, header["fingerprint"], job, tokens, header["blob"], info.st_size, info.st_mtime)
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_state(folder: str, head: StateHead) -> Optional[tuple[bytearray, int]]:
+    """A state file whole, checked against its crc: its bytes and where the state starts;
+    None for a torn, damaged or changed file."""
+    import struct
+    import zlib
+
+    try:
+        fd = os.open(os.path.join(folder, head.name), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    data = bytearray(head.size)
+    view, got = memoryview(data), 0
+    try:
+        if os.fstat(fd).st_size != head.size:
+            return None
+        while got < head.size:
+            n = os.readv(fd, [view[got:]])
+            if n <= 0:
+                return None
+            got += n
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if struct.unpack("<I", data[-4:])[0] != zlib.crc32(view[:-4]):
+        return None
+    return data, head.size - 4 - head.blob
+
+
+def remove_states_of(folder: str, job_ids: set[str]) -> int:
+    """Remove the saved states whose source job is one of ``job_ids`` (clean); how many."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(STATE_SUFFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        head = read_state_head(folder, name)
+        if head is not None and head.job in job_ids:
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 ##############################################################################
 # 8. Batch files and export: nrvna's JSONL lines, OpenAI Batch lines (ENDPOINTS), export formats (EXPORT_FORMATS)
 ##############################################################################
@@ -7163,8 +7339,8 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[i
 
 
 class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error logprobs "
-                                     "choices prompt_computed reasoning reasoning_tokens thinking_closed",
-                         defaults=("", "stop", 0, 0, None, None, None, None, None, None, 0, None))):
+                                     "choices prompt_computed reasoning reasoning_tokens thinking_closed prompt_reused",
+                         defaults=("", "stop", 0, 0, None, None, None, None, None, None, 0, None, None))):
     """How a job ended: a result (``error_code`` None) or a failure with a short code and a
     message. ``text`` is the generated text (partial text for a failure); ``logprobs`` the
     tokens' log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``)
@@ -7175,7 +7351,9 @@ class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_
     (the others' cells were shared), or None where the runner does not say. A thinking model's
     job has its thinking in ``reasoning`` ("" when it had none), the tokens of its thinking
     block in ``reasoning_tokens`` (every choice's), and ``thinking_closed``: why the daemon
-    closed the block (budget, share, eog or model; None where the model closed it)."""
+    closed the block (budget, share, eog or model; None where the model closed it).
+    ``prompt_reused``: where the prompt tokens not computed came from, ``{"memory": N, "disk":
+    M}`` (a context's cells, a saved state), or None where the runner does not say."""
 
     __slots__ = ()
 
@@ -8655,7 +8833,7 @@ class _Sequence:
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
                  "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
-                 "budget", "priority", "reserved", "choices", "choice", "computed", "think", "thought")
+                 "budget", "priority", "reserved", "choices", "choice", "computed", "think", "thought", "from_disk")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int,
                  sampler: _JobSampler) -> None:
@@ -8685,6 +8863,7 @@ class _Sequence:
         self.computed = 0  # prompt tokens decoded for it (the rest were cells shared with others)
         self.think: Optional[_ThinkRouter] = None  # a thinking model's: its thinking kept apart
         self.thought = 0  # tokens generated before its answer (reasoning_tokens)
+        self.from_disk = 0  # prompt tokens whose cells a saved state gave (StateStore)
 
     def think_with(self, router: Optional[_ThinkRouter]) -> None:
         """A thinking model's sequence: ``router`` keeps its thinking apart (and its sampler
@@ -8782,12 +8961,13 @@ class _Sequence:
             text += self.think.finish() if not (self.stops and reason == "stop") else ""
             reasoning, closed = self.think.reasoning, self.think.closed
         logprobs = self.sampler.logprob_content(text, bool(self.stops))
+        reused = {"memory": max(0, self.n_prompt - self.computed - self.from_disk), "disk": self.from_disk}
         if error:
             return Outcome(text, "error", self.n_prompt, self.n_gen, error[0], error[1], logprobs,
                            prompt_computed=self.computed, reasoning=reasoning, reasoning_tokens=self.thought,
-                           thinking_closed=closed)
+                           thinking_closed=closed, prompt_reused=reused)
         return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs, prompt_computed=self.computed,
-                       reasoning=reasoning, reasoning_tokens=self.thought, thinking_closed=closed)
+                       reasoning=reasoning, reasoning_tokens=self.thought, thinking_closed=closed, prompt_reused=reused)
 
 
 # ============================================================================
@@ -8948,7 +9128,298 @@ class _Embedder:
 
 
 # ============================================================================
-# 11.6 Continuous batching
+# 11.6 Saved states: computed contexts kept on disk
+# ============================================================================
+# StateStore: a model's KV states saved when a job ends (the tokens it covers and its fingerprint:
+# what makes its numbers valid) and restored for any later job whose tokens begin with them, in
+# this daemon or a later one. Files per §7.7; written by the Saver thread; bounded by NRVNA_CACHE_DISK.
+
+
+RESTORE_GAIN_TOKENS = 64  # a saved state is read only when it covers this many tokens more than memory
+SAVES_PENDING = 2  # states copied out of a context and not yet written: more are dropped, never waited for
+STALE_TEMP_SECONDS = 600.0  # a temporary state file this old is a dead writer's
+
+
+def state_fingerprint(runner: Any, model_path: str) -> str:
+    """What makes a saved state's numbers valid, as one string: the model file (its size and the
+    sha256 of its first and last MiB: the header, the vocabulary, the last tensors; not the
+    path), llama-cpp-python's version and state format, and the context's KV layout (types,
+    flash attention's V layout, one stream, layers, GPU offload). llama.cpp checks none of the
+    model's identity when it restores: this is what does."""
+    import hashlib
+    import json
+
+    L = runner.L
+    digest = hashlib.sha256()
+    with open(model_path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        digest.update(handle.read(1 << 20))
+        handle.seek(max(0, size - (1 << 20)))
+        digest.update(handle.read(1 << 20))
+    context = L.llama_context_default_params()
+    version = getattr(sys.modules.get("llama_cpp"), "__version__", "?")
+    return json.dumps({"model": [size, digest.hexdigest()[:32]], "llama_cpp": version,
+                       "state": getattr(L, "LLAMA_STATE_SEQ_VERSION", None),
+                       "kv": [int(context.type_k), int(context.type_v), int(context.flash_attn_type), "unified"],
+                       "layers": L.llama_model_n_layer(runner.model), "gpu_layers": runner.config.gpu_layers},
+                      sort_keys=True, separators=(",", ":"))
+
+
+def _shared_prefix(a: Any, b: Any) -> int:
+    """How many leading tokens two arrays share: slices compared in C, halving the range (an
+    8,000-token state is compared in about 14 slice comparisons, not 8,000 steps)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+class StateStore:
+    """A model's saved KV states: which exist (an index of their headers, read again when the
+    folder changes: another daemon's saves), the longest one a job's tokens begin with
+    (``find``), restoring one into a sequence (``restore``), saving one (``save``: copied out
+    of the context on the worker, written by the Saver thread), and the bound (``evict``).
+
+    A state is used only under the exact fingerprint it was saved with (model file, llama.cpp's
+    build and state version, KV types and layout): anything else is a miss, never a wrong hit;
+    a torn or damaged file (its crc) is removed.
+
+    Threads: Worker-N calls find, restore, wants and save; the Saver thread (started by the
+    first save) writes and evicts; the loader closes it (joins the Saver: pending saves are
+    written). The index, the pending count and the counters are under ``_lock``; a file is
+    read outside it.
+    """
+
+    def __init__(self, folder: str, fingerprint: str, limit: int, min_tokens: int) -> None:
+        import queue
+
+        self.folder, self.fingerprint, self.limit, self.min_tokens = folder, fingerprint, limit, min_tokens
+        self._lock = threading.Lock()
+        self._index: dict[str, StateHead] = {}  # this fingerprint's states, by file name
+        self._listed: Optional[int] = None  # the folder's mtime when it was last listed
+        self._queue: Any = queue.SimpleQueue()
+        self._pending = 0
+        self._saver: Optional[threading.Thread] = None
+        self.counts = {"saved": 0, "restored": 0, "dropped": 0, "removed": 0}
+        try:
+            os.makedirs(folder, DIR_MODE, exist_ok=True)
+        except OSError as err:
+            log.warning(f"saved states: cannot make {folder} ({_os_error(err)}); contexts are not kept on disk")
+        self._clean_temporaries()
+        self.evict()
+
+    @classmethod
+    def for_model(cls, runner: Any, model_path: str) -> Optional["StateStore"]:
+        """The store of a loaded model's states, or None where the settings turn it off
+        (NRVNA_CACHE_DISK 0, NRVNA_PREFIX_CACHE 0, no folder: a runner made outside a daemon)."""
+        config = runner.config
+        limit = size_bytes(config.cache_disk)
+        if not (limit and config.prefix_cache and config.cache_dir):
+            return None
+        return cls(config.cache_dir, state_fingerprint(runner, model_path), limit, config.cache_min_tokens)
+
+    def _clean_temporaries(self) -> None:
+        now = time.time()
+        with contextlib.suppress(OSError), os.scandir(self.folder) as entries:
+            for entry in entries:
+                if entry.name.startswith(STATE_TEMP_PREFIX):
+                    with contextlib.suppress(OSError):
+                        if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS:
+                            os.unlink(entry.path)
+
+    def _refresh(self) -> None:
+        """Read the headers of states saved since the folder was last listed (by any daemon)
+        and forget those removed."""
+        try:
+            mtime = os.stat(self.folder).st_mtime_ns
+        except OSError:
+            return
+        if mtime == self._listed:
+            return
+        try:
+            names = {n for n in os.listdir(self.folder) if n.endswith(STATE_SUFFIX)}
+        except OSError:
+            return
+        with self._lock:
+            known = set(self._index)
+        found = {n: read_state_head(self.folder, n) for n in names - known}
+        with self._lock:
+            self._listed = mtime
+            for name in known - names:
+                self._index.pop(name, None)
+            self._index.update({n: h for n, h in found.items() if h is not None and h.fingerprint == self.fingerprint})
+
+    def find(self, tokens: list[int], usable: int, most: int, trimmable: bool) -> Optional[tuple[StateHead, int]]:
+        """The saved state sharing the longest prefix with ``tokens`` (at most ``usable`` of
+        them count) and at most ``most`` tokens long (the cells it needs while it is
+        restored), with that length; None if none shares any. ``trimmable``: a state may be
+        cut back to the shared prefix (full attention); else only a state the tokens extend
+        whole is used (sliding-window, recurrent and hybrid models)."""
+        from array import array
+
+        self._refresh()
+        wanted = array("i", tokens)
+        best: Optional[tuple[StateHead, int]] = None
+        with self._lock:
+            heads = list(self._index.values())
+        for head in heads:
+            if len(head.tokens) > most:
+                continue
+            n = min(_shared_prefix(head.tokens, wanted), usable)
+            if n < len(head.tokens) and not trimmable:
+                continue
+            if n > (best[1] if best else 0):
+                best = (head, n)
+        return best
+
+    def restore(self, L: Any, ctx: Any, slot: int, head: StateHead) -> bool:
+        """Put ``head``'s state into sequence ``slot`` of ``ctx`` (what it held is replaced);
+        False, the sequence emptied, if it cannot be (a damaged file is removed)."""
+        import ctypes
+
+        read = read_state(self.folder, head)
+        if read is None:
+            self._remove(head, "it is torn or damaged (its crc)")
+            return False
+        data, offset = read
+        buffer = (ctypes.c_uint8 * head.blob).from_buffer(data, offset)
+        if L.llama_state_seq_set_data(ctx, buffer, head.blob, slot) != head.blob:
+            L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
+            log.limited("state restore", f"saved state {head.name} could not be restored (llama.cpp refused it: "
+                        "no room, or a layout this context does not have); its prompt is computed", "warning")
+            return False
+        with contextlib.suppress(OSError):
+            os.utime(os.path.join(self.folder, head.name))  # recently used: evicted last
+        with self._lock:
+            self.counts["restored"] += 1
+        return True
+
+    def _remove(self, head: StateHead, why: str) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.folder, head.name))
+        with self._lock:
+            self._index.pop(head.name, None)
+            self.counts["removed"] += 1
+        log.warning(f"saved state {head.name} removed: {why}")
+
+    def wants(self, tokens: list[int], conversation: bool, computed: int) -> bool:
+        """Whether a context of ``tokens`` is worth saving: long enough, not covered by a state
+        already saved, and either part of a conversation (a later turn continues it) or mostly
+        its own (``computed`` tokens were computed for it: a batch's lines that share a saved
+        system prompt and differ in a short question are not saved each)."""
+        from array import array
+
+        if len(tokens) < self.min_tokens or not (conversation or computed >= self.min_tokens):
+            return False
+        self._refresh()
+        mine = array("i", tokens)
+        with self._lock:
+            heads = list(self._index.values())
+        return not any(len(h.tokens) >= len(mine) and _shared_prefix(h.tokens, mine) == len(mine) for h in heads)
+
+    def save(self, L: Any, ctx: Any, slot: int, tokens: list[int], job_id: str) -> None:
+        """Copy sequence ``slot``'s state (exactly ``tokens``' cells) out of ``ctx`` and queue it
+        for the Saver; dropped when SAVES_PENDING are already waiting (never waited for)."""
+        import ctypes
+
+        with self._lock:
+            if self._pending >= SAVES_PENDING:
+                self.counts["dropped"] += 1
+                log.limited("state pending", "a computed context was not saved: the disk is behind", "warning")
+                return
+            self._pending += 1
+        try:
+            size = L.llama_state_seq_get_size(ctx, slot)
+            data, offset = state_buffer(self.fingerprint, job_id, tokens, size)
+            copied = L.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data, offset), size, slot)
+        except MemoryError:
+            copied, size = 0, 1
+        if not size or copied != size or size + len(data) > self.limit:
+            with self._lock:
+                self._pending -= 1
+            return
+        self._queue.put((state_name(self.fingerprint, tokens), data))
+        if self._saver is None:
+            self._saver = threading.Thread(target=self._run, name="Saver", daemon=True)
+            self._saver.start()
+
+    def _run(self) -> None:
+        _name_os_thread("Saver")
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._write(*item)
+                self.evict()
+            except Exception as err:  # a save is worth little: never take the daemon down
+                log.limited(f"state save:{type(err).__name__}", f"saving a computed context failed: {err!r}")
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def _write(self, name: str, data: bytearray) -> None:
+        """Write a state whole: a temporary name, fsync, rename, the folder's fsync."""
+        seal_state(data)
+        temp = os.path.join(self.folder, f"{STATE_TEMP_PREFIX}{os.getpid()}-{name}")
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
+            try:
+                write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(temp, os.path.join(self.folder, name))
+            fsync_dir(self.folder)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            log.limited(f"state write:{err.errno}", f"a computed context was not saved ({_os_error(err)}); "
+                        "jobs are not affected", "warning")
+            return
+        head = read_state_head(self.folder, name)
+        with self._lock:
+            if head is not None:
+                self._index[name] = head
+            self.counts["saved"] += 1
+
+    def evict(self) -> None:
+        """Remove the least recently used states (any fingerprint's) while they hold more than
+        the bound."""
+        files = []
+        with contextlib.suppress(OSError), os.scandir(self.folder) as entries:
+            for entry in entries:
+                if entry.name.endswith(STATE_SUFFIX):
+                    with contextlib.suppress(OSError):
+                        info = entry.stat(follow_symlinks=False)
+                        files.append((info.st_mtime, entry.name, info.st_size))
+        total = sum(size for _, _, size in files)
+        for _, name, size in sorted(files):
+            if total <= self.limit:
+                break
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.folder, name))
+            total -= size
+            with self._lock:
+                self._index.pop(name, None)
+
+    def close(self) -> None:
+        """Write the pending saves and stop the Saver."""
+        if self._saver is not None:
+            self._queue.put(None)
+            self._saver.join()
+            self._saver = None
+
+
+# ============================================================================
+# 11.7 Continuous batching
 # ============================================================================
 # LlamaSession: a worker's context stepping every running job a token at a time (_Batch.fill,
 # decode, sample and end), sharing prefixes (_PrefixCache) and yielding to higher priorities
@@ -9401,6 +9872,29 @@ class LlamaSession(Session):
         if n > 1:
             _Choices.begin(self, seq, n)
         self.prefixes.make_room(self.slots, self.cells)
+        if self.runner.store is not None and self.prefixes.enabled and not seq.waiting:
+            self._restore(seq, self.runner.store)
+
+    def _restore(self, seq: _Sequence, store: StateStore) -> None:
+        """Give ``seq`` a saved state's cells where one covers more of its prompt than this
+        context's memory did (by RESTORE_GAIN_TOKENS): read, restored into its slot, cut back to
+        the prefix they share (full attention only). The last prompt token is always decoded:
+        its logits are not saved."""
+        found = store.find(seq.prompt, len(seq.prompt) - 1, seq.budget, self.runner.trimmable)
+        if found is None or found[1] < seq.pos + RESTORE_GAIN_TOKENS:
+            return
+        head, shared = found
+        self.prefixes.held[seq.slot] = []
+        if not store.restore(self.L, self.ctx, seq.slot, head):
+            seq.at(0)  # its slot was emptied: the whole prompt is computed
+            return
+        if shared < len(head.tokens) and not self.L.llama_memory_seq_rm(self.memory, seq.slot, shared, -1):
+            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+            seq.at(0)
+            return
+        seq.at(shared)
+        seq.from_disk = shared
+        log.debug(f"Job {seq.job.id}: {shared} of {len(seq.prompt)} prompt tokens from saved state {head.name}")
 
     def _embedder(self) -> _Embedder:
         """The worker's embedding context, made on first use."""
@@ -9581,7 +10075,15 @@ class LlamaSession(Session):
         return seq.job, outcome
 
     def release(self, seq: _Sequence, keep: bool) -> None:
-        """Free ``seq``'s slot; with ``keep``, its KV cells stay for the next job's prefix."""
+        """Free ``seq``'s slot; with ``keep``, its KV cells stay for the next job's prefix, and are
+        saved to disk when the runner's StateStore wants them (see StateStore.wants)."""
+        store = self.runner.store
+        if keep and store is not None and self.prefixes.enabled and seq.choices is None:
+            params = seq.job.params
+            conversation = job_param(params, "parent") is not None or any(
+                t.get("role") == "assistant" for t in job_param(params, "messages") or ())
+            if store.wants(seq.cached, conversation, seq.computed + seq.n_gen):
+                store.save(self.L, self.ctx, seq.slot, seq.cached, seq.job.id)
         self.slots[seq.slot] = None
         seq.sampler.free()
         self.prefixes.release(seq, keep)
@@ -9612,7 +10114,7 @@ class LlamaSession(Session):
 
 
 # ============================================================================
-# 11.7 The runner
+# 11.8 The runner
 # ============================================================================
 # LlamaRunner: the model loaded once and shared, the runner's caches (pieces, grammars, the
 # Grammar and Wide threads) and a session per worker. Its docstring's Threads line says who calls
@@ -9714,6 +10216,10 @@ class LlamaRunner(Runner):
         self._sessions: list[LlamaSession] = []
         self._wide: Optional[_CallThread] = None
         self._wide_lock = threading.Lock()  # held while a decode with borrowed threads runs
+        # Saved states may be cut back only where every layer's cells can be (full attention).
+        self.trimmable = not (L.llama_model_is_recurrent(self.model) or L.llama_model_is_hybrid(self.model)
+                              or L.llama_model_n_swa(self.model) > 0)
+        self.store = StateStore.for_model(self, model_path) if not self.embedding_only else None
 
     def meta(self, key: str) -> Optional[str]:
         """A GGUF metadata value as text, or None if the model has no such key."""
@@ -10055,6 +10561,8 @@ class LlamaRunner(Runner):
         if self._converter is not None:  # a conversion under way is abandoned, not waited for
             self._converter.close(wait=False)
             self._converter = None
+        if self.store is not None:
+            self.store.close()
         if self.model:
             self.L.llama_model_free(self.model)
             self.model = None
@@ -10985,6 +11493,8 @@ class Processor:
                     generated_tokens=outcome.generated_tokens)
         if outcome.prompt_computed is not None:
             meta["prompt_computed"] = outcome.prompt_computed
+        if outcome.prompt_reused is not None:
+            meta["prompt_reused"] = outcome.prompt_reused
         if outcome.error_code is None:
             meta["finish_reason"] = outcome.finish_reason
             files = [(RESULT_FILE, outcome.text.encode("utf-8"))]
@@ -12381,6 +12891,11 @@ class Server:
             self.config.workers = _check_setting("workers", workers)
         self.model = model
         self.workspace = os.fspath(workspace)
+        if not self.config.cache_dir:  # saved KV states: the workspace's own folder unless a setting names one
+            import copy
+
+            self.config = copy.copy(self.config)  # a Config given for several workspaces keeps its own
+            self.config.cache_dir = states_folder(os.path.abspath(self.workspace))
         if runner is not None and not isinstance(runner, Runner):
             if not callable(runner):
                 raise TypeError("runner must be a Runner or a function fn(job) -> str")
