@@ -4959,6 +4959,11 @@ STATE_HEADER_LIMIT = 1 << 16
 StateHead = namedtuple("StateHead", "name fingerprint job tokens blob size mtime")
 
 
+def _is_state_name(name: str) -> bool:
+    """A saved state's file name (a temporary one, hidden, is not)."""
+    return name.endswith(STATE_SUFFIX) and not name.startswith(".")
+
+
 def states_folder(workspace: str, cache_dir: str = "") -> str:
     """Where a workspace's saved states live: NRVNA_CACHE_DIR, else its states/."""
     return cache_dir or os.path.join(workspace, STATES)
@@ -5070,7 +5075,7 @@ def remove_states_of(folder: str, job_ids: set[str]) -> int:
     """Remove the saved states whose source job is one of ``job_ids`` (clean); how many."""
     removed = 0
     try:
-        names = [n for n in os.listdir(folder) if n.endswith(STATE_SUFFIX)]
+        names = [n for n in os.listdir(folder) if _is_state_name(n)]
     except OSError:
         return 0
     for name in names:
@@ -7100,7 +7105,8 @@ def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: boo
                dry_run: bool = False, now: Optional[float] = None) -> list[str]:
     """Remove finished jobs that finished more than ``older_than`` seconds ago; return their
     IDs. Queued and running jobs are never touched. Each job is first renamed to a hidden
-    name (atomic: readers see it whole or not at all), then deleted."""
+    name (atomic: readers see it whole or not at all), then deleted; so are the KV states
+    saved from their contexts (NRVNA_CACHE_DIR, else the workspace's states/)."""
     require_workspace(workspace)
     now = time.time() if now is None else now
     removed = []
@@ -7137,6 +7143,7 @@ def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: boo
     if removed and not dry_run:
         _prune_tag_index(workspace)
         _prune_keys(workspace)
+        remove_states_of(states_folder(workspace, str(setting_default("cache_dir"))), set(removed))
     return removed
 
 
@@ -9226,13 +9233,18 @@ class StateStore:
         return cls(config.cache_dir, state_fingerprint(runner, model_path), limit, config.cache_min_tokens)
 
     def _clean_temporaries(self) -> None:
+        """Remove the temporary files of saves cut short: their writer (the pid in the name) is
+        dead, or they are older than any save takes (another daemon's, on another machine)."""
         now = time.time()
         with contextlib.suppress(OSError), os.scandir(self.folder) as entries:
             for entry in entries:
-                if entry.name.startswith(STATE_TEMP_PREFIX):
-                    with contextlib.suppress(OSError):
-                        if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS:
-                            os.unlink(entry.path)
+                if not entry.name.startswith(STATE_TEMP_PREFIX):
+                    continue
+                pid = entry.name[len(STATE_TEMP_PREFIX):].partition("-")[0]
+                with contextlib.suppress(OSError):
+                    if (not pid.isdigit() or not _process_exists(int(pid))
+                            or now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS):
+                        os.unlink(entry.path)
 
     def _refresh(self) -> None:
         """Read the headers of states saved since the folder was last listed (by any daemon)
@@ -9244,12 +9256,16 @@ class StateStore:
         if mtime == self._listed:
             return
         try:
-            names = {n for n in os.listdir(self.folder) if n.endswith(STATE_SUFFIX)}
+            names = {n for n in os.listdir(self.folder) if _is_state_name(n)}
         except OSError:
             return
         with self._lock:
             known = set(self._index)
         found = {n: read_state_head(self.folder, n) for n in names - known}
+        for name in [n for n, head in found.items() if head is None]:  # a .kv name is only ever a whole file
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.folder, name))
+                log.warning(f"saved state {name} removed: it is torn, damaged or not a state file")
         with self._lock:
             self._listed = mtime
             for name in known - names:
@@ -9286,6 +9302,7 @@ class StateStore:
 
         read = read_state(self.folder, head)
         if read is None:
+            L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)  # as a refused restore leaves it
             self._remove(head, "it is torn or damaged (its crc)")
             return False
         data, offset = read
@@ -9341,7 +9358,7 @@ class StateStore:
             copied = L.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data, offset), size, slot)
         except MemoryError:
             copied, size = 0, 1
-        if not size or copied != size or size + len(data) > self.limit:
+        if not size or copied != size or len(data) > self.limit:
             with self._lock:
                 self._pending -= 1
             return
@@ -9368,7 +9385,7 @@ class StateStore:
     def _write(self, name: str, data: bytearray) -> None:
         """Write a state whole: a temporary name, fsync, rename, the folder's fsync."""
         seal_state(data)
-        temp = os.path.join(self.folder, f"{STATE_TEMP_PREFIX}{os.getpid()}-{name}")
+        temp = os.path.join(self.folder, f"{STATE_TEMP_PREFIX}{os.getpid()}-{name}.part")
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
             try:
@@ -9396,7 +9413,7 @@ class StateStore:
         files = []
         with contextlib.suppress(OSError), os.scandir(self.folder) as entries:
             for entry in entries:
-                if entry.name.endswith(STATE_SUFFIX):
+                if _is_state_name(entry.name):
                     with contextlib.suppress(OSError):
                         info = entry.stat(follow_symlinks=False)
                         files.append((info.st_mtime, entry.name, info.st_size))
