@@ -204,6 +204,11 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Worker-N -> LlamaRunner: _pieces (token -> bytes cache) => no lock: a token's bytes are the same
         whoever stores them, and one dict get or set is atomic
     Worker-N -> LlamaRunner: _sessions => _lock
+    Worker-N, Saver -> StateStore: _index, _pending, counts (find, restore, wants, save on the worker; _write,
+        evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
+        under a temporary name first); the loader's close joins the Saver
+    Worker-N, Watcher -> Pool (waiting: children whose parent has not ended): released by a finish (the
+        worker or Finisher), release_finished by the Watcher => Pool._cond's lock
     Worker-N, Wide -> LlamaRunner (decode_wide, wait_wide): the Wide thread's OpenMP team => _wide_lock:
         one borrower's decode at a time; a plain decode waits for it to end
     Grammar -> LlamaRunner (_convert), _Conversion: a conversion's found / error => written before its
@@ -10088,14 +10093,15 @@ class LlamaSession(Session):
             return None if ended is None else (seq.job, ended)
         # A job that ran in the kept room leaves no cells: the jobs it paused go on over the very
         # cache they paused with (attention over extra cells computes the same text differently).
-        self.release(seq, keep and not seq.reserved)
+        self.release(seq, keep and not seq.reserved, save=error is None)
         return seq.job, outcome
 
-    def release(self, seq: _Sequence, keep: bool) -> None:
-        """Free ``seq``'s slot; with ``keep``, its KV cells stay for the next job's prefix, and are
-        saved to disk when the runner's StateStore wants them (see StateStore.wants)."""
+    def release(self, seq: _Sequence, keep: bool, save: bool = False) -> None:
+        """Free ``seq``'s slot; with ``keep``, its KV cells stay for the next job's prefix; with
+        ``save`` too (its job is done), they are saved to disk when the runner's StateStore wants
+        them (see StateStore.wants)."""
         store = self.runner.store
-        if keep and store is not None and self.prefixes.enabled and seq.choices is None:
+        if keep and save and store is not None and self.prefixes.enabled and seq.choices is None:
             params = seq.job.params
             conversation = job_param(params, "parent") is not None or any(
                 t.get("role") == "assistant" for t in job_param(params, "messages") or ())
