@@ -10917,7 +10917,7 @@ class Pool:
         error, or held by another claimer for now)."""
         with self._cond:
             self._busy -= 1
-            priority, queue = self._taken.pop(job_id, _Place(0, self.active or 0))
+            priority, queue, _ = self._taken.pop(job_id, _Place(0, self.active or 0))
             heapq.heappush(self._later, (time.monotonic() + delay, job_id, priority, queue))
             self._cond.notify()
 
