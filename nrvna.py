@@ -40,7 +40,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_members
    7.6 Reading a job                Job, _read_choices, continued_turns, parent_conversation, _DirWatch
    7.7 Saved states on disk         STATES, StateHead, state_name, state_buffer, seal_state, read_state_head,
-                                      read_state, remove_states_of
+                                      map_state, state_whole, read_state, remove_states_of
 8. Batch files and export           read_batch, parse_batch, parse_records (templates), EXPORT_FORMATS,
                                     export_record, job_vectors
 9. Client
@@ -57,7 +57,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
                                       _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
-   11.6 Saved states                _shared_prefix, StateStore (computed contexts on disk; the Saver thread)
+   11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
    11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
    11.8 The runner                  LlamaRunner
 12. Daemon
@@ -206,7 +206,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Worker-N -> LlamaRunner: _sessions => _lock
     Worker-N, Saver -> StateStore: _index, _pending, counts (find, restore, wants, save on the worker; _write,
         evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
-        under a temporary name first); the loader's close joins the Saver
+        under a temporary name first); the loader's close joins the Saver. A restore's crc is checked on a
+        StateCheck thread of its own, joined by the worker before it closes the mapping
     Worker-N, Watcher -> Pool (waiting: children whose parent has not ended): released by a finish (the
         worker or Finisher), release_finished by the Watcher => Pool._cond's lock
     Worker-N, Wide -> LlamaRunner (decode_wide, wait_wide): the Wide thread's OpenMP team => _wide_lock:
@@ -406,6 +407,7 @@ def _os_error(err: OSError) -> str:
 
 LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
 POOLINGS = ("model", "mean", "cls", "last", "none")  # llama.cpp's pooling types, by name
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}  # a size setting's units (1024-based)
 
 
 # What a hook's environment holds: variable -> (the settings whose hooks get it, meaning). The
@@ -461,9 +463,6 @@ def thinking_tags(value: str) -> Optional[tuple[str, str]]:
     if len(words) != 2 or words[0] == words[1]:
         raise ConfigError(f"NRVNA_THINKING_TAGS: {value!r} is not auto, off, or two different tags OPEN CLOSE")
     return words[0], words[1]
-
-
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def size_bytes(value: Any) -> int:
@@ -4946,11 +4945,10 @@ class _DirWatch:
 # ============================================================================
 # 7.7 Saved states on disk: the file format
 # ============================================================================
-# A saved KV state (see StateStore, §11.6) is one file, ``HASH.kv`` in the workspace's states/ (or
-# NRVNA_CACHE_DIR): magic, header length, a JSON header (the fingerprint of what makes the numbers
-# valid, the source job, the counts), the tokens it covers (int32 little-endian), llama.cpp's
-# per-sequence state, and a crc32 of everything before it. Written whole under a temporary name,
-# fsynced, renamed: a torn or damaged file fails its crc and is a miss. Stateless; any thread.
+# A saved KV state (StateStore, §11.6) is one file, states/HASH.kv: magic, header length, a JSON
+# header (fingerprint, source job, counts), its tokens (int32 LE), llama.cpp's per-sequence state,
+# a crc32 of all before it. Written whole (temporary name, fsync, rename): a torn or damaged file
+# fails its crc and is a miss. Stateless; any thread.
 
 
 STATES = "states"  # the workspace's folder of saved KV states (NRVNA_CACHE_DIR names another)
@@ -5047,33 +5045,44 @@ def read_state_head(folder: str, name: str) -> Optional[StateHead]:
         os.close(fd)
 
 
-def read_state(folder: str, head: StateHead) -> Optional[tuple[bytearray, int]]:
-    """A state file whole, checked against its crc: its bytes and where the state starts;
-    None for a torn, damaged or changed file."""
-    import struct
-    import zlib
+def map_state(folder: str, head: StateHead) -> Optional[Any]:
+    """A state file mapped whole (copy-on-write: ctypes may point into it; the page cache is
+    read, never copied), or None when it is gone or not the file ``head`` describes."""
+    import mmap
 
     try:
         fd = os.open(os.path.join(folder, head.name), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
-    data = bytearray(head.size)
-    view, got = memoryview(data), 0
     try:
         if os.fstat(fd).st_size != head.size:
             return None
-        while got < head.size:
-            n = os.readv(fd, [view[got:]])
-            if n <= 0:
-                return None
-            got += n
-    except OSError:
+        return mmap.mmap(fd, head.size, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError):
         return None
     finally:
         os.close(fd)
-    if struct.unpack("<I", data[-4:])[0] != zlib.crc32(view[:-4]):
+
+
+def state_whole(mapped: Any) -> bool:
+    """Whether a mapped state file's crc32 matches (zlib releases the GIL: it can run beside the
+    restore that reads the same pages)."""
+    import struct
+    import zlib
+
+    view = memoryview(mapped)
+    try:
+        return struct.unpack("<I", view[-4:])[0] == zlib.crc32(view[:-4])
+    finally:
+        view.release()
+
+
+def read_state(folder: str, head: StateHead) -> Optional[Any]:
+    """A state file mapped and checked against its crc; None for a torn, damaged or changed file."""
+    mapped = map_state(folder, head)
+    if mapped is None or not state_whole(mapped):
         return None
-    return data, head.size - 4 - head.blob
+    return mapped
 
 
 def remove_states_of(folder: str, job_ids: set[str]) -> int:
@@ -9193,6 +9202,25 @@ def _shared_prefix(a: Any, b: Any) -> int:
     return low
 
 
+class _CheckThread:
+    """A mapped state's crc checked on a thread of its own (see StateStore.restore).
+
+    Threads: made and joined (``result``) by one worker; the checking thread reads the mapping
+    only, which the worker closes after the join."""
+
+    def __init__(self, mapped: Any) -> None:
+        self._whole = False
+        self._thread = threading.Thread(target=self._check, args=(mapped,), name="StateCheck", daemon=True)
+        self._thread.start()
+
+    def _check(self, mapped: Any) -> None:
+        self._whole = state_whole(mapped)
+
+    def result(self) -> bool:
+        self._thread.join()
+        return self._whole
+
+
 class StateStore:
     """A model's saved KV states: which exist (an index of their headers, read again when the
     folder changes: another daemon's saves), the longest one a job's tokens begin with
@@ -9302,20 +9330,29 @@ class StateStore:
 
     def restore(self, L: Any, ctx: Any, slot: int, head: StateHead) -> bool:
         """Put ``head``'s state into sequence ``slot`` of ``ctx`` (what it held is replaced);
-        False, the sequence emptied, if it cannot be (a damaged file is removed)."""
+        False, the sequence emptied, if it cannot be (a damaged file is removed). The file is
+        mapped, and its crc checked on another thread while llama.cpp copies it in: a state
+        that fails it is taken out again before anything is decoded with it."""
         import ctypes
 
-        read = read_state(self.folder, head)
-        if read is None:
-            L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)  # as a refused restore leaves it
+        mapped = map_state(self.folder, head)
+        whole = _CheckThread(mapped) if mapped is not None else None
+        restored = False
+        if mapped is not None:
+            buffer = (ctypes.c_uint8 * head.blob).from_buffer(mapped, head.size - 4 - head.blob)
+            restored = L.llama_state_seq_set_data(ctx, buffer, head.blob, slot) == head.blob
+            del buffer
+        if whole is None or not whole.result():
+            L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
             self._remove(head, "it is torn or damaged (its crc)")
-            return False
-        data, offset = read
-        buffer = (ctypes.c_uint8 * head.blob).from_buffer(data, offset)
-        if L.llama_state_seq_set_data(ctx, buffer, head.blob, slot) != head.blob:
+            restored = False
+        elif not restored:
             L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
             log.limited("state restore", f"saved state {head.name} could not be restored (llama.cpp refused it: "
                         "no room, or a layout this context does not have); its prompt is computed", "warning")
+        if mapped is not None:
+            mapped.close()
+        if not restored:
             return False
         with contextlib.suppress(OSError):
             os.utime(os.path.join(self.folder, head.name))  # recently used: evicted last
@@ -9907,6 +9944,7 @@ class LlamaSession(Session):
             return
         head, shared = found
         self.prefixes.held[seq.slot] = []
+        began = time.monotonic()
         if not store.restore(self.L, self.ctx, seq.slot, head):
             seq.at(0)  # its slot was emptied: the whole prompt is computed
             return
@@ -9916,7 +9954,8 @@ class LlamaSession(Session):
             return
         seq.at(shared)
         seq.from_disk = shared
-        log.debug(f"Job {seq.job.id}: {shared} of {len(seq.prompt)} prompt tokens from saved state {head.name}")
+        log.debug(f"Job {seq.job.id}: {shared} of {len(seq.prompt)} prompt tokens from saved state {head.name} "
+                  f"in {(time.monotonic() - began) * 1000:.0f} ms")
 
     def _embedder(self) -> _Embedder:
         """The worker's embedding context, made on first use."""

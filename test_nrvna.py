@@ -5577,7 +5577,7 @@ def test_the_design_page_names_only_sections_and_names_that_exist() -> None:
     missing = []
     for code in set(re.findall(r"`([A-Za-z_][\w.]*)`", page)):
         top = code.split(".")[0]
-        threads = {"Main", "Scanner", "Watcher", "Models", "Finisher", "Hooks", "Grammar", "Wide"}  # names in the log
+        threads = {"Main", "Scanner", "Watcher", "Models", "Finisher", "Hooks", "Grammar", "Wide", "Saver"}  # names in the log
         if (top[0].isupper() or "_" in top) and not top.startswith("NRVNA_") and top not in nrvna.FAILURE_CODES \
                 and top not in threads and not code.startswith(("llama_", "Llama.")) \
                 and top not in nrvna.PARAMS and not code.endswith((".txt", ".json", ".md")):
@@ -6921,10 +6921,12 @@ def test_a_damaged_or_foreign_state_is_never_restored(tmp_path: Path, model: str
     # Another model's state (its fingerprint differs) is a miss, and is left for that model.
     [mine] = wait_for_states(ws)
     head = nrvna.read_state_head(os.path.join(ws, nrvna.STATES), mine)
-    data = bytearray(Path(ws, nrvna.STATES, mine).read_bytes())
-    data[:] = data.replace(head.fingerprint.encode(), head.fingerprint.replace('"model":[', '"model":[1').encode())
+    blob = Path(ws, nrvna.STATES, mine).read_bytes()[-4 - head.blob:-4]
+    data, offset = nrvna.state_buffer(head.fingerprint.replace('"model":[', '"model":[1'), head.job, head.tokens, head.blob)
+    data[offset:offset + head.blob] = blob
     nrvna.seal_state(data)
     Path(ws, nrvna.STATES, mine).write_bytes(bytes(data))
+    assert nrvna.read_state_head(os.path.join(ws, nrvna.STATES), mine).fingerprint != head.fingerprint
     grandchild = conversation_turn(ws, "Once more?", child)
     assert cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=env, timeout=300).returncode == 0
     meta = Flow(ws).get(grandchild).meta
@@ -7841,7 +7843,7 @@ def test_a_pre_existing_output_entry_is_never_replaced(ws: str) -> None:
 
 def test_the_pool_takes_the_highest_priority_first_and_fifo_within_a_lane() -> None:
     priorities = {"1_1_1": 0, "1_1_2": 5, "1_1_3": 0, "1_1_4": -3, "1_1_5": 5, "1_1_6": 10}
-    pool = nrvna.Pool(lambda job_id: (priorities[job_id], 0))
+    pool = nrvna.Pool(lambda job_id: nrvna._Place(priorities[job_id], 0))
     pool.push(sorted(priorities))
     assert pool.top_priority() == 10
     assert pool.get(0.0, above=10) is None  # nothing above 10
@@ -8972,7 +8974,7 @@ def test_a_queued_job_s_lane_and_model_are_read_from_any_params_json(tmp_path: P
         job = tmp_path / f"job{n}"
         job.mkdir()
         (job / "params.json").write_text(text)
-        assert nrvna.read_route(str(job)) == expected, text
+        assert nrvna.read_route(str(job))[:3] == expected, text
 
 
 def models_dir(tmp_path: Path, **files: str) -> tuple[Path, dict[str, str]]:

@@ -519,6 +519,8 @@ def check_restore(args: argparse.Namespace, texts: Texts, base: str) -> list[lis
     print(f"turn 2: {worst.prompt_tokens:,} prompt tokens; after the SIGKILL computed "
           f"{', '.join(_cell(t.computed) for t in killed)} (from disk {', '.join(_cell(t.disk) for t in killed)}); "
           f"never stopped computed {', '.join(_cell(t.computed) for t in kept)}")
+    print(f"turn 2 with max_tokens 1, wall s per round: after the SIGKILL {', '.join(f'{t.latency:.3f}' for t in killed)}; "
+          f"never stopped {', '.join(f'{t.latency:.3f}' for t in kept)}")
     print(f"turn 1's answer equal on both daemons: {'yes' if w1.text == t1.text else 'NO'}")
     return [
         ["turn 2's prompt_computed after SIGKILL + restart (worst round)",
