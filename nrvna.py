@@ -4989,20 +4989,22 @@ def state_name(fingerprint: str, tokens: Any) -> str:
     return hashlib.sha256(fingerprint.encode("utf-8") + b"\0" + _le_tokens(tokens)).hexdigest()[:40] + STATE_SUFFIX
 
 
-def state_buffer(fingerprint: str, job_id: str, tokens: Any, blob: int) -> tuple[bytearray, int]:
-    """A state file's bytes but its state and crc: the buffer and where the state goes."""
+def state_buffer(fingerprint: str, job_id: str, tokens: Any, blob: int) -> tuple[Any, int]:
+    """A state file's bytes but its state and crc: the buffer (writable, an anonymous mapping)
+    and where the state goes."""
     import json
+    import mmap
     import struct
 
     header = json.dumps({"fingerprint": fingerprint, "job": job_id, "tokens": len(tokens), "blob": blob,
                          "created": round(time.time(), 3)}).encode("utf-8")
     head = STATE_MAGIC + struct.pack("<I", len(header)) + header + _le_tokens(tokens)
-    data = bytearray(len(head) + blob + 4)
+    data = mmap.mmap(-1, len(head) + blob + 4)  # anonymous: pages zeroed lazily (a bytearray memsets 184 MB)
     data[:len(head)] = head
     return data, len(head)
 
 
-def seal_state(data: bytearray) -> None:
+def seal_state(data: Any) -> None:
     """Write the crc32 of everything before the last 4 bytes into them."""
     import struct
     import zlib
@@ -9424,7 +9426,7 @@ class StateStore:
                 with self._lock:
                     self._pending -= 1
 
-    def _write(self, name: str, data: bytearray) -> None:
+    def _write(self, name: str, data: Any) -> None:
         """Write a state whole: a temporary name, fsync, rename, the folder's fsync."""
         seal_state(data)
         temp = os.path.join(self.folder, f"{STATE_TEMP_PREFIX}{os.getpid()}-{name}.part")
@@ -9821,6 +9823,7 @@ class LlamaSession(Session):
         self.preemption = _Preemption(self.L, self.ctx, runner.abort_callback)
         self.templates = _GrammarTemplates(runner)
         self.scratch = _SamplingScratch(runner)  # the arrays this context's samplers draw with
+        self.saves: list[tuple[int, list[int], str]] = []  # ended sequences' contexts to save (save_ended)
 
     def preempt(self) -> None:
         if self.ctx is not None:
@@ -9877,7 +9880,16 @@ class LlamaSession(Session):
         """No job in flight: trim the cells finished jobs left to the prefixes the next jobs
         can reuse (see _PrefixCache.trim)."""
         if self.ctx is not None:
+            self.save_ended()
             self.prefixes.trim(self.slots)
+
+    def save_ended(self) -> None:
+        """Copy the contexts of the jobs that ended last step out for the runner's Saver: after
+        their results were handed on (a 184 MB copy is not in a job's latency), and before
+        anything else touches their cells (a new job's start, a step, a trim, a drop)."""
+        saves, self.saves = self.saves, []
+        for slot, tokens, job_id in saves:
+            self.runner.store.save(self.L, self.ctx, slot, tokens, job_id)
 
     def active(self) -> list[RunningJob]:
         """The jobs generating in this context, then those whose grammar is being made, then
@@ -9888,6 +9900,7 @@ class LlamaSession(Session):
 
     def start(self, job: RunningJob) -> None:
         """Take ``job`` into a free slot; raise JobError if its prompt cannot run here."""
+        self.save_ended()
         if job_param(job.params, "embed"):
             self._embedder().start(job)
             return
@@ -9977,6 +9990,7 @@ class LlamaSession(Session):
     def step(self) -> list[tuple[RunningJob, Outcome]]:
         """One ``llama_decode`` for every generating job and one for texts of embed jobs;
         return the jobs that ended, with outcomes. Jobs whose grammar has been made begin."""
+        self.save_ended()
         ended = self._converted() if self.converting else []
         stepping = any(s is not None for s in self.slots) or (self.embedder is not None and bool(self.embedder.jobs))
         ended += self._generate() if self.ctx is not None else []
@@ -10145,7 +10159,7 @@ class LlamaSession(Session):
             conversation = job_param(params, "parent") is not None or any(
                 t.get("role") == "assistant" for t in job_param(params, "messages") or ())
             if store.wants(seq.cached, conversation, seq.computed + seq.n_gen):
-                store.save(self.L, self.ctx, seq.slot, seq.cached, seq.job.id)
+                self.saves.append((seq.slot, list(seq.cached), seq.job.id))  # copied out at save_ended
         self.slots[seq.slot] = None
         seq.sampler.free()
         self.prefixes.release(seq, keep)
@@ -10153,6 +10167,7 @@ class LlamaSession(Session):
     def drop(self, job: RunningJob) -> None:
         """Forget ``job`` (it is being handed back to the queue) and free its slot (a conversion
         of its grammar goes on for the jobs that share it, or is abandoned)."""
+        self.save_ended()
         self.converting = [entry for entry in self.converting if entry[0] is not job]
         for seq in self.slots:
             if seq is not None and seq.job is job:
@@ -10162,6 +10177,8 @@ class LlamaSession(Session):
 
     def close(self) -> None:
         """Free the contexts, their batches and every sampler."""
+        if self.ctx is not None:
+            self.save_ended()
         if self.embedder is not None:
             self.embedder.close()
         self.converting = []
