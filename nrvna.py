@@ -10824,6 +10824,7 @@ class Pool:
         self.active: Optional[int] = 0  # the queue ``get`` takes from
         self._waiting: set[int] = set()  # idle workers blocked in get()
         self._favored: Optional[int] = None  # the worker whose job ended last
+        self._resting = False  # the favored worker has nothing running and is on its way back to get
 
     def push(self, job_ids: Iterable[str]) -> int:
         """Queue the IDs not already queued or running; return how many were new."""
@@ -10924,6 +10925,8 @@ class Pool:
         """
         deadline = time.monotonic() + timeout
         with self._cond:
+            if worker is not None and worker == self._favored:
+                self._resting = False  # here now: _waiting says whether it waits
             while not self._closed and self.active is not None:
                 now = time.monotonic()
                 while self._later and self._later[0][0] <= now:
@@ -10953,12 +10956,14 @@ class Pool:
     def _leave_to_favored(self, worker: Optional[int], heap: list[Any]) -> bool:
         favored = self._favored
         return (worker is not None and favored is not None and favored != worker
-                and len(heap) == 1 and favored in self._waiting)
+                and len(heap) == 1 and (favored in self._waiting or self._resting))
 
-    def favor(self, worker: int) -> None:
-        """``worker``'s job is the one that ended last (see ``get``)."""
+    def favor(self, worker: int, resting: bool = False) -> None:
+        """``worker``'s job is the one that ended last (see ``get``); ``resting``: it runs no
+        other job and comes back to ``get`` once it has copied its ended contexts out for saving
+        (LlamaSession.save_ended): a lone job waits for it meanwhile."""
         with self._cond:
-            self._favored = worker
+            self._favored, self._resting = worker, resting
 
     def done(self, job_id: str) -> None:
         """The worker is finished with ``job_id`` (ended, lost a claim race, or requeued)."""
@@ -13257,7 +13262,7 @@ class Server:
                         else:
                             self._end(job, outcome)
                     if ended:
-                        self.pool.favor(index)
+                        self.pool.favor(index, resting=not session.active())
             except Exception as err:  # a runner bug fails its jobs, never the worker
                 log.error(f"runner error: {err!r}")
                 for job in session.active():
