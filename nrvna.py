@@ -9810,6 +9810,7 @@ class LlamaSession(Session):
         self.converting: list[tuple[RunningJob, _Conversion]] = []
         self.ctx: Any = None
         self.slots: list[Optional[_Sequence]] = []
+        self.saves: list[tuple[int, list[int], str]] = []  # ended sequences' contexts to save (save_ended)
         if runner.embedding_only:  # no generation context: generation jobs fail at start()
             return
         self.ctx = _llama_context(runner, self.cells, n_batch, seqs + 1, threads)
@@ -9823,7 +9824,6 @@ class LlamaSession(Session):
         self.preemption = _Preemption(self.L, self.ctx, runner.abort_callback)
         self.templates = _GrammarTemplates(runner)
         self.scratch = _SamplingScratch(runner)  # the arrays this context's samplers draw with
-        self.saves: list[tuple[int, list[int], str]] = []  # ended sequences' contexts to save (save_ended)
 
     def preempt(self) -> None:
         if self.ctx is not None:
