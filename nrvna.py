@@ -38,7 +38,9 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job
    7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
    7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_members
-   7.6 Reading a job                Job, _read_choices, _DirWatch
+   7.6 Reading a job                Job, _read_choices, continued_turns, parent_conversation, _DirWatch
+   7.7 Saved states on disk         STATES, StateHead, state_name, state_buffer, seal_state, read_state_head,
+                                      map_state, state_whole, read_state, remove_states_of
 8. Batch files and export           read_batch, parse_batch, parse_records (templates), EXPORT_FORMATS,
                                     export_record, job_vectors
 9. Client
@@ -55,8 +57,9 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
                                       _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
-   11.6 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
-   11.7 The runner                  LlamaRunner
+   11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
+   11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
+   11.8 The runner                  LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
@@ -201,6 +204,12 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Worker-N -> LlamaRunner: _pieces (token -> bytes cache) => no lock: a token's bytes are the same
         whoever stores them, and one dict get or set is atomic
     Worker-N -> LlamaRunner: _sessions => _lock
+    Worker-N, Saver -> StateStore: _index, _pending, counts (find, restore, wants, save on the worker; _write,
+        evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
+        under a temporary name first); the loader's close joins the Saver. A restore's crc is checked on a
+        StateCheck thread of its own, joined by the worker before it closes the mapping
+    Worker-N, Watcher -> Pool (waiting: children whose parent has not ended): released by a finish (the
+        worker or Finisher), release_finished by the Watcher => Pool._cond's lock
     Worker-N, Wide -> LlamaRunner (decode_wide, wait_wide): the Wide thread's OpenMP team => _wide_lock:
         one borrower's decode at a time; a plain decode waits for it to end
     Grammar -> LlamaRunner (_convert), _Conversion: a conversion's found / error => written before its
@@ -244,6 +253,7 @@ __all__ = [
 ]
 
 import codecs
+import contextlib
 import enum
 import errno
 import functools
@@ -314,6 +324,8 @@ FAILURE_CODES = {
     "write_error": "its result could not be written `NRVNA_MAX_WRITE_TRIES` times (an I/O error, a file size "
                    "limit, a result larger than the whole filesystem; a full disk is waited out, never counted): "
                    "the message names the last error; each failed finish handed it back to the queue unchanged",
+    "parent_failed": "it continues a job (`parent`) that failed, was cancelled or is gone (cleaned): it did not run; "
+                     "`nrvna retry` the parent, then this job",
     "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "
                    "apart)",
     "runner_error": "the runner raised an unexpected exception (the message names it); the worker lives on",
@@ -395,6 +407,7 @@ def _os_error(err: OSError) -> str:
 
 LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
 POOLINGS = ("model", "mean", "cls", "last", "none")  # llama.cpp's pooling types, by name
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}  # a size setting's units (1024-based)
 
 
 # What a hook's environment holds: variable -> (the settings whose hooks get it, meaning). The
@@ -450,6 +463,25 @@ def thinking_tags(value: str) -> Optional[tuple[str, str]]:
     if len(words) != 2 or words[0] == words[1]:
         raise ConfigError(f"NRVNA_THINKING_TAGS: {value!r} is not auto, off, or two different tags OPEN CLOSE")
     return words[0], words[1]
+
+
+def size_bytes(value: Any) -> int:
+    """A size setting (``NRVNA_CACHE_DISK``) in bytes: a whole number of bytes, or with K, M, G
+    or T (1024-based; ``KB``/``KiB`` also read); ConfigError otherwise."""
+    text = str(value).strip().upper().replace("IB", "").replace("B", "")
+    number, unit = text.rstrip("KMGT"), text[len(text.rstrip("KMGT")):]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if unit not in _SIZE_UNITS or not (0 <= amount < 1 << 50) or amount != amount:
+        raise ConfigError(f"{value!r} is not a size (bytes, or a number with K, M, G or T: 512M, 2G)")
+    return int(amount * _SIZE_UNITS[unit])
+
+
+def _check_size(value: Any) -> str:
+    size_bytes(value)  # ConfigError naming the value
+    return str(value).strip()
 
 
 def _check_thinking_tags(value: Any) -> str:
@@ -546,7 +578,11 @@ SETTINGS: dict[str, _Setting] = {
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
     "mmap": _Setting("NRVNA_MMAP", int, 1, 0, 1, "1 maps model files into memory (loads fast, shares the page cache); 0 reads them into the daemon's memory, so that a model file overwritten in place (cp new.gguf model.gguf) cannot kill the daemon with SIGBUS",
                       flags=("--mmap",)),
-    "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs"),
+    "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs (and reads the states NRVNA_CACHE_DISK keeps); 0 computes every prompt whole"),
+    "cache_disk": _Setting("NRVNA_CACHE_DISK", str, "2G", None, None, "most bytes of computed contexts (KV states) kept on disk for later jobs, restarts and other daemons, least recently used out first: bytes, or with K, M, G, T; 0 turns the store off. 2G holds about 11 contexts of 8,000 tokens of SmolLM2-135M (23 KB a token), 2 of an 8B model (128 KB a token)",
+                           check=_check_size),
+    "cache_dir": _Setting("NRVNA_CACHE_DIR", str, "", None, None, "where the saved KV states live (empty: the workspace's states/): a faster disk than the workspace's, or one shared by workspaces"),
+    "cache_min_tokens": _Setting("NRVNA_CACHE_MIN_TOKENS", int, 512, 16, 1 << 24, "fewest tokens a saved KV state covers: a shorter context is computed again about as fast as its state is written and read"),
     "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job (default of max_tokens)"),
     "temperature": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature, 0 = greedy (default of temperature)"),
     "top_k": _Setting("NRVNA_TOP_K", int, 40, 0, 1 << 20, "top-k sampling, 0 = off (default of top_k)"),
@@ -3374,6 +3410,26 @@ def _check_template_kwargs(value: Any, param: Param) -> dict[str, Any]:
     return value
 
 
+def conversation_turns(prompt: str, params: Mapping[str, Any], answer: str) -> Optional[list[dict[str, str]]]:
+    """A chat job's whole conversation once it has answered: its turns (its messages, or its
+    system message and prompt; a child's, its parent's before them: resolved at its claim)
+    and its answer as the assistant's turn. None for a job with no turns (raw, embed)."""
+    if job_param(params, "raw") or job_param(params, "embed"):
+        return None
+    turns = [dict(turn) for turn in (job_param(params, "messages") or [{"role": "user", "content": prompt}])]
+    system = job_param(params, "system")
+    if system and turns[0]["role"] != "system":
+        turns.insert(0, {"role": "system", "content": system})
+    return turns + [{"role": "assistant", "content": answer}]
+
+
+def _check_parent(value: Any, param: Param) -> str:
+    """A parent: a job ID's form (that the job exists is checked where the workspace is known)."""
+    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
+        raise InvalidInput(f"parameter parent must be a job ID (got {str(value)[:80]!r})")
+    return value
+
+
 def _check_budget(value: Any, param: Param) -> int:
     """A thinking budget: an integer from 0; -1, llama-server's "no budget", is refused with the
     way to say that here (leave the parameter out)."""
@@ -3567,6 +3623,8 @@ def check_combination(params: Mapping[str, Any], max_tokens: Optional[int] = Non
                            "where the output ends (a stop string inside a JSON value would cut it short)")
     if job_param(params, "top_logprobs") is not None and not job_param(params, "logprobs"):
         raise InvalidInput("top_logprobs needs logprobs: true")
+    if job_param(params, "parent") is not None and job_param(params, "raw"):
+        raise InvalidInput("a raw prompt has no turns to continue: give parent without raw")
     check_logprobs_size(params, max_tokens)
     if job_param(params, "endpoint") and (job_param(params, "endpoint") == "/v1/embeddings") != bool(job_param(params, "embed")):
         raise InvalidInput("endpoint /v1/embeddings goes with embed jobs only")
@@ -3704,6 +3762,8 @@ PARAMS: dict[str, Param] = {
                                      help="a thinking model's most tokens of thinking: at the budget the daemon closes the block and the answer follows (0 = no thinking; a model that does not think ignores it)"),
     "reasoning_effort": Param(tuple(EFFORT_BUDGETS), flag="--reasoning-effort", openai=("reasoning_effort",),
                                help="a thinking budget by name: none 0, minimal 256, low 1024, medium 2048, high 8192 tokens (thinking_budget_tokens wins); also given to chat templates that read it (gpt-oss)"),
+    "parent": Param(str, low=1, high=128, flag="--parent", check=_check_parent, what="a job ID",
+                     help="continue that job's conversation: its turns, its answer as the assistant's, then this prompt (or these messages) as the next turn; waits while it runs, fails with parent_failed if it failed"),
     "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
                   help="label the jobs (status/wait/export/cancel/retry --tag)"),
     "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
@@ -3760,6 +3820,7 @@ PARTIAL_FILE = "partial.txt"  # text generated so far (running), or before a fai
 LOGPROBS_FILE = "logprobs.json"  # each generated token's log-probability, for jobs that ask
 CHOICES_FILE = "choices.json"  # a job of n > 1 choices: every choice (Outcome.choices)
 REASONING_FILE = "reasoning.txt"  # a thinking model's thinking, apart from result.txt (Outcome.reasoning)
+CONVERSATION_FILE = "conversation.json"  # a done chat job's turns and its answer: what a child continues
 CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
 # A running job's meta.json as its claim found it, hard-linked by the claim: a hand-back puts it
 # back with a rename, which needs no free space. A temporary (.tmp) to recovery, which removes it.
@@ -4257,7 +4318,7 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
     for name in os.listdir(dir_fd):
         if name in keep:
             continue
-        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE) or (
+        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE, CONVERSATION_FILE) or (
                 name.startswith(".") and name.endswith(".tmp")):
             _unlink_quietly(name, dir_fd)
 
@@ -4304,7 +4365,7 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
 # name finds its GGUF file. Stateless: the Scanner, the daemon's start and clients call it.
 
 
-Route = namedtuple("Route", "priority model embed")
+Route = namedtuple("Route", "priority model embed parent", defaults=(None,))
 
 
 def read_route(job_dir: str) -> Route:
@@ -4326,7 +4387,7 @@ def read_route(job_dir: str) -> Route:
         return Route(0, None, False)
     finally:
         os.close(dir_fd)
-    if b'"priority"' not in data and b'"model"' not in data and b'"embed"' not in data:
+    if not any(key in data for key in (b'"priority"', b'"model"', b'"embed"', b'"parent"')):
         return Route(0, None, False)
     try:
         params = json.loads(data)
@@ -4338,7 +4399,9 @@ def read_route(job_dir: str) -> Route:
     lane = PARAMS["priority"]
     if not (isinstance(priority, int) and not isinstance(priority, bool) and lane.low <= priority <= lane.high):
         priority = 0
-    return Route(priority, model if isinstance(model, str) and model else None, job_param(params, "embed") is True)
+    parent = job_param(params, "parent")
+    return Route(priority, model if isinstance(model, str) and model else None, job_param(params, "embed") is True,
+                 parent if isinstance(parent, str) and is_valid_id(parent) else None)
 
 
 def read_priority(job_dir: str) -> int:
@@ -4742,6 +4805,98 @@ def _read_choices(text: Optional[str]) -> Optional[list[dict[str, Any]]]:
     return choices
 
 
+def continued_turns(parent: list[dict[str, str]], own: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A child's turns: its parent's conversation, then its own turns; the child's own system
+    message, if it has one, replaces the parent's."""
+    system = [t for t in own[:1] if t["role"] == "system"] or [t for t in parent[:1] if t["role"] == "system"]
+    return system + [t for t in parent if t["role"] != "system"] + [t for t in own if t["role"] != "system"]
+
+
+def _turns_shape(turns: Any) -> bool:
+    """Whether ``turns`` is a conversation as nrvna writes it (a hand-made file may not be)."""
+    return isinstance(turns, list) and bool(turns) and all(
+        isinstance(t, dict) and t.get("role") in ("system", "user", "assistant") and isinstance(t.get("content"), str)
+        for t in turns)
+
+
+def _json_or_none(text: Optional[str], missing: Any) -> Any:
+    """``text`` parsed as JSON; ``missing`` for no file, None for a damaged one."""
+    import json
+
+    if text is None:
+        return missing
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Optional[list[dict[str, str]]]:
+    """The conversation a child of ``parent`` continues: the parent's conversation.json, or,
+    for a parent finished before that file existed (or with a damaged one), its turns rebuilt
+    through its own parents. None while the parent is queued or running. JobError
+    ``parent_failed`` for a failed, cancelled or missing ancestor, ``bad_request`` for one with
+    no turns (raw, embed). ``limit``: the most bytes read of one file."""
+
+    chain: list[tuple[str, str, dict[str, Any], str]] = []  # (id, prompt, params, answer), child first
+    base: list[dict[str, str]] = []
+    job_id: Optional[str] = parent
+    while job_id is not None:
+        status, path = locate_job(workspace, job_id)
+        if status in (Status.Queued, Status.Running):
+            if job_id == parent:
+                return None
+            raise JobError("parent_failed", f"its ancestor {job_id} is {status.value} again (retried): "
+                                            "retry this job once it is done")
+        if status is not Status.Done:
+            what = f"its parent {parent}" if job_id == parent else f"its parent's ancestor {job_id}"
+            if status is Status.Missing:
+                raise JobError("parent_failed", f"{what} is gone (cleaned or removed): nothing to continue")
+            code = ""
+            try:
+                fd = open_dir(path)
+                try:
+                    code = str(read_meta(fd).get("code") or "")
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+            raise JobError("parent_failed", f"{what} failed{f' ({code})' if code else ''}: "
+                                            f"nrvna retry {job_id}, then this job")
+        try:
+            fd = open_dir(path)
+        except OSError as err:
+            raise JobError("parent_failed", f"cannot read its ancestor {job_id}: {_os_error(err)}") from None
+        try:
+            files = {}
+            for name in (CONVERSATION_FILE, PROMPT_FILE, PARAMS_FILE, RESULT_FILE):
+                try:
+                    files[name] = read_file(fd, name, limit).decode("utf-8", "replace")
+                except (FileNotFoundError, JobError):
+                    files[name] = None
+        finally:
+            os.close(fd)
+        turns, params = (_json_or_none(files[name], default) for name, default in ((CONVERSATION_FILE, None),
+                                                                                     (PARAMS_FILE, {})))
+        if _turns_shape(turns):
+            base = turns
+            break
+        if not isinstance(params, dict) or files[PROMPT_FILE] is None or files[RESULT_FILE] is None:
+            raise JobError("parent_failed", f"its ancestor {job_id} cannot be read (no prompt, result or "
+                                            "valid params.json)")
+        if job_param(params, "raw") or job_param(params, "embed"):
+            raise JobError("bad_request", f"its {'parent' if job_id == parent else 'ancestor'} {job_id} is "
+                                          f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to continue")
+        chain.append((job_id, files[PROMPT_FILE], params, files[RESULT_FILE]))
+        job_id = params.get("parent") if isinstance(params.get("parent"), str) else None
+        if len(chain) > 100_000:
+            raise JobError("parent_failed", f"its chain of parents is over 100,000 jobs long at {job_id}")
+    for _, prompt, params, answer in reversed(chain):
+        own = conversation_turns(prompt, {k: v for k, v in params.items() if k != "parent"}, answer) or []
+        base = continued_turns(base, own) if base else own
+    return base
+
+
 class _DirWatch:
     """inotify on one directory (Linux, through ctypes): which names were moved or created."""
 
@@ -4785,6 +4940,169 @@ class _DirWatch:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+# ============================================================================
+# 7.7 Saved states on disk: the file format
+# ============================================================================
+# A saved KV state (StateStore, §11.6) is one file, states/HASH.kv: magic, header length, a JSON
+# header (fingerprint, source job, counts), its tokens (int32 LE), llama.cpp's per-sequence state,
+# a crc32 of all before it. Written whole (temporary name, fsync, rename): a torn or damaged file
+# fails its crc and is a miss. Stateless; any thread.
+
+
+STATES = "states"  # the workspace's folder of saved KV states (NRVNA_CACHE_DIR names another)
+STATE_MAGIC = b"NRVNAKV1"
+STATE_SUFFIX = ".kv"
+STATE_TEMP_PREFIX = ".tmp-"
+STATE_HEADER_LIMIT = 1 << 16
+
+# A saved state as its header describes it: its file name, fingerprint, source job, the tokens
+# it covers (an array of int32), the state's length in bytes, the file's size and mtime.
+StateHead = namedtuple("StateHead", "name fingerprint job tokens blob size mtime")
+
+
+def _is_state_name(name: str) -> bool:
+    """A saved state's file name (a temporary one, hidden, is not)."""
+    return name.endswith(STATE_SUFFIX) and not name.startswith(".")
+
+
+def states_folder(workspace: str, cache_dir: str = "") -> str:
+    """Where a workspace's saved states live: NRVNA_CACHE_DIR, else its states/."""
+    return cache_dir or os.path.join(workspace, STATES)
+
+
+def _le_tokens(tokens: Any) -> bytes:
+    from array import array
+
+    tokens = array("i", tokens)
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    return tokens.tobytes()
+
+
+def state_name(fingerprint: str, tokens: Any) -> str:
+    """A state's file name: it names its content (two daemons saving the same context write the
+    same bytes under the same name)."""
+    import hashlib
+
+    return hashlib.sha256(fingerprint.encode("utf-8") + b"\0" + _le_tokens(tokens)).hexdigest()[:40] + STATE_SUFFIX
+
+
+def state_buffer(fingerprint: str, job_id: str, tokens: Any, blob: int) -> tuple[Any, int]:
+    """A state file's bytes but its state and crc: the buffer (writable, an anonymous mapping)
+    and where the state goes."""
+    import json
+    import mmap
+    import struct
+
+    header = json.dumps({"fingerprint": fingerprint, "job": job_id, "tokens": len(tokens), "blob": blob,
+                         "created": round(time.time(), 3)}).encode("utf-8")
+    head = STATE_MAGIC + struct.pack("<I", len(header)) + header + _le_tokens(tokens)
+    data = mmap.mmap(-1, len(head) + blob + 4)  # anonymous: pages zeroed lazily (a bytearray memsets 184 MB)
+    data[:len(head)] = head
+    return data, len(head)
+
+
+def seal_state(data: Any) -> None:
+    """Write the crc32 of everything before the last 4 bytes into them."""
+    import struct
+    import zlib
+
+    data[-4:] = struct.pack("<I", zlib.crc32(memoryview(data)[:-4]))
+
+
+def read_state_head(folder: str, name: str) -> Optional[StateHead]:
+    """A state file's header and tokens (not its state); None for anything that is not a
+    whole state file of this format (a torn, damaged or foreign file)."""
+    import json
+    import struct
+    from array import array
+
+    try:
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        start = os.pread(fd, len(STATE_MAGIC) + 4, 0)
+        if not stat.S_ISREG(info.st_mode) or len(start) < 12 or start[:8] != STATE_MAGIC:
+            return None
+        length = struct.unpack("<I", start[8:])[0]
+        header = json.loads(os.pread(fd, length, 12)) if length <= STATE_HEADER_LIMIT else None
+        if not (isinstance(header, dict) and isinstance(header.get("fingerprint"), str)
+                and all(isinstance(header.get(k), int) and header[k] >= 0 for k in ("tokens", "blob"))):
+            return None
+        raw = os.pread(fd, 4 * header["tokens"], 12 + length)
+        if len(raw) != 4 * header["tokens"] or 12 + length + len(raw) + header["blob"] + 4 != info.st_size:
+            return None
+        tokens = array("i", raw)
+        if sys.byteorder != "little":
+            tokens.byteswap()
+        job = header.get("job") if isinstance(header.get("job"), str) else ""
+        return StateHead(name, header["fingerprint"], job, tokens, header["blob"], info.st_size, info.st_mtime)
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def map_state(folder: str, head: StateHead) -> Optional[Any]:
+    """A state file mapped whole (copy-on-write: ctypes may point into it; the page cache is
+    read, never copied), or None when it is gone or not the file ``head`` describes."""
+    import mmap
+
+    try:
+        fd = os.open(os.path.join(folder, head.name), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != head.size:
+            return None
+        return mmap.mmap(fd, head.size, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def state_whole(mapped: Any) -> bool:
+    """Whether a mapped state file's crc32 matches (zlib releases the GIL: it can run beside the
+    restore that reads the same pages)."""
+    import struct
+    import zlib
+
+    view = memoryview(mapped)
+    try:
+        return struct.unpack("<I", view[-4:])[0] == zlib.crc32(view[:-4])
+    finally:
+        view.release()
+
+
+def read_state(folder: str, head: StateHead) -> Optional[Any]:
+    """A state file mapped and checked against its crc; None for a torn, damaged or changed file."""
+    mapped = map_state(folder, head)
+    if mapped is None or not state_whole(mapped):
+        return None
+    return mapped
+
+
+def remove_states_of(folder: str, job_ids: set[str]) -> int:
+    """Remove the saved states whose source job is one of ``job_ids`` (clean); how many."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(folder) if _is_state_name(n)]
+    except OSError:
+        return 0
+    for name in names:
+        head = read_state_head(folder, name)
+        if head is not None and head.job in job_ids:
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
 
 
 ##############################################################################
@@ -5615,6 +5933,37 @@ class Flow:
 
         return self._retrying(job_id, read)
 
+    def chain(self, job_id: str) -> list[Optional[str]]:
+        """The jobs ``job_id`` continues, oldest first (``[root, ..., parent]``; ``[]`` for a
+        job with no parent), walked through each one's ``parent``; an ancestor that is gone
+        (cleaned) starts the list as None."""
+        import json
+
+        found: list[Optional[str]] = []
+        seen = {job_id}
+        current: Optional[str] = job_id
+        while current is not None:
+            status, path = locate_job(self.workspace, current)
+            if status is Status.Missing:
+                if current != job_id:
+                    found[-1] = None
+                break
+            try:
+                fd = open_dir(path)
+                try:
+                    params = json.loads(read_file(fd, PARAMS_FILE, params_limit()))
+                finally:
+                    os.close(fd)
+            except (OSError, JobError, ValueError, RecursionError):
+                params = {}
+            parent = params.get("parent") if isinstance(params, dict) else None
+            if not isinstance(parent, str) or parent in seen:  # (a hand-made cycle ends the walk)
+                break
+            seen.add(parent)
+            found.append(parent)
+            current = parent
+        return found[::-1]
+
     def wait(self, job_id: str, timeout: Optional[float] = None,
              on_look: Optional[Callable[[Status], None]] = None) -> Status:
         """Block until the job is Done or Failed (or Missing, or ``timeout`` seconds pass).
@@ -5929,12 +6278,18 @@ def _absolute_model(params: dict[str, Any]) -> dict[str, Any]:
 def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
     """Why each queued job of ``job_ids`` waits although daemons run, by ID: it names a model
     no running daemon serves, or one that its daemon could not load (how many times, the
-    error), or it names none and no running daemon serves its kind. Jobs that are not
-    waiting for a model are left out; with no daemon running, every queued job waits for one."""
+    error), or it names none and no running daemon serves its kind; or it continues a job
+    (``parent``) that is queued or running. Jobs that are not waiting are left out; with no
+    daemon running, every queued job waits for one."""
     routes = {job_id: read_route(job_path(workspace, READY, job_id)) for job_id in job_ids}
     records = daemon_records(workspace) if routes and os.path.isdir(os.path.join(workspace, READY)) else []
     if not records or any(r.get("starting") for r in records):
         return {}
+    parents = {}
+    for job_id, route in routes.items():
+        state = locate_job(workspace, route.parent)[0] if route.parent is not None else None
+        if state in (Status.Queued, Status.Running):
+            parents[job_id] = f"waits for its parent {route.parent} ({state})"
     models_dir, aliases, served = model_view(workspace)
     healthy = {m["path"] for r in records for m in r.get("models") or ()
                if isinstance(m, dict) and isinstance(m.get("path"), str) and not m.get("load_failures")}
@@ -5957,7 +6312,7 @@ def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
                 verdicts[key] = None
         if verdicts[key] is not None:
             reasons[job_id] = verdicts[key]
-    return reasons
+    return {**reasons, **parents}
 
 
 def _failed_models(records: list[dict[str, Any]]) -> dict[str, str]:
@@ -6116,6 +6471,18 @@ def _batch_source(source: Any, jsonl: Optional[bool], template: Optional[str]) -
     return data, jsonl
 
 
+def _check_parents(workspace: str, named: list[tuple[str, Optional[str]]]) -> None:
+    """Each (where, parent) names a job of ``workspace``, in any state; else InvalidInput
+    prefixed by ``where`` ("line N: "). A parent exists before its child: no chain is a cycle."""
+    flow = None
+    for where, parent in named:
+        if parent is None:
+            continue
+        flow = flow or Flow(workspace)
+        if flow.status(parent) is Status.Missing:
+            raise InvalidInput(f"{where}parent {parent} is no job in {workspace}")
+
+
 class Work:
     """Submits jobs to a workspace. Create one per thread: it holds no lock and nothing other
     Work objects see, but ``existing`` says whether its own last publish found its key's job."""
@@ -6199,6 +6566,7 @@ class Work:
             if self.notify is not None:
                 self.notify(note)
         clean = _absolute_model(clean)
+        _check_parents(self.workspace, [("", job_param(clean, "parent"))])
         if dedupe and "idempotency_key" not in clean:
             clean["idempotency_key"] = dedupe_key(data, clean)
         ensure_workspace(self.workspace)
@@ -6335,6 +6703,7 @@ class Work:
         notes.extend(check_model_names(self.workspace, [(f"line {e.line}", job_param(e.params, "model"))
                                                         for e in entries], self.strict_models))
         entries = [BatchEntry(e.line, e.prompt, _absolute_model(e.params)) for e in entries]
+        _check_parents(self.workspace, [(f"line {e.line}: ", job_param(e.params, "parent")) for e in entries])
         if dedupe:
             entries = [e if "idempotency_key" in e.params else
                        BatchEntry(e.line, e.prompt, dict(e.params, idempotency_key=dedupe_key(e.prompt, e.params)))
@@ -6702,7 +7071,8 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
         kept = {k: meta[k] for k in ("id", "submitted", "events") if k in meta}
         record_event(kept, Status.Failed, "requeued", "retried")
         write_file(fd, META_FILE, dump_meta(dict(kept, attempts=0, errors=history, retries=len(history))))
-        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE):
+        for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE,
+                     CONVERSATION_FILE):
             _unlink_quietly(name, fd)
         os.fsync(fd)
     except FileNotFoundError:  # a clean renamed the directory away and is deleting it
@@ -6751,7 +7121,8 @@ def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: boo
                dry_run: bool = False, now: Optional[float] = None) -> list[str]:
     """Remove finished jobs that finished more than ``older_than`` seconds ago; return their
     IDs. Queued and running jobs are never touched. Each job is first renamed to a hidden
-    name (atomic: readers see it whole or not at all), then deleted."""
+    name (atomic: readers see it whole or not at all), then deleted; so are the KV states
+    saved from their contexts (NRVNA_CACHE_DIR, else the workspace's states/)."""
     require_workspace(workspace)
     now = time.time() if now is None else now
     removed = []
@@ -6788,6 +7159,7 @@ def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: boo
     if removed and not dry_run:
         _prune_tag_index(workspace)
         _prune_keys(workspace)
+        remove_states_of(states_folder(workspace, str(setting_default("cache_dir"))), set(removed))
     return removed
 
 
@@ -6990,8 +7362,8 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[i
 
 
 class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error logprobs "
-                                     "choices prompt_computed reasoning reasoning_tokens thinking_closed",
-                         defaults=("", "stop", 0, 0, None, None, None, None, None, None, 0, None))):
+                                     "choices prompt_computed reasoning reasoning_tokens thinking_closed prompt_reused",
+                         defaults=("", "stop", 0, 0, None, None, None, None, None, None, 0, None, None))):
     """How a job ended: a result (``error_code`` None) or a failure with a short code and a
     message. ``text`` is the generated text (partial text for a failure); ``logprobs`` the
     tokens' log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``)
@@ -7002,7 +7374,9 @@ class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_
     (the others' cells were shared), or None where the runner does not say. A thinking model's
     job has its thinking in ``reasoning`` ("" when it had none), the tokens of its thinking
     block in ``reasoning_tokens`` (every choice's), and ``thinking_closed``: why the daemon
-    closed the block (budget, share, eog or model; None where the model closed it)."""
+    closed the block (budget, share, eog or model; None where the model closed it).
+    ``prompt_reused``: where the prompt tokens not computed came from, ``{"memory": N, "disk":
+    M}`` (a context's cells, a saved state), or None where the runner does not say."""
 
     __slots__ = ()
 
@@ -8482,7 +8856,7 @@ class _Sequence:
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
                  "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
-                 "budget", "priority", "reserved", "choices", "choice", "computed", "think", "thought")
+                 "budget", "priority", "reserved", "choices", "choice", "computed", "think", "thought", "from_disk")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int,
                  sampler: _JobSampler) -> None:
@@ -8512,6 +8886,7 @@ class _Sequence:
         self.computed = 0  # prompt tokens decoded for it (the rest were cells shared with others)
         self.think: Optional[_ThinkRouter] = None  # a thinking model's: its thinking kept apart
         self.thought = 0  # tokens generated before its answer (reasoning_tokens)
+        self.from_disk = 0  # prompt tokens whose cells a saved state gave (StateStore)
 
     def think_with(self, router: Optional[_ThinkRouter]) -> None:
         """A thinking model's sequence: ``router`` keeps its thinking apart (and its sampler
@@ -8609,12 +8984,13 @@ class _Sequence:
             text += self.think.finish() if not (self.stops and reason == "stop") else ""
             reasoning, closed = self.think.reasoning, self.think.closed
         logprobs = self.sampler.logprob_content(text, bool(self.stops))
+        reused = {"memory": max(0, self.n_prompt - self.computed - self.from_disk), "disk": self.from_disk}
         if error:
             return Outcome(text, "error", self.n_prompt, self.n_gen, error[0], error[1], logprobs,
                            prompt_computed=self.computed, reasoning=reasoning, reasoning_tokens=self.thought,
-                           thinking_closed=closed)
+                           thinking_closed=closed, prompt_reused=reused)
         return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs, prompt_computed=self.computed,
-                       reasoning=reasoning, reasoning_tokens=self.thought, thinking_closed=closed)
+                       reasoning=reasoning, reasoning_tokens=self.thought, thinking_closed=closed, prompt_reused=reused)
 
 
 # ============================================================================
@@ -8775,7 +9151,336 @@ class _Embedder:
 
 
 # ============================================================================
-# 11.6 Continuous batching
+# 11.6 Saved states: computed contexts kept on disk
+# ============================================================================
+# StateStore: a model's KV states saved when a job ends (the tokens it covers and its fingerprint:
+# what makes its numbers valid) and restored for any later job whose tokens begin with them, in
+# this daemon or a later one. Files per §7.7; written by the Saver thread; bounded by NRVNA_CACHE_DISK.
+
+
+RESTORE_GAIN_TOKENS = 64  # a saved state is read only when it covers this many tokens more than memory
+SAVES_PENDING = 2  # states copied out of a context and not yet written: more are dropped, never waited for
+STALE_TEMP_SECONDS = 600.0  # a temporary state file this old is a dead writer's
+
+
+def state_fingerprint(runner: Any, model_path: str) -> str:
+    """What makes a saved state's numbers valid, as one string: the model file (its size and the
+    sha256 of its first and last MiB: the header, the vocabulary, the last tensors; not the
+    path), llama-cpp-python's version and state format, and the context's KV layout (types,
+    flash attention's V layout, one stream, layers, GPU offload). llama.cpp checks none of the
+    model's identity when it restores: this is what does."""
+    import hashlib
+    import json
+
+    L = runner.L
+    digest = hashlib.sha256()
+    with open(model_path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        digest.update(handle.read(1 << 20))
+        handle.seek(max(0, size - (1 << 20)))
+        digest.update(handle.read(1 << 20))
+    context = L.llama_context_default_params()
+    version = getattr(sys.modules.get("llama_cpp"), "__version__", "?")
+    return json.dumps({"model": [size, digest.hexdigest()[:32]], "llama_cpp": version,
+                       "state": getattr(L, "LLAMA_STATE_SEQ_VERSION", None),
+                       "kv": [int(context.type_k), int(context.type_v), int(context.flash_attn_type), "unified"],
+                       "layers": L.llama_model_n_layer(runner.model), "gpu_layers": runner.config.gpu_layers},
+                      sort_keys=True, separators=(",", ":"))
+
+
+def _shared_prefix(a: Any, b: Any) -> int:
+    """How many leading tokens two arrays share: slices compared in C, halving the range (an
+    8,000-token state is compared in about 14 slice comparisons, not 8,000 steps)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+class _CheckThread:
+    """A mapped state's crc checked on a thread of its own (see StateStore.restore).
+
+    Threads: made and joined (``result``) by one worker; the checking thread reads the mapping
+    only, which the worker closes after the join."""
+
+    def __init__(self, mapped: Any) -> None:
+        self._whole = False
+        self._thread = threading.Thread(target=self._check, args=(mapped,), name="StateCheck", daemon=True)
+        self._thread.start()
+
+    def _check(self, mapped: Any) -> None:
+        self._whole = state_whole(mapped)
+
+    def result(self) -> bool:
+        self._thread.join()
+        return self._whole
+
+
+class StateStore:
+    """A model's saved KV states: which exist (an index of their headers, read again when the
+    folder changes: another daemon's saves), the longest one a job's tokens begin with
+    (``find``), restoring one into a sequence (``restore``), saving one (``save``: copied out
+    of the context on the worker, written by the Saver thread), and the bound (``evict``).
+
+    A state is used only under the exact fingerprint it was saved with (model file, llama.cpp's
+    build and state version, KV types and layout): anything else is a miss, never a wrong hit;
+    a torn or damaged file (its crc) is removed.
+
+    Threads: Worker-N calls find, restore, wants and save; the Saver thread (started by the
+    first save) writes and evicts; the loader closes it (joins the Saver: pending saves are
+    written). The index, the pending count and the counters are under ``_lock``; a file is
+    read outside it.
+    """
+
+    def __init__(self, folder: str, fingerprint: str, limit: int, min_tokens: int) -> None:
+        import queue
+
+        self.folder, self.fingerprint, self.limit, self.min_tokens = folder, fingerprint, limit, min_tokens
+        self._lock = threading.Lock()
+        self._index: dict[str, StateHead] = {}  # this fingerprint's states, by file name
+        self._listed: Optional[int] = None  # the folder's mtime when it was last listed
+        self._queue: Any = queue.SimpleQueue()
+        self._pending = 0
+        self._saver: Optional[threading.Thread] = None
+        self.counts = {"saved": 0, "restored": 0, "dropped": 0, "removed": 0}
+        try:
+            os.makedirs(folder, DIR_MODE, exist_ok=True)
+        except OSError as err:
+            log.warning(f"saved states: cannot make {folder} ({_os_error(err)}); contexts are not kept on disk")
+        self._clean_temporaries()
+        self.evict()
+
+    @classmethod
+    def for_model(cls, runner: Any, model_path: str) -> Optional["StateStore"]:
+        """The store of a loaded model's states, or None where the settings turn it off
+        (NRVNA_CACHE_DISK 0, NRVNA_PREFIX_CACHE 0, no folder: a runner made outside a daemon)."""
+        config = runner.config
+        limit = size_bytes(config.cache_disk)
+        if not (limit and config.prefix_cache and config.cache_dir):
+            return None
+        return cls(config.cache_dir, state_fingerprint(runner, model_path), limit, config.cache_min_tokens)
+
+    def _clean_temporaries(self) -> None:
+        """Remove the temporary files of saves cut short: their writer (the pid in the name) is
+        dead, or they are older than any save takes (another daemon's, on another machine)."""
+        now = time.time()
+        with contextlib.suppress(OSError), os.scandir(self.folder) as entries:
+            for entry in entries:
+                if not entry.name.startswith(STATE_TEMP_PREFIX):
+                    continue
+                pid = entry.name[len(STATE_TEMP_PREFIX):].partition("-")[0]
+                with contextlib.suppress(OSError):
+                    if (not pid.isdigit() or not _process_exists(int(pid))
+                            or now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS):
+                        os.unlink(entry.path)
+
+    def _refresh(self) -> None:
+        """Read the headers of states saved since the folder was last listed (by any daemon)
+        and forget those removed."""
+        try:
+            mtime = os.stat(self.folder).st_mtime_ns
+        except OSError:
+            return
+        if mtime == self._listed:
+            return
+        try:
+            names = {n for n in os.listdir(self.folder) if _is_state_name(n)}
+        except OSError:
+            return
+        with self._lock:
+            known = set(self._index)
+        found = {n: read_state_head(self.folder, n) for n in names - known}
+        for name in [n for n, head in found.items() if head is None]:  # a .kv name is only ever a whole file
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.folder, name))
+                log.warning(f"saved state {name} removed: it is torn, damaged or not a state file")
+        with self._lock:
+            self._listed = mtime
+            for name in known - names:
+                self._index.pop(name, None)
+            self._index.update({n: h for n, h in found.items() if h is not None and h.fingerprint == self.fingerprint})
+
+    def find(self, tokens: list[int], usable: int, most: int, trimmable: bool) -> Optional[tuple[StateHead, int]]:
+        """The saved state sharing the longest prefix with ``tokens`` (at most ``usable`` of
+        them count) and at most ``most`` tokens long (the cells it needs while it is
+        restored), with that length; None if none shares any. ``trimmable``: a state may be
+        cut back to the shared prefix (full attention); else only a state the tokens extend
+        whole is used (sliding-window, recurrent and hybrid models)."""
+        from array import array
+
+        self._refresh()
+        wanted = array("i", tokens)
+        best: Optional[tuple[StateHead, int]] = None
+        with self._lock:
+            heads = list(self._index.values())
+        for head in heads:
+            if len(head.tokens) > most:
+                continue
+            n = min(_shared_prefix(head.tokens, wanted), usable)
+            if n < len(head.tokens) and not trimmable:
+                continue
+            if n > (best[1] if best else 0):
+                best = (head, n)
+        return best
+
+    def restore(self, L: Any, ctx: Any, slot: int, head: StateHead) -> bool:
+        """Put ``head``'s state into sequence ``slot`` of ``ctx`` (what it held is replaced);
+        False, the sequence emptied, if it cannot be (a damaged file is removed). The file is
+        mapped, and its crc checked on another thread while llama.cpp copies it in: a state
+        that fails it is taken out again before anything is decoded with it."""
+        import ctypes
+
+        mapped = map_state(self.folder, head)
+        whole = _CheckThread(mapped) if mapped is not None else None
+        restored = False
+        if mapped is not None:
+            buffer = (ctypes.c_uint8 * head.blob).from_buffer(mapped, head.size - 4 - head.blob)
+            restored = L.llama_state_seq_set_data(ctx, buffer, head.blob, slot) == head.blob
+            del buffer
+        if whole is None or not whole.result():
+            L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
+            self._remove(head, "it is torn or damaged (its crc)")
+            restored = False
+        elif not restored:
+            L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
+            log.limited("state restore", f"saved state {head.name} could not be restored (llama.cpp refused it: "
+                        "no room, or a layout this context does not have); its prompt is computed", "warning")
+        if mapped is not None:
+            mapped.close()
+        if not restored:
+            return False
+        with contextlib.suppress(OSError):
+            os.utime(os.path.join(self.folder, head.name))  # recently used: evicted last
+        with self._lock:
+            self.counts["restored"] += 1
+        return True
+
+    def _remove(self, head: StateHead, why: str) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.folder, head.name))
+        with self._lock:
+            self._index.pop(head.name, None)
+            self.counts["removed"] += 1
+        log.warning(f"saved state {head.name} removed: {why}")
+
+    def wants(self, tokens: list[int], conversation: bool, computed: int) -> bool:
+        """Whether a context of ``tokens`` is worth saving: long enough, not covered by a state
+        already saved, and either part of a conversation (a later turn continues it) or mostly
+        its own (``computed`` tokens were computed for it: a batch's lines that share a saved
+        system prompt and differ in a short question are not saved each)."""
+        from array import array
+
+        if len(tokens) < self.min_tokens or not (conversation or computed >= self.min_tokens):
+            return False
+        self._refresh()
+        mine = array("i", tokens)
+        with self._lock:
+            heads = list(self._index.values())
+        return not any(len(h.tokens) >= len(mine) and _shared_prefix(h.tokens, mine) == len(mine) for h in heads)
+
+    def save(self, L: Any, ctx: Any, slot: int, tokens: list[int], job_id: str) -> None:
+        """Copy sequence ``slot``'s state (exactly ``tokens``' cells) out of ``ctx`` and queue it
+        for the Saver; dropped when SAVES_PENDING are already waiting (never waited for)."""
+        import ctypes
+
+        with self._lock:
+            if self._pending >= SAVES_PENDING:
+                self.counts["dropped"] += 1
+                log.limited("state pending", "a computed context was not saved: the disk is behind", "warning")
+                return
+            self._pending += 1
+        try:
+            size = L.llama_state_seq_get_size(ctx, slot)
+            data, offset = state_buffer(self.fingerprint, job_id, tokens, size)
+            copied = L.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data, offset), size, slot)
+        except MemoryError:
+            copied, size = 0, 1
+        if not size or copied != size or len(data) > self.limit:
+            with self._lock:
+                self._pending -= 1
+            return
+        self._queue.put((state_name(self.fingerprint, tokens), data))
+        if self._saver is None:
+            self._saver = threading.Thread(target=self._run, name="Saver", daemon=True)
+            self._saver.start()
+
+    def _run(self) -> None:
+        _name_os_thread("Saver")
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._write(*item)
+                self.evict()
+            except Exception as err:  # a save is worth little: never take the daemon down
+                log.limited(f"state save:{type(err).__name__}", f"saving a computed context failed: {err!r}")
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def _write(self, name: str, data: Any) -> None:
+        """Write a state whole: a temporary name, fsync, rename, the folder's fsync."""
+        seal_state(data)
+        temp = os.path.join(self.folder, f"{STATE_TEMP_PREFIX}{os.getpid()}-{name}.part")
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
+            try:
+                write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(temp, os.path.join(self.folder, name))
+            fsync_dir(self.folder)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            log.limited(f"state write:{err.errno}", f"a computed context was not saved ({_os_error(err)}); "
+                        "jobs are not affected", "warning")
+            return
+        head = read_state_head(self.folder, name)
+        with self._lock:
+            if head is not None:
+                self._index[name] = head
+            self.counts["saved"] += 1
+
+    def evict(self) -> None:
+        """Remove the least recently used states (any fingerprint's) while they hold more than
+        the bound."""
+        files = []
+        with contextlib.suppress(OSError), os.scandir(self.folder) as entries:
+            for entry in entries:
+                if _is_state_name(entry.name):
+                    with contextlib.suppress(OSError):
+                        info = entry.stat(follow_symlinks=False)
+                        files.append((info.st_mtime, entry.name, info.st_size))
+        total = sum(size for _, _, size in files)
+        for _, name, size in sorted(files):
+            if total <= self.limit:
+                break
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.folder, name))
+            total -= size
+            with self._lock:
+                self._index.pop(name, None)
+
+    def close(self) -> None:
+        """Write the pending saves and stop the Saver."""
+        if self._saver is not None:
+            self._queue.put(None)
+            self._saver.join()
+            self._saver = None
+
+
+# ============================================================================
+# 11.7 Continuous batching
 # ============================================================================
 # LlamaSession: a worker's context stepping every running job a token at a time (_Batch.fill,
 # decode, sample and end), sharing prefixes (_PrefixCache) and yielding to higher priorities
@@ -9105,6 +9810,7 @@ class LlamaSession(Session):
         self.converting: list[tuple[RunningJob, _Conversion]] = []
         self.ctx: Any = None
         self.slots: list[Optional[_Sequence]] = []
+        self.saves: list[tuple[int, list[int], str]] = []  # ended sequences' contexts to save (save_ended)
         if runner.embedding_only:  # no generation context: generation jobs fail at start()
             return
         self.ctx = _llama_context(runner, self.cells, n_batch, seqs + 1, threads)
@@ -9174,7 +9880,16 @@ class LlamaSession(Session):
         """No job in flight: trim the cells finished jobs left to the prefixes the next jobs
         can reuse (see _PrefixCache.trim)."""
         if self.ctx is not None:
+            self.save_ended()
             self.prefixes.trim(self.slots)
+
+    def save_ended(self) -> None:
+        """Copy the contexts of the jobs that ended last step out for the runner's Saver: after
+        their results were handed on (a 184 MB copy is not in a job's latency), and before
+        anything else touches their cells (a new job's start, a step, a trim, a drop)."""
+        saves, self.saves = self.saves, []
+        for slot, tokens, job_id in saves:
+            self.runner.store.save(self.L, self.ctx, slot, tokens, job_id)
 
     def active(self) -> list[RunningJob]:
         """The jobs generating in this context, then those whose grammar is being made, then
@@ -9185,6 +9900,7 @@ class LlamaSession(Session):
 
     def start(self, job: RunningJob) -> None:
         """Take ``job`` into a free slot; raise JobError if its prompt cannot run here."""
+        self.save_ended()
         if job_param(job.params, "embed"):
             self._embedder().start(job)
             return
@@ -9228,6 +9944,31 @@ class LlamaSession(Session):
         if n > 1:
             _Choices.begin(self, seq, n)
         self.prefixes.make_room(self.slots, self.cells)
+        if self.runner.store is not None and self.prefixes.enabled and not seq.waiting:
+            self._restore(seq, self.runner.store)
+
+    def _restore(self, seq: _Sequence, store: StateStore) -> None:
+        """Give ``seq`` a saved state's cells where one covers more of its prompt than this
+        context's memory did (by RESTORE_GAIN_TOKENS): read, restored into its slot, cut back to
+        the prefix they share (full attention only). The last prompt token is always decoded:
+        its logits are not saved."""
+        found = store.find(seq.prompt, len(seq.prompt) - 1, seq.budget, self.runner.trimmable)
+        if found is None or found[1] < seq.pos + RESTORE_GAIN_TOKENS:
+            return
+        head, shared = found
+        self.prefixes.held[seq.slot] = []
+        began = time.monotonic()
+        if not store.restore(self.L, self.ctx, seq.slot, head):
+            seq.at(0)  # its slot was emptied: the whole prompt is computed
+            return
+        if shared < len(head.tokens) and not self.L.llama_memory_seq_rm(self.memory, seq.slot, shared, -1):
+            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+            seq.at(0)
+            return
+        seq.at(shared)
+        seq.from_disk = shared
+        log.debug(f"Job {seq.job.id}: {shared} of {len(seq.prompt)} prompt tokens from saved state {head.name} "
+                  f"in {(time.monotonic() - began) * 1000:.0f} ms")
 
     def _embedder(self) -> _Embedder:
         """The worker's embedding context, made on first use."""
@@ -9249,6 +9990,7 @@ class LlamaSession(Session):
     def step(self) -> list[tuple[RunningJob, Outcome]]:
         """One ``llama_decode`` for every generating job and one for texts of embed jobs;
         return the jobs that ended, with outcomes. Jobs whose grammar has been made begin."""
+        self.save_ended()
         ended = self._converted() if self.converting else []
         stepping = any(s is not None for s in self.slots) or (self.embedder is not None and bool(self.embedder.jobs))
         ended += self._generate() if self.ctx is not None else []
@@ -9404,11 +10146,20 @@ class LlamaSession(Session):
             return None if ended is None else (seq.job, ended)
         # A job that ran in the kept room leaves no cells: the jobs it paused go on over the very
         # cache they paused with (attention over extra cells computes the same text differently).
-        self.release(seq, keep and not seq.reserved)
+        self.release(seq, keep and not seq.reserved, save=error is None)
         return seq.job, outcome
 
-    def release(self, seq: _Sequence, keep: bool) -> None:
-        """Free ``seq``'s slot; with ``keep``, its KV cells stay for the next job's prefix."""
+    def release(self, seq: _Sequence, keep: bool, save: bool = False) -> None:
+        """Free ``seq``'s slot; with ``keep``, its KV cells stay for the next job's prefix; with
+        ``save`` too (its job is done), they are saved to disk when the runner's StateStore wants
+        them (see StateStore.wants)."""
+        store = self.runner.store
+        if keep and save and store is not None and self.prefixes.enabled and seq.choices is None:
+            params = seq.job.params
+            conversation = job_param(params, "parent") is not None or any(
+                t.get("role") == "assistant" for t in job_param(params, "messages") or ())
+            if store.wants(seq.cached, conversation, seq.computed + seq.n_gen):
+                self.saves.append((seq.slot, list(seq.cached), seq.job.id))  # copied out at save_ended
         self.slots[seq.slot] = None
         seq.sampler.free()
         self.prefixes.release(seq, keep)
@@ -9416,6 +10167,7 @@ class LlamaSession(Session):
     def drop(self, job: RunningJob) -> None:
         """Forget ``job`` (it is being handed back to the queue) and free its slot (a conversion
         of its grammar goes on for the jobs that share it, or is abandoned)."""
+        self.save_ended()
         self.converting = [entry for entry in self.converting if entry[0] is not job]
         for seq in self.slots:
             if seq is not None and seq.job is job:
@@ -9425,6 +10177,8 @@ class LlamaSession(Session):
 
     def close(self) -> None:
         """Free the contexts, their batches and every sampler."""
+        if self.ctx is not None:
+            self.save_ended()
         if self.embedder is not None:
             self.embedder.close()
         self.converting = []
@@ -9439,7 +10193,7 @@ class LlamaSession(Session):
 
 
 # ============================================================================
-# 11.7 The runner
+# 11.8 The runner
 # ============================================================================
 # LlamaRunner: the model loaded once and shared, the runner's caches (pieces, grammars, the
 # Grammar and Wide threads) and a session per worker. Its docstring's Threads line says who calls
@@ -9541,6 +10295,10 @@ class LlamaRunner(Runner):
         self._sessions: list[LlamaSession] = []
         self._wide: Optional[_CallThread] = None
         self._wide_lock = threading.Lock()  # held while a decode with borrowed threads runs
+        # Saved states may be cut back only where every layer's cells can be (full attention).
+        self.trimmable = not (L.llama_model_is_recurrent(self.model) or L.llama_model_is_hybrid(self.model)
+                              or L.llama_model_n_swa(self.model) > 0)
+        self.store = StateStore.for_model(self, model_path) if not self.embedding_only else None
 
     def meta(self, key: str) -> Optional[str]:
         """A GGUF metadata value as text, or None if the model has no such key."""
@@ -9882,6 +10640,8 @@ class LlamaRunner(Runner):
         if self._converter is not None:  # a conversion under way is abandoned, not waited for
             self._converter.close(wait=False)
             self._converter = None
+        if self.store is not None:
+            self.store.close()
         if self.model:
             self.L.llama_model_free(self.model)
             self.model = None
@@ -9914,8 +10674,8 @@ CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long
 
 
 # Where a queued job goes: its priority and its model's queue (the model's index in
-# _Models.served).
-_Place = namedtuple("_Place", "priority queue")
+# _Models.served); ``parent``: the unfinished job it waits for (None: it may run now).
+_Place = namedtuple("_Place", "priority queue parent", defaults=(None,))
 
 
 # A model's queue as the Models thread sees it: how many jobs, the top priority, and the order
@@ -10036,7 +10796,9 @@ class Pool:
 
     ``known`` holds every ID queued or being worked on, so a job is never queued twice
     (the spec's scanner re-submitted every queued job every second: unbounded growth), and
-    the IDs of jobs for a model this daemon does not serve (``elsewhere``), read once.
+    the IDs of jobs for a model this daemon does not serve (``elsewhere``), read once, and
+    of children whose parent has not finished (``waiting``, by parent): a parent's end
+    (``released``) routes its children again; no worker or poll is spent on them.
 
     Threads: the Scanner pushes, the workers get and end jobs, the Models thread reads the
     queues' heads and switches the active queue, the Watcher reroutes and forgets. Every
@@ -10052,6 +10814,7 @@ class Pool:
         # A queued job's _Place, read when it is pushed; None: served elsewhere.
         self._route = route
         self.elsewhere: set[str] = set()
+        self.waiting: dict[str, set[str]] = {}  # parent -> its children queued here
         self._on_queued = on_queued  # told the highest priority of each push, per queue
         self._later: list[tuple[float, str, int, int]] = []  # (when, id, priority, queue): handed back for now
         self._known: set[str] = set()
@@ -10061,6 +10824,7 @@ class Pool:
         self.active: Optional[int] = 0  # the queue ``get`` takes from
         self._waiting: set[int] = set()  # idle workers blocked in get()
         self._favored: Optional[int] = None  # the worker whose job ended last
+        self._resting = False  # the favored worker has nothing running and is on its way back to get
 
     def push(self, job_ids: Iterable[str]) -> int:
         """Queue the IDs not already queued or running; return how many were new."""
@@ -10073,7 +10837,10 @@ class Pool:
                     if route is None:
                         self.elsewhere.add(job_id)
                         continue
-                    priority, queue = route
+                    priority, queue, parent = route
+                    if parent is not None:
+                        self.waiting.setdefault(parent, set()).add(job_id)
+                        continue
                     self._put(job_id, priority, queue)
                     highest[queue] = max(highest.get(queue, priority), priority)
                     added += 1
@@ -10092,6 +10859,36 @@ class Pool:
             again, self.elsewhere = self.elsewhere, set()
             self._known -= again
         self.push(again)
+
+    def released(self, parent: str) -> None:
+        """``parent`` ended (done or failed): route its waiting children again (a failed
+        parent's fail at their claim, parent_failed)."""
+        with self._cond:
+            children = self.waiting.pop(parent, set())
+            self._known -= children
+        if children:
+            self.push(children)
+
+    def release_finished(self, unfinished: Callable[[str], bool]) -> None:
+        """Release the children of every parent no longer ``unfinished`` (ended in another
+        daemon, cancelled, or gone): the Watcher's periodic pass."""
+        with self._cond:
+            parents = list(self.waiting)
+        for parent in parents:
+            if not unfinished(parent):
+                self.released(parent)
+
+    def wait_for(self, job_id: str, parent: str) -> None:
+        """A worker's claim found ``job_id``'s parent unfinished again: it waits for it."""
+        with self._cond:
+            self._busy -= 1
+            self._taken.pop(job_id, None)
+            self.waiting.setdefault(parent, set()).add(job_id)
+            self._cond.notify_all()
+
+    def waiting_children(self) -> set[str]:
+        with self._cond:
+            return set().union(*self.waiting.values())
 
     def _put(self, job_id: str, priority: int, queue: int) -> None:
         heapq.heappush(self._heaps.setdefault(queue, []), (-priority, order_key(job_id), job_id))
@@ -10128,6 +10925,8 @@ class Pool:
         """
         deadline = time.monotonic() + timeout
         with self._cond:
+            if worker is not None and worker == self._favored:
+                self._resting = False  # here now: _waiting says whether it waits
             while not self._closed and self.active is not None:
                 now = time.monotonic()
                 while self._later and self._later[0][0] <= now:
@@ -10157,12 +10956,14 @@ class Pool:
     def _leave_to_favored(self, worker: Optional[int], heap: list[Any]) -> bool:
         favored = self._favored
         return (worker is not None and favored is not None and favored != worker
-                and len(heap) == 1 and favored in self._waiting)
+                and len(heap) == 1 and (favored in self._waiting or self._resting))
 
-    def favor(self, worker: int) -> None:
-        """``worker``'s job is the one that ended last (see ``get``)."""
+    def favor(self, worker: int, resting: bool = False) -> None:
+        """``worker``'s job is the one that ended last (see ``get``); ``resting``: it runs no
+        other job and comes back to ``get`` once it has copied its ended contexts out for saving
+        (LlamaSession.save_ended): a lone job waits for it meanwhile."""
         with self._cond:
-            self._favored = worker
+            self._favored, self._resting = worker, resting
 
     def done(self, job_id: str) -> None:
         """The worker is finished with ``job_id`` (ended, lost a claim race, or requeued)."""
@@ -10177,7 +10978,7 @@ class Pool:
         error, or held by another claimer for now)."""
         with self._cond:
             self._busy -= 1
-            priority, queue = self._taken.pop(job_id, _Place(0, self.active or 0))
+            priority, queue, _ = self._taken.pop(job_id, _Place(0, self.active or 0))
             heapq.heappush(self._later, (time.monotonic() + delay, job_id, priority, queue))
             self._cond.notify()
 
@@ -10219,6 +11020,11 @@ class Pool:
             gone = self.elsewhere - present
             self.elsewhere -= gone
             self._known -= gone
+            for parent, children in list(self.waiting.items()):  # cancelled while waiting
+                self._known -= children - present
+                children &= present
+                if not children:
+                    del self.waiting[parent]
 
     def __len__(self) -> int:
         """Jobs queued in the active queue, and handed back ones."""
@@ -10249,6 +11055,17 @@ class _Busy(Exception):
     """A job could not be claimed now: another claimer holds it, or a requeue still does.
 
     Threads: raised to, and caught by, the thread that claims the job."""
+
+
+class _ParentWaits(Exception):
+    """A claimed job's parent is queued or running again (a retry since it was routed): the
+    job was handed back unchanged, to wait for it (``parent``).
+
+    Threads: raised to, and caught by, the thread that claims the job."""
+
+    def __init__(self, job_id: str, parent: str) -> None:
+        super().__init__(job_id)
+        self.parent = parent
 
 
 class _Claim:
@@ -10551,6 +11368,8 @@ class Processor:
                 raise JobError("cancelled", "cancelled before it started (nrvna cancel)")
             self.hand_backs.check_write_failures(job_id, claim.before)
             job.prompt, job.params = self._read_input(claim.dir_fd)
+            if job_param(job.params, "parent") is not None:
+                job.params = self._continue(job, claim)
         except (JobError, OSError) as err:
             code = err.code if isinstance(err, JobError) else "bad_request"
             message = str(err) if isinstance(err, JobError) else f"cannot read job: {_os_error(err)}"
@@ -10630,6 +11449,23 @@ class Processor:
             os.close(dir_fd)
             raise _HandBack(job_id) from None
         return claim
+
+    def _continue(self, job: RunningJob, claim: _Claim) -> dict[str, Any]:
+        """A child's parameters with its whole conversation as its messages (its parent's,
+        then its own turns: see parent_conversation). A parent that is queued or running again
+        hands the job back unchanged (_ParentWaits)."""
+        parent = job_param(job.params, "parent")
+        turns = parent_conversation(self.workspace, parent, self.config.max_prompt_bytes * 8 + (1 << 20))
+        if turns is None:
+            self._release(job)
+            self.hand_backs.restore_meta(job.id, claim)
+            self.hand_backs.hand_back(job.id)
+            os.close(claim.dir_fd)
+            raise _ParentWaits(job.id, parent)
+        own = conversation_turns(job.prompt, job.params, "")[:-1]  # its own turns (no answer yet)
+        params = {k: v for k, v in job.params.items() if k != "system"}
+        params["messages"] = continued_turns(turns, own)
+        return params
 
     def _read_input(self, dir_fd: int) -> tuple[str, dict[str, Any]]:
         import json
@@ -10719,6 +11555,11 @@ class Processor:
         try:
             meta = dict(claim.meta)  # the claim's stays as it was, for a hand-back's events
             files, dest = self._record(meta, outcome)
+            turns = conversation_turns(job.prompt, job.params, outcome.text) if dest == OUTPUT else None
+            if turns is not None:  # what a child of this job continues (parent)
+                import json
+
+                files.append((CONVERSATION_FILE, json.dumps(turns, ensure_ascii=False).encode("utf-8")))
             try:
                 self._publish(job.id, claim, meta, files, dest)
             except OSError as err:
@@ -10736,6 +11577,8 @@ class Processor:
                     generated_tokens=outcome.generated_tokens)
         if outcome.prompt_computed is not None:
             meta["prompt_computed"] = outcome.prompt_computed
+        if outcome.prompt_reused is not None:
+            meta["prompt_reused"] = outcome.prompt_reused
         if outcome.error_code is None:
             meta["finish_reason"] = outcome.finish_reason
             files = [(RESULT_FILE, outcome.text.encode("utf-8"))]
@@ -11022,7 +11865,7 @@ class _Recovery:
             log.warning(f"Running job alone (the daemon died while it ran): {job_id}")
             try:
                 job = self.processor.claim(job_id, "Main", stop)
-            except (_HandBack, _Busy):
+            except (_HandBack, _Busy, _ParentWaits):  # left in ready/ for the workers
                 continue
             if job is None:
                 continue
@@ -11957,7 +12800,8 @@ class _Watcher:
     """A daemon's Watcher thread, every WATCH_SECONDS: sees cancel requests and timeouts of
     running jobs and appends their new text to partial.txt; every REAP_SECONDS looks for
     daemons of the workspace that died and requeues their running jobs; every
-    DAEMON_STATUS_SECONDS rewrites this daemon's record. (Off the workers' threads: decoding
+    DAEMON_STATUS_SECONDS rewrites this daemon's record; every REAP_SECONDS also releases the
+    children whose parent ended elsewhere (another daemon, a cancel). (Off the workers' threads: decoding
     never waits for this I/O.)
 
     Threads: its own (Watcher) alone, after the main thread made it (``peer_models`` too, at
@@ -12016,6 +12860,8 @@ class _Watcher:
                 log.info(f"Requeued {len(recovered)} jobs that no live daemon held")
             if not dead:
                 self.pool.forget_gone(set(os.listdir(os.path.join(self.workspace, READY))))
+        # Children whose parent ended in another daemon, or was cancelled while queued.
+        self.pool.release_finished(lambda parent: locate_job(self.workspace, parent)[0] in (Status.Queued, Status.Running))
         kinds, paths = self.peer_models()
         self.pool.reroute(lambda: self.models.peers(kinds, paths))
 
@@ -12129,6 +12975,11 @@ class Server:
             self.config.workers = _check_setting("workers", workers)
         self.model = model
         self.workspace = os.fspath(workspace)
+        if not self.config.cache_dir:  # saved KV states: the workspace's own folder unless a setting names one
+            import copy
+
+            self.config = copy.copy(self.config)  # a Config given for several workspaces keeps its own
+            self.config.cache_dir = states_folder(os.path.abspath(self.workspace))
         if runner is not None and not isinstance(runner, Runner):
             if not callable(runner):
                 raise TypeError("runner must be a Runner or a function fn(job) -> str")
@@ -12166,7 +13017,13 @@ class Server:
         the job waits in ready/ for a daemon that does (read once per job: see Pool)."""
         route = read_route(job_path(self.workspace, READY, job_id))
         queue = self.models.queue_of(route.model, route.embed) if self.models else 0
-        return None if queue is None else _Place(route.priority, queue)
+        if queue is None:
+            return None
+        return _Place(route.priority, queue, route.parent if self._unfinished(route.parent) else None)
+
+    def _unfinished(self, job_id: Optional[str]) -> bool:
+        """Whether ``job_id`` names a job that is queued or running (a parent its child waits for)."""
+        return job_id is not None and locate_job(self.workspace, job_id)[0] in (Status.Queued, Status.Running)
 
     def _queued(self, priority: int, queue: int) -> None:
         if queue == self.pool.active:
@@ -12325,9 +13182,11 @@ class Server:
     def _drained(self) -> bool:
         if not self.pool.idle() or self.scanner is None or self.scanner.scans == 0 or self.pool.active is None:
             return False
+        waiting = self.pool.waiting_children()
         with os.scandir(os.path.join(self.workspace, READY)) as entries:
-            if not any(not e.name.startswith(".") and e.name not in self.pool.elsewhere for e in entries):
-                return True  # what is left waits for a model served elsewhere
+            if not any(not e.name.startswith(".") and e.name not in self.pool.elsewhere and e.name not in waiting
+                       for e in entries):
+                return True  # what is left waits for a model served elsewhere, or for a parent
         self.scanner.scan()  # something the events did not report (a mkdir'ed dir in grace)
         return False
 
@@ -12403,7 +13262,7 @@ class Server:
                         else:
                             self._end(job, outcome)
                     if ended:
-                        self.pool.favor(index)
+                        self.pool.favor(index, resting=not session.active())
             except Exception as err:  # a runner bug fails its jobs, never the worker
                 log.error(f"runner error: {err!r}")
                 for job in session.active():
@@ -12467,6 +13326,9 @@ class Server:
             except _Busy:  # another claimer (it takes it), or a requeue not yet done with it
                 self.pool.retry_later(job_id, 0.05)
                 continue
+            except _ParentWaits as err:  # its parent was retried since it was routed
+                self.pool.wait_for(job_id, err.parent)
+                continue
             except NrvnaError as err:  # the WorkspaceLock of a quarantine could not be taken
                 log.error(f"cannot claim {job_id}: {err}; retrying in 2 s")
                 self.pool.retry_later(job_id, 2.0)
@@ -12520,6 +13382,7 @@ class Server:
             self._recent.append((time.time(), outcome.generated_tokens))
         if self.processor.finish(job, outcome):
             self.pool.done(job.id)
+            self.pool.released(job.id)  # its children, if any waited for it
             if self.hooks is not None:
                 self.hooks.poke()
             if self.switch is not None:
@@ -12544,6 +13407,9 @@ class Server:
                 job = self.processor.claim(job_id, "Models", self._stop, model)
             except (_HandBack, _Busy, NrvnaError, OSError):  # as _admit: tried again later
                 self.pool.retry_later(job_id, 1.0)
+                continue
+            except _ParentWaits as err:
+                self.pool.wait_for(job_id, err.parent)
                 continue
             if job is None:
                 self.pool.done(job_id)
@@ -12827,7 +13693,7 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
             raise NoSuchJob(f"no job {job_id} in {flow.workspace}")
         record = {"id": job.id, "status": job.status.value, "prompt": job.prompt, "result": job.result,
                   "error": job.error, "meta": job.meta, "params": job.params, "logprobs": job.logprobs,
-                  "choices": job.choices, "reasoning": job.reasoning}
+                  "choices": job.choices, "reasoning": job.reasoning, "chain": flow.chain(job_id)}
         if job.status is Status.Done and job_param(job.params or {}, "embed"):
             record.update(result=None, embeddings=job_vectors(job))
         _print_json(record)
