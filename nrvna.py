@@ -34,7 +34,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    7.1 Layout, locks and the daemons' records
                                     the layout's names, job_path, parse_meta, WorkspaceLock, hold_job,
                                     hold_orphan, register_daemon, daemon_records
-   7.2 IDs, states and meta.json    generate_id, order_key, Status, locate_job, read_meta
+   7.2 IDs, states and meta.json    generate_id, order_key, Status, locate_job, parent_unfinished, read_meta
    7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job
    7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
    7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_members
@@ -69,7 +69,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    12.4 Models                      _ServedModel, _LoadFailure, _ModelSwitch, _Models
    12.5 Daemons side by side, and the watch
                                     _clash, _hooks_clash, _Registry, _Watcher (cancels, timeouts, dead daemons)
-   12.6 Server                      _WorkerLoads, Server
+   12.6 Server                      _WorkerLoads, _claim_later, _with_states_folder, Server
 13. CLI
    13.1 Commands                    markdown_tables (the manual's tables), _DaemonWatch, one _cmd_* per command
    13.2 Arguments and main          one _*_arguments per command, COMMANDS, main()
@@ -4120,6 +4120,11 @@ def locate_job(workspace: str, job_id: str) -> tuple[Status, str]:
     return Status.Missing, ""
 
 
+def parent_unfinished(workspace: str, job_id: Optional[str]) -> bool:
+    """Whether ``job_id`` names a job that is queued or running (a parent its child waits for)."""
+    return job_id is not None and locate_job(workspace, job_id)[0] in (Status.Queued, Status.Running)
+
+
 def read_meta(dir_fd: int) -> dict[str, Any]:
     """The meta.json of the job directory open as ``dir_fd`` ({} when it has none)."""
     try:
@@ -6285,11 +6290,8 @@ def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
     records = daemon_records(workspace) if routes and os.path.isdir(os.path.join(workspace, READY)) else []
     if not records or any(r.get("starting") for r in records):
         return {}
-    parents = {}
-    for job_id, route in routes.items():
-        state = locate_job(workspace, route.parent)[0] if route.parent is not None else None
-        if state in (Status.Queued, Status.Running):
-            parents[job_id] = f"waits for its parent {route.parent} ({state})"
+    parents = {job_id: f"waits for its parent {route.parent} ({locate_job(workspace, route.parent)[0]})"
+               for job_id, route in routes.items() if parent_unfinished(workspace, route.parent)}
     models_dir, aliases, served = model_view(workspace)
     healthy = {m["path"] for r in records for m in r.get("models") or ()
                if isinstance(m, dict) and isinstance(m.get("path"), str) and not m.get("load_failures")}
@@ -12861,7 +12863,7 @@ class _Watcher:
             if not dead:
                 self.pool.forget_gone(set(os.listdir(os.path.join(self.workspace, READY))))
         # Children whose parent ended in another daemon, or was cancelled while queued.
-        self.pool.release_finished(lambda parent: locate_job(self.workspace, parent)[0] in (Status.Queued, Status.Running))
+        self.pool.release_finished(lambda parent: parent_unfinished(self.workspace, parent))
         kinds, paths = self.peer_models()
         self.pool.reroute(lambda: self.models.peers(kinds, paths))
 
@@ -12945,6 +12947,35 @@ def _warn_if_shared(workspace: str) -> None:
                     f"{stat.S_IMODE(mode):o}): anyone who can write it can inject jobs; chmod 700 it")
 
 
+def _claim_later(pool: Pool, job_id: str, err: Exception) -> None:
+    """A claim that could not be made now: the job goes back to ``pool``, to be claimed again
+    later, or to wait for its parent (retried since the job was routed)."""
+    if isinstance(err, _ParentWaits):
+        pool.wait_for(job_id, err.parent)
+    elif isinstance(err, _Busy):  # another claimer (it takes it), or a requeue not yet done with it
+        pool.retry_later(job_id, 0.05)
+    elif isinstance(err, _HandBack):  # an I/O error; back in ready/ as it was
+        pool.retry_later(job_id, 1.0)
+    elif isinstance(err, OSError):  # the claim rename failed: still in ready/
+        log.limited(f"claim rename:{err.errno}", f"cannot claim {job_id}: {_os_error(err)}; retrying in 2 s")
+        pool.retry_later(job_id, 2.0)
+    else:  # the WorkspaceLock of a quarantine could not be taken
+        log.error(f"cannot claim {job_id}: {err}; retrying in 2 s")
+        pool.retry_later(job_id, 2.0)
+
+
+def _with_states_folder(config: Config, workspace: str) -> Config:
+    """``config`` with the folder of the saved KV states: the workspace's own unless
+    NRVNA_CACHE_DIR names one (a copy: a Config given for several workspaces keeps its own)."""
+    if config.cache_dir:
+        return config
+    import copy
+
+    config = copy.copy(config)
+    config.cache_dir = states_folder(os.path.abspath(workspace))
+    return config
+
+
 def _signal_name(signum: int) -> str:
     import signal
 
@@ -12975,11 +13006,7 @@ class Server:
             self.config.workers = _check_setting("workers", workers)
         self.model = model
         self.workspace = os.fspath(workspace)
-        if not self.config.cache_dir:  # saved KV states: the workspace's own folder unless a setting names one
-            import copy
-
-            self.config = copy.copy(self.config)  # a Config given for several workspaces keeps its own
-            self.config.cache_dir = states_folder(os.path.abspath(self.workspace))
+        self.config = _with_states_folder(self.config, self.workspace)
         if runner is not None and not isinstance(runner, Runner):
             if not callable(runner):
                 raise TypeError("runner must be a Runner or a function fn(job) -> str")
@@ -13019,11 +13046,7 @@ class Server:
         queue = self.models.queue_of(route.model, route.embed) if self.models else 0
         if queue is None:
             return None
-        return _Place(route.priority, queue, route.parent if self._unfinished(route.parent) else None)
-
-    def _unfinished(self, job_id: Optional[str]) -> bool:
-        """Whether ``job_id`` names a job that is queued or running (a parent its child waits for)."""
-        return job_id is not None and locate_job(self.workspace, job_id)[0] in (Status.Queued, Status.Running)
+        return _Place(route.priority, queue, route.parent if parent_unfinished(self.workspace, route.parent) else None)
 
     def _queued(self, priority: int, queue: int) -> None:
         if queue == self.pool.active:
@@ -13320,22 +13343,8 @@ class Server:
                 return
             try:
                 job = self.processor.claim(job_id, name, self._stop, self.models.served[self.models.active].name)
-            except _HandBack:
-                self.pool.retry_later(job_id, 1.0)
-                continue
-            except _Busy:  # another claimer (it takes it), or a requeue not yet done with it
-                self.pool.retry_later(job_id, 0.05)
-                continue
-            except _ParentWaits as err:  # its parent was retried since it was routed
-                self.pool.wait_for(job_id, err.parent)
-                continue
-            except NrvnaError as err:  # the WorkspaceLock of a quarantine could not be taken
-                log.error(f"cannot claim {job_id}: {err}; retrying in 2 s")
-                self.pool.retry_later(job_id, 2.0)
-                continue
-            except OSError as err:  # the claim rename failed: still in ready/, try again later
-                log.limited(f"claim rename:{err.errno}", f"cannot claim {job_id}: {_os_error(err)}; retrying in 2 s")
-                self.pool.retry_later(job_id, 2.0)
+            except (_HandBack, _Busy, _ParentWaits, NrvnaError, OSError) as err:
+                _claim_later(self.pool, job_id, err)
                 continue
             if job is None:
                 self.pool.done(job_id)
@@ -13405,11 +13414,8 @@ class Server:
         for job_id in job_ids:
             try:
                 job = self.processor.claim(job_id, "Models", self._stop, model)
-            except (_HandBack, _Busy, NrvnaError, OSError):  # as _admit: tried again later
-                self.pool.retry_later(job_id, 1.0)
-                continue
-            except _ParentWaits as err:
-                self.pool.wait_for(job_id, err.parent)
+            except (_HandBack, _Busy, _ParentWaits, NrvnaError, OSError) as err:  # as _admit
+                _claim_later(self.pool, job_id, err)
                 continue
             if job is None:
                 self.pool.done(job_id)
