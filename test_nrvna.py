@@ -2593,6 +2593,24 @@ def test_grammar_shape_counts_the_vocabulary_as_it_counts_each_token(llama: nrvn
     assert checked > 20 and partials >= 2  # (states with half a character: only continuing tokens decoded)
 
 
+def test_the_grammar_vocabulary_keeps_code_points_not_a_padded_matrix() -> None:
+    """GrammarVocab holds each token's code points once, by column (longest tokens first), not
+    a matrix padded to the longest token (15 MiB for SmolLM2, over 100 MiB for large
+    vocabularies): what it stores is the code points alone, and every token reads back whole."""
+    import numpy
+
+    pieces = [b"ab", b"", "h\u00e9llo w\u00f6rld".encode(), b"x", "\u6f22".encode(), b"\x80tail", b"a" * 40]
+    vocab = nrvna.GrammarVocab(numpy, pieces)
+    columns, lengths, rank = vocab.points((0, 0))
+    assert sum(len(c) for c in columns) == int(lengths.sum()) == 2 + 11 + 1 + 1 + 40
+    assert len(columns) == 40 and lengths[1] == 0 and lengths[5] == 0  # empty, and a stray continuation byte
+    for token, piece in enumerate(pieces):
+        if lengths[token]:
+            text = "".join(chr(columns[c][rank[token]]) for c in range(lengths[token]))
+            assert text == piece.decode(), token
+    assert vocab.points((0, 0))[0] is columns  # kept, not decoded again
+
+
 @pytest.mark.model
 def test_grammar_shape_agrees_with_llama_cpp_token_by_token(llama: nrvna.LlamaRunner) -> None:
     """Random grammars (the tests' own fuzzing of grammar shapes) walked by random tokens:
@@ -2789,6 +2807,43 @@ def test_sigkill_mid_batch_with_constrained_jobs_every_line_ends_once_and_valid(
 # ==============================================================================
 # 6. Job parameters: pure logic of IDs, settings and parameters
 # ==============================================================================
+
+
+def test_memory_settings_are_checked_at_start() -> None:
+    """NRVNA_KV_TYPE takes f16, q8_0 or q4_0 (--kv-type too); NRVNA_MAX_MEMORY and
+    NRVNA_CACHE_PENDING take sizes (and auto for the latter); anything else exits 2 naming it."""
+    assert nrvna.Config.from_env({"NRVNA_KV_TYPE": "q8_0"}).kv_type == "q8_0"
+    assert nrvna.Config.from_env({}).kv_type == "f16" and nrvna.Config.from_env({}).cache_pending == "auto"
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_KV_TYPE='q5_1' is not one of f16, q8_0, q4_0"):
+        nrvna.Config.from_env({"NRVNA_KV_TYPE": "q5_1"})
+    assert nrvna.Config.from_env({"NRVNA_CACHE_PENDING": "AUTO"}).cache_pending == "auto"
+    assert nrvna.size_bytes(nrvna.Config.from_env({"NRVNA_MAX_MEMORY": "1.5G"}).max_memory) == 3 << 29
+    for env in ({"NRVNA_MAX_MEMORY": "lots"}, {"NRVNA_CACHE_PENDING": "-1M"}):
+        with pytest.raises(nrvna.ConfigError, match="is not a size"):
+            nrvna.Config.from_env(env)
+    done = cli("daemon", "model.gguf", "ws-never-made", "--kv-type", "q2")
+    assert done.returncode == 2 and b"--kv-type 'q2' is not one of f16, q8_0, q4_0" in done.stderr
+    assert not os.path.exists("ws-never-made")
+
+
+def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
+    """check_memory_budget: the need (the process, weights, every context, saves waiting) against
+    NRVNA_MAX_MEMORY, and each change that alone would fit (fewer workers, a shorter context, a
+    smaller KV type, fewer saves waiting); nothing when the budget holds or there is none."""
+    report = {"weights_mib": 92.1, "kv_mib": 202.5, "compute_mib": 98.3, "output_mib": 3.2, "cells": 9216,
+              "cells_per_job": 1024, "kv_bytes_per_token": 23040}
+    nrvna.check_memory_budget(nrvna.Config(), "m", report, 2, 50.0, True)  # no budget
+    nrvna.check_memory_budget(nrvna.Config(max_memory="1G"), "m", report, 2, 50.0, True)  # 796 MiB fits
+    with pytest.raises(nrvna.ConfigError) as caught:
+        nrvna.check_memory_budget(nrvna.Config(max_memory="500M"), "m", report, 2, 50.0, True)
+    message = str(caught.value)
+    assert "NRVNA_MAX_MEMORY (500 MiB) cannot hold this daemon: it needs 795 MiB" in message
+    assert "2 contexts x 304.0 (KV cache 202.5, compute 98.3, output 3.2), contexts waiting to be saved 45" in message
+    assert message.endswith("it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=2048"), message
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_MAX_CTX=7680 or NRVNA_KV_TYPE=q8_0 or NRVNA_CACHE_PENDING=29M"):
+        nrvna.check_memory_budget(nrvna.Config(max_memory="780M"), "m", report, 2, 50.0, True)
+    with pytest.raises(nrvna.ConfigError, match="nothing here fits it: a larger budget or a smaller model"):
+        nrvna.check_memory_budget(nrvna.Config(max_memory="200M"), "m", report, 2, 50.0, False)
 
 
 def test_all_lists_the_public_names() -> None:
