@@ -17,7 +17,7 @@ a sub-section: constants, record types, functions and helper classes, the tables
 main class last. No sub-section (or section without them) is over 800 lines; a test checks all this.
 
 1. Errors and exit codes            NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
-2. Settings                         SETTINGS, Config, setting_default, HOOK_VARIABLES, thinking_tags
+2. Settings                         SETTINGS, KV_TYPES, Config, setting_default, HOOK_VARIABLES, thinking_tags
 3. Logging                          configure_logging, log (log.limited), OS thread names
 4. File primitives                  write_file, read_file, fsync_dir, move (never replaces)
 5. Structured output
@@ -51,7 +51,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    9.5 Daemons: info and stop       daemon_info, stop_daemon (_proven_daemon)
 10. Runner protocol                 Runner, Session, RunningJob, Outcome, FunctionRunner
 11. llama.cpp engine
-   11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, check_gguf, _GgufHeader
+   11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, _kv_params, _new_context (a context
+                                      and its buffers), check_gguf, _GgufHeader
    11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion
    11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _JobSampler
    11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
@@ -59,14 +60,14 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
    11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
-   11.8 The runner                  LlamaRunner
+   11.8 The runner                  HOST_CACHES, model_memory, memory_line, LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
    12.2 Claims and finishes: Processor
                                     _Claim, _HandBacks (failed finishes, a full disk), Processor
    12.3 Recovery and hooks          _Recovery (orphans, staging), Hooks
-   12.4 Models                      _ServedModel, _LoadFailure, _ModelSwitch, _Models
+   12.4 Models                      _ServedModel, check_memory_budget, _LoadFailure, _ModelSwitch, _Models
    12.5 Daemons side by side, and the watch
                                     _clash, _hooks_clash, _Registry, _Watcher (cancels, timeouts, dead daemons)
    12.6 Server                      _WorkerLoads, _claim_later, _with_states_folder, Server
@@ -2236,7 +2237,7 @@ class GrammarVocab:
             # first, so a token's place in every column is its rank. A matrix padded to the
             # longest token took 15 MiB for SmolLM2 (its longest is 81 code points, most are
             # under 8) and more than 100 MiB for a 150,000-token vocabulary; this takes the
-            # code points alone (1.3 MiB for SmolLM2).
+            # code points and two indexes (2.0 MiB for SmolLM2).
             by_length = sorted(rows, key=lambda i: -len(rows[i]))
             rank = np.zeros(len(self.pieces), dtype=np.int64)
             rank[by_length] = np.arange(len(by_length))
@@ -10292,7 +10293,7 @@ HOST_CACHES: tuple[tuple[str, str, str, str, str], ...] = (
     ("token texts", "the model", "its vocabulary", "each generated token's bytes, once seen",
      "none needed: one entry per token at most"),
     ("grammar vocabulary", "the model", f"{GRAMMAR_VOCAB_PARTIALS} half-done characters",
-     "the vocabulary's code points, made for the first structured job (1.3 MiB for SmolLM2), and the tokens "
+     "the vocabulary's code points, made for the first structured job (2 MiB for SmolLM2), and the tokens "
      "that can finish a character split over tokens", "the oldest character's first"),
     ("grammars converted", "the model", f"{GRAMMAR_CACHE}", "JSON schemas and grammars made into llama.cpp's GBNF",
      "least recently used"),
@@ -10359,7 +10360,7 @@ class LlamaRunner(Runner):
     decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
     ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``
     are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under
-    ``_lock``; a decode with borrowed threads under ``_wide_lock``. ``_pieces`` is a cache the
+    ``_lock`` (``memory`` reads them from any thread: the record's writer, the Watcher); a decode with borrowed threads under ``_wide_lock``. ``_pieces`` is a cache the
     workers fill without a lock: a token's bytes are the same whoever stores them, and one
     dict get or set is atomic. The model, its vocabulary and the tables made at load are read
     only (llama.cpp's model may be shared by contexts on several threads).
