@@ -68,8 +68,9 @@ def daemon_cells(ws: str) -> int:
     """The daemon's KV cells in all (its record's memory report), 0 where it has none."""
     total = 0
     for record in nrvna.daemon_info(ws):
-        for model in (record.get("memory") or {}).get("models", []):
-            total += model.get("contexts", 0) * model.get("cells", 0)
+        for model in record.get("models", []):
+            memory = model.get("memory") or {}
+            total += memory.get("contexts", 0) * memory.get("cells", 0)
     return total
 
 
