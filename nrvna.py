@@ -67,8 +67,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    12.2 Claims and finishes: Processor
                                     _Claim, _HandBacks (failed finishes, a full disk), Processor
    12.3 Recovery and hooks          _Recovery (orphans, staging), Hooks
-   12.4 Models                      _ServedModel, _trim_heap, check_memory_budget, _LoadFailure, _ModelSwitch,
-                                      _Models
+   12.4 Models                      _ServedModel, check_memory_budget, _LoadFailure, _ModelSwitch, _Models
    12.5 Daemons side by side, and the watch
                                     _clash, _hooks_clash, _Registry, _Watcher (cancels, timeouts, dead daemons)
    12.6 Server                      _WorkerLoads, _claim_later, _with_states_folder, Server
@@ -12380,19 +12379,6 @@ def _resident_mib() -> float:
         return 0.0
 
 
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the kernel (glibc's malloc_trim). A daemon started as
-    `python nrvna.py` compiles the whole file first (46 MiB at the compiler's peak), and a model's
-    load parses its GGUF: both leave tens of MiB freed but still resident (31 MiB measured at a
-    daemon's start), which every later peak would carry. Nothing where there is no glibc."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], workers: int, fixed_mib: float,
                         saves: bool) -> None:
     """ConfigError (exit 2 at start) when NRVNA_MAX_MEMORY cannot hold model ``name`` with
@@ -12857,7 +12843,6 @@ class _Models:
             report = model.runner.memory()
             if report is not None:
                 log.info(memory_line(model.name, report))
-            _trim_heap()  # the load's (and, at start, the compiler's) freed memory
 
     def _unload(self, model: _ServedModel) -> None:
         if model.runner is not None:
@@ -14314,7 +14299,11 @@ def _daemon_arguments(parser: Any) -> None:
             env = f"; sets {', '.join(hooked)}" if hooked else ""
             default = setting.default if setting.shown is None else setting.shown
             default = f", default {default}" if default != "" else ""
-            kind = {"type": setting.kind} if setting.kind is not str else {"metavar": "CMD"}
+            if setting.kind is not str:
+                kind: dict[str, Any] = {"type": setting.kind}
+            else:  # a hook's command, a size, or one of the setting's choices
+                kind = {"metavar": "|".join(setting.choices) if setting.choices else
+                        "SIZE" if setting.check in (_check_size, _check_pending) else "CMD"}
             parser.add_argument(*setting.flags, dest=name, help=f"{setting.help}{env} ({setting.env}{default})", **kind)
 
 
