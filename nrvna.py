@@ -17,7 +17,7 @@ a sub-section: constants, record types, functions and helper classes, the tables
 main class last. No sub-section (or section without them) is over 800 lines; a test checks all this.
 
 1. Errors and exit codes            NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
-2. Settings                         SETTINGS, Config, setting_default, HOOK_VARIABLES, thinking_tags
+2. Settings                         SETTINGS, KV_TYPES, Config, setting_default, HOOK_VARIABLES, thinking_tags
 3. Logging                          configure_logging, log (log.limited), OS thread names
 4. File primitives                  write_file, read_file, fsync_dir, move (never replaces)
 5. Structured output
@@ -51,7 +51,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    9.5 Daemons: info and stop       daemon_info, stop_daemon (_proven_daemon)
 10. Runner protocol                 Runner, Session, RunningJob, Outcome, FunctionRunner
 11. llama.cpp engine
-   11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, check_gguf, _GgufHeader
+   11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, _kv_params, _new_context (a context
+                                      and its buffers), check_gguf, _GgufHeader
    11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion
    11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _JobSampler
    11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
@@ -59,14 +60,14 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
    11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
-   11.8 The runner                  LlamaRunner
+   11.8 The runner                  HOST_CACHES, model_memory, memory_line, LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
    12.2 Claims and finishes: Processor
                                     _Claim, _HandBacks (failed finishes, a full disk), Processor
    12.3 Recovery and hooks          _Recovery (orphans, staging), Hooks
-   12.4 Models                      _ServedModel, _LoadFailure, _ModelSwitch, _Models
+   12.4 Models                      _ServedModel, check_memory_budget, _LoadFailure, _ModelSwitch, _Models
    12.5 Daemons side by side, and the watch
                                     _clash, _hooks_clash, _Registry, _Watcher (cancels, timeouts, dead daemons)
    12.6 Server                      _WorkerLoads, _claim_later, _with_states_folder, Server
@@ -407,7 +408,12 @@ def _os_error(err: OSError) -> str:
 
 LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
 POOLINGS = ("model", "mean", "cls", "last", "none")  # llama.cpp's pooling types, by name
+# The KV cache's element types (NRVNA_KV_TYPE): ggml's type number and bytes per value (a block's
+# bytes over its 32 values for the quantized ones). llama.cpp reads a quantized V cache only in
+# its flash-attention kernel, so a quantized type turns flash attention on (_kv_params, 11.7).
+KV_TYPES: dict[str, tuple[int, float]] = {"f16": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}  # a size setting's units (1024-based)
+_MIB = 1 << 20
 
 
 # What a hook's environment holds: variable -> (the settings whose hooks get it, meaning). The
@@ -482,6 +488,10 @@ def size_bytes(value: Any) -> int:
 def _check_size(value: Any) -> str:
     size_bytes(value)  # ConfigError naming the value
     return str(value).strip()
+
+
+def _check_pending(value: Any) -> str:
+    return "auto" if str(value).strip().lower() == "auto" else _check_size(value)
 
 
 def _check_thinking_tags(value: Any) -> str:
@@ -564,6 +574,8 @@ SETTINGS: dict[str, _Setting] = {
                       flags=("-s", "--seqs")),
     "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
     "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
+    "kv_type": _Setting("NRVNA_KV_TYPE", str, "f16", None, None, "the KV cache's type: f16, q8_0 (0.53x the memory) or q4_0 (0.28x); a quantized cache turns flash attention on, which llama.cpp needs for it (a model or backend without it: exit 2 at start). What each costs in quality: docs/configuration.md",
+                         choices=tuple(KV_TYPES), flags=("--kv-type",)),
     "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
     "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all)",
                             shown="0 (99 on macOS)"),
@@ -581,6 +593,10 @@ SETTINGS: dict[str, _Setting] = {
     "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs (and reads the states NRVNA_CACHE_DISK keeps); 0 computes every prompt whole"),
     "cache_disk": _Setting("NRVNA_CACHE_DISK", str, "2G", None, None, "most bytes of computed contexts (KV states) kept on disk for later jobs, restarts and other daemons, least recently used out first: bytes, or with K, M, G, T; 0 turns the store off. 2G holds about 11 contexts of 8,000 tokens of SmolLM2-135M (23 KB a token), 2 of an 8B model (128 KB a token)",
                            check=_check_size),
+    "cache_pending": _Setting("NRVNA_CACHE_PENDING", str, "auto", None, None, "most bytes of computed contexts copied out of the KV cache and waiting for the Saver to write them to NRVNA_CACHE_DISK's store: auto (2 contexts, each at most a job's share of cells: 45 MiB for SmolLM2-135M at the defaults), or a size; a save beyond it is skipped (logged), never waited for",
+                              check=_check_pending),
+    "max_memory": _Setting("NRVNA_MAX_MEMORY", str, "0", None, None, "a memory budget: a daemon whose models' weights, KV caches and compute buffers (as llama.cpp states them, once the first context is made) and host caches would exceed it exits 2 at start, saying what would fit (0: no budget)",
+                           flags=("--max-memory",), check=_check_size),
     "cache_dir": _Setting("NRVNA_CACHE_DIR", str, "", None, None, "where the saved KV states live (empty: the workspace's states/): a faster disk than the workspace's, or one shared by workspaces"),
     "cache_min_tokens": _Setting("NRVNA_CACHE_MIN_TOKENS", int, 512, 16, 1 << 24, "fewest tokens a saved KV state covers: a shorter context is computed again about as fast as its state is written and read"),
     "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job (default of max_tokens)"),
@@ -2068,6 +2084,7 @@ GRAMMAR_CHECK_WORK = 1_000_000  # dict operations GrammarShape may take to answe
 # The submit check counts on the top elements of stacks alone: walks multiply there, and stacks
 # that differ only deeper (JSON nested 30 deep, or 31) count as one state, their walks added.
 GRAMMAR_COST_DEPTH = 3
+GRAMMAR_VOCAB_PARTIALS = 64  # half-done characters whose tokens' code points a GrammarVocab keeps
 _UTF8_LENGTHS = (1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 2, 2, 3, 4)  # by a first byte's high 4 bits
 Stack = tuple  # positions in GrammarShape.elements, the top last
 GrammarState = tuple  # (frozenset of stacks, (partial UTF-8 value, bytes it still needs))
@@ -2152,12 +2169,12 @@ class _VocabWalk:
         the most one token takes; GrammarLimit once one token takes more than GRAMMAR_PATHS."""
         np = self.np
         stacks, partial = state
-        points, lengths = vocab.points(partial)
+        columns, lengths, rank = vocab.points(partial)
         rows = np.arange(len(lengths)) if ids is None else np.asarray(ids, dtype=np.int64)
         group = np.full(len(rows), self.number({stack: 1 for stack in stacks}), dtype=np.int64)
         spent = np.zeros(len(rows), dtype=np.int64)  # steps so far, per token still being walked
         total = worst = 0
-        for column in range(points.shape[1] + 1):
+        for column in range(len(columns) + 1):
             taken = np.asarray(self.walks, dtype=np.int64)[group]  # each walk checks this character (or the end)
             spent += taken
             total += int(taken.sum())
@@ -2169,9 +2186,9 @@ class _VocabWalk:
                                    f"(the limit is {GRAMMAR_PATHS:,})")
             if not going.all():
                 rows, group, spent = rows[going], group[going], spent[going]
-            if not len(rows) or column == points.shape[1]:
+            if not len(rows) or column == len(columns):
                 break
-            characters = points[rows, column]
+            characters = columns[column][rank[rows]]  # every row left is longer than ``column``
             if group[0] == group[-1] and (group == group[0]).all():  # one set of stacks: the common case
                 edges, targets = self.move(int(group[0]))
                 group = targets[np.searchsorted(edges, characters, side="right") - 1]
@@ -2185,8 +2202,8 @@ class _VocabWalk:
 
 
 class GrammarVocab:
-    """A model's tokens as llama.cpp's grammar sees them: each token's code points (a row,
-    padded with -1), per partial UTF-8 character a job may be in (made when first needed)."""
+    """A model's tokens as llama.cpp's grammar sees them: each token's code points (by column:
+    see _decode), per partial UTF-8 character a job may be in (made when first needed)."""
 
     def __init__(self, np: Any, pieces: list[bytes]) -> None:
         self.np = np
@@ -2195,30 +2212,43 @@ class GrammarVocab:
         # others llama.cpp's decoding fails at once, and a job's state after half a character
         # (CJK, emoji split into byte tokens) needs only their rows, a few hundred
         self.continuing = [i for i, piece in enumerate(pieces) if piece and piece[0] >> 6 == 2]
-        self.decoded: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.decoded: dict[tuple[int, int], tuple[list[Any], Any, Any]] = {}  # partial -> (columns, lengths, rank)
         self.lock = threading.Lock()  # workers share it: one decodes, the others wait for that
 
-    def points(self, partial: tuple[int, int]) -> tuple[Any, Any]:
+    def points(self, partial: tuple[int, int]) -> tuple[list[Any], Any, Any]:
+        """In the state ``partial`` (a character half done), the tokens' code points by column
+        (see _decode), each token's length in code points, and each token's rank in the columns."""
         found = self.decoded.get(partial)
         if found is not None:
             return found
         with self.lock:
             return self._decode(partial)
 
-    def _decode(self, partial: tuple[int, int]) -> tuple[Any, Any]:
+    def _decode(self, partial: tuple[int, int]) -> tuple[list[Any], Any, Any]:
         found = self.decoded.get(partial)
         if found is None:
             np = self.np
             which = range(len(self.pieces)) if partial == (0, 0) else self.continuing
             rows = {i: grammar_code_points(self.pieces[i], partial)[0] for i in which if self.pieces[i][:1] not in (b"", b"\0")}
-            points = np.full((len(self.pieces), max(map(len, rows.values()), default=1) or 1), -1, dtype=np.int32)
             lengths = np.zeros(len(self.pieces), dtype=np.int64)
             for i, row in rows.items():
-                points[i, :len(row)] = row
                 lengths[i] = len(row)
-            if len(self.decoded) >= 64:  # (the whole vocabulary's is 16 MB for SmolLM2; a partial's, a column or two)
+            # Column c holds the c-th code point of every token longer than c, longest tokens
+            # first, so a token's place in every column is its rank. A matrix padded to the
+            # longest token took 15 MiB for SmolLM2 (its longest is 81 code points, most are
+            # under 8) and more than 100 MiB for a 150,000-token vocabulary; this takes the
+            # code points and two indexes (2.0 MiB for SmolLM2).
+            by_length = sorted(rows, key=lambda i: -len(rows[i]))
+            rank = np.zeros(len(self.pieces), dtype=np.int64)
+            rank[by_length] = np.arange(len(by_length))
+            width = len(rows[by_length[0]]) if by_length else 0
+            columns: list[list[int]] = [[] for _ in range(width)]
+            for i in by_length:
+                for column, point in enumerate(rows[i]):
+                    columns[column].append(point)
+            if len(self.decoded) >= GRAMMAR_VOCAB_PARTIALS:  # (the whole vocabulary's is 2 MiB for SmolLM2)
                 self.decoded.pop(next(iter(self.decoded)))
-            found = self.decoded[partial] = (points, lengths)
+            found = self.decoded[partial] = ([np.array(c, dtype=np.int32) for c in columns], lengths, rank)
         return found
 
 
@@ -7479,6 +7509,11 @@ class Runner:
         """Worker ``index``'s session; raise ModelError if it cannot be made."""
         raise NotImplementedError
 
+    def memory(self) -> Optional[dict[str, Any]]:
+        """What the runner holds in memory, as the start line and `status --daemon` state it
+        (MiB; see model_memory), or None where it cannot say."""
+        return None
+
     def close(self) -> None:
         """Free what the runner holds; called once, after every session is closed."""
 
@@ -7601,6 +7636,11 @@ FULL_LENGTH_SEQS = 8
 # and the next log line would then jump into freed memory (a segfault), hence the global.
 _llama_log_callback: Any = None
 _llama_log_tail: list[str] = []
+# llama.cpp states a context's buffers only in its log, one line per backend ("CPU KV buffer size
+# = 202.50 MiB", "CUDA0 compute buffer size = ..."): the callback runs on the thread that makes
+# the context, so _llama_context collects its own lines here, by thread, while it makes one.
+_BUFFER_LINE = re.compile(r"\b(KV|compute|output) buffer size = +([0-9.]+) MiB")
+_buffer_sizes: dict[int, dict[str, float]] = {}  # thread ident -> {"KV", "compute", "output": MiB}
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
@@ -7642,11 +7682,38 @@ def _install_llama_logging(llama: Any, level: str) -> None:
         if level_code in (3, 4):  # GGML_LOG_LEVEL_WARN, _ERROR
             _llama_log_tail.append(line)
             del _llama_log_tail[:-5]
+        sizes = _buffer_sizes.get(threading.get_ident()) if _buffer_sizes else None
+        if sizes is not None:
+            found = _BUFFER_LINE.search(line)
+            if found:
+                sizes[found.group(1)] = sizes.get(found.group(1), 0.0) + float(found.group(2))
         if verbose:
             log.debug(f"llama.cpp: {line}")
 
     _llama_log_callback = llama.llama_log_callback(on_log)
     llama.llama_log_set(_llama_log_callback, None)
+
+
+def _kv_params(L: Any, config: Config) -> tuple[int, int, int]:
+    """A generation context's KV cache types and flash attention (type_k, type_v, flash_attn_type)
+    for NRVNA_KV_TYPE: read by _llama_context and by the saved states' fingerprint alike, so a
+    state is restored only into a cache laid out as the one it came from."""
+    if config.kv_type == "f16":  # llama.cpp's own defaults: flash attention where it helps
+        defaults = L.llama_context_default_params()
+        return int(defaults.type_k), int(defaults.type_v), int(defaults.flash_attn_type)
+    code = KV_TYPES[config.kv_type][0]
+    return code, code, int(L.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+
+
+def _new_context(L: Any, model: Any, params: Any) -> tuple[Any, dict[str, float]]:
+    """``llama_init_from_model`` (a null context where it fails: its reason is in _llama_log_tail),
+    and the context's buffers as llama.cpp logs them: {"KV", "compute", "output": MiB}."""
+    del _llama_log_tail[:]
+    sizes = _buffer_sizes[threading.get_ident()] = {}
+    try:
+        return L.llama_init_from_model(model, params), sizes
+    finally:
+        del _buffer_sizes[threading.get_ident()]
 
 
 def _llama_log_reason(form: str) -> str:
@@ -9057,7 +9124,7 @@ class _Embedder:
         if runner.causal:
             params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.no_perf = True
-        self.ctx = L.llama_init_from_model(runner.model, params)
+        self.ctx, self.buffers = _new_context(L, runner.model, params)
         if not self.ctx:
             raise JobError("model_error", f"cannot create an embedding context of {size} tokens (out of memory? "
                                           "lower NRVNA_MAX_CTX)")
@@ -9161,7 +9228,7 @@ class _Embedder:
 
 
 RESTORE_GAIN_TOKENS = 64  # a saved state is read only when it covers this many tokens more than memory
-SAVES_PENDING = 2  # states copied out of a context and not yet written: more are dropped, never waited for
+SAVES_PENDING = 2  # states waiting to be written with NRVNA_CACHE_PENDING=auto: each is at most a job's share of cells
 STALE_TEMP_SECONDS = 600.0  # a temporary state file this old is a dead writer's
 
 
@@ -9181,11 +9248,10 @@ def state_fingerprint(runner: Any, model_path: str) -> str:
         digest.update(handle.read(1 << 20))
         handle.seek(max(0, size - (1 << 20)))
         digest.update(handle.read(1 << 20))
-    context = L.llama_context_default_params()
     version = getattr(sys.modules.get("llama_cpp"), "__version__", "?")
     return json.dumps({"model": [size, digest.hexdigest()[:32]], "llama_cpp": version,
                        "state": getattr(L, "LLAMA_STATE_SEQ_VERSION", None),
-                       "kv": [int(context.type_k), int(context.type_v), int(context.flash_attn_type), "unified"],
+                       "kv": [*_kv_params(L, runner.config), "unified"],
                        "layers": L.llama_model_n_layer(runner.model), "gpu_layers": runner.config.gpu_layers},
                       sort_keys=True, separators=(",", ":"))
 
@@ -9241,15 +9307,17 @@ class StateStore:
     read outside it.
     """
 
-    def __init__(self, folder: str, fingerprint: str, limit: int, min_tokens: int) -> None:
+    def __init__(self, folder: str, fingerprint: str, limit: int, min_tokens: int,
+                 pending_limit: Optional[int] = None) -> None:
         import queue
 
         self.folder, self.fingerprint, self.limit, self.min_tokens = folder, fingerprint, limit, min_tokens
+        self.pending_limit = pending_limit  # bytes of states copied out and not yet written; None: 2 states
         self._lock = threading.Lock()
         self._index: dict[str, StateHead] = {}  # this fingerprint's states, by file name
         self._listed: Optional[int] = None  # the folder's mtime when it was last listed
         self._queue: Any = queue.SimpleQueue()
-        self._pending = 0
+        self._pending = self._waiting = 0  # bytes, and states, copied out and not yet written
         self._saver: Optional[threading.Thread] = None
         self.counts = {"saved": 0, "restored": 0, "dropped": 0, "removed": 0}
         try:
@@ -9267,7 +9335,8 @@ class StateStore:
         limit = size_bytes(config.cache_disk)
         if not (limit and config.prefix_cache and config.cache_dir):
             return None
-        return cls(config.cache_dir, state_fingerprint(runner, model_path), limit, config.cache_min_tokens)
+        pending = None if config.cache_pending == "auto" else size_bytes(config.cache_pending)
+        return cls(config.cache_dir, state_fingerprint(runner, model_path), limit, config.cache_min_tokens, pending)
 
     def _clean_temporaries(self) -> None:
         """Remove the temporary files of saves cut short: their writer (the pid in the name) is
@@ -9389,26 +9458,32 @@ class StateStore:
 
     def save(self, L: Any, ctx: Any, slot: int, tokens: list[int], job_id: str) -> None:
         """Copy sequence ``slot``'s state (exactly ``tokens``' cells) out of ``ctx`` and queue it
-        for the Saver; dropped when SAVES_PENDING are already waiting (never waited for)."""
+        for the Saver; dropped when it would take the states waiting past NRVNA_CACHE_PENDING
+        bytes (never waited for)."""
         import ctypes
 
+        size = L.llama_state_seq_get_size(ctx, slot)
         with self._lock:
-            if self._pending >= SAVES_PENDING:
+            limit = self.pending_limit
+            if not size or (self._waiting >= SAVES_PENDING if limit is None else self._pending + size > limit):
                 self.counts["dropped"] += 1
-                log.limited("state pending", "a computed context was not saved: the disk is behind", "warning")
+                why = ("the disk is behind" if self._pending else
+                       f"its {size / _MIB:,.0f} MiB are more than NRVNA_CACHE_PENDING ({(limit or 0) / _MIB:,.0f} MiB)")
+                log.limited("state pending", f"a computed context was not saved: {why}", "warning")
                 return
-            self._pending += 1
+            self._pending += size
+            self._waiting += 1
         try:
-            size = L.llama_state_seq_get_size(ctx, slot)
             data, offset = state_buffer(self.fingerprint, job_id, tokens, size)
             copied = L.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data, offset), size, slot)
         except MemoryError:
-            copied, size = 0, 1
-        if not size or copied != size or len(data) > self.limit:
+            copied = 0
+        if copied != size or len(data) > self.limit:
             with self._lock:
-                self._pending -= 1
+                self._pending -= size
+                self._waiting -= 1
             return
-        self._queue.put((state_name(self.fingerprint, tokens), data))
+        self._queue.put((state_name(self.fingerprint, tokens), data, size))
         if self._saver is None:
             self._saver = threading.Thread(target=self._run, name="Saver", daemon=True)
             self._saver.start()
@@ -9419,14 +9494,16 @@ class StateStore:
             item = self._queue.get()
             if item is None:
                 return
+            name, data, size = item
             try:
-                self._write(*item)
+                self._write(name, data)
                 self.evict()
             except Exception as err:  # a save is worth little: never take the daemon down
                 log.limited(f"state save:{type(err).__name__}", f"saving a computed context failed: {err!r}")
             finally:
                 with self._lock:
-                    self._pending -= 1
+                    self._pending -= size
+                    self._waiting -= 1
 
     def _write(self, name: str, data: Any) -> None:
         """Write a state whole: a temporary name, fsync, rename, the folder's fsync."""
@@ -9748,10 +9825,13 @@ class _Preemption:
             self.abortable = allowed
 
 
-def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, threads: int) -> Any:
-    """A llama context of ``cells`` tokens for ``seqs`` sequences; ModelError if it cannot be made."""
+def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, threads: int) -> tuple[Any, dict[str, float]]:
+    """A llama context of ``cells`` tokens for ``seqs`` sequences, and its buffers as llama.cpp
+    states them ({"KV", "compute", "output": MiB}); ModelError if it cannot be made, ConfigError
+    (exit 2) where NRVNA_KV_TYPE asks for a quantized cache llama.cpp cannot make here."""
     L = runner.L
     params = L.llama_context_default_params()
+    params.type_k, params.type_v, params.flash_attn_type = _kv_params(L, runner.config)
     params.n_ctx = cells
     params.n_batch = n_batch
     params.n_ubatch = n_batch
@@ -9764,11 +9844,15 @@ def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, thr
     # of 1 once slots free up out of order. Measured 3-10% more tok/s with mixed lengths.
     params.kv_unified = True
     params.no_perf = True
-    ctx = L.llama_init_from_model(runner.model, params)
+    ctx, sizes = _new_context(L, runner.model, params)
     if not ctx:
-        raise ModelError(f"cannot create a llama context of {params.n_ctx} tokens "
+        reason = _llama_log_reason(": {}")
+        if runner.config.kv_type != "f16":
+            raise ConfigError(f"NRVNA_KV_TYPE={runner.config.kv_type}: llama.cpp cannot make a quantized KV cache "
+                              f"for this model here{reason or ' (it needs flash attention)'}; use f16")
+        raise ModelError(f"cannot create a llama context of {params.n_ctx} tokens{reason} "
                          "(out of memory? lower NRVNA_MAX_CTX, NRVNA_SEQS or NRVNA_WORKERS)")
-    return ctx
+    return ctx, sizes
 
 
 class LlamaSession(Session):
@@ -9815,7 +9899,7 @@ class LlamaSession(Session):
         self.saves: list[tuple[int, list[int], str]] = []  # ended sequences' contexts to save (save_ended)
         if runner.embedding_only:  # no generation context: generation jobs fail at start()
             return
-        self.ctx = _llama_context(runner, self.cells, n_batch, seqs + 1, threads)
+        self.ctx, self.buffers = _llama_context(runner, self.cells, n_batch, seqs + 1, threads)
         self.memory = self.L.llama_get_memory(self.ctx)
         self.batch = _Batch(self.L, n_batch)
         self.slots = [None] * (seqs + 1)
@@ -10199,7 +10283,68 @@ class LlamaSession(Session):
 # ============================================================================
 # LlamaRunner: the model loaded once and shared, the runner's caches (pieces, grammars, the
 # Grammar and Wide threads) and a session per worker. Its docstring's Threads line says who calls
-# what.
+# what. HOST_CACHES lists every cache kept beside llama.cpp's buffers, with its bound.
+
+
+# Every cache nrvna keeps beside llama.cpp's own buffers: (what, whose, its bound, what it holds,
+# how it makes room). A bound naming a setting is that setting's value. The start line, `status
+# --daemon` and docs/configuration.md's table come from here.
+HOST_CACHES: tuple[tuple[str, str, str, str, str], ...] = (
+    ("token texts", "the model", "its vocabulary", "each generated token's bytes, once seen",
+     "none needed: one entry per token at most"),
+    ("grammar vocabulary", "the model", f"{GRAMMAR_VOCAB_PARTIALS} half-done characters",
+     "the vocabulary's code points, made for the first structured job (2 MiB for SmolLM2), and the tokens "
+     "that can finish a character split over tokens", "the oldest character's first"),
+    ("grammars converted", "the model", f"{GRAMMAR_CACHE}", "JSON schemas and grammars made into llama.cpp's GBNF",
+     "least recently used"),
+    ("grammars parsed", "each context", f"{GRAMMAR_TEMPLATES}", "llama.cpp's grammar samplers, copied for each job",
+     "least recently used"),
+    ("prompt prefixes", "each context", "its KV cells", "finished jobs' computed prompts, in the KV cache itself",
+     "a finished job's cells, oldest first, when a job needs them"),
+    ("contexts waiting to be saved", "the model", "NRVNA_CACHE_PENDING",
+     "KV states copied out of a context for the Saver thread to write", "a save past it is skipped (logged)"),
+    ("saved contexts, on disk", "the model", "NRVNA_CACHE_DISK", "KV states kept for later jobs and restarts",
+     "least recently used"),
+)
+
+
+def host_caches(config: Config) -> dict[str, str]:
+    """Each host cache's bound, settings given their values (the record's "caches")."""
+    values = {setting.env: str(getattr(config, name)) for name, setting in SETTINGS.items()}
+    return {what: (f"{values[bound]} ({bound})" if bound in values else bound)
+            for what, _, bound, _, _ in HOST_CACHES}
+
+
+def model_memory(runner: Any) -> dict[str, Any]:
+    """What a loaded model holds as llama.cpp states it (MiB): its weights, and each of its
+    generation contexts' KV cache (cells, bytes a token, type), compute and output buffers; its
+    embedding contexts made so far. The start line, `status --daemon` and NRVNA_MAX_MEMORY
+    read it."""
+    with runner._lock:
+        sessions = list(runner._sessions)
+    made = [s for s in sessions if s.ctx is not None]
+    first = made[0].buffers if made else {}
+    kv, compute, output = (first.get(part, 0.0) for part in ("KV", "compute", "output"))
+    # llama.cpp rounds a context's cells up (to 256): its own count, not the one asked for.
+    cells, per_job = (runner.L.llama_n_ctx(made[0].ctx), made[0].ctx_per_seq) if made else (0, 0)
+    embedding = [sum(s.embedder.buffers.values()) for s in sessions if s.embedder is not None]
+    weights = runner.L.llama_model_size(runner.model) / _MIB
+    return {"weights_mib": round(weights, 1), "kv_type": runner.config.kv_type, "contexts": len(made),
+            "cells": cells, "cells_per_job": per_job, "kv_bytes_per_token": round(kv * _MIB / cells) if cells else 0,
+            "kv_mib": kv, "compute_mib": compute, "output_mib": output,
+            "embedding_contexts": len(embedding), "embedding_mib": round(sum(embedding), 1),
+            "total_mib": round(weights + len(made) * (kv + compute + output) + sum(embedding), 1)}
+
+
+def memory_line(name: str, report: Mapping[str, Any]) -> str:
+    """``model_memory``'s report as the start line says it."""
+    n = report["contexts"]
+    line = (f"Memory of {name}: weights {report['weights_mib']:,.1f} MiB, KV cache {n} x {report['kv_mib']:,.1f} MiB "
+            f"({report['kv_type']}, {report['cells']:,} cells x {report['kv_bytes_per_token']:,} B a token), "
+            f"compute {n} x {report['compute_mib']:,.1f} MiB, output {n} x {report['output_mib']:,.1f} MiB")
+    if report["embedding_contexts"]:
+        line += f", embedding contexts {report['embedding_mib']:,.1f} MiB"
+    return line + f": {report['total_mib']:,.1f} MiB"
 
 
 class LlamaRunner(Runner):
@@ -10215,7 +10360,7 @@ class LlamaRunner(Runner):
     decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
     ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``
     are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under
-    ``_lock``; a decode with borrowed threads under ``_wide_lock``. ``_pieces`` is a cache the
+    ``_lock`` (``memory`` reads them from any thread: the record's writer, the Watcher); a decode with borrowed threads under ``_wide_lock``. ``_pieces`` is a cache the
     workers fill without a lock: a token's bytes are the same whoever stores them, and one
     dict get or set is atomic. The model, its vocabulary and the tables made at load are read
     only (llama.cpp's model may be shared by contexts on several threads).
@@ -10358,6 +10503,9 @@ class LlamaRunner(Runner):
         except Exception as err:  # a template jinja cannot parse: fall back to raw prompts
             log.warning(f"model chat template unusable ({err}); prompts are used raw")
             return None
+
+    def memory(self) -> dict[str, Any]:
+        return model_memory(self)
 
     def session(self, index: int, config: Config) -> "LlamaSession":
         """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
@@ -12222,6 +12370,57 @@ class _ServedModel:
         self.used = 0.0  # when it last became the active model (eviction: least recently used)
 
 
+def _resident_mib() -> float:
+    """This process's resident memory now (MiB), 0 where /proc does not say."""
+    try:
+        with open("/proc/self/status") as handle:
+            return next((int(line.split()[1]) / 1024 for line in handle if line.startswith("VmRSS:")), 0.0)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], workers: int, fixed_mib: float,
+                        saves: bool) -> None:
+    """ConfigError (exit 2 at start) when NRVNA_MAX_MEMORY cannot hold model ``name`` with
+    ``workers`` contexts as ``report`` (model_memory, once one context is made) states them, beside
+    ``fixed_mib`` (the process before any model, other models loaded) and, where contexts are
+    saved, NRVNA_CACHE_PENDING; it says what would fit instead."""
+    budget = size_bytes(config.max_memory) / _MIB
+    if not budget:
+        return
+    if not saves:
+        pending = 0.0
+    elif config.cache_pending == "auto":
+        pending = SAVES_PENDING * report["cells_per_job"] * report["kv_bytes_per_token"] / _MIB
+    else:
+        pending = size_bytes(config.cache_pending) / _MIB
+    kv, compute, output = report["kv_mib"], report["compute_mib"], report["output_mib"]
+    room = budget - fixed_mib - pending - report["weights_mib"]  # for the contexts
+    need = budget - room + workers * (kv + compute + output)
+    if need <= budget:
+        return
+    fits = []
+    if 1 <= room // (kv + compute + output) < workers:
+        fits.append(f"NRVNA_WORKERS={int(room // (kv + compute + output))}")
+    per_cell = kv / max(1, report["cells"])  # a context's cells are NRVNA_MAX_CTX and one job's share more
+    max_ctx = int((room / workers - compute - output) / per_cell * config.max_ctx / max(1, report["cells"])) // 256 * 256
+    if 256 <= max_ctx < config.max_ctx:
+        fits.append(f"NRVNA_MAX_CTX={max_ctx}")
+    bytes_now = KV_TYPES[config.kv_type][1]
+    smaller = [t for t, (_, size) in KV_TYPES.items() if size < bytes_now
+               and workers * (kv * size / bytes_now + compute + output) <= room]
+    if smaller:
+        fits.append(f"NRVNA_KV_TYPE={smaller[0]}")
+    if pending and need - pending <= budget:
+        fits.append(f"NRVNA_CACHE_PENDING={max(1, int(budget - need + pending))}M")
+    raise ConfigError(
+        f"NRVNA_MAX_MEMORY ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this process and other "
+        f"models {fixed_mib:,.0f}, {name}'s weights {report['weights_mib']:,.0f}, {workers} contexts x "
+        f"{kv + compute + output:,.1f} (KV cache {kv:,.1f}, compute {compute:,.1f}, output {output:,.1f})"
+        + (f", contexts waiting to be saved {pending:,.0f}" if pending else "") + "); "
+        + (f"it would fit with {' or '.join(fits)}" if fits else "nothing here fits it: a larger budget or a smaller model"))
+
+
 def _file_signature(path: Optional[str]) -> Optional[tuple[int, int, int]]:
     """What tells a replaced or rewritten model file from the one that failed to load."""
     try:
@@ -12425,6 +12624,7 @@ class _Models:
         self.active = 0
         self.since = time.monotonic()
         self.loads = 0
+        self.base_mib = _resident_mib()  # the process before any model: NRVNA_MAX_MEMORY counts it
         self._lock = threading.Lock()  # the routing state's (see Threads above)
         self.failed: dict[int, _LoadFailure] = {}  # queues whose model could not be loaded at its turn
         # Queues whose model could not be loaded ahead of its turn (the Models thread's alone).
@@ -12628,10 +12828,21 @@ class _Models:
             self.loads += 1
         if not model.sessions:
             try:
-                model.sessions = [model.runner.session(i, self.config) for i in range(workers)]
+                sessions = [model.runner.session(0, self.config)]
+                report = model.runner.memory()
+                if report is not None:  # the budget holds before the other contexts are made
+                    others = sum((m.runner.memory() or {}).get("total_mib", 0.0) for m in self.served
+                                 if m is not model and m.runner is not None)
+                    check_memory_budget(self.config, model.name, report, workers, self.base_mib + others,
+                                        getattr(model.runner, "store", None) is not None)
+                sessions += [model.runner.session(i, self.config) for i in range(1, workers)]
+                model.sessions = sessions
             except BaseException:
                 self._unload(model)
                 raise
+            report = model.runner.memory()
+            if report is not None:
+                log.info(memory_line(model.name, report))
 
     def _unload(self, model: _ServedModel) -> None:
         if model.runner is not None:
@@ -12647,10 +12858,14 @@ class _Models:
     def describe(self) -> list[dict[str, Any]]:
         """Each model as the daemon's record lists it."""
         described = []
+        runners = [(m.runner, bool(m.sessions)) for m in self.served]  # as they are: a switch may change them
+        reports = [runner.memory() if runner is not None and loaded else None for runner, loaded in runners]
         with self._lock:
             for i, m in enumerate(self.served):
                 described.append({"name": m.name, "path": m.path, "kind": m.kind, "loaded": bool(m.sessions),
                                   "active": i == self.active})
+                if reports[i] is not None:
+                    described[-1]["memory"] = reports[i]
                 failure = self.failed.get(i)
                 if failure is not None:  # status and wait tell the jobs waiting for it why
                     described[-1].update(load_failures=failure.count, load_error=failure.error,
@@ -13118,6 +13333,7 @@ class Server:
         self.started = True
         log.info(f"Server started: {self.workspace}, {self.config.workers} workers x "
                  f"{self.config.seqs} sequences, pid {os.getpid()}")
+        log.info("Host caches: " + "; ".join(f"{what}: {bound}" for what, bound in host_caches(self.config).items()))
 
     def _use(self, sessions: list[Session]) -> None:
         """Make ``sessions`` (one per worker) the ones the workers step."""
@@ -13195,6 +13411,7 @@ class Server:
                         loads=self.models.loads if self.models else 0, models_dir=self._models_dir,
                         aliases=self._aliases, gpu=self.config.gpu, workers=self.config.workers, seqs=self.config.seqs,
                         hooks={"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done},
+                        kv_type=self.config.kv_type, max_memory=self.config.max_memory, caches=host_caches(self.config),
                         started=round(self._started_at, 3), updated=round(now, 3), running=len(self._running),
                         tokens_per_second_last_minute=round(recent / window, 1))
 
@@ -13461,9 +13678,9 @@ class _Signalled(BaseException):
 
 
 def markdown_tables() -> dict[str, str]:
-    """The manual's generated tables: settings, params, exit-codes, failure-codes and
-    hook-variables, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES and HOOK_VARIABLES (scripts/readme_tables.py writes them; a
-    test checks them)."""
+    """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables
+    and caches, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES, HOOK_VARIABLES and HOST_CACHES
+    (scripts/readme_tables.py writes them; a test checks them)."""
     settings = ["| variable | default | meaning |", "|---|---|---|"]
     for setting in SETTINGS.values():
         default = setting.default if setting.shown is None else setting.shown
@@ -13483,8 +13700,11 @@ def markdown_tables() -> dict[str, str]:
     hooks = ["| variable | set for | meaning |", "|---|---|---|"] + [
         f"| `{name}` | {', '.join('`--' + hook.replace('_', '-') + '`' for hook in on)} | {meaning} |"
         for name, (on, meaning) in HOOK_VARIABLES.items()]
+    caches = ["| cache | kept by | bound | holds | makes room by |", "|---|---|---|---|---|"] + [
+        f"| {what} | {whose} | {f'`{bound}`' if bound.startswith('NRVNA_') else bound} | {holds} | {room} |"
+        for what, whose, bound, holds, room in HOST_CACHES]
     return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
-            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks)}
+            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches)}
 
 
 def _say(message: str) -> None:
@@ -14079,7 +14299,11 @@ def _daemon_arguments(parser: Any) -> None:
             env = f"; sets {', '.join(hooked)}" if hooked else ""
             default = setting.default if setting.shown is None else setting.shown
             default = f", default {default}" if default != "" else ""
-            kind = {"type": setting.kind} if setting.kind is not str else {"metavar": "CMD"}
+            if setting.kind is not str:
+                kind: dict[str, Any] = {"type": setting.kind}
+            else:  # a hook's command, a size, or one of the setting's choices
+                kind = {"metavar": "|".join(setting.choices) if setting.choices else
+                        "SIZE" if setting.check in (_check_size, _check_pending) else "CMD"}
             parser.add_argument(*setting.flags, dest=name, help=f"{setting.help}{env} ({setting.env}{default})", **kind)
 
 

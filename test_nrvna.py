@@ -2593,6 +2593,24 @@ def test_grammar_shape_counts_the_vocabulary_as_it_counts_each_token(llama: nrvn
     assert checked > 20 and partials >= 2  # (states with half a character: only continuing tokens decoded)
 
 
+def test_the_grammar_vocabulary_keeps_code_points_not_a_padded_matrix() -> None:
+    """GrammarVocab holds each token's code points once, by column (longest tokens first), not
+    a matrix padded to the longest token (15 MiB for SmolLM2, over 100 MiB for large
+    vocabularies): what it stores is the code points alone, and every token reads back whole."""
+    import numpy
+
+    pieces = [b"ab", b"", "h\u00e9llo w\u00f6rld".encode(), b"x", "\u6f22".encode(), b"\x80tail", b"a" * 40]
+    vocab = nrvna.GrammarVocab(numpy, pieces)
+    columns, lengths, rank = vocab.points((0, 0))
+    assert sum(len(c) for c in columns) == int(lengths.sum()) == 2 + 11 + 1 + 1 + 40
+    assert len(columns) == 40 and lengths[1] == 0 and lengths[5] == 0  # empty, and a stray continuation byte
+    for token, piece in enumerate(pieces):
+        if lengths[token]:
+            text = "".join(chr(columns[c][rank[token]]) for c in range(lengths[token]))
+            assert text == piece.decode(), token
+    assert vocab.points((0, 0))[0] is columns  # kept, not decoded again
+
+
 @pytest.mark.model
 def test_grammar_shape_agrees_with_llama_cpp_token_by_token(llama: nrvna.LlamaRunner) -> None:
     """Random grammars (the tests' own fuzzing of grammar shapes) walked by random tokens:
@@ -2789,6 +2807,43 @@ def test_sigkill_mid_batch_with_constrained_jobs_every_line_ends_once_and_valid(
 # ==============================================================================
 # 6. Job parameters: pure logic of IDs, settings and parameters
 # ==============================================================================
+
+
+def test_memory_settings_are_checked_at_start() -> None:
+    """NRVNA_KV_TYPE takes f16, q8_0 or q4_0 (--kv-type too); NRVNA_MAX_MEMORY and
+    NRVNA_CACHE_PENDING take sizes (and auto for the latter); anything else exits 2 naming it."""
+    assert nrvna.Config.from_env({"NRVNA_KV_TYPE": "q8_0"}).kv_type == "q8_0"
+    assert nrvna.Config.from_env({}).kv_type == "f16" and nrvna.Config.from_env({}).cache_pending == "auto"
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_KV_TYPE='q5_1' is not one of f16, q8_0, q4_0"):
+        nrvna.Config.from_env({"NRVNA_KV_TYPE": "q5_1"})
+    assert nrvna.Config.from_env({"NRVNA_CACHE_PENDING": "AUTO"}).cache_pending == "auto"
+    assert nrvna.size_bytes(nrvna.Config.from_env({"NRVNA_MAX_MEMORY": "1.5G"}).max_memory) == 3 << 29
+    for env in ({"NRVNA_MAX_MEMORY": "lots"}, {"NRVNA_CACHE_PENDING": "-1M"}):
+        with pytest.raises(nrvna.ConfigError, match="is not a size"):
+            nrvna.Config.from_env(env)
+    done = cli("daemon", "model.gguf", "ws-never-made", "--kv-type", "q2")
+    assert done.returncode == 2 and b"--kv-type 'q2' is not one of f16, q8_0, q4_0" in done.stderr
+    assert not os.path.exists("ws-never-made")
+
+
+def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
+    """check_memory_budget: the need (the process, weights, every context, saves waiting) against
+    NRVNA_MAX_MEMORY, and each change that alone would fit (fewer workers, a shorter context, a
+    smaller KV type, fewer saves waiting); nothing when the budget holds or there is none."""
+    report = {"weights_mib": 92.1, "kv_mib": 202.5, "compute_mib": 98.3, "output_mib": 3.2, "cells": 9216,
+              "cells_per_job": 1024, "kv_bytes_per_token": 23040}
+    nrvna.check_memory_budget(nrvna.Config(), "m", report, 2, 50.0, True)  # no budget
+    nrvna.check_memory_budget(nrvna.Config(max_memory="1G"), "m", report, 2, 50.0, True)  # 796 MiB fits
+    with pytest.raises(nrvna.ConfigError) as caught:
+        nrvna.check_memory_budget(nrvna.Config(max_memory="500M"), "m", report, 2, 50.0, True)
+    message = str(caught.value)
+    assert "NRVNA_MAX_MEMORY (500 MiB) cannot hold this daemon: it needs 795 MiB" in message
+    assert "2 contexts x 304.0 (KV cache 202.5, compute 98.3, output 3.2), contexts waiting to be saved 45" in message
+    assert message.endswith("it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=2048"), message
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_MAX_CTX=7680 or NRVNA_KV_TYPE=q8_0 or NRVNA_CACHE_PENDING=29M"):
+        nrvna.check_memory_budget(nrvna.Config(max_memory="780M"), "m", report, 2, 50.0, True)
+    with pytest.raises(nrvna.ConfigError, match="nothing here fits it: a larger budget or a smaller model"):
+        nrvna.check_memory_budget(nrvna.Config(max_memory="200M"), "m", report, 2, 50.0, False)
 
 
 def test_all_lists_the_public_names() -> None:
@@ -6233,6 +6288,37 @@ def test_sigterm_mid_generation_returns_the_job_and_a_restart_finishes_it(ws: st
     assert job.status is Status.Done and job.meta["attempts"] == 1 and job.meta["generated_tokens"] == 8
 
 
+@pytest.mark.model
+def test_a_quantized_kv_cache_is_smaller_generates_and_keeps_its_own_saved_states(model: str) -> None:
+    """NRVNA_KV_TYPE: a q8_0 context holds 34/64 of f16's bytes a token and a q4_0 one 18/64 (as
+    llama.cpp states its buffers), both turn flash attention on and generate the same greedy
+    opening as f16 here; the saved states' fingerprint names the type, so a state is restored
+    only into a cache laid out as the one it came from."""
+    reports, texts, fingerprints = {}, {}, {}
+    for kv in ("f16", "q8_0", "q4_0"):
+        runner = nrvna.LlamaRunner(model, nrvna.Config(max_ctx=512, workers=1, kv_type=kv))
+        try:
+            session = runner.session(0, runner.config)
+            session.start(fake_job("Name the capital of France.", temperature=0, max_tokens=6))
+            while not (finished := session.step()):
+                pass
+            texts[kv] = finished[0][1].text
+            reports[kv] = runner.memory()
+            fingerprints[kv] = nrvna.state_fingerprint(runner, model)
+            params = runner.L.llama_context_default_params()
+            assert nrvna._kv_params(runner.L, runner.config)[2] == (
+                params.flash_attn_type if kv == "f16" else runner.L.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+            session.close()
+        finally:
+            runner.close()
+    f16 = reports["f16"]["kv_mib"]
+    assert reports["f16"]["cells"] == reports["q4_0"]["cells"] and reports["f16"]["contexts"] == 1
+    assert abs(reports["q8_0"]["kv_mib"] - f16 * 34 / 64) < 0.02 and abs(reports["q4_0"]["kv_mib"] - f16 * 18 / 64) < 0.02
+    assert abs(reports["f16"]["kv_bytes_per_token"] - 23040) <= 16  # 30 layers x (K + V) x 192 x 2 B
+    assert reports["f16"]["compute_mib"] > 0 and reports["f16"]["weights_mib"] > 80
+    assert all(texts.values()) and len(set(fingerprints.values())) == 3, (texts, fingerprints)
+
+
 # ==============================================================================
 # 11.4 Sequences and choices: thinking kept apart from the answer
 # ==============================================================================
@@ -6741,6 +6827,24 @@ def saved_store(folder: str, states: dict[str, list[int]], fingerprint: str = "f
         store.save(fake, None, 0, tokens, job_id)
         store.close()  # written: the Saver stops once its queue is empty
     return store, fake
+
+
+def test_contexts_waiting_to_be_saved_are_bounded_in_bytes(tmp_path: Path) -> None:
+    """NRVNA_CACHE_PENDING: a save that would take the states copied out and not yet written
+    past the bound is skipped (counted as dropped), never waited for; auto keeps 2 states."""
+    store, fake = nrvna.StateStore(str(tmp_path), "fp", 1 << 30, 16, pending_limit=1000), FakeStateL()
+    store._pending, store._waiting = 600, 1  # as while the Saver writes a 600-byte state
+    fake.seqs[0] = b"x" * 500
+    store.save(fake, None, 0, list(range(100)), "big")
+    assert store.counts["dropped"] == 1 and store._pending == 600 and not os.listdir(tmp_path)
+    store._pending, store._waiting = 0, 0
+    store.save(fake, None, 0, list(range(100)), "fits")
+    store.close()
+    assert store.counts == {"saved": 1, "restored": 0, "dropped": 1, "removed": 0} and store._pending == 0
+    auto = nrvna.StateStore(str(tmp_path / "auto"), "fp", 1 << 30, 16)
+    auto._waiting = nrvna.SAVES_PENDING
+    auto.save(fake, None, 0, list(range(100)), "third")
+    assert auto.counts["dropped"] == 1
 
 
 def test_a_saved_state_is_found_by_the_longest_prefix_under_its_own_fingerprint(tmp_path: Path) -> None:
@@ -8706,6 +8810,42 @@ def test_with_mmap_off_a_model_overwritten_in_place_does_not_stop_the_daemon(ws:
 # ==============================================================================
 # 12.6 Server: start-up checks (model, settings, workspace)
 # ==============================================================================
+
+
+@pytest.mark.model
+def test_the_daemon_says_what_memory_goes_where_and_refuses_a_budget_it_cannot_keep(model: str, tmp_path: Path) -> None:
+    """The start lines state each model's weights, KV cache (type, cells, bytes a token), compute
+    and output buffers, and the host caches' bounds; `status --daemon` has the same. A budget
+    (--max-memory) that cannot hold the daemon exits 2 at start naming what would fit, and one
+    of those fits."""
+    ws = str(tmp_path / "ws")
+    proc = start_daemon(model, ws, "--kv-type", "q8_0", "--max-memory", "2G", env={"NRVNA_WORKERS": "2"})
+    try:
+        lines: list[str] = []
+        while not any("Host caches:" in line for line in lines):
+            line = proc.stderr.readline().decode()
+            assert line or proc.poll() is None, lines
+            lines.append(line)
+        memory = next(line for line in lines if "Memory of SmolLM2" in line)
+        assert re.search(r"weights 9\d\.\d MiB, KV cache 2 x 107\.6 MiB \(q8_0, 9,216 cells x 12,2\d\d B a token\), "
+                         r"compute 2 x \d+\.\d MiB, output 2 x \d\.\d MiB: \d+\.\d MiB", memory), memory
+        assert "grammars converted: 256" in lines[-1] and "saved contexts, on disk: 2G (NRVNA_CACHE_DISK)" in lines[-1]
+        record = json.loads(cli("status", ws, "--daemon").stdout)[0]
+        report = record["models"][0]["memory"]
+        assert (report["kv_type"], report["contexts"], report["cells"], report["kv_mib"]) == ("q8_0", 2, 9216, 107.58)
+        assert abs(report["kv_bytes_per_token"] - 30 * 2 * 192 * 34 / 32) <= 2  # 30 layers, K and V of 192 values
+        assert record["kv_type"] == "q8_0" and record["caches"]["contexts waiting to be saved"] == "auto (NRVNA_CACHE_PENDING)"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    refused = cli("daemon", model, ws, "--max-memory", "500M", "--drain", env={"NRVNA_WORKERS": "2"})
+    message = refused.stderr.decode().strip().splitlines()[-1]
+    assert refused.returncode == 2 and "NRVNA_MAX_MEMORY (500 MiB) cannot hold this daemon" in message, message
+    fits = re.search(r"it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=(\d+)$", message)
+    assert fits, message
+    started = cli("daemon", model, ws, "--max-memory", "500M", "--drain",
+                  env={"NRVNA_WORKERS": "2", "NRVNA_MAX_CTX": fits.group(1)})
+    assert started.returncode == 0, started.stderr.decode()[-500:]
 
 
 def test_model_names_are_looked_up_in_the_models_dir(tmp_path: Path) -> None:
