@@ -410,7 +410,7 @@ LOG_LEVELS = ("error", "warn", "info", "debug", "trace")
 POOLINGS = ("model", "mean", "cls", "last", "none")  # llama.cpp's pooling types, by name
 # The KV cache's element types (NRVNA_KV_TYPE): ggml's type number and bytes per value (a block's
 # bytes over its 32 values for the quantized ones). llama.cpp reads a quantized V cache only in
-# its flash-attention kernel, so a quantized type turns flash attention on (_kv_params, 11.7).
+# its flash-attention kernel, so a quantized type turns flash attention on (_kv_params, 11.1).
 KV_TYPES: dict[str, tuple[int, float]] = {"f16": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}  # a size setting's units (1024-based)
 _MIB = 1 << 20
@@ -9463,9 +9463,11 @@ class StateStore:
         import ctypes
 
         size = L.llama_state_seq_get_size(ctx, slot)
+        if not size:  # nothing to save
+            return
         with self._lock:
             limit = self.pending_limit
-            if not size or (self._waiting >= SAVES_PENDING if limit is None else self._pending + size > limit):
+            if self._waiting >= SAVES_PENDING if limit is None else self._pending + size > limit:
                 self.counts["dropped"] += 1
                 why = ("the disk is behind" if self._pending else
                        f"its {size / _MIB:,.0f} MiB are more than NRVNA_CACHE_PENDING ({(limit or 0) / _MIB:,.0f} MiB)")

@@ -60,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -6286,6 +6287,35 @@ def test_sigterm_mid_generation_returns_the_job_and_a_restart_finishes_it(ws: st
     assert done.returncode == 0
     job = Flow(ws).get(job_id)
     assert job.status is Status.Done and job.meta["attempts"] == 1 and job.meta["generated_tokens"] == 8
+
+
+def test_a_quantized_kv_cache_llama_cpp_cannot_make_exits_2_saying_why() -> None:
+    """Where llama.cpp cannot make a context with the quantized cache NRVNA_KV_TYPE asks for (no
+    flash attention for this model or backend), the daemon stops with exit 2 and llama.cpp's
+    reason, not a model error; an f16 context that cannot be made stays a ModelError."""
+    class FakeL:
+        LLAMA_FLASH_ATTN_TYPE_ENABLED = 1
+
+        def llama_context_default_params(self) -> Any:
+            return types.SimpleNamespace(type_k=1, type_v=1, flash_attn_type=-1)
+
+        def llama_init_from_model(self, model: Any, params: Any) -> None:
+            self.made = params
+            nrvna._llama_log_tail.append("llama_init_from_model: failed to initialize the context: quantized V "
+                                         "cache was requested, but this requires Flash Attention")
+            return None
+
+    fake = FakeL()
+    runner = types.SimpleNamespace(L=fake, model=None, config=nrvna.Config(kv_type="q4_0"))
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_KV_TYPE=q4_0: llama.cpp cannot make a quantized KV cache for "
+                       "this model here: .*requires Flash Attention; use f16") as caught:
+        nrvna._llama_context(runner, 1024, 512, 17, 1)
+    assert caught.value.exit_code == 2
+    assert (fake.made.type_k, fake.made.type_v, fake.made.flash_attn_type) == (2, 2, 1)
+    runner.config = nrvna.Config()
+    with pytest.raises(nrvna.ModelError, match="cannot create a llama context of 1024 tokens"):
+        nrvna._llama_context(runner, 1024, 512, 17, 1)
+    assert (fake.made.type_k, fake.made.type_v, fake.made.flash_attn_type) == (1, 1, -1)
 
 
 @pytest.mark.model
