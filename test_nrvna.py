@@ -2594,6 +2594,7 @@ def test_grammar_shape_counts_the_vocabulary_as_it_counts_each_token(llama: nrvn
     assert checked > 20 and partials >= 2  # (states with half a character: only continuing tokens decoded)
 
 
+@pytest.mark.model  # numpy, which comes with llama-cpp-python (the bare run has neither)
 def test_the_grammar_vocabulary_keeps_code_points_not_a_padded_matrix() -> None:
     """GrammarVocab holds each token's code points once, by column (longest tokens first), not
     a matrix padded to the longest token (15 MiB for SmolLM2, over 100 MiB for large
