@@ -28,6 +28,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    5.5 Grammar work                 grammar_code_points, GrammarVocab, GrammarShape
    5.6 GBNF grammars                check_grammar, _GbnfParser
    5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
+   5.8 Tool calls                   ToolFormat, tool_call_schema, tool_grammar, generic_messages, read_tool_calls
 6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt,
                                       EFFORT_BUDGETS, thinking_budget
 7. Workspace and job directories
@@ -950,6 +951,24 @@ def _remove_tree(path: str) -> None:
 
 # minItems/maxItems/minLength/maxLength above this are refused: the grammar grows with them.
 SCHEMA_MAX_REPEAT = 500
+
+# Schemas and grammars already checked in this process (a batch file repeats one schema on
+# every line): key -> the error message, or None when it passed.
+_CHECKED: dict[Any, Optional[str]] = {}
+
+
+def _checked(key: Any, check: Callable[[], None]) -> None:
+    """Run ``check`` once per distinct ``key`` (a schema's or grammar's text)."""
+    if key not in _CHECKED:
+        try:
+            check()
+            _CHECKED[key] = None
+        except InvalidInput as err:
+            _CHECKED[key] = str(err)
+        if len(_CHECKED) > 256:
+            _CHECKED.pop(next(iter(_CHECKED)))
+    if _CHECKED[key] is not None:
+        raise InvalidInput(_CHECKED[key])
 
 
 # ============================================================================
@@ -3188,6 +3207,7 @@ class _SchemaCheck:
 TOOLS_MAX = 128  # OpenAI's limit of tools a request may give
 TOOL_CHOICES = ("none", "auto", "required")
 _TOOL_TEXT = ((0x01, 0xD7FF), (0xE000, _LAST_POINT))  # what free text may hold (no NUL, no surrogate)
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a schema's or a tool's name
 
 
 class ToolFormat(namedtuple("ToolFormat", "open close")):
@@ -3338,6 +3358,93 @@ def generic_messages(messages: list[dict[str, Any]], tools: Optional[list[dict[s
     return out
 
 
+def _check_tools(value: Any, param: Param) -> list[dict[str, Any]]:
+    """OpenAI's tools: functions, each with a name, a description and parameters (a JSON schema
+    the converter honours whole, as response_format's; none: no arguments)."""
+    import json
+
+    if not isinstance(value, list) or not 1 <= len(value) <= TOOLS_MAX:
+        raise InvalidInput(f"tools must be a list of 1 to {TOOLS_MAX} tools")
+    names = set()
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise InvalidInput(f"{where}.type {kind!r} is not supported (function only)")
+        function = tool.get("function")
+        if set(tool) != {"type", "function"} or not isinstance(function, dict):
+            raise InvalidInput(f'{where} must be {{"type": "function", "function": {{"name", "description", "parameters"}}}}')
+        unknown = set(function) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            raise InvalidInput(f"{where}.function: unknown field {sorted(unknown)[0]!r}")
+        name = function.get("name")
+        if not (isinstance(name, str) and _SCHEMA_NAME.fullmatch(name)):
+            raise InvalidInput(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-'")
+        if name in names:
+            raise InvalidInput(f"{where}.function.name {name!r} is given twice")
+        names.add(name)
+        if not isinstance(function.get("description", ""), str) or function.get("strict") not in (None, True, False):
+            raise InvalidInput(f"{where}.function: description must be a string and strict true or false")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise InvalidInput(f"{where}.function.parameters must be a JSON Schema object")
+    try:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        size = len(text.encode("utf-8"))
+    except ValueError:
+        raise InvalidInput("tools hold a number that is not finite") from None
+    except UnicodeEncodeError:
+        raise InvalidInput("tools are not valid Unicode (a lone surrogate)") from None
+    if size > param.high:
+        raise InvalidInput(f"tools are {size} bytes as JSON; the limit is {param.high}")
+    if "\x00" in text:
+        raise InvalidInput("tools contain a NUL byte")
+
+    def check() -> None:
+        for i, tool in enumerate(value):
+            try:
+                check_json_schema(tool["function"].get("parameters", {"type": "object"}))
+            except InvalidInput as err:
+                raise InvalidInput(f"tools[{i}].function.parameters: {err}") from None
+        try:  # the schemas together, as the daemon composes them (a reference must still resolve)
+            check_json_schema(tool_call_schema(value, "auto", True, GENERIC_TOOLS))
+        except InvalidInput as err:
+            raise InvalidInput(f"tools: {err}") from None
+
+    _checked(("tools", text), check)
+    return value
+
+
+def _check_tool_choice(value: Any, param: Param) -> Any:
+    """none, auto, required, or ``{"type": "function", "function": {"name": NAME}}``."""
+    if value in TOOL_CHOICES:
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    if not (isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "function"}
+            and isinstance(function, dict) and set(function) == {"name"} and isinstance(function["name"], str)):
+        raise InvalidInput('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": NAME}}')
+    return value
+
+
+def _check_call(call: Any, where: str) -> dict[str, Any]:
+    """An assistant turn's call, as OpenAI gives it back: ``{"id", "type": "function", "function":
+    {"name", "arguments": JSON text}}``."""
+    import json
+
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(call, dict) and isinstance(call.get("id"), str) and call.get("type", "function") == "function"
+            and isinstance(function, dict) and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), str)):
+        raise InvalidInput(f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
+    try:
+        json.loads(function["arguments"])
+    except (ValueError, RecursionError):
+        raise InvalidInput(f"{where}.function.arguments is not JSON text") from None
+    text = call["id"] + function["name"] + function["arguments"]
+    if "\x00" in text or not text.encode("utf-8", "surrogatepass").decode("utf-8", "ignore") == text:
+        raise InvalidInput(f"{where} holds a NUL byte or is not valid Unicode (a lone surrogate)")
+    return {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": function["arguments"]}}
+
+
 def call_lines(calls: list[dict[str, Any]]) -> str:
     """Calls as result.txt holds them: one compact JSON line each."""
     import json
@@ -3427,9 +3534,6 @@ CHOICES_MAX = 128
 LOGPROBS_MAX = 1 << 17
 
 
-# Schemas and grammars already checked in this process (a batch file repeats one schema on
-# every line): key -> the error message, or None when it passed.
-_CHECKED: dict[Any, Optional[str]] = {}
 # The variables the daemon gives a chat template itself (llama-cpp-python's Jinja2ChatFormatter):
 # a job's chat_template_kwargs may set any other.
 TEMPLATE_VARIABLES = frozenset({"messages", "eos_token", "bos_token", "raise_exception", "add_generation_prompt",
@@ -3438,7 +3542,7 @@ TEMPLATE_VARIABLES = frozenset({"messages", "eos_token", "bos_token", "raise_exc
 # none thinks not at all). An explicit thinking_budget_tokens wins over an effort.
 EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 2048, "high": 8192}
 ROLES = ("system", "user", "assistant", "tool")
-_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
 
 
 # Flags that set a job parameter to a fixed value: flag -> (parameter, value, help).
@@ -3641,20 +3745,6 @@ def _read_bias(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN_ID=BIAS (e.g. 15043=-100)") from None
 
 
-def _checked(key: Any, check: Callable[[], None]) -> None:
-    """Run ``check`` once per distinct ``key`` (a schema's or grammar's text)."""
-    if key not in _CHECKED:
-        try:
-            check()
-            _CHECKED[key] = None
-        except InvalidInput as err:
-            _CHECKED[key] = str(err)
-        if len(_CHECKED) > 256:
-            _CHECKED.pop(next(iter(_CHECKED)))
-    if _CHECKED[key] is not None:
-        raise InvalidInput(_CHECKED[key])
-
-
 def _json_object(key: str, value: Any, limit: int) -> dict[str, Any]:
     """``value`` if it is a JSON object of at most ``limit`` bytes as JSON, else InvalidInput."""
     import json
@@ -3702,90 +3792,6 @@ def conversation_turns(prompt: str, params: Mapping[str, Any], answer: str,
     if message is not None:
         return turns + [{"role": "assistant", "content": message["content"], "tool_calls": message["tool_calls"]}]
     return turns + [{"role": "assistant", "content": answer}]
-
-
-def _check_tools(value: Any, param: Param) -> list[dict[str, Any]]:
-    """OpenAI's tools: functions, each with a name, a description and parameters (a JSON schema
-    the converter honours whole, as response_format's; none: no arguments)."""
-    import json
-
-    if not isinstance(value, list) or not 1 <= len(value) <= TOOLS_MAX:
-        raise InvalidInput(f"tools must be a list of 1 to {TOOLS_MAX} tools")
-    names = set()
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise InvalidInput(f"{where}.type {kind!r} is not supported (function only)")
-        function = tool.get("function")
-        if set(tool) != {"type", "function"} or not isinstance(function, dict):
-            raise InvalidInput(f'{where} must be {{"type": "function", "function": {{"name", "description", "parameters"}}}}')
-        unknown = set(function) - {"name", "description", "parameters", "strict"}
-        if unknown:
-            raise InvalidInput(f"{where}.function: unknown field {sorted(unknown)[0]!r}")
-        name = function.get("name")
-        if not (isinstance(name, str) and _SCHEMA_NAME.fullmatch(name)):
-            raise InvalidInput(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-'")
-        if name in names:
-            raise InvalidInput(f"{where}.function.name {name!r} is given twice")
-        names.add(name)
-        if not isinstance(function.get("description", ""), str) or function.get("strict") not in (None, True, False):
-            raise InvalidInput(f"{where}.function: description must be a string and strict true or false")
-        if not isinstance(function.get("parameters", {}), dict):
-            raise InvalidInput(f"{where}.function.parameters must be a JSON Schema object")
-    try:
-        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-        size = len(text.encode("utf-8"))
-    except ValueError:
-        raise InvalidInput("tools hold a number that is not finite") from None
-    except UnicodeEncodeError:
-        raise InvalidInput("tools are not valid Unicode (a lone surrogate)") from None
-    if size > param.high:
-        raise InvalidInput(f"tools are {size} bytes as JSON; the limit is {param.high}")
-    _check_text("tools", text)
-
-    def check() -> None:
-        for i, tool in enumerate(value):
-            try:
-                check_json_schema(tool["function"].get("parameters", {"type": "object"}))
-            except InvalidInput as err:
-                raise InvalidInput(f"tools[{i}].function.parameters: {err}") from None
-        try:  # the schemas together, as the daemon composes them (a reference must still resolve)
-            check_json_schema(tool_call_schema(value, "auto", True, GENERIC_TOOLS))
-        except InvalidInput as err:
-            raise InvalidInput(f"tools: {err}") from None
-
-    _checked(("tools", text), check)
-    return value
-
-
-def _check_tool_choice(value: Any, param: Param) -> Any:
-    """none, auto, required, or ``{"type": "function", "function": {"name": NAME}}``."""
-    if value in TOOL_CHOICES:
-        return value
-    function = value.get("function") if isinstance(value, dict) else None
-    if not (isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "function"}
-            and isinstance(function, dict) and set(function) == {"name"} and isinstance(function["name"], str)):
-        raise InvalidInput('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": NAME}}')
-    return value
-
-
-def _check_call(call: Any, where: str) -> dict[str, Any]:
-    """An assistant turn's call, as OpenAI gives it back: ``{"id", "type": "function", "function":
-    {"name", "arguments": JSON text}}``."""
-    import json
-
-    function = call.get("function") if isinstance(call, dict) else None
-    if not (isinstance(call, dict) and isinstance(call.get("id"), str) and call.get("type", "function") == "function"
-            and isinstance(function, dict) and isinstance(function.get("name"), str)
-            and isinstance(function.get("arguments"), str)):
-        raise InvalidInput(f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
-    try:
-        json.loads(function["arguments"])
-    except (ValueError, RecursionError):
-        raise InvalidInput(f"{where}.function.arguments is not JSON text") from None
-    _check_text(where, call["id"] + function["name"] + function["arguments"])
-    return {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": function["arguments"]}}
 
 
 def _check_parent(value: Any, param: Param) -> str:

@@ -1724,8 +1724,8 @@ def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain)
       "body": {"messages": [{"role": "user", "content": "x"}], "response_format": schema_format({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.5}}})}},
      "line 2: response_format: schema /properties/a: multipleOf 0.5 on a number is not supported"),
     ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-      "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}},
-     "line 2: body field 'tools': tool calls are not supported"),
+      "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom"}]}},
+     "line 2: tools[0].type 'custom' is not supported (function only)"),
     ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
       "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}},
      "line 2: parameter top_logprobs=21 is out of range"),
@@ -3825,7 +3825,7 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
      "line 2: duplicate custom_id 'same' (first on line 1)"),
     ('{"prompt": "' + "x" * 2000 + '"}\n', "line 1: prompt is 2000 bytes; the limit is 1000"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
-     '[{"role": "user", "content": "x"}], "tools": []}}\n', "line 1: body field 'tools': tool calls are not supported"),
+     '[{"role": "user", "content": "x"}], "tools": []}}\n', "line 1: tools must be a list of 1 to 128 tools"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
      '[{"role": "user", "content": "x"}], "audio": {}}}\n', "line 1: body field 'audio' is not supported"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": {"input": "x"}}\n', "line 1: url '/v1/responses'"),
@@ -5393,7 +5393,7 @@ def test_openai_body_fields_map_through_the_parameter_table() -> None:
     [entry] = nrvna.parse_batch((json.dumps(line) + "\n").encode())
     assert entry.params["logit_bias"] == {"15": -100.0}
     line["body"]["tool_choice"] = "auto"
-    with pytest.raises(nrvna.InvalidInput, match="body field 'tool_choice': tool calls are not supported"):
+    with pytest.raises(nrvna.InvalidInput, match="tool_choice needs tools"):
         nrvna.parse_batch((json.dumps(line) + "\n").encode())
     with pytest.raises(nrvna.InvalidInput, match="unknown field 'endpoint'"):
         nrvna.parse_batch(b'{"prompt": "x", "endpoint": "/v1/completions"}\n')
