@@ -4043,7 +4043,8 @@ def check_combination(params: Mapping[str, Any], max_tokens: Optional[int] = Non
 
 def _check_tool_use(params: Mapping[str, Any]) -> None:
     """What tools go with: a choice naming one of them; no other constraint, stop string or raw
-    prompt unless the choice is none; every tool answer after the call it answers."""
+    prompt unless the choice is none; every tool answer after the call it answers (those before
+    any assistant turn answer the parent's calls)."""
     tools, choice = job_param(params, "tools"), job_param(params, "tool_choice")
     if not tools:
         for key in ("tool_choice", "parallel_tool_calls"):
@@ -4063,10 +4064,12 @@ def _check_tool_use(params: Mapping[str, Any]) -> None:
             if job_param(params, "stop"):
                 raise InvalidInput("tools cannot be combined with stop (unless tool_choice is none): a stop string "
                                    "inside a call would cut it short")
-    called: set[str] = set()
+    # Tool turns before any assistant turn answer the calls a parent job made (--parent).
+    called: Optional[set[str]] = None
     for i, turn in enumerate(job_param(params, "messages") or []):
-        called.update(call["id"] for call in turn.get("tool_calls") or [])
-        if turn["role"] == "tool" and turn["tool_call_id"] not in called and job_param(params, "parent") is None:
+        if turn["role"] == "assistant":
+            called = (called or set()) | {call["id"] for call in turn.get("tool_calls") or []}
+        if turn["role"] == "tool" and called is not None and turn["tool_call_id"] not in called:
             raise InvalidInput(f"messages[{i}] answers tool call {turn['tool_call_id']!r}, which no earlier "
                                "assistant turn made")
 
@@ -4092,9 +4095,17 @@ def render_inputs(texts: list[str]) -> str:
     return "\n\n".join(f"[input {i}]\n{text}" for i, text in enumerate(texts)) + "\n"
 
 
-def render_messages(messages: list[dict[str, str]]) -> str:
-    """Chat turns as text a person can read (what prompt.txt holds for a messages job)."""
-    return "\n\n".join(f"[{turn['role']}]\n{turn['content']}" for turn in messages) + "\n"
+def render_messages(messages: list[dict[str, Any]]) -> str:
+    """Chat turns as text a person can read (what prompt.txt holds for a messages job): an
+    assistant's calls a JSON line each after its words, a tool's answer headed by its call's id."""
+    import json
+
+    def turn_text(turn: dict[str, Any]) -> str:
+        head = f"[tool {turn['tool_call_id']}]" if turn["role"] == "tool" else f"[{turn['role']}]"
+        calls = "".join("\n" + json.dumps(call, ensure_ascii=False) for call in turn.get("tool_calls") or [])
+        return f"{head}\n{turn['content'] or ''}{calls}"
+
+    return "\n\n".join(turn_text(turn) for turn in messages) + "\n"
 
 
 def check_prompt(prompt: Any, limit: int) -> bytes:
