@@ -6992,7 +6992,7 @@ class Work:
         # A job naming a model that matches none: refused (InvalidInput), or queued with a note.
         self.strict_models = bool(setting_default("strict_models")) if strict_models is None else strict_models
 
-    def submit(self, prompt: Any, **params: Any) -> SubmitResult:
+    def submit(self, prompt: Any = None, **params: Any) -> SubmitResult:
         """Queue a prompt with optional per-job parameters; never raises. The message is
         ``queued``, or ``exists`` when a job with its ``idempotency_key`` was there already."""
         try:
@@ -7006,9 +7006,10 @@ class Work:
         except OSError as err:
             return SubmitResult(False, "", f"cannot queue job: {_os_error(err)}")
 
-    def publish(self, prompt: Any, *, dedupe: bool = False, **params: Any) -> str:
+    def publish(self, prompt: Any = None, *, dedupe: bool = False, **params: Any) -> str:
         """Queue a prompt and return its ID; raise NrvnaError/OSError on failure. With
-        ``embed=True`` the prompt is a text to embed, or a list of them (a vector each).
+        ``embed=True`` the prompt is a text to embed, or a list of them (a vector each); with
+        ``messages`` and no prompt, prompt.txt shows the turns.
         With ``idempotency_key`` (or ``dedupe=True``: a key from the content), an existing job
         with that key is returned instead, and ``self.existing`` says so.
 
@@ -7053,6 +7054,8 @@ class Work:
 
         if "input" in params:
             raise InvalidInput("give the texts to embed as the prompt: publish([text, ...], embed=True)")
+        if prompt is None and params.get("messages") is not None:  # the turns, as a batch line's prompt.txt
+            prompt = render_messages(_check_messages(params["messages"], PARAMS["messages"]))
         if isinstance(prompt, (list, tuple)):  # texts to embed
             if not job_param(params, "embed"):
                 raise InvalidInput("a list of texts is for embed jobs: give embed=True")
