@@ -16,6 +16,7 @@ Contents, numbered as nrvna.py's sections and sub-sections (the tests of 12.1 si
     0.3 Fault injection harness
     4. File primitives: crash points and injected faults
     5. Structured output: schemas and grammars, log-probabilities and logit bias
+    5.8 Tool calls: tools, tool_choice and the calls read back
     6. Job parameters: pure logic of IDs, settings and parameters
     7. Workspace and job directories: hostile paths and hostile text
     7.5 Idempotency keys and tags: submit once
