@@ -11073,7 +11073,7 @@ class LlamaRunner(Runner):
         try:
             text = self._formatter(messages=[{"role": "user", "content": "hi"},
                                              {"role": "assistant", "content": "", "tool_calls": [call]}], tools=[tool]).prompt
-            start = text.index('{"name": "nrvna_probe_tool"')
+            start = text.index('{"name": "nrvna_probe_tool", "arguments"')
             found, end = json.JSONDecoder().raw_decode(text, start)
         except Exception:  # no call written, not as JSON, or a template that cannot take tools
             found, text, start, end = None, "", 0, 0
