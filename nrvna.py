@@ -3459,8 +3459,9 @@ def tool_call_id(job_id: str, choice: int, k: int) -> str:
 
 def read_tool_calls(text: str, form: ToolFormat, job_id: str, choice: int) -> Optional[tuple[Optional[str], list[dict[str, Any]]]]:
     """(content, calls) from a model's answer, or None when it holds no whole call (text only,
-    or one cut short). Calls as OpenAI gives them: ``{"id", "type": "function", "function":
-    {"name", "arguments": JSON text}}``; content None where the answer is calls alone."""
+    or its first call cut short; a template's calls cut short after whole ones: those). Calls as
+    OpenAI gives them: ``{"id", "type": "function", "function": {"name", "arguments": JSON
+    text}}``; content None where the answer is calls alone."""
     import json
 
     found: list[tuple[str, Any]] = []
@@ -3487,13 +3488,13 @@ def read_tool_calls(text: str, form: ToolFormat, job_id: str, choice: int) -> Op
             try:
                 call, end = decoder.raw_decode(body)
             except (ValueError, RecursionError):
-                return None
+                break  # cut short (max_tokens): the whole calls before it, if any
             rest = body[end:].lstrip()
             if not rest.startswith(form.close):
-                return None
+                break
             raw.append(call)
             rest = rest[len(form.close):].lstrip()
-        if rest:
+        if rest and not rest.startswith(form.open):
             return None
     for call in raw if isinstance(raw, list) else []:
         if not (isinstance(call, dict) and isinstance(call.get("name"), str) and "arguments" in call):
@@ -9532,8 +9533,8 @@ class _Sequence:
         reused = {"memory": max(0, self.n_prompt - self.computed - self.from_disk), "disk": self.from_disk}
         message = None
         calls = read_tool_calls(text, self.tools, self.job.id, self.choice) if self.tools and not error else None
-        if calls is not None and calls[1]:  # (a call cut short by max_tokens is no call: its text stays)
-            message, reason = {"content": calls[0], "tool_calls": calls[1]}, "tool_calls"
+        if calls is not None and calls[1]:  # (cut by max_tokens: the whole calls, and "length" stays)
+            message, reason = {"content": calls[0], "tool_calls": calls[1]}, "tool_calls" if reason == "stop" else reason
         elif calls is not None:  # the generic form's answer in words
             text = calls[0] or ""
         if error:

@@ -2926,6 +2926,7 @@ def test_calls_are_read_back_as_openai_gives_them() -> None:
     assert calls[0] == {"id": "call_J_0", "type": "function",
                         "function": {"name": "get_weather", "arguments": '{"city":"Oslo","unit":"celsius"}'}}
     assert nrvna.read_tool_calls(text[:-5], TEMPLATE_CALLS, "J", 0) is None
+    assert nrvna.read_tool_calls(text + "\n<tool_call>\n{\"name\": \"get_w", TEMPLATE_CALLS, "J", 0)[1] == calls[:1]
     assert nrvna.read_tool_calls("No call here.", TEMPLATE_CALLS, "J", 0) is None
     generic = nrvna.GENERIC_TOOLS
     assert nrvna.read_tool_calls('{"tool_call": {"name": "f", "arguments": {}}}', generic, "J", 2)[1][0]["id"] == "call_J_c2_0"
@@ -2985,7 +2986,7 @@ def test_tool_calls_for_real(ws: str, tmp_path: Path, model: str, run_main: RunM
 
     named = {"type": "function", "function": {"name": "send_email"}}
     lines = [chat_line(f"r{i}", f"What is the weather in {city}?", tools=TOOLS, tool_choice="required", seed=i + 1,
-                       max_tokens=160) for i, city in enumerate(["Oslo", "Lima", "Rome"])]
+                       max_tokens=160, parallel_tool_calls=i != 1) for i, city in enumerate(["Oslo", "Lima", "Rome"])]
     lines += [chat_line(f"n{i}", f"Tell {who} the meeting moved.", tools=TOOLS, tool_choice=named, seed=i + 1,
                         max_tokens=160, parallel_tool_calls=False) for i, who in enumerate(["ann@example.com", "bo"])]
     lines += [chat_line("auto", "What is the weather in Paris?", tools=TOOLS, max_tokens=160, seed=3),
@@ -3005,15 +3006,18 @@ def test_tool_calls_for_real(ws: str, tmp_path: Path, model: str, run_main: RunM
         if cid == "none" or (cid == "auto" and job.message is None):
             assert job.meta["finish_reason"] in ("stop", "length") and job.tool_calls is None and job.result.strip()
             continue
-        assert job.meta["finish_reason"] == "tool_calls", (cid, job.result)
+        # One call where parallel_tool_calls is false (the grammar ends after it); where a model
+        # may write several it may go on to max_tokens: the whole calls are its answer
+        single = cid in ("r1", "n0", "n1")
+        assert job.meta["finish_reason"] in (("tool_calls",) if single else ("tool_calls", "length")), (cid, job.result)
         assert_valid_calls(job.tool_calls, TOOLS, "send_email" if cid.startswith("n") else None)
-        assert cid.startswith("r") or cid == "more" or len(job.tool_calls) == 1  # parallel_tool_calls false: one
+        assert not single or len(job.tool_calls) == 1
         assert [c["id"] for c in job.tool_calls] == [f"call_{job_id}_{k}" for k in range(len(job.tool_calls))]
         assert job.result == "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in job.tool_calls)
         assert cli("get", ws, job_id).stdout.decode() == job.result
         assert json.loads(cli("get", ws, job_id, "--json").stdout)["tool_calls"] == job.tool_calls
     more = flow.get(ids["more"])
-    assert [c["finish_reason"] for c in more.choices] == ["tool_calls"] * 2 and more.logprobs
+    assert {c["finish_reason"] for c in more.choices} <= {"tool_calls", "length"} and more.logprobs
     assert_valid_calls(more.choices[1]["tool_calls"], TOOLS)
     assert more.choices[1]["tool_calls"][0]["id"] == f"call_{ids['more']}_c1_0"
     records = {r["id"]: r for r in map(json.loads, cli("export", ws, "--format", "jsonl").stdout.decode().splitlines())}
@@ -3024,7 +3028,7 @@ def test_tool_calls_for_real(ws: str, tmp_path: Path, model: str, run_main: RunM
         if job.message is None:
             assert read.choices[0].message.tool_calls is None and read.choices[0].finish_reason in ("stop", "length")
             continue
-        assert read.choices[0].finish_reason == "tool_calls" and read.choices[0].message.content == job.message["content"]
+        assert read.choices[0].finish_reason == job.meta["finish_reason"] and read.choices[0].message.content == job.message["content"]
         assert [c.model_dump(exclude_none=True) for c in read.choices[0].message.tool_calls] == job.tool_calls
     # The next turn: the call and the tool's answer, in messages and by --parent
     first = flow.get(ids["r0"])
