@@ -3653,23 +3653,31 @@ def _read_limited(path: str, limit: int, what: str) -> str:
     return text
 
 
+def _read_json_argument(text: str, flag: str) -> tuple[str, Any]:
+    """A flag's JSON, given inline (it starts with { or [) or as a file's name (read to 4 times
+    STRUCTURE_LIMIT, as an indented file may be): (where it came from, the value)."""
+    import argparse
+    import json
+
+    source = "the argument"
+    if not text.lstrip().startswith(("{", "[")):
+        source = text
+        text = _read_limited(text, 4 * STRUCTURE_LIMIT, f"the limit of {flag}")
+    try:
+        return source, json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{source} is not JSON ({err})") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"{source} is nested too deeply") from None
+
+
 def _read_json_schema(text: str) -> dict[str, Any]:
     """``--json-schema FILE|JSON``: a JSON schema, an OpenAI ``json_schema`` object
     (``{"name", "schema", "strict"}``) or a whole ``response_format``, given inline or as a
     file; returned as a response_format."""
     import argparse
-    import json
 
-    source = "the argument"
-    if not text.lstrip().startswith(("{", "[")):  # inline JSON, else a file's name
-        source = text
-        text = _read_limited(text, 4 * STRUCTURE_LIMIT, "the limit of --json-schema")
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"{source} is not JSON ({err})") from None
-    except RecursionError:
-        raise argparse.ArgumentTypeError(f"{source} is nested too deeply") from None
+    source, value = _read_json_argument(text, "--json-schema")
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"{source} is not a JSON object")
     if value.get("type") == "json_schema" and "json_schema" in value:
@@ -3683,19 +3691,7 @@ def _read_json_schema(text: str) -> dict[str, Any]:
 
 def _read_tools(text: str) -> list[Any]:
     """``--tools FILE|JSON``: a list of tools (OpenAI's), or one tool, inline or in a file."""
-    import argparse
-    import json
-
-    source = "the argument"
-    if not text.lstrip().startswith(("{", "[")):
-        source = text
-        text = _read_limited(text, 4 * STRUCTURE_LIMIT, "the limit of --tools")
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"{source} is not JSON ({err})") from None
-    except RecursionError:
-        raise argparse.ArgumentTypeError(f"{source} is nested too deeply") from None
+    value = _read_json_argument(text, "--tools")[1]
     return value if isinstance(value, list) else [value]
 
 
