@@ -6,7 +6,10 @@ tools, `tool_choice: "required"`, `parallel_tool_calls: false`, max_tokens 256, 
 benchmarks' sampling settings and a seed per line. Arms, in interleaved rounds, same model, lines
 and seeds: nrvna with its defaults (the lines submitted as one file, `submit --file`, then `wait`,
 then each job's calls read from `get --json`'s "tool_calls"); llama-server --jinja -np 16 with 16
-concurrent clients posting the same bodies and reading choices[0].message.tool_calls.
+concurrent clients posting the same bodies and reading choices[0].message.tool_calls; and
+llama-server given the same lines without tools but with the calls' own schema (a call's name and
+its tool's parameters, nrvna.tool_call_schema) as response_format, its answer read as the call:
+the same constrained work, for a throughput baseline where llama-server makes no calls itself.
 
 Every reply is scored here: valid when it holds exactly one call (parallel_tool_calls is false)
 of type function, naming one of the tools, whose arguments are a JSON string whose object passes
@@ -190,8 +193,9 @@ def nrvna_arm(daemon: Daemon, work: list[dict], path: str, root: str) -> dict:
     return summarize(results, elapsed, peak_rss_mb(daemon.proc.pid))
 
 
-def server_arm(binary: str, model: str, work: list[dict]) -> dict:
-    """llama-server --jinja -np 16, 16 clients posting the same bodies."""
+def server_arm(binary: str, model: str, work: list[dict], schema: bool = False) -> dict:
+    """llama-server --jinja -np 16, 16 clients posting the same bodies (``schema``: the calls'
+    schema as response_format instead of the tools, its answer read as a call)."""
     proc, port = start_server(binary, model, CLIENTS, "--jinja")
     try:
         post(port, dict(work[0]["body"], max_tokens=8))  # warm up
@@ -205,18 +209,41 @@ def server_arm(binary: str, model: str, work: list[dict]) -> dict:
                     errors.append(f"{line['custom_id']}: HTTP {err.code}: {err.read().decode(errors='replace')[:300]}")
                 return
             choice = reply["choices"][0]
+            calls = as_calls(choice["message"].get("content")) if schema else choice["message"].get("tool_calls")
             with lock:
-                results.append({"calls": choice["message"].get("tool_calls"), "finish": choice["finish_reason"],
+                results.append({"calls": calls, "finish": choice["finish_reason"],
                                 "tokens": reply["usage"]["completion_tokens"], "expected": line["expected"],
                                 "text": choice["message"].get("content")})
 
-        elapsed = concurrently(work, CLIENTS, ask)
+        elapsed = concurrently(schema_bodies(work) if schema else work, CLIENTS, ask)
         if errors:
             raise Refused(f"llama-server refused {len(errors)} of {len(work)} requests; the first: " + "; ".join(errors[:3]))
         return summarize(results, elapsed, peak_rss_mb(proc.pid))
     finally:
         proc.terminate()
         proc.wait()
+
+
+def schema_bodies(work: list[dict]) -> list[dict]:
+    """The same lines for llama-server without tools: the calls' own schema (a call's name and
+    its tool's parameters, as nrvna's grammar holds them) as response_format, so both sides make
+    the same constrained object: the same work, where llama-server makes no calls of its own."""
+    schema = nrvna.tool_call_schema(TOOLS, "required", False, nrvna.ToolFormat("<tool_call>", "</tool_call>"))
+    out = []
+    for line in work:
+        body = {k: v for k, v in line["body"].items() if k not in ("tools", "tool_choice", "parallel_tool_calls")}
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "call", "schema": schema, "strict": True}}
+        out.append(dict(line, body=body))
+    return out
+
+
+def as_calls(text: object) -> object:
+    """A schema arm's answer (a call's JSON object) as tool_calls, for ``valid``."""
+    try:
+        call = json.loads(text)  # type: ignore[arg-type]
+        return [{"type": "function", "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
+    except (TypeError, ValueError, KeyError):
+        return None
 
 
 def summarize(results: list[dict], elapsed: float, rss: float) -> dict:
@@ -256,7 +283,8 @@ def main() -> None:
         for line in work:
             handle.write(json.dumps({k: v for k, v in line.items() if k != "expected"}) + "\n")
     nrvna_name = "nrvna, defaults" + ("" if os.path.samefile(args.nrvna, ROOT) else f" ({args.nrvna})")
-    arms = ([] if args.server_only else [nrvna_name]) + [f"llama-server --jinja -np {CLIENTS}, {CLIENTS} clients"]
+    arms = ([] if args.server_only else [nrvna_name]) + [f"llama-server --jinja -np {CLIENTS}, {CLIENTS} clients",
+                                                         "llama-server, the calls' schema as response_format"]
     runs: dict[str, list[dict]] = {name: [] for name in arms}
     try:
         for r in range(args.rounds):
@@ -268,7 +296,7 @@ def main() -> None:
                     finally:
                         daemon.close()
                 else:
-                    runs[name].append(server_arm(binary, model, work))
+                    runs[name].append(server_arm(binary, model, work, schema="schema" in name))
     except Refused as err:
         raise SystemExit(f"tools.py: {err}") from None
     finally:
@@ -287,9 +315,10 @@ def main() -> None:
     print(table(["arm", "jobs/s", "jobs/s range", "valid calls", "with a call", "the suited tool",
                  "finish tool_calls", "finish length", "mean completion tokens", "peak RSS MB"], rows))
     if not args.server_only:
-        paired = [runs[arms[0]][r]["jobs/s"] / runs[arms[1]][r]["jobs/s"] for r in range(args.rounds)]
-        print(f"\nnrvna defaults vs llama-server: {statistics.median(paired):.2f}x jobs/s (per round: "
-              f"{', '.join(f'{x:.2f}x' for x in paired)}; target >= 1.0); valid calls target 100% on both")
+        for other in arms[1:]:
+            paired = [runs[arms[0]][r]["jobs/s"] / runs[other][r]["jobs/s"] for r in range(args.rounds)]
+            print(f"\nnrvna defaults vs {other}: {statistics.median(paired):.2f}x jobs/s (per round: "
+                  f"{', '.join(f'{x:.2f}x' for x in paired)}; target >= 1.0); valid calls target 100% on both")
     for name in arms:
         sample = runs[name][-1]["sample"]
         if sample:
