@@ -28,6 +28,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    5.5 Grammar work                 grammar_code_points, GrammarVocab, GrammarShape
    5.6 GBNF grammars                check_grammar, _GbnfParser
    5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
+   5.8 Tool calls                   ToolFormat, tool_call_schema, tool_grammar, generic_messages, read_tool_calls
 6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt,
                                       EFFORT_BUDGETS, thinking_budget
 7. Workspace and job directories
@@ -950,6 +951,24 @@ def _remove_tree(path: str) -> None:
 
 # minItems/maxItems/minLength/maxLength above this are refused: the grammar grows with them.
 SCHEMA_MAX_REPEAT = 500
+
+# Schemas and grammars already checked in this process (a batch file repeats one schema on
+# every line): key -> the error message, or None when it passed.
+_CHECKED: dict[Any, Optional[str]] = {}
+
+
+def _checked(key: Any, check: Callable[[], None]) -> None:
+    """Run ``check`` once per distinct ``key`` (a schema's or grammar's text)."""
+    if key not in _CHECKED:
+        try:
+            check()
+            _CHECKED[key] = None
+        except InvalidInput as err:
+            _CHECKED[key] = str(err)
+        if len(_CHECKED) > 256:
+            _CHECKED.pop(next(iter(_CHECKED)))
+    if _CHECKED[key] is not None:
+        raise InvalidInput(_CHECKED[key])
 
 
 # ============================================================================
@@ -3177,6 +3196,317 @@ class _SchemaCheck:
             self.fail(where, f"{low_key} {low} is more than {high_key} {high}")
 
 
+# ============================================================================
+# 5.8 Tool calls
+# ============================================================================
+# The tools a job may call, as OpenAI gives them: the one schema a call is held to, the grammar
+# around it (a template's markers), the stated generic rendering for templates with no tool
+# section, and the calls read back from a model's text. Pure and stateless: any thread.
+
+
+TOOLS_MAX = 128  # OpenAI's limit of tools a request may give
+TOOL_CHOICES = ("none", "auto", "required")
+_TOOL_TEXT = ((0x01, 0xD7FF), (0xE000, _LAST_POINT))  # what free text may hold (no NUL, no surrogate)
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a schema's or a tool's name
+
+
+class ToolFormat(namedtuple("ToolFormat", "open close")):
+    """How a model writes a call. A template with a tool section writes each call as
+    ``OPEN {"name": ..., "arguments": {...}} CLOSE`` (Hermes' and Qwen's ``<tool_call>``); the
+    generic form (``open`` empty) is nrvna's own for templates with none: the whole answer is
+    one JSON object, ``{"tool_call": {...}}``, ``{"tool_calls": [...]}`` or ``{"response": "..."}``."""
+
+    __slots__ = ()
+
+    @property
+    def generic(self) -> bool:
+        return not self.open
+
+
+GENERIC_TOOLS = ToolFormat("", "")
+
+
+def tool_choice_name(choice: Any) -> Optional[str]:
+    """The function a named tool_choice names (``{"type": "function", "function": {"name"}}``), else None."""
+    return choice["function"]["name"] if isinstance(choice, dict) else None
+
+
+def _hoisted(parameters: Mapping[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters as a definition of the composed schema: its own ``$defs`` (and
+    ``definitions``) moved into ``defs`` under ``prefix-NAME`` and its references rewritten to
+    them (a reference is resolved from the document's root, which is no longer the tool's)."""
+    import json
+
+    own = {key: value for key, value in parameters.items() if key not in ("$defs", "definitions")}
+    renames = {"#": f"#/$defs/{prefix}"}
+    for key in ("$defs", "definitions"):
+        for name in parameters.get(key) or {}:
+            renames[f"#/{key}/{name}"] = f"#/$defs/{prefix}-{name}"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (renames.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for key in ("$defs", "definitions"):
+        for name, definition in (parameters.get(key) or {}).items():
+            defs[f"{prefix}-{name}"] = rewrite(definition)
+    defs[prefix] = rewrite(json.loads(json.dumps(own)))
+    return {"$ref": f"#/$defs/{prefix}"}
+
+
+def tool_call_schema(tools: list[dict[str, Any]], choice: Any, parallel: bool, form: ToolFormat) -> dict[str, Any]:
+    """The JSON schema a call is held to: ``{"name": one of the tools (or the named one),
+    "arguments": that tool's parameters}``; in the generic form, the whole answer's (a call,
+    several under ``tool_calls`` where parallel, or with ``auto`` a ``response`` instead)."""
+    named = tool_choice_name(choice)
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        if named is not None and function["name"] != named:
+            continue
+        arguments = _hoisted(function.get("parameters") or {"type": "object", "properties": {}}, f"t{i}", defs)
+        calls.append({"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": arguments},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if form.generic:
+        key, value = ("tool_calls", {"type": "array", "items": schema, "minItems": 1}) if parallel else ("tool_call", schema)
+        schema = {"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False}
+        if choice == "auto":
+            answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                      "additionalProperties": False}
+            schema = {"anyOf": [schema, answer]}
+    return dict(schema, **{"$defs": defs})
+
+
+def tool_grammar(call_rules: str, call_rule: str, choice: Any, parallel: bool, form: ToolFormat) -> str:
+    """A template's grammar around the call's rules (``call_rules``, rooted at ``call_rule``):
+    ``required`` and a named choice begin with the call marker; ``auto`` lets text come first,
+    text that never spells the marker unless a whole call follows it (each state a rule: how
+    much of the marker the text now ends with), so a call, once begun, is held from its first
+    token. Several calls where ``parallel``."""
+    block = f"{_gbnf_literal(form.open)} tool-ws {call_rule} tool-ws {_gbnf_literal(form.close)}"
+    calls = "tool-block (tool-ws tool-block)*" if parallel else "tool-block"
+    # The converter's space is one blank at most; templates put a newline around a call.
+    rules = [f"tool-block ::= {block}", f"tool-calls ::= {calls}", 'tool-ws ::= [ \\n]{0,2}']
+    if choice != "auto":
+        return "\n".join(["root ::= tool-calls"] + rules) + "\n" + call_rules
+    marker = form.open
+    for k in range(len(marker)):  # text-k: the text so far ends with marker[:k], and no earlier marker
+        moves = [f"{_gbnf_literal(marker[k])} {'text-' + str(k + 1) if k + 1 < len(marker) else 'tool-rest'}"]
+        seen = {marker[k]}
+        for c in dict.fromkeys(marker):
+            if c not in seen:  # another of the marker's characters: how much of it the text now ends with
+                tail = marker[:k] + c
+                j = next(j for j in range(len(tail), -1, -1) if marker.startswith(tail[len(tail) - j:]))
+                moves.append(f"{_gbnf_literal(c)} text-{j}")
+                seen.add(c)
+        others = _spans_and(_TOOL_TEXT, _spans_not(_spans((ord(c), ord(c)) for c in seen)))
+        moves.append(f"{_gbnf_class(others)} text-0")
+        rules.append(f"text-{k} ::= ({' | '.join(moves)})?")
+    rules.append(f"tool-rest ::= tool-ws {call_rule} tool-ws {_gbnf_literal(form.close)}"
+                 + (" (tool-ws tool-block)*" if parallel else ""))
+    return "\n".join(["root ::= text-0"] + rules) + "\n" + call_rules
+
+
+def generic_tool_text(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> str:
+    """The system text the generic form adds: the tools as JSON, the answer's form and an example
+    of it (after llama.cpp's former generic format)."""
+    import json
+
+    functions = [tool["function"] for tool in tools]
+    call = {"name": "tool_name", "arguments": {"arg1": "some_value"}}
+    example = {"tool_calls": [call]} if parallel else {"tool_call": call}
+    key = "tool_calls" if parallel else "tool_call"
+    named = tool_choice_name(choice)
+    how = (f"Respond in JSON format, either with `{key}` (a request to call tools) or with `response` (your reply "
+           f"to the user's request)" if choice == "auto" else f"Respond in JSON format with `{key}` (a request to "
+           f"call {'the tool ' + named if named else 'tools'})")
+    return (f"You can call any of the following tools to satisfy the user's requests: {json.dumps(functions, indent=2, ensure_ascii=False)}"
+            f"\n\nExample tool call syntax:\n\n{json.dumps(example, indent=2)}\n\n{how}.")
+
+
+def generic_messages(messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]], choice: Any,
+                     parallel: bool) -> list[dict[str, str]]:
+    """Turns for a template with no tool section: the tools' text in the system message (none
+    with ``tool_choice`` none), an assistant's calls and a tool's answers as JSON text."""
+    import json
+
+    out: list[dict[str, str]] = []
+    for turn in messages:
+        if turn["role"] == "tool":
+            answer = {"tool_response": {"tool_call_id": turn["tool_call_id"], "content": turn["content"]}}
+            if turn.get("name"):
+                answer["tool_response"]["tool"] = turn["name"]
+            out.append({"role": "user", "content": json.dumps(answer, indent=2, ensure_ascii=False)})
+        elif turn.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"]), "id": c["id"]}
+                     for c in turn["tool_calls"]]
+            said = {"tool_calls": calls, **({"content": turn["content"]} if turn.get("content") else {})}
+            out.append({"role": "assistant", "content": json.dumps(said, indent=2, ensure_ascii=False)})
+        else:
+            out.append({"role": turn["role"], "content": turn["content"] or ""})
+    if tools and choice != "none":
+        text = generic_tool_text(tools, choice, parallel)
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _check_tools(value: Any, param: Param) -> list[dict[str, Any]]:
+    """OpenAI's tools: functions, each with a name, a description and parameters (a JSON schema
+    the converter honours whole, as response_format's; none: no arguments)."""
+    import json
+
+    if not isinstance(value, list) or not 1 <= len(value) <= TOOLS_MAX:
+        raise InvalidInput(f"tools must be a list of 1 to {TOOLS_MAX} tools")
+    names = set()
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise InvalidInput(f"{where}.type {kind!r} is not supported (function only)")
+        function = tool.get("function")
+        if set(tool) != {"type", "function"} or not isinstance(function, dict):
+            raise InvalidInput(f'{where} must be {{"type": "function", "function": {{"name", "description", "parameters"}}}}')
+        unknown = set(function) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            raise InvalidInput(f"{where}.function: unknown field {sorted(unknown)[0]!r}")
+        name = function.get("name")
+        if not (isinstance(name, str) and _SCHEMA_NAME.fullmatch(name)):
+            raise InvalidInput(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-'")
+        if name in names:
+            raise InvalidInput(f"{where}.function.name {name!r} is given twice")
+        names.add(name)
+        if not isinstance(function.get("description", ""), str) or function.get("strict") not in (None, True, False):
+            raise InvalidInput(f"{where}.function: description must be a string and strict true or false")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise InvalidInput(f"{where}.function.parameters must be a JSON Schema object")
+    try:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        size = len(text.encode("utf-8"))
+    except ValueError:
+        raise InvalidInput("tools hold a number that is not finite") from None
+    except UnicodeEncodeError:
+        raise InvalidInput("tools are not valid Unicode (a lone surrogate)") from None
+    if size > param.high:
+        raise InvalidInput(f"tools are {size} bytes as JSON; the limit is {param.high}")
+    if "\x00" in text:
+        raise InvalidInput("tools contain a NUL byte")
+
+    def check() -> None:
+        for i, tool in enumerate(value):
+            try:
+                check_json_schema(tool["function"].get("parameters", {"type": "object"}))
+            except InvalidInput as err:
+                raise InvalidInput(f"tools[{i}].function.parameters: {err}") from None
+        try:  # the schemas together, as the daemon composes them (a reference must still resolve)
+            check_json_schema(tool_call_schema(value, "auto", True, GENERIC_TOOLS))
+        except InvalidInput as err:
+            raise InvalidInput(f"tools: {err}") from None
+
+    _checked(("tools", text), check)
+    return value
+
+
+def _check_tool_choice(value: Any, param: Param) -> Any:
+    """none, auto, required, or ``{"type": "function", "function": {"name": NAME}}``."""
+    if value in TOOL_CHOICES:
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    if not (isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "function"}
+            and isinstance(function, dict) and set(function) == {"name"} and isinstance(function["name"], str)):
+        raise InvalidInput('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": NAME}}')
+    return value
+
+
+def _check_call(call: Any, where: str) -> dict[str, Any]:
+    """An assistant turn's call, as OpenAI gives it back: ``{"id", "type": "function", "function":
+    {"name", "arguments": JSON text}}``."""
+    import json
+
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(call, dict) and isinstance(call.get("id"), str) and call.get("type", "function") == "function"
+            and isinstance(function, dict) and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), str)):
+        raise InvalidInput(f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
+    try:
+        json.loads(function["arguments"])
+    except (ValueError, RecursionError):
+        raise InvalidInput(f"{where}.function.arguments is not JSON text") from None
+    text = call["id"] + function["name"] + function["arguments"]
+    if "\x00" in text or not text.encode("utf-8", "surrogatepass").decode("utf-8", "ignore") == text:
+        raise InvalidInput(f"{where} holds a NUL byte or is not valid Unicode (a lone surrogate)")
+    return {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": function["arguments"]}}
+
+
+def call_lines(calls: list[dict[str, Any]]) -> str:
+    """Calls as result.txt holds them: one compact JSON line each."""
+    import json
+
+    return "".join(json.dumps(call, ensure_ascii=False) + "\n" for call in calls)
+
+
+def tool_call_id(job_id: str, choice: int, k: int) -> str:
+    """A call's id: derived from its job (the same after a rerun), unique within the job."""
+    return f"call_{job_id}_{k}" if choice == 0 else f"call_{job_id}_c{choice}_{k}"
+
+
+def read_tool_calls(text: str, form: ToolFormat, job_id: str, choice: int) -> Optional[tuple[Optional[str], list[dict[str, Any]]]]:
+    """(content, calls) from a model's answer, or None when it holds no whole call (text only,
+    or its first call cut short; a template's calls cut short after whole ones: those). Calls as
+    OpenAI gives them: ``{"id", "type": "function", "function": {"name", "arguments": JSON
+    text}}``; content None where the answer is calls alone."""
+    import json
+
+    found: list[tuple[str, Any]] = []
+    content: Optional[str]
+    if form.generic:
+        try:
+            answer = json.loads(text)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(answer, dict):
+            return None
+        if isinstance(answer.get("response"), str) and len(answer) == 1:
+            return answer["response"], []
+        raw = answer.get("tool_calls") if "tool_calls" in answer else [answer.get("tool_call")]
+        content = None
+    else:
+        start = text.find(form.open)
+        if start < 0:
+            return None
+        content = text[:start].strip() or None
+        raw, rest, decoder = [], text[start:], json.JSONDecoder()
+        while rest.startswith(form.open):
+            body = rest[len(form.open):].lstrip()
+            try:
+                call, end = decoder.raw_decode(body)
+            except (ValueError, RecursionError):
+                break  # cut short (max_tokens): the whole calls before it, if any
+            rest = body[end:].lstrip()
+            if not rest.startswith(form.close):
+                break
+            raw.append(call)
+            rest = rest[len(form.close):].lstrip()
+        if rest and not rest.startswith(form.open):
+            return None
+    for call in raw if isinstance(raw, list) else []:
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and "arguments" in call):
+            return None
+        found.append((call["name"], call["arguments"]))
+    if not found:
+        return None
+    return content, [{"id": tool_call_id(job_id, choice, k), "type": "function",
+                      "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False,
+                                                                          separators=(",", ":"))}}
+                     for k, (name, arguments) in enumerate(found)]
+
 ##############################################################################
 # 6. Job parameters: one table (PARAMS) drives validation, submit's flags, the OpenAI Batch mapping,
 # the engine's defaults (job_param), --help and the docs
@@ -3205,9 +3535,6 @@ CHOICES_MAX = 128
 LOGPROBS_MAX = 1 << 17
 
 
-# Schemas and grammars already checked in this process (a batch file repeats one schema on
-# every line): key -> the error message, or None when it passed.
-_CHECKED: dict[Any, Optional[str]] = {}
 # The variables the daemon gives a chat template itself (llama-cpp-python's Jinja2ChatFormatter):
 # a job's chat_template_kwargs may set any other.
 TEMPLATE_VARIABLES = frozenset({"messages", "eos_token", "bos_token", "raise_exception", "add_generation_prompt",
@@ -3215,13 +3542,15 @@ TEMPLATE_VARIABLES = frozenset({"messages", "eos_token", "bos_token", "raise_exc
 # reasoning_effort -> the thinking budget it sets, in tokens (low, medium and high are vLLM's;
 # none thinks not at all). An explicit thinking_budget_tokens wins over an effort.
 EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 2048, "high": 8192}
-ROLES = ("system", "user", "assistant")
-_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+ROLES = ("system", "user", "assistant", "tool")
+
 
 
 # Flags that set a job parameter to a fixed value: flag -> (parameter, value, help).
 FLAG_SHORTHANDS = {"--json": ("response_format", {"type": "json_object"}, "constrain the output to a JSON object "
-                                                                          "(response_format json_object)")}
+                                                                          "(response_format json_object)"),
+                   "--no-parallel-tool-calls": ("parallel_tool_calls", False, "at most one tool call a job "
+                                                                              "(parallel_tool_calls false)")}
 
 
 class Endpoint(namedtuple("Endpoint", "input raw object id_prefix")):
@@ -3324,23 +3653,31 @@ def _read_limited(path: str, limit: int, what: str) -> str:
     return text
 
 
+def _read_json_argument(text: str, flag: str) -> tuple[str, Any]:
+    """A flag's JSON, given inline (it starts with { or [) or as a file's name (read to 4 times
+    STRUCTURE_LIMIT, as an indented file may be): (where it came from, the value)."""
+    import argparse
+    import json
+
+    source = "the argument"
+    if not text.lstrip().startswith(("{", "[")):
+        source = text
+        text = _read_limited(text, 4 * STRUCTURE_LIMIT, f"the limit of {flag}")
+    try:
+        return source, json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{source} is not JSON ({err})") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"{source} is nested too deeply") from None
+
+
 def _read_json_schema(text: str) -> dict[str, Any]:
     """``--json-schema FILE|JSON``: a JSON schema, an OpenAI ``json_schema`` object
     (``{"name", "schema", "strict"}``) or a whole ``response_format``, given inline or as a
     file; returned as a response_format."""
     import argparse
-    import json
 
-    source = "the argument"
-    if not text.lstrip().startswith(("{", "[")):  # inline JSON, else a file's name
-        source = text
-        text = _read_limited(text, 4 * STRUCTURE_LIMIT, "the limit of --json-schema")
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"{source} is not JSON ({err})") from None
-    except RecursionError:
-        raise argparse.ArgumentTypeError(f"{source} is nested too deeply") from None
+    source, value = _read_json_argument(text, "--json-schema")
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"{source} is not a JSON object")
     if value.get("type") == "json_schema" and "json_schema" in value:
@@ -3350,6 +3687,17 @@ def _read_json_schema(text: str) -> dict[str, Any]:
     name = re.sub(r"[^A-Za-z0-9_-]", "_", os.path.splitext(os.path.basename(source))[0])[:64]
     return {"type": "json_schema", "json_schema": {"name": name if source != "the argument" and name else "schema",
                                                    "schema": value, "strict": True}}
+
+
+def _read_tools(text: str) -> list[Any]:
+    """``--tools FILE|JSON``: a list of tools (OpenAI's), or one tool, inline or in a file."""
+    value = _read_json_argument(text, "--tools")[1]
+    return value if isinstance(value, list) else [value]
+
+
+def _read_tool_choice(text: str) -> Any:
+    """``--tool-choice none|auto|required|NAME``: a bare NAME is that function, named."""
+    return text if text in TOOL_CHOICES else {"type": "function", "function": {"name": text}}
 
 
 def _read_grammar(path: str) -> str:
@@ -3394,20 +3742,6 @@ def _read_bias(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN_ID=BIAS (e.g. 15043=-100)") from None
 
 
-def _checked(key: Any, check: Callable[[], None]) -> None:
-    """Run ``check`` once per distinct ``key`` (a schema's or grammar's text)."""
-    if key not in _CHECKED:
-        try:
-            check()
-            _CHECKED[key] = None
-        except InvalidInput as err:
-            _CHECKED[key] = str(err)
-        if len(_CHECKED) > 256:
-            _CHECKED.pop(next(iter(_CHECKED)))
-    if _CHECKED[key] is not None:
-        raise InvalidInput(_CHECKED[key])
-
-
 def _json_object(key: str, value: Any, limit: int) -> dict[str, Any]:
     """``value`` if it is a JSON object of at most ``limit`` bytes as JSON, else InvalidInput."""
     import json
@@ -3440,16 +3774,20 @@ def _check_template_kwargs(value: Any, param: Param) -> dict[str, Any]:
     return value
 
 
-def conversation_turns(prompt: str, params: Mapping[str, Any], answer: str) -> Optional[list[dict[str, str]]]:
+def conversation_turns(prompt: str, params: Mapping[str, Any], answer: str,
+                       message: Optional[Mapping[str, Any]] = None) -> Optional[list[dict[str, Any]]]:
     """A chat job's whole conversation once it has answered: its turns (its messages, or its
     system message and prompt; a child's, its parent's before them: resolved at its claim)
-    and its answer as the assistant's turn. None for a job with no turns (raw, embed)."""
+    and its answer as the assistant's turn (``message``: an answer of tool calls, ``{"content",
+    "tool_calls"}``). None for a job with no turns (raw, embed)."""
     if job_param(params, "raw") or job_param(params, "embed"):
         return None
     turns = [dict(turn) for turn in (job_param(params, "messages") or [{"role": "user", "content": prompt}])]
     system = job_param(params, "system")
     if system and turns[0]["role"] != "system":
         turns.insert(0, {"role": "system", "content": system})
+    if message is not None:
+        return turns + [{"role": "assistant", "content": message["content"], "tool_calls": message["tool_calls"]}]
     return turns + [{"role": "assistant", "content": answer}]
 
 
@@ -3488,20 +3826,37 @@ def _check_text(key: str, text: str) -> None:
         raise InvalidInput(f"parameter {key} contains a NUL byte")
 
 
-def _check_messages(messages: Any, param: Param) -> list[dict[str, str]]:
-    """Chat turns as ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``."""
+def _check_messages(messages: Any, param: Param) -> list[dict[str, Any]]:
+    """Chat turns as ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]``; an
+    assistant's may carry ``tool_calls`` (its content then may be null), a tool's answer its
+    ``tool_call_id``."""
     limit = param.high
     if not isinstance(messages, list) or not 1 <= len(messages) <= limit:
         raise InvalidInput(f"messages must be a list of 1 to {limit} {{role, content}} objects")
-    clean = []
+    clean: list[dict[str, Any]] = []
     for i, turn in enumerate(messages):
         # An assistant turn replayed from a thinking model's reply carries its reasoning_content:
         # accepted and left out, as thinking templates leave past thinking out of the prompt.
-        if not isinstance(turn, dict) or set(turn) - {"role", "content", "name", "reasoning_content"}:
+        if not isinstance(turn, dict) or set(turn) - {"role", "content", "name", "reasoning_content", "tool_calls",
+                                                      "tool_call_id", "refusal"}:
             raise InvalidInput(f"messages[{i}] must be an object with role and content")
         role, content = turn.get("role"), turn.get("content")
         if role not in ROLES:
             raise InvalidInput(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+        extra: dict[str, Any] = {}
+        if turn.get("tool_calls") is not None:
+            calls = turn["tool_calls"]
+            if role != "assistant" or not isinstance(calls, list) or not calls:
+                raise InvalidInput(f"messages[{i}].tool_calls: only an assistant turn has them, a list of calls")
+            extra["tool_calls"] = [_check_call(call, f"messages[{i}].tool_calls[{k}]") for k, call in enumerate(calls)]
+            content = "" if content is None else content
+        if role == "tool":
+            if not isinstance(turn.get("tool_call_id"), str) or not turn["tool_call_id"]:
+                raise InvalidInput(f"messages[{i}]: a tool turn needs the tool_call_id it answers")
+            _check_text(f"messages[{i}].tool_call_id", turn["tool_call_id"])
+            extra["tool_call_id"] = turn["tool_call_id"]
+            if isinstance(turn.get("name"), str):
+                extra["name"] = turn["name"]
         if isinstance(content, list):  # OpenAI content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise InvalidInput(f"messages[{i}].content: only text parts are supported")
@@ -3509,8 +3864,8 @@ def _check_messages(messages: Any, param: Param) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise InvalidInput(f"messages[{i}].content must be a string without NUL bytes")
         _check_text(f"messages[{i}].content", content)
-        clean.append({"role": role, "content": content})
-    if not any(t["content"].strip() for t in clean):
+        clean.append({"role": role, "content": content, **extra})
+    if not any(t["content"].strip() or t.get("tool_calls") for t in clean):
         raise InvalidInput("messages are all empty")
     return clean
 
@@ -3617,8 +3972,22 @@ def validate_params(params: Mapping[str, Any], max_tokens: Optional[int] = None)
     return clean
 
 
+def tool_choice(params: Mapping[str, Any]) -> Any:
+    """A job's tool_choice: none without tools, else its own, else auto (OpenAI's defaults)."""
+    if not job_param(params, "tools"):
+        return "none"
+    return job_param(params, "tool_choice") or "auto"
+
+
+def parallel_calls(params: Mapping[str, Any]) -> bool:
+    """Whether a job's answer may hold several tool calls (OpenAI's default: yes)."""
+    return job_param(params, "parallel_tool_calls") is not False
+
+
 def constraint(params: Mapping[str, Any]) -> Optional[str]:
-    """What constrains a job's output: "json_schema", "json_object", "grammar" or None."""
+    """What constrains a job's output: "tools", "json_schema", "json_object", "grammar" or None."""
+    if tool_choice(params) != "none":
+        return "tools"
     if job_param(params, "grammar") is not None:
         return "grammar"
     kind = (job_param(params, "response_format") or {}).get("type")
@@ -3648,6 +4017,7 @@ def check_combination(params: Mapping[str, Any], max_tokens: Optional[int] = Non
     kind = (job_param(params, "response_format") or {}).get("type")
     if job_param(params, "grammar") is not None and kind in ("json_schema", "json_object"):
         raise InvalidInput("give grammar or response_format, not both")
+    _check_tool_use(params)
     if job_param(params, "stop") and constraint(params):
         raise InvalidInput("stop cannot be combined with grammar or response_format: the grammar decides "
                            "where the output ends (a stop string inside a JSON value would cut it short)")
@@ -3666,6 +4036,39 @@ def check_combination(params: Mapping[str, Any], max_tokens: Optional[int] = Non
         for key in EMBED_ONLY:
             if job_param(params, key) != PARAMS[key].default:
                 raise InvalidInput(f"{key} is for embed jobs (give embed: true, or submit --embed)")
+
+
+def _check_tool_use(params: Mapping[str, Any]) -> None:
+    """What tools go with: a choice naming one of them; no other constraint, stop string or raw
+    prompt unless the choice is none; every tool answer after the call it answers (those before
+    any assistant turn answer the parent's calls)."""
+    tools, choice = job_param(params, "tools"), job_param(params, "tool_choice")
+    if not tools:
+        for key in ("tool_choice", "parallel_tool_calls"):
+            if job_param(params, key) is not None and key in params:
+                raise InvalidInput(f"{key} needs tools")
+    else:
+        named = tool_choice_name(choice)
+        if named is not None and named not in [tool["function"]["name"] for tool in tools]:
+            raise InvalidInput(f"tool_choice names {named!r}, which is none of the tools")
+        if job_param(params, "raw") or job_param(params, "endpoint") == "/v1/completions":
+            raise InvalidInput("tools need the chat template: not with a raw prompt or /v1/completions")
+        if tool_choice(params) != "none":
+            kind = (job_param(params, "response_format") or {}).get("type")
+            if job_param(params, "grammar") is not None or kind in ("json_schema", "json_object"):
+                raise InvalidInput("tools cannot be combined with grammar or response_format (unless tool_choice "
+                                   "is none): the calls' grammar decides the output")
+            if job_param(params, "stop"):
+                raise InvalidInput("tools cannot be combined with stop (unless tool_choice is none): a stop string "
+                                   "inside a call would cut it short")
+    # Tool turns before any assistant turn answer the calls a parent job made (--parent).
+    called: Optional[set[str]] = None
+    for i, turn in enumerate(job_param(params, "messages") or []):
+        if turn["role"] == "assistant":
+            called = (called or set()) | {call["id"] for call in turn.get("tool_calls") or []}
+        if turn["role"] == "tool" and called is not None and turn["tool_call_id"] not in called:
+            raise InvalidInput(f"messages[{i}] answers tool call {turn['tool_call_id']!r}, which no earlier "
+                               "assistant turn made")
 
 
 def check_inputs(texts: Any, limit: int = 2048) -> list[str]:
@@ -3689,9 +4092,17 @@ def render_inputs(texts: list[str]) -> str:
     return "\n\n".join(f"[input {i}]\n{text}" for i, text in enumerate(texts)) + "\n"
 
 
-def render_messages(messages: list[dict[str, str]]) -> str:
-    """Chat turns as text a person can read (what prompt.txt holds for a messages job)."""
-    return "\n\n".join(f"[{turn['role']}]\n{turn['content']}" for turn in messages) + "\n"
+def render_messages(messages: list[dict[str, Any]]) -> str:
+    """Chat turns as text a person can read (what prompt.txt holds for a messages job): an
+    assistant's calls a JSON line each after its words, a tool's answer headed by its call's id."""
+    import json
+
+    def turn_text(turn: dict[str, Any]) -> str:
+        head = f"[tool {turn['tool_call_id']}]" if turn["role"] == "tool" else f"[{turn['role']}]"
+        calls = "".join("\n" + json.dumps(call, ensure_ascii=False) for call in turn.get("tool_calls") or [])
+        return f"{head}\n{turn['content'] or ''}{calls}"
+
+    return "\n\n".join(turn_text(turn) for turn in messages) + "\n"
 
 
 def check_prompt(prompt: Any, limit: int) -> bytes:
@@ -3772,6 +4183,14 @@ PARAMS: dict[str, Param] = {
                       help="seconds of generation before the job fails with code timeout, keeping its partial text"),
     "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages, what="list of up to {high} {{role, content}}",
                        help="chat turns [{role, content}] instead of a prompt, through the chat template"),
+    "tools": Param(list, low=1, high=STRUCTURE_LIMIT, flag="--tools", openai=("tools",), read=("FILE|JSON", _read_tools),
+                    check=_check_tools, what=f"list of up to {TOOLS_MAX} functions (OpenAI's)",
+                    help="functions the model may call: [{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}]; the calls come back as tool_calls (see Tool calls); the flag takes the list or one tool, inline or a file"),
+    "tool_choice": Param(dict, flag="--tool-choice", openai=("tool_choice",), read=("none|auto|required|NAME", _read_tool_choice),
+                          check=_check_tool_choice, what="`none`, `auto`, `required` or a named function",
+                          help="with tools: auto (default: text or calls), required (calls only), none (text only), or a named function (a call of it; the flag takes its name)"),
+    "parallel_tool_calls": Param(bool, flag="--parallel-tool-calls", openai=("parallel_tool_calls",),
+                                  help="with tools: whether one answer may hold several calls (default true, as OpenAI's)"),
     "custom_id": Param(str, low=0, high=512, jobs="any",
                         help="the caller's name for the job (batch files, export; default line-N)"),
     "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
@@ -3851,6 +4270,7 @@ LOGPROBS_FILE = "logprobs.json"  # each generated token's log-probability, for j
 CHOICES_FILE = "choices.json"  # a job of n > 1 choices: every choice (Outcome.choices)
 REASONING_FILE = "reasoning.txt"  # a thinking model's thinking, apart from result.txt (Outcome.reasoning)
 CONVERSATION_FILE = "conversation.json"  # a done chat job's turns and its answer: what a child continues
+TOOL_CALLS_FILE = "tool_calls.json"  # an answer of tool calls: {"content", "tool_calls"} (Outcome.message)
 CANCEL_FILE = "cancel"  # written into a job's dir by `nrvna cancel`: the daemon stops the job
 # A running job's meta.json as its claim found it, hard-linked by the claim: a hand-back puts it
 # back with a rename, which needs no free space. A temporary (.tmp) to recovery, which removes it.
@@ -4353,7 +4773,8 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
     for name in os.listdir(dir_fd):
         if name in keep:
             continue
-        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE, CONVERSATION_FILE) or (
+        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE, CONVERSATION_FILE,
+                    TOOL_CALLS_FILE) or (
                 name.startswith(".") and name.endswith(".tmp")):
             _unlink_quietly(name, dir_fd)
 
@@ -4802,8 +5223,12 @@ def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, 
 # (inotify on a directory). Read only; any thread.
 
 
-class Job(namedtuple("Job", "id status prompt result error meta params logprobs choices reasoning",
-                     defaults=(None, None, None, None))):
+# Why a done job's generation ended (OpenAI's names): its end, its max_tokens, or its tool calls.
+FINISH_REASONS = ("stop", "length", "tool_calls")
+
+
+class Job(namedtuple("Job", "id status prompt result error meta params logprobs choices reasoning message",
+                     defaults=(None, None, None, None, None))):
     """A job as read back from the workspace: ``id: str, status: Status`` and
     ``prompt, result, error: str | None`` and ``meta, params: dict`` (params.json: the
     per-job parameters, ``custom_id`` and ``tag``) and ``logprobs``: the generated tokens'
@@ -4811,9 +5236,16 @@ class Job(namedtuple("Job", "id status prompt result error meta params logprobs 
     None unless the job asked for them; ``choices``: a done job of n > 1 choices has every
     one, ``[{index, text, finish_reason, generated_tokens[, logprobs]}]`` (``result`` and
     ``logprobs`` are the first's), else None; ``reasoning``: a thinking model's thinking
-    (reasoning.txt), else None."""
+    (reasoning.txt), else None; ``message``: an answer of tool calls (tool_calls.json, the
+    first choice's), ``{"content": str | None, "tool_calls": [{"id", "type", "function":
+    {"name", "arguments"}}]}``, else None (``result`` then holds one JSON line per call)."""
 
     __slots__ = ()
+
+    @property
+    def tool_calls(self) -> Optional[list[dict[str, Any]]]:
+        """The tool calls of its answer (the first choice's), else None."""
+        return self.message["tool_calls"] if self.message else None
 
 
 def _logprobs_shape(logprobs: Any) -> bool:
@@ -4833,11 +5265,21 @@ def _read_choices(text: Optional[str]) -> Optional[list[dict[str, Any]]]:
     except (ValueError, RecursionError):
         return None
     if not (isinstance(choices, list) and choices and all(
-            isinstance(c, dict) and isinstance(c.get("text"), str) and c.get("finish_reason") in ("stop", "length")
+            isinstance(c, dict) and isinstance(c.get("text"), str) and c.get("finish_reason") in FINISH_REASONS
             and isinstance(c.get("generated_tokens"), int) and _logprobs_shape(c.get("logprobs", []))
             for c in choices) and [c.get("index") for c in choices] == list(range(len(choices)))):
         return None
     return choices
+
+
+def _read_message(text: Optional[str]) -> Optional[dict[str, Any]]:
+    """tool_calls.json's ``{"content", "tool_calls"}``, or None (no file; a damaged one)."""
+    message = _json_or_none(text, None)
+    if not (isinstance(message, dict) and isinstance(message.get("tool_calls"), list) and message["tool_calls"]
+            and isinstance(message.get("content"), (str, type(None)))
+            and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in message["tool_calls"])):
+        return None
+    return message
 
 
 def continued_turns(parent: list[dict[str, str]], own: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -4850,8 +5292,9 @@ def continued_turns(parent: list[dict[str, str]], own: list[dict[str, str]]) -> 
 def _turns_shape(turns: Any) -> bool:
     """Whether ``turns`` is a conversation as nrvna writes it (a hand-made file may not be)."""
     return isinstance(turns, list) and bool(turns) and all(
-        isinstance(t, dict) and t.get("role") in ("system", "user", "assistant") and isinstance(t.get("content"), str)
-        for t in turns)
+        isinstance(t, dict) and t.get("role") in ROLES and (isinstance(t.get("content"), str) or (
+            t.get("content") is None and isinstance(t.get("tool_calls"), list)))
+        and (t.get("role") != "tool" or isinstance(t.get("tool_call_id"), str)) for t in turns)
 
 
 def _json_or_none(text: Optional[str], missing: Any) -> Any:
@@ -4873,7 +5316,7 @@ def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Op
     ``parent_failed`` for a failed, cancelled or missing ancestor, ``bad_request`` for one with
     no turns (raw, embed). ``limit``: the most bytes read of one file."""
 
-    chain: list[tuple[str, str, dict[str, Any], str]] = []  # (id, prompt, params, answer), child first
+    chain: list[tuple[str, str, dict[str, Any], str, Any]] = []  # (id, prompt, params, answer, calls), child first
     base: list[dict[str, str]] = []
     job_id: Optional[str] = parent
     while job_id is not None:
@@ -4904,7 +5347,7 @@ def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Op
             raise JobError("parent_failed", f"cannot read its ancestor {job_id}: {_os_error(err)}") from None
         try:
             files = {}
-            for name in (CONVERSATION_FILE, PROMPT_FILE, PARAMS_FILE, RESULT_FILE):
+            for name in (CONVERSATION_FILE, PROMPT_FILE, PARAMS_FILE, RESULT_FILE, TOOL_CALLS_FILE):
                 try:
                     files[name] = read_file(fd, name, limit).decode("utf-8", "replace")
                 except (FileNotFoundError, JobError):
@@ -4922,12 +5365,12 @@ def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Op
         if job_param(params, "raw") or job_param(params, "embed"):
             raise JobError("bad_request", f"its {'parent' if job_id == parent else 'ancestor'} {job_id} is "
                                           f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to continue")
-        chain.append((job_id, files[PROMPT_FILE], params, files[RESULT_FILE]))
+        chain.append((job_id, files[PROMPT_FILE], params, files[RESULT_FILE], _read_message(files[TOOL_CALLS_FILE])))
         job_id = params.get("parent") if isinstance(params.get("parent"), str) else None
         if len(chain) > 100_000:
             raise JobError("parent_failed", f"its chain of parents is over 100,000 jobs long at {job_id}")
-    for _, prompt, params, answer in reversed(chain):
-        own = conversation_turns(prompt, {k: v for k, v in params.items() if k != "parent"}, answer) or []
+    for _, prompt, params, answer, message in reversed(chain):
+        own = conversation_turns(prompt, {k: v for k, v in params.items() if k != "parent"}, answer, message) or []
         base = continued_turns(base, own) if base else own
     return base
 
@@ -5152,12 +5595,8 @@ _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
 
 
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
-OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "stream": "must be false"}
-
-
-# OpenAI body fields refused with a reason (any other unknown field is refused by name).
-OPENAI_BODY_REFUSED = {field: "tool calls are not supported by nrvna" for field in
-                       ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")}
+OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "stream": "must be false",
+                     "functions": "the legacy form of tools", "function_call": "the legacy form of tool_choice"}
 
 
 class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
@@ -5448,6 +5887,25 @@ def _embed_input(texts: list[str], params: dict[str, Any]) -> tuple[str, dict[st
     return render_inputs(texts), params
 
 
+def _legacy_functions(body: dict[str, Any]) -> dict[str, Any]:
+    """A body with OpenAI's legacy ``functions``/``function_call`` as ``tools``/``tool_choice``
+    (the answer comes back as tool_calls, as llama-server's does)."""
+    if "functions" not in body and "function_call" not in body:
+        return body
+    if "tools" in body or "tool_choice" in body:
+        raise InvalidInput("give tools and tool_choice, or the legacy functions and function_call, not both")
+    body = dict(body)
+    functions, call = body.pop("functions", None), body.pop("function_call", None)
+    if functions is not None:
+        if not isinstance(functions, list):
+            raise InvalidInput("functions must be a list of functions")
+        body["tools"] = [{"type": "function", "function": f} for f in functions]
+    if call is not None:
+        body["tool_choice"] = ({"type": "function", "function": {"name": call.get("name")}}
+                               if isinstance(call, dict) and set(call) == {"name"} else call)
+    return body
+
+
 def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
     unknown = set(obj) - {"custom_id", "method", "url", "body"}
     if unknown:
@@ -5461,9 +5919,8 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
         raise InvalidInput("body must be a JSON object")
     if "custom_id" not in obj:
         raise InvalidInput("an OpenAI Batch line needs a custom_id")
+    body = _legacy_functions(body)
     for key in body:
-        if key in OPENAI_BODY_REFUSED:
-            raise InvalidInput(f"body field {key!r}: {OPENAI_BODY_REFUSED[key]}")
         if key not in OPENAI_FIELDS and key not in OPENAI_BODY_EXTRA:
             raise InvalidInput(f"body field {key!r} is not supported by nrvna")
     if body.get("stream", False) is not False:
@@ -5552,6 +6009,8 @@ def _jsonl_record(job: Job) -> dict[str, Any]:
         record["choices"] = job.choices
     if job.reasoning is not None:
         record["reasoning"] = job.reasoning
+    if job.message is not None:
+        record["content"], record["tool_calls"] = job.message["content"], job.message["tool_calls"]
     if job_param(params, "metadata") is not None:
         record["metadata"] = job_param(params, "metadata")
     return record
@@ -5584,16 +6043,18 @@ def _openai_record(job: Job) -> dict[str, Any]:
     prompt_tokens, completion_tokens = int(meta.get("prompt_tokens") or 0), int(meta.get("generated_tokens") or 0)
     endpoint = ENDPOINTS[job_param(params, "endpoint") or "/v1/chat/completions"]
     results = job.choices or [{"index": 0, "text": job.result, "finish_reason": meta.get("finish_reason"),
-                               "logprobs": job.logprobs}]
+                               "logprobs": job.logprobs, **(job.message or {})}]
     choices = []
     for result in results:
-        finish_reason = result.get("finish_reason") if result.get("finish_reason") in ("stop", "length") else "stop"
+        finish_reason = result.get("finish_reason") if result.get("finish_reason") in FINISH_REASONS else "stop"
         logprobs = result.get("logprobs")
         if endpoint.input == "prompt":
             choices.append({"text": result["text"], "index": result["index"],
                             "logprobs": _legacy_logprobs(logprobs, job.prompt or ""), "finish_reason": finish_reason})
         else:
             message = {"role": "assistant", "content": result["text"], "refusal": None}
+            if result.get("tool_calls"):
+                message.update(content=result.get("content"), tool_calls=result["tool_calls"])
             reasoning = result.get("reasoning", job.reasoning if result["index"] == 0 else None)
             if reasoning:  # llama-server's and DeepSeek's name, which most clients read
                 message["reasoning_content"] = reasoning
@@ -5918,7 +6379,7 @@ class Flow:
         try:
             files = {}
             for name in (PROMPT_FILE, RESULT_FILE, ERROR_FILE, META_FILE, PARAMS_FILE, LOGPROBS_FILE, CHOICES_FILE,
-                         REASONING_FILE):
+                         REASONING_FILE, TOOL_CALLS_FILE):
                 try:
                     files[name] = read_file(fd, name, 1 << 40).decode("utf-8", "replace")
                 except (FileNotFoundError, JobError):
@@ -5946,8 +6407,9 @@ class Flow:
             if not _logprobs_shape(logprobs):
                 logprobs = None
         choices = _read_choices(files[CHOICES_FILE]) if status is Status.Done else None
+        message = _read_message(files[TOOL_CALLS_FILE]) if status is Status.Done else None
         return Job(job_id, status, files[PROMPT_FILE], files[RESULT_FILE], error, meta, parse_meta(files[PARAMS_FILE]),
-                   logprobs, choices, files[REASONING_FILE])
+                   logprobs, choices, files[REASONING_FILE], message)
 
     def result_bytes(self, job_id: str, name: str = RESULT_FILE) -> Optional[bytes]:
         """result.txt of a done job, byte for byte (what ``nrvna get`` prints); ``name``
@@ -6527,7 +6989,7 @@ class Work:
         # A job naming a model that matches none: refused (InvalidInput), or queued with a note.
         self.strict_models = bool(setting_default("strict_models")) if strict_models is None else strict_models
 
-    def submit(self, prompt: Any, **params: Any) -> SubmitResult:
+    def submit(self, prompt: Any = None, **params: Any) -> SubmitResult:
         """Queue a prompt with optional per-job parameters; never raises. The message is
         ``queued``, or ``exists`` when a job with its ``idempotency_key`` was there already."""
         try:
@@ -6541,9 +7003,10 @@ class Work:
         except OSError as err:
             return SubmitResult(False, "", f"cannot queue job: {_os_error(err)}")
 
-    def publish(self, prompt: Any, *, dedupe: bool = False, **params: Any) -> str:
+    def publish(self, prompt: Any = None, *, dedupe: bool = False, **params: Any) -> str:
         """Queue a prompt and return its ID; raise NrvnaError/OSError on failure. With
-        ``embed=True`` the prompt is a text to embed, or a list of them (a vector each).
+        ``embed=True`` the prompt is a text to embed, or a list of them (a vector each); with
+        ``messages`` and no prompt, prompt.txt shows the turns.
         With ``idempotency_key`` (or ``dedupe=True``: a key from the content), an existing job
         with that key is returned instead, and ``self.existing`` says so.
 
@@ -6588,6 +7051,8 @@ class Work:
 
         if "input" in params:
             raise InvalidInput("give the texts to embed as the prompt: publish([text, ...], embed=True)")
+        if prompt is None and params.get("messages") is not None:  # the turns, as a batch line's prompt.txt
+            prompt = render_messages(_check_messages(params["messages"], PARAMS["messages"]))
         if isinstance(prompt, (list, tuple)):  # texts to embed
             if not job_param(params, "embed"):
                 raise InvalidInput("a list of texts is for embed jobs: give embed=True")
@@ -7104,7 +7569,7 @@ def retry_job(workspace: str, job_id: str, codes: Optional[Iterable[str]] = None
         record_event(kept, Status.Failed, "requeued", "retried")
         write_file(fd, META_FILE, dump_meta(dict(kept, attempts=0, errors=history, retries=len(history))))
         for name in (ERROR_FILE, PARTIAL_FILE, CANCEL_FILE, RESULT_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE,
-                     CONVERSATION_FILE):
+                     CONVERSATION_FILE, TOOL_CALLS_FILE):
             _unlink_quietly(name, fd)
         os.fsync(fd)
     except FileNotFoundError:  # a clean renamed the directory away and is deleting it
@@ -7394,8 +7859,9 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[i
 
 
 class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_tokens error_code error logprobs "
-                                     "choices prompt_computed reasoning reasoning_tokens thinking_closed prompt_reused",
-                         defaults=("", "stop", 0, 0, None, None, None, None, None, None, 0, None, None))):
+                                     "choices prompt_computed reasoning reasoning_tokens thinking_closed prompt_reused "
+                                     "message", defaults=("", "stop", 0, 0, None, None, None, None, None, None, 0, None,
+                                                          None, None))):
     """How a job ended: a result (``error_code`` None) or a failure with a short code and a
     message. ``text`` is the generated text (partial text for a failure); ``logprobs`` the
     tokens' log-probabilities in OpenAI's shape (``[{token, logprob, bytes, top_logprobs}]``)
@@ -7408,7 +7874,9 @@ class Outcome(namedtuple("Outcome", "text finish_reason prompt_tokens generated_
     block in ``reasoning_tokens`` (every choice's), and ``thinking_closed``: why the daemon
     closed the block (budget, share, eog or model; None where the model closed it).
     ``prompt_reused``: where the prompt tokens not computed came from, ``{"memory": N, "disk":
-    M}`` (a context's cells, a saved state), or None where the runner does not say."""
+    M}`` (a context's cells, a saved state), or None where the runner does not say.
+    ``message``: an answer of tool calls, ``{"content": str | None, "tool_calls": [...]}``
+    (finish_reason ``tool_calls``; ``text`` is the model's own text), else None."""
 
     __slots__ = ()
 
@@ -7918,9 +8386,10 @@ class _Conversion:
         self.error: Optional[JobError] = None
 
 
-def schema_to_grammar(schema: Mapping[str, Any]) -> str:
+def schema_to_grammar(schema: Mapping[str, Any], root: str = "") -> str:
     """GBNF for a JSON schema that ``check_json_schema`` accepted: llama-cpp-python's
-    converter, with nrvna's numeric bounds and JSON-valid strings (daemon only)."""
+    converter, with nrvna's numeric bounds and JSON-valid strings (daemon only). ``root``:
+    the name of its top rule (default root), for a grammar that wraps it (tool_grammar)."""
     import json
 
     from llama_cpp import llama_grammar
@@ -7932,7 +8401,7 @@ def schema_to_grammar(schema: Mapping[str, Any]) -> str:
     schema = json.loads(json.dumps(schema))
     if "$ref" in schema:  # the converter's resolve_refs would not look into the $defs beside it
         schema["anyOf"] = [{"$ref": schema.pop("$ref")}]
-    converter.visit(converter.resolve_refs(schema, "stdin"), "")
+    converter.visit(converter.resolve_refs(schema, "stdin"), root)
     return converter.format_grammar()
 
 
@@ -8840,7 +9309,7 @@ class _Choices:
         (a choice of the job has just ended there)."""
         seq = session.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
         seq.think_with(first.think.again() if first.think is not None else None)
-        seq.reserved, seq.choices, seq.choice = first.reserved, self, self.started
+        seq.reserved, seq.choices, seq.choice, seq.tools = first.reserved, self, self.started, first.tools
         self.started += 1
         if not (own_cells and session.prefixes.keep_choice(seq)):
             session.prefixes.attach(seq, session.slots)
@@ -8886,6 +9355,8 @@ class _Choices:
                       "generated_tokens": result.generated_tokens}
             if result.logprobs is not None:
                 choice["logprobs"] = result.logprobs
+            if result.message is not None:  # its calls, and as result.txt would hold them
+                choice.update(text=call_lines(result.message["tool_calls"]), **result.message)
             if result.reasoning is not None:  # a thinking model's: each choice thought on its own
                 choice["reasoning"], choice["reasoning_tokens"] = result.reasoning, result.reasoning_tokens
                 if result.thinking_closed is not None:
@@ -8925,7 +9396,8 @@ class _Sequence:
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
                  "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
-                 "budget", "priority", "reserved", "choices", "choice", "computed", "think", "thought", "from_disk")
+                 "budget", "priority", "reserved", "choices", "choice", "computed", "think", "thought", "from_disk",
+                 "tools")
 
     def __init__(self, job: RunningJob, slot: int, tokens: list[int], max_tokens: int, budget: int,
                  sampler: _JobSampler) -> None:
@@ -8956,6 +9428,7 @@ class _Sequence:
         self.think: Optional[_ThinkRouter] = None  # a thinking model's: its thinking kept apart
         self.thought = 0  # tokens generated before its answer (reasoning_tokens)
         self.from_disk = 0  # prompt tokens whose cells a saved state gave (StateStore)
+        self.tools: Optional[ToolFormat] = None  # a job that may call tools: how its calls are written
 
     def think_with(self, router: Optional[_ThinkRouter]) -> None:
         """A thinking model's sequence: ``router`` keeps its thinking apart (and its sampler
@@ -9019,7 +9492,7 @@ class _Sequence:
         """Pass new text on for partial.txt, holding back what could still become the start
         of a stop string (so partial.txt is always a prefix of the final result). Only the
         first choice's text goes there (result.txt's)."""
-        if self.choice:
+        if self.choice or self.tools is not None:  # a call's text is not its result (result.txt: the calls)
             return
         if not self.stops:
             self.job.emit(text)
@@ -9054,12 +9527,19 @@ class _Sequence:
             reasoning, closed = self.think.reasoning, self.think.closed
         logprobs = self.sampler.logprob_content(text, bool(self.stops))
         reused = {"memory": max(0, self.n_prompt - self.computed - self.from_disk), "disk": self.from_disk}
+        message = None
+        calls = read_tool_calls(text, self.tools, self.job.id, self.choice) if self.tools and not error else None
+        if calls is not None and calls[1]:  # (cut by max_tokens: the whole calls, and "length" stays)
+            message, reason = {"content": calls[0], "tool_calls": calls[1]}, "tool_calls" if reason == "stop" else reason
+        elif calls is not None:  # the generic form's answer in words
+            text = calls[0] or ""
         if error:
             return Outcome(text, "error", self.n_prompt, self.n_gen, error[0], error[1], logprobs,
                            prompt_computed=self.computed, reasoning=reasoning, reasoning_tokens=self.thought,
                            thinking_closed=closed, prompt_reused=reused)
         return Outcome(text, reason, self.n_prompt, self.n_gen, logprobs=logprobs, prompt_computed=self.computed,
-                       reasoning=reasoning, reasoning_tokens=self.thought, thinking_closed=closed, prompt_reused=reused)
+                       reasoning=reasoning, reasoning_tokens=self.thought, thinking_closed=closed, prompt_reused=reused,
+                       message=message)
 
 
 # ============================================================================
@@ -10027,6 +10507,7 @@ class LlamaSession(Session):
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
         seq.think_with(think)
+        seq.tools = self.runner.tool_format if tool_choice(job.params) != "none" else None
         self.prefixes.attach(seq, self.slots, first=True)
         n = job_param(job.params, "n")
         if n > 1:
@@ -10423,6 +10904,7 @@ class LlamaRunner(Runner):
         template = (L.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
         self.takes_effort = "reasoning_effort" in template  # gpt-oss's template reads it
         self.thinking = _Thinking.find(self, template, config.thinking_tags)  # None: the model does not think
+        self.tool_format = self._find_tool_format()
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy
@@ -10539,9 +11021,68 @@ class LlamaRunner(Runner):
             variables.setdefault("enable_thinking", False)
         if self.takes_effort and job_param(params, "reasoning_effort") is not None:
             variables.setdefault("reasoning_effort", job_param(params, "reasoning_effort"))
+        messages = self._tool_turns(messages, params, variables)
         for piece, is_content in self._render(messages, variables):  # the template already wrote BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
+
+    def _tool_turns(self, messages: list[dict[str, Any]], params: Mapping[str, Any],
+                    variables: dict[str, Any]) -> list[dict[str, Any]]:
+        """A job's turns as its template takes tools: in the generic form, the tools and any
+        calls and answers as text (generic_messages); else as the template's own ``tools``
+        variable and calls with their arguments as objects (templates write them ``| tojson``).
+        What a template writes of them outside a message's content must spell no control token."""
+        import json
+
+        tools, choice = job_param(params, "tools"), tool_choice(params)
+        history = any(t.get("tool_calls") or t["role"] == "tool" for t in messages)
+        if not (tools or history):
+            return messages
+        if self.tool_format.generic:
+            return generic_messages(messages, tools, choice, parallel_calls(params))
+        if tools and choice != "none":
+            variables["tools"] = tools
+        turns = []
+        for turn in messages:
+            turn = dict(turn, content=turn["content"] or "")
+            if turn.get("tool_calls"):
+                turn["tool_calls"] = [dict(call, function=dict(call["function"], arguments=json.loads(call["function"]["arguments"])))
+                                      for call in turn["tool_calls"]]
+            turns.append(turn)
+        outside = json.dumps([variables.get("tools"), [(t.get("tool_calls"), t.get("name"), t.get("tool_call_id"))
+                                                        for t in messages]], ensure_ascii=False)
+        if self._spells_control(outside):
+            raise JobError("bad_request", "a tool's definition or a call spells a control token of the model")
+        return turns
+
+    def _find_tool_format(self) -> ToolFormat:
+        """How this model's template writes a call, found as llama.cpp finds a template's tool
+        support: an assistant turn with one call is rendered, and the tags around the call's
+        JSON (``<tool_call>``...``</tool_call>``) are its markers. A template with no tool
+        section, or another way of writing calls, gets the generic form."""
+        import json
+
+        if self._formatter is None:
+            return GENERIC_TOOLS
+        tool = {"type": "function", "function": {"name": "nrvna_probe_tool", "description": "a probe",
+                                                 "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}}}}
+        call = {"id": "call_0", "type": "function", "function": {"name": "nrvna_probe_tool", "arguments": {"arg": "value"}}}
+        try:
+            text = self._formatter(messages=[{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "", "tool_calls": [call]}], tools=[tool]).prompt
+            start = text.index('{"name": "nrvna_probe_tool", "arguments"')
+            found, end = json.JSONDecoder().raw_decode(text, start)
+        except Exception:  # no call written, not as JSON, or a template that cannot take tools
+            found, text, start, end = None, "", 0, 0
+        opening = re.search(r"(<[^<>\s]+>)\s*$", text[:start])
+        closing = re.match(r"\s*(</[^<>\s]+>)", text[end:])
+        if found != {"name": "nrvna_probe_tool", "arguments": {"arg": "value"}} or not (opening and closing) \
+                or text.count("nrvna_probe_tool") < 2:  # (the tool's definition is written too)
+            log.info("Tool calls: the generic form (the chat template has no tool section nrvna reads)")
+            return GENERIC_TOOLS
+        form = ToolFormat(opening.group(1), closing.group(1))
+        log.info(f"Tool calls: the chat template's, {form.open} ... {form.close}")
+        return form
 
     def _spells_control(self, text: str) -> bool:
         """Whether ``text`` holds the text of a control token (``<|im_start|>``...)."""
@@ -10706,6 +11247,11 @@ class LlamaRunner(Runner):
         kind = constraint(params)
         if kind is None:
             return None
+        if kind == "tools":  # descriptions left out: they change the prompt, not the grammar
+            tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
+                     for t in job_param(params, "tools")]
+            return kind, ("tools", json.dumps([self.tool_format, tool_choice(params), parallel_calls(params), tools],
+                                              ensure_ascii=False, separators=(",", ":"))), params
         if kind == "json_object":
             return kind, ("json_object",), {"grammar": _JSON_OBJECT_GBNF}
         if kind == "grammar":
@@ -10747,12 +11293,18 @@ class LlamaRunner(Runner):
     def _make_grammar(self, kind: str, params: Mapping[str, Any]) -> str:
         """The GBNF of a grammar job, or its schema converted. (The checks ran at claim: the
         Processor validates params.json, a hand-made one too, with the submit's checks.)"""
-        if kind != "json_schema":
+        if kind not in ("json_schema", "tools"):
             return job_param(params, "grammar")
         try:
-            text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
+            if kind == "tools":
+                choice, parallel, form = tool_choice(params), parallel_calls(params), self.tool_format
+                schema = tool_call_schema(job_param(params, "tools"), choice, parallel, form)
+                text = (schema_to_grammar(schema) if form.generic else
+                        tool_grammar(schema_to_grammar(schema, "tool-call"), "tool-call", choice, parallel, form))
+            else:
+                text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
         except Exception as err:  # the converter's own assertions: a gap in check_json_schema
-            raise JobError("bad_request", f"response_format: the schema could not be converted: {err!r}") from None
+            raise JobError("bad_request", f"{'tools' if kind == 'tools' else 'response_format'}: the schema could not be converted: {err!r}") from None
         with self._grammars_lock:  # workers and the Grammar thread convert at once
             self.conversions += 1
         return text
@@ -11707,7 +12259,7 @@ class Processor:
         try:
             meta = dict(claim.meta)  # the claim's stays as it was, for a hand-back's events
             files, dest = self._record(meta, outcome)
-            turns = conversation_turns(job.prompt, job.params, outcome.text) if dest == OUTPUT else None
+            turns = conversation_turns(job.prompt, job.params, outcome.text, outcome.message) if dest == OUTPUT else None
             if turns is not None:  # what a child of this job continues (parent)
                 import json
 
@@ -11734,6 +12286,11 @@ class Processor:
         if outcome.error_code is None:
             meta["finish_reason"] = outcome.finish_reason
             files = [(RESULT_FILE, outcome.text.encode("utf-8"))]
+            if outcome.message is not None:  # result.txt: a JSON line per call, as `get` prints them
+                import json
+
+                files = [(RESULT_FILE, call_lines(outcome.message["tool_calls"]).encode("utf-8")),
+                         (TOOL_CALLS_FILE, json.dumps(outcome.message, ensure_ascii=False).encode("utf-8"))]
             dest = OUTPUT
             record_event(meta, Status.Running, "done")
         else:
@@ -13922,6 +14479,8 @@ def _emit(flow: Flow, job_id: str, wait: bool, timeout: Optional[float], as_json
         record = {"id": job.id, "status": job.status.value, "prompt": job.prompt, "result": job.result,
                   "error": job.error, "meta": job.meta, "params": job.params, "logprobs": job.logprobs,
                   "choices": job.choices, "reasoning": job.reasoning, "chain": flow.chain(job_id)}
+        if job.message is not None:
+            record.update(content=job.message["content"], tool_calls=job.message["tool_calls"])
         if job.status is Status.Done and job_param(job.params or {}, "embed"):
             record.update(result=None, embeddings=job_vectors(job))
         _print_json(record)

@@ -16,6 +16,7 @@ Contents, numbered as nrvna.py's sections and sub-sections (the tests of 12.1 si
     0.3 Fault injection harness
     4. File primitives: crash points and injected faults
     5. Structured output: schemas and grammars, log-probabilities and logit bias
+    5.8 Tool calls: tools, tool_choice and the calls read back
     6. Job parameters: pure logic of IDs, settings and parameters
     7. Workspace and job directories: hostile paths and hostile text
     7.5 Idempotency keys and tags: submit once
@@ -1724,8 +1725,8 @@ def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain)
       "body": {"messages": [{"role": "user", "content": "x"}], "response_format": schema_format({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.5}}})}},
      "line 2: response_format: schema /properties/a: multipleOf 0.5 on a number is not supported"),
     ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-      "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}},
-     "line 2: body field 'tools': tool calls are not supported"),
+      "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom"}]}},
+     "line 2: tools[0].type 'custom' is not supported (function only)"),
     ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
       "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}},
      "line 2: parameter top_logprobs=21 is out of range"),
@@ -2807,6 +2808,283 @@ def test_sigkill_mid_batch_with_constrained_jobs_every_line_ends_once_and_valid(
 
 
 # ==============================================================================
+# 5.8 Tool calls: tools, tool_choice and the calls read back
+# ==============================================================================
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+EMAIL = {"type": "function", "function": {
+    "name": "send_email", "description": "Send an email",
+    "parameters": {"type": "object", "properties": {"to": {"type": "string", "maxLength": 40},
+                                                     "subject": {"type": "string", "maxLength": 60}},
+                   "required": ["to", "subject"], "additionalProperties": False}}}
+TOOLS = [WEATHER, EMAIL]
+TEMPLATE_CALLS = nrvna.ToolFormat("<tool_call>", "</tool_call>")
+
+
+def chat_line(custom_id: str, text: str, **body: Any) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": text}], **body}}
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type 'custom' is not supported (function only)"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name must be 1 to 64 letters"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name 'get_weather' is given twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}]},
+     "tools[0].function.parameters: schema /: keyword 'uniqueItems' is not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/properties/a"}}}]},
+     "tools[0].function.parameters: schema /: $ref '#/properties/a' points at nothing"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}},
+     "tool_choice names 'fly', which is none of the tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, 'tool_choice must be "none", "auto", "required"'),
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls needs tools"),
+    ({"tools": TOOLS, "functions": [WEATHER["function"]]}, "give tools and tool_choice, or the legacy functions"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tools cannot be combined with grammar or response_format"),
+    ({"tools": TOOLS, "stop": ["x"]}, "tools cannot be combined with stop"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "3"}]},
+     "messages[1]: a tool turn needs the tool_call_id it answers"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                   {"role": "tool", "content": "3", "tool_call_id": "c9"}]},
+     "messages[2] answers tool call 'c9', which no earlier assistant turn made"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        dict(CALL, function={"name": "get_weather", "arguments": "{city"})]}]},
+     "messages[1].tool_calls[0].function.arguments is not JSON text"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": None, "tool_calls": [CALL]}]},
+     "messages[1].tool_calls: only an assistant turn has them"),
+])
+def test_a_tool_line_that_cannot_run_exits_2_naming_it_and_queues_nothing(ws: str, tmp_path: Path, run_main: RunMain,
+                                                                        body: dict[str, Any], message: str) -> None:
+    line = chat_line("bad", "x", **body)
+    if "messages" in body:
+        line["body"]["messages"] = body["messages"]
+    path = write(tmp_path / "b.jsonl", jsonl([chat_line("ok", "fine", tools=TOOLS), line]))
+    done = run_main("submit", ws, "--file", path)
+    assert done.returncode == 2 and f"line 2: {message}".encode() in done.stderr, done.stderr
+    assert b"Traceback" not in done.stderr and Flow(ws).counts()["queued"] == 0
+
+
+def test_tools_flags_legacy_functions_and_a_call_history_are_taken_as_given(ws: str, tmp_path: Path,
+                                                                         run_main: RunMain) -> None:
+    """--tools (a file or inline, a list or one tool), --tool-choice NAME, --no-parallel-tool-calls;
+    an OpenAI line's legacy functions/function_call become tools and a named choice; an assistant's
+    calls (content null) and the tool's answer are kept as given for the template."""
+    path = write(tmp_path / "tools.json", json.dumps(TOOLS))
+    [job_id] = ids_of(run_main("submit", ws, "Weather in Oslo?", "--tools", path, "--tool-choice", "get_weather",
+                               "--no-parallel-tool-calls"))
+    params = Flow(ws).get(job_id).params
+    assert params["tools"] == TOOLS and params["parallel_tool_calls"] is False
+    assert params["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    [one] = ids_of(run_main("submit", ws, "x", "--tools", json.dumps(EMAIL), "--tool-choice", "required"))
+    assert Flow(ws).get(one).params["tools"] == [EMAIL] and Flow(ws).get(one).params["tool_choice"] == "required"
+    bad = run_main("submit", ws, "x", "--tool-choice", "auto")
+    assert bad.returncode == 2 and b"tool_choice needs tools" in bad.stderr
+    history = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}]
+    legacy = chat_line("l", "x", functions=[WEATHER["function"]], function_call={"name": "get_weather"})
+    legacy["body"]["messages"] = history
+    [entry] = nrvna.parse_batch((json.dumps(legacy) + "\n").encode())
+    assert entry.params["tools"] == [WEATHER] and nrvna.tool_choice(entry.params)["function"]["name"] == "get_weather"
+    assert entry.params["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [CALL]}
+    assert entry.params["messages"][2] == {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}
+    prompt = entry.prompt.decode() if isinstance(entry.prompt, bytes) else entry.prompt
+    assert f"[assistant]\n\n{json.dumps(CALL)}\n\n[tool call_1]\n12 C" in prompt
+
+
+def test_a_templates_auto_grammar_holds_a_call_from_its_marker() -> None:
+    """Under auto, text may come first but never spells the marker unless a whole call follows
+    (the marker's prefixes, a '<' again, text after a broken marker); required and a named
+    choice begin with the marker; several calls only where parallel."""
+    call = 'tool-call ::= "{" [a-z]* "}" space\nspace ::= " "?\n'
+    auto = nrvna.check_grammar(nrvna.tool_grammar(call, "tool-call", "auto", True, TEMPLATE_CALLS))
+    for text in ["", "Hello.", "a < b and <tool_ca", "<<tool_call>{x}</tool_call>", "so: <tool_call>\n{ab}\n</tool_call>",
+                 "<tool_call>{a}</tool_call>\n<tool_call>{b}</tool_call>", "x <tool <tool_cal> y", "<t<to<tool_call>{}</tool_call>"]:
+        assert grammar_accepts(auto, text), text
+    for text in ["<tool_call>", "a <tool_call> b", "<tool_call>{x}</tool_call> then text", "<tool_call>{x}"]:
+        assert not grammar_accepts(auto, text), text
+    one = nrvna.check_grammar(nrvna.tool_grammar(call, "tool-call", "required", False, TEMPLATE_CALLS))
+    assert grammar_accepts(one, "<tool_call>\n{a}\n</tool_call>") and not grammar_accepts(one, "hi <tool_call>{a}</tool_call>")
+    assert not grammar_accepts(one, "<tool_call>{a}</tool_call><tool_call>{b}</tool_call>")
+    many = nrvna.check_grammar(nrvna.tool_grammar(call, "tool-call", "required", True, TEMPLATE_CALLS))
+    assert grammar_accepts(many, "<tool_call>{a}</tool_call>\n<tool_call>{b}</tool_call>")
+
+
+def test_calls_are_read_back_as_openai_gives_them() -> None:
+    """A template's calls (text before them is the content), the generic form's call, calls and
+    answer in words; a call cut short is no call; ids come from the job and the choice."""
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+    content, calls = nrvna.read_tool_calls(text + "\n" + text.split("\n", 1)[1], TEMPLATE_CALLS, "J", 0)
+    assert content == "Let me check." and [c["id"] for c in calls] == ["call_J_0", "call_J_1"]
+    assert calls[0] == {"id": "call_J_0", "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city":"Oslo","unit":"celsius"}'}}
+    assert nrvna.read_tool_calls(text[:-5], TEMPLATE_CALLS, "J", 0) is None
+    assert nrvna.read_tool_calls(text + "\n<tool_call>\n{\"name\": \"get_w", TEMPLATE_CALLS, "J", 0)[1] == calls[:1]
+    assert nrvna.read_tool_calls("No call here.", TEMPLATE_CALLS, "J", 0) is None
+    generic = nrvna.GENERIC_TOOLS
+    assert nrvna.read_tool_calls('{"tool_call": {"name": "f", "arguments": {}}}', generic, "J", 2)[1][0]["id"] == "call_J_c2_0"
+    assert [c["function"]["name"] for c in nrvna.read_tool_calls(
+        '{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"a": 1}}]}', generic, "J", 0)[1]] == ["f", "g"]
+    assert nrvna.read_tool_calls('{"response": "It is sunny."}', generic, "J", 0) == ("It is sunny.", [])
+    assert nrvna.read_tool_calls('{"tool_call": {"name": "f", "argu', generic, "J", 0) is None
+
+
+def test_each_tools_definitions_are_its_own_in_the_calls_schema() -> None:
+    """Two tools whose parameters both define "$defs/item" (as pydantic writes them) keep each
+    its own in the one schema the calls are held to; a named choice holds only that tool."""
+    def tool(name: str, kind: str) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/item"}}},
+            "required": ["items"], "$defs": {"item": {"type": kind}}}}}
+
+    tools = [tool("ints", "integer"), tool("words", "string")]
+    schema = nrvna.tool_call_schema(tools, "required", False, TEMPLATE_CALLS)
+    nrvna.check_json_schema(schema)
+    assert schema["$defs"]["t0-item"] == {"type": "integer"} and schema["$defs"]["t1-item"] == {"type": "string"}
+    assert schema["$defs"]["t1"]["properties"]["items"]["items"] == {"$ref": "#/$defs/t1-item"}
+    named = nrvna.tool_call_schema(tools, {"type": "function", "function": {"name": "words"}}, True, nrvna.GENERIC_TOOLS)
+    assert named["properties"]["tool_calls"]["items"]["properties"]["name"] == {"const": "words"}
+    auto = nrvna.tool_call_schema(tools, "auto", False, nrvna.GENERIC_TOOLS)
+    assert [list(branch["properties"]) for branch in auto["anyOf"]] == [["tool_call"], ["response"]]
+
+
+
+def tool_model(model: str, style: str) -> str:
+    """SmolLM2 itself (its template has no tool section: the generic form), or its copy whose
+    template has Qwen2.5's tool section (scripts/thinking_model.py --style tools)."""
+    return model if style == "generic" else thinking_copy(model, "tools")
+
+
+def assert_valid_calls(calls: list[dict[str, Any]], tools: list[dict[str, Any]], one: Optional[str] = None) -> None:
+    """Each call names one of ``tools`` (``one``: that one) and its arguments are JSON valid for
+    that tool's parameters, by jsonschema."""
+    import jsonschema
+
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert calls
+    for call in calls:
+        assert call["type"] == "function" and call["function"]["name"] in parameters, call
+        assert one is None or call["function"]["name"] == one, call
+        jsonschema.validate(json.loads(call["function"]["arguments"]), parameters[call["function"]["name"]])
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("style", ["generic", "template"])
+def test_tool_calls_for_real(ws: str, tmp_path: Path, model: str, run_main: RunMain, style: str) -> None:
+    """Every required or named line is a valid call, auto a valid call or text, none text; n,
+    logprobs and priority alongside; the calls as get, get --json, the JSONL export and the
+    OpenAI export (read by the openai package) give them; a next turn with the call and the
+    tool's answer (in messages, and by --parent) is answered in words."""
+    from openai.types import chat
+
+    named = {"type": "function", "function": {"name": "send_email"}}
+    lines = [chat_line(f"r{i}", f"What is the weather in {city}?", tools=TOOLS, tool_choice="required", seed=i + 1,
+                       max_tokens=160, parallel_tool_calls=i != 1) for i, city in enumerate(["Oslo", "Lima", "Rome"])]
+    lines += [chat_line(f"n{i}", f"Tell {who} the meeting moved.", tools=TOOLS, tool_choice=named, seed=i + 1,
+                        max_tokens=160, parallel_tool_calls=False) for i, who in enumerate(["ann@example.com", "bo"])]
+    lines += [chat_line("auto", "What is the weather in Paris?", tools=TOOLS, max_tokens=160, seed=3),
+              chat_line("none", "Say hello.", tools=TOOLS, tool_choice="none", max_tokens=24, seed=3),
+              chat_line("more", "Weather in Kyiv?", tools=TOOLS, tool_choice="required", n=2, logprobs=True,
+                        priority=5, max_tokens=160, seed=4)]
+    ids = dict(zip([line["custom_id"] for line in lines],
+                   ids_of(run_main("submit", ws, "--file", write(tmp_path / "t.jsonl", jsonl(lines))))))
+    done = cli("daemon", tool_model(model, style), ws, "-w", "1", "--drain", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    form = "the generic form" if style == "generic" else "the chat template's, <tool_call> ... </tool_call>"
+    assert f"Tool calls: {form}".encode() in done.stderr
+    flow = Flow(ws)
+    for cid, job_id in ids.items():
+        job = flow.get(job_id)
+        assert job.status is Status.Done, (cid, job.error)
+        if cid == "none" or (cid == "auto" and job.message is None):
+            assert job.meta["finish_reason"] in ("stop", "length") and job.tool_calls is None and job.result.strip()
+            continue
+        # One call where parallel_tool_calls is false (the grammar ends after it); where a model
+        # may write several it may go on to max_tokens: the whole calls are its answer
+        single = cid in ("r1", "n0", "n1")
+        assert job.meta["finish_reason"] in (("tool_calls",) if single else ("tool_calls", "length")), (cid, job.result)
+        assert_valid_calls(job.tool_calls, TOOLS, "send_email" if cid.startswith("n") else None)
+        assert not single or len(job.tool_calls) == 1
+        assert [c["id"] for c in job.tool_calls] == [f"call_{job_id}_{k}" for k in range(len(job.tool_calls))]
+        assert job.result == "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in job.tool_calls)
+        assert cli("get", ws, job_id).stdout.decode() == job.result
+        assert json.loads(cli("get", ws, job_id, "--json").stdout)["tool_calls"] == job.tool_calls
+    more = flow.get(ids["more"])
+    assert {c["finish_reason"] for c in more.choices} <= {"tool_calls", "length"} and more.logprobs
+    assert_valid_calls(more.choices[1]["tool_calls"], TOOLS)
+    assert more.choices[1]["tool_calls"][0]["id"] == f"call_{ids['more']}_c1_0"
+    records = {r["id"]: r for r in map(json.loads, cli("export", ws, "--format", "jsonl").stdout.decode().splitlines())}
+    assert records[ids["r0"]]["tool_calls"] == flow.get(ids["r0"]).tool_calls
+    for line in map(json.loads, cli("export", ws, "--format", "openai").stdout.decode().splitlines()):
+        read = chat.ChatCompletion.model_validate(line["response"]["body"])
+        job = flow.get(read.id.removeprefix("chatcmpl-"))
+        if job.message is None:
+            assert read.choices[0].message.tool_calls is None and read.choices[0].finish_reason in ("stop", "length")
+            continue
+        assert read.choices[0].finish_reason == job.meta["finish_reason"] and read.choices[0].message.content == job.message["content"]
+        assert [c.model_dump(exclude_none=True) for c in read.choices[0].message.tool_calls] == job.tool_calls
+    # The next turn: the call and the tool's answer, in messages and by --parent
+    first = flow.get(ids["r0"])
+    answer = [{"role": "tool", "tool_call_id": c["id"], "content": '{"temperature": 12, "sky": "clear"}'}
+              for c in first.tool_calls]
+    history = [{"role": "user", "content": "What is the weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": first.tool_calls}] + answer
+    follow = [chat_line("next", "x", tools=TOOLS, max_tokens=48, seed=1, tool_choice="none")]
+    follow[0]["body"]["messages"] = history
+    [again] = ids_of(run_main("submit", ws, "--file", write(tmp_path / "f.jsonl", jsonl(follow))))
+    conversation = json.loads(Path(ws, nrvna.OUTPUT, ids["r0"], nrvna.CONVERSATION_FILE).read_text())
+    assert conversation[-1] == {"role": "assistant", "content": first.message["content"], "tool_calls": first.tool_calls}
+    child = ids_of(run_main("submit", ws, "--parent", ids["r0"], "--file",
+                            write(tmp_path / "c.jsonl", jsonl([{"messages": answer, "max_tokens": 48}]))))[0]
+    done = cli("daemon", tool_model(model, style), ws, "-w", "1", "--drain", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for job_id in (again, child):
+        job = flow.get(job_id)
+        assert job.status is Status.Done and job.meta["finish_reason"] in ("stop", "length") and job.result.strip()
+    prompt = Path(ws, nrvna.OUTPUT, again, nrvna.PROMPT_FILE).read_text()
+    assert f"[tool {first.tool_calls[0]['id']}]" in prompt and json.dumps(first.tool_calls[0]) in prompt
+
+
+@pytest.mark.model
+def test_a_job_killed_mid_call_runs_again_whole_once(ws: str, tmp_path: Path, model: str, run_main: RunMain) -> None:
+    """SIGKILL while a long call is being written: the job runs again from its start, once, and
+    ends with one valid call under the same id, nothing of the first attempt left."""
+    note = {"type": "function", "function": {"name": "save_note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "minLength": 300, "maxLength": 400}},
+        "required": ["text"], "additionalProperties": False}}}
+    [job_id] = ids_of(run_main("submit", ws, "Write a long note about the sea.", "--tools", json.dumps(note),
+                               "--tool-choice", "required", "--no-parallel-tool-calls", "--max-tokens", "400", "--seed", "5"))
+    proc = start_daemon(model, ws, "-w", "1")
+    try:
+        deadline = time.monotonic() + 120
+        while not Path(ws, nrvna.PROCESSING, job_id).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(1.0)  # some 20 tokens into the call
+        assert Flow(ws).status(job_id) is Status.Running
+    finally:
+        proc.kill()
+        proc.wait()
+    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=600)
+    assert done.returncode == 0 and b"Recovered orphaned job" in done.stderr, done.stderr[-2000:]
+    assert audit_clean(ws)
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Done and job.meta["attempts"] == 2 and job.meta["finish_reason"] == "tool_calls"
+    assert_valid_calls(job.tool_calls, [note])
+    assert [c["id"] for c in job.tool_calls] == [f"call_{job_id}_0"]
+    assert sorted(os.listdir(Path(ws, nrvna.OUTPUT, job_id))) == sorted(
+        [nrvna.PROMPT_FILE, nrvna.PARAMS_FILE, nrvna.META_FILE, nrvna.RESULT_FILE, nrvna.TOOL_CALLS_FILE,
+         nrvna.CONVERSATION_FILE])
+
+
+
+# ==============================================================================
 # 6. Job parameters: pure logic of IDs, settings and parameters
 # ==============================================================================
 
@@ -3825,7 +4103,7 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
      "line 2: duplicate custom_id 'same' (first on line 1)"),
     ('{"prompt": "' + "x" * 2000 + '"}\n', "line 1: prompt is 2000 bytes; the limit is 1000"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
-     '[{"role": "user", "content": "x"}], "tools": []}}\n', "line 1: body field 'tools': tool calls are not supported"),
+     '[{"role": "user", "content": "x"}], "tools": []}}\n', "line 1: tools must be a list of 1 to 128 tools"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
      '[{"role": "user", "content": "x"}], "audio": {}}}\n', "line 1: body field 'audio' is not supported"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": {"input": "x"}}\n', "line 1: url '/v1/responses'"),
@@ -5393,7 +5671,7 @@ def test_openai_body_fields_map_through_the_parameter_table() -> None:
     [entry] = nrvna.parse_batch((json.dumps(line) + "\n").encode())
     assert entry.params["logit_bias"] == {"15": -100.0}
     line["body"]["tool_choice"] = "auto"
-    with pytest.raises(nrvna.InvalidInput, match="body field 'tool_choice': tool calls are not supported"):
+    with pytest.raises(nrvna.InvalidInput, match="tool_choice needs tools"):
         nrvna.parse_batch((json.dumps(line) + "\n").encode())
     with pytest.raises(nrvna.InvalidInput, match="unknown field 'endpoint'"):
         nrvna.parse_batch(b'{"prompt": "x", "endpoint": "/v1/completions"}\n')

@@ -1,13 +1,13 @@
-"""Copy a GGUF model with another chat template: a "thinking" SmolLM2 for nrvna's tests.
+"""Copy a GGUF model with another chat template: a "thinking" (or tool-calling) SmolLM2 for nrvna's tests.
 
-    python scripts/thinking_model.py SRC.gguf DST.gguf [--style open|model|harmony] [--template-file FILE]
+    python scripts/thinking_model.py SRC.gguf DST.gguf [--style open|model|harmony|tools] [--template-file FILE]
 
 Writes DST: SRC's header with ``tokenizer.chat_template`` replaced (added if SRC has none), then
 SRC's tensor infos and tensor data byte for byte: no weight changes. The data section starts at
 the file's alignment (``general.alignment``, else 32), so it is realigned after the new header;
 tensor offsets count from the data section's start and stay as they are.
 
-The default template is SmolLM2's own ChatML with Qwen3's thinking convention:
+Each template is SmolLM2's own ChatML, with Qwen3's thinking convention or Qwen2.5's tool calls:
 
 - ``--style open`` (default): the assistant turn opens a ``<think>`` block in the prompt
   (``<|im_start|>assistant\\n<think>\\n``), as DeepSeek-R1's and Qwen3.5's templates do, unless
@@ -17,11 +17,19 @@ The default template is SmolLM2's own ChatML with Qwen3's thinking convention:
   writes ``<think>`` itself), and the closed empty block when ``enable_thinking`` is false;
 - ``--style harmony``: gpt-oss's channels, reduced (``<|start|>assistant`` for the model to pick
   ``<|channel|>analysis<|message|>`` or ``<|channel|>final<|message|>``); SmolLM2 has none of
-  these as tokens, so they are text to it, which is all the router needs.
+  these as tokens, so they are text to it, which is all the router needs;
+- ``--style tools``: no thinking; SmolLM2's ChatML with Qwen2.5-Instruct's tool section. Given
+  ``tools``, the system turn holds the system text (or SmolLM2's default) then a ``# Tools``
+  section listing each tool as JSON between ``<tools></tools>`` and asking for calls as
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``; an assistant message's
+  ``tool_calls`` are written in that form after its content (None is empty; arguments already a
+  string are written as they are); ``tool`` messages become ``<tool_response>`` blocks in a user
+  turn, consecutive ones sharing it. Without ``tools`` it renders as SmolLM2's own template.
+  llama-server ``--jinja`` recognises the form and parses the calls back.
 
 Earlier assistant turns keep only what follows their ``</think>`` (Qwen3's rule). SmolLM2 was
-never trained to think: what it writes inside the block is whatever it writes, which is all a
-test of the engine's bookkeeping needs.
+never trained to think (nor to call tools): what it writes inside the block is whatever it
+writes, which is all a test of the engine's bookkeeping needs.
 
 Standard library only (nrvna itself must not need the ``gguf`` package). The output is written
 to a temporary file beside DST and renamed into place once whole.
@@ -43,11 +51,13 @@ TEMPLATE_KEY = "tokenizer.chat_template"
 DEFAULT_ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT
 MAX_STRING = 1 << 26  # a header string longer than this is a damaged file, not a template
 
+# SmolLM2's default system message, as its own template writes it.
+_SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 # SmolLM2's template (ChatML, its default system message) with Qwen3's thinking block.
 _HISTORY = (
     "{%- for message in messages %}"
     "{%- if loop.first and messages[0]['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{{- '<|im_start|>system\\n" + _SMOL_SYSTEM + "<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- set content = message['content'] %}"
     "{%- if message['role'] == 'assistant' and '</think>' in content %}"
@@ -55,6 +65,57 @@ _HISTORY = (
     "{%- endif %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
+)
+# SmolLM2's ChatML (its default system message) with Qwen2.5-Instruct's tool section, no thinking.
+# As Qwen2.5's template does: with ``tools``, one system turn holds the system text (or the
+# default) then the "# Tools" section, each tool ``| tojson`` on a line of its own; an assistant
+# message's ``tool_calls`` follow its content as <tool_call> blocks ({"name": ..., "arguments":
+# ...}); ``tool`` messages are <tool_response> blocks inside a user turn, consecutive ones sharing
+# it. Unlike Qwen2.5's: a content that is not a string (None for an assistant that only calls) is
+# empty, and arguments already a string (OpenAI's form) are written as they are, not re-encoded.
+_TOOLS = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{%- if messages[0]['content'] is string %}{{- messages[0]['content'] }}{%- endif %}"
+    "{%- else %}"
+    "{{- '" + _SMOL_SYSTEM + "' }}"
+    "{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}"
+    "{{- '\\n' }}{{- tool | tojson }}"
+    "{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages and messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\n" + _SMOL_SYSTEM + "<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set content = message['content'] %}"
+    "{%- else %}{%- set content = '' %}{%- endif %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if content %}{{- '\\n' + content }}{%- endif %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call['function'] is defined %}{%- set tool_call = tool_call['function'] %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call['name'] }}{{- '\", \"arguments\": ' }}"
+    "{%- if tool_call['arguments'] is string %}{{- tool_call['arguments'] }}"
+    "{%- else %}{{- tool_call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 TEMPLATES = {
     "open": _HISTORY + (
@@ -86,6 +147,7 @@ TEMPLATES = {
         "{{- '<think>\\n\\n</think>\\n\\n' }}"
         "{%- endif %}"
         "{%- endif %}"),
+    "tools": _TOOLS,
 }
 
 
@@ -204,7 +266,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("dst", help="the copy to write")
     parser.add_argument("--style", choices=sorted(TEMPLATES), default="open",
                         help="open: the template opens <think> in the prompt (default); model: the model "
-                             "writes <think> itself (Qwen3's original form)")
+                             "writes <think> itself (Qwen3's original form); harmony: gpt-oss's channels, "
+                             "reduced; tools: no thinking, Qwen2.5-Instruct's tool calls (<tools>, "
+                             "<tool_call>, <tool_response>)")
     parser.add_argument("--template-file", metavar="FILE", help="write this template instead")
     args = parser.parse_args(argv)
     if os.path.abspath(args.src) == os.path.abspath(args.dst):
