@@ -5591,12 +5591,36 @@ def remove_states_of(folder: str, job_ids: set[str]) -> int:
 
 
 BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
+SHARDS_MAX = 1 << 20  # most shards a batch may be split into (--shard I/N)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
 
 
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
 OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "stream": "must be false",
                      "functions": "the legacy form of tools", "function_call": "the legacy form of tool_choice"}
+
+
+def shard_of(custom_id: str, shards: int) -> int:
+    """Which of ``shards`` shards a line is in: from a hash of its ``custom_id`` (``line-N``
+    where it has none) that every machine and Python computes alike (sha256, never hash()),
+    so each node takes its share of one file with no coordination."""
+    import hashlib
+
+    digest = hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") % shards
+
+
+def read_shard(text: str) -> tuple[int, int]:
+    """``I/N`` (0 <= I < N): shard I of N, as --shard gives it."""
+    index, _, count = text.partition("/")
+    try:
+        shard, shards = int(index), int(count)
+    except ValueError:
+        raise InvalidInput(f"--shard {text!r} is not I/N (e.g. --shard 0/3, or "
+                           "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)") from None
+    if not (1 <= shards <= SHARDS_MAX and 0 <= shard < shards):
+        raise InvalidInput(f"--shard {text}: I must be 0 to N-1 and N 1 to {SHARDS_MAX}")
+    return shard, shards
 
 
 class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
@@ -7136,7 +7160,7 @@ class Work:
     def submit_file(self, source: Any, *, tag: Optional[str] = None, jsonl: Optional[bool] = None,
                     on_ids: Optional[Callable[[list[str]], None]] = None, notes: Optional[list[str]] = None,
                     dedupe: bool = False, template: Optional[str] = None, id_field: Optional[str] = None,
-                    **defaults: Any) -> list[str]:
+                    shard: Optional[tuple[int, int]] = None, **defaults: Any) -> list[str]:
         """Queue every line of a batch file; return every line's ID, in file order.
 
         ``source`` is a path (``*.jsonl`` holds JSON lines, any other file one prompt per
@@ -7156,6 +7180,10 @@ class Work:
         CSV under a header row, as ``*.csv`` or a first line that is not an object says): each
         record fills the template and is kept as the job's ``metadata``; ``id_field`` names
         the field that gives ``custom_id``.
+
+        With ``shard`` (I, N), only the lines of shard I of N are queued (``shard_of`` each
+        line's ``custom_id``), after the whole file is checked: N nodes given the same file and
+        their own I queue each line once between them; the IDs returned are the shard's.
         """
         if id_field is not None and template is None:
             raise InvalidInput("--id-field names a field of a template's records: give --template too")
@@ -7166,6 +7194,8 @@ class Work:
         else:
             entries = parse_batch(data, jsonl, notes)
         entries = self._with_defaults(entries, tag, dedupe, notes, defaults)
+        if shard is not None:
+            entries = [e for e in entries if shard_of(e.params["custom_id"], shard[1]) == shard[0]]
         with _Keys(self.workspace, self.notify) as keys:
             ids, new, same_as, keyed = self._plan_lines(entries, tag, notes, keys)
             lines = _LineIds(ids, new, same_as, on_ids)
@@ -14403,8 +14433,8 @@ def _cmd_submit(args: Any) -> int:
     strict = True if args.strict_models else None  # else NRVNA_STRICT_MODELS
     if args.dedupe and "idempotency_key" in params:
         raise InvalidInput("give --idempotency-key or --dedupe, not both")
-    if args.file is None and (args.template is not None or args.id_field is not None):
-        raise InvalidInput("--template and --id-field are for --file: the file's records fill the template")
+    if args.file is None and (args.template is not None or args.id_field is not None or args.shard is not None):
+        raise InvalidInput("--template, --id-field and --shard are for --file (the lines of a batch file)")
     if args.file is not None:
         if args.prompt is not None or args.wait:
             raise InvalidInput("--file takes no PROMPT and no --wait (use: nrvna wait WS --tag NAME)")
@@ -14413,7 +14443,8 @@ def _cmd_submit(args: Any) -> int:
         try:
             Work(args.workspace, _say, strict).submit_file(source, tag=params.pop("tag", None), on_ids=_print_lines,
                                              notes=notes, dedupe=args.dedupe, template=args.template,
-                                             id_field=args.id_field, **params)
+                                             id_field=args.id_field,
+                                             shard=None if args.shard is None else read_shard(args.shard), **params)
         finally:
             for note in notes:
                 _say(note)
@@ -14907,6 +14938,9 @@ def _submit_arguments(parser: Any) -> None:
                           help="--template, read from FILE")
     parser.add_argument("--id-field", metavar="NAME", help="with --template: the field that gives each job's "
                         "custom_id (default: line-N)")
+    parser.add_argument("--shard", metavar="I/N", help="with --file: queue only shard I of N (0 <= I < N), chosen by "
+                        "a hash of each line's custom_id: N nodes given the same file take each line once between "
+                        "them (I/N from a scheduler: $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)")
     parser.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
     parser.add_argument("--wait-timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--dedupe", action="store_true", help="queue identical work once: the idempotency key is "
