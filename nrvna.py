@@ -5623,6 +5623,53 @@ def read_shard(text: str) -> tuple[int, int]:
     return shard, shards
 
 
+def _result_key(record: dict[str, Any]) -> str:
+    """What a part's line says of its job's result, without what names the job (its ID, its
+    time): two lines of one custom_id with the same key are the same result exported twice."""
+    import json
+
+    response = record.get("response")
+    if isinstance(response, dict) or "response" in record:  # an OpenAI Batch output line
+        body = (response or {}).get("body") or {}
+        said = [{k: v for k, v in c.items() if k != "message"} | {"message": {k: v for k, v in (c.get("message") or {}).items()
+                                                                           if k != "tool_calls"}}
+                for c in body.get("choices") or []]
+        return json.dumps([said, body.get("data"), record.get("error")], sort_keys=True)
+    return json.dumps([record.get(k) for k in ("status", "result", "error", "embeddings", "choices")], sort_keys=True)
+
+
+def merge_parts(order: list[str], parts: list[tuple[str, bytes]]) -> tuple[list[bytes], list[str], list[str]]:
+    """The parts' lines (exported JSONL or OpenAI lines of the shards) in the input's
+    ``order`` of custom_ids, each once: (lines, the custom_ids no part has, those two parts
+    give different results for). A line of the same result twice (a shard exported again) is
+    taken once; a part's line that is no JSON object with a custom_id, or one the input does
+    not hold, is InvalidInput naming the part and line."""
+    import json
+
+    wanted = set(order)
+    found: dict[str, tuple[bytes, str]] = {}
+    conflicts: dict[str, None] = {}
+    for name, data in parts:
+        for number, line in enumerate(data.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                raise InvalidInput(f"{name}: line {number}: not JSON") from None
+            cid = record.get("custom_id") if isinstance(record, dict) else None
+            if not isinstance(cid, str):
+                raise InvalidInput(f"{name}: line {number}: no custom_id (an export of nrvna, jsonl or openai)")
+            if cid not in wanted:
+                raise InvalidInput(f"{name}: line {number}: custom_id {cid!r} is not in the input")
+            key = _result_key(record)
+            if cid in found and found[cid][1] != key:
+                conflicts[cid] = None
+            found.setdefault(cid, (line.rstrip(b"\r") + b"\n", key))
+    lines = [found[cid][0] for cid in order if cid in found and cid not in conflicts]
+    return lines, [cid for cid in order if cid not in found], list(conflicts)
+
+
 class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
     """One job of a batch file: its line number, prompt bytes (what prompt.txt holds) and
     validated params (``custom_id`` always set)."""
@@ -14727,6 +14774,35 @@ def _cmd_export(args: Any) -> int:
     return EXIT_OK
 
 
+def _cmd_merge(args: Any) -> int:
+    """``merge --input FILE PART... -o OUT``: the shards' exports in the input's order, each
+    line once; OUT is written only when the merge is whole (or with --partial)."""
+    with open(args.input, "rb") as handle:
+        entries = parse_batch(handle.read(), None if not args.input.endswith(".jsonl") else True)
+    parts = []
+    for name in args.parts:
+        with open(name, "rb") as handle:
+            parts.append((name, handle.read()))
+    lines, missing, conflicts = merge_parts([e.params["custom_id"] for e in entries], parts)
+    for what, ids in (("missing from every part", missing), ("given different results by two parts", conflicts)):
+        if ids:
+            shown = ", ".join(ids[:20]) + (f" and {len(ids) - 20} more" if len(ids) > 20 else "")
+            _say(f"{len(ids)} of {len(entries)} lines are {what}: {shown}")
+    whole = not missing and not conflicts
+    if whole or args.partial:
+        target = _ExportTarget(args.output)
+        try:
+            for line in lines:
+                target.write(line.decode("utf-8", "replace"))
+            target.commit()
+        except BaseException:
+            target.abort()
+            raise
+    elif args.output != "-":
+        _say(f"{args.output} not written: the merge is not whole (--partial writes what there is)")
+    return EXIT_OK if whole else EXIT_FAILED if conflicts else EXIT_UNFINISHED
+
+
 def _cmd_cancel(args: Any) -> int:
     named = set(args.ids)
     worst, left_alone, gone = EXIT_OK, 0, 0
@@ -14981,6 +15057,14 @@ def _export_arguments(parser: Any) -> None:
                         "(default: -o's FILE.ids; needed when -o is a device, a FIFO or under /dev or /proc)")
 
 
+def _merge_arguments(parser: Any) -> None:
+    parser.add_argument("parts", metavar="PART", nargs="+", help="the shards' exports (jsonl or openai)")
+    parser.add_argument("--input", metavar="FILE", required=True, help="the batch file the shards were given")
+    parser.add_argument("-o", "--output", metavar="FILE", required=True, help="write FILE atomically ('-': stdout)")
+    parser.add_argument("--partial", action="store_true", help="write the lines there are even when some are "
+                        "missing or in conflict (the exit status still says so)")
+
+
 def _cancel_arguments(parser: Any) -> None:
     _selection_arguments(parser)
     parser.add_argument("--timeout", type=_positive_float, default=10.0, metavar="S",
@@ -15119,6 +15203,10 @@ COMMANDS = (
     ("export", "write finished jobs' results",
      "One line per finished job in submission order; unfinished jobs are left out (exit 4).",
      _export_arguments, _cmd_export),
+    ("merge", "put the shards' exports back together",
+     "Write the PARTs' lines in the order of --input's lines, each custom_id once. Exit 0 when every line "
+     "came back once; 4 when some are missing from every part, 1 when two parts give one different results "
+     "(each named on stderr); OUT is written only when whole, unless --partial.", _merge_arguments, _cmd_merge),
     ("cancel", "cancel queued or running jobs",
      "A queued job goes to failed/ (code cancelled); a running one stops between tokens and "
      "does the same. Finished jobs are left alone (exit 1).", _cancel_arguments, _cmd_cancel),

@@ -4109,6 +4109,34 @@ def test_a_shard_submitted_again_after_a_crash_queues_only_its_gaps(ws: str, tmp
     assert flow.counts()["queued"] == len(mine)
 
 
+def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing(tmp_path: Path,
+                                                                                run_main: RunMain) -> None:
+    """merge --input FILE PART... -o OUT: the parts' lines in the input's order, a line exported
+    twice with one result taken once; a line no part has (exit 4) or two parts disagree on
+    (exit 1) is named on stderr, and OUT is not written unless whole or --partial."""
+    rows = [{"custom_id": f"c{i}", "prompt": f"p{i}"} for i in range(6)]
+    source = write(tmp_path / "in.jsonl", jsonl(rows))
+
+    def part(name: str, numbers: list[int], result: str = "r") -> str:
+        return write(tmp_path / name, jsonl([{"id": f"j{i}", "custom_id": f"c{i}", "status": "done",
+                                             "result": f"{result}{i}", "error": None, "meta": {"n": i}} for i in numbers]))
+
+    a, b = part("a.jsonl", [4, 0, 3]), part("b.jsonl", [5, 1, 2, 3])
+    out = tmp_path / "out.jsonl"
+    done = run_main("merge", "--input", source, a, b, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["custom_id"] for line in out.read_text().splitlines()] == [f"c{i}" for i in range(6)]
+    short = tmp_path / "short.jsonl"
+    done = run_main("merge", "--input", source, a, part("c.jsonl", [5, 1]), "-o", str(short))
+    assert done.returncode == 4 and b"1 of 6 lines are missing from every part: c2" in done.stderr
+    assert not short.exists()
+    done = run_main("merge", "--input", source, a, b, part("d.jsonl", [2], "other"), "-o", str(short), "--partial")
+    assert done.returncode == 1 and b"given different results by two parts: c2" in done.stderr
+    assert [json.loads(line)["custom_id"] for line in short.read_text().splitlines()] == ["c0", "c1", "c3", "c4", "c5"]
+    done = run_main("merge", "--input", source, part("e.jsonl", [9]), "-o", str(short))
+    assert done.returncode == 2 and b"custom_id 'c9' is not in the input" in done.stderr
+
+
 def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     text = write(tmp_path / "prompts.txt", "first prompt\n\n  \nsecond prompt\r\nthird\n")
     done = run_main("submit", ws, "--file", text, "--max-tokens", "7")
