@@ -5591,12 +5591,83 @@ def remove_states_of(folder: str, job_ids: set[str]) -> int:
 
 
 BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
+SHARDS_MAX = 1 << 20  # most shards a batch may be split into (--shard I/N)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
 
 
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
 OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "stream": "must be false",
                      "functions": "the legacy form of tools", "function_call": "the legacy form of tool_choice"}
+
+
+def shard_of(custom_id: str, shards: int) -> int:
+    """Which of ``shards`` shards a line is in: from a hash of its ``custom_id`` (``line-N``
+    where it has none) that every machine and Python computes alike (sha256, never hash()),
+    so each node takes its share of one file with no coordination."""
+    import hashlib
+
+    digest = hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") % shards
+
+
+def read_shard(text: str) -> tuple[int, int]:
+    """``I/N`` (0 <= I < N): shard I of N, as --shard gives it."""
+    index, _, count = text.partition("/")
+    try:
+        shard, shards = int(index), int(count)
+    except ValueError:
+        raise InvalidInput(f"--shard {text!r} is not I/N (e.g. --shard 0/3, or "
+                           "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)") from None
+    if not (1 <= shards <= SHARDS_MAX and 0 <= shard < shards):
+        raise InvalidInput(f"--shard {text}: I must be 0 to N-1 and N 1 to {SHARDS_MAX}")
+    return shard, shards
+
+
+def _result_key(record: dict[str, Any]) -> str:
+    """What a part's line says of its job's result, without what names the job (its ID, its
+    time): two lines of one custom_id with the same key are the same result exported twice."""
+    import json
+
+    response = record.get("response")
+    if isinstance(response, dict) or "response" in record:  # an OpenAI Batch output line
+        body = (response or {}).get("body") or {}
+        said = [{k: v for k, v in c.items() if k != "message"} | {"message": {k: v for k, v in (c.get("message") or {}).items()
+                                                                           if k != "tool_calls"}}
+                for c in body.get("choices") or []]
+        return json.dumps([said, body.get("data"), record.get("error")], sort_keys=True)
+    return json.dumps([record.get(k) for k in ("status", "result", "error", "embeddings", "choices")], sort_keys=True)
+
+
+def merge_parts(order: list[str], parts: list[tuple[str, bytes]]) -> tuple[list[bytes], list[str], list[str]]:
+    """The parts' lines (exported JSONL or OpenAI lines of the shards) in the input's
+    ``order`` of custom_ids, each once: (lines, the custom_ids no part has, those two parts
+    give different results for). A line of the same result twice (a shard exported again) is
+    taken once; a part's line that is no JSON object with a custom_id, or one the input does
+    not hold, is InvalidInput naming the part and line."""
+    import json
+
+    wanted = set(order)
+    found: dict[str, tuple[bytes, str]] = {}
+    conflicts: dict[str, None] = {}
+    for name, data in parts:
+        for number, line in enumerate(data.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                raise InvalidInput(f"{name}: line {number}: not JSON") from None
+            cid = record.get("custom_id") if isinstance(record, dict) else None
+            if not isinstance(cid, str):
+                raise InvalidInput(f"{name}: line {number}: no custom_id (an export of nrvna, jsonl or openai)")
+            if cid not in wanted:
+                raise InvalidInput(f"{name}: line {number}: custom_id {cid!r} is not in the input")
+            key = _result_key(record)
+            if cid in found and found[cid][1] != key:
+                conflicts[cid] = None
+            found.setdefault(cid, (line.rstrip(b"\r") + b"\n", key))
+    lines = [found[cid][0] for cid in order if cid in found and cid not in conflicts]
+    return lines, [cid for cid in order if cid not in found], list(conflicts)
 
 
 class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
@@ -7136,7 +7207,7 @@ class Work:
     def submit_file(self, source: Any, *, tag: Optional[str] = None, jsonl: Optional[bool] = None,
                     on_ids: Optional[Callable[[list[str]], None]] = None, notes: Optional[list[str]] = None,
                     dedupe: bool = False, template: Optional[str] = None, id_field: Optional[str] = None,
-                    **defaults: Any) -> list[str]:
+                    shard: Optional[tuple[int, int]] = None, **defaults: Any) -> list[str]:
         """Queue every line of a batch file; return every line's ID, in file order.
 
         ``source`` is a path (``*.jsonl`` holds JSON lines, any other file one prompt per
@@ -7156,6 +7227,10 @@ class Work:
         CSV under a header row, as ``*.csv`` or a first line that is not an object says): each
         record fills the template and is kept as the job's ``metadata``; ``id_field`` names
         the field that gives ``custom_id``.
+
+        With ``shard`` (I, N), only the lines of shard I of N are queued (``shard_of`` each
+        line's ``custom_id``), after the whole file is checked: N nodes given the same file and
+        their own I queue each line once between them; the IDs returned are the shard's.
         """
         if id_field is not None and template is None:
             raise InvalidInput("--id-field names a field of a template's records: give --template too")
@@ -7166,6 +7241,8 @@ class Work:
         else:
             entries = parse_batch(data, jsonl, notes)
         entries = self._with_defaults(entries, tag, dedupe, notes, defaults)
+        if shard is not None:
+            entries = [e for e in entries if shard_of(e.params["custom_id"], shard[1]) == shard[0]]
         with _Keys(self.workspace, self.notify) as keys:
             ids, new, same_as, keyed = self._plan_lines(entries, tag, notes, keys)
             lines = _LineIds(ids, new, same_as, on_ids)
@@ -14403,8 +14480,8 @@ def _cmd_submit(args: Any) -> int:
     strict = True if args.strict_models else None  # else NRVNA_STRICT_MODELS
     if args.dedupe and "idempotency_key" in params:
         raise InvalidInput("give --idempotency-key or --dedupe, not both")
-    if args.file is None and (args.template is not None or args.id_field is not None):
-        raise InvalidInput("--template and --id-field are for --file: the file's records fill the template")
+    if args.file is None and (args.template is not None or args.id_field is not None or args.shard is not None):
+        raise InvalidInput("--template, --id-field and --shard are for --file (the lines of a batch file)")
     if args.file is not None:
         if args.prompt is not None or args.wait:
             raise InvalidInput("--file takes no PROMPT and no --wait (use: nrvna wait WS --tag NAME)")
@@ -14413,7 +14490,8 @@ def _cmd_submit(args: Any) -> int:
         try:
             Work(args.workspace, _say, strict).submit_file(source, tag=params.pop("tag", None), on_ids=_print_lines,
                                              notes=notes, dedupe=args.dedupe, template=args.template,
-                                             id_field=args.id_field, **params)
+                                             id_field=args.id_field,
+                                             shard=None if args.shard is None else read_shard(args.shard), **params)
         finally:
             for note in notes:
                 _say(note)
@@ -14696,6 +14774,35 @@ def _cmd_export(args: Any) -> int:
     return EXIT_OK
 
 
+def _cmd_merge(args: Any) -> int:
+    """``merge --input FILE PART... -o OUT``: the shards' exports in the input's order, each
+    line once; OUT is written only when the merge is whole (or with --partial)."""
+    with open(args.input, "rb") as handle:
+        entries = parse_batch(handle.read(), None if not args.input.endswith(".jsonl") else True)
+    parts = []
+    for name in args.parts:
+        with open(name, "rb") as handle:
+            parts.append((name, handle.read()))
+    lines, missing, conflicts = merge_parts([e.params["custom_id"] for e in entries], parts)
+    for what, ids in (("missing from every part", missing), ("given different results by two parts", conflicts)):
+        if ids:
+            shown = ", ".join(ids[:20]) + (f" and {len(ids) - 20} more" if len(ids) > 20 else "")
+            _say(f"{len(ids)} of {len(entries)} lines are {what}: {shown}")
+    whole = not missing and not conflicts
+    if whole or args.partial:
+        target = _ExportTarget(args.output)
+        try:
+            for line in lines:
+                target.write(line.decode("utf-8", "replace"))
+            target.commit()
+        except BaseException:
+            target.abort()
+            raise
+    elif args.output != "-":
+        _say(f"{args.output} not written: the merge is not whole (--partial writes what there is)")
+    return EXIT_OK if whole else EXIT_FAILED if conflicts else EXIT_UNFINISHED
+
+
 def _cmd_cancel(args: Any) -> int:
     named = set(args.ids)
     worst, left_alone, gone = EXIT_OK, 0, 0
@@ -14907,6 +15014,9 @@ def _submit_arguments(parser: Any) -> None:
                           help="--template, read from FILE")
     parser.add_argument("--id-field", metavar="NAME", help="with --template: the field that gives each job's "
                         "custom_id (default: line-N)")
+    parser.add_argument("--shard", metavar="I/N", help="with --file: queue only shard I of N (0 <= I < N), chosen by "
+                        "a hash of each line's custom_id: N nodes given the same file take each line once between "
+                        "them (I/N from a scheduler: $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)")
     parser.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
     parser.add_argument("--wait-timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--dedupe", action="store_true", help="queue identical work once: the idempotency key is "
@@ -14945,6 +15055,14 @@ def _export_arguments(parser: Any) -> None:
     parser.add_argument("--errors", metavar="FILE", help="failed jobs' lines go to FILE instead")
     parser.add_argument("--ids", metavar="FILE", dest="ids_file", help="with --format f32: the rows' side file "
                         "(default: -o's FILE.ids; needed when -o is a device, a FIFO or under /dev or /proc)")
+
+
+def _merge_arguments(parser: Any) -> None:
+    parser.add_argument("parts", metavar="PART", nargs="+", help="the shards' exports (jsonl or openai)")
+    parser.add_argument("--input", metavar="FILE", required=True, help="the batch file the shards were given")
+    parser.add_argument("-o", "--output", metavar="FILE", required=True, help="write FILE atomically ('-': stdout)")
+    parser.add_argument("--partial", action="store_true", help="write the lines there are even when some are "
+                        "missing or in conflict (the exit status still says so)")
 
 
 def _cancel_arguments(parser: Any) -> None:
@@ -15085,6 +15203,10 @@ COMMANDS = (
     ("export", "write finished jobs' results",
      "One line per finished job in submission order; unfinished jobs are left out (exit 4).",
      _export_arguments, _cmd_export),
+    ("merge", "put the shards' exports back together",
+     "Write the PARTs' lines in the order of --input's lines, each custom_id once. Exit 0 when every line "
+     "came back once; 4 when some are missing from every part, 1 when two parts give one different results "
+     "(each named on stderr); OUT is written only when whole, unless --partial.", _merge_arguments, _cmd_merge),
     ("cancel", "cancel queued or running jobs",
      "A queued job goes to failed/ (code cancelled); a running one stops between tokens and "
      "does the same. Finished jobs are left alone (exit 1).", _cancel_arguments, _cmd_cancel),

@@ -4063,6 +4063,80 @@ def ids_of(done: subprocess.CompletedProcess) -> list[str]:
     return done.stdout.decode().split()
 
 
+def test_shards_of_a_file_queue_every_line_once_between_them(tmp_path: Path, run_main: RunMain) -> None:
+    """submit --file --shard I/N over random files, with custom_ids and without (line-N): the N
+    shards' lines are disjoint and together the file; the file is checked whole on every shard
+    (a duplicate custom_id fails each, nothing queued); a bad I/N exits 2 naming the form."""
+    rng = random.Random(48)
+    for trial in range(4):
+        count, shards = rng.randint(1, 120), rng.randint(1, 5)
+        named = trial % 2 == 0
+        rows = [{"custom_id": f"id-{rng.random()}", "prompt": f"p{i}"} if named else {"prompt": f"p{i}"}
+                for i in range(count)]
+        path = write(tmp_path / f"f{trial}.jsonl", jsonl(rows))
+        seen: list[str] = []
+        for i in range(shards):
+            ws = str(tmp_path / f"ws{trial}-{i}")
+            done = run_main("submit", ws, "--file", path, "--shard", f"{i}/{shards}")
+            assert done.returncode == 0, done.stderr
+            flow = Flow(ws)
+            mine = [flow.get(job_id).params["custom_id"] for job_id in ids_of(done)]
+            assert all(nrvna.shard_of(cid, shards) == i for cid in mine)
+            seen += mine
+        expected = [row["custom_id"] for row in rows] if named else [f"line-{n + 1}" for n in range(count)]
+        assert sorted(seen) == sorted(expected)  # each line once, in one shard
+    twice = write(tmp_path / "twice.jsonl", jsonl([{"custom_id": "a", "prompt": "x"}, {"custom_id": "a", "prompt": "y"}]))
+    for i in range(2):
+        done = run_main("submit", str(tmp_path / "dup"), "--file", twice, "--shard", f"{i}/2")
+        assert done.returncode == 2 and b"line 2: duplicate custom_id 'a'" in done.stderr
+    for bad in ("3/3", "x/2", "1", "0/0"):
+        done = run_main("submit", str(tmp_path / "bad"), "--file", twice, "--shard", bad)
+        assert done.returncode == 2 and b"--shard" in done.stderr and b"Traceback" not in done.stderr, bad
+    assert [nrvna.shard_of("line-7", 3), nrvna.shard_of("ü", 5)] == [2, 3]  # the same on every machine
+
+
+def test_a_shard_submitted_again_after_a_crash_queues_only_its_gaps(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    """A node that died after queuing part of its shard, given the same file and shard again
+    with its tag, queues only the lines not yet queued (the tag's resume rule)."""
+    rows = [{"custom_id": f"c{i}", "prompt": f"p{i}"} for i in range(60)]
+    mine = [row for row in rows if nrvna.shard_of(row["custom_id"], 3) == 1]
+    half = write(tmp_path / "half.jsonl", jsonl(mine[:len(mine) // 2]))  # what got queued before the crash
+    first = ids_of(run_main("submit", ws, "--file", half, "--tag", "s1"))
+    again = run_main("submit", ws, "--file", write(tmp_path / "all.jsonl", jsonl(rows)), "--shard", "1/3", "--tag", "s1")
+    assert again.returncode == 0 and ids_of(again)[:len(first)] == first
+    flow = Flow(ws)
+    assert sorted(flow.get(j).params["custom_id"] for j in ids_of(again)) == sorted(r["custom_id"] for r in mine)
+    assert flow.counts()["queued"] == len(mine)
+
+
+def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing(tmp_path: Path,
+                                                                                run_main: RunMain) -> None:
+    """merge --input FILE PART... -o OUT: the parts' lines in the input's order, a line exported
+    twice with one result taken once; a line no part has (exit 4) or two parts disagree on
+    (exit 1) is named on stderr, and OUT is not written unless whole or --partial."""
+    rows = [{"custom_id": f"c{i}", "prompt": f"p{i}"} for i in range(6)]
+    source = write(tmp_path / "in.jsonl", jsonl(rows))
+
+    def part(name: str, numbers: list[int], result: str = "r") -> str:
+        return write(tmp_path / name, jsonl([{"id": f"j{i}", "custom_id": f"c{i}", "status": "done",
+                                             "result": f"{result}{i}", "error": None, "meta": {"n": i}} for i in numbers]))
+
+    a, b = part("a.jsonl", [4, 0, 3]), part("b.jsonl", [5, 1, 2, 3])
+    out = tmp_path / "out.jsonl"
+    done = run_main("merge", "--input", source, a, b, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["custom_id"] for line in out.read_text().splitlines()] == [f"c{i}" for i in range(6)]
+    short = tmp_path / "short.jsonl"
+    done = run_main("merge", "--input", source, a, part("c.jsonl", [5, 1]), "-o", str(short))
+    assert done.returncode == 4 and b"1 of 6 lines are missing from every part: c2" in done.stderr
+    assert not short.exists()
+    done = run_main("merge", "--input", source, a, b, part("d.jsonl", [2], "other"), "-o", str(short), "--partial")
+    assert done.returncode == 1 and b"given different results by two parts: c2" in done.stderr
+    assert [json.loads(line)["custom_id"] for line in short.read_text().splitlines()] == ["c0", "c1", "c3", "c4", "c5"]
+    done = run_main("merge", "--input", source, part("e.jsonl", [9]), "-o", str(short))
+    assert done.returncode == 2 and b"custom_id 'c9' is not in the input" in done.stderr
+
+
 def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     text = write(tmp_path / "prompts.txt", "first prompt\n\n  \nsecond prompt\r\nthird\n")
     done = run_main("submit", ws, "--file", text, "--max-tokens", "7")
