@@ -61,7 +61,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
    11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
-   11.8 The runner                  HOST_CACHES, model_memory, memory_line, LlamaRunner
+   11.8 The runner                  HOST_CACHES, model_memory, memory_line, tool_turns, grammar_key, LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
@@ -3443,6 +3443,37 @@ def _check_call(call: Any, where: str) -> dict[str, Any]:
     if "\x00" in text or not text.encode("utf-8", "surrogatepass").decode("utf-8", "ignore") == text:
         raise InvalidInput(f"{where} holds a NUL byte or is not valid Unicode (a lone surrogate)")
     return {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": function["arguments"]}}
+
+
+def find_tool_format(formatter: Any) -> ToolFormat:
+    """How a model's chat template (``formatter``: llama-cpp-python's Jinja2ChatFormatter, or
+    None) writes a call, found as llama.cpp finds a template's tool support: an assistant turn
+    with one call is rendered, and the tags around the call's JSON (``<tool_call>``...
+    ``</tool_call>``) are its markers. A template with no tool section, or another way of
+    writing calls, gets the generic form. Called once, at load."""
+    import json
+
+    if formatter is None:
+        return GENERIC_TOOLS
+    tool = {"type": "function", "function": {"name": "nrvna_probe_tool", "description": "a probe",
+                                             "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}}}}
+    call = {"id": "call_0", "type": "function", "function": {"name": "nrvna_probe_tool", "arguments": {"arg": "value"}}}
+    try:
+        text = formatter(messages=[{"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": "", "tool_calls": [call]}], tools=[tool]).prompt
+        start = text.index('{"name": "nrvna_probe_tool", "arguments"')
+        found, end = json.JSONDecoder().raw_decode(text, start)
+    except Exception:  # no call written, not as JSON, or a template that cannot take tools
+        found, text, start, end = None, "", 0, 0
+    opening = re.search(r"(<[^<>\s]+>)\s*$", text[:start])
+    closing = re.match(r"\s*(</[^<>\s]+>)", text[end:])
+    if found != {"name": "nrvna_probe_tool", "arguments": {"arg": "value"}} or not (opening and closing) \
+            or text.count("nrvna_probe_tool") < 2:  # (the tool's definition is written too)
+        log.info("Tool calls: the generic form (the chat template has no tool section nrvna reads)")
+        return GENERIC_TOOLS
+    form = ToolFormat(opening.group(1), closing.group(1))
+    log.info(f"Tool calls: the chat template's, {form.open} ... {form.close}")
+    return form
 
 
 def call_lines(calls: list[dict[str, Any]]) -> str:
@@ -10907,6 +10938,58 @@ def memory_line(name: str, report: Mapping[str, Any]) -> str:
     return line + f": {report['total_mib']:,.1f} MiB"
 
 
+def tool_turns(messages: list[dict[str, Any]], params: Mapping[str, Any], variables: dict[str, Any],
+           form: ToolFormat, spells_control: Callable[[str], bool]) -> list[dict[str, Any]]:
+    """A job's turns as its template takes tools: in the generic form, the tools and any
+    calls and answers as text (generic_messages); else as the template's own ``tools``
+    variable and calls with their arguments as objects (templates write them ``| tojson``).
+    What a template writes of them outside a message's content must spell no control token
+    (``spells_control``: the model's test of a text)."""
+    import json
+
+    tools, choice = job_param(params, "tools"), tool_choice(params)
+    history = any(t.get("tool_calls") or t["role"] == "tool" for t in messages)
+    if not (tools or history):
+        return messages
+    if form.generic:
+        return generic_messages(messages, tools, choice, parallel_calls(params))
+    if tools and choice != "none":
+        variables["tools"] = tools
+    turns = []
+    for turn in messages:
+        turn = dict(turn, content=turn["content"] or "")
+        if turn.get("tool_calls"):
+            turn["tool_calls"] = [dict(call, function=dict(call["function"], arguments=json.loads(call["function"]["arguments"])))
+                                  for call in turn["tool_calls"]]
+        turns.append(turn)
+    outside = json.dumps([variables.get("tools"), [(t.get("tool_calls"), t.get("name"), t.get("tool_call_id"))
+                                                    for t in messages]], ensure_ascii=False)
+    if spells_control(outside):
+        raise JobError("bad_request", "a tool's definition or a call spells a control token of the model")
+    return turns
+
+
+def grammar_key(params: Mapping[str, Any], form: ToolFormat) -> Optional[tuple[str, Any, Mapping[str, Any]]]:
+    """(its kind, the key naming it, the params that make it) of a constrained job's grammar
+    (``form``: how the model writes tool calls)."""
+    import json
+
+    kind = constraint(params)
+    if kind is None:
+        return None
+    if kind == "tools":  # descriptions left out: they change the prompt, not the grammar
+        tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
+                 for t in job_param(params, "tools")]
+        return kind, ("tools", json.dumps([form, tool_choice(params), parallel_calls(params), tools],
+                                          ensure_ascii=False, separators=(",", ":"))), params
+    if kind == "json_object":
+        return kind, ("json_object",), {"grammar": _JSON_OBJECT_GBNF}
+    if kind == "grammar":
+        return kind, ("gbnf", job_param(params, "grammar")), params
+    return kind, ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"],
+                                       ensure_ascii=False, separators=(",", ":"))), params
+
+
 class LlamaRunner(Runner):
     """llama.cpp through llama-cpp-python's raw API: one model, shared by every worker.
 
@@ -10981,7 +11064,7 @@ class LlamaRunner(Runner):
         template = (L.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
         self.takes_effort = "reasoning_effort" in template  # gpt-oss's template reads it
         self.thinking = _Thinking.find(self, template, config.thinking_tags)  # None: the model does not think
-        self.tool_format = self._find_tool_format()
+        self.tool_format = find_tool_format(self._formatter)
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy
@@ -11098,68 +11181,10 @@ class LlamaRunner(Runner):
             variables.setdefault("enable_thinking", False)
         if self.takes_effort and job_param(params, "reasoning_effort") is not None:
             variables.setdefault("reasoning_effort", job_param(params, "reasoning_effort"))
-        messages = self._tool_turns(messages, params, variables)
+        messages = tool_turns(messages, params, variables, self.tool_format, self._spells_control)
         for piece, is_content in self._render(messages, variables):  # the template already wrote BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
-
-    def _tool_turns(self, messages: list[dict[str, Any]], params: Mapping[str, Any],
-                    variables: dict[str, Any]) -> list[dict[str, Any]]:
-        """A job's turns as its template takes tools: in the generic form, the tools and any
-        calls and answers as text (generic_messages); else as the template's own ``tools``
-        variable and calls with their arguments as objects (templates write them ``| tojson``).
-        What a template writes of them outside a message's content must spell no control token."""
-        import json
-
-        tools, choice = job_param(params, "tools"), tool_choice(params)
-        history = any(t.get("tool_calls") or t["role"] == "tool" for t in messages)
-        if not (tools or history):
-            return messages
-        if self.tool_format.generic:
-            return generic_messages(messages, tools, choice, parallel_calls(params))
-        if tools and choice != "none":
-            variables["tools"] = tools
-        turns = []
-        for turn in messages:
-            turn = dict(turn, content=turn["content"] or "")
-            if turn.get("tool_calls"):
-                turn["tool_calls"] = [dict(call, function=dict(call["function"], arguments=json.loads(call["function"]["arguments"])))
-                                      for call in turn["tool_calls"]]
-            turns.append(turn)
-        outside = json.dumps([variables.get("tools"), [(t.get("tool_calls"), t.get("name"), t.get("tool_call_id"))
-                                                        for t in messages]], ensure_ascii=False)
-        if self._spells_control(outside):
-            raise JobError("bad_request", "a tool's definition or a call spells a control token of the model")
-        return turns
-
-    def _find_tool_format(self) -> ToolFormat:
-        """How this model's template writes a call, found as llama.cpp finds a template's tool
-        support: an assistant turn with one call is rendered, and the tags around the call's
-        JSON (``<tool_call>``...``</tool_call>``) are its markers. A template with no tool
-        section, or another way of writing calls, gets the generic form."""
-        import json
-
-        if self._formatter is None:
-            return GENERIC_TOOLS
-        tool = {"type": "function", "function": {"name": "nrvna_probe_tool", "description": "a probe",
-                                                 "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}}}}
-        call = {"id": "call_0", "type": "function", "function": {"name": "nrvna_probe_tool", "arguments": {"arg": "value"}}}
-        try:
-            text = self._formatter(messages=[{"role": "user", "content": "hi"},
-                                             {"role": "assistant", "content": "", "tool_calls": [call]}], tools=[tool]).prompt
-            start = text.index('{"name": "nrvna_probe_tool", "arguments"')
-            found, end = json.JSONDecoder().raw_decode(text, start)
-        except Exception:  # no call written, not as JSON, or a template that cannot take tools
-            found, text, start, end = None, "", 0, 0
-        opening = re.search(r"(<[^<>\s]+>)\s*$", text[:start])
-        closing = re.match(r"\s*(</[^<>\s]+>)", text[end:])
-        if found != {"name": "nrvna_probe_tool", "arguments": {"arg": "value"}} or not (opening and closing) \
-                or text.count("nrvna_probe_tool") < 2:  # (the tool's definition is written too)
-            log.info("Tool calls: the generic form (the chat template has no tool section nrvna reads)")
-            return GENERIC_TOOLS
-        form = ToolFormat(opening.group(1), closing.group(1))
-        log.info(f"Tool calls: the chat template's, {form.open} ... {form.close}")
-        return form
 
     def _spells_control(self, text: str) -> bool:
         """Whether ``text`` holds the text of a control token (``<|im_start|>``...)."""
@@ -11231,7 +11256,7 @@ class LlamaRunner(Runner):
 
     def has_grammar(self, params: Mapping[str, Any]) -> bool:
         """Whether a job with ``params`` is constrained by a grammar or a JSON schema."""
-        return self._grammar_key(params) is not None
+        return grammar_key(params, self.tool_format) is not None
 
     def _token_text(self, token: int, special: bool) -> bytes:
         """A token's bytes; ``special``: a control token's own text too (else nothing)."""
@@ -11269,7 +11294,7 @@ class LlamaRunner(Runner):
         its shape). A JSON schema is converted once per distinct schema, then found here again
         (here, on the calling thread, if no conversion of it is done: see prepare_grammar).
         Raises JobError (grammar_error) for one whose start is past the work limits."""
-        named = self._grammar_key(params)
+        named = grammar_key(params, self.tool_format)
         if named is None:
             return None
         kind, key, params = named
@@ -11288,7 +11313,7 @@ class LlamaRunner(Runner):
         while its other sequences go on stepping: a schema's conversion and check take up
         to the counted work its submit allows (SCHEMA_MAX_PATTERN_WORK), and no decode waits
         for them."""
-        named = self._grammar_key(params)
+        named = grammar_key(params, self.tool_format)
         if named is None or _small_grammar(named[1]):
             return None
         kind, key, params = named
@@ -11316,25 +11341,6 @@ class LlamaRunner(Runner):
         finally:
             self._remember(key, found)
             conversion.done.set()
-
-    def _grammar_key(self, params: Mapping[str, Any]) -> Optional[tuple[str, Any, Mapping[str, Any]]]:
-        """(its kind, the key naming it, the params that make it) of a constrained job's grammar."""
-        import json
-
-        kind = constraint(params)
-        if kind is None:
-            return None
-        if kind == "tools":  # descriptions left out: they change the prompt, not the grammar
-            tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
-                     for t in job_param(params, "tools")]
-            return kind, ("tools", json.dumps([self.tool_format, tool_choice(params), parallel_calls(params), tools],
-                                              ensure_ascii=False, separators=(",", ":"))), params
-        if kind == "json_object":
-            return kind, ("json_object",), {"grammar": _JSON_OBJECT_GBNF}
-        if kind == "grammar":
-            return kind, ("gbnf", job_param(params, "grammar")), params
-        return kind, ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"],
-                                           ensure_ascii=False, separators=(",", ":"))), params
 
     def _made(self, kind: str, params: Mapping[str, Any]) -> tuple[str, GrammarShape]:
         """A grammar's GBNF and shape, made (no lock held: it takes what the schema's counted
@@ -14777,12 +14783,15 @@ def _cmd_export(args: Any) -> int:
 def _cmd_merge(args: Any) -> int:
     """``merge --input FILE PART... -o OUT``: the shards' exports in the input's order, each
     line once; OUT is written only when the merge is whole (or with --partial)."""
-    with open(args.input, "rb") as handle:
-        entries = parse_batch(handle.read(), None if not args.input.endswith(".jsonl") else True)
-    parts = []
-    for name in args.parts:
-        with open(name, "rb") as handle:
-            parts.append((name, handle.read()))
+    files = {}
+    for name in [args.input] + args.parts:  # a file that cannot be read is a usage error (2), not a conflict (1)
+        try:
+            with open(name, "rb") as handle:
+                files[name] = handle.read()
+        except OSError as err:
+            raise InvalidInput(f"cannot read {name}: {_os_error(err)}") from None
+    entries = parse_batch(files[args.input], True if args.input.endswith(".jsonl") else None)
+    parts = [(name, files[name]) for name in args.parts]
     lines, missing, conflicts = merge_parts([e.params["custom_id"] for e in entries], parts)
     for what, ids in (("missing from every part", missing), ("given different results by two parts", conflicts)):
         if ids:

@@ -4135,6 +4135,8 @@ def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing
     assert [json.loads(line)["custom_id"] for line in short.read_text().splitlines()] == ["c0", "c1", "c3", "c4", "c5"]
     done = run_main("merge", "--input", source, part("e.jsonl", [9]), "-o", str(short))
     assert done.returncode == 2 and b"custom_id 'c9' is not in the input" in done.stderr
+    done = run_main("merge", "--input", source, str(tmp_path / "gone.jsonl"), "-o", str(short))
+    assert done.returncode == 2 and b"cannot read" in done.stderr and b"gone.jsonl" in done.stderr
 
 
 def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path: Path, run_main: RunMain) -> None:
