@@ -4110,6 +4110,33 @@ def test_a_shard_submitted_again_after_a_crash_queues_only_its_gaps(ws: str, tmp
     assert flow.counts()["queued"] == len(mine)
 
 
+@pytest.mark.slow
+def test_a_shard_killed_at_every_point_of_its_submit_is_finished_by_running_it_again(tmp_path: Path,
+                                                                                    run_main: RunMain) -> None:
+    """`submit --file --shard --tag` SIGKILLed at each of its workspace calls in turn (the fault
+    harness), then given again: every line of the shard is queued, each once, and the rerun
+    prints each line's ID; no line of another shard is queued."""
+    rows = [{"custom_id": f"k{i}", "prompt": f"p{i}"} for i in range(8)]
+    mine = sorted(r["custom_id"] for r in rows if nrvna.shard_of(r["custom_id"], 2) == 0)
+    assert 2 <= len(mine) < len(rows)
+    command = ("--file", write(tmp_path / "b.jsonl", jsonl(rows)), "--shard", "0/2", "--tag", "t")
+    ws = str(tmp_path / "ws")
+    nrvna.ensure_workspace(ws)
+    _, calls = faultpoint(ws, "list", "submit", ws, *command, log=str(tmp_path / "list.calls"))
+    assert len(calls) > 10
+    for k in range(1, len(calls) + 1):
+        shutil.rmtree(ws)
+        nrvna.ensure_workspace(ws)
+        killed, _ = faultpoint(ws, f"kill:{k}", "submit", ws, *command)
+        assert killed.returncode == -signal.SIGKILL, (k, killed.stderr[-800:])
+        again = run_main("submit", ws, *command)
+        assert again.returncode == 0, (k, calls[k - 1], again.stderr)
+        flow = Flow(ws)
+        assert sorted(flow.get(job_id).params["custom_id"] for job_id in ids_of(again)) == mine, k
+        assert sorted(flow.get(job_id).params["custom_id"] for job_id in os.listdir(os.path.join(ws, nrvna.READY))) == mine, k
+    print(f"\nsubmit --shard: {len(calls)} crash points, each killed and given again: the shard's {len(mine)} lines once")
+
+
 def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing(tmp_path: Path,
                                                                                 run_main: RunMain) -> None:
     """merge --input FILE PART... -o OUT: the parts' lines in the input's order, a line exported
