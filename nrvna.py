@@ -4784,12 +4784,16 @@ def require_tag(workspace: str, tag: str) -> None:
     (or whose jobs are all cleaned): ``wait --tag typo`` must not succeed on nothing."""
     if not isinstance(tag, str) or not ID_PATTERN.fullmatch(tag):
         raise InvalidInput(f"invalid tag {tag!r} (letters, digits, '.', '_', '-'; not starting with '.')")
-    try:
-        known = any(n.endswith(".ids") and not n.startswith(".") for n in os.listdir(os.path.join(workspace, TAGS, tag)))
-    except (FileNotFoundError, NotADirectoryError):
-        known = False
-    if not known:
+    if not _tag_known(workspace, tag):
         raise NoSuchJob(f"no tag {tag} in {workspace}")
+
+
+def _tag_known(workspace: str, tag: str) -> bool:
+    """Whether ``tag`` has an index file (one with no rows: an empty shard's tag)."""
+    try:
+        return any(n.endswith(".ids") and not n.startswith(".") for n in os.listdir(os.path.join(workspace, TAGS, tag)))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
 
 
 def _read_or_none(dir_fd: int, name: str) -> Optional[bytes]:
@@ -4837,8 +4841,9 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
     fd = open_dir(folder)
     try:
         data = "".join(json.dumps([job_id, cid], ensure_ascii=False) + "\n" for job_id, cid in rows)
-        # Named by creation time: IDs order jobs within a process, not across processes.
-        write_file(fd, f"{time.time_ns():020d}_{rows[0][0]}.ids", data.encode("utf-8"))
+        # Named by creation time: IDs order jobs within a process, not across processes. An
+        # empty index records a tag with no jobs (a shard that holds none of its file's lines).
+        write_file(fd, f"{time.time_ns():020d}_{rows[0][0] if rows else 'empty'}.ids", data.encode("utf-8"))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -7273,7 +7278,13 @@ class Work:
             entries = parse_batch(data, jsonl, notes)
         entries = self._with_defaults(entries, tag, dedupe, notes, defaults)
         if shard is not None:
+            total = len(entries)
             entries = [e for e in entries if shard_of(e.params["custom_id"], shard[1]) == shard[0]]
+            notes.append(f"shard {shard[0]}/{shard[1]}: {len(entries)} of {total} lines")
+            if not entries and tag is not None and not _tag_known(self.workspace, tag):
+                # The tag exists even so: this node's wait and export then end at once, empty.
+                ensure_workspace(self.workspace)
+                _write_manifest(self.workspace, tag, [])
         with _Keys(self.workspace, self.notify) as keys:
             ids, new, same_as, keyed = self._plan_lines(entries, tag, notes, keys)
             lines = _LineIds(ids, new, same_as, on_ids)

@@ -52,6 +52,7 @@ import os
 import random
 import re
 import select
+import shlex
 import shutil
 import signal
 import stat
@@ -4109,6 +4110,33 @@ def test_a_shard_submitted_again_after_a_crash_queues_only_its_gaps(ws: str, tmp
     assert flow.counts()["queued"] == len(mine)
 
 
+@pytest.mark.slow
+def test_a_shard_killed_at_every_point_of_its_submit_is_finished_by_running_it_again(tmp_path: Path,
+                                                                                    run_main: RunMain) -> None:
+    """`submit --file --shard --tag` SIGKILLed at each of its workspace calls in turn (the fault
+    harness), then given again: every line of the shard is queued, each once, and the rerun
+    prints each line's ID; no line of another shard is queued."""
+    rows = [{"custom_id": f"k{i}", "prompt": f"p{i}"} for i in range(8)]
+    mine = sorted(r["custom_id"] for r in rows if nrvna.shard_of(r["custom_id"], 2) == 0)
+    assert 2 <= len(mine) < len(rows)
+    command = ("--file", write(tmp_path / "b.jsonl", jsonl(rows)), "--shard", "0/2", "--tag", "t")
+    ws = str(tmp_path / "ws")
+    nrvna.ensure_workspace(ws)
+    _, calls = faultpoint(ws, "list", "submit", ws, *command, log=str(tmp_path / "list.calls"))
+    assert len(calls) > 10
+    for k in range(1, len(calls) + 1):
+        shutil.rmtree(ws)
+        nrvna.ensure_workspace(ws)
+        killed, _ = faultpoint(ws, f"kill:{k}", "submit", ws, *command)
+        assert killed.returncode == -signal.SIGKILL, (k, killed.stderr[-800:])
+        again = run_main("submit", ws, *command)
+        assert again.returncode == 0, (k, calls[k - 1], again.stderr)
+        flow = Flow(ws)
+        assert sorted(flow.get(job_id).params["custom_id"] for job_id in ids_of(again)) == mine, k
+        assert sorted(flow.get(job_id).params["custom_id"] for job_id in os.listdir(os.path.join(ws, nrvna.READY))) == mine, k
+    print(f"\nsubmit --shard: {len(calls)} crash points, each killed and given again: the shard's {len(mine)} lines once")
+
+
 def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing(tmp_path: Path,
                                                                                 run_main: RunMain) -> None:
     """merge --input FILE PART... -o OUT: the parts' lines in the input's order, a line exported
@@ -4137,6 +4165,133 @@ def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing
     assert done.returncode == 2 and b"custom_id 'c9' is not in the input" in done.stderr
     done = run_main("merge", "--input", source, str(tmp_path / "gone.jsonl"), "-o", str(short))
     assert done.returncode == 2 and b"cannot read" in done.stderr and b"gone.jsonl" in done.stderr
+
+
+def test_a_shard_that_holds_no_line_still_records_its_tag(tmp_path: Path, run_main: RunMain) -> None:
+    """A shard none of the file's lines fall in queues nothing, yet its tag exists: the node's
+    wait and export end at once (an empty part), and the merge of the parts is whole."""
+    source = write(tmp_path / "one.jsonl", jsonl([{"custom_id": "a", "prompt": "p"}]))
+    empty = next(i for i in range(4) if nrvna.shard_of("a", 4) != i)
+    ws = str(tmp_path / "ws")
+    for _ in range(2):  # a rerun adds no second index
+        done = run_main("submit", ws, "--file", source, "--shard", f"{empty}/4", "--tag", "t")
+        assert done.returncode == 0 and done.stdout == b"" and f"shard {empty}/4: 0 of 1 lines".encode() in done.stderr
+    assert len(os.listdir(os.path.join(ws, "tags", "t"))) == 1
+    assert run_main("wait", ws, "--tag", "t", "--timeout", "0").returncode == 0
+    part = tmp_path / "part.jsonl"
+    assert run_main("export", ws, "--tag", "t", "--format", "openai", "-o", str(part)).returncode == 0
+    assert part.read_bytes() == b""
+    done = run_main("merge", "--input", source, str(part), "-o", str(tmp_path / "out.jsonl"))
+    assert done.returncode == 4 and b"missing from every part: a" in done.stderr
+
+
+RECIPES = ("slurm-array.sh", "slurm-merge.sh", "k8s-indexed-job.yaml", "k8s-merge-job.yaml")
+
+
+def recipe_commands(name: str) -> list[str]:
+    """The nrvna command lines of a cluster recipe in examples/ (a YAML one's from its shell script)."""
+    text = (HERE / "examples" / name).read_text()
+    if name.endswith(".yaml"):
+        import yaml
+
+        text = "\n".join(arg for c in yaml.safe_load(text)["spec"]["template"]["spec"]["containers"] for arg in c["args"])
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("nrvna ")]
+
+
+def test_the_cluster_recipes_parse_and_run_the_commands_the_manual_documents() -> None:
+    """examples/' Slurm scripts pass `bash -n`; its Kubernetes manifests are Jobs with the fields
+    Kubernetes requires (an Indexed one whose SHARDS is its completions); every nrvna command in
+    them is shown as it is in the manual (docs/batches.md) and is one nrvna's parser accepts."""
+    import yaml
+
+    manual = (HERE / "docs" / "batches.md").read_text()
+    for name in RECIPES:
+        path = HERE / "examples" / name
+        if name.endswith(".sh"):
+            assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, name
+            continue
+        job = yaml.safe_load(path.read_text())
+        assert (job["apiVersion"], job["kind"]) == ("batch/v1", "Job") and job["metadata"]["name"]
+        pod = job["spec"]["template"]["spec"]
+        assert pod["restartPolicy"] in ("Never", "OnFailure") and pod["containers"]
+        volumes = {v["name"] for v in pod["volumes"]}
+        for container in pod["containers"]:
+            assert container["name"] and container["image"] and container["command"]
+            assert {m["name"] for m in container["volumeMounts"]} <= volumes
+        if name == "k8s-indexed-job.yaml":
+            spec = job["spec"]
+            assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] >= 1
+            env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+            assert env["SHARDS"] == str(spec["completions"])
+    values = {"WS": "/tmp/ws", "BATCH": "b.jsonl", "MODEL": "m.gguf", "TAG": "batch", "PARTS": "/p", "SHARD": "0/3",
+              "RESULTS": "r.jsonl", "SLURM_ARRAY_TASK_ID": "0", "JOB_COMPLETION_INDEX": "0"}
+    seen = set()
+    for name in RECIPES:
+        for line in recipe_commands(name):
+            assert line in manual, f"{name}: {line!r} is not in docs/batches.md"
+            argv = shlex.split(re.sub(r"\$(\w+)", lambda m: values[m.group(1)], line.replace("> /dev/null", "")))[1:]
+            args, extra = nrvna._build_parser(argv[0]).parse_known_args(argv)
+            assert not extra and args.handler, line
+            seen.add(argv[0])
+    assert seen == {"submit", "daemon", "export", "merge"}
+
+
+@pytest.mark.model
+def test_the_slurm_and_kubernetes_recipes_shard_and_merge_a_batch(model: str, tmp_path: Path) -> None:
+    """The recipes run for real, each task as its scheduler would start it (the environment it
+    sets), one after another on this machine: a task whose model fails to load leaves its shard
+    missing (the merge exits 4 and writes nothing); run again, it fills the gap and the merge is
+    whole, in the file's order. The Kubernetes pods' merge equals the Slurm tasks' (greedy, one
+    sequence per context)."""
+    rows = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": f"Count to {i}."}],
+                                            "max_tokens": 6, "temperature": 0}} for i in range(9)]
+    batch = write(tmp_path / "batch.jsonl", jsonl(rows))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nrvna").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{HERE / "nrvna.py"}" "$@"\n')
+    (bin_dir / "nrvna").chmod(0o755)
+    base = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", NRVNA_SEQS="1", NRVNA_WORKERS="1", MODEL=model,
+                BATCH=batch, TMPDIR=str(tmp_path), TAG="b1")
+
+    def run(script: list[str], **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(script, env=dict(base, **env), capture_output=True, timeout=300)
+
+    def merged(parts: Path) -> tuple[int, Optional[list[tuple[str, str]]], bytes]:
+        out = tmp_path / f"{parts.name}.results.jsonl"
+        done = run(["bash", str(HERE / "examples" / "slurm-merge.sh")], PARTS=str(parts), RESULTS=str(out))
+        lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else None
+        return done.returncode, lines and [(r["custom_id"], r["response"]["body"]["choices"][0]["message"]["content"])
+                                           for r in lines], done.stderr
+
+    slurm = tmp_path / "slurm-parts"
+    for task in ("0", "1", "2"):
+        env = {"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_COUNT": "3", "PARTS": str(slurm)}
+        if task == "1":
+            failed = run(["bash", str(HERE / "examples" / "slurm-array.sh")], **dict(env, MODEL=str(tmp_path / "gone.gguf")))
+            assert failed.returncode != 0 and b"gone.gguf" in failed.stderr
+            code, lines, stderr = merged(slurm)
+            missing = [r["custom_id"] for r in rows if nrvna.shard_of(r["custom_id"], 3) != 0]  # task 2 is yet to run
+            assert code == 4 and lines is None and f"{len(missing)} of 9 lines are missing from every part: {', '.join(missing)}\n".encode() in stderr
+        done = run(["bash", str(HERE / "examples" / "slurm-array.sh")], **env)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        assert not (tmp_path / f"nrvna-7-{task}").exists()  # the node's workspace removed after the export
+    code, from_slurm, stderr = merged(slurm)
+    assert code == 0, stderr
+    assert [cid for cid, _ in from_slurm] == [r["custom_id"] for r in rows] and all(text for _, text in from_slurm)
+
+    import yaml
+
+    manifest = yaml.safe_load((HERE / "examples" / "k8s-indexed-job.yaml").read_text())
+    container = manifest["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    pods = tmp_path / "k8s-parts"
+    for index in range(manifest["spec"]["completions"]):
+        done = run(container["command"] + container["args"],
+                   **dict(env, MODEL=model, BATCH=batch, PARTS=str(pods), WS=str(tmp_path / f"pod{index}"),
+                          JOB_COMPLETION_INDEX=str(index)))
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+    code, from_pods, stderr = merged(pods)
+    assert code == 0 and from_pods == from_slurm, stderr
 
 
 def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path: Path, run_main: RunMain) -> None:

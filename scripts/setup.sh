@@ -80,6 +80,8 @@ fi
 "$VPY" -c "import pytest" 2>/dev/null || "$VPY" -m pip install --quiet "pytest>=8"
 "$VPY" -c "import jsonschema, fqdn, isoduration, rfc3339_validator" 2>/dev/null \
   || "$VPY" -m pip install --quiet "jsonschema[format-nongpl]>=4.18"
+# The tests read the Kubernetes recipes in examples/ as YAML.
+"$VPY" -c "import yaml" 2>/dev/null || "$VPY" -m pip install --quiet "pyyaml>=6"
 # The openai package reads the export back as a client would (its response types).
 "$VPY" -c "import openai" 2>/dev/null || "$VPY" -m pip install --quiet "openai>=1.40,<4"
 
