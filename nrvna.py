@@ -5660,18 +5660,19 @@ def read_shard(text: str) -> tuple[int, int]:
 
 
 def _result_key(record: dict[str, Any]) -> str:
-    """What a part's line says of its job's result, without what names the job (its ID, its
-    time): two lines of one custom_id with the same key are the same result exported twice."""
+    """What a part's line says of its job's result, without what names or dates the job (its
+    ID, which its tool calls' ids hold too; its times and usage): two lines of one custom_id
+    with the same key are the same result exported twice, from any workspace."""
     import json
 
-    response = record.get("response")
-    if isinstance(response, dict) or "response" in record:  # an OpenAI Batch output line
-        body = (response or {}).get("body") or {}
-        said = [{k: v for k, v in c.items() if k != "message"} | {"message": {k: v for k, v in (c.get("message") or {}).items()
-                                                                           if k != "tool_calls"}}
-                for c in body.get("choices") or []]
-        return json.dumps([said, body.get("data"), record.get("error")], sort_keys=True)
-    return json.dumps([record.get(k) for k in ("status", "result", "error", "embeddings", "choices")], sort_keys=True)
+    job_id = str(record.get("id") or "").removeprefix("batch_req_")
+    if "response" in record:  # an OpenAI Batch output line
+        body = (record["response"] or {}).get("body") or {}
+        said = [body.get("choices"), body.get("data"), record.get("error")]
+    else:
+        said = [record.get(k) for k in ("status", "result", "error", "embeddings", "choices", "tool_calls")]
+    text = json.dumps(said, sort_keys=True)
+    return text.replace(job_id, "") if job_id else text
 
 
 def merge_parts(order: list[str], parts: list[tuple[str, bytes]]) -> tuple[list[bytes], list[str], list[str]]:
@@ -14794,15 +14795,14 @@ def _cmd_export(args: Any) -> int:
 def _cmd_merge(args: Any) -> int:
     """``merge --input FILE PART... -o OUT``: the shards' exports in the input's order, each
     line once; OUT is written only when the merge is whole (or with --partial)."""
-    files = {}
-    for name in [args.input] + args.parts:  # a file that cannot be read is a usage error (2), not a conflict (1)
+    entries = parse_batch(*_batch_source(args.input, None, None))  # its custom_ids as submit --file reads them
+    parts = []
+    for name in args.parts:  # a file that cannot be read is a usage error (2), not a conflict (1)
         try:
             with open(name, "rb") as handle:
-                files[name] = handle.read()
+                parts.append((name, handle.read()))
         except OSError as err:
             raise InvalidInput(f"cannot read {name}: {_os_error(err)}") from None
-    entries = parse_batch(files[args.input], True if args.input.endswith(".jsonl") else None)
-    parts = [(name, files[name]) for name in args.parts]
     lines, missing, conflicts = merge_parts([e.params["custom_id"] for e in entries], parts)
     for what, ids in (("missing from every part", missing), ("given different results by two parts", conflicts)):
         if ids:

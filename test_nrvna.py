@@ -4166,6 +4166,26 @@ def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing
     done = run_main("merge", "--input", source, str(tmp_path / "gone.jsonl"), "-o", str(short))
     assert done.returncode == 2 and b"cannot read" in done.stderr and b"gone.jsonl" in done.stderr
 
+    def call_line(job_id: str, i: int, city: str) -> dict[str, Any]:  # an OpenAI export line of a tool call
+        call = {"id": f"call_{job_id}_0", "type": "function", "function": {"name": "weather", "arguments": f'{{"city": "{city}"}}'}}
+        body = {"id": f"chatcmpl-{job_id}", "created": int(job_id[-1]), "choices": [
+            {"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [call]}}]}
+        return {"id": f"batch_req_{job_id}", "custom_id": f"c{i}", "error": None,
+                "response": {"status_code": 200, "request_id": job_id, "body": body}}
+
+    calls = [call_line(f"17959_1_{i}", i, "Oslo") for i in range(6)]
+    again = write(tmp_path / "again.jsonl", jsonl([call_line("17960_9_3", 3, "Oslo")]))  # a rerun elsewhere: the same calls
+    done = run_main("merge", "--input", source, write(tmp_path / "calls.jsonl", jsonl(calls)), again, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    other = write(tmp_path / "other.jsonl", jsonl([call_line("17960_9_3", 3, "Bergen")]))  # another argument: a conflict
+    done = run_main("merge", "--input", source, str(tmp_path / "calls.jsonl"), other, "-o", str(short))
+    assert done.returncode == 1 and b"given different results by two parts: c3" in done.stderr
+    # The input read as submit --file reads it: any file not named *.jsonl is a prompt a line.
+    text = write(tmp_path / "in.txt", jsonl([{"custom_id": "x", "prompt": "p"}]))
+    line_part = write(tmp_path / "t.jsonl", jsonl([{"id": "j", "custom_id": "line-1", "status": "done", "result": "r"}]))
+    done = run_main("merge", "--input", text, line_part, "-o", "-")
+    assert done.returncode == 0 and json.loads(done.stdout)["custom_id"] == "line-1", done.stderr
+
 
 def test_a_shard_that_holds_no_line_still_records_its_tag(tmp_path: Path, run_main: RunMain) -> None:
     """A shard none of the file's lines fall in queues nothing, yet its tag exists: the node's
