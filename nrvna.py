@@ -4606,10 +4606,48 @@ def parent_unfinished(workspace: str, job_id: Optional[str]) -> bool:
     return job_id is not None and locate_job(workspace, job_id)[0] in (Status.Queued, Status.Running)
 
 
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 53
+
+
+def _is_time(value: Any) -> bool:
+    return type(value) in (int, float) and 0 <= value < 1e12  # NaN fails both comparisons
+
+
+def _is_text(value: Any) -> bool:
+    return type(value) is str and len(value) <= 1 << 16
+
+
+# What each field of meta.json that nrvna reads back must be. A hand-made, damaged or older
+# meta.json may hold anything: a field whose value is not so is read as absent (job_meta), so
+# no reader (recovery at start, export, events, hooks, retry) meets a type it does not expect.
+META_FIELDS: dict[str, Callable[[Any], bool]] = {
+    **dict.fromkeys(("attempts", "write_failures", "retries", "prompt_tokens", "generated_tokens",
+                     "reasoning_tokens", "prompt_computed"), _is_count),
+    **dict.fromkeys(("submitted", "started", "finished"), _is_time),
+    **dict.fromkeys(("id", "code", "finish_reason", "model", "worker", "daemon", "thinking_closed",
+                     "last_write_error"),
+                    _is_text),
+    "events": lambda value: type(value) is list,  # each entry checked by job_history
+    "errors": lambda value: type(value) is list and all(type(entry) is dict for entry in value),
+    "prompt_reused": lambda value: type(value) is dict and all(_is_count(n) for n in value.values()),
+}
+
+
+def job_meta(text: Optional[str]) -> dict[str, Any]:
+    """meta.json's text as a dict, each field of META_FIELDS present only if it is as nrvna
+    writes it; other fields (the user's) as they are."""
+    meta = parse_meta(text)
+    for name, valid in META_FIELDS.items():
+        if name in meta and not valid(meta[name]):
+            del meta[name]
+    return meta
+
+
 def read_meta(dir_fd: int) -> dict[str, Any]:
-    """The meta.json of the job directory open as ``dir_fd`` ({} when it has none)."""
+    """The meta.json of the job directory open as ``dir_fd`` ({} when it has none), as job_meta reads it."""
     try:
-        return parse_meta(read_file(dir_fd, META_FILE, 1 << 20).decode("utf-8", "replace"))
+        return job_meta(read_file(dir_fd, META_FILE, 1 << 20).decode("utf-8", "replace"))
     except (FileNotFoundError, JobError):
         return {}
 
@@ -4715,8 +4753,8 @@ def job_history(meta: Mapping[str, Any], state: Status, submitted: Optional[floa
     ``submitted``, reconciled with where the job is now (``state``; see above)."""
     history: list[list[Any]] = [[submitted or 0.0, "queued"]]
     for entry in meta.get("events") or ():
-        if (isinstance(entry, list) and len(entry) in (2, 3) and isinstance(entry[0], (int, float))
-                and entry[1] in EVENT_STATUS):
+        if (type(entry) is list and len(entry) in (2, 3) and _is_time(entry[0]) and _is_text(entry[1])
+                and entry[1] in EVENT_STATUS and (len(entry) == 2 or _is_text(entry[2]))):
             history.append(list(entry))
     last = history[-1][1]
     if (len(history) > 1 and EVENT_STATUS[last] is not state and last in _WRITTEN_BEFORE_MOVE
@@ -4993,6 +5031,9 @@ def resolve_model(name: str, models_dir: str, aliases: Optional[Mapping[str, str
 KEY_PENDING_SECONDS = 30.0
 KEY_WAIT_NOTICE_SECONDS = 2.0  # a submit waiting on another live one says so after this long
 HOLDER_PATTERN = re.compile(r"\.holder-[0-9]+-[0-9a-f]{8}")
+# The largest tag index file a submit writes is one chunk of 2,000 rows, each a job ID and a
+# custom_id of at most 512 characters (6 bytes each as JSON at worst): under 7 MB. Read no more.
+TAG_INDEX_BYTES = 16 << 20
 
 
 def dedupe_key(prompt: Any, params: Mapping[str, Any]) -> str:
@@ -5232,24 +5273,38 @@ def iter_tag_members(workspace: str, tag: str) -> Iterator[list[tuple[str, Optio
 
 
 def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, Optional[str]]]]]:
-    """(file name, rows) of each index file of ``tag``, oldest first."""
+    """(file name, rows) of each index file of ``tag``, oldest first. An index file that is not
+    as a submit writes it (a symlink, a FIFO, over TAG_INDEX_BYTES, not lines of ``[job ID,
+    custom_id or null]``) is a WorkspaceError naming it: its tag cannot be read whole, and
+    reading the rest of it would give a wrong answer (a batch `wait` ending early)."""
     import json
 
     folder = os.path.join(workspace, TAGS, tag)
     try:
         names = [n for n in os.listdir(folder) if n.endswith(".ids") and not n.startswith(".")]
+        dir_fd = open_dir(folder)
     except FileNotFoundError:
         return
-    for name in sorted(names):
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as handle:
-                text = handle.read().rstrip("\n")
-            rows = json.loads(f"[{text.replace(chr(10), ',')}]")  # one parse per file
-        except FileNotFoundError:
-            continue  # removed meanwhile (clean)
-        except (OSError, ValueError) as err:
-            raise WorkspaceError(f"tag index {folder}/{name} is unreadable: {err}") from None
-        yield name, [(job_id, cid) for job_id, cid in rows]
+    except OSError as err:
+        raise WorkspaceError(f"tag index {folder} is unreadable: {_os_error(err)}") from None
+    try:
+        for name in sorted(names):
+            try:
+                text = read_file(dir_fd, name, TAG_INDEX_BYTES).decode("utf-8").rstrip("\n")
+                rows = json.loads(f"[{text.replace(chr(10), ',')}]")  # one parse per file
+            except FileNotFoundError:
+                continue  # removed meanwhile (clean)
+            except (OSError, ValueError, JobError) as err:
+                why = _os_error(err) if isinstance(err, OSError) else str(err)
+                raise WorkspaceError(f"tag index {folder}/{name} is unreadable: {why}") from None
+            for line, row in enumerate(rows, 1):
+                if not (isinstance(row, list) and len(row) == 2 and is_valid_id(row[0])
+                        and (row[1] is None or isinstance(row[1], str))):
+                    raise WorkspaceError(f"tag index {folder}/{name} is not nrvna's: line {line} is not "
+                                         "[job ID, custom_id or null]")
+            yield name, [(job_id, cid) for job_id, cid in rows]
+    finally:
+        os.close(dir_fd)
 
 
 # ============================================================================
@@ -6496,7 +6551,7 @@ class Flow:
                 raise FileNotFoundError(path)  # moved on between the lookup and the open
         finally:
             os.close(fd)
-        meta = parse_meta(files[META_FILE])
+        meta = job_meta(files[META_FILE])
         error = files[ERROR_FILE]
         if status is Status.Failed and error is None:  # a cancel or retry was cut off midway
             history = meta.get("errors")
@@ -7735,11 +7790,12 @@ def retry_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = Non
 
 
 def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: bool = True,
-               dry_run: bool = False, now: Optional[float] = None) -> list[str]:
+               dry_run: bool = False, now: Optional[float] = None, notes: Optional[list[str]] = None) -> list[str]:
     """Remove finished jobs that finished more than ``older_than`` seconds ago; return their
     IDs. Queued and running jobs are never touched. Each job is first renamed to a hidden
     name (atomic: readers see it whole or not at all), then deleted; so are the KV states
-    saved from their contexts (NRVNA_CACHE_DIR, else the workspace's states/)."""
+    saved from their contexts (NRVNA_CACHE_DIR, else the workspace's states/). A tag index
+    that is not nrvna's is left as it is, with a line in ``notes`` saying so."""
     require_workspace(workspace)
     now = time.time() if now is None else now
     removed = []
@@ -7774,13 +7830,13 @@ def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: boo
         if removed and not dry_run:
             fsync_dir(folder)
     if removed and not dry_run:
-        _prune_tag_index(workspace)
+        _prune_tag_index(workspace, notes if notes is not None else [])
         _prune_keys(workspace)
         remove_states_of(states_folder(workspace, str(setting_default("cache_dir"))), set(removed))
     return removed
 
 
-def _prune_tag_index(workspace: str) -> None:
+def _prune_tag_index(workspace: str, notes: list[str]) -> None:
     """Delete tag index files none of whose jobs exist any more (and then empty tag dirs)."""
     tags = os.path.join(workspace, TAGS)
     try:
@@ -7794,7 +7850,12 @@ def _prune_tag_index(workspace: str) -> None:
     for tag in names:
         if not ID_PATTERN.fullmatch(tag):
             continue
-        for chunk_file, rows in _tag_files(workspace, tag):
+        try:
+            files = list(_tag_files(workspace, tag))
+        except WorkspaceError as err:  # not nrvna's, or damaged: left as it is, the rest cleaned
+            notes.append(f"{err}; left as it is")
+            continue
+        for chunk_file, rows in files:
             if any(job_id in alive for job_id, _ in rows):
                 continue
             # Looked up again one by one: a job moved backwards (requeued) while we listed.
@@ -12892,7 +12953,11 @@ class Hooks:
             if not self._run(f"on-done hook for {job_id}", self.on_done, env, path):
                 return  # stopped by the daemon's stop: runs again at the next start
         if self.on_batch_done and tag:
-            self._tag_progress(tag, job_id)
+            try:
+                self._tag_progress(tag, job_id)
+            except WorkspaceError as err:  # a planted or damaged index: its tag's hook alone is lost,
+                # and the job's own hook is not run again and again for it
+                log.limited(f"tag-index:{tag}", f"batch hook of tag {tag} not run: {err}")
         _unlink_quietly(os.path.join(self.owed, job_id), None)
 
     def _tag_progress(self, tag: str, job_id: str) -> None:
@@ -14865,8 +14930,11 @@ def _cmd_retry(args: Any) -> int:
 
 def _cmd_clean(args: Any) -> int:
     both = not args.done and not args.failed
+    notes: list[str] = []
     removed = clean_jobs(args.workspace, args.older_than, done=args.done or both, failed=args.failed or both,
-                         dry_run=args.dry_run)
+                         dry_run=args.dry_run, notes=notes)
+    for note in notes:
+        _say(note)
     _print_lines(removed)
     _say(f"{'would remove' if args.dry_run else 'removed'} {len(removed)} jobs")
     return EXIT_OK

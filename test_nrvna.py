@@ -3361,6 +3361,86 @@ def finished_job(ws: str) -> str:
     return job_id
 
 
+# Values a hand-made or damaged meta.json may hold where nrvna writes a count, a time, a text or a list.
+CRAFTED_META_VALUES = ["x", -1, 2 ** 70, 1.5, [], {}, [1, 2], True, None, "9" * 5000]
+
+
+def test_a_crafted_meta_json_never_stops_the_daemon_or_a_reader(ws: str, run_main: RunMain) -> None:
+    """Every field nrvna reads back from meta.json, planted with each wrong type in every state
+    (processing/ is what recovery reads at start): the daemon starts, runs the queued ones and an
+    honest job, and no reader (get, events, export in both forms, retry) meets a traceback."""
+    nrvna.ensure_workspace(ws)
+    planted = []
+    for state in (nrvna.READY, nrvna.PROCESSING, nrvna.OUTPUT, nrvna.FAILED):
+        for n, (name, value) in enumerate([(f, v) for f in sorted(nrvna.META_FIELDS) for v in CRAFTED_META_VALUES]):
+            job_id = f"17{len(state):02d}{n:06d}_1_1"
+            os.makedirs(os.path.join(ws, state, job_id))
+            write(os.path.join(ws, state, job_id, "prompt.txt"), "hello")
+            write(os.path.join(ws, state, job_id, "meta.json"), json.dumps({name: value}))
+            if state == nrvna.OUTPUT:
+                write(os.path.join(ws, state, job_id, "result.txt"), "r")
+            planted.append(job_id)
+    for n, events in enumerate(['[[1e999, "done"]]', '[[1, ["done"]]]', '[[1, "done", {"a": 1}]]', "[7, null]",
+                                '[[NaN, "failed", "x"]]']):
+        job_id = f"1800000{n:03d}_1_1"
+        os.makedirs(os.path.join(ws, nrvna.FAILED, job_id))
+        write(os.path.join(ws, nrvna.FAILED, job_id, "meta.json"), '{"events": %s, "code": "x"}' % events)
+        planted.append(job_id)
+    honest = submit(ws, "honest")
+    with serving(ws, echo):
+        assert wait_all(ws, [honest]) == [Status.Done]
+        queued = [i for i in planted if Flow(ws).status(i) is not Status.Failed]
+        assert set(wait_all(ws, queued, timeout=60)) == {Status.Done}
+    assert Flow(ws).get(honest).result == "echo:honest"
+    for args in (["events", ws, "--since", "0"], ["export", ws], ["export", ws, "--format", "openai"],
+                 ["retry", ws, "--failed"], ["status", ws]):
+        result = run_main(*args)
+        assert result.returncode in (0, 4) and b"Traceback" not in result.stderr, (args, result.stderr[-300:])
+    for job_id in planted[::37]:
+        assert run_main("get", ws, job_id, "--json").returncode in (0, 1, 4)
+
+
+def test_a_crafted_tag_index_is_one_line_naming_it_and_never_stops_the_batch_hooks(
+        ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    """tags/<tag>/*.ids is read by wait, export, status, cancel, retry and clean --tag, and by the
+    daemon's batch hook: a planted one (a symlink to /dev/zero, a directory, not JSON, rows that
+    are not [job ID, custom_id]) is one line naming the file (exit 1), never a hang or a
+    traceback; the daemon's hooks go on (the tag's batch hook alone is not run, and says so);
+    clean removes what it should and leaves the planted file."""
+    crafted = {"zero": None, "dir": None, "json": "{{{\n", "rows": "[1, 2, 3]\n", "path": '["../../etc", null]\n',
+               "cid": '["1_1_1", 5]\n'}
+    for name, text in crafted.items():
+        here = str(tmp_path / name)
+        job_id = submit(here, "hi", tag="t")
+        index = os.path.join(here, nrvna.TAGS, "t", "00000000000000000001_x.ids")
+        if name == "zero":
+            os.symlink("/dev/zero", index)
+        elif name == "dir":
+            os.mkdir(index)
+        else:
+            write(index, text)
+        for args in (["wait", here, "--tag", "t", "--timeout", "1"], ["export", here, "--tag", "t"],
+                     ["status", here, "--tag", "t"], ["cancel", here, "--tag", "t"], ["retry", here, "--tag", "t"]):
+            result = run_main(*args, timeout=20)
+            lines = result.stderr.decode().strip().splitlines()
+            assert result.returncode == 1 and len(lines) == 1 and "00000000000000000001_x.ids" in lines[0], (name, args, lines)
+        ran = tmp_path / f"{name}.ran"
+        with serving(here, echo, on_done=f"echo $NRVNA_JOB_ID >> {ran}", on_batch_done=f"echo batch >> {ran}.batch"):
+            assert wait_all(here, [job_id]) == [Status.Done]
+            deadline = time.monotonic() + 20
+            while not (ran.exists() and os.listdir(os.path.join(here, nrvna.HOOKS_OWED)) == []):
+                assert time.monotonic() < deadline, name
+                time.sleep(0.05)
+            time.sleep(1.5)  # a hook retried for the bad index would run again within this
+        lines = ran.read_text().splitlines()  # the hook ran once, not again for the bad index
+        assert len(lines) == 1 and lines[0].startswith(job_id) and not Path(f"{ran}.batch").exists()
+        meta_path = os.path.join(here, nrvna.OUTPUT, job_id, "meta.json")
+        write(meta_path, json.dumps(dict(json.load(open(meta_path)), finished=1.0)))
+        result = run_main("clean", here, "--older-than", "1d")
+        assert result.returncode == 0 and b"00000000000000000001_x.ids" in result.stderr, name
+        assert Flow(here).status(job_id) is Status.Missing and os.path.lexists(index)
+
+
 def test_a_huge_planted_params_json_is_never_read_whole(ws: str) -> None:
     """params.json is read when a job is queued (its priority) and by events and hooks after
     it ends: each reads at most what a submit can make (16 MiB by default), never a planted
