@@ -34,8 +34,9 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
 7. Workspace and job directories
    7.1 Layout, locks and the daemons' records
                                     the layout's names, job_path, parse_meta, WorkspaceLock, hold_job,
-                                    hold_orphan, register_daemon, daemon_records
-   7.2 IDs, states and meta.json    generate_id, order_key, Status, locate_job, parent_unfinished, read_meta
+                                    hold_orphan, register_daemon, DAEMON_RECORD_FIELDS, daemon_records
+   7.2 IDs, states and meta.json    META_FIELDS, generate_id, order_key, Status, locate_job, parent_unfinished,
+                                      job_meta, read_meta
    7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job
    7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
    7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_members
@@ -4322,6 +4323,18 @@ GENERATED_ID = re.compile(r"(\d+)_(\d+)_(\d+)")
 DIR_MODE = 0o700
 
 
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 53
+
+
+def _is_time(value: Any) -> bool:
+    return type(value) in (int, float) and 0 <= value < 1e12  # NaN fails both comparisons
+
+
+def _is_text(value: Any) -> bool:
+    return type(value) is str and len(value) <= 1 << 16
+
+
 def parse_meta(text: Optional[str]) -> dict[str, Any]:
     """meta.json's text as a dict ({} when absent or unreadable)."""
     import json
@@ -4520,6 +4533,37 @@ def daemon_alive(workspace: str, name: str) -> bool:
     return False
 
 
+def _is_texts(value: Any) -> bool:
+    return type(value) is list and all(_is_text(item) for item in value)
+
+
+# What each field of a daemon's record (daemons/<name>.json) that other processes read must be:
+# one of another daemon's (a clash at start, routing, waits) or a client's (model names, `status
+# --daemon`). A daemon writes its own; a field planted over it with another type is read as
+# absent, and so is a model entry's.
+DAEMON_RECORD_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "pid": _is_count, "gpu": lambda value: type(value) is int, "models_dir": _is_text, "kinds": _is_texts,
+    "models": lambda value: type(value) is list,
+    "aliases": lambda value: type(value) is dict and all(map(_is_text, value.values())),
+    "hooks": lambda value: type(value) is dict and all(v is None or _is_text(v) for v in value.values()),
+}
+DAEMON_MODEL_FIELDS: dict[str, Callable[[Any], bool]] = {
+    **dict.fromkeys(("path", "name", "kind", "load_error"), _is_text),
+    **dict.fromkeys(("load_failures", "max_load_failures"), _is_count),
+    "retry_at": _is_time, "active": lambda value: type(value) is bool,
+}
+
+
+def _checked_record(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with each field of DAEMON_RECORD_FIELDS (and each model's) present only if it is
+    as a daemon writes it."""
+    record = {k: v for k, v in record.items() if k not in DAEMON_RECORD_FIELDS or DAEMON_RECORD_FIELDS[k](v)}
+    if "models" in record:
+        record["models"] = [{k: v for k, v in m.items() if k not in DAEMON_MODEL_FIELDS or DAEMON_MODEL_FIELDS[k](v)}
+                            for m in record["models"] if type(m) is dict]
+    return record
+
+
 def daemon_records(workspace: str) -> list[dict[str, Any]]:
     """Every live daemon's record (its daemons/<name>.json: pid, models, GPU, figures), oldest
     first; ``{"pid", "name", "starting": True}`` for one that has not written it yet. A
@@ -4535,6 +4579,7 @@ def daemon_records(workspace: str) -> list[dict[str, Any]]:
         except OSError:
             record = {}
         pid = name.split("-")[0]
+        record = _checked_record(record)
         records.append(dict(record, name=name) if record else
                        {"pid": int(pid) if pid.isdigit() else -1, "name": name, "starting": True})
     return records
@@ -4548,6 +4593,21 @@ def daemon_records(workspace: str) -> list[dict[str, Any]]:
 
 
 _id_counter = itertools.count()
+
+# What each field of meta.json that nrvna reads back must be. A hand-made, damaged or older
+# meta.json may hold anything: a field whose value is not so is read as absent (job_meta), so
+# no reader (recovery at start, export, events, hooks, retry) meets a type it does not expect.
+META_FIELDS: dict[str, Callable[[Any], bool]] = {
+    **dict.fromkeys(("attempts", "write_failures", "retries", "prompt_tokens", "generated_tokens",
+                     "reasoning_tokens", "prompt_computed"), _is_count),
+    **dict.fromkeys(("submitted", "started", "finished"), _is_time),
+    **dict.fromkeys(("id", "code", "finish_reason", "model", "worker", "daemon", "thinking_closed",
+                     "last_write_error"),
+                    _is_text),
+    "events": lambda value: type(value) is list,  # each entry checked by job_history
+    "errors": lambda value: type(value) is list and all(type(entry) is dict for entry in value),
+    "prompt_reused": lambda value: type(value) is dict and all(_is_count(n) for n in value.values()),
+}
 
 
 def generate_id() -> str:
@@ -4604,34 +4664,6 @@ def locate_job(workspace: str, job_id: str) -> tuple[Status, str]:
 def parent_unfinished(workspace: str, job_id: Optional[str]) -> bool:
     """Whether ``job_id`` names a job that is queued or running (a parent its child waits for)."""
     return job_id is not None and locate_job(workspace, job_id)[0] in (Status.Queued, Status.Running)
-
-
-def _is_count(value: Any) -> bool:
-    return type(value) is int and 0 <= value < 1 << 53
-
-
-def _is_time(value: Any) -> bool:
-    return type(value) in (int, float) and 0 <= value < 1e12  # NaN fails both comparisons
-
-
-def _is_text(value: Any) -> bool:
-    return type(value) is str and len(value) <= 1 << 16
-
-
-# What each field of meta.json that nrvna reads back must be. A hand-made, damaged or older
-# meta.json may hold anything: a field whose value is not so is read as absent (job_meta), so
-# no reader (recovery at start, export, events, hooks, retry) meets a type it does not expect.
-META_FIELDS: dict[str, Callable[[Any], bool]] = {
-    **dict.fromkeys(("attempts", "write_failures", "retries", "prompt_tokens", "generated_tokens",
-                     "reasoning_tokens", "prompt_computed"), _is_count),
-    **dict.fromkeys(("submitted", "started", "finished"), _is_time),
-    **dict.fromkeys(("id", "code", "finish_reason", "model", "worker", "daemon", "thinking_closed",
-                     "last_write_error"),
-                    _is_text),
-    "events": lambda value: type(value) is list,  # each entry checked by job_history
-    "errors": lambda value: type(value) is list and all(type(entry) is dict for entry in value),
-    "prompt_reused": lambda value: type(value) is dict and all(_is_count(n) for n in value.values()),
-}
 
 
 def job_meta(text: Optional[str]) -> dict[str, Any]:
