@@ -5207,10 +5207,16 @@ def _parse_key(text: str) -> tuple[str, Optional[str]]:
 
 
 def _read_key(path: str) -> tuple[str, Optional[str], float]:
-    """The job ID a key names, its holder (see _KeyHolder) and the key's age in seconds."""
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        job_id, holder = _parse_key(handle.read(1024))
-    return job_id, holder, time.time() - os.stat(path).st_mtime
+    """The job ID a key names, its holder (see _KeyHolder) and the key's age in seconds. Not
+    blocking, not following a link: a FIFO planted in keys/ reads as a key naming no job."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        text = os.read(fd, 1024).decode("utf-8", "replace") if stat.S_ISREG(info.st_mode) else ""
+    finally:
+        os.close(fd)
+    job_id, holder = _parse_key(text)
+    return job_id, holder, time.time() - info.st_mtime
 
 
 def _drop_stale_key(path: str, job_id: str) -> None:
@@ -5222,12 +5228,11 @@ def _drop_stale_key(path: str, job_id: str) -> None:
     except FileNotFoundError:
         return  # another client removed it
     try:
-        with open(aside, encoding="utf-8", errors="replace") as handle:
-            if _parse_key(handle.read(1024))[0] != job_id:
-                try:
-                    os.link(aside, path)  # a fresh key, not the stale one: restore it
-                except FileExistsError:
-                    pass
+        if _read_key(aside)[0] != job_id:
+            try:
+                os.link(aside, path)  # a fresh key, not the stale one: restore it
+            except FileExistsError:
+                pass
     finally:
         _unlink_quietly(aside, None)
 
@@ -5284,8 +5289,8 @@ def _prune_keys(workspace: str) -> None:
             continue
         try:
             job_id, holder, age = _read_key(path)
-        except (FileNotFoundError, IsADirectoryError):
-            continue
+        except OSError:
+            continue  # removed meanwhile, or not a key nrvna wrote (a directory, a link): left alone
         if _key_job_state(workspace, job_id, holder, age) == (False, None):
             _drop_stale_key(path, job_id)
 

@@ -3962,6 +3962,27 @@ def test_eight_processes_racing_one_key_make_one_job_and_all_print_it(ws: str) -
         nrvna.ensure_workspace(ws)
 
 
+def test_a_planted_key_file_never_hangs_a_submit_or_a_clean(ws: str, run_main: RunMain) -> None:
+    """keys/<sha256> is read (1 KiB at most) by every keyed submit and by clean: a FIFO planted
+    there reads as a key naming no job (replaced, a job queued), never a wait for a writer; a
+    symbolic link is not followed (one line, exit 1) and clean leaves it alone."""
+    first = ids_of(run_main("submit", ws, "--idempotency-key", "k", "a"))[0]
+    (name,) = os.listdir(os.path.join(ws, nrvna.KEYS))
+    key = os.path.join(ws, nrvna.KEYS, name)
+    os.unlink(key)
+    os.mkfifo(key)
+    result = run_main("submit", ws, "--idempotency-key", "k", "a", timeout=20)
+    assert result.returncode == 0 and ids_of(result) != [first]
+    os.unlink(key)
+    os.symlink("/dev/zero", key)
+    result = run_main("submit", ws, "--idempotency-key", "k", "a", timeout=20)
+    assert result.returncode == 1 and b"symbolic links" in result.stderr
+    with serving(ws, echo):
+        wait_all(ws, [first])
+    assert run_main("clean", ws, "--older-than", "0s", timeout=20).returncode == 0
+    assert os.path.islink(key)
+
+
 def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
     nrvna.ensure_workspace(ws)
     work = Work(ws)
