@@ -7354,10 +7354,12 @@ def test_sigkill_mid_batch_of_embed_jobs_every_line_ends_once(ws: str, tmp_path:
 
 class FakeStateL:
     """llama.cpp's per-sequence state calls over byte strings (a sequence's "state" is bytes):
-    the store's files, index, bound and checks without a model."""
+    the store's files, index, bound and checks without a model. ``covers``: how many tokens
+    each state's bytes hold (a sequence's positions after a restore)."""
 
     def __init__(self) -> None:
         self.seqs: dict[int, bytes] = {}
+        self.covers: dict[bytes, int] = {}
 
     def llama_state_seq_get_size(self, ctx: Any, slot: int) -> int:
         return len(self.seqs.get(slot, b""))
@@ -7377,13 +7379,20 @@ class FakeStateL:
         self.seqs.pop(slot, None)
         return True
 
+    def llama_memory_seq_pos_max(self, memory: Any, slot: int) -> int:
+        return self.covers.get(self.seqs[slot], 0) - 1 if slot in self.seqs else -1
+
+    def llama_memory_seq_pos_min(self, memory: Any, slot: int) -> int:
+        return 0 if self.covers.get(self.seqs.get(slot, b"")) else -1
+
 
 def saved_store(folder: str, states: dict[str, list[int]], fingerprint: str = "fp", limit: int = 1 << 30,
-                min_tokens: int = 16) -> tuple[nrvna.StateStore, FakeStateL]:
+                min_tokens: int = 16, owner: str = "") -> tuple[nrvna.StateStore, FakeStateL]:
     """A store with ``states`` saved ({job ID: tokens}; each state's bytes name its job)."""
-    store, fake = nrvna.StateStore(folder, fingerprint, limit, min_tokens), FakeStateL()
+    store, fake = nrvna.StateStore(folder, fingerprint, limit, min_tokens, owner=owner), FakeStateL()
     for job_id, tokens in states.items():
         fake.seqs[0] = f"state of {job_id} ".encode() * 50
+        fake.covers[fake.seqs[0]] = len(tokens)
         store.save(fake, None, 0, tokens, job_id)
         store.close()  # written: the Saver stops once its queue is empty
     return store, fake
@@ -7441,6 +7450,150 @@ def test_a_torn_or_damaged_state_is_a_miss_and_is_removed(tmp_path: Path) -> Non
     assert fresh.find(list(range(1000, 1200)), 199, 1000, trimmable=True) is None and not torn.exists()
 
 
+def forge_state(folder: str, name: str, blob: bytes, **header: Any) -> None:
+    """Rewrite state ``name`` with its header and tokens (``header`` changed) over ``blob``, its
+    crc recomputed: a file whole by its crc whose parts may disagree."""
+    head = nrvna.read_state_head(folder, name)
+    data, offset = nrvna.state_buffer(header.get("fingerprint", head.fingerprint), head.job, head.tokens, len(blob),
+                                      header.get("owner", head.owner))
+    data[offset:offset + len(blob)] = blob
+    nrvna.seal_state(data)
+    Path(folder, name).write_bytes(bytes(data))
+
+
+def crafted_state(header: Any, length: int | None = None, tail: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    return nrvna.STATE_MAGIC + struct.pack("<I", len(raw) if length is None else length) + raw + tail
+
+
+CRAFTED_STATES = {  # nrvna's magic, counts that do not fit the file: each a miss, read before nothing is allocated
+    "huge.kv": crafted_state({"fingerprint": "fp", "tokens": 2 ** 61, "blob": 0}),
+    "large.kv": crafted_state({"fingerprint": "fp", "tokens": 2 ** 34, "blob": 0}),
+    "blob.kv": crafted_state({"fingerprint": "fp", "tokens": 1, "blob": 2 ** 62}, tail=b"\0" * 12),
+    "negative.kv": crafted_state({"fingerprint": "fp", "tokens": -1, "blob": 8}, tail=b"\0" * 8),
+    "bool.kv": crafted_state({"fingerprint": "fp", "tokens": True, "blob": 0}, tail=b"\0" * 8),
+    "text.kv": crafted_state({"fingerprint": "fp", "tokens": "1", "blob": 0}, tail=b"\0" * 8),
+    "float.kv": crafted_state({"fingerprint": "fp", "tokens": 1.0, "blob": 0}, tail=b"\0" * 8),
+    "header.kv": crafted_state(b"{}", length=2 ** 32 - 1),
+    "longer.kv": crafted_state(b"{}", length=60000),
+    "nested.kv": crafted_state(b"[" * 30000 + b"]" * 30000),
+    "short.kv": nrvna.STATE_MAGIC + b"\1",
+}
+
+
+def test_a_state_whose_state_does_not_hold_its_tokens_is_a_miss_and_is_removed(tmp_path: Path) -> None:
+    """Item 1 of #57: a file whole by its crc whose state is another, shorter prompt's, or
+    empty (0 bytes: llama.cpp's returned length, 0, proves nothing), is a miss: the sequence is
+    emptied, never left holding fewer tokens than the state names; the file is removed."""
+    folder = str(tmp_path / "states")
+    store, fake = saved_store(folder, {"a": list(range(100)), "b": list(range(200))})
+    by_job = {nrvna.read_state_head(folder, n).job: n for n in os.listdir(folder)}
+    for blob in (b"state of a " * 50, b""):
+        forge_state(folder, by_job["b"], blob)
+        fresh = nrvna.StateStore(folder, "fp", 1 << 30, 16)
+        head, shared = fresh.find(list(range(300)), 299, 1000, trimmable=True)
+        assert (head.job, shared) == ("b", 200) and nrvna.read_state(folder, head) is not None  # whole by its crc
+        fake.seqs[5] = b"what slot 5 held"
+        assert not fresh.restore(fake, None, 5, head) and 5 not in fake.seqs
+        assert not os.path.exists(os.path.join(folder, by_job["b"])) and fresh.counts["removed"] == 1
+        store, fake = saved_store(folder, {"b": list(range(200))})  # saved again, honestly
+        by_job["b"] = next(n for n in os.listdir(folder) if nrvna.read_state_head(folder, n).job == "b")
+    head, _ = store.find(list(range(300)), 299, 1000, trimmable=True)
+    assert store.restore(fake, None, 5, head) and fake.seqs[5] == b"state of b " * 50  # the honest one
+
+
+def test_crafted_state_headers_are_a_miss_and_are_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 2 of #57: a header's counts (2**61 tokens, 2**34, a blob past the file, negative,
+    a bool, text, a float, a header of 4 GiB or past the file, a deep one) are checked against
+    the file's size before anything is read or allocated: a miss, never an exception; a file of
+    nrvna's magic that is inconsistent is removed, any other is read once and left."""
+    folder = tmp_path / "states"
+    store, fake = saved_store(str(folder), {"a": list(range(100))})
+    for name, data in CRAFTED_STATES.items():
+        (folder / name).write_bytes(data)
+        assert nrvna.inspect_state(str(folder), name) == (None, "damaged"), name
+    (folder / "settings.kv").write_bytes(b"[editor]\nfont = 12\n")
+    reads: list[str] = []
+    inspect = nrvna.inspect_state
+    monkeypatch.setattr(nrvna, "inspect_state", lambda f, n: reads.append(n) or inspect(f, n))
+    fresh = nrvna.StateStore(str(folder), "fp", 1 << 30, 16)
+    assert fresh.find(list(range(120)), 119, 1000, trimmable=True)[0].job == "a"
+    assert sorted(os.listdir(folder)) == sorted([*fresh._index, "settings.kv"])  # the crafted ones removed
+    assert sorted(reads) == sorted([*CRAFTED_STATES, "settings.kv", *fresh._index])
+    (folder / "other.txt").write_bytes(b"")  # the folder changes: it is listed again
+    reads.clear()
+    assert fresh.find(list(range(120)), 119, 1000, trimmable=True)[0].job == "a" and fresh.wants(list(range(300)), True, 300)
+    assert reads == []  # settings.kv and the state were read once
+    # Another daemon's store, same folder: the same answer, and no exception either.
+    assert nrvna.StateStore(str(folder), "fp", 1 << 30, 16).find(list(range(120)), 119, 1000, trimmable=True)
+
+
+def test_a_cache_folder_s_files_that_are_not_nrvna_s_are_never_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 3 of #57: only .kv files with nrvna's magic and temporaries named exactly as nrvna
+    names them are read, evicted or removed; a file that cannot be opened now (EMFILE, EACCES)
+    is a miss, never removed."""
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = dead.stdout.strip()
+    theirs = {"settings.kv": b"[editor]\nfont = 12\n", ".tmp-editor-swap": b"swap", "empty.kv": b"",
+              f".tmp-{pid}-notahash.kv.part": b"x", f".tmp-{pid}-{'A' * 40}.kv.part": b"x",
+              f".tmp-{pid}-{'a' * 40}.kv.part.bak": b"x", f"tmp-{pid}-{'a' * 40}.kv.part": b"x"}
+    for name, data in theirs.items():
+        (folder / name).write_bytes(data)
+    (folder / "dir.kv").mkdir()
+    os.symlink(folder / "settings.kv", folder / "link.kv")
+    (folder / f".tmp-{pid}-{'0' * 40}.kv.part").write_bytes(b"a dead save's")  # nrvna's: removed
+    store, fake = saved_store(str(folder), {"a": list(range(100)), "b": list(range(1000, 1100))})
+    assert store.counts["saved"] == 2 and store.find(list(range(200)), 199, 1000, trimmable=True)[0].job == "a"
+    nrvna.StateStore(str(folder), "fp", 1, 16)  # a 1-byte bound at the next start
+    assert sorted(os.listdir(folder)) == sorted([*theirs, "dir.kv", "link.kv"])  # the bound took nrvna's states only
+    assert Path(folder, "settings.kv").read_bytes() == theirs["settings.kv"]
+    # A transient error opening a whole state: a miss, the file stays.
+    store, fake = saved_store(str(folder), {"c": list(range(2000, 2100))})
+    [state] = [n for n in os.listdir(folder) if nrvna.read_state_head(str(folder), n)]
+    real_open = os.open
+
+    def failing(path: Any, *args: Any, **kwargs: Any) -> int:
+        if str(path).endswith(state):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, *args, **kwargs)
+
+    head, _ = store.find(list(range(2000, 2200)), 199, 1000, trimmable=True)
+    monkeypatch.setattr(os, "open", failing)
+    fresh = nrvna.StateStore(str(folder), "fp", 1 << 30, 16)
+    assert fresh.find(list(range(2000, 2200)), 199, 1000, trimmable=True) is None
+    assert not store.restore(fake, None, 0, head) and 0 not in fake.seqs
+    monkeypatch.setattr(os, "open", real_open)
+    assert (folder / state).exists() and fresh.find(list(range(2000, 2200)), 199, 1000, trimmable=True) is None
+    time.sleep(0.05)  # past the folder's mtime granularity
+    (folder / "touch").mkdir()  # the folder changes: the state is read again
+    assert fresh.find(list(range(2000, 2200)), 199, 1000, trimmable=True)[0].name == state
+
+
+def test_one_bound_in_a_folder_shared_by_workspaces_evicts_its_own_workspace_s_states_only(tmp_path: Path) -> None:
+    """Item 3 of #57: each workspace's daemons bound the states they wrote (the owner in the
+    header) and those saved before owners were recorded; another workspace's states in a shared
+    NRVNA_CACHE_DIR are read (restored) but never counted nor evicted by this one's bound."""
+    folder = str(tmp_path / "shared")
+    first, _ = saved_store(folder, {"first": list(range(100))}, owner="w1")
+    size = os.path.getsize(os.path.join(folder, os.listdir(folder)[0]))
+    small, fake = saved_store(folder, {"second": list(range(1000, 1100)), "third": list(range(2000, 2100))},
+                              owner="w2", limit=size + 200)
+    owners = {h.job: h.owner for h in (nrvna.read_state_head(folder, n) for n in os.listdir(folder))}
+    assert owners == {"first": "w1", "third": "w2"}  # w2's bound evicted its own older state only
+    nrvna.StateStore(folder, "fp", 1, 16, owner="w2")  # a 1-byte bound at w2's next start
+    assert [h.job for h in (nrvna.read_state_head(folder, n) for n in os.listdir(folder))] == ["first"]
+    fake.covers[b"state of first " * 50] = 100
+    head, _ = small.find(list(range(200)), 199, 1000, trimmable=True)  # w1's state serves w2's jobs
+    assert head.job == "first" and small.restore(fake, None, 0, head)
+    legacy, _ = saved_store(folder, {"legacy": list(range(3000, 3100))})  # no owner: as saved before owners
+    nrvna.StateStore(folder, "fp", 1, 16, owner="w2")
+    assert [h.job for h in (nrvna.read_state_head(folder, n) for n in os.listdir(folder))] == ["first"]
+    assert nrvna.state_owner(str(tmp_path)) == nrvna.state_owner(str(tmp_path / "x" / ".."))
+
+
 def test_the_store_saves_what_a_later_job_can_use_and_not_every_batch_line(tmp_path: Path) -> None:
     store, _ = saved_store(str(tmp_path / "states"), {"a": list(range(100))})
     assert not store.wants(list(range(10)), True, 10)  # under NRVNA_CACHE_MIN_TOKENS
@@ -7469,10 +7622,10 @@ def test_a_save_cut_short_leaves_a_temporary_file_the_next_start_removes(tmp_pat
     folder = tmp_path / "states"
     folder.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (folder / f".tmp-{dead.stdout.strip()}-x.kv.part").write_bytes(b"half")
-    (folder / f".tmp-{os.getppid()}-y.kv.part").write_bytes(b"a live writer's")
+    (folder / f".tmp-{dead.stdout.strip()}-{'a' * 40}.kv.part").write_bytes(b"half")
+    (folder / f".tmp-{os.getppid()}-{'b' * 40}.kv.part").write_bytes(b"a live writer's")
     nrvna.StateStore(str(folder), "fp", 1 << 30, 16)
-    assert os.listdir(folder) == [f".tmp-{os.getppid()}-y.kv.part"]
+    assert os.listdir(folder) == [f".tmp-{os.getppid()}-{'b' * 40}.kv.part"]
 
 
 def test_the_cache_settings_take_sizes_and_clean_removes_a_cleaned_job_s_states(ws: str, run_main: RunMain) -> None:
