@@ -4918,6 +4918,30 @@ def test_clean_done_only_and_bad_durations(ws: str, run_main: RunMain) -> None:
     assert run_main("clean", ws).returncode == 2  # --older-than is required
 
 
+def test_clean_with_crafted_files_in_states_never_crashes_halfway(ws: str) -> None:
+    """Item 2 of #57: a .kv of nrvna's magic whose header claims 2**61 tokens (or 2**34, or a
+    header past the file), and a file that is not nrvna's, in states/: clean removes the jobs
+    and their states, exits 0, and leaves what it cannot read as a state."""
+    done = [submit(ws, "ok"), submit(ws, "also ok")]
+    with serving(ws, echo):
+        wait_all(ws, done)
+    folder = Path(ws, nrvna.STATES)
+    folder.mkdir(exist_ok=True)
+    crafted = {f"{n}.kv": nrvna.STATE_MAGIC + struct.pack("<I", len(h)) + h for n, h in (
+        ("huge", b'{"fingerprint": "x", "tokens": 2305843009213693952, "blob": 0, "job": "%s"}' % done[0].encode()),
+        ("large", b'{"fingerprint": "x", "tokens": 17179869184, "blob": 0}'), ("past", b"{}" + b" " * 70000))}
+    crafted["settings.kv"] = b"[editor]\nfont = 12\n"
+    for name, data in crafted.items():
+        (folder / name).write_bytes(data)
+    data, offset = nrvna.state_buffer("fp", done[1], list(range(100)), 8)
+    nrvna.seal_state(data)
+    (folder / nrvna.state_name("fp", list(range(100)))).write_bytes(bytes(data))  # done[1]'s own: removed with it
+    time.sleep(0.05)
+    cleaned = cli("clean", ws, "--older-than", "0s")
+    assert cleaned.returncode == 0 and b"Traceback" not in cleaned.stderr, cleaned.stderr
+    assert sorted(ids_of(cleaned)) == sorted(done) and sorted(os.listdir(folder)) == sorted(crafted)
+
+
 def test_clean_prunes_the_tag_index_of_jobs_that_are_gone(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     first = ids_of(run_main("submit", ws, "--file", write(tmp_path / "a.txt", "a1\na2\n"), "--tag", "t"))
     second = ids_of(run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([{"prompt": "b1", "custom_id": "b1"}])),
@@ -7389,7 +7413,7 @@ class FakeStateL:
 def saved_store(folder: str, states: dict[str, list[int]], fingerprint: str = "fp", limit: int = 1 << 30,
                 min_tokens: int = 16, owner: str = "") -> tuple[nrvna.StateStore, FakeStateL]:
     """A store with ``states`` saved ({job ID: tokens}; each state's bytes name its job)."""
-    store, fake = nrvna.StateStore(folder, fingerprint, limit, min_tokens, owner=owner), FakeStateL()
+    store, fake = nrvna.StateStore(folder, fingerprint, limit, min_tokens, **({"owner": owner} if owner else {})), FakeStateL()
     for job_id, tokens in states.items():
         fake.seqs[0] = f"state of {job_id} ".encode() * 50
         fake.covers[fake.seqs[0]] = len(tokens)
@@ -7454,8 +7478,9 @@ def forge_state(folder: str, name: str, blob: bytes, **header: Any) -> None:
     """Rewrite state ``name`` with its header and tokens (``header`` changed) over ``blob``, its
     crc recomputed: a file whole by its crc whose parts may disagree."""
     head = nrvna.read_state_head(folder, name)
+    owner = header.get("owner", getattr(head, "owner", ""))
     data, offset = nrvna.state_buffer(header.get("fingerprint", head.fingerprint), head.job, head.tokens, len(blob),
-                                      header.get("owner", head.owner))
+                                      *([owner] if owner else []))
     data[offset:offset + len(blob)] = blob
     nrvna.seal_state(data)
     Path(folder, name).write_bytes(bytes(data))
@@ -7511,7 +7536,6 @@ def test_crafted_state_headers_are_a_miss_and_are_read_once(tmp_path: Path, monk
     store, fake = saved_store(str(folder), {"a": list(range(100))})
     for name, data in CRAFTED_STATES.items():
         (folder / name).write_bytes(data)
-        assert nrvna.inspect_state(str(folder), name) == (None, "damaged"), name
     (folder / "settings.kv").write_bytes(b"[editor]\nfont = 12\n")
     reads: list[str] = []
     inspect = nrvna.inspect_state
@@ -7526,6 +7550,9 @@ def test_crafted_state_headers_are_a_miss_and_are_read_once(tmp_path: Path, monk
     assert reads == []  # settings.kv and the state were read once
     # Another daemon's store, same folder: the same answer, and no exception either.
     assert nrvna.StateStore(str(folder), "fp", 1 << 30, 16).find(list(range(120)), 119, 1000, trimmable=True)
+    for name, data in CRAFTED_STATES.items():
+        (folder / name).write_bytes(data)
+        assert nrvna.inspect_state(str(folder), name) == (None, "damaged"), name
 
 
 def test_a_cache_folder_s_files_that_are_not_nrvna_s_are_never_removed(
@@ -7748,6 +7775,66 @@ def test_a_damaged_or_foreign_state_is_never_restored(tmp_path: Path, model: str
     assert cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=env, timeout=300).returncode == 0
     meta = Flow(ws).get(grandchild).meta
     assert meta["prompt_reused"]["disk"] == 0 and Path(ws, nrvna.STATES, mine).exists()
+
+
+BRICKS = " ".join(f"Note {i}: the {i}th brick costs {i * 3 % 11} coins." for i in range(30)) + " Which costs most?"
+
+
+@pytest.mark.model
+def test_a_state_whole_by_its_crc_that_does_not_hold_its_tokens_is_never_restored(tmp_path: Path, model: str) -> None:
+    """Items 1 and 2 of #57: turn 1's state rewritten with its header and tokens over an empty
+    state (0 bytes), or over another, shorter prompt's state, its crc recomputed; beside it,
+    headers claiming 2**61 and 2**34 tokens and files that are not nrvna's. Turn 2 restores
+    nothing from disk and writes what it writes with the store off; every job is done; the
+    files nrvna did not write are all left."""
+    env = {"NRVNA_CACHE_MIN_TOKENS": "64"}
+    template = str(tmp_path / "template")
+    first, other = conversation_turn(template, LONG_TURN), conversation_turn(template, BRICKS)
+    assert cli("daemon", model, template, "-w", "1", "-s", "1", "--drain", env=env, timeout=300).returncode == 0
+    folder = os.path.join(template, nrvna.STATES)
+    heads = {h.job: h for h in (nrvna.read_state_head(folder, n) for n in wait_for_states(template, 2))}
+    assert len(heads[other].tokens) < len(heads[first].tokens)
+    shorter = Path(folder, heads[other].name).read_bytes()[-4 - heads[other].blob:-4]
+    child = conversation_turn(template, "Which stone is heaviest? Answer briefly.", first)
+    off = fresh_copy(template, str(tmp_path / "off"))
+    assert cli("daemon", model, off, "-w", "1", "-s", "1", "--drain", env=dict(env, NRVNA_CACHE_DISK="0"),
+               timeout=300).returncode == 0
+    reference = Flow(off).get(child)
+    assert reference.status is Status.Done and reference.meta["prompt_reused"]["disk"] == 0
+    theirs = {"settings.kv": b"[editor]\nfont = 12\n", ".tmp-editor-swap": b"swap"}
+    for case, blob in (("empty", b""), ("shorter", shorter)):
+        ws = fresh_copy(template, str(tmp_path / case))
+        forge_state(os.path.join(ws, nrvna.STATES), heads[first].name, blob)
+        for name, data in {**theirs, "huge.kv": CRAFTED_STATES["huge.kv"], "large.kv": CRAFTED_STATES["large.kv"]}.items():
+            Path(ws, nrvna.STATES, name).write_bytes(data)
+        done = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=env, timeout=300)
+        assert done.returncode == 0 and b"does not hold the tokens it names" in done.stderr, (case, done.stderr[-2000:])
+        turn = Flow(ws).get(child)
+        assert turn.status is Status.Done and turn.result == reference.result, (case, turn.result, reference.result)
+        assert turn.meta["prompt_reused"]["disk"] == 0 and turn.meta["prompt_computed"] == turn.meta["prompt_tokens"]
+        assert all(Path(ws, nrvna.STATES, n).read_bytes() == d for n, d in theirs.items())
+        assert not Path(ws, nrvna.STATES, heads[first].name).exists()  # nrvna's, inconsistent: removed
+        assert not Path(ws, nrvna.STATES, "huge.kv").exists() and b"Traceback" not in done.stderr
+
+
+@pytest.mark.model
+def test_a_small_bound_on_a_shared_cache_folder_leaves_another_workspace_s_states(tmp_path: Path, model: str) -> None:
+    """Item 3 of #57: workspace two's daemon, NRVNA_CACHE_DISK=1K on the NRVNA_CACHE_DIR that
+    workspace one's daemon saved a state into, starts and runs without evicting it (its bound
+    counts its own workspace's states), restores it for the same prompt, and leaves a file
+    that is not nrvna's."""
+    shared = tmp_path / "cache"
+    env = {"NRVNA_CACHE_MIN_TOKENS": "64", "NRVNA_CACHE_DIR": str(shared)}
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    conversation_turn(one, LONG_TURN)
+    assert cli("daemon", model, one, "-w", "1", "-s", "1", "--drain", env=env, timeout=300).returncode == 0
+    [state] = [n for n in os.listdir(shared) if n.endswith(nrvna.STATE_SUFFIX)]
+    assert nrvna.read_state_head(str(shared), state).owner == nrvna.state_owner(one)
+    (shared / "settings.kv").write_bytes(b"[editor]\n")
+    second = conversation_turn(two, LONG_TURN)
+    done = cli("daemon", model, two, "-w", "1", "-s", "1", "--drain", env=dict(env, NRVNA_CACHE_DISK="1K"), timeout=300)
+    assert done.returncode == 0 and sorted(os.listdir(shared)) == sorted([state, "settings.kv"]), os.listdir(shared)
+    assert Flow(two).get(second).meta["prompt_reused"]["disk"] > 500  # one's state served two's job
 
 
 @pytest.mark.model
@@ -8036,6 +8123,31 @@ def test_jobs_started_together_share_one_computation_of_their_prefix(llama: nrvn
     assert outputs[True][1] >= 3 * prefix  # three copied the first one's cells (llama_memory_seq_cp)
     assert outputs[False][1] == 0
     assert outputs[True][0] == outputs[False][0] and len(outputs[True][0]) == 4
+
+
+@pytest.mark.model
+def test_a_job_whose_start_fails_leaves_nothing_in_its_session(llama: nrvna.LlamaRunner,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 2 of #57: a start that fails once the job holds a slot (here, while room is made
+    for it; on the old code a saved state's header raised there) drops the job from its
+    session: the worker ends it, and a shutdown's hand-back never meets it again (KeyError)."""
+    session = llama.session(0, nrvna.Config(workers=1, seqs=2, max_ctx=1024))
+    try:
+        def crafted(*args: Any) -> None:
+            raise OverflowError("Python int too large to convert to C ssize_t")
+
+        monkeypatch.setattr(session.prefixes, "make_room", crafted)
+        with pytest.raises(OverflowError):
+            session.start(fake_job("Hello there.", max_tokens=3))
+        assert session.active() == [] and session.slots == [None] * len(session.slots)
+        monkeypatch.undo()
+        session.start(fake_job("Hello again.", max_tokens=3, temperature=0))
+        ended = []
+        while not ended:
+            ended = session.step()
+        assert ended[0][1].error_code is None and session.active() == []
+    finally:
+        session.close()
 
 
 @pytest.mark.model
