@@ -5460,13 +5460,10 @@ class _DirWatch:
 # ============================================================================
 # 7.7 Saved states on disk: the file format
 # ============================================================================
-# A saved KV state (StateStore, §11.6) is one file, states/HASH.kv: magic, header length, a JSON
-# header (fingerprint, source job, owner, counts), its tokens (int32 LE), llama.cpp's per-sequence
-# state, a crc32 of all before it. Written whole (temporary name, fsync, rename): a torn or damaged
-# file fails its header's counts or its crc and is a miss. A file is nrvna's only if it starts with
-# the magic (a temporary one: if its name is exactly nrvna's); nothing else in the folder is
-# touched. Every count is checked against the file's size before anything is read or allocated.
-# Stateless; any thread.
+# A saved KV state (StateStore, §11.6) is one file, states/HASH.kv: magic, header length, JSON header
+# (fingerprint, job, owner, counts: checked against the file's size first), tokens (int32 LE), the
+# per-sequence state, a crc32. Written whole: torn or damaged, it is a miss. Only a file with the magic
+# (a temporary one: named exactly as nrvna names it) is nrvna's to touch. Stateless; any thread.
 
 
 STATES = "states"  # the workspace's folder of saved KV states (NRVNA_CACHE_DIR names another)
