@@ -207,8 +207,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Worker-N -> LlamaRunner: _pieces (token -> bytes cache) => no lock: a token's bytes are the same
         whoever stores them, and one dict get or set is atomic
     Worker-N -> LlamaRunner: _sessions => _lock
-    Worker-N, Saver -> StateStore: _index, _pending, counts (find, restore, wants, save on the worker; _write,
-        evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
+    Worker-N, Saver -> StateStore: _index, _skipped, _pending, counts (find, restore, wants, save on the worker;
+        _write, evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
         under a temporary name first); the loader's close joins the Saver. A restore's crc is checked on a
         StateCheck thread of its own, joined by the worker before it closes the mapping
     Worker-N, Watcher -> Pool (waiting: children whose parent has not ended): released by a finish (the
@@ -9958,8 +9958,8 @@ class StateStore:
 
     Threads: Worker-N calls find, restore, wants and save; the Saver thread (started by the
     first save) writes and evicts; the loader closes it (joins the Saver: pending saves are
-    written). The index, the pending count and the counters are under ``_lock``; a file is
-    read outside it.
+    written). The index, the names skipped, the pending count and the counters are under
+    ``_lock``; a file is read outside it (two threads listing at once read a new file twice).
     """
 
     def __init__(self, folder: str, fingerprint: str, limit: int, min_tokens: int,

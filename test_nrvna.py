@@ -7621,6 +7621,33 @@ def test_one_bound_in_a_folder_shared_by_workspaces_evicts_its_own_workspace_s_s
     assert nrvna.state_owner(str(tmp_path)) == nrvna.state_owner(str(tmp_path / "x" / ".."))
 
 
+def test_a_state_another_daemon_evicted_is_a_quiet_miss(tmp_path: Path) -> None:
+    """Item 10 of #57: a state found in the index and removed by another daemon's bound before
+    it is read is a miss that says so (debug), never "torn or damaged", and counts no removal."""
+    folder = str(tmp_path / "states")
+    store, fake = saved_store(folder, {"a": list(range(100))})
+    head, _ = store.find(list(range(200)), 199, 1000, trimmable=True)
+    os.unlink(os.path.join(folder, head.name))  # the other daemon's eviction
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler, logger = Collect(), logging.getLogger("nrvna")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        assert not store.restore(fake, None, 0, head) and 0 not in fake.seqs
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert store.counts["removed"] == 0 and not any("torn or damaged" in line for line in lines), lines
+    assert any(head.name in line and "gone" in line for line in lines), lines
+    assert store.find(list(range(200)), 199, 1000, trimmable=True) is None
+
+
 def test_the_store_saves_what_a_later_job_can_use_and_not_every_batch_line(tmp_path: Path) -> None:
     store, _ = saved_store(str(tmp_path / "states"), {"a": list(range(100))})
     assert not store.wants(list(range(10)), True, 10)  # under NRVNA_CACHE_MIN_TOKENS
