@@ -41,8 +41,9 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
    7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_members
    7.6 Reading a job                Job, _read_choices, continued_turns, parent_conversation, _DirWatch
-   7.7 Saved states on disk         STATES, StateHead, state_name, state_buffer, seal_state, read_state_head,
-                                      map_state, state_whole, read_state, remove_states_of
+   7.7 Saved states on disk         STATES, StateHead, state_owner, state_name, state_temp_name, state_buffer,
+                                      seal_state, inspect_state, read_state_head, map_state, state_whole,
+                                      read_state, remove_states_of
 8. Batch files and export           read_batch, parse_batch, parse_records (templates), EXPORT_FORMATS,
                                     export_record, job_vectors
 9. Client
@@ -207,8 +208,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Worker-N -> LlamaRunner: _pieces (token -> bytes cache) => no lock: a token's bytes are the same
         whoever stores them, and one dict get or set is atomic
     Worker-N -> LlamaRunner: _sessions => _lock
-    Worker-N, Saver -> StateStore: _index, _pending, counts (find, restore, wants, save on the worker; _write,
-        evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
+    Worker-N, Saver -> StateStore: _index, _skipped, _pending, counts (find, restore, wants, save on the worker;
+        _write, evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
         under a temporary name first); the loader's close joins the Saver. A restore's crc is checked on a
         StateCheck thread of its own, joined by the worker before it closes the mapping
     Worker-N, Watcher -> Pool (waiting: children whose parent has not ended): released by a finish (the
@@ -5551,21 +5552,24 @@ class _DirWatch:
 # ============================================================================
 # 7.7 Saved states on disk: the file format
 # ============================================================================
-# A saved KV state (StateStore, §11.6) is one file, states/HASH.kv: magic, header length, a JSON
-# header (fingerprint, source job, counts), its tokens (int32 LE), llama.cpp's per-sequence state,
-# a crc32 of all before it. Written whole (temporary name, fsync, rename): a torn or damaged file
-# fails its crc and is a miss. Stateless; any thread.
+# A saved KV state (StateStore, §11.6) is one file, states/HASH.kv: magic, header length, JSON header
+# (fingerprint, job, owner, counts: checked against the file's size first), tokens (int32 LE), the
+# per-sequence state, a crc32. Written whole: torn or damaged, it is a miss. Only a file with the magic
+# (a temporary one: named exactly as nrvna names it) is nrvna's to touch. Stateless; any thread.
 
 
 STATES = "states"  # the workspace's folder of saved KV states (NRVNA_CACHE_DIR names another)
 STATE_MAGIC = b"NRVNAKV1"
 STATE_SUFFIX = ".kv"
 STATE_TEMP_PREFIX = ".tmp-"
+STATE_TEMP = re.compile(r"\.tmp-([0-9]{1,10})-[0-9a-f]{40}\.kv\.part")  # a save's temporary file (the writer's pid)
 STATE_HEADER_LIMIT = 1 << 16
+STATE_TOKENS_LIMIT = 1 << 24  # most tokens a state covers (NRVNA_CACHE_MIN_TOKENS's own bound; no context is longer)
 
 # A saved state as its header describes it: its file name, fingerprint, source job, the tokens
-# it covers (an array of int32), the state's length in bytes, the file's size and mtime.
-StateHead = namedtuple("StateHead", "name fingerprint job tokens blob size mtime")
+# it covers (an array of int32), the state's length in bytes, the file's size and mtime, and its
+# owner (state_owner: the workspace whose daemon wrote it; "" in a state saved before owners were).
+StateHead = namedtuple("StateHead", "name fingerprint job tokens blob size mtime owner", defaults=("",))
 
 
 def _is_state_name(name: str) -> bool:
@@ -5576,6 +5580,15 @@ def _is_state_name(name: str) -> bool:
 def states_folder(workspace: str, cache_dir: str = "") -> str:
     """Where a workspace's saved states live: NRVNA_CACHE_DIR, else its states/."""
     return cache_dir or os.path.join(workspace, STATES)
+
+
+def state_owner(workspace: str) -> str:
+    """Who a state saved by ``workspace``'s daemons belongs to, in its header: a hash of the
+    workspace's real path (a folder shared by workspaces names none of their paths). A daemon's
+    NRVNA_CACHE_DISK bound counts and evicts its own workspace's states only."""
+    import hashlib
+
+    return hashlib.sha256(os.path.realpath(workspace).encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def _le_tokens(tokens: Any) -> bytes:
@@ -5589,13 +5602,18 @@ def _le_tokens(tokens: Any) -> bytes:
 
 def state_name(fingerprint: str, tokens: Any) -> str:
     """A state's file name: it names its content (two daemons saving the same context write the
-    same bytes under the same name)."""
+    same state under the same name)."""
     import hashlib
 
     return hashlib.sha256(fingerprint.encode("utf-8") + b"\0" + _le_tokens(tokens)).hexdigest()[:40] + STATE_SUFFIX
 
 
-def state_buffer(fingerprint: str, job_id: str, tokens: Any, blob: int) -> tuple[Any, int]:
+def state_temp_name(name: str) -> str:
+    """The temporary name a state is written under before its rename (matches STATE_TEMP)."""
+    return f"{STATE_TEMP_PREFIX}{os.getpid()}-{name}.part"
+
+
+def state_buffer(fingerprint: str, job_id: str, tokens: Any, blob: int, owner: str = "") -> tuple[Any, int]:
     """A state file's bytes but its state and crc: the buffer (writable, an anonymous mapping)
     and where the state goes."""
     import json
@@ -5603,7 +5621,7 @@ def state_buffer(fingerprint: str, job_id: str, tokens: Any, blob: int) -> tuple
     import struct
 
     header = json.dumps({"fingerprint": fingerprint, "job": job_id, "tokens": len(tokens), "blob": blob,
-                         "created": round(time.time(), 3)}).encode("utf-8")
+                         "created": round(time.time(), 3), **({"owner": owner} if owner else {})}).encode("utf-8")
     head = STATE_MAGIC + struct.pack("<I", len(header)) + header + _le_tokens(tokens)
     data = mmap.mmap(-1, len(head) + blob + 4)  # anonymous: pages zeroed lazily (a bytearray memsets 184 MB)
     data[:len(head)] = head
@@ -5618,58 +5636,86 @@ def seal_state(data: Any) -> None:
     data[-4:] = struct.pack("<I", zlib.crc32(memoryview(data)[:-4]))
 
 
-def read_state_head(folder: str, name: str) -> Optional[StateHead]:
-    """A state file's header and tokens (not its state); None for anything that is not a
-    whole state file of this format (a torn, damaged or foreign file)."""
+def _count(value: Any) -> bool:
+    """A header's count: an int (never a bool, a float or text), 0 or more."""
+    return type(value) is int and value >= 0
+
+
+def inspect_state(folder: str, name: str) -> tuple[Optional[StateHead], str]:
+    """A state file's header and tokens (not its state), or None and why: "foreign" (no
+    nrvna magic, not a regular file: not nrvna's, left alone), "damaged" (nrvna's magic, and
+    counts that do not fit the file: torn, damaged or crafted; nrvna's to remove) or
+    "unreadable" (it could not be read now: EMFILE, EACCES, EIO...; never a reason to remove).
+    Every count is checked against the file's size before it is used."""
+    import errno
     import json
     import struct
     from array import array
 
     try:
         fd = os.open(os.path.join(folder, name), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
+    except OSError as err:
+        return None, "foreign" if err.errno == errno.ELOOP else "unreadable"  # ELOOP: a symlink
     try:
         info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None, "foreign"
         start = os.pread(fd, len(STATE_MAGIC) + 4, 0)
-        if not stat.S_ISREG(info.st_mode) or len(start) < 12 or start[:8] != STATE_MAGIC:
-            return None
-        length = struct.unpack("<I", start[8:])[0]
-        header = json.loads(os.pread(fd, length, 12)) if length <= STATE_HEADER_LIMIT else None
+        if start[:len(STATE_MAGIC)] != STATE_MAGIC:
+            return None, "foreign"
+        length = struct.unpack("<I", start[8:])[0] if len(start) == 12 else -1
+        if not 0 < length <= min(STATE_HEADER_LIMIT, info.st_size - 16):
+            return None, "damaged"
+        header = json.loads(os.pread(fd, length, 12))
         if not (isinstance(header, dict) and isinstance(header.get("fingerprint"), str)
-                and all(isinstance(header.get(k), int) and header[k] >= 0 for k in ("tokens", "blob"))):
-            return None
-        raw = os.pread(fd, 4 * header["tokens"], 12 + length)
-        if len(raw) != 4 * header["tokens"] or 12 + length + len(raw) + header["blob"] + 4 != info.st_size:
-            return None
+                and _count(header.get("tokens")) and _count(header.get("blob"))):
+            return None, "damaged"
+        n, blob = header["tokens"], header["blob"]
+        if n > STATE_TOKENS_LIMIT or 12 + length + 4 * n + blob + 4 != info.st_size:
+            return None, "damaged"
+        raw = os.pread(fd, 4 * n, 12 + length)
+        if len(raw) != 4 * n:
+            return None, "damaged"
         tokens = array("i", raw)
         if sys.byteorder != "little":
             tokens.byteswap()
         job = header.get("job") if isinstance(header.get("job"), str) else ""
-        return StateHead(name, header["fingerprint"], job, tokens, header["blob"], info.st_size, info.st_mtime)
-    except (OSError, ValueError, RecursionError):
-        return None
+        owner = header.get("owner") if isinstance(header.get("owner"), str) else ""
+        return StateHead(name, header["fingerprint"], job, tokens, blob, info.st_size, info.st_mtime, owner), ""
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError)
+        return None, "damaged"
+    except (OSError, MemoryError):
+        return None, "unreadable"
     finally:
         os.close(fd)
+
+
+def read_state_head(folder: str, name: str) -> Optional[StateHead]:
+    """A state file's header and tokens (not its state); None for anything that is not a
+    whole state file of this format (a torn, damaged or foreign file: see inspect_state)."""
+    return inspect_state(folder, name)[0]
 
 
 def map_state(folder: str, head: StateHead) -> Optional[Any]:
     """A state file mapped whole (copy-on-write: ctypes may point into it; the page cache is
-    read, never copied), or None when it is gone or not the file ``head`` describes."""
+    read, never copied), or None when it is not the file ``head`` describes (another size, no
+    nrvna magic). OSError when it cannot be opened or mapped (FileNotFoundError: gone)."""
     import mmap
 
+    fd = os.open(os.path.join(folder, head.name), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
     try:
-        fd = os.open(os.path.join(folder, head.name), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_size != head.size:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != head.size:
             return None
-        return mmap.mmap(fd, head.size, access=mmap.ACCESS_COPY)
-    except (OSError, ValueError):
+        mapped = mmap.mmap(fd, head.size, access=mmap.ACCESS_COPY)
+    except ValueError:  # an empty file
         return None
     finally:
         os.close(fd)
+    if mapped[:len(STATE_MAGIC)] != STATE_MAGIC:
+        mapped.close()
+        return None
+    return mapped
 
 
 def state_whole(mapped: Any) -> bool:
@@ -5686,15 +5732,20 @@ def state_whole(mapped: Any) -> bool:
 
 
 def read_state(folder: str, head: StateHead) -> Optional[Any]:
-    """A state file mapped and checked against its crc; None for a torn, damaged or changed file."""
-    mapped = map_state(folder, head)
+    """A state file mapped and checked against its crc; None for a torn, damaged, changed or
+    unreadable file."""
+    try:
+        mapped = map_state(folder, head)
+    except OSError:
+        return None
     if mapped is None or not state_whole(mapped):
         return None
     return mapped
 
 
 def remove_states_of(folder: str, job_ids: set[str]) -> int:
-    """Remove the saved states whose source job is one of ``job_ids`` (clean); how many."""
+    """Remove the saved states whose source job is one of ``job_ids`` (clean); how many. Only
+    whole states (nrvna's magic, counts that fit) are read: any other file is left."""
     removed = 0
     try:
         names = [n for n in os.listdir(folder) if _is_state_name(n)]
@@ -9996,23 +10047,29 @@ class StateStore:
     of the context on the worker, written by the Saver thread), and the bound (``evict``).
 
     A state is used only under the exact fingerprint it was saved with (model file, llama.cpp's
-    build and state version, KV types and layout): anything else is a miss, never a wrong hit;
-    a torn or damaged file (its crc) is removed.
+    build and state version, KV types and layout): anything else is a miss, never a wrong hit.
+    A file of nrvna's (its magic) that is torn, damaged or inconsistent (its counts, its crc, a
+    state that does not hold the tokens it names) is a miss and is removed; any other file is
+    read once and left alone, and a file that cannot be read now is a miss, never removed. The
+    bound counts and evicts the states of this store's owner only (its workspace's; see
+    state_owner), and those saved before owners were recorded.
 
     Threads: Worker-N calls find, restore, wants and save; the Saver thread (started by the
     first save) writes and evicts; the loader closes it (joins the Saver: pending saves are
-    written). The index, the pending count and the counters are under ``_lock``; a file is
-    read outside it.
+    written). The index, the names skipped, the pending count and the counters are under
+    ``_lock``; a file is read outside it (two threads listing at once read a new file twice).
     """
 
     def __init__(self, folder: str, fingerprint: str, limit: int, min_tokens: int,
-                 pending_limit: Optional[int] = None) -> None:
+                 pending_limit: Optional[int] = None, owner: str = "") -> None:
         import queue
 
         self.folder, self.fingerprint, self.limit, self.min_tokens = folder, fingerprint, limit, min_tokens
         self.pending_limit = pending_limit  # bytes of states copied out and not yet written; None: 2 states
+        self.owner = owner  # state_owner of the workspace; "": the bound counts every state (a store made alone)
         self._lock = threading.Lock()
-        self._index: dict[str, StateHead] = {}  # this fingerprint's states, by file name
+        self._index: dict[str, StateHead] = {}  # the folder's whole states (any fingerprint, any owner), by file name
+        self._skipped: set[str] = set()  # .kv names read once and left alone (not nrvna's; damaged and not removable)
         self._listed: Optional[int] = None  # the folder's mtime when it was last listed
         self._queue: Any = queue.SimpleQueue()
         self._pending = self._waiting = 0  # bytes, and states, copied out and not yet written
@@ -10026,7 +10083,7 @@ class StateStore:
         self.evict()
 
     @classmethod
-    def for_model(cls, runner: Any, model_path: str) -> Optional["StateStore"]:
+    def for_model(cls, runner: Any, model_path: str, owner: str = "") -> Optional["StateStore"]:
         """The store of a loaded model's states, or None where the settings turn it off
         (NRVNA_CACHE_DISK 0, NRVNA_PREFIX_CACHE 0, no folder: a runner made outside a daemon)."""
         config = runner.config
@@ -10034,20 +10091,23 @@ class StateStore:
         if not (limit and config.prefix_cache and config.cache_dir):
             return None
         pending = None if config.cache_pending == "auto" else size_bytes(config.cache_pending)
-        return cls(config.cache_dir, state_fingerprint(runner, model_path), limit, config.cache_min_tokens, pending)
+        return cls(config.cache_dir, state_fingerprint(runner, model_path), limit, config.cache_min_tokens, pending,
+                   owner)
 
     def _clean_temporaries(self) -> None:
-        """Remove the temporary files of saves cut short: their writer (the pid in the name) is
-        dead, or they are older than any save takes (another daemon's, on another machine)."""
+        """Remove the temporary files of saves cut short (named exactly as nrvna names them,
+        STATE_TEMP; any other hidden file is left): their writer (the pid in the name) is dead,
+        or they are older than any save takes (another daemon's, on another machine)."""
         now = time.time()
         with contextlib.suppress(OSError), os.scandir(self.folder) as entries:
             for entry in entries:
-                if not entry.name.startswith(STATE_TEMP_PREFIX):
+                temp = STATE_TEMP.fullmatch(entry.name)
+                if temp is None:
                     continue
-                pid = entry.name[len(STATE_TEMP_PREFIX):].partition("-")[0]
                 with contextlib.suppress(OSError):
-                    if (not pid.isdigit() or not _process_exists(int(pid))
-                            or now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS):
+                    info = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(info.st_mode) and (not _process_exists(int(temp.group(1)))
+                                                       or now - info.st_mtime > STALE_TEMP_SECONDS):
                         os.unlink(entry.path)
 
     def _refresh(self) -> None:
@@ -10064,17 +10124,29 @@ class StateStore:
         except OSError:
             return
         with self._lock:
-            known = set(self._index)
-        found = {n: read_state_head(self.folder, n) for n in names - known}
-        for name in [n for n, head in found.items() if head is None]:  # a .kv name is only ever a whole file
-            with contextlib.suppress(OSError):
+            known = set(self._index) | self._skipped
+        found = {n: inspect_state(self.folder, n) for n in names - known}
+        skipped = {n for n, (_, why) in found.items() if why == "foreign"}  # not nrvna's: read once, left alone
+        for name in [n for n, (_, why) in found.items() if why == "damaged"]:  # nrvna's: a .kv name is only ever whole
+            try:
                 os.unlink(os.path.join(self.folder, name))
-                log.warning(f"saved state {name} removed: it is torn, damaged or not a state file")
-        with self._lock:
+                log.warning(f"saved state {name} removed: it is torn or damaged (its header's counts)")
+            except FileNotFoundError:
+                pass
+            except OSError:
+                skipped.add(name)
+        with self._lock:  # an unreadable file (EMFILE, EACCES) is neither: read again at the next listing
             self._listed = mtime
             for name in known - names:
                 self._index.pop(name, None)
-            self._index.update({n: h for n, h in found.items() if h is not None and h.fingerprint == self.fingerprint})
+                self._skipped.discard(name)
+            self._index.update({n: h for n, (h, _) in found.items() if h is not None})
+            self._skipped |= skipped
+
+    def _heads(self) -> list[StateHead]:
+        """The whole states of this store's fingerprint (the ones it may restore)."""
+        with self._lock:
+            return [h for h in self._index.values() if h.fingerprint == self.fingerprint]
 
     def find(self, tokens: list[int], usable: int, most: int, trimmable: bool) -> Optional[tuple[StateHead, int]]:
         """The saved state sharing the longest prefix with ``tokens`` (at most ``usable`` of
@@ -10087,9 +10159,7 @@ class StateStore:
         self._refresh()
         wanted = array("i", tokens)
         best: Optional[tuple[StateHead, int]] = None
-        with self._lock:
-            heads = list(self._index.values())
-        for head in heads:
+        for head in self._heads():
             if len(head.tokens) > most:
                 continue
             n = min(_shared_prefix(head.tokens, wanted), usable)
@@ -10103,27 +10173,31 @@ class StateStore:
         """Put ``head``'s state into sequence ``slot`` of ``ctx`` (what it held is replaced);
         False, the sequence emptied, if it cannot be (a damaged file is removed). The file is
         mapped, and its crc checked on another thread while llama.cpp copies it in: a state
-        that fails it is taken out again before anything is decoded with it."""
+        that fails it, or that leaves the sequence without exactly the tokens it names (a blob
+        of another prompt, or none: llama.cpp's returned length proves nothing then), is taken
+        out again before anything is decoded with it."""
         import ctypes
 
-        mapped = map_state(self.folder, head)
-        whole = _CheckThread(mapped) if mapped is not None else None
-        restored = False
-        if mapped is not None:
-            buffer = (ctypes.c_uint8 * head.blob).from_buffer(mapped, head.size - 4 - head.blob)
-            restored = L.llama_state_seq_set_data(ctx, buffer, head.blob, slot) == head.blob
-            del buffer
-        if whole is None or not whole.result():
+        mapped = self._map(head)
+        if mapped is None:
             L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
-            self._remove(head, "it is torn or damaged (its crc)")
-            restored = False
-        elif not restored:
+            return False
+        whole = _CheckThread(mapped)
+        buffer = (ctypes.c_uint8 * head.blob).from_buffer(mapped, head.size - 4 - head.blob)
+        restored = L.llama_state_seq_set_data(ctx, buffer, head.blob, slot) == head.blob
+        del buffer
+        why = ("it is torn or damaged (its crc)" if not whole.result() else
+               "its state does not hold the tokens it names" if restored and not self._holds(L, ctx, slot, head)
+               else "")
+        mapped.close()
+        if why or not restored:
             L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
+        if why:
+            self._remove(head, why)
+            return False
+        if not restored:
             log.limited("state restore", f"saved state {head.name} could not be restored (llama.cpp refused it: "
                         "no room, or a layout this context does not have); its prompt is computed", "warning")
-        if mapped is not None:
-            mapped.close()
-        if not restored:
             return False
         with contextlib.suppress(OSError):
             os.utime(os.path.join(self.folder, head.name))  # recently used: evicted last
@@ -10131,7 +10205,34 @@ class StateStore:
             self.counts["restored"] += 1
         return True
 
+    def _map(self, head: StateHead) -> Optional[Any]:
+        """``head``'s file mapped, or None: gone (another daemon's bound evicted it), changed,
+        or not readable now (a miss: the file is left)."""
+        try:
+            mapped = map_state(self.folder, head)
+        except FileNotFoundError:
+            mapped = None
+            log.debug(f"saved state {head.name} is gone (another daemon removed it); its prompt is computed")
+        except OSError as err:
+            log.limited(f"state read:{err.errno}", f"saved state {head.name} could not be read ({_os_error(err)}); "
+                        "its prompt is computed", "warning")
+            return None
+        if mapped is None:
+            with self._lock:  # read again if it is listed again
+                self._index.pop(head.name, None)
+        return mapped
+
+    @staticmethod
+    def _holds(L: Any, ctx: Any, slot: int, head: StateHead) -> bool:
+        """Whether sequence ``slot`` holds the tokens ``head`` names after a restore: its last
+        position is their count less one (a sliding-window cache keeps its first positions
+        only within the window: the first may be above 0)."""
+        memory = L.llama_get_memory(ctx)
+        last = L.llama_memory_seq_pos_max(memory, slot)
+        return last == len(head.tokens) - 1 and 0 <= L.llama_memory_seq_pos_min(memory, slot) <= last
+
     def _remove(self, head: StateHead, why: str) -> None:
+        """Remove a state file of nrvna's (its magic was read) that is damaged or inconsistent."""
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.folder, head.name))
         with self._lock:
@@ -10150,9 +10251,8 @@ class StateStore:
             return False
         self._refresh()
         mine = array("i", tokens)
-        with self._lock:
-            heads = list(self._index.values())
-        return not any(len(h.tokens) >= len(mine) and _shared_prefix(h.tokens, mine) == len(mine) for h in heads)
+        return not any(len(h.tokens) >= len(mine) and _shared_prefix(h.tokens, mine) == len(mine)
+                       for h in self._heads())
 
     def save(self, L: Any, ctx: Any, slot: int, tokens: list[int], job_id: str) -> None:
         """Copy sequence ``slot``'s state (exactly ``tokens``' cells) out of ``ctx`` and queue it
@@ -10174,7 +10274,7 @@ class StateStore:
             self._pending += size
             self._waiting += 1
         try:
-            data, offset = state_buffer(self.fingerprint, job_id, tokens, size)
+            data, offset = state_buffer(self.fingerprint, job_id, tokens, size, self.owner)
             copied = L.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data, offset), size, slot)
         except MemoryError:
             copied = 0
@@ -10208,7 +10308,7 @@ class StateStore:
     def _write(self, name: str, data: Any) -> None:
         """Write a state whole: a temporary name, fsync, rename, the folder's fsync."""
         seal_state(data)
-        temp = os.path.join(self.folder, f"{STATE_TEMP_PREFIX}{os.getpid()}-{name}.part")
+        temp = os.path.join(self.folder, state_temp_name(name))
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
             try:
@@ -10231,12 +10331,17 @@ class StateStore:
             self.counts["saved"] += 1
 
     def evict(self) -> None:
-        """Remove the least recently used states (any fingerprint's) while they hold more than
-        the bound."""
+        """Remove the least recently used of this store's owner's states (any fingerprint's;
+        and those saved before owners were recorded) while they hold more than the bound. The
+        states of another workspace sharing the folder count against its own bound, never
+        this one's; a file that is not a whole state of nrvna's is never counted nor removed."""
+        self._refresh()
+        with self._lock:
+            mine = {n for n, h in self._index.items() if not self.owner or h.owner in ("", self.owner)}
         files = []
         with contextlib.suppress(OSError), os.scandir(self.folder) as entries:
             for entry in entries:
-                if _is_state_name(entry.name):
+                if entry.name in mine:
                     with contextlib.suppress(OSError):
                         info = entry.stat(follow_symlinks=False)
                         files.append((info.st_mtime, entry.name, info.st_size))
@@ -10685,19 +10790,25 @@ class LlamaSession(Session):
         return list(dict.fromkeys(s.job for s in self.slots if s is not None)) + converting + embedding  # a job of n choices once
 
     def start(self, job: RunningJob) -> None:
-        """Take ``job`` into a free slot; raise JobError if its prompt cannot run here."""
+        """Take ``job`` into a free slot; raise JobError if its prompt cannot run here. A start
+        that fails in any way leaves nothing of the job here (its caller ends it: a slot still
+        holding it would end it twice)."""
         self.save_ended()
-        if job_param(job.params, "embed"):
-            self._embedder().start(job)
-            return
-        if self.ctx is None:
-            raise JobError("unsupported", f"the model is an embedding model ({self.runner.arch}): it serves "
-                                          "embed jobs only (submit --embed)")
-        conversion = self.runner.prepare_grammar(job.params)
-        if conversion is not None:  # made on the Grammar thread while the others step; begun then
-            self.converting.append((job, conversion))
-            return
-        self._begin(job)
+        try:
+            if job_param(job.params, "embed"):
+                self._embedder().start(job)
+                return
+            if self.ctx is None:
+                raise JobError("unsupported", f"the model is an embedding model ({self.runner.arch}): it serves "
+                                              "embed jobs only (submit --embed)")
+            conversion = self.runner.prepare_grammar(job.params)
+            if conversion is not None:  # made on the Grammar thread while the others step; begun then
+                self.converting.append((job, conversion))
+                return
+            self._begin(job)
+        except BaseException:
+            self.drop(job)
+            raise
 
     def sampler(self, params: Mapping[str, Any], made: Optional[tuple[Any, str, GrammarShape]] = None
                 ) -> _JobSampler:
@@ -10807,6 +10918,7 @@ class LlamaSession(Session):
                     continue
                 self._begin(job, conversion.found)
             except JobError as err:
+                self.drop(job)  # a JobError may come once the job holds a slot
                 ended.append((job, Outcome(error_code=err.code, error=str(err))))
             except Exception as err:  # as a failed start: this job alone
                 self.drop(job)
@@ -11121,9 +11233,11 @@ class LlamaRunner(Runner):
 
     name = "llama.cpp"
 
-    def __init__(self, model_path: str, config: Config, cancel: Optional[threading.Event] = None) -> None:
+    def __init__(self, model_path: str, config: Config, cancel: Optional[threading.Event] = None,
+                 owner: str = "") -> None:
         """Load ``model_path``; ModelError says why not. Setting ``cancel`` cuts the load short
-        (a daemon stopping while it loads a model ahead of its turn)."""
+        (a daemon stopping while it loads a model ahead of its turn). ``owner``: its saved
+        states' (state_owner of the daemon's workspace)."""
         check_gguf(model_path)
         self.L = L = _import_llama()
         self.config = config
@@ -11199,7 +11313,7 @@ class LlamaRunner(Runner):
         # Saved states may be cut back only where every layer's cells can be (full attention).
         self.trimmable = not (L.llama_model_is_recurrent(self.model) or L.llama_model_is_hybrid(self.model)
                               or L.llama_model_n_swa(self.model) > 0)
-        self.store = StateStore.for_model(self, model_path) if not self.embedding_only else None
+        self.store = StateStore.for_model(self, model_path, owner) if not self.embedding_only else None
 
     def meta(self, key: str) -> Optional[str]:
         """A GGUF metadata value as text, or None if the model has no such key."""
@@ -13388,6 +13502,7 @@ class _Models:
         self.kinds_elsewhere: set[str] = set()  # the kinds of model the workspace's other daemons serve
         self.paths_elsewhere: set[str] = set()  # the model files the other daemons have loaded
         self._routes: dict[tuple[str, bool], Optional[int]] = {}  # (name, embed) -> queue (a cache)
+        self.states_owner = ""  # whose saved states the models' stores write and bound (see state_owner)
 
     def _files(self, names: list[str]) -> list[str]:
         """The model files MODEL arguments name: a directory's *.gguf, or each name resolved."""
@@ -13580,7 +13695,7 @@ class _Models:
         failure nothing of it stays loaded, and the error is raised."""
         if model.runner is None:
             log.info(f"Loading model {model.path}{why}")
-            model.runner = LlamaRunner(model.path, self.config, cancel=cancel)
+            model.runner = LlamaRunner(model.path, self.config, cancel=cancel, owner=self.states_owner)
             self.loads += 1
         if not model.sessions:
             try:
@@ -14031,6 +14146,7 @@ class Server:
         """Check everything, take the workspace, load the model, recover, start threads.
         Raises NrvnaError with a one-line reason; on failure nothing is left running."""
         self.models = models = _Models(self.model, self.runner, self.config, self._models_dir, self._aliases)
+        models.states_owner = state_owner(self.workspace)
         self._models_dir = models.models_dir
         ensure_workspace(self.workspace)
         hooks = {"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done}

@@ -5047,6 +5047,30 @@ def test_clean_done_only_and_bad_durations(ws: str, run_main: RunMain) -> None:
     assert run_main("clean", ws).returncode == 2  # --older-than is required
 
 
+def test_clean_with_crafted_files_in_states_never_crashes_halfway(ws: str) -> None:
+    """Item 2 of #57: a .kv of nrvna's magic whose header claims 2**61 tokens (or 2**34, or a
+    header past the file), and a file that is not nrvna's, in states/: clean removes the jobs
+    and their states, exits 0, and leaves what it cannot read as a state."""
+    done = [submit(ws, "ok"), submit(ws, "also ok")]
+    with serving(ws, echo):
+        wait_all(ws, done)
+    folder = Path(ws, nrvna.STATES)
+    folder.mkdir(exist_ok=True)
+    crafted = {f"{n}.kv": nrvna.STATE_MAGIC + struct.pack("<I", len(h)) + h for n, h in (
+        ("huge", b'{"fingerprint": "x", "tokens": 2305843009213693952, "blob": 0, "job": "%s"}' % done[0].encode()),
+        ("large", b'{"fingerprint": "x", "tokens": 17179869184, "blob": 0}'), ("past", b"{}" + b" " * 70000))}
+    crafted["settings.kv"] = b"[editor]\nfont = 12\n"
+    for name, data in crafted.items():
+        (folder / name).write_bytes(data)
+    data, offset = nrvna.state_buffer("fp", done[1], list(range(100)), 8)
+    nrvna.seal_state(data)
+    (folder / nrvna.state_name("fp", list(range(100)))).write_bytes(bytes(data))  # done[1]'s own: removed with it
+    time.sleep(0.05)
+    cleaned = cli("clean", ws, "--older-than", "0s")
+    assert cleaned.returncode == 0 and b"Traceback" not in cleaned.stderr, cleaned.stderr
+    assert sorted(ids_of(cleaned)) == sorted(done) and sorted(os.listdir(folder)) == sorted(crafted)
+
+
 def test_clean_prunes_the_tag_index_of_jobs_that_are_gone(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     first = ids_of(run_main("submit", ws, "--file", write(tmp_path / "a.txt", "a1\na2\n"), "--tag", "t"))
     second = ids_of(run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([{"prompt": "b1", "custom_id": "b1"}])),
@@ -7483,10 +7507,12 @@ def test_sigkill_mid_batch_of_embed_jobs_every_line_ends_once(ws: str, tmp_path:
 
 class FakeStateL:
     """llama.cpp's per-sequence state calls over byte strings (a sequence's "state" is bytes):
-    the store's files, index, bound and checks without a model."""
+    the store's files, index, bound and checks without a model. ``covers``: how many tokens
+    each state's bytes hold (a sequence's positions after a restore)."""
 
     def __init__(self) -> None:
         self.seqs: dict[int, bytes] = {}
+        self.covers: dict[bytes, int] = {}
 
     def llama_state_seq_get_size(self, ctx: Any, slot: int) -> int:
         return len(self.seqs.get(slot, b""))
@@ -7506,13 +7532,20 @@ class FakeStateL:
         self.seqs.pop(slot, None)
         return True
 
+    def llama_memory_seq_pos_max(self, memory: Any, slot: int) -> int:
+        return self.covers.get(self.seqs[slot], 0) - 1 if slot in self.seqs else -1
+
+    def llama_memory_seq_pos_min(self, memory: Any, slot: int) -> int:
+        return 0 if self.covers.get(self.seqs.get(slot, b"")) else -1
+
 
 def saved_store(folder: str, states: dict[str, list[int]], fingerprint: str = "fp", limit: int = 1 << 30,
-                min_tokens: int = 16) -> tuple[nrvna.StateStore, FakeStateL]:
+                min_tokens: int = 16, owner: str = "") -> tuple[nrvna.StateStore, FakeStateL]:
     """A store with ``states`` saved ({job ID: tokens}; each state's bytes name its job)."""
-    store, fake = nrvna.StateStore(folder, fingerprint, limit, min_tokens), FakeStateL()
+    store, fake = nrvna.StateStore(folder, fingerprint, limit, min_tokens, **({"owner": owner} if owner else {})), FakeStateL()
     for job_id, tokens in states.items():
         fake.seqs[0] = f"state of {job_id} ".encode() * 50
+        fake.covers[fake.seqs[0]] = len(tokens)
         store.save(fake, None, 0, tokens, job_id)
         store.close()  # written: the Saver stops once its queue is empty
     return store, fake
@@ -7570,6 +7603,180 @@ def test_a_torn_or_damaged_state_is_a_miss_and_is_removed(tmp_path: Path) -> Non
     assert fresh.find(list(range(1000, 1200)), 199, 1000, trimmable=True) is None and not torn.exists()
 
 
+def forge_state(folder: str, name: str, blob: bytes, **header: Any) -> None:
+    """Rewrite state ``name`` with its header and tokens (``header`` changed) over ``blob``, its
+    crc recomputed: a file whole by its crc whose parts may disagree."""
+    head = nrvna.read_state_head(folder, name)
+    owner = header.get("owner", getattr(head, "owner", ""))
+    data, offset = nrvna.state_buffer(header.get("fingerprint", head.fingerprint), head.job, head.tokens, len(blob),
+                                      *([owner] if owner else []))
+    data[offset:offset + len(blob)] = blob
+    nrvna.seal_state(data)
+    Path(folder, name).write_bytes(bytes(data))
+
+
+def crafted_state(header: Any, length: int | None = None, tail: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    return nrvna.STATE_MAGIC + struct.pack("<I", len(raw) if length is None else length) + raw + tail
+
+
+CRAFTED_STATES = {  # nrvna's magic, counts that do not fit the file: each a miss, read before nothing is allocated
+    "huge.kv": crafted_state({"fingerprint": "fp", "tokens": 2 ** 61, "blob": 0}),
+    "large.kv": crafted_state({"fingerprint": "fp", "tokens": 2 ** 34, "blob": 0}),
+    "blob.kv": crafted_state({"fingerprint": "fp", "tokens": 1, "blob": 2 ** 62}, tail=b"\0" * 12),
+    "negative.kv": crafted_state({"fingerprint": "fp", "tokens": -1, "blob": 8}, tail=b"\0" * 8),
+    "bool.kv": crafted_state({"fingerprint": "fp", "tokens": True, "blob": 0}, tail=b"\0" * 8),
+    "text.kv": crafted_state({"fingerprint": "fp", "tokens": "1", "blob": 0}, tail=b"\0" * 8),
+    "float.kv": crafted_state({"fingerprint": "fp", "tokens": 1.0, "blob": 0}, tail=b"\0" * 8),
+    "header.kv": crafted_state(b"{}", length=2 ** 32 - 1),
+    "longer.kv": crafted_state(b"{}", length=60000),
+    "nested.kv": crafted_state(b"[" * 30000 + b"]" * 30000),
+    "short.kv": nrvna.STATE_MAGIC + b"\1",
+}
+
+
+def test_a_state_whose_state_does_not_hold_its_tokens_is_a_miss_and_is_removed(tmp_path: Path) -> None:
+    """Item 1 of #57: a file whole by its crc whose state is another, shorter prompt's, or
+    empty (0 bytes: llama.cpp's returned length, 0, proves nothing), is a miss: the sequence is
+    emptied, never left holding fewer tokens than the state names; the file is removed."""
+    folder = str(tmp_path / "states")
+    store, fake = saved_store(folder, {"a": list(range(100)), "b": list(range(200))})
+    by_job = {nrvna.read_state_head(folder, n).job: n for n in os.listdir(folder)}
+    for blob in (b"state of a " * 50, b""):
+        forge_state(folder, by_job["b"], blob)
+        fresh = nrvna.StateStore(folder, "fp", 1 << 30, 16)
+        head, shared = fresh.find(list(range(300)), 299, 1000, trimmable=True)
+        assert (head.job, shared) == ("b", 200) and nrvna.read_state(folder, head) is not None  # whole by its crc
+        fake.seqs[5] = b"what slot 5 held"
+        assert not fresh.restore(fake, None, 5, head) and 5 not in fake.seqs
+        assert not os.path.exists(os.path.join(folder, by_job["b"])) and fresh.counts["removed"] == 1
+        store, fake = saved_store(folder, {"b": list(range(200))})  # saved again, honestly
+        by_job["b"] = next(n for n in os.listdir(folder) if nrvna.read_state_head(folder, n).job == "b")
+    head, _ = store.find(list(range(300)), 299, 1000, trimmable=True)
+    assert store.restore(fake, None, 5, head) and fake.seqs[5] == b"state of b " * 50  # the honest one
+
+
+def test_crafted_state_headers_are_a_miss_and_are_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 2 of #57: a header's counts (2**61 tokens, 2**34, a blob past the file, negative,
+    a bool, text, a float, a header of 4 GiB or past the file, a deep one) are checked against
+    the file's size before anything is read or allocated: a miss, never an exception; a file of
+    nrvna's magic that is inconsistent is removed, any other is read once and left."""
+    folder = tmp_path / "states"
+    store, fake = saved_store(str(folder), {"a": list(range(100))})
+    for name, data in CRAFTED_STATES.items():
+        (folder / name).write_bytes(data)
+    (folder / "settings.kv").write_bytes(b"[editor]\nfont = 12\n")
+    reads: list[str] = []
+    inspect = nrvna.inspect_state
+    monkeypatch.setattr(nrvna, "inspect_state", lambda f, n: reads.append(n) or inspect(f, n))
+    fresh = nrvna.StateStore(str(folder), "fp", 1 << 30, 16)
+    assert fresh.find(list(range(120)), 119, 1000, trimmable=True)[0].job == "a"
+    assert sorted(os.listdir(folder)) == sorted([*fresh._index, "settings.kv"])  # the crafted ones removed
+    assert sorted(reads) == sorted([*CRAFTED_STATES, "settings.kv", *fresh._index])
+    (folder / "other.txt").write_bytes(b"")  # the folder changes: it is listed again
+    reads.clear()
+    assert fresh.find(list(range(120)), 119, 1000, trimmable=True)[0].job == "a" and fresh.wants(list(range(300)), True, 300)
+    assert reads == []  # settings.kv and the state were read once
+    # Another daemon's store, same folder: the same answer, and no exception either.
+    assert nrvna.StateStore(str(folder), "fp", 1 << 30, 16).find(list(range(120)), 119, 1000, trimmable=True)
+    for name, data in CRAFTED_STATES.items():
+        (folder / name).write_bytes(data)
+        assert nrvna.inspect_state(str(folder), name) == (None, "damaged"), name
+
+
+def test_a_cache_folder_s_files_that_are_not_nrvna_s_are_never_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 3 of #57: only .kv files with nrvna's magic and temporaries named exactly as nrvna
+    names them are read, evicted or removed; a file that cannot be opened now (EMFILE, EACCES)
+    is a miss, never removed."""
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = dead.stdout.strip()
+    theirs = {"settings.kv": b"[editor]\nfont = 12\n", ".tmp-editor-swap": b"swap", "empty.kv": b"",
+              f".tmp-{pid}-notahash.kv.part": b"x", f".tmp-{pid}-{'A' * 40}.kv.part": b"x",
+              f".tmp-{pid}-{'a' * 40}.kv.part.bak": b"x", f"tmp-{pid}-{'a' * 40}.kv.part": b"x"}
+    for name, data in theirs.items():
+        (folder / name).write_bytes(data)
+    (folder / "dir.kv").mkdir()
+    os.symlink(folder / "settings.kv", folder / "link.kv")
+    (folder / f".tmp-{pid}-{'0' * 40}.kv.part").write_bytes(b"a dead save's")  # nrvna's: removed
+    store, fake = saved_store(str(folder), {"a": list(range(100)), "b": list(range(1000, 1100))})
+    assert store.counts["saved"] == 2 and store.find(list(range(200)), 199, 1000, trimmable=True)[0].job == "a"
+    nrvna.StateStore(str(folder), "fp", 1, 16)  # a 1-byte bound at the next start
+    assert sorted(os.listdir(folder)) == sorted([*theirs, "dir.kv", "link.kv"])  # the bound took nrvna's states only
+    assert Path(folder, "settings.kv").read_bytes() == theirs["settings.kv"]
+    # A transient error opening a whole state: a miss, the file stays.
+    store, fake = saved_store(str(folder), {"c": list(range(2000, 2100))})
+    [state] = [n for n in os.listdir(folder) if nrvna.read_state_head(str(folder), n)]
+    real_open = os.open
+
+    def failing(path: Any, *args: Any, **kwargs: Any) -> int:
+        if str(path).endswith(state):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, *args, **kwargs)
+
+    head, _ = store.find(list(range(2000, 2200)), 199, 1000, trimmable=True)
+    monkeypatch.setattr(os, "open", failing)
+    fresh = nrvna.StateStore(str(folder), "fp", 1 << 30, 16)
+    assert fresh.find(list(range(2000, 2200)), 199, 1000, trimmable=True) is None
+    assert not store.restore(fake, None, 0, head) and 0 not in fake.seqs
+    monkeypatch.setattr(os, "open", real_open)
+    assert (folder / state).exists() and fresh.find(list(range(2000, 2200)), 199, 1000, trimmable=True) is None
+    time.sleep(0.05)  # past the folder's mtime granularity
+    (folder / "touch").mkdir()  # the folder changes: the state is read again
+    assert fresh.find(list(range(2000, 2200)), 199, 1000, trimmable=True)[0].name == state
+
+
+def test_one_bound_in_a_folder_shared_by_workspaces_evicts_its_own_workspace_s_states_only(tmp_path: Path) -> None:
+    """Item 3 of #57: each workspace's daemons bound the states they wrote (the owner in the
+    header) and those saved before owners were recorded; another workspace's states in a shared
+    NRVNA_CACHE_DIR are read (restored) but never counted nor evicted by this one's bound."""
+    folder = str(tmp_path / "shared")
+    first, _ = saved_store(folder, {"first": list(range(100))}, owner="w1")
+    size = os.path.getsize(os.path.join(folder, os.listdir(folder)[0]))
+    small, fake = saved_store(folder, {"second": list(range(1000, 1100)), "third": list(range(2000, 2100))},
+                              owner="w2", limit=size + 200)
+    owners = {h.job: h.owner for h in (nrvna.read_state_head(folder, n) for n in os.listdir(folder))}
+    assert owners == {"first": "w1", "third": "w2"}  # w2's bound evicted its own older state only
+    nrvna.StateStore(folder, "fp", 1, 16, owner="w2")  # a 1-byte bound at w2's next start
+    assert [h.job for h in (nrvna.read_state_head(folder, n) for n in os.listdir(folder))] == ["first"]
+    fake.covers[b"state of first " * 50] = 100
+    head, _ = small.find(list(range(200)), 199, 1000, trimmable=True)  # w1's state serves w2's jobs
+    assert head.job == "first" and small.restore(fake, None, 0, head)
+    legacy, _ = saved_store(folder, {"legacy": list(range(3000, 3100))})  # no owner: as saved before owners
+    nrvna.StateStore(folder, "fp", 1, 16, owner="w2")
+    assert [h.job for h in (nrvna.read_state_head(folder, n) for n in os.listdir(folder))] == ["first"]
+    assert nrvna.state_owner(str(tmp_path)) == nrvna.state_owner(str(tmp_path / "x" / ".."))
+
+
+def test_a_state_another_daemon_evicted_is_a_quiet_miss(tmp_path: Path) -> None:
+    """Item 10 of #57: a state found in the index and removed by another daemon's bound before
+    it is read is a miss that says so (debug), never "torn or damaged", and counts no removal."""
+    folder = str(tmp_path / "states")
+    store, fake = saved_store(folder, {"a": list(range(100))})
+    head, _ = store.find(list(range(200)), 199, 1000, trimmable=True)
+    os.unlink(os.path.join(folder, head.name))  # the other daemon's eviction
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler, logger = Collect(), logging.getLogger("nrvna")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        assert not store.restore(fake, None, 0, head) and 0 not in fake.seqs
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert store.counts["removed"] == 0 and not any("torn or damaged" in line for line in lines), lines
+    assert any(head.name in line and "gone" in line for line in lines), lines
+    assert store.find(list(range(200)), 199, 1000, trimmable=True) is None
+
+
 def test_the_store_saves_what_a_later_job_can_use_and_not_every_batch_line(tmp_path: Path) -> None:
     store, _ = saved_store(str(tmp_path / "states"), {"a": list(range(100))})
     assert not store.wants(list(range(10)), True, 10)  # under NRVNA_CACHE_MIN_TOKENS
@@ -7598,10 +7805,10 @@ def test_a_save_cut_short_leaves_a_temporary_file_the_next_start_removes(tmp_pat
     folder = tmp_path / "states"
     folder.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (folder / f".tmp-{dead.stdout.strip()}-x.kv.part").write_bytes(b"half")
-    (folder / f".tmp-{os.getppid()}-y.kv.part").write_bytes(b"a live writer's")
+    (folder / f".tmp-{dead.stdout.strip()}-{'a' * 40}.kv.part").write_bytes(b"half")
+    (folder / f".tmp-{os.getppid()}-{'b' * 40}.kv.part").write_bytes(b"a live writer's")
     nrvna.StateStore(str(folder), "fp", 1 << 30, 16)
-    assert os.listdir(folder) == [f".tmp-{os.getppid()}-y.kv.part"]
+    assert os.listdir(folder) == [f".tmp-{os.getppid()}-{'b' * 40}.kv.part"]
 
 
 def test_the_cache_settings_take_sizes_and_clean_removes_a_cleaned_job_s_states(ws: str, run_main: RunMain) -> None:
@@ -7724,6 +7931,66 @@ def test_a_damaged_or_foreign_state_is_never_restored(tmp_path: Path, model: str
     assert cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=env, timeout=300).returncode == 0
     meta = Flow(ws).get(grandchild).meta
     assert meta["prompt_reused"]["disk"] == 0 and Path(ws, nrvna.STATES, mine).exists()
+
+
+BRICKS = " ".join(f"Note {i}: the {i}th brick costs {i * 3 % 11} coins." for i in range(30)) + " Which costs most?"
+
+
+@pytest.mark.model
+def test_a_state_whole_by_its_crc_that_does_not_hold_its_tokens_is_never_restored(tmp_path: Path, model: str) -> None:
+    """Items 1 and 2 of #57: turn 1's state rewritten with its header and tokens over an empty
+    state (0 bytes), or over another, shorter prompt's state, its crc recomputed; beside it,
+    headers claiming 2**61 and 2**34 tokens and files that are not nrvna's. Turn 2 restores
+    nothing from disk and writes what it writes with the store off; every job is done; the
+    files nrvna did not write are all left."""
+    env = {"NRVNA_CACHE_MIN_TOKENS": "64"}
+    template = str(tmp_path / "template")
+    first, other = conversation_turn(template, LONG_TURN), conversation_turn(template, BRICKS)
+    assert cli("daemon", model, template, "-w", "1", "-s", "1", "--drain", env=env, timeout=300).returncode == 0
+    folder = os.path.join(template, nrvna.STATES)
+    heads = {h.job: h for h in (nrvna.read_state_head(folder, n) for n in wait_for_states(template, 2))}
+    assert len(heads[other].tokens) < len(heads[first].tokens)
+    shorter = Path(folder, heads[other].name).read_bytes()[-4 - heads[other].blob:-4]
+    child = conversation_turn(template, "Which stone is heaviest? Answer briefly.", first)
+    off = fresh_copy(template, str(tmp_path / "off"))
+    assert cli("daemon", model, off, "-w", "1", "-s", "1", "--drain", env=dict(env, NRVNA_CACHE_DISK="0"),
+               timeout=300).returncode == 0
+    reference = Flow(off).get(child)
+    assert reference.status is Status.Done and reference.meta["prompt_reused"]["disk"] == 0
+    theirs = {"settings.kv": b"[editor]\nfont = 12\n", ".tmp-editor-swap": b"swap"}
+    for case, blob in (("empty", b""), ("shorter", shorter)):
+        ws = fresh_copy(template, str(tmp_path / case))
+        forge_state(os.path.join(ws, nrvna.STATES), heads[first].name, blob)
+        for name, data in {**theirs, "huge.kv": CRAFTED_STATES["huge.kv"], "large.kv": CRAFTED_STATES["large.kv"]}.items():
+            Path(ws, nrvna.STATES, name).write_bytes(data)
+        done = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=env, timeout=300)
+        assert done.returncode == 0 and b"does not hold the tokens it names" in done.stderr, (case, done.stderr[-2000:])
+        turn = Flow(ws).get(child)
+        assert turn.status is Status.Done and turn.result == reference.result, (case, turn.result, reference.result)
+        assert turn.meta["prompt_reused"]["disk"] == 0 and turn.meta["prompt_computed"] == turn.meta["prompt_tokens"]
+        assert all(Path(ws, nrvna.STATES, n).read_bytes() == d for n, d in theirs.items())
+        assert not Path(ws, nrvna.STATES, heads[first].name).exists()  # nrvna's, inconsistent: removed
+        assert not Path(ws, nrvna.STATES, "huge.kv").exists() and b"Traceback" not in done.stderr
+
+
+@pytest.mark.model
+def test_a_small_bound_on_a_shared_cache_folder_leaves_another_workspace_s_states(tmp_path: Path, model: str) -> None:
+    """Item 3 of #57: workspace two's daemon, NRVNA_CACHE_DISK=1K on the NRVNA_CACHE_DIR that
+    workspace one's daemon saved a state into, starts and runs without evicting it (its bound
+    counts its own workspace's states), restores it for the same prompt, and leaves a file
+    that is not nrvna's."""
+    shared = tmp_path / "cache"
+    env = {"NRVNA_CACHE_MIN_TOKENS": "64", "NRVNA_CACHE_DIR": str(shared)}
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    conversation_turn(one, LONG_TURN)
+    assert cli("daemon", model, one, "-w", "1", "-s", "1", "--drain", env=env, timeout=300).returncode == 0
+    [state] = [n for n in os.listdir(shared) if n.endswith(nrvna.STATE_SUFFIX)]
+    assert nrvna.read_state_head(str(shared), state).owner == nrvna.state_owner(one)
+    (shared / "settings.kv").write_bytes(b"[editor]\n")
+    second = conversation_turn(two, LONG_TURN)
+    done = cli("daemon", model, two, "-w", "1", "-s", "1", "--drain", env=dict(env, NRVNA_CACHE_DISK="1K"), timeout=300)
+    assert done.returncode == 0 and sorted(os.listdir(shared)) == sorted([state, "settings.kv"]), os.listdir(shared)
+    assert Flow(two).get(second).meta["prompt_reused"]["disk"] > 500  # one's state served two's job
 
 
 @pytest.mark.model
@@ -8012,6 +8279,31 @@ def test_jobs_started_together_share_one_computation_of_their_prefix(llama: nrvn
     assert outputs[True][1] >= 3 * prefix  # three copied the first one's cells (llama_memory_seq_cp)
     assert outputs[False][1] == 0
     assert outputs[True][0] == outputs[False][0] and len(outputs[True][0]) == 4
+
+
+@pytest.mark.model
+def test_a_job_whose_start_fails_leaves_nothing_in_its_session(llama: nrvna.LlamaRunner,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 2 of #57: a start that fails once the job holds a slot (here, while room is made
+    for it; on the old code a saved state's header raised there) drops the job from its
+    session: the worker ends it, and a shutdown's hand-back never meets it again (KeyError)."""
+    session = llama.session(0, nrvna.Config(workers=1, seqs=2, max_ctx=1024))
+    try:
+        def crafted(*args: Any) -> None:
+            raise OverflowError("Python int too large to convert to C ssize_t")
+
+        monkeypatch.setattr(session.prefixes, "make_room", crafted)
+        with pytest.raises(OverflowError):
+            session.start(fake_job("Hello there.", max_tokens=3))
+        assert session.active() == [] and session.slots == [None] * len(session.slots)
+        monkeypatch.undo()
+        session.start(fake_job("Hello again.", max_tokens=3, temperature=0))
+        ended = []
+        while not ended:
+            ended = session.step()
+        assert ended[0][1].error_code is None and session.active() == []
+    finally:
+        session.close()
 
 
 @pytest.mark.model
