@@ -4804,7 +4804,7 @@ def test_export_openai_is_the_batch_output_format_field_by_field(ws: str, tmp_pa
     done = run_main("export", ws, "--tag", "b", "--format", "openai")
     assert done.returncode == 4 and b"1 of 4 jobs are not finished and were left out" in done.stderr
     chat, completion, failed = (json.loads(line) for line in done.stdout.decode().splitlines())
-    assert set(chat) == {"id", "custom_id", "response", "error"} and chat["error"] is None
+    assert set(chat) == {"id", "custom_id", "request_sha256", "response", "error"} and chat["error"] is None
     assert chat["id"] == f"batch_req_{ids[0]}" and chat["custom_id"] == "c0"
     response = chat["response"]
     assert set(response) == {"status_code", "request_id", "body"} and response["status_code"] == 200
@@ -4819,6 +4819,7 @@ def test_export_openai_is_the_batch_output_format_field_by_field(ws: str, tmp_pa
     assert text["object"] == "text_completion" and completion["custom_id"] == "c1"
     assert text["choices"] == [{"text": "answer to once", "index": 0, "logprobs": None, "finish_reason": "stop"}]
     assert failed == {"id": f"batch_req_{ids[2]}", "custom_id": "c2", "response": None,
+                      "request_sha256": nrvna.request_digest("[user]\nfail me\n", Flow(ws).get(ids[2]).params),
                       "error": {"code": "context_overflow", "message": "prompt is 9 tokens; a sequence holds 4"}}
 
 
@@ -4826,7 +4827,7 @@ def test_export_jsonl_text_and_atomic_files(ws: str, tmp_path: Path, run_main: R
     ids = finished_batch(ws, tmp_path, run_main)
     records = [json.loads(line) for line in run_main("export", ws, *ids[:3]).stdout.decode().splitlines()]
     assert [r["id"] for r in records] == ids[:3] and [r["custom_id"] for r in records] == ["c0", "c1", "c2"]
-    assert set(records[0]) == {"id", "custom_id", "status", "prompt", "result", "error", "meta"}
+    assert set(records[0]) == {"id", "custom_id", "request_sha256", "status", "prompt", "result", "error", "meta"}
     assert records[0]["meta"]["finish_reason"] == "length" and records[2]["meta"]["code"] == "context_overflow"
     assert records[2]["status"] == "failed" and records[2]["result"] is None and "9 tokens" in records[2]["error"]
     text = run_main("export", ws, *ids[:2], "--format", "text")
