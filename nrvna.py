@@ -4995,6 +4995,7 @@ def resolve_model(name: str, models_dir: str, aliases: Optional[Mapping[str, str
 KEY_PENDING_SECONDS = 30.0
 KEY_WAIT_NOTICE_SECONDS = 2.0  # a submit waiting on another live one says so after this long
 HOLDER_PATTERN = re.compile(r"\.holder-[0-9]+-[0-9a-f]{8}")
+SHARD_RECORD = "shard"  # tags/<tag>/shard: "I/N", the --shard a batch's tag was created with
 
 
 def dedupe_key(prompt: Any, params: Mapping[str, Any]) -> str:
@@ -5219,9 +5220,6 @@ def _prune_keys(workspace: str) -> None:
             _drop_stale_key(path, job_id)
 
 
-SHARD_RECORD = "shard"  # tags/<tag>/shard: "I/N", the --shard a batch's tag was created with
-
-
 def tag_shard(workspace: str, tag: str) -> Optional[tuple[int, int]]:
     """The shard (I, N) ``tag`` was created with by ``submit --file --shard`` (its SHARD_RECORD),
     or None: created without --shard, or before tags recorded it. InvalidInput naming a
@@ -5259,8 +5257,8 @@ def claim_tag_shard(workspace: str, tag: str, shard: Optional[tuple[int, int]]) 
             return
         if _link_shard_record(workspace, tag, shard):
             return
-        recorded = tag_shard(workspace, tag)
-    if recorded != shard:
+        recorded = tag_shard(workspace, tag)  # another submit's, linked since the first look
+    if recorded is not None and recorded != shard:
         given = "no --shard (the whole file)" if shard is None else f"--shard {shard[0]}/{shard[1]}"
         raise InvalidInput(f"tag {tag} was created with --shard {recorded[0]}/{recorded[1]}, this submit gives "
                            f"{given}: one tag holds one shard (give --shard {recorded[0]}/{recorded[1]} to resume it, "
