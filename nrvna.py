@@ -4986,8 +4986,8 @@ def resolve_model(name: str, models_dir: str, aliases: Optional[Mapping[str, str
 # 7.5 Idempotency keys and tags
 # ============================================================================
 # keys/ maps a submit's key to its one job (a link, and a holder's file while it publishes);
-# tags/ lists the jobs of a tag. Invariant: one key names one job however many submits race; a
-# tag's list may name jobs since removed (readers check).
+# tags/ lists the jobs of a tag, and the --shard it was created with. Invariant: one key names one
+# job however many submits race; a tag's list may name jobs since removed (readers check).
 
 
 # A key written by an older nrvna names no holder: its client's life cannot be proven, so its
