@@ -6448,6 +6448,9 @@ def merge_parts(order: list[str], parts: Iterable[tuple[str, Any]],
             cid = record.get("custom_id") if isinstance(record, dict) else None
             if not isinstance(cid, str):
                 raise InvalidInput(f"{name}: line {number}: no custom_id (an export of nrvna, jsonl or openai)")
+            if "status" not in record and "response" not in record:
+                raise InvalidInput(f"{name}: line {number}: not an export line (it has no status, as jsonl's, nor "
+                                   "response, as openai's): a batch file's line?")
             if cid not in wanted:
                 raise InvalidInput(f"{name}: line {number}: custom_id {cid!r} is not in the input")
             if requests is not None and cid in requests:

@@ -4255,6 +4255,8 @@ def test_merge_never_writes_over_its_input_or_a_part(tmp_path: Path, run_main: R
         assert done.returncode == 2 and named in done.stderr and output.encode() in done.stderr, (output, done.stderr)
         assert {path: Path(path).read_bytes() for path in before} == before, output
     assert run_main("merge", "--input", source, part, "-o", str(tmp_path / "out.jsonl")).returncode == 0
+    done = run_main("merge", "--input", source, source, "-o", "-")  # the input given as a part: no results in it
+    assert done.returncode == 2 and f"{source}: line 1: not an export line".encode() in done.stderr
 
 
 def test_merge_reads_a_part_with_a_bound_per_line(tmp_path: Path) -> None:
