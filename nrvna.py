@@ -39,13 +39,15 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
                                       job_meta, read_meta
    7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job
    7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
-   7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_members
+   7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_shard, claim_tag_shard, tag_members
    7.6 Reading a job                Job, _read_choices, continued_turns, parent_conversation, _DirWatch
    7.7 Saved states on disk         STATES, StateHead, state_owner, state_name, state_temp_name, state_buffer,
                                       seal_state, inspect_state, read_state_head, map_state, state_whole,
                                       read_state, remove_states_of
-8. Batch files and export           read_batch, parse_batch, parse_records (templates), EXPORT_FORMATS,
-                                    export_record, job_vectors
+8. Batch files and export
+   8.1 Batch files                  BatchEntry, read_batch, parse_batch, parse_records (templates), shard_of
+   8.2 Export and merge             REQUEST_KEY, request_digest, job_vectors, export_record, read_part,
+                                      merge_parts, EXPORT_FORMATS, _ExportTarget
 9. Client
    9.1 Reading: Flow                bulk_states, Flow
    9.2 Submitting: Work             check_model_names, waiting_for_model, _Keys, Work
@@ -5055,8 +5057,8 @@ def resolve_model(name: str, models_dir: str, aliases: Optional[Mapping[str, str
 # 7.5 Idempotency keys and tags
 # ============================================================================
 # keys/ maps a submit's key to its one job (a link, and a holder's file while it publishes);
-# tags/ lists the jobs of a tag. Invariant: one key names one job however many submits race; a
-# tag's list may name jobs since removed (readers check).
+# tags/ lists the jobs of a tag, and the --shard it was created with. Invariant: one key names one
+# job however many submits race; a tag's list may name jobs since removed (readers check).
 
 
 # A key written by an older nrvna names no holder: its client's life cannot be proven, so its
@@ -5067,6 +5069,7 @@ HOLDER_PATTERN = re.compile(r"\.holder-[0-9]+-[0-9a-f]{8}")
 # The largest tag index file a submit writes is one chunk of 2,000 rows, each a job ID and a
 # custom_id of at most 512 characters (6 bytes each as JSON at worst): under 7 MB. Read no more.
 TAG_INDEX_BYTES = 16 << 20
+SHARD_RECORD = "shard"  # tags/<tag>/shard: "I/N", the --shard a batch's tag was created with
 
 
 def dedupe_key(prompt: Any, params: Mapping[str, Any]) -> str:
@@ -5294,6 +5297,80 @@ def _prune_keys(workspace: str) -> None:
             continue  # removed meanwhile, or not a key nrvna wrote (a directory, a link): left alone
         if _key_job_state(workspace, job_id, holder, age) == (False, None):
             _drop_stale_key(path, job_id)
+
+
+def tag_shard(workspace: str, tag: str) -> Optional[tuple[int, int]]:
+    """The shard (I, N) ``tag`` was created with by ``submit --file --shard`` (its SHARD_RECORD),
+    or None: created without --shard, or before tags recorded it. InvalidInput naming a
+    record that holds no I/N (damaged, or planted)."""
+    path = os.path.join(workspace, TAGS, tag, SHARD_RECORD)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise InvalidInput(f"{path}: cannot read the shard tag {tag} was created with ({_os_error(err)})") from None
+    try:
+        text = os.read(fd, 64).decode("ascii", "replace").strip()
+    except OSError as err:
+        raise InvalidInput(f"{path}: cannot read the shard tag {tag} was created with ({_os_error(err)})") from None
+    finally:
+        os.close(fd)
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and 0 <= int(index) < int(count)):
+        raise InvalidInput(f"{path} holds {text[:20]!r}, not the I/N of the shard tag {tag} was created with "
+                           "(damaged: give the batch another --tag)")
+    return int(index), int(count)
+
+
+def claim_tag_shard(workspace: str, tag: str, shard: Optional[tuple[int, int]]) -> None:
+    """Check a batch file's ``shard`` (None: the whole file) against the one ``tag`` was
+    created with, and record it when this submit creates the tag: one tag holds one shard of
+    one sharding (0/3 then 0/2 under one tag mixed two). InvalidInput naming both when they
+    differ. A tag with no record (made before records, or by a submit without --shard) takes
+    any shard, as before. The record is linked, never replaced: of two submits creating one
+    tag at once, the second is checked against the first."""
+    recorded = tag_shard(workspace, tag)
+    if recorded is None:
+        if shard is None or _tag_known(workspace, tag):
+            return
+        if _link_shard_record(workspace, tag, shard):
+            return
+        recorded = tag_shard(workspace, tag)  # another submit's, linked since the first look
+    if recorded is not None and recorded != shard:
+        given = "no --shard (the whole file)" if shard is None else f"--shard {shard[0]}/{shard[1]}"
+        raise InvalidInput(f"tag {tag} was created with --shard {recorded[0]}/{recorded[1]}, this submit gives "
+                           f"{given}: one tag holds one shard (give --shard {recorded[0]}/{recorded[1]} to resume it, "
+                           "or another --tag)")
+
+
+def _link_shard_record(workspace: str, tag: str, shard: tuple[int, int]) -> bool:
+    """Write ``tag``'s SHARD_RECORD durably unless one exists (False then): a temporary file,
+    fsynced, hard-linked to its name (link() never replaces)."""
+    ensure_workspace(workspace)
+    folder = os.path.join(workspace, TAGS, tag)
+    for path in (os.path.dirname(folder), folder):
+        try:
+            os.mkdir(path, DIR_MODE)
+            os.chmod(path, DIR_MODE)  # mkdir's mode is masked by the umask: keep the workspace private
+        except FileExistsError:
+            pass
+    temp = os.path.join(folder, f".{SHARD_RECORD}-{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
+    try:
+        write_all(fd, f"{shard[0]}/{shard[1]}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(temp, os.path.join(folder, SHARD_RECORD))
+    except FileExistsError:
+        return False
+    finally:
+        _unlink_quietly(temp, None)
+    fsync_dir(folder)
+    fsync_dir(os.path.dirname(folder))
+    return True
 
 
 def tag_members(workspace: str, tag: str) -> list[tuple[str, Optional[str]]]:
@@ -5765,8 +5842,16 @@ def remove_states_of(folder: str, job_ids: set[str]) -> int:
 ##############################################################################
 # 8. Batch files and export: nrvna's JSONL lines, OpenAI Batch lines (ENDPOINTS), export formats (EXPORT_FORMATS)
 ##############################################################################
-# Owns batch lines (nrvna's and OpenAI's), data templates and the export formats. Invariant: a
+# Owns batch lines (nrvna's and OpenAI's), data templates, the export formats and merge. Invariant: a
 # batch file is checked whole before any job of it is queued. Client code; stateless.
+
+
+# ============================================================================
+# 8.1 Batch files
+# ============================================================================
+# nrvna's JSONL lines, OpenAI Batch request lines, plain prompt lines and data templates, as
+# BatchEntry records; shards (shard_of). Invariant: a file is read with a bound per line, and
+# checked whole before any of it is queued.
 
 
 BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
@@ -5802,65 +5887,9 @@ def read_shard(text: str) -> tuple[int, int]:
     return shard, shards
 
 
-def _result_key(record: dict[str, Any]) -> str:
-    """What a part's line says of its job's result, without what names or dates the job (its
-    ID, which its tool calls' ids hold too; its times and usage): two lines of one custom_id
-    with the same key are the same result exported twice, from any workspace."""
-    import json
-
-    job_id = str(record.get("id") or "").removeprefix("batch_req_")
-    if "response" in record:  # an OpenAI Batch output line
-        body = (record["response"] or {}).get("body") or {}
-        said = [body.get("choices"), body.get("data"), record.get("error")]
-    else:
-        said = [record.get(k) for k in ("status", "result", "error", "embeddings", "choices", "tool_calls")]
-    text = json.dumps(said, sort_keys=True)
-    return text.replace(job_id, "") if job_id else text
-
-
-def merge_parts(order: list[str], parts: list[tuple[str, bytes]]) -> tuple[list[bytes], list[str], list[str]]:
-    """The parts' lines (exported JSONL or OpenAI lines of the shards) in the input's
-    ``order`` of custom_ids, each once: (lines, the custom_ids no part has, those two parts
-    give different results for). A line of the same result twice (a shard exported again) is
-    taken once; a part's line that is no JSON object with a custom_id, or one the input does
-    not hold, is InvalidInput naming the part and line."""
-    import json
-
-    wanted = set(order)
-    found: dict[str, tuple[bytes, str]] = {}
-    conflicts: dict[str, None] = {}
-    for name, data in parts:
-        for number, line in enumerate(data.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):
-                raise InvalidInput(f"{name}: line {number}: not JSON") from None
-            cid = record.get("custom_id") if isinstance(record, dict) else None
-            if not isinstance(cid, str):
-                raise InvalidInput(f"{name}: line {number}: no custom_id (an export of nrvna, jsonl or openai)")
-            if cid not in wanted:
-                raise InvalidInput(f"{name}: line {number}: custom_id {cid!r} is not in the input")
-            key = _result_key(record)
-            if cid in found and found[cid][1] != key:
-                conflicts[cid] = None
-            found.setdefault(cid, (line.rstrip(b"\r") + b"\n", key))
-    lines = [found[cid][0] for cid in order if cid in found and cid not in conflicts]
-    return lines, [cid for cid in order if cid not in found], list(conflicts)
-
-
 class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
     """One job of a batch file: its line number, prompt bytes (what prompt.txt holds) and
     validated params (``custom_id`` always set)."""
-
-    __slots__ = ()
-
-
-class ExportFormat(namedtuple("ExportFormat", "record line help side", defaults=(None,))):
-    """An export format: the job as a JSON record (None for plain text), the job as what is
-    written (bytes for a binary format), its help, and for a binary format the lines of its
-    side file (``FILE.ids``: what each row is)."""
 
     __slots__ = ()
 
@@ -5879,22 +5908,28 @@ def read_batch(handle: Any) -> bytearray:
     newline, /dev/zero, took gigabytes whole), and a file of more than NRVNA_MAX_BATCH_LINES
     lines at the line past it (`yes | nrvna submit ws --file -` grew without end): the file is
     held whole, as every line is checked before any is queued."""
-    limit = batch_line_limit()
-    most = setting_default("max_batch_lines")
     data = bytearray()
+    for _, line in _bounded_lines(handle, batch_line_limit(), "a batch line's limit (14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)",
+                                  "a batch file holds"):
+        data += line
+    return data
+
+
+def _bounded_lines(handle: Any, limit: int, limit_name: str, holder: str) -> Iterator[tuple[int, bytes]]:
+    """(number, line) of ``handle``'s lines, InvalidInput at a line over ``limit`` bytes (read
+    no further than that) or past NRVNA_MAX_BATCH_LINES lines."""
+    most = setting_default("max_batch_lines")
     number = 0
     while True:
         line = handle.readline(limit + 2)  # the line, its newline, and one byte more shows it is over
         if not line:
-            return data
+            return
         number += 1
         if number > most:
-            raise InvalidInput(f"line {number}: a batch file holds at most {most:,} lines (NRVNA_MAX_BATCH_LINES): "
-                               "split it")
+            raise InvalidInput(f"line {number}: {holder} at most {most:,} lines (NRVNA_MAX_BATCH_LINES): split it")
         if len(line) - line.endswith(b"\n") > limit:
-            raise InvalidInput(f"line {number}: over {limit} bytes, a batch line's limit "
-                               "(14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)")
-        data += line
+            raise InvalidInput(f"line {number}: over {limit} bytes, {limit_name}")
+        yield number, line
 
 
 def parse_batch(data: bytes, jsonl: Optional[bool] = None, notes: Optional[list[str]] = None) -> list[BatchEntry]:
@@ -6211,6 +6246,28 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
     return render_messages(job_param(params, "messages")), params
 
 
+# ============================================================================
+# 8.2 Export and merge
+# ============================================================================
+# A finished job as an export line (EXPORT_FORMATS), written whole or not at all (_ExportTarget),
+# and the shards' exports put back together (merge_parts). Invariant: each JSON line says which
+# request it answers (REQUEST_KEY), and merge takes no line that answers another.
+
+
+# What a request is, to merge: the fields of a job no submit flag can set (each node's flags may
+# differ; a line's own text may not), beside its prompt (prompt.txt). custom_id names, not asks.
+REQUEST_FIELDS = tuple(name for name, param in PARAMS.items() if param.flag is None and name != "custom_id")
+REQUEST_KEY = "request_sha256"  # an export line's request_digest: which request it answers
+
+
+class ExportFormat(namedtuple("ExportFormat", "record line help side", defaults=(None,))):
+    """An export format: the job as a JSON record (None for plain text), the job as what is
+    written (bytes for a binary format), its help, and for a binary format the lines of its
+    side file (``FILE.ids``: what each row is)."""
+
+    __slots__ = ()
+
+
 def job_vectors(job: Job) -> list[list[float]]:
     """A done embed job's vectors, one per text, from its result (one JSON array per line).
     Raise NotFinished for a queued or running job (``Flow.wait`` first), NrvnaError for a
@@ -6246,10 +6303,31 @@ def _float32_bytes(vector: list[float]) -> bytes:
     return row.tobytes()
 
 
+def request_digest(prompt: Any, params: Mapping[str, Any]) -> str:
+    """Which request a result answers, as sha256 hex: of the prompt as prompt.txt holds it and
+    the REQUEST_FIELDS of ``params`` (messages, input, endpoint, encoding_format). A batch line
+    queued on two machines gives the same digest whatever flags each gave; a line whose prompt,
+    turns or texts changed, or a line of another batch, another. Export writes it (REQUEST_KEY)
+    and merge checks it against its input's line of that custom_id."""
+    import hashlib
+    import json
+
+    text = prompt if isinstance(prompt, bytes) else str(prompt).encode("utf-8", "surrogatepass")
+    fields = {name: params[name] for name in REQUEST_FIELDS if params.get(name) is not None}
+    blob = json.dumps(fields, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(len(text).to_bytes(8, "big") + text + blob.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _request_of(job: Job) -> dict[str, str]:
+    """An export line's REQUEST_KEY: the digest of the request the job answers (none when its
+    prompt.txt is gone), which merge checks against its input's line."""
+    return {} if job.prompt is None else {REQUEST_KEY: request_digest(job.prompt, job.params or {})}
+
+
 def _jsonl_record(job: Job) -> dict[str, Any]:
     params = job.params or {}
     embedded = job.status is Status.Done and job_param(params, "embed")
-    record = {"id": job.id, "custom_id": job_param(params, "custom_id"), "status": job.status.value,
+    record = {"id": job.id, "custom_id": job_param(params, "custom_id"), **_request_of(job), "status": job.status.value,
               "prompt": job.prompt, "result": None if embedded else job.result,
               "error": job.error.rstrip("\n") if job.error else None, "meta": job.meta}
     if embedded:
@@ -6282,7 +6360,7 @@ def _embeddings_body(job: Job) -> dict[str, Any]:
 
 def _openai_record(job: Job) -> dict[str, Any]:
     meta, params = job.meta, job.params or {}
-    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": job_param(params, "custom_id")}
+    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": job_param(params, "custom_id"), **_request_of(job)}
     if job.status is not Status.Done:
         line["response"] = None
         line["error"] = {"code": meta.get("code") or "failed", "message": (job.error or "").rstrip("\n")}
@@ -6408,12 +6486,149 @@ def _workspace_of(path: str) -> Optional[str]:
         folder = parent
 
 
+def part_line_limit() -> int:
+    """The longest line merge reads from a part: an export line repeats its request (at most a
+    batch line) and adds its answer; 8 × ``batch_line_limit``, 176 MiB by default (2048
+    vectors of 1024 floats written as JSON take about 45 MB)."""
+    return 8 * batch_line_limit()
+
+
+def read_part(handle: Any, name: str) -> Iterator[tuple[int, bytes]]:
+    """A merge part's (number, line) pairs from the binary stream ``handle``, bounded as
+    ``read_batch`` bounds a batch file (``part_line_limit``, NRVNA_MAX_BATCH_LINES lines): a
+    part that is /dev/zero is refused once that much is read, naming ``name``."""
+    try:
+        yield from _bounded_lines(handle, part_line_limit(), "a part line's limit (8 batch lines: "
+                                  "8 × (14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB))", "a part holds")
+    except InvalidInput as err:
+        raise InvalidInput(f"{name}: {err}") from None
+    except OSError as err:  # a folder, a device that fails: a usage error, not a conflict
+        raise InvalidInput(f"cannot read {name}: {_os_error(err)}") from None
+
+
+def _without_ids(calls: Any) -> Any:
+    """Tool calls without their ``id``s (the job's ID is in each): a list of call objects, or
+    result text of a call's JSON line each, as ``call_lines`` writes them."""
+    import json
+
+    if isinstance(calls, str):
+        try:
+            calls = [json.loads(line) for line in calls.splitlines()]
+        except (ValueError, RecursionError):
+            return calls  # text, not calls: compared as it is
+    if not isinstance(calls, list):
+        return calls
+    return [{k: v for k, v in call.items() if k != "id"} if isinstance(call, dict) else call for call in calls]
+
+
+def _answer_fields(holder: Any, text_key: str) -> Any:
+    """A result, a choice or a message as compared: with tool calls, its text (their lines)
+    and their ``id``s left out; anything else as it is."""
+    if not isinstance(holder, dict) or not holder.get("tool_calls"):
+        return holder
+    fields = {k: v for k, v in holder.items() if k != text_key}
+    fields["tool_calls"] = _without_ids(holder["tool_calls"])
+    return fields
+
+
+def _result_key(record: dict[str, Any]) -> str:
+    """What a part's line says of its job's result, as fields: never what names or dates the
+    job (its ID, the response's and each tool call's ``id``; its times and usage; a failure's
+    message, which may name it: its code is compared). Two lines of one custom_id with the same
+    key are the same result exported twice, from any workspace. The fields are compared as
+    parsed: an ID is left out where it is an ID, never cut out of a text."""
+    import json
+
+    if "response" in record:  # an OpenAI Batch output line
+        response = record.get("response")
+        body = (response.get("body") if isinstance(response, dict) else None) or {}
+        body = body if isinstance(body, dict) else {"body": body}
+        choices = body.get("choices")
+        if isinstance(choices, list):
+            choices = [dict(choice, message=_answer_fields(choice.get("message"), "text"))
+                       if isinstance(choice, dict) else choice for choice in choices]
+        error = record.get("error")
+        said: Any = [choices, body.get("data"), error.get("code") if isinstance(error, dict) else error]
+    else:
+        said = _answer_fields({k: record.get(k) for k in ("status", "result", "content", "tool_calls", "embeddings")},
+                              "result")
+        choices = record.get("choices")
+        if isinstance(choices, list):
+            choices = [_answer_fields(choice, "text") for choice in choices]
+        meta = record.get("meta")
+        code = meta.get("code") if isinstance(meta, dict) else None
+        said = [said, choices, code if record.get("error") is not None else None]
+    return json.dumps(said, sort_keys=True)
+
+
+def merge_parts(order: list[str], parts: Iterable[tuple[str, Any]],
+                requests: Optional[Mapping[str, tuple[int, str]]] = None,
+                notes: Optional[list[str]] = None) -> tuple[list[bytes], list[str], list[str]]:
+    """The parts' lines (exported JSONL or OpenAI lines of the shards) in the input's
+    ``order`` of custom_ids, each once: (lines, the custom_ids no part has, one
+    "custom_id (part line N, part line M)" for each two parts give different results). A part
+    is (its name, its bytes or its (number, line) pairs, as ``read_part`` yields them). A line
+    of the same result twice (a shard exported again) is taken once. InvalidInput, naming the
+    part and line: a line that is no JSON object with a custom_id, one the input does not
+    hold, and (``requests``: custom_id -> (the input's line, its request_digest)) one whose
+    REQUEST_KEY says it answers another request. Lines without that key (exported before
+    it) are taken, said once in ``notes``."""
+    import json
+
+    wanted = set(order)
+    found: dict[str, tuple[bytes, str, str]] = {}
+    conflicts: dict[str, str] = {}
+    unchecked: dict[str, int] = {}
+    for name, data in parts:
+        numbered = enumerate(data.splitlines(), 1) if isinstance(data, (bytes, bytearray)) else data
+        for number, line in numbered:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                raise InvalidInput(f"{name}: line {number}: not JSON") from None
+            cid = record.get("custom_id") if isinstance(record, dict) else None
+            if not isinstance(cid, str):
+                raise InvalidInput(f"{name}: line {number}: no custom_id (an export of nrvna, jsonl or openai)")
+            if "status" not in record and "response" not in record:
+                raise InvalidInput(f"{name}: line {number}: not an export line (it has no status, as jsonl's, nor "
+                                   "response, as openai's): a batch file's line?")
+            if cid not in wanted:
+                raise InvalidInput(f"{name}: line {number}: custom_id {cid!r} is not in the input")
+            if requests is not None and cid in requests:
+                if _answers_another(record, requests[cid][1], unchecked, name):
+                    raise InvalidInput(f"{name}: line {number}: custom_id {cid!r} answers another request than "
+                                       f"line {requests[cid][0]} of the input (its {REQUEST_KEY} differs): a part "
+                                       "of another batch, or of another version of this file")
+            key, where = _result_key(record), f"{name} line {number}"
+            if cid in found and found[cid][1] != key and cid not in conflicts:
+                conflicts[cid] = f"{cid} ({found[cid][2]}, {where})"
+            found.setdefault(cid, (line.rstrip(b"\r\n") + b"\n", key, where))
+    if unchecked and notes is not None:
+        notes.append(f"{sum(unchecked.values())} lines of {', '.join(unchecked)} carry no {REQUEST_KEY} (exported "
+                     "by an older nrvna): taken without checking that they answer the input's lines")
+    lines = [found[cid][0] for cid in order if cid in found and cid not in conflicts]
+    return lines, [cid for cid in order if cid not in found], list(conflicts.values())
+
+
+def _answers_another(record: dict[str, Any], digest: str, unchecked: dict[str, int], name: str) -> bool:
+    """Whether a part's line says it answers another request than ``digest``; a line that says
+    nothing (an older export) is counted in ``unchecked`` under its part's ``name``."""
+    given = record.get(REQUEST_KEY)
+    if given is None:
+        unchecked[name] = unchecked.get(name, 0) + 1
+        return False
+    return given != digest
+
+
 # `export --format`: the choices, their help and the writers all come from here.
 EXPORT_FORMATS: dict[str, ExportFormat] = {
     "jsonl": ExportFormat(_jsonl_record, _json_line(_jsonl_record),
-                          'nrvna\'s record: {"id", "custom_id", "status", "prompt", "result", "error", "meta"}'),
+                          'nrvna\'s record: {"id", "custom_id", "request_sha256", "status", "prompt", "result", "error", "meta"}'),
     "openai": ExportFormat(_openai_record, _json_line(_openai_record),
-                           "exactly an OpenAI Batch output line (a chat.completion or text_completion body)"),
+                           "an OpenAI Batch output line (a chat.completion or text_completion body), and request_sha256, "
+                           "which OpenAI's readers ignore"),
     "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line (every choice of a job of n > 1)"),
     "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
                         "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
@@ -7421,6 +7636,8 @@ class Work:
         else:
             entries = parse_batch(data, jsonl, notes)
         entries = self._with_defaults(entries, tag, dedupe, notes, defaults)
+        if tag is not None:
+            claim_tag_shard(self.workspace, tag, shard)
         if shard is not None:
             total = len(entries)
             entries = [e for e in entries if shard_of(e.params["custom_id"], shard[1]) == shard[0]]
@@ -7950,6 +8167,8 @@ def _prune_tag_index(workspace: str, notes: list[str]) -> None:
             if all(flow.status(job_id) is Status.Missing and not os.path.lexists(os.path.join(writing, job_id))
                    for job_id, _ in rows):
                 _unlink_quietly(os.path.join(tags, tag, chunk_file), None)
+        if not _tag_known(workspace, tag):  # its last index went: the shard it was created with goes too
+            _unlink_quietly(os.path.join(tags, tag, SHARD_RECORD), None)
         try:
             os.rmdir(os.path.join(tags, tag))
         except OSError:
@@ -15013,15 +15232,16 @@ def _cmd_export(args: Any) -> int:
 def _cmd_merge(args: Any) -> int:
     """``merge --input FILE PART... -o OUT``: the shards' exports in the input's order, each
     line once; OUT is written only when the merge is whole (or with --partial)."""
+    _refuse_output_among(args.output, args.input, args.parts)  # before anything is read or written
     entries = parse_batch(*_batch_source(args.input, None, None))  # its custom_ids as submit --file reads them
-    parts = []
-    for name in args.parts:  # a file that cannot be read is a usage error (2), not a conflict (1)
-        try:
-            with open(name, "rb") as handle:
-                parts.append((name, handle.read()))
-        except OSError as err:
-            raise InvalidInput(f"cannot read {name}: {_os_error(err)}") from None
-    lines, missing, conflicts = merge_parts([e.params["custom_id"] for e in entries], parts)
+    requests = {e.params["custom_id"]: (e.line, request_digest(e.prompt, e.params)) for e in entries}
+    notes: list[str] = []
+    try:
+        lines, missing, conflicts = merge_parts([e.params["custom_id"] for e in entries], _part_lines(args.parts),
+                                                requests, notes)
+    finally:
+        for note in notes:
+            _say(note)
     for what, ids in (("missing from every part", missing), ("given different results by two parts", conflicts)):
         if ids:
             shown = ", ".join(ids[:20]) + (f" and {len(ids) - 20} more" if len(ids) > 20 else "")
@@ -15039,6 +15259,39 @@ def _cmd_merge(args: Any) -> int:
     elif args.output != "-":
         _say(f"{args.output} not written: the merge is not whole (--partial writes what there is)")
     return EXIT_OK if whole else EXIT_FAILED if conflicts else EXIT_UNFINISHED
+
+
+def _part_lines(names: list[str]) -> Iterator[tuple[str, Iterator[tuple[int, bytes]]]]:
+    """Each merge part's name and its lines, read one part at a time (``read_part``'s bounds).
+    A part that cannot be read is a usage error (2), not a conflict (1)."""
+    for name in names:
+        try:
+            handle = open(name, "rb")
+        except OSError as err:
+            raise InvalidInput(f"cannot read {name}: {_os_error(err)}") from None
+        with handle:
+            yield name, read_part(handle, name)
+
+
+def _refuse_output_among(output: str, source: str, parts: list[str]) -> None:
+    """InvalidInput when ``-o`` names the input or a part (the same file, by device and inode:
+    through a link, a symlink or another path too): the merge would replace what it reads."""
+    if output == "-":
+        return
+    try:
+        written = os.stat(output)
+    except OSError:
+        return  # no file there yet (or none to stat): nothing read can be it
+    if stat.S_ISCHR(written.st_mode):
+        return  # a terminal or /dev/null: written through, never replaced
+    for what, name in [("the input", source)] + [("the part", part) for part in parts]:
+        try:
+            read = os.stat(name)
+        except OSError:
+            continue
+        if (read.st_dev, read.st_ino) == (written.st_dev, written.st_ino):
+            raise InvalidInput(f"-o {output} is {what} {name}: merge never writes over a file it reads; "
+                               "give another OUT")
 
 
 def _cmd_cancel(args: Any) -> int:
@@ -15299,9 +15552,11 @@ def _export_arguments(parser: Any) -> None:
 
 
 def _merge_arguments(parser: Any) -> None:
-    parser.add_argument("parts", metavar="PART", nargs="+", help="the shards' exports (jsonl or openai)")
+    parser.add_argument("parts", metavar="PART", nargs="+", help="the shards' exports (jsonl or openai); each "
+                        "line's request_sha256 must match FILE's line of its custom_id")
     parser.add_argument("--input", metavar="FILE", required=True, help="the batch file the shards were given")
-    parser.add_argument("-o", "--output", metavar="FILE", required=True, help="write FILE atomically ('-': stdout)")
+    parser.add_argument("-o", "--output", metavar="OUT", required=True, help="write OUT atomically ('-': stdout); "
+                        "never the input or a PART")
     parser.add_argument("--partial", action="store_true", help="write the lines there are even when some are "
                         "missing or in conflict (the exit status still says so)")
 
@@ -15445,9 +15700,14 @@ COMMANDS = (
      "One line per finished job in submission order; unfinished jobs are left out (exit 4).",
      _export_arguments, _cmd_export),
     ("merge", "put the shards' exports back together",
-     "Write the PARTs' lines in the order of --input's lines, each custom_id once. Exit 0 when every line "
-     "came back once; 4 when some are missing from every part, 1 when two parts give one different results "
-     "(each named on stderr); OUT is written only when whole, unless --partial.", _merge_arguments, _cmd_merge),
+     "Write the PARTs' lines in the order of --input's lines, each custom_id once; OUT is written only when "
+     "whole, unless --partial. Exit 0: every line came back once. 1: two parts give one line different "
+     "results (each such line named on stderr with the two parts and lines), even if some are missing too. "
+     "4: some lines are missing from "
+     "every part (each named). 2, nothing written: a usage error, named with its part and line: -o names "
+     "the input or a part; a part cannot be read, has a line that is not an export line or over the limit, a "
+     "custom_id the input lacks, or a request_sha256 saying it answers another request than the input's line "
+     "(a part of another batch).", _merge_arguments, _cmd_merge),
     ("cancel", "cancel queued or running jobs",
      "A queued job goes to failed/ (code cancelled); a running one stops between tokens and "
      "does the same. Finished jobs are left alone (exit 1).", _cancel_arguments, _cmd_cancel),

@@ -4316,6 +4316,179 @@ def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing
     assert done.returncode == 0 and json.loads(done.stdout)["custom_id"] == "line-1", done.stderr
 
 
+def exported_part(ws: str, rows: list[dict[str, Any]], path: Path, run_main: RunMain, form: str = "jsonl",
+                  *flags: str) -> list[dict[str, Any]]:
+    """``rows`` as a batch file submitted to ``ws`` with ``flags``, run by echo, exported to ``path``."""
+    source = write(path.with_suffix(".in.jsonl"), jsonl(rows))
+    ids = ids_of(run_main("submit", ws, "--file", source, "--tag", "t", *flags))
+    with serving(ws, echo):
+        wait_all(ws, ids)
+    assert run_main("export", ws, "--tag", "t", "--format", form, "-o", str(path)).returncode == 0
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_export_lines_say_which_request_they_answer_and_merge_refuses_another_batchs_part(
+        tmp_path: Path, run_main: RunMain) -> None:
+    """Each jsonl and openai export line carries request_sha256, a digest of its request as
+    submitted (its prompt or turns, not the node's flags): the same line on two nodes with other
+    flags gives the same digest, another prompt another. OpenAI's types read such a line. A
+    stale part of another batch (the same line-N ids) is refused, exit 2, naming the part and
+    line; a part exported before the key existed is taken, said once on stderr."""
+    from openai.types import chat
+
+    rows = [{"prompt": "p0"}, {"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "p2", "temperature": 0.5}]
+    source = write(tmp_path / "in.jsonl", jsonl(rows))
+    a = exported_part(str(tmp_path / "a"), rows, tmp_path / "a.jsonl", run_main, "openai", "--max-tokens", "7")
+    b = exported_part(str(tmp_path / "b"), rows, tmp_path / "b.jsonl", run_main, "openai", "--temperature", "0.1")
+    records = run_main("export", str(tmp_path / "b"), "--tag", "t", "--format", "jsonl").stdout.decode().splitlines()
+    assert all("request_sha256" in line for line in a + b + [json.loads(record) for record in records])
+    entries = nrvna.parse_batch(Path(source).read_bytes(), True)
+    digests = {e.params["custom_id"]: nrvna.request_digest(e.prompt, e.params) for e in entries}
+    assert len(set(digests.values())) == 3 and len(records) == 3
+    for line in a + b + [json.loads(record) for record in records]:
+        assert line[nrvna.REQUEST_KEY] == digests[line["custom_id"]], line
+    for line in a:  # an OpenAI Batch output line and one key more, which OpenAI's models keep aside
+        assert set(line) == {"id", "custom_id", "response", "error", nrvna.REQUEST_KEY}
+        chat.ChatCompletion.model_validate(line["response"]["body"])
+    assert chat.ChatCompletion.model_config.get("extra") == "allow"
+    out = tmp_path / "out.jsonl"
+    done = run_main("merge", "--input", source, str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "-o", str(out))
+    assert done.returncode == 0 and b"request_sha256" not in done.stderr, done.stderr
+    # A stale part of another batch: its lines are line-1.. too, and answer other prompts.
+    stale = tmp_path / "part-old.jsonl"
+    exported_part(str(tmp_path / "old"), [{"prompt": "other"}, {"prompt": "p1"}, {"prompt": "p2"}], stale, run_main)
+    done = run_main("merge", "--input", source, str(tmp_path / "a.jsonl"), str(stale), "-o", str(tmp_path / "x.jsonl"))
+    assert done.returncode == 2 and not (tmp_path / "x.jsonl").exists()
+    assert f"{stale}: line 1: custom_id 'line-1' answers another request than line 1 of the input".encode() in done.stderr
+    assert b"Traceback" not in done.stderr
+    # Parts exported before the key: taken, with one note for all of them.
+    for name in ("a.jsonl", "b.jsonl"):
+        lines = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        write(tmp_path / f"old-{name}", jsonl([{k: v for k, v in line.items() if k != nrvna.REQUEST_KEY} for line in lines]))
+    done = run_main("merge", "--input", source, str(tmp_path / "old-a.jsonl"), str(tmp_path / "old-b.jsonl"), "-o", "-")
+    assert done.returncode == 0 and len(done.stdout.splitlines()) == 3
+    assert done.stderr.count(b"carry no request_sha256") == 1 and b"6 lines of" in done.stderr, done.stderr
+
+
+def test_merge_never_writes_over_its_input_or_a_part(tmp_path: Path, run_main: RunMain) -> None:
+    """-o naming the input or a part (the same path, a symlink to it, a hard link) is refused,
+    exit 2, naming it, before anything is written: the file is unchanged."""
+    source = write(tmp_path / "in.jsonl", jsonl([{"custom_id": "c", "prompt": "p"}]))
+    part = write(tmp_path / "part.jsonl", jsonl([{"id": "j", "custom_id": "c", "status": "done", "result": "r"}]))
+    os.symlink(part, tmp_path / "link.jsonl")
+    os.link(source, tmp_path / "hard.jsonl")
+    before = {path: Path(path).read_bytes() for path in (source, part)}
+    for output, named in ((source, b"the input"), (part, b"the part"), (str(tmp_path / "link.jsonl"), b"the part"),
+                          (str(tmp_path / "hard.jsonl"), b"the input"), ("./" + os.path.relpath(part), b"the part")):
+        done = run_main("merge", "--input", source, part, "-o", output)
+        assert done.returncode == 2 and named in done.stderr and output.encode() in done.stderr, (output, done.stderr)
+        assert {path: Path(path).read_bytes() for path in before} == before, output
+    assert run_main("merge", "--input", source, part, "-o", str(tmp_path / "out.jsonl")).returncode == 0
+    done = run_main("merge", "--input", source, source, "-o", "-")  # the input given as a part: no results in it
+    assert done.returncode == 2 and f"{source}: line 1: not an export line".encode() in done.stderr
+
+
+def test_merge_reads_a_part_with_a_bound_per_line(tmp_path: Path) -> None:
+    """A part that is /dev/zero (no newline, no end) is refused once a part line's limit is
+    read: exit 2 naming it, no traceback, memory bounded (it runs under a 1 GiB address space,
+    where reading it whole ended in a MemoryError)."""
+    import resource
+
+    source = write(tmp_path / "in.jsonl", jsonl([{"custom_id": "c", "prompt": "p"}]))
+
+    def bounded() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    env = dict(os.environ, NRVNA_MAX_PROMPT_BYTES="1")  # a part line's limit: 8 × (8 MiB + 14 bytes)
+    done = subprocess.run([sys.executable, SCRIPT, "merge", "--input", source, "/dev/zero", "-o", str(tmp_path / "o")],
+                          capture_output=True, env=env, timeout=120, preexec_fn=bounded)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert b"/dev/zero: line 1: over" in done.stderr and b"part line's limit" in done.stderr
+    assert b"Traceback" not in done.stderr and not (tmp_path / "o").exists()
+
+
+def test_merge_compares_fields_not_a_text_with_ids_cut_out(tmp_path: Path, run_main: RunMain) -> None:
+    """Results are compared as fields, the IDs left out where they are IDs (the job's, the
+    response's, a tool call's): "yesZ" of job Z and "yesQ" of job Q differ (cutting the ID out
+    of the text made them equal); one tool call exported from two workspaces, or one failure
+    whose message names its job, is one result. A conflict names both parts and lines."""
+    source = write(tmp_path / "in.jsonl", jsonl([{"custom_id": "c", "prompt": "p"}]))
+
+    def jsonl_line(job_id: str, result: str) -> dict[str, Any]:
+        return {"id": job_id, "custom_id": "c", "status": "done", "result": result, "error": None, "meta": {}}
+
+    def openai_line(job_id: str, content: str) -> dict[str, Any]:
+        body = {"id": f"chatcmpl-{job_id}", "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
+        return {"id": f"batch_req_{job_id}", "custom_id": "c", "error": None,
+                "response": {"status_code": 200, "request_id": job_id, "body": body}}
+
+    for make in (jsonl_line, openai_line):
+        z = write(tmp_path / "z.jsonl", jsonl([make("Z", "yesZ")]))
+        q = write(tmp_path / "q.jsonl", jsonl([make("Q", "yesQ")]))
+        done = run_main("merge", "--input", source, z, q, "-o", str(tmp_path / "out.jsonl"))
+        assert done.returncode == 1, (make, done.stderr)
+        assert f"given different results by two parts: c ({z} line 1, {q} line 1)".encode() in done.stderr
+
+    def calls_line(job_id: str, city: str) -> dict[str, Any]:
+        call = {"id": f"call_{job_id}_0", "type": "function", "function": {"name": "w", "arguments": f'{{"city": "{city}"}}'}}
+        return dict(jsonl_line(job_id, json.dumps(call) + "\n"), content=None, tool_calls=[call])
+
+    one = write(tmp_path / "one.jsonl", jsonl([calls_line("17959_1_1", "Oslo")]))
+    again = write(tmp_path / "again.jsonl", jsonl([calls_line("17960_2_2", "Oslo")]))
+    assert run_main("merge", "--input", source, one, again, "-o", "-").returncode == 0
+    other = write(tmp_path / "other.jsonl", jsonl([calls_line("17960_2_2", "Bergen")]))
+    assert run_main("merge", "--input", source, one, other, "-o", "-").returncode == 1
+    failed = [{"id": job_id, "custom_id": "c", "status": "failed", "result": None, "meta": {"code": "timeout"},
+               "error": f"job {job_id} ran over its timeout"} for job_id in ("A1", "B2")]
+    parts = [write(tmp_path / f"f{i}.jsonl", jsonl([line])) for i, line in enumerate(failed)]
+    assert run_main("merge", "--input", source, *parts, "-o", "-").returncode == 0
+
+
+def test_a_tag_keeps_the_shard_it_was_created_with(tmp_path: Path, run_main: RunMain) -> None:
+    """A tag records the --shard it was created with: a later submit of the tag with another
+    shard (0/3, then 0/2 or 1/2, or none) is refused, exit 2, naming both, nothing queued; the
+    same shard again resumes it. A tag with no record (made before records, or without
+    --shard) takes any shard as before; a damaged record is named; clean removes the record
+    with the tag's last index."""
+    rows = [{"custom_id": f"c{i}", "prompt": f"p{i}"} for i in range(30)]
+    source = write(tmp_path / "b.jsonl", jsonl(rows))
+    ws = str(tmp_path / "ws")
+    first = run_main("submit", ws, "--file", source, "--shard", "0/3", "--tag", "t")
+    assert first.returncode == 0, first.stderr
+    queued = Flow(ws).counts()["queued"]
+    for shard in ("0/2", "1/2", None):
+        done = run_main("submit", ws, "--file", source, "--tag", "t", *(("--shard", shard) if shard else ()))
+        assert done.returncode == 2 and b"tag t was created with --shard 0/3" in done.stderr, (shard, done.stderr)
+        assert (f"--shard {shard}" if shard else "no --shard").encode() in done.stderr
+        assert Flow(ws).counts()["queued"] == queued
+    again = run_main("submit", ws, "--file", source, "--shard", "0/3", "--tag", "t")
+    assert again.returncode == 0 and ids_of(again) == ids_of(first) and Flow(ws).counts()["queued"] == queued
+    # A tag with no record keeps working with any shard.
+    assert run_main("submit", ws, "--file", source, "--tag", "old").returncode == 0
+    for shard in ("0/2", "1/2"):
+        assert run_main("submit", ws, "--file", source, "--shard", shard, "--tag", "old").returncode == 0
+    record = os.path.join(ws, "tags", "t", "shard")
+    write(record, "junk\n")
+    done = run_main("submit", ws, "--file", source, "--shard", "0/3", "--tag", "t")
+    assert done.returncode == 2 and record.encode() in done.stderr and b"Traceback" not in done.stderr
+    os.remove(record)  # a tag made before records: taken with any shard
+    assert run_main("submit", ws, "--file", source, "--shard", "1/3", "--tag", "t").returncode == 0
+    assert run_main("submit", ws, "--file", source, "--shard", "2/3", "--tag", "n").returncode == 0
+    assert run_main("cancel", ws, "--tag", "n").returncode == 0
+    assert run_main("clean", ws, "--older-than", "0s").returncode == 0
+    assert not os.path.exists(os.path.join(ws, "tags", "n"))
+    assert run_main("submit", ws, "--file", source, "--shard", "0/2", "--tag", "n").returncode == 0  # a new tag
+
+
+def test_merge_help_states_every_exit_code() -> None:
+    """merge --help says what exits 0, 1, 4 and 2 mean."""
+    done = cli("merge", "--help")
+    text = b" ".join(done.stdout.split())
+    for said in (b"Exit 0: every line came back once", b"1: two parts give one line different results",
+                 b"4: some lines are missing", b"2, nothing written: a usage error"):
+        assert said in text, said
+
+
 def test_a_shard_that_holds_no_line_still_records_its_tag(tmp_path: Path, run_main: RunMain) -> None:
     """A shard none of the file's lines fall in queues nothing, yet its tag exists: the node's
     wait and export end at once (an empty part), and the merge of the parts is whole."""
@@ -4325,7 +4498,7 @@ def test_a_shard_that_holds_no_line_still_records_its_tag(tmp_path: Path, run_ma
     for _ in range(2):  # a rerun adds no second index
         done = run_main("submit", ws, "--file", source, "--shard", f"{empty}/4", "--tag", "t")
         assert done.returncode == 0 and done.stdout == b"" and f"shard {empty}/4: 0 of 1 lines".encode() in done.stderr
-    assert len(os.listdir(os.path.join(ws, "tags", "t"))) == 1
+    assert len([n for n in os.listdir(os.path.join(ws, "tags", "t")) if n.endswith(".ids")]) == 1
     assert run_main("wait", ws, "--tag", "t", "--timeout", "0").returncode == 0
     part = tmp_path / "part.jsonl"
     assert run_main("export", ws, "--tag", "t", "--format", "openai", "-o", str(part)).returncode == 0
@@ -4762,7 +4935,7 @@ def test_export_openai_is_the_batch_output_format_field_by_field(ws: str, tmp_pa
     done = run_main("export", ws, "--tag", "b", "--format", "openai")
     assert done.returncode == 4 and b"1 of 4 jobs are not finished and were left out" in done.stderr
     chat, completion, failed = (json.loads(line) for line in done.stdout.decode().splitlines())
-    assert set(chat) == {"id", "custom_id", "response", "error"} and chat["error"] is None
+    assert set(chat) == {"id", "custom_id", "request_sha256", "response", "error"} and chat["error"] is None
     assert chat["id"] == f"batch_req_{ids[0]}" and chat["custom_id"] == "c0"
     response = chat["response"]
     assert set(response) == {"status_code", "request_id", "body"} and response["status_code"] == 200
@@ -4777,6 +4950,7 @@ def test_export_openai_is_the_batch_output_format_field_by_field(ws: str, tmp_pa
     assert text["object"] == "text_completion" and completion["custom_id"] == "c1"
     assert text["choices"] == [{"text": "answer to once", "index": 0, "logprobs": None, "finish_reason": "stop"}]
     assert failed == {"id": f"batch_req_{ids[2]}", "custom_id": "c2", "response": None,
+                      "request_sha256": nrvna.request_digest("[user]\nfail me\n", Flow(ws).get(ids[2]).params),
                       "error": {"code": "context_overflow", "message": "prompt is 9 tokens; a sequence holds 4"}}
 
 
@@ -4784,7 +4958,7 @@ def test_export_jsonl_text_and_atomic_files(ws: str, tmp_path: Path, run_main: R
     ids = finished_batch(ws, tmp_path, run_main)
     records = [json.loads(line) for line in run_main("export", ws, *ids[:3]).stdout.decode().splitlines()]
     assert [r["id"] for r in records] == ids[:3] and [r["custom_id"] for r in records] == ["c0", "c1", "c2"]
-    assert set(records[0]) == {"id", "custom_id", "status", "prompt", "result", "error", "meta"}
+    assert set(records[0]) == {"id", "custom_id", "request_sha256", "status", "prompt", "result", "error", "meta"}
     assert records[0]["meta"]["finish_reason"] == "length" and records[2]["meta"]["code"] == "context_overflow"
     assert records[2]["status"] == "failed" and records[2]["result"] is None and "9 tokens" in records[2]["error"]
     text = run_main("export", ws, *ids[:2], "--format", "text")
