@@ -10989,8 +10989,15 @@ def model_memory(runner: Any) -> dict[str, Any]:
 
 
 def memory_line(name: str, report: Mapping[str, Any]) -> str:
-    """``model_memory``'s report as the start line says it."""
+    """``model_memory``'s report as the start line says it. An embedding model has no
+    generation context (no KV cache, compute or output buffers to count): its line says so, and
+    what its workers' embedding contexts hold, each made at the worker's first embed job."""
     n = report["contexts"]
+    if not n:
+        made = report["embedding_contexts"]
+        return (f"Memory of {name}: weights {report['weights_mib']:,.1f} MiB, no generation contexts (an embedding "
+                f"model: each worker makes its embedding context at its first embed job; {made} made so far, "
+                f"{report['embedding_mib']:,.1f} MiB): {report['total_mib']:,.1f} MiB")
     line = (f"Memory of {name}: weights {report['weights_mib']:,.1f} MiB, KV cache {n} x {report['kv_mib']:,.1f} MiB "
             f"({report['kv_type']}, {report['cells']:,} cells x {report['kv_bytes_per_token']:,} B a token), "
             f"compute {n} x {report['compute_mib']:,.1f} MiB, output {n} x {report['output_mib']:,.1f} MiB")
