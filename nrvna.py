@@ -477,17 +477,27 @@ def thinking_tags(value: str) -> Optional[tuple[str, str]]:
 
 
 def size_bytes(value: Any) -> int:
-    """A size setting (``NRVNA_CACHE_DISK``) in bytes: a whole number of bytes, or with K, M, G
-    or T (1024-based; ``KB``/``KiB`` also read); ConfigError otherwise."""
-    text = str(value).strip().upper().replace("IB", "").replace("B", "")
+    """A size setting (``NRVNA_CACHE_DISK``) in bytes: a number with K, M, G or T (1024-based;
+    ``KB``/``KiB`` also read), or with B for bytes; ConfigError otherwise. 0 is none. A number
+    with no unit under 1 MiB is refused (``500`` would be 500 bytes, surely not what was meant),
+    and so is a size that rounds to 0 bytes (0.5) but 0 itself. The message starts with the
+    value, as given: _check_setting puts the flag or variable in its place."""
+    spelled = str(value).strip().upper()
+    text = spelled.replace("IB", "").replace("B", "")
     number, unit = text.rstrip("KMGT"), text[len(text.rstrip("KMGT")):]
     try:
         amount = float(number)
     except ValueError:
         amount = -1.0
     if unit not in _SIZE_UNITS or not (0 <= amount < 1 << 50) or amount != amount:
-        raise ConfigError(f"{value!r} is not a size (bytes, or a number with K, M, G or T: 512M, 2G)")
-    return int(amount * _SIZE_UNITS[unit])
+        raise ConfigError(f"{value!r} is not a size (a number with K, M, G or T: 512M, 2G; 0 for none)")
+    size = int(amount * _SIZE_UNITS[unit])
+    if amount and not size:
+        raise ConfigError(f"{value!r} rounds to 0 bytes: write 0 for none, or a size with a unit (512M, 2G)")
+    if 0 < size < _MIB and not unit and text == spelled:  # no unit at all, not even B
+        raise ConfigError(f"{value!r} has no unit, so it would be {size} bytes: add one ({number.strip()}M, "
+                          f"{number.strip()}K), or write {number.strip()}B if bytes are meant")
+    return size
 
 
 def _check_size(value: Any) -> str:
@@ -526,9 +536,15 @@ def _check_setting(name: str, value: Any, flag: Optional[str] = None) -> Any:
     """``value`` checked and normalized, or ConfigError naming ``flag`` where the value came
     from that flag, else the setting's variable."""
     setting = SETTINGS[name]
-    if setting.check is not None:  # the setting's own: normalizes, or raises ConfigError
-        value = setting.check(value)
     given = f"{flag} {value!r}" if flag else f"{setting.env}={value!r}"
+    if setting.check is not None:  # the setting's own: normalizes, or raises ConfigError
+        try:
+            value = setting.check(value)
+        except ConfigError as err:  # one that starts with the value alone gets the flag or variable
+            if not str(err).startswith(repr(value)):
+                raise
+            raise ConfigError(given + str(err)[len(repr(value)):]) from None
+        given = f"{flag} {value!r}" if flag else f"{setting.env}={value!r}"
     if setting.kind is str:
         if setting.choices is not None and value not in setting.choices:
             raise ConfigError(f"{given} is not one of {', '.join(setting.choices)}")
@@ -638,9 +654,12 @@ SETTINGS: dict[str, _Setting] = {
 class Config:
     """Daemon settings: defaults, overridden by ``NRVNA_*`` variables, then by arguments."""
 
-    __slots__ = tuple(SETTINGS)
+    __slots__ = (*SETTINGS, "given")
 
     def __init__(self, **values: Any) -> None:
+        # setting -> how it was set, as from_env read it (`--max-memory 500M`, `NRVNA_WORKERS=2`),
+        # so that a refusal at start names what the user wrote
+        self.given: dict[str, str] = {}
         for name, setting in SETTINGS.items():
             setattr(self, name, setting.default)
         for name, value in values.items():
@@ -653,15 +672,25 @@ class Config:
         """Read every ``NRVNA_*`` variable; raise ConfigError naming the first bad one."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        given: dict[str, str] = {}
         for name, setting in SETTINGS.items():
             raw = environ.get(setting.env)
             if raw is not None and raw.strip() != "":
-                values[name] = _parse_setting(name, raw)
+                values[name], given[name] = _parse_setting(name, raw), f"{setting.env}={raw.strip()}"
         for name, value in overrides.items():  # the daemon's flags: an error names the flag given
             if value is not None:
                 flags = SETTINGS[name].flags if name in SETTINGS else ()
                 values[name] = _check_setting(name, value, flags[-1]) if flags else value
-        return cls(**values)
+                if flags:
+                    given[name] = f"{flags[-1]} {value}"
+        config = cls(**values)
+        config.given = given
+        return config
+
+    def named(self, name: str) -> str:
+        """Setting ``name`` as the user gave it (``--max-memory 500M``, ``NRVNA_MAX_MEMORY=500M``),
+        or its variable and value where it is the default."""
+        return self.given.get(name) or f"{SETTINGS[name].env}={getattr(self, name)}"
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a plain dict (for logs and tests)."""
@@ -5545,8 +5574,10 @@ def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Op
                     os.close(fd)
             except OSError:
                 pass
+            import shlex
+
             raise JobError("parent_failed", f"{what} failed{f' ({code})' if code else ''}: "
-                                            f"nrvna retry {job_id}, then this job")
+                                            f"nrvna retry {shlex.quote(workspace)} {job_id}, then this job")
         try:
             fd = open_dir(path)
         except OSError as err:
@@ -5857,6 +5888,8 @@ def remove_states_of(folder: str, job_ids: set[str]) -> int:
 BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
 SHARDS_MAX = 1 << 20  # most shards a batch may be split into (--shard I/N)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
+# The fields an nrvna JSONL line may carry: its prompt, and every job parameter but tag and endpoint.
+JSONL_FIELDS = ("prompt", *(name for name, param in PARAMS.items() if param.jsonl))
 
 
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
@@ -6132,6 +6165,19 @@ def _all_objects(lines: list[tuple[int, str]]) -> bool:
         return False
 
 
+def _unknown_field(key: str) -> str:
+    """The refusal of a field no nrvna line may carry: the likeliest meant, and the fields a line may."""
+    import difflib
+
+    if key == "tag":
+        return "unknown field 'tag' (tags are given with --tag)"
+    if key == "endpoint":
+        return "unknown field 'endpoint' (an OpenAI Batch line's url sets it)"
+    near = difflib.get_close_matches(key, JSONL_FIELDS, n=1)
+    meant = f"; did you mean {near[0]!r}?" if near else ""
+    return f"unknown field {key!r}{meant} (a line's fields: {', '.join(JSONL_FIELDS)})"
+
+
 def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
     """(prompt text, params) of one JSONL line, in nrvna's form or OpenAI's."""
     if not isinstance(obj, dict):
@@ -6140,8 +6186,8 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
         return _openai_line(obj, notes)
     params = dict(obj)
     for key in params:
-        if key in PARAMS and not PARAMS[key].jsonl:
-            raise InvalidInput(f"unknown field {key!r} (tags are given with --tag)")
+        if key not in JSONL_FIELDS:
+            raise InvalidInput(_unknown_field(key))
     embed = job_param(params, "embed")
     if "embed" in params and not isinstance(embed, (bool, str, list)):
         raise InvalidInput("embed must be a text, a list of texts, or true (with input or prompt)")
@@ -9727,14 +9773,17 @@ class _Thinking:
         open_tag, close_tag = self.tags
         tail = b"".join(self.runner.piece(token) for token in prompt[-8:]).decode("utf-8", "replace").rstrip()
         answering = (close_tag, *self.headers[-1:])  # closed, or harmony's final channel opened
+        # Past a block the prompt closed, the router drops the whitespace before the answer as it
+        # does after a block the model closed (AFTER): the model writes a newline there (a budget
+        # of 0 closes it in the template: the answer started with "\n").
         state = (_ThinkRouter.INSIDE if tail.endswith(open_tag) else
-                 _ThinkRouter.ANSWER if any(map(tail.endswith, answering)) else _ThinkRouter.BEFORE)
+                 _ThinkRouter.AFTER if any(map(tail.endswith, answering)) else _ThinkRouter.BEFORE)
         if state == _ThinkRouter.BEFORE and not job_param(params, "raw") and self.runner.has_grammar(params):
             prompt, state = prompt + self.opening, _ThinkRouter.INSIDE
         cap = thinking_budget(params)
         generated = min(room, len(prompt) + max_tokens) - len(prompt)
         force_at = generated - (generated + 3) // 4 - len(self.closing)
-        if state != _ThinkRouter.ANSWER and (cap == 0 or force_at <= 0):  # no thinking: the answer now
+        if state in (_ThinkRouter.BEFORE, _ThinkRouter.INSIDE) and (cap == 0 or force_at <= 0):  # no thinking: the answer now
             prompt = prompt + (list(self.closing) if state == _ThinkRouter.INSIDE else self.skip)
             state = _ThinkRouter.AFTER
         return prompt, _ThinkRouter(open_tag, close_tag, state, cap, force_at, self.closing, self.headers)
@@ -11369,8 +11418,15 @@ def model_memory(runner: Any) -> dict[str, Any]:
 
 
 def memory_line(name: str, report: Mapping[str, Any]) -> str:
-    """``model_memory``'s report as the start line says it."""
+    """``model_memory``'s report as the start line says it. An embedding model has no
+    generation context (no KV cache, compute or output buffers to count): its line says so, and
+    what its workers' embedding contexts hold, each made at the worker's first embed job."""
     n = report["contexts"]
+    if not n:
+        made = report["embedding_contexts"]
+        return (f"Memory of {name}: weights {report['weights_mib']:,.1f} MiB, no generation contexts (an embedding "
+                f"model: each worker makes its embedding context at its first embed job; {made} made so far, "
+                f"{report['embedding_mib']:,.1f} MiB): {report['total_mib']:,.1f} MiB")
     line = (f"Memory of {name}: weights {report['weights_mib']:,.1f} MiB, KV cache {n} x {report['kv_mib']:,.1f} MiB "
             f"({report['kv_type']}, {report['cells']:,} cells x {report['kv_bytes_per_token']:,} B a token), "
             f"compute {n} x {report['compute_mib']:,.1f} MiB, output {n} x {report['output_mib']:,.1f} MiB")
@@ -13503,7 +13559,7 @@ def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], wo
     if pending and need - pending <= budget:
         fits.append(f"NRVNA_CACHE_PENDING={max(1, int(budget - need + pending))}M")
     raise ConfigError(
-        f"NRVNA_MAX_MEMORY ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this process and other "
+        f"{config.named('max_memory')} ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this process and other "
         f"models {fixed_mib:,.0f}, {name}'s weights {report['weights_mib']:,.0f}, {workers} contexts x "
         f"{kv + compute + output:,.1f} (KV cache {kv:,.1f}, compute {compute:,.1f}, output {output:,.1f})"
         + (f", contexts waiting to be saved {pending:,.0f}" if pending else "") + "); "
@@ -15627,20 +15683,22 @@ def _build_parser(only: Optional[str] = None) -> Any:
                 message = f"{flag} must be {'an integer' if kind == 'int' else 'a number'}, not {value}"
             self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
 
-    env_help = "\n".join(f"  {s.env:<24} {str(s.default):<10} {s.help}" for s in SETTINGS.values())
+    env_help = "\n".join(f"  {s.env:<24} {str(s.default if s.shown is None else s.shown):<10} {s.help}"
+                         for s in SETTINGS.values())
     codes = ", ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items())
     parser = OneLineParser(
-        prog="nrvna", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="nrvna", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         description="A durable, asynchronous job queue for local LLM inference. A job is a "
                     "directory; its location is its state.",
         epilog=f"exit codes: {codes}\n\nenvironment (daemon):\n" + env_help)
     parser.add_argument("--version", action="version", version=f"nrvna {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, summary, description, add_arguments, handler in COMMANDS:
-        command = commands.add_parser(name, help=summary, description=description)
+        # No abbreviations: a typo (--max-token) is an error, not another flag's prefix.
+        command = commands.add_parser(name, help=summary, description=description, allow_abbrev=False)
         if only in (None, name):
             add_arguments(command)
-        command.set_defaults(handler=handler)
+        command.set_defaults(handler=handler, parser=command)  # main's errors point to this command's --help
     return parser
 
 
@@ -15660,7 +15718,7 @@ def main(argv: Optional[list[str]] = None, *, runner: Any = None) -> int:
     if extra and getattr(args, "prompt", "") is None and len(extra) == 1 and (extra[0] == "-" or not extra[0].startswith("-")):
         args.prompt, extra = extra[0], []
     if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     args.runner = runner
     try:
         return args.handler(args)

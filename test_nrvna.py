@@ -3107,6 +3107,43 @@ def test_memory_settings_are_checked_at_start() -> None:
     assert not os.path.exists("ws-never-made")
 
 
+def test_a_size_that_rounds_to_nothing_or_has_no_unit_is_refused_naming_what_was_given(run_main: RunMain) -> None:
+    """#57: `--max-memory 0.5` and NRVNA_CACHE_DISK=0.5 meant "no budget" and "store off", and
+    `--max-memory 500` 500 bytes ("nothing here fits"): each is exit 2 at start, before any model
+    or workspace, naming the flag or the variable as the user wrote it; 0, a unit, or B for
+    bytes are taken."""
+    for value, reason in (("0.5", "rounds to 0 bytes: write 0 for none"), ("0.0001K", "rounds to 0 bytes"),
+                          ("500", "has no unit, so it would be 500 bytes: add one (500M, 500K), or write 500B"),
+                          ("abc", "is not a size")):
+        done = run_main("daemon", "no-such-model.gguf", "ws-never-made", "--max-memory", value)
+        assert done.returncode == 2 and f"--max-memory {value!r} {reason}".encode() in done.stderr, done.stderr
+        for variable in ("NRVNA_CACHE_DISK", "NRVNA_MAX_MEMORY", "NRVNA_CACHE_PENDING"):
+            done = run_main("daemon", "no-such-model.gguf", "ws-never-made", env={variable: value})
+            assert done.returncode == 2 and f"{variable}={value!r} {reason}".encode() in done.stderr, done.stderr
+    assert not os.path.exists("ws-never-made")
+    assert [nrvna.size_bytes(v) for v in ("0", "0M", "500B", "1.5K", "2M", "1048576")] == [0, 0, 500, 1536, 2 << 20, 1 << 20]
+    # the budget's own refusal names it as given too (it said NRVNA_MAX_MEMORY for the flag)
+    report = {"weights_mib": 92.1, "kv_mib": 202.5, "compute_mib": 98.3, "output_mib": 3.2, "cells": 9216,
+              "cells_per_job": 1024, "kv_bytes_per_token": 23040}
+    for config, given in ((nrvna.Config.from_env({}, max_memory="500M"), "--max-memory 500M"),
+                          (nrvna.Config.from_env({"NRVNA_MAX_MEMORY": " 500M"}), "NRVNA_MAX_MEMORY=500M")):
+        with pytest.raises(nrvna.ConfigError, match=f"^{given} \\(500 MiB\\) cannot hold this daemon"):
+            nrvna.check_memory_budget(config, "m", report, 2, 50.0, True)
+
+
+def test_the_daemon_s_help_and_the_variables_list_give_one_default(run_main: RunMain) -> None:
+    """#57: `daemon --help` said the workers default to "4, or the cores if fewer" and `nrvna --help`'s
+    list of variables said this machine's count: both now say what SETTINGS states."""
+    listed = run_main("--help").stdout.decode()
+    flagged = " ".join(run_main("daemon", "--help").stdout.decode().split())
+    for setting in nrvna.SETTINGS.values():
+        shown = str(setting.default if setting.shown is None else setting.shown)
+        assert re.search(rf"^  {setting.env} +{re.escape(shown)} +", listed, re.M), setting.env
+        if setting.flags and shown:
+            assert f"({setting.env}, default {shown})" in flagged, setting.env
+    assert re.search(r"^  NRVNA_WORKERS +4, or the cores if fewer ", listed, re.M)
+
+
 def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
     """check_memory_budget: the need (the process, weights, every context, saves waiting) against
     NRVNA_MAX_MEMORY, and each change that alone would fit (fewer workers, a shorter context, a
@@ -3118,13 +3155,27 @@ def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
     with pytest.raises(nrvna.ConfigError) as caught:
         nrvna.check_memory_budget(nrvna.Config(max_memory="500M"), "m", report, 2, 50.0, True)
     message = str(caught.value)
-    assert "NRVNA_MAX_MEMORY (500 MiB) cannot hold this daemon: it needs 795 MiB" in message
+    assert "NRVNA_MAX_MEMORY=500M (500 MiB) cannot hold this daemon: it needs 795 MiB" in message
     assert "2 contexts x 304.0 (KV cache 202.5, compute 98.3, output 3.2), contexts waiting to be saved 45" in message
     assert message.endswith("it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=2048"), message
     with pytest.raises(nrvna.ConfigError, match="NRVNA_MAX_CTX=7680 or NRVNA_KV_TYPE=q8_0 or NRVNA_CACHE_PENDING=29M"):
         nrvna.check_memory_budget(nrvna.Config(max_memory="780M"), "m", report, 2, 50.0, True)
     with pytest.raises(nrvna.ConfigError, match="nothing here fits it: a larger budget or a smaller model"):
         nrvna.check_memory_budget(nrvna.Config(max_memory="200M"), "m", report, 2, 50.0, False)
+
+
+def test_an_embedding_model_s_memory_line_says_what_it_holds() -> None:
+    """#57: an embedding daemon's start line read "KV cache 0 x 0.0 MiB ... compute 0 x 0.0" beside
+    "2 workers x 16 sequences": it has no generation context, and says so."""
+    report = {"weights_mib": 43.5, "kv_type": "f16", "contexts": 0, "cells": 0, "cells_per_job": 0,
+              "kv_bytes_per_token": 0, "kv_mib": 0.0, "compute_mib": 0.0, "output_mib": 0.0,
+              "embedding_contexts": 0, "embedding_mib": 0, "total_mib": 43.5}
+    line = nrvna.memory_line("MiniLM", report)
+    assert line == ("Memory of MiniLM: weights 43.5 MiB, no generation contexts (an embedding model: each worker makes "
+                    "its embedding context at its first embed job; 0 made so far, 0.0 MiB): 43.5 MiB"), line
+    chat = dict(report, contexts=2, cells=9216, kv_bytes_per_token=23040, kv_mib=202.5, compute_mib=98.3,
+                output_mib=3.2, total_mib=651.1)
+    assert "KV cache 2 x 202.5 MiB (f16, 9,216 cells x 23,040 B a token), compute 2 x 98.3" in nrvna.memory_line("m", chat)
 
 
 def test_all_lists_the_public_names() -> None:
@@ -6187,6 +6238,21 @@ def test_the_readme_is_short_and_the_manual_holds_the_rest() -> None:
         assert name in examples, name
 
 
+def test_the_quick_start_states_its_times_one_way_and_that_the_test_model_is_often_wrong() -> None:
+    """#57: the README gave the suite's time three ways ("about 12-14 min", "about 26 minutes") and
+    the compile "about 5 minutes" (7.5 measured); it now says each once, as docs/development.md
+    does, and warns that SmolLM2-135M is a tiny test model whose answers are often wrong."""
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    start = readme.split("## Quick start")[1].split("\n## ")[0]
+    development = (HERE / "docs" / "development.md").read_text(encoding="utf-8")
+    times = re.findall(r"\d[\d,.-]* (?:min|minutes|s)\b", start)
+    assert times == ["5-8 minutes", "26 minutes", "1,074 s", "468 s"], times
+    for figure in ("5-8 minutes", "26 minutes", "1,074 s", "468 s"):
+        assert figure in " ".join(development.split()), figure
+    words = " ".join(start.split())
+    assert "SmolLM2-135M is a tiny test model" in words and "its answers are often wrong" in words
+
+
 def test_the_readme_s_tables_are_generated_from_nrvna_s_tables() -> None:
     """The tables live in the manual (settings and parameters in docs/configuration.md, exit
     codes in docs/commands.md, failure codes in docs/workspace.md); the script finds them there."""
@@ -6251,8 +6317,25 @@ def test_openai_body_fields_map_through_the_parameter_table() -> None:
     line["body"]["tool_choice"] = "auto"
     with pytest.raises(nrvna.InvalidInput, match="tool_choice needs tools"):
         nrvna.parse_batch((json.dumps(line) + "\n").encode())
-    with pytest.raises(nrvna.InvalidInput, match="unknown field 'endpoint'"):
+    with pytest.raises(nrvna.InvalidInput, match="unknown field 'endpoint' \\(an OpenAI Batch line's url sets it\\)"):
         nrvna.parse_batch(b'{"prompt": "x", "endpoint": "/v1/completions"}\n')
+
+
+def test_a_batch_line_s_unknown_field_is_named_with_the_one_likeliest_meant(run_main: RunMain, tmp_path: Path) -> None:
+    """#57: `{"promt": ...}` said "give exactly one of prompt or messages", and the known-fields
+    list offered tag and endpoint, which docs/configuration.md says are not JSONL fields."""
+    with pytest.raises(nrvna.InvalidInput, match="line 1: unknown field 'promt'; did you mean 'prompt'\\? \\(a line's fields: prompt, max_tokens,"):
+        nrvna.parse_batch(b'{"promt": "hi"}\n')
+    with pytest.raises(nrvna.InvalidInput) as caught:
+        nrvna.parse_batch(b'{"prompt": "hi", "max_token": 5}\n')
+    listed = str(caught.value).split("(a line's fields: ")[1].rstrip(")").split(", ")
+    assert "did you mean 'max_tokens'?" in str(caught.value) and "tag" not in listed and "endpoint" not in listed
+    assert set(listed) == {"prompt"} | {name for name, param in nrvna.PARAMS.items() if param.jsonl}
+    with pytest.raises(nrvna.InvalidInput, match="unknown field 'tag' \\(tags are given with --tag\\)"):
+        nrvna.parse_batch(b'{"prompt": "hi", "tag": "t"}\n')
+    (tmp_path / "b.jsonl").write_text('{"prompt": "fine"}\n{"promt": "hi"}\n')
+    done = run_main("submit", str(tmp_path / "ws"), "--file", str(tmp_path / "b.jsonl"))
+    assert done.returncode == 2 and b"line 2: unknown field 'promt'; did you mean 'prompt'?" in done.stderr, done.stderr
 
 
 def test_export_formats_come_from_one_table_and_an_unknown_one_is_an_error(ws: str, run_main: RunMain) -> None:
@@ -6773,6 +6856,22 @@ def test_a_thinking_budget_closes_the_block_and_the_answer_keeps_its_share(model
         assert outcome.reasoning_tokens == 0 and outcome.text.strip()
         outcome = generate(runner, "What is 2+2?", temperature=0, reasoning_effort="none")
         assert outcome.reasoning_tokens == 0 and outcome.reasoning == "" and outcome.text.strip()
+    finally:
+        runner.close()
+
+
+@pytest.mark.model
+def test_an_answer_past_a_block_the_prompt_closed_starts_with_no_newline(model: str) -> None:
+    """#57: with a budget of 0 (or effort none, or enable_thinking false) the template closes the
+    block in the prompt; the model writes a newline after it, which was the answer's first
+    character. It is dropped, as after a block the model closes, and counts as no reasoning."""
+    runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
+    try:
+        for params in ({"thinking_budget_tokens": 0}, {"reasoning_effort": "none"},
+                       {"chat_template_kwargs": {"enable_thinking": False}}):
+            outcome = generate(runner, "Name a colour.", temperature=0, max_tokens=12, **params)
+            assert outcome.text.strip() and outcome.text == outcome.text.lstrip(), (params, outcome.text)
+            assert outcome.reasoning_tokens == 0 and not outcome.reasoning, outcome
     finally:
         runner.close()
 
@@ -7986,7 +8085,7 @@ def test_a_save_cut_short_leaves_a_temporary_file_the_next_start_removes(tmp_pat
 
 
 def test_the_cache_settings_take_sizes_and_clean_removes_a_cleaned_job_s_states(ws: str, run_main: RunMain) -> None:
-    assert [nrvna.size_bytes(v) for v in ("0", "2G", "512M", "1.5K", "100", "2GiB", " 3 kb ")] == [
+    assert [nrvna.size_bytes(v) for v in ("0", "2G", "512M", "1.5K", "100B", "2GiB", " 3 kb ")] == [
         0, 2 << 30, 512 << 20, 1536, 100, 2 << 30, 3072]
     assert nrvna.Config().cache_disk == "2G" and nrvna.Config().cache_min_tokens == 512
     for bad in ("2X", "-1", "G", "lots"):
@@ -9497,7 +9596,8 @@ def test_a_child_of_a_failed_cancelled_or_gone_parent_fails_without_running(ws: 
     flow = Flow(ws)
     assert [flow.status(j) for j in (failing, of_failed, of_cancelled, of_gone)] == [Status.Failed] * 4
     assert [flow.get(j).meta["code"] for j in (of_failed, of_cancelled, of_gone)] == ["parent_failed"] * 3
-    assert f"its parent {failing} failed (bad_request): nrvna retry {failing}" in flow.get(of_failed).error
+    hint = re.search(r"its parent \S+ failed \(bad_request\): nrvna retry (.+), then this job$", flow.get(of_failed).error)
+    assert hint and shlex.split(hint.group(1)) == [os.path.abspath(ws), failing], flow.get(of_failed).error  # #57: with the workspace
     assert f"its parent {cancelled} failed (cancelled)" in flow.get(of_cancelled).error
     assert f"its parent {gone} is gone" in flow.get(of_gone).error
     assert sorted(ran) == ["bad", "gone"]
@@ -9995,7 +10095,7 @@ def test_the_daemon_says_what_memory_goes_where_and_refuses_a_budget_it_cannot_k
         proc.wait(60)
     refused = cli("daemon", model, ws, "--max-memory", "500M", "--drain", env={"NRVNA_WORKERS": "2"})
     message = refused.stderr.decode().strip().splitlines()[-1]
-    assert refused.returncode == 2 and "NRVNA_MAX_MEMORY (500 MiB) cannot hold this daemon" in message, message
+    assert refused.returncode == 2 and "--max-memory 500M (500 MiB) cannot hold this daemon" in message, message
     fits = re.search(r"it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=(\d+)$", message)
     assert fits, message
     started = cli("daemon", model, ws, "--max-memory", "500M", "--drain",
@@ -11058,6 +11158,59 @@ def test_cli_help_documents_commands_exit_codes_and_env(run_main: RunMain) -> No
     for word in (b"daemon", b"submit", b"status", b"get", b"exit codes", b"NRVNA_WORKERS", b"NRVNA_MAX_ATTEMPTS"):
         assert word in done.stdout
     assert run_main("submit", "--help").returncode == 0
+
+
+def test_a_flag_typo_is_an_error_that_points_to_its_command_s_help(ws: str, run_main: RunMain) -> None:
+    """#57: argparse took `--max-token 5` as --max-tokens (an abbreviation), and an unknown flag's
+    error pointed to `nrvna --help`: abbreviations are off everywhere, and the error names the
+    command's own help. Nothing is queued."""
+    for args, command in ((("submit", ws, "hi", "--max-token", "5"), "submit"), (("get", ws, "1_1_1", "--reason"), "get"),
+                          (("daemon", "m.gguf", ws, "--max-mem", "1G"), "daemon"), (("wait", ws, "--time", "1"), "wait"),
+                          (("export", ws, "--format", "jsonl", "--id", "x"), "export")):
+        done = run_main(*args)
+        message = done.stderr.decode()
+        assert done.returncode == 2 and message.startswith(f"nrvna {command}: error: unrecognized arguments: "), message
+        assert message.endswith(f"(see: nrvna {command} --help)\n"), message
+    assert run_main("--vers").returncode == 2
+    assert Flow(ws).counts()["queued"] == 0
+    assert run_main("submit", ws, "hi", "--max-tokens", "5").returncode == 0
+
+
+def _synopsis() -> dict[str, str]:
+    """docs/commands.md's synopsis (its first code block): each command's lines, joined."""
+    block = Path(HERE, "docs", "commands.md").read_text().split("```")[1]
+    lines: dict[str, str] = {}
+    command = ""
+    for line in block.splitlines():
+        words = line.split()
+        if words and words[0] == "nrvna":
+            command = words[1]
+        if command:
+            lines[command] = lines.get(command, "") + " " + line
+    return lines
+
+
+def test_the_manual_s_synopsis_has_every_flag_of_every_command() -> None:
+    """#57: docs/commands.md's synopsis lacked `get --reasoning`, `export --ids` and f32, `daemon
+    --mmap`: each command's argparse flags (and their choices) are there, submit's job parameters
+    as "[job parameters]", so the synopsis cannot drift from the parser again."""
+    import argparse
+
+    synopsis = _synopsis()
+    job_flags = {p.flag for p in nrvna.PARAMS.values() if p.flag} | set(nrvna.FLAG_SHORTHANDS)
+    assert "[job parameters]" in synopsis["submit"]
+    for name, *_ in nrvna.COMMANDS:
+        parser = nrvna._build_parser(name)
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        assert name in synopsis, name
+        words = set(re.findall(r"[-\w.]+", synopsis[name]))
+        for action in command._actions:
+            flags = [f for f in action.option_strings if f not in ("-h", "--help")]
+            if not flags or (name == "submit" and set(flags) & job_flags):
+                continue
+            assert set(flags) & words, (name, flags)
+            for choice in action.choices or ():
+                assert str(choice) in words, (name, flags, choice)
 
 
 def test_client_commands_do_not_import_llama_cpp(tmp_path: Path) -> None:
