@@ -9518,19 +9518,19 @@ def test_a_crafted_gguf_header_is_refused_naming_the_file_and_the_field(tmp_path
             with pytest.raises(nrvna.ModelError) as caught:
                 read(path)
             assert str(caught.value).startswith(f"model {path} has a GGUF header out of bounds: {field}"), (name, caught)
-    # A daemon serving a folder with such a file beside a good one says what it reads, then
-    # refuses the file at once, naming it and the field, before it touches the queue.
+    # A daemon given such a file (its one model) says what it reads, then refuses the file at
+    # once, naming it and the field, before it touches the queue. (In a folder beside a good
+    # model it is a failed load: see test_a_crafted_gguf_in_a_models_folder_is_a_failed_load...)
     shelf = tmp_path / "shelf"
     shelf.mkdir()
-    fake_gguf(shelf / "good.gguf")
     crafted = crafted_gguf(shelf / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 8 << 30)
     job_id = orphan(str(tmp_path / "ws"), "keep me", 1)
-    done = cli("daemon", str(shelf), str(tmp_path / "ws"), "-w", "1", timeout=120)
-    err = done.stderr.decode()
-    assert done.returncode == 1 and "Traceback" not in err, err
-    assert os.path.isdir(os.path.join(tmp_path, "ws", nrvna.PROCESSING, job_id))  # untouched: not recovered
-    assert f"Reading the GGUF header of {crafted}" in err and "'tokenizer.ggml.tokens''s length says" in err, err
-    assert nrvna.gguf_kind(str(shelf / "good.gguf")) == "chat"
+    for given in (crafted, str(shelf)):  # the file, or a folder holding it alone
+        done = cli("daemon", given, str(tmp_path / "ws"), "-w", "1", timeout=120)
+        err = done.stderr.decode()
+        assert done.returncode == 1 and "Traceback" not in err, err
+        assert os.path.isdir(os.path.join(tmp_path, "ws", nrvna.PROCESSING, job_id))  # untouched: not recovered
+        assert f"Reading the GGUF header of {crafted}" in err and "'tokenizer.ggml.tokens''s length says" in err, err
 
 @pytest.mark.model
 @pytest.mark.parametrize("env", [{"NRVNA_WORKERS": "abc"}, {"NRVNA_WORKERS": "0"}, {"NRVNA_WORKERS": "-1"},
@@ -10037,6 +10037,45 @@ def test_drain_and_a_daemon_that_stops_itself_exit_1_saying_why(ws: str, tmp_pat
     assert stopped.returncode == nrvna.EXIT_FAILED, stopped.stderr[-2000:]
     assert b"The daemon stopped: model a.gguf cannot be loaded again" in stopped.stderr
     assert Flow(ws).status(waiting) is Status.Queued and nrvna.daemon_records(ws) == []
+
+
+def test_a_crafted_gguf_in_a_models_folder_is_a_failed_load_and_the_others_serve(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 64 MiB file whose header declares a 2^63-item array, first in a folder beside a good
+    model: the daemon starts on the good model and serves it (jobs naming no model never go to
+    the crafted file); the crafted file is a failed load as a truncated one is: its jobs wait
+    with the reason, it is tried again (the good model is not unloaded for it), then they fail
+    with load_failed naming the file and the field. (It stopped the whole daemon at start.)"""
+    models, _ = models_dir(tmp_path)
+    arch = gguf_text("general.architecture") + struct.pack("<I", 8) + gguf_text("llama")
+    tokens = gguf_text("tokenizer.ggml.tokens") + struct.pack("<II", 9, 8)
+    crafted = crafted_gguf(models / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 64 << 20)
+    fake_gguf(models / "good.gguf")
+    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))  # 3 failed loads (the default)
+    server.start()
+    try:
+        assert server.models.active == 1 and fake_loads["loads"] == {"good.gguf": 1}
+        waiting = submit(ws, "for the crafted one", model="crafted")
+        served = [submit(ws, "names no model"), submit(ws, "for good", model="good")]
+        assert wait_all(ws, served) == [Status.Done] * 2
+        assert {Flow(ws).get(j).meta["model"] for j in served} == {"good.gguf"}
+        assert Flow(ws).status(waiting) is Status.Queued
+        server.write_status()
+        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
+        assert reason.startswith("waits for model crafted (crafted.gguf), which daemon") and "(1 of 3 failed" in reason
+        assert "has a GGUF header out of bounds: array 'tokenizer.ggml.tokens''s length says" in reason, reason
+        monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 0.05)
+        server.models.failed[0].retry_at = 0.0  # the next try is due now; then 0.05 s, 0.1 s
+        assert Flow(ws).wait(waiting, 30) is Status.Failed
+        job = Flow(ws).get(waiting)
+        assert job.meta["code"] == "load_failed" and "(3 failed loads; NRVNA_MAX_LOAD_FAILURES is 3)" in job.error
+        assert f"model {os.path.realpath(crafted)} has a GGUF header out of bounds: array" in job.error, job.error
+        assert wait_all(ws, [submit(ws, "still served", model="good")]) == [Status.Done]
+        assert fake_loads["loads"] == {"good.gguf": 1}  # never unloaded for a file that cannot be read
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.model
