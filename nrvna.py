@@ -138,7 +138,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         (set by the signal handler) => before the other threads start and after they are joined; the
         signal handler only sets one field (takes no lock)
     Main -> _Registry: lock file and record: register, release, dead() at start; write at a drain
-        (_say_stranded) => register/release before threads start / after join; write and keep under
+        (Server._say_stranded) => register/release before threads start / after join; write and keep under
         _Registry._lock (the record's temp name is fixed)
     Main -> _Recovery: processing/ orphans at start, run_last_chances (claims, runs, finishes alone) =>
         under the WorkspaceLock; before the workers start
@@ -146,14 +146,15 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         with 0, and Main scans only after it is not
     Main -> Hooks: prepare, start, idle, stop (closes _held) => _lock for _in_flight; stop joins the hook
         threads before closing _held
-    Main -> _Models: constructor, activate(0), peers (start), describe (register), close (shutdown) =>
-        before the threads start / after they are joined; routing state under _Models._lock
+    Main -> _Models: constructor, start (activates the first model that loads), peers (start), describe
+        (register), close (shutdown) => before the threads start / after they are joined; routing state
+        under _Models._lock
     Scanner -> Pool: push: _heaps, _known, elsewhere, _taken => Pool._cond's lock; route is called under
-        it, on_queued outside it
+        it, _on_queued outside it
     Scanner -> _Models: queue_of (route cache, failed, *_elsewhere) => _Models._lock, taken under the
         Pool's lock (order: Pool, then _Models; nothing under _Models._lock takes another lock)
     Scanner -> Server / _WorkerLoads: _queued -> _outranked: reads the tops, preempts sessions =>
-        _WorkerLoads._lock (held for the list operation only); session.preempt() sets a flag
+        _WorkerLoads._lock (held for the list operation only); LlamaSession.preempt() sets a flag
     Scanner -> _ModelSwitch: wake => a threading.Event
     Worker-N -> Pool: get, done, retry_later, favor, top_priority, len, active => Pool._cond's lock
     Worker-N -> _WorkerLoads: its own load and top (write); every worker's (read) => _WorkerLoads._lock
@@ -173,8 +174,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Models -> _ModelSwitch: _parked, _generation, workers; failure => _cond (workers read without it: one
         int); failure read by Main only once stopped
     Models -> _Models: activate, load_ahead, load_failed, retries, turn, failures;
-        served[i].runner/sessions, active, since, loads, early_failed => routing state (failed, its
-        _LoadFailures, route cache, *_elsewhere) under _Models._lock; the loaded models, active, since,
+        served[i].runner/sessions, active, since, loads, early_failed => routing state (failed, each
+        _LoadFailure, route cache, *_elsewhere) under _Models._lock; the loaded models, active, since,
         loads, early_failed are changed by the Models thread alone
     Models -> Pool: heads, running, set_active, take_queue, set_aside, reroute => Pool._cond's lock
         (reroute calls _Models.retries under it)
@@ -191,8 +192,14 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         live daemon (this one included) holds is left alone (hold_orphan)
     Watcher -> _Registry: keep, dead, write => _Registry._lock around write and the rename in keep
     Watcher -> Pool, _Models: forget_gone, reroute(peers) => Pool's lock, then _Models._lock
-    Watcher -> Server: _running_jobs, status (stats, describe) => _stats_lock; describe under
-        _Models._lock
+    Watcher -> Server: _running_jobs, status (stats, describe) => _stats_lock
+    Watcher -> _Models: describe: served[i].runner/sessions and active read as they are, with no lock (the
+        Models thread changes them: a record a switch behind at worst); each runner's memory (see
+        model_memory); the routing state (failed) under _Models._lock
+    Watcher, loader -> LlamaRunner (memory, model_memory): _sessions, _contexts, weights_mib => _lock for
+        the lists; only plain numbers stated when the model and each context were made (a session's
+        _Embedder.buffers too), never the model or a context through llama.cpp: the Models thread may be
+        freeing them (close empties _sessions and _contexts under _lock first)
     Hooks -> Hooks: lists hooks/done/, submits tasks; _held (hooks/' lock) => _lock for _in_flight and
         _errors (read as a copy); _held is the Hooks thread's until Main's stop joins it
     Hook-N -> Hooks: runs tasks: _in_flight, _procs, _unfinished, _errors => _lock; tasks come through a
@@ -205,7 +212,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         conversions => _grammars_lock, never held while a grammar is made
     Worker-N -> LlamaRunner: _pieces (token -> bytes cache) => no lock: a token's bytes are the same
         whoever stores them, and one dict get or set is atomic
-    Worker-N -> LlamaRunner: _sessions => _lock
+    loader -> LlamaRunner: session, close: _sessions, _contexts => _lock (model_memory reads them: above)
     Worker-N, Saver -> StateStore: _index, _pending, counts (find, restore, wants, save on the worker; _write,
         evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
         under a temporary name first); the loader's close joins the Saver. A restore's crc is checked on a
@@ -216,12 +223,15 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         one borrower's decode at a time; a plain decode waits for it to end
     Grammar -> LlamaRunner (_convert), _Conversion: a conversion's found / error => written before its
         done Event is set; the waiting workers read them only after
-    any -> _CallThread (Grammar, Wide): its call queue => SimpleQueue (thread-safe); each call's result in
+    any -> _CallThread (Grammar, Wide): its call queue => a queue.SimpleQueue (thread-safe); each call's result in
         its own box, set before its Event
     Worker-N -> LlamaSession and what it holds: _Sequence, _Choices, _PrefixCache, _Batch,
         _SamplingScratch, _GrammarTemplates, _JobSampler, _Penalties, _Embedder, _Embedding: its llama
         context(s), KV cells, batch, samplers, slots => one worker's only (llama.cpp's rule: a context is
-        never shared between threads)
+        never shared between threads), but: made (LlamaRunner.session) and closed (LlamaRunner.close) by
+        the loader while no worker uses it (a switch parks every worker first); preempt (below); grammars
+        handed over by the Grammar thread (_Conversion, above); its _Embedder.buffers read by the
+        Watcher (model_memory: a dict made whole before the session's embedder is set, then never changed)
     Scanner, Worker-N (Server._outranked) -> _Preemption (LlamaSession.preempt): the one-byte abort flag
         => no lock: one byte written and read; a request that lands after the worker's clear cuts its next
         step, which the sequences take again (a cut step changes nothing)
@@ -229,8 +239,21 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         vocab_costs, asked) => confined: each worker counts with its own fork; the runner's shape is
         checked on the thread that makes it, then never counted with again (its elements and start, shared
         by the forks, never change)
-    Worker-N -> GrammarVocab: decoded (code points per partial character) => its own lock: one decodes,
-        the others wait for that
+    Worker-N -> GrammarVocab: decoded (code points per partial character) => GrammarVocab.lock: one
+        decodes, the others wait for that
+    any -> _Log (log.limited): _LIMITED => _LIMITED_LOCK
+    Main, Worker-N -> _checked (a schema or tools checked at submit, in parse_batch, at each claim):
+        _CHECKED => _CHECKED_LOCK around each read and each write (with its eviction), never held while a
+        check runs: two threads may check one key at once, and find the same
+    Main, Worker-N -> _python_class: _python_classes => no lock: filled whole by one update (threads that
+        race compute the same)
+    Main, loader -> gguf_strings: _gguf_headers => no lock: one get, one set or clear, each atomic (a
+        header two threads race for is read twice)
+    any (llama.cpp's log callback), loader, Worker-N -> _install_llama_logging, _new_context,
+        _llama_log_reason, _GrammarTemplates, LlamaRunner: _llama_log_tail => no lock: the callback appends
+        and cuts it to 5 lines, a call whose failure it explains clears it first, _llama_log_reason reads
+        one slice (at worst another thread's line is the reason given); _buffer_sizes => by thread: each
+        thread adds, fills (its callback) and removes its own entry
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ import errno
 import functools
 import glob
 import io
+import itertools
 import json
 import logging
 import math
@@ -1679,6 +1680,40 @@ def test_one_schema_on_many_lines_is_checked_once(monkeypatch: pytest.MonkeyPatc
     entries = nrvna.parse_batch(jsonl(rows).encode())
     assert len(entries) == 3000 and len(calls) == 1
     assert [e.params["response_format"]["json_schema"]["schema"] for e in entries[:2]] == [schema, schema]
+
+
+def test_the_cache_of_checked_schemas_is_shared_by_threads_safely(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_CHECKED is read and evicted from every worker's claim. Threads that find it over its
+    bound at once each evict under _CHECKED_LOCK (without it, they all popped the same oldest
+    key: KeyError), and each gets its own key's verdict."""
+    class Slow(dict):  # finding the oldest key takes a while: the threads meet in the eviction
+        def __iter__(self) -> Any:
+            keys = list(dict.keys(self))
+            time.sleep(0.05)
+            return iter(keys)
+
+    def refuse() -> None:
+        raise nrvna.InvalidInput("refused")
+
+    cache = Slow((("old", i), None) for i in range(256))
+    monkeypatch.setattr(nrvna, "_CHECKED", cache)
+    barrier, verdicts = threading.Barrier(6), {}
+
+    def check(i: int) -> None:
+        barrier.wait()
+        try:
+            nrvna._checked(("new", i), refuse if i % 2 else lambda: None)
+            verdicts[i] = "passed"
+        except Exception as err:  # noqa: BLE001 (any error is the test's finding)
+            verdicts[i] = f"{type(err).__name__}: {err}"
+
+    threads = [threading.Thread(target=check, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert verdicts == {i: "InvalidInput: refused" if i % 2 else "passed" for i in range(6)}
+    assert len(cache) == 256 and all(("new", i) in cache for i in range(6))  # the oldest went
 
 
 def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain) -> None:
@@ -7947,6 +7982,148 @@ def test_every_daemon_class_says_which_threads_touch_it_and_what_keeps_that_safe
                if isinstance(node, ast.ClassDef) and first < node.lineno < last]
     assert {"Pool", "Scanner", "Processor", "Hooks", "_Models", "_ModelSwitch", "Server"} <= {c.name for c in classes}
     assert [c.name for c in classes if "Threads:" not in (ast.get_docstring(c) or "")] == []
+
+
+def _threads_table() -> list[tuple[str, str, str]]:
+    """The rows of nrvna.py's Threads table (its module docstring) as (threads, owners, the rest):
+    ``THREAD, ... -> OWNER, ...: the shared state => the lock or rule``."""
+    doc = nrvna.__doc__ or ""
+    block = doc[doc.index("\n\n", doc.index("THREAD -> CLASS")) + 2:]
+    rows: list[str] = []
+    for line in block.splitlines():
+        if line.startswith("        "):
+            rows[-1] += " " + line.strip()
+        elif line.startswith("    "):
+            rows.append(line.strip())
+        elif line.strip():
+            break
+    table = []
+    for row in rows:
+        threads, rest = row.split(" -> ", 1)
+        depths = itertools.accumulate((char == "(") - (char == ")") for char in rest)
+        at = next(i for i, (char, depth) in enumerate(zip(rest, depths)) if char == ":" and depth == 0)
+        table.append((threads, rest[:at], rest[at + 1:]))  # the owners end at the first colon outside ()
+    return table
+
+
+def _class_attributes(classes: dict[str, ast.ClassDef], name: str) -> set[str]:
+    """What a class of nrvna.py defines: methods, class attributes, __slots__, self.X assigned
+    anywhere in it, and the same of its bases in nrvna.py."""
+    node, found = classes[name], set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.FunctionDef):
+            found.add(sub.name)
+        elif isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) and \
+                isinstance(sub.value, ast.Name) and sub.value.id == "self":
+            found.add(sub.attr)
+        elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+            found.add(sub.id)
+        elif isinstance(sub, ast.Constant) and isinstance(sub.value, str) and sub.value.isidentifier():
+            found.add(sub.value)  # __slots__ and namedtuple fields
+    for base in node.bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+            found |= _class_attributes(classes, base.id)
+        elif isinstance(base, ast.Call):  # class X(namedtuple("X", "a b")): its fields
+            found |= {f for arg in base.args if isinstance(arg, ast.Constant) for f in str(arg.value).split()}
+    return found
+
+
+def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_is_defined() -> None:
+    """The Threads table of nrvna.py's docstring is held true: every lock attribute of a class
+    (Lock, RLock, Condition) and every module-level lock is named in it with its owner; every
+    module-level container that code changes is named in a row whose owners include code that
+    changes it; every thread a row names runs in the daemon; and every name in it that reads as
+    code (a _name, a dotted name, a call, a CamelCase word) is defined where the row says."""
+    path = Path(nrvna.__file__)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    table = _threads_table()
+    text = " ".join(" ".join(row) for row in table)
+    assert len(table) > 40
+
+    def owners_of(row: tuple[str, str, str]) -> set[str]:
+        return set(re.findall(r"[A-Za-z_]\w*", row[1]))
+
+    def is_lock(value: ast.expr) -> bool:
+        return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and \
+            isinstance(value.func.value, ast.Name) and value.func.value.id == "threading" and \
+            value.func.attr in ("Lock", "RLock", "Condition")
+
+    missing = []
+    for name, node in classes.items():  # self.X = threading.Lock() in any method
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Assign) and is_lock(sub.value):
+                for target in sub.targets:
+                    if isinstance(target, ast.Attribute) and f"{name}.{target.attr}" not in text and not any(
+                            name in owners_of(row) and re.search(rf"(?<![\w.]){target.attr}\b", " ".join(row))
+                            for row in table):
+                        missing.append(f"{name}.{target.attr}")
+    module = {}  # module-level name -> its value
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                if isinstance(target, ast.Name):
+                    module[target.id] = node.value
+    missing += [n for n, value in module.items() if is_lock(value) and not re.search(rf"\b{n}\b", text)]
+    # Module-level containers that code changes, and the top-level definitions that change them.
+    containers = {n for n, value in module.items() if isinstance(value, (ast.Dict, ast.List, ast.Set))
+                  or (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                      and value.func.id in ("dict", "list", "set", "deque"))}
+    changing = {"append", "extend", "pop", "popleft", "appendleft", "clear", "update", "setdefault", "add",
+                "discard", "remove", "insert", "popitem", "sort"}
+    changers: dict[str, set[str]] = {}
+    for top in tree.body:
+        if not isinstance(top, (ast.FunctionDef, ast.ClassDef)):
+            continue
+        for sub in ast.walk(top):
+            names = []
+            if isinstance(sub, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = sub.targets if isinstance(sub, (ast.Assign, ast.Delete)) else [sub.target]
+                names = [t.value.id for t in targets if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)]
+            elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and \
+                    isinstance(sub.func.value, ast.Name) and sub.func.attr in changing:
+                names = [sub.func.value.id]
+            elif isinstance(sub, ast.Global):
+                names = list(sub.names)
+            for name in names:
+                if name in containers:
+                    changers.setdefault(name, set()).add(top.name)
+    assert {"_CHECKED", "_LIMITED", "_gguf_headers", "_llama_log_tail"} <= set(changers)
+    for name, tops in changers.items():
+        if not any(re.search(rf"\b{name}\b", row[2]) and owners_of(row) & tops for row in table):
+            missing.append(f"{name} (changed by {', '.join(sorted(tops))})")
+    assert missing == [], "not in the Threads table with their owner"
+    # Every thread a row names runs: the main thread, or a thread's name in the code (Worker-N for
+    # Worker-{index}); "loader" is whichever loads a model, "any" any thread.
+    threads = {"Main", "any", "loader"} | {re.sub(r"\{\w+\}", "N", n) for n in re.findall(
+        r'(?:name=f?|_name_os_thread\(|_CallThread\()"([A-Z][\w{}-]*)"', path.read_text(encoding="utf-8"))}
+    named = {t.strip() for row in table for t in re.sub(r"\([^)]*\)", "", row[0]).split(",")}
+    assert named - threads == set() and {"Scanner", "Worker-N", "Watcher", "Models", "Saver"} <= named
+    # Every name that reads as code is defined: at the top level, or in a class the row names.
+    prose = {"llama.cpp", "OpenMP", "partial.txt"}
+    undefined = []
+    for row in table:
+        whole = " ".join(row)
+        in_row = [c for c in set(re.findall(r"[A-Za-z_]\w*", whole)) if c in classes]
+        for token in set(re.findall(r"\*?[A-Za-z_][\w.]*\*?(?:\(\))?", whole)):
+            token = token.rstrip(".")
+            bare = token[:-2] if token.endswith("()") else token
+            if token in prose or bare in threads or not ("_" in bare or "." in bare or token.endswith("()")
+                                                          or re.search(r"[a-z][A-Z]", bare)):
+                continue
+            head, _, rest = bare.partition(".")
+            if rest and head in classes:
+                defined = rest.split(".")[0] in _class_attributes(classes, head)
+            elif rest:
+                defined = functools.reduce(lambda obj, part: getattr(obj, part, None), rest.split("."),
+                                           getattr(nrvna, head, None) or sys.modules.get(head)) is not None
+            else:
+                pattern = re.compile(re.escape(bare).replace(r"\*", r"\w*") + "$")
+                defined = any(pattern.match(n) for n in vars(nrvna)) or any(
+                    pattern.match(a) for c in in_row for a in _class_attributes(classes, c))
+            if not defined:
+                undefined.append(f"{token} (in {row[0]} -> {row[1]})")
+    assert undefined == []
 
 
 def test_a_job_published_to_an_idle_daemon_is_picked_up(ws: str) -> None:
