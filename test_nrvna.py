@@ -9867,6 +9867,70 @@ def models_dir(tmp_path: Path, **files: str) -> tuple[Path, dict[str, str]]:
     return models, {"NRVNA_MODELS_DIR": str(models)}
 
 
+def tiny_gguf(source: str, out: str, width: int = 64, ffn: int = 128) -> str:
+    """A one-layer llama GGUF of ``width`` with ``source``'s tokenizer and metadata (a llama
+    model's: SmolLM2's), its weights zeros (a sparse file) and its norms ones: it loads and
+    generates in milliseconds (its tokens are drawn from equal logits)."""
+    shape = {"block_count": 1, "embedding_length": width, "feed_forward_length": ffn, "attention.head_count": 1,
+             "attention.head_count_kv": 1, "rope.dimension_count": width}
+    with open(source, "rb") as handle:
+        data = handle.read(64 << 20)  # the header: SmolLM2's is about 3 MB
+    keys = struct.unpack_from("<Q", data, 16)[0]
+    at, kept, vocab = 24, [], 0
+
+    def text(at: int) -> tuple[str, int]:
+        length = struct.unpack_from("<Q", data, at)[0]
+        return data[at + 8:at + 8 + length].decode(), at + 8 + length
+
+    for _ in range(keys):
+        start = at
+        key, at = text(at)
+        kind = struct.unpack_from("<I", data, at)[0]
+        at += 4
+        if kind == 8:
+            at = text(at)[1]
+        elif kind == 9:
+            item, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            for _ in range(count):
+                at = text(at)[1] if item == 8 else at + nrvna._GGUF_SCALARS[item]
+            vocab = count if key == "tokenizer.ggml.tokens" else vocab
+        else:
+            at += nrvna._GGUF_SCALARS[kind]
+        if key.split(".", 1)[-1] not in shape and key not in ("general.file_type", "general.alignment", "llama.vocab_size"):
+            kept.append(data[start:at])
+
+    def entry(key: str, kind: int, value: bytes) -> bytes:
+        return struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", kind) + value
+
+    kept += [entry(f"llama.{k}", 4, struct.pack("<I", v)) for k, v in shape.items()]
+    kept.append(entry("general.file_type", 4, struct.pack("<I", 0)))  # all F32
+    tensors = [("token_embd.weight", (width, vocab)), ("output_norm.weight", (width,))]
+    for name, dims in (("attn_norm", (width,)), ("attn_q", (width, width)), ("attn_k", (width, width)),
+                       ("attn_v", (width, width)), ("attn_output", (width, width)), ("ffn_norm", (width,)),
+                       ("ffn_gate", (width, ffn)), ("ffn_up", (width, ffn)), ("ffn_down", (ffn, width))):
+        tensors.append((f"blk.0.{name}.weight", dims))
+    infos, offsets, offset = b"", [], 0
+    for name, dims in tensors:
+        infos += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(dims))
+        infos += struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", 0, offset)
+        offsets.append(offset)
+        size = 4
+        for dim in dims:
+            size *= dim
+        offset += -(-size // 32) * 32
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kept)) + b"".join(kept) + infos
+    header += bytes(-len(header) % 32)
+    with open(out, "wb") as handle:
+        handle.write(header)
+        for (_, dims), where in zip(tensors, offsets):
+            if len(dims) == 1:  # a norm's weights: ones
+                handle.seek(len(header) + where)
+                handle.write(struct.pack(f"<{dims[0]}f", *[1.0] * dims[0]))
+        handle.truncate(len(header) + offset)
+    return out
+
+
 def drain_with_room_for_one(models: Path, ws: str, env: dict[str, str]) -> str:
     """Run `daemon MODELS_DIR WS --max-loaded 1 -w 1 --drain` to its end; its log (exit 0, no
     traceback)."""
@@ -10086,6 +10150,53 @@ def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: st
     flow = Flow(ws)
     assert [flow.status(job_id) for job_id in ids["a"]] == [Status.Done] * 3
     assert [flow.status(job_id) for job_id in ids["b"]] == [Status.Queued] * 3  # for a daemon that can load it
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_models_swapped_continuously_while_the_status_is_written_and_jobs_are_claimed(
+        ws: str, tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 swaps of two tiny models (--max-loaded 1: each swap frees one model and its contexts
+    and loads the other) while the daemon's record is written as often as it can be, by the
+    Watcher and by a thread polling `status --daemon`, and the workers claim jobs: every job done
+    on its model, no crash. (The record's memory report read a context and the model through
+    llama.cpp while a swap could be freeing them; it reads only numbers stated at load now.)"""
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("a", "b"):
+        tiny_gguf(model, str(models / f"{name}.gguf"))
+    swaps, ids = 200, {}
+    monkeypatch.setattr(nrvna, "DAEMON_STATUS_SECONDS", 0.0)  # the Watcher writes it every round (0.1 s)
+    # Small contexts of one thread each: a swap takes a tenth of a second or so, not the budget's.
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1, workers=2, max_ctx=256, seqs=1, batch=32,
+                                                            threads=1))
+    polled: list[dict[str, bool]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.002):
+            server.write_status()
+            for record in nrvna.daemon_info(ws):
+                polled.append({m["name"]: m["loaded"] for m in record["models"]})
+
+    server.start()
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for i in range(swaps):  # b, a, b, ...: each job's model is the other one, so each is a swap
+            name = "ba"[i % 2]
+            job_id = Work(ws).publish(f"Job {i}: say a word.", model=str(models / f"{name}.gguf"), max_tokens=4)
+            ids[job_id] = name
+            assert Flow(ws).wait(job_id, 120) is Status.Done
+    finally:
+        stop.set()
+        poller.join()
+        loads = server.models.loads
+        server.shutdown()
+    assert {job_id: Flow(ws).get(job_id).meta["model"] for job_id in ids} == {
+        job_id: f"{name}.gguf" for job_id, name in ids.items()}
+    assert loads == swaps + 1  # a at start, then b, a, b, ...: a swap a job
+    assert {"a.gguf": True, "b.gguf": False} in polled and {"a.gguf": False, "b.gguf": True} in polled
 
 
 @pytest.fixture
