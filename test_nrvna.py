@@ -9585,6 +9585,26 @@ def test_the_daemon_says_what_memory_goes_where_and_refuses_a_budget_it_cannot_k
     assert started.returncode == 0, started.stderr.decode()[-500:]
 
 
+@pytest.mark.model
+def test_a_memory_report_reads_nothing_that_closing_the_model_frees(model: str) -> None:
+    """A runner's memory report (`status --daemon`: the Watcher writes it while the Models thread
+    may be closing that runner for a swap) reads only numbers stated at load, never the model or
+    a context through llama.cpp: read once they are freed, it says the weights and no context,
+    and the process lives (it read the freed model: SIGSEGV)."""
+    script = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import nrvna\n"
+              f"runner = nrvna.LlamaRunner({model!r}, nrvna.Config(max_ctx=256, workers=1))\n"
+              "runner.session(0, runner.config)\n"
+              "before = runner.memory()\n"
+              "runner.close()\n"
+              "print(json.dumps([before, runner.memory()]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    before, after = json.loads(done.stdout)
+    assert before["contexts"] == 1 and before["cells"] >= 256 and before["kv_mib"] > 0 and before["weights_mib"] > 80
+    assert (after["weights_mib"], after["contexts"], after["total_mib"]) == (before["weights_mib"], 0,
+                                                                              before["weights_mib"])
+
+
 def test_model_names_are_looked_up_in_the_models_dir(tmp_path: Path) -> None:
     for name in ("SmolLM2-135M.gguf", "Qwen-0.5B.gguf", "Qwen-1.5B.gguf"):
         (tmp_path / name).write_bytes(b"GGUF")
