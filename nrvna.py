@@ -142,7 +142,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         (set by the signal handler) => before the other threads start and after they are joined; the
         signal handler only sets one field (takes no lock)
     Main -> _Registry: lock file and record: register, release, dead() at start; write at a drain
-        (_say_stranded) => register/release before threads start / after join; write and keep under
+        (Server._say_stranded) => register/release before threads start / after join; write and keep under
         _Registry._lock (the record's temp name is fixed)
     Main -> _Recovery: processing/ orphans at start, run_last_chances (claims, runs, finishes alone) =>
         under the WorkspaceLock; before the workers start
@@ -150,14 +150,15 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         with 0, and Main scans only after it is not
     Main -> Hooks: prepare, start, idle, stop (closes _held) => _lock for _in_flight; stop joins the hook
         threads before closing _held
-    Main -> _Models: constructor, activate(0), peers (start), describe (register), close (shutdown) =>
-        before the threads start / after they are joined; routing state under _Models._lock
+    Main -> _Models: constructor, start (activates the first model that loads), peers (start), describe
+        (register), close (shutdown) => before the threads start / after they are joined; routing state
+        under _Models._lock
     Scanner -> Pool: push: _heaps, _known, elsewhere, _taken => Pool._cond's lock; route is called under
-        it, on_queued outside it
+        it, _on_queued outside it
     Scanner -> _Models: queue_of (route cache, failed, *_elsewhere) => _Models._lock, taken under the
         Pool's lock (order: Pool, then _Models; nothing under _Models._lock takes another lock)
     Scanner -> Server / _WorkerLoads: _queued -> _outranked: reads the tops, preempts sessions =>
-        _WorkerLoads._lock (held for the list operation only); session.preempt() sets a flag
+        _WorkerLoads._lock (held for the list operation only); LlamaSession.preempt() sets a flag
     Scanner -> _ModelSwitch: wake => a threading.Event
     Worker-N -> Pool: get, done, retry_later, favor, top_priority, len, active => Pool._cond's lock
     Worker-N -> _WorkerLoads: its own load and top (write); every worker's (read) => _WorkerLoads._lock
@@ -177,8 +178,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Models -> _ModelSwitch: _parked, _generation, workers; failure => _cond (workers read without it: one
         int); failure read by Main only once stopped
     Models -> _Models: activate, load_ahead, load_failed, retries, turn, failures;
-        served[i].runner/sessions, active, since, loads, early_failed => routing state (failed, its
-        _LoadFailures, route cache, *_elsewhere) under _Models._lock; the loaded models, active, since,
+        served[i].runner/sessions, active, since, loads, early_failed => routing state (failed, each
+        _LoadFailure, route cache, *_elsewhere) under _Models._lock; the loaded models, active, since,
         loads, early_failed are changed by the Models thread alone
     Models -> Pool: heads, running, set_active, take_queue, set_aside, reroute => Pool._cond's lock
         (reroute calls _Models.retries under it)
@@ -195,8 +196,14 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         live daemon (this one included) holds is left alone (hold_orphan)
     Watcher -> _Registry: keep, dead, write => _Registry._lock around write and the rename in keep
     Watcher -> Pool, _Models: forget_gone, reroute(peers) => Pool's lock, then _Models._lock
-    Watcher -> Server: _running_jobs, status (stats, describe) => _stats_lock; describe under
-        _Models._lock
+    Watcher -> Server: _running_jobs, status (stats, describe) => _stats_lock
+    Watcher -> _Models: describe: served[i].runner/sessions and active read as they are, with no lock (the
+        Models thread changes them: a record a switch behind at worst); each runner's memory (see
+        model_memory); the routing state (failed) under _Models._lock
+    Watcher, loader -> LlamaRunner (memory, model_memory): _sessions, _contexts, weights_mib => _lock for
+        the lists; only plain numbers stated when the model and each context were made (a session's
+        _Embedder.buffers too), never the model or a context through llama.cpp: the Models thread may be
+        freeing them (close empties _sessions and _contexts under _lock first)
     Hooks -> Hooks: lists hooks/done/, submits tasks; _held (hooks/' lock) => _lock for _in_flight and
         _errors (read as a copy); _held is the Hooks thread's until Main's stop joins it
     Hook-N -> Hooks: runs tasks: _in_flight, _procs, _unfinished, _errors => _lock; tasks come through a
@@ -209,7 +216,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         conversions => _grammars_lock, never held while a grammar is made
     Worker-N -> LlamaRunner: _pieces (token -> bytes cache) => no lock: a token's bytes are the same
         whoever stores them, and one dict get or set is atomic
-    Worker-N -> LlamaRunner: _sessions => _lock
+    loader -> LlamaRunner: session, close: _sessions, _contexts => _lock (model_memory reads them: above)
     Worker-N, Saver -> StateStore: _index, _skipped, _pending, counts (find, restore, wants, save on the worker;
         _write, evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
         under a temporary name first); the loader's close joins the Saver. A restore's crc is checked on a
@@ -220,12 +227,15 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         one borrower's decode at a time; a plain decode waits for it to end
     Grammar -> LlamaRunner (_convert), _Conversion: a conversion's found / error => written before its
         done Event is set; the waiting workers read them only after
-    any -> _CallThread (Grammar, Wide): its call queue => SimpleQueue (thread-safe); each call's result in
+    any -> _CallThread (Grammar, Wide): its call queue => a queue.SimpleQueue (thread-safe); each call's result in
         its own box, set before its Event
     Worker-N -> LlamaSession and what it holds: _Sequence, _Choices, _PrefixCache, _Batch,
         _SamplingScratch, _GrammarTemplates, _JobSampler, _Penalties, _Embedder, _Embedding: its llama
         context(s), KV cells, batch, samplers, slots => one worker's only (llama.cpp's rule: a context is
-        never shared between threads)
+        never shared between threads), but: made (LlamaRunner.session) and closed (LlamaRunner.close) by
+        the loader while no worker uses it (a switch parks every worker first); preempt (below); grammars
+        handed over by the Grammar thread (_Conversion, above); its _Embedder.buffers read by the
+        Watcher (model_memory: a dict made whole before the session's embedder is set, then never changed)
     Scanner, Worker-N (Server._outranked) -> _Preemption (LlamaSession.preempt): the one-byte abort flag
         => no lock: one byte written and read; a request that lands after the worker's clear cuts its next
         step, which the sequences take again (a cut step changes nothing)
@@ -233,8 +243,21 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         vocab_costs, asked) => confined: each worker counts with its own fork; the runner's shape is
         checked on the thread that makes it, then never counted with again (its elements and start, shared
         by the forks, never change)
-    Worker-N -> GrammarVocab: decoded (code points per partial character) => its own lock: one decodes,
-        the others wait for that
+    Worker-N -> GrammarVocab: decoded (code points per partial character) => GrammarVocab.lock: one
+        decodes, the others wait for that
+    any -> _Log (log.limited): _LIMITED => _LIMITED_LOCK
+    Main, Worker-N -> _checked (a schema or tools checked at submit, in parse_batch, at each claim):
+        _CHECKED => _CHECKED_LOCK around each read and each write (with its eviction), never held while a
+        check runs: two threads may check one key at once, and find the same
+    Main, Worker-N -> _python_class: _python_classes => no lock: filled whole by one update (threads that
+        race compute the same)
+    Main, loader -> gguf_strings: _gguf_headers => no lock: one get, one set or clear, each atomic (a
+        header two threads race for is read twice)
+    any (llama.cpp's log callback), loader, Worker-N -> _install_llama_logging, _new_context,
+        _llama_log_reason, _GrammarTemplates, LlamaRunner: _llama_log_tail => no lock: the callback appends
+        and cuts it to 5 lines, a call whose failure it explains clears it first, _llama_log_reason reads
+        one slice (at worst another thread's line is the reason given); _buffer_sizes => by thread: each
+        thread adds, fills (its callback) and removes its own entry
 """
 
 from __future__ import annotations
@@ -986,22 +1009,30 @@ def _remove_tree(path: str) -> None:
 SCHEMA_MAX_REPEAT = 500
 
 # Schemas and grammars already checked in this process (a batch file repeats one schema on
-# every line): key -> the error message, or None when it passed.
+# every line): key -> the error message, or None when it passed. Every worker's claim checks its
+# job's schema, so the cache is read and evicted from many threads: only under _CHECKED_LOCK,
+# never held while a check runs (two threads may check one key at once: they find the same).
 _CHECKED: dict[Any, Optional[str]] = {}
+_CHECKED_LOCK = threading.Lock()
+_CHECKED_MAX = 256
 
 
 def _checked(key: Any, check: Callable[[], None]) -> None:
     """Run ``check`` once per distinct ``key`` (a schema's or grammar's text)."""
-    if key not in _CHECKED:
+    with _CHECKED_LOCK:
+        known = key in _CHECKED
+        error = _CHECKED.get(key)
+    if not known:
         try:
             check()
-            _CHECKED[key] = None
         except InvalidInput as err:
-            _CHECKED[key] = str(err)
-        if len(_CHECKED) > 256:
-            _CHECKED.pop(next(iter(_CHECKED)))
-    if _CHECKED[key] is not None:
-        raise InvalidInput(_CHECKED[key])
+            error = str(err)
+        with _CHECKED_LOCK:
+            _CHECKED[key] = error
+            while len(_CHECKED) > _CHECKED_MAX:
+                _CHECKED.pop(next(iter(_CHECKED)))
+    if error is not None:
+        raise InvalidInput(error)
 
 
 # ============================================================================
@@ -8860,8 +8891,9 @@ def gguf_strings(path: str) -> dict[str, str]:
         with open(path, "rb") as handle:
             info = os.fstat(handle.fileno())
             key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
-            if key in _gguf_headers:
-                return dict(_gguf_headers[key])
+            known = _gguf_headers.get(key)  # one get: another loader may clear the cache meanwhile
+            if known is not None:
+                return dict(known)
             log.info(f"Reading the GGUF header of {path} ({info.st_size:,} bytes)")
             found = _GgufHeader(handle, path, info.st_size).read()
     except OSError as err:
@@ -11389,6 +11421,12 @@ HOST_CACHES: tuple[tuple[str, str, str, str, str], ...] = (
 )
 
 
+# A generation context's size as llama.cpp stated it when it was made: its buffers (_new_context's
+# {"KV", "compute", "output": MiB}), its cells (llama.cpp rounds the count asked for up, to 256:
+# its own count) and one job's share of them. Plain numbers, read by model_memory from any thread.
+_ContextSize = namedtuple("_ContextSize", "buffers cells per_job")
+
+
 def host_caches(config: Config) -> dict[str, str]:
     """Each host cache's bound, settings given their values (the record's "caches")."""
     values = {setting.env: str(getattr(config, name)) for name, setting in SETTINGS.items()}
@@ -11400,21 +11438,25 @@ def model_memory(runner: Any) -> dict[str, Any]:
     """What a loaded model holds as llama.cpp states it (MiB): its weights, and each of its
     generation contexts' KV cache (cells, bytes a token, type), compute and output buffers; its
     embedding contexts made so far. The start line, `status --daemon` and NRVNA_MAX_MEMORY
-    read it."""
+    read it.
+
+    Any thread calls it (the Watcher writes the record while the Models thread may be closing
+    the runner), so it reads only plain numbers stated when each context was made and the
+    model's size read at load, never a context or the model through llama.cpp: those may be
+    being freed under it."""
     with runner._lock:
-        sessions = list(runner._sessions)
-    made = [s for s in sessions if s.ctx is not None]
-    first = made[0].buffers if made else {}
-    kv, compute, output = (first.get(part, 0.0) for part in ("KV", "compute", "output"))
-    # llama.cpp rounds a context's cells up (to 256): its own count, not the one asked for.
-    cells, per_job = (runner.L.llama_n_ctx(made[0].ctx), made[0].ctx_per_seq) if made else (0, 0)
-    embedding = [sum(s.embedder.buffers.values()) for s in sessions if s.embedder is not None]
-    weights = runner.L.llama_model_size(runner.model) / _MIB
-    return {"weights_mib": round(weights, 1), "kv_type": runner.config.kv_type, "contexts": len(made),
+        sessions, contexts = list(runner._sessions), list(runner._contexts)
+    first = contexts[0] if contexts else _ContextSize({}, 0, 0)
+    kv, compute, output = (first.buffers.get(part, 0.0) for part in ("KV", "compute", "output"))
+    cells, per_job = first.cells, first.per_job
+    embedders = [s.embedder for s in sessions]  # each read once: a dict made whole before it is set
+    embedding = [sum(e.buffers.values()) for e in embedders if e is not None]
+    weights = runner.weights_mib
+    return {"weights_mib": round(weights, 1), "kv_type": runner.config.kv_type, "contexts": len(contexts),
             "cells": cells, "cells_per_job": per_job, "kv_bytes_per_token": round(kv * _MIB / cells) if cells else 0,
             "kv_mib": kv, "compute_mib": compute, "output_mib": output,
             "embedding_contexts": len(embedding), "embedding_mib": round(sum(embedding), 1),
-            "total_mib": round(weights + len(made) * (kv + compute + output) + sum(embedding), 1)}
+            "total_mib": round(weights + len(contexts) * (kv + compute + output) + sum(embedding), 1)}
 
 
 def memory_line(name: str, report: Mapping[str, Any]) -> str:
@@ -11499,8 +11541,11 @@ class LlamaRunner(Runner):
     every worker (tokens, piece, penalty, sampler, grammar, prepare_grammar, grammar_vocab,
     decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
     ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``
-    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under
-    ``_lock`` (``memory`` reads them from any thread: the record's writer, the Watcher); a decode with borrowed threads under ``_wide_lock``. ``_pieces`` is a cache the
+    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` and
+    ``_contexts`` under ``_lock``: ``memory`` reads them from any thread (the Watcher writes the
+    record while the Models thread may close this runner), and so reads only plain numbers
+    (``weights_mib``, ``_contexts``, an embedder's ``buffers``), never the model or a context
+    through llama.cpp. A decode with borrowed threads runs under ``_wide_lock``. ``_pieces`` is a cache the
     workers fill without a lock: a token's bytes are the same whoever stores them, and one
     dict get or set is atomic. The model, its vocabulary and the tables made at load are read
     only (llama.cpp's model may be shared by contexts on several threads).
@@ -11538,6 +11583,7 @@ class LlamaRunner(Runner):
             if cancel is not None and cancel.is_set():
                 raise ModelError(f"model {model_path}: its load was cut short (the daemon is stopping)")
             raise ModelError(f"model {model_path} could not be loaded by llama.cpp{_llama_log_reason(': {}')}")
+        self.weights_mib = L.llama_model_size(self.model) / _MIB  # read now: model_memory never reads the model
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.train_ctx = L.llama_model_n_ctx_train(self.model)
@@ -11583,6 +11629,7 @@ class LlamaRunner(Runner):
         self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
         self._lock = threading.Lock()
         self._sessions: list[LlamaSession] = []
+        self._contexts: list[_ContextSize] = []  # the sizes of _sessions' generation contexts (model_memory)
         self._wide: Optional[_CallThread] = None
         self._wide_lock = threading.Lock()  # held while a decode with borrowed threads runs
         # Saved states may be cut back only where every layer's cells can be (full attention).
@@ -11654,8 +11701,12 @@ class LlamaRunner(Runner):
         """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
         threads = config.threads or max(1, cpu_count() // config.workers)
         session = LlamaSession(self, threads, config.seqs, config.batch, config)
+        size = (_ContextSize(session.buffers, self.L.llama_n_ctx(session.ctx), session.ctx_per_seq)
+                if session.ctx is not None else None)  # read here, on the thread that made it
         with self._lock:
             self._sessions.append(session)
+            if size is not None:
+                self._contexts.append(size)
         return session
 
     def tokens(self, job: RunningJob) -> list[int]:
@@ -11917,7 +11968,7 @@ class LlamaRunner(Runner):
     def close(self) -> None:
         """Free every context, then the model."""
         with self._lock:
-            sessions, self._sessions = self._sessions, []
+            sessions, self._sessions, self._contexts = self._sessions, [], []
         for session in sessions:
             session.close()
         if self._wide is not None:
@@ -13678,14 +13729,7 @@ class _ModelSwitch:
             log.info(f"Switched from model {models.served[previous].name} to {models.served[queue].name} "
                      f"({time.monotonic() - began:.2f} s)")
         except Exception as err:  # a broken file, out of memory: its jobs wait, then fail (see _LoadFailure)
-            failure = models.load_failed(queue, str(err))
-            if failure.gave_up:
-                then = f"its queued jobs fail (load_failed): {failure.count} failed loads"
-            else:
-                then = (f"its jobs wait; tried again in {failure.retry_at - time.monotonic():.0f} s "
-                        f"({failure.count} of NRVNA_MAX_LOAD_FAILURES {models.config.max_load_failures} failed "
-                        "loads), or start a daemon for it")
-            log.error(f"model {models.served[queue].name} could not be made ready ({err}); {then}")
+            failure = models.failed_load(queue, err)
             if not failure.gave_up:  # (a given-up model's jobs stay queued here, for _tend_failures)
                 self.pool.set_aside(queue)
             queue = previous
@@ -13756,11 +13800,13 @@ class _Models:
         folders = [n for n in names if _models_folder(n)]
         if folders:  # `daemon shelf/ WS`: jobs name shelf's models
             self.models_dir = os.path.abspath(folders[0])
+        unreadable: dict[int, ModelError] = {}  # queues whose file's header cannot be read
         if runner is not None:
             self.served = [_ServedModel(runner.name, None, "chat", runner)]
         else:
-            self.served = [_ServedModel(os.path.basename(p), os.path.realpath(p), gguf_kind(p))
-                           for p in self._files(names)]
+            self.served = [self._served(p, i, unreadable) for i, p in enumerate(self._files(names))]
+            if len(unreadable) == len(self.served):  # nothing to serve: refused at start, before the queue
+                raise unreadable[0]
         # A job naming no model (or a name that matches none) goes to the first model that
         # serves its kind; with none here, it waits in ready/ for a daemon with one (a chat
         # model would only fail an embed job as unsupported, and the other way round).
@@ -13778,6 +13824,20 @@ class _Models:
         self.paths_elsewhere: set[str] = set()  # the model files the other daemons have loaded
         self._routes: dict[tuple[str, bool], Optional[int]] = {}  # (name, embed) -> queue (a cache)
         self.states_owner = ""  # whose saved states the models' stores write and bound (see state_owner)
+        for queue, error in unreadable.items():  # a failed load like any other: the other models serve
+            self.failed_load(queue, error)
+
+    @staticmethod
+    def _served(path: str, queue: int, unreadable: dict[int, ModelError]) -> _ServedModel:
+        """``path`` as a served model; a file whose header cannot be read (not a GGUF, a header
+        out of bounds: check_gguf) is one of kind "unknown", its error put in ``unreadable``:
+        jobs naming no model never go to it."""
+        try:
+            check_gguf(path)
+            kind = gguf_kind(path)
+        except ModelError as err:
+            unreadable[queue], kind = err, "unknown"
+        return _ServedModel(os.path.basename(path), os.path.realpath(path), kind)
 
     def _files(self, names: list[str]) -> list[str]:
         """The model files MODEL arguments name: a directory's *.gguf, or each name resolved."""
@@ -13794,15 +13854,13 @@ class _Models:
                 files.append(resolve_model(name, self.models_dir, self.aliases))
         unique = {os.path.realpath(f): f for f in reversed(files)}  # the same file twice is one model
         files = [f for f in files if unique.get(os.path.realpath(f)) is f]
-        for path in files:
-            check_gguf(path)
         return files
 
     def _serves(self, model: _ServedModel, kind: str) -> bool:
         """Whether ``model`` runs jobs of ``kind`` that name no model: one of that kind, an
         injected runner (it decides), or a chat model that NRVNA_POOLING lets embed."""
         return (model.kind == kind or model.path is None
-                or (kind == "embed" and self.config.pooling in ("mean", "cls", "last")))
+                or (kind == "embed" and model.kind == "chat" and self.config.pooling in ("mean", "cls", "last")))
 
     def kinds(self) -> list[str]:
         """The kinds of job naming no model this daemon runs (its record says, for status)."""
@@ -13858,6 +13916,36 @@ class _Models:
             failure = self.failed.setdefault(queue, _LoadFailure(self.served[queue].path))
             failure.failed(error, self.config.max_load_failures)
             return failure
+
+    def failed_load(self, queue: int, error: Exception) -> _LoadFailure:
+        """``load_failed``, logged with what happens next to its jobs."""
+        failure = self.load_failed(queue, str(error))
+        if failure.gave_up:
+            then = f"its queued jobs fail (load_failed): {failure.count} failed loads"
+        else:
+            then = (f"its jobs wait; tried again in {failure.retry_at - time.monotonic():.0f} s "
+                    f"({failure.count} of NRVNA_MAX_LOAD_FAILURES {self.config.max_load_failures} failed "
+                    "loads), or start a daemon for it")
+        log.error(f"model {self.served[queue].name} could not be made ready ({error}); {then}")
+        return failure
+
+    def start(self, workers: int) -> list[Session]:
+        """Activate the first model that loads, at the daemon's start (before its threads): one
+        that cannot be read or loaded is a failed load as at its turn, its jobs waiting (see
+        _LoadFailure), while another serves. Raises the first model's error when none loads."""
+        errors: list[tuple[int, ModelError]] = []
+        for queue in range(len(self.served)):
+            if queue in self.failed:  # its header could not be read
+                continue
+            try:
+                sessions = self.activate(queue, workers, ())
+            except ModelError as err:
+                errors.append((queue, err))
+                continue
+            for failed, err in errors:
+                self.failed_load(failed, err)
+            return sessions
+        raise errors[0][1] if errors else ModelError("no model of this daemon can be loaded")
 
     def failures(self) -> list[tuple[int, _LoadFailure, bool]]:
         """Each queue whose model failed to load: its _LoadFailure, and whether another daemon
@@ -13950,6 +14038,8 @@ class _Models:
         (and evicting the least recently used loaded model with nothing ``queued``, then
         any, to stay within NRVNA_MAX_LOADED). Raises ModelError when it cannot be loaded."""
         model = self.served[queue]
+        if model.runner is None and model.path is not None:
+            check_gguf(model.path)  # (a header read again: nothing is unloaded for a file that cannot be read)
         if model.runner is None:
             loaded = [m for m in self.served if m.runner is not None and m is not model]
             busy = set(queued)
@@ -14431,8 +14521,9 @@ class Server:
             _warn_if_shared(self.workspace)
             for name in self.registry.dead():  # their files only: this start's recovery takes their jobs
                 log.info(f"Daemon {name} had died; forgetting it")
-            sessions = models.activate(0, self.config.workers, ())
-            self.processor = Processor(self.workspace, self.config, models.served[0].name)
+            sessions = models.start(self.config.workers)
+            self.pool.set_active(models.active)  # (not the first model, when it could not be loaded)
+            self.processor = Processor(self.workspace, self.config, models.served[models.active].name)
             self.processor.daemon = self.registry.name
             if self.config.on_done or self.config.on_batch_done:
                 self.hooks = Hooks(self.workspace, self.config, self._stop)

@@ -45,6 +45,7 @@ import errno
 import functools
 import glob
 import io
+import itertools
 import json
 import logging
 import math
@@ -1679,6 +1680,40 @@ def test_one_schema_on_many_lines_is_checked_once(monkeypatch: pytest.MonkeyPatc
     entries = nrvna.parse_batch(jsonl(rows).encode())
     assert len(entries) == 3000 and len(calls) == 1
     assert [e.params["response_format"]["json_schema"]["schema"] for e in entries[:2]] == [schema, schema]
+
+
+def test_the_cache_of_checked_schemas_is_shared_by_threads_safely(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_CHECKED is read and evicted from every worker's claim. Threads that find it over its
+    bound at once each evict under _CHECKED_LOCK (without it, they all popped the same oldest
+    key: KeyError), and each gets its own key's verdict."""
+    class Slow(dict):  # finding the oldest key takes a while: the threads meet in the eviction
+        def __iter__(self) -> Any:
+            keys = list(dict.keys(self))
+            time.sleep(0.05)
+            return iter(keys)
+
+    def refuse() -> None:
+        raise nrvna.InvalidInput("refused")
+
+    cache = Slow((("old", i), None) for i in range(256))
+    monkeypatch.setattr(nrvna, "_CHECKED", cache)
+    barrier, verdicts = threading.Barrier(6), {}
+
+    def check(i: int) -> None:
+        barrier.wait()
+        try:
+            nrvna._checked(("new", i), refuse if i % 2 else lambda: None)
+            verdicts[i] = "passed"
+        except Exception as err:  # noqa: BLE001 (any error is the test's finding)
+            verdicts[i] = f"{type(err).__name__}: {err}"
+
+    threads = [threading.Thread(target=check, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert verdicts == {i: "InvalidInput: refused" if i % 2 else "passed" for i in range(6)}
+    assert len(cache) == 256 and all(("new", i) in cache for i in range(6))  # the oldest went
 
 
 def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain) -> None:
@@ -8643,6 +8678,148 @@ def test_every_daemon_class_says_which_threads_touch_it_and_what_keeps_that_safe
     assert [c.name for c in classes if "Threads:" not in (ast.get_docstring(c) or "")] == []
 
 
+def _threads_table() -> list[tuple[str, str, str]]:
+    """The rows of nrvna.py's Threads table (its module docstring) as (threads, owners, the rest):
+    ``THREAD, ... -> OWNER, ...: the shared state => the lock or rule``."""
+    doc = nrvna.__doc__ or ""
+    block = doc[doc.index("\n\n", doc.index("THREAD -> CLASS")) + 2:]
+    rows: list[str] = []
+    for line in block.splitlines():
+        if line.startswith("        "):
+            rows[-1] += " " + line.strip()
+        elif line.startswith("    "):
+            rows.append(line.strip())
+        elif line.strip():
+            break
+    table = []
+    for row in rows:
+        threads, rest = row.split(" -> ", 1)
+        depths = itertools.accumulate((char == "(") - (char == ")") for char in rest)
+        at = next(i for i, (char, depth) in enumerate(zip(rest, depths)) if char == ":" and depth == 0)
+        table.append((threads, rest[:at], rest[at + 1:]))  # the owners end at the first colon outside ()
+    return table
+
+
+def _class_attributes(classes: dict[str, ast.ClassDef], name: str) -> set[str]:
+    """What a class of nrvna.py defines: methods, class attributes, __slots__, self.X assigned
+    anywhere in it, and the same of its bases in nrvna.py."""
+    node, found = classes[name], set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.FunctionDef):
+            found.add(sub.name)
+        elif isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) and \
+                isinstance(sub.value, ast.Name) and sub.value.id == "self":
+            found.add(sub.attr)
+        elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+            found.add(sub.id)
+        elif isinstance(sub, ast.Constant) and isinstance(sub.value, str) and sub.value.isidentifier():
+            found.add(sub.value)  # __slots__ and namedtuple fields
+    for base in node.bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+            found |= _class_attributes(classes, base.id)
+        elif isinstance(base, ast.Call):  # class X(namedtuple("X", "a b")): its fields
+            found |= {f for arg in base.args if isinstance(arg, ast.Constant) for f in str(arg.value).split()}
+    return found
+
+
+def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_is_defined() -> None:
+    """The Threads table of nrvna.py's docstring is held true: every lock attribute of a class
+    (Lock, RLock, Condition) and every module-level lock is named in it with its owner; every
+    module-level container that code changes is named in a row whose owners include code that
+    changes it; every thread a row names runs in the daemon; and every name in it that reads as
+    code (a _name, a dotted name, a call, a CamelCase word) is defined where the row says."""
+    path = Path(nrvna.__file__)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    table = _threads_table()
+    text = " ".join(" ".join(row) for row in table)
+    assert len(table) > 40
+
+    def owners_of(row: tuple[str, str, str]) -> set[str]:
+        return set(re.findall(r"[A-Za-z_]\w*", row[1]))
+
+    def is_lock(value: ast.expr) -> bool:
+        return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and \
+            isinstance(value.func.value, ast.Name) and value.func.value.id == "threading" and \
+            value.func.attr in ("Lock", "RLock", "Condition")
+
+    missing = []
+    for name, node in classes.items():  # self.X = threading.Lock() in any method
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Assign) and is_lock(sub.value):
+                for target in sub.targets:
+                    if isinstance(target, ast.Attribute) and f"{name}.{target.attr}" not in text and not any(
+                            name in owners_of(row) and re.search(rf"(?<![\w.]){target.attr}\b", " ".join(row))
+                            for row in table):
+                        missing.append(f"{name}.{target.attr}")
+    module = {}  # module-level name -> its value
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                if isinstance(target, ast.Name):
+                    module[target.id] = node.value
+    missing += [n for n, value in module.items() if is_lock(value) and not re.search(rf"\b{n}\b", text)]
+    # Module-level containers that code changes, and the top-level definitions that change them.
+    containers = {n for n, value in module.items() if isinstance(value, (ast.Dict, ast.List, ast.Set))
+                  or (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                      and value.func.id in ("dict", "list", "set", "deque"))}
+    changing = {"append", "extend", "pop", "popleft", "appendleft", "clear", "update", "setdefault", "add",
+                "discard", "remove", "insert", "popitem", "sort"}
+    changers: dict[str, set[str]] = {}
+    for top in tree.body:
+        if not isinstance(top, (ast.FunctionDef, ast.ClassDef)):
+            continue
+        for sub in ast.walk(top):
+            names = []
+            if isinstance(sub, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = sub.targets if isinstance(sub, (ast.Assign, ast.Delete)) else [sub.target]
+                names = [t.value.id for t in targets if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)]
+            elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and \
+                    isinstance(sub.func.value, ast.Name) and sub.func.attr in changing:
+                names = [sub.func.value.id]
+            elif isinstance(sub, ast.Global):
+                names = list(sub.names)
+            for name in names:
+                if name in containers:
+                    changers.setdefault(name, set()).add(top.name)
+    assert {"_CHECKED", "_LIMITED", "_gguf_headers", "_llama_log_tail"} <= set(changers)
+    for name, tops in changers.items():
+        if not any(re.search(rf"\b{name}\b", row[2]) and owners_of(row) & tops for row in table):
+            missing.append(f"{name} (changed by {', '.join(sorted(tops))})")
+    assert missing == [], "not in the Threads table with their owner"
+    # Every thread a row names runs: the main thread, or a thread's name in the code (Worker-N for
+    # Worker-{index}); "loader" is whichever loads a model, "any" any thread.
+    threads = {"Main", "any", "loader"} | {re.sub(r"\{\w+\}", "N", n) for n in re.findall(
+        r'(?:name=f?|_name_os_thread\(|_CallThread\()"([A-Z][\w{}-]*)"', path.read_text(encoding="utf-8"))}
+    named = {t.strip() for row in table for t in re.sub(r"\([^)]*\)", "", row[0]).split(",")}
+    assert named - threads == set() and {"Scanner", "Worker-N", "Watcher", "Models", "Saver"} <= named
+    # Every name that reads as code is defined: at the top level, or in a class the row names.
+    prose = {"llama.cpp", "OpenMP", "partial.txt"}
+    undefined = []
+    for row in table:
+        whole = " ".join(row)
+        in_row = [c for c in set(re.findall(r"[A-Za-z_]\w*", whole)) if c in classes]
+        for token in set(re.findall(r"\*?[A-Za-z_][\w.]*\*?(?:\(\))?", whole)):
+            token = token.rstrip(".")
+            bare = token[:-2] if token.endswith("()") else token
+            if token in prose or bare in threads or not ("_" in bare or "." in bare or token.endswith("()")
+                                                          or re.search(r"[a-z][A-Z]", bare)):
+                continue
+            head, _, rest = bare.partition(".")
+            if rest and head in classes:
+                defined = rest.split(".")[0] in _class_attributes(classes, head)
+            elif rest:
+                defined = functools.reduce(lambda obj, part: getattr(obj, part, None), rest.split("."),
+                                           getattr(nrvna, head, None) or sys.modules.get(head)) is not None
+            else:
+                pattern = re.compile(re.escape(bare).replace(r"\*", r"\w*") + "$")
+                defined = any(pattern.match(n) for n in vars(nrvna)) or any(
+                    pattern.match(a) for c in in_row for a in _class_attributes(classes, c))
+            if not defined:
+                undefined.append(f"{token} (in {row[0]} -> {row[1]})")
+    assert undefined == []
+
+
 def test_a_job_published_to_an_idle_daemon_is_picked_up(ws: str) -> None:
     with serving(ws, echo) as server:
         time.sleep(0.3)  # idle
@@ -10103,6 +10280,26 @@ def test_the_daemon_says_what_memory_goes_where_and_refuses_a_budget_it_cannot_k
     assert started.returncode == 0, started.stderr.decode()[-500:]
 
 
+@pytest.mark.model
+def test_a_memory_report_reads_nothing_that_closing_the_model_frees(model: str) -> None:
+    """A runner's memory report (`status --daemon`: the Watcher writes it while the Models thread
+    may be closing that runner for a swap) reads only numbers stated at load, never the model or
+    a context through llama.cpp: read once they are freed, it says the weights and no context,
+    and the process lives (it read the freed model: SIGSEGV)."""
+    script = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import nrvna\n"
+              f"runner = nrvna.LlamaRunner({model!r}, nrvna.Config(max_ctx=256, workers=1))\n"
+              "runner.session(0, runner.config)\n"
+              "before = runner.memory()\n"
+              "runner.close()\n"
+              "print(json.dumps([before, runner.memory()]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    before, after = json.loads(done.stdout)
+    assert before["contexts"] == 1 and before["cells"] >= 256 and before["kv_mib"] > 0 and before["weights_mib"] > 80
+    assert (after["weights_mib"], after["contexts"], after["total_mib"]) == (before["weights_mib"], 0,
+                                                                              before["weights_mib"])
+
+
 def test_model_names_are_looked_up_in_the_models_dir(tmp_path: Path) -> None:
     for name in ("SmolLM2-135M.gguf", "Qwen-0.5B.gguf", "Qwen-1.5B.gguf"):
         (tmp_path / name).write_bytes(b"GGUF")
@@ -10213,19 +10410,19 @@ def test_a_crafted_gguf_header_is_refused_naming_the_file_and_the_field(tmp_path
             with pytest.raises(nrvna.ModelError) as caught:
                 read(path)
             assert str(caught.value).startswith(f"model {path} has a GGUF header out of bounds: {field}"), (name, caught)
-    # A daemon serving a folder with such a file beside a good one says what it reads, then
-    # refuses the file at once, naming it and the field, before it touches the queue.
+    # A daemon given such a file (its one model) says what it reads, then refuses the file at
+    # once, naming it and the field, before it touches the queue. (In a folder beside a good
+    # model it is a failed load: see test_a_crafted_gguf_in_a_models_folder_is_a_failed_load...)
     shelf = tmp_path / "shelf"
     shelf.mkdir()
-    fake_gguf(shelf / "good.gguf")
     crafted = crafted_gguf(shelf / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 8 << 30)
     job_id = orphan(str(tmp_path / "ws"), "keep me", 1)
-    done = cli("daemon", str(shelf), str(tmp_path / "ws"), "-w", "1", timeout=120)
-    err = done.stderr.decode()
-    assert done.returncode == 1 and "Traceback" not in err, err
-    assert os.path.isdir(os.path.join(tmp_path, "ws", nrvna.PROCESSING, job_id))  # untouched: not recovered
-    assert f"Reading the GGUF header of {crafted}" in err and "'tokenizer.ggml.tokens''s length says" in err, err
-    assert nrvna.gguf_kind(str(shelf / "good.gguf")) == "chat"
+    for given in (crafted, str(shelf)):  # the file, or a folder holding it alone
+        done = cli("daemon", given, str(tmp_path / "ws"), "-w", "1", timeout=120)
+        err = done.stderr.decode()
+        assert done.returncode == 1 and "Traceback" not in err, err
+        assert os.path.isdir(os.path.join(tmp_path, "ws", nrvna.PROCESSING, job_id))  # untouched: not recovered
+        assert f"Reading the GGUF header of {crafted}" in err and "'tokenizer.ggml.tokens''s length says" in err, err
 
 @pytest.mark.model
 @pytest.mark.parametrize("env", [{"NRVNA_WORKERS": "abc"}, {"NRVNA_WORKERS": "0"}, {"NRVNA_WORKERS": "-1"},
@@ -10383,6 +10580,70 @@ def models_dir(tmp_path: Path, **files: str) -> tuple[Path, dict[str, str]]:
     for name, source in files.items():
         os.link(source, models / f"{name}.gguf")
     return models, {"NRVNA_MODELS_DIR": str(models)}
+
+
+def tiny_gguf(source: str, out: str, width: int = 64, ffn: int = 128) -> str:
+    """A one-layer llama GGUF of ``width`` with ``source``'s tokenizer and metadata (a llama
+    model's: SmolLM2's), its weights zeros (a sparse file) and its norms ones: it loads and
+    generates in milliseconds (its tokens are drawn from equal logits)."""
+    shape = {"block_count": 1, "embedding_length": width, "feed_forward_length": ffn, "attention.head_count": 1,
+             "attention.head_count_kv": 1, "rope.dimension_count": width}
+    with open(source, "rb") as handle:
+        data = handle.read(64 << 20)  # the header: SmolLM2's is about 3 MB
+    keys = struct.unpack_from("<Q", data, 16)[0]
+    at, kept, vocab = 24, [], 0
+
+    def text(at: int) -> tuple[str, int]:
+        length = struct.unpack_from("<Q", data, at)[0]
+        return data[at + 8:at + 8 + length].decode(), at + 8 + length
+
+    for _ in range(keys):
+        start = at
+        key, at = text(at)
+        kind = struct.unpack_from("<I", data, at)[0]
+        at += 4
+        if kind == 8:
+            at = text(at)[1]
+        elif kind == 9:
+            item, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            for _ in range(count):
+                at = text(at)[1] if item == 8 else at + nrvna._GGUF_SCALARS[item]
+            vocab = count if key == "tokenizer.ggml.tokens" else vocab
+        else:
+            at += nrvna._GGUF_SCALARS[kind]
+        if key.split(".", 1)[-1] not in shape and key not in ("general.file_type", "general.alignment", "llama.vocab_size"):
+            kept.append(data[start:at])
+
+    def entry(key: str, kind: int, value: bytes) -> bytes:
+        return struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", kind) + value
+
+    kept += [entry(f"llama.{k}", 4, struct.pack("<I", v)) for k, v in shape.items()]
+    kept.append(entry("general.file_type", 4, struct.pack("<I", 0)))  # all F32
+    tensors = [("token_embd.weight", (width, vocab)), ("output_norm.weight", (width,))]
+    for name, dims in (("attn_norm", (width,)), ("attn_q", (width, width)), ("attn_k", (width, width)),
+                       ("attn_v", (width, width)), ("attn_output", (width, width)), ("ffn_norm", (width,)),
+                       ("ffn_gate", (width, ffn)), ("ffn_up", (width, ffn)), ("ffn_down", (ffn, width))):
+        tensors.append((f"blk.0.{name}.weight", dims))
+    infos, offsets, offset = b"", [], 0
+    for name, dims in tensors:
+        infos += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(dims))
+        infos += struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", 0, offset)
+        offsets.append(offset)
+        size = 4
+        for dim in dims:
+            size *= dim
+        offset += -(-size // 32) * 32
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kept)) + b"".join(kept) + infos
+    header += bytes(-len(header) % 32)
+    with open(out, "wb") as handle:
+        handle.write(header)
+        for (_, dims), where in zip(tensors, offsets):
+            if len(dims) == 1:  # a norm's weights: ones
+                handle.seek(len(header) + where)
+                handle.write(struct.pack(f"<{dims[0]}f", *[1.0] * dims[0]))
+        handle.truncate(len(header) + offset)
+    return out
 
 
 def drain_with_room_for_one(models: Path, ws: str, env: dict[str, str]) -> str:
@@ -10606,6 +10867,53 @@ def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: st
     assert [flow.status(job_id) for job_id in ids["b"]] == [Status.Queued] * 3  # for a daemon that can load it
 
 
+@pytest.mark.model
+@pytest.mark.slow
+def test_models_swapped_continuously_while_the_status_is_written_and_jobs_are_claimed(
+        ws: str, tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 swaps of two tiny models (--max-loaded 1: each swap frees one model and its contexts
+    and loads the other) while the daemon's record is written as often as it can be, by the
+    Watcher and by a thread polling `status --daemon`, and the workers claim jobs: every job done
+    on its model, no crash. (The record's memory report read a context and the model through
+    llama.cpp while a swap could be freeing them; it reads only numbers stated at load now.)"""
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("a", "b"):
+        tiny_gguf(model, str(models / f"{name}.gguf"))
+    swaps, ids = 200, {}
+    monkeypatch.setattr(nrvna, "DAEMON_STATUS_SECONDS", 0.0)  # the Watcher writes it every round (0.1 s)
+    # Small contexts of one thread each: a swap takes a tenth of a second or so, not the budget's.
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1, workers=2, max_ctx=256, seqs=1, batch=32,
+                                                            threads=1))
+    polled: list[dict[str, bool]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.002):
+            server.write_status()
+            for record in nrvna.daemon_info(ws):
+                polled.append({m["name"]: m["loaded"] for m in record["models"]})
+
+    server.start()
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for i in range(swaps):  # b, a, b, ...: each job's model is the other one, so each is a swap
+            name = "ba"[i % 2]
+            job_id = Work(ws).publish(f"Job {i}: say a word.", model=str(models / f"{name}.gguf"), max_tokens=4)
+            ids[job_id] = name
+            assert Flow(ws).wait(job_id, 120) is Status.Done
+    finally:
+        stop.set()
+        poller.join()
+        loads = server.models.loads
+        server.shutdown()
+    assert {job_id: Flow(ws).get(job_id).meta["model"] for job_id in ids} == {
+        job_id: f"{name}.gguf" for job_id, name in ids.items()}
+    assert loads == swaps + 1  # a at start, then b, a, b, ...: a swap a job
+    assert {"a.gguf": True, "b.gguf": False} in polled and {"a.gguf": False, "b.gguf": True} in polled
+
+
 @pytest.fixture
 def fake_loads(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """LlamaRunner replaced: a model file loads as a FunctionRunner (``vectors`` for an
@@ -10732,6 +11040,45 @@ def test_drain_and_a_daemon_that_stops_itself_exit_1_saying_why(ws: str, tmp_pat
     assert stopped.returncode == nrvna.EXIT_FAILED, stopped.stderr[-2000:]
     assert b"The daemon stopped: model a.gguf cannot be loaded again" in stopped.stderr
     assert Flow(ws).status(waiting) is Status.Queued and nrvna.daemon_records(ws) == []
+
+
+def test_a_crafted_gguf_in_a_models_folder_is_a_failed_load_and_the_others_serve(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 64 MiB file whose header declares a 2^63-item array, first in a folder beside a good
+    model: the daemon starts on the good model and serves it (jobs naming no model never go to
+    the crafted file); the crafted file is a failed load as a truncated one is: its jobs wait
+    with the reason, it is tried again (the good model is not unloaded for it), then they fail
+    with load_failed naming the file and the field. (It stopped the whole daemon at start.)"""
+    models, _ = models_dir(tmp_path)
+    arch = gguf_text("general.architecture") + struct.pack("<I", 8) + gguf_text("llama")
+    tokens = gguf_text("tokenizer.ggml.tokens") + struct.pack("<II", 9, 8)
+    crafted = crafted_gguf(models / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 64 << 20)
+    fake_gguf(models / "good.gguf")
+    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))  # 3 failed loads (the default)
+    server.start()
+    try:
+        assert server.models.active == 1 and fake_loads["loads"] == {"good.gguf": 1}
+        waiting = submit(ws, "for the crafted one", model="crafted")
+        served = [submit(ws, "names no model"), submit(ws, "for good", model="good")]
+        assert wait_all(ws, served) == [Status.Done] * 2
+        assert {Flow(ws).get(j).meta["model"] for j in served} == {"good.gguf"}
+        assert Flow(ws).status(waiting) is Status.Queued
+        server.write_status()
+        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
+        assert reason.startswith("waits for model crafted (crafted.gguf), which daemon") and "(1 of 3 failed" in reason
+        assert "has a GGUF header out of bounds: array 'tokenizer.ggml.tokens''s length says" in reason, reason
+        monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 0.05)
+        server.models.failed[0].retry_at = 0.0  # the next try is due now; then 0.05 s, 0.1 s
+        assert Flow(ws).wait(waiting, 30) is Status.Failed
+        job = Flow(ws).get(waiting)
+        assert job.meta["code"] == "load_failed" and "(3 failed loads; NRVNA_MAX_LOAD_FAILURES is 3)" in job.error
+        assert f"model {os.path.realpath(crafted)} has a GGUF header out of bounds: array" in job.error, job.error
+        assert wait_all(ws, [submit(ws, "still served", model="good")]) == [Status.Done]
+        assert fake_loads["loads"] == {"good.gguf": 1}  # never unloaded for a file that cannot be read
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.model
