@@ -30,7 +30,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
    5.8 Tool calls                   ToolFormat, tool_call_schema, tool_grammar, generic_messages, read_tool_calls
 6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt,
-                                      EFFORT_BUDGETS, thinking_budget
+                                      EFFORT_BUDGETS, thinking_budget, tool_answers
 7. Workspace and job directories
    7.1 Layout, locks and the daemons' records
                                     the layout's names, job_path, parse_meta, WorkspaceLock, hold_job,
@@ -39,7 +39,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job
    7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
    7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_members
-   7.6 Reading a job                Job, _read_choices, continued_turns, parent_conversation, _DirWatch
+   7.6 Reading a job                Job, _read_choices, continued_turns, CONVERSATION_TURNS, parent_conversation,
+                                      _DirWatch
    7.7 Saved states on disk         STATES, StateHead, state_name, state_buffer, seal_state, read_state_head,
                                       map_state, state_whole, read_state, remove_states_of
 8. Batch files and export           read_batch, parse_batch, parse_records (templates), EXPORT_FORMATS,
@@ -4069,10 +4070,30 @@ def check_combination(params: Mapping[str, Any], max_tokens: Optional[int] = Non
                 raise InvalidInput(f"{key} is for embed jobs (give embed: true, or submit --embed)")
 
 
+def tool_answers(turns: list[dict[str, Any]], calls: Optional[Iterable[str]], made: Optional[str] = None) -> None:
+    """Every ``tool`` turn answers a call of the assistant turn it follows (other tool turns
+    between them), as OpenAI's chat requires: InvalidInput naming the first that does not.
+    ``calls``: the IDs of the calls that ``made`` (a parent's answer) made, which tool turns first
+    in ``turns`` answer; ``()`` for none; None while they are not known (then they are not checked)."""
+    called = None if calls is None else set(calls)
+    for i, turn in enumerate(turns):
+        if turn["role"] == "assistant":
+            called, made = {call["id"] for call in turn.get("tool_calls") or []}, f"messages[{i}]"
+        elif turn["role"] == "user":
+            called, made = set(), None
+        elif turn["role"] == "tool" and called is not None and turn["tool_call_id"] not in called:
+            said = f"messages[{i}] answers tool call {turn['tool_call_id']!r}"
+            if made is None:
+                raise InvalidInput(f"{said}, but no assistant turn's calls come right before it (a tool turn "
+                                   "answers the calls of the assistant turn it follows)")
+            raise InvalidInput(f"{said}, which {made} did not make (its calls: "
+                               f"{', '.join(sorted(called)[:8]) or 'none'})")
+
+
 def _check_tool_use(params: Mapping[str, Any]) -> None:
     """What tools go with: a choice naming one of them; no other constraint, stop string or raw
-    prompt unless the choice is none; every tool answer after the call it answers (those before
-    any assistant turn answer the parent's calls)."""
+    prompt unless the choice is none; every tool answer right after the call it answers (see
+    tool_answers)."""
     tools, choice = job_param(params, "tools"), job_param(params, "tool_choice")
     if not tools:
         for key in ("tool_choice", "parallel_tool_calls"):
@@ -4092,14 +4113,9 @@ def _check_tool_use(params: Mapping[str, Any]) -> None:
             if job_param(params, "stop"):
                 raise InvalidInput("tools cannot be combined with stop (unless tool_choice is none): a stop string "
                                    "inside a call would cut it short")
-    # Tool turns before any assistant turn answer the calls a parent job made (--parent).
-    called: Optional[set[str]] = None
-    for i, turn in enumerate(job_param(params, "messages") or []):
-        if turn["role"] == "assistant":
-            called = (called or set()) | {call["id"] for call in turn.get("tool_calls") or []}
-        if turn["role"] == "tool" and called is not None and turn["tool_call_id"] not in called:
-            raise InvalidInput(f"messages[{i}] answers tool call {turn['tool_call_id']!r}, which no earlier "
-                               "assistant turn made")
+    # Tool turns first answer the calls of the parent's answer: known only once it is done (the
+    # submit and the child's claim check them then); with no parent there is none to answer.
+    tool_answers(job_param(params, "messages") or [], None if job_param(params, "parent") else ())
 
 
 def check_inputs(texts: Any, limit: int = 2048) -> list[str]:
@@ -5262,6 +5278,12 @@ def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, 
 # Why a done job's generation ended (OpenAI's names): its end, its max_tokens, or its tool calls.
 FINISH_REASONS = ("stop", "length", "tool_calls")
 
+# The most turns a child's whole conversation may hold, counted before anything is rendered. One
+# submit's messages hold at most 4,096 turns (PARAMS); a chain adds two with every child (its
+# message, its answer), bounded otherwise by the model's context only. Rendering grows faster
+# than the turns: on SmolLM2 16,384 turns render in about 3 s, a crafted 80,000 held a worker 2 minutes.
+CONVERSATION_TURNS = 4 * 4096
+
 
 class Job(namedtuple("Job", "id status prompt result error meta params logprobs choices reasoning message",
                      defaults=(None, None, None, None, None))):
@@ -5308,12 +5330,23 @@ def _read_choices(text: Optional[str]) -> Optional[list[dict[str, Any]]]:
     return choices
 
 
+def _calls_shape(calls: Any) -> bool:
+    """Whether ``calls`` are an assistant turn's tool calls as nrvna writes them (see _check_call)."""
+    if not (isinstance(calls, list) and calls):
+        return False
+    try:
+        for k, call in enumerate(calls):
+            _check_call(call, f"tool_calls[{k}]")
+    except InvalidInput:
+        return False
+    return True
+
+
 def _read_message(text: Optional[str]) -> Optional[dict[str, Any]]:
     """tool_calls.json's ``{"content", "tool_calls"}``, or None (no file; a damaged one)."""
     message = _json_or_none(text, None)
-    if not (isinstance(message, dict) and isinstance(message.get("tool_calls"), list) and message["tool_calls"]
-            and isinstance(message.get("content"), (str, type(None)))
-            and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in message["tool_calls"])):
+    if not (isinstance(message, dict) and _calls_shape(message.get("tool_calls"))
+            and isinstance(message.get("content"), (str, type(None)))):
         return None
     return message
 
@@ -5329,8 +5362,10 @@ def _turns_shape(turns: Any) -> bool:
     """Whether ``turns`` is a conversation as nrvna writes it (a hand-made file may not be)."""
     return isinstance(turns, list) and bool(turns) and all(
         isinstance(t, dict) and t.get("role") in ROLES and (isinstance(t.get("content"), str) or (
-            t.get("content") is None and isinstance(t.get("tool_calls"), list)))
-        and (t.get("role") != "tool" or isinstance(t.get("tool_call_id"), str)) for t in turns)
+            t.get("content") is None and t.get("tool_calls") is not None))
+        and (t.get("tool_calls") is None or (t["role"] == "assistant" and _calls_shape(t["tool_calls"])))
+        and (t["role"] != "tool" or isinstance(t.get("tool_call_id"), str))
+        and isinstance(t.get("name", ""), str) for t in turns)
 
 
 def _json_or_none(text: Optional[str], missing: Any) -> Any:
@@ -5345,17 +5380,92 @@ def _json_or_none(text: Optional[str], missing: Any) -> Any:
         return None
 
 
-def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Optional[list[dict[str, str]]]:
+def _ancestor_failed(workspace: str, parent: str, job_id: str, status: Status, path: str) -> JobError:
+    """parent_failed for an ancestor that is not done: failed, cancelled or gone."""
+    what = f"its parent {parent}" if job_id == parent else f"its parent's ancestor {job_id}"
+    if status is Status.Missing:
+        return JobError("parent_failed", f"{what} is gone (cleaned or removed): nothing to continue")
+    code = ""
+    try:
+        fd = open_dir(path)
+        try:
+            code = str(read_meta(fd).get("code") or "")
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    return JobError("parent_failed", f"{what} failed{f' ({code})' if code else ''}: "
+                                     f"nrvna retry {job_id}, then this job")
+
+
+def _ancestor_files(job_id: str, path: str, budget: int, limit: int) -> tuple[dict[str, Optional[str]], int]:
+    """The files of the done job ``job_id`` (at ``path``) that its conversation is made of (None:
+    not there, or not a regular file), and the bytes they took of ``budget``, what is left of
+    ``limit``: JobError parent_failed naming a file larger than that."""
+    try:
+        fd = open_dir(path)
+    except OSError as err:
+        raise JobError("parent_failed", f"cannot read its ancestor {job_id}: {_os_error(err)}") from None
+    files: dict[str, Optional[str]] = {}
+    used = 0
+    try:
+        for name in (CONVERSATION_FILE, PROMPT_FILE, PARAMS_FILE, RESULT_FILE, TOOL_CALLS_FILE):
+            files[name] = None
+            try:
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISREG(info.st_mode) and info.st_size > budget - used:
+                    raise JobError("parent_failed", f"{os.path.join(path, name)} is {info.st_size:,} bytes: its "
+                                   f"conversation is over the {limit:,} bytes a child reads (its parent's files in all)")
+                data = read_file(fd, name, budget - used)
+            except (FileNotFoundError, JobError) as err:
+                if isinstance(err, JobError) and err.code == "parent_failed":
+                    raise
+                continue  # not there, a symbolic link, a FIFO: as if not written
+            except OSError as err:
+                raise JobError("parent_failed", f"cannot read {os.path.join(path, name)}: {_os_error(err)}") from None
+            used += len(data)
+            files[name] = data.decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+    return files, used
+
+
+def _ancestor_turns(job_id: str, path: str, files: Mapping[str, Optional[str]], parent: bool) -> list[dict[str, Any]]:
+    """The turns of the done job ``job_id`` rebuilt from its prompt, params.json and answer (its
+    conversation.json missing or damaged), its own parents' left out; ``parent``: it is the
+    child's parent (else an ancestor further up)."""
+    params = _json_or_none(files[PARAMS_FILE], {})
+    if not isinstance(params, dict) or files[PROMPT_FILE] is None or files[RESULT_FILE] is None:
+        raise JobError("parent_failed", f"its ancestor {job_id} cannot be read (no prompt, result or "
+                                        "valid params.json)")
+    if job_param(params, "raw") or job_param(params, "embed"):
+        raise JobError("bad_request", f"its {'parent' if parent else 'ancestor'} {job_id} is "
+                                      f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to continue")
+    try:  # the parameters its turns are made of, as a submit checks them (the file may be hand-made)
+        own = {key: PARAMS[key].validate(key, params[key]) for key in ("messages", "system")
+               if params.get(key) is not None}
+    except InvalidInput as err:
+        raise JobError("parent_failed", f"{os.path.join(path, PARAMS_FILE)}: {err}") from None
+    return conversation_turns(files[PROMPT_FILE], own, files[RESULT_FILE], _read_message(files[TOOL_CALLS_FILE])) or []
+
+
+def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Optional[list[dict[str, Any]]]:
     """The conversation a child of ``parent`` continues: the parent's conversation.json, or,
     for a parent finished before that file existed (or with a damaged one), its turns rebuilt
     through its own parents. None while the parent is queued or running. JobError
-    ``parent_failed`` for a failed, cancelled or missing ancestor, ``bad_request`` for one with
-    no turns (raw, embed). ``limit``: the most bytes read of one file."""
-
-    chain: list[tuple[str, str, dict[str, Any], str, Any]] = []  # (id, prompt, params, answer, calls), child first
-    base: list[dict[str, str]] = []
+    ``parent_failed`` for a failed, cancelled or missing ancestor, and for files that cost too
+    much before anything is rendered (over ``limit`` bytes read in all, over CONVERSATION_TURNS
+    turns) or loop (params.json naming an ancestor as parent), naming the file; ``bad_request``
+    for an ancestor with no turns (raw, embed)."""
+    chain: list[list[dict[str, Any]]] = []  # each ancestor's own turns, the parent's first
+    base: list[dict[str, Any]] = []
+    seen: dict[str, str] = {}  # an ancestor -> its directory
     job_id: Optional[str] = parent
+    budget, count, child = limit, 0, ""
     while job_id is not None:
+        if job_id in seen:
+            raise JobError("parent_failed", f"its chain of parents loops: {os.path.join(seen[child], PARAMS_FILE)} "
+                                            f"names {job_id}, which it descends from (a hand-made file)")
         status, path = locate_job(workspace, job_id)
         if status in (Status.Queued, Status.Running):
             if job_id == parent:
@@ -5363,50 +5473,25 @@ def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Op
             raise JobError("parent_failed", f"its ancestor {job_id} is {status.value} again (retried): "
                                             "retry this job once it is done")
         if status is not Status.Done:
-            what = f"its parent {parent}" if job_id == parent else f"its parent's ancestor {job_id}"
-            if status is Status.Missing:
-                raise JobError("parent_failed", f"{what} is gone (cleaned or removed): nothing to continue")
-            code = ""
-            try:
-                fd = open_dir(path)
-                try:
-                    code = str(read_meta(fd).get("code") or "")
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
-            raise JobError("parent_failed", f"{what} failed{f' ({code})' if code else ''}: "
-                                            f"nrvna retry {job_id}, then this job")
-        try:
-            fd = open_dir(path)
-        except OSError as err:
-            raise JobError("parent_failed", f"cannot read its ancestor {job_id}: {_os_error(err)}") from None
-        try:
-            files = {}
-            for name in (CONVERSATION_FILE, PROMPT_FILE, PARAMS_FILE, RESULT_FILE, TOOL_CALLS_FILE):
-                try:
-                    files[name] = read_file(fd, name, limit).decode("utf-8", "replace")
-                except (FileNotFoundError, JobError):
-                    files[name] = None
-        finally:
-            os.close(fd)
-        turns, params = (_json_or_none(files[name], default) for name, default in ((CONVERSATION_FILE, None),
-                                                                                     (PARAMS_FILE, {})))
+            raise _ancestor_failed(workspace, parent, job_id, status, path)
+        seen[job_id] = path
+        files, used = _ancestor_files(job_id, path, budget, limit)
+        budget -= used
+        turns = _json_or_none(files[CONVERSATION_FILE], None)
+        if isinstance(turns, list) and count + len(turns) > CONVERSATION_TURNS:
+            raise JobError("parent_failed", f"{os.path.join(path, CONVERSATION_FILE)} holds {len(turns):,} turns: "
+                                            f"with its children's, over the {CONVERSATION_TURNS:,} a conversation may hold")
         if _turns_shape(turns):
             base = turns
             break
-        if not isinstance(params, dict) or files[PROMPT_FILE] is None or files[RESULT_FILE] is None:
-            raise JobError("parent_failed", f"its ancestor {job_id} cannot be read (no prompt, result or "
-                                            "valid params.json)")
-        if job_param(params, "raw") or job_param(params, "embed"):
-            raise JobError("bad_request", f"its {'parent' if job_id == parent else 'ancestor'} {job_id} is "
-                                          f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to continue")
-        chain.append((job_id, files[PROMPT_FILE], params, files[RESULT_FILE], _read_message(files[TOOL_CALLS_FILE])))
-        job_id = params.get("parent") if isinstance(params.get("parent"), str) else None
-        if len(chain) > 100_000:
-            raise JobError("parent_failed", f"its chain of parents is over 100,000 jobs long at {job_id}")
-    for _, prompt, params, answer, message in reversed(chain):
-        own = conversation_turns(prompt, {k: v for k, v in params.items() if k != "parent"}, answer, message) or []
+        chain.append(_ancestor_turns(job_id, path, files, job_id == parent))
+        count += len(chain[-1])
+        if count > CONVERSATION_TURNS:
+            raise JobError("parent_failed", f"its ancestors' turns, rebuilt up to {job_id}, are over the "
+                                            f"{CONVERSATION_TURNS:,} a conversation may hold")
+        params = _json_or_none(files[PARAMS_FILE], {})
+        child, job_id = job_id, (params.get("parent") if isinstance(params.get("parent"), str) else None)
+    for own in reversed(chain):
         base = continued_turns(base, own) if base else own
     return base
 
@@ -7073,16 +7158,47 @@ def _batch_source(source: Any, jsonl: Optional[bool], template: Optional[str]) -
     return data, jsonl
 
 
-def _check_parents(workspace: str, named: list[tuple[str, Optional[str]]]) -> None:
-    """Each (where, parent) names a job of ``workspace``, in any state; else InvalidInput
-    prefixed by ``where`` ("line N: "). A parent exists before its child: no chain is a cycle."""
-    flow = None
-    for where, parent in named:
+def _parent_answer(path: str) -> tuple[Any, Optional[dict[str, Any]]]:
+    """A parent's params.json ({} if unreadable) and its answer's calls (tool_calls.json, else None)."""
+    try:
+        fd = open_dir(path)
+    except OSError:
+        return {}, None
+    texts: list[Optional[str]] = []
+    try:
+        for name in (PARAMS_FILE, TOOL_CALLS_FILE):
+            try:
+                texts.append(read_file(fd, name, params_limit()).decode("utf-8", "replace"))
+            except (OSError, JobError):
+                texts.append(None)
+    finally:
+        os.close(fd)
+    return _json_or_none(texts[0], {}), _read_message(texts[1])
+
+
+def _check_parents(workspace: str, named: list[tuple[str, Mapping[str, Any]]]) -> None:
+    """Each (where, params) with a ``parent`` names a job of ``workspace``, in any state, that
+    has turns to continue (not a raw or embed job), and its tool turns answer the calls of that
+    job's answer once it is done (before, its claim checks them); else InvalidInput prefixed by
+    ``where`` ("line N: "). A parent exists before its child: no chain a submit makes is a cycle."""
+    for where, params in named:
+        parent = job_param(params, "parent")
         if parent is None:
             continue
-        flow = flow or Flow(workspace)
-        if flow.status(parent) is Status.Missing:
+        status, path = locate_job(workspace, parent)
+        if status is Status.Missing:
             raise InvalidInput(f"{where}parent {parent} is no job in {workspace}")
+        its, message = _parent_answer(path)
+        its = its if isinstance(its, dict) else {}
+        if job_param(its, "raw") or job_param(its, "embed"):
+            raise InvalidInput(f"{where}parent {parent} is {'a raw' if job_param(its, 'raw') else 'an embed'} job: "
+                               "it has no turns to continue")
+        if status is Status.Done:
+            calls = [call["id"] for call in message["tool_calls"]] if message else []
+            try:
+                tool_answers(job_param(params, "messages") or [], calls, f"its parent {parent}'s answer")
+            except InvalidInput as err:
+                raise InvalidInput(f"{where}{err}") from None
 
 
 class Work:
@@ -7171,7 +7287,7 @@ class Work:
             if self.notify is not None:
                 self.notify(note)
         clean = _absolute_model(clean)
-        _check_parents(self.workspace, [("", job_param(clean, "parent"))])
+        _check_parents(self.workspace, [("", clean)])
         if dedupe and "idempotency_key" not in clean:
             clean["idempotency_key"] = dedupe_key(data, clean)
         ensure_workspace(self.workspace)
@@ -7320,7 +7436,7 @@ class Work:
         notes.extend(check_model_names(self.workspace, [(f"line {e.line}", job_param(e.params, "model"))
                                                         for e in entries], self.strict_models))
         entries = [BatchEntry(e.line, e.prompt, _absolute_model(e.params)) for e in entries]
-        _check_parents(self.workspace, [(f"line {e.line}: ", job_param(e.params, "parent")) for e in entries])
+        _check_parents(self.workspace, [(f"line {e.line}: ", e.params) for e in entries])
         if dedupe:
             entries = [e if "idempotency_key" in e.params else
                        BatchEntry(e.line, e.prompt, dict(e.params, idempotency_key=dedupe_key(e.prompt, e.params)))
@@ -12264,6 +12380,10 @@ class Processor:
         own = conversation_turns(job.prompt, job.params, "")[:-1]  # its own turns (no answer yet)
         params = {k: v for k, v in job.params.items() if k != "system"}
         params["messages"] = continued_turns(turns, own)
+        try:  # its tool turns answer its parent's calls: known now, if they were not at its submit
+            tool_answers(params["messages"], ())
+        except InvalidInput as err:
+            raise JobError("bad_request", f"with its parent's turns, {err}") from None
         return params
 
     def _read_input(self, dir_fd: int) -> tuple[str, dict[str, Any]]:

@@ -2855,7 +2855,14 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
      "messages[1]: a tool turn needs the tool_call_id it answers"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
                    {"role": "tool", "content": "3", "tool_call_id": "c9"}]},
-     "messages[2] answers tool call 'c9', which no earlier assistant turn made"),
+     "messages[2] answers tool call 'c9', which messages[1] did not make (its calls: none)"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "3", "tool_call_id": "c1"}]},
+     "messages[1] answers tool call 'c1', but no assistant turn's calls come right before it"),
+    ({"messages": [{"role": "tool", "content": "3", "tool_call_id": "c1"}]},
+     "messages[0] answers tool call 'c1', but no assistant turn's calls come right before it"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                   {"role": "user", "content": "y"}, {"role": "tool", "content": "3", "tool_call_id": "call_1"}]},
+     "messages[3] answers tool call 'call_1', but no assistant turn's calls come right before it"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
         dict(CALL, function={"name": "get_weather", "arguments": "{city"})]}]},
      "messages[1].tool_calls[0].function.arguments is not JSON text"),
@@ -8936,6 +8943,90 @@ def test_a_parent_cancelled_while_its_child_waits_releases_the_child(ws: str) ->
         gate.set()
         assert wait_all(ws, [blocker, parent, child]) == [Status.Done, Status.Failed, Status.Failed]
     assert Flow(ws).get(child).meta["code"] == "parent_failed"
+
+
+def calling(job: nrvna.RunningJob) -> Any:
+    """A runner whose job "call" answers with a tool call (as a model's would come back), the
+    others with their conversation's user turns."""
+    if job.prompt != "call":
+        return last_user(job)
+    calls = [{"id": f"call_{job.id}_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    return nrvna.Outcome(text="", finish_reason="tool_calls", message={"content": None, "tool_calls": calls})
+
+
+def test_a_tool_turn_must_answer_a_call_of_the_turn_before_it_the_parent_s_too(ws: str, tmp_path: Path,
+                                                                               run_main: RunMain) -> None:
+    """A child's tool turns answer its parent's calls: a forged tool_call_id is exit 2 naming it
+    at submit once the parent is done, and bad_request at the claim if the parent was not done at
+    submit; a tool turn after a parent that made no call is refused the same way."""
+    caller, plain = submit(ws, "call"), submit(ws, "plain")
+    early_forged = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": "call_FORGED", "content": "99 C"}], parent=caller)
+    with serving(ws, calling):
+        assert wait_all(ws, [caller, plain]) == [Status.Done] * 2
+        assert wait_all(ws, [early_forged]) == [Status.Failed]
+    error = Flow(ws).get(early_forged).error
+    assert Flow(ws).get(early_forged).meta["code"] == "bad_request" and "'call_FORGED'" in error, error
+    made = f"call_{caller}_0"
+    for parent, answer, said in ((caller, "call_FORGED", f"which its parent {caller}'s answer did not make (its calls: {made})"),
+                                 (plain, made, f"which its parent {plain}'s answer did not make (its calls: none)")):
+        line = {"messages": [{"role": "tool", "tool_call_id": answer, "content": "99 C"}], "parent": parent}
+        refused = run_main("submit", ws, "--file", write(tmp_path / "f.jsonl", jsonl([line])))
+        assert refused.returncode == 2 and f"line 1: messages[0] answers tool call {answer!r}, {said}".encode() in refused.stderr, \
+            refused.stderr
+    assert Flow(ws).counts()["queued"] == 0
+    good = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": made, "content": "12 C"}], parent=caller)
+    with serving(ws, calling):
+        assert wait_all(ws, [good]) == [Status.Done]
+
+
+def test_a_chat_child_of_a_raw_or_embed_parent_is_refused_at_submit(ws: str, run_main: RunMain) -> None:
+    raw, embed = submit(ws, "<s>hi", raw=True), submit(ws, "a text", embed=True)
+    for parent, kind in ((raw, "a raw"), (embed, "an embed")):
+        refused = run_main("submit", ws, "next", "--parent", parent)
+        assert refused.returncode == 2 and f"parent {parent} is {kind} job: it has no turns to continue".encode() \
+            in refused.stderr, refused.stderr
+    assert Flow(ws).counts()["queued"] == 2
+
+
+def test_a_parent_s_planted_files_fail_only_its_child_parent_failed_naming_the_file(ws: str) -> None:
+    """A parent's files as a careless hand or an attacker leaves them: params.json naming each
+    other as parents (a loop), a conversation.json of 80,000 turns or of 2 MiB, one whose calls
+    are not calls (rebuilt from the parent's own files instead), a params.json whose messages
+    are not turns: each child fails parent_failed naming the file, or runs on the honest turns;
+    the daemon goes on with the next job."""
+    first, second, third, fourth, fifth, sixth = (submit(ws, p) for p in ("a", "b", "c", "d", "e", "f"))
+    with serving(ws, last_user):
+        assert wait_all(ws, [first, second, third, fourth, fifth, sixth]) == [Status.Done] * 6
+    out = Path(ws, nrvna.OUTPUT)
+    for job_id, parent in ((first, second), (second, first)):  # a loop, and no conversation.json to stop at
+        (out / job_id / nrvna.CONVERSATION_FILE).unlink()
+        (out / job_id / nrvna.PARAMS_FILE).write_text(json.dumps({"parent": parent}))
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(80_000)]
+    (out / third / nrvna.CONVERSATION_FILE).write_text(json.dumps(turns))
+    (out / fourth / nrvna.CONVERSATION_FILE).write_text(json.dumps([{"role": "user", "content": "x" * (10 << 20)}]))
+    (out / fifth / nrvna.CONVERSATION_FILE).write_text(json.dumps(
+        [{"role": "user", "content": "e"}, {"role": "assistant", "content": None, "tool_calls": [5]}]))
+    (out / sixth / nrvna.CONVERSATION_FILE).unlink()
+    (out / sixth / nrvna.PARAMS_FILE).write_text(json.dumps({"messages": [5]}))
+    children = [submit(ws, "next", parent=parent) for parent in (first, third, fourth, fifth, sixth)]
+    seen: dict[str, Any] = {}
+
+    def runner(job: nrvna.RunningJob) -> str:
+        seen[job.id] = job.params.get("messages")
+        return last_user(job)
+
+    with serving(ws, runner):
+        assert wait_all(ws, children) == [Status.Failed, Status.Failed, Status.Failed, Status.Done, Status.Failed]
+    flow = Flow(ws)
+    of = [flow.get(child) for child in children]
+    assert [job.meta["code"] for job in of if job.status is Status.Failed] == ["parent_failed"] * 4
+    assert "its chain of parents loops" in of[0].error and f"{second}/params.json names {first}" in of[0].error
+    assert f"{third}/conversation.json holds 80,000 turns" in of[1].error, of[1].error
+    assert f"{fourth}/conversation.json is {(out / fourth / nrvna.CONVERSATION_FILE).stat().st_size:,} bytes" in of[2].error
+    assert seen[children[3]] == [{"role": "user", "content": "e"}, {"role": "assistant", "content": "e"},
+                                 {"role": "user", "content": "next"}]  # rebuilt from its prompt and answer
+    assert f"{sixth}/params.json: messages[0] must be an object" in of[4].error, of[4].error
+    assert children[4] not in seen
 
 # ==============================================================================
 # 12.2 Claims and finishes: Processor: crashes, kills and concurrency
