@@ -11027,6 +11027,18 @@ HOST_CACHES: tuple[tuple[str, str, str, str, str], ...] = (
 )
 
 
+# The chat form of a model whose GGUF holds no chat template (or one jinja cannot read): ChatML,
+# as llama-server falls back to (llama.cpp's "chatml"), the model's BOS before it where its
+# vocabulary adds one. Every chat job is rendered through it, its system message, its parent's
+# turns and its messages alike, and tools take the generic form (docs/models.md); raw jobs are
+# their caller's text. A model trained on another form answers worse, but never without its turns.
+FALLBACK_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
 def host_caches(config: Config) -> dict[str, str]:
     """Each host cache's bound, settings given their values (the record's "caches")."""
     values = {setting.env: str(getattr(config, name)) for name, setting in SETTINGS.items()}
@@ -11188,7 +11200,8 @@ class LlamaRunner(Runner):
             raise ModelError(f"model {model_path} is an embedding model ({self.arch}), and its pooling is "
                              f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
         self._pieces: dict[int, bytes] = {}
-        self._formatter = self._chat_formatter()
+        self.fallback = False  # no chat template: chat jobs in FALLBACK_TEMPLATE's form (_chat_formatter)
+        self._formatter = None if self.embedding_only else self._chat_formatter()  # (an embedder generates nothing)
         template = (L.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
         self.takes_effort = "reasoning_effort" in template  # gpt-oss's template reads it
         self.thinking = _Thinking.find(self, template, config.thinking_tags)  # None: the model does not think
@@ -11257,10 +11270,10 @@ class LlamaRunner(Runner):
             pass
 
     def _chat_formatter(self) -> Any:
+        """The model's chat template as a formatter, else FALLBACK_TEMPLATE's (``fallback``
+        says which; said once, here)."""
         L = self.L
         template = L.llama_model_chat_template(self.model, None)
-        if not template:
-            return None
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         def token_text(token: int) -> str:
@@ -11268,13 +11281,19 @@ class LlamaRunner(Runner):
                 return ""
             return (L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
 
-        try:
-            return Jinja2ChatFormatter(template.decode("utf-8", "replace"),
-                                       eos_token=token_text(L.llama_vocab_eos(self.vocab)),
-                                       bos_token=token_text(L.llama_vocab_bos(self.vocab)))
-        except Exception as err:  # a template jinja cannot parse: fall back to raw prompts
-            log.warning(f"model chat template unusable ({err}); prompts are used raw")
-            return None
+        eos, bos = token_text(L.llama_vocab_eos(self.vocab)), token_text(L.llama_vocab_bos(self.vocab))
+        self.fallback = True  # until the model's own template is read
+        why = f"{self.model_name} has no chat template"
+        if template:
+            try:
+                formatter = Jinja2ChatFormatter(template.decode("utf-8", "replace"), eos_token=eos, bos_token=bos)
+                self.fallback = False
+                return formatter
+            except Exception as err:  # a template jinja cannot parse
+                why = f"the chat template of {self.model_name} is unusable ({err})"
+        log.warning(f"{why}: every chat job (prompt, system, parent's turns, messages) is rendered in ChatML, "
+                    "<|im_start|>ROLE\\nTEXT<|im_end|>, as llama-server renders it; raw jobs are used as written")
+        return Jinja2ChatFormatter(FALLBACK_TEMPLATE, eos_token=eos, bos_token=bos)
 
     def memory(self) -> dict[str, Any]:
         return model_memory(self)
@@ -11288,7 +11307,8 @@ class LlamaRunner(Runner):
         return session
 
     def tokens(self, job: RunningJob) -> list[int]:
-        """The job's prompt as tokens: through the model's chat template unless ``raw``.
+        """The job's prompt as tokens: through the model's chat template (FALLBACK_TEMPLATE's
+        for a model without one) unless ``raw``.
 
         Only the template's own markers become control tokens: every message's content (a
         plain prompt is one user message, ``system`` one system message) is tokenized as
@@ -11297,8 +11317,6 @@ class LlamaRunner(Runner):
         params = job.params
         if job_param(params, "raw"):
             return self.tokenize(job.prompt, add_special=True, special=True)
-        if self._formatter is None:  # no chat template: the prompt is plain text
-            return self.tokenize(job.prompt, add_special=True, special=False)
         messages = list(job_param(params, "messages") or [{"role": "user", "content": job.prompt}])
         system = job_param(params, "system")
         if system and messages[0]["role"] != "system":
@@ -11310,7 +11328,9 @@ class LlamaRunner(Runner):
         if self.takes_effort and job_param(params, "reasoning_effort") is not None:
             variables.setdefault("reasoning_effort", job_param(params, "reasoning_effort"))
         messages = tool_turns(messages, params, variables, self.tool_format, self._spells_control)
-        for piece, is_content in self._render(messages, variables):  # the template already wrote BOS
+        if self.fallback and self.L.llama_vocab_get_add_bos(self.vocab):  # ChatML writes none: the model's, as llama-server's
+            tokens.append(self.L.llama_vocab_bos(self.vocab))
+        for piece, is_content in self._render(messages, variables):  # a template writes its own BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
 

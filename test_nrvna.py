@@ -6526,6 +6526,48 @@ def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> No
 
 
 @pytest.mark.model
+def test_a_model_without_a_chat_template_renders_every_chat_job_in_one_fallback_form(model: str, ws: str,
+                                                                                     run_main: RunMain) -> None:
+    """A copy of SmolLM2 with no chat template (as Gemma 3 270M's published GGUF comes): every chat
+    job goes through ChatML, said once at load; its system message and its parent's turns reach
+    the model (their text in the rendering, more prompt tokens), and plain, schema, tool and
+    thinking-parameter jobs run; a raw job is its own text."""
+    copy = thinking_copy(model, "none")
+    runner = nrvna.LlamaRunner(copy, nrvna.Config(max_ctx=512, workers=1))
+    try:
+        text = lambda job: b"".join(runner._token_text(t, True) for t in runner.tokens(job)).decode()
+        assert text(fake_job("hi", system="The secret word is BANANA.")) == (
+            "<|im_start|>system\nThe secret word is BANANA.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        turns = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": "Hello Ada."},
+                 {"role": "user", "content": "What is my name?"}]
+        assert "<|im_start|>assistant\nHello Ada.<|im_end|>" in text(fake_job("", messages=turns))
+        assert text(fake_job("<|im_start|>x", raw=True)) == "<|im_start|>x"
+        secret = len(runner.tokenize("The secret word is BANANA.", False, False))
+    finally:
+        runner.close()
+    first = submit(ws, "My name is Ada.", max_tokens=8, temperature=0)
+    plain = submit(ws, "What is my name?", max_tokens=8, temperature=0)
+    child = submit(ws, "What is my name?", parent=first, max_tokens=8, temperature=0)
+    system = submit(ws, "What is my name?", system="The secret word is BANANA.", max_tokens=8, temperature=0)
+    others = [submit(ws, "Give a number.", response_format=ANSWER_SCHEMA, max_tokens=16),
+              submit(ws, "What is the weather in Oslo?", tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                     max_tokens=160),
+              submit(ws, "Say hi.", thinking_budget_tokens=0, max_tokens=8),
+              submit(ws, "Say hi.", reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}, max_tokens=8)]
+    done = cli("daemon", copy, ws, "-w", "1", "--drain", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count(b"has no chat template: every chat job") == 1, done.stderr[-2000:]
+    flow = Flow(ws)
+    jobs = {job_id: flow.get(job_id) for job_id in [first, plain, child, system] + others}
+    assert all(job.status is Status.Done for job in jobs.values()), [job.error for job in jobs.values()]
+    tokens = {job_id: job.meta["prompt_tokens"] for job_id, job in jobs.items()}
+    # The child's prompt holds its parent's turns and answer, the system job's its system message.
+    assert tokens[child] > tokens[first] + tokens[plain] and tokens[system] >= tokens[plain] + secret, tokens
+    assert jobs[others[1]].meta["finish_reason"] == "tool_calls" and jobs[others[1]].tool_calls
+    assert isinstance(json.loads(jobs[others[0]].result)["answer"], int)
+
+
+@pytest.mark.model
 def test_generation_stops_at_max_tokens_or_end_of_generation(llama: nrvna.LlamaRunner) -> None:
     capped = generate(llama, "Write a long poem about the sea.", max_tokens=7, temperature=0)
     assert (capped.finish_reason, capped.generated_tokens) == ("length", 7) and capped.text
