@@ -328,7 +328,9 @@ FAILURE_CODES = {
                    "limit, a result larger than the whole filesystem; a full disk is waited out, never counted): "
                    "the message names the last error; each failed finish handed it back to the queue unchanged",
     "parent_failed": "it continues a job (`parent`) that failed, was cancelled or is gone (cleaned): it did not run; "
-                     "`nrvna retry` the parent, then this job",
+                     "`nrvna retry` the parent, then this job. Also when the parent's files cannot make a "
+                     "conversation (past its bounds, a loop of parents, turns that are not turns): the message "
+                     "names the file",
     "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "
                    "apart)",
     "runner_error": "the runner raised an unexpected exception (the message names it); the worker lives on",
