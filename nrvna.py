@@ -7183,14 +7183,17 @@ def _check_parents(workspace: str, named: list[tuple[str, Mapping[str, Any]]]) -
     has turns to continue (not a raw or embed job), and its tool turns answer the calls of that
     job's answer once it is done (before, its claim checks them); else InvalidInput prefixed by
     ``where`` ("line N: "). A parent exists before its child: no chain a submit makes is a cycle."""
+    known: dict[str, tuple[Status, Any, Optional[dict[str, Any]]]] = {}  # a batch's lines may share a parent
     for where, params in named:
         parent = job_param(params, "parent")
         if parent is None:
             continue
-        status, path = locate_job(workspace, parent)
-        if status is Status.Missing:
-            raise InvalidInput(f"{where}parent {parent} is no job in {workspace}")
-        its, message = _parent_answer(path)
+        if parent not in known:
+            status, path = locate_job(workspace, parent)
+            if status is Status.Missing:
+                raise InvalidInput(f"{where}parent {parent} is no job in {workspace}")
+            known[parent] = (status, *_parent_answer(path))
+        status, its, message = known[parent]
         its = its if isinstance(its, dict) else {}
         if job_param(its, "raw") or job_param(its, "embed"):
             raise InvalidInput(f"{where}parent {parent} is {'a raw' if job_param(its, 'raw') else 'an embed'} job: "
@@ -9547,7 +9550,7 @@ class _Choices:
         (a choice of the job has just ended there)."""
         seq = session.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
         seq.think_with(first.think.again() if first.think is not None else None)
-        seq.reserved, seq.choices, seq.choice, seq.tools = first.reserved, self, self.started, first.tools
+        seq.reserved, seq.choices, seq.choice, seq.tools, seq.stops = first.reserved, self, self.started, first.tools, first.stops
         self.started += 1
         if not (own_cells and session.prefixes.keep_choice(seq)):
             session.prefixes.attach(seq, session.slots)
@@ -10744,6 +10747,8 @@ class LlamaSession(Session):
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
+        if self.runner.end_marks and not job_param(job.params, "raw") and not self.runner.has_grammar(job.params):
+            seq.stops = seq.stops + list(self.runner.end_marks)  # the fallback form's turn ends, written as text
         seq.think_with(think)
         seq.tools = self.runner.tool_format if tool_choice(job.params) != "none" else None
         self.prefixes.attach(seq, self.slots, first=True)
@@ -11208,6 +11213,10 @@ class LlamaRunner(Runner):
         self.takes_effort = "reasoning_effort" in template  # gpt-oss's template reads it
         self.thinking = _Thinking.find(self, template, config.thinking_tags)  # None: the model does not think
         self.tool_format = find_tool_format(self._formatter)
+        # The fallback form's markers that are text to this model (none of its tokens): an answer
+        # that writes one has ended its turn, as if they were stop strings (Gemma 3 writes them).
+        self.end_marks = tuple(mark for mark in ("<|im_end|>", "<|im_start|>")
+                               if self.fallback and len(self.tokenize(mark, False, True)) > 1)
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy

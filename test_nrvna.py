@@ -6542,6 +6542,7 @@ def test_a_model_without_a_chat_template_renders_every_chat_job_in_one_fallback_
                  {"role": "user", "content": "What is my name?"}]
         assert "<|im_start|>assistant\nHello Ada.<|im_end|>" in text(fake_job("", messages=turns))
         assert text(fake_job("<|im_start|>x", raw=True)) == "<|im_start|>x"
+        assert runner.end_marks == ()  # SmolLM2's markers are tokens: its end-of-turn token ends an answer
         secret = len(runner.tokenize("The secret word is BANANA.", False, False))
     finally:
         runner.close()
