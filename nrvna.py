@@ -5467,7 +5467,7 @@ def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Op
     while job_id is not None:
         if job_id in seen:
             raise JobError("parent_failed", f"its chain of parents loops: {os.path.join(seen[child], PARAMS_FILE)} "
-                                            f"names {job_id}, which it descends from (a hand-made file)")
+                                            f"names {job_id} as its parent, which descends from it (a hand-made file)")
         status, path = locate_job(workspace, job_id)
         if status in (Status.Queued, Status.Running):
             if job_id == parent:

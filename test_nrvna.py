@@ -9063,7 +9063,7 @@ def test_a_parent_s_planted_files_fail_only_its_child_parent_failed_naming_the_f
     flow = Flow(ws)
     of = [flow.get(child) for child in children]
     assert [job.meta["code"] for job in of if job.status is Status.Failed] == ["parent_failed"] * 4
-    assert "its chain of parents loops" in of[0].error and f"{second}/params.json names {first}" in of[0].error
+    assert "its chain of parents loops" in of[0].error and f"{second}/params.json names {first} as its parent" in of[0].error
     assert f"{third}/conversation.json holds 80,000 turns" in of[1].error, of[1].error
     assert f"{fourth}/conversation.json is {(out / fourth / nrvna.CONVERSATION_FILE).stat().st_size:,} bytes" in of[2].error
     assert seen[children[3]] == [{"role": "user", "content": "e"}, {"role": "assistant", "content": "e"},
