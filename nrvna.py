@@ -4115,9 +4115,9 @@ def _check_tool_use(params: Mapping[str, Any]) -> None:
             if job_param(params, "stop"):
                 raise InvalidInput("tools cannot be combined with stop (unless tool_choice is none): a stop string "
                                    "inside a call would cut it short")
-    # Tool turns first answer the calls of the parent's answer: known only once it is done (the
-    # submit and the child's claim check them then); with no parent there is none to answer.
-    tool_answers(job_param(params, "messages") or [], None if job_param(params, "parent") else ())
+    # Tool turns first answer the calls of the parent's answer, known only with the workspace (a
+    # batch line's parent may come from --parent): the submit and the claim check them (_check_parents).
+    tool_answers(job_param(params, "messages") or [], None)
 
 
 def check_inputs(texts: Any, limit: int = 2048) -> list[str]:
@@ -7180,13 +7180,18 @@ def _parent_answer(path: str) -> tuple[Any, Optional[dict[str, Any]]]:
 
 def _check_parents(workspace: str, named: list[tuple[str, Mapping[str, Any]]]) -> None:
     """Each (where, params) with a ``parent`` names a job of ``workspace``, in any state, that
-    has turns to continue (not a raw or embed job), and its tool turns answer the calls of that
-    job's answer once it is done (before, its claim checks them); else InvalidInput prefixed by
-    ``where`` ("line N: "). A parent exists before its child: no chain a submit makes is a cycle."""
+    has turns to continue (not a raw or embed job), and tool turns first in its messages answer
+    the calls of that job's answer once it is done (before, its claim checks them); without a
+    parent there are none. Else InvalidInput prefixed by ``where`` ("line N: "). A parent exists
+    before its child: no chain a submit makes is a cycle."""
     known: dict[str, tuple[Status, Any, Optional[dict[str, Any]]]] = {}  # a batch's lines may share a parent
     for where, params in named:
         parent = job_param(params, "parent")
         if parent is None:
+            try:  # no parent: no calls for tool turns first to answer
+                tool_answers(job_param(params, "messages") or [], ())
+            except InvalidInput as err:
+                raise InvalidInput(f"{where}{err}") from None
             continue
         if parent not in known:
             status, path = locate_job(workspace, parent)
@@ -12316,6 +12321,10 @@ class Processor:
             job.prompt, job.params = self._read_input(claim.dir_fd)
             if job_param(job.params, "parent") is not None:
                 job.params = self._continue(job, claim)
+            try:  # tool turns answer the calls before them, its parent's too (unknown at its submit if not done)
+                tool_answers(job_param(job.params, "messages") or [], ())
+            except InvalidInput as err:
+                raise JobError("bad_request", f"its conversation: {err}") from None
         except (JobError, OSError) as err:
             code = err.code if isinstance(err, JobError) else "bad_request"
             message = str(err) if isinstance(err, JobError) else f"cannot read job: {_os_error(err)}"
@@ -12411,10 +12420,6 @@ class Processor:
         own = conversation_turns(job.prompt, job.params, "")[:-1]  # its own turns (no answer yet)
         params = {k: v for k, v in job.params.items() if k != "system"}
         params["messages"] = continued_turns(turns, own)
-        try:  # its tool turns answer its parent's calls: known now, if they were not at its submit
-            tool_answers(params["messages"], ())
-        except InvalidInput as err:
-            raise JobError("bad_request", f"with its parent's turns, {err}") from None
         return params
 
     def _read_input(self, dir_fd: int) -> tuple[str, dict[str, Any]]:

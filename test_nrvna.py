@@ -9018,8 +9018,10 @@ def test_a_tool_turn_must_answer_a_call_of_the_turn_before_it_the_parent_s_too(w
             refused.stderr
     assert Flow(ws).counts()["queued"] == 0
     good = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": made, "content": "12 C"}], parent=caller)
+    line = {"messages": [{"role": "tool", "tool_call_id": made, "content": "12 C"}]}  # its parent from the flag
+    [by_flag] = ids_of(run_main("submit", ws, "--parent", caller, "--file", write(tmp_path / "g.jsonl", jsonl([line]))))
     with serving(ws, calling):
-        assert wait_all(ws, [good]) == [Status.Done]
+        assert wait_all(ws, [good, by_flag]) == [Status.Done] * 2
 
 
 def test_a_chat_child_of_a_raw_or_embed_parent_is_refused_at_submit(ws: str, run_main: RunMain) -> None:
