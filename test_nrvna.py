@@ -9036,7 +9036,8 @@ def test_a_chat_child_of_a_raw_or_embed_parent_is_refused_at_submit(ws: str, run
 def test_a_parent_s_planted_files_fail_only_its_child_parent_failed_naming_the_file(ws: str) -> None:
     """A parent's files as a careless hand or an attacker leaves them: params.json naming each
     other as parents (a loop), a conversation.json of 80,000 turns or of 2 MiB, one whose calls
-    are not calls (rebuilt from the parent's own files instead), a params.json whose messages
+    are not calls (rebuilt from the parent's own files instead, its tool_calls.json's calls not
+    calls either: its answer is result.txt's), a params.json whose messages
     are not turns: each child fails parent_failed naming the file, or runs on the honest turns;
     the daemon goes on with the next job."""
     first, second, third, fourth, fifth, sixth = (submit(ws, p) for p in ("a", "b", "c", "d", "e", "f"))
@@ -9051,6 +9052,7 @@ def test_a_parent_s_planted_files_fail_only_its_child_parent_failed_naming_the_f
     (out / fourth / nrvna.CONVERSATION_FILE).write_text(json.dumps([{"role": "user", "content": "x" * (10 << 20)}]))
     (out / fifth / nrvna.CONVERSATION_FILE).write_text(json.dumps(
         [{"role": "user", "content": "e"}, {"role": "assistant", "content": None, "tool_calls": [5]}]))
+    (out / fifth / nrvna.TOOL_CALLS_FILE).write_text(json.dumps({"content": None, "tool_calls": [{"function": {}}]}))
     (out / sixth / nrvna.CONVERSATION_FILE).unlink()
     (out / sixth / nrvna.PARAMS_FILE).write_text(json.dumps({"messages": [5]}))
     children = [submit(ws, "next", parent=parent) for parent in (first, third, fourth, fifth, sixth)]
