@@ -30,7 +30,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
    5.8 Tool calls                   ToolFormat, tool_call_schema, tool_grammar, generic_messages, read_tool_calls
 6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt,
-                                      EFFORT_BUDGETS, thinking_budget
+                                      EFFORT_BUDGETS, thinking_budget, tool_answers
 7. Workspace and job directories
    7.1 Layout, locks and the daemons' records
                                     the layout's names, job_path, parse_meta, WorkspaceLock, hold_job,
@@ -40,7 +40,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job
    7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
    7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_shard, claim_tag_shard, tag_members
-   7.6 Reading a job                Job, _read_choices, continued_turns, parent_conversation, _DirWatch
+   7.6 Reading a job                Job, _read_choices, continued_turns, CONVERSATION_TURNS, parent_conversation,
+                                      _DirWatch
    7.7 Saved states on disk         STATES, StateHead, state_owner, state_name, state_temp_name, state_buffer,
                                       seal_state, inspect_state, read_state_head, map_state, state_whole,
                                       read_state, remove_states_of
@@ -354,7 +355,9 @@ FAILURE_CODES = {
                    "limit, a result larger than the whole filesystem; a full disk is waited out, never counted): "
                    "the message names the last error; each failed finish handed it back to the queue unchanged",
     "parent_failed": "it continues a job (`parent`) that failed, was cancelled or is gone (cleaned): it did not run; "
-                     "`nrvna retry` the parent, then this job",
+                     "`nrvna retry` the parent, then this job. Also when the parent's files cannot make a "
+                     "conversation (past its bounds, a loop of parents, turns that are not turns): the message "
+                     "names the file",
     "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "
                    "apart)",
     "runner_error": "the runner raised an unexpected exception (the message names it); the worker lives on",
@@ -4133,10 +4136,30 @@ def check_combination(params: Mapping[str, Any], max_tokens: Optional[int] = Non
                 raise InvalidInput(f"{key} is for embed jobs (give embed: true, or submit --embed)")
 
 
+def tool_answers(turns: list[dict[str, Any]], calls: Optional[Iterable[str]], made: Optional[str] = None) -> None:
+    """Every ``tool`` turn answers a call of the assistant turn it follows (other tool turns
+    between them), as OpenAI's chat requires: InvalidInput naming the first that does not.
+    ``calls``: the IDs of the calls that ``made`` (a parent's answer) made, which tool turns first
+    in ``turns`` answer; ``()`` for none; None while they are not known (then they are not checked)."""
+    called = None if calls is None else set(calls)
+    for i, turn in enumerate(turns):
+        if turn["role"] == "assistant":
+            called, made = {call["id"] for call in turn.get("tool_calls") or []}, f"messages[{i}]"
+        elif turn["role"] == "user":
+            called, made = set(), None
+        elif turn["role"] == "tool" and called is not None and turn["tool_call_id"] not in called:
+            said = f"messages[{i}] answers tool call {turn['tool_call_id']!r}"
+            if made is None:
+                raise InvalidInput(f"{said}, but no assistant turn's calls come right before it (a tool turn "
+                                   "answers the calls of the assistant turn it follows)")
+            raise InvalidInput(f"{said}, which {made} did not make (its calls: "
+                               f"{', '.join(sorted(called)[:8]) or 'none'})")
+
+
 def _check_tool_use(params: Mapping[str, Any]) -> None:
     """What tools go with: a choice naming one of them; no other constraint, stop string or raw
-    prompt unless the choice is none; every tool answer after the call it answers (those before
-    any assistant turn answer the parent's calls)."""
+    prompt unless the choice is none; every tool answer right after the call it answers (see
+    tool_answers)."""
     tools, choice = job_param(params, "tools"), job_param(params, "tool_choice")
     if not tools:
         for key in ("tool_choice", "parallel_tool_calls"):
@@ -4156,14 +4179,9 @@ def _check_tool_use(params: Mapping[str, Any]) -> None:
             if job_param(params, "stop"):
                 raise InvalidInput("tools cannot be combined with stop (unless tool_choice is none): a stop string "
                                    "inside a call would cut it short")
-    # Tool turns before any assistant turn answer the calls a parent job made (--parent).
-    called: Optional[set[str]] = None
-    for i, turn in enumerate(job_param(params, "messages") or []):
-        if turn["role"] == "assistant":
-            called = (called or set()) | {call["id"] for call in turn.get("tool_calls") or []}
-        if turn["role"] == "tool" and called is not None and turn["tool_call_id"] not in called:
-            raise InvalidInput(f"messages[{i}] answers tool call {turn['tool_call_id']!r}, which no earlier "
-                               "assistant turn made")
+    # Tool turns first answer the calls of the parent's answer, known only with the workspace (a
+    # batch line's parent may come from --parent): the submit and the claim check them (_check_parents).
+    tool_answers(job_param(params, "messages") or [], None)
 
 
 def check_inputs(texts: Any, limit: int = 2048) -> list[str]:
@@ -5492,6 +5510,12 @@ def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, 
 # Why a done job's generation ended (OpenAI's names): its end, its max_tokens, or its tool calls.
 FINISH_REASONS = ("stop", "length", "tool_calls")
 
+# The most turns a child's whole conversation may hold, counted before anything is rendered. One
+# submit's messages hold at most 4,096 turns (PARAMS); a chain adds two with every child (its
+# message, its answer), bounded otherwise by the model's context only. Rendering grows faster
+# than the turns: on SmolLM2 16,384 turns render in about 3 s, a crafted 80,000 held a worker 2 minutes.
+CONVERSATION_TURNS = 4 * 4096
+
 
 class Job(namedtuple("Job", "id status prompt result error meta params logprobs choices reasoning message",
                      defaults=(None, None, None, None, None))):
@@ -5538,12 +5562,23 @@ def _read_choices(text: Optional[str]) -> Optional[list[dict[str, Any]]]:
     return choices
 
 
+def _calls_shape(calls: Any) -> bool:
+    """Whether ``calls`` are an assistant turn's tool calls as nrvna writes them (see _check_call)."""
+    if not (isinstance(calls, list) and calls):
+        return False
+    try:
+        for k, call in enumerate(calls):
+            _check_call(call, f"tool_calls[{k}]")
+    except InvalidInput:
+        return False
+    return True
+
+
 def _read_message(text: Optional[str]) -> Optional[dict[str, Any]]:
     """tool_calls.json's ``{"content", "tool_calls"}``, or None (no file; a damaged one)."""
     message = _json_or_none(text, None)
-    if not (isinstance(message, dict) and isinstance(message.get("tool_calls"), list) and message["tool_calls"]
-            and isinstance(message.get("content"), (str, type(None)))
-            and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in message["tool_calls"])):
+    if not (isinstance(message, dict) and _calls_shape(message.get("tool_calls"))
+            and isinstance(message.get("content"), (str, type(None)))):
         return None
     return message
 
@@ -5559,8 +5594,10 @@ def _turns_shape(turns: Any) -> bool:
     """Whether ``turns`` is a conversation as nrvna writes it (a hand-made file may not be)."""
     return isinstance(turns, list) and bool(turns) and all(
         isinstance(t, dict) and t.get("role") in ROLES and (isinstance(t.get("content"), str) or (
-            t.get("content") is None and isinstance(t.get("tool_calls"), list)))
-        and (t.get("role") != "tool" or isinstance(t.get("tool_call_id"), str)) for t in turns)
+            t.get("content") is None and t.get("tool_calls") is not None))
+        and (t.get("tool_calls") is None or (t["role"] == "assistant" and _calls_shape(t["tool_calls"])))
+        and (t["role"] != "tool" or isinstance(t.get("tool_call_id"), str))
+        and isinstance(t.get("name", ""), str) for t in turns)
 
 
 def _json_or_none(text: Optional[str], missing: Any) -> Any:
@@ -5575,17 +5612,94 @@ def _json_or_none(text: Optional[str], missing: Any) -> Any:
         return None
 
 
-def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Optional[list[dict[str, str]]]:
+def _ancestor_failed(workspace: str, parent: str, job_id: str, status: Status, path: str) -> JobError:
+    """parent_failed for an ancestor that is not done: failed, cancelled or gone."""
+    what = f"its parent {parent}" if job_id == parent else f"its parent's ancestor {job_id}"
+    if status is Status.Missing:
+        return JobError("parent_failed", f"{what} is gone (cleaned or removed): nothing to continue")
+    code = ""
+    try:
+        fd = open_dir(path)
+        try:
+            code = str(read_meta(fd).get("code") or "")
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    import shlex
+
+    return JobError("parent_failed", f"{what} failed{f' ({code})' if code else ''}: "
+                                     f"nrvna retry {shlex.quote(workspace)} {job_id}, then this job")
+
+
+def _ancestor_files(job_id: str, path: str, budget: int, limit: int) -> tuple[dict[str, Optional[str]], int]:
+    """The files of the done job ``job_id`` (at ``path``) that its conversation is made of (None:
+    not there, or not a regular file), and the bytes they took of ``budget``, what is left of
+    ``limit``: JobError parent_failed naming a file larger than that."""
+    try:
+        fd = open_dir(path)
+    except OSError as err:
+        raise JobError("parent_failed", f"cannot read its ancestor {job_id}: {_os_error(err)}") from None
+    files: dict[str, Optional[str]] = {}
+    used = 0
+    try:
+        for name in (CONVERSATION_FILE, PROMPT_FILE, PARAMS_FILE, RESULT_FILE, TOOL_CALLS_FILE):
+            files[name] = None
+            try:
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISREG(info.st_mode) and info.st_size > budget - used:
+                    raise JobError("parent_failed", f"{os.path.join(path, name)} is {info.st_size:,} bytes: its "
+                                   f"conversation is over the {limit:,} bytes a child reads (its parent's files in all)")
+                data = read_file(fd, name, budget - used)
+            except (FileNotFoundError, JobError) as err:
+                if isinstance(err, JobError) and err.code == "parent_failed":
+                    raise
+                continue  # not there, a symbolic link, a FIFO: as if not written
+            except OSError as err:
+                raise JobError("parent_failed", f"cannot read {os.path.join(path, name)}: {_os_error(err)}") from None
+            used += len(data)
+            files[name] = data.decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+    return files, used
+
+
+def _ancestor_turns(job_id: str, path: str, files: Mapping[str, Optional[str]], parent: bool) -> list[dict[str, Any]]:
+    """The turns of the done job ``job_id`` rebuilt from its prompt, params.json and answer (its
+    conversation.json missing or damaged), its own parents' left out; ``parent``: it is the
+    child's parent (else an ancestor further up)."""
+    params = _json_or_none(files[PARAMS_FILE], {})
+    if not isinstance(params, dict) or files[PROMPT_FILE] is None or files[RESULT_FILE] is None:
+        raise JobError("parent_failed", f"its ancestor {job_id} cannot be read (no prompt, result or "
+                                        "valid params.json)")
+    if job_param(params, "raw") or job_param(params, "embed"):
+        raise JobError("bad_request", f"its {'parent' if parent else 'ancestor'} {job_id} is "
+                                      f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to continue")
+    try:  # the parameters its turns are made of, as a submit checks them (the file may be hand-made)
+        own = {key: PARAMS[key].validate(key, params[key]) for key in ("messages", "system")
+               if params.get(key) is not None}
+    except InvalidInput as err:
+        raise JobError("parent_failed", f"{os.path.join(path, PARAMS_FILE)}: {err}") from None
+    return conversation_turns(files[PROMPT_FILE], own, files[RESULT_FILE], _read_message(files[TOOL_CALLS_FILE])) or []
+
+
+def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Optional[list[dict[str, Any]]]:
     """The conversation a child of ``parent`` continues: the parent's conversation.json, or,
     for a parent finished before that file existed (or with a damaged one), its turns rebuilt
     through its own parents. None while the parent is queued or running. JobError
-    ``parent_failed`` for a failed, cancelled or missing ancestor, ``bad_request`` for one with
-    no turns (raw, embed). ``limit``: the most bytes read of one file."""
-
-    chain: list[tuple[str, str, dict[str, Any], str, Any]] = []  # (id, prompt, params, answer, calls), child first
-    base: list[dict[str, str]] = []
+    ``parent_failed`` for a failed, cancelled or missing ancestor, and for files that cost too
+    much before anything is rendered (over ``limit`` bytes read in all, over CONVERSATION_TURNS
+    turns) or loop (params.json naming an ancestor as parent), naming the file; ``bad_request``
+    for an ancestor with no turns (raw, embed)."""
+    chain: list[list[dict[str, Any]]] = []  # each ancestor's own turns, the parent's first
+    base: list[dict[str, Any]] = []
+    seen: dict[str, str] = {}  # an ancestor -> its directory
     job_id: Optional[str] = parent
+    budget, count, child = limit, 0, ""
     while job_id is not None:
+        if job_id in seen:
+            raise JobError("parent_failed", f"its chain of parents loops: {os.path.join(seen[child], PARAMS_FILE)} "
+                                            f"names {job_id} as its parent, which descends from it (a hand-made file)")
         status, path = locate_job(workspace, job_id)
         if status in (Status.Queued, Status.Running):
             if job_id == parent:
@@ -5593,52 +5707,25 @@ def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Op
             raise JobError("parent_failed", f"its ancestor {job_id} is {status.value} again (retried): "
                                             "retry this job once it is done")
         if status is not Status.Done:
-            what = f"its parent {parent}" if job_id == parent else f"its parent's ancestor {job_id}"
-            if status is Status.Missing:
-                raise JobError("parent_failed", f"{what} is gone (cleaned or removed): nothing to continue")
-            code = ""
-            try:
-                fd = open_dir(path)
-                try:
-                    code = str(read_meta(fd).get("code") or "")
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
-            import shlex
-
-            raise JobError("parent_failed", f"{what} failed{f' ({code})' if code else ''}: "
-                                            f"nrvna retry {shlex.quote(workspace)} {job_id}, then this job")
-        try:
-            fd = open_dir(path)
-        except OSError as err:
-            raise JobError("parent_failed", f"cannot read its ancestor {job_id}: {_os_error(err)}") from None
-        try:
-            files = {}
-            for name in (CONVERSATION_FILE, PROMPT_FILE, PARAMS_FILE, RESULT_FILE, TOOL_CALLS_FILE):
-                try:
-                    files[name] = read_file(fd, name, limit).decode("utf-8", "replace")
-                except (FileNotFoundError, JobError):
-                    files[name] = None
-        finally:
-            os.close(fd)
-        turns, params = (_json_or_none(files[name], default) for name, default in ((CONVERSATION_FILE, None),
-                                                                                     (PARAMS_FILE, {})))
+            raise _ancestor_failed(workspace, parent, job_id, status, path)
+        seen[job_id] = path
+        files, used = _ancestor_files(job_id, path, budget, limit)
+        budget -= used
+        turns = _json_or_none(files[CONVERSATION_FILE], None)
+        if isinstance(turns, list) and count + len(turns) > CONVERSATION_TURNS:
+            raise JobError("parent_failed", f"{os.path.join(path, CONVERSATION_FILE)} holds {len(turns):,} turns: "
+                                            f"with its children's, over the {CONVERSATION_TURNS:,} a conversation may hold")
         if _turns_shape(turns):
             base = turns
             break
-        if not isinstance(params, dict) or files[PROMPT_FILE] is None or files[RESULT_FILE] is None:
-            raise JobError("parent_failed", f"its ancestor {job_id} cannot be read (no prompt, result or "
-                                            "valid params.json)")
-        if job_param(params, "raw") or job_param(params, "embed"):
-            raise JobError("bad_request", f"its {'parent' if job_id == parent else 'ancestor'} {job_id} is "
-                                          f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to continue")
-        chain.append((job_id, files[PROMPT_FILE], params, files[RESULT_FILE], _read_message(files[TOOL_CALLS_FILE])))
-        job_id = params.get("parent") if isinstance(params.get("parent"), str) else None
-        if len(chain) > 100_000:
-            raise JobError("parent_failed", f"its chain of parents is over 100,000 jobs long at {job_id}")
-    for _, prompt, params, answer, message in reversed(chain):
-        own = conversation_turns(prompt, {k: v for k, v in params.items() if k != "parent"}, answer, message) or []
+        chain.append(_ancestor_turns(job_id, path, files, job_id == parent))
+        count += len(chain[-1])
+        if count > CONVERSATION_TURNS:
+            raise JobError("parent_failed", f"its ancestors' turns, rebuilt up to {job_id}, are over the "
+                                            f"{CONVERSATION_TURNS:,} a conversation may hold")
+        params = _json_or_none(files[PARAMS_FILE], {})
+        child, job_id = job_id, (params.get("parent") if isinstance(params.get("parent"), str) else None)
+    for own in reversed(chain):
         base = continued_turns(base, own) if base else own
     return base
 
@@ -7508,16 +7595,55 @@ def _batch_source(source: Any, jsonl: Optional[bool], template: Optional[str]) -
     return data, jsonl
 
 
-def _check_parents(workspace: str, named: list[tuple[str, Optional[str]]]) -> None:
-    """Each (where, parent) names a job of ``workspace``, in any state; else InvalidInput
-    prefixed by ``where`` ("line N: "). A parent exists before its child: no chain is a cycle."""
-    flow = None
-    for where, parent in named:
+def _parent_answer(path: str) -> tuple[Any, Optional[dict[str, Any]]]:
+    """A parent's params.json ({} if unreadable) and its answer's calls (tool_calls.json, else None)."""
+    try:
+        fd = open_dir(path)
+    except OSError:
+        return {}, None
+    texts: list[Optional[str]] = []
+    try:
+        for name in (PARAMS_FILE, TOOL_CALLS_FILE):
+            try:
+                texts.append(read_file(fd, name, params_limit()).decode("utf-8", "replace"))
+            except (OSError, JobError):
+                texts.append(None)
+    finally:
+        os.close(fd)
+    return _json_or_none(texts[0], {}), _read_message(texts[1])
+
+
+def _check_parents(workspace: str, named: list[tuple[str, Mapping[str, Any]]]) -> None:
+    """Each (where, params) with a ``parent`` names a job of ``workspace``, in any state, that
+    has turns to continue (not a raw or embed job), and tool turns first in its messages answer
+    the calls of that job's answer once it is done (before, its claim checks them); without a
+    parent there are none. Else InvalidInput prefixed by ``where`` ("line N: "). A parent exists
+    before its child: no chain a submit makes is a cycle."""
+    known: dict[str, tuple[Status, Any, Optional[dict[str, Any]]]] = {}  # a batch's lines may share a parent
+    for where, params in named:
+        parent = job_param(params, "parent")
         if parent is None:
+            try:  # no parent: no calls for tool turns first to answer
+                tool_answers(job_param(params, "messages") or [], ())
+            except InvalidInput as err:
+                raise InvalidInput(f"{where}{err}") from None
             continue
-        flow = flow or Flow(workspace)
-        if flow.status(parent) is Status.Missing:
-            raise InvalidInput(f"{where}parent {parent} is no job in {workspace}")
+        if parent not in known:
+            status, path = locate_job(workspace, parent)
+            if status is Status.Missing:
+                raise InvalidInput(f"{where}parent {parent} is no job in {workspace}")
+            known[parent] = (status, *_parent_answer(path))
+        status, its, message = known[parent]
+        its = its if isinstance(its, dict) else {}
+        if job_param(its, "raw") or job_param(its, "embed"):
+            raise InvalidInput(f"{where}parent {parent} is {'a raw' if job_param(its, 'raw') else 'an embed'} job: "
+                               "it has no turns to continue")
+        if status is Status.Done:
+            calls = [call["id"] for call in message["tool_calls"]] if message else []
+            try:
+                tool_answers(job_param(params, "messages") or [], calls, f"its parent {parent}'s answer")
+            except InvalidInput as err:
+                raise InvalidInput(f"{where}{err}") from None
 
 
 class Work:
@@ -7606,7 +7732,7 @@ class Work:
             if self.notify is not None:
                 self.notify(note)
         clean = _absolute_model(clean)
-        _check_parents(self.workspace, [("", job_param(clean, "parent"))])
+        _check_parents(self.workspace, [("", clean)])
         if dedupe and "idempotency_key" not in clean:
             clean["idempotency_key"] = dedupe_key(data, clean)
         ensure_workspace(self.workspace)
@@ -7757,7 +7883,7 @@ class Work:
         notes.extend(check_model_names(self.workspace, [(f"line {e.line}", job_param(e.params, "model"))
                                                         for e in entries], self.strict_models))
         entries = [BatchEntry(e.line, e.prompt, _absolute_model(e.params)) for e in entries]
-        _check_parents(self.workspace, [(f"line {e.line}: ", job_param(e.params, "parent")) for e in entries])
+        _check_parents(self.workspace, [(f"line {e.line}: ", e.params) for e in entries])
         if dedupe:
             entries = [e if "idempotency_key" in e.params else
                        BatchEntry(e.line, e.prompt, dict(e.params, idempotency_key=dedupe_key(e.prompt, e.params)))
@@ -9878,7 +10004,7 @@ class _Choices:
         (a choice of the job has just ended there)."""
         seq = session.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
         seq.think_with(first.think.again() if first.think is not None else None)
-        seq.reserved, seq.choices, seq.choice, seq.tools = first.reserved, self, self.started, first.tools
+        seq.reserved, seq.choices, seq.choice, seq.tools, seq.stops = first.reserved, self, self.started, first.tools, first.stops
         self.started += 1
         if not (own_cells and session.prefixes.keep_choice(seq)):
             session.prefixes.attach(seq, session.slots)
@@ -11135,6 +11261,8 @@ class LlamaSession(Session):
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
+        if self.runner.end_marks and not job_param(job.params, "raw") and not self.runner.has_grammar(job.params):
+            seq.stops = seq.stops + list(self.runner.end_marks)  # the fallback form's turn ends, written as text
         seq.think_with(think)
         seq.tools = self.runner.tool_format if tool_choice(job.params) != "none" else None
         self.prefixes.attach(seq, self.slots, first=True)
@@ -11427,6 +11555,18 @@ HOST_CACHES: tuple[tuple[str, str, str, str, str], ...] = (
 _ContextSize = namedtuple("_ContextSize", "buffers cells per_job")
 
 
+# The chat form of a model whose GGUF holds no chat template (or one jinja cannot read): ChatML,
+# as llama-server falls back to (llama.cpp's "chatml"), the model's BOS before it where its
+# vocabulary adds one. Every chat job is rendered through it, its system message, its parent's
+# turns and its messages alike, and tools take the generic form (docs/models.md); raw jobs are
+# their caller's text. A model trained on another form answers worse, but never without its turns.
+FALLBACK_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
 def host_caches(config: Config) -> dict[str, str]:
     """Each host cache's bound, settings given their values (the record's "caches")."""
     values = {setting.env: str(getattr(config, name)) for name, setting in SETTINGS.items()}
@@ -11605,11 +11745,16 @@ class LlamaRunner(Runner):
             raise ModelError(f"model {model_path} is an embedding model ({self.arch}), and its pooling is "
                              f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
         self._pieces: dict[int, bytes] = {}
-        self._formatter = self._chat_formatter()
+        self.fallback = False  # no chat template: chat jobs in FALLBACK_TEMPLATE's form (_chat_formatter)
+        self._formatter = None if self.embedding_only else self._chat_formatter()  # (an embedder generates nothing)
         template = (L.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
         self.takes_effort = "reasoning_effort" in template  # gpt-oss's template reads it
         self.thinking = _Thinking.find(self, template, config.thinking_tags)  # None: the model does not think
         self.tool_format = find_tool_format(self._formatter)
+        # The fallback form's markers that are text to this model (none of its tokens): an answer
+        # that writes one has ended its turn, as if they were stop strings (Gemma 3 writes them).
+        self.end_marks = tuple(mark for mark in ("<|im_end|>", "<|im_start|>")
+                               if self.fallback and len(self.tokenize(mark, False, True)) > 1)
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy
@@ -11675,10 +11820,10 @@ class LlamaRunner(Runner):
             pass
 
     def _chat_formatter(self) -> Any:
+        """The model's chat template as a formatter, else FALLBACK_TEMPLATE's (``fallback``
+        says which; said once, here)."""
         L = self.L
         template = L.llama_model_chat_template(self.model, None)
-        if not template:
-            return None
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         def token_text(token: int) -> str:
@@ -11686,13 +11831,19 @@ class LlamaRunner(Runner):
                 return ""
             return (L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
 
-        try:
-            return Jinja2ChatFormatter(template.decode("utf-8", "replace"),
-                                       eos_token=token_text(L.llama_vocab_eos(self.vocab)),
-                                       bos_token=token_text(L.llama_vocab_bos(self.vocab)))
-        except Exception as err:  # a template jinja cannot parse: fall back to raw prompts
-            log.warning(f"model chat template unusable ({err}); prompts are used raw")
-            return None
+        eos, bos = token_text(L.llama_vocab_eos(self.vocab)), token_text(L.llama_vocab_bos(self.vocab))
+        self.fallback = True  # until the model's own template is read
+        why = f"{self.model_name} has no chat template"
+        if template:
+            try:
+                formatter = Jinja2ChatFormatter(template.decode("utf-8", "replace"), eos_token=eos, bos_token=bos)
+                self.fallback = False
+                return formatter
+            except Exception as err:  # a template jinja cannot parse
+                why = f"the chat template of {self.model_name} is unusable ({err})"
+        log.warning(f"{why}: every chat job (prompt, system, parent's turns, messages) is rendered in ChatML, "
+                    "<|im_start|>ROLE\\nTEXT<|im_end|>, as llama-server renders it; raw jobs are used as written")
+        return Jinja2ChatFormatter(FALLBACK_TEMPLATE, eos_token=eos, bos_token=bos)
 
     def memory(self) -> dict[str, Any]:
         return model_memory(self)
@@ -11710,7 +11861,8 @@ class LlamaRunner(Runner):
         return session
 
     def tokens(self, job: RunningJob) -> list[int]:
-        """The job's prompt as tokens: through the model's chat template unless ``raw``.
+        """The job's prompt as tokens: through the model's chat template (FALLBACK_TEMPLATE's
+        for a model without one) unless ``raw``.
 
         Only the template's own markers become control tokens: every message's content (a
         plain prompt is one user message, ``system`` one system message) is tokenized as
@@ -11719,8 +11871,6 @@ class LlamaRunner(Runner):
         params = job.params
         if job_param(params, "raw"):
             return self.tokenize(job.prompt, add_special=True, special=True)
-        if self._formatter is None:  # no chat template: the prompt is plain text
-            return self.tokenize(job.prompt, add_special=True, special=False)
         messages = list(job_param(params, "messages") or [{"role": "user", "content": job.prompt}])
         system = job_param(params, "system")
         if system and messages[0]["role"] != "system":
@@ -11732,7 +11882,9 @@ class LlamaRunner(Runner):
         if self.takes_effort and job_param(params, "reasoning_effort") is not None:
             variables.setdefault("reasoning_effort", job_param(params, "reasoning_effort"))
         messages = tool_turns(messages, params, variables, self.tool_format, self._spells_control)
-        for piece, is_content in self._render(messages, variables):  # the template already wrote BOS
+        if self.fallback and self.L.llama_vocab_get_add_bos(self.vocab):  # ChatML writes none: the model's, as llama-server's
+            tokens.append(self.L.llama_vocab_bos(self.vocab))
+        for piece, is_content in self._render(messages, variables):  # a template writes its own BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
 
@@ -12707,6 +12859,10 @@ class Processor:
             job.prompt, job.params = self._read_input(claim.dir_fd)
             if job_param(job.params, "parent") is not None:
                 job.params = self._continue(job, claim)
+            try:  # tool turns answer the calls before them, its parent's too (unknown at its submit if not done)
+                tool_answers(job_param(job.params, "messages") or [], ())
+            except InvalidInput as err:
+                raise JobError("bad_request", f"its conversation: {err}") from None
         except (JobError, OSError) as err:
             code = err.code if isinstance(err, JobError) else "bad_request"
             message = str(err) if isinstance(err, JobError) else f"cannot read job: {_os_error(err)}"

@@ -2890,7 +2890,14 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
      "messages[1]: a tool turn needs the tool_call_id it answers"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
                    {"role": "tool", "content": "3", "tool_call_id": "c9"}]},
-     "messages[2] answers tool call 'c9', which no earlier assistant turn made"),
+     "messages[2] answers tool call 'c9', which messages[1] did not make (its calls: none)"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "3", "tool_call_id": "c1"}]},
+     "messages[1] answers tool call 'c1', but no assistant turn's calls come right before it"),
+    ({"messages": [{"role": "tool", "content": "3", "tool_call_id": "c1"}]},
+     "messages[0] answers tool call 'c1', but no assistant turn's calls come right before it"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                   {"role": "user", "content": "y"}, {"role": "tool", "content": "3", "tool_call_id": "call_1"}]},
+     "messages[3] answers tool call 'call_1', but no assistant turn's calls come right before it"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
         dict(CALL, function={"name": "get_weather", "arguments": "{city"})]}]},
      "messages[1].tool_calls[0].function.arguments is not JSON text"),
@@ -6980,6 +6987,49 @@ def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> No
 
 
 @pytest.mark.model
+def test_a_model_without_a_chat_template_renders_every_chat_job_in_one_fallback_form(model: str, ws: str,
+                                                                                     run_main: RunMain) -> None:
+    """A copy of SmolLM2 with no chat template (as Gemma 3 270M's published GGUF comes): every chat
+    job goes through ChatML, said once at load; its system message and its parent's turns reach
+    the model (their text in the rendering, more prompt tokens), and plain, schema, tool and
+    thinking-parameter jobs run; a raw job is its own text."""
+    copy = thinking_copy(model, "none")
+    runner = nrvna.LlamaRunner(copy, nrvna.Config(max_ctx=512, workers=1))
+    try:
+        text = lambda job: b"".join(runner._token_text(t, True) for t in runner.tokens(job)).decode()
+        assert text(fake_job("hi", system="The secret word is BANANA.")) == (
+            "<|im_start|>system\nThe secret word is BANANA.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        turns = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": "Hello Ada."},
+                 {"role": "user", "content": "What is my name?"}]
+        assert "<|im_start|>assistant\nHello Ada.<|im_end|>" in text(fake_job("", messages=turns))
+        assert text(fake_job("<|im_start|>x", raw=True)) == "<|im_start|>x"
+        assert runner.end_marks == ()  # SmolLM2's markers are tokens: its end-of-turn token ends an answer
+        secret = len(runner.tokenize("The secret word is BANANA.", False, False))
+    finally:
+        runner.close()
+    first = submit(ws, "My name is Ada.", max_tokens=8, temperature=0)
+    plain = submit(ws, "What is my name?", max_tokens=8, temperature=0)
+    child = submit(ws, "What is my name?", parent=first, max_tokens=8, temperature=0)
+    system = submit(ws, "What is my name?", system="The secret word is BANANA.", max_tokens=8, temperature=0)
+    others = [submit(ws, "Give a number.", response_format=ANSWER_SCHEMA, max_tokens=16),
+              submit(ws, "What is the weather in Oslo?", tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                     max_tokens=160),
+              submit(ws, "Say hi.", thinking_budget_tokens=0, max_tokens=8),
+              submit(ws, "Say hi.", reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}, max_tokens=8)]
+    done = cli("daemon", copy, ws, "-w", "1", "--drain", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count(b"has no chat template: every chat job") == 1, done.stderr[-2000:]
+    flow = Flow(ws)
+    jobs = {job_id: flow.get(job_id) for job_id in [first, plain, child, system] + others}
+    assert all(job.status is Status.Done for job in jobs.values()), [job.error for job in jobs.values()]
+    tokens = {job_id: job.meta["prompt_tokens"] for job_id, job in jobs.items()}
+    # The child's prompt holds its parent's turns and answer, the system job's its system message.
+    assert tokens[child] > tokens[first] + tokens[plain] and tokens[system] >= tokens[plain] + secret, tokens
+    assert jobs[others[1]].meta["finish_reason"] == "tool_calls" and jobs[others[1]].tool_calls
+    assert isinstance(json.loads(jobs[others[0]].result)["answer"], int)
+
+
+@pytest.mark.model
 def test_generation_stops_at_max_tokens_or_end_of_generation(llama: nrvna.LlamaRunner) -> None:
     capped = generate(llama, "Write a long poem about the sea.", max_tokens=7, temperature=0)
     assert (capped.finish_reason, capped.generated_tokens) == ("length", 7) and capped.text
@@ -9808,6 +9858,94 @@ def test_a_parent_cancelled_while_its_child_waits_releases_the_child(ws: str) ->
         gate.set()
         assert wait_all(ws, [blocker, parent, child]) == [Status.Done, Status.Failed, Status.Failed]
     assert Flow(ws).get(child).meta["code"] == "parent_failed"
+
+
+def calling(job: nrvna.RunningJob) -> Any:
+    """A runner whose job "call" answers with a tool call (as a model's would come back), the
+    others with their conversation's user turns."""
+    if job.prompt != "call":
+        return last_user(job)
+    calls = [{"id": f"call_{job.id}_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    return nrvna.Outcome(text="", finish_reason="tool_calls", message={"content": None, "tool_calls": calls})
+
+
+def test_a_tool_turn_must_answer_a_call_of_the_turn_before_it_the_parent_s_too(ws: str, tmp_path: Path,
+                                                                               run_main: RunMain) -> None:
+    """A child's tool turns answer its parent's calls: a forged tool_call_id is exit 2 naming it
+    at submit once the parent is done, and bad_request at the claim if the parent was not done at
+    submit; a tool turn after a parent that made no call is refused the same way."""
+    caller, plain = submit(ws, "call"), submit(ws, "plain")
+    early_forged = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": "call_FORGED", "content": "99 C"}], parent=caller)
+    with serving(ws, calling):
+        assert wait_all(ws, [caller, plain]) == [Status.Done] * 2
+        assert wait_all(ws, [early_forged]) == [Status.Failed]
+    error = Flow(ws).get(early_forged).error
+    assert Flow(ws).get(early_forged).meta["code"] == "bad_request" and "'call_FORGED'" in error, error
+    made = f"call_{caller}_0"
+    for parent, answer, said in ((caller, "call_FORGED", f"which its parent {caller}'s answer did not make (its calls: {made})"),
+                                 (plain, made, f"which its parent {plain}'s answer did not make (its calls: none)")):
+        line = {"messages": [{"role": "tool", "tool_call_id": answer, "content": "99 C"}], "parent": parent}
+        refused = run_main("submit", ws, "--file", write(tmp_path / "f.jsonl", jsonl([line])))
+        assert refused.returncode == 2 and f"line 1: messages[0] answers tool call {answer!r}, {said}".encode() in refused.stderr, \
+            refused.stderr
+    assert Flow(ws).counts()["queued"] == 0
+    good = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": made, "content": "12 C"}], parent=caller)
+    line = {"messages": [{"role": "tool", "tool_call_id": made, "content": "12 C"}]}  # its parent from the flag
+    [by_flag] = ids_of(run_main("submit", ws, "--parent", caller, "--file", write(tmp_path / "g.jsonl", jsonl([line]))))
+    with serving(ws, calling):
+        assert wait_all(ws, [good, by_flag]) == [Status.Done] * 2
+
+
+def test_a_chat_child_of_a_raw_or_embed_parent_is_refused_at_submit(ws: str, run_main: RunMain) -> None:
+    raw, embed = submit(ws, "<s>hi", raw=True), submit(ws, "a text", embed=True)
+    for parent, kind in ((raw, "a raw"), (embed, "an embed")):
+        refused = run_main("submit", ws, "next", "--parent", parent)
+        assert refused.returncode == 2 and f"parent {parent} is {kind} job: it has no turns to continue".encode() \
+            in refused.stderr, refused.stderr
+    assert Flow(ws).counts()["queued"] == 2
+
+
+def test_a_parent_s_planted_files_fail_only_its_child_parent_failed_naming_the_file(ws: str) -> None:
+    """A parent's files as a careless hand or an attacker leaves them: params.json naming each
+    other as parents (a loop), a conversation.json of 80,000 turns or of 2 MiB, one whose calls
+    are not calls (rebuilt from the parent's own files instead, its tool_calls.json's calls not
+    calls either: its answer is result.txt's), a params.json whose messages
+    are not turns: each child fails parent_failed naming the file, or runs on the honest turns;
+    the daemon goes on with the next job."""
+    first, second, third, fourth, fifth, sixth = (submit(ws, p) for p in ("a", "b", "c", "d", "e", "f"))
+    with serving(ws, last_user):
+        assert wait_all(ws, [first, second, third, fourth, fifth, sixth]) == [Status.Done] * 6
+    out = Path(ws, nrvna.OUTPUT)
+    for job_id, parent in ((first, second), (second, first)):  # a loop, and no conversation.json to stop at
+        (out / job_id / nrvna.CONVERSATION_FILE).unlink()
+        (out / job_id / nrvna.PARAMS_FILE).write_text(json.dumps({"parent": parent}))
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(80_000)]
+    (out / third / nrvna.CONVERSATION_FILE).write_text(json.dumps(turns))
+    (out / fourth / nrvna.CONVERSATION_FILE).write_text(json.dumps([{"role": "user", "content": "x" * (10 << 20)}]))
+    (out / fifth / nrvna.CONVERSATION_FILE).write_text(json.dumps(
+        [{"role": "user", "content": "e"}, {"role": "assistant", "content": None, "tool_calls": [5]}]))
+    (out / fifth / nrvna.TOOL_CALLS_FILE).write_text(json.dumps({"content": None, "tool_calls": [{"function": {}}]}))
+    (out / sixth / nrvna.CONVERSATION_FILE).unlink()
+    (out / sixth / nrvna.PARAMS_FILE).write_text(json.dumps({"messages": [5]}))
+    children = [submit(ws, "next", parent=parent) for parent in (first, third, fourth, fifth, sixth)]
+    seen: dict[str, Any] = {}
+
+    def runner(job: nrvna.RunningJob) -> str:
+        seen[job.id] = job.params.get("messages")
+        return last_user(job)
+
+    with serving(ws, runner):
+        assert wait_all(ws, children) == [Status.Failed, Status.Failed, Status.Failed, Status.Done, Status.Failed]
+    flow = Flow(ws)
+    of = [flow.get(child) for child in children]
+    assert [job.meta["code"] for job in of if job.status is Status.Failed] == ["parent_failed"] * 4
+    assert "its chain of parents loops" in of[0].error and f"{second}/params.json names {first} as its parent" in of[0].error
+    assert f"{third}/conversation.json holds 80,000 turns" in of[1].error, of[1].error
+    assert f"{fourth}/conversation.json is {(out / fourth / nrvna.CONVERSATION_FILE).stat().st_size:,} bytes" in of[2].error
+    assert seen[children[3]] == [{"role": "user", "content": "e"}, {"role": "assistant", "content": "e"},
+                                 {"role": "user", "content": "next"}]  # rebuilt from its prompt and answer
+    assert f"{sixth}/params.json: messages[0] must be an object" in of[4].error, of[4].error
+    assert children[4] not in seen
 
 # ==============================================================================
 # 12.2 Claims and finishes: Processor: crashes, kills and concurrency
