@@ -4630,7 +4630,8 @@ DAEMON_RECORD_FIELDS: dict[str, Callable[[Any], bool]] = {
     "hooks": lambda value: type(value) is dict and all(v is None or _is_text(v) for v in value.values()),
 }
 DAEMON_MODEL_FIELDS: dict[str, Callable[[Any], bool]] = {
-    **dict.fromkeys(("path", "name", "kind", "load_error"), _is_text),
+    **dict.fromkeys(("name", "kind", "load_error"), _is_text),
+    "path": lambda value: value is None or _is_text(value),  # None: a runner given in-process
     **dict.fromkeys(("load_failures", "max_load_failures"), _is_count),
     "retry_at": _is_time, "active": lambda value: type(value) is bool,
 }

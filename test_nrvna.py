@@ -11060,7 +11060,7 @@ def fake_loads(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     counts the loads of each file name."""
     state: dict[str, Any] = {"broken": set(), "loads": {}, "vanishes": {}}
 
-    def load(path: str, config: nrvna.Config, cancel: Any = None) -> nrvna.Runner:
+    def load(path: str, config: nrvna.Config, cancel: Any = None, owner: str = "") -> nrvna.Runner:
         name = os.path.basename(path)
         state["loads"][name] = state["loads"].get(name, 0) + 1
         if name in state["broken"] or state["loads"][name] > state["vanishes"].get(name, math.inf):
