@@ -13317,7 +13317,7 @@ class _Models:
         # model would only fail an embed job as unsupported, and the other way round).
         self.defaults = {kind: next((i for i, m in enumerate(self.served) if self._serves(m, kind)), None)
                          for kind in ("chat", "embed")}
-        self.active = 0
+        self.active = next(i for i in range(len(self.served)) if i not in unreadable)  # (start: the first that loads)
         self.since = time.monotonic()
         self.loads = 0
         self.base_mib = _resident_mib()  # the process before any model: NRVNA_MAX_MEMORY counts it
