@@ -202,10 +202,10 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Watcher -> _Models: describe: served[i].runner/sessions and active read as they are, with no lock (the
         Models thread changes them: a record a switch behind at worst); each runner's memory (see
         model_memory); the routing state (failed) under _Models._lock
-    Watcher, loader -> LlamaRunner (memory, model_memory): _sessions, _contexts, weights_mib => _lock for
-        the lists; only plain numbers stated when the model and each context were made (a session's
-        _Embedder.buffers too), never the model or a context through llama.cpp: the Models thread may be
-        freeing them (close empties _sessions and _contexts under _lock first)
+    Watcher, loader -> LlamaRunner (memory, model_memory): _sessions (each with its _ContextSize),
+        weights_mib => _lock for the list; only plain numbers stated when the model and each context were
+        made (a session's _Embedder.buffers too), never the model or a context through llama.cpp: the
+        Models thread may be freeing them (close empties _sessions under _lock first)
     Hooks -> Hooks: lists hooks/done/, submits tasks; _held (hooks/' lock) => _lock for _in_flight and
         _errors (read as a copy); _held is the Hooks thread's until Main's stop joins it
     Hook-N -> Hooks: runs tasks: _in_flight, _procs, _unfinished, _errors => _lock; tasks come through a
@@ -218,7 +218,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         conversions => _grammars_lock, never held while a grammar is made
     Worker-N -> LlamaRunner: _pieces (token -> bytes cache) => no lock: a token's bytes are the same
         whoever stores them, and one dict get or set is atomic
-    loader -> LlamaRunner: session, close: _sessions, _contexts => _lock (model_memory reads them: above)
+    loader -> LlamaRunner: session, close: _sessions => _lock (model_memory reads them: above)
     Worker-N, Saver -> StateStore: _index, _skipped, _pending, counts (find, restore, wants, save on the worker;
         _write, evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
         under a temporary name first); the loader's close joins the Saver. A restore's crc is checked on a
@@ -11587,11 +11587,12 @@ def model_memory(runner: Any) -> dict[str, Any]:
     model's size read at load, never a context or the model through llama.cpp: those may be
     being freed under it."""
     with runner._lock:
-        sessions, contexts = list(runner._sessions), list(runner._contexts)
+        sessions = list(runner._sessions)
+    contexts = [size for _, size in sessions if size is not None]
     first = contexts[0] if contexts else _ContextSize({}, 0, 0)
     kv, compute, output = (first.buffers.get(part, 0.0) for part in ("KV", "compute", "output"))
     cells, per_job = first.cells, first.per_job
-    embedders = [s.embedder for s in sessions]  # each read once: a dict made whole before it is set
+    embedders = [s.embedder for s, _ in sessions]  # each read once: a dict made whole before it is set
     embedding = [sum(e.buffers.values()) for e in embedders if e is not None]
     weights = runner.weights_mib
     return {"weights_mib": round(weights, 1), "kv_type": runner.config.kv_type, "contexts": len(contexts),
@@ -11683,11 +11684,9 @@ class LlamaRunner(Runner):
     every worker (tokens, piece, penalty, sampler, grammar, prepare_grammar, grammar_vocab,
     decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
     ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``
-    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` and
-    ``_contexts`` under ``_lock``: ``memory`` reads them from any thread (the Watcher writes the
-    record while the Models thread may close this runner), and so reads only plain numbers
-    (``weights_mib``, ``_contexts``, an embedder's ``buffers``), never the model or a context
-    through llama.cpp. A decode with borrowed threads runs under ``_wide_lock``. ``_pieces`` is a cache the
+    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under ``_lock``:
+    ``memory`` reads them from any thread, only numbers stated at load (see model_memory), never the
+    model or a context, which a swap may be freeing. A decode with borrowed threads runs under ``_wide_lock``. ``_pieces`` is a cache the
     workers fill without a lock: a token's bytes are the same whoever stores them, and one
     dict get or set is atomic. The model, its vocabulary and the tables made at load are read
     only (llama.cpp's model may be shared by contexts on several threads).
@@ -11775,8 +11774,7 @@ class LlamaRunner(Runner):
         self._converter: Optional[_CallThread] = None  # the Grammar thread, made on first use
         self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
         self._lock = threading.Lock()
-        self._sessions: list[LlamaSession] = []
-        self._contexts: list[_ContextSize] = []  # the sizes of _sessions' generation contexts (model_memory)
+        self._sessions: list[tuple[LlamaSession, Optional[_ContextSize]]] = []  # each with its context's size
         self._wide: Optional[_CallThread] = None
         self._wide_lock = threading.Lock()  # held while a decode with borrowed threads runs
         # Saved states may be cut back only where every layer's cells can be (full attention).
@@ -11855,11 +11853,9 @@ class LlamaRunner(Runner):
         threads = config.threads or max(1, cpu_count() // config.workers)
         session = LlamaSession(self, threads, config.seqs, config.batch, config)
         size = (_ContextSize(session.buffers, self.L.llama_n_ctx(session.ctx), session.ctx_per_seq)
-                if session.ctx is not None else None)  # read here, on the thread that made it
+                if session.ctx is not None else None)  # read here, on the thread that made it: see model_memory
         with self._lock:
-            self._sessions.append(session)
-            if size is not None:
-                self._contexts.append(size)
+            self._sessions.append((session, size))
         return session
 
     def tokens(self, job: RunningJob) -> list[int]:
@@ -12122,8 +12118,8 @@ class LlamaRunner(Runner):
     def close(self) -> None:
         """Free every context, then the model."""
         with self._lock:
-            sessions, self._sessions, self._contexts = self._sessions, [], []
-        for session in sessions:
+            sessions, self._sessions = self._sessions, []
+        for session, _ in sessions:
             session.close()
         if self._wide is not None:
             self._wide.close()
@@ -13970,7 +13966,7 @@ class _Models:
         # model would only fail an embed job as unsupported, and the other way round).
         self.defaults = {kind: next((i for i, m in enumerate(self.served) if self._serves(m, kind)), None)
                          for kind in ("chat", "embed")}
-        self.active = 0
+        self.active = next(i for i in range(len(self.served)) if i not in unreadable)  # (start: the first that loads)
         self.since = time.monotonic()
         self.loads = 0
         self.base_mib = _resident_mib()  # the process before any model: NRVNA_MAX_MEMORY counts it

@@ -11219,6 +11219,35 @@ def test_a_crafted_gguf_in_a_models_folder_is_a_failed_load_and_the_others_serve
         server.shutdown()
 
 
+def test_a_first_model_that_cannot_be_loaded_at_start_is_a_failed_load_and_the_next_serves(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first model of a folder fails to load at start (a truncated file): the daemon starts
+    on the next one, and the first's jobs (and those naming no model: it is the first) wait with
+    the reason, as at its turn; a daemon none of
+    whose models loads refuses to start, naming the first one's error. (It refused at start.)"""
+    models, _ = models_dir(tmp_path)
+    fake_gguf(models / "a.gguf")
+    fake_gguf(models / "b.gguf")
+    fake_loads["broken"].add("a.gguf")
+    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))
+    server.start()
+    try:
+        assert server.models.active == 1 and sorted(server.models.failed) == [0]
+        waiting, served = submit(ws, "for a", model="a"), submit(ws, "for b", model="b")
+        assert wait_all(ws, [served]) == [Status.Done] and Flow(ws).get(served).meta["model"] == "b.gguf"
+        server.write_status()
+        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
+        assert reason.startswith("waits for model a (a.gguf), which daemon") and "(1 of 3 failed loads" in reason
+    finally:
+        server.shutdown()
+    fake_loads["broken"].add("b.gguf")
+    with pytest.raises(nrvna.ModelError, match=r"a\.gguf could not be loaded by llama\.cpp"):
+        Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1)).start()
+    assert nrvna.daemon_records(ws) == []
+
+
 @pytest.mark.model
 def test_a_load_is_cut_short_when_its_cancel_is_set(model: str) -> None:
     """A daemon that stops while it loads a model ahead of its turn does not wait for the load."""
