@@ -4399,7 +4399,7 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
 
 @pytest.mark.parametrize("content, message", [
     ('{"prompt": "ok"}\n{"prompt": "broken"\n', "line 2: invalid JSON"),
-    ('{"prompt": "ok"}\n{"prompt": "x", "colour": 1}\n', "line 2: unknown parameter 'colour'"),
+    ('{"prompt": "ok"}\n{"prompt": "x", "colour": 1}\n', "line 2: unknown field 'colour'"),
     ('{"prompt": "ok"}\n\n{"prompt": "   "}\n', "line 3: prompt is empty"),
     ('{"prompt": "a", "custom_id": "same"}\n{"prompt": "b", "custom_id": "same"}\n',
      "line 2: duplicate custom_id 'same' (first on line 1)"),
