@@ -5661,7 +5661,7 @@ BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.p
 SHARDS_MAX = 1 << 20  # most shards a batch may be split into (--shard I/N)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
 # The fields an nrvna JSONL line may carry: its prompt, and every job parameter but tag and endpoint.
-JSONL_FIELDS = ("prompt", *(name for name, param in PARAMS.items() if param.jsonl))
+_JSONL_FIELDS = ("prompt", *(name for name, param in PARAMS.items() if param.jsonl))
 
 
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
@@ -5995,9 +5995,9 @@ def _unknown_field(key: str) -> str:
         return "unknown field 'tag' (tags are given with --tag)"
     if key == "endpoint":
         return "unknown field 'endpoint' (an OpenAI Batch line's url sets it)"
-    near = difflib.get_close_matches(key, JSONL_FIELDS, n=1)
+    near = difflib.get_close_matches(key, _JSONL_FIELDS, n=1)
     meant = f"; did you mean {near[0]!r}?" if near else ""
-    return f"unknown field {key!r}{meant} (a line's fields: {', '.join(JSONL_FIELDS)})"
+    return f"unknown field {key!r}{meant} (a line's fields: {', '.join(_JSONL_FIELDS)})"
 
 
 def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
@@ -6008,7 +6008,7 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
         return _openai_line(obj, notes)
     params = dict(obj)
     for key in params:
-        if key not in JSONL_FIELDS:
+        if key not in _JSONL_FIELDS:
             raise InvalidInput(_unknown_field(key))
     embed = job_param(params, "embed")
     if "embed" in params and not isinstance(embed, (bool, str, list)):
