@@ -6009,7 +6009,7 @@ BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.p
 SHARDS_MAX = 1 << 20  # most shards a batch may be split into (--shard I/N)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
 # The fields an nrvna JSONL line may carry: its prompt, and every job parameter but tag and endpoint.
-JSONL_FIELDS = ("prompt", *(name for name, param in PARAMS.items() if param.jsonl))
+_JSONL_FIELDS = ("prompt", *(name for name, param in PARAMS.items() if param.jsonl))
 
 
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
@@ -6293,9 +6293,9 @@ def _unknown_field(key: str) -> str:
         return "unknown field 'tag' (tags are given with --tag)"
     if key == "endpoint":
         return "unknown field 'endpoint' (an OpenAI Batch line's url sets it)"
-    near = difflib.get_close_matches(key, JSONL_FIELDS, n=1)
+    near = difflib.get_close_matches(key, _JSONL_FIELDS, n=1)
     meant = f"; did you mean {near[0]!r}?" if near else ""
-    return f"unknown field {key!r}{meant} (a line's fields: {', '.join(JSONL_FIELDS)})"
+    return f"unknown field {key!r}{meant} (a line's fields: {', '.join(_JSONL_FIELDS)})"
 
 
 def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
@@ -6306,7 +6306,7 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
         return _openai_line(obj, notes)
     params = dict(obj)
     for key in params:
-        if key not in JSONL_FIELDS:
+        if key not in _JSONL_FIELDS:
             raise InvalidInput(_unknown_field(key))
     embed = job_param(params, "embed")
     if "embed" in params and not isinstance(embed, (bool, str, list)):
@@ -13729,6 +13729,15 @@ def _resident_mib() -> float:
         return 0.0
 
 
+def _as_given(config: Config, name: str, value: Any) -> str:
+    """Setting ``name`` at ``value``, written as the user set it: its flag where a flag set it (a
+    variable would lose to the flag), else its variable."""
+    flags = SETTINGS[name].flags
+    if flags and config.given.get(name, "").startswith("-"):
+        return f"{flags[-1]} {value}"
+    return f"{SETTINGS[name].env}={value}"
+
+
 def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], workers: int, fixed_mib: float,
                         saves: bool) -> None:
     """ConfigError (exit 2 at start) when NRVNA_MAX_MEMORY cannot hold model ``name`` with
@@ -13751,18 +13760,18 @@ def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], wo
         return
     fits = []
     if 1 <= room // (kv + compute + output) < workers:
-        fits.append(f"NRVNA_WORKERS={int(room // (kv + compute + output))}")
+        fits.append(_as_given(config, "workers", int(room // (kv + compute + output))))
     per_cell = kv / max(1, report["cells"])  # a context's cells are NRVNA_MAX_CTX and one job's share more
     max_ctx = int((room / workers - compute - output) / per_cell * config.max_ctx / max(1, report["cells"])) // 256 * 256
     if 256 <= max_ctx < config.max_ctx:
-        fits.append(f"NRVNA_MAX_CTX={max_ctx}")
+        fits.append(_as_given(config, "max_ctx", max_ctx))
     bytes_now = KV_TYPES[config.kv_type][1]
     smaller = [t for t, (_, size) in KV_TYPES.items() if size < bytes_now
                and workers * (kv * size / bytes_now + compute + output) <= room]
     if smaller:
-        fits.append(f"NRVNA_KV_TYPE={smaller[0]}")
+        fits.append(_as_given(config, "kv_type", smaller[0]))
     if pending and need - pending <= budget:
-        fits.append(f"NRVNA_CACHE_PENDING={max(1, int(budget - need + pending))}M")
+        fits.append(_as_given(config, "cache_pending", f"{max(1, int(budget - need + pending))}M"))
     raise ConfigError(
         f"{config.named('max_memory')} ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this process and other "
         f"models {fixed_mib:,.0f}, {name}'s weights {report['weights_mib']:,.0f}, {workers} contexts x "

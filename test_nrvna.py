@@ -3171,6 +3171,11 @@ def test_a_size_that_rounds_to_nothing_or_has_no_unit_is_refused_naming_what_was
                           (nrvna.Config.from_env({"NRVNA_MAX_MEMORY": " 500M"}), "NRVNA_MAX_MEMORY=500M")):
         with pytest.raises(nrvna.ConfigError, match=f"^{given} \\(500 MiB\\) cannot hold this daemon"):
             nrvna.check_memory_budget(config, "m", report, 2, 50.0, True)
+    # and what would fit is written as the setting was given: a variable would lose to the flag
+    with pytest.raises(nrvna.ConfigError, match="it would fit with --workers 1 or NRVNA_MAX_CTX=2048$"):
+        nrvna.check_memory_budget(nrvna.Config.from_env({}, workers=2, max_memory="500M"), "m", report, 2, 50.0, True)
+    with pytest.raises(nrvna.ConfigError, match="it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=2048$"):
+        nrvna.check_memory_budget(nrvna.Config.from_env({"NRVNA_WORKERS": "2"}, max_memory="500M"), "m", report, 2, 50.0, True)
 
 
 def test_the_daemon_s_help_and_the_variables_list_give_one_default(run_main: RunMain) -> None:
@@ -4743,7 +4748,7 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
 
 @pytest.mark.parametrize("content, message", [
     ('{"prompt": "ok"}\n{"prompt": "broken"\n', "line 2: invalid JSON"),
-    ('{"prompt": "ok"}\n{"prompt": "x", "colour": 1}\n', "line 2: unknown parameter 'colour'"),
+    ('{"prompt": "ok"}\n{"prompt": "x", "colour": 1}\n', "line 2: unknown field 'colour'"),
     ('{"prompt": "ok"}\n\n{"prompt": "   "}\n', "line 3: prompt is empty"),
     ('{"prompt": "a", "custom_id": "same"}\n{"prompt": "b", "custom_id": "same"}\n',
      "line 2: duplicate custom_id 'same' (first on line 1)"),
