@@ -4980,10 +4980,8 @@ def _all_jobs(workspace: str) -> list[str]:
     return sorted(set().union(*(_folder_entries(workspace, sub) for sub, _ in STATE_DIRS)), key=order_key)
 
 
-def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str]]]) -> None:
-    """Record durably that ``rows`` (id, custom_id) carry ``tag``, before they are published."""
-    import json
-
+def _tag_folder(workspace: str, tag: str) -> str:
+    """tags/<tag>/, made (private, as the workspace) if it is not there yet."""
     folder = os.path.join(workspace, TAGS, tag)
     for path in (os.path.dirname(folder), folder):
         try:
@@ -4991,6 +4989,14 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
             os.chmod(path, DIR_MODE)  # mkdir's mode is masked by the umask: keep the workspace private
         except FileExistsError:
             pass
+    return folder
+
+
+def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str]]]) -> None:
+    """Record durably that ``rows`` (id, custom_id) carry ``tag``, before they are published."""
+    import json
+
+    folder = _tag_folder(workspace, tag)
     fd = open_dir(folder)
     try:
         data = "".join(json.dumps([job_id, cid], ensure_ascii=False) + "\n" for job_id, cid in rows)
@@ -5428,13 +5434,7 @@ def _link_shard_record(workspace: str, tag: str, shard: tuple[int, int]) -> bool
     """Write ``tag``'s SHARD_RECORD durably unless one exists (False then): a temporary file,
     fsynced, hard-linked to its name (link() never replaces)."""
     ensure_workspace(workspace)
-    folder = os.path.join(workspace, TAGS, tag)
-    for path in (os.path.dirname(folder), folder):
-        try:
-            os.mkdir(path, DIR_MODE)
-            os.chmod(path, DIR_MODE)  # mkdir's mode is masked by the umask: keep the workspace private
-        except FileExistsError:
-            pass
+    folder = _tag_folder(workspace, tag)
     temp = os.path.join(folder, f".{SHARD_RECORD}-{os.getpid()}-{os.urandom(4).hex()}.tmp")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
     try:
