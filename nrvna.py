@@ -30,20 +30,25 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
    5.8 Tool calls                   ToolFormat, tool_call_schema, tool_grammar, generic_messages, read_tool_calls
 6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt,
-                                      EFFORT_BUDGETS, thinking_budget
+                                      EFFORT_BUDGETS, thinking_budget, tool_answers
 7. Workspace and job directories
    7.1 Layout, locks and the daemons' records
                                     the layout's names, job_path, parse_meta, WorkspaceLock, hold_job,
-                                    hold_orphan, register_daemon, daemon_records
-   7.2 IDs, states and meta.json    generate_id, order_key, Status, locate_job, parent_unfinished, read_meta
+                                    hold_orphan, register_daemon, DAEMON_RECORD_FIELDS, daemon_records
+   7.2 IDs, states and meta.json    META_FIELDS, generate_id, order_key, Status, locate_job, parent_unfinished,
+                                      job_meta, read_meta
    7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job
    7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
-   7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_members
-   7.6 Reading a job                Job, _read_choices, continued_turns, parent_conversation, _DirWatch
-   7.7 Saved states on disk         STATES, StateHead, state_name, state_buffer, seal_state, read_state_head,
-                                      map_state, state_whole, read_state, remove_states_of
-8. Batch files and export           read_batch, parse_batch, parse_records (templates), EXPORT_FORMATS,
-                                    export_record, job_vectors
+   7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_shard, claim_tag_shard, tag_members
+   7.6 Reading a job                Job, _read_choices, continued_turns, CONVERSATION_TURNS, parent_conversation,
+                                      _DirWatch
+   7.7 Saved states on disk         STATES, StateHead, state_owner, state_name, state_temp_name, state_buffer,
+                                      seal_state, inspect_state, read_state_head, map_state, state_whole,
+                                      read_state, remove_states_of
+8. Batch files and export
+   8.1 Batch files                  BatchEntry, read_batch, parse_batch, parse_records (templates), shard_of
+   8.2 Export and merge             REQUEST_KEY, request_digest, job_vectors, export_record, read_part,
+                                      merge_parts, EXPORT_FORMATS, _ExportTarget
 9. Client
    9.1 Reading: Flow                bulk_states, Flow
    9.2 Submitting: Work             check_model_names, waiting_for_model, _Keys, Work
@@ -61,7 +66,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
    11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
-   11.8 The runner                  HOST_CACHES, model_memory, memory_line, tool_turns, grammar_key, LlamaRunner
+   11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, model_memory, memory_line, tool_turns, grammar_key,
+                                      LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
@@ -138,7 +144,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         (set by the signal handler) => before the other threads start and after they are joined; the
         signal handler only sets one field (takes no lock)
     Main -> _Registry: lock file and record: register, release, dead() at start; write at a drain
-        (_say_stranded) => register/release before threads start / after join; write and keep under
+        (Server._say_stranded) => register/release before threads start / after join; write and keep under
         _Registry._lock (the record's temp name is fixed)
     Main -> _Recovery: processing/ orphans at start, run_last_chances (claims, runs, finishes alone) =>
         under the WorkspaceLock; before the workers start
@@ -146,14 +152,15 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         with 0, and Main scans only after it is not
     Main -> Hooks: prepare, start, idle, stop (closes _held) => _lock for _in_flight; stop joins the hook
         threads before closing _held
-    Main -> _Models: constructor, activate(0), peers (start), describe (register), close (shutdown) =>
-        before the threads start / after they are joined; routing state under _Models._lock
+    Main -> _Models: constructor, start (activates the first model that loads), peers (start), describe
+        (register), close (shutdown) => before the threads start / after they are joined; routing state
+        under _Models._lock
     Scanner -> Pool: push: _heaps, _known, elsewhere, _taken => Pool._cond's lock; route is called under
-        it, on_queued outside it
+        it, _on_queued outside it
     Scanner -> _Models: queue_of (route cache, failed, *_elsewhere) => _Models._lock, taken under the
         Pool's lock (order: Pool, then _Models; nothing under _Models._lock takes another lock)
     Scanner -> Server / _WorkerLoads: _queued -> _outranked: reads the tops, preempts sessions =>
-        _WorkerLoads._lock (held for the list operation only); session.preempt() sets a flag
+        _WorkerLoads._lock (held for the list operation only); LlamaSession.preempt() sets a flag
     Scanner -> _ModelSwitch: wake => a threading.Event
     Worker-N -> Pool: get, done, retry_later, favor, top_priority, len, active => Pool._cond's lock
     Worker-N -> _WorkerLoads: its own load and top (write); every worker's (read) => _WorkerLoads._lock
@@ -173,8 +180,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Models -> _ModelSwitch: _parked, _generation, workers; failure => _cond (workers read without it: one
         int); failure read by Main only once stopped
     Models -> _Models: activate, load_ahead, load_failed, retries, turn, failures;
-        served[i].runner/sessions, active, since, loads, early_failed => routing state (failed, its
-        _LoadFailures, route cache, *_elsewhere) under _Models._lock; the loaded models, active, since,
+        served[i].runner/sessions, active, since, loads, early_failed => routing state (failed, each
+        _LoadFailure, route cache, *_elsewhere) under _Models._lock; the loaded models, active, since,
         loads, early_failed are changed by the Models thread alone
     Models -> Pool: heads, running, set_active, take_queue, set_aside, reroute => Pool._cond's lock
         (reroute calls _Models.retries under it)
@@ -191,8 +198,14 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         live daemon (this one included) holds is left alone (hold_orphan)
     Watcher -> _Registry: keep, dead, write => _Registry._lock around write and the rename in keep
     Watcher -> Pool, _Models: forget_gone, reroute(peers) => Pool's lock, then _Models._lock
-    Watcher -> Server: _running_jobs, status (stats, describe) => _stats_lock; describe under
-        _Models._lock
+    Watcher -> Server: _running_jobs, status (stats, describe) => _stats_lock
+    Watcher -> _Models: describe: served[i].runner/sessions and active read as they are, with no lock (the
+        Models thread changes them: a record a switch behind at worst); each runner's memory (see
+        model_memory); the routing state (failed) under _Models._lock
+    Watcher, loader -> LlamaRunner (memory, model_memory): _sessions (each with its _ContextSize),
+        weights_mib => _lock for the list; only plain numbers stated when the model and each context were
+        made (a session's _Embedder.buffers too), never the model or a context through llama.cpp: the
+        Models thread may be freeing them (close empties _sessions under _lock first)
     Hooks -> Hooks: lists hooks/done/, submits tasks; _held (hooks/' lock) => _lock for _in_flight and
         _errors (read as a copy); _held is the Hooks thread's until Main's stop joins it
     Hook-N -> Hooks: runs tasks: _in_flight, _procs, _unfinished, _errors => _lock; tasks come through a
@@ -205,9 +218,9 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         conversions => _grammars_lock, never held while a grammar is made
     Worker-N -> LlamaRunner: _pieces (token -> bytes cache) => no lock: a token's bytes are the same
         whoever stores them, and one dict get or set is atomic
-    Worker-N -> LlamaRunner: _sessions => _lock
-    Worker-N, Saver -> StateStore: _index, _pending, counts (find, restore, wants, save on the worker; _write,
-        evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
+    loader -> LlamaRunner: session, close: _sessions => _lock (model_memory reads them: above)
+    Worker-N, Saver -> StateStore: _index, _skipped, _pending, counts (find, restore, wants, save on the worker;
+        _write, evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
         under a temporary name first); the loader's close joins the Saver. A restore's crc is checked on a
         StateCheck thread of its own, joined by the worker before it closes the mapping
     Worker-N, Watcher -> Pool (waiting: children whose parent has not ended): released by a finish (the
@@ -216,12 +229,15 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         one borrower's decode at a time; a plain decode waits for it to end
     Grammar -> LlamaRunner (_convert), _Conversion: a conversion's found / error => written before its
         done Event is set; the waiting workers read them only after
-    any -> _CallThread (Grammar, Wide): its call queue => SimpleQueue (thread-safe); each call's result in
+    any -> _CallThread (Grammar, Wide): its call queue => a queue.SimpleQueue (thread-safe); each call's result in
         its own box, set before its Event
     Worker-N -> LlamaSession and what it holds: _Sequence, _Choices, _PrefixCache, _Batch,
         _SamplingScratch, _GrammarTemplates, _JobSampler, _Penalties, _Embedder, _Embedding: its llama
         context(s), KV cells, batch, samplers, slots => one worker's only (llama.cpp's rule: a context is
-        never shared between threads)
+        never shared between threads), but: made (LlamaRunner.session) and closed (LlamaRunner.close) by
+        the loader while no worker uses it (a switch parks every worker first); preempt (below); grammars
+        handed over by the Grammar thread (_Conversion, above); its _Embedder.buffers read by the
+        Watcher (model_memory: a dict made whole before the session's embedder is set, then never changed)
     Scanner, Worker-N (Server._outranked) -> _Preemption (LlamaSession.preempt): the one-byte abort flag
         => no lock: one byte written and read; a request that lands after the worker's clear cuts its next
         step, which the sequences take again (a cut step changes nothing)
@@ -229,8 +245,21 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         vocab_costs, asked) => confined: each worker counts with its own fork; the runner's shape is
         checked on the thread that makes it, then never counted with again (its elements and start, shared
         by the forks, never change)
-    Worker-N -> GrammarVocab: decoded (code points per partial character) => its own lock: one decodes,
-        the others wait for that
+    Worker-N -> GrammarVocab: decoded (code points per partial character) => GrammarVocab.lock: one
+        decodes, the others wait for that
+    any -> _Log (log.limited): _LIMITED => _LIMITED_LOCK
+    Main, Worker-N -> _checked (a schema or tools checked at submit, in parse_batch, at each claim):
+        _CHECKED => _CHECKED_LOCK around each read and each write (with its eviction), never held while a
+        check runs: two threads may check one key at once, and find the same
+    Main, Worker-N -> _python_class: _python_classes => no lock: filled whole by one update (threads that
+        race compute the same)
+    Main, loader -> gguf_strings: _gguf_headers => no lock: one get, one set or clear, each atomic (a
+        header two threads race for is read twice)
+    any (llama.cpp's log callback), loader, Worker-N -> _install_llama_logging, _new_context,
+        _llama_log_reason, _GrammarTemplates, LlamaRunner: _llama_log_tail => no lock: the callback appends
+        and cuts it to 5 lines, a call whose failure it explains clears it first, _llama_log_reason reads
+        one slice (at worst another thread's line is the reason given); _buffer_sizes => by thread: each
+        thread adds, fills (its callback) and removes its own entry
 """
 
 from __future__ import annotations
@@ -327,7 +356,9 @@ FAILURE_CODES = {
                    "limit, a result larger than the whole filesystem; a full disk is waited out, never counted): "
                    "the message names the last error; each failed finish handed it back to the queue unchanged",
     "parent_failed": "it continues a job (`parent`) that failed, was cancelled or is gone (cleaned): it did not run; "
-                     "`nrvna retry` the parent, then this job",
+                     "`nrvna retry` the parent, then this job. Also when the parent's files cannot make a "
+                     "conversation (past its bounds, a loop of parents, turns that are not turns): the message "
+                     "names the file",
     "model_error": "`llama_decode` itself failed (rare; every job in that batch fails, since they cannot be told "
                    "apart)",
     "runner_error": "the runner raised an unexpected exception (the message names it); the worker lives on",
@@ -473,17 +504,27 @@ def thinking_tags(value: str) -> Optional[tuple[str, str]]:
 
 
 def size_bytes(value: Any) -> int:
-    """A size setting (``NRVNA_CACHE_DISK``) in bytes: a whole number of bytes, or with K, M, G
-    or T (1024-based; ``KB``/``KiB`` also read); ConfigError otherwise."""
-    text = str(value).strip().upper().replace("IB", "").replace("B", "")
+    """A size setting (``NRVNA_CACHE_DISK``) in bytes: a number with K, M, G or T (1024-based;
+    ``KB``/``KiB`` also read), or with B for bytes; ConfigError otherwise. 0 is none. A number
+    with no unit under 1 MiB is refused (``500`` would be 500 bytes, surely not what was meant),
+    and so is a size that rounds to 0 bytes (0.5) but 0 itself. The message starts with the
+    value, as given: _check_setting puts the flag or variable in its place."""
+    spelled = str(value).strip().upper()
+    text = spelled.replace("IB", "").replace("B", "")
     number, unit = text.rstrip("KMGT"), text[len(text.rstrip("KMGT")):]
     try:
         amount = float(number)
     except ValueError:
         amount = -1.0
     if unit not in _SIZE_UNITS or not (0 <= amount < 1 << 50) or amount != amount:
-        raise ConfigError(f"{value!r} is not a size (bytes, or a number with K, M, G or T: 512M, 2G)")
-    return int(amount * _SIZE_UNITS[unit])
+        raise ConfigError(f"{value!r} is not a size (a number with K, M, G or T: 512M, 2G; 0 for none)")
+    size = int(amount * _SIZE_UNITS[unit])
+    if amount and not size:
+        raise ConfigError(f"{value!r} rounds to 0 bytes: write 0 for none, or a size with a unit (512M, 2G)")
+    if 0 < size < _MIB and not unit and text == spelled:  # no unit at all, not even B
+        raise ConfigError(f"{value!r} has no unit, so it would be {size} bytes: add one ({number.strip()}M, "
+                          f"{number.strip()}K), or write {number.strip()}B if bytes are meant")
+    return size
 
 
 def _check_size(value: Any) -> str:
@@ -522,9 +563,15 @@ def _check_setting(name: str, value: Any, flag: Optional[str] = None) -> Any:
     """``value`` checked and normalized, or ConfigError naming ``flag`` where the value came
     from that flag, else the setting's variable."""
     setting = SETTINGS[name]
-    if setting.check is not None:  # the setting's own: normalizes, or raises ConfigError
-        value = setting.check(value)
     given = f"{flag} {value!r}" if flag else f"{setting.env}={value!r}"
+    if setting.check is not None:  # the setting's own: normalizes, or raises ConfigError
+        try:
+            value = setting.check(value)
+        except ConfigError as err:  # one that starts with the value alone gets the flag or variable
+            if not str(err).startswith(repr(value)):
+                raise
+            raise ConfigError(given + str(err)[len(repr(value)):]) from None
+        given = f"{flag} {value!r}" if flag else f"{setting.env}={value!r}"
     if setting.kind is str:
         if setting.choices is not None and value not in setting.choices:
             raise ConfigError(f"{given} is not one of {', '.join(setting.choices)}")
@@ -634,9 +681,12 @@ SETTINGS: dict[str, _Setting] = {
 class Config:
     """Daemon settings: defaults, overridden by ``NRVNA_*`` variables, then by arguments."""
 
-    __slots__ = tuple(SETTINGS)
+    __slots__ = (*SETTINGS, "given")
 
     def __init__(self, **values: Any) -> None:
+        # setting -> how it was set, as from_env read it (`--max-memory 500M`, `NRVNA_WORKERS=2`),
+        # so that a refusal at start names what the user wrote
+        self.given: dict[str, str] = {}
         for name, setting in SETTINGS.items():
             setattr(self, name, setting.default)
         for name, value in values.items():
@@ -649,15 +699,25 @@ class Config:
         """Read every ``NRVNA_*`` variable; raise ConfigError naming the first bad one."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        given: dict[str, str] = {}
         for name, setting in SETTINGS.items():
             raw = environ.get(setting.env)
             if raw is not None and raw.strip() != "":
-                values[name] = _parse_setting(name, raw)
+                values[name], given[name] = _parse_setting(name, raw), f"{setting.env}={raw.strip()}"
         for name, value in overrides.items():  # the daemon's flags: an error names the flag given
             if value is not None:
                 flags = SETTINGS[name].flags if name in SETTINGS else ()
                 values[name] = _check_setting(name, value, flags[-1]) if flags else value
-        return cls(**values)
+                if flags:
+                    given[name] = f"{flags[-1]} {value}"
+        config = cls(**values)
+        config.given = given
+        return config
+
+    def named(self, name: str) -> str:
+        """Setting ``name`` as the user gave it (``--max-memory 500M``, ``NRVNA_MAX_MEMORY=500M``),
+        or its variable and value where it is the default."""
+        return self.given.get(name) or f"{SETTINGS[name].env}={getattr(self, name)}"
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a plain dict (for logs and tests)."""
@@ -953,22 +1013,30 @@ def _remove_tree(path: str) -> None:
 SCHEMA_MAX_REPEAT = 500
 
 # Schemas and grammars already checked in this process (a batch file repeats one schema on
-# every line): key -> the error message, or None when it passed.
+# every line): key -> the error message, or None when it passed. Every worker's claim checks its
+# job's schema, so the cache is read and evicted from many threads: only under _CHECKED_LOCK,
+# never held while a check runs (two threads may check one key at once: they find the same).
 _CHECKED: dict[Any, Optional[str]] = {}
+_CHECKED_LOCK = threading.Lock()
+_CHECKED_MAX = 256
 
 
 def _checked(key: Any, check: Callable[[], None]) -> None:
     """Run ``check`` once per distinct ``key`` (a schema's or grammar's text)."""
-    if key not in _CHECKED:
+    with _CHECKED_LOCK:
+        known = key in _CHECKED
+        error = _CHECKED.get(key)
+    if not known:
         try:
             check()
-            _CHECKED[key] = None
         except InvalidInput as err:
-            _CHECKED[key] = str(err)
-        if len(_CHECKED) > 256:
-            _CHECKED.pop(next(iter(_CHECKED)))
-    if _CHECKED[key] is not None:
-        raise InvalidInput(_CHECKED[key])
+            error = str(err)
+        with _CHECKED_LOCK:
+            _CHECKED[key] = error
+            while len(_CHECKED) > _CHECKED_MAX:
+                _CHECKED.pop(next(iter(_CHECKED)))
+    if error is not None:
+        raise InvalidInput(error)
 
 
 # ============================================================================
@@ -4069,10 +4137,30 @@ def check_combination(params: Mapping[str, Any], max_tokens: Optional[int] = Non
                 raise InvalidInput(f"{key} is for embed jobs (give embed: true, or submit --embed)")
 
 
+def tool_answers(turns: list[dict[str, Any]], calls: Optional[Iterable[str]], made: Optional[str] = None) -> None:
+    """Every ``tool`` turn answers a call of the assistant turn it follows (other tool turns
+    between them), as OpenAI's chat requires: InvalidInput naming the first that does not.
+    ``calls``: the IDs of the calls that ``made`` (a parent's answer) made, which tool turns first
+    in ``turns`` answer; ``()`` for none; None while they are not known (then they are not checked)."""
+    called = None if calls is None else set(calls)
+    for i, turn in enumerate(turns):
+        if turn["role"] == "assistant":
+            called, made = {call["id"] for call in turn.get("tool_calls") or []}, f"messages[{i}]"
+        elif turn["role"] == "user":
+            called, made = set(), None
+        elif turn["role"] == "tool" and called is not None and turn["tool_call_id"] not in called:
+            said = f"messages[{i}] answers tool call {turn['tool_call_id']!r}"
+            if made is None:
+                raise InvalidInput(f"{said}, but no assistant turn's calls come right before it (a tool turn "
+                                   "answers the calls of the assistant turn it follows)")
+            raise InvalidInput(f"{said}, which {made} did not make (its calls: "
+                               f"{', '.join(sorted(called)[:8]) or 'none'})")
+
+
 def _check_tool_use(params: Mapping[str, Any]) -> None:
     """What tools go with: a choice naming one of them; no other constraint, stop string or raw
-    prompt unless the choice is none; every tool answer after the call it answers (those before
-    any assistant turn answer the parent's calls)."""
+    prompt unless the choice is none; every tool answer right after the call it answers (see
+    tool_answers)."""
     tools, choice = job_param(params, "tools"), job_param(params, "tool_choice")
     if not tools:
         for key in ("tool_choice", "parallel_tool_calls"):
@@ -4092,14 +4180,9 @@ def _check_tool_use(params: Mapping[str, Any]) -> None:
             if job_param(params, "stop"):
                 raise InvalidInput("tools cannot be combined with stop (unless tool_choice is none): a stop string "
                                    "inside a call would cut it short")
-    # Tool turns before any assistant turn answer the calls a parent job made (--parent).
-    called: Optional[set[str]] = None
-    for i, turn in enumerate(job_param(params, "messages") or []):
-        if turn["role"] == "assistant":
-            called = (called or set()) | {call["id"] for call in turn.get("tool_calls") or []}
-        if turn["role"] == "tool" and called is not None and turn["tool_call_id"] not in called:
-            raise InvalidInput(f"messages[{i}] answers tool call {turn['tool_call_id']!r}, which no earlier "
-                               "assistant turn made")
+    # Tool turns first answer the calls of the parent's answer, known only with the workspace (a
+    # batch line's parent may come from --parent): the submit and the claim check them (_check_parents).
+    tool_answers(job_param(params, "messages") or [], None)
 
 
 def check_inputs(texts: Any, limit: int = 2048) -> list[str]:
@@ -4322,6 +4405,18 @@ GENERATED_ID = re.compile(r"(\d+)_(\d+)_(\d+)")
 DIR_MODE = 0o700
 
 
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 53
+
+
+def _is_time(value: Any) -> bool:
+    return type(value) in (int, float) and 0 <= value < 1e12  # NaN fails both comparisons
+
+
+def _is_text(value: Any) -> bool:
+    return type(value) is str and len(value) <= 1 << 16
+
+
 def parse_meta(text: Optional[str]) -> dict[str, Any]:
     """meta.json's text as a dict ({} when absent or unreadable)."""
     import json
@@ -4520,6 +4615,38 @@ def daemon_alive(workspace: str, name: str) -> bool:
     return False
 
 
+def _is_texts(value: Any) -> bool:
+    return type(value) is list and all(_is_text(item) for item in value)
+
+
+# What each field of a daemon's record (daemons/<name>.json) that other processes read must be:
+# one of another daemon's (a clash at start, routing, waits) or a client's (model names, `status
+# --daemon`). A daemon writes its own; a field planted over it with another type is read as
+# absent, and so is a model entry's.
+DAEMON_RECORD_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "pid": _is_count, "gpu": lambda value: type(value) is int, "models_dir": _is_text, "kinds": _is_texts,
+    "models": lambda value: type(value) is list,
+    "aliases": lambda value: type(value) is dict and all(map(_is_text, value.values())),
+    "hooks": lambda value: type(value) is dict and all(v is None or _is_text(v) for v in value.values()),
+}
+DAEMON_MODEL_FIELDS: dict[str, Callable[[Any], bool]] = {
+    **dict.fromkeys(("name", "kind", "load_error"), _is_text),
+    "path": lambda value: value is None or _is_text(value),  # None: a runner given in-process
+    **dict.fromkeys(("load_failures", "max_load_failures"), _is_count),
+    "retry_at": _is_time, "active": lambda value: type(value) is bool,
+}
+
+
+def _checked_record(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with each field of DAEMON_RECORD_FIELDS (and each model's) present only if it is
+    as a daemon writes it."""
+    record = {k: v for k, v in record.items() if k not in DAEMON_RECORD_FIELDS or DAEMON_RECORD_FIELDS[k](v)}
+    if "models" in record:
+        record["models"] = [{k: v for k, v in m.items() if k not in DAEMON_MODEL_FIELDS or DAEMON_MODEL_FIELDS[k](v)}
+                            for m in record["models"] if type(m) is dict]
+    return record
+
+
 def daemon_records(workspace: str) -> list[dict[str, Any]]:
     """Every live daemon's record (its daemons/<name>.json: pid, models, GPU, figures), oldest
     first; ``{"pid", "name", "starting": True}`` for one that has not written it yet. A
@@ -4535,6 +4662,7 @@ def daemon_records(workspace: str) -> list[dict[str, Any]]:
         except OSError:
             record = {}
         pid = name.split("-")[0]
+        record = _checked_record(record)
         records.append(dict(record, name=name) if record else
                        {"pid": int(pid) if pid.isdigit() else -1, "name": name, "starting": True})
     return records
@@ -4548,6 +4676,21 @@ def daemon_records(workspace: str) -> list[dict[str, Any]]:
 
 
 _id_counter = itertools.count()
+
+# What each field of meta.json that nrvna reads back must be. A hand-made, damaged or older
+# meta.json may hold anything: a field whose value is not so is read as absent (job_meta), so
+# no reader (recovery at start, export, events, hooks, retry) meets a type it does not expect.
+META_FIELDS: dict[str, Callable[[Any], bool]] = {
+    **dict.fromkeys(("attempts", "write_failures", "retries", "prompt_tokens", "generated_tokens",
+                     "reasoning_tokens", "prompt_computed"), _is_count),
+    **dict.fromkeys(("submitted", "started", "finished"), _is_time),
+    **dict.fromkeys(("id", "code", "finish_reason", "model", "worker", "daemon", "thinking_closed",
+                     "last_write_error"),
+                    _is_text),
+    "events": lambda value: type(value) is list,  # each entry checked by job_history
+    "errors": lambda value: type(value) is list and all(type(entry) is dict for entry in value),
+    "prompt_reused": lambda value: type(value) is dict and all(_is_count(n) for n in value.values()),
+}
 
 
 def generate_id() -> str:
@@ -4606,10 +4749,20 @@ def parent_unfinished(workspace: str, job_id: Optional[str]) -> bool:
     return job_id is not None and locate_job(workspace, job_id)[0] in (Status.Queued, Status.Running)
 
 
+def job_meta(text: Optional[str]) -> dict[str, Any]:
+    """meta.json's text as a dict, each field of META_FIELDS present only if it is as nrvna
+    writes it; other fields (the user's) as they are."""
+    meta = parse_meta(text)
+    for name, valid in META_FIELDS.items():
+        if name in meta and not valid(meta[name]):
+            del meta[name]
+    return meta
+
+
 def read_meta(dir_fd: int) -> dict[str, Any]:
-    """The meta.json of the job directory open as ``dir_fd`` ({} when it has none)."""
+    """The meta.json of the job directory open as ``dir_fd`` ({} when it has none), as job_meta reads it."""
     try:
-        return parse_meta(read_file(dir_fd, META_FILE, 1 << 20).decode("utf-8", "replace"))
+        return job_meta(read_file(dir_fd, META_FILE, 1 << 20).decode("utf-8", "replace"))
     except (FileNotFoundError, JobError):
         return {}
 
@@ -4715,8 +4868,8 @@ def job_history(meta: Mapping[str, Any], state: Status, submitted: Optional[floa
     ``submitted``, reconciled with where the job is now (``state``; see above)."""
     history: list[list[Any]] = [[submitted or 0.0, "queued"]]
     for entry in meta.get("events") or ():
-        if (isinstance(entry, list) and len(entry) in (2, 3) and isinstance(entry[0], (int, float))
-                and entry[1] in EVENT_STATUS):
+        if (type(entry) is list and len(entry) in (2, 3) and _is_time(entry[0]) and _is_text(entry[1])
+                and entry[1] in EVENT_STATUS and (len(entry) == 2 or _is_text(entry[2]))):
             history.append(list(entry))
     last = history[-1][1]
     if (len(history) > 1 and EVENT_STATUS[last] is not state and last in _WRITTEN_BEFORE_MOVE
@@ -4827,10 +4980,8 @@ def _all_jobs(workspace: str) -> list[str]:
     return sorted(set().union(*(_folder_entries(workspace, sub) for sub, _ in STATE_DIRS)), key=order_key)
 
 
-def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str]]]) -> None:
-    """Record durably that ``rows`` (id, custom_id) carry ``tag``, before they are published."""
-    import json
-
+def _tag_folder(workspace: str, tag: str) -> str:
+    """tags/<tag>/, made (private, as the workspace) if it is not there yet."""
     folder = os.path.join(workspace, TAGS, tag)
     for path in (os.path.dirname(folder), folder):
         try:
@@ -4838,6 +4989,14 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
             os.chmod(path, DIR_MODE)  # mkdir's mode is masked by the umask: keep the workspace private
         except FileExistsError:
             pass
+    return folder
+
+
+def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str]]]) -> None:
+    """Record durably that ``rows`` (id, custom_id) carry ``tag``, before they are published."""
+    import json
+
+    folder = _tag_folder(workspace, tag)
     fd = open_dir(folder)
     try:
         data = "".join(json.dumps([job_id, cid], ensure_ascii=False) + "\n" for job_id, cid in rows)
@@ -4984,8 +5143,8 @@ def resolve_model(name: str, models_dir: str, aliases: Optional[Mapping[str, str
 # 7.5 Idempotency keys and tags
 # ============================================================================
 # keys/ maps a submit's key to its one job (a link, and a holder's file while it publishes);
-# tags/ lists the jobs of a tag. Invariant: one key names one job however many submits race; a
-# tag's list may name jobs since removed (readers check).
+# tags/ lists the jobs of a tag, and the --shard it was created with. Invariant: one key names one
+# job however many submits race; a tag's list may name jobs since removed (readers check).
 
 
 # A key written by an older nrvna names no holder: its client's life cannot be proven, so its
@@ -4993,6 +5152,10 @@ def resolve_model(name: str, models_dir: str, aliases: Optional[Mapping[str, str
 KEY_PENDING_SECONDS = 30.0
 KEY_WAIT_NOTICE_SECONDS = 2.0  # a submit waiting on another live one says so after this long
 HOLDER_PATTERN = re.compile(r"\.holder-[0-9]+-[0-9a-f]{8}")
+# The largest tag index file a submit writes is one chunk of 2,000 rows, each a job ID and a
+# custom_id of at most 512 characters (6 bytes each as JSON at worst): under 7 MB. Read no more.
+TAG_INDEX_BYTES = 16 << 20
+SHARD_RECORD = "shard"  # tags/<tag>/shard: "I/N", the --shard a batch's tag was created with
 
 
 def dedupe_key(prompt: Any, params: Mapping[str, Any]) -> str:
@@ -5134,10 +5297,16 @@ def _parse_key(text: str) -> tuple[str, Optional[str]]:
 
 
 def _read_key(path: str) -> tuple[str, Optional[str], float]:
-    """The job ID a key names, its holder (see _KeyHolder) and the key's age in seconds."""
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        job_id, holder = _parse_key(handle.read(1024))
-    return job_id, holder, time.time() - os.stat(path).st_mtime
+    """The job ID a key names, its holder (see _KeyHolder) and the key's age in seconds. Not
+    blocking, not following a link: a FIFO planted in keys/ reads as a key naming no job."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        text = os.read(fd, 1024).decode("utf-8", "replace") if stat.S_ISREG(info.st_mode) else ""
+    finally:
+        os.close(fd)
+    job_id, holder = _parse_key(text)
+    return job_id, holder, time.time() - info.st_mtime
 
 
 def _drop_stale_key(path: str, job_id: str) -> None:
@@ -5149,12 +5318,11 @@ def _drop_stale_key(path: str, job_id: str) -> None:
     except FileNotFoundError:
         return  # another client removed it
     try:
-        with open(aside, encoding="utf-8", errors="replace") as handle:
-            if _parse_key(handle.read(1024))[0] != job_id:
-                try:
-                    os.link(aside, path)  # a fresh key, not the stale one: restore it
-                except FileExistsError:
-                    pass
+        if _read_key(aside)[0] != job_id:
+            try:
+                os.link(aside, path)  # a fresh key, not the stale one: restore it
+            except FileExistsError:
+                pass
     finally:
         _unlink_quietly(aside, None)
 
@@ -5211,10 +5379,78 @@ def _prune_keys(workspace: str) -> None:
             continue
         try:
             job_id, holder, age = _read_key(path)
-        except (FileNotFoundError, IsADirectoryError):
-            continue
+        except OSError:
+            continue  # removed meanwhile, or not a key nrvna wrote (a directory, a link): left alone
         if _key_job_state(workspace, job_id, holder, age) == (False, None):
             _drop_stale_key(path, job_id)
+
+
+def tag_shard(workspace: str, tag: str) -> Optional[tuple[int, int]]:
+    """The shard (I, N) ``tag`` was created with by ``submit --file --shard`` (its SHARD_RECORD),
+    or None: created without --shard, or before tags recorded it. InvalidInput naming a
+    record that holds no I/N (damaged, or planted)."""
+    path = os.path.join(workspace, TAGS, tag, SHARD_RECORD)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise InvalidInput(f"{path}: cannot read the shard tag {tag} was created with ({_os_error(err)})") from None
+    try:
+        text = os.read(fd, 64).decode("ascii", "replace").strip()
+    except OSError as err:
+        raise InvalidInput(f"{path}: cannot read the shard tag {tag} was created with ({_os_error(err)})") from None
+    finally:
+        os.close(fd)
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and 0 <= int(index) < int(count)):
+        raise InvalidInput(f"{path} holds {text[:20]!r}, not the I/N of the shard tag {tag} was created with "
+                           "(damaged: give the batch another --tag)")
+    return int(index), int(count)
+
+
+def claim_tag_shard(workspace: str, tag: str, shard: Optional[tuple[int, int]]) -> None:
+    """Check a batch file's ``shard`` (None: the whole file) against the one ``tag`` was
+    created with, and record it when this submit creates the tag: one tag holds one shard of
+    one sharding (0/3 then 0/2 under one tag mixed two). InvalidInput naming both when they
+    differ. A tag with no record (made before records, or by a submit without --shard) takes
+    any shard, as before. The record is linked, never replaced: of two submits creating one
+    tag at once, the second is checked against the first."""
+    recorded = tag_shard(workspace, tag)
+    if recorded is None:
+        if shard is None or _tag_known(workspace, tag):
+            return
+        if _link_shard_record(workspace, tag, shard):
+            return
+        recorded = tag_shard(workspace, tag)  # another submit's, linked since the first look
+    if recorded is not None and recorded != shard:
+        given = "no --shard (the whole file)" if shard is None else f"--shard {shard[0]}/{shard[1]}"
+        raise InvalidInput(f"tag {tag} was created with --shard {recorded[0]}/{recorded[1]}, this submit gives "
+                           f"{given}: one tag holds one shard (give --shard {recorded[0]}/{recorded[1]} to resume it, "
+                           "or another --tag)")
+
+
+def _link_shard_record(workspace: str, tag: str, shard: tuple[int, int]) -> bool:
+    """Write ``tag``'s SHARD_RECORD durably unless one exists (False then): a temporary file,
+    fsynced, hard-linked to its name (link() never replaces)."""
+    ensure_workspace(workspace)
+    folder = _tag_folder(workspace, tag)
+    temp = os.path.join(folder, f".{SHARD_RECORD}-{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
+    try:
+        write_all(fd, f"{shard[0]}/{shard[1]}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(temp, os.path.join(folder, SHARD_RECORD))
+    except FileExistsError:
+        return False
+    finally:
+        _unlink_quietly(temp, None)
+    fsync_dir(folder)
+    fsync_dir(os.path.dirname(folder))
+    return True
 
 
 def tag_members(workspace: str, tag: str) -> list[tuple[str, Optional[str]]]:
@@ -5232,24 +5468,38 @@ def iter_tag_members(workspace: str, tag: str) -> Iterator[list[tuple[str, Optio
 
 
 def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, Optional[str]]]]]:
-    """(file name, rows) of each index file of ``tag``, oldest first."""
+    """(file name, rows) of each index file of ``tag``, oldest first. An index file that is not
+    as a submit writes it (a symlink, a FIFO, over TAG_INDEX_BYTES, not lines of ``[job ID,
+    custom_id or null]``) is a WorkspaceError naming it: its tag cannot be read whole, and
+    reading the rest of it would give a wrong answer (a batch `wait` ending early)."""
     import json
 
     folder = os.path.join(workspace, TAGS, tag)
     try:
         names = [n for n in os.listdir(folder) if n.endswith(".ids") and not n.startswith(".")]
+        dir_fd = open_dir(folder)
     except FileNotFoundError:
         return
-    for name in sorted(names):
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as handle:
-                text = handle.read().rstrip("\n")
-            rows = json.loads(f"[{text.replace(chr(10), ',')}]")  # one parse per file
-        except FileNotFoundError:
-            continue  # removed meanwhile (clean)
-        except (OSError, ValueError) as err:
-            raise WorkspaceError(f"tag index {folder}/{name} is unreadable: {err}") from None
-        yield name, [(job_id, cid) for job_id, cid in rows]
+    except OSError as err:
+        raise WorkspaceError(f"tag index {folder} is unreadable: {_os_error(err)}") from None
+    try:
+        for name in sorted(names):
+            try:
+                text = read_file(dir_fd, name, TAG_INDEX_BYTES).decode("utf-8").rstrip("\n")
+                rows = json.loads(f"[{text.replace(chr(10), ',')}]")  # one parse per file
+            except FileNotFoundError:
+                continue  # removed meanwhile (clean)
+            except (OSError, ValueError, JobError) as err:
+                why = _os_error(err) if isinstance(err, OSError) else str(err)
+                raise WorkspaceError(f"tag index {folder}/{name} is unreadable: {why}") from None
+            for line, row in enumerate(rows, 1):
+                if not (isinstance(row, list) and len(row) == 2 and is_valid_id(row[0])
+                        and (row[1] is None or isinstance(row[1], str))):
+                    raise WorkspaceError(f"tag index {folder}/{name} is not nrvna's: line {line} is not "
+                                         "[job ID, custom_id or null]")
+            yield name, [(job_id, cid) for job_id, cid in rows]
+    finally:
+        os.close(dir_fd)
 
 
 # ============================================================================
@@ -5261,6 +5511,12 @@ def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, 
 
 # Why a done job's generation ended (OpenAI's names): its end, its max_tokens, or its tool calls.
 FINISH_REASONS = ("stop", "length", "tool_calls")
+
+# The most turns a child's whole conversation may hold, counted before anything is rendered. One
+# submit's messages hold at most 4,096 turns (PARAMS); a chain adds two with every child (its
+# message, its answer), bounded otherwise by the model's context only. Rendering grows faster
+# than the turns: on SmolLM2 16,384 turns render in about 3 s, a crafted 80,000 held a worker 2 minutes.
+CONVERSATION_TURNS = 4 * 4096
 
 
 class Job(namedtuple("Job", "id status prompt result error meta params logprobs choices reasoning message",
@@ -5308,12 +5564,23 @@ def _read_choices(text: Optional[str]) -> Optional[list[dict[str, Any]]]:
     return choices
 
 
+def _calls_shape(calls: Any) -> bool:
+    """Whether ``calls`` are an assistant turn's tool calls as nrvna writes them (see _check_call)."""
+    if not (isinstance(calls, list) and calls):
+        return False
+    try:
+        for k, call in enumerate(calls):
+            _check_call(call, f"tool_calls[{k}]")
+    except InvalidInput:
+        return False
+    return True
+
+
 def _read_message(text: Optional[str]) -> Optional[dict[str, Any]]:
     """tool_calls.json's ``{"content", "tool_calls"}``, or None (no file; a damaged one)."""
     message = _json_or_none(text, None)
-    if not (isinstance(message, dict) and isinstance(message.get("tool_calls"), list) and message["tool_calls"]
-            and isinstance(message.get("content"), (str, type(None)))
-            and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in message["tool_calls"])):
+    if not (isinstance(message, dict) and _calls_shape(message.get("tool_calls"))
+            and isinstance(message.get("content"), (str, type(None)))):
         return None
     return message
 
@@ -5329,8 +5596,10 @@ def _turns_shape(turns: Any) -> bool:
     """Whether ``turns`` is a conversation as nrvna writes it (a hand-made file may not be)."""
     return isinstance(turns, list) and bool(turns) and all(
         isinstance(t, dict) and t.get("role") in ROLES and (isinstance(t.get("content"), str) or (
-            t.get("content") is None and isinstance(t.get("tool_calls"), list)))
-        and (t.get("role") != "tool" or isinstance(t.get("tool_call_id"), str)) for t in turns)
+            t.get("content") is None and t.get("tool_calls") is not None))
+        and (t.get("tool_calls") is None or (t["role"] == "assistant" and _calls_shape(t["tool_calls"])))
+        and (t["role"] != "tool" or isinstance(t.get("tool_call_id"), str))
+        and isinstance(t.get("name", ""), str) for t in turns)
 
 
 def _json_or_none(text: Optional[str], missing: Any) -> Any:
@@ -5345,17 +5614,94 @@ def _json_or_none(text: Optional[str], missing: Any) -> Any:
         return None
 
 
-def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Optional[list[dict[str, str]]]:
+def _ancestor_failed(workspace: str, parent: str, job_id: str, status: Status, path: str) -> JobError:
+    """parent_failed for an ancestor that is not done: failed, cancelled or gone."""
+    what = f"its parent {parent}" if job_id == parent else f"its parent's ancestor {job_id}"
+    if status is Status.Missing:
+        return JobError("parent_failed", f"{what} is gone (cleaned or removed): nothing to continue")
+    code = ""
+    try:
+        fd = open_dir(path)
+        try:
+            code = str(read_meta(fd).get("code") or "")
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    import shlex
+
+    return JobError("parent_failed", f"{what} failed{f' ({code})' if code else ''}: "
+                                     f"nrvna retry {shlex.quote(workspace)} {job_id}, then this job")
+
+
+def _ancestor_files(job_id: str, path: str, budget: int, limit: int) -> tuple[dict[str, Optional[str]], int]:
+    """The files of the done job ``job_id`` (at ``path``) that its conversation is made of (None:
+    not there, or not a regular file), and the bytes they took of ``budget``, what is left of
+    ``limit``: JobError parent_failed naming a file larger than that."""
+    try:
+        fd = open_dir(path)
+    except OSError as err:
+        raise JobError("parent_failed", f"cannot read its ancestor {job_id}: {_os_error(err)}") from None
+    files: dict[str, Optional[str]] = {}
+    used = 0
+    try:
+        for name in (CONVERSATION_FILE, PROMPT_FILE, PARAMS_FILE, RESULT_FILE, TOOL_CALLS_FILE):
+            files[name] = None
+            try:
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISREG(info.st_mode) and info.st_size > budget - used:
+                    raise JobError("parent_failed", f"{os.path.join(path, name)} is {info.st_size:,} bytes: its "
+                                   f"conversation is over the {limit:,} bytes a child reads (its parent's files in all)")
+                data = read_file(fd, name, budget - used)
+            except (FileNotFoundError, JobError) as err:
+                if isinstance(err, JobError) and err.code == "parent_failed":
+                    raise
+                continue  # not there, a symbolic link, a FIFO: as if not written
+            except OSError as err:
+                raise JobError("parent_failed", f"cannot read {os.path.join(path, name)}: {_os_error(err)}") from None
+            used += len(data)
+            files[name] = data.decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+    return files, used
+
+
+def _ancestor_turns(job_id: str, path: str, files: Mapping[str, Optional[str]], parent: bool) -> list[dict[str, Any]]:
+    """The turns of the done job ``job_id`` rebuilt from its prompt, params.json and answer (its
+    conversation.json missing or damaged), its own parents' left out; ``parent``: it is the
+    child's parent (else an ancestor further up)."""
+    params = _json_or_none(files[PARAMS_FILE], {})
+    if not isinstance(params, dict) or files[PROMPT_FILE] is None or files[RESULT_FILE] is None:
+        raise JobError("parent_failed", f"its ancestor {job_id} cannot be read (no prompt, result or "
+                                        "valid params.json)")
+    if job_param(params, "raw") or job_param(params, "embed"):
+        raise JobError("bad_request", f"its {'parent' if parent else 'ancestor'} {job_id} is "
+                                      f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to continue")
+    try:  # the parameters its turns are made of, as a submit checks them (the file may be hand-made)
+        own = {key: PARAMS[key].validate(key, params[key]) for key in ("messages", "system")
+               if params.get(key) is not None}
+    except InvalidInput as err:
+        raise JobError("parent_failed", f"{os.path.join(path, PARAMS_FILE)}: {err}") from None
+    return conversation_turns(files[PROMPT_FILE], own, files[RESULT_FILE], _read_message(files[TOOL_CALLS_FILE])) or []
+
+
+def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Optional[list[dict[str, Any]]]:
     """The conversation a child of ``parent`` continues: the parent's conversation.json, or,
     for a parent finished before that file existed (or with a damaged one), its turns rebuilt
     through its own parents. None while the parent is queued or running. JobError
-    ``parent_failed`` for a failed, cancelled or missing ancestor, ``bad_request`` for one with
-    no turns (raw, embed). ``limit``: the most bytes read of one file."""
-
-    chain: list[tuple[str, str, dict[str, Any], str, Any]] = []  # (id, prompt, params, answer, calls), child first
-    base: list[dict[str, str]] = []
+    ``parent_failed`` for a failed, cancelled or missing ancestor, and for files that cost too
+    much before anything is rendered (over ``limit`` bytes read in all, over CONVERSATION_TURNS
+    turns) or loop (params.json naming an ancestor as parent), naming the file; ``bad_request``
+    for an ancestor with no turns (raw, embed)."""
+    chain: list[list[dict[str, Any]]] = []  # each ancestor's own turns, the parent's first
+    base: list[dict[str, Any]] = []
+    seen: dict[str, str] = {}  # an ancestor -> its directory
     job_id: Optional[str] = parent
+    budget, count, child = limit, 0, ""
     while job_id is not None:
+        if job_id in seen:
+            raise JobError("parent_failed", f"its chain of parents loops: {os.path.join(seen[child], PARAMS_FILE)} "
+                                            f"names {job_id} as its parent, which descends from it (a hand-made file)")
         status, path = locate_job(workspace, job_id)
         if status in (Status.Queued, Status.Running):
             if job_id == parent:
@@ -5363,50 +5709,25 @@ def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Op
             raise JobError("parent_failed", f"its ancestor {job_id} is {status.value} again (retried): "
                                             "retry this job once it is done")
         if status is not Status.Done:
-            what = f"its parent {parent}" if job_id == parent else f"its parent's ancestor {job_id}"
-            if status is Status.Missing:
-                raise JobError("parent_failed", f"{what} is gone (cleaned or removed): nothing to continue")
-            code = ""
-            try:
-                fd = open_dir(path)
-                try:
-                    code = str(read_meta(fd).get("code") or "")
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
-            raise JobError("parent_failed", f"{what} failed{f' ({code})' if code else ''}: "
-                                            f"nrvna retry {job_id}, then this job")
-        try:
-            fd = open_dir(path)
-        except OSError as err:
-            raise JobError("parent_failed", f"cannot read its ancestor {job_id}: {_os_error(err)}") from None
-        try:
-            files = {}
-            for name in (CONVERSATION_FILE, PROMPT_FILE, PARAMS_FILE, RESULT_FILE, TOOL_CALLS_FILE):
-                try:
-                    files[name] = read_file(fd, name, limit).decode("utf-8", "replace")
-                except (FileNotFoundError, JobError):
-                    files[name] = None
-        finally:
-            os.close(fd)
-        turns, params = (_json_or_none(files[name], default) for name, default in ((CONVERSATION_FILE, None),
-                                                                                     (PARAMS_FILE, {})))
+            raise _ancestor_failed(workspace, parent, job_id, status, path)
+        seen[job_id] = path
+        files, used = _ancestor_files(job_id, path, budget, limit)
+        budget -= used
+        turns = _json_or_none(files[CONVERSATION_FILE], None)
+        if isinstance(turns, list) and count + len(turns) > CONVERSATION_TURNS:
+            raise JobError("parent_failed", f"{os.path.join(path, CONVERSATION_FILE)} holds {len(turns):,} turns: "
+                                            f"with its children's, over the {CONVERSATION_TURNS:,} a conversation may hold")
         if _turns_shape(turns):
             base = turns
             break
-        if not isinstance(params, dict) or files[PROMPT_FILE] is None or files[RESULT_FILE] is None:
-            raise JobError("parent_failed", f"its ancestor {job_id} cannot be read (no prompt, result or "
-                                            "valid params.json)")
-        if job_param(params, "raw") or job_param(params, "embed"):
-            raise JobError("bad_request", f"its {'parent' if job_id == parent else 'ancestor'} {job_id} is "
-                                          f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to continue")
-        chain.append((job_id, files[PROMPT_FILE], params, files[RESULT_FILE], _read_message(files[TOOL_CALLS_FILE])))
-        job_id = params.get("parent") if isinstance(params.get("parent"), str) else None
-        if len(chain) > 100_000:
-            raise JobError("parent_failed", f"its chain of parents is over 100,000 jobs long at {job_id}")
-    for _, prompt, params, answer, message in reversed(chain):
-        own = conversation_turns(prompt, {k: v for k, v in params.items() if k != "parent"}, answer, message) or []
+        chain.append(_ancestor_turns(job_id, path, files, job_id == parent))
+        count += len(chain[-1])
+        if count > CONVERSATION_TURNS:
+            raise JobError("parent_failed", f"its ancestors' turns, rebuilt up to {job_id}, are over the "
+                                            f"{CONVERSATION_TURNS:,} a conversation may hold")
+        params = _json_or_none(files[PARAMS_FILE], {})
+        child, job_id = job_id, (params.get("parent") if isinstance(params.get("parent"), str) else None)
+    for own in reversed(chain):
         base = continued_turns(base, own) if base else own
     return base
 
@@ -5459,21 +5780,24 @@ class _DirWatch:
 # ============================================================================
 # 7.7 Saved states on disk: the file format
 # ============================================================================
-# A saved KV state (StateStore, §11.6) is one file, states/HASH.kv: magic, header length, a JSON
-# header (fingerprint, source job, counts), its tokens (int32 LE), llama.cpp's per-sequence state,
-# a crc32 of all before it. Written whole (temporary name, fsync, rename): a torn or damaged file
-# fails its crc and is a miss. Stateless; any thread.
+# A saved KV state (StateStore, §11.6) is one file, states/HASH.kv: magic, header length, JSON header
+# (fingerprint, job, owner, counts: checked against the file's size first), tokens (int32 LE), the
+# per-sequence state, a crc32. Written whole: torn or damaged, it is a miss. Only a file with the magic
+# (a temporary one: named exactly as nrvna names it) is nrvna's to touch. Stateless; any thread.
 
 
 STATES = "states"  # the workspace's folder of saved KV states (NRVNA_CACHE_DIR names another)
 STATE_MAGIC = b"NRVNAKV1"
 STATE_SUFFIX = ".kv"
 STATE_TEMP_PREFIX = ".tmp-"
+STATE_TEMP = re.compile(r"\.tmp-([0-9]{1,10})-[0-9a-f]{40}\.kv\.part")  # a save's temporary file (the writer's pid)
 STATE_HEADER_LIMIT = 1 << 16
+STATE_TOKENS_LIMIT = 1 << 24  # most tokens a state covers (NRVNA_CACHE_MIN_TOKENS's own bound; no context is longer)
 
 # A saved state as its header describes it: its file name, fingerprint, source job, the tokens
-# it covers (an array of int32), the state's length in bytes, the file's size and mtime.
-StateHead = namedtuple("StateHead", "name fingerprint job tokens blob size mtime")
+# it covers (an array of int32), the state's length in bytes, the file's size and mtime, and its
+# owner (state_owner: the workspace whose daemon wrote it; "" in a state saved before owners were).
+StateHead = namedtuple("StateHead", "name fingerprint job tokens blob size mtime owner", defaults=("",))
 
 
 def _is_state_name(name: str) -> bool:
@@ -5484,6 +5808,15 @@ def _is_state_name(name: str) -> bool:
 def states_folder(workspace: str, cache_dir: str = "") -> str:
     """Where a workspace's saved states live: NRVNA_CACHE_DIR, else its states/."""
     return cache_dir or os.path.join(workspace, STATES)
+
+
+def state_owner(workspace: str) -> str:
+    """Who a state saved by ``workspace``'s daemons belongs to, in its header: a hash of the
+    workspace's real path (a folder shared by workspaces names none of their paths). A daemon's
+    NRVNA_CACHE_DISK bound counts and evicts its own workspace's states only."""
+    import hashlib
+
+    return hashlib.sha256(os.path.realpath(workspace).encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def _le_tokens(tokens: Any) -> bytes:
@@ -5497,13 +5830,18 @@ def _le_tokens(tokens: Any) -> bytes:
 
 def state_name(fingerprint: str, tokens: Any) -> str:
     """A state's file name: it names its content (two daemons saving the same context write the
-    same bytes under the same name)."""
+    same state under the same name)."""
     import hashlib
 
     return hashlib.sha256(fingerprint.encode("utf-8") + b"\0" + _le_tokens(tokens)).hexdigest()[:40] + STATE_SUFFIX
 
 
-def state_buffer(fingerprint: str, job_id: str, tokens: Any, blob: int) -> tuple[Any, int]:
+def state_temp_name(name: str) -> str:
+    """The temporary name a state is written under before its rename (matches STATE_TEMP)."""
+    return f"{STATE_TEMP_PREFIX}{os.getpid()}-{name}.part"
+
+
+def state_buffer(fingerprint: str, job_id: str, tokens: Any, blob: int, owner: str = "") -> tuple[Any, int]:
     """A state file's bytes but its state and crc: the buffer (writable, an anonymous mapping)
     and where the state goes."""
     import json
@@ -5511,7 +5849,7 @@ def state_buffer(fingerprint: str, job_id: str, tokens: Any, blob: int) -> tuple
     import struct
 
     header = json.dumps({"fingerprint": fingerprint, "job": job_id, "tokens": len(tokens), "blob": blob,
-                         "created": round(time.time(), 3)}).encode("utf-8")
+                         "created": round(time.time(), 3), **({"owner": owner} if owner else {})}).encode("utf-8")
     head = STATE_MAGIC + struct.pack("<I", len(header)) + header + _le_tokens(tokens)
     data = mmap.mmap(-1, len(head) + blob + 4)  # anonymous: pages zeroed lazily (a bytearray memsets 184 MB)
     data[:len(head)] = head
@@ -5526,58 +5864,86 @@ def seal_state(data: Any) -> None:
     data[-4:] = struct.pack("<I", zlib.crc32(memoryview(data)[:-4]))
 
 
-def read_state_head(folder: str, name: str) -> Optional[StateHead]:
-    """A state file's header and tokens (not its state); None for anything that is not a
-    whole state file of this format (a torn, damaged or foreign file)."""
+def _count(value: Any) -> bool:
+    """A header's count: an int (never a bool, a float or text), 0 or more."""
+    return type(value) is int and value >= 0
+
+
+def inspect_state(folder: str, name: str) -> tuple[Optional[StateHead], str]:
+    """A state file's header and tokens (not its state), or None and why: "foreign" (no
+    nrvna magic, not a regular file: not nrvna's, left alone), "damaged" (nrvna's magic, and
+    counts that do not fit the file: torn, damaged or crafted; nrvna's to remove) or
+    "unreadable" (it could not be read now: EMFILE, EACCES, EIO...; never a reason to remove).
+    Every count is checked against the file's size before it is used."""
+    import errno
     import json
     import struct
     from array import array
 
     try:
         fd = os.open(os.path.join(folder, name), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
+    except OSError as err:
+        return None, "foreign" if err.errno == errno.ELOOP else "unreadable"  # ELOOP: a symlink
     try:
         info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None, "foreign"
         start = os.pread(fd, len(STATE_MAGIC) + 4, 0)
-        if not stat.S_ISREG(info.st_mode) or len(start) < 12 or start[:8] != STATE_MAGIC:
-            return None
-        length = struct.unpack("<I", start[8:])[0]
-        header = json.loads(os.pread(fd, length, 12)) if length <= STATE_HEADER_LIMIT else None
+        if start[:len(STATE_MAGIC)] != STATE_MAGIC:
+            return None, "foreign"
+        length = struct.unpack("<I", start[8:])[0] if len(start) == 12 else -1
+        if not 0 < length <= min(STATE_HEADER_LIMIT, info.st_size - 16):
+            return None, "damaged"
+        header = json.loads(os.pread(fd, length, 12))
         if not (isinstance(header, dict) and isinstance(header.get("fingerprint"), str)
-                and all(isinstance(header.get(k), int) and header[k] >= 0 for k in ("tokens", "blob"))):
-            return None
-        raw = os.pread(fd, 4 * header["tokens"], 12 + length)
-        if len(raw) != 4 * header["tokens"] or 12 + length + len(raw) + header["blob"] + 4 != info.st_size:
-            return None
+                and _count(header.get("tokens")) and _count(header.get("blob"))):
+            return None, "damaged"
+        n, blob = header["tokens"], header["blob"]
+        if n > STATE_TOKENS_LIMIT or 12 + length + 4 * n + blob + 4 != info.st_size:
+            return None, "damaged"
+        raw = os.pread(fd, 4 * n, 12 + length)
+        if len(raw) != 4 * n:
+            return None, "damaged"
         tokens = array("i", raw)
         if sys.byteorder != "little":
             tokens.byteswap()
         job = header.get("job") if isinstance(header.get("job"), str) else ""
-        return StateHead(name, header["fingerprint"], job, tokens, header["blob"], info.st_size, info.st_mtime)
-    except (OSError, ValueError, RecursionError):
-        return None
+        owner = header.get("owner") if isinstance(header.get("owner"), str) else ""
+        return StateHead(name, header["fingerprint"], job, tokens, blob, info.st_size, info.st_mtime, owner), ""
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError)
+        return None, "damaged"
+    except (OSError, MemoryError):
+        return None, "unreadable"
     finally:
         os.close(fd)
+
+
+def read_state_head(folder: str, name: str) -> Optional[StateHead]:
+    """A state file's header and tokens (not its state); None for anything that is not a
+    whole state file of this format (a torn, damaged or foreign file: see inspect_state)."""
+    return inspect_state(folder, name)[0]
 
 
 def map_state(folder: str, head: StateHead) -> Optional[Any]:
     """A state file mapped whole (copy-on-write: ctypes may point into it; the page cache is
-    read, never copied), or None when it is gone or not the file ``head`` describes."""
+    read, never copied), or None when it is not the file ``head`` describes (another size, no
+    nrvna magic). OSError when it cannot be opened or mapped (FileNotFoundError: gone)."""
     import mmap
 
+    fd = os.open(os.path.join(folder, head.name), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
     try:
-        fd = os.open(os.path.join(folder, head.name), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_size != head.size:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != head.size:
             return None
-        return mmap.mmap(fd, head.size, access=mmap.ACCESS_COPY)
-    except (OSError, ValueError):
+        mapped = mmap.mmap(fd, head.size, access=mmap.ACCESS_COPY)
+    except ValueError:  # an empty file
         return None
     finally:
         os.close(fd)
+    if mapped[:len(STATE_MAGIC)] != STATE_MAGIC:
+        mapped.close()
+        return None
+    return mapped
 
 
 def state_whole(mapped: Any) -> bool:
@@ -5594,15 +5960,20 @@ def state_whole(mapped: Any) -> bool:
 
 
 def read_state(folder: str, head: StateHead) -> Optional[Any]:
-    """A state file mapped and checked against its crc; None for a torn, damaged or changed file."""
-    mapped = map_state(folder, head)
+    """A state file mapped and checked against its crc; None for a torn, damaged, changed or
+    unreadable file."""
+    try:
+        mapped = map_state(folder, head)
+    except OSError:
+        return None
     if mapped is None or not state_whole(mapped):
         return None
     return mapped
 
 
 def remove_states_of(folder: str, job_ids: set[str]) -> int:
-    """Remove the saved states whose source job is one of ``job_ids`` (clean); how many."""
+    """Remove the saved states whose source job is one of ``job_ids`` (clean); how many. Only
+    whole states (nrvna's magic, counts that fit) are read: any other file is left."""
     removed = 0
     try:
         names = [n for n in os.listdir(folder) if _is_state_name(n)]
@@ -5622,13 +5993,23 @@ def remove_states_of(folder: str, job_ids: set[str]) -> int:
 ##############################################################################
 # 8. Batch files and export: nrvna's JSONL lines, OpenAI Batch lines (ENDPOINTS), export formats (EXPORT_FORMATS)
 ##############################################################################
-# Owns batch lines (nrvna's and OpenAI's), data templates and the export formats. Invariant: a
+# Owns batch lines (nrvna's and OpenAI's), data templates, the export formats and merge. Invariant: a
 # batch file is checked whole before any job of it is queued. Client code; stateless.
+
+
+# ============================================================================
+# 8.1 Batch files
+# ============================================================================
+# nrvna's JSONL lines, OpenAI Batch request lines, plain prompt lines and data templates, as
+# BatchEntry records; shards (shard_of). Invariant: a file is read with a bound per line, and
+# checked whole before any of it is queued.
 
 
 BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
 SHARDS_MAX = 1 << 20  # most shards a batch may be split into (--shard I/N)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
+# The fields an nrvna JSONL line may carry: its prompt, and every job parameter but tag and endpoint.
+_JSONL_FIELDS = ("prompt", *(name for name, param in PARAMS.items() if param.jsonl))
 
 
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
@@ -5659,65 +6040,9 @@ def read_shard(text: str) -> tuple[int, int]:
     return shard, shards
 
 
-def _result_key(record: dict[str, Any]) -> str:
-    """What a part's line says of its job's result, without what names or dates the job (its
-    ID, which its tool calls' ids hold too; its times and usage): two lines of one custom_id
-    with the same key are the same result exported twice, from any workspace."""
-    import json
-
-    job_id = str(record.get("id") or "").removeprefix("batch_req_")
-    if "response" in record:  # an OpenAI Batch output line
-        body = (record["response"] or {}).get("body") or {}
-        said = [body.get("choices"), body.get("data"), record.get("error")]
-    else:
-        said = [record.get(k) for k in ("status", "result", "error", "embeddings", "choices", "tool_calls")]
-    text = json.dumps(said, sort_keys=True)
-    return text.replace(job_id, "") if job_id else text
-
-
-def merge_parts(order: list[str], parts: list[tuple[str, bytes]]) -> tuple[list[bytes], list[str], list[str]]:
-    """The parts' lines (exported JSONL or OpenAI lines of the shards) in the input's
-    ``order`` of custom_ids, each once: (lines, the custom_ids no part has, those two parts
-    give different results for). A line of the same result twice (a shard exported again) is
-    taken once; a part's line that is no JSON object with a custom_id, or one the input does
-    not hold, is InvalidInput naming the part and line."""
-    import json
-
-    wanted = set(order)
-    found: dict[str, tuple[bytes, str]] = {}
-    conflicts: dict[str, None] = {}
-    for name, data in parts:
-        for number, line in enumerate(data.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):
-                raise InvalidInput(f"{name}: line {number}: not JSON") from None
-            cid = record.get("custom_id") if isinstance(record, dict) else None
-            if not isinstance(cid, str):
-                raise InvalidInput(f"{name}: line {number}: no custom_id (an export of nrvna, jsonl or openai)")
-            if cid not in wanted:
-                raise InvalidInput(f"{name}: line {number}: custom_id {cid!r} is not in the input")
-            key = _result_key(record)
-            if cid in found and found[cid][1] != key:
-                conflicts[cid] = None
-            found.setdefault(cid, (line.rstrip(b"\r") + b"\n", key))
-    lines = [found[cid][0] for cid in order if cid in found and cid not in conflicts]
-    return lines, [cid for cid in order if cid not in found], list(conflicts)
-
-
 class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
     """One job of a batch file: its line number, prompt bytes (what prompt.txt holds) and
     validated params (``custom_id`` always set)."""
-
-    __slots__ = ()
-
-
-class ExportFormat(namedtuple("ExportFormat", "record line help side", defaults=(None,))):
-    """An export format: the job as a JSON record (None for plain text), the job as what is
-    written (bytes for a binary format), its help, and for a binary format the lines of its
-    side file (``FILE.ids``: what each row is)."""
 
     __slots__ = ()
 
@@ -5736,22 +6061,28 @@ def read_batch(handle: Any) -> bytearray:
     newline, /dev/zero, took gigabytes whole), and a file of more than NRVNA_MAX_BATCH_LINES
     lines at the line past it (`yes | nrvna submit ws --file -` grew without end): the file is
     held whole, as every line is checked before any is queued."""
-    limit = batch_line_limit()
-    most = setting_default("max_batch_lines")
     data = bytearray()
+    for _, line in _bounded_lines(handle, batch_line_limit(), "a batch line's limit (14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)",
+                                  "a batch file holds"):
+        data += line
+    return data
+
+
+def _bounded_lines(handle: Any, limit: int, limit_name: str, holder: str) -> Iterator[tuple[int, bytes]]:
+    """(number, line) of ``handle``'s lines, InvalidInput at a line over ``limit`` bytes (read
+    no further than that) or past NRVNA_MAX_BATCH_LINES lines."""
+    most = setting_default("max_batch_lines")
     number = 0
     while True:
         line = handle.readline(limit + 2)  # the line, its newline, and one byte more shows it is over
         if not line:
-            return data
+            return
         number += 1
         if number > most:
-            raise InvalidInput(f"line {number}: a batch file holds at most {most:,} lines (NRVNA_MAX_BATCH_LINES): "
-                               "split it")
+            raise InvalidInput(f"line {number}: {holder} at most {most:,} lines (NRVNA_MAX_BATCH_LINES): split it")
         if len(line) - line.endswith(b"\n") > limit:
-            raise InvalidInput(f"line {number}: over {limit} bytes, a batch line's limit "
-                               "(14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)")
-        data += line
+            raise InvalidInput(f"line {number}: over {limit} bytes, {limit_name}")
+        yield number, line
 
 
 def parse_batch(data: bytes, jsonl: Optional[bool] = None, notes: Optional[list[str]] = None) -> list[BatchEntry]:
@@ -5954,6 +6285,19 @@ def _all_objects(lines: list[tuple[int, str]]) -> bool:
         return False
 
 
+def _unknown_field(key: str) -> str:
+    """The refusal of a field no nrvna line may carry: the likeliest meant, and the fields a line may."""
+    import difflib
+
+    if key == "tag":
+        return "unknown field 'tag' (tags are given with --tag)"
+    if key == "endpoint":
+        return "unknown field 'endpoint' (an OpenAI Batch line's url sets it)"
+    near = difflib.get_close_matches(key, _JSONL_FIELDS, n=1)
+    meant = f"; did you mean {near[0]!r}?" if near else ""
+    return f"unknown field {key!r}{meant} (a line's fields: {', '.join(_JSONL_FIELDS)})"
+
+
 def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, Any]]:
     """(prompt text, params) of one JSONL line, in nrvna's form or OpenAI's."""
     if not isinstance(obj, dict):
@@ -5962,8 +6306,8 @@ def _batch_line(obj: Any, notes: Optional[list[str]]) -> tuple[str, dict[str, An
         return _openai_line(obj, notes)
     params = dict(obj)
     for key in params:
-        if key in PARAMS and not PARAMS[key].jsonl:
-            raise InvalidInput(f"unknown field {key!r} (tags are given with --tag)")
+        if key not in _JSONL_FIELDS:
+            raise InvalidInput(_unknown_field(key))
     embed = job_param(params, "embed")
     if "embed" in params and not isinstance(embed, (bool, str, list)):
         raise InvalidInput("embed must be a text, a list of texts, or true (with input or prompt)")
@@ -6068,6 +6412,28 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
     return render_messages(job_param(params, "messages")), params
 
 
+# ============================================================================
+# 8.2 Export and merge
+# ============================================================================
+# A finished job as an export line (EXPORT_FORMATS), written whole or not at all (_ExportTarget),
+# and the shards' exports put back together (merge_parts). Invariant: each JSON line says which
+# request it answers (REQUEST_KEY), and merge takes no line that answers another.
+
+
+# What a request is, to merge: the fields of a job no submit flag can set (each node's flags may
+# differ; a line's own text may not), beside its prompt (prompt.txt). custom_id names, not asks.
+REQUEST_FIELDS = tuple(name for name, param in PARAMS.items() if param.flag is None and name != "custom_id")
+REQUEST_KEY = "request_sha256"  # an export line's request_digest: which request it answers
+
+
+class ExportFormat(namedtuple("ExportFormat", "record line help side", defaults=(None,))):
+    """An export format: the job as a JSON record (None for plain text), the job as what is
+    written (bytes for a binary format), its help, and for a binary format the lines of its
+    side file (``FILE.ids``: what each row is)."""
+
+    __slots__ = ()
+
+
 def job_vectors(job: Job) -> list[list[float]]:
     """A done embed job's vectors, one per text, from its result (one JSON array per line).
     Raise NotFinished for a queued or running job (``Flow.wait`` first), NrvnaError for a
@@ -6103,10 +6469,31 @@ def _float32_bytes(vector: list[float]) -> bytes:
     return row.tobytes()
 
 
+def request_digest(prompt: Any, params: Mapping[str, Any]) -> str:
+    """Which request a result answers, as sha256 hex: of the prompt as prompt.txt holds it and
+    the REQUEST_FIELDS of ``params`` (messages, input, endpoint, encoding_format). A batch line
+    queued on two machines gives the same digest whatever flags each gave; a line whose prompt,
+    turns or texts changed, or a line of another batch, another. Export writes it (REQUEST_KEY)
+    and merge checks it against its input's line of that custom_id."""
+    import hashlib
+    import json
+
+    text = prompt if isinstance(prompt, bytes) else str(prompt).encode("utf-8", "surrogatepass")
+    fields = {name: params[name] for name in REQUEST_FIELDS if params.get(name) is not None}
+    blob = json.dumps(fields, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(len(text).to_bytes(8, "big") + text + blob.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _request_of(job: Job) -> dict[str, str]:
+    """An export line's REQUEST_KEY: the digest of the request the job answers (none when its
+    prompt.txt is gone), which merge checks against its input's line."""
+    return {} if job.prompt is None else {REQUEST_KEY: request_digest(job.prompt, job.params or {})}
+
+
 def _jsonl_record(job: Job) -> dict[str, Any]:
     params = job.params or {}
     embedded = job.status is Status.Done and job_param(params, "embed")
-    record = {"id": job.id, "custom_id": job_param(params, "custom_id"), "status": job.status.value,
+    record = {"id": job.id, "custom_id": job_param(params, "custom_id"), **_request_of(job), "status": job.status.value,
               "prompt": job.prompt, "result": None if embedded else job.result,
               "error": job.error.rstrip("\n") if job.error else None, "meta": job.meta}
     if embedded:
@@ -6139,7 +6526,7 @@ def _embeddings_body(job: Job) -> dict[str, Any]:
 
 def _openai_record(job: Job) -> dict[str, Any]:
     meta, params = job.meta, job.params or {}
-    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": job_param(params, "custom_id")}
+    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": job_param(params, "custom_id"), **_request_of(job)}
     if job.status is not Status.Done:
         line["response"] = None
         line["error"] = {"code": meta.get("code") or "failed", "message": (job.error or "").rstrip("\n")}
@@ -6265,12 +6652,149 @@ def _workspace_of(path: str) -> Optional[str]:
         folder = parent
 
 
+def part_line_limit() -> int:
+    """The longest line merge reads from a part: an export line repeats its request (at most a
+    batch line) and adds its answer; 8 × ``batch_line_limit``, 176 MiB by default (2048
+    vectors of 1024 floats written as JSON take about 45 MB)."""
+    return 8 * batch_line_limit()
+
+
+def read_part(handle: Any, name: str) -> Iterator[tuple[int, bytes]]:
+    """A merge part's (number, line) pairs from the binary stream ``handle``, bounded as
+    ``read_batch`` bounds a batch file (``part_line_limit``, NRVNA_MAX_BATCH_LINES lines): a
+    part that is /dev/zero is refused once that much is read, naming ``name``."""
+    try:
+        yield from _bounded_lines(handle, part_line_limit(), "a part line's limit (8 batch lines: "
+                                  "8 × (14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB))", "a part holds")
+    except InvalidInput as err:
+        raise InvalidInput(f"{name}: {err}") from None
+    except OSError as err:  # a folder, a device that fails: a usage error, not a conflict
+        raise InvalidInput(f"cannot read {name}: {_os_error(err)}") from None
+
+
+def _without_ids(calls: Any) -> Any:
+    """Tool calls without their ``id``s (the job's ID is in each): a list of call objects, or
+    result text of a call's JSON line each, as ``call_lines`` writes them."""
+    import json
+
+    if isinstance(calls, str):
+        try:
+            calls = [json.loads(line) for line in calls.splitlines()]
+        except (ValueError, RecursionError):
+            return calls  # text, not calls: compared as it is
+    if not isinstance(calls, list):
+        return calls
+    return [{k: v for k, v in call.items() if k != "id"} if isinstance(call, dict) else call for call in calls]
+
+
+def _answer_fields(holder: Any, text_key: str) -> Any:
+    """A result, a choice or a message as compared: with tool calls, its text (their lines)
+    and their ``id``s left out; anything else as it is."""
+    if not isinstance(holder, dict) or not holder.get("tool_calls"):
+        return holder
+    fields = {k: v for k, v in holder.items() if k != text_key}
+    fields["tool_calls"] = _without_ids(holder["tool_calls"])
+    return fields
+
+
+def _result_key(record: dict[str, Any]) -> str:
+    """What a part's line says of its job's result, as fields: never what names or dates the
+    job (its ID, the response's and each tool call's ``id``; its times and usage; a failure's
+    message, which may name it: its code is compared). Two lines of one custom_id with the same
+    key are the same result exported twice, from any workspace. The fields are compared as
+    parsed: an ID is left out where it is an ID, never cut out of a text."""
+    import json
+
+    if "response" in record:  # an OpenAI Batch output line
+        response = record.get("response")
+        body = (response.get("body") if isinstance(response, dict) else None) or {}
+        body = body if isinstance(body, dict) else {"body": body}
+        choices = body.get("choices")
+        if isinstance(choices, list):
+            choices = [dict(choice, message=_answer_fields(choice.get("message"), "text"))
+                       if isinstance(choice, dict) else choice for choice in choices]
+        error = record.get("error")
+        said: Any = [choices, body.get("data"), error.get("code") if isinstance(error, dict) else error]
+    else:
+        said = _answer_fields({k: record.get(k) for k in ("status", "result", "content", "tool_calls", "embeddings")},
+                              "result")
+        choices = record.get("choices")
+        if isinstance(choices, list):
+            choices = [_answer_fields(choice, "text") for choice in choices]
+        meta = record.get("meta")
+        code = meta.get("code") if isinstance(meta, dict) else None
+        said = [said, choices, code if record.get("error") is not None else None]
+    return json.dumps(said, sort_keys=True)
+
+
+def merge_parts(order: list[str], parts: Iterable[tuple[str, Any]],
+                requests: Optional[Mapping[str, tuple[int, str]]] = None,
+                notes: Optional[list[str]] = None) -> tuple[list[bytes], list[str], list[str]]:
+    """The parts' lines (exported JSONL or OpenAI lines of the shards) in the input's
+    ``order`` of custom_ids, each once: (lines, the custom_ids no part has, one
+    "custom_id (part line N, part line M)" for each two parts give different results). A part
+    is (its name, its bytes or its (number, line) pairs, as ``read_part`` yields them). A line
+    of the same result twice (a shard exported again) is taken once. InvalidInput, naming the
+    part and line: a line that is no JSON object with a custom_id, one the input does not
+    hold, and (``requests``: custom_id -> (the input's line, its request_digest)) one whose
+    REQUEST_KEY says it answers another request. Lines without that key (exported before
+    it) are taken, said once in ``notes``."""
+    import json
+
+    wanted = set(order)
+    found: dict[str, tuple[bytes, str, str]] = {}
+    conflicts: dict[str, str] = {}
+    unchecked: dict[str, int] = {}
+    for name, data in parts:
+        numbered = enumerate(data.splitlines(), 1) if isinstance(data, (bytes, bytearray)) else data
+        for number, line in numbered:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                raise InvalidInput(f"{name}: line {number}: not JSON") from None
+            cid = record.get("custom_id") if isinstance(record, dict) else None
+            if not isinstance(cid, str):
+                raise InvalidInput(f"{name}: line {number}: no custom_id (an export of nrvna, jsonl or openai)")
+            if "status" not in record and "response" not in record:
+                raise InvalidInput(f"{name}: line {number}: not an export line (it has no status, as jsonl's, nor "
+                                   "response, as openai's): a batch file's line?")
+            if cid not in wanted:
+                raise InvalidInput(f"{name}: line {number}: custom_id {cid!r} is not in the input")
+            if requests is not None and cid in requests:
+                if _answers_another(record, requests[cid][1], unchecked, name):
+                    raise InvalidInput(f"{name}: line {number}: custom_id {cid!r} answers another request than "
+                                       f"line {requests[cid][0]} of the input (its {REQUEST_KEY} differs): a part "
+                                       "of another batch, or of another version of this file")
+            key, where = _result_key(record), f"{name} line {number}"
+            if cid in found and found[cid][1] != key and cid not in conflicts:
+                conflicts[cid] = f"{cid} ({found[cid][2]}, {where})"
+            found.setdefault(cid, (line.rstrip(b"\r\n") + b"\n", key, where))
+    if unchecked and notes is not None:
+        notes.append(f"{sum(unchecked.values())} lines of {', '.join(unchecked)} carry no {REQUEST_KEY} (exported "
+                     "by an older nrvna): taken without checking that they answer the input's lines")
+    lines = [found[cid][0] for cid in order if cid in found and cid not in conflicts]
+    return lines, [cid for cid in order if cid not in found], list(conflicts.values())
+
+
+def _answers_another(record: dict[str, Any], digest: str, unchecked: dict[str, int], name: str) -> bool:
+    """Whether a part's line says it answers another request than ``digest``; a line that says
+    nothing (an older export) is counted in ``unchecked`` under its part's ``name``."""
+    given = record.get(REQUEST_KEY)
+    if given is None:
+        unchecked[name] = unchecked.get(name, 0) + 1
+        return False
+    return given != digest
+
+
 # `export --format`: the choices, their help and the writers all come from here.
 EXPORT_FORMATS: dict[str, ExportFormat] = {
     "jsonl": ExportFormat(_jsonl_record, _json_line(_jsonl_record),
-                          'nrvna\'s record: {"id", "custom_id", "status", "prompt", "result", "error", "meta"}'),
+                          'nrvna\'s record: {"id", "custom_id", "request_sha256", "status", "prompt", "result", "error", "meta"}'),
     "openai": ExportFormat(_openai_record, _json_line(_openai_record),
-                           "exactly an OpenAI Batch output line (a chat.completion or text_completion body)"),
+                           "an OpenAI Batch output line (a chat.completion or text_completion body), and request_sha256, "
+                           "which OpenAI's readers ignore"),
     "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line (every choice of a job of n > 1)"),
     "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
                         "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
@@ -6496,7 +7020,7 @@ class Flow:
                 raise FileNotFoundError(path)  # moved on between the lookup and the open
         finally:
             os.close(fd)
-        meta = parse_meta(files[META_FILE])
+        meta = job_meta(files[META_FILE])
         error = files[ERROR_FILE]
         if status is Status.Failed and error is None:  # a cancel or retry was cut off midway
             history = meta.get("errors")
@@ -7073,16 +7597,55 @@ def _batch_source(source: Any, jsonl: Optional[bool], template: Optional[str]) -
     return data, jsonl
 
 
-def _check_parents(workspace: str, named: list[tuple[str, Optional[str]]]) -> None:
-    """Each (where, parent) names a job of ``workspace``, in any state; else InvalidInput
-    prefixed by ``where`` ("line N: "). A parent exists before its child: no chain is a cycle."""
-    flow = None
-    for where, parent in named:
+def _parent_answer(path: str) -> tuple[Any, Optional[dict[str, Any]]]:
+    """A parent's params.json ({} if unreadable) and its answer's calls (tool_calls.json, else None)."""
+    try:
+        fd = open_dir(path)
+    except OSError:
+        return {}, None
+    texts: list[Optional[str]] = []
+    try:
+        for name in (PARAMS_FILE, TOOL_CALLS_FILE):
+            try:
+                texts.append(read_file(fd, name, params_limit()).decode("utf-8", "replace"))
+            except (OSError, JobError):
+                texts.append(None)
+    finally:
+        os.close(fd)
+    return _json_or_none(texts[0], {}), _read_message(texts[1])
+
+
+def _check_parents(workspace: str, named: list[tuple[str, Mapping[str, Any]]]) -> None:
+    """Each (where, params) with a ``parent`` names a job of ``workspace``, in any state, that
+    has turns to continue (not a raw or embed job), and tool turns first in its messages answer
+    the calls of that job's answer once it is done (before, its claim checks them); without a
+    parent there are none. Else InvalidInput prefixed by ``where`` ("line N: "). A parent exists
+    before its child: no chain a submit makes is a cycle."""
+    known: dict[str, tuple[Status, Any, Optional[dict[str, Any]]]] = {}  # a batch's lines may share a parent
+    for where, params in named:
+        parent = job_param(params, "parent")
         if parent is None:
+            try:  # no parent: no calls for tool turns first to answer
+                tool_answers(job_param(params, "messages") or [], ())
+            except InvalidInput as err:
+                raise InvalidInput(f"{where}{err}") from None
             continue
-        flow = flow or Flow(workspace)
-        if flow.status(parent) is Status.Missing:
-            raise InvalidInput(f"{where}parent {parent} is no job in {workspace}")
+        if parent not in known:
+            status, path = locate_job(workspace, parent)
+            if status is Status.Missing:
+                raise InvalidInput(f"{where}parent {parent} is no job in {workspace}")
+            known[parent] = (status, *_parent_answer(path))
+        status, its, message = known[parent]
+        its = its if isinstance(its, dict) else {}
+        if job_param(its, "raw") or job_param(its, "embed"):
+            raise InvalidInput(f"{where}parent {parent} is {'a raw' if job_param(its, 'raw') else 'an embed'} job: "
+                               "it has no turns to continue")
+        if status is Status.Done:
+            calls = [call["id"] for call in message["tool_calls"]] if message else []
+            try:
+                tool_answers(job_param(params, "messages") or [], calls, f"its parent {parent}'s answer")
+            except InvalidInput as err:
+                raise InvalidInput(f"{where}{err}") from None
 
 
 class Work:
@@ -7171,7 +7734,7 @@ class Work:
             if self.notify is not None:
                 self.notify(note)
         clean = _absolute_model(clean)
-        _check_parents(self.workspace, [("", job_param(clean, "parent"))])
+        _check_parents(self.workspace, [("", clean)])
         if dedupe and "idempotency_key" not in clean:
             clean["idempotency_key"] = dedupe_key(data, clean)
         ensure_workspace(self.workspace)
@@ -7278,6 +7841,8 @@ class Work:
         else:
             entries = parse_batch(data, jsonl, notes)
         entries = self._with_defaults(entries, tag, dedupe, notes, defaults)
+        if tag is not None:
+            claim_tag_shard(self.workspace, tag, shard)
         if shard is not None:
             total = len(entries)
             entries = [e for e in entries if shard_of(e.params["custom_id"], shard[1]) == shard[0]]
@@ -7320,7 +7885,7 @@ class Work:
         notes.extend(check_model_names(self.workspace, [(f"line {e.line}", job_param(e.params, "model"))
                                                         for e in entries], self.strict_models))
         entries = [BatchEntry(e.line, e.prompt, _absolute_model(e.params)) for e in entries]
-        _check_parents(self.workspace, [(f"line {e.line}: ", job_param(e.params, "parent")) for e in entries])
+        _check_parents(self.workspace, [(f"line {e.line}: ", e.params) for e in entries])
         if dedupe:
             entries = [e if "idempotency_key" in e.params else
                        BatchEntry(e.line, e.prompt, dict(e.params, idempotency_key=dedupe_key(e.prompt, e.params)))
@@ -7735,11 +8300,12 @@ def retry_jobs(workspace: str, ids: Iterable[str] = (), tag: Optional[str] = Non
 
 
 def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: bool = True,
-               dry_run: bool = False, now: Optional[float] = None) -> list[str]:
+               dry_run: bool = False, now: Optional[float] = None, notes: Optional[list[str]] = None) -> list[str]:
     """Remove finished jobs that finished more than ``older_than`` seconds ago; return their
     IDs. Queued and running jobs are never touched. Each job is first renamed to a hidden
     name (atomic: readers see it whole or not at all), then deleted; so are the KV states
-    saved from their contexts (NRVNA_CACHE_DIR, else the workspace's states/)."""
+    saved from their contexts (NRVNA_CACHE_DIR, else the workspace's states/). A tag index
+    that is not nrvna's is left as it is, with a line in ``notes`` saying so."""
     require_workspace(workspace)
     now = time.time() if now is None else now
     removed = []
@@ -7774,13 +8340,13 @@ def clean_jobs(workspace: str, older_than: float, done: bool = True, failed: boo
         if removed and not dry_run:
             fsync_dir(folder)
     if removed and not dry_run:
-        _prune_tag_index(workspace)
+        _prune_tag_index(workspace, notes if notes is not None else [])
         _prune_keys(workspace)
         remove_states_of(states_folder(workspace, str(setting_default("cache_dir"))), set(removed))
     return removed
 
 
-def _prune_tag_index(workspace: str) -> None:
+def _prune_tag_index(workspace: str, notes: list[str]) -> None:
     """Delete tag index files none of whose jobs exist any more (and then empty tag dirs)."""
     tags = os.path.join(workspace, TAGS)
     try:
@@ -7794,13 +8360,20 @@ def _prune_tag_index(workspace: str) -> None:
     for tag in names:
         if not ID_PATTERN.fullmatch(tag):
             continue
-        for chunk_file, rows in _tag_files(workspace, tag):
+        try:
+            files = list(_tag_files(workspace, tag))
+        except WorkspaceError as err:  # not nrvna's, or damaged: left as it is, the rest cleaned
+            notes.append(f"{err}; left as it is")
+            continue
+        for chunk_file, rows in files:
             if any(job_id in alive for job_id, _ in rows):
                 continue
             # Looked up again one by one: a job moved backwards (requeued) while we listed.
             if all(flow.status(job_id) is Status.Missing and not os.path.lexists(os.path.join(writing, job_id))
                    for job_id, _ in rows):
                 _unlink_quietly(os.path.join(tags, tag, chunk_file), None)
+        if not _tag_known(workspace, tag):  # its last index went: the shard it was created with goes too
+            _unlink_quietly(os.path.join(tags, tag, SHARD_RECORD), None)
         try:
             os.rmdir(os.path.join(tags, tag))
         except OSError:
@@ -8446,8 +9019,9 @@ def gguf_strings(path: str) -> dict[str, str]:
         with open(path, "rb") as handle:
             info = os.fstat(handle.fileno())
             key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
-            if key in _gguf_headers:
-                return dict(_gguf_headers[key])
+            known = _gguf_headers.get(key)  # one get: another loader may clear the cache meanwhile
+            if known is not None:
+                return dict(known)
             log.info(f"Reading the GGUF header of {path} ({info.st_size:,} bytes)")
             found = _GgufHeader(handle, path, info.st_size).read()
     except OSError as err:
@@ -9359,14 +9933,17 @@ class _Thinking:
         open_tag, close_tag = self.tags
         tail = b"".join(self.runner.piece(token) for token in prompt[-8:]).decode("utf-8", "replace").rstrip()
         answering = (close_tag, *self.headers[-1:])  # closed, or harmony's final channel opened
+        # Past a block the prompt closed, the router drops the whitespace before the answer as it
+        # does after a block the model closed (AFTER): the model writes a newline there (a budget
+        # of 0 closes it in the template: the answer started with "\n").
         state = (_ThinkRouter.INSIDE if tail.endswith(open_tag) else
-                 _ThinkRouter.ANSWER if any(map(tail.endswith, answering)) else _ThinkRouter.BEFORE)
+                 _ThinkRouter.AFTER if any(map(tail.endswith, answering)) else _ThinkRouter.BEFORE)
         if state == _ThinkRouter.BEFORE and not job_param(params, "raw") and self.runner.has_grammar(params):
             prompt, state = prompt + self.opening, _ThinkRouter.INSIDE
         cap = thinking_budget(params)
         generated = min(room, len(prompt) + max_tokens) - len(prompt)
         force_at = generated - (generated + 3) // 4 - len(self.closing)
-        if state != _ThinkRouter.ANSWER and (cap == 0 or force_at <= 0):  # no thinking: the answer now
+        if state in (_ThinkRouter.BEFORE, _ThinkRouter.INSIDE) and (cap == 0 or force_at <= 0):  # no thinking: the answer now
             prompt = prompt + (list(self.closing) if state == _ThinkRouter.INSIDE else self.skip)
             state = _ThinkRouter.AFTER
         return prompt, _ThinkRouter(open_tag, close_tag, state, cap, force_at, self.closing, self.headers)
@@ -9429,7 +10006,7 @@ class _Choices:
         (a choice of the job has just ended there)."""
         seq = session.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
         seq.think_with(first.think.again() if first.think is not None else None)
-        seq.reserved, seq.choices, seq.choice, seq.tools = first.reserved, self, self.started, first.tools
+        seq.reserved, seq.choices, seq.choice, seq.tools, seq.stops = first.reserved, self, self.started, first.tools, first.stops
         self.started += 1
         if not (own_cells and session.prefixes.keep_choice(seq)):
             session.prefixes.attach(seq, session.slots)
@@ -9898,23 +10475,29 @@ class StateStore:
     of the context on the worker, written by the Saver thread), and the bound (``evict``).
 
     A state is used only under the exact fingerprint it was saved with (model file, llama.cpp's
-    build and state version, KV types and layout): anything else is a miss, never a wrong hit;
-    a torn or damaged file (its crc) is removed.
+    build and state version, KV types and layout): anything else is a miss, never a wrong hit.
+    A file of nrvna's (its magic) that is torn, damaged or inconsistent (its counts, its crc, a
+    state that does not hold the tokens it names) is a miss and is removed; any other file is
+    read once and left alone, and a file that cannot be read now is a miss, never removed. The
+    bound counts and evicts the states of this store's owner only (its workspace's; see
+    state_owner), and those saved before owners were recorded.
 
     Threads: Worker-N calls find, restore, wants and save; the Saver thread (started by the
     first save) writes and evicts; the loader closes it (joins the Saver: pending saves are
-    written). The index, the pending count and the counters are under ``_lock``; a file is
-    read outside it.
+    written). The index, the names skipped, the pending count and the counters are under
+    ``_lock``; a file is read outside it (two threads listing at once read a new file twice).
     """
 
     def __init__(self, folder: str, fingerprint: str, limit: int, min_tokens: int,
-                 pending_limit: Optional[int] = None) -> None:
+                 pending_limit: Optional[int] = None, owner: str = "") -> None:
         import queue
 
         self.folder, self.fingerprint, self.limit, self.min_tokens = folder, fingerprint, limit, min_tokens
         self.pending_limit = pending_limit  # bytes of states copied out and not yet written; None: 2 states
+        self.owner = owner  # state_owner of the workspace; "": the bound counts every state (a store made alone)
         self._lock = threading.Lock()
-        self._index: dict[str, StateHead] = {}  # this fingerprint's states, by file name
+        self._index: dict[str, StateHead] = {}  # the folder's whole states (any fingerprint, any owner), by file name
+        self._skipped: set[str] = set()  # .kv names read once and left alone (not nrvna's; damaged and not removable)
         self._listed: Optional[int] = None  # the folder's mtime when it was last listed
         self._queue: Any = queue.SimpleQueue()
         self._pending = self._waiting = 0  # bytes, and states, copied out and not yet written
@@ -9928,7 +10511,7 @@ class StateStore:
         self.evict()
 
     @classmethod
-    def for_model(cls, runner: Any, model_path: str) -> Optional["StateStore"]:
+    def for_model(cls, runner: Any, model_path: str, owner: str = "") -> Optional["StateStore"]:
         """The store of a loaded model's states, or None where the settings turn it off
         (NRVNA_CACHE_DISK 0, NRVNA_PREFIX_CACHE 0, no folder: a runner made outside a daemon)."""
         config = runner.config
@@ -9936,20 +10519,23 @@ class StateStore:
         if not (limit and config.prefix_cache and config.cache_dir):
             return None
         pending = None if config.cache_pending == "auto" else size_bytes(config.cache_pending)
-        return cls(config.cache_dir, state_fingerprint(runner, model_path), limit, config.cache_min_tokens, pending)
+        return cls(config.cache_dir, state_fingerprint(runner, model_path), limit, config.cache_min_tokens, pending,
+                   owner)
 
     def _clean_temporaries(self) -> None:
-        """Remove the temporary files of saves cut short: their writer (the pid in the name) is
-        dead, or they are older than any save takes (another daemon's, on another machine)."""
+        """Remove the temporary files of saves cut short (named exactly as nrvna names them,
+        STATE_TEMP; any other hidden file is left): their writer (the pid in the name) is dead,
+        or they are older than any save takes (another daemon's, on another machine)."""
         now = time.time()
         with contextlib.suppress(OSError), os.scandir(self.folder) as entries:
             for entry in entries:
-                if not entry.name.startswith(STATE_TEMP_PREFIX):
+                temp = STATE_TEMP.fullmatch(entry.name)
+                if temp is None:
                     continue
-                pid = entry.name[len(STATE_TEMP_PREFIX):].partition("-")[0]
                 with contextlib.suppress(OSError):
-                    if (not pid.isdigit() or not _process_exists(int(pid))
-                            or now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS):
+                    info = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(info.st_mode) and (not _process_exists(int(temp.group(1)))
+                                                       or now - info.st_mtime > STALE_TEMP_SECONDS):
                         os.unlink(entry.path)
 
     def _refresh(self) -> None:
@@ -9966,17 +10552,29 @@ class StateStore:
         except OSError:
             return
         with self._lock:
-            known = set(self._index)
-        found = {n: read_state_head(self.folder, n) for n in names - known}
-        for name in [n for n, head in found.items() if head is None]:  # a .kv name is only ever a whole file
-            with contextlib.suppress(OSError):
+            known = set(self._index) | self._skipped
+        found = {n: inspect_state(self.folder, n) for n in names - known}
+        skipped = {n for n, (_, why) in found.items() if why == "foreign"}  # not nrvna's: read once, left alone
+        for name in [n for n, (_, why) in found.items() if why == "damaged"]:  # nrvna's: a .kv name is only ever whole
+            try:
                 os.unlink(os.path.join(self.folder, name))
-                log.warning(f"saved state {name} removed: it is torn, damaged or not a state file")
-        with self._lock:
+                log.warning(f"saved state {name} removed: it is torn or damaged (its header's counts)")
+            except FileNotFoundError:
+                pass
+            except OSError:
+                skipped.add(name)
+        with self._lock:  # an unreadable file (EMFILE, EACCES) is neither: read again at the next listing
             self._listed = mtime
             for name in known - names:
                 self._index.pop(name, None)
-            self._index.update({n: h for n, h in found.items() if h is not None and h.fingerprint == self.fingerprint})
+                self._skipped.discard(name)
+            self._index.update({n: h for n, (h, _) in found.items() if h is not None})
+            self._skipped |= skipped
+
+    def _heads(self) -> list[StateHead]:
+        """The whole states of this store's fingerprint (the ones it may restore)."""
+        with self._lock:
+            return [h for h in self._index.values() if h.fingerprint == self.fingerprint]
 
     def find(self, tokens: list[int], usable: int, most: int, trimmable: bool) -> Optional[tuple[StateHead, int]]:
         """The saved state sharing the longest prefix with ``tokens`` (at most ``usable`` of
@@ -9989,9 +10587,7 @@ class StateStore:
         self._refresh()
         wanted = array("i", tokens)
         best: Optional[tuple[StateHead, int]] = None
-        with self._lock:
-            heads = list(self._index.values())
-        for head in heads:
+        for head in self._heads():
             if len(head.tokens) > most:
                 continue
             n = min(_shared_prefix(head.tokens, wanted), usable)
@@ -10005,27 +10601,31 @@ class StateStore:
         """Put ``head``'s state into sequence ``slot`` of ``ctx`` (what it held is replaced);
         False, the sequence emptied, if it cannot be (a damaged file is removed). The file is
         mapped, and its crc checked on another thread while llama.cpp copies it in: a state
-        that fails it is taken out again before anything is decoded with it."""
+        that fails it, or that leaves the sequence without exactly the tokens it names (a blob
+        of another prompt, or none: llama.cpp's returned length proves nothing then), is taken
+        out again before anything is decoded with it."""
         import ctypes
 
-        mapped = map_state(self.folder, head)
-        whole = _CheckThread(mapped) if mapped is not None else None
-        restored = False
-        if mapped is not None:
-            buffer = (ctypes.c_uint8 * head.blob).from_buffer(mapped, head.size - 4 - head.blob)
-            restored = L.llama_state_seq_set_data(ctx, buffer, head.blob, slot) == head.blob
-            del buffer
-        if whole is None or not whole.result():
+        mapped = self._map(head)
+        if mapped is None:
             L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
-            self._remove(head, "it is torn or damaged (its crc)")
-            restored = False
-        elif not restored:
+            return False
+        whole = _CheckThread(mapped)
+        buffer = (ctypes.c_uint8 * head.blob).from_buffer(mapped, head.size - 4 - head.blob)
+        restored = L.llama_state_seq_set_data(ctx, buffer, head.blob, slot) == head.blob
+        del buffer
+        why = ("it is torn or damaged (its crc)" if not whole.result() else
+               "its state does not hold the tokens it names" if restored and not self._holds(L, ctx, slot, head)
+               else "")
+        mapped.close()
+        if why or not restored:
             L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
+        if why:
+            self._remove(head, why)
+            return False
+        if not restored:
             log.limited("state restore", f"saved state {head.name} could not be restored (llama.cpp refused it: "
                         "no room, or a layout this context does not have); its prompt is computed", "warning")
-        if mapped is not None:
-            mapped.close()
-        if not restored:
             return False
         with contextlib.suppress(OSError):
             os.utime(os.path.join(self.folder, head.name))  # recently used: evicted last
@@ -10033,7 +10633,34 @@ class StateStore:
             self.counts["restored"] += 1
         return True
 
+    def _map(self, head: StateHead) -> Optional[Any]:
+        """``head``'s file mapped, or None: gone (another daemon's bound evicted it), changed,
+        or not readable now (a miss: the file is left)."""
+        try:
+            mapped = map_state(self.folder, head)
+        except FileNotFoundError:
+            mapped = None
+            log.debug(f"saved state {head.name} is gone (another daemon removed it); its prompt is computed")
+        except OSError as err:
+            log.limited(f"state read:{err.errno}", f"saved state {head.name} could not be read ({_os_error(err)}); "
+                        "its prompt is computed", "warning")
+            return None
+        if mapped is None:
+            with self._lock:  # read again if it is listed again
+                self._index.pop(head.name, None)
+        return mapped
+
+    @staticmethod
+    def _holds(L: Any, ctx: Any, slot: int, head: StateHead) -> bool:
+        """Whether sequence ``slot`` holds the tokens ``head`` names after a restore: its last
+        position is their count less one (a sliding-window cache keeps its first positions
+        only within the window: the first may be above 0)."""
+        memory = L.llama_get_memory(ctx)
+        last = L.llama_memory_seq_pos_max(memory, slot)
+        return last == len(head.tokens) - 1 and 0 <= L.llama_memory_seq_pos_min(memory, slot) <= last
+
     def _remove(self, head: StateHead, why: str) -> None:
+        """Remove a state file of nrvna's (its magic was read) that is damaged or inconsistent."""
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.folder, head.name))
         with self._lock:
@@ -10052,9 +10679,8 @@ class StateStore:
             return False
         self._refresh()
         mine = array("i", tokens)
-        with self._lock:
-            heads = list(self._index.values())
-        return not any(len(h.tokens) >= len(mine) and _shared_prefix(h.tokens, mine) == len(mine) for h in heads)
+        return not any(len(h.tokens) >= len(mine) and _shared_prefix(h.tokens, mine) == len(mine)
+                       for h in self._heads())
 
     def save(self, L: Any, ctx: Any, slot: int, tokens: list[int], job_id: str) -> None:
         """Copy sequence ``slot``'s state (exactly ``tokens``' cells) out of ``ctx`` and queue it
@@ -10076,7 +10702,7 @@ class StateStore:
             self._pending += size
             self._waiting += 1
         try:
-            data, offset = state_buffer(self.fingerprint, job_id, tokens, size)
+            data, offset = state_buffer(self.fingerprint, job_id, tokens, size, self.owner)
             copied = L.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data, offset), size, slot)
         except MemoryError:
             copied = 0
@@ -10110,7 +10736,7 @@ class StateStore:
     def _write(self, name: str, data: Any) -> None:
         """Write a state whole: a temporary name, fsync, rename, the folder's fsync."""
         seal_state(data)
-        temp = os.path.join(self.folder, f"{STATE_TEMP_PREFIX}{os.getpid()}-{name}.part")
+        temp = os.path.join(self.folder, state_temp_name(name))
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
             try:
@@ -10133,12 +10759,17 @@ class StateStore:
             self.counts["saved"] += 1
 
     def evict(self) -> None:
-        """Remove the least recently used states (any fingerprint's) while they hold more than
-        the bound."""
+        """Remove the least recently used of this store's owner's states (any fingerprint's;
+        and those saved before owners were recorded) while they hold more than the bound. The
+        states of another workspace sharing the folder count against its own bound, never
+        this one's; a file that is not a whole state of nrvna's is never counted nor removed."""
+        self._refresh()
+        with self._lock:
+            mine = {n for n, h in self._index.items() if not self.owner or h.owner in ("", self.owner)}
         files = []
         with contextlib.suppress(OSError), os.scandir(self.folder) as entries:
             for entry in entries:
-                if _is_state_name(entry.name):
+                if entry.name in mine:
                     with contextlib.suppress(OSError):
                         info = entry.stat(follow_symlinks=False)
                         files.append((info.st_mtime, entry.name, info.st_size))
@@ -10587,19 +11218,25 @@ class LlamaSession(Session):
         return list(dict.fromkeys(s.job for s in self.slots if s is not None)) + converting + embedding  # a job of n choices once
 
     def start(self, job: RunningJob) -> None:
-        """Take ``job`` into a free slot; raise JobError if its prompt cannot run here."""
+        """Take ``job`` into a free slot; raise JobError if its prompt cannot run here. A start
+        that fails in any way leaves nothing of the job here (its caller ends it: a slot still
+        holding it would end it twice)."""
         self.save_ended()
-        if job_param(job.params, "embed"):
-            self._embedder().start(job)
-            return
-        if self.ctx is None:
-            raise JobError("unsupported", f"the model is an embedding model ({self.runner.arch}): it serves "
-                                          "embed jobs only (submit --embed)")
-        conversion = self.runner.prepare_grammar(job.params)
-        if conversion is not None:  # made on the Grammar thread while the others step; begun then
-            self.converting.append((job, conversion))
-            return
-        self._begin(job)
+        try:
+            if job_param(job.params, "embed"):
+                self._embedder().start(job)
+                return
+            if self.ctx is None:
+                raise JobError("unsupported", f"the model is an embedding model ({self.runner.arch}): it serves "
+                                              "embed jobs only (submit --embed)")
+            conversion = self.runner.prepare_grammar(job.params)
+            if conversion is not None:  # made on the Grammar thread while the others step; begun then
+                self.converting.append((job, conversion))
+                return
+            self._begin(job)
+        except BaseException:
+            self.drop(job)
+            raise
 
     def sampler(self, params: Mapping[str, Any], made: Optional[tuple[Any, str, GrammarShape]] = None
                 ) -> _JobSampler:
@@ -10626,6 +11263,8 @@ class LlamaSession(Session):
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
+        if self.runner.end_marks and not job_param(job.params, "raw") and not self.runner.has_grammar(job.params):
+            seq.stops = seq.stops + list(self.runner.end_marks)  # the fallback form's turn ends, written as text
         seq.think_with(think)
         seq.tools = self.runner.tool_format if tool_choice(job.params) != "none" else None
         self.prefixes.attach(seq, self.slots, first=True)
@@ -10709,6 +11348,7 @@ class LlamaSession(Session):
                     continue
                 self._begin(job, conversion.found)
             except JobError as err:
+                self.drop(job)  # a JobError may come once the job holds a slot
                 ended.append((job, Outcome(error_code=err.code, error=str(err))))
             except Exception as err:  # as a failed start: this job alone
                 self.drop(job)
@@ -10911,6 +11551,24 @@ HOST_CACHES: tuple[tuple[str, str, str, str, str], ...] = (
 )
 
 
+# A generation context's size as llama.cpp stated it when it was made: its buffers (_new_context's
+# {"KV", "compute", "output": MiB}), its cells (llama.cpp rounds the count asked for up, to 256:
+# its own count) and one job's share of them. Plain numbers, read by model_memory from any thread.
+_ContextSize = namedtuple("_ContextSize", "buffers cells per_job")
+
+
+# The chat form of a model whose GGUF holds no chat template (or one jinja cannot read): ChatML,
+# as llama-server falls back to (llama.cpp's "chatml"), the model's BOS before it where its
+# vocabulary adds one. Every chat job is rendered through it, its system message, its parent's
+# turns and its messages alike, and tools take the generic form (docs/models.md); raw jobs are
+# their caller's text. A model trained on another form answers worse, but never without its turns.
+FALLBACK_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
 def host_caches(config: Config) -> dict[str, str]:
     """Each host cache's bound, settings given their values (the record's "caches")."""
     values = {setting.env: str(getattr(config, name)) for name, setting in SETTINGS.items()}
@@ -10922,26 +11580,38 @@ def model_memory(runner: Any) -> dict[str, Any]:
     """What a loaded model holds as llama.cpp states it (MiB): its weights, and each of its
     generation contexts' KV cache (cells, bytes a token, type), compute and output buffers; its
     embedding contexts made so far. The start line, `status --daemon` and NRVNA_MAX_MEMORY
-    read it."""
+    read it.
+
+    Any thread calls it (the Watcher writes the record while the Models thread may be closing
+    the runner), so it reads only plain numbers stated when each context was made and the
+    model's size read at load, never a context or the model through llama.cpp: those may be
+    being freed under it."""
     with runner._lock:
         sessions = list(runner._sessions)
-    made = [s for s in sessions if s.ctx is not None]
-    first = made[0].buffers if made else {}
-    kv, compute, output = (first.get(part, 0.0) for part in ("KV", "compute", "output"))
-    # llama.cpp rounds a context's cells up (to 256): its own count, not the one asked for.
-    cells, per_job = (runner.L.llama_n_ctx(made[0].ctx), made[0].ctx_per_seq) if made else (0, 0)
-    embedding = [sum(s.embedder.buffers.values()) for s in sessions if s.embedder is not None]
-    weights = runner.L.llama_model_size(runner.model) / _MIB
-    return {"weights_mib": round(weights, 1), "kv_type": runner.config.kv_type, "contexts": len(made),
+    contexts = [size for _, size in sessions if size is not None]
+    first = contexts[0] if contexts else _ContextSize({}, 0, 0)
+    kv, compute, output = (first.buffers.get(part, 0.0) for part in ("KV", "compute", "output"))
+    cells, per_job = first.cells, first.per_job
+    embedders = [s.embedder for s, _ in sessions]  # each read once: a dict made whole before it is set
+    embedding = [sum(e.buffers.values()) for e in embedders if e is not None]
+    weights = runner.weights_mib
+    return {"weights_mib": round(weights, 1), "kv_type": runner.config.kv_type, "contexts": len(contexts),
             "cells": cells, "cells_per_job": per_job, "kv_bytes_per_token": round(kv * _MIB / cells) if cells else 0,
             "kv_mib": kv, "compute_mib": compute, "output_mib": output,
             "embedding_contexts": len(embedding), "embedding_mib": round(sum(embedding), 1),
-            "total_mib": round(weights + len(made) * (kv + compute + output) + sum(embedding), 1)}
+            "total_mib": round(weights + len(contexts) * (kv + compute + output) + sum(embedding), 1)}
 
 
 def memory_line(name: str, report: Mapping[str, Any]) -> str:
-    """``model_memory``'s report as the start line says it."""
+    """``model_memory``'s report as the start line says it. An embedding model has no
+    generation context (no KV cache, compute or output buffers to count): its line says so, and
+    what its workers' embedding contexts hold, each made at the worker's first embed job."""
     n = report["contexts"]
+    if not n:
+        made = report["embedding_contexts"]
+        return (f"Memory of {name}: weights {report['weights_mib']:,.1f} MiB, no generation contexts (an embedding "
+                f"model: each worker makes its embedding context at its first embed job; {made} made so far, "
+                f"{report['embedding_mib']:,.1f} MiB): {report['total_mib']:,.1f} MiB")
     line = (f"Memory of {name}: weights {report['weights_mib']:,.1f} MiB, KV cache {n} x {report['kv_mib']:,.1f} MiB "
             f"({report['kv_type']}, {report['cells']:,} cells x {report['kv_bytes_per_token']:,} B a token), "
             f"compute {n} x {report['compute_mib']:,.1f} MiB, output {n} x {report['output_mib']:,.1f} MiB")
@@ -11014,8 +11684,9 @@ class LlamaRunner(Runner):
     every worker (tokens, piece, penalty, sampler, grammar, prepare_grammar, grammar_vocab,
     decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
     ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``
-    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under
-    ``_lock`` (``memory`` reads them from any thread: the record's writer, the Watcher); a decode with borrowed threads under ``_wide_lock``. ``_pieces`` is a cache the
+    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under ``_lock``:
+    ``memory`` reads them from any thread, only numbers stated at load (see model_memory), never the
+    model or a context, which a swap may be freeing. A decode with borrowed threads runs under ``_wide_lock``. ``_pieces`` is a cache the
     workers fill without a lock: a token's bytes are the same whoever stores them, and one
     dict get or set is atomic. The model, its vocabulary and the tables made at load are read
     only (llama.cpp's model may be shared by contexts on several threads).
@@ -11023,9 +11694,11 @@ class LlamaRunner(Runner):
 
     name = "llama.cpp"
 
-    def __init__(self, model_path: str, config: Config, cancel: Optional[threading.Event] = None) -> None:
+    def __init__(self, model_path: str, config: Config, cancel: Optional[threading.Event] = None,
+                 owner: str = "") -> None:
         """Load ``model_path``; ModelError says why not. Setting ``cancel`` cuts the load short
-        (a daemon stopping while it loads a model ahead of its turn)."""
+        (a daemon stopping while it loads a model ahead of its turn). ``owner``: its saved
+        states' (state_owner of the daemon's workspace)."""
         check_gguf(model_path)
         self.L = L = _import_llama()
         self.config = config
@@ -11051,6 +11724,7 @@ class LlamaRunner(Runner):
             if cancel is not None and cancel.is_set():
                 raise ModelError(f"model {model_path}: its load was cut short (the daemon is stopping)")
             raise ModelError(f"model {model_path} could not be loaded by llama.cpp{_llama_log_reason(': {}')}")
+        self.weights_mib = L.llama_model_size(self.model) / _MIB  # read now: model_memory never reads the model
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.train_ctx = L.llama_model_n_ctx_train(self.model)
@@ -11072,11 +11746,16 @@ class LlamaRunner(Runner):
             raise ModelError(f"model {model_path} is an embedding model ({self.arch}), and its pooling is "
                              f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
         self._pieces: dict[int, bytes] = {}
-        self._formatter = self._chat_formatter()
+        self.fallback = False  # no chat template: chat jobs in FALLBACK_TEMPLATE's form (_chat_formatter)
+        self._formatter = None if self.embedding_only else self._chat_formatter()  # (an embedder generates nothing)
         template = (L.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
         self.takes_effort = "reasoning_effort" in template  # gpt-oss's template reads it
         self.thinking = _Thinking.find(self, template, config.thinking_tags)  # None: the model does not think
         self.tool_format = find_tool_format(self._formatter)
+        # The fallback form's markers that are text to this model (none of its tokens): an answer
+        # that writes one has ended its turn, as if they were stop strings (Gemma 3 writes them).
+        self.end_marks = tuple(mark for mark in ("<|im_end|>", "<|im_start|>")
+                               if self.fallback and len(self.tokenize(mark, False, True)) > 1)
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy
@@ -11095,13 +11774,13 @@ class LlamaRunner(Runner):
         self._converter: Optional[_CallThread] = None  # the Grammar thread, made on first use
         self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
         self._lock = threading.Lock()
-        self._sessions: list[LlamaSession] = []
+        self._sessions: list[tuple[LlamaSession, Optional[_ContextSize]]] = []  # each with its context's size
         self._wide: Optional[_CallThread] = None
         self._wide_lock = threading.Lock()  # held while a decode with borrowed threads runs
         # Saved states may be cut back only where every layer's cells can be (full attention).
         self.trimmable = not (L.llama_model_is_recurrent(self.model) or L.llama_model_is_hybrid(self.model)
                               or L.llama_model_n_swa(self.model) > 0)
-        self.store = StateStore.for_model(self, model_path) if not self.embedding_only else None
+        self.store = StateStore.for_model(self, model_path, owner) if not self.embedding_only else None
 
     def meta(self, key: str) -> Optional[str]:
         """A GGUF metadata value as text, or None if the model has no such key."""
@@ -11141,10 +11820,10 @@ class LlamaRunner(Runner):
             pass
 
     def _chat_formatter(self) -> Any:
+        """The model's chat template as a formatter, else FALLBACK_TEMPLATE's (``fallback``
+        says which; said once, here)."""
         L = self.L
         template = L.llama_model_chat_template(self.model, None)
-        if not template:
-            return None
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         def token_text(token: int) -> str:
@@ -11152,13 +11831,19 @@ class LlamaRunner(Runner):
                 return ""
             return (L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
 
-        try:
-            return Jinja2ChatFormatter(template.decode("utf-8", "replace"),
-                                       eos_token=token_text(L.llama_vocab_eos(self.vocab)),
-                                       bos_token=token_text(L.llama_vocab_bos(self.vocab)))
-        except Exception as err:  # a template jinja cannot parse: fall back to raw prompts
-            log.warning(f"model chat template unusable ({err}); prompts are used raw")
-            return None
+        eos, bos = token_text(L.llama_vocab_eos(self.vocab)), token_text(L.llama_vocab_bos(self.vocab))
+        self.fallback = True  # until the model's own template is read
+        why = f"{self.model_name} has no chat template"
+        if template:
+            try:
+                formatter = Jinja2ChatFormatter(template.decode("utf-8", "replace"), eos_token=eos, bos_token=bos)
+                self.fallback = False
+                return formatter
+            except Exception as err:  # a template jinja cannot parse
+                why = f"the chat template of {self.model_name} is unusable ({err})"
+        log.warning(f"{why}: every chat job (prompt, system, parent's turns, messages) is rendered in ChatML, "
+                    "<|im_start|>ROLE\\nTEXT<|im_end|>, as llama-server renders it; raw jobs are used as written")
+        return Jinja2ChatFormatter(FALLBACK_TEMPLATE, eos_token=eos, bos_token=bos)
 
     def memory(self) -> dict[str, Any]:
         return model_memory(self)
@@ -11167,12 +11852,15 @@ class LlamaRunner(Runner):
         """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
         threads = config.threads or max(1, cpu_count() // config.workers)
         session = LlamaSession(self, threads, config.seqs, config.batch, config)
+        size = (_ContextSize(session.buffers, self.L.llama_n_ctx(session.ctx), session.ctx_per_seq)
+                if session.ctx is not None else None)  # read here, on the thread that made it: see model_memory
         with self._lock:
-            self._sessions.append(session)
+            self._sessions.append((session, size))
         return session
 
     def tokens(self, job: RunningJob) -> list[int]:
-        """The job's prompt as tokens: through the model's chat template unless ``raw``.
+        """The job's prompt as tokens: through the model's chat template (FALLBACK_TEMPLATE's
+        for a model without one) unless ``raw``.
 
         Only the template's own markers become control tokens: every message's content (a
         plain prompt is one user message, ``system`` one system message) is tokenized as
@@ -11181,8 +11869,6 @@ class LlamaRunner(Runner):
         params = job.params
         if job_param(params, "raw"):
             return self.tokenize(job.prompt, add_special=True, special=True)
-        if self._formatter is None:  # no chat template: the prompt is plain text
-            return self.tokenize(job.prompt, add_special=True, special=False)
         messages = list(job_param(params, "messages") or [{"role": "user", "content": job.prompt}])
         system = job_param(params, "system")
         if system and messages[0]["role"] != "system":
@@ -11194,7 +11880,9 @@ class LlamaRunner(Runner):
         if self.takes_effort and job_param(params, "reasoning_effort") is not None:
             variables.setdefault("reasoning_effort", job_param(params, "reasoning_effort"))
         messages = tool_turns(messages, params, variables, self.tool_format, self._spells_control)
-        for piece, is_content in self._render(messages, variables):  # the template already wrote BOS
+        if self.fallback and self.L.llama_vocab_get_add_bos(self.vocab):  # ChatML writes none: the model's, as llama-server's
+            tokens.append(self.L.llama_vocab_bos(self.vocab))
+        for piece, is_content in self._render(messages, variables):  # a template writes its own BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
 
@@ -11431,7 +12119,7 @@ class LlamaRunner(Runner):
         """Free every context, then the model."""
         with self._lock:
             sessions, self._sessions = self._sessions, []
-        for session in sessions:
+        for session, _ in sessions:
             session.close()
         if self._wide is not None:
             self._wide.close()
@@ -12169,6 +12857,10 @@ class Processor:
             job.prompt, job.params = self._read_input(claim.dir_fd)
             if job_param(job.params, "parent") is not None:
                 job.params = self._continue(job, claim)
+            try:  # tool turns answer the calls before them, its parent's too (unknown at its submit if not done)
+                tool_answers(job_param(job.params, "messages") or [], ())
+            except InvalidInput as err:
+                raise JobError("bad_request", f"its conversation: {err}") from None
         except (JobError, OSError) as err:
             code = err.code if isinstance(err, JobError) else "bad_request"
             message = str(err) if isinstance(err, JobError) else f"cannot read job: {_os_error(err)}"
@@ -12892,7 +13584,11 @@ class Hooks:
             if not self._run(f"on-done hook for {job_id}", self.on_done, env, path):
                 return  # stopped by the daemon's stop: runs again at the next start
         if self.on_batch_done and tag:
-            self._tag_progress(tag, job_id)
+            try:
+                self._tag_progress(tag, job_id)
+            except WorkspaceError as err:  # a planted or damaged index: its tag's hook alone is lost,
+                # and the job's own hook is not run again and again for it
+                log.limited(f"tag-index:{tag}", f"batch hook of tag {tag} not run: {err}")
         _unlink_quietly(os.path.join(self.owed, job_id), None)
 
     def _tag_progress(self, tag: str, job_id: str) -> None:
@@ -13033,6 +13729,15 @@ def _resident_mib() -> float:
         return 0.0
 
 
+def _as_given(config: Config, name: str, value: Any) -> str:
+    """Setting ``name`` at ``value``, written as the user set it: its flag where a flag set it (a
+    variable would lose to the flag), else its variable."""
+    flags = SETTINGS[name].flags
+    if flags and config.given.get(name, "").startswith("-"):
+        return f"{flags[-1]} {value}"
+    return f"{SETTINGS[name].env}={value}"
+
+
 def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], workers: int, fixed_mib: float,
                         saves: bool) -> None:
     """ConfigError (exit 2 at start) when NRVNA_MAX_MEMORY cannot hold model ``name`` with
@@ -13055,20 +13760,20 @@ def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], wo
         return
     fits = []
     if 1 <= room // (kv + compute + output) < workers:
-        fits.append(f"NRVNA_WORKERS={int(room // (kv + compute + output))}")
+        fits.append(_as_given(config, "workers", int(room // (kv + compute + output))))
     per_cell = kv / max(1, report["cells"])  # a context's cells are NRVNA_MAX_CTX and one job's share more
     max_ctx = int((room / workers - compute - output) / per_cell * config.max_ctx / max(1, report["cells"])) // 256 * 256
     if 256 <= max_ctx < config.max_ctx:
-        fits.append(f"NRVNA_MAX_CTX={max_ctx}")
+        fits.append(_as_given(config, "max_ctx", max_ctx))
     bytes_now = KV_TYPES[config.kv_type][1]
     smaller = [t for t, (_, size) in KV_TYPES.items() if size < bytes_now
                and workers * (kv * size / bytes_now + compute + output) <= room]
     if smaller:
-        fits.append(f"NRVNA_KV_TYPE={smaller[0]}")
+        fits.append(_as_given(config, "kv_type", smaller[0]))
     if pending and need - pending <= budget:
-        fits.append(f"NRVNA_CACHE_PENDING={max(1, int(budget - need + pending))}M")
+        fits.append(_as_given(config, "cache_pending", f"{max(1, int(budget - need + pending))}M"))
     raise ConfigError(
-        f"NRVNA_MAX_MEMORY ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this process and other "
+        f"{config.named('max_memory')} ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this process and other "
         f"models {fixed_mib:,.0f}, {name}'s weights {report['weights_mib']:,.0f}, {workers} contexts x "
         f"{kv + compute + output:,.1f} (KV cache {kv:,.1f}, compute {compute:,.1f}, output {output:,.1f})"
         + (f", contexts waiting to be saved {pending:,.0f}" if pending else "") + "); "
@@ -13187,14 +13892,7 @@ class _ModelSwitch:
             log.info(f"Switched from model {models.served[previous].name} to {models.served[queue].name} "
                      f"({time.monotonic() - began:.2f} s)")
         except Exception as err:  # a broken file, out of memory: its jobs wait, then fail (see _LoadFailure)
-            failure = models.load_failed(queue, str(err))
-            if failure.gave_up:
-                then = f"its queued jobs fail (load_failed): {failure.count} failed loads"
-            else:
-                then = (f"its jobs wait; tried again in {failure.retry_at - time.monotonic():.0f} s "
-                        f"({failure.count} of NRVNA_MAX_LOAD_FAILURES {models.config.max_load_failures} failed "
-                        "loads), or start a daemon for it")
-            log.error(f"model {models.served[queue].name} could not be made ready ({err}); {then}")
+            failure = models.failed_load(queue, err)
             if not failure.gave_up:  # (a given-up model's jobs stay queued here, for _tend_failures)
                 self.pool.set_aside(queue)
             queue = previous
@@ -13265,17 +13963,19 @@ class _Models:
         folders = [n for n in names if _models_folder(n)]
         if folders:  # `daemon shelf/ WS`: jobs name shelf's models
             self.models_dir = os.path.abspath(folders[0])
+        unreadable: dict[int, ModelError] = {}  # queues whose file's header cannot be read
         if runner is not None:
             self.served = [_ServedModel(runner.name, None, "chat", runner)]
         else:
-            self.served = [_ServedModel(os.path.basename(p), os.path.realpath(p), gguf_kind(p))
-                           for p in self._files(names)]
+            self.served = [self._served(p, i, unreadable) for i, p in enumerate(self._files(names))]
+            if len(unreadable) == len(self.served):  # nothing to serve: refused at start, before the queue
+                raise unreadable[0]
         # A job naming no model (or a name that matches none) goes to the first model that
         # serves its kind; with none here, it waits in ready/ for a daemon with one (a chat
         # model would only fail an embed job as unsupported, and the other way round).
         self.defaults = {kind: next((i for i, m in enumerate(self.served) if self._serves(m, kind)), None)
                          for kind in ("chat", "embed")}
-        self.active = 0
+        self.active = next(i for i in range(len(self.served)) if i not in unreadable)  # (start: the first that loads)
         self.since = time.monotonic()
         self.loads = 0
         self.base_mib = _resident_mib()  # the process before any model: NRVNA_MAX_MEMORY counts it
@@ -13286,6 +13986,21 @@ class _Models:
         self.kinds_elsewhere: set[str] = set()  # the kinds of model the workspace's other daemons serve
         self.paths_elsewhere: set[str] = set()  # the model files the other daemons have loaded
         self._routes: dict[tuple[str, bool], Optional[int]] = {}  # (name, embed) -> queue (a cache)
+        self.states_owner = ""  # whose saved states the models' stores write and bound (see state_owner)
+        for queue, error in unreadable.items():  # a failed load like any other: the other models serve
+            self.failed_load(queue, error)
+
+    @staticmethod
+    def _served(path: str, queue: int, unreadable: dict[int, ModelError]) -> _ServedModel:
+        """``path`` as a served model; a file whose header cannot be read (not a GGUF, a header
+        out of bounds: check_gguf) is one of kind "unknown", its error put in ``unreadable``:
+        jobs naming no model never go to it."""
+        try:
+            check_gguf(path)
+            kind = gguf_kind(path)
+        except ModelError as err:
+            unreadable[queue], kind = err, "unknown"
+        return _ServedModel(os.path.basename(path), os.path.realpath(path), kind)
 
     def _files(self, names: list[str]) -> list[str]:
         """The model files MODEL arguments name: a directory's *.gguf, or each name resolved."""
@@ -13302,15 +14017,13 @@ class _Models:
                 files.append(resolve_model(name, self.models_dir, self.aliases))
         unique = {os.path.realpath(f): f for f in reversed(files)}  # the same file twice is one model
         files = [f for f in files if unique.get(os.path.realpath(f)) is f]
-        for path in files:
-            check_gguf(path)
         return files
 
     def _serves(self, model: _ServedModel, kind: str) -> bool:
         """Whether ``model`` runs jobs of ``kind`` that name no model: one of that kind, an
         injected runner (it decides), or a chat model that NRVNA_POOLING lets embed."""
         return (model.kind == kind or model.path is None
-                or (kind == "embed" and self.config.pooling in ("mean", "cls", "last")))
+                or (kind == "embed" and model.kind == "chat" and self.config.pooling in ("mean", "cls", "last")))
 
     def kinds(self) -> list[str]:
         """The kinds of job naming no model this daemon runs (its record says, for status)."""
@@ -13366,6 +14079,36 @@ class _Models:
             failure = self.failed.setdefault(queue, _LoadFailure(self.served[queue].path))
             failure.failed(error, self.config.max_load_failures)
             return failure
+
+    def failed_load(self, queue: int, error: Exception) -> _LoadFailure:
+        """``load_failed``, logged with what happens next to its jobs."""
+        failure = self.load_failed(queue, str(error))
+        if failure.gave_up:
+            then = f"its queued jobs fail (load_failed): {failure.count} failed loads"
+        else:
+            then = (f"its jobs wait; tried again in {failure.retry_at - time.monotonic():.0f} s "
+                    f"({failure.count} of NRVNA_MAX_LOAD_FAILURES {self.config.max_load_failures} failed "
+                    "loads), or start a daemon for it")
+        log.error(f"model {self.served[queue].name} could not be made ready ({error}); {then}")
+        return failure
+
+    def start(self, workers: int) -> list[Session]:
+        """Activate the first model that loads, at the daemon's start (before its threads): one
+        that cannot be read or loaded is a failed load as at its turn, its jobs waiting (see
+        _LoadFailure), while another serves. Raises the first model's error when none loads."""
+        errors: list[tuple[int, ModelError]] = []
+        for queue in range(len(self.served)):
+            if queue in self.failed:  # its header could not be read
+                continue
+            try:
+                sessions = self.activate(queue, workers, ())
+            except ModelError as err:
+                errors.append((queue, err))
+                continue
+            for failed, err in errors:
+                self.failed_load(failed, err)
+            return sessions
+        raise errors[0][1] if errors else ModelError("no model of this daemon can be loaded")
 
     def failures(self) -> list[tuple[int, _LoadFailure, bool]]:
         """Each queue whose model failed to load: its _LoadFailure, and whether another daemon
@@ -13458,6 +14201,8 @@ class _Models:
         (and evicting the least recently used loaded model with nothing ``queued``, then
         any, to stay within NRVNA_MAX_LOADED). Raises ModelError when it cannot be loaded."""
         model = self.served[queue]
+        if model.runner is None and model.path is not None:
+            check_gguf(model.path)  # (a header read again: nothing is unloaded for a file that cannot be read)
         if model.runner is None:
             loaded = [m for m in self.served if m.runner is not None and m is not model]
             busy = set(queued)
@@ -13478,7 +14223,7 @@ class _Models:
         failure nothing of it stays loaded, and the error is raised."""
         if model.runner is None:
             log.info(f"Loading model {model.path}{why}")
-            model.runner = LlamaRunner(model.path, self.config, cancel=cancel)
+            model.runner = LlamaRunner(model.path, self.config, cancel=cancel, owner=self.states_owner)
             self.loads += 1
         if not model.sessions:
             try:
@@ -13929,6 +14674,7 @@ class Server:
         """Check everything, take the workspace, load the model, recover, start threads.
         Raises NrvnaError with a one-line reason; on failure nothing is left running."""
         self.models = models = _Models(self.model, self.runner, self.config, self._models_dir, self._aliases)
+        models.states_owner = state_owner(self.workspace)
         self._models_dir = models.models_dir
         ensure_workspace(self.workspace)
         hooks = {"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done}
@@ -13938,8 +14684,9 @@ class Server:
             _warn_if_shared(self.workspace)
             for name in self.registry.dead():  # their files only: this start's recovery takes their jobs
                 log.info(f"Daemon {name} had died; forgetting it")
-            sessions = models.activate(0, self.config.workers, ())
-            self.processor = Processor(self.workspace, self.config, models.served[0].name)
+            sessions = models.start(self.config.workers)
+            self.pool.set_active(models.active)  # (not the first model, when it could not be loaded)
+            self.processor = Processor(self.workspace, self.config, models.served[models.active].name)
             self.processor.daemon = self.registry.name
             if self.config.on_done or self.config.on_batch_done:
                 self.hooks = Hooks(self.workspace, self.config, self._stop)
@@ -14795,15 +15542,16 @@ def _cmd_export(args: Any) -> int:
 def _cmd_merge(args: Any) -> int:
     """``merge --input FILE PART... -o OUT``: the shards' exports in the input's order, each
     line once; OUT is written only when the merge is whole (or with --partial)."""
+    _refuse_output_among(args.output, args.input, args.parts)  # before anything is read or written
     entries = parse_batch(*_batch_source(args.input, None, None))  # its custom_ids as submit --file reads them
-    parts = []
-    for name in args.parts:  # a file that cannot be read is a usage error (2), not a conflict (1)
-        try:
-            with open(name, "rb") as handle:
-                parts.append((name, handle.read()))
-        except OSError as err:
-            raise InvalidInput(f"cannot read {name}: {_os_error(err)}") from None
-    lines, missing, conflicts = merge_parts([e.params["custom_id"] for e in entries], parts)
+    requests = {e.params["custom_id"]: (e.line, request_digest(e.prompt, e.params)) for e in entries}
+    notes: list[str] = []
+    try:
+        lines, missing, conflicts = merge_parts([e.params["custom_id"] for e in entries], _part_lines(args.parts),
+                                                requests, notes)
+    finally:
+        for note in notes:
+            _say(note)
     for what, ids in (("missing from every part", missing), ("given different results by two parts", conflicts)):
         if ids:
             shown = ", ".join(ids[:20]) + (f" and {len(ids) - 20} more" if len(ids) > 20 else "")
@@ -14821,6 +15569,39 @@ def _cmd_merge(args: Any) -> int:
     elif args.output != "-":
         _say(f"{args.output} not written: the merge is not whole (--partial writes what there is)")
     return EXIT_OK if whole else EXIT_FAILED if conflicts else EXIT_UNFINISHED
+
+
+def _part_lines(names: list[str]) -> Iterator[tuple[str, Iterator[tuple[int, bytes]]]]:
+    """Each merge part's name and its lines, read one part at a time (``read_part``'s bounds).
+    A part that cannot be read is a usage error (2), not a conflict (1)."""
+    for name in names:
+        try:
+            handle = open(name, "rb")
+        except OSError as err:
+            raise InvalidInput(f"cannot read {name}: {_os_error(err)}") from None
+        with handle:
+            yield name, read_part(handle, name)
+
+
+def _refuse_output_among(output: str, source: str, parts: list[str]) -> None:
+    """InvalidInput when ``-o`` names the input or a part (the same file, by device and inode:
+    through a link, a symlink or another path too): the merge would replace what it reads."""
+    if output == "-":
+        return
+    try:
+        written = os.stat(output)
+    except OSError:
+        return  # no file there yet (or none to stat): nothing read can be it
+    if stat.S_ISCHR(written.st_mode):
+        return  # a terminal or /dev/null: written through, never replaced
+    for what, name in [("the input", source)] + [("the part", part) for part in parts]:
+        try:
+            read = os.stat(name)
+        except OSError:
+            continue
+        if (read.st_dev, read.st_ino) == (written.st_dev, written.st_ino):
+            raise InvalidInput(f"-o {output} is {what} {name}: merge never writes over a file it reads; "
+                               "give another OUT")
 
 
 def _cmd_cancel(args: Any) -> int:
@@ -14865,8 +15646,11 @@ def _cmd_retry(args: Any) -> int:
 
 def _cmd_clean(args: Any) -> int:
     both = not args.done and not args.failed
+    notes: list[str] = []
     removed = clean_jobs(args.workspace, args.older_than, done=args.done or both, failed=args.failed or both,
-                         dry_run=args.dry_run)
+                         dry_run=args.dry_run, notes=notes)
+    for note in notes:
+        _say(note)
     _print_lines(removed)
     _say(f"{'would remove' if args.dry_run else 'removed'} {len(removed)} jobs")
     return EXIT_OK
@@ -15078,9 +15862,11 @@ def _export_arguments(parser: Any) -> None:
 
 
 def _merge_arguments(parser: Any) -> None:
-    parser.add_argument("parts", metavar="PART", nargs="+", help="the shards' exports (jsonl or openai)")
+    parser.add_argument("parts", metavar="PART", nargs="+", help="the shards' exports (jsonl or openai); each "
+                        "line's request_sha256 must match FILE's line of its custom_id")
     parser.add_argument("--input", metavar="FILE", required=True, help="the batch file the shards were given")
-    parser.add_argument("-o", "--output", metavar="FILE", required=True, help="write FILE atomically ('-': stdout)")
+    parser.add_argument("-o", "--output", metavar="OUT", required=True, help="write OUT atomically ('-': stdout); "
+                        "never the input or a PART")
     parser.add_argument("--partial", action="store_true", help="write the lines there are even when some are "
                         "missing or in conflict (the exit status still says so)")
 
@@ -15151,20 +15937,22 @@ def _build_parser(only: Optional[str] = None) -> Any:
                 message = f"{flag} must be {'an integer' if kind == 'int' else 'a number'}, not {value}"
             self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
 
-    env_help = "\n".join(f"  {s.env:<24} {str(s.default):<10} {s.help}" for s in SETTINGS.values())
+    env_help = "\n".join(f"  {s.env:<24} {str(s.default if s.shown is None else s.shown):<10} {s.help}"
+                         for s in SETTINGS.values())
     codes = ", ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items())
     parser = OneLineParser(
-        prog="nrvna", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="nrvna", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         description="A durable, asynchronous job queue for local LLM inference. A job is a "
                     "directory; its location is its state.",
         epilog=f"exit codes: {codes}\n\nenvironment (daemon):\n" + env_help)
     parser.add_argument("--version", action="version", version=f"nrvna {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, summary, description, add_arguments, handler in COMMANDS:
-        command = commands.add_parser(name, help=summary, description=description)
+        # No abbreviations: a typo (--max-token) is an error, not another flag's prefix.
+        command = commands.add_parser(name, help=summary, description=description, allow_abbrev=False)
         if only in (None, name):
             add_arguments(command)
-        command.set_defaults(handler=handler)
+        command.set_defaults(handler=handler, parser=command)  # main's errors point to this command's --help
     return parser
 
 
@@ -15184,7 +15972,7 @@ def main(argv: Optional[list[str]] = None, *, runner: Any = None) -> int:
     if extra and getattr(args, "prompt", "") is None and len(extra) == 1 and (extra[0] == "-" or not extra[0].startswith("-")):
         args.prompt, extra = extra[0], []
     if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     args.runner = runner
     try:
         return args.handler(args)
@@ -15224,9 +16012,14 @@ COMMANDS = (
      "One line per finished job in submission order; unfinished jobs are left out (exit 4).",
      _export_arguments, _cmd_export),
     ("merge", "put the shards' exports back together",
-     "Write the PARTs' lines in the order of --input's lines, each custom_id once. Exit 0 when every line "
-     "came back once; 4 when some are missing from every part, 1 when two parts give one different results "
-     "(each named on stderr); OUT is written only when whole, unless --partial.", _merge_arguments, _cmd_merge),
+     "Write the PARTs' lines in the order of --input's lines, each custom_id once; OUT is written only when "
+     "whole, unless --partial. Exit 0: every line came back once. 1: two parts give one line different "
+     "results (each such line named on stderr with the two parts and lines), even if some are missing too. "
+     "4: some lines are missing from "
+     "every part (each named). 2, nothing written: a usage error, named with its part and line: -o names "
+     "the input or a part; a part cannot be read, has a line that is not an export line or over the limit, a "
+     "custom_id the input lacks, or a request_sha256 saying it answers another request than the input's line "
+     "(a part of another batch).", _merge_arguments, _cmd_merge),
     ("cancel", "cancel queued or running jobs",
      "A queued job goes to failed/ (code cancelled); a running one stops between tokens and "
      "does the same. Finished jobs are left alone (exit 1).", _cancel_arguments, _cmd_cancel),

@@ -45,6 +45,7 @@ import errno
 import functools
 import glob
 import io
+import itertools
 import json
 import logging
 import math
@@ -1681,6 +1682,40 @@ def test_one_schema_on_many_lines_is_checked_once(monkeypatch: pytest.MonkeyPatc
     assert [e.params["response_format"]["json_schema"]["schema"] for e in entries[:2]] == [schema, schema]
 
 
+def test_the_cache_of_checked_schemas_is_shared_by_threads_safely(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_CHECKED is read and evicted from every worker's claim. Threads that find it over its
+    bound at once each evict under _CHECKED_LOCK (without it, they all popped the same oldest
+    key: KeyError), and each gets its own key's verdict."""
+    class Slow(dict):  # finding the oldest key takes a while: the threads meet in the eviction
+        def __iter__(self) -> Any:
+            keys = list(dict.keys(self))
+            time.sleep(0.05)
+            return iter(keys)
+
+    def refuse() -> None:
+        raise nrvna.InvalidInput("refused")
+
+    cache = Slow((("old", i), None) for i in range(256))
+    monkeypatch.setattr(nrvna, "_CHECKED", cache)
+    barrier, verdicts = threading.Barrier(6), {}
+
+    def check(i: int) -> None:
+        barrier.wait()
+        try:
+            nrvna._checked(("new", i), refuse if i % 2 else lambda: None)
+            verdicts[i] = "passed"
+        except Exception as err:  # noqa: BLE001 (any error is the test's finding)
+            verdicts[i] = f"{type(err).__name__}: {err}"
+
+    threads = [threading.Thread(target=check, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert verdicts == {i: "InvalidInput: refused" if i % 2 else "passed" for i in range(6)}
+    assert len(cache) == 256 and all(("new", i) in cache for i in range(6))  # the oldest went
+
+
 def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     flow = Flow(ws)
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
@@ -2855,7 +2890,14 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
      "messages[1]: a tool turn needs the tool_call_id it answers"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
                    {"role": "tool", "content": "3", "tool_call_id": "c9"}]},
-     "messages[2] answers tool call 'c9', which no earlier assistant turn made"),
+     "messages[2] answers tool call 'c9', which messages[1] did not make (its calls: none)"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "3", "tool_call_id": "c1"}]},
+     "messages[1] answers tool call 'c1', but no assistant turn's calls come right before it"),
+    ({"messages": [{"role": "tool", "content": "3", "tool_call_id": "c1"}]},
+     "messages[0] answers tool call 'c1', but no assistant turn's calls come right before it"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                   {"role": "user", "content": "y"}, {"role": "tool", "content": "3", "tool_call_id": "call_1"}]},
+     "messages[3] answers tool call 'call_1', but no assistant turn's calls come right before it"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
         dict(CALL, function={"name": "get_weather", "arguments": "{city"})]}]},
      "messages[1].tool_calls[0].function.arguments is not JSON text"),
@@ -3107,6 +3149,48 @@ def test_memory_settings_are_checked_at_start() -> None:
     assert not os.path.exists("ws-never-made")
 
 
+def test_a_size_that_rounds_to_nothing_or_has_no_unit_is_refused_naming_what_was_given(run_main: RunMain) -> None:
+    """#57: `--max-memory 0.5` and NRVNA_CACHE_DISK=0.5 meant "no budget" and "store off", and
+    `--max-memory 500` 500 bytes ("nothing here fits"): each is exit 2 at start, before any model
+    or workspace, naming the flag or the variable as the user wrote it; 0, a unit, or B for
+    bytes are taken."""
+    for value, reason in (("0.5", "rounds to 0 bytes: write 0 for none"), ("0.0001K", "rounds to 0 bytes"),
+                          ("500", "has no unit, so it would be 500 bytes: add one (500M, 500K), or write 500B"),
+                          ("abc", "is not a size")):
+        done = run_main("daemon", "no-such-model.gguf", "ws-never-made", "--max-memory", value)
+        assert done.returncode == 2 and f"--max-memory {value!r} {reason}".encode() in done.stderr, done.stderr
+        for variable in ("NRVNA_CACHE_DISK", "NRVNA_MAX_MEMORY", "NRVNA_CACHE_PENDING"):
+            done = run_main("daemon", "no-such-model.gguf", "ws-never-made", env={variable: value})
+            assert done.returncode == 2 and f"{variable}={value!r} {reason}".encode() in done.stderr, done.stderr
+    assert not os.path.exists("ws-never-made")
+    assert [nrvna.size_bytes(v) for v in ("0", "0M", "500B", "1.5K", "2M", "1048576")] == [0, 0, 500, 1536, 2 << 20, 1 << 20]
+    # the budget's own refusal names it as given too (it said NRVNA_MAX_MEMORY for the flag)
+    report = {"weights_mib": 92.1, "kv_mib": 202.5, "compute_mib": 98.3, "output_mib": 3.2, "cells": 9216,
+              "cells_per_job": 1024, "kv_bytes_per_token": 23040}
+    for config, given in ((nrvna.Config.from_env({}, max_memory="500M"), "--max-memory 500M"),
+                          (nrvna.Config.from_env({"NRVNA_MAX_MEMORY": " 500M"}), "NRVNA_MAX_MEMORY=500M")):
+        with pytest.raises(nrvna.ConfigError, match=f"^{given} \\(500 MiB\\) cannot hold this daemon"):
+            nrvna.check_memory_budget(config, "m", report, 2, 50.0, True)
+    # and what would fit is written as the setting was given: a variable would lose to the flag
+    with pytest.raises(nrvna.ConfigError, match="it would fit with --workers 1 or NRVNA_MAX_CTX=2048$"):
+        nrvna.check_memory_budget(nrvna.Config.from_env({}, workers=2, max_memory="500M"), "m", report, 2, 50.0, True)
+    with pytest.raises(nrvna.ConfigError, match="it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=2048$"):
+        nrvna.check_memory_budget(nrvna.Config.from_env({"NRVNA_WORKERS": "2"}, max_memory="500M"), "m", report, 2, 50.0, True)
+
+
+def test_the_daemon_s_help_and_the_variables_list_give_one_default(run_main: RunMain) -> None:
+    """#57: `daemon --help` said the workers default to "4, or the cores if fewer" and `nrvna --help`'s
+    list of variables said this machine's count: both now say what SETTINGS states."""
+    listed = run_main("--help").stdout.decode()
+    flagged = " ".join(run_main("daemon", "--help").stdout.decode().split())
+    for setting in nrvna.SETTINGS.values():
+        shown = str(setting.default if setting.shown is None else setting.shown)
+        assert re.search(rf"^  {setting.env} +{re.escape(shown)} +", listed, re.M), setting.env
+        if setting.flags and shown:
+            assert f"({setting.env}, default {shown})" in flagged, setting.env
+    assert re.search(r"^  NRVNA_WORKERS +4, or the cores if fewer ", listed, re.M)
+
+
 def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
     """check_memory_budget: the need (the process, weights, every context, saves waiting) against
     NRVNA_MAX_MEMORY, and each change that alone would fit (fewer workers, a shorter context, a
@@ -3118,13 +3202,27 @@ def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
     with pytest.raises(nrvna.ConfigError) as caught:
         nrvna.check_memory_budget(nrvna.Config(max_memory="500M"), "m", report, 2, 50.0, True)
     message = str(caught.value)
-    assert "NRVNA_MAX_MEMORY (500 MiB) cannot hold this daemon: it needs 795 MiB" in message
+    assert "NRVNA_MAX_MEMORY=500M (500 MiB) cannot hold this daemon: it needs 795 MiB" in message
     assert "2 contexts x 304.0 (KV cache 202.5, compute 98.3, output 3.2), contexts waiting to be saved 45" in message
     assert message.endswith("it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=2048"), message
     with pytest.raises(nrvna.ConfigError, match="NRVNA_MAX_CTX=7680 or NRVNA_KV_TYPE=q8_0 or NRVNA_CACHE_PENDING=29M"):
         nrvna.check_memory_budget(nrvna.Config(max_memory="780M"), "m", report, 2, 50.0, True)
     with pytest.raises(nrvna.ConfigError, match="nothing here fits it: a larger budget or a smaller model"):
         nrvna.check_memory_budget(nrvna.Config(max_memory="200M"), "m", report, 2, 50.0, False)
+
+
+def test_an_embedding_model_s_memory_line_says_what_it_holds() -> None:
+    """#57: an embedding daemon's start line read "KV cache 0 x 0.0 MiB ... compute 0 x 0.0" beside
+    "2 workers x 16 sequences": it has no generation context, and says so."""
+    report = {"weights_mib": 43.5, "kv_type": "f16", "contexts": 0, "cells": 0, "cells_per_job": 0,
+              "kv_bytes_per_token": 0, "kv_mib": 0.0, "compute_mib": 0.0, "output_mib": 0.0,
+              "embedding_contexts": 0, "embedding_mib": 0, "total_mib": 43.5}
+    line = nrvna.memory_line("MiniLM", report)
+    assert line == ("Memory of MiniLM: weights 43.5 MiB, no generation contexts (an embedding model: each worker makes "
+                    "its embedding context at its first embed job; 0 made so far, 0.0 MiB): 43.5 MiB"), line
+    chat = dict(report, contexts=2, cells=9216, kv_bytes_per_token=23040, kv_mib=202.5, compute_mib=98.3,
+                output_mib=3.2, total_mib=651.1)
+    assert "KV cache 2 x 202.5 MiB (f16, 9,216 cells x 23,040 B a token), compute 2 x 98.3" in nrvna.memory_line("m", chat)
 
 
 def test_all_lists_the_public_names() -> None:
@@ -3361,6 +3459,86 @@ def finished_job(ws: str) -> str:
     return job_id
 
 
+# Values a hand-made or damaged meta.json may hold where nrvna writes a count, a time, a text or a list.
+CRAFTED_META_VALUES = ["x", -1, 2 ** 70, 1.5, [], {}, [1, 2], True, None, "9" * 5000]
+
+
+def test_a_crafted_meta_json_never_stops_the_daemon_or_a_reader(ws: str, run_main: RunMain) -> None:
+    """Every field nrvna reads back from meta.json, planted with each wrong type in every state
+    (processing/ is what recovery reads at start): the daemon starts, runs the queued ones and an
+    honest job, and no reader (get, events, export in both forms, retry) meets a traceback."""
+    nrvna.ensure_workspace(ws)
+    planted = []
+    for state in (nrvna.READY, nrvna.PROCESSING, nrvna.OUTPUT, nrvna.FAILED):
+        for n, (name, value) in enumerate([(f, v) for f in sorted(nrvna.META_FIELDS) for v in CRAFTED_META_VALUES]):
+            job_id = f"17{len(state):02d}{n:06d}_1_1"
+            os.makedirs(os.path.join(ws, state, job_id))
+            write(os.path.join(ws, state, job_id, "prompt.txt"), "hello")
+            write(os.path.join(ws, state, job_id, "meta.json"), json.dumps({name: value}))
+            if state == nrvna.OUTPUT:
+                write(os.path.join(ws, state, job_id, "result.txt"), "r")
+            planted.append(job_id)
+    for n, events in enumerate(['[[1e999, "done"]]', '[[1, ["done"]]]', '[[1, "done", {"a": 1}]]', "[7, null]",
+                                '[[NaN, "failed", "x"]]']):
+        job_id = f"1800000{n:03d}_1_1"
+        os.makedirs(os.path.join(ws, nrvna.FAILED, job_id))
+        write(os.path.join(ws, nrvna.FAILED, job_id, "meta.json"), '{"events": %s, "code": "x"}' % events)
+        planted.append(job_id)
+    honest = submit(ws, "honest")
+    with serving(ws, echo):
+        assert wait_all(ws, [honest]) == [Status.Done]
+        queued = [i for i in planted if Flow(ws).status(i) is not Status.Failed]
+        assert set(wait_all(ws, queued, timeout=60)) == {Status.Done}
+    assert Flow(ws).get(honest).result == "echo:honest"
+    for args in (["events", ws, "--since", "0"], ["export", ws], ["export", ws, "--format", "openai"],
+                 ["retry", ws, "--failed"], ["status", ws]):
+        result = run_main(*args)
+        assert result.returncode in (0, 4) and b"Traceback" not in result.stderr, (args, result.stderr[-300:])
+    for job_id in planted[::37]:
+        assert run_main("get", ws, job_id, "--json").returncode in (0, 1, 4)
+
+
+def test_a_crafted_tag_index_is_one_line_naming_it_and_never_stops_the_batch_hooks(
+        ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    """tags/<tag>/*.ids is read by wait, export, status, cancel, retry and clean --tag, and by the
+    daemon's batch hook: a planted one (a symlink to /dev/zero, a directory, not JSON, rows that
+    are not [job ID, custom_id]) is one line naming the file (exit 1), never a hang or a
+    traceback; the daemon's hooks go on (the tag's batch hook alone is not run, and says so);
+    clean removes what it should and leaves the planted file."""
+    crafted = {"zero": None, "dir": None, "json": "{{{\n", "rows": "[1, 2, 3]\n", "path": '["../../etc", null]\n',
+               "cid": '["1_1_1", 5]\n'}
+    for name, text in crafted.items():
+        here = str(tmp_path / name)
+        job_id = submit(here, "hi", tag="t")
+        index = os.path.join(here, nrvna.TAGS, "t", "00000000000000000001_x.ids")
+        if name == "zero":
+            os.symlink("/dev/zero", index)
+        elif name == "dir":
+            os.mkdir(index)
+        else:
+            write(index, text)
+        for args in (["wait", here, "--tag", "t", "--timeout", "1"], ["export", here, "--tag", "t"],
+                     ["status", here, "--tag", "t"], ["cancel", here, "--tag", "t"], ["retry", here, "--tag", "t"]):
+            result = run_main(*args, timeout=20)
+            lines = result.stderr.decode().strip().splitlines()
+            assert result.returncode == 1 and len(lines) == 1 and "00000000000000000001_x.ids" in lines[0], (name, args, lines)
+        ran = tmp_path / f"{name}.ran"
+        with serving(here, echo, on_done=f"echo $NRVNA_JOB_ID >> {ran}", on_batch_done=f"echo batch >> {ran}.batch"):
+            assert wait_all(here, [job_id]) == [Status.Done]
+            deadline = time.monotonic() + 20
+            while not (ran.exists() and os.listdir(os.path.join(here, nrvna.HOOKS_OWED)) == []):
+                assert time.monotonic() < deadline, name
+                time.sleep(0.05)
+            time.sleep(1.5)  # a hook retried for the bad index would run again within this
+        lines = ran.read_text().splitlines()  # the hook ran once, not again for the bad index
+        assert len(lines) == 1 and lines[0].startswith(job_id) and not Path(f"{ran}.batch").exists()
+        meta_path = os.path.join(here, nrvna.OUTPUT, job_id, "meta.json")
+        write(meta_path, json.dumps(dict(json.load(open(meta_path)), finished=1.0)))
+        result = run_main("clean", here, "--older-than", "1d")
+        assert result.returncode == 0 and b"00000000000000000001_x.ids" in result.stderr, name
+        assert Flow(here).status(job_id) is Status.Missing and os.path.lexists(index)
+
+
 def test_a_huge_planted_params_json_is_never_read_whole(ws: str) -> None:
     """params.json is read when a job is queued (its priority) and by events and hooks after
     it ends: each reads at most what a submit can make (16 MiB by default), never a planted
@@ -3470,6 +3648,34 @@ def test_a_planted_lock_file_names_no_daemon(ws: str) -> None:
     finally:
         first.terminate()
         first.wait(30)
+
+
+def test_a_crafted_daemon_record_never_stops_a_client_or_another_daemon(ws: str, run_main: RunMain) -> None:
+    """daemons/<name>.json is read by clients (model names, waits, status --daemon) and by other
+    daemons (the clash check at start, routing): a live daemon's record overwritten with every
+    field of the wrong type is read as if those fields were absent."""
+    job_id = submit(ws, "warm")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); import nrvna; "
+                               "fd, name = nrvna.register_daemon(sys.argv[2]); print(name, flush=True); time.sleep(600)",
+                               str(HERE), ws], stdout=subprocess.PIPE)
+    second = None
+    try:
+        name = holder.stdout.readline().decode().strip()
+        write(os.path.join(ws, nrvna.DAEMONS, f"{name}.json"), json.dumps({
+            "pid": "x", "gpu": "0", "models_dir": "/nonexistent", "kinds": 5, "aliases": [1], "hooks": [1],
+            "models": [5, "m", {"path": ["a"], "name": {"x": 1}, "kind": 3, "retry_at": "soon", "active": "yes"},
+                       {"path": "/x.gguf", "load_failures": "x", "max_load_failures": [], "retry_at": "soon"}]}))
+        for args in (["status", ws, "--daemon"], ["status", ws], ["submit", ws, "--model", "zz-unknown", "hi"],
+                     ["wait", ws, job_id, "--timeout", "0.5"]):
+            result = run_main(*args)
+            assert result.returncode in (0, 4) and b"Traceback" not in result.stderr, (args, result.stderr[-300:])
+        second = child_daemon(ws, "derived", "-w", "1")
+        assert wait_all(ws, [job_id]) == [Status.Done]
+    finally:
+        for proc in (holder, second):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.model
@@ -3854,6 +4060,27 @@ def test_eight_processes_racing_one_key_make_one_job_and_all_print_it(ws: str) -
         nrvna.ensure_workspace(ws)
 
 
+def test_a_planted_key_file_never_hangs_a_submit_or_a_clean(ws: str, run_main: RunMain) -> None:
+    """keys/<sha256> is read (1 KiB at most) by every keyed submit and by clean: a FIFO planted
+    there reads as a key naming no job (replaced, a job queued), never a wait for a writer; a
+    symbolic link is not followed (one line, exit 1) and clean leaves it alone."""
+    first = ids_of(run_main("submit", ws, "--idempotency-key", "k", "a"))[0]
+    (name,) = os.listdir(os.path.join(ws, nrvna.KEYS))
+    key = os.path.join(ws, nrvna.KEYS, name)
+    os.unlink(key)
+    os.mkfifo(key)
+    result = run_main("submit", ws, "--idempotency-key", "k", "a", timeout=20)
+    assert result.returncode == 0 and ids_of(result) != [first]
+    os.unlink(key)
+    os.symlink("/dev/zero", key)
+    result = run_main("submit", ws, "--idempotency-key", "k", "a", timeout=20)
+    assert result.returncode == 1 and b"symbolic links" in result.stderr
+    with serving(ws, echo):
+        wait_all(ws, [first])
+    assert run_main("clean", ws, "--older-than", "0s", timeout=20).returncode == 0
+    assert os.path.islink(key)
+
+
 def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
     nrvna.ensure_workspace(ws)
     work = Work(ws)
@@ -4187,6 +4414,188 @@ def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing
     assert done.returncode == 0 and json.loads(done.stdout)["custom_id"] == "line-1", done.stderr
 
 
+def exported_part(ws: str, rows: list[dict[str, Any]], path: Path, run_main: RunMain, form: str = "jsonl",
+                  *flags: str) -> list[dict[str, Any]]:
+    """``rows`` as a batch file submitted to ``ws`` with ``flags``, run by echo, exported to ``path``."""
+    source = write(path.with_suffix(".in.jsonl"), jsonl(rows))
+    ids = ids_of(run_main("submit", ws, "--file", source, "--tag", "t", *flags))
+    with serving(ws, echo):
+        wait_all(ws, ids)
+    assert run_main("export", ws, "--tag", "t", "--format", form, "-o", str(path)).returncode == 0
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_export_lines_say_which_request_they_answer_and_merge_refuses_another_batchs_part(
+        tmp_path: Path, run_main: RunMain) -> None:
+    """Each jsonl and openai export line carries request_sha256, a digest of its request as
+    submitted (its prompt or turns, not the node's flags): the same line on two nodes with other
+    flags gives the same digest, another prompt another. OpenAI's types read such a line. A
+    stale part of another batch (the same line-N ids) is refused, exit 2, naming the part and
+    line; a part exported before the key existed is taken, said once on stderr."""
+    rows = [{"prompt": "p0"}, {"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "p2", "temperature": 0.5}]
+    source = write(tmp_path / "in.jsonl", jsonl(rows))
+    a = exported_part(str(tmp_path / "a"), rows, tmp_path / "a.jsonl", run_main, "openai", "--max-tokens", "7")
+    b = exported_part(str(tmp_path / "b"), rows, tmp_path / "b.jsonl", run_main, "openai", "--temperature", "0.1")
+    records = run_main("export", str(tmp_path / "b"), "--tag", "t", "--format", "jsonl").stdout.decode().splitlines()
+    assert all("request_sha256" in line for line in a + b + [json.loads(record) for record in records])
+    entries = nrvna.parse_batch(Path(source).read_bytes(), True)
+    digests = {e.params["custom_id"]: nrvna.request_digest(e.prompt, e.params) for e in entries}
+    assert len(set(digests.values())) == 3 and len(records) == 3
+    for line in a + b + [json.loads(record) for record in records]:
+        assert line[nrvna.REQUEST_KEY] == digests[line["custom_id"]], line
+    for line in a:  # an OpenAI Batch output line and one key more (read by OpenAI's types: the next test)
+        assert set(line) == {"id", "custom_id", "response", "error", nrvna.REQUEST_KEY}
+    out = tmp_path / "out.jsonl"
+    done = run_main("merge", "--input", source, str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "-o", str(out))
+    assert done.returncode == 0 and b"request_sha256" not in done.stderr, done.stderr
+    # A stale part of another batch: its lines are line-1.. too, and answer other prompts.
+    stale = tmp_path / "part-old.jsonl"
+    exported_part(str(tmp_path / "old"), [{"prompt": "other"}, {"prompt": "p1"}, {"prompt": "p2"}], stale, run_main)
+    done = run_main("merge", "--input", source, str(tmp_path / "a.jsonl"), str(stale), "-o", str(tmp_path / "x.jsonl"))
+    assert done.returncode == 2 and not (tmp_path / "x.jsonl").exists()
+    assert f"{stale}: line 1: custom_id 'line-1' answers another request than line 1 of the input".encode() in done.stderr
+    assert b"Traceback" not in done.stderr
+    # Parts exported before the key: taken, with one note for all of them.
+    for name in ("a.jsonl", "b.jsonl"):
+        lines = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        write(tmp_path / f"old-{name}", jsonl([{k: v for k, v in line.items() if k != nrvna.REQUEST_KEY} for line in lines]))
+    done = run_main("merge", "--input", source, str(tmp_path / "old-a.jsonl"), str(tmp_path / "old-b.jsonl"), "-o", "-")
+    assert done.returncode == 0 and len(done.stdout.splitlines()) == 3
+    assert done.stderr.count(b"carry no request_sha256") == 1 and b"6 lines of" in done.stderr, done.stderr
+
+
+@pytest.mark.model  # the openai package comes with the model's setup (scripts/setup.sh), not on the bare Python
+def test_an_export_line_that_says_its_request_is_read_by_openai_s_types(tmp_path: Path, run_main: RunMain) -> None:
+    """The request digest is one key more on an OpenAI Batch output line: OpenAI's models keep
+    extra keys aside, and the response body is a ChatCompletion still."""
+    from openai.types import chat
+
+    rows = [{"prompt": "p0"}, {"messages": [{"role": "user", "content": "hi"}]}]
+    for line in exported_part(str(tmp_path / "a"), rows, tmp_path / "a.jsonl", run_main, "openai"):
+        assert nrvna.REQUEST_KEY in line
+        chat.ChatCompletion.model_validate(line["response"]["body"])
+    assert chat.ChatCompletion.model_config.get("extra") == "allow"
+
+
+def test_merge_never_writes_over_its_input_or_a_part(tmp_path: Path, run_main: RunMain) -> None:
+    """-o naming the input or a part (the same path, a symlink to it, a hard link) is refused,
+    exit 2, naming it, before anything is written: the file is unchanged."""
+    source = write(tmp_path / "in.jsonl", jsonl([{"custom_id": "c", "prompt": "p"}]))
+    part = write(tmp_path / "part.jsonl", jsonl([{"id": "j", "custom_id": "c", "status": "done", "result": "r"}]))
+    os.symlink(part, tmp_path / "link.jsonl")
+    os.link(source, tmp_path / "hard.jsonl")
+    before = {path: Path(path).read_bytes() for path in (source, part)}
+    for output, named in ((source, b"the input"), (part, b"the part"), (str(tmp_path / "link.jsonl"), b"the part"),
+                          (str(tmp_path / "hard.jsonl"), b"the input"), ("./" + os.path.relpath(part), b"the part")):
+        done = run_main("merge", "--input", source, part, "-o", output)
+        assert done.returncode == 2 and named in done.stderr and output.encode() in done.stderr, (output, done.stderr)
+        assert {path: Path(path).read_bytes() for path in before} == before, output
+    assert run_main("merge", "--input", source, part, "-o", str(tmp_path / "out.jsonl")).returncode == 0
+    done = run_main("merge", "--input", source, source, "-o", "-")  # the input given as a part: no results in it
+    assert done.returncode == 2 and f"{source}: line 1: not an export line".encode() in done.stderr
+
+
+def test_merge_reads_a_part_with_a_bound_per_line(tmp_path: Path) -> None:
+    """A part that is /dev/zero (no newline, no end) is refused once a part line's limit is
+    read: exit 2 naming it, no traceback, memory bounded (it runs under a 1 GiB address space,
+    where reading it whole ended in a MemoryError)."""
+    import resource
+
+    source = write(tmp_path / "in.jsonl", jsonl([{"custom_id": "c", "prompt": "p"}]))
+
+    def bounded() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    env = dict(os.environ, NRVNA_MAX_PROMPT_BYTES="1")  # a part line's limit: 8 × (8 MiB + 14 bytes)
+    done = subprocess.run([sys.executable, SCRIPT, "merge", "--input", source, "/dev/zero", "-o", str(tmp_path / "o")],
+                          capture_output=True, env=env, timeout=120, preexec_fn=bounded)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert b"/dev/zero: line 1: over" in done.stderr and b"part line's limit" in done.stderr
+    assert b"Traceback" not in done.stderr and not (tmp_path / "o").exists()
+
+
+def test_merge_compares_fields_not_a_text_with_ids_cut_out(tmp_path: Path, run_main: RunMain) -> None:
+    """Results are compared as fields, the IDs left out where they are IDs (the job's, the
+    response's, a tool call's): "yesZ" of job Z and "yesQ" of job Q differ (cutting the ID out
+    of the text made them equal); one tool call exported from two workspaces, or one failure
+    whose message names its job, is one result. A conflict names both parts and lines."""
+    source = write(tmp_path / "in.jsonl", jsonl([{"custom_id": "c", "prompt": "p"}]))
+
+    def jsonl_line(job_id: str, result: str) -> dict[str, Any]:
+        return {"id": job_id, "custom_id": "c", "status": "done", "result": result, "error": None, "meta": {}}
+
+    def openai_line(job_id: str, content: str) -> dict[str, Any]:
+        body = {"id": f"chatcmpl-{job_id}", "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
+        return {"id": f"batch_req_{job_id}", "custom_id": "c", "error": None,
+                "response": {"status_code": 200, "request_id": job_id, "body": body}}
+
+    for make in (jsonl_line, openai_line):
+        z = write(tmp_path / "z.jsonl", jsonl([make("Z", "yesZ")]))
+        q = write(tmp_path / "q.jsonl", jsonl([make("Q", "yesQ")]))
+        done = run_main("merge", "--input", source, z, q, "-o", str(tmp_path / "out.jsonl"))
+        assert done.returncode == 1, (make, done.stderr)
+        assert f"given different results by two parts: c ({z} line 1, {q} line 1)".encode() in done.stderr
+
+    def calls_line(job_id: str, city: str) -> dict[str, Any]:
+        call = {"id": f"call_{job_id}_0", "type": "function", "function": {"name": "w", "arguments": f'{{"city": "{city}"}}'}}
+        return dict(jsonl_line(job_id, json.dumps(call) + "\n"), content=None, tool_calls=[call])
+
+    one = write(tmp_path / "one.jsonl", jsonl([calls_line("17959_1_1", "Oslo")]))
+    again = write(tmp_path / "again.jsonl", jsonl([calls_line("17960_2_2", "Oslo")]))
+    assert run_main("merge", "--input", source, one, again, "-o", "-").returncode == 0
+    other = write(tmp_path / "other.jsonl", jsonl([calls_line("17960_2_2", "Bergen")]))
+    assert run_main("merge", "--input", source, one, other, "-o", "-").returncode == 1
+    failed = [{"id": job_id, "custom_id": "c", "status": "failed", "result": None, "meta": {"code": "timeout"},
+               "error": f"job {job_id} ran over its timeout"} for job_id in ("A1", "B2")]
+    parts = [write(tmp_path / f"f{i}.jsonl", jsonl([line])) for i, line in enumerate(failed)]
+    assert run_main("merge", "--input", source, *parts, "-o", "-").returncode == 0
+
+
+def test_a_tag_keeps_the_shard_it_was_created_with(tmp_path: Path, run_main: RunMain) -> None:
+    """A tag records the --shard it was created with: a later submit of the tag with another
+    shard (0/3, then 0/2 or 1/2, or none) is refused, exit 2, naming both, nothing queued; the
+    same shard again resumes it. A tag with no record (made before records, or without
+    --shard) takes any shard as before; a damaged record is named; clean removes the record
+    with the tag's last index."""
+    rows = [{"custom_id": f"c{i}", "prompt": f"p{i}"} for i in range(30)]
+    source = write(tmp_path / "b.jsonl", jsonl(rows))
+    ws = str(tmp_path / "ws")
+    first = run_main("submit", ws, "--file", source, "--shard", "0/3", "--tag", "t")
+    assert first.returncode == 0, first.stderr
+    queued = Flow(ws).counts()["queued"]
+    for shard in ("0/2", "1/2", None):
+        done = run_main("submit", ws, "--file", source, "--tag", "t", *(("--shard", shard) if shard else ()))
+        assert done.returncode == 2 and b"tag t was created with --shard 0/3" in done.stderr, (shard, done.stderr)
+        assert (f"--shard {shard}" if shard else "no --shard").encode() in done.stderr
+        assert Flow(ws).counts()["queued"] == queued
+    again = run_main("submit", ws, "--file", source, "--shard", "0/3", "--tag", "t")
+    assert again.returncode == 0 and ids_of(again) == ids_of(first) and Flow(ws).counts()["queued"] == queued
+    # A tag with no record keeps working with any shard.
+    assert run_main("submit", ws, "--file", source, "--tag", "old").returncode == 0
+    for shard in ("0/2", "1/2"):
+        assert run_main("submit", ws, "--file", source, "--shard", shard, "--tag", "old").returncode == 0
+    record = os.path.join(ws, "tags", "t", "shard")
+    write(record, "junk\n")
+    done = run_main("submit", ws, "--file", source, "--shard", "0/3", "--tag", "t")
+    assert done.returncode == 2 and record.encode() in done.stderr and b"Traceback" not in done.stderr
+    os.remove(record)  # a tag made before records: taken with any shard
+    assert run_main("submit", ws, "--file", source, "--shard", "1/3", "--tag", "t").returncode == 0
+    assert run_main("submit", ws, "--file", source, "--shard", "2/3", "--tag", "n").returncode == 0
+    assert run_main("cancel", ws, "--tag", "n").returncode == 0
+    assert run_main("clean", ws, "--older-than", "0s").returncode == 0
+    assert not os.path.exists(os.path.join(ws, "tags", "n"))
+    assert run_main("submit", ws, "--file", source, "--shard", "0/2", "--tag", "n").returncode == 0  # a new tag
+
+
+def test_merge_help_states_every_exit_code() -> None:
+    """merge --help says what exits 0, 1, 4 and 2 mean."""
+    done = cli("merge", "--help")
+    text = b" ".join(done.stdout.split())
+    for said in (b"Exit 0: every line came back once", b"1: two parts give one line different results",
+                 b"4: some lines are missing", b"2, nothing written: a usage error"):
+        assert said in text, said
+
+
 def test_a_shard_that_holds_no_line_still_records_its_tag(tmp_path: Path, run_main: RunMain) -> None:
     """A shard none of the file's lines fall in queues nothing, yet its tag exists: the node's
     wait and export end at once (an empty part), and the merge of the parts is whole."""
@@ -4196,7 +4605,7 @@ def test_a_shard_that_holds_no_line_still_records_its_tag(tmp_path: Path, run_ma
     for _ in range(2):  # a rerun adds no second index
         done = run_main("submit", ws, "--file", source, "--shard", f"{empty}/4", "--tag", "t")
         assert done.returncode == 0 and done.stdout == b"" and f"shard {empty}/4: 0 of 1 lines".encode() in done.stderr
-    assert len(os.listdir(os.path.join(ws, "tags", "t"))) == 1
+    assert len([n for n in os.listdir(os.path.join(ws, "tags", "t")) if n.endswith(".ids")]) == 1
     assert run_main("wait", ws, "--tag", "t", "--timeout", "0").returncode == 0
     part = tmp_path / "part.jsonl"
     assert run_main("export", ws, "--tag", "t", "--format", "openai", "-o", str(part)).returncode == 0
@@ -4348,7 +4757,7 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
 
 @pytest.mark.parametrize("content, message", [
     ('{"prompt": "ok"}\n{"prompt": "broken"\n', "line 2: invalid JSON"),
-    ('{"prompt": "ok"}\n{"prompt": "x", "colour": 1}\n', "line 2: unknown parameter 'colour'"),
+    ('{"prompt": "ok"}\n{"prompt": "x", "colour": 1}\n', "line 2: unknown field 'colour'"),
     ('{"prompt": "ok"}\n\n{"prompt": "   "}\n', "line 3: prompt is empty"),
     ('{"prompt": "a", "custom_id": "same"}\n{"prompt": "b", "custom_id": "same"}\n',
      "line 2: duplicate custom_id 'same' (first on line 1)"),
@@ -4633,7 +5042,7 @@ def test_export_openai_is_the_batch_output_format_field_by_field(ws: str, tmp_pa
     done = run_main("export", ws, "--tag", "b", "--format", "openai")
     assert done.returncode == 4 and b"1 of 4 jobs are not finished and were left out" in done.stderr
     chat, completion, failed = (json.loads(line) for line in done.stdout.decode().splitlines())
-    assert set(chat) == {"id", "custom_id", "response", "error"} and chat["error"] is None
+    assert set(chat) == {"id", "custom_id", "request_sha256", "response", "error"} and chat["error"] is None
     assert chat["id"] == f"batch_req_{ids[0]}" and chat["custom_id"] == "c0"
     response = chat["response"]
     assert set(response) == {"status_code", "request_id", "body"} and response["status_code"] == 200
@@ -4648,6 +5057,7 @@ def test_export_openai_is_the_batch_output_format_field_by_field(ws: str, tmp_pa
     assert text["object"] == "text_completion" and completion["custom_id"] == "c1"
     assert text["choices"] == [{"text": "answer to once", "index": 0, "logprobs": None, "finish_reason": "stop"}]
     assert failed == {"id": f"batch_req_{ids[2]}", "custom_id": "c2", "response": None,
+                      "request_sha256": nrvna.request_digest("[user]\nfail me\n", Flow(ws).get(ids[2]).params),
                       "error": {"code": "context_overflow", "message": "prompt is 9 tokens; a sequence holds 4"}}
 
 
@@ -4655,7 +5065,7 @@ def test_export_jsonl_text_and_atomic_files(ws: str, tmp_path: Path, run_main: R
     ids = finished_batch(ws, tmp_path, run_main)
     records = [json.loads(line) for line in run_main("export", ws, *ids[:3]).stdout.decode().splitlines()]
     assert [r["id"] for r in records] == ids[:3] and [r["custom_id"] for r in records] == ["c0", "c1", "c2"]
-    assert set(records[0]) == {"id", "custom_id", "status", "prompt", "result", "error", "meta"}
+    assert set(records[0]) == {"id", "custom_id", "request_sha256", "status", "prompt", "result", "error", "meta"}
     assert records[0]["meta"]["finish_reason"] == "length" and records[2]["meta"]["code"] == "context_overflow"
     assert records[2]["status"] == "failed" and records[2]["result"] is None and "9 tokens" in records[2]["error"]
     text = run_main("export", ws, *ids[:2], "--format", "text")
@@ -4916,6 +5326,30 @@ def test_clean_done_only_and_bad_durations(ws: str, run_main: RunMain) -> None:
     for bad in ("-5m", "7y", "", "m"):
         assert run_main("clean", ws, "--older-than", bad).returncode == 2, bad
     assert run_main("clean", ws).returncode == 2  # --older-than is required
+
+
+def test_clean_with_crafted_files_in_states_never_crashes_halfway(ws: str) -> None:
+    """Item 2 of #57: a .kv of nrvna's magic whose header claims 2**61 tokens (or 2**34, or a
+    header past the file), and a file that is not nrvna's, in states/: clean removes the jobs
+    and their states, exits 0, and leaves what it cannot read as a state."""
+    done = [submit(ws, "ok"), submit(ws, "also ok")]
+    with serving(ws, echo):
+        wait_all(ws, done)
+    folder = Path(ws, nrvna.STATES)
+    folder.mkdir(exist_ok=True)
+    crafted = {f"{n}.kv": nrvna.STATE_MAGIC + struct.pack("<I", len(h)) + h for n, h in (
+        ("huge", b'{"fingerprint": "x", "tokens": 2305843009213693952, "blob": 0, "job": "%s"}' % done[0].encode()),
+        ("large", b'{"fingerprint": "x", "tokens": 17179869184, "blob": 0}'), ("past", b"{}" + b" " * 70000))}
+    crafted["settings.kv"] = b"[editor]\nfont = 12\n"
+    for name, data in crafted.items():
+        (folder / name).write_bytes(data)
+    data, offset = nrvna.state_buffer("fp", done[1], list(range(100)), 8)
+    nrvna.seal_state(data)
+    (folder / nrvna.state_name("fp", list(range(100)))).write_bytes(bytes(data))  # done[1]'s own: removed with it
+    time.sleep(0.05)
+    cleaned = cli("clean", ws, "--older-than", "0s")
+    assert cleaned.returncode == 0 and b"Traceback" not in cleaned.stderr, cleaned.stderr
+    assert sorted(ids_of(cleaned)) == sorted(done) and sorted(os.listdir(folder)) == sorted(crafted)
 
 
 def test_clean_prunes_the_tag_index_of_jobs_that_are_gone(ws: str, tmp_path: Path, run_main: RunMain) -> None:
@@ -5860,6 +6294,21 @@ def test_the_readme_is_short_and_the_manual_holds_the_rest() -> None:
         assert name in examples, name
 
 
+def test_the_quick_start_states_its_times_one_way_and_that_the_test_model_is_often_wrong() -> None:
+    """#57: the README gave the suite's time three ways ("about 12-14 min", "about 26 minutes") and
+    the compile "about 5 minutes" (7.5 measured); it now says each once, as docs/development.md
+    does, and warns that SmolLM2-135M is a tiny test model whose answers are often wrong."""
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    start = readme.split("## Quick start")[1].split("\n## ")[0]
+    development = (HERE / "docs" / "development.md").read_text(encoding="utf-8")
+    times = re.findall(r"\d[\d,.-]* (?:min|minutes|s)\b", start)
+    assert times == ["5-8 minutes", "26 minutes", "1,074 s", "468 s"], times
+    for figure in ("5-8 minutes", "26 minutes", "1,074 s", "468 s"):
+        assert figure in " ".join(development.split()), figure
+    words = " ".join(start.split())
+    assert "SmolLM2-135M is a tiny test model" in words and "its answers are often wrong" in words
+
+
 def test_the_readme_s_tables_are_generated_from_nrvna_s_tables() -> None:
     """The tables live in the manual (settings and parameters in docs/configuration.md, exit
     codes in docs/commands.md, failure codes in docs/workspace.md); the script finds them there."""
@@ -5924,8 +6373,25 @@ def test_openai_body_fields_map_through_the_parameter_table() -> None:
     line["body"]["tool_choice"] = "auto"
     with pytest.raises(nrvna.InvalidInput, match="tool_choice needs tools"):
         nrvna.parse_batch((json.dumps(line) + "\n").encode())
-    with pytest.raises(nrvna.InvalidInput, match="unknown field 'endpoint'"):
+    with pytest.raises(nrvna.InvalidInput, match="unknown field 'endpoint' \\(an OpenAI Batch line's url sets it\\)"):
         nrvna.parse_batch(b'{"prompt": "x", "endpoint": "/v1/completions"}\n')
+
+
+def test_a_batch_line_s_unknown_field_is_named_with_the_one_likeliest_meant(run_main: RunMain, tmp_path: Path) -> None:
+    """#57: `{"promt": ...}` said "give exactly one of prompt or messages", and the known-fields
+    list offered tag and endpoint, which docs/configuration.md says are not JSONL fields."""
+    with pytest.raises(nrvna.InvalidInput, match="line 1: unknown field 'promt'; did you mean 'prompt'\\? \\(a line's fields: prompt, max_tokens,"):
+        nrvna.parse_batch(b'{"promt": "hi"}\n')
+    with pytest.raises(nrvna.InvalidInput) as caught:
+        nrvna.parse_batch(b'{"prompt": "hi", "max_token": 5}\n')
+    listed = str(caught.value).split("(a line's fields: ")[1].rstrip(")").split(", ")
+    assert "did you mean 'max_tokens'?" in str(caught.value) and "tag" not in listed and "endpoint" not in listed
+    assert set(listed) == {"prompt"} | {name for name, param in nrvna.PARAMS.items() if param.jsonl}
+    with pytest.raises(nrvna.InvalidInput, match="unknown field 'tag' \\(tags are given with --tag\\)"):
+        nrvna.parse_batch(b'{"prompt": "hi", "tag": "t"}\n')
+    (tmp_path / "b.jsonl").write_text('{"prompt": "fine"}\n{"promt": "hi"}\n')
+    done = run_main("submit", str(tmp_path / "ws"), "--file", str(tmp_path / "b.jsonl"))
+    assert done.returncode == 2 and b"line 2: unknown field 'promt'; did you mean 'prompt'?" in done.stderr, done.stderr
 
 
 def test_export_formats_come_from_one_table_and_an_unknown_one_is_an_error(ws: str, run_main: RunMain) -> None:
@@ -6451,6 +6917,22 @@ def test_a_thinking_budget_closes_the_block_and_the_answer_keeps_its_share(model
 
 
 @pytest.mark.model
+def test_an_answer_past_a_block_the_prompt_closed_starts_with_no_newline(model: str) -> None:
+    """#57: with a budget of 0 (or effort none, or enable_thinking false) the template closes the
+    block in the prompt; the model writes a newline after it, which was the answer's first
+    character. It is dropped, as after a block the model closes, and counts as no reasoning."""
+    runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
+    try:
+        for params in ({"thinking_budget_tokens": 0}, {"reasoning_effort": "none"},
+                       {"chat_template_kwargs": {"enable_thinking": False}}):
+            outcome = generate(runner, "Name a colour.", temperature=0, max_tokens=12, **params)
+            assert outcome.text.strip() and outcome.text == outcome.text.lstrip(), (params, outcome.text)
+            assert outcome.reasoning_tokens == 0 and not outcome.reasoning, outcome
+    finally:
+        runner.close()
+
+
+@pytest.mark.model
 def test_harmony_channels_are_thinking_and_answer(model: str) -> None:
     """gpt-oss's format on a copy of SmolLM2: with a grammar the daemon opens the analysis
     channel, the model thinks there, and the daemon closes it and opens the final channel, where
@@ -6516,6 +6998,49 @@ def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> No
     assert "user\nHello\n" in text and text.rstrip().endswith("assistant") and "SmolLM" in text
     assert len(raw) < 5 < len(templated)
     assert "You are a pirate." in b"".join(llama.piece(t) for t in system).decode()
+
+
+@pytest.mark.model
+def test_a_model_without_a_chat_template_renders_every_chat_job_in_one_fallback_form(model: str, ws: str,
+                                                                                     run_main: RunMain) -> None:
+    """A copy of SmolLM2 with no chat template (as Gemma 3 270M's published GGUF comes): every chat
+    job goes through ChatML, said once at load; its system message and its parent's turns reach
+    the model (their text in the rendering, more prompt tokens), and plain, schema, tool and
+    thinking-parameter jobs run; a raw job is its own text."""
+    copy = thinking_copy(model, "none")
+    runner = nrvna.LlamaRunner(copy, nrvna.Config(max_ctx=512, workers=1))
+    try:
+        text = lambda job: b"".join(runner._token_text(t, True) for t in runner.tokens(job)).decode()
+        assert text(fake_job("hi", system="The secret word is BANANA.")) == (
+            "<|im_start|>system\nThe secret word is BANANA.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        turns = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": "Hello Ada."},
+                 {"role": "user", "content": "What is my name?"}]
+        assert "<|im_start|>assistant\nHello Ada.<|im_end|>" in text(fake_job("", messages=turns))
+        assert text(fake_job("<|im_start|>x", raw=True)) == "<|im_start|>x"
+        assert runner.end_marks == ()  # SmolLM2's markers are tokens: its end-of-turn token ends an answer
+        secret = len(runner.tokenize("The secret word is BANANA.", False, False))
+    finally:
+        runner.close()
+    first = submit(ws, "My name is Ada.", max_tokens=8, temperature=0)
+    plain = submit(ws, "What is my name?", max_tokens=8, temperature=0)
+    child = submit(ws, "What is my name?", parent=first, max_tokens=8, temperature=0)
+    system = submit(ws, "What is my name?", system="The secret word is BANANA.", max_tokens=8, temperature=0)
+    others = [submit(ws, "Give a number.", response_format=ANSWER_SCHEMA, max_tokens=16),
+              submit(ws, "What is the weather in Oslo?", tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                     max_tokens=160),
+              submit(ws, "Say hi.", thinking_budget_tokens=0, max_tokens=8),
+              submit(ws, "Say hi.", reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}, max_tokens=8)]
+    done = cli("daemon", copy, ws, "-w", "1", "--drain", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count(b"has no chat template: every chat job") == 1, done.stderr[-2000:]
+    flow = Flow(ws)
+    jobs = {job_id: flow.get(job_id) for job_id in [first, plain, child, system] + others}
+    assert all(job.status is Status.Done for job in jobs.values()), [job.error for job in jobs.values()]
+    tokens = {job_id: job.meta["prompt_tokens"] for job_id, job in jobs.items()}
+    # The child's prompt holds its parent's turns and answer, the system job's its system message.
+    assert tokens[child] > tokens[first] + tokens[plain] and tokens[system] >= tokens[plain] + secret, tokens
+    assert jobs[others[1]].meta["finish_reason"] == "tool_calls" and jobs[others[1]].tool_calls
+    assert isinstance(json.loads(jobs[others[0]].result)["answer"], int)
 
 
 @pytest.mark.model
@@ -7354,10 +7879,12 @@ def test_sigkill_mid_batch_of_embed_jobs_every_line_ends_once(ws: str, tmp_path:
 
 class FakeStateL:
     """llama.cpp's per-sequence state calls over byte strings (a sequence's "state" is bytes):
-    the store's files, index, bound and checks without a model."""
+    the store's files, index, bound and checks without a model. ``covers``: how many tokens
+    each state's bytes hold (a sequence's positions after a restore)."""
 
     def __init__(self) -> None:
         self.seqs: dict[int, bytes] = {}
+        self.covers: dict[bytes, int] = {}
 
     def llama_state_seq_get_size(self, ctx: Any, slot: int) -> int:
         return len(self.seqs.get(slot, b""))
@@ -7377,13 +7904,20 @@ class FakeStateL:
         self.seqs.pop(slot, None)
         return True
 
+    def llama_memory_seq_pos_max(self, memory: Any, slot: int) -> int:
+        return self.covers.get(self.seqs[slot], 0) - 1 if slot in self.seqs else -1
+
+    def llama_memory_seq_pos_min(self, memory: Any, slot: int) -> int:
+        return 0 if self.covers.get(self.seqs.get(slot, b"")) else -1
+
 
 def saved_store(folder: str, states: dict[str, list[int]], fingerprint: str = "fp", limit: int = 1 << 30,
-                min_tokens: int = 16) -> tuple[nrvna.StateStore, FakeStateL]:
+                min_tokens: int = 16, owner: str = "") -> tuple[nrvna.StateStore, FakeStateL]:
     """A store with ``states`` saved ({job ID: tokens}; each state's bytes name its job)."""
-    store, fake = nrvna.StateStore(folder, fingerprint, limit, min_tokens), FakeStateL()
+    store, fake = nrvna.StateStore(folder, fingerprint, limit, min_tokens, **({"owner": owner} if owner else {})), FakeStateL()
     for job_id, tokens in states.items():
         fake.seqs[0] = f"state of {job_id} ".encode() * 50
+        fake.covers[fake.seqs[0]] = len(tokens)
         store.save(fake, None, 0, tokens, job_id)
         store.close()  # written: the Saver stops once its queue is empty
     return store, fake
@@ -7441,6 +7975,180 @@ def test_a_torn_or_damaged_state_is_a_miss_and_is_removed(tmp_path: Path) -> Non
     assert fresh.find(list(range(1000, 1200)), 199, 1000, trimmable=True) is None and not torn.exists()
 
 
+def forge_state(folder: str, name: str, blob: bytes, **header: Any) -> None:
+    """Rewrite state ``name`` with its header and tokens (``header`` changed) over ``blob``, its
+    crc recomputed: a file whole by its crc whose parts may disagree."""
+    head = nrvna.read_state_head(folder, name)
+    owner = header.get("owner", getattr(head, "owner", ""))
+    data, offset = nrvna.state_buffer(header.get("fingerprint", head.fingerprint), head.job, head.tokens, len(blob),
+                                      *([owner] if owner else []))
+    data[offset:offset + len(blob)] = blob
+    nrvna.seal_state(data)
+    Path(folder, name).write_bytes(bytes(data))
+
+
+def crafted_state(header: Any, length: int | None = None, tail: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    return nrvna.STATE_MAGIC + struct.pack("<I", len(raw) if length is None else length) + raw + tail
+
+
+CRAFTED_STATES = {  # nrvna's magic, counts that do not fit the file: each a miss, read before nothing is allocated
+    "huge.kv": crafted_state({"fingerprint": "fp", "tokens": 2 ** 61, "blob": 0}),
+    "large.kv": crafted_state({"fingerprint": "fp", "tokens": 2 ** 34, "blob": 0}),
+    "blob.kv": crafted_state({"fingerprint": "fp", "tokens": 1, "blob": 2 ** 62}, tail=b"\0" * 12),
+    "negative.kv": crafted_state({"fingerprint": "fp", "tokens": -1, "blob": 8}, tail=b"\0" * 8),
+    "bool.kv": crafted_state({"fingerprint": "fp", "tokens": True, "blob": 0}, tail=b"\0" * 8),
+    "text.kv": crafted_state({"fingerprint": "fp", "tokens": "1", "blob": 0}, tail=b"\0" * 8),
+    "float.kv": crafted_state({"fingerprint": "fp", "tokens": 1.0, "blob": 0}, tail=b"\0" * 8),
+    "header.kv": crafted_state(b"{}", length=2 ** 32 - 1),
+    "longer.kv": crafted_state(b"{}", length=60000),
+    "nested.kv": crafted_state(b"[" * 30000 + b"]" * 30000),
+    "short.kv": nrvna.STATE_MAGIC + b"\1",
+}
+
+
+def test_a_state_whose_state_does_not_hold_its_tokens_is_a_miss_and_is_removed(tmp_path: Path) -> None:
+    """Item 1 of #57: a file whole by its crc whose state is another, shorter prompt's, or
+    empty (0 bytes: llama.cpp's returned length, 0, proves nothing), is a miss: the sequence is
+    emptied, never left holding fewer tokens than the state names; the file is removed."""
+    folder = str(tmp_path / "states")
+    store, fake = saved_store(folder, {"a": list(range(100)), "b": list(range(200))})
+    by_job = {nrvna.read_state_head(folder, n).job: n for n in os.listdir(folder)}
+    for blob in (b"state of a " * 50, b""):
+        forge_state(folder, by_job["b"], blob)
+        fresh = nrvna.StateStore(folder, "fp", 1 << 30, 16)
+        head, shared = fresh.find(list(range(300)), 299, 1000, trimmable=True)
+        assert (head.job, shared) == ("b", 200) and nrvna.read_state(folder, head) is not None  # whole by its crc
+        fake.seqs[5] = b"what slot 5 held"
+        assert not fresh.restore(fake, None, 5, head) and 5 not in fake.seqs
+        assert not os.path.exists(os.path.join(folder, by_job["b"])) and fresh.counts["removed"] == 1
+        store, fake = saved_store(folder, {"b": list(range(200))})  # saved again, honestly
+        by_job["b"] = next(n for n in os.listdir(folder) if nrvna.read_state_head(folder, n).job == "b")
+    head, _ = store.find(list(range(300)), 299, 1000, trimmable=True)
+    assert store.restore(fake, None, 5, head) and fake.seqs[5] == b"state of b " * 50  # the honest one
+
+
+def test_crafted_state_headers_are_a_miss_and_are_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 2 of #57: a header's counts (2**61 tokens, 2**34, a blob past the file, negative,
+    a bool, text, a float, a header of 4 GiB or past the file, a deep one) are checked against
+    the file's size before anything is read or allocated: a miss, never an exception; a file of
+    nrvna's magic that is inconsistent is removed, any other is read once and left."""
+    folder = tmp_path / "states"
+    store, fake = saved_store(str(folder), {"a": list(range(100))})
+    for name, data in CRAFTED_STATES.items():
+        (folder / name).write_bytes(data)
+    (folder / "settings.kv").write_bytes(b"[editor]\nfont = 12\n")
+    reads: list[str] = []
+    inspect = nrvna.inspect_state
+    monkeypatch.setattr(nrvna, "inspect_state", lambda f, n: reads.append(n) or inspect(f, n))
+    fresh = nrvna.StateStore(str(folder), "fp", 1 << 30, 16)
+    assert fresh.find(list(range(120)), 119, 1000, trimmable=True)[0].job == "a"
+    assert sorted(os.listdir(folder)) == sorted([*fresh._index, "settings.kv"])  # the crafted ones removed
+    assert sorted(reads) == sorted([*CRAFTED_STATES, "settings.kv", *fresh._index])
+    (folder / "other.txt").write_bytes(b"")  # the folder changes: it is listed again
+    reads.clear()
+    assert fresh.find(list(range(120)), 119, 1000, trimmable=True)[0].job == "a" and fresh.wants(list(range(300)), True, 300)
+    assert reads == []  # settings.kv and the state were read once
+    # Another daemon's store, same folder: the same answer, and no exception either.
+    assert nrvna.StateStore(str(folder), "fp", 1 << 30, 16).find(list(range(120)), 119, 1000, trimmable=True)
+    for name, data in CRAFTED_STATES.items():
+        (folder / name).write_bytes(data)
+        assert nrvna.inspect_state(str(folder), name) == (None, "damaged"), name
+
+
+def test_a_cache_folder_s_files_that_are_not_nrvna_s_are_never_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 3 of #57: only .kv files with nrvna's magic and temporaries named exactly as nrvna
+    names them are read, evicted or removed; a file that cannot be opened now (EMFILE, EACCES)
+    is a miss, never removed."""
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = dead.stdout.strip()
+    theirs = {"settings.kv": b"[editor]\nfont = 12\n", ".tmp-editor-swap": b"swap", "empty.kv": b"",
+              f".tmp-{pid}-notahash.kv.part": b"x", f".tmp-{pid}-{'A' * 40}.kv.part": b"x",
+              f".tmp-{pid}-{'a' * 40}.kv.part.bak": b"x", f"tmp-{pid}-{'a' * 40}.kv.part": b"x"}
+    for name, data in theirs.items():
+        (folder / name).write_bytes(data)
+    (folder / "dir.kv").mkdir()
+    os.symlink(folder / "settings.kv", folder / "link.kv")
+    (folder / f".tmp-{pid}-{'0' * 40}.kv.part").write_bytes(b"a dead save's")  # nrvna's: removed
+    store, fake = saved_store(str(folder), {"a": list(range(100)), "b": list(range(1000, 1100))})
+    assert store.counts["saved"] == 2 and store.find(list(range(200)), 199, 1000, trimmable=True)[0].job == "a"
+    nrvna.StateStore(str(folder), "fp", 1, 16)  # a 1-byte bound at the next start
+    assert sorted(os.listdir(folder)) == sorted([*theirs, "dir.kv", "link.kv"])  # the bound took nrvna's states only
+    assert Path(folder, "settings.kv").read_bytes() == theirs["settings.kv"]
+    # A transient error opening a whole state: a miss, the file stays.
+    store, fake = saved_store(str(folder), {"c": list(range(2000, 2100))})
+    [state] = [n for n in os.listdir(folder) if nrvna.read_state_head(str(folder), n)]
+    real_open = os.open
+
+    def failing(path: Any, *args: Any, **kwargs: Any) -> int:
+        if str(path).endswith(state):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, *args, **kwargs)
+
+    head, _ = store.find(list(range(2000, 2200)), 199, 1000, trimmable=True)
+    monkeypatch.setattr(os, "open", failing)
+    fresh = nrvna.StateStore(str(folder), "fp", 1 << 30, 16)
+    assert fresh.find(list(range(2000, 2200)), 199, 1000, trimmable=True) is None
+    assert not store.restore(fake, None, 0, head) and 0 not in fake.seqs
+    monkeypatch.setattr(os, "open", real_open)
+    assert (folder / state).exists() and fresh.find(list(range(2000, 2200)), 199, 1000, trimmable=True) is None
+    time.sleep(0.05)  # past the folder's mtime granularity
+    (folder / "touch").mkdir()  # the folder changes: the state is read again
+    assert fresh.find(list(range(2000, 2200)), 199, 1000, trimmable=True)[0].name == state
+
+
+def test_one_bound_in_a_folder_shared_by_workspaces_evicts_its_own_workspace_s_states_only(tmp_path: Path) -> None:
+    """Item 3 of #57: each workspace's daemons bound the states they wrote (the owner in the
+    header) and those saved before owners were recorded; another workspace's states in a shared
+    NRVNA_CACHE_DIR are read (restored) but never counted nor evicted by this one's bound."""
+    folder = str(tmp_path / "shared")
+    first, _ = saved_store(folder, {"first": list(range(100))}, owner="w1")
+    size = os.path.getsize(os.path.join(folder, os.listdir(folder)[0]))
+    small, fake = saved_store(folder, {"second": list(range(1000, 1100)), "third": list(range(2000, 2100))},
+                              owner="w2", limit=size + 200)
+    owners = {h.job: h.owner for h in (nrvna.read_state_head(folder, n) for n in os.listdir(folder))}
+    assert owners == {"first": "w1", "third": "w2"}  # w2's bound evicted its own older state only
+    nrvna.StateStore(folder, "fp", 1, 16, owner="w2")  # a 1-byte bound at w2's next start
+    assert [h.job for h in (nrvna.read_state_head(folder, n) for n in os.listdir(folder))] == ["first"]
+    fake.covers[b"state of first " * 50] = 100
+    head, _ = small.find(list(range(200)), 199, 1000, trimmable=True)  # w1's state serves w2's jobs
+    assert head.job == "first" and small.restore(fake, None, 0, head)
+    legacy, _ = saved_store(folder, {"legacy": list(range(3000, 3100))})  # no owner: as saved before owners
+    nrvna.StateStore(folder, "fp", 1, 16, owner="w2")
+    assert [h.job for h in (nrvna.read_state_head(folder, n) for n in os.listdir(folder))] == ["first"]
+    assert nrvna.state_owner(str(tmp_path)) == nrvna.state_owner(str(tmp_path / "x" / ".."))
+
+
+def test_a_state_another_daemon_evicted_is_a_quiet_miss(tmp_path: Path) -> None:
+    """Item 10 of #57: a state found in the index and removed by another daemon's bound before
+    it is read is a miss that says so (debug), never "torn or damaged", and counts no removal."""
+    folder = str(tmp_path / "states")
+    store, fake = saved_store(folder, {"a": list(range(100))})
+    head, _ = store.find(list(range(200)), 199, 1000, trimmable=True)
+    os.unlink(os.path.join(folder, head.name))  # the other daemon's eviction
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler, logger = Collect(), logging.getLogger("nrvna")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        assert not store.restore(fake, None, 0, head) and 0 not in fake.seqs
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert store.counts["removed"] == 0 and not any("torn or damaged" in line for line in lines), lines
+    assert any(head.name in line and "gone" in line for line in lines), lines
+    assert store.find(list(range(200)), 199, 1000, trimmable=True) is None
+
+
 def test_the_store_saves_what_a_later_job_can_use_and_not_every_batch_line(tmp_path: Path) -> None:
     store, _ = saved_store(str(tmp_path / "states"), {"a": list(range(100))})
     assert not store.wants(list(range(10)), True, 10)  # under NRVNA_CACHE_MIN_TOKENS
@@ -7469,14 +8177,14 @@ def test_a_save_cut_short_leaves_a_temporary_file_the_next_start_removes(tmp_pat
     folder = tmp_path / "states"
     folder.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (folder / f".tmp-{dead.stdout.strip()}-x.kv.part").write_bytes(b"half")
-    (folder / f".tmp-{os.getppid()}-y.kv.part").write_bytes(b"a live writer's")
+    (folder / f".tmp-{dead.stdout.strip()}-{'a' * 40}.kv.part").write_bytes(b"half")
+    (folder / f".tmp-{os.getppid()}-{'b' * 40}.kv.part").write_bytes(b"a live writer's")
     nrvna.StateStore(str(folder), "fp", 1 << 30, 16)
-    assert os.listdir(folder) == [f".tmp-{os.getppid()}-y.kv.part"]
+    assert os.listdir(folder) == [f".tmp-{os.getppid()}-{'b' * 40}.kv.part"]
 
 
 def test_the_cache_settings_take_sizes_and_clean_removes_a_cleaned_job_s_states(ws: str, run_main: RunMain) -> None:
-    assert [nrvna.size_bytes(v) for v in ("0", "2G", "512M", "1.5K", "100", "2GiB", " 3 kb ")] == [
+    assert [nrvna.size_bytes(v) for v in ("0", "2G", "512M", "1.5K", "100B", "2GiB", " 3 kb ")] == [
         0, 2 << 30, 512 << 20, 1536, 100, 2 << 30, 3072]
     assert nrvna.Config().cache_disk == "2G" and nrvna.Config().cache_min_tokens == 512
     for bad in ("2X", "-1", "G", "lots"):
@@ -7595,6 +8303,66 @@ def test_a_damaged_or_foreign_state_is_never_restored(tmp_path: Path, model: str
     assert cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=env, timeout=300).returncode == 0
     meta = Flow(ws).get(grandchild).meta
     assert meta["prompt_reused"]["disk"] == 0 and Path(ws, nrvna.STATES, mine).exists()
+
+
+BRICKS = " ".join(f"Note {i}: the {i}th brick costs {i * 3 % 11} coins." for i in range(30)) + " Which costs most?"
+
+
+@pytest.mark.model
+def test_a_state_whole_by_its_crc_that_does_not_hold_its_tokens_is_never_restored(tmp_path: Path, model: str) -> None:
+    """Items 1 and 2 of #57: turn 1's state rewritten with its header and tokens over an empty
+    state (0 bytes), or over another, shorter prompt's state, its crc recomputed; beside it,
+    headers claiming 2**61 and 2**34 tokens and files that are not nrvna's. Turn 2 restores
+    nothing from disk and writes what it writes with the store off; every job is done; the
+    files nrvna did not write are all left."""
+    env = {"NRVNA_CACHE_MIN_TOKENS": "64"}
+    template = str(tmp_path / "template")
+    first, other = conversation_turn(template, LONG_TURN), conversation_turn(template, BRICKS)
+    assert cli("daemon", model, template, "-w", "1", "-s", "1", "--drain", env=env, timeout=300).returncode == 0
+    folder = os.path.join(template, nrvna.STATES)
+    heads = {h.job: h for h in (nrvna.read_state_head(folder, n) for n in wait_for_states(template, 2))}
+    assert len(heads[other].tokens) < len(heads[first].tokens)
+    shorter = Path(folder, heads[other].name).read_bytes()[-4 - heads[other].blob:-4]
+    child = conversation_turn(template, "Which stone is heaviest? Answer briefly.", first)
+    off = fresh_copy(template, str(tmp_path / "off"))
+    assert cli("daemon", model, off, "-w", "1", "-s", "1", "--drain", env=dict(env, NRVNA_CACHE_DISK="0"),
+               timeout=300).returncode == 0
+    reference = Flow(off).get(child)
+    assert reference.status is Status.Done and reference.meta["prompt_reused"]["disk"] == 0
+    theirs = {"settings.kv": b"[editor]\nfont = 12\n", ".tmp-editor-swap": b"swap"}
+    for case, blob in (("empty", b""), ("shorter", shorter)):
+        ws = fresh_copy(template, str(tmp_path / case))
+        forge_state(os.path.join(ws, nrvna.STATES), heads[first].name, blob)
+        for name, data in {**theirs, "huge.kv": CRAFTED_STATES["huge.kv"], "large.kv": CRAFTED_STATES["large.kv"]}.items():
+            Path(ws, nrvna.STATES, name).write_bytes(data)
+        done = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=env, timeout=300)
+        assert done.returncode == 0 and b"does not hold the tokens it names" in done.stderr, (case, done.stderr[-2000:])
+        turn = Flow(ws).get(child)
+        assert turn.status is Status.Done and turn.result == reference.result, (case, turn.result, reference.result)
+        assert turn.meta["prompt_reused"]["disk"] == 0 and turn.meta["prompt_computed"] == turn.meta["prompt_tokens"]
+        assert all(Path(ws, nrvna.STATES, n).read_bytes() == d for n, d in theirs.items())
+        assert not Path(ws, nrvna.STATES, heads[first].name).exists()  # nrvna's, inconsistent: removed
+        assert not Path(ws, nrvna.STATES, "huge.kv").exists() and b"Traceback" not in done.stderr
+
+
+@pytest.mark.model
+def test_a_small_bound_on_a_shared_cache_folder_leaves_another_workspace_s_states(tmp_path: Path, model: str) -> None:
+    """Item 3 of #57: workspace two's daemon, NRVNA_CACHE_DISK=1K on the NRVNA_CACHE_DIR that
+    workspace one's daemon saved a state into, starts and runs without evicting it (its bound
+    counts its own workspace's states), restores it for the same prompt, and leaves a file
+    that is not nrvna's."""
+    shared = tmp_path / "cache"
+    env = {"NRVNA_CACHE_MIN_TOKENS": "64", "NRVNA_CACHE_DIR": str(shared)}
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    conversation_turn(one, LONG_TURN)
+    assert cli("daemon", model, one, "-w", "1", "-s", "1", "--drain", env=env, timeout=300).returncode == 0
+    [state] = [n for n in os.listdir(shared) if n.endswith(nrvna.STATE_SUFFIX)]
+    assert nrvna.read_state_head(str(shared), state).owner == nrvna.state_owner(one)
+    (shared / "settings.kv").write_bytes(b"[editor]\n")
+    second = conversation_turn(two, LONG_TURN)
+    done = cli("daemon", model, two, "-w", "1", "-s", "1", "--drain", env=dict(env, NRVNA_CACHE_DISK="1K"), timeout=300)
+    assert done.returncode == 0 and sorted(os.listdir(shared)) == sorted([state, "settings.kv"]), os.listdir(shared)
+    assert Flow(two).get(second).meta["prompt_reused"]["disk"] > 500  # one's state served two's job
 
 
 @pytest.mark.model
@@ -7886,6 +8654,31 @@ def test_jobs_started_together_share_one_computation_of_their_prefix(llama: nrvn
 
 
 @pytest.mark.model
+def test_a_job_whose_start_fails_leaves_nothing_in_its_session(llama: nrvna.LlamaRunner,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 2 of #57: a start that fails once the job holds a slot (here, while room is made
+    for it; on the old code a saved state's header raised there) drops the job from its
+    session: the worker ends it, and a shutdown's hand-back never meets it again (KeyError)."""
+    session = llama.session(0, nrvna.Config(workers=1, seqs=2, max_ctx=1024))
+    try:
+        def crafted(*args: Any) -> None:
+            raise OverflowError("Python int too large to convert to C ssize_t")
+
+        monkeypatch.setattr(session.prefixes, "make_room", crafted)
+        with pytest.raises(OverflowError):
+            session.start(fake_job("Hello there.", max_tokens=3))
+        assert session.active() == [] and session.slots == [None] * len(session.slots)
+        monkeypatch.undo()
+        session.start(fake_job("Hello again.", max_tokens=3, temperature=0))
+        ended = []
+        while not ended:
+            ended = session.step()
+        assert ended[0][1].error_code is None and session.active() == []
+    finally:
+        session.close()
+
+
+@pytest.mark.model
 @pytest.mark.slow
 def test_sigterm_with_several_sequences_in_flight_returns_them_all(ws: str, model: str) -> None:
     ids = [submit(ws, f"Story number {i}.", max_tokens=5000, ignore_eos=True) for i in range(6)]
@@ -7947,6 +8740,148 @@ def test_every_daemon_class_says_which_threads_touch_it_and_what_keeps_that_safe
                if isinstance(node, ast.ClassDef) and first < node.lineno < last]
     assert {"Pool", "Scanner", "Processor", "Hooks", "_Models", "_ModelSwitch", "Server"} <= {c.name for c in classes}
     assert [c.name for c in classes if "Threads:" not in (ast.get_docstring(c) or "")] == []
+
+
+def _threads_table() -> list[tuple[str, str, str]]:
+    """The rows of nrvna.py's Threads table (its module docstring) as (threads, owners, the rest):
+    ``THREAD, ... -> OWNER, ...: the shared state => the lock or rule``."""
+    doc = nrvna.__doc__ or ""
+    block = doc[doc.index("\n\n", doc.index("THREAD -> CLASS")) + 2:]
+    rows: list[str] = []
+    for line in block.splitlines():
+        if line.startswith("        "):
+            rows[-1] += " " + line.strip()
+        elif line.startswith("    "):
+            rows.append(line.strip())
+        elif line.strip():
+            break
+    table = []
+    for row in rows:
+        threads, rest = row.split(" -> ", 1)
+        depths = itertools.accumulate((char == "(") - (char == ")") for char in rest)
+        at = next(i for i, (char, depth) in enumerate(zip(rest, depths)) if char == ":" and depth == 0)
+        table.append((threads, rest[:at], rest[at + 1:]))  # the owners end at the first colon outside ()
+    return table
+
+
+def _class_attributes(classes: dict[str, ast.ClassDef], name: str) -> set[str]:
+    """What a class of nrvna.py defines: methods, class attributes, __slots__, self.X assigned
+    anywhere in it, and the same of its bases in nrvna.py."""
+    node, found = classes[name], set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.FunctionDef):
+            found.add(sub.name)
+        elif isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) and \
+                isinstance(sub.value, ast.Name) and sub.value.id == "self":
+            found.add(sub.attr)
+        elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+            found.add(sub.id)
+        elif isinstance(sub, ast.Constant) and isinstance(sub.value, str) and sub.value.isidentifier():
+            found.add(sub.value)  # __slots__ and namedtuple fields
+    for base in node.bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+            found |= _class_attributes(classes, base.id)
+        elif isinstance(base, ast.Call):  # class X(namedtuple("X", "a b")): its fields
+            found |= {f for arg in base.args if isinstance(arg, ast.Constant) for f in str(arg.value).split()}
+    return found
+
+
+def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_is_defined() -> None:
+    """The Threads table of nrvna.py's docstring is held true: every lock attribute of a class
+    (Lock, RLock, Condition) and every module-level lock is named in it with its owner; every
+    module-level container that code changes is named in a row whose owners include code that
+    changes it; every thread a row names runs in the daemon; and every name in it that reads as
+    code (a _name, a dotted name, a call, a CamelCase word) is defined where the row says."""
+    path = Path(nrvna.__file__)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    table = _threads_table()
+    text = " ".join(" ".join(row) for row in table)
+    assert len(table) > 40
+
+    def owners_of(row: tuple[str, str, str]) -> set[str]:
+        return set(re.findall(r"[A-Za-z_]\w*", row[1]))
+
+    def is_lock(value: ast.expr) -> bool:
+        return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and \
+            isinstance(value.func.value, ast.Name) and value.func.value.id == "threading" and \
+            value.func.attr in ("Lock", "RLock", "Condition")
+
+    missing = []
+    for name, node in classes.items():  # self.X = threading.Lock() in any method
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Assign) and is_lock(sub.value):
+                for target in sub.targets:
+                    if isinstance(target, ast.Attribute) and f"{name}.{target.attr}" not in text and not any(
+                            name in owners_of(row) and re.search(rf"(?<![\w.]){target.attr}\b", " ".join(row))
+                            for row in table):
+                        missing.append(f"{name}.{target.attr}")
+    module = {}  # module-level name -> its value
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                if isinstance(target, ast.Name):
+                    module[target.id] = node.value
+    missing += [n for n, value in module.items() if is_lock(value) and not re.search(rf"\b{n}\b", text)]
+    # Module-level containers that code changes, and the top-level definitions that change them.
+    containers = {n for n, value in module.items() if isinstance(value, (ast.Dict, ast.List, ast.Set))
+                  or (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                      and value.func.id in ("dict", "list", "set", "deque"))}
+    changing = {"append", "extend", "pop", "popleft", "appendleft", "clear", "update", "setdefault", "add",
+                "discard", "remove", "insert", "popitem", "sort"}
+    changers: dict[str, set[str]] = {}
+    for top in tree.body:
+        if not isinstance(top, (ast.FunctionDef, ast.ClassDef)):
+            continue
+        for sub in ast.walk(top):
+            names = []
+            if isinstance(sub, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = sub.targets if isinstance(sub, (ast.Assign, ast.Delete)) else [sub.target]
+                names = [t.value.id for t in targets if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)]
+            elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and \
+                    isinstance(sub.func.value, ast.Name) and sub.func.attr in changing:
+                names = [sub.func.value.id]
+            elif isinstance(sub, ast.Global):
+                names = list(sub.names)
+            for name in names:
+                if name in containers:
+                    changers.setdefault(name, set()).add(top.name)
+    assert {"_CHECKED", "_LIMITED", "_gguf_headers", "_llama_log_tail"} <= set(changers)
+    for name, tops in changers.items():
+        if not any(re.search(rf"\b{name}\b", row[2]) and owners_of(row) & tops for row in table):
+            missing.append(f"{name} (changed by {', '.join(sorted(tops))})")
+    assert missing == [], "not in the Threads table with their owner"
+    # Every thread a row names runs: the main thread, or a thread's name in the code (Worker-N for
+    # Worker-{index}); "loader" is whichever loads a model, "any" any thread.
+    threads = {"Main", "any", "loader"} | {re.sub(r"\{\w+\}", "N", n) for n in re.findall(
+        r'(?:name=f?|_name_os_thread\(|_CallThread\()"([A-Z][\w{}-]*)"', path.read_text(encoding="utf-8"))}
+    named = {t.strip() for row in table for t in re.sub(r"\([^)]*\)", "", row[0]).split(",")}
+    assert named - threads == set() and {"Scanner", "Worker-N", "Watcher", "Models", "Saver"} <= named
+    # Every name that reads as code is defined: at the top level, or in a class the row names.
+    prose = {"llama.cpp", "OpenMP", "partial.txt"}
+    undefined = []
+    for row in table:
+        whole = " ".join(row)
+        in_row = [c for c in set(re.findall(r"[A-Za-z_]\w*", whole)) if c in classes]
+        for token in set(re.findall(r"\*?[A-Za-z_][\w.]*\*?(?:\(\))?", whole)):
+            token = token.rstrip(".")
+            bare = token[:-2] if token.endswith("()") else token
+            if token in prose or bare in threads or not ("_" in bare or "." in bare or token.endswith("()")
+                                                          or re.search(r"[a-z][A-Z]", bare)):
+                continue
+            head, _, rest = bare.partition(".")
+            if rest and head in classes:
+                defined = rest.split(".")[0] in _class_attributes(classes, head)
+            elif rest:
+                defined = functools.reduce(lambda obj, part: getattr(obj, part, None), rest.split("."),
+                                           getattr(nrvna, head, None) or sys.modules.get(head)) is not None
+            else:
+                pattern = re.compile(re.escape(bare).replace(r"\*", r"\w*") + "$")
+                defined = any(pattern.match(n) for n in vars(nrvna)) or any(
+                    pattern.match(a) for c in in_row for a in _class_attributes(classes, c))
+            if not defined:
+                undefined.append(f"{token} (in {row[0]} -> {row[1]})")
+    assert undefined == []
 
 
 def test_a_job_published_to_an_idle_daemon_is_picked_up(ws: str) -> None:
@@ -8902,7 +9837,8 @@ def test_a_child_of_a_failed_cancelled_or_gone_parent_fails_without_running(ws: 
     flow = Flow(ws)
     assert [flow.status(j) for j in (failing, of_failed, of_cancelled, of_gone)] == [Status.Failed] * 4
     assert [flow.get(j).meta["code"] for j in (of_failed, of_cancelled, of_gone)] == ["parent_failed"] * 3
-    assert f"its parent {failing} failed (bad_request): nrvna retry {failing}" in flow.get(of_failed).error
+    hint = re.search(r"its parent \S+ failed \(bad_request\): nrvna retry (.+), then this job$", flow.get(of_failed).error)
+    assert hint and shlex.split(hint.group(1)) == [os.path.abspath(ws), failing], flow.get(of_failed).error  # #57: with the workspace
     assert f"its parent {cancelled} failed (cancelled)" in flow.get(of_cancelled).error
     assert f"its parent {gone} is gone" in flow.get(of_gone).error
     assert sorted(ran) == ["bad", "gone"]
@@ -8936,6 +9872,94 @@ def test_a_parent_cancelled_while_its_child_waits_releases_the_child(ws: str) ->
         gate.set()
         assert wait_all(ws, [blocker, parent, child]) == [Status.Done, Status.Failed, Status.Failed]
     assert Flow(ws).get(child).meta["code"] == "parent_failed"
+
+
+def calling(job: nrvna.RunningJob) -> Any:
+    """A runner whose job "call" answers with a tool call (as a model's would come back), the
+    others with their conversation's user turns."""
+    if job.prompt != "call":
+        return last_user(job)
+    calls = [{"id": f"call_{job.id}_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    return nrvna.Outcome(text="", finish_reason="tool_calls", message={"content": None, "tool_calls": calls})
+
+
+def test_a_tool_turn_must_answer_a_call_of_the_turn_before_it_the_parent_s_too(ws: str, tmp_path: Path,
+                                                                               run_main: RunMain) -> None:
+    """A child's tool turns answer its parent's calls: a forged tool_call_id is exit 2 naming it
+    at submit once the parent is done, and bad_request at the claim if the parent was not done at
+    submit; a tool turn after a parent that made no call is refused the same way."""
+    caller, plain = submit(ws, "call"), submit(ws, "plain")
+    early_forged = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": "call_FORGED", "content": "99 C"}], parent=caller)
+    with serving(ws, calling):
+        assert wait_all(ws, [caller, plain]) == [Status.Done] * 2
+        assert wait_all(ws, [early_forged]) == [Status.Failed]
+    error = Flow(ws).get(early_forged).error
+    assert Flow(ws).get(early_forged).meta["code"] == "bad_request" and "'call_FORGED'" in error, error
+    made = f"call_{caller}_0"
+    for parent, answer, said in ((caller, "call_FORGED", f"which its parent {caller}'s answer did not make (its calls: {made})"),
+                                 (plain, made, f"which its parent {plain}'s answer did not make (its calls: none)")):
+        line = {"messages": [{"role": "tool", "tool_call_id": answer, "content": "99 C"}], "parent": parent}
+        refused = run_main("submit", ws, "--file", write(tmp_path / "f.jsonl", jsonl([line])))
+        assert refused.returncode == 2 and f"line 1: messages[0] answers tool call {answer!r}, {said}".encode() in refused.stderr, \
+            refused.stderr
+    assert Flow(ws).counts()["queued"] == 0
+    good = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": made, "content": "12 C"}], parent=caller)
+    line = {"messages": [{"role": "tool", "tool_call_id": made, "content": "12 C"}]}  # its parent from the flag
+    [by_flag] = ids_of(run_main("submit", ws, "--parent", caller, "--file", write(tmp_path / "g.jsonl", jsonl([line]))))
+    with serving(ws, calling):
+        assert wait_all(ws, [good, by_flag]) == [Status.Done] * 2
+
+
+def test_a_chat_child_of_a_raw_or_embed_parent_is_refused_at_submit(ws: str, run_main: RunMain) -> None:
+    raw, embed = submit(ws, "<s>hi", raw=True), submit(ws, "a text", embed=True)
+    for parent, kind in ((raw, "a raw"), (embed, "an embed")):
+        refused = run_main("submit", ws, "next", "--parent", parent)
+        assert refused.returncode == 2 and f"parent {parent} is {kind} job: it has no turns to continue".encode() \
+            in refused.stderr, refused.stderr
+    assert Flow(ws).counts()["queued"] == 2
+
+
+def test_a_parent_s_planted_files_fail_only_its_child_parent_failed_naming_the_file(ws: str) -> None:
+    """A parent's files as a careless hand or an attacker leaves them: params.json naming each
+    other as parents (a loop), a conversation.json of 80,000 turns or of 2 MiB, one whose calls
+    are not calls (rebuilt from the parent's own files instead, its tool_calls.json's calls not
+    calls either: its answer is result.txt's), a params.json whose messages
+    are not turns: each child fails parent_failed naming the file, or runs on the honest turns;
+    the daemon goes on with the next job."""
+    first, second, third, fourth, fifth, sixth = (submit(ws, p) for p in ("a", "b", "c", "d", "e", "f"))
+    with serving(ws, last_user):
+        assert wait_all(ws, [first, second, third, fourth, fifth, sixth]) == [Status.Done] * 6
+    out = Path(ws, nrvna.OUTPUT)
+    for job_id, parent in ((first, second), (second, first)):  # a loop, and no conversation.json to stop at
+        (out / job_id / nrvna.CONVERSATION_FILE).unlink()
+        (out / job_id / nrvna.PARAMS_FILE).write_text(json.dumps({"parent": parent}))
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(80_000)]
+    (out / third / nrvna.CONVERSATION_FILE).write_text(json.dumps(turns))
+    (out / fourth / nrvna.CONVERSATION_FILE).write_text(json.dumps([{"role": "user", "content": "x" * (10 << 20)}]))
+    (out / fifth / nrvna.CONVERSATION_FILE).write_text(json.dumps(
+        [{"role": "user", "content": "e"}, {"role": "assistant", "content": None, "tool_calls": [5]}]))
+    (out / fifth / nrvna.TOOL_CALLS_FILE).write_text(json.dumps({"content": None, "tool_calls": [{"function": {}}]}))
+    (out / sixth / nrvna.CONVERSATION_FILE).unlink()
+    (out / sixth / nrvna.PARAMS_FILE).write_text(json.dumps({"messages": [5]}))
+    children = [submit(ws, "next", parent=parent) for parent in (first, third, fourth, fifth, sixth)]
+    seen: dict[str, Any] = {}
+
+    def runner(job: nrvna.RunningJob) -> str:
+        seen[job.id] = job.params.get("messages")
+        return last_user(job)
+
+    with serving(ws, runner):
+        assert wait_all(ws, children) == [Status.Failed, Status.Failed, Status.Failed, Status.Done, Status.Failed]
+    flow = Flow(ws)
+    of = [flow.get(child) for child in children]
+    assert [job.meta["code"] for job in of if job.status is Status.Failed] == ["parent_failed"] * 4
+    assert "its chain of parents loops" in of[0].error and f"{second}/params.json names {first} as its parent" in of[0].error
+    assert f"{third}/conversation.json holds 80,000 turns" in of[1].error, of[1].error
+    assert f"{fourth}/conversation.json is {(out / fourth / nrvna.CONVERSATION_FILE).stat().st_size:,} bytes" in of[2].error
+    assert seen[children[3]] == [{"role": "user", "content": "e"}, {"role": "assistant", "content": "e"},
+                                 {"role": "user", "content": "next"}]  # rebuilt from its prompt and answer
+    assert f"{sixth}/params.json: messages[0] must be an object" in of[4].error, of[4].error
+    assert children[4] not in seen
 
 # ==============================================================================
 # 12.2 Claims and finishes: Processor: crashes, kills and concurrency
@@ -9400,12 +10424,32 @@ def test_the_daemon_says_what_memory_goes_where_and_refuses_a_budget_it_cannot_k
         proc.wait(60)
     refused = cli("daemon", model, ws, "--max-memory", "500M", "--drain", env={"NRVNA_WORKERS": "2"})
     message = refused.stderr.decode().strip().splitlines()[-1]
-    assert refused.returncode == 2 and "NRVNA_MAX_MEMORY (500 MiB) cannot hold this daemon" in message, message
+    assert refused.returncode == 2 and "--max-memory 500M (500 MiB) cannot hold this daemon" in message, message
     fits = re.search(r"it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=(\d+)$", message)
     assert fits, message
     started = cli("daemon", model, ws, "--max-memory", "500M", "--drain",
                   env={"NRVNA_WORKERS": "2", "NRVNA_MAX_CTX": fits.group(1)})
     assert started.returncode == 0, started.stderr.decode()[-500:]
+
+
+@pytest.mark.model
+def test_a_memory_report_reads_nothing_that_closing_the_model_frees(model: str) -> None:
+    """A runner's memory report (`status --daemon`: the Watcher writes it while the Models thread
+    may be closing that runner for a swap) reads only numbers stated at load, never the model or
+    a context through llama.cpp: read once they are freed, it says the weights and no context,
+    and the process lives (it read the freed model: SIGSEGV)."""
+    script = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import nrvna\n"
+              f"runner = nrvna.LlamaRunner({model!r}, nrvna.Config(max_ctx=256, workers=1))\n"
+              "runner.session(0, runner.config)\n"
+              "before = runner.memory()\n"
+              "runner.close()\n"
+              "print(json.dumps([before, runner.memory()]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    before, after = json.loads(done.stdout)
+    assert before["contexts"] == 1 and before["cells"] >= 256 and before["kv_mib"] > 0 and before["weights_mib"] > 80
+    assert (after["weights_mib"], after["contexts"], after["total_mib"]) == (before["weights_mib"], 0,
+                                                                              before["weights_mib"])
 
 
 def test_model_names_are_looked_up_in_the_models_dir(tmp_path: Path) -> None:
@@ -9518,19 +10562,19 @@ def test_a_crafted_gguf_header_is_refused_naming_the_file_and_the_field(tmp_path
             with pytest.raises(nrvna.ModelError) as caught:
                 read(path)
             assert str(caught.value).startswith(f"model {path} has a GGUF header out of bounds: {field}"), (name, caught)
-    # A daemon serving a folder with such a file beside a good one says what it reads, then
-    # refuses the file at once, naming it and the field, before it touches the queue.
+    # A daemon given such a file (its one model) says what it reads, then refuses the file at
+    # once, naming it and the field, before it touches the queue. (In a folder beside a good
+    # model it is a failed load: see test_a_crafted_gguf_in_a_models_folder_is_a_failed_load...)
     shelf = tmp_path / "shelf"
     shelf.mkdir()
-    fake_gguf(shelf / "good.gguf")
     crafted = crafted_gguf(shelf / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 8 << 30)
     job_id = orphan(str(tmp_path / "ws"), "keep me", 1)
-    done = cli("daemon", str(shelf), str(tmp_path / "ws"), "-w", "1", timeout=120)
-    err = done.stderr.decode()
-    assert done.returncode == 1 and "Traceback" not in err, err
-    assert os.path.isdir(os.path.join(tmp_path, "ws", nrvna.PROCESSING, job_id))  # untouched: not recovered
-    assert f"Reading the GGUF header of {crafted}" in err and "'tokenizer.ggml.tokens''s length says" in err, err
-    assert nrvna.gguf_kind(str(shelf / "good.gguf")) == "chat"
+    for given in (crafted, str(shelf)):  # the file, or a folder holding it alone
+        done = cli("daemon", given, str(tmp_path / "ws"), "-w", "1", timeout=120)
+        err = done.stderr.decode()
+        assert done.returncode == 1 and "Traceback" not in err, err
+        assert os.path.isdir(os.path.join(tmp_path, "ws", nrvna.PROCESSING, job_id))  # untouched: not recovered
+        assert f"Reading the GGUF header of {crafted}" in err and "'tokenizer.ggml.tokens''s length says" in err, err
 
 @pytest.mark.model
 @pytest.mark.parametrize("env", [{"NRVNA_WORKERS": "abc"}, {"NRVNA_WORKERS": "0"}, {"NRVNA_WORKERS": "-1"},
@@ -9688,6 +10732,70 @@ def models_dir(tmp_path: Path, **files: str) -> tuple[Path, dict[str, str]]:
     for name, source in files.items():
         os.link(source, models / f"{name}.gguf")
     return models, {"NRVNA_MODELS_DIR": str(models)}
+
+
+def tiny_gguf(source: str, out: str, width: int = 64, ffn: int = 128) -> str:
+    """A one-layer llama GGUF of ``width`` with ``source``'s tokenizer and metadata (a llama
+    model's: SmolLM2's), its weights zeros (a sparse file) and its norms ones: it loads and
+    generates in milliseconds (its tokens are drawn from equal logits)."""
+    shape = {"block_count": 1, "embedding_length": width, "feed_forward_length": ffn, "attention.head_count": 1,
+             "attention.head_count_kv": 1, "rope.dimension_count": width}
+    with open(source, "rb") as handle:
+        data = handle.read(64 << 20)  # the header: SmolLM2's is about 3 MB
+    keys = struct.unpack_from("<Q", data, 16)[0]
+    at, kept, vocab = 24, [], 0
+
+    def text(at: int) -> tuple[str, int]:
+        length = struct.unpack_from("<Q", data, at)[0]
+        return data[at + 8:at + 8 + length].decode(), at + 8 + length
+
+    for _ in range(keys):
+        start = at
+        key, at = text(at)
+        kind = struct.unpack_from("<I", data, at)[0]
+        at += 4
+        if kind == 8:
+            at = text(at)[1]
+        elif kind == 9:
+            item, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            for _ in range(count):
+                at = text(at)[1] if item == 8 else at + nrvna._GGUF_SCALARS[item]
+            vocab = count if key == "tokenizer.ggml.tokens" else vocab
+        else:
+            at += nrvna._GGUF_SCALARS[kind]
+        if key.split(".", 1)[-1] not in shape and key not in ("general.file_type", "general.alignment", "llama.vocab_size"):
+            kept.append(data[start:at])
+
+    def entry(key: str, kind: int, value: bytes) -> bytes:
+        return struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", kind) + value
+
+    kept += [entry(f"llama.{k}", 4, struct.pack("<I", v)) for k, v in shape.items()]
+    kept.append(entry("general.file_type", 4, struct.pack("<I", 0)))  # all F32
+    tensors = [("token_embd.weight", (width, vocab)), ("output_norm.weight", (width,))]
+    for name, dims in (("attn_norm", (width,)), ("attn_q", (width, width)), ("attn_k", (width, width)),
+                       ("attn_v", (width, width)), ("attn_output", (width, width)), ("ffn_norm", (width,)),
+                       ("ffn_gate", (width, ffn)), ("ffn_up", (width, ffn)), ("ffn_down", (ffn, width))):
+        tensors.append((f"blk.0.{name}.weight", dims))
+    infos, offsets, offset = b"", [], 0
+    for name, dims in tensors:
+        infos += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(dims))
+        infos += struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", 0, offset)
+        offsets.append(offset)
+        size = 4
+        for dim in dims:
+            size *= dim
+        offset += -(-size // 32) * 32
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kept)) + b"".join(kept) + infos
+    header += bytes(-len(header) % 32)
+    with open(out, "wb") as handle:
+        handle.write(header)
+        for (_, dims), where in zip(tensors, offsets):
+            if len(dims) == 1:  # a norm's weights: ones
+                handle.seek(len(header) + where)
+                handle.write(struct.pack(f"<{dims[0]}f", *[1.0] * dims[0]))
+        handle.truncate(len(header) + offset)
+    return out
 
 
 def drain_with_room_for_one(models: Path, ws: str, env: dict[str, str]) -> str:
@@ -9911,6 +11019,53 @@ def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: st
     assert [flow.status(job_id) for job_id in ids["b"]] == [Status.Queued] * 3  # for a daemon that can load it
 
 
+@pytest.mark.model
+@pytest.mark.slow
+def test_models_swapped_continuously_while_the_status_is_written_and_jobs_are_claimed(
+        ws: str, tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 swaps of two tiny models (--max-loaded 1: each swap frees one model and its contexts
+    and loads the other) while the daemon's record is written as often as it can be, by the
+    Watcher and by a thread polling `status --daemon`, and the workers claim jobs: every job done
+    on its model, no crash. (The record's memory report read a context and the model through
+    llama.cpp while a swap could be freeing them; it reads only numbers stated at load now.)"""
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("a", "b"):
+        tiny_gguf(model, str(models / f"{name}.gguf"))
+    swaps, ids = 200, {}
+    monkeypatch.setattr(nrvna, "DAEMON_STATUS_SECONDS", 0.0)  # the Watcher writes it every round (0.1 s)
+    # Small contexts of one thread each: a swap takes a tenth of a second or so, not the budget's.
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1, workers=2, max_ctx=256, seqs=1, batch=32,
+                                                            threads=1))
+    polled: list[dict[str, bool]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.002):
+            server.write_status()
+            for record in nrvna.daemon_info(ws):
+                polled.append({m["name"]: m["loaded"] for m in record["models"]})
+
+    server.start()
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for i in range(swaps):  # b, a, b, ...: each job's model is the other one, so each is a swap
+            name = "ba"[i % 2]
+            job_id = Work(ws).publish(f"Job {i}: say a word.", model=str(models / f"{name}.gguf"), max_tokens=4)
+            ids[job_id] = name
+            assert Flow(ws).wait(job_id, 120) is Status.Done
+    finally:
+        stop.set()
+        poller.join()
+        loads = server.models.loads
+        server.shutdown()
+    assert {job_id: Flow(ws).get(job_id).meta["model"] for job_id in ids} == {
+        job_id: f"{name}.gguf" for job_id, name in ids.items()}
+    assert loads == swaps + 1  # a at start, then b, a, b, ...: a swap a job
+    assert {"a.gguf": True, "b.gguf": False} in polled and {"a.gguf": False, "b.gguf": True} in polled
+
+
 @pytest.fixture
 def fake_loads(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """LlamaRunner replaced: a model file loads as a FunctionRunner (``vectors`` for an
@@ -9919,7 +11074,7 @@ def fake_loads(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     counts the loads of each file name."""
     state: dict[str, Any] = {"broken": set(), "loads": {}, "vanishes": {}}
 
-    def load(path: str, config: nrvna.Config, cancel: Any = None) -> nrvna.Runner:
+    def load(path: str, config: nrvna.Config, cancel: Any = None, owner: str = "") -> nrvna.Runner:
         name = os.path.basename(path)
         state["loads"][name] = state["loads"].get(name, 0) + 1
         if name in state["broken"] or state["loads"][name] > state["vanishes"].get(name, math.inf):
@@ -10037,6 +11192,74 @@ def test_drain_and_a_daemon_that_stops_itself_exit_1_saying_why(ws: str, tmp_pat
     assert stopped.returncode == nrvna.EXIT_FAILED, stopped.stderr[-2000:]
     assert b"The daemon stopped: model a.gguf cannot be loaded again" in stopped.stderr
     assert Flow(ws).status(waiting) is Status.Queued and nrvna.daemon_records(ws) == []
+
+
+def test_a_crafted_gguf_in_a_models_folder_is_a_failed_load_and_the_others_serve(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 64 MiB file whose header declares a 2^63-item array, first in a folder beside a good
+    model: the daemon starts on the good model and serves it (jobs naming no model never go to
+    the crafted file); the crafted file is a failed load as a truncated one is: its jobs wait
+    with the reason, it is tried again (the good model is not unloaded for it), then they fail
+    with load_failed naming the file and the field. (It stopped the whole daemon at start.)"""
+    models, _ = models_dir(tmp_path)
+    arch = gguf_text("general.architecture") + struct.pack("<I", 8) + gguf_text("llama")
+    tokens = gguf_text("tokenizer.ggml.tokens") + struct.pack("<II", 9, 8)
+    crafted = crafted_gguf(models / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 64 << 20)
+    fake_gguf(models / "good.gguf")
+    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))  # 3 failed loads (the default)
+    server.start()
+    try:
+        assert server.models.active == 1 and fake_loads["loads"] == {"good.gguf": 1}
+        waiting = submit(ws, "for the crafted one", model="crafted")
+        served = [submit(ws, "names no model"), submit(ws, "for good", model="good")]
+        assert wait_all(ws, served) == [Status.Done] * 2
+        assert {Flow(ws).get(j).meta["model"] for j in served} == {"good.gguf"}
+        assert Flow(ws).status(waiting) is Status.Queued
+        server.write_status()
+        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
+        assert reason.startswith("waits for model crafted (crafted.gguf), which daemon") and "(1 of 3 failed" in reason
+        assert "has a GGUF header out of bounds: array 'tokenizer.ggml.tokens''s length says" in reason, reason
+        monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 0.05)
+        server.models.failed[0].retry_at = 0.0  # the next try is due now; then 0.05 s, 0.1 s
+        assert Flow(ws).wait(waiting, 30) is Status.Failed
+        job = Flow(ws).get(waiting)
+        assert job.meta["code"] == "load_failed" and "(3 failed loads; NRVNA_MAX_LOAD_FAILURES is 3)" in job.error
+        assert f"model {os.path.realpath(crafted)} has a GGUF header out of bounds: array" in job.error, job.error
+        assert wait_all(ws, [submit(ws, "still served", model="good")]) == [Status.Done]
+        assert fake_loads["loads"] == {"good.gguf": 1}  # never unloaded for a file that cannot be read
+    finally:
+        server.shutdown()
+
+
+def test_a_first_model_that_cannot_be_loaded_at_start_is_a_failed_load_and_the_next_serves(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first model of a folder fails to load at start (a truncated file): the daemon starts
+    on the next one, and the first's jobs (and those naming no model: it is the first) wait with
+    the reason, as at its turn; a daemon none of
+    whose models loads refuses to start, naming the first one's error. (It refused at start.)"""
+    models, _ = models_dir(tmp_path)
+    fake_gguf(models / "a.gguf")
+    fake_gguf(models / "b.gguf")
+    fake_loads["broken"].add("a.gguf")
+    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))
+    server.start()
+    try:
+        assert server.models.active == 1 and sorted(server.models.failed) == [0]
+        waiting, served = submit(ws, "for a", model="a"), submit(ws, "for b", model="b")
+        assert wait_all(ws, [served]) == [Status.Done] and Flow(ws).get(served).meta["model"] == "b.gguf"
+        server.write_status()
+        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
+        assert reason.startswith("waits for model a (a.gguf), which daemon") and "(1 of 3 failed loads" in reason
+    finally:
+        server.shutdown()
+    fake_loads["broken"].add("b.gguf")
+    with pytest.raises(nrvna.ModelError, match=r"a\.gguf could not be loaded by llama\.cpp"):
+        Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1)).start()
+    assert nrvna.daemon_records(ws) == []
 
 
 @pytest.mark.model
@@ -10463,6 +11686,59 @@ def test_cli_help_documents_commands_exit_codes_and_env(run_main: RunMain) -> No
     for word in (b"daemon", b"submit", b"status", b"get", b"exit codes", b"NRVNA_WORKERS", b"NRVNA_MAX_ATTEMPTS"):
         assert word in done.stdout
     assert run_main("submit", "--help").returncode == 0
+
+
+def test_a_flag_typo_is_an_error_that_points_to_its_command_s_help(ws: str, run_main: RunMain) -> None:
+    """#57: argparse took `--max-token 5` as --max-tokens (an abbreviation), and an unknown flag's
+    error pointed to `nrvna --help`: abbreviations are off everywhere, and the error names the
+    command's own help. Nothing is queued."""
+    for args, command in ((("submit", ws, "hi", "--max-token", "5"), "submit"), (("get", ws, "1_1_1", "--reason"), "get"),
+                          (("daemon", "m.gguf", ws, "--max-mem", "1G"), "daemon"), (("wait", ws, "--time", "1"), "wait"),
+                          (("export", ws, "--format", "jsonl", "--id", "x"), "export")):
+        done = run_main(*args)
+        message = done.stderr.decode()
+        assert done.returncode == 2 and message.startswith(f"nrvna {command}: error: unrecognized arguments: "), message
+        assert message.endswith(f"(see: nrvna {command} --help)\n"), message
+    assert run_main("--vers").returncode == 2
+    assert Flow(ws).counts()["queued"] == 0
+    assert run_main("submit", ws, "hi", "--max-tokens", "5").returncode == 0
+
+
+def _synopsis() -> dict[str, str]:
+    """docs/commands.md's synopsis (its first code block): each command's lines, joined."""
+    block = Path(HERE, "docs", "commands.md").read_text().split("```")[1]
+    lines: dict[str, str] = {}
+    command = ""
+    for line in block.splitlines():
+        words = line.split()
+        if words and words[0] == "nrvna":
+            command = words[1]
+        if command:
+            lines[command] = lines.get(command, "") + " " + line
+    return lines
+
+
+def test_the_manual_s_synopsis_has_every_flag_of_every_command() -> None:
+    """#57: docs/commands.md's synopsis lacked `get --reasoning`, `export --ids` and f32, `daemon
+    --mmap`: each command's argparse flags (and their choices) are there, submit's job parameters
+    as "[job parameters]", so the synopsis cannot drift from the parser again."""
+    import argparse
+
+    synopsis = _synopsis()
+    job_flags = {p.flag for p in nrvna.PARAMS.values() if p.flag} | set(nrvna.FLAG_SHORTHANDS)
+    assert "[job parameters]" in synopsis["submit"]
+    for name, *_ in nrvna.COMMANDS:
+        parser = nrvna._build_parser(name)
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        assert name in synopsis, name
+        words = set(re.findall(r"[-\w.]+", synopsis[name]))
+        for action in command._actions:
+            flags = [f for f in action.option_strings if f not in ("-h", "--help")]
+            if not flags or (name == "submit" and set(flags) & job_flags):
+                continue
+            assert set(flags) & words, (name, flags)
+            for choice in action.choices or ():
+                assert str(choice) in words, (name, flags, choice)
 
 
 def test_client_commands_do_not_import_llama_cpp(tmp_path: Path) -> None:

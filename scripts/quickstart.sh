@@ -21,6 +21,7 @@ echo "queued $id in $ws" >&2
 NRVNA_LOG_LEVEL=warn .venv/bin/python nrvna.py daemon "$MODEL" "$ws" -w 2 --drain
 .venv/bin/python nrvna.py get "$ws" "$id"
 echo
+echo "(SmolLM2-135M is a tiny test model: the pipeline works, but its answers are often wrong; use a real model for real answers: docs/models.md)" >&2
 # The next commands, exactly as they can be pasted (paths quoted where they need it).
 q_ws=$(printf %q "$ws")
 {

@@ -1,8 +1,9 @@
 """Copy a GGUF model with another chat template: a "thinking" (or tool-calling) SmolLM2 for nrvna's tests.
 
-    python scripts/thinking_model.py SRC.gguf DST.gguf [--style open|model|harmony|tools] [--template-file FILE]
+    python scripts/thinking_model.py SRC.gguf DST.gguf [--style open|model|harmony|tools|none] [--template-file FILE]
 
-Writes DST: SRC's header with ``tokenizer.chat_template`` replaced (added if SRC has none), then
+Writes DST: SRC's header with ``tokenizer.chat_template`` replaced (added if SRC has none; removed
+with ``--style none``), then
 SRC's tensor infos and tensor data byte for byte: no weight changes. The data section starts at
 the file's alignment (``general.alignment``, else 32), so it is realigned after the new header;
 tensor offsets count from the data section's start and stay as they are.
@@ -26,6 +27,8 @@ Each template is SmolLM2's own ChatML, with Qwen3's thinking convention or Qwen2
   string are written as they are); ``tool`` messages become ``<tool_response>`` blocks in a user
   turn, consecutive ones sharing it. Without ``tools`` it renders as SmolLM2's own template.
   llama-server ``--jinja`` recognises the form and parses the calls back.
+- ``--style none``: no chat template at all (the key removed), as some published GGUFs come
+  (Gemma 3 270M's): the model nrvna renders in its fallback form (ChatML, docs/models.md).
 
 Earlier assistant turns keep only what follows their ``</think>`` (Qwen3's rule). SmolLM2 was
 never trained to think (nor to call tools): what it writes inside the block is whatever it
@@ -42,7 +45,7 @@ import os
 import shutil
 import struct
 import sys
-from typing import BinaryIO
+from typing import BinaryIO, Optional
 
 # GGUF value types (gguf-py's GGUFValueType): fixed sizes, then string (8) and array (9).
 SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -231,14 +234,15 @@ def _string_bytes(text: str) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
-def copy_with_template(src: str, dst: str, template: str) -> None:
-    """Write ``dst``: ``src`` with ``tokenizer.chat_template`` set to ``template``."""
+def copy_with_template(src: str, dst: str, template: Optional[str]) -> None:
+    """Write ``dst``: ``src`` with ``tokenizer.chat_template`` set to ``template`` (None: removed)."""
     size = os.path.getsize(src)
     with open(src, "rb") as handle:
         header = Header(handle, size)
-        value = struct.pack("<I", STRING) + _string_bytes(template)
-        pairs = [(key, value if key == TEMPLATE_KEY else raw) for key, raw in header.pairs]
-        if not any(key == TEMPLATE_KEY for key, _ in pairs):
+        value = None if template is None else struct.pack("<I", STRING) + _string_bytes(template)
+        pairs = [(key, raw if key != TEMPLATE_KEY else value) for key, raw in header.pairs
+                 if key != TEMPLATE_KEY or value is not None]
+        if value is not None and not any(key == TEMPLATE_KEY for key, _ in pairs):
             pairs.append((TEMPLATE_KEY, value))
         out = bytearray(b"GGUF" + struct.pack("<IQQ", header.version, header.n_tensors, len(pairs)))
         for key, raw in pairs:
@@ -264,11 +268,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", help="the GGUF to copy")
     parser.add_argument("dst", help="the copy to write")
-    parser.add_argument("--style", choices=sorted(TEMPLATES), default="open",
+    parser.add_argument("--style", choices=sorted(TEMPLATES) + ["none"], default="open",
                         help="open: the template opens <think> in the prompt (default); model: the model "
                              "writes <think> itself (Qwen3's original form); harmony: gpt-oss's channels, "
                              "reduced; tools: no thinking, Qwen2.5-Instruct's tool calls (<tools>, "
-                             "<tool_call>, <tool_response>)")
+                             "<tool_call>, <tool_response>); none: no chat template (the key removed)")
     parser.add_argument("--template-file", metavar="FILE", help="write this template instead")
     args = parser.parse_args(argv)
     if os.path.abspath(args.src) == os.path.abspath(args.dst):
@@ -277,7 +281,7 @@ def main(argv: list[str]) -> int:
         with open(args.template_file, encoding="utf-8") as handle:
             template = handle.read()
     else:
-        template = TEMPLATES[args.style]
+        template = TEMPLATES.get(args.style)  # none: no template
     copy_with_template(args.src, args.dst, template)
     print(args.dst)
     return 0
