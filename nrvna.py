@@ -33,7 +33,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
                                       EFFORT_BUDGETS, thinking_budget, tool_answers
 7. Workspace and job directories
    7.1 Layout, locks and the daemons' records
-                                    the layout's names, job_path, parse_meta, WorkspaceLock, hold_job,
+                                    the layout's names, job_path, shallow, parse_meta, read_record, WorkspaceLock, hold_job,
                                     hold_orphan, register_daemon, DAEMON_RECORD_FIELDS, daemon_records
    7.2 IDs, states and meta.json    META_FIELDS, generate_id, order_key, Status, locate_job, parent_unfinished,
                                       job_meta, read_meta
@@ -4417,6 +4417,19 @@ def _is_text(value: Any) -> bool:
     return type(value) is str and len(value) <= 1 << 16
 
 
+def shallow(value: Any, most: int = 32) -> bool:
+    """Whether ``value`` nests no deeper than ``most`` lists and dicts: nrvna writes none deeper,
+    and copying, comparing or printing a far deeper one (900 levels parse) exhausts the stack."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth >= most:
+                return False
+            stack.extend((inner, depth + 1) for inner in (item.values() if isinstance(item, dict) else item))
+    return True
+
+
 def parse_meta(text: Optional[str]) -> dict[str, Any]:
     """meta.json's text as a dict ({} when absent or unreadable)."""
     import json
@@ -4425,9 +4438,28 @@ def parse_meta(text: Optional[str]) -> dict[str, Any]:
         return {}
     try:
         meta = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         return {}
     return meta if isinstance(meta, dict) else {}
+
+
+def read_record(path: str, limit: int = 1 << 20) -> dict[str, Any]:
+    """A small JSON record another process wrote (a daemon's record, a batch hook's), as
+    parse_meta reads it: {} when it is absent, not a regular file (a FIFO is never waited on, a
+    link never followed), over ``limit`` bytes or not a JSON object."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            return {}
+        return parse_meta(os.read(fd, limit + 1)[:limit].decode("utf-8", "replace"))
+    except OSError:
+        return {}
+    finally:
+        os.close(fd)
 
 
 def job_path(workspace: str, sub: str, job_id: str = "") -> str:
@@ -4640,7 +4672,8 @@ DAEMON_MODEL_FIELDS: dict[str, Callable[[Any], bool]] = {
 def _checked_record(record: dict[str, Any]) -> dict[str, Any]:
     """``record`` with each field of DAEMON_RECORD_FIELDS (and each model's) present only if it is
     as a daemon writes it."""
-    record = {k: v for k, v in record.items() if k not in DAEMON_RECORD_FIELDS or DAEMON_RECORD_FIELDS[k](v)}
+    record = {k: v for k, v in record.items()
+              if shallow(v) and (k not in DAEMON_RECORD_FIELDS or DAEMON_RECORD_FIELDS[k](v))}
     if "models" in record:
         record["models"] = [{k: v for k, v in m.items() if k not in DAEMON_MODEL_FIELDS or DAEMON_MODEL_FIELDS[k](v)}
                             for m in record["models"] if type(m) is dict]
@@ -4656,11 +4689,7 @@ def daemon_records(workspace: str) -> list[dict[str, Any]]:
     for name in _daemon_locks(workspace):
         if not daemon_alive(workspace, name):
             continue
-        try:
-            with open(os.path.join(workspace, DAEMONS, f"{name}.json"), encoding="utf-8") as handle:
-                record = parse_meta(handle.read())
-        except OSError:
-            record = {}
+        record = read_record(os.path.join(workspace, DAEMONS, f"{name}.json"))
         pid = name.split("-")[0]
         record = _checked_record(record)
         records.append(dict(record, name=name) if record else
@@ -4751,10 +4780,10 @@ def parent_unfinished(workspace: str, job_id: Optional[str]) -> bool:
 
 def job_meta(text: Optional[str]) -> dict[str, Any]:
     """meta.json's text as a dict, each field of META_FIELDS present only if it is as nrvna
-    writes it; other fields (the user's) as they are."""
+    writes it, no field nested deeper than ``shallow`` allows; other fields as they are."""
     meta = parse_meta(text)
-    for name, valid in META_FIELDS.items():
-        if name in meta and not valid(meta[name]):
+    for name in list(meta):
+        if not shallow(meta[name]) or (name in META_FIELDS and not META_FIELDS[name](meta[name])):
             del meta[name]
     return meta
 
@@ -5489,8 +5518,8 @@ def _tag_files(workspace: str, tag: str) -> Iterator[tuple[str, list[tuple[str, 
                 rows = json.loads(f"[{text.replace(chr(10), ',')}]")  # one parse per file
             except FileNotFoundError:
                 continue  # removed meanwhile (clean)
-            except (OSError, ValueError, JobError) as err:
-                why = _os_error(err) if isinstance(err, OSError) else str(err)
+            except (OSError, ValueError, RecursionError, JobError) as err:
+                why = _os_error(err) if isinstance(err, OSError) else str(err) or type(err).__name__
                 raise WorkspaceError(f"tag index {folder}/{name} is unreadable: {why}") from None
             for line, row in enumerate(rows, 1):
                 if not (isinstance(row, list) and len(row) == 2 and is_valid_id(row[0])
@@ -6451,7 +6480,7 @@ def job_vectors(job: Job) -> list[list[float]]:
         raise InvalidInput(f"job {job.id} is not an embed job: it has text, not vectors")
     try:
         vectors = [json.loads(line) for line in (job.result or "").splitlines() if line.strip()]
-    except ValueError:
+    except (ValueError, RecursionError):
         vectors = None
     if not vectors or not all(isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)
                               for v in vectors):
@@ -13629,14 +13658,7 @@ class Hooks:
             self._write_batch_record(tag, dict(record, ran=True), sync=False)
 
     def _batch_record(self, tag: str) -> dict[str, Any]:
-        import json
-
-        try:
-            with open(os.path.join(self.batches, tag), encoding="utf-8") as handle:
-                record = json.load(handle)
-        except (OSError, ValueError):
-            return {}
-        return record if isinstance(record, dict) else {}
+        return read_record(os.path.join(self.batches, tag))
 
     def _write_batch_record(self, tag: str, record: dict[str, Any], sync: bool) -> None:
         import json

@@ -3650,6 +3650,45 @@ def test_a_planted_lock_file_names_no_daemon(ws: str) -> None:
         first.wait(30)
 
 
+def test_files_nested_past_the_stack_or_fifos_are_read_as_absent_never_a_hang_or_a_traceback(
+        ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    """JSON nested 900 levels (it parses, and a copy of it exhausts the stack) or 100,000 (it does
+    not parse) in meta.json, a tag index, a daemon's record and a batch hook's record, and FIFOs
+    and invalid UTF-8 in the records: the daemon runs every job and its hooks, and stops;
+    clients answer with one line or as if the field were absent."""
+    deep = {n: "[" * n + "]" * n for n in (900, 100_000)}
+    jobs = [submit(ws, f"j{n}") for n in deep] + [submit(ws, "honest")]
+    for job_id, text in zip(jobs, deep.values()):
+        write(os.path.join(ws, nrvna.READY, job_id, "meta.json"), '{"x": %s, "events": %s}' % (text, text))
+    tagged = ids_of(run_main("submit", ws, "--tag", "t", "tagged"))
+    write(os.path.join(ws, nrvna.TAGS, "t", "00000000000000000001_x.ids"), deep[100_000] + "\n")
+    os.makedirs(os.path.join(ws, nrvna.HOOKS_BATCH), exist_ok=True)
+    os.mkfifo(os.path.join(ws, nrvna.HOOKS_BATCH, "t"))
+    ran = tmp_path / "ran"
+    with serving(ws, echo, on_done=f"echo $NRVNA_JOB_ID >> {ran}", on_batch_done="true"):
+        assert set(wait_all(ws, jobs + tagged)) == {Status.Done}
+        (name,) = [n[:-5] for n in os.listdir(os.path.join(ws, nrvna.DAEMONS)) if n.endswith(".lock")]
+        record = os.path.join(ws, nrvna.DAEMONS, f"{name}.json")
+        for planted in (deep[900], deep[100_000], b"\xff\xfe{}", None):
+            os.unlink(record)
+            if planted is None:
+                os.mkfifo(record)
+            else:
+                with open(record, "wb") as handle:
+                    handle.write(planted if isinstance(planted, bytes) else planted.encode())
+            result = run_main("status", ws, "--daemon", timeout=20)
+            assert result.returncode == 0 and b"Traceback" not in result.stderr, (planted, result.stderr[-300:])
+        deadline = time.monotonic() + 20
+        while len(ran.read_text().splitlines() if ran.exists() else []) < 4:
+            assert time.monotonic() < deadline, "the jobs' own hooks did not run"
+            time.sleep(0.05)
+    for args in (["export", ws], ["events", ws, "--since", "0"], ["get", ws, jobs[0], "--json"], ["status", ws]):
+        result = run_main(*args, timeout=20)
+        assert result.returncode == 0 and b"Traceback" not in result.stderr, (args, result.stderr[-300:])
+    result = run_main("wait", ws, "--tag", "t", "--timeout", "1", timeout=20)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1 and b"_x.ids" in result.stderr
+
+
 def test_a_crafted_daemon_record_never_stops_a_client_or_another_daemon(ws: str, run_main: RunMain) -> None:
     """daemons/<name>.json is read by clients (model names, waits, status --daemon) and by other
     daemons (the clash check at start, routing): a live daemon's record overwritten with every
