@@ -33,7 +33,8 @@ Contents, numbered as nrvna.py's sections and sub-sections (the tests of 12.1 si
     12.1 The queue: Pool and Scanner: priority lanes
     12.2 Claims and finishes: Processor: crashes, kills and concurrency
     12.6 Server: start-up checks (model, settings, workspace)
-    13. CLI: output, exit codes, pipes
+    13. Served API: the HTTP layer, files and models over a workspace
+    14. CLI: output, exit codes, pipes
 """
 
 from __future__ import annotations
@@ -11518,7 +11519,66 @@ def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: s
 
 
 # ==============================================================================
-# 13. CLI: output, exit codes, pipes
+# 13. Served API: the HTTP layer, files and models over a workspace
+# ==============================================================================
+
+
+@pytest.fixture
+def api(ws: str) -> Iterator[nrvna.ApiServer]:
+    """An in-process ApiServer on a free port of 127.0.0.1, short bounds in time."""
+    with nrvna.ApiServer(ws, port=0, head_seconds=1.0, body_seconds=2.0) as server:
+        yield server
+
+
+def http(server: nrvna.ApiServer, method: str, path: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+    """One request by http.client: (status, headers (lower-case names), body)."""
+    import http.client
+
+    host, port = server.address
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        reply = conn.getresponse()
+        return reply.status, {k.lower(): v for k, v in reply.getheaders()}, reply.read()
+    finally:
+        conn.close()
+
+
+def multipart(fields: dict[str, str], files: dict[str, tuple[str, bytes]],
+              boundary: str = "nrvna-test-boundary") -> tuple[bytes, dict[str, str]]:
+    """A multipart/form-data body and its Content-Type header."""
+    out = b""
+    for name, value in fields.items():
+        out += f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+    for name, (filename, data) in files.items():
+        out += (f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+                f'Content-Type: application/jsonl\r\n\r\n').encode() + data + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode(), {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+
+def test_files_are_uploaded_read_listed_and_deleted_as_openai_s_file_objects(api: nrvna.ApiServer, ws: str) -> None:
+    data = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n' * 3
+    body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", data)})
+    status, _, reply = http(api, "POST", "/v1/files", body, headers)
+    assert status == 200, reply
+    made = json.loads(reply)
+    assert re.fullmatch(r"file-[a-z0-9]{24}", made["id"]) and made["object"] == "file"
+    assert (made["bytes"], made["filename"], made["purpose"]) == (len(data), "in.jsonl", "batch")
+    assert json.loads(http(api, "GET", f"/v1/files/{made['id']}")[2]) == made
+    status, got_headers, content = http(api, "GET", f"/v1/files/{made['id']}/content")
+    assert (status, content) == (200, data) and got_headers["content-length"] == str(len(data))
+    listed = json.loads(http(api, "GET", "/v1/files")[2])
+    assert listed["object"] == "list" and listed["data"] == [made] and listed["has_more"] is False
+    assert json.loads(http(api, "DELETE", f"/v1/files/{made['id']}")[2]) == {
+        "id": made["id"], "object": "file", "deleted": True}
+    status, _, reply = http(api, "GET", f"/v1/files/{made['id']}")
+    assert status == 404 and set(json.loads(reply)["error"]) == {"message", "type", "param", "code"}
+    assert os.listdir(os.path.join(ws, "api", "files")) == [] and os.listdir(os.path.join(ws, "api", "tmp")) == []
+
+
+# ==============================================================================
+# 14. CLI: output, exit codes, pipes
 # ==============================================================================
 
 
