@@ -7387,8 +7387,9 @@ def model_view(workspace: str) -> tuple[str, dict[str, str], list[str]]:
     names its own way, but a workspace's daemons are started alike); with no daemon running,
     this process's NRVNA_MODELS_DIR and NRVNA_MODEL_ALIASES, and no model served."""
     records = daemon_records(workspace) if os.path.isdir(os.path.join(workspace, READY)) else []
-    served = [m["path"] for r in records for m in r.get("models") or () if isinstance(m, dict)
-              and isinstance(m.get("path"), str)]
+    # a model's path; its name where it has none (a runner given in-process)
+    served = [m["path"] if isinstance(m.get("path"), str) else m["name"] for r in records for m in r.get("models") or ()
+              if isinstance(m, dict) and isinstance(m.get("path") or m.get("name"), str)]
     first = next((r for r in records if isinstance(r.get("models_dir"), str)), None)
     if first is not None:
         return first["models_dir"], dict(first.get("aliases") or {}), served
@@ -7407,7 +7408,9 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
     if not by_name:
         return []
     models_dir, aliases, served = model_view(workspace)
-    served_names = {n for path in served for n in (os.path.basename(path), os.path.basename(path)[:-5])}
+    # a served model's file name, with or without .gguf (as GET /v1/models lists it)
+    served_names = {n for path in served for n in (os.path.basename(path),
+                                                   re.sub(r"\.gguf$", "", os.path.basename(path)))}
     notes = []
     for name, places in by_name.items():
         matches = model_matches(name, models_dir, aliases)
@@ -15701,7 +15704,8 @@ API_ROUTES: tuple[tuple[str, str, Callable[[ApiCall], ApiReply], str], ...] = (
                                         "`file`; up to 200 MB and 50,000 lines"),
     ("GET", "/v1/files", _list_files, "the files, newest first: `purpose`, `after`, `limit` (1-10,000), `order`"),
     ("GET", "/v1/files/{file_id}", _get_file, "a file's object"),
-    ("DELETE", "/v1/files/{file_id}", _delete_file, "remove a file: `{\"id\", \"object\": \"file\", \"deleted\": true}`"),
+    ("DELETE", "/v1/files/{file_id}", _delete_file,
+     "remove a file: `{\"id\", \"object\": \"file\", \"deleted\": true}`"),
     ("GET", "/v1/files/{file_id}/content", _file_content, "a file's bytes, exactly as uploaded or written"),
 )
 
@@ -15780,6 +15784,9 @@ class _Reader:
         self.stopping = False
 
     def give_back(self, conn: _Connection) -> None:
+        if self.stopping:
+            conn.close()
+            return
         self.back.put(conn)
         with contextlib.suppress(OSError):
             os.write(self.wake_write, b"x")
@@ -15808,8 +15815,11 @@ class _Reader:
             for conn in list(self.open.values()):
                 conn.close()
             self.selector.close()
-            os.close(self.wake_read)
-            os.close(self.wake_write)
+
+    def close(self) -> None:
+        """Close the wake pipe, once no Api-N thread can give a connection back."""
+        os.close(self.wake_read)
+        os.close(self.wake_write)
 
     def _watch(self, conn: _Connection) -> None:
         import selectors
@@ -16048,6 +16058,8 @@ class ApiServer:
             self.requests.put(None)
         for thread in threads:
             thread.join(timeout=5)
+        if self.reader is not None and not any(thread.is_alive() for thread in threads):
+            self.reader.close()  # else left open: a thread still answering may write to it
         if self.listener is not None:
             self.listener.close()
         self.reader = self.listener = None
