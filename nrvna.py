@@ -15597,8 +15597,13 @@ class ApiFiles:
 API_HOST = "127.0.0.1"
 API_PORT = 8000
 API_WORKERS = 64  # Api-N threads at most (started as requests need them)
-API_QUEUE = 256  # requests read whole and waiting for an Api-N thread; past it, 503 at once
-API_CONNECTIONS = 512  # open connections; past it, the oldest one still sending its request is dropped
+# Requests read whole and queued for an Api-N thread; past it they wait in Api-IO (still counted as
+# open connections, so bounded by API_CONNECTIONS), none read further until the queue has room.
+API_QUEUE = 256
+# Connections open at once. Past it, the oldest one still sending its request is dropped when it is
+# older than API_EVICT_SECONDS; else no more are accepted until one ends (they wait in the listen backlog).
+API_CONNECTIONS = 512
+API_EVICT_SECONDS = 1.0
 API_HEAD_SECONDS = 10.0  # a request's head, whole, from its first byte (or from the connection's start)
 API_BODY_SECONDS = 30.0  # a request, whole: this, plus a second per API_BODY_RATE bytes of its body
 API_BODY_RATE = 1 << 20
@@ -15782,6 +15787,8 @@ class _Reader:
         os.set_blocking(self.wake_read, False)
         os.set_blocking(self.wake_write, False)
         self.stopping = False
+        self.paused = False  # not accepting: API_CONNECTIONS are open
+        self.waiting: deque[_Connection] = deque()  # requests read whole, for a full queue
 
     def give_back(self, conn: _Connection) -> None:
         if self.stopping:
@@ -15803,7 +15810,11 @@ class _Reader:
         self.selector.register(self.wake_read, selectors.EVENT_READ, "wake")
         try:
             while not self.stopping:
-                for key, _ in self.selector.select(timeout=0.25):
+                while self.waiting and self.server.queue_request(self.waiting[0]):
+                    self.waiting.popleft()
+                if self.paused and (self._count() < self.server.connections or self._evictable()):
+                    self._pause(False)
+                for key, _ in self.selector.select(timeout=0.02 if self.waiting else 0.25):
                     if key.data == "accept":
                         self._accept()
                     elif key.data == "wake":
@@ -15812,7 +15823,7 @@ class _Reader:
                         self._read(key.data)
                 self._expire()
         finally:
-            for conn in list(self.open.values()):
+            for conn in [*self.open.values(), *self.waiting]:
                 conn.close()
             self.selector.close()
 
@@ -15831,27 +15842,53 @@ class _Reader:
         with contextlib.suppress(KeyError, ValueError, OSError):
             self.selector.unregister(conn.sock)
         self.open.pop(conn.sock.fileno(), None)
+        if self.paused and self._count() < self.server.connections:
+            self._pause(False)
+
+    def _count(self) -> int:
+        return len(self.open) + len(self.waiting)
 
     def _accept(self) -> None:
         for _ in range(64):
+            if self._count() >= self.server.connections and not self._drop_oldest():
+                self._pause(True)  # until a connection ends: the rest wait in the listen backlog
+                return
             try:
                 sock, _ = self.listener.accept()
             except BlockingIOError:
                 return
-            except OSError as err:  # out of descriptors: make room, and take the rest later
+            except OSError as err:  # out of descriptors: take the rest once some are closed
                 log.limited("api-accept", f"API server: cannot accept a connection: {_os_error(err)}")
-                self._drop_oldest()
+                self._pause(True)
                 return
             sock.setblocking(False)
-            if len(self.open) >= self.server.connections:
-                self._drop_oldest()
             self._watch(_Connection(sock, time.monotonic() + self.server.head_seconds))
 
-    def _drop_oldest(self) -> None:
-        if self.open:
-            oldest = min(self.open.values(), key=lambda conn: conn.since)
-            self._forget(oldest)
-            oldest.close()
+    def _pause(self, paused: bool) -> None:
+        """Stop or start accepting connections (the listener's place in the selector)."""
+        import selectors
+
+        if paused != self.paused:
+            self.paused = paused
+            if paused:
+                self.selector.unregister(self.listener)
+            else:
+                self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+
+    def _evictable(self) -> Optional[_Connection]:
+        """The oldest connection still sending its request, when older than API_EVICT_SECONDS."""
+        oldest = min(self.open.values(), key=lambda conn: conn.since, default=None)
+        return oldest if oldest is not None and time.monotonic() - oldest.since >= API_EVICT_SECONDS else None
+
+    def _drop_oldest(self) -> bool:
+        """Drop the oldest connection still sending its request (a client that sends slowly, or
+        nothing), once older than API_EVICT_SECONDS; False when none is."""
+        oldest = self._evictable()
+        if oldest is None:
+            return False
+        self._forget(oldest)
+        oldest.close()
+        return True
 
     def _woken(self) -> None:
         with contextlib.suppress(OSError):
@@ -15859,9 +15896,7 @@ class _Reader:
         while not self.back.empty():
             conn = self.back.get()
             conn.sock.setblocking(False)
-            if len(self.open) >= self.server.connections:
-                self._drop_oldest()
-            self._watch(conn)
+            self._watch(conn)  # may go past API_CONNECTIONS for a while: it was open already
             if conn.buffer:  # a request sent behind the last one
                 self._take(conn, b"")
 
@@ -15945,9 +15980,8 @@ class _Reader:
             os.close(conn.spool_fd)
             conn.spool_fd = -1
         self._forget(conn)
-        if not self.server.queue_request(conn):
-            self._refuse(conn, ApiError(503, f"the server is busy: {API_QUEUE} requests wait for an answer; "
-                                             "try again", type="server_error", code="server_busy"))
+        if self.waiting or not self.server.queue_request(conn):
+            self.waiting.append(conn)  # in order, as the queue makes room
 
     def _refuse(self, conn: _Connection, err: ApiError) -> None:
         """Answer ``err`` from here and close: what the client still sends is read and dropped
@@ -16026,7 +16060,7 @@ class ApiServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         try:
             self.listener = socket.create_server((self.host, self.port), family=family,
-                                                 backlog=min(4096, 2 * self.connections))
+                                                 backlog=4096)  # the kernel caps it (somaxconn)
         except OSError as err:
             raise NrvnaError(f"cannot listen on {self.host}:{self.port}: {_os_error(err)}") from None
         self.listener.setblocking(False)

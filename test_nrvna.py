@@ -11789,6 +11789,59 @@ def test_a_slow_client_is_dropped_after_its_deadline_and_holds_no_worker(ws: str
         assert os.listdir(os.path.join(ws, "api", "tmp")) == []  # the bodies' spools removed
 
 
+@pytest.mark.model  # the openai package, absent from the bare Python 3.9 run
+def test_the_openai_client_uploads_lists_reads_and_deletes_files_and_lists_models(ws: str, tmp_path: Path) -> None:
+    import openai
+
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "function", "messages": [{"role": "user", "content": f"hi {i}"}]}} for i in range(3)]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    proc = registered_daemon(ws, "derived")
+    try:
+        with nrvna.ApiServer(ws, port=0, api_key="k") as server:
+            host, port = server.address
+            client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="k", max_retries=0)
+            with path.open("rb") as handle:
+                made = client.files.create(file=handle, purpose="batch")
+            assert made.id.startswith("file-") and made.bytes == path.stat().st_size
+            assert made.filename == "requests.jsonl" and made.purpose == "batch"
+            assert client.files.retrieve(made.id) == made
+            assert client.files.content(made.id).content == path.read_bytes()
+            assert [f.id for f in client.files.list()] == [made.id]
+            assert [f.id for f in client.files.list(purpose="batch", limit=1)] == [made.id]
+            assert [m.id for m in client.models.list()] == ["function"]
+            deleted = client.files.delete(made.id)
+            assert deleted.id == made.id and deleted.deleted is True
+            with pytest.raises(openai.NotFoundError):
+                client.files.retrieve(made.id)
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_curl_uploads_a_batch_file_and_reads_it_back(ws: str, tmp_path: Path) -> None:
+    """The shell's way, as docs/server.md shows it (curl -F: multipart, Expect: 100-continue)."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}\n'
+                     * 20000)  # over 1 MB: curl waits for 100 Continue
+    with nrvna.ApiServer(ws, port=0, api_key="k") as server:
+        base = "http://%s:%d/v1" % server.address
+        key = ["-H", "Authorization: Bearer k"]
+        made = json.loads(subprocess.run(["curl", "-sS", "--fail-with-body", *key, "-F", "purpose=batch",
+                                          "-F", f"file=@{path}", f"{base}/files"],
+                                         capture_output=True, check=True, timeout=60).stdout)
+        assert made["bytes"] == path.stat().st_size and made["filename"] == "in.jsonl"
+        content = subprocess.run(["curl", "-sS", "--fail-with-body", *key, f"{base}/files/{made['id']}/content"],
+                                 capture_output=True, check=True, timeout=60).stdout
+        assert content == path.read_bytes()
+        refused = subprocess.run(["curl", "-sS", "-F", "purpose=batch", "-F", f"file=@{path}", f"{base}/files"],
+                                 capture_output=True, timeout=60)
+        assert json.loads(refused.stdout)["error"]["code"] == "invalid_api_key"
+
+
 @pytest.mark.slow
 def test_two_thousand_connections_at_once_exhaust_neither_threads_nor_descriptors(ws: str) -> None:
     import resource
