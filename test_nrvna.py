@@ -11624,6 +11624,50 @@ def test_files_are_listed_by_page_order_and_purpose_as_openai_lists_them(api: nr
         assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", query
 
 
+def test_files_read_back_crafted_linked_or_fifos_are_absent_and_nothing_foreign_is_removed(
+        api: nrvna.ApiServer, ws: str, tmp_path: Path) -> None:
+    """A file.json or content put in api/files/ by something else (crafted, huge, nested, a link,
+    a FIFO) is read as no file: 404, left out of the list, never followed or waited on."""
+    made = upload(api, b"{}\n")
+    root = Path(ws, "api", "files")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "file.json").write_text(json.dumps(dict(made, id="file-" + "o" * 24)))
+    (outside / "content").write_text("secret")
+    planted = {"file-" + "a" * 24: {"file.json": json.dumps(dict(made, bytes="3"))},
+               "file-" + "b" * 24: {"file.json": json.dumps(dict(made, id="file-" + "b" * 24))[:-1]},
+               "file-" + "c" * 24: {"file.json": "[" * 100000},
+               "file-" + "d" * 24: {"file.json": json.dumps(dict(made, id="file-" + "d" * 24, filename="x" * 70000))},
+               "file-" + "e" * 24: {"file.json": None},  # a FIFO
+               "file-" + "f" * 24: {"file.json": json.dumps(dict(made, id="file-" + "g" * 24))}}  # another's ID
+    for file_id, files in planted.items():
+        (root / file_id).mkdir()
+        for name, text in files.items():
+            if text is None:
+                os.mkfifo(root / file_id / name)
+            else:
+                (root / file_id / name).write_text(text)
+    (root / ("file-" + "o" * 24)).symlink_to(outside)
+    content_link = "file-" + "h" * 24
+    (root / content_link).mkdir()
+    (root / content_link / "file.json").write_text(json.dumps(dict(made, id=content_link)))
+    (root / content_link / "content").symlink_to(outside / "content")
+    for file_id in [*planted, "file-" + "o" * 24]:
+        assert http(api, "GET", f"/v1/files/{file_id}", timeout=10)[0] == 404, file_id
+        assert http(api, "GET", f"/v1/files/{file_id}/content", timeout=10)[0] == 404, file_id
+        assert http(api, "DELETE", f"/v1/files/{file_id}", timeout=10)[0] == 404, file_id
+    status, _, reply = http(api, "GET", f"/v1/files/{content_link}/content", timeout=10)
+    assert status == 404 and b"secret" not in reply
+    listed = [f["id"] for f in json.loads(http(api, "GET", "/v1/files", timeout=10)[2])["data"]]
+    assert sorted(listed) == sorted([made["id"], content_link])
+    # a file whose folder holds what nrvna did not write is deleted, and that is left alone
+    (root / made["id"] / "notes.txt").write_text("mine")
+    assert json.loads(http(api, "DELETE", f"/v1/files/{made['id']}")[2])["deleted"] is True
+    left = [p for p in Path(ws, "api", "tmp").rglob("*") if p.is_file()]
+    assert [p.name for p in left] == ["notes.txt"] and left[0].read_text() == "mine"
+    assert (outside / "content").read_text() == "secret" and (outside / "file.json").exists()
+
+
 def test_an_api_key_is_required_of_every_request_and_only_loopback_is_served_without_one(ws: str) -> None:
     with nrvna.ApiServer(ws, port=0, api_key="s3cret") as server:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
