@@ -15731,6 +15731,22 @@ def _reply_head(status: int, content_type: str, length: Optional[int], headers: 
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1)."""
+    import ipaddress
+    import socket
+
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(found) and all(ipaddress.ip_address(str(address).split("%")[0]).is_loopback for address in found)
+
+
+def _route_pattern(path: str) -> Any:
+    return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(path)))
+
+
 class _Connection:
     """One client connection while Api-IO reads a request from it: the bytes so far, the
     deadline, the request's head and body (in memory, or an upload's in api/tmp/)."""
@@ -15766,6 +15782,30 @@ class _Connection:
         self.drop_spool()
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def _start_request(server: "ApiServer", conn: _Connection, head: _Head, early: int) -> None:
+    """Check a request's head before its body is read (the key, the length, the bound: ApiError),
+    and make ready for the body (its deadline, an upload's file in api/tmp/, 100 Continue)."""
+    key = server.api_key
+    if key and not api_key_matches(head.headers, key):
+        raise ApiError(401, "Incorrect API key provided: send the header Authorization: Bearer KEY",
+                       code="invalid_api_key")
+    length = head.body_length()
+    limit = FILE_BYTES_LIMIT + MULTIPART_SLACK if head.is_upload() else API_BODY_LIMIT
+    if length > limit:
+        what = "an upload's body" if head.is_upload() else "a JSON body"
+        raise ApiError(413, f"the body is {length:,} bytes; {what} may be up to {limit:,}", code="body_too_large")
+    conn.head, conn.length = head, length
+    conn.deadline = time.monotonic() + server.body_seconds + length / API_BODY_RATE
+    if head.is_upload() and length:
+        try:
+            conn.spool, conn.spool_fd = server.files.new_upload()
+        except OSError as err:
+            raise ApiError(500, f"the upload cannot be held: {_os_error(err)}", type="server_error") from None
+    if length > early and "100-continue" in head.headers.get("expect", "").lower():
+        with contextlib.suppress(OSError):
+            conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
 
 
 class _Reader:
@@ -15934,32 +15974,10 @@ class _Reader:
                     raise ApiError(431, f"the request's head is over {API_HEAD_LIMIT} bytes")
                 head, data = parse_head(bytes(conn.buffer[:end])), bytes(conn.buffer[end + 4:])
                 conn.buffer = bytearray()
-                self._begin(conn, head, len(data))
+                _start_request(self.server, conn, head, len(data))
             self._body(conn, data)
         except ApiError as err:
             self._refuse(conn, err)
-
-    def _begin(self, conn: _Connection, head: _Head, early: int) -> None:
-        """Check a request's head before its body is read: the key, the length, the bound."""
-        key = self.server.api_key
-        if key and not api_key_matches(head.headers, key):
-            raise ApiError(401, "Incorrect API key provided: send the header Authorization: Bearer KEY",
-                           code="invalid_api_key")
-        length = head.body_length()
-        limit = FILE_BYTES_LIMIT + MULTIPART_SLACK if head.is_upload() else API_BODY_LIMIT
-        if length > limit:
-            what = "an upload's body" if head.is_upload() else "a JSON body"
-            raise ApiError(413, f"the body is {length:,} bytes; {what} may be up to {limit:,}", code="body_too_large")
-        conn.head, conn.length = head, length
-        conn.deadline = time.monotonic() + self.server.body_seconds + length / API_BODY_RATE
-        if head.is_upload() and length:
-            try:
-                conn.spool, conn.spool_fd = self.server.files.new_upload()
-            except OSError as err:
-                raise ApiError(500, f"the upload cannot be held: {_os_error(err)}", type="server_error") from None
-        if length > early and "100-continue" in head.headers.get("expect", "").lower():
-            with contextlib.suppress(OSError):
-                conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _body(self, conn: _Connection, data: bytes) -> None:
         need = conn.length - conn.received
@@ -15996,22 +16014,6 @@ class _Reader:
         conn.lingering, conn.deadline = True, time.monotonic() + API_LINGER_SECONDS
         if conn.sock.fileno() not in self.open:
             self._watch(conn)
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1)."""
-    import ipaddress
-    import socket
-
-    try:
-        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except (OSError, UnicodeError):
-        return False
-    return bool(found) and all(ipaddress.ip_address(str(address).split("%")[0]).is_loopback for address in found)
-
-
-def _route_pattern(path: str) -> Any:
-    return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(path)))
 
 
 class ApiServer:
@@ -16272,9 +16274,9 @@ class _Signalled(BaseException):
 
 
 def markdown_tables() -> dict[str, str]:
-    """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables
-    and caches, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES, HOOK_VARIABLES and HOST_CACHES
-    (scripts/readme_tables.py writes them; a test checks them)."""
+    """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables,
+    caches and routes, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES, HOOK_VARIABLES, HOST_CACHES
+    and API_ROUTES (scripts/readme_tables.py writes them; a test checks them)."""
     settings = ["| variable | default | meaning |", "|---|---|---|"]
     for setting in SETTINGS.values():
         default = setting.default if setting.shown is None else setting.shown
@@ -16297,8 +16299,11 @@ def markdown_tables() -> dict[str, str]:
     caches = ["| cache | kept by | bound | holds | makes room by |", "|---|---|---|---|---|"] + [
         f"| {what} | {whose} | {f'`{bound}`' if bound.startswith('NRVNA_') else bound} | {holds} | {room} |"
         for what, whose, bound, holds, room in HOST_CACHES]
+    routes = ["| method | path | what it answers |", "|---|---|---|"] + [
+        f"| {method} | `{path}` | {what} |" for method, path, _, what in API_ROUTES]
     return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
-            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches)}
+            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches),
+            "routes": "\n".join(routes)}
 
 
 def _say(message: str) -> None:

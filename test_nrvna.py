@@ -11668,6 +11668,36 @@ def test_files_read_back_crafted_linked_or_fifos_are_absent_and_nothing_foreign_
     assert (outside / "content").read_text() == "secret" and (outside / "file.json").exists()
 
 
+def test_a_server_s_start_removes_only_what_dead_servers_left(ws: str) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    temp = Path(ws, "api", "tmp")
+    temp.mkdir(parents=True)
+    old = time.time() - 2 * nrvna.STALE_API_TEMP_SECONDS
+    entries = {f"upload-{dead}-abc": "gone", f"upload-{os.getpid()}-abc": "kept (a live process's)",
+               f"upload-{dead}-new": "kept (recent)", "upload-x-abc": "kept (not nrvna's name)",
+               "notes.txt": "kept (not nrvna's)"}
+    for name, why in entries.items():
+        (temp / name).write_text(why)
+        if name != f"upload-{dead}-new":
+            os.utime(temp / name, (old, old))
+    folder = temp / f"gone-{dead}-abc-file-{'a' * 24}"
+    folder.mkdir()
+    (folder / "content").write_text("x")
+    (folder / "file.json").write_text("{}")
+    os.utime(folder, (old, old))
+    foreign = temp / f"new-{dead}-abc-file-{'b' * 24}"
+    foreign.mkdir()
+    (foreign / "content").write_text("x")
+    (foreign / "mine.txt").write_text("not nrvna's")
+    os.utime(foreign, (old, old))
+    with nrvna.ApiServer(ws, port=0):
+        pass
+    assert sorted(p.name for p in temp.iterdir()) == sorted(
+        [name for name, why in entries.items() if why.startswith("kept")] + [foreign.name])
+    assert [p.name for p in foreign.iterdir()] == ["mine.txt"]
+
+
 def test_an_api_key_is_required_of_every_request_and_only_loopback_is_served_without_one(ws: str) -> None:
     with nrvna.ApiServer(ws, port=0, api_key="s3cret") as server:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
