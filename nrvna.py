@@ -15298,13 +15298,17 @@ def read_multipart(fd: int, size: int, content_type: str) -> dict[str, tuple[Opt
         window, base = tail + chunk, offset - len(tail)
         at = window.find(boundary)
         while at >= 0:
-            if (base + at == 0 or window[at - 2:at] == b"\r\n") and (not starts or base + at > starts[-1]):
+            # a delimiter: at the start of a line, followed by CRLF or (the last) "--"; one seen
+            # too near the window's end is seen again in the next (the tail holds it whole)
+            after = window[at + len(boundary):at + len(boundary) + 2]
+            if (base + at == 0 or window[at - 2:at] == b"\r\n") and (not starts or base + at > starts[-1]) \
+                    and after in (b"\r\n", b"--"):
                 starts.append(base + at)
                 if len(starts) > MULTIPART_PARTS + 1:
                     raise ApiError(400, f"the upload has more than {MULTIPART_PARTS} parts")
             at = window.find(boundary, at + 1)
         offset += len(chunk)
-        tail = window[-(len(boundary) + 2):]
+        tail = window[-(len(boundary) + 4):]
     parts: dict[str, tuple[Optional[str], int, int]] = {}
     for first, after in zip(starts, starts[1:]):
         begin = first + len(boundary)

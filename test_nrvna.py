@@ -11813,6 +11813,25 @@ def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServ
     assert upload(api, lines[:-3])["bytes"] == len(lines) - 3  # 50,000 lines are taken
 
 
+def test_multipart_parts_are_found_whole_wherever_the_reads_cut_them(tmp_path: Path) -> None:
+    """read_multipart reads a MiB at a time: a delimiter cut by a read, a boundary inside the
+    content not on a line of its own, and a line that only starts with it are all read right."""
+    path = tmp_path / "body"
+    before = len(multipart({"purpose": "batch"}, {"file": ("in.jsonl", b"")}, boundary="bound")[0]) - 13
+    for size in range((1 << 20) - before - 16, (1 << 20) - before + 4):  # its last delimiter cut at each byte
+        content = (b"x--bound\r\n--boundless\r\n" * (size // 20))[:size - 1] + b"."
+        body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", content)}, boundary="bound")
+        path.write_bytes(body)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            parts = nrvna.read_multipart(fd, len(body), headers["Content-Type"])
+            filename, first, end = parts["file"]
+            assert filename == "in.jsonl" and b"".join(nrvna.file_chunks(fd, first, end)) == content, size
+            assert nrvna.multipart_field(fd, parts["purpose"], "purpose") == "batch"
+        finally:
+            os.close(fd)
+
+
 def test_an_upload_over_the_limit_is_refused_before_its_body_is_read(api: nrvna.ApiServer, ws: str) -> None:
     import socket
 
