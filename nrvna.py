@@ -16035,6 +16035,8 @@ class ApiServer:
                  head_seconds: float = API_HEAD_SECONDS, body_seconds: float = API_BODY_SECONDS) -> None:
         import queue
 
+        if type(port) is not int or not 0 <= port <= 65535:
+            raise InvalidInput(f"--port {port} is not a port (0 to 65535; 0: one the system chooses)")
         if not api_key and not _is_loopback(host):
             raise InvalidInput(f"--host {host} is not a loopback address: serving it needs an API key "
                                "(--api-key or NRVNA_API_KEY)")
@@ -16068,7 +16070,8 @@ class ApiServer:
             self.listener = socket.create_server((self.host, self.port), family=family,
                                                  backlog=4096)  # the kernel caps it (somaxconn)
         except OSError as err:
-            raise NrvnaError(f"cannot listen on {self.host}:{self.port}: {_os_error(err)}") from None
+            why = str(err.strerror or err).split(" (while attempting")[0]  # create_server's addition
+            raise NrvnaError(f"cannot listen on {self.host}:{self.port}: {why}") from None
         self.listener.setblocking(False)
         self.reader = _Reader(self, self.listener)
         thread = threading.Thread(target=self.reader.run, name="Api-IO", daemon=True)
