@@ -15859,12 +15859,18 @@ class _Reader:
                 if self.paused and (self._count() < self.server.connections or self._evictable()):
                     self._pause(False)
                 for key, _ in self.selector.select(timeout=0.02 if self.waiting else 0.25):
-                    if key.data == "accept":
-                        self._accept()
-                    elif key.data == "wake":
-                        self._woken()
-                    else:
-                        self._read(key.data)
+                    try:
+                        if key.data == "accept":
+                            self._accept()
+                        elif key.data == "wake":
+                            self._woken()
+                        else:
+                            self._read(key.data)
+                    except Exception as err:  # a bug: that connection is dropped, never the server
+                        log.limited("api-io", f"API server: {type(err).__name__}: {err}")
+                        if isinstance(key.data, _Connection):
+                            self._forget(key.data)
+                            key.data.close()
                 self._expire()
         finally:
             for conn in [*self.open.values(), *self.waiting]:
@@ -16097,8 +16103,13 @@ class ApiServer:
             self.reader.stop()
         with self._lock:
             threads = list(self._threads)
+        with contextlib.suppress(Exception):  # queue.Empty: the requests not begun are dropped
+            while True:
+                conn = self.requests.get_nowait()
+                if conn is not None:
+                    conn.close()
         for _ in threads[1:]:
-            self.requests.put(None)
+            self.requests.put(None)  # room: API_WORKERS < API_QUEUE
         for thread in threads:
             thread.join(timeout=5)
         if self.reader is not None and not any(thread.is_alive() for thread in threads):
