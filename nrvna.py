@@ -15274,6 +15274,10 @@ def _part_head(data: bytes) -> tuple[str, Optional[str]]:
                  for key, quoted, bare in _PARAM.findall(rest)}
         if "name" not in found:
             raise ApiError(400, "a multipart part has no name")
+        if "filename" not in found and "filename*" in found:  # RFC 5987: UTF-8''percent-encoded
+            from urllib.parse import unquote
+
+            found["filename"] = unquote(found["filename*"].partition("''")[2] or found["filename*"])
         return found["name"], found.get("filename")
     raise ApiError(400, "a multipart part has no Content-Disposition")
 
