@@ -251,8 +251,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Worker-N -> GrammarVocab: decoded (code points per partial character) => GrammarVocab.lock: one
         decodes, the others wait for that
     any -> _Log (log.limited): _LIMITED => _LIMITED_LOCK
-    any (a client's: a server's handlers) -> _job_samples, _MetricsCache: _METRICS_CACHES (one cache a workspace)
-        => _METRICS_LOCK around its lookup; a cache's jobs => _MetricsCache.lock, held for a whole pass
+    any (a client's: a server's handlers) -> metrics_text, _MetricsCache: _METRICS_CACHES (one cache a workspace)
+        => _METRICS_LOCK around each lookup and removal; a cache's sums => _MetricsCache.lock, held for a whole call
     Main, Worker-N -> _checked (a schema or tools checked at submit, in parse_batch, at each claim):
         _CHECKED => _CHECKED_LOCK around each read and each write (with its eviction), never held while a
         check runs: two threads may check one key at once, and find the same
@@ -8615,7 +8615,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
                                      "them out (nrvna status --tag names the file)."),
     "nrvna_metrics_seconds": ("gauge", (), "Seconds this reading of the workspace took."),
 }
-METRICS_CACHE_JOBS = 1_000_000  # jobs whose figures a process keeps (about 0.2 KB each); the rest are read each time
+# A process keeps what it read of a workspace of up to this many jobs (about 0.5 KB a job: 45 MiB for
+# 100,000, measured); a larger one is read whole at every call (4 s of CPU for 100,000 jobs).
+METRICS_CACHE_JOBS = 200_000
 RATE_FINISHES = 100  # an ETA's rate is taken over at most this many of the latest finishes...
 RATE_SECONDS = 900.0  # ...that ended within this many seconds: a rate of last week says nothing of now
 # A job's figures: the model label, its failure code, its tokens (generated, prompt, computed,
@@ -8858,11 +8860,17 @@ def metrics_text(workspace: str) -> str:
 
 
 def recent_finishes(workspace: str, states: Mapping[str, Status], most: int = RATE_FINISHES) -> list[float]:
-    """When the last ``most`` finished jobs of ``states`` (ID -> state) in submission order
-    ended (their meta.json's ``finished``), oldest first: a lane's jobs are taken in
-    submission order, so these are about its latest finishes, read in ``most`` files however
-    many jobs there are. A job without a valid time is left out."""
-    latest = sorted((job_id for job_id, status in states.items() if status.finished), key=order_key)[-most:]
+    """When the last ``most`` finished jobs of ``states`` (ID -> state, in submission order, as
+    Flow.select gives a tag's jobs or every job) ended, by their meta.json's ``finished``,
+    oldest first. A lane's jobs are taken in submission order, so these are about its latest
+    finishes, read in ``most`` files however many jobs there are. A job without a valid time
+    (a hand-made or damaged meta.json: read_record's checks, then _is_time) is left out."""
+    latest = []
+    for job_id in reversed(list(states)):
+        if states[job_id].finished:
+            latest.append(job_id)
+            if len(latest) >= most:
+                break
     times = []
     for job_id in latest:
         finished = read_record(os.path.join(job_path(workspace, STATUS_DIR[states[job_id]], job_id), META_FILE)).get(
@@ -15411,9 +15419,9 @@ class _Signalled(BaseException):
 
 
 def markdown_tables() -> dict[str, str]:
-    """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables
-    and caches, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES, HOOK_VARIABLES and HOST_CACHES
-    (scripts/readme_tables.py writes them; a test checks them)."""
+    """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables,
+    caches and metrics, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES, HOOK_VARIABLES, HOST_CACHES
+    and METRICS (scripts/readme_tables.py writes them; a test checks them)."""
     settings = ["| variable | default | meaning |", "|---|---|---|"]
     for setting in SETTINGS.values():
         default = setting.default if setting.shown is None else setting.shown
@@ -15436,8 +15444,12 @@ def markdown_tables() -> dict[str, str]:
     caches = ["| cache | kept by | bound | holds | makes room by |", "|---|---|---|---|---|"] + [
         f"| {what} | {whose} | {f'`{bound}`' if bound.startswith('NRVNA_') else bound} | {holds} | {room} |"
         for what, whose, bound, holds, room in HOST_CACHES]
+    metrics = ["| metric | type | labels | meaning |", "|---|---|---|---|"] + [
+        f"| `{name}` | {kind} | {', '.join(f'`{label}`' for label in labels) or '—'} | {meaning} |"
+        for name, (kind, labels, meaning) in METRICS.items()]
     return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
-            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches)}
+            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches),
+            "metrics": "\n".join(metrics)}
 
 
 def _say(message: str) -> None:
@@ -15767,11 +15779,11 @@ def _cmd_status(args: Any) -> int:
 
 def _tag_eta(workspace: str, states: dict[str, Status]) -> tuple[Optional[float], Optional[float], str]:
     """``status --tag``'s rate of finishes (jobs/s), its ETA in seconds (0: nothing left) and its
-    line ("" when nothing is left); None for both before there is a rate (see finish_rate)."""
+    line ("" when nothing is left); None before there is a rate (see finish_rate)."""
     left = sum(1 for status in states.values() if not status.finished)
-    if not left:
-        return None, 0, ""
     rate = finish_rate(recent_finishes(workspace, states), time.time())
+    if not left:
+        return None if rate is None else round(rate, 4), 0, ""
     if rate is None:
         return None, None, (f"{left} of {len(states)} jobs left, ETA unknown: fewer than 2 of its jobs ended in "
                             f"the last {RATE_SECONDS / 60:g} min")
