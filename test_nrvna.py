@@ -6407,11 +6407,12 @@ def test_nrvna_metrics_writes_its_file_whole_for_node_exporter(ws: str, tmp_path
     assert run_main("metrics", ws, "-o", os.path.join(ws, "x.prom")).returncode == 2
 
 
-def eta_workspace(ws: str, ended: list[float], left: int) -> None:
-    """Tag "t": jobs that ended at the times ``ended`` (done: moved and given a meta.json as a
+def eta_workspace(ws: str, ages: list[float], left: int) -> None:
+    """Tag "t": jobs that ended ``ages`` seconds ago (done: moved and given a meta.json as a
     daemon would) and ``left`` jobs queued after them; no daemon."""
-    ids = [submit(ws, f"p{i}", tag="t") for i in range(len(ended) + left)]
-    for job_id, finished in zip(ids, ended):
+    ids = [submit(ws, f"p{i}", tag="t") for i in range(len(ages) + left)]
+    now = time.time()
+    for job_id, finished in zip(ids, (now - age for age in ages)):
         folder = Path(ws, nrvna.OUTPUT, job_id)
         os.rename(os.path.join(ws, nrvna.READY, job_id), folder)
         (folder / "result.txt").write_text("ok")
@@ -6430,26 +6431,27 @@ def test_status_tag_states_an_eta_from_the_tag_s_latest_finishes(ws: str, run_ma
                                     "the last 15 min\n")
     report = json.loads(run_main("status", unknown, "--tag", "t", "--json").stdout)
     assert report["eta_seconds"] is None and report["jobs_per_second"] is None and report["queued"] == 3
-    now = time.time()
-    eta_workspace(ws, [now - 100 + 10 * i for i in range(10)] + [now - 2000, math.nan], 5)
+    eta_workspace(ws, [100 - 10 * i for i in range(10)] + [2000, math.nan], 5)
     report = json.loads(run_main("status", ws, "--tag", "t", "--json").stdout)
     assert report["done"] == 12 and report["queued"] == 5
-    assert 0.085 < report["jobs_per_second"] <= 0.09 and 55 <= report["eta_seconds"] < 59, report
+    assert 0.08 < report["jobs_per_second"] <= 0.09 and 55 <= report["eta_seconds"] < 62, report  # a slow machine's lag
     line = run_main("status", ws, "--tag", "t").stderr.decode()
-    assert re.fullmatch(r"nrvna: tag t: 5 of 17 jobs left, ETA 5[5-8]s at 0\.09 jobs/s \(its latest finishes\)\n", line)
+    assert re.fullmatch(r"nrvna: tag t: 5 of 17 jobs left, ETA (5[5-9]|6[01])s at 0\.0[89] jobs/s \(its latest finishes\)\n",
+                        line), line
 
 
 def test_wait_s_progress_states_the_eta_from_the_latest_finishes_before_it_began(ws: str, run_main: RunMain) -> None:
     """A wait started mid-batch has the batch's rate at once (not the rate since it began, which
     is 0 then), and says "ETA unknown" where nothing has ended yet."""
-    now = time.time()
-    eta_workspace(ws, [now - 100 + 10 * i for i in range(10)], 5)
+    eta_workspace(ws, [100 - 10 * i for i in range(10)], 5)
     said = run_main("wait", ws, "--tag", "t", "--progress", "--timeout", "0.2").stderr.decode().splitlines()
-    assert re.fullmatch(r"nrvna: 10 done / 0 failed / 15 total  0\.1 jobs/s  0 tok/s  ETA 5[5-8]s after 0 s", said[0]), said
+    assert re.fullmatch(r"nrvna: 10 done / 0 failed / 15 total  0\.1 jobs/s  0 tok/s  ETA (5[5-9]|6[01])s after \d+ s",
+                        said[0]), said
     other = ws + "-other"
     eta_workspace(other, [], 2)
     said = run_main("wait", other, "--progress", "--timeout", "0.2").stderr.decode().splitlines()
-    assert said[0] == "nrvna: 0 done / 0 failed / 2 total  ? jobs/s  0 tok/s  ETA unknown after 0 s", said
+    assert re.fullmatch(r"nrvna: 0 done / 0 failed / 2 total  \? jobs/s  0 tok/s  ETA unknown after \d+ s", said[0]), said
+    now = time.time()
     assert nrvna.finish_rate([now - 5.0], now) is None and nrvna.finish_rate([now - 2000, now - 1000], now) is None
     assert nrvna.finish_rate([now - 10.0, now - 4.0], now) == pytest.approx(0.1)
 
