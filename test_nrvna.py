@@ -6250,7 +6250,8 @@ def known_workspace(ws: str, read: Callable[[str], dict[Any, float]]) -> dict[An
         deadline = time.monotonic() + 30
         while True:  # the daemon rewrites its record every 2 s
             live, name = read(nrvna.metrics_text(ws)), nrvna.daemon_records(ws)[0]["name"]
-            if [sample(live, "nrvna_daemon_jobs_total", daemon=name, outcome=end) for end in ("done", "failed")] == [2, 1]:
+            ends = [sample(live, "nrvna_daemon_jobs_total", daemon=name, outcome=end) for end in ("done", "failed")]
+            if ends == [2, 1]:
                 break
             assert time.monotonic() < deadline
             time.sleep(0.2)
@@ -6270,8 +6271,8 @@ def check_known(samples: dict[Any, float], began: float) -> None:
     assert jobs == {("done", "function"): 2, ("failed", "function"): 1, ("failed", "other"): 1, ("queued", ""): 1}
     assert sample(samples, "nrvna_failed_jobs", code="context_overflow", model="function") == 1
     assert sample(samples, "nrvna_failed_jobs", code="cancelled", model="other") == 1
-    assert [sample(samples, "nrvna_tag_jobs", tag="known", state=s) for s in ("queued", "running", "done", "failed")] == [
-        1, 0, 2, 1]
+    states = ("queued", "running", "done", "failed")
+    assert [sample(samples, "nrvna_tag_jobs", tag="known", state=s) for s in states] == [1, 0, 2, 1]
     assert sample(samples, "nrvna_generated_tokens", model="function") == 10
     assert [sample(samples, "nrvna_prompt_tokens", model="function", source=s)
             for s in ("computed", "memory", "disk", "unstated")] == [6, 6, 2, 0]
@@ -6337,13 +6338,15 @@ def test_metrics_escape_labels_and_read_crafted_files_without_blocking(ws: str, 
             (folder / "meta.json").write_text(meta)
         return folder
 
-    os.mkfifo(plant_job(nrvna.OUTPUT, "1700000001_1_1", json.dumps({"model": odd, "generated_tokens": 5})) / "result.txt")
+    fifo_result = plant_job(nrvna.OUTPUT, "1700000001_1_1", json.dumps({"model": odd, "generated_tokens": 5}))
+    os.mkfifo(fifo_result / "result.txt")
     plant_job(nrvna.OUTPUT, "1700000002_1_1", '{"model": "\\ud800x", "generated_tokens": NaN, "prompt_tokens": 1e999, '
               '"prompt_computed": %d, "prompt_reused": {"memory": -1, "disk": 2}}' % 2 ** 70)
     os.mkfifo(plant_job(nrvna.FAILED, "1700000003_1_1", None) / "meta.json")
     plant_job(nrvna.FAILED, "1700000004_1_1", json.dumps({"code": "no\nsuch", "model": ["x"]}))
     os.symlink("/etc/passwd", plant_job(nrvna.OUTPUT, "1700000005_1_1", None) / "meta.json")
-    plant_job(nrvna.OUTPUT, "1700000006_1_1", json.dumps({"model": odd, "generated_tokens": 2 ** 52, "pad": "x" * (2 << 20)}))
+    oversize = {"model": odd, "generated_tokens": 2 ** 52, "pad": "x" * (2 << 20)}
+    plant_job(nrvna.OUTPUT, "1700000006_1_1", json.dumps(oversize))
     plant_job(nrvna.OUTPUT, "1700000007_1_1", json.dumps({"model": odd, "generated_tokens": 2 ** 52}))
     os.mkfifo(os.path.join(ws, nrvna.READY, "1700000008_1_1"))
     os.makedirs(os.path.join(ws, nrvna.TAGS, "fifo"))
@@ -6373,7 +6376,8 @@ def test_metrics_escape_labels_and_read_crafted_files_without_blocking(ws: str, 
     assert sample(samples, "nrvna_daemons") == 1
     assert sample(samples, "nrvna_daemon_model_loaded", daemon=name, model='m"1\\\n', kind="chat") == 1
     assert sample(samples, "nrvna_daemon_model_loaded", daemon=name, model="", kind="") == 0
-    assert [key for key in samples if key[0].startswith("nrvna_daemon_") and key[0] != "nrvna_daemon_model_loaded"] == []
+    planted = [key for key in samples if key[0].startswith("nrvna_daemon_")]
+    assert all(key[0] == "nrvna_daemon_model_loaded" for key in planted), planted
 
 
 def test_nrvna_metrics_writes_its_file_whole_for_node_exporter(ws: str, tmp_path: Path, run_main: RunMain,
@@ -6436,8 +6440,8 @@ def test_status_tag_states_an_eta_from_the_tag_s_latest_finishes(ws: str, run_ma
     assert report["done"] == 12 and report["queued"] == 5
     assert 0.08 < report["jobs_per_second"] <= 0.09 and 55 <= report["eta_seconds"] < 62, report  # a slow machine's lag
     line = run_main("status", ws, "--tag", "t").stderr.decode()
-    assert re.fullmatch(r"nrvna: tag t: 5 of 17 jobs left, ETA (5[5-9]|6[01])s at 0\.0[89] jobs/s \(its latest finishes\)\n",
-                        line), line
+    assert re.fullmatch(r"nrvna: tag t: 5 of 17 jobs left, ETA (5[5-9]|6[01])s at 0\.0[89] jobs/s "
+                        r"\(its latest finishes\)\n", line), line
 
 
 def test_wait_s_progress_states_the_eta_from_the_latest_finishes_before_it_began(ws: str, run_main: RunMain) -> None:
@@ -6450,7 +6454,8 @@ def test_wait_s_progress_states_the_eta_from_the_latest_finishes_before_it_began
     other = ws + "-other"
     eta_workspace(other, [], 2)
     said = run_main("wait", other, "--progress", "--timeout", "0.2").stderr.decode().splitlines()
-    assert re.fullmatch(r"nrvna: 0 done / 0 failed / 2 total  \? jobs/s  0 tok/s  ETA unknown after \d+ s", said[0]), said
+    unknown = r"nrvna: 0 done / 0 failed / 2 total  \? jobs/s  0 tok/s  ETA unknown after \d+ s"
+    assert re.fullmatch(unknown, said[0]), said
     now = time.time()
     assert nrvna.finish_rate([now - 5.0], now) is None and nrvna.finish_rate([now - 2000, now - 1000], now) is None
     assert nrvna.finish_rate([now - 10.0, now - 4.0], now) == pytest.approx(0.1)
