@@ -8618,7 +8618,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "nrvna_metrics_seconds": ("gauge", (), "Seconds this reading of the workspace took."),
 }
 # A process keeps what it read of a workspace of up to this many jobs (about 0.5 KB a job: 45 MiB for
-# 100,000, measured); a larger one is read whole at every call (4 s of CPU for 100,000 jobs).
+# 100,000, measured); a larger one is read whole at every call (4 to 6 s of CPU for 100,000 jobs).
 METRICS_CACHE_JOBS = 200_000
 RATE_FINISHES = 100  # an ETA's rate is taken over at most this many of the latest finishes...
 RATE_SECONDS = 900.0  # ...that ended within this many seconds: a rate of last week says nothing of now
