@@ -23,6 +23,7 @@ Contents, numbered as nrvna.py's sections and sub-sections (the tests of 12.1 si
     8. Batch files and export: tags, wait, export, cancel, retry, clean, follow, stop
     9. Client: Work and Flow (submit, status, get, wait)
     9.3 Events: into the pipeline (templates and metadata, events, hooks)
+    9.6 Metrics: Prometheus' text format, and the ETA of status and wait
     10. Runner protocol: tables, the library and the runner protocol
     11. llama.cpp engine: for real, the runner and the daemon on the test model
     11.4 Sequences and choices: thinking kept apart from the answer
@@ -4893,7 +4894,9 @@ def test_status_tag_counts_and_a_single_submit_can_carry_a_tag(ws: str, run_main
     with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "t1" else "ok"):
         wait_all(ws, tagged)
     done = run_main("status", ws, "--tag", "mine", "--json")
-    assert done.returncode == 0 and json.loads(done.stdout) == {"queued": 0, "running": 0, "done": 2, "failed": 1, "total": 3}
+    report = json.loads(done.stdout)
+    assert report.pop("eta_seconds") == 0 and report.pop("jobs_per_second") > 0  # see 9.6 for the ETA
+    assert done.returncode == 0 and report == {"queued": 0, "running": 0, "done": 2, "failed": 1, "total": 3}
     assert run_main("status", ws, "--tag", "mine").stdout.decode().splitlines()[2:] == ["done 2", "failed 1", "total 3"]
     assert json.loads(run_main("status", ws, "--tag", "nobody", "--json").stdout)["total"] == 0
     assert run_main("status", ws, "--tag", "../x").returncode == 2
@@ -6171,6 +6174,292 @@ def test_the_batch_hook_runs_once_when_every_job_of_a_tag_has_ended(ws: str, tmp
             ("batch", "4", "4", "0"), ("batch2", "1", "0", "1")]
     finally:
         del os.environ["HOOK_LOG"]
+
+
+# ==============================================================================
+# 9.6 Metrics: Prometheus' text format, and the ETA of status and wait
+# ==============================================================================
+
+
+_SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (-?[0-9]+(?:\.[0-9]+)?(?:e[+-]?[0-9]+)?)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\["\\n])*)"(,|$)')
+
+
+def exposition(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """A checker of Prometheus' text format of our own: every line a HELP, a TYPE (each once a
+    metric, before its samples) or a sample whose label values escape exactly a backslash, a
+    double quote and a newline, and whose value is a finite number; the samples by (name, labels)."""
+    assert text.endswith("\n") and "\r" not in text
+    typed: set[str] = set()
+    helped: set[str] = set()
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for line in text[:-1].split("\n"):
+        if line.startswith("# HELP "):
+            name = line.split(" ")[2]
+            assert name not in helped and re.fullmatch(r"nrvna_[a-z_]+", name), line
+            helped.add(name)
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert name in helped and name not in typed and kind in ("gauge", "counter"), line
+            typed.add(name)
+            continue
+        found = _SAMPLE.fullmatch(line)
+        assert found is not None and found.group(1) in typed, line
+        labels, rest = [], found.group(2) or ""
+        while rest:
+            label = _LABEL.match(rest)
+            assert label is not None, line
+            value = re.sub(r"\\(.)", lambda m: {"n": "\n", '"': '"', "\\": "\\"}[m.group(1)], label.group(2))
+            labels.append((label.group(1), value))
+            rest = rest[label.end():]
+        key = (found.group(1), frozenset(labels))
+        assert key not in samples, line
+        samples[key] = float(found.group(3))
+    return samples
+
+
+def sample(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> Optional[float]:
+    return samples.get((name, frozenset(labels.items())))
+
+
+class MemoryRunner(nrvna.FunctionRunner):
+    """A FunctionRunner whose model states its memory, as llama.cpp's does (2.5 MiB in all)."""
+
+    def memory(self) -> dict[str, Any]:
+        return {"weights_mib": 1.0, "kv_type": "f16", "contexts": 1, "cells": 256, "cells_per_job": 256,
+                "kv_bytes_per_token": 4, "kv_mib": 1.0, "compute_mib": 0.25, "output_mib": 0.25,
+                "embedding_contexts": 0, "embedding_mib": 0.0, "total_mib": 2.5}
+
+
+def known_workspace(ws: str, read: Callable[[str], dict[Any, float]]) -> dict[Any, float]:
+    """A workspace of known figures: tag "known" with two jobs done (7 prompt tokens each: 3
+    computed, 3 from memory, 1 from disk; 5 generated), one failed context_overflow and one left
+    queued; a job naming model "other" cancelled while queued. ``read`` turns metrics_text into
+    samples; they are checked while the daemon lives (its figures), and returned after it stopped."""
+
+    def run(job: nrvna.RunningJob) -> Any:
+        if job.prompt == "bad":
+            raise nrvna.JobError("context_overflow", "too long")
+        return Outcome("ok", "stop", 7, 5, prompt_computed=3, prompt_reused={"memory": 3, "disk": 1})
+
+    other = submit(ws, "elsewhere", model="other")
+    assert nrvna.cancel_job(ws, other)[0] == "cancelled"
+    ids = [submit(ws, prompt, tag="known") for prompt in ("ok0", "ok1", "bad")]
+    with serving(ws, MemoryRunner(run), workers=1):
+        assert wait_all(ws, ids) == [Status.Done, Status.Done, Status.Failed]
+        deadline = time.monotonic() + 30
+        while True:  # the daemon rewrites its record every 2 s
+            live, name = read(nrvna.metrics_text(ws)), nrvna.daemon_records(ws)[0]["name"]
+            ends = [sample(live, "nrvna_daemon_jobs_total", daemon=name, outcome=end) for end in ("done", "failed")]
+            if ends == [2, 1]:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert sample(live, "nrvna_daemons") == 1
+        assert sample(live, "nrvna_daemon_generated_tokens_total", daemon=name) == 10
+        assert sample(live, "nrvna_daemon_model_loaded", daemon=name, model="function", kind="chat") == 1
+        assert sample(live, "nrvna_daemon_model_memory_bytes", daemon=name, model="function") == 2.5 * 2 ** 20
+        assert sample(live, "nrvna_daemon_running_jobs", daemon=name) == 0
+    submit(ws, "late", tag="known")
+    return read(nrvna.metrics_text(ws))
+
+
+def check_known(samples: dict[Any, float], began: float) -> None:
+    """known_workspace's figures, as the workspace holds them."""
+    jobs = {(dict(labels)["state"], dict(labels)["model"]): value for (name, labels), value in samples.items()
+            if name == "nrvna_jobs"}
+    assert jobs == {("done", "function"): 2, ("failed", "function"): 1, ("failed", "other"): 1, ("queued", ""): 1}
+    assert sample(samples, "nrvna_failed_jobs", code="context_overflow", model="function") == 1
+    assert sample(samples, "nrvna_failed_jobs", code="cancelled", model="other") == 1
+    states = ("queued", "running", "done", "failed")
+    assert [sample(samples, "nrvna_tag_jobs", tag="known", state=s) for s in states] == [1, 0, 2, 1]
+    assert sample(samples, "nrvna_generated_tokens", model="function") == 10
+    assert [sample(samples, "nrvna_prompt_tokens", model="function", source=s)
+            for s in ("computed", "memory", "disk", "unstated")] == [6, 6, 2, 0]
+    assert 0 <= sample(samples, "nrvna_oldest_queued_seconds") <= time.time() - began + 1
+    assert sample(samples, "nrvna_daemons") == 0 and sample(samples, "nrvna_unreadable_tag_indexes") == 0
+
+
+@pytest.mark.model  # prometheus_client: a test-only package the bare Python 3.9 run lacks
+def test_prometheus_s_own_parser_reads_metrics_that_match_the_workspace(ws: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def read(text: str) -> dict[Any, float]:
+        found = {}
+        for family in text_string_to_metric_families(text):
+            assert family.name.startswith("nrvna_") and family.documentation
+            for each in family.samples:
+                found[(each.name, frozenset(each.labels.items()))] = each.value
+        return found
+
+    began = time.time()
+    check_known(known_workspace(ws, read), began)
+
+
+def test_metrics_count_as_a_first_reading_after_jobs_move_retry_and_go(ws: str) -> None:
+    """The counts of the workspace (checked by our own reader), and a process's cache of what it
+    read: after a retry and a cancel rewrite a failed job in place (its directory's inode is
+    the same), a clean and a new job, the second reading equals one by a fresh process."""
+    began = time.time()
+    check_known(known_workspace(ws, exposition), began)
+    bad = next(job_id for job_id in Flow(ws).select([], "known")[0] if Flow(ws).get(job_id).prompt == "bad")
+    assert nrvna.retry_jobs(ws, [bad])[0][1] == "queued"
+    assert nrvna.cancel_job(ws, bad)[0] == "cancelled"
+    assert len(nrvna.clean_jobs(ws, 0, failed=False)) == 2
+    submit(ws, "new", tag="fresh")
+    warm = exposition(nrvna.metrics_text(ws))
+    nrvna._METRICS_CACHES.clear()
+    cold = exposition(nrvna.metrics_text(ws))
+    for figures in (warm, cold):
+        figures.pop(("nrvna_metrics_seconds", frozenset()))
+        figures.pop(("nrvna_oldest_queued_seconds", frozenset()))
+    assert warm == cold
+    assert sample(warm, "nrvna_failed_jobs", code="cancelled", model="") == 1  # a retry forgets the model that ran it
+    assert sample(warm, "nrvna_failed_jobs", code="context_overflow", model="function") is None
+    assert sample(warm, "nrvna_generated_tokens", model="function") is None  # its jobs are gone
+    assert [sample(warm, "nrvna_tag_jobs", tag="known", state=s) for s in ("queued", "done", "failed")] == [1, 0, 1]
+    assert sample(warm, "nrvna_tag_jobs", tag="fresh", state="queued") == 1
+
+
+def test_metrics_escape_labels_and_read_crafted_files_without_blocking(ws: str, run_main: RunMain) -> None:
+    """Label values with quotes, backslashes, newlines and a lone surrogate come out escaped and
+    read back whole; a crafted meta.json (NaN, 1e999, 2^70, a negative count, a list for a model),
+    a FIFO as meta.json, as result.txt, as a queued entry and as a tag index, a symlinked or
+    oversize meta.json and a planted daemon record (NaN memory, Infinity tokens/s, a bool for a
+    count) are read as absent fields, never a traceback, a hang or a number that is not one."""
+    nrvna.ensure_workspace(ws)
+    odd = 'we"ird\\mo\ndel'
+
+    def plant_job(state: str, job_id: str, meta: Optional[str]) -> Path:
+        folder = Path(ws, state, job_id)
+        folder.mkdir()
+        (folder / "prompt.txt").write_text("p")
+        if meta is not None:
+            (folder / "meta.json").write_text(meta)
+        return folder
+
+    fifo_result = plant_job(nrvna.OUTPUT, "1700000001_1_1", json.dumps({"model": odd, "generated_tokens": 5}))
+    os.mkfifo(fifo_result / "result.txt")
+    plant_job(nrvna.OUTPUT, "1700000002_1_1", '{"model": "\\ud800x", "generated_tokens": NaN, "prompt_tokens": 1e999, '
+              '"prompt_computed": %d, "prompt_reused": {"memory": -1, "disk": 2}}' % 2 ** 70)
+    os.mkfifo(plant_job(nrvna.FAILED, "1700000003_1_1", None) / "meta.json")
+    plant_job(nrvna.FAILED, "1700000004_1_1", json.dumps({"code": "no\nsuch", "model": ["x"]}))
+    os.symlink("/etc/passwd", plant_job(nrvna.OUTPUT, "1700000005_1_1", None) / "meta.json")
+    oversize = {"model": odd, "generated_tokens": 2 ** 52, "pad": "x" * (2 << 20)}
+    plant_job(nrvna.OUTPUT, "1700000006_1_1", json.dumps(oversize))
+    plant_job(nrvna.OUTPUT, "1700000007_1_1", json.dumps({"model": odd, "generated_tokens": 2 ** 52}))
+    os.mkfifo(os.path.join(ws, nrvna.READY, "1700000008_1_1"))
+    os.makedirs(os.path.join(ws, nrvna.TAGS, "fifo"))
+    os.mkfifo(os.path.join(ws, nrvna.TAGS, "fifo", "1_x.ids"))
+    fd, name = nrvna.register_daemon(ws)
+    try:
+        Path(ws, nrvna.DAEMONS, f"{name}.json").write_text(
+            '{"models": [{"name": "m\\"1\\\\\\n", "kind": "chat", "loaded": true, "memory": {"total_mib": NaN}}, '
+            '{"name": 5, "loaded": "yes"}], "jobs_done": -3, "jobs_failed": true, "tokens_generated": %d, '
+            '"tokens_per_second_last_minute": Infinity, "running": 1.5}' % 2 ** 70)
+        done = run_main("metrics", ws, timeout=60)
+    finally:
+        os.close(fd)
+    assert done.returncode == 0 and done.stderr == b"", done.stderr
+    text = done.stdout.decode("utf-8")
+    samples = exposition(text)
+    assert "nan" not in text.lower() and "inf" not in text.replace("info", "").lower()
+    assert sample(samples, "nrvna_jobs", state="done", model=odd) == 2
+    assert sample(samples, "nrvna_generated_tokens", model=odd) == 5 + 2 ** 52
+    assert sample(samples, "nrvna_jobs", state="done", model="\\ud800x") == 1
+    assert [sample(samples, "nrvna_prompt_tokens", model="\\ud800x", source=s)  # each field as job_meta checks it
+            for s in ("computed", "memory", "disk", "unstated")] == [0, 0, 0, 0]
+    assert sample(samples, "nrvna_jobs", state="done", model="") == 2  # the symlinked and the oversize meta.json
+    assert sample(samples, "nrvna_failed_jobs", code="other", model="") == 2  # a FIFO, and a code nrvna never writes
+    assert sample(samples, "nrvna_jobs", state="queued", model="") == 1
+    assert sample(samples, "nrvna_unreadable_tag_indexes") == 1
+    assert sample(samples, "nrvna_daemons") == 1
+    assert sample(samples, "nrvna_daemon_model_loaded", daemon=name, model='m"1\\\n', kind="chat") == 1
+    assert sample(samples, "nrvna_daemon_model_loaded", daemon=name, model="", kind="") == 0
+    planted = [key for key in samples if key[0].startswith("nrvna_daemon_")]
+    assert all(key[0] == "nrvna_daemon_model_loaded" for key in planted), planted
+
+
+def test_nrvna_metrics_writes_its_file_whole_for_node_exporter(ws: str, tmp_path: Path, run_main: RunMain,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`metrics -o FILE` writes FILE under a temporary name beside it that node_exporter's
+    textfile collector does not read (not *.prom), then renames it over FILE; its text is
+    what stdout gets. Not a workspace, or a FILE inside one: exit 2."""
+    submit(ws, "queued one", tag="t")
+    out = tmp_path / "textfile" / "nrvna.prom"
+    out.parent.mkdir()
+    out.write_text("old\n")
+    renames: list[tuple[str, str]] = []
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any, **kwargs: Any) -> None:
+        renames.append((os.fspath(src), os.fspath(dst)))
+        real_rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    done = run_main("metrics", ws, "-o", str(out))
+    monkeypatch.undo()
+    assert done.returncode == 0 and done.stdout == b""
+    assert [(os.path.dirname(src), dst) for src, dst in renames] == [(str(out.parent), str(out))]
+    assert not renames[0][0].endswith(".prom") and os.listdir(out.parent) == ["nrvna.prom"]
+    printed = run_main("metrics", ws).stdout.decode()
+    unstable = ("nrvna_metrics_seconds ", "nrvna_oldest_queued_seconds ")
+    assert [line for line in out.read_text().splitlines() if not line.startswith(unstable)] == [
+        line for line in printed.splitlines() if not line.startswith(unstable)]
+    assert sample(exposition(out.read_text()), "nrvna_tag_jobs", tag="t", state="queued") == 1
+    assert run_main("metrics", str(tmp_path)).returncode == 2
+    assert run_main("metrics", ws, "-o", os.path.join(ws, "x.prom")).returncode == 2
+
+
+def eta_workspace(ws: str, ages: list[float], left: int) -> None:
+    """Tag "t": jobs that ended ``ages`` seconds ago (done: moved and given a meta.json as a
+    daemon would) and ``left`` jobs queued after them; no daemon."""
+    ids = [submit(ws, f"p{i}", tag="t") for i in range(len(ages) + left)]
+    now = time.time()
+    for job_id, finished in zip(ids, (now - age for age in ages)):
+        folder = Path(ws, nrvna.OUTPUT, job_id)
+        os.rename(os.path.join(ws, nrvna.READY, job_id), folder)
+        (folder / "result.txt").write_text("ok")
+        (folder / "meta.json").write_text(json.dumps({"id": job_id, "finished": finished, "generated_tokens": 1}))
+
+
+def test_status_tag_states_an_eta_from_the_tag_s_latest_finishes(ws: str, run_main: RunMain) -> None:
+    """10 jobs ended 10 s apart, the last 10 s ago: 9 finishes in the 100 s since the first,
+    0.09 a second; 5 left: about 55 s. None ended yet: "ETA unknown", and null in --json."""
+    unknown = ws + "-unknown"
+    eta_workspace(unknown, [], 3)
+    said = run_main("status", unknown, "--tag", "t")
+    assert said.returncode == 0 and said.stdout.decode().splitlines() == [
+        "queued 3", "running 0", "done 0", "failed 0", "total 3"]
+    assert said.stderr.decode() == ("nrvna: tag t: 3 of 3 jobs left, ETA unknown: fewer than 2 of its jobs ended in "
+                                    "the last 15 min\n")
+    report = json.loads(run_main("status", unknown, "--tag", "t", "--json").stdout)
+    assert report["eta_seconds"] is None and report["jobs_per_second"] is None and report["queued"] == 3
+    eta_workspace(ws, [100 - 10 * i for i in range(10)] + [2000, math.nan], 5)
+    report = json.loads(run_main("status", ws, "--tag", "t", "--json").stdout)
+    assert report["done"] == 12 and report["queued"] == 5
+    assert 0.08 < report["jobs_per_second"] <= 0.09 and 55 <= report["eta_seconds"] < 62, report  # a slow machine's lag
+    line = run_main("status", ws, "--tag", "t").stderr.decode()
+    assert re.fullmatch(r"nrvna: tag t: 5 of 17 jobs left, ETA (5[5-9]|6[01])s at 0\.0[89] jobs/s "
+                        r"\(its latest finishes\)\n", line), line
+
+
+def test_wait_s_progress_states_the_eta_from_the_latest_finishes_before_it_began(ws: str, run_main: RunMain) -> None:
+    """A wait started mid-batch has the batch's rate at once (not the rate since it began, which
+    is 0 then), and says "ETA unknown" where nothing has ended yet."""
+    eta_workspace(ws, [100 - 10 * i for i in range(10)], 5)
+    said = run_main("wait", ws, "--tag", "t", "--progress", "--timeout", "0.2").stderr.decode().splitlines()
+    assert re.fullmatch(r"nrvna: 10 done / 0 failed / 15 total  0\.1 jobs/s  0 tok/s  ETA (5[5-9]|6[01])s after \d+ s",
+                        said[0]), said
+    other = ws + "-other"
+    eta_workspace(other, [], 2)
+    said = run_main("wait", other, "--progress", "--timeout", "0.2").stderr.decode().splitlines()
+    unknown = r"nrvna: 0 done / 0 failed / 2 total  \? jobs/s  0 tok/s  ETA unknown after \d+ s"
+    assert re.fullmatch(unknown, said[0]), said
+    now = time.time()
+    assert nrvna.finish_rate([now - 5.0], now) is None and nrvna.finish_rate([now - 2000, now - 1000], now) is None
+    assert nrvna.finish_rate([now - 10.0, now - 4.0], now) == pytest.approx(0.1)
 
 
 # ==============================================================================
@@ -11606,6 +11895,16 @@ def upload(server: nrvna.ApiServer, data: bytes, name: str = "in.jsonl") -> dict
     status, _, reply = http(server, "POST", "/v1/files", body, headers)
     assert status == 200, reply
     return json.loads(reply)
+
+
+def test_get_metrics_serves_the_workspace_s_counts_in_prometheus_text(ws: str) -> None:
+    """GET /metrics is metrics_text over HTTP: the same counts, in Prometheus' content type."""
+    began = time.time()
+    known_workspace(ws, exposition)
+    with nrvna.ApiServer(ws, port=0) as server:
+        status, headers, body = http(server, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4"), headers
+    check_known(exposition(body.decode()), began)
 
 
 def test_files_are_listed_by_page_order_and_purpose_as_openai_lists_them(api: nrvna.ApiServer) -> None:
