@@ -7209,17 +7209,21 @@ class Flow:
             delay = max(0.1, min(1.0, 3 * (time.monotonic() - began)))  # listing 100k jobs takes a while
 
     def follow(self, job_id: str, on_restart: Optional[Callable[[], None]] = None,
-               on_look: Optional[Callable[[Status], None]] = None) -> Iterator[bytes]:
+               on_look: Optional[Callable[[Status], None]] = None, result: bool = True) -> Iterator[bytes]:
         """The job's text as the daemon generates it (partial.txt, then result.txt), in
         pieces, until the job is done or failed; then read ``status``. What it yields is
         always a prefix of the final result, unless the daemon restarted the job: then
         ``on_restart()`` is called and the text is yielded again from its start.
-        ``on_look(status)`` is called after every look that finds it unfinished."""
+        ``on_look(status)`` is called after every look that finds it unfinished. With
+        ``result`` False it yields partial.txt only and ends when the job does (a caller that
+        reads the finished job whole: a tool call's result.txt is its calls, not its text)."""
         printed, attempt, delay = 0, None, 0.02
         while True:
             status, path = self.locate(job_id)
             if status is Status.Missing:
                 raise NoSuchJob(f"no job {job_id} in {self.workspace}")
+            if status.finished and not result:
+                return
             data = None
             if status is not Status.Queued:
                 try:
@@ -15063,6 +15067,361 @@ class Server:
             with self._stats_lock:
                 self._running[job_id] = job
             self._end(job, Outcome(error_code="load_failed", error=error))
+
+
+##############################################################################
+# 13. Served API: OpenAI's Files, Batches and endpoints over a workspace, for any HTTP client
+##############################################################################
+# (H2's placeholder banner; H1's section replaces it.)
+
+
+# ============================================================================
+# 13.4 Endpoints
+# ============================================================================
+# POST /v1/chat/completions, /v1/completions and /v1/embeddings: each request is a job, its body
+# mapped as a batch line's (Work.submit_file), queued at SYNC_PRIORITY unless the body gives a
+# priority, followed with Flow's readers (wait; follow for a stream), answered with export_record's
+# body (or, streamed, as server-sent events whose deltas add up to that body's text). Invariant: a
+# request whose client is gone, or that no daemon can serve, cancels its job; a killed server
+# leaves the job queued, and it completes. Called on the server's request threads, one per request.
+
+
+SYNC_PRIORITY = 10  # a synchronous request's priority: ahead of batch lines (0) unless its body gives one
+SYNC_UNSERVED_SECONDS = 10.0  # a request no running daemon can serve is cancelled after this long: 503
+SYNC_UNSERVED_LOOK = 1.0  # seconds between looks at the daemons' records while a request is queued
+SYNC_CUSTOM_ID = "request"  # a synchronous request's custom_id (export, status --json)
+SYNC_UNSERVED_CODE = "model_not_served"  # the 503's error code
+SSE_DONE = b"data: [DONE]\n\n"
+
+# A failed job's code -> the HTTP status and OpenAI error type it is answered with (any other: 500).
+# 410 for a cancel: the openai client retries 408, 409, 429 and 5xx, which would undo an operator's cancel.
+FAILURE_STATUS: dict[str, tuple[int, str]] = {
+    "bad_request": (400, "invalid_request_error"),
+    "context_overflow": (400, "invalid_request_error"),
+    "grammar_error": (400, "invalid_request_error"),
+    "unsupported": (400, "invalid_request_error"),
+    "parent_failed": (400, "invalid_request_error"),
+    "cancelled": (410, "cancelled"),
+    "timeout": (504, "timeout"),
+    "crash_ceiling": (500, "server_error"),
+    "write_error": (500, "server_error"),
+    "model_error": (500, "server_error"),
+    "runner_error": (500, "server_error"),
+    "load_failed": (503, "server_error"),
+}
+
+
+class _ClientGone(Exception):
+    """The client of a synchronous request disconnected (ApiCall.gone): its job is cancelled."""
+
+
+def _request_fields(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
+    """``body`` without ``stream`` and ``stream_options`` (a batch line has neither), whether it
+    streams, and whether the stream ends with a usage chunk (stream_options.include_usage)."""
+    body = dict(body)
+    stream, options = body.pop("stream", False), body.pop("stream_options", None)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", param="stream")
+    if stream and url == "/v1/embeddings":
+        raise ApiError(400, "/v1/embeddings does not stream: stream must be false", param="stream")
+    if options is None:
+        return body, stream, False
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if not isinstance(usage, bool) or set(options) - {"include_usage"}:
+        raise ApiError(400, "stream_options must be {\"include_usage\": true|false}", param="stream_options")
+    return body, stream, usage
+
+
+def submit_request(workspace: str, url: str, body: dict[str, Any]) -> tuple[str, bool, bool]:
+    """Queue the request ``body`` of endpoint ``url`` as one job, mapped exactly as an OpenAI
+    Batch line of that url (every job parameter, refusals included), at SYNC_PRIORITY unless
+    the body names a priority: (its job ID, whether it streams, whether with a usage chunk).
+    ApiError 400 for a body nrvna refuses, 500 when the workspace cannot take it."""
+    import json
+
+    fields, stream, usage = _request_fields(url, body)
+    line = {"custom_id": SYNC_CUSTOM_ID, "method": "POST", "url": url, "body": fields}
+    data = json.dumps(line).encode("ascii")  # ASCII: a lone surrogate reaches the checks as it came
+    try:
+        ids = Work(workspace).submit_file(data, jsonl=True, priority=SYNC_PRIORITY)
+    except InvalidInput as err:
+        message = str(err).removeprefix("line 1: ")
+        named = re.match(r"body field '([^']+)'|parameter (\w+)", message)
+        raise ApiError(400, message, param=named and (named.group(1) or named.group(2))) from None
+    except (NrvnaError, OSError) as err:
+        raise ApiError(500, f"cannot queue the request: {err}", type="server_error") from None
+    return ids[0], stream, usage
+
+
+def job_failure(job: Job) -> ApiError:
+    """A failed job's answer: its error in OpenAI's shape, with FAILURE_STATUS's status."""
+    code = job.meta.get("code") or "failed"
+    status, kind = FAILURE_STATUS.get(code, (500, "server_error"))
+    message = (job.error or code).strip() or code
+    return ApiError(status, f"job {job.id} failed ({code}): {message}", type=kind, code=code)
+
+
+def _error_event(error: ApiError) -> bytes:
+    """An error in a stream already answered 200: OpenAI's error object as an event (the
+    openai client raises it); no [DONE] follows."""
+    return _event({"error": {"message": str(error.message), "type": error.type, "param": error.param,
+                             "code": error.code}})
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    import json
+
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def finished_body(flow: Flow, job_id: str) -> dict[str, Any]:
+    """The response body of a finished job: export_record's (OpenAI's exact object), or its
+    failure as ApiError."""
+    job = flow.get(job_id)
+    if job is None or not job.status.finished:
+        raise ApiError(500, f"job {job_id} is gone (cleaned meanwhile?)", type="server_error")
+    if job.status is Status.Failed:
+        raise job_failure(job)
+    return export_record(job, "openai")["response"]["body"]
+
+
+def abandon_job(workspace: str, job_id: str) -> None:
+    """Cancel a request's job nobody waits for any more (its client is gone, or it is refused):
+    a queued one at once, a running one between two tokens (the cancel file; never waited for)."""
+    try:
+        cancel_job(workspace, job_id, timeout=0.0)
+    except (NrvnaError, OSError) as err:
+        log.warning(f"cannot cancel abandoned request job {job_id}: {err}")
+
+
+class _RequestWatch:
+    """Flow's ``on_look`` for a request waiting on its job: raises _ClientGone once the client
+    is gone, and ApiError 503 once no running daemon could serve the job for
+    SYNC_UNSERVED_SECONDS (looking at the daemons' records every SYNC_UNSERVED_LOOK s)."""
+
+    def __init__(self, workspace: str, job_id: str, gone: Callable[[], bool]) -> None:
+        self.workspace, self.job_id, self.gone = workspace, job_id, gone
+        self.unserved_since: Optional[float] = None
+        self.next_look = time.monotonic() + SYNC_UNSERVED_LOOK
+
+    def look(self, status: Status) -> None:
+        """One look at the job (``status``) found it unfinished."""
+        if self.gone():
+            raise _ClientGone()
+        now = time.monotonic()
+        if status is not Status.Queued or now < self.next_look:
+            return
+        self.next_look = now + SYNC_UNSERVED_LOOK
+        why = self.unserved()
+        if why is None:
+            self.unserved_since = None
+        elif self.unserved_since is None:
+            self.unserved_since = now
+        elif now - self.unserved_since >= SYNC_UNSERVED_SECONDS:
+            raise ApiError(503, f"no running daemon serves this request: {why} (waited {SYNC_UNSERVED_SECONDS:g} s; "
+                                "its job is cancelled)", type="server_error", code=SYNC_UNSERVED_CODE)
+
+    def unserved(self) -> Optional[str]:
+        """Why no running daemon takes the job, or None."""
+        if not daemon_records(self.workspace):
+            return "no daemon is running on the workspace"
+        return waiting_for_model(self.workspace, [self.job_id]).get(self.job_id)
+
+
+def answer_request(workspace: str, job_id: str, gone: Callable[[], bool]) -> dict[str, Any]:
+    """The response body of a request's job once it ends (Flow.wait); the job is cancelled if
+    the client goes or no daemon serves it (_RequestWatch)."""
+    flow = Flow(workspace)
+    watch = _RequestWatch(workspace, job_id, gone)
+    try:
+        flow.wait(job_id, on_look=watch.look)
+    except BaseException:
+        abandon_job(workspace, job_id)
+        raise
+    return finished_body(flow, job_id)
+
+
+class RequestStream:
+    """One streamed answer, as OpenAI streams it: ``chat.completion.chunk`` (or
+    ``text_completion``) events, ``data: [DONE]`` last. Choice 0's text goes out as partial.txt
+    grows (Flow.follow); the rest of the finished body follows: what partial.txt had not yet
+    shown, the other choices whole, reasoning, tool calls and logprobs each in one delta, a
+    finish chunk per choice, the usage chunk (include_usage). So each choice's deltas concatenate
+    to exactly the unstreamed body's text. ``start`` waits for the first text or the end (a job
+    that fails before any text gets its own status); leaving the stream unfinished (the client
+    gone) cancels the job."""
+
+    def __init__(self, workspace: str, url: str, job_id: str, usage: bool, gone: Callable[[], bool]) -> None:
+        endpoint = ENDPOINTS[url]
+        self.workspace, self.job_id, self.usage, self.chat = workspace, job_id, usage, endpoint.input == "messages"
+        self.flow = Flow(workspace)
+        self.head: dict[str, Any] = {"id": f"{endpoint.id_prefix}{job_id}",
+                                     "object": "chat.completion.chunk" if self.chat else "text_completion",
+                                     "created": int(time.time()), "model": None, "system_fingerprint": None}
+        self.sent = ""  # choice 0's text streamed so far
+        self.seen = ""  # partial.txt of the job's current attempt
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        watch = _RequestWatch(workspace, job_id, gone)
+        self.pieces = self.flow.follow(job_id, on_restart=self._restarted, on_look=watch.look, result=False)
+        self.first: Optional[bytes] = None
+        self.ended = False
+
+    def _restarted(self) -> None:
+        """The daemon runs the job again from its start (it died): its text comes again."""
+        self.seen = ""
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def start(self) -> None:
+        """Wait for the job's first text, or its end: raise its failure (or the watch's
+        refusal) before any byte of the answer is sent; the job is cancelled then."""
+        try:
+            self.first = next(self.pieces, None)
+            if self.first is None and self.flow.status(self.job_id) is Status.Failed:
+                finished_body(self.flow, self.job_id)  # raises its failure
+        except BaseException:
+            abandon_job(self.workspace, self.job_id)  # (a finished job is left as it is)
+            raise
+
+    def events(self) -> Iterator[bytes]:
+        """The events, each ``data: {...}\\n\\n`` (bytes); abandoning them cancels the job."""
+        try:
+            self._model()
+            if self.chat:
+                yield self._chunk([self._delta(0, role="assistant", content="")])
+            pieces = itertools.chain([] if self.first is None else [self.first], self.pieces)
+            for piece in pieces:
+                text = self._new_text(piece)
+                if text:
+                    yield self._chunk([self._delta(0, text)])
+            yield from self._finish()
+        except _ClientGone:
+            return  # nobody reads on: the job is cancelled below
+        except ApiError as err:  # refused while streaming (no daemon): said as an event; the job is cancelled
+            abandon_job(self.workspace, self.job_id)
+            self.ended = True
+            yield _error_event(err)
+        finally:
+            if not self.ended:
+                abandon_job(self.workspace, self.job_id)
+
+    def _model(self) -> None:
+        """The chunks' ``model``: the model the daemon runs the job on (meta.json's, once claimed)."""
+        status, path = self.flow.locate(self.job_id)
+        try:
+            fd = open_dir(path)
+        except OSError:
+            return
+        try:
+            model = read_meta(fd).get("model")
+            self.head["model"] = model if isinstance(model, str) else None
+        finally:
+            os.close(fd)
+
+    def _new_text(self, piece: bytes) -> str:
+        """What of partial.txt's new ``piece`` is not streamed yet: nothing while a restarted
+        attempt regenerates what was sent, or once it differs (the end says so)."""
+        self.seen += self.decoder.decode(piece)
+        if len(self.seen) <= len(self.sent) or not self.seen.startswith(self.sent):
+            return ""
+        text, self.sent = self.seen[len(self.sent):], self.seen
+        return text
+
+    def _finish(self) -> Iterator[bytes]:
+        """The finished job's rest: each choice's deltas and finish, the usage, [DONE]."""
+        try:
+            body = finished_body(self.flow, self.job_id)
+        except ApiError as err:
+            self.ended = True
+            yield _error_event(err)
+            return
+        self.ended = True
+        self.head["model"] = body.get("model")
+        for choice in body["choices"]:
+            chunks = self._choice_chunks(choice) if self.chat else self._text_chunks(choice)
+            if chunks is None:
+                yield _error_event(ApiError(500, f"job {self.job_id}'s text does not go on from what was streamed "
+                                                 "(a daemon died and it ran again)", type="server_error"))
+                return
+            for chunk in chunks:
+                yield self._chunk([chunk])
+        if self.usage:
+            yield self._chunk([], body["usage"])
+        yield SSE_DONE
+
+    def _rest(self, index: int, text: Optional[str]) -> Optional[str]:
+        """Choice ``index``'s final ``text`` past what was streamed (None: it does not go on from it)."""
+        text = text or ""
+        if index != 0:
+            return text
+        return text[len(self.sent):] if text.startswith(self.sent) else None
+
+    def _choice_chunks(self, choice: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
+        index, message = choice["index"], choice["message"]
+        rest = self._rest(index, message.get("content"))
+        if rest is None:
+            return None
+        fields = {"content": rest} if index == 0 else {"role": "assistant", "content": rest}
+        chunks = [self._delta(index, **fields)] if rest or index else []
+        if message.get("reasoning_content"):
+            chunks.append(self._delta(index, reasoning_content=message["reasoning_content"]))
+        if message.get("tool_calls"):
+            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            chunks.append(self._delta(index, tool_calls=calls))
+        end = self._delta(index)
+        end.update(logprobs=choice.get("logprobs"), finish_reason=choice.get("finish_reason"))
+        return chunks + [end]
+
+    def _text_chunks(self, choice: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
+        index = choice["index"]
+        rest = self._rest(index, choice.get("text"))
+        if rest is None:
+            return None
+        end = self._delta(index, "")
+        end.update(logprobs=choice.get("logprobs"), finish_reason=choice.get("finish_reason"))
+        return ([self._delta(index, rest)] if rest else []) + [end]
+
+    def _delta(self, index: int, text: Optional[str] = None, **fields: Any) -> dict[str, Any]:
+        """A choice's chunk: ``text`` (or the delta's ``fields``; a None field left out), unfinished."""
+        if not self.chat:
+            return {"text": text or "", "index": index, "logprobs": None, "finish_reason": None}
+        delta = {key: value for key, value in fields.items() if value is not None}
+        if text is not None:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Optional[dict[str, Any]] = None) -> bytes:
+        payload = dict(self.head, choices=choices)
+        if self.usage:
+            payload["usage"] = usage
+        return _event(payload)
+
+
+def _endpoint(call: ApiCall, url: str) -> ApiReply:
+    """A synchronous request of endpoint ``url``: its job queued, waited for, answered."""
+    job_id, stream, usage = submit_request(call.workspace, url, call.json())
+    headers = {"X-Nrvna-Job-Id": job_id}
+    if not stream:
+        return ApiReply(payload=answer_request(call.workspace, job_id, call.gone), headers=headers)
+    answer = RequestStream(call.workspace, url, job_id, usage, call.gone)
+    answer.start()
+    return ApiReply(stream=answer.events(), headers=headers)
+
+
+def _chat_completions(call: ApiCall) -> ApiReply:
+    """POST /v1/chat/completions."""
+    return _endpoint(call, "/v1/chat/completions")
+
+
+def _completions(call: ApiCall) -> ApiReply:
+    """POST /v1/completions."""
+    return _endpoint(call, "/v1/completions")
+
+
+def _embeddings(call: ApiCall) -> ApiReply:
+    """POST /v1/embeddings."""
+    return _endpoint(call, "/v1/embeddings")
 
 
 ##############################################################################

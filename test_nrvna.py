@@ -7573,8 +7573,8 @@ def reference_vectors(model: str, texts: list[str], normalize: bool = True) -> l
     ({"embed": ["a", "b c"], "custom_id": "x"}, "[input 0]\na\n\n[input 1]\nb c\n", {"embed": True, "input": ["a", "b c"]}),
     ({"embed": True, "prompt": "p", "dimensions": 8}, "p", {"embed": True, "dimensions": 8}),
     ({"embed": True, "input": ["a", "b"]}, "[input 0]\na\n\n[input 1]\nb\n", {"embed": True, "input": ["a", "b"]}),
-    ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings", "body": {"input": "t", "model": "m"}}, "t",
-     {"embed": True, "endpoint": "/v1/embeddings", "model": "m"}),
+    ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings", "body": {"input": "t", "model": "gpt-4o-mini"}}, "t",
+     {"embed": True, "endpoint": "/v1/embeddings", "model": "gpt-4o-mini"}),
     ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings",
       "body": {"input": ["t", "u"], "encoding_format": "base64", "dimensions": 4}}, "[input 0]\nt\n\n[input 1]\nu\n",
      {"embed": True, "endpoint": "/v1/embeddings", "input": ["t", "u"], "encoding_format": "base64", "dimensions": 4}),
@@ -10754,7 +10754,7 @@ def test_a_model_that_is_no_gguf_file_or_an_empty_name_is_refused_at_submit(ws: 
 def test_a_queued_job_s_lane_and_model_are_read_from_any_params_json(tmp_path: Path) -> None:
     """The Scanner reads them for every queued job: a hand-made file never raises there (it
     would stop discovery); its claim fails the job instead."""
-    cases = {'{"priority": 5, "model": "m"}': (5, "m", False), '"priority model"': (0, None, False),
+    cases = {'{"priority": 5, "model": "gpt-4o-mini"}': (5, "m", False), '"priority model"': (0, None, False),
              '["model"]': (0, None, False), '{"priority": true, "model": 7}': (0, None, False),
              '{"priority": 1001}': (0, None, False), '{"model": "": 1': (0, None, False),
              '{"embed": true}': (0, None, True), '{"embed": 1}': (0, None, False)}
@@ -11515,6 +11515,181 @@ def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: s
     finally:
         other.kill()
     assert flow.status(ids["other"]) is Status.Done and flow.get(ids["other"]).meta["model"] == "other.gguf"
+
+
+# ==============================================================================
+# 13.4 Endpoints: synchronous requests through the queue, streamed or not
+# ==============================================================================
+
+
+def _stream_events(events: Iterator[bytes]) -> list[Any]:
+    """Server-sent events as OpenAI's stream holds them: each ``data: {...}`` parsed, [DONE] as is."""
+    found: list[Any] = []
+    for event in events:
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n"), event
+        data = event[len(b"data: "):-2]
+        found.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return found
+
+
+def _streamed_texts(events: list[Any]) -> dict[int, str]:
+    """Each choice's streamed text: its content deltas (or text) concatenated."""
+    texts: dict[int, str] = {}
+    for event in events:
+        if isinstance(event, dict):
+            for choice in event.get("choices", []):
+                piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
+                texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
+    return texts
+
+
+def _answer(ws: str, url: str, body: dict[str, Any], gone: Callable[[], bool] = lambda: False) -> Any:
+    """A synchronous request as the server answers it: the body, or (stream) the parsed events."""
+    job_id, stream, usage = nrvna.submit_request(ws, url, body)
+    if not stream:
+        return nrvna.answer_request(ws, job_id, gone)
+    answer = nrvna.RequestStream(ws, url, job_id, usage, gone)
+    answer.start()
+    return _stream_events(answer.events())
+
+
+def test_a_request_is_mapped_as_a_batch_line_ahead_of_batch_lines(ws: str) -> None:
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "n": 2,
+            "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2}
+    job_id, stream, usage = nrvna.submit_request(ws, "/v1/chat/completions", dict(body, stream=False))
+    assert (stream, usage) == (False, False)
+    line = {"custom_id": nrvna.SYNC_CUSTOM_ID, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    entry = nrvna.parse_batch(json.dumps(line).encode(), jsonl=True)[0]
+    job = Flow(ws).get(job_id)
+    assert job.params == {**entry.params, "priority": nrvna.SYNC_PRIORITY} and job.prompt == entry.prompt.decode()
+    assert nrvna.SYNC_PRIORITY > nrvna.PARAMS["priority"].default  # ahead of a batch line's default
+    own, _, _ = nrvna.submit_request(ws, "/v1/completions", {"model": "gpt-4o-mini", "prompt": "p", "priority": -3})
+    assert Flow(ws).get(own).params["priority"] == -3  # the body's own wins
+    embed, _, _ = nrvna.submit_request(ws, "/v1/embeddings", {"model": "gpt-4o-mini", "input": ["a", "b"]})
+    assert Flow(ws).get(embed).params["input"] == ["a", "b"] and Flow(ws).get(embed).params["embed"] is True
+
+
+@pytest.mark.parametrize("url, body, param, says", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperatur": 1}, "temperatur",
+     "body field 'temperatur' is not supported by nrvna"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens",
+     "parameter max_tokens=0 is out of range"),
+    ("/v1/chat/completions", {"prompt": "x"}, None, "needs messages"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options is only allowed with stream: true"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream", "stream must be true or false"),
+    ("/v1/embeddings", {"input": "x", "stream": True}, "stream", "does not stream"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options",
+     "stream_options must be"),
+])
+def test_a_refused_request_is_a_400_in_openais_shape_and_queues_nothing(
+        ws: str, url: str, body: dict[str, Any], param: str | None, says: str) -> None:
+    with pytest.raises(nrvna.ApiError) as caught:
+        nrvna.submit_request(ws, url, body)
+    assert caught.value.status == 400 and says in caught.value.message and caught.value.param == param
+    assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or os.listdir(os.path.join(ws, nrvna.READY)) == []
+
+
+def test_a_request_runs_ahead_of_queued_batch_lines(ws: str) -> None:
+    lines = b"".join(json.dumps({"prompt": f"batch {i}"}).encode() + b"\n" for i in range(6))
+    batch = Work(ws).submit_file(lines, jsonl=True)
+    job_id, _, _ = nrvna.submit_request(ws, "/v1/completions", {"prompt": "sync", "model": "gpt-4o-mini"})
+    order: list[str] = []
+    with serving(ws, lambda job: order.append(job.id) or f"echo:{job.prompt}", workers=1):
+        body = nrvna.answer_request(ws, job_id, lambda: False)
+        wait_all(ws, batch)
+    assert order[0] == job_id and order[1:] == batch
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "echo:sync"
+
+
+def test_a_client_that_goes_cancels_its_job_streamed_or_not(ws: str) -> None:
+    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}], "max_tokens": 400}
+    with serving(ws, words, workers=2):
+        flow = Flow(ws)
+        job_id, _, _ = nrvna.submit_request(ws, "/v1/chat/completions", chat)
+        began = time.monotonic()
+        gone = lambda: flow.status(job_id) is Status.Running and time.monotonic() - began > 0.3  # noqa: E731
+        with pytest.raises(nrvna._ClientGone):
+            nrvna.answer_request(ws, job_id, gone)
+        assert flow.wait(job_id, 10) is Status.Failed and flow.get(job_id).meta["code"] == "cancelled"
+        streamed, _, _ = nrvna.submit_request(ws, "/v1/chat/completions", dict(chat, stream=True))
+        answer = nrvna.RequestStream(ws, "/v1/chat/completions", streamed, False, lambda: False)
+        answer.start()
+        events = answer.events()
+        assert b"chat.completion.chunk" in next(events) and b'"content"' in next(events)
+        events.close()  # the server's write failed: the client is gone
+        assert flow.wait(streamed, 10) is Status.Failed and flow.get(streamed).meta["code"] == "cancelled"
+
+
+def test_a_stream_adds_up_to_the_unstreamed_body_choices_reasoning_and_tool_calls(ws: str) -> None:
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]
+
+    def runner(job: nrvna.RunningJob) -> Outcome:
+        for word in ("one ", "two ", "three"):
+            if "tools" not in job.params:  # as the daemon: a call's text is not its result
+                job.emit(word)
+            time.sleep(0.15)
+        if "tools" in job.params:
+            return Outcome("raw", "tool_calls", 3, 4, message={"content": None, "tool_calls": calls})
+        choices = [{"index": i, "text": f"{i}: one two three", "finish_reason": "stop", "generated_tokens": 2}
+                   for i in range(job.params.get("n", 1))]
+        return Outcome("one two three", "stop", 3, 4, reasoning="I think", reasoning_tokens=2,
+                       choices=[dict(choices[0], text="one two three"), *choices[1:]] if len(choices) > 1 else None)
+
+    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with serving(ws, runner, workers=2):
+        for body in (chat, dict(chat, n=3), dict(chat, tools=[tool])):
+            whole = _answer(ws, "/v1/chat/completions", body)
+            events = _answer(ws, "/v1/chat/completions", dict(body, stream=True, stream_options={"include_usage": True}))
+            assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == whole["usage"]
+            assert all(e["object"] == "chat.completion.chunk" and e["id"].startswith("chatcmpl-") for e in events[:-1])
+            texts = _streamed_texts(events)
+            for choice in whole["choices"]:
+                message = choice["message"]
+                assert texts[choice["index"]] == (message["content"] or "")
+                deltas = [c["delta"] for e in events[:-1] for c in e["choices"] if c["index"] == choice["index"]]
+                assert "".join(d.get("reasoning_content", "") for d in deltas) == message.get("reasoning_content", "")
+                streamed_calls = [call for d in deltas for call in d.get("tool_calls", [])]
+                assert [{k: v for k, v in c.items() if k != "index"} for c in streamed_calls] == \
+                       message.get("tool_calls", [])
+                ends = [c for e in events[:-1] for c in e["choices"] if c["index"] == choice["index"] and
+                        c["finish_reason"]]
+                assert [c["finish_reason"] for c in ends] == [choice["finish_reason"]]
+            assert len(whole["choices"]) == body.get("n", 1)
+        live = [e for e in _answer(ws, "/v1/completions", {"prompt": "p", "stream": True}) if e != "[DONE]"]
+        assert len([e for e in live if e["choices"][0]["text"]]) >= 2  # pieces as partial.txt grew
+        assert _streamed_texts(live) == {0: "one two three"} and all(e["object"] == "text_completion" for e in live)
+
+
+@pytest.mark.parametrize("code, status, kind", [
+    ("context_overflow", 400, "invalid_request_error"), ("runner_error", 500, "server_error"),
+    ("load_failed", 503, "server_error"), ("timeout", 504, "timeout"),
+])
+def test_a_failed_job_is_answered_with_its_codes_status(ws: str, code: str, status: int, kind: str) -> None:
+    def runner(job: nrvna.RunningJob) -> str:
+        raise nrvna.JobError(code, f"it failed: {code}")
+
+    with serving(ws, runner, workers=1):
+        for stream in (False, True):
+            with pytest.raises(nrvna.ApiError) as caught:
+                _answer(ws, "/v1/completions", {"prompt": "p", "stream": stream})
+            error = caught.value
+            assert (error.status, error.type, error.code) == (status, kind, code) and "it failed" in error.message
+    assert set(nrvna.FAILURE_STATUS) == set(nrvna.FAILURE_CODES)
+
+
+def test_a_request_no_daemon_serves_is_cancelled_with_a_503(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nrvna, "SYNC_UNSERVED_SECONDS", 0.5)
+    monkeypatch.setattr(nrvna, "SYNC_UNSERVED_LOOK", 0.1)
+    for stream in (False, True):
+        began = time.monotonic()
+        with pytest.raises(nrvna.ApiError) as caught:
+            _answer(ws, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": stream})
+        assert caught.value.status == 503 and "no daemon is running" in caught.value.message
+        assert time.monotonic() - began >= 0.5
+    flow = Flow(ws)
+    assert [flow.get(j).meta["code"] for j in os.listdir(os.path.join(ws, nrvna.FAILED))] == ["cancelled"] * 2
 
 
 # ==============================================================================
