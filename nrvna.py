@@ -15155,7 +15155,7 @@ def submit_request(workspace: str, url: str, body: dict[str, Any]) -> tuple[str,
     return ids[0], stream, usage
 
 
-def job_failure(job: Job) -> ApiError:
+def _job_failure(job: Job) -> ApiError:
     """A failed job's answer: its error in OpenAI's shape, with FAILURE_STATUS's status."""
     code = job.meta.get("code") or "failed"
     status, kind = FAILURE_STATUS.get(code, (500, "server_error"))
@@ -15176,18 +15176,18 @@ def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
-def finished_body(flow: Flow, job_id: str) -> dict[str, Any]:
+def _finished_body(flow: Flow, job_id: str) -> dict[str, Any]:
     """The response body of a finished job: export_record's (OpenAI's exact object), or its
     failure as ApiError."""
     job = flow.get(job_id)
     if job is None or not job.status.finished:
         raise ApiError(500, f"job {job_id} is gone (cleaned meanwhile?)", type="server_error")
     if job.status is Status.Failed:
-        raise job_failure(job)
+        raise _job_failure(job)
     return export_record(job, "openai")["response"]["body"]
 
 
-def abandon_job(workspace: str, job_id: str) -> None:
+def _abandon_job(workspace: str, job_id: str) -> None:
     """Cancel a request's job nobody waits for any more (its client is gone, or it is refused):
     a queued one at once, a running one between two tokens (the cancel file; never waited for)."""
     try:
@@ -15238,9 +15238,9 @@ def answer_request(workspace: str, job_id: str, gone: Callable[[], bool]) -> dic
     try:
         flow.wait(job_id, on_look=watch.look)
     except BaseException:
-        abandon_job(workspace, job_id)
+        _abandon_job(workspace, job_id)
         raise
-    return finished_body(flow, job_id)
+    return _finished_body(flow, job_id)
 
 
 class RequestStream:
@@ -15279,9 +15279,9 @@ class RequestStream:
         try:
             self.first = next(self.pieces, None)
             if self.first is None and self.flow.status(self.job_id) is Status.Failed:
-                finished_body(self.flow, self.job_id)  # raises its failure
+                _finished_body(self.flow, self.job_id)  # raises its failure
         except BaseException:
-            abandon_job(self.workspace, self.job_id)  # (a finished job is left as it is)
+            _abandon_job(self.workspace, self.job_id)  # (a finished job is left as it is)
             raise
 
     def events(self) -> Iterator[bytes]:
@@ -15299,12 +15299,12 @@ class RequestStream:
         except _ClientGone:
             return  # nobody reads on: the job is cancelled below
         except ApiError as err:  # refused while streaming (no daemon): said as an event; the job is cancelled
-            abandon_job(self.workspace, self.job_id)
+            _abandon_job(self.workspace, self.job_id)
             self.ended = True
             yield _error_event(err)
         finally:
             if not self.ended:
-                abandon_job(self.workspace, self.job_id)
+                _abandon_job(self.workspace, self.job_id)
 
     def _model(self) -> None:
         """The chunks' ``model``: the model the daemon runs the job on (meta.json's, once claimed)."""
@@ -15331,7 +15331,7 @@ class RequestStream:
     def _finish(self) -> Iterator[bytes]:
         """The finished job's rest: each choice's deltas and finish, the usage, [DONE]."""
         try:
-            body = finished_body(self.flow, self.job_id)
+            body = _finished_body(self.flow, self.job_id)
         except ApiError as err:
             self.ended = True
             yield _error_event(err)
@@ -15460,9 +15460,9 @@ class _Signalled(BaseException):
 
 
 def markdown_tables() -> dict[str, str]:
-    """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables
-    and caches, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES, HOOK_VARIABLES and HOST_CACHES
-    (scripts/readme_tables.py writes them; a test checks them)."""
+    """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables,
+    caches and request-errors, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES, HOOK_VARIABLES,
+    HOST_CACHES and FAILURE_STATUS (scripts/readme_tables.py writes them; a test checks them)."""
     settings = ["| variable | default | meaning |", "|---|---|---|"]
     for setting in SETTINGS.values():
         default = setting.default if setting.shown is None else setting.shown
@@ -15482,11 +15482,15 @@ def markdown_tables() -> dict[str, str]:
     hooks = ["| variable | set for | meaning |", "|---|---|---|"] + [
         f"| `{name}` | {', '.join('`--' + hook.replace('_', '-') + '`' for hook in on)} | {meaning} |"
         for name, (on, meaning) in HOOK_VARIABLES.items()]
+    request_errors = ["| code | HTTP status | error type | the job failed because |", "|---|---|---|---|"] + [
+        f"| `{code}` | {FAILURE_STATUS[code][0]} | `{FAILURE_STATUS[code][1]}` | {meaning} |"
+        for code, meaning in FAILURE_CODES.items()]
     caches = ["| cache | kept by | bound | holds | makes room by |", "|---|---|---|---|---|"] + [
         f"| {what} | {whose} | {f'`{bound}`' if bound.startswith('NRVNA_') else bound} | {holds} | {room} |"
         for what, whose, bound, holds, room in HOST_CACHES]
     return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
-            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches)}
+            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches),
+            "request-errors": "\n".join(request_errors)}
 
 
 def _say(message: str) -> None:
