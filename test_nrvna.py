@@ -11641,7 +11641,8 @@ def test_a_stream_adds_up_to_the_unstreamed_body_choices_reasoning_and_tool_call
     with serving(ws, runner, workers=2):
         for body in (chat, dict(chat, n=3), dict(chat, tools=[tool])):
             whole = _answer(ws, "/v1/chat/completions", body)
-            events = _answer(ws, "/v1/chat/completions", dict(body, stream=True, stream_options={"include_usage": True}))
+            streamed = dict(body, stream=True, stream_options={"include_usage": True})
+            events = _answer(ws, "/v1/chat/completions", streamed)
             assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == whole["usage"]
             assert all(e["object"] == "chat.completion.chunk" and e["id"].startswith("chatcmpl-") for e in events[:-1])
             texts = _streamed_texts(events)
