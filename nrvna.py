@@ -78,9 +78,18 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    12.5 Daemons side by side, and the watch
                                     _clash, _hooks_clash, _Registry, _Watcher (cancels, timeouts, dead daemons)
    12.6 Server                      _WorkerLoads, _claim_later, _with_states_folder, Server
-13. CLI
-   13.1 Commands                    markdown_tables (the manual's tables), _DaemonWatch, one _cmd_* per command
-   13.2 Arguments and main          one _*_arguments per command, COMMANDS, main()
+13. Served API
+   13.1 HTTP                        bounds, parse_head, ApiError, ApiReply, ApiCall, api_key_matches,
+                                      read_multipart, multipart_field, file_chunks
+   13.2 Files                       API_FILES, FILE_PURPOSES, api_token, api_temp_name, ApiFiles
+   13.3 Batches
+   13.4 Endpoints                   SYNC_PRIORITY, FAILURE_STATUS, submit_request, answer_request, RequestStream
+                                      (server-sent events), _chat_completions, _completions, _embeddings
+   13.5 The server                  API_ROUTES (one handler per route), _Connection, _Reader (the Api-IO thread),
+                                      ApiServer
+14. CLI
+   14.1 Commands                    markdown_tables (the manual's tables), _DaemonWatch, one _cmd_* per command
+   14.2 Arguments and main          one _*_arguments per command, COMMANDS, main()
 
 API (``__all__``; docs/library.md documents each name, and names every other one not
 ``_``-prefixed as internal: such names may change in any release):
@@ -260,6 +269,11 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         and cuts it to 5 lines, a call whose failure it explains clears it first, _llama_log_reason reads
         one slice (at worst another thread's line is the reason given); _buffer_sizes => by thread: each
         thread adds, fills (its callback) and removes its own entry
+    Api-IO -> _Reader: the connections whose request is being read => Api-IO's alone; Api-N gives a kept-alive
+        one back through a queue.SimpleQueue and a pipe
+    Api-IO, Api-N -> ApiServer: requests => a queue.Queue; _threads, _idle => _lock; _stop_asked => one
+        attribute (a signal handler sets it)
+    Api-N -> ApiFiles: a file's folder => written whole under api/tmp/, then published or put aside by one rename
 """
 
 from __future__ import annotations
@@ -301,6 +315,7 @@ from collections import deque, namedtuple
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations are strings at run time: importing typing costs 4 ms a start
+    from pathlib import Path
     from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 _INF = float("inf")  # JSON from Python's json module may hold Infinity
@@ -674,6 +689,8 @@ SETTINGS: dict[str, _Setting] = {
     "on_batch_done": _Setting("NRVNA_ON_BATCH_DONE", str, "", None, None, "a shell command run once when every job of a tag has ended, with the tag appended as its argument",
                                flags=("--on-batch-done",)),
     "hook_jobs": _Setting("NRVNA_HOOK_JOBS", int, 2, 1, 256, "hooks run at most this many at a time"),
+    "api_key": _Setting("NRVNA_API_KEY", str, "", None, None, "the served API's key (`nrvna serve`, `daemon --serve`): every request must then carry `Authorization: Bearer KEY` (else 401); serving an address other than loopback needs one",
+                         flags=("--api-key",)),
     "hook_timeout": _Setting("NRVNA_HOOK_TIMEOUT", float, 60.0, 0.1, 86400.0, "seconds a hook may run before it is killed (and logged; not run again)"),
 }
 
@@ -7375,8 +7392,9 @@ def model_view(workspace: str) -> tuple[str, dict[str, str], list[str]]:
     names its own way, but a workspace's daemons are started alike); with no daemon running,
     this process's NRVNA_MODELS_DIR and NRVNA_MODEL_ALIASES, and no model served."""
     records = daemon_records(workspace) if os.path.isdir(os.path.join(workspace, READY)) else []
-    served = [m["path"] for r in records for m in r.get("models") or () if isinstance(m, dict)
-              and isinstance(m.get("path"), str)]
+    # a model's path; its name where it has none (a runner given in-process)
+    served = [m["path"] if isinstance(m.get("path"), str) else m["name"] for r in records for m in r.get("models") or ()
+              if isinstance(m, dict) and isinstance(m.get("path") or m.get("name"), str)]
     first = next((r for r in records if isinstance(r.get("models_dir"), str)), None)
     if first is not None:
         return first["models_dir"], dict(first.get("aliases") or {}), served
@@ -7395,7 +7413,9 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
     if not by_name:
         return []
     models_dir, aliases, served = model_view(workspace)
-    served_names = {n for path in served for n in (os.path.basename(path), os.path.basename(path)[:-5])}
+    # a served model's file name, with or without .gguf (as GET /v1/models lists it)
+    served_names = {n for path in served for n in (os.path.basename(path),
+                                                   re.sub(r"\.gguf$", "", os.path.basename(path)))}
     notes = []
     for name, places in by_name.items():
         matches = model_matches(name, models_dir, aliases)
@@ -15072,18 +15092,506 @@ class Server:
 ##############################################################################
 # 13. Served API: OpenAI's Files, Batches and endpoints over a workspace, for any HTTP client
 ##############################################################################
-# (H2's placeholder banner; H1's section replaces it.)
+# Owns `nrvna serve`: OpenAI's routes answered from the workspace's files over plain sockets (no
+# framework). Invariant: it never loads a model or starts a daemon, and keeps nothing the files do
+# not hold: killed at any instant and started again, it loses nothing. Threads: Api-IO, Api-N.
+
+
+# ============================================================================
+# 13.1 HTTP
+# ============================================================================
+# The bounds every request meets, a request's head, ApiError (OpenAI's error shape), ApiCall and
+# ApiReply (what a handler gets and gives), API keys and the multipart reader. Invariant: nothing
+# is read past a bound. Api-IO parses heads; an Api-N thread the rest.
+
+
+API_HEAD_LIMIT = 32 << 10  # a request line and its headers, whole (else 431)
+API_HEADERS_MAX = 100  # header lines in one head
+API_BODY_LIMIT = 16 << 20  # a JSON body (an upload is bounded by FILE_BYTES_LIMIT instead); else 413
+# A batch file may be up to 200 MB (OpenAI's limit); its multipart body may add this much framing.
+FILE_BYTES_LIMIT = 200 * 1000 * 1000
+MULTIPART_SLACK = 64 << 10
+MULTIPART_PARTS = 16  # parts in one upload's body
+MULTIPART_HEAD_LIMIT = 8 << 10  # one part's headers
+MULTIPART_FIELD_LIMIT = 4 << 10  # one plain field's value (purpose)
+# IDs as they appear in a URL: each is matched whole before it names anything on disk.
+API_IDS: dict[str, Any] = {
+    "file_id": re.compile(r"file-[a-z0-9]{24}"),
+    "batch_id": re.compile(r"batch_[a-z0-9]{24}"),
+}
+_HTTP_REASONS = {200: "OK", 100: "Continue", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+                 405: "Method Not Allowed", 408: "Request Timeout", 411: "Length Required",
+                 410: "Gone", 413: "Content Too Large", 431: "Request Header Fields Too Large",
+                 499: "Client Closed Request", 500: "Internal Server Error", 503: "Service Unavailable",
+                 504: "Gateway Timeout"}
+_PARAM = re.compile(r'([\w*-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;]*))')  # a header's name=value or name="value"
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP method or header name
+
+
+def _json_bytes(value: Any) -> bytes:
+    import json
+
+    return json.dumps(value, ensure_ascii=False).encode("utf-8")
+
+
+class ApiError(Exception):
+    """A refusal, answered as OpenAI answers one: ``{"error": {"message", "type", "param",
+    "code"}}`` with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002
+                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ApiReply:
+    """What a handler answers: ``payload`` (JSON), or ``stream`` (an iterator of bytes, sent as
+    it comes: server-sent events), or ``content`` (a file's bytes, or the path of one)."""
+
+    __slots__ = ("status", "payload", "stream", "content", "content_type", "headers")
+
+    def __init__(self, status: int = 200, payload: Any = None, stream: Optional[Iterable[bytes]] = None,
+                 content: Any = None, content_type: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None) -> None:
+        self.status, self.payload, self.stream, self.content = status, payload, stream, content
+        self.content_type = content_type or ("text/event-stream" if stream is not None else
+                                             "application/octet-stream" if content is not None else
+                                             "application/json")
+        self.headers = dict(headers or {})
+
+
+class _Head:
+    """A request's line and headers, parsed from its first bytes by parse_head."""
+
+    __slots__ = ("method", "target", "version", "headers")
+
+    def __init__(self, method: str, target: str, version: str, headers: dict[str, str]) -> None:
+        self.method, self.target, self.version, self.headers = method, target, version, headers
+
+    def keep_alive(self) -> bool:
+        connection = self.headers.get("connection", "").lower()
+        return "close" not in connection and (self.version == "HTTP/1.1" or "keep-alive" in connection)
+
+    def body_length(self) -> int:
+        """Content-Length; ApiError 411 for a body sent any other way, 400 for a bad length."""
+        if "transfer-encoding" in self.headers:
+            raise ApiError(411, "send the body with a Content-Length (a chunked body is not accepted)")
+        text = self.headers.get("content-length")
+        if text is None:
+            return 0
+        if not text.isdigit() or len(text) > 15:
+            raise ApiError(400, f"Content-Length {text[:40]!r} is not a length")
+        return int(text)
+
+    def is_upload(self) -> bool:
+        return self.headers.get("content-type", "").lower().startswith("multipart/form-data")
+
+
+def parse_head(data: bytes) -> _Head:
+    """A request's line and headers (``data``: up to the blank line, excluded); ApiError 400
+    naming what is wrong (a duplicated Content-Length, a folded line, a bad name...)."""
+    lines = data.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not parts[1].startswith("/") \
+            or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        raise ApiError(400, f"not an HTTP/1.x request line: {lines[0][:80]!r}")
+    if len(lines) - 1 > API_HEADERS_MAX:
+        raise ApiError(431, f"more than {API_HEADERS_MAX} header lines")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if not colon or not _TOKEN.fullmatch(name):
+            raise ApiError(400, f"not a header line: {line[:80]!r}")
+        name = name.lower()
+        if name in headers and name in ("content-length", "transfer-encoding", "authorization", "content-type"):
+            raise ApiError(400, f"header {name} is given twice")
+        headers[name] = f"{headers[name]}, {value.strip()}" if name in headers else value.strip()
+    return _Head(parts[0], parts[1], parts[2], headers)
+
+
+def api_key_matches(headers: Mapping[str, str], key: str) -> bool:
+    """Whether ``Authorization: Bearer KEY`` carries ``key``, compared in constant time."""
+    import hmac
+
+    scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8", "replace"),
+                                                             key.encode("utf-8"))
+
+
+def _json_body(body: bytes) -> dict[str, Any]:
+    import json
+
+    if not body:
+        raise ApiError(400, "the request needs a JSON body")
+    try:
+        value = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise ApiError(400, f"the body is not JSON: {str(err)[:200]}") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return value
+
+
+class ApiCall:
+    """What a handler gets: the workspace, the request (``method``, ``path``, ``params`` (the
+    route's named parts), ``query``, ``headers``), its body (``json()``, or ``upload``: the
+    path of a multipart body held on disk), ``gone()`` and ``files`` (ApiFiles)."""
+
+    __slots__ = ("workspace", "method", "path", "params", "query", "headers", "body", "upload", "files", "_sock")
+
+    def __init__(self, workspace: str, head: _Head, path: str, query: dict[str, str], body: bytes,
+                 upload: Optional[str], files: Any, sock: Any) -> None:
+        self.workspace, self.method, self.path, self.query = workspace, head.method, path, query
+        self.headers, self.body, self.upload, self.files, self._sock = head.headers, body, upload, files, sock
+        self.params: dict[str, str] = {}
+
+    def json(self) -> dict[str, Any]:
+        """The body as a JSON object; ApiError 400 when it is none."""
+        return _json_body(self.body)
+
+    def gone(self) -> bool:
+        """Whether the client has closed its connection (poll it while waiting for a job)."""
+        import select
+        import socket
+
+        try:
+            poller = select.poll()
+            poller.register(self._sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+            if not poller.poll(0):
+                return False
+            return self._sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+
+def _part_head(data: bytes) -> tuple[str, Optional[str]]:
+    """A multipart part's form field name and file name, from its headers."""
+    for line in data.decode("utf-8", "replace").split("\r\n"):
+        name, _, value = line.partition(":")
+        if name.strip().lower() != "content-disposition":
+            continue
+        kind, _, rest = value.strip().partition(";")
+        if kind.strip().lower() != "form-data":
+            raise ApiError(400, "a multipart part is not form-data")
+        found = {key.lower(): quoted.replace('\\"', '"') if quoted else bare.strip()
+                 for key, quoted, bare in _PARAM.findall(rest)}
+        if "name" not in found:
+            raise ApiError(400, "a multipart part has no name")
+        return found["name"], found.get("filename")
+    raise ApiError(400, "a multipart part has no Content-Disposition")
+
+
+def _boundary(content_type: str) -> bytes:
+    found = re.search(r';\s*boundary=(?:"([^"]{1,70})"|([^\s;"]{1,70}))', content_type, re.I)
+    if found is None:
+        raise ApiError(400, "Content-Type multipart/form-data needs a boundary of 1 to 70 characters")
+    return (found.group(1) or found.group(2)).encode("latin-1")
+
+
+def read_multipart(fd: int, size: int, content_type: str) -> dict[str, tuple[Optional[str], int, int]]:
+    """The parts of a multipart/form-data body held in ``fd`` (``size`` bytes), found without
+    reading the body into memory: name -> (file name or None, first byte, end). ApiError 400
+    for a body that is not one (no closing boundary, too many parts, a name given twice)."""
+    boundary = b"--" + _boundary(content_type)
+    starts, offset, tail = [], 0, b""
+    while offset < size:
+        chunk = os.pread(fd, min(1 << 20, size - offset), offset)
+        if not chunk:
+            break
+        window, base = tail + chunk, offset - len(tail)
+        at = window.find(boundary)
+        while at >= 0:
+            if (base + at == 0 or window[at - 2:at] == b"\r\n") and (not starts or base + at > starts[-1]):
+                starts.append(base + at)
+                if len(starts) > MULTIPART_PARTS + 1:
+                    raise ApiError(400, f"the upload has more than {MULTIPART_PARTS} parts")
+            at = window.find(boundary, at + 1)
+        offset += len(chunk)
+        tail = window[-(len(boundary) + 2):]
+    parts: dict[str, tuple[Optional[str], int, int]] = {}
+    for first, after in zip(starts, starts[1:]):
+        begin = first + len(boundary)
+        head = os.pread(fd, min(MULTIPART_HEAD_LIMIT + 4, after - begin), begin)
+        ends = head.find(b"\r\n\r\n")
+        if not head.startswith(b"\r\n") or ends < 0:
+            raise ApiError(400, "a multipart part's headers are missing or over "
+                                f"{MULTIPART_HEAD_LIMIT} bytes")
+        name, filename = _part_head(head[2:ends])
+        if name in parts:
+            raise ApiError(400, f"multipart field {name!r} is given twice", param=name)
+        parts[name] = (filename, begin + ends + 4, after - 2)
+    if not starts or os.pread(fd, 2, starts[-1] + len(boundary)) != b"--":
+        raise ApiError(400, "the multipart body ends before its closing boundary")
+    return parts
+
+
+def multipart_field(fd: int, part: tuple[Optional[str], int, int], name: str) -> str:
+    """A plain field's value (at most MULTIPART_FIELD_LIMIT bytes of UTF-8)."""
+    _, first, end = part
+    if end - first > MULTIPART_FIELD_LIMIT:
+        raise ApiError(400, f"field {name!r} is over {MULTIPART_FIELD_LIMIT} bytes", param=name)
+    try:
+        return os.pread(fd, end - first, first).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(400, f"field {name!r} is not UTF-8", param=name) from None
+
+
+def file_chunks(fd: int, first: int, end: int) -> Iterator[bytes]:
+    """Bytes ``first`` to ``end`` of ``fd``, a MiB at a time."""
+    while first < end:
+        chunk = os.pread(fd, min(1 << 20, end - first), first)
+        if not chunk:
+            raise ApiError(400, "the upload is shorter than it said")
+        first += len(chunk)
+        yield chunk
+
+
+# ============================================================================
+# 13.2 Files
+# ============================================================================
+# ApiFiles: OpenAI's files, kept in the workspace as api/files/<file_id>/{content,file.json}, each
+# published whole by one rename of a finished folder. Invariant: a listed file is whole and
+# durable; a deletion removes only what nrvna wrote. Any Api-N thread (each file its own folder).
+
+
+API_DIR = "api"
+API_FILES = os.path.join(API_DIR, "files")  # api/files/<file_id>/: one published file
+API_TEMP = os.path.join(API_DIR, "tmp")  # uploads being received, files being written or removed
+FILE_CONTENT = "content"
+FILE_RECORD = "file.json"
+FILE_RECORD_LIMIT = 64 << 10
+FILE_PURPOSES = ("batch",)  # what an upload may be for (batch_output: the batches' own files)
+FILE_NAME_LIMIT = 1024  # characters of a file's name, as given (it names nothing on disk)
+BATCH_FILE_LINES = 50_000  # requests in one batch file (OpenAI's limit)
+STALE_API_TEMP_SECONDS = 3600  # a temporary entry of a process that died is removed after this
+_API_TEMP_NAME = re.compile(r"(upload|new|gone)-([0-9]+)-[0-9a-z]+(?:-(file-[a-z0-9]{24}))?")
+
+
+def api_token(length: int = 24) -> str:
+    """``length`` random characters of [a-z0-9] (an ID's tail)."""
+    import secrets
+
+    return "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(length))
+
+
+def api_temp_name(kind: str, tail: str = "") -> str:
+    """A name in api/tmp/ for this process: ``kind-<pid>-<token>[-tail]``."""
+    return f"{kind}-{os.getpid()}-{api_token(12)}" + (f"-{tail}" if tail else "")
+
+
+def _file_object(record: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A file.json read back as OpenAI's file object; None when it is not one nrvna wrote."""
+    shapes = {"id": str, "bytes": int, "created_at": int, "filename": str, "purpose": str}
+    if any(type(record.get(key)) is not kind for key, kind in shapes.items()):
+        return None
+    return {"id": record["id"], "object": "file", "bytes": record["bytes"], "created_at": record["created_at"],
+            "filename": record["filename"], "purpose": record["purpose"], "status": "processed",
+            "status_details": None, "expires_at": None}
+
+
+class ApiFiles:
+    """The files of a workspace's served API (OpenAI's file objects). create and publish write a
+    folder under api/tmp/, then rename it to api/files/<file_id>; delete renames it back aside
+    and removes only content, file.json and their temporary names.
+
+    Threads: any Api-N thread; each call works on one file's folder, published or removed by a
+    rename."""
+
+    def __init__(self, workspace: str) -> None:
+        self.workspace = workspace
+        self.root = os.path.join(workspace, API_FILES)
+        self.temp = os.path.join(workspace, API_TEMP)
+
+    def _ready(self) -> None:
+        for path in (os.path.join(self.workspace, API_DIR), self.root, self.temp):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, DIR_MODE)
+
+    def create(self, source: Iterable[bytes], size: int, filename: str, purpose: str) -> dict[str, Any]:
+        """Write an upload (``size`` bytes from ``source``) as a new file; its OpenAI object.
+        ApiError for a purpose other than FILE_PURPOSES', a file over FILE_BYTES_LIMIT or, for a
+        batch, over BATCH_FILE_LINES lines."""
+        if purpose not in FILE_PURPOSES:
+            raise ApiError(400, f"purpose {purpose[:40]!r} is not one of: {', '.join(FILE_PURPOSES)}",
+                           param="purpose")
+        if size > FILE_BYTES_LIMIT:
+            raise ApiError(413, f"the file is {size:,} bytes; a batch file may be up to {FILE_BYTES_LIMIT:,}",
+                           param="file", code="file_too_large")
+        return self._write("file-" + api_token(), source, filename, purpose, lines=BATCH_FILE_LINES)
+
+    def publish(self, file_id: str, chunks: Iterable[bytes], filename: str, purpose: str) -> dict[str, Any]:
+        """Write ``chunks`` as file ``file_id`` (an ID its caller derives: a batch's output),
+        whole or not at all; a file already published under that ID is returned as it is."""
+        found = self._find(file_id)
+        return found if found is not None else self._write(file_id, chunks, filename, purpose, lines=0)
+
+    def _write(self, file_id: str, chunks: Iterable[bytes], filename: str, purpose: str,
+               lines: int) -> dict[str, Any]:
+        self._ready()
+        folder = os.path.join(self.temp, api_temp_name("new", file_id))
+        os.mkdir(folder, DIR_MODE)
+        try:
+            size = self._fill(folder, chunks, lines)
+            record = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
+                      "filename": str(filename)[:FILE_NAME_LIMIT], "purpose": purpose}
+            fd = open_dir(folder)
+            try:
+                write_file(fd, FILE_RECORD, _json_bytes(record))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            move(folder, os.path.join(self.root, file_id))
+        except FileExistsError:  # published meanwhile by another thread or process: that one stands
+            self._remove(folder)
+            found = self._find(file_id)
+            if found is None:
+                raise
+            return found
+        except BaseException:
+            self._remove(folder)
+            raise
+        fsync_dir(self.root)
+        return _file_object(record) or {}
+
+    def _fill(self, folder: str, chunks: Iterable[bytes], lines: int) -> int:
+        """Write ``chunks`` to folder/content, fsynced; its size. ApiError past the bounds."""
+        fd = os.open(os.path.join(folder, FILE_CONTENT), os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                     FILE_MODE)
+        size = newlines = 0
+        last = b"\n"
+        try:
+            for chunk in chunks:
+                size += len(chunk)
+                if size > FILE_BYTES_LIMIT:
+                    raise ApiError(413, f"the file is over {FILE_BYTES_LIMIT:,} bytes", param="file",
+                                   code="file_too_large")
+                newlines += chunk.count(b"\n")
+                if chunk:
+                    last = chunk[-1:]
+                if lines and newlines + (last != b"\n") > lines:
+                    raise ApiError(400, f"a batch file may hold up to {lines:,} requests (lines)", param="file",
+                                   code="too_many_requests")
+                write_all(fd, chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return size
+
+    def _remove(self, folder: str) -> None:
+        """Remove a file's folder: only the names nrvna writes there, then the folder (left in
+        place, with a warning, when something else is in it)."""
+        for name in (FILE_CONTENT, FILE_RECORD, f".{FILE_RECORD}.tmp"):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.unlink(os.path.join(folder, name))
+        try:
+            os.rmdir(folder)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            log.warning(f"{folder} holds files nrvna did not write; left there ({_os_error(err)})")
+
+    def _find(self, file_id: str) -> Optional[dict[str, Any]]:
+        if not isinstance(file_id, str) or API_IDS["file_id"].fullmatch(file_id) is None:
+            return None
+        folder = os.path.join(self.root, file_id)
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.lstat(folder).st_mode):  # a link put there is never followed
+                found = _file_object(read_record(os.path.join(folder, FILE_RECORD), FILE_RECORD_LIMIT))
+                return found if found is not None and found["id"] == file_id else None
+        return None
+
+    def new_upload(self) -> tuple[str, int]:
+        """A new file in api/tmp/ for an upload's body as it arrives: (its path, a descriptor
+        open for writing); the reader removes it once answered."""
+        self._ready()
+        path = os.path.join(self.temp, api_temp_name("upload"))
+        return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
+
+    def get(self, file_id: str) -> dict[str, Any]:
+        """File ``file_id``'s OpenAI object; ApiError 404 when there is none."""
+        found = self._find(file_id)
+        if found is None:
+            raise ApiError(404, f"No such File object: {str(file_id)[:80]}", param="file_id")
+        return found
+
+    def content_path(self, file_id: str) -> Path:
+        """The path of file ``file_id``'s content (ApiError 404 when there is none): open it
+        without following a link (O_NOFOLLOW) and check that it is a regular file."""
+        from pathlib import Path
+
+        self.get(file_id)
+        return Path(self.root, file_id, FILE_CONTENT)
+
+    def list(self, purpose: Optional[str] = None, after: Optional[str] = None, limit: int = 10000,
+             order: str = "desc") -> list[dict[str, Any]]:
+        """Up to ``limit`` files (of ``purpose``), newest first (``order="asc"``: oldest), those
+        after file ``after`` in that order only."""
+        try:
+            names = [name for name in os.listdir(self.root) if API_IDS["file_id"].fullmatch(name)]
+        except FileNotFoundError:
+            names = []
+        found = [obj for obj in map(self._find, names) if obj is not None
+                 and (purpose is None or obj["purpose"] == purpose)]
+        found.sort(key=lambda obj: (obj["created_at"], obj["id"]), reverse=order != "asc")
+        if after is not None:
+            ids = [obj["id"] for obj in found]
+            found = found[ids.index(after) + 1:] if after in ids else []
+        return found[:limit]
+
+    def delete(self, file_id: str) -> dict[str, Any]:
+        """Remove file ``file_id``: ``{"id", "object": "file", "deleted": True}``; ApiError 404
+        when there is none."""
+        self.get(file_id)
+        self._ready()
+        aside = os.path.join(self.temp, api_temp_name("gone", file_id))
+        try:
+            move(os.path.join(self.root, file_id), aside)
+        except FileNotFoundError:  # deleted meanwhile
+            raise ApiError(404, f"No such File object: {file_id}", param="file_id") from None
+        fsync_dir(self.root)
+        self._remove(aside)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def sweep(self) -> None:
+        """Remove api/tmp/'s entries left by processes that died (nrvna's names only, after
+        STALE_API_TEMP_SECONDS): an upload's body, a file half written or half removed."""
+        try:
+            names = os.listdir(self.temp)
+        except OSError:
+            return
+        for name in names:
+            match = _API_TEMP_NAME.fullmatch(name)
+            path = os.path.join(self.temp, name)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if match is None or _process_exists(int(match.group(2))) or \
+                    time.time() - info.st_mtime < STALE_API_TEMP_SECONDS:
+                continue
+            if match.group(1) == "upload" and stat.S_ISREG(info.st_mode):
+                _unlink_quietly(path, None)
+            elif stat.S_ISDIR(info.st_mode):
+                self._remove(path)
+
+
+# ============================================================================
+# 13.3 Batches
+# ============================================================================
+# OpenAI's batches over the workspace's tags (issue 58, item 3): the batch records in api/batches/
+# and their lifecycle, derived from the jobs. Any Api-N thread.
 
 
 # ============================================================================
 # 13.4 Endpoints
 # ============================================================================
-# POST /v1/chat/completions, /v1/completions and /v1/embeddings: each request is a job, its body
-# mapped as a batch line's (Work.submit_file), queued at SYNC_PRIORITY unless the body gives a
-# priority, followed with Flow's readers (wait; follow for a stream), answered with export_record's
-# body (or, streamed, as server-sent events whose deltas add up to that body's text). Invariant: a
-# request whose client is gone, or that no daemon can serve, cancels its job; a killed server
-# leaves the job queued, and it completes. Called on the server's request threads, one per request.
+# POST /v1/chat/completions, /v1/completions, /v1/embeddings: a request is a job, mapped as a batch
+# line (Work.submit_file) at SYNC_PRIORITY, followed by Flow (wait, follow), answered with its export
+# body or as server-sent events adding up to it. Invariant: a gone client or no daemon to serve it
+# cancels the job; a killed server leaves it to complete. Any Api-N thread, one per request.
 
 
 SYNC_PRIORITY = 10  # a synchronous request's priority: ahead of batch lines (0) unless its body gives one
@@ -15112,7 +15620,8 @@ FAILURE_STATUS: dict[str, tuple[int, str]] = {
 
 
 class _ClientGone(Exception):
-    """The client of a synchronous request disconnected (ApiCall.gone): its job is cancelled."""
+    """The client of a synchronous request disconnected (ApiCall.gone): its job is cancelled.
+    Threads: raised and caught on the request's own Api-N thread."""
 
 
 def _request_fields(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
@@ -15199,7 +15708,8 @@ def _abandon_job(workspace: str, job_id: str) -> None:
 class _RequestWatch:
     """Flow's ``on_look`` for a request waiting on its job: raises _ClientGone once the client
     is gone, and ApiError 503 once no running daemon could serve the job for
-    SYNC_UNSERVED_SECONDS (looking at the daemons' records every SYNC_UNSERVED_LOOK s)."""
+    SYNC_UNSERVED_SECONDS (looking at the daemons' records every SYNC_UNSERVED_LOOK s).
+    Threads: one request's, on its Api-N thread only (no lock)."""
 
     def __init__(self, workspace: str, job_id: str, gone: Callable[[], bool]) -> None:
         self.workspace, self.job_id, self.gone = workspace, job_id, gone
@@ -15243,6 +15753,35 @@ def answer_request(workspace: str, job_id: str, gone: Callable[[], bool]) -> dic
     return _finished_body(flow, job_id)
 
 
+def _endpoint(call: ApiCall, url: str) -> ApiReply:
+    """A synchronous request of endpoint ``url``: its job queued, waited for, answered."""
+    job_id, stream, usage = submit_request(call.workspace, url, call.json())
+    headers = {"X-Nrvna-Job-Id": job_id}
+    try:
+        if not stream:
+            return ApiReply(payload=answer_request(call.workspace, job_id, call.gone), headers=headers)
+        answer = RequestStream(call.workspace, url, job_id, usage, call.gone)
+        answer.start()
+    except _ClientGone:  # its job is cancelled; nobody reads this answer
+        raise ApiError(499, f"the client closed the request; job {job_id} is cancelled", type="cancelled") from None
+    return ApiReply(stream=answer.events(), headers=dict(headers, **{"Cache-Control": "no-cache"}))
+
+
+def _chat_completions(call: ApiCall) -> ApiReply:
+    """POST /v1/chat/completions."""
+    return _endpoint(call, "/v1/chat/completions")
+
+
+def _completions(call: ApiCall) -> ApiReply:
+    """POST /v1/completions."""
+    return _endpoint(call, "/v1/completions")
+
+
+def _embeddings(call: ApiCall) -> ApiReply:
+    """POST /v1/embeddings."""
+    return _endpoint(call, "/v1/embeddings")
+
+
 class RequestStream:
     """One streamed answer, as OpenAI streams it: ``chat.completion.chunk`` (or
     ``text_completion``) events, ``data: [DONE]`` last. Choice 0's text goes out as partial.txt
@@ -15251,7 +15790,8 @@ class RequestStream:
     finish chunk per choice, the usage chunk (include_usage). So each choice's deltas concatenate
     to exactly the unstreamed body's text. ``start`` waits for the first text or the end (a job
     that fails before any text gets its own status); leaving the stream unfinished (the client
-    gone) cancels the job."""
+    gone) cancels the job. Threads: one request's, on its Api-N thread only (no lock); the
+    files it reads are the daemon's, read with Flow's checked readers."""
 
     def __init__(self, workspace: str, url: str, job_id: str, usage: bool, gone: Callable[[], bool]) -> None:
         endpoint = ENDPOINTS[url]
@@ -15398,34 +15938,628 @@ class RequestStream:
         return _event(payload)
 
 
-def _endpoint(call: ApiCall, url: str) -> ApiReply:
-    """A synchronous request of endpoint ``url``: its job queued, waited for, answered."""
-    job_id, stream, usage = submit_request(call.workspace, url, call.json())
-    headers = {"X-Nrvna-Job-Id": job_id}
-    if not stream:
-        return ApiReply(payload=answer_request(call.workspace, job_id, call.gone), headers=headers)
-    answer = RequestStream(call.workspace, url, job_id, usage, call.gone)
-    answer.start()
-    return ApiReply(stream=answer.events(), headers=headers)
+# ============================================================================
+# 13.5 The server
+# ============================================================================
+# API_ROUTES (the one table of routes: dispatch, 405s and docs/server.md's table) and ApiServer:
+# Api-IO reads each request whole, bounded in size and time; Api-N threads (a bounded pool) answer.
+# Invariant: a slow or silent client holds no Api-N thread, and a connection past its bounds is dropped.
 
 
-def _chat_completions(call: ApiCall) -> ApiReply:
-    """POST /v1/chat/completions."""
-    return _endpoint(call, "/v1/chat/completions")
+API_HOST = "127.0.0.1"
+API_PORT = 8000
+API_WORKERS = 64  # Api-N threads at most (started as requests need them)
+API_QUEUE = 256  # requests read whole and waiting for an Api-N thread; past it, 503 at once
+API_CONNECTIONS = 512  # open connections; past it, the oldest one still sending its request is dropped
+API_HEAD_SECONDS = 10.0  # a request's head, whole, from its first byte (or from the connection's start)
+API_BODY_SECONDS = 30.0  # a request, whole: this, plus a second per API_BODY_RATE bytes of its body
+API_BODY_RATE = 1 << 20
+API_IDLE_SECONDS = 15.0  # a kept-alive connection with no new request is closed after this
+API_SEND_SECONDS = 30.0  # a reply: this, plus a second per API_BODY_RATE bytes (a stream: per write)
+API_LINGER_SECONDS = 1.0  # after a refusal, what the client still sends is read and dropped this long
 
 
-def _completions(call: ApiCall) -> ApiReply:
-    """POST /v1/completions."""
-    return _endpoint(call, "/v1/completions")
+def _models_served(workspace: str) -> list[dict[str, Any]]:
+    """OpenAI's model objects for the models the workspace's live daemons serve (each once)."""
+    found: dict[str, dict[str, Any]] = {}
+    for record in daemon_records(workspace):
+        for model in record.get("models") or ():
+            name = model.get("name")
+            if isinstance(name, str) and name:
+                model_id = name[:-5] if name.endswith(".gguf") else name
+                created = record.get("started")
+                found.setdefault(model_id, {"id": model_id, "object": "model",
+                                            "created": int(created) if _is_time(created) else 0,
+                                            "owned_by": "nrvna"})
+    return list(found.values())
 
 
-def _embeddings(call: ApiCall) -> ApiReply:
-    """POST /v1/embeddings."""
-    return _endpoint(call, "/v1/embeddings")
+def _list_models(call: ApiCall) -> ApiReply:
+    return ApiReply(payload={"object": "list", "data": _models_served(call.workspace)})
+
+
+def _get_model(call: ApiCall) -> ApiReply:
+    from urllib.parse import unquote
+
+    name = unquote(call.params["model"])
+    for model in _models_served(call.workspace):
+        if model["id"] == name:
+            return ApiReply(payload=model)
+    raise ApiError(404, f"The model {name[:200]!r} does not exist", param="model", code="model_not_found")
+
+
+def _create_file(call: ApiCall) -> ApiReply:
+    if call.upload is None:
+        raise ApiError(400, "POST /v1/files takes a multipart/form-data body (fields purpose and file)")
+    fd = os.open(call.upload, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+    try:
+        parts = read_multipart(fd, os.fstat(fd).st_size, call.headers.get("content-type", ""))
+        unknown = sorted(set(parts) - {"purpose", "file"})
+        if unknown:
+            raise ApiError(400, f"Unrecognized request argument supplied: {unknown[0][:80]}", param=unknown[0])
+        for name in ("purpose", "file"):
+            if name not in parts:
+                raise ApiError(400, f"Missing required parameter: '{name}'", param=name)
+        purpose = multipart_field(fd, parts["purpose"], "purpose")
+        filename, first, end = parts["file"]
+        if filename is None:
+            raise ApiError(400, "field 'file' must be a file (a part with a filename)", param="file")
+        if purpose not in FILE_PURPOSES:  # before the file is copied
+            raise ApiError(400, f"purpose {purpose[:40]!r} is not one of: {', '.join(FILE_PURPOSES)}",
+                           param="purpose")
+        return ApiReply(payload=call.files.create(file_chunks(fd, first, end), end - first, filename, purpose))
+    finally:
+        os.close(fd)
+
+
+def _query_int(call: ApiCall, name: str, default: int, low: int, high: int) -> int:
+    text = call.query.get(name)
+    if text is None:
+        return default
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise ApiError(400, f"{name} must be an integer from {low} to {high}", param=name)
+    return int(text)
+
+
+def _list_files(call: ApiCall) -> ApiReply:
+    unknown = sorted(set(call.query) - {"purpose", "after", "limit", "order"})
+    if unknown:
+        raise ApiError(400, f"Unrecognized query parameter: {unknown[0][:80]}", param=unknown[0])
+    order = call.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order must be asc or desc", param="order")
+    limit = _query_int(call, "limit", 10000, 1, 10000)
+    found = call.files.list(call.query.get("purpose"), call.query.get("after"), limit + 1, order)
+    data = found[:limit]
+    return ApiReply(payload={"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None, "has_more": len(found) > limit})
+
+
+def _get_file(call: ApiCall) -> ApiReply:
+    return ApiReply(payload=call.files.get(call.params["file_id"]))
+
+
+def _file_content(call: ApiCall) -> ApiReply:
+    return ApiReply(content=call.files.content_path(call.params["file_id"]))
+
+
+def _delete_file(call: ApiCall) -> ApiReply:
+    return ApiReply(payload=call.files.delete(call.params["file_id"]))
+
+
+# method, path ({name}: one part of the path, an ID matched whole against API_IDS), handler, help.
+# Dispatch, the 405s (the Allow header) and docs/server.md's table come from here.
+API_ROUTES: tuple[tuple[str, str, Callable[[ApiCall], ApiReply], str], ...] = (
+    ("GET", "/v1/models", _list_models, "the models the workspace's live daemons serve (OpenAI's list)"),
+    ("GET", "/v1/models/{model}", _get_model, "one of them (404: no live daemon serves it)"),
+    ("POST", "/v1/files", _create_file, "upload a batch file: multipart/form-data, fields `purpose` (batch) and "
+                                        "`file`; up to 200 MB and 50,000 lines"),
+    ("GET", "/v1/files", _list_files, "the files, newest first: `purpose`, `after`, `limit` (1-10,000), `order`"),
+    ("GET", "/v1/files/{file_id}", _get_file, "a file's object"),
+    ("DELETE", "/v1/files/{file_id}", _delete_file,
+     "remove a file: `{\"id\", \"object\": \"file\", \"deleted\": true}`"),
+    ("GET", "/v1/files/{file_id}/content", _file_content, "a file's bytes, exactly as uploaded or written"),
+    ("POST", "/v1/chat/completions", _chat_completions, "a chat completion, run as a job ahead of batch lines "
+                                                        "(`stream`: server-sent events); see Synchronous endpoints"),
+    ("POST", "/v1/completions", _completions, "a text completion (legacy), as a job: see Synchronous endpoints"),
+    ("POST", "/v1/embeddings", _embeddings, "embeddings of `input`, as a job: see Synchronous endpoints"),
+)
+
+
+def _send_all(sock: Any, data: bytes) -> None:
+    """Send ``data`` within API_SEND_SECONDS and a second per API_BODY_RATE bytes (socket.timeout,
+    an OSError, past that)."""
+    sock.settimeout(API_SEND_SECONDS + len(data) / API_BODY_RATE)
+    sock.sendall(data)
+
+
+def _reply_head(status: int, content_type: str, length: Optional[int], headers: Mapping[str, str],
+                keep: bool) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_HTTP_REASONS.get(status, 'Status')}", f"Content-Type: {content_type}",
+             f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    lines.append("Connection: keep-alive" if keep else "Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+class _Connection:
+    """One client connection while Api-IO reads a request from it: the bytes so far, the
+    deadline, the request's head and body (in memory, or an upload's in api/tmp/)."""
+
+    __slots__ = ("sock", "buffer", "deadline", "since", "idle", "head", "length", "body", "received",
+                 "spool", "spool_fd", "lingering")
+
+    def __init__(self, sock: Any, deadline: float) -> None:
+        self.sock, self.deadline, self.since = sock, deadline, time.monotonic()
+        self.buffer = bytearray()
+        self.idle = False  # kept alive, between two requests
+        self.head: Optional[_Head] = None
+        self.length = self.received = 0
+        self.body = bytearray()
+        self.spool: Optional[str] = None
+        self.spool_fd = -1
+        self.lingering = False
+
+    def next_request(self, deadline: float) -> None:
+        """Ready for the connection's next request (bytes already read stay in buffer)."""
+        self.head, self.length, self.received, self.body, self.lingering = None, 0, 0, bytearray(), False
+        self.idle, self.deadline, self.since = True, deadline, time.monotonic()
+
+    def drop_spool(self) -> None:
+        if self.spool_fd >= 0:
+            os.close(self.spool_fd)
+            self.spool_fd = -1
+        if self.spool is not None:
+            _unlink_quietly(self.spool, None)
+            self.spool = None
+
+    def close(self) -> None:
+        self.drop_spool()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class _Reader:
+    """The Api-IO thread: accepts connections and reads each request whole (its head within
+    API_HEAD_SECONDS, the whole within API_BODY_SECONDS and a second per API_BODY_RATE bytes),
+    refusing what is over a bound itself, then queues it for the Api-N threads.
+
+    Threads: Api-IO alone, but give_back (any Api-N: a SimpleQueue and a pipe)."""
+
+    def __init__(self, server: "ApiServer", listener: Any) -> None:
+        import queue
+        import selectors
+
+        self.server, self.listener = server, listener
+        self.selector = selectors.DefaultSelector()
+        self.open: dict[int, _Connection] = {}
+        self.back: Any = queue.SimpleQueue()  # connections kept alive by an Api-N thread
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_read, False)
+        os.set_blocking(self.wake_write, False)
+        self.stopping = False
+
+    def give_back(self, conn: _Connection) -> None:
+        if self.stopping:
+            conn.close()
+            return
+        self.back.put(conn)
+        with contextlib.suppress(OSError):
+            os.write(self.wake_write, b"x")
+
+    def stop(self) -> None:
+        self.stopping = True
+        with contextlib.suppress(OSError):
+            os.write(self.wake_write, b"x")
+
+    def run(self) -> None:
+        import selectors
+
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wake_read, selectors.EVENT_READ, "wake")
+        try:
+            while not self.stopping:
+                for key, _ in self.selector.select(timeout=0.25):
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "wake":
+                        self._woken()
+                    else:
+                        self._read(key.data)
+                self._expire()
+        finally:
+            for conn in list(self.open.values()):
+                conn.close()
+            self.selector.close()
+
+    def close(self) -> None:
+        """Close the wake pipe, once no Api-N thread can give a connection back."""
+        os.close(self.wake_read)
+        os.close(self.wake_write)
+
+    def _watch(self, conn: _Connection) -> None:
+        import selectors
+
+        self.open[conn.sock.fileno()] = conn
+        self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self.selector.unregister(conn.sock)
+        self.open.pop(conn.sock.fileno(), None)
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as err:  # out of descriptors: make room, and take the rest later
+                log.limited("api-accept", f"API server: cannot accept a connection: {_os_error(err)}")
+                self._drop_oldest()
+                return
+            sock.setblocking(False)
+            if len(self.open) >= self.server.connections:
+                self._drop_oldest()
+            self._watch(_Connection(sock, time.monotonic() + self.server.head_seconds))
+
+    def _drop_oldest(self) -> None:
+        if self.open:
+            oldest = min(self.open.values(), key=lambda conn: conn.since)
+            self._forget(oldest)
+            oldest.close()
+
+    def _woken(self) -> None:
+        with contextlib.suppress(OSError):
+            os.read(self.wake_read, 4096)
+        while not self.back.empty():
+            conn = self.back.get()
+            conn.sock.setblocking(False)
+            if len(self.open) >= self.server.connections:
+                self._drop_oldest()
+            self._watch(conn)
+            if conn.buffer:  # a request sent behind the last one
+                self._take(conn, b"")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for conn in [conn for conn in self.open.values() if conn.deadline < now]:
+            self._forget(conn)
+            conn.close()
+
+    def _read(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(1 << 18)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._forget(conn)
+            conn.close()
+        elif conn.lingering:
+            pass  # a refused request's rest: dropped
+        else:
+            self._take(conn, data)
+
+    def _take(self, conn: _Connection, data: bytes) -> None:
+        try:
+            if conn.head is None:
+                if conn.idle and data:
+                    conn.idle, conn.deadline = False, time.monotonic() + self.server.head_seconds
+                conn.buffer += data
+                end = conn.buffer.find(b"\r\n\r\n")
+                if end < 0 and len(conn.buffer) <= API_HEAD_LIMIT:
+                    return
+                if end < 0 or end > API_HEAD_LIMIT:
+                    raise ApiError(431, f"the request's head is over {API_HEAD_LIMIT} bytes")
+                head, data = parse_head(bytes(conn.buffer[:end])), bytes(conn.buffer[end + 4:])
+                conn.buffer = bytearray()
+                self._begin(conn, head, len(data))
+            self._body(conn, data)
+        except ApiError as err:
+            self._refuse(conn, err)
+
+    def _begin(self, conn: _Connection, head: _Head, early: int) -> None:
+        """Check a request's head before its body is read: the key, the length, the bound."""
+        key = self.server.api_key
+        if key and not api_key_matches(head.headers, key):
+            raise ApiError(401, "Incorrect API key provided: send the header Authorization: Bearer KEY",
+                           code="invalid_api_key")
+        length = head.body_length()
+        limit = FILE_BYTES_LIMIT + MULTIPART_SLACK if head.is_upload() else API_BODY_LIMIT
+        if length > limit:
+            what = "an upload's body" if head.is_upload() else "a JSON body"
+            raise ApiError(413, f"the body is {length:,} bytes; {what} may be up to {limit:,}", code="body_too_large")
+        conn.head, conn.length = head, length
+        conn.deadline = time.monotonic() + self.server.body_seconds + length / API_BODY_RATE
+        if head.is_upload() and length:
+            try:
+                conn.spool, conn.spool_fd = self.server.files.new_upload()
+            except OSError as err:
+                raise ApiError(500, f"the upload cannot be held: {_os_error(err)}", type="server_error") from None
+        if length > early and "100-continue" in head.headers.get("expect", "").lower():
+            with contextlib.suppress(OSError):
+                conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _body(self, conn: _Connection, data: bytes) -> None:
+        need = conn.length - conn.received
+        take, rest = data[:need], data[need:]
+        if take:
+            if conn.spool_fd >= 0:
+                try:
+                    write_all(conn.spool_fd, take)
+                except OSError as err:
+                    raise ApiError(500, f"the upload cannot be held: {_os_error(err)}", type="server_error") from None
+            else:
+                conn.body += take
+            conn.received += len(take)
+        if conn.received < conn.length:
+            return
+        conn.buffer = bytearray(rest)  # the next request, sent before this one's answer
+        if conn.spool_fd >= 0:
+            os.close(conn.spool_fd)
+            conn.spool_fd = -1
+        self._forget(conn)
+        if not self.server.queue_request(conn):
+            self._refuse(conn, ApiError(503, f"the server is busy: {API_QUEUE} requests wait for an answer; "
+                                             "try again", type="server_error", code="server_busy"))
+
+    def _refuse(self, conn: _Connection, err: ApiError) -> None:
+        """Answer ``err`` from here and close: what the client still sends is read and dropped
+        for API_LINGER_SECONDS, so that it reads the answer rather than a reset."""
+        import socket
+
+        body = _json_bytes(err.payload())
+        conn.drop_spool()
+        with contextlib.suppress(OSError):
+            conn.sock.send(_reply_head(err.status, "application/json", len(body), {}, False) + body)
+            conn.sock.shutdown(socket.SHUT_WR)
+        conn.lingering, conn.deadline = True, time.monotonic() + API_LINGER_SECONDS
+        if conn.sock.fileno() not in self.open:
+            self._watch(conn)
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1)."""
+    import ipaddress
+    import socket
+
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(found) and all(ipaddress.ip_address(str(address).split("%")[0]).is_loopback for address in found)
+
+
+def _route_pattern(path: str) -> Any:
+    return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(path)))
+
+
+class ApiServer:
+    """The served API over a workspace (`nrvna serve`): ``start()`` listens (127.0.0.1:8000 by
+    default), ``serve_forever()`` until ``request_stop()`` (a signal handler may call it),
+    ``shutdown()`` closes; a context manager. Binding an address other than loopback needs an
+    ``api_key`` (InvalidInput). It never loads a model: it is a client of the files.
+
+    Threads: Main (start, serve_forever, shutdown), Api-IO (_Reader), Api-N (_work: one request
+    each; at most ``workers``, started as requests wait) => requests (a queue.Queue); _threads and
+    _idle under _lock."""
+
+    def __init__(self, workspace: str, host: str = API_HOST, port: int = API_PORT, api_key: str = "", *,
+                 workers: int = API_WORKERS, connections: int = API_CONNECTIONS,
+                 head_seconds: float = API_HEAD_SECONDS, body_seconds: float = API_BODY_SECONDS) -> None:
+        import queue
+
+        if not api_key and not _is_loopback(host):
+            raise InvalidInput(f"--host {host} is not a loopback address: serving it needs an API key "
+                               "(--api-key or NRVNA_API_KEY)")
+        self.workspace, self.host, self.port, self.api_key = workspace, host, port, api_key
+        self.workers, self.connections = workers, connections
+        self.head_seconds, self.body_seconds = head_seconds, body_seconds
+        self.files = ApiFiles(workspace)
+        self.routes = [(method, _route_pattern(path), handler) for method, path, handler, _ in API_ROUTES]
+        self.requests: Any = queue.Queue(API_QUEUE)
+        self.reader: Optional[_Reader] = None
+        self.listener: Any = None
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._stop_asked = False
+
+    def __enter__(self) -> "ApiServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def start(self) -> None:
+        import socket
+
+        ensure_workspace(self.workspace)
+        self.files.sweep()
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        try:
+            self.listener = socket.create_server((self.host, self.port), family=family,
+                                                 backlog=min(4096, 2 * self.connections))
+        except OSError as err:
+            raise NrvnaError(f"cannot listen on {self.host}:{self.port}: {_os_error(err)}") from None
+        self.listener.setblocking(False)
+        self.reader = _Reader(self, self.listener)
+        thread = threading.Thread(target=self.reader.run, name="Api-IO", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The (host, port) it listens on (the port the system chose, for port 0)."""
+        host, port = self.listener.getsockname()[:2]
+        return host, port
+
+    def request_stop(self) -> None:
+        self._stop_asked = True  # one attribute: a signal handler may set it
+
+    def serve_forever(self) -> None:
+        while not self._stop_asked:
+            time.sleep(0.2)
+
+    def shutdown(self) -> None:
+        self._stop_asked = True
+        if self.reader is not None:
+            self.reader.stop()
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads[1:]:
+            self.requests.put(None)
+        for thread in threads:
+            thread.join(timeout=5)
+        if self.reader is not None and not any(thread.is_alive() for thread in threads):
+            self.reader.close()  # else left open: a thread still answering may write to it
+        if self.listener is not None:
+            self.listener.close()
+        self.reader = self.listener = None
+        self._threads = []
+
+    def queue_request(self, conn: _Connection) -> bool:
+        """Queue a request read whole for an Api-N thread; False when API_QUEUE wait already."""
+        import queue
+
+        try:
+            self.requests.put_nowait(conn)
+        except queue.Full:
+            return False
+        with self._lock:
+            if self._idle == 0 and len(self._threads) - 1 < self.workers:
+                thread = threading.Thread(target=self._work, name=f"Api-{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                self._idle += 1  # counted before it runs: the next request does not start another
+                thread.start()
+        return True
+
+    def _work(self) -> None:
+        while True:
+            conn = self.requests.get()
+            with self._lock:
+                self._idle -= 1
+            if conn is None:
+                return
+            keep = False
+            try:
+                keep = self._answer(conn)
+            except Exception as err:  # a bug: logged; the server goes on
+                log.error(f"API server: {type(err).__name__}: {err}")
+            reader = self.reader
+            if keep and reader is not None and not self._stop_asked:
+                conn.next_request(time.monotonic() + API_IDLE_SECONDS)
+                reader.give_back(conn)
+            else:
+                conn.close()
+            with self._lock:
+                self._idle += 1
+
+    def _answer(self, conn: _Connection) -> bool:
+        """Answer one request; whether the connection may be kept for another."""
+        head = conn.head
+        assert head is not None
+        try:
+            reply = self._dispatch(conn, head)
+        except ApiError as err:
+            reply = ApiReply(err.status, err.payload())
+        except NrvnaError as err:
+            status = 400 if isinstance(err, InvalidInput) else 404 if isinstance(err, NoSuchJob) else 500
+            reply = ApiReply(status, ApiError(status, str(err), type="server_error" if status == 500 else
+                                              "invalid_request_error").payload())
+        except Exception as err:  # a bug: answered and logged, never the server's end
+            log.error(f"API server: {head.method} {head.target[:200]}: {type(err).__name__}: {err}")
+            reply = ApiReply(500, ApiError(500, "the server failed to answer this request",
+                                           type="server_error").payload())
+        finally:
+            conn.drop_spool()
+        return self._send(conn.sock, reply, head.keep_alive())
+
+    def _dispatch(self, conn: _Connection, head: _Head) -> ApiReply:
+        from urllib.parse import parse_qsl
+
+        path, _, text = head.target.partition("?")
+        try:
+            query = dict(parse_qsl(text, keep_blank_values=True, max_num_fields=100, errors="strict"))
+        except (ValueError, UnicodeError):
+            raise ApiError(400, "the query string cannot be read") from None
+        allowed = []
+        for method, pattern, handler in self.routes:
+            found = pattern.fullmatch(path)
+            if found is None:
+                continue
+            if method != head.method:
+                allowed.append(method)
+                continue
+            for name, value in found.groupdict().items():
+                if name in API_IDS and not API_IDS[name].fullmatch(value):
+                    what = "File object" if name == "file_id" else name[:-3]
+                    raise ApiError(404, f"No such {what}: {value[:80]}", param=name)
+            call = ApiCall(self.workspace, head, path, query, bytes(conn.body), conn.spool, self.files, conn.sock)
+            call.params = found.groupdict()
+            return handler(call)
+        if allowed:
+            error = ApiError(405, f"{head.method[:16]} is not allowed on {path[:200]}: use {', '.join(allowed)}")
+            return ApiReply(405, error.payload(), headers={"Allow": ", ".join(allowed)})
+        raise ApiError(404, f"Invalid URL ({head.method[:16]} {path[:200]})")
+
+    def _send(self, sock: Any, reply: ApiReply, keep: bool) -> bool:
+        """Write ``reply``; whether all of it went (the connection may then be kept)."""
+        sock.setblocking(True)
+        try:
+            if reply.stream is not None:
+                return self._send_stream(sock, reply) and keep
+            if reply.content is not None and not isinstance(reply.content, bytes):
+                return self._send_file(sock, reply, keep)
+            body = reply.content if reply.content is not None else \
+                b"" if reply.payload is None else _json_bytes(reply.payload)
+            _send_all(sock, _reply_head(reply.status, reply.content_type, len(body), reply.headers, keep) + body)
+            return keep
+        except OSError:
+            return False
+
+    def _send_stream(self, sock: Any, reply: ApiReply) -> bool:
+        try:
+            _send_all(sock, _reply_head(reply.status, reply.content_type, None, reply.headers, True))
+            for piece in reply.stream or ():
+                if piece:
+                    _send_all(sock, b"%x\r\n%s\r\n" % (len(piece), piece))
+            _send_all(sock, b"0\r\n\r\n")
+            return True
+        finally:
+            close = getattr(reply.stream, "close", None)
+            if close is not None:
+                close()  # a generator's finally runs now: a stream cut short ends its job
+
+    def _send_file(self, sock: Any, reply: ApiReply, keep: bool) -> bool:
+        try:
+            fd = os.open(str(reply.content), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            error = ApiError(404, "the file's content is gone")
+            return self._send(sock, ApiReply(404, error.payload()), keep)
+        try:
+            size = os.fstat(fd).st_size
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return self._send(sock, ApiReply(404, ApiError(404, "the file's content is not a file").payload()),
+                                  keep)
+            _send_all(sock, _reply_head(reply.status, reply.content_type, size, reply.headers, keep))
+            sent = 0
+            while sent < size:
+                chunk = os.pread(fd, min(1 << 20, size - sent), sent)
+                if not chunk:
+                    return False  # cut short under us: the length sent is wrong, so the connection ends
+                _send_all(sock, chunk)
+                sent += len(chunk)
+            return keep
+        finally:
+            os.close(fd)
 
 
 ##############################################################################
-# 13. CLI: parse, call the library, print. Data on stdout, messages on stderr.
+# 14. CLI: parse, call the library, print. Data on stdout, messages on stderr.
 ##############################################################################
 # Owns argument parsing, output and exit codes. Invariant: data on stdout, one-line messages on
 # stderr, an exit code from EXIT_CODES; it calls the library, never a daemon's internals. The main
@@ -15433,7 +16567,7 @@ def _embeddings(call: ApiCall) -> ApiReply:
 
 
 # ============================================================================
-# 13.1 Commands
+# 14.1 Commands
 # ============================================================================
 # One _cmd_* per command and their output: JSON or lines on stdout, progress and waits that
 # notice a missing daemon (_DaemonWatch) on stderr. The main thread.
@@ -15561,6 +16695,11 @@ def _cmd_daemon(args: Any) -> int:
     configure_logging(config.log_level)
     threading.current_thread().name = "Main"
     server = Server(args.model, args.workspace, config=config, drain=args.drain, runner=args.runner)
+    api = None
+    if args.serve is not None:  # listening before the model loads: a port in use ends it at once
+        api = ApiServer(args.workspace, args.serve[0], args.serve[1], config.api_key)
+        api.start()
+        log.info(f"Serving the API on {_api_url(api)}")
 
     starting = True
 
@@ -15585,14 +16724,43 @@ def _cmd_daemon(args: Any) -> int:
         server.shutdown()  # idempotent: start() has already let go of what it held
         log.info("Stopped during start-up")
         return 128 + signalled.signum
+    finally:
+        if api is not None and starting:
+            api.shutdown()
     try:
         server.serve_forever()
     finally:
+        if api is not None:
+            api.shutdown()
         server.shutdown()
     failure = server.failure()
     if failure:
         log.error(f"The daemon stopped: {failure}")
         return EXIT_FAILED
+    return EXIT_OK
+
+
+def _api_url(api: ApiServer) -> str:
+    host, port = api.address
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+
+def _cmd_serve(args: Any) -> int:
+    import signal
+
+    configure_logging(setting_default("log_level"))
+    threading.current_thread().name = "Main"
+    key = args.api_key if args.api_key is not None else setting_default("api_key")
+    api = ApiServer(args.workspace, args.host, args.port, key)
+    api.start()
+    signal.signal(signal.SIGINT, lambda signum, frame: api.request_stop())
+    signal.signal(signal.SIGTERM, lambda signum, frame: api.request_stop())
+    try:
+        print(_api_url(api), flush=True)  # the base URL a client is given (the port chosen, with --port 0)
+        log.info(f"Serving {args.workspace} on {_api_url(api)}{' (API key required)' if key else ''}")
+        api.serve_forever()
+    finally:
+        api.shutdown()
     return EXIT_OK
 
 
@@ -16126,7 +17294,7 @@ def _duration(text: str) -> float:
 
 
 # ============================================================================
-# 13.2 Arguments and main
+# 14.2 Arguments and main
 # ============================================================================
 # The argparse parser, built from COMMANDS and the tables' flags, and main(argv) -> exit code:
 # every NrvnaError becomes one line on stderr and its exit code. The main thread.
@@ -16150,6 +17318,8 @@ def _daemon_arguments(parser: Any) -> None:
                              "models (the first is the default)")
     parser.add_argument("workspace", metavar="WORKSPACE")
     parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0 (1 when jobs are left that no live daemon serves)")
+    parser.add_argument("--serve", type=_host_port, metavar="[HOST:]PORT", help="serve the API as `nrvna serve` "
+                        "does, from this process (a client of the files like any other)")
     for name, setting in SETTINGS.items():  # the settings with a flag of their own
         if setting.flags:
             hooked = [var for var, (hooks, _) in HOOK_VARIABLES.items() if name in hooks]
@@ -16160,8 +17330,30 @@ def _daemon_arguments(parser: Any) -> None:
                 kind: dict[str, Any] = {"type": setting.kind}
             else:  # a hook's command, a size, or one of the setting's choices
                 kind = {"metavar": "|".join(setting.choices) if setting.choices else
-                        "SIZE" if setting.check in (_check_size, _check_pending) else "CMD"}
+                        "SIZE" if setting.check in (_check_size, _check_pending) else
+                        "KEY" if name == "api_key" else "CMD"}
             parser.add_argument(*setting.flags, dest=name, help=f"{setting.help}{env} ({setting.env}{default})", **kind)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """``[HOST:]PORT`` (HOST 127.0.0.1 when absent; ``[::1]:PORT`` for an IPv6 address)."""
+    import argparse
+
+    host, _, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not [HOST:]PORT")
+    return host or API_HOST, int(port)
+
+
+def _serve_arguments(parser: Any) -> None:
+    parser.add_argument("workspace", metavar="WORKSPACE")
+    parser.add_argument("--host", default=API_HOST, help=f"the address to listen on (default {API_HOST}; any other "
+                        "than loopback needs an API key)")
+    parser.add_argument("--port", type=int, default=API_PORT, metavar="P", help=f"the port (default {API_PORT}; 0: "
+                        "one the system chooses, printed)")
+    parser.add_argument("--api-key", metavar="KEY", help=SETTINGS["api_key"].help + " (NRVNA_API_KEY, which "
+                        "keeps the key out of the process list)")
 
 
 def _param_arguments(parser: Any) -> None:
@@ -16419,6 +17611,10 @@ COMMANDS = (
     ("clean", "remove old finished jobs",
      "Remove done and/or failed jobs finished more than DURATION ago; never queued or running ones.",
      _clean_arguments, _cmd_clean),
+    ("serve", "serve OpenAI's API over the workspace",
+     "Answer OpenAI's Files API and /v1/models (docs/server.md) over HTTP from WORKSPACE's files until "
+     "SIGINT/SIGTERM; prints the base URL. It never loads a model or starts a daemon: start one beside it "
+     "(or `daemon --serve`).", _serve_arguments, _cmd_serve),
     ("stop", "stop the daemon gracefully",
      "Ask the daemon holding WORKSPACE to stop (SIGTERM: in-flight jobs go back to the queue) "
      "and wait until it has; exit 3 if none runs.", _stop_arguments, _cmd_stop),

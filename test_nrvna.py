@@ -33,7 +33,9 @@ Contents, numbered as nrvna.py's sections and sub-sections (the tests of 12.1 si
     12.1 The queue: Pool and Scanner: priority lanes
     12.2 Claims and finishes: Processor: crashes, kills and concurrency
     12.6 Server: start-up checks (model, settings, workspace)
-    13. CLI: output, exit codes, pipes
+    13. Served API: the HTTP layer, files and models over a workspace
+    13.4 Endpoints: synchronous requests through the queue, streamed or not
+    14. CLI: output, exit codes, pipes
 """
 
 from __future__ import annotations
@@ -11518,6 +11520,316 @@ def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: s
 
 
 # ==============================================================================
+# 13. Served API: the HTTP layer, files and models over a workspace
+# ==============================================================================
+
+
+@pytest.fixture
+def api(ws: str) -> Iterator[nrvna.ApiServer]:
+    """An in-process ApiServer on a free port of 127.0.0.1, short bounds in time."""
+    with nrvna.ApiServer(ws, port=0, head_seconds=1.0, body_seconds=2.0) as server:
+        yield server
+
+
+def http(server: nrvna.ApiServer, method: str, path: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+    """One request by http.client: (status, headers (lower-case names), body)."""
+    import http.client
+
+    host, port = server.address
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        reply = conn.getresponse()
+        return reply.status, {k.lower(): v for k, v in reply.getheaders()}, reply.read()
+    finally:
+        conn.close()
+
+
+def multipart(fields: dict[str, str], files: dict[str, tuple[str, bytes]],
+              boundary: str = "nrvna-test-boundary") -> tuple[bytes, dict[str, str]]:
+    """A multipart/form-data body and its Content-Type header."""
+    out = b""
+    for name, value in fields.items():
+        out += f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+    for name, (filename, data) in files.items():
+        out += (f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+                f'Content-Type: application/jsonl\r\n\r\n').encode() + data + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode(), {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+
+def test_files_are_uploaded_read_listed_and_deleted_as_openai_s_file_objects(api: nrvna.ApiServer, ws: str) -> None:
+    data = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n' * 3
+    body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", data)})
+    status, _, reply = http(api, "POST", "/v1/files", body, headers)
+    assert status == 200, reply
+    made = json.loads(reply)
+    assert re.fullmatch(r"file-[a-z0-9]{24}", made["id"]) and made["object"] == "file"
+    assert (made["bytes"], made["filename"], made["purpose"]) == (len(data), "in.jsonl", "batch")
+    assert json.loads(http(api, "GET", f"/v1/files/{made['id']}")[2]) == made
+    status, got_headers, content = http(api, "GET", f"/v1/files/{made['id']}/content")
+    assert (status, content) == (200, data) and got_headers["content-length"] == str(len(data))
+    listed = json.loads(http(api, "GET", "/v1/files")[2])
+    assert listed["object"] == "list" and listed["data"] == [made] and listed["has_more"] is False
+    assert json.loads(http(api, "DELETE", f"/v1/files/{made['id']}")[2]) == {
+        "id": made["id"], "object": "file", "deleted": True}
+    status, _, reply = http(api, "GET", f"/v1/files/{made['id']}")
+    assert status == 404 and set(json.loads(reply)["error"]) == {"message", "type", "param", "code"}
+    assert os.listdir(os.path.join(ws, "api", "files")) == [] and os.listdir(os.path.join(ws, "api", "tmp")) == []
+
+
+def raw_request(server: nrvna.ApiServer, data: bytes, timeout: float = 10) -> bytes:
+    """Send ``data`` as it is on a new connection; what comes back until the server closes it."""
+    import socket
+
+    with socket.create_connection(server.address, timeout=timeout) as sock:
+        sock.sendall(data)
+        got = b""
+        with contextlib.suppress(ConnectionResetError):
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        return got
+
+
+def error_of(reply: bytes) -> tuple[int, dict[str, Any]]:
+    """(status, the error object) of a raw reply in OpenAI's error shape."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return int(head.split(b" ")[1]), error
+
+
+def upload(server: nrvna.ApiServer, data: bytes, name: str = "in.jsonl") -> dict[str, Any]:
+    body, headers = multipart({"purpose": "batch"}, {"file": (name, data)})
+    status, _, reply = http(server, "POST", "/v1/files", body, headers)
+    assert status == 200, reply
+    return json.loads(reply)
+
+
+def test_files_are_listed_by_page_order_and_purpose_as_openai_lists_them(api: nrvna.ApiServer) -> None:
+    made = [upload(api, b"{}\n" * (i + 1), f"f{i}.jsonl") for i in range(5)]
+    newest = sorted(made, key=lambda f: (f["created_at"], f["id"]), reverse=True)
+    page = json.loads(http(api, "GET", "/v1/files?limit=2")[2])
+    assert [f["id"] for f in page["data"]] == [f["id"] for f in newest[:2]] and page["has_more"] is True
+    assert (page["first_id"], page["last_id"]) == (newest[0]["id"], newest[1]["id"])
+    rest = json.loads(http(api, "GET", f"/v1/files?limit=10&after={page['last_id']}")[2])
+    assert [f["id"] for f in rest["data"]] == [f["id"] for f in newest[2:]] and rest["has_more"] is False
+    oldest = json.loads(http(api, "GET", "/v1/files?order=asc&purpose=batch")[2])["data"]
+    assert [f["id"] for f in oldest] == [f["id"] for f in newest[::-1]]
+    assert json.loads(http(api, "GET", "/v1/files?purpose=fine-tune")[2])["data"] == []
+    for query in ("limit=0", "limit=10001", "limit=x", "order=up", "colour=red"):
+        status, _, reply = http(api, "GET", f"/v1/files?{query}")
+        assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", query
+
+
+def test_an_api_key_is_required_of_every_request_and_only_loopback_is_served_without_one(ws: str) -> None:
+    with nrvna.ApiServer(ws, port=0, api_key="s3cret") as server:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
+                        {"Authorization": "Bearer s3cret-and-more"}):
+            status, _, reply = http(server, "GET", "/v1/models", headers=headers)
+            assert status == 401 and json.loads(reply)["error"]["code"] == "invalid_api_key", headers
+        assert http(server, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
+        # refused before a byte of the body is read: a 200 MB upload without the key costs nothing
+        status, error = error_of(raw_request(server, b"POST /v1/files HTTP/1.1\r\nContent-Length: 199000000\r\n"
+                                             b"Content-Type: multipart/form-data; boundary=x\r\n\r\n"))
+        assert status == 401 and not os.path.exists(os.path.join(ws, "api", "tmp"))
+    with pytest.raises(nrvna.InvalidInput, match="not a loopback address"):
+        nrvna.ApiServer(ws, host="0.0.0.0", port=0)
+    done = cli("serve", ws, "--host", "0.0.0.0", "--port", "0", timeout=30)
+    assert done.returncode == 2 and done.stdout == b"" and len(done.stderr.splitlines()) == 1
+    assert b"needs an API key" in done.stderr
+
+
+def test_models_lists_what_live_daemons_serve_and_each_id_is_accepted_as_a_model(ws: str) -> None:
+    with nrvna.ApiServer(ws, port=0) as server:
+        assert json.loads(http(server, "GET", "/v1/models")[2]) == {"object": "list", "data": []}
+        proc = registered_daemon(ws, "derived")
+        try:
+            listed = json.loads(http(server, "GET", "/v1/models")[2])
+            assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == ["function"]
+            model = listed["data"][0]
+            assert model["object"] == "model" and model["owned_by"] == "nrvna" and model["created"] > 0
+            assert json.loads(http(server, "GET", "/v1/models/function")[2]) == model
+            assert http(server, "GET", "/v1/models/other")[0] == 404
+            assert nrvna.check_model_names(ws, [("request", "function")], strict=True) == []
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        assert json.loads(http(server, "GET", "/v1/models")[2])["data"] == []
+
+
+def test_a_daemon_serves_the_api_from_its_own_process_with_serve(ws: str) -> None:
+    proc = child_daemon(ws, "derived", "--serve", "0", stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        line = b""
+        while b"Serving the API on " not in line and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+        url = line.decode().split("Serving the API on ")[1].strip()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            import urllib.request
+
+            with urllib.request.urlopen(f"{url}/models", timeout=10) as reply:
+                ids = [m["id"] for m in json.loads(reply.read())["data"]]
+            if ids:
+                break
+            time.sleep(0.1)
+        assert ids == ["function"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_routes_methods_and_ids_that_name_no_file_are_answered_in_openai_s_error_shape(
+        api: nrvna.ApiServer, ws: str) -> None:
+    made = upload(api, b"{}\n")
+    outside = os.path.join(ws, "secret")
+    Path(outside).write_text("not for clients")
+    for path in ("/v1/files/../secret", "/v1/files/..%2F..%2Fsecret", "/v1/files/%2e%2e/content",
+                 "/v1/files/../../../etc/passwd/content", f"/v1/files/{made['id'].upper()}",
+                 f"/v1/files/%66{made['id'][1:]}", f"/v1/files/{made['id']}x", "/v1/files/file-" + "a" * 24,
+                 "/v1/files/file-" + "a" * 24 + "/content", f"/v1/files/{made['id']}/../../secret"):
+        reply = raw_request(api, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        status, error = error_of(reply)
+        assert status == 404 and b"not for clients" not in reply, path
+    assert error_of(raw_request(api, b"GET /v1/nothing HTTP/1.1\r\nConnection: close\r\n\r\n"))[0] == 404
+    reply = raw_request(api, b"PUT /v1/files HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert error_of(reply)[0] == 405 and b"\r\nAllow: POST, GET\r\n" in reply
+    reply = raw_request(api, f"PATCH /v1/files/{made['id']} HTTP/1.1\r\nConnection: close\r\n\r\n".encode())
+    assert error_of(reply)[0] == 405 and b"\r\nAllow: GET, DELETE\r\n" in reply
+    for bad in (b"GET /v1/files\r\n\r\n", b"GET /v1/files HTTP/2.0\r\n\r\n", b"GET v1 HTTP/1.1\r\n\r\n",
+                b"GET /v1/files HTTP/1.1\r\nbad header\r\n\r\n",
+                b"POST /v1/files HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+                b"POST /v1/files HTTP/1.1\r\nContent-Length: -1\r\n\r\n"):
+        assert error_of(raw_request(api, bad))[0] == 400, bad
+    reply = raw_request(api, b"POST /v1/files HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    assert error_of(reply)[0] == 411
+    assert error_of(raw_request(api, b"GET /v1/files HTTP/1.1\r\nX: " + b"y" * 40000 + b"\r\n\r\n"))[0] == 431
+    assert json.loads(http(api, "GET", f"/v1/files/{made['id']}")[2]) == made  # the server goes on
+
+
+def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServer, ws: str) -> None:
+    good = b'{"custom_id": "a"}\n'
+    body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", good)})
+    cases = {
+        "no closing boundary": (body[:-25], headers),
+        "no boundary": (body, {"Content-Type": "multipart/form-data"}),
+        "another boundary": (body, {"Content-Type": "multipart/form-data; boundary=other"}),
+        "no purpose": multipart({}, {"file": ("in.jsonl", good)}),
+        "no file": multipart({"purpose": "batch"}, {}),
+        "file as a field": multipart({"purpose": "batch", "file": "text"}, {}),
+        "a purpose other than batch": multipart({"purpose": "fine-tune"}, {"file": ("in.jsonl", good)}),
+        "an unknown field": multipart({"purpose": "batch", "colour": "red"}, {"file": ("in.jsonl", good)}),
+        "a huge purpose": multipart({"purpose": "b" * 10000}, {"file": ("in.jsonl", good)}),
+        "too many parts": multipart({f"f{i}": "x" for i in range(40)}, {"file": ("in.jsonl", good)}),
+        "a part without headers": (b"--b\r\n\r\nx\r\n--b--\r\n", {"Content-Type": "multipart/form-data; boundary=b"}),
+        "not multipart": (b'{"purpose": "batch"}', {"Content-Type": "application/json"}),
+        "twice": (body.replace(b"--nrvna-test-boundary--\r\n", b"") + body, headers),
+    }
+    for why, (data, head) in cases.items():
+        status, _, reply = http(api, "POST", "/v1/files", data, head)
+        assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", why
+    lines = b"{}\n" * (nrvna.BATCH_FILE_LINES + 1)
+    status, _, reply = http(api, "POST", "/v1/files", *multipart({"purpose": "batch"}, {"file": ("big", lines)}))
+    assert status == 400 and "50,000" in json.loads(reply)["error"]["message"]
+    assert os.listdir(os.path.join(ws, "api", "files")) == [] and os.listdir(os.path.join(ws, "api", "tmp")) == []
+    assert upload(api, lines[:-3])["bytes"] == len(lines) - 3  # 50,000 lines are taken
+
+
+def test_an_upload_over_the_limit_is_refused_before_its_body_is_read(api: nrvna.ApiServer, ws: str) -> None:
+    import socket
+
+    for length, content_type in ((300_000_000, b"multipart/form-data; boundary=x"), (17 << 20, b"application/json")):
+        with socket.create_connection(api.address, timeout=10) as sock:
+            sock.sendall(b"POST /v1/files HTTP/1.1\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+                         % (content_type, length) + b"x" * 1000)
+            reply = sock.recv(65536)  # answered with most of the body unsent
+        status, error = error_of(reply)
+        assert status == 413 and f"{length:,}" in error["message"]
+    assert not os.path.exists(os.path.join(ws, "api", "tmp")) or os.listdir(os.path.join(ws, "api", "tmp")) == []
+    # curl's way: Expect: 100-continue gets the refusal before anything is sent
+    reply = raw_request(api, b"POST /v1/files HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 300000000\r\n"
+                             b"Content-Type: multipart/form-data; boundary=x\r\n\r\n")
+    assert error_of(reply)[0] == 413
+
+
+def test_a_slow_client_is_dropped_after_its_deadline_and_holds_no_worker(ws: str) -> None:
+    """A client that sends a byte a second is dropped once its request is not whole within the
+    deadline (here 1 s for the head, 2 s more for the body), whatever its pace; meanwhile other
+    requests are answered and no Api-N thread waits for it."""
+    import socket
+
+    with nrvna.ApiServer(ws, port=0, head_seconds=1.0, body_seconds=2.0) as server:
+        slow = [socket.create_connection(server.address, timeout=10) for _ in range(20)]
+        bodies = [socket.create_connection(server.address, timeout=10) for _ in range(5)]
+        for sock in bodies:
+            sock.sendall(b"POST /v1/files HTTP/1.1\r\nContent-Length: 100\r\n"
+                         b"Content-Type: multipart/form-data; boundary=x\r\n\r\n")
+        started = time.monotonic()
+        closed: dict[int, float] = {}
+        while len(closed) < len(slow) + len(bodies) and time.monotonic() - started < 10:
+            for i, sock in enumerate(slow + bodies):
+                if i in closed:
+                    continue
+                try:
+                    sock.sendall(b"G" if i < len(slow) else b"x")  # a byte a second, each
+                except OSError:
+                    closed[i] = time.monotonic() - started
+            assert http(server, "GET", "/v1/files", timeout=5)[0] == 200
+            workers = [t for t in threading.enumerate() if re.fullmatch(r"Api-\d+", t.name)]
+            assert len(workers) <= 2  # the requests answered, never the slow ones
+            time.sleep(0.25)
+        assert len(closed) == len(slow) + len(bodies)
+        assert max(closed.values()) < 6  # head: 1 s; body: 2 s + 100 bytes at 1 MiB/s; closes seen a write later
+        for sock in slow + bodies:
+            sock.close()
+        assert os.listdir(os.path.join(ws, "api", "tmp")) == []  # the bodies' spools removed
+
+
+@pytest.mark.slow
+def test_two_thousand_connections_at_once_exhaust_neither_threads_nor_descriptors(ws: str) -> None:
+    import resource
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    proc = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    socks: list[Any] = []
+    try:
+        url = proc.stdout.readline().decode().strip()
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        for _ in range(2000):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((host, int(port)))
+            socks.append(sock)
+        time.sleep(1)
+        for i, sock in enumerate(socks):
+            with contextlib.suppress(OSError):
+                sock.send(b"GET /v1/files HTTP/1.1\r\n" if i % 2 else b"G")  # half a head, or a byte
+        time.sleep(1)
+        fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        threads = len(os.listdir(f"/proc/{proc.pid}/task"))
+        assert fds <= nrvna.API_CONNECTIONS + 32 and threads <= nrvna.API_WORKERS + 4, (fds, threads)
+        import urllib.request
+
+        with urllib.request.urlopen(f"{url}/files", timeout=30) as reply:  # a new client is answered
+            assert json.loads(reply.read())["object"] == "list"
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+# ==============================================================================
 # 13.4 Endpoints: synchronous requests through the queue, streamed or not
 # ==============================================================================
 
@@ -11694,7 +12006,7 @@ def test_a_request_no_daemon_serves_is_cancelled_with_a_503(ws: str, monkeypatch
 
 
 # ==============================================================================
-# 13. CLI: output, exit codes, pipes
+# 14. CLI: output, exit codes, pipes
 # ==============================================================================
 
 
