@@ -12005,6 +12005,62 @@ def test_a_request_no_daemon_serves_is_cancelled_with_a_503(ws: str, monkeypatch
     assert [flow.get(j).meta["code"] for j in os.listdir(os.path.join(ws, nrvna.FAILED))] == ["cancelled"] * 2
 
 
+@pytest.mark.model
+def test_the_openai_client_chats_streams_completes_calls_tools_and_embeds_through_the_queue(
+        ws: str, model: str, bert: str) -> None:
+    import openai
+
+    daemons = [Server(model, ws, 1), Server(bert, ws, 1)]
+    for daemon in daemons:
+        daemon.start()
+    try:
+        with nrvna.ApiServer(ws, port=0) as api:
+            host, port = api.address
+            client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0)
+            chat, embed = Path(model).stem, Path(bert).stem
+            asked = {"model": chat, "messages": [{"role": "user", "content": "Name three colors."}],
+                     "temperature": 0, "max_tokens": 40}
+            for n in (1, 2):
+                plain = client.chat.completions.create(**asked, n=n)
+                chunks = list(client.chat.completions.create(**asked, n=n, stream=True,
+                                                             stream_options={"include_usage": True}))
+                assert [c.message.content for c in plain.choices] == [
+                    "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                    for i in range(n)]
+                assert plain.choices[0].message.content and chunks[-1].usage == plain.usage
+                assert plain.model == chat + ".gguf" and chunks[0].id == f"chatcmpl-{chunks[0].id[9:]}"
+            assert len({c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content}) > 1
+            said = client.completions.create(model=chat, prompt="The capital of France is", max_tokens=8, temperature=0)
+            pieces = client.completions.create(model=chat, prompt="The capital of France is", max_tokens=8,
+                                               temperature=0, stream=True)
+            assert "".join(c.choices[0].text for c in pieces) == said.choices[0].text != ""
+            tool = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                                     "parameters": {"type": "object", "properties": {
+                                                         "city": {"type": "string"}}, "required": ["city"]}}}
+            called = {**asked, "max_tokens": 160, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                      "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+            calls = client.chat.completions.create(**called).choices[0].message.tool_calls
+            assert calls[0].function.name == "get_weather" and "city" in json.loads(calls[0].function.arguments)
+            streamed = [call for c in client.chat.completions.create(**called, stream=True) if c.choices
+                        for call in c.choices[0].delta.tool_calls or ()]
+            assert [(c.function.name, c.function.arguments) for c in streamed] == \
+                   [(c.function.name, c.function.arguments) for c in calls]  # (IDs: each job's own)
+            schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+                      "required": ["color"], "additionalProperties": False}
+            shaped = client.chat.completions.create(**asked, response_format={
+                "type": "json_schema", "json_schema": {"name": "color", "schema": schema, "strict": True}})
+            assert json.loads(shaped.choices[0].message.content)["color"] in ("red", "green", "blue")
+            vectors = client.embeddings.create(model=embed, input=["hello", "world"])
+            assert [v.index for v in vectors.data] == [0, 1] and len(vectors.data[0].embedding) == 384
+            assert vectors.usage.prompt_tokens > 0 and vectors.model == embed + ".gguf"
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(**asked, extra_body={"temperatur": 1})
+            assert refused.value.body["param"] == "temperatur"
+    finally:
+        for daemon in daemons:
+            daemon.shutdown()
+
+
 # ==============================================================================
 # 14. CLI: output, exit codes, pipes
 # ==============================================================================
