@@ -12005,6 +12005,39 @@ def test_a_request_no_daemon_serves_is_cancelled_with_a_503(ws: str, monkeypatch
     assert [flow.get(j).meta["code"] for j in os.listdir(os.path.join(ws, nrvna.FAILED))] == ["cancelled"] * 2
 
 
+def test_over_http_a_request_answers_streams_refuses_and_a_closed_connection_cancels(
+        ws: str, api: nrvna.ApiServer) -> None:
+    import socket
+
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    with serving(ws, words, workers=2):
+        status, headers, body = http(api, "POST", "/v1/chat/completions", json.dumps(chat).encode())
+        answer = json.loads(body)
+        assert status == 200 and answer["choices"][0]["message"]["content"] == "w0 w1 w2 "
+        assert answer["id"] == f"chatcmpl-{headers['x-nrvna-job-id']}"
+        status, headers, body = http(api, "POST", "/v1/chat/completions", json.dumps(dict(chat, stream=True)).encode())
+        assert status == 200 and headers["content-type"] == "text/event-stream" and body.endswith(b"data: [DONE]\n\n")
+        status, _, body = http(api, "POST", "/v1/completions", json.dumps({"prompt": "p", "n": 0}).encode())
+        assert status == 400 and json.loads(body) == {"error": {
+            "message": "parameter n=0 is out of range (1 to 128)", "type": "invalid_request_error", "param": "n",
+            "code": None}}
+        flow = Flow(ws)
+        for stream in (False, True):
+            before = set(os.listdir(os.path.join(ws, nrvna.READY))) | set(os.listdir(os.path.join(ws, nrvna.OUTPUT)))
+            sock = socket.create_connection(api.address, timeout=30)
+            data = json.dumps(dict(chat, max_tokens=1000, stream=stream)).encode()
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+            deadline = time.monotonic() + 10
+            while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            [job_id] = set(os.listdir(os.path.join(ws, nrvna.PROCESSING))) - before
+            if stream:
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # the stream has begun
+            sock.close()
+            assert flow.wait(job_id, 10) is Status.Failed and flow.get(job_id).meta["code"] == "cancelled"
+
+
 @pytest.mark.model
 def test_the_openai_client_chats_streams_completes_calls_tools_and_embeds_through_the_queue(
         ws: str, model: str, bert: str) -> None:
