@@ -11975,6 +11975,18 @@ def test_a_stream_adds_up_to_the_unstreamed_body_choices_reasoning_and_tool_call
         assert _streamed_texts(live) == {0: "one two three"} and all(e["object"] == "text_completion" for e in live)
 
 
+def test_a_stream_whose_partial_text_the_answer_contradicts_ends_with_an_error_never_a_wrong_text(ws: str) -> None:
+    def runner(job: nrvna.RunningJob) -> str:
+        job.emit("a text the answer does not go on from ")  # as a crafted partial.txt, or a run again
+        time.sleep(0.5)
+        return "another text"
+
+    with serving(ws, runner, workers=1):
+        events = _answer(ws, "/v1/completions", {"prompt": "p", "stream": True})
+    assert _streamed_texts(events[:-1]) == {0: "a text the answer does not go on from "}
+    assert events[-1]["error"]["type"] == "server_error" and "does not go on from" in events[-1]["error"]["message"]
+
+
 @pytest.mark.parametrize("code, status, kind", [
     ("context_overflow", 400, "invalid_request_error"), ("runner_error", 500, "server_error"),
     ("load_failed", 503, "server_error"), ("timeout", 504, "timeout"),
