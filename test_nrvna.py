@@ -11625,6 +11625,80 @@ def test_files_are_listed_by_page_order_and_purpose_as_openai_lists_them(api: nr
         assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", query
 
 
+def test_files_read_back_crafted_linked_or_fifos_are_absent_and_nothing_foreign_is_removed(
+        api: nrvna.ApiServer, ws: str, tmp_path: Path) -> None:
+    """A file.json or content put in api/files/ by something else (crafted, huge, nested, a link,
+    a FIFO) is read as no file: 404, left out of the list, never followed or waited on."""
+    made = upload(api, b"{}\n")
+    root = Path(ws, "api", "files")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "file.json").write_text(json.dumps(dict(made, id="file-" + "o" * 24)))
+    (outside / "content").write_text("secret")
+    planted = {"file-" + "a" * 24: {"file.json": json.dumps(dict(made, bytes="3"))},
+               "file-" + "b" * 24: {"file.json": json.dumps(dict(made, id="file-" + "b" * 24))[:-1]},
+               "file-" + "c" * 24: {"file.json": "[" * 100000},
+               "file-" + "d" * 24: {"file.json": json.dumps(dict(made, id="file-" + "d" * 24, filename="x" * 70000))},
+               "file-" + "e" * 24: {"file.json": None},  # a FIFO
+               "file-" + "f" * 24: {"file.json": json.dumps(dict(made, id="file-" + "g" * 24))}}  # another's ID
+    for file_id, files in planted.items():
+        (root / file_id).mkdir()
+        for name, text in files.items():
+            if text is None:
+                os.mkfifo(root / file_id / name)
+            else:
+                (root / file_id / name).write_text(text)
+    (root / ("file-" + "o" * 24)).symlink_to(outside)
+    content_link = "file-" + "h" * 24
+    (root / content_link).mkdir()
+    (root / content_link / "file.json").write_text(json.dumps(dict(made, id=content_link)))
+    (root / content_link / "content").symlink_to(outside / "content")
+    for file_id in [*planted, "file-" + "o" * 24]:
+        assert http(api, "GET", f"/v1/files/{file_id}", timeout=10)[0] == 404, file_id
+        assert http(api, "GET", f"/v1/files/{file_id}/content", timeout=10)[0] == 404, file_id
+        assert http(api, "DELETE", f"/v1/files/{file_id}", timeout=10)[0] == 404, file_id
+    status, _, reply = http(api, "GET", f"/v1/files/{content_link}/content", timeout=10)
+    assert status == 404 and b"secret" not in reply
+    listed = [f["id"] for f in json.loads(http(api, "GET", "/v1/files", timeout=10)[2])["data"]]
+    assert sorted(listed) == sorted([made["id"], content_link])
+    # a file whose folder holds what nrvna did not write is deleted, and that is left alone
+    (root / made["id"] / "notes.txt").write_text("mine")
+    assert json.loads(http(api, "DELETE", f"/v1/files/{made['id']}")[2])["deleted"] is True
+    left = [p for p in Path(ws, "api", "tmp").rglob("*") if p.is_file()]
+    assert [p.name for p in left] == ["notes.txt"] and left[0].read_text() == "mine"
+    assert (outside / "content").read_text() == "secret" and (outside / "file.json").exists()
+
+
+def test_a_server_s_start_removes_only_what_dead_servers_left(ws: str) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    temp = Path(ws, "api", "tmp")
+    temp.mkdir(parents=True)
+    old = time.time() - 2 * nrvna.STALE_API_TEMP_SECONDS
+    entries = {f"upload-{dead}-abc": "gone", f"upload-{os.getpid()}-abc": "kept (a live process's)",
+               f"upload-{dead}-new": "kept (recent)", "upload-x-abc": "kept (not nrvna's name)",
+               "notes.txt": "kept (not nrvna's)"}
+    for name, why in entries.items():
+        (temp / name).write_text(why)
+        if name != f"upload-{dead}-new":
+            os.utime(temp / name, (old, old))
+    folder = temp / f"gone-{dead}-abc-file-{'a' * 24}"
+    folder.mkdir()
+    (folder / "content").write_text("x")
+    (folder / "file.json").write_text("{}")
+    os.utime(folder, (old, old))
+    foreign = temp / f"new-{dead}-abc-file-{'b' * 24}"
+    foreign.mkdir()
+    (foreign / "content").write_text("x")
+    (foreign / "mine.txt").write_text("not nrvna's")
+    os.utime(foreign, (old, old))
+    with nrvna.ApiServer(ws, port=0):
+        pass
+    assert sorted(p.name for p in temp.iterdir()) == sorted(
+        [name for name, why in entries.items() if why.startswith("kept")] + [foreign.name])
+    assert [p.name for p in foreign.iterdir()] == ["mine.txt"]
+
+
 def test_an_api_key_is_required_of_every_request_and_only_loopback_is_served_without_one(ws: str) -> None:
     with nrvna.ApiServer(ws, port=0, api_key="s3cret") as server:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
@@ -11740,6 +11814,25 @@ def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServ
     assert upload(api, lines[:-3])["bytes"] == len(lines) - 3  # 50,000 lines are taken
 
 
+def test_multipart_parts_are_found_whole_wherever_the_reads_cut_them(tmp_path: Path) -> None:
+    """read_multipart reads a MiB at a time: a delimiter cut by a read, a boundary inside the
+    content not on a line of its own, and a line that only starts with it are all read right."""
+    path = tmp_path / "body"
+    before = len(multipart({"purpose": "batch"}, {"file": ("in.jsonl", b"")}, boundary="bound")[0]) - 13
+    for size in range((1 << 20) - before - 16, (1 << 20) - before + 4):  # its last delimiter cut at each byte
+        content = (b"x--bound\r\n--boundless\r\n" * (size // 20))[:size - 1] + b"."
+        body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", content)}, boundary="bound")
+        path.write_bytes(body)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            parts = nrvna.read_multipart(fd, len(body), headers["Content-Type"])
+            filename, first, end = parts["file"]
+            assert filename == "in.jsonl" and b"".join(nrvna.file_chunks(fd, first, end)) == content, size
+            assert nrvna.multipart_field(fd, parts["purpose"], "purpose") == "batch"
+        finally:
+            os.close(fd)
+
+
 def test_an_upload_over_the_limit_is_refused_before_its_body_is_read(api: nrvna.ApiServer, ws: str) -> None:
     import socket
 
@@ -11788,6 +11881,59 @@ def test_a_slow_client_is_dropped_after_its_deadline_and_holds_no_worker(ws: str
         for sock in slow + bodies:
             sock.close()
         assert os.listdir(os.path.join(ws, "api", "tmp")) == []  # the bodies' spools removed
+
+
+@pytest.mark.model  # the openai package, absent from the bare Python 3.9 run
+def test_the_openai_client_uploads_lists_reads_and_deletes_files_and_lists_models(ws: str, tmp_path: Path) -> None:
+    import openai
+
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "function", "messages": [{"role": "user", "content": f"hi {i}"}]}} for i in range(3)]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    proc = registered_daemon(ws, "derived")
+    try:
+        with nrvna.ApiServer(ws, port=0, api_key="k") as server:
+            host, port = server.address
+            client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="k", max_retries=0)
+            with path.open("rb") as handle:
+                made = client.files.create(file=handle, purpose="batch")
+            assert made.id.startswith("file-") and made.bytes == path.stat().st_size
+            assert made.filename == "requests.jsonl" and made.purpose == "batch"
+            assert client.files.retrieve(made.id) == made
+            assert client.files.content(made.id).content == path.read_bytes()
+            assert [f.id for f in client.files.list()] == [made.id]
+            assert [f.id for f in client.files.list(purpose="batch", limit=1)] == [made.id]
+            assert [m.id for m in client.models.list()] == ["function"]
+            deleted = client.files.delete(made.id)
+            assert deleted.id == made.id and deleted.deleted is True
+            with pytest.raises(openai.NotFoundError):
+                client.files.retrieve(made.id)
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_curl_uploads_a_batch_file_and_reads_it_back(ws: str, tmp_path: Path) -> None:
+    """The shell's way, as docs/server.md shows it (curl -F: multipart, Expect: 100-continue)."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}\n'
+                     * 20000)  # over 1 MB: curl waits for 100 Continue
+    with nrvna.ApiServer(ws, port=0, api_key="k") as server:
+        base = "http://%s:%d/v1" % server.address
+        key = ["-H", "Authorization: Bearer k"]
+        made = json.loads(subprocess.run(["curl", "-sS", "--fail-with-body", *key, "-F", "purpose=batch",
+                                          "-F", f"file=@{path}", f"{base}/files"],
+                                         capture_output=True, check=True, timeout=60).stdout)
+        assert made["bytes"] == path.stat().st_size and made["filename"] == "in.jsonl"
+        content = subprocess.run(["curl", "-sS", "--fail-with-body", *key, f"{base}/files/{made['id']}/content"],
+                                 capture_output=True, check=True, timeout=60).stdout
+        assert content == path.read_bytes()
+        refused = subprocess.run(["curl", "-sS", "-F", "purpose=batch", "-F", f"file=@{path}", f"{base}/files"],
+                                 capture_output=True, timeout=60)
+        assert json.loads(refused.stdout)["error"]["code"] == "invalid_api_key"
 
 
 @pytest.mark.slow
