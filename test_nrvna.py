@@ -12196,6 +12196,34 @@ def test_over_http_a_request_answers_streams_refuses_and_a_closed_connection_can
             assert flow.wait(job_id, 10) is Status.Failed and flow.get(job_id).meta["code"] == "cancelled"
 
 
+def test_a_server_killed_mid_request_leaves_its_job_to_complete(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    monkeypatch.setenv("TEST_WORD_DELAY", "0.05")  # 40 words: 2 s
+    daemon = registered_daemon(ws, "words", "-w", "1")
+    server = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL)
+    try:
+        url = server.stdout.readline().decode().strip()  # http://127.0.0.1:PORT/v1
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        data = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 40}).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        deadline = time.monotonic() + 30
+        while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [job_id] = os.listdir(os.path.join(ws, nrvna.PROCESSING))
+        server.kill()  # SIGKILL, the client still connected
+        server.wait()
+        assert Flow(ws).status(job_id) is Status.Running
+        assert Flow(ws).wait(job_id, 30) is Status.Done and Flow(ws).get(job_id).result.startswith("w0 w1")
+        sock.close()
+    finally:
+        server.kill()
+        daemon.terminate()
+        daemon.wait()
+
+
 @pytest.mark.model
 def test_the_openai_client_chats_streams_completes_calls_tools_and_embeds_through_the_queue(
         ws: str, model: str, bert: str) -> None:
