@@ -15280,6 +15280,10 @@ def _part_head(data: bytes) -> tuple[str, Optional[str]]:
                  for key, quoted, bare in _PARAM.findall(rest)}
         if "name" not in found:
             raise ApiError(400, "a multipart part has no name")
+        if "filename" not in found and "filename*" in found:  # RFC 5987: UTF-8''percent-encoded
+            from urllib.parse import unquote
+
+            found["filename"] = unquote(found["filename*"].partition("''")[2] or found["filename*"])
         return found["name"], found.get("filename")
     raise ApiError(400, "a multipart part has no Content-Disposition")
 
@@ -16220,12 +16224,18 @@ class _Reader:
                 if self.paused and (self._count() < self.server.connections or self._evictable()):
                     self._pause(False)
                 for key, _ in self.selector.select(timeout=0.02 if self.waiting else 0.25):
-                    if key.data == "accept":
-                        self._accept()
-                    elif key.data == "wake":
-                        self._woken()
-                    else:
-                        self._read(key.data)
+                    try:
+                        if key.data == "accept":
+                            self._accept()
+                        elif key.data == "wake":
+                            self._woken()
+                        else:
+                            self._read(key.data)
+                    except Exception as err:  # a bug: that connection is dropped, never the server
+                        log.limited("api-io", f"API server: {type(err).__name__}: {err}")
+                        if isinstance(key.data, _Connection):
+                            self._forget(key.data)
+                            key.data.close()
                 self._expire()
         finally:
             for conn in [*self.open.values(), *self.waiting]:
@@ -16396,6 +16406,8 @@ class ApiServer:
                  head_seconds: float = API_HEAD_SECONDS, body_seconds: float = API_BODY_SECONDS) -> None:
         import queue
 
+        if type(port) is not int or not 0 <= port <= 65535:
+            raise InvalidInput(f"--port {port} is not a port (0 to 65535; 0: one the system chooses)")
         if not api_key and not _is_loopback(host):
             raise InvalidInput(f"--host {host} is not a loopback address: serving it needs an API key "
                                "(--api-key or NRVNA_API_KEY)")
@@ -16429,7 +16441,8 @@ class ApiServer:
             self.listener = socket.create_server((self.host, self.port), family=family,
                                                  backlog=4096)  # the kernel caps it (somaxconn)
         except OSError as err:
-            raise NrvnaError(f"cannot listen on {self.host}:{self.port}: {_os_error(err)}") from None
+            why = str(err.strerror or err).split(" (while attempting")[0]  # create_server's addition
+            raise NrvnaError(f"cannot listen on {self.host}:{self.port}: {why}") from None
         self.listener.setblocking(False)
         self.reader = _Reader(self, self.listener)
         thread = threading.Thread(target=self.reader.run, name="Api-IO", daemon=True)
@@ -16455,8 +16468,13 @@ class ApiServer:
             self.reader.stop()
         with self._lock:
             threads = list(self._threads)
+        with contextlib.suppress(Exception):  # queue.Empty: the requests not begun are dropped
+            while True:
+                conn = self.requests.get_nowait()
+                if conn is not None:
+                    conn.close()
         for _ in threads[1:]:
-            self.requests.put(None)
+            self.requests.put(None)  # room: API_WORKERS < API_QUEUE
         for thread in threads:
             thread.join(timeout=5)
         if self.reader is not None and not any(thread.is_alive() for thread in threads):

@@ -11786,6 +11786,49 @@ def test_routes_methods_and_ids_that_name_no_file_are_answered_in_openai_s_error
     assert json.loads(http(api, "GET", f"/v1/files/{made['id']}")[2]) == made  # the server goes on
 
 
+def test_a_handler_sees_its_client_gone_and_a_stream_cut_short_is_closed(api: nrvna.ApiServer) -> None:
+    """What the endpoints build on: ApiCall.gone() turns true once the client has closed, and a
+    stream (ApiReply.stream, sent chunked) whose client goes away is closed, its finally run."""
+    import socket
+
+    seen = {"gone": threading.Event(), "closed": threading.Event()}
+
+    def wait(call: nrvna.ApiCall) -> nrvna.ApiReply:
+        deadline = time.monotonic() + 10
+        while not call.gone() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if call.gone():
+            seen["gone"].set()
+        return nrvna.ApiReply(payload={})
+
+    def stream(call: nrvna.ApiCall) -> nrvna.ApiReply:
+        def pieces() -> Iterator[bytes]:
+            try:
+                for i in range(100000):
+                    yield b"data: %d\n\n" % i
+                    time.sleep(0.001)
+            finally:
+                seen["closed"].set()
+        return nrvna.ApiReply(stream=pieces())
+
+    api.routes += [("GET", re.compile("/test/wait"), wait), ("GET", re.compile("/test/stream"), stream)]
+    with socket.create_connection(api.address, timeout=10) as sock:
+        sock.sendall(b"GET /test/wait HTTP/1.1\r\n\r\n")
+        time.sleep(0.2)
+        assert not seen["gone"].is_set()
+    assert seen["gone"].wait(5)
+    from http.client import HTTPConnection
+
+    conn = HTTPConnection(*api.address, timeout=10)
+    conn.request("GET", "/test/stream")
+    reply = conn.getresponse()
+    assert reply.getheader("Content-Type") == "text/event-stream" and reply.getheader("Transfer-Encoding") == "chunked"
+    assert reply.read(12) == b"data: 0\n\ndat"
+    conn.close()
+    assert seen["closed"].wait(10)
+    assert http(api, "GET", "/v1/files")[0] == 200
+
+
 def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServer, ws: str) -> None:
     good = b'{"custom_id": "a"}\n'
     body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", good)})
@@ -11812,6 +11855,10 @@ def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServ
     assert status == 400 and "50,000" in json.loads(reply)["error"]["message"]
     assert os.listdir(os.path.join(ws, "api", "files")) == [] and os.listdir(os.path.join(ws, "api", "tmp")) == []
     assert upload(api, lines[:-3])["bytes"] == len(lines) - 3  # 50,000 lines are taken
+    body = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\nContent-Disposition: '
+            b"form-data; name=file; filename*=UTF-8''r%C3%A9sum%C3%A9.jsonl\r\n\r\n{}\n\r\n--b--\r\n")
+    status, _, reply = http(api, "POST", "/v1/files", body, {"Content-Type": "multipart/form-data; boundary=b"})
+    assert status == 200 and json.loads(reply)["filename"] == "résumé.jsonl"
 
 
 def test_multipart_parts_are_found_whole_wherever_the_reads_cut_them(tmp_path: Path) -> None:
