@@ -15720,7 +15720,7 @@ def _abandon_job(workspace: str, job_id: str) -> None:
 
 class _RequestWatch:
     """Flow's ``on_look`` for a request waiting on its job: raises _ClientGone once the client
-    is gone, and ApiError 503 once no running daemon could serve the job for
+    is gone, and ApiError 503 once no live daemon could serve (or go on with) the job for
     SYNC_UNSERVED_SECONDS (looking at the daemons' records every SYNC_UNSERVED_LOOK s).
     Threads: one request's, on its Api-N thread only (no lock)."""
 
@@ -15734,10 +15734,10 @@ class _RequestWatch:
         if self.gone():
             raise _ClientGone()
         now = time.monotonic()
-        if status is not Status.Queued or now < self.next_look:
+        if now < self.next_look:
             return
         self.next_look = now + SYNC_UNSERVED_LOOK
-        why = self.unserved()
+        why = self.unserved(status)
         if why is None:
             self.unserved_since = None
         elif self.unserved_since is None:
@@ -15746,10 +15746,13 @@ class _RequestWatch:
             raise ApiError(503, f"no running daemon serves this request: {why} (waited {SYNC_UNSERVED_SECONDS:g} s; "
                                 "its job is cancelled)", type="server_error", code=SYNC_UNSERVED_CODE)
 
-    def unserved(self) -> Optional[str]:
-        """Why no running daemon takes the job, or None."""
+    def unserved(self, status: Status) -> Optional[str]:
+        """Why no live daemon takes the job (``status``), or None: none runs on the workspace (a
+        running job's died: its next recovery finds it cancelled), or none serves a queued job."""
         if not daemon_records(self.workspace):
             return "no daemon is running on the workspace"
+        if status is not Status.Queued:
+            return None
         return waiting_for_model(self.workspace, [self.job_id]).get(self.job_id)
 
 

@@ -12208,6 +12208,12 @@ def test_a_request_no_daemon_serves_is_cancelled_with_a_503(ws: str, monkeypatch
         assert time.monotonic() - began >= 0.5
     flow = Flow(ws)
     assert [flow.get(j).meta["code"] for j in os.listdir(os.path.join(ws, nrvna.FAILED))] == ["cancelled"] * 2
+    stranded = orphan(ws, "its daemon died", attempts=1)  # running, and no daemon lives to go on with it
+    with pytest.raises(nrvna.ApiError) as caught:
+        nrvna.answer_request(ws, stranded, lambda: False)
+    assert caught.value.status == 503 and os.path.exists(os.path.join(ws, nrvna.PROCESSING, stranded, "cancel"))
+    with serving(ws, echo, workers=1):  # the next daemon's recovery ends it cancelled: never stuck
+        assert flow.wait(stranded, 10) is Status.Failed and flow.get(stranded).meta["code"] == "cancelled"
 
 
 def test_over_http_a_request_answers_streams_refuses_and_a_closed_connection_cancels(
