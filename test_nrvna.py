@@ -12186,6 +12186,9 @@ def test_a_stream_whose_partial_text_the_answer_contradicts_ends_with_an_error_n
 ])
 def test_a_failed_job_is_answered_with_its_codes_status(ws: str, code: str, status: int, kind: str) -> None:
     def runner(job: nrvna.RunningJob) -> str:
+        if job.prompt == "later":  # fails once its stream has begun
+            job.emit("some text ")
+            time.sleep(0.5)
         raise nrvna.JobError(code, f"it failed: {code}")
 
     with serving(ws, runner, workers=1):
@@ -12194,6 +12197,9 @@ def test_a_failed_job_is_answered_with_its_codes_status(ws: str, code: str, stat
                 _answer(ws, "/v1/completions", {"prompt": "p", "stream": stream})
             error = caught.value
             assert (error.status, error.type, error.code) == (status, kind, code) and "it failed" in error.message
+        events = _answer(ws, "/v1/completions", {"prompt": "later", "stream": True})
+    assert _streamed_texts(events[:-1]) == {0: "some text "} and "[DONE]" not in events
+    assert events[-1]["error"]["code"] == code and events[-1]["error"]["type"] == kind
     assert set(nrvna.FAILURE_STATUS) == set(nrvna.FAILURE_CODES)
 
 
