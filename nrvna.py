@@ -274,6 +274,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Api-IO, Api-N -> ApiServer: requests => a queue.Queue; _threads, _idle => _lock; _stop_asked => one
         attribute (a signal handler sets it)
     Api-N -> ApiFiles: a file's folder => written whole under api/tmp/, then published or put aside by one rename
+    Api-N -> RequestStream, _RequestWatch: one request's job, followed => the request's own thread alone; the
+        job's files change only by the daemon's renames and appends, read with Flow's checked readers
 """
 
 from __future__ import annotations
