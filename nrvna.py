@@ -85,7 +85,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
                                       read_multipart, multipart_field, file_chunks
    13.2 Files                       API_FILES, FILE_PURPOSES, api_token, api_temp_name, ApiFiles
    13.3 Batches
-   13.4 Endpoints
+   13.4 Endpoints                   SYNC_PRIORITY, FAILURE_STATUS, submit_request, answer_request, RequestStream
+                                      (server-sent events), _chat_completions, _completions, _embeddings
    13.5 The server                  API_ROUTES (one handler per route), _Connection, _Reader (the Api-IO thread),
                                       ApiServer
 14. CLI
@@ -278,6 +279,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Api-IO, Api-N -> ApiServer: requests => a queue.Queue; _threads, _idle => _lock; _stop_asked => one
         attribute (a signal handler sets it)
     Api-N -> ApiFiles: a file's folder => written whole under api/tmp/, then published or put aside by one rename
+    Api-N -> RequestStream, _RequestWatch: one request's job, followed => the request's own thread alone; the
+        job's files change only by the daemon's renames and appends, read with Flow's checked readers
 """
 
 from __future__ import annotations
@@ -7230,17 +7233,21 @@ class Flow:
             delay = max(0.1, min(1.0, 3 * (time.monotonic() - began)))  # listing 100k jobs takes a while
 
     def follow(self, job_id: str, on_restart: Optional[Callable[[], None]] = None,
-               on_look: Optional[Callable[[Status], None]] = None) -> Iterator[bytes]:
+               on_look: Optional[Callable[[Status], None]] = None, result: bool = True) -> Iterator[bytes]:
         """The job's text as the daemon generates it (partial.txt, then result.txt), in
         pieces, until the job is done or failed; then read ``status``. What it yields is
         always a prefix of the final result, unless the daemon restarted the job: then
         ``on_restart()`` is called and the text is yielded again from its start.
-        ``on_look(status)`` is called after every look that finds it unfinished."""
+        ``on_look(status)`` is called after every look that finds it unfinished. With
+        ``result`` False it yields partial.txt only and ends when the job does (a caller that
+        reads the finished job whole: a tool call's result.txt is its calls, not its text)."""
         printed, attempt, delay = 0, None, 0.02
         while True:
             status, path = self.locate(job_id)
             if status is Status.Missing:
                 raise NoSuchJob(f"no job {job_id} in {self.workspace}")
+            if status.finished and not result:
+                return
             data = None
             if status is not Status.Queued:
                 try:
@@ -15436,8 +15443,9 @@ API_IDS: dict[str, Any] = {
 }
 _HTTP_REASONS = {200: "OK", 100: "Continue", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
                  405: "Method Not Allowed", 408: "Request Timeout", 411: "Length Required",
-                 413: "Content Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
-                 503: "Service Unavailable"}
+                 410: "Gone", 413: "Content Too Large", 431: "Request Header Fields Too Large",
+                 499: "Client Closed Request", 500: "Internal Server Error", 503: "Service Unavailable",
+                 504: "Gateway Timeout"}
 _PARAM = re.compile(r'([\w*-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;]*))')  # a header's name=value or name="value"
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP method or header name
 
@@ -15910,8 +15918,362 @@ class ApiFiles:
 # ============================================================================
 # 13.4 Endpoints
 # ============================================================================
-# OpenAI's synchronous endpoints as jobs of the queue (issue 58, item 4): chat completions,
-# completions, embeddings, and their streams as server-sent events. Any Api-N thread.
+# POST /v1/chat/completions, /v1/completions, /v1/embeddings: a request is a job, mapped as a batch
+# line (parse_batch, Work.publish) at SYNC_PRIORITY, followed by Flow (wait, follow), answered with
+# its export body or as server-sent events adding up to it. Invariant: a gone client or no daemon to serve it
+# cancels the job; a killed server leaves it to complete. Any Api-N thread, one per request.
+
+
+SYNC_PRIORITY = 10  # a synchronous request's priority: ahead of batch lines (0) unless its body gives one
+SYNC_UNSERVED_SECONDS = 10.0  # a request no running daemon can serve is cancelled after this long: 503
+SYNC_UNSERVED_LOOK = 1.0  # seconds between looks at the daemons' records while a request is queued
+SYNC_CUSTOM_ID = "request"  # a synchronous request's custom_id (export, status --json)
+SYNC_UNSERVED_CODE = "model_not_served"  # the 503's error code
+SSE_DONE = b"data: [DONE]\n\n"
+
+# A failed job's code -> the HTTP status and OpenAI error type it is answered with (any other: 500).
+# 410 for a cancel: the openai client retries 408, 409, 429 and 5xx, which would undo an operator's cancel.
+FAILURE_STATUS: dict[str, tuple[int, str]] = {
+    "bad_request": (400, "invalid_request_error"),
+    "context_overflow": (400, "invalid_request_error"),
+    "grammar_error": (400, "invalid_request_error"),
+    "unsupported": (400, "invalid_request_error"),
+    "parent_failed": (400, "invalid_request_error"),
+    "cancelled": (410, "cancelled"),
+    "timeout": (504, "timeout"),
+    "crash_ceiling": (500, "server_error"),
+    "write_error": (500, "server_error"),
+    "model_error": (500, "server_error"),
+    "runner_error": (500, "server_error"),
+    "load_failed": (503, "server_error"),
+}
+
+
+class _ClientGone(Exception):
+    """The client of a synchronous request disconnected (ApiCall.gone): its job is cancelled.
+    Threads: raised and caught on the request's own Api-N thread."""
+
+
+def _request_fields(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
+    """``body`` without ``stream`` and ``stream_options`` (a batch line has neither), whether it
+    streams, and whether the stream ends with a usage chunk (stream_options.include_usage)."""
+    body = dict(body)
+    stream, options = body.pop("stream", False), body.pop("stream_options", None)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", param="stream")
+    if stream and url == "/v1/embeddings":
+        raise ApiError(400, "/v1/embeddings does not stream: stream must be false", param="stream")
+    if options is None:
+        return body, stream, False
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if not isinstance(usage, bool) or set(options) - {"include_usage"}:
+        raise ApiError(400, "stream_options must be {\"include_usage\": true|false}", param="stream_options")
+    return body, stream, usage
+
+
+def submit_request(workspace: str, url: str, body: dict[str, Any]) -> tuple[str, bool, bool]:
+    """Queue the request ``body`` of endpoint ``url`` as one job, mapped exactly as an OpenAI
+    Batch line of that url (every job parameter, refusals included), at SYNC_PRIORITY unless
+    the body names a priority: (its job ID, whether it streams, whether with a usage chunk).
+    ApiError 400 for a body nrvna refuses, 500 when the workspace cannot take it."""
+    import json
+
+    fields, stream, usage = _request_fields(url, body)
+    line = {"custom_id": SYNC_CUSTOM_ID, "method": "POST", "url": url, "body": fields}
+    data = json.dumps(line).encode("ascii")  # ASCII: a lone surrogate reaches the checks as it came
+    try:
+        [entry] = parse_batch(data, jsonl=True)
+        params = {"priority": SYNC_PRIORITY, **entry.params}
+        texts = params.pop("input", None)  # several texts to embed: publish renders them as parse_batch did
+        # publish, not submit_file: one job's fsyncs (1.4 ms here) rather than a syncfs of the whole
+        # filesystem (8 ms idle, and every request would flush the daemon's writes too).
+        job_id = Work(workspace).publish(entry.prompt.decode("utf-8") if texts is None else texts, **params)
+    except InvalidInput as err:
+        message = str(err).removeprefix("line 1: ")
+        named = re.match(r"body field '([^']+)'|parameter (\w+)", message)
+        raise ApiError(400, message, param=named and (named.group(1) or named.group(2))) from None
+    except (NrvnaError, OSError) as err:
+        raise ApiError(500, f"cannot queue the request: {err}", type="server_error") from None
+    return job_id, stream, usage
+
+
+def _job_failure(job: Job) -> ApiError:
+    """A failed job's answer: its error in OpenAI's shape, with FAILURE_STATUS's status."""
+    code = job.meta.get("code") or "failed"
+    status, kind = FAILURE_STATUS.get(code, (500, "server_error"))
+    message = (job.error or code).strip() or code
+    return ApiError(status, f"job {job.id} failed ({code}): {message}", type=kind, code=code)
+
+
+def _error_event(error: ApiError) -> bytes:
+    """An error in a stream already answered 200: OpenAI's error object as an event (the
+    openai client raises it); no [DONE] follows."""
+    return _event({"error": {"message": str(error.message), "type": error.type, "param": error.param,
+                             "code": error.code}})
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    import json
+
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def _finished_body(flow: Flow, job_id: str) -> dict[str, Any]:
+    """The response body of a finished job: export_record's (OpenAI's exact object), or its
+    failure as ApiError."""
+    job = flow.get(job_id)
+    if job is None or not job.status.finished:
+        raise ApiError(500, f"job {job_id} is gone (cleaned meanwhile?)", type="server_error")
+    if job.status is Status.Failed:
+        raise _job_failure(job)
+    return export_record(job, "openai")["response"]["body"]
+
+
+def _abandon_job(workspace: str, job_id: str) -> None:
+    """Cancel a request's job nobody waits for any more (its client is gone, or it is refused):
+    a queued one at once, a running one between two tokens (the cancel file; never waited for)."""
+    try:
+        cancel_job(workspace, job_id, timeout=0.0)
+    except (NrvnaError, OSError) as err:
+        log.warning(f"cannot cancel abandoned request job {job_id}: {err}")
+
+
+class _RequestWatch:
+    """Flow's ``on_look`` for a request waiting on its job: raises _ClientGone once the client
+    is gone, and ApiError 503 once no live daemon could serve (or go on with) the job for
+    SYNC_UNSERVED_SECONDS (looking at the daemons' records every SYNC_UNSERVED_LOOK s).
+    Threads: one request's, on its Api-N thread only (no lock)."""
+
+    def __init__(self, workspace: str, job_id: str, gone: Callable[[], bool]) -> None:
+        self.workspace, self.job_id, self.gone = workspace, job_id, gone
+        self.unserved_since: Optional[float] = None
+        self.next_look = time.monotonic() + SYNC_UNSERVED_LOOK
+
+    def look(self, status: Status) -> None:
+        """One look at the job (``status``) found it unfinished."""
+        if self.gone():
+            raise _ClientGone()
+        now = time.monotonic()
+        if now < self.next_look:
+            return
+        self.next_look = now + SYNC_UNSERVED_LOOK
+        why = self.unserved(status)
+        if why is None:
+            self.unserved_since = None
+        elif self.unserved_since is None:
+            self.unserved_since = now
+        elif now - self.unserved_since >= SYNC_UNSERVED_SECONDS:
+            raise ApiError(503, f"no running daemon serves this request: {why} (waited {SYNC_UNSERVED_SECONDS:g} s; "
+                                "its job is cancelled)", type="server_error", code=SYNC_UNSERVED_CODE)
+
+    def unserved(self, status: Status) -> Optional[str]:
+        """Why no live daemon takes the job (``status``), or None: none runs on the workspace (a
+        running job's died: its next recovery finds it cancelled), or none serves a queued job."""
+        if not daemon_records(self.workspace):
+            return "no daemon is running on the workspace"
+        if status is not Status.Queued:
+            return None
+        return waiting_for_model(self.workspace, [self.job_id]).get(self.job_id)
+
+
+def answer_request(workspace: str, job_id: str, gone: Callable[[], bool]) -> dict[str, Any]:
+    """The response body of a request's job once it ends (Flow.wait); the job is cancelled if
+    the client goes or no daemon serves it (_RequestWatch)."""
+    flow = Flow(workspace)
+    watch = _RequestWatch(workspace, job_id, gone)
+    try:
+        flow.wait(job_id, on_look=watch.look)
+    except BaseException:
+        _abandon_job(workspace, job_id)
+        raise
+    return _finished_body(flow, job_id)
+
+
+def _endpoint(call: ApiCall, url: str) -> ApiReply:
+    """A synchronous request of endpoint ``url``: its job queued, waited for, answered."""
+    job_id, stream, usage = submit_request(call.workspace, url, call.json())
+    headers = {"X-Nrvna-Job-Id": job_id}
+    try:
+        if not stream:
+            return ApiReply(payload=answer_request(call.workspace, job_id, call.gone), headers=headers)
+        answer = RequestStream(call.workspace, url, job_id, usage, call.gone)
+        answer.start()
+    except _ClientGone:  # its job is cancelled; nobody reads this answer
+        raise ApiError(499, f"the client closed the request; job {job_id} is cancelled", type="cancelled") from None
+    return ApiReply(stream=answer.events(), headers=dict(headers, **{"Cache-Control": "no-cache"}))
+
+
+def _chat_completions(call: ApiCall) -> ApiReply:
+    """POST /v1/chat/completions."""
+    return _endpoint(call, "/v1/chat/completions")
+
+
+def _completions(call: ApiCall) -> ApiReply:
+    """POST /v1/completions."""
+    return _endpoint(call, "/v1/completions")
+
+
+def _embeddings(call: ApiCall) -> ApiReply:
+    """POST /v1/embeddings."""
+    return _endpoint(call, "/v1/embeddings")
+
+
+class RequestStream:
+    """One streamed answer, as OpenAI streams it: ``chat.completion.chunk`` (or
+    ``text_completion``) events, ``data: [DONE]`` last. Choice 0's text goes out as partial.txt
+    grows (Flow.follow); the rest of the finished body follows: what partial.txt had not yet
+    shown, the other choices whole, reasoning, tool calls and logprobs each in one delta, a
+    finish chunk per choice, the usage chunk (include_usage). So each choice's deltas concatenate
+    to exactly the unstreamed body's text. ``start`` waits for the first text or the end (a job
+    that fails before any text gets its own status); leaving the stream unfinished (the client
+    gone) cancels the job. Threads: one request's, on its Api-N thread only (no lock); the
+    files it reads are the daemon's, read with Flow's checked readers."""
+
+    def __init__(self, workspace: str, url: str, job_id: str, usage: bool, gone: Callable[[], bool]) -> None:
+        endpoint = ENDPOINTS[url]
+        self.workspace, self.job_id, self.usage, self.chat = workspace, job_id, usage, endpoint.input == "messages"
+        self.flow = Flow(workspace)
+        self.head: dict[str, Any] = {"id": f"{endpoint.id_prefix}{job_id}",
+                                     "object": "chat.completion.chunk" if self.chat else "text_completion",
+                                     "created": int(time.time()), "model": None, "system_fingerprint": None}
+        self.sent = ""  # choice 0's text streamed so far
+        self.seen = ""  # partial.txt of the job's current attempt
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        watch = _RequestWatch(workspace, job_id, gone)
+        self.pieces = self.flow.follow(job_id, on_restart=self._restarted, on_look=watch.look, result=False)
+        self.first: Optional[bytes] = None
+        self.ended = False
+
+    def _restarted(self) -> None:
+        """The daemon runs the job again from its start (it died): its text comes again."""
+        self.seen = ""
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def start(self) -> None:
+        """Wait for the job's first text, or its end: raise its failure (or the watch's
+        refusal) before any byte of the answer is sent; the job is cancelled then."""
+        try:
+            self.first = next(self.pieces, None)
+            if self.first is None and self.flow.status(self.job_id) is Status.Failed:
+                _finished_body(self.flow, self.job_id)  # raises its failure
+        except BaseException:
+            _abandon_job(self.workspace, self.job_id)  # (a finished job is left as it is)
+            raise
+
+    def events(self) -> Iterator[bytes]:
+        """The events, each ``data: {...}\\n\\n`` (bytes); abandoning them cancels the job."""
+        try:
+            self._model()
+            if self.chat:
+                yield self._chunk([self._delta(0, role="assistant", content="")])
+            pieces = itertools.chain([] if self.first is None else [self.first], self.pieces)
+            for piece in pieces:
+                text = self._new_text(piece)
+                if text:
+                    yield self._chunk([self._delta(0, text)])
+            yield from self._finish()
+        except _ClientGone:
+            return  # nobody reads on: the job is cancelled below
+        except ApiError as err:  # refused while streaming (no daemon): said as an event; the job is cancelled
+            _abandon_job(self.workspace, self.job_id)
+            self.ended = True
+            yield _error_event(err)
+        finally:
+            if not self.ended:
+                _abandon_job(self.workspace, self.job_id)
+
+    def _model(self) -> None:
+        """The chunks' ``model``: the model the daemon runs the job on (meta.json's, once claimed)."""
+        status, path = self.flow.locate(self.job_id)
+        try:
+            fd = open_dir(path)
+        except OSError:
+            return
+        try:
+            model = read_meta(fd).get("model")
+            self.head["model"] = model if isinstance(model, str) else None
+        finally:
+            os.close(fd)
+
+    def _new_text(self, piece: bytes) -> str:
+        """What of partial.txt's new ``piece`` is not streamed yet: nothing while a restarted
+        attempt regenerates what was sent, or once it differs (the end says so)."""
+        self.seen += self.decoder.decode(piece)
+        if len(self.seen) <= len(self.sent) or not self.seen.startswith(self.sent):
+            return ""
+        text, self.sent = self.seen[len(self.sent):], self.seen
+        return text
+
+    def _finish(self) -> Iterator[bytes]:
+        """The finished job's rest: each choice's deltas and finish, the usage, [DONE]."""
+        try:
+            body = _finished_body(self.flow, self.job_id)
+        except ApiError as err:
+            self.ended = True
+            yield _error_event(err)
+            return
+        self.ended = True
+        self.head["model"] = body.get("model")
+        for choice in body["choices"]:
+            chunks = self._choice_chunks(choice) if self.chat else self._text_chunks(choice)
+            if chunks is None:
+                yield _error_event(ApiError(500, f"job {self.job_id}'s text does not go on from what was streamed "
+                                                 "(a daemon died and it ran again)", type="server_error"))
+                return
+            for chunk in chunks:
+                yield self._chunk([chunk])
+        if self.usage:
+            yield self._chunk([], body["usage"])
+        yield SSE_DONE
+
+    def _rest(self, index: int, text: Optional[str]) -> Optional[str]:
+        """Choice ``index``'s final ``text`` past what was streamed (None: it does not go on from it)."""
+        text = text or ""
+        if index != 0:
+            return text
+        return text[len(self.sent):] if text.startswith(self.sent) else None
+
+    def _choice_chunks(self, choice: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
+        index, message = choice["index"], choice["message"]
+        rest = self._rest(index, message.get("content"))
+        if rest is None:
+            return None
+        fields = {"content": rest} if index == 0 else {"role": "assistant", "content": rest}
+        chunks = [self._delta(index, **fields)] if rest or index else []
+        if message.get("reasoning_content"):
+            chunks.append(self._delta(index, reasoning_content=message["reasoning_content"]))
+        if message.get("tool_calls"):
+            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            chunks.append(self._delta(index, tool_calls=calls))
+        end = self._delta(index)
+        end.update(logprobs=choice.get("logprobs"), finish_reason=choice.get("finish_reason"))
+        return chunks + [end]
+
+    def _text_chunks(self, choice: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
+        index = choice["index"]
+        rest = self._rest(index, choice.get("text"))
+        if rest is None:
+            return None
+        end = self._delta(index, "")
+        end.update(logprobs=choice.get("logprobs"), finish_reason=choice.get("finish_reason"))
+        return ([self._delta(index, rest)] if rest else []) + [end]
+
+    def _delta(self, index: int, text: Optional[str] = None, **fields: Any) -> dict[str, Any]:
+        """A choice's chunk: ``text`` (or the delta's ``fields``; a None field left out), unfinished."""
+        if not self.chat:
+            return {"text": text or "", "index": index, "logprobs": None, "finish_reason": None}
+        delta = {key: value for key, value in fields.items() if value is not None}
+        if text is not None:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Optional[dict[str, Any]] = None) -> bytes:
+        payload = dict(self.head, choices=choices)
+        if self.usage:
+            payload["usage"] = usage
+        return _event(payload)
 
 
 # ============================================================================
@@ -16045,6 +16407,10 @@ API_ROUTES: tuple[tuple[str, str, Callable[[ApiCall], ApiReply], str], ...] = (
     ("DELETE", "/v1/files/{file_id}", _delete_file,
      "remove a file: `{\"id\", \"object\": \"file\", \"deleted\": true}`"),
     ("GET", "/v1/files/{file_id}/content", _file_content, "a file's bytes, exactly as uploaded or written"),
+    ("POST", "/v1/chat/completions", _chat_completions, "a chat completion, run as a job ahead of batch lines "
+                                                        "(`stream`: server-sent events); see Synchronous endpoints"),
+    ("POST", "/v1/completions", _completions, "a text completion (legacy), as a job: see Synchronous endpoints"),
+    ("POST", "/v1/embeddings", _embeddings, "embeddings of `input`, as a job: see Synchronous endpoints"),
     ("GET", "/metrics", _metrics, "the workspace's metrics in Prometheus' text format (docs/metrics.md)"),
 )
 
@@ -16623,8 +16989,9 @@ class _Signalled(BaseException):
 
 def markdown_tables() -> dict[str, str]:
     """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables,
-    caches, routes and metrics, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES, HOOK_VARIABLES,
-    HOST_CACHES, API_ROUTES and METRICS (scripts/readme_tables.py writes them; a test checks them)."""
+    caches, routes, request-errors and metrics, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES,
+    HOOK_VARIABLES, HOST_CACHES, API_ROUTES, FAILURE_STATUS and METRICS (scripts/readme_tables.py writes
+    them; a test checks them)."""
     settings = ["| variable | default | meaning |", "|---|---|---|"]
     for setting in SETTINGS.values():
         default = setting.default if setting.shown is None else setting.shown
@@ -16644,6 +17011,9 @@ def markdown_tables() -> dict[str, str]:
     hooks = ["| variable | set for | meaning |", "|---|---|---|"] + [
         f"| `{name}` | {', '.join('`--' + hook.replace('_', '-') + '`' for hook in on)} | {meaning} |"
         for name, (on, meaning) in HOOK_VARIABLES.items()]
+    request_errors = ["| code | HTTP status | error type | the job failed because |", "|---|---|---|---|"] + [
+        f"| `{code}` | {FAILURE_STATUS[code][0]} | `{FAILURE_STATUS[code][1]}` | {meaning} |"
+        for code, meaning in FAILURE_CODES.items()]
     caches = ["| cache | kept by | bound | holds | makes room by |", "|---|---|---|---|---|"] + [
         f"| {what} | {whose} | {f'`{bound}`' if bound.startswith('NRVNA_') else bound} | {holds} | {room} |"
         for what, whose, bound, holds, room in HOST_CACHES]
@@ -16654,7 +17024,8 @@ def markdown_tables() -> dict[str, str]:
         for name, (kind, labels, meaning) in METRICS.items()]
     return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
             "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches),
-            "routes": "\n".join(routes), "metrics": "\n".join(metrics)}
+            "routes": "\n".join(routes), "request-errors": "\n".join(request_errors),
+            "metrics": "\n".join(metrics)}
 
 
 def _say(message: str) -> None:
