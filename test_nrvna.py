@@ -11871,6 +11871,7 @@ def test_a_1000_line_batch_survives_sigkills_of_the_server_and_the_daemon(ws: st
             time.sleep(0.005)
         server.kill()  # in validating: staging the lines as jobs
         server.wait()
+        assert nrvna.ApiBatches(ws, nrvna.ApiFiles(ws)).get(batch_id)["status"] == "validating"
         server = served(ws, port)
         killed_after(ws, daemon, 300, timeout=60)  # the daemon dies with jobs running...
         server.kill()  # ...and the server with it
@@ -11983,7 +11984,7 @@ def test_the_openai_batch_example_runs(model: str, ws: str, tmp_path: Path) -> N
     daemon = start_daemon(model, ws)
     server = served(ws, port)
     try:
-        wait_for_log(daemon, "ready")
+        wait_for_log(daemon, "Server started")
         example = str(HERE / "examples" / "openai_batch.py")
         done = subprocess.run([sys.executable, example, f"http://127.0.0.1:{port}/v1"], capture_output=True, timeout=300)
     finally:
