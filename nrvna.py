@@ -7393,8 +7393,9 @@ def model_view(workspace: str) -> tuple[str, dict[str, str], list[str]]:
     names its own way, but a workspace's daemons are started alike); with no daemon running,
     this process's NRVNA_MODELS_DIR and NRVNA_MODEL_ALIASES, and no model served."""
     records = daemon_records(workspace) if os.path.isdir(os.path.join(workspace, READY)) else []
-    served = [m["path"] for r in records for m in r.get("models") or () if isinstance(m, dict)
-              and isinstance(m.get("path"), str)]
+    # a model's path; its name where it has none (a runner given in-process)
+    served = [m["path"] if isinstance(m.get("path"), str) else m["name"] for r in records for m in r.get("models") or ()
+              if isinstance(m, dict) and isinstance(m.get("path") or m.get("name"), str)]
     first = next((r for r in records if isinstance(r.get("models_dir"), str)), None)
     if first is not None:
         return first["models_dir"], dict(first.get("aliases") or {}), served
@@ -7413,7 +7414,9 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
     if not by_name:
         return []
     models_dir, aliases, served = model_view(workspace)
-    served_names = {n for path in served for n in (os.path.basename(path), os.path.basename(path)[:-5])}
+    # a served model's file name, with or without .gguf (as GET /v1/models lists it)
+    served_names = {n for path in served for n in (os.path.basename(path),
+                                                   re.sub(r"\.gguf$", "", os.path.basename(path)))}
     notes = []
     for name, places in by_name.items():
         matches = model_matches(name, models_dir, aliases)
@@ -15301,13 +15304,17 @@ def read_multipart(fd: int, size: int, content_type: str) -> dict[str, tuple[Opt
         window, base = tail + chunk, offset - len(tail)
         at = window.find(boundary)
         while at >= 0:
-            if (base + at == 0 or window[at - 2:at] == b"\r\n") and (not starts or base + at > starts[-1]):
+            # a delimiter: at the start of a line, followed by CRLF or (the last) "--"; one seen
+            # too near the window's end is seen again in the next (the tail holds it whole)
+            after = window[at + len(boundary):at + len(boundary) + 2]
+            if (base + at == 0 or window[at - 2:at] == b"\r\n") and (not starts or base + at > starts[-1]) \
+                    and after in (b"\r\n", b"--"):
                 starts.append(base + at)
                 if len(starts) > MULTIPART_PARTS + 1:
                     raise ApiError(400, f"the upload has more than {MULTIPART_PARTS} parts")
             at = window.find(boundary, at + 1)
         offset += len(chunk)
-        tail = window[-(len(boundary) + 2):]
+        tail = window[-(len(boundary) + 4):]
     parts: dict[str, tuple[Optional[str], int, int]] = {}
     for first, after in zip(starts, starts[1:]):
         begin = first + len(boundary)
@@ -16091,8 +16098,13 @@ class BatchLifecycle:
 API_HOST = "127.0.0.1"
 API_PORT = 8000
 API_WORKERS = 64  # Api-N threads at most (started as requests need them)
-API_QUEUE = 256  # requests read whole and waiting for an Api-N thread; past it, 503 at once
-API_CONNECTIONS = 512  # open connections; past it, the oldest one still sending its request is dropped
+# Requests read whole and queued for an Api-N thread; past it they wait in Api-IO (still counted as
+# open connections, so bounded by API_CONNECTIONS), none read further until the queue has room.
+API_QUEUE = 256
+# Connections open at once. Past it, the oldest one still sending its request is dropped when it is
+# older than API_EVICT_SECONDS; else no more are accepted until one ends (they wait in the listen backlog).
+API_CONNECTIONS = 512
+API_EVICT_SECONDS = 1.0
 API_HEAD_SECONDS = 10.0  # a request's head, whole, from its first byte (or from the connection's start)
 API_BODY_SECONDS = 30.0  # a request, whole: this, plus a second per API_BODY_RATE bytes of its body
 API_BODY_RATE = 1 << 20
@@ -16217,7 +16229,8 @@ API_ROUTES: tuple[tuple[str, str, Callable[[ApiCall], ApiReply], str], ...] = (
                                         "`file`; up to 200 MB and 50,000 lines"),
     ("GET", "/v1/files", _list_files, "the files, newest first: `purpose`, `after`, `limit` (1-10,000), `order`"),
     ("GET", "/v1/files/{file_id}", _get_file, "a file's object"),
-    ("DELETE", "/v1/files/{file_id}", _delete_file, "remove a file: `{\"id\", \"object\": \"file\", \"deleted\": true}`"),
+    ("DELETE", "/v1/files/{file_id}", _delete_file,
+     "remove a file: `{\"id\", \"object\": \"file\", \"deleted\": true}`"),
     ("GET", "/v1/files/{file_id}/content", _file_content, "a file's bytes, exactly as uploaded or written"),
     ("POST", "/v1/batches", _create_batch, "create a batch: `input_file_id`, `endpoint`, `completion_window` (24h), "
                                            "`metadata`; durable once answered"),
@@ -16242,6 +16255,22 @@ def _reply_head(status: int, content_type: str, length: Optional[int], headers: 
     lines += [f"{name}: {value}" for name, value in headers.items()]
     lines.append("Connection: keep-alive" if keep else "Connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1)."""
+    import ipaddress
+    import socket
+
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(found) and all(ipaddress.ip_address(str(address).split("%")[0]).is_loopback for address in found)
+
+
+def _route_pattern(path: str) -> Any:
+    return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(path)))
 
 
 class _Connection:
@@ -16281,6 +16310,30 @@ class _Connection:
             self.sock.close()
 
 
+def _start_request(server: "ApiServer", conn: _Connection, head: _Head, early: int) -> None:
+    """Check a request's head before its body is read (the key, the length, the bound: ApiError),
+    and make ready for the body (its deadline, an upload's file in api/tmp/, 100 Continue)."""
+    key = server.api_key
+    if key and not api_key_matches(head.headers, key):
+        raise ApiError(401, "Incorrect API key provided: send the header Authorization: Bearer KEY",
+                       code="invalid_api_key")
+    length = head.body_length()
+    limit = FILE_BYTES_LIMIT + MULTIPART_SLACK if head.is_upload() else API_BODY_LIMIT
+    if length > limit:
+        what = "an upload's body" if head.is_upload() else "a JSON body"
+        raise ApiError(413, f"the body is {length:,} bytes; {what} may be up to {limit:,}", code="body_too_large")
+    conn.head, conn.length = head, length
+    conn.deadline = time.monotonic() + server.body_seconds + length / API_BODY_RATE
+    if head.is_upload() and length:
+        try:
+            conn.spool, conn.spool_fd = server.files.new_upload()
+        except OSError as err:
+            raise ApiError(500, f"the upload cannot be held: {_os_error(err)}", type="server_error") from None
+    if length > early and "100-continue" in head.headers.get("expect", "").lower():
+        with contextlib.suppress(OSError):
+            conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
 class _Reader:
     """The Api-IO thread: accepts connections and reads each request whole (its head within
     API_HEAD_SECONDS, the whole within API_BODY_SECONDS and a second per API_BODY_RATE bytes),
@@ -16300,8 +16353,13 @@ class _Reader:
         os.set_blocking(self.wake_read, False)
         os.set_blocking(self.wake_write, False)
         self.stopping = False
+        self.paused = False  # not accepting: API_CONNECTIONS are open
+        self.waiting: deque[_Connection] = deque()  # requests read whole, for a full queue
 
     def give_back(self, conn: _Connection) -> None:
+        if self.stopping:
+            conn.close()
+            return
         self.back.put(conn)
         with contextlib.suppress(OSError):
             os.write(self.wake_write, b"x")
@@ -16318,7 +16376,11 @@ class _Reader:
         self.selector.register(self.wake_read, selectors.EVENT_READ, "wake")
         try:
             while not self.stopping:
-                for key, _ in self.selector.select(timeout=0.25):
+                while self.waiting and self.server.queue_request(self.waiting[0]):
+                    self.waiting.popleft()
+                if self.paused and (self._count() < self.server.connections or self._evictable()):
+                    self._pause(False)
+                for key, _ in self.selector.select(timeout=0.02 if self.waiting else 0.25):
                     if key.data == "accept":
                         self._accept()
                     elif key.data == "wake":
@@ -16327,11 +16389,14 @@ class _Reader:
                         self._read(key.data)
                 self._expire()
         finally:
-            for conn in list(self.open.values()):
+            for conn in [*self.open.values(), *self.waiting]:
                 conn.close()
             self.selector.close()
-            os.close(self.wake_read)
-            os.close(self.wake_write)
+
+    def close(self) -> None:
+        """Close the wake pipe, once no Api-N thread can give a connection back."""
+        os.close(self.wake_read)
+        os.close(self.wake_write)
 
     def _watch(self, conn: _Connection) -> None:
         import selectors
@@ -16343,27 +16408,53 @@ class _Reader:
         with contextlib.suppress(KeyError, ValueError, OSError):
             self.selector.unregister(conn.sock)
         self.open.pop(conn.sock.fileno(), None)
+        if self.paused and self._count() < self.server.connections:
+            self._pause(False)
+
+    def _count(self) -> int:
+        return len(self.open) + len(self.waiting)
 
     def _accept(self) -> None:
         for _ in range(64):
+            if self._count() >= self.server.connections and not self._drop_oldest():
+                self._pause(True)  # until a connection ends: the rest wait in the listen backlog
+                return
             try:
                 sock, _ = self.listener.accept()
             except BlockingIOError:
                 return
-            except OSError as err:  # out of descriptors: make room, and take the rest later
+            except OSError as err:  # out of descriptors: take the rest once some are closed
                 log.limited("api-accept", f"API server: cannot accept a connection: {_os_error(err)}")
-                self._drop_oldest()
+                self._pause(True)
                 return
             sock.setblocking(False)
-            if len(self.open) >= self.server.connections:
-                self._drop_oldest()
             self._watch(_Connection(sock, time.monotonic() + self.server.head_seconds))
 
-    def _drop_oldest(self) -> None:
-        if self.open:
-            oldest = min(self.open.values(), key=lambda conn: conn.since)
-            self._forget(oldest)
-            oldest.close()
+    def _pause(self, paused: bool) -> None:
+        """Stop or start accepting connections (the listener's place in the selector)."""
+        import selectors
+
+        if paused != self.paused:
+            self.paused = paused
+            if paused:
+                self.selector.unregister(self.listener)
+            else:
+                self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+
+    def _evictable(self) -> Optional[_Connection]:
+        """The oldest connection still sending its request, when older than API_EVICT_SECONDS."""
+        oldest = min(self.open.values(), key=lambda conn: conn.since, default=None)
+        return oldest if oldest is not None and time.monotonic() - oldest.since >= API_EVICT_SECONDS else None
+
+    def _drop_oldest(self) -> bool:
+        """Drop the oldest connection still sending its request (a client that sends slowly, or
+        nothing), once older than API_EVICT_SECONDS; False when none is."""
+        oldest = self._evictable()
+        if oldest is None:
+            return False
+        self._forget(oldest)
+        oldest.close()
+        return True
 
     def _woken(self) -> None:
         with contextlib.suppress(OSError):
@@ -16371,9 +16462,7 @@ class _Reader:
         while not self.back.empty():
             conn = self.back.get()
             conn.sock.setblocking(False)
-            if len(self.open) >= self.server.connections:
-                self._drop_oldest()
-            self._watch(conn)
+            self._watch(conn)  # may go past API_CONNECTIONS for a while: it was open already
             if conn.buffer:  # a request sent behind the last one
                 self._take(conn, b"")
 
@@ -16411,32 +16500,10 @@ class _Reader:
                     raise ApiError(431, f"the request's head is over {API_HEAD_LIMIT} bytes")
                 head, data = parse_head(bytes(conn.buffer[:end])), bytes(conn.buffer[end + 4:])
                 conn.buffer = bytearray()
-                self._begin(conn, head, len(data))
+                _start_request(self.server, conn, head, len(data))
             self._body(conn, data)
         except ApiError as err:
             self._refuse(conn, err)
-
-    def _begin(self, conn: _Connection, head: _Head, early: int) -> None:
-        """Check a request's head before its body is read: the key, the length, the bound."""
-        key = self.server.api_key
-        if key and not api_key_matches(head.headers, key):
-            raise ApiError(401, "Incorrect API key provided: send the header Authorization: Bearer KEY",
-                           code="invalid_api_key")
-        length = head.body_length()
-        limit = FILE_BYTES_LIMIT + MULTIPART_SLACK if head.is_upload() else API_BODY_LIMIT
-        if length > limit:
-            what = "an upload's body" if head.is_upload() else "a JSON body"
-            raise ApiError(413, f"the body is {length:,} bytes; {what} may be up to {limit:,}", code="body_too_large")
-        conn.head, conn.length = head, length
-        conn.deadline = time.monotonic() + self.server.body_seconds + length / API_BODY_RATE
-        if head.is_upload() and length:
-            try:
-                conn.spool, conn.spool_fd = self.server.files.new_upload()
-            except OSError as err:
-                raise ApiError(500, f"the upload cannot be held: {_os_error(err)}", type="server_error") from None
-        if length > early and "100-continue" in head.headers.get("expect", "").lower():
-            with contextlib.suppress(OSError):
-                conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _body(self, conn: _Connection, data: bytes) -> None:
         need = conn.length - conn.received
@@ -16457,9 +16524,8 @@ class _Reader:
             os.close(conn.spool_fd)
             conn.spool_fd = -1
         self._forget(conn)
-        if not self.server.queue_request(conn):
-            self._refuse(conn, ApiError(503, f"the server is busy: {API_QUEUE} requests wait for an answer; "
-                                             "try again", type="server_error", code="server_busy"))
+        if self.waiting or not self.server.queue_request(conn):
+            self.waiting.append(conn)  # in order, as the queue makes room
 
     def _refuse(self, conn: _Connection, err: ApiError) -> None:
         """Answer ``err`` from here and close: what the client still sends is read and dropped
@@ -16474,22 +16540,6 @@ class _Reader:
         conn.lingering, conn.deadline = True, time.monotonic() + API_LINGER_SECONDS
         if conn.sock.fileno() not in self.open:
             self._watch(conn)
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1)."""
-    import ipaddress
-    import socket
-
-    try:
-        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except (OSError, UnicodeError):
-        return False
-    return bool(found) and all(ipaddress.ip_address(str(address).split("%")[0]).is_loopback for address in found)
-
-
-def _route_pattern(path: str) -> Any:
-    return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(path)))
 
 
 class ApiServer:
@@ -16507,6 +16557,8 @@ class ApiServer:
                  head_seconds: float = API_HEAD_SECONDS, body_seconds: float = API_BODY_SECONDS) -> None:
         import queue
 
+        if type(port) is not int or not 0 <= port <= 65535:
+            raise InvalidInput(f"--port {port} is not a port (0 to 65535; 0: one the system chooses)")
         if not api_key and not _is_loopback(host):
             raise InvalidInput(f"--host {host} is not a loopback address: serving it needs an API key "
                                "(--api-key or NRVNA_API_KEY)")
@@ -16539,9 +16591,10 @@ class ApiServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         try:
             self.listener = socket.create_server((self.host, self.port), family=family,
-                                                 backlog=min(4096, 2 * self.connections))
+                                                 backlog=4096)  # the kernel caps it (somaxconn)
         except OSError as err:
-            raise NrvnaError(f"cannot listen on {self.host}:{self.port}: {_os_error(err)}") from None
+            why = str(err.strerror or err).split(" (while attempting")[0]  # create_server's addition
+            raise NrvnaError(f"cannot listen on {self.host}:{self.port}: {why}") from None
         self.listener.setblocking(False)
         self.reader = _Reader(self, self.listener)
         thread = threading.Thread(target=self.reader.run, name="Api-IO", daemon=True)
@@ -16573,6 +16626,8 @@ class ApiServer:
             self.requests.put(None)
         for thread in threads:
             thread.join(timeout=5)
+        if self.reader is not None and not any(thread.is_alive() for thread in threads):
+            self.reader.close()  # else left open: a thread still answering may write to it
         if self.listener is not None:
             self.listener.close()
         self.reader = self.listener = None
@@ -16751,9 +16806,9 @@ class _Signalled(BaseException):
 
 
 def markdown_tables() -> dict[str, str]:
-    """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables
-    and caches, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES, HOOK_VARIABLES and HOST_CACHES
-    (scripts/readme_tables.py writes them; a test checks them)."""
+    """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables,
+    caches and routes, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES, HOOK_VARIABLES, HOST_CACHES
+    and API_ROUTES (scripts/readme_tables.py writes them; a test checks them)."""
     settings = ["| variable | default | meaning |", "|---|---|---|"]
     for setting in SETTINGS.values():
         default = setting.default if setting.shown is None else setting.shown
@@ -16776,8 +16831,11 @@ def markdown_tables() -> dict[str, str]:
     caches = ["| cache | kept by | bound | holds | makes room by |", "|---|---|---|---|---|"] + [
         f"| {what} | {whose} | {f'`{bound}`' if bound.startswith('NRVNA_') else bound} | {holds} | {room} |"
         for what, whose, bound, holds, room in HOST_CACHES]
+    routes = ["| method | path | what it answers |", "|---|---|---|"] + [
+        f"| {method} | `{path}` | {what} |" for method, path, _, what in API_ROUTES]
     return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
-            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches)}
+            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches),
+            "routes": "\n".join(routes)}
 
 
 def _say(message: str) -> None:

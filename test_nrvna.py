@@ -11578,6 +11578,446 @@ def test_files_are_uploaded_read_listed_and_deleted_as_openai_s_file_objects(api
     assert os.listdir(os.path.join(ws, "api", "files")) == [] and os.listdir(os.path.join(ws, "api", "tmp")) == []
 
 
+def raw_request(server: nrvna.ApiServer, data: bytes, timeout: float = 10) -> bytes:
+    """Send ``data`` as it is on a new connection; what comes back until the server closes it."""
+    import socket
+
+    with socket.create_connection(server.address, timeout=timeout) as sock:
+        sock.sendall(data)
+        got = b""
+        with contextlib.suppress(ConnectionResetError):
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        return got
+
+
+def error_of(reply: bytes) -> tuple[int, dict[str, Any]]:
+    """(status, the error object) of a raw reply in OpenAI's error shape."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return int(head.split(b" ")[1]), error
+
+
+def upload(server: nrvna.ApiServer, data: bytes, name: str = "in.jsonl") -> dict[str, Any]:
+    body, headers = multipart({"purpose": "batch"}, {"file": (name, data)})
+    status, _, reply = http(server, "POST", "/v1/files", body, headers)
+    assert status == 200, reply
+    return json.loads(reply)
+
+
+def test_files_are_listed_by_page_order_and_purpose_as_openai_lists_them(api: nrvna.ApiServer) -> None:
+    made = [upload(api, b"{}\n" * (i + 1), f"f{i}.jsonl") for i in range(5)]
+    newest = sorted(made, key=lambda f: (f["created_at"], f["id"]), reverse=True)
+    page = json.loads(http(api, "GET", "/v1/files?limit=2")[2])
+    assert [f["id"] for f in page["data"]] == [f["id"] for f in newest[:2]] and page["has_more"] is True
+    assert (page["first_id"], page["last_id"]) == (newest[0]["id"], newest[1]["id"])
+    rest = json.loads(http(api, "GET", f"/v1/files?limit=10&after={page['last_id']}")[2])
+    assert [f["id"] for f in rest["data"]] == [f["id"] for f in newest[2:]] and rest["has_more"] is False
+    oldest = json.loads(http(api, "GET", "/v1/files?order=asc&purpose=batch")[2])["data"]
+    assert [f["id"] for f in oldest] == [f["id"] for f in newest[::-1]]
+    assert json.loads(http(api, "GET", "/v1/files?purpose=fine-tune")[2])["data"] == []
+    for query in ("limit=0", "limit=10001", "limit=x", "order=up", "colour=red"):
+        status, _, reply = http(api, "GET", f"/v1/files?{query}")
+        assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", query
+
+
+def test_files_read_back_crafted_linked_or_fifos_are_absent_and_nothing_foreign_is_removed(
+        api: nrvna.ApiServer, ws: str, tmp_path: Path) -> None:
+    """A file.json or content put in api/files/ by something else (crafted, huge, nested, a link,
+    a FIFO) is read as no file: 404, left out of the list, never followed or waited on."""
+    made = upload(api, b"{}\n")
+    root = Path(ws, "api", "files")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "file.json").write_text(json.dumps(dict(made, id="file-" + "o" * 24)))
+    (outside / "content").write_text("secret")
+    planted = {"file-" + "a" * 24: {"file.json": json.dumps(dict(made, bytes="3"))},
+               "file-" + "b" * 24: {"file.json": json.dumps(dict(made, id="file-" + "b" * 24))[:-1]},
+               "file-" + "c" * 24: {"file.json": "[" * 100000},
+               "file-" + "d" * 24: {"file.json": json.dumps(dict(made, id="file-" + "d" * 24, filename="x" * 70000))},
+               "file-" + "e" * 24: {"file.json": None},  # a FIFO
+               "file-" + "f" * 24: {"file.json": json.dumps(dict(made, id="file-" + "g" * 24))}}  # another's ID
+    for file_id, files in planted.items():
+        (root / file_id).mkdir()
+        for name, text in files.items():
+            if text is None:
+                os.mkfifo(root / file_id / name)
+            else:
+                (root / file_id / name).write_text(text)
+    (root / ("file-" + "o" * 24)).symlink_to(outside)
+    content_link = "file-" + "h" * 24
+    (root / content_link).mkdir()
+    (root / content_link / "file.json").write_text(json.dumps(dict(made, id=content_link)))
+    (root / content_link / "content").symlink_to(outside / "content")
+    for file_id in [*planted, "file-" + "o" * 24]:
+        assert http(api, "GET", f"/v1/files/{file_id}", timeout=10)[0] == 404, file_id
+        assert http(api, "GET", f"/v1/files/{file_id}/content", timeout=10)[0] == 404, file_id
+        assert http(api, "DELETE", f"/v1/files/{file_id}", timeout=10)[0] == 404, file_id
+    status, _, reply = http(api, "GET", f"/v1/files/{content_link}/content", timeout=10)
+    assert status == 404 and b"secret" not in reply
+    listed = [f["id"] for f in json.loads(http(api, "GET", "/v1/files", timeout=10)[2])["data"]]
+    assert sorted(listed) == sorted([made["id"], content_link])
+    # a file whose folder holds what nrvna did not write is deleted, and that is left alone
+    (root / made["id"] / "notes.txt").write_text("mine")
+    assert json.loads(http(api, "DELETE", f"/v1/files/{made['id']}")[2])["deleted"] is True
+    left = [p for p in Path(ws, "api", "tmp").rglob("*") if p.is_file()]
+    assert [p.name for p in left] == ["notes.txt"] and left[0].read_text() == "mine"
+    assert (outside / "content").read_text() == "secret" and (outside / "file.json").exists()
+
+
+def test_a_server_s_start_removes_only_what_dead_servers_left(ws: str) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    temp = Path(ws, "api", "tmp")
+    temp.mkdir(parents=True)
+    old = time.time() - 2 * nrvna.STALE_API_TEMP_SECONDS
+    entries = {f"upload-{dead}-abc": "gone", f"upload-{os.getpid()}-abc": "kept (a live process's)",
+               f"upload-{dead}-new": "kept (recent)", "upload-x-abc": "kept (not nrvna's name)",
+               "notes.txt": "kept (not nrvna's)"}
+    for name, why in entries.items():
+        (temp / name).write_text(why)
+        if name != f"upload-{dead}-new":
+            os.utime(temp / name, (old, old))
+    folder = temp / f"gone-{dead}-abc-file-{'a' * 24}"
+    folder.mkdir()
+    (folder / "content").write_text("x")
+    (folder / "file.json").write_text("{}")
+    os.utime(folder, (old, old))
+    foreign = temp / f"new-{dead}-abc-file-{'b' * 24}"
+    foreign.mkdir()
+    (foreign / "content").write_text("x")
+    (foreign / "mine.txt").write_text("not nrvna's")
+    os.utime(foreign, (old, old))
+    with nrvna.ApiServer(ws, port=0):
+        pass
+    assert sorted(p.name for p in temp.iterdir()) == sorted(
+        [name for name, why in entries.items() if why.startswith("kept")] + [foreign.name])
+    assert [p.name for p in foreign.iterdir()] == ["mine.txt"]
+
+
+def test_an_api_key_is_required_of_every_request_and_only_loopback_is_served_without_one(ws: str) -> None:
+    with nrvna.ApiServer(ws, port=0, api_key="s3cret") as server:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
+                        {"Authorization": "Bearer s3cret-and-more"}):
+            status, _, reply = http(server, "GET", "/v1/models", headers=headers)
+            assert status == 401 and json.loads(reply)["error"]["code"] == "invalid_api_key", headers
+        assert http(server, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
+        # refused before a byte of the body is read: a 200 MB upload without the key costs nothing
+        status, error = error_of(raw_request(server, b"POST /v1/files HTTP/1.1\r\nContent-Length: 199000000\r\n"
+                                             b"Content-Type: multipart/form-data; boundary=x\r\n\r\n"))
+        assert status == 401 and not os.path.exists(os.path.join(ws, "api", "tmp"))
+    with pytest.raises(nrvna.InvalidInput, match="not a loopback address"):
+        nrvna.ApiServer(ws, host="0.0.0.0", port=0)
+    done = cli("serve", ws, "--host", "0.0.0.0", "--port", "0", timeout=30)
+    assert done.returncode == 2 and done.stdout == b"" and len(done.stderr.splitlines()) == 1
+    assert b"needs an API key" in done.stderr
+
+
+def test_models_lists_what_live_daemons_serve_and_each_id_is_accepted_as_a_model(ws: str) -> None:
+    with nrvna.ApiServer(ws, port=0) as server:
+        assert json.loads(http(server, "GET", "/v1/models")[2]) == {"object": "list", "data": []}
+        proc = registered_daemon(ws, "derived")
+        try:
+            listed = json.loads(http(server, "GET", "/v1/models")[2])
+            assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == ["function"]
+            model = listed["data"][0]
+            assert model["object"] == "model" and model["owned_by"] == "nrvna" and model["created"] > 0
+            assert json.loads(http(server, "GET", "/v1/models/function")[2]) == model
+            assert http(server, "GET", "/v1/models/other")[0] == 404
+            assert nrvna.check_model_names(ws, [("request", "function")], strict=True) == []
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        assert json.loads(http(server, "GET", "/v1/models")[2])["data"] == []
+
+
+def test_a_daemon_serves_the_api_from_its_own_process_with_serve(ws: str) -> None:
+    proc = child_daemon(ws, "derived", "--serve", "0", stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        line = b""
+        while b"Serving the API on " not in line and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+        url = line.decode().split("Serving the API on ")[1].strip()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            import urllib.request
+
+            with urllib.request.urlopen(f"{url}/models", timeout=10) as reply:
+                ids = [m["id"] for m in json.loads(reply.read())["data"]]
+            if ids:
+                break
+            time.sleep(0.1)
+        assert ids == ["function"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_routes_methods_and_ids_that_name_no_file_are_answered_in_openai_s_error_shape(
+        api: nrvna.ApiServer, ws: str) -> None:
+    made = upload(api, b"{}\n")
+    outside = os.path.join(ws, "secret")
+    Path(outside).write_text("not for clients")
+    for path in ("/v1/files/../secret", "/v1/files/..%2F..%2Fsecret", "/v1/files/%2e%2e/content",
+                 "/v1/files/../../../etc/passwd/content", f"/v1/files/{made['id'].upper()}",
+                 f"/v1/files/%66{made['id'][1:]}", f"/v1/files/{made['id']}x", "/v1/files/file-" + "a" * 24,
+                 "/v1/files/file-" + "a" * 24 + "/content", f"/v1/files/{made['id']}/../../secret"):
+        reply = raw_request(api, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        status, error = error_of(reply)
+        assert status == 404 and b"not for clients" not in reply, path
+    assert error_of(raw_request(api, b"GET /v1/nothing HTTP/1.1\r\nConnection: close\r\n\r\n"))[0] == 404
+    reply = raw_request(api, b"PUT /v1/files HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert error_of(reply)[0] == 405 and b"\r\nAllow: POST, GET\r\n" in reply
+    reply = raw_request(api, f"PATCH /v1/files/{made['id']} HTTP/1.1\r\nConnection: close\r\n\r\n".encode())
+    assert error_of(reply)[0] == 405 and b"\r\nAllow: GET, DELETE\r\n" in reply
+    for bad in (b"GET /v1/files\r\n\r\n", b"GET /v1/files HTTP/2.0\r\n\r\n", b"GET v1 HTTP/1.1\r\n\r\n",
+                b"GET /v1/files HTTP/1.1\r\nbad header\r\n\r\n",
+                b"POST /v1/files HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+                b"POST /v1/files HTTP/1.1\r\nContent-Length: -1\r\n\r\n"):
+        assert error_of(raw_request(api, bad))[0] == 400, bad
+    reply = raw_request(api, b"POST /v1/files HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    assert error_of(reply)[0] == 411
+    assert error_of(raw_request(api, b"GET /v1/files HTTP/1.1\r\nX: " + b"y" * 40000 + b"\r\n\r\n"))[0] == 431
+    assert json.loads(http(api, "GET", f"/v1/files/{made['id']}")[2]) == made  # the server goes on
+
+
+def test_a_handler_sees_its_client_gone_and_a_stream_cut_short_is_closed(api: nrvna.ApiServer) -> None:
+    """What the endpoints build on: ApiCall.gone() turns true once the client has closed, and a
+    stream (ApiReply.stream, sent chunked) whose client goes away is closed, its finally run."""
+    import socket
+
+    seen = {"gone": threading.Event(), "closed": threading.Event()}
+
+    def wait(call: nrvna.ApiCall) -> nrvna.ApiReply:
+        deadline = time.monotonic() + 10
+        while not call.gone() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if call.gone():
+            seen["gone"].set()
+        return nrvna.ApiReply(payload={})
+
+    def stream(call: nrvna.ApiCall) -> nrvna.ApiReply:
+        def pieces() -> Iterator[bytes]:
+            try:
+                for i in range(100000):
+                    yield b"data: %d\n\n" % i
+                    time.sleep(0.001)
+            finally:
+                seen["closed"].set()
+        return nrvna.ApiReply(stream=pieces())
+
+    api.routes += [("GET", re.compile("/test/wait"), wait), ("GET", re.compile("/test/stream"), stream)]
+    with socket.create_connection(api.address, timeout=10) as sock:
+        sock.sendall(b"GET /test/wait HTTP/1.1\r\n\r\n")
+        time.sleep(0.2)
+        assert not seen["gone"].is_set()
+    assert seen["gone"].wait(5)
+    from http.client import HTTPConnection
+
+    conn = HTTPConnection(*api.address, timeout=10)
+    conn.request("GET", "/test/stream")
+    reply = conn.getresponse()
+    assert reply.getheader("Content-Type") == "text/event-stream" and reply.getheader("Transfer-Encoding") == "chunked"
+    assert reply.read(12) == b"data: 0\n\ndat"
+    conn.close()
+    assert seen["closed"].wait(10)
+    assert http(api, "GET", "/v1/files")[0] == 200
+
+
+def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServer, ws: str) -> None:
+    good = b'{"custom_id": "a"}\n'
+    body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", good)})
+    cases = {
+        "no closing boundary": (body[:-25], headers),
+        "no boundary": (body, {"Content-Type": "multipart/form-data"}),
+        "another boundary": (body, {"Content-Type": "multipart/form-data; boundary=other"}),
+        "no purpose": multipart({}, {"file": ("in.jsonl", good)}),
+        "no file": multipart({"purpose": "batch"}, {}),
+        "file as a field": multipart({"purpose": "batch", "file": "text"}, {}),
+        "a purpose other than batch": multipart({"purpose": "fine-tune"}, {"file": ("in.jsonl", good)}),
+        "an unknown field": multipart({"purpose": "batch", "colour": "red"}, {"file": ("in.jsonl", good)}),
+        "a huge purpose": multipart({"purpose": "b" * 10000}, {"file": ("in.jsonl", good)}),
+        "too many parts": multipart({f"f{i}": "x" for i in range(40)}, {"file": ("in.jsonl", good)}),
+        "a part without headers": (b"--b\r\n\r\nx\r\n--b--\r\n", {"Content-Type": "multipart/form-data; boundary=b"}),
+        "not multipart": (b'{"purpose": "batch"}', {"Content-Type": "application/json"}),
+        "twice": (body.replace(b"--nrvna-test-boundary--\r\n", b"") + body, headers),
+    }
+    for why, (data, head) in cases.items():
+        status, _, reply = http(api, "POST", "/v1/files", data, head)
+        assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", why
+    lines = b"{}\n" * (nrvna.BATCH_FILE_LINES + 1)
+    status, _, reply = http(api, "POST", "/v1/files", *multipart({"purpose": "batch"}, {"file": ("big", lines)}))
+    assert status == 400 and "50,000" in json.loads(reply)["error"]["message"]
+    assert os.listdir(os.path.join(ws, "api", "files")) == [] and os.listdir(os.path.join(ws, "api", "tmp")) == []
+    assert upload(api, lines[:-3])["bytes"] == len(lines) - 3  # 50,000 lines are taken
+
+
+def test_multipart_parts_are_found_whole_wherever_the_reads_cut_them(tmp_path: Path) -> None:
+    """read_multipart reads a MiB at a time: a delimiter cut by a read, a boundary inside the
+    content not on a line of its own, and a line that only starts with it are all read right."""
+    path = tmp_path / "body"
+    before = len(multipart({"purpose": "batch"}, {"file": ("in.jsonl", b"")}, boundary="bound")[0]) - 13
+    for size in range((1 << 20) - before - 16, (1 << 20) - before + 4):  # its last delimiter cut at each byte
+        content = (b"x--bound\r\n--boundless\r\n" * (size // 20))[:size - 1] + b"."
+        body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", content)}, boundary="bound")
+        path.write_bytes(body)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            parts = nrvna.read_multipart(fd, len(body), headers["Content-Type"])
+            filename, first, end = parts["file"]
+            assert filename == "in.jsonl" and b"".join(nrvna.file_chunks(fd, first, end)) == content, size
+            assert nrvna.multipart_field(fd, parts["purpose"], "purpose") == "batch"
+        finally:
+            os.close(fd)
+
+
+def test_an_upload_over_the_limit_is_refused_before_its_body_is_read(api: nrvna.ApiServer, ws: str) -> None:
+    import socket
+
+    for length, content_type in ((300_000_000, b"multipart/form-data; boundary=x"), (17 << 20, b"application/json")):
+        with socket.create_connection(api.address, timeout=10) as sock:
+            sock.sendall(b"POST /v1/files HTTP/1.1\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+                         % (content_type, length) + b"x" * 1000)
+            reply = sock.recv(65536)  # answered with most of the body unsent
+        status, error = error_of(reply)
+        assert status == 413 and f"{length:,}" in error["message"]
+    assert not os.path.exists(os.path.join(ws, "api", "tmp")) or os.listdir(os.path.join(ws, "api", "tmp")) == []
+    # curl's way: Expect: 100-continue gets the refusal before anything is sent
+    reply = raw_request(api, b"POST /v1/files HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 300000000\r\n"
+                             b"Content-Type: multipart/form-data; boundary=x\r\n\r\n")
+    assert error_of(reply)[0] == 413
+
+
+def test_a_slow_client_is_dropped_after_its_deadline_and_holds_no_worker(ws: str) -> None:
+    """A client that sends a byte a second is dropped once its request is not whole within the
+    deadline (here 1 s for the head, 2 s more for the body), whatever its pace; meanwhile other
+    requests are answered and no Api-N thread waits for it."""
+    import socket
+
+    with nrvna.ApiServer(ws, port=0, head_seconds=1.0, body_seconds=2.0) as server:
+        slow = [socket.create_connection(server.address, timeout=10) for _ in range(20)]
+        bodies = [socket.create_connection(server.address, timeout=10) for _ in range(5)]
+        for sock in bodies:
+            sock.sendall(b"POST /v1/files HTTP/1.1\r\nContent-Length: 100\r\n"
+                         b"Content-Type: multipart/form-data; boundary=x\r\n\r\n")
+        started = time.monotonic()
+        closed: dict[int, float] = {}
+        while len(closed) < len(slow) + len(bodies) and time.monotonic() - started < 10:
+            for i, sock in enumerate(slow + bodies):
+                if i in closed:
+                    continue
+                try:
+                    sock.sendall(b"G" if i < len(slow) else b"x")  # a byte a second, each
+                except OSError:
+                    closed[i] = time.monotonic() - started
+            assert http(server, "GET", "/v1/files", timeout=5)[0] == 200
+            workers = [t for t in threading.enumerate() if re.fullmatch(r"Api-\d+", t.name)]
+            assert len(workers) <= 2  # the requests answered, never the slow ones
+            time.sleep(0.25)
+        assert len(closed) == len(slow) + len(bodies)
+        assert max(closed.values()) < 6  # head: 1 s; body: 2 s + 100 bytes at 1 MiB/s; closes seen a write later
+        for sock in slow + bodies:
+            sock.close()
+        assert os.listdir(os.path.join(ws, "api", "tmp")) == []  # the bodies' spools removed
+
+
+@pytest.mark.model  # the openai package, absent from the bare Python 3.9 run
+def test_the_openai_client_uploads_lists_reads_and_deletes_files_and_lists_models(ws: str, tmp_path: Path) -> None:
+    import openai
+
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "function", "messages": [{"role": "user", "content": f"hi {i}"}]}} for i in range(3)]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    proc = registered_daemon(ws, "derived")
+    try:
+        with nrvna.ApiServer(ws, port=0, api_key="k") as server:
+            host, port = server.address
+            client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="k", max_retries=0)
+            with path.open("rb") as handle:
+                made = client.files.create(file=handle, purpose="batch")
+            assert made.id.startswith("file-") and made.bytes == path.stat().st_size
+            assert made.filename == "requests.jsonl" and made.purpose == "batch"
+            assert client.files.retrieve(made.id) == made
+            assert client.files.content(made.id).content == path.read_bytes()
+            assert [f.id for f in client.files.list()] == [made.id]
+            assert [f.id for f in client.files.list(purpose="batch", limit=1)] == [made.id]
+            assert [m.id for m in client.models.list()] == ["function"]
+            deleted = client.files.delete(made.id)
+            assert deleted.id == made.id and deleted.deleted is True
+            with pytest.raises(openai.NotFoundError):
+                client.files.retrieve(made.id)
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_curl_uploads_a_batch_file_and_reads_it_back(ws: str, tmp_path: Path) -> None:
+    """The shell's way, as docs/server.md shows it (curl -F: multipart, Expect: 100-continue)."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}\n'
+                     * 20000)  # over 1 MB: curl waits for 100 Continue
+    with nrvna.ApiServer(ws, port=0, api_key="k") as server:
+        base = "http://%s:%d/v1" % server.address
+        key = ["-H", "Authorization: Bearer k"]
+        made = json.loads(subprocess.run(["curl", "-sS", "--fail-with-body", *key, "-F", "purpose=batch",
+                                          "-F", f"file=@{path}", f"{base}/files"],
+                                         capture_output=True, check=True, timeout=60).stdout)
+        assert made["bytes"] == path.stat().st_size and made["filename"] == "in.jsonl"
+        content = subprocess.run(["curl", "-sS", "--fail-with-body", *key, f"{base}/files/{made['id']}/content"],
+                                 capture_output=True, check=True, timeout=60).stdout
+        assert content == path.read_bytes()
+        refused = subprocess.run(["curl", "-sS", "-F", "purpose=batch", "-F", f"file=@{path}", f"{base}/files"],
+                                 capture_output=True, timeout=60)
+        assert json.loads(refused.stdout)["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.slow
+def test_two_thousand_connections_at_once_exhaust_neither_threads_nor_descriptors(ws: str) -> None:
+    import resource
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    proc = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    socks: list[Any] = []
+    try:
+        url = proc.stdout.readline().decode().strip()
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        for _ in range(2000):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((host, int(port)))
+            socks.append(sock)
+        time.sleep(1)
+        for i, sock in enumerate(socks):
+            with contextlib.suppress(OSError):
+                sock.send(b"GET /v1/files HTTP/1.1\r\n" if i % 2 else b"G")  # half a head, or a byte
+        time.sleep(1)
+        fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        threads = len(os.listdir(f"/proc/{proc.pid}/task"))
+        assert fds <= nrvna.API_CONNECTIONS + 32 and threads <= nrvna.API_WORKERS + 4, (fds, threads)
+        import urllib.request
+
+        with urllib.request.urlopen(f"{url}/files", timeout=30) as reply:  # a new client is answered
+            assert json.loads(reply.read())["object"] == "list"
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
 # ==============================================================================
 # 13.3 Batches
 # ==============================================================================
