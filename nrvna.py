@@ -15915,13 +15915,11 @@ class BatchLifecycle:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the thread (after its step in hand) and let the lock go."""
+        """Stop the thread (after its step in hand) and let the lock go once it has ended: never
+        while a step runs, which another server's thread would then take too."""
         self._halt.set()
         if self._thread is not None:
-            self._thread.join(timeout)
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+            self._thread.join(timeout)  # still in a step past it (a long submit): it lets go when the step ends
 
     def _run(self) -> None:
         while not self._halt.is_set():
@@ -15931,6 +15929,9 @@ class BatchLifecycle:
             except Exception as err:  # a fault of the workspace: said, and tried again next tick
                 log.limited("batches", f"batches: {type(err).__name__}: {err}")
             self._halt.wait(self.tick)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # the thread's own: let go only once no step runs
+            self._lock_fd = -1
 
     def _holds_lock(self) -> bool:
         if self._lock_fd < 0:
@@ -16209,7 +16210,8 @@ def _list_batches(call: ApiCall) -> ApiReply:
     unknown = sorted(set(call.query) - {"after", "limit"})
     if unknown:
         raise ApiError(400, f"Unrecognized query parameter: {unknown[0][:80]}", param=unknown[0])
-    return ApiReply(payload=ApiBatches(call.workspace, call.files).list(call.query.get("after"), call.query.get("limit")))
+    batches = ApiBatches(call.workspace, call.files)
+    return ApiReply(payload=batches.list(call.query.get("after"), call.query.get("limit")))
 
 
 def _get_batch(call: ApiCall) -> ApiReply:
@@ -16550,7 +16552,7 @@ class ApiServer:
 
     Threads: Main (start, serve_forever, shutdown), Api-IO (_Reader), Api-N (_work: one request
     each; at most ``workers``, started as requests wait) => requests (a queue.Queue); _threads and
-    _idle under _lock."""
+    _idle under _lock; Batches (``batches``, a BatchLifecycle: started and stopped with the server)."""
 
     def __init__(self, workspace: str, host: str = API_HOST, port: int = API_PORT, api_key: str = "", *,
                  workers: int = API_WORKERS, connections: int = API_CONNECTIONS,
