@@ -15280,6 +15280,10 @@ def _part_head(data: bytes) -> tuple[str, Optional[str]]:
                  for key, quoted, bare in _PARAM.findall(rest)}
         if "name" not in found:
             raise ApiError(400, "a multipart part has no name")
+        if "filename" not in found and "filename*" in found:  # RFC 5987: UTF-8''percent-encoded
+            from urllib.parse import unquote
+
+            found["filename"] = unquote(found["filename*"].partition("''")[2] or found["filename*"])
         return found["name"], found.get("filename")
     raise ApiError(400, "a multipart part has no Content-Disposition")
 
@@ -16383,12 +16387,18 @@ class _Reader:
                 if self.paused and (self._count() < self.server.connections or self._evictable()):
                     self._pause(False)
                 for key, _ in self.selector.select(timeout=0.02 if self.waiting else 0.25):
-                    if key.data == "accept":
-                        self._accept()
-                    elif key.data == "wake":
-                        self._woken()
-                    else:
-                        self._read(key.data)
+                    try:
+                        if key.data == "accept":
+                            self._accept()
+                        elif key.data == "wake":
+                            self._woken()
+                        else:
+                            self._read(key.data)
+                    except Exception as err:  # a bug: that connection is dropped, never the server
+                        log.limited("api-io", f"API server: {type(err).__name__}: {err}")
+                        if isinstance(key.data, _Connection):
+                            self._forget(key.data)
+                            key.data.close()
                 self._expire()
         finally:
             for conn in [*self.open.values(), *self.waiting]:
@@ -16624,8 +16634,13 @@ class ApiServer:
         self.batches.stop()
         with self._lock:
             threads = list(self._threads)
+        with contextlib.suppress(Exception):  # queue.Empty: the requests not begun are dropped
+            while True:
+                conn = self.requests.get_nowait()
+                if conn is not None:
+                    conn.close()
         for _ in threads[1:]:
-            self.requests.put(None)
+            self.requests.put(None)  # room: API_WORKERS < API_QUEUE
         for thread in threads:
             thread.join(timeout=5)
         if self.reader is not None and not any(thread.is_alive() for thread in threads):

@@ -11855,6 +11855,10 @@ def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServ
     assert status == 400 and "50,000" in json.loads(reply)["error"]["message"]
     assert os.listdir(os.path.join(ws, "api", "files")) == [] and os.listdir(os.path.join(ws, "api", "tmp")) == []
     assert upload(api, lines[:-3])["bytes"] == len(lines) - 3  # 50,000 lines are taken
+    body = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\nContent-Disposition: '
+            b"form-data; name=file; filename*=UTF-8''r%C3%A9sum%C3%A9.jsonl\r\n\r\n{}\n\r\n--b--\r\n")
+    status, _, reply = http(api, "POST", "/v1/files", body, {"Content-Type": "multipart/form-data; boundary=b"})
+    assert status == 200 and json.loads(reply)["filename"] == "résumé.jsonl"
 
 
 def test_multipart_parts_are_found_whole_wherever_the_reads_cut_them(tmp_path: Path) -> None:
