@@ -16056,7 +16056,9 @@ class BatchLifecycle:
             entries = parse_batch(self.batches.input(record["id"]), jsonl=True)
         except (NrvnaError, OSError):
             return []  # an input that cannot be read or parsed has no lines to name
-        have = {cid for _, cid in tag_members(self.batches.workspace, record["id"])}
+        members = tag_members(self.batches.workspace, record["id"])  # a killed submit's unpublished ones are Missing
+        states = bulk_states(self.batches.workspace, [job_id for job_id, _ in members])
+        have = {cid for job_id, cid in members if states[job_id] is not Status.Missing}
         code, message = BATCH_STOPPED["cancelled" if record.get("cancelling_at") is not None else "expired"]
         return [(json.dumps({"id": f"batch_req_{record['id']}_{entry.line}", "custom_id": entry.params["custom_id"],
                              "response": None, "error": {"code": code, "message": message}},

@@ -12191,6 +12191,21 @@ def test_a_cancelled_or_expired_batch_keeps_its_done_lines_and_ends_the_others_i
     assert Flow(ws).counts()["queued"] == Flow(ws).counts()["running"] == 0
 
 
+def test_a_batch_cancelled_while_validating_queues_nothing_and_ends_each_line_cancelled(ws: str) -> None:
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    batch_id = batches.create({"input_file_id": uploaded(ws, batch_input("/v1/completions", ["a", "b"])),
+                               "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+    assert batches.cancel(batch_id)["status"] == "cancelling"  # no server had taken a step yet
+    with lifecycle(ws) as batches:
+        batch, seen = until_ended(batches, batch_id)
+    assert seen == ["cancelling", "cancelled"] and batch["output_file_id"] is None
+    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    lines = [json.loads(line) for line in file_text(ws, batch["error_file_id"]).splitlines()]
+    assert [(line["custom_id"], line["error"]["code"]) for line in lines] == [("r0", "batch_cancelled"),
+                                                                             ("r1", "batch_cancelled")]
+    assert sum(Flow(ws).counts().values()) == 0
+
+
 def test_only_a_validating_or_running_batch_can_be_cancelled(ws: str) -> None:
     with serving(ws, echo), lifecycle(ws) as batches:
         batch_id = batches.create({"input_file_id": uploaded(ws, batch_input("/v1/completions", ["a"])),
