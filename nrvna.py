@@ -84,7 +84,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    13.1 HTTP                        bounds, parse_head, ApiError, ApiReply, ApiCall, api_key_matches,
                                       read_multipart, multipart_field, file_chunks
    13.2 Files                       API_FILES, FILE_PURPOSES, api_token, api_temp_name, ApiFiles
-   13.3 Batches
+   13.3 Batches                     BATCHES, BATCH_STEPS, BATCH_RECORD_FIELDS, batch_status, batch_file_id,
+                                      check_batch_request, batch_errors, ApiBatches, BatchLifecycle (the Batches thread)
    13.4 Endpoints                   SYNC_PRIORITY, FAILURE_STATUS, submit_request, answer_request, RequestStream
                                       (server-sent events), _chat_completions, _completions, _embeddings
    13.5 The server                  API_ROUTES (one handler per route), _Connection, _Reader (the Api-IO thread),
@@ -281,6 +282,11 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Api-N -> ApiFiles: a file's folder => written whole under api/tmp/, then published or put aside by one rename
     Api-N -> RequestStream, _RequestWatch: one request's job, followed => the request's own thread alone; the
         job's files change only by the daemon's renames and appends, read with Flow's checked readers
+    Api-N, Batches -> ApiBatches: a batch's record => rewritten whole (temporary name, fsync, rename) under a
+        flock on api/batches/, held for the read-modify-write only; its jobs and files as any client's
+    Batches -> BatchLifecycle: ended, the lock's descriptor => its own; every step of every batch => the flock on
+        api/batches/lifecycle.lock: one process of a workspace takes steps (a second server's thread waits)
+    Main -> BatchLifecycle: start, stop (ApiServer's) => stop sets an Event and joins the thread before closing the lock
 """
 
 from __future__ import annotations
@@ -15911,8 +15917,502 @@ class ApiFiles:
 # ============================================================================
 # 13.3 Batches
 # ============================================================================
-# OpenAI's batches over the workspace's tags (issue 58, item 3): the batch records in api/batches/
-# and their lifecycle, derived from the jobs. Any Api-N thread.
+# OpenAI's batches: api/batches/<id>.json (the record: the steps taken), the input linked beside it, the
+# lines as jobs tagged <id>. Invariant: a record is rewritten whole under a flock on api/batches/, and each
+# step is redone the same after a crash (the tag's resume by custom_id; files under IDs derived from the
+# batch's). Any Api-N thread; the Batches thread (BatchLifecycle) while it holds api/batches/lifecycle.lock.
+
+
+BATCHES = os.path.join(API_DIR, "batches")
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+BATCH_WINDOWS = {"24h": 24 * 3600}  # completion_window: OpenAI offers 24h alone
+BATCH_METADATA = (16, 64, 512)  # OpenAI's bounds on metadata: pairs, a key's characters, a value's
+BATCH_LIST_LIMIT = (20, 100)  # GET /v1/batches: limit's default and most (OpenAI's)
+BATCH_RECORD_BYTES = 1 << 20
+LIFECYCLE_LOCK = "lifecycle.lock"
+BATCH_TICK_SECONDS = 0.5
+# The steps a record holds: the status is the first of these it has (failed... in_progress), else
+# validating. A step, once recorded, is never changed.
+BATCH_STEPS = (("failed_at", "failed"), ("cancelled_at", "cancelled"), ("expired_at", "expired"),
+               ("completed_at", "completed"), ("finalizing_at", "finalizing"), ("cancelling_at", "cancelling"),
+               ("in_progress_at", "in_progress"))
+BATCH_ENDED = ("failed", "cancelled", "expired", "completed")
+# The error file's line for a request a cancel or an expiry stopped: OpenAI's code and words.
+BATCH_STOPPED = {"cancelled": ("batch_cancelled", "This request was not executed: the batch was cancelled."),
+                 "expired": ("batch_expired", "This request could not be executed before the completion "
+                                              "window expired.")}
+# A record without these (or naming another ID) is no batch.
+BATCH_REQUIRED = ("id", "input_file_id", "endpoint", "completion_window", "created_at", "expires_at")
+# A batch file's errors (errors.data): nrvna's refusal of a line, as OpenAI's code and param.
+BATCH_LINE_ERRORS = (("duplicate custom_id", "duplicate_custom_id", "custom_id"),
+                     ("invalid JSON", "invalid_json_line", None), ("not valid UTF-8", "invalid_json_line", None),
+                     ("url ", "invalid_url", "url"), ("has no prompts", "empty_file", None))
+
+
+def _is_stamp(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 40
+
+
+def _is_metadata(value: Any) -> bool:
+    pairs, key_chars, value_chars = BATCH_METADATA
+    return type(value) is dict and len(value) <= pairs and all(
+        type(k) is str and len(k) <= key_chars and type(v) is str and len(v) <= value_chars for k, v in value.items())
+
+
+# What each field of a batch record must be, read back: a field that is not so is read as absent.
+BATCH_RECORD_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "id": lambda value: type(value) is str and API_IDS["batch_id"].fullmatch(value) is not None,
+    "input_file_id": _is_text, "endpoint": lambda value: value in BATCH_ENDPOINTS,
+    "completion_window": lambda value: value in BATCH_WINDOWS, "created": _is_time,
+    "metadata": lambda value: value is None or _is_metadata(value),
+    **dict.fromkeys(("created_at", "expires_at", "total", *(step for step, _ in BATCH_STEPS)), _is_stamp),
+    "errors": lambda value: type(value) is list and all(type(entry) is dict for entry in value),
+    **dict.fromkeys(("output_file_id", "error_file_id", "model"), lambda value: value is None or _is_text(value)),
+    "request_counts": lambda value: type(value) is dict and all(
+        _is_count(value.get(name)) for name in ("total", "completed", "failed")),
+    "usage": lambda value: value is None or type(value) is dict,
+}
+
+
+def batch_status(record: Mapping[str, Any]) -> str:
+    """A batch's status from the steps its record holds (BATCH_STEPS)."""
+    for step, status in BATCH_STEPS:
+        if record.get(step) is not None:
+            return status
+    return "validating"
+
+
+def batch_file_id(batch_id: str, role: str) -> str:
+    """The ID of a batch's ``output`` or ``error`` file: derived from the batch's, so a finalize
+    redone after a crash publishes the same file (ApiFiles.publish returns it as it is)."""
+    import hashlib
+
+    return "file-" + hashlib.sha256(f"{batch_id}/{role}".encode()).hexdigest()[:24]
+
+
+def check_batch_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """POST /v1/batches' body checked (ApiError 400 naming the field): its input_file_id,
+    endpoint, completion_window and metadata."""
+    for key in body:
+        if key not in ("input_file_id", "endpoint", "completion_window", "metadata"):
+            raise ApiError(400, f"unknown field {key!r} (a batch takes input_file_id, endpoint, completion_window, "
+                           "metadata)", param=key)
+    file_id, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
+    if not isinstance(file_id, str):
+        raise ApiError(400, "input_file_id is required: the ID of a file uploaded with purpose batch",
+                       param="input_file_id")
+    if endpoint not in BATCH_ENDPOINTS:
+        raise ApiError(400, f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}", param="endpoint")
+    if window not in BATCH_WINDOWS:
+        raise ApiError(400, f"completion_window must be {' or '.join(map(repr, BATCH_WINDOWS))}",
+                       param="completion_window")
+    metadata = body.get("metadata")
+    if metadata is not None and not _is_metadata(metadata):
+        pairs, key_chars, value_chars = BATCH_METADATA
+        raise ApiError(400, f"metadata must be at most {pairs} pairs of strings, keys up to {key_chars} characters "
+                       f"and values up to {value_chars}", param="metadata")
+    return {"input_file_id": file_id, "endpoint": endpoint, "completion_window": window, "metadata": metadata}
+
+
+def batch_errors(data: bytes, endpoint: str) -> list[dict[str, Any]]:
+    """A batch file's errors as OpenAI's errors.data ({code, message, line, param}; [] when it
+    passes): nrvna's batch checks (parse_batch: the first bad line, a duplicate custom_id), a line
+    whose url is not the batch's ``endpoint``, more than BATCH_FILE_LINES requests."""
+    try:
+        entries = parse_batch(data, jsonl=True)
+    except InvalidInput as err:
+        return [_batch_line_error(str(err))]
+    for entry in entries:
+        url = entry.params.get("endpoint")
+        if url != endpoint:
+            what = f"url {url!r}" if url else "not an OpenAI Batch request line: it has no url"
+            return [{"code": "invalid_url", "line": entry.line, "param": "url",
+                     "message": f"{what}; every line of this batch must be a request to {endpoint}"}]
+    if len(entries) > BATCH_FILE_LINES:
+        return [{"code": "too_many_requests", "line": None, "param": None,
+                 "message": f"{len(entries):,} requests; a batch holds at most {BATCH_FILE_LINES:,}"}]
+    return []
+
+
+def _batch_line_error(message: str) -> dict[str, Any]:
+    """parse_batch's refusal (``line N: why``) as one of errors.data."""
+    match = re.match(r"line (\d+): ", message)
+    line, why = (int(match.group(1)), message[match.end():]) if match else (None, message)
+    for said, code, param in BATCH_LINE_ERRORS:
+        if said in why:
+            return {"code": code, "line": line, "param": param, "message": why}
+    return {"code": "invalid_request", "line": line, "param": None, "message": why}
+
+
+class ApiBatches:
+    """The batches of a workspace as OpenAI's batch objects: create (the record and its input
+    durable before it returns), get, list, cancel (a step in the record), and what the lifecycle
+    reads and records. Threads: any; a record's read-modify-write holds the records' flock."""
+
+    def __init__(self, workspace: str, files: ApiFiles) -> None:
+        self.workspace, self.files = workspace, files
+        self.folder = os.path.join(workspace, BATCHES)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[int]:
+        """api/batches/ open and flock'ed (made first if need be): its descriptor."""
+        self._make_folder()
+        fd = open_dir(self.folder)
+        try:
+            _flock(fd, wait=True)
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _make_folder(self) -> None:
+        if os.path.isdir(self.folder):
+            return
+        ensure_workspace(self.workspace)
+        for path in (os.path.dirname(self.folder), self.folder):
+            try:
+                os.mkdir(path, DIR_MODE)
+                fsync_dir(os.path.dirname(path))
+            except FileExistsError:
+                pass
+
+    def ids(self) -> list[str]:
+        """The IDs of the batches whose record is in api/batches/."""
+        try:
+            names = os.listdir(self.folder)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(name[:-5] for name in names
+                      if name.endswith(".json") and API_IDS["batch_id"].fullmatch(name[:-5]))
+
+    def record(self, batch_id: str) -> Optional[dict[str, Any]]:
+        """Batch ``batch_id``'s record as BATCH_RECORD_FIELDS reads it, or None: no such batch,
+        or a record that is not nrvna's (read_record's checks: no link, FIFO, oversize file)."""
+        if not API_IDS["batch_id"].fullmatch(batch_id):
+            return None
+        record = read_record(os.path.join(self.folder, f"{batch_id}.json"), BATCH_RECORD_BYTES)
+        record = {key: value for key, value in record.items()
+                  if key in BATCH_RECORD_FIELDS and shallow(value) and BATCH_RECORD_FIELDS[key](value)}
+        if any(key not in record for key in BATCH_REQUIRED) or record["id"] != batch_id:
+            return None
+        return record
+
+    def _write(self, dir_fd: int, record: Mapping[str, Any]) -> None:
+        import json
+
+        write_file(dir_fd, f"{record['id']}.json", json.dumps(record, ensure_ascii=False, indent=1).encode())
+        os.fsync(dir_fd)
+
+    def update(self, batch_id: str, **fields: Any) -> dict[str, Any]:
+        """Record ``fields`` in the batch's record (a step already recorded is kept as it is),
+        rewritten whole and durable; the record as it is now. ApiError 404: no such batch."""
+        with self.locked() as dir_fd:
+            record = self.record(batch_id)
+            if record is None:
+                raise ApiError(404, f"no batch {batch_id}", code="not_found")
+            for key, value in fields.items():
+                if key not in dict(BATCH_STEPS) or record.get(key) is None:
+                    record[key] = value
+            self._write(dir_fd, record)
+        return record
+
+    def create(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST /v1/batches: a new batch, validating; its record and input durable on return."""
+        request = check_batch_request(body)
+        found = self.files.get(request["input_file_id"])  # ApiError 404
+        if found.get("purpose") != "batch":
+            raise ApiError(400, f"file {request['input_file_id']} was uploaded with purpose {found.get('purpose')!r}; "
+                           "a batch's input needs purpose batch", param="input_file_id")
+        now = time.time()
+        record = {"id": "batch_" + api_token(), **request, "created": now, "created_at": int(now),
+                  "expires_at": int(now) + BATCH_WINDOWS[request["completion_window"]]}
+        with self.locked() as dir_fd:
+            self._keep_input(dir_fd, record["id"], request["input_file_id"])
+            self._write(dir_fd, record)
+        return self.batch_object(record)
+
+    def _keep_input(self, dir_fd: int, batch_id: str, file_id: str) -> None:
+        """The input as the batch's own (<id>.jsonl): a hard link (a copy where links fail), so a
+        DELETE of the file later changes nothing; durable once the caller fsyncs the folder."""
+        source = os.fspath(self.files.content_path(file_id))
+        try:
+            os.link(source, f"{batch_id}.jsonl", dst_dir_fd=dir_fd, follow_symlinks=False)
+        except OSError as err:
+            if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            with open(source, "rb") as handle:
+                write_file(dir_fd, f"{batch_id}.jsonl", handle.read(FILE_BYTES_LIMIT + 1)[:FILE_BYTES_LIMIT])
+
+    def input(self, batch_id: str) -> bytes:
+        """The batch's input file (JobError: a link, a FIFO, over FILE_BYTES_LIMIT; OSError: gone)."""
+        fd = open_dir(self.folder)
+        try:
+            return read_file(fd, f"{batch_id}.jsonl", FILE_BYTES_LIMIT)
+        finally:
+            os.close(fd)
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        """GET /v1/batches/{id}: the batch object (ApiError 404)."""
+        record = self.record(batch_id)
+        if record is None:
+            raise ApiError(404, f"no batch {batch_id}", code="not_found")
+        return self.batch_object(record)
+
+    def list(self, after: Optional[str] = None, limit: Optional[str] = None) -> dict[str, Any]:
+        """GET /v1/batches: OpenAI's list object, newest first, ``limit`` (1 to 100) after batch ``after``."""
+        default, most = BATCH_LIST_LIMIT
+        count = default if limit is None else int(limit) if str(limit).isdigit() else 0
+        if not 1 <= count <= most:
+            raise ApiError(400, f"limit must be an integer from 1 to {most}", param="limit")
+        records = [r for r in map(self.record, self.ids()) if r is not None]
+        records.sort(key=lambda r: (r.get("created", r["created_at"]), r["id"]), reverse=True)
+        start = 0
+        if after is not None:
+            start = next((i + 1 for i, r in enumerate(records) if r["id"] == after), -1)
+            if start < 0:
+                raise ApiError(400, f"after names no batch: {after!r}", param="after")
+        page = records[start:start + count]
+        return {"object": "list", "data": [self.batch_object(r) for r in page],
+                "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
+                "has_more": start + count < len(records)}
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        """POST /v1/batches/{id}/cancel: cancelling (the lifecycle then cancels its jobs), or as it
+        is when cancelling or cancelled already; ApiError 400 for a batch past cancelling."""
+        with self.locked() as dir_fd:
+            record = self.record(batch_id)
+            if record is None:
+                raise ApiError(404, f"no batch {batch_id}", code="not_found")
+            status = batch_status(record)
+            if status in ("validating", "in_progress"):
+                record["cancelling_at"] = int(time.time())
+                self._write(dir_fd, record)
+            elif status not in ("cancelling", "cancelled"):
+                raise ApiError(400, f"batch {batch_id} is {status}: only a validating or in_progress batch can be "
+                               "cancelled", code="batch_not_cancellable")
+        return self.batch_object(record)
+
+    def lines(self, batch_id: str) -> tuple[list[str], dict[str, Status]]:
+        """The batch's jobs, one per custom_id (the latest that exists), in submission order, and
+        their states."""
+        members = tag_members(self.workspace, batch_id)
+        states = bulk_states(self.workspace, [job_id for job_id, _ in members])
+        latest: dict[Optional[str], str] = {}
+        for job_id, cid in members:
+            if states[job_id] is not Status.Missing:
+                latest.pop(cid, None)  # its place is the latest's
+                latest[cid] = job_id
+        return list(latest.values()), states
+
+    def batch_object(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        """OpenAI's batch object for ``record``: its request_counts recorded once it ended,
+        counted from its tag's jobs before."""
+        status = batch_status(record)
+        counts = record.get("request_counts")
+        if counts is None or status not in BATCH_ENDED:
+            jobs, states = self.lines(record["id"]) if record.get("in_progress_at") is not None else ([], {})
+            ended = [states[job_id] for job_id in jobs if states[job_id].finished]
+            done = sum(state is Status.Done for state in ended)
+            counts = {"total": record.get("total", 0), "completed": done, "failed": len(ended) - done}
+        errors = record.get("errors")
+        return {"id": record["id"], "object": "batch", "endpoint": record["endpoint"],
+                "errors": {"object": "list", "data": errors} if errors else None,
+                "input_file_id": record["input_file_id"], "completion_window": record["completion_window"],
+                "status": status, "output_file_id": record.get("output_file_id"),
+                "error_file_id": record.get("error_file_id"), "created_at": record["created_at"],
+                "in_progress_at": record.get("in_progress_at"), "expires_at": record["expires_at"],
+                **{step: record.get(step) for step in ("finalizing_at", "completed_at", "failed_at", "expired_at",
+                                                       "cancelling_at", "cancelled_at")},
+                "request_counts": counts, "metadata": record.get("metadata"), "model": record.get("model"),
+                "usage": record.get("usage")}
+
+
+class BatchLifecycle:
+    """The Batches thread: takes each batch a step on, every BATCH_TICK_SECONDS, while it holds
+    api/batches/lifecycle.lock (one process of a workspace at a time: a second server's thread
+    waits for the lock, and takes over when the first dies). Every step is redone the same after
+    a crash at any instant: validating submits the file under the batch's tag (a resubmit queues
+    only the custom_ids the tag lacks); a cancel or an expiry cancels the tag's unfinished jobs;
+    the end publishes the output and error files under IDs derived from the batch's, then records
+    the end in one write. Threads: its own; ApiServer's start and stop."""
+
+    def __init__(self, batches: ApiBatches, tick: float = BATCH_TICK_SECONDS) -> None:
+        self.batches, self.tick = batches, tick
+        self.ended: set[str] = set()  # batches seen ended: never read again
+        self._halt = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._lock_fd = -1
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="Batches", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread (after its step in hand) and let the lock go once it has ended: never
+        while a step runs, which another server's thread would then take too."""
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(timeout)  # still in a step past it (a long submit): it lets go when the step ends
+
+    def _run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                if self._holds_lock():
+                    self.step()
+            except Exception as err:  # a fault of the workspace: said, and tried again next tick
+                log.limited("batches", f"batches: {type(err).__name__}: {err}")
+            self._halt.wait(self.tick)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # the thread's own: let go only once no step runs
+            self._lock_fd = -1
+
+    def _holds_lock(self) -> bool:
+        if self._lock_fd < 0:
+            with self.batches.locked():
+                pass  # the folder exists
+            fd = os.open(os.path.join(self.batches.folder, LIFECYCLE_LOCK), os.O_RDWR | os.O_CREAT | O_NOFOLLOW
+                         | O_CLOEXEC, FILE_MODE)
+            self._lock_fd = _locked(fd) or -1
+        return self._lock_fd >= 0
+
+    def step(self) -> None:
+        """Take every batch not ended a step on (each on its own: one's fault spares the others)."""
+        for batch_id in self.batches.ids():
+            if batch_id in self.ended or self._halt.is_set():
+                continue
+            try:
+                self.advance(batch_id)
+            except (NrvnaError, OSError, ApiError) as err:
+                log.limited(f"batch {batch_id}", f"batch {batch_id}: {err}", "warning")
+
+    def advance(self, batch_id: str) -> None:
+        """One step of one batch: validate and submit, cancel, or end it."""
+        record = self.batches.record(batch_id)
+        if record is None or batch_status(record) in BATCH_ENDED:
+            if record is not None:
+                self.ended.add(batch_id)
+            return
+        now = time.time()
+        ending = ("cancelled" if record.get("cancelling_at") is not None else
+                  "expired" if now >= record["expires_at"] else None)
+        if ending is None and record.get("in_progress_at") is None:
+            self._submit(record)
+            return
+        jobs, states = self.batches.lines(batch_id)
+        if any(states[job_id] in (Status.Queued, Status.Running) for job_id in jobs):
+            if ending is None:
+                return
+            cancel_jobs(self.batches.workspace, tag=batch_id, timeout=0.1)
+            jobs, states = self.batches.lines(batch_id)
+            if any(states[job_id] in (Status.Queued, Status.Running) for job_id in jobs):
+                return  # a running job stops between tokens: look again next tick
+        if ending is None and record.get("finalizing_at") is None:
+            record = self.batches.update(batch_id, finalizing_at=int(now))
+        self._end(record, ending or "completed", jobs, states)
+
+    def _submit(self, record: dict[str, Any]) -> None:
+        """validating -> failed (errors) or in_progress (every line a job of the batch's tag)."""
+        batch_id, now = record["id"], int(time.time())
+        try:
+            data = self.batches.input(batch_id)
+        except (OSError, JobError) as err:
+            why = _os_error(err) if isinstance(err, OSError) else str(err)
+            self.batches.update(batch_id, failed_at=now, errors=[
+                {"code": "invalid_file", "line": None, "param": "input_file_id",
+                 "message": f"the batch's input cannot be read: {why}"}])
+            return
+        errors = batch_errors(data, record["endpoint"])
+        if not errors:
+            try:
+                ids = Work(self.batches.workspace).submit_file(data, tag=batch_id, jsonl=True)
+            except InvalidInput as err:  # a check past parse_batch's (a parent, a model under strict models)
+                errors = [_batch_line_error(str(err))]
+        if errors:
+            self.batches.update(batch_id, failed_at=now, errors=errors)
+        else:
+            self.batches.update(batch_id, in_progress_at=now, total=len(ids))
+
+    def _end(self, record: dict[str, Any], ending: str, jobs: list[str], states: dict[str, Status]) -> None:
+        """Publish the output and error files and record the end, in one write."""
+        batch_id = record["id"]
+        since = None if ending == "completed" else record.get("cancelling_at") or record["expires_at"]
+        done = [job_id for job_id in jobs if states[job_id] is Status.Done]
+        failed = [job_id for job_id in jobs if states[job_id] is Status.Failed]
+        unsent = self._unsent(record, jobs) if record.get("in_progress_at") is None else []
+        files = self.batches.files
+        output = error = None
+        if done:
+            output = files.publish(batch_file_id(batch_id, "output"), self._lines(done, None, ending),
+                                   f"{batch_id}_output.jsonl", "batch_output")["id"]
+        if failed or unsent:
+            lines = itertools.chain(self._lines(failed, since, ending), unsent)
+            error = files.publish(batch_file_id(batch_id, "error"), lines, f"{batch_id}_error.jsonl",
+                                  "batch_output")["id"]
+        total = max(record.get("total", 0), len(done) + len(failed) + len(unsent))
+        usage, model = self._usage(done)
+        self.batches.update(batch_id, output_file_id=output, error_file_id=error, usage=usage, model=model,
+                            request_counts={"total": total, "completed": len(done),
+                                            "failed": len(failed) + len(unsent)},
+                            **{f"{ending}_at": int(time.time())})
+        self.ended.add(batch_id)
+
+    def _lines(self, jobs: list[str], since: Optional[int], ending: str) -> Iterator[bytes]:
+        """The jobs' lines as ``nrvna export --format openai`` writes them; a job the batch's
+        cancel or expiry stopped (cancelled at ``since`` or later) as OpenAI's batch_cancelled or
+        batch_expired line."""
+        import json
+
+        flow, line = Flow(self.batches.workspace), EXPORT_FORMATS["openai"].line
+        for job_id in jobs:
+            job = flow.get(job_id)
+            if job is None:
+                continue  # removed since (clean)
+            meta = job.meta
+            if since is not None and meta.get("code") == "cancelled" and meta.get("finished", 0) >= since - 1:
+                code, message = BATCH_STOPPED[ending]
+                yield (json.dumps({"id": f"batch_req_{job.id}", "custom_id": job_param(job.params or {}, "custom_id"),
+                                   "response": None, "error": {"code": code, "message": message}},
+                                  ensure_ascii=False) + "\n").encode()
+            else:
+                yield line(job).encode()
+
+    def _unsent(self, record: dict[str, Any], jobs: list[str]) -> list[bytes]:
+        """The error lines of the input's lines that never became jobs (cancelled or expired
+        while validating)."""
+        import json
+
+        try:
+            entries = parse_batch(self.batches.input(record["id"]), jsonl=True)
+        except (NrvnaError, OSError):
+            return []  # an input that cannot be read or parsed has no lines to name
+        members = tag_members(self.batches.workspace, record["id"])  # a killed submit's unpublished ones are Missing
+        states = bulk_states(self.batches.workspace, [job_id for job_id, _ in members])
+        have = {cid for job_id, cid in members if states[job_id] is not Status.Missing}
+        code, message = BATCH_STOPPED["cancelled" if record.get("cancelling_at") is not None else "expired"]
+        return [(json.dumps({"id": f"batch_req_{record['id']}_{entry.line}", "custom_id": entry.params["custom_id"],
+                             "response": None, "error": {"code": code, "message": message}},
+                            ensure_ascii=False) + "\n").encode()
+                for entry in entries if entry.params["custom_id"] not in have]
+
+    def _usage(self, done: list[str]) -> tuple[dict[str, Any], Optional[str]]:
+        """OpenAI's batch usage summed over the done jobs' meta.json, and the model of the first."""
+        tokens = {"prompt_tokens": 0, "generated_tokens": 0, "reasoning_tokens": 0}
+        model = None
+        for job_id in done:
+            try:
+                fd = open_dir(job_path(self.batches.workspace, OUTPUT, job_id))
+            except OSError:
+                continue
+            try:
+                meta = read_meta(fd)
+            finally:
+                os.close(fd)
+            for name in tokens:
+                tokens[name] += meta.get(name, 0)
+            model = model or meta.get("model")
+        return {"input_tokens": tokens["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": tokens["generated_tokens"],
+                "output_tokens_details": {"reasoning_tokens": tokens["reasoning_tokens"]},
+                "total_tokens": tokens["prompt_tokens"] + tokens["generated_tokens"]}, model
 
 
 # ============================================================================
@@ -16395,6 +16895,26 @@ def _delete_file(call: ApiCall) -> ApiReply:
     return ApiReply(payload=call.files.delete(call.params["file_id"]))
 
 
+def _create_batch(call: ApiCall) -> ApiReply:
+    return ApiReply(payload=ApiBatches(call.workspace, call.files).create(call.json()))
+
+
+def _list_batches(call: ApiCall) -> ApiReply:
+    unknown = sorted(set(call.query) - {"after", "limit"})
+    if unknown:
+        raise ApiError(400, f"Unrecognized query parameter: {unknown[0][:80]}", param=unknown[0])
+    batches = ApiBatches(call.workspace, call.files)
+    return ApiReply(payload=batches.list(call.query.get("after"), call.query.get("limit")))
+
+
+def _get_batch(call: ApiCall) -> ApiReply:
+    return ApiReply(payload=ApiBatches(call.workspace, call.files).get(call.params["batch_id"]))
+
+
+def _cancel_batch(call: ApiCall) -> ApiReply:
+    return ApiReply(payload=ApiBatches(call.workspace, call.files).cancel(call.params["batch_id"]))
+
+
 # method, path ({name}: one part of the path, an ID matched whole against API_IDS), handler, help.
 # Dispatch, the 405s (the Allow header) and docs/server.md's table come from here.
 API_ROUTES: tuple[tuple[str, str, Callable[[ApiCall], ApiReply], str], ...] = (
@@ -16407,6 +16927,12 @@ API_ROUTES: tuple[tuple[str, str, Callable[[ApiCall], ApiReply], str], ...] = (
     ("DELETE", "/v1/files/{file_id}", _delete_file,
      "remove a file: `{\"id\", \"object\": \"file\", \"deleted\": true}`"),
     ("GET", "/v1/files/{file_id}/content", _file_content, "a file's bytes, exactly as uploaded or written"),
+    ("POST", "/v1/batches", _create_batch, "create a batch: `input_file_id`, `endpoint`, `completion_window` (24h), "
+                                           "`metadata`; durable once answered"),
+    ("GET", "/v1/batches", _list_batches, "the batches, newest first: `after`, `limit` (1-100, 20 by default)"),
+    ("GET", "/v1/batches/{batch_id}", _get_batch, "a batch's object: its status, request_counts, files"),
+    ("POST", "/v1/batches/{batch_id}/cancel", _cancel_batch, "cancel a batch: cancelling, then cancelled with the "
+                                                              "done lines in its output file"),
     ("POST", "/v1/chat/completions", _chat_completions, "a chat completion, run as a job ahead of batch lines "
                                                         "(`stream`: server-sent events); see Synchronous endpoints"),
     ("POST", "/v1/completions", _completions, "a text completion (legacy), as a job: see Synchronous endpoints"),
@@ -16730,7 +17256,7 @@ class ApiServer:
 
     Threads: Main (start, serve_forever, shutdown), Api-IO (_Reader), Api-N (_work: one request
     each; at most ``workers``, started as requests wait) => requests (a queue.Queue); _threads and
-    _idle under _lock."""
+    _idle under _lock; Batches (``batches``, a BatchLifecycle: started and stopped with the server)."""
 
     def __init__(self, workspace: str, host: str = API_HOST, port: int = API_PORT, api_key: str = "", *,
                  workers: int = API_WORKERS, connections: int = API_CONNECTIONS,
@@ -16746,6 +17272,7 @@ class ApiServer:
         self.workers, self.connections = workers, connections
         self.head_seconds, self.body_seconds = head_seconds, body_seconds
         self.files = ApiFiles(workspace)
+        self.batches = BatchLifecycle(ApiBatches(workspace, self.files))  # the Batches thread
         self.routes = [(method, _route_pattern(path), handler) for method, path, handler, _ in API_ROUTES]
         self.requests: Any = queue.Queue(API_QUEUE)
         self.reader: Optional[_Reader] = None
@@ -16779,6 +17306,7 @@ class ApiServer:
         thread = threading.Thread(target=self.reader.run, name="Api-IO", daemon=True)
         thread.start()
         self._threads.append(thread)
+        self.batches.start()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -16797,6 +17325,7 @@ class ApiServer:
         self._stop_asked = True
         if self.reader is not None:
             self.reader.stop()
+        self.batches.stop()
         with self._lock:
             threads = list(self._threads)
         with contextlib.suppress(Exception):  # queue.Empty: the requests not begun are dropped

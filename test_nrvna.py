@@ -35,6 +35,7 @@ Contents, numbered as nrvna.py's sections and sub-sections (the tests of 12.1 si
     12.2 Claims and finishes: Processor: crashes, kills and concurrency
     12.6 Server: start-up checks (model, settings, workspace)
     13. Served API: the HTTP layer, files and models over a workspace
+    13.3 Batches
     13.4 Endpoints: synchronous requests through the queue, streamed or not
     14. CLI: output, exit codes, pipes
 """
@@ -12322,8 +12323,6 @@ def test_two_thousand_connections_at_once_exhaust_neither_threads_nor_descriptor
 
 
 # ==============================================================================
-# 13.4 Endpoints: synchronous requests through the queue, streamed or not
-# ==============================================================================
 
 
 def _stream_events(events: Iterator[bytes]) -> list[Any]:
@@ -12636,7 +12635,442 @@ def test_the_openai_client_chats_streams_completes_calls_tools_and_embeds_throug
     finally:
         for daemon in daemons:
             daemon.shutdown()
+=======
+# 13.3 Batches
+# ==============================================================================
 
+
+def batch_input(endpoint: str, prompts: list[str], **body: Any) -> bytes:
+    """An OpenAI Batch file: a request to ``endpoint`` per prompt, custom_id r0, r1, ..."""
+    field = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}[endpoint]
+    return "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": endpoint, "body": {
+        field: [{"role": "user", "content": prompt}] if field == "messages" else prompt, **body}}) + "\n"
+        for i, prompt in enumerate(prompts)).encode()
+
+
+def uploaded(ws: str, data: bytes) -> str:
+    nrvna.ensure_workspace(ws)
+    return nrvna.ApiFiles(ws).create([data], len(data), "input.jsonl", "batch")["id"]
+
+
+@contextlib.contextmanager
+def lifecycle(ws: str) -> Iterator[nrvna.ApiBatches]:
+    """The batches of ``ws`` with a Batches thread taking them on every 50 ms, always stopped."""
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    thread = nrvna.BatchLifecycle(batches, tick=0.05)
+    thread.start()
+    try:
+        yield batches
+    finally:
+        thread.stop()
+
+
+def until_ended(batches: nrvna.ApiBatches, batch_id: str, timeout: float = 60) -> tuple[dict[str, Any], list[str]]:
+    """The batch object once it has ended, and every status seen on the way, in order."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = batches.get(batch_id)
+        if not seen or seen[-1] != batch["status"]:
+            seen.append(batch["status"])
+        if batch["status"] in nrvna.BATCH_ENDED:
+            return batch, seen
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.02)
+
+
+def file_text(ws: str, file_id: Optional[str]) -> str:
+    assert file_id is not None
+    return nrvna.ApiFiles(ws).content_path(file_id).read_bytes().decode()
+
+
+def refuse_marked(job: nrvna.RunningJob) -> str:
+    if "refuse" in job.prompt:
+        raise nrvna.JobError("bad_request", "refused by the test's runner")
+    return echo(job)
+
+
+def test_a_batch_goes_validating_in_progress_completed_and_its_files_are_the_export(ws: str) -> None:
+    data = batch_input("/v1/chat/completions", ["one", "two", "refuse this", "four", "five"], max_tokens=3)
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    created = batches.create({"input_file_id": uploaded(ws, data), "endpoint": "/v1/chat/completions",
+                              "completion_window": "24h", "metadata": {"run": "a"}})
+    batch_id = created["id"]
+    assert nrvna.API_IDS["batch_id"].fullmatch(batch_id) and created["status"] == "validating"
+    assert created["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    assert created["metadata"] == {"run": "a"}
+    assert created["expires_at"] == created["created_at"] + 24 * 3600
+    assert set(created) >= {"errors", "output_file_id", "error_file_id", "in_progress_at", "finalizing_at",
+                            "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at", "model", "usage"}
+    with serving(ws, refuse_marked), lifecycle(ws) as batches:
+        batch, seen = until_ended(batches, batch_id)
+    assert batch["status"] == "completed" and seen[0] == "validating", seen
+    assert set(seen) <= {"validating", "in_progress", "finalizing", "completed"}
+    assert batch["request_counts"] == {"total": 5, "completed": 4, "failed": 1}
+    assert batch["in_progress_at"] and batch["finalizing_at"] and batch["completed_at"] and batch["errors"] is None
+    assert batch["output_file_id"] == nrvna.batch_file_id(batch_id, "output")
+    assert batch["error_file_id"] == nrvna.batch_file_id(batch_id, "error")
+    out, errors = io.StringIO(), io.StringIO()
+    Flow(ws).export(out, tag=batch_id, format="openai", errors=errors)  # `nrvna export --tag ID --format openai`
+    assert file_text(ws, batch["output_file_id"]) == out.getvalue() and out.getvalue().count("\n") == 4
+    assert file_text(ws, batch["error_file_id"]) == errors.getvalue()
+    failed = json.loads(errors.getvalue())
+    assert failed["custom_id"] == "r2" and failed["response"] is None and failed["error"]["code"] == "bad_request"
+    assert nrvna.ApiFiles(ws).get(batch["output_file_id"])["purpose"] == "batch_output"
+    assert len(Flow(ws).select(tag=batch_id)[0]) == 5  # the lines are the tag's jobs: status/cancel/export --tag
+
+
+@pytest.mark.parametrize("lines, endpoint, code, line, param", [
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n{"custom_id": "b",\n',
+     "/v1/completions", "invalid_json_line", 2, None),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
+     b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "y"}}\n',
+     "/v1/completions", "duplicate_custom_id", 2, "custom_id"),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n',
+     "/v1/chat/completions", "invalid_url", 1, "url"),
+    (b'{"prompt": "an nrvna line, not a request to the endpoint"}\n', "/v1/completions", "invalid_url", 1, "url"),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "bogus": 1}}\n',
+     "/v1/completions", "invalid_request", 1, None),
+    (b"\n\n", "/v1/completions", "empty_file", None, None),
+])
+def test_a_batch_file_that_fails_the_checks_is_created_then_fails_with_its_errors(
+        ws: str, lines: bytes, endpoint: str, code: str, line: Optional[int], param: Optional[str]) -> None:
+    with lifecycle(ws) as batches:
+        created = batches.create({"input_file_id": uploaded(ws, lines), "endpoint": endpoint,
+                                  "completion_window": "24h"})
+        assert created["status"] == "validating"
+        batch, seen = until_ended(batches, created["id"])
+    assert seen[-1] == "failed" and batch["failed_at"] is not None, seen
+    assert batch["errors"]["object"] == "list" and len(batch["errors"]["data"]) == 1
+    error = batch["errors"]["data"][0]
+    assert (error["code"], error["line"], error["param"]) == (code, line, param) and error["message"], error
+    assert batch["output_file_id"] is None and batch["error_file_id"] is None
+    assert sum(Flow(ws).counts().values()) == 0  # nothing was queued
+
+
+def test_a_batch_request_is_refused_where_openai_refuses_it(ws: str) -> None:
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    good = {"input_file_id": uploaded(ws, batch_input("/v1/completions", ["x"])), "endpoint": "/v1/completions",
+            "completion_window": "24h"}
+    cases = [({"endpoint": "/v1/responses"}, 400, "endpoint"), ({"completion_window": "48h"}, 400, "completion_window"),
+             ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
+             ({"metadata": {"k" * 65: "v"}}, 400, "metadata"), ({"metadata": {"k": "v" * 513}}, 400, "metadata"),
+             ({"metadata": {"k": 1}}, 400, "metadata"), ({"input_file_id": None}, 400, "input_file_id"),
+             ({"output_expires_after": {"anchor": "created_at", "seconds": 3600}}, 400, "output_expires_after"),
+             ({"input_file_id": "file-" + "0" * 24}, 404, None),
+             ({"input_file_id": nrvna.ApiFiles(ws).publish("file-" + "1" * 24, [b"{}\n"], "out.jsonl",
+                                                           "batch_output")["id"]}, 400, "input_file_id")]
+    for change, status, param in cases:
+        with pytest.raises(nrvna.ApiError) as refused:
+            batches.create({**good, **change})
+        assert refused.value.status == status and (param is None or refused.value.param == param), change
+    assert batches.create(dict(good, metadata={f"k{i}": "v" * 512 for i in range(16)}))["status"] == "validating"
+    assert nrvna.ApiBatches(ws, nrvna.ApiFiles(ws)).ids() and sum(Flow(ws).counts().values()) == 0
+
+
+def slow_and_quick(ws: str, quick: int, slow: int) -> str:
+    data = (batch_input("/v1/completions", [f"quick {i}" for i in range(quick)], max_tokens=2)
+            + batch_input("/v1/completions", [f"slow {i}" for i in range(slow)], max_tokens=100_000)
+            .replace(b'"custom_id": "r', b'"custom_id": "s'))
+    return uploaded(ws, data)
+
+
+@pytest.mark.parametrize("how", ["cancel", "expire"])
+def test_a_cancelled_or_expired_batch_keeps_its_done_lines_and_ends_the_others_in_its_error_file(
+        ws: str, how: str) -> None:
+    with serving(ws, words, workers=2), lifecycle(ws) as batches:
+        batch_id = batches.create({"input_file_id": slow_and_quick(ws, 3, 4), "endpoint": "/v1/completions",
+                                   "completion_window": "24h"})["id"]
+        deadline = time.monotonic() + 30
+        while batches.get(batch_id)["request_counts"]["completed"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        if how == "cancel":
+            assert batches.cancel(batch_id)["status"] == "cancelling"
+        else:
+            batches.update(batch_id, expires_at=int(time.time()))  # the 24 hours are up
+        batch, seen = until_ended(batches, batch_id)
+        if how == "cancel":
+            assert batches.cancel(batch_id)["status"] == "cancelled"  # again: as it is
+    ending, code = ("cancelled", "batch_cancelled") if how == "cancel" else ("expired", "batch_expired")
+    assert seen == (["cancelling", "cancelled"] if how == "cancel" else ["in_progress", "expired"]), seen
+    assert batch[f"{ending}_at"] is not None and batch["request_counts"] == {"total": 7, "completed": 3, "failed": 4}
+    output = [json.loads(line) for line in file_text(ws, batch["output_file_id"]).splitlines()]
+    assert sorted(line["custom_id"] for line in output) == ["r0", "r1", "r2"]
+    assert all(line["response"]["status_code"] == 200 and line["error"] is None for line in output)
+    errors = [json.loads(line) for line in file_text(ws, batch["error_file_id"]).splitlines()]
+    assert sorted(line["custom_id"] for line in errors) == ["s0", "s1", "s2", "s3"]
+    assert all(line["response"] is None and line["error"]["code"] == code for line in errors), errors
+    assert Flow(ws).counts()["queued"] == Flow(ws).counts()["running"] == 0
+
+
+def test_a_batch_cancelled_while_validating_queues_nothing_and_ends_each_line_cancelled(ws: str) -> None:
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    batch_id = batches.create({"input_file_id": uploaded(ws, batch_input("/v1/completions", ["a", "b"])),
+                               "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+    assert batches.cancel(batch_id)["status"] == "cancelling"  # no server had taken a step yet
+    with lifecycle(ws) as batches:
+        batch, seen = until_ended(batches, batch_id)
+    assert seen == ["cancelling", "cancelled"] and batch["output_file_id"] is None
+    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    lines = [json.loads(line) for line in file_text(ws, batch["error_file_id"]).splitlines()]
+    assert [(line["custom_id"], line["error"]["code"]) for line in lines] == [("r0", "batch_cancelled"),
+                                                                             ("r1", "batch_cancelled")]
+    assert sum(Flow(ws).counts().values()) == 0
+
+
+def test_only_a_validating_or_running_batch_can_be_cancelled(ws: str) -> None:
+    with serving(ws, echo), lifecycle(ws) as batches:
+        batch_id = batches.create({"input_file_id": uploaded(ws, batch_input("/v1/completions", ["a"])),
+                                   "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+        assert until_ended(batches, batch_id)[0]["status"] == "completed"
+        with pytest.raises(nrvna.ApiError) as refused:
+            batches.cancel(batch_id)
+    assert refused.value.status == 400 and "completed" in str(refused.value)
+    with pytest.raises(nrvna.ApiError) as missing:
+        batches.cancel("batch_" + "0" * 24)
+    assert missing.value.status == 404
+
+
+def test_batches_are_listed_newest_first_a_page_at_a_time(ws: str) -> None:
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    file_id = uploaded(ws, batch_input("/v1/completions", ["a"]))
+    made = [batches.create({"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+            for _ in range(5)]
+    first = batches.list(limit="2")
+    assert [b["id"] for b in first["data"]] == [made[4], made[3]]
+    assert (first["object"], first["first_id"], first["last_id"], first["has_more"]) == ("list", made[4], made[3], True)
+    rest = batches.list(after=first["last_id"], limit="10")
+    assert [b["id"] for b in rest["data"]] == [made[2], made[1], made[0]] and rest["has_more"] is False
+    assert batches.list()["data"][0]["id"] == made[4] and len(batches.list()["data"]) == 5
+    for bad in ({"limit": "0"}, {"limit": "101"}, {"limit": "x"}, {"after": "batch_" + "0" * 24}):
+        with pytest.raises(nrvna.ApiError):
+            batches.list(**bad)
+
+
+def test_two_batches_threads_on_one_workspace_double_nothing(ws: str) -> None:
+    """One Batches thread of a workspace holds api/batches/lifecycle.lock and advances; another
+    (a second server's) waits for the lock: each line is queued once, whoever submits it."""
+    with lifecycle(ws) as batches, lifecycle(ws):
+        batch_id = batches.create({"input_file_id": uploaded(ws, batch_input("/v1/completions", list("abcdefgh" * 25))),
+                                   "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+        with serving(ws, echo):
+            batch, _ = until_ended(batches, batch_id)
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 200
+    assert len(nrvna.tag_members(ws, batch_id)) == 200
+
+
+def test_crafted_batch_records_and_inputs_are_no_batch_never_a_hang(ws: str, tmp_path: Path) -> None:
+    """api/batches/<id>.json is read back by every server of the workspace: a FIFO, a link, a huge
+    file, fields of other types, nesting past the stack or another batch's ID reads as no batch
+    (404, left out of the list, never advanced, never removed); a batch whose input was replaced
+    by a FIFO or a link fails with errors naming it."""
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    real = batches.create({"input_file_id": uploaded(ws, batch_input("/v1/completions", ["a"])),
+                           "endpoint": "/v1/completions", "completion_window": "24h"})
+    folder = os.path.join(ws, nrvna.BATCHES)
+    crafted = {f"batch_{c * 24}": content for c, content in zip("abcdefg", [
+        None, "link", "x" * (2 << 20), json.dumps(dict(real, id="batch_" + "d" * 24, endpoint=5, created_at="now")),
+        "[" * 100_000, json.dumps(dict(real, id=real["id"])), "[" * 900 + "]" * 900])}
+    for batch_id, content in crafted.items():
+        path = os.path.join(folder, f"{batch_id}.json")
+        if content is None:
+            os.mkfifo(path)
+        elif content == "link":
+            os.symlink("/dev/zero", path)
+        else:
+            write(path, content)
+    os.unlink(os.path.join(folder, f"{real['id']}.jsonl"))
+    os.mkfifo(os.path.join(folder, f"{real['id']}.jsonl"))
+    for batch_id in crafted:
+        with pytest.raises(nrvna.ApiError) as missing:
+            batches.get(batch_id)
+        assert missing.value.status == 404
+    assert [b["id"] for b in batches.list()["data"]] == [real["id"]]
+    thread = nrvna.BatchLifecycle(batches)
+    thread.step()
+    failed = batches.get(real["id"])
+    assert failed["status"] == "failed" and failed["errors"]["data"][0]["param"] == "input_file_id"
+    assert all(os.path.lexists(os.path.join(folder, f"{batch_id}.json")) for batch_id in crafted)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def call_api(port: int, method: str, path: str, body: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One request to a served API on 127.0.0.1:``port``: its JSON answer (HTTPError past a 2xx)."""
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def served(ws: str, port: int) -> subprocess.Popen:
+    """`nrvna serve WS --port PORT` in a child process, once it answers (within 30 s)."""
+    proc = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            call_api(port, "GET", "/v1/batches")
+            return proc
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_1000_line_batch_survives_sigkills_of_the_server_and_the_daemon(ws: str) -> None:
+    """The issue's test: the server killed while it queues the lines, then the server and the daemon
+    both killed mid-run and restarted; the batch ends completed under the same ID, each line once."""
+    prompts = [f"line {i}" for i in range(1000)]
+    file_id = uploaded(ws, batch_input("/v1/completions", prompts, max_tokens=8))
+    port = free_port()
+    server, daemon = served(ws, port), child_daemon(ws, "derived", "-w", "4")
+    try:
+        batch_id = call_api(port, "POST", "/v1/batches", {"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                          "completion_window": "24h"})["id"]
+        deadline = time.monotonic() + 10
+        while not os.listdir(os.path.join(ws, nrvna.WRITING)) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        server.kill()  # in validating: staging the lines as jobs
+        server.wait()
+        assert nrvna.ApiBatches(ws, nrvna.ApiFiles(ws)).get(batch_id)["status"] == "validating"
+        server = served(ws, port)
+        killed_after(ws, daemon, 300, timeout=60)  # the daemon dies with jobs running...
+        server.kill()  # ...and the server with it
+        server.wait()
+        assert Flow(ws).counts()["done"] < 1000
+        server, daemon = served(ws, port), child_daemon(ws, "derived", "-w", "4")
+        deadline = time.monotonic() + 60
+        while (batch := call_api(port, "GET", f"/v1/batches/{batch_id}"))["status"] not in nrvna.BATCH_ENDED:
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.1)
+    finally:
+        for proc in (server, daemon):
+            proc.kill()
+            proc.wait()
+    assert batch["status"] == "completed" and batch["id"] == batch_id, batch
+    assert batch["request_counts"] == {"total": 1000, "completed": 1000, "failed": 0}
+    lines = [json.loads(line) for line in file_text(ws, batch["output_file_id"]).splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == sorted(f"r{i}" for i in range(1000))  # each once
+    assert all(line["response"]["body"]["choices"][0]["text"] == expected_result(prompts[int(line["custom_id"][1:])])
+               for line in lines)
+    assert batch["error_file_id"] is None
+    assert Flow(ws).counts() == {"queued": 0, "running": 0, "done": 1000, "failed": 0}
+
+
+@contextlib.contextmanager
+def openai_client(ws: str) -> Iterator[Any]:
+    """The `openai` package's client of an in-process server on ``ws`` (its Batches thread too)."""
+    import openai
+
+    with nrvna.ApiServer(ws, port=0) as server:
+        host, port = server.address
+        yield openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="none", max_retries=0)
+
+
+def retrieved_until_ended(client: Any, batch_id: str, timeout: float = 60) -> tuple[Any, list[str]]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if not seen or seen[-1] != batch.status:
+            seen.append(batch.status)
+        if batch.status in nrvna.BATCH_ENDED:
+            return batch, seen
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.05)
+
+
+@pytest.mark.model
+def test_the_openai_package_runs_lists_and_reads_batches(ws: str) -> None:
+    from openai.types import Batch, Completion
+    from openai.types.chat import ChatCompletion
+
+    chat = batch_input("/v1/chat/completions", ["one", "two", "refuse this"], max_tokens=3)
+    with serving(ws, refuse_marked), openai_client(ws) as client:
+        upload = client.files.create(file=("chat.jsonl", chat), purpose="batch")
+        made = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                     metadata={"run": "openai"})
+        assert isinstance(made, Batch) and made.status == "validating" and made.metadata == {"run": "openai"}
+        batch, seen = retrieved_until_ended(client, made.id)
+        assert batch.status == "completed" and seen[0] in ("validating", "in_progress"), seen
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (3, 2, 1)
+        output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+        assert [ChatCompletion.model_validate(line["response"]["body"]).choices[0].message.content
+                for line in output] == ["echo:[user]\none\n", "echo:[user]\ntwo\n"]
+        errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+        assert [(e["custom_id"], e["response"], e["error"]["code"]) for e in errors] == [("r2", None, "bad_request")]
+        completions = client.files.create(file=("plain.jsonl", batch_input("/v1/completions", ["x"])), purpose="batch")
+        ids = [made.id] + [client.batches.create(input_file_id=completions.id, endpoint="/v1/completions",
+                                                 completion_window="24h").id for _ in range(3)]
+        page = client.batches.list(limit=2)
+        assert [b.id for b in page.data] == ids[:1:-1] and page.has_more
+        assert [b.id for b in client.batches.list(limit=2)] == ids[::-1]  # every page, through `after`
+        last, _ = retrieved_until_ended(client, ids[-1])
+        line = json.loads(client.files.content(last.output_file_id).text)
+        assert Completion.model_validate(line["response"]["body"]).choices[0].text == "echo:x"
+
+
+@pytest.mark.model
+def test_the_openai_package_cancels_a_batch_mid_run_and_sees_a_failing_file_fail(ws: str) -> None:
+    import openai
+
+    with serving(ws, words, workers=2), openai_client(ws) as client:
+        made = client.batches.create(input_file_id=slow_and_quick(ws, 3, 4), endpoint="/v1/completions",
+                                     completion_window="24h")
+        deadline = time.monotonic() + 30
+        while client.batches.retrieve(made.id).request_counts.completed < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert client.batches.cancel(made.id).status == "cancelling"
+        batch, seen = retrieved_until_ended(client, made.id)
+        assert batch.status == "cancelled" and batch.cancelling_at and batch.cancelled_at, seen
+        done = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+        assert sorted(line["custom_id"] for line in done) == ["r0", "r1", "r2"]
+        stopped = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+        assert {line["error"]["code"] for line in stopped} == {"batch_cancelled"} and len(stopped) == 4
+        bad = client.files.create(file=("bad.jsonl", b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", '
+                                                     b'"body": {"input": "x"}}\n'), purpose="batch")
+        failing = client.batches.create(input_file_id=bad.id, endpoint="/v1/completions", completion_window="24h")
+        failed, _ = retrieved_until_ended(client, failing.id)
+        assert failed.status == "failed" and (failed.errors.data[0].code, failed.errors.data[0].line) == ("invalid_url", 1)
+        with pytest.raises(openai.BadRequestError):
+            client.batches.cancel(failing.id)
+        with pytest.raises(openai.NotFoundError):
+            client.batches.retrieve("batch_" + "0" * 24)
+
+
+@pytest.mark.model
+def test_the_openai_batch_example_runs(model: str, ws: str, tmp_path: Path) -> None:
+    port = free_port()
+    daemon = start_daemon(model, ws)
+    server = served(ws, port)
+    try:
+        wait_for_log(daemon, "Server started")
+        example = str(HERE / "examples" / "openai_batch.py")
+        done = subprocess.run([sys.executable, example, f"http://127.0.0.1:{port}/v1"], capture_output=True, timeout=300)
+    finally:
+        for proc in (server, daemon):
+            proc.kill()
+            proc.wait()
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    answers = done.stdout.decode().splitlines()
+    assert [line.split(":")[0] for line in answers] == ["question-0", "question-1", "question-2"], answers
+    assert b"completed, 3 of 3 done" in done.stderr
+
+
+# 13.4 Endpoints: synchronous requests through the queue, streamed or not
+# =======================================================================
 
 # ==============================================================================
 # 14. CLI: output, exit codes, pipes
