@@ -12323,319 +12323,6 @@ def test_two_thousand_connections_at_once_exhaust_neither_threads_nor_descriptor
 
 
 # ==============================================================================
-
-
-def _stream_events(events: Iterator[bytes]) -> list[Any]:
-    """Server-sent events as OpenAI's stream holds them: each ``data: {...}`` parsed, [DONE] as is."""
-    found: list[Any] = []
-    for event in events:
-        assert event.startswith(b"data: ") and event.endswith(b"\n\n"), event
-        data = event[len(b"data: "):-2]
-        found.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-    return found
-
-
-def _streamed_texts(events: list[Any]) -> dict[int, str]:
-    """Each choice's streamed text: its content deltas (or text) concatenated."""
-    texts: dict[int, str] = {}
-    for event in events:
-        if isinstance(event, dict):
-            for choice in event.get("choices", []):
-                piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
-                texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
-    return texts
-
-
-def _answer(ws: str, url: str, body: dict[str, Any], gone: Callable[[], bool] = lambda: False) -> Any:
-    """A synchronous request as the server answers it: the body, or (stream) the parsed events."""
-    job_id, stream, usage = nrvna.submit_request(ws, url, body)
-    if not stream:
-        return nrvna.answer_request(ws, job_id, gone)
-    answer = nrvna.RequestStream(ws, url, job_id, usage, gone)
-    answer.start()
-    return _stream_events(answer.events())
-
-
-def test_a_request_is_mapped_as_a_batch_line_ahead_of_batch_lines(ws: str) -> None:
-    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "n": 2,
-            "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2}
-    job_id, stream, usage = nrvna.submit_request(ws, "/v1/chat/completions", dict(body, stream=False))
-    assert (stream, usage) == (False, False)
-    line = {"custom_id": nrvna.SYNC_CUSTOM_ID, "method": "POST", "url": "/v1/chat/completions", "body": body}
-    entry = nrvna.parse_batch(json.dumps(line).encode(), jsonl=True)[0]
-    job = Flow(ws).get(job_id)
-    assert job.params == {**entry.params, "priority": nrvna.SYNC_PRIORITY} and job.prompt == entry.prompt.decode()
-    assert nrvna.SYNC_PRIORITY > nrvna.PARAMS["priority"].default  # ahead of a batch line's default
-    own, _, _ = nrvna.submit_request(ws, "/v1/completions", {"model": "gpt-4o-mini", "prompt": "p", "priority": -3})
-    assert Flow(ws).get(own).params["priority"] == -3  # the body's own wins
-    embed, _, _ = nrvna.submit_request(ws, "/v1/embeddings", {"model": "gpt-4o-mini", "input": ["a", "b"]})
-    assert Flow(ws).get(embed).params["input"] == ["a", "b"] and Flow(ws).get(embed).params["embed"] is True
-
-
-@pytest.mark.parametrize("url, body, param, says", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperatur": 1}, "temperatur",
-     "body field 'temperatur' is not supported by nrvna"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens",
-     "parameter max_tokens=0 is out of range"),
-    ("/v1/chat/completions", {"prompt": "x"}, None, "needs messages"),
-    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
-     "stream_options is only allowed with stream: true"),
-    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream", "stream must be true or false"),
-    ("/v1/embeddings", {"input": "x", "stream": True}, "stream", "does not stream"),
-    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options",
-     "stream_options must be"),
-])
-def test_a_refused_request_is_a_400_in_openais_shape_and_queues_nothing(
-        ws: str, url: str, body: dict[str, Any], param: str | None, says: str) -> None:
-    with pytest.raises(nrvna.ApiError) as caught:
-        nrvna.submit_request(ws, url, body)
-    assert caught.value.status == 400 and says in caught.value.message and caught.value.param == param
-    assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or os.listdir(os.path.join(ws, nrvna.READY)) == []
-
-
-def test_a_request_runs_ahead_of_queued_batch_lines(ws: str) -> None:
-    lines = b"".join(json.dumps({"prompt": f"batch {i}"}).encode() + b"\n" for i in range(6))
-    batch = Work(ws).submit_file(lines, jsonl=True)
-    job_id, _, _ = nrvna.submit_request(ws, "/v1/completions", {"prompt": "sync", "model": "gpt-4o-mini"})
-    order: list[str] = []
-    with serving(ws, lambda job: order.append(job.id) or f"echo:{job.prompt}", workers=1):
-        body = nrvna.answer_request(ws, job_id, lambda: False)
-        wait_all(ws, batch)
-    assert order[0] == job_id and order[1:] == batch
-    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "echo:sync"
-
-
-def test_a_client_that_goes_cancels_its_job_streamed_or_not(ws: str) -> None:
-    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}], "max_tokens": 400}
-    with serving(ws, words, workers=2):
-        flow = Flow(ws)
-        job_id, _, _ = nrvna.submit_request(ws, "/v1/chat/completions", chat)
-        began = time.monotonic()
-        gone = lambda: flow.status(job_id) is Status.Running and time.monotonic() - began > 0.3  # noqa: E731
-        with pytest.raises(nrvna._ClientGone):
-            nrvna.answer_request(ws, job_id, gone)
-        assert flow.wait(job_id, 10) is Status.Failed and flow.get(job_id).meta["code"] == "cancelled"
-        streamed, _, _ = nrvna.submit_request(ws, "/v1/chat/completions", dict(chat, stream=True))
-        answer = nrvna.RequestStream(ws, "/v1/chat/completions", streamed, False, lambda: False)
-        answer.start()
-        events = answer.events()
-        assert b"chat.completion.chunk" in next(events) and b'"content"' in next(events)
-        events.close()  # the server's write failed: the client is gone
-        assert flow.wait(streamed, 10) is Status.Failed and flow.get(streamed).meta["code"] == "cancelled"
-
-
-def test_a_stream_adds_up_to_the_unstreamed_body_choices_reasoning_and_tool_calls(ws: str) -> None:
-    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]
-
-    def runner(job: nrvna.RunningJob) -> Outcome:
-        for word in ("one ", "two ", "three"):
-            if "tools" not in job.params:  # as the daemon: a call's text is not its result
-                job.emit(word)
-            time.sleep(0.15)
-        if "tools" in job.params:
-            return Outcome("raw", "tool_calls", 3, 4, message={"content": None, "tool_calls": calls})
-        choices = [{"index": i, "text": f"{i}: one two three", "finish_reason": "stop", "generated_tokens": 2}
-                   for i in range(job.params.get("n", 1))]
-        return Outcome("one two three", "stop", 3, 4, reasoning="I think", reasoning_tokens=2,
-                       choices=[dict(choices[0], text="one two three"), *choices[1:]] if len(choices) > 1 else None)
-
-    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]}
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with serving(ws, runner, workers=2):
-        for body in (chat, dict(chat, n=3), dict(chat, tools=[tool])):
-            whole = _answer(ws, "/v1/chat/completions", body)
-            streamed = dict(body, stream=True, stream_options={"include_usage": True})
-            events = _answer(ws, "/v1/chat/completions", streamed)
-            assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == whole["usage"]
-            assert all(e["object"] == "chat.completion.chunk" and e["id"].startswith("chatcmpl-") for e in events[:-1])
-            texts = _streamed_texts(events)
-            for choice in whole["choices"]:
-                message = choice["message"]
-                assert texts[choice["index"]] == (message["content"] or "")
-                deltas = [c["delta"] for e in events[:-1] for c in e["choices"] if c["index"] == choice["index"]]
-                assert "".join(d.get("reasoning_content", "") for d in deltas) == message.get("reasoning_content", "")
-                streamed_calls = [call for d in deltas for call in d.get("tool_calls", [])]
-                assert [{k: v for k, v in c.items() if k != "index"} for c in streamed_calls] == \
-                       message.get("tool_calls", [])
-                ends = [c for e in events[:-1] for c in e["choices"] if c["index"] == choice["index"] and
-                        c["finish_reason"]]
-                assert [c["finish_reason"] for c in ends] == [choice["finish_reason"]]
-            assert len(whole["choices"]) == body.get("n", 1)
-        live = [e for e in _answer(ws, "/v1/completions", {"prompt": "p", "stream": True}) if e != "[DONE]"]
-        assert len([e for e in live if e["choices"][0]["text"]]) >= 2  # pieces as partial.txt grew
-        assert _streamed_texts(live) == {0: "one two three"} and all(e["object"] == "text_completion" for e in live)
-
-
-def test_a_stream_whose_partial_text_the_answer_contradicts_ends_with_an_error_never_a_wrong_text(ws: str) -> None:
-    def runner(job: nrvna.RunningJob) -> str:
-        job.emit("a text the answer does not go on from ")  # as a crafted partial.txt, or a run again
-        time.sleep(0.5)
-        return "another text"
-
-    with serving(ws, runner, workers=1):
-        events = _answer(ws, "/v1/completions", {"prompt": "p", "stream": True})
-    assert _streamed_texts(events[:-1]) == {0: "a text the answer does not go on from "}
-    assert events[-1]["error"]["type"] == "server_error" and "does not go on from" in events[-1]["error"]["message"]
-
-
-@pytest.mark.parametrize("code, status, kind", [
-    ("context_overflow", 400, "invalid_request_error"), ("runner_error", 500, "server_error"),
-    ("load_failed", 503, "server_error"), ("timeout", 504, "timeout"),
-])
-def test_a_failed_job_is_answered_with_its_codes_status(ws: str, code: str, status: int, kind: str) -> None:
-    def runner(job: nrvna.RunningJob) -> str:
-        if job.prompt == "later":  # fails once its stream has begun
-            job.emit("some text ")
-            time.sleep(0.5)
-        raise nrvna.JobError(code, f"it failed: {code}")
-
-    with serving(ws, runner, workers=1):
-        for stream in (False, True):
-            with pytest.raises(nrvna.ApiError) as caught:
-                _answer(ws, "/v1/completions", {"prompt": "p", "stream": stream})
-            error = caught.value
-            assert (error.status, error.type, error.code) == (status, kind, code) and "it failed" in error.message
-        events = _answer(ws, "/v1/completions", {"prompt": "later", "stream": True})
-    assert _streamed_texts(events[:-1]) == {0: "some text "} and "[DONE]" not in events
-    assert events[-1]["error"]["code"] == code and events[-1]["error"]["type"] == kind
-    assert set(nrvna.FAILURE_STATUS) == set(nrvna.FAILURE_CODES)
-
-
-def test_a_request_no_daemon_serves_is_cancelled_with_a_503(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nrvna, "SYNC_UNSERVED_SECONDS", 0.5)
-    monkeypatch.setattr(nrvna, "SYNC_UNSERVED_LOOK", 0.1)
-    for stream in (False, True):
-        began = time.monotonic()
-        with pytest.raises(nrvna.ApiError) as caught:
-            _answer(ws, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": stream})
-        assert caught.value.status == 503 and "no daemon is running" in caught.value.message
-        assert time.monotonic() - began >= 0.5
-    flow = Flow(ws)
-    assert [flow.get(j).meta["code"] for j in os.listdir(os.path.join(ws, nrvna.FAILED))] == ["cancelled"] * 2
-    stranded = orphan(ws, "its daemon died", attempts=1)  # running, and no daemon lives to go on with it
-    with pytest.raises(nrvna.ApiError) as caught:
-        nrvna.answer_request(ws, stranded, lambda: False)
-    assert caught.value.status == 503 and os.path.exists(os.path.join(ws, nrvna.PROCESSING, stranded, "cancel"))
-    with serving(ws, echo, workers=1):  # the next daemon's recovery ends it cancelled: never stuck
-        assert flow.wait(stranded, 10) is Status.Failed and flow.get(stranded).meta["code"] == "cancelled"
-
-
-def test_over_http_a_request_answers_streams_refuses_and_a_closed_connection_cancels(
-        ws: str, api: nrvna.ApiServer) -> None:
-    import socket
-
-    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
-    with serving(ws, words, workers=2):
-        status, headers, body = http(api, "POST", "/v1/chat/completions", json.dumps(chat).encode())
-        answer = json.loads(body)
-        assert status == 200 and answer["choices"][0]["message"]["content"] == "w0 w1 w2 "
-        assert answer["id"] == f"chatcmpl-{headers['x-nrvna-job-id']}"
-        status, headers, body = http(api, "POST", "/v1/chat/completions", json.dumps(dict(chat, stream=True)).encode())
-        assert status == 200 and headers["content-type"] == "text/event-stream" and body.endswith(b"data: [DONE]\n\n")
-        status, _, body = http(api, "POST", "/v1/completions", json.dumps({"prompt": "p", "n": 0}).encode())
-        assert status == 400 and json.loads(body) == {"error": {
-            "message": "parameter n=0 is out of range (1 to 128)", "type": "invalid_request_error", "param": "n",
-            "code": None}}
-        flow = Flow(ws)
-        for stream in (False, True):
-            before = set(os.listdir(os.path.join(ws, nrvna.READY))) | set(os.listdir(os.path.join(ws, nrvna.OUTPUT)))
-            sock = socket.create_connection(api.address, timeout=30)
-            data = json.dumps(dict(chat, max_tokens=1000, stream=stream)).encode()
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
-            deadline = time.monotonic() + 10
-            while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            [job_id] = set(os.listdir(os.path.join(ws, nrvna.PROCESSING))) - before
-            if stream:
-                assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # the stream has begun
-            sock.close()
-            assert flow.wait(job_id, 10) is Status.Failed and flow.get(job_id).meta["code"] == "cancelled"
-
-
-def test_a_server_killed_mid_request_leaves_its_job_to_complete(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import socket
-
-    monkeypatch.setenv("TEST_WORD_DELAY", "0.05")  # 40 words: 2 s
-    daemon = registered_daemon(ws, "words", "-w", "1")
-    server = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL)
-    try:
-        url = server.stdout.readline().decode().strip()  # http://127.0.0.1:PORT/v1
-        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=30)
-        data = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 40}).encode()
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
-        deadline = time.monotonic() + 30
-        while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        [job_id] = os.listdir(os.path.join(ws, nrvna.PROCESSING))
-        server.kill()  # SIGKILL, the client still connected
-        server.wait()
-        assert Flow(ws).status(job_id) is Status.Running
-        assert Flow(ws).wait(job_id, 30) is Status.Done and Flow(ws).get(job_id).result.startswith("w0 w1")
-        sock.close()
-    finally:
-        server.kill()
-        daemon.terminate()
-        daemon.wait()
-
-
-@pytest.mark.model
-def test_the_openai_client_chats_streams_completes_calls_tools_and_embeds_through_the_queue(
-        ws: str, model: str, bert: str) -> None:
-    import openai
-
-    daemons = [Server(model, ws, 1), Server(bert, ws, 1)]
-    for daemon in daemons:
-        daemon.start()
-    try:
-        with nrvna.ApiServer(ws, port=0) as api:
-            host, port = api.address
-            client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0)
-            chat, embed = Path(model).stem, Path(bert).stem
-            asked = {"model": chat, "messages": [{"role": "user", "content": "Name three colors."}],
-                     "temperature": 0, "max_tokens": 40}
-            for n in (1, 2):
-                plain = client.chat.completions.create(**asked, n=n)
-                chunks = list(client.chat.completions.create(**asked, n=n, stream=True,
-                                                             stream_options={"include_usage": True}))
-                assert [c.message.content for c in plain.choices] == [
-                    "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
-                    for i in range(n)]
-                assert plain.choices[0].message.content and chunks[-1].usage == plain.usage
-                assert plain.model == chat + ".gguf" and chunks[0].id == f"chatcmpl-{chunks[0].id[9:]}"
-            assert len({c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content}) > 1
-            said = client.completions.create(model=chat, prompt="The capital of France is", max_tokens=8, temperature=0)
-            pieces = client.completions.create(model=chat, prompt="The capital of France is", max_tokens=8,
-                                               temperature=0, stream=True)
-            assert "".join(c.choices[0].text for c in pieces) == said.choices[0].text != ""
-            tool = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-                                                     "parameters": {"type": "object", "properties": {
-                                                         "city": {"type": "string"}}, "required": ["city"]}}}
-            called = {**asked, "max_tokens": 160, "messages": [{"role": "user", "content": "Weather in Paris?"}],
-                      "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-            calls = client.chat.completions.create(**called).choices[0].message.tool_calls
-            assert calls[0].function.name == "get_weather" and "city" in json.loads(calls[0].function.arguments)
-            streamed = [call for c in client.chat.completions.create(**called, stream=True) if c.choices
-                        for call in c.choices[0].delta.tool_calls or ()]
-            assert [(c.function.name, c.function.arguments) for c in streamed] == \
-                   [(c.function.name, c.function.arguments) for c in calls]  # (IDs: each job's own)
-            schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
-                      "required": ["color"], "additionalProperties": False}
-            shaped = client.chat.completions.create(**asked, response_format={
-                "type": "json_schema", "json_schema": {"name": "color", "schema": schema, "strict": True}})
-            assert json.loads(shaped.choices[0].message.content)["color"] in ("red", "green", "blue")
-            vectors = client.embeddings.create(model=embed, input=["hello", "world"])
-            assert [v.index for v in vectors.data] == [0, 1] and len(vectors.data[0].embedding) == 384
-            assert vectors.usage.prompt_tokens > 0 and vectors.model == embed + ".gguf"
-            with pytest.raises(openai.BadRequestError) as refused:
-                client.chat.completions.create(**asked, extra_body={"temperatur": 1})
-            assert refused.value.body["param"] == "temperatur"
-    finally:
-        for daemon in daemons:
-            daemon.shutdown()
-=======
 # 13.3 Batches
 # ==============================================================================
 
@@ -13069,8 +12756,322 @@ def test_the_openai_batch_example_runs(model: str, ws: str, tmp_path: Path) -> N
     assert b"completed, 3 of 3 done" in done.stderr
 
 
+# ==============================================================================
 # 13.4 Endpoints: synchronous requests through the queue, streamed or not
-# =======================================================================
+# ==============================================================================
+
+
+def _stream_events(events: Iterator[bytes]) -> list[Any]:
+    """Server-sent events as OpenAI's stream holds them: each ``data: {...}`` parsed, [DONE] as is."""
+    found: list[Any] = []
+    for event in events:
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n"), event
+        data = event[len(b"data: "):-2]
+        found.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return found
+
+
+def _streamed_texts(events: list[Any]) -> dict[int, str]:
+    """Each choice's streamed text: its content deltas (or text) concatenated."""
+    texts: dict[int, str] = {}
+    for event in events:
+        if isinstance(event, dict):
+            for choice in event.get("choices", []):
+                piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
+                texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
+    return texts
+
+
+def _answer(ws: str, url: str, body: dict[str, Any], gone: Callable[[], bool] = lambda: False) -> Any:
+    """A synchronous request as the server answers it: the body, or (stream) the parsed events."""
+    job_id, stream, usage = nrvna.submit_request(ws, url, body)
+    if not stream:
+        return nrvna.answer_request(ws, job_id, gone)
+    answer = nrvna.RequestStream(ws, url, job_id, usage, gone)
+    answer.start()
+    return _stream_events(answer.events())
+
+
+def test_a_request_is_mapped_as_a_batch_line_ahead_of_batch_lines(ws: str) -> None:
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "n": 2,
+            "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2}
+    job_id, stream, usage = nrvna.submit_request(ws, "/v1/chat/completions", dict(body, stream=False))
+    assert (stream, usage) == (False, False)
+    line = {"custom_id": nrvna.SYNC_CUSTOM_ID, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    entry = nrvna.parse_batch(json.dumps(line).encode(), jsonl=True)[0]
+    job = Flow(ws).get(job_id)
+    assert job.params == {**entry.params, "priority": nrvna.SYNC_PRIORITY} and job.prompt == entry.prompt.decode()
+    assert nrvna.SYNC_PRIORITY > nrvna.PARAMS["priority"].default  # ahead of a batch line's default
+    own, _, _ = nrvna.submit_request(ws, "/v1/completions", {"model": "gpt-4o-mini", "prompt": "p", "priority": -3})
+    assert Flow(ws).get(own).params["priority"] == -3  # the body's own wins
+    embed, _, _ = nrvna.submit_request(ws, "/v1/embeddings", {"model": "gpt-4o-mini", "input": ["a", "b"]})
+    assert Flow(ws).get(embed).params["input"] == ["a", "b"] and Flow(ws).get(embed).params["embed"] is True
+
+
+@pytest.mark.parametrize("url, body, param, says", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperatur": 1}, "temperatur",
+     "body field 'temperatur' is not supported by nrvna"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens",
+     "parameter max_tokens=0 is out of range"),
+    ("/v1/chat/completions", {"prompt": "x"}, None, "needs messages"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options is only allowed with stream: true"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream", "stream must be true or false"),
+    ("/v1/embeddings", {"input": "x", "stream": True}, "stream", "does not stream"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options",
+     "stream_options must be"),
+])
+def test_a_refused_request_is_a_400_in_openais_shape_and_queues_nothing(
+        ws: str, url: str, body: dict[str, Any], param: str | None, says: str) -> None:
+    with pytest.raises(nrvna.ApiError) as caught:
+        nrvna.submit_request(ws, url, body)
+    assert caught.value.status == 400 and says in caught.value.message and caught.value.param == param
+    assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or os.listdir(os.path.join(ws, nrvna.READY)) == []
+
+
+def test_a_request_runs_ahead_of_queued_batch_lines(ws: str) -> None:
+    lines = b"".join(json.dumps({"prompt": f"batch {i}"}).encode() + b"\n" for i in range(6))
+    batch = Work(ws).submit_file(lines, jsonl=True)
+    job_id, _, _ = nrvna.submit_request(ws, "/v1/completions", {"prompt": "sync", "model": "gpt-4o-mini"})
+    order: list[str] = []
+    with serving(ws, lambda job: order.append(job.id) or f"echo:{job.prompt}", workers=1):
+        body = nrvna.answer_request(ws, job_id, lambda: False)
+        wait_all(ws, batch)
+    assert order[0] == job_id and order[1:] == batch
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "echo:sync"
+
+
+def test_a_client_that_goes_cancels_its_job_streamed_or_not(ws: str) -> None:
+    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}], "max_tokens": 400}
+    with serving(ws, words, workers=2):
+        flow = Flow(ws)
+        job_id, _, _ = nrvna.submit_request(ws, "/v1/chat/completions", chat)
+        began = time.monotonic()
+        gone = lambda: flow.status(job_id) is Status.Running and time.monotonic() - began > 0.3  # noqa: E731
+        with pytest.raises(nrvna._ClientGone):
+            nrvna.answer_request(ws, job_id, gone)
+        assert flow.wait(job_id, 10) is Status.Failed and flow.get(job_id).meta["code"] == "cancelled"
+        streamed, _, _ = nrvna.submit_request(ws, "/v1/chat/completions", dict(chat, stream=True))
+        answer = nrvna.RequestStream(ws, "/v1/chat/completions", streamed, False, lambda: False)
+        answer.start()
+        events = answer.events()
+        assert b"chat.completion.chunk" in next(events) and b'"content"' in next(events)
+        events.close()  # the server's write failed: the client is gone
+        assert flow.wait(streamed, 10) is Status.Failed and flow.get(streamed).meta["code"] == "cancelled"
+
+
+def test_a_stream_adds_up_to_the_unstreamed_body_choices_reasoning_and_tool_calls(ws: str) -> None:
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]
+
+    def runner(job: nrvna.RunningJob) -> Outcome:
+        for word in ("one ", "two ", "three"):
+            if "tools" not in job.params:  # as the daemon: a call's text is not its result
+                job.emit(word)
+            time.sleep(0.15)
+        if "tools" in job.params:
+            return Outcome("raw", "tool_calls", 3, 4, message={"content": None, "tool_calls": calls})
+        choices = [{"index": i, "text": f"{i}: one two three", "finish_reason": "stop", "generated_tokens": 2}
+                   for i in range(job.params.get("n", 1))]
+        return Outcome("one two three", "stop", 3, 4, reasoning="I think", reasoning_tokens=2,
+                       choices=[dict(choices[0], text="one two three"), *choices[1:]] if len(choices) > 1 else None)
+
+    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with serving(ws, runner, workers=2):
+        for body in (chat, dict(chat, n=3), dict(chat, tools=[tool])):
+            whole = _answer(ws, "/v1/chat/completions", body)
+            streamed = dict(body, stream=True, stream_options={"include_usage": True})
+            events = _answer(ws, "/v1/chat/completions", streamed)
+            assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == whole["usage"]
+            assert all(e["object"] == "chat.completion.chunk" and e["id"].startswith("chatcmpl-") for e in events[:-1])
+            texts = _streamed_texts(events)
+            for choice in whole["choices"]:
+                message = choice["message"]
+                assert texts[choice["index"]] == (message["content"] or "")
+                deltas = [c["delta"] for e in events[:-1] for c in e["choices"] if c["index"] == choice["index"]]
+                assert "".join(d.get("reasoning_content", "") for d in deltas) == message.get("reasoning_content", "")
+                streamed_calls = [call for d in deltas for call in d.get("tool_calls", [])]
+                assert [{k: v for k, v in c.items() if k != "index"} for c in streamed_calls] == \
+                       message.get("tool_calls", [])
+                ends = [c for e in events[:-1] for c in e["choices"] if c["index"] == choice["index"] and
+                        c["finish_reason"]]
+                assert [c["finish_reason"] for c in ends] == [choice["finish_reason"]]
+            assert len(whole["choices"]) == body.get("n", 1)
+        live = [e for e in _answer(ws, "/v1/completions", {"prompt": "p", "stream": True}) if e != "[DONE]"]
+        assert len([e for e in live if e["choices"][0]["text"]]) >= 2  # pieces as partial.txt grew
+        assert _streamed_texts(live) == {0: "one two three"} and all(e["object"] == "text_completion" for e in live)
+
+
+def test_a_stream_whose_partial_text_the_answer_contradicts_ends_with_an_error_never_a_wrong_text(ws: str) -> None:
+    def runner(job: nrvna.RunningJob) -> str:
+        job.emit("a text the answer does not go on from ")  # as a crafted partial.txt, or a run again
+        time.sleep(0.5)
+        return "another text"
+
+    with serving(ws, runner, workers=1):
+        events = _answer(ws, "/v1/completions", {"prompt": "p", "stream": True})
+    assert _streamed_texts(events[:-1]) == {0: "a text the answer does not go on from "}
+    assert events[-1]["error"]["type"] == "server_error" and "does not go on from" in events[-1]["error"]["message"]
+
+
+@pytest.mark.parametrize("code, status, kind", [
+    ("context_overflow", 400, "invalid_request_error"), ("runner_error", 500, "server_error"),
+    ("load_failed", 503, "server_error"), ("timeout", 504, "timeout"),
+])
+def test_a_failed_job_is_answered_with_its_codes_status(ws: str, code: str, status: int, kind: str) -> None:
+    def runner(job: nrvna.RunningJob) -> str:
+        if job.prompt == "later":  # fails once its stream has begun
+            job.emit("some text ")
+            time.sleep(0.5)
+        raise nrvna.JobError(code, f"it failed: {code}")
+
+    with serving(ws, runner, workers=1):
+        for stream in (False, True):
+            with pytest.raises(nrvna.ApiError) as caught:
+                _answer(ws, "/v1/completions", {"prompt": "p", "stream": stream})
+            error = caught.value
+            assert (error.status, error.type, error.code) == (status, kind, code) and "it failed" in error.message
+        events = _answer(ws, "/v1/completions", {"prompt": "later", "stream": True})
+    assert _streamed_texts(events[:-1]) == {0: "some text "} and "[DONE]" not in events
+    assert events[-1]["error"]["code"] == code and events[-1]["error"]["type"] == kind
+    assert set(nrvna.FAILURE_STATUS) == set(nrvna.FAILURE_CODES)
+
+
+def test_a_request_no_daemon_serves_is_cancelled_with_a_503(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nrvna, "SYNC_UNSERVED_SECONDS", 0.5)
+    monkeypatch.setattr(nrvna, "SYNC_UNSERVED_LOOK", 0.1)
+    for stream in (False, True):
+        began = time.monotonic()
+        with pytest.raises(nrvna.ApiError) as caught:
+            _answer(ws, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": stream})
+        assert caught.value.status == 503 and "no daemon is running" in caught.value.message
+        assert time.monotonic() - began >= 0.5
+    flow = Flow(ws)
+    assert [flow.get(j).meta["code"] for j in os.listdir(os.path.join(ws, nrvna.FAILED))] == ["cancelled"] * 2
+    stranded = orphan(ws, "its daemon died", attempts=1)  # running, and no daemon lives to go on with it
+    with pytest.raises(nrvna.ApiError) as caught:
+        nrvna.answer_request(ws, stranded, lambda: False)
+    assert caught.value.status == 503 and os.path.exists(os.path.join(ws, nrvna.PROCESSING, stranded, "cancel"))
+    with serving(ws, echo, workers=1):  # the next daemon's recovery ends it cancelled: never stuck
+        assert flow.wait(stranded, 10) is Status.Failed and flow.get(stranded).meta["code"] == "cancelled"
+
+
+def test_over_http_a_request_answers_streams_refuses_and_a_closed_connection_cancels(
+        ws: str, api: nrvna.ApiServer) -> None:
+    import socket
+
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    with serving(ws, words, workers=2):
+        status, headers, body = http(api, "POST", "/v1/chat/completions", json.dumps(chat).encode())
+        answer = json.loads(body)
+        assert status == 200 and answer["choices"][0]["message"]["content"] == "w0 w1 w2 "
+        assert answer["id"] == f"chatcmpl-{headers['x-nrvna-job-id']}"
+        status, headers, body = http(api, "POST", "/v1/chat/completions", json.dumps(dict(chat, stream=True)).encode())
+        assert status == 200 and headers["content-type"] == "text/event-stream" and body.endswith(b"data: [DONE]\n\n")
+        status, _, body = http(api, "POST", "/v1/completions", json.dumps({"prompt": "p", "n": 0}).encode())
+        assert status == 400 and json.loads(body) == {"error": {
+            "message": "parameter n=0 is out of range (1 to 128)", "type": "invalid_request_error", "param": "n",
+            "code": None}}
+        flow = Flow(ws)
+        for stream in (False, True):
+            before = set(os.listdir(os.path.join(ws, nrvna.READY))) | set(os.listdir(os.path.join(ws, nrvna.OUTPUT)))
+            sock = socket.create_connection(api.address, timeout=30)
+            data = json.dumps(dict(chat, max_tokens=1000, stream=stream)).encode()
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+            deadline = time.monotonic() + 10
+            while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            [job_id] = set(os.listdir(os.path.join(ws, nrvna.PROCESSING))) - before
+            if stream:
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # the stream has begun
+            sock.close()
+            assert flow.wait(job_id, 10) is Status.Failed and flow.get(job_id).meta["code"] == "cancelled"
+
+
+def test_a_server_killed_mid_request_leaves_its_job_to_complete(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    monkeypatch.setenv("TEST_WORD_DELAY", "0.05")  # 40 words: 2 s
+    daemon = registered_daemon(ws, "words", "-w", "1")
+    server = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL)
+    try:
+        url = server.stdout.readline().decode().strip()  # http://127.0.0.1:PORT/v1
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        data = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 40}).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        deadline = time.monotonic() + 30
+        while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [job_id] = os.listdir(os.path.join(ws, nrvna.PROCESSING))
+        server.kill()  # SIGKILL, the client still connected
+        server.wait()
+        assert Flow(ws).status(job_id) is Status.Running
+        assert Flow(ws).wait(job_id, 30) is Status.Done and Flow(ws).get(job_id).result.startswith("w0 w1")
+        sock.close()
+    finally:
+        server.kill()
+        daemon.terminate()
+        daemon.wait()
+
+
+@pytest.mark.model
+def test_the_openai_client_chats_streams_completes_calls_tools_and_embeds_through_the_queue(
+        ws: str, model: str, bert: str) -> None:
+    import openai
+
+    daemons = [Server(model, ws, 1), Server(bert, ws, 1)]
+    for daemon in daemons:
+        daemon.start()
+    try:
+        with nrvna.ApiServer(ws, port=0) as api:
+            host, port = api.address
+            client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0)
+            chat, embed = Path(model).stem, Path(bert).stem
+            asked = {"model": chat, "messages": [{"role": "user", "content": "Name three colors."}],
+                     "temperature": 0, "max_tokens": 40}
+            for n in (1, 2):
+                plain = client.chat.completions.create(**asked, n=n)
+                chunks = list(client.chat.completions.create(**asked, n=n, stream=True,
+                                                             stream_options={"include_usage": True}))
+                assert [c.message.content for c in plain.choices] == [
+                    "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                    for i in range(n)]
+                assert plain.choices[0].message.content and chunks[-1].usage == plain.usage
+                assert plain.model == chat + ".gguf" and chunks[0].id == f"chatcmpl-{chunks[0].id[9:]}"
+            assert len({c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content}) > 1
+            said = client.completions.create(model=chat, prompt="The capital of France is", max_tokens=8, temperature=0)
+            pieces = client.completions.create(model=chat, prompt="The capital of France is", max_tokens=8,
+                                               temperature=0, stream=True)
+            assert "".join(c.choices[0].text for c in pieces) == said.choices[0].text != ""
+            tool = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                                     "parameters": {"type": "object", "properties": {
+                                                         "city": {"type": "string"}}, "required": ["city"]}}}
+            called = {**asked, "max_tokens": 160, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                      "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+            calls = client.chat.completions.create(**called).choices[0].message.tool_calls
+            assert calls[0].function.name == "get_weather" and "city" in json.loads(calls[0].function.arguments)
+            streamed = [call for c in client.chat.completions.create(**called, stream=True) if c.choices
+                        for call in c.choices[0].delta.tool_calls or ()]
+            assert [(c.function.name, c.function.arguments) for c in streamed] == \
+                   [(c.function.name, c.function.arguments) for c in calls]  # (IDs: each job's own)
+            schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+                      "required": ["color"], "additionalProperties": False}
+            shaped = client.chat.completions.create(**asked, response_format={
+                "type": "json_schema", "json_schema": {"name": "color", "schema": schema, "strict": True}})
+            assert json.loads(shaped.choices[0].message.content)["color"] in ("red", "green", "blue")
+            vectors = client.embeddings.create(model=embed, input=["hello", "world"])
+            assert [v.index for v in vectors.data] == [0, 1] and len(vectors.data[0].embedding) == 384
+            assert vectors.usage.prompt_tokens > 0 and vectors.model == embed + ".gguf"
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(**asked, extra_body={"temperatur": 1})
+            assert refused.value.body["param"] == "temperatur"
+    finally:
+        for daemon in daemons:
+            daemon.shutdown()
+
 
 # ==============================================================================
 # 14. CLI: output, exit codes, pipes
