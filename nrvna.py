@@ -15447,6 +15447,27 @@ API_IDS: dict[str, Any] = {
     "file_id": re.compile(r"file-[a-z0-9]{24}"),
     "batch_id": re.compile(r"batch_[a-z0-9]{24}"),
 }
+# The error codes the served API answers with in OpenAI's error shape (``error.code``), beside a failed
+# job's own code (FAILURE_CODES), which a synchronous request's error carries as it is. A test holds this
+# table and section 13's literals equal.
+API_ERROR_CODES: dict[str, str] = {
+    "invalid_api_key": "no `Authorization: Bearer KEY`, or another key (401)",
+    "not_found": "no such route, file or batch (404)",
+    "body_too_large": "a JSON body over 16 MiB (413)",
+    "file_too_large": "an upload over 200 MB (413)",
+    "too_many_requests": "a batch file over 50,000 requests (400 at upload, or the batch's errors)",
+    "invalid_request": "a batch that could not be read or queued (the batch's errors)",
+    "invalid_file": "a batch's input file gone or unreadable (the batch's errors)",
+    "invalid_url": "a batch line whose url is not the batch's endpoint (the batch's errors)",
+    "invalid_json_line": "a batch line that is not JSON or not UTF-8 (the batch's errors)",
+    "duplicate_custom_id": "two batch lines with one custom_id (the batch's errors)",
+    "empty_file": "a batch file without a request (the batch's errors)",
+    "batch_not_cancellable": "a cancel of a batch that has ended (400)",
+    "batch_cancelled": "a batch line not run: its batch was cancelled (the error file)",
+    "batch_expired": "a batch line not run before the batch's expires_at (the error file)",
+    "model_not_found": "a model no live daemon serves (404, GET /v1/models/{model})",
+    "model_not_served": "a synchronous request no live daemon serves within 10 s (503)",
+}
 _HTTP_REASONS = {200: "OK", 100: "Continue", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
                  405: "Method Not Allowed", 408: "Request Timeout", 411: "Length Required",
                  410: "Gone", 413: "Content Too Large", 431: "Request Header Fields Too Large",
@@ -15464,7 +15485,9 @@ def _json_bytes(value: Any) -> bytes:
 
 class ApiError(Exception):
     """A refusal, answered as OpenAI answers one: ``{"error": {"message", "type", "param",
-    "code"}}`` with HTTP ``status``."""
+    "code"}}`` with HTTP ``status``.
+
+    Threads: any (raised and answered by one request's thread); never shared."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002
                  param: Optional[str] = None, code: Optional[str] = None) -> None:
@@ -15477,7 +15500,9 @@ class ApiError(Exception):
 
 class ApiReply:
     """What a handler answers: ``payload`` (JSON), or ``stream`` (an iterator of bytes, sent as
-    it comes: server-sent events), or ``content`` (a file's bytes, or the path of one)."""
+    it comes: server-sent events), or ``content`` (a file's bytes, or the path of one).
+
+    Threads: Api-N makes one and sends it; never shared."""
 
     __slots__ = ("status", "payload", "stream", "content", "content_type", "headers")
 
@@ -15492,7 +15517,9 @@ class ApiReply:
 
 
 class _Head:
-    """A request's line and headers, parsed from its first bytes by parse_head."""
+    """A request's line and headers, parsed from its first bytes by parse_head.
+
+    Threads: Api-IO parses it, then hands it with its ApiCall to one Api-N; never shared."""
 
     __slots__ = ("method", "target", "version", "headers")
 
@@ -15566,7 +15593,9 @@ def _json_body(body: bytes) -> dict[str, Any]:
 class ApiCall:
     """What a handler gets: the workspace, the request (``method``, ``path``, ``params`` (the
     route's named parts), ``query``, ``headers``), its body (``json()``, or ``upload``: the
-    path of a multipart body held on disk), ``gone()`` and ``files`` (ApiFiles)."""
+    path of a multipart body held on disk), ``gone()`` and ``files`` (ApiFiles).
+
+    Threads: Api-IO makes it whole, then one Api-N alone uses it (the hand-off is a queue)."""
 
     __slots__ = ("workspace", "method", "path", "params", "query", "headers", "body", "upload", "files", "_sock")
 
@@ -16975,7 +17004,9 @@ def _route_pattern(path: str) -> Any:
 
 class _Connection:
     """One client connection while Api-IO reads a request from it: the bytes so far, the
-    deadline, the request's head and body (in memory, or an upload's in api/tmp/)."""
+    deadline, the request's head and body (in memory, or an upload's in api/tmp/).
+
+    Threads: Api-IO's alone, until the request is whole and handed to an Api-N."""
 
     __slots__ = ("sock", "buffer", "deadline", "since", "idle", "head", "length", "body", "received",
                  "spool", "spool_fd", "lingering")
@@ -17354,7 +17385,8 @@ class ApiServer:
             return False
         with self._lock:
             if self._idle == 0 and len(self._threads) - 1 < self.workers:
-                thread = threading.Thread(target=self._work, name=f"Api-{len(self._threads)}", daemon=True)
+                index = len(self._threads)
+                thread = threading.Thread(target=self._work, name=f"Api-{index}", daemon=True)
                 self._threads.append(thread)
                 self._idle += 1  # counted before it runs: the next request does not start another
                 thread.start()
@@ -17518,9 +17550,9 @@ class _Signalled(BaseException):
 
 def markdown_tables() -> dict[str, str]:
     """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables,
-    caches, routes, request-errors and metrics, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES,
-    HOOK_VARIABLES, HOST_CACHES, API_ROUTES, FAILURE_STATUS and METRICS (scripts/readme_tables.py writes
-    them; a test checks them)."""
+    caches, routes, request-errors, api-errors and metrics, from SETTINGS, PARAMS, EXIT_CODES,
+    FAILURE_CODES, HOOK_VARIABLES, HOST_CACHES, API_ROUTES, FAILURE_STATUS, API_ERROR_CODES and METRICS
+    (scripts/readme_tables.py writes them; a test checks them)."""
     settings = ["| variable | default | meaning |", "|---|---|---|"]
     for setting in SETTINGS.values():
         default = setting.default if setting.shown is None else setting.shown
@@ -17548,13 +17580,15 @@ def markdown_tables() -> dict[str, str]:
         for what, whose, bound, holds, room in HOST_CACHES]
     routes = ["| method | path | what it answers |", "|---|---|---|"] + [
         f"| {method} | `{path}` | {what} |" for method, path, _, what in API_ROUTES]
+    api_errors = ["| code | the served API answers it for |", "|---|---|"] + [
+        f"| `{code}` | {meaning} |" for code, meaning in API_ERROR_CODES.items()]
     metrics = ["| metric | type | labels | meaning |", "|---|---|---|---|"] + [
         f"| `{name}` | {kind} | {', '.join(f'`{label}`' for label in labels) or '—'} | {meaning} |"
         for name, (kind, labels, meaning) in METRICS.items()]
     return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
             "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches),
             "routes": "\n".join(routes), "request-errors": "\n".join(request_errors),
-            "metrics": "\n".join(metrics)}
+            "api-errors": "\n".join(api_errors), "metrics": "\n".join(metrics)}
 
 
 def _say(message: str) -> None:

@@ -5292,15 +5292,19 @@ def test_retry_refuses_an_unknown_failure_code_naming_the_known_ones(ws: str, ru
     assert all(code.encode() in help_text for code in nrvna.FAILURE_CODES)
 
 
-def _failure_code_literals() -> set[str]:
+def _failure_code_literals(served: bool = False) -> set[str]:
     """Every failure code nrvna.py writes or compares: JobError's first argument,
     mark_failed's fourth, error_code= and code= keywords, a meta "code" key, the (code,
     message) pairs given as error= or to _end or set as an interrupt, and comparisons of a
-    code or error_code with a literal."""
+    code or error_code with a literal. Outside section 13 (the served API, whose codes are
+    OpenAI's error codes, API_ERROR_CODES), or (``served``) in it alone."""
     import ast
 
-    tree = ast.parse(Path(nrvna.__file__).read_text(encoding="utf-8"))
+    text = Path(nrvna.__file__).read_text(encoding="utf-8")
+    banners = [line for line, title in _banners(Path(nrvna.__file__)) if re.match(r"1[34]\. ", title)]
+    tree = ast.parse(text)
     found: set[str] = set()
+    inside = range(banners[0], banners[1])
 
     def literal(node: ast.AST | None) -> None:
         if isinstance(node, ast.Tuple) and node.elts:
@@ -5312,6 +5316,8 @@ def _failure_code_literals() -> set[str]:
         return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
 
     for node in ast.walk(tree):
+        if (getattr(node, "lineno", 0) in inside) != served:
+            continue
         if isinstance(node, ast.Call):
             called = name(node.func)
             if called == "JobError" and node.args:
@@ -5339,6 +5345,15 @@ def test_every_failure_code_in_the_source_is_in_the_one_table() -> None:
     found = _failure_code_literals()
     assert found == set(nrvna.FAILURE_CODES), (found ^ set(nrvna.FAILURE_CODES))
     assert {"bad_request", "cancelled", "timeout", "crash_ceiling", "runner_error", "grammar_error"} <= found
+
+
+def test_every_error_code_of_the_served_api_is_in_its_one_table() -> None:
+    """Section 13 answers in OpenAI's error shape with API_ERROR_CODES' codes, or a failed job's
+    own (FAILURE_CODES); each of its table's codes is one it gives."""
+    found = _failure_code_literals(served=True) | {code for _, code, _ in nrvna.BATCH_LINE_ERRORS} | {
+        code for code, _ in nrvna.BATCH_STOPPED.values()} | {nrvna.SYNC_UNSERVED_CODE}
+    assert found - set(nrvna.FAILURE_CODES) == set(nrvna.API_ERROR_CODES), \
+        found - set(nrvna.FAILURE_CODES) ^ set(nrvna.API_ERROR_CODES)
 
 
 def test_clean_removes_only_old_finished_jobs(ws: str, run_main: RunMain) -> None:
@@ -9191,7 +9206,7 @@ def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_i
     named = {t.strip() for row in table for t in re.sub(r"\([^)]*\)", "", row[0]).split(",")}
     assert named - threads == set() and {"Scanner", "Worker-N", "Watcher", "Models", "Saver"} <= named
     # Every name that reads as code is defined: at the top level, or in a class the row names.
-    prose = {"llama.cpp", "OpenMP", "partial.txt"}
+    prose = {"llama.cpp", "OpenMP", "partial.txt", "lifecycle.lock"}
     undefined = []
     for row in table:
         whole = " ".join(row)
