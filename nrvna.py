@@ -16,49 +16,63 @@ what is above it. Each banner has a lead (what it owns, its invariant, which thr
 a sub-section: constants, record types, functions and helper classes, the tables made of them, the
 main class last. No sub-section (or section without them) is over 800 lines; a test checks all this.
 
-1. Errors and exit codes            NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
-2. Settings                         SETTINGS, KV_TYPES, Config, setting_default, HOOK_VARIABLES, thinking_tags
+1. Errors and exit codes            EXIT_CODES, FAILURE_CODES, NrvnaError, InvalidInput, ConfigError, NoSuchJob,
+                                      NotFinished, KeyHeld, WorkspaceError, ModelError, NotDurable, JobError,
+                                      Interrupted
+2. Settings                         SETTINGS, KV_TYPES, cpu_count, thinking_tags, size_bytes, HOOK_VARIABLES,
+                                      hook_environment, parse_aliases, setting_default, Config
 3. Logging                          configure_logging, log (log.limited), OS thread names
-4. File primitives                  write_file, read_file, fsync_dir, move (never replaces)
+4. File primitives                  write_all, write_file, open_dir, fsync_dir, read_file, move (never replaces)
 5. Structured output
    5.1 Numbers                      _BOUNDS, number_rule, _fraction_rule, _multiple_of, _multiples
    5.2 JSON strings                 _spans*, _json_char_gbnf, _gbnf_literal
    5.3 Patterns                     _pattern_shape, _positions, _sweep, _Regex
    5.4 Formats and types            SCHEMA_FORMATS, string_rule, type_choices
-   5.5 Grammar work                 grammar_code_points, GrammarVocab, GrammarShape
+   5.5 Grammar work                 GrammarLimit, grammar_code_points, GrammarVocab, GrammarShape
    5.6 GBNF grammars                check_grammar, _GbnfParser
    5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
-   5.8 Tool calls                   ToolFormat, tool_call_schema, tool_grammar, generic_messages, read_tool_calls
-6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt,
-                                      EFFORT_BUDGETS, thinking_budget, tool_answers
+   5.8 Tool calls                   ToolFormat, tool_choice_name, tool_call_schema, tool_grammar, generic_tool_text,
+                                      generic_messages, find_tool_format, call_lines, tool_call_id, read_tool_calls
+6. Job parameters                   Endpoint, ENDPOINTS, Param, PARAMS, conversation_turns, EFFORT_BUDGETS,
+                                      thinking_budget, job_param, validate_params, tool_choice, parallel_calls,
+                                      constraint, check_logprobs_size, check_combination, tool_answers,
+                                      check_inputs, render_inputs, render_messages, check_prompt
 7. Workspace and job directories
    7.1 Layout, locks and the daemons' records
-                                    the layout's names, job_path, shallow, parse_meta, read_record, WorkspaceLock, hold_job,
-                                    hold_orphan, register_daemon, DAEMON_RECORD_FIELDS, daemon_records
-   7.2 IDs, states and meta.json    META_FIELDS, generate_id, order_key, Status, locate_job, parent_unfinished,
-                                      job_meta, read_meta
-   7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job
-   7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
-   7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_shard, claim_tag_shard, tag_members
+                                    the layout's names, shallow, parse_meta, read_record, job_path, ensure_workspace,
+                                      WorkspaceLock, hold_job, hold_orphan, register_daemon, daemon_alive,
+                                      DAEMON_RECORD_FIELDS, daemon_records
+   7.2 IDs, states and meta.json    META_FIELDS, generate_id, is_valid_id, order_key, Status, locate_job,
+                                      parent_unfinished, job_meta, read_meta, params_limit, read_meta_and_params,
+                                      dump_meta, submitted_time
+   7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job, check_ids,
+                                      require_workspace, require_tag
+   7.4 Routes and model files       Route, read_route, read_priority, gguf_files, model_file, model_elsewhere,
+                                      model_matches, resolve_model
+   7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_shard, claim_tag_shard, tag_members,
+                                      iter_tag_members
    7.6 Reading a job                Job, _read_choices, continued_turns, CONVERSATION_TURNS, parent_conversation,
                                       _DirWatch
-   7.7 Saved states on disk         STATES, StateHead, state_owner, state_name, state_temp_name, state_buffer,
-                                      seal_state, inspect_state, read_state_head, map_state, state_whole,
-                                      read_state, remove_states_of
+   7.7 Saved states on disk         STATES, StateHead, states_folder, state_owner, state_name, state_temp_name,
+                                      state_buffer, seal_state, inspect_state, read_state_head, map_state,
+                                      state_whole, remove_states_of
 8. Batch files and export
-   8.1 Batch files                  BatchEntry, read_batch, parse_batch, parse_records (templates), shard_of
-   8.2 Export and merge             REQUEST_KEY, request_digest, job_vectors, export_record, read_part,
-                                      merge_parts, EXPORT_FORMATS, _ExportTarget
+   8.1 Batch files                  BatchEntry, batch_line_limit, read_batch, parse_batch, compile_template,
+                                      fill_template, parse_records (data templates)
+   8.2 Shards                       SHARDS_MAX, shard_of, read_shard
+   8.3 Export                       REQUEST_KEY, ExportFormat, job_vectors, request_digest, export_record,
+                                      EXPORT_FORMATS, _ExportTarget
+   8.4 Merge                        part_line_limit, read_part, merge_parts
 9. Client
    9.1 Reading: Flow                bulk_states, Flow
-   9.2 Submitting: Work             check_model_names, waiting_for_model, _Keys, Work
-   9.3 Events                       iter_events
-   9.4 Cancel, retry, clean         cancel_job(s), retry_job(s), clean_jobs
+   9.2 Submitting: Work             SubmitResult, model_view, check_model_names, waiting_for_model, _Keys, Work
+   9.3 Events                       format_time, iter_events
+   9.4 Cancel, retry, clean         cancel_job, cancel_jobs, retry_job, retry_jobs, clean_jobs
    9.5 Daemons: info and stop       daemon_info, stop_daemon (_proven_daemon)
 10. Runner protocol                 Runner, Session, RunningJob, Outcome, FunctionRunner
 11. llama.cpp engine
    11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, _kv_params, _new_context (a context
-                                      and its buffers), check_gguf, _GgufHeader
+                                      and its buffers), check_gguf, _GgufHeader, gguf_strings, gguf_kind
    11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion
    11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _JobSampler
    11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
@@ -66,8 +80,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
    11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
-   11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, model_memory, memory_line, tool_turns, grammar_key,
-                                      LlamaRunner
+   11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, host_caches, model_memory, memory_line, tool_turns,
+                                      grammar_key, LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
@@ -89,7 +103,7 @@ API (``__all__``; docs/library.md documents each name, and names every other one
     SubmitResult       what Work.submit returns: (ok, id, message), errors as values
     Flow               reads jobs: status, get, wait, follow, wait_all, select, counts, lanes, export
     Status             a job's state: Queued, Running, Done, Failed, Missing
-    Job                what Flow.get returns: id, status, prompt, result, error, meta, params, logprobs, choices, reasoning
+    Job                Flow.get's answer: id, status, prompt, result, error, meta, params, logprobs, choices, reasoning
     iter_events        jobs' changes of state as event dicts, as `nrvna events` prints them
     bulk_states        many jobs' states at once, one listing per state directory
     cancel_job         `nrvna cancel` for one job
@@ -5988,18 +6002,6 @@ def state_whole(mapped: Any) -> bool:
         view.release()
 
 
-def read_state(folder: str, head: StateHead) -> Optional[Any]:
-    """A state file mapped and checked against its crc; None for a torn, damaged, changed or
-    unreadable file."""
-    try:
-        mapped = map_state(folder, head)
-    except OSError:
-        return None
-    if mapped is None or not state_whole(mapped):
-        return None
-    return mapped
-
-
 def remove_states_of(folder: str, job_ids: set[str]) -> int:
     """Remove the saved states whose source job is one of ``job_ids`` (clean); how many. Only
     whole states (nrvna's magic, counts that fit) are read: any other file is left."""
@@ -6022,20 +6024,19 @@ def remove_states_of(folder: str, job_ids: set[str]) -> int:
 ##############################################################################
 # 8. Batch files and export: nrvna's JSONL lines, OpenAI Batch lines (ENDPOINTS), export formats (EXPORT_FORMATS)
 ##############################################################################
-# Owns batch lines (nrvna's and OpenAI's), data templates, the export formats and merge. Invariant: a
-# batch file is checked whole before any job of it is queued. Client code; stateless.
+# Owns batch lines (nrvna's and OpenAI's), data templates, shards, the export formats and merge.
+# Invariant: a batch file is checked whole before any job of it is queued. Client code; stateless.
 
 
 # ============================================================================
 # 8.1 Batch files
 # ============================================================================
 # nrvna's JSONL lines, OpenAI Batch request lines, plain prompt lines and data templates, as
-# BatchEntry records; shards (shard_of). Invariant: a file is read with a bound per line, and
-# checked whole before any of it is queued.
+# BatchEntry records. Invariant: a file is read with a bound per line, and checked whole before any
+# of it is queued.
 
 
 BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
-SHARDS_MAX = 1 << 20  # most shards a batch may be split into (--shard I/N)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
 # The fields an nrvna JSONL line may carry: its prompt, and every job parameter but tag and endpoint.
 _JSONL_FIELDS = ("prompt", *(name for name, param in PARAMS.items() if param.jsonl))
@@ -6044,29 +6045,6 @@ _JSONL_FIELDS = ("prompt", *(name for name, param in PARAMS.items() if param.jso
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
 OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "stream": "must be false",
                      "functions": "the legacy form of tools", "function_call": "the legacy form of tool_choice"}
-
-
-def shard_of(custom_id: str, shards: int) -> int:
-    """Which of ``shards`` shards a line is in: from a hash of its ``custom_id`` (``line-N``
-    where it has none) that every machine and Python computes alike (sha256, never hash()),
-    so each node takes its share of one file with no coordination."""
-    import hashlib
-
-    digest = hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).digest()
-    return int.from_bytes(digest[:8], "big") % shards
-
-
-def read_shard(text: str) -> tuple[int, int]:
-    """``I/N`` (0 <= I < N): shard I of N, as --shard gives it."""
-    index, _, count = text.partition("/")
-    try:
-        shard, shards = int(index), int(count)
-    except ValueError:
-        raise InvalidInput(f"--shard {text!r} is not I/N (e.g. --shard 0/3, or "
-                           "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)") from None
-    if not (1 <= shards <= SHARDS_MAX and 0 <= shard < shards):
-        raise InvalidInput(f"--shard {text}: I must be 0 to N-1 and N 1 to {SHARDS_MAX}")
-    return shard, shards
 
 
 class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
@@ -6442,11 +6420,45 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
 
 
 # ============================================================================
-# 8.2 Export and merge
+# 8.2 Shards
 # ============================================================================
-# A finished job as an export line (EXPORT_FORMATS), written whole or not at all (_ExportTarget),
-# and the shards' exports put back together (merge_parts). Invariant: each JSON line says which
-# request it answers (REQUEST_KEY), and merge takes no line that answers another.
+# One batch file split over nodes with no coordination: each line's shard comes from its custom_id
+# (shard_of), and `submit --shard I/N` (read_shard) queues shard I alone. Invariant: every machine
+# and Python puts a line in the same shard. Client code; stateless.
+
+
+SHARDS_MAX = 1 << 20  # most shards a batch may be split into (--shard I/N)
+
+
+def shard_of(custom_id: str, shards: int) -> int:
+    """Which of ``shards`` shards a line is in: from a hash of its ``custom_id`` (``line-N``
+    where it has none) that every machine and Python computes alike (sha256, never hash()),
+    so each node takes its share of one file with no coordination."""
+    import hashlib
+
+    digest = hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") % shards
+
+
+def read_shard(text: str) -> tuple[int, int]:
+    """``I/N`` (0 <= I < N): shard I of N, as --shard gives it."""
+    index, _, count = text.partition("/")
+    try:
+        shard, shards = int(index), int(count)
+    except ValueError:
+        raise InvalidInput(f"--shard {text!r} is not I/N (e.g. --shard 0/3, or "
+                           "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)") from None
+    if not (1 <= shards <= SHARDS_MAX and 0 <= shard < shards):
+        raise InvalidInput(f"--shard {text}: I must be 0 to N-1 and N 1 to {SHARDS_MAX}")
+    return shard, shards
+
+
+# ============================================================================
+# 8.3 Export
+# ============================================================================
+# A finished job as an export line (EXPORT_FORMATS), written whole or not at all (_ExportTarget).
+# Invariant: each JSON line says which request it answers (REQUEST_KEY, request_digest), so a merge
+# can refuse a line that answers another.
 
 
 # What a request is, to merge: the fields of a job no submit flag can set (each node's flags may
@@ -6681,6 +6693,130 @@ def _workspace_of(path: str) -> Optional[str]:
         folder = parent
 
 
+# `export --format`: the choices, their help and the writers all come from here.
+EXPORT_FORMATS: dict[str, ExportFormat] = {
+    "jsonl": ExportFormat(_jsonl_record, _json_line(_jsonl_record),
+                          'nrvna\'s record: {"id", "custom_id", "request_sha256", "status", "prompt", "result", "error", "meta"}'),
+    "openai": ExportFormat(_openai_record, _json_line(_openai_record),
+                           "an OpenAI Batch output line (a chat.completion or text_completion body), and request_sha256, "
+                           "which OpenAI's readers ignore"),
+    "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line (every choice of a job of n > 1)"),
+    "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
+                        "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
+                        "custom_id and input index, tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
+}
+
+
+class _ExportTarget:
+    """Where an export's lines go (``-o FILE``, ``--errors FILE``), as a policy:
+
+    - ``-`` is standard output;
+    - an existing FIFO, character device (a terminal, /dev/null) or socket, and any path
+      under /dev/ or /proc/ (``/dev/stdout`` may be a file the shell opened), is written
+      through: opened for appending and written as it is, not atomically;
+    - anything else is written whole or not at all: a temporary file of its own beside the
+      real target (a symlink's target is replaced, never the link), fsynced, renamed over the
+      target, the directory fsynced; the temporary file goes on every failure path;
+    - an empty path, a directory and any path inside an nrvna workspace are refused: an
+      export must never replace a job, the queue or the workspace lock.
+    """
+
+    def __init__(self, path: Any, binary: bool = False) -> None:
+        path = os.fspath(path)
+        self.temp: Optional[str] = None
+        suffix, encoding = ("b", None) if binary else ("", "utf-8")
+        if path == "-":
+            self.handle, self.path, self.through = (sys.stdout.buffer if binary else sys.stdout), "-", True
+            return
+        if not path:
+            raise InvalidInput("an output path is empty (use - for standard output)")
+        self.path = os.path.realpath(path)
+        workspace = _workspace_of(self.path)
+        if workspace is not None:
+            raise InvalidInput(f"{path} is inside the nrvna workspace {workspace}; write exports outside it")
+        try:
+            mode: Optional[int] = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and stat.S_ISDIR(mode):
+            raise InvalidInput(f"{path} is a directory")
+        self.through = _written_through(path)
+        if self.through:
+            self.handle = open(path, "a" + suffix, encoding=encoding)
+            return
+        folder, name = os.path.split(self.path)
+        for _ in range(100):
+            temp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+            try:  # 0666 less the umask, as any new file; an existing target keeps its mode
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o666)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise WorkspaceError(f"cannot find a free temporary name beside {path}")
+        self.temp = temp
+        try:
+            if mode is not None:
+                os.fchmod(fd, stat.S_IMODE(mode))
+            self.handle = open(fd, "w" + suffix, encoding=encoding, closefd=True)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(temp, None)
+            raise
+
+    def write(self, text: Any) -> None:
+        """Append ``text`` (bytes for a binary output)."""
+        try:
+            self.handle.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        if self.path == "-":
+            raise BrokenPipeError  # `nrvna export ... | head`: main() exits quietly
+        raise WorkspaceError(f"{self.path}: its reader went away (broken pipe); the export is incomplete") from None
+
+    def commit(self) -> None:
+        """Make the file whole (durable, under its final name) or flush the stream."""
+        if self.temp is None:
+            try:
+                self.handle.flush()
+                if self.path != "-":
+                    self.handle.close()
+            except BrokenPipeError:
+                self._reader_gone()
+            return
+        self.handle.flush()
+        try:
+            os.fsync(self.handle.fileno())
+            self.handle.close()
+            os.rename(self.temp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        self.temp = None
+        fsync_dir(os.path.dirname(self.path))
+
+    def abort(self) -> None:
+        """Drop the temporary file (the target is untouched); nothing after a commit."""
+        if self.path != "-" and not self.handle.closed:
+            try:
+                self.handle.close()  # flushes what is buffered, which may fail again
+            except OSError:
+                pass
+        if self.temp is not None:
+            _unlink_quietly(self.temp, None)
+            self.temp = None
+
+
+# ============================================================================
+# 8.4 Merge
+# ============================================================================
+# The shards' exports put back together in the input's order (merge_parts), each part read with a
+# bound per line (read_part). Invariant: a line that answers another request (REQUEST_KEY) is never
+# taken, and a custom_id two parts answer differently is a conflict. Client code; stateless.
+
+
 def part_line_limit() -> int:
     """The longest line merge reads from a part: an export line repeats its request (at most a
     batch line) and adds its answer; 8 × ``batch_line_limit``, 176 MiB by default (2048
@@ -6815,122 +6951,6 @@ def _answers_another(record: dict[str, Any], digest: str, unchecked: dict[str, i
         unchecked[name] = unchecked.get(name, 0) + 1
         return False
     return given != digest
-
-
-# `export --format`: the choices, their help and the writers all come from here.
-EXPORT_FORMATS: dict[str, ExportFormat] = {
-    "jsonl": ExportFormat(_jsonl_record, _json_line(_jsonl_record),
-                          'nrvna\'s record: {"id", "custom_id", "request_sha256", "status", "prompt", "result", "error", "meta"}'),
-    "openai": ExportFormat(_openai_record, _json_line(_openai_record),
-                           "an OpenAI Batch output line (a chat.completion or text_completion body), and request_sha256, "
-                           "which OpenAI's readers ignore"),
-    "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line (every choice of a job of n > 1)"),
-    "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
-                        "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
-                        "custom_id and input index, tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
-}
-
-
-class _ExportTarget:
-    """Where an export's lines go (``-o FILE``, ``--errors FILE``), as a policy:
-
-    - ``-`` is standard output;
-    - an existing FIFO, character device (a terminal, /dev/null) or socket, and any path
-      under /dev/ or /proc/ (``/dev/stdout`` may be a file the shell opened), is written
-      through: opened for appending and written as it is, not atomically;
-    - anything else is written whole or not at all: a temporary file of its own beside the
-      real target (a symlink's target is replaced, never the link), fsynced, renamed over the
-      target, the directory fsynced; the temporary file goes on every failure path;
-    - an empty path, a directory and any path inside an nrvna workspace are refused: an
-      export must never replace a job, the queue or the workspace lock.
-    """
-
-    def __init__(self, path: Any, binary: bool = False) -> None:
-        path = os.fspath(path)
-        self.temp: Optional[str] = None
-        suffix, encoding = ("b", None) if binary else ("", "utf-8")
-        if path == "-":
-            self.handle, self.path, self.through = (sys.stdout.buffer if binary else sys.stdout), "-", True
-            return
-        if not path:
-            raise InvalidInput("an output path is empty (use - for standard output)")
-        self.path = os.path.realpath(path)
-        workspace = _workspace_of(self.path)
-        if workspace is not None:
-            raise InvalidInput(f"{path} is inside the nrvna workspace {workspace}; write exports outside it")
-        try:
-            mode: Optional[int] = os.stat(path).st_mode
-        except FileNotFoundError:
-            mode = None
-        if mode is not None and stat.S_ISDIR(mode):
-            raise InvalidInput(f"{path} is a directory")
-        self.through = _written_through(path)
-        if self.through:
-            self.handle = open(path, "a" + suffix, encoding=encoding)
-            return
-        folder, name = os.path.split(self.path)
-        for _ in range(100):
-            temp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-            try:  # 0666 less the umask, as any new file; an existing target keeps its mode
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o666)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise WorkspaceError(f"cannot find a free temporary name beside {path}")
-        self.temp = temp
-        try:
-            if mode is not None:
-                os.fchmod(fd, stat.S_IMODE(mode))
-            self.handle = open(fd, "w" + suffix, encoding=encoding, closefd=True)
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(temp, None)
-            raise
-
-    def write(self, text: Any) -> None:
-        """Append ``text`` (bytes for a binary output)."""
-        try:
-            self.handle.write(text)
-        except BrokenPipeError:
-            self._reader_gone()
-
-    def _reader_gone(self) -> None:
-        if self.path == "-":
-            raise BrokenPipeError  # `nrvna export ... | head`: main() exits quietly
-        raise WorkspaceError(f"{self.path}: its reader went away (broken pipe); the export is incomplete") from None
-
-    def commit(self) -> None:
-        """Make the file whole (durable, under its final name) or flush the stream."""
-        if self.temp is None:
-            try:
-                self.handle.flush()
-                if self.path != "-":
-                    self.handle.close()
-            except BrokenPipeError:
-                self._reader_gone()
-            return
-        self.handle.flush()
-        try:
-            os.fsync(self.handle.fileno())
-            self.handle.close()
-            os.rename(self.temp, self.path)
-        except BaseException:
-            self.abort()
-            raise
-        self.temp = None
-        fsync_dir(os.path.dirname(self.path))
-
-    def abort(self) -> None:
-        """Drop the temporary file (the target is untouched); nothing after a commit."""
-        if self.path != "-" and not self.handle.closed:
-            try:
-                self.handle.close()  # flushes what is buffered, which may fail again
-            except OSError:
-                pass
-        if self.temp is not None:
-            _unlink_quietly(self.temp, None)
-            self.temp = None
 
 
 ##############################################################################
@@ -11553,9 +11573,10 @@ class LlamaSession(Session):
 # ============================================================================
 # 11.8 The runner
 # ============================================================================
-# LlamaRunner: the model loaded once and shared, the runner's caches (pieces, grammars, the
-# Grammar and Wide threads) and a session per worker. Its docstring's Threads line says who calls
-# what. HOST_CACHES lists every cache kept beside llama.cpp's buffers, with its bound.
+# LlamaRunner: the model loaded once and shared, its caches (pieces, grammars, the Grammar and Wide threads)
+# and a session per worker; the chat template of a model without one (FALLBACK_TEMPLATE), a chat job's tool
+# turns, and the memory report (memory_line: plain numbers stated at load, read from any thread). HOST_CACHES
+# lists every cache kept beside llama.cpp's buffers with its bound (host_caches: each bound as configured).
 
 
 # Every cache nrvna keeps beside llama.cpp's own buffers: (what, whose, its bound, what it holds,

@@ -6635,6 +6635,26 @@ def test_the_contents_list_names_what_each_sub_section_defines() -> None:
     assert misplaced == [] and named > 100
 
 
+def test_the_contents_list_names_every_public_definition_under_its_sub_section() -> None:
+    """Every public (not ``_``-prefixed) function and class at nrvna.py's top level is named in
+    the contents list under the banner whose text defines it (a name in parentheses, a note,
+    does not count): the list finds everything."""
+    path = Path(nrvna.__file__)
+    listed = {}
+    for entry, names in _contents(path):
+        listed[entry] = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", re.sub(r"\([^)]*\)", "", names)))
+    regions = _regions(path)
+    unlisted, public = [], 0
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            public += 1
+            title = next(title for title, first, last in regions if first <= node.lineno <= last)
+            entry = next(entry for entry in listed if title == entry or title.startswith(entry + ":"))
+            if node.name not in listed[entry]:
+                unlisted.append(f"{entry}: {node.name}")
+    assert unlisted == [] and public > 150
+
+
 def test_the_design_page_names_only_sections_and_names_that_exist() -> None:
     """docs/design.md is a map of nrvna.py: each "§N" or "§N.M" it gives is a banner of the
     file, a name in `code` right after one ("§12.2 `Processor`") is defined there, and every
@@ -6670,7 +6690,8 @@ def test_the_design_page_names_only_sections_and_names_that_exist() -> None:
     missing = []
     for code in set(re.findall(r"`([A-Za-z_][\w.]*)`", page)):
         top = code.split(".")[0]
-        threads = {"Main", "Scanner", "Watcher", "Models", "Finisher", "Hooks", "Grammar", "Wide", "Saver"}  # names in the log
+        threads = {"Main", "Scanner", "Watcher", "Models", "Finisher", "Hooks", "Grammar", "Wide", "Saver",
+                   "StateCheck"}  # names in the log
         if (top[0].isupper() or "_" in top) and not top.startswith("NRVNA_") and top not in nrvna.FAILURE_CODES \
                 and top not in threads and not code.startswith(("llama_", "Llama.")) \
                 and top not in nrvna.PARAMS and not code.endswith((".txt", ".json", ".md")):
@@ -8028,6 +8049,15 @@ def forge_state(folder: str, name: str, blob: bytes, **header: Any) -> None:
     Path(folder, name).write_bytes(bytes(data))
 
 
+def state_file_whole(folder: str, head: Any) -> bool:
+    """Whether the state file ``head`` describes is there, that file, and whole by its crc."""
+    try:
+        mapped = nrvna.map_state(folder, head)
+    except OSError:
+        return False
+    return mapped is not None and nrvna.state_whole(mapped)
+
+
 def crafted_state(header: Any, length: int | None = None, tail: bytes = b"") -> bytes:
     raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
     return nrvna.STATE_MAGIC + struct.pack("<I", len(raw) if length is None else length) + raw + tail
@@ -8059,7 +8089,7 @@ def test_a_state_whose_state_does_not_hold_its_tokens_is_a_miss_and_is_removed(t
         forge_state(folder, by_job["b"], blob)
         fresh = nrvna.StateStore(folder, "fp", 1 << 30, 16)
         head, shared = fresh.find(list(range(300)), 299, 1000, trimmable=True)
-        assert (head.job, shared) == ("b", 200) and nrvna.read_state(folder, head) is not None  # whole by its crc
+        assert (head.job, shared) == ("b", 200) and state_file_whole(folder, head)  # whole by its crc
         fake.seqs[5] = b"what slot 5 held"
         assert not fresh.restore(fake, None, 5, head) and 5 not in fake.seqs
         assert not os.path.exists(os.path.join(folder, by_job["b"])) and fresh.counts["removed"] == 1
@@ -8437,7 +8467,7 @@ def test_a_daemon_killed_at_every_step_of_a_save_loses_nothing_and_restores_no_p
             assert job.status is Status.Done and job.result == reference, (k, calls[k - 1])
             folder = os.path.join(ws, nrvna.STATES)
             heads = [nrvna.read_state_head(folder, n) for n in os.listdir(folder)]
-            assert all(h is not None and nrvna.read_state(folder, h) is not None for h in heads), (k, calls[k - 1])
+            assert all(h is not None and state_file_whole(folder, h) for h in heads), (k, calls[k - 1])
             assert audit_clean(ws), (k, calls[k - 1])
     print(f"\nsaved states: {len(calls)} crash points (the save's {len(saves)} among them); same text, whole states")
 
