@@ -15,7 +15,14 @@ Contents, numbered as nrvna.py's sections and sub-sections (the tests of 12.1 si
     0.2 Runners, daemon processes and audits
     0.3 Fault injection harness
     4. File primitives: crash points and injected faults
-    5. Structured output: schemas and grammars, log-probabilities and logit bias
+    5. Structured output: the helpers its tests share, and the cache of checked schemas
+    5.1 Numbers
+    5.2 JSON strings: surrogate escapes
+    5.3 Patterns
+    5.4 Formats and types
+    5.5 Grammar work: a grammar's cost, counted and bounded
+    5.6 GBNF grammars
+    5.7 JSON schemas
     5.8 Tool calls: tools, tool_choice and the calls read back
     6. Job parameters: pure logic of IDs, settings and parameters
     7. Workspace and job directories: hostile paths and hostile text
@@ -25,13 +32,18 @@ Contents, numbered as nrvna.py's sections and sub-sections (the tests of 12.1 si
     9.3 Events: into the pipeline (templates and metadata, events, hooks)
     10. Runner protocol: tables, the library and the runner protocol
     11. llama.cpp engine: for real, the runner and the daemon on the test model
+    11.2 Grammar conversion: once per schema, on the Grammar thread
+    11.3 Sampling: the shortlist, log-probabilities and logit bias
     11.4 Sequences and choices: thinking kept apart from the answer
     11.5 Embeddings
     11.6 Saved states: conversations that survive restarts
     11.7 Continuous batching
+    11.8 The runner: the memory report
     12. Daemon: with an injected runner
     12.1 The queue: Pool and Scanner: priority lanes
     12.2 Claims and finishes: Processor: crashes, kills and concurrency
+    12.4 Models: several models, their loads, the memory budget
+    12.5 Daemons side by side, and the watch
     12.6 Server: start-up checks (model, settings, workspace)
     13. CLI: output, exit codes, pipes
 """
@@ -854,7 +866,7 @@ if __name__ == "__main__":
 
 
 # ==============================================================================
-# 5. Structured output: schemas and grammars, log-probabilities and logit bias
+# 5. Structured output: the helpers its tests share, and the cache of checked schemas
 # ==============================================================================
 
 def satisfies(value: Any, schema: dict[str, Any]) -> bool:
@@ -940,161 +952,6 @@ def gbnf_regex(expression: str) -> re.Pattern:
     return re.compile("".join(out))
 
 
-@pytest.mark.parametrize("bounds", [
-    {"type": "integer", "minimum": 1, "maximum": 5},
-    {"type": "integer", "minimum": -120, "maximum": 37},
-    {"type": "integer", "exclusiveMinimum": 0},
-    {"type": "integer", "maximum": -3},
-    {"type": "integer", "minimum": 2.5, "exclusiveMaximum": 1000},
-    {"type": "number", "minimum": 0, "maximum": 100},
-    {"type": "number", "exclusiveMinimum": 0},
-    {"type": "number", "minimum": -1, "maximum": 1},
-    {"type": "number", "minimum": 0.125, "exclusiveMaximum": 19.5},
-    {"type": "number", "exclusiveMinimum": -2.5, "exclusiveMaximum": -0.05},
-    {"type": "number", "maximum": 0},
-    {"type": "number", "minimum": 7, "maximum": 7},
-])
-def test_numeric_bounds_admit_every_number_in_range_and_nothing_else(bounds: dict[str, Any]) -> None:
-    from decimal import Decimal
-
-    pattern = gbnf_regex(nrvna.number_rule(bounds))
-    texts = {str(i) for i in range(-1500, 1500)}
-    texts |= {f"{sign}{i}.{f}" for sign in ("", "-") for i in range(0, 30)
-              for f in ("0", "5", "25", "05", "125", "124", "126", "99", "001", "10", "4999")}
-    low = Decimal(str(bounds.get("minimum", "-Infinity")))
-    high = Decimal(str(bounds.get("maximum", "Infinity")))
-    above = Decimal(str(bounds.get("exclusiveMinimum", "-Infinity")))
-    below = Decimal(str(bounds.get("exclusiveMaximum", "Infinity")))
-    for text in texts:
-        value = Decimal(text)
-        wanted = low <= value <= high and above < value < below and not (bounds["type"] == "integer" and "." in text)
-        if text.startswith("-0") and value == 0:
-            wanted = False  # "-0" and "-0.0" are never generated (0 is, as "0")
-        assert bool(pattern.fullmatch(text)) == wanted, (bounds, text)
-    for text in ("1e3", "01", "+1", "1.", ".5", "--1"):  # never an exponent, a leading zero or a sign but "-"
-        assert not pattern.fullmatch(text), text
-
-
-def test_bounds_that_admit_nothing_are_refused() -> None:
-    for bounds in ({"type": "integer", "minimum": 1.2, "maximum": 1.8}, {"type": "number", "minimum": 5, "maximum": 4},
-                   {"type": "number", "exclusiveMinimum": 3, "exclusiveMaximum": 3}):
-        with pytest.raises(nrvna.InvalidInput, match="lies within its bounds"):
-            nrvna.check_json_schema(bounds)
-    with pytest.raises(nrvna.InvalidInput, match="beyond what nrvna generates"):
-        nrvna.check_json_schema({"type": "number", "maximum": 1e300})
-
-
-@pytest.mark.parametrize("schema", [
-    PRODUCT_SCHEMA, PERSON_SCHEMA,
-    {"type": "string"}, {"enum": ["a", 1, None]}, {"const": 3, "type": "integer"}, {},
-    {"type": "object"}, {"type": "object", "additionalProperties": {"type": "integer"}},
-    {"anyOf": [{"type": "string", "format": "date"}, {"type": "null"}]},
-    {"type": ["string", "null"]},
-    {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False},
-    {"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
-     "$ref": "#/$defs/node", "title": "a tree", "x-note": "extensions are ignored"},
-])
-def test_json_schemas_the_converter_honours_whole_are_accepted(schema: dict[str, Any]) -> None:
-    nrvna.check_json_schema(schema)
-
-
-@pytest.mark.parametrize("schema, message", [
-    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "schema /: keyword 'uniqueItems' is not supported"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)"}}},
-     "schema /properties/a: pattern '^(?=a)': a lookahead (?=...) is not supported"),
-    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}, "/properties/n: multipleOf 0.5 on a number"),
-    ({"type": "string", "format": "uri"}, "format 'uri' is not supported (supported: date, time, date-time, duration, email"),
-    ({"type": "string", "format": "date", "maxLength": 4}, "minLength/maxLength beside format 'date' are supported only where"),
-    ({"type": "object", "minProperties": 1, "properties": {}}, "keyword 'minProperties'"),
-    ({"type": "object", "required": ["a"]}, "keyword 'required' is not supported for an object without properties"),
-    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required property 'b' is not in properties"),
-    ({"type": "array", "minItems": 1}, "keyword 'minItems' is not supported for array without items"),
-    ({"type": "array", "items": {}}, "items {} is not supported"),
-    ({"type": "string", "maxLenght": 3}, "keyword 'maxLenght' is not supported"),
-    ({"allOf": [{"type": "string"}]}, "keyword 'allOf' is not supported"),
-    ({"not": {"type": "string"}}, "keyword 'not' is not supported"),
-    ({"description": "only words"}, "a schema needs a type"),
-    ({"anyOf": [{"type": "string"}], "type": "string"}, "keyword 'type' is not supported beside anyOf"),
-    ({"$ref": "https://example.com/s.json"}, "only local references"),
-    ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "keyword 'oneOf' is not supported: the grammar would enforce it as anyOf"),
-    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
-     "additionalProperties other than false beside properties"),
-    ({"type": "object", "properties": {"": {"type": "string"}}}, "a property named '' is not supported"),
-    ({"type": 5, "const": 1}, "type must be a string or a list"),
-    ({"enum": [{"$ref": "#/enum"}]}, "a '$ref' key where no schema is"),
-    ({"$defs": {"x": {"anyOf": [{"$ref": "#/$defs/y"}, {"type": "null"}]},
-                "y": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/x"}}, {"$ref": "#/$defs/x"}]}},
-      "type": "object", "properties": {"a": {"$ref": "#/$defs/y"}}}, "refers back to itself"),
-    ({"type": "object", "properties": {"a": {"$ref": "#/properties/b", "$defs": {}}, "b": {"type": "string"}}},
-     "$defs beside $ref is supported at the top of the schema only"),
-    ({"$ref": "#/$defs/missing"}, "points at nothing"),
-    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}, "refers back to itself"),
-    ({"type": "string", "maxLength": 10000}, "maxLength must be an integer from 0 to 500"),
-    ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2}, "minItems 3 is more than maxItems 2"),
-    ({"enum": ["a", 2], "type": "string"}, "enum holds a value that is not of type 'string'"),
-    ({"type": "date"}, "unknown type 'date'"),
-    (True, "a schema must be a JSON object"),
-])
-def test_json_schemas_with_what_the_converter_would_drop_are_refused(schema: Any, message: str) -> None:
-    with pytest.raises(nrvna.InvalidInput) as raised:
-        nrvna.check_json_schema(schema)
-    assert message in str(raised.value)
-
-
-JSON_GRAMMAR = r'''
-root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null") ws
-object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
-array  ::= "[" ws ( value ("," ws value)* )? "]" ws
-string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
-number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
-ws ::= | " " | "\n" [ \t]{0,20}   # comments are fine
-'''
-
-
-@pytest.mark.parametrize("grammar", [JSON_GRAMMAR, 'root ::= "yes" | "no"', 'root ::= [a-z]+ ("," [a-z]+)*\n',
-                                     "root ::= item{2,4}\nitem ::= [0-9] \"\\n\"",
-                                     'root ::= "a" root?', 'root ::= "\\u00e9\\x41" .'])
-def test_good_grammars_pass_the_submit_check(grammar: str) -> None:
-    nrvna.check_grammar(grammar)
-
-
-@pytest.mark.parametrize("grammar, message", [
-    ('root ::= "a" b', "rule 'b' is used but never defined"),
-    ('start ::= "a"', "there is no 'root' rule"),
-    ('root ::= "a\n', "unexpected end of input"),
-    ('root ::= "\\q"', "unknown escape \\q at line 1, column 11"),
-    ('root ::= "a"\n\nx ::= "b" |\n  ( "c"', "expecting ')' at line 4"),
-    ("root = \"a\"", "expecting ::= at line 1, column 6"),
-    ('root ::= * "a"', "expecting an item before"),
-    ('root ::= "a"{3,1}', "the most is less than the least"),
-    ('root ::= "a"{5000}', "more than 2000 repetitions"),
-    ('root ::= root "a"', "rule 'root' can reach itself without consuming anything"),
-    ('root ::= x\nx ::= ws x\nws ::= [ ]*', "rule 'x' can reach itself"),  # llama.cpp itself would hang on this one
-    ('root ::= ("a"?)*', "a group or repetition in rule 'root' can reach itself"),
-    ('root ::= "\\x4"', "expecting 2 hex digits"),
-    ('root ::= "a" <[369]>', "token elements (<...>, <[id]>, !<...>) are not supported"),  # llama.cpp would abort
-    ('root ::= "a" !<[5]> [a-z]*', "token elements"),
-    ('root ::= "a"{0,99999999999999999999}', "a repetition count that large is not supported"),
-    ('root ::= "a"{²}', "expecting an integer"),
-    ('root ::= "' + "x" * 2000 + '"{2000}', "expands to more than 200,000 elements"),
-    # UTF-8 holds no surrogate: llama.cpp took these, and a job ended `stop` with U+FFFD instead
-    ('root ::= "\\uD800"', "U+D800 is a surrogate, which UTF-8 text never holds at line 1, column 11"),
-    ('root ::= [a\\udc00-\\udfff]', "U+DC00 is a surrogate"),
-    ('root ::= "\ud83d"', "U+D83D is a surrogate"),  # a lone surrogate in the text itself (a JSON line's)
-    ('root ::= "\\U00110000"', "U+110000 is beyond U+10FFFF"),
-])
-def test_bad_grammars_are_refused_at_submit_with_where(grammar: str, message: str) -> None:
-    with pytest.raises(nrvna.InvalidInput) as raised:
-        nrvna.check_grammar(grammar)
-    assert message in str(raised.value)
-
-
-# -- patterns, formats, multipleOf, type lists -------------------------------------------------
-# The grammar nrvna makes for each is walked at random (GrammarShape: llama.cpp's parse stacks)
-# to generate strings, and every one must satisfy the keyword by an independent check: Python's
-# re, jsonschema's FormatChecker, date.fromisoformat, exact fractions.
-
 def grammar_walk(shape: nrvna.GrammarShape, rng: random.Random, most: int = 4000) -> str:
     """A random text the grammar admits, a character at a time: a random parse stack's class,
     a random character of it; past 30 characters it heads for the nearest end."""
@@ -1161,6 +1018,285 @@ def string_shape(schema: dict[str, Any]) -> nrvna.GrammarShape:
 def string_values(schema: dict[str, Any], count: int, seed: int = 1) -> list[str]:
     shape, rng = string_shape(schema), random.Random(seed)
     return [json.loads(grammar_walk(shape, rng)) for _ in range(count)]
+
+
+def test_one_schema_on_many_lines_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    check = nrvna.check_json_schema
+    monkeypatch.setattr(nrvna, "check_json_schema", lambda schema: (calls.append(1), check(schema))[1])
+    monkeypatch.setattr(nrvna, "_CHECKED", {})
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}, "tag": {"type": "string"}}}
+    rows = [{"prompt": f"p{i}", "response_format": schema_format(schema)} for i in range(3000)]
+    entries = nrvna.parse_batch(jsonl(rows).encode())
+    assert len(entries) == 3000 and len(calls) == 1
+    assert [e.params["response_format"]["json_schema"]["schema"] for e in entries[:2]] == [schema, schema]
+
+
+def test_the_cache_of_checked_schemas_is_shared_by_threads_safely(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_CHECKED is read and evicted from every worker's claim. Threads that find it over its
+    bound at once each evict under _CHECKED_LOCK (without it, they all popped the same oldest
+    key: KeyError), and each gets its own key's verdict."""
+    class Slow(dict):  # finding the oldest key takes a while: the threads meet in the eviction
+        def __iter__(self) -> Any:
+            keys = list(dict.keys(self))
+            time.sleep(0.05)
+            return iter(keys)
+
+    def refuse() -> None:
+        raise nrvna.InvalidInput("refused")
+
+    cache = Slow((("old", i), None) for i in range(256))
+    monkeypatch.setattr(nrvna, "_CHECKED", cache)
+    barrier, verdicts = threading.Barrier(6), {}
+
+    def check(i: int) -> None:
+        barrier.wait()
+        try:
+            nrvna._checked(("new", i), refuse if i % 2 else lambda: None)
+            verdicts[i] = "passed"
+        except Exception as err:  # noqa: BLE001 (any error is the test's finding)
+            verdicts[i] = f"{type(err).__name__}: {err}"
+
+    threads = [threading.Thread(target=check, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert verdicts == {i: "InvalidInput: refused" if i % 2 else "passed" for i in range(6)}
+    assert len(cache) == 256 and all(("new", i) in cache for i in range(6))  # the oldest went
+
+
+_PIECE_TOKENS: dict[int, dict[bytes, int]] = {}
+
+
+def piece_tokens(llama: nrvna.LlamaRunner) -> dict[bytes, int]:
+    """A token for each piece of text of the vocabulary (made once per runner)."""
+    tokens = _PIECE_TOKENS.get(id(llama))
+    if tokens is None:
+        tokens = _PIECE_TOKENS[id(llama)] = {}
+        for token in range(llama.n_vocab):
+            tokens.setdefault(llama.piece(token), token)
+    return tokens
+
+
+def grammar_admits(llama: nrvna.LlamaRunner, grammar: str, data: bytes) -> bool:
+    """Whether llama.cpp's grammar sampler takes ``data`` whole, fed one byte token at a time
+    (any bytes, UTF-8 or not), and then lets generation end."""
+    L = llama.L
+    tokens = piece_tokens(llama)
+    sampler = L.llama_sampler_init_grammar(llama.vocab, grammar.encode(), b"root")
+    assert sampler, grammar
+    try:
+        for token in [tokens[bytes([b])] for b in data] + [L.llama_vocab_eos(llama.vocab)]:
+            candidate = (L.llama_token_data * 1)(L.llama_token_data(token, 0.0, 0.0))
+            L.llama_sampler_apply(sampler, ctypes.byref(L.llama_token_data_array(candidate, 1, -1, False)))
+            if candidate[0].logit == -math.inf:
+                return False
+            if token != L.llama_vocab_eos(llama.vocab):
+                L.llama_sampler_accept(sampler, token)
+        return True
+    finally:
+        L.llama_sampler_free(sampler)
+
+
+# ==============================================================================
+# 5.1 Numbers
+# ==============================================================================
+
+
+@pytest.mark.parametrize("bounds", [
+    {"type": "integer", "minimum": 1, "maximum": 5},
+    {"type": "integer", "minimum": -120, "maximum": 37},
+    {"type": "integer", "exclusiveMinimum": 0},
+    {"type": "integer", "maximum": -3},
+    {"type": "integer", "minimum": 2.5, "exclusiveMaximum": 1000},
+    {"type": "number", "minimum": 0, "maximum": 100},
+    {"type": "number", "exclusiveMinimum": 0},
+    {"type": "number", "minimum": -1, "maximum": 1},
+    {"type": "number", "minimum": 0.125, "exclusiveMaximum": 19.5},
+    {"type": "number", "exclusiveMinimum": -2.5, "exclusiveMaximum": -0.05},
+    {"type": "number", "maximum": 0},
+    {"type": "number", "minimum": 7, "maximum": 7},
+])
+def test_numeric_bounds_admit_every_number_in_range_and_nothing_else(bounds: dict[str, Any]) -> None:
+    from decimal import Decimal
+
+    pattern = gbnf_regex(nrvna.number_rule(bounds))
+    texts = {str(i) for i in range(-1500, 1500)}
+    texts |= {f"{sign}{i}.{f}" for sign in ("", "-") for i in range(0, 30)
+              for f in ("0", "5", "25", "05", "125", "124", "126", "99", "001", "10", "4999")}
+    low = Decimal(str(bounds.get("minimum", "-Infinity")))
+    high = Decimal(str(bounds.get("maximum", "Infinity")))
+    above = Decimal(str(bounds.get("exclusiveMinimum", "-Infinity")))
+    below = Decimal(str(bounds.get("exclusiveMaximum", "Infinity")))
+    for text in texts:
+        value = Decimal(text)
+        wanted = low <= value <= high and above < value < below and not (bounds["type"] == "integer" and "." in text)
+        if text.startswith("-0") and value == 0:
+            wanted = False  # "-0" and "-0.0" are never generated (0 is, as "0")
+        assert bool(pattern.fullmatch(text)) == wanted, (bounds, text)
+    for text in ("1e3", "01", "+1", "1.", ".5", "--1"):  # never an exponent, a leading zero or a sign but "-"
+        assert not pattern.fullmatch(text), text
+
+
+def test_bounds_that_admit_nothing_are_refused() -> None:
+    for bounds in ({"type": "integer", "minimum": 1.2, "maximum": 1.8}, {"type": "number", "minimum": 5, "maximum": 4},
+                   {"type": "number", "exclusiveMinimum": 3, "exclusiveMaximum": 3}):
+        with pytest.raises(nrvna.InvalidInput, match="lies within its bounds"):
+            nrvna.check_json_schema(bounds)
+    with pytest.raises(nrvna.InvalidInput, match="beyond what nrvna generates"):
+        nrvna.check_json_schema({"type": "number", "maximum": 1e300})
+
+
+def number_shape(schema: dict[str, Any]) -> tuple[nrvna.GrammarShape, int]:
+    """The grammar of a number schema's values, and how many rules its multipleOf made."""
+    rules: dict[str, str] = {}
+    expression = nrvna.number_rule(schema, "", rules, "m")
+    return nrvna.check_grammar(f"root ::= {expression}\n" + "".join(f"{n} ::= {b}\n" for n, b in rules.items())), len(rules)
+
+
+@pytest.mark.parametrize("schema, window", [
+    ({"type": "integer", "multipleOf": 7}, range(-3000, 3000)),
+    ({"type": "integer", "multipleOf": 7, "minimum": -100, "maximum": 250}, range(-500, 500)),
+    ({"type": "integer", "multipleOf": 12, "exclusiveMinimum": 5, "exclusiveMaximum": 1000}, range(-100, 1200)),
+    ({"type": "integer", "multipleOf": 100}, range(-3000, 3000)),
+    ({"type": "integer", "multipleOf": 1000, "minimum": 0}, range(-2000, 12000)),
+    ({"type": "integer", "multipleOf": 2.5, "maximum": -3}, range(-700, 100)),  # 2.5 = 5/2: the multiples of 5
+    ({"type": "integer", "multipleOf": 0.01, "maximum": 3}, range(-50, 50)),  # every integer
+    ({"type": "number", "multipleOf": 5, "minimum": 2.5, "maximum": 1234.5}, range(-100, 1400)),  # integers only
+    ({"type": "integer", "multipleOf": 3, "minimum": 999990, "maximum": 1000020}, range(999000, 1001000)),
+    ({"type": "integer", "multipleOf": 97}, range(-1200, 1200)),
+])
+def test_integer_multiples_are_exact_within_their_bounds(schema: dict[str, Any], window: range) -> None:
+    from decimal import Decimal
+    from fractions import Fraction
+
+    shape, _ = number_shape(schema)
+    step = Fraction(Decimal(repr(schema["multipleOf"])))
+    low, high = Decimal(str(schema.get("minimum", "-Infinity"))), Decimal(str(schema.get("maximum", "Infinity")))
+    above, below = Decimal(str(schema.get("exclusiveMinimum", "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
+    for value in window:
+        wanted = (value / step).denominator == 1 and low <= value <= high and above < value < below
+        assert grammar_accepts(shape, str(value)) == wanted, value
+    for text in ("-0", "007", "1.0", "+7", "7e1", "-007", "00"):
+        assert not grammar_accepts(shape, text), text
+    rng = random.Random(3)
+    for _ in range(300):  # and anywhere in range (up to 16 digits)
+        value = int(grammar_walk(shape, rng))
+        assert (value / step).denominator == 1 and low <= value <= high and above < value < below and abs(value) < 10 ** 16
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "number", "multipleOf": 0.01},
+    {"type": "number", "multipleOf": 0.01, "minimum": -1.5, "exclusiveMaximum": 2},
+    {"type": "number", "multipleOf": 0.1, "exclusiveMinimum": 0.05, "maximum": 0.3},
+    {"type": "number", "multipleOf": 1, "minimum": 0.5, "maximum": 20.5},
+])
+def test_number_multiples_of_a_power_of_ten_have_no_more_fraction_digits(schema: dict[str, Any]) -> None:
+    from decimal import Decimal
+
+    shape, _ = number_shape(schema)
+    step = Decimal(repr(schema["multipleOf"]))
+    low, high = Decimal(str(schema.get("minimum", "-Infinity"))), Decimal(str(schema.get("maximum", "Infinity")))
+    above, below = Decimal(str(schema.get("exclusiveMinimum", "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
+    texts = {f"{sign}{i}{fraction}" for sign in ("", "-") for i in range(25) for fraction in ("", ".0", ".5", ".05", ".25", ".125", ".1", ".99")}
+    for text in texts:
+        value = Decimal(text)
+        wanted = (value % step == 0 and low <= value <= high and above < value < below
+                  and not (text.startswith("-") and value == 0)  # "-0" is never written
+                  and not (step == 1 and "." in text))  # integer-valued numbers are written as integers
+        if wanted and "." in text and len(text.split(".")[1]) > -step.as_tuple().exponent:
+            wanted = False
+        assert grammar_accepts(shape, text) == wanted, text
+    rng = random.Random(4)
+    for _ in range(300):
+        value = Decimal(grammar_walk(shape, rng))
+        assert value % step == 0 and low <= value <= high and above < value < below
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf 0.5 on a number is not supported: only an integer or a power of ten"),
+    ({"type": "number", "multipleOf": 0.25, "minimum": 0}, "multipleOf 0.25 on a number"),
+    ({"type": "integer", "multipleOf": 0}, "multipleOf must be a number above 0"),
+    ({"type": "integer", "multipleOf": -3}, "multipleOf must be a number above 0"),
+    ({"type": "integer", "multipleOf": True}, "multipleOf must be a number above 0"),
+    ({"type": "integer", "multipleOf": "2"}, "multipleOf must be a number above 0"),
+    ({"type": "integer", "multipleOf": 5, "minimum": 1, "maximum": 4}, "no multiple of 5 lies within its bounds"),
+    ({"type": "integer", "multipleOf": 1e15}, "is beyond what nrvna generates (below 1e15"),
+    ({"type": "number", "multipleOf": 1e-16}, "is beyond what nrvna generates"),
+    ({"type": "integer", "multipleOf": 7919}, "multipleOf 7919 needs more than 2,048 grammar rules within these bounds"),
+    ({"type": "string", "multipleOf": 2}, "keyword 'multipleOf' is not supported for a string"),
+])
+def test_multiples_nrvna_cannot_write_are_refused(schema: dict[str, Any], message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput) as raised:
+        nrvna.check_json_schema(schema)
+    assert message in str(raised.value), raised.value
+
+
+def test_a_bounded_multiple_of_a_large_step_is_taken() -> None:
+    nrvna.check_json_schema({"type": "integer", "multipleOf": 7919, "minimum": 0, "maximum": 100_000})
+    assert number_shape({"type": "integer", "multipleOf": 7919, "minimum": 0, "maximum": 100_000})[1] < 200
+
+
+# ==============================================================================
+# 5.2 JSON strings: surrogate escapes
+# ==============================================================================
+
+
+@pytest.mark.model
+def test_a_surrogate_pair_escape_is_one_character_and_a_lone_surrogate_is_refused(llama: nrvna.LlamaRunner) -> None:
+    """A \\u escape in a constrained string is a BMP code point that is no surrogate, or a high
+    and a low surrogate together, one character: minLength/maxLength count as JSON Schema
+    does, and whatever the grammar takes decodes to text UTF-8 can hold (json.loads takes a
+    lone surrogate escape; UTF-8 encoders and strict parsers refuse it)."""
+    two = nrvna.schema_to_grammar({"type": "string", "minLength": 2, "maxLength": 2})
+    admitted = ['"ab"', '"\\ud83d\\ude00x"', '"\\uD83D\\uDE00\\u00e9"', '"\\ud7ff\\ue000"', '"\\/\\uFFFF"', '"é😀"']
+    refused = ['"\\ud83d\\ude00"',  # one character, not two
+               '"\\ud83d\\u2f9c"', '"\\ud83dx"', '"a\\udbff"', '"\\ude00\\ud83d"', '"\\udfffa"', '"abc"']
+    for text in admitted:
+        assert grammar_admits(llama, two, text.encode()), text
+        value = json.loads(text)
+        assert len(value) == 2 and value.encode("utf-8")
+    for text in refused:
+        assert not grammar_admits(llama, two, text.encode()), text
+    # Bytes that are not UTF-8, as byte tokens spell them: a surrogate, a code point past U+10FFFF;
+    # and the characters beside them, whose first byte begins those too (U+D000, U+D7FF, U+10FFFF).
+    for raw in (b'"a\xed\xa0\x80"', b'"a\xf4\x90\x80\x80"'):
+        assert not grammar_admits(llama, two, raw), raw
+    for raw in (b'"\xed\x80\x80\xed\x9f\xbf"', b'"\xee\x80\x80\xf4\x8f\xbf\xbf"'):
+        assert grammar_admits(llama, two, raw), raw
+    json_object = llama.grammar({"response_format": {"type": "json_object"}})[1]
+    assert grammar_admits(llama, json_object, b'{"s": "\\ud83d\\ude00\\/", "n": [1, true]}')
+    for text in (b'{"s": "\\ud83d"}', b'{"s": "\\ude00\\ud83d"}', b'{"s": "\xed\xa0\x80"}'):
+        assert not grammar_admits(llama, json_object, text), text
+
+
+@pytest.mark.model
+def test_constrained_jobs_copying_surrogate_escapes_end_valid_utf8_json(ws: str, tmp_path: Path, model: str,
+                                                                       run_main: RunMain) -> None:
+    """The model copies its raw prompt greedily: an emoji's escape pair (one character where
+    two are asked) and lone surrogates came out as they were, and "stop" with them."""
+    two = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 2}},
+           "required": ["s"], "additionalProperties": False}
+    lines = [{"prompt": '{"s": "%s"}\n' % s * 6, "raw": True, "temperature": 0, "max_tokens": 40,
+              "response_format": form}
+             for s in ("\\ud83d\\ude00", "\\ud83d\\u2f9c", "\\ud83d\\ud83d")
+             for form in (schema_format(two), {"type": "json_object"})]
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "s.jsonl", jsonl(lines))))
+    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for job_id, line in zip(ids, lines):
+        job = Flow(ws).get(job_id)
+        assert job.status is Status.Done and job.meta["finish_reason"] == "stop", (job.meta, job.result)
+        value = json.loads(job.result)
+        text = json.dumps(value, ensure_ascii=False)
+        assert not any(0xD800 <= ord(c) <= 0xDFFF for c in text), job.result  # UTF-8 can hold it
+        assert satisfies(value, two) if line["response_format"]["type"] == "json_schema" else isinstance(value, dict), job.result
+
+
+# ==============================================================================
+# 5.3 Patterns
+# ==============================================================================
 
 
 # (pattern, the feature it shows)
@@ -1304,6 +1440,11 @@ def test_pattern_beside_lengths_is_taken_only_where_the_pattern_keeps_them(schem
     assert message in str(raised.value), raised.value
 
 
+# ==============================================================================
+# 5.4 Formats and types
+# ==============================================================================
+
+
 @pytest.mark.parametrize("name", list(nrvna.SCHEMA_FORMATS))
 def test_every_string_a_format_s_grammar_admits_passes_its_checker(name: str) -> None:
     """jsonschema's FormatChecker (with jsonschema[format-nongpl]: fqdn, isoduration,
@@ -1358,96 +1499,6 @@ def test_dates_that_do_not_exist_are_never_admitted() -> None:
     assert not grammar_accepts(stamp, '"2024-01-01T24:00:00Z"') and not grammar_accepts(stamp, '"2024-01-01T12:00:60Z"')
 
 
-def number_shape(schema: dict[str, Any]) -> tuple[nrvna.GrammarShape, int]:
-    """The grammar of a number schema's values, and how many rules its multipleOf made."""
-    rules: dict[str, str] = {}
-    expression = nrvna.number_rule(schema, "", rules, "m")
-    return nrvna.check_grammar(f"root ::= {expression}\n" + "".join(f"{n} ::= {b}\n" for n, b in rules.items())), len(rules)
-
-
-@pytest.mark.parametrize("schema, window", [
-    ({"type": "integer", "multipleOf": 7}, range(-3000, 3000)),
-    ({"type": "integer", "multipleOf": 7, "minimum": -100, "maximum": 250}, range(-500, 500)),
-    ({"type": "integer", "multipleOf": 12, "exclusiveMinimum": 5, "exclusiveMaximum": 1000}, range(-100, 1200)),
-    ({"type": "integer", "multipleOf": 100}, range(-3000, 3000)),
-    ({"type": "integer", "multipleOf": 1000, "minimum": 0}, range(-2000, 12000)),
-    ({"type": "integer", "multipleOf": 2.5, "maximum": -3}, range(-700, 100)),  # 2.5 = 5/2: the multiples of 5
-    ({"type": "integer", "multipleOf": 0.01, "maximum": 3}, range(-50, 50)),  # every integer
-    ({"type": "number", "multipleOf": 5, "minimum": 2.5, "maximum": 1234.5}, range(-100, 1400)),  # integers only
-    ({"type": "integer", "multipleOf": 3, "minimum": 999990, "maximum": 1000020}, range(999000, 1001000)),
-    ({"type": "integer", "multipleOf": 97}, range(-1200, 1200)),
-])
-def test_integer_multiples_are_exact_within_their_bounds(schema: dict[str, Any], window: range) -> None:
-    from decimal import Decimal
-    from fractions import Fraction
-
-    shape, _ = number_shape(schema)
-    step = Fraction(Decimal(repr(schema["multipleOf"])))
-    low, high = Decimal(str(schema.get("minimum", "-Infinity"))), Decimal(str(schema.get("maximum", "Infinity")))
-    above, below = Decimal(str(schema.get("exclusiveMinimum", "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
-    for value in window:
-        wanted = (value / step).denominator == 1 and low <= value <= high and above < value < below
-        assert grammar_accepts(shape, str(value)) == wanted, value
-    for text in ("-0", "007", "1.0", "+7", "7e1", "-007", "00"):
-        assert not grammar_accepts(shape, text), text
-    rng = random.Random(3)
-    for _ in range(300):  # and anywhere in range (up to 16 digits)
-        value = int(grammar_walk(shape, rng))
-        assert (value / step).denominator == 1 and low <= value <= high and above < value < below and abs(value) < 10 ** 16
-
-
-@pytest.mark.parametrize("schema", [
-    {"type": "number", "multipleOf": 0.01},
-    {"type": "number", "multipleOf": 0.01, "minimum": -1.5, "exclusiveMaximum": 2},
-    {"type": "number", "multipleOf": 0.1, "exclusiveMinimum": 0.05, "maximum": 0.3},
-    {"type": "number", "multipleOf": 1, "minimum": 0.5, "maximum": 20.5},
-])
-def test_number_multiples_of_a_power_of_ten_have_no_more_fraction_digits(schema: dict[str, Any]) -> None:
-    from decimal import Decimal
-
-    shape, _ = number_shape(schema)
-    step = Decimal(repr(schema["multipleOf"]))
-    low, high = Decimal(str(schema.get("minimum", "-Infinity"))), Decimal(str(schema.get("maximum", "Infinity")))
-    above, below = Decimal(str(schema.get("exclusiveMinimum", "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
-    texts = {f"{sign}{i}{fraction}" for sign in ("", "-") for i in range(25) for fraction in ("", ".0", ".5", ".05", ".25", ".125", ".1", ".99")}
-    for text in texts:
-        value = Decimal(text)
-        wanted = (value % step == 0 and low <= value <= high and above < value < below
-                  and not (text.startswith("-") and value == 0)  # "-0" is never written
-                  and not (step == 1 and "." in text))  # integer-valued numbers are written as integers
-        if wanted and "." in text and len(text.split(".")[1]) > -step.as_tuple().exponent:
-            wanted = False
-        assert grammar_accepts(shape, text) == wanted, text
-    rng = random.Random(4)
-    for _ in range(300):
-        value = Decimal(grammar_walk(shape, rng))
-        assert value % step == 0 and low <= value <= high and above < value < below
-
-
-@pytest.mark.parametrize("schema, message", [
-    ({"type": "number", "multipleOf": 0.5}, "multipleOf 0.5 on a number is not supported: only an integer or a power of ten"),
-    ({"type": "number", "multipleOf": 0.25, "minimum": 0}, "multipleOf 0.25 on a number"),
-    ({"type": "integer", "multipleOf": 0}, "multipleOf must be a number above 0"),
-    ({"type": "integer", "multipleOf": -3}, "multipleOf must be a number above 0"),
-    ({"type": "integer", "multipleOf": True}, "multipleOf must be a number above 0"),
-    ({"type": "integer", "multipleOf": "2"}, "multipleOf must be a number above 0"),
-    ({"type": "integer", "multipleOf": 5, "minimum": 1, "maximum": 4}, "no multiple of 5 lies within its bounds"),
-    ({"type": "integer", "multipleOf": 1e15}, "is beyond what nrvna generates (below 1e15"),
-    ({"type": "number", "multipleOf": 1e-16}, "is beyond what nrvna generates"),
-    ({"type": "integer", "multipleOf": 7919}, "multipleOf 7919 needs more than 2,048 grammar rules within these bounds"),
-    ({"type": "string", "multipleOf": 2}, "keyword 'multipleOf' is not supported for a string"),
-])
-def test_multiples_nrvna_cannot_write_are_refused(schema: dict[str, Any], message: str) -> None:
-    with pytest.raises(nrvna.InvalidInput) as raised:
-        nrvna.check_json_schema(schema)
-    assert message in str(raised.value), raised.value
-
-
-def test_a_bounded_multiple_of_a_large_step_is_taken() -> None:
-    nrvna.check_json_schema({"type": "integer", "multipleOf": 7919, "minimum": 0, "maximum": 100_000})
-    assert number_shape({"type": "integer", "multipleOf": 7919, "minimum": 0, "maximum": 100_000})[1] < 200
-
-
 @pytest.mark.parametrize("schema, choices", [
     ({"type": ["integer", "null"], "minimum": 0}, [{"type": "integer", "minimum": 0}, {"type": "null"}]),
     ({"type": ["string", "null"], "maxLength": 5, "pattern": "^[a-z]{1,5}$", "description": "d"},
@@ -1487,6 +1538,413 @@ def test_a_list_of_types_refuses_what_no_type_of_it_takes(schema: dict[str, Any]
 def test_a_list_of_types_beside_enum_or_const_is_the_values() -> None:
     nrvna.check_json_schema({"type": ["string", "null"], "enum": ["a", "b", None]})
     nrvna.check_json_schema({"type": ["integer", "null"], "const": None})
+
+
+# ==============================================================================
+# 5.5 Grammar work: a grammar's cost, counted and bounded
+# ==============================================================================
+
+
+# Grammars whose parses multiply with each character. The first two hung a worker for good
+# (llama.cpp's grammar calls cannot be interrupted); the last is ambiguous only past what the
+# submit check looks at (16 characters).
+HANGING_GRAMMAR = 'root ::= x\nx ::= [^.,;!] x "." | [^.,;!] x "," | [^.,;!] x ";" | "!"\n'
+
+
+HANGING_SCHEMA = {"$defs": {"n": {"anyOf": [
+    {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 3},
+    {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1, "maxItems": 2},
+    {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 1}]}}, "$ref": "#/$defs/n"}
+
+
+LATE_GRAMMAR = 'root ::= "' + "o" * 20 + '" a\na ::= "x" a c | "x" a d | "y"\nc ::= "c"\nd ::= "d"\n'
+
+
+@pytest.mark.parametrize("grammar, message", [
+    (HANGING_GRAMMAR, "too ambiguous: checking a text of 16 characters from its start can take more than 65,536"),
+    ('root ::= a\na ::= "x" a c | "x" a d | "y"\nc ::= "c"\nd ::= "d"\n', "too ambiguous"),
+    ('root ::= ("a" | "a" | "a")*', "too ambiguous"),  # one parse stack, but three walks per character
+    ("root ::= " + " | ".join(f'"w{i}"' for i in range(20000)), "too wide: 20,000 ways to parse are open at once"),
+])
+def test_grammars_whose_parses_multiply_are_refused_at_submit(grammar: str, message: str, tmp_path: Path,
+                                                              ws: str, run_main: RunMain) -> None:
+    with pytest.raises(nrvna.InvalidInput, match=re.escape(message)):
+        nrvna.check_grammar(grammar)
+    done = run_main("submit", ws, "Write a long sentence about the sea", "--grammar", write(tmp_path / "g.gbnf", grammar))
+    assert done.returncode == 2 and done.stderr.count(b"\n") == 1 and message.encode() in done.stderr, done.stderr
+    nrvna.check_grammar(LATE_GRAMMAR)  # (what the submit check lets through, the daemon bounds: below)
+
+
+def test_grammar_shape_counts_llama_cpp_s_walks() -> None:
+    """The counts behind the limits, by hand: llama.cpp walks a token down each parse stack
+    without merging walks that meet. In ("a" | "a")* each "a" leads both walks on to three
+    stacks (either "a" again, or the end), so "aaa" takes 3 + 6 + 12 + 24 steps."""
+    parser = nrvna._GbnfParser('root ::= ("a" | "a")*')  # (refused at submit: 2 ** 16 walks in 16 characters)
+    parser.parse()
+    shape = nrvna.GrammarShape(parser.rules, parser.ids["root"])
+    assert len(shape.start[0]) == 3  # the two alternatives' "a", and the empty stack (complete)
+    steps, after = shape.walk(shape.start, b"aaa")
+    assert steps == 3 + 6 + 12 + 24 and len(after[0]) == 3
+    assert shape.walk(shape.start, b"ab")[1] is None
+    wide = nrvna.check_grammar(" | ".join(["root ::= " + '"a"'] + [f'"{c}"' for c in "bcdefgh"]))
+    assert wide.walk(wide.start, b"h") == (8 + 1, (frozenset({()}), (0, 0)))  # 8 stacks, then the end
+    split = nrvna.check_grammar('root ::= "\\u00e9" "x"')
+    steps, after = split.walk(split.start, b"\xc3")  # half of é: nothing matched yet
+    assert after == (split.start[0], (3, 1))
+    assert split.walk(after, b"\xa9x")[1] == (frozenset({()}), (0, 0))
+
+
+@pytest.mark.model
+def test_workers_count_a_shared_grammar_each_as_if_alone(llama: nrvna.LlamaRunner) -> None:
+    """Workers share the runner's grammars, and each counts its jobs' grammar work with a
+    GrammarShape of its own (a fork: the memos of the states it has counted, in part or
+    whole), so several worker threads counting the same grammars at once each get what one
+    thread alone gets. (Before, the runner's one shape was every worker's, its memos changed
+    by all of them without a lock: a worker's first count of a state came out whole when
+    another worker had asked about that state first.)"""
+    import numpy
+
+    vocab = llama.grammar_vocab()
+    ids = numpy.arange(0, llama.n_vocab, 5)  # a part of the vocabulary, as a redraw's shortlist
+    schema = {"enum": [f"shared-{i}" for i in range(120)]}
+    cases = [({"response_format": {"type": "json_object"}}, nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9", "n": [1, 2]}'),
+             ({"response_format": schema_format(schema)}, nrvna.schema_to_grammar(schema), '"shared-17"')]
+
+    def count(shapes: list[nrvna.GrammarShape]) -> list[Any]:
+        out: list[Any] = []
+        for shape, (_, _, text) in zip(shapes, cases):
+            state = shape.start
+            for token in llama.tokenize(text, False, False):
+                out.append(shape.vocab_cost(state, vocab, ids))  # the part, the first time
+                out.append(shape.vocab_cost(state, vocab, ids))  # asked again: the whole vocabulary
+                steps, state = shape.walk(state, llama.piece(token))
+                out.append((steps, state))
+        return out
+
+    alone = count([nrvna.check_grammar(grammar) for _, grammar, _ in cases])
+    workers = [(nrvna._GrammarTemplates(llama), nrvna._SamplingScratch(llama)) for _ in range(3)]
+    start, results = threading.Barrier(len(workers)), [None] * len(workers)
+
+    def worker(i: int) -> None:
+        templates, scratch = workers[i]
+        samplers = [nrvna._JobSampler.for_job(llama, scratch, templates, params) for params, _, _ in cases]
+        start.wait()
+        try:
+            results[i] = count([sampler.shape for sampler in samplers])
+        finally:
+            for sampler in samplers:
+                sampler.free()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(workers))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        for templates, _ in workers:
+            templates.close()
+    assert len(alone) > 30 and all(result == alone for result in results)
+
+
+@pytest.mark.model
+def test_a_schema_whose_grammar_multiplies_fails_its_job_at_once(llama: nrvna.LlamaRunner) -> None:
+    nrvna.check_json_schema(HANGING_SCHEMA)  # the client cannot convert it: the daemon refuses it
+    with pytest.raises(nrvna.JobError) as raised:
+        generate(llama, "Write nested lists.", response_format=schema_format(HANGING_SCHEMA), max_tokens=64)
+    assert raised.value.code == "grammar_error" and "too ambiguous" in str(raised.value)
+
+
+@pytest.mark.model
+def test_a_grammar_ambiguous_past_its_start_fails_by_counted_work_not_time(llama: nrvna.LlamaRunner) -> None:
+    """The job fails before llama.cpp is asked to walk more than GRAMMAR_PATHS steps for a
+    token, at the same token whatever the machine's load (the old guard timed a step)."""
+    x = next(t for t in range(llama.n_vocab) if llama.piece(t) == b"x")
+    outcomes = [generate(llama, "Write x many times.", grammar=LATE_GRAMMAR, temperature=0, max_tokens=60,
+                         logit_bias={str(x): 100}) for _ in range(2)]
+    first = outcomes[0]
+    assert first.error_code == "grammar_error" and "ways to parse the text so far are open at once (the limit is " \
+        "4,096) after 22 tokens" in first.error, first  # 20 o's, then x's: each doubles the stacks
+    assert first.text.startswith("o" * 20) and set(first.text[20:]) == {"x"} and len(first.text) < 40
+    assert (outcomes[1].error, outcomes[1].text) == (first.error, first.text)
+
+
+@pytest.mark.model
+def test_a_job_past_the_grammar_limits_fails_alone_and_the_daemon_stops_on_time(ws: str, model: str,
+                                                                              tmp_path: Path) -> None:
+    """The issue's scene, on the daemon: a job whose grammar multiplies runs beside two others in
+    one context; it fails grammar_error, they finish, and stop returns within its timeout."""
+    proc = start_daemon(model, ws, "-w", "1", env={"NRVNA_LOG_LEVEL": "info"})
+    try:
+        wait_for_log(proc, "Server started")
+        late = ids_of(cli("submit", ws, "Write x many times.", "--grammar", write(tmp_path / "late.gbnf", LATE_GRAMMAR),
+                          "--temperature", "0", "--max-tokens", "60", "--logit-bias", "104=100"))  # 104: "x"
+        fine = ids_of(cli("submit", ws, "--file", write(tmp_path / "fine.jsonl", jsonl([
+            {"prompt": "Is water wet? Answer yes or no.", "grammar": 'root ::= "yes" | "no"', "max_tokens": 8},
+            {"prompt": "Name a colour.", "max_tokens": 8}]))))
+        done = cli("wait", ws, *late, *fine, timeout=300)
+        assert done.returncode in (0, 1), done.stderr
+        flow = Flow(ws)
+        failed = flow.get(late[0])
+        assert failed.status is Status.Failed and failed.meta["code"] == "grammar_error", failed.meta
+        assert "(the limit is 4,096)" in failed.error
+        assert all(flow.get(job_id).status is Status.Done for job_id in fine)
+        began = time.monotonic()
+        stopped = cli("stop", ws, "--timeout", "30", timeout=60)
+        assert stopped.returncode == 0 and time.monotonic() - began < 30, stopped.stderr
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.model
+def test_a_wide_enum_runs_whatever_the_load(llama: nrvna.LlamaRunner) -> None:
+    """3,000 strings open 3,000 parse stacks: a whole-vocabulary check takes 2.4e8 steps (1.45 s
+    here), within the limits; the old 0.5 s guard failed such jobs."""
+    values = [f"item-{i:04d}" for i in range(3000)]
+    schema = {"type": "object", "properties": {"v": {"enum": values}}, "required": ["v"]}
+    outcome = generate(llama, "Pick an item.", response_format=schema_format(schema), temperature=0, max_tokens=40)
+    assert outcome.error_code is None and outcome.finish_reason == "stop", outcome
+    assert json.loads(outcome.text)["v"] in values
+
+
+@pytest.mark.model
+def test_grammar_shape_counts_the_vocabulary_as_it_counts_each_token(llama: nrvna.LlamaRunner) -> None:
+    """vocab_cost (numpy, every token at once) is the sum and the most of walk's per-token
+    counts, in states along real outputs, for a part of the vocabulary and for the whole."""
+    import numpy
+
+    rng = numpy.random.default_rng(28)
+    vocab = llama.grammar_vocab()
+    cases = [(nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9 \u6f22\u5b57", "n": [1, 2.5e3]}'),  # 漢字: byte tokens
+             (nrvna.schema_to_grammar({"enum": [f"v{i}" for i in range(300)]}), '"v12"'),
+             (LATE_GRAMMAR, "o" * 20 + "xx")]
+    checked = partials = 0
+    for grammar, text in cases:
+        shape = nrvna.check_grammar(grammar)
+        state = shape.start
+        for token in llama.tokenize(text, False, False):
+            ids = numpy.sort(rng.choice(llama.n_vocab, 500, replace=False))
+            counts = [shape.walk(state, vocab.pieces[t])[0] if vocab.pieces[t] and vocab.pieces[t][0] else len(state[0])
+                      for t in ids.tolist()]
+            shape.vocab_costs.clear()  # (a state seen before answers with the whole vocabulary's cost)
+            shape.asked.clear()
+            assert shape.vocab_cost(state, vocab, ids) == (sum(counts), max(counts)), (grammar[:40], state)
+            whole = shape.vocab_cost(state, vocab)
+            assert whole[0] >= sum(counts) and whole[1] >= max(counts)
+            state = shape.walk(state, llama.piece(token))[1]
+            assert state is not None
+            checked += 1
+            partials += state[1] != (0, 0)
+    assert checked > 20 and partials >= 2  # (states with half a character: only continuing tokens decoded)
+
+
+@pytest.mark.model  # numpy, which comes with llama-cpp-python (the bare run has neither)
+def test_the_grammar_vocabulary_keeps_code_points_not_a_padded_matrix() -> None:
+    """GrammarVocab holds each token's code points once, by column (longest tokens first), not
+    a matrix padded to the longest token (15 MiB for SmolLM2, over 100 MiB for large
+    vocabularies): what it stores is the code points alone, and every token reads back whole."""
+    import numpy
+
+    pieces = [b"ab", b"", "h\u00e9llo w\u00f6rld".encode(), b"x", "\u6f22".encode(), b"\x80tail", b"a" * 40]
+    vocab = nrvna.GrammarVocab(numpy, pieces)
+    columns, lengths, rank = vocab.points((0, 0))
+    assert sum(len(c) for c in columns) == int(lengths.sum()) == 2 + 11 + 1 + 1 + 40
+    assert len(columns) == 40 and lengths[1] == 0 and lengths[5] == 0  # empty, and a stray continuation byte
+    for token, piece in enumerate(pieces):
+        if lengths[token]:
+            text = "".join(chr(columns[c][rank[token]]) for c in range(lengths[token]))
+            assert text == piece.decode(), token
+    assert vocab.points((0, 0))[0] is columns  # kept, not decoded again
+
+
+@pytest.mark.model
+def test_grammar_shape_agrees_with_llama_cpp_token_by_token(llama: nrvna.LlamaRunner) -> None:
+    """Random grammars (the tests' own fuzzing of grammar shapes) walked by random tokens:
+    GrammarShape allows exactly the tokens llama.cpp's grammar sampler allows, state after
+    state, so the work it counts is the work llama.cpp will do."""
+    import numpy
+
+    L = llama.L
+    rng = random.Random(28)
+    pieces = {t: llama.piece(t) for t in range(llama.n_vocab)}
+    short = [t for t, p in pieces.items() if p and len(p) <= 3 and all(c in b"abcxy ,.!\"[]{}0123456789" for c in p)]
+    every = [t for t, p in pieces.items() if p and t not in llama.control_tokens and not L.llama_vocab_is_eog(llama.vocab, t)]
+    atoms = ['"a"', '"b"', '"ab"', "[a-c]", "[^a]", "[0-9]", '" "', '","', ".", '"x"', '"\\u00e9"']
+    one = L.llama_token_data(0, 0.0, 0.0)
+    array = L.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+
+    def allowed(sampler: Any, token: int) -> bool:
+        one.id, one.logit, one.p = token, 0.0, 0.0
+        array.size, array.selected, array.sorted = 1, -1, False
+        L.llama_sampler_apply(sampler, ctypes.byref(array))
+        return one.logit != -numpy.inf
+
+    def item(depth: int) -> str:
+        roll = rng.random()
+        if roll < 0.5 or depth > 2:
+            return rng.choice(atoms) + rng.choice(["", "", "?", "*", "+", "{1,3}"])
+        if roll < 0.7:
+            return rng.choice(["r1", "r2"])
+        return "(" + " | ".join(sequence(depth + 1) for _ in range(rng.randint(2, 3))) + ")" + rng.choice(["", "*", "?"])
+
+    def sequence(depth: int) -> str:
+        return " ".join(item(depth) for _ in range(rng.randint(1, 3)))
+
+    compared = grammars = 0
+    while grammars < 60:
+        text = "\n".join(f"{name} ::= " + " | ".join(sequence(0) for _ in range(rng.randint(1, 3)))
+                         for name in ("root", "r1", "r2")) + '\nr2 ::= "y"' * 0
+        text = text.replace("r2 ::= ", 'r2 ::= "y" | ', 1)  # every rule can end
+        try:
+            shape = nrvna.check_grammar(text)
+        except nrvna.InvalidInput:
+            continue
+        sampler = L.llama_sampler_init_grammar(llama.vocab, text.encode(), b"root")
+        assert sampler, text
+        grammars += 1
+        state = shape.start
+        try:
+            for _ in range(12):
+                candidates = rng.sample(short, 40) + rng.sample(every, 10)
+                verdicts = [(t, allowed(sampler, t), shape.walk(state, pieces[t])[1]) for t in candidates]
+                for token, ok, after in verdicts:
+                    assert ok == (after is not None), (text, state, pieces[token])
+                    compared += 1
+                moves = [(t, after) for t, ok, after in verdicts if ok]
+                if not moves:
+                    break
+                token, state = rng.choice(moves)
+                L.llama_sampler_accept(sampler, token)
+        except nrvna.GrammarLimit:
+            pass  # (ambiguous past the start: what the daemon fails jobs for)
+        finally:
+            L.llama_sampler_free(sampler)
+    assert compared > 10_000, compared
+
+
+# ==============================================================================
+# 5.6 GBNF grammars
+# ==============================================================================
+
+
+JSON_GRAMMAR = r'''
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+ws ::= | " " | "\n" [ \t]{0,20}   # comments are fine
+'''
+
+
+@pytest.mark.parametrize("grammar", [JSON_GRAMMAR, 'root ::= "yes" | "no"', 'root ::= [a-z]+ ("," [a-z]+)*\n',
+                                     "root ::= item{2,4}\nitem ::= [0-9] \"\\n\"",
+                                     'root ::= "a" root?', 'root ::= "\\u00e9\\x41" .'])
+def test_good_grammars_pass_the_submit_check(grammar: str) -> None:
+    nrvna.check_grammar(grammar)
+
+
+@pytest.mark.parametrize("grammar, message", [
+    ('root ::= "a" b', "rule 'b' is used but never defined"),
+    ('start ::= "a"', "there is no 'root' rule"),
+    ('root ::= "a\n', "unexpected end of input"),
+    ('root ::= "\\q"', "unknown escape \\q at line 1, column 11"),
+    ('root ::= "a"\n\nx ::= "b" |\n  ( "c"', "expecting ')' at line 4"),
+    ("root = \"a\"", "expecting ::= at line 1, column 6"),
+    ('root ::= * "a"', "expecting an item before"),
+    ('root ::= "a"{3,1}', "the most is less than the least"),
+    ('root ::= "a"{5000}', "more than 2000 repetitions"),
+    ('root ::= root "a"', "rule 'root' can reach itself without consuming anything"),
+    ('root ::= x\nx ::= ws x\nws ::= [ ]*', "rule 'x' can reach itself"),  # llama.cpp itself would hang on this one
+    ('root ::= ("a"?)*', "a group or repetition in rule 'root' can reach itself"),
+    ('root ::= "\\x4"', "expecting 2 hex digits"),
+    ('root ::= "a" <[369]>', "token elements (<...>, <[id]>, !<...>) are not supported"),  # llama.cpp would abort
+    ('root ::= "a" !<[5]> [a-z]*', "token elements"),
+    ('root ::= "a"{0,99999999999999999999}', "a repetition count that large is not supported"),
+    ('root ::= "a"{²}', "expecting an integer"),
+    ('root ::= "' + "x" * 2000 + '"{2000}', "expands to more than 200,000 elements"),
+    # UTF-8 holds no surrogate: llama.cpp took these, and a job ended `stop` with U+FFFD instead
+    ('root ::= "\\uD800"', "U+D800 is a surrogate, which UTF-8 text never holds at line 1, column 11"),
+    ('root ::= [a\\udc00-\\udfff]', "U+DC00 is a surrogate"),
+    ('root ::= "\ud83d"', "U+D83D is a surrogate"),  # a lone surrogate in the text itself (a JSON line's)
+    ('root ::= "\\U00110000"', "U+110000 is beyond U+10FFFF"),
+])
+def test_bad_grammars_are_refused_at_submit_with_where(grammar: str, message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput) as raised:
+        nrvna.check_grammar(grammar)
+    assert message in str(raised.value)
+
+
+# -- patterns, formats, multipleOf, type lists -------------------------------------------------
+# The grammar nrvna makes for each is walked at random (GrammarShape: llama.cpp's parse stacks)
+# to generate strings, and every one must satisfy the keyword by an independent check: Python's
+# re, jsonschema's FormatChecker, date.fromisoformat, exact fractions.
+
+
+# ==============================================================================
+# 5.7 JSON schemas
+# ==============================================================================
+
+
+@pytest.mark.parametrize("schema", [
+    PRODUCT_SCHEMA, PERSON_SCHEMA,
+    {"type": "string"}, {"enum": ["a", 1, None]}, {"const": 3, "type": "integer"}, {},
+    {"type": "object"}, {"type": "object", "additionalProperties": {"type": "integer"}},
+    {"anyOf": [{"type": "string", "format": "date"}, {"type": "null"}]},
+    {"type": ["string", "null"]},
+    {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False},
+    {"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+     "$ref": "#/$defs/node", "title": "a tree", "x-note": "extensions are ignored"},
+])
+def test_json_schemas_the_converter_honours_whole_are_accepted(schema: dict[str, Any]) -> None:
+    nrvna.check_json_schema(schema)
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "schema /: keyword 'uniqueItems' is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)"}}},
+     "schema /properties/a: pattern '^(?=a)': a lookahead (?=...) is not supported"),
+    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}, "/properties/n: multipleOf 0.5 on a number"),
+    ({"type": "string", "format": "uri"}, "format 'uri' is not supported (supported: date, time, date-time, duration, email"),
+    ({"type": "string", "format": "date", "maxLength": 4}, "minLength/maxLength beside format 'date' are supported only where"),
+    ({"type": "object", "minProperties": 1, "properties": {}}, "keyword 'minProperties'"),
+    ({"type": "object", "required": ["a"]}, "keyword 'required' is not supported for an object without properties"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required property 'b' is not in properties"),
+    ({"type": "array", "minItems": 1}, "keyword 'minItems' is not supported for array without items"),
+    ({"type": "array", "items": {}}, "items {} is not supported"),
+    ({"type": "string", "maxLenght": 3}, "keyword 'maxLenght' is not supported"),
+    ({"allOf": [{"type": "string"}]}, "keyword 'allOf' is not supported"),
+    ({"not": {"type": "string"}}, "keyword 'not' is not supported"),
+    ({"description": "only words"}, "a schema needs a type"),
+    ({"anyOf": [{"type": "string"}], "type": "string"}, "keyword 'type' is not supported beside anyOf"),
+    ({"$ref": "https://example.com/s.json"}, "only local references"),
+    ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "keyword 'oneOf' is not supported: the grammar would enforce it as anyOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     "additionalProperties other than false beside properties"),
+    ({"type": "object", "properties": {"": {"type": "string"}}}, "a property named '' is not supported"),
+    ({"type": 5, "const": 1}, "type must be a string or a list"),
+    ({"enum": [{"$ref": "#/enum"}]}, "a '$ref' key where no schema is"),
+    ({"$defs": {"x": {"anyOf": [{"$ref": "#/$defs/y"}, {"type": "null"}]},
+                "y": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/x"}}, {"$ref": "#/$defs/x"}]}},
+      "type": "object", "properties": {"a": {"$ref": "#/$defs/y"}}}, "refers back to itself"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/properties/b", "$defs": {}}, "b": {"type": "string"}}},
+     "$defs beside $ref is supported at the top of the schema only"),
+    ({"$ref": "#/$defs/missing"}, "points at nothing"),
+    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}, "refers back to itself"),
+    ({"type": "string", "maxLength": 10000}, "maxLength must be an integer from 0 to 500"),
+    ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2}, "minItems 3 is more than maxItems 2"),
+    ({"enum": ["a", 2], "type": "string"}, "enum holds a value that is not of type 'string'"),
+    ({"type": "date"}, "unknown type 'date'"),
+    (True, "a schema must be a JSON object"),
+])
+def test_json_schemas_with_what_the_converter_would_drop_are_refused(schema: Any, message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput) as raised:
+        nrvna.check_json_schema(schema)
+    assert message in str(raised.value)
 
 
 def exact_validator(schema: dict[str, Any]) -> Any:
@@ -1645,659 +2103,6 @@ def test_real_model_jobs_with_the_new_keywords_come_out_valid(llama: nrvna.Llama
     assert sum(stopped.values()) >= 8 and min(stopped["strings"], stopped["network"], stopped["numbers"]) >= 1, stopped
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"response_format": {"type": "json"}}, "response_format must be"),
-    ({"response_format": {"type": "json_object", "schema": {}}}, "takes no other field ('schema')"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}}, "name must be 1 to 64"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "schema must be a JSON Schema object"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}}}, "unknown field 'extra'"),
-    ({"response_format": schema_format({"type": "number", "maximum": float("inf")})}, "not finite"),
-    ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "give grammar or response_format, not both"),
-    ({"grammar": 'root ::= "a"', "stop": ["\n"]}, "stop cannot be combined with grammar or response_format"),
-    ({"top_logprobs": 3}, "top_logprobs needs logprobs: true"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs=21 is out of range (0 to 20)"),
-    ({"logit_bias": {"abc": 1}}, "'abc' is not a token ID"),
-    ({"logit_bias": {"5": 101}}, "must be a number from -100 to 100"),
-    ({"logit_bias": [1]}, "logit_bias must be an object"),
-    ({"logit_bias": {"²": 1}}, "'²' is not a token ID"),
-    ({"response_format": schema_format({"enum": ["\ud800"]})}, "not valid Unicode"),
-])
-def test_structured_output_parameters_are_validated(params: dict[str, Any], message: str) -> None:
-    with pytest.raises(nrvna.InvalidInput) as raised:
-        nrvna.validate_params(params)
-    assert message in str(raised.value)
-    text = nrvna.validate_params({"response_format": {"type": "text"}, "logprobs": True, "top_logprobs": 0})
-    assert text["response_format"] == {"type": "text"} and nrvna.constraint(text) is None
-
-
-def test_one_schema_on_many_lines_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    check = nrvna.check_json_schema
-    monkeypatch.setattr(nrvna, "check_json_schema", lambda schema: (calls.append(1), check(schema))[1])
-    monkeypatch.setattr(nrvna, "_CHECKED", {})
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}, "tag": {"type": "string"}}}
-    rows = [{"prompt": f"p{i}", "response_format": schema_format(schema)} for i in range(3000)]
-    entries = nrvna.parse_batch(jsonl(rows).encode())
-    assert len(entries) == 3000 and len(calls) == 1
-    assert [e.params["response_format"]["json_schema"]["schema"] for e in entries[:2]] == [schema, schema]
-
-
-def test_the_cache_of_checked_schemas_is_shared_by_threads_safely(monkeypatch: pytest.MonkeyPatch) -> None:
-    """_CHECKED is read and evicted from every worker's claim. Threads that find it over its
-    bound at once each evict under _CHECKED_LOCK (without it, they all popped the same oldest
-    key: KeyError), and each gets its own key's verdict."""
-    class Slow(dict):  # finding the oldest key takes a while: the threads meet in the eviction
-        def __iter__(self) -> Any:
-            keys = list(dict.keys(self))
-            time.sleep(0.05)
-            return iter(keys)
-
-    def refuse() -> None:
-        raise nrvna.InvalidInput("refused")
-
-    cache = Slow((("old", i), None) for i in range(256))
-    monkeypatch.setattr(nrvna, "_CHECKED", cache)
-    barrier, verdicts = threading.Barrier(6), {}
-
-    def check(i: int) -> None:
-        barrier.wait()
-        try:
-            nrvna._checked(("new", i), refuse if i % 2 else lambda: None)
-            verdicts[i] = "passed"
-        except Exception as err:  # noqa: BLE001 (any error is the test's finding)
-            verdicts[i] = f"{type(err).__name__}: {err}"
-
-    threads = [threading.Thread(target=check, args=(i,)) for i in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert verdicts == {i: "InvalidInput: refused" if i % 2 else "passed" for i in range(6)}
-    assert len(cache) == 256 and all(("new", i) in cache for i in range(6))  # the oldest went
-
-
-def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain) -> None:
-    flow = Flow(ws)
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-    path = write(tmp_path / "answer.json", json.dumps(schema))
-    for args, expected in [
-        (("--json-schema", path), schema_format(schema, "answer")),
-        (("--json-schema", json.dumps(schema)), schema_format(schema, "schema")),
-        (("--json-schema", json.dumps({"name": "w", "schema": schema})), {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}),
-        (("--json-schema", json.dumps(schema_format(schema, "full"))), schema_format(schema, "full")),
-        (("--json",), {"type": "json_object"}),
-    ]:
-        done = run_main("submit", ws, "hi", *args)
-        assert done.returncode == 0, done.stderr
-        assert flow.get(done.stdout.decode().strip()).params["response_format"] == expected, args
-    grammar = write(tmp_path / "yn.gbnf", 'root ::= "yes" | "no"\n')
-    done = run_main("submit", ws, "hi", "--grammar", grammar, "--logprobs", "--top-logprobs", "2",
-                    "--logit-bias", "15=-100", "--logit-bias", "7=2.5")
-    params = flow.get(done.stdout.decode().strip()).params
-    assert params == {"grammar": 'root ::= "yes" | "no"\n', "logprobs": True, "top_logprobs": 2,
-                      "logit_bias": {"15": -100.0, "7": 2.5}}
-    before = flow.counts()["queued"]
-    for args, message in [
-        (("--json", "--json-schema", path), b"not allowed with argument"),
-        (("--json-schema", str(tmp_path / "missing.json")), b"cannot read"),
-        (("--json-schema", "[1]"), b"is not a JSON object"),
-        (("--json-schema", '{"type": "string", "pattern": "^(x)\\\\1$"}'), b"a backreference (\\1) is not supported"),
-        (("--grammar", write(tmp_path / "bad.gbnf", "root ::= nothing\n")), b"rule 'nothing' is used but never defined"),
-        (("--logit-bias", "x=1"), b"is not TOKEN_ID=BIAS"),
-        (("--logprobs", "--top-logprobs", "21"), b"out of range (0 to 20)"),
-        (("--json", "--stop", "}"), b"stop cannot be combined"),
-    ]:
-        done = run_main("submit", ws, "hi", *args)
-        assert done.returncode == 2 and message in done.stderr and done.stdout == b"", (args, done.stderr)
-        assert b"Traceback" not in done.stderr
-    assert flow.counts()["queued"] == before
-
-
-@pytest.mark.parametrize("line, message", [
-    ({"prompt": "x", "response_format": schema_format({"type": "string", "format": "uri"})},
-     "line 2: response_format: schema /: format 'uri' is not supported"),
-    ({"prompt": "x", "grammar": "root ::= x"}, "line 2: grammar: rule 'x' is used but never defined"),
-    ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-      "body": {"messages": [{"role": "user", "content": "x"}], "response_format": schema_format({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.5}}})}},
-     "line 2: response_format: schema /properties/a: multipleOf 0.5 on a number is not supported"),
-    ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-      "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom"}]}},
-     "line 2: tools[0].type 'custom' is not supported (function only)"),
-    ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-      "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}},
-     "line 2: parameter top_logprobs=21 is out of range"),
-    ({"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 6}},
-     "line 2: body field 'logprobs' of /v1/completions must be an integer from 0 to 5"),
-    ({"prompt": "x", "grammar": 'root ::= "a"'}, "line 2: give grammar or response_format, not both (with the flags"),
-])
-def test_a_bad_structured_line_is_named_and_nothing_is_queued(ws: str, tmp_path: Path, line: dict, message: str,
-                                                             run_main: RunMain) -> None:
-    rows = [{"prompt": "fine", "response_format": schema_format(PRODUCT_SCHEMA)}, line, {"prompt": "also fine"}]
-    path = write(tmp_path / "batch.jsonl", jsonl(rows))
-    defaults = ("--json",) if "with the flags" in message else ()
-    done = run_main("submit", ws, "--file", path, *defaults)
-    assert done.returncode == 2 and message in done.stderr.decode(), done.stderr
-    assert done.stdout == b"" and b"Traceback" not in done.stderr
-    assert not os.path.exists(ws) or Flow(ws).counts()["queued"] == 0
-
-
-def test_n_choices_is_a_job_parameter_in_every_form(ws: str, run_main: RunMain) -> None:
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": "hi"}], "n": 4}}
-    assert nrvna.parse_batch(jsonl([line]).encode())[0].params["n"] == 4
-    assert nrvna.parse_batch(b'{"prompt": "x", "n": 2}\n', jsonl=True)[0].params["n"] == 2
-    job_id = run_main("submit", ws, "hi", "--n", "3").stdout.decode().strip()
-    assert Flow(ws).get(job_id).params["n"] == 3 and Work(ws).publish("hi", n=128)
-    for args, message in ((["hi", "--n", "0"], "parameter n=0 is out of range (1 to 128)"),
-                          (["hi", "--n", "129"], "parameter n=129 is out of range (1 to 128)")):
-        done = run_main("submit", ws, *args)
-        assert done.returncode == 2 and message in done.stderr.decode()
-    done = run_main("submit", ws, "--file", "-", input=b'{"embed": "t", "n": 2}\n')
-    assert done.returncode == 2 and b"an embed job takes no n" in done.stderr
-
-
-def test_openai_lines_carry_structured_output_and_logprobs() -> None:
-    chat = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": schema_format(PERSON_SCHEMA),
-                     "logprobs": True, "top_logprobs": 4, "logit_bias": {"50256": -100}, "presence_penalty": 0.5}}
-    legacy = {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 3}}
-    none = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": None}}
-    a, b, c = nrvna.parse_batch(jsonl([chat, legacy, none]).encode())
-    assert a.params["response_format"] == schema_format(PERSON_SCHEMA) and a.params["top_logprobs"] == 4
-    assert a.params["logit_bias"] == {"50256": -100.0} and a.params["logprobs"] is True
-    assert b.params["logprobs"] is True and b.params["top_logprobs"] == 3
-    assert "logprobs" not in c.params
-
-
-def test_the_log_probabilities_a_job_may_record_are_bounded_at_submit_and_at_claim(
-        ws: str, tmp_path: Path, run_main: RunMain, monkeypatch: pytest.MonkeyPatch) -> None:
-    """n x max_tokens x (top_logprobs + 1) at most LOGPROBS_MAX: n=16, 992 tokens and 20 each
-    held 490 MB in a daemon and took 479 MB to read back."""
-    cap = nrvna.LOGPROBS_MAX
-    monkeypatch.delenv("NRVNA_PREDICT", raising=False)
-    refused = run_main("submit", ws, "hi", "--n", "16", "--max-tokens", "992", "--logprobs", "--top-logprobs", "20")
-    assert refused.returncode == 2 and refused.stdout == b""
-    assert refused.stderr.decode() == (f"nrvna: error: logprobs: n x max_tokens x (top_logprobs + 1) = 16 x 992 x 21 = "
-                                       f"333312 log-probabilities, over the limit of {cap} a job (give a smaller "
-                                       "max_tokens, n or top_logprobs)\n")
-    default = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20")  # 4 x 2048 x 21
-    assert default.returncode == 2 and b"4 x 2048 (the default, NRVNA_PREDICT) x 21" in default.stderr
-    smaller = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20", env={"NRVNA_PREDICT": "512"})
-    assert smaller.returncode == 0, smaller.stderr  # 4 x 512 x 21 = 43008
-    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions",
-            "body": {"prompt": "x", "n": 128, "max_tokens": 256, "logprobs": 5}}  # 128 x 256 x 6
-    batch = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line])))
-    assert batch.returncode == 2 and b"line 1: logprobs: n x max_tokens x (top_logprobs + 1) = 128 x 256 x 6" in batch.stderr
-    assert Work(ws).publish("hi", n=2, max_tokens=cap // 42, logprobs=True, top_logprobs=20)  # 2 x 3120 x 21, under
-    assert nrvna.LOGPROBS_MAX >= 2048 * 21  # one job of the default length with every top_logprob fits
-    assert str(cap) in nrvna.PARAMS["logprobs"].help
-    # A daemon whose own default of max_tokens is larger fails a job that names none at its claim.
-    job_id = submit(ws, "x", n=2, logprobs=True, top_logprobs=20)  # 2 x 2048 x 21 = 86016 here
-    assert Flow(ws).counts()["queued"] == 3
-    with serving(ws, echo, max_tokens=4096):
-        states = wait_all(ws, [job_id])
-    job = Flow(ws).get(job_id)
-    assert states == [Status.Failed] and job.meta["code"] == "bad_request"
-    assert "2 x 4096 (the default, NRVNA_PREDICT) x 21 = 172032 log-probabilities" in job.error
-
-
-def logprob_runner(job: nrvna.RunningJob) -> Outcome:
-    """A runner that reports made-up log-probabilities in the engine's shape."""
-    entries = [{"token": t, "logprob": -0.5 * i, "bytes": list(t.encode()),
-                "top_logprobs": [{"token": t, "logprob": -0.5 * i, "bytes": list(t.encode())}]}
-               for i, t in enumerate(["{", '"a"', ":", "1", "}"])]
-    return Outcome(text='{"a":1}', finish_reason="stop", generated_tokens=5,
-                   logprobs=entries if job.params.get("logprobs") else None)
-
-
-def test_logprobs_are_stored_read_back_and_exported_in_openai_s_shapes(ws: str, tmp_path: Path, run_main: RunMain) -> None:
-    rows = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1,
-                      "response_format": {"type": "json_object"}}},
-            {"custom_id": "legacy", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 1}},
-            {"custom_id": "plain", "prompt": "x"}]
-    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "l.jsonl", jsonl(rows)), "--tag", "lp"))
-    with serving(ws, logprob_runner):
-        wait_all(ws, ids)
-    chat_dir = os.path.join(ws, nrvna.OUTPUT, ids[0])
-    assert json.load(open(os.path.join(chat_dir, "logprobs.json")))[0]["token"] == "{"
-    assert not os.path.exists(os.path.join(ws, nrvna.OUTPUT, ids[2], "logprobs.json"))
-    got = json.loads(run_main("get", ws, ids[0], "--json").stdout)
-    assert [e["token"] for e in got["logprobs"]] == ["{", '"a"', ":", "1", "}"] and got["result"] == '{"a":1}'
-    assert json.loads(run_main("get", ws, ids[2], "--json").stdout)["logprobs"] is None
-    out = [json.loads(x) for x in run_main("export", ws, "--tag", "lp", "--format", "openai").stdout.decode().splitlines()]
-    chat = out[0]["response"]["body"]["choices"][0]
-    assert chat["message"]["content"] == '{"a":1}' and chat["logprobs"]["refusal"] is None
-    assert chat["logprobs"]["content"][3] == {"token": "1", "logprob": -1.5, "bytes": [49],
-                                              "top_logprobs": [{"token": "1", "logprob": -1.5, "bytes": [49]}]}
-    legacy = out[1]["response"]["body"]["choices"][0]["logprobs"]
-    assert legacy["tokens"] == ["{", '"a"', ":", "1", "}"] and legacy["text_offset"] == [1, 2, 5, 6, 7]  # after "x"
-    assert legacy["token_logprobs"][1] == -0.5 and legacy["top_logprobs"][1] == {'"a"': -0.5}
-    assert out[2]["response"]["body"]["choices"][0]["logprobs"] is None
-    records = [json.loads(x) for x in run_main("export", ws, "--tag", "lp").stdout.decode().splitlines()]
-    assert len(records[0]["logprobs"]) == 5 and "logprobs" not in records[2]
-    # a retried job leaves no stale logprobs.json behind
-    job_dir = os.path.join(ws, nrvna.FAILED, ids[0])
-    os.rename(chat_dir, job_dir)
-    nrvna.mark_failed(ws, nrvna.FAILED, ids[0], "timeout", "made up")
-    assert nrvna.retry_job(ws, ids[0])[0] == "queued"
-    assert not os.path.exists(os.path.join(ws, nrvna.READY, ids[0], "logprobs.json"))
-
-
-def test_a_params_json_a_check_chokes_on_fails_that_job_alone(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    ids = [submit(ws, "plain one"), submit(ws, "constrained", response_format={"type": "json_object"}), submit(ws, "plain two")]
-    plant(ws, "handmade", {"prompt.txt": "x", "params.json": json.dumps({"response_format": schema_format({"type": "string"})})})
-
-    def broken(schema: Any) -> None:
-        raise RuntimeError("a bug in a check")
-
-    monkeypatch.setattr(nrvna, "check_json_schema", broken)
-    monkeypatch.setattr(nrvna, "_CHECKED", {})
-    with serving(ws, echo, workers=1):
-        states = wait_all(ws, ids + ["handmade"])
-    assert states == [Status.Done, Status.Done, Status.Done, Status.Failed]
-    job = Flow(ws).get("handmade")
-    assert job.meta["code"] == "bad_request" and "could not be checked" in job.error and "a bug in a check" in job.error
-
-
-@pytest.mark.model
-def test_constrained_and_free_jobs_share_a_context_on_the_real_model(tmp_path: Path, model: str, run_main: RunMain) -> None:
-    """One daemon, one worker, 16 sequences: schema, json_object and free jobs decode together.
-    Every constrained result that ends with stop is valid JSON satisfying its schema; one cut
-    by max_tokens says length. The free jobs come out byte-identical to a run without the
-    constrained ones. (Batch-mates change the arithmetic of a unified KV cache, so that run
-    keeps the batch's shape: each constrained line becomes a free line with the same prompt
-    that generates exactly as many tokens, its cells and steps the same.)"""
-    product = "Invent product number {} of a hardware shop and describe it as JSON."
-    person = "Invent a person number {} and describe them as JSON."
-    lines = []
-    for i in range(5):
-        lines.append({"custom_id": f"product-{i}", "prompt": product.format(i), "response_format": schema_format(PRODUCT_SCHEMA),
-                      "temperature": 0.7, "seed": i + 1, "max_tokens": 200})
-        lines.append({"custom_id": f"free-{i}", "prompt": f"Tell me one fact about the number {i}.", "temperature": 0,
-                      "seed": 11, "max_tokens": 48})
-        if i < 4:
-            lines.append({"custom_id": f"person-{i}", "method": "POST", "url": "/v1/chat/completions",
-                          "body": {"messages": [{"role": "user", "content": person.format(i)}], "seed": i + 1,
-                                   "response_format": schema_format(PERSON_SCHEMA, "person"), "max_tokens": 160}})
-        if i < 3:
-            lines.append({"custom_id": f"object-{i}", "prompt": f"Describe city number {i} as a JSON object.",
-                          "response_format": {"type": "json_object"}, "seed": i + 1, "max_tokens": 120})
-    lines.append({"custom_id": "short", "prompt": product.format(9), "response_format": schema_format(PRODUCT_SCHEMA),
-                  "max_tokens": 8})
-    ws, base = str(tmp_path / "mixed"), str(tmp_path / "baseline")
-    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "mixed.jsonl", jsonl(lines)), "--tag", "m"))
-    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    flow = Flow(ws)
-    jobs = {job.params["custom_id"]: job for job in (flow.get(i) for i in ids)}
-    assert all(job.status is Status.Done for job in jobs.values())
-    started = sorted(job.meta["started"] for job in jobs.values())
-    assert sum(t < min(job.meta["finished"] for job in jobs.values()) for t in started) >= 16  # decoded together
-    schemas = {"product": PRODUCT_SCHEMA, "person": PERSON_SCHEMA}
-    stopped = 0
-    for cid, job in jobs.items():
-        kind = cid.split("-")[0]
-        if kind in schemas or kind == "object":
-            if job.meta["finish_reason"] == "stop":
-                value = json.loads(job.result)
-                assert satisfies(value, schemas[kind]) if kind in schemas else isinstance(value, dict), (cid, job.result)
-                stopped += kind in schemas
-            else:
-                assert job.meta["finish_reason"] == "length" and job.meta["generated_tokens"] == job.params["max_tokens"]
-    assert stopped >= 7, "most schema jobs must end by their grammar"  # of 9
-    short = jobs["short"]
-    assert short.meta["finish_reason"] == "length" and short.meta["generated_tokens"] == 8
-    with pytest.raises(ValueError):
-        json.loads(short.result)
-    exported = {r["custom_id"]: r for r in map(json.loads, run_main("export", ws, "--tag", "m", "--format", "openai").stdout.decode().splitlines())}
-    assert exported["short"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
-    choice = exported["person-0"]["response"]["body"]["choices"][0]
-    assert choice["message"]["content"] == jobs["person-0"].result and choice["finish_reason"] == jobs["person-0"].meta["finish_reason"]
-
-    baseline = []
-    for line in lines:
-        cid = line["custom_id"]
-        if cid.startswith("free-"):
-            baseline.append(line)
-            continue
-        job = jobs[cid]
-        count = job.meta["generated_tokens"] + (job.meta["finish_reason"] == "stop")  # its end-of-generation step too
-        prompt = {"messages": line["body"]["messages"]} if "body" in line else {"prompt": line["prompt"]}
-        baseline.append({"custom_id": cid, **prompt, "max_tokens": count, "ignore_eos": True, "seed": 5})
-    run_main("submit", base, "--file", write(tmp_path / "baseline.jsonl", jsonl(baseline)), "--tag", "b")
-    done = cli("daemon", model, base, "-w", "1", "--drain", timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    again = {r["custom_id"]: r for r in map(json.loads, run_main("export", base, "--tag", "b").stdout.decode().splitlines())}
-    for cid, job in jobs.items():
-        if cid.startswith("free-"):
-            assert again[cid]["result"] == job.result, cid
-        else:  # the same shape: the same number of tokens, the same steps
-            assert again[cid]["meta"]["generated_tokens"] == job.meta["generated_tokens"] + (job.meta["finish_reason"] == "stop")
-
-
-@pytest.mark.model
-def test_workers_count_a_shared_grammar_each_as_if_alone(llama: nrvna.LlamaRunner) -> None:
-    """Workers share the runner's grammars, and each counts its jobs' grammar work with a
-    GrammarShape of its own (a fork: the memos of the states it has counted, in part or
-    whole), so several worker threads counting the same grammars at once each get what one
-    thread alone gets. (Before, the runner's one shape was every worker's, its memos changed
-    by all of them without a lock: a worker's first count of a state came out whole when
-    another worker had asked about that state first.)"""
-    import numpy
-
-    vocab = llama.grammar_vocab()
-    ids = numpy.arange(0, llama.n_vocab, 5)  # a part of the vocabulary, as a redraw's shortlist
-    schema = {"enum": [f"shared-{i}" for i in range(120)]}
-    cases = [({"response_format": {"type": "json_object"}}, nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9", "n": [1, 2]}'),
-             ({"response_format": schema_format(schema)}, nrvna.schema_to_grammar(schema), '"shared-17"')]
-
-    def count(shapes: list[nrvna.GrammarShape]) -> list[Any]:
-        out: list[Any] = []
-        for shape, (_, _, text) in zip(shapes, cases):
-            state = shape.start
-            for token in llama.tokenize(text, False, False):
-                out.append(shape.vocab_cost(state, vocab, ids))  # the part, the first time
-                out.append(shape.vocab_cost(state, vocab, ids))  # asked again: the whole vocabulary
-                steps, state = shape.walk(state, llama.piece(token))
-                out.append((steps, state))
-        return out
-
-    alone = count([nrvna.check_grammar(grammar) for _, grammar, _ in cases])
-    workers = [(nrvna._GrammarTemplates(llama), nrvna._SamplingScratch(llama)) for _ in range(3)]
-    start, results = threading.Barrier(len(workers)), [None] * len(workers)
-
-    def worker(i: int) -> None:
-        templates, scratch = workers[i]
-        samplers = [nrvna._JobSampler.for_job(llama, scratch, templates, params) for params, _, _ in cases]
-        start.wait()
-        try:
-            results[i] = count([sampler.shape for sampler in samplers])
-        finally:
-            for sampler in samplers:
-                sampler.free()
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(workers))]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-    finally:
-        for templates, _ in workers:
-            templates.close()
-    assert len(alone) > 30 and all(result == alone for result in results)
-
-
-@pytest.mark.model
-def test_a_schema_is_converted_once_for_many_jobs_and_parsed_once_per_context(llama: nrvna.LlamaRunner) -> None:
-    schema = {"type": "object", "properties": {"converted_once": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0}},
-              "required": ["converted_once", "n"]}
-    reordered = dict(schema, properties=dict(reversed(list(schema["properties"].items()))))
-    config = nrvna.Config(workers=2, seqs=4, max_ctx=512)
-    sessions = [llama.session(i, config) for i in range(2)]
-    before = llama.conversions
-    try:
-        def run(count: int, **params: Any) -> list[Outcome]:
-            jobs = [fake_job(f"Answer {i} in JSON.", temperature=0, max_tokens=3, **params) for i in range(count)]
-            outcomes = []
-            while jobs or any(s.active() for s in sessions):
-                for session in sessions:
-                    while jobs and session.free() > 0:
-                        session.start(jobs.pop())
-                    if session.active():
-                        outcomes += [o for _, o in session.step()]
-            return outcomes
-
-        assert len(run(24, response_format=schema_format(schema))) == 24
-        assert llama.conversions - before == 1  # 24 jobs on 2 workers: one conversion
-        assert all(len(s.templates.parsed) == 1 for s in sessions)  # and one parsed grammar per context
-        run(6, response_format=schema_format(reordered))  # another property order: another grammar
-        run(6, response_format={"type": "json_object"})
-        run(6, grammar='root ::= "x"+')
-        assert llama.conversions - before == 2
-    finally:
-        for session in sessions:
-            session.close()
-
-
-@pytest.mark.model
-def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_draw(llama: nrvna.LlamaRunner,
-                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each time a constrained job's free draw is refused and the shortlist suffices, the
-    token drawn from it equals the token the sampler chain draws from the whole vocabulary
-    (from the same random state: each path gets a clone of the chain). A short shortlist
-    puts its bounds within reach of the chain's cuts, where the conditions matter."""
-    import numpy
-
-    monkeypatch.setattr(nrvna, "SHORTLIST", 48)
-
-    config = nrvna.Config(workers=1, seqs=8, max_ctx=2048)
-    session = llama.session(0, config)
-    L, compared, fell_back, redraws = llama.L, [0, 0], [0], nrvna._JobSampler._resample
-
-    def both(sampler: Any, logits: Any) -> int:
-        if session.scratch.candidates is None:  # the first redraw makes the arrays
-            return redraws(sampler, logits)
-        row = numpy.array(logits)
-        ids = numpy.sort(numpy.argpartition(row, llama.n_vocab - nrvna.SHORTLIST)[-nrvna.SHORTLIST:])
-        allowed = sampler._apply_grammar(ids, row[ids])
-        if allowed is not None and sampler._shortlist_suffices(numpy.sort(allowed)[::-1], float(row[ids].min())):
-            chain, clones = sampler.chain, [L.llama_sampler_clone(sampler.chain) for _ in range(2)]
-            try:
-                sampler.chain = clones[0]
-                sampler._apply_grammar(session.scratch.token_ids, row)
-                whole = sampler._draw()
-                sampler.chain = clones[1]
-                compared[0] += 1
-                compared[1] += whole == redraws(sampler, logits)
-            finally:
-                sampler.chain = chain
-                for clone in clones:
-                    L.llama_sampler_free(clone)
-        else:
-            fell_back[0] += 1
-        return redraws(sampler, logits)
-
-    monkeypatch.setattr(nrvna._JobSampler, "_resample", both)
-    try:
-        for sampling in ({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05},
-                         {"temperature": 1.0, "top_k": 0, "top_p": 0.95, "min_p": 0.1},
-                         {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}, {"temperature": 0}):
-            jobs = [fake_job(f"Describe product {i} as JSON.", seed=i + 1, max_tokens=120,
-                             response_format=schema_format(PRODUCT_SCHEMA), **sampling) for i in range(6)]
-            while jobs or session.active():
-                while jobs and session.free() > 0:
-                    session.start(jobs.pop())
-                session.step()
-    finally:
-        session.close()
-    assert compared[0] > 100 and compared[1] == compared[0], compared
-    assert fell_back[0] > 50  # and the whole vocabulary was needed often
-
-
-def whole_vocabulary_draw(runner: nrvna.LlamaRunner, scratch: Any, chain: Any, row: Any) -> int:
-    """What llama_sampler_sample does with a row of logits: the whole vocabulary in token order
-    as the candidates, the chain applied, the token accepted."""
-    import numpy
-
-    scratch.whole_vocabulary(numpy, runner.n_vocab)
-    candidates, array = scratch.candidates, scratch.candidates_array
-    candidates["id"], candidates["logit"], candidates["p"] = scratch.token_ids, row, 0.0
-    array.size, array.selected, array.sorted = runner.n_vocab, -1, False
-    runner.L.llama_sampler_apply(chain, scratch.byref(array))
-    token = int(candidates["id"][array.selected])
-    runner.L.llama_sampler_accept(chain, token)
-    return token
-
-
-def logit_rows(kind: str, count: int, n_vocab: int, seed: int) -> Any:
-    """Rows of logits shaped like a model's (a bulk and a few dozen standouts); "ties": rounded
-    to halves, so tied logits abound; "edge": the 40th and 41st largest made equal."""
-    import numpy
-
-    rng = numpy.random.default_rng(seed)
-    rows = (rng.standard_normal((count, n_vocab)) * 2).astype(numpy.float32)
-    for row in rows:
-        row[rng.integers(0, n_vocab, 30)] += rng.uniform(4, 14, 30).astype(numpy.float32)
-        if kind == "edge":
-            order = numpy.argsort(row)[::-1]
-            row[order[40]] = row[order[39]]
-    return numpy.round(rows * 2) / 2 if kind == "ties" else rows
-
-
-SHORTLIST_CHAINS = [{"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05}, {"temperature": 0},
-                    {"temperature": 1.5, "top_k": 5, "top_p": 1.0, "min_p": 0.0},
-                    {"temperature": 1.0, "top_k": 200, "top_p": 0.95, "min_p": 0.0},  # llama.cpp's bucket sort
-                    {"temperature": 0.7, "top_k": 1}, {"temperature": 1.0, "top_k": 511, "top_p": 0.5, "min_p": 0.01},
-                    {"temperature": 1.0, "top_k": 0, "top_p": 0.9, "min_p": 0.05}]  # no top_k: the whole vocabulary
-
-
-def shortlist_draws(runner: nrvna.LlamaRunner, rows: Any, params: dict[str, Any]) -> tuple[int, int]:
-    """Each row drawn from by a chain of ``params`` from the whole vocabulary, and by a clone
-    of it (the same random state) as a session draws (from the shortlist where _likeliest
-    finds one): (draws that differ, draws made from a shortlist)."""
-    import numpy
-
-    scratch = nrvna._SamplingScratch(runner)
-    config = runner.config
-    chain = runner.sampler(params)
-    settings = (nrvna.job_param(params, "temperature", config) <= 0, nrvna.job_param(params, "top_k", config),
-                nrvna.job_param(params, "top_p", config), nrvna.job_param(params, "min_p", config))
-    sampler = nrvna._JobSampler(runner, scratch, runner.L.llama_sampler_clone(chain), settings)
-    try:
-        size = sampler.shortlist_size
-        found = nrvna._likeliest(numpy, rows, list(range(len(rows))), [size] * len(rows))
-        differ = short = 0
-        for row, likeliest in zip(rows, found):
-            whole = whole_vocabulary_draw(runner, scratch, chain, row)
-            if likeliest is None:
-                drawn = whole_vocabulary_draw(runner, scratch, sampler.chain, row)
-            else:
-                drawn, short = sampler._draw_short(*likeliest), short + 1
-            differ += drawn != whole
-        return differ, short
-    finally:
-        runner.L.llama_sampler_free(chain)
-        sampler.free()
-
-
-@pytest.mark.model
-def test_a_top_k_draw_from_the_likeliest_tokens_is_the_whole_vocabulary_s_draw(llama: nrvna.LlamaRunner,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """6,300 draws (3 kinds of rows x 300 x 7 chains, the same seed for both sides): a draw
-    from the k likeliest tokens equals llama.cpp's draw from the whole vocabulary every time;
-    rows with tied logits near the top go to the whole vocabulary. Breaking either condition
-    (ties allowed, or a shortlist for a chain with no top_k) makes draws differ."""
-    drawn_short = {}
-    for kind in ("plain", "ties", "edge"):
-        rows = logit_rows(kind, 300, llama.n_vocab, seed=len(kind))
-        for i, params in enumerate(SHORTLIST_CHAINS):
-            differ, short = shortlist_draws(llama, rows, dict(params, seed=11 + i))
-            assert differ == 0, (kind, params, differ)
-            drawn_short[kind, i] = short
-    # (the 512 largest of 49,152 float logits hold a tie now and then: 283 of 300 rows had none)
-    assert all(drawn_short["plain", i] >= 270 for i in range(6)) and drawn_short["plain", 6] == 0
-    assert drawn_short["ties", 0] == 0 and drawn_short["edge", 0] == 0  # their 41 largest hold ties
-    assert drawn_short["edge", 2] == 300  # top_k 5: the tie at 40 is beyond what it looks at
-
-    ties = logit_rows("ties", 300, llama.n_vocab, seed=4)
-    with monkeypatch.context() as mutated:
-        mutated.setattr(nrvna, "_strictly_decreasing", lambda values: values[:-1] == values[:-1])
-        assert shortlist_draws(llama, ties, dict(SHORTLIST_CHAINS[0], seed=3))[0] > 0
-    plain = logit_rows("plain", 300, llama.n_vocab, seed=5)
-    with monkeypatch.context() as mutated:
-        mutated.setattr(nrvna, "_shortlist_size", lambda settings: 1 if settings[0] else settings[1] or 40)
-        assert shortlist_draws(llama, plain, dict(SHORTLIST_CHAINS[6], seed=3))[0] > 0
-
-
-@pytest.mark.model  # (no model: numpy, which comes with llama-cpp-python)
-def test_the_likeliest_tokens_are_found_only_in_finite_rows_and_in_order() -> None:
-    """_likeliest: the k largest logits, likeliest first, for the rows asked; None for a row
-    with a NaN or an infinity, a k of 0 or of SHORTLIST_COLUMNS, a vocabulary too small."""
-    import numpy
-
-    rng = numpy.random.default_rng(2)
-    rows = rng.standard_normal((6, 5000)).astype(numpy.float32)
-    rows[3, 17], rows[4, 99] = numpy.nan, numpy.inf
-    found = nrvna._likeliest(numpy, rows, [0, 2, 3, 4, 5, 1], [40, 1, 40, 40, 0, nrvna.SHORTLIST_COLUMNS])
-    for (ids, values), row in ((found[0], rows[0]), (found[1], rows[2])):
-        expected = numpy.argsort(row)[::-1][:len(ids)]
-        assert list(ids) == list(expected) and list(values) == list(row[expected])
-    assert len(found[0][0]) == 40 and len(found[1][0]) == 1 and found[2:] == [None] * 4
-    assert nrvna._likeliest(numpy, rows[:, :1000], [0], [40]) == [None]  # fewer than 2 x SHORTLIST_COLUMNS tokens
-
-
-@pytest.mark.model
-def test_jobs_draw_from_the_shortlist_what_the_whole_vocabulary_gives(llama: nrvna.LlamaRunner,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Real jobs, batched, with penalties, logit biases, greedy and n choices: each draw made
-    from a shortlist equals the chain's draw (a clone of it) from the whole penalised row."""
-    import numpy
-
-    session = llama.session(0, nrvna.Config(workers=1, seqs=8, max_ctx=2048))
-    compared, differ, sample = [0], [0], nrvna._JobSampler.sample
-
-    def both(sampler: Any, ctx: Any, index: int, logits: Any, likeliest: Any = None) -> int:
-        if likeliest is not None:
-            row = numpy.array(logits)
-            clone = llama.L.llama_sampler_clone(sampler.chain)
-            try:
-                whole = whole_vocabulary_draw(llama, nrvna._SamplingScratch(llama), clone, row)
-            finally:
-                llama.L.llama_sampler_free(clone)
-            token = sample(sampler, ctx, index, logits, likeliest)
-            compared[0] += 1
-            differ[0] += token != whole
-            return token
-        return sample(sampler, ctx, index, logits, likeliest)
-
-    monkeypatch.setattr(nrvna._JobSampler, "sample", both)
-    params = [{}, {"repeat_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.4},
-              {"logit_bias": {"28": 5.0, "30": -3.0}}, {"temperature": 0}, {"top_k": 5, "temperature": 1.2},
-              {"n": 3}, {"top_k": 0}]
-    try:
-        jobs = [fake_job(f"Tell me about topic {i}.", seed=i + 1, max_tokens=40, ignore_eos=True, **p)
-                for i, p in enumerate(params)]
-        while jobs or session.active():
-            while jobs and session.free() > 0:
-                session.start(jobs.pop())
-            session.step()
-        assert session.scratch.draws[1] >= 40  # top_k 0: the whole vocabulary
-    finally:
-        session.close()
-    assert compared[0] >= 6 * 40 and differ[0] == 0, (compared, differ)
-
-
-@pytest.mark.model
-def test_the_shortlist_suffices_only_where_the_chain_cannot_reach_beyond_it(llama: nrvna.LlamaRunner) -> None:
-    """Allowed tokens of the shortlist with logits 10 and 9; every token outside is at most
-    the threshold. (greedy, top_k, top_p, min_p) as LlamaRunner.sampler builds the chain."""
-    import numpy
-
-    import types
-
-    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
-    try:
-        def suffices(chain: tuple, threshold: float, allowed: tuple = (10.0, 9.0)) -> bool:
-            # a stand-in for a _JobSampler: only its chain's settings and the runner are read
-            sampler = types.SimpleNamespace(chain_settings=chain, runner=session.runner)
-            return nrvna._JobSampler._shortlist_suffices(sampler, numpy.array(allowed, dtype=numpy.float32), threshold)
-
-        assert suffices((True, 0, 1.0, 0.0), 9.9) and not suffices((True, 0, 1.0, 0.0), 10.0)  # greedy: the best is in
-        assert suffices((False, 2, 0.9, 0.0), 9.9)  # top_k: the shortlist holds top_k allowed tokens
-        assert not suffices((False, 3, 1.0, 0.0), 5.0)  # a third could come from outside, and no min_p drops it
-        assert not suffices((False, 0, 1.0, 0.0), -50.0)  # without min_p, however unlikely, an outsider may be drawn
-        assert suffices((False, 0, 1.0, 0.1), 7.6) and not suffices((False, 0, 1.0, 0.1), 7.8)  # min_p cuts at 7.697
-        # top_p 0.7: the nucleus of {10, 9} alone is {10}; one outside token at 7.6 (weight 0.09 of the best)
-        # makes it {10, 9} before min_p drops the outsider: the shortlist would draw from the wrong set
-        assert not suffices((False, 3, 0.7, 0.1), 7.6)
-        assert suffices((False, 3, 0.7, 0.1), 5.0)  # far enough down, two outsiders cannot move the nucleus
-        assert suffices((False, 3, 0.5, 0.1), 7.6)  # a nucleus that ends at the best token either way
-    finally:
-        session.close()
-
-
 @pytest.mark.model
 def test_escaped_constants_and_definitions_named_like_rules_come_out_valid(llama: nrvna.LlamaRunner) -> None:
     """The converter wrote backslashes unescaped and named a $ref's rule by its last segment
@@ -2325,458 +2130,6 @@ def test_escaped_constants_and_definitions_named_like_rules_come_out_valid(llama
             assert value["s"] in words and value["c"] == "x\\y" and tree(value["t"]), outcome.text
             stopped += 1
     assert stopped >= 2
-
-
-@pytest.mark.model
-def test_control_tokens_never_enter_a_constrained_output(llama: nrvna.LlamaRunner) -> None:
-    """The grammar matches a control token by its text, which the result would not hold."""
-    start = llama.tokenize("<|im_start|>", False, True)
-    assert len(start) == 1 and start[0] in llama.control_tokens
-    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 30, "maxLength": 40}}, "required": ["s"]}
-    outcome = generate(llama, "Write a sentence as JSON.", temperature=0, max_tokens=80,
-                       response_format=schema_format(schema), logit_bias={str(start[0]): 100})
-    assert outcome.finish_reason == "stop", outcome
-    assert 30 <= len(json.loads(outcome.text)["s"]) <= 40
-
-
-# Grammars whose parses multiply with each character. The first two hung a worker for good
-# (llama.cpp's grammar calls cannot be interrupted); the last is ambiguous only past what the
-# submit check looks at (16 characters).
-HANGING_GRAMMAR = 'root ::= x\nx ::= [^.,;!] x "." | [^.,;!] x "," | [^.,;!] x ";" | "!"\n'
-HANGING_SCHEMA = {"$defs": {"n": {"anyOf": [
-    {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 3},
-    {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1, "maxItems": 2},
-    {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 1}]}}, "$ref": "#/$defs/n"}
-LATE_GRAMMAR = 'root ::= "' + "o" * 20 + '" a\na ::= "x" a c | "x" a d | "y"\nc ::= "c"\nd ::= "d"\n'
-
-
-@pytest.mark.parametrize("grammar, message", [
-    (HANGING_GRAMMAR, "too ambiguous: checking a text of 16 characters from its start can take more than 65,536"),
-    ('root ::= a\na ::= "x" a c | "x" a d | "y"\nc ::= "c"\nd ::= "d"\n', "too ambiguous"),
-    ('root ::= ("a" | "a" | "a")*', "too ambiguous"),  # one parse stack, but three walks per character
-    ("root ::= " + " | ".join(f'"w{i}"' for i in range(20000)), "too wide: 20,000 ways to parse are open at once"),
-])
-def test_grammars_whose_parses_multiply_are_refused_at_submit(grammar: str, message: str, tmp_path: Path,
-                                                              ws: str, run_main: RunMain) -> None:
-    with pytest.raises(nrvna.InvalidInput, match=re.escape(message)):
-        nrvna.check_grammar(grammar)
-    done = run_main("submit", ws, "Write a long sentence about the sea", "--grammar", write(tmp_path / "g.gbnf", grammar))
-    assert done.returncode == 2 and done.stderr.count(b"\n") == 1 and message.encode() in done.stderr, done.stderr
-    nrvna.check_grammar(LATE_GRAMMAR)  # (what the submit check lets through, the daemon bounds: below)
-
-
-def test_grammar_shape_counts_llama_cpp_s_walks() -> None:
-    """The counts behind the limits, by hand: llama.cpp walks a token down each parse stack
-    without merging walks that meet. In ("a" | "a")* each "a" leads both walks on to three
-    stacks (either "a" again, or the end), so "aaa" takes 3 + 6 + 12 + 24 steps."""
-    parser = nrvna._GbnfParser('root ::= ("a" | "a")*')  # (refused at submit: 2 ** 16 walks in 16 characters)
-    parser.parse()
-    shape = nrvna.GrammarShape(parser.rules, parser.ids["root"])
-    assert len(shape.start[0]) == 3  # the two alternatives' "a", and the empty stack (complete)
-    steps, after = shape.walk(shape.start, b"aaa")
-    assert steps == 3 + 6 + 12 + 24 and len(after[0]) == 3
-    assert shape.walk(shape.start, b"ab")[1] is None
-    wide = nrvna.check_grammar(" | ".join(["root ::= " + '"a"'] + [f'"{c}"' for c in "bcdefgh"]))
-    assert wide.walk(wide.start, b"h") == (8 + 1, (frozenset({()}), (0, 0)))  # 8 stacks, then the end
-    split = nrvna.check_grammar('root ::= "\\u00e9" "x"')
-    steps, after = split.walk(split.start, b"\xc3")  # half of é: nothing matched yet
-    assert after == (split.start[0], (3, 1))
-    assert split.walk(after, b"\xa9x")[1] == (frozenset({()}), (0, 0))
-
-
-_PIECE_TOKENS: dict[int, dict[bytes, int]] = {}
-
-
-def piece_tokens(llama: nrvna.LlamaRunner) -> dict[bytes, int]:
-    """A token for each piece of text of the vocabulary (made once per runner)."""
-    tokens = _PIECE_TOKENS.get(id(llama))
-    if tokens is None:
-        tokens = _PIECE_TOKENS[id(llama)] = {}
-        for token in range(llama.n_vocab):
-            tokens.setdefault(llama.piece(token), token)
-    return tokens
-
-
-def grammar_admits(llama: nrvna.LlamaRunner, grammar: str, data: bytes) -> bool:
-    """Whether llama.cpp's grammar sampler takes ``data`` whole, fed one byte token at a time
-    (any bytes, UTF-8 or not), and then lets generation end."""
-    L = llama.L
-    tokens = piece_tokens(llama)
-    sampler = L.llama_sampler_init_grammar(llama.vocab, grammar.encode(), b"root")
-    assert sampler, grammar
-    try:
-        for token in [tokens[bytes([b])] for b in data] + [L.llama_vocab_eos(llama.vocab)]:
-            candidate = (L.llama_token_data * 1)(L.llama_token_data(token, 0.0, 0.0))
-            L.llama_sampler_apply(sampler, ctypes.byref(L.llama_token_data_array(candidate, 1, -1, False)))
-            if candidate[0].logit == -math.inf:
-                return False
-            if token != L.llama_vocab_eos(llama.vocab):
-                L.llama_sampler_accept(sampler, token)
-        return True
-    finally:
-        L.llama_sampler_free(sampler)
-
-
-@pytest.mark.model
-def test_a_surrogate_pair_escape_is_one_character_and_a_lone_surrogate_is_refused(llama: nrvna.LlamaRunner) -> None:
-    """A \\u escape in a constrained string is a BMP code point that is no surrogate, or a high
-    and a low surrogate together, one character: minLength/maxLength count as JSON Schema
-    does, and whatever the grammar takes decodes to text UTF-8 can hold (json.loads takes a
-    lone surrogate escape; UTF-8 encoders and strict parsers refuse it)."""
-    two = nrvna.schema_to_grammar({"type": "string", "minLength": 2, "maxLength": 2})
-    admitted = ['"ab"', '"\\ud83d\\ude00x"', '"\\uD83D\\uDE00\\u00e9"', '"\\ud7ff\\ue000"', '"\\/\\uFFFF"', '"é😀"']
-    refused = ['"\\ud83d\\ude00"',  # one character, not two
-               '"\\ud83d\\u2f9c"', '"\\ud83dx"', '"a\\udbff"', '"\\ude00\\ud83d"', '"\\udfffa"', '"abc"']
-    for text in admitted:
-        assert grammar_admits(llama, two, text.encode()), text
-        value = json.loads(text)
-        assert len(value) == 2 and value.encode("utf-8")
-    for text in refused:
-        assert not grammar_admits(llama, two, text.encode()), text
-    # Bytes that are not UTF-8, as byte tokens spell them: a surrogate, a code point past U+10FFFF;
-    # and the characters beside them, whose first byte begins those too (U+D000, U+D7FF, U+10FFFF).
-    for raw in (b'"a\xed\xa0\x80"', b'"a\xf4\x90\x80\x80"'):
-        assert not grammar_admits(llama, two, raw), raw
-    for raw in (b'"\xed\x80\x80\xed\x9f\xbf"', b'"\xee\x80\x80\xf4\x8f\xbf\xbf"'):
-        assert grammar_admits(llama, two, raw), raw
-    json_object = llama.grammar({"response_format": {"type": "json_object"}})[1]
-    assert grammar_admits(llama, json_object, b'{"s": "\\ud83d\\ude00\\/", "n": [1, true]}')
-    for text in (b'{"s": "\\ud83d"}', b'{"s": "\\ude00\\ud83d"}', b'{"s": "\xed\xa0\x80"}'):
-        assert not grammar_admits(llama, json_object, text), text
-
-
-@pytest.mark.model
-def test_constrained_jobs_copying_surrogate_escapes_end_valid_utf8_json(ws: str, tmp_path: Path, model: str,
-                                                                       run_main: RunMain) -> None:
-    """The model copies its raw prompt greedily: an emoji's escape pair (one character where
-    two are asked) and lone surrogates came out as they were, and "stop" with them."""
-    two = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 2}},
-           "required": ["s"], "additionalProperties": False}
-    lines = [{"prompt": '{"s": "%s"}\n' % s * 6, "raw": True, "temperature": 0, "max_tokens": 40,
-              "response_format": form}
-             for s in ("\\ud83d\\ude00", "\\ud83d\\u2f9c", "\\ud83d\\ud83d")
-             for form in (schema_format(two), {"type": "json_object"})]
-    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "s.jsonl", jsonl(lines))))
-    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    for job_id, line in zip(ids, lines):
-        job = Flow(ws).get(job_id)
-        assert job.status is Status.Done and job.meta["finish_reason"] == "stop", (job.meta, job.result)
-        value = json.loads(job.result)
-        text = json.dumps(value, ensure_ascii=False)
-        assert not any(0xD800 <= ord(c) <= 0xDFFF for c in text), job.result  # UTF-8 can hold it
-        assert satisfies(value, two) if line["response_format"]["type"] == "json_schema" else isinstance(value, dict), job.result
-
-
-@pytest.mark.model
-def test_a_schema_whose_grammar_multiplies_fails_its_job_at_once(llama: nrvna.LlamaRunner) -> None:
-    nrvna.check_json_schema(HANGING_SCHEMA)  # the client cannot convert it: the daemon refuses it
-    with pytest.raises(nrvna.JobError) as raised:
-        generate(llama, "Write nested lists.", response_format=schema_format(HANGING_SCHEMA), max_tokens=64)
-    assert raised.value.code == "grammar_error" and "too ambiguous" in str(raised.value)
-
-
-@pytest.mark.model
-def test_a_grammar_ambiguous_past_its_start_fails_by_counted_work_not_time(llama: nrvna.LlamaRunner) -> None:
-    """The job fails before llama.cpp is asked to walk more than GRAMMAR_PATHS steps for a
-    token, at the same token whatever the machine's load (the old guard timed a step)."""
-    x = next(t for t in range(llama.n_vocab) if llama.piece(t) == b"x")
-    outcomes = [generate(llama, "Write x many times.", grammar=LATE_GRAMMAR, temperature=0, max_tokens=60,
-                         logit_bias={str(x): 100}) for _ in range(2)]
-    first = outcomes[0]
-    assert first.error_code == "grammar_error" and "ways to parse the text so far are open at once (the limit is " \
-        "4,096) after 22 tokens" in first.error, first  # 20 o's, then x's: each doubles the stacks
-    assert first.text.startswith("o" * 20) and set(first.text[20:]) == {"x"} and len(first.text) < 40
-    assert (outcomes[1].error, outcomes[1].text) == (first.error, first.text)
-
-
-@pytest.mark.model
-def test_a_job_past_the_grammar_limits_fails_alone_and_the_daemon_stops_on_time(ws: str, model: str,
-                                                                              tmp_path: Path) -> None:
-    """The issue's scene, on the daemon: a job whose grammar multiplies runs beside two others in
-    one context; it fails grammar_error, they finish, and stop returns within its timeout."""
-    proc = start_daemon(model, ws, "-w", "1", env={"NRVNA_LOG_LEVEL": "info"})
-    try:
-        wait_for_log(proc, "Server started")
-        late = ids_of(cli("submit", ws, "Write x many times.", "--grammar", write(tmp_path / "late.gbnf", LATE_GRAMMAR),
-                          "--temperature", "0", "--max-tokens", "60", "--logit-bias", "104=100"))  # 104: "x"
-        fine = ids_of(cli("submit", ws, "--file", write(tmp_path / "fine.jsonl", jsonl([
-            {"prompt": "Is water wet? Answer yes or no.", "grammar": 'root ::= "yes" | "no"', "max_tokens": 8},
-            {"prompt": "Name a colour.", "max_tokens": 8}]))))
-        done = cli("wait", ws, *late, *fine, timeout=300)
-        assert done.returncode in (0, 1), done.stderr
-        flow = Flow(ws)
-        failed = flow.get(late[0])
-        assert failed.status is Status.Failed and failed.meta["code"] == "grammar_error", failed.meta
-        assert "(the limit is 4,096)" in failed.error
-        assert all(flow.get(job_id).status is Status.Done for job_id in fine)
-        began = time.monotonic()
-        stopped = cli("stop", ws, "--timeout", "30", timeout=60)
-        assert stopped.returncode == 0 and time.monotonic() - began < 30, stopped.stderr
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def converting_slowly(monkeypatch: pytest.MonkeyPatch, beside: Optional[nrvna.RunningJob] = None
-                      ) -> tuple[list[str], threading.Event]:
-    """Make every schema's conversion slow, by events rather than by time: it waits for 5 more
-    tokens of the job ``beside`` (none can come while it runs on that job's worker), and a
-    schema described "held" waits for the event returned. Returns the list of what happened."""
-    made, events, release = nrvna.schema_to_grammar, [], threading.Event()
-
-    def converting(schema: Any) -> str:
-        events.append("converting")
-        if beside is not None:
-            first, deadline = len(beside.emitted), time.monotonic() + 30  # (a hang guard)
-            while len(beside.emitted) < first + 5 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            # (at least 5: the worker may make one more before this thread looks again)
-            made_beside = len(beside.emitted) - first
-            events.append("5 tokens beside" if made_beside >= 5 else f"{made_beside} tokens beside")
-        if schema.get("description") == "held":
-            release.wait(60)  # (a hang guard)
-        events.append("converted")
-        return made(schema)
-
-    monkeypatch.setattr(nrvna, "schema_to_grammar", converting)
-    return events, release
-
-
-@pytest.mark.model
-def test_a_schema_being_converted_holds_up_neither_the_jobs_beside_it_nor_a_stop(
-        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 42: a schema's conversion ran on the worker, under the runner's grammar lock, and
-    the sequences beside it made no token for 72 s. It runs on the runner's Grammar thread: the
-    job beside it goes on generating meanwhile, the job begins once its grammar is made, and a
-    job dropped while its grammar is made (a stop) leaves at once, the conversion abandoned."""
-    beside = fake_job("Count from one to a hundred in words.", temperature=0, max_tokens=300, ignore_eos=True)
-    events, release = converting_slowly(monkeypatch, beside)
-    session = llama.session(0, nrvna.Config(workers=1, seqs=3, max_ctx=1536))
-    try:
-        session.start(beside)
-        session.step()  # its prompt: from here on it makes a token a step
-        form = fake_job("Fill in the form as JSON.", max_tokens=6, response_format=schema_format(
-            costly_patterns(1) | {"description": "beside"}))
-        session.start(form)
-        assert form in session.active() and session.free() == 1  # it holds its slot while it waits
-        ended: dict[int, Outcome] = {}
-        for _ in range(3000):
-            ended.update((id(job), outcome) for job, outcome in session.step())
-            if id(form) in ended:
-                break
-        assert events[:3] == ["converting", "5 tokens beside", "converted"], events
-        assert ended[id(form)].error_code is None and ended[id(form)].generated_tokens == 6, ended[id(form)]
-        held = fake_job("Fill in the form as JSON.", max_tokens=6, response_format=schema_format(
-            costly_patterns(1) | {"description": "held"}))
-        session.start(held)
-        for _ in range(3000):  # until its conversion has begun, and is held
-            if events.count("5 tokens beside") == 2:
-                break
-            session.step()
-        session.drop(held)
-        assert held not in session.active()
-        session.step()  # the job beside goes on
-        events.append("dropped")
-    finally:
-        session.close()
-        events.append("closed")
-        release.set()
-    for _ in range(600):
-        if events.count("converted") == 2:
-            break
-        time.sleep(0.1)
-    assert events[3:] == ["converting", "5 tokens beside", "dropped", "closed", "converted"], events
-
-
-@pytest.mark.model
-def test_a_wide_enum_runs_whatever_the_load(llama: nrvna.LlamaRunner) -> None:
-    """3,000 strings open 3,000 parse stacks: a whole-vocabulary check takes 2.4e8 steps (1.45 s
-    here), within the limits; the old 0.5 s guard failed such jobs."""
-    values = [f"item-{i:04d}" for i in range(3000)]
-    schema = {"type": "object", "properties": {"v": {"enum": values}}, "required": ["v"]}
-    outcome = generate(llama, "Pick an item.", response_format=schema_format(schema), temperature=0, max_tokens=40)
-    assert outcome.error_code is None and outcome.finish_reason == "stop", outcome
-    assert json.loads(outcome.text)["v"] in values
-
-
-@pytest.mark.model
-def test_grammar_shape_counts_the_vocabulary_as_it_counts_each_token(llama: nrvna.LlamaRunner) -> None:
-    """vocab_cost (numpy, every token at once) is the sum and the most of walk's per-token
-    counts, in states along real outputs, for a part of the vocabulary and for the whole."""
-    import numpy
-
-    rng = numpy.random.default_rng(28)
-    vocab = llama.grammar_vocab()
-    cases = [(nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9 \u6f22\u5b57", "n": [1, 2.5e3]}'),  # 漢字: byte tokens
-             (nrvna.schema_to_grammar({"enum": [f"v{i}" for i in range(300)]}), '"v12"'),
-             (LATE_GRAMMAR, "o" * 20 + "xx")]
-    checked = partials = 0
-    for grammar, text in cases:
-        shape = nrvna.check_grammar(grammar)
-        state = shape.start
-        for token in llama.tokenize(text, False, False):
-            ids = numpy.sort(rng.choice(llama.n_vocab, 500, replace=False))
-            counts = [shape.walk(state, vocab.pieces[t])[0] if vocab.pieces[t] and vocab.pieces[t][0] else len(state[0])
-                      for t in ids.tolist()]
-            shape.vocab_costs.clear()  # (a state seen before answers with the whole vocabulary's cost)
-            shape.asked.clear()
-            assert shape.vocab_cost(state, vocab, ids) == (sum(counts), max(counts)), (grammar[:40], state)
-            whole = shape.vocab_cost(state, vocab)
-            assert whole[0] >= sum(counts) and whole[1] >= max(counts)
-            state = shape.walk(state, llama.piece(token))[1]
-            assert state is not None
-            checked += 1
-            partials += state[1] != (0, 0)
-    assert checked > 20 and partials >= 2  # (states with half a character: only continuing tokens decoded)
-
-
-@pytest.mark.model  # numpy, which comes with llama-cpp-python (the bare run has neither)
-def test_the_grammar_vocabulary_keeps_code_points_not_a_padded_matrix() -> None:
-    """GrammarVocab holds each token's code points once, by column (longest tokens first), not
-    a matrix padded to the longest token (15 MiB for SmolLM2, over 100 MiB for large
-    vocabularies): what it stores is the code points alone, and every token reads back whole."""
-    import numpy
-
-    pieces = [b"ab", b"", "h\u00e9llo w\u00f6rld".encode(), b"x", "\u6f22".encode(), b"\x80tail", b"a" * 40]
-    vocab = nrvna.GrammarVocab(numpy, pieces)
-    columns, lengths, rank = vocab.points((0, 0))
-    assert sum(len(c) for c in columns) == int(lengths.sum()) == 2 + 11 + 1 + 1 + 40
-    assert len(columns) == 40 and lengths[1] == 0 and lengths[5] == 0  # empty, and a stray continuation byte
-    for token, piece in enumerate(pieces):
-        if lengths[token]:
-            text = "".join(chr(columns[c][rank[token]]) for c in range(lengths[token]))
-            assert text == piece.decode(), token
-    assert vocab.points((0, 0))[0] is columns  # kept, not decoded again
-
-
-@pytest.mark.model
-def test_grammar_shape_agrees_with_llama_cpp_token_by_token(llama: nrvna.LlamaRunner) -> None:
-    """Random grammars (the tests' own fuzzing of grammar shapes) walked by random tokens:
-    GrammarShape allows exactly the tokens llama.cpp's grammar sampler allows, state after
-    state, so the work it counts is the work llama.cpp will do."""
-    import numpy
-
-    L = llama.L
-    rng = random.Random(28)
-    pieces = {t: llama.piece(t) for t in range(llama.n_vocab)}
-    short = [t for t, p in pieces.items() if p and len(p) <= 3 and all(c in b"abcxy ,.!\"[]{}0123456789" for c in p)]
-    every = [t for t, p in pieces.items() if p and t not in llama.control_tokens and not L.llama_vocab_is_eog(llama.vocab, t)]
-    atoms = ['"a"', '"b"', '"ab"', "[a-c]", "[^a]", "[0-9]", '" "', '","', ".", '"x"', '"\\u00e9"']
-    one = L.llama_token_data(0, 0.0, 0.0)
-    array = L.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
-
-    def allowed(sampler: Any, token: int) -> bool:
-        one.id, one.logit, one.p = token, 0.0, 0.0
-        array.size, array.selected, array.sorted = 1, -1, False
-        L.llama_sampler_apply(sampler, ctypes.byref(array))
-        return one.logit != -numpy.inf
-
-    def item(depth: int) -> str:
-        roll = rng.random()
-        if roll < 0.5 or depth > 2:
-            return rng.choice(atoms) + rng.choice(["", "", "?", "*", "+", "{1,3}"])
-        if roll < 0.7:
-            return rng.choice(["r1", "r2"])
-        return "(" + " | ".join(sequence(depth + 1) for _ in range(rng.randint(2, 3))) + ")" + rng.choice(["", "*", "?"])
-
-    def sequence(depth: int) -> str:
-        return " ".join(item(depth) for _ in range(rng.randint(1, 3)))
-
-    compared = grammars = 0
-    while grammars < 60:
-        text = "\n".join(f"{name} ::= " + " | ".join(sequence(0) for _ in range(rng.randint(1, 3)))
-                         for name in ("root", "r1", "r2")) + '\nr2 ::= "y"' * 0
-        text = text.replace("r2 ::= ", 'r2 ::= "y" | ', 1)  # every rule can end
-        try:
-            shape = nrvna.check_grammar(text)
-        except nrvna.InvalidInput:
-            continue
-        sampler = L.llama_sampler_init_grammar(llama.vocab, text.encode(), b"root")
-        assert sampler, text
-        grammars += 1
-        state = shape.start
-        try:
-            for _ in range(12):
-                candidates = rng.sample(short, 40) + rng.sample(every, 10)
-                verdicts = [(t, allowed(sampler, t), shape.walk(state, pieces[t])[1]) for t in candidates]
-                for token, ok, after in verdicts:
-                    assert ok == (after is not None), (text, state, pieces[token])
-                    compared += 1
-                moves = [(t, after) for t, ok, after in verdicts if ok]
-                if not moves:
-                    break
-                token, state = rng.choice(moves)
-                L.llama_sampler_accept(sampler, token)
-        except nrvna.GrammarLimit:
-            pass  # (ambiguous past the start: what the daemon fails jobs for)
-        finally:
-            L.llama_sampler_free(sampler)
-    assert compared > 10_000, compared
-
-
-@pytest.mark.model
-def test_logprobs_are_the_log_softmax_of_the_model_s_logits(llama: nrvna.LlamaRunner, model_file: str) -> None:
-    import numpy
-    from llama_cpp import Llama
-
-    params = {"temperature": 0, "repeat_penalty": 1.0, "logprobs": True, "top_logprobs": 5, "max_tokens": 12}
-    outcome = generate(llama, "Name a fruit and its colour.", **params)
-    assert outcome.logprobs is not None and len(outcome.logprobs) == outcome.generated_tokens > 0
-    # flash attention as nrvna's contexts have it (llama.cpp's default, "auto", turns it on for
-    # the CPU; Llama's default is off, and the logprobs then differ by up to 0.1)
-    reference = Llama(model_path=model_file, n_ctx=512, logits_all=True, verbose=False, n_threads=2, flash_attn=True)
-    try:
-        reference.eval(llama.tokens(fake_job("Name a fruit and its colour.")))
-        for entry in outcome.logprobs:
-            logits = numpy.array(reference.scores[reference.n_tokens - 1], dtype=numpy.float64)
-            logprobs = logits - logits.max()
-            logprobs -= numpy.log(numpy.exp(logprobs).sum())
-            best = int(numpy.argmax(logprobs))
-            assert bytes(entry["bytes"]) == llama.piece(best)  # greedy: the likeliest token
-            assert abs(entry["logprob"] - logprobs[best]) < 1e-4, (entry, logprobs[best])
-            top = entry["top_logprobs"]
-            assert len(top) == 5 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
-            assert top[0]["bytes"] == entry["bytes"]
-            assert numpy.allclose([t["logprob"] for t in top], numpy.sort(logprobs)[::-1][:5], atol=1e-4)
-            reference.eval([best])
-    finally:
-        reference.close()
-    assert b"".join(bytes(e["bytes"]) for e in outcome.logprobs).decode() == outcome.text
-
-
-@pytest.mark.model
-def test_bytes_that_are_not_utf8_become_u_fffd_in_the_text_and_stay_exact_in_logprobs(llama: nrvna.LlamaRunner) -> None:
-    """What the README says of result.txt and logprobs' bytes (a stray continuation byte forced)."""
-    stray = next(t for t in range(llama.n_vocab) if llama.piece(t) == b"\x80")
-    outcome = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, logit_bias={str(stray): 100})
-    assert outcome.text == "\ufffd\ufffd" and outcome.text.encode("utf-8")
-    assert [bytes(e["bytes"]) for e in outcome.logprobs] == [b"\x80", b"\x80"]
-    assert [e["token"] for e in outcome.logprobs] == ["\\x80", "\\x80"]
-
-
-@pytest.mark.model
-def test_logit_bias_bans_and_forces_tokens(llama: nrvna.LlamaRunner) -> None:
-    greedy = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, top_logprobs=2)
-    first, second = (bytes(t["bytes"]) for t in greedy.logprobs[0]["top_logprobs"])
-    ids = {llama.piece(t): t for t in range(llama.n_vocab)}
-    banned = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, logit_bias={str(ids[first]): -100})
-    assert bytes(banned.logprobs[0]["bytes"]) == second  # the runner-up takes its place
-    forced = generate(llama, "Name a fruit.", temperature=0, max_tokens=1, logit_bias={str(ids[b" zebra"]): 100})
-    assert b" zebra" not in (first, second)
-    assert forced.text == " zebra"
-    with pytest.raises(nrvna.JobError, match="not in the model's vocabulary"):
-        generate(llama, "Name a fruit.", logit_bias={str(llama.n_vocab + 5): 1})
-
-
-@pytest.mark.model
-def test_a_grammar_ends_the_job_even_with_ignore_eos(llama: nrvna.LlamaRunner) -> None:
-    for seed in (1, 2, 3):
-        outcome = generate(llama, "Is water wet? Answer yes or no.", grammar='root ::= "yes" | "no"', ignore_eos=True,
-                           max_tokens=50, seed=seed, temperature=1.0)
-        assert outcome.text in ("yes", "no") and outcome.finish_reason == "stop" and outcome.error_code is None
 
 
 @pytest.mark.model
@@ -2818,31 +2171,6 @@ def test_the_submit_checks_agree_with_llama_cpp(llama: nrvna.LlamaRunner) -> Non
         grammar = nrvna.schema_to_grammar(schema)
         nrvna.check_grammar(grammar)
         assert llama_accepts(grammar), grammar
-
-
-@pytest.mark.model
-@pytest.mark.slow
-def test_sigkill_mid_batch_with_constrained_jobs_every_line_ends_once_and_valid(ws: str, tmp_path: Path, model: str,
-                                                                               run_main: RunMain) -> None:
-    lines = [{"custom_id": f"c{i}", "prompt": f"Invent product number {i} and describe it as JSON.", "seed": i + 1,
-              "response_format": schema_format(PRODUCT_SCHEMA), "max_tokens": 200} for i in range(12)]
-    lines += [{"custom_id": f"f{i}", "prompt": f"Count to {i + 3}.", "max_tokens": 40, "seed": i + 1} for i in range(4)]
-    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "k.jsonl", jsonl(lines)), "--tag", "k"))
-    proc = start_daemon(model, ws, "-w", "1", "-s", "4")
-    running = killed_after(ws, proc, done=3)
-    assert running > 0
-    restart = cli("daemon", model, ws, "-w", "1", "-s", "4", "--drain", timeout=600)
-    assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr
-    assert audit_clean(ws)
-    flow = Flow(ws)
-    for job_id in ids:
-        places = [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))]
-        assert places == [nrvna.OUTPUT], (job_id, places)  # ended once, and done
-        job = flow.get(job_id)
-        if job.params["custom_id"].startswith("c") and job.meta["finish_reason"] == "stop":
-            assert satisfies(json.loads(job.result), PRODUCT_SCHEMA), job.result
-    records = [json.loads(x) for x in run_main("export", ws, "--tag", "k").stdout.decode().splitlines()]
-    assert [r["custom_id"] for r in records] == [line["custom_id"] for line in lines]
 
 
 # ==============================================================================
@@ -3193,40 +2521,6 @@ def test_the_daemon_s_help_and_the_variables_list_give_one_default(run_main: Run
     assert re.search(r"^  NRVNA_WORKERS +4, or the cores if fewer ", listed, re.M)
 
 
-def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
-    """check_memory_budget: the need (the process, weights, every context, saves waiting) against
-    NRVNA_MAX_MEMORY, and each change that alone would fit (fewer workers, a shorter context, a
-    smaller KV type, fewer saves waiting); nothing when the budget holds or there is none."""
-    report = {"weights_mib": 92.1, "kv_mib": 202.5, "compute_mib": 98.3, "output_mib": 3.2, "cells": 9216,
-              "cells_per_job": 1024, "kv_bytes_per_token": 23040}
-    nrvna.check_memory_budget(nrvna.Config(), "m", report, 2, 50.0, True)  # no budget
-    nrvna.check_memory_budget(nrvna.Config(max_memory="1G"), "m", report, 2, 50.0, True)  # 796 MiB fits
-    with pytest.raises(nrvna.ConfigError) as caught:
-        nrvna.check_memory_budget(nrvna.Config(max_memory="500M"), "m", report, 2, 50.0, True)
-    message = str(caught.value)
-    assert "NRVNA_MAX_MEMORY=500M (500 MiB) cannot hold this daemon: it needs 795 MiB" in message
-    assert "2 contexts x 304.0 (KV cache 202.5, compute 98.3, output 3.2), contexts waiting to be saved 45" in message
-    assert message.endswith("it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=2048"), message
-    with pytest.raises(nrvna.ConfigError, match="NRVNA_MAX_CTX=7680 or NRVNA_KV_TYPE=q8_0 or NRVNA_CACHE_PENDING=29M"):
-        nrvna.check_memory_budget(nrvna.Config(max_memory="780M"), "m", report, 2, 50.0, True)
-    with pytest.raises(nrvna.ConfigError, match="nothing here fits it: a larger budget or a smaller model"):
-        nrvna.check_memory_budget(nrvna.Config(max_memory="200M"), "m", report, 2, 50.0, False)
-
-
-def test_an_embedding_model_s_memory_line_says_what_it_holds() -> None:
-    """#57: an embedding daemon's start line read "KV cache 0 x 0.0 MiB ... compute 0 x 0.0" beside
-    "2 workers x 16 sequences": it has no generation context, and says so."""
-    report = {"weights_mib": 43.5, "kv_type": "f16", "contexts": 0, "cells": 0, "cells_per_job": 0,
-              "kv_bytes_per_token": 0, "kv_mib": 0.0, "compute_mib": 0.0, "output_mib": 0.0,
-              "embedding_contexts": 0, "embedding_mib": 0, "total_mib": 43.5}
-    line = nrvna.memory_line("MiniLM", report)
-    assert line == ("Memory of MiniLM: weights 43.5 MiB, no generation contexts (an embedding model: each worker makes "
-                    "its embedding context at its first embed job; 0 made so far, 0.0 MiB): 43.5 MiB"), line
-    chat = dict(report, contexts=2, cells=9216, kv_bytes_per_token=23040, kv_mib=202.5, compute_mib=98.3,
-                output_mib=3.2, total_mib=651.1)
-    assert "KV cache 2 x 202.5 MiB (f16, 9,216 cells x 23,040 B a token), compute 2 x 98.3" in nrvna.memory_line("m", chat)
-
-
 def test_all_lists_the_public_names() -> None:
     """__all__ is the API: the module docstring's API block and docs/library.md's "Every public
     name" list each name of it once, in order, and nothing else; every other name nrvna.py
@@ -3336,16 +2630,6 @@ def test_a_done_chat_job_keeps_its_conversation_for_a_child() -> None:
     assert nrvna.conversation_turns("x", {"embed": True}, "[]") is None
 
 
-def test_the_daemon_writes_a_done_chat_job_s_conversation(ws: str) -> None:
-    chat, raw = submit(ws, "hi", system="Be brief."), submit(ws, "<s>hi", raw=True)
-    with serving(ws, echo):
-        assert wait_all(ws, [chat, raw]) == [Status.Done, Status.Done]
-    path = Path(ws, nrvna.OUTPUT, chat, nrvna.CONVERSATION_FILE)
-    assert json.loads(path.read_text()) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                                            {"role": "assistant", "content": "echo:hi"}]
-    assert not Path(ws, nrvna.OUTPUT, raw, nrvna.CONVERSATION_FILE).exists()
-
-
 def test_thinking_tags_are_auto_off_or_a_pair() -> None:
     assert nrvna.Config().thinking_tags == "auto"
     assert nrvna.Config.from_env({"NRVNA_THINKING_TAGS": "  <r>   </r> "}).thinking_tags == "<r> </r>"
@@ -3447,6 +2731,78 @@ def test_env_values_are_read() -> None:
 def test_bad_params_are_refused(params: dict, message: str) -> None:
     with pytest.raises(nrvna.InvalidInput, match=message):
         nrvna.validate_params(params)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"response_format": {"type": "json"}}, "response_format must be"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "takes no other field ('schema')"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}}, "name must be 1 to 64"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "schema must be a JSON Schema object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}}}, "unknown field 'extra'"),
+    ({"response_format": schema_format({"type": "number", "maximum": float("inf")})}, "not finite"),
+    ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "give grammar or response_format, not both"),
+    ({"grammar": 'root ::= "a"', "stop": ["\n"]}, "stop cannot be combined with grammar or response_format"),
+    ({"top_logprobs": 3}, "top_logprobs needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs=21 is out of range (0 to 20)"),
+    ({"logit_bias": {"abc": 1}}, "'abc' is not a token ID"),
+    ({"logit_bias": {"5": 101}}, "must be a number from -100 to 100"),
+    ({"logit_bias": [1]}, "logit_bias must be an object"),
+    ({"logit_bias": {"²": 1}}, "'²' is not a token ID"),
+    ({"response_format": schema_format({"enum": ["\ud800"]})}, "not valid Unicode"),
+])
+def test_structured_output_parameters_are_validated(params: dict[str, Any], message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput) as raised:
+        nrvna.validate_params(params)
+    assert message in str(raised.value)
+    text = nrvna.validate_params({"response_format": {"type": "text"}, "logprobs": True, "top_logprobs": 0})
+    assert text["response_format"] == {"type": "text"} and nrvna.constraint(text) is None
+
+
+def test_n_choices_is_a_job_parameter_in_every_form(ws: str, run_main: RunMain) -> None:
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "n": 4}}
+    assert nrvna.parse_batch(jsonl([line]).encode())[0].params["n"] == 4
+    assert nrvna.parse_batch(b'{"prompt": "x", "n": 2}\n', jsonl=True)[0].params["n"] == 2
+    job_id = run_main("submit", ws, "hi", "--n", "3").stdout.decode().strip()
+    assert Flow(ws).get(job_id).params["n"] == 3 and Work(ws).publish("hi", n=128)
+    for args, message in ((["hi", "--n", "0"], "parameter n=0 is out of range (1 to 128)"),
+                          (["hi", "--n", "129"], "parameter n=129 is out of range (1 to 128)")):
+        done = run_main("submit", ws, *args)
+        assert done.returncode == 2 and message in done.stderr.decode()
+    done = run_main("submit", ws, "--file", "-", input=b'{"embed": "t", "n": 2}\n')
+    assert done.returncode == 2 and b"an embed job takes no n" in done.stderr
+
+
+def test_the_log_probabilities_a_job_may_record_are_bounded_at_submit_and_at_claim(
+        ws: str, tmp_path: Path, run_main: RunMain, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n x max_tokens x (top_logprobs + 1) at most LOGPROBS_MAX: n=16, 992 tokens and 20 each
+    held 490 MB in a daemon and took 479 MB to read back."""
+    cap = nrvna.LOGPROBS_MAX
+    monkeypatch.delenv("NRVNA_PREDICT", raising=False)
+    refused = run_main("submit", ws, "hi", "--n", "16", "--max-tokens", "992", "--logprobs", "--top-logprobs", "20")
+    assert refused.returncode == 2 and refused.stdout == b""
+    assert refused.stderr.decode() == (f"nrvna: error: logprobs: n x max_tokens x (top_logprobs + 1) = 16 x 992 x 21 = "
+                                       f"333312 log-probabilities, over the limit of {cap} a job (give a smaller "
+                                       "max_tokens, n or top_logprobs)\n")
+    default = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20")  # 4 x 2048 x 21
+    assert default.returncode == 2 and b"4 x 2048 (the default, NRVNA_PREDICT) x 21" in default.stderr
+    smaller = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20", env={"NRVNA_PREDICT": "512"})
+    assert smaller.returncode == 0, smaller.stderr  # 4 x 512 x 21 = 43008
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "x", "n": 128, "max_tokens": 256, "logprobs": 5}}  # 128 x 256 x 6
+    batch = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line])))
+    assert batch.returncode == 2 and b"line 1: logprobs: n x max_tokens x (top_logprobs + 1) = 128 x 256 x 6" in batch.stderr
+    assert Work(ws).publish("hi", n=2, max_tokens=cap // 42, logprobs=True, top_logprobs=20)  # 2 x 3120 x 21, under
+    assert nrvna.LOGPROBS_MAX >= 2048 * 21  # one job of the default length with every top_logprob fits
+    assert str(cap) in nrvna.PARAMS["logprobs"].help
+    # A daemon whose own default of max_tokens is larger fails a job that names none at its claim.
+    job_id = submit(ws, "x", n=2, logprobs=True, top_logprobs=20)  # 2 x 2048 x 21 = 86016 here
+    assert Flow(ws).counts()["queued"] == 3
+    with serving(ws, echo, max_tokens=4096):
+        states = wait_all(ws, [job_id])
+    job = Flow(ws).get(job_id)
+    assert states == [Status.Failed] and job.meta["code"] == "bad_request"
+    assert "2 x 4096 (the default, NRVNA_PREDICT) x 21 = 172032 log-probabilities" in job.error
 
 
 # ==============================================================================
@@ -5652,6 +5008,90 @@ def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str,
         assert body["usage"]["prompt_tokens"] > 0 and body["model"].endswith(".gguf")
 
 
+@pytest.mark.parametrize("line, message", [
+    ({"prompt": "x", "response_format": schema_format({"type": "string", "format": "uri"})},
+     "line 2: response_format: schema /: format 'uri' is not supported"),
+    ({"prompt": "x", "grammar": "root ::= x"}, "line 2: grammar: rule 'x' is used but never defined"),
+    ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+      "body": {"messages": [{"role": "user", "content": "x"}], "response_format": schema_format({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.5}}})}},
+     "line 2: response_format: schema /properties/a: multipleOf 0.5 on a number is not supported"),
+    ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+      "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom"}]}},
+     "line 2: tools[0].type 'custom' is not supported (function only)"),
+    ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+      "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}},
+     "line 2: parameter top_logprobs=21 is out of range"),
+    ({"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 6}},
+     "line 2: body field 'logprobs' of /v1/completions must be an integer from 0 to 5"),
+    ({"prompt": "x", "grammar": 'root ::= "a"'}, "line 2: give grammar or response_format, not both (with the flags"),
+])
+def test_a_bad_structured_line_is_named_and_nothing_is_queued(ws: str, tmp_path: Path, line: dict, message: str,
+                                                             run_main: RunMain) -> None:
+    rows = [{"prompt": "fine", "response_format": schema_format(PRODUCT_SCHEMA)}, line, {"prompt": "also fine"}]
+    path = write(tmp_path / "batch.jsonl", jsonl(rows))
+    defaults = ("--json",) if "with the flags" in message else ()
+    done = run_main("submit", ws, "--file", path, *defaults)
+    assert done.returncode == 2 and message in done.stderr.decode(), done.stderr
+    assert done.stdout == b"" and b"Traceback" not in done.stderr
+    assert not os.path.exists(ws) or Flow(ws).counts()["queued"] == 0
+
+
+def test_openai_lines_carry_structured_output_and_logprobs() -> None:
+    chat = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": schema_format(PERSON_SCHEMA),
+                     "logprobs": True, "top_logprobs": 4, "logit_bias": {"50256": -100}, "presence_penalty": 0.5}}
+    legacy = {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 3}}
+    none = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": None}}
+    a, b, c = nrvna.parse_batch(jsonl([chat, legacy, none]).encode())
+    assert a.params["response_format"] == schema_format(PERSON_SCHEMA) and a.params["top_logprobs"] == 4
+    assert a.params["logit_bias"] == {"50256": -100.0} and a.params["logprobs"] is True
+    assert b.params["logprobs"] is True and b.params["top_logprobs"] == 3
+    assert "logprobs" not in c.params
+
+
+def logprob_runner(job: nrvna.RunningJob) -> Outcome:
+    """A runner that reports made-up log-probabilities in the engine's shape."""
+    entries = [{"token": t, "logprob": -0.5 * i, "bytes": list(t.encode()),
+                "top_logprobs": [{"token": t, "logprob": -0.5 * i, "bytes": list(t.encode())}]}
+               for i, t in enumerate(["{", '"a"', ":", "1", "}"])]
+    return Outcome(text='{"a":1}', finish_reason="stop", generated_tokens=5,
+                   logprobs=entries if job.params.get("logprobs") else None)
+
+
+def test_logprobs_are_stored_read_back_and_exported_in_openai_s_shapes(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    rows = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1,
+                      "response_format": {"type": "json_object"}}},
+            {"custom_id": "legacy", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 1}},
+            {"custom_id": "plain", "prompt": "x"}]
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "l.jsonl", jsonl(rows)), "--tag", "lp"))
+    with serving(ws, logprob_runner):
+        wait_all(ws, ids)
+    chat_dir = os.path.join(ws, nrvna.OUTPUT, ids[0])
+    assert json.load(open(os.path.join(chat_dir, "logprobs.json")))[0]["token"] == "{"
+    assert not os.path.exists(os.path.join(ws, nrvna.OUTPUT, ids[2], "logprobs.json"))
+    got = json.loads(run_main("get", ws, ids[0], "--json").stdout)
+    assert [e["token"] for e in got["logprobs"]] == ["{", '"a"', ":", "1", "}"] and got["result"] == '{"a":1}'
+    assert json.loads(run_main("get", ws, ids[2], "--json").stdout)["logprobs"] is None
+    out = [json.loads(x) for x in run_main("export", ws, "--tag", "lp", "--format", "openai").stdout.decode().splitlines()]
+    chat = out[0]["response"]["body"]["choices"][0]
+    assert chat["message"]["content"] == '{"a":1}' and chat["logprobs"]["refusal"] is None
+    assert chat["logprobs"]["content"][3] == {"token": "1", "logprob": -1.5, "bytes": [49],
+                                              "top_logprobs": [{"token": "1", "logprob": -1.5, "bytes": [49]}]}
+    legacy = out[1]["response"]["body"]["choices"][0]["logprobs"]
+    assert legacy["tokens"] == ["{", '"a"', ":", "1", "}"] and legacy["text_offset"] == [1, 2, 5, 6, 7]  # after "x"
+    assert legacy["token_logprobs"][1] == -0.5 and legacy["top_logprobs"][1] == {'"a"': -0.5}
+    assert out[2]["response"]["body"]["choices"][0]["logprobs"] is None
+    records = [json.loads(x) for x in run_main("export", ws, "--tag", "lp").stdout.decode().splitlines()]
+    assert len(records[0]["logprobs"]) == 5 and "logprobs" not in records[2]
+    # a retried job leaves no stale logprobs.json behind
+    job_dir = os.path.join(ws, nrvna.FAILED, ids[0])
+    os.rename(chat_dir, job_dir)
+    nrvna.mark_failed(ws, nrvna.FAILED, ids[0], "timeout", "made up")
+    assert nrvna.retry_job(ws, ids[0])[0] == "queued"
+    assert not os.path.exists(os.path.join(ws, nrvna.READY, ids[0], "logprobs.json"))
+
+
 # ==============================================================================
 # 9. Client: Work and Flow (submit, status, get, wait)
 # ==============================================================================
@@ -6876,181 +6316,6 @@ def test_chat_template_kwargs_reach_the_template(model: str) -> None:
 
 
 @pytest.mark.model
-def test_thinking_vocab_reads_a_model_s_thinking_without_its_weights(model: str) -> None:
-    """scripts/thinking_vocab.py: the tags, their tokens and where a prompt starts, from the
-    vocabulary and template alone (how the real DeepSeek-R1 distill was checked, docs/reasoning.md)."""
-    script = str(HERE / "scripts" / "thinking_vocab.py")
-    shown = subprocess.run([sys.executable, script, thinking_copy(model)], capture_output=True, timeout=120)
-    assert shown.returncode == 0, shown.stderr
-    lines = shown.stdout.decode().splitlines()
-    assert lines[0] == "tags: '<think>' '</think>'" and "  '</think>' is [9617, 17400, 46] '</think>'" in lines
-    assert "the daemon closes a block with [9617, 17400, 46, 1116] '</think>\\n\\n'" in lines
-    assert "  a plain job: starts inside a block" in lines
-    plain = subprocess.run([sys.executable, script, model], capture_output=True, timeout=120)
-    assert plain.returncode == 0 and plain.stdout.startswith(b"no thinking block")
-
-
-@pytest.mark.model
-def test_a_thinking_model_s_thinking_is_kept_apart_from_its_answer(tmp_path: Path, model: str, ws: str) -> None:
-    """On a copy of SmolLM2 whose template opens a <think> block: result.txt holds the answer
-    alone, reasoning.txt the thinking, meta.json the tokens spent before the answer; get, get
-    --reasoning, get --json and both exports give each its place, read back by the openai
-    package. Greedy, this model ends its generation inside the block: the daemon closes the
-    block instead, and the answer follows."""
-    import jsonschema
-    import openai.types.chat as chat
-
-    plain = submit(ws, "What is 2+2?", temperature=0)
-    schema = submit(ws, "What is 2+2?", temperature=0, response_format=ANSWER_SCHEMA)
-    choices = submit(ws, "What is 2+2?", temperature=0.8, seed=5, n=2, max_tokens=120)
-    off = submit(ws, "What is 2+2?", temperature=0, chat_template_kwargs={"enable_thinking": False})
-    logged = submit(ws, "What is 2+2?", temperature=0, logprobs=True, top_logprobs=2)
-    done = cli("daemon", thinking_copy(model), ws, "-w", "1", "--drain", timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    flow = Flow(ws)
-    job = flow.get(plain)
-    assert job.status is Status.Done and job.meta["finish_reason"] == "stop"
-    assert_apart(job.result, job.reasoning)
-    assert job.reasoning and 0 < job.meta["reasoning_tokens"] < job.meta["generated_tokens"]
-    assert job.meta["thinking_closed"] == "eog"  # the model's end of generation, inside the block
-    assert Path(ws, nrvna.OUTPUT, plain, "reasoning.txt").read_text() == job.reasoning
-    assert cli("get", ws, plain).stdout.decode() == job.result
-    assert cli("get", ws, plain, "--reasoning").stdout.decode() == job.reasoning
-    assert json.loads(cli("get", ws, plain, "--json").stdout)["reasoning"] == job.reasoning
-    records = {r["id"]: r for r in map(json.loads, cli("export", ws, "--format", "jsonl").stdout.decode().splitlines())}
-    assert records[plain]["reasoning"] == job.reasoning and records[plain]["result"] == job.result
-    bodies = {line["response"]["body"]["id"]: line["response"]["body"]
-              for line in map(json.loads, cli("export", ws, "--format", "openai").stdout.decode().splitlines())}
-    completions = {job_id: chat.ChatCompletion.model_validate(bodies[f"chatcmpl-{job_id}"])
-                   for job_id in (plain, schema, choices, off, logged)}
-    read = completions[plain]
-    assert read.choices[0].message.content == job.result
-    assert read.choices[0].message.model_extra["reasoning_content"] == job.reasoning
-    assert read.usage.completion_tokens_details.reasoning_tokens == job.meta["reasoning_tokens"]
-    # structured output after the thinking: the model thought, and the answer is valid
-    job = flow.get(schema)
-    assert job.reasoning and job.meta["reasoning_tokens"] > 0
-    jsonschema.validate(json.loads(job.result), ANSWER_SCHEMA["json_schema"]["schema"])
-    assert completions[schema].choices[0].message.content == job.result
-    # n choices: each thought on its own
-    job = flow.get(choices)
-    assert [c["index"] for c in job.choices] == [0, 1]
-    for choice, read_choice in zip(job.choices, completions[choices].choices):
-        assert_apart(choice["text"], choice["reasoning"])
-        assert read_choice.message.model_extra.get("reasoning_content") == (choice["reasoning"] or None)
-    assert job.meta["reasoning_tokens"] == sum(c["reasoning_tokens"] for c in job.choices)
-    assert job.choices[0]["reasoning"] == job.reasoning and job.choices[0]["reasoning"] != job.choices[1]["reasoning"]
-    # thinking turned off by the template's switch: no thinking at all
-    job = flow.get(off)
-    assert job.result.strip() and not job.reasoning and job.meta["reasoning_tokens"] == 0
-    assert not Path(ws, nrvna.OUTPUT, off, "reasoning.txt").exists()
-    assert completions[off].usage.completion_tokens_details.reasoning_tokens == 0
-    # log-probabilities: the answer's tokens alone
-    job = flow.get(logged)
-    assert job.reasoning and "".join(entry["token"] for entry in job.logprobs) == job.result
-
-
-@pytest.mark.model
-def test_a_thinking_budget_closes_the_block_and_the_answer_keeps_its_share(model: str) -> None:
-    """The daemon closes the block itself: at the job's budget (thinking_budget_tokens, or its
-    reasoning_effort's), or where max_tokens would otherwise end the job inside it, leaving the
-    answer a quarter of max_tokens. End of generation is banned here so that the budget, not
-    the model, ends the thinking."""
-    runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
-    closing = len(runner.thinking.closing)
-    try:
-        for budget in (1, 8, 30):
-            outcome = generate(runner, "What is 2+2?", temperature=0, thinking_budget_tokens=budget,
-                               logit_bias=BAN_EOG, max_tokens=100)
-            assert_apart(outcome.text, outcome.reasoning)
-            assert outcome.reasoning_tokens == budget + closing and outcome.thinking_closed == "budget", outcome
-            assert outcome.finish_reason == "length" and outcome.generated_tokens == 100
-        # no budget: max_tokens 40 keeps 10 for the answer; the block is closed at 40 - 10 - 4
-        outcome = generate(runner, "What is 2+2?", temperature=0, logit_bias=BAN_EOG, max_tokens=40)
-        assert_apart(outcome.text, outcome.reasoning)
-        assert outcome.reasoning_tokens == 30 and outcome.generated_tokens == 40 and outcome.thinking_closed == "share"
-        # too few tokens to think and answer: the block is closed in the prompt
-        outcome = generate(runner, "What is 2+2?", temperature=0, max_tokens=3)
-        assert outcome.reasoning_tokens == 0 and outcome.text.strip()
-        outcome = generate(runner, "What is 2+2?", temperature=0, reasoning_effort="none")
-        assert outcome.reasoning_tokens == 0 and outcome.reasoning == "" and outcome.text.strip()
-    finally:
-        runner.close()
-
-
-@pytest.mark.model
-def test_an_answer_past_a_block_the_prompt_closed_starts_with_no_newline(model: str) -> None:
-    """#57: with a budget of 0 (or effort none, or enable_thinking false) the template closes the
-    block in the prompt; the model writes a newline after it, which was the answer's first
-    character. It is dropped, as after a block the model closes, and counts as no reasoning."""
-    runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
-    try:
-        for params in ({"thinking_budget_tokens": 0}, {"reasoning_effort": "none"},
-                       {"chat_template_kwargs": {"enable_thinking": False}}):
-            outcome = generate(runner, "Name a colour.", temperature=0, max_tokens=12, **params)
-            assert outcome.text.strip() and outcome.text == outcome.text.lstrip(), (params, outcome.text)
-            assert outcome.reasoning_tokens == 0 and not outcome.reasoning, outcome
-    finally:
-        runner.close()
-
-
-@pytest.mark.model
-def test_harmony_channels_are_thinking_and_answer(model: str) -> None:
-    """gpt-oss's format on a copy of SmolLM2: with a grammar the daemon opens the analysis
-    channel, the model thinks there, and the daemon closes it and opens the final channel, where
-    the grammar starts; a budget of 0 goes to the final channel at once. No markup reaches
-    either part."""
-    import jsonschema
-
-    runner = nrvna.LlamaRunner(thinking_copy(model, "harmony"), nrvna.Config(max_ctx=512, workers=1))
-    try:
-        outcome = generate(runner, "What is 2+2?", temperature=0, response_format=ANSWER_SCHEMA)
-        assert_apart(outcome.text, outcome.reasoning)
-        assert outcome.reasoning and outcome.reasoning_tokens > 0
-        jsonschema.validate(json.loads(outcome.text), ANSWER_SCHEMA["json_schema"]["schema"])
-        outcome = generate(runner, "What is 2+2?", temperature=0, thinking_budget_tokens=0,
-                           response_format=ANSWER_SCHEMA)
-        assert outcome.reasoning_tokens == 0 and json.loads(outcome.text)["answer"] is not None
-    finally:
-        runner.close()
-
-
-@pytest.mark.model
-def test_a_model_that_does_not_think_takes_the_parameters_and_reports_no_reasoning(
-        llama: nrvna.LlamaRunner) -> None:
-    assert llama.thinking is None
-    outcome = generate(llama, "What is 2+2?", temperature=0, thinking_budget_tokens=5, reasoning_effort="high",
-                       chat_template_kwargs={"enable_thinking": False})
-    assert outcome.text.strip() and outcome.reasoning is None and outcome.reasoning_tokens == 0
-    outcome = generate(llama, "What is 2+2?", grammar='root ::= "<think>x</think>It is 4."')
-    assert outcome.text == "<think>x</think>It is 4." and outcome.reasoning is None
-
-
-@pytest.mark.model
-def test_a_daemon_killed_while_a_job_thinks_runs_it_again_whole_once(model: str, ws: str) -> None:
-    """SIGKILL while the job is inside its thinking block (nothing of an answer yet): the next
-    daemon runs it again from the start, and it ends once, with its thinking and its answer."""
-    job_id = submit(ws, "Explain addition.", temperature=0, logit_bias=BAN_EOG, max_tokens=400)
-    proc = start_daemon(thinking_copy(model), ws, "-w", "1")
-    try:
-        deadline = time.monotonic() + 120
-        while Flow(ws).status(job_id) is not Status.Running and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.5)  # a few tokens into 296 of thinking
-        partial = Path(ws, nrvna.PROCESSING, job_id, nrvna.PARTIAL_FILE)
-        assert not partial.exists() or partial.read_text() == ""  # thinking: no answer text yet
-    finally:
-        proc.kill()
-        proc.wait()
-    done = cli("daemon", thinking_copy(model), ws, "-w", "1", "--drain", timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    job = Flow(ws).get(job_id)
-    assert job.status is Status.Done and job.meta["attempts"] == 2 and Flow(ws).counts()["done"] == 1
-    assert_apart(job.result, job.reasoning)
-    assert 0 < job.meta["reasoning_tokens"] <= 296 + 4  # max_tokens 400 leaves the answer 100, closing is 4
-
-
-@pytest.mark.model
 def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> None:
     templated = llama.tokens(fake_job("Hello"))
     raw = llama.tokens(fake_job("Hello", raw=True))
@@ -7467,6 +6732,430 @@ def test_a_quantized_kv_cache_is_smaller_generates_and_keeps_its_own_saved_state
 
 
 # ==============================================================================
+# 11.2 Grammar conversion: once per schema, on the Grammar thread
+# ==============================================================================
+
+
+@pytest.mark.model
+def test_a_schema_is_converted_once_for_many_jobs_and_parsed_once_per_context(llama: nrvna.LlamaRunner) -> None:
+    schema = {"type": "object", "properties": {"converted_once": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0}},
+              "required": ["converted_once", "n"]}
+    reordered = dict(schema, properties=dict(reversed(list(schema["properties"].items()))))
+    config = nrvna.Config(workers=2, seqs=4, max_ctx=512)
+    sessions = [llama.session(i, config) for i in range(2)]
+    before = llama.conversions
+    try:
+        def run(count: int, **params: Any) -> list[Outcome]:
+            jobs = [fake_job(f"Answer {i} in JSON.", temperature=0, max_tokens=3, **params) for i in range(count)]
+            outcomes = []
+            while jobs or any(s.active() for s in sessions):
+                for session in sessions:
+                    while jobs and session.free() > 0:
+                        session.start(jobs.pop())
+                    if session.active():
+                        outcomes += [o for _, o in session.step()]
+            return outcomes
+
+        assert len(run(24, response_format=schema_format(schema))) == 24
+        assert llama.conversions - before == 1  # 24 jobs on 2 workers: one conversion
+        assert all(len(s.templates.parsed) == 1 for s in sessions)  # and one parsed grammar per context
+        run(6, response_format=schema_format(reordered))  # another property order: another grammar
+        run(6, response_format={"type": "json_object"})
+        run(6, grammar='root ::= "x"+')
+        assert llama.conversions - before == 2
+    finally:
+        for session in sessions:
+            session.close()
+
+
+def converting_slowly(monkeypatch: pytest.MonkeyPatch, beside: Optional[nrvna.RunningJob] = None
+                      ) -> tuple[list[str], threading.Event]:
+    """Make every schema's conversion slow, by events rather than by time: it waits for 5 more
+    tokens of the job ``beside`` (none can come while it runs on that job's worker), and a
+    schema described "held" waits for the event returned. Returns the list of what happened."""
+    made, events, release = nrvna.schema_to_grammar, [], threading.Event()
+
+    def converting(schema: Any) -> str:
+        events.append("converting")
+        if beside is not None:
+            first, deadline = len(beside.emitted), time.monotonic() + 30  # (a hang guard)
+            while len(beside.emitted) < first + 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # (at least 5: the worker may make one more before this thread looks again)
+            made_beside = len(beside.emitted) - first
+            events.append("5 tokens beside" if made_beside >= 5 else f"{made_beside} tokens beside")
+        if schema.get("description") == "held":
+            release.wait(60)  # (a hang guard)
+        events.append("converted")
+        return made(schema)
+
+    monkeypatch.setattr(nrvna, "schema_to_grammar", converting)
+    return events, release
+
+
+@pytest.mark.model
+def test_a_schema_being_converted_holds_up_neither_the_jobs_beside_it_nor_a_stop(
+        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42: a schema's conversion ran on the worker, under the runner's grammar lock, and
+    the sequences beside it made no token for 72 s. It runs on the runner's Grammar thread: the
+    job beside it goes on generating meanwhile, the job begins once its grammar is made, and a
+    job dropped while its grammar is made (a stop) leaves at once, the conversion abandoned."""
+    beside = fake_job("Count from one to a hundred in words.", temperature=0, max_tokens=300, ignore_eos=True)
+    events, release = converting_slowly(monkeypatch, beside)
+    session = llama.session(0, nrvna.Config(workers=1, seqs=3, max_ctx=1536))
+    try:
+        session.start(beside)
+        session.step()  # its prompt: from here on it makes a token a step
+        form = fake_job("Fill in the form as JSON.", max_tokens=6, response_format=schema_format(
+            costly_patterns(1) | {"description": "beside"}))
+        session.start(form)
+        assert form in session.active() and session.free() == 1  # it holds its slot while it waits
+        ended: dict[int, Outcome] = {}
+        for _ in range(3000):
+            ended.update((id(job), outcome) for job, outcome in session.step())
+            if id(form) in ended:
+                break
+        assert events[:3] == ["converting", "5 tokens beside", "converted"], events
+        assert ended[id(form)].error_code is None and ended[id(form)].generated_tokens == 6, ended[id(form)]
+        held = fake_job("Fill in the form as JSON.", max_tokens=6, response_format=schema_format(
+            costly_patterns(1) | {"description": "held"}))
+        session.start(held)
+        for _ in range(3000):  # until its conversion has begun, and is held
+            if events.count("5 tokens beside") == 2:
+                break
+            session.step()
+        session.drop(held)
+        assert held not in session.active()
+        session.step()  # the job beside goes on
+        events.append("dropped")
+    finally:
+        session.close()
+        events.append("closed")
+        release.set()
+    for _ in range(600):
+        if events.count("converted") == 2:
+            break
+        time.sleep(0.1)
+    assert events[3:] == ["converting", "5 tokens beside", "dropped", "closed", "converted"], events
+
+
+# ==============================================================================
+# 11.3 Sampling: the shortlist, log-probabilities and logit bias
+# ==============================================================================
+
+
+@pytest.mark.model
+def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_draw(llama: nrvna.LlamaRunner,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each time a constrained job's free draw is refused and the shortlist suffices, the
+    token drawn from it equals the token the sampler chain draws from the whole vocabulary
+    (from the same random state: each path gets a clone of the chain). A short shortlist
+    puts its bounds within reach of the chain's cuts, where the conditions matter."""
+    import numpy
+
+    monkeypatch.setattr(nrvna, "SHORTLIST", 48)
+
+    config = nrvna.Config(workers=1, seqs=8, max_ctx=2048)
+    session = llama.session(0, config)
+    L, compared, fell_back, redraws = llama.L, [0, 0], [0], nrvna._JobSampler._resample
+
+    def both(sampler: Any, logits: Any) -> int:
+        if session.scratch.candidates is None:  # the first redraw makes the arrays
+            return redraws(sampler, logits)
+        row = numpy.array(logits)
+        ids = numpy.sort(numpy.argpartition(row, llama.n_vocab - nrvna.SHORTLIST)[-nrvna.SHORTLIST:])
+        allowed = sampler._apply_grammar(ids, row[ids])
+        if allowed is not None and sampler._shortlist_suffices(numpy.sort(allowed)[::-1], float(row[ids].min())):
+            chain, clones = sampler.chain, [L.llama_sampler_clone(sampler.chain) for _ in range(2)]
+            try:
+                sampler.chain = clones[0]
+                sampler._apply_grammar(session.scratch.token_ids, row)
+                whole = sampler._draw()
+                sampler.chain = clones[1]
+                compared[0] += 1
+                compared[1] += whole == redraws(sampler, logits)
+            finally:
+                sampler.chain = chain
+                for clone in clones:
+                    L.llama_sampler_free(clone)
+        else:
+            fell_back[0] += 1
+        return redraws(sampler, logits)
+
+    monkeypatch.setattr(nrvna._JobSampler, "_resample", both)
+    try:
+        for sampling in ({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05},
+                         {"temperature": 1.0, "top_k": 0, "top_p": 0.95, "min_p": 0.1},
+                         {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}, {"temperature": 0}):
+            jobs = [fake_job(f"Describe product {i} as JSON.", seed=i + 1, max_tokens=120,
+                             response_format=schema_format(PRODUCT_SCHEMA), **sampling) for i in range(6)]
+            while jobs or session.active():
+                while jobs and session.free() > 0:
+                    session.start(jobs.pop())
+                session.step()
+    finally:
+        session.close()
+    assert compared[0] > 100 and compared[1] == compared[0], compared
+    assert fell_back[0] > 50  # and the whole vocabulary was needed often
+
+
+def whole_vocabulary_draw(runner: nrvna.LlamaRunner, scratch: Any, chain: Any, row: Any) -> int:
+    """What llama_sampler_sample does with a row of logits: the whole vocabulary in token order
+    as the candidates, the chain applied, the token accepted."""
+    import numpy
+
+    scratch.whole_vocabulary(numpy, runner.n_vocab)
+    candidates, array = scratch.candidates, scratch.candidates_array
+    candidates["id"], candidates["logit"], candidates["p"] = scratch.token_ids, row, 0.0
+    array.size, array.selected, array.sorted = runner.n_vocab, -1, False
+    runner.L.llama_sampler_apply(chain, scratch.byref(array))
+    token = int(candidates["id"][array.selected])
+    runner.L.llama_sampler_accept(chain, token)
+    return token
+
+
+def logit_rows(kind: str, count: int, n_vocab: int, seed: int) -> Any:
+    """Rows of logits shaped like a model's (a bulk and a few dozen standouts); "ties": rounded
+    to halves, so tied logits abound; "edge": the 40th and 41st largest made equal."""
+    import numpy
+
+    rng = numpy.random.default_rng(seed)
+    rows = (rng.standard_normal((count, n_vocab)) * 2).astype(numpy.float32)
+    for row in rows:
+        row[rng.integers(0, n_vocab, 30)] += rng.uniform(4, 14, 30).astype(numpy.float32)
+        if kind == "edge":
+            order = numpy.argsort(row)[::-1]
+            row[order[40]] = row[order[39]]
+    return numpy.round(rows * 2) / 2 if kind == "ties" else rows
+
+
+SHORTLIST_CHAINS = [{"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05}, {"temperature": 0},
+                    {"temperature": 1.5, "top_k": 5, "top_p": 1.0, "min_p": 0.0},
+                    {"temperature": 1.0, "top_k": 200, "top_p": 0.95, "min_p": 0.0},  # llama.cpp's bucket sort
+                    {"temperature": 0.7, "top_k": 1}, {"temperature": 1.0, "top_k": 511, "top_p": 0.5, "min_p": 0.01},
+                    {"temperature": 1.0, "top_k": 0, "top_p": 0.9, "min_p": 0.05}]  # no top_k: the whole vocabulary
+
+
+def shortlist_draws(runner: nrvna.LlamaRunner, rows: Any, params: dict[str, Any]) -> tuple[int, int]:
+    """Each row drawn from by a chain of ``params`` from the whole vocabulary, and by a clone
+    of it (the same random state) as a session draws (from the shortlist where _likeliest
+    finds one): (draws that differ, draws made from a shortlist)."""
+    import numpy
+
+    scratch = nrvna._SamplingScratch(runner)
+    config = runner.config
+    chain = runner.sampler(params)
+    settings = (nrvna.job_param(params, "temperature", config) <= 0, nrvna.job_param(params, "top_k", config),
+                nrvna.job_param(params, "top_p", config), nrvna.job_param(params, "min_p", config))
+    sampler = nrvna._JobSampler(runner, scratch, runner.L.llama_sampler_clone(chain), settings)
+    try:
+        size = sampler.shortlist_size
+        found = nrvna._likeliest(numpy, rows, list(range(len(rows))), [size] * len(rows))
+        differ = short = 0
+        for row, likeliest in zip(rows, found):
+            whole = whole_vocabulary_draw(runner, scratch, chain, row)
+            if likeliest is None:
+                drawn = whole_vocabulary_draw(runner, scratch, sampler.chain, row)
+            else:
+                drawn, short = sampler._draw_short(*likeliest), short + 1
+            differ += drawn != whole
+        return differ, short
+    finally:
+        runner.L.llama_sampler_free(chain)
+        sampler.free()
+
+
+@pytest.mark.model
+def test_a_top_k_draw_from_the_likeliest_tokens_is_the_whole_vocabulary_s_draw(llama: nrvna.LlamaRunner,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """6,300 draws (3 kinds of rows x 300 x 7 chains, the same seed for both sides): a draw
+    from the k likeliest tokens equals llama.cpp's draw from the whole vocabulary every time;
+    rows with tied logits near the top go to the whole vocabulary. Breaking either condition
+    (ties allowed, or a shortlist for a chain with no top_k) makes draws differ."""
+    drawn_short = {}
+    for kind in ("plain", "ties", "edge"):
+        rows = logit_rows(kind, 300, llama.n_vocab, seed=len(kind))
+        for i, params in enumerate(SHORTLIST_CHAINS):
+            differ, short = shortlist_draws(llama, rows, dict(params, seed=11 + i))
+            assert differ == 0, (kind, params, differ)
+            drawn_short[kind, i] = short
+    # (the 512 largest of 49,152 float logits hold a tie now and then: 283 of 300 rows had none)
+    assert all(drawn_short["plain", i] >= 270 for i in range(6)) and drawn_short["plain", 6] == 0
+    assert drawn_short["ties", 0] == 0 and drawn_short["edge", 0] == 0  # their 41 largest hold ties
+    assert drawn_short["edge", 2] == 300  # top_k 5: the tie at 40 is beyond what it looks at
+
+    ties = logit_rows("ties", 300, llama.n_vocab, seed=4)
+    with monkeypatch.context() as mutated:
+        mutated.setattr(nrvna, "_strictly_decreasing", lambda values: values[:-1] == values[:-1])
+        assert shortlist_draws(llama, ties, dict(SHORTLIST_CHAINS[0], seed=3))[0] > 0
+    plain = logit_rows("plain", 300, llama.n_vocab, seed=5)
+    with monkeypatch.context() as mutated:
+        mutated.setattr(nrvna, "_shortlist_size", lambda settings: 1 if settings[0] else settings[1] or 40)
+        assert shortlist_draws(llama, plain, dict(SHORTLIST_CHAINS[6], seed=3))[0] > 0
+
+
+@pytest.mark.model  # (no model: numpy, which comes with llama-cpp-python)
+def test_the_likeliest_tokens_are_found_only_in_finite_rows_and_in_order() -> None:
+    """_likeliest: the k largest logits, likeliest first, for the rows asked; None for a row
+    with a NaN or an infinity, a k of 0 or of SHORTLIST_COLUMNS, a vocabulary too small."""
+    import numpy
+
+    rng = numpy.random.default_rng(2)
+    rows = rng.standard_normal((6, 5000)).astype(numpy.float32)
+    rows[3, 17], rows[4, 99] = numpy.nan, numpy.inf
+    found = nrvna._likeliest(numpy, rows, [0, 2, 3, 4, 5, 1], [40, 1, 40, 40, 0, nrvna.SHORTLIST_COLUMNS])
+    for (ids, values), row in ((found[0], rows[0]), (found[1], rows[2])):
+        expected = numpy.argsort(row)[::-1][:len(ids)]
+        assert list(ids) == list(expected) and list(values) == list(row[expected])
+    assert len(found[0][0]) == 40 and len(found[1][0]) == 1 and found[2:] == [None] * 4
+    assert nrvna._likeliest(numpy, rows[:, :1000], [0], [40]) == [None]  # fewer than 2 x SHORTLIST_COLUMNS tokens
+
+
+@pytest.mark.model
+def test_jobs_draw_from_the_shortlist_what_the_whole_vocabulary_gives(llama: nrvna.LlamaRunner,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real jobs, batched, with penalties, logit biases, greedy and n choices: each draw made
+    from a shortlist equals the chain's draw (a clone of it) from the whole penalised row."""
+    import numpy
+
+    session = llama.session(0, nrvna.Config(workers=1, seqs=8, max_ctx=2048))
+    compared, differ, sample = [0], [0], nrvna._JobSampler.sample
+
+    def both(sampler: Any, ctx: Any, index: int, logits: Any, likeliest: Any = None) -> int:
+        if likeliest is not None:
+            row = numpy.array(logits)
+            clone = llama.L.llama_sampler_clone(sampler.chain)
+            try:
+                whole = whole_vocabulary_draw(llama, nrvna._SamplingScratch(llama), clone, row)
+            finally:
+                llama.L.llama_sampler_free(clone)
+            token = sample(sampler, ctx, index, logits, likeliest)
+            compared[0] += 1
+            differ[0] += token != whole
+            return token
+        return sample(sampler, ctx, index, logits, likeliest)
+
+    monkeypatch.setattr(nrvna._JobSampler, "sample", both)
+    params = [{}, {"repeat_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.4},
+              {"logit_bias": {"28": 5.0, "30": -3.0}}, {"temperature": 0}, {"top_k": 5, "temperature": 1.2},
+              {"n": 3}, {"top_k": 0}]
+    try:
+        jobs = [fake_job(f"Tell me about topic {i}.", seed=i + 1, max_tokens=40, ignore_eos=True, **p)
+                for i, p in enumerate(params)]
+        while jobs or session.active():
+            while jobs and session.free() > 0:
+                session.start(jobs.pop())
+            session.step()
+        assert session.scratch.draws[1] >= 40  # top_k 0: the whole vocabulary
+    finally:
+        session.close()
+    assert compared[0] >= 6 * 40 and differ[0] == 0, (compared, differ)
+
+
+@pytest.mark.model
+def test_the_shortlist_suffices_only_where_the_chain_cannot_reach_beyond_it(llama: nrvna.LlamaRunner) -> None:
+    """Allowed tokens of the shortlist with logits 10 and 9; every token outside is at most
+    the threshold. (greedy, top_k, top_p, min_p) as LlamaRunner.sampler builds the chain."""
+    import numpy
+
+    import types
+
+    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
+    try:
+        def suffices(chain: tuple, threshold: float, allowed: tuple = (10.0, 9.0)) -> bool:
+            # a stand-in for a _JobSampler: only its chain's settings and the runner are read
+            sampler = types.SimpleNamespace(chain_settings=chain, runner=session.runner)
+            return nrvna._JobSampler._shortlist_suffices(sampler, numpy.array(allowed, dtype=numpy.float32), threshold)
+
+        assert suffices((True, 0, 1.0, 0.0), 9.9) and not suffices((True, 0, 1.0, 0.0), 10.0)  # greedy: the best is in
+        assert suffices((False, 2, 0.9, 0.0), 9.9)  # top_k: the shortlist holds top_k allowed tokens
+        assert not suffices((False, 3, 1.0, 0.0), 5.0)  # a third could come from outside, and no min_p drops it
+        assert not suffices((False, 0, 1.0, 0.0), -50.0)  # without min_p, however unlikely, an outsider may be drawn
+        assert suffices((False, 0, 1.0, 0.1), 7.6) and not suffices((False, 0, 1.0, 0.1), 7.8)  # min_p cuts at 7.697
+        # top_p 0.7: the nucleus of {10, 9} alone is {10}; one outside token at 7.6 (weight 0.09 of the best)
+        # makes it {10, 9} before min_p drops the outsider: the shortlist would draw from the wrong set
+        assert not suffices((False, 3, 0.7, 0.1), 7.6)
+        assert suffices((False, 3, 0.7, 0.1), 5.0)  # far enough down, two outsiders cannot move the nucleus
+        assert suffices((False, 3, 0.5, 0.1), 7.6)  # a nucleus that ends at the best token either way
+    finally:
+        session.close()
+
+
+@pytest.mark.model
+def test_control_tokens_never_enter_a_constrained_output(llama: nrvna.LlamaRunner) -> None:
+    """The grammar matches a control token by its text, which the result would not hold."""
+    start = llama.tokenize("<|im_start|>", False, True)
+    assert len(start) == 1 and start[0] in llama.control_tokens
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 30, "maxLength": 40}}, "required": ["s"]}
+    outcome = generate(llama, "Write a sentence as JSON.", temperature=0, max_tokens=80,
+                       response_format=schema_format(schema), logit_bias={str(start[0]): 100})
+    assert outcome.finish_reason == "stop", outcome
+    assert 30 <= len(json.loads(outcome.text)["s"]) <= 40
+
+
+@pytest.mark.model
+def test_logprobs_are_the_log_softmax_of_the_model_s_logits(llama: nrvna.LlamaRunner, model_file: str) -> None:
+    import numpy
+    from llama_cpp import Llama
+
+    params = {"temperature": 0, "repeat_penalty": 1.0, "logprobs": True, "top_logprobs": 5, "max_tokens": 12}
+    outcome = generate(llama, "Name a fruit and its colour.", **params)
+    assert outcome.logprobs is not None and len(outcome.logprobs) == outcome.generated_tokens > 0
+    # flash attention as nrvna's contexts have it (llama.cpp's default, "auto", turns it on for
+    # the CPU; Llama's default is off, and the logprobs then differ by up to 0.1)
+    reference = Llama(model_path=model_file, n_ctx=512, logits_all=True, verbose=False, n_threads=2, flash_attn=True)
+    try:
+        reference.eval(llama.tokens(fake_job("Name a fruit and its colour.")))
+        for entry in outcome.logprobs:
+            logits = numpy.array(reference.scores[reference.n_tokens - 1], dtype=numpy.float64)
+            logprobs = logits - logits.max()
+            logprobs -= numpy.log(numpy.exp(logprobs).sum())
+            best = int(numpy.argmax(logprobs))
+            assert bytes(entry["bytes"]) == llama.piece(best)  # greedy: the likeliest token
+            assert abs(entry["logprob"] - logprobs[best]) < 1e-4, (entry, logprobs[best])
+            top = entry["top_logprobs"]
+            assert len(top) == 5 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+            assert top[0]["bytes"] == entry["bytes"]
+            assert numpy.allclose([t["logprob"] for t in top], numpy.sort(logprobs)[::-1][:5], atol=1e-4)
+            reference.eval([best])
+    finally:
+        reference.close()
+    assert b"".join(bytes(e["bytes"]) for e in outcome.logprobs).decode() == outcome.text
+
+
+@pytest.mark.model
+def test_bytes_that_are_not_utf8_become_u_fffd_in_the_text_and_stay_exact_in_logprobs(llama: nrvna.LlamaRunner) -> None:
+    """What the README says of result.txt and logprobs' bytes (a stray continuation byte forced)."""
+    stray = next(t for t in range(llama.n_vocab) if llama.piece(t) == b"\x80")
+    outcome = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, logit_bias={str(stray): 100})
+    assert outcome.text == "\ufffd\ufffd" and outcome.text.encode("utf-8")
+    assert [bytes(e["bytes"]) for e in outcome.logprobs] == [b"\x80", b"\x80"]
+    assert [e["token"] for e in outcome.logprobs] == ["\\x80", "\\x80"]
+
+
+@pytest.mark.model
+def test_logit_bias_bans_and_forces_tokens(llama: nrvna.LlamaRunner) -> None:
+    greedy = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, top_logprobs=2)
+    first, second = (bytes(t["bytes"]) for t in greedy.logprobs[0]["top_logprobs"])
+    ids = {llama.piece(t): t for t in range(llama.n_vocab)}
+    banned = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, logit_bias={str(ids[first]): -100})
+    assert bytes(banned.logprobs[0]["bytes"]) == second  # the runner-up takes its place
+    forced = generate(llama, "Name a fruit.", temperature=0, max_tokens=1, logit_bias={str(ids[b" zebra"]): 100})
+    assert b" zebra" not in (first, second)
+    assert forced.text == " zebra"
+    with pytest.raises(nrvna.JobError, match="not in the model's vocabulary"):
+        generate(llama, "Name a fruit.", logit_bias={str(llama.n_vocab + 5): 1})
+
+
+@pytest.mark.model
+def test_a_grammar_ends_the_job_even_with_ignore_eos(llama: nrvna.LlamaRunner) -> None:
+    for seed in (1, 2, 3):
+        outcome = generate(llama, "Is water wet? Answer yes or no.", grammar='root ::= "yes" | "no"', ignore_eos=True,
+                           max_tokens=50, seed=seed, temperature=1.0)
+        assert outcome.text in ("yes", "no") and outcome.finish_reason == "stop" and outcome.error_code is None
+
+
+# ==============================================================================
 # 11.4 Sequences and choices: thinking kept apart from the answer
 # ==============================================================================
 
@@ -7549,6 +7238,181 @@ def test_the_daemon_closes_a_block_at_its_budget_or_the_answer_s_share_one_token
     assert again.close_now("eog") == 7 and again.forced(11) == 8 and again.closed == "eog"
     # with a grammar, a close that carries answer text is written by the daemon instead
     assert shared.spills(b"</think>{") and not shared.spills(b"</think>\n") and not shared.spills(b"think")
+
+
+@pytest.mark.model
+def test_thinking_vocab_reads_a_model_s_thinking_without_its_weights(model: str) -> None:
+    """scripts/thinking_vocab.py: the tags, their tokens and where a prompt starts, from the
+    vocabulary and template alone (how the real DeepSeek-R1 distill was checked, docs/reasoning.md)."""
+    script = str(HERE / "scripts" / "thinking_vocab.py")
+    shown = subprocess.run([sys.executable, script, thinking_copy(model)], capture_output=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.decode().splitlines()
+    assert lines[0] == "tags: '<think>' '</think>'" and "  '</think>' is [9617, 17400, 46] '</think>'" in lines
+    assert "the daemon closes a block with [9617, 17400, 46, 1116] '</think>\\n\\n'" in lines
+    assert "  a plain job: starts inside a block" in lines
+    plain = subprocess.run([sys.executable, script, model], capture_output=True, timeout=120)
+    assert plain.returncode == 0 and plain.stdout.startswith(b"no thinking block")
+
+
+@pytest.mark.model
+def test_a_thinking_model_s_thinking_is_kept_apart_from_its_answer(tmp_path: Path, model: str, ws: str) -> None:
+    """On a copy of SmolLM2 whose template opens a <think> block: result.txt holds the answer
+    alone, reasoning.txt the thinking, meta.json the tokens spent before the answer; get, get
+    --reasoning, get --json and both exports give each its place, read back by the openai
+    package. Greedy, this model ends its generation inside the block: the daemon closes the
+    block instead, and the answer follows."""
+    import jsonschema
+    import openai.types.chat as chat
+
+    plain = submit(ws, "What is 2+2?", temperature=0)
+    schema = submit(ws, "What is 2+2?", temperature=0, response_format=ANSWER_SCHEMA)
+    choices = submit(ws, "What is 2+2?", temperature=0.8, seed=5, n=2, max_tokens=120)
+    off = submit(ws, "What is 2+2?", temperature=0, chat_template_kwargs={"enable_thinking": False})
+    logged = submit(ws, "What is 2+2?", temperature=0, logprobs=True, top_logprobs=2)
+    done = cli("daemon", thinking_copy(model), ws, "-w", "1", "--drain", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    flow = Flow(ws)
+    job = flow.get(plain)
+    assert job.status is Status.Done and job.meta["finish_reason"] == "stop"
+    assert_apart(job.result, job.reasoning)
+    assert job.reasoning and 0 < job.meta["reasoning_tokens"] < job.meta["generated_tokens"]
+    assert job.meta["thinking_closed"] == "eog"  # the model's end of generation, inside the block
+    assert Path(ws, nrvna.OUTPUT, plain, "reasoning.txt").read_text() == job.reasoning
+    assert cli("get", ws, plain).stdout.decode() == job.result
+    assert cli("get", ws, plain, "--reasoning").stdout.decode() == job.reasoning
+    assert json.loads(cli("get", ws, plain, "--json").stdout)["reasoning"] == job.reasoning
+    records = {r["id"]: r for r in map(json.loads, cli("export", ws, "--format", "jsonl").stdout.decode().splitlines())}
+    assert records[plain]["reasoning"] == job.reasoning and records[plain]["result"] == job.result
+    bodies = {line["response"]["body"]["id"]: line["response"]["body"]
+              for line in map(json.loads, cli("export", ws, "--format", "openai").stdout.decode().splitlines())}
+    completions = {job_id: chat.ChatCompletion.model_validate(bodies[f"chatcmpl-{job_id}"])
+                   for job_id in (plain, schema, choices, off, logged)}
+    read = completions[plain]
+    assert read.choices[0].message.content == job.result
+    assert read.choices[0].message.model_extra["reasoning_content"] == job.reasoning
+    assert read.usage.completion_tokens_details.reasoning_tokens == job.meta["reasoning_tokens"]
+    # structured output after the thinking: the model thought, and the answer is valid
+    job = flow.get(schema)
+    assert job.reasoning and job.meta["reasoning_tokens"] > 0
+    jsonschema.validate(json.loads(job.result), ANSWER_SCHEMA["json_schema"]["schema"])
+    assert completions[schema].choices[0].message.content == job.result
+    # n choices: each thought on its own
+    job = flow.get(choices)
+    assert [c["index"] for c in job.choices] == [0, 1]
+    for choice, read_choice in zip(job.choices, completions[choices].choices):
+        assert_apart(choice["text"], choice["reasoning"])
+        assert read_choice.message.model_extra.get("reasoning_content") == (choice["reasoning"] or None)
+    assert job.meta["reasoning_tokens"] == sum(c["reasoning_tokens"] for c in job.choices)
+    assert job.choices[0]["reasoning"] == job.reasoning and job.choices[0]["reasoning"] != job.choices[1]["reasoning"]
+    # thinking turned off by the template's switch: no thinking at all
+    job = flow.get(off)
+    assert job.result.strip() and not job.reasoning and job.meta["reasoning_tokens"] == 0
+    assert not Path(ws, nrvna.OUTPUT, off, "reasoning.txt").exists()
+    assert completions[off].usage.completion_tokens_details.reasoning_tokens == 0
+    # log-probabilities: the answer's tokens alone
+    job = flow.get(logged)
+    assert job.reasoning and "".join(entry["token"] for entry in job.logprobs) == job.result
+
+
+@pytest.mark.model
+def test_a_thinking_budget_closes_the_block_and_the_answer_keeps_its_share(model: str) -> None:
+    """The daemon closes the block itself: at the job's budget (thinking_budget_tokens, or its
+    reasoning_effort's), or where max_tokens would otherwise end the job inside it, leaving the
+    answer a quarter of max_tokens. End of generation is banned here so that the budget, not
+    the model, ends the thinking."""
+    runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
+    closing = len(runner.thinking.closing)
+    try:
+        for budget in (1, 8, 30):
+            outcome = generate(runner, "What is 2+2?", temperature=0, thinking_budget_tokens=budget,
+                               logit_bias=BAN_EOG, max_tokens=100)
+            assert_apart(outcome.text, outcome.reasoning)
+            assert outcome.reasoning_tokens == budget + closing and outcome.thinking_closed == "budget", outcome
+            assert outcome.finish_reason == "length" and outcome.generated_tokens == 100
+        # no budget: max_tokens 40 keeps 10 for the answer; the block is closed at 40 - 10 - 4
+        outcome = generate(runner, "What is 2+2?", temperature=0, logit_bias=BAN_EOG, max_tokens=40)
+        assert_apart(outcome.text, outcome.reasoning)
+        assert outcome.reasoning_tokens == 30 and outcome.generated_tokens == 40 and outcome.thinking_closed == "share"
+        # too few tokens to think and answer: the block is closed in the prompt
+        outcome = generate(runner, "What is 2+2?", temperature=0, max_tokens=3)
+        assert outcome.reasoning_tokens == 0 and outcome.text.strip()
+        outcome = generate(runner, "What is 2+2?", temperature=0, reasoning_effort="none")
+        assert outcome.reasoning_tokens == 0 and outcome.reasoning == "" and outcome.text.strip()
+    finally:
+        runner.close()
+
+
+@pytest.mark.model
+def test_an_answer_past_a_block_the_prompt_closed_starts_with_no_newline(model: str) -> None:
+    """#57: with a budget of 0 (or effort none, or enable_thinking false) the template closes the
+    block in the prompt; the model writes a newline after it, which was the answer's first
+    character. It is dropped, as after a block the model closes, and counts as no reasoning."""
+    runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
+    try:
+        for params in ({"thinking_budget_tokens": 0}, {"reasoning_effort": "none"},
+                       {"chat_template_kwargs": {"enable_thinking": False}}):
+            outcome = generate(runner, "Name a colour.", temperature=0, max_tokens=12, **params)
+            assert outcome.text.strip() and outcome.text == outcome.text.lstrip(), (params, outcome.text)
+            assert outcome.reasoning_tokens == 0 and not outcome.reasoning, outcome
+    finally:
+        runner.close()
+
+
+@pytest.mark.model
+def test_harmony_channels_are_thinking_and_answer(model: str) -> None:
+    """gpt-oss's format on a copy of SmolLM2: with a grammar the daemon opens the analysis
+    channel, the model thinks there, and the daemon closes it and opens the final channel, where
+    the grammar starts; a budget of 0 goes to the final channel at once. No markup reaches
+    either part."""
+    import jsonschema
+
+    runner = nrvna.LlamaRunner(thinking_copy(model, "harmony"), nrvna.Config(max_ctx=512, workers=1))
+    try:
+        outcome = generate(runner, "What is 2+2?", temperature=0, response_format=ANSWER_SCHEMA)
+        assert_apart(outcome.text, outcome.reasoning)
+        assert outcome.reasoning and outcome.reasoning_tokens > 0
+        jsonschema.validate(json.loads(outcome.text), ANSWER_SCHEMA["json_schema"]["schema"])
+        outcome = generate(runner, "What is 2+2?", temperature=0, thinking_budget_tokens=0,
+                           response_format=ANSWER_SCHEMA)
+        assert outcome.reasoning_tokens == 0 and json.loads(outcome.text)["answer"] is not None
+    finally:
+        runner.close()
+
+
+@pytest.mark.model
+def test_a_model_that_does_not_think_takes_the_parameters_and_reports_no_reasoning(
+        llama: nrvna.LlamaRunner) -> None:
+    assert llama.thinking is None
+    outcome = generate(llama, "What is 2+2?", temperature=0, thinking_budget_tokens=5, reasoning_effort="high",
+                       chat_template_kwargs={"enable_thinking": False})
+    assert outcome.text.strip() and outcome.reasoning is None and outcome.reasoning_tokens == 0
+    outcome = generate(llama, "What is 2+2?", grammar='root ::= "<think>x</think>It is 4."')
+    assert outcome.text == "<think>x</think>It is 4." and outcome.reasoning is None
+
+
+@pytest.mark.model
+def test_a_daemon_killed_while_a_job_thinks_runs_it_again_whole_once(model: str, ws: str) -> None:
+    """SIGKILL while the job is inside its thinking block (nothing of an answer yet): the next
+    daemon runs it again from the start, and it ends once, with its thinking and its answer."""
+    job_id = submit(ws, "Explain addition.", temperature=0, logit_bias=BAN_EOG, max_tokens=400)
+    proc = start_daemon(thinking_copy(model), ws, "-w", "1")
+    try:
+        deadline = time.monotonic() + 120
+        while Flow(ws).status(job_id) is not Status.Running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # a few tokens into 296 of thinking
+        partial = Path(ws, nrvna.PROCESSING, job_id, nrvna.PARTIAL_FILE)
+        assert not partial.exists() or partial.read_text() == ""  # thinking: no answer text yet
+    finally:
+        proc.kill()
+        proc.wait()
+    done = cli("daemon", thinking_copy(model), ws, "-w", "1", "--drain", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Done and job.meta["attempts"] == 2 and Flow(ws).counts()["done"] == 1
+    assert_apart(job.result, job.reasoning)
+    assert 0 < job.meta["reasoning_tokens"] <= 296 + 4  # max_tokens 400 leaves the answer 100, closing is 4
 
 
 # ==============================================================================
@@ -8773,6 +8637,121 @@ def test_sigterm_with_several_sequences_in_flight_returns_them_all(ws: str, mode
             json.dump({"max_tokens": 5, "ignore_eos": True}, handle)
     assert cli("daemon", model, ws, "-w", "1", "-s", "6", "--drain", timeout=120).returncode == 0
     assert all(Flow(ws).get(i).meta["generated_tokens"] == 5 for i in ids)
+
+
+@pytest.mark.model
+def test_constrained_and_free_jobs_share_a_context_on_the_real_model(tmp_path: Path, model: str, run_main: RunMain) -> None:
+    """One daemon, one worker, 16 sequences: schema, json_object and free jobs decode together.
+    Every constrained result that ends with stop is valid JSON satisfying its schema; one cut
+    by max_tokens says length. The free jobs come out byte-identical to a run without the
+    constrained ones. (Batch-mates change the arithmetic of a unified KV cache, so that run
+    keeps the batch's shape: each constrained line becomes a free line with the same prompt
+    that generates exactly as many tokens, its cells and steps the same.)"""
+    product = "Invent product number {} of a hardware shop and describe it as JSON."
+    person = "Invent a person number {} and describe them as JSON."
+    lines = []
+    for i in range(5):
+        lines.append({"custom_id": f"product-{i}", "prompt": product.format(i), "response_format": schema_format(PRODUCT_SCHEMA),
+                      "temperature": 0.7, "seed": i + 1, "max_tokens": 200})
+        lines.append({"custom_id": f"free-{i}", "prompt": f"Tell me one fact about the number {i}.", "temperature": 0,
+                      "seed": 11, "max_tokens": 48})
+        if i < 4:
+            lines.append({"custom_id": f"person-{i}", "method": "POST", "url": "/v1/chat/completions",
+                          "body": {"messages": [{"role": "user", "content": person.format(i)}], "seed": i + 1,
+                                   "response_format": schema_format(PERSON_SCHEMA, "person"), "max_tokens": 160}})
+        if i < 3:
+            lines.append({"custom_id": f"object-{i}", "prompt": f"Describe city number {i} as a JSON object.",
+                          "response_format": {"type": "json_object"}, "seed": i + 1, "max_tokens": 120})
+    lines.append({"custom_id": "short", "prompt": product.format(9), "response_format": schema_format(PRODUCT_SCHEMA),
+                  "max_tokens": 8})
+    ws, base = str(tmp_path / "mixed"), str(tmp_path / "baseline")
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "mixed.jsonl", jsonl(lines)), "--tag", "m"))
+    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    flow = Flow(ws)
+    jobs = {job.params["custom_id"]: job for job in (flow.get(i) for i in ids)}
+    assert all(job.status is Status.Done for job in jobs.values())
+    started = sorted(job.meta["started"] for job in jobs.values())
+    assert sum(t < min(job.meta["finished"] for job in jobs.values()) for t in started) >= 16  # decoded together
+    schemas = {"product": PRODUCT_SCHEMA, "person": PERSON_SCHEMA}
+    stopped = 0
+    for cid, job in jobs.items():
+        kind = cid.split("-")[0]
+        if kind in schemas or kind == "object":
+            if job.meta["finish_reason"] == "stop":
+                value = json.loads(job.result)
+                assert satisfies(value, schemas[kind]) if kind in schemas else isinstance(value, dict), (cid, job.result)
+                stopped += kind in schemas
+            else:
+                assert job.meta["finish_reason"] == "length" and job.meta["generated_tokens"] == job.params["max_tokens"]
+    assert stopped >= 7, "most schema jobs must end by their grammar"  # of 9
+    short = jobs["short"]
+    assert short.meta["finish_reason"] == "length" and short.meta["generated_tokens"] == 8
+    with pytest.raises(ValueError):
+        json.loads(short.result)
+    exported = {r["custom_id"]: r for r in map(json.loads, run_main("export", ws, "--tag", "m", "--format", "openai").stdout.decode().splitlines())}
+    assert exported["short"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    choice = exported["person-0"]["response"]["body"]["choices"][0]
+    assert choice["message"]["content"] == jobs["person-0"].result and choice["finish_reason"] == jobs["person-0"].meta["finish_reason"]
+
+    baseline = []
+    for line in lines:
+        cid = line["custom_id"]
+        if cid.startswith("free-"):
+            baseline.append(line)
+            continue
+        job = jobs[cid]
+        count = job.meta["generated_tokens"] + (job.meta["finish_reason"] == "stop")  # its end-of-generation step too
+        prompt = {"messages": line["body"]["messages"]} if "body" in line else {"prompt": line["prompt"]}
+        baseline.append({"custom_id": cid, **prompt, "max_tokens": count, "ignore_eos": True, "seed": 5})
+    run_main("submit", base, "--file", write(tmp_path / "baseline.jsonl", jsonl(baseline)), "--tag", "b")
+    done = cli("daemon", model, base, "-w", "1", "--drain", timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = {r["custom_id"]: r for r in map(json.loads, run_main("export", base, "--tag", "b").stdout.decode().splitlines())}
+    for cid, job in jobs.items():
+        if cid.startswith("free-"):
+            assert again[cid]["result"] == job.result, cid
+        else:  # the same shape: the same number of tokens, the same steps
+            assert again[cid]["meta"]["generated_tokens"] == job.meta["generated_tokens"] + (job.meta["finish_reason"] == "stop")
+
+
+# ==============================================================================
+# 11.8 The runner: the memory report
+# ==============================================================================
+
+
+def test_an_embedding_model_s_memory_line_says_what_it_holds() -> None:
+    """#57: an embedding daemon's start line read "KV cache 0 x 0.0 MiB ... compute 0 x 0.0" beside
+    "2 workers x 16 sequences": it has no generation context, and says so."""
+    report = {"weights_mib": 43.5, "kv_type": "f16", "contexts": 0, "cells": 0, "cells_per_job": 0,
+              "kv_bytes_per_token": 0, "kv_mib": 0.0, "compute_mib": 0.0, "output_mib": 0.0,
+              "embedding_contexts": 0, "embedding_mib": 0, "total_mib": 43.5}
+    line = nrvna.memory_line("MiniLM", report)
+    assert line == ("Memory of MiniLM: weights 43.5 MiB, no generation contexts (an embedding model: each worker makes "
+                    "its embedding context at its first embed job; 0 made so far, 0.0 MiB): 43.5 MiB"), line
+    chat = dict(report, contexts=2, cells=9216, kv_bytes_per_token=23040, kv_mib=202.5, compute_mib=98.3,
+                output_mib=3.2, total_mib=651.1)
+    assert "KV cache 2 x 202.5 MiB (f16, 9,216 cells x 23,040 B a token), compute 2 x 98.3" in nrvna.memory_line("m", chat)
+
+
+@pytest.mark.model
+def test_a_memory_report_reads_nothing_that_closing_the_model_frees(model: str) -> None:
+    """A runner's memory report (`status --daemon`: the Watcher writes it while the Models thread
+    may be closing that runner for a swap) reads only numbers stated at load, never the model or
+    a context through llama.cpp: read once they are freed, it says the weights and no context,
+    and the process lives (it read the freed model: SIGSEGV)."""
+    script = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import nrvna\n"
+              f"runner = nrvna.LlamaRunner({model!r}, nrvna.Config(max_ctx=256, workers=1))\n"
+              "runner.session(0, runner.config)\n"
+              "before = runner.memory()\n"
+              "runner.close()\n"
+              "print(json.dumps([before, runner.memory()]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    before, after = json.loads(done.stdout)
+    assert before["contexts"] == 1 and before["cells"] >= 256 and before["kv_mib"] > 0 and before["weights_mib"] > 80
+    assert (after["weights_mib"], after["contexts"], after["total_mib"]) == (before["weights_mib"], 0,
+                                                                              before["weights_mib"])
 
 
 # ==============================================================================
@@ -10462,8 +10441,59 @@ def test_with_mmap_off_a_model_overwritten_in_place_does_not_stop_the_daemon(ws:
     assert audit_clean(ws)
 
 
+def test_a_params_json_a_check_chokes_on_fails_that_job_alone(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = [submit(ws, "plain one"), submit(ws, "constrained", response_format={"type": "json_object"}), submit(ws, "plain two")]
+    plant(ws, "handmade", {"prompt.txt": "x", "params.json": json.dumps({"response_format": schema_format({"type": "string"})})})
+
+    def broken(schema: Any) -> None:
+        raise RuntimeError("a bug in a check")
+
+    monkeypatch.setattr(nrvna, "check_json_schema", broken)
+    monkeypatch.setattr(nrvna, "_CHECKED", {})
+    with serving(ws, echo, workers=1):
+        states = wait_all(ws, ids + ["handmade"])
+    assert states == [Status.Done, Status.Done, Status.Done, Status.Failed]
+    job = Flow(ws).get("handmade")
+    assert job.meta["code"] == "bad_request" and "could not be checked" in job.error and "a bug in a check" in job.error
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_sigkill_mid_batch_with_constrained_jobs_every_line_ends_once_and_valid(ws: str, tmp_path: Path, model: str,
+                                                                               run_main: RunMain) -> None:
+    lines = [{"custom_id": f"c{i}", "prompt": f"Invent product number {i} and describe it as JSON.", "seed": i + 1,
+              "response_format": schema_format(PRODUCT_SCHEMA), "max_tokens": 200} for i in range(12)]
+    lines += [{"custom_id": f"f{i}", "prompt": f"Count to {i + 3}.", "max_tokens": 40, "seed": i + 1} for i in range(4)]
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "k.jsonl", jsonl(lines)), "--tag", "k"))
+    proc = start_daemon(model, ws, "-w", "1", "-s", "4")
+    running = killed_after(ws, proc, done=3)
+    assert running > 0
+    restart = cli("daemon", model, ws, "-w", "1", "-s", "4", "--drain", timeout=600)
+    assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr
+    assert audit_clean(ws)
+    flow = Flow(ws)
+    for job_id in ids:
+        places = [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))]
+        assert places == [nrvna.OUTPUT], (job_id, places)  # ended once, and done
+        job = flow.get(job_id)
+        if job.params["custom_id"].startswith("c") and job.meta["finish_reason"] == "stop":
+            assert satisfies(json.loads(job.result), PRODUCT_SCHEMA), job.result
+    records = [json.loads(x) for x in run_main("export", ws, "--tag", "k").stdout.decode().splitlines()]
+    assert [r["custom_id"] for r in records] == [line["custom_id"] for line in lines]
+
+
+def test_the_daemon_writes_a_done_chat_job_s_conversation(ws: str) -> None:
+    chat, raw = submit(ws, "hi", system="Be brief."), submit(ws, "<s>hi", raw=True)
+    with serving(ws, echo):
+        assert wait_all(ws, [chat, raw]) == [Status.Done, Status.Done]
+    path = Path(ws, nrvna.OUTPUT, chat, nrvna.CONVERSATION_FILE)
+    assert json.loads(path.read_text()) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "echo:hi"}]
+    assert not Path(ws, nrvna.OUTPUT, raw, nrvna.CONVERSATION_FILE).exists()
+
+
 # ==============================================================================
-# 12.6 Server: start-up checks (model, settings, workspace)
+# 12.4 Models: several models, their loads, the memory budget
 # ==============================================================================
 
 
@@ -10503,24 +10533,765 @@ def test_the_daemon_says_what_memory_goes_where_and_refuses_a_budget_it_cannot_k
     assert started.returncode == 0, started.stderr.decode()[-500:]
 
 
+def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
+    """check_memory_budget: the need (the process, weights, every context, saves waiting) against
+    NRVNA_MAX_MEMORY, and each change that alone would fit (fewer workers, a shorter context, a
+    smaller KV type, fewer saves waiting); nothing when the budget holds or there is none."""
+    report = {"weights_mib": 92.1, "kv_mib": 202.5, "compute_mib": 98.3, "output_mib": 3.2, "cells": 9216,
+              "cells_per_job": 1024, "kv_bytes_per_token": 23040}
+    nrvna.check_memory_budget(nrvna.Config(), "m", report, 2, 50.0, True)  # no budget
+    nrvna.check_memory_budget(nrvna.Config(max_memory="1G"), "m", report, 2, 50.0, True)  # 796 MiB fits
+    with pytest.raises(nrvna.ConfigError) as caught:
+        nrvna.check_memory_budget(nrvna.Config(max_memory="500M"), "m", report, 2, 50.0, True)
+    message = str(caught.value)
+    assert "NRVNA_MAX_MEMORY=500M (500 MiB) cannot hold this daemon: it needs 795 MiB" in message
+    assert "2 contexts x 304.0 (KV cache 202.5, compute 98.3, output 3.2), contexts waiting to be saved 45" in message
+    assert message.endswith("it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=2048"), message
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_MAX_CTX=7680 or NRVNA_KV_TYPE=q8_0 or NRVNA_CACHE_PENDING=29M"):
+        nrvna.check_memory_budget(nrvna.Config(max_memory="780M"), "m", report, 2, 50.0, True)
+    with pytest.raises(nrvna.ConfigError, match="nothing here fits it: a larger budget or a smaller model"):
+        nrvna.check_memory_budget(nrvna.Config(max_memory="200M"), "m", report, 2, 50.0, False)
+
+
+def models_dir(tmp_path: Path, **files: str) -> tuple[Path, dict[str, str]]:
+    """A models directory of hard links (``name="source path"``: separate models as far as names
+    go, the same bytes), and the environment that makes it NRVNA_MODELS_DIR."""
+    models = tmp_path / "models"
+    models.mkdir()
+    for name, source in files.items():
+        os.link(source, models / f"{name}.gguf")
+    return models, {"NRVNA_MODELS_DIR": str(models)}
+
+
+def tiny_gguf(source: str, out: str, width: int = 64, ffn: int = 128) -> str:
+    """A one-layer llama GGUF of ``width`` with ``source``'s tokenizer and metadata (a llama
+    model's: SmolLM2's), its weights zeros (a sparse file) and its norms ones: it loads and
+    generates in milliseconds (its tokens are drawn from equal logits)."""
+    shape = {"block_count": 1, "embedding_length": width, "feed_forward_length": ffn, "attention.head_count": 1,
+             "attention.head_count_kv": 1, "rope.dimension_count": width}
+    with open(source, "rb") as handle:
+        data = handle.read(64 << 20)  # the header: SmolLM2's is about 3 MB
+    keys = struct.unpack_from("<Q", data, 16)[0]
+    at, kept, vocab = 24, [], 0
+
+    def text(at: int) -> tuple[str, int]:
+        length = struct.unpack_from("<Q", data, at)[0]
+        return data[at + 8:at + 8 + length].decode(), at + 8 + length
+
+    for _ in range(keys):
+        start = at
+        key, at = text(at)
+        kind = struct.unpack_from("<I", data, at)[0]
+        at += 4
+        if kind == 8:
+            at = text(at)[1]
+        elif kind == 9:
+            item, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            for _ in range(count):
+                at = text(at)[1] if item == 8 else at + nrvna._GGUF_SCALARS[item]
+            vocab = count if key == "tokenizer.ggml.tokens" else vocab
+        else:
+            at += nrvna._GGUF_SCALARS[kind]
+        if key.split(".", 1)[-1] not in shape and key not in ("general.file_type", "general.alignment", "llama.vocab_size"):
+            kept.append(data[start:at])
+
+    def entry(key: str, kind: int, value: bytes) -> bytes:
+        return struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", kind) + value
+
+    kept += [entry(f"llama.{k}", 4, struct.pack("<I", v)) for k, v in shape.items()]
+    kept.append(entry("general.file_type", 4, struct.pack("<I", 0)))  # all F32
+    tensors = [("token_embd.weight", (width, vocab)), ("output_norm.weight", (width,))]
+    for name, dims in (("attn_norm", (width,)), ("attn_q", (width, width)), ("attn_k", (width, width)),
+                       ("attn_v", (width, width)), ("attn_output", (width, width)), ("ffn_norm", (width,)),
+                       ("ffn_gate", (width, ffn)), ("ffn_up", (width, ffn)), ("ffn_down", (ffn, width))):
+        tensors.append((f"blk.0.{name}.weight", dims))
+    infos, offsets, offset = b"", [], 0
+    for name, dims in tensors:
+        infos += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(dims))
+        infos += struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", 0, offset)
+        offsets.append(offset)
+        size = 4
+        for dim in dims:
+            size *= dim
+        offset += -(-size // 32) * 32
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kept)) + b"".join(kept) + infos
+    header += bytes(-len(header) % 32)
+    with open(out, "wb") as handle:
+        handle.write(header)
+        for (_, dims), where in zip(tensors, offsets):
+            if len(dims) == 1:  # a norm's weights: ones
+                handle.seek(len(header) + where)
+                handle.write(struct.pack(f"<{dims[0]}f", *[1.0] * dims[0]))
+        handle.truncate(len(header) + offset)
+    return out
+
+
+def drain_with_room_for_one(models: Path, ws: str, env: dict[str, str]) -> str:
+    """Run `daemon MODELS_DIR WS --max-loaded 1 -w 1 --drain` to its end; its log (exit 0, no
+    traceback)."""
+    return drain(models, ws, env, "--max-loaded", "1")
+
+
+def drain(models: Path, ws: str, env: dict[str, str], *flags: str, code: int = 0) -> str:
+    """Run `daemon MODELS_DIR WS -w 1 --drain FLAGS` to its end; its log (exit ``code``, no
+    traceback)."""
+    daemon = start_daemon(str(models), ws, "-w", "1", "--drain", *flags, env=env)
+    try:
+        _, err = daemon.communicate(timeout=600)
+    finally:
+        daemon.kill()
+    log = err.decode()
+    assert daemon.returncode == code and "Traceback" not in log, log[-3000:]
+    return log
+
+
+def submit_stories(run_main: RunMain, ws: str, env: dict[str, str], names: tuple[str, ...], tokens: int,
+                   embed: str = "") -> dict[str, str]:
+    """8 rounds of a story job of ``tokens`` tokens (end-of-generation ignored) for each model
+    of ``names`` (and an embed job for model ``embed``), interleaved; {job ID: its model's file}."""
+    ids = {}
+    for i in range(8):
+        for name in names:
+            done = run_main("submit", ws, f"Tell a long story, part {i}.", "--model", name, "--max-tokens", str(tokens),
+                            "--ignore-eos", env=env)
+            ids[done.stdout.decode().strip()] = f"{name}.gguf"
+        if embed:
+            done = run_main("submit", ws, "--embed", f"text {i}", "--model", embed, env=env)
+            ids[done.stdout.decode().strip()] = f"{embed}.gguf"
+    return ids
+
+
+def fake_gguf(path: Path, arch: str = "llama", pooling: int | None = None) -> str:
+    """A GGUF header naming ``arch`` (and a pooling type): enough for check_gguf and
+    gguf_kind, never for loading."""
+    def text(value: str) -> bytes:
+        return struct.pack("<Q", len(value.encode())) + value.encode()
+
+    entries = text("general.architecture") + struct.pack("<I", 8) + text(arch)
+    if pooling is not None:
+        entries += text(f"{arch}.pooling_type") + struct.pack("<II", 4, pooling)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1 + (pooling is not None)) + entries)
+    return str(path)
+
+
+def test_a_daemon_of_several_models_routes_each_job_and_switches_only_when_it_should(tmp_path: Path) -> None:
+    chat, _, embedder = (fake_gguf(tmp_path / "chat.gguf"), fake_gguf(tmp_path / "other.gguf"),
+                         fake_gguf(tmp_path / "bert.gguf", "bert"))
+    fake_gguf(tmp_path / "unserved.gguf")
+    assert [nrvna.gguf_kind(p) for p in (chat, embedder, fake_gguf(tmp_path / "x.gguf.tmp", "llama", 1))] == \
+        ["chat", "embed", "embed"]
+    models = nrvna._Models([str(tmp_path / "chat.gguf"), "other", embedder], None, nrvna.Config(model_turn=60),
+                           str(tmp_path), {"gpt-4o-mini": "other"})
+    assert [(m.name, m.kind) for m in models.served] == [("chat.gguf", "chat"), ("other.gguf", "chat"),
+                                                          ("bert.gguf", "embed")]
+    # By name, by alias; a name that matches no model (or several) goes to the first model of
+    # its kind; a model this daemon does not serve waits for another daemon.
+    assert [models.queue_of(name, embed) for name, embed in [
+        ("other", False), ("gpt-4o-mini", False), (None, False), (None, True), ("nope", True), ("nope", False),
+        ("bert", False), ("unserved", False), ("gguf", False)]] == [1, 1, 0, 2, 2, 0, 2, None, 0]
+    # An alias to a model that does not exist: its jobs run as if they named none; a daemon
+    # asked to serve it says so.
+    aliased = nrvna._Models([chat], None, nrvna.Config(), str(tmp_path), {"gpt": "nope"})
+    assert aliased.queue_of("gpt", False) == 0
+    with pytest.raises(nrvna.ModelError, match=r"model gpt \(an alias of nope\) does not exist; models in"):
+        nrvna._Models(["gpt"], None, nrvna.Config(), str(tmp_path), {"gpt": "nope"})
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(nrvna.ModelError, match="holds no"):
+        nrvna._Models([str(tmp_path / "empty")], None, nrvna.Config(), str(tmp_path), {})
+    # choose(heads {queue: (queued, top priority, oldest job's key)}, running, running top, now)
+    key = [nrvna.order_key(f"1_1_{n}") for n in range(10)]
+    Head = nrvna._QueueHead
+    start = models.since
+    assert models.choose({0: Head(3, 0, key[5]), 1: Head(50, 0, key[1])}, False, None, start + 1) is None  # a backlog stays whole
+    assert models.choose({1: Head(50, 0, key[1])}, True, 0, start + 1) is None  # its running jobs too
+    assert models.choose({1: Head(1, 0, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 2  # the oldest job next
+    assert models.choose({1: Head(1, 1, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 1  # the highest first
+    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 3, key[9])}, True, 0, start + 1) == 1  # a higher lane swaps
+    assert models.choose({0: Head(9, 3, key[1]), 1: Head(1, 3, key[9])}, True, 0, start + 1) is None  # an equal one does not
+    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 5, start + 1) is None  # nor one under a running job
+    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 0, start + 60) == 1  # the turn is up: no starving
+    assert models.choose({0: Head(9, 0, key[1])}, True, 0, start + 600) is None  # nobody else waits: keep going
+
+
 @pytest.mark.model
-def test_a_memory_report_reads_nothing_that_closing_the_model_frees(model: str) -> None:
-    """A runner's memory report (`status --daemon`: the Watcher writes it while the Models thread
-    may be closing that runner for a swap) reads only numbers stated at load, never the model or
-    a context through llama.cpp: read once they are freed, it says the weights and no context,
-    and the process lives (it read the freed model: SIGSEGV)."""
-    script = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import nrvna\n"
-              f"runner = nrvna.LlamaRunner({model!r}, nrvna.Config(max_ctx=256, workers=1))\n"
-              "runner.session(0, runner.config)\n"
-              "before = runner.memory()\n"
-              "runner.close()\n"
-              "print(json.dumps([before, runner.memory()]))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    before, after = json.loads(done.stdout)
-    assert before["contexts"] == 1 and before["cells"] >= 256 and before["kv_mib"] > 0 and before["weights_mib"] > 80
-    assert (after["weights_mib"], after["contexts"], after["total_mib"]) == (before["weights_mib"], 0,
-                                                                              before["weights_mib"])
+def test_one_daemon_serves_a_mixed_batch_loading_each_model_once(ws: str, tmp_path: Path, model: str, bert: str,
+                                                                run_main: RunMain) -> None:
+    """Two chat models and an embedding model, interleaved line by line in one OpenAI batch
+    file, through one daemon with room for one model: each line done by the model it names,
+    each model loaded once."""
+    models, env = models_dir(tmp_path, smol=model, smol2=model, minilm=bert)
+    lines, expected = [], {}
+    for i in range(4):
+        for name in ("smol", "smol2"):
+            lines.append({"custom_id": f"{name}-{i}", "method": "POST", "url": "/v1/chat/completions",
+                          "body": {"model": name, "max_tokens": 3, "messages": [{"role": "user", "content": f"Hi {i}"}]}})
+            expected[f"{name}-{i}"] = f"{name}.gguf"
+        lines.append({"custom_id": f"e-{i}", "method": "POST", "url": "/v1/embeddings",
+                      "body": {"model": "minilm", "input": [f"text {i}", "more"]}})
+        expected[f"e-{i}"] = "minilm.gguf"
+    batch = tmp_path / "mixed.jsonl"
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    submitted = run_main("submit", ws, "--file", str(batch), "--strict-models", env=env)
+    assert submitted.returncode == 0, submitted.stderr
+    log = drain_with_room_for_one(models, ws, env)
+    assert log.count("Loading model") == 3 and log.count("Unloading model") == 2, log[-3000:]
+    flow = Flow(ws)
+    for job_id in submitted.stdout.decode().split():
+        job = flow.get(job_id)
+        custom_id = job.params["custom_id"]
+        assert job.status is Status.Done and job.meta["model"] == expected[custom_id], (custom_id, job.error)
+    assert len(submitted.stdout.decode().split()) == len(expected)
+    exported = run_main("export", ws, "--format", "openai", env=env)
+    assert sorted(json.loads(line)["custom_id"] for line in exported.stdout.decode().splitlines()) == sorted(expected)
+
+
+@pytest.mark.model
+def test_a_higher_lane_or_the_end_of_a_turn_switches_models_before_a_backlog_ends(tmp_path: Path, model: str,
+                                                                                run_main: RunMain) -> None:
+    models, env = models_dir(tmp_path, a=model, b=model)
+    for case, flags, extra in (("priority", [], ["--priority", "5"]), ("turn", ["--model-turn", "0.5"], [])):
+        ws = str(tmp_path / case)
+        backlog = [run_main("submit", ws, f"Tell a story {i}.", "--model", "a", "--max-tokens", "48", "--ignore-eos",
+                            env=env).stdout.decode().strip() for i in range(16)]
+        daemon = start_daemon(str(models), ws, "--max-loaded", "1", "-w", "1", "-s", "2", *flags, env=env)
+        try:
+            flow, deadline = Flow(ws), time.monotonic() + 300
+            while flow.status(backlog[0]) is not Status.Done and time.monotonic() < deadline:
+                time.sleep(0.02)
+            other = run_main("submit", ws, "Say hi.", "--model", "b", "--max-tokens", "4", *extra,
+                             env=env).stdout.decode().strip()
+            while flow.status(other) is not Status.Done and time.monotonic() < deadline:
+                time.sleep(0.02)
+            finished = sum(flow.status(job_id) is Status.Done for job_id in backlog)
+            assert finished < len(backlog), case  # it did not wait for the backlog's end
+            assert flow.get(other).meta["model"] == "b.gguf"
+            assert flow.wait_all(backlog, timeout=300) == {job_id: Status.Done for job_id in backlog}
+        finally:
+            daemon.terminate()
+            _, err = daemon.communicate(timeout=60)
+        assert err.decode().count("Loading model") == 3, err.decode()[-3000:]  # a, b, then a again
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("room", [1, 2])
+def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: str, tmp_path: Path, model: str,
+                                                                         run_main: RunMain, room: int) -> None:
+    """With room for one model, b's load fails at its turn; with room for two it fails first
+    ahead of its turn (while a's jobs run), and again at its turn, which says so. --drain
+    stops with b's jobs queued, and says so: exit 1."""
+    models, env = models_dir(tmp_path, a=model)
+    (models / "b.gguf").write_bytes(Path(model).read_bytes()[:3_000_000])  # a GGUF header, truncated weights
+    ids = {name: [run_main("submit", ws, "Tell a story.", "--model", name, "--max-tokens", "32", "--ignore-eos",
+                           env=env).stdout.decode().strip() for _ in range(3)] for name in ("a", "b")}
+    log = drain(models, ws, env, "--max-loaded", str(room), code=nrvna.EXIT_FAILED)
+    assert f"3 jobs left queued ({ids['b'][0]}, ...): waits for model b (b.gguf), which daemon" in log
+    assert "(1 of 3 failed loads: model " in log and "could not be loaded by llama.cpp" in log, log[-3000:]
+    if room == 2:
+        assert log.index("model b.gguf could not be loaded ahead of its turn") < log.index("could not be made ready")
+    assert "model b.gguf could not be made ready" in log and log.count("Loading model") == 3, log[-3000:]  # a, b, a again (room 2: a, b ahead, b)
+    flow = Flow(ws)
+    assert [flow.status(job_id) for job_id in ids["a"]] == [Status.Done] * 3
+    assert [flow.status(job_id) for job_id in ids["b"]] == [Status.Queued] * 3  # for a daemon that can load it
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_models_swapped_continuously_while_the_status_is_written_and_jobs_are_claimed(
+        ws: str, tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 swaps of two tiny models (--max-loaded 1: each swap frees one model and its contexts
+    and loads the other) while the daemon's record is written as often as it can be, by the
+    Watcher and by a thread polling `status --daemon`, and the workers claim jobs: every job done
+    on its model, no crash. (The record's memory report read a context and the model through
+    llama.cpp while a swap could be freeing them; it reads only numbers stated at load now.)"""
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("a", "b"):
+        tiny_gguf(model, str(models / f"{name}.gguf"))
+    swaps, ids = 200, {}
+    monkeypatch.setattr(nrvna, "DAEMON_STATUS_SECONDS", 0.0)  # the Watcher writes it every round (0.1 s)
+    # Small contexts of one thread each: a swap takes a tenth of a second or so, not the budget's.
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1, workers=2, max_ctx=256, seqs=1, batch=32,
+                                                            threads=1))
+    polled: list[dict[str, bool]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.002):
+            server.write_status()
+            for record in nrvna.daemon_info(ws):
+                polled.append({m["name"]: m["loaded"] for m in record["models"]})
+
+    server.start()
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for i in range(swaps):  # b, a, b, ...: each job's model is the other one, so each is a swap
+            name = "ba"[i % 2]
+            job_id = Work(ws).publish(f"Job {i}: say a word.", model=str(models / f"{name}.gguf"), max_tokens=4)
+            ids[job_id] = name
+            assert Flow(ws).wait(job_id, 120) is Status.Done
+    finally:
+        stop.set()
+        poller.join()
+        loads = server.models.loads
+        server.shutdown()
+    assert {job_id: Flow(ws).get(job_id).meta["model"] for job_id in ids} == {
+        job_id: f"{name}.gguf" for job_id, name in ids.items()}
+    assert loads == swaps + 1  # a at start, then b, a, b, ...: a swap a job
+    assert {"a.gguf": True, "b.gguf": False} in polled and {"a.gguf": False, "b.gguf": True} in polled
+
+
+@pytest.fixture
+def fake_loads(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """LlamaRunner replaced: a model file loads as a FunctionRunner (``vectors`` for an
+    embedding model, ``echo`` for a chat model) unless its file name is in ``broken`` (or it
+    has loaded ``vanishes`` times already), which fails as a truncated GGUF does; ``loads``
+    counts the loads of each file name."""
+    state: dict[str, Any] = {"broken": set(), "loads": {}, "vanishes": {}}
+
+    def load(path: str, config: nrvna.Config, cancel: Any = None, owner: str = "") -> nrvna.Runner:
+        name = os.path.basename(path)
+        state["loads"][name] = state["loads"].get(name, 0) + 1
+        if name in state["broken"] or state["loads"][name] > state["vanishes"].get(name, math.inf):
+            raise nrvna.ModelError(f"model {path} could not be loaded by llama.cpp: tensor data is not within the "
+                                   "file bounds")
+        return nrvna.FunctionRunner(vectors if nrvna.gguf_kind(path) == "embed" else echo)
+
+    monkeypatch.setattr(nrvna, "LlamaRunner", load)
+    return state
+
+
+def test_a_job_whose_kind_no_model_here_serves_waits_for_one_and_status_says_why(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain) -> None:
+    """A chat daemon beside an embedding daemon: when the embedding daemon stops (a restart),
+    the embed jobs naming no model wait for it, never run (or fail) on the chat model."""
+    chat, bert = fake_gguf(tmp_path / "chat.gguf"), fake_gguf(tmp_path / "bert.gguf", "bert")
+    config = nrvna.Config(models_dir=str(tmp_path))
+    only_chat, only_bert = (nrvna._Models([p], None, config, str(tmp_path), {}) for p in (chat, bert))
+    assert (only_chat.queue_of(None, True), only_chat.queue_of(None, False)) == (None, 0)
+    assert (only_bert.queue_of(None, False), only_bert.queue_of(None, True)) == (None, 0)
+    assert (only_chat.kinds(), only_bert.kinds()) == (["chat"], ["embed"])  # (their records say, for status)
+    assert only_chat.queue_of("chat", True) == 0  # a job naming the model runs there (and fails unsupported)
+    pooled = nrvna._Models([chat], None, nrvna.Config(pooling="mean"), str(tmp_path), {})
+    assert pooled.queue_of(None, True) == 0 and pooled.kinds() == ["chat", "embed"]
+    chat_daemon = Server(chat, ws, 1, config=nrvna.Config(models_dir=str(tmp_path)))
+    chat_daemon.start()
+    try:
+        for round_ in range(2):  # before the embedding daemon ever ran, and after it stopped
+            embed_ids = [Work(ws).publish(f"text {round_} {i}", embed=True) for i in range(3)]
+            said = submit(ws, "hello")
+            assert wait_all(ws, [said]) == [Status.Done]
+            assert [Flow(ws).status(j) for j in embed_ids] == [Status.Queued] * 3  # not taken by the chat model
+            status = run_main("status", ws, embed_ids[0], "--json")
+            assert "waits for a daemon with an embedding model" in json.loads(status.stdout)[embed_ids[0]]["waiting"]
+            waited = run_main("wait", ws, *embed_ids, "--timeout", "0.2")
+            assert b"3 jobs (" in waited.stderr and b"waits for a daemon with an embedding model" in waited.stderr
+            embed_daemon = Server(bert, ws, 1, config=nrvna.Config(models_dir=str(tmp_path)))
+            embed_daemon.start()
+            try:
+                assert wait_all(ws, embed_ids) == [Status.Done] * 3
+            finally:
+                embed_daemon.shutdown()
+            assert {Flow(ws).get(j).meta["model"] for j in embed_ids} == {"bert.gguf"}
+    finally:
+        chat_daemon.shutdown()
+
+
+def test_a_model_that_fails_to_load_says_why_is_tried_again_later_then_fails_its_jobs(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon of two models, b's file broken: b's jobs wait with the reason in status and
+    wait, b is tried again after a backoff (not every round), a daemon for b alone may start
+    beside it, and after NRVNA_MAX_LOAD_FAILURES loads its jobs fail with load_failed, naming
+    the file and the reason; once the file is fixed, retry runs them."""
+    models, _ = models_dir(tmp_path)
+    fake_gguf(models / "a.gguf")
+    broken = fake_gguf(models / "b.gguf")
+    fake_loads["broken"].add("b.gguf")
+    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))  # 3 failed loads (the default)
+    server.start()
+    try:
+        waiting = submit(ws, "for b", model="b")
+        deadline = time.monotonic() + 30
+        while not server.models.failed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server.write_status()
+        for _ in range(3):  # rounds of the Models thread go by: no load of b before its next try
+            assert wait_all(ws, [submit(ws, "for a", model="a")]) == [Status.Done]
+        assert fake_loads["loads"]["b.gguf"] == 1 and Flow(ws).status(waiting) is Status.Queued
+        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
+        assert reason.startswith("waits for model b (b.gguf), which daemon") and "(1 of 3 failed loads" in reason
+        assert "tensor data is not within the file bounds" in reason and "tried again in" in reason
+        text = run_main("status", ws, waiting)
+        assert text.stdout == b"queued\n" and b"1 of 3 failed loads" in text.stderr
+        assert b"1 of 3 failed loads" in run_main("wait", ws, waiting, "--timeout", "0.2").stderr
+        # The daemon its log recommends, one for b: not refused as a clash (its own load fails).
+        with pytest.raises(nrvna.ModelError, match="could not be loaded by llama.cpp"):
+            Server(broken, ws, 1, config=nrvna.Config(models_dir=str(models))).start()
+        monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 0.05)
+        server.models.failed[1].retry_at = 0.0  # the next try is due now; then 0.05 s, 0.1 s
+        assert Flow(ws).wait(waiting, 30) is Status.Failed
+        job = Flow(ws).get(waiting)
+        assert job.meta["code"] == "load_failed" and fake_loads["loads"]["b.gguf"] == 2 + 2  # b alone's, once
+        assert f"model {os.path.realpath(broken)} could not be loaded by llama.cpp: tensor data" in job.error
+        assert "(3 failed loads; NRVNA_MAX_LOAD_FAILURES is 3)" in job.error
+        later = submit(ws, "for b, after", model="b")  # given up: it fails without another load
+        assert Flow(ws).wait(later, 30) is Status.Failed and fake_loads["loads"]["b.gguf"] == 4
+        fake_loads["broken"].clear()
+        fake_gguf(models / "b.gguf.new")
+        os.replace(models / "b.gguf.new", broken)  # fixed: a new file
+        assert run_main("retry", ws, "--failed", "--code", "load_failed").returncode == 0
+        assert wait_all(ws, [waiting, later]) == [Status.Done] * 2
+        assert Flow(ws).get(later).meta["model"] == "b.gguf" and fake_loads["loads"]["b.gguf"] == 5
+    finally:
+        server.shutdown()
+
+
+def test_a_crafted_gguf_in_a_models_folder_is_a_failed_load_and_the_others_serve(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 64 MiB file whose header declares a 2^63-item array, first in a folder beside a good
+    model: the daemon starts on the good model and serves it (jobs naming no model never go to
+    the crafted file); the crafted file is a failed load as a truncated one is: its jobs wait
+    with the reason, it is tried again (the good model is not unloaded for it), then they fail
+    with load_failed naming the file and the field. (It stopped the whole daemon at start.)"""
+    models, _ = models_dir(tmp_path)
+    arch = gguf_text("general.architecture") + struct.pack("<I", 8) + gguf_text("llama")
+    tokens = gguf_text("tokenizer.ggml.tokens") + struct.pack("<II", 9, 8)
+    crafted = crafted_gguf(models / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 64 << 20)
+    fake_gguf(models / "good.gguf")
+    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))  # 3 failed loads (the default)
+    server.start()
+    try:
+        assert server.models.active == 1 and fake_loads["loads"] == {"good.gguf": 1}
+        waiting = submit(ws, "for the crafted one", model="crafted")
+        served = [submit(ws, "names no model"), submit(ws, "for good", model="good")]
+        assert wait_all(ws, served) == [Status.Done] * 2
+        assert {Flow(ws).get(j).meta["model"] for j in served} == {"good.gguf"}
+        assert Flow(ws).status(waiting) is Status.Queued
+        server.write_status()
+        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
+        assert reason.startswith("waits for model crafted (crafted.gguf), which daemon") and "(1 of 3 failed" in reason
+        assert "has a GGUF header out of bounds: array 'tokenizer.ggml.tokens''s length says" in reason, reason
+        monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 0.05)
+        server.models.failed[0].retry_at = 0.0  # the next try is due now; then 0.05 s, 0.1 s
+        assert Flow(ws).wait(waiting, 30) is Status.Failed
+        job = Flow(ws).get(waiting)
+        assert job.meta["code"] == "load_failed" and "(3 failed loads; NRVNA_MAX_LOAD_FAILURES is 3)" in job.error
+        assert f"model {os.path.realpath(crafted)} has a GGUF header out of bounds: array" in job.error, job.error
+        assert wait_all(ws, [submit(ws, "still served", model="good")]) == [Status.Done]
+        assert fake_loads["loads"] == {"good.gguf": 1}  # never unloaded for a file that cannot be read
+    finally:
+        server.shutdown()
+
+
+def test_a_first_model_that_cannot_be_loaded_at_start_is_a_failed_load_and_the_next_serves(
+        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first model of a folder fails to load at start (a truncated file): the daemon starts
+    on the next one, and the first's jobs (and those naming no model: it is the first) wait with
+    the reason, as at its turn; a daemon none of
+    whose models loads refuses to start, naming the first one's error. (It refused at start.)"""
+    models, _ = models_dir(tmp_path)
+    fake_gguf(models / "a.gguf")
+    fake_gguf(models / "b.gguf")
+    fake_loads["broken"].add("a.gguf")
+    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
+    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))
+    server.start()
+    try:
+        assert server.models.active == 1 and sorted(server.models.failed) == [0]
+        waiting, served = submit(ws, "for a", model="a"), submit(ws, "for b", model="b")
+        assert wait_all(ws, [served]) == [Status.Done] and Flow(ws).get(served).meta["model"] == "b.gguf"
+        server.write_status()
+        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
+        assert reason.startswith("waits for model a (a.gguf), which daemon") and "(1 of 3 failed loads" in reason
+    finally:
+        server.shutdown()
+    fake_loads["broken"].add("b.gguf")
+    with pytest.raises(nrvna.ModelError, match=r"a\.gguf could not be loaded by llama\.cpp"):
+        Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1)).start()
+    assert nrvna.daemon_records(ws) == []
+
+
+@pytest.mark.model
+def test_a_load_is_cut_short_when_its_cancel_is_set(model: str) -> None:
+    """A daemon that stops while it loads a model ahead of its turn does not wait for the load."""
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(nrvna.ModelError, match="its load was cut short"):
+        nrvna.LlamaRunner(model, nrvna.Config(), cancel=cancel)
+    nrvna.LlamaRunner(model, nrvna.Config(), cancel=threading.Event()).close()  # not set: it loads
+
+
+@pytest.mark.model
+def test_with_room_the_next_model_is_loaded_while_the_running_one_works(ws: str, tmp_path: Path, model: str,
+                                                                      bert: str, run_main: RunMain) -> None:
+    """Three models: with room for three, b is loaded while a's jobs run and e while b's run;
+    with room for two, b ahead, and e only at its turn, in a's place (loading ahead unloads
+    nothing); with NRVNA_LOAD_AHEAD=0 each at its turn. Each once, every job done by its model."""
+    models, env = models_dir(tmp_path, a=model, b=model, e=bert)
+    ahead, turn = " (ahead of its turn)", ""
+    for room, setting, expected in (("3", "1", [("a", turn), ("b", ahead), ("e", ahead)]),
+                                    ("2", "1", [("a", turn), ("b", ahead), ("e", turn)]),
+                                    ("2", "0", [("a", turn), ("b", turn), ("e", turn)])):
+        workspace = f"{ws}-{room}-{setting}"
+        ids = submit_stories(run_main, workspace, env, ("a", "b"), 32, embed="e")
+        log = drain(models, workspace, {**env, "NRVNA_LOAD_AHEAD": setting}, "--max-loaded", room)
+        loads = re.findall(r"Loading model \S+/(\w)\.gguf( \(ahead of its turn\))?", log)
+        assert loads == expected, log[-3000:]
+        if setting == "1":
+            assert log.index(ahead) < log.index("Switched from model a.gguf to b.gguf")
+        if room == "2":
+            assert log.index("Switched from model a.gguf to b.gguf") < log.index("Unloading model a.gguf") < \
+                re.search(r"Loading model \S+/e\.gguf", log).start()  # type: ignore[union-attr]
+        flow = Flow(workspace)
+        for job_id, name in ids.items():
+            job = flow.get(job_id)
+            assert job.status is Status.Done and job.meta["model"] == name, (job_id, job.error)
+
+
+@pytest.mark.model
+def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: str, tmp_path: Path, model: str,
+                                                                          run_main: RunMain) -> None:
+    _, env = models_dir(tmp_path, smol=model, other=model)
+    env["NRVNA_MODEL_ALIASES"] = "gpt-4o-mini=smol"
+    ids = {}
+    for name in ("smol", "other", "gpt-4o-mini", "unheard-of", None):
+        flags = ["--model", name] if name else []
+        ids[name] = run_main("submit", ws, "Say hi.", "--max-tokens", "4", *flags, env=env).stdout.decode().strip()
+    daemon = start_daemon("smol", ws, "--drain", env=env)
+    try:
+        out, err = daemon.communicate(timeout=300)
+    finally:
+        daemon.kill()
+    assert daemon.returncode == nrvna.EXIT_FAILED, err.decode()[-2000:]  # it left a job nobody serves
+    assert f"1 jobs left queued ({ids['other']}): waits for model other (other.gguf)".encode() in err
+    flow = Flow(ws)
+    for name, job_id in ids.items():
+        assert flow.status(job_id) is (Status.Queued if name == "other" else Status.Done), name
+        if name != "other":
+            assert flow.get(job_id).meta["model"] == "smol.gguf"
+    assert b"Jobs for model other" in err and b"wait in the queue" in err
+    # With the daemon up, status and wait say why the job waits (never a silent hang).
+    daemon = start_daemon("smol", ws, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until the daemon has written its record
+            with contextlib.suppress(nrvna.NoSuchJob):
+                if "model_path" in nrvna.daemon_info(ws)[0]:
+                    break
+            assert time.monotonic() < deadline and daemon.poll() is None
+            time.sleep(0.1)
+        status = run_main("status", ws, ids["other"], "--json", env=env)
+        assert status.returncode == nrvna.EXIT_UNFINISHED
+        report = json.loads(status.stdout)[ids["other"]]
+        assert report["status"] == "queued"
+        assert report["waiting"] == "waits for model other (other.gguf), which no running daemon serves " \
+                                    "(they serve smol.gguf)"
+        waited = run_main("wait", ws, ids["other"], "--timeout", "0.5", env=env)
+        assert waited.returncode == nrvna.EXIT_UNFINISHED and b"waits for model other (other.gguf)" in waited.stderr
+    finally:
+        daemon.terminate()
+        daemon.wait(60)
+    other = start_daemon("other", ws, "--drain", env=env)
+    try:
+        other.communicate(timeout=300)
+    finally:
+        other.kill()
+    assert flow.status(ids["other"]) is Status.Done and flow.get(ids["other"]).meta["model"] == "other.gguf"
+
+
+# ==============================================================================
+# 12.5 Daemons side by side, and the watch
+# ==============================================================================
+
+
+def test_a_second_daemon_for_the_same_model_needs_another_gpu(ws: str) -> None:
+    with serving(ws, echo):
+        with pytest.raises(nrvna.WorkspaceError, match=f"another daemon \\(pid {os.getpid()}\\) serving function on "
+                                                       "this machine's CPU"):
+            Server(None, ws, 1, runner=echo, config=nrvna.Config()).start()
+        with serving(ws, echo, gpu=1) as beside:
+            records = nrvna.daemon_records(ws)
+            assert [r["gpu"] for r in records] == [-1, 1] and records[1]["name"] == beside.registry.name
+            with pytest.raises(nrvna.WorkspaceError, match="on GPU 1"):
+                Server(None, ws, 1, runner=echo, config=nrvna.Config(gpu=1)).start()
+            ids = [submit(ws, f"p{i}") for i in range(20)]
+            assert wait_all(ws, ids) == [Status.Done] * 20  # both claim from one queue; each job once
+            daemons = {Flow(ws).get(job_id).meta["daemon"] for job_id in ids}
+            assert daemons <= {r["name"] for r in records}
+    assert nrvna.daemon_records(ws) == []
+
+
+def test_each_job_s_hook_runs_once_whichever_of_two_daemons_ran_it(ws: str, tmp_path: Path) -> None:
+    ran = tmp_path / "hooks.log"
+    hook = f"echo \"$NRVNA_JOB_ID\" >> '{ran}'"
+
+    def slow(job: nrvna.RunningJob) -> str:
+        time.sleep(0.02)  # long enough that both daemons get jobs
+        return f"echo:{job.prompt}"
+
+    submit(ws, "warm")
+    for hooks_beside in (hook, ""):  # both daemons with hooks; then the second without
+        ran.write_text("")
+        with serving(ws, slow, on_done=hook), serving(ws, slow, gpu=1, on_done=hooks_beside):
+            ids = [submit(ws, f"h{i}") for i in range(30)]
+            assert wait_all(ws, ids) == [Status.Done] * 30
+            deadline = time.monotonic() + 30
+            while len(set(ran.read_text().split()) & set(ids)) < 30 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len({Flow(ws).get(job_id).meta["daemon"] for job_id in ids}) == 2, hooks_beside
+        hooked = [line for line in ran.read_text().split() if line in ids]
+        assert sorted(hooked) == sorted(ids), hooks_beside  # each once
+        assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
+
+
+def test_a_daemon_whose_hooks_differ_from_a_running_daemon_s_is_refused(ws: str, tmp_path: Path) -> None:
+    """One daemon runs every hook of a workspace, with its own commands: a second daemon's
+    different --on-done (or --on-batch-done) was dropped silently. The same hooks, or none on
+    either side, are welcome."""
+    ran = tmp_path / "hooks.log"
+    ran.write_text("")
+    first = f"echo first \"$NRVNA_JOB_ID\" >> '{ran}'"
+    with serving(ws, echo, on_done=first):
+        for hooks in ({"on_done": "echo second"}, {"on_done": first, "on_batch_done": "echo batch"},
+                      {"on_batch_done": "echo batch"}):
+            with pytest.raises(nrvna.WorkspaceError) as refused:
+                with serving(ws, echo, gpu=1, **hooks):
+                    pass
+            said = str(refused.value)
+            assert f"is in use by another daemon (pid {os.getpid()}) with other hooks (--on-done {first!r}, " \
+                   "--on-batch-done ''): one daemon runs every hook of a workspace" in said, said
+            assert len(nrvna.daemon_records(ws)) == 1  # the refused one left no record
+        for hooks in ({"on_done": first}, {}):
+            with serving(ws, echo, gpu=1, **hooks):
+                assert len(nrvna.daemon_records(ws)) == 2
+    with serving(ws, echo):  # without hooks first: a daemon with them is welcome beside it
+        with serving(ws, echo, gpu=1, on_done=first):
+            job_id = submit(ws, "hooked")
+            assert wait_all(ws, [job_id]) == [Status.Done]
+            deadline = time.monotonic() + 30
+            while job_id not in ran.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+    assert ran.read_text().split()[:2] == ["first", job_id] and ran.read_text().count("\n") == 1
+
+
+@pytest.mark.model
+def test_two_daemons_share_a_workspace_and_a_killed_ones_jobs_are_requeued_at_once(ws: str, tmp_path: Path,
+                                                                                 model: str, run_main: RunMain) -> None:
+    _, env = models_dir(tmp_path, smol=model, smol2=model)
+    ids = submit_stories(run_main, ws, env, ("smol", "smol2"), 48)
+    first = start_daemon("smol", ws, "-w", "1", env=env)
+    second = start_daemon("smol2", ws, "-w", "1", env=env)
+    try:
+        flow, deadline = Flow(ws), time.monotonic() + 120
+        running = []
+        while not running and time.monotonic() < deadline:  # a job of the first daemon's model runs
+            running = [j for j in os.listdir(os.path.join(ws, nrvna.PROCESSING))
+                       if ids.get(j) == "smol.gguf" and flow.get(j).meta.get("daemon", "").startswith(f"{first.pid}-")]
+            time.sleep(0.02)
+        assert running, "the first daemon never ran a job"
+        assert sorted(r["pid"] for r in nrvna.daemon_records(ws)) == sorted([first.pid, second.pid])
+        first.kill()
+        first.wait(30)
+        # The live daemon sees the death within REAP_SECONDS and requeues the job at once: back
+        # in ready/, waiting for a daemon serving its model (the live one does not).
+        while flow.status(running[0]) is not Status.Queued and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert flow.status(running[0]) is Status.Queued
+        events = [e[1:] for e in flow.get(running[0]).meta["events"]]
+        assert events[-2:] == [["running"], ["requeued", "crashed"]], events
+        assert [r["pid"] for r in nrvna.daemon_records(ws)] == [second.pid]
+        reasons = run_main("status", ws, running[0], "--json", env=env)
+        assert "which no running daemon serves (they serve smol2.gguf)" in json.loads(reasons.stdout)[running[0]]["waiting"]
+        restarted = start_daemon("smol", ws, "-w", "1", "--drain", env=env)
+        _, err = restarted.communicate(timeout=600)
+        assert restarted.returncode == 0, err.decode()[-2000:]
+        while any(flow.status(j) is not Status.Done for j in ids) and time.monotonic() < deadline + 300:
+            time.sleep(0.1)
+        stopped = run_main("stop", ws, "--pid", str(second.pid), "--timeout", "60")
+        assert stopped.returncode == 0, stopped.stderr
+        assert second.wait(10) == 0
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                proc.kill()
+    for job_id, model_name in ids.items():
+        job = flow.get(job_id)
+        assert job.status is Status.Done and job.meta["model"] == model_name, (job_id, job.error)
+        assert [p for p in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, p, job_id))] == [nrvna.OUTPUT]
+    assert job_id and audit_clean(ws)
+
+
+@pytest.mark.model
+def test_a_restart_of_the_embedding_daemon_leaves_the_embed_jobs_to_it(ws: str, tmp_path: Path, model: str,
+                                                                       bert: str, run_main: RunMain) -> None:
+    """A chat daemon beside an embedding daemon, embed jobs naming no model: the embedding
+    daemon SIGKILLed mid-batch, restarted, then stopped with stop --pid. Its jobs wait for it
+    (status says why), never run or fail on the chat model; each ends once, done by it."""
+    _, env = models_dir(tmp_path, smol=model, minilm=bert)
+    ids = [Work(ws).publish([f"Sentence {i} about topic {j}. " * 6 for j in range(6)], embed=True) for i in range(150)]
+    chat = start_daemon("smol", ws, "-w", "1", env=env)
+    embedders = [start_daemon("minilm", ws, "-w", "1", env=env)]
+    flow, deadline = Flow(ws), time.monotonic() + 300
+
+    def chat_round_trip() -> None:
+        """A chat job submitted now is done: the chat daemon has routed what was queued before it."""
+        said = submit(ws, "Say hi.", max_tokens=2)
+        assert flow.wait(said, 120) is Status.Done
+
+    try:
+        while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        embedders[0].kill()
+        embedders[0].wait(30)
+        while [r["pid"] for r in nrvna.daemon_records(ws)] != [chat.pid] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the chat daemon has reaped it
+        chat_round_trip()
+        left = [j for j in ids if flow.status(j) is not Status.Done]
+        assert left and all(flow.status(j) is Status.Queued for j in left)
+        reason = json.loads(run_main("status", ws, left[0], "--json", env=env).stdout)[left[0]]
+        assert "waits for a daemon with an embedding model" in reason["waiting"], reason
+        embedders.append(start_daemon("minilm", ws, "-w", "1", env=env))
+        while flow.status(left[0]) is not Status.Done and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stopped = run_main("stop", ws, "--pid", str(embedders[1].pid), "--timeout", "60", env=env)
+        assert stopped.returncode == 0 and embedders[1].wait(30) == 0, stopped.stderr
+        chat_round_trip()
+        assert not any(flow.status(j) in (Status.Failed, Status.Running) for j in ids)
+        embedders.append(start_daemon("minilm", ws, "-w", "1", "--drain", env=env))
+        assert embedders[2].wait(300) == 0
+    finally:
+        for proc in [chat, *embedders]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+    for job_id in ids:
+        job = flow.get(job_id)
+        assert job.status is Status.Done and job.meta["model"] == "minilm.gguf", (job_id, job.error)
+    assert audit_clean(ws)
+
+
+def test_a_job_nobody_holds_in_processing_is_requeued_by_a_live_daemon(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A requeue that failed, a reaping cut short: a live daemon finds such a job within
+    ORPHAN_SECONDS, while a job it runs itself is never touched."""
+    monkeypatch.setattr(nrvna, "ORPHAN_SECONDS", 0.3)
+    with serving(ws, echo):
+        running = [submit(ws, f"r{i}") for i in range(5)]
+        job_id = orphan(ws, "left behind", 1)
+        assert wait_all(ws, running + [job_id]) == [Status.Done] * 6
+        job = Flow(ws).get(job_id)
+        assert job.result == "echo:left behind" and job.meta["attempts"] == 2
+        assert [e[1:] for e in job.meta["events"]][-3:] == [["requeued", "crashed"], ["running"], ["done"]]
+
+
+# ==============================================================================
+# 12.6 Server: start-up checks (model, settings, workspace)
+# ==============================================================================
 
 
 def test_model_names_are_looked_up_in_the_models_dir(tmp_path: Path) -> None:
@@ -10795,455 +11566,6 @@ def test_a_queued_job_s_lane_and_model_are_read_from_any_params_json(tmp_path: P
         assert nrvna.read_route(str(job))[:3] == expected, text
 
 
-def models_dir(tmp_path: Path, **files: str) -> tuple[Path, dict[str, str]]:
-    """A models directory of hard links (``name="source path"``: separate models as far as names
-    go, the same bytes), and the environment that makes it NRVNA_MODELS_DIR."""
-    models = tmp_path / "models"
-    models.mkdir()
-    for name, source in files.items():
-        os.link(source, models / f"{name}.gguf")
-    return models, {"NRVNA_MODELS_DIR": str(models)}
-
-
-def tiny_gguf(source: str, out: str, width: int = 64, ffn: int = 128) -> str:
-    """A one-layer llama GGUF of ``width`` with ``source``'s tokenizer and metadata (a llama
-    model's: SmolLM2's), its weights zeros (a sparse file) and its norms ones: it loads and
-    generates in milliseconds (its tokens are drawn from equal logits)."""
-    shape = {"block_count": 1, "embedding_length": width, "feed_forward_length": ffn, "attention.head_count": 1,
-             "attention.head_count_kv": 1, "rope.dimension_count": width}
-    with open(source, "rb") as handle:
-        data = handle.read(64 << 20)  # the header: SmolLM2's is about 3 MB
-    keys = struct.unpack_from("<Q", data, 16)[0]
-    at, kept, vocab = 24, [], 0
-
-    def text(at: int) -> tuple[str, int]:
-        length = struct.unpack_from("<Q", data, at)[0]
-        return data[at + 8:at + 8 + length].decode(), at + 8 + length
-
-    for _ in range(keys):
-        start = at
-        key, at = text(at)
-        kind = struct.unpack_from("<I", data, at)[0]
-        at += 4
-        if kind == 8:
-            at = text(at)[1]
-        elif kind == 9:
-            item, count = struct.unpack_from("<IQ", data, at)
-            at += 12
-            for _ in range(count):
-                at = text(at)[1] if item == 8 else at + nrvna._GGUF_SCALARS[item]
-            vocab = count if key == "tokenizer.ggml.tokens" else vocab
-        else:
-            at += nrvna._GGUF_SCALARS[kind]
-        if key.split(".", 1)[-1] not in shape and key not in ("general.file_type", "general.alignment", "llama.vocab_size"):
-            kept.append(data[start:at])
-
-    def entry(key: str, kind: int, value: bytes) -> bytes:
-        return struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", kind) + value
-
-    kept += [entry(f"llama.{k}", 4, struct.pack("<I", v)) for k, v in shape.items()]
-    kept.append(entry("general.file_type", 4, struct.pack("<I", 0)))  # all F32
-    tensors = [("token_embd.weight", (width, vocab)), ("output_norm.weight", (width,))]
-    for name, dims in (("attn_norm", (width,)), ("attn_q", (width, width)), ("attn_k", (width, width)),
-                       ("attn_v", (width, width)), ("attn_output", (width, width)), ("ffn_norm", (width,)),
-                       ("ffn_gate", (width, ffn)), ("ffn_up", (width, ffn)), ("ffn_down", (ffn, width))):
-        tensors.append((f"blk.0.{name}.weight", dims))
-    infos, offsets, offset = b"", [], 0
-    for name, dims in tensors:
-        infos += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(dims))
-        infos += struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", 0, offset)
-        offsets.append(offset)
-        size = 4
-        for dim in dims:
-            size *= dim
-        offset += -(-size // 32) * 32
-    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kept)) + b"".join(kept) + infos
-    header += bytes(-len(header) % 32)
-    with open(out, "wb") as handle:
-        handle.write(header)
-        for (_, dims), where in zip(tensors, offsets):
-            if len(dims) == 1:  # a norm's weights: ones
-                handle.seek(len(header) + where)
-                handle.write(struct.pack(f"<{dims[0]}f", *[1.0] * dims[0]))
-        handle.truncate(len(header) + offset)
-    return out
-
-
-def drain_with_room_for_one(models: Path, ws: str, env: dict[str, str]) -> str:
-    """Run `daemon MODELS_DIR WS --max-loaded 1 -w 1 --drain` to its end; its log (exit 0, no
-    traceback)."""
-    return drain(models, ws, env, "--max-loaded", "1")
-
-
-def drain(models: Path, ws: str, env: dict[str, str], *flags: str, code: int = 0) -> str:
-    """Run `daemon MODELS_DIR WS -w 1 --drain FLAGS` to its end; its log (exit ``code``, no
-    traceback)."""
-    daemon = start_daemon(str(models), ws, "-w", "1", "--drain", *flags, env=env)
-    try:
-        _, err = daemon.communicate(timeout=600)
-    finally:
-        daemon.kill()
-    log = err.decode()
-    assert daemon.returncode == code and "Traceback" not in log, log[-3000:]
-    return log
-
-
-def submit_stories(run_main: RunMain, ws: str, env: dict[str, str], names: tuple[str, ...], tokens: int,
-                   embed: str = "") -> dict[str, str]:
-    """8 rounds of a story job of ``tokens`` tokens (end-of-generation ignored) for each model
-    of ``names`` (and an embed job for model ``embed``), interleaved; {job ID: its model's file}."""
-    ids = {}
-    for i in range(8):
-        for name in names:
-            done = run_main("submit", ws, f"Tell a long story, part {i}.", "--model", name, "--max-tokens", str(tokens),
-                            "--ignore-eos", env=env)
-            ids[done.stdout.decode().strip()] = f"{name}.gguf"
-        if embed:
-            done = run_main("submit", ws, "--embed", f"text {i}", "--model", embed, env=env)
-            ids[done.stdout.decode().strip()] = f"{embed}.gguf"
-    return ids
-
-
-def fake_gguf(path: Path, arch: str = "llama", pooling: int | None = None) -> str:
-    """A GGUF header naming ``arch`` (and a pooling type): enough for check_gguf and
-    gguf_kind, never for loading."""
-    def text(value: str) -> bytes:
-        return struct.pack("<Q", len(value.encode())) + value.encode()
-
-    entries = text("general.architecture") + struct.pack("<I", 8) + text(arch)
-    if pooling is not None:
-        entries += text(f"{arch}.pooling_type") + struct.pack("<II", 4, pooling)
-    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1 + (pooling is not None)) + entries)
-    return str(path)
-
-
-def test_a_daemon_of_several_models_routes_each_job_and_switches_only_when_it_should(tmp_path: Path) -> None:
-    chat, _, embedder = (fake_gguf(tmp_path / "chat.gguf"), fake_gguf(tmp_path / "other.gguf"),
-                         fake_gguf(tmp_path / "bert.gguf", "bert"))
-    fake_gguf(tmp_path / "unserved.gguf")
-    assert [nrvna.gguf_kind(p) for p in (chat, embedder, fake_gguf(tmp_path / "x.gguf.tmp", "llama", 1))] == \
-        ["chat", "embed", "embed"]
-    models = nrvna._Models([str(tmp_path / "chat.gguf"), "other", embedder], None, nrvna.Config(model_turn=60),
-                           str(tmp_path), {"gpt-4o-mini": "other"})
-    assert [(m.name, m.kind) for m in models.served] == [("chat.gguf", "chat"), ("other.gguf", "chat"),
-                                                          ("bert.gguf", "embed")]
-    # By name, by alias; a name that matches no model (or several) goes to the first model of
-    # its kind; a model this daemon does not serve waits for another daemon.
-    assert [models.queue_of(name, embed) for name, embed in [
-        ("other", False), ("gpt-4o-mini", False), (None, False), (None, True), ("nope", True), ("nope", False),
-        ("bert", False), ("unserved", False), ("gguf", False)]] == [1, 1, 0, 2, 2, 0, 2, None, 0]
-    # An alias to a model that does not exist: its jobs run as if they named none; a daemon
-    # asked to serve it says so.
-    aliased = nrvna._Models([chat], None, nrvna.Config(), str(tmp_path), {"gpt": "nope"})
-    assert aliased.queue_of("gpt", False) == 0
-    with pytest.raises(nrvna.ModelError, match=r"model gpt \(an alias of nope\) does not exist; models in"):
-        nrvna._Models(["gpt"], None, nrvna.Config(), str(tmp_path), {"gpt": "nope"})
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(nrvna.ModelError, match="holds no"):
-        nrvna._Models([str(tmp_path / "empty")], None, nrvna.Config(), str(tmp_path), {})
-    # choose(heads {queue: (queued, top priority, oldest job's key)}, running, running top, now)
-    key = [nrvna.order_key(f"1_1_{n}") for n in range(10)]
-    Head = nrvna._QueueHead
-    start = models.since
-    assert models.choose({0: Head(3, 0, key[5]), 1: Head(50, 0, key[1])}, False, None, start + 1) is None  # a backlog stays whole
-    assert models.choose({1: Head(50, 0, key[1])}, True, 0, start + 1) is None  # its running jobs too
-    assert models.choose({1: Head(1, 0, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 2  # the oldest job next
-    assert models.choose({1: Head(1, 1, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 1  # the highest first
-    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 3, key[9])}, True, 0, start + 1) == 1  # a higher lane swaps
-    assert models.choose({0: Head(9, 3, key[1]), 1: Head(1, 3, key[9])}, True, 0, start + 1) is None  # an equal one does not
-    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 5, start + 1) is None  # nor one under a running job
-    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 0, start + 60) == 1  # the turn is up: no starving
-    assert models.choose({0: Head(9, 0, key[1])}, True, 0, start + 600) is None  # nobody else waits: keep going
-
-
-def test_each_job_s_hook_runs_once_whichever_of_two_daemons_ran_it(ws: str, tmp_path: Path) -> None:
-    ran = tmp_path / "hooks.log"
-    hook = f"echo \"$NRVNA_JOB_ID\" >> '{ran}'"
-
-    def slow(job: nrvna.RunningJob) -> str:
-        time.sleep(0.02)  # long enough that both daemons get jobs
-        return f"echo:{job.prompt}"
-
-    submit(ws, "warm")
-    for hooks_beside in (hook, ""):  # both daemons with hooks; then the second without
-        ran.write_text("")
-        with serving(ws, slow, on_done=hook), serving(ws, slow, gpu=1, on_done=hooks_beside):
-            ids = [submit(ws, f"h{i}") for i in range(30)]
-            assert wait_all(ws, ids) == [Status.Done] * 30
-            deadline = time.monotonic() + 30
-            while len(set(ran.read_text().split()) & set(ids)) < 30 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert len({Flow(ws).get(job_id).meta["daemon"] for job_id in ids}) == 2, hooks_beside
-        hooked = [line for line in ran.read_text().split() if line in ids]
-        assert sorted(hooked) == sorted(ids), hooks_beside  # each once
-        assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
-
-
-def test_a_daemon_whose_hooks_differ_from_a_running_daemon_s_is_refused(ws: str, tmp_path: Path) -> None:
-    """One daemon runs every hook of a workspace, with its own commands: a second daemon's
-    different --on-done (or --on-batch-done) was dropped silently. The same hooks, or none on
-    either side, are welcome."""
-    ran = tmp_path / "hooks.log"
-    ran.write_text("")
-    first = f"echo first \"$NRVNA_JOB_ID\" >> '{ran}'"
-    with serving(ws, echo, on_done=first):
-        for hooks in ({"on_done": "echo second"}, {"on_done": first, "on_batch_done": "echo batch"},
-                      {"on_batch_done": "echo batch"}):
-            with pytest.raises(nrvna.WorkspaceError) as refused:
-                with serving(ws, echo, gpu=1, **hooks):
-                    pass
-            said = str(refused.value)
-            assert f"is in use by another daemon (pid {os.getpid()}) with other hooks (--on-done {first!r}, " \
-                   "--on-batch-done ''): one daemon runs every hook of a workspace" in said, said
-            assert len(nrvna.daemon_records(ws)) == 1  # the refused one left no record
-        for hooks in ({"on_done": first}, {}):
-            with serving(ws, echo, gpu=1, **hooks):
-                assert len(nrvna.daemon_records(ws)) == 2
-    with serving(ws, echo):  # without hooks first: a daemon with them is welcome beside it
-        with serving(ws, echo, gpu=1, on_done=first):
-            job_id = submit(ws, "hooked")
-            assert wait_all(ws, [job_id]) == [Status.Done]
-            deadline = time.monotonic() + 30
-            while job_id not in ran.read_text() and time.monotonic() < deadline:
-                time.sleep(0.05)
-    assert ran.read_text().split()[:2] == ["first", job_id] and ran.read_text().count("\n") == 1
-
-
-@pytest.mark.model
-def test_one_daemon_serves_a_mixed_batch_loading_each_model_once(ws: str, tmp_path: Path, model: str, bert: str,
-                                                                run_main: RunMain) -> None:
-    """Two chat models and an embedding model, interleaved line by line in one OpenAI batch
-    file, through one daemon with room for one model: each line done by the model it names,
-    each model loaded once."""
-    models, env = models_dir(tmp_path, smol=model, smol2=model, minilm=bert)
-    lines, expected = [], {}
-    for i in range(4):
-        for name in ("smol", "smol2"):
-            lines.append({"custom_id": f"{name}-{i}", "method": "POST", "url": "/v1/chat/completions",
-                          "body": {"model": name, "max_tokens": 3, "messages": [{"role": "user", "content": f"Hi {i}"}]}})
-            expected[f"{name}-{i}"] = f"{name}.gguf"
-        lines.append({"custom_id": f"e-{i}", "method": "POST", "url": "/v1/embeddings",
-                      "body": {"model": "minilm", "input": [f"text {i}", "more"]}})
-        expected[f"e-{i}"] = "minilm.gguf"
-    batch = tmp_path / "mixed.jsonl"
-    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    submitted = run_main("submit", ws, "--file", str(batch), "--strict-models", env=env)
-    assert submitted.returncode == 0, submitted.stderr
-    log = drain_with_room_for_one(models, ws, env)
-    assert log.count("Loading model") == 3 and log.count("Unloading model") == 2, log[-3000:]
-    flow = Flow(ws)
-    for job_id in submitted.stdout.decode().split():
-        job = flow.get(job_id)
-        custom_id = job.params["custom_id"]
-        assert job.status is Status.Done and job.meta["model"] == expected[custom_id], (custom_id, job.error)
-    assert len(submitted.stdout.decode().split()) == len(expected)
-    exported = run_main("export", ws, "--format", "openai", env=env)
-    assert sorted(json.loads(line)["custom_id"] for line in exported.stdout.decode().splitlines()) == sorted(expected)
-
-
-@pytest.mark.model
-def test_a_higher_lane_or_the_end_of_a_turn_switches_models_before_a_backlog_ends(tmp_path: Path, model: str,
-                                                                                run_main: RunMain) -> None:
-    models, env = models_dir(tmp_path, a=model, b=model)
-    for case, flags, extra in (("priority", [], ["--priority", "5"]), ("turn", ["--model-turn", "0.5"], [])):
-        ws = str(tmp_path / case)
-        backlog = [run_main("submit", ws, f"Tell a story {i}.", "--model", "a", "--max-tokens", "48", "--ignore-eos",
-                            env=env).stdout.decode().strip() for i in range(16)]
-        daemon = start_daemon(str(models), ws, "--max-loaded", "1", "-w", "1", "-s", "2", *flags, env=env)
-        try:
-            flow, deadline = Flow(ws), time.monotonic() + 300
-            while flow.status(backlog[0]) is not Status.Done and time.monotonic() < deadline:
-                time.sleep(0.02)
-            other = run_main("submit", ws, "Say hi.", "--model", "b", "--max-tokens", "4", *extra,
-                             env=env).stdout.decode().strip()
-            while flow.status(other) is not Status.Done and time.monotonic() < deadline:
-                time.sleep(0.02)
-            finished = sum(flow.status(job_id) is Status.Done for job_id in backlog)
-            assert finished < len(backlog), case  # it did not wait for the backlog's end
-            assert flow.get(other).meta["model"] == "b.gguf"
-            assert flow.wait_all(backlog, timeout=300) == {job_id: Status.Done for job_id in backlog}
-        finally:
-            daemon.terminate()
-            _, err = daemon.communicate(timeout=60)
-        assert err.decode().count("Loading model") == 3, err.decode()[-3000:]  # a, b, then a again
-
-
-@pytest.mark.model
-@pytest.mark.parametrize("room", [1, 2])
-def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: str, tmp_path: Path, model: str,
-                                                                         run_main: RunMain, room: int) -> None:
-    """With room for one model, b's load fails at its turn; with room for two it fails first
-    ahead of its turn (while a's jobs run), and again at its turn, which says so. --drain
-    stops with b's jobs queued, and says so: exit 1."""
-    models, env = models_dir(tmp_path, a=model)
-    (models / "b.gguf").write_bytes(Path(model).read_bytes()[:3_000_000])  # a GGUF header, truncated weights
-    ids = {name: [run_main("submit", ws, "Tell a story.", "--model", name, "--max-tokens", "32", "--ignore-eos",
-                           env=env).stdout.decode().strip() for _ in range(3)] for name in ("a", "b")}
-    log = drain(models, ws, env, "--max-loaded", str(room), code=nrvna.EXIT_FAILED)
-    assert f"3 jobs left queued ({ids['b'][0]}, ...): waits for model b (b.gguf), which daemon" in log
-    assert "(1 of 3 failed loads: model " in log and "could not be loaded by llama.cpp" in log, log[-3000:]
-    if room == 2:
-        assert log.index("model b.gguf could not be loaded ahead of its turn") < log.index("could not be made ready")
-    assert "model b.gguf could not be made ready" in log and log.count("Loading model") == 3, log[-3000:]  # a, b, a again (room 2: a, b ahead, b)
-    flow = Flow(ws)
-    assert [flow.status(job_id) for job_id in ids["a"]] == [Status.Done] * 3
-    assert [flow.status(job_id) for job_id in ids["b"]] == [Status.Queued] * 3  # for a daemon that can load it
-
-
-@pytest.mark.model
-@pytest.mark.slow
-def test_models_swapped_continuously_while_the_status_is_written_and_jobs_are_claimed(
-        ws: str, tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """200 swaps of two tiny models (--max-loaded 1: each swap frees one model and its contexts
-    and loads the other) while the daemon's record is written as often as it can be, by the
-    Watcher and by a thread polling `status --daemon`, and the workers claim jobs: every job done
-    on its model, no crash. (The record's memory report read a context and the model through
-    llama.cpp while a swap could be freeing them; it reads only numbers stated at load now.)"""
-    models = tmp_path / "models"
-    models.mkdir()
-    for name in ("a", "b"):
-        tiny_gguf(model, str(models / f"{name}.gguf"))
-    swaps, ids = 200, {}
-    monkeypatch.setattr(nrvna, "DAEMON_STATUS_SECONDS", 0.0)  # the Watcher writes it every round (0.1 s)
-    # Small contexts of one thread each: a swap takes a tenth of a second or so, not the budget's.
-    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1, workers=2, max_ctx=256, seqs=1, batch=32,
-                                                            threads=1))
-    polled: list[dict[str, bool]] = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        while not stop.wait(0.002):
-            server.write_status()
-            for record in nrvna.daemon_info(ws):
-                polled.append({m["name"]: m["loaded"] for m in record["models"]})
-
-    server.start()
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
-        for i in range(swaps):  # b, a, b, ...: each job's model is the other one, so each is a swap
-            name = "ba"[i % 2]
-            job_id = Work(ws).publish(f"Job {i}: say a word.", model=str(models / f"{name}.gguf"), max_tokens=4)
-            ids[job_id] = name
-            assert Flow(ws).wait(job_id, 120) is Status.Done
-    finally:
-        stop.set()
-        poller.join()
-        loads = server.models.loads
-        server.shutdown()
-    assert {job_id: Flow(ws).get(job_id).meta["model"] for job_id in ids} == {
-        job_id: f"{name}.gguf" for job_id, name in ids.items()}
-    assert loads == swaps + 1  # a at start, then b, a, b, ...: a swap a job
-    assert {"a.gguf": True, "b.gguf": False} in polled and {"a.gguf": False, "b.gguf": True} in polled
-
-
-@pytest.fixture
-def fake_loads(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """LlamaRunner replaced: a model file loads as a FunctionRunner (``vectors`` for an
-    embedding model, ``echo`` for a chat model) unless its file name is in ``broken`` (or it
-    has loaded ``vanishes`` times already), which fails as a truncated GGUF does; ``loads``
-    counts the loads of each file name."""
-    state: dict[str, Any] = {"broken": set(), "loads": {}, "vanishes": {}}
-
-    def load(path: str, config: nrvna.Config, cancel: Any = None, owner: str = "") -> nrvna.Runner:
-        name = os.path.basename(path)
-        state["loads"][name] = state["loads"].get(name, 0) + 1
-        if name in state["broken"] or state["loads"][name] > state["vanishes"].get(name, math.inf):
-            raise nrvna.ModelError(f"model {path} could not be loaded by llama.cpp: tensor data is not within the "
-                                   "file bounds")
-        return nrvna.FunctionRunner(vectors if nrvna.gguf_kind(path) == "embed" else echo)
-
-    monkeypatch.setattr(nrvna, "LlamaRunner", load)
-    return state
-
-
-def test_a_job_whose_kind_no_model_here_serves_waits_for_one_and_status_says_why(
-        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain) -> None:
-    """A chat daemon beside an embedding daemon: when the embedding daemon stops (a restart),
-    the embed jobs naming no model wait for it, never run (or fail) on the chat model."""
-    chat, bert = fake_gguf(tmp_path / "chat.gguf"), fake_gguf(tmp_path / "bert.gguf", "bert")
-    config = nrvna.Config(models_dir=str(tmp_path))
-    only_chat, only_bert = (nrvna._Models([p], None, config, str(tmp_path), {}) for p in (chat, bert))
-    assert (only_chat.queue_of(None, True), only_chat.queue_of(None, False)) == (None, 0)
-    assert (only_bert.queue_of(None, False), only_bert.queue_of(None, True)) == (None, 0)
-    assert (only_chat.kinds(), only_bert.kinds()) == (["chat"], ["embed"])  # (their records say, for status)
-    assert only_chat.queue_of("chat", True) == 0  # a job naming the model runs there (and fails unsupported)
-    pooled = nrvna._Models([chat], None, nrvna.Config(pooling="mean"), str(tmp_path), {})
-    assert pooled.queue_of(None, True) == 0 and pooled.kinds() == ["chat", "embed"]
-    chat_daemon = Server(chat, ws, 1, config=nrvna.Config(models_dir=str(tmp_path)))
-    chat_daemon.start()
-    try:
-        for round_ in range(2):  # before the embedding daemon ever ran, and after it stopped
-            embed_ids = [Work(ws).publish(f"text {round_} {i}", embed=True) for i in range(3)]
-            said = submit(ws, "hello")
-            assert wait_all(ws, [said]) == [Status.Done]
-            assert [Flow(ws).status(j) for j in embed_ids] == [Status.Queued] * 3  # not taken by the chat model
-            status = run_main("status", ws, embed_ids[0], "--json")
-            assert "waits for a daemon with an embedding model" in json.loads(status.stdout)[embed_ids[0]]["waiting"]
-            waited = run_main("wait", ws, *embed_ids, "--timeout", "0.2")
-            assert b"3 jobs (" in waited.stderr and b"waits for a daemon with an embedding model" in waited.stderr
-            embed_daemon = Server(bert, ws, 1, config=nrvna.Config(models_dir=str(tmp_path)))
-            embed_daemon.start()
-            try:
-                assert wait_all(ws, embed_ids) == [Status.Done] * 3
-            finally:
-                embed_daemon.shutdown()
-            assert {Flow(ws).get(j).meta["model"] for j in embed_ids} == {"bert.gguf"}
-    finally:
-        chat_daemon.shutdown()
-
-
-def test_a_model_that_fails_to_load_says_why_is_tried_again_later_then_fails_its_jobs(
-        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A daemon of two models, b's file broken: b's jobs wait with the reason in status and
-    wait, b is tried again after a backoff (not every round), a daemon for b alone may start
-    beside it, and after NRVNA_MAX_LOAD_FAILURES loads its jobs fail with load_failed, naming
-    the file and the reason; once the file is fixed, retry runs them."""
-    models, _ = models_dir(tmp_path)
-    fake_gguf(models / "a.gguf")
-    broken = fake_gguf(models / "b.gguf")
-    fake_loads["broken"].add("b.gguf")
-    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
-    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))  # 3 failed loads (the default)
-    server.start()
-    try:
-        waiting = submit(ws, "for b", model="b")
-        deadline = time.monotonic() + 30
-        while not server.models.failed and time.monotonic() < deadline:
-            time.sleep(0.02)
-        server.write_status()
-        for _ in range(3):  # rounds of the Models thread go by: no load of b before its next try
-            assert wait_all(ws, [submit(ws, "for a", model="a")]) == [Status.Done]
-        assert fake_loads["loads"]["b.gguf"] == 1 and Flow(ws).status(waiting) is Status.Queued
-        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
-        assert reason.startswith("waits for model b (b.gguf), which daemon") and "(1 of 3 failed loads" in reason
-        assert "tensor data is not within the file bounds" in reason and "tried again in" in reason
-        text = run_main("status", ws, waiting)
-        assert text.stdout == b"queued\n" and b"1 of 3 failed loads" in text.stderr
-        assert b"1 of 3 failed loads" in run_main("wait", ws, waiting, "--timeout", "0.2").stderr
-        # The daemon its log recommends, one for b: not refused as a clash (its own load fails).
-        with pytest.raises(nrvna.ModelError, match="could not be loaded by llama.cpp"):
-            Server(broken, ws, 1, config=nrvna.Config(models_dir=str(models))).start()
-        monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 0.05)
-        server.models.failed[1].retry_at = 0.0  # the next try is due now; then 0.05 s, 0.1 s
-        assert Flow(ws).wait(waiting, 30) is Status.Failed
-        job = Flow(ws).get(waiting)
-        assert job.meta["code"] == "load_failed" and fake_loads["loads"]["b.gguf"] == 2 + 2  # b alone's, once
-        assert f"model {os.path.realpath(broken)} could not be loaded by llama.cpp: tensor data" in job.error
-        assert "(3 failed loads; NRVNA_MAX_LOAD_FAILURES is 3)" in job.error
-        later = submit(ws, "for b, after", model="b")  # given up: it fails without another load
-        assert Flow(ws).wait(later, 30) is Status.Failed and fake_loads["loads"]["b.gguf"] == 4
-        fake_loads["broken"].clear()
-        fake_gguf(models / "b.gguf.new")
-        os.replace(models / "b.gguf.new", broken)  # fixed: a new file
-        assert run_main("retry", ws, "--failed", "--code", "load_failed").returncode == 0
-        assert wait_all(ws, [waiting, later]) == [Status.Done] * 2
-        assert Flow(ws).get(later).meta["model"] == "b.gguf" and fake_loads["loads"]["b.gguf"] == 5
-    finally:
-        server.shutdown()
-
-
 def test_drain_and_a_daemon_that_stops_itself_exit_1_saying_why(ws: str, tmp_path: Path, fake_loads: dict[str, Any],
                                                                  run_main: RunMain) -> None:
     models, env = models_dir(tmp_path)
@@ -11263,288 +11585,6 @@ def test_drain_and_a_daemon_that_stops_itself_exit_1_saying_why(ws: str, tmp_pat
     assert stopped.returncode == nrvna.EXIT_FAILED, stopped.stderr[-2000:]
     assert b"The daemon stopped: model a.gguf cannot be loaded again" in stopped.stderr
     assert Flow(ws).status(waiting) is Status.Queued and nrvna.daemon_records(ws) == []
-
-
-def test_a_crafted_gguf_in_a_models_folder_is_a_failed_load_and_the_others_serve(
-        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 64 MiB file whose header declares a 2^63-item array, first in a folder beside a good
-    model: the daemon starts on the good model and serves it (jobs naming no model never go to
-    the crafted file); the crafted file is a failed load as a truncated one is: its jobs wait
-    with the reason, it is tried again (the good model is not unloaded for it), then they fail
-    with load_failed naming the file and the field. (It stopped the whole daemon at start.)"""
-    models, _ = models_dir(tmp_path)
-    arch = gguf_text("general.architecture") + struct.pack("<I", 8) + gguf_text("llama")
-    tokens = gguf_text("tokenizer.ggml.tokens") + struct.pack("<II", 9, 8)
-    crafted = crafted_gguf(models / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 64 << 20)
-    fake_gguf(models / "good.gguf")
-    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
-    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))  # 3 failed loads (the default)
-    server.start()
-    try:
-        assert server.models.active == 1 and fake_loads["loads"] == {"good.gguf": 1}
-        waiting = submit(ws, "for the crafted one", model="crafted")
-        served = [submit(ws, "names no model"), submit(ws, "for good", model="good")]
-        assert wait_all(ws, served) == [Status.Done] * 2
-        assert {Flow(ws).get(j).meta["model"] for j in served} == {"good.gguf"}
-        assert Flow(ws).status(waiting) is Status.Queued
-        server.write_status()
-        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
-        assert reason.startswith("waits for model crafted (crafted.gguf), which daemon") and "(1 of 3 failed" in reason
-        assert "has a GGUF header out of bounds: array 'tokenizer.ggml.tokens''s length says" in reason, reason
-        monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 0.05)
-        server.models.failed[0].retry_at = 0.0  # the next try is due now; then 0.05 s, 0.1 s
-        assert Flow(ws).wait(waiting, 30) is Status.Failed
-        job = Flow(ws).get(waiting)
-        assert job.meta["code"] == "load_failed" and "(3 failed loads; NRVNA_MAX_LOAD_FAILURES is 3)" in job.error
-        assert f"model {os.path.realpath(crafted)} has a GGUF header out of bounds: array" in job.error, job.error
-        assert wait_all(ws, [submit(ws, "still served", model="good")]) == [Status.Done]
-        assert fake_loads["loads"] == {"good.gguf": 1}  # never unloaded for a file that cannot be read
-    finally:
-        server.shutdown()
-
-
-def test_a_first_model_that_cannot_be_loaded_at_start_is_a_failed_load_and_the_next_serves(
-        ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first model of a folder fails to load at start (a truncated file): the daemon starts
-    on the next one, and the first's jobs (and those naming no model: it is the first) wait with
-    the reason, as at its turn; a daemon none of
-    whose models loads refuses to start, naming the first one's error. (It refused at start.)"""
-    models, _ = models_dir(tmp_path)
-    fake_gguf(models / "a.gguf")
-    fake_gguf(models / "b.gguf")
-    fake_loads["broken"].add("a.gguf")
-    monkeypatch.setattr(nrvna, "LOAD_RETRY_SECONDS", 3600.0, raising=False)
-    server = Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1))
-    server.start()
-    try:
-        assert server.models.active == 1 and sorted(server.models.failed) == [0]
-        waiting, served = submit(ws, "for a", model="a"), submit(ws, "for b", model="b")
-        assert wait_all(ws, [served]) == [Status.Done] and Flow(ws).get(served).meta["model"] == "b.gguf"
-        server.write_status()
-        reason = json.loads(run_main("status", ws, waiting, "--json").stdout)[waiting]["waiting"]
-        assert reason.startswith("waits for model a (a.gguf), which daemon") and "(1 of 3 failed loads" in reason
-    finally:
-        server.shutdown()
-    fake_loads["broken"].add("b.gguf")
-    with pytest.raises(nrvna.ModelError, match=r"a\.gguf could not be loaded by llama\.cpp"):
-        Server(str(models), ws, 1, config=nrvna.Config(max_loaded=1)).start()
-    assert nrvna.daemon_records(ws) == []
-
-
-@pytest.mark.model
-def test_a_load_is_cut_short_when_its_cancel_is_set(model: str) -> None:
-    """A daemon that stops while it loads a model ahead of its turn does not wait for the load."""
-    cancel = threading.Event()
-    cancel.set()
-    with pytest.raises(nrvna.ModelError, match="its load was cut short"):
-        nrvna.LlamaRunner(model, nrvna.Config(), cancel=cancel)
-    nrvna.LlamaRunner(model, nrvna.Config(), cancel=threading.Event()).close()  # not set: it loads
-
-
-@pytest.mark.model
-def test_with_room_the_next_model_is_loaded_while_the_running_one_works(ws: str, tmp_path: Path, model: str,
-                                                                      bert: str, run_main: RunMain) -> None:
-    """Three models: with room for three, b is loaded while a's jobs run and e while b's run;
-    with room for two, b ahead, and e only at its turn, in a's place (loading ahead unloads
-    nothing); with NRVNA_LOAD_AHEAD=0 each at its turn. Each once, every job done by its model."""
-    models, env = models_dir(tmp_path, a=model, b=model, e=bert)
-    ahead, turn = " (ahead of its turn)", ""
-    for room, setting, expected in (("3", "1", [("a", turn), ("b", ahead), ("e", ahead)]),
-                                    ("2", "1", [("a", turn), ("b", ahead), ("e", turn)]),
-                                    ("2", "0", [("a", turn), ("b", turn), ("e", turn)])):
-        workspace = f"{ws}-{room}-{setting}"
-        ids = submit_stories(run_main, workspace, env, ("a", "b"), 32, embed="e")
-        log = drain(models, workspace, {**env, "NRVNA_LOAD_AHEAD": setting}, "--max-loaded", room)
-        loads = re.findall(r"Loading model \S+/(\w)\.gguf( \(ahead of its turn\))?", log)
-        assert loads == expected, log[-3000:]
-        if setting == "1":
-            assert log.index(ahead) < log.index("Switched from model a.gguf to b.gguf")
-        if room == "2":
-            assert log.index("Switched from model a.gguf to b.gguf") < log.index("Unloading model a.gguf") < \
-                re.search(r"Loading model \S+/e\.gguf", log).start()  # type: ignore[union-attr]
-        flow = Flow(workspace)
-        for job_id, name in ids.items():
-            job = flow.get(job_id)
-            assert job.status is Status.Done and job.meta["model"] == name, (job_id, job.error)
-
-
-@pytest.mark.model
-def test_two_daemons_share_a_workspace_and_a_killed_ones_jobs_are_requeued_at_once(ws: str, tmp_path: Path,
-                                                                                 model: str, run_main: RunMain) -> None:
-    _, env = models_dir(tmp_path, smol=model, smol2=model)
-    ids = submit_stories(run_main, ws, env, ("smol", "smol2"), 48)
-    first = start_daemon("smol", ws, "-w", "1", env=env)
-    second = start_daemon("smol2", ws, "-w", "1", env=env)
-    try:
-        flow, deadline = Flow(ws), time.monotonic() + 120
-        running = []
-        while not running and time.monotonic() < deadline:  # a job of the first daemon's model runs
-            running = [j for j in os.listdir(os.path.join(ws, nrvna.PROCESSING))
-                       if ids.get(j) == "smol.gguf" and flow.get(j).meta.get("daemon", "").startswith(f"{first.pid}-")]
-            time.sleep(0.02)
-        assert running, "the first daemon never ran a job"
-        assert sorted(r["pid"] for r in nrvna.daemon_records(ws)) == sorted([first.pid, second.pid])
-        first.kill()
-        first.wait(30)
-        # The live daemon sees the death within REAP_SECONDS and requeues the job at once: back
-        # in ready/, waiting for a daemon serving its model (the live one does not).
-        while flow.status(running[0]) is not Status.Queued and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert flow.status(running[0]) is Status.Queued
-        events = [e[1:] for e in flow.get(running[0]).meta["events"]]
-        assert events[-2:] == [["running"], ["requeued", "crashed"]], events
-        assert [r["pid"] for r in nrvna.daemon_records(ws)] == [second.pid]
-        reasons = run_main("status", ws, running[0], "--json", env=env)
-        assert "which no running daemon serves (they serve smol2.gguf)" in json.loads(reasons.stdout)[running[0]]["waiting"]
-        restarted = start_daemon("smol", ws, "-w", "1", "--drain", env=env)
-        _, err = restarted.communicate(timeout=600)
-        assert restarted.returncode == 0, err.decode()[-2000:]
-        while any(flow.status(j) is not Status.Done for j in ids) and time.monotonic() < deadline + 300:
-            time.sleep(0.1)
-        stopped = run_main("stop", ws, "--pid", str(second.pid), "--timeout", "60")
-        assert stopped.returncode == 0, stopped.stderr
-        assert second.wait(10) == 0
-    finally:
-        for proc in (first, second):
-            if proc.poll() is None:
-                proc.kill()
-    for job_id, model_name in ids.items():
-        job = flow.get(job_id)
-        assert job.status is Status.Done and job.meta["model"] == model_name, (job_id, job.error)
-        assert [p for p in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, p, job_id))] == [nrvna.OUTPUT]
-    assert job_id and audit_clean(ws)
-
-
-@pytest.mark.model
-def test_a_restart_of_the_embedding_daemon_leaves_the_embed_jobs_to_it(ws: str, tmp_path: Path, model: str,
-                                                                       bert: str, run_main: RunMain) -> None:
-    """A chat daemon beside an embedding daemon, embed jobs naming no model: the embedding
-    daemon SIGKILLed mid-batch, restarted, then stopped with stop --pid. Its jobs wait for it
-    (status says why), never run or fail on the chat model; each ends once, done by it."""
-    _, env = models_dir(tmp_path, smol=model, minilm=bert)
-    ids = [Work(ws).publish([f"Sentence {i} about topic {j}. " * 6 for j in range(6)], embed=True) for i in range(150)]
-    chat = start_daemon("smol", ws, "-w", "1", env=env)
-    embedders = [start_daemon("minilm", ws, "-w", "1", env=env)]
-    flow, deadline = Flow(ws), time.monotonic() + 300
-
-    def chat_round_trip() -> None:
-        """A chat job submitted now is done: the chat daemon has routed what was queued before it."""
-        said = submit(ws, "Say hi.", max_tokens=2)
-        assert flow.wait(said, 120) is Status.Done
-
-    try:
-        while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        embedders[0].kill()
-        embedders[0].wait(30)
-        while [r["pid"] for r in nrvna.daemon_records(ws)] != [chat.pid] and time.monotonic() < deadline:
-            time.sleep(0.05)  # the chat daemon has reaped it
-        chat_round_trip()
-        left = [j for j in ids if flow.status(j) is not Status.Done]
-        assert left and all(flow.status(j) is Status.Queued for j in left)
-        reason = json.loads(run_main("status", ws, left[0], "--json", env=env).stdout)[left[0]]
-        assert "waits for a daemon with an embedding model" in reason["waiting"], reason
-        embedders.append(start_daemon("minilm", ws, "-w", "1", env=env))
-        while flow.status(left[0]) is not Status.Done and time.monotonic() < deadline:
-            time.sleep(0.02)
-        stopped = run_main("stop", ws, "--pid", str(embedders[1].pid), "--timeout", "60", env=env)
-        assert stopped.returncode == 0 and embedders[1].wait(30) == 0, stopped.stderr
-        chat_round_trip()
-        assert not any(flow.status(j) in (Status.Failed, Status.Running) for j in ids)
-        embedders.append(start_daemon("minilm", ws, "-w", "1", "--drain", env=env))
-        assert embedders[2].wait(300) == 0
-    finally:
-        for proc in [chat, *embedders]:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
-    for job_id in ids:
-        job = flow.get(job_id)
-        assert job.status is Status.Done and job.meta["model"] == "minilm.gguf", (job_id, job.error)
-    assert audit_clean(ws)
-
-
-def test_a_job_nobody_holds_in_processing_is_requeued_by_a_live_daemon(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A requeue that failed, a reaping cut short: a live daemon finds such a job within
-    ORPHAN_SECONDS, while a job it runs itself is never touched."""
-    monkeypatch.setattr(nrvna, "ORPHAN_SECONDS", 0.3)
-    with serving(ws, echo):
-        running = [submit(ws, f"r{i}") for i in range(5)]
-        job_id = orphan(ws, "left behind", 1)
-        assert wait_all(ws, running + [job_id]) == [Status.Done] * 6
-        job = Flow(ws).get(job_id)
-        assert job.result == "echo:left behind" and job.meta["attempts"] == 2
-        assert [e[1:] for e in job.meta["events"]][-3:] == [["requeued", "crashed"], ["running"], ["done"]]
-
-
-def test_a_second_daemon_for_the_same_model_needs_another_gpu(ws: str) -> None:
-    with serving(ws, echo):
-        with pytest.raises(nrvna.WorkspaceError, match=f"another daemon \\(pid {os.getpid()}\\) serving function on "
-                                                       "this machine's CPU"):
-            Server(None, ws, 1, runner=echo, config=nrvna.Config()).start()
-        with serving(ws, echo, gpu=1) as beside:
-            records = nrvna.daemon_records(ws)
-            assert [r["gpu"] for r in records] == [-1, 1] and records[1]["name"] == beside.registry.name
-            with pytest.raises(nrvna.WorkspaceError, match="on GPU 1"):
-                Server(None, ws, 1, runner=echo, config=nrvna.Config(gpu=1)).start()
-            ids = [submit(ws, f"p{i}") for i in range(20)]
-            assert wait_all(ws, ids) == [Status.Done] * 20  # both claim from one queue; each job once
-            daemons = {Flow(ws).get(job_id).meta["daemon"] for job_id in ids}
-            assert daemons <= {r["name"] for r in records}
-    assert nrvna.daemon_records(ws) == []
-
-
-@pytest.mark.model
-def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: str, tmp_path: Path, model: str,
-                                                                          run_main: RunMain) -> None:
-    _, env = models_dir(tmp_path, smol=model, other=model)
-    env["NRVNA_MODEL_ALIASES"] = "gpt-4o-mini=smol"
-    ids = {}
-    for name in ("smol", "other", "gpt-4o-mini", "unheard-of", None):
-        flags = ["--model", name] if name else []
-        ids[name] = run_main("submit", ws, "Say hi.", "--max-tokens", "4", *flags, env=env).stdout.decode().strip()
-    daemon = start_daemon("smol", ws, "--drain", env=env)
-    try:
-        out, err = daemon.communicate(timeout=300)
-    finally:
-        daemon.kill()
-    assert daemon.returncode == nrvna.EXIT_FAILED, err.decode()[-2000:]  # it left a job nobody serves
-    assert f"1 jobs left queued ({ids['other']}): waits for model other (other.gguf)".encode() in err
-    flow = Flow(ws)
-    for name, job_id in ids.items():
-        assert flow.status(job_id) is (Status.Queued if name == "other" else Status.Done), name
-        if name != "other":
-            assert flow.get(job_id).meta["model"] == "smol.gguf"
-    assert b"Jobs for model other" in err and b"wait in the queue" in err
-    # With the daemon up, status and wait say why the job waits (never a silent hang).
-    daemon = start_daemon("smol", ws, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while True:  # until the daemon has written its record
-            with contextlib.suppress(nrvna.NoSuchJob):
-                if "model_path" in nrvna.daemon_info(ws)[0]:
-                    break
-            assert time.monotonic() < deadline and daemon.poll() is None
-            time.sleep(0.1)
-        status = run_main("status", ws, ids["other"], "--json", env=env)
-        assert status.returncode == nrvna.EXIT_UNFINISHED
-        report = json.loads(status.stdout)[ids["other"]]
-        assert report["status"] == "queued"
-        assert report["waiting"] == "waits for model other (other.gguf), which no running daemon serves " \
-                                    "(they serve smol.gguf)"
-        waited = run_main("wait", ws, ids["other"], "--timeout", "0.5", env=env)
-        assert waited.returncode == nrvna.EXIT_UNFINISHED and b"waits for model other (other.gguf)" in waited.stderr
-    finally:
-        daemon.terminate()
-        daemon.wait(60)
-    other = start_daemon("other", ws, "--drain", env=env)
-    try:
-        other.communicate(timeout=300)
-    finally:
-        other.kill()
-    assert flow.status(ids["other"]) is Status.Done and flow.get(ids["other"]).meta["model"] == "other.gguf"
 
 
 # ==============================================================================
@@ -11822,3 +11862,41 @@ def test_client_commands_do_not_import_llama_cpp(tmp_path: Path) -> None:
             "assert 'llama_cpp' not in sys.modules and 'logging' not in sys.modules; print('ok')")
     done = subprocess.run([sys.executable, "-S", "-c", code], cwd=bare, capture_output=True, timeout=60)
     assert done.stdout == b"ok\n", done.stderr
+
+
+def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    flow = Flow(ws)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    path = write(tmp_path / "answer.json", json.dumps(schema))
+    for args, expected in [
+        (("--json-schema", path), schema_format(schema, "answer")),
+        (("--json-schema", json.dumps(schema)), schema_format(schema, "schema")),
+        (("--json-schema", json.dumps({"name": "w", "schema": schema})), {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}),
+        (("--json-schema", json.dumps(schema_format(schema, "full"))), schema_format(schema, "full")),
+        (("--json",), {"type": "json_object"}),
+    ]:
+        done = run_main("submit", ws, "hi", *args)
+        assert done.returncode == 0, done.stderr
+        assert flow.get(done.stdout.decode().strip()).params["response_format"] == expected, args
+    grammar = write(tmp_path / "yn.gbnf", 'root ::= "yes" | "no"\n')
+    done = run_main("submit", ws, "hi", "--grammar", grammar, "--logprobs", "--top-logprobs", "2",
+                    "--logit-bias", "15=-100", "--logit-bias", "7=2.5")
+    params = flow.get(done.stdout.decode().strip()).params
+    assert params == {"grammar": 'root ::= "yes" | "no"\n', "logprobs": True, "top_logprobs": 2,
+                      "logit_bias": {"15": -100.0, "7": 2.5}}
+    before = flow.counts()["queued"]
+    for args, message in [
+        (("--json", "--json-schema", path), b"not allowed with argument"),
+        (("--json-schema", str(tmp_path / "missing.json")), b"cannot read"),
+        (("--json-schema", "[1]"), b"is not a JSON object"),
+        (("--json-schema", '{"type": "string", "pattern": "^(x)\\\\1$"}'), b"a backreference (\\1) is not supported"),
+        (("--grammar", write(tmp_path / "bad.gbnf", "root ::= nothing\n")), b"rule 'nothing' is used but never defined"),
+        (("--logit-bias", "x=1"), b"is not TOKEN_ID=BIAS"),
+        (("--logprobs", "--top-logprobs", "21"), b"out of range (0 to 20)"),
+        (("--json", "--stop", "}"), b"stop cannot be combined"),
+    ]:
+        done = run_main("submit", ws, "hi", *args)
+        assert done.returncode == 2 and message in done.stderr and done.stdout == b"", (args, done.stderr)
+        assert b"Traceback" not in done.stderr
+    assert flow.counts()["queued"] == before
+
