@@ -550,7 +550,8 @@ def faultpoint_main(argv: list[str]) -> int:
     return nrvna.main(command, runner=runner)
 
 
-def faultpoint(ws: str, mode: str, *command: str, log: str | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+def faultpoint(ws: str, mode: str, *command: str,
+               log: str | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run the harness on `command` in a child process; return it and the calls it counted."""
     log = log or ws + ".calls"
     if os.path.exists(log):
@@ -595,7 +596,8 @@ def test_faultpoint_sees_every_workspace_syscall_that_strace_sees(tmp_path: Path
     code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import nrvna, test_nrvna; "
             f"sys.exit(nrvna.main(['daemon', '-', {ws!r}, '-w', '1', '--drain'], runner=test_nrvna.derived))")
     done = subprocess.run(["strace", "-f", "-y", "-o", trace, "-e",
-                           "trace=mkdir,mkdirat,openat,write,pwrite64,ftruncate,fsync,rename,renameat,renameat2,unlink,unlinkat,rmdir,"
+                           "trace=mkdir,mkdirat,openat,write,pwrite64,ftruncate,fsync,rename,renameat,renameat2,"
+                           "unlink,unlinkat,rmdir,"
                            "link,linkat",
                            sys.executable, "-c", code], capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -773,7 +775,8 @@ def test_submit_io_errors_at_every_point_exit_nonzero_with_one_line(tmp_path: Pa
             nrvna.ensure_workspace(ws)
             done, _ = faultpoint(ws, f"errno:{k}:{code}", "submit", ws, "fault me")
             err = done.stderr.decode()
-            assert done.returncode == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (k, call, err)
+            assert (done.returncode == 1 and len(err.strip().splitlines()) == 1
+                    and "Traceback" not in err), (k, call, err)
             ready = os.listdir(os.path.join(ws, nrvna.READY))
             if k > published_at:
                 assert "queued but not confirmed durable" in err and done.stdout.decode().strip() == ready[0]
@@ -850,7 +853,8 @@ def test_fsync_order_audit_of_a_100_job_run(tmp_path: Path) -> None:
             if not (moved and into):
                 continue
             assert not parents_due.get(tid), ("parents of the previous move not fsynced", parents_due[tid])
-            assert not dirty.get(moved.group(2)), ("renamed before its files and dir were fsynced", src, dirty[moved.group(2)])
+            assert not dirty.get(moved.group(2)), ("renamed before its files and dir were fsynced", src,
+                                                   dirty[moved.group(2)])
             parents_due[tid] = {os.path.dirname(src), os.path.dirname(dst)}
             checked += 1
     assert not any(parents_due.values()), parents_due
@@ -897,7 +901,8 @@ def satisfies(value: Any, schema: dict[str, Any]) -> bool:
         if kind == "integer" and not isinstance(value, int):
             return False
         return (value >= schema.get("minimum", -math.inf) and value <= schema.get("maximum", math.inf)
-                and value > schema.get("exclusiveMinimum", -math.inf) and value < schema.get("exclusiveMaximum", math.inf))
+                and value > schema.get("exclusiveMinimum", -math.inf) and value
+                < schema.get("exclusiveMaximum", math.inf))
     raise AssertionError(f"satisfies() does not know {schema}")
 
 
@@ -923,7 +928,8 @@ PERSON_SCHEMA = {
         "name": {"type": "string", "minLength": 1, "maxLength": 20},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "score": {"type": "number", "minimum": -1, "maximum": 1},
-        "friends": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+        "friends": {"type": "array",
+                    "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
                                                 "required": ["name"], "additionalProperties": False}, "maxItems": 2},
     },
     "required": ["name", "age", "score", "friends"],
@@ -1152,7 +1158,8 @@ def number_shape(schema: dict[str, Any]) -> tuple[nrvna.GrammarShape, int]:
     """The grammar of a number schema's values, and how many rules its multipleOf made."""
     rules: dict[str, str] = {}
     expression = nrvna.number_rule(schema, "", rules, "m")
-    return nrvna.check_grammar(f"root ::= {expression}\n" + "".join(f"{n} ::= {b}\n" for n, b in rules.items())), len(rules)
+    return nrvna.check_grammar(f"root ::= {expression}\n"
+                               + "".join(f"{n} ::= {b}\n" for n, b in rules.items())), len(rules)
 
 
 @pytest.mark.parametrize("schema, window", [
@@ -1174,7 +1181,8 @@ def test_integer_multiples_are_exact_within_their_bounds(schema: dict[str, Any],
     shape, _ = number_shape(schema)
     step = Fraction(Decimal(repr(schema["multipleOf"])))
     low, high = Decimal(str(schema.get("minimum", "-Infinity"))), Decimal(str(schema.get("maximum", "Infinity")))
-    above, below = Decimal(str(schema.get("exclusiveMinimum", "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
+    above, below = Decimal(str(schema.get("exclusiveMinimum",
+                                          "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
     for value in window:
         wanted = (value / step).denominator == 1 and low <= value <= high and above < value < below
         assert grammar_accepts(shape, str(value)) == wanted, value
@@ -1183,7 +1191,8 @@ def test_integer_multiples_are_exact_within_their_bounds(schema: dict[str, Any],
     rng = random.Random(3)
     for _ in range(300):  # and anywhere in range (up to 16 digits)
         value = int(grammar_walk(shape, rng))
-        assert (value / step).denominator == 1 and low <= value <= high and above < value < below and abs(value) < 10 ** 16
+        assert (value
+                / step).denominator == 1 and low <= value <= high and above < value < below and abs(value) < 10 ** 16
 
 
 @pytest.mark.parametrize("schema", [
@@ -1198,8 +1207,10 @@ def test_number_multiples_of_a_power_of_ten_have_no_more_fraction_digits(schema:
     shape, _ = number_shape(schema)
     step = Decimal(repr(schema["multipleOf"]))
     low, high = Decimal(str(schema.get("minimum", "-Infinity"))), Decimal(str(schema.get("maximum", "Infinity")))
-    above, below = Decimal(str(schema.get("exclusiveMinimum", "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
-    texts = {f"{sign}{i}{fraction}" for sign in ("", "-") for i in range(25) for fraction in ("", ".0", ".5", ".05", ".25", ".125", ".1", ".99")}
+    above, below = Decimal(str(schema.get("exclusiveMinimum",
+                                          "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
+    texts = {f"{sign}{i}{fraction}" for sign in ("", "-") for i in range(25)
+             for fraction in ("", ".0", ".5", ".05", ".25", ".125", ".1", ".99")}
     for text in texts:
         value = Decimal(text)
         wanted = (value % step == 0 and low <= value <= high and above < value < below
@@ -1215,7 +1226,8 @@ def test_number_multiples_of_a_power_of_ten_have_no_more_fraction_digits(schema:
 
 
 @pytest.mark.parametrize("schema, message", [
-    ({"type": "number", "multipleOf": 0.5}, "multipleOf 0.5 on a number is not supported: only an integer or a power of ten"),
+    ({"type": "number", "multipleOf": 0.5},
+     "multipleOf 0.5 on a number is not supported: only an integer or a power of ten"),
     ({"type": "number", "multipleOf": 0.25, "minimum": 0}, "multipleOf 0.25 on a number"),
     ({"type": "integer", "multipleOf": 0}, "multipleOf must be a number above 0"),
     ({"type": "integer", "multipleOf": -3}, "multipleOf must be a number above 0"),
@@ -1224,7 +1236,8 @@ def test_number_multiples_of_a_power_of_ten_have_no_more_fraction_digits(schema:
     ({"type": "integer", "multipleOf": 5, "minimum": 1, "maximum": 4}, "no multiple of 5 lies within its bounds"),
     ({"type": "integer", "multipleOf": 1e15}, "is beyond what nrvna generates (below 1e15"),
     ({"type": "number", "multipleOf": 1e-16}, "is beyond what nrvna generates"),
-    ({"type": "integer", "multipleOf": 7919}, "multipleOf 7919 needs more than 2,048 grammar rules within these bounds"),
+    ({"type": "integer", "multipleOf": 7919},
+     "multipleOf 7919 needs more than 2,048 grammar rules within these bounds"),
     ({"type": "string", "multipleOf": 2}, "keyword 'multipleOf' is not supported for a string"),
 ])
 def test_multiples_nrvna_cannot_write_are_refused(schema: dict[str, Any], message: str) -> None:
@@ -1291,7 +1304,8 @@ def test_constrained_jobs_copying_surrogate_escapes_end_valid_utf8_json(ws: str,
         value = json.loads(job.result)
         text = json.dumps(value, ensure_ascii=False)
         assert not any(0xD800 <= ord(c) <= 0xDFFF for c in text), job.result  # UTF-8 can hold it
-        assert satisfies(value, two) if line["response_format"]["type"] == "json_schema" else isinstance(value, dict), job.result
+        assert (satisfies(value, two) if line["response_format"]["type"] == "json_schema"
+                else isinstance(value, dict)), job.result
 
 
 # ==============================================================================
@@ -1301,17 +1315,22 @@ def test_constrained_jobs_copying_surrogate_escapes_end_valid_utf8_json(ws: str,
 
 # (pattern, the feature it shows)
 PATTERNS = [
-    (r"^\d{3}-\d{4}$", "\\d, {m}"), (r"^[A-Z][a-z]+$", "classes with ranges, +"), (r"^[^a-z]{2,4}$", "a negated class, {m,n}"),
+    (r"^\d{3}-\d{4}$", "\\d, {m}"), (r"^[A-Z][a-z]+$", "classes with ranges, +"),
+    (r"^[^a-z]{2,4}$", "a negated class, {m,n}"),
     (r"^\w+$", "\\w"), (r"^\W+$", "\\W (Unicode-aware in Python)"), (r"^\s\S\D$", "\\s \\S \\D"), (r"^.{1,8}$", "."),
-    (r"^[\s\S]{3}$", "[\\s\\S]: any character"), (r"^[\d\s]+$", "shorthands in a class"), (r"^[^\d\s]+$", "... negated"),
-    (r"^[^\W\d]+$", "a negated negation"), (r"^(?:ab|cd)+$", "(?:...), alternation"), (r"^(?P<x>x|y)(z)?$", "named and capturing groups"),
+    (r"^[\s\S]{3}$", "[\\s\\S]: any character"), (r"^[\d\s]+$", "shorthands in a class"),
+    (r"^[^\d\s]+$", "... negated"),
+    (r"^[^\W\d]+$", "a negated negation"), (r"^(?:ab|cd)+$", "(?:...), alternation"),
+    (r"^(?P<x>x|y)(z)?$", "named and capturing groups"),
     (r"^(a|b|)c?$", "an empty alternative"), (r'^["\\/]\n\t\r\f\v\x00\x1f\u00e9\u2028$', "escapes, and JSON's"),
     (r"^\x41\u0042[\x43-\x45]$", "\\x \\u in and out of classes"), (r"^[\]\[\\^-]+$", "escaped signs in a class"),
     (r"^\.\*\+\?\(\)\{\}\|\$$", "escaped metacharacters"), (r"^a{2}b{1,}c{0,2}d*?e+?$", "every quantifier, lazy ones"),
     (r"^[\w.-]+@[\w-]+\.[a-z]{2,3}$", "an e-mail-like pattern"), ("^\U0001F600x$", "a character past U+FFFF"),
     (r"colou?r", "unanchored: searched for"), (r"^abc", "anchored at the start only"), (r"xyz$", "at the end only"),
-    (r"^a|b$", "anchors per top-level alternative"), (r"(a*)*b", "a repetition of a repetition"), (r"^(a?){3,}$", "... of a nullable group"),
-    (r"^(x+)+y$", "nested +"), (r"^(?:a|(?:b|(?:c|d)*)+)e$", "nested unbounded alternatives"), (r"^(?:(?:a|b)*c){2}$", "a counted group"),
+    (r"^a|b$", "anchors per top-level alternative"), (r"(a*)*b", "a repetition of a repetition"),
+    (r"^(a?){3,}$", "... of a nullable group"),
+    (r"^(x+)+y$", "nested +"), (r"^(?:a|(?:b|(?:c|d)*)+)e$", "nested unbounded alternatives"),
+    (r"^(?:(?:a|b)*c){2}$", "a counted group"),
     (r"^$", "only the empty string"), (r"", "anything"), (r"^x{0}y$", "{0}"), (r"^[^\x00-\x7f]+$", "non-ASCII only"),
     (r"^[^\"\\]*$", "no quote or backslash"), (r"^(?:[01]\d|2[0-3]):[0-5]\d$", "a time of day"),
 ]
@@ -1337,7 +1356,8 @@ def test_a_pattern_s_grammar_admits_exactly_its_strings(pattern: str, alphabet: 
     for length in range(6):
         for chars in itertools.product(alphabet, repeat=length):
             text = "".join(chars)
-            assert grammar_accepts(shape, json.dumps(text)) == bool(re.search(pattern[:-1] + r"\Z", text)), (pattern, text)
+            assert (grammar_accepts(shape, json.dumps(text))
+                    == bool(re.search(pattern[:-1] + r"\Z", text))), (pattern, text)
 
 
 def test_a_wrong_translation_fails_the_generated_strings_check(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1369,16 +1389,20 @@ def test_a_wrong_translation_fails_the_generated_strings_check(monkeypatch: pyte
     (r"\bword\b", r"\b (a word boundary) is not supported"), (r"\B", r"\B (not a word boundary)"),
     (r"\p{L}", r"\p{...} (a Unicode property) is not supported"), (r"\P{L}", "a Unicode property"),
     (r"\Aa", r"\A (Python's start anchor"), (r"a\Z", r"\Z (write $)"), (r"\cA", r"\cX (a control character"),
-    (r"\u{41}", r"\u{...} is ECMA-262's u flag only"), (r"\ud800", "is a surrogate"), (r"\q", r"the escape \q is not supported"),
-    (r"\01", "octal escapes"), ("a{501}", "a repetition count above 500"), ("a{2,1}", "the most is less than the least"),
+    (r"\u{41}", r"\u{...} is ECMA-262's u flag only"), (r"\ud800", "is a surrogate"),
+    (r"\q", r"the escape \q is not supported"),
+    (r"\01", "octal escapes"), ("a{501}", "a repetition count above 500"),
+    ("a{2,1}", "the most is less than the least"),
     ("a{,3}", "{,n} is a repetition to Python and text to ECMA-262"), ("[]a]", "a ']' first in a class"),
     ("[[]", "a '[' inside a class"), ("[a&&b]", "'&&' in a class"), (r"[\d-z]", r"a range with \d, \w or \s at an end"),
     ("[z-a]", "the range 'z'-'a' is out of order"), (r"[^\s\S]", "a class that no character matches"),
     ("[😀]", "a character beyond U+FFFF in a class"), ("😀+", "a quantifier after a character beyond U+FFFF"),
     ("^(^a)", "'^' is supported only at the start of the pattern or of one of its top-level alternatives"),
     ("a$b", "'$' is supported only at the end"), ("(a$)", "'$' is supported only at the end"),
-    ("*a", "nothing to repeat before '*'"), ("a**", "a quantifier right after another"), ("a{2}{3}", "a quantifier right after another"),
-    ("(a", "a '(' without its ')'"), ("a)", "an unmatched ')'"), ("[a", "a '[' without its ']'"), ("a\\", "a pattern cannot end with '\\'"),
+    ("*a", "nothing to repeat before '*'"), ("a**", "a quantifier right after another"),
+    ("a{2}{3}", "a quantifier right after another"),
+    ("(a", "a '(' without its ')'"), ("a)", "an unmatched ')'"), ("[a", "a '[' without its ']'"),
+    ("a\\", "a pattern cannot end with '\\'"),
     ("(" * 33 + "a" + ")" * 33, "groups nested more than 32 deep"), ("(?<1x>a)", "a group name must be"),
     (r"^(?:(?:a|aa)+b){0,500}$", "it needs more than 2,000 grammar states (each copy of a counted repetition"),
     (r"^(?:a{500}){50}$", "it is over 20,000 characters long once its counted repetitions are written out"),
@@ -1387,12 +1411,14 @@ def test_a_wrong_translation_fails_the_generated_strings_check(monkeypatch: pyte
 def test_patterns_outside_the_subset_are_refused_naming_the_construct(pattern: str, message: str) -> None:
     with pytest.raises(nrvna.InvalidInput) as raised:
         nrvna.check_json_schema({"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}})
-    assert str(raised.value).startswith(f"schema /properties/p: pattern {pattern!r}") and message in str(raised.value), raised.value
+    assert (str(raised.value).startswith(f"schema /properties/p: pattern {pattern!r}")
+            and message in str(raised.value)), raised.value
 
 
 def costly_patterns(count: int) -> dict[str, Any]:
     """Issue 42's schema: patterns of 1.4 million steps each, within the per-pattern limits."""
-    return {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "^.{0,500}.{0,500}.{0,%d}$" % (400 - i)}
+    return {"type": "object",
+            "properties": {f"f{i}": {"type": "string", "pattern": "^.{0,500}.{0,500}.{0,%d}$" % (400 - i)}
                                              for i in range(count)}, "required": [f"f{i}" for i in range(count)]}
 
 
@@ -1402,7 +1428,8 @@ def test_a_schema_s_patterns_are_counted_together_and_refused_past_the_bound(ws:
     convert, on a worker: together they are counted as one pattern is, and the schema is exit 2
     at the pattern that passes the bound, by counted steps (the same on any machine)."""
     nrvna.check_json_schema(costly_patterns(1))  # one is within the bound
-    done = run_main("submit", ws, "Fill in the form.", "--json-schema", write(tmp_path / "s.json", json.dumps(costly_patterns(10))))
+    done = run_main("submit", ws, "Fill in the form.", "--json-schema",
+                    write(tmp_path / "s.json", json.dumps(costly_patterns(10))))
     assert done.returncode == 2 and done.stderr.count(b"\n") == 1, done.stderr
     assert b"schema /properties/f1: the schema's patterns and formats take 3,1" in done.stderr, done.stderr
     assert b"over the 3,000,000 a schema may take" in done.stderr
@@ -1411,7 +1438,8 @@ def test_a_schema_s_patterns_are_counted_together_and_refused_past_the_bound(ws:
     wide = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "^a{500}b{500}c{400}%d$" % i}
                                              for i in range(30)}}
     with pytest.raises(nrvna.InvalidInput, match=re.escape("schema /properties/f28: the schema's patterns and formats "
-                                                           "make 40,677 grammar states with this one, over the 40,000")):
+                                                           "make 40,677 grammar states with this one, over the "
+                                                           "40,000")):
         nrvna.check_json_schema(wide)
     emails = {"type": "object", "properties": {f"e{i}": {"type": "string", "format": "email"} for i in range(60)}}
     nrvna.check_json_schema(emails)  # 60 e-mail addresses are 22,740 states
@@ -1431,7 +1459,8 @@ def test_a_schema_s_patterns_are_counted_together_and_refused_past_the_bound(ws:
     ({"type": "integer", "pattern": "^1$"}, "keyword 'pattern' is not supported for an integer"),
     ({"type": "string", "pattern": "^a$", "enum": ["a"]}, "keyword 'pattern' is not supported beside enum"),
 ])
-def test_pattern_beside_lengths_is_taken_only_where_the_pattern_keeps_them(schema: dict[str, Any], message: Optional[str]) -> None:
+def test_pattern_beside_lengths_is_taken_only_where_the_pattern_keeps_them(schema: dict[str, Any],
+                                                                           message: Optional[str]) -> None:
     if message is None:
         nrvna.check_json_schema(schema)
         return
@@ -1482,7 +1511,8 @@ def test_dates_that_do_not_exist_are_never_admitted() -> None:
     date-time grammars admit exactly the dates date.fromisoformat takes."""
     import datetime
 
-    date, stamp = string_shape({"type": "string", "format": "date"}), string_shape({"type": "string", "format": "date-time"})
+    date, stamp = string_shape({"type": "string",
+                                "format": "date"}), string_shape({"type": "string", "format": "date-time"})
     admitted = 0
     for year in (0, 1, 4, 100, 400, 1900, 1999, 2000, 2023, 2024, 2100, 2400, 9996, 9999):
         for month in range(14):
@@ -1507,8 +1537,10 @@ def test_dates_that_do_not_exist_are_never_admitted() -> None:
      None),  # 0.5 is refused for the number
     ({"type": ["array", "null"], "items": {"type": "string", "format": "date"}, "maxItems": 2},
      [{"type": "array", "items": {"type": "string", "format": "date"}, "maxItems": 2}, {"type": "null"}]),
-    ({"type": ["object", "null"], "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
-     [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}, {"type": "null"}]),
+    ({"type": ["object", "null"], "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "additionalProperties": False},
+     [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
+      {"type": "null"}]),
     ({"type": ["string", "integer"], "format": "email", "exclusiveMaximum": 10},
      [{"type": "string", "format": "email"}, {"type": "integer", "exclusiveMaximum": 10}]),
 ])
@@ -1522,10 +1554,12 @@ def test_a_list_of_types_with_keywords_is_one_schema_per_type(schema: dict[str, 
 
 
 @pytest.mark.parametrize("schema, message", [
-    ({"type": ["string", "null"], "minimum": 0}, "keyword 'minimum' is not supported for any of the types string, null"),
+    ({"type": ["string", "null"], "minimum": 0},
+     "keyword 'minimum' is not supported for any of the types string, null"),
     ({"type": ["integer", "null"], "minimum": "0"}, "minimum must be a finite number"),
     ({"type": ["string", "null"], "pattern": "(?=x)"}, "a lookahead"),
-    ({"type": ["array", "null"], "items": {"type": "string"}, "uniqueItems": True}, "keyword 'uniqueItems' is not supported"),
+    ({"type": ["array", "null"], "items": {"type": "string"}, "uniqueItems": True},
+     "keyword 'uniqueItems' is not supported"),
     ({"type": ["string", "null"], "enum": ["a", 1]}, "enum holds a value that is not of type ['string', 'null']"),
     ({"type": ["string", "string"], "maxLength": 2}, "a list of distinct ones"),
 ])
@@ -1570,7 +1604,8 @@ def test_grammars_whose_parses_multiply_are_refused_at_submit(grammar: str, mess
                                                               ws: str, run_main: RunMain) -> None:
     with pytest.raises(nrvna.InvalidInput, match=re.escape(message)):
         nrvna.check_grammar(grammar)
-    done = run_main("submit", ws, "Write a long sentence about the sea", "--grammar", write(tmp_path / "g.gbnf", grammar))
+    done = run_main("submit", ws, "Write a long sentence about the sea", "--grammar",
+                    write(tmp_path / "g.gbnf", grammar))
     assert done.returncode == 2 and done.stderr.count(b"\n") == 1 and message.encode() in done.stderr, done.stderr
     nrvna.check_grammar(LATE_GRAMMAR)  # (what the submit check lets through, the daemon bounds: below)
 
@@ -1607,7 +1642,8 @@ def test_workers_count_a_shared_grammar_each_as_if_alone(llama: nrvna.LlamaRunne
     vocab = llama.grammar_vocab()
     ids = numpy.arange(0, llama.n_vocab, 5)  # a part of the vocabulary, as a redraw's shortlist
     schema = {"enum": [f"shared-{i}" for i in range(120)]}
-    cases = [({"response_format": {"type": "json_object"}}, nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9", "n": [1, 2]}'),
+    cases = [({"response_format": {"type": "json_object"}}, nrvna._JSON_OBJECT_GBNF,
+              '{"name": "caf\u00e9", "n": [1, 2]}'),
              ({"response_format": schema_format(schema)}, nrvna.schema_to_grammar(schema), '"shared-17"')]
 
     def count(shapes: list[nrvna.GrammarShape]) -> list[Any]:
@@ -1771,7 +1807,8 @@ def test_grammar_shape_agrees_with_llama_cpp_token_by_token(llama: nrvna.LlamaRu
     rng = random.Random(28)
     pieces = {t: llama.piece(t) for t in range(llama.n_vocab)}
     short = [t for t, p in pieces.items() if p and len(p) <= 3 and all(c in b"abcxy ,.!\"[]{}0123456789" for c in p)]
-    every = [t for t, p in pieces.items() if p and t not in llama.control_tokens and not L.llama_vocab_is_eog(llama.vocab, t)]
+    every = [t for t, p in pieces.items() if p and t not in llama.control_tokens
+             and not L.llama_vocab_is_eog(llama.vocab, t)]
     atoms = ['"a"', '"b"', '"ab"', "[a-c]", "[^a]", "[0-9]", '" "', '","', ".", '"x"', '"\\u00e9"']
     one = L.llama_token_data(0, 0.0, 0.0)
     array = L.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
@@ -1788,7 +1825,8 @@ def test_grammar_shape_agrees_with_llama_cpp_token_by_token(llama: nrvna.LlamaRu
             return rng.choice(atoms) + rng.choice(["", "", "?", "*", "+", "{1,3}"])
         if roll < 0.7:
             return rng.choice(["r1", "r2"])
-        return "(" + " | ".join(sequence(depth + 1) for _ in range(rng.randint(2, 3))) + ")" + rng.choice(["", "*", "?"])
+        return "(" + " | ".join(sequence(depth + 1)
+                                for _ in range(rng.randint(2, 3))) + ")" + rng.choice(["", "*", "?"])
 
     def sequence(depth: int) -> str:
         return " ".join(item(depth) for _ in range(rng.randint(1, 3)))
@@ -1897,7 +1935,8 @@ def test_bad_grammars_are_refused_at_submit_with_where(grammar: str, message: st
     {"anyOf": [{"type": "string", "format": "date"}, {"type": "null"}]},
     {"type": ["string", "null"]},
     {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False},
-    {"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+    {"$defs": {"node": {"type": "object",
+                        "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
      "$ref": "#/$defs/node", "title": "a tree", "x-note": "extensions are ignored"},
 ])
 def test_json_schemas_the_converter_honours_whole_are_accepted(schema: dict[str, Any]) -> None:
@@ -1905,15 +1944,20 @@ def test_json_schemas_the_converter_honours_whole_are_accepted(schema: dict[str,
 
 
 @pytest.mark.parametrize("schema, message", [
-    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "schema /: keyword 'uniqueItems' is not supported"),
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+     "schema /: keyword 'uniqueItems' is not supported"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)"}}},
      "schema /properties/a: pattern '^(?=a)': a lookahead (?=...) is not supported"),
-    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}, "/properties/n: multipleOf 0.5 on a number"),
-    ({"type": "string", "format": "uri"}, "format 'uri' is not supported (supported: date, time, date-time, duration, email"),
-    ({"type": "string", "format": "date", "maxLength": 4}, "minLength/maxLength beside format 'date' are supported only where"),
+    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}},
+     "/properties/n: multipleOf 0.5 on a number"),
+    ({"type": "string", "format": "uri"},
+     "format 'uri' is not supported (supported: date, time, date-time, duration, email"),
+    ({"type": "string", "format": "date", "maxLength": 4},
+     "minLength/maxLength beside format 'date' are supported only where"),
     ({"type": "object", "minProperties": 1, "properties": {}}, "keyword 'minProperties'"),
     ({"type": "object", "required": ["a"]}, "keyword 'required' is not supported for an object without properties"),
-    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required property 'b' is not in properties"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]},
+     "required property 'b' is not in properties"),
     ({"type": "array", "minItems": 1}, "keyword 'minItems' is not supported for array without items"),
     ({"type": "array", "items": {}}, "items {} is not supported"),
     ({"type": "string", "maxLenght": 3}, "keyword 'maxLenght' is not supported"),
@@ -1922,7 +1966,8 @@ def test_json_schemas_the_converter_honours_whole_are_accepted(schema: dict[str,
     ({"description": "only words"}, "a schema needs a type"),
     ({"anyOf": [{"type": "string"}], "type": "string"}, "keyword 'type' is not supported beside anyOf"),
     ({"$ref": "https://example.com/s.json"}, "only local references"),
-    ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "keyword 'oneOf' is not supported: the grammar would enforce it as anyOf"),
+    ({"oneOf": [{"type": "number"}, {"type": "integer"}]},
+     "keyword 'oneOf' is not supported: the grammar would enforce it as anyOf"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
      "additionalProperties other than false beside properties"),
     ({"type": "object", "properties": {"": {"type": "string"}}}, "a property named '' is not supported"),
@@ -1934,9 +1979,11 @@ def test_json_schemas_the_converter_honours_whole_are_accepted(schema: dict[str,
     ({"type": "object", "properties": {"a": {"$ref": "#/properties/b", "$defs": {}}, "b": {"type": "string"}}},
      "$defs beside $ref is supported at the top of the schema only"),
     ({"$ref": "#/$defs/missing"}, "points at nothing"),
-    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}, "refers back to itself"),
+    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"},
+     "refers back to itself"),
     ({"type": "string", "maxLength": 10000}, "maxLength must be an integer from 0 to 500"),
-    ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2}, "minItems 3 is more than maxItems 2"),
+    ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2},
+     "minItems 3 is more than maxItems 2"),
     ({"enum": ["a", 2], "type": "string"}, "enum holds a value that is not of type 'string'"),
     ({"type": "date"}, "unknown type 'date'"),
     (True, "a schema must be a JSON object"),
@@ -1964,13 +2011,15 @@ def exact_validator(schema: dict[str, Any]) -> Any:
 
 KEYWORD_SCHEMAS = {
     "strings": {"type": "object", "properties": {
-        "code": {"type": "string", "pattern": r"^[A-Z]{3}-\d{2}$"}, "colour": {"type": "string", "pattern": "^(red|green|blue)( [a-z]+)?$"},
+        "code": {"type": "string", "pattern": r"^[A-Z]{3}-\d{2}$"},
+        "colour": {"type": "string", "pattern": "^(red|green|blue)( [a-z]+)?$"},
         "day": {"type": "string", "format": "date"}, "at": {"type": "string", "format": "time"},
         "when": {"type": "string", "format": "date-time"}, "span": {"type": "string", "format": "duration"}},
         "required": ["code", "colour", "day", "at", "when", "span"], "additionalProperties": False},
     "network": {"type": "object", "properties": {
         "mail": {"type": "string", "format": "email"}, "host": {"type": "string", "format": "hostname"},
-        "v4": {"type": "string", "format": "ipv4"}, "v6": {"type": "string", "format": "ipv6"}, "id": {"type": "string", "format": "uuid"}},
+        "v4": {"type": "string", "format": "ipv4"}, "v6": {"type": "string", "format": "ipv6"},
+        "id": {"type": "string", "format": "uuid"}},
         "required": ["mail", "host", "v4", "v6", "id"], "additionalProperties": False},
     "numbers": {"type": "object", "properties": {
         "dozen": {"type": "integer", "multipleOf": 12, "minimum": 0, "maximum": 1000},
@@ -1981,7 +2030,9 @@ KEYWORD_SCHEMAS = {
         "tags": {"type": ["array", "null"], "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
         "pick": {"type": ["string", "null"], "enum": ["yes", "no", None]}},
         "required": ["dozen", "price", "round", "maybe", "name", "tags", "pick"], "additionalProperties": False},
-    "unanchored": {"type": "object", "properties": {"note": {"type": "string", "pattern": "cat"}, "tail": {"type": "string", "pattern": "[0-9]$"}},
+    "unanchored": {"type": "object",
+                   "properties": {"note": {"type": "string", "pattern": "cat"},
+                                  "tail": {"type": "string", "pattern": "[0-9]$"}},
                    "required": ["note", "tail"], "additionalProperties": False},
 }
 
@@ -1993,7 +2044,8 @@ def test_converted_schemas_with_the_new_keywords_admit_only_valid_json(name: str
     valid JSON that jsonschema (with formats) finds valid."""
     schema = KEYWORD_SCHEMAS[name]
     nrvna.check_json_schema(schema)
-    shape, rng, validator = nrvna.check_grammar(nrvna.schema_to_grammar(schema)), random.Random(5), exact_validator(schema)
+    shape, rng, validator = (nrvna.check_grammar(nrvna.schema_to_grammar(schema)), random.Random(5),
+                             exact_validator(schema))
     values = [json.loads(grammar_walk(shape, rng)) for _ in range(200)]
     for value in values:
         errors = [error.message for error in validator.iter_errors(value)]
@@ -2053,11 +2105,13 @@ def test_llama_cpp_takes_the_grammars_and_admits_what_they_admit(llama: nrvna.Ll
         grammar = string_grammar(schema)
         shape = nrvna.check_grammar(grammar)
         texts = [grammar_walk(shape, rng, most=300) for _ in range(12)]
-        texts = [text for text in texts if all(bytes([b]) in tokens for b in text.encode())][:4]  # (bytes it has tokens for)
+        # (bytes it has tokens for)
+        texts = [text for text in texts if all(bytes([b]) in tokens for b in text.encode())][:4]
         assert texts, schema
         for text in texts:
             assert grammar_admits(llama, grammar, text.encode()), (schema, text)
-    refused = {r"^\d{3}$": ["12", "1234", "12a", "١٢٣"], r"^[^a-z]+$": ["a", "Ab", ""], "^.$": ["\\n", "\\r", "\\u2028", "ab"],
+    refused = {r"^\d{3}$": ["12", "1234", "12a", "١٢٣"], r"^[^a-z]+$": ["a", "Ab", ""],
+               "^.$": ["\\n", "\\r", "\\u2028", "ab"],
                "^\\w+$": ["é", "a-b"], "colou?r": ["colr", "COLOR"]}
     for pattern, texts in refused.items():
         grammar = string_grammar({"type": "string", "pattern": pattern})
@@ -2073,11 +2127,14 @@ def test_real_model_jobs_with_the_new_keywords_come_out_valid(llama: nrvna.Llama
     with stop passes jsonschema with its FormatChecker. (An unanchored pattern's string may
     ramble on before it holds a match: those jobs are mostly cut by max_tokens.)"""
     prompts = {"strings": "Make up a product code, a colour, a date, a time, a timestamp and a duration as JSON.",
-               "network": "Describe a server: its admin's e-mail, hostname, IPv4 and IPv6 addresses and an ID, as JSON.",
-               "numbers": "Give a count in dozens, a price, a round number, a digit or null, a name, tags and yes or no, as JSON.",
+               "network": "Describe a server: its admin's e-mail, hostname, IPv4 and IPv6 addresses and an ID, as "
+               "JSON.",
+               "numbers": "Give a count in dozens, a price, a round number, a digit or null, a name, tags and yes or "
+               "no, as JSON.",
                "unanchored": "Write a short note about a cat and a line ending with a digit, as JSON."}
     session = llama.session(0, nrvna.Config(workers=1, seqs=12, max_ctx=2048))
-    jobs = {(name, seed): fake_job(prompts[name], seed=seed, temperature=0.8, max_tokens={"network": 220}.get(name, 110),
+    jobs = {(name, seed): fake_job(prompts[name], seed=seed, temperature=0.8,
+                                   max_tokens={"network": 220}.get(name, 110),
                                    response_format=schema_format(KEYWORD_SCHEMAS[name]))
             for name in KEYWORD_SCHEMAS for seed in (1, 2, 3)}
     waiting = list(jobs.values())
@@ -2144,7 +2201,8 @@ def test_the_submit_checks_agree_with_llama_cpp(llama: nrvna.LlamaRunner) -> Non
 
     rng = random.Random(3)
     corpus = [JSON_GRAMMAR, 'root ::= "yes" | "no"', "root ::= item{2,4}\nitem ::= [0-9] \"\\n\"",
-              'root ::= (expr "=" ws term "\\n")+\nexpr ::= term ([-+*/] term)*\nterm ::= [a-z]+ ws | [0-9]+ ws\nws ::= [ \\t]*']
+              'root ::= (expr "=" ws term "\\n")+\nexpr ::= term ([-+*/] term)*\nterm ::= [a-z]+ ws | [0-9]+ ws\nws '
+              '::= [ \\t]*']
     accepted = 0
     for base in corpus:
         for _ in range(150):
@@ -2163,8 +2221,10 @@ def test_the_submit_checks_agree_with_llama_cpp(llama: nrvna.LlamaRunner) -> Non
             assert llama_accepts("".join(text)), "".join(text)
     assert accepted > 100
     for schema in [PRODUCT_SCHEMA, PERSON_SCHEMA, {"enum": ["a", 1]}, {"type": ["string", "null"]},
-                   {"type": "array", "items": {"type": "number", "exclusiveMinimum": -3.5, "maximum": 0}, "maxItems": 4},
-                   {"$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
+                   {"type": "array", "items": {"type": "number", "exclusiveMinimum": -3.5, "maximum": 0},
+                    "maxItems": 4},
+                   {"$defs": {"n": {"type": "object",
+                                    "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
                     "$ref": "#/$defs/n"},
                    {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "string", "format": "uuid"}]}]:
         nrvna.check_json_schema(schema)
@@ -2201,7 +2261,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type 'custom' is not supported (function only)"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]},
+     "tools[0].type 'custom' is not supported (function only)"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name must be 1 to 64 letters"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name 'get_weather' is given twice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}]},
@@ -2214,7 +2275,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
     ({"tool_choice": "required"}, "tool_choice needs tools"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls needs tools"),
     ({"tools": TOOLS, "functions": [WEATHER["function"]]}, "give tools and tool_choice, or the legacy functions"),
-    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tools cannot be combined with grammar or response_format"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}},
+     "tools cannot be combined with grammar or response_format"),
     ({"tools": TOOLS, "stop": ["x"]}, "tools cannot be combined with stop"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "3"}]},
      "messages[1]: a tool turn needs the tool_call_id it answers"),
@@ -2260,7 +2322,8 @@ def test_tools_flags_legacy_functions_and_a_call_history_are_taken_as_given(ws: 
     assert Flow(ws).get(one).params["tools"] == [EMAIL] and Flow(ws).get(one).params["tool_choice"] == "required"
     bad = run_main("submit", ws, "x", "--tool-choice", "auto")
     assert bad.returncode == 2 and b"tool_choice needs tools" in bad.stderr
-    history = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": [CALL]},
                {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}]
     legacy = chat_line("l", "x", functions=[WEATHER["function"]], function_call={"name": "get_weather"})
     legacy["body"]["messages"] = history
@@ -2278,13 +2341,16 @@ def test_a_templates_auto_grammar_holds_a_call_from_its_marker() -> None:
     choice begin with the marker; several calls only where parallel."""
     call = 'tool-call ::= "{" [a-z]* "}" space\nspace ::= " "?\n'
     auto = nrvna.check_grammar(nrvna.tool_grammar(call, "tool-call", "auto", True, TEMPLATE_CALLS))
-    for text in ["", "Hello.", "a < b and <tool_ca", "<<tool_call>{x}</tool_call>", "so: <tool_call>\n{ab}\n</tool_call>",
-                 "<tool_call>{a}</tool_call>\n<tool_call>{b}</tool_call>", "x <tool <tool_cal> y", "<t<to<tool_call>{}</tool_call>"]:
+    for text in ["", "Hello.", "a < b and <tool_ca", "<<tool_call>{x}</tool_call>",
+                 "so: <tool_call>\n{ab}\n</tool_call>",
+                 "<tool_call>{a}</tool_call>\n<tool_call>{b}</tool_call>", "x <tool <tool_cal> y",
+                 "<t<to<tool_call>{}</tool_call>"]:
         assert grammar_accepts(auto, text), text
     for text in ["<tool_call>", "a <tool_call> b", "<tool_call>{x}</tool_call> then text", "<tool_call>{x}"]:
         assert not grammar_accepts(auto, text), text
     one = nrvna.check_grammar(nrvna.tool_grammar(call, "tool-call", "required", False, TEMPLATE_CALLS))
-    assert grammar_accepts(one, "<tool_call>\n{a}\n</tool_call>") and not grammar_accepts(one, "hi <tool_call>{a}</tool_call>")
+    assert (grammar_accepts(one, "<tool_call>\n{a}\n</tool_call>")
+            and not grammar_accepts(one, "hi <tool_call>{a}</tool_call>"))
     assert not grammar_accepts(one, "<tool_call>{a}</tool_call><tool_call>{b}</tool_call>")
     many = nrvna.check_grammar(nrvna.tool_grammar(call, "tool-call", "required", True, TEMPLATE_CALLS))
     assert grammar_accepts(many, "<tool_call>{a}</tool_call>\n<tool_call>{b}</tool_call>")
@@ -2293,7 +2359,8 @@ def test_a_templates_auto_grammar_holds_a_call_from_its_marker() -> None:
 def test_calls_are_read_back_as_openai_gives_them() -> None:
     """A template's calls (text before them is the content), the generic form's call, calls and
     answer in words; a call cut short is no call; ids come from the job and the choice."""
-    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+            '\n</tool_call>')
     content, calls = nrvna.read_tool_calls(text + "\n" + text.split("\n", 1)[1], TEMPLATE_CALLS, "J", 0)
     assert content == "Let me check." and [c["id"] for c in calls] == ["call_J_0", "call_J_1"]
     assert calls[0] == {"id": "call_J_0", "type": "function",
@@ -2302,9 +2369,11 @@ def test_calls_are_read_back_as_openai_gives_them() -> None:
     assert nrvna.read_tool_calls(text + "\n<tool_call>\n{\"name\": \"get_w", TEMPLATE_CALLS, "J", 0)[1] == calls[:1]
     assert nrvna.read_tool_calls("No call here.", TEMPLATE_CALLS, "J", 0) is None
     generic = nrvna.GENERIC_TOOLS
-    assert nrvna.read_tool_calls('{"tool_call": {"name": "f", "arguments": {}}}', generic, "J", 2)[1][0]["id"] == "call_J_c2_0"
+    assert nrvna.read_tool_calls('{"tool_call": {"name": "f", "arguments": {}}}', generic, "J",
+                                 2)[1][0]["id"] == "call_J_c2_0"
     assert [c["function"]["name"] for c in nrvna.read_tool_calls(
-        '{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"a": 1}}]}', generic, "J", 0)[1]] == ["f", "g"]
+        '{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"a": 1}}]}', generic, "J",
+        0)[1]] == ["f", "g"]
     assert nrvna.read_tool_calls('{"response": "It is sunny."}', generic, "J", 0) == ("It is sunny.", [])
     assert nrvna.read_tool_calls('{"tool_call": {"name": "f", "argu', generic, "J", 0) is None
 
@@ -2322,7 +2391,8 @@ def test_each_tools_definitions_are_its_own_in_the_calls_schema() -> None:
     nrvna.check_json_schema(schema)
     assert schema["$defs"]["t0-item"] == {"type": "integer"} and schema["$defs"]["t1-item"] == {"type": "string"}
     assert schema["$defs"]["t1"]["properties"]["items"]["items"] == {"$ref": "#/$defs/t1-item"}
-    named = nrvna.tool_call_schema(tools, {"type": "function", "function": {"name": "words"}}, True, nrvna.GENERIC_TOOLS)
+    named = nrvna.tool_call_schema(tools, {"type": "function", "function": {"name": "words"}}, True,
+                                   nrvna.GENERIC_TOOLS)
     assert named["properties"]["tool_calls"]["items"]["properties"]["name"] == {"const": "words"}
     auto = nrvna.tool_call_schema(tools, "auto", False, nrvna.GENERIC_TOOLS)
     assert [list(branch["properties"]) for branch in auto["anyOf"]] == [["tool_call"], ["response"]]
@@ -2401,7 +2471,8 @@ def test_tool_calls_for_real(ws: str, tmp_path: Path, model: str, run_main: RunM
         if job.message is None:
             assert read.choices[0].message.tool_calls is None and read.choices[0].finish_reason in ("stop", "length")
             continue
-        assert read.choices[0].finish_reason == job.meta["finish_reason"] and read.choices[0].message.content == job.message["content"]
+        assert (read.choices[0].finish_reason == job.meta["finish_reason"] and read.choices[0].message.content
+                == job.message["content"])
         assert [c.model_dump(exclude_none=True) for c in read.choices[0].message.tool_calls] == job.tool_calls
     # The next turn: the call and the tool's answer, in messages and by --parent
     first = flow.get(ids["r0"])
@@ -2413,7 +2484,8 @@ def test_tool_calls_for_real(ws: str, tmp_path: Path, model: str, run_main: RunM
     follow[0]["body"]["messages"] = history
     [again] = ids_of(run_main("submit", ws, "--file", write(tmp_path / "f.jsonl", jsonl(follow))))
     conversation = json.loads(Path(ws, nrvna.OUTPUT, ids["r0"], nrvna.CONVERSATION_FILE).read_text())
-    assert conversation[-1] == {"role": "assistant", "content": first.message["content"], "tool_calls": first.tool_calls}
+    assert conversation[-1] == {"role": "assistant", "content": first.message["content"],
+                                "tool_calls": first.tool_calls}
     child = ids_of(run_main("submit", ws, "--parent", ids["r0"], "--file",
                             write(tmp_path / "c.jsonl", jsonl([{"messages": answer, "max_tokens": 48}]))))[0]
     done = cli("daemon", tool_model(model, style), ws, "-w", "1", "--drain", timeout=600)
@@ -2433,7 +2505,8 @@ def test_a_job_killed_mid_call_runs_again_whole_once(ws: str, tmp_path: Path, mo
         "type": "object", "properties": {"text": {"type": "string", "minLength": 300, "maxLength": 400}},
         "required": ["text"], "additionalProperties": False}}}
     [job_id] = ids_of(run_main("submit", ws, "Write a long note about the sea.", "--tools", json.dumps(note),
-                               "--tool-choice", "required", "--no-parallel-tool-calls", "--max-tokens", "400", "--seed", "5"))
+                               "--tool-choice", "required", "--no-parallel-tool-calls", "--max-tokens", "400", "--seed",
+                               "5"))
     proc = start_daemon(model, ws, "-w", "1")
     try:
         deadline = time.monotonic() + 120
@@ -2493,7 +2566,8 @@ def test_a_size_that_rounds_to_nothing_or_has_no_unit_is_refused_naming_what_was
             done = run_main("daemon", "no-such-model.gguf", "ws-never-made", env={variable: value})
             assert done.returncode == 2 and f"{variable}={value!r} {reason}".encode() in done.stderr, done.stderr
     assert not os.path.exists("ws-never-made")
-    assert [nrvna.size_bytes(v) for v in ("0", "0M", "500B", "1.5K", "2M", "1048576")] == [0, 0, 500, 1536, 2 << 20, 1 << 20]
+    assert [nrvna.size_bytes(v)
+            for v in ("0", "0M", "500B", "1.5K", "2M", "1048576")] == [0, 0, 500, 1536, 2 << 20, 1 << 20]
     # the budget's own refusal names it as given too (it said NRVNA_MAX_MEMORY for the flag)
     report = {"weights_mib": 92.1, "kv_mib": 202.5, "compute_mib": 98.3, "output_mib": 3.2, "cells": 9216,
               "cells_per_job": 1024, "kv_bytes_per_token": 23040}
@@ -2505,7 +2579,8 @@ def test_a_size_that_rounds_to_nothing_or_has_no_unit_is_refused_naming_what_was
     with pytest.raises(nrvna.ConfigError, match="it would fit with --workers 1 or NRVNA_MAX_CTX=2048$"):
         nrvna.check_memory_budget(nrvna.Config.from_env({}, workers=2, max_memory="500M"), "m", report, 2, 50.0, True)
     with pytest.raises(nrvna.ConfigError, match="it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=2048$"):
-        nrvna.check_memory_budget(nrvna.Config.from_env({"NRVNA_WORKERS": "2"}, max_memory="500M"), "m", report, 2, 50.0, True)
+        nrvna.check_memory_budget(nrvna.Config.from_env({"NRVNA_WORKERS": "2"}, max_memory="500M"), "m", report, 2,
+                                  50.0, True)
 
 
 def test_the_daemon_s_help_and_the_variables_list_give_one_default(run_main: RunMain) -> None:
@@ -2582,7 +2657,8 @@ def test_a_thinking_budget_is_a_non_negative_integer_and_an_effort_one_of_five(
     with pytest.raises(nrvna.InvalidInput, match="reasoning_effort"):
         nrvna.validate_params({"reasoning_effort": "max"})
     assert [nrvna.thinking_budget(params) for params in (
-        {}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"}, {"reasoning_effort": "high", "thinking_budget_tokens": 7}
+        {}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"},
+        {"reasoning_effort": "high", "thinking_budget_tokens": 7}
     )] == [None, 1024, 0, 7]  # an explicit budget wins over an effort
     for args in (("--thinking-budget", "-1"), ("--thinking-budget", "x"), ("--reasoning-effort", "max")):
         refused = run_main("submit", ws, "x", *args)
@@ -2593,7 +2669,8 @@ def test_a_thinking_budget_is_a_non_negative_integer_and_an_effort_one_of_five(
     line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
             "body": {"messages": [{"role": "user", "content": "hi"}], "thinking_token_budget": 9,
                      "reasoning_budget_tokens": 32, "reasoning_effort": "minimal"}}
-    bad = [dict(line, custom_id=f"b{i}", body={"messages": line["body"]["messages"], **field}) for i, field in enumerate(
+    bad = [dict(line, custom_id=f"b{i}", body={"messages": line["body"]["messages"], **field}) for i,
+           field in enumerate(
         ({"thinking_budget_tokens": -1}, {"reasoning_effort": "extreme"}, {"chat_template_kwargs": "x"}))]
     for row in bad:
         refused = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line, row])))
@@ -2718,7 +2795,8 @@ def test_an_alias_given_twice_is_refused_naming_it(ws: str, run_main: RunMain, a
 def test_env_values_are_read() -> None:
     config = nrvna.Config.from_env({"NRVNA_WORKERS": "8", "NRVNA_TEMP": "0.2", "NRVNA_LOG_LEVEL": "TRACE",
                                     "NRVNA_SEED": "7", "NRVNA_MODELS_DIR": "/m"})
-    assert (config.workers, config.temperature, config.log_level, config.seed, config.models_dir) == (8, 0.2, "trace", 7, "/m")
+    assert (config.workers, config.temperature, config.log_level, config.seed,
+            config.models_dir) == (8, 0.2, "trace", 7, "/m")
     assert nrvna.Config.from_env({}).workers == min(4, nrvna.cpu_count())
     assert nrvna.Config.from_env({}).seqs == 16
 
@@ -2736,11 +2814,14 @@ def test_bad_params_are_refused(params: dict, message: str) -> None:
 @pytest.mark.parametrize("params, message", [
     ({"response_format": {"type": "json"}}, "response_format must be"),
     ({"response_format": {"type": "json_object", "schema": {}}}, "takes no other field ('schema')"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}}, "name must be 1 to 64"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+     "name must be 1 to 64"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "schema must be a JSON Schema object"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}}}, "unknown field 'extra'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}}},
+     "unknown field 'extra'"),
     ({"response_format": schema_format({"type": "number", "maximum": float("inf")})}, "not finite"),
-    ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "give grammar or response_format, not both"),
+    ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'},
+     "give grammar or response_format, not both"),
     ({"grammar": 'root ::= "a"', "stop": ["\n"]}, "stop cannot be combined with grammar or response_format"),
     ({"top_logprobs": 3}, "top_logprobs needs logprobs: true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs=21 is out of range (0 to 20)"),
@@ -2786,12 +2867,14 @@ def test_the_log_probabilities_a_job_may_record_are_bounded_at_submit_and_at_cla
                                        "max_tokens, n or top_logprobs)\n")
     default = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20")  # 4 x 2048 x 21
     assert default.returncode == 2 and b"4 x 2048 (the default, NRVNA_PREDICT) x 21" in default.stderr
-    smaller = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20", env={"NRVNA_PREDICT": "512"})
+    smaller = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20",
+                       env={"NRVNA_PREDICT": "512"})
     assert smaller.returncode == 0, smaller.stderr  # 4 x 512 x 21 = 43008
     line = {"custom_id": "x", "method": "POST", "url": "/v1/completions",
             "body": {"prompt": "x", "n": 128, "max_tokens": 256, "logprobs": 5}}  # 128 x 256 x 6
     batch = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line])))
-    assert batch.returncode == 2 and b"line 1: logprobs: n x max_tokens x (top_logprobs + 1) = 128 x 256 x 6" in batch.stderr
+    assert (batch.returncode == 2
+            and b"line 1: logprobs: n x max_tokens x (top_logprobs + 1) = 128 x 256 x 6" in batch.stderr)
     assert Work(ws).publish("hi", n=2, max_tokens=cap // 42, logprobs=True, top_logprobs=20)  # 2 x 3120 x 21, under
     assert nrvna.LOGPROBS_MAX >= 2048 * 21  # one job of the default length with every top_logprob fits
     assert str(cap) in nrvna.PARAMS["logprobs"].help
@@ -2879,7 +2962,8 @@ def test_a_crafted_tag_index_is_one_line_naming_it_and_never_stops_the_batch_hoo
                      ["status", here, "--tag", "t"], ["cancel", here, "--tag", "t"], ["retry", here, "--tag", "t"]):
             result = run_main(*args, timeout=20)
             lines = result.stderr.decode().strip().splitlines()
-            assert result.returncode == 1 and len(lines) == 1 and "00000000000000000001_x.ids" in lines[0], (name, args, lines)
+            assert (result.returncode == 1 and len(lines) == 1
+                    and "00000000000000000001_x.ids" in lines[0]), (name, args, lines)
         ran = tmp_path / f"{name}.ran"
         with serving(here, echo, on_done=f"echo $NRVNA_JOB_ID >> {ran}", on_batch_done=f"echo batch >> {ran}.batch"):
             assert wait_all(here, [job_id]) == [Status.Done]
@@ -2984,7 +3068,8 @@ def test_a_replaced_lock_file_is_taken_again_and_lets_no_second_daemon_in(ws: st
         assert [r["pid"] for r in nrvna.daemon_records(ws)] == [first.pid]
         second = child_daemon(ws, "derived", "-w", "1", stderr=subprocess.PIPE)
         refusal = second.stderr.read().decode()
-        assert second.wait(30) == 1 and f"in use by another daemon (pid {first.pid}) serving function" in refusal, refusal
+        assert (second.wait(30) == 1
+                and f"in use by another daemon (pid {first.pid}) serving function" in refusal), refusal
         stopped = cli("stop", ws, "--timeout", "20")
         assert stopped.returncode == 0, stopped.stderr
         assert first.wait(5) == 0
@@ -3053,7 +3138,8 @@ def test_a_crafted_daemon_record_never_stops_a_client_or_another_daemon(ws: str,
     field of the wrong type is read as if those fields were absent."""
     job_id = submit(ws, "warm")
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); import nrvna; "
-                               "fd, name = nrvna.register_daemon(sys.argv[2]); print(name, flush=True); time.sleep(600)",
+                               "fd, name = nrvna.register_daemon(sys.argv[2]); print(name, flush=True); "
+                               "time.sleep(600)",
                                str(HERE), ws], stdout=subprocess.PIPE)
     second = None
     try:
@@ -3084,7 +3170,8 @@ def test_text_that_spells_control_tokens_stays_text_unless_raw(llama: nrvna.Llam
     plain = llama.tokens(fake_job("What is the capital of France?"))
     for job in (fake_job(forged), fake_job("Hi", system=forged),
                 fake_job("x", messages=[{"role": "user", "content": forged}]),
-                fake_job("x", messages=[{"role": "assistant", "content": forged}, {"role": "user", "content": "go on"}])):
+                fake_job("x", messages=[{"role": "assistant", "content": forged},
+                                        {"role": "user", "content": "go on"}])):
         tokens = llama.tokens(job)
         # the template's own turns only (its default system turn, the user's, the assistant's
         # opening; one more for a history turn), never the ones the text spells
@@ -3105,7 +3192,8 @@ def test_text_that_spells_control_tokens_stays_text_unless_raw(llama: nrvna.Llam
     '{"prompt": "hi", "custom_id": "a\\ud800"}', '{"prompt": "hi", "system": "\\udc00"}',
     '{"prompt": "hi", "stop": ["\\ud800"]}', '{"messages": [{"role": "user", "content": "a\\ud800"}]}',
 ])
-def test_a_lone_surrogate_anywhere_is_one_line_and_exit_2(ws: str, tmp_path: Path, run_main: RunMain, line: str) -> None:
+def test_a_lone_surrogate_anywhere_is_one_line_and_exit_2(ws: str, tmp_path: Path, run_main: RunMain,
+                                                          line: str) -> None:
     done = run_main("submit", ws, "--file", write(tmp_path / "bad.jsonl", line + "\n"))
     assert done.returncode == 2 and b"line 1" in done.stderr and len(done.stderr.splitlines()) == 1
     ready = os.path.join(ws, nrvna.READY)
@@ -3257,7 +3345,8 @@ def test_numbers_must_be_finite_and_message_text_valid_unicode(ws: str) -> None:
 @pytest.mark.parametrize("field, value", [("top_logprobs", True), ("priority", "5"), ("max_tokens", "Infinity"),
                                           ("seed", 1.5), ("dimensions", [8])])
 def test_an_integer_parameter_s_error_says_integer(field: str, value: Any) -> None:
-    line = b'{"prompt": "hi", "%s": %s}\n' % (field.encode(), value.encode() if value == "Infinity" else json.dumps(value).encode())
+    line = b'{"prompt": "hi", "%s": %s}\n' % (field.encode(), value.encode() if value == "Infinity"
+                                              else json.dumps(value).encode())
     with pytest.raises(nrvna.InvalidInput, match=f"^line 1: parameter {field} must be an integer$"):
         nrvna.parse_batch(line)
 
@@ -3478,7 +3567,8 @@ def test_a_planted_key_file_never_hangs_a_submit_or_a_clean(ws: str, run_main: R
     assert os.path.islink(key)
 
 
-def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     nrvna.ensure_workspace(ws)
     work = Work(ws)
     dead, staging = work._stage([(nrvna.PROMPT_FILE, b"never published")])
@@ -3585,7 +3675,8 @@ def test_a_stopped_submitter_keeps_its_key_and_no_key_makes_two_jobs(ws: str, tm
         assert refused.stdout == b"" and os.listdir(os.path.join(ws, nrvna.READY)) == []
         # A submit waiting when the stopped one goes on gets its job.
         waiter = subprocess.Popen([sys.executable, SCRIPT, "submit", ws, "third", "--idempotency-key", "K5"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "NRVNA_KEY_WAIT": "600"})
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env={**os.environ, "NRVNA_KEY_WAIT": "600"})
         time.sleep(1.5)  # it looks at the key, and waits
     finally:
         os.kill(batch.pid, signal.SIGCONT)
@@ -3611,7 +3702,8 @@ def test_a_stopped_submitter_keeps_its_key_and_no_key_makes_two_jobs(ws: str, tm
 def test_a_batch_repeating_a_key_makes_one_job_without_waiting_on_itself(ws: str) -> None:
     nrvna.ensure_workspace(ws)
     work = Work(ws, notify=pytest.fail)  # never waits: the key's holder is this call
-    entries = [nrvna.BatchEntry(1, b"first", {"idempotency_key": "same"}), nrvna.BatchEntry(2, b"second", {"idempotency_key": "same"})]
+    entries = [nrvna.BatchEntry(1, b"first", {"idempotency_key": "same"}),
+               nrvna.BatchEntry(2, b"second", {"idempotency_key": "same"})]
     start = time.monotonic()
     ids = work.publish_batch(entries)
     assert time.monotonic() - start < 2
@@ -3628,23 +3720,27 @@ def test_every_keyed_publish_looks_up_and_takes_its_keys_through_one_helper(ws: 
     calls: list[tuple[str, str]] = []
     find, take = nrvna._Keys.find, nrvna._Keys.take
     monkeypatch.setattr(nrvna._Keys, "find", lambda self, key: calls.append(("find", key)) or find(self, key))
-    monkeypatch.setattr(nrvna._Keys, "take", lambda self, key, job_id: calls.append(("take", key)) or take(self, key, job_id))
+    monkeypatch.setattr(nrvna._Keys, "take", lambda self, key,
+                        job_id: calls.append(("take", key)) or take(self, key, job_id))
     work = Work(ws)
     one = work.publish("a", idempotency_key="A")
     assert calls == [("find", "A"), ("take", "A")] and work.existing is False
-    assert work.submit("again", idempotency_key="A") == nrvna.SubmitResult(True, one, "exists") and work.existing is True
+    assert (work.submit("again", idempotency_key="A") == nrvna.SubmitResult(True, one, "exists")
+            and work.existing is True)
     calls.clear()
     entries = [nrvna.BatchEntry(1, b"b", {"idempotency_key": "B"}), nrvna.BatchEntry(2, b"a", {"idempotency_key": "A"})]
     batch = work.publish_batch(entries)
     assert batch[1] == one and calls == [("take", "B"), ("take", "A")]
     calls.clear()
     notes: list[str] = []
-    lines = [{"prompt": "c", "idempotency_key": "C"}, {"prompt": "b", "idempotency_key": "B"}, {"prompt": "c2", "idempotency_key": "C"}]
+    lines = [{"prompt": "c", "idempotency_key": "C"}, {"prompt": "b", "idempotency_key": "B"},
+             {"prompt": "c2", "idempotency_key": "C"}]
     ids = work.submit_file(write(tmp_path / "k.jsonl", jsonl(lines)), notes=notes)
     assert ids[1] == batch[0] and ids[0] == ids[2] != batch[0]
     assert calls == [("find", "C"), ("find", "B"), ("find", "C"), ("take", "C")]
     assert notes == ["1 line repeats an earlier line's idempotency key: it gets its job",
-                     "1 of 3 lines matched an existing job by idempotency key; their IDs are those jobs' (nothing queued for them)"]
+                     "1 of 3 lines matched an existing job by idempotency key; their IDs are those jobs' (nothing "
+                     "queued for them)"]
 
 
 def test_clean_ends_a_key_and_retry_keeps_it(ws: str, run_main: RunMain) -> None:
@@ -3710,7 +3806,8 @@ def test_shards_of_a_file_queue_every_line_once_between_them(tmp_path: Path, run
             seen += mine
         expected = [row["custom_id"] for row in rows] if named else [f"line-{n + 1}" for n in range(count)]
         assert sorted(seen) == sorted(expected)  # each line once, in one shard
-    twice = write(tmp_path / "twice.jsonl", jsonl([{"custom_id": "a", "prompt": "x"}, {"custom_id": "a", "prompt": "y"}]))
+    twice = write(tmp_path / "twice.jsonl",
+                  jsonl([{"custom_id": "a", "prompt": "x"}, {"custom_id": "a", "prompt": "y"}]))
     for i in range(2):
         done = run_main("submit", str(tmp_path / "dup"), "--file", twice, "--shard", f"{i}/2")
         assert done.returncode == 2 and b"line 2: duplicate custom_id 'a'" in done.stderr
@@ -3727,7 +3824,8 @@ def test_a_shard_submitted_again_after_a_crash_queues_only_its_gaps(ws: str, tmp
     mine = [row for row in rows if nrvna.shard_of(row["custom_id"], 3) == 1]
     half = write(tmp_path / "half.jsonl", jsonl(mine[:len(mine) // 2]))  # what got queued before the crash
     first = ids_of(run_main("submit", ws, "--file", half, "--tag", "s1"))
-    again = run_main("submit", ws, "--file", write(tmp_path / "all.jsonl", jsonl(rows)), "--shard", "1/3", "--tag", "s1")
+    again = run_main("submit", ws, "--file", write(tmp_path / "all.jsonl", jsonl(rows)), "--shard", "1/3", "--tag",
+                     "s1")
     assert again.returncode == 0 and ids_of(again)[:len(first)] == first
     flow = Flow(ws)
     assert sorted(flow.get(j).params["custom_id"] for j in ids_of(again)) == sorted(r["custom_id"] for r in mine)
@@ -3757,8 +3855,10 @@ def test_a_shard_killed_at_every_point_of_its_submit_is_finished_by_running_it_a
         assert again.returncode == 0, (k, calls[k - 1], again.stderr)
         flow = Flow(ws)
         assert sorted(flow.get(job_id).params["custom_id"] for job_id in ids_of(again)) == mine, k
-        assert sorted(flow.get(job_id).params["custom_id"] for job_id in os.listdir(os.path.join(ws, nrvna.READY))) == mine, k
-    print(f"\nsubmit --shard: {len(calls)} crash points, each killed and given again: the shard's {len(mine)} lines once")
+        assert sorted(flow.get(job_id).params["custom_id"]
+                      for job_id in os.listdir(os.path.join(ws, nrvna.READY))) == mine, k
+    print(f"\nsubmit --shard: {len(calls)} crash points, each killed and given again: the shard's {len(mine)} lines "
+          "once")
 
 
 def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing(tmp_path: Path,
@@ -3771,7 +3871,8 @@ def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing
 
     def part(name: str, numbers: list[int], result: str = "r") -> str:
         return write(tmp_path / name, jsonl([{"id": f"j{i}", "custom_id": f"c{i}", "status": "done",
-                                             "result": f"{result}{i}", "error": None, "meta": {"n": i}} for i in numbers]))
+                                             "result": f"{result}{i}", "error": None, "meta": {"n": i}}
+                                             for i in numbers]))
 
     a, b = part("a.jsonl", [4, 0, 3]), part("b.jsonl", [5, 1, 2, 3])
     out = tmp_path / "out.jsonl"
@@ -3791,22 +3892,27 @@ def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing
     assert done.returncode == 2 and b"cannot read" in done.stderr and b"gone.jsonl" in done.stderr
 
     def call_line(job_id: str, i: int, city: str) -> dict[str, Any]:  # an OpenAI export line of a tool call
-        call = {"id": f"call_{job_id}_0", "type": "function", "function": {"name": "weather", "arguments": f'{{"city": "{city}"}}'}}
+        call = {"id": f"call_{job_id}_0", "type": "function",
+                "function": {"name": "weather", "arguments": f'{{"city": "{city}"}}'}}
         body = {"id": f"chatcmpl-{job_id}", "created": int(job_id[-1]), "choices": [
-            {"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [call]}}]}
+            {"index": 0, "finish_reason": "tool_calls",
+             "message": {"role": "assistant", "content": None, "tool_calls": [call]}}]}
         return {"id": f"batch_req_{job_id}", "custom_id": f"c{i}", "error": None,
                 "response": {"status_code": 200, "request_id": job_id, "body": body}}
 
     calls = [call_line(f"17959_1_{i}", i, "Oslo") for i in range(6)]
-    again = write(tmp_path / "again.jsonl", jsonl([call_line("17960_9_3", 3, "Oslo")]))  # a rerun elsewhere: the same calls
+    # a rerun elsewhere: the same calls
+    again = write(tmp_path / "again.jsonl", jsonl([call_line("17960_9_3", 3, "Oslo")]))
     done = run_main("merge", "--input", source, write(tmp_path / "calls.jsonl", jsonl(calls)), again, "-o", str(out))
     assert done.returncode == 0, done.stderr
-    other = write(tmp_path / "other.jsonl", jsonl([call_line("17960_9_3", 3, "Bergen")]))  # another argument: a conflict
+    # another argument: a conflict
+    other = write(tmp_path / "other.jsonl", jsonl([call_line("17960_9_3", 3, "Bergen")]))
     done = run_main("merge", "--input", source, str(tmp_path / "calls.jsonl"), other, "-o", str(short))
     assert done.returncode == 1 and b"given different results by two parts: c3" in done.stderr
     # The input read as submit --file reads it: any file not named *.jsonl is a prompt a line.
     text = write(tmp_path / "in.txt", jsonl([{"custom_id": "x", "prompt": "p"}]))
-    line_part = write(tmp_path / "t.jsonl", jsonl([{"id": "j", "custom_id": "line-1", "status": "done", "result": "r"}]))
+    line_part = write(tmp_path / "t.jsonl",
+                      jsonl([{"id": "j", "custom_id": "line-1", "status": "done", "result": "r"}]))
     done = run_main("merge", "--input", text, line_part, "-o", "-")
     assert done.returncode == 0 and json.loads(done.stdout)["custom_id"] == "line-1", done.stderr
 
@@ -3850,12 +3956,14 @@ def test_export_lines_say_which_request_they_answer_and_merge_refuses_another_ba
     exported_part(str(tmp_path / "old"), [{"prompt": "other"}, {"prompt": "p1"}, {"prompt": "p2"}], stale, run_main)
     done = run_main("merge", "--input", source, str(tmp_path / "a.jsonl"), str(stale), "-o", str(tmp_path / "x.jsonl"))
     assert done.returncode == 2 and not (tmp_path / "x.jsonl").exists()
-    assert f"{stale}: line 1: custom_id 'line-1' answers another request than line 1 of the input".encode() in done.stderr
+    assert (f"{stale}: line 1: custom_id 'line-1' answers another request than line 1 of the input".encode()
+            in done.stderr)
     assert b"Traceback" not in done.stderr
     # Parts exported before the key: taken, with one note for all of them.
     for name in ("a.jsonl", "b.jsonl"):
         lines = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
-        write(tmp_path / f"old-{name}", jsonl([{k: v for k, v in line.items() if k != nrvna.REQUEST_KEY} for line in lines]))
+        write(tmp_path / f"old-{name}",
+              jsonl([{k: v for k, v in line.items() if k != nrvna.REQUEST_KEY} for line in lines]))
     done = run_main("merge", "--input", source, str(tmp_path / "old-a.jsonl"), str(tmp_path / "old-b.jsonl"), "-o", "-")
     assert done.returncode == 0 and len(done.stdout.splitlines()) == 3
     assert done.stderr.count(b"carry no request_sha256") == 1 and b"6 lines of" in done.stderr, done.stderr
@@ -3922,7 +4030,8 @@ def test_merge_compares_fields_not_a_text_with_ids_cut_out(tmp_path: Path, run_m
         return {"id": job_id, "custom_id": "c", "status": "done", "result": result, "error": None, "meta": {}}
 
     def openai_line(job_id: str, content: str) -> dict[str, Any]:
-        body = {"id": f"chatcmpl-{job_id}", "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
+        body = {"id": f"chatcmpl-{job_id}",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
         return {"id": f"batch_req_{job_id}", "custom_id": "c", "error": None,
                 "response": {"status_code": 200, "request_id": job_id, "body": body}}
 
@@ -3934,7 +4043,8 @@ def test_merge_compares_fields_not_a_text_with_ids_cut_out(tmp_path: Path, run_m
         assert f"given different results by two parts: c ({z} line 1, {q} line 1)".encode() in done.stderr
 
     def calls_line(job_id: str, city: str) -> dict[str, Any]:
-        call = {"id": f"call_{job_id}_0", "type": "function", "function": {"name": "w", "arguments": f'{{"city": "{city}"}}'}}
+        call = {"id": f"call_{job_id}_0", "type": "function",
+                "function": {"name": "w", "arguments": f'{{"city": "{city}"}}'}}
         return dict(jsonl_line(job_id, json.dumps(call) + "\n"), content=None, tool_calls=[call])
 
     one = write(tmp_path / "one.jsonl", jsonl([calls_line("17959_1_1", "Oslo")]))
@@ -4020,7 +4130,8 @@ def recipe_commands(name: str) -> list[str]:
     if name.endswith(".yaml"):
         import yaml
 
-        text = "\n".join(arg for c in yaml.safe_load(text)["spec"]["template"]["spec"]["containers"] for arg in c["args"])
+        text = "\n".join(arg for c in yaml.safe_load(text)["spec"]["template"]["spec"]["containers"]
+                         for arg in c["args"])
     return [line.strip() for line in text.splitlines() if line.strip().startswith("nrvna ")]
 
 
@@ -4069,7 +4180,8 @@ def test_the_slurm_and_kubernetes_recipes_shard_and_merge_a_batch(model: str, tm
     missing (the merge exits 4 and writes nothing); run again, it fills the gap and the merge is
     whole, in the file's order. The Kubernetes pods' merge equals the Slurm tasks' (greedy, one
     sequence per context)."""
-    rows = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": f"Count to {i}."}],
+    rows = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": [{"role": "user", "content": f"Count to {i}."}],
                                             "max_tokens": 6, "temperature": 0}} for i in range(9)]
     batch = write(tmp_path / "batch.jsonl", jsonl(rows))
     bin_dir = tmp_path / "bin"
@@ -4091,13 +4203,17 @@ def test_the_slurm_and_kubernetes_recipes_shard_and_merge_a_batch(model: str, tm
 
     slurm = tmp_path / "slurm-parts"
     for task in ("0", "1", "2"):
-        env = {"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_COUNT": "3", "PARTS": str(slurm)}
+        env = {"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_COUNT": "3",
+               "PARTS": str(slurm)}
         if task == "1":
-            failed = run(["bash", str(HERE / "examples" / "slurm-array.sh")], **dict(env, MODEL=str(tmp_path / "gone.gguf")))
+            failed = run(["bash", str(HERE / "examples" / "slurm-array.sh")],
+                         **dict(env, MODEL=str(tmp_path / "gone.gguf")))
             assert failed.returncode != 0 and b"gone.gguf" in failed.stderr
             code, lines, stderr = merged(slurm)
             missing = [r["custom_id"] for r in rows if nrvna.shard_of(r["custom_id"], 3) != 0]  # task 2 is yet to run
-            assert code == 4 and lines is None and f"{len(missing)} of 9 lines are missing from every part: {', '.join(missing)}\n".encode() in stderr
+            assert (code == 4 and lines is None
+                    and f"{len(missing)} of 9 lines are missing from every part: {', '.join(missing)}\n".encode()
+                    in stderr)
         done = run(["bash", str(HERE / "examples" / "slurm-array.sh")], **env)
         assert done.returncode == 0, done.stderr.decode()[-2000:]
         assert not (tmp_path / f"nrvna-7-{task}").exists()  # the node's workspace removed after the export
@@ -4128,7 +4244,8 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
     jobs = [flow.get(i) for i in ids_of(done)]
     assert [j.prompt for j in jobs] == ["first prompt", "second prompt", "third"]
     params = [flow.get(j.id).params for j in jobs]
-    assert [p["custom_id"] for p in params] == ["line-1", "line-4", "line-5"] and all(p["max_tokens"] == 7 for p in params)
+    assert [p["custom_id"] for p in params] == ["line-1", "line-4",
+                                                "line-5"] and all(p["max_tokens"] == 7 for p in params)
     own = write(tmp_path / "own.jsonl", jsonl([
         {"prompt": "plain", "custom_id": "p1", "temperature": 0, "stop": ["x"], "timeout": 5},
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -4148,7 +4265,8 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
     assert done.returncode == 0 and done.stderr.decode().count("model 'gpt-4o' matches no model") == 1
     chat, completion = (flow.get(i).params for i in ids_of(done))
     assert chat["endpoint"] == "/v1/chat/completions" and chat["max_tokens"] == 9 and chat["custom_id"] == "c1"
-    assert completion == {"custom_id": "c2", "endpoint": "/v1/completions", "max_tokens": 4, "stop": ["\n"], "raw": True,
+    assert completion == {"custom_id": "c2", "endpoint": "/v1/completions", "max_tokens": 4, "stop": ["\n"],
+                          "raw": True,
                           "model": "gpt-4o"}
 
 
@@ -4163,12 +4281,15 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
      '[{"role": "user", "content": "x"}], "tools": []}}\n', "line 1: tools must be a list of 1 to 128 tools"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
      '[{"role": "user", "content": "x"}], "audio": {}}}\n', "line 1: body field 'audio' is not supported"),
-    ('{"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": {"input": "x"}}\n', "line 1: url '/v1/responses'"),
-    ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n', "line 1: give exactly one of prompt or messages"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": {"input": "x"}}\n',
+     "line 1: url '/v1/responses'"),
+    ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n',
+     "line 1: give exactly one of prompt or messages"),
     ('{"messages": [{"role": "robot", "content": "b"}]}\n', "line 1: messages[0].role must be one of"),
     ("", "the file has no prompts"),
 ])
-def test_a_bad_batch_line_is_named_and_nothing_is_queued(ws: str, tmp_path: Path, content: str, message: str, run_main: RunMain) -> None:
+def test_a_bad_batch_line_is_named_and_nothing_is_queued(ws: str, tmp_path: Path, content: str, message: str,
+                                                         run_main: RunMain) -> None:
     path = write(tmp_path / "bad.jsonl", content)
     done = run_main("submit", ws, "--file", path, env={"NRVNA_MAX_PROMPT_BYTES": "1000"})
     assert done.returncode == 2 and message in done.stderr.decode(), done.stderr
@@ -4221,7 +4342,8 @@ def test_a_tag_s_file_submitted_again_with_a_changed_template_queues_nothing_and
         for said in (differ + b" differ from the jobs tag t already has", b"nothing was queued",
                      b"the 2 existing jobs were kept unchanged", b"under a new --tag", b"--tag t' stops the old jobs"):
             assert said in done.stderr, done.stderr
-    assert [Flow(ws).get(i).prompt for i in ids_of(first)] == ["Hi alice", "Hi bob"] and Flow(ws).counts()["queued"] == 2
+    assert [Flow(ws).get(i).prompt
+            for i in ids_of(first)] == ["Hi alice", "Hi bob"] and Flow(ws).counts()["queued"] == 2
     renamed = run_main("submit", ws, "--file", data, "--tag", "t2", "--template", "Bye {name}")
     assert renamed.returncode == 0 and [Flow(ws).get(i).prompt for i in ids_of(renamed)] == ["Bye alice", "Bye bob"]
 
@@ -4245,10 +4367,12 @@ def test_batch_submit_makes_everything_durable_before_printing(ws: str, tmp_path
 def test_status_tag_counts_and_a_single_submit_can_carry_a_tag(ws: str, run_main: RunMain) -> None:
     tagged = [submit(ws, f"t{i}", tag="mine") for i in range(3)]
     submit(ws, "other")
-    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "t1" else "ok"):
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "t1"
+                 else "ok"):
         wait_all(ws, tagged)
     done = run_main("status", ws, "--tag", "mine", "--json")
-    assert done.returncode == 0 and json.loads(done.stdout) == {"queued": 0, "running": 0, "done": 2, "failed": 1, "total": 3}
+    assert done.returncode == 0 and json.loads(done.stdout) == {"queued": 0, "running": 0, "done": 2, "failed": 1,
+                                                                "total": 3}
     assert run_main("status", ws, "--tag", "mine").stdout.decode().splitlines()[2:] == ["done 2", "failed 1", "total 3"]
     assert json.loads(run_main("status", ws, "--tag", "nobody", "--json").stdout)["total"] == 0
     assert run_main("status", ws, "--tag", "../x").returncode == 2
@@ -4261,7 +4385,8 @@ def test_wait_exit_codes_and_no_progress_off_a_terminal(ws: str, run_main: RunMa
     slow = run_main("wait", ws, *good, "--timeout", "0.3")
     assert slow.returncode == 4 and b"4 of 4 jobs not finished after 0.3 s" in slow.stderr
     assert run_main("wait", ws, "123_4_5").returncode == 3
-    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt else "ok"):
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt
+                 else "ok"):
         ok = run_main("wait", ws, "--tag", "good", "--timeout", "30")
         mixed = run_main("wait", ws, "--tag", "mixed", "--timeout", "30")
         everything = run_main("wait", ws, "--timeout", "30")
@@ -4335,7 +4460,8 @@ def test_progress_lines_come_every_interval_while_nothing_finishes(ws: str, run_
         said.clear()
         other = submit(ws, "slow too")
         got = run_main("get", ws, other, "--wait", "--progress")
-    pulses = [line for line in waited.stderr.decode().splitlines() if line.startswith("nrvna: 0 done / 0 failed / 1 total")]
+    pulses = [line for line in waited.stderr.decode().splitlines()
+              if line.startswith("nrvna: 0 done / 0 failed / 1 total")]
     assert waited.returncode == 0 and len(pulses) >= 3, waited.stderr
     assert got.returncode == 0 and got.stdout == b"the result"
     lines = got.stderr.decode().splitlines()
@@ -4345,7 +4471,8 @@ def test_progress_lines_come_every_interval_while_nothing_finishes(ws: str, run_
 
 
 def test_a_wait_with_no_daemon_says_so_and_goes_on_and_says_nothing_while_one_runs(
-        ws: str, run_main: RunMain, capsysbinary: pytest.CaptureFixture[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+        ws: str, run_main: RunMain, capsysbinary: pytest.CaptureFixture[bytes],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """submit --wait, get --wait/--follow and wait on a workspace no daemon serves say so on
     stderr after NO_DAEMON_AFTER seconds (once), with the command to start one, and keep
     waiting (until their timeout: exit 4, the job still queued); never while a daemon runs.
@@ -4354,10 +4481,12 @@ def test_a_wait_with_no_daemon_says_so_and_goes_on_and_says_nothing_while_one_ru
     monkeypatch.setattr(nrvna, "DAEMON_LOOK_EVERY", 0.1, raising=False)
     job_id = submit(ws, "nobody serves this")
     for args in (("submit", ws, "another", "--wait", "--wait-timeout", "3"),
-                 ("get", ws, job_id, "--wait", "--timeout", "3"), ("get", ws, job_id, "--wait", "--timeout", "3", "--progress"),
+                 ("get", ws, job_id, "--wait", "--timeout", "3"),
+                 ("get", ws, job_id, "--wait", "--timeout", "3", "--progress"),
                  ("wait", ws, job_id, "--timeout", "3"), ("wait", ws, "--timeout", "3", "--progress")):
         done = run_main(*args)
-        assert done.returncode == 4 and done.stderr.count(f"no daemon runs on {ws} (for ".encode()) == 1, (args, done.stderr)
+        assert (done.returncode == 4 and done.stderr.count(f"no daemon runs on {ws} (for ".encode())
+                == 1), (args, done.stderr)
         assert b"still waiting" in done.stderr and f"start one: nrvna daemon MODEL {ws})".encode() in done.stderr
     with pytest.raises(subprocess.TimeoutExpired):  # --follow has no timeout: it waits on
         run_main("get", ws, job_id, "--follow", timeout=3)
@@ -4395,7 +4524,8 @@ def test_a_wait_says_when_its_daemon_dies_and_when_another_starts(ws: str) -> No
         try:
             back = stderr_line(getter, 30)
             assert f"a daemon runs on {ws} again (pid {second.pid}): job {job_id} can run now".encode() in back, back
-            assert getter.wait(60) == 0 and getter.stdout.read() == expected_result("a job outliving its daemon").encode()
+            assert (getter.wait(60) == 0 and getter.stdout.read()
+                    == expected_result("a job outliving its daemon").encode())
         finally:
             second.terminate()
             second.wait(30)
@@ -4495,7 +4625,8 @@ def test_cancel_a_queued_job_and_a_finished_one(ws: str, run_main: RunMain) -> N
     assert run_main("cancel", ws, "123_4_5").returncode == 3 and run_main("cancel", ws).returncode == 2
     tagged = submit(ws, "tagged, still queued", tag="c")
     by_tag = run_main("cancel", ws, "--tag", "c")  # the tag's cancelled job is finished: left alone, no error
-    assert by_tag.returncode == 0 and ids_of(by_tag) == [tagged] and b"1 finished jobs of tag c left alone" in by_tag.stderr
+    assert (by_tag.returncode == 0 and ids_of(by_tag) == [tagged]
+            and b"1 finished jobs of tag c left alone" in by_tag.stderr)
 
 
 def test_cancel_a_running_job_stops_it_between_tokens_and_keeps_its_text(ws: str, run_main: RunMain) -> None:
@@ -4564,7 +4695,8 @@ def test_a_cancel_on_a_read_only_workspace_names_each_job_it_left_alone(ws: str)
     lines = done.stderr.decode().splitlines()
     assert b"rc=1" in done.stdout and len(lines) == 2, lines
     for job_id, line in zip(ids, lines):
-        assert line == f"nrvna: job {job_id} cannot be cancelled: its cancel file cannot be written (Read-only file system)"
+        assert (line == f"nrvna: job {job_id} cannot be cancelled: its cancel file cannot be written (Read-only file "
+                "system)")
     assert Flow(ws).counts()["queued"] == 2
 
 
@@ -4611,7 +4743,8 @@ def test_retry_failed_jobs_keeps_their_history_and_custom_id(ws: str, tmp_path: 
     assert only.returncode == 0 and ids_of(only) == [ids[2]]
     job = Flow(ws).get(ids[2])
     assert job.status is Status.Queued and job.meta["attempts"] == 0 and job.error is None
-    assert job.meta["errors"] == [{"code": "model_error", "error": "p2 broke", "finished": job.meta["errors"][0]["finished"], "attempts": 1}]
+    assert job.meta["errors"] == [{"code": "model_error", "error": "p2 broke",
+                                   "finished": job.meta["errors"][0]["finished"], "attempts": 1}]
     failing.clear()
     with serving(ws, runner):  # a retry against a running daemon is picked up at once
         wait_all(ws, [ids[2]])
@@ -4671,7 +4804,8 @@ def _failure_code_literals() -> set[str]:
             elif called == "_end" and len(node.args) > 1 and isinstance(node.args[1], ast.Tuple):
                 literal(node.args[1])  # (code, message); a string there is a finish reason
             for keyword in node.keywords:
-                if keyword.arg in ("error_code", "code") or (keyword.arg == "error" and isinstance(keyword.value, ast.Tuple)):
+                if keyword.arg in ("error_code", "code") or (keyword.arg == "error"
+                                                             and isinstance(keyword.value, ast.Tuple)):
                     literal(keyword.value)
         elif isinstance(node, ast.Assign) and any(name(t) == "interrupt" for t in node.targets):
             literal(node.value)
@@ -4693,7 +4827,8 @@ def test_every_failure_code_in_the_source_is_in_the_one_table() -> None:
 
 def test_clean_removes_only_old_finished_jobs(ws: str, run_main: RunMain) -> None:
     old_done, old_failed = submit(ws, "old"), submit(ws, "old bad")
-    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt else "ok"):
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt
+                 else "ok"):
         wait_all(ws, [old_done, old_failed])
     for sub, job_id in ((nrvna.OUTPUT, old_done), (nrvna.FAILED, old_failed)):  # back-date them 2 days
         meta_path = os.path.join(ws, sub, job_id, "meta.json")
@@ -4714,7 +4849,8 @@ def test_clean_removes_only_old_finished_jobs(ws: str, run_main: RunMain) -> Non
 
 def test_clean_done_only_and_bad_durations(ws: str, run_main: RunMain) -> None:
     done, failed = submit(ws, "ok"), submit(ws, "bad")
-    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "bad" else "ok"):
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "bad"
+                 else "ok"):
         wait_all(ws, [done, failed])
     time.sleep(0.05)
     removed = run_main("clean", ws, "--older-than", "0s", "--done")
@@ -4751,7 +4887,8 @@ def test_clean_with_crafted_files_in_states_never_crashes_halfway(ws: str) -> No
 
 def test_clean_prunes_the_tag_index_of_jobs_that_are_gone(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     first = ids_of(run_main("submit", ws, "--file", write(tmp_path / "a.txt", "a1\na2\n"), "--tag", "t"))
-    second = ids_of(run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([{"prompt": "b1", "custom_id": "b1"}])),
+    second = ids_of(run_main("submit", ws, "--file",
+                             write(tmp_path / "b.jsonl", jsonl([{"prompt": "b1", "custom_id": "b1"}])),
                         "--tag", "t"))  # (a plain b.txt's line-1 would be a1's custom_id: already queued)
     kept = submit(ws, "o", tag="keep")
     with serving(ws, echo):
@@ -4874,7 +5011,8 @@ def plant(specs):
         if record is not None:
             with open(os.path.join(folder, name + ".json"), "w") as handle:
                 json.dump(record, handle)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD] + [f"{os.path.join(folder, n)}.lock={t}" for n, t, _ in specs],
+    holder = subprocess.Popen([sys.executable, "-c", HOLD]
+                              + [f"{os.path.join(folder, n)}.lock={t}" for n, t, _ in specs],
                               stdout=subprocess.PIPE)
     assert holder.stdout.readline() == b"held\n"
     return holder
@@ -4977,16 +5115,19 @@ def test_messages_jobs_render_every_turn_through_the_chat_template(llama: nrvna.
     rendered = b"".join(llama.piece(t) for t in tokens).decode()
     for turn in turns:
         assert turn["content"] in rendered
-    assert rendered.index("You are terse.") < rendered.index("Name a colour.") < rendered.index("Blue.") < rendered.index("Another?")
+    assert (rendered.index("You are terse.") < rendered.index("Name a colour.") < rendered.index("Blue.")
+            < rendered.index("Another?"))
     assert rendered.rstrip().endswith("assistant")  # the generation prompt follows the last turn
     outcome = generate(llama, job.prompt, messages=turns, max_tokens=4, temperature=0)
     assert outcome.error_code is None and outcome.generated_tokens <= 4
 
 
 @pytest.mark.model
-def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str, tmp_path: Path, run_main: RunMain) -> None:
+def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str, tmp_path: Path,
+                                                            run_main: RunMain) -> None:
     lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 6, "seed": i + 1}}
+              "body": {"messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 6,
+                       "seed": i + 1}}
              for i in range(6)]
     ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "q.jsonl", jsonl(lines)), "--tag", "real"))
     follow_id = submit(ws, "Write a poem about rivers.", max_tokens=40, ignore_eos=True, stop=["zzzz"], tag="real")
@@ -4999,7 +5140,8 @@ def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str,
         proc.wait(30)
     assert waited.returncode == 0 and followed.returncode == 0
     assert followed.stdout == Flow(ws).result_bytes(follow_id)
-    out = [json.loads(x) for x in run_main("export", ws, "--tag", "real", "--format", "openai").stdout.decode().splitlines()]
+    out = [json.loads(x) for x in run_main("export", ws, "--tag", "real", "--format",
+                                           "openai").stdout.decode().splitlines()]
     assert [o["custom_id"] for o in out[:6]] == [f"q{i}" for i in range(6)] and len(out) == 7
     assert [o["id"] for o in out] == [f"batch_req_{i}" for i in [*ids, follow_id]]
     for record in out:
@@ -5013,7 +5155,9 @@ def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str,
      "line 2: response_format: schema /: format 'uri' is not supported"),
     ({"prompt": "x", "grammar": "root ::= x"}, "line 2: grammar: rule 'x' is used but never defined"),
     ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-      "body": {"messages": [{"role": "user", "content": "x"}], "response_format": schema_format({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.5}}})}},
+      "body": {"messages": [{"role": "user", "content": "x"}],
+               "response_format": schema_format({"type": "object",
+                                                 "properties": {"a": {"type": "number", "multipleOf": 0.5}}})}},
      "line 2: response_format: schema /properties/a: multipleOf 0.5 on a number is not supported"),
     ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
       "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom"}]}},
@@ -5058,7 +5202,8 @@ def logprob_runner(job: nrvna.RunningJob) -> Outcome:
                    logprobs=entries if job.params.get("logprobs") else None)
 
 
-def test_logprobs_are_stored_read_back_and_exported_in_openai_s_shapes(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+def test_logprobs_are_stored_read_back_and_exported_in_openai_s_shapes(ws: str, tmp_path: Path,
+                                                                       run_main: RunMain) -> None:
     rows = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
              "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1,
                       "response_format": {"type": "json_object"}}},
@@ -5073,7 +5218,8 @@ def test_logprobs_are_stored_read_back_and_exported_in_openai_s_shapes(ws: str, 
     got = json.loads(run_main("get", ws, ids[0], "--json").stdout)
     assert [e["token"] for e in got["logprobs"]] == ["{", '"a"', ":", "1", "}"] and got["result"] == '{"a":1}'
     assert json.loads(run_main("get", ws, ids[2], "--json").stdout)["logprobs"] is None
-    out = [json.loads(x) for x in run_main("export", ws, "--tag", "lp", "--format", "openai").stdout.decode().splitlines()]
+    out = [json.loads(x) for x in run_main("export", ws, "--tag", "lp", "--format",
+                                           "openai").stdout.decode().splitlines()]
     chat = out[0]["response"]["body"]["choices"][0]
     assert chat["message"]["content"] == '{"a":1}' and chat["logprobs"]["refusal"] is None
     assert chat["logprobs"]["content"][3] == {"token": "1", "logprob": -1.5, "bytes": [49],
@@ -5188,7 +5334,8 @@ def test_status_never_says_missing_while_jobs_move(ws: str) -> None:
         while not stop.is_set():
             seen.extend(flow.status(job_id) for job_id in ids)
 
-    threads = [threading.Thread(target=mover, args=(i,)) for i in ids] + [threading.Thread(target=reader) for _ in range(3)]
+    threads = [threading.Thread(target=mover, args=(i,)) for i in ids] + [threading.Thread(target=reader)
+                                                                          for _ in range(3)]
     for t in threads:
         t.start()
     time.sleep(3)
@@ -5212,7 +5359,8 @@ def test_wait_times_out_with_the_current_state(ws: str) -> None:
 # ==============================================================================
 
 
-def test_a_template_fills_each_jsonl_record_and_keeps_it_as_metadata(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+def test_a_template_fills_each_jsonl_record_and_keeps_it_as_metadata(ws: str, tmp_path: Path,
+                                                                     run_main: RunMain) -> None:
     data = tmp_path / "data.jsonl"
     data.write_text('{"id": "r1", "text": "good", "n": 1}\n\n{"id": 7, "text": "bad {x}", "n": [2.5]}\n')
     result = run_main("submit", ws, "--file", str(data), "--template", "Sentiment of {text} ({n}) {{braces}}",
@@ -5256,7 +5404,8 @@ def test_a_csv_cell_written_as_a_json_number_is_a_number_in_metadata(ws: str, ru
 
 
 @pytest.mark.parametrize("data, template, extra, message", [
-    (b'{"text": "a"}\n{"txt": "b"}\n', "Say {text}", (), b"line 2: no field 'text', which the template needs (the record has: txt)"),
+    (b'{"text": "a"}\n{"txt": "b"}\n', "Say {text}", (),
+     b"line 2: no field 'text', which the template needs (the record has: txt)"),
     (b'text\na\n', "Say {text", (), b"template: '{' at character 5 opens no {field}"),
     (b'text\na\n', "Say } {text}", (), b"template: a lone '}' at character 5"),
     (b'text\na\n', "Say hello", (), b"template: it names no {field}"),
@@ -5353,7 +5502,8 @@ def test_events_replay_every_change_once_in_order(ws: str, run_main: RunMain) ->
     assert set(events[0]) == {"time", "id", "custom_id", "tag", "from", "to", "code"}
     assert events[0]["time"].endswith("Z") and "T" in events[0]["time"]
     # --since: an ID (from its submission on), a time, "now"
-    since_last = [json.loads(line)["id"] for line in run_main("events", ws, "--since", queued_then_cancelled).stdout.splitlines()]
+    since_last = [json.loads(line)["id"]
+                  for line in run_main("events", ws, "--since", queued_then_cancelled).stdout.splitlines()]
     assert queued_then_cancelled in since_last and len(since_last) < len(events)
     assert run_main("events", ws, "--since", "now").stdout == b""
     assert len(run_main("events", ws, "--since", "2000-01-01T00:00:00Z").stdout.splitlines()) == len(events)
@@ -5364,7 +5514,8 @@ def test_events_replay_every_change_once_in_order(ws: str, run_main: RunMain) ->
 def test_events_follow_streams_new_changes_and_a_closed_pipe_ends_it(ws: str) -> None:
     first = submit(ws, "before", tag="t")
     submit(ws, "other tag", tag="u")
-    follower = subprocess.Popen([sys.executable, SCRIPT, "events", ws, "--follow", "--tag", "t"], stdout=subprocess.PIPE,
+    follower = subprocess.Popen([sys.executable, SCRIPT, "events", ws, "--follow", "--tag", "t"],
+                                stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
     try:
         assert json.loads(follower.stdout.readline())["to"] == "queued"
@@ -5474,8 +5625,10 @@ def test_the_on_done_hook_gets_the_job_in_its_environment_and_never_changes_it(w
         calls = {call["NRVNA_JOB_ID"]: call for call in _hook_log(log_path)}
         assert calls[good] == {"NRVNA_WORKSPACE": os.path.abspath(ws), "NRVNA_JOB_ID": good, "NRVNA_STATUS": "done",
                                "NRVNA_CODE": "", "NRVNA_CUSTOM_ID": "first", "NRVNA_TAG": "b",
-                               "arg": os.path.join(os.path.abspath(ws), nrvna.OUTPUT, good), "start": calls[good]["start"]}
-        assert (calls[bad]["NRVNA_STATUS"], calls[bad]["NRVNA_CODE"], calls[bad]["NRVNA_TAG"]) == ("failed", "runner_error", "")
+                               "arg": os.path.join(os.path.abspath(ws), nrvna.OUTPUT, good),
+                               "start": calls[good]["start"]}
+        assert (calls[bad]["NRVNA_STATUS"], calls[bad]["NRVNA_CODE"],
+                calls[bad]["NRVNA_TAG"]) == ("failed", "runner_error", "")
         assert len(_hook_log(log_path)) == 2  # a failing hook (exit status 1) is not run again
         assert Flow(ws).status(good) is Status.Done and os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
     finally:
@@ -5654,7 +5807,8 @@ def example_script(path: Path) -> str:
     document), so a daemon started by one block serves the next; it stops the workspaces' daemons
     at its end, and the test kills what is left."""
     parts = ["set -eu -o pipefail",
-             "trap 'set +e; for w in ws ews mws dws; do [ -d \"$w/daemons\" ] && nrvna stop \"$w\" --timeout 60 >/dev/null 2>&1; done' EXIT"]
+             "trap 'set +e; for w in ws ews mws dws; do [ -d \"$w/daemons\" ] && nrvna stop \"$w\" --timeout 60 "
+             ">/dev/null 2>&1; done' EXIT"]
     for line, language, code in runnable_examples(path):
         parts.append(f"echo \"### {path.name}:{line} $SECONDS s\" >&2")
         parts.append(code if language == "sh" else f"python - <<'NRVNA_EXAMPLE_END'\n{code}NRVNA_EXAMPLE_END")
@@ -5769,7 +5923,8 @@ def test_the_readme_is_short_and_the_manual_holds_the_rest() -> None:
         if page.name != "README.md":
             assert f"({page.name})" in index, page.name
     examples = "".join(code for _, _, code in runnable_examples(HERE / "README.md"))
-    for command in ("daemon", "submit", "status", "get", "wait", "export", "events", "cancel", "retry", "clean", "stop"):
+    for command in ("daemon", "submit", "status", "get", "wait", "export", "events", "cancel", "retry", "clean",
+                    "stop"):
         assert re.search(rf"\bnrvna {command}\b", examples), command
     for name in ("--file", "--template", "--json-schema", "--grammar", "--priority", "--idempotency-key", "--embed"):
         assert name in examples, name
@@ -5809,7 +5964,8 @@ def test_every_job_parameter_with_a_flag_is_a_submit_flag_and_reaches_params_jso
     done = run_main("submit", "--help")
     assert done.returncode == 0
     flagged = {name: p.flag for name, p in nrvna.PARAMS.items() if p.flag}
-    assert {"max_tokens", "temperature", "top_k", "stop", "presence_penalty", "frequency_penalty", "tag"} <= set(flagged)
+    assert {"max_tokens", "temperature", "top_k", "stop", "presence_penalty", "frequency_penalty",
+            "tag"} <= set(flagged)
     for flag in flagged.values():
         assert flag.encode() in done.stdout
     done = run_main("submit", ws, "hello", "--top-k", "5", "--stop", "a", "--stop", "bb", "--presence-penalty", "0.5",
@@ -5861,7 +6017,9 @@ def test_openai_body_fields_map_through_the_parameter_table() -> None:
 def test_a_batch_line_s_unknown_field_is_named_with_the_one_likeliest_meant(run_main: RunMain, tmp_path: Path) -> None:
     """#57: `{"promt": ...}` said "give exactly one of prompt or messages", and the known-fields
     list offered tag and endpoint, which docs/configuration.md says are not JSONL fields."""
-    with pytest.raises(nrvna.InvalidInput, match="line 1: unknown field 'promt'; did you mean 'prompt'\\? \\(a line's fields: prompt, max_tokens,"):
+    with pytest.raises(nrvna.InvalidInput,
+                       match="line 1: unknown field 'promt'; did you mean 'prompt'\\? \\(a line's fields: prompt, "
+                       "max_tokens,"):
         nrvna.parse_batch(b'{"promt": "hi"}\n')
     with pytest.raises(nrvna.InvalidInput) as caught:
         nrvna.parse_batch(b'{"prompt": "hi", "max_token": 5}\n')
@@ -6019,7 +6177,8 @@ def test_the_contents_list_names_every_banner_in_order(name: str) -> None:
     numbers = [_numbered(title) for title in titles]
     if name == "nrvna.py":
         for before, after in zip(numbers, numbers[1:]):
-            assert after in ((before[0] + 1,), (before[0], 1), before[:1] + (before[-1] + 1,) if len(before) == 2 else ()), (
+            assert after in ((before[0] + 1,), (before[0], 1),
+                             before[:1] + (before[-1] + 1,) if len(before) == 2 else ()), (
                 before, after)
     else:  # the tests of nrvna.py's section or sub-section N sit under N, named as it is
         assert numbers == sorted(numbers)
@@ -6196,7 +6355,8 @@ def test_no_name_is_used_above_the_section_that_defines_it() -> None:
 
     def local_names(fn: Any) -> set[str]:
         args = fn.args
-        names = {a.arg for a in args.args + args.kwonlyargs + args.posonlyargs + [a for a in (args.vararg, args.kwarg) if a]}
+        names = {a.arg for a in args.args + args.kwonlyargs + args.posonlyargs
+                 + [a for a in (args.vararg, args.kwarg) if a]}
         for sub in ast.walk(fn):
             if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
                 names.add(sub.id)
@@ -6225,6 +6385,16 @@ def test_no_name_is_used_above_the_section_that_defines_it() -> None:
 
     visit(tree, set())
     assert early == []
+
+
+def test_no_line_is_over_120_characters() -> None:
+    """Issue 59: every line of nrvna.py, test_nrvna.py and the Python of bench/ and scripts/ holds
+    to 120 characters, with no exemptions."""
+    paths = [Path(nrvna.__file__), HERE / "test_nrvna.py", *sorted((HERE / "bench").glob("*.py")),
+             *sorted((HERE / "scripts").glob("*.py"))]
+    long = [f"{path.name}:{number} ({len(line)})" for path in paths
+            for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1) if len(line) > 120]
+    assert long == [] and len(paths) > 20
 
 
 # ==============================================================================
@@ -6297,7 +6467,8 @@ def test_chat_template_kwargs_reach_the_template(model: str) -> None:
     gets the job's."""
     runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
     try:
-        text = lambda **params: b"".join(runner.piece(t) for t in runner.tokens(fake_job("What is 2+2?", **params))).decode()
+        text = lambda **params: b"".join(runner.piece(t)
+                                         for t in runner.tokens(fake_job("What is 2+2?", **params))).decode()
         assert text().endswith("assistant\n<think>\n")  # control tokens have no piece
         closed = "assistant\n<think>\n\n</think>\n\n"
         assert text(chat_template_kwargs={"enable_thinking": False}).endswith(closed)
@@ -6339,7 +6510,8 @@ def test_a_model_without_a_chat_template_renders_every_chat_job_in_one_fallback_
     try:
         text = lambda job: b"".join(runner._token_text(t, True) for t in runner.tokens(job)).decode()
         assert text(fake_job("hi", system="The secret word is BANANA.")) == (
-            "<|im_start|>system\nThe secret word is BANANA.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+            "<|im_start|>system\nThe secret word is "
+            "BANANA.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
         turns = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": "Hello Ada."},
                  {"role": "user", "content": "What is my name?"}]
         assert "<|im_start|>assistant\nHello Ada.<|im_end|>" in text(fake_job("", messages=turns))
@@ -6356,7 +6528,8 @@ def test_a_model_without_a_chat_template_renders_every_chat_job_in_one_fallback_
               submit(ws, "What is the weather in Oslo?", tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                      max_tokens=160),
               submit(ws, "Say hi.", thinking_budget_tokens=0, max_tokens=8),
-              submit(ws, "Say hi.", reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}, max_tokens=8)]
+              submit(ws, "Say hi.", reasoning_effort="low", chat_template_kwargs={"enable_thinking": False},
+                     max_tokens=8)]
     done = cli("daemon", copy, ws, "-w", "1", "--drain", timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.count(b"has no chat template: every chat job") == 1, done.stderr[-2000:]
@@ -6433,7 +6606,8 @@ def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks
                     # llama.cpp's penalties sampler on the window's tokens and a few others
                     probe = sorted(set(penalty.counts) | {1, 2, 3, 500})
                     original = [logits[t] for t in probe]
-                    data = (L.llama_token_data * len(probe))(*[L.llama_token_data(t, v, 0.0) for t, v in zip(probe, original)])
+                    data = (L.llama_token_data
+                            * len(probe))(*[L.llama_token_data(t, v, 0.0) for t, v in zip(probe, original)])
                     array = L.llama_token_data_array(data, len(probe), -1, False)
                     L.llama_sampler_apply(own, ctypes.byref(array))
                     penalty.apply(numpy.ctypeslib.as_array(logits, shape=(llama.n_vocab,)))
@@ -6474,9 +6648,11 @@ def test_borrowed_threads_decode_on_the_one_wide_thread_and_give_the_same_text(l
 
 
 @pytest.mark.model
-def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared_prefix(llama: nrvna.LlamaRunner) -> None:
+def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared_prefix(
+        llama: nrvna.LlamaRunner) -> None:
     system = "You are a careful assistant. " * 10
-    job = lambda topic: fake_job(f"One word about {topic}.", system=system, max_tokens=8, temperature=0, ignore_eos=True)
+    job = lambda topic: fake_job(f"One word about {topic}.", system=system, max_tokens=8, temperature=0,
+                                 ignore_eos=True)
     session = llama.session(0, nrvna.Config(workers=1, seqs=4, max_ctx=2048))
 
     def run(topic: str) -> str:
@@ -6497,7 +6673,8 @@ def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared
         last = session.prefixes.last_kept
         assert last in (0, 1, 2)
         session.idle()
-        assert [len(tokens) for tokens in session.prefixes.held] == [before[i] if i == last else shared for i in range(3)] + [0, 0]
+        assert [len(tokens) for tokens in session.prefixes.held] == [before[i] if i == last else shared
+                                                                     for i in range(3)] + [0, 0]
         for i in range(3):  # the cells match what is held: nothing beyond it is left
             assert llama.L.llama_memory_seq_pos_max(session.memory, i) == len(session.prefixes.held[i]) - 1
         # A new prompt shares only the prefix with every slot: it takes the slot kept whole
@@ -6725,7 +6902,8 @@ def test_a_quantized_kv_cache_is_smaller_generates_and_keeps_its_own_saved_state
             runner.close()
     f16 = reports["f16"]["kv_mib"]
     assert reports["f16"]["cells"] == reports["q4_0"]["cells"] and reports["f16"]["contexts"] == 1
-    assert abs(reports["q8_0"]["kv_mib"] - f16 * 34 / 64) < 0.02 and abs(reports["q4_0"]["kv_mib"] - f16 * 18 / 64) < 0.02
+    assert abs(reports["q8_0"]["kv_mib"] - f16 * 34 / 64) < 0.02 and abs(reports["q4_0"]["kv_mib"] - f16 * 18
+                                                                         / 64) < 0.02
     assert abs(reports["f16"]["kv_bytes_per_token"] - 23040) <= 16  # 30 layers x (K + V) x 192 x 2 B
     assert reports["f16"]["compute_mib"] > 0 and reports["f16"]["weights_mib"] > 80
     assert all(texts.values()) and len(set(fingerprints.values())) == 3, (texts, fingerprints)
@@ -6738,7 +6916,8 @@ def test_a_quantized_kv_cache_is_smaller_generates_and_keeps_its_own_saved_state
 
 @pytest.mark.model
 def test_a_schema_is_converted_once_for_many_jobs_and_parsed_once_per_context(llama: nrvna.LlamaRunner) -> None:
-    schema = {"type": "object", "properties": {"converted_once": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0}},
+    schema = {"type": "object",
+              "properties": {"converted_once": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0}},
               "required": ["converted_once", "n"]}
     reordered = dict(schema, properties=dict(reversed(list(schema["properties"].items()))))
     config = nrvna.Config(workers=2, seqs=4, max_ctx=512)
@@ -6845,8 +7024,8 @@ def test_a_schema_being_converted_holds_up_neither_the_jobs_beside_it_nor_a_stop
 
 
 @pytest.mark.model
-def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_draw(llama: nrvna.LlamaRunner,
-                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_draw(
+        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each time a constrained job's free draw is refused and the shortlist suffices, the
     token drawn from it equals the token the sampler chain draws from the whole vocabulary
     (from the same random state: each path gets a clone of the chain). A short shortlist
@@ -6966,8 +7145,8 @@ def shortlist_draws(runner: nrvna.LlamaRunner, rows: Any, params: dict[str, Any]
 
 
 @pytest.mark.model
-def test_a_top_k_draw_from_the_likeliest_tokens_is_the_whole_vocabulary_s_draw(llama: nrvna.LlamaRunner,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_top_k_draw_from_the_likeliest_tokens_is_the_whole_vocabulary_s_draw(
+        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """6,300 draws (3 kinds of rows x 300 x 7 chains, the same seed for both sides): a draw
     from the k likeliest tokens equals llama.cpp's draw from the whole vocabulary every time;
     rows with tied logits near the top go to the whole vocabulary. Breaking either condition
@@ -7086,7 +7265,8 @@ def test_control_tokens_never_enter_a_constrained_output(llama: nrvna.LlamaRunne
     """The grammar matches a control token by its text, which the result would not hold."""
     start = llama.tokenize("<|im_start|>", False, True)
     assert len(start) == 1 and start[0] in llama.control_tokens
-    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 30, "maxLength": 40}}, "required": ["s"]}
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 30, "maxLength": 40}},
+              "required": ["s"]}
     outcome = generate(llama, "Write a sentence as JSON.", temperature=0, max_tokens=80,
                        response_format=schema_format(schema), logit_bias={str(start[0]): 100})
     assert outcome.finish_reason == "stop", outcome
@@ -7138,7 +7318,8 @@ def test_logit_bias_bans_and_forces_tokens(llama: nrvna.LlamaRunner) -> None:
     greedy = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, top_logprobs=2)
     first, second = (bytes(t["bytes"]) for t in greedy.logprobs[0]["top_logprobs"])
     ids = {llama.piece(t): t for t in range(llama.n_vocab)}
-    banned = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, logit_bias={str(ids[first]): -100})
+    banned = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True,
+                      logit_bias={str(ids[first]): -100})
     assert bytes(banned.logprobs[0]["bytes"]) == second  # the runner-up takes its place
     forced = generate(llama, "Name a fruit.", temperature=0, max_tokens=1, logit_bias={str(ids[b" zebra"]): 100})
     assert b" zebra" not in (first, second)
@@ -7455,7 +7636,8 @@ def reference_vectors(model: str, texts: list[str], normalize: bool = True) -> l
 
 @pytest.mark.parametrize("line, prompt, params", [
     ({"embed": "one text"}, "one text", {"embed": True}),
-    ({"embed": ["a", "b c"], "custom_id": "x"}, "[input 0]\na\n\n[input 1]\nb c\n", {"embed": True, "input": ["a", "b c"]}),
+    ({"embed": ["a", "b c"], "custom_id": "x"}, "[input 0]\na\n\n[input 1]\nb c\n",
+     {"embed": True, "input": ["a", "b c"]}),
     ({"embed": True, "prompt": "p", "dimensions": 8}, "p", {"embed": True, "dimensions": 8}),
     ({"embed": True, "input": ["a", "b"]}, "[input 0]\na\n\n[input 1]\nb\n", {"embed": True, "input": ["a", "b"]}),
     ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings", "body": {"input": "t", "model": "m"}}, "t",
@@ -7552,7 +7734,8 @@ def test_embed_exports_openai_bodies_base64_and_a_float32_matrix(ws: str, tmp_pa
     assert run_main("export", ws, "--tag", "e", "--format", "f32", "-o", str(matrix)).returncode == 0
     rows = array.array("f", matrix.read_bytes())
     assert [list(rows[i:i + 3]) for i in range(0, len(rows), 3)] == [
-        list(array.array("f", v)) for v in ([3, 0, 0.1], [2, 0, 0.1], [4, 1, 0.1], [1, 0, 0.1], [2, 1, 0.1], [3, 2, 0.1])]
+        list(array.array("f", v))
+        for v in ([3, 0, 0.1], [2, 0, 0.1], [4, 1, 0.1], [1, 0, 0.1], [2, 1, 0.1], [3, 2, 0.1])]
     assert (tmp_path / "v.f32.ids").read_text().splitlines() == [
         f"{ids[0]}\tone\t0", f"{ids[1]}\ttwo\t0", f"{ids[1]}\ttwo\t1",
         f"{ids[2]}\tthree\t0", f"{ids[2]}\tthree\t1", f"{ids[2]}\tthree\t2"]
@@ -7607,7 +7790,8 @@ def wide(job: nrvna.RunningJob) -> str:
     return "".join("[" + ",".join(["0.5"] * width) + "]\n" for _ in job.params.get("input") or [job.prompt])
 
 
-def test_an_f32_export_refuses_vectors_of_two_widths_and_leaves_nothing(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+def test_an_f32_export_refuses_vectors_of_two_widths_and_leaves_nothing(ws: str, tmp_path: Path,
+                                                                        run_main: RunMain) -> None:
     ids = [Work(ws).publish(f"text {width}", embed=True, dimensions=width) for width in (16, 16, 384, 8)]
     with serving(ws, wide):
         assert wait_all(ws, ids) == [Status.Done] * 4
@@ -7622,11 +7806,13 @@ def test_an_f32_export_refuses_vectors_of_two_widths_and_leaves_nothing(ws: str,
     # One job whose own vectors differ (a hand-made result.txt): an error, the files as they were.
     Path(nrvna.job_path(ws, nrvna.OUTPUT, ids[3]), "result.txt").write_text("[1,2]\n[1,2,3]\n")
     ragged = run_main("export", ws, ids[3], "--format", "f32", "-o", str(matrix))
-    assert ragged.returncode == 1 and f"job {ids[3]}: result.txt holds vectors of 2 and 3 floats".encode() in ragged.stderr
+    assert (ragged.returncode == 1
+            and f"job {ids[3]}: result.txt holds vectors of 2 and 3 floats".encode() in ragged.stderr)
     assert len(matrix.read_bytes()) == 2 * 16 * 4 and sorted(os.listdir(tmp_path)) == ["m.f32", "m.f32.ids", "ws"]
 
 
-def test_an_f32_export_beside_a_device_or_fifo_needs_ids_for_its_side_file(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+def test_an_f32_export_beside_a_device_or_fifo_needs_ids_for_its_side_file(ws: str, tmp_path: Path,
+                                                                           run_main: RunMain) -> None:
     job_id = Work(ws).publish("fine", embed=True)
     with serving(ws, wide):
         wait_all(ws, [job_id])
@@ -7753,7 +7939,8 @@ def test_mixed_generation_and_embed_lines_each_end_once_in_its_own_shape(ws: str
     assert out["long"]["response"] is None and out["long"]["error"]["code"] == "context_overflow"
     assert "an embedding takes at most 64" in out["long"]["error"]["message"]
     states = nrvna.bulk_states(ws, ids)
-    assert sum(s is Status.Done for s in states.values()) == 12 and sum(s is Status.Failed for s in states.values()) == 1
+    assert sum(s is Status.Done for s in states.values()) == 12 and sum(s is Status.Failed
+                                                                        for s in states.values()) == 1
 
 
 @pytest.mark.model
@@ -7840,7 +8027,8 @@ class FakeStateL:
 def saved_store(folder: str, states: dict[str, list[int]], fingerprint: str = "fp", limit: int = 1 << 30,
                 min_tokens: int = 16, owner: str = "") -> tuple[nrvna.StateStore, FakeStateL]:
     """A store with ``states`` saved ({job ID: tokens}; each state's bytes name its job)."""
-    store, fake = nrvna.StateStore(folder, fingerprint, limit, min_tokens, **({"owner": owner} if owner else {})), FakeStateL()
+    store, fake = nrvna.StateStore(folder, fingerprint, limit, min_tokens,
+                                   **({"owner": owner} if owner else {})), FakeStateL()
     for job_id, tokens in states.items():
         fake.seqs[0] = f"state of {job_id} ".encode() * 50
         fake.covers[fake.seqs[0]] = len(tokens)
@@ -7982,7 +8170,8 @@ def test_crafted_state_headers_are_a_miss_and_are_read_once(tmp_path: Path, monk
     assert sorted(reads) == sorted([*CRAFTED_STATES, "settings.kv", *fresh._index])
     (folder / "other.txt").write_bytes(b"")  # the folder changes: it is listed again
     reads.clear()
-    assert fresh.find(list(range(120)), 119, 1000, trimmable=True)[0].job == "a" and fresh.wants(list(range(300)), True, 300)
+    assert fresh.find(list(range(120)), 119, 1000,
+                      trimmable=True)[0].job == "a" and fresh.wants(list(range(300)), True, 300)
     assert reads == []  # settings.kv and the state were read once
     # Another daemon's store, same folder: the same answer, and no exception either.
     assert nrvna.StateStore(str(folder), "fp", 1 << 30, 16).find(list(range(120)), 119, 1000, trimmable=True)
@@ -8168,7 +8357,8 @@ def test_a_conversation_s_next_turn_after_a_kill_starts_from_its_saved_state(tmp
     first = {w: conversation_turn(w, LONG_TURN) for w in (warm, cold)}
     second = {warm: conversation_turn(warm, "Say it again, briefly.", first[warm])}
     assert cli("daemon", model, warm, "-w", "1", "-s", "1", "--drain", env=env, timeout=300).returncode == 0
-    daemon = subprocess.Popen([sys.executable, SCRIPT, "daemon", model, cold, "-w", "1", "-s", "1"], env=dict(os.environ, **env),
+    daemon = subprocess.Popen([sys.executable, SCRIPT, "daemon", model, cold, "-w", "1", "-s", "1"],
+                              env=dict(os.environ, **env),
                               stderr=subprocess.DEVNULL)
     try:
         assert Flow(cold).wait(first[cold], 300) is Status.Done
@@ -8220,7 +8410,8 @@ def test_a_damaged_or_foreign_state_is_never_restored(tmp_path: Path, model: str
     data[-1000] ^= 0xFF
     path.write_bytes(bytes(data))
     child = conversation_turn(ws, "Again?", first)
-    done = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=dict(env, NRVNA_LOG_LEVEL="debug"), timeout=300)
+    done = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=dict(env, NRVNA_LOG_LEVEL="debug"),
+               timeout=300)
     assert done.returncode == 0 and b"removed: it is torn or damaged" in done.stderr
     meta = Flow(ws).get(child).meta
     assert meta["prompt_reused"]["disk"] == 0 and meta["prompt_computed"] == meta["prompt_tokens"]
@@ -8229,7 +8420,8 @@ def test_a_damaged_or_foreign_state_is_never_restored(tmp_path: Path, model: str
     [mine] = wait_for_states(ws)
     head = nrvna.read_state_head(os.path.join(ws, nrvna.STATES), mine)
     blob = Path(ws, nrvna.STATES, mine).read_bytes()[-4 - head.blob:-4]
-    data, offset = nrvna.state_buffer(head.fingerprint.replace('"model":[', '"model":[1'), head.job, head.tokens, head.blob)
+    data, offset = nrvna.state_buffer(head.fingerprint.replace('"model":[', '"model":[1'), head.job, head.tokens,
+                                      head.blob)
     data[offset:offset + head.blob] = blob
     nrvna.seal_state(data)
     Path(ws, nrvna.STATES, mine).write_bytes(bytes(data))
@@ -8268,7 +8460,8 @@ def test_a_state_whole_by_its_crc_that_does_not_hold_its_tokens_is_never_restore
     for case, blob in (("empty", b""), ("shorter", shorter)):
         ws = fresh_copy(template, str(tmp_path / case))
         forge_state(os.path.join(ws, nrvna.STATES), heads[first].name, blob)
-        for name, data in {**theirs, "huge.kv": CRAFTED_STATES["huge.kv"], "large.kv": CRAFTED_STATES["large.kv"]}.items():
+        for name, data in {**theirs, "huge.kv": CRAFTED_STATES["huge.kv"],
+                           "large.kv": CRAFTED_STATES["large.kv"]}.items():
             Path(ws, nrvna.STATES, name).write_bytes(data)
         done = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=env, timeout=300)
         assert done.returncode == 0 and b"does not hold the tokens it names" in done.stderr, (case, done.stderr[-2000:])
@@ -8528,7 +8721,8 @@ def test_threads_are_lent_only_between_one_thread_contexts(ws: str) -> None:
 def test_sixteen_sequences_in_one_context_each_follow_their_own_params(ws: str, model: str) -> None:
     jobs = {}
     for i in range(16):  # the default NRVNA_SEQS: short jobs fill every slot
-        jobs[submit(ws, f"Tell me about the number {i}.", max_tokens=4 + 3 * i, ignore_eos=True, seed=i + 1)] = 4 + 3 * i
+        jobs[submit(ws, f"Tell me about the number {i}.", max_tokens=4 + 3 * i, ignore_eos=True,
+                    seed=i + 1)] = 4 + 3 * i
     stopped = submit(ws, "Write a long poem about the sea.", max_tokens=200, temperature=0, stop=["ocean"])
     too_long = submit(ws, "tell me " * 400)
     done = cli("daemon", model, ws, "-w", "1", "--drain", env={"NRVNA_MAX_CTX": "4096"}, timeout=300)
@@ -8536,7 +8730,8 @@ def test_sixteen_sequences_in_one_context_each_follow_their_own_params(ws: str, 
     flow = Flow(ws)
     for job_id, limit in jobs.items():
         job = flow.get(job_id)
-        assert job.status is Status.Done and job.meta["generated_tokens"] == limit and job.meta["finish_reason"] == "length"
+        assert (job.status is Status.Done and job.meta["generated_tokens"] == limit and job.meta["finish_reason"]
+                == "length")
     job = flow.get(stopped)
     assert job.status is Status.Done and "ocean" not in job.result and job.meta["finish_reason"] == "stop"
     job = flow.get(too_long)
@@ -8640,7 +8835,8 @@ def test_sigterm_with_several_sequences_in_flight_returns_them_all(ws: str, mode
 
 
 @pytest.mark.model
-def test_constrained_and_free_jobs_share_a_context_on_the_real_model(tmp_path: Path, model: str, run_main: RunMain) -> None:
+def test_constrained_and_free_jobs_share_a_context_on_the_real_model(tmp_path: Path, model: str,
+                                                                     run_main: RunMain) -> None:
     """One daemon, one worker, 16 sequences: schema, json_object and free jobs decode together.
     Every constrained result that ends with stop is valid JSON satisfying its schema; one cut
     by max_tokens says length. The free jobs come out byte-identical to a run without the
@@ -8651,7 +8847,8 @@ def test_constrained_and_free_jobs_share_a_context_on_the_real_model(tmp_path: P
     person = "Invent a person number {} and describe them as JSON."
     lines = []
     for i in range(5):
-        lines.append({"custom_id": f"product-{i}", "prompt": product.format(i), "response_format": schema_format(PRODUCT_SCHEMA),
+        lines.append({"custom_id": f"product-{i}", "prompt": product.format(i),
+                      "response_format": schema_format(PRODUCT_SCHEMA),
                       "temperature": 0.7, "seed": i + 1, "max_tokens": 200})
         lines.append({"custom_id": f"free-{i}", "prompt": f"Tell me one fact about the number {i}.", "temperature": 0,
                       "seed": 11, "max_tokens": 48})
@@ -8680,19 +8877,24 @@ def test_constrained_and_free_jobs_share_a_context_on_the_real_model(tmp_path: P
         if kind in schemas or kind == "object":
             if job.meta["finish_reason"] == "stop":
                 value = json.loads(job.result)
-                assert satisfies(value, schemas[kind]) if kind in schemas else isinstance(value, dict), (cid, job.result)
+                assert (satisfies(value, schemas[kind]) if kind in schemas
+                        else isinstance(value, dict)), (cid, job.result)
                 stopped += kind in schemas
             else:
-                assert job.meta["finish_reason"] == "length" and job.meta["generated_tokens"] == job.params["max_tokens"]
+                assert (job.meta["finish_reason"] == "length" and job.meta["generated_tokens"]
+                        == job.params["max_tokens"])
     assert stopped >= 7, "most schema jobs must end by their grammar"  # of 9
     short = jobs["short"]
     assert short.meta["finish_reason"] == "length" and short.meta["generated_tokens"] == 8
     with pytest.raises(ValueError):
         json.loads(short.result)
-    exported = {r["custom_id"]: r for r in map(json.loads, run_main("export", ws, "--tag", "m", "--format", "openai").stdout.decode().splitlines())}
+    exported = {r["custom_id"]: r
+                for r in map(json.loads, run_main("export", ws, "--tag", "m", "--format",
+                                                  "openai").stdout.decode().splitlines())}
     assert exported["short"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
     choice = exported["person-0"]["response"]["body"]["choices"][0]
-    assert choice["message"]["content"] == jobs["person-0"].result and choice["finish_reason"] == jobs["person-0"].meta["finish_reason"]
+    assert (choice["message"]["content"] == jobs["person-0"].result and choice["finish_reason"]
+            == jobs["person-0"].meta["finish_reason"])
 
     baseline = []
     for line in lines:
@@ -8707,12 +8909,14 @@ def test_constrained_and_free_jobs_share_a_context_on_the_real_model(tmp_path: P
     run_main("submit", base, "--file", write(tmp_path / "baseline.jsonl", jsonl(baseline)), "--tag", "b")
     done = cli("daemon", model, base, "-w", "1", "--drain", timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
-    again = {r["custom_id"]: r for r in map(json.loads, run_main("export", base, "--tag", "b").stdout.decode().splitlines())}
+    again = {r["custom_id"]: r
+             for r in map(json.loads, run_main("export", base, "--tag", "b").stdout.decode().splitlines())}
     for cid, job in jobs.items():
         if cid.startswith("free-"):
             assert again[cid]["result"] == job.result, cid
         else:  # the same shape: the same number of tokens, the same steps
-            assert again[cid]["meta"]["generated_tokens"] == job.meta["generated_tokens"] + (job.meta["finish_reason"] == "stop")
+            assert (again[cid]["meta"]["generated_tokens"] == job.meta["generated_tokens"]
+                    + (job.meta["finish_reason"] == "stop"))
 
 
 # ==============================================================================
@@ -8731,7 +8935,8 @@ def test_an_embedding_model_s_memory_line_says_what_it_holds() -> None:
                     "its embedding context at its first embed job; 0 made so far, 0.0 MiB): 43.5 MiB"), line
     chat = dict(report, contexts=2, cells=9216, kv_bytes_per_token=23040, kv_mib=202.5, compute_mib=98.3,
                 output_mib=3.2, total_mib=651.1)
-    assert "KV cache 2 x 202.5 MiB (f16, 9,216 cells x 23,040 B a token), compute 2 x 98.3" in nrvna.memory_line("m", chat)
+    assert ("KV cache 2 x 202.5 MiB (f16, 9,216 cells x 23,040 B a token), compute 2 x 98.3" in nrvna.memory_line("m",
+                                                                                                                  chat))
 
 
 @pytest.mark.model
@@ -9076,7 +9281,8 @@ def test_a_runner_exception_fails_that_job_only(ws: str) -> None:
         assert wait_all(ws, ids) == [Status.Failed, Status.Failed, Status.Done]
     flow = Flow(ws)
     assert "kaput" in flow.get(ids[0]).error and flow.get(ids[0]).meta["code"] == "runner_error"
-    assert flow.get(ids[1]).error.startswith("prompt is 9 tokens") and flow.get(ids[1]).meta["code"] == "context_overflow"
+    assert (flow.get(ids[1]).error.startswith("prompt is 9 tokens") and flow.get(ids[1]).meta["code"]
+            == "context_overflow")
 
 
 def slow_runner(started: threading.Event) -> Callable[[nrvna.RunningJob], str]:
@@ -9116,10 +9322,12 @@ def test_orphans_are_recovered_and_poison_jobs_hit_the_ceiling(ws: str) -> None:
     assert sorted(os.listdir(os.path.join(ws, nrvna.OUTPUT, again))) == ["conversation.json", "meta.json", "prompt.txt",
                                                                         "result.txt"]
     # the killed attempt's half result and temporary file are gone; its partial text stays
-    assert sorted(os.listdir(os.path.join(ws, nrvna.FAILED, poison))) == ["error.txt", "meta.json", "partial.txt", "prompt.txt"]
+    assert sorted(os.listdir(os.path.join(ws, nrvna.FAILED, poison))) == ["error.txt", "meta.json", "partial.txt",
+                                                                          "prompt.txt"]
 
 
-def test_a_daemon_starting_on_a_full_disk_requeues_an_orphan_all_the_same(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_daemon_starting_on_a_full_disk_requeues_an_orphan_all_the_same(ws: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Recovery's meta.json write (the requeue's event) fails for want of space: the orphan
     is requeued anyway, with the attempt its claim counted, and the start goes on."""
     real_write_file = nrvna.write_file
@@ -9544,7 +9752,8 @@ def test_jobs_run_by_lane_and_status_says_where_a_queued_job_stands(ws: str, run
 @pytest.mark.model
 def test_a_higher_priority_job_pauses_a_running_one_which_ends_as_if_uninterrupted(ws: str, tmp_path: Path,
                                                                                     model: str) -> None:
-    prompt, params = "Tell me a long story about a lighthouse keeper.", {"max_tokens": 96, "seed": 7, "ignore_eos": True}
+    prompt, params = "Tell me a long story about a lighthouse keeper.", {"max_tokens": 96, "seed": 7,
+                                                                         "ignore_eos": True}
     env = {"NRVNA_SEQS": "1"}
     reference = str(tmp_path / "reference")
     expected_id = Work(reference).publish(prompt, **params)
@@ -9721,7 +9930,8 @@ def test_n_choices_compute_the_prompt_once_and_draw_with_seed_plus_index(llama: 
 
 
 @pytest.mark.model
-def test_a_job_of_n_choices_reads_and_exports_every_choice(ws: str, tmp_path: Path, model: str, run_main: RunMain) -> None:
+def test_a_job_of_n_choices_reads_and_exports_every_choice(ws: str, tmp_path: Path, model: str,
+                                                           run_main: RunMain) -> None:
     chat = {"messages": [{"role": "user", "content": "Describe a fruit as a JSON object."}], "n": 3, "max_tokens": 24,
             "temperature": 1.0, "seed": 9, "logprobs": True, "response_format": {"type": "json_object"}}
     rows = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat},
@@ -9732,7 +9942,8 @@ def test_a_job_of_n_choices_reads_and_exports_every_choice(ws: str, tmp_path: Pa
     done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(run_main("get", ws, ids[0], "--json").stdout)
-    assert len(got["choices"]) == 3 and got["result"] == got["choices"][0]["text"] == run_main("get", ws, ids[0]).stdout.decode()
+    assert (len(got["choices"]) == 3 and got["result"] == got["choices"][0]["text"]
+            == run_main("get", ws, ids[0]).stdout.decode())
     assert got["logprobs"] == got["choices"][0]["logprobs"] and got["meta"]["prompt_tokens"] > 0
     assert got["meta"]["generated_tokens"] == sum(c["generated_tokens"] for c in got["choices"])
     for choice in got["choices"]:  # each choice its own grammar and log-probabilities
@@ -9741,7 +9952,8 @@ def test_a_job_of_n_choices_reads_and_exports_every_choice(ws: str, tmp_path: Pa
         if choice["finish_reason"] == "stop":
             assert isinstance(json.loads(choice["text"]), dict)
     assert len(Flow(ws).get(plain).choices) == 2
-    out = [json.loads(x) for x in run_main("export", ws, "--tag", "n", "--format", "openai").stdout.decode().splitlines()]
+    out = [json.loads(x) for x in run_main("export", ws, "--tag", "n", "--format",
+                                           "openai").stdout.decode().splitlines()]
     body = out[0]["response"]["body"]
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert [c["message"]["content"] for c in body["choices"]] == [c["text"] for c in got["choices"]]
@@ -9887,8 +10099,10 @@ def test_a_child_of_a_failed_cancelled_or_gone_parent_fails_without_running(ws: 
     flow = Flow(ws)
     assert [flow.status(j) for j in (failing, of_failed, of_cancelled, of_gone)] == [Status.Failed] * 4
     assert [flow.get(j).meta["code"] for j in (of_failed, of_cancelled, of_gone)] == ["parent_failed"] * 3
-    hint = re.search(r"its parent \S+ failed \(bad_request\): nrvna retry (.+), then this job$", flow.get(of_failed).error)
-    assert hint and shlex.split(hint.group(1)) == [os.path.abspath(ws), failing], flow.get(of_failed).error  # #57: with the workspace
+    hint = re.search(r"its parent \S+ failed \(bad_request\): nrvna retry (.+), then this job$",
+                     flow.get(of_failed).error)
+    # #57: with the workspace
+    assert hint and shlex.split(hint.group(1)) == [os.path.abspath(ws), failing], flow.get(of_failed).error
     assert f"its parent {cancelled} failed (cancelled)" in flow.get(of_cancelled).error
     assert f"its parent {gone} is gone" in flow.get(of_gone).error
     assert sorted(ran) == ["bad", "gone"]
@@ -9929,7 +10143,8 @@ def calling(job: nrvna.RunningJob) -> Any:
     others with their conversation's user turns."""
     if job.prompt != "call":
         return last_user(job)
-    calls = [{"id": f"call_{job.id}_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    calls = [{"id": f"call_{job.id}_0", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
     return nrvna.Outcome(text="", finish_reason="tool_calls", message={"content": None, "tool_calls": calls})
 
 
@@ -9939,18 +10154,21 @@ def test_a_tool_turn_must_answer_a_call_of_the_turn_before_it_the_parent_s_too(w
     at submit once the parent is done, and bad_request at the claim if the parent was not done at
     submit; a tool turn after a parent that made no call is refused the same way."""
     caller, plain = submit(ws, "call"), submit(ws, "plain")
-    early_forged = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": "call_FORGED", "content": "99 C"}], parent=caller)
+    early_forged = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": "call_FORGED", "content": "99 C"}],
+                                    parent=caller)
     with serving(ws, calling):
         assert wait_all(ws, [caller, plain]) == [Status.Done] * 2
         assert wait_all(ws, [early_forged]) == [Status.Failed]
     error = Flow(ws).get(early_forged).error
     assert Flow(ws).get(early_forged).meta["code"] == "bad_request" and "'call_FORGED'" in error, error
     made = f"call_{caller}_0"
-    for parent, answer, said in ((caller, "call_FORGED", f"which its parent {caller}'s answer did not make (its calls: {made})"),
+    for parent, answer, said in ((caller, "call_FORGED",
+                                  f"which its parent {caller}'s answer did not make (its calls: {made})"),
                                  (plain, made, f"which its parent {plain}'s answer did not make (its calls: none)")):
         line = {"messages": [{"role": "tool", "tool_call_id": answer, "content": "99 C"}], "parent": parent}
         refused = run_main("submit", ws, "--file", write(tmp_path / "f.jsonl", jsonl([line])))
-        assert refused.returncode == 2 and f"line 1: messages[0] answers tool call {answer!r}, {said}".encode() in refused.stderr, \
+        assert (refused.returncode == 2
+                and f"line 1: messages[0] answers tool call {answer!r}, {said}".encode() in refused.stderr), \
             refused.stderr
     assert Flow(ws).counts()["queued"] == 0
     good = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": made, "content": "12 C"}], parent=caller)
@@ -10003,9 +10221,11 @@ def test_a_parent_s_planted_files_fail_only_its_child_parent_failed_naming_the_f
     flow = Flow(ws)
     of = [flow.get(child) for child in children]
     assert [job.meta["code"] for job in of if job.status is Status.Failed] == ["parent_failed"] * 4
-    assert "its chain of parents loops" in of[0].error and f"{second}/params.json names {first} as its parent" in of[0].error
+    assert ("its chain of parents loops" in of[0].error
+            and f"{second}/params.json names {first} as its parent" in of[0].error)
     assert f"{third}/conversation.json holds 80,000 turns" in of[1].error, of[1].error
-    assert f"{fourth}/conversation.json is {(out / fourth / nrvna.CONVERSATION_FILE).stat().st_size:,} bytes" in of[2].error
+    assert (f"{fourth}/conversation.json is {(out / fourth / nrvna.CONVERSATION_FILE).stat().st_size:,} bytes"
+            in of[2].error)
     assert seen[children[3]] == [{"role": "user", "content": "e"}, {"role": "assistant", "content": "e"},
                                  {"role": "user", "content": "next"}]  # rebuilt from its prompt and answer
     assert f"{sixth}/params.json: messages[0] must be an object" in of[4].error, of[4].error
@@ -10307,8 +10527,11 @@ lines = err.count(b"No space left on device")
 print("while full:", full, "enospc lines:", lines)
 assert daemon.returncode == 0 and b"Traceback" not in err, err.decode()[-3000:]
 assert full["queued"] >= 20 and lines <= 4, err.decode()[-3000:]
-assert [flow.get(i).meta.get("attempts") for i in waiting] == [1] * 30, ([flow.get(i).meta.get("attempts") for i in waiting], flow.counts(), [l for l in err.decode().splitlines() if "INFO" not in l])
-assert all(flow.get(i).result == test_nrvna.expected_result("waiting " + str(n)) for n, i in enumerate(waiting))""", b"huge:")
+assert [flow.get(i).meta.get("attempts") for i in waiting] == [1] * 30, (
+    [flow.get(i).meta.get("attempts") for i in waiting], flow.counts(),
+    [l for l in err.decode().splitlines() if "INFO" not in l])
+assert all(flow.get(i).result == test_nrvna.expected_result("waiting " + str(n))
+           for n, i in enumerate(waiting))""", b"huge:")
 
 
 @pytest.mark.slow
@@ -10332,8 +10555,8 @@ while len(ended) < 40 and time.monotonic() < deadline:
     for job_id in sorted(os.listdir(os.path.join(ws, "output"))) if time.monotonic() >= next_take else []:
         job = flow.get(job_id)
         assert job_id not in ended, job_id  # ended twice
-        ended[job_id] = (job.result == test_nrvna.expected_result(prompts[job_id]).ljust(200_000, "B"), job.meta["attempts"],
-                         [e[1:] for e in job.meta["events"]])
+        ended[job_id] = (job.result == test_nrvna.expected_result(prompts[job_id]).ljust(200_000, "B"),
+                         job.meta["attempts"], [e[1:] for e in job.meta["events"]])
         shutil.rmtree(os.path.join(ws, "output", job_id))
         next_take = time.monotonic() + 1.0  # a burst a second: the disk fills in between
     if killed is None and len(ended) >= 8:
@@ -10383,7 +10606,8 @@ def test_sigkill_mid_generation_on_the_real_model_then_restart_finishes(ws: str,
     assert audit_clean(ws)
 
 
-def _overwrite_in_place_mid_job(ws: str, model: str, tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str, Path]:
+def _overwrite_in_place_mid_job(ws: str, model: str, tmp_path: Path,
+                                env: dict[str, str]) -> tuple[subprocess.Popen, str, Path]:
     """A daemon on a private copy of the model, its one job generating, when the copy is
     truncated in place (as `cp new.gguf model.gguf` opens it with O_TRUNC before writing)."""
     copy = tmp_path / "model.gguf"
@@ -10442,8 +10666,10 @@ def test_with_mmap_off_a_model_overwritten_in_place_does_not_stop_the_daemon(ws:
 
 
 def test_a_params_json_a_check_chokes_on_fails_that_job_alone(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    ids = [submit(ws, "plain one"), submit(ws, "constrained", response_format={"type": "json_object"}), submit(ws, "plain two")]
-    plant(ws, "handmade", {"prompt.txt": "x", "params.json": json.dumps({"response_format": schema_format({"type": "string"})})})
+    ids = [submit(ws, "plain one"), submit(ws, "constrained", response_format={"type": "json_object"}),
+           submit(ws, "plain two")]
+    plant(ws, "handmade", {"prompt.txt": "x",
+                           "params.json": json.dumps({"response_format": schema_format({"type": "string"})})})
 
     def broken(schema: Any) -> None:
         raise RuntimeError("a bug in a check")
@@ -10487,7 +10713,8 @@ def test_the_daemon_writes_a_done_chat_job_s_conversation(ws: str) -> None:
     with serving(ws, echo):
         assert wait_all(ws, [chat, raw]) == [Status.Done, Status.Done]
     path = Path(ws, nrvna.OUTPUT, chat, nrvna.CONVERSATION_FILE)
-    assert json.loads(path.read_text()) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+    assert json.loads(path.read_text()) == [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "hi"},
                                             {"role": "assistant", "content": "echo:hi"}]
     assert not Path(ws, nrvna.OUTPUT, raw, nrvna.CONVERSATION_FILE).exists()
 
@@ -10519,7 +10746,8 @@ def test_the_daemon_says_what_memory_goes_where_and_refuses_a_budget_it_cannot_k
         report = record["models"][0]["memory"]
         assert (report["kv_type"], report["contexts"], report["cells"], report["kv_mib"]) == ("q8_0", 2, 9216, 107.58)
         assert abs(report["kv_bytes_per_token"] - 30 * 2 * 192 * 34 / 32) <= 2  # 30 layers, K and V of 192 values
-        assert record["kv_type"] == "q8_0" and record["caches"]["contexts waiting to be saved"] == "auto (NRVNA_CACHE_PENDING)"
+        assert (record["kv_type"] == "q8_0" and record["caches"]["contexts waiting to be saved"]
+                == "auto (NRVNA_CACHE_PENDING)")
     finally:
         proc.terminate()
         proc.wait(60)
@@ -10593,7 +10821,8 @@ def tiny_gguf(source: str, out: str, width: int = 64, ffn: int = 128) -> str:
             vocab = count if key == "tokenizer.ggml.tokens" else vocab
         else:
             at += nrvna._GGUF_SCALARS[kind]
-        if key.split(".", 1)[-1] not in shape and key not in ("general.file_type", "general.alignment", "llama.vocab_size"):
+        if key.split(".", 1)[-1] not in shape and key not in ("general.file_type", "general.alignment",
+                                                              "llama.vocab_size"):
             kept.append(data[start:at])
 
     def entry(key: str, kind: int, value: bytes) -> bytes:
@@ -10703,14 +10932,20 @@ def test_a_daemon_of_several_models_routes_each_job_and_switches_only_when_it_sh
     key = [nrvna.order_key(f"1_1_{n}") for n in range(10)]
     Head = nrvna._QueueHead
     start = models.since
-    assert models.choose({0: Head(3, 0, key[5]), 1: Head(50, 0, key[1])}, False, None, start + 1) is None  # a backlog stays whole
+    # a backlog stays whole
+    assert models.choose({0: Head(3, 0, key[5]), 1: Head(50, 0, key[1])}, False, None, start + 1) is None
     assert models.choose({1: Head(50, 0, key[1])}, True, 0, start + 1) is None  # its running jobs too
-    assert models.choose({1: Head(1, 0, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 2  # the oldest job next
-    assert models.choose({1: Head(1, 1, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 1  # the highest first
+    # the oldest job next
+    assert models.choose({1: Head(1, 0, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 2
+    # the highest first
+    assert models.choose({1: Head(1, 1, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 1
     assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 3, key[9])}, True, 0, start + 1) == 1  # a higher lane swaps
-    assert models.choose({0: Head(9, 3, key[1]), 1: Head(1, 3, key[9])}, True, 0, start + 1) is None  # an equal one does not
-    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 5, start + 1) is None  # nor one under a running job
-    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 0, start + 60) == 1  # the turn is up: no starving
+    # an equal one does not
+    assert models.choose({0: Head(9, 3, key[1]), 1: Head(1, 3, key[9])}, True, 0, start + 1) is None
+    # nor one under a running job
+    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 5, start + 1) is None
+    # the turn is up: no starving
+    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 0, start + 60) == 1
     assert models.choose({0: Head(9, 0, key[1])}, True, 0, start + 600) is None  # nobody else waits: keep going
 
 
@@ -10725,7 +10960,8 @@ def test_one_daemon_serves_a_mixed_batch_loading_each_model_once(ws: str, tmp_pa
     for i in range(4):
         for name in ("smol", "smol2"):
             lines.append({"custom_id": f"{name}-{i}", "method": "POST", "url": "/v1/chat/completions",
-                          "body": {"model": name, "max_tokens": 3, "messages": [{"role": "user", "content": f"Hi {i}"}]}})
+                          "body": {"model": name, "max_tokens": 3,
+                                   "messages": [{"role": "user", "content": f"Hi {i}"}]}})
             expected[f"{name}-{i}"] = f"{name}.gguf"
         lines.append({"custom_id": f"e-{i}", "method": "POST", "url": "/v1/embeddings",
                       "body": {"model": "minilm", "input": [f"text {i}", "more"]}})
@@ -10789,7 +11025,8 @@ def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: st
     assert "(1 of 3 failed loads: model " in log and "could not be loaded by llama.cpp" in log, log[-3000:]
     if room == 2:
         assert log.index("model b.gguf could not be loaded ahead of its turn") < log.index("could not be made ready")
-    assert "model b.gguf could not be made ready" in log and log.count("Loading model") == 3, log[-3000:]  # a, b, a again (room 2: a, b ahead, b)
+    # a, b, a again (room 2: a, b ahead, b)
+    assert "model b.gguf could not be made ready" in log and log.count("Loading model") == 3, log[-3000:]
     flow = Flow(ws)
     assert [flow.status(job_id) for job_id in ids["a"]] == [Status.Done] * 3
     assert [flow.status(job_id) for job_id in ids["b"]] == [Status.Queued] * 3  # for a daemon that can load it
@@ -11207,7 +11444,8 @@ def test_two_daemons_share_a_workspace_and_a_killed_ones_jobs_are_requeued_at_on
         assert events[-2:] == [["running"], ["requeued", "crashed"]], events
         assert [r["pid"] for r in nrvna.daemon_records(ws)] == [second.pid]
         reasons = run_main("status", ws, running[0], "--json", env=env)
-        assert "which no running daemon serves (they serve smol2.gguf)" in json.loads(reasons.stdout)[running[0]]["waiting"]
+        assert ("which no running daemon serves (they serve smol2.gguf)"
+                in json.loads(reasons.stdout)[running[0]]["waiting"])
         restarted = start_daemon("smol", ws, "-w", "1", "--drain", env=env)
         _, err = restarted.communicate(timeout=600)
         assert restarted.returncode == 0, err.decode()[-2000:]
@@ -11276,7 +11514,8 @@ def test_a_restart_of_the_embedding_daemon_leaves_the_embed_jobs_to_it(ws: str, 
     assert audit_clean(ws)
 
 
-def test_a_job_nobody_holds_in_processing_is_requeued_by_a_live_daemon(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_job_nobody_holds_in_processing_is_requeued_by_a_live_daemon(ws: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A requeue that failed, a reaping cut short: a live daemon finds such a job within
     ORPHAN_SECONDS, while a job it runs itself is never touched."""
     monkeypatch.setattr(nrvna, "ORPHAN_SECONDS", 0.3)
@@ -11403,7 +11642,8 @@ def test_a_crafted_gguf_header_is_refused_naming_the_file_and_the_field(tmp_path
         for read in (nrvna.check_gguf, nrvna.gguf_kind):
             with pytest.raises(nrvna.ModelError) as caught:
                 read(path)
-            assert str(caught.value).startswith(f"model {path} has a GGUF header out of bounds: {field}"), (name, caught)
+            assert (str(caught.value).startswith(f"model {path} has a GGUF header out of bounds: {field}")), (name,
+                                                                                                              caught)
     # A daemon given such a file (its one model) says what it reads, then refuses the file at
     # once, naming it and the field, before it touches the queue. (In a folder beside a good
     # model it is a failed load: see test_a_crafted_gguf_in_a_models_folder_is_a_failed_load...)
@@ -11486,7 +11726,8 @@ def test_a_job_names_its_model_by_flag_line_openai_body_or_library(ws: str, tmp_
     # A name that matches no model: queued for the daemon's model, with a note; refused when strict.
     unknown = run_main("submit", ws, "hi", "--model", "llama-70b", env=env)
     assert unknown.returncode == 0
-    assert b"model 'llama-70b' matches no model in" in unknown.stderr and b"on a daemon's default model" in unknown.stderr
+    assert (b"model 'llama-70b' matches no model in" in unknown.stderr
+            and b"on a daemon's default model" in unknown.stderr)
     before = Flow(ws).counts()["queued"]
     for strict in (["--strict-models"], []):
         refused = run_main("submit", ws, "hi", "--model", "llama-70b", *strict,
@@ -11503,7 +11744,8 @@ def test_a_job_names_its_model_by_flag_line_openai_body_or_library(ws: str, tmp_
               "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "c"}]}}]
     batch.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     strict = run_main("submit", ws, "--file", str(batch), "--strict-models", env=env)
-    assert strict.returncode == 2 and strict.stderr.decode().startswith("nrvna: error: line 2: model 'nope' matches no model")
+    assert (strict.returncode == 2
+            and strict.stderr.decode().startswith("nrvna: error: line 2: model 'nope' matches no model"))
     assert Flow(ws).counts()["queued"] == before
     loose = run_main("submit", ws, "--file", str(batch), env=env)
     ids = loose.stdout.decode().split()
@@ -11540,7 +11782,8 @@ def test_a_model_that_is_no_gguf_file_or_an_empty_name_is_refused_at_submit(ws: 
             refused = run_main("submit", ws, "hi", "--model", name, *strict, env=env, timeout=20)
             said = refused.stderr.decode()
             assert refused.returncode == 2 and refused.stdout == b"" and said.count("\n") == 1, (name, said)
-            assert f"model {name!r}" in said and why in said and "a model must be a regular file that starts with GGUF" in said
+            assert (f"model {name!r}" in said and why in said
+                    and "a model must be a regular file that starts with GGUF" in said)
     line = tmp_path / "line.jsonl"
     line.write_text('{"prompt": "a", "model": "only"}\n{"prompt": "b", "model": "/dev/zero"}\n')
     batch = run_main("submit", ws, "--file", str(line), env=env, timeout=20)
@@ -11614,7 +11857,8 @@ def test_cli_submit_prints_the_id_alone_and_get_prints_the_result_exactly(ws: st
 
 
 def test_cli_exit_codes_and_messages(ws: str, run_main: RunMain) -> None:
-    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "it broke")) if "x" in job.prompt else "ok"):
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "it broke")) if "x" in job.prompt
+                 else "ok"):
         bad = run_main("submit", ws, "x", "--wait", "--timeout", "20")
         good = run_main("submit", ws, "y", "--wait", "--timeout", "20")
     assert bad.returncode == 1 and b"failed: it broke" in bad.stderr and bad.stdout == b""
@@ -11646,7 +11890,8 @@ def test_cli_refuses_bad_ids_with_exit_2(ws: str, bad_id: str, run_main: RunMain
     (("status",), None, b"required"),
     (("frobnicate", "WS"), None, b"invalid choice"),
 ])
-def test_cli_bad_input_is_one_line_and_exit_2(ws: str, args: tuple, stdin: bytes | None, message: bytes, run_main: RunMain) -> None:
+def test_cli_bad_input_is_one_line_and_exit_2(ws: str, args: tuple, stdin: bytes | None, message: bytes,
+                                              run_main: RunMain) -> None:
     done = run_main(*[ws if a == "WS" else a for a in args], input=stdin)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert b"Traceback" not in done.stderr and done.stdout == b""
@@ -11681,7 +11926,8 @@ def peak_run(args: list[str], stdin: str | None, tmp_path: Path) -> tuple[int, s
     (["--embed", "-"], "/dev/zero", "1048576 bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)"),
     (["hi", "--grammar", "/dev/zero"], None, "262144 bytes, the limit of --grammar"),
     (["hi", "--json-schema", "/dev/zero"], None, "1048576 bytes, the limit of --json-schema"),
-    (["--file", "data.csv", "--template-file", "/dev/zero"], None, "1048576 bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)"),
+    (["--file", "data.csv", "--template-file", "/dev/zero"], None,
+     "1048576 bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)"),
 ])
 def test_an_endless_input_is_refused_at_its_limit_in_bounded_memory(ws: str, tmp_path: Path, args: list[str],
                                                                      stdin: str | None, limit: str) -> None:
@@ -11696,7 +11942,8 @@ def test_an_endless_input_is_refused_at_its_limit_in_bounded_memory(ws: str, tmp
 def test_an_endless_batch_of_good_lines_stops_at_the_line_limit(ws: str) -> None:
     """`yes | nrvna submit ws --file -`: every line a good prompt, and no end. Under a 1 GiB
     address-space cap it died of MemoryError before; it stops at NRVNA_MAX_BATCH_LINES."""
-    done = subprocess.run(["bash", "-c", f"ulimit -v {1 << 20}; yes | '{sys.executable}' '{SCRIPT}' submit '{ws}' --file -"],
+    done = subprocess.run(["bash", "-c", f"ulimit -v {1 << 20}; yes | '{sys.executable}' '{SCRIPT}' submit '{ws}' "
+                           "--file -"],
                           capture_output=True, timeout=120, env={**os.environ, "NRVNA_MAX_BATCH_LINES": "200000"})
     assert done.returncode == 2 and done.stderr.count(b"\n") == 1, done.stderr[-500:]
     assert b"line 200001: a batch file holds at most 200,000 lines (NRVNA_MAX_BATCH_LINES)" in done.stderr
@@ -11761,13 +12008,15 @@ def test_setup_puts_the_nrvna_command_in_the_venv(tmp_path: Path, model_file: st
         (repo / "models" / os.path.basename(model)).symlink_to(model)
     base = getattr(sys, "_base_executable", sys.executable)
     subprocess.run([base, "-m", "venv", "--without-pip", str(repo / ".venv")], check=True, timeout=120)
-    site = subprocess.run([str(repo / ".venv/bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    site = subprocess.run([str(repo / ".venv/bin/python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     Path(site, "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     for _ in range(2):  # idempotent
         done = subprocess.run(["bash", str(repo / "scripts/setup.sh")], capture_output=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
-    version = subprocess.run([str(repo / ".venv/bin/nrvna"), "--version"], cwd=tmp_path, capture_output=True, timeout=60)
+    version = subprocess.run([str(repo / ".venv/bin/nrvna"), "--version"], cwd=tmp_path, capture_output=True,
+                             timeout=60)
     assert version.returncode == 0 and version.stdout.decode().split() == ["nrvna", nrvna.__version__], version
     ws = str(tmp_path / "ws")
     job_id = subprocess.run([str(repo / ".venv/bin/nrvna"), "submit", ws, "hi"], capture_output=True, timeout=60).stdout
@@ -11803,8 +12052,10 @@ def test_a_flag_typo_is_an_error_that_points_to_its_command_s_help(ws: str, run_
     """#57: argparse took `--max-token 5` as --max-tokens (an abbreviation), and an unknown flag's
     error pointed to `nrvna --help`: abbreviations are off everywhere, and the error names the
     command's own help. Nothing is queued."""
-    for args, command in ((("submit", ws, "hi", "--max-token", "5"), "submit"), (("get", ws, "1_1_1", "--reason"), "get"),
-                          (("daemon", "m.gguf", ws, "--max-mem", "1G"), "daemon"), (("wait", ws, "--time", "1"), "wait"),
+    for args, command in ((("submit", ws, "hi", "--max-token", "5"), "submit"),
+                          (("get", ws, "1_1_1", "--reason"), "get"),
+                          (("daemon", "m.gguf", ws, "--max-mem", "1G"), "daemon"),
+                          (("wait", ws, "--time", "1"), "wait"),
                           (("export", ws, "--format", "jsonl", "--id", "x"), "export")):
         done = run_main(*args)
         message = done.stderr.decode()
@@ -11871,7 +12122,8 @@ def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain)
     for args, expected in [
         (("--json-schema", path), schema_format(schema, "answer")),
         (("--json-schema", json.dumps(schema)), schema_format(schema, "schema")),
-        (("--json-schema", json.dumps({"name": "w", "schema": schema})), {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}),
+        (("--json-schema", json.dumps({"name": "w", "schema": schema})),
+         {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}),
         (("--json-schema", json.dumps(schema_format(schema, "full"))), schema_format(schema, "full")),
         (("--json",), {"type": "json_object"}),
     ]:
@@ -11890,7 +12142,8 @@ def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain)
         (("--json-schema", str(tmp_path / "missing.json")), b"cannot read"),
         (("--json-schema", "[1]"), b"is not a JSON object"),
         (("--json-schema", '{"type": "string", "pattern": "^(x)\\\\1$"}'), b"a backreference (\\1) is not supported"),
-        (("--grammar", write(tmp_path / "bad.gbnf", "root ::= nothing\n")), b"rule 'nothing' is used but never defined"),
+        (("--grammar", write(tmp_path / "bad.gbnf", "root ::= nothing\n")),
+         b"rule 'nothing' is used but never defined"),
         (("--logit-bias", "x=1"), b"is not TOKEN_ID=BIAS"),
         (("--logprobs", "--top-logprobs", "21"), b"out of range (0 to 20)"),
         (("--json", "--stop", "}"), b"stop cannot be combined"),
