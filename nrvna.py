@@ -16,51 +16,65 @@ what is above it. Each banner has a lead (what it owns, its invariant, which thr
 a sub-section: constants, record types, functions and helper classes, the tables made of them, the
 main class last. No sub-section (or section without them) is over 800 lines; a test checks all this.
 
-1. Errors and exit codes            NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
-2. Settings                         SETTINGS, KV_TYPES, Config, setting_default, HOOK_VARIABLES, thinking_tags
+1. Errors and exit codes            EXIT_CODES, FAILURE_CODES, NrvnaError, InvalidInput, ConfigError, NoSuchJob,
+                                      NotFinished, KeyHeld, WorkspaceError, ModelError, NotDurable, JobError,
+                                      Interrupted
+2. Settings                         SETTINGS, KV_TYPES, cpu_count, thinking_tags, size_bytes, HOOK_VARIABLES,
+                                      hook_environment, parse_aliases, setting_default, Config
 3. Logging                          configure_logging, log (log.limited), OS thread names
-4. File primitives                  write_file, read_file, fsync_dir, move (never replaces)
+4. File primitives                  write_all, write_file, open_dir, fsync_dir, read_file, move (never replaces)
 5. Structured output
    5.1 Numbers                      _BOUNDS, number_rule, _fraction_rule, _multiple_of, _multiples
    5.2 JSON strings                 _spans*, _json_char_gbnf, _gbnf_literal
    5.3 Patterns                     _pattern_shape, _positions, _sweep, _Regex
    5.4 Formats and types            SCHEMA_FORMATS, string_rule, type_choices
-   5.5 Grammar work                 grammar_code_points, GrammarVocab, GrammarShape
+   5.5 Grammar work                 GrammarLimit, grammar_code_points, GrammarVocab, GrammarShape
    5.6 GBNF grammars                check_grammar, _GbnfParser
    5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
-   5.8 Tool calls                   ToolFormat, tool_call_schema, tool_grammar, generic_messages, read_tool_calls
-6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt,
-                                      EFFORT_BUDGETS, thinking_budget, tool_answers
+   5.8 Tool calls                   ToolFormat, tool_choice_name, tool_call_schema, tool_grammar, generic_tool_text,
+                                      generic_messages, find_tool_format, call_lines, tool_call_id, read_tool_calls
+6. Job parameters                   Endpoint, ENDPOINTS, Param, PARAMS, conversation_turns, EFFORT_BUDGETS,
+                                      thinking_budget, job_param, validate_params, tool_choice, parallel_calls,
+                                      constraint, check_logprobs_size, check_combination, tool_answers,
+                                      check_inputs, render_inputs, render_messages, check_prompt
 7. Workspace and job directories
    7.1 Layout, locks and the daemons' records
-                                    the layout's names, job_path, shallow, parse_meta, read_record, WorkspaceLock, hold_job,
-                                    hold_orphan, register_daemon, DAEMON_RECORD_FIELDS, daemon_records
-   7.2 IDs, states and meta.json    META_FIELDS, generate_id, order_key, Status, locate_job, parent_unfinished,
-                                      job_meta, read_meta
-   7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job
-   7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
-   7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_shard, claim_tag_shard, tag_members
+                                    the layout's names, shallow, parse_meta, read_record, job_path, ensure_workspace,
+                                      WorkspaceLock, hold_job, hold_orphan, register_daemon, daemon_alive,
+                                      DAEMON_RECORD_FIELDS, daemon_records
+   7.2 IDs, states and meta.json    META_FIELDS, generate_id, is_valid_id, order_key, Status, locate_job,
+                                      parent_unfinished, job_meta, read_meta, params_limit, read_meta_and_params,
+                                      dump_meta, submitted_time
+   7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job, check_ids,
+                                      require_workspace, require_tag
+   7.4 Routes and model files       Route, read_route, read_priority, gguf_files, model_file, model_elsewhere,
+                                      model_matches, resolve_model
+   7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_shard, claim_tag_shard, tag_members,
+                                      iter_tag_members
    7.6 Reading a job                Job, _read_choices, continued_turns, CONVERSATION_TURNS, parent_conversation,
                                       _DirWatch
-   7.7 Saved states on disk         STATES, StateHead, state_owner, state_name, state_temp_name, state_buffer,
-                                      seal_state, inspect_state, read_state_head, map_state, state_whole,
-                                      read_state, remove_states_of
+   7.7 Saved states on disk         STATES, StateHead, states_folder, state_owner, state_name, state_temp_name,
+                                      state_buffer, seal_state, inspect_state, read_state_head, map_state,
+                                      state_whole, remove_states_of
 8. Batch files and export
-   8.1 Batch files                  BatchEntry, read_batch, parse_batch, parse_records (templates), shard_of
-   8.2 Export and merge             REQUEST_KEY, request_digest, job_vectors, export_record, read_part,
-                                      merge_parts, EXPORT_FORMATS, _ExportTarget
+   8.1 Batch files                  BatchEntry, batch_line_limit, read_batch, parse_batch, compile_template,
+                                      fill_template, parse_records (data templates)
+   8.2 Shards                       SHARDS_MAX, shard_of, read_shard
+   8.3 Export                       REQUEST_KEY, ExportFormat, job_vectors, request_digest, export_record,
+                                      EXPORT_FORMATS, _ExportTarget
+   8.4 Merge                        part_line_limit, read_part, merge_parts
 9. Client
    9.1 Reading: Flow                bulk_states, Flow
-   9.2 Submitting: Work             check_model_names, waiting_for_model, _Keys, Work
-   9.3 Events                       iter_events
-   9.4 Cancel, retry, clean         cancel_job(s), retry_job(s), clean_jobs
+   9.2 Submitting: Work             SubmitResult, model_view, check_model_names, waiting_for_model, _Keys, Work
+   9.3 Events                       format_time, iter_events
+   9.4 Cancel, retry, clean         cancel_job, cancel_jobs, retry_job, retry_jobs, clean_jobs
    9.5 Daemons: info and stop       daemon_info, stop_daemon (_proven_daemon)
    9.6 Metrics                      METRICS, RATE_FINISHES, _MetricsCache, metrics_text (Prometheus' text format),
                                       recent_finishes, finish_rate (the ETA's rate)
 10. Runner protocol                 Runner, Session, RunningJob, Outcome, FunctionRunner
 11. llama.cpp engine
    11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, _kv_params, _new_context (a context
-                                      and its buffers), check_gguf, _GgufHeader
+                                      and its buffers), check_gguf, _GgufHeader, gguf_strings, gguf_kind
    11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion
    11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _JobSampler
    11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
@@ -68,8 +82,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
    11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
-   11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, model_memory, memory_line, tool_turns, grammar_key,
-                                      LlamaRunner
+   11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, host_caches, model_memory, memory_line, tool_turns,
+                                      grammar_key, LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
@@ -101,7 +115,7 @@ API (``__all__``; docs/library.md documents each name, and names every other one
     SubmitResult       what Work.submit returns: (ok, id, message), errors as values
     Flow               reads jobs: status, get, wait, follow, wait_all, select, counts, lanes, export
     Status             a job's state: Queued, Running, Done, Failed, Missing
-    Job                what Flow.get returns: id, status, prompt, result, error, meta, params, logprobs, choices, reasoning
+    Job                Flow.get's answer: id, status, prompt, result, error, meta, params, logprobs, choices, reasoning
     iter_events        jobs' changes of state as event dicts, as `nrvna events` prints them
     bulk_states        many jobs' states at once, one listing per state directory
     cancel_job         `nrvna cancel` for one job
@@ -646,65 +660,133 @@ def setting_default(name: str) -> Any:
 SETTINGS: dict[str, _Setting] = {
     "workers": _Setting("NRVNA_WORKERS", int, min(4, cpu_count()), 1, 256, "worker threads, each with its own context",
                          flags=("-w", "--workers"), shown="4, or the cores if fewer"),
-    "seqs": _Setting("NRVNA_SEQS", int, 16, 1, 255, "sequences each worker context generates at once (beyond 8, as the jobs' budgets leave room; one more is kept for a higher-priority job)",
+    "seqs": _Setting("NRVNA_SEQS", int, 16, 1, 255,
+                     "sequences each worker context generates at once (beyond 8, as the jobs' budgets leave room; one "
+                     "more is kept for a higher-priority job)",
                       flags=("-s", "--seqs")),
     "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
-    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
-    "kv_type": _Setting("NRVNA_KV_TYPE", str, "f16", None, None, "the KV cache's type: f16, q8_0 (0.53x the memory) or q4_0 (0.28x); a quantized cache turns flash attention on, which llama.cpp needs for it (a model or backend without it: exit 2 at start). What each costs in quality: docs/configuration.md",
+    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20,
+                        "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / "
+                        "min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
+    "kv_type": _Setting("NRVNA_KV_TYPE", str, "f16", None, None,
+                        "the KV cache's type: f16, q8_0 (0.53x the memory) or q4_0 (0.28x); a quantized cache turns "
+                        "flash attention on, which llama.cpp needs for it (a model or backend without it: exit 2 at "
+                        "start). What each costs in quality: docs/configuration.md",
                          choices=tuple(KV_TYPES), flags=("--kv-type",)),
     "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
-    "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all)",
+    "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000,
+                           "layers offloaded to the GPU (-1 all)",
                             shown="0 (99 on macOS)"),
-    "gpu": _Setting("NRVNA_GPU", int, -1, -1, 1023, "the GPU this daemon runs on, whole (llama.cpp's main GPU, no split; one daemon per GPU); -1 lets llama.cpp spread the layers over every GPU",
+    "gpu": _Setting("NRVNA_GPU", int, -1, -1, 1023,
+                    "the GPU this daemon runs on, whole (llama.cpp's main GPU, no split; one daemon per GPU); -1 lets "
+                    "llama.cpp spread the layers over every GPU",
                      flags=("--gpu",)),
-    "max_loaded": _Setting("NRVNA_MAX_LOADED", int, 2, 1, 64, "models a daemon serving several keeps loaded at once (the one with nothing queued is evicted first)",
+    "max_loaded": _Setting("NRVNA_MAX_LOADED", int, 2, 1, 64,
+                           "models a daemon serving several keeps loaded at once (the one with nothing queued is "
+                           "evicted first)",
                             flags=("--max-loaded",)),
-    "max_load_failures": _Setting("NRVNA_MAX_LOAD_FAILURES", int, 3, 1, 1000, "failed loads of a model (at its turn; tried again after 5 s, then twice as long each time, at most 300 s) after which a daemon serving several models fails its queued jobs with load_failed"),
-    "load_ahead": _Setting("NRVNA_LOAD_AHEAD", int, 1, 0, 1, "1 loads the model whose jobs come next while another model runs, into room --max-loaded leaves (it unloads nothing), so its turn starts without a load"),
-    "model_turn": _Setting("NRVNA_MODEL_TURN", float, 60.0, 0.0, 86400.0, "seconds a model keeps the daemon while other models' jobs wait; then the longest-waiting model gets its turn (as soon as its running jobs end)",
+    "max_load_failures": _Setting("NRVNA_MAX_LOAD_FAILURES", int, 3, 1, 1000,
+                                  "failed loads of a model (at its turn; tried again after 5 s, then twice as long "
+                                  "each time, at most 300 s) after which a daemon serving several models fails its "
+                                  "queued jobs with load_failed"),
+    "load_ahead": _Setting("NRVNA_LOAD_AHEAD", int, 1, 0, 1,
+                           "1 loads the model whose jobs come next while another model runs, into room --max-loaded "
+                           "leaves (it unloads nothing), so its turn starts without a load"),
+    "model_turn": _Setting("NRVNA_MODEL_TURN", float, 60.0, 0.0, 86400.0,
+                           "seconds a model keeps the daemon while other models' jobs wait; then the longest-waiting "
+                           "model gets its turn (as soon as its running jobs end)",
                             flags=("--model-turn",)),
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
-    "mmap": _Setting("NRVNA_MMAP", int, 1, 0, 1, "1 maps model files into memory (loads fast, shares the page cache); 0 reads them into the daemon's memory, so that a model file overwritten in place (cp new.gguf model.gguf) cannot kill the daemon with SIGBUS",
+    "mmap": _Setting("NRVNA_MMAP", int, 1, 0, 1,
+                     "1 maps model files into memory (loads fast, shares the page cache); 0 reads them into the "
+                     "daemon's memory, so that a model file overwritten in place (cp new.gguf model.gguf) cannot kill "
+                     "the daemon with SIGBUS",
                       flags=("--mmap",)),
-    "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs (and reads the states NRVNA_CACHE_DISK keeps); 0 computes every prompt whole"),
-    "cache_disk": _Setting("NRVNA_CACHE_DISK", str, "2G", None, None, "most bytes of computed contexts (KV states) kept on disk for later jobs, restarts and other daemons, least recently used out first: bytes, or with K, M, G, T; 0 turns the store off. 2G holds about 11 contexts of 8,000 tokens of SmolLM2-135M (23 KB a token), 2 of an 8B model (128 KB a token)",
+    "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1,
+                             "1 shares computed prompt prefixes between a context's jobs (and reads the states "
+                             "NRVNA_CACHE_DISK keeps); 0 computes every prompt whole"),
+    "cache_disk": _Setting("NRVNA_CACHE_DISK", str, "2G", None, None,
+                           "most bytes of computed contexts (KV states) kept on disk for later jobs, restarts and "
+                           "other daemons, least recently used out first: bytes, or with K, M, G, T; 0 turns the store "
+                           "off. 2G holds about 11 contexts of 8,000 tokens of SmolLM2-135M (23 KB a token), 2 of an "
+                           "8B model (128 KB a token)",
                            check=_check_size),
-    "cache_pending": _Setting("NRVNA_CACHE_PENDING", str, "auto", None, None, "most bytes of computed contexts copied out of the KV cache and waiting for the Saver to write them to NRVNA_CACHE_DISK's store: auto (2 contexts, each at most a job's share of cells: 45 MiB for SmolLM2-135M at the defaults), or a size; a save beyond it is skipped (logged), never waited for",
+    "cache_pending": _Setting("NRVNA_CACHE_PENDING", str, "auto", None, None,
+                              "most bytes of computed contexts copied out of the KV cache and waiting for the Saver to "
+                              "write them to NRVNA_CACHE_DISK's store: auto (2 contexts, each at most a job's share of "
+                              "cells: 45 MiB for SmolLM2-135M at the defaults), or a size; a save beyond it is skipped "
+                              "(logged), never waited for",
                               check=_check_pending),
-    "max_memory": _Setting("NRVNA_MAX_MEMORY", str, "0", None, None, "a memory budget: a daemon whose models' weights, KV caches and compute buffers (as llama.cpp states them, once the first context is made) and host caches would exceed it exits 2 at start, saying what would fit (0: no budget)",
+    "max_memory": _Setting("NRVNA_MAX_MEMORY", str, "0", None, None,
+                           "a memory budget: a daemon whose models' weights, KV caches and compute buffers (as "
+                           "llama.cpp states them, once the first context is made) and host caches would exceed it "
+                           "exits 2 at start, saying what would fit (0: no budget)",
                            flags=("--max-memory",), check=_check_size),
-    "cache_dir": _Setting("NRVNA_CACHE_DIR", str, "", None, None, "where the saved KV states live (empty: the workspace's states/): a faster disk than the workspace's, or one shared by workspaces"),
-    "cache_min_tokens": _Setting("NRVNA_CACHE_MIN_TOKENS", int, 512, 16, 1 << 24, "fewest tokens a saved KV state covers: a shorter context is computed again about as fast as its state is written and read"),
-    "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job (default of max_tokens)"),
-    "temperature": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature, 0 = greedy (default of temperature)"),
+    "cache_dir": _Setting("NRVNA_CACHE_DIR", str, "", None, None,
+                          "where the saved KV states live (empty: the workspace's states/): a faster disk than the "
+                          "workspace's, or one shared by workspaces"),
+    "cache_min_tokens": _Setting("NRVNA_CACHE_MIN_TOKENS", int, 512, 16, 1 << 24,
+                                 "fewest tokens a saved KV state covers: a shorter context is computed again about as "
+                                 "fast as its state is written and read"),
+    "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20,
+                           "max tokens generated per job (default of max_tokens)"),
+    "temperature": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0,
+                            "sampling temperature, 0 = greedy (default of temperature)"),
     "top_k": _Setting("NRVNA_TOP_K", int, 40, 0, 1 << 20, "top-k sampling, 0 = off (default of top_k)"),
     "top_p": _Setting("NRVNA_TOP_P", float, 0.9, 0.0, 1.0, "top-p sampling, 1 = off (default of top_p)"),
     "min_p": _Setting("NRVNA_MIN_P", float, 0.05, 0.0, 1.0, "min-p sampling, 0 = off (default of min_p)"),
-    "repeat_penalty": _Setting("NRVNA_REPEAT_PENALTY", float, 1.1, 0.0, 100.0, "repetition penalty, 1 = off (default of repeat_penalty)"),
-    "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE, "sampling seed; 0 = random, anything else reproducible (default of seed)"),
+    "repeat_penalty": _Setting("NRVNA_REPEAT_PENALTY", float, 1.1, 0.0, 100.0,
+                               "repetition penalty, 1 = off (default of repeat_penalty)"),
+    "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE,
+                     "sampling seed; 0 = random, anything else reproducible (default of seed)"),
     "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
-    "max_write_tries": _Setting("NRVNA_MAX_WRITE_TRIES", int, 3, 1, 1000, "finishes of a job that may fail to be written (an I/O error, a file size limit, a result larger than the whole filesystem) before it fails with `write_error`; each such finish hands the job back to the queue, uncounted as an attempt, and it is generated again 1 s later. A full disk counts none: its jobs wait, uncounted and not generated again, until there is room"),
+    "max_write_tries": _Setting("NRVNA_MAX_WRITE_TRIES", int, 3, 1, 1000,
+                                "finishes of a job that may fail to be written (an I/O error, a file size limit, a "
+                                "result larger than the whole filesystem) before it fails with `write_error`; each "
+                                "such finish hands the job back to the queue, uncounted as an attempt, and it is "
+                                "generated again 1 s later. A full disk counts none: its jobs wait, uncounted and not "
+                                "generated again, until there is room"),
     "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
-    "max_batch_lines": _Setting("NRVNA_MAX_BATCH_LINES", int, 1_000_000, 1, 1 << 31, "most lines a batch file (submit --file) may hold: it is held whole while checked, about 0.8 KB a line"),
-    "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0, "seconds a submit waits for another live submit that holds its idempotency key to publish its job (then exit 4, nothing queued)"),
+    "max_batch_lines": _Setting("NRVNA_MAX_BATCH_LINES", int, 1_000_000, 1, 1 << 31,
+                                "most lines a batch file (submit --file) may hold: it is held whole while checked, "
+                                "about 0.8 KB a line"),
+    "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0,
+                         "seconds a submit waits for another live submit that holds its idempotency key to publish its "
+                         "job (then exit 4, nothing queued)"),
     "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
-    "model_aliases": _Setting("NRVNA_MODEL_ALIASES", str, "", None, None, "other names for models, NAME=MODEL[,NAME=MODEL...]: a job (or the daemon) naming NAME gets MODEL (e.g. gpt-4o-mini=smollm2)",
+    "model_aliases": _Setting("NRVNA_MODEL_ALIASES", str, "", None, None,
+                              "other names for models, NAME=MODEL[,NAME=MODEL...]: a job (or the daemon) naming NAME "
+                              "gets MODEL (e.g. gpt-4o-mini=smollm2)",
                              check=_check_aliases),
-    "strict_models": _Setting("NRVNA_STRICT_MODELS", int, 0, 0, 1, "1: submit refuses a job whose model matches no known model (exit 2, nothing queued); 0 queues it for the daemon's model, with a note (submit --strict-models)"),
-    "pooling": _Setting("NRVNA_POOLING", str, "model", None, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)", choices=POOLINGS),
-    "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1, "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
-    "thinking_tags": _Setting("NRVNA_THINKING_TAGS", str, "auto", None, None, "a thinking model's block tags: auto (found in its chat template: <think> </think>, [THINK] [/THINK], <seed:think> </seed:think>, <|START_THINKING|> <|END_THINKING|>), off (its thinking is left in the answer), or OPEN CLOSE for another pair",
+    "strict_models": _Setting("NRVNA_STRICT_MODELS", int, 0, 0, 1,
+                              "1: submit refuses a job whose model matches no known model (exit 2, nothing queued); 0 "
+                              "queues it for the daemon's model, with a note (submit --strict-models)"),
+    "pooling": _Setting("NRVNA_POOLING", str, "model", None, None,
+                        "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, "
+                        "last, or none (no embed jobs)", choices=POOLINGS),
+    "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1,
+                                "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
+    "thinking_tags": _Setting("NRVNA_THINKING_TAGS", str, "auto", None, None,
+                              "a thinking model's block tags: auto (found in its chat template: <think> </think>, "
+                              "[THINK] [/THINK], <seed:think> </seed:think>, <|START_THINKING|> <|END_THINKING|>), off "
+                              "(its thinking is left in the answer), or OPEN CLOSE for another pair",
                               check=_check_thinking_tags),
-    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace", choices=LOG_LEVELS,
+    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace",
+                          choices=LOG_LEVELS,
                            check=_log_level),
-    "on_done": _Setting("NRVNA_ON_DONE", str, "", None, None, "a shell command run for every job that ends, with the job's directory appended as its last argument ($1 of a script)",
+    "on_done": _Setting("NRVNA_ON_DONE", str, "", None, None,
+                        "a shell command run for every job that ends, with the job's directory appended as its last "
+                        "argument ($1 of a script)",
                          flags=("--on-done",)),
-    "on_batch_done": _Setting("NRVNA_ON_BATCH_DONE", str, "", None, None, "a shell command run once when every job of a tag has ended, with the tag appended as its argument",
+    "on_batch_done": _Setting("NRVNA_ON_BATCH_DONE", str, "", None, None,
+                              "a shell command run once when every job of a tag has ended, with the tag appended as "
+                              "its argument",
                                flags=("--on-batch-done",)),
     "hook_jobs": _Setting("NRVNA_HOOK_JOBS", int, 2, 1, 256, "hooks run at most this many at a time"),
     "api_key": _Setting("NRVNA_API_KEY", str, "", None, None, "the served API's key (`nrvna serve`, `daemon --serve`): every request must then carry `Authorization: Bearer KEY` (else 401); serving an address other than loopback needs one",
                          flags=("--api-key",)),
-    "hook_timeout": _Setting("NRVNA_HOOK_TIMEOUT", float, 60.0, 0.1, 86400.0, "seconds a hook may run before it is killed (and logged; not run again)"),
+    "hook_timeout": _Setting("NRVNA_HOOK_TIMEOUT", float, 60.0, 0.1, 86400.0,
+                             "seconds a hook may run before it is killed (and logged; not run again)"),
 }
 
 
@@ -1507,7 +1589,8 @@ def _gbnf_literal(text: str) -> str:
             out.append(c)
         else:
             point = ord(c)
-            out.append(f"\\x{point:02X}" if point < 0x100 else f"\\u{point:04X}" if point < 0x10000 else f"\\U{point:08X}")
+            out.append(f"\\x{point:02X}" if point < 0x100 else f"\\u{point:04X}" if point < 0x10000
+                       else f"\\U{point:08X}")
     return '"' + "".join(out) + '"'
 
 
@@ -1838,7 +1921,8 @@ class _Regex:
             return self.char_class()
         if c == ".":
             self.pos += 1
-            return self.shape([(_spans_not(((0x0A, 0x0A),)), _spans_not(((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))))],
+            return self.shape([(_spans_not(((0x0A, 0x0A),)),
+                                _spans_not(((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))))],
                               False)
         if c == "\\":
             kind, value = self.escape(in_class=False)
@@ -2346,7 +2430,8 @@ class GrammarVocab:
         if found is None:
             np = self.np
             which = range(len(self.pieces)) if partial == (0, 0) else self.continuing
-            rows = {i: grammar_code_points(self.pieces[i], partial)[0] for i in which if self.pieces[i][:1] not in (b"", b"\0")}
+            rows = {i: grammar_code_points(self.pieces[i], partial)[0] for i in which
+                    if self.pieces[i][:1] not in (b"", b"\0")}
             lengths = np.zeros(len(self.pieces), dtype=np.int64)
             for i, row in rows.items():
                 lengths[i] = len(row)
@@ -3147,7 +3232,8 @@ class _SchemaCheck:
         self.count_pattern(node, where)
         if "pattern" in node:  # what llama.cpp is given must not hang a worker: checked as a grammar is
             try:
-                check_grammar(f'root ::= "\\"" {expression} "\\""\n' + "".join(f"{n} ::= {b}\n" for n, b in rules.items()))
+                check_grammar(f'root ::= "\\"" {expression} "\\""\n'
+                              + "".join(f"{n} ::= {b}\n" for n, b in rules.items()))
             except InvalidInput as err:
                 self.fail(where, f"pattern {node['pattern']!r} makes a grammar nrvna refuses ({err})")
 
@@ -3188,7 +3274,8 @@ class _SchemaCheck:
             state[ref] = 1
             for nxt in self.leads.get(ref, ()):
                 if state.get(nxt) == 1:
-                    self.fail(nxt[1:], f"$ref {nxt!r} refers back to itself before any object or array (a loop on nothing)")
+                    self.fail(nxt[1:], f"$ref {nxt!r} refers back to itself before any object or array (a loop on "
+                              "nothing)")
                 if nxt not in state:
                     walk(nxt)
             state[ref] = 2
@@ -3202,7 +3289,8 @@ class _SchemaCheck:
         $ref): the converter would try to resolve it."""
         if isinstance(node, dict):
             if "$ref" in node and id(node) not in self.ref_nodes:
-                self.fail(where, "a '$ref' key where no schema is (in a value, or a property named $ref) is not supported")
+                self.fail(where, "a '$ref' key where no schema is (in a value, or a property named $ref) is not "
+                          "supported")
             for key, value in node.items():
                 self.stray_refs(value, f"{where}/{key}")
         elif isinstance(node, list):
@@ -3343,7 +3431,8 @@ def _hoisted(parameters: Mapping[str, Any], prefix: str, defs: dict[str, Any]) -
 
     def rewrite(node: Any) -> Any:
         if isinstance(node, dict):
-            return {k: (renames.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v)) for k, v in node.items()}
+            return {k: (renames.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v)) for k,
+                    v in node.items()}
         if isinstance(node, list):
             return [rewrite(v) for v in node]
         return node
@@ -3371,7 +3460,8 @@ def tool_call_schema(tools: list[dict[str, Any]], choice: Any, parallel: bool, f
                       "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if form.generic:
-        key, value = ("tool_calls", {"type": "array", "items": schema, "minItems": 1}) if parallel else ("tool_call", schema)
+        key, value = ("tool_calls", {"type": "array", "items": schema,
+                                     "minItems": 1}) if parallel else ("tool_call", schema)
         schema = {"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False}
         if choice == "auto":
             answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
@@ -3423,7 +3513,8 @@ def generic_tool_text(tools: list[dict[str, Any]], choice: Any, parallel: bool) 
     how = (f"Respond in JSON format, either with `{key}` (a request to call tools) or with `response` (your reply "
            f"to the user's request)" if choice == "auto" else f"Respond in JSON format with `{key}` (a request to "
            f"call {'the tool ' + named if named else 'tools'})")
-    return (f"You can call any of the following tools to satisfy the user's requests: {json.dumps(functions, indent=2, ensure_ascii=False)}"
+    return ("You can call any of the following tools to satisfy the user's requests: "
+            f"{json.dumps(functions, indent=2, ensure_ascii=False)}"
             f"\n\nExample tool call syntax:\n\n{json.dumps(example, indent=2)}\n\n{how}.")
 
 
@@ -3471,7 +3562,8 @@ def _check_tools(value: Any, param: Param) -> list[dict[str, Any]]:
             raise InvalidInput(f"{where}.type {kind!r} is not supported (function only)")
         function = tool.get("function")
         if set(tool) != {"type", "function"} or not isinstance(function, dict):
-            raise InvalidInput(f'{where} must be {{"type": "function", "function": {{"name", "description", "parameters"}}}}')
+            raise InvalidInput(f'{where} must be {{"type": "function", "function": {{"name", "description", '
+                               f'"parameters"}}}}')
         unknown = set(function) - {"name", "description", "parameters", "strict"}
         if unknown:
             raise InvalidInput(f"{where}.function: unknown field {sorted(unknown)[0]!r}")
@@ -3519,7 +3611,8 @@ def _check_tool_choice(value: Any, param: Param) -> Any:
     function = value.get("function") if isinstance(value, dict) else None
     if not (isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "function"}
             and isinstance(function, dict) and set(function) == {"name"} and isinstance(function["name"], str)):
-        raise InvalidInput('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": NAME}}')
+        raise InvalidInput('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                           '{"name": NAME}}')
     return value
 
 
@@ -3540,7 +3633,8 @@ def _check_call(call: Any, where: str) -> dict[str, Any]:
     text = call["id"] + function["name"] + function["arguments"]
     if "\x00" in text or not text.encode("utf-8", "surrogatepass").decode("utf-8", "ignore") == text:
         raise InvalidInput(f"{where} holds a NUL byte or is not valid Unicode (a lone surrogate)")
-    return {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": function["arguments"]}}
+    return {"id": call["id"], "type": "function",
+            "function": {"name": function["name"], "arguments": function["arguments"]}}
 
 
 def find_tool_format(formatter: Any) -> ToolFormat:
@@ -3554,7 +3648,8 @@ def find_tool_format(formatter: Any) -> ToolFormat:
     if formatter is None:
         return GENERIC_TOOLS
     tool = {"type": "function", "function": {"name": "nrvna_probe_tool", "description": "a probe",
-                                             "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}}}}
+                                             "parameters": {"type": "object",
+                                                            "properties": {"arg": {"type": "string"}}}}}
     call = {"id": "call_0", "type": "function", "function": {"name": "nrvna_probe_tool", "arguments": {"arg": "value"}}}
     try:
         text = formatter(messages=[{"role": "user", "content": "hi"},
@@ -3586,7 +3681,8 @@ def tool_call_id(job_id: str, choice: int, k: int) -> str:
     return f"call_{job_id}_{k}" if choice == 0 else f"call_{job_id}_c{choice}_{k}"
 
 
-def read_tool_calls(text: str, form: ToolFormat, job_id: str, choice: int) -> Optional[tuple[Optional[str], list[dict[str, Any]]]]:
+def read_tool_calls(text: str, form: ToolFormat, job_id: str,
+                    choice: int) -> Optional[tuple[Optional[str], list[dict[str, Any]]]]:
     """(content, calls) from a model's answer, or None when it holds no whole call (text only,
     or its first call cut short; a template's calls cut short after whole ones: those). Calls as
     OpenAI gives them: ``{"id", "type": "function", "function": {"name", "arguments": JSON
@@ -3711,7 +3807,8 @@ class Param:
 
     def __init__(self, kind: Any, *, help: str, low: Any = None, high: Any = None, default: Any = None,
                  flag: Optional[str] = None, openai: tuple[str, ...] = (), jsonl: bool = True,
-                 read: Optional[tuple[str, Callable[[str], Any]]] = None, gather: Optional[Callable[[list[Any]], Any]] = None,
+                 read: Optional[tuple[str, Callable[[str], Any]]] = None,
+                 gather: Optional[Callable[[list[Any]], Any]] = None,
                  check: Optional[Callable[[Any, "Param"], Any]] = None, what: str = "", jobs: str = "generate") -> None:
         self.kind, self.low, self.high, self.default = kind, low, high, default
         self.flag, self.openai, self.jsonl, self.help = flag, openai, jsonl, help
@@ -3741,7 +3838,8 @@ class Param:
             if value not in kind:
                 raise InvalidInput(f"parameter {key} must be one of {', '.join(kind)}")
         else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF, -_INF):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF,
+                                                                                                             -_INF):
                 raise InvalidInput(f"parameter {key} must be {'an integer' if kind is int else 'a finite number'}")
             if kind is int and value != int(value):
                 raise InvalidInput(f"parameter {key} must be an integer")
@@ -3987,7 +4085,8 @@ def _check_messages(messages: Any, param: Param) -> list[dict[str, Any]]:
             if isinstance(turn.get("name"), str):
                 extra["name"] = turn["name"]
         if isinstance(content, list):  # OpenAI content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
                 raise InvalidInput(f"messages[{i}].content: only text parts are supported")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -4155,7 +4254,8 @@ def check_combination(params: Mapping[str, Any], max_tokens: Optional[int] = Non
     if job_param(params, "parent") is not None and job_param(params, "raw"):
         raise InvalidInput("a raw prompt has no turns to continue: give parent without raw")
     check_logprobs_size(params, max_tokens)
-    if job_param(params, "endpoint") and (job_param(params, "endpoint") == "/v1/embeddings") != bool(job_param(params, "embed")):
+    if job_param(params, "endpoint") and (job_param(params, "endpoint")
+                                          == "/v1/embeddings") != bool(job_param(params, "embed")):
         raise InvalidInput("endpoint /v1/embeddings goes with embed jobs only")
     if job_param(params, "embed"):
         for key, value in params.items():
@@ -4287,12 +4387,19 @@ PARAMS: dict[str, Param] = {
                     help="drop tokens less likely than this fraction of the best one (0 = off)"),
     "repeat_penalty": Param(float, low=0.0, high=100.0, flag="--repeat-penalty", openai=("repeat_penalty",),
                              help="divide the logits of the last 64 generated tokens by this (1 = off)"),
-    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty", openai=("presence_penalty",),
-                               help="subtract this from the logit of every token among the last 64 generated (0 = off)"),
-    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty", openai=("frequency_penalty",),
-                                help="subtract this times its count from the logit of each token among the last 64 generated (0 = off)"),
-    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",), read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias, what="object, biases {low:g} to {high:g}",
-                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
+    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty",
+                              openai=("presence_penalty",),
+                               help="subtract this from the logit of every token among the last 64 generated (0 = "
+                              "off)"),
+    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty",
+                               openai=("frequency_penalty",),
+                                help="subtract this times its count from the logit of each token among the last 64 "
+                               "generated (0 = off)"),
+    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",),
+                        read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias,
+                        what="object, biases {low:g} to {high:g}",
+                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's "
+                        "model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
     "seed": Param(int, low=0, high=0xFFFFFFFE, flag="--seed", openai=("seed",),
                    help="sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
     "n": Param(int, low=1, high=CHOICES_MAX, default=1, flag="--n", openai=("n",),
@@ -4301,62 +4408,98 @@ PARAMS: dict[str, Param] = {
     "stop": Param(list, low=0, high=16, flag="--stop", openai=("stop",),
                    help="strings that end the generation, not included in the result (a flag per string)"),
     "ignore_eos": Param(bool, default=False, flag="--ignore-eos",
-                         help="keep generating past the model's end-of-generation token (not past the end of a grammar)"),
-    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",), read=("FILE|JSON", _read_json_schema), check=_check_response_format, what="object (OpenAI's)",
-                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
-    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",), read=("FILE", _read_grammar),
-                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file"),
+                         help="keep generating past the model's end-of-generation token (not past the end of a "
+                        "grammar)"),
+    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",),
+                             read=("FILE|JSON", _read_json_schema), check=_check_response_format,
+                             what="object (OpenAI's)",
+                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": "
+                             "{\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or "
+                             "{\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
+    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",),
+                     read=("FILE", _read_grammar),
+                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the "
+                     "flag takes a file"),
     "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
                        help=f"record each generated token's log-probability (get --json, export); n x max_tokens x "
                             f"(top_logprobs + 1) may be at most {LOGPROBS_MAX} a job"),
     "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
                            help="with logprobs: also the N most likely tokens at each step"),
     "embed": Param(bool, default=False, flag="--embed", jobs="any",
-                    help="embed the input instead of generating: a vector per text (the result holds one JSON array per text, one per line)"),
-    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input, what="list of {low} to {high} strings", jobs="embed",
+                    help="embed the input instead of generating: a vector per text (the result holds one JSON array "
+                   "per text, one per line)"),
+    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input,
+                   what="list of {low} to {high} strings", jobs="embed",
                     help="with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
     "dimensions": Param(int, low=1, high=1 << 16, flag="--dimensions", openai=("dimensions",), jobs="embed",
-                         help="with embed: keep each vector's first N values (normalized again): for models trained for it (Matryoshka)"),
+                         help="with embed: keep each vector's first N values (normalized again): for models trained "
+                        "for it (Matryoshka)"),
     "encoding_format": Param(("float", "base64"), default="float", openai=("encoding_format",), jobs="embed",
-                              help="with embed: how export --format openai writes the vectors (base64: little-endian float32)"),
+                              help="with embed: how export --format openai writes the vectors (base64: little-endian "
+                             "float32)"),
     "system": Param(str, low=0, high=1 << 20, flag="--system",
                      help="a system message for the chat template"),
     "raw": Param(bool, default=False, flag="--raw",
                   help="send the prompt as is, without the chat template"),
     "timeout": Param(float, low=0.001, high=1e7, flag="--timeout", jobs="any",
                       help="seconds of generation before the job fails with code timeout, keeping its partial text"),
-    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages, what="list of up to {high} {{role, content}}",
+    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages,
+                      what="list of up to {high} {{role, content}}",
                        help="chat turns [{role, content}] instead of a prompt, through the chat template"),
-    "tools": Param(list, low=1, high=STRUCTURE_LIMIT, flag="--tools", openai=("tools",), read=("FILE|JSON", _read_tools),
+    "tools": Param(list, low=1, high=STRUCTURE_LIMIT, flag="--tools", openai=("tools",),
+                   read=("FILE|JSON", _read_tools),
                     check=_check_tools, what=f"list of up to {TOOLS_MAX} functions (OpenAI's)",
-                    help="functions the model may call: [{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}]; the calls come back as tool_calls (see Tool calls); the flag takes the list or one tool, inline or a file"),
-    "tool_choice": Param(dict, flag="--tool-choice", openai=("tool_choice",), read=("none|auto|required|NAME", _read_tool_choice),
+                    help="functions the model may call: [{\"type\": \"function\", \"function\": {\"name\", "
+                   "\"description\", \"parameters\"}}]; the calls come back as tool_calls (see Tool calls); the flag "
+                   "takes the list or one tool, inline or a file"),
+    "tool_choice": Param(dict, flag="--tool-choice", openai=("tool_choice",),
+                         read=("none|auto|required|NAME", _read_tool_choice),
                           check=_check_tool_choice, what="`none`, `auto`, `required` or a named function",
-                          help="with tools: auto (default: text or calls), required (calls only), none (text only), or a named function (a call of it; the flag takes its name)"),
+                          help="with tools: auto (default: text or calls), required (calls only), none (text only), or "
+                         "a named function (a call of it; the flag takes its name)"),
     "parallel_tool_calls": Param(bool, flag="--parallel-tool-calls", openai=("parallel_tool_calls",),
-                                  help="with tools: whether one answer may hold several calls (default true, as OpenAI's)"),
+                                  help="with tools: whether one answer may hold several calls (default true, as "
+                                 "OpenAI's)"),
     "custom_id": Param(str, low=0, high=512, jobs="any",
                         help="the caller's name for the job (batch files, export; default line-N)"),
     "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
-                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower ones in its context until it ends"),
+                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower "
+                      "ones in its context until it ends"),
     "model": Param(str, low=1, high=256, flag="--model", openai=("model",), jobs="any",
-                    help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the daemon's model (a note says so; --strict-models refuses it), a known model no running daemon serves waits"),
+                    help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in "
+                   "NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the "
+                   "daemon's model (a note says so; --strict-models refuses it), a known model no running daemon "
+                   "serves waits"),
     "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
-                              help="submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
-    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",), read=("JSON", _read_object("--metadata")), check=_check_metadata, what="object, up to {high} bytes as JSON", jobs="any",
-                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON object (a template's record, by default); never read by the daemon"),
-    "chat_template_kwargs": Param(dict, low=0, high=1 << 16, flag="--chat-template-kwargs", openai=("chat_template_kwargs",),
+                              help="submit this work once: if a job with this key exists (queued, running, done or "
+                             "failed), its ID is returned and nothing is queued (see Submit once)"),
+    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",),
+                      read=("JSON", _read_object("--metadata")), check=_check_metadata,
+                      what="object, up to {high} bytes as JSON", jobs="any",
+                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON "
+                      "object (a template's record, by default); never read by the daemon"),
+    "chat_template_kwargs": Param(dict, low=0, high=1 << 16, flag="--chat-template-kwargs",
+                                  openai=("chat_template_kwargs",),
                                    read=("JSON", _read_object("--chat-template-kwargs")), check=_check_template_kwargs,
                                    what="object, up to {high} bytes as JSON",
-                                   help="variables for the model's chat template, as llama-server and vLLM pass them (e.g. {\"enable_thinking\": false}); the template's own (messages, tools, bos_token...) are refused"),
+                                   help="variables for the model's chat template, as llama-server and vLLM pass them "
+                                  "(e.g. {\"enable_thinking\": false}); the template's own (messages, tools, "
+                                  "bos_token...) are refused"),
     "thinking_budget_tokens": Param(int, low=0, high=1 << 20, flag="--thinking-budget",
-                                     openai=("thinking_token_budget", "thinking_budget_tokens", "reasoning_budget_tokens"),
+                                     openai=("thinking_token_budget", "thinking_budget_tokens",
+                                             "reasoning_budget_tokens"),
                                      check=_check_budget, what="integer, {low} to {high}",
-                                     help="a thinking model's most tokens of thinking: at the budget the daemon closes the block and the answer follows (0 = no thinking; a model that does not think ignores it)"),
+                                     help="a thinking model's most tokens of thinking: at the budget the daemon closes "
+                                    "the block and the answer follows (0 = no thinking; a model that does not think "
+                                    "ignores it)"),
     "reasoning_effort": Param(tuple(EFFORT_BUDGETS), flag="--reasoning-effort", openai=("reasoning_effort",),
-                               help="a thinking budget by name: none 0, minimal 256, low 1024, medium 2048, high 8192 tokens (thinking_budget_tokens wins); also given to chat templates that read it (gpt-oss)"),
+                               help="a thinking budget by name: none 0, minimal 256, low 1024, medium 2048, high 8192 "
+                              "tokens (thinking_budget_tokens wins); also given to chat templates that read it "
+                              "(gpt-oss)"),
     "parent": Param(str, low=1, high=128, flag="--parent", check=_check_parent, what="a job ID",
-                     help="continue that job's conversation: its turns, its answer as the assistant's, then this prompt (or these messages) as the next turn; waits while it runs, fails with parent_failed if it failed"),
+                     help="continue that job's conversation: its turns, its answer as the assistant's, then this "
+                    "prompt (or these messages) as the next turn; waits while it runs, fails with parent_failed if it "
+                    "failed"),
     "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
                   help="label the jobs (status/wait/export/cancel/retry --tag)"),
     "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
@@ -4423,7 +4566,8 @@ DAEMON_FILE = "daemon.json"
 TAGS = "tags"  # tags/<tag>/<time_ns>_<first id>.ids: which jobs a submit labelled (the tag index)
 KEYS = "keys"  # keys/<sha256 of an idempotency key>: the ID of the job submitted with it
 HOOKS_OWED = os.path.join("hooks", "done")  # hooks/done/<id>: a job ended and its hooks have not run yet
-HOOKS_BATCH = os.path.join("hooks", "batch")  # hooks/batch/<tag>: {"jobs": N, "done", "failed", "ran": bool} of its last batch hook
+# hooks/batch/<tag>: {"jobs": N, "done", "failed", "ran": bool} of its last batch hook
+HOOKS_BATCH = os.path.join("hooks", "batch")
 # A job's hook bookkeeping that raised is tried again after 2 x, 4 x, 8 x... this (1 s, 2 s, 4 s...),
 # at most every HOOK_RETRY_MAX seconds.
 HOOK_RETRY_SECONDS = 0.5
@@ -5020,7 +5164,8 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
     for name in os.listdir(dir_fd):
         if name in keep:
             continue
-        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE, CONVERSATION_FILE,
+        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE,
+                    CONVERSATION_FILE,
                     TOOL_CALLS_FILE) or (
                 name.startswith(".") and name.endswith(".tmp")):
             _unlink_quietly(name, dir_fd)
@@ -5710,7 +5855,8 @@ def _ancestor_files(job_id: str, path: str, budget: int, limit: int) -> tuple[di
                 info = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 if stat.S_ISREG(info.st_mode) and info.st_size > budget - used:
                     raise JobError("parent_failed", f"{os.path.join(path, name)} is {info.st_size:,} bytes: its "
-                                   f"conversation is over the {limit:,} bytes a child reads (its parent's files in all)")
+                                   f"conversation is over the {limit:,} bytes a child reads (its parent's files in "
+                                   "all)")
                 data = read_file(fd, name, budget - used)
             except (FileNotFoundError, JobError) as err:
                 if isinstance(err, JobError) and err.code == "parent_failed":
@@ -5735,7 +5881,8 @@ def _ancestor_turns(job_id: str, path: str, files: Mapping[str, Optional[str]], 
                                         "valid params.json)")
     if job_param(params, "raw") or job_param(params, "embed"):
         raise JobError("bad_request", f"its {'parent' if parent else 'ancestor'} {job_id} is "
-                                      f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to continue")
+                                      f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to "
+                       "continue")
     try:  # the parameters its turns are made of, as a submit checks them (the file may be hand-made)
         own = {key: PARAMS[key].validate(key, params[key]) for key in ("messages", "system")
                if params.get(key) is not None}
@@ -5775,7 +5922,8 @@ def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Op
         turns = _json_or_none(files[CONVERSATION_FILE], None)
         if isinstance(turns, list) and count + len(turns) > CONVERSATION_TURNS:
             raise JobError("parent_failed", f"{os.path.join(path, CONVERSATION_FILE)} holds {len(turns):,} turns: "
-                                            f"with its children's, over the {CONVERSATION_TURNS:,} a conversation may hold")
+                                            f"with its children's, over the {CONVERSATION_TURNS:,} a conversation may "
+                           "hold")
         if _turns_shape(turns):
             base = turns
             break
@@ -6018,18 +6166,6 @@ def state_whole(mapped: Any) -> bool:
         view.release()
 
 
-def read_state(folder: str, head: StateHead) -> Optional[Any]:
-    """A state file mapped and checked against its crc; None for a torn, damaged, changed or
-    unreadable file."""
-    try:
-        mapped = map_state(folder, head)
-    except OSError:
-        return None
-    if mapped is None or not state_whole(mapped):
-        return None
-    return mapped
-
-
 def remove_states_of(folder: str, job_ids: set[str]) -> int:
     """Remove the saved states whose source job is one of ``job_ids`` (clean); how many. Only
     whole states (nrvna's magic, counts that fit) are read: any other file is left."""
@@ -6052,20 +6188,19 @@ def remove_states_of(folder: str, job_ids: set[str]) -> int:
 ##############################################################################
 # 8. Batch files and export: nrvna's JSONL lines, OpenAI Batch lines (ENDPOINTS), export formats (EXPORT_FORMATS)
 ##############################################################################
-# Owns batch lines (nrvna's and OpenAI's), data templates, the export formats and merge. Invariant: a
-# batch file is checked whole before any job of it is queued. Client code; stateless.
+# Owns batch lines (nrvna's and OpenAI's), data templates, shards, the export formats and merge.
+# Invariant: a batch file is checked whole before any job of it is queued. Client code; stateless.
 
 
 # ============================================================================
 # 8.1 Batch files
 # ============================================================================
 # nrvna's JSONL lines, OpenAI Batch request lines, plain prompt lines and data templates, as
-# BatchEntry records; shards (shard_of). Invariant: a file is read with a bound per line, and
-# checked whole before any of it is queued.
+# BatchEntry records. Invariant: a file is read with a bound per line, and checked whole before any
+# of it is queued.
 
 
 BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
-SHARDS_MAX = 1 << 20  # most shards a batch may be split into (--shard I/N)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
 # The fields an nrvna JSONL line may carry: its prompt, and every job parameter but tag and endpoint.
 _JSONL_FIELDS = ("prompt", *(name for name, param in PARAMS.items() if param.jsonl))
@@ -6074,29 +6209,6 @@ _JSONL_FIELDS = ("prompt", *(name for name, param in PARAMS.items() if param.jso
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
 OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "stream": "must be false",
                      "functions": "the legacy form of tools", "function_call": "the legacy form of tool_choice"}
-
-
-def shard_of(custom_id: str, shards: int) -> int:
-    """Which of ``shards`` shards a line is in: from a hash of its ``custom_id`` (``line-N``
-    where it has none) that every machine and Python computes alike (sha256, never hash()),
-    so each node takes its share of one file with no coordination."""
-    import hashlib
-
-    digest = hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).digest()
-    return int.from_bytes(digest[:8], "big") % shards
-
-
-def read_shard(text: str) -> tuple[int, int]:
-    """``I/N`` (0 <= I < N): shard I of N, as --shard gives it."""
-    index, _, count = text.partition("/")
-    try:
-        shard, shards = int(index), int(count)
-    except ValueError:
-        raise InvalidInput(f"--shard {text!r} is not I/N (e.g. --shard 0/3, or "
-                           "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)") from None
-    if not (1 <= shards <= SHARDS_MAX and 0 <= shard < shards):
-        raise InvalidInput(f"--shard {text}: I must be 0 to N-1 and N 1 to {SHARDS_MAX}")
-    return shard, shards
 
 
 class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
@@ -6121,7 +6233,8 @@ def read_batch(handle: Any) -> bytearray:
     lines at the line past it (`yes | nrvna submit ws --file -` grew without end): the file is
     held whole, as every line is checked before any is queued."""
     data = bytearray()
-    for _, line in _bounded_lines(handle, batch_line_limit(), "a batch line's limit (14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)",
+    for _, line in _bounded_lines(handle, batch_line_limit(),
+                                  "a batch line's limit (14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)",
                                   "a batch file holds"):
         data += line
     return data
@@ -6265,7 +6378,8 @@ def parse_records(data: bytes, template: str, id_field: Optional[str] = None,
                 prompt = fill_template(parts, record)
             except KeyError as err:
                 fields = ", ".join(record) or "none"
-                raise InvalidInput(f"no field {err.args[0]!r}, which the template needs (the record has: {fields})") from None
+                raise InvalidInput(f"no field {err.args[0]!r}, which the template needs "
+                                   f"(the record has: {fields})") from None
             params = validate_params({"custom_id": cid, "metadata": {k: v for k, v in record.items() if k != id_field}})
             prompt_bytes = check_prompt(prompt, limit)
         except InvalidInput as err:
@@ -6449,7 +6563,8 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
     for field, name in OPENAI_FIELDS.items():  # in table order: max_completion_tokens wins over max_tokens
         if field in body and field != endpoint.input:
             value = body[field]
-            params[name] = [value] if name == "stop" and isinstance(value, str) else value  # OpenAI's stop may be one string
+            # OpenAI's stop may be one string
+            params[name] = [value] if name == "stop" and isinstance(value, str) else value
     if endpoint.input == "prompt":
         # The legacy completions API's logprobs is a count: how many of the likeliest tokens.
         count = body.get("logprobs")
@@ -6472,11 +6587,45 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
 
 
 # ============================================================================
-# 8.2 Export and merge
+# 8.2 Shards
 # ============================================================================
-# A finished job as an export line (EXPORT_FORMATS), written whole or not at all (_ExportTarget),
-# and the shards' exports put back together (merge_parts). Invariant: each JSON line says which
-# request it answers (REQUEST_KEY), and merge takes no line that answers another.
+# One batch file split over nodes with no coordination: each line's shard comes from its custom_id
+# (shard_of), and `submit --shard I/N` (read_shard) queues shard I alone. Invariant: every machine
+# and Python puts a line in the same shard. Client code; stateless.
+
+
+SHARDS_MAX = 1 << 20  # most shards a batch may be split into (--shard I/N)
+
+
+def shard_of(custom_id: str, shards: int) -> int:
+    """Which of ``shards`` shards a line is in: from a hash of its ``custom_id`` (``line-N``
+    where it has none) that every machine and Python computes alike (sha256, never hash()),
+    so each node takes its share of one file with no coordination."""
+    import hashlib
+
+    digest = hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") % shards
+
+
+def read_shard(text: str) -> tuple[int, int]:
+    """``I/N`` (0 <= I < N): shard I of N, as --shard gives it."""
+    index, _, count = text.partition("/")
+    try:
+        shard, shards = int(index), int(count)
+    except ValueError:
+        raise InvalidInput(f"--shard {text!r} is not I/N (e.g. --shard 0/3, or "
+                           "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)") from None
+    if not (1 <= shards <= SHARDS_MAX and 0 <= shard < shards):
+        raise InvalidInput(f"--shard {text}: I must be 0 to N-1 and N 1 to {SHARDS_MAX}")
+    return shard, shards
+
+
+# ============================================================================
+# 8.3 Export
+# ============================================================================
+# A finished job as an export line (EXPORT_FORMATS), written whole or not at all (_ExportTarget).
+# Invariant: each JSON line says which request it answers (REQUEST_KEY, request_digest), so a merge
+# can refuse a line that answers another.
 
 
 # What a request is, to merge: the fields of a job no submit flag can set (each node's flags may
@@ -6585,7 +6734,8 @@ def _embeddings_body(job: Job) -> dict[str, Any]:
 
 def _openai_record(job: Job) -> dict[str, Any]:
     meta, params = job.meta, job.params or {}
-    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": job_param(params, "custom_id"), **_request_of(job)}
+    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": job_param(params, "custom_id"),
+                            **_request_of(job)}
     if job.status is not Status.Done:
         line["response"] = None
         line["error"] = {"code": meta.get("code") or "failed", "message": (job.error or "").rstrip("\n")}
@@ -6709,6 +6859,133 @@ def _workspace_of(path: str) -> Optional[str]:
         if parent == folder:
             return None
         folder = parent
+
+
+# `export --format`: the choices, their help and the writers all come from here.
+EXPORT_FORMATS: dict[str, ExportFormat] = {
+    "jsonl": ExportFormat(_jsonl_record, _json_line(_jsonl_record),
+                          'nrvna\'s record: {"id", "custom_id", "request_sha256", "status", "prompt", "result", '
+                          '"error", "meta"}'),
+    "openai": ExportFormat(_openai_record, _json_line(_openai_record),
+                           "an OpenAI Batch output line (a chat.completion or text_completion body), and "
+                           "request_sha256, "
+                           "which OpenAI's readers ignore"),
+    "text": ExportFormat(None, _text_line,
+                         "the results alone, each followed by a blank line (every choice of a job of n > 1)"),
+    "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
+                        "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
+                        "custom_id and input index, tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
+}
+
+
+class _ExportTarget:
+    """Where an export's lines go (``-o FILE``, ``--errors FILE``), as a policy:
+
+    - ``-`` is standard output;
+    - an existing FIFO, character device (a terminal, /dev/null) or socket, and any path
+      under /dev/ or /proc/ (``/dev/stdout`` may be a file the shell opened), is written
+      through: opened for appending and written as it is, not atomically;
+    - anything else is written whole or not at all: a temporary file of its own beside the
+      real target (a symlink's target is replaced, never the link), fsynced, renamed over the
+      target, the directory fsynced; the temporary file goes on every failure path;
+    - an empty path, a directory and any path inside an nrvna workspace are refused: an
+      export must never replace a job, the queue or the workspace lock.
+    """
+
+    def __init__(self, path: Any, binary: bool = False) -> None:
+        path = os.fspath(path)
+        self.temp: Optional[str] = None
+        suffix, encoding = ("b", None) if binary else ("", "utf-8")
+        if path == "-":
+            self.handle, self.path, self.through = (sys.stdout.buffer if binary else sys.stdout), "-", True
+            return
+        if not path:
+            raise InvalidInput("an output path is empty (use - for standard output)")
+        self.path = os.path.realpath(path)
+        workspace = _workspace_of(self.path)
+        if workspace is not None:
+            raise InvalidInput(f"{path} is inside the nrvna workspace {workspace}; write exports outside it")
+        try:
+            mode: Optional[int] = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and stat.S_ISDIR(mode):
+            raise InvalidInput(f"{path} is a directory")
+        self.through = _written_through(path)
+        if self.through:
+            self.handle = open(path, "a" + suffix, encoding=encoding)
+            return
+        folder, name = os.path.split(self.path)
+        for _ in range(100):
+            temp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+            try:  # 0666 less the umask, as any new file; an existing target keeps its mode
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o666)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise WorkspaceError(f"cannot find a free temporary name beside {path}")
+        self.temp = temp
+        try:
+            if mode is not None:
+                os.fchmod(fd, stat.S_IMODE(mode))
+            self.handle = open(fd, "w" + suffix, encoding=encoding, closefd=True)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(temp, None)
+            raise
+
+    def write(self, text: Any) -> None:
+        """Append ``text`` (bytes for a binary output)."""
+        try:
+            self.handle.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        if self.path == "-":
+            raise BrokenPipeError  # `nrvna export ... | head`: main() exits quietly
+        raise WorkspaceError(f"{self.path}: its reader went away (broken pipe); the export is incomplete") from None
+
+    def commit(self) -> None:
+        """Make the file whole (durable, under its final name) or flush the stream."""
+        if self.temp is None:
+            try:
+                self.handle.flush()
+                if self.path != "-":
+                    self.handle.close()
+            except BrokenPipeError:
+                self._reader_gone()
+            return
+        self.handle.flush()
+        try:
+            os.fsync(self.handle.fileno())
+            self.handle.close()
+            os.rename(self.temp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        self.temp = None
+        fsync_dir(os.path.dirname(self.path))
+
+    def abort(self) -> None:
+        """Drop the temporary file (the target is untouched); nothing after a commit."""
+        if self.path != "-" and not self.handle.closed:
+            try:
+                self.handle.close()  # flushes what is buffered, which may fail again
+            except OSError:
+                pass
+        if self.temp is not None:
+            _unlink_quietly(self.temp, None)
+            self.temp = None
+
+
+# ============================================================================
+# 8.4 Merge
+# ============================================================================
+# The shards' exports put back together in the input's order (merge_parts), each part read with a
+# bound per line (read_part). Invariant: a line that answers another request (REQUEST_KEY) is never
+# taken, and a custom_id two parts answer differently is a conflict. Client code; stateless.
 
 
 def part_line_limit() -> int:
@@ -6845,122 +7122,6 @@ def _answers_another(record: dict[str, Any], digest: str, unchecked: dict[str, i
         unchecked[name] = unchecked.get(name, 0) + 1
         return False
     return given != digest
-
-
-# `export --format`: the choices, their help and the writers all come from here.
-EXPORT_FORMATS: dict[str, ExportFormat] = {
-    "jsonl": ExportFormat(_jsonl_record, _json_line(_jsonl_record),
-                          'nrvna\'s record: {"id", "custom_id", "request_sha256", "status", "prompt", "result", "error", "meta"}'),
-    "openai": ExportFormat(_openai_record, _json_line(_openai_record),
-                           "an OpenAI Batch output line (a chat.completion or text_completion body), and request_sha256, "
-                           "which OpenAI's readers ignore"),
-    "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line (every choice of a job of n > 1)"),
-    "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
-                        "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
-                        "custom_id and input index, tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
-}
-
-
-class _ExportTarget:
-    """Where an export's lines go (``-o FILE``, ``--errors FILE``), as a policy:
-
-    - ``-`` is standard output;
-    - an existing FIFO, character device (a terminal, /dev/null) or socket, and any path
-      under /dev/ or /proc/ (``/dev/stdout`` may be a file the shell opened), is written
-      through: opened for appending and written as it is, not atomically;
-    - anything else is written whole or not at all: a temporary file of its own beside the
-      real target (a symlink's target is replaced, never the link), fsynced, renamed over the
-      target, the directory fsynced; the temporary file goes on every failure path;
-    - an empty path, a directory and any path inside an nrvna workspace are refused: an
-      export must never replace a job, the queue or the workspace lock.
-    """
-
-    def __init__(self, path: Any, binary: bool = False) -> None:
-        path = os.fspath(path)
-        self.temp: Optional[str] = None
-        suffix, encoding = ("b", None) if binary else ("", "utf-8")
-        if path == "-":
-            self.handle, self.path, self.through = (sys.stdout.buffer if binary else sys.stdout), "-", True
-            return
-        if not path:
-            raise InvalidInput("an output path is empty (use - for standard output)")
-        self.path = os.path.realpath(path)
-        workspace = _workspace_of(self.path)
-        if workspace is not None:
-            raise InvalidInput(f"{path} is inside the nrvna workspace {workspace}; write exports outside it")
-        try:
-            mode: Optional[int] = os.stat(path).st_mode
-        except FileNotFoundError:
-            mode = None
-        if mode is not None and stat.S_ISDIR(mode):
-            raise InvalidInput(f"{path} is a directory")
-        self.through = _written_through(path)
-        if self.through:
-            self.handle = open(path, "a" + suffix, encoding=encoding)
-            return
-        folder, name = os.path.split(self.path)
-        for _ in range(100):
-            temp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-            try:  # 0666 less the umask, as any new file; an existing target keeps its mode
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o666)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise WorkspaceError(f"cannot find a free temporary name beside {path}")
-        self.temp = temp
-        try:
-            if mode is not None:
-                os.fchmod(fd, stat.S_IMODE(mode))
-            self.handle = open(fd, "w" + suffix, encoding=encoding, closefd=True)
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(temp, None)
-            raise
-
-    def write(self, text: Any) -> None:
-        """Append ``text`` (bytes for a binary output)."""
-        try:
-            self.handle.write(text)
-        except BrokenPipeError:
-            self._reader_gone()
-
-    def _reader_gone(self) -> None:
-        if self.path == "-":
-            raise BrokenPipeError  # `nrvna export ... | head`: main() exits quietly
-        raise WorkspaceError(f"{self.path}: its reader went away (broken pipe); the export is incomplete") from None
-
-    def commit(self) -> None:
-        """Make the file whole (durable, under its final name) or flush the stream."""
-        if self.temp is None:
-            try:
-                self.handle.flush()
-                if self.path != "-":
-                    self.handle.close()
-            except BrokenPipeError:
-                self._reader_gone()
-            return
-        self.handle.flush()
-        try:
-            os.fsync(self.handle.fileno())
-            self.handle.close()
-            os.rename(self.temp, self.path)
-        except BaseException:
-            self.abort()
-            raise
-        self.temp = None
-        fsync_dir(os.path.dirname(self.path))
-
-    def abort(self) -> None:
-        """Drop the temporary file (the target is untouched); nothing after a commit."""
-        if self.path != "-" and not self.handle.closed:
-            try:
-                self.handle.close()  # flushes what is buffered, which may fail again
-            except OSError:
-                pass
-        if self.temp is not None:
-            _unlink_quietly(self.temp, None)
-            self.temp = None
 
 
 ##############################################################################
@@ -7220,8 +7381,9 @@ class Flow:
     def wait_all(self, ids: Iterable[str] = (), tag: Optional[str] = None, timeout: Optional[float] = None,
                  on_progress: Optional[Callable[[dict[str, Status]], None]] = None) -> dict[str, Status]:
         """Wait until every selected job (see ``select``) is done or failed (or removed
-        meanwhile: Missing), or ``timeout`` seconds pass; return their states then, in order. ``on_progress(states)`` is called
-        after every look (one listing per state directory, however many jobs)."""
+        meanwhile: Missing), or ``timeout`` seconds pass; return their states then, in order.
+        ``on_progress(states)`` is called after every look (one listing per state directory, however
+        many jobs)."""
         selected, states = self.select(ids, tag)
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.1
@@ -7767,7 +7929,8 @@ class Work:
                 published = job_id if key is None else keys.take(key, job_id)
                 if published == job_id:
                     if job_param(clean, "tag"):
-                        _write_manifest(self.workspace, job_param(clean, "tag"), [(job_id, job_param(clean, "custom_id"))])
+                        _write_manifest(self.workspace, job_param(clean, "tag"),
+                                        [(job_id, job_param(clean, "custom_id"))])
                     move(staging, os.path.join(self.workspace, READY, job_id))
             except BaseException:
                 _remove_tree(staging)
@@ -7782,7 +7945,8 @@ class Work:
             raise NotDurable(job_id, err) from None
         return job_id, False
 
-    def _job_files(self, prompt: Any, dedupe: bool, params: dict[str, Any]) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
+    def _job_files(self, prompt: Any, dedupe: bool,
+                   params: dict[str, Any]) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
         """A prompt's job checked whole: its files (prompt.txt, params.json) and parameters."""
         import json
 
@@ -7937,7 +8101,8 @@ class Work:
             validate_params({"tag": tag})
         # The flags' generation parameters are defaults for the file's generation lines only.
         embed_defaults = {k: v for k, v in defaults.items() if k in EMBED_PARAMS}
-        entries = [BatchEntry(e.line, e.prompt, {**(embed_defaults if job_param(e.params, "embed") else defaults), **e.params})
+        entries = [BatchEntry(e.line, e.prompt,
+                              {**(embed_defaults if job_param(e.params, "embed") else defaults), **e.params})
                    for e in entries]
         if "idempotency_key" in defaults:
             raise InvalidInput("--idempotency-key names one job: give each line its own idempotency_key, "
@@ -7968,7 +8133,8 @@ class Work:
         if tag:
             members = tag_members(self.workspace, tag)
             states = bulk_states(self.workspace, [job_id for job_id, _ in members])
-            existing = {cid: job_id for job_id, cid in members if cid is not None and states[job_id] is not Status.Missing}
+            existing = {cid: job_id for job_id,
+                        cid in members if cid is not None and states[job_id] is not Status.Missing}
         ids: list[Optional[str]] = [existing.get(job_param(e.params, "custom_id")) for e in entries]
         if existing:
             _refuse_changed_lines(self.workspace, tag, entries, ids)  # type: ignore[arg-type]
@@ -7992,7 +8158,8 @@ class Work:
             notes.append("1 line repeats an earlier line's idempotency key: it gets its job" if len(same_as) == 1 else
                          f"{len(same_as)} lines repeat an earlier line's idempotency key: they get its job")
         if existing:
-            notes.append(f"{len(entries) - len(new) - len(same_as) - keyed} of {len(entries)} lines are already queued with tag "
+            notes.append(f"{len(entries) - len(new) - len(same_as) - keyed} of {len(entries)} lines are already queued "
+                         "with tag "
                          f"{tag}; queuing the other {len(new)}")
         return ids, new, same_as, keyed
 
@@ -8219,7 +8386,8 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
         except FileNotFoundError:
             continue
         except OSError as err:  # a read-only or full workspace: say which job it left alone
-            return "refused", f"job {job_id} cannot be cancelled: its {CANCEL_FILE} file cannot be written ({_os_error(err)})"
+            return "refused", (f"job {job_id} cannot be cancelled: its {CANCEL_FILE} file cannot be written "
+                               f"({_os_error(err)})")
         finally:
             os.close(fd)
         if status is Status.Queued:
@@ -11905,9 +12073,10 @@ class LlamaSession(Session):
 # ============================================================================
 # 11.8 The runner
 # ============================================================================
-# LlamaRunner: the model loaded once and shared, the runner's caches (pieces, grammars, the
-# Grammar and Wide threads) and a session per worker. Its docstring's Threads line says who calls
-# what. HOST_CACHES lists every cache kept beside llama.cpp's buffers, with its bound.
+# LlamaRunner: the model loaded once and shared, its caches (pieces, grammars, the Grammar and Wide threads)
+# and a session per worker; the chat template of a model without one (FALLBACK_TEMPLATE), a chat job's tool
+# turns, and the memory report (memory_line: plain numbers stated at load, read from any thread). HOST_CACHES
+# lists every cache kept beside llama.cpp's buffers with its bound (host_caches: each bound as configured).
 
 
 # Every cache nrvna keeps beside llama.cpp's own buffers: (what, whose, its bound, what it holds,
@@ -13220,7 +13389,8 @@ class Processor:
 
     # -- claim ---------------------------------------------------------------------------
 
-    def claim(self, job_id: str, worker: str, stop: threading.Event, model: Optional[str] = None) -> Optional[RunningJob]:
+    def claim(self, job_id: str, worker: str, stop: threading.Event,
+              model: Optional[str] = None) -> Optional[RunningJob]:
         """Take ``job_id`` from ready/ into processing/, holding it (hold_job) from before the
         rename until it has moved on; None if someone else took it or it was malformed (then
         it is already in failed/). Raises _HandBack on an I/O error, _Busy while another
@@ -13427,7 +13597,8 @@ class Processor:
         try:
             meta = dict(claim.meta)  # the claim's stays as it was, for a hand-back's events
             files, dest = self._record(meta, outcome)
-            turns = conversation_turns(job.prompt, job.params, outcome.text, outcome.message) if dest == OUTPUT else None
+            turns = conversation_turns(job.prompt, job.params, outcome.text,
+                                       outcome.message) if dest == OUTPUT else None
             if turns is not None:  # what a child of this job continues (parent)
                 import json
 
@@ -13671,7 +13842,8 @@ class _Recovery:
             # The killed attempt's temporaries and results go; its partial text stays
             # (what it generated before the deaths is the evidence).
             _clear_outputs(dir_fd, keep=(PARTIAL_FILE,))
-            job = self.processor.hold(RunningJob(name, "", {}, threading.Event()), _Claim(dir_fd, meta, path, dict(meta)))
+            job = self.processor.hold(RunningJob(name, "", {}, threading.Event()),
+                                      _Claim(dir_fd, meta, path, dict(meta)))
             self.processor.finish(job, Outcome(error_code="crash_ceiling", error=(
                 f"the daemon stopped {attempts} times while running this job "
                 f"(NRVNA_MAX_ATTEMPTS={self.config.max_attempts}); it is not retried again")))
@@ -14129,14 +14301,15 @@ def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], wo
         pending = size_bytes(config.cache_pending) / _MIB
     kv, compute, output = report["kv_mib"], report["compute_mib"], report["output_mib"]
     room = budget - fixed_mib - pending - report["weights_mib"]  # for the contexts
-    need = budget - room + workers * (kv + compute + output)
+    need = fixed_mib + pending + report["weights_mib"] + workers * (kv + compute + output)  # all it holds
     if need <= budget:
         return
     fits = []
     if 1 <= room // (kv + compute + output) < workers:
         fits.append(_as_given(config, "workers", int(room // (kv + compute + output))))
     per_cell = kv / max(1, report["cells"])  # a context's cells are NRVNA_MAX_CTX and one job's share more
-    max_ctx = int((room / workers - compute - output) / per_cell * config.max_ctx / max(1, report["cells"])) // 256 * 256
+    max_ctx = int((room / workers - compute - output) / per_cell * config.max_ctx
+                  / max(1, report["cells"])) // 256 * 256
     if 256 <= max_ctx < config.max_ctx:
         fits.append(_as_given(config, "max_ctx", max_ctx))
     bytes_now = KV_TYPES[config.kv_type][1]
@@ -14147,11 +14320,13 @@ def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], wo
     if pending and need - pending <= budget:
         fits.append(_as_given(config, "cache_pending", f"{max(1, int(budget - need + pending))}M"))
     raise ConfigError(
-        f"{config.named('max_memory')} ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this process and other "
+        f"{config.named('max_memory')} ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this "
+        "process and other "
         f"models {fixed_mib:,.0f}, {name}'s weights {report['weights_mib']:,.0f}, {workers} contexts x "
         f"{kv + compute + output:,.1f} (KV cache {kv:,.1f}, compute {compute:,.1f}, output {output:,.1f})"
         + (f", contexts waiting to be saved {pending:,.0f}" if pending else "") + "); "
-        + (f"it would fit with {' or '.join(fits)}" if fits else "nothing here fits it: a larger budget or a smaller model"))
+        + (f"it would fit with {' or '.join(fits)}" if fits
+           else "nothing here fits it: a larger budget or a smaller model"))
 
 
 def _file_signature(path: Optional[str]) -> Optional[tuple[int, int, int]]:
@@ -14859,7 +15034,8 @@ class _Watcher:
         """The kinds of model ("chat", "embed") the workspace's other live daemons serve, and
         their model files (those they could not load left out)."""
         others = [r for r in daemon_records(self.workspace) if r.get("name") != self.registry.name]
-        models = [m for r in others for m in r.get("models") or () if isinstance(m, dict) and not m.get("load_failures")]
+        models = [m for r in others for m in r.get("models") or () if isinstance(m, dict)
+                  and not m.get("load_failures")]
         return ({m["kind"] for m in models if m.get("kind") in ("chat", "embed")},
                 {m["path"] for m in models if isinstance(m.get("path"), str)})
 
@@ -15095,7 +15271,8 @@ class Server:
             self._threads.append(threading.Thread(target=self.switch.run, name="Models", daemon=True))
         self._use(sessions)
         for index in range(len(sessions)):
-            self._threads.append(threading.Thread(target=self._work, args=(index,), name=f"Worker-{index}", daemon=True))
+            self._threads.append(threading.Thread(target=self._work, args=(index,), name=f"Worker-{index}",
+                                                  daemon=True))
         import queue
 
         self._finishing = queue.SimpleQueue()
@@ -17560,13 +17737,16 @@ def markdown_tables() -> dict[str, str]:
     params = ["| parameter | type | default | `submit` flag | OpenAI body | meaning |", "|---|---|---|---|---|---|"]
     for name, param in PARAMS.items():
         kind = param.describe()
-        default = f"`{SETTINGS[name].env}`" if name in SETTINGS else ("—" if param.default is None else str(param.default).lower())
-        flags = [param.flag] + [f for f, (target, _, _) in FLAG_SHORTHANDS.items() if target == name] if param.flag else []
+        default = f"`{SETTINGS[name].env}`" if name in SETTINGS else ("—" if param.default is None
+                                                                      else str(param.default).lower())
+        flags = [param.flag] + [f for f, (target, _, _) in FLAG_SHORTHANDS.items() if target
+                                == name] if param.flag else []
         flag = ", ".join(f"`{f}`" for f in flags) or "—"
         openai = ", ".join(f"`{field}`" for field in param.openai) or "—"
         line = "" if param.jsonl else " (not a JSONL field)"
         params.append(f"| `{name}` | {kind} | {default} | {flag} | {openai} | {param.help}{line} |")
-    exit_codes = ["| code | meaning |", "|---|---|"] + [f"| {code} | {meaning} |" for code, meaning in EXIT_CODES.items()]
+    exit_codes = ["| code | meaning |", "|---|---|"] + [f"| {code} | {meaning} |" for code,
+                                                        meaning in EXIT_CODES.items()]
     failures = ["| code | the job failed because |", "|---|---|"] + [
         f"| `{code}` | {meaning} |" for code, meaning in FAILURE_CODES.items()]
     hooks = ["| variable | set for | meaning |", "|---|---|---|"] + [
@@ -17636,7 +17816,8 @@ class _DaemonWatch:
             none = f"the daemon of {self.workspace} stopped and none runs" if self.seen else \
                 f"no daemon runs on {self.workspace}"
             self.say(f"{none} (for {now - self.none_since:.0f} s): nothing will run {self.what} until one starts; "
-                     f"still waiting (jobs are kept: a daemon started later runs them; start one: nrvna daemon MODEL {shlex.quote(self.workspace)})")
+                     "still waiting (jobs are kept: a daemon started later runs them; start one: nrvna daemon MODEL "
+                     f"{shlex.quote(self.workspace)})")
             self.said = True
 
 
@@ -18086,7 +18267,8 @@ def _cmd_export(args: Any) -> int:
         for note in notes:
             _say(note)
     if unfinished:
-        _say(f"{unfinished} of {unfinished + exported} jobs are not finished and were left out (wait first: nrvna wait)")
+        _say(f"{unfinished} of {unfinished + exported} jobs are not finished and were left out (wait first: nrvna "
+             "wait)")
         return EXIT_UNFINISHED
     return EXIT_OK
 
@@ -18334,7 +18516,8 @@ def _daemon_arguments(parser: Any) -> None:
                         help="GGUF path, a name in NRVNA_MODELS_DIR, or a directory of GGUFs; several serve several "
                              "models (the first is the default)")
     parser.add_argument("workspace", metavar="WORKSPACE")
-    parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0 (1 when jobs are left that no live daemon serves)")
+    parser.add_argument("--drain", action="store_true",
+                        help="process everything queued, then exit 0 (1 when jobs are left that no live daemon serves)")
     parser.add_argument("--serve", type=_host_port, metavar="[HOST:]PORT", help="serve the API as `nrvna serve` "
                         "does, from this process (a client of the files like any other)")
     for name, setting in SETTINGS.items():  # the settings with a flag of their own
@@ -18384,7 +18567,8 @@ def _param_arguments(parser: Any) -> None:
         if param.read is not None:
             metavar, read = param.read
             action = "append" if param.gather is not None else "store"
-            group.add_argument(param.flag, dest=name, type=read, action=action, metavar=metavar, help=param.help + default)
+            group.add_argument(param.flag, dest=name, type=read, action=action, metavar=metavar,
+                               help=param.help + default)
         elif param.kind is bool:
             group.add_argument(param.flag, dest=name, action="store_const", const=True, help=param.help + default)
         elif param.kind is list:
@@ -18416,7 +18600,8 @@ def _submit_arguments(parser: Any) -> None:
                         "a hash of each line's custom_id: N nodes given the same file take each line once between "
                         "them (I/N from a scheduler: $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)")
     parser.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
-    parser.add_argument("--wait-timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    parser.add_argument("--wait-timeout", type=_positive_float, metavar="S",
+                        help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--dedupe", action="store_true", help="queue identical work once: the idempotency key is "
                         "derived from the prompt and every parameter (each line's own, with --file)")
     parser.add_argument("--strict-models", action="store_true", help="refuse a job whose model matches no known "
@@ -18427,7 +18612,8 @@ def _submit_arguments(parser: Any) -> None:
 
 def _status_arguments(parser: Any) -> None:
     _selection_arguments(parser)
-    parser.add_argument("--daemon", action="store_true", help="every running daemon's record, a JSON list (exit 3: none)")
+    parser.add_argument("--daemon", action="store_true",
+                        help="every running daemon's record, a JSON list (exit 3: none)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
 
 
@@ -18511,7 +18697,8 @@ def _get_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
     parser.add_argument("id", metavar="ID")
     parser.add_argument("--wait", action="store_true", help="wait until the job is finished")
-    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    parser.add_argument("--timeout", type=_positive_float, metavar="S",
+                        help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--progress", action="store_true", help="with --wait: a line on stderr every "
                         f"{PROGRESS_EVERY:g} s and at the end, even when it is not a terminal (a log file)")
     parser.add_argument("--json", action="store_true", help="the whole job as one JSON object")
@@ -18569,7 +18756,8 @@ def main(argv: Optional[list[str]] = None, *, runner: Any = None) -> int:
         return err.exit_code
     # argparse gives an optional positional (submit's PROMPT) its value only before the flags:
     # `submit WS --embed TEXT` would leave TEXT unrecognized. Take one such word as the prompt.
-    if extra and getattr(args, "prompt", "") is None and len(extra) == 1 and (extra[0] == "-" or not extra[0].startswith("-")):
+    if extra and getattr(args, "prompt",
+                         "") is None and len(extra) == 1 and (extra[0] == "-" or not extra[0].startswith("-")):
         args.prompt, extra = extra[0], []
     if extra:
         getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")

@@ -41,7 +41,8 @@ def workload() -> list[dict]:
              "structured": False} for i, text in enumerate(prompts(32))]
     constrained = [job for job in structured_jobs() if job["constrained"]][:16]
     shaped = [{"prompt": job["prompt"], "structured": True,
-               "params": dict(SAMPLING, max_tokens=STRUCTURED_TOKENS, seed=job["seed"], response_format=RESPONSE_FORMAT)}
+               "params": dict(SAMPLING, max_tokens=STRUCTURED_TOKENS, seed=job["seed"],
+                              response_format=RESPONSE_FORMAT)}
               for job in constrained]
     return free + shaped
 
@@ -135,7 +136,8 @@ def main() -> None:
                 else:
                     out = server_arm(binary, args.model, cells or 18432, arm[1])
                 runs[name].append(out)
-                print(f"round {r + 1} {name}: VmHWM {out['rss']:.0f} MiB, {len(workload()) / out['elapsed']:.2f} jobs/s, "
+                print(f"round {r + 1} {name}: VmHWM {out['rss']:.0f} MiB, {len(workload()) / out['elapsed']:.2f} "
+                      "jobs/s, "
                       f"{out['tokens'] / out['elapsed']:.1f} tok/s, valid {out['valid']:.0%}", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -152,7 +154,8 @@ def main() -> None:
         rows.append([name, f"{rss:.0f}", f"{rss / ref_rss:.2f}", f"{speed:.2f}", f"{speed / ref_speed:.2f}",
                      f"{statistics.median(o['tokens'] / o['elapsed'] for o in outs):.1f}",
                      f"{min(o['valid'] for o in outs):.0%}"])
-    print(table(["arm", "VmHWM MiB (median)", f"vs {reference}", "jobs/s (median)", "vs nrvna f16", "tok/s", "structured valid (worst)"], rows))
+    print(table(["arm", "VmHWM MiB (median)", f"vs {reference}", "jobs/s (median)", "vs nrvna f16", "tok/s",
+                 "structured valid (worst)"], rows))
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ def main() -> int:
     if thinking is None:
         print("no thinking block: the chat template names none of nrvna's tags (NRVNA_THINKING_TAGS sets a pair)")
         return 0
-    show = lambda tokens: f"{tokens} {b''.join(runner.piece(t) for t in tokens).decode('utf-8', 'replace')!r}"  # noqa: E731
+    # noqa: E731
+    show = lambda tokens: f"{tokens} {b''.join(runner.piece(t) for t in tokens).decode('utf-8', 'replace')!r}"
     print(f"tags: {thinking.tags[0]!r} {thinking.tags[1]!r}" + (" (harmony)" if thinking.headers else ""))
     for tag in thinking.tags:
         print(f"  {tag!r} is {show(runner.tokenize(tag, False, True))}")
