@@ -59,15 +59,15 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
 11. llama.cpp engine
    11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, _kv_params, _new_context (a context
                                       and its buffers), check_gguf, _GgufHeader
-   11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion
+   11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion,
+                                      _Grammars (a model's grammars, made and kept)
    11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _JobSampler
    11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
                                       _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
    11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
-   11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, model_memory, memory_line, tool_turns, grammar_key,
-                                      LlamaRunner
+   11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, memory_line, LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
@@ -201,8 +201,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Watcher -> Server: _running_jobs, status (stats, describe) => _stats_lock
     Watcher -> _Models: describe: served[i].runner/sessions and active read as they are, with no lock (the
         Models thread changes them: a record a switch behind at worst); each runner's memory (see
-        model_memory); the routing state (failed) under _Models._lock
-    Watcher, loader -> LlamaRunner (memory, model_memory): _sessions (each with its _ContextSize),
+        LlamaRunner.memory); the routing state (failed) under _Models._lock
+    Watcher, loader -> LlamaRunner (memory): _sessions (each with its _ContextSize),
         weights_mib => _lock for the list; only plain numbers stated when the model and each context were
         made (a session's _Embedder.buffers too), never the model or a context through llama.cpp: the
         Models thread may be freeing them (close empties _sessions under _lock first)
@@ -214,11 +214,12 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         its vocabulary, the tables made at load (eog/control tokens, pooling, chat formatter); its
         sessions => made, with its sessions, and closed while no worker uses it; read only afterwards
         (llama.cpp's model may be shared by contexts on several threads)
-    Worker-N -> LlamaRunner: _grammars (LRU of made grammars), _converting, _converter, _grammar_vocab,
-        conversions => _grammars_lock, never held while a grammar is made
+    Worker-N, loader -> _Grammars (LlamaRunner.grammars: get, prepare, vocab; close): _cache (LRU of made
+        grammars), _converting, _converter, _vocab, conversions => _Grammars._lock, never held while a
+        grammar is made
     Worker-N -> LlamaRunner: _pieces (token -> bytes cache) => no lock: a token's bytes are the same
         whoever stores them, and one dict get or set is atomic
-    loader -> LlamaRunner: session, close: _sessions => _lock (model_memory reads them: above)
+    loader -> LlamaRunner: session, close: _sessions => _lock (memory reads them: above)
     Worker-N, Saver -> StateStore: _index, _skipped, _pending, counts (find, restore, wants, save on the worker;
         _write, evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
         under a temporary name first); the loader's close joins the Saver. A restore's crc is checked on a
@@ -227,7 +228,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         worker or Finisher), release_finished by the Watcher => Pool._cond's lock
     Worker-N, Wide -> LlamaRunner (decode_wide, wait_wide): the Wide thread's OpenMP team => _wide_lock:
         one borrower's decode at a time; a plain decode waits for it to end
-    Grammar -> LlamaRunner (_convert), _Conversion: a conversion's found / error => written before its
+    Grammar -> _Grammars (_convert), _Conversion: a conversion's found / error => written before its
         done Event is set; the waiting workers read them only after
     any -> _CallThread (Grammar, Wide): its call queue => a queue.SimpleQueue (thread-safe); each call's result in
         its own box, set before its Event
@@ -237,7 +238,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         never shared between threads), but: made (LlamaRunner.session) and closed (LlamaRunner.close) by
         the loader while no worker uses it (a switch parks every worker first); preempt (below); grammars
         handed over by the Grammar thread (_Conversion, above); its _Embedder.buffers read by the
-        Watcher (model_memory: a dict made whole before the session's embedder is set, then never changed)
+        Watcher (LlamaRunner.memory: a dict made whole before the session's embedder is set, then never changed)
     Scanner, Worker-N (Server._outranked) -> _Preemption (LlamaSession.preempt): the one-byte abort flag
         => no lock: one byte written and read; a request that lands after the worker's clear cuts its next
         step, which the sequences take again (a cut step changes nothing)
@@ -8701,7 +8702,7 @@ class Runner:
 
     def memory(self) -> Optional[dict[str, Any]]:
         """What the runner holds in memory, as the start line and `status --daemon` state it
-        (MiB; see model_memory), or None where it cannot say."""
+        (MiB; see LlamaRunner.memory), or None where it cannot say."""
         return None
 
     def close(self) -> None:
@@ -8928,6 +8929,23 @@ def _strlen_callback(L: Any) -> Any:
         return None
 
 
+def _char_array(size: int) -> Any:
+    """A ctypes buffer of ``size`` bytes for llama.cpp to write text into."""
+    import ctypes
+
+    return (ctypes.c_char * size)()
+
+
+def _pooling(setting: str, stated: Optional[str]) -> str:
+    """The pooling an embedding is made with: NRVNA_POOLING's ``setting``, or for "model" the
+    type the GGUF ``stated`` (a number of llama.cpp's enum), else "none"."""
+    if setting != "model":
+        return setting
+    if stated is not None and stated.isdigit() and int(stated) < len(POOLING_CODES):
+        return POOLING_CODES[int(stated)]  # "rank" (rerankers) embeds nothing here
+    return "none"
+
+
 def _load_unmapped(L: Any, params: Any) -> None:
     """Make ``params`` (llama_model_params) read the weights into memory of their own instead of
     mapping the file. A mapped file truncated in place (cp over it) is SIGBUS at the next touch
@@ -9094,8 +9112,8 @@ _GBNF_LITERAL_ESCAPES = {"\\": "\\\\", "\r": "\\r", "\n": "\\n", '"': '\\"'}
 
 
 class _Conversion:
-    """A job's grammar being made on its runner's Grammar thread (LlamaRunner.prepare_grammar):
-    ``done`` is set once ``found`` ((key, GBNF, shape), as LlamaRunner.grammar gives) or
+    """A job's grammar being made on its runner's Grammar thread (_Grammars.prepare):
+    ``done`` is set once ``found`` ((key, GBNF, shape), as _Grammars.get gives) or
     ``error`` (the JobError that fails the jobs waiting for it) is.
 
     Threads: the Grammar thread writes ``found`` or ``error``, then sets ``done``; the workers
@@ -9243,6 +9261,162 @@ def _small_grammar(key: tuple[str, Any]) -> bool:
     and its job begins in the very step it was claimed for, as the same job always does."""
     return key[0] == "json_object" or (len(key[1]) <= GRAMMAR_INLINE_BYTES
                                        and (key[0] == "gbnf" or '"pattern":' not in key[1]))
+
+
+class _Grammars:
+    """A model's grammars: each constrained job's GBNF and shape, made once per distinct schema or
+    grammar and kept (GRAMMAR_CACHE, least recently used out), a large one made on the Grammar
+    thread (a _CallThread, started at the first), and the vocabulary as the grammar sees it.
+    ``form``: how the model writes tool calls; ``vocab_pieces``: each token's bytes (b"" for an
+    end of generation), asked once, for the first structured job.
+
+    Threads: every worker (constrained, key, get, prepare, vocab) and the Grammar thread
+    (_convert); ``_cache``, ``_converting``, ``_converter``, ``_vocab`` and ``conversions`` under
+    ``_lock``, never held while a grammar is made; the loader's LlamaRunner.close calls close.
+    """
+
+    def __init__(self, form: ToolFormat, np: Any, vocab_pieces: Callable[[], list[bytes]]) -> None:
+        self.form = form
+        self.np = np
+        self._vocab_pieces = vocab_pieces
+        self._lock = threading.Lock()  # held for the dictionaries, never while converting
+        self._cache: dict[Any, tuple[str, GrammarShape]] = {}  # a schema or grammar -> its GBNF (LRU order)
+        self._converting: dict[Any, _Conversion] = {}  # grammars the Grammar thread is making
+        self._converter: Optional[_CallThread] = None  # the Grammar thread, made on first use
+        self._vocab: Optional[GrammarVocab] = None
+        self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
+
+    def key(self, params: Mapping[str, Any]) -> Optional[tuple[str, Any, Mapping[str, Any]]]:
+        """(its kind, the key naming it, the params that make it) of a constrained job's grammar."""
+        import json
+
+        kind = constraint(params)
+        if kind is None:
+            return None
+        if kind == "tools":  # descriptions left out: they change the prompt, not the grammar
+            tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
+                     for t in job_param(params, "tools")]
+            return kind, ("tools", json.dumps([self.form, tool_choice(params), parallel_calls(params), tools],
+                                              ensure_ascii=False, separators=(",", ":"))), params
+        if kind == "json_object":
+            return kind, ("json_object",), {"grammar": _JSON_OBJECT_GBNF}
+        if kind == "grammar":
+            return kind, ("gbnf", job_param(params, "grammar")), params
+        return kind, ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"],
+                                           ensure_ascii=False, separators=(",", ":"))), params
+
+    def constrained(self, params: Mapping[str, Any]) -> bool:
+        """Whether a job with ``params`` is constrained by a grammar or a JSON schema."""
+        return self.key(params) is not None
+
+    def get(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str, GrammarShape]]:
+        """The job's grammar, if its output is constrained: (a key naming it, its GBNF text,
+        its shape). A JSON schema is converted once per distinct schema, then found here again
+        (here, on the calling thread, if no conversion of it is done: see prepare).
+        Raises JobError (grammar_error) for one whose start is past the work limits."""
+        named = self.key(params)
+        if named is None:
+            return None
+        kind, key, params = named
+        with self._lock:
+            found = self._cache.pop(key, None)
+            if found is not None:
+                self._cache[key] = found  # most recently used last
+                return (key,) + found
+        found = self._made(kind, params)
+        self._remember(key, found)
+        return (key,) + found
+
+    def prepare(self, params: Mapping[str, Any]) -> Optional[_Conversion]:
+        """None when the job's grammar is made (or it has none); otherwise its conversion,
+        begun now on the Grammar thread or joined there, for a session to wait for
+        while its other sequences go on stepping: a schema's conversion and check take up
+        to the counted work its submit allows (SCHEMA_MAX_PATTERN_WORK), and no decode waits
+        for them."""
+        named = self.key(params)
+        if named is None or _small_grammar(named[1]):
+            return None
+        kind, key, params = named
+        with self._lock:
+            if key in self._cache:
+                return None
+            conversion = self._converting.get(key)
+            if conversion is None:
+                conversion = self._converting[key] = _Conversion()
+                if self._converter is None:
+                    self._converter = _CallThread("Grammar")
+                self._converter.post(self._convert, kind, key, params, conversion)
+        return conversion
+
+    def _convert(self, kind: str, key: Any, params: Mapping[str, Any], conversion: _Conversion) -> None:
+        """The Grammar thread's call: make the grammar, remember it, and tell who waits."""
+        found: Optional[tuple[str, GrammarShape]] = None
+        try:
+            found = self._made(kind, params)
+            conversion.found = (key,) + found
+        except JobError as err:
+            conversion.error = err
+        except Exception as err:  # a check's own bug fails the jobs that wait, never the thread
+            conversion.error = JobError("runner_error", f"runner failed: {err!r}")
+        finally:
+            self._remember(key, found)
+            conversion.done.set()
+
+    def _made(self, kind: str, params: Mapping[str, Any]) -> tuple[str, GrammarShape]:
+        """A grammar's GBNF and shape, made (no lock held: it takes what the schema's counted
+        work allows). Raises JobError."""
+        text = self._make(kind, params)
+        try:
+            return text, check_grammar(text)
+        except InvalidInput as err:  # a converted schema's grammar, past the work limits
+            raise JobError("grammar_error", str(err)) from None
+
+    def _remember(self, key: Any, found: Optional[tuple[str, GrammarShape]]) -> None:
+        """Keep a grammar made (None: its conversion failed), as the most recently used."""
+        with self._lock:
+            self._converting.pop(key, None)
+            if found is None:
+                return
+            self._cache.pop(key, None)
+            self._cache[key] = found
+            if len(self._cache) > GRAMMAR_CACHE:
+                self._cache.pop(next(iter(self._cache)))
+
+    def vocab(self) -> GrammarVocab:
+        """The vocabulary as the grammar sees it, for GrammarShape.vocab_cost (made once)."""
+        if self._vocab is not None:  # (every redraw asks: no lock once it is made)
+            return self._vocab
+        with self._lock:
+            if self._vocab is None:
+                self._vocab = GrammarVocab(self.np, self._vocab_pieces())
+        return self._vocab
+
+    def _make(self, kind: str, params: Mapping[str, Any]) -> str:
+        """The GBNF of a grammar job, or its schema converted. (The checks ran at claim: the
+        Processor validates params.json, a hand-made one too, with the submit's checks.)"""
+        if kind not in ("json_schema", "tools"):
+            return job_param(params, "grammar")
+        try:
+            if kind == "tools":
+                choice, parallel, form = tool_choice(params), parallel_calls(params), self.form
+                schema = tool_call_schema(job_param(params, "tools"), choice, parallel, form)
+                text = (schema_to_grammar(schema) if form.generic else
+                        tool_grammar(schema_to_grammar(schema, "tool-call"), "tool-call", choice, parallel, form))
+            else:
+                text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
+        except Exception as err:  # the converter's own assertions: a gap in check_json_schema
+            what = "tools" if kind == "tools" else "response_format"
+            raise JobError("bad_request", f"{what}: the schema could not be converted: {err!r}") from None
+        with self._lock:  # workers and the Grammar thread convert at once
+            self.conversions += 1
+        return text
+
+    def close(self) -> None:
+        """End the Grammar thread: a conversion under way is abandoned, not waited for."""
+        with self._lock:
+            converter, self._converter = self._converter, None
+        if converter is not None:
+            converter.close(wait=False)
 
 
 # ============================================================================
@@ -9437,7 +9611,7 @@ class _GrammarTemplates:
         """A grammar sampler of the job's own and the grammar's shape (None when its output is
         free): cloned from the context's parsed copy of that grammar, parsing it on first use.
         ``made``: the grammar as LlamaRunner.grammar gives it, made already."""
-        found = made or self.runner.grammar(params)
+        found = made or self.runner.grammars.get(params)
         if found is None:
             return None
         key, text, shape = found
@@ -9481,6 +9655,29 @@ def _shortlist_size(chain_settings: tuple[bool, int, float, float]) -> int:
     if greedy:
         return 1
     return top_k if 0 < top_k < SHORTLIST_COLUMNS else 0
+
+
+def _sampler_chain(L: Any, params: Mapping[str, Any], cfg: Config) -> Any:
+    """llama.cpp's sampler chain for one job (chains hold state: one per sequence); the
+    repetition penalty is not in it (see _Penalties)."""
+    temperature = job_param(params, "temperature", cfg)
+    top_k = job_param(params, "top_k", cfg)
+    top_p = job_param(params, "top_p", cfg)
+    min_p = job_param(params, "min_p", cfg)
+    seed = job_param(params, "seed", cfg) or L.LLAMA_DEFAULT_SEED  # 0 = random
+    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    if temperature <= 0:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+        return chain
+    if top_k > 0:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(top_k))
+    if top_p < 1.0:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
+    if min_p > 0.0:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(min_p, 1))
+    L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
+    L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
+    return chain
 
 
 class _JobSampler:
@@ -9537,7 +9734,7 @@ class _JobSampler:
         config = runner.config
         settings = (job_param(params, "temperature", config) <= 0, job_param(params, "top_k", config),
                     job_param(params, "top_p", config), job_param(params, "min_p", config))
-        return cls(runner, scratch, runner.sampler(params), settings, penalties, grammar, shape,
+        return cls(runner, scratch, _sampler_chain(runner.L, params, config), settings, penalties, grammar, shape,
                    bool(job_param(params, "logprobs")), job_param(params, "top_logprobs") or 0)
 
     def prepare(self, row: Any) -> None:
@@ -9653,7 +9850,7 @@ class _JobSampler:
         (see ``_shortlist_suffices``), else from the whole vocabulary, as llama.cpp's
         common_sampler does (measured: 5.8 ms a redraw over SmolLM2's 49,152 tokens)."""
         np, n_vocab = self.runner.np, self.runner.n_vocab
-        vocab = self.runner.grammar_vocab()
+        vocab = self.runner.grammars.vocab()
         self.scratch.whole_vocabulary(np, n_vocab)
         if n_vocab > 2 * SHORTLIST:
             ids = np.sort(np.argpartition(row, n_vocab - SHORTLIST)[n_vocab - SHORTLIST:])  # in ID order, as all are
@@ -9967,7 +10164,7 @@ class _Thinking:
         # of 0 closes it in the template: the answer started with "\n").
         state = (_ThinkRouter.INSIDE if tail.endswith(open_tag) else
                  _ThinkRouter.AFTER if any(map(tail.endswith, answering)) else _ThinkRouter.BEFORE)
-        if state == _ThinkRouter.BEFORE and not job_param(params, "raw") and self.runner.has_grammar(params):
+        if state == _ThinkRouter.BEFORE and not job_param(params, "raw") and self.runner.grammars.constrained(params):
             prompt, state = prompt + self.opening, _ThinkRouter.INSIDE
         cap = thinking_budget(params)
         generated = min(room, len(prompt) + max_tokens) - len(prompt)
@@ -11153,7 +11350,7 @@ class LlamaSession(Session):
         self.seqs = seqs
         self.normal_cells = per_seq * full
         self.cells = self.normal_cells + per_seq
-        # Jobs whose grammar the runner's Grammar thread is making (prepare_grammar): each holds
+        # Jobs whose grammar the runner's Grammar thread is making (_Grammars.prepare): each holds
         # a slot and a full share of cells, and starts at the first step after it is made.
         self.converting: list[tuple[RunningJob, _Conversion]] = []
         self.ctx: Any = None
@@ -11258,7 +11455,7 @@ class LlamaSession(Session):
             if self.ctx is None:
                 raise JobError("unsupported", f"the model is an embedding model ({self.runner.arch}): it serves "
                                               "embed jobs only (submit --embed)")
-            conversion = self.runner.prepare_grammar(job.params)
+            conversion = self.runner.grammars.prepare(job.params)
             if conversion is not None:  # made on the Grammar thread while the others step; begun then
                 self.converting.append((job, conversion))
                 return
@@ -11292,7 +11489,7 @@ class LlamaSession(Session):
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
-        if self.runner.end_marks and not job_param(job.params, "raw") and not self.runner.has_grammar(job.params):
+        if self.runner.end_marks and not job_param(job.params, "raw") and not self.runner.grammars.constrained(job.params):
             seq.stops = seq.stops + list(self.runner.end_marks)  # the fallback form's turn ends, written as text
         seq.think_with(think)
         seq.tools = self.runner.tool_format if tool_choice(job.params) != "none" else None
@@ -11582,7 +11779,7 @@ HOST_CACHES: tuple[tuple[str, str, str, str, str], ...] = (
 
 # A generation context's size as llama.cpp stated it when it was made: its buffers (_new_context's
 # {"KV", "compute", "output": MiB}), its cells (llama.cpp rounds the count asked for up, to 256:
-# its own count) and one job's share of them. Plain numbers, read by model_memory from any thread.
+# its own count) and one job's share of them. Plain numbers, read by LlamaRunner.memory from any thread.
 _ContextSize = namedtuple("_ContextSize", "buffers cells per_job")
 
 
@@ -11605,34 +11802,8 @@ def host_caches(config: Config) -> dict[str, str]:
             for what, _, bound, _, _ in HOST_CACHES}
 
 
-def model_memory(runner: Any) -> dict[str, Any]:
-    """What a loaded model holds as llama.cpp states it (MiB): its weights, and each of its
-    generation contexts' KV cache (cells, bytes a token, type), compute and output buffers; its
-    embedding contexts made so far. The start line, `status --daemon` and NRVNA_MAX_MEMORY
-    read it.
-
-    Any thread calls it (the Watcher writes the record while the Models thread may be closing
-    the runner), so it reads only plain numbers stated when each context was made and the
-    model's size read at load, never a context or the model through llama.cpp: those may be
-    being freed under it."""
-    with runner._lock:
-        sessions = list(runner._sessions)
-    contexts = [size for _, size in sessions if size is not None]
-    first = contexts[0] if contexts else _ContextSize({}, 0, 0)
-    kv, compute, output = (first.buffers.get(part, 0.0) for part in ("KV", "compute", "output"))
-    cells, per_job = first.cells, first.per_job
-    embedders = [s.embedder for s, _ in sessions]  # each read once: a dict made whole before it is set
-    embedding = [sum(e.buffers.values()) for e in embedders if e is not None]
-    weights = runner.weights_mib
-    return {"weights_mib": round(weights, 1), "kv_type": runner.config.kv_type, "contexts": len(contexts),
-            "cells": cells, "cells_per_job": per_job, "kv_bytes_per_token": round(kv * _MIB / cells) if cells else 0,
-            "kv_mib": kv, "compute_mib": compute, "output_mib": output,
-            "embedding_contexts": len(embedding), "embedding_mib": round(sum(embedding), 1),
-            "total_mib": round(weights + len(contexts) * (kv + compute + output) + sum(embedding), 1)}
-
-
 def memory_line(name: str, report: Mapping[str, Any]) -> str:
-    """``model_memory``'s report as the start line says it. An embedding model has no
+    """``LlamaRunner.memory``'s report as the start line says it. An embedding model has no
     generation context (no KV cache, compute or output buffers to count): its line says so, and
     what its workers' embedding contexts hold, each made at the worker's first embed job."""
     n = report["contexts"]
@@ -11649,58 +11820,6 @@ def memory_line(name: str, report: Mapping[str, Any]) -> str:
     return line + f": {report['total_mib']:,.1f} MiB"
 
 
-def tool_turns(messages: list[dict[str, Any]], params: Mapping[str, Any], variables: dict[str, Any],
-           form: ToolFormat, spells_control: Callable[[str], bool]) -> list[dict[str, Any]]:
-    """A job's turns as its template takes tools: in the generic form, the tools and any
-    calls and answers as text (generic_messages); else as the template's own ``tools``
-    variable and calls with their arguments as objects (templates write them ``| tojson``).
-    What a template writes of them outside a message's content must spell no control token
-    (``spells_control``: the model's test of a text)."""
-    import json
-
-    tools, choice = job_param(params, "tools"), tool_choice(params)
-    history = any(t.get("tool_calls") or t["role"] == "tool" for t in messages)
-    if not (tools or history):
-        return messages
-    if form.generic:
-        return generic_messages(messages, tools, choice, parallel_calls(params))
-    if tools and choice != "none":
-        variables["tools"] = tools
-    turns = []
-    for turn in messages:
-        turn = dict(turn, content=turn["content"] or "")
-        if turn.get("tool_calls"):
-            turn["tool_calls"] = [dict(call, function=dict(call["function"], arguments=json.loads(call["function"]["arguments"])))
-                                  for call in turn["tool_calls"]]
-        turns.append(turn)
-    outside = json.dumps([variables.get("tools"), [(t.get("tool_calls"), t.get("name"), t.get("tool_call_id"))
-                                                    for t in messages]], ensure_ascii=False)
-    if spells_control(outside):
-        raise JobError("bad_request", "a tool's definition or a call spells a control token of the model")
-    return turns
-
-
-def grammar_key(params: Mapping[str, Any], form: ToolFormat) -> Optional[tuple[str, Any, Mapping[str, Any]]]:
-    """(its kind, the key naming it, the params that make it) of a constrained job's grammar
-    (``form``: how the model writes tool calls)."""
-    import json
-
-    kind = constraint(params)
-    if kind is None:
-        return None
-    if kind == "tools":  # descriptions left out: they change the prompt, not the grammar
-        tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
-                 for t in job_param(params, "tools")]
-        return kind, ("tools", json.dumps([form, tool_choice(params), parallel_calls(params), tools],
-                                          ensure_ascii=False, separators=(",", ":"))), params
-    if kind == "json_object":
-        return kind, ("json_object",), {"grammar": _JSON_OBJECT_GBNF}
-    if kind == "grammar":
-        return kind, ("gbnf", job_param(params, "grammar")), params
-    return kind, ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"],
-                                       ensure_ascii=False, separators=(",", ":"))), params
-
-
 class LlamaRunner(Runner):
     """llama.cpp through llama-cpp-python's raw API: one model, shared by every worker.
 
@@ -11710,12 +11829,11 @@ class LlamaRunner(Runner):
 
     Threads: made, with its sessions, and closed by whoever loads the model (_Models: the
     start (Main), a switch or a load ahead (the Models thread)) while no worker uses it; called by
-    every worker (tokens, piece, penalty, sampler, grammar, prepare_grammar, grammar_vocab,
-    decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
-    ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``
-    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under ``_lock``:
-    ``memory`` reads them from any thread, only numbers stated at load (see model_memory), never the
-    model or a context, which a swap may be freeing. A decode with borrowed threads runs under ``_wide_lock``. ``_pieces`` is a cache the
+    every worker (tokens, piece, penalty, grammars, decode_wide, wait_wide) and its Wide thread
+    (llama_decode); ``grammars`` (a _Grammars) locks itself. ``_sessions`` under ``_lock``, which
+    ``close`` takes too: ``memory`` reads them from any thread, only numbers stated at load, never
+    the model or a context, which a swap may be freeing. A decode with borrowed threads runs under
+    ``_wide_lock``. ``_pieces`` is a cache the
     workers fill without a lock: a token's bytes are the same whoever stores them, and one
     dict get or set is atomic. The model, its vocabulary and the tables made at load are read
     only (llama.cpp's model may be shared by contexts on several threads).
@@ -11753,7 +11871,7 @@ class LlamaRunner(Runner):
             if cancel is not None and cancel.is_set():
                 raise ModelError(f"model {model_path}: its load was cut short (the daemon is stopping)")
             raise ModelError(f"model {model_path} could not be loaded by llama.cpp{_llama_log_reason(': {}')}")
-        self.weights_mib = L.llama_model_size(self.model) / _MIB  # read now: model_memory never reads the model
+        self.weights_mib = L.llama_model_size(self.model) / _MIB  # read now: memory() never reads the model
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.train_ctx = L.llama_model_n_ctx_train(self.model)
@@ -11764,12 +11882,7 @@ class LlamaRunner(Runner):
         self.embedding_only = model_pooling is not None or self.arch in ENCODER_ARCHS
         # Causal attention (a decoder, with a KV cache) unless the GGUF or the architecture says not.
         self.causal = self.meta(f"{self.arch}.attention.causal") != "false" and self.arch not in ENCODER_ARCHS
-        if config.pooling != "model":
-            self.pooling = config.pooling
-        elif model_pooling is not None and model_pooling.isdigit() and int(model_pooling) < len(POOLING_CODES):
-            self.pooling = POOLING_CODES[int(model_pooling)]  # "rank" (rerankers) embeds nothing here
-        else:
-            self.pooling = "none"
+        self.pooling = _pooling(config.pooling, model_pooling)
         if self.embedding_only and self.pooling not in ("mean", "cls", "last"):
             L.llama_model_free(self.model)
             raise ModelError(f"model {model_path} is an embedding model ({self.arch}), and its pooling is "
@@ -11788,8 +11901,6 @@ class LlamaRunner(Runner):
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy
-        self._grammars: dict[Any, tuple[str, GrammarShape]] = {}  # a schema or grammar -> its GBNF (LRU order)
-        self._grammar_vocab: Optional[GrammarVocab] = None
         # End-of-generation tokens: a set, as every generated token is looked up (a call costs 1-2 us).
         self.eog_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
         self.eog_ids = numpy.array(sorted(self.eog_tokens), dtype=numpy.int64)  # to ban them from a row at once
@@ -11798,10 +11909,7 @@ class LlamaRunner(Runner):
                                         and t not in self.eog_tokens)
         self.control_mask = numpy.zeros(self.n_vocab, dtype=bool)
         self.control_mask[list(self.control_tokens)] = True
-        self._grammars_lock = threading.Lock()  # held for the dictionaries, never while converting
-        self._converting: dict[Any, _Conversion] = {}  # grammars the Grammar thread is making
-        self._converter: Optional[_CallThread] = None  # the Grammar thread, made on first use
-        self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
+        self.grammars = _Grammars(self.tool_format, numpy, self._grammar_pieces)
         self._lock = threading.Lock()
         self._sessions: list[tuple[LlamaSession, Optional[_ContextSize]]] = []  # each with its context's size
         self._wide: Optional[_CallThread] = None
@@ -11815,7 +11923,7 @@ class LlamaRunner(Runner):
         """A GGUF metadata value as text, or None if the model has no such key."""
         size = 256
         while True:
-            buf = self._char_array(size)
+            buf = _char_array(size)
             count = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, size)
             if count < 0:
                 return None
@@ -11875,14 +11983,37 @@ class LlamaRunner(Runner):
         return Jinja2ChatFormatter(FALLBACK_TEMPLATE, eos_token=eos, bos_token=bos)
 
     def memory(self) -> dict[str, Any]:
-        return model_memory(self)
+        """What the loaded model holds as llama.cpp states it (MiB): its weights, and each of its
+        generation contexts' KV cache (cells, bytes a token, type), compute and output buffers; its
+        embedding contexts made so far. The start line, `status --daemon` and NRVNA_MAX_MEMORY
+        read it.
+
+        Any thread calls it (the Watcher writes the record while the Models thread may be closing
+        the runner), so it reads only plain numbers stated when each context was made and the
+        model's size read at load, never a context or the model through llama.cpp: those may be
+        being freed under it (``close`` empties ``_sessions`` under ``_lock`` first)."""
+        with self._lock:
+            sessions = list(self._sessions)
+        contexts = [size for _, size in sessions if size is not None]
+        first = contexts[0] if contexts else _ContextSize({}, 0, 0)
+        kv, compute, output = (first.buffers.get(part, 0.0) for part in ("KV", "compute", "output"))
+        cells, per_job = first.cells, first.per_job
+        embedders = [s.embedder for s, _ in sessions]  # each read once: a dict made whole before it is set
+        embedding = [sum(e.buffers.values()) for e in embedders if e is not None]
+        weights = self.weights_mib
+        return {"weights_mib": round(weights, 1), "kv_type": self.config.kv_type, "contexts": len(contexts),
+                "cells": cells, "cells_per_job": per_job,
+                "kv_bytes_per_token": round(kv * _MIB / cells) if cells else 0,
+                "kv_mib": kv, "compute_mib": compute, "output_mib": output,
+                "embedding_contexts": len(embedding), "embedding_mib": round(sum(embedding), 1),
+                "total_mib": round(weights + len(contexts) * (kv + compute + output) + sum(embedding), 1)}
 
     def session(self, index: int, config: Config) -> "LlamaSession":
         """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
         threads = config.threads or max(1, cpu_count() // config.workers)
         session = LlamaSession(self, threads, config.seqs, config.batch, config)
         size = (_ContextSize(session.buffers, self.L.llama_n_ctx(session.ctx), session.ctx_per_seq)
-                if session.ctx is not None else None)  # read here, on the thread that made it: see model_memory
+                if session.ctx is not None else None)  # read here, on the thread that made it: see memory
         with self._lock:
             self._sessions.append((session, size))
         return session
@@ -11908,12 +12039,44 @@ class LlamaRunner(Runner):
             variables.setdefault("enable_thinking", False)
         if self.takes_effort and job_param(params, "reasoning_effort") is not None:
             variables.setdefault("reasoning_effort", job_param(params, "reasoning_effort"))
-        messages = tool_turns(messages, params, variables, self.tool_format, self._spells_control)
+        messages, variables = self._tool_turns(messages, params, variables)
         if self.fallback and self.L.llama_vocab_get_add_bos(self.vocab):  # ChatML writes none: the model's, as llama-server's
             tokens.append(self.L.llama_vocab_bos(self.vocab))
         for piece, is_content in self._render(messages, variables):  # a template writes its own BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
+
+    def _tool_turns(self, messages: list[dict[str, Any]], params: Mapping[str, Any], variables: dict[str, Any]
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """A job's turns as its template takes tools, and the template's variables with the
+        template's own ``tools`` added where it takes them (a new dict: ``variables`` is left as
+        it is). In the generic form, the tools and any calls and answers as text
+        (generic_messages); else as the ``tools`` variable and calls with their arguments as
+        objects (templates write them ``| tojson``). What a template writes of them outside a
+        message's content must spell no control token of the model."""
+        import json
+
+        tools, choice, form = job_param(params, "tools"), tool_choice(params), self.tool_format
+        history = any(t.get("tool_calls") or t["role"] == "tool" for t in messages)
+        if not (tools or history):
+            return messages, variables
+        if form.generic:
+            return generic_messages(messages, tools, choice, parallel_calls(params)), variables
+        if tools and choice != "none":
+            variables = dict(variables, tools=tools)
+        turns = []
+        for turn in messages:
+            turn = dict(turn, content=turn["content"] or "")
+            if turn.get("tool_calls"):
+                turn["tool_calls"] = [dict(call, function=dict(call["function"],
+                                                               arguments=json.loads(call["function"]["arguments"])))
+                                      for call in turn["tool_calls"]]
+            turns.append(turn)
+        outside = json.dumps([variables.get("tools"), [(t.get("tool_calls"), t.get("name"), t.get("tool_call_id"))
+                                                        for t in messages]], ensure_ascii=False)
+        if self._spells_control(outside):
+            raise JobError("bad_request", "a tool's definition or a call spells a control token of the model")
+        return turns, variables
 
     def _spells_control(self, text: str) -> bool:
         """Whether ``text`` holds the text of a control token (``<|im_start|>``...)."""
@@ -11983,25 +12146,15 @@ class LlamaRunner(Runner):
         is one control token: rendered empty, it could not be matched in text)."""
         self._pieces[token] = self._token_text(token, special=True)
 
-    def has_grammar(self, params: Mapping[str, Any]) -> bool:
-        """Whether a job with ``params`` is constrained by a grammar or a JSON schema."""
-        return grammar_key(params, self.tool_format) is not None
-
     def _token_text(self, token: int, special: bool) -> bytes:
         """A token's bytes; ``special``: a control token's own text too (else nothing)."""
         size = 64
         while True:
-            buf = self._char_array(size)
+            buf = _char_array(size)
             count = self.L.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
             if count >= 0:
                 return bytes(buf[:count])
             size = -count
-
-    @staticmethod
-    def _char_array(size: int) -> Any:
-        import ctypes
-
-        return (ctypes.c_char * size)()
 
     def penalty(self, params: Mapping[str, Any]) -> Optional["_Penalties"]:
         """The job's penalties and logit biases (None if all are off): applied to the logits
@@ -12018,131 +12171,10 @@ class LlamaRunner(Runner):
             return None
         return _Penalties(self.np, repeat, frequency, presence, bias)
 
-    def grammar(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str, GrammarShape]]:
-        """The job's grammar, if its output is constrained: (a key naming it, its GBNF text,
-        its shape). A JSON schema is converted once per distinct schema, then found here again
-        (here, on the calling thread, if no conversion of it is done: see prepare_grammar).
-        Raises JobError (grammar_error) for one whose start is past the work limits."""
-        named = grammar_key(params, self.tool_format)
-        if named is None:
-            return None
-        kind, key, params = named
-        with self._grammars_lock:
-            found = self._grammars.pop(key, None)
-            if found is not None:
-                self._grammars[key] = found  # most recently used last
-                return (key,) + found
-        found = self._made(kind, params)
-        self._remember(key, found)
-        return (key,) + found
-
-    def prepare_grammar(self, params: Mapping[str, Any]) -> Optional[_Conversion]:
-        """None when the job's grammar is made (or it has none); otherwise its conversion,
-        begun now on the runner's Grammar thread or joined there, for a session to wait for
-        while its other sequences go on stepping: a schema's conversion and check take up
-        to the counted work its submit allows (SCHEMA_MAX_PATTERN_WORK), and no decode waits
-        for them."""
-        named = grammar_key(params, self.tool_format)
-        if named is None or _small_grammar(named[1]):
-            return None
-        kind, key, params = named
-        with self._grammars_lock:
-            if key in self._grammars:
-                return None
-            conversion = self._converting.get(key)
-            if conversion is None:
-                conversion = self._converting[key] = _Conversion()
-                if self._converter is None:
-                    self._converter = _CallThread("Grammar")
-                self._converter.post(self._convert, kind, key, params, conversion)
-        return conversion
-
-    def _convert(self, kind: str, key: Any, params: Mapping[str, Any], conversion: _Conversion) -> None:
-        """The Grammar thread's call: make the grammar, remember it, and tell who waits."""
-        found: Optional[tuple[str, GrammarShape]] = None
-        try:
-            found = self._made(kind, params)
-            conversion.found = (key,) + found
-        except JobError as err:
-            conversion.error = err
-        except Exception as err:  # a check's own bug fails the jobs that wait, never the thread
-            conversion.error = JobError("runner_error", f"runner failed: {err!r}")
-        finally:
-            self._remember(key, found)
-            conversion.done.set()
-
-    def _made(self, kind: str, params: Mapping[str, Any]) -> tuple[str, GrammarShape]:
-        """A grammar's GBNF and shape, made (no lock held: it takes what the schema's counted
-        work allows). Raises JobError."""
-        text = self._make_grammar(kind, params)
-        try:
-            return text, check_grammar(text)
-        except InvalidInput as err:  # a converted schema's grammar, past the work limits
-            raise JobError("grammar_error", str(err)) from None
-
-    def _remember(self, key: Any, found: Optional[tuple[str, GrammarShape]]) -> None:
-        """Keep a grammar made (None: its conversion failed), as the most recently used."""
-        with self._grammars_lock:
-            self._converting.pop(key, None)
-            if found is None:
-                return
-            self._grammars.pop(key, None)
-            self._grammars[key] = found
-            if len(self._grammars) > GRAMMAR_CACHE:
-                self._grammars.pop(next(iter(self._grammars)))
-
-    def grammar_vocab(self) -> GrammarVocab:
-        """The vocabulary as the grammar sees it, for GrammarShape.vocab_cost (made once)."""
-        if self._grammar_vocab is not None:  # (every redraw asks: no lock once it is made)
-            return self._grammar_vocab
-        with self._grammars_lock:
-            if self._grammar_vocab is None:
-                L = self.L
-                pieces = [b"" if L.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
-                self._grammar_vocab = GrammarVocab(self.np, pieces)
-        return self._grammar_vocab
-
-    def _make_grammar(self, kind: str, params: Mapping[str, Any]) -> str:
-        """The GBNF of a grammar job, or its schema converted. (The checks ran at claim: the
-        Processor validates params.json, a hand-made one too, with the submit's checks.)"""
-        if kind not in ("json_schema", "tools"):
-            return job_param(params, "grammar")
-        try:
-            if kind == "tools":
-                choice, parallel, form = tool_choice(params), parallel_calls(params), self.tool_format
-                schema = tool_call_schema(job_param(params, "tools"), choice, parallel, form)
-                text = (schema_to_grammar(schema) if form.generic else
-                        tool_grammar(schema_to_grammar(schema, "tool-call"), "tool-call", choice, parallel, form))
-            else:
-                text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
-        except Exception as err:  # the converter's own assertions: a gap in check_json_schema
-            raise JobError("bad_request", f"{'tools' if kind == 'tools' else 'response_format'}: the schema could not be converted: {err!r}") from None
-        with self._grammars_lock:  # workers and the Grammar thread convert at once
-            self.conversions += 1
-        return text
-
-    def sampler(self, params: Mapping[str, Any]) -> Any:
-        """A sampler chain for one job (chains hold state: one per sequence); the
-        repetition penalty is not in it (see ``penalty``)."""
-        L, cfg = self.L, self.config
-        temperature = job_param(params, "temperature", cfg)
-        top_k = job_param(params, "top_k", cfg)
-        top_p = job_param(params, "top_p", cfg)
-        min_p = job_param(params, "min_p", cfg)
-        seed = job_param(params, "seed", cfg) or L.LLAMA_DEFAULT_SEED  # 0 = random
-        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        if temperature <= 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
-            return chain
-        if top_k > 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(top_k))
-        if top_p < 1.0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
-        if min_p > 0.0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(min_p, 1))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
-        return chain
+    def _grammar_pieces(self) -> list[bytes]:
+        """Each token's bytes as the grammar sees them: an end of generation's, none."""
+        L = self.L
+        return [b"" if L.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
 
     def close(self) -> None:
         """Free every context, then the model."""
@@ -12153,9 +12185,7 @@ class LlamaRunner(Runner):
         if self._wide is not None:
             self._wide.close()
             self._wide = None
-        if self._converter is not None:  # a conversion under way is abandoned, not waited for
-            self._converter.close(wait=False)
-            self._converter = None
+        self.grammars.close()
         if self.store is not None:
             self.store.close()
         if self.model:
@@ -13763,7 +13793,7 @@ def _as_given(config: Config, name: str, value: Any) -> str:
 def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], workers: int, fixed_mib: float,
                         saves: bool) -> None:
     """ConfigError (exit 2 at start) when NRVNA_MAX_MEMORY cannot hold model ``name`` with
-    ``workers`` contexts as ``report`` (model_memory, once one context is made) states them, beside
+    ``workers`` contexts as ``report`` (LlamaRunner.memory, once one context is made) states them, beside
     ``fixed_mib`` (the process before any model, other models loaded) and, where contexts are
     saved, NRVNA_CACHE_PENDING; it says what would fit instead."""
     budget = size_bytes(config.max_memory) / _MIB

@@ -1986,7 +1986,7 @@ def test_workers_count_a_shared_grammar_each_as_if_alone(llama: nrvna.LlamaRunne
     another worker had asked about that state first.)"""
     import numpy
 
-    vocab = llama.grammar_vocab()
+    vocab = llama.grammars.vocab()
     ids = numpy.arange(0, llama.n_vocab, 5)  # a part of the vocabulary, as a redraw's shortlist
     schema = {"enum": [f"shared-{i}" for i in range(120)]}
     cases = [({"response_format": {"type": "json_object"}}, nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9", "n": [1, 2]}'),
@@ -2036,7 +2036,7 @@ def test_a_schema_is_converted_once_for_many_jobs_and_parsed_once_per_context(ll
     reordered = dict(schema, properties=dict(reversed(list(schema["properties"].items()))))
     config = nrvna.Config(workers=2, seqs=4, max_ctx=512)
     sessions = [llama.session(i, config) for i in range(2)]
-    before = llama.conversions
+    before = llama.grammars.conversions
     try:
         def run(count: int, **params: Any) -> list[Outcome]:
             jobs = [fake_job(f"Answer {i} in JSON.", temperature=0, max_tokens=3, **params) for i in range(count)]
@@ -2050,12 +2050,12 @@ def test_a_schema_is_converted_once_for_many_jobs_and_parsed_once_per_context(ll
             return outcomes
 
         assert len(run(24, response_format=schema_format(schema))) == 24
-        assert llama.conversions - before == 1  # 24 jobs on 2 workers: one conversion
+        assert llama.grammars.conversions - before == 1  # 24 jobs on 2 workers: one conversion
         assert all(len(s.templates.parsed) == 1 for s in sessions)  # and one parsed grammar per context
         run(6, response_format=schema_format(reordered))  # another property order: another grammar
         run(6, response_format={"type": "json_object"})
         run(6, grammar='root ::= "x"+')
-        assert llama.conversions - before == 2
+        assert llama.grammars.conversions - before == 2
     finally:
         for session in sessions:
             session.close()
@@ -2161,7 +2161,7 @@ def shortlist_draws(runner: nrvna.LlamaRunner, rows: Any, params: dict[str, Any]
 
     scratch = nrvna._SamplingScratch(runner)
     config = runner.config
-    chain = runner.sampler(params)
+    chain = nrvna._sampler_chain(runner.L, params, runner.config)
     settings = (nrvna.job_param(params, "temperature", config) <= 0, nrvna.job_param(params, "top_k", config),
                 nrvna.job_param(params, "top_p", config), nrvna.job_param(params, "min_p", config))
     sampler = nrvna._JobSampler(runner, scratch, runner.L.llama_sampler_clone(chain), settings)
@@ -2439,7 +2439,7 @@ def test_a_surrogate_pair_escape_is_one_character_and_a_lone_surrogate_is_refuse
         assert not grammar_admits(llama, two, raw), raw
     for raw in (b'"\xed\x80\x80\xed\x9f\xbf"', b'"\xee\x80\x80\xf4\x8f\xbf\xbf"'):
         assert grammar_admits(llama, two, raw), raw
-    json_object = llama.grammar({"response_format": {"type": "json_object"}})[1]
+    json_object = llama.grammars.get({"response_format": {"type": "json_object"}})[1]
     assert grammar_admits(llama, json_object, b'{"s": "\\ud83d\\ude00\\/", "n": [1, true]}')
     for text in (b'{"s": "\\ud83d"}', b'{"s": "\\ude00\\ud83d"}', b'{"s": "\xed\xa0\x80"}'):
         assert not grammar_admits(llama, json_object, text), text
@@ -2609,7 +2609,7 @@ def test_grammar_shape_counts_the_vocabulary_as_it_counts_each_token(llama: nrvn
     import numpy
 
     rng = numpy.random.default_rng(28)
-    vocab = llama.grammar_vocab()
+    vocab = llama.grammars.vocab()
     cases = [(nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9 \u6f22\u5b57", "n": [1, 2.5e3]}'),  # 漢字: byte tokens
              (nrvna.schema_to_grammar({"enum": [f"v{i}" for i in range(300)]}), '"v12"'),
              (LATE_GRAMMAR, "o" * 20 + "xx")]
@@ -7126,8 +7126,8 @@ def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks
             reference = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
             L.llama_sampler_chain_add(reference, L.llama_sampler_init_penalties(
                 llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], *extra))
-            L.llama_sampler_chain_add(reference, llama.sampler(params))  # owned by reference now
-            chain = llama.sampler(params)
+            L.llama_sampler_chain_add(reference, nrvna._sampler_chain(L, params, llama.config))  # owned by reference now
+            chain = nrvna._sampler_chain(L, params, llama.config)
             own = L.llama_sampler_init_penalties(llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], *extra)
             penalty = llama.penalty(params)
             assert penalty is not None
