@@ -10437,6 +10437,47 @@ class _Sequence:
         self.parts = [full[:cut]]
         return True
 
+    def take(self, ctx: Any, index: int, row: Any, short: Optional[tuple[Any, Any]], runner: LlamaRunner,
+             limit: int) -> Optional[tuple[str, Optional[tuple[str, str]]]]:
+        """Its next token drawn from output ``index`` of ``ctx``'s step (``row``; ``short``: its
+        likeliest tokens) and taken: None if it goes on, else why it ends (its finish reason, and
+        its error: code, message); ``limit``: the cells it may hold."""
+        # A token the daemon writes (closing a thinking block) is never drawn, and the grammar,
+        # the penalties and the log-probabilities never see it.
+        think = self.think
+        token = think.forced(self.n_gen) if think is not None and (think.forcing or think.state == _ThinkRouter.INSIDE) else -1
+        if token < 0:
+            drawn = self._draw(ctx, index, row, short, runner)
+            if isinstance(drawn, tuple):
+                return drawn
+            if drawn >= 0:
+                self.sampler.accept(drawn)
+            token = drawn if drawn >= 0 else -drawn - 1
+        if self.add(token, runner.piece(token)):  # a stop string
+            return "stop", None
+        if self.n_gen >= self.max_tokens or self.pos >= limit:
+            return "length", None
+        return None
+
+    def _draw(self, ctx: Any, index: int, row: Any, short: Optional[tuple[Any, Any]], runner: LlamaRunner
+              ) -> Union[int, tuple[str, Optional[tuple[str, str]]]]:
+        """Its token drawn by its sampler (see take): the token; -1 - a token the daemon
+        writes instead (an end of generation inside a thinking block, or a close that would carry
+        answer text past the grammar: the block is closed); or why the sequence ends."""
+        try:
+            token = self.sampler.sample(ctx, index, row, short)
+        except GrammarLimit as err:  # before llama.cpp is asked to do that work
+            return "stop", ("grammar_error", f"{err} after {self.n_gen} tokens")
+        if token < 0:
+            return "stop", ("grammar_error", "no token of the model's vocabulary can continue the grammar here")
+        think, ends = self.think, token in runner.eog_tokens
+        if think is not None and think.state == _ThinkRouter.INSIDE and think.closing and (
+                ends or (self.sampler.grammar is not None and think.spills(runner.piece(token)))):
+            return -1 - think.close_now("eog" if ends else "model")
+        if ends and (not self.ignore_eos or self.sampler.grammar is not None):
+            return "stop", None  # with a grammar: allowed only once it is complete
+        return token
+
     def outcome(self, reason: str, error: Optional[tuple[str, str]]) -> Outcome:
         """The job's result: its text (flushing the decoder unless a stop string ended it),
         with ``reason``, or the ``error`` (code, message)."""
@@ -10508,6 +10549,10 @@ class _Embedder:
     """
 
     def __init__(self, runner: LlamaRunner, threads: int, limit: int, pack: int) -> None:
+        if runner.pooling not in ("mean", "cls", "last"):
+            raise JobError("unsupported", f"the model cannot embed with pooling {runner.pooling} (its GGUF "
+                                          "names no pooling type): start the daemon with NRVNA_POOLING=mean, cls "
+                                          "or last to embed with it")
         L = self.L = runner.L
         self.runner = runner
         self.limit = limit
@@ -11284,6 +11329,112 @@ class _Preemption:
             self.abortable = allowed
 
 
+class _GrammarWaits:
+    """A session's jobs whose grammar the runner's Grammar thread is making (_Grammars.prepare):
+    each holds a slot and a full share of cells, and begins at the first step after its grammar
+    is made, as it fits.
+
+    Threads: its session's worker thread; the Grammar thread hands each grammar over through
+    its _Conversion (written before its Event is set)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[RunningJob, _Conversion]] = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, job: RunningJob, conversion: _Conversion) -> None:
+        self.entries.append((job, conversion))
+
+    def jobs(self) -> list[RunningJob]:
+        return [job for job, _ in self.entries]
+
+    def drop(self, job: RunningJob) -> None:
+        self.entries = [entry for entry in self.entries if entry[0] is not job]
+
+    def clear(self) -> None:
+        self.entries = []
+
+    def pause(self) -> None:
+        """Wait a little for the first job's grammar (the session has nothing else to do)."""
+        self.entries[0][1].done.wait(CONVERSION_POLL)
+
+    def ready(self, fits: Callable[[RunningJob], bool]
+              ) -> Iterator[tuple[RunningJob, Optional[JobError], Optional[tuple[Any, str, GrammarShape]]]]:
+        """Each job to end or begin now, taken out, one at a time (each begins before the next is
+        asked ``fits``): (job, why it ends, None) for one cancelled or timed out, or whose grammar
+        failed; (job, None, its grammar) for one whose grammar is made and that ``fits`` (one that
+        does not goes to the end of the list)."""
+        for entry in list(self.entries):
+            job, conversion = entry
+            if job.interrupt is None and not conversion.done.is_set():
+                continue
+            self.entries.remove(entry)
+            if job.interrupt is not None:
+                yield job, JobError(*job.interrupt), None
+            elif conversion.error is not None:
+                yield job, conversion.error, None
+            elif not fits(job):
+                self.entries.append(entry)
+            else:
+                yield job, None, conversion.found
+
+
+class _StateHandOff:
+    """A session's side of the saved states (StateStore): the contexts of its jobs that ended
+    this step, offered to the store and copied out for its Saver thread at the session's next
+    save_ended, and a saved state restored into a new sequence's slot.
+
+    Threads: its session's worker thread only (the store locks itself)."""
+
+    def __init__(self, store: StateStore, L: Any, ctx: Any, memory: Any, trimmable: bool) -> None:
+        self.store = store
+        self.L = L
+        self.ctx = ctx
+        self.memory = memory
+        self.trimmable = trimmable  # a state may be cut back to a shorter prefix (full attention)
+        self.ended: list[tuple[int, list[int], str]] = []  # (slot, its tokens, job) to copy out at save_ended
+
+    def offer(self, seq: _Sequence) -> None:
+        """``seq`` is done and its cells kept: copied out at the next save_ended if the store
+        wants them (see StateStore.wants)."""
+        params = seq.job.params
+        conversation = job_param(params, "parent") is not None or any(
+            t.get("role") == "assistant" for t in job_param(params, "messages") or ())
+        if self.store.wants(seq.cached, conversation, seq.computed + seq.n_gen):
+            self.ended.append((seq.slot, list(seq.cached), seq.job.id))
+
+    def save_ended(self) -> None:
+        """Copy the offered contexts out for the store's Saver thread."""
+        ended, self.ended = self.ended, []
+        for slot, tokens, job_id in ended:
+            self.store.save(self.L, self.ctx, slot, tokens, job_id)
+
+    def restore(self, seq: _Sequence, prefixes: _PrefixCache) -> None:
+        """Give ``seq`` a saved state's cells where one covers more of its prompt than this
+        context's memory (``prefixes``) did (by RESTORE_GAIN_TOKENS): read, restored into its slot, cut back to
+        the prefix they share (full attention only). The last prompt token is always decoded:
+        its logits are not saved."""
+        store = self.store
+        found = store.find(seq.prompt, len(seq.prompt) - 1, seq.budget, self.trimmable)
+        if found is None or found[1] < seq.pos + RESTORE_GAIN_TOKENS:
+            return
+        head, shared = found
+        prefixes.held[seq.slot] = []
+        began = time.monotonic()
+        if not store.restore(self.L, self.ctx, seq.slot, head):
+            seq.at(0)  # its slot was emptied: the whole prompt is computed
+            return
+        if shared < len(head.tokens) and not self.L.llama_memory_seq_rm(self.memory, seq.slot, shared, -1):
+            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+            seq.at(0)
+            return
+        seq.at(shared)
+        seq.from_disk = shared
+        log.debug(f"Job {seq.job.id}: {shared} of {len(seq.prompt)} prompt tokens from saved state {head.name} "
+                  f"in {(time.monotonic() - began) * 1000:.0f} ms")
+
+
 def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, threads: int) -> tuple[Any, dict[str, float]]:
     """A llama context of ``cells`` tokens for ``seqs`` sequences, and its buffers as llama.cpp
     states them ({"KV", "compute", "output": MiB}); ModelError if it cannot be made, ConfigError
@@ -11325,7 +11476,7 @@ class LlamaSession(Session):
     KV cells between prompts.
 
     Threads: its worker's thread only, but ``preempt`` (any thread: see _Preemption); the
-    runner's Grammar thread makes the grammars of jobs in ``converting`` and hands them over
+    runner's Grammar thread makes the grammars of jobs in ``grammar_waits`` and hands them over
     through their _Conversion (an Event).
     """
 
@@ -11350,12 +11501,10 @@ class LlamaSession(Session):
         self.seqs = seqs
         self.normal_cells = per_seq * full
         self.cells = self.normal_cells + per_seq
-        # Jobs whose grammar the runner's Grammar thread is making (_Grammars.prepare): each holds
-        # a slot and a full share of cells, and starts at the first step after it is made.
-        self.converting: list[tuple[RunningJob, _Conversion]] = []
+        self.grammar_waits = _GrammarWaits()  # jobs whose grammar the Grammar thread is making
         self.ctx: Any = None
         self.slots: list[Optional[_Sequence]] = []
-        self.saves: list[tuple[int, list[int], str]] = []  # ended sequences' contexts to save (save_ended)
+        self.states: Optional[_StateHandOff] = None  # the saved-state hand-off: with a store and prefixes
         if runner.embedding_only:  # no generation context: generation jobs fail at start()
             return
         self.ctx, self.buffers = _llama_context(runner, self.cells, n_batch, seqs + 1, threads)
@@ -11365,6 +11514,8 @@ class LlamaSession(Session):
         self.prefixes = _PrefixCache(self.L, self.memory, seqs + 1, bool(runner.config.prefix_cache),
                                      not (self.L.llama_model_is_recurrent(runner.model)
                                           or self.L.llama_model_is_hybrid(runner.model)))
+        if runner.store is not None and self.prefixes.enabled:
+            self.states = _StateHandOff(runner.store, self.L, self.ctx, self.memory, runner.trimmable)
         self.preempted = 0  # steps cut short by preempt()
         self.preemption = _Preemption(self.L, self.ctx, runner.abort_callback)
         self.templates = _GrammarTemplates(runner)
@@ -11379,8 +11530,7 @@ class LlamaSession(Session):
             self.preemption.clear()
 
     def set_threads(self, threads: int) -> None:
-        """Decode with ``threads`` CPU threads from the next step on (a setting of the
-        context: nothing is reallocated)."""
+        """Decode with ``threads`` CPU threads from the next step on (nothing is reallocated)."""
         if threads != self.threads:
             for ctx in (self.ctx, self.embedder and self.embedder.ctx):
                 if ctx:
@@ -11403,7 +11553,7 @@ class LlamaSession(Session):
         if _Choices.waiting(self.slots):  # a job's choices not yet started have the room first
             return 0
         running, room = self.room()
-        parked = len(self.converting)
+        parked = len(self.grammar_waits)
         return max(0, min(self.seqs - running - parked, room // self.ctx_per_seq - parked, embed))
 
     def room(self) -> tuple[int, int]:
@@ -11414,7 +11564,7 @@ class LlamaSession(Session):
     def reserve(self, priority: int) -> int:
         """1 if a job of ``priority`` would run above every job here and the kept room is free
         (0 while a job's grammar is being made: that job may need the room)."""
-        return 0 if self.converting else self._reserve(priority)
+        return 0 if self.grammar_waits else self._reserve(priority)
 
     def _reserve(self, priority: int) -> int:
         if self.ctx is None or any(s is not None and (s.reserved or s.priority >= priority) for s in self.slots):
@@ -11432,16 +11582,15 @@ class LlamaSession(Session):
         """Copy the contexts of the jobs that ended last step out for the runner's Saver: after
         their results were handed on (a 184 MB copy is not in a job's latency), and before
         anything else touches their cells (a new job's start, a step, a trim, a drop)."""
-        saves, self.saves = self.saves, []
-        for slot, tokens, job_id in saves:
-            self.runner.store.save(self.L, self.ctx, slot, tokens, job_id)
+        if self.states is not None:
+            self.states.save_ended()
 
     def active(self) -> list[RunningJob]:
         """The jobs generating in this context, then those whose grammar is being made, then
         the embed jobs."""
         embedding = [e.job for e in self.embedder.jobs] if self.embedder is not None else []
-        converting = [job for job, _ in self.converting]
-        return list(dict.fromkeys(s.job for s in self.slots if s is not None)) + converting + embedding  # a job of n choices once
+        waits = self.grammar_waits.jobs()
+        return list(dict.fromkeys(s.job for s in self.slots if s is not None)) + waits + embedding  # n choices: once
 
     def start(self, job: RunningJob) -> None:
         """Take ``job`` into a free slot; raise JobError if its prompt cannot run here. A start
@@ -11457,7 +11606,7 @@ class LlamaSession(Session):
                                               "embed jobs only (submit --embed)")
             conversion = self.runner.grammars.prepare(job.params)
             if conversion is not None:  # made on the Grammar thread while the others step; begun then
-                self.converting.append((job, conversion))
+                self.grammar_waits.add(job, conversion)
                 return
             self._begin(job)
         except BaseException:
@@ -11498,38 +11647,11 @@ class LlamaSession(Session):
         if n > 1:
             _Choices.begin(self, seq, n)
         self.prefixes.make_room(self.slots, self.cells)
-        if self.runner.store is not None and self.prefixes.enabled and not seq.waiting:
-            self._restore(seq, self.runner.store)
-
-    def _restore(self, seq: _Sequence, store: StateStore) -> None:
-        """Give ``seq`` a saved state's cells where one covers more of its prompt than this
-        context's memory did (by RESTORE_GAIN_TOKENS): read, restored into its slot, cut back to
-        the prefix they share (full attention only). The last prompt token is always decoded:
-        its logits are not saved."""
-        found = store.find(seq.prompt, len(seq.prompt) - 1, seq.budget, self.runner.trimmable)
-        if found is None or found[1] < seq.pos + RESTORE_GAIN_TOKENS:
-            return
-        head, shared = found
-        self.prefixes.held[seq.slot] = []
-        began = time.monotonic()
-        if not store.restore(self.L, self.ctx, seq.slot, head):
-            seq.at(0)  # its slot was emptied: the whole prompt is computed
-            return
-        if shared < len(head.tokens) and not self.L.llama_memory_seq_rm(self.memory, seq.slot, shared, -1):
-            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
-            seq.at(0)
-            return
-        seq.at(shared)
-        seq.from_disk = shared
-        log.debug(f"Job {seq.job.id}: {shared} of {len(seq.prompt)} prompt tokens from saved state {head.name} "
-                  f"in {(time.monotonic() - began) * 1000:.0f} ms")
+        if self.states is not None and not seq.waiting:
+            self.states.restore(seq, self.prefixes)
 
     def _embedder(self) -> _Embedder:
         """The worker's embedding context, made on first use."""
-        if self.runner.pooling not in ("mean", "cls", "last"):
-            raise JobError("unsupported", f"the model cannot embed with pooling {self.runner.pooling} (its GGUF "
-                                          "names no pooling type): start the daemon with NRVNA_POOLING=mean, cls "
-                                          "or last to embed with it")
         if self.embedder is None:
             self.embedder = _Embedder(self.runner, self.threads, self.ctx_per_seq, EMBED_PACK)
         return self.embedder
@@ -11545,34 +11667,23 @@ class LlamaSession(Session):
         """One ``llama_decode`` for every generating job and one for texts of embed jobs;
         return the jobs that ended, with outcomes. Jobs whose grammar has been made begin."""
         self.save_ended()
-        ended = self._converted() if self.converting else []
+        ended = self._converted() if self.grammar_waits else []
         stepping = any(s is not None for s in self.slots) or (self.embedder is not None and bool(self.embedder.jobs))
         ended += self._generate() if self.ctx is not None else []
         if self.embedder is not None and self.embedder.jobs:
             ended += self.embedder.step(self._decode)
-        if not stepping and not ended and self.converting:  # nothing else to do: wait a little, not spin
-            self.converting[0][1].done.wait(CONVERSION_POLL)
+        if not stepping and not ended and self.grammar_waits:  # nothing else to do: wait a little, not spin
+            self.grammar_waits.pause()
         return ended
 
     def _converted(self) -> list[tuple[RunningJob, Outcome]]:
-        """Begin the jobs whose grammar is made, if there is room (choices of a running job may
-        have taken theirs: then they wait for it); end those cancelled or timed out meanwhile,
-        and those whose grammar or start failed, each alone."""
+        """Begin the jobs whose grammar is made, as they fit; end those cancelled, timed out or failed."""
         ended = []
-        for entry in list(self.converting):
-            job, conversion = entry
-            if job.interrupt is None and not conversion.done.is_set():
-                continue
-            self.converting.remove(entry)
+        for job, error, made in self.grammar_waits.ready(self._has_room):
             try:
-                if job.interrupt is not None:
-                    raise JobError(*job.interrupt)
-                if conversion.error is not None:
-                    raise conversion.error
-                if self.free() <= 0 and self._reserve(job_param(job.params, "priority")) <= 0:
-                    self.converting.append(entry)
-                    continue
-                self._begin(job, conversion.found)
+                if error is not None:
+                    raise error
+                self._begin(job, made)
             except JobError as err:
                 self.drop(job)  # a JobError may come once the job holds a slot
                 ended.append((job, Outcome(error_code=err.code, error=str(err))))
@@ -11580,6 +11691,10 @@ class LlamaSession(Session):
                 self.drop(job)
                 ended.append((job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}")))
         return ended
+
+    def _has_room(self, job: RunningJob) -> bool:
+        """Whether ``job`` can begin now (choices of a running job may have taken its room)."""
+        return self.free() > 0 or self._reserve(job_param(job.params, "priority")) > 0
 
     def _generate(self) -> list[tuple[RunningJob, Outcome]]:
         """One ``llama_decode`` for every generating job; return those that ended. The step in
@@ -11629,7 +11744,7 @@ class LlamaSession(Session):
     def _sample(self, wanted: list[tuple[_Sequence, int]]) -> list[Optional[tuple[RunningJob, Outcome]]]:
         """After a decode: each sequence's logits readied by its sampler, the likeliest tokens
         of every row found at once (for the samplers' shortlists), then each sequence's token
-        drawn and taken (_take); the outcomes of those that ended."""
+        drawn and taken (_Sequence.take); the outcomes of those that ended."""
         if not wanted:  # prompt chunks only
             return []
         np = self.runner.np
@@ -11646,51 +11761,10 @@ class LlamaSession(Session):
         for (seq, index), row, short in zip(wanted, matrix, likeliest):  # each its logits: its sampler draws, its text goes on
             if self.slots[seq.slot] is not seq:  # a choice of a job that a batch-mate choice failed
                 continue
-            end = self._take(seq, index, row, short)
+            end = seq.take(self.ctx, index, row, short, self.runner, self.ctx_per_seq)
             if end is not None:
                 ended.append(self._end(seq, *end))
         return ended
-
-    def _take(self, seq: _Sequence, index: int, row: Any, short: Optional[tuple[Any, Any]]
-              ) -> Optional[tuple[str, Optional[tuple[str, str]]]]:
-        """``seq``'s next token drawn from output ``index`` (``row``; ``short``: its likeliest
-        tokens) and taken: None if the sequence goes on, else why it ends (its finish reason,
-        and its error: code, message)."""
-        # A token the daemon writes (closing a thinking block) is never drawn, and the grammar,
-        # the penalties and the log-probabilities never see it.
-        think = seq.think
-        token = think.forced(seq.n_gen) if think is not None and (think.forcing or think.state == _ThinkRouter.INSIDE) else -1
-        if token < 0:
-            drawn = self._draw(seq, index, row, short)
-            if isinstance(drawn, tuple):
-                return drawn
-            if drawn >= 0:
-                seq.sampler.accept(drawn)
-            token = drawn if drawn >= 0 else -drawn - 1
-        if seq.add(token, self.runner.piece(token)):  # a stop string
-            return "stop", None
-        if seq.n_gen >= seq.max_tokens or seq.pos >= self.ctx_per_seq:
-            return "length", None
-        return None
-
-    def _draw(self, seq: _Sequence, index: int, row: Any, short: Optional[tuple[Any, Any]]
-              ) -> Union[int, tuple[str, Optional[tuple[str, str]]]]:
-        """``seq``'s token drawn by its sampler (see _take): the token; -1 - a token the daemon
-        writes instead (an end of generation inside a thinking block, or a close that would carry
-        answer text past the grammar: the block is closed); or why the sequence ends."""
-        try:
-            token = seq.sampler.sample(self.ctx, index, row, short)
-        except GrammarLimit as err:  # before llama.cpp is asked to do that work
-            return "stop", ("grammar_error", f"{err} after {seq.n_gen} tokens")
-        if token < 0:
-            return "stop", ("grammar_error", "no token of the model's vocabulary can continue the grammar here")
-        think, ends = seq.think, token in self.runner.eog_tokens
-        if think is not None and think.state == _ThinkRouter.INSIDE and think.closing and (
-                ends or (seq.sampler.grammar is not None and think.spills(self.runner.piece(token)))):
-            return -1 - think.close_now("eog" if ends else "model")
-        if ends and (not seq.ignore_eos or seq.sampler.grammar is not None):
-            return "stop", None  # with a grammar: allowed only once it is complete
-        return token
 
     def _end(self, seq: _Sequence, reason: str = "stop", error: Optional[tuple[str, str]] = None,
              keep: bool = True) -> Optional[tuple[RunningJob, Outcome]]:
@@ -11708,13 +11782,8 @@ class LlamaSession(Session):
         """Free ``seq``'s slot; with ``keep``, its KV cells stay for the next job's prefix; with
         ``save`` too (its job is done), they are saved to disk when the runner's StateStore wants
         them (see StateStore.wants)."""
-        store = self.runner.store
-        if keep and save and store is not None and self.prefixes.enabled and seq.choices is None:
-            params = seq.job.params
-            conversation = job_param(params, "parent") is not None or any(
-                t.get("role") == "assistant" for t in job_param(params, "messages") or ())
-            if store.wants(seq.cached, conversation, seq.computed + seq.n_gen):
-                self.saves.append((seq.slot, list(seq.cached), seq.job.id))  # copied out at save_ended
+        if keep and save and self.states is not None and seq.choices is None:
+            self.states.offer(seq)
         self.slots[seq.slot] = None
         seq.sampler.free()
         self.prefixes.release(seq, keep)
@@ -11723,7 +11792,7 @@ class LlamaSession(Session):
         """Forget ``job`` (it is being handed back to the queue) and free its slot (a conversion
         of its grammar goes on for the jobs that share it, or is abandoned)."""
         self.save_ended()
-        self.converting = [entry for entry in self.converting if entry[0] is not job]
+        self.grammar_waits.drop(job)
         for seq in self.slots:
             if seq is not None and seq.job is job:
                 self.release(seq, keep=False)
@@ -11736,7 +11805,7 @@ class LlamaSession(Session):
             self.save_ended()
         if self.embedder is not None:
             self.embedder.close()
-        self.converting = []
+        self.grammar_waits.clear()
         for seq in self.slots:
             if seq is not None:
                 self.release(seq, keep=False)
