@@ -12928,6 +12928,88 @@ class _HandBacks:
                         "processing/ until a recovery requeues it (within 30 s)")
 
 
+class _Unrunnable:
+    """Entries of ready/ or processing/ that no job can be made of, failed without being read:
+    a non-directory (a file, a symlink) wrapped unopened in a failed/<id>/ of its own, a
+    directory whose mode keeps the daemon out made accessible only to take its error.txt.
+    ``records_ends``: whether each end is recorded in hooks/done/ (Processor.records_ends).
+
+    Threads: a claiming worker (under the WorkspaceLock, which two daemons take alike), and
+    recovery (Main at start, the Watcher) under the same lock; it keeps no state of its own."""
+
+    def __init__(self, workspace: str, records_ends: Callable[[], bool]) -> None:
+        self.workspace = workspace
+        self.records_ends = records_ends
+
+    def fail_inaccessible(self, job_id: str, sub: str) -> bool:
+        """A job directory the daemon may not open or move because its own mode lacks the
+        owner's rwx (``chmod 000``, say): fail it unread, rather than retry its claim forever,
+        and return True. It is made 0700 again, as every job directory, only so that it can
+        take error.txt and move to failed/. False when the directory's mode is not the cause
+        (a state directory not writable, say): that is the workspace's fault, not the job's,
+        and the claim is retried as after any I/O error."""
+        path = job_path(self.workspace, sub, job_id)
+        try:
+            mode = stat.S_IMODE(os.lstat(path).st_mode)
+        except OSError:
+            return False
+        if mode & 0o700 == 0o700:
+            return False
+        try:
+            os.chmod(path, DIR_MODE)
+            mark_failed(self.workspace, sub, job_id, "bad_request", f"the job directory was not accessible to "
+                        f"the daemon (mode {mode:o}); it was failed without being read")
+            if self.records_ends():
+                owe_hooks(self.workspace, job_id)
+            move_job(self.workspace, job_id, sub, FAILED)
+        except OSError as err:
+            log.error(f"{sub}/{job_id} is not accessible to the daemon and cannot be made so "
+                      f"({_os_error(err)}); left there until the next start")
+            return True
+        log.warning(f"Job failed: {job_id}: its directory was not accessible (mode {mode:o})")
+        return True
+
+    def wrap(self, job_id: str, sub: str) -> None:
+        """A non-directory in ``sub`` (ready/ or processing/): wrap it, unopened, in a real
+        failed/<id>/ dir. The caller holds the WorkspaceLock (recovery publishes a wrap that
+        a dead daemon left)."""
+        try:
+            mode = os.lstat(job_path(self.workspace, sub, job_id)).st_mode
+        except FileNotFoundError:
+            return  # taken by a quarantine that held the lock before us
+        kind = ("a symbolic link" if stat.S_ISLNK(mode) else
+                "a regular file" if stat.S_ISREG(mode) else "not a directory")
+        wrap = job_path(self.workspace, PROCESSING, f".{job_id}.quarantine")
+        _remove_tree(wrap)
+        os.mkdir(wrap, DIR_MODE)
+        fd = open_dir(wrap)
+        try:
+            write_file(fd, ERROR_FILE, (f"input/ready/{job_id} is {kind}, not a job directory; it was "
+                                        f"moved here as '{QUARANTINED_ENTRY}' without being opened\n").encode())
+            write_file(fd, META_FILE, dump_meta({"id": job_id, "code": "bad_request", "attempts": 0,
+                                             "finished": round(time.time(), 3)}))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(job_path(self.workspace, sub, job_id), os.path.join(wrap, QUARANTINED_ENTRY))
+        fsync_dir(wrap)
+        fsync_dir(job_path(self.workspace, sub))
+        self.publish(job_id, wrap)
+
+    def publish(self, job_id: str, wrap: str) -> None:
+        """Move a wrap made by ``wrap`` (this daemon's, or a dead one's) to failed/<id>."""
+        if self.records_ends():
+            owe_hooks(self.workspace, job_id)
+        try:
+            move(wrap, job_path(self.workspace, FAILED, job_id))
+        except FileExistsError:
+            log.error(f"failed/{job_id} already exists; quarantined entry left in {wrap}")
+            return
+        fsync_dir(job_path(self.workspace, FAILED))
+        fsync_dir(job_path(self.workspace, PROCESSING))
+        log.warning(f"Job failed: {job_id}: input/ready/{job_id} was not a job directory")
+
+
 class Processor:
     """Moves jobs through their states.
 
@@ -12956,6 +13038,7 @@ class Processor:
         self._claims: dict[str, _Claim] = {}  # the running jobs' directories, by ID
         self._claims_lock = threading.Lock()
         self.hand_backs = _HandBacks(workspace, config)
+        self.unrunnable = _Unrunnable(workspace, self.records_ends)
 
     def _path(self, sub: str, name: str = "") -> str:
         return job_path(self.workspace, sub, name)
@@ -13009,11 +13092,11 @@ class Processor:
                 return None  # another claimer won, or the job was removed
             if err.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or a symlink, not a job directory
                 with WorkspaceLock(self.workspace):
-                    self.quarantine(job_id, READY)
+                    self.unrunnable.wrap(job_id, READY)
                 return None
             if err.errno == errno.EACCES:
                 with WorkspaceLock(self.workspace):  # two daemons never fail it both
-                    if not os.path.lexists(ready) or self.fail_inaccessible(job_id, READY):
+                    if not os.path.lexists(ready) or self.unrunnable.fail_inaccessible(job_id, READY):
                         return None
             raise
         if dir_fd is None:
@@ -13028,7 +13111,7 @@ class Processor:
             if isinstance(err, FileExistsError):
                 log.error(f"cannot claim {job_id}: processing/{job_id} already exists; left in ready/")
                 return None
-            if isinstance(err, PermissionError) and self.fail_inaccessible(job_id, READY):
+            if isinstance(err, PermissionError) and self.unrunnable.fail_inaccessible(job_id, READY):
                 return None  # a directory changes parent only if it is writable itself
             raise
         if not _same_entry(dir_fd, path):
@@ -13287,73 +13370,6 @@ class Processor:
         finally:
             os.close(dir_fd)
 
-    def fail_inaccessible(self, job_id: str, sub: str) -> bool:
-        """A job directory the daemon may not open or move because its own mode lacks the
-        owner's rwx (``chmod 000``, say): fail it unread, rather than retry its claim forever,
-        and return True. It is made 0700 again, as every job directory, only so that it can
-        take error.txt and move to failed/. False when the directory's mode is not the cause
-        (a state directory not writable, say): that is the workspace's fault, not the job's,
-        and the claim is retried as after any I/O error."""
-        path = self._path(sub, job_id)
-        try:
-            mode = stat.S_IMODE(os.lstat(path).st_mode)
-        except OSError:
-            return False
-        if mode & 0o700 == 0o700:
-            return False
-        try:
-            os.chmod(path, DIR_MODE)
-            mark_failed(self.workspace, sub, job_id, "bad_request", f"the job directory was not accessible to "
-                        f"the daemon (mode {mode:o}); it was failed without being read")
-            if self.records_ends():
-                owe_hooks(self.workspace, job_id)
-            move_job(self.workspace, job_id, sub, FAILED)
-        except OSError as err:
-            log.error(f"{sub}/{job_id} is not accessible to the daemon and cannot be made so "
-                      f"({_os_error(err)}); left there until the next start")
-            return True
-        log.warning(f"Job failed: {job_id}: its directory was not accessible (mode {mode:o})")
-        return True
-
-    def quarantine(self, job_id: str, sub: str) -> None:
-        """A non-directory in ``sub`` (ready/ or processing/): wrap it, unopened, in a real
-        failed/<id>/ dir. The caller holds the WorkspaceLock (recovery publishes a wrap that
-        a dead daemon left)."""
-        try:
-            mode = os.lstat(self._path(sub, job_id)).st_mode
-        except FileNotFoundError:
-            return  # taken by a quarantine that held the lock before us
-        kind = ("a symbolic link" if stat.S_ISLNK(mode) else
-                "a regular file" if stat.S_ISREG(mode) else "not a directory")
-        wrap = self._path(PROCESSING, f".{job_id}.quarantine")
-        _remove_tree(wrap)
-        os.mkdir(wrap, DIR_MODE)
-        fd = open_dir(wrap)
-        try:
-            write_file(fd, ERROR_FILE, (f"input/ready/{job_id} is {kind}, not a job directory; it was "
-                                        f"moved here as '{QUARANTINED_ENTRY}' without being opened\n").encode())
-            write_file(fd, META_FILE, dump_meta({"id": job_id, "code": "bad_request", "attempts": 0,
-                                             "finished": round(time.time(), 3)}))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(self._path(sub, job_id), os.path.join(wrap, QUARANTINED_ENTRY))
-        fsync_dir(wrap)
-        fsync_dir(self._path(sub))
-        self.publish_quarantine(job_id, wrap)
-
-    def publish_quarantine(self, job_id: str, wrap: str) -> None:
-        if self.records_ends():
-            owe_hooks(self.workspace, job_id)
-        try:
-            move(wrap, self._path(FAILED, job_id))
-        except FileExistsError:
-            log.error(f"failed/{job_id} already exists; quarantined entry left in {wrap}")
-            return
-        fsync_dir(self._path(FAILED))
-        fsync_dir(self._path(PROCESSING))
-        log.warning(f"Job failed: {job_id}: input/ready/{job_id} was not a job directory")
-
 # ============================================================================
 # 12.3 Recovery and hooks
 # ============================================================================
@@ -13400,9 +13416,9 @@ class _Recovery:
                     except FileNotFoundError:
                         continue  # moved on meanwhile
                     if not stat.S_ISDIR(mode):
-                        self.processor.quarantine(name, PROCESSING)
+                        self.processor.unrunnable.wrap(name, PROCESSING)
                     elif stat.S_IMODE(mode) & 0o700 != 0o700:
-                        self.processor.fail_inaccessible(name, PROCESSING)
+                        self.processor.unrunnable.fail_inaccessible(name, PROCESSING)
                     continue  # otherwise held by a live daemon
                 attempts = self._recover_one(name, dir_fd, path)
                 if attempts is not None:
@@ -13442,7 +13458,7 @@ class _Recovery:
 
     def _recover_hidden(self, name: str, path: str) -> None:
         if name.endswith(".quarantine") and os.path.lexists(os.path.join(path, QUARANTINED_ENTRY)):
-            self.processor.publish_quarantine(name[1:-len(".quarantine")], path)
+            self.processor.unrunnable.publish(name[1:-len(".quarantine")], path)
         else:
             _remove_tree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
             fsync_dir(self._path(PROCESSING))
@@ -13565,6 +13581,20 @@ class Hooks:
         self._errors: dict[str, tuple[int, float]] = {}  # job ID -> (errors in a row, when to try again)
         self._threads: list[threading.Thread] = []
         self._held: Optional[int] = None  # hooks/' lock: this daemon's turn to run hooks (see _take_turn)
+
+    @classmethod
+    def prepared(cls, workspace: str, config: Config, stop: threading.Event) -> Optional["Hooks"]:
+        """The Hooks of a daemon with on-done commands, prepared; None for one without (hooks
+        owed in hooks/done/ are then said to wait for a daemon with them)."""
+        if config.on_done or config.on_batch_done:
+            hooks = cls(workspace, config, stop)
+            hooks.prepare()
+            return hooks
+        owed = _folder_entries(workspace, HOOKS_OWED)
+        if owed:
+            log.warning(f"{len(owed)} jobs' hooks are owed (hooks/done/); they run when a daemon starts "
+                        "with --on-done or --on-batch-done (delete hooks/ to forget them)")
+        return None
 
     def prepare(self) -> None:
         """Make hooks/ (before recovery: a job it fails owes its hooks too)."""
@@ -14621,18 +14651,20 @@ class _Watcher:
 class _WorkerLoads:
     """What each worker runs, as the others see it: its load (sequences in flight) and its
     top (its highest running priority; None: idle, or between steps). A worker leaves a job
-    to one running fewer sequences, lends its threads to the busy ones (Server._share_cores),
+    to one running fewer sequences, lends its threads to the busy ones (share_cores),
     and pauses while another runs a job above all of its own.
 
     Threads: each worker writes its own entries and reads the others'; the Models thread
     reads the top (a reason to switch models), the Scanner the tops (Server._outranked, when
-    a job is queued). All under ``_lock``, held for a list operation only.
+    a job is queued). All under ``_lock``, held for a list operation only; ``budget`` changes
+    only while every worker is parked (Server._use).
     """
 
     def __init__(self, workers: int = 0) -> None:
         self._lock = threading.Lock()
         self._loads = [0] * workers
         self._tops: list[Optional[int]] = [None] * workers
+        self.budget = 0  # threads the workers' contexts share; 0: no lending (set by Server._use)
 
     def set_load(self, index: int, load: int) -> None:
         with self._lock:
@@ -14673,6 +14705,75 @@ class _WorkerLoads:
             busy = [i for i, load in enumerate(self._loads) if load > 0 or i == index]
         share, extra = divmod(budget, len(busy))
         return share + (busy.index(index) < extra)
+
+    def share_cores(self, index: int, session: Session) -> None:
+        """Spread the workers' threads over the workers that have jobs, before each step.
+
+        A worker whose queue share ran out (the tail of a batch, a lone job) would leave
+        its core idle while another worker still decodes: that worker borrows the idle
+        threads instead (capped at the core count), and hands them back at its next step
+        once the idle worker has a job again. Measured on 2 cores: one context decodes
+        1.6-1.9x faster with 2 threads than with 1 when the other core is free.
+        """
+        if not self.budget:
+            return
+        share = self.share(index, self.budget)
+        session.set_threads(max(session.base_threads, min(share, cpu_count())))
+
+
+class _Tally:
+    """A daemon's jobs in flight, and the figures of those that ended: done, failed, tokens
+    generated, and the tokens of the last minute (its record's tokens_per_second_last_minute).
+
+    Threads: the workers, the Finisher and the Models thread add and end jobs; the Watcher
+    reads them (cancels, timeouts, the record). All under ``_lock``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, RunningJob] = {}  # in flight, by ID
+        self._counts = {"jobs_done": 0, "jobs_failed": 0, "tokens_generated": 0}
+        self._recent: Any = deque()  # (time, tokens) of jobs ended in the last minute
+
+    def add(self, job: RunningJob) -> None:
+        with self._lock:
+            self._running[job.id] = job
+
+    def drop(self, job_id: str) -> None:
+        """A job handed back unended (a shutdown): no longer in flight, and not counted."""
+        with self._lock:
+            self._running.pop(job_id, None)
+
+    def ended(self, job: RunningJob, outcome: Outcome) -> None:
+        with self._lock:
+            self._running.pop(job.id, None)
+            self._counts["jobs_done" if outcome.error_code is None else "jobs_failed"] += 1
+            self._counts["tokens_generated"] += outcome.generated_tokens
+            self._recent.append((time.time(), outcome.generated_tokens))
+
+    def jobs(self) -> list[RunningJob]:
+        with self._lock:
+            return list(self._running.values())
+
+    def figures(self, now: float, since: float) -> tuple[dict[str, int], int, float]:
+        """The counts, the jobs in flight, and the tokens a second over the last minute (or
+        since ``since``, the start, if that is less)."""
+        with self._lock:
+            while self._recent and now - self._recent[0][0] > 60:
+                self._recent.popleft()
+            window = min(60.0, max(1.0, now - since))
+            return dict(self._counts), len(self._running), round(sum(t for _, t in self._recent) / window, 1)
+
+
+def _say_ended(job: RunningJob, outcome: Outcome) -> None:
+    """The log's line for a job that ended: completed (its tokens, or texts embedded), or failed."""
+    if outcome.error_code is not None:
+        log.warning(f"Job failed: {job.id}: {outcome.error}")
+    elif job_param(job.params, "embed"):
+        texts = len(job_param(job.params, "input") or [job.prompt])
+        log.info(f"Job completed: {job.id} ({texts} {'text' if texts == 1 else 'texts'} embedded, "
+                 f"{outcome.prompt_tokens} tokens)")
+    else:
+        log.info(f"Job completed: {job.id} ({outcome.generated_tokens} tokens, {outcome.finish_reason})")
 
 
 def _warn_if_shared(workspace: str) -> None:
@@ -14729,8 +14830,8 @@ class Server:
     Threads: the main thread starts, serves (``serve_forever``), stops and shuts down; the
     workers, the Finisher and the Models thread (``_fail_unloadable``) end jobs; the Watcher
     reads the running jobs and the record (``status``); the Scanner calls ``_route`` and
-    ``_queued``. The running jobs and the figures are under ``_stats_lock``, the workers'
-    loads under _WorkerLoads'. ``_sessions`` and ``_thread_budget`` change only in ``_use``:
+    ``_queued``. The running jobs and the figures are under _Tally's lock, the workers'
+    loads under _WorkerLoads'. ``_sessions`` and the loads' ``budget`` change only in ``_use``:
     at start, and on the Models thread while every worker is parked (see _ModelSwitch).
     """
 
@@ -14754,7 +14855,6 @@ class Server:
         self._threads: list[threading.Thread] = []
         self._loads = _WorkerLoads()
         self._sessions: list[Session] = []
-        self._thread_budget = 0  # threads the workers' contexts share; 0: no lending
         self.registry = _Registry(self.workspace)
         self.models: Optional[_Models] = None
         self.switch: Optional[_ModelSwitch] = None  # serving several models: the Models thread
@@ -14762,12 +14862,9 @@ class Server:
         self.scanner: Optional[Scanner] = None
         self.processor: Optional[Processor] = None
         self.started = False
-        self._running: dict[str, RunningJob] = {}  # in flight, for the watcher (under _stats_lock)
+        self.tally = _Tally()  # the jobs in flight, for the Watcher, and the record's figures
         self._finishing: Any = None  # (job, outcome) for the Finisher thread; None ends it
         self._finisher: Optional[threading.Thread] = None
-        self._stats_lock = threading.Lock()
-        self._stats = {"jobs_done": 0, "jobs_failed": 0, "tokens_generated": 0}
-        self._recent: Any = deque()  # (time, tokens) of jobs ended in the last minute
         self._started_at = time.time()
         self.hooks: Optional[Hooks] = None
         self._signalled: Optional[int] = None  # see stop_from_signal
@@ -14809,14 +14906,7 @@ class Server:
             self.pool.set_active(models.active)  # (not the first model, when it could not be loaded)
             self.processor = Processor(self.workspace, self.config, models.served[models.active].name)
             self.processor.daemon = self.registry.name
-            if self.config.on_done or self.config.on_batch_done:
-                self.hooks = Hooks(self.workspace, self.config, self._stop)
-                self.hooks.prepare()
-            else:
-                owed = _folder_entries(self.workspace, HOOKS_OWED)
-                if owed:
-                    log.warning(f"{len(owed)} jobs' hooks are owed (hooks/done/); they run when a daemon starts "
-                                "with --on-done or --on-batch-done (delete hooks/ to forget them)")
+            self.hooks = Hooks.prepared(self.workspace, self.config, self._stop)
             log.info("Recovering orphaned jobs...")
             recovery = _Recovery(self.processor)
             recovered = recovery.recover()
@@ -14824,7 +14914,7 @@ class Server:
             recovery.run_last_chances(recovered, sessions[0], self._stop,
                                       lambda job_id: (self._route(job_id) or _Place(0, None)).queue == models.active)
             self.watcher = _Watcher(self.workspace, self.registry, self.processor, recovery, self.pool, models,
-                                    self._running_jobs, self.write_status)
+                                    self.tally.jobs, self.write_status)
             models.peers(*self.watcher.peer_models())  # before the first scan routes a job
             self.scanner = Scanner(self.workspace, self.pool, self._stop)
         except BaseException:
@@ -14863,7 +14953,7 @@ class Server:
         # Threads are lent only between one-thread contexts: then the lender's thread, the
         # one wide thread, is the only OpenMP team (see LlamaRunner.decode_wide).
         lending = len(sessions) > 1 and all(s.base_threads == 1 for s in sessions)
-        self._thread_budget = len(sessions) if lending else 0
+        self._loads.budget = len(sessions) if lending else 0
 
     def request_stop(self) -> None:
         """Ask every thread to stop; ``shutdown`` waits. From a signal handler while
@@ -14913,29 +15003,21 @@ class Server:
             return self.switch.failure
         return f"{self.stranded} jobs left queued that no live daemon serves" if self.stranded else None
 
-    def _running_jobs(self) -> list[RunningJob]:
-        with self._stats_lock:
-            return list(self._running.values())
-
     def status(self) -> dict[str, Any]:
         """This daemon's record (what ``nrvna status WS --daemon`` lists)."""
         now = time.time()
-        with self._stats_lock:
-            while self._recent and now - self._recent[0][0] > 60:
-                self._recent.popleft()
-            window = min(60.0, max(1.0, now - self._started_at))
-            recent = sum(tokens for _, tokens in self._recent)
-            models = self.models.describe() if self.models else []
-            default = models[0] if models else {}
-            return dict(self._stats, pid=os.getpid(), name=self.registry.name, models=models,
-                        model=next((m["name"] for m in models if m["active"]), None), model_path=default.get("path"),
-                        kinds=self.models.kinds() if self.models else [],
-                        loads=self.models.loads if self.models else 0, models_dir=self._models_dir,
-                        aliases=self._aliases, gpu=self.config.gpu, workers=self.config.workers, seqs=self.config.seqs,
-                        hooks={"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done},
-                        kv_type=self.config.kv_type, max_memory=self.config.max_memory, caches=host_caches(self.config),
-                        started=round(self._started_at, 3), updated=round(now, 3), running=len(self._running),
-                        tokens_per_second_last_minute=round(recent / window, 1))
+        counts, running, rate = self.tally.figures(now, self._started_at)
+        models = self.models.describe() if self.models else []
+        default = models[0] if models else {}
+        return dict(counts, pid=os.getpid(), name=self.registry.name, models=models,
+                    model=next((m["name"] for m in models if m["active"]), None), model_path=default.get("path"),
+                    kinds=self.models.kinds() if self.models else [],
+                    loads=self.models.loads if self.models else 0, models_dir=self._models_dir,
+                    aliases=self._aliases, gpu=self.config.gpu, workers=self.config.workers, seqs=self.config.seqs,
+                    hooks={"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done},
+                    kv_type=self.config.kv_type, max_memory=self.config.max_memory, caches=host_caches(self.config),
+                    started=round(self._started_at, 3), updated=round(now, 3), running=running,
+                    tokens_per_second_last_minute=rate)
 
     def write_status(self) -> None:
         """Rewrite this daemon's record in daemons/ atomically."""
@@ -15009,11 +15091,11 @@ class Server:
                     self._loads.set_top(index, mine)
                     if self._loads.outranked(mine):
                         # Another worker runs a job above all of this one's: pause, and lend it
-                        # this worker's threads (see _share_cores), until it has ended.
+                        # this worker's threads (see _WorkerLoads.share_cores), until it has ended.
                         self._loads.set_load(index, 0)
                         time.sleep(0.005)
                         continue
-                    self._share_cores(index, session)
+                    self._loads.share_cores(index, session)
                     ended = session.step()
                     # A job's files (writes, fsyncs, renames: milliseconds) would hold up the
                     # jobs still running here: the Finisher records it while they go on.
@@ -15033,25 +15115,10 @@ class Server:
         self._loads.set_top(index, None)
         for job in session.active():
             session.drop(job)
-            with self._stats_lock:
-                self._running.pop(job.id, None)
+            self.tally.drop(job.id)
             self.processor.requeue(job)
             self.pool.done(job.id)
         log.debug(f"{name} exiting")
-
-    def _share_cores(self, index: int, session: Session) -> None:
-        """Spread the workers' threads over the workers that have jobs, before each step.
-
-        A worker whose queue share ran out (the tail of a batch, a lone job) would leave
-        its core idle while another worker still decodes: that worker borrows the idle
-        threads instead (capped at the core count), and hands them back at its next step
-        once the idle worker has a job again. Measured on 2 cores: one context decodes
-        1.6-1.9x faster with 2 threads than with 1 when the other core is free.
-        """
-        if not self._thread_budget:
-            return
-        share = self._loads.share(index, self._thread_budget)
-        session.set_threads(max(session.base_threads, min(share, cpu_count())))
 
     def _admit(self, index: int, session: Session, name: str) -> None:
         """Claim jobs while the session has free slots (blocking only when it is idle).
@@ -15090,8 +15157,7 @@ class Server:
                 continue
             log.info(f"Processing job: {job_id}")
             self._loads.add(index)
-            with self._stats_lock:
-                self._running[job_id] = job
+            self.tally.add(job)
             try:
                 session.start(job)
             except JobError as err:
@@ -15120,14 +15186,7 @@ class Server:
             sessions[index].preempt()
 
     def _end(self, job: RunningJob, outcome: Outcome) -> None:
-        with self._stats_lock:
-            self._running.pop(job.id, None)
-            if outcome.error_code is None:
-                self._stats["jobs_done"] += 1
-            else:
-                self._stats["jobs_failed"] += 1
-            self._stats["tokens_generated"] += outcome.generated_tokens
-            self._recent.append((time.time(), outcome.generated_tokens))
+        self.tally.ended(job, outcome)
         if self.processor.finish(job, outcome):
             self.pool.done(job.id)
             self.pool.released(job.id)  # its children, if any waited for it
@@ -15135,15 +15194,7 @@ class Server:
                 self.hooks.poke()
             if self.switch is not None:
                 self.switch.wake.set()
-            if outcome.error_code is None:
-                if job_param(job.params, "embed"):
-                    texts = len(job_param(job.params, "input") or [job.prompt])
-                    log.info(f"Job completed: {job.id} ({texts} {'text' if texts == 1 else 'texts'} embedded, "
-                             f"{outcome.prompt_tokens} tokens)")
-                else:
-                    log.info(f"Job completed: {job.id} ({outcome.generated_tokens} tokens, {outcome.finish_reason})")
-            else:
-                log.warning(f"Job failed: {job.id}: {outcome.error}")
+            _say_ended(job, outcome)
         else:
             self.pool.retry_later(job.id, 2.0)
 
@@ -15159,8 +15210,7 @@ class Server:
             if job is None:
                 self.pool.done(job_id)
                 continue
-            with self._stats_lock:
-                self._running[job_id] = job
+            self.tally.add(job)
             self._end(job, Outcome(error_code="load_failed", error=error))
 
 

@@ -8595,7 +8595,7 @@ def test_a_worker_alone_with_jobs_borrows_the_idle_workers_threads(ws: str) -> N
     lent = min(2, nrvna.cpu_count())
     runner = LendingRunner(capacity=1)
     with serving(ws, runner, workers=2) as server:
-        assert server._thread_budget == 2
+        assert server._loads.budget == 2
         lone = submit(ws, "lone steps 12")
         assert wait_all(ws, [lone]) == [Status.Done]
         long, short = submit(ws, "long steps 60"), submit(ws, "short steps 20")
@@ -8622,7 +8622,7 @@ def test_threads_are_lent_only_between_one_thread_contexts(ws: str) -> None:
     LendingSession.base_threads = 2
     try:
         with serving(ws, runner, workers=2) as server:
-            assert server._thread_budget == 0  # a second OpenMP team per worker would slow all
+            assert server._loads.budget == 0  # a second OpenMP team per worker would slow all
             job = submit(ws, "lone steps 5")
             assert wait_all(ws, [job]) == [Status.Done]
         assert {t for _, t, _ in runner.steps} == {1}  # set_threads never called
