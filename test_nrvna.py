@@ -6611,6 +6611,73 @@ def test_every_banner_has_a_lead_and_no_section_is_over_800_lines(name: str) -> 
         assert last - first + 1 <= 800, (title, last - first + 1)
 
 
+# The namedtuple's own API (underscored so as not to clash with field names), and ctypes' _fields_.
+_PUBLIC_UNDERSCORED = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+
+def _shape(tree: ast.Module) -> tuple[dict[str, int], dict[str, int], list[str]]:
+    """nrvna.py's shape as issue 59 bounds it: each class's lines, each function's lines (a
+    method as Class.name), and each access ``x._name`` where ``x`` is not ``self``, ``cls``,
+    ``super()`` or a module (an imported name, or the llama_cpp module as _import_llama gives it)
+    and ``_name`` is not defined by the class the access is in (another instance of it)."""
+    modules = {"L"} | {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+                       if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name) and node.value.func.id == "_import_llama"
+                for t in node.targets if isinstance(t, ast.Name)}
+    classes, functions, reaches = {}, {}, []
+
+    def defines(node: ast.ClassDef) -> set[str]:
+        found = set()
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.add(sub.name)
+            elif isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
+                found.add(sub.attr)
+            elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                found.add(sub.id)
+        return found
+
+    def walk(node: ast.AST, owner: Optional[ast.ClassDef], prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner, name = owner, prefix
+            if isinstance(child, ast.ClassDef):
+                classes[child.name] = child.end_lineno - child.lineno + 1
+                inner, name = child, child.name + "."
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions[f"{prefix}{child.name}:{child.lineno}"] = child.end_lineno - child.lineno + 1
+                name = prefix + child.name + "."
+            elif isinstance(child, ast.Attribute) and child.attr.startswith("_") and not child.attr.endswith("_") \
+                    and child.attr not in _PUBLIC_UNDERSCORED:
+                base = child.value
+                allowed = (isinstance(base, ast.Name) and (base.id in ("self", "cls") or base.id in modules)) or (
+                    isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super") or (
+                    owner is not None and child.attr in defines(owner))
+                if not allowed:
+                    reaches.append(f"line {child.lineno}: {ast.unparse(child)}")
+            walk(child, inner, name)
+
+    walk(tree, None, "")
+    return classes, functions, reaches
+
+
+def test_no_class_or_function_is_over_its_bound_and_none_reaches_into_another_s_private_state() -> None:
+    """Issue 59's bounds over the whole of nrvna.py (a section added later included): no class
+    over 400 lines, LlamaSession under 350, no function over 80, and no ``x._name`` where ``x``
+    is not self, cls, super() or a module, but on another instance of the class defining _name."""
+    classes, functions, reaches = _shape(ast.parse(Path(nrvna.__file__).read_text(encoding="utf-8")))
+    assert {"LlamaRunner", "LlamaSession", "Server", "Processor"} <= set(classes) and len(functions) > 800
+    assert {name: lines for name, lines in classes.items() if lines > 400} == {}
+    assert classes["LlamaSession"] < 350
+    assert {name: lines for name, lines in functions.items() if lines > 80} == {}
+    assert reaches == []
+    # the checker sees what it bounds: a reach, a long class and a long function of a sample
+    sample = ("class A:\n    def f(self, other):\n        return other._mine + self._x\n    _mine = 1\n"
+              "def g(runner):\n    " + "x = 1\n    " * 80 + "return runner._lock\n")
+    sample_classes, sample_functions, sample_reaches = _shape(ast.parse(sample))
+    assert sample_reaches == ["line 86: runner._lock"] and sample_functions["g:5"] == 82 and sample_classes["A"] == 4
+
+
 def test_the_contents_list_names_what_each_sub_section_defines() -> None:
     """Each name the contents list gives under a banner that nrvna.py defines at its top level is
     defined in that banner's text (section 5.2 lists only what 5.2 defines)."""
