@@ -142,7 +142,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
 
     Main -> Server: starts, serves, stops; _use (sessions, thread budget) at start; stranded; _signalled
         (set by the signal handler) => before the other threads start and after they are joined; the
-        signal handler only sets one field (takes no lock)
+        signal handler only sets one field (takes no lock); _stop, the Event request_stop sets and
+        every thread reads
     Main -> _Registry: lock file and record: register, release, dead() at start; write at a drain
         (Server._say_stranded) => register/release before threads start / after join; write and keep under
         _Registry._lock (the record's temp name is fixed)
@@ -150,7 +151,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         under the WorkspaceLock; before the workers start
     Main -> Scanner: wake() (a pipe); scan() at a drain check => Pool locks itself; scans is only compared
         with 0, and Main scans only after it is not
-    Main -> Hooks: prepare, start, idle, stop (closes _held) => _lock for _in_flight; stop joins the hook
+    Main -> Hooks: prepared, start, all_done, stop (closes _held) => _lock for _in_flight; stop joins the hook
         threads before closing _held
     Main -> _Models: constructor, start (activates the first model that loads), peers (start), describe
         (register), close (shutdown) => before the threads start / after they are joined; routing state
@@ -168,12 +169,14 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         thread (the Pool gives an ID out once; the claim rename and hold_job make it this daemon's);
         _claims under _claims_lock; a claim's dir_fd under _Claim.lock
     Worker-N -> _HandBacks: failed-finish counts, room waited for => _HandBacks._lock
-    Worker-N -> Server: _running, _stats, _recent; _sessions[index] => _stats_lock; _sessions changes only
-        while every worker is parked (_ModelSwitch.park)
+    Worker-N -> Server: _sessions[index] => _sessions changes only while every worker is parked
+        (_ModelSwitch.park)
+    Worker-N, Finisher, Models -> _Tally (Server.tally): add, drop, ended: _running, _counts, _recent =>
+        _Tally._lock
     Worker-N -> _Models: reads active, served[active].name at a claim => read only while the Pool has an
         active queue; a switch clears it and waits for every worker to park before activate
     Worker-N -> _ModelSwitch: park, leave; wake => _ModelSwitch._cond; wake is an Event
-    Worker-N, Finisher -> Hooks: poke => a threading.Event
+    Worker-N, Finisher -> Hooks: poke (_wake) => a threading.Event
     Finisher -> Processor, _HandBacks, Server, Pool: _end of jobs a worker handed it (finish, stats,
         done/retry_later) => the job is the Finisher's once queued (a queue.SimpleQueue); the locks as for
         the workers
@@ -198,10 +201,11 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         live daemon (this one included) holds is left alone (hold_orphan)
     Watcher -> _Registry: keep, dead, write => _Registry._lock around write and the rename in keep
     Watcher -> Pool, _Models: forget_gone, reroute(peers) => Pool's lock, then _Models._lock
-    Watcher -> Server: _running_jobs, status (stats, describe) => _stats_lock
-    Watcher -> _Models: describe: served[i].runner/sessions and active read as they are, with no lock (the
-        Models thread changes them: a record a switch behind at worst); each runner's memory (see
-        LlamaRunner.memory); the routing state (failed) under _Models._lock
+    Watcher -> Server, _Tally: status (figures, describe), jobs (the running jobs) => _Tally._lock
+    Watcher -> _Models: describe: served[i].runner/sessions read as they are, with no lock (the Models
+        thread changes them: a record a switch behind at worst), and each loaded runner's memory (see
+        LlamaRunner.memory) read outside the lock; the names, active and the routing state (failed)
+        under _Models._lock
     Watcher, loader -> LlamaRunner (memory): _sessions (each with its _ContextSize),
         weights_mib => _lock for the list; only plain numbers stated when the model and each context were
         made (a session's _Embedder.buffers too), never the model or a context through llama.cpp: the
@@ -232,9 +236,9 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         done Event is set; the waiting workers read them only after
     any -> _CallThread (Grammar, Wide): its call queue => a queue.SimpleQueue (thread-safe); each call's result in
         its own box, set before its Event
-    Worker-N -> LlamaSession and what it holds: _Sequence, _Choices, _PrefixCache, _Batch,
-        _SamplingScratch, _GrammarTemplates, _JobSampler, _Penalties, _Embedder, _Embedding: its llama
-        context(s), KV cells, batch, samplers, slots => one worker's only (llama.cpp's rule: a context is
+    Worker-N -> LlamaSession and what it holds: _Sequence, _Choices, _PrefixCache, _Batch, _GrammarWaits,
+        _StateHandOff, _SamplingScratch, _GrammarTemplates, _JobSampler, _Penalties, _Embedder, _Embedding:
+        its llama context(s), KV cells, batch, samplers, slots => one worker's only (llama.cpp's rule: a context is
         never shared between threads), but: made (LlamaRunner.session) and closed (LlamaRunner.close) by
         the loader while no worker uses it (a switch parks every worker first); preempt (below); grammars
         handed over by the Grammar thread (_Conversion, above); its _Embedder.buffers read by the
@@ -252,6 +256,10 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Main, Worker-N -> _checked (a schema or tools checked at submit, in parse_batch, at each claim):
         _CHECKED => _CHECKED_LOCK around each read and each write (with its eviction), never held while a
         check runs: two threads may check one key at once, and find the same
+    Worker-N, Grammar -> schema_to_grammar: _schema_converter => no lock: the converter class is made
+        whole, then bound in one assignment (threads that race make the same class)
+    any -> move: _renameat2 => no lock: loaded whole, then bound in one assignment (threads that race
+        load the same function)
     Main, Worker-N -> _python_class: _python_classes => no lock: filled whole by one update (threads that
         race compute the same)
     Main, loader -> gguf_strings: _gguf_headers => no lock: one get, one set or clear, each atomic (a
@@ -260,7 +268,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         _llama_log_reason, _GrammarTemplates, LlamaRunner: _llama_log_tail => no lock: the callback appends
         and cuts it to 5 lines, a call whose failure it explains clears it first, _llama_log_reason reads
         one slice (at worst another thread's line is the reason given); _buffer_sizes => by thread: each
-        thread adds, fills (its callback) and removes its own entry
+        thread adds, fills (its callback) and removes its own entry; _llama_log_callback => bound once,
+        by the first loader, before llama.cpp is given its address (and kept: llama.cpp holds no reference)
 """
 
 from __future__ import annotations
@@ -8885,24 +8894,24 @@ def _install_llama_logging(llama: Any, level: str) -> None:
     llama.llama_log_set(_llama_log_callback, None)
 
 
-def _kv_params(L: Any, config: Config) -> tuple[int, int, int]:
+def _kv_params(llama_cpp: Any, config: Config) -> tuple[int, int, int]:
     """A generation context's KV cache types and flash attention (type_k, type_v, flash_attn_type)
     for NRVNA_KV_TYPE: read by _llama_context and by the saved states' fingerprint alike, so a
     state is restored only into a cache laid out as the one it came from."""
     if config.kv_type == "f16":  # llama.cpp's own defaults: flash attention where it helps
-        defaults = L.llama_context_default_params()
+        defaults = llama_cpp.llama_context_default_params()
         return int(defaults.type_k), int(defaults.type_v), int(defaults.flash_attn_type)
     code = KV_TYPES[config.kv_type][0]
-    return code, code, int(L.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+    return code, code, int(llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
 
 
-def _new_context(L: Any, model: Any, params: Any) -> tuple[Any, dict[str, float]]:
+def _new_context(llama_cpp: Any, model: Any, params: Any) -> tuple[Any, dict[str, float]]:
     """``llama_init_from_model`` (a null context where it fails: its reason is in _llama_log_tail),
     and the context's buffers as llama.cpp logs them: {"KV", "compute", "output": MiB}."""
     del _llama_log_tail[:]
     sizes = _buffer_sizes[threading.get_ident()] = {}
     try:
-        return L.llama_init_from_model(model, params), sizes
+        return llama_cpp.llama_init_from_model(model, params), sizes
     finally:
         del _buffer_sizes[threading.get_ident()]
 
@@ -8914,7 +8923,7 @@ def _llama_log_reason(form: str) -> str:
     return form.format(last[0]) if last else ""
 
 
-def _strlen_callback(L: Any) -> Any:
+def _strlen_callback(llama_cpp: Any) -> Any:
     """libc's strlen as a ggml_abort_callback (see LlamaSession.preempt), where a bool result
     is read from the low byte of the integer register that holds strlen's (x86-64, arm64);
     None elsewhere: steps are then never cut short."""
@@ -8924,7 +8933,7 @@ def _strlen_callback(L: Any) -> Any:
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         return None
     try:
-        return ctypes.cast(ctypes.CDLL(None).strlen, L.ggml_abort_callback)
+        return ctypes.cast(ctypes.CDLL(None).strlen, llama_cpp.ggml_abort_callback)
     except (OSError, AttributeError):
         return None
 
@@ -8946,15 +8955,15 @@ def _pooling(setting: str, stated: Optional[str]) -> str:
     return "none"
 
 
-def _load_unmapped(L: Any, params: Any) -> None:
+def _load_unmapped(llama_cpp: Any, params: Any) -> None:
     """Make ``params`` (llama_model_params) read the weights into memory of their own instead of
     mapping the file. A mapped file truncated in place (cp over it) is SIGBUS at the next touch
     of a page gone: the daemon dies (its jobs are recovered as after any crash); unmapped, the
     weights are the daemon's, whatever happens to the file."""
     fields = {name for name, _ in type(params)._fields_}
     if "load_mode" in fields:  # llama.cpp's load modes (llama-cpp-python 0.3.36)
-        params.load_mode = L.LLAMA_LOAD_MODE_NONE
-        params.lazy_mode = L.LLAMA_LAZY_MODE_OFF  # lazy rows are read through the mapping
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+        params.lazy_mode = llama_cpp.LLAMA_LAZY_MODE_OFF  # lazy rows are read through the mapping
     else:
         params.use_mmap = False
 
@@ -9503,25 +9512,25 @@ class _SamplingScratch:
     Threads: a session belongs to one worker thread, and so does its scratch: never shared
     between threads."""
 
-    __slots__ = ("L", "byref", "candidates", "candidates_array", "token_ids", "one", "one_array", "short",
+    __slots__ = ("llama_cpp", "byref", "candidates", "candidates_array", "token_ids", "one", "one_array", "short",
                  "short_ids", "short_logits", "short_p", "short_array", "draws")
 
     def __init__(self, runner: LlamaRunner) -> None:
         import ctypes
 
-        L = self.L = runner.L
+        llama_cpp = self.llama_cpp = runner.llama_cpp
         np = runner.np
         self.byref = ctypes.byref
         # The whole vocabulary as llama_token_data, for resampling under a grammar (see whole_vocabulary).
         self.candidates: Any = None
         self.candidates_array: Any = None
         self.token_ids: Any = None
-        self.one = L.llama_token_data(0, 0.0, 0.0)  # one candidate: is a token allowed by a grammar?
-        self.one_array = L.llama_token_data_array(ctypes.pointer(self.one), 1, -1, False)
+        self.one = llama_cpp.llama_token_data(0, 0.0, 0.0)  # one candidate: is a token allowed by a grammar?
+        self.one_array = llama_cpp.llama_token_data_array(ctypes.pointer(self.one), 1, -1, False)
         # A top_k draw's candidates, the k likeliest tokens (see _JobSampler._draw_short).
         self.short = np.zeros(SHORTLIST_COLUMNS, dtype=_token_data_dtype(np))
         self.short_ids, self.short_logits, self.short_p = self.short["id"], self.short["logit"], self.short["p"]
-        self.short_array = L.llama_token_data_array(self.short.ctypes.data_as(L.llama_token_data_p), 0, -1, False)
+        self.short_array = llama_cpp.llama_token_data_array(self.short.ctypes.data_as(llama_cpp.llama_token_data_p), 0, -1, False)
         self.draws = [0, 0]  # draws from the k likeliest tokens, from the whole vocabulary
 
     def whole_vocabulary(self, np: Any, n_vocab: int) -> None:
@@ -9529,8 +9538,8 @@ class _SamplingScratch:
         if self.candidates is None:
             self.candidates = np.zeros(n_vocab, dtype=_token_data_dtype(np))
             self.token_ids = np.arange(n_vocab, dtype=np.intc)
-            self.candidates_array = self.L.llama_token_data_array(
-                self.candidates.ctypes.data_as(self.L.llama_token_data_p), n_vocab, -1, False)
+            self.candidates_array = self.llama_cpp.llama_token_data_array(
+                self.candidates.ctypes.data_as(self.llama_cpp.llama_token_data_p), n_vocab, -1, False)
 
 
 def _token_data_dtype(np: Any) -> Any:
@@ -9615,18 +9624,18 @@ class _GrammarTemplates:
         if found is None:
             return None
         key, text, shape = found
-        L = self.runner.L
+        llama_cpp = self.runner.llama_cpp
         template = self.parsed.pop(key, None)
         if template is None:
             del _llama_log_tail[:]
-            template = L.llama_sampler_init_grammar(self.runner.vocab, text.encode("utf-8"), b"root")
+            template = llama_cpp.llama_sampler_init_grammar(self.runner.vocab, text.encode("utf-8"), b"root")
             if not template:
                 reason = _llama_log_reason(" ({})")
                 raise JobError("bad_request", f"llama.cpp refused the grammar{reason}")
             while len(self.parsed) >= GRAMMAR_TEMPLATES:
-                L.llama_sampler_free(self.parsed.pop(next(iter(self.parsed))))
+                llama_cpp.llama_sampler_free(self.parsed.pop(next(iter(self.parsed))))
         self.parsed[key] = template  # most recently used last
-        return L.llama_sampler_clone(template), self._fork(key, shape)
+        return llama_cpp.llama_sampler_clone(template), self._fork(key, shape)
 
     def _fork(self, key: Any, shape: GrammarShape) -> GrammarShape:
         """This context's fork of the runner's ``shape``, made on first use: its memos are this
@@ -9642,7 +9651,7 @@ class _GrammarTemplates:
     def close(self) -> None:
         """Free every parsed grammar."""
         for template in self.parsed.values():
-            self.runner.L.llama_sampler_free(template)
+            self.runner.llama_cpp.llama_sampler_free(template)
         self.parsed.clear()
         self.shapes.clear()
 
@@ -9657,26 +9666,26 @@ def _shortlist_size(chain_settings: tuple[bool, int, float, float]) -> int:
     return top_k if 0 < top_k < SHORTLIST_COLUMNS else 0
 
 
-def _sampler_chain(L: Any, params: Mapping[str, Any], cfg: Config) -> Any:
+def _sampler_chain(llama_cpp: Any, params: Mapping[str, Any], cfg: Config) -> Any:
     """llama.cpp's sampler chain for one job (chains hold state: one per sequence); the
     repetition penalty is not in it (see _Penalties)."""
     temperature = job_param(params, "temperature", cfg)
     top_k = job_param(params, "top_k", cfg)
     top_p = job_param(params, "top_p", cfg)
     min_p = job_param(params, "min_p", cfg)
-    seed = job_param(params, "seed", cfg) or L.LLAMA_DEFAULT_SEED  # 0 = random
-    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    seed = job_param(params, "seed", cfg) or llama_cpp.LLAMA_DEFAULT_SEED  # 0 = random
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     if temperature <= 0:
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
         return chain
     if top_k > 0:
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(top_k))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(top_k))
     if top_p < 1.0:
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(top_p, 1))
     if min_p > 0.0:
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(min_p, 1))
-    L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
-    L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(min_p, 1))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(temperature))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed))
     return chain
 
 
@@ -9695,7 +9704,7 @@ class _JobSampler:
     vocabulary) is safe to share (see LlamaRunner).
     """
 
-    __slots__ = ("runner", "L", "scratch", "chain", "chain_settings", "shortlist_size", "penalties", "grammar", "shape",
+    __slots__ = ("runner", "llama_cpp", "scratch", "chain", "chain_settings", "shortlist_size", "penalties", "grammar", "shape",
                  "state", "after", "logprobs", "top_logprobs", "step_logprobs", "thinking", "logged")
 
     def __init__(self, runner: LlamaRunner, scratch: _SamplingScratch, chain: Any,
@@ -9703,7 +9712,7 @@ class _JobSampler:
                  grammar: Any = None, shape: Optional[GrammarShape] = None, logprobs: bool = False,
                  top_logprobs: int = 0) -> None:
         self.runner = runner
-        self.L = runner.L
+        self.llama_cpp = runner.llama_cpp
         self.scratch = scratch  # the context's arrays (see _SamplingScratch)
         self.chain = chain  # llama.cpp's sampler chain (LlamaRunner.sampler); penalties are not in it
         self.chain_settings = chain_settings  # what the chain does: (greedy, top_k, top_p, min_p)
@@ -9734,7 +9743,7 @@ class _JobSampler:
         config = runner.config
         settings = (job_param(params, "temperature", config) <= 0, job_param(params, "top_k", config),
                     job_param(params, "top_p", config), job_param(params, "min_p", config))
-        return cls(runner, scratch, _sampler_chain(runner.L, params, config), settings, penalties, grammar, shape,
+        return cls(runner, scratch, _sampler_chain(runner.llama_cpp, params, config), settings, penalties, grammar, shape,
                    bool(job_param(params, "logprobs")), job_param(params, "top_logprobs") or 0)
 
     def prepare(self, row: Any) -> None:
@@ -9758,7 +9767,7 @@ class _JobSampler:
             token = self._draw_short(*likeliest)
         else:
             self.scratch.draws[1] += 1
-            token = self.L.llama_sampler_sample(self.chain, ctx, index)
+            token = self.llama_cpp.llama_sampler_sample(self.chain, ctx, index)
         if self.grammar is not None and not self.thinking and not self._allowed(token):
             token = self._resample(row)
         return token
@@ -9778,11 +9787,11 @@ class _JobSampler:
         scratch.short_p[:count] = 0.0
         array = scratch.short_array
         array.size, array.selected, array.sorted = count, -1, False
-        self.L.llama_sampler_apply(self.chain, scratch.byref(array))
+        self.llama_cpp.llama_sampler_apply(self.chain, scratch.byref(array))
         if not 0 <= array.selected < count:  # (llama_sampler_sample would abort the process)
             raise RuntimeError(f"the sampler chain selected candidate {array.selected} of {count}")
         token = int(scratch.short_ids[array.selected])
-        self.L.llama_sampler_accept(self.chain, token)
+        self.llama_cpp.llama_sampler_accept(self.chain, token)
         scratch.draws[0] += 1
         return token
 
@@ -9793,7 +9802,7 @@ class _JobSampler:
         if self.penalties is not None:
             self.penalties.accept(token)
         if self.grammar is not None and not self.thinking:
-            self.L.llama_sampler_accept(self.grammar, token)  # never a refused token: llama.cpp aborts on one
+            self.llama_cpp.llama_sampler_accept(self.grammar, token)  # never a refused token: llama.cpp aborts on one
             self.state = self.after
         if self.step_logprobs is not None:
             self.logprobs.append(self._logprob(self.step_logprobs, token))
@@ -9806,13 +9815,13 @@ class _JobSampler:
             self.logprobs.pop()
             self.logged = False
 
-    def free(self) -> None:
+    def close(self) -> None:
         """Free the chain and the grammar sampler (the log-probabilities stay)."""
         if self.chain is not None:
-            self.L.llama_sampler_free(self.chain)
+            self.llama_cpp.llama_sampler_free(self.chain)
             self.chain = None
         if self.grammar is not None:
-            self.L.llama_sampler_free(self.grammar)
+            self.llama_cpp.llama_sampler_free(self.grammar)
             self.grammar = None
 
     def _allowed(self, token: int) -> bool:
@@ -9832,7 +9841,7 @@ class _JobSampler:
         one.id, one.logit, one.p = token, 0.0, 0.0
         array = scratch.one_array
         array.size, array.selected, array.sorted = 1, -1, False
-        self.L.llama_sampler_apply(self.grammar, scratch.byref(array))
+        self.llama_cpp.llama_sampler_apply(self.grammar, scratch.byref(array))
         allowed = one.logit != -_INF
         if allowed and not eog and self.after is None:
             # (never seen: GrammarShape is llama.cpp's algorithm; were it not, the job ends here
@@ -9873,7 +9882,7 @@ class _JobSampler:
         candidates["logit"][:count] = logits
         candidates["p"][:count] = 0.0
         array.size, array.selected, array.sorted = count, -1, False
-        self.L.llama_sampler_apply(self.grammar, scratch.byref(array))
+        self.llama_cpp.llama_sampler_apply(self.grammar, scratch.byref(array))
         kept = candidates["logit"][:count]
         kept[self.runner.control_mask[candidates["id"][:count]]] = -_INF  # see _allowed
         allowed = kept[np.isfinite(kept)]
@@ -9883,7 +9892,7 @@ class _JobSampler:
         """The job's sampler chain on the loaded candidates: the token it draws (-1: none)."""
         scratch = self.scratch
         array = scratch.candidates_array
-        self.L.llama_sampler_apply(self.chain, scratch.byref(array))
+        self.llama_cpp.llama_sampler_apply(self.chain, scratch.byref(array))
         if not 0 <= array.selected < array.size:
             return -1
         token = int(scratch.candidates["id"][array.selected])
@@ -9965,7 +9974,7 @@ class _JobSampler:
 
 class _ThinkRouter:
     """One sequence's generated text split into its thinking and its answer, by the thinking
-    block's tags (``open``, ``close``: ``<think>``, ``</think>``), matched in the decoded text so
+    block's tags (``open_tag``, ``close_tag``: ``<think>``, ``</think>``), matched in the decoded text so
     that a tag split over tokens, or merged with its neighbours, matches alike.
 
     ``route(text)`` takes each decoded piece and returns the part of it that is answer; the
@@ -9987,16 +9996,16 @@ class _ThinkRouter:
     Threads: its sequence's worker only."""
 
     BEFORE, INSIDE, AFTER, ANSWER = range(4)
-    __slots__ = ("open", "close", "state", "held", "parts", "opened", "start", "cap", "force_at", "closing",
+    __slots__ = ("open_tag", "close_tag", "state", "held", "parts", "opened", "start", "cap", "force_at", "closing",
                  "forcing", "spent", "closed", "headers", "wrote", "mark")
 
-    def __init__(self, open: str, close: str, state: int, cap: Optional[int] = None, force_at: Optional[int] = None,
+    def __init__(self, open_tag: str, close_tag: str, state: int, cap: Optional[int] = None, force_at: Optional[int] = None,
                  closing: tuple[int, ...] = (), headers: tuple[str, ...] = ()) -> None:
-        self.open, self.close, self.state = open, close, state
+        self.open_tag, self.close_tag, self.state = open_tag, close_tag, state
         self.headers = headers  # markup dropped before the answer (harmony's final channel header)
         # The character every tag starts with, where they share one: text without it holds no tag
         # (route's fast path: most pieces are plain words).
-        firsts = {tag[0] for tag in (open, close, *headers)}
+        firsts = {tag[0] for tag in (open_tag, close_tag, *headers)}
         self.mark = firsts.pop() if len(firsts) == 1 else None
         self.held = ""
         self.parts: list[str] = []
@@ -10012,7 +10021,7 @@ class _ThinkRouter:
 
     def again(self) -> "_ThinkRouter":
         """A router for another choice of the same prompt, as this one started."""
-        return _ThinkRouter(self.open, self.close, self.start, self.cap, self.force_at, self.closing, self.headers)
+        return _ThinkRouter(self.open_tag, self.close_tag, self.start, self.cap, self.force_at, self.closing, self.headers)
 
     def forced(self, generated: int) -> int:
         """The token the daemon writes next instead of a draw, or -1: the rest of a close it has
@@ -10039,8 +10048,8 @@ class _ThinkRouter:
         """Whether ``piece`` would close the block and carry answer text with it (``>{``): with a
         grammar, that text would skip the grammar, so the daemon closes the block instead."""
         text = self.held + piece.decode("utf-8", "ignore")
-        at = text.find(self.close)
-        return at >= 0 and bool(text[at + len(self.close):].strip())
+        at = text.find(self.close_tag)
+        return at >= 0 and bool(text[at + len(self.close_tag):].strip())
 
     @property
     def reasoning(self) -> str:
@@ -10057,11 +10066,11 @@ class _ThinkRouter:
         while held:
             if self.state == self.BEFORE or self.state == self.AFTER:
                 held = held.lstrip()
-                tags = (self.open, self.close, *self.headers) if self.state == self.AFTER else (self.open, *self.headers)
+                tags = (self.open_tag, self.close_tag, *self.headers) if self.state == self.AFTER else (self.open_tag, *self.headers)
                 tag = next((tag for tag in tags if held.startswith(tag)), None)
                 if tag is not None:  # a block opens; or a header, or a second close tag, dropped
                     held = held[len(tag):]
-                    if tag == self.open:
+                    if tag == self.open_tag:
                         self.state, self.opened = self.INSIDE, True
                     continue
                 if any(tag.startswith(held) for tag in tags):  # may still become one
@@ -10072,9 +10081,9 @@ class _ThinkRouter:
                 (self.parts if self.state == self.INSIDE else answer).append(before)
                 if tag is None:
                     break
-                if self.state == self.INSIDE and tag == self.close:  # an open tag inside the block is dropped
+                if self.state == self.INSIDE and tag == self.close_tag:  # an open tag inside the block is dropped
                     self.state = self.AFTER
-                elif self.state == self.ANSWER and tag == self.open:  # a lone close tag is dropped
+                elif self.state == self.ANSWER and tag == self.open_tag:  # a lone close tag is dropped
                     self.state, self.opened = self.INSIDE, True
         self.held = held
         return "".join(answer)
@@ -10082,9 +10091,9 @@ class _ThinkRouter:
     def _cut(self, held: str) -> tuple[str, Optional[str], str]:
         """``held``'s text before its first tag, that tag, and the text after it; with no tag:
         the text, None, and the end that may still start one (held back)."""
-        found = [(held.find(tag), tag) for tag in (self.open, self.close) if tag in held]
+        found = [(held.find(tag), tag) for tag in (self.open_tag, self.close_tag) if tag in held]
         if not found:
-            keep = len(held) - _tag_start(held, (self.open, self.close))
+            keep = len(held) - _tag_start(held, (self.open_tag, self.close_tag))
             return held[:keep], None, held[keep:]
         at, tag = min(found)
         return held[:at], tag, held[at + len(tag):]
@@ -10193,7 +10202,7 @@ class _Choices:
         self.results: list[Optional[Outcome]] = [None] * n
 
     @staticmethod
-    def waiting(slots: list[Optional[_Sequence]]) -> list[_Sequence]:
+    def unstarted(slots: list[Optional[_Sequence]]) -> list[_Sequence]:
         """A sequence of each job whose further choices wait for room (not one in the kept room)."""
         jobs = {id(s.choices): s for s in slots if s is not None and s.choices is not None and not s.reserved
                 and not s.choices.ended and s.choices.started < s.choices.n}
@@ -10246,7 +10255,7 @@ class _Choices:
             session.release(seq, keep=False)
             return None
         for other in session.slots:  # choices waiting for the prompt's cells copy them before they go
-            if other is not None and other.choices is self and other.waiting:
+            if other is not None and other.choices is self and other.awaits_prefix:
                 session.prefixes.attach(other, session.slots)
         self.results[seq.choice] = outcome
         if error is None and self.started < self.n:
@@ -10255,7 +10264,7 @@ class _Choices:
             except JobError as err:  # the job fails: nothing has changed yet
                 error = (err.code, str(err))
             else:
-                seq.sampler.free()
+                seq.sampler.close()
                 self._start(session, seq, seq.slot, sampler, own_cells=True)
                 return None
         if error is None and any(r is None for r in self.results):
@@ -10318,7 +10327,7 @@ class _Sequence:
     Threads: its session's worker thread only (made, stepped and ended there)."""
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
-                 "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
+                 "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "awaits_prefix", "unsent",
                  "budget", "priority", "reserved", "choices", "choice", "computed", "think", "thought", "from_disk",
                  "tools")
 
@@ -10331,7 +10340,7 @@ class _Sequence:
         self.cached: list[int] = []  # tokens whose KV cells this slot holds, in order
         self.pending = tokens  # prompt tokens not yet decoded (see at)
         self.pos = 0  # the position of the next token decoded: len(cached)
-        self.waiting = False  # for a batch-mate to compute a prefix this prompt shares
+        self.awaits_prefix = False  # for a batch-mate to compute a prefix this prompt shares
         self.n_prompt = len(tokens)
         self.n_gen = 0
         self.max_tokens = max_tokens
@@ -10553,12 +10562,12 @@ class _Embedder:
             raise JobError("unsupported", f"the model cannot embed with pooling {runner.pooling} (its GGUF "
                                           "names no pooling type): start the daemon with NRVNA_POOLING=mean, cls "
                                           "or last to embed with it")
-        L = self.L = runner.L
+        llama_cpp = self.llama_cpp = runner.llama_cpp
         self.runner = runner
         self.limit = limit
         self.pack = pack
         size = max(limit, pack)  # a decode holds a pack of texts, or one text up to the limit
-        params = L.llama_context_default_params()
+        params = llama_cpp.llama_context_default_params()
         params.n_ctx = params.n_batch = params.n_ubatch = size
         params.n_seq_max = EMBED_SEQS
         params.n_threads = params.n_threads_batch = threads
@@ -10570,14 +10579,14 @@ class _Embedder:
         # without it). An encoder (BERT) has no KV cache: there it changed vectors by less than
         # 1e-6 and embedded 1.5 times as fast, so llama.cpp's default (auto: on) stays.
         if runner.causal:
-            params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.no_perf = True
-        self.ctx, self.buffers = _new_context(L, runner.model, params)
+        self.ctx, self.buffers = _new_context(llama_cpp, runner.model, params)
         if not self.ctx:
             raise JobError("model_error", f"cannot create an embedding context of {size} tokens (out of memory? "
                                           "lower NRVNA_MAX_CTX)")
-        self.memory = L.llama_get_memory(self.ctx)  # None for models without a KV cache (BERT)
-        self.batch = L.llama_batch_init(size, 0, 1)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)  # None for models without a KV cache (BERT)
+        self.batch = llama_cpp.llama_batch_init(size, 0, 1)
         self.normalize = bool(runner.config.embed_normalize)
         self.jobs: list[_Embedding] = []
 
@@ -10601,7 +10610,7 @@ class _Embedder:
     def step(self, decode: Callable[[Any, Any], int]) -> list[tuple[RunningJob, Outcome]]:
         """Embed the next texts in one decode; return the jobs whose texts are all done."""
         ended = [self._end(e, e.job.interrupt) for e in list(self.jobs) if e.job.interrupt is not None]
-        L, batch = self.L, self.batch
+        llama_cpp, batch = self.llama_cpp, self.batch
         placed: list[tuple[_Embedding, int]] = []
         n = 0
         for entry in self.jobs:
@@ -10625,14 +10634,14 @@ class _Embedder:
         batch.n_tokens = n
         code = decode(self.ctx, batch)
         if self.memory:
-            L.llama_memory_clear(self.memory, True)  # every decode starts afresh
+            llama_cpp.llama_memory_clear(self.memory, True)  # every decode starts afresh
         if code != 0:
             message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
             failed = {id(entry): entry for entry, _ in placed}
             return ended + [self._end(entry, ("model_error", message)) for entry in failed.values()]
         np, size = self.runner.np, self.runner.n_embd
         for seq, (entry, index) in enumerate(placed):
-            pointer = L.llama_get_embeddings_seq(self.ctx, seq)
+            pointer = llama_cpp.llama_get_embeddings_seq(self.ctx, seq)
             if not pointer:
                 return ended + [self._end(e, ("model_error", "llama.cpp returned no embedding")) for e in list(self.jobs)]
             vector = np.ctypeslib.as_array(pointer, shape=(size,))[:entry.dimensions or size].astype(np.float64)
@@ -10662,8 +10671,8 @@ class _Embedder:
         """Free the context and its batch."""
         self.jobs.clear()
         if self.ctx:
-            self.L.llama_batch_free(self.batch)
-            self.L.llama_free(self.ctx)
+            self.llama_cpp.llama_batch_free(self.batch)
+            self.llama_cpp.llama_free(self.ctx)
             self.ctx = None
 
 
@@ -10689,7 +10698,7 @@ def state_fingerprint(runner: Any, model_path: str) -> str:
     import hashlib
     import json
 
-    L = runner.L
+    llama_cpp = runner.llama_cpp
     digest = hashlib.sha256()
     with open(model_path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
@@ -10698,9 +10707,9 @@ def state_fingerprint(runner: Any, model_path: str) -> str:
         digest.update(handle.read(1 << 20))
     version = getattr(sys.modules.get("llama_cpp"), "__version__", "?")
     return json.dumps({"model": [size, digest.hexdigest()[:32]], "llama_cpp": version,
-                       "state": getattr(L, "LLAMA_STATE_SEQ_VERSION", None),
-                       "kv": [*_kv_params(L, runner.config), "unified"],
-                       "layers": L.llama_model_n_layer(runner.model), "gpu_layers": runner.config.gpu_layers},
+                       "state": getattr(llama_cpp, "LLAMA_STATE_SEQ_VERSION", None),
+                       "kv": [*_kv_params(llama_cpp, runner.config), "unified"],
+                       "layers": llama_cpp.llama_model_n_layer(runner.model), "gpu_layers": runner.config.gpu_layers},
                       sort_keys=True, separators=(",", ":"))
 
 
@@ -10771,7 +10780,7 @@ class StateStore:
         self._skipped: set[str] = set()  # .kv names read once and left alone (not nrvna's; damaged and not removable)
         self._listed: Optional[int] = None  # the folder's mtime when it was last listed
         self._queue: Any = queue.SimpleQueue()
-        self._pending = self._waiting = 0  # bytes, and states, copied out and not yet written
+        self._pending = self._pending_states = 0  # bytes, and states, copied out and not yet written
         self._saver: Optional[threading.Thread] = None
         self.counts = {"saved": 0, "restored": 0, "dropped": 0, "removed": 0}
         try:
@@ -10868,7 +10877,7 @@ class StateStore:
                 best = (head, n)
         return best
 
-    def restore(self, L: Any, ctx: Any, slot: int, head: StateHead) -> bool:
+    def restore(self, llama_cpp: Any, ctx: Any, slot: int, head: StateHead) -> bool:
         """Put ``head``'s state into sequence ``slot`` of ``ctx`` (what it held is replaced);
         False, the sequence emptied, if it cannot be (a damaged file is removed). The file is
         mapped, and its crc checked on another thread while llama.cpp copies it in: a state
@@ -10879,18 +10888,18 @@ class StateStore:
 
         mapped = self._map(head)
         if mapped is None:
-            L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), slot, -1, -1)
             return False
         whole = _CheckThread(mapped)
         buffer = (ctypes.c_uint8 * head.blob).from_buffer(mapped, head.size - 4 - head.blob)
-        restored = L.llama_state_seq_set_data(ctx, buffer, head.blob, slot) == head.blob
+        restored = llama_cpp.llama_state_seq_set_data(ctx, buffer, head.blob, slot) == head.blob
         del buffer
         why = ("it is torn or damaged (its crc)" if not whole.result() else
-               "its state does not hold the tokens it names" if restored and not self._holds(L, ctx, slot, head)
+               "its state does not hold the tokens it names" if restored and not self._holds(llama_cpp, ctx, slot, head)
                else "")
         mapped.close()
         if why or not restored:
-            L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), slot, -1, -1)
         if why:
             self._remove(head, why)
             return False
@@ -10922,13 +10931,13 @@ class StateStore:
         return mapped
 
     @staticmethod
-    def _holds(L: Any, ctx: Any, slot: int, head: StateHead) -> bool:
+    def _holds(llama_cpp: Any, ctx: Any, slot: int, head: StateHead) -> bool:
         """Whether sequence ``slot`` holds the tokens ``head`` names after a restore: its last
         position is their count less one (a sliding-window cache keeps its first positions
         only within the window: the first may be above 0)."""
-        memory = L.llama_get_memory(ctx)
-        last = L.llama_memory_seq_pos_max(memory, slot)
-        return last == len(head.tokens) - 1 and 0 <= L.llama_memory_seq_pos_min(memory, slot) <= last
+        memory = llama_cpp.llama_get_memory(ctx)
+        last = llama_cpp.llama_memory_seq_pos_max(memory, slot)
+        return last == len(head.tokens) - 1 and 0 <= llama_cpp.llama_memory_seq_pos_min(memory, slot) <= last
 
     def _remove(self, head: StateHead, why: str) -> None:
         """Remove a state file of nrvna's (its magic was read) that is damaged or inconsistent."""
@@ -10953,34 +10962,35 @@ class StateStore:
         return not any(len(h.tokens) >= len(mine) and _shared_prefix(h.tokens, mine) == len(mine)
                        for h in self._heads())
 
-    def save(self, L: Any, ctx: Any, slot: int, tokens: list[int], job_id: str) -> None:
+    def save(self, llama_cpp: Any, ctx: Any, slot: int, tokens: list[int], job_id: str) -> None:
         """Copy sequence ``slot``'s state (exactly ``tokens``' cells) out of ``ctx`` and queue it
         for the Saver; dropped when it would take the states waiting past NRVNA_CACHE_PENDING
         bytes (never waited for)."""
         import ctypes
 
-        size = L.llama_state_seq_get_size(ctx, slot)
+        size = llama_cpp.llama_state_seq_get_size(ctx, slot)
         if not size:  # nothing to save
             return
         with self._lock:
             limit = self.pending_limit
-            if self._waiting >= SAVES_PENDING if limit is None else self._pending + size > limit:
+            full = self._pending_states >= SAVES_PENDING if limit is None else self._pending + size > limit
+            if full:
                 self.counts["dropped"] += 1
                 why = ("the disk is behind" if self._pending else
                        f"its {size / _MIB:,.0f} MiB are more than NRVNA_CACHE_PENDING ({(limit or 0) / _MIB:,.0f} MiB)")
                 log.limited("state pending", f"a computed context was not saved: {why}", "warning")
                 return
             self._pending += size
-            self._waiting += 1
+            self._pending_states += 1
         try:
             data, offset = state_buffer(self.fingerprint, job_id, tokens, size, self.owner)
-            copied = L.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data, offset), size, slot)
+            copied = llama_cpp.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data, offset), size, slot)
         except MemoryError:
             copied = 0
         if copied != size or len(data) > self.limit:
             with self._lock:
                 self._pending -= size
-                self._waiting -= 1
+                self._pending_states -= 1
             return
         self._queue.put((state_name(self.fingerprint, tokens), data, size))
         if self._saver is None:
@@ -11002,7 +11012,7 @@ class StateStore:
             finally:
                 with self._lock:
                     self._pending -= size
-                    self._waiting -= 1
+                    self._pending_states -= 1
 
     def _write(self, name: str, data: Any) -> None:
         """Write a state whole: a temporary name, fsync, rename, the folder's fsync."""
@@ -11077,8 +11087,8 @@ class _PrefixCache:
 
     Threads: like its context, its session's worker thread only."""
 
-    def __init__(self, L: Any, memory: Any, slots: int, enabled: bool, shares_cells: bool = True) -> None:
-        self.L = L
+    def __init__(self, llama_cpp: Any, memory: Any, slots: int, enabled: bool, shares_cells: bool = True) -> None:
+        self.llama_cpp = llama_cpp
         self.memory = memory
         self.enabled = enabled  # NRVNA_PREFIX_CACHE: off, every prompt is computed whole
         self.shares_cells = shares_cells  # False for recurrent models: no prefix of a state can be copied
@@ -11108,8 +11118,8 @@ class _PrefixCache:
                 continue
             keep = max(_common_prefix(self.held[i], self.held[j]) for j in held if j != i)
             if keep < len(self.held[i]):
-                if not self.L.llama_memory_seq_rm(self.memory, i, keep, -1):
-                    self.L.llama_memory_seq_rm(self.memory, i, -1, -1)
+                if not self.llama_cpp.llama_memory_seq_rm(self.memory, i, keep, -1):
+                    self.llama_cpp.llama_memory_seq_rm(self.memory, i, -1, -1)
                     keep = 0
                 self.held[i] = self.held[i][:keep]
 
@@ -11148,7 +11158,7 @@ class _PrefixCache:
         if self.last_kept == slot:
             self.last_kept = None
         self.held[slot] = []
-        self.L.llama_memory_seq_rm(self.memory, slot, -1, -1)
+        self.llama_cpp.llama_memory_seq_rm(self.memory, slot, -1, -1)
 
     def release(self, seq: _Sequence, keep: bool) -> None:
         """``seq`` has left its slot; with ``keep``, its KV cells stay for the next job's prefix."""
@@ -11180,7 +11190,7 @@ class _PrefixCache:
                     continue
                 if other is None:
                     n = _common_prefix(self.held[i], tokens, limit)
-                elif other.waiting:
+                elif other.awaits_prefix:
                     continue
                 else:
                     n = _common_prefix(other.cached, tokens, limit)
@@ -11190,19 +11200,19 @@ class _PrefixCache:
                 if n > computed:
                     source, computed = i, n
         computed = min(computed, limit)
-        seq.waiting = planned >= computed + PREFIX_WAIT_TOKENS
-        if seq.waiting:
-            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+        seq.awaits_prefix = planned >= computed + PREFIX_WAIT_TOKENS
+        if seq.awaits_prefix:
+            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
             self.held[seq.slot] = []
             return
         if source == seq.slot:
-            ok = self.L.llama_memory_seq_rm(self.memory, seq.slot, computed, -1)
+            ok = self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, computed, -1)
         else:
-            ok = (self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1) and computed > 0)
+            ok = (self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1) and computed > 0)
             if ok:
-                self.L.llama_memory_seq_cp(self.memory, source, seq.slot, 0, computed)
+                self.llama_cpp.llama_memory_seq_cp(self.memory, source, seq.slot, 0, computed)
         if not ok:  # e.g. recurrent models: a sequence's state is all or nothing
-            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
             computed = 0
         self.held[seq.slot] = []
         seq.at(computed)
@@ -11216,15 +11226,15 @@ class _PrefixCache:
         self.forget(seq.slot)
         seq.at(0)
         if not self.shares_cells:  # a recurrent model's state is all or nothing: each choice computes its own
-            seq.waiting = False
+            seq.awaits_prefix = False
             return
         source = next((i for i, other in enumerate(slots) if other is not None and other is not seq
-                       and other.choices is seq.choices and not other.waiting and len(other.cached) >= limit), None)
-        seq.waiting = source is None
+                       and other.choices is seq.choices and not other.awaits_prefix and len(other.cached) >= limit), None)
+        seq.awaits_prefix = source is None
         if source is None:
             return
         if limit:
-            self.L.llama_memory_seq_cp(self.memory, source, seq.slot, 0, limit)
+            self.llama_cpp.llama_memory_seq_cp(self.memory, source, seq.slot, 0, limit)
         seq.at(limit)
         self.reused_tokens += limit
 
@@ -11233,7 +11243,7 @@ class _PrefixCache:
         ended: keep the prompt's cells there but its last token's (decoded again for this
         choice's own logits). False where the cells cannot be cut (a recurrent model's)."""
         limit = len(seq.prompt) - 1
-        if not (self.shares_cells and self.L.llama_memory_seq_rm(self.memory, seq.slot, limit, -1)):
+        if not (self.shares_cells and self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, limit, -1)):
             return False
         seq.at(limit)
         self.reused_tokens += limit
@@ -11246,10 +11256,10 @@ class _Batch:
 
     Threads: its session's worker thread only."""
 
-    def __init__(self, L: Any, n_batch: int) -> None:
-        self.L = L
+    def __init__(self, llama_cpp: Any, n_batch: int) -> None:
+        self.llama_cpp = llama_cpp
         self.n_batch = n_batch
-        self.raw = L.llama_batch_init(n_batch, 0, 1)
+        self.raw = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.seq_ids = self.raw.seq_id[:n_batch]  # each entry's own array of sequence IDs, found once
         self.size = 0  # entries filled for this step
         self.chunks = False  # whether prompt chunks are among them
@@ -11270,12 +11280,12 @@ class _Batch:
         wanted: list[tuple[_Sequence, int]] = []
         n, chunks = 0, False
         for seq in slots:
-            if seq is not None and not seq.pending and not seq.waiting and seq.priority == top:
+            if seq is not None and not seq.pending and not seq.awaits_prefix and seq.priority == top:
                 self.put(n, seq.last, seq.feed_last(), seq.slot, True)
                 wanted.append((seq, n))
                 n += 1
         for seq in slots:
-            if seq is None or not seq.pending or seq.waiting or n >= self.n_batch or seq.priority != top:
+            if seq is None or not seq.pending or seq.awaits_prefix or n >= self.n_batch or seq.priority != top:
                 continue
             chunk, pos = seq.feed_chunk(self.n_batch - n)
             chunks = True
@@ -11290,8 +11300,8 @@ class _Batch:
         self.chunks = chunks
         return wanted
 
-    def free(self) -> None:
-        self.L.llama_batch_free(self.raw)
+    def close(self) -> None:
+        self.llama_cpp.llama_batch_free(self.raw)
 
 
 class _Preemption:
@@ -11304,10 +11314,10 @@ class _Preemption:
     no lock: a request that lands after the worker's ``clear`` cuts its next step, which the
     sequences take again (the cut step changes nothing)."""
 
-    def __init__(self, L: Any, ctx: Any, callback: Any) -> None:
+    def __init__(self, llama_cpp: Any, ctx: Any, callback: Any) -> None:
         import ctypes
 
-        self.L, self.ctx, self.callback = L, ctx, callback
+        self.llama_cpp, self.ctx, self.callback = llama_cpp, ctx, callback
         self.byref = ctypes.byref
         self.flag = ctypes.create_string_buffer(2)
         self.never = ctypes.create_string_buffer(2)  # for steps that cannot be cut (prompt chunks)
@@ -11325,7 +11335,7 @@ class _Preemption:
         allowed = allowed and self.callback is not None
         if allowed != self.abortable:
             flag = self.flag if allowed else self.never
-            self.L.llama_set_abort_callback(self.ctx, self.callback, self.byref(flag))
+            self.llama_cpp.llama_set_abort_callback(self.ctx, self.callback, self.byref(flag))
             self.abortable = allowed
 
 
@@ -11387,9 +11397,9 @@ class _StateHandOff:
 
     Threads: its session's worker thread only (the store locks itself)."""
 
-    def __init__(self, store: StateStore, L: Any, ctx: Any, memory: Any, trimmable: bool) -> None:
+    def __init__(self, store: StateStore, llama_cpp: Any, ctx: Any, memory: Any, trimmable: bool) -> None:
         self.store = store
-        self.L = L
+        self.llama_cpp = llama_cpp
         self.ctx = ctx
         self.memory = memory
         self.trimmable = trimmable  # a state may be cut back to a shorter prefix (full attention)
@@ -11408,7 +11418,7 @@ class _StateHandOff:
         """Copy the offered contexts out for the store's Saver thread."""
         ended, self.ended = self.ended, []
         for slot, tokens, job_id in ended:
-            self.store.save(self.L, self.ctx, slot, tokens, job_id)
+            self.store.save(self.llama_cpp, self.ctx, slot, tokens, job_id)
 
     def restore(self, seq: _Sequence, prefixes: _PrefixCache) -> None:
         """Give ``seq`` a saved state's cells where one covers more of its prompt than this
@@ -11422,11 +11432,11 @@ class _StateHandOff:
         head, shared = found
         prefixes.held[seq.slot] = []
         began = time.monotonic()
-        if not store.restore(self.L, self.ctx, seq.slot, head):
+        if not store.restore(self.llama_cpp, self.ctx, seq.slot, head):
             seq.at(0)  # its slot was emptied: the whole prompt is computed
             return
-        if shared < len(head.tokens) and not self.L.llama_memory_seq_rm(self.memory, seq.slot, shared, -1):
-            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+        if shared < len(head.tokens) and not self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, shared, -1):
+            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
             seq.at(0)
             return
         seq.at(shared)
@@ -11439,9 +11449,9 @@ def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, thr
     """A llama context of ``cells`` tokens for ``seqs`` sequences, and its buffers as llama.cpp
     states them ({"KV", "compute", "output": MiB}); ModelError if it cannot be made, ConfigError
     (exit 2) where NRVNA_KV_TYPE asks for a quantized cache llama.cpp cannot make here."""
-    L = runner.L
-    params = L.llama_context_default_params()
-    params.type_k, params.type_v, params.flash_attn_type = _kv_params(L, runner.config)
+    llama_cpp = runner.llama_cpp
+    params = llama_cpp.llama_context_default_params()
+    params.type_k, params.type_v, params.flash_attn_type = _kv_params(llama_cpp, runner.config)
     params.n_ctx = cells
     params.n_batch = n_batch
     params.n_ubatch = n_batch
@@ -11454,7 +11464,7 @@ def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, thr
     # of 1 once slots free up out of order. Measured 3-10% more tok/s with mixed lengths.
     params.kv_unified = True
     params.no_perf = True
-    ctx, sizes = _new_context(L, runner.model, params)
+    ctx, sizes = _new_context(llama_cpp, runner.model, params)
     if not ctx:
         reason = _llama_log_reason(": {}")
         if runner.config.kv_type != "f16":
@@ -11483,7 +11493,7 @@ class LlamaSession(Session):
     def __init__(self, runner: LlamaRunner, threads: int, seqs: int, n_batch: int,
                  config: Optional[Config] = None) -> None:
         self.runner = runner
-        self.L = runner.L
+        self.llama_cpp = runner.llama_cpp
         # NRVNA_MAX_CTX is each worker's context, shared by its sequences: S sequences must
         # not multiply the KV memory by S. It holds FULL_LENGTH_SEQS jobs of the full length;
         # more sequences run as the jobs' budgets leave room (see free), since a batch's
@@ -11508,16 +11518,16 @@ class LlamaSession(Session):
         if runner.embedding_only:  # no generation context: generation jobs fail at start()
             return
         self.ctx, self.buffers = _llama_context(runner, self.cells, n_batch, seqs + 1, threads)
-        self.memory = self.L.llama_get_memory(self.ctx)
-        self.batch = _Batch(self.L, n_batch)
+        self.memory = self.llama_cpp.llama_get_memory(self.ctx)
+        self.batch = _Batch(self.llama_cpp, n_batch)
         self.slots = [None] * (seqs + 1)
-        self.prefixes = _PrefixCache(self.L, self.memory, seqs + 1, bool(runner.config.prefix_cache),
-                                     not (self.L.llama_model_is_recurrent(runner.model)
-                                          or self.L.llama_model_is_hybrid(runner.model)))
+        self.prefixes = _PrefixCache(self.llama_cpp, self.memory, seqs + 1, bool(runner.config.prefix_cache),
+                                     not (self.llama_cpp.llama_model_is_recurrent(runner.model)
+                                          or self.llama_cpp.llama_model_is_hybrid(runner.model)))
         if runner.store is not None and self.prefixes.enabled:
-            self.states = _StateHandOff(runner.store, self.L, self.ctx, self.memory, runner.trimmable)
+            self.states = _StateHandOff(runner.store, self.llama_cpp, self.ctx, self.memory, runner.trimmable)
         self.preempted = 0  # steps cut short by preempt()
-        self.preemption = _Preemption(self.L, self.ctx, runner.abort_callback)
+        self.preemption = _Preemption(self.llama_cpp, self.ctx, runner.abort_callback)
         self.templates = _GrammarTemplates(runner)
         self.scratch = _SamplingScratch(runner)  # the arrays this context's samplers draw with
 
@@ -11534,7 +11544,7 @@ class LlamaSession(Session):
         if threads != self.threads:
             for ctx in (self.ctx, self.embedder and self.embedder.ctx):
                 if ctx:
-                    self.L.llama_set_n_threads(ctx, threads, threads)
+                    self.llama_cpp.llama_set_n_threads(ctx, threads, threads)
             self.threads = threads
 
     def free(self) -> int:
@@ -11550,7 +11560,7 @@ class LlamaSession(Session):
         embed = EMBED_JOBS - (len(self.embedder.jobs) if self.embedder is not None else 0)
         if self.ctx is None:
             return embed
-        if _Choices.waiting(self.slots):  # a job's choices not yet started have the room first
+        if _Choices.unstarted(self.slots):  # a job's choices not yet started have the room first
             return 0
         running, room = self.room()
         parked = len(self.grammar_waits)
@@ -11647,7 +11657,7 @@ class LlamaSession(Session):
         if n > 1:
             _Choices.begin(self, seq, n)
         self.prefixes.make_room(self.slots, self.cells)
-        if self.states is not None and not seq.waiting:
+        if self.states is not None and not seq.awaits_prefix:
             self.states.restore(seq, self.prefixes)
 
     def _embedder(self) -> _Embedder:
@@ -11661,7 +11671,7 @@ class LlamaSession(Session):
         if self.threads > self.base_threads:  # borrowed threads: see LlamaRunner.decode_wide
             return self.runner.decode_wide(ctx, batch)
         self.runner.wait_wide()
-        return self.L.llama_decode(ctx, batch)
+        return self.llama_cpp.llama_decode(ctx, batch)
 
     def step(self) -> list[tuple[RunningJob, Outcome]]:
         """One ``llama_decode`` for every generating job and one for texts of embed jobs;
@@ -11714,13 +11724,13 @@ class LlamaSession(Session):
         """Before a step: slots freed by other jobs go to choices not yet started; the jobs
         cancelled or timed out end (their outcomes, None for a job's choice that leaves
         others); sequences waiting for a batch-mate's prefix look for it again."""
-        for seq in _Choices.waiting(self.slots):
+        for seq in _Choices.unstarted(self.slots):
             assert seq.choices is not None
             seq.choices.admit(self, seq)
         ended = [self._end(seq, error=seq.job.interrupt) for seq in self.slots
                  if seq is not None and seq.job.interrupt is not None]  # cancelled, timed out
         for seq in self.slots:
-            if seq is not None and seq.waiting:
+            if seq is not None and seq.awaits_prefix:
                 self.prefixes.attach(seq, self.slots)
         return ended
 
@@ -11750,7 +11760,7 @@ class LlamaSession(Session):
         np = self.runner.np
         # llama.h: the logits of the batch entries asked for are stored in their batch order,
         # one row each; ``wanted`` is in batch order.
-        matrix = np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(len(wanted), self.runner.n_vocab))
+        matrix = np.ctypeslib.as_array(self.llama_cpp.llama_get_logits(self.ctx), shape=(len(wanted), self.runner.n_vocab))
         for (seq, _), row in zip(wanted, matrix):
             seq.sampler.prepare(row)
             if seq.think is not None and seq.think.state in (_ThinkRouter.BEFORE, _ThinkRouter.AFTER):
@@ -11785,7 +11795,7 @@ class LlamaSession(Session):
         if keep and save and self.states is not None and seq.choices is None:
             self.states.offer(seq)
         self.slots[seq.slot] = None
-        seq.sampler.free()
+        seq.sampler.close()
         self.prefixes.release(seq, keep)
 
     def drop(self, job: RunningJob) -> None:
@@ -11811,8 +11821,8 @@ class LlamaSession(Session):
                 self.release(seq, keep=False)
         if self.ctx:
             self.templates.close()
-            self.batch.free()
-            self.L.llama_free(self.ctx)
+            self.batch.close()
+            self.llama_cpp.llama_free(self.ctx)
             self.ctx = None
 
 
@@ -11916,13 +11926,13 @@ class LlamaRunner(Runner):
         (a daemon stopping while it loads a model ahead of its turn). ``owner``: its saved
         states' (state_owner of the daemon's workspace)."""
         check_gguf(model_path)
-        self.L = L = _import_llama()
+        self.llama_cpp = llama_cpp = _import_llama()
         self.config = config
-        self.abort_callback = _strlen_callback(L)  # kept here: llama.cpp holds only its address
+        self.abort_callback = _strlen_callback(llama_cpp)  # kept here: llama.cpp holds only its address
         self.model_name = os.path.basename(model_path)
-        _install_llama_logging(L, config.log_level)
-        L.llama_backend_init()
-        params = L.llama_model_default_params()
+        _install_llama_logging(llama_cpp, config.log_level)
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = config.gpu_layers
         if config.gpu >= 0:  # one GPU, whole: several daemons share a machine one GPU each
             params.main_gpu = config.gpu
@@ -11930,21 +11940,21 @@ class LlamaRunner(Runner):
         if not config.repack:
             params.use_extra_bufts = False  # no AMX/repacked buffers (llama.cpp #20824)
         if not config.mmap:
-            _load_unmapped(L, params)
+            _load_unmapped(llama_cpp, params)
         if cancel is not None:  # kept here while llama.cpp may call it: it holds only its address
-            self._progress = L.llama_progress_callback(lambda progress, data: not cancel.is_set())
+            self._progress = llama_cpp.llama_progress_callback(lambda progress, data: not cancel.is_set())
             params.progress_callback = self._progress
         del _llama_log_tail[:]
-        self.model = L.llama_model_load_from_file(model_path.encode(), params)
+        self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
         if not self.model:
             if cancel is not None and cancel.is_set():
                 raise ModelError(f"model {model_path}: its load was cut short (the daemon is stopping)")
             raise ModelError(f"model {model_path} could not be loaded by llama.cpp{_llama_log_reason(': {}')}")
-        self.weights_mib = L.llama_model_size(self.model) / _MIB  # read now: memory() never reads the model
-        self.vocab = L.llama_model_get_vocab(self.model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.train_ctx = L.llama_model_n_ctx_train(self.model)
-        self.n_embd = L.llama_model_n_embd_out(self.model) or L.llama_model_n_embd(self.model)
+        self.weights_mib = llama_cpp.llama_model_size(self.model) / _MIB  # read now: memory() never reads the model
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.train_ctx = llama_cpp.llama_model_n_ctx_train(self.model)
+        self.n_embd = llama_cpp.llama_model_n_embd_out(self.model) or llama_cpp.llama_model_n_embd(self.model)
         self.arch = self.meta("general.architecture") or "unknown"
         model_pooling = self.meta(f"{self.arch}.pooling_type")
         # An embedding model: one whose GGUF names a pooling type, or an encoder's architecture.
@@ -11953,13 +11963,13 @@ class LlamaRunner(Runner):
         self.causal = self.meta(f"{self.arch}.attention.causal") != "false" and self.arch not in ENCODER_ARCHS
         self.pooling = _pooling(config.pooling, model_pooling)
         if self.embedding_only and self.pooling not in ("mean", "cls", "last"):
-            L.llama_model_free(self.model)
+            llama_cpp.llama_model_free(self.model)
             raise ModelError(f"model {model_path} is an embedding model ({self.arch}), and its pooling is "
                              f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
         self._pieces: dict[int, bytes] = {}
         self.fallback = False  # no chat template: chat jobs in FALLBACK_TEMPLATE's form (_chat_formatter)
         self._formatter = None if self.embedding_only else self._chat_formatter()  # (an embedder generates nothing)
-        template = (L.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
+        template = (llama_cpp.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
         self.takes_effort = "reasoning_effort" in template  # gpt-oss's template reads it
         self.thinking = _Thinking.find(self, template, config.thinking_tags)  # None: the model does not think
         self.tool_format = find_tool_format(self._formatter)
@@ -11971,10 +11981,10 @@ class LlamaRunner(Runner):
 
         self.np = numpy
         # End-of-generation tokens: a set, as every generated token is looked up (a call costs 1-2 us).
-        self.eog_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
+        self.eog_tokens = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
         self.eog_ids = numpy.array(sorted(self.eog_tokens), dtype=numpy.int64)  # to ban them from a row at once
         # Control tokens but end-of-generation: never in a constrained output (see _JobSampler._allowed).
-        self.control_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_control(self.vocab, t)
+        self.control_tokens = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_control(self.vocab, t)
                                         and t not in self.eog_tokens)
         self.control_mask = numpy.zeros(self.n_vocab, dtype=bool)
         self.control_mask[list(self.control_tokens)] = True
@@ -11984,8 +11994,8 @@ class LlamaRunner(Runner):
         self._wide: Optional[_CallThread] = None
         self._wide_lock = threading.Lock()  # held while a decode with borrowed threads runs
         # Saved states may be cut back only where every layer's cells can be (full attention).
-        self.trimmable = not (L.llama_model_is_recurrent(self.model) or L.llama_model_is_hybrid(self.model)
-                              or L.llama_model_n_swa(self.model) > 0)
+        self.trimmable = not (llama_cpp.llama_model_is_recurrent(self.model) or llama_cpp.llama_model_is_hybrid(self.model)
+                              or llama_cpp.llama_model_n_swa(self.model) > 0)
         self.store = StateStore.for_model(self, model_path, owner) if not self.embedding_only else None
 
     def meta(self, key: str) -> Optional[str]:
@@ -11993,7 +12003,7 @@ class LlamaRunner(Runner):
         size = 256
         while True:
             buf = _char_array(size)
-            count = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, size)
+            count = self.llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, size)
             if count < 0:
                 return None
             if count < size:
@@ -12012,7 +12022,7 @@ class LlamaRunner(Runner):
         with self._wide_lock:  # one borrower at a time
             if self._wide is None:
                 self._wide = _CallThread("Wide")
-            return self._wide.call(self.L.llama_decode, ctx, batch)
+            return self._wide.call(self.llama_cpp.llama_decode, ctx, batch)
 
     def wait_wide(self) -> None:
         """Wait for a decode with borrowed threads in progress to end.
@@ -12028,16 +12038,16 @@ class LlamaRunner(Runner):
     def _chat_formatter(self) -> Any:
         """The model's chat template as a formatter, else FALLBACK_TEMPLATE's (``fallback``
         says which; said once, here)."""
-        L = self.L
-        template = L.llama_model_chat_template(self.model, None)
+        llama_cpp = self.llama_cpp
+        template = llama_cpp.llama_model_chat_template(self.model, None)
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         def token_text(token: int) -> str:
             if token < 0:
                 return ""
-            return (L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
+            return (llama_cpp.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
 
-        eos, bos = token_text(L.llama_vocab_eos(self.vocab)), token_text(L.llama_vocab_bos(self.vocab))
+        eos, bos = token_text(llama_cpp.llama_vocab_eos(self.vocab)), token_text(llama_cpp.llama_vocab_bos(self.vocab))
         self.fallback = True  # until the model's own template is read
         why = f"{self.model_name} has no chat template"
         if template:
@@ -12081,7 +12091,7 @@ class LlamaRunner(Runner):
         """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
         threads = config.threads or max(1, cpu_count() // config.workers)
         session = LlamaSession(self, threads, config.seqs, config.batch, config)
-        size = (_ContextSize(session.buffers, self.L.llama_n_ctx(session.ctx), session.ctx_per_seq)
+        size = (_ContextSize(session.buffers, self.llama_cpp.llama_n_ctx(session.ctx), session.ctx_per_seq)
                 if session.ctx is not None else None)  # read here, on the thread that made it: see memory
         with self._lock:
             self._sessions.append((session, size))
@@ -12109,8 +12119,8 @@ class LlamaRunner(Runner):
         if self.takes_effort and job_param(params, "reasoning_effort") is not None:
             variables.setdefault("reasoning_effort", job_param(params, "reasoning_effort"))
         messages, variables = self._tool_turns(messages, params, variables)
-        if self.fallback and self.L.llama_vocab_get_add_bos(self.vocab):  # ChatML writes none: the model's, as llama-server's
-            tokens.append(self.L.llama_vocab_bos(self.vocab))
+        if self.fallback and self.llama_cpp.llama_vocab_get_add_bos(self.vocab):  # ChatML writes none: the model's, as llama-server's
+            tokens.append(self.llama_cpp.llama_vocab_bos(self.vocab))
         for piece, is_content in self._render(messages, variables):  # a template writes its own BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
@@ -12193,12 +12203,12 @@ class LlamaRunner(Runner):
     def tokenize(self, text: str, add_special: bool, special: bool) -> list[int]:
         """``text`` as tokens; ``special``: control-token text (``<|im_end|>``) becomes the
         control token, else it stays text; ``add_special``: BOS first if the model wants one."""
-        L = self.L
+        llama_cpp = self.llama_cpp
         data = text.encode("utf-8")
         capacity = len(data) + 8
         while True:
-            buf = (L.llama_token * capacity)()
-            count = L.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, special)
+            buf = (llama_cpp.llama_token * capacity)()
+            count = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, special)
             if count >= 0:
                 return list(buf[:count])
             capacity = -count
@@ -12220,7 +12230,7 @@ class LlamaRunner(Runner):
         size = 64
         while True:
             buf = _char_array(size)
-            count = self.L.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
+            count = self.llama_cpp.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
             if count >= 0:
                 return bytes(buf[:count])
             size = -count
@@ -12242,8 +12252,8 @@ class LlamaRunner(Runner):
 
     def _grammar_pieces(self) -> list[bytes]:
         """Each token's bytes as the grammar sees them: an end of generation's, none."""
-        L = self.L
-        return [b"" if L.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
+        llama_cpp = self.llama_cpp
+        return [b"" if llama_cpp.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
 
     def close(self) -> None:
         """Free every context, then the model."""
@@ -12258,7 +12268,7 @@ class LlamaRunner(Runner):
         if self.store is not None:
             self.store.close()
         if self.model:
-            self.L.llama_model_free(self.model)
+            self.llama_cpp.llama_model_free(self.model)
             self.model = None
 
 
@@ -12437,7 +12447,7 @@ class Pool:
         self._busy = 0
         self._closed = False
         self.active: Optional[int] = 0  # the queue ``get`` takes from
-        self._waiting: set[int] = set()  # idle workers blocked in get()
+        self._blocked: set[int] = set()  # workers with nothing to run, blocked in get()
         self._favored: Optional[int] = None  # the worker whose job ended last
         self._resting = False  # the favored worker has nothing running and is on its way back to get
 
@@ -12541,7 +12551,7 @@ class Pool:
         deadline = time.monotonic() + timeout
         with self._cond:
             if worker is not None and worker == self._favored:
-                self._resting = False  # here now: _waiting says whether it waits
+                self._resting = False  # here now: _blocked says whether it waits
             while not self._closed and self.active is not None:
                 now = time.monotonic()
                 while self._later and self._later[0][0] <= now:
@@ -12561,17 +12571,17 @@ class Pool:
                 if self._later:
                     left = min(left, self._later[0][0] - now)
                 if worker is not None:
-                    self._waiting.add(worker)
+                    self._blocked.add(worker)
                 try:
                     self._cond.wait(left)
                 finally:
-                    self._waiting.discard(worker)
+                    self._blocked.discard(worker)
         return None
 
     def _leave_to_favored(self, worker: Optional[int], heap: list[Any]) -> bool:
         favored = self._favored
         return (worker is not None and favored is not None and favored != worker
-                and len(heap) == 1 and (favored in self._waiting or self._resting))
+                and len(heap) == 1 and (favored in self._blocked or self._resting))
 
     def favor(self, worker: int, resting: bool = False) -> None:
         """``worker``'s job is the one that ended last (see ``get``); ``resting``: it runs no
@@ -12603,7 +12613,7 @@ class Pool:
             self._closed = True
             self._cond.notify_all()
 
-    def idle(self) -> bool:
+    def all_done(self) -> bool:
         """Nothing queued, waiting or being worked on."""
         with self._cond:
             return not any(self._heaps.values()) and not self._later and self._busy == 0
@@ -13617,7 +13627,7 @@ class Hooks:
         """A job ended: look at hooks/done/ now, not at the next round."""
         self._wake.set()
 
-    def idle(self) -> bool:
+    def all_done(self) -> bool:
         """No hook owed or running (``--drain`` waits for this)."""
         with self._lock:
             if self._in_flight:
@@ -14979,7 +14989,7 @@ class Server:
             if self._signalled is not None:
                 log.info(f"Received {_signal_name(self._signalled)}")
                 self.request_stop()
-            elif self.drain and self._drained() and (self.hooks is None or self.hooks.idle()):
+            elif self.drain and self._drained() and (self.hooks is None or self.hooks.all_done()):
                 log.info("Queue drained")
                 self._say_stranded()
                 self.request_stop()
@@ -15024,7 +15034,7 @@ class Server:
         self.registry.write(self.status())
 
     def _drained(self) -> bool:
-        if not self.pool.idle() or self.scanner is None or self.scanner.scans == 0 or self.pool.active is None:
+        if not self.pool.all_done() or self.scanner is None or self.scanner.scans == 0 or self.pool.active is None:
             return False
         waiting = self.pool.waiting_children()
         with os.scandir(os.path.join(self.workspace, READY)) as entries:
@@ -15918,7 +15928,7 @@ def _duration(text: str) -> float:
 # every NrvnaError becomes one line on stderr and its exit code. The main thread.
 
 
-def _positive_float(text: str) -> float:
+def _non_negative_float(text: str) -> float:
     import argparse
 
     try:
@@ -15993,7 +16003,7 @@ def _submit_arguments(parser: Any) -> None:
                         "a hash of each line's custom_id: N nodes given the same file take each line once between "
                         "them (I/N from a scheduler: $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)")
     parser.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
-    parser.add_argument("--wait-timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    parser.add_argument("--wait-timeout", type=_non_negative_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--dedupe", action="store_true", help="queue identical work once: the idempotency key is "
                         "derived from the prompt and every parameter (each line's own, with --file)")
     parser.add_argument("--strict-models", action="store_true", help="refuse a job whose model matches no known "
@@ -16016,7 +16026,7 @@ def _selection_arguments(parser: Any) -> None:
 
 def _wait_arguments(parser: Any) -> None:
     _selection_arguments(parser)
-    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="give up after S seconds (exit 4)")
+    parser.add_argument("--timeout", type=_non_negative_float, metavar="S", help="give up after S seconds (exit 4)")
     parser.add_argument("--quiet", action="store_true", help="no progress line on a terminal")
     parser.add_argument("--progress", action="store_true", help="progress as lines on stderr, even when it is not "
                         f"a terminal (a log file): when jobs finish, and every {PROGRESS_EVERY:g} s")
@@ -16044,7 +16054,7 @@ def _merge_arguments(parser: Any) -> None:
 
 def _cancel_arguments(parser: Any) -> None:
     _selection_arguments(parser)
-    parser.add_argument("--timeout", type=_positive_float, default=10.0, metavar="S",
+    parser.add_argument("--timeout", type=_non_negative_float, default=10.0, metavar="S",
                         help="how long to wait for the daemon to stop a running job (default 10)")
 
 
@@ -16074,7 +16084,7 @@ def _clean_arguments(parser: Any) -> None:
 
 def _stop_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
-    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="give up waiting after S seconds (exit 4)")
+    parser.add_argument("--timeout", type=_non_negative_float, metavar="S", help="give up waiting after S seconds (exit 4)")
     parser.add_argument("--pid", type=int, metavar="N", help="stop only the daemon with pid N (default: every daemon)")
 
 
@@ -16082,7 +16092,7 @@ def _get_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
     parser.add_argument("id", metavar="ID")
     parser.add_argument("--wait", action="store_true", help="wait until the job is finished")
-    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    parser.add_argument("--timeout", type=_non_negative_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--progress", action="store_true", help="with --wait: a line on stderr every "
                         f"{PROGRESS_EVERY:g} s and at the end, even when it is not a terminal (a log file)")
     parser.add_argument("--json", action="store_true", help="the whole job as one JSON object")
@@ -16101,7 +16111,7 @@ def _build_parser(only: Optional[str] = None) -> Any:
         """A usage error is one line, as every other refusal: the usage is what --help shows."""
 
         def error(self, message: str) -> Any:
-            found = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (int|float|_positive_float|_duration) value: (.*)",
+            found = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (int|float|_non_negative_float|_duration) value: (.*)",
                                  message)
             if found:
                 flag, kind, value = found.groups()
