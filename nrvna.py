@@ -61,23 +61,26 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
                                       and its buffers), check_gguf, _GgufHeader
    11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion,
                                       _Grammars (a model's grammars, made and kept)
-   11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _JobSampler
+   11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _sampler_chain,
+                                      _JobSampler
    11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
                                       _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
-   11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
+   11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, _GrammarWaits, _StateHandOff (saved states
+                                      handed over), LlamaSession
    11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, memory_line, LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
    12.2 Claims and finishes: Processor
-                                    _Claim, _HandBacks (failed finishes, a full disk), Processor
+                                    _Claim, _HandBacks (failed finishes, a full disk), _Unrunnable, Processor
    12.3 Recovery and hooks          _Recovery (orphans, staging), Hooks
    12.4 Models                      _ServedModel, check_memory_budget, _LoadFailure, _ModelSwitch, _Models
    12.5 Daemons side by side, and the watch
                                     _clash, _hooks_clash, _Registry, _Watcher (cancels, timeouts, dead daemons)
-   12.6 Server                      _WorkerLoads, _claim_later, _with_states_folder, Server
+   12.6 Server                      _WorkerLoads, _Tally (jobs in flight, figures), _claim_later, _with_states_folder,
+                                      Server
 13. CLI
    13.1 Commands                    markdown_tables (the manual's tables), _DaemonWatch, one _cmd_* per command
    13.2 Arguments and main          one _*_arguments per command, COMMANDS, main()
@@ -11829,9 +11832,9 @@ class LlamaSession(Session):
 # ============================================================================
 # 11.8 The runner
 # ============================================================================
-# LlamaRunner: the model loaded once and shared, the runner's caches (pieces, grammars, the
-# Grammar and Wide threads) and a session per worker. Its docstring's Threads line says who calls
-# what. HOST_CACHES lists every cache kept beside llama.cpp's buffers, with its bound.
+# LlamaRunner: the model loaded once and shared, the runner's caches (pieces; grammars in a
+# _Grammars of 11.2), the Wide thread and a session per worker. Its docstring's Threads line says
+# who calls what. HOST_CACHES lists every cache kept beside llama.cpp's buffers, with its bound.
 
 
 # Every cache nrvna keeps beside llama.cpp's own buffers: (what, whose, its bound, what it holds,
