@@ -233,7 +233,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         StateCheck thread of its own, joined by the worker before it closes the mapping
     Worker-N, Watcher -> Pool (waiting: children whose parent has not ended): released by a finish (the
         worker or Finisher), release_finished by the Watcher => Pool._cond's lock
-    Worker-N, Wide -> LlamaRunner (decode_wide, wait_wide): the Wide thread's OpenMP team => _wide_lock:
+    Worker-N, Wide -> LlamaRunner (decode, decode_wide, wait_wide): the Wide thread's OpenMP team => _wide_lock:
         one borrower's decode at a time; a plain decode waits for it to end
     Grammar -> _Grammars (_convert), _Conversion: a conversion's found / error => written before its
         done Event is set; the waiting workers read them only after
@@ -9533,7 +9533,8 @@ class _SamplingScratch:
         # A top_k draw's candidates, the k likeliest tokens (see _JobSampler._draw_short).
         self.short = np.zeros(SHORTLIST_COLUMNS, dtype=_token_data_dtype(np))
         self.short_ids, self.short_logits, self.short_p = self.short["id"], self.short["logit"], self.short["p"]
-        self.short_array = llama_cpp.llama_token_data_array(self.short.ctypes.data_as(llama_cpp.llama_token_data_p), 0, -1, False)
+        self.short_array = llama_cpp.llama_token_data_array(
+            self.short.ctypes.data_as(llama_cpp.llama_token_data_p), 0, -1, False)
         self.draws = [0, 0]  # draws from the k likeliest tokens, from the whole vocabulary
 
     def whole_vocabulary(self, np: Any, n_vocab: int) -> None:
@@ -9707,8 +9708,9 @@ class _JobSampler:
     vocabulary) is safe to share (see LlamaRunner).
     """
 
-    __slots__ = ("runner", "llama_cpp", "scratch", "chain", "chain_settings", "shortlist_size", "penalties", "grammar", "shape",
-                 "state", "after", "logprobs", "top_logprobs", "step_logprobs", "thinking", "logged")
+    __slots__ = ("runner", "llama_cpp", "scratch", "chain", "chain_settings", "shortlist_size", "penalties",
+                 "grammar", "shape", "state", "after", "logprobs", "top_logprobs", "step_logprobs", "thinking",
+                 "logged")
 
     def __init__(self, runner: LlamaRunner, scratch: _SamplingScratch, chain: Any,
                  chain_settings: tuple[bool, int, float, float], penalties: Optional[_Penalties] = None,
@@ -9746,7 +9748,8 @@ class _JobSampler:
         config = runner.config
         settings = (job_param(params, "temperature", config) <= 0, job_param(params, "top_k", config),
                     job_param(params, "top_p", config), job_param(params, "min_p", config))
-        return cls(runner, scratch, _sampler_chain(runner.llama_cpp, params, config), settings, penalties, grammar, shape,
+        chain = _sampler_chain(runner.llama_cpp, params, config)
+        return cls(runner, scratch, chain, settings, penalties, grammar, shape,
                    bool(job_param(params, "logprobs")), job_param(params, "top_logprobs") or 0)
 
     def prepare(self, row: Any) -> None:
@@ -9963,7 +9966,8 @@ class _JobSampler:
                 break
             data = piece(token)
             used += len(data)
-            content.append(dict(_token_entry(data, logprob), top_logprobs=[_token_entry(piece(t), lp) for t, lp in best]))
+            content.append(dict(_token_entry(data, logprob),
+                                top_logprobs=[_token_entry(piece(t), lp) for t, lp in best]))
         return content
 
 
@@ -10002,8 +10006,8 @@ class _ThinkRouter:
     __slots__ = ("open_tag", "close_tag", "state", "held", "parts", "opened", "start", "cap", "force_at", "closing",
                  "forcing", "spent", "closed", "headers", "wrote", "mark")
 
-    def __init__(self, open_tag: str, close_tag: str, state: int, cap: Optional[int] = None, force_at: Optional[int] = None,
-                 closing: tuple[int, ...] = (), headers: tuple[str, ...] = ()) -> None:
+    def __init__(self, open_tag: str, close_tag: str, state: int, cap: Optional[int] = None,
+                 force_at: Optional[int] = None, closing: tuple[int, ...] = (), headers: tuple[str, ...] = ()) -> None:
         self.open_tag, self.close_tag, self.state = open_tag, close_tag, state
         self.headers = headers  # markup dropped before the answer (harmony's final channel header)
         # The character every tag starts with, where they share one: text without it holds no tag
@@ -10024,7 +10028,8 @@ class _ThinkRouter:
 
     def again(self) -> "_ThinkRouter":
         """A router for another choice of the same prompt, as this one started."""
-        return _ThinkRouter(self.open_tag, self.close_tag, self.start, self.cap, self.force_at, self.closing, self.headers)
+        return _ThinkRouter(self.open_tag, self.close_tag, self.start, self.cap, self.force_at, self.closing,
+                            self.headers)
 
     def forced(self, generated: int) -> int:
         """The token the daemon writes next instead of a draw, or -1: the rest of a close it has
@@ -10069,7 +10074,8 @@ class _ThinkRouter:
         while held:
             if self.state == self.BEFORE or self.state == self.AFTER:
                 held = held.lstrip()
-                tags = (self.open_tag, self.close_tag, *self.headers) if self.state == self.AFTER else (self.open_tag, *self.headers)
+                tags = ((self.open_tag, self.close_tag, *self.headers) if self.state == self.AFTER
+                        else (self.open_tag, *self.headers))
                 tag = next((tag for tag in tags if held.startswith(tag)), None)
                 if tag is not None:  # a block opens; or a header, or a second close tag, dropped
                     held = held[len(tag):]
@@ -10181,7 +10187,7 @@ class _Thinking:
         cap = thinking_budget(params)
         generated = min(room, len(prompt) + max_tokens) - len(prompt)
         force_at = generated - (generated + 3) // 4 - len(self.closing)
-        if state in (_ThinkRouter.BEFORE, _ThinkRouter.INSIDE) and (cap == 0 or force_at <= 0):  # no thinking: the answer now
+        if state in (_ThinkRouter.BEFORE, _ThinkRouter.INSIDE) and (cap == 0 or force_at <= 0):  # the answer now
             prompt = prompt + (list(self.closing) if state == _ThinkRouter.INSIDE else self.skip)
             state = _ThinkRouter.AFTER
         return prompt, _ThinkRouter(open_tag, close_tag, state, cap, force_at, self.closing, self.headers)
@@ -10244,7 +10250,8 @@ class _Choices:
         (a choice of the job has just ended there)."""
         seq = session.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
         seq.think_with(first.think.again() if first.think is not None else None)
-        seq.reserved, seq.choices, seq.choice, seq.tools, seq.stops = first.reserved, self, self.started, first.tools, first.stops
+        seq.reserved, seq.choices, seq.choice = first.reserved, self, self.started
+        seq.tools, seq.stops = first.tools, first.stops
         self.started += 1
         if not (own_cells and session.prefixes.keep_choice(seq)):
             session.prefixes.attach(seq, session.slots)
@@ -10457,7 +10464,8 @@ class _Sequence:
         # A token the daemon writes (closing a thinking block) is never drawn, and the grammar,
         # the penalties and the log-probabilities never see it.
         think = self.think
-        token = think.forced(self.n_gen) if think is not None and (think.forcing or think.state == _ThinkRouter.INSIDE) else -1
+        forced = think is not None and (think.forcing or think.state == _ThinkRouter.INSIDE)
+        token = think.forced(self.n_gen) if forced else -1
         if token < 0:
             drawn = self._draw(ctx, index, row, short, runner)
             if isinstance(drawn, tuple):
@@ -10506,7 +10514,8 @@ class _Sequence:
         message = None
         calls = read_tool_calls(text, self.tools, self.job.id, self.choice) if self.tools and not error else None
         if calls is not None and calls[1]:  # (cut by max_tokens: the whole calls, and "length" stays)
-            message, reason = {"content": calls[0], "tool_calls": calls[1]}, "tool_calls" if reason == "stop" else reason
+            message = {"content": calls[0], "tool_calls": calls[1]}
+            reason = "tool_calls" if reason == "stop" else reason
         elif calls is not None:  # the generic form's answer in words
             text = calls[0] or ""
         if error:
@@ -10639,14 +10648,16 @@ class _Embedder:
         if self.memory:
             llama_cpp.llama_memory_clear(self.memory, True)  # every decode starts afresh
         if code != 0:
-            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
+            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(
+                code, f"llama_decode returned {code}")
             failed = {id(entry): entry for entry, _ in placed}
             return ended + [self._end(entry, ("model_error", message)) for entry in failed.values()]
         np, size = self.runner.np, self.runner.n_embd
         for seq, (entry, index) in enumerate(placed):
             pointer = llama_cpp.llama_get_embeddings_seq(self.ctx, seq)
             if not pointer:
-                return ended + [self._end(e, ("model_error", "llama.cpp returned no embedding")) for e in list(self.jobs)]
+                failure = ("model_error", "llama.cpp returned no embedding")
+                return ended + [self._end(e, failure) for e in list(self.jobs)]
             vector = np.ctypeslib.as_array(pointer, shape=(size,))[:entry.dimensions or size].astype(np.float64)
             if not np.isfinite(vector).all():
                 ended.append(self._end(entry, ("model_error", "the model's embedding holds NaN or infinity")))
@@ -10987,7 +10998,8 @@ class StateStore:
             self._pending_states += 1
         try:
             data, offset = state_buffer(self.fingerprint, job_id, tokens, size, self.owner)
-            copied = llama_cpp.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data, offset), size, slot)
+            target = (ctypes.c_uint8 * size).from_buffer(data, offset)
+            copied = llama_cpp.llama_state_seq_get_data(ctx, target, size, slot)
         except MemoryError:
             copied = 0
         if copied != size or len(data) > self.limit:
@@ -11146,7 +11158,8 @@ class _PrefixCache:
         is safe: the cells actually in use never exceed the cache.
         """
         used = sum(s.budget for s in slots if s is not None) + sum(len(t) for t in self.held)
-        for i in sorted((i for i, t in enumerate(self.held) if t), key=lambda i: (i == self.last_kept, -len(self.held[i]))):
+        for i in sorted((i for i, t in enumerate(self.held) if t),
+                        key=lambda i: (i == self.last_kept, -len(self.held[i]))):
             if used <= cells:
                 return
             used -= len(self.held[i])
@@ -11154,7 +11167,8 @@ class _PrefixCache:
 
     def spare_slot(self, slots: list[Optional[_Sequence]]) -> int:
         """A free slot for a job's further choice: the one whose kept cells are worth least."""
-        return min((i for i, s in enumerate(slots) if s is None), key=lambda i: (i == self.last_kept, len(self.held[i])))
+        return min((i for i, s in enumerate(slots) if s is None),
+                   key=lambda i: (i == self.last_kept, len(self.held[i])))
 
     def forget(self, slot: int) -> None:
         """Drop every KV cell of ``slot`` (cells another slot shares stay for that slot)."""
@@ -11232,7 +11246,8 @@ class _PrefixCache:
             seq.awaits_prefix = False
             return
         source = next((i for i, other in enumerate(slots) if other is not None and other is not seq
-                       and other.choices is seq.choices and not other.awaits_prefix and len(other.cached) >= limit), None)
+                       and other.choices is seq.choices and not other.awaits_prefix
+                       and len(other.cached) >= limit), None)
         seq.awaits_prefix = source is None
         if source is None:
             return
@@ -11448,7 +11463,8 @@ class _StateHandOff:
                   f"in {(time.monotonic() - began) * 1000:.0f} ms")
 
 
-def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, threads: int) -> tuple[Any, dict[str, float]]:
+def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, threads: int
+                   ) -> tuple[Any, dict[str, float]]:
     """A llama context of ``cells`` tokens for ``seqs`` sequences, and its buffers as llama.cpp
     states them ({"KV", "compute", "output": MiB}); ModelError if it cannot be made, ConfigError
     (exit 2) where NRVNA_KV_TYPE asks for a quantized cache llama.cpp cannot make here."""
@@ -11651,7 +11667,8 @@ class LlamaSession(Session):
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
-        if self.runner.end_marks and not job_param(job.params, "raw") and not self.runner.grammars.constrained(job.params):
+        params = job.params
+        if self.runner.end_marks and not job_param(params, "raw") and not self.runner.grammars.constrained(params):
             seq.stops = seq.stops + list(self.runner.end_marks)  # the fallback form's turn ends, written as text
         seq.think_with(think)
         seq.tools = self.runner.tool_format if tool_choice(job.params) != "none" else None
@@ -11670,11 +11687,8 @@ class LlamaSession(Session):
         return self.embedder
 
     def _decode(self, ctx: Any, batch: Any) -> int:
-        """``llama_decode`` with this worker's threads, or on the runner's thread for borrowed ones."""
-        if self.threads > self.base_threads:  # borrowed threads: see LlamaRunner.decode_wide
-            return self.runner.decode_wide(ctx, batch)
-        self.runner.wait_wide()
-        return self.llama_cpp.llama_decode(ctx, batch)
+        """``llama_decode`` with this worker's threads, or on the runner's Wide thread for borrowed ones."""
+        return self.runner.decode(ctx, batch, borrowed=self.threads > self.base_threads)
 
     def step(self) -> list[tuple[RunningJob, Outcome]]:
         """One ``llama_decode`` for every generating job and one for texts of embed jobs;
@@ -11692,7 +11706,8 @@ class LlamaSession(Session):
     def _converted(self) -> list[tuple[RunningJob, Outcome]]:
         """Begin the jobs whose grammar is made, as they fit; end those cancelled, timed out or failed."""
         ended = []
-        for job, error, made in self.grammar_waits.ready(self._has_room):
+        for job, error, made in self.grammar_waits.ready(
+                lambda job: self.free() > 0 or self._reserve(job_param(job.params, "priority")) > 0):  # fits now
             try:
                 if error is not None:
                     raise error
@@ -11704,10 +11719,6 @@ class LlamaSession(Session):
                 self.drop(job)
                 ended.append((job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}")))
         return ended
-
-    def _has_room(self, job: RunningJob) -> bool:
-        """Whether ``job`` can begin now (choices of a running job may have taken its room)."""
-        return self.free() > 0 or self._reserve(job_param(job.params, "priority")) > 0
 
     def _generate(self) -> list[tuple[RunningJob, Outcome]]:
         """One ``llama_decode`` for every generating job; return those that ended. The step in
@@ -11737,7 +11748,8 @@ class LlamaSession(Session):
                 self.prefixes.attach(seq, self.slots)
         return ended
 
-    def _decode_batch(self, wanted: list[tuple[_Sequence, int]]) -> Optional[list[Optional[tuple[RunningJob, Outcome]]]]:
+    def _decode_batch(self, wanted: list[tuple[_Sequence, int]]
+                      ) -> Optional[list[Optional[tuple[RunningJob, Outcome]]]]:
         """Decode the filled batch: None when it is decoded. Otherwise the step is over: []
         when preempt() cut it short (llama.cpp dropped its cells; the sequences take the
         step again), or every sequence's end when the decode failed."""
@@ -11750,7 +11762,8 @@ class LlamaSession(Session):
             return []
         if code != 0:
             # The batch is shared by every sequence in it: they cannot be told apart.
-            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
+            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(
+                code, f"llama_decode returned {code}")
             return [self._end(seq, error=("model_error", message), keep=False) for seq in self.slots if seq is not None]
         return None
 
@@ -11763,7 +11776,8 @@ class LlamaSession(Session):
         np = self.runner.np
         # llama.h: the logits of the batch entries asked for are stored in their batch order,
         # one row each; ``wanted`` is in batch order.
-        matrix = np.ctypeslib.as_array(self.llama_cpp.llama_get_logits(self.ctx), shape=(len(wanted), self.runner.n_vocab))
+        logits = self.llama_cpp.llama_get_logits(self.ctx)
+        matrix = np.ctypeslib.as_array(logits, shape=(len(wanted), self.runner.n_vocab))
         for (seq, _), row in zip(wanted, matrix):
             seq.sampler.prepare(row)
             if seq.think is not None and seq.think.state in (_ThinkRouter.BEFORE, _ThinkRouter.AFTER):
@@ -11771,7 +11785,7 @@ class LlamaSession(Session):
         sizes = [seq.sampler.shortlist_size for seq, _ in wanted]
         likeliest = _likeliest(np, matrix, list(range(len(wanted))), sizes) if any(sizes) else [None] * len(wanted)
         ended = []
-        for (seq, index), row, short in zip(wanted, matrix, likeliest):  # each its logits: its sampler draws, its text goes on
+        for (seq, index), row, short in zip(wanted, matrix, likeliest):  # its sampler draws, its text goes on
             if self.slots[seq.slot] is not seq:  # a choice of a job that a batch-mate choice failed
                 continue
             end = seq.take(self.ctx, index, row, short, self.runner, self.ctx_per_seq)
@@ -11911,7 +11925,7 @@ class LlamaRunner(Runner):
 
     Threads: made, with its sessions, and closed by whoever loads the model (_Models: the
     start (Main), a switch or a load ahead (the Models thread)) while no worker uses it; called by
-    every worker (tokens, piece, penalty, grammars, decode_wide, wait_wide) and its Wide thread
+    every worker (tokens, piece, penalty, grammars, decode) and its Wide thread
     (llama_decode); ``grammars`` (a _Grammars) locks itself. ``_sessions`` under ``_lock``, which
     ``close`` takes too: ``memory`` reads them from any thread, only numbers stated at load, never
     the model or a context, which a swap may be freeing. A decode with borrowed threads runs under
@@ -11987,8 +12001,8 @@ class LlamaRunner(Runner):
         self.eog_tokens = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
         self.eog_ids = numpy.array(sorted(self.eog_tokens), dtype=numpy.int64)  # to ban them from a row at once
         # Control tokens but end-of-generation: never in a constrained output (see _JobSampler._allowed).
-        self.control_tokens = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_control(self.vocab, t)
-                                        and t not in self.eog_tokens)
+        self.control_tokens = frozenset(t for t in range(self.n_vocab) if t not in self.eog_tokens
+                                        and llama_cpp.llama_vocab_is_control(self.vocab, t))
         self.control_mask = numpy.zeros(self.n_vocab, dtype=bool)
         self.control_mask[list(self.control_tokens)] = True
         self.grammars = _Grammars(self.tool_format, numpy, self._grammar_pieces)
@@ -11997,7 +12011,8 @@ class LlamaRunner(Runner):
         self._wide: Optional[_CallThread] = None
         self._wide_lock = threading.Lock()  # held while a decode with borrowed threads runs
         # Saved states may be cut back only where every layer's cells can be (full attention).
-        self.trimmable = not (llama_cpp.llama_model_is_recurrent(self.model) or llama_cpp.llama_model_is_hybrid(self.model)
+        self.trimmable = not (llama_cpp.llama_model_is_recurrent(self.model)
+                              or llama_cpp.llama_model_is_hybrid(self.model)
                               or llama_cpp.llama_model_n_swa(self.model) > 0)
         self.store = StateStore.for_model(self, model_path, owner) if not self.embedding_only else None
 
@@ -12026,6 +12041,14 @@ class LlamaRunner(Runner):
             if self._wide is None:
                 self._wide = _CallThread("Wide")
             return self._wide.call(self.llama_cpp.llama_decode, ctx, batch)
+
+    def decode(self, ctx: Any, batch: Any, borrowed: bool) -> int:
+        """``llama_decode`` here, once no decode with borrowed threads runs (wait_wide), or with
+        ``borrowed`` threads on the Wide thread (decode_wide)."""
+        if borrowed:
+            return self.decode_wide(ctx, batch)
+        self.wait_wide()
+        return self.llama_cpp.llama_decode(ctx, batch)
 
     def wait_wide(self) -> None:
         """Wait for a decode with borrowed threads in progress to end.
@@ -12122,7 +12145,8 @@ class LlamaRunner(Runner):
         if self.takes_effort and job_param(params, "reasoning_effort") is not None:
             variables.setdefault("reasoning_effort", job_param(params, "reasoning_effort"))
         messages, variables = self._tool_turns(messages, params, variables)
-        if self.fallback and self.llama_cpp.llama_vocab_get_add_bos(self.vocab):  # ChatML writes none: the model's, as llama-server's
+        # ChatML writes no BOS: the model's, where it adds one, as llama-server's
+        if self.fallback and self.llama_cpp.llama_vocab_get_add_bos(self.vocab):
             tokens.append(self.llama_cpp.llama_vocab_bos(self.vocab))
         for piece, is_content in self._render(messages, variables):  # a template writes its own BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
@@ -12179,7 +12203,8 @@ class LlamaRunner(Runner):
                 # space prefix, so splitting an innocent prompt would change its tokens.)
                 return [(text, False)]
             marks = [f"\ue000{i}\ue001" if m["content"] else "" for i, m in enumerate(messages)]
-            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)], **variables).prompt
+            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)],
+                                     **variables).prompt
         except JobError:
             raise
         except Exception as err:
