@@ -75,25 +75,28 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
 11. llama.cpp engine
    11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, _kv_params, _new_context (a context
                                       and its buffers), check_gguf, _GgufHeader, gguf_strings, gguf_kind
-   11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion
-   11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _JobSampler
+   11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion,
+                                      _Grammars (a model's grammars, made and kept)
+   11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _sampler_chain,
+                                      _JobSampler
    11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
                                       _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
-   11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
-   11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, host_caches, model_memory, memory_line, tool_turns,
-                                      grammar_key, LlamaRunner
+   11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, _GrammarWaits, _StateHandOff (saved states
+                                      handed over), LlamaSession
+   11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, host_caches, memory_line, LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
    12.2 Claims and finishes: Processor
-                                    _Claim, _HandBacks (failed finishes, a full disk), Processor
+                                    _Claim, _HandBacks (failed finishes, a full disk), _Unrunnable, Processor
    12.3 Recovery and hooks          _Recovery (orphans, staging), Hooks
    12.4 Models                      _ServedModel, check_memory_budget, _LoadFailure, _ModelSwitch, _Models
    12.5 Daemons side by side, and the watch
                                     _clash, _hooks_clash, _Registry, _Watcher (cancels, timeouts, dead daemons)
-   12.6 Server                      _WorkerLoads, _claim_later, _with_states_folder, Server
+   12.6 Server                      _WorkerLoads, _Tally (jobs in flight, figures), _claim_later, _with_states_folder,
+                                      Server
 13. Served API
    13.1 HTTP                        bounds, parse_head, ApiError, ApiReply, ApiCall, api_key_matches,
                                       read_multipart, multipart_field, file_chunks
@@ -169,7 +172,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
 
     Main -> Server: starts, serves, stops; _use (sessions, thread budget) at start; stranded; _signalled
         (set by the signal handler) => before the other threads start and after they are joined; the
-        signal handler only sets one field (takes no lock)
+        signal handler only sets one field (takes no lock); _stop, the Event request_stop sets and
+        every thread reads
     Main -> _Registry: lock file and record: register, release, dead() at start; write at a drain
         (Server._say_stranded) => register/release before threads start / after join; write and keep under
         _Registry._lock (the record's temp name is fixed)
@@ -177,7 +181,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         under the WorkspaceLock; before the workers start
     Main -> Scanner: wake() (a pipe); scan() at a drain check => Pool locks itself; scans is only compared
         with 0, and Main scans only after it is not
-    Main -> Hooks: prepare, start, idle, stop (closes _held) => _lock for _in_flight; stop joins the hook
+    Main -> Hooks: prepared, start, all_done, stop (closes _held) => _lock for _in_flight; stop joins the hook
         threads before closing _held
     Main -> _Models: constructor, start (activates the first model that loads), peers (start), describe
         (register), close (shutdown) => before the threads start / after they are joined; routing state
@@ -195,12 +199,14 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         thread (the Pool gives an ID out once; the claim rename and hold_job make it this daemon's);
         _claims under _claims_lock; a claim's dir_fd under _Claim.lock
     Worker-N -> _HandBacks: failed-finish counts, room waited for => _HandBacks._lock
-    Worker-N -> Server: _running, _stats, _recent; _sessions[index] => _stats_lock; _sessions changes only
-        while every worker is parked (_ModelSwitch.park)
+    Worker-N -> Server: _sessions[index] => _sessions changes only while every worker is parked
+        (_ModelSwitch.park)
+    Worker-N, Finisher, Models -> _Tally (Server.tally): add, drop, ended: _running, _counts, _recent =>
+        _Tally._lock
     Worker-N -> _Models: reads active, served[active].name at a claim => read only while the Pool has an
         active queue; a switch clears it and waits for every worker to park before activate
     Worker-N -> _ModelSwitch: park, leave; wake => _ModelSwitch._cond; wake is an Event
-    Worker-N, Finisher -> Hooks: poke => a threading.Event
+    Worker-N, Finisher -> Hooks: poke (_wake) => a threading.Event
     Finisher -> Processor, _HandBacks, Server, Pool: _end of jobs a worker handed it (finish, stats,
         done/retry_later) => the job is the Finisher's once queued (a queue.SimpleQueue); the locks as for
         the workers
@@ -225,11 +231,12 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         live daemon (this one included) holds is left alone (hold_orphan)
     Watcher -> _Registry: keep, dead, write => _Registry._lock around write and the rename in keep
     Watcher -> Pool, _Models: forget_gone, reroute(peers) => Pool's lock, then _Models._lock
-    Watcher -> Server: _running_jobs, status (stats, describe) => _stats_lock
-    Watcher -> _Models: describe: served[i].runner/sessions and active read as they are, with no lock (the
-        Models thread changes them: a record a switch behind at worst); each runner's memory (see
-        model_memory); the routing state (failed) under _Models._lock
-    Watcher, loader -> LlamaRunner (memory, model_memory): _sessions (each with its _ContextSize),
+    Watcher -> Server, _Tally: status (figures, describe), jobs (the running jobs) => _Tally._lock
+    Watcher -> _Models: describe: served[i].runner/sessions read as they are, with no lock (the Models
+        thread changes them: a record a switch behind at worst), and each loaded runner's memory (see
+        LlamaRunner.memory) read outside the lock; the names, active and the routing state (failed)
+        under _Models._lock
+    Watcher, loader -> LlamaRunner (memory): _sessions (each with its _ContextSize),
         weights_mib => _lock for the list; only plain numbers stated when the model and each context were
         made (a session's _Embedder.buffers too), never the model or a context through llama.cpp: the
         Models thread may be freeing them (close empties _sessions under _lock first)
@@ -241,30 +248,31 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         its vocabulary, the tables made at load (eog/control tokens, pooling, chat formatter); its
         sessions => made, with its sessions, and closed while no worker uses it; read only afterwards
         (llama.cpp's model may be shared by contexts on several threads)
-    Worker-N -> LlamaRunner: _grammars (LRU of made grammars), _converting, _converter, _grammar_vocab,
-        conversions => _grammars_lock, never held while a grammar is made
+    Worker-N, loader -> _Grammars (LlamaRunner.grammars: get, prepare, vocab; close): _cache (LRU of made
+        grammars), _converting, _converter, _vocab, conversions => _Grammars._lock, never held while a
+        grammar is made
     Worker-N -> LlamaRunner: _pieces (token -> bytes cache) => no lock: a token's bytes are the same
         whoever stores them, and one dict get or set is atomic
-    loader -> LlamaRunner: session, close: _sessions => _lock (model_memory reads them: above)
+    loader -> LlamaRunner: session, close: _sessions => _lock (memory reads them: above)
     Worker-N, Saver -> StateStore: _index, _skipped, _pending, counts (find, restore, wants, save on the worker;
         _write, evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
         under a temporary name first); the loader's close joins the Saver. A restore's crc is checked on a
         StateCheck thread of its own, joined by the worker before it closes the mapping
     Worker-N, Watcher -> Pool (waiting: children whose parent has not ended): released by a finish (the
         worker or Finisher), release_finished by the Watcher => Pool._cond's lock
-    Worker-N, Wide -> LlamaRunner (decode_wide, wait_wide): the Wide thread's OpenMP team => _wide_lock:
+    Worker-N, Wide -> LlamaRunner (decode, decode_wide, wait_wide): the Wide thread's OpenMP team => _wide_lock:
         one borrower's decode at a time; a plain decode waits for it to end
-    Grammar -> LlamaRunner (_convert), _Conversion: a conversion's found / error => written before its
+    Grammar -> _Grammars (_convert), _Conversion: a conversion's found / error => written before its
         done Event is set; the waiting workers read them only after
     any -> _CallThread (Grammar, Wide): its call queue => a queue.SimpleQueue (thread-safe); each call's result in
         its own box, set before its Event
-    Worker-N -> LlamaSession and what it holds: _Sequence, _Choices, _PrefixCache, _Batch,
-        _SamplingScratch, _GrammarTemplates, _JobSampler, _Penalties, _Embedder, _Embedding: its llama
-        context(s), KV cells, batch, samplers, slots => one worker's only (llama.cpp's rule: a context is
+    Worker-N -> LlamaSession and what it holds: _Sequence, _Choices, _PrefixCache, _Batch, _GrammarWaits,
+        _StateHandOff, _SamplingScratch, _GrammarTemplates, _JobSampler, _Penalties, _Embedder, _Embedding:
+        its llama context(s), KV cells, batch, samplers, slots => one worker's only (llama.cpp's rule: a context is
         never shared between threads), but: made (LlamaRunner.session) and closed (LlamaRunner.close) by
         the loader while no worker uses it (a switch parks every worker first); preempt (below); grammars
         handed over by the Grammar thread (_Conversion, above); its _Embedder.buffers read by the
-        Watcher (model_memory: a dict made whole before the session's embedder is set, then never changed)
+        Watcher (LlamaRunner.memory: a dict made whole before the session's embedder is set, then never changed)
     Scanner, Worker-N (Server._outranked) -> _Preemption (LlamaSession.preempt): the one-byte abort flag
         => no lock: one byte written and read; a request that lands after the worker's clear cuts its next
         step, which the sequences take again (a cut step changes nothing)
@@ -280,6 +288,10 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Main, Worker-N -> _checked (a schema or tools checked at submit, in parse_batch, at each claim):
         _CHECKED => _CHECKED_LOCK around each read and each write (with its eviction), never held while a
         check runs: two threads may check one key at once, and find the same
+    Worker-N, Grammar -> schema_to_grammar: _schema_converter => no lock: the converter class is made
+        whole, then bound in one assignment (threads that race make the same class)
+    any -> move: _renameat2 => no lock: loaded whole, then bound in one assignment (threads that race
+        load the same function)
     Main, Worker-N -> _python_class: _python_classes => no lock: filled whole by one update (threads that
         race compute the same)
     Main, loader -> gguf_strings: _gguf_headers => no lock: one get, one set or clear, each atomic (a
@@ -288,7 +300,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         _llama_log_reason, _GrammarTemplates, LlamaRunner: _llama_log_tail => no lock: the callback appends
         and cuts it to 5 lines, a call whose failure it explains clears it first, _llama_log_reason reads
         one slice (at worst another thread's line is the reason given); _buffer_sizes => by thread: each
-        thread adds, fills (its callback) and removes its own entry
+        thread adds, fills (its callback) and removes its own entry; _llama_log_callback => bound once,
+        by the first loader, before llama.cpp is given its address (and kept: llama.cpp holds no reference)
     Api-IO -> _Reader: the connections whose request is being read => Api-IO's alone; Api-N gives a kept-alive
         one back through a queue.SimpleQueue and a pipe
     Api-IO, Api-N -> ApiServer: requests => a queue.Queue; _threads, _idle => _lock; _stop_asked => one
@@ -9221,7 +9234,7 @@ class Runner:
 
     def memory(self) -> Optional[dict[str, Any]]:
         """What the runner holds in memory, as the start line and `status --daemon` state it
-        (MiB; see model_memory), or None where it cannot say."""
+        (MiB; see LlamaRunner.memory), or None where it cannot say."""
         return None
 
     def close(self) -> None:
@@ -9404,24 +9417,24 @@ def _install_llama_logging(llama: Any, level: str) -> None:
     llama.llama_log_set(_llama_log_callback, None)
 
 
-def _kv_params(L: Any, config: Config) -> tuple[int, int, int]:
+def _kv_params(llama_cpp: Any, config: Config) -> tuple[int, int, int]:
     """A generation context's KV cache types and flash attention (type_k, type_v, flash_attn_type)
     for NRVNA_KV_TYPE: read by _llama_context and by the saved states' fingerprint alike, so a
     state is restored only into a cache laid out as the one it came from."""
     if config.kv_type == "f16":  # llama.cpp's own defaults: flash attention where it helps
-        defaults = L.llama_context_default_params()
+        defaults = llama_cpp.llama_context_default_params()
         return int(defaults.type_k), int(defaults.type_v), int(defaults.flash_attn_type)
     code = KV_TYPES[config.kv_type][0]
-    return code, code, int(L.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+    return code, code, int(llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
 
 
-def _new_context(L: Any, model: Any, params: Any) -> tuple[Any, dict[str, float]]:
+def _new_context(llama_cpp: Any, model: Any, params: Any) -> tuple[Any, dict[str, float]]:
     """``llama_init_from_model`` (a null context where it fails: its reason is in _llama_log_tail),
     and the context's buffers as llama.cpp logs them: {"KV", "compute", "output": MiB}."""
     del _llama_log_tail[:]
     sizes = _buffer_sizes[threading.get_ident()] = {}
     try:
-        return L.llama_init_from_model(model, params), sizes
+        return llama_cpp.llama_init_from_model(model, params), sizes
     finally:
         del _buffer_sizes[threading.get_ident()]
 
@@ -9433,7 +9446,7 @@ def _llama_log_reason(form: str) -> str:
     return form.format(last[0]) if last else ""
 
 
-def _strlen_callback(L: Any) -> Any:
+def _strlen_callback(llama_cpp: Any) -> Any:
     """libc's strlen as a ggml_abort_callback (see LlamaSession.preempt), where a bool result
     is read from the low byte of the integer register that holds strlen's (x86-64, arm64);
     None elsewhere: steps are then never cut short."""
@@ -9443,20 +9456,37 @@ def _strlen_callback(L: Any) -> Any:
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         return None
     try:
-        return ctypes.cast(ctypes.CDLL(None).strlen, L.ggml_abort_callback)
+        return ctypes.cast(ctypes.CDLL(None).strlen, llama_cpp.ggml_abort_callback)
     except (OSError, AttributeError):
         return None
 
 
-def _load_unmapped(L: Any, params: Any) -> None:
+def _char_array(size: int) -> Any:
+    """A ctypes buffer of ``size`` bytes for llama.cpp to write text into."""
+    import ctypes
+
+    return (ctypes.c_char * size)()
+
+
+def _pooling(setting: str, stated: Optional[str]) -> str:
+    """The pooling an embedding is made with: NRVNA_POOLING's ``setting``, or for "model" the
+    type the GGUF ``stated`` (a number of llama.cpp's enum), else "none"."""
+    if setting != "model":
+        return setting
+    if stated is not None and stated.isdigit() and int(stated) < len(POOLING_CODES):
+        return POOLING_CODES[int(stated)]  # "rank" (rerankers) embeds nothing here
+    return "none"
+
+
+def _load_unmapped(llama_cpp: Any, params: Any) -> None:
     """Make ``params`` (llama_model_params) read the weights into memory of their own instead of
     mapping the file. A mapped file truncated in place (cp over it) is SIGBUS at the next touch
     of a page gone: the daemon dies (its jobs are recovered as after any crash); unmapped, the
     weights are the daemon's, whatever happens to the file."""
     fields = {name for name, _ in type(params)._fields_}
     if "load_mode" in fields:  # llama.cpp's load modes (llama-cpp-python 0.3.36)
-        params.load_mode = L.LLAMA_LOAD_MODE_NONE
-        params.lazy_mode = L.LLAMA_LAZY_MODE_OFF  # lazy rows are read through the mapping
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+        params.lazy_mode = llama_cpp.LLAMA_LAZY_MODE_OFF  # lazy rows are read through the mapping
     else:
         params.use_mmap = False
 
@@ -9614,8 +9644,8 @@ _GBNF_LITERAL_ESCAPES = {"\\": "\\\\", "\r": "\\r", "\n": "\\n", '"': '\\"'}
 
 
 class _Conversion:
-    """A job's grammar being made on its runner's Grammar thread (LlamaRunner.prepare_grammar):
-    ``done`` is set once ``found`` ((key, GBNF, shape), as LlamaRunner.grammar gives) or
+    """A job's grammar being made on its runner's Grammar thread (_Grammars.prepare):
+    ``done`` is set once ``found`` ((key, GBNF, shape), as _Grammars.get gives) or
     ``error`` (the JobError that fails the jobs waiting for it) is.
 
     Threads: the Grammar thread writes ``found`` or ``error``, then sets ``done``; the workers
@@ -9765,6 +9795,162 @@ def _small_grammar(key: tuple[str, Any]) -> bool:
                                        and (key[0] == "gbnf" or '"pattern":' not in key[1]))
 
 
+class _Grammars:
+    """A model's grammars: each constrained job's GBNF and shape, made once per distinct schema or
+    grammar and kept (GRAMMAR_CACHE, least recently used out), a large one made on the Grammar
+    thread (a _CallThread, started at the first), and the vocabulary as the grammar sees it.
+    ``form``: how the model writes tool calls; ``vocab_pieces``: each token's bytes (b"" for an
+    end of generation), asked once, for the first structured job.
+
+    Threads: every worker (constrained, key, get, prepare, vocab) and the Grammar thread
+    (_convert); ``_cache``, ``_converting``, ``_converter``, ``_vocab`` and ``conversions`` under
+    ``_lock``, never held while a grammar is made; the loader's LlamaRunner.close calls close.
+    """
+
+    def __init__(self, form: ToolFormat, np: Any, vocab_pieces: Callable[[], list[bytes]]) -> None:
+        self.form = form
+        self.np = np
+        self._vocab_pieces = vocab_pieces
+        self._lock = threading.Lock()  # held for the dictionaries, never while converting
+        self._cache: dict[Any, tuple[str, GrammarShape]] = {}  # a schema or grammar -> its GBNF (LRU order)
+        self._converting: dict[Any, _Conversion] = {}  # grammars the Grammar thread is making
+        self._converter: Optional[_CallThread] = None  # the Grammar thread, made on first use
+        self._vocab: Optional[GrammarVocab] = None
+        self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
+
+    def key(self, params: Mapping[str, Any]) -> Optional[tuple[str, Any, Mapping[str, Any]]]:
+        """(its kind, the key naming it, the params that make it) of a constrained job's grammar."""
+        import json
+
+        kind = constraint(params)
+        if kind is None:
+            return None
+        if kind == "tools":  # descriptions left out: they change the prompt, not the grammar
+            tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
+                     for t in job_param(params, "tools")]
+            return kind, ("tools", json.dumps([self.form, tool_choice(params), parallel_calls(params), tools],
+                                              ensure_ascii=False, separators=(",", ":"))), params
+        if kind == "json_object":
+            return kind, ("json_object",), {"grammar": _JSON_OBJECT_GBNF}
+        if kind == "grammar":
+            return kind, ("gbnf", job_param(params, "grammar")), params
+        return kind, ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"],
+                                           ensure_ascii=False, separators=(",", ":"))), params
+
+    def constrained(self, params: Mapping[str, Any]) -> bool:
+        """Whether a job with ``params`` is constrained by a grammar or a JSON schema."""
+        return self.key(params) is not None
+
+    def get(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str, GrammarShape]]:
+        """The job's grammar, if its output is constrained: (a key naming it, its GBNF text,
+        its shape). A JSON schema is converted once per distinct schema, then found here again
+        (here, on the calling thread, if no conversion of it is done: see prepare).
+        Raises JobError (grammar_error) for one whose start is past the work limits."""
+        named = self.key(params)
+        if named is None:
+            return None
+        kind, key, params = named
+        with self._lock:
+            found = self._cache.pop(key, None)
+            if found is not None:
+                self._cache[key] = found  # most recently used last
+                return (key,) + found
+        found = self._made(kind, params)
+        self._remember(key, found)
+        return (key,) + found
+
+    def prepare(self, params: Mapping[str, Any]) -> Optional[_Conversion]:
+        """None when the job's grammar is made (or it has none); otherwise its conversion,
+        begun now on the Grammar thread or joined there, for a session to wait for
+        while its other sequences go on stepping: a schema's conversion and check take up
+        to the counted work its submit allows (SCHEMA_MAX_PATTERN_WORK), and no decode waits
+        for them."""
+        named = self.key(params)
+        if named is None or _small_grammar(named[1]):
+            return None
+        kind, key, params = named
+        with self._lock:
+            if key in self._cache:
+                return None
+            conversion = self._converting.get(key)
+            if conversion is None:
+                conversion = self._converting[key] = _Conversion()
+                if self._converter is None:
+                    self._converter = _CallThread("Grammar")
+                self._converter.post(self._convert, kind, key, params, conversion)
+        return conversion
+
+    def _convert(self, kind: str, key: Any, params: Mapping[str, Any], conversion: _Conversion) -> None:
+        """The Grammar thread's call: make the grammar, remember it, and tell who waits."""
+        found: Optional[tuple[str, GrammarShape]] = None
+        try:
+            found = self._made(kind, params)
+            conversion.found = (key,) + found
+        except JobError as err:
+            conversion.error = err
+        except Exception as err:  # a check's own bug fails the jobs that wait, never the thread
+            conversion.error = JobError("runner_error", f"runner failed: {err!r}")
+        finally:
+            self._remember(key, found)
+            conversion.done.set()
+
+    def _made(self, kind: str, params: Mapping[str, Any]) -> tuple[str, GrammarShape]:
+        """A grammar's GBNF and shape, made (no lock held: it takes what the schema's counted
+        work allows). Raises JobError."""
+        text = self._make(kind, params)
+        try:
+            return text, check_grammar(text)
+        except InvalidInput as err:  # a converted schema's grammar, past the work limits
+            raise JobError("grammar_error", str(err)) from None
+
+    def _remember(self, key: Any, found: Optional[tuple[str, GrammarShape]]) -> None:
+        """Keep a grammar made (None: its conversion failed), as the most recently used."""
+        with self._lock:
+            self._converting.pop(key, None)
+            if found is None:
+                return
+            self._cache.pop(key, None)
+            self._cache[key] = found
+            if len(self._cache) > GRAMMAR_CACHE:
+                self._cache.pop(next(iter(self._cache)))
+
+    def vocab(self) -> GrammarVocab:
+        """The vocabulary as the grammar sees it, for GrammarShape.vocab_cost (made once)."""
+        if self._vocab is not None:  # (every redraw asks: no lock once it is made)
+            return self._vocab
+        with self._lock:
+            if self._vocab is None:
+                self._vocab = GrammarVocab(self.np, self._vocab_pieces())
+        return self._vocab
+
+    def _make(self, kind: str, params: Mapping[str, Any]) -> str:
+        """The GBNF of a grammar job, or its schema converted. (The checks ran at claim: the
+        Processor validates params.json, a hand-made one too, with the submit's checks.)"""
+        if kind not in ("json_schema", "tools"):
+            return job_param(params, "grammar")
+        try:
+            if kind == "tools":
+                choice, parallel, form = tool_choice(params), parallel_calls(params), self.form
+                schema = tool_call_schema(job_param(params, "tools"), choice, parallel, form)
+                text = (schema_to_grammar(schema) if form.generic else
+                        tool_grammar(schema_to_grammar(schema, "tool-call"), "tool-call", choice, parallel, form))
+            else:
+                text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
+        except Exception as err:  # the converter's own assertions: a gap in check_json_schema
+            what = "tools" if kind == "tools" else "response_format"
+            raise JobError("bad_request", f"{what}: the schema could not be converted: {err!r}") from None
+        with self._lock:  # workers and the Grammar thread convert at once
+            self.conversions += 1
+        return text
+
+    def close(self) -> None:
+        """End the Grammar thread: a conversion under way is abandoned, not waited for."""
+        with self._lock:
+            converter, self._converter = self._converter, None
+        if converter is not None:
+            converter.close(wait=False)
+
+
 # ============================================================================
 # 11.3 Sampling
 # ============================================================================
@@ -9849,25 +10035,26 @@ class _SamplingScratch:
     Threads: a session belongs to one worker thread, and so does its scratch: never shared
     between threads."""
 
-    __slots__ = ("L", "byref", "candidates", "candidates_array", "token_ids", "one", "one_array", "short",
+    __slots__ = ("llama_cpp", "byref", "candidates", "candidates_array", "token_ids", "one", "one_array", "short",
                  "short_ids", "short_logits", "short_p", "short_array", "draws")
 
     def __init__(self, runner: LlamaRunner) -> None:
         import ctypes
 
-        L = self.L = runner.L
+        llama_cpp = self.llama_cpp = runner.llama_cpp
         np = runner.np
         self.byref = ctypes.byref
         # The whole vocabulary as llama_token_data, for resampling under a grammar (see whole_vocabulary).
         self.candidates: Any = None
         self.candidates_array: Any = None
         self.token_ids: Any = None
-        self.one = L.llama_token_data(0, 0.0, 0.0)  # one candidate: is a token allowed by a grammar?
-        self.one_array = L.llama_token_data_array(ctypes.pointer(self.one), 1, -1, False)
+        self.one = llama_cpp.llama_token_data(0, 0.0, 0.0)  # one candidate: is a token allowed by a grammar?
+        self.one_array = llama_cpp.llama_token_data_array(ctypes.pointer(self.one), 1, -1, False)
         # A top_k draw's candidates, the k likeliest tokens (see _JobSampler._draw_short).
         self.short = np.zeros(SHORTLIST_COLUMNS, dtype=_token_data_dtype(np))
         self.short_ids, self.short_logits, self.short_p = self.short["id"], self.short["logit"], self.short["p"]
-        self.short_array = L.llama_token_data_array(self.short.ctypes.data_as(L.llama_token_data_p), 0, -1, False)
+        self.short_array = llama_cpp.llama_token_data_array(
+            self.short.ctypes.data_as(llama_cpp.llama_token_data_p), 0, -1, False)
         self.draws = [0, 0]  # draws from the k likeliest tokens, from the whole vocabulary
 
     def whole_vocabulary(self, np: Any, n_vocab: int) -> None:
@@ -9875,8 +10062,8 @@ class _SamplingScratch:
         if self.candidates is None:
             self.candidates = np.zeros(n_vocab, dtype=_token_data_dtype(np))
             self.token_ids = np.arange(n_vocab, dtype=np.intc)
-            self.candidates_array = self.L.llama_token_data_array(
-                self.candidates.ctypes.data_as(self.L.llama_token_data_p), n_vocab, -1, False)
+            self.candidates_array = self.llama_cpp.llama_token_data_array(
+                self.candidates.ctypes.data_as(self.llama_cpp.llama_token_data_p), n_vocab, -1, False)
 
 
 def _token_data_dtype(np: Any) -> Any:
@@ -9957,22 +10144,22 @@ class _GrammarTemplates:
         """A grammar sampler of the job's own and the grammar's shape (None when its output is
         free): cloned from the context's parsed copy of that grammar, parsing it on first use.
         ``made``: the grammar as LlamaRunner.grammar gives it, made already."""
-        found = made or self.runner.grammar(params)
+        found = made or self.runner.grammars.get(params)
         if found is None:
             return None
         key, text, shape = found
-        L = self.runner.L
+        llama_cpp = self.runner.llama_cpp
         template = self.parsed.pop(key, None)
         if template is None:
             del _llama_log_tail[:]
-            template = L.llama_sampler_init_grammar(self.runner.vocab, text.encode("utf-8"), b"root")
+            template = llama_cpp.llama_sampler_init_grammar(self.runner.vocab, text.encode("utf-8"), b"root")
             if not template:
                 reason = _llama_log_reason(" ({})")
                 raise JobError("bad_request", f"llama.cpp refused the grammar{reason}")
             while len(self.parsed) >= GRAMMAR_TEMPLATES:
-                L.llama_sampler_free(self.parsed.pop(next(iter(self.parsed))))
+                llama_cpp.llama_sampler_free(self.parsed.pop(next(iter(self.parsed))))
         self.parsed[key] = template  # most recently used last
-        return L.llama_sampler_clone(template), self._fork(key, shape)
+        return llama_cpp.llama_sampler_clone(template), self._fork(key, shape)
 
     def _fork(self, key: Any, shape: GrammarShape) -> GrammarShape:
         """This context's fork of the runner's ``shape``, made on first use: its memos are this
@@ -9988,7 +10175,7 @@ class _GrammarTemplates:
     def close(self) -> None:
         """Free every parsed grammar."""
         for template in self.parsed.values():
-            self.runner.L.llama_sampler_free(template)
+            self.runner.llama_cpp.llama_sampler_free(template)
         self.parsed.clear()
         self.shapes.clear()
 
@@ -10001,6 +10188,29 @@ def _shortlist_size(chain_settings: tuple[bool, int, float, float]) -> int:
     if greedy:
         return 1
     return top_k if 0 < top_k < SHORTLIST_COLUMNS else 0
+
+
+def _sampler_chain(llama_cpp: Any, params: Mapping[str, Any], cfg: Config) -> Any:
+    """llama.cpp's sampler chain for one job (chains hold state: one per sequence); the
+    repetition penalty is not in it (see _Penalties)."""
+    temperature = job_param(params, "temperature", cfg)
+    top_k = job_param(params, "top_k", cfg)
+    top_p = job_param(params, "top_p", cfg)
+    min_p = job_param(params, "min_p", cfg)
+    seed = job_param(params, "seed", cfg) or llama_cpp.LLAMA_DEFAULT_SEED  # 0 = random
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    if temperature <= 0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+        return chain
+    if top_k > 0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(top_k))
+    if top_p < 1.0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(top_p, 1))
+    if min_p > 0.0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(min_p, 1))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(temperature))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed))
+    return chain
 
 
 class _JobSampler:
@@ -10018,15 +10228,16 @@ class _JobSampler:
     vocabulary) is safe to share (see LlamaRunner).
     """
 
-    __slots__ = ("runner", "L", "scratch", "chain", "chain_settings", "shortlist_size", "penalties", "grammar", "shape",
-                 "state", "after", "logprobs", "top_logprobs", "step_logprobs", "thinking", "logged")
+    __slots__ = ("runner", "llama_cpp", "scratch", "chain", "chain_settings", "shortlist_size", "penalties",
+                 "grammar", "shape", "state", "after", "logprobs", "top_logprobs", "step_logprobs", "thinking",
+                 "logged")
 
     def __init__(self, runner: LlamaRunner, scratch: _SamplingScratch, chain: Any,
                  chain_settings: tuple[bool, int, float, float], penalties: Optional[_Penalties] = None,
                  grammar: Any = None, shape: Optional[GrammarShape] = None, logprobs: bool = False,
                  top_logprobs: int = 0) -> None:
         self.runner = runner
-        self.L = runner.L
+        self.llama_cpp = runner.llama_cpp
         self.scratch = scratch  # the context's arrays (see _SamplingScratch)
         self.chain = chain  # llama.cpp's sampler chain (LlamaRunner.sampler); penalties are not in it
         self.chain_settings = chain_settings  # what the chain does: (greedy, top_k, top_p, min_p)
@@ -10057,7 +10268,8 @@ class _JobSampler:
         config = runner.config
         settings = (job_param(params, "temperature", config) <= 0, job_param(params, "top_k", config),
                     job_param(params, "top_p", config), job_param(params, "min_p", config))
-        return cls(runner, scratch, runner.sampler(params), settings, penalties, grammar, shape,
+        chain = _sampler_chain(runner.llama_cpp, params, config)
+        return cls(runner, scratch, chain, settings, penalties, grammar, shape,
                    bool(job_param(params, "logprobs")), job_param(params, "top_logprobs") or 0)
 
     def prepare(self, row: Any) -> None:
@@ -10081,7 +10293,7 @@ class _JobSampler:
             token = self._draw_short(*likeliest)
         else:
             self.scratch.draws[1] += 1
-            token = self.L.llama_sampler_sample(self.chain, ctx, index)
+            token = self.llama_cpp.llama_sampler_sample(self.chain, ctx, index)
         if self.grammar is not None and not self.thinking and not self._allowed(token):
             token = self._resample(row)
         return token
@@ -10101,11 +10313,11 @@ class _JobSampler:
         scratch.short_p[:count] = 0.0
         array = scratch.short_array
         array.size, array.selected, array.sorted = count, -1, False
-        self.L.llama_sampler_apply(self.chain, scratch.byref(array))
+        self.llama_cpp.llama_sampler_apply(self.chain, scratch.byref(array))
         if not 0 <= array.selected < count:  # (llama_sampler_sample would abort the process)
             raise RuntimeError(f"the sampler chain selected candidate {array.selected} of {count}")
         token = int(scratch.short_ids[array.selected])
-        self.L.llama_sampler_accept(self.chain, token)
+        self.llama_cpp.llama_sampler_accept(self.chain, token)
         scratch.draws[0] += 1
         return token
 
@@ -10116,7 +10328,7 @@ class _JobSampler:
         if self.penalties is not None:
             self.penalties.accept(token)
         if self.grammar is not None and not self.thinking:
-            self.L.llama_sampler_accept(self.grammar, token)  # never a refused token: llama.cpp aborts on one
+            self.llama_cpp.llama_sampler_accept(self.grammar, token)  # never a refused token: llama.cpp aborts on one
             self.state = self.after
         if self.step_logprobs is not None:
             self.logprobs.append(self._logprob(self.step_logprobs, token))
@@ -10129,13 +10341,13 @@ class _JobSampler:
             self.logprobs.pop()
             self.logged = False
 
-    def free(self) -> None:
+    def close(self) -> None:
         """Free the chain and the grammar sampler (the log-probabilities stay)."""
         if self.chain is not None:
-            self.L.llama_sampler_free(self.chain)
+            self.llama_cpp.llama_sampler_free(self.chain)
             self.chain = None
         if self.grammar is not None:
-            self.L.llama_sampler_free(self.grammar)
+            self.llama_cpp.llama_sampler_free(self.grammar)
             self.grammar = None
 
     def _allowed(self, token: int) -> bool:
@@ -10155,7 +10367,7 @@ class _JobSampler:
         one.id, one.logit, one.p = token, 0.0, 0.0
         array = scratch.one_array
         array.size, array.selected, array.sorted = 1, -1, False
-        self.L.llama_sampler_apply(self.grammar, scratch.byref(array))
+        self.llama_cpp.llama_sampler_apply(self.grammar, scratch.byref(array))
         allowed = one.logit != -_INF
         if allowed and not eog and self.after is None:
             # (never seen: GrammarShape is llama.cpp's algorithm; were it not, the job ends here
@@ -10173,7 +10385,7 @@ class _JobSampler:
         (see ``_shortlist_suffices``), else from the whole vocabulary, as llama.cpp's
         common_sampler does (measured: 5.8 ms a redraw over SmolLM2's 49,152 tokens)."""
         np, n_vocab = self.runner.np, self.runner.n_vocab
-        vocab = self.runner.grammar_vocab()
+        vocab = self.runner.grammars.vocab()
         self.scratch.whole_vocabulary(np, n_vocab)
         if n_vocab > 2 * SHORTLIST:
             ids = np.sort(np.argpartition(row, n_vocab - SHORTLIST)[n_vocab - SHORTLIST:])  # in ID order, as all are
@@ -10196,7 +10408,7 @@ class _JobSampler:
         candidates["logit"][:count] = logits
         candidates["p"][:count] = 0.0
         array.size, array.selected, array.sorted = count, -1, False
-        self.L.llama_sampler_apply(self.grammar, scratch.byref(array))
+        self.llama_cpp.llama_sampler_apply(self.grammar, scratch.byref(array))
         kept = candidates["logit"][:count]
         kept[self.runner.control_mask[candidates["id"][:count]]] = -_INF  # see _allowed
         allowed = kept[np.isfinite(kept)]
@@ -10206,7 +10418,7 @@ class _JobSampler:
         """The job's sampler chain on the loaded candidates: the token it draws (-1: none)."""
         scratch = self.scratch
         array = scratch.candidates_array
-        self.L.llama_sampler_apply(self.chain, scratch.byref(array))
+        self.llama_cpp.llama_sampler_apply(self.chain, scratch.byref(array))
         if not 0 <= array.selected < array.size:
             return -1
         token = int(scratch.candidates["id"][array.selected])
@@ -10274,7 +10486,8 @@ class _JobSampler:
                 break
             data = piece(token)
             used += len(data)
-            content.append(dict(_token_entry(data, logprob), top_logprobs=[_token_entry(piece(t), lp) for t, lp in best]))
+            content.append(dict(_token_entry(data, logprob),
+                                top_logprobs=[_token_entry(piece(t), lp) for t, lp in best]))
         return content
 
 
@@ -10288,7 +10501,7 @@ class _JobSampler:
 
 class _ThinkRouter:
     """One sequence's generated text split into its thinking and its answer, by the thinking
-    block's tags (``open``, ``close``: ``<think>``, ``</think>``), matched in the decoded text so
+    block's tags (``open_tag``, ``close_tag``: ``<think>``, ``</think>``), matched in the decoded text so
     that a tag split over tokens, or merged with its neighbours, matches alike.
 
     ``route(text)`` takes each decoded piece and returns the part of it that is answer; the
@@ -10310,16 +10523,16 @@ class _ThinkRouter:
     Threads: its sequence's worker only."""
 
     BEFORE, INSIDE, AFTER, ANSWER = range(4)
-    __slots__ = ("open", "close", "state", "held", "parts", "opened", "start", "cap", "force_at", "closing",
+    __slots__ = ("open_tag", "close_tag", "state", "held", "parts", "opened", "start", "cap", "force_at", "closing",
                  "forcing", "spent", "closed", "headers", "wrote", "mark")
 
-    def __init__(self, open: str, close: str, state: int, cap: Optional[int] = None, force_at: Optional[int] = None,
-                 closing: tuple[int, ...] = (), headers: tuple[str, ...] = ()) -> None:
-        self.open, self.close, self.state = open, close, state
+    def __init__(self, open_tag: str, close_tag: str, state: int, cap: Optional[int] = None,
+                 force_at: Optional[int] = None, closing: tuple[int, ...] = (), headers: tuple[str, ...] = ()) -> None:
+        self.open_tag, self.close_tag, self.state = open_tag, close_tag, state
         self.headers = headers  # markup dropped before the answer (harmony's final channel header)
         # The character every tag starts with, where they share one: text without it holds no tag
         # (route's fast path: most pieces are plain words).
-        firsts = {tag[0] for tag in (open, close, *headers)}
+        firsts = {tag[0] for tag in (open_tag, close_tag, *headers)}
         self.mark = firsts.pop() if len(firsts) == 1 else None
         self.held = ""
         self.parts: list[str] = []
@@ -10335,7 +10548,8 @@ class _ThinkRouter:
 
     def again(self) -> "_ThinkRouter":
         """A router for another choice of the same prompt, as this one started."""
-        return _ThinkRouter(self.open, self.close, self.start, self.cap, self.force_at, self.closing, self.headers)
+        return _ThinkRouter(self.open_tag, self.close_tag, self.start, self.cap, self.force_at, self.closing,
+                            self.headers)
 
     def forced(self, generated: int) -> int:
         """The token the daemon writes next instead of a draw, or -1: the rest of a close it has
@@ -10362,8 +10576,8 @@ class _ThinkRouter:
         """Whether ``piece`` would close the block and carry answer text with it (``>{``): with a
         grammar, that text would skip the grammar, so the daemon closes the block instead."""
         text = self.held + piece.decode("utf-8", "ignore")
-        at = text.find(self.close)
-        return at >= 0 and bool(text[at + len(self.close):].strip())
+        at = text.find(self.close_tag)
+        return at >= 0 and bool(text[at + len(self.close_tag):].strip())
 
     @property
     def reasoning(self) -> str:
@@ -10380,11 +10594,12 @@ class _ThinkRouter:
         while held:
             if self.state == self.BEFORE or self.state == self.AFTER:
                 held = held.lstrip()
-                tags = (self.open, self.close, *self.headers) if self.state == self.AFTER else (self.open, *self.headers)
+                tags = ((self.open_tag, self.close_tag, *self.headers) if self.state == self.AFTER
+                        else (self.open_tag, *self.headers))
                 tag = next((tag for tag in tags if held.startswith(tag)), None)
                 if tag is not None:  # a block opens; or a header, or a second close tag, dropped
                     held = held[len(tag):]
-                    if tag == self.open:
+                    if tag == self.open_tag:
                         self.state, self.opened = self.INSIDE, True
                     continue
                 if any(tag.startswith(held) for tag in tags):  # may still become one
@@ -10395,9 +10610,9 @@ class _ThinkRouter:
                 (self.parts if self.state == self.INSIDE else answer).append(before)
                 if tag is None:
                     break
-                if self.state == self.INSIDE and tag == self.close:  # an open tag inside the block is dropped
+                if self.state == self.INSIDE and tag == self.close_tag:  # an open tag inside the block is dropped
                     self.state = self.AFTER
-                elif self.state == self.ANSWER and tag == self.open:  # a lone close tag is dropped
+                elif self.state == self.ANSWER and tag == self.open_tag:  # a lone close tag is dropped
                     self.state, self.opened = self.INSIDE, True
         self.held = held
         return "".join(answer)
@@ -10405,9 +10620,9 @@ class _ThinkRouter:
     def _cut(self, held: str) -> tuple[str, Optional[str], str]:
         """``held``'s text before its first tag, that tag, and the text after it; with no tag:
         the text, None, and the end that may still start one (held back)."""
-        found = [(held.find(tag), tag) for tag in (self.open, self.close) if tag in held]
+        found = [(held.find(tag), tag) for tag in (self.open_tag, self.close_tag) if tag in held]
         if not found:
-            keep = len(held) - _tag_start(held, (self.open, self.close))
+            keep = len(held) - _tag_start(held, (self.open_tag, self.close_tag))
             return held[:keep], None, held[keep:]
         at, tag = min(found)
         return held[:at], tag, held[at + len(tag):]
@@ -10487,12 +10702,12 @@ class _Thinking:
         # of 0 closes it in the template: the answer started with "\n").
         state = (_ThinkRouter.INSIDE if tail.endswith(open_tag) else
                  _ThinkRouter.AFTER if any(map(tail.endswith, answering)) else _ThinkRouter.BEFORE)
-        if state == _ThinkRouter.BEFORE and not job_param(params, "raw") and self.runner.has_grammar(params):
+        if state == _ThinkRouter.BEFORE and not job_param(params, "raw") and self.runner.grammars.constrained(params):
             prompt, state = prompt + self.opening, _ThinkRouter.INSIDE
         cap = thinking_budget(params)
         generated = min(room, len(prompt) + max_tokens) - len(prompt)
         force_at = generated - (generated + 3) // 4 - len(self.closing)
-        if state in (_ThinkRouter.BEFORE, _ThinkRouter.INSIDE) and (cap == 0 or force_at <= 0):  # no thinking: the answer now
+        if state in (_ThinkRouter.BEFORE, _ThinkRouter.INSIDE) and (cap == 0 or force_at <= 0):  # the answer now
             prompt = prompt + (list(self.closing) if state == _ThinkRouter.INSIDE else self.skip)
             state = _ThinkRouter.AFTER
         return prompt, _ThinkRouter(open_tag, close_tag, state, cap, force_at, self.closing, self.headers)
@@ -10516,7 +10731,7 @@ class _Choices:
         self.results: list[Optional[Outcome]] = [None] * n
 
     @staticmethod
-    def waiting(slots: list[Optional[_Sequence]]) -> list[_Sequence]:
+    def unstarted(slots: list[Optional[_Sequence]]) -> list[_Sequence]:
         """A sequence of each job whose further choices wait for room (not one in the kept room)."""
         jobs = {id(s.choices): s for s in slots if s is not None and s.choices is not None and not s.reserved
                 and not s.choices.ended and s.choices.started < s.choices.n}
@@ -10555,7 +10770,8 @@ class _Choices:
         (a choice of the job has just ended there)."""
         seq = session.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
         seq.think_with(first.think.again() if first.think is not None else None)
-        seq.reserved, seq.choices, seq.choice, seq.tools, seq.stops = first.reserved, self, self.started, first.tools, first.stops
+        seq.reserved, seq.choices, seq.choice = first.reserved, self, self.started
+        seq.tools, seq.stops = first.tools, first.stops
         self.started += 1
         if not (own_cells and session.prefixes.keep_choice(seq)):
             session.prefixes.attach(seq, session.slots)
@@ -10569,7 +10785,7 @@ class _Choices:
             session.release(seq, keep=False)
             return None
         for other in session.slots:  # choices waiting for the prompt's cells copy them before they go
-            if other is not None and other.choices is self and other.waiting:
+            if other is not None and other.choices is self and other.awaits_prefix:
                 session.prefixes.attach(other, session.slots)
         self.results[seq.choice] = outcome
         if error is None and self.started < self.n:
@@ -10578,7 +10794,7 @@ class _Choices:
             except JobError as err:  # the job fails: nothing has changed yet
                 error = (err.code, str(err))
             else:
-                seq.sampler.free()
+                seq.sampler.close()
                 self._start(session, seq, seq.slot, sampler, own_cells=True)
                 return None
         if error is None and any(r is None for r in self.results):
@@ -10641,7 +10857,7 @@ class _Sequence:
     Threads: its session's worker thread only (made, stepped and ended there)."""
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
-                 "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
+                 "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "awaits_prefix", "unsent",
                  "budget", "priority", "reserved", "choices", "choice", "computed", "think", "thought", "from_disk",
                  "tools")
 
@@ -10654,7 +10870,7 @@ class _Sequence:
         self.cached: list[int] = []  # tokens whose KV cells this slot holds, in order
         self.pending = tokens  # prompt tokens not yet decoded (see at)
         self.pos = 0  # the position of the next token decoded: len(cached)
-        self.waiting = False  # for a batch-mate to compute a prefix this prompt shares
+        self.awaits_prefix = False  # for a batch-mate to compute a prefix this prompt shares
         self.n_prompt = len(tokens)
         self.n_gen = 0
         self.max_tokens = max_tokens
@@ -10760,6 +10976,48 @@ class _Sequence:
         self.parts = [full[:cut]]
         return True
 
+    def take(self, ctx: Any, index: int, row: Any, short: Optional[tuple[Any, Any]], runner: LlamaRunner,
+             limit: int) -> Optional[tuple[str, Optional[tuple[str, str]]]]:
+        """Its next token drawn from output ``index`` of ``ctx``'s step (``row``; ``short``: its
+        likeliest tokens) and taken: None if it goes on, else why it ends (its finish reason, and
+        its error: code, message); ``limit``: the cells it may hold."""
+        # A token the daemon writes (closing a thinking block) is never drawn, and the grammar,
+        # the penalties and the log-probabilities never see it.
+        think = self.think
+        forced = think is not None and (think.forcing or think.state == _ThinkRouter.INSIDE)
+        token = think.forced(self.n_gen) if forced else -1
+        if token < 0:
+            drawn = self._draw(ctx, index, row, short, runner)
+            if isinstance(drawn, tuple):
+                return drawn
+            if drawn >= 0:
+                self.sampler.accept(drawn)
+            token = drawn if drawn >= 0 else -drawn - 1
+        if self.add(token, runner.piece(token)):  # a stop string
+            return "stop", None
+        if self.n_gen >= self.max_tokens or self.pos >= limit:
+            return "length", None
+        return None
+
+    def _draw(self, ctx: Any, index: int, row: Any, short: Optional[tuple[Any, Any]], runner: LlamaRunner
+              ) -> Union[int, tuple[str, Optional[tuple[str, str]]]]:
+        """Its token drawn by its sampler (see take): the token; -1 - a token the daemon
+        writes instead (an end of generation inside a thinking block, or a close that would carry
+        answer text past the grammar: the block is closed); or why the sequence ends."""
+        try:
+            token = self.sampler.sample(ctx, index, row, short)
+        except GrammarLimit as err:  # before llama.cpp is asked to do that work
+            return "stop", ("grammar_error", f"{err} after {self.n_gen} tokens")
+        if token < 0:
+            return "stop", ("grammar_error", "no token of the model's vocabulary can continue the grammar here")
+        think, ends = self.think, token in runner.eog_tokens
+        if think is not None and think.state == _ThinkRouter.INSIDE and think.closing and (
+                ends or (self.sampler.grammar is not None and think.spills(runner.piece(token)))):
+            return -1 - think.close_now("eog" if ends else "model")
+        if ends and (not self.ignore_eos or self.sampler.grammar is not None):
+            return "stop", None  # with a grammar: allowed only once it is complete
+        return token
+
     def outcome(self, reason: str, error: Optional[tuple[str, str]]) -> Outcome:
         """The job's result: its text (flushing the decoder unless a stop string ended it),
         with ``reason``, or the ``error`` (code, message)."""
@@ -10776,7 +11034,8 @@ class _Sequence:
         message = None
         calls = read_tool_calls(text, self.tools, self.job.id, self.choice) if self.tools and not error else None
         if calls is not None and calls[1]:  # (cut by max_tokens: the whole calls, and "length" stays)
-            message, reason = {"content": calls[0], "tool_calls": calls[1]}, "tool_calls" if reason == "stop" else reason
+            message = {"content": calls[0], "tool_calls": calls[1]}
+            reason = "tool_calls" if reason == "stop" else reason
         elif calls is not None:  # the generic form's answer in words
             text = calls[0] or ""
         if error:
@@ -10831,12 +11090,16 @@ class _Embedder:
     """
 
     def __init__(self, runner: LlamaRunner, threads: int, limit: int, pack: int) -> None:
-        L = self.L = runner.L
+        if runner.pooling not in ("mean", "cls", "last"):
+            raise JobError("unsupported", f"the model cannot embed with pooling {runner.pooling} (its GGUF "
+                                          "names no pooling type): start the daemon with NRVNA_POOLING=mean, cls "
+                                          "or last to embed with it")
+        llama_cpp = self.llama_cpp = runner.llama_cpp
         self.runner = runner
         self.limit = limit
         self.pack = pack
         size = max(limit, pack)  # a decode holds a pack of texts, or one text up to the limit
-        params = L.llama_context_default_params()
+        params = llama_cpp.llama_context_default_params()
         params.n_ctx = params.n_batch = params.n_ubatch = size
         params.n_seq_max = EMBED_SEQS
         params.n_threads = params.n_threads_batch = threads
@@ -10848,14 +11111,14 @@ class _Embedder:
         # without it). An encoder (BERT) has no KV cache: there it changed vectors by less than
         # 1e-6 and embedded 1.5 times as fast, so llama.cpp's default (auto: on) stays.
         if runner.causal:
-            params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.no_perf = True
-        self.ctx, self.buffers = _new_context(L, runner.model, params)
+        self.ctx, self.buffers = _new_context(llama_cpp, runner.model, params)
         if not self.ctx:
             raise JobError("model_error", f"cannot create an embedding context of {size} tokens (out of memory? "
                                           "lower NRVNA_MAX_CTX)")
-        self.memory = L.llama_get_memory(self.ctx)  # None for models without a KV cache (BERT)
-        self.batch = L.llama_batch_init(size, 0, 1)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)  # None for models without a KV cache (BERT)
+        self.batch = llama_cpp.llama_batch_init(size, 0, 1)
         self.normalize = bool(runner.config.embed_normalize)
         self.jobs: list[_Embedding] = []
 
@@ -10879,7 +11142,7 @@ class _Embedder:
     def step(self, decode: Callable[[Any, Any], int]) -> list[tuple[RunningJob, Outcome]]:
         """Embed the next texts in one decode; return the jobs whose texts are all done."""
         ended = [self._end(e, e.job.interrupt) for e in list(self.jobs) if e.job.interrupt is not None]
-        L, batch = self.L, self.batch
+        llama_cpp, batch = self.llama_cpp, self.batch
         placed: list[tuple[_Embedding, int]] = []
         n = 0
         for entry in self.jobs:
@@ -10903,16 +11166,18 @@ class _Embedder:
         batch.n_tokens = n
         code = decode(self.ctx, batch)
         if self.memory:
-            L.llama_memory_clear(self.memory, True)  # every decode starts afresh
+            llama_cpp.llama_memory_clear(self.memory, True)  # every decode starts afresh
         if code != 0:
-            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
+            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(
+                code, f"llama_decode returned {code}")
             failed = {id(entry): entry for entry, _ in placed}
             return ended + [self._end(entry, ("model_error", message)) for entry in failed.values()]
         np, size = self.runner.np, self.runner.n_embd
         for seq, (entry, index) in enumerate(placed):
-            pointer = L.llama_get_embeddings_seq(self.ctx, seq)
+            pointer = llama_cpp.llama_get_embeddings_seq(self.ctx, seq)
             if not pointer:
-                return ended + [self._end(e, ("model_error", "llama.cpp returned no embedding")) for e in list(self.jobs)]
+                failure = ("model_error", "llama.cpp returned no embedding")
+                return ended + [self._end(e, failure) for e in list(self.jobs)]
             vector = np.ctypeslib.as_array(pointer, shape=(size,))[:entry.dimensions or size].astype(np.float64)
             if not np.isfinite(vector).all():
                 ended.append(self._end(entry, ("model_error", "the model's embedding holds NaN or infinity")))
@@ -10940,8 +11205,8 @@ class _Embedder:
         """Free the context and its batch."""
         self.jobs.clear()
         if self.ctx:
-            self.L.llama_batch_free(self.batch)
-            self.L.llama_free(self.ctx)
+            self.llama_cpp.llama_batch_free(self.batch)
+            self.llama_cpp.llama_free(self.ctx)
             self.ctx = None
 
 
@@ -10967,7 +11232,7 @@ def state_fingerprint(runner: Any, model_path: str) -> str:
     import hashlib
     import json
 
-    L = runner.L
+    llama_cpp = runner.llama_cpp
     digest = hashlib.sha256()
     with open(model_path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
@@ -10976,9 +11241,9 @@ def state_fingerprint(runner: Any, model_path: str) -> str:
         digest.update(handle.read(1 << 20))
     version = getattr(sys.modules.get("llama_cpp"), "__version__", "?")
     return json.dumps({"model": [size, digest.hexdigest()[:32]], "llama_cpp": version,
-                       "state": getattr(L, "LLAMA_STATE_SEQ_VERSION", None),
-                       "kv": [*_kv_params(L, runner.config), "unified"],
-                       "layers": L.llama_model_n_layer(runner.model), "gpu_layers": runner.config.gpu_layers},
+                       "state": getattr(llama_cpp, "LLAMA_STATE_SEQ_VERSION", None),
+                       "kv": [*_kv_params(llama_cpp, runner.config), "unified"],
+                       "layers": llama_cpp.llama_model_n_layer(runner.model), "gpu_layers": runner.config.gpu_layers},
                       sort_keys=True, separators=(",", ":"))
 
 
@@ -11049,7 +11314,7 @@ class StateStore:
         self._skipped: set[str] = set()  # .kv names read once and left alone (not nrvna's; damaged and not removable)
         self._listed: Optional[int] = None  # the folder's mtime when it was last listed
         self._queue: Any = queue.SimpleQueue()
-        self._pending = self._waiting = 0  # bytes, and states, copied out and not yet written
+        self._pending = self._pending_states = 0  # bytes, and states, copied out and not yet written
         self._saver: Optional[threading.Thread] = None
         self.counts = {"saved": 0, "restored": 0, "dropped": 0, "removed": 0}
         try:
@@ -11146,7 +11411,7 @@ class StateStore:
                 best = (head, n)
         return best
 
-    def restore(self, L: Any, ctx: Any, slot: int, head: StateHead) -> bool:
+    def restore(self, llama_cpp: Any, ctx: Any, slot: int, head: StateHead) -> bool:
         """Put ``head``'s state into sequence ``slot`` of ``ctx`` (what it held is replaced);
         False, the sequence emptied, if it cannot be (a damaged file is removed). The file is
         mapped, and its crc checked on another thread while llama.cpp copies it in: a state
@@ -11157,18 +11422,18 @@ class StateStore:
 
         mapped = self._map(head)
         if mapped is None:
-            L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), slot, -1, -1)
             return False
         whole = _CheckThread(mapped)
         buffer = (ctypes.c_uint8 * head.blob).from_buffer(mapped, head.size - 4 - head.blob)
-        restored = L.llama_state_seq_set_data(ctx, buffer, head.blob, slot) == head.blob
+        restored = llama_cpp.llama_state_seq_set_data(ctx, buffer, head.blob, slot) == head.blob
         del buffer
         why = ("it is torn or damaged (its crc)" if not whole.result() else
-               "its state does not hold the tokens it names" if restored and not self._holds(L, ctx, slot, head)
+               "its state does not hold the tokens it names" if restored and not self._holds(llama_cpp, ctx, slot, head)
                else "")
         mapped.close()
         if why or not restored:
-            L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), slot, -1, -1)
         if why:
             self._remove(head, why)
             return False
@@ -11200,13 +11465,13 @@ class StateStore:
         return mapped
 
     @staticmethod
-    def _holds(L: Any, ctx: Any, slot: int, head: StateHead) -> bool:
+    def _holds(llama_cpp: Any, ctx: Any, slot: int, head: StateHead) -> bool:
         """Whether sequence ``slot`` holds the tokens ``head`` names after a restore: its last
         position is their count less one (a sliding-window cache keeps its first positions
         only within the window: the first may be above 0)."""
-        memory = L.llama_get_memory(ctx)
-        last = L.llama_memory_seq_pos_max(memory, slot)
-        return last == len(head.tokens) - 1 and 0 <= L.llama_memory_seq_pos_min(memory, slot) <= last
+        memory = llama_cpp.llama_get_memory(ctx)
+        last = llama_cpp.llama_memory_seq_pos_max(memory, slot)
+        return last == len(head.tokens) - 1 and 0 <= llama_cpp.llama_memory_seq_pos_min(memory, slot) <= last
 
     def _remove(self, head: StateHead, why: str) -> None:
         """Remove a state file of nrvna's (its magic was read) that is damaged or inconsistent."""
@@ -11231,34 +11496,36 @@ class StateStore:
         return not any(len(h.tokens) >= len(mine) and _shared_prefix(h.tokens, mine) == len(mine)
                        for h in self._heads())
 
-    def save(self, L: Any, ctx: Any, slot: int, tokens: list[int], job_id: str) -> None:
+    def save(self, llama_cpp: Any, ctx: Any, slot: int, tokens: list[int], job_id: str) -> None:
         """Copy sequence ``slot``'s state (exactly ``tokens``' cells) out of ``ctx`` and queue it
         for the Saver; dropped when it would take the states waiting past NRVNA_CACHE_PENDING
         bytes (never waited for)."""
         import ctypes
 
-        size = L.llama_state_seq_get_size(ctx, slot)
+        size = llama_cpp.llama_state_seq_get_size(ctx, slot)
         if not size:  # nothing to save
             return
         with self._lock:
             limit = self.pending_limit
-            if self._waiting >= SAVES_PENDING if limit is None else self._pending + size > limit:
+            full = self._pending_states >= SAVES_PENDING if limit is None else self._pending + size > limit
+            if full:
                 self.counts["dropped"] += 1
                 why = ("the disk is behind" if self._pending else
                        f"its {size / _MIB:,.0f} MiB are more than NRVNA_CACHE_PENDING ({(limit or 0) / _MIB:,.0f} MiB)")
                 log.limited("state pending", f"a computed context was not saved: {why}", "warning")
                 return
             self._pending += size
-            self._waiting += 1
+            self._pending_states += 1
         try:
             data, offset = state_buffer(self.fingerprint, job_id, tokens, size, self.owner)
-            copied = L.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data, offset), size, slot)
+            target = (ctypes.c_uint8 * size).from_buffer(data, offset)
+            copied = llama_cpp.llama_state_seq_get_data(ctx, target, size, slot)
         except MemoryError:
             copied = 0
         if copied != size or len(data) > self.limit:
             with self._lock:
                 self._pending -= size
-                self._waiting -= 1
+                self._pending_states -= 1
             return
         self._queue.put((state_name(self.fingerprint, tokens), data, size))
         if self._saver is None:
@@ -11280,7 +11547,7 @@ class StateStore:
             finally:
                 with self._lock:
                     self._pending -= size
-                    self._waiting -= 1
+                    self._pending_states -= 1
 
     def _write(self, name: str, data: Any) -> None:
         """Write a state whole: a temporary name, fsync, rename, the folder's fsync."""
@@ -11355,8 +11622,8 @@ class _PrefixCache:
 
     Threads: like its context, its session's worker thread only."""
 
-    def __init__(self, L: Any, memory: Any, slots: int, enabled: bool, shares_cells: bool = True) -> None:
-        self.L = L
+    def __init__(self, llama_cpp: Any, memory: Any, slots: int, enabled: bool, shares_cells: bool = True) -> None:
+        self.llama_cpp = llama_cpp
         self.memory = memory
         self.enabled = enabled  # NRVNA_PREFIX_CACHE: off, every prompt is computed whole
         self.shares_cells = shares_cells  # False for recurrent models: no prefix of a state can be copied
@@ -11386,8 +11653,8 @@ class _PrefixCache:
                 continue
             keep = max(_common_prefix(self.held[i], self.held[j]) for j in held if j != i)
             if keep < len(self.held[i]):
-                if not self.L.llama_memory_seq_rm(self.memory, i, keep, -1):
-                    self.L.llama_memory_seq_rm(self.memory, i, -1, -1)
+                if not self.llama_cpp.llama_memory_seq_rm(self.memory, i, keep, -1):
+                    self.llama_cpp.llama_memory_seq_rm(self.memory, i, -1, -1)
                     keep = 0
                 self.held[i] = self.held[i][:keep]
 
@@ -11411,7 +11678,8 @@ class _PrefixCache:
         is safe: the cells actually in use never exceed the cache.
         """
         used = sum(s.budget for s in slots if s is not None) + sum(len(t) for t in self.held)
-        for i in sorted((i for i, t in enumerate(self.held) if t), key=lambda i: (i == self.last_kept, -len(self.held[i]))):
+        for i in sorted((i for i, t in enumerate(self.held) if t),
+                        key=lambda i: (i == self.last_kept, -len(self.held[i]))):
             if used <= cells:
                 return
             used -= len(self.held[i])
@@ -11419,14 +11687,15 @@ class _PrefixCache:
 
     def spare_slot(self, slots: list[Optional[_Sequence]]) -> int:
         """A free slot for a job's further choice: the one whose kept cells are worth least."""
-        return min((i for i, s in enumerate(slots) if s is None), key=lambda i: (i == self.last_kept, len(self.held[i])))
+        return min((i for i, s in enumerate(slots) if s is None),
+                   key=lambda i: (i == self.last_kept, len(self.held[i])))
 
     def forget(self, slot: int) -> None:
         """Drop every KV cell of ``slot`` (cells another slot shares stay for that slot)."""
         if self.last_kept == slot:
             self.last_kept = None
         self.held[slot] = []
-        self.L.llama_memory_seq_rm(self.memory, slot, -1, -1)
+        self.llama_cpp.llama_memory_seq_rm(self.memory, slot, -1, -1)
 
     def release(self, seq: _Sequence, keep: bool) -> None:
         """``seq`` has left its slot; with ``keep``, its KV cells stay for the next job's prefix."""
@@ -11458,7 +11727,7 @@ class _PrefixCache:
                     continue
                 if other is None:
                     n = _common_prefix(self.held[i], tokens, limit)
-                elif other.waiting:
+                elif other.awaits_prefix:
                     continue
                 else:
                     n = _common_prefix(other.cached, tokens, limit)
@@ -11468,19 +11737,19 @@ class _PrefixCache:
                 if n > computed:
                     source, computed = i, n
         computed = min(computed, limit)
-        seq.waiting = planned >= computed + PREFIX_WAIT_TOKENS
-        if seq.waiting:
-            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+        seq.awaits_prefix = planned >= computed + PREFIX_WAIT_TOKENS
+        if seq.awaits_prefix:
+            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
             self.held[seq.slot] = []
             return
         if source == seq.slot:
-            ok = self.L.llama_memory_seq_rm(self.memory, seq.slot, computed, -1)
+            ok = self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, computed, -1)
         else:
-            ok = (self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1) and computed > 0)
+            ok = (self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1) and computed > 0)
             if ok:
-                self.L.llama_memory_seq_cp(self.memory, source, seq.slot, 0, computed)
+                self.llama_cpp.llama_memory_seq_cp(self.memory, source, seq.slot, 0, computed)
         if not ok:  # e.g. recurrent models: a sequence's state is all or nothing
-            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
             computed = 0
         self.held[seq.slot] = []
         seq.at(computed)
@@ -11494,15 +11763,16 @@ class _PrefixCache:
         self.forget(seq.slot)
         seq.at(0)
         if not self.shares_cells:  # a recurrent model's state is all or nothing: each choice computes its own
-            seq.waiting = False
+            seq.awaits_prefix = False
             return
         source = next((i for i, other in enumerate(slots) if other is not None and other is not seq
-                       and other.choices is seq.choices and not other.waiting and len(other.cached) >= limit), None)
-        seq.waiting = source is None
+                       and other.choices is seq.choices and not other.awaits_prefix
+                       and len(other.cached) >= limit), None)
+        seq.awaits_prefix = source is None
         if source is None:
             return
         if limit:
-            self.L.llama_memory_seq_cp(self.memory, source, seq.slot, 0, limit)
+            self.llama_cpp.llama_memory_seq_cp(self.memory, source, seq.slot, 0, limit)
         seq.at(limit)
         self.reused_tokens += limit
 
@@ -11511,7 +11781,7 @@ class _PrefixCache:
         ended: keep the prompt's cells there but its last token's (decoded again for this
         choice's own logits). False where the cells cannot be cut (a recurrent model's)."""
         limit = len(seq.prompt) - 1
-        if not (self.shares_cells and self.L.llama_memory_seq_rm(self.memory, seq.slot, limit, -1)):
+        if not (self.shares_cells and self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, limit, -1)):
             return False
         seq.at(limit)
         self.reused_tokens += limit
@@ -11524,10 +11794,10 @@ class _Batch:
 
     Threads: its session's worker thread only."""
 
-    def __init__(self, L: Any, n_batch: int) -> None:
-        self.L = L
+    def __init__(self, llama_cpp: Any, n_batch: int) -> None:
+        self.llama_cpp = llama_cpp
         self.n_batch = n_batch
-        self.raw = L.llama_batch_init(n_batch, 0, 1)
+        self.raw = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.seq_ids = self.raw.seq_id[:n_batch]  # each entry's own array of sequence IDs, found once
         self.size = 0  # entries filled for this step
         self.chunks = False  # whether prompt chunks are among them
@@ -11548,12 +11818,12 @@ class _Batch:
         wanted: list[tuple[_Sequence, int]] = []
         n, chunks = 0, False
         for seq in slots:
-            if seq is not None and not seq.pending and not seq.waiting and seq.priority == top:
+            if seq is not None and not seq.pending and not seq.awaits_prefix and seq.priority == top:
                 self.put(n, seq.last, seq.feed_last(), seq.slot, True)
                 wanted.append((seq, n))
                 n += 1
         for seq in slots:
-            if seq is None or not seq.pending or seq.waiting or n >= self.n_batch or seq.priority != top:
+            if seq is None or not seq.pending or seq.awaits_prefix or n >= self.n_batch or seq.priority != top:
                 continue
             chunk, pos = seq.feed_chunk(self.n_batch - n)
             chunks = True
@@ -11568,8 +11838,8 @@ class _Batch:
         self.chunks = chunks
         return wanted
 
-    def free(self) -> None:
-        self.L.llama_batch_free(self.raw)
+    def close(self) -> None:
+        self.llama_cpp.llama_batch_free(self.raw)
 
 
 class _Preemption:
@@ -11582,10 +11852,10 @@ class _Preemption:
     no lock: a request that lands after the worker's ``clear`` cuts its next step, which the
     sequences take again (the cut step changes nothing)."""
 
-    def __init__(self, L: Any, ctx: Any, callback: Any) -> None:
+    def __init__(self, llama_cpp: Any, ctx: Any, callback: Any) -> None:
         import ctypes
 
-        self.L, self.ctx, self.callback = L, ctx, callback
+        self.llama_cpp, self.ctx, self.callback = llama_cpp, ctx, callback
         self.byref = ctypes.byref
         self.flag = ctypes.create_string_buffer(2)
         self.never = ctypes.create_string_buffer(2)  # for steps that cannot be cut (prompt chunks)
@@ -11603,17 +11873,124 @@ class _Preemption:
         allowed = allowed and self.callback is not None
         if allowed != self.abortable:
             flag = self.flag if allowed else self.never
-            self.L.llama_set_abort_callback(self.ctx, self.callback, self.byref(flag))
+            self.llama_cpp.llama_set_abort_callback(self.ctx, self.callback, self.byref(flag))
             self.abortable = allowed
 
 
-def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, threads: int) -> tuple[Any, dict[str, float]]:
+class _GrammarWaits:
+    """A session's jobs whose grammar the runner's Grammar thread is making (_Grammars.prepare):
+    each holds a slot and a full share of cells, and begins at the first step after its grammar
+    is made, as it fits.
+
+    Threads: its session's worker thread; the Grammar thread hands each grammar over through
+    its _Conversion (written before its Event is set)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[RunningJob, _Conversion]] = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, job: RunningJob, conversion: _Conversion) -> None:
+        self.entries.append((job, conversion))
+
+    def jobs(self) -> list[RunningJob]:
+        return [job for job, _ in self.entries]
+
+    def drop(self, job: RunningJob) -> None:
+        self.entries = [entry for entry in self.entries if entry[0] is not job]
+
+    def clear(self) -> None:
+        self.entries = []
+
+    def pause(self) -> None:
+        """Wait a little for the first job's grammar (the session has nothing else to do)."""
+        self.entries[0][1].done.wait(CONVERSION_POLL)
+
+    def ready(self, fits: Callable[[RunningJob], bool]
+              ) -> Iterator[tuple[RunningJob, Optional[JobError], Optional[tuple[Any, str, GrammarShape]]]]:
+        """Each job to end or begin now, taken out, one at a time (each begins before the next is
+        asked ``fits``): (job, why it ends, None) for one cancelled or timed out, or whose grammar
+        failed; (job, None, its grammar) for one whose grammar is made and that ``fits`` (one that
+        does not goes to the end of the list)."""
+        for entry in list(self.entries):
+            job, conversion = entry
+            if job.interrupt is None and not conversion.done.is_set():
+                continue
+            self.entries.remove(entry)
+            if job.interrupt is not None:
+                yield job, JobError(*job.interrupt), None
+            elif conversion.error is not None:
+                yield job, conversion.error, None
+            elif not fits(job):
+                self.entries.append(entry)
+            else:
+                yield job, None, conversion.found
+
+
+class _StateHandOff:
+    """A session's side of the saved states (StateStore): the contexts of its jobs that ended
+    this step, offered to the store and copied out for its Saver thread at the session's next
+    save_ended, and a saved state restored into a new sequence's slot.
+
+    Threads: its session's worker thread only (the store locks itself)."""
+
+    def __init__(self, store: StateStore, llama_cpp: Any, ctx: Any, memory: Any, trimmable: bool) -> None:
+        self.store = store
+        self.llama_cpp = llama_cpp
+        self.ctx = ctx
+        self.memory = memory
+        self.trimmable = trimmable  # a state may be cut back to a shorter prefix (full attention)
+        self.ended: list[tuple[int, list[int], str]] = []  # (slot, its tokens, job) to copy out at save_ended
+
+    def offer(self, seq: _Sequence) -> None:
+        """``seq`` is done and its cells kept: copied out at the next save_ended if the store
+        wants them (see StateStore.wants)."""
+        params = seq.job.params
+        conversation = job_param(params, "parent") is not None or any(
+            t.get("role") == "assistant" for t in job_param(params, "messages") or ())
+        if self.store.wants(seq.cached, conversation, seq.computed + seq.n_gen):
+            self.ended.append((seq.slot, list(seq.cached), seq.job.id))
+
+    def save_ended(self) -> None:
+        """Copy the offered contexts out for the store's Saver thread."""
+        ended, self.ended = self.ended, []
+        for slot, tokens, job_id in ended:
+            self.store.save(self.llama_cpp, self.ctx, slot, tokens, job_id)
+
+    def restore(self, seq: _Sequence, prefixes: _PrefixCache) -> None:
+        """Give ``seq`` a saved state's cells where one covers more of its prompt than this
+        context's memory (``prefixes``) did (by RESTORE_GAIN_TOKENS): read, restored into its slot, cut back to
+        the prefix they share (full attention only). The last prompt token is always decoded:
+        its logits are not saved."""
+        store = self.store
+        found = store.find(seq.prompt, len(seq.prompt) - 1, seq.budget, self.trimmable)
+        if found is None or found[1] < seq.pos + RESTORE_GAIN_TOKENS:
+            return
+        head, shared = found
+        prefixes.held[seq.slot] = []
+        began = time.monotonic()
+        if not store.restore(self.llama_cpp, self.ctx, seq.slot, head):
+            seq.at(0)  # its slot was emptied: the whole prompt is computed
+            return
+        if shared < len(head.tokens) and not self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, shared, -1):
+            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+            seq.at(0)
+            return
+        seq.at(shared)
+        seq.from_disk = shared
+        log.debug(f"Job {seq.job.id}: {shared} of {len(seq.prompt)} prompt tokens from saved state {head.name} "
+                  f"in {(time.monotonic() - began) * 1000:.0f} ms")
+
+
+def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, threads: int
+                   ) -> tuple[Any, dict[str, float]]:
     """A llama context of ``cells`` tokens for ``seqs`` sequences, and its buffers as llama.cpp
     states them ({"KV", "compute", "output": MiB}); ModelError if it cannot be made, ConfigError
     (exit 2) where NRVNA_KV_TYPE asks for a quantized cache llama.cpp cannot make here."""
-    L = runner.L
-    params = L.llama_context_default_params()
-    params.type_k, params.type_v, params.flash_attn_type = _kv_params(L, runner.config)
+    llama_cpp = runner.llama_cpp
+    params = llama_cpp.llama_context_default_params()
+    params.type_k, params.type_v, params.flash_attn_type = _kv_params(llama_cpp, runner.config)
     params.n_ctx = cells
     params.n_batch = n_batch
     params.n_ubatch = n_batch
@@ -11626,7 +12003,7 @@ def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, thr
     # of 1 once slots free up out of order. Measured 3-10% more tok/s with mixed lengths.
     params.kv_unified = True
     params.no_perf = True
-    ctx, sizes = _new_context(L, runner.model, params)
+    ctx, sizes = _new_context(llama_cpp, runner.model, params)
     if not ctx:
         reason = _llama_log_reason(": {}")
         if runner.config.kv_type != "f16":
@@ -11648,14 +12025,14 @@ class LlamaSession(Session):
     KV cells between prompts.
 
     Threads: its worker's thread only, but ``preempt`` (any thread: see _Preemption); the
-    runner's Grammar thread makes the grammars of jobs in ``converting`` and hands them over
+    runner's Grammar thread makes the grammars of jobs in ``grammar_waits`` and hands them over
     through their _Conversion (an Event).
     """
 
     def __init__(self, runner: LlamaRunner, threads: int, seqs: int, n_batch: int,
                  config: Optional[Config] = None) -> None:
         self.runner = runner
-        self.L = runner.L
+        self.llama_cpp = runner.llama_cpp
         # NRVNA_MAX_CTX is each worker's context, shared by its sequences: S sequences must
         # not multiply the KV memory by S. It holds FULL_LENGTH_SEQS jobs of the full length;
         # more sequences run as the jobs' budgets leave room (see free), since a batch's
@@ -11673,23 +12050,23 @@ class LlamaSession(Session):
         self.seqs = seqs
         self.normal_cells = per_seq * full
         self.cells = self.normal_cells + per_seq
-        # Jobs whose grammar the runner's Grammar thread is making (prepare_grammar): each holds
-        # a slot and a full share of cells, and starts at the first step after it is made.
-        self.converting: list[tuple[RunningJob, _Conversion]] = []
+        self.grammar_waits = _GrammarWaits()  # jobs whose grammar the Grammar thread is making
         self.ctx: Any = None
         self.slots: list[Optional[_Sequence]] = []
-        self.saves: list[tuple[int, list[int], str]] = []  # ended sequences' contexts to save (save_ended)
+        self.states: Optional[_StateHandOff] = None  # the saved-state hand-off: with a store and prefixes
         if runner.embedding_only:  # no generation context: generation jobs fail at start()
             return
         self.ctx, self.buffers = _llama_context(runner, self.cells, n_batch, seqs + 1, threads)
-        self.memory = self.L.llama_get_memory(self.ctx)
-        self.batch = _Batch(self.L, n_batch)
+        self.memory = self.llama_cpp.llama_get_memory(self.ctx)
+        self.batch = _Batch(self.llama_cpp, n_batch)
         self.slots = [None] * (seqs + 1)
-        self.prefixes = _PrefixCache(self.L, self.memory, seqs + 1, bool(runner.config.prefix_cache),
-                                     not (self.L.llama_model_is_recurrent(runner.model)
-                                          or self.L.llama_model_is_hybrid(runner.model)))
+        self.prefixes = _PrefixCache(self.llama_cpp, self.memory, seqs + 1, bool(runner.config.prefix_cache),
+                                     not (self.llama_cpp.llama_model_is_recurrent(runner.model)
+                                          or self.llama_cpp.llama_model_is_hybrid(runner.model)))
+        if runner.store is not None and self.prefixes.enabled:
+            self.states = _StateHandOff(runner.store, self.llama_cpp, self.ctx, self.memory, runner.trimmable)
         self.preempted = 0  # steps cut short by preempt()
-        self.preemption = _Preemption(self.L, self.ctx, runner.abort_callback)
+        self.preemption = _Preemption(self.llama_cpp, self.ctx, runner.abort_callback)
         self.templates = _GrammarTemplates(runner)
         self.scratch = _SamplingScratch(runner)  # the arrays this context's samplers draw with
 
@@ -11702,12 +12079,11 @@ class LlamaSession(Session):
             self.preemption.clear()
 
     def set_threads(self, threads: int) -> None:
-        """Decode with ``threads`` CPU threads from the next step on (a setting of the
-        context: nothing is reallocated)."""
+        """Decode with ``threads`` CPU threads from the next step on (nothing is reallocated)."""
         if threads != self.threads:
             for ctx in (self.ctx, self.embedder and self.embedder.ctx):
                 if ctx:
-                    self.L.llama_set_n_threads(ctx, threads, threads)
+                    self.llama_cpp.llama_set_n_threads(ctx, threads, threads)
             self.threads = threads
 
     def free(self) -> int:
@@ -11723,10 +12099,10 @@ class LlamaSession(Session):
         embed = EMBED_JOBS - (len(self.embedder.jobs) if self.embedder is not None else 0)
         if self.ctx is None:
             return embed
-        if _Choices.waiting(self.slots):  # a job's choices not yet started have the room first
+        if _Choices.unstarted(self.slots):  # a job's choices not yet started have the room first
             return 0
         running, room = self.room()
-        parked = len(self.converting)
+        parked = len(self.grammar_waits)
         return max(0, min(self.seqs - running - parked, room // self.ctx_per_seq - parked, embed))
 
     def room(self) -> tuple[int, int]:
@@ -11737,7 +12113,7 @@ class LlamaSession(Session):
     def reserve(self, priority: int) -> int:
         """1 if a job of ``priority`` would run above every job here and the kept room is free
         (0 while a job's grammar is being made: that job may need the room)."""
-        return 0 if self.converting else self._reserve(priority)
+        return 0 if self.grammar_waits else self._reserve(priority)
 
     def _reserve(self, priority: int) -> int:
         if self.ctx is None or any(s is not None and (s.reserved or s.priority >= priority) for s in self.slots):
@@ -11755,16 +12131,15 @@ class LlamaSession(Session):
         """Copy the contexts of the jobs that ended last step out for the runner's Saver: after
         their results were handed on (a 184 MB copy is not in a job's latency), and before
         anything else touches their cells (a new job's start, a step, a trim, a drop)."""
-        saves, self.saves = self.saves, []
-        for slot, tokens, job_id in saves:
-            self.runner.store.save(self.L, self.ctx, slot, tokens, job_id)
+        if self.states is not None:
+            self.states.save_ended()
 
     def active(self) -> list[RunningJob]:
         """The jobs generating in this context, then those whose grammar is being made, then
         the embed jobs."""
         embedding = [e.job for e in self.embedder.jobs] if self.embedder is not None else []
-        converting = [job for job, _ in self.converting]
-        return list(dict.fromkeys(s.job for s in self.slots if s is not None)) + converting + embedding  # a job of n choices once
+        waits = self.grammar_waits.jobs()
+        return list(dict.fromkeys(s.job for s in self.slots if s is not None)) + waits + embedding  # n choices: once
 
     def start(self, job: RunningJob) -> None:
         """Take ``job`` into a free slot; raise JobError if its prompt cannot run here. A start
@@ -11778,9 +12153,9 @@ class LlamaSession(Session):
             if self.ctx is None:
                 raise JobError("unsupported", f"the model is an embedding model ({self.runner.arch}): it serves "
                                               "embed jobs only (submit --embed)")
-            conversion = self.runner.prepare_grammar(job.params)
+            conversion = self.runner.grammars.prepare(job.params)
             if conversion is not None:  # made on the Grammar thread while the others step; begun then
-                self.converting.append((job, conversion))
+                self.grammar_waits.add(job, conversion)
                 return
             self._begin(job)
         except BaseException:
@@ -11812,7 +12187,8 @@ class LlamaSession(Session):
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
-        if self.runner.end_marks and not job_param(job.params, "raw") and not self.runner.has_grammar(job.params):
+        params = job.params
+        if self.runner.end_marks and not job_param(params, "raw") and not self.runner.grammars.constrained(params):
             seq.stops = seq.stops + list(self.runner.end_marks)  # the fallback form's turn ends, written as text
         seq.think_with(think)
         seq.tools = self.runner.tool_format if tool_choice(job.params) != "none" else None
@@ -11821,81 +12197,41 @@ class LlamaSession(Session):
         if n > 1:
             _Choices.begin(self, seq, n)
         self.prefixes.make_room(self.slots, self.cells)
-        if self.runner.store is not None and self.prefixes.enabled and not seq.waiting:
-            self._restore(seq, self.runner.store)
-
-    def _restore(self, seq: _Sequence, store: StateStore) -> None:
-        """Give ``seq`` a saved state's cells where one covers more of its prompt than this
-        context's memory did (by RESTORE_GAIN_TOKENS): read, restored into its slot, cut back to
-        the prefix they share (full attention only). The last prompt token is always decoded:
-        its logits are not saved."""
-        found = store.find(seq.prompt, len(seq.prompt) - 1, seq.budget, self.runner.trimmable)
-        if found is None or found[1] < seq.pos + RESTORE_GAIN_TOKENS:
-            return
-        head, shared = found
-        self.prefixes.held[seq.slot] = []
-        began = time.monotonic()
-        if not store.restore(self.L, self.ctx, seq.slot, head):
-            seq.at(0)  # its slot was emptied: the whole prompt is computed
-            return
-        if shared < len(head.tokens) and not self.L.llama_memory_seq_rm(self.memory, seq.slot, shared, -1):
-            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
-            seq.at(0)
-            return
-        seq.at(shared)
-        seq.from_disk = shared
-        log.debug(f"Job {seq.job.id}: {shared} of {len(seq.prompt)} prompt tokens from saved state {head.name} "
-                  f"in {(time.monotonic() - began) * 1000:.0f} ms")
+        if self.states is not None and not seq.awaits_prefix:
+            self.states.restore(seq, self.prefixes)
 
     def _embedder(self) -> _Embedder:
         """The worker's embedding context, made on first use."""
-        if self.runner.pooling not in ("mean", "cls", "last"):
-            raise JobError("unsupported", f"the model cannot embed with pooling {self.runner.pooling} (its GGUF "
-                                          "names no pooling type): start the daemon with NRVNA_POOLING=mean, cls "
-                                          "or last to embed with it")
         if self.embedder is None:
             self.embedder = _Embedder(self.runner, self.threads, self.ctx_per_seq, EMBED_PACK)
         return self.embedder
 
     def _decode(self, ctx: Any, batch: Any) -> int:
-        """``llama_decode`` with this worker's threads, or on the runner's thread for borrowed ones."""
-        if self.threads > self.base_threads:  # borrowed threads: see LlamaRunner.decode_wide
-            return self.runner.decode_wide(ctx, batch)
-        self.runner.wait_wide()
-        return self.L.llama_decode(ctx, batch)
+        """``llama_decode`` with this worker's threads, or on the runner's Wide thread for borrowed ones."""
+        return self.runner.decode(ctx, batch, borrowed=self.threads > self.base_threads)
 
     def step(self) -> list[tuple[RunningJob, Outcome]]:
         """One ``llama_decode`` for every generating job and one for texts of embed jobs;
         return the jobs that ended, with outcomes. Jobs whose grammar has been made begin."""
         self.save_ended()
-        ended = self._converted() if self.converting else []
+        ended = self._converted() if self.grammar_waits else []
         stepping = any(s is not None for s in self.slots) or (self.embedder is not None and bool(self.embedder.jobs))
         ended += self._generate() if self.ctx is not None else []
         if self.embedder is not None and self.embedder.jobs:
             ended += self.embedder.step(self._decode)
-        if not stepping and not ended and self.converting:  # nothing else to do: wait a little, not spin
-            self.converting[0][1].done.wait(CONVERSION_POLL)
+        if not stepping and not ended and self.grammar_waits:  # nothing else to do: wait a little, not spin
+            self.grammar_waits.pause()
         return ended
 
     def _converted(self) -> list[tuple[RunningJob, Outcome]]:
-        """Begin the jobs whose grammar is made, if there is room (choices of a running job may
-        have taken theirs: then they wait for it); end those cancelled or timed out meanwhile,
-        and those whose grammar or start failed, each alone."""
+        """Begin the jobs whose grammar is made, as they fit; end those cancelled, timed out or failed."""
         ended = []
-        for entry in list(self.converting):
-            job, conversion = entry
-            if job.interrupt is None and not conversion.done.is_set():
-                continue
-            self.converting.remove(entry)
+        for job, error, made in self.grammar_waits.ready(
+                lambda job: self.free() > 0 or self._reserve(job_param(job.params, "priority")) > 0):  # fits now
             try:
-                if job.interrupt is not None:
-                    raise JobError(*job.interrupt)
-                if conversion.error is not None:
-                    raise conversion.error
-                if self.free() <= 0 and self._reserve(job_param(job.params, "priority")) <= 0:
-                    self.converting.append(entry)
-                    continue
-                self._begin(job, conversion.found)
+                if error is not None:
+                    raise error
+                self._begin(job, made)
             except JobError as err:
                 self.drop(job)  # a JobError may come once the job holds a slot
                 ended.append((job, Outcome(error_code=err.code, error=str(err))))
@@ -11922,17 +12258,18 @@ class LlamaSession(Session):
         """Before a step: slots freed by other jobs go to choices not yet started; the jobs
         cancelled or timed out end (their outcomes, None for a job's choice that leaves
         others); sequences waiting for a batch-mate's prefix look for it again."""
-        for seq in _Choices.waiting(self.slots):
+        for seq in _Choices.unstarted(self.slots):
             assert seq.choices is not None
             seq.choices.admit(self, seq)
         ended = [self._end(seq, error=seq.job.interrupt) for seq in self.slots
                  if seq is not None and seq.job.interrupt is not None]  # cancelled, timed out
         for seq in self.slots:
-            if seq is not None and seq.waiting:
+            if seq is not None and seq.awaits_prefix:
                 self.prefixes.attach(seq, self.slots)
         return ended
 
-    def _decode_batch(self, wanted: list[tuple[_Sequence, int]]) -> Optional[list[Optional[tuple[RunningJob, Outcome]]]]:
+    def _decode_batch(self, wanted: list[tuple[_Sequence, int]]
+                      ) -> Optional[list[Optional[tuple[RunningJob, Outcome]]]]:
         """Decode the filled batch: None when it is decoded. Otherwise the step is over: []
         when preempt() cut it short (llama.cpp dropped its cells; the sequences take the
         step again), or every sequence's end when the decode failed."""
@@ -11945,20 +12282,22 @@ class LlamaSession(Session):
             return []
         if code != 0:
             # The batch is shared by every sequence in it: they cannot be told apart.
-            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
+            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(
+                code, f"llama_decode returned {code}")
             return [self._end(seq, error=("model_error", message), keep=False) for seq in self.slots if seq is not None]
         return None
 
     def _sample(self, wanted: list[tuple[_Sequence, int]]) -> list[Optional[tuple[RunningJob, Outcome]]]:
         """After a decode: each sequence's logits readied by its sampler, the likeliest tokens
         of every row found at once (for the samplers' shortlists), then each sequence's token
-        drawn and taken (_take); the outcomes of those that ended."""
+        drawn and taken (_Sequence.take); the outcomes of those that ended."""
         if not wanted:  # prompt chunks only
             return []
         np = self.runner.np
         # llama.h: the logits of the batch entries asked for are stored in their batch order,
         # one row each; ``wanted`` is in batch order.
-        matrix = np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(len(wanted), self.runner.n_vocab))
+        logits = self.llama_cpp.llama_get_logits(self.ctx)
+        matrix = np.ctypeslib.as_array(logits, shape=(len(wanted), self.runner.n_vocab))
         for (seq, _), row in zip(wanted, matrix):
             seq.sampler.prepare(row)
             if seq.think is not None and seq.think.state in (_ThinkRouter.BEFORE, _ThinkRouter.AFTER):
@@ -11966,54 +12305,13 @@ class LlamaSession(Session):
         sizes = [seq.sampler.shortlist_size for seq, _ in wanted]
         likeliest = _likeliest(np, matrix, list(range(len(wanted))), sizes) if any(sizes) else [None] * len(wanted)
         ended = []
-        for (seq, index), row, short in zip(wanted, matrix, likeliest):  # each its logits: its sampler draws, its text goes on
+        for (seq, index), row, short in zip(wanted, matrix, likeliest):  # its sampler draws, its text goes on
             if self.slots[seq.slot] is not seq:  # a choice of a job that a batch-mate choice failed
                 continue
-            end = self._take(seq, index, row, short)
+            end = seq.take(self.ctx, index, row, short, self.runner, self.ctx_per_seq)
             if end is not None:
                 ended.append(self._end(seq, *end))
         return ended
-
-    def _take(self, seq: _Sequence, index: int, row: Any, short: Optional[tuple[Any, Any]]
-              ) -> Optional[tuple[str, Optional[tuple[str, str]]]]:
-        """``seq``'s next token drawn from output ``index`` (``row``; ``short``: its likeliest
-        tokens) and taken: None if the sequence goes on, else why it ends (its finish reason,
-        and its error: code, message)."""
-        # A token the daemon writes (closing a thinking block) is never drawn, and the grammar,
-        # the penalties and the log-probabilities never see it.
-        think = seq.think
-        token = think.forced(seq.n_gen) if think is not None and (think.forcing or think.state == _ThinkRouter.INSIDE) else -1
-        if token < 0:
-            drawn = self._draw(seq, index, row, short)
-            if isinstance(drawn, tuple):
-                return drawn
-            if drawn >= 0:
-                seq.sampler.accept(drawn)
-            token = drawn if drawn >= 0 else -drawn - 1
-        if seq.add(token, self.runner.piece(token)):  # a stop string
-            return "stop", None
-        if seq.n_gen >= seq.max_tokens or seq.pos >= self.ctx_per_seq:
-            return "length", None
-        return None
-
-    def _draw(self, seq: _Sequence, index: int, row: Any, short: Optional[tuple[Any, Any]]
-              ) -> Union[int, tuple[str, Optional[tuple[str, str]]]]:
-        """``seq``'s token drawn by its sampler (see _take): the token; -1 - a token the daemon
-        writes instead (an end of generation inside a thinking block, or a close that would carry
-        answer text past the grammar: the block is closed); or why the sequence ends."""
-        try:
-            token = seq.sampler.sample(self.ctx, index, row, short)
-        except GrammarLimit as err:  # before llama.cpp is asked to do that work
-            return "stop", ("grammar_error", f"{err} after {seq.n_gen} tokens")
-        if token < 0:
-            return "stop", ("grammar_error", "no token of the model's vocabulary can continue the grammar here")
-        think, ends = seq.think, token in self.runner.eog_tokens
-        if think is not None and think.state == _ThinkRouter.INSIDE and think.closing and (
-                ends or (seq.sampler.grammar is not None and think.spills(self.runner.piece(token)))):
-            return -1 - think.close_now("eog" if ends else "model")
-        if ends and (not seq.ignore_eos or seq.sampler.grammar is not None):
-            return "stop", None  # with a grammar: allowed only once it is complete
-        return token
 
     def _end(self, seq: _Sequence, reason: str = "stop", error: Optional[tuple[str, str]] = None,
              keep: bool = True) -> Optional[tuple[RunningJob, Outcome]]:
@@ -12031,22 +12329,17 @@ class LlamaSession(Session):
         """Free ``seq``'s slot; with ``keep``, its KV cells stay for the next job's prefix; with
         ``save`` too (its job is done), they are saved to disk when the runner's StateStore wants
         them (see StateStore.wants)."""
-        store = self.runner.store
-        if keep and save and store is not None and self.prefixes.enabled and seq.choices is None:
-            params = seq.job.params
-            conversation = job_param(params, "parent") is not None or any(
-                t.get("role") == "assistant" for t in job_param(params, "messages") or ())
-            if store.wants(seq.cached, conversation, seq.computed + seq.n_gen):
-                self.saves.append((seq.slot, list(seq.cached), seq.job.id))  # copied out at save_ended
+        if keep and save and self.states is not None and seq.choices is None:
+            self.states.offer(seq)
         self.slots[seq.slot] = None
-        seq.sampler.free()
+        seq.sampler.close()
         self.prefixes.release(seq, keep)
 
     def drop(self, job: RunningJob) -> None:
         """Forget ``job`` (it is being handed back to the queue) and free its slot (a conversion
         of its grammar goes on for the jobs that share it, or is abandoned)."""
         self.save_ended()
-        self.converting = [entry for entry in self.converting if entry[0] is not job]
+        self.grammar_waits.drop(job)
         for seq in self.slots:
             if seq is not None and seq.job is job:
                 self.release(seq, keep=False)
@@ -12059,24 +12352,25 @@ class LlamaSession(Session):
             self.save_ended()
         if self.embedder is not None:
             self.embedder.close()
-        self.converting = []
+        self.grammar_waits.clear()
         for seq in self.slots:
             if seq is not None:
                 self.release(seq, keep=False)
         if self.ctx:
             self.templates.close()
-            self.batch.free()
-            self.L.llama_free(self.ctx)
+            self.batch.close()
+            self.llama_cpp.llama_free(self.ctx)
             self.ctx = None
 
 
 # ============================================================================
 # 11.8 The runner
 # ============================================================================
-# LlamaRunner: the model loaded once and shared, its caches (pieces, grammars, the Grammar and Wide threads)
-# and a session per worker; the chat template of a model without one (FALLBACK_TEMPLATE), a chat job's tool
-# turns, and the memory report (memory_line: plain numbers stated at load, read from any thread). HOST_CACHES
-# lists every cache kept beside llama.cpp's buffers with its bound (host_caches: each bound as configured).
+# LlamaRunner: the model loaded once and shared, the runner's caches (pieces; grammars in a _Grammars of
+# 11.2), the Wide thread and a session per worker; the chat template of a model without one
+# (FALLBACK_TEMPLATE), a chat job's tool turns, and the memory report (memory_line: plain numbers stated
+# at load, read from any thread). HOST_CACHES lists every cache kept beside llama.cpp's buffers with its
+# bound (host_caches: each bound as configured). Its docstring's Threads line says who calls what.
 
 
 # Every cache nrvna keeps beside llama.cpp's own buffers: (what, whose, its bound, what it holds,
@@ -12103,7 +12397,7 @@ HOST_CACHES: tuple[tuple[str, str, str, str, str], ...] = (
 
 # A generation context's size as llama.cpp stated it when it was made: its buffers (_new_context's
 # {"KV", "compute", "output": MiB}), its cells (llama.cpp rounds the count asked for up, to 256:
-# its own count) and one job's share of them. Plain numbers, read by model_memory from any thread.
+# its own count) and one job's share of them. Plain numbers, read by LlamaRunner.memory from any thread.
 _ContextSize = namedtuple("_ContextSize", "buffers cells per_job")
 
 
@@ -12126,34 +12420,8 @@ def host_caches(config: Config) -> dict[str, str]:
             for what, _, bound, _, _ in HOST_CACHES}
 
 
-def model_memory(runner: Any) -> dict[str, Any]:
-    """What a loaded model holds as llama.cpp states it (MiB): its weights, and each of its
-    generation contexts' KV cache (cells, bytes a token, type), compute and output buffers; its
-    embedding contexts made so far. The start line, `status --daemon` and NRVNA_MAX_MEMORY
-    read it.
-
-    Any thread calls it (the Watcher writes the record while the Models thread may be closing
-    the runner), so it reads only plain numbers stated when each context was made and the
-    model's size read at load, never a context or the model through llama.cpp: those may be
-    being freed under it."""
-    with runner._lock:
-        sessions = list(runner._sessions)
-    contexts = [size for _, size in sessions if size is not None]
-    first = contexts[0] if contexts else _ContextSize({}, 0, 0)
-    kv, compute, output = (first.buffers.get(part, 0.0) for part in ("KV", "compute", "output"))
-    cells, per_job = first.cells, first.per_job
-    embedders = [s.embedder for s, _ in sessions]  # each read once: a dict made whole before it is set
-    embedding = [sum(e.buffers.values()) for e in embedders if e is not None]
-    weights = runner.weights_mib
-    return {"weights_mib": round(weights, 1), "kv_type": runner.config.kv_type, "contexts": len(contexts),
-            "cells": cells, "cells_per_job": per_job, "kv_bytes_per_token": round(kv * _MIB / cells) if cells else 0,
-            "kv_mib": kv, "compute_mib": compute, "output_mib": output,
-            "embedding_contexts": len(embedding), "embedding_mib": round(sum(embedding), 1),
-            "total_mib": round(weights + len(contexts) * (kv + compute + output) + sum(embedding), 1)}
-
-
 def memory_line(name: str, report: Mapping[str, Any]) -> str:
-    """``model_memory``'s report as the start line says it. An embedding model has no
+    """``LlamaRunner.memory``'s report as the start line says it. An embedding model has no
     generation context (no KV cache, compute or output buffers to count): its line says so, and
     what its workers' embedding contexts hold, each made at the worker's first embed job."""
     n = report["contexts"]
@@ -12170,58 +12438,6 @@ def memory_line(name: str, report: Mapping[str, Any]) -> str:
     return line + f": {report['total_mib']:,.1f} MiB"
 
 
-def tool_turns(messages: list[dict[str, Any]], params: Mapping[str, Any], variables: dict[str, Any],
-           form: ToolFormat, spells_control: Callable[[str], bool]) -> list[dict[str, Any]]:
-    """A job's turns as its template takes tools: in the generic form, the tools and any
-    calls and answers as text (generic_messages); else as the template's own ``tools``
-    variable and calls with their arguments as objects (templates write them ``| tojson``).
-    What a template writes of them outside a message's content must spell no control token
-    (``spells_control``: the model's test of a text)."""
-    import json
-
-    tools, choice = job_param(params, "tools"), tool_choice(params)
-    history = any(t.get("tool_calls") or t["role"] == "tool" for t in messages)
-    if not (tools or history):
-        return messages
-    if form.generic:
-        return generic_messages(messages, tools, choice, parallel_calls(params))
-    if tools and choice != "none":
-        variables["tools"] = tools
-    turns = []
-    for turn in messages:
-        turn = dict(turn, content=turn["content"] or "")
-        if turn.get("tool_calls"):
-            turn["tool_calls"] = [dict(call, function=dict(call["function"], arguments=json.loads(call["function"]["arguments"])))
-                                  for call in turn["tool_calls"]]
-        turns.append(turn)
-    outside = json.dumps([variables.get("tools"), [(t.get("tool_calls"), t.get("name"), t.get("tool_call_id"))
-                                                    for t in messages]], ensure_ascii=False)
-    if spells_control(outside):
-        raise JobError("bad_request", "a tool's definition or a call spells a control token of the model")
-    return turns
-
-
-def grammar_key(params: Mapping[str, Any], form: ToolFormat) -> Optional[tuple[str, Any, Mapping[str, Any]]]:
-    """(its kind, the key naming it, the params that make it) of a constrained job's grammar
-    (``form``: how the model writes tool calls)."""
-    import json
-
-    kind = constraint(params)
-    if kind is None:
-        return None
-    if kind == "tools":  # descriptions left out: they change the prompt, not the grammar
-        tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
-                 for t in job_param(params, "tools")]
-        return kind, ("tools", json.dumps([form, tool_choice(params), parallel_calls(params), tools],
-                                          ensure_ascii=False, separators=(",", ":"))), params
-    if kind == "json_object":
-        return kind, ("json_object",), {"grammar": _JSON_OBJECT_GBNF}
-    if kind == "grammar":
-        return kind, ("gbnf", job_param(params, "grammar")), params
-    return kind, ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"],
-                                       ensure_ascii=False, separators=(",", ":"))), params
-
-
 class LlamaRunner(Runner):
     """llama.cpp through llama-cpp-python's raw API: one model, shared by every worker.
 
@@ -12231,12 +12447,11 @@ class LlamaRunner(Runner):
 
     Threads: made, with its sessions, and closed by whoever loads the model (_Models: the
     start (Main), a switch or a load ahead (the Models thread)) while no worker uses it; called by
-    every worker (tokens, piece, penalty, sampler, grammar, prepare_grammar, grammar_vocab,
-    decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
-    ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``
-    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under ``_lock``:
-    ``memory`` reads them from any thread, only numbers stated at load (see model_memory), never the
-    model or a context, which a swap may be freeing. A decode with borrowed threads runs under ``_wide_lock``. ``_pieces`` is a cache the
+    every worker (tokens, piece, penalty, grammars, decode) and its Wide thread
+    (llama_decode); ``grammars`` (a _Grammars) locks itself. ``_sessions`` under ``_lock``, which
+    ``close`` takes too: ``memory`` reads them from any thread, only numbers stated at load, never
+    the model or a context, which a swap may be freeing. A decode with borrowed threads runs under
+    ``_wide_lock``. ``_pieces`` is a cache the
     workers fill without a lock: a token's bytes are the same whoever stores them, and one
     dict get or set is atomic. The model, its vocabulary and the tables made at load are read
     only (llama.cpp's model may be shared by contexts on several threads).
@@ -12250,13 +12465,13 @@ class LlamaRunner(Runner):
         (a daemon stopping while it loads a model ahead of its turn). ``owner``: its saved
         states' (state_owner of the daemon's workspace)."""
         check_gguf(model_path)
-        self.L = L = _import_llama()
+        self.llama_cpp = llama_cpp = _import_llama()
         self.config = config
-        self.abort_callback = _strlen_callback(L)  # kept here: llama.cpp holds only its address
+        self.abort_callback = _strlen_callback(llama_cpp)  # kept here: llama.cpp holds only its address
         self.model_name = os.path.basename(model_path)
-        _install_llama_logging(L, config.log_level)
-        L.llama_backend_init()
-        params = L.llama_model_default_params()
+        _install_llama_logging(llama_cpp, config.log_level)
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = config.gpu_layers
         if config.gpu >= 0:  # one GPU, whole: several daemons share a machine one GPU each
             params.main_gpu = config.gpu
@@ -12264,41 +12479,36 @@ class LlamaRunner(Runner):
         if not config.repack:
             params.use_extra_bufts = False  # no AMX/repacked buffers (llama.cpp #20824)
         if not config.mmap:
-            _load_unmapped(L, params)
+            _load_unmapped(llama_cpp, params)
         if cancel is not None:  # kept here while llama.cpp may call it: it holds only its address
-            self._progress = L.llama_progress_callback(lambda progress, data: not cancel.is_set())
+            self._progress = llama_cpp.llama_progress_callback(lambda progress, data: not cancel.is_set())
             params.progress_callback = self._progress
         del _llama_log_tail[:]
-        self.model = L.llama_model_load_from_file(model_path.encode(), params)
+        self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
         if not self.model:
             if cancel is not None and cancel.is_set():
                 raise ModelError(f"model {model_path}: its load was cut short (the daemon is stopping)")
             raise ModelError(f"model {model_path} could not be loaded by llama.cpp{_llama_log_reason(': {}')}")
-        self.weights_mib = L.llama_model_size(self.model) / _MIB  # read now: model_memory never reads the model
-        self.vocab = L.llama_model_get_vocab(self.model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.train_ctx = L.llama_model_n_ctx_train(self.model)
-        self.n_embd = L.llama_model_n_embd_out(self.model) or L.llama_model_n_embd(self.model)
+        self.weights_mib = llama_cpp.llama_model_size(self.model) / _MIB  # read now: memory() never reads the model
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.train_ctx = llama_cpp.llama_model_n_ctx_train(self.model)
+        self.n_embd = llama_cpp.llama_model_n_embd_out(self.model) or llama_cpp.llama_model_n_embd(self.model)
         self.arch = self.meta("general.architecture") or "unknown"
         model_pooling = self.meta(f"{self.arch}.pooling_type")
         # An embedding model: one whose GGUF names a pooling type, or an encoder's architecture.
         self.embedding_only = model_pooling is not None or self.arch in ENCODER_ARCHS
         # Causal attention (a decoder, with a KV cache) unless the GGUF or the architecture says not.
         self.causal = self.meta(f"{self.arch}.attention.causal") != "false" and self.arch not in ENCODER_ARCHS
-        if config.pooling != "model":
-            self.pooling = config.pooling
-        elif model_pooling is not None and model_pooling.isdigit() and int(model_pooling) < len(POOLING_CODES):
-            self.pooling = POOLING_CODES[int(model_pooling)]  # "rank" (rerankers) embeds nothing here
-        else:
-            self.pooling = "none"
+        self.pooling = _pooling(config.pooling, model_pooling)
         if self.embedding_only and self.pooling not in ("mean", "cls", "last"):
-            L.llama_model_free(self.model)
+            llama_cpp.llama_model_free(self.model)
             raise ModelError(f"model {model_path} is an embedding model ({self.arch}), and its pooling is "
                              f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
         self._pieces: dict[int, bytes] = {}
         self.fallback = False  # no chat template: chat jobs in FALLBACK_TEMPLATE's form (_chat_formatter)
         self._formatter = None if self.embedding_only else self._chat_formatter()  # (an embedder generates nothing)
-        template = (L.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
+        template = (llama_cpp.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
         self.takes_effort = "reasoning_effort" in template  # gpt-oss's template reads it
         self.thinking = _Thinking.find(self, template, config.thinking_tags)  # None: the model does not think
         self.tool_format = find_tool_format(self._formatter)
@@ -12309,35 +12519,31 @@ class LlamaRunner(Runner):
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy
-        self._grammars: dict[Any, tuple[str, GrammarShape]] = {}  # a schema or grammar -> its GBNF (LRU order)
-        self._grammar_vocab: Optional[GrammarVocab] = None
         # End-of-generation tokens: a set, as every generated token is looked up (a call costs 1-2 us).
-        self.eog_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
+        self.eog_tokens = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
         self.eog_ids = numpy.array(sorted(self.eog_tokens), dtype=numpy.int64)  # to ban them from a row at once
         # Control tokens but end-of-generation: never in a constrained output (see _JobSampler._allowed).
-        self.control_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_control(self.vocab, t)
-                                        and t not in self.eog_tokens)
+        self.control_tokens = frozenset(t for t in range(self.n_vocab) if t not in self.eog_tokens
+                                        and llama_cpp.llama_vocab_is_control(self.vocab, t))
         self.control_mask = numpy.zeros(self.n_vocab, dtype=bool)
         self.control_mask[list(self.control_tokens)] = True
-        self._grammars_lock = threading.Lock()  # held for the dictionaries, never while converting
-        self._converting: dict[Any, _Conversion] = {}  # grammars the Grammar thread is making
-        self._converter: Optional[_CallThread] = None  # the Grammar thread, made on first use
-        self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
+        self.grammars = _Grammars(self.tool_format, numpy, self._grammar_pieces)
         self._lock = threading.Lock()
         self._sessions: list[tuple[LlamaSession, Optional[_ContextSize]]] = []  # each with its context's size
         self._wide: Optional[_CallThread] = None
         self._wide_lock = threading.Lock()  # held while a decode with borrowed threads runs
         # Saved states may be cut back only where every layer's cells can be (full attention).
-        self.trimmable = not (L.llama_model_is_recurrent(self.model) or L.llama_model_is_hybrid(self.model)
-                              or L.llama_model_n_swa(self.model) > 0)
+        self.trimmable = not (llama_cpp.llama_model_is_recurrent(self.model)
+                              or llama_cpp.llama_model_is_hybrid(self.model)
+                              or llama_cpp.llama_model_n_swa(self.model) > 0)
         self.store = StateStore.for_model(self, model_path, owner) if not self.embedding_only else None
 
     def meta(self, key: str) -> Optional[str]:
         """A GGUF metadata value as text, or None if the model has no such key."""
         size = 256
         while True:
-            buf = self._char_array(size)
-            count = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, size)
+            buf = _char_array(size)
+            count = self.llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, size)
             if count < 0:
                 return None
             if count < size:
@@ -12356,7 +12562,15 @@ class LlamaRunner(Runner):
         with self._wide_lock:  # one borrower at a time
             if self._wide is None:
                 self._wide = _CallThread("Wide")
-            return self._wide.call(self.L.llama_decode, ctx, batch)
+            return self._wide.call(self.llama_cpp.llama_decode, ctx, batch)
+
+    def decode(self, ctx: Any, batch: Any, borrowed: bool) -> int:
+        """``llama_decode`` here, once no decode with borrowed threads runs (wait_wide), or with
+        ``borrowed`` threads on the Wide thread (decode_wide)."""
+        if borrowed:
+            return self.decode_wide(ctx, batch)
+        self.wait_wide()
+        return self.llama_cpp.llama_decode(ctx, batch)
 
     def wait_wide(self) -> None:
         """Wait for a decode with borrowed threads in progress to end.
@@ -12372,16 +12586,16 @@ class LlamaRunner(Runner):
     def _chat_formatter(self) -> Any:
         """The model's chat template as a formatter, else FALLBACK_TEMPLATE's (``fallback``
         says which; said once, here)."""
-        L = self.L
-        template = L.llama_model_chat_template(self.model, None)
+        llama_cpp = self.llama_cpp
+        template = llama_cpp.llama_model_chat_template(self.model, None)
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         def token_text(token: int) -> str:
             if token < 0:
                 return ""
-            return (L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
+            return (llama_cpp.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
 
-        eos, bos = token_text(L.llama_vocab_eos(self.vocab)), token_text(L.llama_vocab_bos(self.vocab))
+        eos, bos = token_text(llama_cpp.llama_vocab_eos(self.vocab)), token_text(llama_cpp.llama_vocab_bos(self.vocab))
         self.fallback = True  # until the model's own template is read
         why = f"{self.model_name} has no chat template"
         if template:
@@ -12396,14 +12610,37 @@ class LlamaRunner(Runner):
         return Jinja2ChatFormatter(FALLBACK_TEMPLATE, eos_token=eos, bos_token=bos)
 
     def memory(self) -> dict[str, Any]:
-        return model_memory(self)
+        """What the loaded model holds as llama.cpp states it (MiB): its weights, and each of its
+        generation contexts' KV cache (cells, bytes a token, type), compute and output buffers; its
+        embedding contexts made so far. The start line, `status --daemon` and NRVNA_MAX_MEMORY
+        read it.
+
+        Any thread calls it (the Watcher writes the record while the Models thread may be closing
+        the runner), so it reads only plain numbers stated when each context was made and the
+        model's size read at load, never a context or the model through llama.cpp: those may be
+        being freed under it (``close`` empties ``_sessions`` under ``_lock`` first)."""
+        with self._lock:
+            sessions = list(self._sessions)
+        contexts = [size for _, size in sessions if size is not None]
+        first = contexts[0] if contexts else _ContextSize({}, 0, 0)
+        kv, compute, output = (first.buffers.get(part, 0.0) for part in ("KV", "compute", "output"))
+        cells, per_job = first.cells, first.per_job
+        embedders = [s.embedder for s, _ in sessions]  # each read once: a dict made whole before it is set
+        embedding = [sum(e.buffers.values()) for e in embedders if e is not None]
+        weights = self.weights_mib
+        return {"weights_mib": round(weights, 1), "kv_type": self.config.kv_type, "contexts": len(contexts),
+                "cells": cells, "cells_per_job": per_job,
+                "kv_bytes_per_token": round(kv * _MIB / cells) if cells else 0,
+                "kv_mib": kv, "compute_mib": compute, "output_mib": output,
+                "embedding_contexts": len(embedding), "embedding_mib": round(sum(embedding), 1),
+                "total_mib": round(weights + len(contexts) * (kv + compute + output) + sum(embedding), 1)}
 
     def session(self, index: int, config: Config) -> "LlamaSession":
         """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
         threads = config.threads or max(1, cpu_count() // config.workers)
         session = LlamaSession(self, threads, config.seqs, config.batch, config)
-        size = (_ContextSize(session.buffers, self.L.llama_n_ctx(session.ctx), session.ctx_per_seq)
-                if session.ctx is not None else None)  # read here, on the thread that made it: see model_memory
+        size = (_ContextSize(session.buffers, self.llama_cpp.llama_n_ctx(session.ctx), session.ctx_per_seq)
+                if session.ctx is not None else None)  # read here, on the thread that made it: see memory
         with self._lock:
             self._sessions.append((session, size))
         return session
@@ -12429,12 +12666,45 @@ class LlamaRunner(Runner):
             variables.setdefault("enable_thinking", False)
         if self.takes_effort and job_param(params, "reasoning_effort") is not None:
             variables.setdefault("reasoning_effort", job_param(params, "reasoning_effort"))
-        messages = tool_turns(messages, params, variables, self.tool_format, self._spells_control)
-        if self.fallback and self.L.llama_vocab_get_add_bos(self.vocab):  # ChatML writes none: the model's, as llama-server's
-            tokens.append(self.L.llama_vocab_bos(self.vocab))
+        messages, variables = self._tool_turns(messages, params, variables)
+        # ChatML writes no BOS: the model's, where it adds one, as llama-server's
+        if self.fallback and self.llama_cpp.llama_vocab_get_add_bos(self.vocab):
+            tokens.append(self.llama_cpp.llama_vocab_bos(self.vocab))
         for piece, is_content in self._render(messages, variables):  # a template writes its own BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
+
+    def _tool_turns(self, messages: list[dict[str, Any]], params: Mapping[str, Any], variables: dict[str, Any]
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """A job's turns as its template takes tools, and the template's variables with the
+        template's own ``tools`` added where it takes them (a new dict: ``variables`` is left as
+        it is). In the generic form, the tools and any calls and answers as text
+        (generic_messages); else as the ``tools`` variable and calls with their arguments as
+        objects (templates write them ``| tojson``). What a template writes of them outside a
+        message's content must spell no control token of the model."""
+        import json
+
+        tools, choice, form = job_param(params, "tools"), tool_choice(params), self.tool_format
+        history = any(t.get("tool_calls") or t["role"] == "tool" for t in messages)
+        if not (tools or history):
+            return messages, variables
+        if form.generic:
+            return generic_messages(messages, tools, choice, parallel_calls(params)), variables
+        if tools and choice != "none":
+            variables = dict(variables, tools=tools)
+        turns = []
+        for turn in messages:
+            turn = dict(turn, content=turn["content"] or "")
+            if turn.get("tool_calls"):
+                turn["tool_calls"] = [dict(call, function=dict(call["function"],
+                                                               arguments=json.loads(call["function"]["arguments"])))
+                                      for call in turn["tool_calls"]]
+            turns.append(turn)
+        outside = json.dumps([variables.get("tools"), [(t.get("tool_calls"), t.get("name"), t.get("tool_call_id"))
+                                                        for t in messages]], ensure_ascii=False)
+        if self._spells_control(outside):
+            raise JobError("bad_request", "a tool's definition or a call spells a control token of the model")
+        return turns, variables
 
     def _spells_control(self, text: str) -> bool:
         """Whether ``text`` holds the text of a control token (``<|im_start|>``...)."""
@@ -12455,7 +12725,8 @@ class LlamaRunner(Runner):
                 # space prefix, so splitting an innocent prompt would change its tokens.)
                 return [(text, False)]
             marks = [f"\ue000{i}\ue001" if m["content"] else "" for i, m in enumerate(messages)]
-            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)], **variables).prompt
+            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)],
+                                     **variables).prompt
         except JobError:
             raise
         except Exception as err:
@@ -12482,12 +12753,12 @@ class LlamaRunner(Runner):
     def tokenize(self, text: str, add_special: bool, special: bool) -> list[int]:
         """``text`` as tokens; ``special``: control-token text (``<|im_end|>``) becomes the
         control token, else it stays text; ``add_special``: BOS first if the model wants one."""
-        L = self.L
+        llama_cpp = self.llama_cpp
         data = text.encode("utf-8")
         capacity = len(data) + 8
         while True:
-            buf = (L.llama_token * capacity)()
-            count = L.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, special)
+            buf = (llama_cpp.llama_token * capacity)()
+            count = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, special)
             if count >= 0:
                 return list(buf[:count])
             capacity = -count
@@ -12504,25 +12775,15 @@ class LlamaRunner(Runner):
         is one control token: rendered empty, it could not be matched in text)."""
         self._pieces[token] = self._token_text(token, special=True)
 
-    def has_grammar(self, params: Mapping[str, Any]) -> bool:
-        """Whether a job with ``params`` is constrained by a grammar or a JSON schema."""
-        return grammar_key(params, self.tool_format) is not None
-
     def _token_text(self, token: int, special: bool) -> bytes:
         """A token's bytes; ``special``: a control token's own text too (else nothing)."""
         size = 64
         while True:
-            buf = self._char_array(size)
-            count = self.L.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
+            buf = _char_array(size)
+            count = self.llama_cpp.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
             if count >= 0:
                 return bytes(buf[:count])
             size = -count
-
-    @staticmethod
-    def _char_array(size: int) -> Any:
-        import ctypes
-
-        return (ctypes.c_char * size)()
 
     def penalty(self, params: Mapping[str, Any]) -> Optional["_Penalties"]:
         """The job's penalties and logit biases (None if all are off): applied to the logits
@@ -12539,131 +12800,10 @@ class LlamaRunner(Runner):
             return None
         return _Penalties(self.np, repeat, frequency, presence, bias)
 
-    def grammar(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str, GrammarShape]]:
-        """The job's grammar, if its output is constrained: (a key naming it, its GBNF text,
-        its shape). A JSON schema is converted once per distinct schema, then found here again
-        (here, on the calling thread, if no conversion of it is done: see prepare_grammar).
-        Raises JobError (grammar_error) for one whose start is past the work limits."""
-        named = grammar_key(params, self.tool_format)
-        if named is None:
-            return None
-        kind, key, params = named
-        with self._grammars_lock:
-            found = self._grammars.pop(key, None)
-            if found is not None:
-                self._grammars[key] = found  # most recently used last
-                return (key,) + found
-        found = self._made(kind, params)
-        self._remember(key, found)
-        return (key,) + found
-
-    def prepare_grammar(self, params: Mapping[str, Any]) -> Optional[_Conversion]:
-        """None when the job's grammar is made (or it has none); otherwise its conversion,
-        begun now on the runner's Grammar thread or joined there, for a session to wait for
-        while its other sequences go on stepping: a schema's conversion and check take up
-        to the counted work its submit allows (SCHEMA_MAX_PATTERN_WORK), and no decode waits
-        for them."""
-        named = grammar_key(params, self.tool_format)
-        if named is None or _small_grammar(named[1]):
-            return None
-        kind, key, params = named
-        with self._grammars_lock:
-            if key in self._grammars:
-                return None
-            conversion = self._converting.get(key)
-            if conversion is None:
-                conversion = self._converting[key] = _Conversion()
-                if self._converter is None:
-                    self._converter = _CallThread("Grammar")
-                self._converter.post(self._convert, kind, key, params, conversion)
-        return conversion
-
-    def _convert(self, kind: str, key: Any, params: Mapping[str, Any], conversion: _Conversion) -> None:
-        """The Grammar thread's call: make the grammar, remember it, and tell who waits."""
-        found: Optional[tuple[str, GrammarShape]] = None
-        try:
-            found = self._made(kind, params)
-            conversion.found = (key,) + found
-        except JobError as err:
-            conversion.error = err
-        except Exception as err:  # a check's own bug fails the jobs that wait, never the thread
-            conversion.error = JobError("runner_error", f"runner failed: {err!r}")
-        finally:
-            self._remember(key, found)
-            conversion.done.set()
-
-    def _made(self, kind: str, params: Mapping[str, Any]) -> tuple[str, GrammarShape]:
-        """A grammar's GBNF and shape, made (no lock held: it takes what the schema's counted
-        work allows). Raises JobError."""
-        text = self._make_grammar(kind, params)
-        try:
-            return text, check_grammar(text)
-        except InvalidInput as err:  # a converted schema's grammar, past the work limits
-            raise JobError("grammar_error", str(err)) from None
-
-    def _remember(self, key: Any, found: Optional[tuple[str, GrammarShape]]) -> None:
-        """Keep a grammar made (None: its conversion failed), as the most recently used."""
-        with self._grammars_lock:
-            self._converting.pop(key, None)
-            if found is None:
-                return
-            self._grammars.pop(key, None)
-            self._grammars[key] = found
-            if len(self._grammars) > GRAMMAR_CACHE:
-                self._grammars.pop(next(iter(self._grammars)))
-
-    def grammar_vocab(self) -> GrammarVocab:
-        """The vocabulary as the grammar sees it, for GrammarShape.vocab_cost (made once)."""
-        if self._grammar_vocab is not None:  # (every redraw asks: no lock once it is made)
-            return self._grammar_vocab
-        with self._grammars_lock:
-            if self._grammar_vocab is None:
-                L = self.L
-                pieces = [b"" if L.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
-                self._grammar_vocab = GrammarVocab(self.np, pieces)
-        return self._grammar_vocab
-
-    def _make_grammar(self, kind: str, params: Mapping[str, Any]) -> str:
-        """The GBNF of a grammar job, or its schema converted. (The checks ran at claim: the
-        Processor validates params.json, a hand-made one too, with the submit's checks.)"""
-        if kind not in ("json_schema", "tools"):
-            return job_param(params, "grammar")
-        try:
-            if kind == "tools":
-                choice, parallel, form = tool_choice(params), parallel_calls(params), self.tool_format
-                schema = tool_call_schema(job_param(params, "tools"), choice, parallel, form)
-                text = (schema_to_grammar(schema) if form.generic else
-                        tool_grammar(schema_to_grammar(schema, "tool-call"), "tool-call", choice, parallel, form))
-            else:
-                text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
-        except Exception as err:  # the converter's own assertions: a gap in check_json_schema
-            raise JobError("bad_request", f"{'tools' if kind == 'tools' else 'response_format'}: the schema could not be converted: {err!r}") from None
-        with self._grammars_lock:  # workers and the Grammar thread convert at once
-            self.conversions += 1
-        return text
-
-    def sampler(self, params: Mapping[str, Any]) -> Any:
-        """A sampler chain for one job (chains hold state: one per sequence); the
-        repetition penalty is not in it (see ``penalty``)."""
-        L, cfg = self.L, self.config
-        temperature = job_param(params, "temperature", cfg)
-        top_k = job_param(params, "top_k", cfg)
-        top_p = job_param(params, "top_p", cfg)
-        min_p = job_param(params, "min_p", cfg)
-        seed = job_param(params, "seed", cfg) or L.LLAMA_DEFAULT_SEED  # 0 = random
-        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        if temperature <= 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
-            return chain
-        if top_k > 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(top_k))
-        if top_p < 1.0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
-        if min_p > 0.0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(min_p, 1))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
-        return chain
+    def _grammar_pieces(self) -> list[bytes]:
+        """Each token's bytes as the grammar sees them: an end of generation's, none."""
+        llama_cpp = self.llama_cpp
+        return [b"" if llama_cpp.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
 
     def close(self) -> None:
         """Free every context, then the model."""
@@ -12674,13 +12814,11 @@ class LlamaRunner(Runner):
         if self._wide is not None:
             self._wide.close()
             self._wide = None
-        if self._converter is not None:  # a conversion under way is abandoned, not waited for
-            self._converter.close(wait=False)
-            self._converter = None
+        self.grammars.close()
         if self.store is not None:
             self.store.close()
         if self.model:
-            self.L.llama_model_free(self.model)
+            self.llama_cpp.llama_model_free(self.model)
             self.model = None
 
 
@@ -12859,7 +12997,7 @@ class Pool:
         self._busy = 0
         self._closed = False
         self.active: Optional[int] = 0  # the queue ``get`` takes from
-        self._waiting: set[int] = set()  # idle workers blocked in get()
+        self._blocked: set[int] = set()  # workers with nothing to run, blocked in get()
         self._favored: Optional[int] = None  # the worker whose job ended last
         self._resting = False  # the favored worker has nothing running and is on its way back to get
 
@@ -12963,7 +13101,7 @@ class Pool:
         deadline = time.monotonic() + timeout
         with self._cond:
             if worker is not None and worker == self._favored:
-                self._resting = False  # here now: _waiting says whether it waits
+                self._resting = False  # here now: _blocked says whether it waits
             while not self._closed and self.active is not None:
                 now = time.monotonic()
                 while self._later and self._later[0][0] <= now:
@@ -12983,17 +13121,17 @@ class Pool:
                 if self._later:
                     left = min(left, self._later[0][0] - now)
                 if worker is not None:
-                    self._waiting.add(worker)
+                    self._blocked.add(worker)
                 try:
                     self._cond.wait(left)
                 finally:
-                    self._waiting.discard(worker)
+                    self._blocked.discard(worker)
         return None
 
     def _leave_to_favored(self, worker: Optional[int], heap: list[Any]) -> bool:
         favored = self._favored
         return (worker is not None and favored is not None and favored != worker
-                and len(heap) == 1 and (favored in self._waiting or self._resting))
+                and len(heap) == 1 and (favored in self._blocked or self._resting))
 
     def favor(self, worker: int, resting: bool = False) -> None:
         """``worker``'s job is the one that ended last (see ``get``); ``resting``: it runs no
@@ -13025,7 +13163,7 @@ class Pool:
             self._closed = True
             self._cond.notify_all()
 
-    def idle(self) -> bool:
+    def all_done(self) -> bool:
         """Nothing queued, waiting or being worked on."""
         with self._cond:
             return not any(self._heaps.values()) and not self._later and self._busy == 0
@@ -13350,6 +13488,88 @@ class _HandBacks:
                         "processing/ until a recovery requeues it (within 30 s)")
 
 
+class _Unrunnable:
+    """Entries of ready/ or processing/ that no job can be made of, failed without being read:
+    a non-directory (a file, a symlink) wrapped unopened in a failed/<id>/ of its own, a
+    directory whose mode keeps the daemon out made accessible only to take its error.txt.
+    ``records_ends``: whether each end is recorded in hooks/done/ (Processor.records_ends).
+
+    Threads: a claiming worker (under the WorkspaceLock, which two daemons take alike), and
+    recovery (Main at start, the Watcher) under the same lock; it keeps no state of its own."""
+
+    def __init__(self, workspace: str, records_ends: Callable[[], bool]) -> None:
+        self.workspace = workspace
+        self.records_ends = records_ends
+
+    def fail_inaccessible(self, job_id: str, sub: str) -> bool:
+        """A job directory the daemon may not open or move because its own mode lacks the
+        owner's rwx (``chmod 000``, say): fail it unread, rather than retry its claim forever,
+        and return True. It is made 0700 again, as every job directory, only so that it can
+        take error.txt and move to failed/. False when the directory's mode is not the cause
+        (a state directory not writable, say): that is the workspace's fault, not the job's,
+        and the claim is retried as after any I/O error."""
+        path = job_path(self.workspace, sub, job_id)
+        try:
+            mode = stat.S_IMODE(os.lstat(path).st_mode)
+        except OSError:
+            return False
+        if mode & 0o700 == 0o700:
+            return False
+        try:
+            os.chmod(path, DIR_MODE)
+            mark_failed(self.workspace, sub, job_id, "bad_request", f"the job directory was not accessible to "
+                        f"the daemon (mode {mode:o}); it was failed without being read")
+            if self.records_ends():
+                owe_hooks(self.workspace, job_id)
+            move_job(self.workspace, job_id, sub, FAILED)
+        except OSError as err:
+            log.error(f"{sub}/{job_id} is not accessible to the daemon and cannot be made so "
+                      f"({_os_error(err)}); left there until the next start")
+            return True
+        log.warning(f"Job failed: {job_id}: its directory was not accessible (mode {mode:o})")
+        return True
+
+    def wrap(self, job_id: str, sub: str) -> None:
+        """A non-directory in ``sub`` (ready/ or processing/): wrap it, unopened, in a real
+        failed/<id>/ dir. The caller holds the WorkspaceLock (recovery publishes a wrap that
+        a dead daemon left)."""
+        try:
+            mode = os.lstat(job_path(self.workspace, sub, job_id)).st_mode
+        except FileNotFoundError:
+            return  # taken by a quarantine that held the lock before us
+        kind = ("a symbolic link" if stat.S_ISLNK(mode) else
+                "a regular file" if stat.S_ISREG(mode) else "not a directory")
+        wrap = job_path(self.workspace, PROCESSING, f".{job_id}.quarantine")
+        _remove_tree(wrap)
+        os.mkdir(wrap, DIR_MODE)
+        fd = open_dir(wrap)
+        try:
+            write_file(fd, ERROR_FILE, (f"input/ready/{job_id} is {kind}, not a job directory; it was "
+                                        f"moved here as '{QUARANTINED_ENTRY}' without being opened\n").encode())
+            write_file(fd, META_FILE, dump_meta({"id": job_id, "code": "bad_request", "attempts": 0,
+                                             "finished": round(time.time(), 3)}))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(job_path(self.workspace, sub, job_id), os.path.join(wrap, QUARANTINED_ENTRY))
+        fsync_dir(wrap)
+        fsync_dir(job_path(self.workspace, sub))
+        self.publish(job_id, wrap)
+
+    def publish(self, job_id: str, wrap: str) -> None:
+        """Move a wrap made by ``wrap`` (this daemon's, or a dead one's) to failed/<id>."""
+        if self.records_ends():
+            owe_hooks(self.workspace, job_id)
+        try:
+            move(wrap, job_path(self.workspace, FAILED, job_id))
+        except FileExistsError:
+            log.error(f"failed/{job_id} already exists; quarantined entry left in {wrap}")
+            return
+        fsync_dir(job_path(self.workspace, FAILED))
+        fsync_dir(job_path(self.workspace, PROCESSING))
+        log.warning(f"Job failed: {job_id}: input/ready/{job_id} was not a job directory")
+
+
 class Processor:
     """Moves jobs through their states.
 
@@ -13378,6 +13598,7 @@ class Processor:
         self._claims: dict[str, _Claim] = {}  # the running jobs' directories, by ID
         self._claims_lock = threading.Lock()
         self.hand_backs = _HandBacks(workspace, config)
+        self.unrunnable = _Unrunnable(workspace, self.records_ends)
 
     def _path(self, sub: str, name: str = "") -> str:
         return job_path(self.workspace, sub, name)
@@ -13432,11 +13653,11 @@ class Processor:
                 return None  # another claimer won, or the job was removed
             if err.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or a symlink, not a job directory
                 with WorkspaceLock(self.workspace):
-                    self.quarantine(job_id, READY)
+                    self.unrunnable.wrap(job_id, READY)
                 return None
             if err.errno == errno.EACCES:
                 with WorkspaceLock(self.workspace):  # two daemons never fail it both
-                    if not os.path.lexists(ready) or self.fail_inaccessible(job_id, READY):
+                    if not os.path.lexists(ready) or self.unrunnable.fail_inaccessible(job_id, READY):
                         return None
             raise
         if dir_fd is None:
@@ -13451,7 +13672,7 @@ class Processor:
             if isinstance(err, FileExistsError):
                 log.error(f"cannot claim {job_id}: processing/{job_id} already exists; left in ready/")
                 return None
-            if isinstance(err, PermissionError) and self.fail_inaccessible(job_id, READY):
+            if isinstance(err, PermissionError) and self.unrunnable.fail_inaccessible(job_id, READY):
                 return None  # a directory changes parent only if it is writable itself
             raise
         if not _same_entry(dir_fd, path):
@@ -13711,73 +13932,6 @@ class Processor:
         finally:
             os.close(dir_fd)
 
-    def fail_inaccessible(self, job_id: str, sub: str) -> bool:
-        """A job directory the daemon may not open or move because its own mode lacks the
-        owner's rwx (``chmod 000``, say): fail it unread, rather than retry its claim forever,
-        and return True. It is made 0700 again, as every job directory, only so that it can
-        take error.txt and move to failed/. False when the directory's mode is not the cause
-        (a state directory not writable, say): that is the workspace's fault, not the job's,
-        and the claim is retried as after any I/O error."""
-        path = self._path(sub, job_id)
-        try:
-            mode = stat.S_IMODE(os.lstat(path).st_mode)
-        except OSError:
-            return False
-        if mode & 0o700 == 0o700:
-            return False
-        try:
-            os.chmod(path, DIR_MODE)
-            mark_failed(self.workspace, sub, job_id, "bad_request", f"the job directory was not accessible to "
-                        f"the daemon (mode {mode:o}); it was failed without being read")
-            if self.records_ends():
-                owe_hooks(self.workspace, job_id)
-            move_job(self.workspace, job_id, sub, FAILED)
-        except OSError as err:
-            log.error(f"{sub}/{job_id} is not accessible to the daemon and cannot be made so "
-                      f"({_os_error(err)}); left there until the next start")
-            return True
-        log.warning(f"Job failed: {job_id}: its directory was not accessible (mode {mode:o})")
-        return True
-
-    def quarantine(self, job_id: str, sub: str) -> None:
-        """A non-directory in ``sub`` (ready/ or processing/): wrap it, unopened, in a real
-        failed/<id>/ dir. The caller holds the WorkspaceLock (recovery publishes a wrap that
-        a dead daemon left)."""
-        try:
-            mode = os.lstat(self._path(sub, job_id)).st_mode
-        except FileNotFoundError:
-            return  # taken by a quarantine that held the lock before us
-        kind = ("a symbolic link" if stat.S_ISLNK(mode) else
-                "a regular file" if stat.S_ISREG(mode) else "not a directory")
-        wrap = self._path(PROCESSING, f".{job_id}.quarantine")
-        _remove_tree(wrap)
-        os.mkdir(wrap, DIR_MODE)
-        fd = open_dir(wrap)
-        try:
-            write_file(fd, ERROR_FILE, (f"input/ready/{job_id} is {kind}, not a job directory; it was "
-                                        f"moved here as '{QUARANTINED_ENTRY}' without being opened\n").encode())
-            write_file(fd, META_FILE, dump_meta({"id": job_id, "code": "bad_request", "attempts": 0,
-                                             "finished": round(time.time(), 3)}))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(self._path(sub, job_id), os.path.join(wrap, QUARANTINED_ENTRY))
-        fsync_dir(wrap)
-        fsync_dir(self._path(sub))
-        self.publish_quarantine(job_id, wrap)
-
-    def publish_quarantine(self, job_id: str, wrap: str) -> None:
-        if self.records_ends():
-            owe_hooks(self.workspace, job_id)
-        try:
-            move(wrap, self._path(FAILED, job_id))
-        except FileExistsError:
-            log.error(f"failed/{job_id} already exists; quarantined entry left in {wrap}")
-            return
-        fsync_dir(self._path(FAILED))
-        fsync_dir(self._path(PROCESSING))
-        log.warning(f"Job failed: {job_id}: input/ready/{job_id} was not a job directory")
-
 # ============================================================================
 # 12.3 Recovery and hooks
 # ============================================================================
@@ -13824,9 +13978,9 @@ class _Recovery:
                     except FileNotFoundError:
                         continue  # moved on meanwhile
                     if not stat.S_ISDIR(mode):
-                        self.processor.quarantine(name, PROCESSING)
+                        self.processor.unrunnable.wrap(name, PROCESSING)
                     elif stat.S_IMODE(mode) & 0o700 != 0o700:
-                        self.processor.fail_inaccessible(name, PROCESSING)
+                        self.processor.unrunnable.fail_inaccessible(name, PROCESSING)
                     continue  # otherwise held by a live daemon
                 attempts = self._recover_one(name, dir_fd, path)
                 if attempts is not None:
@@ -13867,7 +14021,7 @@ class _Recovery:
 
     def _recover_hidden(self, name: str, path: str) -> None:
         if name.endswith(".quarantine") and os.path.lexists(os.path.join(path, QUARANTINED_ENTRY)):
-            self.processor.publish_quarantine(name[1:-len(".quarantine")], path)
+            self.processor.unrunnable.publish(name[1:-len(".quarantine")], path)
         else:
             _remove_tree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
             fsync_dir(self._path(PROCESSING))
@@ -13991,6 +14145,20 @@ class Hooks:
         self._threads: list[threading.Thread] = []
         self._held: Optional[int] = None  # hooks/' lock: this daemon's turn to run hooks (see _take_turn)
 
+    @classmethod
+    def prepared(cls, workspace: str, config: Config, stop: threading.Event) -> Optional["Hooks"]:
+        """The Hooks of a daemon with on-done commands, prepared; None for one without (hooks
+        owed in hooks/done/ are then said to wait for a daemon with them)."""
+        if config.on_done or config.on_batch_done:
+            hooks = cls(workspace, config, stop)
+            hooks.prepare()
+            return hooks
+        owed = _folder_entries(workspace, HOOKS_OWED)
+        if owed:
+            log.warning(f"{len(owed)} jobs' hooks are owed (hooks/done/); they run when a daemon starts "
+                        "with --on-done or --on-batch-done (delete hooks/ to forget them)")
+        return None
+
     def prepare(self) -> None:
         """Make hooks/ (before recovery: a job it fails owes its hooks too)."""
         for folder in (os.path.dirname(self.owed), self.owed, self.batches):
@@ -14012,7 +14180,7 @@ class Hooks:
         """A job ended: look at hooks/done/ now, not at the next round."""
         self._wake.set()
 
-    def idle(self) -> bool:
+    def all_done(self) -> bool:
         """No hook owed or running (``--drain`` waits for this)."""
         with self._lock:
             if self._in_flight:
@@ -14287,7 +14455,7 @@ def _as_given(config: Config, name: str, value: Any) -> str:
 def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], workers: int, fixed_mib: float,
                         saves: bool) -> None:
     """ConfigError (exit 2 at start) when NRVNA_MAX_MEMORY cannot hold model ``name`` with
-    ``workers`` contexts as ``report`` (model_memory, once one context is made) states them, beside
+    ``workers`` contexts as ``report`` (LlamaRunner.memory, once one context is made) states them, beside
     ``fixed_mib`` (the process before any model, other models loaded) and, where contexts are
     saved, NRVNA_CACHE_PENDING; it says what would fit instead."""
     budget = size_bytes(config.max_memory) / _MIB
@@ -15050,18 +15218,20 @@ class _Watcher:
 class _WorkerLoads:
     """What each worker runs, as the others see it: its load (sequences in flight) and its
     top (its highest running priority; None: idle, or between steps). A worker leaves a job
-    to one running fewer sequences, lends its threads to the busy ones (Server._share_cores),
+    to one running fewer sequences, lends its threads to the busy ones (share_cores),
     and pauses while another runs a job above all of its own.
 
     Threads: each worker writes its own entries and reads the others'; the Models thread
     reads the top (a reason to switch models), the Scanner the tops (Server._outranked, when
-    a job is queued). All under ``_lock``, held for a list operation only.
+    a job is queued). All under ``_lock``, held for a list operation only; ``budget`` changes
+    only while every worker is parked (Server._use).
     """
 
     def __init__(self, workers: int = 0) -> None:
         self._lock = threading.Lock()
         self._loads = [0] * workers
         self._tops: list[Optional[int]] = [None] * workers
+        self.budget = 0  # threads the workers' contexts share; 0: no lending (set by Server._use)
 
     def set_load(self, index: int, load: int) -> None:
         with self._lock:
@@ -15102,6 +15272,75 @@ class _WorkerLoads:
             busy = [i for i, load in enumerate(self._loads) if load > 0 or i == index]
         share, extra = divmod(budget, len(busy))
         return share + (busy.index(index) < extra)
+
+    def share_cores(self, index: int, session: Session) -> None:
+        """Spread the workers' threads over the workers that have jobs, before each step.
+
+        A worker whose queue share ran out (the tail of a batch, a lone job) would leave
+        its core idle while another worker still decodes: that worker borrows the idle
+        threads instead (capped at the core count), and hands them back at its next step
+        once the idle worker has a job again. Measured on 2 cores: one context decodes
+        1.6-1.9x faster with 2 threads than with 1 when the other core is free.
+        """
+        if not self.budget:
+            return
+        share = self.share(index, self.budget)
+        session.set_threads(max(session.base_threads, min(share, cpu_count())))
+
+
+class _Tally:
+    """A daemon's jobs in flight, and the figures of those that ended: done, failed, tokens
+    generated, and the tokens of the last minute (its record's tokens_per_second_last_minute).
+
+    Threads: the workers, the Finisher and the Models thread add and end jobs; the Watcher
+    reads them (cancels, timeouts, the record). All under ``_lock``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, RunningJob] = {}  # in flight, by ID
+        self._counts = {"jobs_done": 0, "jobs_failed": 0, "tokens_generated": 0}
+        self._recent: Any = deque()  # (time, tokens) of jobs ended in the last minute
+
+    def add(self, job: RunningJob) -> None:
+        with self._lock:
+            self._running[job.id] = job
+
+    def drop(self, job_id: str) -> None:
+        """A job handed back unended (a shutdown): no longer in flight, and not counted."""
+        with self._lock:
+            self._running.pop(job_id, None)
+
+    def ended(self, job: RunningJob, outcome: Outcome) -> None:
+        with self._lock:
+            self._running.pop(job.id, None)
+            self._counts["jobs_done" if outcome.error_code is None else "jobs_failed"] += 1
+            self._counts["tokens_generated"] += outcome.generated_tokens
+            self._recent.append((time.time(), outcome.generated_tokens))
+
+    def jobs(self) -> list[RunningJob]:
+        with self._lock:
+            return list(self._running.values())
+
+    def figures(self, now: float, since: float) -> tuple[dict[str, int], int, float]:
+        """The counts, the jobs in flight, and the tokens a second over the last minute (or
+        since ``since``, the start, if that is less)."""
+        with self._lock:
+            while self._recent and now - self._recent[0][0] > 60:
+                self._recent.popleft()
+            window = min(60.0, max(1.0, now - since))
+            return dict(self._counts), len(self._running), round(sum(t for _, t in self._recent) / window, 1)
+
+
+def _say_ended(job: RunningJob, outcome: Outcome) -> None:
+    """The log's line for a job that ended: completed (its tokens, or texts embedded), or failed."""
+    if outcome.error_code is not None:
+        log.warning(f"Job failed: {job.id}: {outcome.error}")
+    elif job_param(job.params, "embed"):
+        texts = len(job_param(job.params, "input") or [job.prompt])
+        log.info(f"Job completed: {job.id} ({texts} {'text' if texts == 1 else 'texts'} embedded, "
+                 f"{outcome.prompt_tokens} tokens)")
+    else:
+        log.info(f"Job completed: {job.id} ({outcome.generated_tokens} tokens, {outcome.finish_reason})")
 
 
 def _warn_if_shared(workspace: str) -> None:
@@ -15158,8 +15397,8 @@ class Server:
     Threads: the main thread starts, serves (``serve_forever``), stops and shuts down; the
     workers, the Finisher and the Models thread (``_fail_unloadable``) end jobs; the Watcher
     reads the running jobs and the record (``status``); the Scanner calls ``_route`` and
-    ``_queued``. The running jobs and the figures are under ``_stats_lock``, the workers'
-    loads under _WorkerLoads'. ``_sessions`` and ``_thread_budget`` change only in ``_use``:
+    ``_queued``. The running jobs and the figures are under _Tally's lock, the workers'
+    loads under _WorkerLoads'. ``_sessions`` and the loads' ``budget`` change only in ``_use``:
     at start, and on the Models thread while every worker is parked (see _ModelSwitch).
     """
 
@@ -15183,7 +15422,6 @@ class Server:
         self._threads: list[threading.Thread] = []
         self._loads = _WorkerLoads()
         self._sessions: list[Session] = []
-        self._thread_budget = 0  # threads the workers' contexts share; 0: no lending
         self.registry = _Registry(self.workspace)
         self.models: Optional[_Models] = None
         self.switch: Optional[_ModelSwitch] = None  # serving several models: the Models thread
@@ -15191,12 +15429,9 @@ class Server:
         self.scanner: Optional[Scanner] = None
         self.processor: Optional[Processor] = None
         self.started = False
-        self._running: dict[str, RunningJob] = {}  # in flight, for the watcher (under _stats_lock)
+        self.tally = _Tally()  # the jobs in flight, for the Watcher, and the record's figures
         self._finishing: Any = None  # (job, outcome) for the Finisher thread; None ends it
         self._finisher: Optional[threading.Thread] = None
-        self._stats_lock = threading.Lock()
-        self._stats = {"jobs_done": 0, "jobs_failed": 0, "tokens_generated": 0}
-        self._recent: Any = deque()  # (time, tokens) of jobs ended in the last minute
         self._started_at = time.time()
         self.hooks: Optional[Hooks] = None
         self._signalled: Optional[int] = None  # see stop_from_signal
@@ -15238,14 +15473,7 @@ class Server:
             self.pool.set_active(models.active)  # (not the first model, when it could not be loaded)
             self.processor = Processor(self.workspace, self.config, models.served[models.active].name)
             self.processor.daemon = self.registry.name
-            if self.config.on_done or self.config.on_batch_done:
-                self.hooks = Hooks(self.workspace, self.config, self._stop)
-                self.hooks.prepare()
-            else:
-                owed = _folder_entries(self.workspace, HOOKS_OWED)
-                if owed:
-                    log.warning(f"{len(owed)} jobs' hooks are owed (hooks/done/); they run when a daemon starts "
-                                "with --on-done or --on-batch-done (delete hooks/ to forget them)")
+            self.hooks = Hooks.prepared(self.workspace, self.config, self._stop)
             log.info("Recovering orphaned jobs...")
             recovery = _Recovery(self.processor)
             recovered = recovery.recover()
@@ -15253,7 +15481,7 @@ class Server:
             recovery.run_last_chances(recovered, sessions[0], self._stop,
                                       lambda job_id: (self._route(job_id) or _Place(0, None)).queue == models.active)
             self.watcher = _Watcher(self.workspace, self.registry, self.processor, recovery, self.pool, models,
-                                    self._running_jobs, self.write_status)
+                                    self.tally.jobs, self.write_status)
             models.peers(*self.watcher.peer_models())  # before the first scan routes a job
             self.scanner = Scanner(self.workspace, self.pool, self._stop)
         except BaseException:
@@ -15293,7 +15521,7 @@ class Server:
         # Threads are lent only between one-thread contexts: then the lender's thread, the
         # one wide thread, is the only OpenMP team (see LlamaRunner.decode_wide).
         lending = len(sessions) > 1 and all(s.base_threads == 1 for s in sessions)
-        self._thread_budget = len(sessions) if lending else 0
+        self._loads.budget = len(sessions) if lending else 0
 
     def request_stop(self) -> None:
         """Ask every thread to stop; ``shutdown`` waits. From a signal handler while
@@ -15319,7 +15547,7 @@ class Server:
             if self._signalled is not None:
                 log.info(f"Received {_signal_name(self._signalled)}")
                 self.request_stop()
-            elif self.drain and self._drained() and (self.hooks is None or self.hooks.idle()):
+            elif self.drain and self._drained() and (self.hooks is None or self.hooks.all_done()):
                 log.info("Queue drained")
                 self._say_stranded()
                 self.request_stop()
@@ -15343,36 +15571,28 @@ class Server:
             return self.switch.failure
         return f"{self.stranded} jobs left queued that no live daemon serves" if self.stranded else None
 
-    def _running_jobs(self) -> list[RunningJob]:
-        with self._stats_lock:
-            return list(self._running.values())
-
     def status(self) -> dict[str, Any]:
         """This daemon's record (what ``nrvna status WS --daemon`` lists)."""
         now = time.time()
-        with self._stats_lock:
-            while self._recent and now - self._recent[0][0] > 60:
-                self._recent.popleft()
-            window = min(60.0, max(1.0, now - self._started_at))
-            recent = sum(tokens for _, tokens in self._recent)
-            models = self.models.describe() if self.models else []
-            default = models[0] if models else {}
-            return dict(self._stats, pid=os.getpid(), name=self.registry.name, models=models,
-                        model=next((m["name"] for m in models if m["active"]), None), model_path=default.get("path"),
-                        kinds=self.models.kinds() if self.models else [],
-                        loads=self.models.loads if self.models else 0, models_dir=self._models_dir,
-                        aliases=self._aliases, gpu=self.config.gpu, workers=self.config.workers, seqs=self.config.seqs,
-                        hooks={"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done},
-                        kv_type=self.config.kv_type, max_memory=self.config.max_memory, caches=host_caches(self.config),
-                        started=round(self._started_at, 3), updated=round(now, 3), running=len(self._running),
-                        tokens_per_second_last_minute=round(recent / window, 1))
+        counts, running, rate = self.tally.figures(now, self._started_at)
+        models = self.models.describe() if self.models else []
+        default = models[0] if models else {}
+        return dict(counts, pid=os.getpid(), name=self.registry.name, models=models,
+                    model=next((m["name"] for m in models if m["active"]), None), model_path=default.get("path"),
+                    kinds=self.models.kinds() if self.models else [],
+                    loads=self.models.loads if self.models else 0, models_dir=self._models_dir,
+                    aliases=self._aliases, gpu=self.config.gpu, workers=self.config.workers, seqs=self.config.seqs,
+                    hooks={"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done},
+                    kv_type=self.config.kv_type, max_memory=self.config.max_memory, caches=host_caches(self.config),
+                    started=round(self._started_at, 3), updated=round(now, 3), running=running,
+                    tokens_per_second_last_minute=rate)
 
     def write_status(self) -> None:
         """Rewrite this daemon's record in daemons/ atomically."""
         self.registry.write(self.status())
 
     def _drained(self) -> bool:
-        if not self.pool.idle() or self.scanner is None or self.scanner.scans == 0 or self.pool.active is None:
+        if not self.pool.all_done() or self.scanner is None or self.scanner.scans == 0 or self.pool.active is None:
             return False
         waiting = self.pool.waiting_children()
         with os.scandir(os.path.join(self.workspace, READY)) as entries:
@@ -15439,11 +15659,11 @@ class Server:
                     self._loads.set_top(index, mine)
                     if self._loads.outranked(mine):
                         # Another worker runs a job above all of this one's: pause, and lend it
-                        # this worker's threads (see _share_cores), until it has ended.
+                        # this worker's threads (see _WorkerLoads.share_cores), until it has ended.
                         self._loads.set_load(index, 0)
                         time.sleep(0.005)
                         continue
-                    self._share_cores(index, session)
+                    self._loads.share_cores(index, session)
                     ended = session.step()
                     # A job's files (writes, fsyncs, renames: milliseconds) would hold up the
                     # jobs still running here: the Finisher records it while they go on.
@@ -15463,25 +15683,10 @@ class Server:
         self._loads.set_top(index, None)
         for job in session.active():
             session.drop(job)
-            with self._stats_lock:
-                self._running.pop(job.id, None)
+            self.tally.drop(job.id)
             self.processor.requeue(job)
             self.pool.done(job.id)
         log.debug(f"{name} exiting")
-
-    def _share_cores(self, index: int, session: Session) -> None:
-        """Spread the workers' threads over the workers that have jobs, before each step.
-
-        A worker whose queue share ran out (the tail of a batch, a lone job) would leave
-        its core idle while another worker still decodes: that worker borrows the idle
-        threads instead (capped at the core count), and hands them back at its next step
-        once the idle worker has a job again. Measured on 2 cores: one context decodes
-        1.6-1.9x faster with 2 threads than with 1 when the other core is free.
-        """
-        if not self._thread_budget:
-            return
-        share = self._loads.share(index, self._thread_budget)
-        session.set_threads(max(session.base_threads, min(share, cpu_count())))
 
     def _admit(self, index: int, session: Session, name: str) -> None:
         """Claim jobs while the session has free slots (blocking only when it is idle).
@@ -15520,8 +15725,7 @@ class Server:
                 continue
             log.info(f"Processing job: {job_id}")
             self._loads.add(index)
-            with self._stats_lock:
-                self._running[job_id] = job
+            self.tally.add(job)
             try:
                 session.start(job)
             except JobError as err:
@@ -15550,14 +15754,7 @@ class Server:
             sessions[index].preempt()
 
     def _end(self, job: RunningJob, outcome: Outcome) -> None:
-        with self._stats_lock:
-            self._running.pop(job.id, None)
-            if outcome.error_code is None:
-                self._stats["jobs_done"] += 1
-            else:
-                self._stats["jobs_failed"] += 1
-            self._stats["tokens_generated"] += outcome.generated_tokens
-            self._recent.append((time.time(), outcome.generated_tokens))
+        self.tally.ended(job, outcome)
         if self.processor.finish(job, outcome):
             self.pool.done(job.id)
             self.pool.released(job.id)  # its children, if any waited for it
@@ -15565,15 +15762,7 @@ class Server:
                 self.hooks.poke()
             if self.switch is not None:
                 self.switch.wake.set()
-            if outcome.error_code is None:
-                if job_param(job.params, "embed"):
-                    texts = len(job_param(job.params, "input") or [job.prompt])
-                    log.info(f"Job completed: {job.id} ({texts} {'text' if texts == 1 else 'texts'} embedded, "
-                             f"{outcome.prompt_tokens} tokens)")
-                else:
-                    log.info(f"Job completed: {job.id} ({outcome.generated_tokens} tokens, {outcome.finish_reason})")
-            else:
-                log.warning(f"Job failed: {job.id}: {outcome.error}")
+            _say_ended(job, outcome)
         else:
             self.pool.retry_later(job.id, 2.0)
 
@@ -15589,8 +15778,7 @@ class Server:
             if job is None:
                 self.pool.done(job_id)
                 continue
-            with self._stats_lock:
-                self._running[job_id] = job
+            self.tally.add(job)
             self._end(job, Outcome(error_code="load_failed", error=error))
 
 
@@ -18499,7 +18687,7 @@ def _duration(text: str) -> float:
 # every NrvnaError becomes one line on stderr and its exit code. The main thread.
 
 
-def _positive_float(text: str) -> float:
+def _non_negative_float(text: str) -> float:
     import argparse
 
     try:
@@ -18600,7 +18788,7 @@ def _submit_arguments(parser: Any) -> None:
                         "a hash of each line's custom_id: N nodes given the same file take each line once between "
                         "them (I/N from a scheduler: $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)")
     parser.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
-    parser.add_argument("--wait-timeout", type=_positive_float, metavar="S",
+    parser.add_argument("--wait-timeout", type=_non_negative_float, metavar="S",
                         help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--dedupe", action="store_true", help="queue identical work once: the idempotency key is "
                         "derived from the prompt and every parameter (each line's own, with --file)")
@@ -18625,7 +18813,7 @@ def _selection_arguments(parser: Any) -> None:
 
 def _wait_arguments(parser: Any) -> None:
     _selection_arguments(parser)
-    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="give up after S seconds (exit 4)")
+    parser.add_argument("--timeout", type=_non_negative_float, metavar="S", help="give up after S seconds (exit 4)")
     parser.add_argument("--quiet", action="store_true", help="no progress line on a terminal")
     parser.add_argument("--progress", action="store_true", help="progress as lines on stderr, even when it is not "
                         f"a terminal (a log file): when jobs finish, and every {PROGRESS_EVERY:g} s")
@@ -18653,7 +18841,7 @@ def _merge_arguments(parser: Any) -> None:
 
 def _cancel_arguments(parser: Any) -> None:
     _selection_arguments(parser)
-    parser.add_argument("--timeout", type=_positive_float, default=10.0, metavar="S",
+    parser.add_argument("--timeout", type=_non_negative_float, default=10.0, metavar="S",
                         help="how long to wait for the daemon to stop a running job (default 10)")
 
 
@@ -18689,7 +18877,7 @@ def _clean_arguments(parser: Any) -> None:
 
 def _stop_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
-    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="give up waiting after S seconds (exit 4)")
+    parser.add_argument("--timeout", type=_non_negative_float, metavar="S", help="give up waiting after S seconds (exit 4)")
     parser.add_argument("--pid", type=int, metavar="N", help="stop only the daemon with pid N (default: every daemon)")
 
 
@@ -18697,7 +18885,7 @@ def _get_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
     parser.add_argument("id", metavar="ID")
     parser.add_argument("--wait", action="store_true", help="wait until the job is finished")
-    parser.add_argument("--timeout", type=_positive_float, metavar="S",
+    parser.add_argument("--timeout", type=_non_negative_float, metavar="S",
                         help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--progress", action="store_true", help="with --wait: a line on stderr every "
                         f"{PROGRESS_EVERY:g} s and at the end, even when it is not a terminal (a log file)")
@@ -18717,7 +18905,7 @@ def _build_parser(only: Optional[str] = None) -> Any:
         """A usage error is one line, as every other refusal: the usage is what --help shows."""
 
         def error(self, message: str) -> Any:
-            found = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (int|float|_positive_float|_duration) value: (.*)",
+            found = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (int|float|_non_negative_float|_duration) value: (.*)",
                                  message)
             if found:
                 flag, kind, value = found.groups()

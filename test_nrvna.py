@@ -1092,7 +1092,7 @@ def piece_tokens(llama: nrvna.LlamaRunner) -> dict[bytes, int]:
 def grammar_admits(llama: nrvna.LlamaRunner, grammar: str, data: bytes) -> bool:
     """Whether llama.cpp's grammar sampler takes ``data`` whole, fed one byte token at a time
     (any bytes, UTF-8 or not), and then lets generation end."""
-    L = llama.L
+    L = llama.llama_cpp
     tokens = piece_tokens(llama)
     sampler = L.llama_sampler_init_grammar(llama.vocab, grammar.encode(), b"root")
     assert sampler, grammar
@@ -1282,7 +1282,7 @@ def test_a_surrogate_pair_escape_is_one_character_and_a_lone_surrogate_is_refuse
         assert not grammar_admits(llama, two, raw), raw
     for raw in (b'"\xed\x80\x80\xed\x9f\xbf"', b'"\xee\x80\x80\xf4\x8f\xbf\xbf"'):
         assert grammar_admits(llama, two, raw), raw
-    json_object = llama.grammar({"response_format": {"type": "json_object"}})[1]
+    json_object = llama.grammars.get({"response_format": {"type": "json_object"}})[1]
     assert grammar_admits(llama, json_object, b'{"s": "\\ud83d\\ude00\\/", "n": [1, true]}')
     for text in (b'{"s": "\\ud83d"}', b'{"s": "\\ude00\\ud83d"}', b'{"s": "\xed\xa0\x80"}'):
         assert not grammar_admits(llama, json_object, text), text
@@ -1643,11 +1643,10 @@ def test_workers_count_a_shared_grammar_each_as_if_alone(llama: nrvna.LlamaRunne
     another worker had asked about that state first.)"""
     import numpy
 
-    vocab = llama.grammar_vocab()
+    vocab = llama.grammars.vocab()
     ids = numpy.arange(0, llama.n_vocab, 5)  # a part of the vocabulary, as a redraw's shortlist
     schema = {"enum": [f"shared-{i}" for i in range(120)]}
-    cases = [({"response_format": {"type": "json_object"}}, nrvna._JSON_OBJECT_GBNF,
-              '{"name": "caf\u00e9", "n": [1, 2]}'),
+    cases = [({"response_format": {"type": "json_object"}}, nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9", "n": [1, 2]}'),
              ({"response_format": schema_format(schema)}, nrvna.schema_to_grammar(schema), '"shared-17"')]
 
     def count(shapes: list[nrvna.GrammarShape]) -> list[Any]:
@@ -1673,7 +1672,7 @@ def test_workers_count_a_shared_grammar_each_as_if_alone(llama: nrvna.LlamaRunne
             results[i] = count([sampler.shape for sampler in samplers])
         finally:
             for sampler in samplers:
-                sampler.free()
+                sampler.close()
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(workers))]
     try:
@@ -1757,7 +1756,7 @@ def test_grammar_shape_counts_the_vocabulary_as_it_counts_each_token(llama: nrvn
     import numpy
 
     rng = numpy.random.default_rng(28)
-    vocab = llama.grammar_vocab()
+    vocab = llama.grammars.vocab()
     cases = [(nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9 \u6f22\u5b57", "n": [1, 2.5e3]}'),  # 漢字: byte tokens
              (nrvna.schema_to_grammar({"enum": [f"v{i}" for i in range(300)]}), '"v12"'),
              (LATE_GRAMMAR, "o" * 20 + "xx")]
@@ -1807,7 +1806,7 @@ def test_grammar_shape_agrees_with_llama_cpp_token_by_token(llama: nrvna.LlamaRu
     state, so the work it counts is the work llama.cpp will do."""
     import numpy
 
-    L = llama.L
+    L = llama.llama_cpp
     rng = random.Random(28)
     pieces = {t: llama.piece(t) for t in range(llama.n_vocab)}
     short = [t for t, p in pieces.items() if p and len(p) <= 3 and all(c in b"abcxy ,.!\"[]{}0123456789" for c in p)]
@@ -2198,9 +2197,9 @@ def test_the_submit_checks_agree_with_llama_cpp(llama: nrvna.LlamaRunner) -> Non
     """What passes the submit-time grammar check parses in llama.cpp (random edits of good
     grammars), and every schema that passes the schema check converts into one it accepts."""
     def llama_accepts(text: str) -> bool:
-        sampler = llama.L.llama_sampler_init_grammar(llama.vocab, text.encode(), b"root")
+        sampler = llama.llama_cpp.llama_sampler_init_grammar(llama.vocab, text.encode(), b"root")
         if sampler:
-            llama.L.llama_sampler_free(sampler)
+            llama.llama_cpp.llama_sampler_free(sampler)
         return bool(sampler)
 
     rng = random.Random(3)
@@ -5640,7 +5639,7 @@ def test_the_on_done_hook_gets_the_job_in_its_environment_and_never_changes_it(w
             deadline = time.monotonic() + 20
             while len(_hook_log(log_path)) < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            while not server.hooks.idle() and time.monotonic() < deadline:
+            while not server.hooks.all_done() and time.monotonic() < deadline:
                 time.sleep(0.05)
         calls = {call["NRVNA_JOB_ID"]: call for call in _hook_log(log_path)}
         assert calls[good] == {"NRVNA_WORKSPACE": os.path.abspath(ws), "NRVNA_JOB_ID": good, "NRVNA_STATUS": "done",
@@ -5667,7 +5666,7 @@ def test_a_hand_made_job_s_fields_never_break_its_hooks(ws: str, tmp_path: Path)
         with serving(ws, echo, on_done=HOOK, on_batch_done=HOOK) as server:
             assert wait_all(ws, ["planted"]) == [Status.Failed]
             deadline = time.monotonic() + 20
-            while (not log_path.exists() or not server.hooks.idle()) and time.monotonic() < deadline:
+            while (not log_path.exists() or not server.hooks.all_done()) and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(1.2)  # two more rounds of the hook coordinator: nothing re-runs
     finally:
@@ -5712,7 +5711,7 @@ def test_hooks_run_at_most_k_at_a_time_and_a_hung_one_is_killed(ws: str, tmp_pat
         with serving(ws, echo, on_done=HOOK, hook_jobs=2) as server:
             wait_all(ws, ids)
             deadline = time.monotonic() + 30
-            while (len(_hook_log(log_path)) < 6 or not server.hooks.idle()) and time.monotonic() < deadline:
+            while (len(_hook_log(log_path)) < 6 or not server.hooks.all_done()) and time.monotonic() < deadline:
                 time.sleep(0.05)
         starts = sorted(call["start"] for call in _hook_log(log_path))
         assert len(starts) == 6
@@ -5724,7 +5723,7 @@ def test_hooks_run_at_most_k_at_a_time_and_a_hung_one_is_killed(ws: str, tmp_pat
         began = time.monotonic()
         with serving(ws, echo, on_done=HOOK, hook_timeout=1.0) as server:
             wait_all(ws, [hung])
-            while not server.hooks.idle() and time.monotonic() - began < 30:
+            while not server.hooks.all_done() and time.monotonic() - began < 30:
                 time.sleep(0.05)
         assert time.monotonic() - began < 20 and len(_hook_log(log_path)) == 1  # killed after 1 s, not run again
         assert Flow(ws).status(hung) is Status.Done
@@ -5760,7 +5759,7 @@ def test_the_batch_hook_runs_once_when_every_job_of_a_tag_has_ended(ws: str, tmp
 
         def settle(server: Server) -> None:
             deadline = time.monotonic() + 30
-            while not server.hooks.idle() and time.monotonic() < deadline:
+            while not server.hooks.all_done() and time.monotonic() < deadline:
                 time.sleep(0.05)
 
         with serving(ws, lambda job: 1 / 0 if job.prompt == "poison" else "ok", on_batch_done=HOOK) as server:
@@ -6516,6 +6515,73 @@ def test_every_banner_has_a_lead_and_no_section_is_over_800_lines(name: str) -> 
         assert last - first + 1 <= 800, (title, last - first + 1)
 
 
+# The namedtuple's own API (underscored so as not to clash with field names), and ctypes' _fields_.
+_PUBLIC_UNDERSCORED = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+
+def _shape(tree: ast.Module) -> tuple[dict[str, int], dict[str, int], list[str]]:
+    """nrvna.py's shape as issue 59 bounds it: each class's lines, each function's lines (a
+    method as Class.name), and each access ``x._name`` where ``x`` is not ``self``, ``cls``,
+    ``super()`` or a module (an imported name, or the llama_cpp module as _import_llama gives it)
+    and ``_name`` is not defined by the class the access is in (another instance of it)."""
+    modules = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+                       if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name) and node.value.func.id == "_import_llama"
+                for t in node.targets if isinstance(t, ast.Name)}
+    classes, functions, reaches = {}, {}, []
+
+    def defines(node: ast.ClassDef) -> set[str]:
+        found = set()
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.add(sub.name)
+            elif isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
+                found.add(sub.attr)
+            elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                found.add(sub.id)
+        return found
+
+    def walk(node: ast.AST, owner: Optional[ast.ClassDef], prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner, name = owner, prefix
+            if isinstance(child, ast.ClassDef):
+                classes[child.name] = child.end_lineno - child.lineno + 1
+                inner, name = child, child.name + "."
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions[f"{prefix}{child.name}:{child.lineno}"] = child.end_lineno - child.lineno + 1
+                name = prefix + child.name + "."
+            elif isinstance(child, ast.Attribute) and child.attr.startswith("_") and not child.attr.endswith("_") \
+                    and child.attr not in _PUBLIC_UNDERSCORED:
+                base = child.value
+                allowed = (isinstance(base, ast.Name) and (base.id in ("self", "cls") or base.id in modules)) or (
+                    isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super") or (
+                    owner is not None and child.attr in defines(owner))
+                if not allowed:
+                    reaches.append(f"line {child.lineno}: {ast.unparse(child)}")
+            walk(child, inner, name)
+
+    walk(tree, None, "")
+    return classes, functions, reaches
+
+
+def test_no_class_or_function_is_over_its_bound_and_none_reaches_into_another_s_private_state() -> None:
+    """Issue 59's bounds over the whole of nrvna.py (a section added later included): no class
+    over 400 lines, LlamaSession under 350, no function over 80, and no ``x._name`` where ``x``
+    is not self, cls, super() or a module, but on another instance of the class defining _name."""
+    classes, functions, reaches = _shape(ast.parse(Path(nrvna.__file__).read_text(encoding="utf-8")))
+    assert {"LlamaRunner", "LlamaSession", "Server", "Processor"} <= set(classes) and len(functions) > 800
+    assert {name: lines for name, lines in classes.items() if lines > 400} == {}
+    assert classes["LlamaSession"] < 350
+    assert {name: lines for name, lines in functions.items() if lines > 80} == {}
+    assert reaches == []
+    # the checker sees what it bounds: a reach, a long class and a long function of a sample
+    sample = ("class A:\n    def f(self, other):\n        return other._mine + self._x\n    _mine = 1\n"
+              "def g(runner):\n    " + "x = 1\n    " * 80 + "return runner._lock\n")
+    sample_classes, sample_functions, sample_reaches = _shape(ast.parse(sample))
+    assert sample_reaches == ["line 86: runner._lock"] and sample_functions["g:5"] == 82 and sample_classes["A"] == 4
+
+
 def test_the_contents_list_names_what_each_sub_section_defines() -> None:
     """Each name the contents list gives under a banner that nrvna.py defines at its top level is
     defined in that banner's text (section 5.2 lists only what 5.2 defines)."""
@@ -6878,7 +6944,7 @@ def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks
     over more tokens than the penalty window."""
     import numpy
 
-    L = llama.L
+    L = llama.llama_cpp
     session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
     try:
         for params in ({"repeat_penalty": 1.5, "temperature": 1.0, "seed": 7},
@@ -6891,8 +6957,8 @@ def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks
             reference = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
             L.llama_sampler_chain_add(reference, L.llama_sampler_init_penalties(
                 llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], *extra))
-            L.llama_sampler_chain_add(reference, llama.sampler(params))  # owned by reference now
-            chain = llama.sampler(params)
+            L.llama_sampler_chain_add(reference, nrvna._sampler_chain(L, params, llama.config))  # owned by reference now
+            chain = nrvna._sampler_chain(L, params, llama.config)
             own = L.llama_sampler_init_penalties(llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], *extra)
             penalty = llama.penalty(params)
             assert penalty is not None
@@ -6982,7 +7048,7 @@ def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared
         assert [len(tokens) for tokens in session.prefixes.held] == [before[i] if i == last else shared
                                                                      for i in range(3)] + [0, 0]
         for i in range(3):  # the cells match what is held: nothing beyond it is left
-            assert llama.L.llama_memory_seq_pos_max(session.memory, i) == len(session.prefixes.held[i]) - 1
+            assert llama.llama_cpp.llama_memory_seq_pos_max(session.memory, i) == len(session.prefixes.held[i]) - 1
         # A new prompt shares only the prefix with every slot: it takes the slot kept whole
         # (dropping that slot's tail) and reuses exactly the prefix.
         reused = session.prefixes.reused_tokens
@@ -7018,7 +7084,7 @@ def test_a_context_admits_jobs_by_the_cells_their_budgets_need(llama: nrvna.Llam
     session = llama.session(0, nrvna.Config(workers=1, seqs=16, max_ctx=1024))
     words = ["Owls", "Rain", "Salt", "Glass", "Bread", "Maps", "Wolves", "Tea",
              "Iron", "Moss", "Kites", "Sand", "Pearls", "Wheat", "Foxes", "Clocks"]
-    L = llama.L
+    L = llama.llama_cpp
     try:
         # (and one more job's cells, with a 17th slot, kept for a higher-priority job)
         assert (session.normal_cells, session.cells, session.ctx_per_seq, session.free()) == (1024, 1152, 128, 8)
@@ -7055,7 +7121,7 @@ def test_a_context_admits_jobs_by_the_cells_their_budgets_need(llama: nrvna.Llam
 def test_a_plain_decode_waits_for_a_decode_with_borrowed_threads_to_end(llama: nrvna.LlamaRunner,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[str] = []
-    real = llama.L.llama_decode
+    real = llama.llama_cpp.llama_decode
 
     def slow_decode(ctx: Any, batch: Any) -> int:
         order.append("wide start")
@@ -7068,7 +7134,7 @@ def test_a_plain_decode_waits_for_a_decode_with_borrowed_threads_to_end(llama: n
     try:
         session.set_threads(2)
         session.start(fake_job("One word about owls.", max_tokens=1))
-        monkeypatch.setattr(llama.L, "llama_decode", slow_decode)
+        monkeypatch.setattr(llama.llama_cpp, "llama_decode", slow_decode)
         worker = threading.Thread(target=session.step)
         worker.start()
         deadline = time.monotonic() + 10
@@ -7200,9 +7266,9 @@ def test_a_quantized_kv_cache_is_smaller_generates_and_keeps_its_own_saved_state
             texts[kv] = finished[0][1].text
             reports[kv] = runner.memory()
             fingerprints[kv] = nrvna.state_fingerprint(runner, model)
-            params = runner.L.llama_context_default_params()
-            assert nrvna._kv_params(runner.L, runner.config)[2] == (
-                params.flash_attn_type if kv == "f16" else runner.L.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+            params = runner.llama_cpp.llama_context_default_params()
+            assert nrvna._kv_params(runner.llama_cpp, runner.config)[2] == (
+                params.flash_attn_type if kv == "f16" else runner.llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
             session.close()
         finally:
             runner.close()
@@ -7222,13 +7288,12 @@ def test_a_quantized_kv_cache_is_smaller_generates_and_keeps_its_own_saved_state
 
 @pytest.mark.model
 def test_a_schema_is_converted_once_for_many_jobs_and_parsed_once_per_context(llama: nrvna.LlamaRunner) -> None:
-    schema = {"type": "object",
-              "properties": {"converted_once": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0}},
+    schema = {"type": "object", "properties": {"converted_once": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0}},
               "required": ["converted_once", "n"]}
     reordered = dict(schema, properties=dict(reversed(list(schema["properties"].items()))))
     config = nrvna.Config(workers=2, seqs=4, max_ctx=512)
     sessions = [llama.session(i, config) for i in range(2)]
-    before = llama.conversions
+    before = llama.grammars.conversions
     try:
         def run(count: int, **params: Any) -> list[Outcome]:
             jobs = [fake_job(f"Answer {i} in JSON.", temperature=0, max_tokens=3, **params) for i in range(count)]
@@ -7242,12 +7307,12 @@ def test_a_schema_is_converted_once_for_many_jobs_and_parsed_once_per_context(ll
             return outcomes
 
         assert len(run(24, response_format=schema_format(schema))) == 24
-        assert llama.conversions - before == 1  # 24 jobs on 2 workers: one conversion
+        assert llama.grammars.conversions - before == 1  # 24 jobs on 2 workers: one conversion
         assert all(len(s.templates.parsed) == 1 for s in sessions)  # and one parsed grammar per context
         run(6, response_format=schema_format(reordered))  # another property order: another grammar
         run(6, response_format={"type": "json_object"})
         run(6, grammar='root ::= "x"+')
-        assert llama.conversions - before == 2
+        assert llama.grammars.conversions - before == 2
     finally:
         for session in sessions:
             session.close()
@@ -7330,8 +7395,8 @@ def test_a_schema_being_converted_holds_up_neither_the_jobs_beside_it_nor_a_stop
 
 
 @pytest.mark.model
-def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_draw(
-        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_draw(llama: nrvna.LlamaRunner,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Each time a constrained job's free draw is refused and the shortlist suffices, the
     token drawn from it equals the token the sampler chain draws from the whole vocabulary
     (from the same random state: each path gets a clone of the chain). A short shortlist
@@ -7342,7 +7407,7 @@ def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_dra
 
     config = nrvna.Config(workers=1, seqs=8, max_ctx=2048)
     session = llama.session(0, config)
-    L, compared, fell_back, redraws = llama.L, [0, 0], [0], nrvna._JobSampler._resample
+    L, compared, fell_back, redraws = llama.llama_cpp, [0, 0], [0], nrvna._JobSampler._resample
 
     def both(sampler: Any, logits: Any) -> int:
         if session.scratch.candidates is None:  # the first redraw makes the arrays
@@ -7393,9 +7458,9 @@ def whole_vocabulary_draw(runner: nrvna.LlamaRunner, scratch: Any, chain: Any, r
     candidates, array = scratch.candidates, scratch.candidates_array
     candidates["id"], candidates["logit"], candidates["p"] = scratch.token_ids, row, 0.0
     array.size, array.selected, array.sorted = runner.n_vocab, -1, False
-    runner.L.llama_sampler_apply(chain, scratch.byref(array))
+    runner.llama_cpp.llama_sampler_apply(chain, scratch.byref(array))
     token = int(candidates["id"][array.selected])
-    runner.L.llama_sampler_accept(chain, token)
+    runner.llama_cpp.llama_sampler_accept(chain, token)
     return token
 
 
@@ -7429,10 +7494,10 @@ def shortlist_draws(runner: nrvna.LlamaRunner, rows: Any, params: dict[str, Any]
 
     scratch = nrvna._SamplingScratch(runner)
     config = runner.config
-    chain = runner.sampler(params)
+    chain = nrvna._sampler_chain(runner.llama_cpp, params, runner.config)
     settings = (nrvna.job_param(params, "temperature", config) <= 0, nrvna.job_param(params, "top_k", config),
                 nrvna.job_param(params, "top_p", config), nrvna.job_param(params, "min_p", config))
-    sampler = nrvna._JobSampler(runner, scratch, runner.L.llama_sampler_clone(chain), settings)
+    sampler = nrvna._JobSampler(runner, scratch, runner.llama_cpp.llama_sampler_clone(chain), settings)
     try:
         size = sampler.shortlist_size
         found = nrvna._likeliest(numpy, rows, list(range(len(rows))), [size] * len(rows))
@@ -7446,8 +7511,8 @@ def shortlist_draws(runner: nrvna.LlamaRunner, rows: Any, params: dict[str, Any]
             differ += drawn != whole
         return differ, short
     finally:
-        runner.L.llama_sampler_free(chain)
-        sampler.free()
+        runner.llama_cpp.llama_sampler_free(chain)
+        sampler.close()
 
 
 @pytest.mark.model
@@ -7509,11 +7574,11 @@ def test_jobs_draw_from_the_shortlist_what_the_whole_vocabulary_gives(llama: nrv
     def both(sampler: Any, ctx: Any, index: int, logits: Any, likeliest: Any = None) -> int:
         if likeliest is not None:
             row = numpy.array(logits)
-            clone = llama.L.llama_sampler_clone(sampler.chain)
+            clone = llama.llama_cpp.llama_sampler_clone(sampler.chain)
             try:
                 whole = whole_vocabulary_draw(llama, nrvna._SamplingScratch(llama), clone, row)
             finally:
-                llama.L.llama_sampler_free(clone)
+                llama.llama_cpp.llama_sampler_free(clone)
             token = sample(sampler, ctx, index, logits, likeliest)
             compared[0] += 1
             differ[0] += token != whole
@@ -8347,16 +8412,16 @@ def test_contexts_waiting_to_be_saved_are_bounded_in_bytes(tmp_path: Path) -> No
     """NRVNA_CACHE_PENDING: a save that would take the states copied out and not yet written
     past the bound is skipped (counted as dropped), never waited for; auto keeps 2 states."""
     store, fake = nrvna.StateStore(str(tmp_path), "fp", 1 << 30, 16, pending_limit=1000), FakeStateL()
-    store._pending, store._waiting = 600, 1  # as while the Saver writes a 600-byte state
+    store._pending, store._pending_states = 600, 1  # as while the Saver writes a 600-byte state
     fake.seqs[0] = b"x" * 500
     store.save(fake, None, 0, list(range(100)), "big")
     assert store.counts["dropped"] == 1 and store._pending == 600 and not os.listdir(tmp_path)
-    store._pending, store._waiting = 0, 0
+    store._pending, store._pending_states = 0, 0
     store.save(fake, None, 0, list(range(100)), "fits")
     store.close()
     assert store.counts == {"saved": 1, "restored": 0, "dropped": 1, "removed": 0} and store._pending == 0
     auto = nrvna.StateStore(str(tmp_path / "auto"), "fp", 1 << 30, 16)
-    auto._waiting = nrvna.SAVES_PENDING
+    auto._pending_states = nrvna.SAVES_PENDING
     auto.save(fake, None, 0, list(range(100)), "third")
     assert auto.counts["dropped"] == 1
 
@@ -8924,7 +8989,7 @@ def test_a_worker_leaves_a_lone_job_only_to_an_idle_favored_worker() -> None:
     waiter = threading.Thread(target=lambda: taken.append(pool.get(5.0, worker=1)))
     waiter.start()
     deadline = time.monotonic() + 5
-    while 1 not in pool._waiting and time.monotonic() < deadline:
+    while 1 not in pool._blocked and time.monotonic() < deadline:
         time.sleep(0.01)
     pool.push(["1_1_4"])
     assert pool.get(0.2, worker=0) is None  # left to worker 1, which is waiting
@@ -8988,7 +9053,7 @@ def test_a_worker_alone_with_jobs_borrows_the_idle_workers_threads(ws: str) -> N
     lent = min(2, nrvna.cpu_count())
     runner = LendingRunner(capacity=1)
     with serving(ws, runner, workers=2) as server:
-        assert server._thread_budget == 2
+        assert server._loads.budget == 2
         lone = submit(ws, "lone steps 12")
         assert wait_all(ws, [lone]) == [Status.Done]
         long, short = submit(ws, "long steps 60"), submit(ws, "short steps 20")
@@ -9015,7 +9080,7 @@ def test_threads_are_lent_only_between_one_thread_contexts(ws: str) -> None:
     LendingSession.base_threads = 2
     try:
         with serving(ws, runner, workers=2) as server:
-            assert server._thread_budget == 0  # a second OpenMP team per worker would slow all
+            assert server._loads.budget == 0  # a second OpenMP team per worker would slow all
             job = submit(ws, "lone steps 5")
             assert wait_all(ws, [job]) == [Status.Done]
         assert {t for _, t, _ in runner.steps} == {1}  # set_threads never called
@@ -9349,10 +9414,12 @@ def _class_attributes(classes: dict[str, ast.ClassDef], name: str) -> set[str]:
 
 def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_is_defined() -> None:
     """The Threads table of nrvna.py's docstring is held true: every lock attribute of a class
-    (Lock, RLock, Condition) and every module-level lock is named in it with its owner; every
-    module-level container that code changes is named in a row whose owners include code that
-    changes it; every thread a row names runs in the daemon; and every name in it that reads as
-    code (a _name, a dotted name, a call, a CamelCase word) is defined where the row says."""
+    (Lock, RLock, Condition, Event, Semaphore, assigned to self.X anywhere in it) and every
+    module-level one is named in it with its owner; every module-level container that code
+    changes, and every module-level name a function rebinds (``global``), is named in a row whose
+    owners include code that changes it; every thread a row names runs in the daemon; and every
+    name in it that reads as code (a _name, a dotted name, a call, a CamelCase word) is defined
+    where the row says."""
     path = Path(nrvna.__file__)
     tree = ast.parse(path.read_text(encoding="utf-8"))
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
@@ -9366,13 +9433,13 @@ def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_i
     def is_lock(value: ast.expr) -> bool:
         return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and \
             isinstance(value.func.value, ast.Name) and value.func.value.id == "threading" and \
-            value.func.attr in ("Lock", "RLock", "Condition")
+            value.func.attr in ("Lock", "RLock", "Condition", "Event", "Semaphore", "BoundedSemaphore")
 
     missing = []
     for name, node in classes.items():  # self.X = threading.Lock() in any method
         for sub in ast.walk(node):
-            if isinstance(sub, ast.Assign) and is_lock(sub.value):
-                for target in sub.targets:
+            if isinstance(sub, (ast.Assign, ast.AnnAssign)) and sub.value is not None and is_lock(sub.value):
+                for target in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]):
                     if isinstance(target, ast.Attribute) and f"{name}.{target.attr}" not in text and not any(
                             name in owners_of(row) and re.search(rf"(?<![\w.]){target.attr}\b", " ".join(row))
                             for row in table):
@@ -9391,6 +9458,8 @@ def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_i
     changing = {"append", "extend", "pop", "popleft", "appendleft", "clear", "update", "setdefault", "add",
                 "discard", "remove", "insert", "popitem", "sort"}
     changers: dict[str, set[str]] = {}
+    rebound = {name for top in tree.body for sub in ast.walk(top) if isinstance(sub, ast.Global) for name in sub.names}
+    containers |= rebound & set(module)
     for top in tree.body:
         if not isinstance(top, (ast.FunctionDef, ast.ClassDef)):
             continue
@@ -9407,11 +9476,11 @@ def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_i
             for name in names:
                 if name in containers:
                     changers.setdefault(name, set()).add(top.name)
-    assert {"_CHECKED", "_LIMITED", "_gguf_headers", "_llama_log_tail"} <= set(changers)
+    assert {"_CHECKED", "_LIMITED", "_gguf_headers", "_llama_log_tail", "_schema_converter"} <= set(changers)
     for name, tops in changers.items():
         if not any(re.search(rf"\b{name}\b", row[2]) and owners_of(row) & tops for row in table):
             missing.append(f"{name} (changed by {', '.join(sorted(tops))})")
-    assert missing == [], "not in the Threads table with their owner"
+    assert missing == [], f"not in the Threads table with their owner: {missing}"
     # Every thread a row names runs: the main thread, or a thread's name in the code (Worker-N for
     # Worker-{index}); "loader" is whichever loads a model, "any" any thread.
     threads = {"Main", "any", "loader"} | {re.sub(r"\{\w+\}", "N", n) for n in re.findall(
