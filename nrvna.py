@@ -313,7 +313,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         flock on api/batches/, held for the read-modify-write only; its jobs and files as any client's
     Batches -> BatchLifecycle: ended, the lock's descriptor => its own; every step of every batch => the flock on
         api/batches/lifecycle.lock: one process of a workspace takes steps (a second server's thread waits)
-    Main -> BatchLifecycle: start, stop (ApiServer's) => stop sets an Event and joins the thread before closing the lock
+    Main -> BatchLifecycle: start, stop (ApiServer's) => stop sets an Event (_halt) and joins the thread before
+        closing the lock
 """
 
 from __future__ import annotations
@@ -796,7 +797,9 @@ SETTINGS: dict[str, _Setting] = {
                               "its argument",
                                flags=("--on-batch-done",)),
     "hook_jobs": _Setting("NRVNA_HOOK_JOBS", int, 2, 1, 256, "hooks run at most this many at a time"),
-    "api_key": _Setting("NRVNA_API_KEY", str, "", None, None, "the served API's key (`nrvna serve`, `daemon --serve`): every request must then carry `Authorization: Bearer KEY` (else 401); serving an address other than loopback needs one",
+    "api_key": _Setting("NRVNA_API_KEY", str, "", None, None,
+                        "the served API's key (`nrvna serve`, `daemon --serve`): every request must then carry "
+                        "`Authorization: Bearer KEY` (else 401); serving an address other than loopback needs one",
                          flags=("--api-key",)),
     "hook_timeout": _Setting("NRVNA_HOOK_TIMEOUT", float, 60.0, 0.1, 86400.0,
                              "seconds a hook may run before it is killed (and logged; not run again)"),
@@ -18877,7 +18880,8 @@ def _clean_arguments(parser: Any) -> None:
 
 def _stop_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
-    parser.add_argument("--timeout", type=_non_negative_float, metavar="S", help="give up waiting after S seconds (exit 4)")
+    parser.add_argument("--timeout", type=_non_negative_float, metavar="S",
+                        help="give up waiting after S seconds (exit 4)")
     parser.add_argument("--pid", type=int, metavar="N", help="stop only the daemon with pid N (default: every daemon)")
 
 
@@ -18905,7 +18909,8 @@ def _build_parser(only: Optional[str] = None) -> Any:
         """A usage error is one line, as every other refusal: the usage is what --help shows."""
 
         def error(self, message: str) -> Any:
-            found = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (int|float|_non_negative_float|_duration) value: (.*)",
+            found = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (int|float|_non_negative_float|_duration) value: "
+                                 r"(.*)",
                                  message)
             if found:
                 flag, kind, value = found.groups()

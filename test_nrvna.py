@@ -1646,7 +1646,8 @@ def test_workers_count_a_shared_grammar_each_as_if_alone(llama: nrvna.LlamaRunne
     vocab = llama.grammars.vocab()
     ids = numpy.arange(0, llama.n_vocab, 5)  # a part of the vocabulary, as a redraw's shortlist
     schema = {"enum": [f"shared-{i}" for i in range(120)]}
-    cases = [({"response_format": {"type": "json_object"}}, nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9", "n": [1, 2]}'),
+    cases = [({"response_format": {"type": "json_object"}}, nrvna._JSON_OBJECT_GBNF,
+              '{"name": "caf\u00e9", "n": [1, 2]}'),
              ({"response_format": schema_format(schema)}, nrvna.schema_to_grammar(schema), '"shared-17"')]
 
     def count(shapes: list[nrvna.GrammarShape]) -> list[Any]:
@@ -12784,7 +12785,8 @@ def test_a_batch_goes_validating_in_progress_completed_and_its_files_are_the_exp
     assert created["metadata"] == {"run": "a"}
     assert created["expires_at"] == created["created_at"] + 24 * 3600
     assert set(created) >= {"errors", "output_file_id", "error_file_id", "in_progress_at", "finalizing_at",
-                            "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at", "model", "usage"}
+                            "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at", "model",
+                            "usage"}
     with serving(ws, refuse_marked), lifecycle(ws) as batches:
         batch, seen = until_ended(batches, batch_id)
     assert batch["status"] == "completed" and seen[0] == "validating", seen
@@ -13126,7 +13128,8 @@ def test_the_openai_package_cancels_a_batch_mid_run_and_sees_a_failing_file_fail
                                                      b'"body": {"input": "x"}}\n'), purpose="batch")
         failing = client.batches.create(input_file_id=bad.id, endpoint="/v1/completions", completion_window="24h")
         failed, _ = retrieved_until_ended(client, failing.id)
-        assert failed.status == "failed" and (failed.errors.data[0].code, failed.errors.data[0].line) == ("invalid_url", 1)
+        assert failed.status == "failed" and (failed.errors.data[0].code,
+                                              failed.errors.data[0].line) == ("invalid_url", 1)
         with pytest.raises(openai.BadRequestError):
             client.batches.cancel(failing.id)
         with pytest.raises(openai.NotFoundError):
@@ -13141,7 +13144,8 @@ def test_the_openai_batch_example_runs(model: str, ws: str, tmp_path: Path) -> N
     try:
         wait_for_log(daemon, "Server started")
         example = str(HERE / "examples" / "openai_batch.py")
-        done = subprocess.run([sys.executable, example, f"http://127.0.0.1:{port}/v1"], capture_output=True, timeout=300)
+        done = subprocess.run([sys.executable, example, f"http://127.0.0.1:{port}/v1"], capture_output=True,
+                              timeout=300)
     finally:
         for proc in (server, daemon):
             proc.kill()
@@ -13397,7 +13401,8 @@ def test_a_server_killed_mid_request_leaves_its_job_to_complete(ws: str, monkeyp
         host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
         sock = socket.create_connection((host, int(port)), timeout=30)
         data = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 40}).encode()
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(data), data))
         deadline = time.monotonic() + 30
         while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
             time.sleep(0.02)
