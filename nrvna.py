@@ -15120,6 +15120,7 @@ _HTTP_REASONS = {200: "OK", 100: "Continue", 400: "Bad Request", 401: "Unauthori
                  503: "Service Unavailable"}
 _PARAM = re.compile(r'([\w*-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;]*))')  # a header's name=value or name="value"
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP method or header name
+_DIGITS = re.compile(r"[0-9]{1,15}")  # a length or a number in a query, as HTTP writes them
 
 
 def _json_bytes(value: Any) -> bytes:
@@ -15176,7 +15177,7 @@ class _Head:
         text = self.headers.get("content-length")
         if text is None:
             return 0
-        if not text.isdigit() or len(text) > 15:
+        if not _DIGITS.fullmatch(text):  # ASCII digits only: str.isdigit() takes '²', which int() refuses
             raise ApiError(400, f"Content-Length {text[:40]!r} is not a length")
         return int(text)
 
@@ -15316,7 +15317,9 @@ def read_multipart(fd: int, size: int, content_type: str) -> dict[str, tuple[Opt
     parts: dict[str, tuple[Optional[str], int, int]] = {}
     for first, after in zip(starts, starts[1:]):
         begin = first + len(boundary)
-        head = os.pread(fd, min(MULTIPART_HEAD_LIMIT + 4, after - begin), begin)
+        # up to the CRLF that belongs to the next delimiter: headers whose blank line would be
+        # that CRLF have no body, and are refused (read with it, the body would end before it begins)
+        head = os.pread(fd, min(MULTIPART_HEAD_LIMIT + 4, max(0, after - 2 - begin)), begin)
         ends = head.find(b"\r\n\r\n")
         if not head.startswith(b"\r\n") or ends < 0:
             raise ApiError(400, "a multipart part's headers are missing or over "
@@ -15677,7 +15680,7 @@ def _query_int(call: ApiCall, name: str, default: int, low: int, high: int) -> i
     text = call.query.get(name)
     if text is None:
         return default
-    if not text.isdigit() or not low <= int(text) <= high:
+    if not _DIGITS.fullmatch(text) or not low <= int(text) <= high:
         raise ApiError(400, f"{name} must be an integer from {low} to {high}", param=name)
     return int(text)
 

@@ -11860,6 +11860,23 @@ def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServ
     assert status == 200 and json.loads(reply)["filename"] == "résumé.jsonl"
 
 
+def test_a_part_without_a_body_and_digits_other_than_ascii_are_answered_400_not_500_or_a_reset(
+        api: nrvna.ApiServer, ws: str) -> None:
+    """Headers whose blank line is the next delimiter's CRLF (a part with no body at all) were
+    read as a body of -2 bytes (a 500); a Content-Length or limit of '²' (str.isdigit() takes it,
+    int() does not) dropped the connection unanswered or was a 500."""
+    for body in (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n--b\r\nContent-Disposition: '
+                 b'form-data; name="file"; filename="x"\r\n\r\n{}\n\r\n--b--\r\n',
+                 b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\nContent-Disposition: '
+                 b'form-data; name="file"; filename="x"\r\n\r\n--b--\r\n'):
+        status, _, reply = http(api, "POST", "/v1/files", body, {"Content-Type": "multipart/form-data; boundary=b"})
+        assert status == 400 and "headers" in json.loads(reply)["error"]["message"], reply
+    reply = raw_request(api, b"POST /v1/files HTTP/1.1\r\nContent-Length: \xb2\r\n\r\nab")
+    assert error_of(reply)[0] == 400
+    assert error_of(raw_request(api, b"GET /v1/files?limit=%C2%B2 HTTP/1.1\r\nConnection: close\r\n\r\n"))[0] == 400
+    assert os.listdir(os.path.join(ws, "api", "files")) == []
+
+
 def test_multipart_parts_are_found_whole_wherever_the_reads_cut_them(tmp_path: Path) -> None:
     """read_multipart reads a MiB at a time: a delimiter cut by a read, a boundary inside the
     content not on a line of its own, and a line that only starts with it are all read right."""
