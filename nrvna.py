@@ -15726,10 +15726,13 @@ API_ROUTES: tuple[tuple[str, str, Callable[[ApiCall], ApiReply], str], ...] = (
 )
 
 
-def _send_all(sock: Any, data: bytes) -> None:
-    """Send ``data`` within API_SEND_SECONDS and a second per API_BODY_RATE bytes (socket.timeout,
-    an OSError, past that)."""
-    sock.settimeout(API_SEND_SECONDS + len(data) / API_BODY_RATE)
+def _send_all(sock: Any, data: bytes, deadline: Optional[float] = None) -> None:
+    """Send ``data`` within API_SEND_SECONDS and a second per API_BODY_RATE bytes, or by
+    ``deadline`` (time.monotonic(): a whole reply's, sent in pieces); an OSError past it."""
+    left = API_SEND_SECONDS + len(data) / API_BODY_RATE if deadline is None else deadline - time.monotonic()
+    if left <= 0:
+        raise OSError(errno.ETIMEDOUT, "the client did not read the reply in time")
+    sock.settimeout(left)
     sock.sendall(data)
 
 
@@ -16250,13 +16253,16 @@ class ApiServer:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return self._send(sock, ApiReply(404, ApiError(404, "the file's content is not a file").payload()),
                                   keep)
-            _send_all(sock, _reply_head(reply.status, reply.content_type, size, reply.headers, keep))
+            # one deadline for the whole file: a client reading a MiB just within each piece's
+            # time would hold this Api-N thread for hours (200 MB at 30 s a MiB)
+            deadline = time.monotonic() + API_SEND_SECONDS + size / API_BODY_RATE
+            _send_all(sock, _reply_head(reply.status, reply.content_type, size, reply.headers, keep), deadline)
             sent = 0
             while sent < size:
                 chunk = os.pread(fd, min(1 << 20, size - sent), sent)
                 if not chunk:
                     return False  # cut short under us: the length sent is wrong, so the connection ends
-                _send_all(sock, chunk)
+                _send_all(sock, chunk, deadline)
                 sent += len(chunk)
             return keep
         finally:

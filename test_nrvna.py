@@ -11946,6 +11946,37 @@ def test_a_slow_client_is_dropped_after_its_deadline_and_holds_no_worker(ws: str
         assert os.listdir(os.path.join(ws, "api", "tmp")) == []  # the bodies' spools removed
 
 
+def test_a_client_reading_a_file_slowly_is_dropped_at_the_whole_reply_s_deadline(
+        api: nrvna.ApiServer, ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The time to read an answer bounds the whole answer (API_SEND_SECONDS plus a second per
+    API_BODY_RATE bytes), not each MiB of it: a client that read each piece just in time held an
+    Api-N thread for as long as it liked (here 1 s + 24 MiB at 16 MiB/s: cut at 2.5 s, where a
+    reader of 2.5 MiB/s would have taken ~10 s)."""
+    import socket
+
+    monkeypatch.setattr(nrvna, "API_SEND_SECONDS", 1.0)
+    monkeypatch.setattr(nrvna, "API_BODY_RATE", 16 << 20)
+    size = 24 << 20
+    made = nrvna.ApiFiles(ws).publish("file-" + "s" * 24, [b"x" * size], "big.jsonl", "batch")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 19)
+    sock.settimeout(10)
+    sock.connect(api.address)
+    sock.sendall(f"GET /v1/files/{made['id']}/content HTTP/1.1\r\n\r\n".encode())
+    got, started, closed = 0, time.monotonic(), False
+    with sock:
+        while time.monotonic() - started < 6 and not closed:
+            try:
+                chunk = sock.recv(1 << 18)  # 2.5 MiB/s: 256 KiB every 0.1 s
+            except ConnectionResetError:
+                chunk = b""
+            got += len(chunk)
+            closed = not chunk
+            time.sleep(0.1)
+    assert closed and got < size, (closed, got, time.monotonic() - started)
+    assert http(api, "GET", f"/v1/files/{made['id']}/content")[2] == b"x" * size  # a reader in time gets it all
+
+
 @pytest.mark.model  # the openai package, absent from the bare Python 3.9 run
 def test_the_openai_client_uploads_lists_reads_and_deletes_files_and_lists_models(ws: str, tmp_path: Path) -> None:
     import openai
