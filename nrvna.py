@@ -15621,6 +15621,9 @@ API_BODY_RATE = 1 << 20
 API_IDLE_SECONDS = 15.0  # a kept-alive connection with no new request is closed after this
 API_SEND_SECONDS = 30.0  # a reply: this, plus a second per API_BODY_RATE bytes (a stream: per write)
 API_LINGER_SECONDS = 1.0  # after a refusal, what the client still sends is read and dropped this long
+# JSON bodies held in memory at once, all connections together (each up to API_BODY_LIMIT): without
+# it, API_CONNECTIONS clients each sending a body but its last byte held 8 GiB. Past it: 503.
+API_BODIES_MEMORY = 256 << 20
 
 
 def _models_served(workspace: str) -> list[dict[str, Any]]:
@@ -15761,15 +15764,38 @@ def _route_pattern(path: str) -> Any:
     return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(path)))
 
 
+class _Memory:
+    """The bytes of request bodies held in memory, all connections together, bounded by
+    ``limit``. Threads: Api-IO takes, any thread gives back (under _lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        """Count ``size`` more bytes as held; False (nothing counted) past the limit."""
+        with self._lock:
+            if self.held + size > self.limit:
+                return False
+            self.held += size
+            return True
+
+    def give(self, size: int) -> None:
+        with self._lock:
+            self.held -= size
+
+
 class _Connection:
     """One client connection while Api-IO reads a request from it: the bytes so far, the
-    deadline, the request's head and body (in memory, or an upload's in api/tmp/)."""
+    deadline, the request's head and body (in memory, counted in ``memory``, or an upload's in
+    api/tmp/)."""
 
     __slots__ = ("sock", "buffer", "deadline", "since", "idle", "head", "length", "body", "received",
-                 "spool", "spool_fd", "lingering")
+                 "spool", "spool_fd", "lingering", "memory", "held")
 
-    def __init__(self, sock: Any, deadline: float) -> None:
+    def __init__(self, sock: Any, deadline: float, memory: _Memory) -> None:
         self.sock, self.deadline, self.since = sock, deadline, time.monotonic()
+        self.memory, self.held = memory, 0  # held: the bytes of memory counted for this body
         self.buffer = bytearray()
         self.idle = False  # kept alive, between two requests
         self.head: Optional[_Head] = None
@@ -15781,8 +15807,16 @@ class _Connection:
 
     def next_request(self, deadline: float) -> None:
         """Ready for the connection's next request (bytes already read stay in buffer)."""
-        self.head, self.length, self.received, self.body, self.lingering = None, 0, 0, bytearray(), False
+        self.drop_body()
+        self.head, self.length, self.received, self.lingering = None, 0, 0, False
         self.idle, self.deadline, self.since = True, deadline, time.monotonic()
+
+    def drop_body(self) -> None:
+        """Let go of the body held in memory, and give its count back."""
+        self.body = bytearray()
+        if self.held:
+            self.memory.give(self.held)
+            self.held = 0
 
     def drop_spool(self) -> None:
         if self.spool_fd >= 0:
@@ -15794,6 +15828,7 @@ class _Connection:
 
     def close(self) -> None:
         self.drop_spool()
+        self.drop_body()
         with contextlib.suppress(OSError):
             self.sock.close()
 
@@ -15810,6 +15845,11 @@ def _start_request(server: "ApiServer", conn: _Connection, head: _Head, early: i
     if length > limit:
         what = "an upload's body" if head.is_upload() else "a JSON body"
         raise ApiError(413, f"the body is {length:,} bytes; {what} may be up to {limit:,}", code="body_too_large")
+    if length and not head.is_upload():
+        if not server.memory.take(length):
+            raise ApiError(503, f"the server holds {API_BODIES_MEMORY >> 20} MiB of request bodies already: "
+                                "retry shortly", type="server_error", code="server_busy")
+        conn.held = length
     conn.head, conn.length = head, length
     conn.deadline = time.monotonic() + server.body_seconds + length / API_BODY_RATE
     if head.is_upload() and length:
@@ -15922,7 +15962,7 @@ class _Reader:
                 self._pause(True)
                 return
             sock.setblocking(False)
-            self._watch(_Connection(sock, time.monotonic() + self.server.head_seconds))
+            self._watch(_Connection(sock, time.monotonic() + self.server.head_seconds, self.server.memory))
 
     def _pause(self, paused: bool) -> None:
         """Stop or start accepting connections (the listener's place in the selector)."""
@@ -16028,8 +16068,10 @@ class _Reader:
 
         body = _json_bytes(err.payload())
         conn.drop_spool()
+        conn.drop_body()
+        headers = {"Retry-After": "1"} if err.status == 503 else {}
         with contextlib.suppress(OSError):
-            conn.sock.send(_reply_head(err.status, "application/json", len(body), {}, False) + body)
+            conn.sock.send(_reply_head(err.status, "application/json", len(body), headers, False) + body)
             conn.sock.shutdown(socket.SHUT_WR)
         conn.lingering, conn.deadline = True, time.monotonic() + API_LINGER_SECONDS
         if conn.sock.fileno() not in self.open:
@@ -16060,6 +16102,7 @@ class ApiServer:
         self.workers, self.connections = workers, connections
         self.head_seconds, self.body_seconds = head_seconds, body_seconds
         self.files = ApiFiles(workspace)
+        self.memory = _Memory(API_BODIES_MEMORY)
         self.routes = [(method, _route_pattern(path), handler) for method, path, handler, _ in API_ROUTES]
         self.requests: Any = queue.Queue(API_QUEUE)
         self.reader: Optional[_Reader] = None
@@ -16184,6 +16227,7 @@ class ApiServer:
                                            type="server_error").payload())
         finally:
             conn.drop_spool()
+            conn.drop_body()
         return self._send(conn.sock, reply, head.keep_alive())
 
     def _dispatch(self, conn: _Connection, head: _Head) -> ApiReply:

@@ -11913,6 +11913,35 @@ def test_an_upload_over_the_limit_is_refused_before_its_body_is_read(api: nrvna.
     assert error_of(reply)[0] == 413
 
 
+def test_bodies_held_in_memory_are_bounded_all_connections_together(
+        ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each JSON body may be 16 MiB, and API_CONNECTIONS clients each sending one but its last
+    byte held them all (40 such: 704 MiB resident; 512: 8 GiB). Past API_BODIES_MEMORY (here
+    4 MiB) a request is refused at its head (503, Retry-After), and what an answered, dropped or
+    refused body held is counted free again."""
+    import socket
+
+    monkeypatch.setattr(nrvna, "API_BODIES_MEMORY", 4 << 20, raising=False)
+    head = b"POST /v1/files HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (2 << 20)
+    with nrvna.ApiServer(ws, port=0) as server:
+        held = [socket.create_connection(server.address, timeout=10) for _ in range(2)]
+        for sock in held:
+            sock.sendall(head + b"x" * ((2 << 20) - 1))
+        time.sleep(0.3)
+        reply = raw_request(server, head)
+        assert error_of(reply)[0] == 503 and b"\r\nRetry-After: 1\r\n" in reply
+        held[0].sendall(b"x")  # whole: answered (400: not multipart), its 2 MiB free again
+        assert held[0].recv(65536).startswith(b"HTTP/1.1 400 ")
+        held[1].close()  # dropped mid-body: free again
+        time.sleep(0.3)
+        for _ in range(2):
+            with socket.create_connection(server.address, timeout=10) as sock:
+                sock.sendall(head + b"x" * (2 << 20))
+                assert sock.recv(65536).startswith(b"HTTP/1.1 400 ")
+        held[0].close()
+        assert http(server, "GET", "/v1/files")[0] == 200 and server.memory.held == 0
+
+
 def test_a_slow_client_is_dropped_after_its_deadline_and_holds_no_worker(ws: str) -> None:
     """A client that sends a byte a second is dropped once its request is not whole within the
     deadline (here 1 s for the head, 2 s more for the body), whatever its pace; meanwhile other
