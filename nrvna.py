@@ -15624,6 +15624,11 @@ API_LINGER_SECONDS = 1.0  # after a refusal, what the client still sends is read
 # JSON bodies held in memory at once, all connections together (each up to API_BODY_LIMIT): without
 # it, API_CONNECTIONS clients each sending a body but its last byte held 8 GiB. Past it: 503.
 API_BODIES_MEMORY = 256 << 20
+# Descriptors the rest of the process may need beside the connections (each: its socket and an
+# upload's file) and two per Api-N thread (a file it reads or writes): API_CONNECTIONS is lowered
+# to what the descriptor limit (ulimit -n) leaves, so that accept() and open() never fail for want.
+API_FDS_RESERVED = 64
+API_ACCEPT_PAUSE_SECONDS = 0.1  # after accept() failed (no descriptor): a busy loop, else
 
 
 def _models_served(workspace: str) -> list[dict[str, Any]]:
@@ -15882,6 +15887,7 @@ class _Reader:
         os.set_blocking(self.wake_write, False)
         self.stopping = False
         self.paused = False  # not accepting: API_CONNECTIONS are open
+        self.resume_after = 0.0  # time.monotonic() before which a failed accept() keeps it paused
         self.waiting: deque[_Connection] = deque()  # requests read whole, for a full queue
 
     def give_back(self, conn: _Connection) -> None:
@@ -15906,7 +15912,8 @@ class _Reader:
             while not self.stopping:
                 while self.waiting and self.server.queue_request(self.waiting[0]):
                     self.waiting.popleft()
-                if self.paused and (self._count() < self.server.connections or self._evictable()):
+                if self.paused and time.monotonic() >= self.resume_after and \
+                        (self._count() < self.server.connections or self._evictable()):
                     self._pause(False)
                 for key, _ in self.selector.select(timeout=0.02 if self.waiting else 0.25):
                     try:
@@ -15942,7 +15949,7 @@ class _Reader:
         with contextlib.suppress(KeyError, ValueError, OSError):
             self.selector.unregister(conn.sock)
         self.open.pop(conn.sock.fileno(), None)
-        if self.paused and self._count() < self.server.connections:
+        if self.paused and self._count() < self.server.connections and time.monotonic() >= self.resume_after:
             self._pause(False)
 
     def _count(self) -> int:
@@ -15959,6 +15966,7 @@ class _Reader:
                 return
             except OSError as err:  # out of descriptors: take the rest once some are closed
                 log.limited("api-accept", f"API server: cannot accept a connection: {_os_error(err)}")
+                self.resume_after = time.monotonic() + API_ACCEPT_PAUSE_SECONDS
                 self._pause(True)
                 return
             sock.setblocking(False)
@@ -16124,6 +16132,7 @@ class ApiServer:
 
         ensure_workspace(self.workspace)
         self.files.sweep()
+        self._fit_descriptors()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         try:
             self.listener = socket.create_server((self.host, self.port), family=family,
@@ -16136,6 +16145,24 @@ class ApiServer:
         thread = threading.Thread(target=self.reader.run, name="Api-IO", daemon=True)
         thread.start()
         self._threads.append(thread)
+
+    def _fit_descriptors(self) -> None:
+        """Raise the soft descriptor limit as far as the connections need and the hard one
+        allows; lower ``connections`` to what it leaves (logged)."""
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = API_FDS_RESERVED + 2 * self.workers + 2 * self.connections
+        if soft != resource.RLIM_INFINITY and soft < need:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE,
+                                   (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and soft < need:
+            room = max(8, (soft - API_FDS_RESERVED - 2 * self.workers) // 2)
+            log.warning(f"API server: {room} connections at once, not {self.connections}: the descriptor limit "
+                        f"is {soft} (ulimit -n; {need} would allow them all)")
+            self.connections = room
 
     @property
     def address(self) -> tuple[str, int]:

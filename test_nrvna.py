@@ -12059,6 +12059,49 @@ def test_curl_uploads_a_batch_file_and_reads_it_back(ws: str, tmp_path: Path) ->
         assert json.loads(refused.stdout)["error"]["code"] == "invalid_api_key"
 
 
+def test_connections_fit_the_descriptor_limit_so_accept_and_open_never_run_out(ws: str) -> None:
+    """Under `ulimit -n 300` (a stock 1024 is the same story at 512 uploads), 400 clients each
+    holding a connection (half of them an upload's file too) ran the server out of descriptors:
+    accept() failed in a busy loop (a core at 30 %) and a request's open() failed (a 500). The
+    connections are now lowered to what the limit leaves, said once on stderr."""
+    import resource
+    import socket
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+
+    proc = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=limit)
+    socks: list[Any] = []
+    try:
+        url = proc.stdout.readline().decode().strip()
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        for _ in range(400):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((host, int(port)))
+            socks.append(sock)
+        time.sleep(0.5)
+        for i, sock in enumerate(socks):
+            with contextlib.suppress(OSError):
+                sock.send(b"GET /v1/files HTTP/1.1\r\n" if i % 2 else b"POST /v1/files HTTP/1.1\r\nContent-Type: "
+                          b"multipart/form-data; boundary=x\r\nContent-Length: 1000000\r\n\r\nxx")
+        time.sleep(1)
+        assert len(os.listdir(f"/proc/{proc.pid}/fd")) < 280  # room left for what requests open
+        import urllib.request
+
+        with urllib.request.urlopen(f"{url}/files", timeout=30) as reply:
+            assert json.loads(reply.read())["object"] == "list"
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and b"Too many open files" not in err, err[-2000:]
+    assert b"connections at once, not 512: the descriptor limit is 300" in err
+
+
 @pytest.mark.slow
 def test_two_thousand_connections_at_once_exhaust_neither_threads_nor_descriptors(ws: str) -> None:
     import resource
