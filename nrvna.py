@@ -15735,9 +15735,11 @@ API_ROUTES: tuple[tuple[str, str, Callable[[ApiCall], ApiReply], str], ...] = (
 
 
 def _send_all(sock: Any, data: bytes, deadline: Optional[float] = None) -> None:
-    """Send ``data`` within API_SEND_SECONDS and a second per API_BODY_RATE bytes, or by
-    ``deadline`` (time.monotonic(): a whole reply's, sent in pieces); an OSError past it."""
-    left = API_SEND_SECONDS + len(data) / API_BODY_RATE if deadline is None else deadline - time.monotonic()
+    """Send ``data`` within API_SEND_SECONDS and a second per API_BODY_RATE bytes, and by
+    ``deadline`` (time.monotonic(): a whole reply's, sent in pieces); an OSError past either."""
+    left = API_SEND_SECONDS + len(data) / API_BODY_RATE
+    if deadline is not None:  # a reader that stalls is dropped after a piece's time, not the whole's
+        left = min(left, deadline - time.monotonic())
     if left <= 0:
         raise OSError(errno.ETIMEDOUT, "the client did not read the reply in time")
     sock.settimeout(left)
@@ -16208,18 +16210,26 @@ class ApiServer:
         except queue.Full:
             return False
         with self._lock:
-            if self._idle == 0 and len(self._threads) - 1 < self.workers:
-                thread = threading.Thread(target=self._work, name=f"Api-{len(self._threads)}", daemon=True)
-                self._threads.append(thread)
-                self._idle += 1  # counted before it runs: the next request does not start another
-                thread.start()
+            self._grow()
         return True
+
+    def _grow(self) -> None:
+        """Start an Api-N thread when fewer are idle than requests wait (under _lock), up to the
+        workers. Also called as a thread takes a request: until then it counted as idle, so a
+        request queued meanwhile found one ("none idle" alone gave a burst one or two threads)."""
+        if self._idle < self.requests.qsize() and len(self._threads) - 1 < self.workers:
+            thread = threading.Thread(target=self._work, name=f"Api-{len(self._threads)}", daemon=True)
+            self._threads.append(thread)
+            self._idle += 1  # counted before it runs: the next request does not start another
+            thread.start()
 
     def _work(self) -> None:
         while True:
             conn = self.requests.get()
             with self._lock:
                 self._idle -= 1
+                if conn is not None and not self._stop_asked:
+                    self._grow()
             if conn is None:
                 return
             keep = False

@@ -11828,6 +11828,37 @@ def test_a_handler_sees_its_client_gone_and_a_stream_cut_short_is_closed(api: nr
     assert http(api, "GET", "/v1/files")[0] == 200
 
 
+def test_requests_arriving_together_are_answered_together_up_to_the_workers(ws: str) -> None:
+    """An Api-N thread was started only for a request that found none idle, and a thread just
+    started counts as idle before it takes one: a burst of requests got one or two threads and
+    was answered one at a time (70 clients at once that did not read their replies: 2 threads,
+    a new client answered after them all). Each request waiting now has a thread, up to the
+    workers: here 20 handlers that wait for each other all run at once."""
+    import socket
+
+    running, release = threading.Semaphore(0), threading.Event()
+
+    def block(call: nrvna.ApiCall) -> nrvna.ApiReply:
+        running.release()
+        release.wait(20)
+        return nrvna.ApiReply(payload={})
+
+    with nrvna.ApiServer(ws, port=0, workers=20) as server:
+        server.routes.append(("GET", re.compile("/test/block"), block))
+        socks = [socket.create_connection(server.address, timeout=30) for _ in range(20)]
+        for sock in socks:
+            sock.sendall(b"GET /test/block HTTP/1.1\r\nConnection: close\r\n\r\n")
+        started, deadline = 0, time.monotonic() + 10
+        while started < 20 and running.acquire(timeout=max(0.01, deadline - time.monotonic())):
+            started += 1
+        release.set()
+        for sock in socks:
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+            sock.close()
+        assert started == 20
+        assert len([t for t in threading.enumerate() if re.fullmatch(r"Api-\d+", t.name)]) == 20
+
+
 def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServer, ws: str) -> None:
     good = b'{"custom_id": "a"}\n'
     body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", good)})
