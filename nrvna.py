@@ -15212,7 +15212,8 @@ def api_key_matches(headers: Mapping[str, str], key: str) -> bool:
     import hmac
 
     scheme, _, token = headers.get("authorization", "").strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8", "replace"),
+    # the head was decoded as latin-1: encoded back so, the token is the bytes sent (a key's UTF-8)
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1", "replace"),
                                                              key.encode("utf-8"))
 
 
@@ -16105,6 +16106,7 @@ class ApiServer:
 
         if type(port) is not int or not 0 <= port <= 65535:
             raise InvalidInput(f"--port {port} is not a port (0 to 65535; 0: one the system chooses)")
+        api_key = api_key.strip()  # as NRVNA_API_KEY is read: a key of spaces is none, and no token matched one
         if not api_key and not _is_loopback(host):
             raise InvalidInput(f"--host {host} is not a loopback address: serving it needs an API key "
                                "(--api-key or NRVNA_API_KEY)")

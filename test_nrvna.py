@@ -11716,6 +11716,19 @@ def test_an_api_key_is_required_of_every_request_and_only_loopback_is_served_wit
     assert b"needs an API key" in done.stderr
 
 
+def test_an_api_key_beyond_ascii_matches_and_one_of_spaces_is_no_key(ws: str) -> None:
+    """The head is decoded as latin-1, so a key's UTF-8 bytes sent as they are never matched it
+    (every request 401); a key given with spaces around it never matched (tokens are stripped),
+    and one of spaces only served 0.0.0.0 with a key nobody could send."""
+    with nrvna.ApiServer(ws, port=0, api_key=" clé-ü ") as server:
+        reply = raw_request(server, "GET /v1/models HTTP/1.1\r\nAuthorization: Bearer clé-ü\r\n"
+                                    "Connection: close\r\n\r\n".encode())
+        assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
+        assert http(server, "GET", "/v1/models", headers={"Authorization": "Bearer cl"})[0] == 401
+    with pytest.raises(nrvna.InvalidInput, match="not a loopback address"):
+        nrvna.ApiServer(ws, host="0.0.0.0", port=0, api_key="   ")
+
+
 def test_models_lists_what_live_daemons_serve_and_each_id_is_accepted_as_a_model(ws: str) -> None:
     with nrvna.ApiServer(ws, port=0) as server:
         assert json.loads(http(server, "GET", "/v1/models")[2]) == {"object": "list", "data": []}
