@@ -15612,10 +15612,13 @@ API_WORKERS = 64  # Api-N threads at most (started as requests need them)
 # Requests read whole and queued for an Api-N thread; past it they wait in Api-IO (still counted as
 # open connections, so bounded by API_CONNECTIONS), none read further until the queue has room.
 API_QUEUE = 256
-# Connections open at once. Past it, the oldest one still sending its request is dropped when it is
-# older than API_EVICT_SECONDS; else no more are accepted until one ends (they wait in the listen backlog).
+# Connections open at once. Past it, one older than API_EVICT_SECONDS is dropped: the oldest still
+# sending its head (or kept alive idle), else the slowest sending a body slower than API_EVICT_RATE
+# bytes a second (an upload arriving faster is never dropped for a flood of new connections); when
+# none is, no more are accepted until one ends (they wait in the listen backlog).
 API_CONNECTIONS = 512
 API_EVICT_SECONDS = 1.0
+API_EVICT_RATE = 64 << 10
 API_HEAD_SECONDS = 10.0  # a request's head, whole, from its first byte (or from the connection's start)
 API_BODY_SECONDS = 30.0  # a request, whole: this, plus a second per API_BODY_RATE bytes of its body
 API_BODY_RATE = 1 << 20
@@ -15987,13 +15990,19 @@ class _Reader:
                 self.selector.register(self.listener, selectors.EVENT_READ, "accept")
 
     def _evictable(self) -> Optional[_Connection]:
-        """The oldest connection still sending its request, when older than API_EVICT_SECONDS."""
-        oldest = min(self.open.values(), key=lambda conn: conn.since, default=None)
-        return oldest if oldest is not None and time.monotonic() - oldest.since >= API_EVICT_SECONDS else None
+        """Of the connections older than API_EVICT_SECONDS, the oldest without a request's head
+        (idle, or still sending it), else the slowest sending a body below API_EVICT_RATE."""
+        now = time.monotonic()
+        old = [conn for conn in self.open.values() if now - conn.since >= API_EVICT_SECONDS]
+        headless = [conn for conn in old if conn.head is None or conn.lingering]
+        if headless:
+            return min(headless, key=lambda conn: conn.since)
+        slow = [conn for conn in old if conn.received < API_EVICT_RATE * (now - conn.since)]
+        return min(slow, key=lambda conn: conn.received / (now - conn.since), default=None)
 
     def _drop_oldest(self) -> bool:
-        """Drop the oldest connection still sending its request (a client that sends slowly, or
-        nothing), once older than API_EVICT_SECONDS; False when none is."""
+        """Drop the connection _evictable names (a client that sends slowly, or nothing); False
+        when none is."""
         oldest = self._evictable()
         if oldest is None:
             return False

@@ -11872,6 +11872,38 @@ def test_requests_arriving_together_are_answered_together_up_to_the_workers(ws: 
         assert len([t for t in threading.enumerate() if re.fullmatch(r"Api-\d+", t.name)]) == 20
 
 
+def test_a_flood_of_connections_drops_silent_ones_never_an_upload_arriving_in_time(ws: str) -> None:
+    """Past the connections' bound the oldest connection still sending was dropped, whatever it
+    sent: 40 silent connections opened during an upload arriving at 5 MiB/s reset it (7 MiB in).
+    A silent or slow one (under API_EVICT_RATE) goes now; the upload is answered."""
+    import socket
+
+    data = b'{"custom_id": "%s"}\n' % (b"x" * 230) * 40_000  # 10 MB: 2 s at 5 MiB/s
+    body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", data)})
+    with nrvna.ApiServer(ws, port=0, connections=20) as server:
+        sock = socket.create_connection(server.address, timeout=10)
+        sock.sendall(b"POST /v1/files HTTP/1.1\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+                     % (headers["Content-Type"].encode(), len(body)))
+        flood: list[Any] = []
+        started = time.monotonic()
+        with sock:
+            for sent in range(0, len(body), 1 << 20):
+                sock.sendall(body[sent:sent + (1 << 20)])
+                time.sleep(0.2)
+                if time.monotonic() - started > 1.0 and not flood:
+                    for _ in range(40):
+                        other = socket.socket()
+                        other.setblocking(False)
+                        with contextlib.suppress(BlockingIOError):
+                            other.connect(server.address)
+                        flood.append(other)
+            reply = sock.recv(65536)
+        for other in flood:
+            other.close()
+        assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
+        assert json.loads(reply.partition(b"\r\n\r\n")[2])["bytes"] == len(data)
+
+
 def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServer, ws: str) -> None:
     good = b'{"custom_id": "a"}\n'
     body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", good)})
