@@ -15459,8 +15459,21 @@ class ApiFiles:
         except BaseException:
             self._remove(folder)
             raise
-        fsync_dir(self.root)
+        try:
+            fsync_dir(self.root)
+        except OSError:  # published, not durable: taken back, so that the error answered is true
+            with contextlib.suppress(OSError):  # (a client retrying a 500 made a second file)
+                self._withdraw(file_id)
+            raise
         return _file_object(record) or {}
+
+    def _withdraw(self, file_id: str) -> None:
+        """Rename file ``file_id``'s folder aside into api/tmp/, then remove what nrvna wrote in
+        it (FileNotFoundError when it is not published)."""
+        aside = os.path.join(self.temp, api_temp_name("gone", file_id))
+        move(os.path.join(self.root, file_id), aside)
+        fsync_dir(self.root)
+        self._remove(aside)
 
     def _fill(self, folder: str, chunks: Iterable[bytes], lines: int) -> int:
         """Write ``chunks`` to folder/content, fsynced; its size. ApiError past the bounds."""
@@ -15552,13 +15565,10 @@ class ApiFiles:
         when there is none."""
         self.get(file_id)
         self._ready()
-        aside = os.path.join(self.temp, api_temp_name("gone", file_id))
         try:
-            move(os.path.join(self.root, file_id), aside)
+            self._withdraw(file_id)
         except FileNotFoundError:  # deleted meanwhile
             raise ApiError(404, f"No such File object: {file_id}", param="file_id") from None
-        fsync_dir(self.root)
-        self._remove(aside)
         return {"id": file_id, "object": "file", "deleted": True}
 
     def sweep(self) -> None:

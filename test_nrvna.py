@@ -11953,6 +11953,46 @@ def test_a_part_without_a_body_and_digits_other_than_ascii_are_answered_400_not_
     assert os.listdir(os.path.join(ws, "api", "files")) == []
 
 
+def test_an_upload_whose_publication_is_not_durable_is_refused_and_not_listed(ws: str) -> None:
+    """The fsync of api/files/ after a file's rename failing (ENOSPC, EIO: injected) was answered
+    500 with the file published all the same: a client retrying the 500 (the openai client does)
+    made two files. The file is taken back now: 500, and nothing listed."""
+    body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", b"{}\n")})
+
+    def upload_under(mode: str) -> tuple[int, list[str]]:
+        import urllib.error
+        import urllib.request
+
+        shutil.rmtree(ws, ignore_errors=True)
+        nrvna.ensure_workspace(ws)
+        log = ws + ".calls"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(log)
+        proc = subprocess.Popen([sys.executable, TESTS, "faultpoint", ws, log, mode, "--", "serve", ws, "--port",
+                                 "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            url = proc.stdout.readline().decode().strip()
+            request = urllib.request.Request(f"{url}/files", data=body, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=30) as reply:
+                    status = reply.status
+            except urllib.error.HTTPError as err:
+                status = err.code
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=30)
+        return status, open(log).read().splitlines()
+
+    import shutil
+
+    status, calls = upload_under("list")
+    assert status == 200
+    at = calls.index("fsync api/files") + 1
+    status, _ = upload_under(f"errno:{at}:ENOSPC")
+    assert status == 500 and os.listdir(os.path.join(ws, "api", "files")) == []
+    assert os.listdir(os.path.join(ws, "api", "tmp")) == []
+
+
 def test_multipart_parts_are_found_whole_wherever_the_reads_cut_them(tmp_path: Path) -> None:
     """read_multipart reads a MiB at a time: a delimiter cut by a read, a boundary inside the
     content not on a line of its own, and a line that only starts with it are all read right."""
