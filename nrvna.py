@@ -15843,6 +15843,7 @@ _HTTP_REASONS = {200: "OK", 100: "Continue", 400: "Bad Request", 401: "Unauthori
                  504: "Gateway Timeout"}
 _PARAM = re.compile(r'([\w*-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;]*))')  # a header's name=value or name="value"
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP method or header name
+_DIGITS = re.compile(r"[0-9]{1,15}")  # a length or a number in a query, as HTTP writes them
 
 
 def _json_bytes(value: Any) -> bytes:
@@ -15905,7 +15906,7 @@ class _Head:
         text = self.headers.get("content-length")
         if text is None:
             return 0
-        if not text.isdigit() or len(text) > 15:
+        if not _DIGITS.fullmatch(text):  # ASCII digits only: str.isdigit() takes '²', which int() refuses
             raise ApiError(400, f"Content-Length {text[:40]!r} is not a length")
         return int(text)
 
@@ -15940,7 +15941,8 @@ def api_key_matches(headers: Mapping[str, str], key: str) -> bool:
     import hmac
 
     scheme, _, token = headers.get("authorization", "").strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8", "replace"),
+    # the head was decoded as latin-1: encoded back so, the token is the bytes sent (a key's UTF-8)
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1", "replace"),
                                                              key.encode("utf-8"))
 
 
@@ -16047,7 +16049,9 @@ def read_multipart(fd: int, size: int, content_type: str) -> dict[str, tuple[Opt
     parts: dict[str, tuple[Optional[str], int, int]] = {}
     for first, after in zip(starts, starts[1:]):
         begin = first + len(boundary)
-        head = os.pread(fd, min(MULTIPART_HEAD_LIMIT + 4, after - begin), begin)
+        # up to the CRLF that belongs to the next delimiter: headers whose blank line would be
+        # that CRLF have no body, and are refused (read with it, the body would end before it begins)
+        head = os.pread(fd, min(MULTIPART_HEAD_LIMIT + 4, max(0, after - 2 - begin)), begin)
         ends = head.find(b"\r\n\r\n")
         if not head.startswith(b"\r\n") or ends < 0:
             raise ApiError(400, "a multipart part's headers are missing or over "
@@ -16186,8 +16190,21 @@ class ApiFiles:
         except BaseException:
             self._remove(folder)
             raise
-        fsync_dir(self.root)
+        try:
+            fsync_dir(self.root)
+        except OSError:  # published, not durable: taken back, so that the error answered is true
+            with contextlib.suppress(OSError):  # (a client retrying a 500 made a second file)
+                self._withdraw(file_id)
+            raise
         return _file_object(record) or {}
+
+    def _withdraw(self, file_id: str) -> None:
+        """Rename file ``file_id``'s folder aside into api/tmp/, then remove what nrvna wrote in
+        it (FileNotFoundError when it is not published)."""
+        aside = os.path.join(self.temp, api_temp_name("gone", file_id))
+        move(os.path.join(self.root, file_id), aside)
+        fsync_dir(self.root)
+        self._remove(aside)
 
     def _fill(self, folder: str, chunks: Iterable[bytes], lines: int) -> int:
         """Write ``chunks`` to folder/content, fsynced; its size. ApiError past the bounds."""
@@ -16279,13 +16296,10 @@ class ApiFiles:
         when there is none."""
         self.get(file_id)
         self._ready()
-        aside = os.path.join(self.temp, api_temp_name("gone", file_id))
         try:
-            move(os.path.join(self.root, file_id), aside)
+            self._withdraw(file_id)
         except FileNotFoundError:  # deleted meanwhile
             raise ApiError(404, f"No such File object: {file_id}", param="file_id") from None
-        fsync_dir(self.root)
-        self._remove(aside)
         return {"id": file_id, "object": "file", "deleted": True}
 
     def sweep(self) -> None:
@@ -17187,16 +17201,27 @@ API_WORKERS = 64  # Api-N threads at most (started as requests need them)
 # Requests read whole and queued for an Api-N thread; past it they wait in Api-IO (still counted as
 # open connections, so bounded by API_CONNECTIONS), none read further until the queue has room.
 API_QUEUE = 256
-# Connections open at once. Past it, the oldest one still sending its request is dropped when it is
-# older than API_EVICT_SECONDS; else no more are accepted until one ends (they wait in the listen backlog).
+# Connections open at once. Past it, one older than API_EVICT_SECONDS is dropped: the oldest still
+# sending its head (or kept alive idle), else the slowest sending a body slower than API_EVICT_RATE
+# bytes a second (an upload arriving faster is never dropped for a flood of new connections); when
+# none is, no more are accepted until one ends (they wait in the listen backlog).
 API_CONNECTIONS = 512
 API_EVICT_SECONDS = 1.0
+API_EVICT_RATE = 64 << 10
 API_HEAD_SECONDS = 10.0  # a request's head, whole, from its first byte (or from the connection's start)
 API_BODY_SECONDS = 30.0  # a request, whole: this, plus a second per API_BODY_RATE bytes of its body
 API_BODY_RATE = 1 << 20
 API_IDLE_SECONDS = 15.0  # a kept-alive connection with no new request is closed after this
 API_SEND_SECONDS = 30.0  # a reply: this, plus a second per API_BODY_RATE bytes (a stream: per write)
 API_LINGER_SECONDS = 1.0  # after a refusal, what the client still sends is read and dropped this long
+# JSON bodies held in memory at once, all connections together (each up to API_BODY_LIMIT): without
+# it, API_CONNECTIONS clients each sending a body but its last byte held 8 GiB. Past it: 503.
+API_BODIES_MEMORY = 256 << 20
+# Descriptors the rest of the process may need beside the connections (each: its socket and an
+# upload's file) and two per Api-N thread (a file it reads or writes): API_CONNECTIONS is lowered
+# to what the descriptor limit (ulimit -n) leaves, so that accept() and open() never fail for want.
+API_FDS_RESERVED = 64
+API_ACCEPT_PAUSE_SECONDS = 0.1  # after accept() failed (no descriptor): a busy loop, else
 
 
 def _models_served(workspace: str) -> list[dict[str, Any]]:
@@ -17261,7 +17286,7 @@ def _query_int(call: ApiCall, name: str, default: int, low: int, high: int) -> i
     text = call.query.get(name)
     if text is None:
         return default
-    if not text.isdigit() or not low <= int(text) <= high:
+    if not _DIGITS.fullmatch(text) or not low <= int(text) <= high:
         raise ApiError(400, f"{name} must be an integer from {low} to {high}", param=name)
     return int(text)
 
@@ -17338,10 +17363,15 @@ API_ROUTES: tuple[tuple[str, str, Callable[[ApiCall], ApiReply], str], ...] = (
 )
 
 
-def _send_all(sock: Any, data: bytes) -> None:
-    """Send ``data`` within API_SEND_SECONDS and a second per API_BODY_RATE bytes (socket.timeout,
-    an OSError, past that)."""
-    sock.settimeout(API_SEND_SECONDS + len(data) / API_BODY_RATE)
+def _send_all(sock: Any, data: bytes, deadline: Optional[float] = None) -> None:
+    """Send ``data`` within API_SEND_SECONDS and a second per API_BODY_RATE bytes, and by
+    ``deadline`` (time.monotonic(): a whole reply's, sent in pieces); an OSError past either."""
+    left = API_SEND_SECONDS + len(data) / API_BODY_RATE
+    if deadline is not None:  # a reader that stalls is dropped after a piece's time, not the whole's
+        left = min(left, deadline - time.monotonic())
+    if left <= 0:
+        raise OSError(errno.ETIMEDOUT, "the client did not read the reply in time")
+    sock.settimeout(left)
     sock.sendall(data)
 
 
@@ -17370,17 +17400,40 @@ def _route_pattern(path: str) -> Any:
     return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(path)))
 
 
+class _Memory:
+    """The bytes of request bodies held in memory, all connections together, bounded by
+    ``limit``. Threads: Api-IO takes, any thread gives back (under _lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        """Count ``size`` more bytes as held; False (nothing counted) past the limit."""
+        with self._lock:
+            if self.held + size > self.limit:
+                return False
+            self.held += size
+            return True
+
+    def give(self, size: int) -> None:
+        with self._lock:
+            self.held -= size
+
+
 class _Connection:
     """One client connection while Api-IO reads a request from it: the bytes so far, the
-    deadline, the request's head and body (in memory, or an upload's in api/tmp/).
+    deadline, the request's head and body (in memory, counted in ``memory``, or an upload's in
+    api/tmp/).
 
     Threads: Api-IO's alone, until the request is whole and handed to an Api-N."""
 
     __slots__ = ("sock", "buffer", "deadline", "since", "idle", "head", "length", "body", "received",
-                 "spool", "spool_fd", "lingering")
+                 "spool", "spool_fd", "lingering", "memory", "held")
 
-    def __init__(self, sock: Any, deadline: float) -> None:
+    def __init__(self, sock: Any, deadline: float, memory: _Memory) -> None:
         self.sock, self.deadline, self.since = sock, deadline, time.monotonic()
+        self.memory, self.held = memory, 0  # held: the bytes of memory counted for this body
         self.buffer = bytearray()
         self.idle = False  # kept alive, between two requests
         self.head: Optional[_Head] = None
@@ -17392,8 +17445,16 @@ class _Connection:
 
     def next_request(self, deadline: float) -> None:
         """Ready for the connection's next request (bytes already read stay in buffer)."""
-        self.head, self.length, self.received, self.body, self.lingering = None, 0, 0, bytearray(), False
+        self.drop_body()
+        self.head, self.length, self.received, self.lingering = None, 0, 0, False
         self.idle, self.deadline, self.since = True, deadline, time.monotonic()
+
+    def drop_body(self) -> None:
+        """Let go of the body held in memory, and give its count back."""
+        self.body = bytearray()
+        if self.held:
+            self.memory.give(self.held)
+            self.held = 0
 
     def drop_spool(self) -> None:
         if self.spool_fd >= 0:
@@ -17405,6 +17466,7 @@ class _Connection:
 
     def close(self) -> None:
         self.drop_spool()
+        self.drop_body()
         with contextlib.suppress(OSError):
             self.sock.close()
 
@@ -17421,6 +17483,11 @@ def _start_request(server: "ApiServer", conn: _Connection, head: _Head, early: i
     if length > limit:
         what = "an upload's body" if head.is_upload() else "a JSON body"
         raise ApiError(413, f"the body is {length:,} bytes; {what} may be up to {limit:,}", code="body_too_large")
+    if length and not head.is_upload():
+        if not server.memory.take(length):
+            raise ApiError(503, f"the server holds {API_BODIES_MEMORY >> 20} MiB of request bodies already: "
+                                "retry shortly", type="server_error", code="server_busy")
+        conn.held = length
     conn.head, conn.length = head, length
     conn.deadline = time.monotonic() + server.body_seconds + length / API_BODY_RATE
     if head.is_upload() and length:
@@ -17453,6 +17520,7 @@ class _Reader:
         os.set_blocking(self.wake_write, False)
         self.stopping = False
         self.paused = False  # not accepting: API_CONNECTIONS are open
+        self.resume_after = 0.0  # time.monotonic() before which a failed accept() keeps it paused
         self.waiting: deque[_Connection] = deque()  # requests read whole, for a full queue
 
     def give_back(self, conn: _Connection) -> None:
@@ -17477,7 +17545,8 @@ class _Reader:
             while not self.stopping:
                 while self.waiting and self.server.queue_request(self.waiting[0]):
                     self.waiting.popleft()
-                if self.paused and (self._count() < self.server.connections or self._evictable()):
+                if self.paused and time.monotonic() >= self.resume_after and \
+                        (self._count() < self.server.connections or self._evictable()):
                     self._pause(False)
                 for key, _ in self.selector.select(timeout=0.02 if self.waiting else 0.25):
                     try:
@@ -17513,7 +17582,7 @@ class _Reader:
         with contextlib.suppress(KeyError, ValueError, OSError):
             self.selector.unregister(conn.sock)
         self.open.pop(conn.sock.fileno(), None)
-        if self.paused and self._count() < self.server.connections:
+        if self.paused and self._count() < self.server.connections and time.monotonic() >= self.resume_after:
             self._pause(False)
 
     def _count(self) -> int:
@@ -17530,10 +17599,11 @@ class _Reader:
                 return
             except OSError as err:  # out of descriptors: take the rest once some are closed
                 log.limited("api-accept", f"API server: cannot accept a connection: {_os_error(err)}")
+                self.resume_after = time.monotonic() + API_ACCEPT_PAUSE_SECONDS
                 self._pause(True)
                 return
             sock.setblocking(False)
-            self._watch(_Connection(sock, time.monotonic() + self.server.head_seconds))
+            self._watch(_Connection(sock, time.monotonic() + self.server.head_seconds, self.server.memory))
 
     def _pause(self, paused: bool) -> None:
         """Stop or start accepting connections (the listener's place in the selector)."""
@@ -17547,13 +17617,19 @@ class _Reader:
                 self.selector.register(self.listener, selectors.EVENT_READ, "accept")
 
     def _evictable(self) -> Optional[_Connection]:
-        """The oldest connection still sending its request, when older than API_EVICT_SECONDS."""
-        oldest = min(self.open.values(), key=lambda conn: conn.since, default=None)
-        return oldest if oldest is not None and time.monotonic() - oldest.since >= API_EVICT_SECONDS else None
+        """Of the connections older than API_EVICT_SECONDS, the oldest without a request's head
+        (idle, or still sending it), else the slowest sending a body below API_EVICT_RATE."""
+        now = time.monotonic()
+        old = [conn for conn in self.open.values() if now - conn.since >= API_EVICT_SECONDS]
+        headless = [conn for conn in old if conn.head is None or conn.lingering]
+        if headless:
+            return min(headless, key=lambda conn: conn.since)
+        slow = [conn for conn in old if conn.received < API_EVICT_RATE * (now - conn.since)]
+        return min(slow, key=lambda conn: conn.received / (now - conn.since), default=None)
 
     def _drop_oldest(self) -> bool:
-        """Drop the oldest connection still sending its request (a client that sends slowly, or
-        nothing), once older than API_EVICT_SECONDS; False when none is."""
+        """Drop the connection _evictable names (a client that sends slowly, or nothing); False
+        when none is."""
         oldest = self._evictable()
         if oldest is None:
             return False
@@ -17639,8 +17715,10 @@ class _Reader:
 
         body = _json_bytes(err.payload())
         conn.drop_spool()
+        conn.drop_body()
+        headers = {"Retry-After": "1"} if err.status == 503 else {}
         with contextlib.suppress(OSError):
-            conn.sock.send(_reply_head(err.status, "application/json", len(body), {}, False) + body)
+            conn.sock.send(_reply_head(err.status, "application/json", len(body), headers, False) + body)
             conn.sock.shutdown(socket.SHUT_WR)
         conn.lingering, conn.deadline = True, time.monotonic() + API_LINGER_SECONDS
         if conn.sock.fileno() not in self.open:
@@ -17664,6 +17742,7 @@ class ApiServer:
 
         if type(port) is not int or not 0 <= port <= 65535:
             raise InvalidInput(f"--port {port} is not a port (0 to 65535; 0: one the system chooses)")
+        api_key = api_key.strip()  # as NRVNA_API_KEY is read: a key of spaces is none, and no token matched one
         if not api_key and not _is_loopback(host):
             raise InvalidInput(f"--host {host} is not a loopback address: serving it needs an API key "
                                "(--api-key or NRVNA_API_KEY)")
@@ -17672,6 +17751,7 @@ class ApiServer:
         self.head_seconds, self.body_seconds = head_seconds, body_seconds
         self.files = ApiFiles(workspace)
         self.batches = BatchLifecycle(ApiBatches(workspace, self.files))  # the Batches thread
+        self.memory = _Memory(API_BODIES_MEMORY)
         self.routes = [(method, _route_pattern(path), handler) for method, path, handler, _ in API_ROUTES]
         self.requests: Any = queue.Queue(API_QUEUE)
         self.reader: Optional[_Reader] = None
@@ -17693,6 +17773,7 @@ class ApiServer:
 
         ensure_workspace(self.workspace)
         self.files.sweep()
+        self._fit_descriptors()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         try:
             self.listener = socket.create_server((self.host, self.port), family=family,
@@ -17706,6 +17787,24 @@ class ApiServer:
         thread.start()
         self._threads.append(thread)
         self.batches.start()
+
+    def _fit_descriptors(self) -> None:
+        """Raise the soft descriptor limit as far as the connections need and the hard one
+        allows; lower ``connections`` to what it leaves (logged)."""
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = API_FDS_RESERVED + 2 * self.workers + 2 * self.connections
+        if soft != resource.RLIM_INFINITY and soft < need:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE,
+                                   (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and soft < need:
+            room = max(8, (soft - API_FDS_RESERVED - 2 * self.workers) // 2)
+            log.warning(f"API server: {room} connections at once, not {self.connections}: the descriptor limit "
+                        f"is {soft} (ulimit -n; {need} would allow them all)")
+            self.connections = room
 
     @property
     def address(self) -> tuple[str, int]:
@@ -17752,19 +17851,27 @@ class ApiServer:
         except queue.Full:
             return False
         with self._lock:
-            if self._idle == 0 and len(self._threads) - 1 < self.workers:
-                index = len(self._threads)
-                thread = threading.Thread(target=self._work, name=f"Api-{index}", daemon=True)
-                self._threads.append(thread)
-                self._idle += 1  # counted before it runs: the next request does not start another
-                thread.start()
+            self._grow()
         return True
+
+    def _grow(self) -> None:
+        """Start an Api-N thread when fewer are idle than requests wait (under _lock), up to the
+        workers. Also called as a thread takes a request: until then it counted as idle, so a
+        request queued meanwhile found one ("none idle" alone gave a burst one or two threads)."""
+        if self._idle < self.requests.qsize() and len(self._threads) - 1 < self.workers:
+            index = len(self._threads)
+            thread = threading.Thread(target=self._work, name=f"Api-{index}", daemon=True)
+            self._threads.append(thread)
+            self._idle += 1  # counted before it runs: the next request does not start another
+            thread.start()
 
     def _work(self) -> None:
         while True:
             conn = self.requests.get()
             with self._lock:
                 self._idle -= 1
+                if conn is not None and not self._stop_asked:
+                    self._grow()
             if conn is None:
                 return
             keep = False
@@ -17799,6 +17906,7 @@ class ApiServer:
                                            type="server_error").payload())
         finally:
             conn.drop_spool()
+            conn.drop_body()
         return self._send(conn.sock, reply, head.keep_alive())
 
     def _dispatch(self, conn: _Connection, head: _Head) -> ApiReply:
@@ -17868,13 +17976,16 @@ class ApiServer:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return self._send(sock, ApiReply(404, ApiError(404, "the file's content is not a file").payload()),
                                   keep)
-            _send_all(sock, _reply_head(reply.status, reply.content_type, size, reply.headers, keep))
+            # one deadline for the whole file: a client reading a MiB just within each piece's
+            # time would hold this Api-N thread for hours (200 MB at 30 s a MiB)
+            deadline = time.monotonic() + API_SEND_SECONDS + size / API_BODY_RATE
+            _send_all(sock, _reply_head(reply.status, reply.content_type, size, reply.headers, keep), deadline)
             sent = 0
             while sent < size:
                 chunk = os.pread(fd, min(1 << 20, size - sent), sent)
                 if not chunk:
                     return False  # cut short under us: the length sent is wrong, so the connection ends
-                _send_all(sock, chunk)
+                _send_all(sock, chunk, deadline)
                 sent += len(chunk)
             return keep
         finally:

@@ -12414,6 +12414,19 @@ def test_an_api_key_is_required_of_every_request_and_only_loopback_is_served_wit
     assert b"needs an API key" in done.stderr
 
 
+def test_an_api_key_beyond_ascii_matches_and_one_of_spaces_is_no_key(ws: str) -> None:
+    """The head is decoded as latin-1, so a key's UTF-8 bytes sent as they are never matched it
+    (every request 401); a key given with spaces around it never matched (tokens are stripped),
+    and one of spaces only served 0.0.0.0 with a key nobody could send."""
+    with nrvna.ApiServer(ws, port=0, api_key=" clé-ü ") as server:
+        reply = raw_request(server, "GET /v1/models HTTP/1.1\r\nAuthorization: Bearer clé-ü\r\n"
+                                    "Connection: close\r\n\r\n".encode())
+        assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
+        assert http(server, "GET", "/v1/models", headers={"Authorization": "Bearer cl"})[0] == 401
+    with pytest.raises(nrvna.InvalidInput, match="not a loopback address"):
+        nrvna.ApiServer(ws, host="0.0.0.0", port=0, api_key="   ")
+
+
 def test_models_lists_what_live_daemons_serve_and_each_id_is_accepted_as_a_model(ws: str) -> None:
     with nrvna.ApiServer(ws, port=0) as server:
         assert json.loads(http(server, "GET", "/v1/models")[2]) == {"object": "list", "data": []}
@@ -12526,6 +12539,69 @@ def test_a_handler_sees_its_client_gone_and_a_stream_cut_short_is_closed(api: nr
     assert http(api, "GET", "/v1/files")[0] == 200
 
 
+def test_requests_arriving_together_are_answered_together_up_to_the_workers(ws: str) -> None:
+    """An Api-N thread was started only for a request that found none idle, and a thread just
+    started counts as idle before it takes one: a burst of requests got one or two threads and
+    was answered one at a time (70 clients at once that did not read their replies: 2 threads,
+    a new client answered after them all). Each request waiting now has a thread, up to the
+    workers: here 20 handlers that wait for each other all run at once."""
+    import socket
+
+    running, release = threading.Semaphore(0), threading.Event()
+
+    def block(call: nrvna.ApiCall) -> nrvna.ApiReply:
+        running.release()
+        release.wait(20)
+        return nrvna.ApiReply(payload={})
+
+    with nrvna.ApiServer(ws, port=0, workers=20) as server:
+        server.routes.append(("GET", re.compile("/test/block"), block))
+        socks = [socket.create_connection(server.address, timeout=30) for _ in range(20)]
+        for sock in socks:
+            sock.sendall(b"GET /test/block HTTP/1.1\r\nConnection: close\r\n\r\n")
+        started, deadline = 0, time.monotonic() + 10
+        while started < 20 and running.acquire(timeout=max(0.01, deadline - time.monotonic())):
+            started += 1
+        release.set()
+        for sock in socks:
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+            sock.close()
+        assert started == 20
+        assert len([t for t in threading.enumerate() if re.fullmatch(r"Api-\d+", t.name)]) == 20
+
+
+def test_a_flood_of_connections_drops_silent_ones_never_an_upload_arriving_in_time(ws: str) -> None:
+    """Past the connections' bound the oldest connection still sending was dropped, whatever it
+    sent: 40 silent connections opened during an upload arriving at 5 MiB/s reset it (7 MiB in).
+    A silent or slow one (under API_EVICT_RATE) goes now; the upload is answered."""
+    import socket
+
+    data = b'{"custom_id": "%s"}\n' % (b"x" * 230) * 40_000  # 10 MB: 2 s at 5 MiB/s
+    body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", data)})
+    with nrvna.ApiServer(ws, port=0, connections=20) as server:
+        sock = socket.create_connection(server.address, timeout=10)
+        sock.sendall(b"POST /v1/files HTTP/1.1\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+                     % (headers["Content-Type"].encode(), len(body)))
+        flood: list[Any] = []
+        started = time.monotonic()
+        with sock:
+            for sent in range(0, len(body), 1 << 20):
+                sock.sendall(body[sent:sent + (1 << 20)])
+                time.sleep(0.2)
+                if time.monotonic() - started > 1.0 and not flood:
+                    for _ in range(40):
+                        other = socket.socket()
+                        other.setblocking(False)
+                        with contextlib.suppress(BlockingIOError):
+                            other.connect(server.address)
+                        flood.append(other)
+            reply = sock.recv(65536)
+        for other in flood:
+            other.close()
+        assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
+        assert json.loads(reply.partition(b"\r\n\r\n")[2])["bytes"] == len(data)
+
+
 def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServer, ws: str) -> None:
     good = b'{"custom_id": "a"}\n'
     body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", good)})
@@ -12556,6 +12632,63 @@ def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServ
             b"form-data; name=file; filename*=UTF-8''r%C3%A9sum%C3%A9.jsonl\r\n\r\n{}\n\r\n--b--\r\n")
     status, _, reply = http(api, "POST", "/v1/files", body, {"Content-Type": "multipart/form-data; boundary=b"})
     assert status == 200 and json.loads(reply)["filename"] == "résumé.jsonl"
+
+
+def test_a_part_without_a_body_and_digits_other_than_ascii_are_answered_400_not_500_or_a_reset(
+        api: nrvna.ApiServer, ws: str) -> None:
+    """Headers whose blank line is the next delimiter's CRLF (a part with no body at all) were
+    read as a body of -2 bytes (a 500); a Content-Length or limit of '²' (str.isdigit() takes it,
+    int() does not) dropped the connection unanswered or was a 500."""
+    for body in (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n--b\r\nContent-Disposition: '
+                 b'form-data; name="file"; filename="x"\r\n\r\n{}\n\r\n--b--\r\n',
+                 b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\nContent-Disposition: '
+                 b'form-data; name="file"; filename="x"\r\n\r\n--b--\r\n'):
+        status, _, reply = http(api, "POST", "/v1/files", body, {"Content-Type": "multipart/form-data; boundary=b"})
+        assert status == 400 and "headers" in json.loads(reply)["error"]["message"], reply
+    reply = raw_request(api, b"POST /v1/files HTTP/1.1\r\nContent-Length: \xb2\r\n\r\nab")
+    assert error_of(reply)[0] == 400
+    assert error_of(raw_request(api, b"GET /v1/files?limit=%C2%B2 HTTP/1.1\r\nConnection: close\r\n\r\n"))[0] == 400
+    assert os.listdir(os.path.join(ws, "api", "files")) == []
+
+
+def test_an_upload_whose_publication_is_not_durable_is_refused_and_not_listed(ws: str) -> None:
+    """The fsync of api/files/ after a file's rename failing (ENOSPC, EIO: injected) was answered
+    500 with the file published all the same: a client retrying the 500 (the openai client does)
+    made two files. The file is taken back now: 500, and nothing listed."""
+    body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", b"{}\n")})
+
+    def upload_under(mode: str) -> tuple[int, list[str]]:
+        import urllib.error
+        import urllib.request
+
+        shutil.rmtree(ws, ignore_errors=True)
+        nrvna.ensure_workspace(ws)
+        log = ws + ".calls"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(log)
+        proc = subprocess.Popen([sys.executable, TESTS, "faultpoint", ws, log, mode, "--", "serve", ws, "--port",
+                                 "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            url = proc.stdout.readline().decode().strip()
+            request = urllib.request.Request(f"{url}/files", data=body, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=30) as reply:
+                    status = reply.status
+            except urllib.error.HTTPError as err:
+                status = err.code
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=30)
+        return status, open(log).read().splitlines()
+
+    import shutil
+
+    status, calls = upload_under("list")
+    assert status == 200
+    at = calls.index("fsync api/files") + 1
+    status, _ = upload_under(f"errno:{at}:ENOSPC")
+    assert status == 500 and os.listdir(os.path.join(ws, "api", "files")) == []
+    assert os.listdir(os.path.join(ws, "api", "tmp")) == []
 
 
 def test_multipart_parts_are_found_whole_wherever_the_reads_cut_them(tmp_path: Path) -> None:
@@ -12594,6 +12727,35 @@ def test_an_upload_over_the_limit_is_refused_before_its_body_is_read(api: nrvna.
     assert error_of(reply)[0] == 413
 
 
+def test_bodies_held_in_memory_are_bounded_all_connections_together(
+        ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each JSON body may be 16 MiB, and API_CONNECTIONS clients each sending one but its last
+    byte held them all (40 such: 704 MiB resident; 512: 8 GiB). Past API_BODIES_MEMORY (here
+    4 MiB) a request is refused at its head (503, Retry-After), and what an answered, dropped or
+    refused body held is counted free again."""
+    import socket
+
+    monkeypatch.setattr(nrvna, "API_BODIES_MEMORY", 4 << 20, raising=False)
+    head = b"POST /v1/files HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (2 << 20)
+    with nrvna.ApiServer(ws, port=0) as server:
+        held = [socket.create_connection(server.address, timeout=10) for _ in range(2)]
+        for sock in held:
+            sock.sendall(head + b"x" * ((2 << 20) - 1))
+        time.sleep(0.3)
+        reply = raw_request(server, head)
+        assert error_of(reply)[0] == 503 and b"\r\nRetry-After: 1\r\n" in reply
+        held[0].sendall(b"x")  # whole: answered (400: not multipart), its 2 MiB free again
+        assert held[0].recv(65536).startswith(b"HTTP/1.1 400 ")
+        held[1].close()  # dropped mid-body: free again
+        time.sleep(0.3)
+        for _ in range(2):
+            with socket.create_connection(server.address, timeout=10) as sock:
+                sock.sendall(head + b"x" * (2 << 20))
+                assert sock.recv(65536).startswith(b"HTTP/1.1 400 ")
+        held[0].close()
+        assert http(server, "GET", "/v1/files")[0] == 200 and server.memory.held == 0
+
+
 def test_a_slow_client_is_dropped_after_its_deadline_and_holds_no_worker(ws: str) -> None:
     """A client that sends a byte a second is dropped once its request is not whole within the
     deadline (here 1 s for the head, 2 s more for the body), whatever its pace; meanwhile other
@@ -12625,6 +12787,37 @@ def test_a_slow_client_is_dropped_after_its_deadline_and_holds_no_worker(ws: str
         for sock in slow + bodies:
             sock.close()
         assert os.listdir(os.path.join(ws, "api", "tmp")) == []  # the bodies' spools removed
+
+
+def test_a_client_reading_a_file_slowly_is_dropped_at_the_whole_reply_s_deadline(
+        api: nrvna.ApiServer, ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The time to read an answer bounds the whole answer (API_SEND_SECONDS plus a second per
+    API_BODY_RATE bytes), not each MiB of it: a client that read each piece just in time held an
+    Api-N thread for as long as it liked (here 1 s + 24 MiB at 16 MiB/s: cut at 2.5 s, where a
+    reader of 2.5 MiB/s would have taken ~10 s)."""
+    import socket
+
+    monkeypatch.setattr(nrvna, "API_SEND_SECONDS", 1.0)
+    monkeypatch.setattr(nrvna, "API_BODY_RATE", 16 << 20)
+    size = 24 << 20
+    made = nrvna.ApiFiles(ws).publish("file-" + "s" * 24, [b"x" * size], "big.jsonl", "batch")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 19)
+    sock.settimeout(10)
+    sock.connect(api.address)
+    sock.sendall(f"GET /v1/files/{made['id']}/content HTTP/1.1\r\n\r\n".encode())
+    got, started, closed = 0, time.monotonic(), False
+    with sock:
+        while time.monotonic() - started < 6 and not closed:
+            try:
+                chunk = sock.recv(1 << 18)  # 2.5 MiB/s: 256 KiB every 0.1 s
+            except ConnectionResetError:
+                chunk = b""
+            got += len(chunk)
+            closed = not chunk
+            time.sleep(0.1)
+    assert closed and got < size, (closed, got, time.monotonic() - started)
+    assert http(api, "GET", f"/v1/files/{made['id']}/content")[2] == b"x" * size  # a reader in time gets it all
 
 
 @pytest.mark.model  # the openai package, absent from the bare Python 3.9 run
@@ -12678,6 +12871,49 @@ def test_curl_uploads_a_batch_file_and_reads_it_back(ws: str, tmp_path: Path) ->
         refused = subprocess.run(["curl", "-sS", "-F", "purpose=batch", "-F", f"file=@{path}", f"{base}/files"],
                                  capture_output=True, timeout=60)
         assert json.loads(refused.stdout)["error"]["code"] == "invalid_api_key"
+
+
+def test_connections_fit_the_descriptor_limit_so_accept_and_open_never_run_out(ws: str) -> None:
+    """Under `ulimit -n 300` (a stock 1024 is the same story at 512 uploads), 400 clients each
+    holding a connection (half of them an upload's file too) ran the server out of descriptors:
+    accept() failed in a busy loop (a core at 30 %) and a request's open() failed (a 500). The
+    connections are now lowered to what the limit leaves, said once on stderr."""
+    import resource
+    import socket
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+
+    proc = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=limit)
+    socks: list[Any] = []
+    try:
+        url = proc.stdout.readline().decode().strip()
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        for _ in range(400):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((host, int(port)))
+            socks.append(sock)
+        time.sleep(0.5)
+        for i, sock in enumerate(socks):
+            with contextlib.suppress(OSError):
+                sock.send(b"GET /v1/files HTTP/1.1\r\n" if i % 2 else b"POST /v1/files HTTP/1.1\r\nContent-Type: "
+                          b"multipart/form-data; boundary=x\r\nContent-Length: 1000000\r\n\r\nxx")
+        time.sleep(1)
+        assert len(os.listdir(f"/proc/{proc.pid}/fd")) < 280  # room left for what requests open
+        import urllib.request
+
+        with urllib.request.urlopen(f"{url}/files", timeout=30) as reply:
+            assert json.loads(reply.read())["object"] == "list"
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and b"Too many open files" not in err, err[-2000:]
+    assert b"connections at once, not 512: the descriptor limit is 300" in err
 
 
 @pytest.mark.slow
