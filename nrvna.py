@@ -304,6 +304,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         by the first loader, before llama.cpp is given its address (and kept: llama.cpp holds no reference)
     Api-IO -> _Reader: the connections whose request is being read => Api-IO's alone; Api-N gives a kept-alive
         one back through a queue.SimpleQueue and a pipe
+    Api-IO, Api-N -> _Memory: held (request bodies' bytes, all connections together) => _Memory._lock
     Api-IO, Api-N -> ApiServer: requests => a queue.Queue; _threads, _idle => _lock; _stop_asked => one
         attribute (a signal handler sets it)
     Api-N -> ApiFiles: a file's folder => written whole under api/tmp/, then published or put aside by one rename
@@ -15822,6 +15823,7 @@ API_ERROR_CODES: dict[str, str] = {
     "invalid_api_key": "no `Authorization: Bearer KEY`, or another key (401)",
     "not_found": "no such route, file or batch (404)",
     "body_too_large": "a JSON body over 16 MiB (413)",
+    "server_busy": "the bodies of all requests being read would pass 256 MiB together (503, `Retry-After: 1`)",
     "file_too_large": "an upload over 200 MB (413)",
     "too_many_requests": "a batch file over 50,000 requests (400 at upload, or the batch's errors)",
     "invalid_request": "a batch that could not be read or queued (the batch's errors)",

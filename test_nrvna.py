@@ -6958,7 +6958,8 @@ def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks
             reference = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
             L.llama_sampler_chain_add(reference, L.llama_sampler_init_penalties(
                 llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], *extra))
-            L.llama_sampler_chain_add(reference, nrvna._sampler_chain(L, params, llama.config))  # owned by reference now
+            # (owned by reference now)
+            L.llama_sampler_chain_add(reference, nrvna._sampler_chain(L, params, llama.config))
             chain = nrvna._sampler_chain(L, params, llama.config)
             own = L.llama_sampler_init_penalties(llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], *extra)
             penalty = llama.penalty(params)
@@ -7289,7 +7290,8 @@ def test_a_quantized_kv_cache_is_smaller_generates_and_keeps_its_own_saved_state
 
 @pytest.mark.model
 def test_a_schema_is_converted_once_for_many_jobs_and_parsed_once_per_context(llama: nrvna.LlamaRunner) -> None:
-    schema = {"type": "object", "properties": {"converted_once": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0}},
+    schema = {"type": "object", "properties": {"converted_once": {"type": "boolean"},
+                                               "n": {"type": "integer", "minimum": 0}},
               "required": ["converted_once", "n"]}
     reordered = dict(schema, properties=dict(reversed(list(schema["properties"].items()))))
     config = nrvna.Config(workers=2, seqs=4, max_ctx=512)
@@ -7396,8 +7398,8 @@ def test_a_schema_being_converted_holds_up_neither_the_jobs_beside_it_nor_a_stop
 
 
 @pytest.mark.model
-def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_draw(llama: nrvna.LlamaRunner,
-                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_draw(
+        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each time a constrained job's free draw is refused and the shortlist suffices, the
     token drawn from it equals the token the sampler chain draws from the whole vocabulary
     (from the same random state: each path gets a clone of the chain). A short shortlist
@@ -7973,7 +7975,8 @@ def test_a_daemon_killed_while_a_job_thinks_runs_it_again_whole_once(model: str,
 # ==============================================================================
 
 EMBED_MODEL = HERE / "models" / "all-MiniLM-L6-v2-f16.gguf"
-EMBED_TEXTS = ["hello", "The quick brown fox jumps over the lazy dog. " * 12, "Ünïcödé ✓ 日本語 text, with accents",
+EMBED_TEXTS = ["hello", "The quick brown fox jumps over the lazy dog. " * 12,
+               "Ünïcödé ✓ 日本語 text, with accents",
                "Embeddings map text to vectors.", "a " * 40 + "b"]
 
 
