@@ -12177,7 +12177,7 @@ def test_a_model_that_is_no_gguf_file_or_an_empty_name_is_refused_at_submit(ws: 
 def test_a_queued_job_s_lane_and_model_are_read_from_any_params_json(tmp_path: Path) -> None:
     """The Scanner reads them for every queued job: a hand-made file never raises there (it
     would stop discovery); its claim fails the job instead."""
-    cases = {'{"priority": 5, "model": "gpt-4o-mini"}': (5, "m", False), '"priority model"': (0, None, False),
+    cases = {'{"priority": 5, "model": "m"}': (5, "m", False), '"priority model"': (0, None, False),
              '["model"]': (0, None, False), '{"priority": true, "model": 7}': (0, None, False),
              '{"priority": 1001}': (0, None, False), '{"model": "": 1': (0, None, False),
              '{"embed": true}': (0, None, True), '{"embed": 1}': (0, None, False)}
