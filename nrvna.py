@@ -16238,10 +16238,7 @@ class ApiBatches:
         status = batch_status(record)
         counts = record.get("request_counts")
         if counts is None or status not in BATCH_ENDED:
-            jobs, states = self.lines(record["id"]) if record.get("in_progress_at") is not None else ([], {})
-            ended = [states[job_id] for job_id in jobs if states[job_id].finished]
-            done = sum(state is Status.Done for state in ended)
-            counts = {"total": record.get("total", 0), "completed": done, "failed": len(ended) - done}
+            counts = self._counts(record)
         errors = record.get("errors")
         return {"id": record["id"], "object": "batch", "endpoint": record["endpoint"],
                 "errors": {"object": "list", "data": errors} if errors else None,
@@ -16253,6 +16250,22 @@ class ApiBatches:
                                                        "cancelling_at", "cancelled_at")},
                 "request_counts": counts, "metadata": record.get("metadata"), "model": record.get("model"),
                 "usage": record.get("usage")}
+
+
+    def _counts(self, record: Mapping[str, Any]) -> dict[str, int]:
+        """request_counts of a batch not ended, from its tag's jobs; none done yet where its tag's
+        index cannot be read (a FIFO, a foreign file: the Batches thread names it), so that one
+        batch's damaged index never fails GET /v1/batches for every other batch."""
+        counts = {"total": record.get("total", 0), "completed": 0, "failed": 0}
+        if record.get("in_progress_at") is None:
+            return counts
+        try:
+            jobs, states = self.lines(record["id"])
+        except (NrvnaError, OSError):
+            return counts
+        ended = [states[job_id] for job_id in jobs if states[job_id].finished]
+        done = sum(state is Status.Done for state in ended)
+        return dict(counts, completed=done, failed=len(ended) - done)
 
 
 class BatchLifecycle:

@@ -12596,6 +12596,28 @@ def test_crafted_batch_records_and_inputs_are_no_batch_never_a_hang(ws: str, tmp
     assert all(os.path.lexists(os.path.join(folder, f"{batch_id}.json")) for batch_id in crafted)
 
 
+def test_a_batch_whose_tag_index_is_unreadable_fails_no_other_batch_s_listing(ws: str) -> None:
+    """A batch's tag index (tags/<batch ID>/*.ids) replaced by a FIFO: GET /v1/batches still lists
+    every batch (that one with no line counted as ended), and GET of each still answers."""
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    file_id = uploaded(ws, batch_input("/v1/completions", ["a", "b"]))
+    made = [batches.create({"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+            for _ in range(2)]
+    thread = nrvna.BatchLifecycle(batches)
+    for batch_id in made:
+        thread.advance(batch_id)
+    folder = os.path.join(ws, nrvna.TAGS, made[0])
+    for name in os.listdir(folder):
+        if name.endswith(".ids"):
+            os.unlink(os.path.join(folder, name))
+            os.mkfifo(os.path.join(folder, name))
+    assert sorted(b["id"] for b in batches.list()["data"]) == sorted(made)
+    broken = batches.get(made[0])
+    assert broken["status"] == "in_progress"
+    assert broken["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
+    assert batches.get(made[1])["request_counts"]["total"] == 2
+
+
 def free_port() -> int:
     import socket
 
