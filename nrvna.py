@@ -16344,6 +16344,9 @@ BATCH_LIST_LIMIT = (20, 100)  # GET /v1/batches: limit's default and most (OpenA
 BATCH_RECORD_BYTES = 1 << 20
 LIFECYCLE_LOCK = "lifecycle.lock"
 BATCH_TICK_SECONDS = 0.5
+# A batch's lines are read again only after this many times the last read took: a 50,000-line batch's
+# read (1.5 s of CPU here) every tick kept the Batches thread busy a whole core beside the daemon.
+BATCH_LOOK_SPACING = 10
 # The steps a record holds: the status is the first of these it has (failed... in_progress), else
 # validating. A step, once recorded, is never changed.
 BATCH_STEPS = (("failed_at", "failed"), ("cancelled_at", "cancelled"), ("expired_at", "expired"),
@@ -16622,10 +16625,7 @@ class ApiBatches:
         status = batch_status(record)
         counts = record.get("request_counts")
         if counts is None or status not in BATCH_ENDED:
-            jobs, states = self.lines(record["id"]) if record.get("in_progress_at") is not None else ([], {})
-            ended = [states[job_id] for job_id in jobs if states[job_id].finished]
-            done = sum(state is Status.Done for state in ended)
-            counts = {"total": record.get("total", 0), "completed": done, "failed": len(ended) - done}
+            counts = self._counts(record)
         errors = record.get("errors")
         return {"id": record["id"], "object": "batch", "endpoint": record["endpoint"],
                 "errors": {"object": "list", "data": errors} if errors else None,
@@ -16637,6 +16637,22 @@ class ApiBatches:
                                                        "cancelling_at", "cancelled_at")},
                 "request_counts": counts, "metadata": record.get("metadata"), "model": record.get("model"),
                 "usage": record.get("usage")}
+
+
+    def _counts(self, record: Mapping[str, Any]) -> dict[str, int]:
+        """request_counts of a batch not ended, from its tag's jobs; none done yet where its tag's
+        index cannot be read (a FIFO, a foreign file: the Batches thread names it), so that one
+        batch's damaged index never fails GET /v1/batches for every other batch."""
+        counts = {"total": record.get("total", 0), "completed": 0, "failed": 0}
+        if record.get("in_progress_at") is None:
+            return counts
+        try:
+            jobs, states = self.lines(record["id"])
+        except (NrvnaError, OSError):
+            return counts
+        ended = [states[job_id] for job_id in jobs if states[job_id].finished]
+        done = sum(state is Status.Done for state in ended)
+        return dict(counts, completed=done, failed=len(ended) - done)
 
 
 class BatchLifecycle:
@@ -16651,6 +16667,7 @@ class BatchLifecycle:
     def __init__(self, batches: ApiBatches, tick: float = BATCH_TICK_SECONDS) -> None:
         self.batches, self.tick = batches, tick
         self.ended: set[str] = set()  # batches seen ended: never read again
+        self.next_look: dict[str, float] = {}  # batch -> when its lines are read again (monotonic)
         self._halt = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._lock_fd = -1
@@ -16703,6 +16720,7 @@ class BatchLifecycle:
         if record is None or batch_status(record) in BATCH_ENDED:
             if record is not None:
                 self.ended.add(batch_id)
+                self.next_look.pop(batch_id, None)
             return
         now = time.time()
         ending = ("cancelled" if record.get("cancelling_at") is not None else
@@ -16710,7 +16728,11 @@ class BatchLifecycle:
         if ending is None and record.get("in_progress_at") is None:
             self._submit(record)
             return
+        if ending is None and time.monotonic() < self.next_look.get(batch_id, 0.0):
+            return  # a large batch's lines were read lately (a cancel or an expiry is not kept waiting)
+        began = time.monotonic()
         jobs, states = self.batches.lines(batch_id)
+        self.next_look[batch_id] = time.monotonic() + BATCH_LOOK_SPACING * (time.monotonic() - began)
         if any(states[job_id] in (Status.Queued, Status.Running) for job_id in jobs):
             if ending is None:
                 return
@@ -16767,6 +16789,7 @@ class BatchLifecycle:
                                             "failed": len(failed) + len(unsent)},
                             **{f"{ending}_at": int(time.time())})
         self.ended.add(batch_id)
+        self.next_look.pop(batch_id, None)
 
     def _lines(self, jobs: list[str], since: Optional[int], ending: str) -> Iterator[bytes]:
         """The jobs' lines as ``nrvna export --format openai`` writes them; a job the batch's

@@ -13218,6 +13218,56 @@ def test_crafted_batch_records_and_inputs_are_no_batch_never_a_hang(ws: str, tmp
     assert all(os.path.lexists(os.path.join(folder, f"{batch_id}.json")) for batch_id in crafted)
 
 
+def test_a_batch_whose_tag_index_is_unreadable_fails_no_other_batch_s_listing(ws: str) -> None:
+    """A batch's tag index (tags/<batch ID>/*.ids) replaced by a FIFO: GET /v1/batches still lists
+    every batch (that one with no line counted as ended), and GET of each still answers."""
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    file_id = uploaded(ws, batch_input("/v1/completions", ["a", "b"]))
+    made = [batches.create({"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+            for _ in range(2)]
+    thread = nrvna.BatchLifecycle(batches)
+    for batch_id in made:
+        thread.advance(batch_id)
+    folder = os.path.join(ws, nrvna.TAGS, made[0])
+    for name in os.listdir(folder):
+        if name.endswith(".ids"):
+            os.unlink(os.path.join(folder, name))
+            os.mkfifo(os.path.join(folder, name))
+    assert sorted(b["id"] for b in batches.list()["data"]) == sorted(made)
+    broken = batches.get(made[0])
+    assert broken["status"] == "in_progress"
+    assert broken["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
+    assert batches.get(made[1])["request_counts"]["total"] == 2
+
+
+def test_the_batches_thread_reads_a_large_batch_s_lines_again_only_after_ten_times_the_last_read(
+        ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a running batch's lines (its tag's states) costs a CPU second a tick at 50,000
+    lines: the Batches thread reads them again only after BATCH_LOOK_SPACING times the last read
+    took, yet acts on a cancel at its next step."""
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    batch_id = batches.create({"input_file_id": uploaded(ws, batch_input("/v1/completions", ["a", "b"])),
+                               "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+    thread = nrvna.BatchLifecycle(batches)
+    thread.advance(batch_id)  # validating -> in_progress
+    reads = []
+    read_lines = batches.lines
+
+    def slow_lines(batch: str) -> Any:
+        reads.append(batch)
+        time.sleep(0.2)  # as a 50,000-line batch's read takes
+        return read_lines(batch)
+
+    monkeypatch.setattr(batches, "lines", slow_lines)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        thread.advance(batch_id)
+    assert 1 <= len(reads) <= 2, len(reads)
+    batches.cancel(batch_id)
+    thread.advance(batch_id)
+    assert batches.get(batch_id)["status"] == "cancelled"
+
+
 def free_port() -> int:
     import socket
 
