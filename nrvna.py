@@ -16638,7 +16638,6 @@ class ApiBatches:
                 "request_counts": counts, "metadata": record.get("metadata"), "model": record.get("model"),
                 "usage": record.get("usage")}
 
-
     def _counts(self, record: Mapping[str, Any]) -> dict[str, int]:
         """request_counts of a batch not ended, from its tag's jobs; none done yet where its tag's
         index cannot be read (a FIFO, a foreign file: the Batches thread names it), so that one
