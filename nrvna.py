@@ -105,8 +105,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
                                       check_batch_request, batch_errors, ApiBatches, BatchLifecycle (the Batches thread)
    13.4 Endpoints                   SYNC_PRIORITY, FAILURE_STATUS, submit_request, answer_request, RequestStream
                                       (server-sent events), _chat_completions, _completions, _embeddings
-   13.5 The server                  API_ROUTES (one handler per route), _Connection, _Reader (the Api-IO thread),
-                                      ApiServer
+   13.5 Routes                      API_ROUTES (one handler per route), _list_models, _create_file, _metrics
+   13.6 The server                  _Memory, _Connection, _Reader (the Api-IO thread), ApiServer
 14. CLI
    14.1 Commands                    markdown_tables (the manual's tables), _DaemonWatch, one _cmd_* per command
    14.2 Arguments and main          one _*_arguments per command, COMMANDS, main()
@@ -12370,11 +12370,10 @@ class LlamaSession(Session):
 # ============================================================================
 # 11.8 The runner
 # ============================================================================
-# LlamaRunner: the model loaded once and shared, the runner's caches (pieces; grammars in a _Grammars of
-# 11.2), the Wide thread and a session per worker; the chat template of a model without one
-# (FALLBACK_TEMPLATE), a chat job's tool turns, and the memory report (memory_line: plain numbers stated
-# at load, read from any thread). HOST_CACHES lists every cache kept beside llama.cpp's buffers with its
-# bound (host_caches: each bound as configured). Its docstring's Threads line says who calls what.
+# LlamaRunner: the model loaded once and shared, its caches (pieces; grammars in 11.2's _Grammars), the Wide
+# thread and a session per worker; the template of a model without one (FALLBACK_TEMPLATE), tool turns, the
+# memory report (memory_line: numbers stated at load, read from any thread). HOST_CACHES lists every cache
+# kept beside llama.cpp's buffers with its bound (host_caches: each as configured).
 
 
 # Every cache nrvna keeps beside llama.cpp's own buffers: (what, whose, its bound, what it holds,
@@ -17212,40 +17211,10 @@ class RequestStream:
 
 
 # ============================================================================
-# 13.5 The server
+# 13.5 Routes
 # ============================================================================
-# API_ROUTES (the one table of routes: dispatch, 405s and docs/server.md's table) and ApiServer:
-# Api-IO reads each request whole, bounded in size and time; Api-N threads (a bounded pool) answer.
-# Invariant: a slow or silent client holds no Api-N thread, and a connection past its bounds is dropped.
-
-
-API_HOST = "127.0.0.1"
-API_PORT = 8000
-API_WORKERS = 64  # Api-N threads at most (started as requests need them)
-# Requests read whole and queued for an Api-N thread; past it they wait in Api-IO (still counted as
-# open connections, so bounded by API_CONNECTIONS), none read further until the queue has room.
-API_QUEUE = 256
-# Connections open at once. Past it, one older than API_EVICT_SECONDS is dropped: the oldest still
-# sending its head (or kept alive idle), else the slowest sending a body slower than API_EVICT_RATE
-# bytes a second (an upload arriving faster is never dropped for a flood of new connections); when
-# none is, no more are accepted until one ends (they wait in the listen backlog).
-API_CONNECTIONS = 512
-API_EVICT_SECONDS = 1.0
-API_EVICT_RATE = 64 << 10
-API_HEAD_SECONDS = 10.0  # a request's head, whole, from its first byte (or from the connection's start)
-API_BODY_SECONDS = 30.0  # a request, whole: this, plus a second per API_BODY_RATE bytes of its body
-API_BODY_RATE = 1 << 20
-API_IDLE_SECONDS = 15.0  # a kept-alive connection with no new request is closed after this
-API_SEND_SECONDS = 30.0  # a reply: this, plus a second per API_BODY_RATE bytes (a stream: per write)
-API_LINGER_SECONDS = 1.0  # after a refusal, what the client still sends is read and dropped this long
-# JSON bodies held in memory at once, all connections together (each up to API_BODY_LIMIT): without
-# it, API_CONNECTIONS clients each sending a body but its last byte held 8 GiB. Past it: 503.
-API_BODIES_MEMORY = 256 << 20
-# Descriptors the rest of the process may need beside the connections (each: its socket and an
-# upload's file) and two per Api-N thread (a file it reads or writes): API_CONNECTIONS is lowered
-# to what the descriptor limit (ulimit -n) leaves, so that accept() and open() never fail for want.
-API_FDS_RESERVED = 64
-API_ACCEPT_PAUSE_SECONDS = 0.1  # after accept() failed (no descriptor): a busy loop, else
+# API_ROUTES, the one table of routes (it drives dispatch, 405s and docs/server.md's table), and the
+# handlers of the routes no sub-section above owns: the models, the files, the metrics. Any Api-N thread.
 
 
 def _models_served(workspace: str) -> list[dict[str, Any]]:
@@ -17385,6 +17354,43 @@ API_ROUTES: tuple[tuple[str, str, Callable[[ApiCall], ApiReply], str], ...] = (
     ("POST", "/v1/embeddings", _embeddings, "embeddings of `input`, as a job: see Synchronous endpoints"),
     ("GET", "/metrics", _metrics, "the workspace's metrics in Prometheus' text format (docs/metrics.md)"),
 )
+
+
+# ============================================================================
+# 13.6 The server
+# ============================================================================
+# ApiServer: Api-IO reads each request whole, bounded in size and time; Api-N threads (a bounded pool)
+# answer. Invariant: a slow or silent client holds no Api-N thread, and a connection past its bounds is
+# dropped.
+
+
+API_HOST = "127.0.0.1"
+API_PORT = 8000
+API_WORKERS = 64  # Api-N threads at most (started as requests need them)
+# Requests read whole and queued for an Api-N thread; past it they wait in Api-IO (still counted as
+# open connections, so bounded by API_CONNECTIONS), none read further until the queue has room.
+API_QUEUE = 256
+# Connections open at once. Past it, one older than API_EVICT_SECONDS is dropped: the oldest still
+# sending its head (or kept alive idle), else the slowest sending a body slower than API_EVICT_RATE
+# bytes a second (an upload arriving faster is never dropped for a flood of new connections); when
+# none is, no more are accepted until one ends (they wait in the listen backlog).
+API_CONNECTIONS = 512
+API_EVICT_SECONDS = 1.0
+API_EVICT_RATE = 64 << 10
+API_HEAD_SECONDS = 10.0  # a request's head, whole, from its first byte (or from the connection's start)
+API_BODY_SECONDS = 30.0  # a request, whole: this, plus a second per API_BODY_RATE bytes of its body
+API_BODY_RATE = 1 << 20
+API_IDLE_SECONDS = 15.0  # a kept-alive connection with no new request is closed after this
+API_SEND_SECONDS = 30.0  # a reply: this, plus a second per API_BODY_RATE bytes (a stream: per write)
+API_LINGER_SECONDS = 1.0  # after a refusal, what the client still sends is read and dropped this long
+# JSON bodies held in memory at once, all connections together (each up to API_BODY_LIMIT): without
+# it, API_CONNECTIONS clients each sending a body but its last byte held 8 GiB. Past it: 503.
+API_BODIES_MEMORY = 256 << 20
+# Descriptors the rest of the process may need beside the connections (each: its socket and an
+# upload's file) and two per Api-N thread (a file it reads or writes): API_CONNECTIONS is lowered
+# to what the descriptor limit (ulimit -n) leaves, so that accept() and open() never fail for want.
+API_FDS_RESERVED = 64
+API_ACCEPT_PAUSE_SECONDS = 0.1  # after accept() failed (no descriptor): a busy loop, else
 
 
 def _send_all(sock: Any, data: bytes, deadline: Optional[float] = None) -> None:

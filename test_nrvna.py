@@ -7239,7 +7239,7 @@ def test_a_quantized_kv_cache_llama_cpp_cannot_make_exits_2_saying_why() -> None
             return None
 
     fake = FakeL()
-    runner = types.SimpleNamespace(L=fake, model=None, config=nrvna.Config(kv_type="q4_0"))
+    runner = types.SimpleNamespace(llama_cpp=fake, model=None, config=nrvna.Config(kv_type="q4_0"))
     with pytest.raises(nrvna.ConfigError, match="NRVNA_KV_TYPE=q4_0: llama.cpp cannot make a quantized KV cache for "
                        "this model here: .*requires Flash Attention; use f16") as caught:
         nrvna._llama_context(runner, 1024, 512, 17, 1)
