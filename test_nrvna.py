@@ -13954,6 +13954,18 @@ def test_setup_puts_the_nrvna_command_in_the_venv(tmp_path: Path, model_file: st
     ws = str(tmp_path / "ws")
     job_id = subprocess.run([str(repo / ".venv/bin/nrvna"), "submit", ws, "hi"], capture_output=True, timeout=60).stdout
     assert Flow(ws).status(job_id.decode().strip()) is Status.Queued
+    # The command imports nrvna.py rather than running it as a script (whose syntax tree, 42 MiB,
+    # would stay in memory): `nrvna serve`, a long-lived process, holds at most 50 MiB idle.
+    served = subprocess.Popen([str(repo / ".venv/bin/nrvna"), "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL)
+    try:
+        assert served.stdout is not None and served.stdout.readline().startswith(b"http://127.0.0.1:")
+        time.sleep(2)
+        resident = int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{served.pid}/status").read_text()).group(1))
+        assert resident <= 50 << 10, f"{resident} kB resident"
+    finally:
+        served.kill()
+        served.wait()
     script = repo.parent / "use.py"
     script.write_text("import nrvna\nfrom nrvna import Flow, Work\n"
                       f"print(nrvna.__file__, Flow({ws!r}).status(Work({ws!r}).submit('hi').id).value)\n")

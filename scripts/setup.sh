@@ -112,8 +112,12 @@ fi
 # A two-line script rather than `pip install -e .`: that needs setuptools and wheel in the venv
 # or the network (Python 3.12's venvs have no setuptools), and this needs neither. Rewritten on
 # every run, so a moved checkout is fixed by running setup again.
-printf '#!/usr/bin/env bash\n# Written by scripts/setup.sh: the nrvna.py of this checkout, on the Python of this venv.\nexec %q %q "$@"\n' \
-  "$PWD/.venv/bin/python" "$PWD/nrvna.py" >.venv/bin/nrvna.tmp
+# It imports nrvna.py as a module, as pip's console script does, rather than running it as a script:
+# a script's whole syntax tree stays in memory while it runs (42 MiB for nrvna.py), which a
+# long-lived `nrvna serve` would hold for nothing (bench/server.py (e)).
+printf '#!/usr/bin/env bash\n# Written by scripts/setup.sh: the nrvna.py of this checkout, on the Python of this venv.\nexec %q -c %q %q "$@"\n' \
+  "$PWD/.venv/bin/python" "import sys; sys.path.insert(0, sys.argv.pop(1)); import nrvna; sys.exit(nrvna.main())" \
+  "$PWD" >.venv/bin/nrvna.tmp
 chmod +x .venv/bin/nrvna.tmp
 mv -f .venv/bin/nrvna.tmp .venv/bin/nrvna
 # And the module, wherever the command works: `import nrvna` with this venv's Python from any
