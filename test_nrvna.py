@@ -11133,7 +11133,9 @@ def test_the_daemon_says_what_memory_goes_where_and_refuses_a_budget_it_cannot_k
     refused = cli("daemon", model, ws, "--max-memory", "500M", "--drain", env={"NRVNA_WORKERS": "2"})
     message = refused.stderr.decode().strip().splitlines()[-1]
     assert refused.returncode == 2 and "--max-memory 500M (500 MiB) cannot hold this daemon" in message, message
-    fits = re.search(r"it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=(\d+)$", message)
+    # (NRVNA_WORKERS=1 is named too where this process is small enough: check_memory_budget's own
+    # test holds that rule on fixed figures; this process's size is measured, and grows with nrvna.py)
+    fits = re.search(r"it would fit with (?:NRVNA_WORKERS=1 or )?NRVNA_MAX_CTX=(\d+)$", message)
     assert fits, message
     started = cli("daemon", model, ws, "--max-memory", "500M", "--drain",
                   env={"NRVNA_WORKERS": "2", "NRVNA_MAX_CTX": fits.group(1)})
