@@ -16,71 +16,100 @@ what is above it. Each banner has a lead (what it owns, its invariant, which thr
 a sub-section: constants, record types, functions and helper classes, the tables made of them, the
 main class last. No sub-section (or section without them) is over 800 lines; a test checks all this.
 
-1. Errors and exit codes            NrvnaError and its subclasses, JobError, EXIT_CODES, FAILURE_CODES
-2. Settings                         SETTINGS, KV_TYPES, Config, setting_default, HOOK_VARIABLES, thinking_tags
+1. Errors and exit codes            EXIT_CODES, FAILURE_CODES, NrvnaError, InvalidInput, ConfigError, NoSuchJob,
+                                      NotFinished, KeyHeld, WorkspaceError, ModelError, NotDurable, JobError,
+                                      Interrupted
+2. Settings                         SETTINGS, KV_TYPES, cpu_count, thinking_tags, size_bytes, HOOK_VARIABLES,
+                                      hook_environment, parse_aliases, setting_default, Config
 3. Logging                          configure_logging, log (log.limited), OS thread names
-4. File primitives                  write_file, read_file, fsync_dir, move (never replaces)
+4. File primitives                  write_all, write_file, open_dir, fsync_dir, read_file, move (never replaces)
 5. Structured output
    5.1 Numbers                      _BOUNDS, number_rule, _fraction_rule, _multiple_of, _multiples
    5.2 JSON strings                 _spans*, _json_char_gbnf, _gbnf_literal
    5.3 Patterns                     _pattern_shape, _positions, _sweep, _Regex
    5.4 Formats and types            SCHEMA_FORMATS, string_rule, type_choices
-   5.5 Grammar work                 grammar_code_points, GrammarVocab, GrammarShape
+   5.5 Grammar work                 GrammarLimit, grammar_code_points, GrammarVocab, GrammarShape
    5.6 GBNF grammars                check_grammar, _GbnfParser
    5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
-   5.8 Tool calls                   ToolFormat, tool_call_schema, tool_grammar, generic_messages, read_tool_calls
-6. Job parameters                   Param, PARAMS, ENDPOINTS, validate_params, job_param, check_prompt,
-                                      EFFORT_BUDGETS, thinking_budget, tool_answers
+   5.8 Tool calls                   ToolFormat, tool_choice_name, tool_call_schema, tool_grammar, generic_tool_text,
+                                      generic_messages, find_tool_format, call_lines, tool_call_id, read_tool_calls
+6. Job parameters                   Endpoint, ENDPOINTS, Param, PARAMS, conversation_turns, EFFORT_BUDGETS,
+                                      thinking_budget, job_param, validate_params, tool_choice, parallel_calls,
+                                      constraint, check_logprobs_size, check_combination, tool_answers,
+                                      check_inputs, render_inputs, render_messages, check_prompt
 7. Workspace and job directories
    7.1 Layout, locks and the daemons' records
-                                    the layout's names, job_path, shallow, parse_meta, read_record, WorkspaceLock, hold_job,
-                                    hold_orphan, register_daemon, DAEMON_RECORD_FIELDS, daemon_records
-   7.2 IDs, states and meta.json    META_FIELDS, generate_id, order_key, Status, locate_job, parent_unfinished,
-                                      job_meta, read_meta
-   7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job
-   7.4 Routes and model files       Route, read_route, gguf_files, model_matches, resolve_model
-   7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_shard, claim_tag_shard, tag_members
+                                    the layout's names, shallow, parse_meta, read_record, job_path, ensure_workspace,
+                                      WorkspaceLock, hold_job, hold_orphan, register_daemon, daemon_alive,
+                                      DAEMON_RECORD_FIELDS, daemon_records
+   7.2 IDs, states and meta.json    META_FIELDS, generate_id, is_valid_id, order_key, Status, locate_job,
+                                      parent_unfinished, job_meta, read_meta, params_limit, read_meta_and_params,
+                                      dump_meta, submitted_time
+   7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job, check_ids,
+                                      require_workspace, require_tag
+   7.4 Routes and model files       Route, read_route, read_priority, gguf_files, model_file, model_elsewhere,
+                                      model_matches, resolve_model
+   7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_shard, claim_tag_shard, tag_members,
+                                      iter_tag_members
    7.6 Reading a job                Job, _read_choices, continued_turns, CONVERSATION_TURNS, parent_conversation,
                                       _DirWatch
-   7.7 Saved states on disk         STATES, StateHead, state_owner, state_name, state_temp_name, state_buffer,
-                                      seal_state, inspect_state, read_state_head, map_state, state_whole,
-                                      read_state, remove_states_of
+   7.7 Saved states on disk         STATES, StateHead, states_folder, state_owner, state_name, state_temp_name,
+                                      state_buffer, seal_state, inspect_state, read_state_head, map_state,
+                                      state_whole, remove_states_of
 8. Batch files and export
-   8.1 Batch files                  BatchEntry, read_batch, parse_batch, parse_records (templates), shard_of
-   8.2 Export and merge             REQUEST_KEY, request_digest, job_vectors, export_record, read_part,
-                                      merge_parts, EXPORT_FORMATS, _ExportTarget
+   8.1 Batch files                  BatchEntry, batch_line_limit, read_batch, parse_batch, compile_template,
+                                      fill_template, parse_records (data templates)
+   8.2 Shards                       SHARDS_MAX, shard_of, read_shard
+   8.3 Export                       REQUEST_KEY, ExportFormat, job_vectors, request_digest, export_record,
+                                      EXPORT_FORMATS, _ExportTarget
+   8.4 Merge                        part_line_limit, read_part, merge_parts
 9. Client
    9.1 Reading: Flow                bulk_states, Flow
-   9.2 Submitting: Work             check_model_names, waiting_for_model, _Keys, Work
-   9.3 Events                       iter_events
-   9.4 Cancel, retry, clean         cancel_job(s), retry_job(s), clean_jobs
+   9.2 Submitting: Work             SubmitResult, model_view, check_model_names, waiting_for_model, _Keys, Work
+   9.3 Events                       format_time, iter_events
+   9.4 Cancel, retry, clean         cancel_job, cancel_jobs, retry_job, retry_jobs, clean_jobs
    9.5 Daemons: info and stop       daemon_info, stop_daemon (_proven_daemon)
+   9.6 Metrics                      METRICS, RATE_FINISHES, _MetricsCache, metrics_text (Prometheus' text format),
+                                      recent_finishes, finish_rate (the ETA's rate)
 10. Runner protocol                 Runner, Session, RunningJob, Outcome, FunctionRunner
 11. llama.cpp engine
    11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, _kv_params, _new_context (a context
-                                      and its buffers), check_gguf, _GgufHeader
-   11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion
-   11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _JobSampler
+                                      and its buffers), check_gguf, _GgufHeader, gguf_strings, gguf_kind
+   11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion,
+                                      _Grammars (a model's grammars, made and kept)
+   11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _sampler_chain,
+                                      _JobSampler
    11.4 Sequences and choices       _ThinkRouter (thinking apart), _Thinking (a model's block), _Choices (n),
                                       _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
-   11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, LlamaSession
-   11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, model_memory, memory_line, tool_turns, grammar_key,
-                                      LlamaRunner
+   11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, _GrammarWaits, _StateHandOff (saved states
+                                      handed over), LlamaSession
+   11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, host_caches, memory_line, LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
    12.2 Claims and finishes: Processor
-                                    _Claim, _HandBacks (failed finishes, a full disk), Processor
+                                    _Claim, _HandBacks (failed finishes, a full disk), _Unrunnable, Processor
    12.3 Recovery and hooks          _Recovery (orphans, staging), Hooks
    12.4 Models                      _ServedModel, check_memory_budget, _LoadFailure, _ModelSwitch, _Models
    12.5 Daemons side by side, and the watch
                                     _clash, _hooks_clash, _Registry, _Watcher (cancels, timeouts, dead daemons)
-   12.6 Server                      _WorkerLoads, _claim_later, _with_states_folder, Server
-13. CLI
-   13.1 Commands                    markdown_tables (the manual's tables), _DaemonWatch, one _cmd_* per command
-   13.2 Arguments and main          one _*_arguments per command, COMMANDS, main()
+   12.6 Server                      _WorkerLoads, _Tally (jobs in flight, figures), _claim_later, _with_states_folder,
+                                      Server
+13. Served API
+   13.1 HTTP                        bounds, parse_head, ApiError, ApiReply, ApiCall, api_key_matches,
+                                      read_multipart, multipart_field, file_chunks
+   13.2 Files                       API_FILES, FILE_PURPOSES, api_token, api_temp_name, ApiFiles
+   13.3 Batches                     BATCHES, BATCH_STEPS, BATCH_RECORD_FIELDS, batch_status, batch_file_id,
+                                      check_batch_request, batch_errors, ApiBatches, BatchLifecycle (the Batches thread)
+   13.4 Endpoints                   SYNC_PRIORITY, FAILURE_STATUS, submit_request, answer_request, RequestStream
+                                      (server-sent events), _chat_completions, _completions, _embeddings
+   13.5 Routes                      API_ROUTES (one handler per route), _list_models, _create_file, _metrics
+   13.6 The server                  _Memory, _Connection, _Reader (the Api-IO thread), ApiServer
+14. CLI
+   14.1 Commands                    markdown_tables (the manual's tables), _DaemonWatch, one _cmd_* per command
+   14.2 Arguments and main          one _*_arguments per command, COMMANDS, main()
 
 API (``__all__``; docs/library.md documents each name, and names every other one not
 ``_``-prefixed as internal: such names may change in any release):
@@ -89,7 +118,7 @@ API (``__all__``; docs/library.md documents each name, and names every other one
     SubmitResult       what Work.submit returns: (ok, id, message), errors as values
     Flow               reads jobs: status, get, wait, follow, wait_all, select, counts, lanes, export
     Status             a job's state: Queued, Running, Done, Failed, Missing
-    Job                what Flow.get returns: id, status, prompt, result, error, meta, params, logprobs, choices, reasoning
+    Job                Flow.get's answer: id, status, prompt, result, error, meta, params, logprobs, choices, reasoning
     iter_events        jobs' changes of state as event dicts, as `nrvna events` prints them
     bulk_states        many jobs' states at once, one listing per state directory
     cancel_job         `nrvna cancel` for one job
@@ -99,6 +128,7 @@ API (``__all__``; docs/library.md documents each name, and names every other one
     clean_jobs         `nrvna clean`: remove finished jobs older than a bound
     daemon_info        `nrvna status --daemon`: the running daemons' records
     stop_daemon        `nrvna stop`: the stopped daemons' pids
+    metrics_text       `nrvna metrics`: the workspace's figures in Prometheus' text format
     BatchEntry         one batch line: (line, prompt, params)
     parse_batch        a whole batch file (bytes) checked into BatchEntry values
     read_batch         a batch file's bytes from a binary stream, each line bounded
@@ -142,7 +172,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
 
     Main -> Server: starts, serves, stops; _use (sessions, thread budget) at start; stranded; _signalled
         (set by the signal handler) => before the other threads start and after they are joined; the
-        signal handler only sets one field (takes no lock)
+        signal handler only sets one field (takes no lock); _stop, the Event request_stop sets and
+        every thread reads
     Main -> _Registry: lock file and record: register, release, dead() at start; write at a drain
         (Server._say_stranded) => register/release before threads start / after join; write and keep under
         _Registry._lock (the record's temp name is fixed)
@@ -150,7 +181,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         under the WorkspaceLock; before the workers start
     Main -> Scanner: wake() (a pipe); scan() at a drain check => Pool locks itself; scans is only compared
         with 0, and Main scans only after it is not
-    Main -> Hooks: prepare, start, idle, stop (closes _held) => _lock for _in_flight; stop joins the hook
+    Main -> Hooks: prepared, start, all_done, stop (closes _held) => _lock for _in_flight; stop joins the hook
         threads before closing _held
     Main -> _Models: constructor, start (activates the first model that loads), peers (start), describe
         (register), close (shutdown) => before the threads start / after they are joined; routing state
@@ -168,12 +199,14 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         thread (the Pool gives an ID out once; the claim rename and hold_job make it this daemon's);
         _claims under _claims_lock; a claim's dir_fd under _Claim.lock
     Worker-N -> _HandBacks: failed-finish counts, room waited for => _HandBacks._lock
-    Worker-N -> Server: _running, _stats, _recent; _sessions[index] => _stats_lock; _sessions changes only
-        while every worker is parked (_ModelSwitch.park)
+    Worker-N -> Server: _sessions[index] => _sessions changes only while every worker is parked
+        (_ModelSwitch.park)
+    Worker-N, Finisher, Models -> _Tally (Server.tally): add, drop, ended: _running, _counts, _recent =>
+        _Tally._lock
     Worker-N -> _Models: reads active, served[active].name at a claim => read only while the Pool has an
         active queue; a switch clears it and waits for every worker to park before activate
     Worker-N -> _ModelSwitch: park, leave; wake => _ModelSwitch._cond; wake is an Event
-    Worker-N, Finisher -> Hooks: poke => a threading.Event
+    Worker-N, Finisher -> Hooks: poke (_wake) => a threading.Event
     Finisher -> Processor, _HandBacks, Server, Pool: _end of jobs a worker handed it (finish, stats,
         done/retry_later) => the job is the Finisher's once queued (a queue.SimpleQueue); the locks as for
         the workers
@@ -198,11 +231,12 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         live daemon (this one included) holds is left alone (hold_orphan)
     Watcher -> _Registry: keep, dead, write => _Registry._lock around write and the rename in keep
     Watcher -> Pool, _Models: forget_gone, reroute(peers) => Pool's lock, then _Models._lock
-    Watcher -> Server: _running_jobs, status (stats, describe) => _stats_lock
-    Watcher -> _Models: describe: served[i].runner/sessions and active read as they are, with no lock (the
-        Models thread changes them: a record a switch behind at worst); each runner's memory (see
-        model_memory); the routing state (failed) under _Models._lock
-    Watcher, loader -> LlamaRunner (memory, model_memory): _sessions (each with its _ContextSize),
+    Watcher -> Server, _Tally: status (figures, describe), jobs (the running jobs) => _Tally._lock
+    Watcher -> _Models: describe: served[i].runner/sessions read as they are, with no lock (the Models
+        thread changes them: a record a switch behind at worst), and each loaded runner's memory (see
+        LlamaRunner.memory) read outside the lock; the names, active and the routing state (failed)
+        under _Models._lock
+    Watcher, loader -> LlamaRunner (memory): _sessions (each with its _ContextSize),
         weights_mib => _lock for the list; only plain numbers stated when the model and each context were
         made (a session's _Embedder.buffers too), never the model or a context through llama.cpp: the
         Models thread may be freeing them (close empties _sessions under _lock first)
@@ -214,30 +248,31 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         its vocabulary, the tables made at load (eog/control tokens, pooling, chat formatter); its
         sessions => made, with its sessions, and closed while no worker uses it; read only afterwards
         (llama.cpp's model may be shared by contexts on several threads)
-    Worker-N -> LlamaRunner: _grammars (LRU of made grammars), _converting, _converter, _grammar_vocab,
-        conversions => _grammars_lock, never held while a grammar is made
+    Worker-N, loader -> _Grammars (LlamaRunner.grammars: get, prepare, vocab; close): _cache (LRU of made
+        grammars), _converting, _converter, _vocab, conversions => _Grammars._lock, never held while a
+        grammar is made
     Worker-N -> LlamaRunner: _pieces (token -> bytes cache) => no lock: a token's bytes are the same
         whoever stores them, and one dict get or set is atomic
-    loader -> LlamaRunner: session, close: _sessions => _lock (model_memory reads them: above)
+    loader -> LlamaRunner: session, close: _sessions => _lock (memory reads them: above)
     Worker-N, Saver -> StateStore: _index, _skipped, _pending, counts (find, restore, wants, save on the worker;
         _write, evict on the Saver) => _lock; a state file is read or written outside it (each is written whole
         under a temporary name first); the loader's close joins the Saver. A restore's crc is checked on a
         StateCheck thread of its own, joined by the worker before it closes the mapping
     Worker-N, Watcher -> Pool (waiting: children whose parent has not ended): released by a finish (the
         worker or Finisher), release_finished by the Watcher => Pool._cond's lock
-    Worker-N, Wide -> LlamaRunner (decode_wide, wait_wide): the Wide thread's OpenMP team => _wide_lock:
+    Worker-N, Wide -> LlamaRunner (decode, decode_wide, wait_wide): the Wide thread's OpenMP team => _wide_lock:
         one borrower's decode at a time; a plain decode waits for it to end
-    Grammar -> LlamaRunner (_convert), _Conversion: a conversion's found / error => written before its
+    Grammar -> _Grammars (_convert), _Conversion: a conversion's found / error => written before its
         done Event is set; the waiting workers read them only after
     any -> _CallThread (Grammar, Wide): its call queue => a queue.SimpleQueue (thread-safe); each call's result in
         its own box, set before its Event
-    Worker-N -> LlamaSession and what it holds: _Sequence, _Choices, _PrefixCache, _Batch,
-        _SamplingScratch, _GrammarTemplates, _JobSampler, _Penalties, _Embedder, _Embedding: its llama
-        context(s), KV cells, batch, samplers, slots => one worker's only (llama.cpp's rule: a context is
+    Worker-N -> LlamaSession and what it holds: _Sequence, _Choices, _PrefixCache, _Batch, _GrammarWaits,
+        _StateHandOff, _SamplingScratch, _GrammarTemplates, _JobSampler, _Penalties, _Embedder, _Embedding:
+        its llama context(s), KV cells, batch, samplers, slots => one worker's only (llama.cpp's rule: a context is
         never shared between threads), but: made (LlamaRunner.session) and closed (LlamaRunner.close) by
         the loader while no worker uses it (a switch parks every worker first); preempt (below); grammars
         handed over by the Grammar thread (_Conversion, above); its _Embedder.buffers read by the
-        Watcher (model_memory: a dict made whole before the session's embedder is set, then never changed)
+        Watcher (LlamaRunner.memory: a dict made whole before the session's embedder is set, then never changed)
     Scanner, Worker-N (Server._outranked) -> _Preemption (LlamaSession.preempt): the one-byte abort flag
         => no lock: one byte written and read; a request that lands after the worker's clear cuts its next
         step, which the sequences take again (a cut step changes nothing)
@@ -248,9 +283,15 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Worker-N -> GrammarVocab: decoded (code points per partial character) => GrammarVocab.lock: one
         decodes, the others wait for that
     any -> _Log (log.limited): _LIMITED => _LIMITED_LOCK
+    any (a client's: a server's handlers) -> metrics_text, _MetricsCache: _METRICS_CACHES (one cache a workspace)
+        => _METRICS_LOCK around each lookup and removal; a cache's sums => _MetricsCache.lock, held for a whole call
     Main, Worker-N -> _checked (a schema or tools checked at submit, in parse_batch, at each claim):
         _CHECKED => _CHECKED_LOCK around each read and each write (with its eviction), never held while a
         check runs: two threads may check one key at once, and find the same
+    Worker-N, Grammar -> schema_to_grammar: _schema_converter => no lock: the converter class is made
+        whole, then bound in one assignment (threads that race make the same class)
+    any -> move: _renameat2 => no lock: loaded whole, then bound in one assignment (threads that race
+        load the same function)
     Main, Worker-N -> _python_class: _python_classes => no lock: filled whole by one update (threads that
         race compute the same)
     Main, loader -> gguf_strings: _gguf_headers => no lock: one get, one set or clear, each atomic (a
@@ -259,7 +300,22 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         _llama_log_reason, _GrammarTemplates, LlamaRunner: _llama_log_tail => no lock: the callback appends
         and cuts it to 5 lines, a call whose failure it explains clears it first, _llama_log_reason reads
         one slice (at worst another thread's line is the reason given); _buffer_sizes => by thread: each
-        thread adds, fills (its callback) and removes its own entry
+        thread adds, fills (its callback) and removes its own entry; _llama_log_callback => bound once,
+        by the first loader, before llama.cpp is given its address (and kept: llama.cpp holds no reference)
+    Api-IO -> _Reader: the connections whose request is being read => Api-IO's alone; Api-N gives a kept-alive
+        one back through a queue.SimpleQueue and a pipe
+    Api-IO, Api-N -> _Memory: held (request bodies' bytes, all connections together) => _Memory._lock
+    Api-IO, Api-N -> ApiServer: requests => a queue.Queue; _threads, _idle => _lock; _stop_asked => one
+        attribute (a signal handler sets it)
+    Api-N -> ApiFiles: a file's folder => written whole under api/tmp/, then published or put aside by one rename
+    Api-N -> RequestStream, _RequestWatch: one request's job, followed => the request's own thread alone; the
+        job's files change only by the daemon's renames and appends, read with Flow's checked readers
+    Api-N, Batches -> ApiBatches: a batch's record => rewritten whole (temporary name, fsync, rename) under a
+        flock on api/batches/, held for the read-modify-write only; its jobs and files as any client's
+    Batches -> BatchLifecycle: ended, the lock's descriptor => its own; every step of every batch => the flock on
+        api/batches/lifecycle.lock: one process of a workspace takes steps (a second server's thread waits)
+    Main -> BatchLifecycle: start, stop (ApiServer's) => stop sets an Event (_halt) and joins the thread before
+        closing the lock
 """
 
 from __future__ import annotations
@@ -269,7 +325,7 @@ __version__ = "0.1.0"
 __all__ = [
     # client
     "Work", "SubmitResult", "Flow", "Status", "Job", "iter_events", "bulk_states",
-    "cancel_job", "cancel_jobs", "retry_job", "retry_jobs", "clean_jobs", "daemon_info", "stop_daemon",
+    "cancel_job", "cancel_jobs", "retry_job", "retry_jobs", "clean_jobs", "daemon_info", "stop_daemon", "metrics_text",
     # batch files and export
     "BatchEntry", "parse_batch", "read_batch", "batch_line_limit", "parse_records", "export_record", "job_vectors",
     "ExportFormat", "EXPORT_FORMATS",
@@ -297,10 +353,11 @@ import stat
 import sys
 import threading
 import time
-from collections import deque, namedtuple
+from collections import Counter, deque, namedtuple
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations are strings at run time: importing typing costs 4 ms a start
+    from pathlib import Path
     from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 _INF = float("inf")  # JSON from Python's json module may hold Infinity
@@ -618,63 +675,135 @@ def setting_default(name: str) -> Any:
 SETTINGS: dict[str, _Setting] = {
     "workers": _Setting("NRVNA_WORKERS", int, min(4, cpu_count()), 1, 256, "worker threads, each with its own context",
                          flags=("-w", "--workers"), shown="4, or the cores if fewer"),
-    "seqs": _Setting("NRVNA_SEQS", int, 16, 1, 255, "sequences each worker context generates at once (beyond 8, as the jobs' budgets leave room; one more is kept for a higher-priority job)",
+    "seqs": _Setting("NRVNA_SEQS", int, 16, 1, 255,
+                     "sequences each worker context generates at once (beyond 8, as the jobs' budgets leave room; one "
+                     "more is kept for a higher-priority job)",
                       flags=("-s", "--seqs")),
     "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
-    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20, "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
-    "kv_type": _Setting("NRVNA_KV_TYPE", str, "f16", None, None, "the KV cache's type: f16, q8_0 (0.53x the memory) or q4_0 (0.28x); a quantized cache turns flash attention on, which llama.cpp needs for it (a model or backend without it: exit 2 at start). What each costs in quality: docs/configuration.md",
+    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20,
+                        "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / "
+                        "min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
+    "kv_type": _Setting("NRVNA_KV_TYPE", str, "f16", None, None,
+                        "the KV cache's type: f16, q8_0 (0.53x the memory) or q4_0 (0.28x); a quantized cache turns "
+                        "flash attention on, which llama.cpp needs for it (a model or backend without it: exit 2 at "
+                        "start). What each costs in quality: docs/configuration.md",
                          choices=tuple(KV_TYPES), flags=("--kv-type",)),
     "batch": _Setting("NRVNA_BATCH", int, 512, 16, 1 << 16, "tokens per llama_decode call (prefill chunk)"),
-    "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000, "layers offloaded to the GPU (-1 all)",
+    "gpu_layers": _Setting("NRVNA_GPU_LAYERS", int, _default_gpu_layers(), -1, 100000,
+                           "layers offloaded to the GPU (-1 all)",
                             shown="0 (99 on macOS)"),
-    "gpu": _Setting("NRVNA_GPU", int, -1, -1, 1023, "the GPU this daemon runs on, whole (llama.cpp's main GPU, no split; one daemon per GPU); -1 lets llama.cpp spread the layers over every GPU",
+    "gpu": _Setting("NRVNA_GPU", int, -1, -1, 1023,
+                    "the GPU this daemon runs on, whole (llama.cpp's main GPU, no split; one daemon per GPU); -1 lets "
+                    "llama.cpp spread the layers over every GPU",
                      flags=("--gpu",)),
-    "max_loaded": _Setting("NRVNA_MAX_LOADED", int, 2, 1, 64, "models a daemon serving several keeps loaded at once (the one with nothing queued is evicted first)",
+    "max_loaded": _Setting("NRVNA_MAX_LOADED", int, 2, 1, 64,
+                           "models a daemon serving several keeps loaded at once (the one with nothing queued is "
+                           "evicted first)",
                             flags=("--max-loaded",)),
-    "max_load_failures": _Setting("NRVNA_MAX_LOAD_FAILURES", int, 3, 1, 1000, "failed loads of a model (at its turn; tried again after 5 s, then twice as long each time, at most 300 s) after which a daemon serving several models fails its queued jobs with load_failed"),
-    "load_ahead": _Setting("NRVNA_LOAD_AHEAD", int, 1, 0, 1, "1 loads the model whose jobs come next while another model runs, into room --max-loaded leaves (it unloads nothing), so its turn starts without a load"),
-    "model_turn": _Setting("NRVNA_MODEL_TURN", float, 60.0, 0.0, 86400.0, "seconds a model keeps the daemon while other models' jobs wait; then the longest-waiting model gets its turn (as soon as its running jobs end)",
+    "max_load_failures": _Setting("NRVNA_MAX_LOAD_FAILURES", int, 3, 1, 1000,
+                                  "failed loads of a model (at its turn; tried again after 5 s, then twice as long "
+                                  "each time, at most 300 s) after which a daemon serving several models fails its "
+                                  "queued jobs with load_failed"),
+    "load_ahead": _Setting("NRVNA_LOAD_AHEAD", int, 1, 0, 1,
+                           "1 loads the model whose jobs come next while another model runs, into room --max-loaded "
+                           "leaves (it unloads nothing), so its turn starts without a load"),
+    "model_turn": _Setting("NRVNA_MODEL_TURN", float, 60.0, 0.0, 86400.0,
+                           "seconds a model keeps the daemon while other models' jobs wait; then the longest-waiting "
+                           "model gets its turn (as soon as its running jobs end)",
                             flags=("--model-turn",)),
     "repack": _Setting("NRVNA_REPACK", int, 1, 0, 1, "0 loads weights without AMX/repacked buffers"),
-    "mmap": _Setting("NRVNA_MMAP", int, 1, 0, 1, "1 maps model files into memory (loads fast, shares the page cache); 0 reads them into the daemon's memory, so that a model file overwritten in place (cp new.gguf model.gguf) cannot kill the daemon with SIGBUS",
+    "mmap": _Setting("NRVNA_MMAP", int, 1, 0, 1,
+                     "1 maps model files into memory (loads fast, shares the page cache); 0 reads them into the "
+                     "daemon's memory, so that a model file overwritten in place (cp new.gguf model.gguf) cannot kill "
+                     "the daemon with SIGBUS",
                       flags=("--mmap",)),
-    "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1, "1 shares computed prompt prefixes between a context's jobs (and reads the states NRVNA_CACHE_DISK keeps); 0 computes every prompt whole"),
-    "cache_disk": _Setting("NRVNA_CACHE_DISK", str, "2G", None, None, "most bytes of computed contexts (KV states) kept on disk for later jobs, restarts and other daemons, least recently used out first: bytes, or with K, M, G, T; 0 turns the store off. 2G holds about 11 contexts of 8,000 tokens of SmolLM2-135M (23 KB a token), 2 of an 8B model (128 KB a token)",
+    "prefix_cache": _Setting("NRVNA_PREFIX_CACHE", int, 1, 0, 1,
+                             "1 shares computed prompt prefixes between a context's jobs (and reads the states "
+                             "NRVNA_CACHE_DISK keeps); 0 computes every prompt whole"),
+    "cache_disk": _Setting("NRVNA_CACHE_DISK", str, "2G", None, None,
+                           "most bytes of computed contexts (KV states) kept on disk for later jobs, restarts and "
+                           "other daemons, least recently used out first: bytes, or with K, M, G, T; 0 turns the store "
+                           "off. 2G holds about 11 contexts of 8,000 tokens of SmolLM2-135M (23 KB a token), 2 of an "
+                           "8B model (128 KB a token)",
                            check=_check_size),
-    "cache_pending": _Setting("NRVNA_CACHE_PENDING", str, "auto", None, None, "most bytes of computed contexts copied out of the KV cache and waiting for the Saver to write them to NRVNA_CACHE_DISK's store: auto (2 contexts, each at most a job's share of cells: 45 MiB for SmolLM2-135M at the defaults), or a size; a save beyond it is skipped (logged), never waited for",
+    "cache_pending": _Setting("NRVNA_CACHE_PENDING", str, "auto", None, None,
+                              "most bytes of computed contexts copied out of the KV cache and waiting for the Saver to "
+                              "write them to NRVNA_CACHE_DISK's store: auto (2 contexts, each at most a job's share of "
+                              "cells: 45 MiB for SmolLM2-135M at the defaults), or a size; a save beyond it is skipped "
+                              "(logged), never waited for",
                               check=_check_pending),
-    "max_memory": _Setting("NRVNA_MAX_MEMORY", str, "0", None, None, "a memory budget: a daemon whose models' weights, KV caches and compute buffers (as llama.cpp states them, once the first context is made) and host caches would exceed it exits 2 at start, saying what would fit (0: no budget)",
+    "max_memory": _Setting("NRVNA_MAX_MEMORY", str, "0", None, None,
+                           "a memory budget: a daemon whose models' weights, KV caches and compute buffers (as "
+                           "llama.cpp states them, once the first context is made) and host caches would exceed it "
+                           "exits 2 at start, saying what would fit (0: no budget)",
                            flags=("--max-memory",), check=_check_size),
-    "cache_dir": _Setting("NRVNA_CACHE_DIR", str, "", None, None, "where the saved KV states live (empty: the workspace's states/): a faster disk than the workspace's, or one shared by workspaces"),
-    "cache_min_tokens": _Setting("NRVNA_CACHE_MIN_TOKENS", int, 512, 16, 1 << 24, "fewest tokens a saved KV state covers: a shorter context is computed again about as fast as its state is written and read"),
-    "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20, "max tokens generated per job (default of max_tokens)"),
-    "temperature": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0, "sampling temperature, 0 = greedy (default of temperature)"),
+    "cache_dir": _Setting("NRVNA_CACHE_DIR", str, "", None, None,
+                          "where the saved KV states live (empty: the workspace's states/): a faster disk than the "
+                          "workspace's, or one shared by workspaces"),
+    "cache_min_tokens": _Setting("NRVNA_CACHE_MIN_TOKENS", int, 512, 16, 1 << 24,
+                                 "fewest tokens a saved KV state covers: a shorter context is computed again about as "
+                                 "fast as its state is written and read"),
+    "max_tokens": _Setting("NRVNA_PREDICT", int, 2048, 1, 1 << 20,
+                           "max tokens generated per job (default of max_tokens)"),
+    "temperature": _Setting("NRVNA_TEMP", float, 0.8, 0.0, 100.0,
+                            "sampling temperature, 0 = greedy (default of temperature)"),
     "top_k": _Setting("NRVNA_TOP_K", int, 40, 0, 1 << 20, "top-k sampling, 0 = off (default of top_k)"),
     "top_p": _Setting("NRVNA_TOP_P", float, 0.9, 0.0, 1.0, "top-p sampling, 1 = off (default of top_p)"),
     "min_p": _Setting("NRVNA_MIN_P", float, 0.05, 0.0, 1.0, "min-p sampling, 0 = off (default of min_p)"),
-    "repeat_penalty": _Setting("NRVNA_REPEAT_PENALTY", float, 1.1, 0.0, 100.0, "repetition penalty, 1 = off (default of repeat_penalty)"),
-    "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE, "sampling seed; 0 = random, anything else reproducible (default of seed)"),
+    "repeat_penalty": _Setting("NRVNA_REPEAT_PENALTY", float, 1.1, 0.0, 100.0,
+                               "repetition penalty, 1 = off (default of repeat_penalty)"),
+    "seed": _Setting("NRVNA_SEED", int, 0, 0, 0xFFFFFFFE,
+                     "sampling seed; 0 = random, anything else reproducible (default of seed)"),
     "max_attempts": _Setting("NRVNA_MAX_ATTEMPTS", int, 3, 1, 1000, "daemon deaths a job may cause before it fails"),
-    "max_write_tries": _Setting("NRVNA_MAX_WRITE_TRIES", int, 3, 1, 1000, "finishes of a job that may fail to be written (an I/O error, a file size limit, a result larger than the whole filesystem) before it fails with `write_error`; each such finish hands the job back to the queue, uncounted as an attempt, and it is generated again 1 s later. A full disk counts none: its jobs wait, uncounted and not generated again, until there is room"),
+    "max_write_tries": _Setting("NRVNA_MAX_WRITE_TRIES", int, 3, 1, 1000,
+                                "finishes of a job that may fail to be written (an I/O error, a file size limit, a "
+                                "result larger than the whole filesystem) before it fails with `write_error`; each "
+                                "such finish hands the job back to the queue, uncounted as an attempt, and it is "
+                                "generated again 1 s later. A full disk counts none: its jobs wait, uncounted and not "
+                                "generated again, until there is room"),
     "max_prompt_bytes": _Setting("NRVNA_MAX_PROMPT_BYTES", int, 1 << 20, 1, 1 << 30, "largest prompt accepted"),
-    "max_batch_lines": _Setting("NRVNA_MAX_BATCH_LINES", int, 1_000_000, 1, 1 << 31, "most lines a batch file (submit --file) may hold: it is held whole while checked, about 0.8 KB a line"),
-    "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0, "seconds a submit waits for another live submit that holds its idempotency key to publish its job (then exit 4, nothing queued)"),
+    "max_batch_lines": _Setting("NRVNA_MAX_BATCH_LINES", int, 1_000_000, 1, 1 << 31,
+                                "most lines a batch file (submit --file) may hold: it is held whole while checked, "
+                                "about 0.8 KB a line"),
+    "key_wait": _Setting("NRVNA_KEY_WAIT", float, 60.0, 0.0, 86400.0,
+                         "seconds a submit waits for another live submit that holds its idempotency key to publish its "
+                         "job (then exit 4, nothing queued)"),
     "models_dir": _Setting("NRVNA_MODELS_DIR", str, "./models", None, None, "where a model name is looked up"),
-    "model_aliases": _Setting("NRVNA_MODEL_ALIASES", str, "", None, None, "other names for models, NAME=MODEL[,NAME=MODEL...]: a job (or the daemon) naming NAME gets MODEL (e.g. gpt-4o-mini=smollm2)",
+    "model_aliases": _Setting("NRVNA_MODEL_ALIASES", str, "", None, None,
+                              "other names for models, NAME=MODEL[,NAME=MODEL...]: a job (or the daemon) naming NAME "
+                              "gets MODEL (e.g. gpt-4o-mini=smollm2)",
                              check=_check_aliases),
-    "strict_models": _Setting("NRVNA_STRICT_MODELS", int, 0, 0, 1, "1: submit refuses a job whose model matches no known model (exit 2, nothing queued); 0 queues it for the daemon's model, with a note (submit --strict-models)"),
-    "pooling": _Setting("NRVNA_POOLING", str, "model", None, None, "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, last, or none (no embed jobs)", choices=POOLINGS),
-    "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1, "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
-    "thinking_tags": _Setting("NRVNA_THINKING_TAGS", str, "auto", None, None, "a thinking model's block tags: auto (found in its chat template: <think> </think>, [THINK] [/THINK], <seed:think> </seed:think>, <|START_THINKING|> <|END_THINKING|>), off (its thinking is left in the answer), or OPEN CLOSE for another pair",
+    "strict_models": _Setting("NRVNA_STRICT_MODELS", int, 0, 0, 1,
+                              "1: submit refuses a job whose model matches no known model (exit 2, nothing queued); 0 "
+                              "queues it for the daemon's model, with a note (submit --strict-models)"),
+    "pooling": _Setting("NRVNA_POOLING", str, "model", None, None,
+                        "how embed jobs pool a text's token vectors into one: model (as its GGUF says), mean, cls, "
+                        "last, or none (no embed jobs)", choices=POOLINGS),
+    "embed_normalize": _Setting("NRVNA_EMBED_NORMALIZE", int, 1, 0, 1,
+                                "1 returns embeddings L2-normalized (as OpenAI and llama-server do), 0 raw"),
+    "thinking_tags": _Setting("NRVNA_THINKING_TAGS", str, "auto", None, None,
+                              "a thinking model's block tags: auto (found in its chat template: <think> </think>, "
+                              "[THINK] [/THINK], <seed:think> </seed:think>, <|START_THINKING|> <|END_THINKING|>), off "
+                              "(its thinking is left in the answer), or OPEN CLOSE for another pair",
                               check=_check_thinking_tags),
-    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace", choices=LOG_LEVELS,
+    "log_level": _Setting("NRVNA_LOG_LEVEL", str, "info", None, None, "error, warn, info, debug or trace",
+                          choices=LOG_LEVELS,
                            check=_log_level),
-    "on_done": _Setting("NRVNA_ON_DONE", str, "", None, None, "a shell command run for every job that ends, with the job's directory appended as its last argument ($1 of a script)",
+    "on_done": _Setting("NRVNA_ON_DONE", str, "", None, None,
+                        "a shell command run for every job that ends, with the job's directory appended as its last "
+                        "argument ($1 of a script)",
                          flags=("--on-done",)),
-    "on_batch_done": _Setting("NRVNA_ON_BATCH_DONE", str, "", None, None, "a shell command run once when every job of a tag has ended, with the tag appended as its argument",
+    "on_batch_done": _Setting("NRVNA_ON_BATCH_DONE", str, "", None, None,
+                              "a shell command run once when every job of a tag has ended, with the tag appended as "
+                              "its argument",
                                flags=("--on-batch-done",)),
     "hook_jobs": _Setting("NRVNA_HOOK_JOBS", int, 2, 1, 256, "hooks run at most this many at a time"),
-    "hook_timeout": _Setting("NRVNA_HOOK_TIMEOUT", float, 60.0, 0.1, 86400.0, "seconds a hook may run before it is killed (and logged; not run again)"),
+    "api_key": _Setting("NRVNA_API_KEY", str, "", None, None,
+                        "the served API's key (`nrvna serve`, `daemon --serve`): every request must then carry "
+                        "`Authorization: Bearer KEY` (else 401); serving an address other than loopback needs one",
+                         flags=("--api-key",)),
+    "hook_timeout": _Setting("NRVNA_HOOK_TIMEOUT", float, 60.0, 0.1, 86400.0,
+                             "seconds a hook may run before it is killed (and logged; not run again)"),
 }
 
 
@@ -1477,7 +1606,8 @@ def _gbnf_literal(text: str) -> str:
             out.append(c)
         else:
             point = ord(c)
-            out.append(f"\\x{point:02X}" if point < 0x100 else f"\\u{point:04X}" if point < 0x10000 else f"\\U{point:08X}")
+            out.append(f"\\x{point:02X}" if point < 0x100 else f"\\u{point:04X}" if point < 0x10000
+                       else f"\\U{point:08X}")
     return '"' + "".join(out) + '"'
 
 
@@ -1808,7 +1938,8 @@ class _Regex:
             return self.char_class()
         if c == ".":
             self.pos += 1
-            return self.shape([(_spans_not(((0x0A, 0x0A),)), _spans_not(((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))))],
+            return self.shape([(_spans_not(((0x0A, 0x0A),)),
+                                _spans_not(((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))))],
                               False)
         if c == "\\":
             kind, value = self.escape(in_class=False)
@@ -2316,7 +2447,8 @@ class GrammarVocab:
         if found is None:
             np = self.np
             which = range(len(self.pieces)) if partial == (0, 0) else self.continuing
-            rows = {i: grammar_code_points(self.pieces[i], partial)[0] for i in which if self.pieces[i][:1] not in (b"", b"\0")}
+            rows = {i: grammar_code_points(self.pieces[i], partial)[0] for i in which
+                    if self.pieces[i][:1] not in (b"", b"\0")}
             lengths = np.zeros(len(self.pieces), dtype=np.int64)
             for i, row in rows.items():
                 lengths[i] = len(row)
@@ -3117,7 +3249,8 @@ class _SchemaCheck:
         self.count_pattern(node, where)
         if "pattern" in node:  # what llama.cpp is given must not hang a worker: checked as a grammar is
             try:
-                check_grammar(f'root ::= "\\"" {expression} "\\""\n' + "".join(f"{n} ::= {b}\n" for n, b in rules.items()))
+                check_grammar(f'root ::= "\\"" {expression} "\\""\n'
+                              + "".join(f"{n} ::= {b}\n" for n, b in rules.items()))
             except InvalidInput as err:
                 self.fail(where, f"pattern {node['pattern']!r} makes a grammar nrvna refuses ({err})")
 
@@ -3158,7 +3291,8 @@ class _SchemaCheck:
             state[ref] = 1
             for nxt in self.leads.get(ref, ()):
                 if state.get(nxt) == 1:
-                    self.fail(nxt[1:], f"$ref {nxt!r} refers back to itself before any object or array (a loop on nothing)")
+                    self.fail(nxt[1:], f"$ref {nxt!r} refers back to itself before any object or array (a loop on "
+                              "nothing)")
                 if nxt not in state:
                     walk(nxt)
             state[ref] = 2
@@ -3172,7 +3306,8 @@ class _SchemaCheck:
         $ref): the converter would try to resolve it."""
         if isinstance(node, dict):
             if "$ref" in node and id(node) not in self.ref_nodes:
-                self.fail(where, "a '$ref' key where no schema is (in a value, or a property named $ref) is not supported")
+                self.fail(where, "a '$ref' key where no schema is (in a value, or a property named $ref) is not "
+                          "supported")
             for key, value in node.items():
                 self.stray_refs(value, f"{where}/{key}")
         elif isinstance(node, list):
@@ -3313,7 +3448,8 @@ def _hoisted(parameters: Mapping[str, Any], prefix: str, defs: dict[str, Any]) -
 
     def rewrite(node: Any) -> Any:
         if isinstance(node, dict):
-            return {k: (renames.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v)) for k, v in node.items()}
+            return {k: (renames.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v)) for k,
+                    v in node.items()}
         if isinstance(node, list):
             return [rewrite(v) for v in node]
         return node
@@ -3341,7 +3477,8 @@ def tool_call_schema(tools: list[dict[str, Any]], choice: Any, parallel: bool, f
                       "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if form.generic:
-        key, value = ("tool_calls", {"type": "array", "items": schema, "minItems": 1}) if parallel else ("tool_call", schema)
+        key, value = ("tool_calls", {"type": "array", "items": schema,
+                                     "minItems": 1}) if parallel else ("tool_call", schema)
         schema = {"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False}
         if choice == "auto":
             answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
@@ -3393,7 +3530,8 @@ def generic_tool_text(tools: list[dict[str, Any]], choice: Any, parallel: bool) 
     how = (f"Respond in JSON format, either with `{key}` (a request to call tools) or with `response` (your reply "
            f"to the user's request)" if choice == "auto" else f"Respond in JSON format with `{key}` (a request to "
            f"call {'the tool ' + named if named else 'tools'})")
-    return (f"You can call any of the following tools to satisfy the user's requests: {json.dumps(functions, indent=2, ensure_ascii=False)}"
+    return ("You can call any of the following tools to satisfy the user's requests: "
+            f"{json.dumps(functions, indent=2, ensure_ascii=False)}"
             f"\n\nExample tool call syntax:\n\n{json.dumps(example, indent=2)}\n\n{how}.")
 
 
@@ -3441,7 +3579,8 @@ def _check_tools(value: Any, param: Param) -> list[dict[str, Any]]:
             raise InvalidInput(f"{where}.type {kind!r} is not supported (function only)")
         function = tool.get("function")
         if set(tool) != {"type", "function"} or not isinstance(function, dict):
-            raise InvalidInput(f'{where} must be {{"type": "function", "function": {{"name", "description", "parameters"}}}}')
+            raise InvalidInput(f'{where} must be {{"type": "function", "function": {{"name", "description", '
+                               f'"parameters"}}}}')
         unknown = set(function) - {"name", "description", "parameters", "strict"}
         if unknown:
             raise InvalidInput(f"{where}.function: unknown field {sorted(unknown)[0]!r}")
@@ -3489,7 +3628,8 @@ def _check_tool_choice(value: Any, param: Param) -> Any:
     function = value.get("function") if isinstance(value, dict) else None
     if not (isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "function"}
             and isinstance(function, dict) and set(function) == {"name"} and isinstance(function["name"], str)):
-        raise InvalidInput('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": NAME}}')
+        raise InvalidInput('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                           '{"name": NAME}}')
     return value
 
 
@@ -3510,7 +3650,8 @@ def _check_call(call: Any, where: str) -> dict[str, Any]:
     text = call["id"] + function["name"] + function["arguments"]
     if "\x00" in text or not text.encode("utf-8", "surrogatepass").decode("utf-8", "ignore") == text:
         raise InvalidInput(f"{where} holds a NUL byte or is not valid Unicode (a lone surrogate)")
-    return {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": function["arguments"]}}
+    return {"id": call["id"], "type": "function",
+            "function": {"name": function["name"], "arguments": function["arguments"]}}
 
 
 def find_tool_format(formatter: Any) -> ToolFormat:
@@ -3524,7 +3665,8 @@ def find_tool_format(formatter: Any) -> ToolFormat:
     if formatter is None:
         return GENERIC_TOOLS
     tool = {"type": "function", "function": {"name": "nrvna_probe_tool", "description": "a probe",
-                                             "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}}}}
+                                             "parameters": {"type": "object",
+                                                            "properties": {"arg": {"type": "string"}}}}}
     call = {"id": "call_0", "type": "function", "function": {"name": "nrvna_probe_tool", "arguments": {"arg": "value"}}}
     try:
         text = formatter(messages=[{"role": "user", "content": "hi"},
@@ -3556,7 +3698,8 @@ def tool_call_id(job_id: str, choice: int, k: int) -> str:
     return f"call_{job_id}_{k}" if choice == 0 else f"call_{job_id}_c{choice}_{k}"
 
 
-def read_tool_calls(text: str, form: ToolFormat, job_id: str, choice: int) -> Optional[tuple[Optional[str], list[dict[str, Any]]]]:
+def read_tool_calls(text: str, form: ToolFormat, job_id: str,
+                    choice: int) -> Optional[tuple[Optional[str], list[dict[str, Any]]]]:
     """(content, calls) from a model's answer, or None when it holds no whole call (text only,
     or its first call cut short; a template's calls cut short after whole ones: those). Calls as
     OpenAI gives them: ``{"id", "type": "function", "function": {"name", "arguments": JSON
@@ -3681,7 +3824,8 @@ class Param:
 
     def __init__(self, kind: Any, *, help: str, low: Any = None, high: Any = None, default: Any = None,
                  flag: Optional[str] = None, openai: tuple[str, ...] = (), jsonl: bool = True,
-                 read: Optional[tuple[str, Callable[[str], Any]]] = None, gather: Optional[Callable[[list[Any]], Any]] = None,
+                 read: Optional[tuple[str, Callable[[str], Any]]] = None,
+                 gather: Optional[Callable[[list[Any]], Any]] = None,
                  check: Optional[Callable[[Any, "Param"], Any]] = None, what: str = "", jobs: str = "generate") -> None:
         self.kind, self.low, self.high, self.default = kind, low, high, default
         self.flag, self.openai, self.jsonl, self.help = flag, openai, jsonl, help
@@ -3711,7 +3855,8 @@ class Param:
             if value not in kind:
                 raise InvalidInput(f"parameter {key} must be one of {', '.join(kind)}")
         else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF, -_INF):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (_INF,
+                                                                                                             -_INF):
                 raise InvalidInput(f"parameter {key} must be {'an integer' if kind is int else 'a finite number'}")
             if kind is int and value != int(value):
                 raise InvalidInput(f"parameter {key} must be an integer")
@@ -3957,7 +4102,8 @@ def _check_messages(messages: Any, param: Param) -> list[dict[str, Any]]:
             if isinstance(turn.get("name"), str):
                 extra["name"] = turn["name"]
         if isinstance(content, list):  # OpenAI content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
                 raise InvalidInput(f"messages[{i}].content: only text parts are supported")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -4125,7 +4271,8 @@ def check_combination(params: Mapping[str, Any], max_tokens: Optional[int] = Non
     if job_param(params, "parent") is not None and job_param(params, "raw"):
         raise InvalidInput("a raw prompt has no turns to continue: give parent without raw")
     check_logprobs_size(params, max_tokens)
-    if job_param(params, "endpoint") and (job_param(params, "endpoint") == "/v1/embeddings") != bool(job_param(params, "embed")):
+    if job_param(params, "endpoint") and (job_param(params, "endpoint")
+                                          == "/v1/embeddings") != bool(job_param(params, "embed")):
         raise InvalidInput("endpoint /v1/embeddings goes with embed jobs only")
     if job_param(params, "embed"):
         for key, value in params.items():
@@ -4257,12 +4404,19 @@ PARAMS: dict[str, Param] = {
                     help="drop tokens less likely than this fraction of the best one (0 = off)"),
     "repeat_penalty": Param(float, low=0.0, high=100.0, flag="--repeat-penalty", openai=("repeat_penalty",),
                              help="divide the logits of the last 64 generated tokens by this (1 = off)"),
-    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty", openai=("presence_penalty",),
-                               help="subtract this from the logit of every token among the last 64 generated (0 = off)"),
-    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty", openai=("frequency_penalty",),
-                                help="subtract this times its count from the logit of each token among the last 64 generated (0 = off)"),
-    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",), read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias, what="object, biases {low:g} to {high:g}",
-                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
+    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty",
+                              openai=("presence_penalty",),
+                               help="subtract this from the logit of every token among the last 64 generated (0 = "
+                              "off)"),
+    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty",
+                               openai=("frequency_penalty",),
+                                help="subtract this times its count from the logit of each token among the last 64 "
+                               "generated (0 = off)"),
+    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",),
+                        read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias,
+                        what="object, biases {low:g} to {high:g}",
+                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's "
+                        "model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
     "seed": Param(int, low=0, high=0xFFFFFFFE, flag="--seed", openai=("seed",),
                    help="sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
     "n": Param(int, low=1, high=CHOICES_MAX, default=1, flag="--n", openai=("n",),
@@ -4271,62 +4425,98 @@ PARAMS: dict[str, Param] = {
     "stop": Param(list, low=0, high=16, flag="--stop", openai=("stop",),
                    help="strings that end the generation, not included in the result (a flag per string)"),
     "ignore_eos": Param(bool, default=False, flag="--ignore-eos",
-                         help="keep generating past the model's end-of-generation token (not past the end of a grammar)"),
-    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",), read=("FILE|JSON", _read_json_schema), check=_check_response_format, what="object (OpenAI's)",
-                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or {\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
-    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",), read=("FILE", _read_grammar),
-                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the flag takes a file"),
+                         help="keep generating past the model's end-of-generation token (not past the end of a "
+                        "grammar)"),
+    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",),
+                             read=("FILE|JSON", _read_json_schema), check=_check_response_format,
+                             what="object (OpenAI's)",
+                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": "
+                             "{\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or "
+                             "{\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
+    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",),
+                     read=("FILE", _read_grammar),
+                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the "
+                     "flag takes a file"),
     "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
                        help=f"record each generated token's log-probability (get --json, export); n x max_tokens x "
                             f"(top_logprobs + 1) may be at most {LOGPROBS_MAX} a job"),
     "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
                            help="with logprobs: also the N most likely tokens at each step"),
     "embed": Param(bool, default=False, flag="--embed", jobs="any",
-                    help="embed the input instead of generating: a vector per text (the result holds one JSON array per text, one per line)"),
-    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input, what="list of {low} to {high} strings", jobs="embed",
+                    help="embed the input instead of generating: a vector per text (the result holds one JSON array "
+                   "per text, one per line)"),
+    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input,
+                   what="list of {low} to {high} strings", jobs="embed",
                     help="with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
     "dimensions": Param(int, low=1, high=1 << 16, flag="--dimensions", openai=("dimensions",), jobs="embed",
-                         help="with embed: keep each vector's first N values (normalized again): for models trained for it (Matryoshka)"),
+                         help="with embed: keep each vector's first N values (normalized again): for models trained "
+                        "for it (Matryoshka)"),
     "encoding_format": Param(("float", "base64"), default="float", openai=("encoding_format",), jobs="embed",
-                              help="with embed: how export --format openai writes the vectors (base64: little-endian float32)"),
+                              help="with embed: how export --format openai writes the vectors (base64: little-endian "
+                             "float32)"),
     "system": Param(str, low=0, high=1 << 20, flag="--system",
                      help="a system message for the chat template"),
     "raw": Param(bool, default=False, flag="--raw",
                   help="send the prompt as is, without the chat template"),
     "timeout": Param(float, low=0.001, high=1e7, flag="--timeout", jobs="any",
                       help="seconds of generation before the job fails with code timeout, keeping its partial text"),
-    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages, what="list of up to {high} {{role, content}}",
+    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages,
+                      what="list of up to {high} {{role, content}}",
                        help="chat turns [{role, content}] instead of a prompt, through the chat template"),
-    "tools": Param(list, low=1, high=STRUCTURE_LIMIT, flag="--tools", openai=("tools",), read=("FILE|JSON", _read_tools),
+    "tools": Param(list, low=1, high=STRUCTURE_LIMIT, flag="--tools", openai=("tools",),
+                   read=("FILE|JSON", _read_tools),
                     check=_check_tools, what=f"list of up to {TOOLS_MAX} functions (OpenAI's)",
-                    help="functions the model may call: [{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}]; the calls come back as tool_calls (see Tool calls); the flag takes the list or one tool, inline or a file"),
-    "tool_choice": Param(dict, flag="--tool-choice", openai=("tool_choice",), read=("none|auto|required|NAME", _read_tool_choice),
+                    help="functions the model may call: [{\"type\": \"function\", \"function\": {\"name\", "
+                   "\"description\", \"parameters\"}}]; the calls come back as tool_calls (see Tool calls); the flag "
+                   "takes the list or one tool, inline or a file"),
+    "tool_choice": Param(dict, flag="--tool-choice", openai=("tool_choice",),
+                         read=("none|auto|required|NAME", _read_tool_choice),
                           check=_check_tool_choice, what="`none`, `auto`, `required` or a named function",
-                          help="with tools: auto (default: text or calls), required (calls only), none (text only), or a named function (a call of it; the flag takes its name)"),
+                          help="with tools: auto (default: text or calls), required (calls only), none (text only), or "
+                         "a named function (a call of it; the flag takes its name)"),
     "parallel_tool_calls": Param(bool, flag="--parallel-tool-calls", openai=("parallel_tool_calls",),
-                                  help="with tools: whether one answer may hold several calls (default true, as OpenAI's)"),
+                                  help="with tools: whether one answer may hold several calls (default true, as "
+                                 "OpenAI's)"),
     "custom_id": Param(str, low=0, high=512, jobs="any",
                         help="the caller's name for the job (batch files, export; default line-N)"),
     "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
-                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower ones in its context until it ends"),
+                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower "
+                      "ones in its context until it ends"),
     "model": Param(str, low=1, high=256, flag="--model", openai=("model",), jobs="any",
-                    help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the daemon's model (a note says so; --strict-models refuses it), a known model no running daemon serves waits"),
+                    help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in "
+                   "NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the "
+                   "daemon's model (a note says so; --strict-models refuses it), a known model no running daemon "
+                   "serves waits"),
     "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
-                              help="submit this work once: if a job with this key exists (queued, running, done or failed), its ID is returned and nothing is queued (see Submit once)"),
-    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",), read=("JSON", _read_object("--metadata")), check=_check_metadata, what="object, up to {high} bytes as JSON", jobs="any",
-                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON object (a template's record, by default); never read by the daemon"),
-    "chat_template_kwargs": Param(dict, low=0, high=1 << 16, flag="--chat-template-kwargs", openai=("chat_template_kwargs",),
+                              help="submit this work once: if a job with this key exists (queued, running, done or "
+                             "failed), its ID is returned and nothing is queued (see Submit once)"),
+    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",),
+                      read=("JSON", _read_object("--metadata")), check=_check_metadata,
+                      what="object, up to {high} bytes as JSON", jobs="any",
+                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON "
+                      "object (a template's record, by default); never read by the daemon"),
+    "chat_template_kwargs": Param(dict, low=0, high=1 << 16, flag="--chat-template-kwargs",
+                                  openai=("chat_template_kwargs",),
                                    read=("JSON", _read_object("--chat-template-kwargs")), check=_check_template_kwargs,
                                    what="object, up to {high} bytes as JSON",
-                                   help="variables for the model's chat template, as llama-server and vLLM pass them (e.g. {\"enable_thinking\": false}); the template's own (messages, tools, bos_token...) are refused"),
+                                   help="variables for the model's chat template, as llama-server and vLLM pass them "
+                                  "(e.g. {\"enable_thinking\": false}); the template's own (messages, tools, "
+                                  "bos_token...) are refused"),
     "thinking_budget_tokens": Param(int, low=0, high=1 << 20, flag="--thinking-budget",
-                                     openai=("thinking_token_budget", "thinking_budget_tokens", "reasoning_budget_tokens"),
+                                     openai=("thinking_token_budget", "thinking_budget_tokens",
+                                             "reasoning_budget_tokens"),
                                      check=_check_budget, what="integer, {low} to {high}",
-                                     help="a thinking model's most tokens of thinking: at the budget the daemon closes the block and the answer follows (0 = no thinking; a model that does not think ignores it)"),
+                                     help="a thinking model's most tokens of thinking: at the budget the daemon closes "
+                                    "the block and the answer follows (0 = no thinking; a model that does not think "
+                                    "ignores it)"),
     "reasoning_effort": Param(tuple(EFFORT_BUDGETS), flag="--reasoning-effort", openai=("reasoning_effort",),
-                               help="a thinking budget by name: none 0, minimal 256, low 1024, medium 2048, high 8192 tokens (thinking_budget_tokens wins); also given to chat templates that read it (gpt-oss)"),
+                               help="a thinking budget by name: none 0, minimal 256, low 1024, medium 2048, high 8192 "
+                              "tokens (thinking_budget_tokens wins); also given to chat templates that read it "
+                              "(gpt-oss)"),
     "parent": Param(str, low=1, high=128, flag="--parent", check=_check_parent, what="a job ID",
-                     help="continue that job's conversation: its turns, its answer as the assistant's, then this prompt (or these messages) as the next turn; waits while it runs, fails with parent_failed if it failed"),
+                     help="continue that job's conversation: its turns, its answer as the assistant's, then this "
+                    "prompt (or these messages) as the next turn; waits while it runs, fails with parent_failed if it "
+                    "failed"),
     "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
                   help="label the jobs (status/wait/export/cancel/retry --tag)"),
     "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
@@ -4393,7 +4583,8 @@ DAEMON_FILE = "daemon.json"
 TAGS = "tags"  # tags/<tag>/<time_ns>_<first id>.ids: which jobs a submit labelled (the tag index)
 KEYS = "keys"  # keys/<sha256 of an idempotency key>: the ID of the job submitted with it
 HOOKS_OWED = os.path.join("hooks", "done")  # hooks/done/<id>: a job ended and its hooks have not run yet
-HOOKS_BATCH = os.path.join("hooks", "batch")  # hooks/batch/<tag>: {"jobs": N, "done", "failed", "ran": bool} of its last batch hook
+# hooks/batch/<tag>: {"jobs": N, "done", "failed", "ran": bool} of its last batch hook
+HOOKS_BATCH = os.path.join("hooks", "batch")
 # A job's hook bookkeeping that raised is tried again after 2 x, 4 x, 8 x... this (1 s, 2 s, 4 s...),
 # at most every HOOK_RETRY_MAX seconds.
 HOOK_RETRY_SECONDS = 0.5
@@ -4990,7 +5181,8 @@ def _clear_outputs(dir_fd: int, keep: tuple[str, ...] = ()) -> None:
     for name in os.listdir(dir_fd):
         if name in keep:
             continue
-        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE, CONVERSATION_FILE,
+        if name in (RESULT_FILE, ERROR_FILE, PARTIAL_FILE, LOGPROBS_FILE, CHOICES_FILE, REASONING_FILE,
+                    CONVERSATION_FILE,
                     TOOL_CALLS_FILE) or (
                 name.startswith(".") and name.endswith(".tmp")):
             _unlink_quietly(name, dir_fd)
@@ -5680,7 +5872,8 @@ def _ancestor_files(job_id: str, path: str, budget: int, limit: int) -> tuple[di
                 info = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 if stat.S_ISREG(info.st_mode) and info.st_size > budget - used:
                     raise JobError("parent_failed", f"{os.path.join(path, name)} is {info.st_size:,} bytes: its "
-                                   f"conversation is over the {limit:,} bytes a child reads (its parent's files in all)")
+                                   f"conversation is over the {limit:,} bytes a child reads (its parent's files in "
+                                   "all)")
                 data = read_file(fd, name, budget - used)
             except (FileNotFoundError, JobError) as err:
                 if isinstance(err, JobError) and err.code == "parent_failed":
@@ -5705,7 +5898,8 @@ def _ancestor_turns(job_id: str, path: str, files: Mapping[str, Optional[str]], 
                                         "valid params.json)")
     if job_param(params, "raw") or job_param(params, "embed"):
         raise JobError("bad_request", f"its {'parent' if parent else 'ancestor'} {job_id} is "
-                                      f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to continue")
+                                      f"{'a raw' if job_param(params, 'raw') else 'an embed'} job: no turns to "
+                       "continue")
     try:  # the parameters its turns are made of, as a submit checks them (the file may be hand-made)
         own = {key: PARAMS[key].validate(key, params[key]) for key in ("messages", "system")
                if params.get(key) is not None}
@@ -5745,7 +5939,8 @@ def parent_conversation(workspace: str, parent: str, limit: int = 1 << 30) -> Op
         turns = _json_or_none(files[CONVERSATION_FILE], None)
         if isinstance(turns, list) and count + len(turns) > CONVERSATION_TURNS:
             raise JobError("parent_failed", f"{os.path.join(path, CONVERSATION_FILE)} holds {len(turns):,} turns: "
-                                            f"with its children's, over the {CONVERSATION_TURNS:,} a conversation may hold")
+                                            f"with its children's, over the {CONVERSATION_TURNS:,} a conversation may "
+                           "hold")
         if _turns_shape(turns):
             base = turns
             break
@@ -5988,18 +6183,6 @@ def state_whole(mapped: Any) -> bool:
         view.release()
 
 
-def read_state(folder: str, head: StateHead) -> Optional[Any]:
-    """A state file mapped and checked against its crc; None for a torn, damaged, changed or
-    unreadable file."""
-    try:
-        mapped = map_state(folder, head)
-    except OSError:
-        return None
-    if mapped is None or not state_whole(mapped):
-        return None
-    return mapped
-
-
 def remove_states_of(folder: str, job_ids: set[str]) -> int:
     """Remove the saved states whose source job is one of ``job_ids`` (clean); how many. Only
     whole states (nrvna's magic, counts that fit) are read: any other file is left."""
@@ -6022,20 +6205,19 @@ def remove_states_of(folder: str, job_ids: set[str]) -> int:
 ##############################################################################
 # 8. Batch files and export: nrvna's JSONL lines, OpenAI Batch lines (ENDPOINTS), export formats (EXPORT_FORMATS)
 ##############################################################################
-# Owns batch lines (nrvna's and OpenAI's), data templates, the export formats and merge. Invariant: a
-# batch file is checked whole before any job of it is queued. Client code; stateless.
+# Owns batch lines (nrvna's and OpenAI's), data templates, shards, the export formats and merge.
+# Invariant: a batch file is checked whole before any job of it is queued. Client code; stateless.
 
 
 # ============================================================================
 # 8.1 Batch files
 # ============================================================================
 # nrvna's JSONL lines, OpenAI Batch request lines, plain prompt lines and data templates, as
-# BatchEntry records; shards (shard_of). Invariant: a file is read with a bound per line, and
-# checked whole before any of it is queued.
+# BatchEntry records. Invariant: a file is read with a bound per line, and checked whole before any
+# of it is queued.
 
 
 BATCH_CHUNK = 2000  # jobs staged, flushed once and published together by Work.publish_batch
-SHARDS_MAX = 1 << 20  # most shards a batch may be split into (--shard I/N)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
 # The fields an nrvna JSONL line may carry: its prompt, and every job parameter but tag and endpoint.
 _JSONL_FIELDS = ("prompt", *(name for name, param in PARAMS.items() if param.jsonl))
@@ -6044,29 +6226,6 @@ _JSONL_FIELDS = ("prompt", *(name for name, param in PARAMS.items() if param.jso
 # OpenAI body fields accepted besides the job parameters' own (PARAMS[...].openai).
 OPENAI_BODY_EXTRA = {"prompt": "the input of /v1/completions", "stream": "must be false",
                      "functions": "the legacy form of tools", "function_call": "the legacy form of tool_choice"}
-
-
-def shard_of(custom_id: str, shards: int) -> int:
-    """Which of ``shards`` shards a line is in: from a hash of its ``custom_id`` (``line-N``
-    where it has none) that every machine and Python computes alike (sha256, never hash()),
-    so each node takes its share of one file with no coordination."""
-    import hashlib
-
-    digest = hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).digest()
-    return int.from_bytes(digest[:8], "big") % shards
-
-
-def read_shard(text: str) -> tuple[int, int]:
-    """``I/N`` (0 <= I < N): shard I of N, as --shard gives it."""
-    index, _, count = text.partition("/")
-    try:
-        shard, shards = int(index), int(count)
-    except ValueError:
-        raise InvalidInput(f"--shard {text!r} is not I/N (e.g. --shard 0/3, or "
-                           "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)") from None
-    if not (1 <= shards <= SHARDS_MAX and 0 <= shard < shards):
-        raise InvalidInput(f"--shard {text}: I must be 0 to N-1 and N 1 to {SHARDS_MAX}")
-    return shard, shards
 
 
 class BatchEntry(namedtuple("BatchEntry", "line prompt params")):
@@ -6091,7 +6250,8 @@ def read_batch(handle: Any) -> bytearray:
     lines at the line past it (`yes | nrvna submit ws --file -` grew without end): the file is
     held whole, as every line is checked before any is queued."""
     data = bytearray()
-    for _, line in _bounded_lines(handle, batch_line_limit(), "a batch line's limit (14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)",
+    for _, line in _bounded_lines(handle, batch_line_limit(),
+                                  "a batch line's limit (14 × NRVNA_MAX_PROMPT_BYTES + 8 MiB)",
                                   "a batch file holds"):
         data += line
     return data
@@ -6235,7 +6395,8 @@ def parse_records(data: bytes, template: str, id_field: Optional[str] = None,
                 prompt = fill_template(parts, record)
             except KeyError as err:
                 fields = ", ".join(record) or "none"
-                raise InvalidInput(f"no field {err.args[0]!r}, which the template needs (the record has: {fields})") from None
+                raise InvalidInput(f"no field {err.args[0]!r}, which the template needs "
+                                   f"(the record has: {fields})") from None
             params = validate_params({"custom_id": cid, "metadata": {k: v for k, v in record.items() if k != id_field}})
             prompt_bytes = check_prompt(prompt, limit)
         except InvalidInput as err:
@@ -6419,7 +6580,8 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
     for field, name in OPENAI_FIELDS.items():  # in table order: max_completion_tokens wins over max_tokens
         if field in body and field != endpoint.input:
             value = body[field]
-            params[name] = [value] if name == "stop" and isinstance(value, str) else value  # OpenAI's stop may be one string
+            # OpenAI's stop may be one string
+            params[name] = [value] if name == "stop" and isinstance(value, str) else value
     if endpoint.input == "prompt":
         # The legacy completions API's logprobs is a count: how many of the likeliest tokens.
         count = body.get("logprobs")
@@ -6442,11 +6604,45 @@ def _openai_line(obj: dict[str, Any], notes: Optional[list[str]]) -> tuple[str, 
 
 
 # ============================================================================
-# 8.2 Export and merge
+# 8.2 Shards
 # ============================================================================
-# A finished job as an export line (EXPORT_FORMATS), written whole or not at all (_ExportTarget),
-# and the shards' exports put back together (merge_parts). Invariant: each JSON line says which
-# request it answers (REQUEST_KEY), and merge takes no line that answers another.
+# One batch file split over nodes with no coordination: each line's shard comes from its custom_id
+# (shard_of), and `submit --shard I/N` (read_shard) queues shard I alone. Invariant: every machine
+# and Python puts a line in the same shard. Client code; stateless.
+
+
+SHARDS_MAX = 1 << 20  # most shards a batch may be split into (--shard I/N)
+
+
+def shard_of(custom_id: str, shards: int) -> int:
+    """Which of ``shards`` shards a line is in: from a hash of its ``custom_id`` (``line-N``
+    where it has none) that every machine and Python computes alike (sha256, never hash()),
+    so each node takes its share of one file with no coordination."""
+    import hashlib
+
+    digest = hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") % shards
+
+
+def read_shard(text: str) -> tuple[int, int]:
+    """``I/N`` (0 <= I < N): shard I of N, as --shard gives it."""
+    index, _, count = text.partition("/")
+    try:
+        shard, shards = int(index), int(count)
+    except ValueError:
+        raise InvalidInput(f"--shard {text!r} is not I/N (e.g. --shard 0/3, or "
+                           "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)") from None
+    if not (1 <= shards <= SHARDS_MAX and 0 <= shard < shards):
+        raise InvalidInput(f"--shard {text}: I must be 0 to N-1 and N 1 to {SHARDS_MAX}")
+    return shard, shards
+
+
+# ============================================================================
+# 8.3 Export
+# ============================================================================
+# A finished job as an export line (EXPORT_FORMATS), written whole or not at all (_ExportTarget).
+# Invariant: each JSON line says which request it answers (REQUEST_KEY, request_digest), so a merge
+# can refuse a line that answers another.
 
 
 # What a request is, to merge: the fields of a job no submit flag can set (each node's flags may
@@ -6555,7 +6751,8 @@ def _embeddings_body(job: Job) -> dict[str, Any]:
 
 def _openai_record(job: Job) -> dict[str, Any]:
     meta, params = job.meta, job.params or {}
-    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": job_param(params, "custom_id"), **_request_of(job)}
+    line: dict[str, Any] = {"id": f"batch_req_{job.id}", "custom_id": job_param(params, "custom_id"),
+                            **_request_of(job)}
     if job.status is not Status.Done:
         line["response"] = None
         line["error"] = {"code": meta.get("code") or "failed", "message": (job.error or "").rstrip("\n")}
@@ -6679,6 +6876,133 @@ def _workspace_of(path: str) -> Optional[str]:
         if parent == folder:
             return None
         folder = parent
+
+
+# `export --format`: the choices, their help and the writers all come from here.
+EXPORT_FORMATS: dict[str, ExportFormat] = {
+    "jsonl": ExportFormat(_jsonl_record, _json_line(_jsonl_record),
+                          'nrvna\'s record: {"id", "custom_id", "request_sha256", "status", "prompt", "result", '
+                          '"error", "meta"}'),
+    "openai": ExportFormat(_openai_record, _json_line(_openai_record),
+                           "an OpenAI Batch output line (a chat.completion or text_completion body), and "
+                           "request_sha256, "
+                           "which OpenAI's readers ignore"),
+    "text": ExportFormat(None, _text_line,
+                         "the results alone, each followed by a blank line (every choice of a job of n > 1)"),
+    "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
+                        "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
+                        "custom_id and input index, tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
+}
+
+
+class _ExportTarget:
+    """Where an export's lines go (``-o FILE``, ``--errors FILE``), as a policy:
+
+    - ``-`` is standard output;
+    - an existing FIFO, character device (a terminal, /dev/null) or socket, and any path
+      under /dev/ or /proc/ (``/dev/stdout`` may be a file the shell opened), is written
+      through: opened for appending and written as it is, not atomically;
+    - anything else is written whole or not at all: a temporary file of its own beside the
+      real target (a symlink's target is replaced, never the link), fsynced, renamed over the
+      target, the directory fsynced; the temporary file goes on every failure path;
+    - an empty path, a directory and any path inside an nrvna workspace are refused: an
+      export must never replace a job, the queue or the workspace lock.
+    """
+
+    def __init__(self, path: Any, binary: bool = False) -> None:
+        path = os.fspath(path)
+        self.temp: Optional[str] = None
+        suffix, encoding = ("b", None) if binary else ("", "utf-8")
+        if path == "-":
+            self.handle, self.path, self.through = (sys.stdout.buffer if binary else sys.stdout), "-", True
+            return
+        if not path:
+            raise InvalidInput("an output path is empty (use - for standard output)")
+        self.path = os.path.realpath(path)
+        workspace = _workspace_of(self.path)
+        if workspace is not None:
+            raise InvalidInput(f"{path} is inside the nrvna workspace {workspace}; write exports outside it")
+        try:
+            mode: Optional[int] = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and stat.S_ISDIR(mode):
+            raise InvalidInput(f"{path} is a directory")
+        self.through = _written_through(path)
+        if self.through:
+            self.handle = open(path, "a" + suffix, encoding=encoding)
+            return
+        folder, name = os.path.split(self.path)
+        for _ in range(100):
+            temp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+            try:  # 0666 less the umask, as any new file; an existing target keeps its mode
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o666)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise WorkspaceError(f"cannot find a free temporary name beside {path}")
+        self.temp = temp
+        try:
+            if mode is not None:
+                os.fchmod(fd, stat.S_IMODE(mode))
+            self.handle = open(fd, "w" + suffix, encoding=encoding, closefd=True)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(temp, None)
+            raise
+
+    def write(self, text: Any) -> None:
+        """Append ``text`` (bytes for a binary output)."""
+        try:
+            self.handle.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        if self.path == "-":
+            raise BrokenPipeError  # `nrvna export ... | head`: main() exits quietly
+        raise WorkspaceError(f"{self.path}: its reader went away (broken pipe); the export is incomplete") from None
+
+    def commit(self) -> None:
+        """Make the file whole (durable, under its final name) or flush the stream."""
+        if self.temp is None:
+            try:
+                self.handle.flush()
+                if self.path != "-":
+                    self.handle.close()
+            except BrokenPipeError:
+                self._reader_gone()
+            return
+        self.handle.flush()
+        try:
+            os.fsync(self.handle.fileno())
+            self.handle.close()
+            os.rename(self.temp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        self.temp = None
+        fsync_dir(os.path.dirname(self.path))
+
+    def abort(self) -> None:
+        """Drop the temporary file (the target is untouched); nothing after a commit."""
+        if self.path != "-" and not self.handle.closed:
+            try:
+                self.handle.close()  # flushes what is buffered, which may fail again
+            except OSError:
+                pass
+        if self.temp is not None:
+            _unlink_quietly(self.temp, None)
+            self.temp = None
+
+
+# ============================================================================
+# 8.4 Merge
+# ============================================================================
+# The shards' exports put back together in the input's order (merge_parts), each part read with a
+# bound per line (read_part). Invariant: a line that answers another request (REQUEST_KEY) is never
+# taken, and a custom_id two parts answer differently is a conflict. Client code; stateless.
 
 
 def part_line_limit() -> int:
@@ -6815,122 +7139,6 @@ def _answers_another(record: dict[str, Any], digest: str, unchecked: dict[str, i
         unchecked[name] = unchecked.get(name, 0) + 1
         return False
     return given != digest
-
-
-# `export --format`: the choices, their help and the writers all come from here.
-EXPORT_FORMATS: dict[str, ExportFormat] = {
-    "jsonl": ExportFormat(_jsonl_record, _json_line(_jsonl_record),
-                          'nrvna\'s record: {"id", "custom_id", "request_sha256", "status", "prompt", "result", "error", "meta"}'),
-    "openai": ExportFormat(_openai_record, _json_line(_openai_record),
-                           "an OpenAI Batch output line (a chat.completion or text_completion body), and request_sha256, "
-                           "which OpenAI's readers ignore"),
-    "text": ExportFormat(None, _text_line, "the results alone, each followed by a blank line (every choice of a job of n > 1)"),
-    "f32": ExportFormat(None, _f32_rows, "embed jobs' vectors as one little-endian float32 matrix, a row per "
-                        "text, every row one width (needs -o FILE; FILE.ids, or --ids IDS, says each row's job ID, "
-                        "custom_id and input index, tab-separated; failed jobs go to --errors as jsonl)", _f32_ids),
-}
-
-
-class _ExportTarget:
-    """Where an export's lines go (``-o FILE``, ``--errors FILE``), as a policy:
-
-    - ``-`` is standard output;
-    - an existing FIFO, character device (a terminal, /dev/null) or socket, and any path
-      under /dev/ or /proc/ (``/dev/stdout`` may be a file the shell opened), is written
-      through: opened for appending and written as it is, not atomically;
-    - anything else is written whole or not at all: a temporary file of its own beside the
-      real target (a symlink's target is replaced, never the link), fsynced, renamed over the
-      target, the directory fsynced; the temporary file goes on every failure path;
-    - an empty path, a directory and any path inside an nrvna workspace are refused: an
-      export must never replace a job, the queue or the workspace lock.
-    """
-
-    def __init__(self, path: Any, binary: bool = False) -> None:
-        path = os.fspath(path)
-        self.temp: Optional[str] = None
-        suffix, encoding = ("b", None) if binary else ("", "utf-8")
-        if path == "-":
-            self.handle, self.path, self.through = (sys.stdout.buffer if binary else sys.stdout), "-", True
-            return
-        if not path:
-            raise InvalidInput("an output path is empty (use - for standard output)")
-        self.path = os.path.realpath(path)
-        workspace = _workspace_of(self.path)
-        if workspace is not None:
-            raise InvalidInput(f"{path} is inside the nrvna workspace {workspace}; write exports outside it")
-        try:
-            mode: Optional[int] = os.stat(path).st_mode
-        except FileNotFoundError:
-            mode = None
-        if mode is not None and stat.S_ISDIR(mode):
-            raise InvalidInput(f"{path} is a directory")
-        self.through = _written_through(path)
-        if self.through:
-            self.handle = open(path, "a" + suffix, encoding=encoding)
-            return
-        folder, name = os.path.split(self.path)
-        for _ in range(100):
-            temp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-            try:  # 0666 less the umask, as any new file; an existing target keeps its mode
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o666)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise WorkspaceError(f"cannot find a free temporary name beside {path}")
-        self.temp = temp
-        try:
-            if mode is not None:
-                os.fchmod(fd, stat.S_IMODE(mode))
-            self.handle = open(fd, "w" + suffix, encoding=encoding, closefd=True)
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(temp, None)
-            raise
-
-    def write(self, text: Any) -> None:
-        """Append ``text`` (bytes for a binary output)."""
-        try:
-            self.handle.write(text)
-        except BrokenPipeError:
-            self._reader_gone()
-
-    def _reader_gone(self) -> None:
-        if self.path == "-":
-            raise BrokenPipeError  # `nrvna export ... | head`: main() exits quietly
-        raise WorkspaceError(f"{self.path}: its reader went away (broken pipe); the export is incomplete") from None
-
-    def commit(self) -> None:
-        """Make the file whole (durable, under its final name) or flush the stream."""
-        if self.temp is None:
-            try:
-                self.handle.flush()
-                if self.path != "-":
-                    self.handle.close()
-            except BrokenPipeError:
-                self._reader_gone()
-            return
-        self.handle.flush()
-        try:
-            os.fsync(self.handle.fileno())
-            self.handle.close()
-            os.rename(self.temp, self.path)
-        except BaseException:
-            self.abort()
-            raise
-        self.temp = None
-        fsync_dir(os.path.dirname(self.path))
-
-    def abort(self) -> None:
-        """Drop the temporary file (the target is untouched); nothing after a commit."""
-        if self.path != "-" and not self.handle.closed:
-            try:
-                self.handle.close()  # flushes what is buffered, which may fail again
-            except OSError:
-                pass
-        if self.temp is not None:
-            _unlink_quietly(self.temp, None)
-            self.temp = None
 
 
 ##############################################################################
@@ -7190,8 +7398,9 @@ class Flow:
     def wait_all(self, ids: Iterable[str] = (), tag: Optional[str] = None, timeout: Optional[float] = None,
                  on_progress: Optional[Callable[[dict[str, Status]], None]] = None) -> dict[str, Status]:
         """Wait until every selected job (see ``select``) is done or failed (or removed
-        meanwhile: Missing), or ``timeout`` seconds pass; return their states then, in order. ``on_progress(states)`` is called
-        after every look (one listing per state directory, however many jobs)."""
+        meanwhile: Missing), or ``timeout`` seconds pass; return their states then, in order.
+        ``on_progress(states)`` is called after every look (one listing per state directory, however
+        many jobs)."""
         selected, states = self.select(ids, tag)
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.1
@@ -7209,17 +7418,21 @@ class Flow:
             delay = max(0.1, min(1.0, 3 * (time.monotonic() - began)))  # listing 100k jobs takes a while
 
     def follow(self, job_id: str, on_restart: Optional[Callable[[], None]] = None,
-               on_look: Optional[Callable[[Status], None]] = None) -> Iterator[bytes]:
+               on_look: Optional[Callable[[Status], None]] = None, result: bool = True) -> Iterator[bytes]:
         """The job's text as the daemon generates it (partial.txt, then result.txt), in
         pieces, until the job is done or failed; then read ``status``. What it yields is
         always a prefix of the final result, unless the daemon restarted the job: then
         ``on_restart()`` is called and the text is yielded again from its start.
-        ``on_look(status)`` is called after every look that finds it unfinished."""
+        ``on_look(status)`` is called after every look that finds it unfinished. With
+        ``result`` False it yields partial.txt only and ends when the job does (a caller that
+        reads the finished job whole: a tool call's result.txt is its calls, not its text)."""
         printed, attempt, delay = 0, None, 0.02
         while True:
             status, path = self.locate(job_id)
             if status is Status.Missing:
                 raise NoSuchJob(f"no job {job_id} in {self.workspace}")
+            if status.finished and not result:
+                return
             data = None
             if status is not Status.Queued:
                 try:
@@ -7371,8 +7584,9 @@ def model_view(workspace: str) -> tuple[str, dict[str, str], list[str]]:
     names its own way, but a workspace's daemons are started alike); with no daemon running,
     this process's NRVNA_MODELS_DIR and NRVNA_MODEL_ALIASES, and no model served."""
     records = daemon_records(workspace) if os.path.isdir(os.path.join(workspace, READY)) else []
-    served = [m["path"] for r in records for m in r.get("models") or () if isinstance(m, dict)
-              and isinstance(m.get("path"), str)]
+    # a model's path; its name where it has none (a runner given in-process)
+    served = [m["path"] if isinstance(m.get("path"), str) else m["name"] for r in records for m in r.get("models") or ()
+              if isinstance(m, dict) and isinstance(m.get("path") or m.get("name"), str)]
     first = next((r for r in records if isinstance(r.get("models_dir"), str)), None)
     if first is not None:
         return first["models_dir"], dict(first.get("aliases") or {}), served
@@ -7391,7 +7605,9 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
     if not by_name:
         return []
     models_dir, aliases, served = model_view(workspace)
-    served_names = {n for path in served for n in (os.path.basename(path), os.path.basename(path)[:-5])}
+    # a served model's file name, with or without .gguf (as GET /v1/models lists it)
+    served_names = {n for path in served for n in (os.path.basename(path),
+                                                   re.sub(r"\.gguf$", "", os.path.basename(path)))}
     notes = []
     for name, places in by_name.items():
         matches = model_matches(name, models_dir, aliases)
@@ -7730,7 +7946,8 @@ class Work:
                 published = job_id if key is None else keys.take(key, job_id)
                 if published == job_id:
                     if job_param(clean, "tag"):
-                        _write_manifest(self.workspace, job_param(clean, "tag"), [(job_id, job_param(clean, "custom_id"))])
+                        _write_manifest(self.workspace, job_param(clean, "tag"),
+                                        [(job_id, job_param(clean, "custom_id"))])
                     move(staging, os.path.join(self.workspace, READY, job_id))
             except BaseException:
                 _remove_tree(staging)
@@ -7745,7 +7962,8 @@ class Work:
             raise NotDurable(job_id, err) from None
         return job_id, False
 
-    def _job_files(self, prompt: Any, dedupe: bool, params: dict[str, Any]) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
+    def _job_files(self, prompt: Any, dedupe: bool,
+                   params: dict[str, Any]) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
         """A prompt's job checked whole: its files (prompt.txt, params.json) and parameters."""
         import json
 
@@ -7900,7 +8118,8 @@ class Work:
             validate_params({"tag": tag})
         # The flags' generation parameters are defaults for the file's generation lines only.
         embed_defaults = {k: v for k, v in defaults.items() if k in EMBED_PARAMS}
-        entries = [BatchEntry(e.line, e.prompt, {**(embed_defaults if job_param(e.params, "embed") else defaults), **e.params})
+        entries = [BatchEntry(e.line, e.prompt,
+                              {**(embed_defaults if job_param(e.params, "embed") else defaults), **e.params})
                    for e in entries]
         if "idempotency_key" in defaults:
             raise InvalidInput("--idempotency-key names one job: give each line its own idempotency_key, "
@@ -7931,7 +8150,8 @@ class Work:
         if tag:
             members = tag_members(self.workspace, tag)
             states = bulk_states(self.workspace, [job_id for job_id, _ in members])
-            existing = {cid: job_id for job_id, cid in members if cid is not None and states[job_id] is not Status.Missing}
+            existing = {cid: job_id for job_id,
+                        cid in members if cid is not None and states[job_id] is not Status.Missing}
         ids: list[Optional[str]] = [existing.get(job_param(e.params, "custom_id")) for e in entries]
         if existing:
             _refuse_changed_lines(self.workspace, tag, entries, ids)  # type: ignore[arg-type]
@@ -7955,7 +8175,8 @@ class Work:
             notes.append("1 line repeats an earlier line's idempotency key: it gets its job" if len(same_as) == 1 else
                          f"{len(same_as)} lines repeat an earlier line's idempotency key: they get its job")
         if existing:
-            notes.append(f"{len(entries) - len(new) - len(same_as) - keyed} of {len(entries)} lines are already queued with tag "
+            notes.append(f"{len(entries) - len(new) - len(same_as) - keyed} of {len(entries)} lines are already queued "
+                         "with tag "
                          f"{tag}; queuing the other {len(new)}")
         return ids, new, same_as, keyed
 
@@ -8182,7 +8403,8 @@ def cancel_job(workspace: str, job_id: str, timeout: float = 10.0) -> tuple[str,
         except FileNotFoundError:
             continue
         except OSError as err:  # a read-only or full workspace: say which job it left alone
-            return "refused", f"job {job_id} cannot be cancelled: its {CANCEL_FILE} file cannot be written ({_os_error(err)})"
+            return "refused", (f"job {job_id} cannot be cancelled: its {CANCEL_FILE} file cannot be written "
+                               f"({_os_error(err)})")
         finally:
             os.close(fd)
         if status is Status.Queued:
@@ -8572,6 +8794,321 @@ def stop_daemon(workspace: str, timeout: Optional[float] = None, pid: Optional[i
     return [record["pid"] for record in stopped]
 
 
+# ============================================================================
+# 9.6 Metrics
+# ============================================================================
+# metrics_text: the workspace's figures in Prometheus' text format (`nrvna metrics`, a server's GET
+# /metrics); the recent rate of a selection's finishes (the ETA of `status --tag` and `wait`). Read
+# only, from the files alone. Any client thread: a process's cache of jobs read is under its lock.
+
+
+# Each metric metrics_text writes: its type, its labels and its help (the HELP lines and the manual's
+# table). The jobs' figures are gauges of the present: sums over the jobs the workspace holds now,
+# which a clean or a retry lowers; a daemon's counters grow while it lives (its name is a label).
+METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "nrvna_jobs": ("gauge", ("state", "model"), "Jobs in each state (queued, running, done, failed) by model: a "
+                   "queued job's is the model it names (empty: the default), a started job's the model that ran it."),
+    "nrvna_tag_jobs": ("gauge", ("tag", "state"), "Each tag's jobs in each state, as nrvna status --tag counts them."),
+    "nrvna_failed_jobs": ("gauge", ("code", "model"),
+                          "Failed jobs by failure code (other: a code nrvna never writes)."),
+    "nrvna_generated_tokens": ("gauge", ("model",), "Tokens generated by the finished jobs (done and failed) the "
+                               "workspace holds."),
+    "nrvna_prompt_tokens": ("gauge", ("model", "source"), "Prompt tokens of the finished jobs the workspace holds: "
+                            "computed, reused from memory (a context's cells) or disk (a saved state), or unstated "
+                            "(a runner that does not say); the four add up to the prompts' tokens."),
+    "nrvna_oldest_queued_seconds": ("gauge", (),
+                                    "Age of the oldest queued job, since its submission (0: none queued)."),
+    "nrvna_daemons": ("gauge", (), "Live daemons: each holds its lock in daemons/."),
+    "nrvna_daemon_model_loaded": ("gauge", ("daemon", "model", "kind"), "1 for each model a live daemon has "
+                                  "loaded, 0 for one it serves and has not loaded."),
+    "nrvna_daemon_model_memory_bytes": ("gauge", ("daemon", "model"), "Memory of a loaded model as llama.cpp states "
+                                        "it: weights, KV cache, compute and output buffers, embedding contexts."),
+    "nrvna_daemon_running_jobs": ("gauge", ("daemon",), "Jobs a live daemon is running."),
+    "nrvna_daemon_tokens_per_second": ("gauge", ("daemon",), "Tokens a live daemon generated a second, over the "
+                                       "last minute."),
+    "nrvna_daemon_jobs_total": ("counter", ("daemon", "outcome"), "Jobs a live daemon has ended (done or failed) "
+                                "since it started."),
+    "nrvna_daemon_generated_tokens_total": ("counter", ("daemon",), "Tokens a live daemon has generated since it "
+                                            "started."),
+    "nrvna_unreadable_tag_indexes": ("gauge", (), "Tags whose index cannot be read whole: nrvna_tag_jobs leaves "
+                                     "them out (nrvna status --tag names the file)."),
+    "nrvna_metrics_seconds": ("gauge", (), "Seconds this reading of the workspace took."),
+}
+# A process keeps what it read of a workspace of up to this many jobs (about 0.5 KB a job: 45 MiB for
+# 100,000, measured); a larger one is read whole at every call (4 to 6 s of CPU for 100,000 jobs).
+METRICS_CACHE_JOBS = 200_000
+RATE_FINISHES = 100  # an ETA's rate is taken over at most this many of the latest finishes...
+RATE_SECONDS = 900.0  # ...that ended within this many seconds: a rate of last week says nothing of now
+# A job's figures: the model label, its failure code, its tokens (generated, prompt, computed,
+# reused from memory, from disk) and, queued, when it was submitted.
+_Figures = namedtuple("_Figures", "model code generated prompt computed memory disk submitted")
+_METRICS_CACHES: dict[str, "_MetricsCache"] = {}  # workspace's real path -> its cache in this process
+_METRICS_LOCK = threading.Lock()
+
+
+def _label_text(text: str, quoted: bool = True) -> str:
+    """``text`` as the text format writes a label's value (``quoted``) or a HELP line: a
+    backslash and a newline escaped (and a double quote); a lone surrogate (JSON's "\\ud800",
+    a file name's undecodable byte) written as its escape, since the format is UTF-8."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\\", "\\\\").replace("\n", "\\n")
+    return text.replace('"', '\\"') if quoted else text
+
+
+def _is_amount(value: Any) -> bool:
+    """A finite number of 0 or more, below 2^53 (never NaN, an infinity, a bool or a text)."""
+    return type(value) in (int, float) and 0 <= value < 1 << 53
+
+
+def _exposition(samples: Mapping[str, Mapping[tuple[str, ...], float]]) -> str:
+    """Every metric of METRICS, with its HELP and TYPE lines, then its samples sorted by label."""
+    lines = []
+    for name, (kind, labels, help) in METRICS.items():
+        lines += [f"# HELP {name} {_label_text(help, quoted=False)}", f"# TYPE {name} {kind}"]
+        for values, value in sorted(samples.get(name, {}).items()):
+            shown = ",".join(f'{label}="{_label_text(text)}"' for label, text in zip(labels, values))
+            number = str(value) if type(value) is int else repr(float(value))
+            lines.append(f"{name}{{{shown}}} {number}" if labels else f"{name} {number}")
+    return "\n".join(lines) + "\n"
+
+
+def _read_figures(job_dir: str, status: Status) -> _Figures:
+    """What metrics_text counts of one job: its meta.json's fields read as job_meta checks them
+    (a field of another type is absent), and the model its params.json names when meta.json
+    names none (a queued job, one cancelled before it ran). A FIFO, a link or a file over 1 MiB
+    reads as no meta.json (read_record), a params.json as read_route reads it."""
+    record = {} if status is Status.Queued else read_record(os.path.join(job_dir, META_FILE))
+    meta = {k: v for k, v in record.items() if k in META_FIELDS and META_FIELDS[k](v)}
+    model = meta.get("model")
+    if model is None:
+        model = read_route(job_dir).model or ""
+    reused = meta.get("prompt_reused") or {}
+    submitted = None
+    if status is Status.Queued:
+        match = GENERATED_ID.fullmatch(os.path.basename(job_dir))
+        try:
+            submitted = os.stat(os.path.join(job_dir, PROMPT_FILE), follow_symlinks=False).st_mtime
+        except OSError:
+            submitted = float(match.group(1)) if match else None
+    code = meta.get("code") if status is Status.Failed else None
+    return _Figures(model, code if code is None or code in FAILURE_CODES else "other", meta.get("generated_tokens", 0),
+                    meta.get("prompt_tokens", 0), meta.get("prompt_computed", 0), reused.get("memory", 0),
+                    reused.get("disk", 0), submitted)
+
+
+class _MetricsCache:
+    """What metrics_text has read of one workspace's jobs and tag indexes, in one process, kept
+    as running sums, so that a call reads only what changed since the last: a queued or done
+    job is known by its directory's inode (a done job's files are final before its move to
+    output/ and nothing rewrites them; a queued job's params.json is written once), a failed
+    one also by its meta.json's inode, size and mtime (cancel and retry rewrite it), a tag
+    index file by its name, inode, size and mtime; a running job is read at every call. A job
+    that moves or is replaced under its name is read again, one that goes is taken out of the
+    sums: the counts are those a first call gives. Kept while the workspace holds at most
+    METRICS_CACHE_JOBS jobs.
+
+    Threads: any thread of a client process (a server's handlers) => ``lock``, held for a whole
+    call: calls on one workspace take turns."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.passes = 0
+        self.seen: dict[str, tuple[str, Any]] = {}  # job -> (its state's name, what it was known by)
+        self.figures: dict[str, _Figures] = {}
+        self.totals: dict[tuple[str, str, Optional[str]], list[int]] = {}  # (state, model, code) -> sums
+        self.groups: dict[tuple[str, str, Optional[str]], tuple[str, str, Optional[str]]] = {}  # one key each
+        self.tags: dict[str, tuple[Any, Optional[frozenset[str]]]] = {}  # tag -> (its files, its jobs or None)
+
+    def listing(self, workspace: str) -> dict[str, tuple[str, Any]]:
+        """Every job once, in its latest state (the state directories are listed in lifecycle
+        order), with what it is known by. States by name: hashing a Status is a Python call."""
+        self.passes += 1
+        found: dict[str, tuple[str, Any]] = {}
+        for sub, state in STATE_DIRS:
+            status = state.value
+            try:
+                with os.scandir(job_path(workspace, sub)) as listing:
+                    entries = [(e.name, e.inode()) for e in listing if not e.name.startswith(".")]
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if state is Status.Running:  # read at every call
+                found.update((name, (status, (inode, self.passes))) for name, inode in entries)
+            elif state is Status.Failed:
+                for name, inode in entries:
+                    try:
+                        meta = os.stat(os.path.join(workspace, sub, name, META_FILE), follow_symlinks=False)
+                        found[name] = (status, (inode, meta.st_ino, meta.st_size, meta.st_mtime_ns))
+                    except OSError:
+                        found[name] = (status, (inode, None))
+            else:
+                found.update((name, (status, inode)) for name, inode in entries)
+        return found
+
+    def count(self, status: str, found: _Figures, sign: int) -> _Figures:
+        """Add ``found`` to its group's sums (``sign`` 1), or take it out (-1); ``found`` with its
+        group's model text (one copy a group, not one a job)."""
+        group = self.groups.setdefault((status, found.model, found.code), (status, found.model, found.code))
+        sums = self.totals.setdefault(group, [0] * 6)
+        for i, value in enumerate((1, found.generated, found.prompt, found.computed, found.memory, found.disk)):
+            sums[i] += sign * value
+        if not sums[0]:
+            del self.totals[group], self.groups[group]
+        return found if found.model is group[1] else _Figures(group[1], *found[1:])
+
+    def refresh(self, workspace: str) -> dict[str, str]:
+        """Bring the sums up to the workspace's jobs now; every job's state (its name)."""
+        current = self.listing(workspace)
+        for name, (status, _) in self.seen.items() - current.items():
+            self.count(status, self.figures.pop(name), -1)
+        for name, (status, _) in current.items() - self.seen.items():
+            found = _read_figures(job_path(workspace, STATUS_DIR[Status(status)], name), Status(status))
+            self.figures[name] = self.count(status, found, 1)
+        self.seen = current
+        return {name: status for name, (status, _) in current.items()}
+
+    def tag_jobs(self, workspace: str, tag: str) -> Optional[frozenset[str]]:
+        """The jobs ``tag``'s index names (read again when one of its files changed); None when it
+        cannot be read whole (_tag_files)."""
+        folder = os.path.join(workspace, TAGS, tag)
+        try:
+            files = tuple(sorted((name, info.st_ino, info.st_size, info.st_mtime_ns) for name, info in (
+                (name, os.stat(os.path.join(folder, name), follow_symlinks=False))
+                for name in os.listdir(folder) if name.endswith(".ids") and not name.startswith("."))))
+        except OSError:
+            files = None
+        known = self.tags.get(tag)
+        if files is not None and known is not None and known[0] == files:
+            return known[1]
+        try:
+            members: Optional[frozenset[str]] = frozenset(
+                job_id for _, rows in _tag_files(workspace, tag) for job_id, _ in rows)
+        except WorkspaceError:
+            members = None
+        self.tags[tag] = (files, members)
+        return members
+
+
+def _job_samples(cache: _MetricsCache, samples: dict[str, dict[tuple[str, ...], Any]]) -> None:
+    """nrvna_jobs, nrvna_failed_jobs, the tokens and the oldest queued job's age, from the sums."""
+    for (status, model, code), (jobs, generated, prompt, computed, memory, disk) in cache.totals.items():
+        key = (status, model)
+        samples["nrvna_jobs"][key] = samples["nrvna_jobs"].get(key, 0) + jobs
+        if status == Status.Failed.value:
+            key = (code or "other", model)
+            samples["nrvna_failed_jobs"][key] = samples["nrvna_failed_jobs"].get(key, 0) + jobs
+        if status not in (Status.Done.value, Status.Failed.value):
+            continue
+        unstated = max(0, prompt - computed - memory - disk)
+        for metric, key, count in (("nrvna_generated_tokens", (model,), generated),
+                                   ("nrvna_prompt_tokens", (model, "computed"), computed),
+                                   ("nrvna_prompt_tokens", (model, "memory"), memory),
+                                   ("nrvna_prompt_tokens", (model, "disk"), disk),
+                                   ("nrvna_prompt_tokens", (model, "unstated"), unstated)):
+            samples[metric][key] = samples[metric].get(key, 0) + count
+    queued = [cache.figures[name].submitted for name, (status, _) in cache.seen.items() if status == "queued"]
+    oldest = min((t for t in queued if t is not None), default=None)
+    samples["nrvna_oldest_queued_seconds"][()] = 0 if oldest is None else round(max(0.0, time.time() - oldest), 3)
+
+
+def _tag_samples(workspace: str, cache: _MetricsCache, states: Mapping[str, str],
+                 samples: dict[str, dict[tuple[str, ...], Any]]) -> None:
+    """nrvna_tag_jobs (each job once a tag, as select counts it) and nrvna_unreadable_tag_indexes."""
+    try:
+        tags = sorted(name for name in os.listdir(os.path.join(workspace, TAGS)) if ID_PATTERN.fullmatch(name))
+    except OSError:
+        tags = []
+    for gone in set(cache.tags) - set(tags):
+        del cache.tags[gone]
+    unreadable = 0
+    for tag in tags:
+        members = cache.tag_jobs(workspace, tag)
+        if members is None:
+            unreadable += 1
+            continue
+        counts = Counter(map(states.get, members))
+        samples["nrvna_tag_jobs"].update(((tag, status.value), counts[status.value]) for _, status in STATE_DIRS)
+    samples["nrvna_unreadable_tag_indexes"][()] = unreadable
+
+
+def _daemon_samples(workspace: str, samples: dict[str, dict[tuple[str, ...], Any]]) -> None:
+    """The live daemons' figures from their records (daemon_records: each field checked here too:
+    a record another process planted may hold any JSON, NaN and 1e999 included)."""
+    records = daemon_records(workspace)
+    samples["nrvna_daemons"][()] = len(records)
+    for record in records:
+        name = record["name"]
+        for field, metric, key in (("running", "nrvna_daemon_running_jobs", (name,)),
+                                   ("jobs_done", "nrvna_daemon_jobs_total", (name, "done")),
+                                   ("jobs_failed", "nrvna_daemon_jobs_total", (name, "failed")),
+                                   ("tokens_generated", "nrvna_daemon_generated_tokens_total", (name,))):
+            if _is_count(record.get(field)):
+                samples[metric][key] = record[field]
+        if _is_amount(record.get("tokens_per_second_last_minute")):
+            samples["nrvna_daemon_tokens_per_second"][(name,)] = record["tokens_per_second_last_minute"]
+        for model in record.get("models") or ():
+            label = model.get("name") if _is_text(model.get("name")) else ""
+            kind = model.get("kind") if _is_text(model.get("kind")) else ""
+            samples["nrvna_daemon_model_loaded"][(name, label, kind)] = int(model.get("loaded") is True)
+            memory = model.get("memory")
+            total = memory.get("total_mib") if isinstance(memory, dict) else None
+            if model.get("loaded") is True and _is_amount(total) and total < 1 << 32:
+                samples["nrvna_daemon_model_memory_bytes"][(name, label)] = round(total * _MIB)
+
+
+def metrics_text(workspace: str) -> str:
+    """The workspace's figures in Prometheus' text exposition format (0.0.4): every metric of
+    METRICS with its HELP and TYPE lines, label values escaped. Derived from the workspace's
+    files alone, written nowhere: `nrvna metrics` prints it, a server's GET /metrics answers
+    it. A process keeps what it read of each job (_MetricsCache): a second call reads only the
+    jobs that changed, and counts as a first would. InvalidInput when ``workspace`` is not one."""
+    workspace = os.fspath(workspace)
+    require_workspace(workspace)
+    began = time.monotonic()
+    samples: dict[str, dict[tuple[str, ...], Any]] = {name: {} for name in METRICS}
+    with _METRICS_LOCK:
+        cache = _METRICS_CACHES.setdefault(os.path.realpath(workspace), _MetricsCache())
+    with cache.lock:
+        states = cache.refresh(workspace)
+        _job_samples(cache, samples)
+        _tag_samples(workspace, cache, states, samples)
+        if len(states) > METRICS_CACHE_JOBS:  # read whole at every call, never kept
+            with _METRICS_LOCK:
+                _METRICS_CACHES.pop(os.path.realpath(workspace), None)
+    _daemon_samples(workspace, samples)
+    samples["nrvna_metrics_seconds"][()] = round(time.monotonic() - began, 6)
+    return _exposition(samples)
+
+
+def recent_finishes(workspace: str, states: Mapping[str, Status], most: int = RATE_FINISHES) -> list[float]:
+    """When the last ``most`` finished jobs of ``states`` (ID -> state, in submission order, as
+    Flow.select gives a tag's jobs or every job) ended, by their meta.json's ``finished``,
+    oldest first. A lane's jobs are taken in submission order, so these are about its latest
+    finishes, read in ``most`` files however many jobs there are. A job without a valid time
+    (a hand-made or damaged meta.json: read_record's checks, then _is_time) is left out."""
+    latest = []
+    for job_id in reversed(list(states)):
+        if states[job_id].finished:
+            latest.append(job_id)
+            if len(latest) >= most:
+                break
+    times = []
+    for job_id in latest:
+        finished = read_record(os.path.join(job_path(workspace, STATUS_DIR[states[job_id]], job_id), META_FILE)).get(
+            "finished")
+        if _is_time(finished):
+            times.append(float(finished))
+    return sorted(times)
+
+
+def finish_rate(times: Iterable[float], now: float) -> Optional[float]:
+    """Jobs ended a second, from finish ``times``: of the latest RATE_FINISHES that ended within
+    RATE_SECONDS before ``now``, the finishes after the first over the time from it to now (so
+    the rate falls while nothing ends). None with fewer than two: no rate yet, an ETA unknown."""
+    recent = sorted(t for t in times if now - RATE_SECONDS <= t <= now + 1.0)[-RATE_FINISHES:]
+    if len(recent) < 2:
+        return None
+    return (len(recent) - 1) / max(now - recent[0], 1e-3)
+
+
 ##############################################################################
 # 10. Runner protocol: what a worker runs. A Runner makes one Session per worker; a Session holds
 # up to free() more jobs and advances them all one step at a time
@@ -8701,7 +9238,7 @@ class Runner:
 
     def memory(self) -> Optional[dict[str, Any]]:
         """What the runner holds in memory, as the start line and `status --daemon` state it
-        (MiB; see model_memory), or None where it cannot say."""
+        (MiB; see LlamaRunner.memory), or None where it cannot say."""
         return None
 
     def close(self) -> None:
@@ -8884,24 +9421,24 @@ def _install_llama_logging(llama: Any, level: str) -> None:
     llama.llama_log_set(_llama_log_callback, None)
 
 
-def _kv_params(L: Any, config: Config) -> tuple[int, int, int]:
+def _kv_params(llama_cpp: Any, config: Config) -> tuple[int, int, int]:
     """A generation context's KV cache types and flash attention (type_k, type_v, flash_attn_type)
     for NRVNA_KV_TYPE: read by _llama_context and by the saved states' fingerprint alike, so a
     state is restored only into a cache laid out as the one it came from."""
     if config.kv_type == "f16":  # llama.cpp's own defaults: flash attention where it helps
-        defaults = L.llama_context_default_params()
+        defaults = llama_cpp.llama_context_default_params()
         return int(defaults.type_k), int(defaults.type_v), int(defaults.flash_attn_type)
     code = KV_TYPES[config.kv_type][0]
-    return code, code, int(L.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+    return code, code, int(llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
 
 
-def _new_context(L: Any, model: Any, params: Any) -> tuple[Any, dict[str, float]]:
+def _new_context(llama_cpp: Any, model: Any, params: Any) -> tuple[Any, dict[str, float]]:
     """``llama_init_from_model`` (a null context where it fails: its reason is in _llama_log_tail),
     and the context's buffers as llama.cpp logs them: {"KV", "compute", "output": MiB}."""
     del _llama_log_tail[:]
     sizes = _buffer_sizes[threading.get_ident()] = {}
     try:
-        return L.llama_init_from_model(model, params), sizes
+        return llama_cpp.llama_init_from_model(model, params), sizes
     finally:
         del _buffer_sizes[threading.get_ident()]
 
@@ -8913,7 +9450,7 @@ def _llama_log_reason(form: str) -> str:
     return form.format(last[0]) if last else ""
 
 
-def _strlen_callback(L: Any) -> Any:
+def _strlen_callback(llama_cpp: Any) -> Any:
     """libc's strlen as a ggml_abort_callback (see LlamaSession.preempt), where a bool result
     is read from the low byte of the integer register that holds strlen's (x86-64, arm64);
     None elsewhere: steps are then never cut short."""
@@ -8923,20 +9460,37 @@ def _strlen_callback(L: Any) -> Any:
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         return None
     try:
-        return ctypes.cast(ctypes.CDLL(None).strlen, L.ggml_abort_callback)
+        return ctypes.cast(ctypes.CDLL(None).strlen, llama_cpp.ggml_abort_callback)
     except (OSError, AttributeError):
         return None
 
 
-def _load_unmapped(L: Any, params: Any) -> None:
+def _char_array(size: int) -> Any:
+    """A ctypes buffer of ``size`` bytes for llama.cpp to write text into."""
+    import ctypes
+
+    return (ctypes.c_char * size)()
+
+
+def _pooling(setting: str, stated: Optional[str]) -> str:
+    """The pooling an embedding is made with: NRVNA_POOLING's ``setting``, or for "model" the
+    type the GGUF ``stated`` (a number of llama.cpp's enum), else "none"."""
+    if setting != "model":
+        return setting
+    if stated is not None and stated.isdigit() and int(stated) < len(POOLING_CODES):
+        return POOLING_CODES[int(stated)]  # "rank" (rerankers) embeds nothing here
+    return "none"
+
+
+def _load_unmapped(llama_cpp: Any, params: Any) -> None:
     """Make ``params`` (llama_model_params) read the weights into memory of their own instead of
     mapping the file. A mapped file truncated in place (cp over it) is SIGBUS at the next touch
     of a page gone: the daemon dies (its jobs are recovered as after any crash); unmapped, the
     weights are the daemon's, whatever happens to the file."""
     fields = {name for name, _ in type(params)._fields_}
     if "load_mode" in fields:  # llama.cpp's load modes (llama-cpp-python 0.3.36)
-        params.load_mode = L.LLAMA_LOAD_MODE_NONE
-        params.lazy_mode = L.LLAMA_LAZY_MODE_OFF  # lazy rows are read through the mapping
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+        params.lazy_mode = llama_cpp.LLAMA_LAZY_MODE_OFF  # lazy rows are read through the mapping
     else:
         params.use_mmap = False
 
@@ -9094,8 +9648,8 @@ _GBNF_LITERAL_ESCAPES = {"\\": "\\\\", "\r": "\\r", "\n": "\\n", '"': '\\"'}
 
 
 class _Conversion:
-    """A job's grammar being made on its runner's Grammar thread (LlamaRunner.prepare_grammar):
-    ``done`` is set once ``found`` ((key, GBNF, shape), as LlamaRunner.grammar gives) or
+    """A job's grammar being made on its runner's Grammar thread (_Grammars.prepare):
+    ``done`` is set once ``found`` ((key, GBNF, shape), as _Grammars.get gives) or
     ``error`` (the JobError that fails the jobs waiting for it) is.
 
     Threads: the Grammar thread writes ``found`` or ``error``, then sets ``done``; the workers
@@ -9245,6 +9799,162 @@ def _small_grammar(key: tuple[str, Any]) -> bool:
                                        and (key[0] == "gbnf" or '"pattern":' not in key[1]))
 
 
+class _Grammars:
+    """A model's grammars: each constrained job's GBNF and shape, made once per distinct schema or
+    grammar and kept (GRAMMAR_CACHE, least recently used out), a large one made on the Grammar
+    thread (a _CallThread, started at the first), and the vocabulary as the grammar sees it.
+    ``form``: how the model writes tool calls; ``vocab_pieces``: each token's bytes (b"" for an
+    end of generation), asked once, for the first structured job.
+
+    Threads: every worker (constrained, key, get, prepare, vocab) and the Grammar thread
+    (_convert); ``_cache``, ``_converting``, ``_converter``, ``_vocab`` and ``conversions`` under
+    ``_lock``, never held while a grammar is made; the loader's LlamaRunner.close calls close.
+    """
+
+    def __init__(self, form: ToolFormat, np: Any, vocab_pieces: Callable[[], list[bytes]]) -> None:
+        self.form = form
+        self.np = np
+        self._vocab_pieces = vocab_pieces
+        self._lock = threading.Lock()  # held for the dictionaries, never while converting
+        self._cache: dict[Any, tuple[str, GrammarShape]] = {}  # a schema or grammar -> its GBNF (LRU order)
+        self._converting: dict[Any, _Conversion] = {}  # grammars the Grammar thread is making
+        self._converter: Optional[_CallThread] = None  # the Grammar thread, made on first use
+        self._vocab: Optional[GrammarVocab] = None
+        self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
+
+    def key(self, params: Mapping[str, Any]) -> Optional[tuple[str, Any, Mapping[str, Any]]]:
+        """(its kind, the key naming it, the params that make it) of a constrained job's grammar."""
+        import json
+
+        kind = constraint(params)
+        if kind is None:
+            return None
+        if kind == "tools":  # descriptions left out: they change the prompt, not the grammar
+            tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
+                     for t in job_param(params, "tools")]
+            return kind, ("tools", json.dumps([self.form, tool_choice(params), parallel_calls(params), tools],
+                                              ensure_ascii=False, separators=(",", ":"))), params
+        if kind == "json_object":
+            return kind, ("json_object",), {"grammar": _JSON_OBJECT_GBNF}
+        if kind == "grammar":
+            return kind, ("gbnf", job_param(params, "grammar")), params
+        return kind, ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"],
+                                           ensure_ascii=False, separators=(",", ":"))), params
+
+    def constrained(self, params: Mapping[str, Any]) -> bool:
+        """Whether a job with ``params`` is constrained by a grammar or a JSON schema."""
+        return self.key(params) is not None
+
+    def get(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str, GrammarShape]]:
+        """The job's grammar, if its output is constrained: (a key naming it, its GBNF text,
+        its shape). A JSON schema is converted once per distinct schema, then found here again
+        (here, on the calling thread, if no conversion of it is done: see prepare).
+        Raises JobError (grammar_error) for one whose start is past the work limits."""
+        named = self.key(params)
+        if named is None:
+            return None
+        kind, key, params = named
+        with self._lock:
+            found = self._cache.pop(key, None)
+            if found is not None:
+                self._cache[key] = found  # most recently used last
+                return (key,) + found
+        found = self._made(kind, params)
+        self._remember(key, found)
+        return (key,) + found
+
+    def prepare(self, params: Mapping[str, Any]) -> Optional[_Conversion]:
+        """None when the job's grammar is made (or it has none); otherwise its conversion,
+        begun now on the Grammar thread or joined there, for a session to wait for
+        while its other sequences go on stepping: a schema's conversion and check take up
+        to the counted work its submit allows (SCHEMA_MAX_PATTERN_WORK), and no decode waits
+        for them."""
+        named = self.key(params)
+        if named is None or _small_grammar(named[1]):
+            return None
+        kind, key, params = named
+        with self._lock:
+            if key in self._cache:
+                return None
+            conversion = self._converting.get(key)
+            if conversion is None:
+                conversion = self._converting[key] = _Conversion()
+                if self._converter is None:
+                    self._converter = _CallThread("Grammar")
+                self._converter.post(self._convert, kind, key, params, conversion)
+        return conversion
+
+    def _convert(self, kind: str, key: Any, params: Mapping[str, Any], conversion: _Conversion) -> None:
+        """The Grammar thread's call: make the grammar, remember it, and tell who waits."""
+        found: Optional[tuple[str, GrammarShape]] = None
+        try:
+            found = self._made(kind, params)
+            conversion.found = (key,) + found
+        except JobError as err:
+            conversion.error = err
+        except Exception as err:  # a check's own bug fails the jobs that wait, never the thread
+            conversion.error = JobError("runner_error", f"runner failed: {err!r}")
+        finally:
+            self._remember(key, found)
+            conversion.done.set()
+
+    def _made(self, kind: str, params: Mapping[str, Any]) -> tuple[str, GrammarShape]:
+        """A grammar's GBNF and shape, made (no lock held: it takes what the schema's counted
+        work allows). Raises JobError."""
+        text = self._make(kind, params)
+        try:
+            return text, check_grammar(text)
+        except InvalidInput as err:  # a converted schema's grammar, past the work limits
+            raise JobError("grammar_error", str(err)) from None
+
+    def _remember(self, key: Any, found: Optional[tuple[str, GrammarShape]]) -> None:
+        """Keep a grammar made (None: its conversion failed), as the most recently used."""
+        with self._lock:
+            self._converting.pop(key, None)
+            if found is None:
+                return
+            self._cache.pop(key, None)
+            self._cache[key] = found
+            if len(self._cache) > GRAMMAR_CACHE:
+                self._cache.pop(next(iter(self._cache)))
+
+    def vocab(self) -> GrammarVocab:
+        """The vocabulary as the grammar sees it, for GrammarShape.vocab_cost (made once)."""
+        if self._vocab is not None:  # (every redraw asks: no lock once it is made)
+            return self._vocab
+        with self._lock:
+            if self._vocab is None:
+                self._vocab = GrammarVocab(self.np, self._vocab_pieces())
+        return self._vocab
+
+    def _make(self, kind: str, params: Mapping[str, Any]) -> str:
+        """The GBNF of a grammar job, or its schema converted. (The checks ran at claim: the
+        Processor validates params.json, a hand-made one too, with the submit's checks.)"""
+        if kind not in ("json_schema", "tools"):
+            return job_param(params, "grammar")
+        try:
+            if kind == "tools":
+                choice, parallel, form = tool_choice(params), parallel_calls(params), self.form
+                schema = tool_call_schema(job_param(params, "tools"), choice, parallel, form)
+                text = (schema_to_grammar(schema) if form.generic else
+                        tool_grammar(schema_to_grammar(schema, "tool-call"), "tool-call", choice, parallel, form))
+            else:
+                text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
+        except Exception as err:  # the converter's own assertions: a gap in check_json_schema
+            what = "tools" if kind == "tools" else "response_format"
+            raise JobError("bad_request", f"{what}: the schema could not be converted: {err!r}") from None
+        with self._lock:  # workers and the Grammar thread convert at once
+            self.conversions += 1
+        return text
+
+    def close(self) -> None:
+        """End the Grammar thread: a conversion under way is abandoned, not waited for."""
+        with self._lock:
+            converter, self._converter = self._converter, None
+        if converter is not None:
+            converter.close(wait=False)
+
+
 # ============================================================================
 # 11.3 Sampling
 # ============================================================================
@@ -9329,25 +10039,26 @@ class _SamplingScratch:
     Threads: a session belongs to one worker thread, and so does its scratch: never shared
     between threads."""
 
-    __slots__ = ("L", "byref", "candidates", "candidates_array", "token_ids", "one", "one_array", "short",
+    __slots__ = ("llama_cpp", "byref", "candidates", "candidates_array", "token_ids", "one", "one_array", "short",
                  "short_ids", "short_logits", "short_p", "short_array", "draws")
 
     def __init__(self, runner: LlamaRunner) -> None:
         import ctypes
 
-        L = self.L = runner.L
+        llama_cpp = self.llama_cpp = runner.llama_cpp
         np = runner.np
         self.byref = ctypes.byref
         # The whole vocabulary as llama_token_data, for resampling under a grammar (see whole_vocabulary).
         self.candidates: Any = None
         self.candidates_array: Any = None
         self.token_ids: Any = None
-        self.one = L.llama_token_data(0, 0.0, 0.0)  # one candidate: is a token allowed by a grammar?
-        self.one_array = L.llama_token_data_array(ctypes.pointer(self.one), 1, -1, False)
+        self.one = llama_cpp.llama_token_data(0, 0.0, 0.0)  # one candidate: is a token allowed by a grammar?
+        self.one_array = llama_cpp.llama_token_data_array(ctypes.pointer(self.one), 1, -1, False)
         # A top_k draw's candidates, the k likeliest tokens (see _JobSampler._draw_short).
         self.short = np.zeros(SHORTLIST_COLUMNS, dtype=_token_data_dtype(np))
         self.short_ids, self.short_logits, self.short_p = self.short["id"], self.short["logit"], self.short["p"]
-        self.short_array = L.llama_token_data_array(self.short.ctypes.data_as(L.llama_token_data_p), 0, -1, False)
+        self.short_array = llama_cpp.llama_token_data_array(
+            self.short.ctypes.data_as(llama_cpp.llama_token_data_p), 0, -1, False)
         self.draws = [0, 0]  # draws from the k likeliest tokens, from the whole vocabulary
 
     def whole_vocabulary(self, np: Any, n_vocab: int) -> None:
@@ -9355,8 +10066,8 @@ class _SamplingScratch:
         if self.candidates is None:
             self.candidates = np.zeros(n_vocab, dtype=_token_data_dtype(np))
             self.token_ids = np.arange(n_vocab, dtype=np.intc)
-            self.candidates_array = self.L.llama_token_data_array(
-                self.candidates.ctypes.data_as(self.L.llama_token_data_p), n_vocab, -1, False)
+            self.candidates_array = self.llama_cpp.llama_token_data_array(
+                self.candidates.ctypes.data_as(self.llama_cpp.llama_token_data_p), n_vocab, -1, False)
 
 
 def _token_data_dtype(np: Any) -> Any:
@@ -9437,22 +10148,22 @@ class _GrammarTemplates:
         """A grammar sampler of the job's own and the grammar's shape (None when its output is
         free): cloned from the context's parsed copy of that grammar, parsing it on first use.
         ``made``: the grammar as LlamaRunner.grammar gives it, made already."""
-        found = made or self.runner.grammar(params)
+        found = made or self.runner.grammars.get(params)
         if found is None:
             return None
         key, text, shape = found
-        L = self.runner.L
+        llama_cpp = self.runner.llama_cpp
         template = self.parsed.pop(key, None)
         if template is None:
             del _llama_log_tail[:]
-            template = L.llama_sampler_init_grammar(self.runner.vocab, text.encode("utf-8"), b"root")
+            template = llama_cpp.llama_sampler_init_grammar(self.runner.vocab, text.encode("utf-8"), b"root")
             if not template:
                 reason = _llama_log_reason(" ({})")
                 raise JobError("bad_request", f"llama.cpp refused the grammar{reason}")
             while len(self.parsed) >= GRAMMAR_TEMPLATES:
-                L.llama_sampler_free(self.parsed.pop(next(iter(self.parsed))))
+                llama_cpp.llama_sampler_free(self.parsed.pop(next(iter(self.parsed))))
         self.parsed[key] = template  # most recently used last
-        return L.llama_sampler_clone(template), self._fork(key, shape)
+        return llama_cpp.llama_sampler_clone(template), self._fork(key, shape)
 
     def _fork(self, key: Any, shape: GrammarShape) -> GrammarShape:
         """This context's fork of the runner's ``shape``, made on first use: its memos are this
@@ -9468,7 +10179,7 @@ class _GrammarTemplates:
     def close(self) -> None:
         """Free every parsed grammar."""
         for template in self.parsed.values():
-            self.runner.L.llama_sampler_free(template)
+            self.runner.llama_cpp.llama_sampler_free(template)
         self.parsed.clear()
         self.shapes.clear()
 
@@ -9481,6 +10192,29 @@ def _shortlist_size(chain_settings: tuple[bool, int, float, float]) -> int:
     if greedy:
         return 1
     return top_k if 0 < top_k < SHORTLIST_COLUMNS else 0
+
+
+def _sampler_chain(llama_cpp: Any, params: Mapping[str, Any], cfg: Config) -> Any:
+    """llama.cpp's sampler chain for one job (chains hold state: one per sequence); the
+    repetition penalty is not in it (see _Penalties)."""
+    temperature = job_param(params, "temperature", cfg)
+    top_k = job_param(params, "top_k", cfg)
+    top_p = job_param(params, "top_p", cfg)
+    min_p = job_param(params, "min_p", cfg)
+    seed = job_param(params, "seed", cfg) or llama_cpp.LLAMA_DEFAULT_SEED  # 0 = random
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    if temperature <= 0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+        return chain
+    if top_k > 0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(top_k))
+    if top_p < 1.0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(top_p, 1))
+    if min_p > 0.0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(min_p, 1))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(temperature))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed))
+    return chain
 
 
 class _JobSampler:
@@ -9498,15 +10232,16 @@ class _JobSampler:
     vocabulary) is safe to share (see LlamaRunner).
     """
 
-    __slots__ = ("runner", "L", "scratch", "chain", "chain_settings", "shortlist_size", "penalties", "grammar", "shape",
-                 "state", "after", "logprobs", "top_logprobs", "step_logprobs", "thinking", "logged")
+    __slots__ = ("runner", "llama_cpp", "scratch", "chain", "chain_settings", "shortlist_size", "penalties",
+                 "grammar", "shape", "state", "after", "logprobs", "top_logprobs", "step_logprobs", "thinking",
+                 "logged")
 
     def __init__(self, runner: LlamaRunner, scratch: _SamplingScratch, chain: Any,
                  chain_settings: tuple[bool, int, float, float], penalties: Optional[_Penalties] = None,
                  grammar: Any = None, shape: Optional[GrammarShape] = None, logprobs: bool = False,
                  top_logprobs: int = 0) -> None:
         self.runner = runner
-        self.L = runner.L
+        self.llama_cpp = runner.llama_cpp
         self.scratch = scratch  # the context's arrays (see _SamplingScratch)
         self.chain = chain  # llama.cpp's sampler chain (LlamaRunner.sampler); penalties are not in it
         self.chain_settings = chain_settings  # what the chain does: (greedy, top_k, top_p, min_p)
@@ -9537,7 +10272,8 @@ class _JobSampler:
         config = runner.config
         settings = (job_param(params, "temperature", config) <= 0, job_param(params, "top_k", config),
                     job_param(params, "top_p", config), job_param(params, "min_p", config))
-        return cls(runner, scratch, runner.sampler(params), settings, penalties, grammar, shape,
+        chain = _sampler_chain(runner.llama_cpp, params, config)
+        return cls(runner, scratch, chain, settings, penalties, grammar, shape,
                    bool(job_param(params, "logprobs")), job_param(params, "top_logprobs") or 0)
 
     def prepare(self, row: Any) -> None:
@@ -9561,7 +10297,7 @@ class _JobSampler:
             token = self._draw_short(*likeliest)
         else:
             self.scratch.draws[1] += 1
-            token = self.L.llama_sampler_sample(self.chain, ctx, index)
+            token = self.llama_cpp.llama_sampler_sample(self.chain, ctx, index)
         if self.grammar is not None and not self.thinking and not self._allowed(token):
             token = self._resample(row)
         return token
@@ -9581,11 +10317,11 @@ class _JobSampler:
         scratch.short_p[:count] = 0.0
         array = scratch.short_array
         array.size, array.selected, array.sorted = count, -1, False
-        self.L.llama_sampler_apply(self.chain, scratch.byref(array))
+        self.llama_cpp.llama_sampler_apply(self.chain, scratch.byref(array))
         if not 0 <= array.selected < count:  # (llama_sampler_sample would abort the process)
             raise RuntimeError(f"the sampler chain selected candidate {array.selected} of {count}")
         token = int(scratch.short_ids[array.selected])
-        self.L.llama_sampler_accept(self.chain, token)
+        self.llama_cpp.llama_sampler_accept(self.chain, token)
         scratch.draws[0] += 1
         return token
 
@@ -9596,7 +10332,7 @@ class _JobSampler:
         if self.penalties is not None:
             self.penalties.accept(token)
         if self.grammar is not None and not self.thinking:
-            self.L.llama_sampler_accept(self.grammar, token)  # never a refused token: llama.cpp aborts on one
+            self.llama_cpp.llama_sampler_accept(self.grammar, token)  # never a refused token: llama.cpp aborts on one
             self.state = self.after
         if self.step_logprobs is not None:
             self.logprobs.append(self._logprob(self.step_logprobs, token))
@@ -9609,13 +10345,13 @@ class _JobSampler:
             self.logprobs.pop()
             self.logged = False
 
-    def free(self) -> None:
+    def close(self) -> None:
         """Free the chain and the grammar sampler (the log-probabilities stay)."""
         if self.chain is not None:
-            self.L.llama_sampler_free(self.chain)
+            self.llama_cpp.llama_sampler_free(self.chain)
             self.chain = None
         if self.grammar is not None:
-            self.L.llama_sampler_free(self.grammar)
+            self.llama_cpp.llama_sampler_free(self.grammar)
             self.grammar = None
 
     def _allowed(self, token: int) -> bool:
@@ -9635,7 +10371,7 @@ class _JobSampler:
         one.id, one.logit, one.p = token, 0.0, 0.0
         array = scratch.one_array
         array.size, array.selected, array.sorted = 1, -1, False
-        self.L.llama_sampler_apply(self.grammar, scratch.byref(array))
+        self.llama_cpp.llama_sampler_apply(self.grammar, scratch.byref(array))
         allowed = one.logit != -_INF
         if allowed and not eog and self.after is None:
             # (never seen: GrammarShape is llama.cpp's algorithm; were it not, the job ends here
@@ -9653,7 +10389,7 @@ class _JobSampler:
         (see ``_shortlist_suffices``), else from the whole vocabulary, as llama.cpp's
         common_sampler does (measured: 5.8 ms a redraw over SmolLM2's 49,152 tokens)."""
         np, n_vocab = self.runner.np, self.runner.n_vocab
-        vocab = self.runner.grammar_vocab()
+        vocab = self.runner.grammars.vocab()
         self.scratch.whole_vocabulary(np, n_vocab)
         if n_vocab > 2 * SHORTLIST:
             ids = np.sort(np.argpartition(row, n_vocab - SHORTLIST)[n_vocab - SHORTLIST:])  # in ID order, as all are
@@ -9676,7 +10412,7 @@ class _JobSampler:
         candidates["logit"][:count] = logits
         candidates["p"][:count] = 0.0
         array.size, array.selected, array.sorted = count, -1, False
-        self.L.llama_sampler_apply(self.grammar, scratch.byref(array))
+        self.llama_cpp.llama_sampler_apply(self.grammar, scratch.byref(array))
         kept = candidates["logit"][:count]
         kept[self.runner.control_mask[candidates["id"][:count]]] = -_INF  # see _allowed
         allowed = kept[np.isfinite(kept)]
@@ -9686,7 +10422,7 @@ class _JobSampler:
         """The job's sampler chain on the loaded candidates: the token it draws (-1: none)."""
         scratch = self.scratch
         array = scratch.candidates_array
-        self.L.llama_sampler_apply(self.chain, scratch.byref(array))
+        self.llama_cpp.llama_sampler_apply(self.chain, scratch.byref(array))
         if not 0 <= array.selected < array.size:
             return -1
         token = int(scratch.candidates["id"][array.selected])
@@ -9754,7 +10490,8 @@ class _JobSampler:
                 break
             data = piece(token)
             used += len(data)
-            content.append(dict(_token_entry(data, logprob), top_logprobs=[_token_entry(piece(t), lp) for t, lp in best]))
+            content.append(dict(_token_entry(data, logprob),
+                                top_logprobs=[_token_entry(piece(t), lp) for t, lp in best]))
         return content
 
 
@@ -9768,7 +10505,7 @@ class _JobSampler:
 
 class _ThinkRouter:
     """One sequence's generated text split into its thinking and its answer, by the thinking
-    block's tags (``open``, ``close``: ``<think>``, ``</think>``), matched in the decoded text so
+    block's tags (``open_tag``, ``close_tag``: ``<think>``, ``</think>``), matched in the decoded text so
     that a tag split over tokens, or merged with its neighbours, matches alike.
 
     ``route(text)`` takes each decoded piece and returns the part of it that is answer; the
@@ -9790,16 +10527,16 @@ class _ThinkRouter:
     Threads: its sequence's worker only."""
 
     BEFORE, INSIDE, AFTER, ANSWER = range(4)
-    __slots__ = ("open", "close", "state", "held", "parts", "opened", "start", "cap", "force_at", "closing",
+    __slots__ = ("open_tag", "close_tag", "state", "held", "parts", "opened", "start", "cap", "force_at", "closing",
                  "forcing", "spent", "closed", "headers", "wrote", "mark")
 
-    def __init__(self, open: str, close: str, state: int, cap: Optional[int] = None, force_at: Optional[int] = None,
-                 closing: tuple[int, ...] = (), headers: tuple[str, ...] = ()) -> None:
-        self.open, self.close, self.state = open, close, state
+    def __init__(self, open_tag: str, close_tag: str, state: int, cap: Optional[int] = None,
+                 force_at: Optional[int] = None, closing: tuple[int, ...] = (), headers: tuple[str, ...] = ()) -> None:
+        self.open_tag, self.close_tag, self.state = open_tag, close_tag, state
         self.headers = headers  # markup dropped before the answer (harmony's final channel header)
         # The character every tag starts with, where they share one: text without it holds no tag
         # (route's fast path: most pieces are plain words).
-        firsts = {tag[0] for tag in (open, close, *headers)}
+        firsts = {tag[0] for tag in (open_tag, close_tag, *headers)}
         self.mark = firsts.pop() if len(firsts) == 1 else None
         self.held = ""
         self.parts: list[str] = []
@@ -9815,7 +10552,8 @@ class _ThinkRouter:
 
     def again(self) -> "_ThinkRouter":
         """A router for another choice of the same prompt, as this one started."""
-        return _ThinkRouter(self.open, self.close, self.start, self.cap, self.force_at, self.closing, self.headers)
+        return _ThinkRouter(self.open_tag, self.close_tag, self.start, self.cap, self.force_at, self.closing,
+                            self.headers)
 
     def forced(self, generated: int) -> int:
         """The token the daemon writes next instead of a draw, or -1: the rest of a close it has
@@ -9842,8 +10580,8 @@ class _ThinkRouter:
         """Whether ``piece`` would close the block and carry answer text with it (``>{``): with a
         grammar, that text would skip the grammar, so the daemon closes the block instead."""
         text = self.held + piece.decode("utf-8", "ignore")
-        at = text.find(self.close)
-        return at >= 0 and bool(text[at + len(self.close):].strip())
+        at = text.find(self.close_tag)
+        return at >= 0 and bool(text[at + len(self.close_tag):].strip())
 
     @property
     def reasoning(self) -> str:
@@ -9860,11 +10598,12 @@ class _ThinkRouter:
         while held:
             if self.state == self.BEFORE or self.state == self.AFTER:
                 held = held.lstrip()
-                tags = (self.open, self.close, *self.headers) if self.state == self.AFTER else (self.open, *self.headers)
+                tags = ((self.open_tag, self.close_tag, *self.headers) if self.state == self.AFTER
+                        else (self.open_tag, *self.headers))
                 tag = next((tag for tag in tags if held.startswith(tag)), None)
                 if tag is not None:  # a block opens; or a header, or a second close tag, dropped
                     held = held[len(tag):]
-                    if tag == self.open:
+                    if tag == self.open_tag:
                         self.state, self.opened = self.INSIDE, True
                     continue
                 if any(tag.startswith(held) for tag in tags):  # may still become one
@@ -9875,9 +10614,9 @@ class _ThinkRouter:
                 (self.parts if self.state == self.INSIDE else answer).append(before)
                 if tag is None:
                     break
-                if self.state == self.INSIDE and tag == self.close:  # an open tag inside the block is dropped
+                if self.state == self.INSIDE and tag == self.close_tag:  # an open tag inside the block is dropped
                     self.state = self.AFTER
-                elif self.state == self.ANSWER and tag == self.open:  # a lone close tag is dropped
+                elif self.state == self.ANSWER and tag == self.open_tag:  # a lone close tag is dropped
                     self.state, self.opened = self.INSIDE, True
         self.held = held
         return "".join(answer)
@@ -9885,9 +10624,9 @@ class _ThinkRouter:
     def _cut(self, held: str) -> tuple[str, Optional[str], str]:
         """``held``'s text before its first tag, that tag, and the text after it; with no tag:
         the text, None, and the end that may still start one (held back)."""
-        found = [(held.find(tag), tag) for tag in (self.open, self.close) if tag in held]
+        found = [(held.find(tag), tag) for tag in (self.open_tag, self.close_tag) if tag in held]
         if not found:
-            keep = len(held) - _tag_start(held, (self.open, self.close))
+            keep = len(held) - _tag_start(held, (self.open_tag, self.close_tag))
             return held[:keep], None, held[keep:]
         at, tag = min(found)
         return held[:at], tag, held[at + len(tag):]
@@ -9967,12 +10706,12 @@ class _Thinking:
         # of 0 closes it in the template: the answer started with "\n").
         state = (_ThinkRouter.INSIDE if tail.endswith(open_tag) else
                  _ThinkRouter.AFTER if any(map(tail.endswith, answering)) else _ThinkRouter.BEFORE)
-        if state == _ThinkRouter.BEFORE and not job_param(params, "raw") and self.runner.has_grammar(params):
+        if state == _ThinkRouter.BEFORE and not job_param(params, "raw") and self.runner.grammars.constrained(params):
             prompt, state = prompt + self.opening, _ThinkRouter.INSIDE
         cap = thinking_budget(params)
         generated = min(room, len(prompt) + max_tokens) - len(prompt)
         force_at = generated - (generated + 3) // 4 - len(self.closing)
-        if state in (_ThinkRouter.BEFORE, _ThinkRouter.INSIDE) and (cap == 0 or force_at <= 0):  # no thinking: the answer now
+        if state in (_ThinkRouter.BEFORE, _ThinkRouter.INSIDE) and (cap == 0 or force_at <= 0):  # the answer now
             prompt = prompt + (list(self.closing) if state == _ThinkRouter.INSIDE else self.skip)
             state = _ThinkRouter.AFTER
         return prompt, _ThinkRouter(open_tag, close_tag, state, cap, force_at, self.closing, self.headers)
@@ -9996,7 +10735,7 @@ class _Choices:
         self.results: list[Optional[Outcome]] = [None] * n
 
     @staticmethod
-    def waiting(slots: list[Optional[_Sequence]]) -> list[_Sequence]:
+    def unstarted(slots: list[Optional[_Sequence]]) -> list[_Sequence]:
         """A sequence of each job whose further choices wait for room (not one in the kept room)."""
         jobs = {id(s.choices): s for s in slots if s is not None and s.choices is not None and not s.reserved
                 and not s.choices.ended and s.choices.started < s.choices.n}
@@ -10035,7 +10774,8 @@ class _Choices:
         (a choice of the job has just ended there)."""
         seq = session.slots[slot] = _Sequence(first.job, slot, first.prompt, first.max_tokens, first.budget, sampler)
         seq.think_with(first.think.again() if first.think is not None else None)
-        seq.reserved, seq.choices, seq.choice, seq.tools, seq.stops = first.reserved, self, self.started, first.tools, first.stops
+        seq.reserved, seq.choices, seq.choice = first.reserved, self, self.started
+        seq.tools, seq.stops = first.tools, first.stops
         self.started += 1
         if not (own_cells and session.prefixes.keep_choice(seq)):
             session.prefixes.attach(seq, session.slots)
@@ -10049,7 +10789,7 @@ class _Choices:
             session.release(seq, keep=False)
             return None
         for other in session.slots:  # choices waiting for the prompt's cells copy them before they go
-            if other is not None and other.choices is self and other.waiting:
+            if other is not None and other.choices is self and other.awaits_prefix:
                 session.prefixes.attach(other, session.slots)
         self.results[seq.choice] = outcome
         if error is None and self.started < self.n:
@@ -10058,7 +10798,7 @@ class _Choices:
             except JobError as err:  # the job fails: nothing has changed yet
                 error = (err.code, str(err))
             else:
-                seq.sampler.free()
+                seq.sampler.close()
                 self._start(session, seq, seq.slot, sampler, own_cells=True)
                 return None
         if error is None and any(r is None for r in self.results):
@@ -10121,7 +10861,7 @@ class _Sequence:
     Threads: its session's worker thread only (made, stepped and ended there)."""
 
     __slots__ = ("job", "slot", "prompt", "pending", "pos", "n_prompt", "n_gen", "max_tokens", "sampler",
-                 "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "waiting", "unsent",
+                 "decoder", "parts", "last", "ignore_eos", "stops", "tail", "cached", "awaits_prefix", "unsent",
                  "budget", "priority", "reserved", "choices", "choice", "computed", "think", "thought", "from_disk",
                  "tools")
 
@@ -10134,7 +10874,7 @@ class _Sequence:
         self.cached: list[int] = []  # tokens whose KV cells this slot holds, in order
         self.pending = tokens  # prompt tokens not yet decoded (see at)
         self.pos = 0  # the position of the next token decoded: len(cached)
-        self.waiting = False  # for a batch-mate to compute a prefix this prompt shares
+        self.awaits_prefix = False  # for a batch-mate to compute a prefix this prompt shares
         self.n_prompt = len(tokens)
         self.n_gen = 0
         self.max_tokens = max_tokens
@@ -10240,6 +10980,48 @@ class _Sequence:
         self.parts = [full[:cut]]
         return True
 
+    def take(self, ctx: Any, index: int, row: Any, short: Optional[tuple[Any, Any]], runner: LlamaRunner,
+             limit: int) -> Optional[tuple[str, Optional[tuple[str, str]]]]:
+        """Its next token drawn from output ``index`` of ``ctx``'s step (``row``; ``short``: its
+        likeliest tokens) and taken: None if it goes on, else why it ends (its finish reason, and
+        its error: code, message); ``limit``: the cells it may hold."""
+        # A token the daemon writes (closing a thinking block) is never drawn, and the grammar,
+        # the penalties and the log-probabilities never see it.
+        think = self.think
+        forced = think is not None and (think.forcing or think.state == _ThinkRouter.INSIDE)
+        token = think.forced(self.n_gen) if forced else -1
+        if token < 0:
+            drawn = self._draw(ctx, index, row, short, runner)
+            if isinstance(drawn, tuple):
+                return drawn
+            if drawn >= 0:
+                self.sampler.accept(drawn)
+            token = drawn if drawn >= 0 else -drawn - 1
+        if self.add(token, runner.piece(token)):  # a stop string
+            return "stop", None
+        if self.n_gen >= self.max_tokens or self.pos >= limit:
+            return "length", None
+        return None
+
+    def _draw(self, ctx: Any, index: int, row: Any, short: Optional[tuple[Any, Any]], runner: LlamaRunner
+              ) -> Union[int, tuple[str, Optional[tuple[str, str]]]]:
+        """Its token drawn by its sampler (see take): the token; -1 - a token the daemon
+        writes instead (an end of generation inside a thinking block, or a close that would carry
+        answer text past the grammar: the block is closed); or why the sequence ends."""
+        try:
+            token = self.sampler.sample(ctx, index, row, short)
+        except GrammarLimit as err:  # before llama.cpp is asked to do that work
+            return "stop", ("grammar_error", f"{err} after {self.n_gen} tokens")
+        if token < 0:
+            return "stop", ("grammar_error", "no token of the model's vocabulary can continue the grammar here")
+        think, ends = self.think, token in runner.eog_tokens
+        if think is not None and think.state == _ThinkRouter.INSIDE and think.closing and (
+                ends or (self.sampler.grammar is not None and think.spills(runner.piece(token)))):
+            return -1 - think.close_now("eog" if ends else "model")
+        if ends and (not self.ignore_eos or self.sampler.grammar is not None):
+            return "stop", None  # with a grammar: allowed only once it is complete
+        return token
+
     def outcome(self, reason: str, error: Optional[tuple[str, str]]) -> Outcome:
         """The job's result: its text (flushing the decoder unless a stop string ended it),
         with ``reason``, or the ``error`` (code, message)."""
@@ -10256,7 +11038,8 @@ class _Sequence:
         message = None
         calls = read_tool_calls(text, self.tools, self.job.id, self.choice) if self.tools and not error else None
         if calls is not None and calls[1]:  # (cut by max_tokens: the whole calls, and "length" stays)
-            message, reason = {"content": calls[0], "tool_calls": calls[1]}, "tool_calls" if reason == "stop" else reason
+            message = {"content": calls[0], "tool_calls": calls[1]}
+            reason = "tool_calls" if reason == "stop" else reason
         elif calls is not None:  # the generic form's answer in words
             text = calls[0] or ""
         if error:
@@ -10311,12 +11094,16 @@ class _Embedder:
     """
 
     def __init__(self, runner: LlamaRunner, threads: int, limit: int, pack: int) -> None:
-        L = self.L = runner.L
+        if runner.pooling not in ("mean", "cls", "last"):
+            raise JobError("unsupported", f"the model cannot embed with pooling {runner.pooling} (its GGUF "
+                                          "names no pooling type): start the daemon with NRVNA_POOLING=mean, cls "
+                                          "or last to embed with it")
+        llama_cpp = self.llama_cpp = runner.llama_cpp
         self.runner = runner
         self.limit = limit
         self.pack = pack
         size = max(limit, pack)  # a decode holds a pack of texts, or one text up to the limit
-        params = L.llama_context_default_params()
+        params = llama_cpp.llama_context_default_params()
         params.n_ctx = params.n_batch = params.n_ubatch = size
         params.n_seq_max = EMBED_SEQS
         params.n_threads = params.n_threads_batch = threads
@@ -10328,14 +11115,14 @@ class _Embedder:
         # without it). An encoder (BERT) has no KV cache: there it changed vectors by less than
         # 1e-6 and embedded 1.5 times as fast, so llama.cpp's default (auto: on) stays.
         if runner.causal:
-            params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.no_perf = True
-        self.ctx, self.buffers = _new_context(L, runner.model, params)
+        self.ctx, self.buffers = _new_context(llama_cpp, runner.model, params)
         if not self.ctx:
             raise JobError("model_error", f"cannot create an embedding context of {size} tokens (out of memory? "
                                           "lower NRVNA_MAX_CTX)")
-        self.memory = L.llama_get_memory(self.ctx)  # None for models without a KV cache (BERT)
-        self.batch = L.llama_batch_init(size, 0, 1)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)  # None for models without a KV cache (BERT)
+        self.batch = llama_cpp.llama_batch_init(size, 0, 1)
         self.normalize = bool(runner.config.embed_normalize)
         self.jobs: list[_Embedding] = []
 
@@ -10359,7 +11146,7 @@ class _Embedder:
     def step(self, decode: Callable[[Any, Any], int]) -> list[tuple[RunningJob, Outcome]]:
         """Embed the next texts in one decode; return the jobs whose texts are all done."""
         ended = [self._end(e, e.job.interrupt) for e in list(self.jobs) if e.job.interrupt is not None]
-        L, batch = self.L, self.batch
+        llama_cpp, batch = self.llama_cpp, self.batch
         placed: list[tuple[_Embedding, int]] = []
         n = 0
         for entry in self.jobs:
@@ -10383,16 +11170,18 @@ class _Embedder:
         batch.n_tokens = n
         code = decode(self.ctx, batch)
         if self.memory:
-            L.llama_memory_clear(self.memory, True)  # every decode starts afresh
+            llama_cpp.llama_memory_clear(self.memory, True)  # every decode starts afresh
         if code != 0:
-            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
+            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(
+                code, f"llama_decode returned {code}")
             failed = {id(entry): entry for entry, _ in placed}
             return ended + [self._end(entry, ("model_error", message)) for entry in failed.values()]
         np, size = self.runner.np, self.runner.n_embd
         for seq, (entry, index) in enumerate(placed):
-            pointer = L.llama_get_embeddings_seq(self.ctx, seq)
+            pointer = llama_cpp.llama_get_embeddings_seq(self.ctx, seq)
             if not pointer:
-                return ended + [self._end(e, ("model_error", "llama.cpp returned no embedding")) for e in list(self.jobs)]
+                failure = ("model_error", "llama.cpp returned no embedding")
+                return ended + [self._end(e, failure) for e in list(self.jobs)]
             vector = np.ctypeslib.as_array(pointer, shape=(size,))[:entry.dimensions or size].astype(np.float64)
             if not np.isfinite(vector).all():
                 ended.append(self._end(entry, ("model_error", "the model's embedding holds NaN or infinity")))
@@ -10420,8 +11209,8 @@ class _Embedder:
         """Free the context and its batch."""
         self.jobs.clear()
         if self.ctx:
-            self.L.llama_batch_free(self.batch)
-            self.L.llama_free(self.ctx)
+            self.llama_cpp.llama_batch_free(self.batch)
+            self.llama_cpp.llama_free(self.ctx)
             self.ctx = None
 
 
@@ -10447,7 +11236,7 @@ def state_fingerprint(runner: Any, model_path: str) -> str:
     import hashlib
     import json
 
-    L = runner.L
+    llama_cpp = runner.llama_cpp
     digest = hashlib.sha256()
     with open(model_path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
@@ -10456,9 +11245,9 @@ def state_fingerprint(runner: Any, model_path: str) -> str:
         digest.update(handle.read(1 << 20))
     version = getattr(sys.modules.get("llama_cpp"), "__version__", "?")
     return json.dumps({"model": [size, digest.hexdigest()[:32]], "llama_cpp": version,
-                       "state": getattr(L, "LLAMA_STATE_SEQ_VERSION", None),
-                       "kv": [*_kv_params(L, runner.config), "unified"],
-                       "layers": L.llama_model_n_layer(runner.model), "gpu_layers": runner.config.gpu_layers},
+                       "state": getattr(llama_cpp, "LLAMA_STATE_SEQ_VERSION", None),
+                       "kv": [*_kv_params(llama_cpp, runner.config), "unified"],
+                       "layers": llama_cpp.llama_model_n_layer(runner.model), "gpu_layers": runner.config.gpu_layers},
                       sort_keys=True, separators=(",", ":"))
 
 
@@ -10529,7 +11318,7 @@ class StateStore:
         self._skipped: set[str] = set()  # .kv names read once and left alone (not nrvna's; damaged and not removable)
         self._listed: Optional[int] = None  # the folder's mtime when it was last listed
         self._queue: Any = queue.SimpleQueue()
-        self._pending = self._waiting = 0  # bytes, and states, copied out and not yet written
+        self._pending = self._pending_states = 0  # bytes, and states, copied out and not yet written
         self._saver: Optional[threading.Thread] = None
         self.counts = {"saved": 0, "restored": 0, "dropped": 0, "removed": 0}
         try:
@@ -10626,7 +11415,7 @@ class StateStore:
                 best = (head, n)
         return best
 
-    def restore(self, L: Any, ctx: Any, slot: int, head: StateHead) -> bool:
+    def restore(self, llama_cpp: Any, ctx: Any, slot: int, head: StateHead) -> bool:
         """Put ``head``'s state into sequence ``slot`` of ``ctx`` (what it held is replaced);
         False, the sequence emptied, if it cannot be (a damaged file is removed). The file is
         mapped, and its crc checked on another thread while llama.cpp copies it in: a state
@@ -10637,18 +11426,18 @@ class StateStore:
 
         mapped = self._map(head)
         if mapped is None:
-            L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), slot, -1, -1)
             return False
         whole = _CheckThread(mapped)
         buffer = (ctypes.c_uint8 * head.blob).from_buffer(mapped, head.size - 4 - head.blob)
-        restored = L.llama_state_seq_set_data(ctx, buffer, head.blob, slot) == head.blob
+        restored = llama_cpp.llama_state_seq_set_data(ctx, buffer, head.blob, slot) == head.blob
         del buffer
         why = ("it is torn or damaged (its crc)" if not whole.result() else
-               "its state does not hold the tokens it names" if restored and not self._holds(L, ctx, slot, head)
+               "its state does not hold the tokens it names" if restored and not self._holds(llama_cpp, ctx, slot, head)
                else "")
         mapped.close()
         if why or not restored:
-            L.llama_memory_seq_rm(L.llama_get_memory(ctx), slot, -1, -1)
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), slot, -1, -1)
         if why:
             self._remove(head, why)
             return False
@@ -10680,13 +11469,13 @@ class StateStore:
         return mapped
 
     @staticmethod
-    def _holds(L: Any, ctx: Any, slot: int, head: StateHead) -> bool:
+    def _holds(llama_cpp: Any, ctx: Any, slot: int, head: StateHead) -> bool:
         """Whether sequence ``slot`` holds the tokens ``head`` names after a restore: its last
         position is their count less one (a sliding-window cache keeps its first positions
         only within the window: the first may be above 0)."""
-        memory = L.llama_get_memory(ctx)
-        last = L.llama_memory_seq_pos_max(memory, slot)
-        return last == len(head.tokens) - 1 and 0 <= L.llama_memory_seq_pos_min(memory, slot) <= last
+        memory = llama_cpp.llama_get_memory(ctx)
+        last = llama_cpp.llama_memory_seq_pos_max(memory, slot)
+        return last == len(head.tokens) - 1 and 0 <= llama_cpp.llama_memory_seq_pos_min(memory, slot) <= last
 
     def _remove(self, head: StateHead, why: str) -> None:
         """Remove a state file of nrvna's (its magic was read) that is damaged or inconsistent."""
@@ -10711,34 +11500,36 @@ class StateStore:
         return not any(len(h.tokens) >= len(mine) and _shared_prefix(h.tokens, mine) == len(mine)
                        for h in self._heads())
 
-    def save(self, L: Any, ctx: Any, slot: int, tokens: list[int], job_id: str) -> None:
+    def save(self, llama_cpp: Any, ctx: Any, slot: int, tokens: list[int], job_id: str) -> None:
         """Copy sequence ``slot``'s state (exactly ``tokens``' cells) out of ``ctx`` and queue it
         for the Saver; dropped when it would take the states waiting past NRVNA_CACHE_PENDING
         bytes (never waited for)."""
         import ctypes
 
-        size = L.llama_state_seq_get_size(ctx, slot)
+        size = llama_cpp.llama_state_seq_get_size(ctx, slot)
         if not size:  # nothing to save
             return
         with self._lock:
             limit = self.pending_limit
-            if self._waiting >= SAVES_PENDING if limit is None else self._pending + size > limit:
+            full = self._pending_states >= SAVES_PENDING if limit is None else self._pending + size > limit
+            if full:
                 self.counts["dropped"] += 1
                 why = ("the disk is behind" if self._pending else
                        f"its {size / _MIB:,.0f} MiB are more than NRVNA_CACHE_PENDING ({(limit or 0) / _MIB:,.0f} MiB)")
                 log.limited("state pending", f"a computed context was not saved: {why}", "warning")
                 return
             self._pending += size
-            self._waiting += 1
+            self._pending_states += 1
         try:
             data, offset = state_buffer(self.fingerprint, job_id, tokens, size, self.owner)
-            copied = L.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data, offset), size, slot)
+            target = (ctypes.c_uint8 * size).from_buffer(data, offset)
+            copied = llama_cpp.llama_state_seq_get_data(ctx, target, size, slot)
         except MemoryError:
             copied = 0
         if copied != size or len(data) > self.limit:
             with self._lock:
                 self._pending -= size
-                self._waiting -= 1
+                self._pending_states -= 1
             return
         self._queue.put((state_name(self.fingerprint, tokens), data, size))
         if self._saver is None:
@@ -10760,7 +11551,7 @@ class StateStore:
             finally:
                 with self._lock:
                     self._pending -= size
-                    self._waiting -= 1
+                    self._pending_states -= 1
 
     def _write(self, name: str, data: Any) -> None:
         """Write a state whole: a temporary name, fsync, rename, the folder's fsync."""
@@ -10835,8 +11626,8 @@ class _PrefixCache:
 
     Threads: like its context, its session's worker thread only."""
 
-    def __init__(self, L: Any, memory: Any, slots: int, enabled: bool, shares_cells: bool = True) -> None:
-        self.L = L
+    def __init__(self, llama_cpp: Any, memory: Any, slots: int, enabled: bool, shares_cells: bool = True) -> None:
+        self.llama_cpp = llama_cpp
         self.memory = memory
         self.enabled = enabled  # NRVNA_PREFIX_CACHE: off, every prompt is computed whole
         self.shares_cells = shares_cells  # False for recurrent models: no prefix of a state can be copied
@@ -10866,8 +11657,8 @@ class _PrefixCache:
                 continue
             keep = max(_common_prefix(self.held[i], self.held[j]) for j in held if j != i)
             if keep < len(self.held[i]):
-                if not self.L.llama_memory_seq_rm(self.memory, i, keep, -1):
-                    self.L.llama_memory_seq_rm(self.memory, i, -1, -1)
+                if not self.llama_cpp.llama_memory_seq_rm(self.memory, i, keep, -1):
+                    self.llama_cpp.llama_memory_seq_rm(self.memory, i, -1, -1)
                     keep = 0
                 self.held[i] = self.held[i][:keep]
 
@@ -10891,7 +11682,8 @@ class _PrefixCache:
         is safe: the cells actually in use never exceed the cache.
         """
         used = sum(s.budget for s in slots if s is not None) + sum(len(t) for t in self.held)
-        for i in sorted((i for i, t in enumerate(self.held) if t), key=lambda i: (i == self.last_kept, -len(self.held[i]))):
+        for i in sorted((i for i, t in enumerate(self.held) if t),
+                        key=lambda i: (i == self.last_kept, -len(self.held[i]))):
             if used <= cells:
                 return
             used -= len(self.held[i])
@@ -10899,14 +11691,15 @@ class _PrefixCache:
 
     def spare_slot(self, slots: list[Optional[_Sequence]]) -> int:
         """A free slot for a job's further choice: the one whose kept cells are worth least."""
-        return min((i for i, s in enumerate(slots) if s is None), key=lambda i: (i == self.last_kept, len(self.held[i])))
+        return min((i for i, s in enumerate(slots) if s is None),
+                   key=lambda i: (i == self.last_kept, len(self.held[i])))
 
     def forget(self, slot: int) -> None:
         """Drop every KV cell of ``slot`` (cells another slot shares stay for that slot)."""
         if self.last_kept == slot:
             self.last_kept = None
         self.held[slot] = []
-        self.L.llama_memory_seq_rm(self.memory, slot, -1, -1)
+        self.llama_cpp.llama_memory_seq_rm(self.memory, slot, -1, -1)
 
     def release(self, seq: _Sequence, keep: bool) -> None:
         """``seq`` has left its slot; with ``keep``, its KV cells stay for the next job's prefix."""
@@ -10938,7 +11731,7 @@ class _PrefixCache:
                     continue
                 if other is None:
                     n = _common_prefix(self.held[i], tokens, limit)
-                elif other.waiting:
+                elif other.awaits_prefix:
                     continue
                 else:
                     n = _common_prefix(other.cached, tokens, limit)
@@ -10948,19 +11741,19 @@ class _PrefixCache:
                 if n > computed:
                     source, computed = i, n
         computed = min(computed, limit)
-        seq.waiting = planned >= computed + PREFIX_WAIT_TOKENS
-        if seq.waiting:
-            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+        seq.awaits_prefix = planned >= computed + PREFIX_WAIT_TOKENS
+        if seq.awaits_prefix:
+            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
             self.held[seq.slot] = []
             return
         if source == seq.slot:
-            ok = self.L.llama_memory_seq_rm(self.memory, seq.slot, computed, -1)
+            ok = self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, computed, -1)
         else:
-            ok = (self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1) and computed > 0)
+            ok = (self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1) and computed > 0)
             if ok:
-                self.L.llama_memory_seq_cp(self.memory, source, seq.slot, 0, computed)
+                self.llama_cpp.llama_memory_seq_cp(self.memory, source, seq.slot, 0, computed)
         if not ok:  # e.g. recurrent models: a sequence's state is all or nothing
-            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
             computed = 0
         self.held[seq.slot] = []
         seq.at(computed)
@@ -10974,15 +11767,16 @@ class _PrefixCache:
         self.forget(seq.slot)
         seq.at(0)
         if not self.shares_cells:  # a recurrent model's state is all or nothing: each choice computes its own
-            seq.waiting = False
+            seq.awaits_prefix = False
             return
         source = next((i for i, other in enumerate(slots) if other is not None and other is not seq
-                       and other.choices is seq.choices and not other.waiting and len(other.cached) >= limit), None)
-        seq.waiting = source is None
+                       and other.choices is seq.choices and not other.awaits_prefix
+                       and len(other.cached) >= limit), None)
+        seq.awaits_prefix = source is None
         if source is None:
             return
         if limit:
-            self.L.llama_memory_seq_cp(self.memory, source, seq.slot, 0, limit)
+            self.llama_cpp.llama_memory_seq_cp(self.memory, source, seq.slot, 0, limit)
         seq.at(limit)
         self.reused_tokens += limit
 
@@ -10991,7 +11785,7 @@ class _PrefixCache:
         ended: keep the prompt's cells there but its last token's (decoded again for this
         choice's own logits). False where the cells cannot be cut (a recurrent model's)."""
         limit = len(seq.prompt) - 1
-        if not (self.shares_cells and self.L.llama_memory_seq_rm(self.memory, seq.slot, limit, -1)):
+        if not (self.shares_cells and self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, limit, -1)):
             return False
         seq.at(limit)
         self.reused_tokens += limit
@@ -11004,10 +11798,10 @@ class _Batch:
 
     Threads: its session's worker thread only."""
 
-    def __init__(self, L: Any, n_batch: int) -> None:
-        self.L = L
+    def __init__(self, llama_cpp: Any, n_batch: int) -> None:
+        self.llama_cpp = llama_cpp
         self.n_batch = n_batch
-        self.raw = L.llama_batch_init(n_batch, 0, 1)
+        self.raw = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.seq_ids = self.raw.seq_id[:n_batch]  # each entry's own array of sequence IDs, found once
         self.size = 0  # entries filled for this step
         self.chunks = False  # whether prompt chunks are among them
@@ -11028,12 +11822,12 @@ class _Batch:
         wanted: list[tuple[_Sequence, int]] = []
         n, chunks = 0, False
         for seq in slots:
-            if seq is not None and not seq.pending and not seq.waiting and seq.priority == top:
+            if seq is not None and not seq.pending and not seq.awaits_prefix and seq.priority == top:
                 self.put(n, seq.last, seq.feed_last(), seq.slot, True)
                 wanted.append((seq, n))
                 n += 1
         for seq in slots:
-            if seq is None or not seq.pending or seq.waiting or n >= self.n_batch or seq.priority != top:
+            if seq is None or not seq.pending or seq.awaits_prefix or n >= self.n_batch or seq.priority != top:
                 continue
             chunk, pos = seq.feed_chunk(self.n_batch - n)
             chunks = True
@@ -11048,8 +11842,8 @@ class _Batch:
         self.chunks = chunks
         return wanted
 
-    def free(self) -> None:
-        self.L.llama_batch_free(self.raw)
+    def close(self) -> None:
+        self.llama_cpp.llama_batch_free(self.raw)
 
 
 class _Preemption:
@@ -11062,10 +11856,10 @@ class _Preemption:
     no lock: a request that lands after the worker's ``clear`` cuts its next step, which the
     sequences take again (the cut step changes nothing)."""
 
-    def __init__(self, L: Any, ctx: Any, callback: Any) -> None:
+    def __init__(self, llama_cpp: Any, ctx: Any, callback: Any) -> None:
         import ctypes
 
-        self.L, self.ctx, self.callback = L, ctx, callback
+        self.llama_cpp, self.ctx, self.callback = llama_cpp, ctx, callback
         self.byref = ctypes.byref
         self.flag = ctypes.create_string_buffer(2)
         self.never = ctypes.create_string_buffer(2)  # for steps that cannot be cut (prompt chunks)
@@ -11083,17 +11877,124 @@ class _Preemption:
         allowed = allowed and self.callback is not None
         if allowed != self.abortable:
             flag = self.flag if allowed else self.never
-            self.L.llama_set_abort_callback(self.ctx, self.callback, self.byref(flag))
+            self.llama_cpp.llama_set_abort_callback(self.ctx, self.callback, self.byref(flag))
             self.abortable = allowed
 
 
-def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, threads: int) -> tuple[Any, dict[str, float]]:
+class _GrammarWaits:
+    """A session's jobs whose grammar the runner's Grammar thread is making (_Grammars.prepare):
+    each holds a slot and a full share of cells, and begins at the first step after its grammar
+    is made, as it fits.
+
+    Threads: its session's worker thread; the Grammar thread hands each grammar over through
+    its _Conversion (written before its Event is set)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[RunningJob, _Conversion]] = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, job: RunningJob, conversion: _Conversion) -> None:
+        self.entries.append((job, conversion))
+
+    def jobs(self) -> list[RunningJob]:
+        return [job for job, _ in self.entries]
+
+    def drop(self, job: RunningJob) -> None:
+        self.entries = [entry for entry in self.entries if entry[0] is not job]
+
+    def clear(self) -> None:
+        self.entries = []
+
+    def pause(self) -> None:
+        """Wait a little for the first job's grammar (the session has nothing else to do)."""
+        self.entries[0][1].done.wait(CONVERSION_POLL)
+
+    def ready(self, fits: Callable[[RunningJob], bool]
+              ) -> Iterator[tuple[RunningJob, Optional[JobError], Optional[tuple[Any, str, GrammarShape]]]]:
+        """Each job to end or begin now, taken out, one at a time (each begins before the next is
+        asked ``fits``): (job, why it ends, None) for one cancelled or timed out, or whose grammar
+        failed; (job, None, its grammar) for one whose grammar is made and that ``fits`` (one that
+        does not goes to the end of the list)."""
+        for entry in list(self.entries):
+            job, conversion = entry
+            if job.interrupt is None and not conversion.done.is_set():
+                continue
+            self.entries.remove(entry)
+            if job.interrupt is not None:
+                yield job, JobError(*job.interrupt), None
+            elif conversion.error is not None:
+                yield job, conversion.error, None
+            elif not fits(job):
+                self.entries.append(entry)
+            else:
+                yield job, None, conversion.found
+
+
+class _StateHandOff:
+    """A session's side of the saved states (StateStore): the contexts of its jobs that ended
+    this step, offered to the store and copied out for its Saver thread at the session's next
+    save_ended, and a saved state restored into a new sequence's slot.
+
+    Threads: its session's worker thread only (the store locks itself)."""
+
+    def __init__(self, store: StateStore, llama_cpp: Any, ctx: Any, memory: Any, trimmable: bool) -> None:
+        self.store = store
+        self.llama_cpp = llama_cpp
+        self.ctx = ctx
+        self.memory = memory
+        self.trimmable = trimmable  # a state may be cut back to a shorter prefix (full attention)
+        self.ended: list[tuple[int, list[int], str]] = []  # (slot, its tokens, job) to copy out at save_ended
+
+    def offer(self, seq: _Sequence) -> None:
+        """``seq`` is done and its cells kept: copied out at the next save_ended if the store
+        wants them (see StateStore.wants)."""
+        params = seq.job.params
+        conversation = job_param(params, "parent") is not None or any(
+            t.get("role") == "assistant" for t in job_param(params, "messages") or ())
+        if self.store.wants(seq.cached, conversation, seq.computed + seq.n_gen):
+            self.ended.append((seq.slot, list(seq.cached), seq.job.id))
+
+    def save_ended(self) -> None:
+        """Copy the offered contexts out for the store's Saver thread."""
+        ended, self.ended = self.ended, []
+        for slot, tokens, job_id in ended:
+            self.store.save(self.llama_cpp, self.ctx, slot, tokens, job_id)
+
+    def restore(self, seq: _Sequence, prefixes: _PrefixCache) -> None:
+        """Give ``seq`` a saved state's cells where one covers more of its prompt than this
+        context's memory (``prefixes``) did (by RESTORE_GAIN_TOKENS): read, restored into its slot, cut back to
+        the prefix they share (full attention only). The last prompt token is always decoded:
+        its logits are not saved."""
+        store = self.store
+        found = store.find(seq.prompt, len(seq.prompt) - 1, seq.budget, self.trimmable)
+        if found is None or found[1] < seq.pos + RESTORE_GAIN_TOKENS:
+            return
+        head, shared = found
+        prefixes.held[seq.slot] = []
+        began = time.monotonic()
+        if not store.restore(self.llama_cpp, self.ctx, seq.slot, head):
+            seq.at(0)  # its slot was emptied: the whole prompt is computed
+            return
+        if shared < len(head.tokens) and not self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, shared, -1):
+            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+            seq.at(0)
+            return
+        seq.at(shared)
+        seq.from_disk = shared
+        log.debug(f"Job {seq.job.id}: {shared} of {len(seq.prompt)} prompt tokens from saved state {head.name} "
+                  f"in {(time.monotonic() - began) * 1000:.0f} ms")
+
+
+def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, threads: int
+                   ) -> tuple[Any, dict[str, float]]:
     """A llama context of ``cells`` tokens for ``seqs`` sequences, and its buffers as llama.cpp
     states them ({"KV", "compute", "output": MiB}); ModelError if it cannot be made, ConfigError
     (exit 2) where NRVNA_KV_TYPE asks for a quantized cache llama.cpp cannot make here."""
-    L = runner.L
-    params = L.llama_context_default_params()
-    params.type_k, params.type_v, params.flash_attn_type = _kv_params(L, runner.config)
+    llama_cpp = runner.llama_cpp
+    params = llama_cpp.llama_context_default_params()
+    params.type_k, params.type_v, params.flash_attn_type = _kv_params(llama_cpp, runner.config)
     params.n_ctx = cells
     params.n_batch = n_batch
     params.n_ubatch = n_batch
@@ -11106,7 +12007,7 @@ def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, thr
     # of 1 once slots free up out of order. Measured 3-10% more tok/s with mixed lengths.
     params.kv_unified = True
     params.no_perf = True
-    ctx, sizes = _new_context(L, runner.model, params)
+    ctx, sizes = _new_context(llama_cpp, runner.model, params)
     if not ctx:
         reason = _llama_log_reason(": {}")
         if runner.config.kv_type != "f16":
@@ -11128,14 +12029,14 @@ class LlamaSession(Session):
     KV cells between prompts.
 
     Threads: its worker's thread only, but ``preempt`` (any thread: see _Preemption); the
-    runner's Grammar thread makes the grammars of jobs in ``converting`` and hands them over
+    runner's Grammar thread makes the grammars of jobs in ``grammar_waits`` and hands them over
     through their _Conversion (an Event).
     """
 
     def __init__(self, runner: LlamaRunner, threads: int, seqs: int, n_batch: int,
                  config: Optional[Config] = None) -> None:
         self.runner = runner
-        self.L = runner.L
+        self.llama_cpp = runner.llama_cpp
         # NRVNA_MAX_CTX is each worker's context, shared by its sequences: S sequences must
         # not multiply the KV memory by S. It holds FULL_LENGTH_SEQS jobs of the full length;
         # more sequences run as the jobs' budgets leave room (see free), since a batch's
@@ -11153,23 +12054,23 @@ class LlamaSession(Session):
         self.seqs = seqs
         self.normal_cells = per_seq * full
         self.cells = self.normal_cells + per_seq
-        # Jobs whose grammar the runner's Grammar thread is making (prepare_grammar): each holds
-        # a slot and a full share of cells, and starts at the first step after it is made.
-        self.converting: list[tuple[RunningJob, _Conversion]] = []
+        self.grammar_waits = _GrammarWaits()  # jobs whose grammar the Grammar thread is making
         self.ctx: Any = None
         self.slots: list[Optional[_Sequence]] = []
-        self.saves: list[tuple[int, list[int], str]] = []  # ended sequences' contexts to save (save_ended)
+        self.states: Optional[_StateHandOff] = None  # the saved-state hand-off: with a store and prefixes
         if runner.embedding_only:  # no generation context: generation jobs fail at start()
             return
         self.ctx, self.buffers = _llama_context(runner, self.cells, n_batch, seqs + 1, threads)
-        self.memory = self.L.llama_get_memory(self.ctx)
-        self.batch = _Batch(self.L, n_batch)
+        self.memory = self.llama_cpp.llama_get_memory(self.ctx)
+        self.batch = _Batch(self.llama_cpp, n_batch)
         self.slots = [None] * (seqs + 1)
-        self.prefixes = _PrefixCache(self.L, self.memory, seqs + 1, bool(runner.config.prefix_cache),
-                                     not (self.L.llama_model_is_recurrent(runner.model)
-                                          or self.L.llama_model_is_hybrid(runner.model)))
+        self.prefixes = _PrefixCache(self.llama_cpp, self.memory, seqs + 1, bool(runner.config.prefix_cache),
+                                     not (self.llama_cpp.llama_model_is_recurrent(runner.model)
+                                          or self.llama_cpp.llama_model_is_hybrid(runner.model)))
+        if runner.store is not None and self.prefixes.enabled:
+            self.states = _StateHandOff(runner.store, self.llama_cpp, self.ctx, self.memory, runner.trimmable)
         self.preempted = 0  # steps cut short by preempt()
-        self.preemption = _Preemption(self.L, self.ctx, runner.abort_callback)
+        self.preemption = _Preemption(self.llama_cpp, self.ctx, runner.abort_callback)
         self.templates = _GrammarTemplates(runner)
         self.scratch = _SamplingScratch(runner)  # the arrays this context's samplers draw with
 
@@ -11182,12 +12083,11 @@ class LlamaSession(Session):
             self.preemption.clear()
 
     def set_threads(self, threads: int) -> None:
-        """Decode with ``threads`` CPU threads from the next step on (a setting of the
-        context: nothing is reallocated)."""
+        """Decode with ``threads`` CPU threads from the next step on (nothing is reallocated)."""
         if threads != self.threads:
             for ctx in (self.ctx, self.embedder and self.embedder.ctx):
                 if ctx:
-                    self.L.llama_set_n_threads(ctx, threads, threads)
+                    self.llama_cpp.llama_set_n_threads(ctx, threads, threads)
             self.threads = threads
 
     def free(self) -> int:
@@ -11203,10 +12103,10 @@ class LlamaSession(Session):
         embed = EMBED_JOBS - (len(self.embedder.jobs) if self.embedder is not None else 0)
         if self.ctx is None:
             return embed
-        if _Choices.waiting(self.slots):  # a job's choices not yet started have the room first
+        if _Choices.unstarted(self.slots):  # a job's choices not yet started have the room first
             return 0
         running, room = self.room()
-        parked = len(self.converting)
+        parked = len(self.grammar_waits)
         return max(0, min(self.seqs - running - parked, room // self.ctx_per_seq - parked, embed))
 
     def room(self) -> tuple[int, int]:
@@ -11217,7 +12117,7 @@ class LlamaSession(Session):
     def reserve(self, priority: int) -> int:
         """1 if a job of ``priority`` would run above every job here and the kept room is free
         (0 while a job's grammar is being made: that job may need the room)."""
-        return 0 if self.converting else self._reserve(priority)
+        return 0 if self.grammar_waits else self._reserve(priority)
 
     def _reserve(self, priority: int) -> int:
         if self.ctx is None or any(s is not None and (s.reserved or s.priority >= priority) for s in self.slots):
@@ -11235,16 +12135,15 @@ class LlamaSession(Session):
         """Copy the contexts of the jobs that ended last step out for the runner's Saver: after
         their results were handed on (a 184 MB copy is not in a job's latency), and before
         anything else touches their cells (a new job's start, a step, a trim, a drop)."""
-        saves, self.saves = self.saves, []
-        for slot, tokens, job_id in saves:
-            self.runner.store.save(self.L, self.ctx, slot, tokens, job_id)
+        if self.states is not None:
+            self.states.save_ended()
 
     def active(self) -> list[RunningJob]:
         """The jobs generating in this context, then those whose grammar is being made, then
         the embed jobs."""
         embedding = [e.job for e in self.embedder.jobs] if self.embedder is not None else []
-        converting = [job for job, _ in self.converting]
-        return list(dict.fromkeys(s.job for s in self.slots if s is not None)) + converting + embedding  # a job of n choices once
+        waits = self.grammar_waits.jobs()
+        return list(dict.fromkeys(s.job for s in self.slots if s is not None)) + waits + embedding  # n choices: once
 
     def start(self, job: RunningJob) -> None:
         """Take ``job`` into a free slot; raise JobError if its prompt cannot run here. A start
@@ -11258,9 +12157,9 @@ class LlamaSession(Session):
             if self.ctx is None:
                 raise JobError("unsupported", f"the model is an embedding model ({self.runner.arch}): it serves "
                                               "embed jobs only (submit --embed)")
-            conversion = self.runner.prepare_grammar(job.params)
+            conversion = self.runner.grammars.prepare(job.params)
             if conversion is not None:  # made on the Grammar thread while the others step; begun then
-                self.converting.append((job, conversion))
+                self.grammar_waits.add(job, conversion)
                 return
             self._begin(job)
         except BaseException:
@@ -11292,7 +12191,8 @@ class LlamaSession(Session):
         budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
-        if self.runner.end_marks and not job_param(job.params, "raw") and not self.runner.has_grammar(job.params):
+        params = job.params
+        if self.runner.end_marks and not job_param(params, "raw") and not self.runner.grammars.constrained(params):
             seq.stops = seq.stops + list(self.runner.end_marks)  # the fallback form's turn ends, written as text
         seq.think_with(think)
         seq.tools = self.runner.tool_format if tool_choice(job.params) != "none" else None
@@ -11301,81 +12201,41 @@ class LlamaSession(Session):
         if n > 1:
             _Choices.begin(self, seq, n)
         self.prefixes.make_room(self.slots, self.cells)
-        if self.runner.store is not None and self.prefixes.enabled and not seq.waiting:
-            self._restore(seq, self.runner.store)
-
-    def _restore(self, seq: _Sequence, store: StateStore) -> None:
-        """Give ``seq`` a saved state's cells where one covers more of its prompt than this
-        context's memory did (by RESTORE_GAIN_TOKENS): read, restored into its slot, cut back to
-        the prefix they share (full attention only). The last prompt token is always decoded:
-        its logits are not saved."""
-        found = store.find(seq.prompt, len(seq.prompt) - 1, seq.budget, self.runner.trimmable)
-        if found is None or found[1] < seq.pos + RESTORE_GAIN_TOKENS:
-            return
-        head, shared = found
-        self.prefixes.held[seq.slot] = []
-        began = time.monotonic()
-        if not store.restore(self.L, self.ctx, seq.slot, head):
-            seq.at(0)  # its slot was emptied: the whole prompt is computed
-            return
-        if shared < len(head.tokens) and not self.L.llama_memory_seq_rm(self.memory, seq.slot, shared, -1):
-            self.L.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
-            seq.at(0)
-            return
-        seq.at(shared)
-        seq.from_disk = shared
-        log.debug(f"Job {seq.job.id}: {shared} of {len(seq.prompt)} prompt tokens from saved state {head.name} "
-                  f"in {(time.monotonic() - began) * 1000:.0f} ms")
+        if self.states is not None and not seq.awaits_prefix:
+            self.states.restore(seq, self.prefixes)
 
     def _embedder(self) -> _Embedder:
         """The worker's embedding context, made on first use."""
-        if self.runner.pooling not in ("mean", "cls", "last"):
-            raise JobError("unsupported", f"the model cannot embed with pooling {self.runner.pooling} (its GGUF "
-                                          "names no pooling type): start the daemon with NRVNA_POOLING=mean, cls "
-                                          "or last to embed with it")
         if self.embedder is None:
             self.embedder = _Embedder(self.runner, self.threads, self.ctx_per_seq, EMBED_PACK)
         return self.embedder
 
     def _decode(self, ctx: Any, batch: Any) -> int:
-        """``llama_decode`` with this worker's threads, or on the runner's thread for borrowed ones."""
-        if self.threads > self.base_threads:  # borrowed threads: see LlamaRunner.decode_wide
-            return self.runner.decode_wide(ctx, batch)
-        self.runner.wait_wide()
-        return self.L.llama_decode(ctx, batch)
+        """``llama_decode`` with this worker's threads, or on the runner's Wide thread for borrowed ones."""
+        return self.runner.decode(ctx, batch, borrowed=self.threads > self.base_threads)
 
     def step(self) -> list[tuple[RunningJob, Outcome]]:
         """One ``llama_decode`` for every generating job and one for texts of embed jobs;
         return the jobs that ended, with outcomes. Jobs whose grammar has been made begin."""
         self.save_ended()
-        ended = self._converted() if self.converting else []
+        ended = self._converted() if self.grammar_waits else []
         stepping = any(s is not None for s in self.slots) or (self.embedder is not None and bool(self.embedder.jobs))
         ended += self._generate() if self.ctx is not None else []
         if self.embedder is not None and self.embedder.jobs:
             ended += self.embedder.step(self._decode)
-        if not stepping and not ended and self.converting:  # nothing else to do: wait a little, not spin
-            self.converting[0][1].done.wait(CONVERSION_POLL)
+        if not stepping and not ended and self.grammar_waits:  # nothing else to do: wait a little, not spin
+            self.grammar_waits.pause()
         return ended
 
     def _converted(self) -> list[tuple[RunningJob, Outcome]]:
-        """Begin the jobs whose grammar is made, if there is room (choices of a running job may
-        have taken theirs: then they wait for it); end those cancelled or timed out meanwhile,
-        and those whose grammar or start failed, each alone."""
+        """Begin the jobs whose grammar is made, as they fit; end those cancelled, timed out or failed."""
         ended = []
-        for entry in list(self.converting):
-            job, conversion = entry
-            if job.interrupt is None and not conversion.done.is_set():
-                continue
-            self.converting.remove(entry)
+        for job, error, made in self.grammar_waits.ready(
+                lambda job: self.free() > 0 or self._reserve(job_param(job.params, "priority")) > 0):  # fits now
             try:
-                if job.interrupt is not None:
-                    raise JobError(*job.interrupt)
-                if conversion.error is not None:
-                    raise conversion.error
-                if self.free() <= 0 and self._reserve(job_param(job.params, "priority")) <= 0:
-                    self.converting.append(entry)
-                    continue
-                self._begin(job, conversion.found)
+                if error is not None:
+                    raise error
+                self._begin(job, made)
             except JobError as err:
                 self.drop(job)  # a JobError may come once the job holds a slot
                 ended.append((job, Outcome(error_code=err.code, error=str(err))))
@@ -11402,17 +12262,18 @@ class LlamaSession(Session):
         """Before a step: slots freed by other jobs go to choices not yet started; the jobs
         cancelled or timed out end (their outcomes, None for a job's choice that leaves
         others); sequences waiting for a batch-mate's prefix look for it again."""
-        for seq in _Choices.waiting(self.slots):
+        for seq in _Choices.unstarted(self.slots):
             assert seq.choices is not None
             seq.choices.admit(self, seq)
         ended = [self._end(seq, error=seq.job.interrupt) for seq in self.slots
                  if seq is not None and seq.job.interrupt is not None]  # cancelled, timed out
         for seq in self.slots:
-            if seq is not None and seq.waiting:
+            if seq is not None and seq.awaits_prefix:
                 self.prefixes.attach(seq, self.slots)
         return ended
 
-    def _decode_batch(self, wanted: list[tuple[_Sequence, int]]) -> Optional[list[Optional[tuple[RunningJob, Outcome]]]]:
+    def _decode_batch(self, wanted: list[tuple[_Sequence, int]]
+                      ) -> Optional[list[Optional[tuple[RunningJob, Outcome]]]]:
         """Decode the filled batch: None when it is decoded. Otherwise the step is over: []
         when preempt() cut it short (llama.cpp dropped its cells; the sequences take the
         step again), or every sequence's end when the decode failed."""
@@ -11425,20 +12286,22 @@ class LlamaSession(Session):
             return []
         if code != 0:
             # The batch is shared by every sequence in it: they cannot be told apart.
-            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(code, f"llama_decode returned {code}")
+            message = {1: "no room left in the KV cache", 2: "decode aborted"}.get(
+                code, f"llama_decode returned {code}")
             return [self._end(seq, error=("model_error", message), keep=False) for seq in self.slots if seq is not None]
         return None
 
     def _sample(self, wanted: list[tuple[_Sequence, int]]) -> list[Optional[tuple[RunningJob, Outcome]]]:
         """After a decode: each sequence's logits readied by its sampler, the likeliest tokens
         of every row found at once (for the samplers' shortlists), then each sequence's token
-        drawn and taken (_take); the outcomes of those that ended."""
+        drawn and taken (_Sequence.take); the outcomes of those that ended."""
         if not wanted:  # prompt chunks only
             return []
         np = self.runner.np
         # llama.h: the logits of the batch entries asked for are stored in their batch order,
         # one row each; ``wanted`` is in batch order.
-        matrix = np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(len(wanted), self.runner.n_vocab))
+        logits = self.llama_cpp.llama_get_logits(self.ctx)
+        matrix = np.ctypeslib.as_array(logits, shape=(len(wanted), self.runner.n_vocab))
         for (seq, _), row in zip(wanted, matrix):
             seq.sampler.prepare(row)
             if seq.think is not None and seq.think.state in (_ThinkRouter.BEFORE, _ThinkRouter.AFTER):
@@ -11446,54 +12309,13 @@ class LlamaSession(Session):
         sizes = [seq.sampler.shortlist_size for seq, _ in wanted]
         likeliest = _likeliest(np, matrix, list(range(len(wanted))), sizes) if any(sizes) else [None] * len(wanted)
         ended = []
-        for (seq, index), row, short in zip(wanted, matrix, likeliest):  # each its logits: its sampler draws, its text goes on
+        for (seq, index), row, short in zip(wanted, matrix, likeliest):  # its sampler draws, its text goes on
             if self.slots[seq.slot] is not seq:  # a choice of a job that a batch-mate choice failed
                 continue
-            end = self._take(seq, index, row, short)
+            end = seq.take(self.ctx, index, row, short, self.runner, self.ctx_per_seq)
             if end is not None:
                 ended.append(self._end(seq, *end))
         return ended
-
-    def _take(self, seq: _Sequence, index: int, row: Any, short: Optional[tuple[Any, Any]]
-              ) -> Optional[tuple[str, Optional[tuple[str, str]]]]:
-        """``seq``'s next token drawn from output ``index`` (``row``; ``short``: its likeliest
-        tokens) and taken: None if the sequence goes on, else why it ends (its finish reason,
-        and its error: code, message)."""
-        # A token the daemon writes (closing a thinking block) is never drawn, and the grammar,
-        # the penalties and the log-probabilities never see it.
-        think = seq.think
-        token = think.forced(seq.n_gen) if think is not None and (think.forcing or think.state == _ThinkRouter.INSIDE) else -1
-        if token < 0:
-            drawn = self._draw(seq, index, row, short)
-            if isinstance(drawn, tuple):
-                return drawn
-            if drawn >= 0:
-                seq.sampler.accept(drawn)
-            token = drawn if drawn >= 0 else -drawn - 1
-        if seq.add(token, self.runner.piece(token)):  # a stop string
-            return "stop", None
-        if seq.n_gen >= seq.max_tokens or seq.pos >= self.ctx_per_seq:
-            return "length", None
-        return None
-
-    def _draw(self, seq: _Sequence, index: int, row: Any, short: Optional[tuple[Any, Any]]
-              ) -> Union[int, tuple[str, Optional[tuple[str, str]]]]:
-        """``seq``'s token drawn by its sampler (see _take): the token; -1 - a token the daemon
-        writes instead (an end of generation inside a thinking block, or a close that would carry
-        answer text past the grammar: the block is closed); or why the sequence ends."""
-        try:
-            token = seq.sampler.sample(self.ctx, index, row, short)
-        except GrammarLimit as err:  # before llama.cpp is asked to do that work
-            return "stop", ("grammar_error", f"{err} after {seq.n_gen} tokens")
-        if token < 0:
-            return "stop", ("grammar_error", "no token of the model's vocabulary can continue the grammar here")
-        think, ends = seq.think, token in self.runner.eog_tokens
-        if think is not None and think.state == _ThinkRouter.INSIDE and think.closing and (
-                ends or (seq.sampler.grammar is not None and think.spills(self.runner.piece(token)))):
-            return -1 - think.close_now("eog" if ends else "model")
-        if ends and (not seq.ignore_eos or seq.sampler.grammar is not None):
-            return "stop", None  # with a grammar: allowed only once it is complete
-        return token
 
     def _end(self, seq: _Sequence, reason: str = "stop", error: Optional[tuple[str, str]] = None,
              keep: bool = True) -> Optional[tuple[RunningJob, Outcome]]:
@@ -11511,22 +12333,17 @@ class LlamaSession(Session):
         """Free ``seq``'s slot; with ``keep``, its KV cells stay for the next job's prefix; with
         ``save`` too (its job is done), they are saved to disk when the runner's StateStore wants
         them (see StateStore.wants)."""
-        store = self.runner.store
-        if keep and save and store is not None and self.prefixes.enabled and seq.choices is None:
-            params = seq.job.params
-            conversation = job_param(params, "parent") is not None or any(
-                t.get("role") == "assistant" for t in job_param(params, "messages") or ())
-            if store.wants(seq.cached, conversation, seq.computed + seq.n_gen):
-                self.saves.append((seq.slot, list(seq.cached), seq.job.id))  # copied out at save_ended
+        if keep and save and self.states is not None and seq.choices is None:
+            self.states.offer(seq)
         self.slots[seq.slot] = None
-        seq.sampler.free()
+        seq.sampler.close()
         self.prefixes.release(seq, keep)
 
     def drop(self, job: RunningJob) -> None:
         """Forget ``job`` (it is being handed back to the queue) and free its slot (a conversion
         of its grammar goes on for the jobs that share it, or is abandoned)."""
         self.save_ended()
-        self.converting = [entry for entry in self.converting if entry[0] is not job]
+        self.grammar_waits.drop(job)
         for seq in self.slots:
             if seq is not None and seq.job is job:
                 self.release(seq, keep=False)
@@ -11539,23 +12356,24 @@ class LlamaSession(Session):
             self.save_ended()
         if self.embedder is not None:
             self.embedder.close()
-        self.converting = []
+        self.grammar_waits.clear()
         for seq in self.slots:
             if seq is not None:
                 self.release(seq, keep=False)
         if self.ctx:
             self.templates.close()
-            self.batch.free()
-            self.L.llama_free(self.ctx)
+            self.batch.close()
+            self.llama_cpp.llama_free(self.ctx)
             self.ctx = None
 
 
 # ============================================================================
 # 11.8 The runner
 # ============================================================================
-# LlamaRunner: the model loaded once and shared, the runner's caches (pieces, grammars, the
-# Grammar and Wide threads) and a session per worker. Its docstring's Threads line says who calls
-# what. HOST_CACHES lists every cache kept beside llama.cpp's buffers, with its bound.
+# LlamaRunner: the model loaded once and shared, its caches (pieces; grammars in 11.2's _Grammars), the Wide
+# thread and a session per worker; the template of a model without one (FALLBACK_TEMPLATE), tool turns, the
+# memory report (memory_line: numbers stated at load, read from any thread). HOST_CACHES lists every cache
+# kept beside llama.cpp's buffers with its bound (host_caches: each as configured).
 
 
 # Every cache nrvna keeps beside llama.cpp's own buffers: (what, whose, its bound, what it holds,
@@ -11582,7 +12400,7 @@ HOST_CACHES: tuple[tuple[str, str, str, str, str], ...] = (
 
 # A generation context's size as llama.cpp stated it when it was made: its buffers (_new_context's
 # {"KV", "compute", "output": MiB}), its cells (llama.cpp rounds the count asked for up, to 256:
-# its own count) and one job's share of them. Plain numbers, read by model_memory from any thread.
+# its own count) and one job's share of them. Plain numbers, read by LlamaRunner.memory from any thread.
 _ContextSize = namedtuple("_ContextSize", "buffers cells per_job")
 
 
@@ -11605,34 +12423,8 @@ def host_caches(config: Config) -> dict[str, str]:
             for what, _, bound, _, _ in HOST_CACHES}
 
 
-def model_memory(runner: Any) -> dict[str, Any]:
-    """What a loaded model holds as llama.cpp states it (MiB): its weights, and each of its
-    generation contexts' KV cache (cells, bytes a token, type), compute and output buffers; its
-    embedding contexts made so far. The start line, `status --daemon` and NRVNA_MAX_MEMORY
-    read it.
-
-    Any thread calls it (the Watcher writes the record while the Models thread may be closing
-    the runner), so it reads only plain numbers stated when each context was made and the
-    model's size read at load, never a context or the model through llama.cpp: those may be
-    being freed under it."""
-    with runner._lock:
-        sessions = list(runner._sessions)
-    contexts = [size for _, size in sessions if size is not None]
-    first = contexts[0] if contexts else _ContextSize({}, 0, 0)
-    kv, compute, output = (first.buffers.get(part, 0.0) for part in ("KV", "compute", "output"))
-    cells, per_job = first.cells, first.per_job
-    embedders = [s.embedder for s, _ in sessions]  # each read once: a dict made whole before it is set
-    embedding = [sum(e.buffers.values()) for e in embedders if e is not None]
-    weights = runner.weights_mib
-    return {"weights_mib": round(weights, 1), "kv_type": runner.config.kv_type, "contexts": len(contexts),
-            "cells": cells, "cells_per_job": per_job, "kv_bytes_per_token": round(kv * _MIB / cells) if cells else 0,
-            "kv_mib": kv, "compute_mib": compute, "output_mib": output,
-            "embedding_contexts": len(embedding), "embedding_mib": round(sum(embedding), 1),
-            "total_mib": round(weights + len(contexts) * (kv + compute + output) + sum(embedding), 1)}
-
-
 def memory_line(name: str, report: Mapping[str, Any]) -> str:
-    """``model_memory``'s report as the start line says it. An embedding model has no
+    """``LlamaRunner.memory``'s report as the start line says it. An embedding model has no
     generation context (no KV cache, compute or output buffers to count): its line says so, and
     what its workers' embedding contexts hold, each made at the worker's first embed job."""
     n = report["contexts"]
@@ -11649,58 +12441,6 @@ def memory_line(name: str, report: Mapping[str, Any]) -> str:
     return line + f": {report['total_mib']:,.1f} MiB"
 
 
-def tool_turns(messages: list[dict[str, Any]], params: Mapping[str, Any], variables: dict[str, Any],
-           form: ToolFormat, spells_control: Callable[[str], bool]) -> list[dict[str, Any]]:
-    """A job's turns as its template takes tools: in the generic form, the tools and any
-    calls and answers as text (generic_messages); else as the template's own ``tools``
-    variable and calls with their arguments as objects (templates write them ``| tojson``).
-    What a template writes of them outside a message's content must spell no control token
-    (``spells_control``: the model's test of a text)."""
-    import json
-
-    tools, choice = job_param(params, "tools"), tool_choice(params)
-    history = any(t.get("tool_calls") or t["role"] == "tool" for t in messages)
-    if not (tools or history):
-        return messages
-    if form.generic:
-        return generic_messages(messages, tools, choice, parallel_calls(params))
-    if tools and choice != "none":
-        variables["tools"] = tools
-    turns = []
-    for turn in messages:
-        turn = dict(turn, content=turn["content"] or "")
-        if turn.get("tool_calls"):
-            turn["tool_calls"] = [dict(call, function=dict(call["function"], arguments=json.loads(call["function"]["arguments"])))
-                                  for call in turn["tool_calls"]]
-        turns.append(turn)
-    outside = json.dumps([variables.get("tools"), [(t.get("tool_calls"), t.get("name"), t.get("tool_call_id"))
-                                                    for t in messages]], ensure_ascii=False)
-    if spells_control(outside):
-        raise JobError("bad_request", "a tool's definition or a call spells a control token of the model")
-    return turns
-
-
-def grammar_key(params: Mapping[str, Any], form: ToolFormat) -> Optional[tuple[str, Any, Mapping[str, Any]]]:
-    """(its kind, the key naming it, the params that make it) of a constrained job's grammar
-    (``form``: how the model writes tool calls)."""
-    import json
-
-    kind = constraint(params)
-    if kind is None:
-        return None
-    if kind == "tools":  # descriptions left out: they change the prompt, not the grammar
-        tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
-                 for t in job_param(params, "tools")]
-        return kind, ("tools", json.dumps([form, tool_choice(params), parallel_calls(params), tools],
-                                          ensure_ascii=False, separators=(",", ":"))), params
-    if kind == "json_object":
-        return kind, ("json_object",), {"grammar": _JSON_OBJECT_GBNF}
-    if kind == "grammar":
-        return kind, ("gbnf", job_param(params, "grammar")), params
-    return kind, ("schema", json.dumps(job_param(params, "response_format")["json_schema"]["schema"],
-                                       ensure_ascii=False, separators=(",", ":"))), params
-
-
 class LlamaRunner(Runner):
     """llama.cpp through llama-cpp-python's raw API: one model, shared by every worker.
 
@@ -11710,12 +12450,11 @@ class LlamaRunner(Runner):
 
     Threads: made, with its sessions, and closed by whoever loads the model (_Models: the
     start (Main), a switch or a load ahead (the Models thread)) while no worker uses it; called by
-    every worker (tokens, piece, penalty, sampler, grammar, prepare_grammar, grammar_vocab,
-    decode_wide, wait_wide), its Grammar thread (_convert) and its Wide thread (llama_decode).
-    ``_grammars``, ``_converting``, ``_converter``, ``_grammar_vocab`` and ``conversions``
-    are under ``_grammars_lock`` (never held while a grammar is made); ``_sessions`` under ``_lock``:
-    ``memory`` reads them from any thread, only numbers stated at load (see model_memory), never the
-    model or a context, which a swap may be freeing. A decode with borrowed threads runs under ``_wide_lock``. ``_pieces`` is a cache the
+    every worker (tokens, piece, penalty, grammars, decode) and its Wide thread
+    (llama_decode); ``grammars`` (a _Grammars) locks itself. ``_sessions`` under ``_lock``, which
+    ``close`` takes too: ``memory`` reads them from any thread, only numbers stated at load, never
+    the model or a context, which a swap may be freeing. A decode with borrowed threads runs under
+    ``_wide_lock``. ``_pieces`` is a cache the
     workers fill without a lock: a token's bytes are the same whoever stores them, and one
     dict get or set is atomic. The model, its vocabulary and the tables made at load are read
     only (llama.cpp's model may be shared by contexts on several threads).
@@ -11729,13 +12468,13 @@ class LlamaRunner(Runner):
         (a daemon stopping while it loads a model ahead of its turn). ``owner``: its saved
         states' (state_owner of the daemon's workspace)."""
         check_gguf(model_path)
-        self.L = L = _import_llama()
+        self.llama_cpp = llama_cpp = _import_llama()
         self.config = config
-        self.abort_callback = _strlen_callback(L)  # kept here: llama.cpp holds only its address
+        self.abort_callback = _strlen_callback(llama_cpp)  # kept here: llama.cpp holds only its address
         self.model_name = os.path.basename(model_path)
-        _install_llama_logging(L, config.log_level)
-        L.llama_backend_init()
-        params = L.llama_model_default_params()
+        _install_llama_logging(llama_cpp, config.log_level)
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = config.gpu_layers
         if config.gpu >= 0:  # one GPU, whole: several daemons share a machine one GPU each
             params.main_gpu = config.gpu
@@ -11743,41 +12482,36 @@ class LlamaRunner(Runner):
         if not config.repack:
             params.use_extra_bufts = False  # no AMX/repacked buffers (llama.cpp #20824)
         if not config.mmap:
-            _load_unmapped(L, params)
+            _load_unmapped(llama_cpp, params)
         if cancel is not None:  # kept here while llama.cpp may call it: it holds only its address
-            self._progress = L.llama_progress_callback(lambda progress, data: not cancel.is_set())
+            self._progress = llama_cpp.llama_progress_callback(lambda progress, data: not cancel.is_set())
             params.progress_callback = self._progress
         del _llama_log_tail[:]
-        self.model = L.llama_model_load_from_file(model_path.encode(), params)
+        self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
         if not self.model:
             if cancel is not None and cancel.is_set():
                 raise ModelError(f"model {model_path}: its load was cut short (the daemon is stopping)")
             raise ModelError(f"model {model_path} could not be loaded by llama.cpp{_llama_log_reason(': {}')}")
-        self.weights_mib = L.llama_model_size(self.model) / _MIB  # read now: model_memory never reads the model
-        self.vocab = L.llama_model_get_vocab(self.model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.train_ctx = L.llama_model_n_ctx_train(self.model)
-        self.n_embd = L.llama_model_n_embd_out(self.model) or L.llama_model_n_embd(self.model)
+        self.weights_mib = llama_cpp.llama_model_size(self.model) / _MIB  # read now: memory() never reads the model
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.train_ctx = llama_cpp.llama_model_n_ctx_train(self.model)
+        self.n_embd = llama_cpp.llama_model_n_embd_out(self.model) or llama_cpp.llama_model_n_embd(self.model)
         self.arch = self.meta("general.architecture") or "unknown"
         model_pooling = self.meta(f"{self.arch}.pooling_type")
         # An embedding model: one whose GGUF names a pooling type, or an encoder's architecture.
         self.embedding_only = model_pooling is not None or self.arch in ENCODER_ARCHS
         # Causal attention (a decoder, with a KV cache) unless the GGUF or the architecture says not.
         self.causal = self.meta(f"{self.arch}.attention.causal") != "false" and self.arch not in ENCODER_ARCHS
-        if config.pooling != "model":
-            self.pooling = config.pooling
-        elif model_pooling is not None and model_pooling.isdigit() and int(model_pooling) < len(POOLING_CODES):
-            self.pooling = POOLING_CODES[int(model_pooling)]  # "rank" (rerankers) embeds nothing here
-        else:
-            self.pooling = "none"
+        self.pooling = _pooling(config.pooling, model_pooling)
         if self.embedding_only and self.pooling not in ("mean", "cls", "last"):
-            L.llama_model_free(self.model)
+            llama_cpp.llama_model_free(self.model)
             raise ModelError(f"model {model_path} is an embedding model ({self.arch}), and its pooling is "
                              f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
         self._pieces: dict[int, bytes] = {}
         self.fallback = False  # no chat template: chat jobs in FALLBACK_TEMPLATE's form (_chat_formatter)
         self._formatter = None if self.embedding_only else self._chat_formatter()  # (an embedder generates nothing)
-        template = (L.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
+        template = (llama_cpp.llama_model_chat_template(self.model, None) or b"").decode("utf-8", "replace")
         self.takes_effort = "reasoning_effort" in template  # gpt-oss's template reads it
         self.thinking = _Thinking.find(self, template, config.thinking_tags)  # None: the model does not think
         self.tool_format = find_tool_format(self._formatter)
@@ -11788,35 +12522,31 @@ class LlamaRunner(Runner):
         import numpy  # llama-cpp-python's own dependency: log-probabilities, grammar resampling
 
         self.np = numpy
-        self._grammars: dict[Any, tuple[str, GrammarShape]] = {}  # a schema or grammar -> its GBNF (LRU order)
-        self._grammar_vocab: Optional[GrammarVocab] = None
         # End-of-generation tokens: a set, as every generated token is looked up (a call costs 1-2 us).
-        self.eog_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
+        self.eog_tokens = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
         self.eog_ids = numpy.array(sorted(self.eog_tokens), dtype=numpy.int64)  # to ban them from a row at once
         # Control tokens but end-of-generation: never in a constrained output (see _JobSampler._allowed).
-        self.control_tokens = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_control(self.vocab, t)
-                                        and t not in self.eog_tokens)
+        self.control_tokens = frozenset(t for t in range(self.n_vocab) if t not in self.eog_tokens
+                                        and llama_cpp.llama_vocab_is_control(self.vocab, t))
         self.control_mask = numpy.zeros(self.n_vocab, dtype=bool)
         self.control_mask[list(self.control_tokens)] = True
-        self._grammars_lock = threading.Lock()  # held for the dictionaries, never while converting
-        self._converting: dict[Any, _Conversion] = {}  # grammars the Grammar thread is making
-        self._converter: Optional[_CallThread] = None  # the Grammar thread, made on first use
-        self.conversions = 0  # JSON schemas converted to grammars (once per distinct schema)
+        self.grammars = _Grammars(self.tool_format, numpy, self._grammar_pieces)
         self._lock = threading.Lock()
         self._sessions: list[tuple[LlamaSession, Optional[_ContextSize]]] = []  # each with its context's size
         self._wide: Optional[_CallThread] = None
         self._wide_lock = threading.Lock()  # held while a decode with borrowed threads runs
         # Saved states may be cut back only where every layer's cells can be (full attention).
-        self.trimmable = not (L.llama_model_is_recurrent(self.model) or L.llama_model_is_hybrid(self.model)
-                              or L.llama_model_n_swa(self.model) > 0)
+        self.trimmable = not (llama_cpp.llama_model_is_recurrent(self.model)
+                              or llama_cpp.llama_model_is_hybrid(self.model)
+                              or llama_cpp.llama_model_n_swa(self.model) > 0)
         self.store = StateStore.for_model(self, model_path, owner) if not self.embedding_only else None
 
     def meta(self, key: str) -> Optional[str]:
         """A GGUF metadata value as text, or None if the model has no such key."""
         size = 256
         while True:
-            buf = self._char_array(size)
-            count = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, size)
+            buf = _char_array(size)
+            count = self.llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, size)
             if count < 0:
                 return None
             if count < size:
@@ -11835,7 +12565,15 @@ class LlamaRunner(Runner):
         with self._wide_lock:  # one borrower at a time
             if self._wide is None:
                 self._wide = _CallThread("Wide")
-            return self._wide.call(self.L.llama_decode, ctx, batch)
+            return self._wide.call(self.llama_cpp.llama_decode, ctx, batch)
+
+    def decode(self, ctx: Any, batch: Any, borrowed: bool) -> int:
+        """``llama_decode`` here, once no decode with borrowed threads runs (wait_wide), or with
+        ``borrowed`` threads on the Wide thread (decode_wide)."""
+        if borrowed:
+            return self.decode_wide(ctx, batch)
+        self.wait_wide()
+        return self.llama_cpp.llama_decode(ctx, batch)
 
     def wait_wide(self) -> None:
         """Wait for a decode with borrowed threads in progress to end.
@@ -11851,16 +12589,16 @@ class LlamaRunner(Runner):
     def _chat_formatter(self) -> Any:
         """The model's chat template as a formatter, else FALLBACK_TEMPLATE's (``fallback``
         says which; said once, here)."""
-        L = self.L
-        template = L.llama_model_chat_template(self.model, None)
+        llama_cpp = self.llama_cpp
+        template = llama_cpp.llama_model_chat_template(self.model, None)
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         def token_text(token: int) -> str:
             if token < 0:
                 return ""
-            return (L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
+            return (llama_cpp.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
 
-        eos, bos = token_text(L.llama_vocab_eos(self.vocab)), token_text(L.llama_vocab_bos(self.vocab))
+        eos, bos = token_text(llama_cpp.llama_vocab_eos(self.vocab)), token_text(llama_cpp.llama_vocab_bos(self.vocab))
         self.fallback = True  # until the model's own template is read
         why = f"{self.model_name} has no chat template"
         if template:
@@ -11875,14 +12613,37 @@ class LlamaRunner(Runner):
         return Jinja2ChatFormatter(FALLBACK_TEMPLATE, eos_token=eos, bos_token=bos)
 
     def memory(self) -> dict[str, Any]:
-        return model_memory(self)
+        """What the loaded model holds as llama.cpp states it (MiB): its weights, and each of its
+        generation contexts' KV cache (cells, bytes a token, type), compute and output buffers; its
+        embedding contexts made so far. The start line, `status --daemon` and NRVNA_MAX_MEMORY
+        read it.
+
+        Any thread calls it (the Watcher writes the record while the Models thread may be closing
+        the runner), so it reads only plain numbers stated when each context was made and the
+        model's size read at load, never a context or the model through llama.cpp: those may be
+        being freed under it (``close`` empties ``_sessions`` under ``_lock`` first)."""
+        with self._lock:
+            sessions = list(self._sessions)
+        contexts = [size for _, size in sessions if size is not None]
+        first = contexts[0] if contexts else _ContextSize({}, 0, 0)
+        kv, compute, output = (first.buffers.get(part, 0.0) for part in ("KV", "compute", "output"))
+        cells, per_job = first.cells, first.per_job
+        embedders = [s.embedder for s, _ in sessions]  # each read once: a dict made whole before it is set
+        embedding = [sum(e.buffers.values()) for e in embedders if e is not None]
+        weights = self.weights_mib
+        return {"weights_mib": round(weights, 1), "kv_type": self.config.kv_type, "contexts": len(contexts),
+                "cells": cells, "cells_per_job": per_job,
+                "kv_bytes_per_token": round(kv * _MIB / cells) if cells else 0,
+                "kv_mib": kv, "compute_mib": compute, "output_mib": output,
+                "embedding_contexts": len(embedding), "embedding_mib": round(sum(embedding), 1),
+                "total_mib": round(weights + len(contexts) * (kv + compute + output) + sum(embedding), 1)}
 
     def session(self, index: int, config: Config) -> "LlamaSession":
         """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
         threads = config.threads or max(1, cpu_count() // config.workers)
         session = LlamaSession(self, threads, config.seqs, config.batch, config)
-        size = (_ContextSize(session.buffers, self.L.llama_n_ctx(session.ctx), session.ctx_per_seq)
-                if session.ctx is not None else None)  # read here, on the thread that made it: see model_memory
+        size = (_ContextSize(session.buffers, self.llama_cpp.llama_n_ctx(session.ctx), session.ctx_per_seq)
+                if session.ctx is not None else None)  # read here, on the thread that made it: see memory
         with self._lock:
             self._sessions.append((session, size))
         return session
@@ -11908,12 +12669,45 @@ class LlamaRunner(Runner):
             variables.setdefault("enable_thinking", False)
         if self.takes_effort and job_param(params, "reasoning_effort") is not None:
             variables.setdefault("reasoning_effort", job_param(params, "reasoning_effort"))
-        messages = tool_turns(messages, params, variables, self.tool_format, self._spells_control)
-        if self.fallback and self.L.llama_vocab_get_add_bos(self.vocab):  # ChatML writes none: the model's, as llama-server's
-            tokens.append(self.L.llama_vocab_bos(self.vocab))
+        messages, variables = self._tool_turns(messages, params, variables)
+        # ChatML writes no BOS: the model's, where it adds one, as llama-server's
+        if self.fallback and self.llama_cpp.llama_vocab_get_add_bos(self.vocab):
+            tokens.append(self.llama_cpp.llama_vocab_bos(self.vocab))
         for piece, is_content in self._render(messages, variables):  # a template writes its own BOS
             tokens += self.tokenize(piece, add_special=False, special=not is_content)
         return tokens
+
+    def _tool_turns(self, messages: list[dict[str, Any]], params: Mapping[str, Any], variables: dict[str, Any]
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """A job's turns as its template takes tools, and the template's variables with the
+        template's own ``tools`` added where it takes them (a new dict: ``variables`` is left as
+        it is). In the generic form, the tools and any calls and answers as text
+        (generic_messages); else as the ``tools`` variable and calls with their arguments as
+        objects (templates write them ``| tojson``). What a template writes of them outside a
+        message's content must spell no control token of the model."""
+        import json
+
+        tools, choice, form = job_param(params, "tools"), tool_choice(params), self.tool_format
+        history = any(t.get("tool_calls") or t["role"] == "tool" for t in messages)
+        if not (tools or history):
+            return messages, variables
+        if form.generic:
+            return generic_messages(messages, tools, choice, parallel_calls(params)), variables
+        if tools and choice != "none":
+            variables = dict(variables, tools=tools)
+        turns = []
+        for turn in messages:
+            turn = dict(turn, content=turn["content"] or "")
+            if turn.get("tool_calls"):
+                turn["tool_calls"] = [dict(call, function=dict(call["function"],
+                                                               arguments=json.loads(call["function"]["arguments"])))
+                                      for call in turn["tool_calls"]]
+            turns.append(turn)
+        outside = json.dumps([variables.get("tools"), [(t.get("tool_calls"), t.get("name"), t.get("tool_call_id"))
+                                                        for t in messages]], ensure_ascii=False)
+        if self._spells_control(outside):
+            raise JobError("bad_request", "a tool's definition or a call spells a control token of the model")
+        return turns, variables
 
     def _spells_control(self, text: str) -> bool:
         """Whether ``text`` holds the text of a control token (``<|im_start|>``...)."""
@@ -11934,7 +12728,8 @@ class LlamaRunner(Runner):
                 # space prefix, so splitting an innocent prompt would change its tokens.)
                 return [(text, False)]
             marks = [f"\ue000{i}\ue001" if m["content"] else "" for i, m in enumerate(messages)]
-            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)], **variables).prompt
+            marked = self._formatter(messages=[dict(m, content=mark) for m, mark in zip(messages, marks)],
+                                     **variables).prompt
         except JobError:
             raise
         except Exception as err:
@@ -11961,12 +12756,12 @@ class LlamaRunner(Runner):
     def tokenize(self, text: str, add_special: bool, special: bool) -> list[int]:
         """``text`` as tokens; ``special``: control-token text (``<|im_end|>``) becomes the
         control token, else it stays text; ``add_special``: BOS first if the model wants one."""
-        L = self.L
+        llama_cpp = self.llama_cpp
         data = text.encode("utf-8")
         capacity = len(data) + 8
         while True:
-            buf = (L.llama_token * capacity)()
-            count = L.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, special)
+            buf = (llama_cpp.llama_token * capacity)()
+            count = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, special)
             if count >= 0:
                 return list(buf[:count])
             capacity = -count
@@ -11983,25 +12778,15 @@ class LlamaRunner(Runner):
         is one control token: rendered empty, it could not be matched in text)."""
         self._pieces[token] = self._token_text(token, special=True)
 
-    def has_grammar(self, params: Mapping[str, Any]) -> bool:
-        """Whether a job with ``params`` is constrained by a grammar or a JSON schema."""
-        return grammar_key(params, self.tool_format) is not None
-
     def _token_text(self, token: int, special: bool) -> bytes:
         """A token's bytes; ``special``: a control token's own text too (else nothing)."""
         size = 64
         while True:
-            buf = self._char_array(size)
-            count = self.L.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
+            buf = _char_array(size)
+            count = self.llama_cpp.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
             if count >= 0:
                 return bytes(buf[:count])
             size = -count
-
-    @staticmethod
-    def _char_array(size: int) -> Any:
-        import ctypes
-
-        return (ctypes.c_char * size)()
 
     def penalty(self, params: Mapping[str, Any]) -> Optional["_Penalties"]:
         """The job's penalties and logit biases (None if all are off): applied to the logits
@@ -12018,131 +12803,10 @@ class LlamaRunner(Runner):
             return None
         return _Penalties(self.np, repeat, frequency, presence, bias)
 
-    def grammar(self, params: Mapping[str, Any]) -> Optional[tuple[Any, str, GrammarShape]]:
-        """The job's grammar, if its output is constrained: (a key naming it, its GBNF text,
-        its shape). A JSON schema is converted once per distinct schema, then found here again
-        (here, on the calling thread, if no conversion of it is done: see prepare_grammar).
-        Raises JobError (grammar_error) for one whose start is past the work limits."""
-        named = grammar_key(params, self.tool_format)
-        if named is None:
-            return None
-        kind, key, params = named
-        with self._grammars_lock:
-            found = self._grammars.pop(key, None)
-            if found is not None:
-                self._grammars[key] = found  # most recently used last
-                return (key,) + found
-        found = self._made(kind, params)
-        self._remember(key, found)
-        return (key,) + found
-
-    def prepare_grammar(self, params: Mapping[str, Any]) -> Optional[_Conversion]:
-        """None when the job's grammar is made (or it has none); otherwise its conversion,
-        begun now on the runner's Grammar thread or joined there, for a session to wait for
-        while its other sequences go on stepping: a schema's conversion and check take up
-        to the counted work its submit allows (SCHEMA_MAX_PATTERN_WORK), and no decode waits
-        for them."""
-        named = grammar_key(params, self.tool_format)
-        if named is None or _small_grammar(named[1]):
-            return None
-        kind, key, params = named
-        with self._grammars_lock:
-            if key in self._grammars:
-                return None
-            conversion = self._converting.get(key)
-            if conversion is None:
-                conversion = self._converting[key] = _Conversion()
-                if self._converter is None:
-                    self._converter = _CallThread("Grammar")
-                self._converter.post(self._convert, kind, key, params, conversion)
-        return conversion
-
-    def _convert(self, kind: str, key: Any, params: Mapping[str, Any], conversion: _Conversion) -> None:
-        """The Grammar thread's call: make the grammar, remember it, and tell who waits."""
-        found: Optional[tuple[str, GrammarShape]] = None
-        try:
-            found = self._made(kind, params)
-            conversion.found = (key,) + found
-        except JobError as err:
-            conversion.error = err
-        except Exception as err:  # a check's own bug fails the jobs that wait, never the thread
-            conversion.error = JobError("runner_error", f"runner failed: {err!r}")
-        finally:
-            self._remember(key, found)
-            conversion.done.set()
-
-    def _made(self, kind: str, params: Mapping[str, Any]) -> tuple[str, GrammarShape]:
-        """A grammar's GBNF and shape, made (no lock held: it takes what the schema's counted
-        work allows). Raises JobError."""
-        text = self._make_grammar(kind, params)
-        try:
-            return text, check_grammar(text)
-        except InvalidInput as err:  # a converted schema's grammar, past the work limits
-            raise JobError("grammar_error", str(err)) from None
-
-    def _remember(self, key: Any, found: Optional[tuple[str, GrammarShape]]) -> None:
-        """Keep a grammar made (None: its conversion failed), as the most recently used."""
-        with self._grammars_lock:
-            self._converting.pop(key, None)
-            if found is None:
-                return
-            self._grammars.pop(key, None)
-            self._grammars[key] = found
-            if len(self._grammars) > GRAMMAR_CACHE:
-                self._grammars.pop(next(iter(self._grammars)))
-
-    def grammar_vocab(self) -> GrammarVocab:
-        """The vocabulary as the grammar sees it, for GrammarShape.vocab_cost (made once)."""
-        if self._grammar_vocab is not None:  # (every redraw asks: no lock once it is made)
-            return self._grammar_vocab
-        with self._grammars_lock:
-            if self._grammar_vocab is None:
-                L = self.L
-                pieces = [b"" if L.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
-                self._grammar_vocab = GrammarVocab(self.np, pieces)
-        return self._grammar_vocab
-
-    def _make_grammar(self, kind: str, params: Mapping[str, Any]) -> str:
-        """The GBNF of a grammar job, or its schema converted. (The checks ran at claim: the
-        Processor validates params.json, a hand-made one too, with the submit's checks.)"""
-        if kind not in ("json_schema", "tools"):
-            return job_param(params, "grammar")
-        try:
-            if kind == "tools":
-                choice, parallel, form = tool_choice(params), parallel_calls(params), self.tool_format
-                schema = tool_call_schema(job_param(params, "tools"), choice, parallel, form)
-                text = (schema_to_grammar(schema) if form.generic else
-                        tool_grammar(schema_to_grammar(schema, "tool-call"), "tool-call", choice, parallel, form))
-            else:
-                text = schema_to_grammar(job_param(params, "response_format")["json_schema"]["schema"])
-        except Exception as err:  # the converter's own assertions: a gap in check_json_schema
-            raise JobError("bad_request", f"{'tools' if kind == 'tools' else 'response_format'}: the schema could not be converted: {err!r}") from None
-        with self._grammars_lock:  # workers and the Grammar thread convert at once
-            self.conversions += 1
-        return text
-
-    def sampler(self, params: Mapping[str, Any]) -> Any:
-        """A sampler chain for one job (chains hold state: one per sequence); the
-        repetition penalty is not in it (see ``penalty``)."""
-        L, cfg = self.L, self.config
-        temperature = job_param(params, "temperature", cfg)
-        top_k = job_param(params, "top_k", cfg)
-        top_p = job_param(params, "top_p", cfg)
-        min_p = job_param(params, "min_p", cfg)
-        seed = job_param(params, "seed", cfg) or L.LLAMA_DEFAULT_SEED  # 0 = random
-        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        if temperature <= 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
-            return chain
-        if top_k > 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(top_k))
-        if top_p < 1.0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
-        if min_p > 0.0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(min_p, 1))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
-        return chain
+    def _grammar_pieces(self) -> list[bytes]:
+        """Each token's bytes as the grammar sees them: an end of generation's, none."""
+        llama_cpp = self.llama_cpp
+        return [b"" if llama_cpp.llama_vocab_is_eog(self.vocab, t) else self.piece(t) for t in range(self.n_vocab)]
 
     def close(self) -> None:
         """Free every context, then the model."""
@@ -12153,13 +12817,11 @@ class LlamaRunner(Runner):
         if self._wide is not None:
             self._wide.close()
             self._wide = None
-        if self._converter is not None:  # a conversion under way is abandoned, not waited for
-            self._converter.close(wait=False)
-            self._converter = None
+        self.grammars.close()
         if self.store is not None:
             self.store.close()
         if self.model:
-            self.L.llama_model_free(self.model)
+            self.llama_cpp.llama_model_free(self.model)
             self.model = None
 
 
@@ -12338,7 +13000,7 @@ class Pool:
         self._busy = 0
         self._closed = False
         self.active: Optional[int] = 0  # the queue ``get`` takes from
-        self._waiting: set[int] = set()  # idle workers blocked in get()
+        self._blocked: set[int] = set()  # workers with nothing to run, blocked in get()
         self._favored: Optional[int] = None  # the worker whose job ended last
         self._resting = False  # the favored worker has nothing running and is on its way back to get
 
@@ -12442,7 +13104,7 @@ class Pool:
         deadline = time.monotonic() + timeout
         with self._cond:
             if worker is not None and worker == self._favored:
-                self._resting = False  # here now: _waiting says whether it waits
+                self._resting = False  # here now: _blocked says whether it waits
             while not self._closed and self.active is not None:
                 now = time.monotonic()
                 while self._later and self._later[0][0] <= now:
@@ -12462,17 +13124,17 @@ class Pool:
                 if self._later:
                     left = min(left, self._later[0][0] - now)
                 if worker is not None:
-                    self._waiting.add(worker)
+                    self._blocked.add(worker)
                 try:
                     self._cond.wait(left)
                 finally:
-                    self._waiting.discard(worker)
+                    self._blocked.discard(worker)
         return None
 
     def _leave_to_favored(self, worker: Optional[int], heap: list[Any]) -> bool:
         favored = self._favored
         return (worker is not None and favored is not None and favored != worker
-                and len(heap) == 1 and (favored in self._waiting or self._resting))
+                and len(heap) == 1 and (favored in self._blocked or self._resting))
 
     def favor(self, worker: int, resting: bool = False) -> None:
         """``worker``'s job is the one that ended last (see ``get``); ``resting``: it runs no
@@ -12504,7 +13166,7 @@ class Pool:
             self._closed = True
             self._cond.notify_all()
 
-    def idle(self) -> bool:
+    def all_done(self) -> bool:
         """Nothing queued, waiting or being worked on."""
         with self._cond:
             return not any(self._heaps.values()) and not self._later and self._busy == 0
@@ -12829,6 +13491,88 @@ class _HandBacks:
                         "processing/ until a recovery requeues it (within 30 s)")
 
 
+class _Unrunnable:
+    """Entries of ready/ or processing/ that no job can be made of, failed without being read:
+    a non-directory (a file, a symlink) wrapped unopened in a failed/<id>/ of its own, a
+    directory whose mode keeps the daemon out made accessible only to take its error.txt.
+    ``records_ends``: whether each end is recorded in hooks/done/ (Processor.records_ends).
+
+    Threads: a claiming worker (under the WorkspaceLock, which two daemons take alike), and
+    recovery (Main at start, the Watcher) under the same lock; it keeps no state of its own."""
+
+    def __init__(self, workspace: str, records_ends: Callable[[], bool]) -> None:
+        self.workspace = workspace
+        self.records_ends = records_ends
+
+    def fail_inaccessible(self, job_id: str, sub: str) -> bool:
+        """A job directory the daemon may not open or move because its own mode lacks the
+        owner's rwx (``chmod 000``, say): fail it unread, rather than retry its claim forever,
+        and return True. It is made 0700 again, as every job directory, only so that it can
+        take error.txt and move to failed/. False when the directory's mode is not the cause
+        (a state directory not writable, say): that is the workspace's fault, not the job's,
+        and the claim is retried as after any I/O error."""
+        path = job_path(self.workspace, sub, job_id)
+        try:
+            mode = stat.S_IMODE(os.lstat(path).st_mode)
+        except OSError:
+            return False
+        if mode & 0o700 == 0o700:
+            return False
+        try:
+            os.chmod(path, DIR_MODE)
+            mark_failed(self.workspace, sub, job_id, "bad_request", f"the job directory was not accessible to "
+                        f"the daemon (mode {mode:o}); it was failed without being read")
+            if self.records_ends():
+                owe_hooks(self.workspace, job_id)
+            move_job(self.workspace, job_id, sub, FAILED)
+        except OSError as err:
+            log.error(f"{sub}/{job_id} is not accessible to the daemon and cannot be made so "
+                      f"({_os_error(err)}); left there until the next start")
+            return True
+        log.warning(f"Job failed: {job_id}: its directory was not accessible (mode {mode:o})")
+        return True
+
+    def wrap(self, job_id: str, sub: str) -> None:
+        """A non-directory in ``sub`` (ready/ or processing/): wrap it, unopened, in a real
+        failed/<id>/ dir. The caller holds the WorkspaceLock (recovery publishes a wrap that
+        a dead daemon left)."""
+        try:
+            mode = os.lstat(job_path(self.workspace, sub, job_id)).st_mode
+        except FileNotFoundError:
+            return  # taken by a quarantine that held the lock before us
+        kind = ("a symbolic link" if stat.S_ISLNK(mode) else
+                "a regular file" if stat.S_ISREG(mode) else "not a directory")
+        wrap = job_path(self.workspace, PROCESSING, f".{job_id}.quarantine")
+        _remove_tree(wrap)
+        os.mkdir(wrap, DIR_MODE)
+        fd = open_dir(wrap)
+        try:
+            write_file(fd, ERROR_FILE, (f"input/ready/{job_id} is {kind}, not a job directory; it was "
+                                        f"moved here as '{QUARANTINED_ENTRY}' without being opened\n").encode())
+            write_file(fd, META_FILE, dump_meta({"id": job_id, "code": "bad_request", "attempts": 0,
+                                             "finished": round(time.time(), 3)}))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(job_path(self.workspace, sub, job_id), os.path.join(wrap, QUARANTINED_ENTRY))
+        fsync_dir(wrap)
+        fsync_dir(job_path(self.workspace, sub))
+        self.publish(job_id, wrap)
+
+    def publish(self, job_id: str, wrap: str) -> None:
+        """Move a wrap made by ``wrap`` (this daemon's, or a dead one's) to failed/<id>."""
+        if self.records_ends():
+            owe_hooks(self.workspace, job_id)
+        try:
+            move(wrap, job_path(self.workspace, FAILED, job_id))
+        except FileExistsError:
+            log.error(f"failed/{job_id} already exists; quarantined entry left in {wrap}")
+            return
+        fsync_dir(job_path(self.workspace, FAILED))
+        fsync_dir(job_path(self.workspace, PROCESSING))
+        log.warning(f"Job failed: {job_id}: input/ready/{job_id} was not a job directory")
+
+
 class Processor:
     """Moves jobs through their states.
 
@@ -12857,6 +13601,7 @@ class Processor:
         self._claims: dict[str, _Claim] = {}  # the running jobs' directories, by ID
         self._claims_lock = threading.Lock()
         self.hand_backs = _HandBacks(workspace, config)
+        self.unrunnable = _Unrunnable(workspace, self.records_ends)
 
     def _path(self, sub: str, name: str = "") -> str:
         return job_path(self.workspace, sub, name)
@@ -12868,7 +13613,8 @@ class Processor:
 
     # -- claim ---------------------------------------------------------------------------
 
-    def claim(self, job_id: str, worker: str, stop: threading.Event, model: Optional[str] = None) -> Optional[RunningJob]:
+    def claim(self, job_id: str, worker: str, stop: threading.Event,
+              model: Optional[str] = None) -> Optional[RunningJob]:
         """Take ``job_id`` from ready/ into processing/, holding it (hold_job) from before the
         rename until it has moved on; None if someone else took it or it was malformed (then
         it is already in failed/). Raises _HandBack on an I/O error, _Busy while another
@@ -12910,11 +13656,11 @@ class Processor:
                 return None  # another claimer won, or the job was removed
             if err.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or a symlink, not a job directory
                 with WorkspaceLock(self.workspace):
-                    self.quarantine(job_id, READY)
+                    self.unrunnable.wrap(job_id, READY)
                 return None
             if err.errno == errno.EACCES:
                 with WorkspaceLock(self.workspace):  # two daemons never fail it both
-                    if not os.path.lexists(ready) or self.fail_inaccessible(job_id, READY):
+                    if not os.path.lexists(ready) or self.unrunnable.fail_inaccessible(job_id, READY):
                         return None
             raise
         if dir_fd is None:
@@ -12929,7 +13675,7 @@ class Processor:
             if isinstance(err, FileExistsError):
                 log.error(f"cannot claim {job_id}: processing/{job_id} already exists; left in ready/")
                 return None
-            if isinstance(err, PermissionError) and self.fail_inaccessible(job_id, READY):
+            if isinstance(err, PermissionError) and self.unrunnable.fail_inaccessible(job_id, READY):
                 return None  # a directory changes parent only if it is writable itself
             raise
         if not _same_entry(dir_fd, path):
@@ -13075,7 +13821,8 @@ class Processor:
         try:
             meta = dict(claim.meta)  # the claim's stays as it was, for a hand-back's events
             files, dest = self._record(meta, outcome)
-            turns = conversation_turns(job.prompt, job.params, outcome.text, outcome.message) if dest == OUTPUT else None
+            turns = conversation_turns(job.prompt, job.params, outcome.text,
+                                       outcome.message) if dest == OUTPUT else None
             if turns is not None:  # what a child of this job continues (parent)
                 import json
 
@@ -13188,73 +13935,6 @@ class Processor:
         finally:
             os.close(dir_fd)
 
-    def fail_inaccessible(self, job_id: str, sub: str) -> bool:
-        """A job directory the daemon may not open or move because its own mode lacks the
-        owner's rwx (``chmod 000``, say): fail it unread, rather than retry its claim forever,
-        and return True. It is made 0700 again, as every job directory, only so that it can
-        take error.txt and move to failed/. False when the directory's mode is not the cause
-        (a state directory not writable, say): that is the workspace's fault, not the job's,
-        and the claim is retried as after any I/O error."""
-        path = self._path(sub, job_id)
-        try:
-            mode = stat.S_IMODE(os.lstat(path).st_mode)
-        except OSError:
-            return False
-        if mode & 0o700 == 0o700:
-            return False
-        try:
-            os.chmod(path, DIR_MODE)
-            mark_failed(self.workspace, sub, job_id, "bad_request", f"the job directory was not accessible to "
-                        f"the daemon (mode {mode:o}); it was failed without being read")
-            if self.records_ends():
-                owe_hooks(self.workspace, job_id)
-            move_job(self.workspace, job_id, sub, FAILED)
-        except OSError as err:
-            log.error(f"{sub}/{job_id} is not accessible to the daemon and cannot be made so "
-                      f"({_os_error(err)}); left there until the next start")
-            return True
-        log.warning(f"Job failed: {job_id}: its directory was not accessible (mode {mode:o})")
-        return True
-
-    def quarantine(self, job_id: str, sub: str) -> None:
-        """A non-directory in ``sub`` (ready/ or processing/): wrap it, unopened, in a real
-        failed/<id>/ dir. The caller holds the WorkspaceLock (recovery publishes a wrap that
-        a dead daemon left)."""
-        try:
-            mode = os.lstat(self._path(sub, job_id)).st_mode
-        except FileNotFoundError:
-            return  # taken by a quarantine that held the lock before us
-        kind = ("a symbolic link" if stat.S_ISLNK(mode) else
-                "a regular file" if stat.S_ISREG(mode) else "not a directory")
-        wrap = self._path(PROCESSING, f".{job_id}.quarantine")
-        _remove_tree(wrap)
-        os.mkdir(wrap, DIR_MODE)
-        fd = open_dir(wrap)
-        try:
-            write_file(fd, ERROR_FILE, (f"input/ready/{job_id} is {kind}, not a job directory; it was "
-                                        f"moved here as '{QUARANTINED_ENTRY}' without being opened\n").encode())
-            write_file(fd, META_FILE, dump_meta({"id": job_id, "code": "bad_request", "attempts": 0,
-                                             "finished": round(time.time(), 3)}))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(self._path(sub, job_id), os.path.join(wrap, QUARANTINED_ENTRY))
-        fsync_dir(wrap)
-        fsync_dir(self._path(sub))
-        self.publish_quarantine(job_id, wrap)
-
-    def publish_quarantine(self, job_id: str, wrap: str) -> None:
-        if self.records_ends():
-            owe_hooks(self.workspace, job_id)
-        try:
-            move(wrap, self._path(FAILED, job_id))
-        except FileExistsError:
-            log.error(f"failed/{job_id} already exists; quarantined entry left in {wrap}")
-            return
-        fsync_dir(self._path(FAILED))
-        fsync_dir(self._path(PROCESSING))
-        log.warning(f"Job failed: {job_id}: input/ready/{job_id} was not a job directory")
-
 # ============================================================================
 # 12.3 Recovery and hooks
 # ============================================================================
@@ -13301,9 +13981,9 @@ class _Recovery:
                     except FileNotFoundError:
                         continue  # moved on meanwhile
                     if not stat.S_ISDIR(mode):
-                        self.processor.quarantine(name, PROCESSING)
+                        self.processor.unrunnable.wrap(name, PROCESSING)
                     elif stat.S_IMODE(mode) & 0o700 != 0o700:
-                        self.processor.fail_inaccessible(name, PROCESSING)
+                        self.processor.unrunnable.fail_inaccessible(name, PROCESSING)
                     continue  # otherwise held by a live daemon
                 attempts = self._recover_one(name, dir_fd, path)
                 if attempts is not None:
@@ -13319,7 +13999,8 @@ class _Recovery:
             # The killed attempt's temporaries and results go; its partial text stays
             # (what it generated before the deaths is the evidence).
             _clear_outputs(dir_fd, keep=(PARTIAL_FILE,))
-            job = self.processor.hold(RunningJob(name, "", {}, threading.Event()), _Claim(dir_fd, meta, path, dict(meta)))
+            job = self.processor.hold(RunningJob(name, "", {}, threading.Event()),
+                                      _Claim(dir_fd, meta, path, dict(meta)))
             self.processor.finish(job, Outcome(error_code="crash_ceiling", error=(
                 f"the daemon stopped {attempts} times while running this job "
                 f"(NRVNA_MAX_ATTEMPTS={self.config.max_attempts}); it is not retried again")))
@@ -13343,7 +14024,7 @@ class _Recovery:
 
     def _recover_hidden(self, name: str, path: str) -> None:
         if name.endswith(".quarantine") and os.path.lexists(os.path.join(path, QUARANTINED_ENTRY)):
-            self.processor.publish_quarantine(name[1:-len(".quarantine")], path)
+            self.processor.unrunnable.publish(name[1:-len(".quarantine")], path)
         else:
             _remove_tree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
             fsync_dir(self._path(PROCESSING))
@@ -13467,6 +14148,20 @@ class Hooks:
         self._threads: list[threading.Thread] = []
         self._held: Optional[int] = None  # hooks/' lock: this daemon's turn to run hooks (see _take_turn)
 
+    @classmethod
+    def prepared(cls, workspace: str, config: Config, stop: threading.Event) -> Optional["Hooks"]:
+        """The Hooks of a daemon with on-done commands, prepared; None for one without (hooks
+        owed in hooks/done/ are then said to wait for a daemon with them)."""
+        if config.on_done or config.on_batch_done:
+            hooks = cls(workspace, config, stop)
+            hooks.prepare()
+            return hooks
+        owed = _folder_entries(workspace, HOOKS_OWED)
+        if owed:
+            log.warning(f"{len(owed)} jobs' hooks are owed (hooks/done/); they run when a daemon starts "
+                        "with --on-done or --on-batch-done (delete hooks/ to forget them)")
+        return None
+
     def prepare(self) -> None:
         """Make hooks/ (before recovery: a job it fails owes its hooks too)."""
         for folder in (os.path.dirname(self.owed), self.owed, self.batches):
@@ -13488,7 +14183,7 @@ class Hooks:
         """A job ended: look at hooks/done/ now, not at the next round."""
         self._wake.set()
 
-    def idle(self) -> bool:
+    def all_done(self) -> bool:
         """No hook owed or running (``--drain`` waits for this)."""
         with self._lock:
             if self._in_flight:
@@ -13763,7 +14458,7 @@ def _as_given(config: Config, name: str, value: Any) -> str:
 def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], workers: int, fixed_mib: float,
                         saves: bool) -> None:
     """ConfigError (exit 2 at start) when NRVNA_MAX_MEMORY cannot hold model ``name`` with
-    ``workers`` contexts as ``report`` (model_memory, once one context is made) states them, beside
+    ``workers`` contexts as ``report`` (LlamaRunner.memory, once one context is made) states them, beside
     ``fixed_mib`` (the process before any model, other models loaded) and, where contexts are
     saved, NRVNA_CACHE_PENDING; it says what would fit instead."""
     budget = size_bytes(config.max_memory) / _MIB
@@ -13777,14 +14472,15 @@ def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], wo
         pending = size_bytes(config.cache_pending) / _MIB
     kv, compute, output = report["kv_mib"], report["compute_mib"], report["output_mib"]
     room = budget - fixed_mib - pending - report["weights_mib"]  # for the contexts
-    need = budget - room + workers * (kv + compute + output)
+    need = fixed_mib + pending + report["weights_mib"] + workers * (kv + compute + output)  # all it holds
     if need <= budget:
         return
     fits = []
     if 1 <= room // (kv + compute + output) < workers:
         fits.append(_as_given(config, "workers", int(room // (kv + compute + output))))
     per_cell = kv / max(1, report["cells"])  # a context's cells are NRVNA_MAX_CTX and one job's share more
-    max_ctx = int((room / workers - compute - output) / per_cell * config.max_ctx / max(1, report["cells"])) // 256 * 256
+    max_ctx = int((room / workers - compute - output) / per_cell * config.max_ctx
+                  / max(1, report["cells"])) // 256 * 256
     if 256 <= max_ctx < config.max_ctx:
         fits.append(_as_given(config, "max_ctx", max_ctx))
     bytes_now = KV_TYPES[config.kv_type][1]
@@ -13795,11 +14491,13 @@ def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], wo
     if pending and need - pending <= budget:
         fits.append(_as_given(config, "cache_pending", f"{max(1, int(budget - need + pending))}M"))
     raise ConfigError(
-        f"{config.named('max_memory')} ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this process and other "
+        f"{config.named('max_memory')} ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this "
+        "process and other "
         f"models {fixed_mib:,.0f}, {name}'s weights {report['weights_mib']:,.0f}, {workers} contexts x "
         f"{kv + compute + output:,.1f} (KV cache {kv:,.1f}, compute {compute:,.1f}, output {output:,.1f})"
         + (f", contexts waiting to be saved {pending:,.0f}" if pending else "") + "); "
-        + (f"it would fit with {' or '.join(fits)}" if fits else "nothing here fits it: a larger budget or a smaller model"))
+        + (f"it would fit with {' or '.join(fits)}" if fits
+           else "nothing here fits it: a larger budget or a smaller model"))
 
 
 def _file_signature(path: Optional[str]) -> Optional[tuple[int, int, int]]:
@@ -14507,7 +15205,8 @@ class _Watcher:
         """The kinds of model ("chat", "embed") the workspace's other live daemons serve, and
         their model files (those they could not load left out)."""
         others = [r for r in daemon_records(self.workspace) if r.get("name") != self.registry.name]
-        models = [m for r in others for m in r.get("models") or () if isinstance(m, dict) and not m.get("load_failures")]
+        models = [m for r in others for m in r.get("models") or () if isinstance(m, dict)
+                  and not m.get("load_failures")]
         return ({m["kind"] for m in models if m.get("kind") in ("chat", "embed")},
                 {m["path"] for m in models if isinstance(m.get("path"), str)})
 
@@ -14522,18 +15221,20 @@ class _Watcher:
 class _WorkerLoads:
     """What each worker runs, as the others see it: its load (sequences in flight) and its
     top (its highest running priority; None: idle, or between steps). A worker leaves a job
-    to one running fewer sequences, lends its threads to the busy ones (Server._share_cores),
+    to one running fewer sequences, lends its threads to the busy ones (share_cores),
     and pauses while another runs a job above all of its own.
 
     Threads: each worker writes its own entries and reads the others'; the Models thread
     reads the top (a reason to switch models), the Scanner the tops (Server._outranked, when
-    a job is queued). All under ``_lock``, held for a list operation only.
+    a job is queued). All under ``_lock``, held for a list operation only; ``budget`` changes
+    only while every worker is parked (Server._use).
     """
 
     def __init__(self, workers: int = 0) -> None:
         self._lock = threading.Lock()
         self._loads = [0] * workers
         self._tops: list[Optional[int]] = [None] * workers
+        self.budget = 0  # threads the workers' contexts share; 0: no lending (set by Server._use)
 
     def set_load(self, index: int, load: int) -> None:
         with self._lock:
@@ -14574,6 +15275,75 @@ class _WorkerLoads:
             busy = [i for i, load in enumerate(self._loads) if load > 0 or i == index]
         share, extra = divmod(budget, len(busy))
         return share + (busy.index(index) < extra)
+
+    def share_cores(self, index: int, session: Session) -> None:
+        """Spread the workers' threads over the workers that have jobs, before each step.
+
+        A worker whose queue share ran out (the tail of a batch, a lone job) would leave
+        its core idle while another worker still decodes: that worker borrows the idle
+        threads instead (capped at the core count), and hands them back at its next step
+        once the idle worker has a job again. Measured on 2 cores: one context decodes
+        1.6-1.9x faster with 2 threads than with 1 when the other core is free.
+        """
+        if not self.budget:
+            return
+        share = self.share(index, self.budget)
+        session.set_threads(max(session.base_threads, min(share, cpu_count())))
+
+
+class _Tally:
+    """A daemon's jobs in flight, and the figures of those that ended: done, failed, tokens
+    generated, and the tokens of the last minute (its record's tokens_per_second_last_minute).
+
+    Threads: the workers, the Finisher and the Models thread add and end jobs; the Watcher
+    reads them (cancels, timeouts, the record). All under ``_lock``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, RunningJob] = {}  # in flight, by ID
+        self._counts = {"jobs_done": 0, "jobs_failed": 0, "tokens_generated": 0}
+        self._recent: Any = deque()  # (time, tokens) of jobs ended in the last minute
+
+    def add(self, job: RunningJob) -> None:
+        with self._lock:
+            self._running[job.id] = job
+
+    def drop(self, job_id: str) -> None:
+        """A job handed back unended (a shutdown): no longer in flight, and not counted."""
+        with self._lock:
+            self._running.pop(job_id, None)
+
+    def ended(self, job: RunningJob, outcome: Outcome) -> None:
+        with self._lock:
+            self._running.pop(job.id, None)
+            self._counts["jobs_done" if outcome.error_code is None else "jobs_failed"] += 1
+            self._counts["tokens_generated"] += outcome.generated_tokens
+            self._recent.append((time.time(), outcome.generated_tokens))
+
+    def jobs(self) -> list[RunningJob]:
+        with self._lock:
+            return list(self._running.values())
+
+    def figures(self, now: float, since: float) -> tuple[dict[str, int], int, float]:
+        """The counts, the jobs in flight, and the tokens a second over the last minute (or
+        since ``since``, the start, if that is less)."""
+        with self._lock:
+            while self._recent and now - self._recent[0][0] > 60:
+                self._recent.popleft()
+            window = min(60.0, max(1.0, now - since))
+            return dict(self._counts), len(self._running), round(sum(t for _, t in self._recent) / window, 1)
+
+
+def _say_ended(job: RunningJob, outcome: Outcome) -> None:
+    """The log's line for a job that ended: completed (its tokens, or texts embedded), or failed."""
+    if outcome.error_code is not None:
+        log.warning(f"Job failed: {job.id}: {outcome.error}")
+    elif job_param(job.params, "embed"):
+        texts = len(job_param(job.params, "input") or [job.prompt])
+        log.info(f"Job completed: {job.id} ({texts} {'text' if texts == 1 else 'texts'} embedded, "
+                 f"{outcome.prompt_tokens} tokens)")
+    else:
+        log.info(f"Job completed: {job.id} ({outcome.generated_tokens} tokens, {outcome.finish_reason})")
 
 
 def _warn_if_shared(workspace: str) -> None:
@@ -14630,8 +15400,8 @@ class Server:
     Threads: the main thread starts, serves (``serve_forever``), stops and shuts down; the
     workers, the Finisher and the Models thread (``_fail_unloadable``) end jobs; the Watcher
     reads the running jobs and the record (``status``); the Scanner calls ``_route`` and
-    ``_queued``. The running jobs and the figures are under ``_stats_lock``, the workers'
-    loads under _WorkerLoads'. ``_sessions`` and ``_thread_budget`` change only in ``_use``:
+    ``_queued``. The running jobs and the figures are under _Tally's lock, the workers'
+    loads under _WorkerLoads'. ``_sessions`` and the loads' ``budget`` change only in ``_use``:
     at start, and on the Models thread while every worker is parked (see _ModelSwitch).
     """
 
@@ -14655,7 +15425,6 @@ class Server:
         self._threads: list[threading.Thread] = []
         self._loads = _WorkerLoads()
         self._sessions: list[Session] = []
-        self._thread_budget = 0  # threads the workers' contexts share; 0: no lending
         self.registry = _Registry(self.workspace)
         self.models: Optional[_Models] = None
         self.switch: Optional[_ModelSwitch] = None  # serving several models: the Models thread
@@ -14663,12 +15432,9 @@ class Server:
         self.scanner: Optional[Scanner] = None
         self.processor: Optional[Processor] = None
         self.started = False
-        self._running: dict[str, RunningJob] = {}  # in flight, for the watcher (under _stats_lock)
+        self.tally = _Tally()  # the jobs in flight, for the Watcher, and the record's figures
         self._finishing: Any = None  # (job, outcome) for the Finisher thread; None ends it
         self._finisher: Optional[threading.Thread] = None
-        self._stats_lock = threading.Lock()
-        self._stats = {"jobs_done": 0, "jobs_failed": 0, "tokens_generated": 0}
-        self._recent: Any = deque()  # (time, tokens) of jobs ended in the last minute
         self._started_at = time.time()
         self.hooks: Optional[Hooks] = None
         self._signalled: Optional[int] = None  # see stop_from_signal
@@ -14710,14 +15476,7 @@ class Server:
             self.pool.set_active(models.active)  # (not the first model, when it could not be loaded)
             self.processor = Processor(self.workspace, self.config, models.served[models.active].name)
             self.processor.daemon = self.registry.name
-            if self.config.on_done or self.config.on_batch_done:
-                self.hooks = Hooks(self.workspace, self.config, self._stop)
-                self.hooks.prepare()
-            else:
-                owed = _folder_entries(self.workspace, HOOKS_OWED)
-                if owed:
-                    log.warning(f"{len(owed)} jobs' hooks are owed (hooks/done/); they run when a daemon starts "
-                                "with --on-done or --on-batch-done (delete hooks/ to forget them)")
+            self.hooks = Hooks.prepared(self.workspace, self.config, self._stop)
             log.info("Recovering orphaned jobs...")
             recovery = _Recovery(self.processor)
             recovered = recovery.recover()
@@ -14725,7 +15484,7 @@ class Server:
             recovery.run_last_chances(recovered, sessions[0], self._stop,
                                       lambda job_id: (self._route(job_id) or _Place(0, None)).queue == models.active)
             self.watcher = _Watcher(self.workspace, self.registry, self.processor, recovery, self.pool, models,
-                                    self._running_jobs, self.write_status)
+                                    self.tally.jobs, self.write_status)
             models.peers(*self.watcher.peer_models())  # before the first scan routes a job
             self.scanner = Scanner(self.workspace, self.pool, self._stop)
         except BaseException:
@@ -14743,7 +15502,8 @@ class Server:
             self._threads.append(threading.Thread(target=self.switch.run, name="Models", daemon=True))
         self._use(sessions)
         for index in range(len(sessions)):
-            self._threads.append(threading.Thread(target=self._work, args=(index,), name=f"Worker-{index}", daemon=True))
+            self._threads.append(threading.Thread(target=self._work, args=(index,), name=f"Worker-{index}",
+                                                  daemon=True))
         import queue
 
         self._finishing = queue.SimpleQueue()
@@ -14764,7 +15524,7 @@ class Server:
         # Threads are lent only between one-thread contexts: then the lender's thread, the
         # one wide thread, is the only OpenMP team (see LlamaRunner.decode_wide).
         lending = len(sessions) > 1 and all(s.base_threads == 1 for s in sessions)
-        self._thread_budget = len(sessions) if lending else 0
+        self._loads.budget = len(sessions) if lending else 0
 
     def request_stop(self) -> None:
         """Ask every thread to stop; ``shutdown`` waits. From a signal handler while
@@ -14790,7 +15550,7 @@ class Server:
             if self._signalled is not None:
                 log.info(f"Received {_signal_name(self._signalled)}")
                 self.request_stop()
-            elif self.drain and self._drained() and (self.hooks is None or self.hooks.idle()):
+            elif self.drain and self._drained() and (self.hooks is None or self.hooks.all_done()):
                 log.info("Queue drained")
                 self._say_stranded()
                 self.request_stop()
@@ -14814,36 +15574,28 @@ class Server:
             return self.switch.failure
         return f"{self.stranded} jobs left queued that no live daemon serves" if self.stranded else None
 
-    def _running_jobs(self) -> list[RunningJob]:
-        with self._stats_lock:
-            return list(self._running.values())
-
     def status(self) -> dict[str, Any]:
         """This daemon's record (what ``nrvna status WS --daemon`` lists)."""
         now = time.time()
-        with self._stats_lock:
-            while self._recent and now - self._recent[0][0] > 60:
-                self._recent.popleft()
-            window = min(60.0, max(1.0, now - self._started_at))
-            recent = sum(tokens for _, tokens in self._recent)
-            models = self.models.describe() if self.models else []
-            default = models[0] if models else {}
-            return dict(self._stats, pid=os.getpid(), name=self.registry.name, models=models,
-                        model=next((m["name"] for m in models if m["active"]), None), model_path=default.get("path"),
-                        kinds=self.models.kinds() if self.models else [],
-                        loads=self.models.loads if self.models else 0, models_dir=self._models_dir,
-                        aliases=self._aliases, gpu=self.config.gpu, workers=self.config.workers, seqs=self.config.seqs,
-                        hooks={"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done},
-                        kv_type=self.config.kv_type, max_memory=self.config.max_memory, caches=host_caches(self.config),
-                        started=round(self._started_at, 3), updated=round(now, 3), running=len(self._running),
-                        tokens_per_second_last_minute=round(recent / window, 1))
+        counts, running, rate = self.tally.figures(now, self._started_at)
+        models = self.models.describe() if self.models else []
+        default = models[0] if models else {}
+        return dict(counts, pid=os.getpid(), name=self.registry.name, models=models,
+                    model=next((m["name"] for m in models if m["active"]), None), model_path=default.get("path"),
+                    kinds=self.models.kinds() if self.models else [],
+                    loads=self.models.loads if self.models else 0, models_dir=self._models_dir,
+                    aliases=self._aliases, gpu=self.config.gpu, workers=self.config.workers, seqs=self.config.seqs,
+                    hooks={"on_done": self.config.on_done, "on_batch_done": self.config.on_batch_done},
+                    kv_type=self.config.kv_type, max_memory=self.config.max_memory, caches=host_caches(self.config),
+                    started=round(self._started_at, 3), updated=round(now, 3), running=running,
+                    tokens_per_second_last_minute=rate)
 
     def write_status(self) -> None:
         """Rewrite this daemon's record in daemons/ atomically."""
         self.registry.write(self.status())
 
     def _drained(self) -> bool:
-        if not self.pool.idle() or self.scanner is None or self.scanner.scans == 0 or self.pool.active is None:
+        if not self.pool.all_done() or self.scanner is None or self.scanner.scans == 0 or self.pool.active is None:
             return False
         waiting = self.pool.waiting_children()
         with os.scandir(os.path.join(self.workspace, READY)) as entries:
@@ -14910,11 +15662,11 @@ class Server:
                     self._loads.set_top(index, mine)
                     if self._loads.outranked(mine):
                         # Another worker runs a job above all of this one's: pause, and lend it
-                        # this worker's threads (see _share_cores), until it has ended.
+                        # this worker's threads (see _WorkerLoads.share_cores), until it has ended.
                         self._loads.set_load(index, 0)
                         time.sleep(0.005)
                         continue
-                    self._share_cores(index, session)
+                    self._loads.share_cores(index, session)
                     ended = session.step()
                     # A job's files (writes, fsyncs, renames: milliseconds) would hold up the
                     # jobs still running here: the Finisher records it while they go on.
@@ -14934,25 +15686,10 @@ class Server:
         self._loads.set_top(index, None)
         for job in session.active():
             session.drop(job)
-            with self._stats_lock:
-                self._running.pop(job.id, None)
+            self.tally.drop(job.id)
             self.processor.requeue(job)
             self.pool.done(job.id)
         log.debug(f"{name} exiting")
-
-    def _share_cores(self, index: int, session: Session) -> None:
-        """Spread the workers' threads over the workers that have jobs, before each step.
-
-        A worker whose queue share ran out (the tail of a batch, a lone job) would leave
-        its core idle while another worker still decodes: that worker borrows the idle
-        threads instead (capped at the core count), and hands them back at its next step
-        once the idle worker has a job again. Measured on 2 cores: one context decodes
-        1.6-1.9x faster with 2 threads than with 1 when the other core is free.
-        """
-        if not self._thread_budget:
-            return
-        share = self._loads.share(index, self._thread_budget)
-        session.set_threads(max(session.base_threads, min(share, cpu_count())))
 
     def _admit(self, index: int, session: Session, name: str) -> None:
         """Claim jobs while the session has free slots (blocking only when it is idle).
@@ -14991,8 +15728,7 @@ class Server:
                 continue
             log.info(f"Processing job: {job_id}")
             self._loads.add(index)
-            with self._stats_lock:
-                self._running[job_id] = job
+            self.tally.add(job)
             try:
                 session.start(job)
             except JobError as err:
@@ -15021,14 +15757,7 @@ class Server:
             sessions[index].preempt()
 
     def _end(self, job: RunningJob, outcome: Outcome) -> None:
-        with self._stats_lock:
-            self._running.pop(job.id, None)
-            if outcome.error_code is None:
-                self._stats["jobs_done"] += 1
-            else:
-                self._stats["jobs_failed"] += 1
-            self._stats["tokens_generated"] += outcome.generated_tokens
-            self._recent.append((time.time(), outcome.generated_tokens))
+        self.tally.ended(job, outcome)
         if self.processor.finish(job, outcome):
             self.pool.done(job.id)
             self.pool.released(job.id)  # its children, if any waited for it
@@ -15036,15 +15765,7 @@ class Server:
                 self.hooks.poke()
             if self.switch is not None:
                 self.switch.wake.set()
-            if outcome.error_code is None:
-                if job_param(job.params, "embed"):
-                    texts = len(job_param(job.params, "input") or [job.prompt])
-                    log.info(f"Job completed: {job.id} ({texts} {'text' if texts == 1 else 'texts'} embedded, "
-                             f"{outcome.prompt_tokens} tokens)")
-                else:
-                    log.info(f"Job completed: {job.id} ({outcome.generated_tokens} tokens, {outcome.finish_reason})")
-            else:
-                log.warning(f"Job failed: {job.id}: {outcome.error}")
+            _say_ended(job, outcome)
         else:
             self.pool.retry_later(job.id, 2.0)
 
@@ -15060,13 +15781,2249 @@ class Server:
             if job is None:
                 self.pool.done(job_id)
                 continue
-            with self._stats_lock:
-                self._running[job_id] = job
+            self.tally.add(job)
             self._end(job, Outcome(error_code="load_failed", error=error))
 
 
 ##############################################################################
-# 13. CLI: parse, call the library, print. Data on stdout, messages on stderr.
+# 13. Served API: OpenAI's Files, Batches and endpoints over a workspace, for any HTTP client
+##############################################################################
+# Owns `nrvna serve`: OpenAI's routes answered from the workspace's files over plain sockets (no
+# framework). Invariant: it never loads a model or starts a daemon, and keeps nothing the files do
+# not hold: killed at any instant and started again, it loses nothing. Threads: Api-IO, Api-N.
+
+
+# ============================================================================
+# 13.1 HTTP
+# ============================================================================
+# The bounds every request meets, a request's head, ApiError (OpenAI's error shape), ApiCall and
+# ApiReply (what a handler gets and gives), API keys and the multipart reader. Invariant: nothing
+# is read past a bound. Api-IO parses heads; an Api-N thread the rest.
+
+
+API_HEAD_LIMIT = 32 << 10  # a request line and its headers, whole (else 431)
+API_HEADERS_MAX = 100  # header lines in one head
+API_BODY_LIMIT = 16 << 20  # a JSON body (an upload is bounded by FILE_BYTES_LIMIT instead); else 413
+# A batch file may be up to 200 MB (OpenAI's limit); its multipart body may add this much framing.
+FILE_BYTES_LIMIT = 200 * 1000 * 1000
+MULTIPART_SLACK = 64 << 10
+MULTIPART_PARTS = 16  # parts in one upload's body
+MULTIPART_HEAD_LIMIT = 8 << 10  # one part's headers
+MULTIPART_FIELD_LIMIT = 4 << 10  # one plain field's value (purpose)
+# IDs as they appear in a URL: each is matched whole before it names anything on disk.
+API_IDS: dict[str, Any] = {
+    "file_id": re.compile(r"file-[a-z0-9]{24}"),
+    "batch_id": re.compile(r"batch_[a-z0-9]{24}"),
+}
+# The error codes the served API answers with in OpenAI's error shape (``error.code``), beside a failed
+# job's own code (FAILURE_CODES), which a synchronous request's error carries as it is. A test holds this
+# table and section 13's literals equal.
+API_ERROR_CODES: dict[str, str] = {
+    "invalid_api_key": "no `Authorization: Bearer KEY`, or another key (401)",
+    "not_found": "no such route, file or batch (404)",
+    "body_too_large": "a JSON body over 16 MiB (413)",
+    "server_busy": "the bodies of all requests being read would pass 256 MiB together (503, `Retry-After: 1`)",
+    "file_too_large": "an upload over 200 MB (413)",
+    "too_many_requests": "a batch file over 50,000 requests (400 at upload, or the batch's errors)",
+    "invalid_request": "a batch that could not be read or queued (the batch's errors)",
+    "invalid_file": "a batch's input file gone or unreadable (the batch's errors)",
+    "invalid_url": "a batch line whose url is not the batch's endpoint (the batch's errors)",
+    "invalid_json_line": "a batch line that is not JSON or not UTF-8 (the batch's errors)",
+    "duplicate_custom_id": "two batch lines with one custom_id (the batch's errors)",
+    "empty_file": "a batch file without a request (the batch's errors)",
+    "batch_not_cancellable": "a cancel of a batch that has ended (400)",
+    "batch_cancelled": "a batch line not run: its batch was cancelled (the error file)",
+    "batch_expired": "a batch line not run before the batch's expires_at (the error file)",
+    "model_not_found": "a model no live daemon serves (404, GET /v1/models/{model})",
+    "model_not_served": "a synchronous request no live daemon serves within 10 s (503)",
+}
+_HTTP_REASONS = {200: "OK", 100: "Continue", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+                 405: "Method Not Allowed", 408: "Request Timeout", 411: "Length Required",
+                 410: "Gone", 413: "Content Too Large", 431: "Request Header Fields Too Large",
+                 499: "Client Closed Request", 500: "Internal Server Error", 503: "Service Unavailable",
+                 504: "Gateway Timeout"}
+_PARAM = re.compile(r'([\w*-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;]*))')  # a header's name=value or name="value"
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP method or header name
+_DIGITS = re.compile(r"[0-9]{1,15}")  # a length or a number in a query, as HTTP writes them
+
+
+def _json_bytes(value: Any) -> bytes:
+    import json
+
+    return json.dumps(value, ensure_ascii=False).encode("utf-8")
+
+
+class ApiError(Exception):
+    """A refusal, answered as OpenAI answers one: ``{"error": {"message", "type", "param",
+    "code"}}`` with HTTP ``status``.
+
+    Threads: any (raised and answered by one request's thread); never shared."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002
+                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ApiReply:
+    """What a handler answers: ``payload`` (JSON), or ``stream`` (an iterator of bytes, sent as
+    it comes: server-sent events), or ``content`` (a file's bytes, or the path of one).
+
+    Threads: Api-N makes one and sends it; never shared."""
+
+    __slots__ = ("status", "payload", "stream", "content", "content_type", "headers")
+
+    def __init__(self, status: int = 200, payload: Any = None, stream: Optional[Iterable[bytes]] = None,
+                 content: Any = None, content_type: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None) -> None:
+        self.status, self.payload, self.stream, self.content = status, payload, stream, content
+        self.content_type = content_type or ("text/event-stream" if stream is not None else
+                                             "application/octet-stream" if content is not None else
+                                             "application/json")
+        self.headers = dict(headers or {})
+
+
+class _Head:
+    """A request's line and headers, parsed from its first bytes by parse_head.
+
+    Threads: Api-IO parses it, then hands it with its ApiCall to one Api-N; never shared."""
+
+    __slots__ = ("method", "target", "version", "headers")
+
+    def __init__(self, method: str, target: str, version: str, headers: dict[str, str]) -> None:
+        self.method, self.target, self.version, self.headers = method, target, version, headers
+
+    def keep_alive(self) -> bool:
+        connection = self.headers.get("connection", "").lower()
+        return "close" not in connection and (self.version == "HTTP/1.1" or "keep-alive" in connection)
+
+    def body_length(self) -> int:
+        """Content-Length; ApiError 411 for a body sent any other way, 400 for a bad length."""
+        if "transfer-encoding" in self.headers:
+            raise ApiError(411, "send the body with a Content-Length (a chunked body is not accepted)")
+        text = self.headers.get("content-length")
+        if text is None:
+            return 0
+        if not _DIGITS.fullmatch(text):  # ASCII digits only: str.isdigit() takes '²', which int() refuses
+            raise ApiError(400, f"Content-Length {text[:40]!r} is not a length")
+        return int(text)
+
+    def is_upload(self) -> bool:
+        return self.headers.get("content-type", "").lower().startswith("multipart/form-data")
+
+
+def parse_head(data: bytes) -> _Head:
+    """A request's line and headers (``data``: up to the blank line, excluded); ApiError 400
+    naming what is wrong (a duplicated Content-Length, a folded line, a bad name...)."""
+    lines = data.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not parts[1].startswith("/") \
+            or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        raise ApiError(400, f"not an HTTP/1.x request line: {lines[0][:80]!r}")
+    if len(lines) - 1 > API_HEADERS_MAX:
+        raise ApiError(431, f"more than {API_HEADERS_MAX} header lines")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if not colon or not _TOKEN.fullmatch(name):
+            raise ApiError(400, f"not a header line: {line[:80]!r}")
+        name = name.lower()
+        if name in headers and name in ("content-length", "transfer-encoding", "authorization", "content-type"):
+            raise ApiError(400, f"header {name} is given twice")
+        headers[name] = f"{headers[name]}, {value.strip()}" if name in headers else value.strip()
+    return _Head(parts[0], parts[1], parts[2], headers)
+
+
+def api_key_matches(headers: Mapping[str, str], key: str) -> bool:
+    """Whether ``Authorization: Bearer KEY`` carries ``key``, compared in constant time."""
+    import hmac
+
+    scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+    # the head was decoded as latin-1: encoded back so, the token is the bytes sent (a key's UTF-8)
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1", "replace"),
+                                                             key.encode("utf-8"))
+
+
+def _json_body(body: bytes) -> dict[str, Any]:
+    import json
+
+    if not body:
+        raise ApiError(400, "the request needs a JSON body")
+    try:
+        value = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise ApiError(400, f"the body is not JSON: {str(err)[:200]}") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return value
+
+
+class ApiCall:
+    """What a handler gets: the workspace, the request (``method``, ``path``, ``params`` (the
+    route's named parts), ``query``, ``headers``), its body (``json()``, or ``upload``: the
+    path of a multipart body held on disk), ``gone()`` and ``files`` (ApiFiles).
+
+    Threads: Api-IO makes it whole, then one Api-N alone uses it (the hand-off is a queue)."""
+
+    __slots__ = ("workspace", "method", "path", "params", "query", "headers", "body", "upload", "files", "_sock")
+
+    def __init__(self, workspace: str, head: _Head, path: str, query: dict[str, str], body: bytes,
+                 upload: Optional[str], files: Any, sock: Any) -> None:
+        self.workspace, self.method, self.path, self.query = workspace, head.method, path, query
+        self.headers, self.body, self.upload, self.files, self._sock = head.headers, body, upload, files, sock
+        self.params: dict[str, str] = {}
+
+    def json(self) -> dict[str, Any]:
+        """The body as a JSON object; ApiError 400 when it is none."""
+        return _json_body(self.body)
+
+    def gone(self) -> bool:
+        """Whether the client has closed its connection (poll it while waiting for a job)."""
+        import select
+        import socket
+
+        try:
+            poller = select.poll()
+            poller.register(self._sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+            if not poller.poll(0):
+                return False
+            return self._sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+
+def _part_head(data: bytes) -> tuple[str, Optional[str]]:
+    """A multipart part's form field name and file name, from its headers."""
+    for line in data.decode("utf-8", "replace").split("\r\n"):
+        name, _, value = line.partition(":")
+        if name.strip().lower() != "content-disposition":
+            continue
+        kind, _, rest = value.strip().partition(";")
+        if kind.strip().lower() != "form-data":
+            raise ApiError(400, "a multipart part is not form-data")
+        found = {key.lower(): quoted.replace('\\"', '"') if quoted else bare.strip()
+                 for key, quoted, bare in _PARAM.findall(rest)}
+        if "name" not in found:
+            raise ApiError(400, "a multipart part has no name")
+        if "filename" not in found and "filename*" in found:  # RFC 5987: UTF-8''percent-encoded
+            from urllib.parse import unquote
+
+            found["filename"] = unquote(found["filename*"].partition("''")[2] or found["filename*"])
+        return found["name"], found.get("filename")
+    raise ApiError(400, "a multipart part has no Content-Disposition")
+
+
+def _boundary(content_type: str) -> bytes:
+    found = re.search(r';\s*boundary=(?:"([^"]{1,70})"|([^\s;"]{1,70}))', content_type, re.I)
+    if found is None:
+        raise ApiError(400, "Content-Type multipart/form-data needs a boundary of 1 to 70 characters")
+    return (found.group(1) or found.group(2)).encode("latin-1")
+
+
+def read_multipart(fd: int, size: int, content_type: str) -> dict[str, tuple[Optional[str], int, int]]:
+    """The parts of a multipart/form-data body held in ``fd`` (``size`` bytes), found without
+    reading the body into memory: name -> (file name or None, first byte, end). ApiError 400
+    for a body that is not one (no closing boundary, too many parts, a name given twice)."""
+    boundary = b"--" + _boundary(content_type)
+    starts, offset, tail = [], 0, b""
+    while offset < size:
+        chunk = os.pread(fd, min(1 << 20, size - offset), offset)
+        if not chunk:
+            break
+        window, base = tail + chunk, offset - len(tail)
+        at = window.find(boundary)
+        while at >= 0:
+            # a delimiter: at the start of a line, followed by CRLF or (the last) "--"; one seen
+            # too near the window's end is seen again in the next (the tail holds it whole)
+            after = window[at + len(boundary):at + len(boundary) + 2]
+            if (base + at == 0 or window[at - 2:at] == b"\r\n") and (not starts or base + at > starts[-1]) \
+                    and after in (b"\r\n", b"--"):
+                starts.append(base + at)
+                if len(starts) > MULTIPART_PARTS + 1:
+                    raise ApiError(400, f"the upload has more than {MULTIPART_PARTS} parts")
+            at = window.find(boundary, at + 1)
+        offset += len(chunk)
+        tail = window[-(len(boundary) + 4):]
+    parts: dict[str, tuple[Optional[str], int, int]] = {}
+    for first, after in zip(starts, starts[1:]):
+        begin = first + len(boundary)
+        # up to the CRLF that belongs to the next delimiter: headers whose blank line would be
+        # that CRLF have no body, and are refused (read with it, the body would end before it begins)
+        head = os.pread(fd, min(MULTIPART_HEAD_LIMIT + 4, max(0, after - 2 - begin)), begin)
+        ends = head.find(b"\r\n\r\n")
+        if not head.startswith(b"\r\n") or ends < 0:
+            raise ApiError(400, "a multipart part's headers are missing or over "
+                                f"{MULTIPART_HEAD_LIMIT} bytes")
+        name, filename = _part_head(head[2:ends])
+        if name in parts:
+            raise ApiError(400, f"multipart field {name!r} is given twice", param=name)
+        parts[name] = (filename, begin + ends + 4, after - 2)
+    if not starts or os.pread(fd, 2, starts[-1] + len(boundary)) != b"--":
+        raise ApiError(400, "the multipart body ends before its closing boundary")
+    return parts
+
+
+def multipart_field(fd: int, part: tuple[Optional[str], int, int], name: str) -> str:
+    """A plain field's value (at most MULTIPART_FIELD_LIMIT bytes of UTF-8)."""
+    _, first, end = part
+    if end - first > MULTIPART_FIELD_LIMIT:
+        raise ApiError(400, f"field {name!r} is over {MULTIPART_FIELD_LIMIT} bytes", param=name)
+    try:
+        return os.pread(fd, end - first, first).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(400, f"field {name!r} is not UTF-8", param=name) from None
+
+
+def file_chunks(fd: int, first: int, end: int) -> Iterator[bytes]:
+    """Bytes ``first`` to ``end`` of ``fd``, a MiB at a time."""
+    while first < end:
+        chunk = os.pread(fd, min(1 << 20, end - first), first)
+        if not chunk:
+            raise ApiError(400, "the upload is shorter than it said")
+        first += len(chunk)
+        yield chunk
+
+
+# ============================================================================
+# 13.2 Files
+# ============================================================================
+# ApiFiles: OpenAI's files, kept in the workspace as api/files/<file_id>/{content,file.json}, each
+# published whole by one rename of a finished folder. Invariant: a listed file is whole and
+# durable; a deletion removes only what nrvna wrote. Any Api-N thread (each file its own folder).
+
+
+API_DIR = "api"
+API_FILES = os.path.join(API_DIR, "files")  # api/files/<file_id>/: one published file
+API_TEMP = os.path.join(API_DIR, "tmp")  # uploads being received, files being written or removed
+FILE_CONTENT = "content"
+FILE_RECORD = "file.json"
+FILE_RECORD_LIMIT = 64 << 10
+FILE_PURPOSES = ("batch",)  # what an upload may be for (batch_output: the batches' own files)
+FILE_NAME_LIMIT = 1024  # characters of a file's name, as given (it names nothing on disk)
+BATCH_FILE_LINES = 50_000  # requests in one batch file (OpenAI's limit)
+STALE_API_TEMP_SECONDS = 3600  # a temporary entry of a process that died is removed after this
+_API_TEMP_NAME = re.compile(r"(upload|new|gone)-([0-9]+)-[0-9a-z]+(?:-(file-[a-z0-9]{24}))?")
+
+
+def api_token(length: int = 24) -> str:
+    """``length`` random characters of [a-z0-9] (an ID's tail)."""
+    import secrets
+
+    return "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(length))
+
+
+def api_temp_name(kind: str, tail: str = "") -> str:
+    """A name in api/tmp/ for this process: ``kind-<pid>-<token>[-tail]``."""
+    return f"{kind}-{os.getpid()}-{api_token(12)}" + (f"-{tail}" if tail else "")
+
+
+def _file_object(record: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A file.json read back as OpenAI's file object; None when it is not one nrvna wrote."""
+    shapes = {"id": str, "bytes": int, "created_at": int, "filename": str, "purpose": str}
+    if any(type(record.get(key)) is not kind for key, kind in shapes.items()):
+        return None
+    return {"id": record["id"], "object": "file", "bytes": record["bytes"], "created_at": record["created_at"],
+            "filename": record["filename"], "purpose": record["purpose"], "status": "processed",
+            "status_details": None, "expires_at": None}
+
+
+class ApiFiles:
+    """The files of a workspace's served API (OpenAI's file objects). create and publish write a
+    folder under api/tmp/, then rename it to api/files/<file_id>; delete renames it back aside
+    and removes only content, file.json and their temporary names.
+
+    Threads: any Api-N thread; each call works on one file's folder, published or removed by a
+    rename."""
+
+    def __init__(self, workspace: str) -> None:
+        self.workspace = workspace
+        self.root = os.path.join(workspace, API_FILES)
+        self.temp = os.path.join(workspace, API_TEMP)
+
+    def _ready(self) -> None:
+        for path in (os.path.join(self.workspace, API_DIR), self.root, self.temp):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, DIR_MODE)
+
+    def create(self, source: Iterable[bytes], size: int, filename: str, purpose: str) -> dict[str, Any]:
+        """Write an upload (``size`` bytes from ``source``) as a new file; its OpenAI object.
+        ApiError for a purpose other than FILE_PURPOSES', a file over FILE_BYTES_LIMIT or, for a
+        batch, over BATCH_FILE_LINES lines."""
+        if purpose not in FILE_PURPOSES:
+            raise ApiError(400, f"purpose {purpose[:40]!r} is not one of: {', '.join(FILE_PURPOSES)}",
+                           param="purpose")
+        if size > FILE_BYTES_LIMIT:
+            raise ApiError(413, f"the file is {size:,} bytes; a batch file may be up to {FILE_BYTES_LIMIT:,}",
+                           param="file", code="file_too_large")
+        return self._write("file-" + api_token(), source, filename, purpose, lines=BATCH_FILE_LINES)
+
+    def publish(self, file_id: str, chunks: Iterable[bytes], filename: str, purpose: str) -> dict[str, Any]:
+        """Write ``chunks`` as file ``file_id`` (an ID its caller derives: a batch's output),
+        whole or not at all; a file already published under that ID is returned as it is."""
+        found = self._find(file_id)
+        return found if found is not None else self._write(file_id, chunks, filename, purpose, lines=0)
+
+    def _write(self, file_id: str, chunks: Iterable[bytes], filename: str, purpose: str,
+               lines: int) -> dict[str, Any]:
+        self._ready()
+        folder = os.path.join(self.temp, api_temp_name("new", file_id))
+        os.mkdir(folder, DIR_MODE)
+        try:
+            size = self._fill(folder, chunks, lines)
+            record = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
+                      "filename": str(filename)[:FILE_NAME_LIMIT], "purpose": purpose}
+            fd = open_dir(folder)
+            try:
+                write_file(fd, FILE_RECORD, _json_bytes(record))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            move(folder, os.path.join(self.root, file_id))
+        except FileExistsError:  # published meanwhile by another thread or process: that one stands
+            self._remove(folder)
+            found = self._find(file_id)
+            if found is None:
+                raise
+            return found
+        except BaseException:
+            self._remove(folder)
+            raise
+        try:
+            fsync_dir(self.root)
+        except OSError:  # published, not durable: taken back, so that the error answered is true
+            with contextlib.suppress(OSError):  # (a client retrying a 500 made a second file)
+                self._withdraw(file_id)
+            raise
+        return _file_object(record) or {}
+
+    def _withdraw(self, file_id: str) -> None:
+        """Rename file ``file_id``'s folder aside into api/tmp/, then remove what nrvna wrote in
+        it (FileNotFoundError when it is not published)."""
+        aside = os.path.join(self.temp, api_temp_name("gone", file_id))
+        move(os.path.join(self.root, file_id), aside)
+        fsync_dir(self.root)
+        self._remove(aside)
+
+    def _fill(self, folder: str, chunks: Iterable[bytes], lines: int) -> int:
+        """Write ``chunks`` to folder/content, fsynced; its size. ApiError past the bounds."""
+        fd = os.open(os.path.join(folder, FILE_CONTENT), os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                     FILE_MODE)
+        size = newlines = 0
+        last = b"\n"
+        try:
+            for chunk in chunks:
+                size += len(chunk)
+                if size > FILE_BYTES_LIMIT:
+                    raise ApiError(413, f"the file is over {FILE_BYTES_LIMIT:,} bytes", param="file",
+                                   code="file_too_large")
+                newlines += chunk.count(b"\n")
+                if chunk:
+                    last = chunk[-1:]
+                if lines and newlines + (last != b"\n") > lines:
+                    raise ApiError(400, f"a batch file may hold up to {lines:,} requests (lines)", param="file",
+                                   code="too_many_requests")
+                write_all(fd, chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return size
+
+    def _remove(self, folder: str) -> None:
+        """Remove a file's folder: only the names nrvna writes there, then the folder (left in
+        place, with a warning, when something else is in it)."""
+        for name in (FILE_CONTENT, FILE_RECORD, f".{FILE_RECORD}.tmp"):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.unlink(os.path.join(folder, name))
+        try:
+            os.rmdir(folder)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            log.warning(f"{folder} holds files nrvna did not write; left there ({_os_error(err)})")
+
+    def _find(self, file_id: str) -> Optional[dict[str, Any]]:
+        if not isinstance(file_id, str) or API_IDS["file_id"].fullmatch(file_id) is None:
+            return None
+        folder = os.path.join(self.root, file_id)
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.lstat(folder).st_mode):  # a link put there is never followed
+                found = _file_object(read_record(os.path.join(folder, FILE_RECORD), FILE_RECORD_LIMIT))
+                return found if found is not None and found["id"] == file_id else None
+        return None
+
+    def new_upload(self) -> tuple[str, int]:
+        """A new file in api/tmp/ for an upload's body as it arrives: (its path, a descriptor
+        open for writing); the reader removes it once answered."""
+        self._ready()
+        path = os.path.join(self.temp, api_temp_name("upload"))
+        return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
+
+    def get(self, file_id: str) -> dict[str, Any]:
+        """File ``file_id``'s OpenAI object; ApiError 404 when there is none."""
+        found = self._find(file_id)
+        if found is None:
+            raise ApiError(404, f"No such File object: {str(file_id)[:80]}", param="file_id")
+        return found
+
+    def content_path(self, file_id: str) -> Path:
+        """The path of file ``file_id``'s content (ApiError 404 when there is none): open it
+        without following a link (O_NOFOLLOW) and check that it is a regular file."""
+        from pathlib import Path
+
+        self.get(file_id)
+        return Path(self.root, file_id, FILE_CONTENT)
+
+    def list(self, purpose: Optional[str] = None, after: Optional[str] = None, limit: int = 10000,
+             order: str = "desc") -> list[dict[str, Any]]:
+        """Up to ``limit`` files (of ``purpose``), newest first (``order="asc"``: oldest), those
+        after file ``after`` in that order only."""
+        try:
+            names = [name for name in os.listdir(self.root) if API_IDS["file_id"].fullmatch(name)]
+        except FileNotFoundError:
+            names = []
+        found = [obj for obj in map(self._find, names) if obj is not None
+                 and (purpose is None or obj["purpose"] == purpose)]
+        found.sort(key=lambda obj: (obj["created_at"], obj["id"]), reverse=order != "asc")
+        if after is not None:
+            ids = [obj["id"] for obj in found]
+            found = found[ids.index(after) + 1:] if after in ids else []
+        return found[:limit]
+
+    def delete(self, file_id: str) -> dict[str, Any]:
+        """Remove file ``file_id``: ``{"id", "object": "file", "deleted": True}``; ApiError 404
+        when there is none."""
+        self.get(file_id)
+        self._ready()
+        try:
+            self._withdraw(file_id)
+        except FileNotFoundError:  # deleted meanwhile
+            raise ApiError(404, f"No such File object: {file_id}", param="file_id") from None
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def sweep(self) -> None:
+        """Remove api/tmp/'s entries left by processes that died (nrvna's names only, after
+        STALE_API_TEMP_SECONDS): an upload's body, a file half written or half removed."""
+        try:
+            names = os.listdir(self.temp)
+        except OSError:
+            return
+        for name in names:
+            match = _API_TEMP_NAME.fullmatch(name)
+            path = os.path.join(self.temp, name)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if match is None or _process_exists(int(match.group(2))) or \
+                    time.time() - info.st_mtime < STALE_API_TEMP_SECONDS:
+                continue
+            if match.group(1) == "upload" and stat.S_ISREG(info.st_mode):
+                _unlink_quietly(path, None)
+            elif stat.S_ISDIR(info.st_mode):
+                self._remove(path)
+
+
+# ============================================================================
+# 13.3 Batches
+# ============================================================================
+# OpenAI's batches: api/batches/<id>.json (the record: the steps taken), the input linked beside it, the
+# lines as jobs tagged <id>. Invariant: a record is rewritten whole under a flock on api/batches/, and each
+# step is redone the same after a crash (the tag's resume by custom_id; files under IDs derived from the
+# batch's). Any Api-N thread; the Batches thread (BatchLifecycle) while it holds api/batches/lifecycle.lock.
+
+
+BATCHES = os.path.join(API_DIR, "batches")
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+BATCH_WINDOWS = {"24h": 24 * 3600}  # completion_window: OpenAI offers 24h alone
+BATCH_METADATA = (16, 64, 512)  # OpenAI's bounds on metadata: pairs, a key's characters, a value's
+BATCH_LIST_LIMIT = (20, 100)  # GET /v1/batches: limit's default and most (OpenAI's)
+BATCH_RECORD_BYTES = 1 << 20
+LIFECYCLE_LOCK = "lifecycle.lock"
+BATCH_TICK_SECONDS = 0.5
+# A batch's lines are read again only after this many times the last read took: a 50,000-line batch's
+# read (1.5 s of CPU here) every tick kept the Batches thread busy a whole core beside the daemon.
+BATCH_LOOK_SPACING = 10
+# The steps a record holds: the status is the first of these it has (failed... in_progress), else
+# validating. A step, once recorded, is never changed.
+BATCH_STEPS = (("failed_at", "failed"), ("cancelled_at", "cancelled"), ("expired_at", "expired"),
+               ("completed_at", "completed"), ("finalizing_at", "finalizing"), ("cancelling_at", "cancelling"),
+               ("in_progress_at", "in_progress"))
+BATCH_ENDED = ("failed", "cancelled", "expired", "completed")
+# The error file's line for a request a cancel or an expiry stopped: OpenAI's code and words.
+BATCH_STOPPED = {"cancelled": ("batch_cancelled", "This request was not executed: the batch was cancelled."),
+                 "expired": ("batch_expired", "This request could not be executed before the completion "
+                                              "window expired.")}
+# A record without these (or naming another ID) is no batch.
+BATCH_REQUIRED = ("id", "input_file_id", "endpoint", "completion_window", "created_at", "expires_at")
+# A batch file's errors (errors.data): nrvna's refusal of a line, as OpenAI's code and param.
+BATCH_LINE_ERRORS = (("duplicate custom_id", "duplicate_custom_id", "custom_id"),
+                     ("invalid JSON", "invalid_json_line", None), ("not valid UTF-8", "invalid_json_line", None),
+                     ("url ", "invalid_url", "url"), ("has no prompts", "empty_file", None))
+
+
+def _is_stamp(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 40
+
+
+def _is_metadata(value: Any) -> bool:
+    pairs, key_chars, value_chars = BATCH_METADATA
+    return type(value) is dict and len(value) <= pairs and all(
+        type(k) is str and len(k) <= key_chars and type(v) is str and len(v) <= value_chars for k, v in value.items())
+
+
+# What each field of a batch record must be, read back: a field that is not so is read as absent.
+BATCH_RECORD_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "id": lambda value: type(value) is str and API_IDS["batch_id"].fullmatch(value) is not None,
+    "input_file_id": _is_text, "endpoint": lambda value: value in BATCH_ENDPOINTS,
+    "completion_window": lambda value: value in BATCH_WINDOWS, "created": _is_time,
+    "metadata": lambda value: value is None or _is_metadata(value),
+    **dict.fromkeys(("created_at", "expires_at", "total", *(step for step, _ in BATCH_STEPS)), _is_stamp),
+    "errors": lambda value: type(value) is list and all(type(entry) is dict for entry in value),
+    **dict.fromkeys(("output_file_id", "error_file_id", "model"), lambda value: value is None or _is_text(value)),
+    "request_counts": lambda value: type(value) is dict and all(
+        _is_count(value.get(name)) for name in ("total", "completed", "failed")),
+    "usage": lambda value: value is None or type(value) is dict,
+}
+
+
+def batch_status(record: Mapping[str, Any]) -> str:
+    """A batch's status from the steps its record holds (BATCH_STEPS)."""
+    for step, status in BATCH_STEPS:
+        if record.get(step) is not None:
+            return status
+    return "validating"
+
+
+def batch_file_id(batch_id: str, role: str) -> str:
+    """The ID of a batch's ``output`` or ``error`` file: derived from the batch's, so a finalize
+    redone after a crash publishes the same file (ApiFiles.publish returns it as it is)."""
+    import hashlib
+
+    return "file-" + hashlib.sha256(f"{batch_id}/{role}".encode()).hexdigest()[:24]
+
+
+def check_batch_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """POST /v1/batches' body checked (ApiError 400 naming the field): its input_file_id,
+    endpoint, completion_window and metadata."""
+    for key in body:
+        if key not in ("input_file_id", "endpoint", "completion_window", "metadata"):
+            raise ApiError(400, f"unknown field {key!r} (a batch takes input_file_id, endpoint, completion_window, "
+                           "metadata)", param=key)
+    file_id, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
+    if not isinstance(file_id, str):
+        raise ApiError(400, "input_file_id is required: the ID of a file uploaded with purpose batch",
+                       param="input_file_id")
+    if endpoint not in BATCH_ENDPOINTS:
+        raise ApiError(400, f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}", param="endpoint")
+    if window not in BATCH_WINDOWS:
+        raise ApiError(400, f"completion_window must be {' or '.join(map(repr, BATCH_WINDOWS))}",
+                       param="completion_window")
+    metadata = body.get("metadata")
+    if metadata is not None and not _is_metadata(metadata):
+        pairs, key_chars, value_chars = BATCH_METADATA
+        raise ApiError(400, f"metadata must be at most {pairs} pairs of strings, keys up to {key_chars} characters "
+                       f"and values up to {value_chars}", param="metadata")
+    return {"input_file_id": file_id, "endpoint": endpoint, "completion_window": window, "metadata": metadata}
+
+
+def batch_errors(data: bytes, endpoint: str) -> list[dict[str, Any]]:
+    """A batch file's errors as OpenAI's errors.data ({code, message, line, param}; [] when it
+    passes): nrvna's batch checks (parse_batch: the first bad line, a duplicate custom_id), a line
+    whose url is not the batch's ``endpoint``, more than BATCH_FILE_LINES requests."""
+    try:
+        entries = parse_batch(data, jsonl=True)
+    except InvalidInput as err:
+        return [_batch_line_error(str(err))]
+    for entry in entries:
+        url = entry.params.get("endpoint")
+        if url != endpoint:
+            what = f"url {url!r}" if url else "not an OpenAI Batch request line: it has no url"
+            return [{"code": "invalid_url", "line": entry.line, "param": "url",
+                     "message": f"{what}; every line of this batch must be a request to {endpoint}"}]
+    if len(entries) > BATCH_FILE_LINES:
+        return [{"code": "too_many_requests", "line": None, "param": None,
+                 "message": f"{len(entries):,} requests; a batch holds at most {BATCH_FILE_LINES:,}"}]
+    return []
+
+
+def _batch_line_error(message: str) -> dict[str, Any]:
+    """parse_batch's refusal (``line N: why``) as one of errors.data."""
+    match = re.match(r"line (\d+): ", message)
+    line, why = (int(match.group(1)), message[match.end():]) if match else (None, message)
+    for said, code, param in BATCH_LINE_ERRORS:
+        if said in why:
+            return {"code": code, "line": line, "param": param, "message": why}
+    return {"code": "invalid_request", "line": line, "param": None, "message": why}
+
+
+class ApiBatches:
+    """The batches of a workspace as OpenAI's batch objects: create (the record and its input
+    durable before it returns), get, list, cancel (a step in the record), and what the lifecycle
+    reads and records. Threads: any; a record's read-modify-write holds the records' flock."""
+
+    def __init__(self, workspace: str, files: ApiFiles) -> None:
+        self.workspace, self.files = workspace, files
+        self.folder = os.path.join(workspace, BATCHES)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[int]:
+        """api/batches/ open and flock'ed (made first if need be): its descriptor."""
+        self._make_folder()
+        fd = open_dir(self.folder)
+        try:
+            _flock(fd, wait=True)
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _make_folder(self) -> None:
+        if os.path.isdir(self.folder):
+            return
+        ensure_workspace(self.workspace)
+        for path in (os.path.dirname(self.folder), self.folder):
+            try:
+                os.mkdir(path, DIR_MODE)
+                fsync_dir(os.path.dirname(path))
+            except FileExistsError:
+                pass
+
+    def ids(self) -> list[str]:
+        """The IDs of the batches whose record is in api/batches/."""
+        try:
+            names = os.listdir(self.folder)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(name[:-5] for name in names
+                      if name.endswith(".json") and API_IDS["batch_id"].fullmatch(name[:-5]))
+
+    def record(self, batch_id: str) -> Optional[dict[str, Any]]:
+        """Batch ``batch_id``'s record as BATCH_RECORD_FIELDS reads it, or None: no such batch,
+        or a record that is not nrvna's (read_record's checks: no link, FIFO, oversize file)."""
+        if not API_IDS["batch_id"].fullmatch(batch_id):
+            return None
+        record = read_record(os.path.join(self.folder, f"{batch_id}.json"), BATCH_RECORD_BYTES)
+        record = {key: value for key, value in record.items()
+                  if key in BATCH_RECORD_FIELDS and shallow(value) and BATCH_RECORD_FIELDS[key](value)}
+        if any(key not in record for key in BATCH_REQUIRED) or record["id"] != batch_id:
+            return None
+        return record
+
+    def _write(self, dir_fd: int, record: Mapping[str, Any]) -> None:
+        import json
+
+        write_file(dir_fd, f"{record['id']}.json", json.dumps(record, ensure_ascii=False, indent=1).encode())
+        os.fsync(dir_fd)
+
+    def update(self, batch_id: str, **fields: Any) -> dict[str, Any]:
+        """Record ``fields`` in the batch's record (a step already recorded is kept as it is),
+        rewritten whole and durable; the record as it is now. ApiError 404: no such batch."""
+        with self.locked() as dir_fd:
+            record = self.record(batch_id)
+            if record is None:
+                raise ApiError(404, f"no batch {batch_id}", code="not_found")
+            for key, value in fields.items():
+                if key not in dict(BATCH_STEPS) or record.get(key) is None:
+                    record[key] = value
+            self._write(dir_fd, record)
+        return record
+
+    def create(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST /v1/batches: a new batch, validating; its record and input durable on return."""
+        request = check_batch_request(body)
+        found = self.files.get(request["input_file_id"])  # ApiError 404
+        if found.get("purpose") != "batch":
+            raise ApiError(400, f"file {request['input_file_id']} was uploaded with purpose {found.get('purpose')!r}; "
+                           "a batch's input needs purpose batch", param="input_file_id")
+        now = time.time()
+        record = {"id": "batch_" + api_token(), **request, "created": now, "created_at": int(now),
+                  "expires_at": int(now) + BATCH_WINDOWS[request["completion_window"]]}
+        with self.locked() as dir_fd:
+            self._keep_input(dir_fd, record["id"], request["input_file_id"])
+            self._write(dir_fd, record)
+        return self.batch_object(record)
+
+    def _keep_input(self, dir_fd: int, batch_id: str, file_id: str) -> None:
+        """The input as the batch's own (<id>.jsonl): a hard link (a copy where links fail), so a
+        DELETE of the file later changes nothing; durable once the caller fsyncs the folder."""
+        source = os.fspath(self.files.content_path(file_id))
+        try:
+            os.link(source, f"{batch_id}.jsonl", dst_dir_fd=dir_fd, follow_symlinks=False)
+        except OSError as err:
+            if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            with open(source, "rb") as handle:
+                write_file(dir_fd, f"{batch_id}.jsonl", handle.read(FILE_BYTES_LIMIT + 1)[:FILE_BYTES_LIMIT])
+
+    def input(self, batch_id: str) -> bytes:
+        """The batch's input file (JobError: a link, a FIFO, over FILE_BYTES_LIMIT; OSError: gone)."""
+        fd = open_dir(self.folder)
+        try:
+            return read_file(fd, f"{batch_id}.jsonl", FILE_BYTES_LIMIT)
+        finally:
+            os.close(fd)
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        """GET /v1/batches/{id}: the batch object (ApiError 404)."""
+        record = self.record(batch_id)
+        if record is None:
+            raise ApiError(404, f"no batch {batch_id}", code="not_found")
+        return self.batch_object(record)
+
+    def list(self, after: Optional[str] = None, limit: Optional[str] = None) -> dict[str, Any]:
+        """GET /v1/batches: OpenAI's list object, newest first, ``limit`` (1 to 100) after batch ``after``."""
+        default, most = BATCH_LIST_LIMIT
+        count = default if limit is None else int(limit) if str(limit).isdigit() else 0
+        if not 1 <= count <= most:
+            raise ApiError(400, f"limit must be an integer from 1 to {most}", param="limit")
+        records = [r for r in map(self.record, self.ids()) if r is not None]
+        records.sort(key=lambda r: (r.get("created", r["created_at"]), r["id"]), reverse=True)
+        start = 0
+        if after is not None:
+            start = next((i + 1 for i, r in enumerate(records) if r["id"] == after), -1)
+            if start < 0:
+                raise ApiError(400, f"after names no batch: {after!r}", param="after")
+        page = records[start:start + count]
+        return {"object": "list", "data": [self.batch_object(r) for r in page],
+                "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
+                "has_more": start + count < len(records)}
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        """POST /v1/batches/{id}/cancel: cancelling (the lifecycle then cancels its jobs), or as it
+        is when cancelling or cancelled already; ApiError 400 for a batch past cancelling."""
+        with self.locked() as dir_fd:
+            record = self.record(batch_id)
+            if record is None:
+                raise ApiError(404, f"no batch {batch_id}", code="not_found")
+            status = batch_status(record)
+            if status in ("validating", "in_progress"):
+                record["cancelling_at"] = int(time.time())
+                self._write(dir_fd, record)
+            elif status not in ("cancelling", "cancelled"):
+                raise ApiError(400, f"batch {batch_id} is {status}: only a validating or in_progress batch can be "
+                               "cancelled", code="batch_not_cancellable")
+        return self.batch_object(record)
+
+    def lines(self, batch_id: str) -> tuple[list[str], dict[str, Status]]:
+        """The batch's jobs, one per custom_id (the latest that exists), in submission order, and
+        their states."""
+        members = tag_members(self.workspace, batch_id)
+        states = bulk_states(self.workspace, [job_id for job_id, _ in members])
+        latest: dict[Optional[str], str] = {}
+        for job_id, cid in members:
+            if states[job_id] is not Status.Missing:
+                latest.pop(cid, None)  # its place is the latest's
+                latest[cid] = job_id
+        return list(latest.values()), states
+
+    def batch_object(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        """OpenAI's batch object for ``record``: its request_counts recorded once it ended,
+        counted from its tag's jobs before."""
+        status = batch_status(record)
+        counts = record.get("request_counts")
+        if counts is None or status not in BATCH_ENDED:
+            counts = self._counts(record)
+        errors = record.get("errors")
+        return {"id": record["id"], "object": "batch", "endpoint": record["endpoint"],
+                "errors": {"object": "list", "data": errors} if errors else None,
+                "input_file_id": record["input_file_id"], "completion_window": record["completion_window"],
+                "status": status, "output_file_id": record.get("output_file_id"),
+                "error_file_id": record.get("error_file_id"), "created_at": record["created_at"],
+                "in_progress_at": record.get("in_progress_at"), "expires_at": record["expires_at"],
+                **{step: record.get(step) for step in ("finalizing_at", "completed_at", "failed_at", "expired_at",
+                                                       "cancelling_at", "cancelled_at")},
+                "request_counts": counts, "metadata": record.get("metadata"), "model": record.get("model"),
+                "usage": record.get("usage")}
+
+    def _counts(self, record: Mapping[str, Any]) -> dict[str, int]:
+        """request_counts of a batch not ended, from its tag's jobs; none done yet where its tag's
+        index cannot be read (a FIFO, a foreign file: the Batches thread names it), so that one
+        batch's damaged index never fails GET /v1/batches for every other batch."""
+        counts = {"total": record.get("total", 0), "completed": 0, "failed": 0}
+        if record.get("in_progress_at") is None:
+            return counts
+        try:
+            jobs, states = self.lines(record["id"])
+        except (NrvnaError, OSError):
+            return counts
+        ended = [states[job_id] for job_id in jobs if states[job_id].finished]
+        done = sum(state is Status.Done for state in ended)
+        return dict(counts, completed=done, failed=len(ended) - done)
+
+
+class BatchLifecycle:
+    """The Batches thread: takes each batch a step on, every BATCH_TICK_SECONDS, while it holds
+    api/batches/lifecycle.lock (one process of a workspace at a time: a second server's thread
+    waits for the lock, and takes over when the first dies). Every step is redone the same after
+    a crash at any instant: validating submits the file under the batch's tag (a resubmit queues
+    only the custom_ids the tag lacks); a cancel or an expiry cancels the tag's unfinished jobs;
+    the end publishes the output and error files under IDs derived from the batch's, then records
+    the end in one write. Threads: its own; ApiServer's start and stop."""
+
+    def __init__(self, batches: ApiBatches, tick: float = BATCH_TICK_SECONDS) -> None:
+        self.batches, self.tick = batches, tick
+        self.ended: set[str] = set()  # batches seen ended: never read again
+        self.next_look: dict[str, float] = {}  # batch -> when its lines are read again (monotonic)
+        self._halt = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._lock_fd = -1
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="Batches", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread (after its step in hand) and let the lock go once it has ended: never
+        while a step runs, which another server's thread would then take too."""
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(timeout)  # still in a step past it (a long submit): it lets go when the step ends
+
+    def _run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                if self._holds_lock():
+                    self.step()
+            except Exception as err:  # a fault of the workspace: said, and tried again next tick
+                log.limited("batches", f"batches: {type(err).__name__}: {err}")
+            self._halt.wait(self.tick)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # the thread's own: let go only once no step runs
+            self._lock_fd = -1
+
+    def _holds_lock(self) -> bool:
+        if self._lock_fd < 0:
+            with self.batches.locked():
+                pass  # the folder exists
+            fd = os.open(os.path.join(self.batches.folder, LIFECYCLE_LOCK), os.O_RDWR | os.O_CREAT | O_NOFOLLOW
+                         | O_CLOEXEC, FILE_MODE)
+            self._lock_fd = _locked(fd) or -1
+        return self._lock_fd >= 0
+
+    def step(self) -> None:
+        """Take every batch not ended a step on (each on its own: one's fault spares the others)."""
+        for batch_id in self.batches.ids():
+            if batch_id in self.ended or self._halt.is_set():
+                continue
+            try:
+                self.advance(batch_id)
+            except (NrvnaError, OSError, ApiError) as err:
+                log.limited(f"batch {batch_id}", f"batch {batch_id}: {err}", "warning")
+
+    def advance(self, batch_id: str) -> None:
+        """One step of one batch: validate and submit, cancel, or end it."""
+        record = self.batches.record(batch_id)
+        if record is None or batch_status(record) in BATCH_ENDED:
+            if record is not None:
+                self.ended.add(batch_id)
+                self.next_look.pop(batch_id, None)
+            return
+        now = time.time()
+        ending = ("cancelled" if record.get("cancelling_at") is not None else
+                  "expired" if now >= record["expires_at"] else None)
+        if ending is None and record.get("in_progress_at") is None:
+            self._submit(record)
+            return
+        if ending is None and time.monotonic() < self.next_look.get(batch_id, 0.0):
+            return  # a large batch's lines were read lately (a cancel or an expiry is not kept waiting)
+        began = time.monotonic()
+        jobs, states = self.batches.lines(batch_id)
+        self.next_look[batch_id] = time.monotonic() + BATCH_LOOK_SPACING * (time.monotonic() - began)
+        if any(states[job_id] in (Status.Queued, Status.Running) for job_id in jobs):
+            if ending is None:
+                return
+            cancel_jobs(self.batches.workspace, tag=batch_id, timeout=0.1)
+            jobs, states = self.batches.lines(batch_id)
+            if any(states[job_id] in (Status.Queued, Status.Running) for job_id in jobs):
+                return  # a running job stops between tokens: look again next tick
+        if ending is None and record.get("finalizing_at") is None:
+            record = self.batches.update(batch_id, finalizing_at=int(now))
+        self._end(record, ending or "completed", jobs, states)
+
+    def _submit(self, record: dict[str, Any]) -> None:
+        """validating -> failed (errors) or in_progress (every line a job of the batch's tag)."""
+        batch_id, now = record["id"], int(time.time())
+        try:
+            data = self.batches.input(batch_id)
+        except (OSError, JobError) as err:
+            why = _os_error(err) if isinstance(err, OSError) else str(err)
+            self.batches.update(batch_id, failed_at=now, errors=[
+                {"code": "invalid_file", "line": None, "param": "input_file_id",
+                 "message": f"the batch's input cannot be read: {why}"}])
+            return
+        errors = batch_errors(data, record["endpoint"])
+        if not errors:
+            try:
+                ids = Work(self.batches.workspace).submit_file(data, tag=batch_id, jsonl=True)
+            except InvalidInput as err:  # a check past parse_batch's (a parent, a model under strict models)
+                errors = [_batch_line_error(str(err))]
+        if errors:
+            self.batches.update(batch_id, failed_at=now, errors=errors)
+        else:
+            self.batches.update(batch_id, in_progress_at=now, total=len(ids))
+
+    def _end(self, record: dict[str, Any], ending: str, jobs: list[str], states: dict[str, Status]) -> None:
+        """Publish the output and error files and record the end, in one write."""
+        batch_id = record["id"]
+        since = None if ending == "completed" else record.get("cancelling_at") or record["expires_at"]
+        done = [job_id for job_id in jobs if states[job_id] is Status.Done]
+        failed = [job_id for job_id in jobs if states[job_id] is Status.Failed]
+        unsent = self._unsent(record, jobs) if record.get("in_progress_at") is None else []
+        files = self.batches.files
+        output = error = None
+        if done:
+            output = files.publish(batch_file_id(batch_id, "output"), self._lines(done, None, ending),
+                                   f"{batch_id}_output.jsonl", "batch_output")["id"]
+        if failed or unsent:
+            lines = itertools.chain(self._lines(failed, since, ending), unsent)
+            error = files.publish(batch_file_id(batch_id, "error"), lines, f"{batch_id}_error.jsonl",
+                                  "batch_output")["id"]
+        total = max(record.get("total", 0), len(done) + len(failed) + len(unsent))
+        usage, model = self._usage(done)
+        self.batches.update(batch_id, output_file_id=output, error_file_id=error, usage=usage, model=model,
+                            request_counts={"total": total, "completed": len(done),
+                                            "failed": len(failed) + len(unsent)},
+                            **{f"{ending}_at": int(time.time())})
+        self.ended.add(batch_id)
+        self.next_look.pop(batch_id, None)
+
+    def _lines(self, jobs: list[str], since: Optional[int], ending: str) -> Iterator[bytes]:
+        """The jobs' lines as ``nrvna export --format openai`` writes them; a job the batch's
+        cancel or expiry stopped (cancelled at ``since`` or later) as OpenAI's batch_cancelled or
+        batch_expired line."""
+        import json
+
+        flow, line = Flow(self.batches.workspace), EXPORT_FORMATS["openai"].line
+        for job_id in jobs:
+            job = flow.get(job_id)
+            if job is None:
+                continue  # removed since (clean)
+            meta = job.meta
+            if since is not None and meta.get("code") == "cancelled" and meta.get("finished", 0) >= since - 1:
+                code, message = BATCH_STOPPED[ending]
+                yield (json.dumps({"id": f"batch_req_{job.id}", "custom_id": job_param(job.params or {}, "custom_id"),
+                                   "response": None, "error": {"code": code, "message": message}},
+                                  ensure_ascii=False) + "\n").encode()
+            else:
+                yield line(job).encode()
+
+    def _unsent(self, record: dict[str, Any], jobs: list[str]) -> list[bytes]:
+        """The error lines of the input's lines that never became jobs (cancelled or expired
+        while validating)."""
+        import json
+
+        try:
+            entries = parse_batch(self.batches.input(record["id"]), jsonl=True)
+        except (NrvnaError, OSError):
+            return []  # an input that cannot be read or parsed has no lines to name
+        members = tag_members(self.batches.workspace, record["id"])  # a killed submit's unpublished ones are Missing
+        states = bulk_states(self.batches.workspace, [job_id for job_id, _ in members])
+        have = {cid for job_id, cid in members if states[job_id] is not Status.Missing}
+        code, message = BATCH_STOPPED["cancelled" if record.get("cancelling_at") is not None else "expired"]
+        return [(json.dumps({"id": f"batch_req_{record['id']}_{entry.line}", "custom_id": entry.params["custom_id"],
+                             "response": None, "error": {"code": code, "message": message}},
+                            ensure_ascii=False) + "\n").encode()
+                for entry in entries if entry.params["custom_id"] not in have]
+
+    def _usage(self, done: list[str]) -> tuple[dict[str, Any], Optional[str]]:
+        """OpenAI's batch usage summed over the done jobs' meta.json, and the model of the first."""
+        tokens = {"prompt_tokens": 0, "generated_tokens": 0, "reasoning_tokens": 0}
+        model = None
+        for job_id in done:
+            try:
+                fd = open_dir(job_path(self.batches.workspace, OUTPUT, job_id))
+            except OSError:
+                continue
+            try:
+                meta = read_meta(fd)
+            finally:
+                os.close(fd)
+            for name in tokens:
+                tokens[name] += meta.get(name, 0)
+            model = model or meta.get("model")
+        return {"input_tokens": tokens["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": tokens["generated_tokens"],
+                "output_tokens_details": {"reasoning_tokens": tokens["reasoning_tokens"]},
+                "total_tokens": tokens["prompt_tokens"] + tokens["generated_tokens"]}, model
+
+
+# ============================================================================
+# 13.4 Endpoints
+# ============================================================================
+# POST /v1/chat/completions, /v1/completions, /v1/embeddings: a request is a job, mapped as a batch
+# line (parse_batch, Work.publish) at SYNC_PRIORITY, followed by Flow (wait, follow), answered with
+# its export body or as server-sent events adding up to it. Invariant: a gone client or no daemon to serve it
+# cancels the job; a killed server leaves it to complete. Any Api-N thread, one per request.
+
+
+SYNC_PRIORITY = 10  # a synchronous request's priority: ahead of batch lines (0) unless its body gives one
+SYNC_UNSERVED_SECONDS = 10.0  # a request no running daemon can serve is cancelled after this long: 503
+SYNC_UNSERVED_LOOK = 1.0  # seconds between looks at the daemons' records while a request is queued
+SYNC_CUSTOM_ID = "request"  # a synchronous request's custom_id (export, status --json)
+SYNC_UNSERVED_CODE = "model_not_served"  # the 503's error code
+SSE_DONE = b"data: [DONE]\n\n"
+
+# A failed job's code -> the HTTP status and OpenAI error type it is answered with (any other: 500).
+# 410 for a cancel: the openai client retries 408, 409, 429 and 5xx, which would undo an operator's cancel.
+FAILURE_STATUS: dict[str, tuple[int, str]] = {
+    "bad_request": (400, "invalid_request_error"),
+    "context_overflow": (400, "invalid_request_error"),
+    "grammar_error": (400, "invalid_request_error"),
+    "unsupported": (400, "invalid_request_error"),
+    "parent_failed": (400, "invalid_request_error"),
+    "cancelled": (410, "cancelled"),
+    "timeout": (504, "timeout"),
+    "crash_ceiling": (500, "server_error"),
+    "write_error": (500, "server_error"),
+    "model_error": (500, "server_error"),
+    "runner_error": (500, "server_error"),
+    "load_failed": (503, "server_error"),
+}
+
+
+class _ClientGone(Exception):
+    """The client of a synchronous request disconnected (ApiCall.gone): its job is cancelled.
+    Threads: raised and caught on the request's own Api-N thread."""
+
+
+def _request_fields(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
+    """``body`` without ``stream`` and ``stream_options`` (a batch line has neither), whether it
+    streams, and whether the stream ends with a usage chunk (stream_options.include_usage)."""
+    body = dict(body)
+    stream, options = body.pop("stream", False), body.pop("stream_options", None)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", param="stream")
+    if stream and url == "/v1/embeddings":
+        raise ApiError(400, "/v1/embeddings does not stream: stream must be false", param="stream")
+    if options is None:
+        return body, stream, False
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if not isinstance(usage, bool) or set(options) - {"include_usage"}:
+        raise ApiError(400, "stream_options must be {\"include_usage\": true|false}", param="stream_options")
+    return body, stream, usage
+
+
+def submit_request(workspace: str, url: str, body: dict[str, Any]) -> tuple[str, bool, bool]:
+    """Queue the request ``body`` of endpoint ``url`` as one job, mapped exactly as an OpenAI
+    Batch line of that url (every job parameter, refusals included), at SYNC_PRIORITY unless
+    the body names a priority: (its job ID, whether it streams, whether with a usage chunk).
+    ApiError 400 for a body nrvna refuses, 500 when the workspace cannot take it."""
+    import json
+
+    fields, stream, usage = _request_fields(url, body)
+    line = {"custom_id": SYNC_CUSTOM_ID, "method": "POST", "url": url, "body": fields}
+    data = json.dumps(line).encode("ascii")  # ASCII: a lone surrogate reaches the checks as it came
+    try:
+        [entry] = parse_batch(data, jsonl=True)
+        params = {"priority": SYNC_PRIORITY, **entry.params}
+        texts = params.pop("input", None)  # several texts to embed: publish renders them as parse_batch did
+        # publish, not submit_file: one job's fsyncs (1.4 ms here) rather than a syncfs of the whole
+        # filesystem (8 ms idle, and every request would flush the daemon's writes too).
+        job_id = Work(workspace).publish(entry.prompt.decode("utf-8") if texts is None else texts, **params)
+    except InvalidInput as err:
+        message = str(err).removeprefix("line 1: ")
+        named = re.match(r"body field '([^']+)'|parameter (\w+)", message)
+        raise ApiError(400, message, param=named and (named.group(1) or named.group(2))) from None
+    except (NrvnaError, OSError) as err:
+        raise ApiError(500, f"cannot queue the request: {err}", type="server_error") from None
+    return job_id, stream, usage
+
+
+def _job_failure(job: Job) -> ApiError:
+    """A failed job's answer: its error in OpenAI's shape, with FAILURE_STATUS's status."""
+    code = job.meta.get("code") or "failed"
+    status, kind = FAILURE_STATUS.get(code, (500, "server_error"))
+    message = (job.error or code).strip() or code
+    return ApiError(status, f"job {job.id} failed ({code}): {message}", type=kind, code=code)
+
+
+def _error_event(error: ApiError) -> bytes:
+    """An error in a stream already answered 200: OpenAI's error object as an event (the
+    openai client raises it); no [DONE] follows."""
+    return _event({"error": {"message": str(error.message), "type": error.type, "param": error.param,
+                             "code": error.code}})
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    import json
+
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def _finished_body(flow: Flow, job_id: str) -> dict[str, Any]:
+    """The response body of a finished job: export_record's (OpenAI's exact object), or its
+    failure as ApiError."""
+    job = flow.get(job_id)
+    if job is None or not job.status.finished:
+        raise ApiError(500, f"job {job_id} is gone (cleaned meanwhile?)", type="server_error")
+    if job.status is Status.Failed:
+        raise _job_failure(job)
+    return export_record(job, "openai")["response"]["body"]
+
+
+def _abandon_job(workspace: str, job_id: str) -> None:
+    """Cancel a request's job nobody waits for any more (its client is gone, or it is refused):
+    a queued one at once, a running one between two tokens (the cancel file; never waited for)."""
+    try:
+        cancel_job(workspace, job_id, timeout=0.0)
+    except (NrvnaError, OSError) as err:
+        log.warning(f"cannot cancel abandoned request job {job_id}: {err}")
+
+
+class _RequestWatch:
+    """Flow's ``on_look`` for a request waiting on its job: raises _ClientGone once the client
+    is gone, and ApiError 503 once no live daemon could serve (or go on with) the job for
+    SYNC_UNSERVED_SECONDS (looking at the daemons' records every SYNC_UNSERVED_LOOK s).
+    Threads: one request's, on its Api-N thread only (no lock)."""
+
+    def __init__(self, workspace: str, job_id: str, gone: Callable[[], bool]) -> None:
+        self.workspace, self.job_id, self.gone = workspace, job_id, gone
+        self.unserved_since: Optional[float] = None
+        self.next_look = time.monotonic() + SYNC_UNSERVED_LOOK
+
+    def look(self, status: Status) -> None:
+        """One look at the job (``status``) found it unfinished."""
+        if self.gone():
+            raise _ClientGone()
+        now = time.monotonic()
+        if now < self.next_look:
+            return
+        self.next_look = now + SYNC_UNSERVED_LOOK
+        why = self.unserved(status)
+        if why is None:
+            self.unserved_since = None
+        elif self.unserved_since is None:
+            self.unserved_since = now
+        elif now - self.unserved_since >= SYNC_UNSERVED_SECONDS:
+            raise ApiError(503, f"no running daemon serves this request: {why} (waited {SYNC_UNSERVED_SECONDS:g} s; "
+                                "its job is cancelled)", type="server_error", code=SYNC_UNSERVED_CODE)
+
+    def unserved(self, status: Status) -> Optional[str]:
+        """Why no live daemon takes the job (``status``), or None: none runs on the workspace (a
+        running job's died: its next recovery finds it cancelled), or none serves a queued job."""
+        if not daemon_records(self.workspace):
+            return "no daemon is running on the workspace"
+        if status is not Status.Queued:
+            return None
+        return waiting_for_model(self.workspace, [self.job_id]).get(self.job_id)
+
+
+def answer_request(workspace: str, job_id: str, gone: Callable[[], bool]) -> dict[str, Any]:
+    """The response body of a request's job once it ends (Flow.wait); the job is cancelled if
+    the client goes or no daemon serves it (_RequestWatch)."""
+    flow = Flow(workspace)
+    watch = _RequestWatch(workspace, job_id, gone)
+    try:
+        flow.wait(job_id, on_look=watch.look)
+    except BaseException:
+        _abandon_job(workspace, job_id)
+        raise
+    return _finished_body(flow, job_id)
+
+
+def _endpoint(call: ApiCall, url: str) -> ApiReply:
+    """A synchronous request of endpoint ``url``: its job queued, waited for, answered."""
+    job_id, stream, usage = submit_request(call.workspace, url, call.json())
+    headers = {"X-Nrvna-Job-Id": job_id}
+    try:
+        if not stream:
+            return ApiReply(payload=answer_request(call.workspace, job_id, call.gone), headers=headers)
+        answer = RequestStream(call.workspace, url, job_id, usage, call.gone)
+        answer.start()
+    except _ClientGone:  # its job is cancelled; nobody reads this answer
+        raise ApiError(499, f"the client closed the request; job {job_id} is cancelled", type="cancelled") from None
+    return ApiReply(stream=answer.events(), headers=dict(headers, **{"Cache-Control": "no-cache"}))
+
+
+def _chat_completions(call: ApiCall) -> ApiReply:
+    """POST /v1/chat/completions."""
+    return _endpoint(call, "/v1/chat/completions")
+
+
+def _completions(call: ApiCall) -> ApiReply:
+    """POST /v1/completions."""
+    return _endpoint(call, "/v1/completions")
+
+
+def _embeddings(call: ApiCall) -> ApiReply:
+    """POST /v1/embeddings."""
+    return _endpoint(call, "/v1/embeddings")
+
+
+class RequestStream:
+    """One streamed answer, as OpenAI streams it: ``chat.completion.chunk`` (or
+    ``text_completion``) events, ``data: [DONE]`` last. Choice 0's text goes out as partial.txt
+    grows (Flow.follow); the rest of the finished body follows: what partial.txt had not yet
+    shown, the other choices whole, reasoning, tool calls and logprobs each in one delta, a
+    finish chunk per choice, the usage chunk (include_usage). So each choice's deltas concatenate
+    to exactly the unstreamed body's text. ``start`` waits for the first text or the end (a job
+    that fails before any text gets its own status); leaving the stream unfinished (the client
+    gone) cancels the job. Threads: one request's, on its Api-N thread only (no lock); the
+    files it reads are the daemon's, read with Flow's checked readers."""
+
+    def __init__(self, workspace: str, url: str, job_id: str, usage: bool, gone: Callable[[], bool]) -> None:
+        endpoint = ENDPOINTS[url]
+        self.workspace, self.job_id, self.usage, self.chat = workspace, job_id, usage, endpoint.input == "messages"
+        self.flow = Flow(workspace)
+        self.head: dict[str, Any] = {"id": f"{endpoint.id_prefix}{job_id}",
+                                     "object": "chat.completion.chunk" if self.chat else "text_completion",
+                                     "created": int(time.time()), "model": None, "system_fingerprint": None}
+        self.sent = ""  # choice 0's text streamed so far
+        self.seen = ""  # partial.txt of the job's current attempt
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        watch = _RequestWatch(workspace, job_id, gone)
+        self.pieces = self.flow.follow(job_id, on_restart=self._restarted, on_look=watch.look, result=False)
+        self.first: Optional[bytes] = None
+        self.ended = False
+
+    def _restarted(self) -> None:
+        """The daemon runs the job again from its start (it died): its text comes again."""
+        self.seen = ""
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def start(self) -> None:
+        """Wait for the job's first text, or its end: raise its failure (or the watch's
+        refusal) before any byte of the answer is sent; the job is cancelled then."""
+        try:
+            self.first = next(self.pieces, None)
+            if self.first is None and self.flow.status(self.job_id) is Status.Failed:
+                _finished_body(self.flow, self.job_id)  # raises its failure
+        except BaseException:
+            _abandon_job(self.workspace, self.job_id)  # (a finished job is left as it is)
+            raise
+
+    def events(self) -> Iterator[bytes]:
+        """The events, each ``data: {...}\\n\\n`` (bytes); abandoning them cancels the job."""
+        try:
+            self._model()
+            if self.chat:
+                yield self._chunk([self._delta(0, role="assistant", content="")])
+            pieces = itertools.chain([] if self.first is None else [self.first], self.pieces)
+            for piece in pieces:
+                text = self._new_text(piece)
+                if text:
+                    yield self._chunk([self._delta(0, text)])
+            yield from self._finish()
+        except _ClientGone:
+            return  # nobody reads on: the job is cancelled below
+        except ApiError as err:  # refused while streaming (no daemon): said as an event; the job is cancelled
+            _abandon_job(self.workspace, self.job_id)
+            self.ended = True
+            yield _error_event(err)
+        finally:
+            if not self.ended:
+                _abandon_job(self.workspace, self.job_id)
+
+    def _model(self) -> None:
+        """The chunks' ``model``: the model the daemon runs the job on (meta.json's, once claimed)."""
+        status, path = self.flow.locate(self.job_id)
+        try:
+            fd = open_dir(path)
+        except OSError:
+            return
+        try:
+            model = read_meta(fd).get("model")
+            self.head["model"] = model if isinstance(model, str) else None
+        finally:
+            os.close(fd)
+
+    def _new_text(self, piece: bytes) -> str:
+        """What of partial.txt's new ``piece`` is not streamed yet: nothing while a restarted
+        attempt regenerates what was sent, or once it differs (the end says so)."""
+        self.seen += self.decoder.decode(piece)
+        if len(self.seen) <= len(self.sent) or not self.seen.startswith(self.sent):
+            return ""
+        text, self.sent = self.seen[len(self.sent):], self.seen
+        return text
+
+    def _finish(self) -> Iterator[bytes]:
+        """The finished job's rest: each choice's deltas and finish, the usage, [DONE]."""
+        try:
+            body = _finished_body(self.flow, self.job_id)
+        except ApiError as err:
+            self.ended = True
+            yield _error_event(err)
+            return
+        self.ended = True
+        self.head["model"] = body.get("model")
+        for choice in body["choices"]:
+            chunks = self._choice_chunks(choice) if self.chat else self._text_chunks(choice)
+            if chunks is None:
+                yield _error_event(ApiError(500, f"job {self.job_id}'s text does not go on from what was streamed "
+                                                 "(a daemon died and it ran again)", type="server_error"))
+                return
+            for chunk in chunks:
+                yield self._chunk([chunk])
+        if self.usage:
+            yield self._chunk([], body["usage"])
+        yield SSE_DONE
+
+    def _rest(self, index: int, text: Optional[str]) -> Optional[str]:
+        """Choice ``index``'s final ``text`` past what was streamed (None: it does not go on from it)."""
+        text = text or ""
+        if index != 0:
+            return text
+        return text[len(self.sent):] if text.startswith(self.sent) else None
+
+    def _choice_chunks(self, choice: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
+        index, message = choice["index"], choice["message"]
+        rest = self._rest(index, message.get("content"))
+        if rest is None:
+            return None
+        fields = {"content": rest} if index == 0 else {"role": "assistant", "content": rest}
+        chunks = [self._delta(index, **fields)] if rest or index else []
+        if message.get("reasoning_content"):
+            chunks.append(self._delta(index, reasoning_content=message["reasoning_content"]))
+        if message.get("tool_calls"):
+            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            chunks.append(self._delta(index, tool_calls=calls))
+        end = self._delta(index)
+        end.update(logprobs=choice.get("logprobs"), finish_reason=choice.get("finish_reason"))
+        return chunks + [end]
+
+    def _text_chunks(self, choice: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
+        index = choice["index"]
+        rest = self._rest(index, choice.get("text"))
+        if rest is None:
+            return None
+        end = self._delta(index, "")
+        end.update(logprobs=choice.get("logprobs"), finish_reason=choice.get("finish_reason"))
+        return ([self._delta(index, rest)] if rest else []) + [end]
+
+    def _delta(self, index: int, text: Optional[str] = None, **fields: Any) -> dict[str, Any]:
+        """A choice's chunk: ``text`` (or the delta's ``fields``; a None field left out), unfinished."""
+        if not self.chat:
+            return {"text": text or "", "index": index, "logprobs": None, "finish_reason": None}
+        delta = {key: value for key, value in fields.items() if value is not None}
+        if text is not None:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Optional[dict[str, Any]] = None) -> bytes:
+        payload = dict(self.head, choices=choices)
+        if self.usage:
+            payload["usage"] = usage
+        return _event(payload)
+
+
+# ============================================================================
+# 13.5 Routes
+# ============================================================================
+# API_ROUTES, the one table of routes (it drives dispatch, 405s and docs/server.md's table), and the
+# handlers of the routes no sub-section above owns: the models, the files, the metrics. Any Api-N thread.
+
+
+def _models_served(workspace: str) -> list[dict[str, Any]]:
+    """OpenAI's model objects for the models the workspace's live daemons serve (each once)."""
+    found: dict[str, dict[str, Any]] = {}
+    for record in daemon_records(workspace):
+        for model in record.get("models") or ():
+            name = model.get("name")
+            if isinstance(name, str) and name:
+                model_id = name[:-5] if name.endswith(".gguf") else name
+                created = record.get("started")
+                found.setdefault(model_id, {"id": model_id, "object": "model",
+                                            "created": int(created) if _is_time(created) else 0,
+                                            "owned_by": "nrvna"})
+    return list(found.values())
+
+
+def _metrics(call: ApiCall) -> ApiReply:
+    return ApiReply(content=metrics_text(call.workspace).encode(),
+                    content_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _list_models(call: ApiCall) -> ApiReply:
+    return ApiReply(payload={"object": "list", "data": _models_served(call.workspace)})
+
+
+def _get_model(call: ApiCall) -> ApiReply:
+    from urllib.parse import unquote
+
+    name = unquote(call.params["model"])
+    for model in _models_served(call.workspace):
+        if model["id"] == name:
+            return ApiReply(payload=model)
+    raise ApiError(404, f"The model {name[:200]!r} does not exist", param="model", code="model_not_found")
+
+
+def _create_file(call: ApiCall) -> ApiReply:
+    if call.upload is None:
+        raise ApiError(400, "POST /v1/files takes a multipart/form-data body (fields purpose and file)")
+    fd = os.open(call.upload, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+    try:
+        parts = read_multipart(fd, os.fstat(fd).st_size, call.headers.get("content-type", ""))
+        unknown = sorted(set(parts) - {"purpose", "file"})
+        if unknown:
+            raise ApiError(400, f"Unrecognized request argument supplied: {unknown[0][:80]}", param=unknown[0])
+        for name in ("purpose", "file"):
+            if name not in parts:
+                raise ApiError(400, f"Missing required parameter: '{name}'", param=name)
+        purpose = multipart_field(fd, parts["purpose"], "purpose")
+        filename, first, end = parts["file"]
+        if filename is None:
+            raise ApiError(400, "field 'file' must be a file (a part with a filename)", param="file")
+        if purpose not in FILE_PURPOSES:  # before the file is copied
+            raise ApiError(400, f"purpose {purpose[:40]!r} is not one of: {', '.join(FILE_PURPOSES)}",
+                           param="purpose")
+        return ApiReply(payload=call.files.create(file_chunks(fd, first, end), end - first, filename, purpose))
+    finally:
+        os.close(fd)
+
+
+def _query_int(call: ApiCall, name: str, default: int, low: int, high: int) -> int:
+    text = call.query.get(name)
+    if text is None:
+        return default
+    if not _DIGITS.fullmatch(text) or not low <= int(text) <= high:
+        raise ApiError(400, f"{name} must be an integer from {low} to {high}", param=name)
+    return int(text)
+
+
+def _list_files(call: ApiCall) -> ApiReply:
+    unknown = sorted(set(call.query) - {"purpose", "after", "limit", "order"})
+    if unknown:
+        raise ApiError(400, f"Unrecognized query parameter: {unknown[0][:80]}", param=unknown[0])
+    order = call.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order must be asc or desc", param="order")
+    limit = _query_int(call, "limit", 10000, 1, 10000)
+    found = call.files.list(call.query.get("purpose"), call.query.get("after"), limit + 1, order)
+    data = found[:limit]
+    return ApiReply(payload={"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None, "has_more": len(found) > limit})
+
+
+def _get_file(call: ApiCall) -> ApiReply:
+    return ApiReply(payload=call.files.get(call.params["file_id"]))
+
+
+def _file_content(call: ApiCall) -> ApiReply:
+    return ApiReply(content=call.files.content_path(call.params["file_id"]))
+
+
+def _delete_file(call: ApiCall) -> ApiReply:
+    return ApiReply(payload=call.files.delete(call.params["file_id"]))
+
+
+def _create_batch(call: ApiCall) -> ApiReply:
+    return ApiReply(payload=ApiBatches(call.workspace, call.files).create(call.json()))
+
+
+def _list_batches(call: ApiCall) -> ApiReply:
+    unknown = sorted(set(call.query) - {"after", "limit"})
+    if unknown:
+        raise ApiError(400, f"Unrecognized query parameter: {unknown[0][:80]}", param=unknown[0])
+    batches = ApiBatches(call.workspace, call.files)
+    return ApiReply(payload=batches.list(call.query.get("after"), call.query.get("limit")))
+
+
+def _get_batch(call: ApiCall) -> ApiReply:
+    return ApiReply(payload=ApiBatches(call.workspace, call.files).get(call.params["batch_id"]))
+
+
+def _cancel_batch(call: ApiCall) -> ApiReply:
+    return ApiReply(payload=ApiBatches(call.workspace, call.files).cancel(call.params["batch_id"]))
+
+
+# method, path ({name}: one part of the path, an ID matched whole against API_IDS), handler, help.
+# Dispatch, the 405s (the Allow header) and docs/server.md's table come from here.
+API_ROUTES: tuple[tuple[str, str, Callable[[ApiCall], ApiReply], str], ...] = (
+    ("GET", "/v1/models", _list_models, "the models the workspace's live daemons serve (OpenAI's list)"),
+    ("GET", "/v1/models/{model}", _get_model, "one of them (404: no live daemon serves it)"),
+    ("POST", "/v1/files", _create_file, "upload a batch file: multipart/form-data, fields `purpose` (batch) and "
+                                        "`file`; up to 200 MB and 50,000 lines"),
+    ("GET", "/v1/files", _list_files, "the files, newest first: `purpose`, `after`, `limit` (1-10,000), `order`"),
+    ("GET", "/v1/files/{file_id}", _get_file, "a file's object"),
+    ("DELETE", "/v1/files/{file_id}", _delete_file,
+     "remove a file: `{\"id\", \"object\": \"file\", \"deleted\": true}`"),
+    ("GET", "/v1/files/{file_id}/content", _file_content, "a file's bytes, exactly as uploaded or written"),
+    ("POST", "/v1/batches", _create_batch, "create a batch: `input_file_id`, `endpoint`, `completion_window` (24h), "
+                                           "`metadata`; durable once answered"),
+    ("GET", "/v1/batches", _list_batches, "the batches, newest first: `after`, `limit` (1-100, 20 by default)"),
+    ("GET", "/v1/batches/{batch_id}", _get_batch, "a batch's object: its status, request_counts, files"),
+    ("POST", "/v1/batches/{batch_id}/cancel", _cancel_batch, "cancel a batch: cancelling, then cancelled with the "
+                                                              "done lines in its output file"),
+    ("POST", "/v1/chat/completions", _chat_completions, "a chat completion, run as a job ahead of batch lines "
+                                                        "(`stream`: server-sent events); see Synchronous endpoints"),
+    ("POST", "/v1/completions", _completions, "a text completion (legacy), as a job: see Synchronous endpoints"),
+    ("POST", "/v1/embeddings", _embeddings, "embeddings of `input`, as a job: see Synchronous endpoints"),
+    ("GET", "/metrics", _metrics, "the workspace's metrics in Prometheus' text format (docs/metrics.md)"),
+)
+
+
+# ============================================================================
+# 13.6 The server
+# ============================================================================
+# ApiServer: Api-IO reads each request whole, bounded in size and time; Api-N threads (a bounded pool)
+# answer. Invariant: a slow or silent client holds no Api-N thread, and a connection past its bounds is
+# dropped.
+
+
+API_HOST = "127.0.0.1"
+API_PORT = 8000
+API_WORKERS = 64  # Api-N threads at most (started as requests need them)
+# Requests read whole and queued for an Api-N thread; past it they wait in Api-IO (still counted as
+# open connections, so bounded by API_CONNECTIONS), none read further until the queue has room.
+API_QUEUE = 256
+# Connections open at once. Past it, one older than API_EVICT_SECONDS is dropped: the oldest still
+# sending its head (or kept alive idle), else the slowest sending a body slower than API_EVICT_RATE
+# bytes a second (an upload arriving faster is never dropped for a flood of new connections); when
+# none is, no more are accepted until one ends (they wait in the listen backlog).
+API_CONNECTIONS = 512
+API_EVICT_SECONDS = 1.0
+API_EVICT_RATE = 64 << 10
+API_HEAD_SECONDS = 10.0  # a request's head, whole, from its first byte (or from the connection's start)
+API_BODY_SECONDS = 30.0  # a request, whole: this, plus a second per API_BODY_RATE bytes of its body
+API_BODY_RATE = 1 << 20
+API_IDLE_SECONDS = 15.0  # a kept-alive connection with no new request is closed after this
+API_SEND_SECONDS = 30.0  # a reply: this, plus a second per API_BODY_RATE bytes (a stream: per write)
+API_LINGER_SECONDS = 1.0  # after a refusal, what the client still sends is read and dropped this long
+# JSON bodies held in memory at once, all connections together (each up to API_BODY_LIMIT): without
+# it, API_CONNECTIONS clients each sending a body but its last byte held 8 GiB. Past it: 503.
+API_BODIES_MEMORY = 256 << 20
+# Descriptors the rest of the process may need beside the connections (each: its socket and an
+# upload's file) and two per Api-N thread (a file it reads or writes): API_CONNECTIONS is lowered
+# to what the descriptor limit (ulimit -n) leaves, so that accept() and open() never fail for want.
+API_FDS_RESERVED = 64
+API_ACCEPT_PAUSE_SECONDS = 0.1  # after accept() failed (no descriptor): a busy loop, else
+
+
+def _send_all(sock: Any, data: bytes, deadline: Optional[float] = None) -> None:
+    """Send ``data`` within API_SEND_SECONDS and a second per API_BODY_RATE bytes, and by
+    ``deadline`` (time.monotonic(): a whole reply's, sent in pieces); an OSError past either."""
+    left = API_SEND_SECONDS + len(data) / API_BODY_RATE
+    if deadline is not None:  # a reader that stalls is dropped after a piece's time, not the whole's
+        left = min(left, deadline - time.monotonic())
+    if left <= 0:
+        raise OSError(errno.ETIMEDOUT, "the client did not read the reply in time")
+    sock.settimeout(left)
+    sock.sendall(data)
+
+
+def _reply_head(status: int, content_type: str, length: Optional[int], headers: Mapping[str, str],
+                keep: bool) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_HTTP_REASONS.get(status, 'Status')}", f"Content-Type: {content_type}",
+             f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    lines.append("Connection: keep-alive" if keep else "Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1)."""
+    import ipaddress
+    import socket
+
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(found) and all(ipaddress.ip_address(str(address).split("%")[0]).is_loopback for address in found)
+
+
+def _route_pattern(path: str) -> Any:
+    return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(path)))
+
+
+class _Memory:
+    """The bytes of request bodies held in memory, all connections together, bounded by
+    ``limit``. Threads: Api-IO takes, any thread gives back (under _lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        """Count ``size`` more bytes as held; False (nothing counted) past the limit."""
+        with self._lock:
+            if self.held + size > self.limit:
+                return False
+            self.held += size
+            return True
+
+    def give(self, size: int) -> None:
+        with self._lock:
+            self.held -= size
+
+
+class _Connection:
+    """One client connection while Api-IO reads a request from it: the bytes so far, the
+    deadline, the request's head and body (in memory, counted in ``memory``, or an upload's in
+    api/tmp/).
+
+    Threads: Api-IO's alone, until the request is whole and handed to an Api-N."""
+
+    __slots__ = ("sock", "buffer", "deadline", "since", "idle", "head", "length", "body", "received",
+                 "spool", "spool_fd", "lingering", "memory", "held")
+
+    def __init__(self, sock: Any, deadline: float, memory: _Memory) -> None:
+        self.sock, self.deadline, self.since = sock, deadline, time.monotonic()
+        self.memory, self.held = memory, 0  # held: the bytes of memory counted for this body
+        self.buffer = bytearray()
+        self.idle = False  # kept alive, between two requests
+        self.head: Optional[_Head] = None
+        self.length = self.received = 0
+        self.body = bytearray()
+        self.spool: Optional[str] = None
+        self.spool_fd = -1
+        self.lingering = False
+
+    def next_request(self, deadline: float) -> None:
+        """Ready for the connection's next request (bytes already read stay in buffer)."""
+        self.drop_body()
+        self.head, self.length, self.received, self.lingering = None, 0, 0, False
+        self.idle, self.deadline, self.since = True, deadline, time.monotonic()
+
+    def drop_body(self) -> None:
+        """Let go of the body held in memory, and give its count back."""
+        self.body = bytearray()
+        if self.held:
+            self.memory.give(self.held)
+            self.held = 0
+
+    def drop_spool(self) -> None:
+        if self.spool_fd >= 0:
+            os.close(self.spool_fd)
+            self.spool_fd = -1
+        if self.spool is not None:
+            _unlink_quietly(self.spool, None)
+            self.spool = None
+
+    def close(self) -> None:
+        self.drop_spool()
+        self.drop_body()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _start_request(server: "ApiServer", conn: _Connection, head: _Head, early: int) -> None:
+    """Check a request's head before its body is read (the key, the length, the bound: ApiError),
+    and make ready for the body (its deadline, an upload's file in api/tmp/, 100 Continue)."""
+    key = server.api_key
+    if key and not api_key_matches(head.headers, key):
+        raise ApiError(401, "Incorrect API key provided: send the header Authorization: Bearer KEY",
+                       code="invalid_api_key")
+    length = head.body_length()
+    limit = FILE_BYTES_LIMIT + MULTIPART_SLACK if head.is_upload() else API_BODY_LIMIT
+    if length > limit:
+        what = "an upload's body" if head.is_upload() else "a JSON body"
+        raise ApiError(413, f"the body is {length:,} bytes; {what} may be up to {limit:,}", code="body_too_large")
+    if length and not head.is_upload():
+        if not server.memory.take(length):
+            raise ApiError(503, f"the server holds {API_BODIES_MEMORY >> 20} MiB of request bodies already: "
+                                "retry shortly", type="server_error", code="server_busy")
+        conn.held = length
+    conn.head, conn.length = head, length
+    conn.deadline = time.monotonic() + server.body_seconds + length / API_BODY_RATE
+    if head.is_upload() and length:
+        try:
+            conn.spool, conn.spool_fd = server.files.new_upload()
+        except OSError as err:
+            raise ApiError(500, f"the upload cannot be held: {_os_error(err)}", type="server_error") from None
+    if length > early and "100-continue" in head.headers.get("expect", "").lower():
+        with contextlib.suppress(OSError):
+            conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
+class _Reader:
+    """The Api-IO thread: accepts connections and reads each request whole (its head within
+    API_HEAD_SECONDS, the whole within API_BODY_SECONDS and a second per API_BODY_RATE bytes),
+    refusing what is over a bound itself, then queues it for the Api-N threads.
+
+    Threads: Api-IO alone, but give_back (any Api-N: a SimpleQueue and a pipe)."""
+
+    def __init__(self, server: "ApiServer", listener: Any) -> None:
+        import queue
+        import selectors
+
+        self.server, self.listener = server, listener
+        self.selector = selectors.DefaultSelector()
+        self.open: dict[int, _Connection] = {}
+        self.back: Any = queue.SimpleQueue()  # connections kept alive by an Api-N thread
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_read, False)
+        os.set_blocking(self.wake_write, False)
+        self.stopping = False
+        self.paused = False  # not accepting: API_CONNECTIONS are open
+        self.resume_after = 0.0  # time.monotonic() before which a failed accept() keeps it paused
+        self.waiting: deque[_Connection] = deque()  # requests read whole, for a full queue
+
+    def give_back(self, conn: _Connection) -> None:
+        if self.stopping:
+            conn.close()
+            return
+        self.back.put(conn)
+        with contextlib.suppress(OSError):
+            os.write(self.wake_write, b"x")
+
+    def stop(self) -> None:
+        self.stopping = True
+        with contextlib.suppress(OSError):
+            os.write(self.wake_write, b"x")
+
+    def run(self) -> None:
+        import selectors
+
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wake_read, selectors.EVENT_READ, "wake")
+        try:
+            while not self.stopping:
+                while self.waiting and self.server.queue_request(self.waiting[0]):
+                    self.waiting.popleft()
+                if self.paused and time.monotonic() >= self.resume_after and \
+                        (self._count() < self.server.connections or self._evictable()):
+                    self._pause(False)
+                for key, _ in self.selector.select(timeout=0.02 if self.waiting else 0.25):
+                    try:
+                        if key.data == "accept":
+                            self._accept()
+                        elif key.data == "wake":
+                            self._woken()
+                        else:
+                            self._read(key.data)
+                    except Exception as err:  # a bug: that connection is dropped, never the server
+                        log.limited("api-io", f"API server: {type(err).__name__}: {err}")
+                        if isinstance(key.data, _Connection):
+                            self._forget(key.data)
+                            key.data.close()
+                self._expire()
+        finally:
+            for conn in [*self.open.values(), *self.waiting]:
+                conn.close()
+            self.selector.close()
+
+    def close(self) -> None:
+        """Close the wake pipe, once no Api-N thread can give a connection back."""
+        os.close(self.wake_read)
+        os.close(self.wake_write)
+
+    def _watch(self, conn: _Connection) -> None:
+        import selectors
+
+        self.open[conn.sock.fileno()] = conn
+        self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self.selector.unregister(conn.sock)
+        self.open.pop(conn.sock.fileno(), None)
+        if self.paused and self._count() < self.server.connections and time.monotonic() >= self.resume_after:
+            self._pause(False)
+
+    def _count(self) -> int:
+        return len(self.open) + len(self.waiting)
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            if self._count() >= self.server.connections and not self._drop_oldest():
+                self._pause(True)  # until a connection ends: the rest wait in the listen backlog
+                return
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as err:  # out of descriptors: take the rest once some are closed
+                log.limited("api-accept", f"API server: cannot accept a connection: {_os_error(err)}")
+                self.resume_after = time.monotonic() + API_ACCEPT_PAUSE_SECONDS
+                self._pause(True)
+                return
+            sock.setblocking(False)
+            self._watch(_Connection(sock, time.monotonic() + self.server.head_seconds, self.server.memory))
+
+    def _pause(self, paused: bool) -> None:
+        """Stop or start accepting connections (the listener's place in the selector)."""
+        import selectors
+
+        if paused != self.paused:
+            self.paused = paused
+            if paused:
+                self.selector.unregister(self.listener)
+            else:
+                self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+
+    def _evictable(self) -> Optional[_Connection]:
+        """Of the connections older than API_EVICT_SECONDS, the oldest without a request's head
+        (idle, or still sending it), else the slowest sending a body below API_EVICT_RATE."""
+        now = time.monotonic()
+        old = [conn for conn in self.open.values() if now - conn.since >= API_EVICT_SECONDS]
+        headless = [conn for conn in old if conn.head is None or conn.lingering]
+        if headless:
+            return min(headless, key=lambda conn: conn.since)
+        slow = [conn for conn in old if conn.received < API_EVICT_RATE * (now - conn.since)]
+        return min(slow, key=lambda conn: conn.received / (now - conn.since), default=None)
+
+    def _drop_oldest(self) -> bool:
+        """Drop the connection _evictable names (a client that sends slowly, or nothing); False
+        when none is."""
+        oldest = self._evictable()
+        if oldest is None:
+            return False
+        self._forget(oldest)
+        oldest.close()
+        return True
+
+    def _woken(self) -> None:
+        with contextlib.suppress(OSError):
+            os.read(self.wake_read, 4096)
+        while not self.back.empty():
+            conn = self.back.get()
+            conn.sock.setblocking(False)
+            self._watch(conn)  # may go past API_CONNECTIONS for a while: it was open already
+            if conn.buffer:  # a request sent behind the last one
+                self._take(conn, b"")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for conn in [conn for conn in self.open.values() if conn.deadline < now]:
+            self._forget(conn)
+            conn.close()
+
+    def _read(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(1 << 18)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._forget(conn)
+            conn.close()
+        elif conn.lingering:
+            pass  # a refused request's rest: dropped
+        else:
+            self._take(conn, data)
+
+    def _take(self, conn: _Connection, data: bytes) -> None:
+        try:
+            if conn.head is None:
+                if conn.idle and data:
+                    conn.idle, conn.deadline = False, time.monotonic() + self.server.head_seconds
+                conn.buffer += data
+                end = conn.buffer.find(b"\r\n\r\n")
+                if end < 0 and len(conn.buffer) <= API_HEAD_LIMIT:
+                    return
+                if end < 0 or end > API_HEAD_LIMIT:
+                    raise ApiError(431, f"the request's head is over {API_HEAD_LIMIT} bytes")
+                head, data = parse_head(bytes(conn.buffer[:end])), bytes(conn.buffer[end + 4:])
+                conn.buffer = bytearray()
+                _start_request(self.server, conn, head, len(data))
+            self._body(conn, data)
+        except ApiError as err:
+            self._refuse(conn, err)
+
+    def _body(self, conn: _Connection, data: bytes) -> None:
+        need = conn.length - conn.received
+        take, rest = data[:need], data[need:]
+        if take:
+            if conn.spool_fd >= 0:
+                try:
+                    write_all(conn.spool_fd, take)
+                except OSError as err:
+                    raise ApiError(500, f"the upload cannot be held: {_os_error(err)}", type="server_error") from None
+            else:
+                conn.body += take
+            conn.received += len(take)
+        if conn.received < conn.length:
+            return
+        conn.buffer = bytearray(rest)  # the next request, sent before this one's answer
+        if conn.spool_fd >= 0:
+            os.close(conn.spool_fd)
+            conn.spool_fd = -1
+        self._forget(conn)
+        if self.waiting or not self.server.queue_request(conn):
+            self.waiting.append(conn)  # in order, as the queue makes room
+
+    def _refuse(self, conn: _Connection, err: ApiError) -> None:
+        """Answer ``err`` from here and close: what the client still sends is read and dropped
+        for API_LINGER_SECONDS, so that it reads the answer rather than a reset."""
+        import socket
+
+        body = _json_bytes(err.payload())
+        conn.drop_spool()
+        conn.drop_body()
+        headers = {"Retry-After": "1"} if err.status == 503 else {}
+        with contextlib.suppress(OSError):
+            conn.sock.send(_reply_head(err.status, "application/json", len(body), headers, False) + body)
+            conn.sock.shutdown(socket.SHUT_WR)
+        conn.lingering, conn.deadline = True, time.monotonic() + API_LINGER_SECONDS
+        if conn.sock.fileno() not in self.open:
+            self._watch(conn)
+
+
+class ApiServer:
+    """The served API over a workspace (`nrvna serve`): ``start()`` listens (127.0.0.1:8000 by
+    default), ``serve_forever()`` until ``request_stop()`` (a signal handler may call it),
+    ``shutdown()`` closes; a context manager. Binding an address other than loopback needs an
+    ``api_key`` (InvalidInput). It never loads a model: it is a client of the files.
+
+    Threads: Main (start, serve_forever, shutdown), Api-IO (_Reader), Api-N (_work: one request
+    each; at most ``workers``, started as requests wait) => requests (a queue.Queue); _threads and
+    _idle under _lock; Batches (``batches``, a BatchLifecycle: started and stopped with the server)."""
+
+    def __init__(self, workspace: str, host: str = API_HOST, port: int = API_PORT, api_key: str = "", *,
+                 workers: int = API_WORKERS, connections: int = API_CONNECTIONS,
+                 head_seconds: float = API_HEAD_SECONDS, body_seconds: float = API_BODY_SECONDS) -> None:
+        import queue
+
+        if type(port) is not int or not 0 <= port <= 65535:
+            raise InvalidInput(f"--port {port} is not a port (0 to 65535; 0: one the system chooses)")
+        api_key = api_key.strip()  # as NRVNA_API_KEY is read: a key of spaces is none, and no token matched one
+        if not api_key and not _is_loopback(host):
+            raise InvalidInput(f"--host {host} is not a loopback address: serving it needs an API key "
+                               "(--api-key or NRVNA_API_KEY)")
+        self.workspace, self.host, self.port, self.api_key = workspace, host, port, api_key
+        self.workers, self.connections = workers, connections
+        self.head_seconds, self.body_seconds = head_seconds, body_seconds
+        self.files = ApiFiles(workspace)
+        self.batches = BatchLifecycle(ApiBatches(workspace, self.files))  # the Batches thread
+        self.memory = _Memory(API_BODIES_MEMORY)
+        self.routes = [(method, _route_pattern(path), handler) for method, path, handler, _ in API_ROUTES]
+        self.requests: Any = queue.Queue(API_QUEUE)
+        self.reader: Optional[_Reader] = None
+        self.listener: Any = None
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._stop_asked = False
+
+    def __enter__(self) -> "ApiServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def start(self) -> None:
+        import socket
+
+        ensure_workspace(self.workspace)
+        self.files.sweep()
+        self._fit_descriptors()
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        try:
+            self.listener = socket.create_server((self.host, self.port), family=family,
+                                                 backlog=4096)  # the kernel caps it (somaxconn)
+        except OSError as err:
+            why = str(err.strerror or err).split(" (while attempting")[0]  # create_server's addition
+            raise NrvnaError(f"cannot listen on {self.host}:{self.port}: {why}") from None
+        self.listener.setblocking(False)
+        self.reader = _Reader(self, self.listener)
+        thread = threading.Thread(target=self.reader.run, name="Api-IO", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        self.batches.start()
+
+    def _fit_descriptors(self) -> None:
+        """Raise the soft descriptor limit as far as the connections need and the hard one
+        allows; lower ``connections`` to what it leaves (logged)."""
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = API_FDS_RESERVED + 2 * self.workers + 2 * self.connections
+        if soft != resource.RLIM_INFINITY and soft < need:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE,
+                                   (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and soft < need:
+            room = max(8, (soft - API_FDS_RESERVED - 2 * self.workers) // 2)
+            log.warning(f"API server: {room} connections at once, not {self.connections}: the descriptor limit "
+                        f"is {soft} (ulimit -n; {need} would allow them all)")
+            self.connections = room
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The (host, port) it listens on (the port the system chose, for port 0)."""
+        host, port = self.listener.getsockname()[:2]
+        return host, port
+
+    def request_stop(self) -> None:
+        self._stop_asked = True  # one attribute: a signal handler may set it
+
+    def serve_forever(self) -> None:
+        while not self._stop_asked:
+            time.sleep(0.2)
+
+    def shutdown(self) -> None:
+        self._stop_asked = True
+        if self.reader is not None:
+            self.reader.stop()
+        self.batches.stop()
+        with self._lock:
+            threads = list(self._threads)
+        with contextlib.suppress(Exception):  # queue.Empty: the requests not begun are dropped
+            while True:
+                conn = self.requests.get_nowait()
+                if conn is not None:
+                    conn.close()
+        for _ in threads[1:]:
+            self.requests.put(None)  # room: API_WORKERS < API_QUEUE
+        for thread in threads:
+            thread.join(timeout=5)
+        if self.reader is not None and not any(thread.is_alive() for thread in threads):
+            self.reader.close()  # else left open: a thread still answering may write to it
+        if self.listener is not None:
+            self.listener.close()
+        self.reader = self.listener = None
+        self._threads = []
+
+    def queue_request(self, conn: _Connection) -> bool:
+        """Queue a request read whole for an Api-N thread; False when API_QUEUE wait already."""
+        import queue
+
+        try:
+            self.requests.put_nowait(conn)
+        except queue.Full:
+            return False
+        with self._lock:
+            self._grow()
+        return True
+
+    def _grow(self) -> None:
+        """Start an Api-N thread when fewer are idle than requests wait (under _lock), up to the
+        workers. Also called as a thread takes a request: until then it counted as idle, so a
+        request queued meanwhile found one ("none idle" alone gave a burst one or two threads)."""
+        if self._idle < self.requests.qsize() and len(self._threads) - 1 < self.workers:
+            index = len(self._threads)
+            thread = threading.Thread(target=self._work, name=f"Api-{index}", daemon=True)
+            self._threads.append(thread)
+            self._idle += 1  # counted before it runs: the next request does not start another
+            thread.start()
+
+    def _work(self) -> None:
+        while True:
+            conn = self.requests.get()
+            with self._lock:
+                self._idle -= 1
+                if conn is not None and not self._stop_asked:
+                    self._grow()
+            if conn is None:
+                return
+            keep = False
+            try:
+                keep = self._answer(conn)
+            except Exception as err:  # a bug: logged; the server goes on
+                log.error(f"API server: {type(err).__name__}: {err}")
+            reader = self.reader
+            if keep and reader is not None and not self._stop_asked:
+                conn.next_request(time.monotonic() + API_IDLE_SECONDS)
+                reader.give_back(conn)
+            else:
+                conn.close()
+            with self._lock:
+                self._idle += 1
+
+    def _answer(self, conn: _Connection) -> bool:
+        """Answer one request; whether the connection may be kept for another."""
+        head = conn.head
+        assert head is not None
+        try:
+            reply = self._dispatch(conn, head)
+        except ApiError as err:
+            reply = ApiReply(err.status, err.payload())
+        except NrvnaError as err:
+            status = 400 if isinstance(err, InvalidInput) else 404 if isinstance(err, NoSuchJob) else 500
+            reply = ApiReply(status, ApiError(status, str(err), type="server_error" if status == 500 else
+                                              "invalid_request_error").payload())
+        except Exception as err:  # a bug: answered and logged, never the server's end
+            log.error(f"API server: {head.method} {head.target[:200]}: {type(err).__name__}: {err}")
+            reply = ApiReply(500, ApiError(500, "the server failed to answer this request",
+                                           type="server_error").payload())
+        finally:
+            conn.drop_spool()
+            conn.drop_body()
+        return self._send(conn.sock, reply, head.keep_alive())
+
+    def _dispatch(self, conn: _Connection, head: _Head) -> ApiReply:
+        from urllib.parse import parse_qsl
+
+        path, _, text = head.target.partition("?")
+        try:
+            query = dict(parse_qsl(text, keep_blank_values=True, max_num_fields=100, errors="strict"))
+        except (ValueError, UnicodeError):
+            raise ApiError(400, "the query string cannot be read") from None
+        allowed = []
+        for method, pattern, handler in self.routes:
+            found = pattern.fullmatch(path)
+            if found is None:
+                continue
+            if method != head.method:
+                allowed.append(method)
+                continue
+            for name, value in found.groupdict().items():
+                if name in API_IDS and not API_IDS[name].fullmatch(value):
+                    what = "File object" if name == "file_id" else name[:-3]
+                    raise ApiError(404, f"No such {what}: {value[:80]}", param=name)
+            call = ApiCall(self.workspace, head, path, query, bytes(conn.body), conn.spool, self.files, conn.sock)
+            call.params = found.groupdict()
+            return handler(call)
+        if allowed:
+            error = ApiError(405, f"{head.method[:16]} is not allowed on {path[:200]}: use {', '.join(allowed)}")
+            return ApiReply(405, error.payload(), headers={"Allow": ", ".join(allowed)})
+        raise ApiError(404, f"Invalid URL ({head.method[:16]} {path[:200]})")
+
+    def _send(self, sock: Any, reply: ApiReply, keep: bool) -> bool:
+        """Write ``reply``; whether all of it went (the connection may then be kept)."""
+        sock.setblocking(True)
+        try:
+            if reply.stream is not None:
+                return self._send_stream(sock, reply) and keep
+            if reply.content is not None and not isinstance(reply.content, bytes):
+                return self._send_file(sock, reply, keep)
+            body = reply.content if reply.content is not None else \
+                b"" if reply.payload is None else _json_bytes(reply.payload)
+            _send_all(sock, _reply_head(reply.status, reply.content_type, len(body), reply.headers, keep) + body)
+            return keep
+        except OSError:
+            return False
+
+    def _send_stream(self, sock: Any, reply: ApiReply) -> bool:
+        try:
+            _send_all(sock, _reply_head(reply.status, reply.content_type, None, reply.headers, True))
+            for piece in reply.stream or ():
+                if piece:
+                    _send_all(sock, b"%x\r\n%s\r\n" % (len(piece), piece))
+            _send_all(sock, b"0\r\n\r\n")
+            return True
+        finally:
+            close = getattr(reply.stream, "close", None)
+            if close is not None:
+                close()  # a generator's finally runs now: a stream cut short ends its job
+
+    def _send_file(self, sock: Any, reply: ApiReply, keep: bool) -> bool:
+        try:
+            fd = os.open(str(reply.content), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            error = ApiError(404, "the file's content is gone")
+            return self._send(sock, ApiReply(404, error.payload()), keep)
+        try:
+            size = os.fstat(fd).st_size
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return self._send(sock, ApiReply(404, ApiError(404, "the file's content is not a file").payload()),
+                                  keep)
+            # one deadline for the whole file: a client reading a MiB just within each piece's
+            # time would hold this Api-N thread for hours (200 MB at 30 s a MiB)
+            deadline = time.monotonic() + API_SEND_SECONDS + size / API_BODY_RATE
+            _send_all(sock, _reply_head(reply.status, reply.content_type, size, reply.headers, keep), deadline)
+            sent = 0
+            while sent < size:
+                chunk = os.pread(fd, min(1 << 20, size - sent), sent)
+                if not chunk:
+                    return False  # cut short under us: the length sent is wrong, so the connection ends
+                _send_all(sock, chunk, deadline)
+                sent += len(chunk)
+            return keep
+        finally:
+            os.close(fd)
+
+
+##############################################################################
+# 14. CLI: parse, call the library, print. Data on stdout, messages on stderr.
 ##############################################################################
 # Owns argument parsing, output and exit codes. Invariant: data on stdout, one-line messages on
 # stderr, an exit code from EXIT_CODES; it calls the library, never a daemon's internals. The main
@@ -15074,7 +18031,7 @@ class Server:
 
 
 # ============================================================================
-# 13.1 Commands
+# 14.1 Commands
 # ============================================================================
 # One _cmd_* per command and their output: JSON or lines on stdout, progress and waits that
 # notice a missing daemon (_DaemonWatch) on stderr. The main thread.
@@ -15101,8 +18058,9 @@ class _Signalled(BaseException):
 
 
 def markdown_tables() -> dict[str, str]:
-    """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables
-    and caches, from SETTINGS, PARAMS, EXIT_CODES, FAILURE_CODES, HOOK_VARIABLES and HOST_CACHES
+    """The manual's generated tables: settings, params, exit-codes, failure-codes, hook-variables,
+    caches, routes, request-errors, api-errors and metrics, from SETTINGS, PARAMS, EXIT_CODES,
+    FAILURE_CODES, HOOK_VARIABLES, HOST_CACHES, API_ROUTES, FAILURE_STATUS, API_ERROR_CODES and METRICS
     (scripts/readme_tables.py writes them; a test checks them)."""
     settings = ["| variable | default | meaning |", "|---|---|---|"]
     for setting in SETTINGS.values():
@@ -15111,23 +18069,38 @@ def markdown_tables() -> dict[str, str]:
     params = ["| parameter | type | default | `submit` flag | OpenAI body | meaning |", "|---|---|---|---|---|---|"]
     for name, param in PARAMS.items():
         kind = param.describe()
-        default = f"`{SETTINGS[name].env}`" if name in SETTINGS else ("—" if param.default is None else str(param.default).lower())
-        flags = [param.flag] + [f for f, (target, _, _) in FLAG_SHORTHANDS.items() if target == name] if param.flag else []
+        default = f"`{SETTINGS[name].env}`" if name in SETTINGS else ("—" if param.default is None
+                                                                      else str(param.default).lower())
+        flags = [param.flag] + [f for f, (target, _, _) in FLAG_SHORTHANDS.items() if target
+                                == name] if param.flag else []
         flag = ", ".join(f"`{f}`" for f in flags) or "—"
         openai = ", ".join(f"`{field}`" for field in param.openai) or "—"
         line = "" if param.jsonl else " (not a JSONL field)"
         params.append(f"| `{name}` | {kind} | {default} | {flag} | {openai} | {param.help}{line} |")
-    exit_codes = ["| code | meaning |", "|---|---|"] + [f"| {code} | {meaning} |" for code, meaning in EXIT_CODES.items()]
+    exit_codes = ["| code | meaning |", "|---|---|"] + [f"| {code} | {meaning} |" for code,
+                                                        meaning in EXIT_CODES.items()]
     failures = ["| code | the job failed because |", "|---|---|"] + [
         f"| `{code}` | {meaning} |" for code, meaning in FAILURE_CODES.items()]
     hooks = ["| variable | set for | meaning |", "|---|---|---|"] + [
         f"| `{name}` | {', '.join('`--' + hook.replace('_', '-') + '`' for hook in on)} | {meaning} |"
         for name, (on, meaning) in HOOK_VARIABLES.items()]
+    request_errors = ["| code | HTTP status | error type | the job failed because |", "|---|---|---|---|"] + [
+        f"| `{code}` | {FAILURE_STATUS[code][0]} | `{FAILURE_STATUS[code][1]}` | {meaning} |"
+        for code, meaning in FAILURE_CODES.items()]
     caches = ["| cache | kept by | bound | holds | makes room by |", "|---|---|---|---|---|"] + [
         f"| {what} | {whose} | {f'`{bound}`' if bound.startswith('NRVNA_') else bound} | {holds} | {room} |"
         for what, whose, bound, holds, room in HOST_CACHES]
+    routes = ["| method | path | what it answers |", "|---|---|---|"] + [
+        f"| {method} | `{path}` | {what} |" for method, path, _, what in API_ROUTES]
+    api_errors = ["| code | the served API answers it for |", "|---|---|"] + [
+        f"| `{code}` | {meaning} |" for code, meaning in API_ERROR_CODES.items()]
+    metrics = ["| metric | type | labels | meaning |", "|---|---|---|---|"] + [
+        f"| `{name}` | {kind} | {', '.join(f'`{label}`' for label in labels) or '—'} | {meaning} |"
+        for name, (kind, labels, meaning) in METRICS.items()]
     return {"settings": "\n".join(settings), "params": "\n".join(params), "exit-codes": "\n".join(exit_codes),
-            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches)}
+            "failure-codes": "\n".join(failures), "hook-variables": "\n".join(hooks), "caches": "\n".join(caches),
+            "routes": "\n".join(routes), "request-errors": "\n".join(request_errors),
+            "api-errors": "\n".join(api_errors), "metrics": "\n".join(metrics)}
 
 
 def _say(message: str) -> None:
@@ -15175,7 +18148,8 @@ class _DaemonWatch:
             none = f"the daemon of {self.workspace} stopped and none runs" if self.seen else \
                 f"no daemon runs on {self.workspace}"
             self.say(f"{none} (for {now - self.none_since:.0f} s): nothing will run {self.what} until one starts; "
-                     f"still waiting (jobs are kept: a daemon started later runs them; start one: nrvna daemon MODEL {shlex.quote(self.workspace)})")
+                     "still waiting (jobs are kept: a daemon started later runs them; start one: nrvna daemon MODEL "
+                     f"{shlex.quote(self.workspace)})")
             self.said = True
 
 
@@ -15198,6 +18172,11 @@ def _cmd_daemon(args: Any) -> int:
     configure_logging(config.log_level)
     threading.current_thread().name = "Main"
     server = Server(args.model, args.workspace, config=config, drain=args.drain, runner=args.runner)
+    api = None
+    if args.serve is not None:  # listening before the model loads: a port in use ends it at once
+        api = ApiServer(args.workspace, args.serve[0], args.serve[1], config.api_key)
+        api.start()
+        log.info(f"Serving the API on {_api_url(api)}")
 
     starting = True
 
@@ -15222,14 +18201,54 @@ def _cmd_daemon(args: Any) -> int:
         server.shutdown()  # idempotent: start() has already let go of what it held
         log.info("Stopped during start-up")
         return 128 + signalled.signum
+    finally:
+        if api is not None and starting:
+            api.shutdown()
     try:
         server.serve_forever()
     finally:
+        if api is not None:
+            api.shutdown()
         server.shutdown()
     failure = server.failure()
     if failure:
         log.error(f"The daemon stopped: {failure}")
         return EXIT_FAILED
+    return EXIT_OK
+
+
+def _api_url(api: ApiServer) -> str:
+    host, port = api.address
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
+    a process that ran nrvna.py as a script compiled all of it at start, and glibc keeps the
+    compiler's freed memory (bench/server.py (e): 61 MiB resident idle, 25 MiB after this)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def _cmd_serve(args: Any) -> int:
+    import signal
+
+    configure_logging(setting_default("log_level"))
+    threading.current_thread().name = "Main"
+    key = args.api_key if args.api_key is not None else setting_default("api_key")
+    api = ApiServer(args.workspace, args.host, args.port, key)
+    api.start()
+    signal.signal(signal.SIGINT, lambda signum, frame: api.request_stop())
+    signal.signal(signal.SIGTERM, lambda signum, frame: api.request_stop())
+    try:
+        print(_api_url(api), flush=True)  # the base URL a client is given (the port chosen, with --port 0)
+        log.info(f"Serving {args.workspace} on {_api_url(api)}{' (API key required)' if key else ''}")
+        _trim_heap()  # a long-lived, mostly idle process: hold what it uses, not what starting it took
+        api.serve_forever()
+    finally:
+        api.shutdown()
     return EXIT_OK
 
 
@@ -15402,6 +18421,11 @@ def _cmd_status(args: Any) -> int:
             for job_id in ids:
                 counts[states[job_id].value] += 1
             counts["total"] = len(ids)
+            eta = _tag_eta(args.workspace, {job_id: states[job_id] for job_id in ids})
+            if args.json:
+                counts.update(jobs_per_second=eta[0], eta_seconds=eta[1])  # type: ignore[arg-type]
+            elif eta[2]:
+                _say(f"tag {args.tag}: {eta[2]}")
         else:
             require_workspace(args.workspace)
             counts = flow.counts()
@@ -15450,27 +18474,58 @@ def _cmd_status(args: Any) -> int:
     return EXIT_OK
 
 
+def _tag_eta(workspace: str, states: dict[str, Status]) -> tuple[Optional[float], Optional[float], str]:
+    """``status --tag``'s rate of finishes (jobs/s), its ETA in seconds (0: nothing left) and its
+    line ("" when nothing is left); None before there is a rate (see finish_rate)."""
+    left = sum(1 for status in states.values() if not status.finished)
+    rate = finish_rate(recent_finishes(workspace, states), time.time())
+    if not left:
+        return None if rate is None else round(rate, 4), 0, ""
+    if rate is None:
+        return None, None, (f"{left} of {len(states)} jobs left, ETA unknown: fewer than 2 of its jobs ended in "
+                            f"the last {RATE_SECONDS / 60:g} min")
+    return round(rate, 4), round(left / rate, 1), (f"{left} of {len(states)} jobs left, {_eta_text(left, rate)} "
+                                                   f"at {rate:.2f} jobs/s (its latest finishes)")
+
+
+def _eta_text(left: int, rate: Optional[float]) -> str:
+    """"ETA 1h02m", "ETA 3m05s", "ETA 40s", or "ETA unknown" without a rate."""
+    if rate is None:
+        return "ETA unknown"
+    seconds = int(min(left / rate, 1e9))
+    hours, rest = divmod(seconds, 3600)
+    if hours:
+        return f"ETA {hours}h{rest // 60:02d}m"
+    return f"ETA {rest // 60}m{rest % 60:02d}s" if rest >= 60 else f"ETA {rest}s"
+
+
 def _cmd_wait(args: Any) -> int:
     flow = Flow(args.workspace)
     as_lines = args.progress  # lines a log file keeps, whatever stderr is
     progress = as_lines or (not args.quiet and sys.stderr is not None and sys.stderr.isatty())
-    start, tokens, already = time.monotonic(), 0, 0
-    seen: Optional[set[str]] = None  # finished before the wait: not in the rates
+    start, tokens = time.monotonic(), 0
+    seen: Optional[set[str]] = None  # finished before the wait: not in the tokens/s
+    times: list[float] = []  # finish times: the selection's latest before the wait, then each one seen (the ETA)
     said_at, said_finished, unsaid = -math.inf, -1, ""
 
     def draw(states: dict[str, Status]) -> None:
-        nonlocal seen, tokens, already, said_at, said_finished, unsaid
+        nonlocal seen, tokens, times, said_at, said_finished, unsaid
         finished = [j for j, s in states.items() if s.finished]
         if seen is None:
-            seen, already = set(finished), len(finished)
+            seen, times = set(finished), recent_finishes(args.workspace, states)
         for job_id in finished:
             if job_id not in seen:
                 job = flow.get(job_id)
                 tokens += int(job.meta.get("generated_tokens") or 0) if job else 0
+                if job is not None and job.meta.get("finished") is not None:  # a time: job_meta checked it
+                    times.append(float(job.meta["finished"]))
                 seen.add(job_id)
+        if len(times) > 2 * RATE_FINISHES:
+            times = sorted(times)[-RATE_FINISHES:]
         done = sum(1 for s in states.values() if s is Status.Done)
         now = time.monotonic()
-        text = _progress_text(len(finished) - already, done, len(finished) - done, len(states), now - start, tokens)
+        text = _progress_text(done, len(finished) - done, len(states), finish_rate(times, time.time()),
+                              tokens / max(now - start, 1e-6))
         if not as_lines:
             _draw_progress(text)
             return
@@ -15518,13 +18573,12 @@ def _cmd_wait(args: Any) -> int:
     return EXIT_OK
 
 
-def _progress_text(new: int, done: int, failed: int, total: int, elapsed: float, tokens: int) -> str:
-    """done / failed / total, jobs/s, tokens/s, ETA (rates count only what finished while we
-    waited)."""
-    elapsed = max(elapsed, 1e-6)
-    rate, left = new / elapsed, total - done - failed
-    eta = f"{int(left / rate) // 60}m{int(left / rate) % 60:02d}s" if rate > 0 else "?"
-    return f"{done} done / {failed} failed / {total} total  {rate:.1f} jobs/s  {tokens / elapsed:.0f} tok/s  ETA {eta}"
+def _progress_text(done: int, failed: int, total: int, rate: Optional[float], token_rate: float) -> str:
+    """done / failed / total, jobs/s over the latest finishes (finish_rate; "?" before there is a
+    rate), generated tokens/s while we waited, and the ETA ("ETA unknown" without a rate)."""
+    shown = "?" if rate is None else f"{rate:.1f}"
+    return (f"{done} done / {failed} failed / {total} total  {shown} jobs/s  {token_rate:.0f} tok/s  "
+            f"{_eta_text(total - done - failed, rate)}")
 
 
 def _say_below_progress(message: str) -> None:
@@ -15556,7 +18610,8 @@ def _cmd_export(args: Any) -> int:
         for note in notes:
             _say(note)
     if unfinished:
-        _say(f"{unfinished} of {unfinished + exported} jobs are not finished and were left out (wait first: nrvna wait)")
+        _say(f"{unfinished} of {unfinished + exported} jobs are not finished and were left out (wait first: nrvna "
+             "wait)")
         return EXIT_UNFINISHED
     return EXIT_OK
 
@@ -15689,6 +18744,24 @@ def _cmd_stop(args: Any) -> int:
     return EXIT_OK
 
 
+def _cmd_metrics(args: Any) -> int:
+    text = metrics_text(args.workspace)
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return EXIT_OK
+    # node_exporter's textfile collector reads *.prom files at any time: FILE is written whole
+    # under a temporary name of its own (not *.prom), fsynced and renamed over it (export's policy).
+    target = _ExportTarget(args.output)
+    try:
+        target.write(text)
+        target.commit()
+    except BaseException:
+        target.abort()
+        raise
+    return EXIT_OK
+
+
 def _cmd_events(args: Any) -> int:
     import json
     import select
@@ -15763,13 +18836,13 @@ def _duration(text: str) -> float:
 
 
 # ============================================================================
-# 13.2 Arguments and main
+# 14.2 Arguments and main
 # ============================================================================
 # The argparse parser, built from COMMANDS and the tables' flags, and main(argv) -> exit code:
 # every NrvnaError becomes one line on stderr and its exit code. The main thread.
 
 
-def _positive_float(text: str) -> float:
+def _non_negative_float(text: str) -> float:
     import argparse
 
     try:
@@ -15786,7 +18859,10 @@ def _daemon_arguments(parser: Any) -> None:
                         help="GGUF path, a name in NRVNA_MODELS_DIR, or a directory of GGUFs; several serve several "
                              "models (the first is the default)")
     parser.add_argument("workspace", metavar="WORKSPACE")
-    parser.add_argument("--drain", action="store_true", help="process everything queued, then exit 0 (1 when jobs are left that no live daemon serves)")
+    parser.add_argument("--drain", action="store_true",
+                        help="process everything queued, then exit 0 (1 when jobs are left that no live daemon serves)")
+    parser.add_argument("--serve", type=_host_port, metavar="[HOST:]PORT", help="serve the API as `nrvna serve` "
+                        "does, from this process (a client of the files like any other)")
     for name, setting in SETTINGS.items():  # the settings with a flag of their own
         if setting.flags:
             hooked = [var for var, (hooks, _) in HOOK_VARIABLES.items() if name in hooks]
@@ -15797,8 +18873,30 @@ def _daemon_arguments(parser: Any) -> None:
                 kind: dict[str, Any] = {"type": setting.kind}
             else:  # a hook's command, a size, or one of the setting's choices
                 kind = {"metavar": "|".join(setting.choices) if setting.choices else
-                        "SIZE" if setting.check in (_check_size, _check_pending) else "CMD"}
+                        "SIZE" if setting.check in (_check_size, _check_pending) else
+                        "KEY" if name == "api_key" else "CMD"}
             parser.add_argument(*setting.flags, dest=name, help=f"{setting.help}{env} ({setting.env}{default})", **kind)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """``[HOST:]PORT`` (HOST 127.0.0.1 when absent; ``[::1]:PORT`` for an IPv6 address)."""
+    import argparse
+
+    host, _, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not [HOST:]PORT")
+    return host or API_HOST, int(port)
+
+
+def _serve_arguments(parser: Any) -> None:
+    parser.add_argument("workspace", metavar="WORKSPACE")
+    parser.add_argument("--host", default=API_HOST, help=f"the address to listen on (default {API_HOST}; any other "
+                        "than loopback needs an API key)")
+    parser.add_argument("--port", type=int, default=API_PORT, metavar="P", help=f"the port (default {API_PORT}; 0: "
+                        "one the system chooses, printed)")
+    parser.add_argument("--api-key", metavar="KEY", help=SETTINGS["api_key"].help + " (NRVNA_API_KEY, which "
+                        "keeps the key out of the process list)")
 
 
 def _param_arguments(parser: Any) -> None:
@@ -15812,7 +18910,8 @@ def _param_arguments(parser: Any) -> None:
         if param.read is not None:
             metavar, read = param.read
             action = "append" if param.gather is not None else "store"
-            group.add_argument(param.flag, dest=name, type=read, action=action, metavar=metavar, help=param.help + default)
+            group.add_argument(param.flag, dest=name, type=read, action=action, metavar=metavar,
+                               help=param.help + default)
         elif param.kind is bool:
             group.add_argument(param.flag, dest=name, action="store_const", const=True, help=param.help + default)
         elif param.kind is list:
@@ -15844,7 +18943,8 @@ def _submit_arguments(parser: Any) -> None:
                         "a hash of each line's custom_id: N nodes given the same file take each line once between "
                         "them (I/N from a scheduler: $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)")
     parser.add_argument("--wait", action="store_true", help="wait and print the result instead of the ID")
-    parser.add_argument("--wait-timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    parser.add_argument("--wait-timeout", type=_non_negative_float, metavar="S",
+                        help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--dedupe", action="store_true", help="queue identical work once: the idempotency key is "
                         "derived from the prompt and every parameter (each line's own, with --file)")
     parser.add_argument("--strict-models", action="store_true", help="refuse a job whose model matches no known "
@@ -15855,7 +18955,8 @@ def _submit_arguments(parser: Any) -> None:
 
 def _status_arguments(parser: Any) -> None:
     _selection_arguments(parser)
-    parser.add_argument("--daemon", action="store_true", help="every running daemon's record, a JSON list (exit 3: none)")
+    parser.add_argument("--daemon", action="store_true",
+                        help="every running daemon's record, a JSON list (exit 3: none)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
 
 
@@ -15867,7 +18968,7 @@ def _selection_arguments(parser: Any) -> None:
 
 def _wait_arguments(parser: Any) -> None:
     _selection_arguments(parser)
-    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="give up after S seconds (exit 4)")
+    parser.add_argument("--timeout", type=_non_negative_float, metavar="S", help="give up after S seconds (exit 4)")
     parser.add_argument("--quiet", action="store_true", help="no progress line on a terminal")
     parser.add_argument("--progress", action="store_true", help="progress as lines on stderr, even when it is not "
                         f"a terminal (a log file): when jobs finish, and every {PROGRESS_EVERY:g} s")
@@ -15895,7 +18996,7 @@ def _merge_arguments(parser: Any) -> None:
 
 def _cancel_arguments(parser: Any) -> None:
     _selection_arguments(parser)
-    parser.add_argument("--timeout", type=_positive_float, default=10.0, metavar="S",
+    parser.add_argument("--timeout", type=_non_negative_float, default=10.0, metavar="S",
                         help="how long to wait for the daemon to stop a running job (default 10)")
 
 
@@ -15914,6 +19015,12 @@ def _events_arguments(parser: Any) -> None:
     parser.add_argument("--follow", "-f", action="store_true", help="keep printing new changes as they happen")
 
 
+def _metrics_arguments(parser: Any) -> None:
+    parser.add_argument("workspace", metavar="WORKSPACE")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write FILE atomically instead of stdout (for "
+                        "node_exporter's textfile collector: a FILE.prom in its directory)")
+
+
 def _clean_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
     parser.add_argument("--older-than", type=_duration, required=True, metavar="DURATION",
@@ -15925,7 +19032,8 @@ def _clean_arguments(parser: Any) -> None:
 
 def _stop_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
-    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="give up waiting after S seconds (exit 4)")
+    parser.add_argument("--timeout", type=_non_negative_float, metavar="S",
+                        help="give up waiting after S seconds (exit 4)")
     parser.add_argument("--pid", type=int, metavar="N", help="stop only the daemon with pid N (default: every daemon)")
 
 
@@ -15933,7 +19041,8 @@ def _get_arguments(parser: Any) -> None:
     parser.add_argument("workspace", metavar="WORKSPACE")
     parser.add_argument("id", metavar="ID")
     parser.add_argument("--wait", action="store_true", help="wait until the job is finished")
-    parser.add_argument("--timeout", type=_positive_float, metavar="S", help="with --wait: give up after S seconds (exit 4)")
+    parser.add_argument("--timeout", type=_non_negative_float, metavar="S",
+                        help="with --wait: give up after S seconds (exit 4)")
     parser.add_argument("--progress", action="store_true", help="with --wait: a line on stderr every "
                         f"{PROGRESS_EVERY:g} s and at the end, even when it is not a terminal (a log file)")
     parser.add_argument("--json", action="store_true", help="the whole job as one JSON object")
@@ -15952,7 +19061,8 @@ def _build_parser(only: Optional[str] = None) -> Any:
         """A usage error is one line, as every other refusal: the usage is what --help shows."""
 
         def error(self, message: str) -> Any:
-            found = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (int|float|_positive_float|_duration) value: (.*)",
+            found = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (int|float|_non_negative_float|_duration) value: "
+                                 r"(.*)",
                                  message)
             if found:
                 flag, kind, value = found.groups()
@@ -15991,7 +19101,8 @@ def main(argv: Optional[list[str]] = None, *, runner: Any = None) -> int:
         return err.exit_code
     # argparse gives an optional positional (submit's PROMPT) its value only before the flags:
     # `submit WS --embed TEXT` would leave TEXT unrecognized. Take one such word as the prompt.
-    if extra and getattr(args, "prompt", "") is None and len(extra) == 1 and (extra[0] == "-" or not extra[0].startswith("-")):
+    if extra and getattr(args, "prompt",
+                         "") is None and len(extra) == 1 and (extra[0] == "-" or not extra[0].startswith("-")):
         args.prompt, extra = extra[0], []
     if extra:
         getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
@@ -16053,9 +19164,17 @@ COMMANDS = (
      "queued, running, done, failed, requeued or cancelled. Replays what the jobs' directories hold "
      "and exits; --follow then prints each new change until SIGINT or a closed pipe.",
      _events_arguments, _cmd_events),
+    ("metrics", "print the workspace's figures for Prometheus",
+     "The workspace's jobs by state, model and tag, failures by code, tokens, the oldest queued job's age and "
+     "each live daemon's models and memory, in Prometheus' text format (what a server's GET /metrics answers).",
+     _metrics_arguments, _cmd_metrics),
     ("clean", "remove old finished jobs",
      "Remove done and/or failed jobs finished more than DURATION ago; never queued or running ones.",
      _clean_arguments, _cmd_clean),
+    ("serve", "serve OpenAI's API over the workspace",
+     "Answer OpenAI's Files API and /v1/models (docs/server.md) over HTTP from WORKSPACE's files until "
+     "SIGINT/SIGTERM; prints the base URL. It never loads a model or starts a daemon: start one beside it "
+     "(or `daemon --serve`).", _serve_arguments, _cmd_serve),
     ("stop", "stop the daemon gracefully",
      "Ask the daemon holding WORKSPACE to stop (SIGTERM: in-flight jobs go back to the queue) "
      "and wait until it has; exit 3 if none runs.", _stop_arguments, _cmd_stop),

@@ -15,7 +15,14 @@ Contents, numbered as nrvna.py's sections and sub-sections (the tests of 12.1 si
     0.2 Runners, daemon processes and audits
     0.3 Fault injection harness
     4. File primitives: crash points and injected faults
-    5. Structured output: schemas and grammars, log-probabilities and logit bias
+    5. Structured output: the helpers its tests share, and the cache of checked schemas
+    5.1 Numbers
+    5.2 JSON strings: surrogate escapes
+    5.3 Patterns
+    5.4 Formats and types
+    5.5 Grammar work: a grammar's cost, counted and bounded
+    5.6 GBNF grammars
+    5.7 JSON schemas
     5.8 Tool calls: tools, tool_choice and the calls read back
     6. Job parameters: pure logic of IDs, settings and parameters
     7. Workspace and job directories: hostile paths and hostile text
@@ -23,17 +30,26 @@ Contents, numbered as nrvna.py's sections and sub-sections (the tests of 12.1 si
     8. Batch files and export: tags, wait, export, cancel, retry, clean, follow, stop
     9. Client: Work and Flow (submit, status, get, wait)
     9.3 Events: into the pipeline (templates and metadata, events, hooks)
+    9.6 Metrics: Prometheus' text format, and the ETA of status and wait
     10. Runner protocol: tables, the library and the runner protocol
     11. llama.cpp engine: for real, the runner and the daemon on the test model
+    11.2 Grammar conversion: once per schema, on the Grammar thread
+    11.3 Sampling: the shortlist, log-probabilities and logit bias
     11.4 Sequences and choices: thinking kept apart from the answer
     11.5 Embeddings
     11.6 Saved states: conversations that survive restarts
     11.7 Continuous batching
+    11.8 The runner: the memory report
     12. Daemon: with an injected runner
     12.1 The queue: Pool and Scanner: priority lanes
     12.2 Claims and finishes: Processor: crashes, kills and concurrency
+    12.4 Models: several models, their loads, the memory budget
+    12.5 Daemons side by side, and the watch
     12.6 Server: start-up checks (model, settings, workspace)
-    13. CLI: output, exit codes, pipes
+    13. Served API: the HTTP layer, files and models over a workspace
+    13.3 Batches
+    13.4 Endpoints: synchronous requests through the queue, streamed or not
+    14. CLI: output, exit codes, pipes
 """
 
 from __future__ import annotations
@@ -538,7 +554,8 @@ def faultpoint_main(argv: list[str]) -> int:
     return nrvna.main(command, runner=runner)
 
 
-def faultpoint(ws: str, mode: str, *command: str, log: str | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+def faultpoint(ws: str, mode: str, *command: str,
+               log: str | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run the harness on `command` in a child process; return it and the calls it counted."""
     log = log or ws + ".calls"
     if os.path.exists(log):
@@ -583,7 +600,8 @@ def test_faultpoint_sees_every_workspace_syscall_that_strace_sees(tmp_path: Path
     code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import nrvna, test_nrvna; "
             f"sys.exit(nrvna.main(['daemon', '-', {ws!r}, '-w', '1', '--drain'], runner=test_nrvna.derived))")
     done = subprocess.run(["strace", "-f", "-y", "-o", trace, "-e",
-                           "trace=mkdir,mkdirat,openat,write,pwrite64,ftruncate,fsync,rename,renameat,renameat2,unlink,unlinkat,rmdir,"
+                           "trace=mkdir,mkdirat,openat,write,pwrite64,ftruncate,fsync,rename,renameat,renameat2,"
+                           "unlink,unlinkat,rmdir,"
                            "link,linkat",
                            sys.executable, "-c", code], capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -761,7 +779,8 @@ def test_submit_io_errors_at_every_point_exit_nonzero_with_one_line(tmp_path: Pa
             nrvna.ensure_workspace(ws)
             done, _ = faultpoint(ws, f"errno:{k}:{code}", "submit", ws, "fault me")
             err = done.stderr.decode()
-            assert done.returncode == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (k, call, err)
+            assert (done.returncode == 1 and len(err.strip().splitlines()) == 1
+                    and "Traceback" not in err), (k, call, err)
             ready = os.listdir(os.path.join(ws, nrvna.READY))
             if k > published_at:
                 assert "queued but not confirmed durable" in err and done.stdout.decode().strip() == ready[0]
@@ -838,7 +857,8 @@ def test_fsync_order_audit_of_a_100_job_run(tmp_path: Path) -> None:
             if not (moved and into):
                 continue
             assert not parents_due.get(tid), ("parents of the previous move not fsynced", parents_due[tid])
-            assert not dirty.get(moved.group(2)), ("renamed before its files and dir were fsynced", src, dirty[moved.group(2)])
+            assert not dirty.get(moved.group(2)), ("renamed before its files and dir were fsynced", src,
+                                                   dirty[moved.group(2)])
             parents_due[tid] = {os.path.dirname(src), os.path.dirname(dst)}
             checked += 1
     assert not any(parents_due.values()), parents_due
@@ -854,7 +874,7 @@ if __name__ == "__main__":
 
 
 # ==============================================================================
-# 5. Structured output: schemas and grammars, log-probabilities and logit bias
+# 5. Structured output: the helpers its tests share, and the cache of checked schemas
 # ==============================================================================
 
 def satisfies(value: Any, schema: dict[str, Any]) -> bool:
@@ -885,7 +905,8 @@ def satisfies(value: Any, schema: dict[str, Any]) -> bool:
         if kind == "integer" and not isinstance(value, int):
             return False
         return (value >= schema.get("minimum", -math.inf) and value <= schema.get("maximum", math.inf)
-                and value > schema.get("exclusiveMinimum", -math.inf) and value < schema.get("exclusiveMaximum", math.inf))
+                and value > schema.get("exclusiveMinimum", -math.inf) and value
+                < schema.get("exclusiveMaximum", math.inf))
     raise AssertionError(f"satisfies() does not know {schema}")
 
 
@@ -911,7 +932,8 @@ PERSON_SCHEMA = {
         "name": {"type": "string", "minLength": 1, "maxLength": 20},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "score": {"type": "number", "minimum": -1, "maximum": 1},
-        "friends": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+        "friends": {"type": "array",
+                    "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
                                                 "required": ["name"], "additionalProperties": False}, "maxItems": 2},
     },
     "required": ["name", "age", "score", "friends"],
@@ -939,161 +961,6 @@ def gbnf_regex(expression: str) -> re.Pattern:
             i += 1
     return re.compile("".join(out))
 
-
-@pytest.mark.parametrize("bounds", [
-    {"type": "integer", "minimum": 1, "maximum": 5},
-    {"type": "integer", "minimum": -120, "maximum": 37},
-    {"type": "integer", "exclusiveMinimum": 0},
-    {"type": "integer", "maximum": -3},
-    {"type": "integer", "minimum": 2.5, "exclusiveMaximum": 1000},
-    {"type": "number", "minimum": 0, "maximum": 100},
-    {"type": "number", "exclusiveMinimum": 0},
-    {"type": "number", "minimum": -1, "maximum": 1},
-    {"type": "number", "minimum": 0.125, "exclusiveMaximum": 19.5},
-    {"type": "number", "exclusiveMinimum": -2.5, "exclusiveMaximum": -0.05},
-    {"type": "number", "maximum": 0},
-    {"type": "number", "minimum": 7, "maximum": 7},
-])
-def test_numeric_bounds_admit_every_number_in_range_and_nothing_else(bounds: dict[str, Any]) -> None:
-    from decimal import Decimal
-
-    pattern = gbnf_regex(nrvna.number_rule(bounds))
-    texts = {str(i) for i in range(-1500, 1500)}
-    texts |= {f"{sign}{i}.{f}" for sign in ("", "-") for i in range(0, 30)
-              for f in ("0", "5", "25", "05", "125", "124", "126", "99", "001", "10", "4999")}
-    low = Decimal(str(bounds.get("minimum", "-Infinity")))
-    high = Decimal(str(bounds.get("maximum", "Infinity")))
-    above = Decimal(str(bounds.get("exclusiveMinimum", "-Infinity")))
-    below = Decimal(str(bounds.get("exclusiveMaximum", "Infinity")))
-    for text in texts:
-        value = Decimal(text)
-        wanted = low <= value <= high and above < value < below and not (bounds["type"] == "integer" and "." in text)
-        if text.startswith("-0") and value == 0:
-            wanted = False  # "-0" and "-0.0" are never generated (0 is, as "0")
-        assert bool(pattern.fullmatch(text)) == wanted, (bounds, text)
-    for text in ("1e3", "01", "+1", "1.", ".5", "--1"):  # never an exponent, a leading zero or a sign but "-"
-        assert not pattern.fullmatch(text), text
-
-
-def test_bounds_that_admit_nothing_are_refused() -> None:
-    for bounds in ({"type": "integer", "minimum": 1.2, "maximum": 1.8}, {"type": "number", "minimum": 5, "maximum": 4},
-                   {"type": "number", "exclusiveMinimum": 3, "exclusiveMaximum": 3}):
-        with pytest.raises(nrvna.InvalidInput, match="lies within its bounds"):
-            nrvna.check_json_schema(bounds)
-    with pytest.raises(nrvna.InvalidInput, match="beyond what nrvna generates"):
-        nrvna.check_json_schema({"type": "number", "maximum": 1e300})
-
-
-@pytest.mark.parametrize("schema", [
-    PRODUCT_SCHEMA, PERSON_SCHEMA,
-    {"type": "string"}, {"enum": ["a", 1, None]}, {"const": 3, "type": "integer"}, {},
-    {"type": "object"}, {"type": "object", "additionalProperties": {"type": "integer"}},
-    {"anyOf": [{"type": "string", "format": "date"}, {"type": "null"}]},
-    {"type": ["string", "null"]},
-    {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False},
-    {"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
-     "$ref": "#/$defs/node", "title": "a tree", "x-note": "extensions are ignored"},
-])
-def test_json_schemas_the_converter_honours_whole_are_accepted(schema: dict[str, Any]) -> None:
-    nrvna.check_json_schema(schema)
-
-
-@pytest.mark.parametrize("schema, message", [
-    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "schema /: keyword 'uniqueItems' is not supported"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)"}}},
-     "schema /properties/a: pattern '^(?=a)': a lookahead (?=...) is not supported"),
-    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}, "/properties/n: multipleOf 0.5 on a number"),
-    ({"type": "string", "format": "uri"}, "format 'uri' is not supported (supported: date, time, date-time, duration, email"),
-    ({"type": "string", "format": "date", "maxLength": 4}, "minLength/maxLength beside format 'date' are supported only where"),
-    ({"type": "object", "minProperties": 1, "properties": {}}, "keyword 'minProperties'"),
-    ({"type": "object", "required": ["a"]}, "keyword 'required' is not supported for an object without properties"),
-    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required property 'b' is not in properties"),
-    ({"type": "array", "minItems": 1}, "keyword 'minItems' is not supported for array without items"),
-    ({"type": "array", "items": {}}, "items {} is not supported"),
-    ({"type": "string", "maxLenght": 3}, "keyword 'maxLenght' is not supported"),
-    ({"allOf": [{"type": "string"}]}, "keyword 'allOf' is not supported"),
-    ({"not": {"type": "string"}}, "keyword 'not' is not supported"),
-    ({"description": "only words"}, "a schema needs a type"),
-    ({"anyOf": [{"type": "string"}], "type": "string"}, "keyword 'type' is not supported beside anyOf"),
-    ({"$ref": "https://example.com/s.json"}, "only local references"),
-    ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "keyword 'oneOf' is not supported: the grammar would enforce it as anyOf"),
-    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
-     "additionalProperties other than false beside properties"),
-    ({"type": "object", "properties": {"": {"type": "string"}}}, "a property named '' is not supported"),
-    ({"type": 5, "const": 1}, "type must be a string or a list"),
-    ({"enum": [{"$ref": "#/enum"}]}, "a '$ref' key where no schema is"),
-    ({"$defs": {"x": {"anyOf": [{"$ref": "#/$defs/y"}, {"type": "null"}]},
-                "y": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/x"}}, {"$ref": "#/$defs/x"}]}},
-      "type": "object", "properties": {"a": {"$ref": "#/$defs/y"}}}, "refers back to itself"),
-    ({"type": "object", "properties": {"a": {"$ref": "#/properties/b", "$defs": {}}, "b": {"type": "string"}}},
-     "$defs beside $ref is supported at the top of the schema only"),
-    ({"$ref": "#/$defs/missing"}, "points at nothing"),
-    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}, "refers back to itself"),
-    ({"type": "string", "maxLength": 10000}, "maxLength must be an integer from 0 to 500"),
-    ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2}, "minItems 3 is more than maxItems 2"),
-    ({"enum": ["a", 2], "type": "string"}, "enum holds a value that is not of type 'string'"),
-    ({"type": "date"}, "unknown type 'date'"),
-    (True, "a schema must be a JSON object"),
-])
-def test_json_schemas_with_what_the_converter_would_drop_are_refused(schema: Any, message: str) -> None:
-    with pytest.raises(nrvna.InvalidInput) as raised:
-        nrvna.check_json_schema(schema)
-    assert message in str(raised.value)
-
-
-JSON_GRAMMAR = r'''
-root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null") ws
-object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
-array  ::= "[" ws ( value ("," ws value)* )? "]" ws
-string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
-number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
-ws ::= | " " | "\n" [ \t]{0,20}   # comments are fine
-'''
-
-
-@pytest.mark.parametrize("grammar", [JSON_GRAMMAR, 'root ::= "yes" | "no"', 'root ::= [a-z]+ ("," [a-z]+)*\n',
-                                     "root ::= item{2,4}\nitem ::= [0-9] \"\\n\"",
-                                     'root ::= "a" root?', 'root ::= "\\u00e9\\x41" .'])
-def test_good_grammars_pass_the_submit_check(grammar: str) -> None:
-    nrvna.check_grammar(grammar)
-
-
-@pytest.mark.parametrize("grammar, message", [
-    ('root ::= "a" b', "rule 'b' is used but never defined"),
-    ('start ::= "a"', "there is no 'root' rule"),
-    ('root ::= "a\n', "unexpected end of input"),
-    ('root ::= "\\q"', "unknown escape \\q at line 1, column 11"),
-    ('root ::= "a"\n\nx ::= "b" |\n  ( "c"', "expecting ')' at line 4"),
-    ("root = \"a\"", "expecting ::= at line 1, column 6"),
-    ('root ::= * "a"', "expecting an item before"),
-    ('root ::= "a"{3,1}', "the most is less than the least"),
-    ('root ::= "a"{5000}', "more than 2000 repetitions"),
-    ('root ::= root "a"', "rule 'root' can reach itself without consuming anything"),
-    ('root ::= x\nx ::= ws x\nws ::= [ ]*', "rule 'x' can reach itself"),  # llama.cpp itself would hang on this one
-    ('root ::= ("a"?)*', "a group or repetition in rule 'root' can reach itself"),
-    ('root ::= "\\x4"', "expecting 2 hex digits"),
-    ('root ::= "a" <[369]>', "token elements (<...>, <[id]>, !<...>) are not supported"),  # llama.cpp would abort
-    ('root ::= "a" !<[5]> [a-z]*', "token elements"),
-    ('root ::= "a"{0,99999999999999999999}', "a repetition count that large is not supported"),
-    ('root ::= "a"{²}', "expecting an integer"),
-    ('root ::= "' + "x" * 2000 + '"{2000}', "expands to more than 200,000 elements"),
-    # UTF-8 holds no surrogate: llama.cpp took these, and a job ended `stop` with U+FFFD instead
-    ('root ::= "\\uD800"', "U+D800 is a surrogate, which UTF-8 text never holds at line 1, column 11"),
-    ('root ::= [a\\udc00-\\udfff]', "U+DC00 is a surrogate"),
-    ('root ::= "\ud83d"', "U+D83D is a surrogate"),  # a lone surrogate in the text itself (a JSON line's)
-    ('root ::= "\\U00110000"', "U+110000 is beyond U+10FFFF"),
-])
-def test_bad_grammars_are_refused_at_submit_with_where(grammar: str, message: str) -> None:
-    with pytest.raises(nrvna.InvalidInput) as raised:
-        nrvna.check_grammar(grammar)
-    assert message in str(raised.value)
-
-
-# -- patterns, formats, multipleOf, type lists -------------------------------------------------
-# The grammar nrvna makes for each is walked at random (GrammarShape: llama.cpp's parse stacks)
-# to generate strings, and every one must satisfy the keyword by an independent check: Python's
-# re, jsonschema's FormatChecker, date.fromisoformat, exact fractions.
 
 def grammar_walk(shape: nrvna.GrammarShape, rng: random.Random, most: int = 4000) -> str:
     """A random text the grammar admits, a character at a time: a random parse stack's class,
@@ -1163,19 +1030,311 @@ def string_values(schema: dict[str, Any], count: int, seed: int = 1) -> list[str
     return [json.loads(grammar_walk(shape, rng)) for _ in range(count)]
 
 
+def test_one_schema_on_many_lines_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    check = nrvna.check_json_schema
+    monkeypatch.setattr(nrvna, "check_json_schema", lambda schema: (calls.append(1), check(schema))[1])
+    monkeypatch.setattr(nrvna, "_CHECKED", {})
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}, "tag": {"type": "string"}}}
+    rows = [{"prompt": f"p{i}", "response_format": schema_format(schema)} for i in range(3000)]
+    entries = nrvna.parse_batch(jsonl(rows).encode())
+    assert len(entries) == 3000 and len(calls) == 1
+    assert [e.params["response_format"]["json_schema"]["schema"] for e in entries[:2]] == [schema, schema]
+
+
+def test_the_cache_of_checked_schemas_is_shared_by_threads_safely(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_CHECKED is read and evicted from every worker's claim. Threads that find it over its
+    bound at once each evict under _CHECKED_LOCK (without it, they all popped the same oldest
+    key: KeyError), and each gets its own key's verdict."""
+    class Slow(dict):  # finding the oldest key takes a while: the threads meet in the eviction
+        def __iter__(self) -> Any:
+            keys = list(dict.keys(self))
+            time.sleep(0.05)
+            return iter(keys)
+
+    def refuse() -> None:
+        raise nrvna.InvalidInput("refused")
+
+    cache = Slow((("old", i), None) for i in range(256))
+    monkeypatch.setattr(nrvna, "_CHECKED", cache)
+    barrier, verdicts = threading.Barrier(6), {}
+
+    def check(i: int) -> None:
+        barrier.wait()
+        try:
+            nrvna._checked(("new", i), refuse if i % 2 else lambda: None)
+            verdicts[i] = "passed"
+        except Exception as err:  # noqa: BLE001 (any error is the test's finding)
+            verdicts[i] = f"{type(err).__name__}: {err}"
+
+    threads = [threading.Thread(target=check, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert verdicts == {i: "InvalidInput: refused" if i % 2 else "passed" for i in range(6)}
+    assert len(cache) == 256 and all(("new", i) in cache for i in range(6))  # the oldest went
+
+
+_PIECE_TOKENS: dict[int, dict[bytes, int]] = {}
+
+
+def piece_tokens(llama: nrvna.LlamaRunner) -> dict[bytes, int]:
+    """A token for each piece of text of the vocabulary (made once per runner)."""
+    tokens = _PIECE_TOKENS.get(id(llama))
+    if tokens is None:
+        tokens = _PIECE_TOKENS[id(llama)] = {}
+        for token in range(llama.n_vocab):
+            tokens.setdefault(llama.piece(token), token)
+    return tokens
+
+
+def grammar_admits(llama: nrvna.LlamaRunner, grammar: str, data: bytes) -> bool:
+    """Whether llama.cpp's grammar sampler takes ``data`` whole, fed one byte token at a time
+    (any bytes, UTF-8 or not), and then lets generation end."""
+    L = llama.llama_cpp
+    tokens = piece_tokens(llama)
+    sampler = L.llama_sampler_init_grammar(llama.vocab, grammar.encode(), b"root")
+    assert sampler, grammar
+    try:
+        for token in [tokens[bytes([b])] for b in data] + [L.llama_vocab_eos(llama.vocab)]:
+            candidate = (L.llama_token_data * 1)(L.llama_token_data(token, 0.0, 0.0))
+            L.llama_sampler_apply(sampler, ctypes.byref(L.llama_token_data_array(candidate, 1, -1, False)))
+            if candidate[0].logit == -math.inf:
+                return False
+            if token != L.llama_vocab_eos(llama.vocab):
+                L.llama_sampler_accept(sampler, token)
+        return True
+    finally:
+        L.llama_sampler_free(sampler)
+
+
+# ==============================================================================
+# 5.1 Numbers
+# ==============================================================================
+
+
+@pytest.mark.parametrize("bounds", [
+    {"type": "integer", "minimum": 1, "maximum": 5},
+    {"type": "integer", "minimum": -120, "maximum": 37},
+    {"type": "integer", "exclusiveMinimum": 0},
+    {"type": "integer", "maximum": -3},
+    {"type": "integer", "minimum": 2.5, "exclusiveMaximum": 1000},
+    {"type": "number", "minimum": 0, "maximum": 100},
+    {"type": "number", "exclusiveMinimum": 0},
+    {"type": "number", "minimum": -1, "maximum": 1},
+    {"type": "number", "minimum": 0.125, "exclusiveMaximum": 19.5},
+    {"type": "number", "exclusiveMinimum": -2.5, "exclusiveMaximum": -0.05},
+    {"type": "number", "maximum": 0},
+    {"type": "number", "minimum": 7, "maximum": 7},
+])
+def test_numeric_bounds_admit_every_number_in_range_and_nothing_else(bounds: dict[str, Any]) -> None:
+    from decimal import Decimal
+
+    pattern = gbnf_regex(nrvna.number_rule(bounds))
+    texts = {str(i) for i in range(-1500, 1500)}
+    texts |= {f"{sign}{i}.{f}" for sign in ("", "-") for i in range(0, 30)
+              for f in ("0", "5", "25", "05", "125", "124", "126", "99", "001", "10", "4999")}
+    low = Decimal(str(bounds.get("minimum", "-Infinity")))
+    high = Decimal(str(bounds.get("maximum", "Infinity")))
+    above = Decimal(str(bounds.get("exclusiveMinimum", "-Infinity")))
+    below = Decimal(str(bounds.get("exclusiveMaximum", "Infinity")))
+    for text in texts:
+        value = Decimal(text)
+        wanted = low <= value <= high and above < value < below and not (bounds["type"] == "integer" and "." in text)
+        if text.startswith("-0") and value == 0:
+            wanted = False  # "-0" and "-0.0" are never generated (0 is, as "0")
+        assert bool(pattern.fullmatch(text)) == wanted, (bounds, text)
+    for text in ("1e3", "01", "+1", "1.", ".5", "--1"):  # never an exponent, a leading zero or a sign but "-"
+        assert not pattern.fullmatch(text), text
+
+
+def test_bounds_that_admit_nothing_are_refused() -> None:
+    for bounds in ({"type": "integer", "minimum": 1.2, "maximum": 1.8}, {"type": "number", "minimum": 5, "maximum": 4},
+                   {"type": "number", "exclusiveMinimum": 3, "exclusiveMaximum": 3}):
+        with pytest.raises(nrvna.InvalidInput, match="lies within its bounds"):
+            nrvna.check_json_schema(bounds)
+    with pytest.raises(nrvna.InvalidInput, match="beyond what nrvna generates"):
+        nrvna.check_json_schema({"type": "number", "maximum": 1e300})
+
+
+def number_shape(schema: dict[str, Any]) -> tuple[nrvna.GrammarShape, int]:
+    """The grammar of a number schema's values, and how many rules its multipleOf made."""
+    rules: dict[str, str] = {}
+    expression = nrvna.number_rule(schema, "", rules, "m")
+    return nrvna.check_grammar(f"root ::= {expression}\n"
+                               + "".join(f"{n} ::= {b}\n" for n, b in rules.items())), len(rules)
+
+
+@pytest.mark.parametrize("schema, window", [
+    ({"type": "integer", "multipleOf": 7}, range(-3000, 3000)),
+    ({"type": "integer", "multipleOf": 7, "minimum": -100, "maximum": 250}, range(-500, 500)),
+    ({"type": "integer", "multipleOf": 12, "exclusiveMinimum": 5, "exclusiveMaximum": 1000}, range(-100, 1200)),
+    ({"type": "integer", "multipleOf": 100}, range(-3000, 3000)),
+    ({"type": "integer", "multipleOf": 1000, "minimum": 0}, range(-2000, 12000)),
+    ({"type": "integer", "multipleOf": 2.5, "maximum": -3}, range(-700, 100)),  # 2.5 = 5/2: the multiples of 5
+    ({"type": "integer", "multipleOf": 0.01, "maximum": 3}, range(-50, 50)),  # every integer
+    ({"type": "number", "multipleOf": 5, "minimum": 2.5, "maximum": 1234.5}, range(-100, 1400)),  # integers only
+    ({"type": "integer", "multipleOf": 3, "minimum": 999990, "maximum": 1000020}, range(999000, 1001000)),
+    ({"type": "integer", "multipleOf": 97}, range(-1200, 1200)),
+])
+def test_integer_multiples_are_exact_within_their_bounds(schema: dict[str, Any], window: range) -> None:
+    from decimal import Decimal
+    from fractions import Fraction
+
+    shape, _ = number_shape(schema)
+    step = Fraction(Decimal(repr(schema["multipleOf"])))
+    low, high = Decimal(str(schema.get("minimum", "-Infinity"))), Decimal(str(schema.get("maximum", "Infinity")))
+    above, below = Decimal(str(schema.get("exclusiveMinimum",
+                                          "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
+    for value in window:
+        wanted = (value / step).denominator == 1 and low <= value <= high and above < value < below
+        assert grammar_accepts(shape, str(value)) == wanted, value
+    for text in ("-0", "007", "1.0", "+7", "7e1", "-007", "00"):
+        assert not grammar_accepts(shape, text), text
+    rng = random.Random(3)
+    for _ in range(300):  # and anywhere in range (up to 16 digits)
+        value = int(grammar_walk(shape, rng))
+        assert (value
+                / step).denominator == 1 and low <= value <= high and above < value < below and abs(value) < 10 ** 16
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "number", "multipleOf": 0.01},
+    {"type": "number", "multipleOf": 0.01, "minimum": -1.5, "exclusiveMaximum": 2},
+    {"type": "number", "multipleOf": 0.1, "exclusiveMinimum": 0.05, "maximum": 0.3},
+    {"type": "number", "multipleOf": 1, "minimum": 0.5, "maximum": 20.5},
+])
+def test_number_multiples_of_a_power_of_ten_have_no_more_fraction_digits(schema: dict[str, Any]) -> None:
+    from decimal import Decimal
+
+    shape, _ = number_shape(schema)
+    step = Decimal(repr(schema["multipleOf"]))
+    low, high = Decimal(str(schema.get("minimum", "-Infinity"))), Decimal(str(schema.get("maximum", "Infinity")))
+    above, below = Decimal(str(schema.get("exclusiveMinimum",
+                                          "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
+    texts = {f"{sign}{i}{fraction}" for sign in ("", "-") for i in range(25)
+             for fraction in ("", ".0", ".5", ".05", ".25", ".125", ".1", ".99")}
+    for text in texts:
+        value = Decimal(text)
+        wanted = (value % step == 0 and low <= value <= high and above < value < below
+                  and not (text.startswith("-") and value == 0)  # "-0" is never written
+                  and not (step == 1 and "." in text))  # integer-valued numbers are written as integers
+        if wanted and "." in text and len(text.split(".")[1]) > -step.as_tuple().exponent:
+            wanted = False
+        assert grammar_accepts(shape, text) == wanted, text
+    rng = random.Random(4)
+    for _ in range(300):
+        value = Decimal(grammar_walk(shape, rng))
+        assert value % step == 0 and low <= value <= high and above < value < below
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "number", "multipleOf": 0.5},
+     "multipleOf 0.5 on a number is not supported: only an integer or a power of ten"),
+    ({"type": "number", "multipleOf": 0.25, "minimum": 0}, "multipleOf 0.25 on a number"),
+    ({"type": "integer", "multipleOf": 0}, "multipleOf must be a number above 0"),
+    ({"type": "integer", "multipleOf": -3}, "multipleOf must be a number above 0"),
+    ({"type": "integer", "multipleOf": True}, "multipleOf must be a number above 0"),
+    ({"type": "integer", "multipleOf": "2"}, "multipleOf must be a number above 0"),
+    ({"type": "integer", "multipleOf": 5, "minimum": 1, "maximum": 4}, "no multiple of 5 lies within its bounds"),
+    ({"type": "integer", "multipleOf": 1e15}, "is beyond what nrvna generates (below 1e15"),
+    ({"type": "number", "multipleOf": 1e-16}, "is beyond what nrvna generates"),
+    ({"type": "integer", "multipleOf": 7919},
+     "multipleOf 7919 needs more than 2,048 grammar rules within these bounds"),
+    ({"type": "string", "multipleOf": 2}, "keyword 'multipleOf' is not supported for a string"),
+])
+def test_multiples_nrvna_cannot_write_are_refused(schema: dict[str, Any], message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput) as raised:
+        nrvna.check_json_schema(schema)
+    assert message in str(raised.value), raised.value
+
+
+def test_a_bounded_multiple_of_a_large_step_is_taken() -> None:
+    nrvna.check_json_schema({"type": "integer", "multipleOf": 7919, "minimum": 0, "maximum": 100_000})
+    assert number_shape({"type": "integer", "multipleOf": 7919, "minimum": 0, "maximum": 100_000})[1] < 200
+
+
+# ==============================================================================
+# 5.2 JSON strings: surrogate escapes
+# ==============================================================================
+
+
+@pytest.mark.model
+def test_a_surrogate_pair_escape_is_one_character_and_a_lone_surrogate_is_refused(llama: nrvna.LlamaRunner) -> None:
+    """A \\u escape in a constrained string is a BMP code point that is no surrogate, or a high
+    and a low surrogate together, one character: minLength/maxLength count as JSON Schema
+    does, and whatever the grammar takes decodes to text UTF-8 can hold (json.loads takes a
+    lone surrogate escape; UTF-8 encoders and strict parsers refuse it)."""
+    two = nrvna.schema_to_grammar({"type": "string", "minLength": 2, "maxLength": 2})
+    admitted = ['"ab"', '"\\ud83d\\ude00x"', '"\\uD83D\\uDE00\\u00e9"', '"\\ud7ff\\ue000"', '"\\/\\uFFFF"', '"é😀"']
+    refused = ['"\\ud83d\\ude00"',  # one character, not two
+               '"\\ud83d\\u2f9c"', '"\\ud83dx"', '"a\\udbff"', '"\\ude00\\ud83d"', '"\\udfffa"', '"abc"']
+    for text in admitted:
+        assert grammar_admits(llama, two, text.encode()), text
+        value = json.loads(text)
+        assert len(value) == 2 and value.encode("utf-8")
+    for text in refused:
+        assert not grammar_admits(llama, two, text.encode()), text
+    # Bytes that are not UTF-8, as byte tokens spell them: a surrogate, a code point past U+10FFFF;
+    # and the characters beside them, whose first byte begins those too (U+D000, U+D7FF, U+10FFFF).
+    for raw in (b'"a\xed\xa0\x80"', b'"a\xf4\x90\x80\x80"'):
+        assert not grammar_admits(llama, two, raw), raw
+    for raw in (b'"\xed\x80\x80\xed\x9f\xbf"', b'"\xee\x80\x80\xf4\x8f\xbf\xbf"'):
+        assert grammar_admits(llama, two, raw), raw
+    json_object = llama.grammars.get({"response_format": {"type": "json_object"}})[1]
+    assert grammar_admits(llama, json_object, b'{"s": "\\ud83d\\ude00\\/", "n": [1, true]}')
+    for text in (b'{"s": "\\ud83d"}', b'{"s": "\\ude00\\ud83d"}', b'{"s": "\xed\xa0\x80"}'):
+        assert not grammar_admits(llama, json_object, text), text
+
+
+@pytest.mark.model
+def test_constrained_jobs_copying_surrogate_escapes_end_valid_utf8_json(ws: str, tmp_path: Path, model: str,
+                                                                       run_main: RunMain) -> None:
+    """The model copies its raw prompt greedily: an emoji's escape pair (one character where
+    two are asked) and lone surrogates came out as they were, and "stop" with them."""
+    two = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 2}},
+           "required": ["s"], "additionalProperties": False}
+    lines = [{"prompt": '{"s": "%s"}\n' % s * 6, "raw": True, "temperature": 0, "max_tokens": 40,
+              "response_format": form}
+             for s in ("\\ud83d\\ude00", "\\ud83d\\u2f9c", "\\ud83d\\ud83d")
+             for form in (schema_format(two), {"type": "json_object"})]
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "s.jsonl", jsonl(lines))))
+    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for job_id, line in zip(ids, lines):
+        job = Flow(ws).get(job_id)
+        assert job.status is Status.Done and job.meta["finish_reason"] == "stop", (job.meta, job.result)
+        value = json.loads(job.result)
+        text = json.dumps(value, ensure_ascii=False)
+        assert not any(0xD800 <= ord(c) <= 0xDFFF for c in text), job.result  # UTF-8 can hold it
+        assert (satisfies(value, two) if line["response_format"]["type"] == "json_schema"
+                else isinstance(value, dict)), job.result
+
+
+# ==============================================================================
+# 5.3 Patterns
+# ==============================================================================
+
+
 # (pattern, the feature it shows)
 PATTERNS = [
-    (r"^\d{3}-\d{4}$", "\\d, {m}"), (r"^[A-Z][a-z]+$", "classes with ranges, +"), (r"^[^a-z]{2,4}$", "a negated class, {m,n}"),
+    (r"^\d{3}-\d{4}$", "\\d, {m}"), (r"^[A-Z][a-z]+$", "classes with ranges, +"),
+    (r"^[^a-z]{2,4}$", "a negated class, {m,n}"),
     (r"^\w+$", "\\w"), (r"^\W+$", "\\W (Unicode-aware in Python)"), (r"^\s\S\D$", "\\s \\S \\D"), (r"^.{1,8}$", "."),
-    (r"^[\s\S]{3}$", "[\\s\\S]: any character"), (r"^[\d\s]+$", "shorthands in a class"), (r"^[^\d\s]+$", "... negated"),
-    (r"^[^\W\d]+$", "a negated negation"), (r"^(?:ab|cd)+$", "(?:...), alternation"), (r"^(?P<x>x|y)(z)?$", "named and capturing groups"),
+    (r"^[\s\S]{3}$", "[\\s\\S]: any character"), (r"^[\d\s]+$", "shorthands in a class"),
+    (r"^[^\d\s]+$", "... negated"),
+    (r"^[^\W\d]+$", "a negated negation"), (r"^(?:ab|cd)+$", "(?:...), alternation"),
+    (r"^(?P<x>x|y)(z)?$", "named and capturing groups"),
     (r"^(a|b|)c?$", "an empty alternative"), (r'^["\\/]\n\t\r\f\v\x00\x1f\u00e9\u2028$', "escapes, and JSON's"),
     (r"^\x41\u0042[\x43-\x45]$", "\\x \\u in and out of classes"), (r"^[\]\[\\^-]+$", "escaped signs in a class"),
     (r"^\.\*\+\?\(\)\{\}\|\$$", "escaped metacharacters"), (r"^a{2}b{1,}c{0,2}d*?e+?$", "every quantifier, lazy ones"),
     (r"^[\w.-]+@[\w-]+\.[a-z]{2,3}$", "an e-mail-like pattern"), ("^\U0001F600x$", "a character past U+FFFF"),
     (r"colou?r", "unanchored: searched for"), (r"^abc", "anchored at the start only"), (r"xyz$", "at the end only"),
-    (r"^a|b$", "anchors per top-level alternative"), (r"(a*)*b", "a repetition of a repetition"), (r"^(a?){3,}$", "... of a nullable group"),
-    (r"^(x+)+y$", "nested +"), (r"^(?:a|(?:b|(?:c|d)*)+)e$", "nested unbounded alternatives"), (r"^(?:(?:a|b)*c){2}$", "a counted group"),
+    (r"^a|b$", "anchors per top-level alternative"), (r"(a*)*b", "a repetition of a repetition"),
+    (r"^(a?){3,}$", "... of a nullable group"),
+    (r"^(x+)+y$", "nested +"), (r"^(?:a|(?:b|(?:c|d)*)+)e$", "nested unbounded alternatives"),
+    (r"^(?:(?:a|b)*c){2}$", "a counted group"),
     (r"^$", "only the empty string"), (r"", "anything"), (r"^x{0}y$", "{0}"), (r"^[^\x00-\x7f]+$", "non-ASCII only"),
     (r"^[^\"\\]*$", "no quote or backslash"), (r"^(?:[01]\d|2[0-3]):[0-5]\d$", "a time of day"),
 ]
@@ -1201,7 +1360,8 @@ def test_a_pattern_s_grammar_admits_exactly_its_strings(pattern: str, alphabet: 
     for length in range(6):
         for chars in itertools.product(alphabet, repeat=length):
             text = "".join(chars)
-            assert grammar_accepts(shape, json.dumps(text)) == bool(re.search(pattern[:-1] + r"\Z", text)), (pattern, text)
+            assert (grammar_accepts(shape, json.dumps(text))
+                    == bool(re.search(pattern[:-1] + r"\Z", text))), (pattern, text)
 
 
 def test_a_wrong_translation_fails_the_generated_strings_check(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1233,16 +1393,20 @@ def test_a_wrong_translation_fails_the_generated_strings_check(monkeypatch: pyte
     (r"\bword\b", r"\b (a word boundary) is not supported"), (r"\B", r"\B (not a word boundary)"),
     (r"\p{L}", r"\p{...} (a Unicode property) is not supported"), (r"\P{L}", "a Unicode property"),
     (r"\Aa", r"\A (Python's start anchor"), (r"a\Z", r"\Z (write $)"), (r"\cA", r"\cX (a control character"),
-    (r"\u{41}", r"\u{...} is ECMA-262's u flag only"), (r"\ud800", "is a surrogate"), (r"\q", r"the escape \q is not supported"),
-    (r"\01", "octal escapes"), ("a{501}", "a repetition count above 500"), ("a{2,1}", "the most is less than the least"),
+    (r"\u{41}", r"\u{...} is ECMA-262's u flag only"), (r"\ud800", "is a surrogate"),
+    (r"\q", r"the escape \q is not supported"),
+    (r"\01", "octal escapes"), ("a{501}", "a repetition count above 500"),
+    ("a{2,1}", "the most is less than the least"),
     ("a{,3}", "{,n} is a repetition to Python and text to ECMA-262"), ("[]a]", "a ']' first in a class"),
     ("[[]", "a '[' inside a class"), ("[a&&b]", "'&&' in a class"), (r"[\d-z]", r"a range with \d, \w or \s at an end"),
     ("[z-a]", "the range 'z'-'a' is out of order"), (r"[^\s\S]", "a class that no character matches"),
     ("[😀]", "a character beyond U+FFFF in a class"), ("😀+", "a quantifier after a character beyond U+FFFF"),
     ("^(^a)", "'^' is supported only at the start of the pattern or of one of its top-level alternatives"),
     ("a$b", "'$' is supported only at the end"), ("(a$)", "'$' is supported only at the end"),
-    ("*a", "nothing to repeat before '*'"), ("a**", "a quantifier right after another"), ("a{2}{3}", "a quantifier right after another"),
-    ("(a", "a '(' without its ')'"), ("a)", "an unmatched ')'"), ("[a", "a '[' without its ']'"), ("a\\", "a pattern cannot end with '\\'"),
+    ("*a", "nothing to repeat before '*'"), ("a**", "a quantifier right after another"),
+    ("a{2}{3}", "a quantifier right after another"),
+    ("(a", "a '(' without its ')'"), ("a)", "an unmatched ')'"), ("[a", "a '[' without its ']'"),
+    ("a\\", "a pattern cannot end with '\\'"),
     ("(" * 33 + "a" + ")" * 33, "groups nested more than 32 deep"), ("(?<1x>a)", "a group name must be"),
     (r"^(?:(?:a|aa)+b){0,500}$", "it needs more than 2,000 grammar states (each copy of a counted repetition"),
     (r"^(?:a{500}){50}$", "it is over 20,000 characters long once its counted repetitions are written out"),
@@ -1251,12 +1415,14 @@ def test_a_wrong_translation_fails_the_generated_strings_check(monkeypatch: pyte
 def test_patterns_outside_the_subset_are_refused_naming_the_construct(pattern: str, message: str) -> None:
     with pytest.raises(nrvna.InvalidInput) as raised:
         nrvna.check_json_schema({"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}})
-    assert str(raised.value).startswith(f"schema /properties/p: pattern {pattern!r}") and message in str(raised.value), raised.value
+    assert (str(raised.value).startswith(f"schema /properties/p: pattern {pattern!r}")
+            and message in str(raised.value)), raised.value
 
 
 def costly_patterns(count: int) -> dict[str, Any]:
     """Issue 42's schema: patterns of 1.4 million steps each, within the per-pattern limits."""
-    return {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "^.{0,500}.{0,500}.{0,%d}$" % (400 - i)}
+    return {"type": "object",
+            "properties": {f"f{i}": {"type": "string", "pattern": "^.{0,500}.{0,500}.{0,%d}$" % (400 - i)}
                                              for i in range(count)}, "required": [f"f{i}" for i in range(count)]}
 
 
@@ -1266,7 +1432,8 @@ def test_a_schema_s_patterns_are_counted_together_and_refused_past_the_bound(ws:
     convert, on a worker: together they are counted as one pattern is, and the schema is exit 2
     at the pattern that passes the bound, by counted steps (the same on any machine)."""
     nrvna.check_json_schema(costly_patterns(1))  # one is within the bound
-    done = run_main("submit", ws, "Fill in the form.", "--json-schema", write(tmp_path / "s.json", json.dumps(costly_patterns(10))))
+    done = run_main("submit", ws, "Fill in the form.", "--json-schema",
+                    write(tmp_path / "s.json", json.dumps(costly_patterns(10))))
     assert done.returncode == 2 and done.stderr.count(b"\n") == 1, done.stderr
     assert b"schema /properties/f1: the schema's patterns and formats take 3,1" in done.stderr, done.stderr
     assert b"over the 3,000,000 a schema may take" in done.stderr
@@ -1275,7 +1442,8 @@ def test_a_schema_s_patterns_are_counted_together_and_refused_past_the_bound(ws:
     wide = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "^a{500}b{500}c{400}%d$" % i}
                                              for i in range(30)}}
     with pytest.raises(nrvna.InvalidInput, match=re.escape("schema /properties/f28: the schema's patterns and formats "
-                                                           "make 40,677 grammar states with this one, over the 40,000")):
+                                                           "make 40,677 grammar states with this one, over the "
+                                                           "40,000")):
         nrvna.check_json_schema(wide)
     emails = {"type": "object", "properties": {f"e{i}": {"type": "string", "format": "email"} for i in range(60)}}
     nrvna.check_json_schema(emails)  # 60 e-mail addresses are 22,740 states
@@ -1295,13 +1463,19 @@ def test_a_schema_s_patterns_are_counted_together_and_refused_past_the_bound(ws:
     ({"type": "integer", "pattern": "^1$"}, "keyword 'pattern' is not supported for an integer"),
     ({"type": "string", "pattern": "^a$", "enum": ["a"]}, "keyword 'pattern' is not supported beside enum"),
 ])
-def test_pattern_beside_lengths_is_taken_only_where_the_pattern_keeps_them(schema: dict[str, Any], message: Optional[str]) -> None:
+def test_pattern_beside_lengths_is_taken_only_where_the_pattern_keeps_them(schema: dict[str, Any],
+                                                                           message: Optional[str]) -> None:
     if message is None:
         nrvna.check_json_schema(schema)
         return
     with pytest.raises(nrvna.InvalidInput) as raised:
         nrvna.check_json_schema(schema)
     assert message in str(raised.value), raised.value
+
+
+# ==============================================================================
+# 5.4 Formats and types
+# ==============================================================================
 
 
 @pytest.mark.parametrize("name", list(nrvna.SCHEMA_FORMATS))
@@ -1341,7 +1515,8 @@ def test_dates_that_do_not_exist_are_never_admitted() -> None:
     date-time grammars admit exactly the dates date.fromisoformat takes."""
     import datetime
 
-    date, stamp = string_shape({"type": "string", "format": "date"}), string_shape({"type": "string", "format": "date-time"})
+    date, stamp = string_shape({"type": "string",
+                                "format": "date"}), string_shape({"type": "string", "format": "date-time"})
     admitted = 0
     for year in (0, 1, 4, 100, 400, 1900, 1999, 2000, 2023, 2024, 2100, 2400, 9996, 9999):
         for month in range(14):
@@ -1358,96 +1533,6 @@ def test_dates_that_do_not_exist_are_never_admitted() -> None:
     assert not grammar_accepts(stamp, '"2024-01-01T24:00:00Z"') and not grammar_accepts(stamp, '"2024-01-01T12:00:60Z"')
 
 
-def number_shape(schema: dict[str, Any]) -> tuple[nrvna.GrammarShape, int]:
-    """The grammar of a number schema's values, and how many rules its multipleOf made."""
-    rules: dict[str, str] = {}
-    expression = nrvna.number_rule(schema, "", rules, "m")
-    return nrvna.check_grammar(f"root ::= {expression}\n" + "".join(f"{n} ::= {b}\n" for n, b in rules.items())), len(rules)
-
-
-@pytest.mark.parametrize("schema, window", [
-    ({"type": "integer", "multipleOf": 7}, range(-3000, 3000)),
-    ({"type": "integer", "multipleOf": 7, "minimum": -100, "maximum": 250}, range(-500, 500)),
-    ({"type": "integer", "multipleOf": 12, "exclusiveMinimum": 5, "exclusiveMaximum": 1000}, range(-100, 1200)),
-    ({"type": "integer", "multipleOf": 100}, range(-3000, 3000)),
-    ({"type": "integer", "multipleOf": 1000, "minimum": 0}, range(-2000, 12000)),
-    ({"type": "integer", "multipleOf": 2.5, "maximum": -3}, range(-700, 100)),  # 2.5 = 5/2: the multiples of 5
-    ({"type": "integer", "multipleOf": 0.01, "maximum": 3}, range(-50, 50)),  # every integer
-    ({"type": "number", "multipleOf": 5, "minimum": 2.5, "maximum": 1234.5}, range(-100, 1400)),  # integers only
-    ({"type": "integer", "multipleOf": 3, "minimum": 999990, "maximum": 1000020}, range(999000, 1001000)),
-    ({"type": "integer", "multipleOf": 97}, range(-1200, 1200)),
-])
-def test_integer_multiples_are_exact_within_their_bounds(schema: dict[str, Any], window: range) -> None:
-    from decimal import Decimal
-    from fractions import Fraction
-
-    shape, _ = number_shape(schema)
-    step = Fraction(Decimal(repr(schema["multipleOf"])))
-    low, high = Decimal(str(schema.get("minimum", "-Infinity"))), Decimal(str(schema.get("maximum", "Infinity")))
-    above, below = Decimal(str(schema.get("exclusiveMinimum", "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
-    for value in window:
-        wanted = (value / step).denominator == 1 and low <= value <= high and above < value < below
-        assert grammar_accepts(shape, str(value)) == wanted, value
-    for text in ("-0", "007", "1.0", "+7", "7e1", "-007", "00"):
-        assert not grammar_accepts(shape, text), text
-    rng = random.Random(3)
-    for _ in range(300):  # and anywhere in range (up to 16 digits)
-        value = int(grammar_walk(shape, rng))
-        assert (value / step).denominator == 1 and low <= value <= high and above < value < below and abs(value) < 10 ** 16
-
-
-@pytest.mark.parametrize("schema", [
-    {"type": "number", "multipleOf": 0.01},
-    {"type": "number", "multipleOf": 0.01, "minimum": -1.5, "exclusiveMaximum": 2},
-    {"type": "number", "multipleOf": 0.1, "exclusiveMinimum": 0.05, "maximum": 0.3},
-    {"type": "number", "multipleOf": 1, "minimum": 0.5, "maximum": 20.5},
-])
-def test_number_multiples_of_a_power_of_ten_have_no_more_fraction_digits(schema: dict[str, Any]) -> None:
-    from decimal import Decimal
-
-    shape, _ = number_shape(schema)
-    step = Decimal(repr(schema["multipleOf"]))
-    low, high = Decimal(str(schema.get("minimum", "-Infinity"))), Decimal(str(schema.get("maximum", "Infinity")))
-    above, below = Decimal(str(schema.get("exclusiveMinimum", "-Infinity"))), Decimal(str(schema.get("exclusiveMaximum", "Infinity")))
-    texts = {f"{sign}{i}{fraction}" for sign in ("", "-") for i in range(25) for fraction in ("", ".0", ".5", ".05", ".25", ".125", ".1", ".99")}
-    for text in texts:
-        value = Decimal(text)
-        wanted = (value % step == 0 and low <= value <= high and above < value < below
-                  and not (text.startswith("-") and value == 0)  # "-0" is never written
-                  and not (step == 1 and "." in text))  # integer-valued numbers are written as integers
-        if wanted and "." in text and len(text.split(".")[1]) > -step.as_tuple().exponent:
-            wanted = False
-        assert grammar_accepts(shape, text) == wanted, text
-    rng = random.Random(4)
-    for _ in range(300):
-        value = Decimal(grammar_walk(shape, rng))
-        assert value % step == 0 and low <= value <= high and above < value < below
-
-
-@pytest.mark.parametrize("schema, message", [
-    ({"type": "number", "multipleOf": 0.5}, "multipleOf 0.5 on a number is not supported: only an integer or a power of ten"),
-    ({"type": "number", "multipleOf": 0.25, "minimum": 0}, "multipleOf 0.25 on a number"),
-    ({"type": "integer", "multipleOf": 0}, "multipleOf must be a number above 0"),
-    ({"type": "integer", "multipleOf": -3}, "multipleOf must be a number above 0"),
-    ({"type": "integer", "multipleOf": True}, "multipleOf must be a number above 0"),
-    ({"type": "integer", "multipleOf": "2"}, "multipleOf must be a number above 0"),
-    ({"type": "integer", "multipleOf": 5, "minimum": 1, "maximum": 4}, "no multiple of 5 lies within its bounds"),
-    ({"type": "integer", "multipleOf": 1e15}, "is beyond what nrvna generates (below 1e15"),
-    ({"type": "number", "multipleOf": 1e-16}, "is beyond what nrvna generates"),
-    ({"type": "integer", "multipleOf": 7919}, "multipleOf 7919 needs more than 2,048 grammar rules within these bounds"),
-    ({"type": "string", "multipleOf": 2}, "keyword 'multipleOf' is not supported for a string"),
-])
-def test_multiples_nrvna_cannot_write_are_refused(schema: dict[str, Any], message: str) -> None:
-    with pytest.raises(nrvna.InvalidInput) as raised:
-        nrvna.check_json_schema(schema)
-    assert message in str(raised.value), raised.value
-
-
-def test_a_bounded_multiple_of_a_large_step_is_taken() -> None:
-    nrvna.check_json_schema({"type": "integer", "multipleOf": 7919, "minimum": 0, "maximum": 100_000})
-    assert number_shape({"type": "integer", "multipleOf": 7919, "minimum": 0, "maximum": 100_000})[1] < 200
-
-
 @pytest.mark.parametrize("schema, choices", [
     ({"type": ["integer", "null"], "minimum": 0}, [{"type": "integer", "minimum": 0}, {"type": "null"}]),
     ({"type": ["string", "null"], "maxLength": 5, "pattern": "^[a-z]{1,5}$", "description": "d"},
@@ -1456,8 +1541,10 @@ def test_a_bounded_multiple_of_a_large_step_is_taken() -> None:
      None),  # 0.5 is refused for the number
     ({"type": ["array", "null"], "items": {"type": "string", "format": "date"}, "maxItems": 2},
      [{"type": "array", "items": {"type": "string", "format": "date"}, "maxItems": 2}, {"type": "null"}]),
-    ({"type": ["object", "null"], "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
-     [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}, {"type": "null"}]),
+    ({"type": ["object", "null"], "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "additionalProperties": False},
+     [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
+      {"type": "null"}]),
     ({"type": ["string", "integer"], "format": "email", "exclusiveMaximum": 10},
      [{"type": "string", "format": "email"}, {"type": "integer", "exclusiveMaximum": 10}]),
 ])
@@ -1471,10 +1558,12 @@ def test_a_list_of_types_with_keywords_is_one_schema_per_type(schema: dict[str, 
 
 
 @pytest.mark.parametrize("schema, message", [
-    ({"type": ["string", "null"], "minimum": 0}, "keyword 'minimum' is not supported for any of the types string, null"),
+    ({"type": ["string", "null"], "minimum": 0},
+     "keyword 'minimum' is not supported for any of the types string, null"),
     ({"type": ["integer", "null"], "minimum": "0"}, "minimum must be a finite number"),
     ({"type": ["string", "null"], "pattern": "(?=x)"}, "a lookahead"),
-    ({"type": ["array", "null"], "items": {"type": "string"}, "uniqueItems": True}, "keyword 'uniqueItems' is not supported"),
+    ({"type": ["array", "null"], "items": {"type": "string"}, "uniqueItems": True},
+     "keyword 'uniqueItems' is not supported"),
     ({"type": ["string", "null"], "enum": ["a", 1]}, "enum holds a value that is not of type ['string', 'null']"),
     ({"type": ["string", "string"], "maxLength": 2}, "a list of distinct ones"),
 ])
@@ -1487,6 +1576,426 @@ def test_a_list_of_types_refuses_what_no_type_of_it_takes(schema: dict[str, Any]
 def test_a_list_of_types_beside_enum_or_const_is_the_values() -> None:
     nrvna.check_json_schema({"type": ["string", "null"], "enum": ["a", "b", None]})
     nrvna.check_json_schema({"type": ["integer", "null"], "const": None})
+
+
+# ==============================================================================
+# 5.5 Grammar work: a grammar's cost, counted and bounded
+# ==============================================================================
+
+
+# Grammars whose parses multiply with each character. The first two hung a worker for good
+# (llama.cpp's grammar calls cannot be interrupted); the last is ambiguous only past what the
+# submit check looks at (16 characters).
+HANGING_GRAMMAR = 'root ::= x\nx ::= [^.,;!] x "." | [^.,;!] x "," | [^.,;!] x ";" | "!"\n'
+
+
+HANGING_SCHEMA = {"$defs": {"n": {"anyOf": [
+    {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 3},
+    {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1, "maxItems": 2},
+    {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 1}]}}, "$ref": "#/$defs/n"}
+
+
+LATE_GRAMMAR = 'root ::= "' + "o" * 20 + '" a\na ::= "x" a c | "x" a d | "y"\nc ::= "c"\nd ::= "d"\n'
+
+
+@pytest.mark.parametrize("grammar, message", [
+    (HANGING_GRAMMAR, "too ambiguous: checking a text of 16 characters from its start can take more than 65,536"),
+    ('root ::= a\na ::= "x" a c | "x" a d | "y"\nc ::= "c"\nd ::= "d"\n', "too ambiguous"),
+    ('root ::= ("a" | "a" | "a")*', "too ambiguous"),  # one parse stack, but three walks per character
+    ("root ::= " + " | ".join(f'"w{i}"' for i in range(20000)), "too wide: 20,000 ways to parse are open at once"),
+])
+def test_grammars_whose_parses_multiply_are_refused_at_submit(grammar: str, message: str, tmp_path: Path,
+                                                              ws: str, run_main: RunMain) -> None:
+    with pytest.raises(nrvna.InvalidInput, match=re.escape(message)):
+        nrvna.check_grammar(grammar)
+    done = run_main("submit", ws, "Write a long sentence about the sea", "--grammar",
+                    write(tmp_path / "g.gbnf", grammar))
+    assert done.returncode == 2 and done.stderr.count(b"\n") == 1 and message.encode() in done.stderr, done.stderr
+    nrvna.check_grammar(LATE_GRAMMAR)  # (what the submit check lets through, the daemon bounds: below)
+
+
+def test_grammar_shape_counts_llama_cpp_s_walks() -> None:
+    """The counts behind the limits, by hand: llama.cpp walks a token down each parse stack
+    without merging walks that meet. In ("a" | "a")* each "a" leads both walks on to three
+    stacks (either "a" again, or the end), so "aaa" takes 3 + 6 + 12 + 24 steps."""
+    parser = nrvna._GbnfParser('root ::= ("a" | "a")*')  # (refused at submit: 2 ** 16 walks in 16 characters)
+    parser.parse()
+    shape = nrvna.GrammarShape(parser.rules, parser.ids["root"])
+    assert len(shape.start[0]) == 3  # the two alternatives' "a", and the empty stack (complete)
+    steps, after = shape.walk(shape.start, b"aaa")
+    assert steps == 3 + 6 + 12 + 24 and len(after[0]) == 3
+    assert shape.walk(shape.start, b"ab")[1] is None
+    wide = nrvna.check_grammar(" | ".join(["root ::= " + '"a"'] + [f'"{c}"' for c in "bcdefgh"]))
+    assert wide.walk(wide.start, b"h") == (8 + 1, (frozenset({()}), (0, 0)))  # 8 stacks, then the end
+    split = nrvna.check_grammar('root ::= "\\u00e9" "x"')
+    steps, after = split.walk(split.start, b"\xc3")  # half of é: nothing matched yet
+    assert after == (split.start[0], (3, 1))
+    assert split.walk(after, b"\xa9x")[1] == (frozenset({()}), (0, 0))
+
+
+@pytest.mark.model
+def test_workers_count_a_shared_grammar_each_as_if_alone(llama: nrvna.LlamaRunner) -> None:
+    """Workers share the runner's grammars, and each counts its jobs' grammar work with a
+    GrammarShape of its own (a fork: the memos of the states it has counted, in part or
+    whole), so several worker threads counting the same grammars at once each get what one
+    thread alone gets. (Before, the runner's one shape was every worker's, its memos changed
+    by all of them without a lock: a worker's first count of a state came out whole when
+    another worker had asked about that state first.)"""
+    import numpy
+
+    vocab = llama.grammars.vocab()
+    ids = numpy.arange(0, llama.n_vocab, 5)  # a part of the vocabulary, as a redraw's shortlist
+    schema = {"enum": [f"shared-{i}" for i in range(120)]}
+    cases = [({"response_format": {"type": "json_object"}}, nrvna._JSON_OBJECT_GBNF,
+              '{"name": "caf\u00e9", "n": [1, 2]}'),
+             ({"response_format": schema_format(schema)}, nrvna.schema_to_grammar(schema), '"shared-17"')]
+
+    def count(shapes: list[nrvna.GrammarShape]) -> list[Any]:
+        out: list[Any] = []
+        for shape, (_, _, text) in zip(shapes, cases):
+            state = shape.start
+            for token in llama.tokenize(text, False, False):
+                out.append(shape.vocab_cost(state, vocab, ids))  # the part, the first time
+                out.append(shape.vocab_cost(state, vocab, ids))  # asked again: the whole vocabulary
+                steps, state = shape.walk(state, llama.piece(token))
+                out.append((steps, state))
+        return out
+
+    alone = count([nrvna.check_grammar(grammar) for _, grammar, _ in cases])
+    workers = [(nrvna._GrammarTemplates(llama), nrvna._SamplingScratch(llama)) for _ in range(3)]
+    start, results = threading.Barrier(len(workers)), [None] * len(workers)
+
+    def worker(i: int) -> None:
+        templates, scratch = workers[i]
+        samplers = [nrvna._JobSampler.for_job(llama, scratch, templates, params) for params, _, _ in cases]
+        start.wait()
+        try:
+            results[i] = count([sampler.shape for sampler in samplers])
+        finally:
+            for sampler in samplers:
+                sampler.close()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(workers))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        for templates, _ in workers:
+            templates.close()
+    assert len(alone) > 30 and all(result == alone for result in results)
+
+
+@pytest.mark.model
+def test_a_schema_whose_grammar_multiplies_fails_its_job_at_once(llama: nrvna.LlamaRunner) -> None:
+    nrvna.check_json_schema(HANGING_SCHEMA)  # the client cannot convert it: the daemon refuses it
+    with pytest.raises(nrvna.JobError) as raised:
+        generate(llama, "Write nested lists.", response_format=schema_format(HANGING_SCHEMA), max_tokens=64)
+    assert raised.value.code == "grammar_error" and "too ambiguous" in str(raised.value)
+
+
+@pytest.mark.model
+def test_a_grammar_ambiguous_past_its_start_fails_by_counted_work_not_time(llama: nrvna.LlamaRunner) -> None:
+    """The job fails before llama.cpp is asked to walk more than GRAMMAR_PATHS steps for a
+    token, at the same token whatever the machine's load (the old guard timed a step)."""
+    x = next(t for t in range(llama.n_vocab) if llama.piece(t) == b"x")
+    outcomes = [generate(llama, "Write x many times.", grammar=LATE_GRAMMAR, temperature=0, max_tokens=60,
+                         logit_bias={str(x): 100}) for _ in range(2)]
+    first = outcomes[0]
+    assert first.error_code == "grammar_error" and "ways to parse the text so far are open at once (the limit is " \
+        "4,096) after 22 tokens" in first.error, first  # 20 o's, then x's: each doubles the stacks
+    assert first.text.startswith("o" * 20) and set(first.text[20:]) == {"x"} and len(first.text) < 40
+    assert (outcomes[1].error, outcomes[1].text) == (first.error, first.text)
+
+
+@pytest.mark.model
+def test_a_job_past_the_grammar_limits_fails_alone_and_the_daemon_stops_on_time(ws: str, model: str,
+                                                                              tmp_path: Path) -> None:
+    """The issue's scene, on the daemon: a job whose grammar multiplies runs beside two others in
+    one context; it fails grammar_error, they finish, and stop returns within its timeout."""
+    proc = start_daemon(model, ws, "-w", "1", env={"NRVNA_LOG_LEVEL": "info"})
+    try:
+        wait_for_log(proc, "Server started")
+        late = ids_of(cli("submit", ws, "Write x many times.", "--grammar", write(tmp_path / "late.gbnf", LATE_GRAMMAR),
+                          "--temperature", "0", "--max-tokens", "60", "--logit-bias", "104=100"))  # 104: "x"
+        fine = ids_of(cli("submit", ws, "--file", write(tmp_path / "fine.jsonl", jsonl([
+            {"prompt": "Is water wet? Answer yes or no.", "grammar": 'root ::= "yes" | "no"', "max_tokens": 8},
+            {"prompt": "Name a colour.", "max_tokens": 8}]))))
+        done = cli("wait", ws, *late, *fine, timeout=300)
+        assert done.returncode in (0, 1), done.stderr
+        flow = Flow(ws)
+        failed = flow.get(late[0])
+        assert failed.status is Status.Failed and failed.meta["code"] == "grammar_error", failed.meta
+        assert "(the limit is 4,096)" in failed.error
+        assert all(flow.get(job_id).status is Status.Done for job_id in fine)
+        began = time.monotonic()
+        stopped = cli("stop", ws, "--timeout", "30", timeout=60)
+        assert stopped.returncode == 0 and time.monotonic() - began < 30, stopped.stderr
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.model
+def test_a_wide_enum_runs_whatever_the_load(llama: nrvna.LlamaRunner) -> None:
+    """3,000 strings open 3,000 parse stacks: a whole-vocabulary check takes 2.4e8 steps (1.45 s
+    here), within the limits; the old 0.5 s guard failed such jobs."""
+    values = [f"item-{i:04d}" for i in range(3000)]
+    schema = {"type": "object", "properties": {"v": {"enum": values}}, "required": ["v"]}
+    outcome = generate(llama, "Pick an item.", response_format=schema_format(schema), temperature=0, max_tokens=40)
+    assert outcome.error_code is None and outcome.finish_reason == "stop", outcome
+    assert json.loads(outcome.text)["v"] in values
+
+
+@pytest.mark.model
+def test_grammar_shape_counts_the_vocabulary_as_it_counts_each_token(llama: nrvna.LlamaRunner) -> None:
+    """vocab_cost (numpy, every token at once) is the sum and the most of walk's per-token
+    counts, in states along real outputs, for a part of the vocabulary and for the whole."""
+    import numpy
+
+    rng = numpy.random.default_rng(28)
+    vocab = llama.grammars.vocab()
+    cases = [(nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9 \u6f22\u5b57", "n": [1, 2.5e3]}'),  # 漢字: byte tokens
+             (nrvna.schema_to_grammar({"enum": [f"v{i}" for i in range(300)]}), '"v12"'),
+             (LATE_GRAMMAR, "o" * 20 + "xx")]
+    checked = partials = 0
+    for grammar, text in cases:
+        shape = nrvna.check_grammar(grammar)
+        state = shape.start
+        for token in llama.tokenize(text, False, False):
+            ids = numpy.sort(rng.choice(llama.n_vocab, 500, replace=False))
+            counts = [shape.walk(state, vocab.pieces[t])[0] if vocab.pieces[t] and vocab.pieces[t][0] else len(state[0])
+                      for t in ids.tolist()]
+            shape.vocab_costs.clear()  # (a state seen before answers with the whole vocabulary's cost)
+            shape.asked.clear()
+            assert shape.vocab_cost(state, vocab, ids) == (sum(counts), max(counts)), (grammar[:40], state)
+            whole = shape.vocab_cost(state, vocab)
+            assert whole[0] >= sum(counts) and whole[1] >= max(counts)
+            state = shape.walk(state, llama.piece(token))[1]
+            assert state is not None
+            checked += 1
+            partials += state[1] != (0, 0)
+    assert checked > 20 and partials >= 2  # (states with half a character: only continuing tokens decoded)
+
+
+@pytest.mark.model  # numpy, which comes with llama-cpp-python (the bare run has neither)
+def test_the_grammar_vocabulary_keeps_code_points_not_a_padded_matrix() -> None:
+    """GrammarVocab holds each token's code points once, by column (longest tokens first), not
+    a matrix padded to the longest token (15 MiB for SmolLM2, over 100 MiB for large
+    vocabularies): what it stores is the code points alone, and every token reads back whole."""
+    import numpy
+
+    pieces = [b"ab", b"", "h\u00e9llo w\u00f6rld".encode(), b"x", "\u6f22".encode(), b"\x80tail", b"a" * 40]
+    vocab = nrvna.GrammarVocab(numpy, pieces)
+    columns, lengths, rank = vocab.points((0, 0))
+    assert sum(len(c) for c in columns) == int(lengths.sum()) == 2 + 11 + 1 + 1 + 40
+    assert len(columns) == 40 and lengths[1] == 0 and lengths[5] == 0  # empty, and a stray continuation byte
+    for token, piece in enumerate(pieces):
+        if lengths[token]:
+            text = "".join(chr(columns[c][rank[token]]) for c in range(lengths[token]))
+            assert text == piece.decode(), token
+    assert vocab.points((0, 0))[0] is columns  # kept, not decoded again
+
+
+@pytest.mark.model
+def test_grammar_shape_agrees_with_llama_cpp_token_by_token(llama: nrvna.LlamaRunner) -> None:
+    """Random grammars (the tests' own fuzzing of grammar shapes) walked by random tokens:
+    GrammarShape allows exactly the tokens llama.cpp's grammar sampler allows, state after
+    state, so the work it counts is the work llama.cpp will do."""
+    import numpy
+
+    L = llama.llama_cpp
+    rng = random.Random(28)
+    pieces = {t: llama.piece(t) for t in range(llama.n_vocab)}
+    short = [t for t, p in pieces.items() if p and len(p) <= 3 and all(c in b"abcxy ,.!\"[]{}0123456789" for c in p)]
+    every = [t for t, p in pieces.items() if p and t not in llama.control_tokens
+             and not L.llama_vocab_is_eog(llama.vocab, t)]
+    atoms = ['"a"', '"b"', '"ab"', "[a-c]", "[^a]", "[0-9]", '" "', '","', ".", '"x"', '"\\u00e9"']
+    one = L.llama_token_data(0, 0.0, 0.0)
+    array = L.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+
+    def allowed(sampler: Any, token: int) -> bool:
+        one.id, one.logit, one.p = token, 0.0, 0.0
+        array.size, array.selected, array.sorted = 1, -1, False
+        L.llama_sampler_apply(sampler, ctypes.byref(array))
+        return one.logit != -numpy.inf
+
+    def item(depth: int) -> str:
+        roll = rng.random()
+        if roll < 0.5 or depth > 2:
+            return rng.choice(atoms) + rng.choice(["", "", "?", "*", "+", "{1,3}"])
+        if roll < 0.7:
+            return rng.choice(["r1", "r2"])
+        return "(" + " | ".join(sequence(depth + 1)
+                                for _ in range(rng.randint(2, 3))) + ")" + rng.choice(["", "*", "?"])
+
+    def sequence(depth: int) -> str:
+        return " ".join(item(depth) for _ in range(rng.randint(1, 3)))
+
+    compared = grammars = 0
+    while grammars < 60:
+        text = "\n".join(f"{name} ::= " + " | ".join(sequence(0) for _ in range(rng.randint(1, 3)))
+                         for name in ("root", "r1", "r2")) + '\nr2 ::= "y"' * 0
+        text = text.replace("r2 ::= ", 'r2 ::= "y" | ', 1)  # every rule can end
+        try:
+            shape = nrvna.check_grammar(text)
+        except nrvna.InvalidInput:
+            continue
+        sampler = L.llama_sampler_init_grammar(llama.vocab, text.encode(), b"root")
+        assert sampler, text
+        grammars += 1
+        state = shape.start
+        try:
+            for _ in range(12):
+                candidates = rng.sample(short, 40) + rng.sample(every, 10)
+                verdicts = [(t, allowed(sampler, t), shape.walk(state, pieces[t])[1]) for t in candidates]
+                for token, ok, after in verdicts:
+                    assert ok == (after is not None), (text, state, pieces[token])
+                    compared += 1
+                moves = [(t, after) for t, ok, after in verdicts if ok]
+                if not moves:
+                    break
+                token, state = rng.choice(moves)
+                L.llama_sampler_accept(sampler, token)
+        except nrvna.GrammarLimit:
+            pass  # (ambiguous past the start: what the daemon fails jobs for)
+        finally:
+            L.llama_sampler_free(sampler)
+    assert compared > 10_000, compared
+
+
+# ==============================================================================
+# 5.6 GBNF grammars
+# ==============================================================================
+
+
+JSON_GRAMMAR = r'''
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+ws ::= | " " | "\n" [ \t]{0,20}   # comments are fine
+'''
+
+
+@pytest.mark.parametrize("grammar", [JSON_GRAMMAR, 'root ::= "yes" | "no"', 'root ::= [a-z]+ ("," [a-z]+)*\n',
+                                     "root ::= item{2,4}\nitem ::= [0-9] \"\\n\"",
+                                     'root ::= "a" root?', 'root ::= "\\u00e9\\x41" .'])
+def test_good_grammars_pass_the_submit_check(grammar: str) -> None:
+    nrvna.check_grammar(grammar)
+
+
+@pytest.mark.parametrize("grammar, message", [
+    ('root ::= "a" b', "rule 'b' is used but never defined"),
+    ('start ::= "a"', "there is no 'root' rule"),
+    ('root ::= "a\n', "unexpected end of input"),
+    ('root ::= "\\q"', "unknown escape \\q at line 1, column 11"),
+    ('root ::= "a"\n\nx ::= "b" |\n  ( "c"', "expecting ')' at line 4"),
+    ("root = \"a\"", "expecting ::= at line 1, column 6"),
+    ('root ::= * "a"', "expecting an item before"),
+    ('root ::= "a"{3,1}', "the most is less than the least"),
+    ('root ::= "a"{5000}', "more than 2000 repetitions"),
+    ('root ::= root "a"', "rule 'root' can reach itself without consuming anything"),
+    ('root ::= x\nx ::= ws x\nws ::= [ ]*', "rule 'x' can reach itself"),  # llama.cpp itself would hang on this one
+    ('root ::= ("a"?)*', "a group or repetition in rule 'root' can reach itself"),
+    ('root ::= "\\x4"', "expecting 2 hex digits"),
+    ('root ::= "a" <[369]>', "token elements (<...>, <[id]>, !<...>) are not supported"),  # llama.cpp would abort
+    ('root ::= "a" !<[5]> [a-z]*', "token elements"),
+    ('root ::= "a"{0,99999999999999999999}', "a repetition count that large is not supported"),
+    ('root ::= "a"{²}', "expecting an integer"),
+    ('root ::= "' + "x" * 2000 + '"{2000}', "expands to more than 200,000 elements"),
+    # UTF-8 holds no surrogate: llama.cpp took these, and a job ended `stop` with U+FFFD instead
+    ('root ::= "\\uD800"', "U+D800 is a surrogate, which UTF-8 text never holds at line 1, column 11"),
+    ('root ::= [a\\udc00-\\udfff]', "U+DC00 is a surrogate"),
+    ('root ::= "\ud83d"', "U+D83D is a surrogate"),  # a lone surrogate in the text itself (a JSON line's)
+    ('root ::= "\\U00110000"', "U+110000 is beyond U+10FFFF"),
+])
+def test_bad_grammars_are_refused_at_submit_with_where(grammar: str, message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput) as raised:
+        nrvna.check_grammar(grammar)
+    assert message in str(raised.value)
+
+
+# -- patterns, formats, multipleOf, type lists -------------------------------------------------
+# The grammar nrvna makes for each is walked at random (GrammarShape: llama.cpp's parse stacks)
+# to generate strings, and every one must satisfy the keyword by an independent check: Python's
+# re, jsonschema's FormatChecker, date.fromisoformat, exact fractions.
+
+
+# ==============================================================================
+# 5.7 JSON schemas
+# ==============================================================================
+
+
+@pytest.mark.parametrize("schema", [
+    PRODUCT_SCHEMA, PERSON_SCHEMA,
+    {"type": "string"}, {"enum": ["a", 1, None]}, {"const": 3, "type": "integer"}, {},
+    {"type": "object"}, {"type": "object", "additionalProperties": {"type": "integer"}},
+    {"anyOf": [{"type": "string", "format": "date"}, {"type": "null"}]},
+    {"type": ["string", "null"]},
+    {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False},
+    {"$defs": {"node": {"type": "object",
+                        "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+     "$ref": "#/$defs/node", "title": "a tree", "x-note": "extensions are ignored"},
+])
+def test_json_schemas_the_converter_honours_whole_are_accepted(schema: dict[str, Any]) -> None:
+    nrvna.check_json_schema(schema)
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+     "schema /: keyword 'uniqueItems' is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)"}}},
+     "schema /properties/a: pattern '^(?=a)': a lookahead (?=...) is not supported"),
+    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}},
+     "/properties/n: multipleOf 0.5 on a number"),
+    ({"type": "string", "format": "uri"},
+     "format 'uri' is not supported (supported: date, time, date-time, duration, email"),
+    ({"type": "string", "format": "date", "maxLength": 4},
+     "minLength/maxLength beside format 'date' are supported only where"),
+    ({"type": "object", "minProperties": 1, "properties": {}}, "keyword 'minProperties'"),
+    ({"type": "object", "required": ["a"]}, "keyword 'required' is not supported for an object without properties"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]},
+     "required property 'b' is not in properties"),
+    ({"type": "array", "minItems": 1}, "keyword 'minItems' is not supported for array without items"),
+    ({"type": "array", "items": {}}, "items {} is not supported"),
+    ({"type": "string", "maxLenght": 3}, "keyword 'maxLenght' is not supported"),
+    ({"allOf": [{"type": "string"}]}, "keyword 'allOf' is not supported"),
+    ({"not": {"type": "string"}}, "keyword 'not' is not supported"),
+    ({"description": "only words"}, "a schema needs a type"),
+    ({"anyOf": [{"type": "string"}], "type": "string"}, "keyword 'type' is not supported beside anyOf"),
+    ({"$ref": "https://example.com/s.json"}, "only local references"),
+    ({"oneOf": [{"type": "number"}, {"type": "integer"}]},
+     "keyword 'oneOf' is not supported: the grammar would enforce it as anyOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     "additionalProperties other than false beside properties"),
+    ({"type": "object", "properties": {"": {"type": "string"}}}, "a property named '' is not supported"),
+    ({"type": 5, "const": 1}, "type must be a string or a list"),
+    ({"enum": [{"$ref": "#/enum"}]}, "a '$ref' key where no schema is"),
+    ({"$defs": {"x": {"anyOf": [{"$ref": "#/$defs/y"}, {"type": "null"}]},
+                "y": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/x"}}, {"$ref": "#/$defs/x"}]}},
+      "type": "object", "properties": {"a": {"$ref": "#/$defs/y"}}}, "refers back to itself"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/properties/b", "$defs": {}}, "b": {"type": "string"}}},
+     "$defs beside $ref is supported at the top of the schema only"),
+    ({"$ref": "#/$defs/missing"}, "points at nothing"),
+    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"},
+     "refers back to itself"),
+    ({"type": "string", "maxLength": 10000}, "maxLength must be an integer from 0 to 500"),
+    ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2},
+     "minItems 3 is more than maxItems 2"),
+    ({"enum": ["a", 2], "type": "string"}, "enum holds a value that is not of type 'string'"),
+    ({"type": "date"}, "unknown type 'date'"),
+    (True, "a schema must be a JSON object"),
+])
+def test_json_schemas_with_what_the_converter_would_drop_are_refused(schema: Any, message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput) as raised:
+        nrvna.check_json_schema(schema)
+    assert message in str(raised.value)
 
 
 def exact_validator(schema: dict[str, Any]) -> Any:
@@ -1506,13 +2015,15 @@ def exact_validator(schema: dict[str, Any]) -> Any:
 
 KEYWORD_SCHEMAS = {
     "strings": {"type": "object", "properties": {
-        "code": {"type": "string", "pattern": r"^[A-Z]{3}-\d{2}$"}, "colour": {"type": "string", "pattern": "^(red|green|blue)( [a-z]+)?$"},
+        "code": {"type": "string", "pattern": r"^[A-Z]{3}-\d{2}$"},
+        "colour": {"type": "string", "pattern": "^(red|green|blue)( [a-z]+)?$"},
         "day": {"type": "string", "format": "date"}, "at": {"type": "string", "format": "time"},
         "when": {"type": "string", "format": "date-time"}, "span": {"type": "string", "format": "duration"}},
         "required": ["code", "colour", "day", "at", "when", "span"], "additionalProperties": False},
     "network": {"type": "object", "properties": {
         "mail": {"type": "string", "format": "email"}, "host": {"type": "string", "format": "hostname"},
-        "v4": {"type": "string", "format": "ipv4"}, "v6": {"type": "string", "format": "ipv6"}, "id": {"type": "string", "format": "uuid"}},
+        "v4": {"type": "string", "format": "ipv4"}, "v6": {"type": "string", "format": "ipv6"},
+        "id": {"type": "string", "format": "uuid"}},
         "required": ["mail", "host", "v4", "v6", "id"], "additionalProperties": False},
     "numbers": {"type": "object", "properties": {
         "dozen": {"type": "integer", "multipleOf": 12, "minimum": 0, "maximum": 1000},
@@ -1523,7 +2034,9 @@ KEYWORD_SCHEMAS = {
         "tags": {"type": ["array", "null"], "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
         "pick": {"type": ["string", "null"], "enum": ["yes", "no", None]}},
         "required": ["dozen", "price", "round", "maybe", "name", "tags", "pick"], "additionalProperties": False},
-    "unanchored": {"type": "object", "properties": {"note": {"type": "string", "pattern": "cat"}, "tail": {"type": "string", "pattern": "[0-9]$"}},
+    "unanchored": {"type": "object",
+                   "properties": {"note": {"type": "string", "pattern": "cat"},
+                                  "tail": {"type": "string", "pattern": "[0-9]$"}},
                    "required": ["note", "tail"], "additionalProperties": False},
 }
 
@@ -1535,7 +2048,8 @@ def test_converted_schemas_with_the_new_keywords_admit_only_valid_json(name: str
     valid JSON that jsonschema (with formats) finds valid."""
     schema = KEYWORD_SCHEMAS[name]
     nrvna.check_json_schema(schema)
-    shape, rng, validator = nrvna.check_grammar(nrvna.schema_to_grammar(schema)), random.Random(5), exact_validator(schema)
+    shape, rng, validator = (nrvna.check_grammar(nrvna.schema_to_grammar(schema)), random.Random(5),
+                             exact_validator(schema))
     values = [json.loads(grammar_walk(shape, rng)) for _ in range(200)]
     for value in values:
         errors = [error.message for error in validator.iter_errors(value)]
@@ -1595,11 +2109,13 @@ def test_llama_cpp_takes_the_grammars_and_admits_what_they_admit(llama: nrvna.Ll
         grammar = string_grammar(schema)
         shape = nrvna.check_grammar(grammar)
         texts = [grammar_walk(shape, rng, most=300) for _ in range(12)]
-        texts = [text for text in texts if all(bytes([b]) in tokens for b in text.encode())][:4]  # (bytes it has tokens for)
+        # (bytes it has tokens for)
+        texts = [text for text in texts if all(bytes([b]) in tokens for b in text.encode())][:4]
         assert texts, schema
         for text in texts:
             assert grammar_admits(llama, grammar, text.encode()), (schema, text)
-    refused = {r"^\d{3}$": ["12", "1234", "12a", "١٢٣"], r"^[^a-z]+$": ["a", "Ab", ""], "^.$": ["\\n", "\\r", "\\u2028", "ab"],
+    refused = {r"^\d{3}$": ["12", "1234", "12a", "١٢٣"], r"^[^a-z]+$": ["a", "Ab", ""],
+               "^.$": ["\\n", "\\r", "\\u2028", "ab"],
                "^\\w+$": ["é", "a-b"], "colou?r": ["colr", "COLOR"]}
     for pattern, texts in refused.items():
         grammar = string_grammar({"type": "string", "pattern": pattern})
@@ -1615,11 +2131,14 @@ def test_real_model_jobs_with_the_new_keywords_come_out_valid(llama: nrvna.Llama
     with stop passes jsonschema with its FormatChecker. (An unanchored pattern's string may
     ramble on before it holds a match: those jobs are mostly cut by max_tokens.)"""
     prompts = {"strings": "Make up a product code, a colour, a date, a time, a timestamp and a duration as JSON.",
-               "network": "Describe a server: its admin's e-mail, hostname, IPv4 and IPv6 addresses and an ID, as JSON.",
-               "numbers": "Give a count in dozens, a price, a round number, a digit or null, a name, tags and yes or no, as JSON.",
+               "network": "Describe a server: its admin's e-mail, hostname, IPv4 and IPv6 addresses and an ID, as "
+               "JSON.",
+               "numbers": "Give a count in dozens, a price, a round number, a digit or null, a name, tags and yes or "
+               "no, as JSON.",
                "unanchored": "Write a short note about a cat and a line ending with a digit, as JSON."}
     session = llama.session(0, nrvna.Config(workers=1, seqs=12, max_ctx=2048))
-    jobs = {(name, seed): fake_job(prompts[name], seed=seed, temperature=0.8, max_tokens={"network": 220}.get(name, 110),
+    jobs = {(name, seed): fake_job(prompts[name], seed=seed, temperature=0.8,
+                                   max_tokens={"network": 220}.get(name, 110),
                                    response_format=schema_format(KEYWORD_SCHEMAS[name]))
             for name in KEYWORD_SCHEMAS for seed in (1, 2, 3)}
     waiting = list(jobs.values())
@@ -1643,659 +2162,6 @@ def test_real_model_jobs_with_the_new_keywords_come_out_valid(llama: nrvna.Llama
         else:
             assert outcome.finish_reason == "length"
     assert sum(stopped.values()) >= 8 and min(stopped["strings"], stopped["network"], stopped["numbers"]) >= 1, stopped
-
-
-@pytest.mark.parametrize("params, message", [
-    ({"response_format": {"type": "json"}}, "response_format must be"),
-    ({"response_format": {"type": "json_object", "schema": {}}}, "takes no other field ('schema')"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}}, "name must be 1 to 64"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "schema must be a JSON Schema object"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}}}, "unknown field 'extra'"),
-    ({"response_format": schema_format({"type": "number", "maximum": float("inf")})}, "not finite"),
-    ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "give grammar or response_format, not both"),
-    ({"grammar": 'root ::= "a"', "stop": ["\n"]}, "stop cannot be combined with grammar or response_format"),
-    ({"top_logprobs": 3}, "top_logprobs needs logprobs: true"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs=21 is out of range (0 to 20)"),
-    ({"logit_bias": {"abc": 1}}, "'abc' is not a token ID"),
-    ({"logit_bias": {"5": 101}}, "must be a number from -100 to 100"),
-    ({"logit_bias": [1]}, "logit_bias must be an object"),
-    ({"logit_bias": {"²": 1}}, "'²' is not a token ID"),
-    ({"response_format": schema_format({"enum": ["\ud800"]})}, "not valid Unicode"),
-])
-def test_structured_output_parameters_are_validated(params: dict[str, Any], message: str) -> None:
-    with pytest.raises(nrvna.InvalidInput) as raised:
-        nrvna.validate_params(params)
-    assert message in str(raised.value)
-    text = nrvna.validate_params({"response_format": {"type": "text"}, "logprobs": True, "top_logprobs": 0})
-    assert text["response_format"] == {"type": "text"} and nrvna.constraint(text) is None
-
-
-def test_one_schema_on_many_lines_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    check = nrvna.check_json_schema
-    monkeypatch.setattr(nrvna, "check_json_schema", lambda schema: (calls.append(1), check(schema))[1])
-    monkeypatch.setattr(nrvna, "_CHECKED", {})
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}, "tag": {"type": "string"}}}
-    rows = [{"prompt": f"p{i}", "response_format": schema_format(schema)} for i in range(3000)]
-    entries = nrvna.parse_batch(jsonl(rows).encode())
-    assert len(entries) == 3000 and len(calls) == 1
-    assert [e.params["response_format"]["json_schema"]["schema"] for e in entries[:2]] == [schema, schema]
-
-
-def test_the_cache_of_checked_schemas_is_shared_by_threads_safely(monkeypatch: pytest.MonkeyPatch) -> None:
-    """_CHECKED is read and evicted from every worker's claim. Threads that find it over its
-    bound at once each evict under _CHECKED_LOCK (without it, they all popped the same oldest
-    key: KeyError), and each gets its own key's verdict."""
-    class Slow(dict):  # finding the oldest key takes a while: the threads meet in the eviction
-        def __iter__(self) -> Any:
-            keys = list(dict.keys(self))
-            time.sleep(0.05)
-            return iter(keys)
-
-    def refuse() -> None:
-        raise nrvna.InvalidInput("refused")
-
-    cache = Slow((("old", i), None) for i in range(256))
-    monkeypatch.setattr(nrvna, "_CHECKED", cache)
-    barrier, verdicts = threading.Barrier(6), {}
-
-    def check(i: int) -> None:
-        barrier.wait()
-        try:
-            nrvna._checked(("new", i), refuse if i % 2 else lambda: None)
-            verdicts[i] = "passed"
-        except Exception as err:  # noqa: BLE001 (any error is the test's finding)
-            verdicts[i] = f"{type(err).__name__}: {err}"
-
-    threads = [threading.Thread(target=check, args=(i,)) for i in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert verdicts == {i: "InvalidInput: refused" if i % 2 else "passed" for i in range(6)}
-    assert len(cache) == 256 and all(("new", i) in cache for i in range(6))  # the oldest went
-
-
-def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain) -> None:
-    flow = Flow(ws)
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-    path = write(tmp_path / "answer.json", json.dumps(schema))
-    for args, expected in [
-        (("--json-schema", path), schema_format(schema, "answer")),
-        (("--json-schema", json.dumps(schema)), schema_format(schema, "schema")),
-        (("--json-schema", json.dumps({"name": "w", "schema": schema})), {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}),
-        (("--json-schema", json.dumps(schema_format(schema, "full"))), schema_format(schema, "full")),
-        (("--json",), {"type": "json_object"}),
-    ]:
-        done = run_main("submit", ws, "hi", *args)
-        assert done.returncode == 0, done.stderr
-        assert flow.get(done.stdout.decode().strip()).params["response_format"] == expected, args
-    grammar = write(tmp_path / "yn.gbnf", 'root ::= "yes" | "no"\n')
-    done = run_main("submit", ws, "hi", "--grammar", grammar, "--logprobs", "--top-logprobs", "2",
-                    "--logit-bias", "15=-100", "--logit-bias", "7=2.5")
-    params = flow.get(done.stdout.decode().strip()).params
-    assert params == {"grammar": 'root ::= "yes" | "no"\n', "logprobs": True, "top_logprobs": 2,
-                      "logit_bias": {"15": -100.0, "7": 2.5}}
-    before = flow.counts()["queued"]
-    for args, message in [
-        (("--json", "--json-schema", path), b"not allowed with argument"),
-        (("--json-schema", str(tmp_path / "missing.json")), b"cannot read"),
-        (("--json-schema", "[1]"), b"is not a JSON object"),
-        (("--json-schema", '{"type": "string", "pattern": "^(x)\\\\1$"}'), b"a backreference (\\1) is not supported"),
-        (("--grammar", write(tmp_path / "bad.gbnf", "root ::= nothing\n")), b"rule 'nothing' is used but never defined"),
-        (("--logit-bias", "x=1"), b"is not TOKEN_ID=BIAS"),
-        (("--logprobs", "--top-logprobs", "21"), b"out of range (0 to 20)"),
-        (("--json", "--stop", "}"), b"stop cannot be combined"),
-    ]:
-        done = run_main("submit", ws, "hi", *args)
-        assert done.returncode == 2 and message in done.stderr and done.stdout == b"", (args, done.stderr)
-        assert b"Traceback" not in done.stderr
-    assert flow.counts()["queued"] == before
-
-
-@pytest.mark.parametrize("line, message", [
-    ({"prompt": "x", "response_format": schema_format({"type": "string", "format": "uri"})},
-     "line 2: response_format: schema /: format 'uri' is not supported"),
-    ({"prompt": "x", "grammar": "root ::= x"}, "line 2: grammar: rule 'x' is used but never defined"),
-    ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-      "body": {"messages": [{"role": "user", "content": "x"}], "response_format": schema_format({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.5}}})}},
-     "line 2: response_format: schema /properties/a: multipleOf 0.5 on a number is not supported"),
-    ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-      "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom"}]}},
-     "line 2: tools[0].type 'custom' is not supported (function only)"),
-    ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-      "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}},
-     "line 2: parameter top_logprobs=21 is out of range"),
-    ({"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 6}},
-     "line 2: body field 'logprobs' of /v1/completions must be an integer from 0 to 5"),
-    ({"prompt": "x", "grammar": 'root ::= "a"'}, "line 2: give grammar or response_format, not both (with the flags"),
-])
-def test_a_bad_structured_line_is_named_and_nothing_is_queued(ws: str, tmp_path: Path, line: dict, message: str,
-                                                             run_main: RunMain) -> None:
-    rows = [{"prompt": "fine", "response_format": schema_format(PRODUCT_SCHEMA)}, line, {"prompt": "also fine"}]
-    path = write(tmp_path / "batch.jsonl", jsonl(rows))
-    defaults = ("--json",) if "with the flags" in message else ()
-    done = run_main("submit", ws, "--file", path, *defaults)
-    assert done.returncode == 2 and message in done.stderr.decode(), done.stderr
-    assert done.stdout == b"" and b"Traceback" not in done.stderr
-    assert not os.path.exists(ws) or Flow(ws).counts()["queued"] == 0
-
-
-def test_n_choices_is_a_job_parameter_in_every_form(ws: str, run_main: RunMain) -> None:
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": "hi"}], "n": 4}}
-    assert nrvna.parse_batch(jsonl([line]).encode())[0].params["n"] == 4
-    assert nrvna.parse_batch(b'{"prompt": "x", "n": 2}\n', jsonl=True)[0].params["n"] == 2
-    job_id = run_main("submit", ws, "hi", "--n", "3").stdout.decode().strip()
-    assert Flow(ws).get(job_id).params["n"] == 3 and Work(ws).publish("hi", n=128)
-    for args, message in ((["hi", "--n", "0"], "parameter n=0 is out of range (1 to 128)"),
-                          (["hi", "--n", "129"], "parameter n=129 is out of range (1 to 128)")):
-        done = run_main("submit", ws, *args)
-        assert done.returncode == 2 and message in done.stderr.decode()
-    done = run_main("submit", ws, "--file", "-", input=b'{"embed": "t", "n": 2}\n')
-    assert done.returncode == 2 and b"an embed job takes no n" in done.stderr
-
-
-def test_openai_lines_carry_structured_output_and_logprobs() -> None:
-    chat = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": schema_format(PERSON_SCHEMA),
-                     "logprobs": True, "top_logprobs": 4, "logit_bias": {"50256": -100}, "presence_penalty": 0.5}}
-    legacy = {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 3}}
-    none = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": None}}
-    a, b, c = nrvna.parse_batch(jsonl([chat, legacy, none]).encode())
-    assert a.params["response_format"] == schema_format(PERSON_SCHEMA) and a.params["top_logprobs"] == 4
-    assert a.params["logit_bias"] == {"50256": -100.0} and a.params["logprobs"] is True
-    assert b.params["logprobs"] is True and b.params["top_logprobs"] == 3
-    assert "logprobs" not in c.params
-
-
-def test_the_log_probabilities_a_job_may_record_are_bounded_at_submit_and_at_claim(
-        ws: str, tmp_path: Path, run_main: RunMain, monkeypatch: pytest.MonkeyPatch) -> None:
-    """n x max_tokens x (top_logprobs + 1) at most LOGPROBS_MAX: n=16, 992 tokens and 20 each
-    held 490 MB in a daemon and took 479 MB to read back."""
-    cap = nrvna.LOGPROBS_MAX
-    monkeypatch.delenv("NRVNA_PREDICT", raising=False)
-    refused = run_main("submit", ws, "hi", "--n", "16", "--max-tokens", "992", "--logprobs", "--top-logprobs", "20")
-    assert refused.returncode == 2 and refused.stdout == b""
-    assert refused.stderr.decode() == (f"nrvna: error: logprobs: n x max_tokens x (top_logprobs + 1) = 16 x 992 x 21 = "
-                                       f"333312 log-probabilities, over the limit of {cap} a job (give a smaller "
-                                       "max_tokens, n or top_logprobs)\n")
-    default = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20")  # 4 x 2048 x 21
-    assert default.returncode == 2 and b"4 x 2048 (the default, NRVNA_PREDICT) x 21" in default.stderr
-    smaller = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20", env={"NRVNA_PREDICT": "512"})
-    assert smaller.returncode == 0, smaller.stderr  # 4 x 512 x 21 = 43008
-    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions",
-            "body": {"prompt": "x", "n": 128, "max_tokens": 256, "logprobs": 5}}  # 128 x 256 x 6
-    batch = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line])))
-    assert batch.returncode == 2 and b"line 1: logprobs: n x max_tokens x (top_logprobs + 1) = 128 x 256 x 6" in batch.stderr
-    assert Work(ws).publish("hi", n=2, max_tokens=cap // 42, logprobs=True, top_logprobs=20)  # 2 x 3120 x 21, under
-    assert nrvna.LOGPROBS_MAX >= 2048 * 21  # one job of the default length with every top_logprob fits
-    assert str(cap) in nrvna.PARAMS["logprobs"].help
-    # A daemon whose own default of max_tokens is larger fails a job that names none at its claim.
-    job_id = submit(ws, "x", n=2, logprobs=True, top_logprobs=20)  # 2 x 2048 x 21 = 86016 here
-    assert Flow(ws).counts()["queued"] == 3
-    with serving(ws, echo, max_tokens=4096):
-        states = wait_all(ws, [job_id])
-    job = Flow(ws).get(job_id)
-    assert states == [Status.Failed] and job.meta["code"] == "bad_request"
-    assert "2 x 4096 (the default, NRVNA_PREDICT) x 21 = 172032 log-probabilities" in job.error
-
-
-def logprob_runner(job: nrvna.RunningJob) -> Outcome:
-    """A runner that reports made-up log-probabilities in the engine's shape."""
-    entries = [{"token": t, "logprob": -0.5 * i, "bytes": list(t.encode()),
-                "top_logprobs": [{"token": t, "logprob": -0.5 * i, "bytes": list(t.encode())}]}
-               for i, t in enumerate(["{", '"a"', ":", "1", "}"])]
-    return Outcome(text='{"a":1}', finish_reason="stop", generated_tokens=5,
-                   logprobs=entries if job.params.get("logprobs") else None)
-
-
-def test_logprobs_are_stored_read_back_and_exported_in_openai_s_shapes(ws: str, tmp_path: Path, run_main: RunMain) -> None:
-    rows = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1,
-                      "response_format": {"type": "json_object"}}},
-            {"custom_id": "legacy", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 1}},
-            {"custom_id": "plain", "prompt": "x"}]
-    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "l.jsonl", jsonl(rows)), "--tag", "lp"))
-    with serving(ws, logprob_runner):
-        wait_all(ws, ids)
-    chat_dir = os.path.join(ws, nrvna.OUTPUT, ids[0])
-    assert json.load(open(os.path.join(chat_dir, "logprobs.json")))[0]["token"] == "{"
-    assert not os.path.exists(os.path.join(ws, nrvna.OUTPUT, ids[2], "logprobs.json"))
-    got = json.loads(run_main("get", ws, ids[0], "--json").stdout)
-    assert [e["token"] for e in got["logprobs"]] == ["{", '"a"', ":", "1", "}"] and got["result"] == '{"a":1}'
-    assert json.loads(run_main("get", ws, ids[2], "--json").stdout)["logprobs"] is None
-    out = [json.loads(x) for x in run_main("export", ws, "--tag", "lp", "--format", "openai").stdout.decode().splitlines()]
-    chat = out[0]["response"]["body"]["choices"][0]
-    assert chat["message"]["content"] == '{"a":1}' and chat["logprobs"]["refusal"] is None
-    assert chat["logprobs"]["content"][3] == {"token": "1", "logprob": -1.5, "bytes": [49],
-                                              "top_logprobs": [{"token": "1", "logprob": -1.5, "bytes": [49]}]}
-    legacy = out[1]["response"]["body"]["choices"][0]["logprobs"]
-    assert legacy["tokens"] == ["{", '"a"', ":", "1", "}"] and legacy["text_offset"] == [1, 2, 5, 6, 7]  # after "x"
-    assert legacy["token_logprobs"][1] == -0.5 and legacy["top_logprobs"][1] == {'"a"': -0.5}
-    assert out[2]["response"]["body"]["choices"][0]["logprobs"] is None
-    records = [json.loads(x) for x in run_main("export", ws, "--tag", "lp").stdout.decode().splitlines()]
-    assert len(records[0]["logprobs"]) == 5 and "logprobs" not in records[2]
-    # a retried job leaves no stale logprobs.json behind
-    job_dir = os.path.join(ws, nrvna.FAILED, ids[0])
-    os.rename(chat_dir, job_dir)
-    nrvna.mark_failed(ws, nrvna.FAILED, ids[0], "timeout", "made up")
-    assert nrvna.retry_job(ws, ids[0])[0] == "queued"
-    assert not os.path.exists(os.path.join(ws, nrvna.READY, ids[0], "logprobs.json"))
-
-
-def test_a_params_json_a_check_chokes_on_fails_that_job_alone(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    ids = [submit(ws, "plain one"), submit(ws, "constrained", response_format={"type": "json_object"}), submit(ws, "plain two")]
-    plant(ws, "handmade", {"prompt.txt": "x", "params.json": json.dumps({"response_format": schema_format({"type": "string"})})})
-
-    def broken(schema: Any) -> None:
-        raise RuntimeError("a bug in a check")
-
-    monkeypatch.setattr(nrvna, "check_json_schema", broken)
-    monkeypatch.setattr(nrvna, "_CHECKED", {})
-    with serving(ws, echo, workers=1):
-        states = wait_all(ws, ids + ["handmade"])
-    assert states == [Status.Done, Status.Done, Status.Done, Status.Failed]
-    job = Flow(ws).get("handmade")
-    assert job.meta["code"] == "bad_request" and "could not be checked" in job.error and "a bug in a check" in job.error
-
-
-@pytest.mark.model
-def test_constrained_and_free_jobs_share_a_context_on_the_real_model(tmp_path: Path, model: str, run_main: RunMain) -> None:
-    """One daemon, one worker, 16 sequences: schema, json_object and free jobs decode together.
-    Every constrained result that ends with stop is valid JSON satisfying its schema; one cut
-    by max_tokens says length. The free jobs come out byte-identical to a run without the
-    constrained ones. (Batch-mates change the arithmetic of a unified KV cache, so that run
-    keeps the batch's shape: each constrained line becomes a free line with the same prompt
-    that generates exactly as many tokens, its cells and steps the same.)"""
-    product = "Invent product number {} of a hardware shop and describe it as JSON."
-    person = "Invent a person number {} and describe them as JSON."
-    lines = []
-    for i in range(5):
-        lines.append({"custom_id": f"product-{i}", "prompt": product.format(i), "response_format": schema_format(PRODUCT_SCHEMA),
-                      "temperature": 0.7, "seed": i + 1, "max_tokens": 200})
-        lines.append({"custom_id": f"free-{i}", "prompt": f"Tell me one fact about the number {i}.", "temperature": 0,
-                      "seed": 11, "max_tokens": 48})
-        if i < 4:
-            lines.append({"custom_id": f"person-{i}", "method": "POST", "url": "/v1/chat/completions",
-                          "body": {"messages": [{"role": "user", "content": person.format(i)}], "seed": i + 1,
-                                   "response_format": schema_format(PERSON_SCHEMA, "person"), "max_tokens": 160}})
-        if i < 3:
-            lines.append({"custom_id": f"object-{i}", "prompt": f"Describe city number {i} as a JSON object.",
-                          "response_format": {"type": "json_object"}, "seed": i + 1, "max_tokens": 120})
-    lines.append({"custom_id": "short", "prompt": product.format(9), "response_format": schema_format(PRODUCT_SCHEMA),
-                  "max_tokens": 8})
-    ws, base = str(tmp_path / "mixed"), str(tmp_path / "baseline")
-    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "mixed.jsonl", jsonl(lines)), "--tag", "m"))
-    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    flow = Flow(ws)
-    jobs = {job.params["custom_id"]: job for job in (flow.get(i) for i in ids)}
-    assert all(job.status is Status.Done for job in jobs.values())
-    started = sorted(job.meta["started"] for job in jobs.values())
-    assert sum(t < min(job.meta["finished"] for job in jobs.values()) for t in started) >= 16  # decoded together
-    schemas = {"product": PRODUCT_SCHEMA, "person": PERSON_SCHEMA}
-    stopped = 0
-    for cid, job in jobs.items():
-        kind = cid.split("-")[0]
-        if kind in schemas or kind == "object":
-            if job.meta["finish_reason"] == "stop":
-                value = json.loads(job.result)
-                assert satisfies(value, schemas[kind]) if kind in schemas else isinstance(value, dict), (cid, job.result)
-                stopped += kind in schemas
-            else:
-                assert job.meta["finish_reason"] == "length" and job.meta["generated_tokens"] == job.params["max_tokens"]
-    assert stopped >= 7, "most schema jobs must end by their grammar"  # of 9
-    short = jobs["short"]
-    assert short.meta["finish_reason"] == "length" and short.meta["generated_tokens"] == 8
-    with pytest.raises(ValueError):
-        json.loads(short.result)
-    exported = {r["custom_id"]: r for r in map(json.loads, run_main("export", ws, "--tag", "m", "--format", "openai").stdout.decode().splitlines())}
-    assert exported["short"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
-    choice = exported["person-0"]["response"]["body"]["choices"][0]
-    assert choice["message"]["content"] == jobs["person-0"].result and choice["finish_reason"] == jobs["person-0"].meta["finish_reason"]
-
-    baseline = []
-    for line in lines:
-        cid = line["custom_id"]
-        if cid.startswith("free-"):
-            baseline.append(line)
-            continue
-        job = jobs[cid]
-        count = job.meta["generated_tokens"] + (job.meta["finish_reason"] == "stop")  # its end-of-generation step too
-        prompt = {"messages": line["body"]["messages"]} if "body" in line else {"prompt": line["prompt"]}
-        baseline.append({"custom_id": cid, **prompt, "max_tokens": count, "ignore_eos": True, "seed": 5})
-    run_main("submit", base, "--file", write(tmp_path / "baseline.jsonl", jsonl(baseline)), "--tag", "b")
-    done = cli("daemon", model, base, "-w", "1", "--drain", timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    again = {r["custom_id"]: r for r in map(json.loads, run_main("export", base, "--tag", "b").stdout.decode().splitlines())}
-    for cid, job in jobs.items():
-        if cid.startswith("free-"):
-            assert again[cid]["result"] == job.result, cid
-        else:  # the same shape: the same number of tokens, the same steps
-            assert again[cid]["meta"]["generated_tokens"] == job.meta["generated_tokens"] + (job.meta["finish_reason"] == "stop")
-
-
-@pytest.mark.model
-def test_workers_count_a_shared_grammar_each_as_if_alone(llama: nrvna.LlamaRunner) -> None:
-    """Workers share the runner's grammars, and each counts its jobs' grammar work with a
-    GrammarShape of its own (a fork: the memos of the states it has counted, in part or
-    whole), so several worker threads counting the same grammars at once each get what one
-    thread alone gets. (Before, the runner's one shape was every worker's, its memos changed
-    by all of them without a lock: a worker's first count of a state came out whole when
-    another worker had asked about that state first.)"""
-    import numpy
-
-    vocab = llama.grammar_vocab()
-    ids = numpy.arange(0, llama.n_vocab, 5)  # a part of the vocabulary, as a redraw's shortlist
-    schema = {"enum": [f"shared-{i}" for i in range(120)]}
-    cases = [({"response_format": {"type": "json_object"}}, nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9", "n": [1, 2]}'),
-             ({"response_format": schema_format(schema)}, nrvna.schema_to_grammar(schema), '"shared-17"')]
-
-    def count(shapes: list[nrvna.GrammarShape]) -> list[Any]:
-        out: list[Any] = []
-        for shape, (_, _, text) in zip(shapes, cases):
-            state = shape.start
-            for token in llama.tokenize(text, False, False):
-                out.append(shape.vocab_cost(state, vocab, ids))  # the part, the first time
-                out.append(shape.vocab_cost(state, vocab, ids))  # asked again: the whole vocabulary
-                steps, state = shape.walk(state, llama.piece(token))
-                out.append((steps, state))
-        return out
-
-    alone = count([nrvna.check_grammar(grammar) for _, grammar, _ in cases])
-    workers = [(nrvna._GrammarTemplates(llama), nrvna._SamplingScratch(llama)) for _ in range(3)]
-    start, results = threading.Barrier(len(workers)), [None] * len(workers)
-
-    def worker(i: int) -> None:
-        templates, scratch = workers[i]
-        samplers = [nrvna._JobSampler.for_job(llama, scratch, templates, params) for params, _, _ in cases]
-        start.wait()
-        try:
-            results[i] = count([sampler.shape for sampler in samplers])
-        finally:
-            for sampler in samplers:
-                sampler.free()
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(workers))]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-    finally:
-        for templates, _ in workers:
-            templates.close()
-    assert len(alone) > 30 and all(result == alone for result in results)
-
-
-@pytest.mark.model
-def test_a_schema_is_converted_once_for_many_jobs_and_parsed_once_per_context(llama: nrvna.LlamaRunner) -> None:
-    schema = {"type": "object", "properties": {"converted_once": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0}},
-              "required": ["converted_once", "n"]}
-    reordered = dict(schema, properties=dict(reversed(list(schema["properties"].items()))))
-    config = nrvna.Config(workers=2, seqs=4, max_ctx=512)
-    sessions = [llama.session(i, config) for i in range(2)]
-    before = llama.conversions
-    try:
-        def run(count: int, **params: Any) -> list[Outcome]:
-            jobs = [fake_job(f"Answer {i} in JSON.", temperature=0, max_tokens=3, **params) for i in range(count)]
-            outcomes = []
-            while jobs or any(s.active() for s in sessions):
-                for session in sessions:
-                    while jobs and session.free() > 0:
-                        session.start(jobs.pop())
-                    if session.active():
-                        outcomes += [o for _, o in session.step()]
-            return outcomes
-
-        assert len(run(24, response_format=schema_format(schema))) == 24
-        assert llama.conversions - before == 1  # 24 jobs on 2 workers: one conversion
-        assert all(len(s.templates.parsed) == 1 for s in sessions)  # and one parsed grammar per context
-        run(6, response_format=schema_format(reordered))  # another property order: another grammar
-        run(6, response_format={"type": "json_object"})
-        run(6, grammar='root ::= "x"+')
-        assert llama.conversions - before == 2
-    finally:
-        for session in sessions:
-            session.close()
-
-
-@pytest.mark.model
-def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_draw(llama: nrvna.LlamaRunner,
-                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each time a constrained job's free draw is refused and the shortlist suffices, the
-    token drawn from it equals the token the sampler chain draws from the whole vocabulary
-    (from the same random state: each path gets a clone of the chain). A short shortlist
-    puts its bounds within reach of the chain's cuts, where the conditions matter."""
-    import numpy
-
-    monkeypatch.setattr(nrvna, "SHORTLIST", 48)
-
-    config = nrvna.Config(workers=1, seqs=8, max_ctx=2048)
-    session = llama.session(0, config)
-    L, compared, fell_back, redraws = llama.L, [0, 0], [0], nrvna._JobSampler._resample
-
-    def both(sampler: Any, logits: Any) -> int:
-        if session.scratch.candidates is None:  # the first redraw makes the arrays
-            return redraws(sampler, logits)
-        row = numpy.array(logits)
-        ids = numpy.sort(numpy.argpartition(row, llama.n_vocab - nrvna.SHORTLIST)[-nrvna.SHORTLIST:])
-        allowed = sampler._apply_grammar(ids, row[ids])
-        if allowed is not None and sampler._shortlist_suffices(numpy.sort(allowed)[::-1], float(row[ids].min())):
-            chain, clones = sampler.chain, [L.llama_sampler_clone(sampler.chain) for _ in range(2)]
-            try:
-                sampler.chain = clones[0]
-                sampler._apply_grammar(session.scratch.token_ids, row)
-                whole = sampler._draw()
-                sampler.chain = clones[1]
-                compared[0] += 1
-                compared[1] += whole == redraws(sampler, logits)
-            finally:
-                sampler.chain = chain
-                for clone in clones:
-                    L.llama_sampler_free(clone)
-        else:
-            fell_back[0] += 1
-        return redraws(sampler, logits)
-
-    monkeypatch.setattr(nrvna._JobSampler, "_resample", both)
-    try:
-        for sampling in ({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05},
-                         {"temperature": 1.0, "top_k": 0, "top_p": 0.95, "min_p": 0.1},
-                         {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}, {"temperature": 0}):
-            jobs = [fake_job(f"Describe product {i} as JSON.", seed=i + 1, max_tokens=120,
-                             response_format=schema_format(PRODUCT_SCHEMA), **sampling) for i in range(6)]
-            while jobs or session.active():
-                while jobs and session.free() > 0:
-                    session.start(jobs.pop())
-                session.step()
-    finally:
-        session.close()
-    assert compared[0] > 100 and compared[1] == compared[0], compared
-    assert fell_back[0] > 50  # and the whole vocabulary was needed often
-
-
-def whole_vocabulary_draw(runner: nrvna.LlamaRunner, scratch: Any, chain: Any, row: Any) -> int:
-    """What llama_sampler_sample does with a row of logits: the whole vocabulary in token order
-    as the candidates, the chain applied, the token accepted."""
-    import numpy
-
-    scratch.whole_vocabulary(numpy, runner.n_vocab)
-    candidates, array = scratch.candidates, scratch.candidates_array
-    candidates["id"], candidates["logit"], candidates["p"] = scratch.token_ids, row, 0.0
-    array.size, array.selected, array.sorted = runner.n_vocab, -1, False
-    runner.L.llama_sampler_apply(chain, scratch.byref(array))
-    token = int(candidates["id"][array.selected])
-    runner.L.llama_sampler_accept(chain, token)
-    return token
-
-
-def logit_rows(kind: str, count: int, n_vocab: int, seed: int) -> Any:
-    """Rows of logits shaped like a model's (a bulk and a few dozen standouts); "ties": rounded
-    to halves, so tied logits abound; "edge": the 40th and 41st largest made equal."""
-    import numpy
-
-    rng = numpy.random.default_rng(seed)
-    rows = (rng.standard_normal((count, n_vocab)) * 2).astype(numpy.float32)
-    for row in rows:
-        row[rng.integers(0, n_vocab, 30)] += rng.uniform(4, 14, 30).astype(numpy.float32)
-        if kind == "edge":
-            order = numpy.argsort(row)[::-1]
-            row[order[40]] = row[order[39]]
-    return numpy.round(rows * 2) / 2 if kind == "ties" else rows
-
-
-SHORTLIST_CHAINS = [{"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05}, {"temperature": 0},
-                    {"temperature": 1.5, "top_k": 5, "top_p": 1.0, "min_p": 0.0},
-                    {"temperature": 1.0, "top_k": 200, "top_p": 0.95, "min_p": 0.0},  # llama.cpp's bucket sort
-                    {"temperature": 0.7, "top_k": 1}, {"temperature": 1.0, "top_k": 511, "top_p": 0.5, "min_p": 0.01},
-                    {"temperature": 1.0, "top_k": 0, "top_p": 0.9, "min_p": 0.05}]  # no top_k: the whole vocabulary
-
-
-def shortlist_draws(runner: nrvna.LlamaRunner, rows: Any, params: dict[str, Any]) -> tuple[int, int]:
-    """Each row drawn from by a chain of ``params`` from the whole vocabulary, and by a clone
-    of it (the same random state) as a session draws (from the shortlist where _likeliest
-    finds one): (draws that differ, draws made from a shortlist)."""
-    import numpy
-
-    scratch = nrvna._SamplingScratch(runner)
-    config = runner.config
-    chain = runner.sampler(params)
-    settings = (nrvna.job_param(params, "temperature", config) <= 0, nrvna.job_param(params, "top_k", config),
-                nrvna.job_param(params, "top_p", config), nrvna.job_param(params, "min_p", config))
-    sampler = nrvna._JobSampler(runner, scratch, runner.L.llama_sampler_clone(chain), settings)
-    try:
-        size = sampler.shortlist_size
-        found = nrvna._likeliest(numpy, rows, list(range(len(rows))), [size] * len(rows))
-        differ = short = 0
-        for row, likeliest in zip(rows, found):
-            whole = whole_vocabulary_draw(runner, scratch, chain, row)
-            if likeliest is None:
-                drawn = whole_vocabulary_draw(runner, scratch, sampler.chain, row)
-            else:
-                drawn, short = sampler._draw_short(*likeliest), short + 1
-            differ += drawn != whole
-        return differ, short
-    finally:
-        runner.L.llama_sampler_free(chain)
-        sampler.free()
-
-
-@pytest.mark.model
-def test_a_top_k_draw_from_the_likeliest_tokens_is_the_whole_vocabulary_s_draw(llama: nrvna.LlamaRunner,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """6,300 draws (3 kinds of rows x 300 x 7 chains, the same seed for both sides): a draw
-    from the k likeliest tokens equals llama.cpp's draw from the whole vocabulary every time;
-    rows with tied logits near the top go to the whole vocabulary. Breaking either condition
-    (ties allowed, or a shortlist for a chain with no top_k) makes draws differ."""
-    drawn_short = {}
-    for kind in ("plain", "ties", "edge"):
-        rows = logit_rows(kind, 300, llama.n_vocab, seed=len(kind))
-        for i, params in enumerate(SHORTLIST_CHAINS):
-            differ, short = shortlist_draws(llama, rows, dict(params, seed=11 + i))
-            assert differ == 0, (kind, params, differ)
-            drawn_short[kind, i] = short
-    # (the 512 largest of 49,152 float logits hold a tie now and then: 283 of 300 rows had none)
-    assert all(drawn_short["plain", i] >= 270 for i in range(6)) and drawn_short["plain", 6] == 0
-    assert drawn_short["ties", 0] == 0 and drawn_short["edge", 0] == 0  # their 41 largest hold ties
-    assert drawn_short["edge", 2] == 300  # top_k 5: the tie at 40 is beyond what it looks at
-
-    ties = logit_rows("ties", 300, llama.n_vocab, seed=4)
-    with monkeypatch.context() as mutated:
-        mutated.setattr(nrvna, "_strictly_decreasing", lambda values: values[:-1] == values[:-1])
-        assert shortlist_draws(llama, ties, dict(SHORTLIST_CHAINS[0], seed=3))[0] > 0
-    plain = logit_rows("plain", 300, llama.n_vocab, seed=5)
-    with monkeypatch.context() as mutated:
-        mutated.setattr(nrvna, "_shortlist_size", lambda settings: 1 if settings[0] else settings[1] or 40)
-        assert shortlist_draws(llama, plain, dict(SHORTLIST_CHAINS[6], seed=3))[0] > 0
-
-
-@pytest.mark.model  # (no model: numpy, which comes with llama-cpp-python)
-def test_the_likeliest_tokens_are_found_only_in_finite_rows_and_in_order() -> None:
-    """_likeliest: the k largest logits, likeliest first, for the rows asked; None for a row
-    with a NaN or an infinity, a k of 0 or of SHORTLIST_COLUMNS, a vocabulary too small."""
-    import numpy
-
-    rng = numpy.random.default_rng(2)
-    rows = rng.standard_normal((6, 5000)).astype(numpy.float32)
-    rows[3, 17], rows[4, 99] = numpy.nan, numpy.inf
-    found = nrvna._likeliest(numpy, rows, [0, 2, 3, 4, 5, 1], [40, 1, 40, 40, 0, nrvna.SHORTLIST_COLUMNS])
-    for (ids, values), row in ((found[0], rows[0]), (found[1], rows[2])):
-        expected = numpy.argsort(row)[::-1][:len(ids)]
-        assert list(ids) == list(expected) and list(values) == list(row[expected])
-    assert len(found[0][0]) == 40 and len(found[1][0]) == 1 and found[2:] == [None] * 4
-    assert nrvna._likeliest(numpy, rows[:, :1000], [0], [40]) == [None]  # fewer than 2 x SHORTLIST_COLUMNS tokens
-
-
-@pytest.mark.model
-def test_jobs_draw_from_the_shortlist_what_the_whole_vocabulary_gives(llama: nrvna.LlamaRunner,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Real jobs, batched, with penalties, logit biases, greedy and n choices: each draw made
-    from a shortlist equals the chain's draw (a clone of it) from the whole penalised row."""
-    import numpy
-
-    session = llama.session(0, nrvna.Config(workers=1, seqs=8, max_ctx=2048))
-    compared, differ, sample = [0], [0], nrvna._JobSampler.sample
-
-    def both(sampler: Any, ctx: Any, index: int, logits: Any, likeliest: Any = None) -> int:
-        if likeliest is not None:
-            row = numpy.array(logits)
-            clone = llama.L.llama_sampler_clone(sampler.chain)
-            try:
-                whole = whole_vocabulary_draw(llama, nrvna._SamplingScratch(llama), clone, row)
-            finally:
-                llama.L.llama_sampler_free(clone)
-            token = sample(sampler, ctx, index, logits, likeliest)
-            compared[0] += 1
-            differ[0] += token != whole
-            return token
-        return sample(sampler, ctx, index, logits, likeliest)
-
-    monkeypatch.setattr(nrvna._JobSampler, "sample", both)
-    params = [{}, {"repeat_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.4},
-              {"logit_bias": {"28": 5.0, "30": -3.0}}, {"temperature": 0}, {"top_k": 5, "temperature": 1.2},
-              {"n": 3}, {"top_k": 0}]
-    try:
-        jobs = [fake_job(f"Tell me about topic {i}.", seed=i + 1, max_tokens=40, ignore_eos=True, **p)
-                for i, p in enumerate(params)]
-        while jobs or session.active():
-            while jobs and session.free() > 0:
-                session.start(jobs.pop())
-            session.step()
-        assert session.scratch.draws[1] >= 40  # top_k 0: the whole vocabulary
-    finally:
-        session.close()
-    assert compared[0] >= 6 * 40 and differ[0] == 0, (compared, differ)
-
-
-@pytest.mark.model
-def test_the_shortlist_suffices_only_where_the_chain_cannot_reach_beyond_it(llama: nrvna.LlamaRunner) -> None:
-    """Allowed tokens of the shortlist with logits 10 and 9; every token outside is at most
-    the threshold. (greedy, top_k, top_p, min_p) as LlamaRunner.sampler builds the chain."""
-    import numpy
-
-    import types
-
-    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
-    try:
-        def suffices(chain: tuple, threshold: float, allowed: tuple = (10.0, 9.0)) -> bool:
-            # a stand-in for a _JobSampler: only its chain's settings and the runner are read
-            sampler = types.SimpleNamespace(chain_settings=chain, runner=session.runner)
-            return nrvna._JobSampler._shortlist_suffices(sampler, numpy.array(allowed, dtype=numpy.float32), threshold)
-
-        assert suffices((True, 0, 1.0, 0.0), 9.9) and not suffices((True, 0, 1.0, 0.0), 10.0)  # greedy: the best is in
-        assert suffices((False, 2, 0.9, 0.0), 9.9)  # top_k: the shortlist holds top_k allowed tokens
-        assert not suffices((False, 3, 1.0, 0.0), 5.0)  # a third could come from outside, and no min_p drops it
-        assert not suffices((False, 0, 1.0, 0.0), -50.0)  # without min_p, however unlikely, an outsider may be drawn
-        assert suffices((False, 0, 1.0, 0.1), 7.6) and not suffices((False, 0, 1.0, 0.1), 7.8)  # min_p cuts at 7.697
-        # top_p 0.7: the nucleus of {10, 9} alone is {10}; one outside token at 7.6 (weight 0.09 of the best)
-        # makes it {10, 9} before min_p drops the outsider: the shortlist would draw from the wrong set
-        assert not suffices((False, 3, 0.7, 0.1), 7.6)
-        assert suffices((False, 3, 0.7, 0.1), 5.0)  # far enough down, two outsiders cannot move the nucleus
-        assert suffices((False, 3, 0.5, 0.1), 7.6)  # a nucleus that ends at the best token either way
-    finally:
-        session.close()
 
 
 @pytest.mark.model
@@ -2328,470 +2194,19 @@ def test_escaped_constants_and_definitions_named_like_rules_come_out_valid(llama
 
 
 @pytest.mark.model
-def test_control_tokens_never_enter_a_constrained_output(llama: nrvna.LlamaRunner) -> None:
-    """The grammar matches a control token by its text, which the result would not hold."""
-    start = llama.tokenize("<|im_start|>", False, True)
-    assert len(start) == 1 and start[0] in llama.control_tokens
-    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 30, "maxLength": 40}}, "required": ["s"]}
-    outcome = generate(llama, "Write a sentence as JSON.", temperature=0, max_tokens=80,
-                       response_format=schema_format(schema), logit_bias={str(start[0]): 100})
-    assert outcome.finish_reason == "stop", outcome
-    assert 30 <= len(json.loads(outcome.text)["s"]) <= 40
-
-
-# Grammars whose parses multiply with each character. The first two hung a worker for good
-# (llama.cpp's grammar calls cannot be interrupted); the last is ambiguous only past what the
-# submit check looks at (16 characters).
-HANGING_GRAMMAR = 'root ::= x\nx ::= [^.,;!] x "." | [^.,;!] x "," | [^.,;!] x ";" | "!"\n'
-HANGING_SCHEMA = {"$defs": {"n": {"anyOf": [
-    {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 3},
-    {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1, "maxItems": 2},
-    {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 1}]}}, "$ref": "#/$defs/n"}
-LATE_GRAMMAR = 'root ::= "' + "o" * 20 + '" a\na ::= "x" a c | "x" a d | "y"\nc ::= "c"\nd ::= "d"\n'
-
-
-@pytest.mark.parametrize("grammar, message", [
-    (HANGING_GRAMMAR, "too ambiguous: checking a text of 16 characters from its start can take more than 65,536"),
-    ('root ::= a\na ::= "x" a c | "x" a d | "y"\nc ::= "c"\nd ::= "d"\n', "too ambiguous"),
-    ('root ::= ("a" | "a" | "a")*', "too ambiguous"),  # one parse stack, but three walks per character
-    ("root ::= " + " | ".join(f'"w{i}"' for i in range(20000)), "too wide: 20,000 ways to parse are open at once"),
-])
-def test_grammars_whose_parses_multiply_are_refused_at_submit(grammar: str, message: str, tmp_path: Path,
-                                                              ws: str, run_main: RunMain) -> None:
-    with pytest.raises(nrvna.InvalidInput, match=re.escape(message)):
-        nrvna.check_grammar(grammar)
-    done = run_main("submit", ws, "Write a long sentence about the sea", "--grammar", write(tmp_path / "g.gbnf", grammar))
-    assert done.returncode == 2 and done.stderr.count(b"\n") == 1 and message.encode() in done.stderr, done.stderr
-    nrvna.check_grammar(LATE_GRAMMAR)  # (what the submit check lets through, the daemon bounds: below)
-
-
-def test_grammar_shape_counts_llama_cpp_s_walks() -> None:
-    """The counts behind the limits, by hand: llama.cpp walks a token down each parse stack
-    without merging walks that meet. In ("a" | "a")* each "a" leads both walks on to three
-    stacks (either "a" again, or the end), so "aaa" takes 3 + 6 + 12 + 24 steps."""
-    parser = nrvna._GbnfParser('root ::= ("a" | "a")*')  # (refused at submit: 2 ** 16 walks in 16 characters)
-    parser.parse()
-    shape = nrvna.GrammarShape(parser.rules, parser.ids["root"])
-    assert len(shape.start[0]) == 3  # the two alternatives' "a", and the empty stack (complete)
-    steps, after = shape.walk(shape.start, b"aaa")
-    assert steps == 3 + 6 + 12 + 24 and len(after[0]) == 3
-    assert shape.walk(shape.start, b"ab")[1] is None
-    wide = nrvna.check_grammar(" | ".join(["root ::= " + '"a"'] + [f'"{c}"' for c in "bcdefgh"]))
-    assert wide.walk(wide.start, b"h") == (8 + 1, (frozenset({()}), (0, 0)))  # 8 stacks, then the end
-    split = nrvna.check_grammar('root ::= "\\u00e9" "x"')
-    steps, after = split.walk(split.start, b"\xc3")  # half of é: nothing matched yet
-    assert after == (split.start[0], (3, 1))
-    assert split.walk(after, b"\xa9x")[1] == (frozenset({()}), (0, 0))
-
-
-_PIECE_TOKENS: dict[int, dict[bytes, int]] = {}
-
-
-def piece_tokens(llama: nrvna.LlamaRunner) -> dict[bytes, int]:
-    """A token for each piece of text of the vocabulary (made once per runner)."""
-    tokens = _PIECE_TOKENS.get(id(llama))
-    if tokens is None:
-        tokens = _PIECE_TOKENS[id(llama)] = {}
-        for token in range(llama.n_vocab):
-            tokens.setdefault(llama.piece(token), token)
-    return tokens
-
-
-def grammar_admits(llama: nrvna.LlamaRunner, grammar: str, data: bytes) -> bool:
-    """Whether llama.cpp's grammar sampler takes ``data`` whole, fed one byte token at a time
-    (any bytes, UTF-8 or not), and then lets generation end."""
-    L = llama.L
-    tokens = piece_tokens(llama)
-    sampler = L.llama_sampler_init_grammar(llama.vocab, grammar.encode(), b"root")
-    assert sampler, grammar
-    try:
-        for token in [tokens[bytes([b])] for b in data] + [L.llama_vocab_eos(llama.vocab)]:
-            candidate = (L.llama_token_data * 1)(L.llama_token_data(token, 0.0, 0.0))
-            L.llama_sampler_apply(sampler, ctypes.byref(L.llama_token_data_array(candidate, 1, -1, False)))
-            if candidate[0].logit == -math.inf:
-                return False
-            if token != L.llama_vocab_eos(llama.vocab):
-                L.llama_sampler_accept(sampler, token)
-        return True
-    finally:
-        L.llama_sampler_free(sampler)
-
-
-@pytest.mark.model
-def test_a_surrogate_pair_escape_is_one_character_and_a_lone_surrogate_is_refused(llama: nrvna.LlamaRunner) -> None:
-    """A \\u escape in a constrained string is a BMP code point that is no surrogate, or a high
-    and a low surrogate together, one character: minLength/maxLength count as JSON Schema
-    does, and whatever the grammar takes decodes to text UTF-8 can hold (json.loads takes a
-    lone surrogate escape; UTF-8 encoders and strict parsers refuse it)."""
-    two = nrvna.schema_to_grammar({"type": "string", "minLength": 2, "maxLength": 2})
-    admitted = ['"ab"', '"\\ud83d\\ude00x"', '"\\uD83D\\uDE00\\u00e9"', '"\\ud7ff\\ue000"', '"\\/\\uFFFF"', '"é😀"']
-    refused = ['"\\ud83d\\ude00"',  # one character, not two
-               '"\\ud83d\\u2f9c"', '"\\ud83dx"', '"a\\udbff"', '"\\ude00\\ud83d"', '"\\udfffa"', '"abc"']
-    for text in admitted:
-        assert grammar_admits(llama, two, text.encode()), text
-        value = json.loads(text)
-        assert len(value) == 2 and value.encode("utf-8")
-    for text in refused:
-        assert not grammar_admits(llama, two, text.encode()), text
-    # Bytes that are not UTF-8, as byte tokens spell them: a surrogate, a code point past U+10FFFF;
-    # and the characters beside them, whose first byte begins those too (U+D000, U+D7FF, U+10FFFF).
-    for raw in (b'"a\xed\xa0\x80"', b'"a\xf4\x90\x80\x80"'):
-        assert not grammar_admits(llama, two, raw), raw
-    for raw in (b'"\xed\x80\x80\xed\x9f\xbf"', b'"\xee\x80\x80\xf4\x8f\xbf\xbf"'):
-        assert grammar_admits(llama, two, raw), raw
-    json_object = llama.grammar({"response_format": {"type": "json_object"}})[1]
-    assert grammar_admits(llama, json_object, b'{"s": "\\ud83d\\ude00\\/", "n": [1, true]}')
-    for text in (b'{"s": "\\ud83d"}', b'{"s": "\\ude00\\ud83d"}', b'{"s": "\xed\xa0\x80"}'):
-        assert not grammar_admits(llama, json_object, text), text
-
-
-@pytest.mark.model
-def test_constrained_jobs_copying_surrogate_escapes_end_valid_utf8_json(ws: str, tmp_path: Path, model: str,
-                                                                       run_main: RunMain) -> None:
-    """The model copies its raw prompt greedily: an emoji's escape pair (one character where
-    two are asked) and lone surrogates came out as they were, and "stop" with them."""
-    two = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 2}},
-           "required": ["s"], "additionalProperties": False}
-    lines = [{"prompt": '{"s": "%s"}\n' % s * 6, "raw": True, "temperature": 0, "max_tokens": 40,
-              "response_format": form}
-             for s in ("\\ud83d\\ude00", "\\ud83d\\u2f9c", "\\ud83d\\ud83d")
-             for form in (schema_format(two), {"type": "json_object"})]
-    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "s.jsonl", jsonl(lines))))
-    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    for job_id, line in zip(ids, lines):
-        job = Flow(ws).get(job_id)
-        assert job.status is Status.Done and job.meta["finish_reason"] == "stop", (job.meta, job.result)
-        value = json.loads(job.result)
-        text = json.dumps(value, ensure_ascii=False)
-        assert not any(0xD800 <= ord(c) <= 0xDFFF for c in text), job.result  # UTF-8 can hold it
-        assert satisfies(value, two) if line["response_format"]["type"] == "json_schema" else isinstance(value, dict), job.result
-
-
-@pytest.mark.model
-def test_a_schema_whose_grammar_multiplies_fails_its_job_at_once(llama: nrvna.LlamaRunner) -> None:
-    nrvna.check_json_schema(HANGING_SCHEMA)  # the client cannot convert it: the daemon refuses it
-    with pytest.raises(nrvna.JobError) as raised:
-        generate(llama, "Write nested lists.", response_format=schema_format(HANGING_SCHEMA), max_tokens=64)
-    assert raised.value.code == "grammar_error" and "too ambiguous" in str(raised.value)
-
-
-@pytest.mark.model
-def test_a_grammar_ambiguous_past_its_start_fails_by_counted_work_not_time(llama: nrvna.LlamaRunner) -> None:
-    """The job fails before llama.cpp is asked to walk more than GRAMMAR_PATHS steps for a
-    token, at the same token whatever the machine's load (the old guard timed a step)."""
-    x = next(t for t in range(llama.n_vocab) if llama.piece(t) == b"x")
-    outcomes = [generate(llama, "Write x many times.", grammar=LATE_GRAMMAR, temperature=0, max_tokens=60,
-                         logit_bias={str(x): 100}) for _ in range(2)]
-    first = outcomes[0]
-    assert first.error_code == "grammar_error" and "ways to parse the text so far are open at once (the limit is " \
-        "4,096) after 22 tokens" in first.error, first  # 20 o's, then x's: each doubles the stacks
-    assert first.text.startswith("o" * 20) and set(first.text[20:]) == {"x"} and len(first.text) < 40
-    assert (outcomes[1].error, outcomes[1].text) == (first.error, first.text)
-
-
-@pytest.mark.model
-def test_a_job_past_the_grammar_limits_fails_alone_and_the_daemon_stops_on_time(ws: str, model: str,
-                                                                              tmp_path: Path) -> None:
-    """The issue's scene, on the daemon: a job whose grammar multiplies runs beside two others in
-    one context; it fails grammar_error, they finish, and stop returns within its timeout."""
-    proc = start_daemon(model, ws, "-w", "1", env={"NRVNA_LOG_LEVEL": "info"})
-    try:
-        wait_for_log(proc, "Server started")
-        late = ids_of(cli("submit", ws, "Write x many times.", "--grammar", write(tmp_path / "late.gbnf", LATE_GRAMMAR),
-                          "--temperature", "0", "--max-tokens", "60", "--logit-bias", "104=100"))  # 104: "x"
-        fine = ids_of(cli("submit", ws, "--file", write(tmp_path / "fine.jsonl", jsonl([
-            {"prompt": "Is water wet? Answer yes or no.", "grammar": 'root ::= "yes" | "no"', "max_tokens": 8},
-            {"prompt": "Name a colour.", "max_tokens": 8}]))))
-        done = cli("wait", ws, *late, *fine, timeout=300)
-        assert done.returncode in (0, 1), done.stderr
-        flow = Flow(ws)
-        failed = flow.get(late[0])
-        assert failed.status is Status.Failed and failed.meta["code"] == "grammar_error", failed.meta
-        assert "(the limit is 4,096)" in failed.error
-        assert all(flow.get(job_id).status is Status.Done for job_id in fine)
-        began = time.monotonic()
-        stopped = cli("stop", ws, "--timeout", "30", timeout=60)
-        assert stopped.returncode == 0 and time.monotonic() - began < 30, stopped.stderr
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def converting_slowly(monkeypatch: pytest.MonkeyPatch, beside: Optional[nrvna.RunningJob] = None
-                      ) -> tuple[list[str], threading.Event]:
-    """Make every schema's conversion slow, by events rather than by time: it waits for 5 more
-    tokens of the job ``beside`` (none can come while it runs on that job's worker), and a
-    schema described "held" waits for the event returned. Returns the list of what happened."""
-    made, events, release = nrvna.schema_to_grammar, [], threading.Event()
-
-    def converting(schema: Any) -> str:
-        events.append("converting")
-        if beside is not None:
-            first, deadline = len(beside.emitted), time.monotonic() + 30  # (a hang guard)
-            while len(beside.emitted) < first + 5 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            # (at least 5: the worker may make one more before this thread looks again)
-            made_beside = len(beside.emitted) - first
-            events.append("5 tokens beside" if made_beside >= 5 else f"{made_beside} tokens beside")
-        if schema.get("description") == "held":
-            release.wait(60)  # (a hang guard)
-        events.append("converted")
-        return made(schema)
-
-    monkeypatch.setattr(nrvna, "schema_to_grammar", converting)
-    return events, release
-
-
-@pytest.mark.model
-def test_a_schema_being_converted_holds_up_neither_the_jobs_beside_it_nor_a_stop(
-        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 42: a schema's conversion ran on the worker, under the runner's grammar lock, and
-    the sequences beside it made no token for 72 s. It runs on the runner's Grammar thread: the
-    job beside it goes on generating meanwhile, the job begins once its grammar is made, and a
-    job dropped while its grammar is made (a stop) leaves at once, the conversion abandoned."""
-    beside = fake_job("Count from one to a hundred in words.", temperature=0, max_tokens=300, ignore_eos=True)
-    events, release = converting_slowly(monkeypatch, beside)
-    session = llama.session(0, nrvna.Config(workers=1, seqs=3, max_ctx=1536))
-    try:
-        session.start(beside)
-        session.step()  # its prompt: from here on it makes a token a step
-        form = fake_job("Fill in the form as JSON.", max_tokens=6, response_format=schema_format(
-            costly_patterns(1) | {"description": "beside"}))
-        session.start(form)
-        assert form in session.active() and session.free() == 1  # it holds its slot while it waits
-        ended: dict[int, Outcome] = {}
-        for _ in range(3000):
-            ended.update((id(job), outcome) for job, outcome in session.step())
-            if id(form) in ended:
-                break
-        assert events[:3] == ["converting", "5 tokens beside", "converted"], events
-        assert ended[id(form)].error_code is None and ended[id(form)].generated_tokens == 6, ended[id(form)]
-        held = fake_job("Fill in the form as JSON.", max_tokens=6, response_format=schema_format(
-            costly_patterns(1) | {"description": "held"}))
-        session.start(held)
-        for _ in range(3000):  # until its conversion has begun, and is held
-            if events.count("5 tokens beside") == 2:
-                break
-            session.step()
-        session.drop(held)
-        assert held not in session.active()
-        session.step()  # the job beside goes on
-        events.append("dropped")
-    finally:
-        session.close()
-        events.append("closed")
-        release.set()
-    for _ in range(600):
-        if events.count("converted") == 2:
-            break
-        time.sleep(0.1)
-    assert events[3:] == ["converting", "5 tokens beside", "dropped", "closed", "converted"], events
-
-
-@pytest.mark.model
-def test_a_wide_enum_runs_whatever_the_load(llama: nrvna.LlamaRunner) -> None:
-    """3,000 strings open 3,000 parse stacks: a whole-vocabulary check takes 2.4e8 steps (1.45 s
-    here), within the limits; the old 0.5 s guard failed such jobs."""
-    values = [f"item-{i:04d}" for i in range(3000)]
-    schema = {"type": "object", "properties": {"v": {"enum": values}}, "required": ["v"]}
-    outcome = generate(llama, "Pick an item.", response_format=schema_format(schema), temperature=0, max_tokens=40)
-    assert outcome.error_code is None and outcome.finish_reason == "stop", outcome
-    assert json.loads(outcome.text)["v"] in values
-
-
-@pytest.mark.model
-def test_grammar_shape_counts_the_vocabulary_as_it_counts_each_token(llama: nrvna.LlamaRunner) -> None:
-    """vocab_cost (numpy, every token at once) is the sum and the most of walk's per-token
-    counts, in states along real outputs, for a part of the vocabulary and for the whole."""
-    import numpy
-
-    rng = numpy.random.default_rng(28)
-    vocab = llama.grammar_vocab()
-    cases = [(nrvna._JSON_OBJECT_GBNF, '{"name": "caf\u00e9 \u6f22\u5b57", "n": [1, 2.5e3]}'),  # 漢字: byte tokens
-             (nrvna.schema_to_grammar({"enum": [f"v{i}" for i in range(300)]}), '"v12"'),
-             (LATE_GRAMMAR, "o" * 20 + "xx")]
-    checked = partials = 0
-    for grammar, text in cases:
-        shape = nrvna.check_grammar(grammar)
-        state = shape.start
-        for token in llama.tokenize(text, False, False):
-            ids = numpy.sort(rng.choice(llama.n_vocab, 500, replace=False))
-            counts = [shape.walk(state, vocab.pieces[t])[0] if vocab.pieces[t] and vocab.pieces[t][0] else len(state[0])
-                      for t in ids.tolist()]
-            shape.vocab_costs.clear()  # (a state seen before answers with the whole vocabulary's cost)
-            shape.asked.clear()
-            assert shape.vocab_cost(state, vocab, ids) == (sum(counts), max(counts)), (grammar[:40], state)
-            whole = shape.vocab_cost(state, vocab)
-            assert whole[0] >= sum(counts) and whole[1] >= max(counts)
-            state = shape.walk(state, llama.piece(token))[1]
-            assert state is not None
-            checked += 1
-            partials += state[1] != (0, 0)
-    assert checked > 20 and partials >= 2  # (states with half a character: only continuing tokens decoded)
-
-
-@pytest.mark.model  # numpy, which comes with llama-cpp-python (the bare run has neither)
-def test_the_grammar_vocabulary_keeps_code_points_not_a_padded_matrix() -> None:
-    """GrammarVocab holds each token's code points once, by column (longest tokens first), not
-    a matrix padded to the longest token (15 MiB for SmolLM2, over 100 MiB for large
-    vocabularies): what it stores is the code points alone, and every token reads back whole."""
-    import numpy
-
-    pieces = [b"ab", b"", "h\u00e9llo w\u00f6rld".encode(), b"x", "\u6f22".encode(), b"\x80tail", b"a" * 40]
-    vocab = nrvna.GrammarVocab(numpy, pieces)
-    columns, lengths, rank = vocab.points((0, 0))
-    assert sum(len(c) for c in columns) == int(lengths.sum()) == 2 + 11 + 1 + 1 + 40
-    assert len(columns) == 40 and lengths[1] == 0 and lengths[5] == 0  # empty, and a stray continuation byte
-    for token, piece in enumerate(pieces):
-        if lengths[token]:
-            text = "".join(chr(columns[c][rank[token]]) for c in range(lengths[token]))
-            assert text == piece.decode(), token
-    assert vocab.points((0, 0))[0] is columns  # kept, not decoded again
-
-
-@pytest.mark.model
-def test_grammar_shape_agrees_with_llama_cpp_token_by_token(llama: nrvna.LlamaRunner) -> None:
-    """Random grammars (the tests' own fuzzing of grammar shapes) walked by random tokens:
-    GrammarShape allows exactly the tokens llama.cpp's grammar sampler allows, state after
-    state, so the work it counts is the work llama.cpp will do."""
-    import numpy
-
-    L = llama.L
-    rng = random.Random(28)
-    pieces = {t: llama.piece(t) for t in range(llama.n_vocab)}
-    short = [t for t, p in pieces.items() if p and len(p) <= 3 and all(c in b"abcxy ,.!\"[]{}0123456789" for c in p)]
-    every = [t for t, p in pieces.items() if p and t not in llama.control_tokens and not L.llama_vocab_is_eog(llama.vocab, t)]
-    atoms = ['"a"', '"b"', '"ab"', "[a-c]", "[^a]", "[0-9]", '" "', '","', ".", '"x"', '"\\u00e9"']
-    one = L.llama_token_data(0, 0.0, 0.0)
-    array = L.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
-
-    def allowed(sampler: Any, token: int) -> bool:
-        one.id, one.logit, one.p = token, 0.0, 0.0
-        array.size, array.selected, array.sorted = 1, -1, False
-        L.llama_sampler_apply(sampler, ctypes.byref(array))
-        return one.logit != -numpy.inf
-
-    def item(depth: int) -> str:
-        roll = rng.random()
-        if roll < 0.5 or depth > 2:
-            return rng.choice(atoms) + rng.choice(["", "", "?", "*", "+", "{1,3}"])
-        if roll < 0.7:
-            return rng.choice(["r1", "r2"])
-        return "(" + " | ".join(sequence(depth + 1) for _ in range(rng.randint(2, 3))) + ")" + rng.choice(["", "*", "?"])
-
-    def sequence(depth: int) -> str:
-        return " ".join(item(depth) for _ in range(rng.randint(1, 3)))
-
-    compared = grammars = 0
-    while grammars < 60:
-        text = "\n".join(f"{name} ::= " + " | ".join(sequence(0) for _ in range(rng.randint(1, 3)))
-                         for name in ("root", "r1", "r2")) + '\nr2 ::= "y"' * 0
-        text = text.replace("r2 ::= ", 'r2 ::= "y" | ', 1)  # every rule can end
-        try:
-            shape = nrvna.check_grammar(text)
-        except nrvna.InvalidInput:
-            continue
-        sampler = L.llama_sampler_init_grammar(llama.vocab, text.encode(), b"root")
-        assert sampler, text
-        grammars += 1
-        state = shape.start
-        try:
-            for _ in range(12):
-                candidates = rng.sample(short, 40) + rng.sample(every, 10)
-                verdicts = [(t, allowed(sampler, t), shape.walk(state, pieces[t])[1]) for t in candidates]
-                for token, ok, after in verdicts:
-                    assert ok == (after is not None), (text, state, pieces[token])
-                    compared += 1
-                moves = [(t, after) for t, ok, after in verdicts if ok]
-                if not moves:
-                    break
-                token, state = rng.choice(moves)
-                L.llama_sampler_accept(sampler, token)
-        except nrvna.GrammarLimit:
-            pass  # (ambiguous past the start: what the daemon fails jobs for)
-        finally:
-            L.llama_sampler_free(sampler)
-    assert compared > 10_000, compared
-
-
-@pytest.mark.model
-def test_logprobs_are_the_log_softmax_of_the_model_s_logits(llama: nrvna.LlamaRunner, model_file: str) -> None:
-    import numpy
-    from llama_cpp import Llama
-
-    params = {"temperature": 0, "repeat_penalty": 1.0, "logprobs": True, "top_logprobs": 5, "max_tokens": 12}
-    outcome = generate(llama, "Name a fruit and its colour.", **params)
-    assert outcome.logprobs is not None and len(outcome.logprobs) == outcome.generated_tokens > 0
-    # flash attention as nrvna's contexts have it (llama.cpp's default, "auto", turns it on for
-    # the CPU; Llama's default is off, and the logprobs then differ by up to 0.1)
-    reference = Llama(model_path=model_file, n_ctx=512, logits_all=True, verbose=False, n_threads=2, flash_attn=True)
-    try:
-        reference.eval(llama.tokens(fake_job("Name a fruit and its colour.")))
-        for entry in outcome.logprobs:
-            logits = numpy.array(reference.scores[reference.n_tokens - 1], dtype=numpy.float64)
-            logprobs = logits - logits.max()
-            logprobs -= numpy.log(numpy.exp(logprobs).sum())
-            best = int(numpy.argmax(logprobs))
-            assert bytes(entry["bytes"]) == llama.piece(best)  # greedy: the likeliest token
-            assert abs(entry["logprob"] - logprobs[best]) < 1e-4, (entry, logprobs[best])
-            top = entry["top_logprobs"]
-            assert len(top) == 5 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
-            assert top[0]["bytes"] == entry["bytes"]
-            assert numpy.allclose([t["logprob"] for t in top], numpy.sort(logprobs)[::-1][:5], atol=1e-4)
-            reference.eval([best])
-    finally:
-        reference.close()
-    assert b"".join(bytes(e["bytes"]) for e in outcome.logprobs).decode() == outcome.text
-
-
-@pytest.mark.model
-def test_bytes_that_are_not_utf8_become_u_fffd_in_the_text_and_stay_exact_in_logprobs(llama: nrvna.LlamaRunner) -> None:
-    """What the README says of result.txt and logprobs' bytes (a stray continuation byte forced)."""
-    stray = next(t for t in range(llama.n_vocab) if llama.piece(t) == b"\x80")
-    outcome = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, logit_bias={str(stray): 100})
-    assert outcome.text == "\ufffd\ufffd" and outcome.text.encode("utf-8")
-    assert [bytes(e["bytes"]) for e in outcome.logprobs] == [b"\x80", b"\x80"]
-    assert [e["token"] for e in outcome.logprobs] == ["\\x80", "\\x80"]
-
-
-@pytest.mark.model
-def test_logit_bias_bans_and_forces_tokens(llama: nrvna.LlamaRunner) -> None:
-    greedy = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, top_logprobs=2)
-    first, second = (bytes(t["bytes"]) for t in greedy.logprobs[0]["top_logprobs"])
-    ids = {llama.piece(t): t for t in range(llama.n_vocab)}
-    banned = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, logit_bias={str(ids[first]): -100})
-    assert bytes(banned.logprobs[0]["bytes"]) == second  # the runner-up takes its place
-    forced = generate(llama, "Name a fruit.", temperature=0, max_tokens=1, logit_bias={str(ids[b" zebra"]): 100})
-    assert b" zebra" not in (first, second)
-    assert forced.text == " zebra"
-    with pytest.raises(nrvna.JobError, match="not in the model's vocabulary"):
-        generate(llama, "Name a fruit.", logit_bias={str(llama.n_vocab + 5): 1})
-
-
-@pytest.mark.model
-def test_a_grammar_ends_the_job_even_with_ignore_eos(llama: nrvna.LlamaRunner) -> None:
-    for seed in (1, 2, 3):
-        outcome = generate(llama, "Is water wet? Answer yes or no.", grammar='root ::= "yes" | "no"', ignore_eos=True,
-                           max_tokens=50, seed=seed, temperature=1.0)
-        assert outcome.text in ("yes", "no") and outcome.finish_reason == "stop" and outcome.error_code is None
-
-
-@pytest.mark.model
 def test_the_submit_checks_agree_with_llama_cpp(llama: nrvna.LlamaRunner) -> None:
     """What passes the submit-time grammar check parses in llama.cpp (random edits of good
     grammars), and every schema that passes the schema check converts into one it accepts."""
     def llama_accepts(text: str) -> bool:
-        sampler = llama.L.llama_sampler_init_grammar(llama.vocab, text.encode(), b"root")
+        sampler = llama.llama_cpp.llama_sampler_init_grammar(llama.vocab, text.encode(), b"root")
         if sampler:
-            llama.L.llama_sampler_free(sampler)
+            llama.llama_cpp.llama_sampler_free(sampler)
         return bool(sampler)
 
     rng = random.Random(3)
     corpus = [JSON_GRAMMAR, 'root ::= "yes" | "no"', "root ::= item{2,4}\nitem ::= [0-9] \"\\n\"",
-              'root ::= (expr "=" ws term "\\n")+\nexpr ::= term ([-+*/] term)*\nterm ::= [a-z]+ ws | [0-9]+ ws\nws ::= [ \\t]*']
+              'root ::= (expr "=" ws term "\\n")+\nexpr ::= term ([-+*/] term)*\nterm ::= [a-z]+ ws | [0-9]+ ws\nws '
+              '::= [ \\t]*']
     accepted = 0
     for base in corpus:
         for _ in range(150):
@@ -2810,39 +2225,16 @@ def test_the_submit_checks_agree_with_llama_cpp(llama: nrvna.LlamaRunner) -> Non
             assert llama_accepts("".join(text)), "".join(text)
     assert accepted > 100
     for schema in [PRODUCT_SCHEMA, PERSON_SCHEMA, {"enum": ["a", 1]}, {"type": ["string", "null"]},
-                   {"type": "array", "items": {"type": "number", "exclusiveMinimum": -3.5, "maximum": 0}, "maxItems": 4},
-                   {"$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
+                   {"type": "array", "items": {"type": "number", "exclusiveMinimum": -3.5, "maximum": 0},
+                    "maxItems": 4},
+                   {"$defs": {"n": {"type": "object",
+                                    "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
                     "$ref": "#/$defs/n"},
                    {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "string", "format": "uuid"}]}]:
         nrvna.check_json_schema(schema)
         grammar = nrvna.schema_to_grammar(schema)
         nrvna.check_grammar(grammar)
         assert llama_accepts(grammar), grammar
-
-
-@pytest.mark.model
-@pytest.mark.slow
-def test_sigkill_mid_batch_with_constrained_jobs_every_line_ends_once_and_valid(ws: str, tmp_path: Path, model: str,
-                                                                               run_main: RunMain) -> None:
-    lines = [{"custom_id": f"c{i}", "prompt": f"Invent product number {i} and describe it as JSON.", "seed": i + 1,
-              "response_format": schema_format(PRODUCT_SCHEMA), "max_tokens": 200} for i in range(12)]
-    lines += [{"custom_id": f"f{i}", "prompt": f"Count to {i + 3}.", "max_tokens": 40, "seed": i + 1} for i in range(4)]
-    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "k.jsonl", jsonl(lines)), "--tag", "k"))
-    proc = start_daemon(model, ws, "-w", "1", "-s", "4")
-    running = killed_after(ws, proc, done=3)
-    assert running > 0
-    restart = cli("daemon", model, ws, "-w", "1", "-s", "4", "--drain", timeout=600)
-    assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr
-    assert audit_clean(ws)
-    flow = Flow(ws)
-    for job_id in ids:
-        places = [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))]
-        assert places == [nrvna.OUTPUT], (job_id, places)  # ended once, and done
-        job = flow.get(job_id)
-        if job.params["custom_id"].startswith("c") and job.meta["finish_reason"] == "stop":
-            assert satisfies(json.loads(job.result), PRODUCT_SCHEMA), job.result
-    records = [json.loads(x) for x in run_main("export", ws, "--tag", "k").stdout.decode().splitlines()]
-    assert [r["custom_id"] for r in records] == [line["custom_id"] for line in lines]
 
 
 # ==============================================================================
@@ -2873,7 +2265,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type 'custom' is not supported (function only)"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]},
+     "tools[0].type 'custom' is not supported (function only)"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name must be 1 to 64 letters"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name 'get_weather' is given twice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}]},
@@ -2886,7 +2279,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
     ({"tool_choice": "required"}, "tool_choice needs tools"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls needs tools"),
     ({"tools": TOOLS, "functions": [WEATHER["function"]]}, "give tools and tool_choice, or the legacy functions"),
-    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tools cannot be combined with grammar or response_format"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}},
+     "tools cannot be combined with grammar or response_format"),
     ({"tools": TOOLS, "stop": ["x"]}, "tools cannot be combined with stop"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "3"}]},
      "messages[1]: a tool turn needs the tool_call_id it answers"),
@@ -2932,7 +2326,8 @@ def test_tools_flags_legacy_functions_and_a_call_history_are_taken_as_given(ws: 
     assert Flow(ws).get(one).params["tools"] == [EMAIL] and Flow(ws).get(one).params["tool_choice"] == "required"
     bad = run_main("submit", ws, "x", "--tool-choice", "auto")
     assert bad.returncode == 2 and b"tool_choice needs tools" in bad.stderr
-    history = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": [CALL]},
                {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}]
     legacy = chat_line("l", "x", functions=[WEATHER["function"]], function_call={"name": "get_weather"})
     legacy["body"]["messages"] = history
@@ -2950,13 +2345,16 @@ def test_a_templates_auto_grammar_holds_a_call_from_its_marker() -> None:
     choice begin with the marker; several calls only where parallel."""
     call = 'tool-call ::= "{" [a-z]* "}" space\nspace ::= " "?\n'
     auto = nrvna.check_grammar(nrvna.tool_grammar(call, "tool-call", "auto", True, TEMPLATE_CALLS))
-    for text in ["", "Hello.", "a < b and <tool_ca", "<<tool_call>{x}</tool_call>", "so: <tool_call>\n{ab}\n</tool_call>",
-                 "<tool_call>{a}</tool_call>\n<tool_call>{b}</tool_call>", "x <tool <tool_cal> y", "<t<to<tool_call>{}</tool_call>"]:
+    for text in ["", "Hello.", "a < b and <tool_ca", "<<tool_call>{x}</tool_call>",
+                 "so: <tool_call>\n{ab}\n</tool_call>",
+                 "<tool_call>{a}</tool_call>\n<tool_call>{b}</tool_call>", "x <tool <tool_cal> y",
+                 "<t<to<tool_call>{}</tool_call>"]:
         assert grammar_accepts(auto, text), text
     for text in ["<tool_call>", "a <tool_call> b", "<tool_call>{x}</tool_call> then text", "<tool_call>{x}"]:
         assert not grammar_accepts(auto, text), text
     one = nrvna.check_grammar(nrvna.tool_grammar(call, "tool-call", "required", False, TEMPLATE_CALLS))
-    assert grammar_accepts(one, "<tool_call>\n{a}\n</tool_call>") and not grammar_accepts(one, "hi <tool_call>{a}</tool_call>")
+    assert (grammar_accepts(one, "<tool_call>\n{a}\n</tool_call>")
+            and not grammar_accepts(one, "hi <tool_call>{a}</tool_call>"))
     assert not grammar_accepts(one, "<tool_call>{a}</tool_call><tool_call>{b}</tool_call>")
     many = nrvna.check_grammar(nrvna.tool_grammar(call, "tool-call", "required", True, TEMPLATE_CALLS))
     assert grammar_accepts(many, "<tool_call>{a}</tool_call>\n<tool_call>{b}</tool_call>")
@@ -2965,7 +2363,8 @@ def test_a_templates_auto_grammar_holds_a_call_from_its_marker() -> None:
 def test_calls_are_read_back_as_openai_gives_them() -> None:
     """A template's calls (text before them is the content), the generic form's call, calls and
     answer in words; a call cut short is no call; ids come from the job and the choice."""
-    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+            '\n</tool_call>')
     content, calls = nrvna.read_tool_calls(text + "\n" + text.split("\n", 1)[1], TEMPLATE_CALLS, "J", 0)
     assert content == "Let me check." and [c["id"] for c in calls] == ["call_J_0", "call_J_1"]
     assert calls[0] == {"id": "call_J_0", "type": "function",
@@ -2974,9 +2373,11 @@ def test_calls_are_read_back_as_openai_gives_them() -> None:
     assert nrvna.read_tool_calls(text + "\n<tool_call>\n{\"name\": \"get_w", TEMPLATE_CALLS, "J", 0)[1] == calls[:1]
     assert nrvna.read_tool_calls("No call here.", TEMPLATE_CALLS, "J", 0) is None
     generic = nrvna.GENERIC_TOOLS
-    assert nrvna.read_tool_calls('{"tool_call": {"name": "f", "arguments": {}}}', generic, "J", 2)[1][0]["id"] == "call_J_c2_0"
+    assert nrvna.read_tool_calls('{"tool_call": {"name": "f", "arguments": {}}}', generic, "J",
+                                 2)[1][0]["id"] == "call_J_c2_0"
     assert [c["function"]["name"] for c in nrvna.read_tool_calls(
-        '{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"a": 1}}]}', generic, "J", 0)[1]] == ["f", "g"]
+        '{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"a": 1}}]}', generic, "J",
+        0)[1]] == ["f", "g"]
     assert nrvna.read_tool_calls('{"response": "It is sunny."}', generic, "J", 0) == ("It is sunny.", [])
     assert nrvna.read_tool_calls('{"tool_call": {"name": "f", "argu', generic, "J", 0) is None
 
@@ -2994,7 +2395,8 @@ def test_each_tools_definitions_are_its_own_in_the_calls_schema() -> None:
     nrvna.check_json_schema(schema)
     assert schema["$defs"]["t0-item"] == {"type": "integer"} and schema["$defs"]["t1-item"] == {"type": "string"}
     assert schema["$defs"]["t1"]["properties"]["items"]["items"] == {"$ref": "#/$defs/t1-item"}
-    named = nrvna.tool_call_schema(tools, {"type": "function", "function": {"name": "words"}}, True, nrvna.GENERIC_TOOLS)
+    named = nrvna.tool_call_schema(tools, {"type": "function", "function": {"name": "words"}}, True,
+                                   nrvna.GENERIC_TOOLS)
     assert named["properties"]["tool_calls"]["items"]["properties"]["name"] == {"const": "words"}
     auto = nrvna.tool_call_schema(tools, "auto", False, nrvna.GENERIC_TOOLS)
     assert [list(branch["properties"]) for branch in auto["anyOf"]] == [["tool_call"], ["response"]]
@@ -3073,7 +2475,8 @@ def test_tool_calls_for_real(ws: str, tmp_path: Path, model: str, run_main: RunM
         if job.message is None:
             assert read.choices[0].message.tool_calls is None and read.choices[0].finish_reason in ("stop", "length")
             continue
-        assert read.choices[0].finish_reason == job.meta["finish_reason"] and read.choices[0].message.content == job.message["content"]
+        assert (read.choices[0].finish_reason == job.meta["finish_reason"] and read.choices[0].message.content
+                == job.message["content"])
         assert [c.model_dump(exclude_none=True) for c in read.choices[0].message.tool_calls] == job.tool_calls
     # The next turn: the call and the tool's answer, in messages and by --parent
     first = flow.get(ids["r0"])
@@ -3085,7 +2488,8 @@ def test_tool_calls_for_real(ws: str, tmp_path: Path, model: str, run_main: RunM
     follow[0]["body"]["messages"] = history
     [again] = ids_of(run_main("submit", ws, "--file", write(tmp_path / "f.jsonl", jsonl(follow))))
     conversation = json.loads(Path(ws, nrvna.OUTPUT, ids["r0"], nrvna.CONVERSATION_FILE).read_text())
-    assert conversation[-1] == {"role": "assistant", "content": first.message["content"], "tool_calls": first.tool_calls}
+    assert conversation[-1] == {"role": "assistant", "content": first.message["content"],
+                                "tool_calls": first.tool_calls}
     child = ids_of(run_main("submit", ws, "--parent", ids["r0"], "--file",
                             write(tmp_path / "c.jsonl", jsonl([{"messages": answer, "max_tokens": 48}]))))[0]
     done = cli("daemon", tool_model(model, style), ws, "-w", "1", "--drain", timeout=600)
@@ -3105,7 +2509,8 @@ def test_a_job_killed_mid_call_runs_again_whole_once(ws: str, tmp_path: Path, mo
         "type": "object", "properties": {"text": {"type": "string", "minLength": 300, "maxLength": 400}},
         "required": ["text"], "additionalProperties": False}}}
     [job_id] = ids_of(run_main("submit", ws, "Write a long note about the sea.", "--tools", json.dumps(note),
-                               "--tool-choice", "required", "--no-parallel-tool-calls", "--max-tokens", "400", "--seed", "5"))
+                               "--tool-choice", "required", "--no-parallel-tool-calls", "--max-tokens", "400", "--seed",
+                               "5"))
     proc = start_daemon(model, ws, "-w", "1")
     try:
         deadline = time.monotonic() + 120
@@ -3165,7 +2570,8 @@ def test_a_size_that_rounds_to_nothing_or_has_no_unit_is_refused_naming_what_was
             done = run_main("daemon", "no-such-model.gguf", "ws-never-made", env={variable: value})
             assert done.returncode == 2 and f"{variable}={value!r} {reason}".encode() in done.stderr, done.stderr
     assert not os.path.exists("ws-never-made")
-    assert [nrvna.size_bytes(v) for v in ("0", "0M", "500B", "1.5K", "2M", "1048576")] == [0, 0, 500, 1536, 2 << 20, 1 << 20]
+    assert [nrvna.size_bytes(v)
+            for v in ("0", "0M", "500B", "1.5K", "2M", "1048576")] == [0, 0, 500, 1536, 2 << 20, 1 << 20]
     # the budget's own refusal names it as given too (it said NRVNA_MAX_MEMORY for the flag)
     report = {"weights_mib": 92.1, "kv_mib": 202.5, "compute_mib": 98.3, "output_mib": 3.2, "cells": 9216,
               "cells_per_job": 1024, "kv_bytes_per_token": 23040}
@@ -3177,7 +2583,8 @@ def test_a_size_that_rounds_to_nothing_or_has_no_unit_is_refused_naming_what_was
     with pytest.raises(nrvna.ConfigError, match="it would fit with --workers 1 or NRVNA_MAX_CTX=2048$"):
         nrvna.check_memory_budget(nrvna.Config.from_env({}, workers=2, max_memory="500M"), "m", report, 2, 50.0, True)
     with pytest.raises(nrvna.ConfigError, match="it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=2048$"):
-        nrvna.check_memory_budget(nrvna.Config.from_env({"NRVNA_WORKERS": "2"}, max_memory="500M"), "m", report, 2, 50.0, True)
+        nrvna.check_memory_budget(nrvna.Config.from_env({"NRVNA_WORKERS": "2"}, max_memory="500M"), "m", report, 2,
+                                  50.0, True)
 
 
 def test_the_daemon_s_help_and_the_variables_list_give_one_default(run_main: RunMain) -> None:
@@ -3191,40 +2598,6 @@ def test_the_daemon_s_help_and_the_variables_list_give_one_default(run_main: Run
         if setting.flags and shown:
             assert f"({setting.env}, default {shown})" in flagged, setting.env
     assert re.search(r"^  NRVNA_WORKERS +4, or the cores if fewer ", listed, re.M)
-
-
-def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
-    """check_memory_budget: the need (the process, weights, every context, saves waiting) against
-    NRVNA_MAX_MEMORY, and each change that alone would fit (fewer workers, a shorter context, a
-    smaller KV type, fewer saves waiting); nothing when the budget holds or there is none."""
-    report = {"weights_mib": 92.1, "kv_mib": 202.5, "compute_mib": 98.3, "output_mib": 3.2, "cells": 9216,
-              "cells_per_job": 1024, "kv_bytes_per_token": 23040}
-    nrvna.check_memory_budget(nrvna.Config(), "m", report, 2, 50.0, True)  # no budget
-    nrvna.check_memory_budget(nrvna.Config(max_memory="1G"), "m", report, 2, 50.0, True)  # 796 MiB fits
-    with pytest.raises(nrvna.ConfigError) as caught:
-        nrvna.check_memory_budget(nrvna.Config(max_memory="500M"), "m", report, 2, 50.0, True)
-    message = str(caught.value)
-    assert "NRVNA_MAX_MEMORY=500M (500 MiB) cannot hold this daemon: it needs 795 MiB" in message
-    assert "2 contexts x 304.0 (KV cache 202.5, compute 98.3, output 3.2), contexts waiting to be saved 45" in message
-    assert message.endswith("it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=2048"), message
-    with pytest.raises(nrvna.ConfigError, match="NRVNA_MAX_CTX=7680 or NRVNA_KV_TYPE=q8_0 or NRVNA_CACHE_PENDING=29M"):
-        nrvna.check_memory_budget(nrvna.Config(max_memory="780M"), "m", report, 2, 50.0, True)
-    with pytest.raises(nrvna.ConfigError, match="nothing here fits it: a larger budget or a smaller model"):
-        nrvna.check_memory_budget(nrvna.Config(max_memory="200M"), "m", report, 2, 50.0, False)
-
-
-def test_an_embedding_model_s_memory_line_says_what_it_holds() -> None:
-    """#57: an embedding daemon's start line read "KV cache 0 x 0.0 MiB ... compute 0 x 0.0" beside
-    "2 workers x 16 sequences": it has no generation context, and says so."""
-    report = {"weights_mib": 43.5, "kv_type": "f16", "contexts": 0, "cells": 0, "cells_per_job": 0,
-              "kv_bytes_per_token": 0, "kv_mib": 0.0, "compute_mib": 0.0, "output_mib": 0.0,
-              "embedding_contexts": 0, "embedding_mib": 0, "total_mib": 43.5}
-    line = nrvna.memory_line("MiniLM", report)
-    assert line == ("Memory of MiniLM: weights 43.5 MiB, no generation contexts (an embedding model: each worker makes "
-                    "its embedding context at its first embed job; 0 made so far, 0.0 MiB): 43.5 MiB"), line
-    chat = dict(report, contexts=2, cells=9216, kv_bytes_per_token=23040, kv_mib=202.5, compute_mib=98.3,
-                output_mib=3.2, total_mib=651.1)
-    assert "KV cache 2 x 202.5 MiB (f16, 9,216 cells x 23,040 B a token), compute 2 x 98.3" in nrvna.memory_line("m", chat)
 
 
 def test_all_lists_the_public_names() -> None:
@@ -3288,7 +2661,8 @@ def test_a_thinking_budget_is_a_non_negative_integer_and_an_effort_one_of_five(
     with pytest.raises(nrvna.InvalidInput, match="reasoning_effort"):
         nrvna.validate_params({"reasoning_effort": "max"})
     assert [nrvna.thinking_budget(params) for params in (
-        {}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"}, {"reasoning_effort": "high", "thinking_budget_tokens": 7}
+        {}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"},
+        {"reasoning_effort": "high", "thinking_budget_tokens": 7}
     )] == [None, 1024, 0, 7]  # an explicit budget wins over an effort
     for args in (("--thinking-budget", "-1"), ("--thinking-budget", "x"), ("--reasoning-effort", "max")):
         refused = run_main("submit", ws, "x", *args)
@@ -3299,7 +2673,8 @@ def test_a_thinking_budget_is_a_non_negative_integer_and_an_effort_one_of_five(
     line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
             "body": {"messages": [{"role": "user", "content": "hi"}], "thinking_token_budget": 9,
                      "reasoning_budget_tokens": 32, "reasoning_effort": "minimal"}}
-    bad = [dict(line, custom_id=f"b{i}", body={"messages": line["body"]["messages"], **field}) for i, field in enumerate(
+    bad = [dict(line, custom_id=f"b{i}", body={"messages": line["body"]["messages"], **field}) for i,
+           field in enumerate(
         ({"thinking_budget_tokens": -1}, {"reasoning_effort": "extreme"}, {"chat_template_kwargs": "x"}))]
     for row in bad:
         refused = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line, row])))
@@ -3334,16 +2709,6 @@ def test_a_done_chat_job_keeps_its_conversation_for_a_child() -> None:
     assert nrvna.conversation_turns("", {"messages": turns}, "d") == turns + [{"role": "assistant", "content": "d"}]
     assert nrvna.conversation_turns("x", {"raw": True}, "y") is None
     assert nrvna.conversation_turns("x", {"embed": True}, "[]") is None
-
-
-def test_the_daemon_writes_a_done_chat_job_s_conversation(ws: str) -> None:
-    chat, raw = submit(ws, "hi", system="Be brief."), submit(ws, "<s>hi", raw=True)
-    with serving(ws, echo):
-        assert wait_all(ws, [chat, raw]) == [Status.Done, Status.Done]
-    path = Path(ws, nrvna.OUTPUT, chat, nrvna.CONVERSATION_FILE)
-    assert json.loads(path.read_text()) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                                            {"role": "assistant", "content": "echo:hi"}]
-    assert not Path(ws, nrvna.OUTPUT, raw, nrvna.CONVERSATION_FILE).exists()
 
 
 def test_thinking_tags_are_auto_off_or_a_pair() -> None:
@@ -3434,7 +2799,8 @@ def test_an_alias_given_twice_is_refused_naming_it(ws: str, run_main: RunMain, a
 def test_env_values_are_read() -> None:
     config = nrvna.Config.from_env({"NRVNA_WORKERS": "8", "NRVNA_TEMP": "0.2", "NRVNA_LOG_LEVEL": "TRACE",
                                     "NRVNA_SEED": "7", "NRVNA_MODELS_DIR": "/m"})
-    assert (config.workers, config.temperature, config.log_level, config.seed, config.models_dir) == (8, 0.2, "trace", 7, "/m")
+    assert (config.workers, config.temperature, config.log_level, config.seed,
+            config.models_dir) == (8, 0.2, "trace", 7, "/m")
     assert nrvna.Config.from_env({}).workers == min(4, nrvna.cpu_count())
     assert nrvna.Config.from_env({}).seqs == 16
 
@@ -3447,6 +2813,83 @@ def test_env_values_are_read() -> None:
 def test_bad_params_are_refused(params: dict, message: str) -> None:
     with pytest.raises(nrvna.InvalidInput, match=message):
         nrvna.validate_params(params)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"response_format": {"type": "json"}}, "response_format must be"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "takes no other field ('schema')"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+     "name must be 1 to 64"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "schema must be a JSON Schema object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}}},
+     "unknown field 'extra'"),
+    ({"response_format": schema_format({"type": "number", "maximum": float("inf")})}, "not finite"),
+    ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'},
+     "give grammar or response_format, not both"),
+    ({"grammar": 'root ::= "a"', "stop": ["\n"]}, "stop cannot be combined with grammar or response_format"),
+    ({"top_logprobs": 3}, "top_logprobs needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs=21 is out of range (0 to 20)"),
+    ({"logit_bias": {"abc": 1}}, "'abc' is not a token ID"),
+    ({"logit_bias": {"5": 101}}, "must be a number from -100 to 100"),
+    ({"logit_bias": [1]}, "logit_bias must be an object"),
+    ({"logit_bias": {"²": 1}}, "'²' is not a token ID"),
+    ({"response_format": schema_format({"enum": ["\ud800"]})}, "not valid Unicode"),
+])
+def test_structured_output_parameters_are_validated(params: dict[str, Any], message: str) -> None:
+    with pytest.raises(nrvna.InvalidInput) as raised:
+        nrvna.validate_params(params)
+    assert message in str(raised.value)
+    text = nrvna.validate_params({"response_format": {"type": "text"}, "logprobs": True, "top_logprobs": 0})
+    assert text["response_format"] == {"type": "text"} and nrvna.constraint(text) is None
+
+
+def test_n_choices_is_a_job_parameter_in_every_form(ws: str, run_main: RunMain) -> None:
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "n": 4}}
+    assert nrvna.parse_batch(jsonl([line]).encode())[0].params["n"] == 4
+    assert nrvna.parse_batch(b'{"prompt": "x", "n": 2}\n', jsonl=True)[0].params["n"] == 2
+    job_id = run_main("submit", ws, "hi", "--n", "3").stdout.decode().strip()
+    assert Flow(ws).get(job_id).params["n"] == 3 and Work(ws).publish("hi", n=128)
+    for args, message in ((["hi", "--n", "0"], "parameter n=0 is out of range (1 to 128)"),
+                          (["hi", "--n", "129"], "parameter n=129 is out of range (1 to 128)")):
+        done = run_main("submit", ws, *args)
+        assert done.returncode == 2 and message in done.stderr.decode()
+    done = run_main("submit", ws, "--file", "-", input=b'{"embed": "t", "n": 2}\n')
+    assert done.returncode == 2 and b"an embed job takes no n" in done.stderr
+
+
+def test_the_log_probabilities_a_job_may_record_are_bounded_at_submit_and_at_claim(
+        ws: str, tmp_path: Path, run_main: RunMain, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n x max_tokens x (top_logprobs + 1) at most LOGPROBS_MAX: n=16, 992 tokens and 20 each
+    held 490 MB in a daemon and took 479 MB to read back."""
+    cap = nrvna.LOGPROBS_MAX
+    monkeypatch.delenv("NRVNA_PREDICT", raising=False)
+    refused = run_main("submit", ws, "hi", "--n", "16", "--max-tokens", "992", "--logprobs", "--top-logprobs", "20")
+    assert refused.returncode == 2 and refused.stdout == b""
+    assert refused.stderr.decode() == (f"nrvna: error: logprobs: n x max_tokens x (top_logprobs + 1) = 16 x 992 x 21 = "
+                                       f"333312 log-probabilities, over the limit of {cap} a job (give a smaller "
+                                       "max_tokens, n or top_logprobs)\n")
+    default = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20")  # 4 x 2048 x 21
+    assert default.returncode == 2 and b"4 x 2048 (the default, NRVNA_PREDICT) x 21" in default.stderr
+    smaller = run_main("submit", ws, "hi", "--n", "4", "--logprobs", "--top-logprobs", "20",
+                       env={"NRVNA_PREDICT": "512"})
+    assert smaller.returncode == 0, smaller.stderr  # 4 x 512 x 21 = 43008
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "x", "n": 128, "max_tokens": 256, "logprobs": 5}}  # 128 x 256 x 6
+    batch = run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([line])))
+    assert (batch.returncode == 2
+            and b"line 1: logprobs: n x max_tokens x (top_logprobs + 1) = 128 x 256 x 6" in batch.stderr)
+    assert Work(ws).publish("hi", n=2, max_tokens=cap // 42, logprobs=True, top_logprobs=20)  # 2 x 3120 x 21, under
+    assert nrvna.LOGPROBS_MAX >= 2048 * 21  # one job of the default length with every top_logprob fits
+    assert str(cap) in nrvna.PARAMS["logprobs"].help
+    # A daemon whose own default of max_tokens is larger fails a job that names none at its claim.
+    job_id = submit(ws, "x", n=2, logprobs=True, top_logprobs=20)  # 2 x 2048 x 21 = 86016 here
+    assert Flow(ws).counts()["queued"] == 3
+    with serving(ws, echo, max_tokens=4096):
+        states = wait_all(ws, [job_id])
+    job = Flow(ws).get(job_id)
+    assert states == [Status.Failed] and job.meta["code"] == "bad_request"
+    assert "2 x 4096 (the default, NRVNA_PREDICT) x 21 = 172032 log-probabilities" in job.error
 
 
 # ==============================================================================
@@ -3523,7 +2966,8 @@ def test_a_crafted_tag_index_is_one_line_naming_it_and_never_stops_the_batch_hoo
                      ["status", here, "--tag", "t"], ["cancel", here, "--tag", "t"], ["retry", here, "--tag", "t"]):
             result = run_main(*args, timeout=20)
             lines = result.stderr.decode().strip().splitlines()
-            assert result.returncode == 1 and len(lines) == 1 and "00000000000000000001_x.ids" in lines[0], (name, args, lines)
+            assert (result.returncode == 1 and len(lines) == 1
+                    and "00000000000000000001_x.ids" in lines[0]), (name, args, lines)
         ran = tmp_path / f"{name}.ran"
         with serving(here, echo, on_done=f"echo $NRVNA_JOB_ID >> {ran}", on_batch_done=f"echo batch >> {ran}.batch"):
             assert wait_all(here, [job_id]) == [Status.Done]
@@ -3628,7 +3072,8 @@ def test_a_replaced_lock_file_is_taken_again_and_lets_no_second_daemon_in(ws: st
         assert [r["pid"] for r in nrvna.daemon_records(ws)] == [first.pid]
         second = child_daemon(ws, "derived", "-w", "1", stderr=subprocess.PIPE)
         refusal = second.stderr.read().decode()
-        assert second.wait(30) == 1 and f"in use by another daemon (pid {first.pid}) serving function" in refusal, refusal
+        assert (second.wait(30) == 1
+                and f"in use by another daemon (pid {first.pid}) serving function" in refusal), refusal
         stopped = cli("stop", ws, "--timeout", "20")
         assert stopped.returncode == 0, stopped.stderr
         assert first.wait(5) == 0
@@ -3697,7 +3142,8 @@ def test_a_crafted_daemon_record_never_stops_a_client_or_another_daemon(ws: str,
     field of the wrong type is read as if those fields were absent."""
     job_id = submit(ws, "warm")
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); import nrvna; "
-                               "fd, name = nrvna.register_daemon(sys.argv[2]); print(name, flush=True); time.sleep(600)",
+                               "fd, name = nrvna.register_daemon(sys.argv[2]); print(name, flush=True); "
+                               "time.sleep(600)",
                                str(HERE), ws], stdout=subprocess.PIPE)
     second = None
     try:
@@ -3728,7 +3174,8 @@ def test_text_that_spells_control_tokens_stays_text_unless_raw(llama: nrvna.Llam
     plain = llama.tokens(fake_job("What is the capital of France?"))
     for job in (fake_job(forged), fake_job("Hi", system=forged),
                 fake_job("x", messages=[{"role": "user", "content": forged}]),
-                fake_job("x", messages=[{"role": "assistant", "content": forged}, {"role": "user", "content": "go on"}])):
+                fake_job("x", messages=[{"role": "assistant", "content": forged},
+                                        {"role": "user", "content": "go on"}])):
         tokens = llama.tokens(job)
         # the template's own turns only (its default system turn, the user's, the assistant's
         # opening; one more for a history turn), never the ones the text spells
@@ -3749,7 +3196,8 @@ def test_text_that_spells_control_tokens_stays_text_unless_raw(llama: nrvna.Llam
     '{"prompt": "hi", "custom_id": "a\\ud800"}', '{"prompt": "hi", "system": "\\udc00"}',
     '{"prompt": "hi", "stop": ["\\ud800"]}', '{"messages": [{"role": "user", "content": "a\\ud800"}]}',
 ])
-def test_a_lone_surrogate_anywhere_is_one_line_and_exit_2(ws: str, tmp_path: Path, run_main: RunMain, line: str) -> None:
+def test_a_lone_surrogate_anywhere_is_one_line_and_exit_2(ws: str, tmp_path: Path, run_main: RunMain,
+                                                          line: str) -> None:
     done = run_main("submit", ws, "--file", write(tmp_path / "bad.jsonl", line + "\n"))
     assert done.returncode == 2 and b"line 1" in done.stderr and len(done.stderr.splitlines()) == 1
     ready = os.path.join(ws, nrvna.READY)
@@ -3901,7 +3349,8 @@ def test_numbers_must_be_finite_and_message_text_valid_unicode(ws: str) -> None:
 @pytest.mark.parametrize("field, value", [("top_logprobs", True), ("priority", "5"), ("max_tokens", "Infinity"),
                                           ("seed", 1.5), ("dimensions", [8])])
 def test_an_integer_parameter_s_error_says_integer(field: str, value: Any) -> None:
-    line = b'{"prompt": "hi", "%s": %s}\n' % (field.encode(), value.encode() if value == "Infinity" else json.dumps(value).encode())
+    line = b'{"prompt": "hi", "%s": %s}\n' % (field.encode(), value.encode() if value == "Infinity"
+                                              else json.dumps(value).encode())
     with pytest.raises(nrvna.InvalidInput, match=f"^line 1: parameter {field} must be an integer$"):
         nrvna.parse_batch(line)
 
@@ -4122,7 +3571,8 @@ def test_a_planted_key_file_never_hangs_a_submit_or_a_clean(ws: str, run_main: R
     assert os.path.islink(key)
 
 
-def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_key_left_by_a_client_that_died_before_publishing_is_repaired(ws: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     nrvna.ensure_workspace(ws)
     work = Work(ws)
     dead, staging = work._stage([(nrvna.PROMPT_FILE, b"never published")])
@@ -4229,7 +3679,8 @@ def test_a_stopped_submitter_keeps_its_key_and_no_key_makes_two_jobs(ws: str, tm
         assert refused.stdout == b"" and os.listdir(os.path.join(ws, nrvna.READY)) == []
         # A submit waiting when the stopped one goes on gets its job.
         waiter = subprocess.Popen([sys.executable, SCRIPT, "submit", ws, "third", "--idempotency-key", "K5"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "NRVNA_KEY_WAIT": "600"})
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env={**os.environ, "NRVNA_KEY_WAIT": "600"})
         time.sleep(1.5)  # it looks at the key, and waits
     finally:
         os.kill(batch.pid, signal.SIGCONT)
@@ -4255,7 +3706,8 @@ def test_a_stopped_submitter_keeps_its_key_and_no_key_makes_two_jobs(ws: str, tm
 def test_a_batch_repeating_a_key_makes_one_job_without_waiting_on_itself(ws: str) -> None:
     nrvna.ensure_workspace(ws)
     work = Work(ws, notify=pytest.fail)  # never waits: the key's holder is this call
-    entries = [nrvna.BatchEntry(1, b"first", {"idempotency_key": "same"}), nrvna.BatchEntry(2, b"second", {"idempotency_key": "same"})]
+    entries = [nrvna.BatchEntry(1, b"first", {"idempotency_key": "same"}),
+               nrvna.BatchEntry(2, b"second", {"idempotency_key": "same"})]
     start = time.monotonic()
     ids = work.publish_batch(entries)
     assert time.monotonic() - start < 2
@@ -4272,23 +3724,27 @@ def test_every_keyed_publish_looks_up_and_takes_its_keys_through_one_helper(ws: 
     calls: list[tuple[str, str]] = []
     find, take = nrvna._Keys.find, nrvna._Keys.take
     monkeypatch.setattr(nrvna._Keys, "find", lambda self, key: calls.append(("find", key)) or find(self, key))
-    monkeypatch.setattr(nrvna._Keys, "take", lambda self, key, job_id: calls.append(("take", key)) or take(self, key, job_id))
+    monkeypatch.setattr(nrvna._Keys, "take", lambda self, key,
+                        job_id: calls.append(("take", key)) or take(self, key, job_id))
     work = Work(ws)
     one = work.publish("a", idempotency_key="A")
     assert calls == [("find", "A"), ("take", "A")] and work.existing is False
-    assert work.submit("again", idempotency_key="A") == nrvna.SubmitResult(True, one, "exists") and work.existing is True
+    assert (work.submit("again", idempotency_key="A") == nrvna.SubmitResult(True, one, "exists")
+            and work.existing is True)
     calls.clear()
     entries = [nrvna.BatchEntry(1, b"b", {"idempotency_key": "B"}), nrvna.BatchEntry(2, b"a", {"idempotency_key": "A"})]
     batch = work.publish_batch(entries)
     assert batch[1] == one and calls == [("take", "B"), ("take", "A")]
     calls.clear()
     notes: list[str] = []
-    lines = [{"prompt": "c", "idempotency_key": "C"}, {"prompt": "b", "idempotency_key": "B"}, {"prompt": "c2", "idempotency_key": "C"}]
+    lines = [{"prompt": "c", "idempotency_key": "C"}, {"prompt": "b", "idempotency_key": "B"},
+             {"prompt": "c2", "idempotency_key": "C"}]
     ids = work.submit_file(write(tmp_path / "k.jsonl", jsonl(lines)), notes=notes)
     assert ids[1] == batch[0] and ids[0] == ids[2] != batch[0]
     assert calls == [("find", "C"), ("find", "B"), ("find", "C"), ("take", "C")]
     assert notes == ["1 line repeats an earlier line's idempotency key: it gets its job",
-                     "1 of 3 lines matched an existing job by idempotency key; their IDs are those jobs' (nothing queued for them)"]
+                     "1 of 3 lines matched an existing job by idempotency key; their IDs are those jobs' (nothing "
+                     "queued for them)"]
 
 
 def test_clean_ends_a_key_and_retry_keeps_it(ws: str, run_main: RunMain) -> None:
@@ -4354,7 +3810,8 @@ def test_shards_of_a_file_queue_every_line_once_between_them(tmp_path: Path, run
             seen += mine
         expected = [row["custom_id"] for row in rows] if named else [f"line-{n + 1}" for n in range(count)]
         assert sorted(seen) == sorted(expected)  # each line once, in one shard
-    twice = write(tmp_path / "twice.jsonl", jsonl([{"custom_id": "a", "prompt": "x"}, {"custom_id": "a", "prompt": "y"}]))
+    twice = write(tmp_path / "twice.jsonl",
+                  jsonl([{"custom_id": "a", "prompt": "x"}, {"custom_id": "a", "prompt": "y"}]))
     for i in range(2):
         done = run_main("submit", str(tmp_path / "dup"), "--file", twice, "--shard", f"{i}/2")
         assert done.returncode == 2 and b"line 2: duplicate custom_id 'a'" in done.stderr
@@ -4371,7 +3828,8 @@ def test_a_shard_submitted_again_after_a_crash_queues_only_its_gaps(ws: str, tmp
     mine = [row for row in rows if nrvna.shard_of(row["custom_id"], 3) == 1]
     half = write(tmp_path / "half.jsonl", jsonl(mine[:len(mine) // 2]))  # what got queued before the crash
     first = ids_of(run_main("submit", ws, "--file", half, "--tag", "s1"))
-    again = run_main("submit", ws, "--file", write(tmp_path / "all.jsonl", jsonl(rows)), "--shard", "1/3", "--tag", "s1")
+    again = run_main("submit", ws, "--file", write(tmp_path / "all.jsonl", jsonl(rows)), "--shard", "1/3", "--tag",
+                     "s1")
     assert again.returncode == 0 and ids_of(again)[:len(first)] == first
     flow = Flow(ws)
     assert sorted(flow.get(j).params["custom_id"] for j in ids_of(again)) == sorted(r["custom_id"] for r in mine)
@@ -4401,8 +3859,10 @@ def test_a_shard_killed_at_every_point_of_its_submit_is_finished_by_running_it_a
         assert again.returncode == 0, (k, calls[k - 1], again.stderr)
         flow = Flow(ws)
         assert sorted(flow.get(job_id).params["custom_id"] for job_id in ids_of(again)) == mine, k
-        assert sorted(flow.get(job_id).params["custom_id"] for job_id in os.listdir(os.path.join(ws, nrvna.READY))) == mine, k
-    print(f"\nsubmit --shard: {len(calls)} crash points, each killed and given again: the shard's {len(mine)} lines once")
+        assert sorted(flow.get(job_id).params["custom_id"]
+                      for job_id in os.listdir(os.path.join(ws, nrvna.READY))) == mine, k
+    print(f"\nsubmit --shard: {len(calls)} crash points, each killed and given again: the shard's {len(mine)} lines "
+          "once")
 
 
 def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing(tmp_path: Path,
@@ -4415,7 +3875,8 @@ def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing
 
     def part(name: str, numbers: list[int], result: str = "r") -> str:
         return write(tmp_path / name, jsonl([{"id": f"j{i}", "custom_id": f"c{i}", "status": "done",
-                                             "result": f"{result}{i}", "error": None, "meta": {"n": i}} for i in numbers]))
+                                             "result": f"{result}{i}", "error": None, "meta": {"n": i}}
+                                             for i in numbers]))
 
     a, b = part("a.jsonl", [4, 0, 3]), part("b.jsonl", [5, 1, 2, 3])
     out = tmp_path / "out.jsonl"
@@ -4435,22 +3896,27 @@ def test_merge_puts_the_shards_back_in_the_inputs_order_and_says_what_is_missing
     assert done.returncode == 2 and b"cannot read" in done.stderr and b"gone.jsonl" in done.stderr
 
     def call_line(job_id: str, i: int, city: str) -> dict[str, Any]:  # an OpenAI export line of a tool call
-        call = {"id": f"call_{job_id}_0", "type": "function", "function": {"name": "weather", "arguments": f'{{"city": "{city}"}}'}}
+        call = {"id": f"call_{job_id}_0", "type": "function",
+                "function": {"name": "weather", "arguments": f'{{"city": "{city}"}}'}}
         body = {"id": f"chatcmpl-{job_id}", "created": int(job_id[-1]), "choices": [
-            {"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [call]}}]}
+            {"index": 0, "finish_reason": "tool_calls",
+             "message": {"role": "assistant", "content": None, "tool_calls": [call]}}]}
         return {"id": f"batch_req_{job_id}", "custom_id": f"c{i}", "error": None,
                 "response": {"status_code": 200, "request_id": job_id, "body": body}}
 
     calls = [call_line(f"17959_1_{i}", i, "Oslo") for i in range(6)]
-    again = write(tmp_path / "again.jsonl", jsonl([call_line("17960_9_3", 3, "Oslo")]))  # a rerun elsewhere: the same calls
+    # a rerun elsewhere: the same calls
+    again = write(tmp_path / "again.jsonl", jsonl([call_line("17960_9_3", 3, "Oslo")]))
     done = run_main("merge", "--input", source, write(tmp_path / "calls.jsonl", jsonl(calls)), again, "-o", str(out))
     assert done.returncode == 0, done.stderr
-    other = write(tmp_path / "other.jsonl", jsonl([call_line("17960_9_3", 3, "Bergen")]))  # another argument: a conflict
+    # another argument: a conflict
+    other = write(tmp_path / "other.jsonl", jsonl([call_line("17960_9_3", 3, "Bergen")]))
     done = run_main("merge", "--input", source, str(tmp_path / "calls.jsonl"), other, "-o", str(short))
     assert done.returncode == 1 and b"given different results by two parts: c3" in done.stderr
     # The input read as submit --file reads it: any file not named *.jsonl is a prompt a line.
     text = write(tmp_path / "in.txt", jsonl([{"custom_id": "x", "prompt": "p"}]))
-    line_part = write(tmp_path / "t.jsonl", jsonl([{"id": "j", "custom_id": "line-1", "status": "done", "result": "r"}]))
+    line_part = write(tmp_path / "t.jsonl",
+                      jsonl([{"id": "j", "custom_id": "line-1", "status": "done", "result": "r"}]))
     done = run_main("merge", "--input", text, line_part, "-o", "-")
     assert done.returncode == 0 and json.loads(done.stdout)["custom_id"] == "line-1", done.stderr
 
@@ -4494,12 +3960,14 @@ def test_export_lines_say_which_request_they_answer_and_merge_refuses_another_ba
     exported_part(str(tmp_path / "old"), [{"prompt": "other"}, {"prompt": "p1"}, {"prompt": "p2"}], stale, run_main)
     done = run_main("merge", "--input", source, str(tmp_path / "a.jsonl"), str(stale), "-o", str(tmp_path / "x.jsonl"))
     assert done.returncode == 2 and not (tmp_path / "x.jsonl").exists()
-    assert f"{stale}: line 1: custom_id 'line-1' answers another request than line 1 of the input".encode() in done.stderr
+    assert (f"{stale}: line 1: custom_id 'line-1' answers another request than line 1 of the input".encode()
+            in done.stderr)
     assert b"Traceback" not in done.stderr
     # Parts exported before the key: taken, with one note for all of them.
     for name in ("a.jsonl", "b.jsonl"):
         lines = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
-        write(tmp_path / f"old-{name}", jsonl([{k: v for k, v in line.items() if k != nrvna.REQUEST_KEY} for line in lines]))
+        write(tmp_path / f"old-{name}",
+              jsonl([{k: v for k, v in line.items() if k != nrvna.REQUEST_KEY} for line in lines]))
     done = run_main("merge", "--input", source, str(tmp_path / "old-a.jsonl"), str(tmp_path / "old-b.jsonl"), "-o", "-")
     assert done.returncode == 0 and len(done.stdout.splitlines()) == 3
     assert done.stderr.count(b"carry no request_sha256") == 1 and b"6 lines of" in done.stderr, done.stderr
@@ -4566,7 +4034,8 @@ def test_merge_compares_fields_not_a_text_with_ids_cut_out(tmp_path: Path, run_m
         return {"id": job_id, "custom_id": "c", "status": "done", "result": result, "error": None, "meta": {}}
 
     def openai_line(job_id: str, content: str) -> dict[str, Any]:
-        body = {"id": f"chatcmpl-{job_id}", "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
+        body = {"id": f"chatcmpl-{job_id}",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
         return {"id": f"batch_req_{job_id}", "custom_id": "c", "error": None,
                 "response": {"status_code": 200, "request_id": job_id, "body": body}}
 
@@ -4578,7 +4047,8 @@ def test_merge_compares_fields_not_a_text_with_ids_cut_out(tmp_path: Path, run_m
         assert f"given different results by two parts: c ({z} line 1, {q} line 1)".encode() in done.stderr
 
     def calls_line(job_id: str, city: str) -> dict[str, Any]:
-        call = {"id": f"call_{job_id}_0", "type": "function", "function": {"name": "w", "arguments": f'{{"city": "{city}"}}'}}
+        call = {"id": f"call_{job_id}_0", "type": "function",
+                "function": {"name": "w", "arguments": f'{{"city": "{city}"}}'}}
         return dict(jsonl_line(job_id, json.dumps(call) + "\n"), content=None, tool_calls=[call])
 
     one = write(tmp_path / "one.jsonl", jsonl([calls_line("17959_1_1", "Oslo")]))
@@ -4664,7 +4134,8 @@ def recipe_commands(name: str) -> list[str]:
     if name.endswith(".yaml"):
         import yaml
 
-        text = "\n".join(arg for c in yaml.safe_load(text)["spec"]["template"]["spec"]["containers"] for arg in c["args"])
+        text = "\n".join(arg for c in yaml.safe_load(text)["spec"]["template"]["spec"]["containers"]
+                         for arg in c["args"])
     return [line.strip() for line in text.splitlines() if line.strip().startswith("nrvna ")]
 
 
@@ -4713,7 +4184,8 @@ def test_the_slurm_and_kubernetes_recipes_shard_and_merge_a_batch(model: str, tm
     missing (the merge exits 4 and writes nothing); run again, it fills the gap and the merge is
     whole, in the file's order. The Kubernetes pods' merge equals the Slurm tasks' (greedy, one
     sequence per context)."""
-    rows = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": f"Count to {i}."}],
+    rows = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": [{"role": "user", "content": f"Count to {i}."}],
                                             "max_tokens": 6, "temperature": 0}} for i in range(9)]
     batch = write(tmp_path / "batch.jsonl", jsonl(rows))
     bin_dir = tmp_path / "bin"
@@ -4735,13 +4207,17 @@ def test_the_slurm_and_kubernetes_recipes_shard_and_merge_a_batch(model: str, tm
 
     slurm = tmp_path / "slurm-parts"
     for task in ("0", "1", "2"):
-        env = {"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_COUNT": "3", "PARTS": str(slurm)}
+        env = {"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_COUNT": "3",
+               "PARTS": str(slurm)}
         if task == "1":
-            failed = run(["bash", str(HERE / "examples" / "slurm-array.sh")], **dict(env, MODEL=str(tmp_path / "gone.gguf")))
+            failed = run(["bash", str(HERE / "examples" / "slurm-array.sh")],
+                         **dict(env, MODEL=str(tmp_path / "gone.gguf")))
             assert failed.returncode != 0 and b"gone.gguf" in failed.stderr
             code, lines, stderr = merged(slurm)
             missing = [r["custom_id"] for r in rows if nrvna.shard_of(r["custom_id"], 3) != 0]  # task 2 is yet to run
-            assert code == 4 and lines is None and f"{len(missing)} of 9 lines are missing from every part: {', '.join(missing)}\n".encode() in stderr
+            assert (code == 4 and lines is None
+                    and f"{len(missing)} of 9 lines are missing from every part: {', '.join(missing)}\n".encode()
+                    in stderr)
         done = run(["bash", str(HERE / "examples" / "slurm-array.sh")], **env)
         assert done.returncode == 0, done.stderr.decode()[-2000:]
         assert not (tmp_path / f"nrvna-7-{task}").exists()  # the node's workspace removed after the export
@@ -4772,7 +4248,8 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
     jobs = [flow.get(i) for i in ids_of(done)]
     assert [j.prompt for j in jobs] == ["first prompt", "second prompt", "third"]
     params = [flow.get(j.id).params for j in jobs]
-    assert [p["custom_id"] for p in params] == ["line-1", "line-4", "line-5"] and all(p["max_tokens"] == 7 for p in params)
+    assert [p["custom_id"] for p in params] == ["line-1", "line-4",
+                                                "line-5"] and all(p["max_tokens"] == 7 for p in params)
     own = write(tmp_path / "own.jsonl", jsonl([
         {"prompt": "plain", "custom_id": "p1", "temperature": 0, "stop": ["x"], "timeout": 5},
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -4792,7 +4269,8 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
     assert done.returncode == 0 and done.stderr.decode().count("model 'gpt-4o' matches no model") == 1
     chat, completion = (flow.get(i).params for i in ids_of(done))
     assert chat["endpoint"] == "/v1/chat/completions" and chat["max_tokens"] == 9 and chat["custom_id"] == "c1"
-    assert completion == {"custom_id": "c2", "endpoint": "/v1/completions", "max_tokens": 4, "stop": ["\n"], "raw": True,
+    assert completion == {"custom_id": "c2", "endpoint": "/v1/completions", "max_tokens": 4, "stop": ["\n"],
+                          "raw": True,
                           "model": "gpt-4o"}
 
 
@@ -4807,12 +4285,15 @@ def test_a_batch_file_of_each_kind_queues_every_line_in_order(ws: str, tmp_path:
      '[{"role": "user", "content": "x"}], "tools": []}}\n', "line 1: tools must be a list of 1 to 128 tools"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
      '[{"role": "user", "content": "x"}], "audio": {}}}\n', "line 1: body field 'audio' is not supported"),
-    ('{"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": {"input": "x"}}\n', "line 1: url '/v1/responses'"),
-    ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n', "line 1: give exactly one of prompt or messages"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": {"input": "x"}}\n',
+     "line 1: url '/v1/responses'"),
+    ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n',
+     "line 1: give exactly one of prompt or messages"),
     ('{"messages": [{"role": "robot", "content": "b"}]}\n', "line 1: messages[0].role must be one of"),
     ("", "the file has no prompts"),
 ])
-def test_a_bad_batch_line_is_named_and_nothing_is_queued(ws: str, tmp_path: Path, content: str, message: str, run_main: RunMain) -> None:
+def test_a_bad_batch_line_is_named_and_nothing_is_queued(ws: str, tmp_path: Path, content: str, message: str,
+                                                         run_main: RunMain) -> None:
     path = write(tmp_path / "bad.jsonl", content)
     done = run_main("submit", ws, "--file", path, env={"NRVNA_MAX_PROMPT_BYTES": "1000"})
     assert done.returncode == 2 and message in done.stderr.decode(), done.stderr
@@ -4865,7 +4346,8 @@ def test_a_tag_s_file_submitted_again_with_a_changed_template_queues_nothing_and
         for said in (differ + b" differ from the jobs tag t already has", b"nothing was queued",
                      b"the 2 existing jobs were kept unchanged", b"under a new --tag", b"--tag t' stops the old jobs"):
             assert said in done.stderr, done.stderr
-    assert [Flow(ws).get(i).prompt for i in ids_of(first)] == ["Hi alice", "Hi bob"] and Flow(ws).counts()["queued"] == 2
+    assert [Flow(ws).get(i).prompt
+            for i in ids_of(first)] == ["Hi alice", "Hi bob"] and Flow(ws).counts()["queued"] == 2
     renamed = run_main("submit", ws, "--file", data, "--tag", "t2", "--template", "Bye {name}")
     assert renamed.returncode == 0 and [Flow(ws).get(i).prompt for i in ids_of(renamed)] == ["Bye alice", "Bye bob"]
 
@@ -4889,10 +4371,13 @@ def test_batch_submit_makes_everything_durable_before_printing(ws: str, tmp_path
 def test_status_tag_counts_and_a_single_submit_can_carry_a_tag(ws: str, run_main: RunMain) -> None:
     tagged = [submit(ws, f"t{i}", tag="mine") for i in range(3)]
     submit(ws, "other")
-    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "t1" else "ok"):
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "t1"
+                 else "ok"):
         wait_all(ws, tagged)
     done = run_main("status", ws, "--tag", "mine", "--json")
-    assert done.returncode == 0 and json.loads(done.stdout) == {"queued": 0, "running": 0, "done": 2, "failed": 1, "total": 3}
+    report = json.loads(done.stdout)
+    assert report.pop("eta_seconds") == 0 and report.pop("jobs_per_second") > 0  # see 9.6 for the ETA
+    assert done.returncode == 0 and report == {"queued": 0, "running": 0, "done": 2, "failed": 1, "total": 3}
     assert run_main("status", ws, "--tag", "mine").stdout.decode().splitlines()[2:] == ["done 2", "failed 1", "total 3"]
     assert json.loads(run_main("status", ws, "--tag", "nobody", "--json").stdout)["total"] == 0
     assert run_main("status", ws, "--tag", "../x").returncode == 2
@@ -4905,7 +4390,8 @@ def test_wait_exit_codes_and_no_progress_off_a_terminal(ws: str, run_main: RunMa
     slow = run_main("wait", ws, *good, "--timeout", "0.3")
     assert slow.returncode == 4 and b"4 of 4 jobs not finished after 0.3 s" in slow.stderr
     assert run_main("wait", ws, "123_4_5").returncode == 3
-    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt else "ok"):
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt
+                 else "ok"):
         ok = run_main("wait", ws, "--tag", "good", "--timeout", "30")
         mixed = run_main("wait", ws, "--tag", "mixed", "--timeout", "30")
         everything = run_main("wait", ws, "--timeout", "30")
@@ -4979,7 +4465,8 @@ def test_progress_lines_come_every_interval_while_nothing_finishes(ws: str, run_
         said.clear()
         other = submit(ws, "slow too")
         got = run_main("get", ws, other, "--wait", "--progress")
-    pulses = [line for line in waited.stderr.decode().splitlines() if line.startswith("nrvna: 0 done / 0 failed / 1 total")]
+    pulses = [line for line in waited.stderr.decode().splitlines()
+              if line.startswith("nrvna: 0 done / 0 failed / 1 total")]
     assert waited.returncode == 0 and len(pulses) >= 3, waited.stderr
     assert got.returncode == 0 and got.stdout == b"the result"
     lines = got.stderr.decode().splitlines()
@@ -4989,7 +4476,8 @@ def test_progress_lines_come_every_interval_while_nothing_finishes(ws: str, run_
 
 
 def test_a_wait_with_no_daemon_says_so_and_goes_on_and_says_nothing_while_one_runs(
-        ws: str, run_main: RunMain, capsysbinary: pytest.CaptureFixture[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+        ws: str, run_main: RunMain, capsysbinary: pytest.CaptureFixture[bytes],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """submit --wait, get --wait/--follow and wait on a workspace no daemon serves say so on
     stderr after NO_DAEMON_AFTER seconds (once), with the command to start one, and keep
     waiting (until their timeout: exit 4, the job still queued); never while a daemon runs.
@@ -4998,10 +4486,12 @@ def test_a_wait_with_no_daemon_says_so_and_goes_on_and_says_nothing_while_one_ru
     monkeypatch.setattr(nrvna, "DAEMON_LOOK_EVERY", 0.1, raising=False)
     job_id = submit(ws, "nobody serves this")
     for args in (("submit", ws, "another", "--wait", "--wait-timeout", "3"),
-                 ("get", ws, job_id, "--wait", "--timeout", "3"), ("get", ws, job_id, "--wait", "--timeout", "3", "--progress"),
+                 ("get", ws, job_id, "--wait", "--timeout", "3"),
+                 ("get", ws, job_id, "--wait", "--timeout", "3", "--progress"),
                  ("wait", ws, job_id, "--timeout", "3"), ("wait", ws, "--timeout", "3", "--progress")):
         done = run_main(*args)
-        assert done.returncode == 4 and done.stderr.count(f"no daemon runs on {ws} (for ".encode()) == 1, (args, done.stderr)
+        assert (done.returncode == 4 and done.stderr.count(f"no daemon runs on {ws} (for ".encode())
+                == 1), (args, done.stderr)
         assert b"still waiting" in done.stderr and f"start one: nrvna daemon MODEL {ws})".encode() in done.stderr
     with pytest.raises(subprocess.TimeoutExpired):  # --follow has no timeout: it waits on
         run_main("get", ws, job_id, "--follow", timeout=3)
@@ -5039,7 +4529,8 @@ def test_a_wait_says_when_its_daemon_dies_and_when_another_starts(ws: str) -> No
         try:
             back = stderr_line(getter, 30)
             assert f"a daemon runs on {ws} again (pid {second.pid}): job {job_id} can run now".encode() in back, back
-            assert getter.wait(60) == 0 and getter.stdout.read() == expected_result("a job outliving its daemon").encode()
+            assert (getter.wait(60) == 0 and getter.stdout.read()
+                    == expected_result("a job outliving its daemon").encode())
         finally:
             second.terminate()
             second.wait(30)
@@ -5139,7 +4630,8 @@ def test_cancel_a_queued_job_and_a_finished_one(ws: str, run_main: RunMain) -> N
     assert run_main("cancel", ws, "123_4_5").returncode == 3 and run_main("cancel", ws).returncode == 2
     tagged = submit(ws, "tagged, still queued", tag="c")
     by_tag = run_main("cancel", ws, "--tag", "c")  # the tag's cancelled job is finished: left alone, no error
-    assert by_tag.returncode == 0 and ids_of(by_tag) == [tagged] and b"1 finished jobs of tag c left alone" in by_tag.stderr
+    assert (by_tag.returncode == 0 and ids_of(by_tag) == [tagged]
+            and b"1 finished jobs of tag c left alone" in by_tag.stderr)
 
 
 def test_cancel_a_running_job_stops_it_between_tokens_and_keeps_its_text(ws: str, run_main: RunMain) -> None:
@@ -5208,7 +4700,8 @@ def test_a_cancel_on_a_read_only_workspace_names_each_job_it_left_alone(ws: str)
     lines = done.stderr.decode().splitlines()
     assert b"rc=1" in done.stdout and len(lines) == 2, lines
     for job_id, line in zip(ids, lines):
-        assert line == f"nrvna: job {job_id} cannot be cancelled: its cancel file cannot be written (Read-only file system)"
+        assert (line == f"nrvna: job {job_id} cannot be cancelled: its cancel file cannot be written (Read-only file "
+                "system)")
     assert Flow(ws).counts()["queued"] == 2
 
 
@@ -5255,7 +4748,8 @@ def test_retry_failed_jobs_keeps_their_history_and_custom_id(ws: str, tmp_path: 
     assert only.returncode == 0 and ids_of(only) == [ids[2]]
     job = Flow(ws).get(ids[2])
     assert job.status is Status.Queued and job.meta["attempts"] == 0 and job.error is None
-    assert job.meta["errors"] == [{"code": "model_error", "error": "p2 broke", "finished": job.meta["errors"][0]["finished"], "attempts": 1}]
+    assert job.meta["errors"] == [{"code": "model_error", "error": "p2 broke",
+                                   "finished": job.meta["errors"][0]["finished"], "attempts": 1}]
     failing.clear()
     with serving(ws, runner):  # a retry against a running daemon is picked up at once
         wait_all(ws, [ids[2]])
@@ -5286,15 +4780,19 @@ def test_retry_refuses_an_unknown_failure_code_naming_the_known_ones(ws: str, ru
     assert all(code.encode() in help_text for code in nrvna.FAILURE_CODES)
 
 
-def _failure_code_literals() -> set[str]:
+def _failure_code_literals(served: bool = False) -> set[str]:
     """Every failure code nrvna.py writes or compares: JobError's first argument,
     mark_failed's fourth, error_code= and code= keywords, a meta "code" key, the (code,
     message) pairs given as error= or to _end or set as an interrupt, and comparisons of a
-    code or error_code with a literal."""
+    code or error_code with a literal. Outside section 13 (the served API, whose codes are
+    OpenAI's error codes, API_ERROR_CODES), or (``served``) in it alone."""
     import ast
 
-    tree = ast.parse(Path(nrvna.__file__).read_text(encoding="utf-8"))
+    text = Path(nrvna.__file__).read_text(encoding="utf-8")
+    banners = [line for line, title in _banners(Path(nrvna.__file__)) if re.match(r"1[34]\. ", title)]
+    tree = ast.parse(text)
     found: set[str] = set()
+    inside = range(banners[0], banners[1])
 
     def literal(node: ast.AST | None) -> None:
         if isinstance(node, ast.Tuple) and node.elts:
@@ -5306,6 +4804,8 @@ def _failure_code_literals() -> set[str]:
         return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
 
     for node in ast.walk(tree):
+        if (getattr(node, "lineno", 0) in inside) != served:
+            continue
         if isinstance(node, ast.Call):
             called = name(node.func)
             if called == "JobError" and node.args:
@@ -5315,7 +4815,8 @@ def _failure_code_literals() -> set[str]:
             elif called == "_end" and len(node.args) > 1 and isinstance(node.args[1], ast.Tuple):
                 literal(node.args[1])  # (code, message); a string there is a finish reason
             for keyword in node.keywords:
-                if keyword.arg in ("error_code", "code") or (keyword.arg == "error" and isinstance(keyword.value, ast.Tuple)):
+                if keyword.arg in ("error_code", "code") or (keyword.arg == "error"
+                                                             and isinstance(keyword.value, ast.Tuple)):
                     literal(keyword.value)
         elif isinstance(node, ast.Assign) and any(name(t) == "interrupt" for t in node.targets):
             literal(node.value)
@@ -5335,9 +4836,19 @@ def test_every_failure_code_in_the_source_is_in_the_one_table() -> None:
     assert {"bad_request", "cancelled", "timeout", "crash_ceiling", "runner_error", "grammar_error"} <= found
 
 
+def test_every_error_code_of_the_served_api_is_in_its_one_table() -> None:
+    """Section 13 answers in OpenAI's error shape with API_ERROR_CODES' codes, or a failed job's
+    own (FAILURE_CODES); each of its table's codes is one it gives."""
+    found = _failure_code_literals(served=True) | {code for _, code, _ in nrvna.BATCH_LINE_ERRORS} | {
+        code for code, _ in nrvna.BATCH_STOPPED.values()} | {nrvna.SYNC_UNSERVED_CODE}
+    assert found - set(nrvna.FAILURE_CODES) == set(nrvna.API_ERROR_CODES), \
+        found - set(nrvna.FAILURE_CODES) ^ set(nrvna.API_ERROR_CODES)
+
+
 def test_clean_removes_only_old_finished_jobs(ws: str, run_main: RunMain) -> None:
     old_done, old_failed = submit(ws, "old"), submit(ws, "old bad")
-    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt else "ok"):
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if "bad" in job.prompt
+                 else "ok"):
         wait_all(ws, [old_done, old_failed])
     for sub, job_id in ((nrvna.OUTPUT, old_done), (nrvna.FAILED, old_failed)):  # back-date them 2 days
         meta_path = os.path.join(ws, sub, job_id, "meta.json")
@@ -5358,7 +4869,8 @@ def test_clean_removes_only_old_finished_jobs(ws: str, run_main: RunMain) -> Non
 
 def test_clean_done_only_and_bad_durations(ws: str, run_main: RunMain) -> None:
     done, failed = submit(ws, "ok"), submit(ws, "bad")
-    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "bad" else "ok"):
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "no")) if job.prompt == "bad"
+                 else "ok"):
         wait_all(ws, [done, failed])
     time.sleep(0.05)
     removed = run_main("clean", ws, "--older-than", "0s", "--done")
@@ -5395,7 +4907,8 @@ def test_clean_with_crafted_files_in_states_never_crashes_halfway(ws: str) -> No
 
 def test_clean_prunes_the_tag_index_of_jobs_that_are_gone(ws: str, tmp_path: Path, run_main: RunMain) -> None:
     first = ids_of(run_main("submit", ws, "--file", write(tmp_path / "a.txt", "a1\na2\n"), "--tag", "t"))
-    second = ids_of(run_main("submit", ws, "--file", write(tmp_path / "b.jsonl", jsonl([{"prompt": "b1", "custom_id": "b1"}])),
+    second = ids_of(run_main("submit", ws, "--file",
+                             write(tmp_path / "b.jsonl", jsonl([{"prompt": "b1", "custom_id": "b1"}])),
                         "--tag", "t"))  # (a plain b.txt's line-1 would be a1's custom_id: already queued)
     kept = submit(ws, "o", tag="keep")
     with serving(ws, echo):
@@ -5518,7 +5031,8 @@ def plant(specs):
         if record is not None:
             with open(os.path.join(folder, name + ".json"), "w") as handle:
                 json.dump(record, handle)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD] + [f"{os.path.join(folder, n)}.lock={t}" for n, t, _ in specs],
+    holder = subprocess.Popen([sys.executable, "-c", HOLD]
+                              + [f"{os.path.join(folder, n)}.lock={t}" for n, t, _ in specs],
                               stdout=subprocess.PIPE)
     assert holder.stdout.readline() == b"held\n"
     return holder
@@ -5621,16 +5135,19 @@ def test_messages_jobs_render_every_turn_through_the_chat_template(llama: nrvna.
     rendered = b"".join(llama.piece(t) for t in tokens).decode()
     for turn in turns:
         assert turn["content"] in rendered
-    assert rendered.index("You are terse.") < rendered.index("Name a colour.") < rendered.index("Blue.") < rendered.index("Another?")
+    assert (rendered.index("You are terse.") < rendered.index("Name a colour.") < rendered.index("Blue.")
+            < rendered.index("Another?"))
     assert rendered.rstrip().endswith("assistant")  # the generation prompt follows the last turn
     outcome = generate(llama, job.prompt, messages=turns, max_tokens=4, temperature=0)
     assert outcome.error_code is None and outcome.generated_tokens <= 4
 
 
 @pytest.mark.model
-def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str, tmp_path: Path, run_main: RunMain) -> None:
+def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str, tmp_path: Path,
+                                                            run_main: RunMain) -> None:
     lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 6, "seed": i + 1}}
+              "body": {"messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 6,
+                       "seed": i + 1}}
              for i in range(6)]
     ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "q.jsonl", jsonl(lines)), "--tag", "real"))
     follow_id = submit(ws, "Write a poem about rivers.", max_tokens=40, ignore_eos=True, stop=["zzzz"], tag="real")
@@ -5643,13 +5160,102 @@ def test_batch_of_prompts_through_the_real_model_end_to_end(ws: str, model: str,
         proc.wait(30)
     assert waited.returncode == 0 and followed.returncode == 0
     assert followed.stdout == Flow(ws).result_bytes(follow_id)
-    out = [json.loads(x) for x in run_main("export", ws, "--tag", "real", "--format", "openai").stdout.decode().splitlines()]
+    out = [json.loads(x) for x in run_main("export", ws, "--tag", "real", "--format",
+                                           "openai").stdout.decode().splitlines()]
     assert [o["custom_id"] for o in out[:6]] == [f"q{i}" for i in range(6)] and len(out) == 7
     assert [o["id"] for o in out] == [f"batch_req_{i}" for i in [*ids, follow_id]]
     for record in out:
         body = record["response"]["body"]
         assert body["choices"][0]["finish_reason"] in ("stop", "length") and body["usage"]["completion_tokens"] <= 40
         assert body["usage"]["prompt_tokens"] > 0 and body["model"].endswith(".gguf")
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"prompt": "x", "response_format": schema_format({"type": "string", "format": "uri"})},
+     "line 2: response_format: schema /: format 'uri' is not supported"),
+    ({"prompt": "x", "grammar": "root ::= x"}, "line 2: grammar: rule 'x' is used but never defined"),
+    ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+      "body": {"messages": [{"role": "user", "content": "x"}],
+               "response_format": schema_format({"type": "object",
+                                                 "properties": {"a": {"type": "number", "multipleOf": 0.5}}})}},
+     "line 2: response_format: schema /properties/a: multipleOf 0.5 on a number is not supported"),
+    ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+      "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom"}]}},
+     "line 2: tools[0].type 'custom' is not supported (function only)"),
+    ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+      "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}},
+     "line 2: parameter top_logprobs=21 is out of range"),
+    ({"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 6}},
+     "line 2: body field 'logprobs' of /v1/completions must be an integer from 0 to 5"),
+    ({"prompt": "x", "grammar": 'root ::= "a"'}, "line 2: give grammar or response_format, not both (with the flags"),
+])
+def test_a_bad_structured_line_is_named_and_nothing_is_queued(ws: str, tmp_path: Path, line: dict, message: str,
+                                                             run_main: RunMain) -> None:
+    rows = [{"prompt": "fine", "response_format": schema_format(PRODUCT_SCHEMA)}, line, {"prompt": "also fine"}]
+    path = write(tmp_path / "batch.jsonl", jsonl(rows))
+    defaults = ("--json",) if "with the flags" in message else ()
+    done = run_main("submit", ws, "--file", path, *defaults)
+    assert done.returncode == 2 and message in done.stderr.decode(), done.stderr
+    assert done.stdout == b"" and b"Traceback" not in done.stderr
+    assert not os.path.exists(ws) or Flow(ws).counts()["queued"] == 0
+
+
+def test_openai_lines_carry_structured_output_and_logprobs() -> None:
+    chat = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": schema_format(PERSON_SCHEMA),
+                     "logprobs": True, "top_logprobs": 4, "logit_bias": {"50256": -100}, "presence_penalty": 0.5}}
+    legacy = {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 3}}
+    none = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": None}}
+    a, b, c = nrvna.parse_batch(jsonl([chat, legacy, none]).encode())
+    assert a.params["response_format"] == schema_format(PERSON_SCHEMA) and a.params["top_logprobs"] == 4
+    assert a.params["logit_bias"] == {"50256": -100.0} and a.params["logprobs"] is True
+    assert b.params["logprobs"] is True and b.params["top_logprobs"] == 3
+    assert "logprobs" not in c.params
+
+
+def logprob_runner(job: nrvna.RunningJob) -> Outcome:
+    """A runner that reports made-up log-probabilities in the engine's shape."""
+    entries = [{"token": t, "logprob": -0.5 * i, "bytes": list(t.encode()),
+                "top_logprobs": [{"token": t, "logprob": -0.5 * i, "bytes": list(t.encode())}]}
+               for i, t in enumerate(["{", '"a"', ":", "1", "}"])]
+    return Outcome(text='{"a":1}', finish_reason="stop", generated_tokens=5,
+                   logprobs=entries if job.params.get("logprobs") else None)
+
+
+def test_logprobs_are_stored_read_back_and_exported_in_openai_s_shapes(ws: str, tmp_path: Path,
+                                                                       run_main: RunMain) -> None:
+    rows = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1,
+                      "response_format": {"type": "json_object"}}},
+            {"custom_id": "legacy", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 1}},
+            {"custom_id": "plain", "prompt": "x"}]
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "l.jsonl", jsonl(rows)), "--tag", "lp"))
+    with serving(ws, logprob_runner):
+        wait_all(ws, ids)
+    chat_dir = os.path.join(ws, nrvna.OUTPUT, ids[0])
+    assert json.load(open(os.path.join(chat_dir, "logprobs.json")))[0]["token"] == "{"
+    assert not os.path.exists(os.path.join(ws, nrvna.OUTPUT, ids[2], "logprobs.json"))
+    got = json.loads(run_main("get", ws, ids[0], "--json").stdout)
+    assert [e["token"] for e in got["logprobs"]] == ["{", '"a"', ":", "1", "}"] and got["result"] == '{"a":1}'
+    assert json.loads(run_main("get", ws, ids[2], "--json").stdout)["logprobs"] is None
+    out = [json.loads(x) for x in run_main("export", ws, "--tag", "lp", "--format",
+                                           "openai").stdout.decode().splitlines()]
+    chat = out[0]["response"]["body"]["choices"][0]
+    assert chat["message"]["content"] == '{"a":1}' and chat["logprobs"]["refusal"] is None
+    assert chat["logprobs"]["content"][3] == {"token": "1", "logprob": -1.5, "bytes": [49],
+                                              "top_logprobs": [{"token": "1", "logprob": -1.5, "bytes": [49]}]}
+    legacy = out[1]["response"]["body"]["choices"][0]["logprobs"]
+    assert legacy["tokens"] == ["{", '"a"', ":", "1", "}"] and legacy["text_offset"] == [1, 2, 5, 6, 7]  # after "x"
+    assert legacy["token_logprobs"][1] == -0.5 and legacy["top_logprobs"][1] == {'"a"': -0.5}
+    assert out[2]["response"]["body"]["choices"][0]["logprobs"] is None
+    records = [json.loads(x) for x in run_main("export", ws, "--tag", "lp").stdout.decode().splitlines()]
+    assert len(records[0]["logprobs"]) == 5 and "logprobs" not in records[2]
+    # a retried job leaves no stale logprobs.json behind
+    job_dir = os.path.join(ws, nrvna.FAILED, ids[0])
+    os.rename(chat_dir, job_dir)
+    nrvna.mark_failed(ws, nrvna.FAILED, ids[0], "timeout", "made up")
+    assert nrvna.retry_job(ws, ids[0])[0] == "queued"
+    assert not os.path.exists(os.path.join(ws, nrvna.READY, ids[0], "logprobs.json"))
 
 
 # ==============================================================================
@@ -5748,7 +5354,8 @@ def test_status_never_says_missing_while_jobs_move(ws: str) -> None:
         while not stop.is_set():
             seen.extend(flow.status(job_id) for job_id in ids)
 
-    threads = [threading.Thread(target=mover, args=(i,)) for i in ids] + [threading.Thread(target=reader) for _ in range(3)]
+    threads = [threading.Thread(target=mover, args=(i,)) for i in ids] + [threading.Thread(target=reader)
+                                                                          for _ in range(3)]
     for t in threads:
         t.start()
     time.sleep(3)
@@ -5772,7 +5379,8 @@ def test_wait_times_out_with_the_current_state(ws: str) -> None:
 # ==============================================================================
 
 
-def test_a_template_fills_each_jsonl_record_and_keeps_it_as_metadata(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+def test_a_template_fills_each_jsonl_record_and_keeps_it_as_metadata(ws: str, tmp_path: Path,
+                                                                     run_main: RunMain) -> None:
     data = tmp_path / "data.jsonl"
     data.write_text('{"id": "r1", "text": "good", "n": 1}\n\n{"id": 7, "text": "bad {x}", "n": [2.5]}\n')
     result = run_main("submit", ws, "--file", str(data), "--template", "Sentiment of {text} ({n}) {{braces}}",
@@ -5816,7 +5424,8 @@ def test_a_csv_cell_written_as_a_json_number_is_a_number_in_metadata(ws: str, ru
 
 
 @pytest.mark.parametrize("data, template, extra, message", [
-    (b'{"text": "a"}\n{"txt": "b"}\n', "Say {text}", (), b"line 2: no field 'text', which the template needs (the record has: txt)"),
+    (b'{"text": "a"}\n{"txt": "b"}\n', "Say {text}", (),
+     b"line 2: no field 'text', which the template needs (the record has: txt)"),
     (b'text\na\n', "Say {text", (), b"template: '{' at character 5 opens no {field}"),
     (b'text\na\n', "Say } {text}", (), b"template: a lone '}' at character 5"),
     (b'text\na\n', "Say hello", (), b"template: it names no {field}"),
@@ -5913,7 +5522,8 @@ def test_events_replay_every_change_once_in_order(ws: str, run_main: RunMain) ->
     assert set(events[0]) == {"time", "id", "custom_id", "tag", "from", "to", "code"}
     assert events[0]["time"].endswith("Z") and "T" in events[0]["time"]
     # --since: an ID (from its submission on), a time, "now"
-    since_last = [json.loads(line)["id"] for line in run_main("events", ws, "--since", queued_then_cancelled).stdout.splitlines()]
+    since_last = [json.loads(line)["id"]
+                  for line in run_main("events", ws, "--since", queued_then_cancelled).stdout.splitlines()]
     assert queued_then_cancelled in since_last and len(since_last) < len(events)
     assert run_main("events", ws, "--since", "now").stdout == b""
     assert len(run_main("events", ws, "--since", "2000-01-01T00:00:00Z").stdout.splitlines()) == len(events)
@@ -5924,7 +5534,8 @@ def test_events_replay_every_change_once_in_order(ws: str, run_main: RunMain) ->
 def test_events_follow_streams_new_changes_and_a_closed_pipe_ends_it(ws: str) -> None:
     first = submit(ws, "before", tag="t")
     submit(ws, "other tag", tag="u")
-    follower = subprocess.Popen([sys.executable, SCRIPT, "events", ws, "--follow", "--tag", "t"], stdout=subprocess.PIPE,
+    follower = subprocess.Popen([sys.executable, SCRIPT, "events", ws, "--follow", "--tag", "t"],
+                                stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
     try:
         assert json.loads(follower.stdout.readline())["to"] == "queued"
@@ -6029,13 +5640,15 @@ def test_the_on_done_hook_gets_the_job_in_its_environment_and_never_changes_it(w
             deadline = time.monotonic() + 20
             while len(_hook_log(log_path)) < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            while not server.hooks.idle() and time.monotonic() < deadline:
+            while not server.hooks.all_done() and time.monotonic() < deadline:
                 time.sleep(0.05)
         calls = {call["NRVNA_JOB_ID"]: call for call in _hook_log(log_path)}
         assert calls[good] == {"NRVNA_WORKSPACE": os.path.abspath(ws), "NRVNA_JOB_ID": good, "NRVNA_STATUS": "done",
                                "NRVNA_CODE": "", "NRVNA_CUSTOM_ID": "first", "NRVNA_TAG": "b",
-                               "arg": os.path.join(os.path.abspath(ws), nrvna.OUTPUT, good), "start": calls[good]["start"]}
-        assert (calls[bad]["NRVNA_STATUS"], calls[bad]["NRVNA_CODE"], calls[bad]["NRVNA_TAG"]) == ("failed", "runner_error", "")
+                               "arg": os.path.join(os.path.abspath(ws), nrvna.OUTPUT, good),
+                               "start": calls[good]["start"]}
+        assert (calls[bad]["NRVNA_STATUS"], calls[bad]["NRVNA_CODE"],
+                calls[bad]["NRVNA_TAG"]) == ("failed", "runner_error", "")
         assert len(_hook_log(log_path)) == 2  # a failing hook (exit status 1) is not run again
         assert Flow(ws).status(good) is Status.Done and os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
     finally:
@@ -6054,7 +5667,7 @@ def test_a_hand_made_job_s_fields_never_break_its_hooks(ws: str, tmp_path: Path)
         with serving(ws, echo, on_done=HOOK, on_batch_done=HOOK) as server:
             assert wait_all(ws, ["planted"]) == [Status.Failed]
             deadline = time.monotonic() + 20
-            while (not log_path.exists() or not server.hooks.idle()) and time.monotonic() < deadline:
+            while (not log_path.exists() or not server.hooks.all_done()) and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(1.2)  # two more rounds of the hook coordinator: nothing re-runs
     finally:
@@ -6099,7 +5712,7 @@ def test_hooks_run_at_most_k_at_a_time_and_a_hung_one_is_killed(ws: str, tmp_pat
         with serving(ws, echo, on_done=HOOK, hook_jobs=2) as server:
             wait_all(ws, ids)
             deadline = time.monotonic() + 30
-            while (len(_hook_log(log_path)) < 6 or not server.hooks.idle()) and time.monotonic() < deadline:
+            while (len(_hook_log(log_path)) < 6 or not server.hooks.all_done()) and time.monotonic() < deadline:
                 time.sleep(0.05)
         starts = sorted(call["start"] for call in _hook_log(log_path))
         assert len(starts) == 6
@@ -6111,7 +5724,7 @@ def test_hooks_run_at_most_k_at_a_time_and_a_hung_one_is_killed(ws: str, tmp_pat
         began = time.monotonic()
         with serving(ws, echo, on_done=HOOK, hook_timeout=1.0) as server:
             wait_all(ws, [hung])
-            while not server.hooks.idle() and time.monotonic() - began < 30:
+            while not server.hooks.all_done() and time.monotonic() - began < 30:
                 time.sleep(0.05)
         assert time.monotonic() - began < 20 and len(_hook_log(log_path)) == 1  # killed after 1 s, not run again
         assert Flow(ws).status(hung) is Status.Done
@@ -6147,7 +5760,7 @@ def test_the_batch_hook_runs_once_when_every_job_of_a_tag_has_ended(ws: str, tmp
 
         def settle(server: Server) -> None:
             deadline = time.monotonic() + 30
-            while not server.hooks.idle() and time.monotonic() < deadline:
+            while not server.hooks.all_done() and time.monotonic() < deadline:
                 time.sleep(0.05)
 
         with serving(ws, lambda job: 1 / 0 if job.prompt == "poison" else "ok", on_batch_done=HOOK) as server:
@@ -6170,6 +5783,292 @@ def test_the_batch_hook_runs_once_when_every_job_of_a_tag_has_ended(ws: str, tmp
             ("batch", "4", "4", "0"), ("batch2", "1", "0", "1")]
     finally:
         del os.environ["HOOK_LOG"]
+
+
+# ==============================================================================
+# 9.6 Metrics: Prometheus' text format, and the ETA of status and wait
+# ==============================================================================
+
+
+_SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (-?[0-9]+(?:\.[0-9]+)?(?:e[+-]?[0-9]+)?)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\["\\n])*)"(,|$)')
+
+
+def exposition(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """A checker of Prometheus' text format of our own: every line a HELP, a TYPE (each once a
+    metric, before its samples) or a sample whose label values escape exactly a backslash, a
+    double quote and a newline, and whose value is a finite number; the samples by (name, labels)."""
+    assert text.endswith("\n") and "\r" not in text
+    typed: set[str] = set()
+    helped: set[str] = set()
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for line in text[:-1].split("\n"):
+        if line.startswith("# HELP "):
+            name = line.split(" ")[2]
+            assert name not in helped and re.fullmatch(r"nrvna_[a-z_]+", name), line
+            helped.add(name)
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert name in helped and name not in typed and kind in ("gauge", "counter"), line
+            typed.add(name)
+            continue
+        found = _SAMPLE.fullmatch(line)
+        assert found is not None and found.group(1) in typed, line
+        labels, rest = [], found.group(2) or ""
+        while rest:
+            label = _LABEL.match(rest)
+            assert label is not None, line
+            value = re.sub(r"\\(.)", lambda m: {"n": "\n", '"': '"', "\\": "\\"}[m.group(1)], label.group(2))
+            labels.append((label.group(1), value))
+            rest = rest[label.end():]
+        key = (found.group(1), frozenset(labels))
+        assert key not in samples, line
+        samples[key] = float(found.group(3))
+    return samples
+
+
+def sample(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> Optional[float]:
+    return samples.get((name, frozenset(labels.items())))
+
+
+class MemoryRunner(nrvna.FunctionRunner):
+    """A FunctionRunner whose model states its memory, as llama.cpp's does (2.5 MiB in all)."""
+
+    def memory(self) -> dict[str, Any]:
+        return {"weights_mib": 1.0, "kv_type": "f16", "contexts": 1, "cells": 256, "cells_per_job": 256,
+                "kv_bytes_per_token": 4, "kv_mib": 1.0, "compute_mib": 0.25, "output_mib": 0.25,
+                "embedding_contexts": 0, "embedding_mib": 0.0, "total_mib": 2.5}
+
+
+def known_workspace(ws: str, read: Callable[[str], dict[Any, float]]) -> dict[Any, float]:
+    """A workspace of known figures: tag "known" with two jobs done (7 prompt tokens each: 3
+    computed, 3 from memory, 1 from disk; 5 generated), one failed context_overflow and one left
+    queued; a job naming model "other" cancelled while queued. ``read`` turns metrics_text into
+    samples; they are checked while the daemon lives (its figures), and returned after it stopped."""
+
+    def run(job: nrvna.RunningJob) -> Any:
+        if job.prompt == "bad":
+            raise nrvna.JobError("context_overflow", "too long")
+        return Outcome("ok", "stop", 7, 5, prompt_computed=3, prompt_reused={"memory": 3, "disk": 1})
+
+    other = submit(ws, "elsewhere", model="other")
+    assert nrvna.cancel_job(ws, other)[0] == "cancelled"
+    ids = [submit(ws, prompt, tag="known") for prompt in ("ok0", "ok1", "bad")]
+    with serving(ws, MemoryRunner(run), workers=1):
+        assert wait_all(ws, ids) == [Status.Done, Status.Done, Status.Failed]
+        deadline = time.monotonic() + 30
+        while True:  # the daemon rewrites its record every 2 s
+            live, name = read(nrvna.metrics_text(ws)), nrvna.daemon_records(ws)[0]["name"]
+            ends = [sample(live, "nrvna_daemon_jobs_total", daemon=name, outcome=end) for end in ("done", "failed")]
+            if ends == [2, 1]:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert sample(live, "nrvna_daemons") == 1
+        assert sample(live, "nrvna_daemon_generated_tokens_total", daemon=name) == 10
+        assert sample(live, "nrvna_daemon_model_loaded", daemon=name, model="function", kind="chat") == 1
+        assert sample(live, "nrvna_daemon_model_memory_bytes", daemon=name, model="function") == 2.5 * 2 ** 20
+        assert sample(live, "nrvna_daemon_running_jobs", daemon=name) == 0
+    submit(ws, "late", tag="known")
+    return read(nrvna.metrics_text(ws))
+
+
+def check_known(samples: dict[Any, float], began: float) -> None:
+    """known_workspace's figures, as the workspace holds them."""
+    jobs = {(dict(labels)["state"], dict(labels)["model"]): value for (name, labels), value in samples.items()
+            if name == "nrvna_jobs"}
+    assert jobs == {("done", "function"): 2, ("failed", "function"): 1, ("failed", "other"): 1, ("queued", ""): 1}
+    assert sample(samples, "nrvna_failed_jobs", code="context_overflow", model="function") == 1
+    assert sample(samples, "nrvna_failed_jobs", code="cancelled", model="other") == 1
+    states = ("queued", "running", "done", "failed")
+    assert [sample(samples, "nrvna_tag_jobs", tag="known", state=s) for s in states] == [1, 0, 2, 1]
+    assert sample(samples, "nrvna_generated_tokens", model="function") == 10
+    assert [sample(samples, "nrvna_prompt_tokens", model="function", source=s)
+            for s in ("computed", "memory", "disk", "unstated")] == [6, 6, 2, 0]
+    assert 0 <= sample(samples, "nrvna_oldest_queued_seconds") <= time.time() - began + 1
+    assert sample(samples, "nrvna_daemons") == 0 and sample(samples, "nrvna_unreadable_tag_indexes") == 0
+
+
+@pytest.mark.model  # prometheus_client: a test-only package the bare Python 3.9 run lacks
+def test_prometheus_s_own_parser_reads_metrics_that_match_the_workspace(ws: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def read(text: str) -> dict[Any, float]:
+        found = {}
+        for family in text_string_to_metric_families(text):
+            assert family.name.startswith("nrvna_") and family.documentation
+            for each in family.samples:
+                found[(each.name, frozenset(each.labels.items()))] = each.value
+        return found
+
+    began = time.time()
+    check_known(known_workspace(ws, read), began)
+
+
+def test_metrics_count_as_a_first_reading_after_jobs_move_retry_and_go(ws: str) -> None:
+    """The counts of the workspace (checked by our own reader), and a process's cache of what it
+    read: after a retry and a cancel rewrite a failed job in place (its directory's inode is
+    the same), a clean and a new job, the second reading equals one by a fresh process."""
+    began = time.time()
+    check_known(known_workspace(ws, exposition), began)
+    bad = next(job_id for job_id in Flow(ws).select([], "known")[0] if Flow(ws).get(job_id).prompt == "bad")
+    assert nrvna.retry_jobs(ws, [bad])[0][1] == "queued"
+    assert nrvna.cancel_job(ws, bad)[0] == "cancelled"
+    assert len(nrvna.clean_jobs(ws, 0, failed=False)) == 2
+    submit(ws, "new", tag="fresh")
+    warm = exposition(nrvna.metrics_text(ws))
+    nrvna._METRICS_CACHES.clear()
+    cold = exposition(nrvna.metrics_text(ws))
+    for figures in (warm, cold):
+        figures.pop(("nrvna_metrics_seconds", frozenset()))
+        figures.pop(("nrvna_oldest_queued_seconds", frozenset()))
+    assert warm == cold
+    assert sample(warm, "nrvna_failed_jobs", code="cancelled", model="") == 1  # a retry forgets the model that ran it
+    assert sample(warm, "nrvna_failed_jobs", code="context_overflow", model="function") is None
+    assert sample(warm, "nrvna_generated_tokens", model="function") is None  # its jobs are gone
+    assert [sample(warm, "nrvna_tag_jobs", tag="known", state=s) for s in ("queued", "done", "failed")] == [1, 0, 1]
+    assert sample(warm, "nrvna_tag_jobs", tag="fresh", state="queued") == 1
+
+
+def test_metrics_escape_labels_and_read_crafted_files_without_blocking(ws: str, run_main: RunMain) -> None:
+    """Label values with quotes, backslashes, newlines and a lone surrogate come out escaped and
+    read back whole; a crafted meta.json (NaN, 1e999, 2^70, a negative count, a list for a model),
+    a FIFO as meta.json, as result.txt, as a queued entry and as a tag index, a symlinked or
+    oversize meta.json and a planted daemon record (NaN memory, Infinity tokens/s, a bool for a
+    count) are read as absent fields, never a traceback, a hang or a number that is not one."""
+    nrvna.ensure_workspace(ws)
+    odd = 'we"ird\\mo\ndel'
+
+    def plant_job(state: str, job_id: str, meta: Optional[str]) -> Path:
+        folder = Path(ws, state, job_id)
+        folder.mkdir()
+        (folder / "prompt.txt").write_text("p")
+        if meta is not None:
+            (folder / "meta.json").write_text(meta)
+        return folder
+
+    fifo_result = plant_job(nrvna.OUTPUT, "1700000001_1_1", json.dumps({"model": odd, "generated_tokens": 5}))
+    os.mkfifo(fifo_result / "result.txt")
+    plant_job(nrvna.OUTPUT, "1700000002_1_1", '{"model": "\\ud800x", "generated_tokens": NaN, "prompt_tokens": 1e999, '
+              '"prompt_computed": %d, "prompt_reused": {"memory": -1, "disk": 2}}' % 2 ** 70)
+    os.mkfifo(plant_job(nrvna.FAILED, "1700000003_1_1", None) / "meta.json")
+    plant_job(nrvna.FAILED, "1700000004_1_1", json.dumps({"code": "no\nsuch", "model": ["x"]}))
+    os.symlink("/etc/passwd", plant_job(nrvna.OUTPUT, "1700000005_1_1", None) / "meta.json")
+    oversize = {"model": odd, "generated_tokens": 2 ** 52, "pad": "x" * (2 << 20)}
+    plant_job(nrvna.OUTPUT, "1700000006_1_1", json.dumps(oversize))
+    plant_job(nrvna.OUTPUT, "1700000007_1_1", json.dumps({"model": odd, "generated_tokens": 2 ** 52}))
+    os.mkfifo(os.path.join(ws, nrvna.READY, "1700000008_1_1"))
+    os.makedirs(os.path.join(ws, nrvna.TAGS, "fifo"))
+    os.mkfifo(os.path.join(ws, nrvna.TAGS, "fifo", "1_x.ids"))
+    fd, name = nrvna.register_daemon(ws)
+    try:
+        Path(ws, nrvna.DAEMONS, f"{name}.json").write_text(
+            '{"models": [{"name": "m\\"1\\\\\\n", "kind": "chat", "loaded": true, "memory": {"total_mib": NaN}}, '
+            '{"name": 5, "loaded": "yes"}], "jobs_done": -3, "jobs_failed": true, "tokens_generated": %d, '
+            '"tokens_per_second_last_minute": Infinity, "running": 1.5}' % 2 ** 70)
+        done = run_main("metrics", ws, timeout=60)
+    finally:
+        os.close(fd)
+    assert done.returncode == 0 and done.stderr == b"", done.stderr
+    text = done.stdout.decode("utf-8")
+    samples = exposition(text)
+    assert "nan" not in text.lower() and "inf" not in text.replace("info", "").lower()
+    assert sample(samples, "nrvna_jobs", state="done", model=odd) == 2
+    assert sample(samples, "nrvna_generated_tokens", model=odd) == 5 + 2 ** 52
+    assert sample(samples, "nrvna_jobs", state="done", model="\\ud800x") == 1
+    assert [sample(samples, "nrvna_prompt_tokens", model="\\ud800x", source=s)  # each field as job_meta checks it
+            for s in ("computed", "memory", "disk", "unstated")] == [0, 0, 0, 0]
+    assert sample(samples, "nrvna_jobs", state="done", model="") == 2  # the symlinked and the oversize meta.json
+    assert sample(samples, "nrvna_failed_jobs", code="other", model="") == 2  # a FIFO, and a code nrvna never writes
+    assert sample(samples, "nrvna_jobs", state="queued", model="") == 1
+    assert sample(samples, "nrvna_unreadable_tag_indexes") == 1
+    assert sample(samples, "nrvna_daemons") == 1
+    assert sample(samples, "nrvna_daemon_model_loaded", daemon=name, model='m"1\\\n', kind="chat") == 1
+    assert sample(samples, "nrvna_daemon_model_loaded", daemon=name, model="", kind="") == 0
+    planted = [key for key in samples if key[0].startswith("nrvna_daemon_")]
+    assert all(key[0] == "nrvna_daemon_model_loaded" for key in planted), planted
+
+
+def test_nrvna_metrics_writes_its_file_whole_for_node_exporter(ws: str, tmp_path: Path, run_main: RunMain,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`metrics -o FILE` writes FILE under a temporary name beside it that node_exporter's
+    textfile collector does not read (not *.prom), then renames it over FILE; its text is
+    what stdout gets. Not a workspace, or a FILE inside one: exit 2."""
+    submit(ws, "queued one", tag="t")
+    out = tmp_path / "textfile" / "nrvna.prom"
+    out.parent.mkdir()
+    out.write_text("old\n")
+    renames: list[tuple[str, str]] = []
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any, **kwargs: Any) -> None:
+        renames.append((os.fspath(src), os.fspath(dst)))
+        real_rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    done = run_main("metrics", ws, "-o", str(out))
+    monkeypatch.undo()
+    assert done.returncode == 0 and done.stdout == b""
+    assert [(os.path.dirname(src), dst) for src, dst in renames] == [(str(out.parent), str(out))]
+    assert not renames[0][0].endswith(".prom") and os.listdir(out.parent) == ["nrvna.prom"]
+    printed = run_main("metrics", ws).stdout.decode()
+    unstable = ("nrvna_metrics_seconds ", "nrvna_oldest_queued_seconds ")
+    assert [line for line in out.read_text().splitlines() if not line.startswith(unstable)] == [
+        line for line in printed.splitlines() if not line.startswith(unstable)]
+    assert sample(exposition(out.read_text()), "nrvna_tag_jobs", tag="t", state="queued") == 1
+    assert run_main("metrics", str(tmp_path)).returncode == 2
+    assert run_main("metrics", ws, "-o", os.path.join(ws, "x.prom")).returncode == 2
+
+
+def eta_workspace(ws: str, ages: list[float], left: int) -> None:
+    """Tag "t": jobs that ended ``ages`` seconds ago (done: moved and given a meta.json as a
+    daemon would) and ``left`` jobs queued after them; no daemon."""
+    ids = [submit(ws, f"p{i}", tag="t") for i in range(len(ages) + left)]
+    now = time.time()
+    for job_id, finished in zip(ids, (now - age for age in ages)):
+        folder = Path(ws, nrvna.OUTPUT, job_id)
+        os.rename(os.path.join(ws, nrvna.READY, job_id), folder)
+        (folder / "result.txt").write_text("ok")
+        (folder / "meta.json").write_text(json.dumps({"id": job_id, "finished": finished, "generated_tokens": 1}))
+
+
+def test_status_tag_states_an_eta_from_the_tag_s_latest_finishes(ws: str, run_main: RunMain) -> None:
+    """10 jobs ended 10 s apart, the last 10 s ago: 9 finishes in the 100 s since the first,
+    0.09 a second; 5 left: about 55 s. None ended yet: "ETA unknown", and null in --json."""
+    unknown = ws + "-unknown"
+    eta_workspace(unknown, [], 3)
+    said = run_main("status", unknown, "--tag", "t")
+    assert said.returncode == 0 and said.stdout.decode().splitlines() == [
+        "queued 3", "running 0", "done 0", "failed 0", "total 3"]
+    assert said.stderr.decode() == ("nrvna: tag t: 3 of 3 jobs left, ETA unknown: fewer than 2 of its jobs ended in "
+                                    "the last 15 min\n")
+    report = json.loads(run_main("status", unknown, "--tag", "t", "--json").stdout)
+    assert report["eta_seconds"] is None and report["jobs_per_second"] is None and report["queued"] == 3
+    eta_workspace(ws, [100 - 10 * i for i in range(10)] + [2000, math.nan], 5)
+    report = json.loads(run_main("status", ws, "--tag", "t", "--json").stdout)
+    assert report["done"] == 12 and report["queued"] == 5
+    assert 0.08 < report["jobs_per_second"] <= 0.09 and 55 <= report["eta_seconds"] < 62, report  # a slow machine's lag
+    line = run_main("status", ws, "--tag", "t").stderr.decode()
+    assert re.fullmatch(r"nrvna: tag t: 5 of 17 jobs left, ETA (5[5-9]|6[01])s at 0\.0[89] jobs/s "
+                        r"\(its latest finishes\)\n", line), line
+
+
+def test_wait_s_progress_states_the_eta_from_the_latest_finishes_before_it_began(ws: str, run_main: RunMain) -> None:
+    """A wait started mid-batch has the batch's rate at once (not the rate since it began, which
+    is 0 then), and says "ETA unknown" where nothing has ended yet."""
+    eta_workspace(ws, [100 - 10 * i for i in range(10)], 5)
+    said = run_main("wait", ws, "--tag", "t", "--progress", "--timeout", "0.2").stderr.decode().splitlines()
+    assert re.fullmatch(r"nrvna: 10 done / 0 failed / 15 total  0\.1 jobs/s  0 tok/s  ETA (5[5-9]|6[01])s after \d+ s",
+                        said[0]), said
+    other = ws + "-other"
+    eta_workspace(other, [], 2)
+    said = run_main("wait", other, "--progress", "--timeout", "0.2").stderr.decode().splitlines()
+    unknown = r"nrvna: 0 done / 0 failed / 2 total  \? jobs/s  0 tok/s  ETA unknown after \d+ s"
+    assert re.fullmatch(unknown, said[0]), said
+    now = time.time()
+    assert nrvna.finish_rate([now - 5.0], now) is None and nrvna.finish_rate([now - 2000, now - 1000], now) is None
+    assert nrvna.finish_rate([now - 10.0, now - 4.0], now) == pytest.approx(0.1)
 
 
 # ==============================================================================
@@ -6214,7 +6113,8 @@ def example_script(path: Path) -> str:
     document), so a daemon started by one block serves the next; it stops the workspaces' daemons
     at its end, and the test kills what is left."""
     parts = ["set -eu -o pipefail",
-             "trap 'set +e; for w in ws ews mws dws; do [ -d \"$w/daemons\" ] && nrvna stop \"$w\" --timeout 60 >/dev/null 2>&1; done' EXIT"]
+             "trap 'set +e; for w in ws ews mws dws; do [ -d \"$w/daemons\" ] && nrvna stop \"$w\" --timeout 60 "
+             ">/dev/null 2>&1; done' EXIT"]
     for line, language, code in runnable_examples(path):
         parts.append(f"echo \"### {path.name}:{line} $SECONDS s\" >&2")
         parts.append(code if language == "sh" else f"python - <<'NRVNA_EXAMPLE_END'\n{code}NRVNA_EXAMPLE_END")
@@ -6329,7 +6229,8 @@ def test_the_readme_is_short_and_the_manual_holds_the_rest() -> None:
         if page.name != "README.md":
             assert f"({page.name})" in index, page.name
     examples = "".join(code for _, _, code in runnable_examples(HERE / "README.md"))
-    for command in ("daemon", "submit", "status", "get", "wait", "export", "events", "cancel", "retry", "clean", "stop"):
+    for command in ("daemon", "submit", "status", "get", "wait", "export", "events", "cancel", "retry", "clean",
+                    "stop"):
         assert re.search(rf"\bnrvna {command}\b", examples), command
     for name in ("--file", "--template", "--json-schema", "--grammar", "--priority", "--idempotency-key", "--embed"):
         assert name in examples, name
@@ -6369,7 +6270,8 @@ def test_every_job_parameter_with_a_flag_is_a_submit_flag_and_reaches_params_jso
     done = run_main("submit", "--help")
     assert done.returncode == 0
     flagged = {name: p.flag for name, p in nrvna.PARAMS.items() if p.flag}
-    assert {"max_tokens", "temperature", "top_k", "stop", "presence_penalty", "frequency_penalty", "tag"} <= set(flagged)
+    assert {"max_tokens", "temperature", "top_k", "stop", "presence_penalty", "frequency_penalty",
+            "tag"} <= set(flagged)
     for flag in flagged.values():
         assert flag.encode() in done.stdout
     done = run_main("submit", ws, "hello", "--top-k", "5", "--stop", "a", "--stop", "bb", "--presence-penalty", "0.5",
@@ -6421,7 +6323,9 @@ def test_openai_body_fields_map_through_the_parameter_table() -> None:
 def test_a_batch_line_s_unknown_field_is_named_with_the_one_likeliest_meant(run_main: RunMain, tmp_path: Path) -> None:
     """#57: `{"promt": ...}` said "give exactly one of prompt or messages", and the known-fields
     list offered tag and endpoint, which docs/configuration.md says are not JSONL fields."""
-    with pytest.raises(nrvna.InvalidInput, match="line 1: unknown field 'promt'; did you mean 'prompt'\\? \\(a line's fields: prompt, max_tokens,"):
+    with pytest.raises(nrvna.InvalidInput,
+                       match="line 1: unknown field 'promt'; did you mean 'prompt'\\? \\(a line's fields: prompt, "
+                       "max_tokens,"):
         nrvna.parse_batch(b'{"promt": "hi"}\n')
     with pytest.raises(nrvna.InvalidInput) as caught:
         nrvna.parse_batch(b'{"prompt": "hi", "max_token": 5}\n')
@@ -6579,7 +6483,8 @@ def test_the_contents_list_names_every_banner_in_order(name: str) -> None:
     numbers = [_numbered(title) for title in titles]
     if name == "nrvna.py":
         for before, after in zip(numbers, numbers[1:]):
-            assert after in ((before[0] + 1,), (before[0], 1), before[:1] + (before[-1] + 1,) if len(before) == 2 else ()), (
+            assert after in ((before[0] + 1,), (before[0], 1),
+                             before[:1] + (before[-1] + 1,) if len(before) == 2 else ()), (
                 before, after)
     else:  # the tests of nrvna.py's section or sub-section N sit under N, named as it is
         assert numbers == sorted(numbers)
@@ -6611,6 +6516,73 @@ def test_every_banner_has_a_lead_and_no_section_is_over_800_lines(name: str) -> 
         assert last - first + 1 <= 800, (title, last - first + 1)
 
 
+# The namedtuple's own API (underscored so as not to clash with field names), and ctypes' _fields_.
+_PUBLIC_UNDERSCORED = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+
+def _shape(tree: ast.Module) -> tuple[dict[str, int], dict[str, int], list[str]]:
+    """nrvna.py's shape as issue 59 bounds it: each class's lines, each function's lines (a
+    method as Class.name), and each access ``x._name`` where ``x`` is not ``self``, ``cls``,
+    ``super()`` or a module (an imported name, or the llama_cpp module as _import_llama gives it)
+    and ``_name`` is not defined by the class the access is in (another instance of it)."""
+    modules = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+                       if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name) and node.value.func.id == "_import_llama"
+                for t in node.targets if isinstance(t, ast.Name)}
+    classes, functions, reaches = {}, {}, []
+
+    def defines(node: ast.ClassDef) -> set[str]:
+        found = set()
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.add(sub.name)
+            elif isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
+                found.add(sub.attr)
+            elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                found.add(sub.id)
+        return found
+
+    def walk(node: ast.AST, owner: Optional[ast.ClassDef], prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner, name = owner, prefix
+            if isinstance(child, ast.ClassDef):
+                classes[child.name] = child.end_lineno - child.lineno + 1
+                inner, name = child, child.name + "."
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions[f"{prefix}{child.name}:{child.lineno}"] = child.end_lineno - child.lineno + 1
+                name = prefix + child.name + "."
+            elif isinstance(child, ast.Attribute) and child.attr.startswith("_") and not child.attr.endswith("_") \
+                    and child.attr not in _PUBLIC_UNDERSCORED:
+                base = child.value
+                allowed = (isinstance(base, ast.Name) and (base.id in ("self", "cls") or base.id in modules)) or (
+                    isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super") or (
+                    owner is not None and child.attr in defines(owner))
+                if not allowed:
+                    reaches.append(f"line {child.lineno}: {ast.unparse(child)}")
+            walk(child, inner, name)
+
+    walk(tree, None, "")
+    return classes, functions, reaches
+
+
+def test_no_class_or_function_is_over_its_bound_and_none_reaches_into_another_s_private_state() -> None:
+    """Issue 59's bounds over the whole of nrvna.py (a section added later included): no class
+    over 400 lines, LlamaSession under 350, no function over 80, and no ``x._name`` where ``x``
+    is not self, cls, super() or a module, but on another instance of the class defining _name."""
+    classes, functions, reaches = _shape(ast.parse(Path(nrvna.__file__).read_text(encoding="utf-8")))
+    assert {"LlamaRunner", "LlamaSession", "Server", "Processor"} <= set(classes) and len(functions) > 800
+    assert {name: lines for name, lines in classes.items() if lines > 400} == {}
+    assert classes["LlamaSession"] < 350
+    assert {name: lines for name, lines in functions.items() if lines > 80} == {}
+    assert reaches == []
+    # the checker sees what it bounds: a reach, a long class and a long function of a sample
+    sample = ("class A:\n    def f(self, other):\n        return other._mine + self._x\n    _mine = 1\n"
+              "def g(runner):\n    " + "x = 1\n    " * 80 + "return runner._lock\n")
+    sample_classes, sample_functions, sample_reaches = _shape(ast.parse(sample))
+    assert sample_reaches == ["line 86: runner._lock"] and sample_functions["g:5"] == 82 and sample_classes["A"] == 4
+
+
 def test_the_contents_list_names_what_each_sub_section_defines() -> None:
     """Each name the contents list gives under a banner that nrvna.py defines at its top level is
     defined in that banner's text (section 5.2 lists only what 5.2 defines)."""
@@ -6633,6 +6605,26 @@ def test_the_contents_list_names_what_each_sub_section_defines() -> None:
                 if not first <= defined[name] <= last:
                     misplaced.append(f"{entry}: {name} (line {defined[name]})")
     assert misplaced == [] and named > 100
+
+
+def test_the_contents_list_names_every_public_definition_under_its_sub_section() -> None:
+    """Every public (not ``_``-prefixed) function and class at nrvna.py's top level is named in
+    the contents list under the banner whose text defines it (a name in parentheses, a note,
+    does not count): the list finds everything."""
+    path = Path(nrvna.__file__)
+    listed = {}
+    for entry, names in _contents(path):
+        listed[entry] = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", re.sub(r"\([^)]*\)", "", names)))
+    regions = _regions(path)
+    unlisted, public = [], 0
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            public += 1
+            title = next(title for title, first, last in regions if first <= node.lineno <= last)
+            entry = next(entry for entry in listed if title == entry or title.startswith(entry + ":"))
+            if node.name not in listed[entry]:
+                unlisted.append(f"{entry}: {node.name}")
+    assert unlisted == [] and public > 150
 
 
 def test_the_design_page_names_only_sections_and_names_that_exist() -> None:
@@ -6670,7 +6662,8 @@ def test_the_design_page_names_only_sections_and_names_that_exist() -> None:
     missing = []
     for code in set(re.findall(r"`([A-Za-z_][\w.]*)`", page)):
         top = code.split(".")[0]
-        threads = {"Main", "Scanner", "Watcher", "Models", "Finisher", "Hooks", "Grammar", "Wide", "Saver"}  # names in the log
+        threads = {"Main", "Scanner", "Watcher", "Models", "Finisher", "Hooks", "Grammar", "Wide", "Saver",
+                   "StateCheck"}  # names in the log
         if (top[0].isupper() or "_" in top) and not top.startswith("NRVNA_") and top not in nrvna.FAILURE_CODES \
                 and top not in threads and not code.startswith(("llama_", "Llama.")) \
                 and top not in nrvna.PARAMS and not code.endswith((".txt", ".json", ".md")):
@@ -6735,7 +6728,8 @@ def test_no_name_is_used_above_the_section_that_defines_it() -> None:
 
     def local_names(fn: Any) -> set[str]:
         args = fn.args
-        names = {a.arg for a in args.args + args.kwonlyargs + args.posonlyargs + [a for a in (args.vararg, args.kwarg) if a]}
+        names = {a.arg for a in args.args + args.kwonlyargs + args.posonlyargs
+                 + [a for a in (args.vararg, args.kwarg) if a]}
         for sub in ast.walk(fn):
             if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
                 names.add(sub.id)
@@ -6764,6 +6758,16 @@ def test_no_name_is_used_above_the_section_that_defines_it() -> None:
 
     visit(tree, set())
     assert early == []
+
+
+def test_no_line_is_over_120_characters() -> None:
+    """Issue 59: every line of nrvna.py, test_nrvna.py and the Python of bench/ and scripts/ holds
+    to 120 characters, with no exemptions."""
+    paths = [Path(nrvna.__file__), HERE / "test_nrvna.py", *sorted((HERE / "bench").glob("*.py")),
+             *sorted((HERE / "scripts").glob("*.py"))]
+    long = [f"{path.name}:{number} ({len(line)})" for path in paths
+            for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1) if len(line) > 120]
+    assert long == [] and len(paths) > 20
 
 
 # ==============================================================================
@@ -6836,7 +6840,8 @@ def test_chat_template_kwargs_reach_the_template(model: str) -> None:
     gets the job's."""
     runner = nrvna.LlamaRunner(thinking_copy(model), nrvna.Config(max_ctx=512, workers=1))
     try:
-        text = lambda **params: b"".join(runner.piece(t) for t in runner.tokens(fake_job("What is 2+2?", **params))).decode()
+        text = lambda **params: b"".join(runner.piece(t)
+                                         for t in runner.tokens(fake_job("What is 2+2?", **params))).decode()
         assert text().endswith("assistant\n<think>\n")  # control tokens have no piece
         closed = "assistant\n<think>\n\n</think>\n\n"
         assert text(chat_template_kwargs={"enable_thinking": False}).endswith(closed)
@@ -6852,6 +6857,942 @@ def test_chat_template_kwargs_reach_the_template(model: str) -> None:
             harmony.piece(t) for t in harmony.tokens(fake_job("hi", reasoning_effort="low"))).decode()
     finally:
         harmony.close()
+
+
+@pytest.mark.model
+def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> None:
+    templated = llama.tokens(fake_job("Hello"))
+    raw = llama.tokens(fake_job("Hello", raw=True))
+    system = llama.tokens(fake_job("Hello", system="You are a pirate."))
+    text = b"".join(llama.piece(t) for t in templated).decode()
+    # special tokens (<|im_start|>...) render as nothing; the turns around them remain
+    assert "user\nHello\n" in text and text.rstrip().endswith("assistant") and "SmolLM" in text
+    assert len(raw) < 5 < len(templated)
+    assert "You are a pirate." in b"".join(llama.piece(t) for t in system).decode()
+
+
+@pytest.mark.model
+def test_a_model_without_a_chat_template_renders_every_chat_job_in_one_fallback_form(model: str, ws: str,
+                                                                                     run_main: RunMain) -> None:
+    """A copy of SmolLM2 with no chat template (as Gemma 3 270M's published GGUF comes): every chat
+    job goes through ChatML, said once at load; its system message and its parent's turns reach
+    the model (their text in the rendering, more prompt tokens), and plain, schema, tool and
+    thinking-parameter jobs run; a raw job is its own text."""
+    copy = thinking_copy(model, "none")
+    runner = nrvna.LlamaRunner(copy, nrvna.Config(max_ctx=512, workers=1))
+    try:
+        text = lambda job: b"".join(runner._token_text(t, True) for t in runner.tokens(job)).decode()
+        assert text(fake_job("hi", system="The secret word is BANANA.")) == (
+            "<|im_start|>system\nThe secret word is "
+            "BANANA.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        turns = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": "Hello Ada."},
+                 {"role": "user", "content": "What is my name?"}]
+        assert "<|im_start|>assistant\nHello Ada.<|im_end|>" in text(fake_job("", messages=turns))
+        assert text(fake_job("<|im_start|>x", raw=True)) == "<|im_start|>x"
+        assert runner.end_marks == ()  # SmolLM2's markers are tokens: its end-of-turn token ends an answer
+        secret = len(runner.tokenize("The secret word is BANANA.", False, False))
+    finally:
+        runner.close()
+    first = submit(ws, "My name is Ada.", max_tokens=8, temperature=0)
+    plain = submit(ws, "What is my name?", max_tokens=8, temperature=0)
+    child = submit(ws, "What is my name?", parent=first, max_tokens=8, temperature=0)
+    system = submit(ws, "What is my name?", system="The secret word is BANANA.", max_tokens=8, temperature=0)
+    others = [submit(ws, "Give a number.", response_format=ANSWER_SCHEMA, max_tokens=16),
+              submit(ws, "What is the weather in Oslo?", tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                     max_tokens=160),
+              submit(ws, "Say hi.", thinking_budget_tokens=0, max_tokens=8),
+              submit(ws, "Say hi.", reasoning_effort="low", chat_template_kwargs={"enable_thinking": False},
+                     max_tokens=8)]
+    done = cli("daemon", copy, ws, "-w", "1", "--drain", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count(b"has no chat template: every chat job") == 1, done.stderr[-2000:]
+    flow = Flow(ws)
+    jobs = {job_id: flow.get(job_id) for job_id in [first, plain, child, system] + others}
+    assert all(job.status is Status.Done for job in jobs.values()), [job.error for job in jobs.values()]
+    tokens = {job_id: job.meta["prompt_tokens"] for job_id, job in jobs.items()}
+    # The child's prompt holds its parent's turns and answer, the system job's its system message.
+    assert tokens[child] > tokens[first] + tokens[plain] and tokens[system] >= tokens[plain] + secret, tokens
+    assert jobs[others[1]].meta["finish_reason"] == "tool_calls" and jobs[others[1]].tool_calls
+    assert isinstance(json.loads(jobs[others[0]].result)["answer"], int)
+
+
+@pytest.mark.model
+def test_generation_stops_at_max_tokens_or_end_of_generation(llama: nrvna.LlamaRunner) -> None:
+    capped = generate(llama, "Write a long poem about the sea.", max_tokens=7, temperature=0)
+    assert (capped.finish_reason, capped.generated_tokens) == ("length", 7) and capped.text
+    free = generate(llama, "Count from one to one hundred.", max_tokens=200, temperature=0)
+    assert free.finish_reason == "stop" and 0 < free.generated_tokens < 200 and free.text.strip()
+    stopped = generate(llama, "Write a long poem about the sea.", max_tokens=200, temperature=0, stop=["ocean"])
+    assert stopped.finish_reason == "stop" and "ocean" not in stopped.text and stopped.text.endswith("the ")
+
+
+@pytest.mark.model
+def test_a_prompt_longer_than_the_context_fails_that_job(llama: nrvna.LlamaRunner) -> None:
+    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
+    try:
+        with pytest.raises(nrvna.JobError, match=r"prompt is \d+ tokens; the context holds 512") as err:
+            session.start(fake_job("word " * 600))
+        assert err.value.code == "context_overflow"
+    finally:
+        session.close()
+
+
+@pytest.mark.model
+def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks(llama: nrvna.LlamaRunner) -> None:
+    """nrvna applies the penalties to the logits itself (llama.cpp's sampler hashes every
+    vocabulary entry): token for token, the same floats and choices as llama.cpp's chain,
+    seeded sampling and greedy, repetition alone and with frequency and presence penalties,
+    over more tokens than the penalty window."""
+    import numpy
+
+    L = llama.llama_cpp
+    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
+    try:
+        for params in ({"repeat_penalty": 1.5, "temperature": 1.0, "seed": 7},
+                       {"repeat_penalty": 1.3, "temperature": 0.0},
+                       {"repeat_penalty": 0.8, "temperature": 0.9, "top_k": 0, "top_p": 1.0, "seed": 3},
+                       {"repeat_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": -0.3, "temperature": 1.0,
+                        "seed": 11}):
+            extra = (params.get("frequency_penalty", 0.0), params.get("presence_penalty", 0.0))
+            # llama.cpp's way: its penalties sampler first in the chain, then nrvna's chain
+            reference = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+            L.llama_sampler_chain_add(reference, L.llama_sampler_init_penalties(
+                llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], *extra))
+            # (owned by reference now)
+            L.llama_sampler_chain_add(reference, nrvna._sampler_chain(L, params, llama.config))
+            chain = nrvna._sampler_chain(L, params, llama.config)
+            own = L.llama_sampler_init_penalties(llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], *extra)
+            penalty = llama.penalty(params)
+            assert penalty is not None
+            L.llama_memory_clear(session.memory, True)
+            tokens = llama.tokens(fake_job("Repeat after me: the cat, the cat, the cat."))
+            position, changed = 0, 0
+            try:
+                for step in range(nrvna.PENALTY_WINDOW + 56):
+                    for i, token in enumerate(tokens):
+                        session.batch.put(i, token, position + i, 0, i == len(tokens) - 1)
+                    session.batch.raw.n_tokens = len(tokens)
+                    assert L.llama_decode(session.ctx, session.batch.raw) == 0
+                    position += len(tokens)
+                    index = len(tokens) - 1
+                    expected = L.llama_sampler_sample(reference, session.ctx, index)  # reads, never writes
+                    logits = L.llama_get_logits_ith(session.ctx, index)
+                    # llama.cpp's penalties sampler on the window's tokens and a few others
+                    probe = sorted(set(penalty.counts) | {1, 2, 3, 500})
+                    original = [logits[t] for t in probe]
+                    data = (L.llama_token_data
+                            * len(probe))(*[L.llama_token_data(t, v, 0.0) for t, v in zip(probe, original)])
+                    array = L.llama_token_data_array(data, len(probe), -1, False)
+                    L.llama_sampler_apply(own, ctypes.byref(array))
+                    penalty.apply(numpy.ctypeslib.as_array(logits, shape=(llama.n_vocab,)))
+                    assert [logits[t] for t in probe] == [d.logit for d in data]  # the same floats
+                    changed += sum(o != d.logit for o, d in zip(original, data))
+                    got = L.llama_sampler_sample(chain, session.ctx, index)
+                    penalty.accept(got)
+                    L.llama_sampler_accept(own, got)
+                    assert got == expected, (params, step)
+                    tokens = [got]
+                assert changed > 100  # the penalty did change logits along the way
+                assert len(penalty.window) == nrvna.PENALTY_WINDOW
+            finally:
+                for sampler in (reference, chain, own):
+                    L.llama_sampler_free(sampler)
+    finally:
+        session.close()
+
+
+@pytest.mark.model
+def test_borrowed_threads_decode_on_the_one_wide_thread_and_give_the_same_text(llama: nrvna.LlamaRunner) -> None:
+    texts = []
+    for threads in (1, 2, 1):
+        session = llama.session(0, nrvna.Config(workers=1, seqs=2, max_ctx=1024, threads=1))
+        try:
+            session.set_threads(threads)
+            for topic in ("owls", "rain"):
+                session.start(fake_job(f"Two sentences about {topic}.", max_tokens=24, temperature=0, ignore_eos=True))
+            out = {}
+            while session.active():
+                out.update((job.prompt, outcome.text) for job, outcome in session.step())
+            texts.append(out)
+        finally:
+            session.close()
+        if threads == 2:
+            assert llama._wide is not None and llama._wide._thread.is_alive()
+    assert texts[0] == texts[1] == texts[2] and all(texts[0].values())
+
+
+@pytest.mark.model
+def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared_prefix(
+        llama: nrvna.LlamaRunner) -> None:
+    system = "You are a careful assistant. " * 10
+    job = lambda topic: fake_job(f"One word about {topic}.", system=system, max_tokens=8, temperature=0,
+                                 ignore_eos=True)
+    session = llama.session(0, nrvna.Config(workers=1, seqs=4, max_ctx=2048))
+
+    def run(topic: str) -> str:
+        session.start(job(topic))
+        out = []
+        while session.active():
+            out += [o.text for _, o in session.step()]
+        return out[0]
+
+    try:
+        for topic in ("owls", "rain", "salt"):
+            session.start(job(topic))
+        while session.active():
+            session.step()
+        before = [len(tokens) for tokens in session.prefixes.held]
+        shared = nrvna._common_prefix(session.prefixes.held[0], session.prefixes.held[1])
+        assert shared >= 60 and all(n > shared + 8 for n in before[:3])  # own prompt tail + 8 generated
+        last = session.prefixes.last_kept
+        assert last in (0, 1, 2)
+        session.idle()
+        assert [len(tokens) for tokens in session.prefixes.held] == [before[i] if i == last else shared
+                                                                     for i in range(3)] + [0, 0]
+        for i in range(3):  # the cells match what is held: nothing beyond it is left
+            assert llama.llama_cpp.llama_memory_seq_pos_max(session.memory, i) == len(session.prefixes.held[i]) - 1
+        # A new prompt shares only the prefix with every slot: it takes the slot kept whole
+        # (dropping that slot's tail) and reuses exactly the prefix.
+        reused = session.prefixes.reused_tokens
+        glass = run("glass")
+        assert session.prefixes.reused_tokens - reused == shared and session.prefixes.last_kept == last
+        assert [len(tokens) for tokens in session.prefixes.held][:3].count(shared) == 2
+        session.idle()
+        # The same prompt again (a retry, or a conversation's next turn) reuses all of it
+        # but the token decoded for its logits.
+        reused, n_prompt = session.prefixes.reused_tokens, len(llama.tokens(job("glass")))
+        assert run("glass") == glass
+        assert session.prefixes.reused_tokens - reused == n_prompt - 1
+        # A conversation's next turn starts with the whole last job: prompt and answer.
+        session.idle()
+        reused = session.prefixes.reused_tokens
+        turn = fake_job("", max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "One word about glass."},
+            {"role": "assistant", "content": glass}, {"role": "user", "content": "And about salt?"}])
+        session.start(turn)
+        while session.active():
+            session.step()
+        assert session.prefixes.reused_tokens - reused > n_prompt  # the answer's cells too
+    finally:
+        session.close()
+    assert glass == generate(llama, "One word about glass.", system=system, max_tokens=8, temperature=0,
+                             ignore_eos=True).text
+
+
+@pytest.mark.model
+def test_a_context_admits_jobs_by_the_cells_their_budgets_need(llama: nrvna.LlamaRunner) -> None:
+    """16 sequences in a context sized for 8 full-length jobs: short jobs fill all 16 slots,
+    long ones only 8, and finished jobs' cells are dropped before they could overflow it."""
+    session = llama.session(0, nrvna.Config(workers=1, seqs=16, max_ctx=1024))
+    words = ["Owls", "Rain", "Salt", "Glass", "Bread", "Maps", "Wolves", "Tea",
+             "Iron", "Moss", "Kites", "Sand", "Pearls", "Wheat", "Foxes", "Clocks"]
+    L = llama.llama_cpp
+    try:
+        # (and one more job's cells, with a 17th slot, kept for a higher-priority job)
+        assert (session.normal_cells, session.cells, session.ctx_per_seq, session.free()) == (1024, 1152, 128, 8)
+        for word in words:  # each job's budget: about 6 prompt tokens + 40
+            assert session.free() > 0
+            session.start(fake_job(f"{word} are", raw=True, max_tokens=40, temperature=0, ignore_eos=True))
+        assert session.free() == 0 and len(session.active()) == 16
+        outcomes = []
+        while session.active():
+            outcomes += [o for _, o in session.step()]
+        assert [(o.error_code, o.generated_tokens) for o in outcomes] == [(None, 40)] * 16
+        assert sum(len(t) for t in session.prefixes.held) > 16 * 40  # every slot keeps its job's cells
+        long = []
+        while session.free() > 0:  # budget 128 (the per-job length) each: 8 fit, not 16
+            long.append(fake_job(f"{words[len(long)]} were", raw=True, max_tokens=500, temperature=0, ignore_eos=True))
+            session.start(long[-1])
+        assert len(long) == 8 and session.slots.count(None) == 9
+        assert sum(len(t) for t in session.prefixes.held) + 8 * 128 <= session.cells  # the rest were dropped...
+        for i, tokens in enumerate(session.prefixes.held):  # ...from the cache too
+            if not tokens and session.slots[i] is None:
+                assert L.llama_memory_seq_pos_max(session.memory, i) == -1
+        outcomes = []
+        while session.active():
+            outcomes += [o for _, o in session.step()]
+        # no decode failed for want of cells; each ran to the per-job length
+        assert [(o.error_code, o.finish_reason) for o in outcomes] == [(None, "length")] * 8
+        # (128 cells: the last token sampled is never decoded)
+        assert [o.prompt_tokens + o.generated_tokens for o in outcomes] == [129] * 8
+    finally:
+        session.close()
+
+
+@pytest.mark.model
+def test_a_plain_decode_waits_for_a_decode_with_borrowed_threads_to_end(llama: nrvna.LlamaRunner,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[str] = []
+    real = llama.llama_cpp.llama_decode
+
+    def slow_decode(ctx: Any, batch: Any) -> int:
+        order.append("wide start")
+        time.sleep(0.3)
+        code = real(ctx, batch)
+        order.append("wide end")
+        return code
+
+    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=1024, threads=1))
+    try:
+        session.set_threads(2)
+        session.start(fake_job("One word about owls.", max_tokens=1))
+        monkeypatch.setattr(llama.llama_cpp, "llama_decode", slow_decode)
+        worker = threading.Thread(target=session.step)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while not order and time.monotonic() < deadline:
+            time.sleep(0.005)
+        llama.wait_wide()  # what a worker that just got a job does before its own decode
+        order.append("waited")
+        worker.join()
+    finally:
+        monkeypatch.undo()
+        session.close()
+    assert order == ["wide start", "wide end", "waited"]
+
+
+@pytest.mark.model
+def test_a_seed_makes_a_job_reproducible(llama: nrvna.LlamaRunner) -> None:
+    first = generate(llama, "Invent a name for a cat.", seed=1234, max_tokens=24, temperature=1.0)
+    second = generate(llama, "Invent a name for a cat.", seed=1234, max_tokens=24, temperature=1.0)
+    other = generate(llama, "Invent a name for a cat.", seed=99, max_tokens=24, temperature=1.0)
+    assert first.text and first.text == second.text
+    assert other.text != first.text  # the seed, not greedy decoding, made them equal
+
+
+@pytest.mark.model
+def test_the_daemon_generates_real_text_with_several_workers(ws: str, model: str) -> None:
+    prompts = ["What is the capital of France?", "Name a color.", "Write one word about the sea.", "Say hello."]
+    ids = [submit(ws, p, max_tokens=48, seed=7) for p in prompts]
+    proc = start_daemon(model, ws, "-w", "2", "--drain", env={"NRVNA_LOG_LEVEL": "info"})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    assert out == b""  # stdout carries data only; the daemon has none
+    flow = Flow(ws)
+    jobs = [flow.get(i) for i in ids]
+    assert [j.status for j in jobs] == [Status.Done] * 4
+    for job in jobs:
+        assert job.result.strip() and 0 < job.meta["generated_tokens"] <= 48
+        assert job.meta["model"] == os.path.basename(model) and job.meta["prompt_tokens"] > 10
+    assert {j.meta["worker"] for j in jobs} == {"Worker-0", "Worker-1"}
+    log = err.decode()
+    assert "[INFO ] [Worker-0] Processing job:" in log and "[INFO ] [Main] Server started" in log
+    assert "llama_model_loader" not in log  # llama.cpp's chatter is silenced at info
+    # both contexts were generating at the same time
+    first, second = sorted(jobs[:2], key=lambda j: j.meta["started"])
+    assert second.meta["started"] < first.meta["finished"]
+
+
+@pytest.mark.model
+def test_a_prompt_longer_than_the_context_fails_alone_in_the_daemon(ws: str, model: str) -> None:
+    long_id = submit(ws, "tell me " * 400)
+    short_id = submit(ws, "Say hi.", max_tokens=8)
+    done = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env={"NRVNA_MAX_CTX": "256"}, timeout=120)
+    assert done.returncode == 0
+    job = Flow(ws).get(long_id)
+    assert job.status is Status.Failed and job.meta["code"] == "context_overflow"
+    assert job.error.startswith("prompt is ") and job.error.rstrip().endswith("tokens; the context holds 256")
+    assert Flow(ws).status(short_id) is Status.Done
+
+
+@pytest.mark.model
+def test_sigterm_mid_generation_returns_the_job_and_a_restart_finishes_it(ws: str, model: str) -> None:
+    job_id = submit(ws, "Tell me a very long story about a dragon.", max_tokens=20000, ignore_eos=True)
+    proc = start_daemon(model, ws, "-w", "1", env={"NRVNA_MAX_CTX": "4096"})
+    try:
+        wait_for_log(proc, "Processing job")
+        time.sleep(1.0)
+        assert Flow(ws).status(job_id) is Status.Running
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert time.monotonic() - sent < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Queued and job.meta["attempts"] == 0
+    assert sorted(os.listdir(os.path.join(ws, nrvna.READY, job_id))) == ["meta.json", "params.json", "prompt.txt"]
+    params = os.path.join(ws, nrvna.READY, job_id, "params.json")
+    with open(params, "w") as handle:  # hand-edit to a short job so the restart is quick
+        json.dump({"max_tokens": 8}, handle)
+    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=120)
+    assert done.returncode == 0
+    job = Flow(ws).get(job_id)
+    assert job.status is Status.Done and job.meta["attempts"] == 1 and job.meta["generated_tokens"] == 8
+
+
+def test_a_quantized_kv_cache_llama_cpp_cannot_make_exits_2_saying_why() -> None:
+    """Where llama.cpp cannot make a context with the quantized cache NRVNA_KV_TYPE asks for (no
+    flash attention for this model or backend), the daemon stops with exit 2 and llama.cpp's
+    reason, not a model error; an f16 context that cannot be made stays a ModelError."""
+    class FakeL:
+        LLAMA_FLASH_ATTN_TYPE_ENABLED = 1
+
+        def llama_context_default_params(self) -> Any:
+            return types.SimpleNamespace(type_k=1, type_v=1, flash_attn_type=-1)
+
+        def llama_init_from_model(self, model: Any, params: Any) -> None:
+            self.made = params
+            nrvna._llama_log_tail.append("llama_init_from_model: failed to initialize the context: quantized V "
+                                         "cache was requested, but this requires Flash Attention")
+            return None
+
+    fake = FakeL()
+    runner = types.SimpleNamespace(llama_cpp=fake, model=None, config=nrvna.Config(kv_type="q4_0"))
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_KV_TYPE=q4_0: llama.cpp cannot make a quantized KV cache for "
+                       "this model here: .*requires Flash Attention; use f16") as caught:
+        nrvna._llama_context(runner, 1024, 512, 17, 1)
+    assert caught.value.exit_code == 2
+    assert (fake.made.type_k, fake.made.type_v, fake.made.flash_attn_type) == (2, 2, 1)
+    runner.config = nrvna.Config()
+    with pytest.raises(nrvna.ModelError, match="cannot create a llama context of 1024 tokens"):
+        nrvna._llama_context(runner, 1024, 512, 17, 1)
+    assert (fake.made.type_k, fake.made.type_v, fake.made.flash_attn_type) == (1, 1, -1)
+
+
+@pytest.mark.model
+def test_a_quantized_kv_cache_is_smaller_generates_and_keeps_its_own_saved_states(model: str) -> None:
+    """NRVNA_KV_TYPE: a q8_0 context holds 34/64 of f16's bytes a token and a q4_0 one 18/64 (as
+    llama.cpp states its buffers), both turn flash attention on and generate the same greedy
+    opening as f16 here; the saved states' fingerprint names the type, so a state is restored
+    only into a cache laid out as the one it came from."""
+    reports, texts, fingerprints = {}, {}, {}
+    for kv in ("f16", "q8_0", "q4_0"):
+        runner = nrvna.LlamaRunner(model, nrvna.Config(max_ctx=512, workers=1, kv_type=kv))
+        try:
+            session = runner.session(0, runner.config)
+            session.start(fake_job("Name the capital of France.", temperature=0, max_tokens=6))
+            while not (finished := session.step()):
+                pass
+            texts[kv] = finished[0][1].text
+            reports[kv] = runner.memory()
+            fingerprints[kv] = nrvna.state_fingerprint(runner, model)
+            params = runner.llama_cpp.llama_context_default_params()
+            assert nrvna._kv_params(runner.llama_cpp, runner.config)[2] == (
+                params.flash_attn_type if kv == "f16" else runner.llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+            session.close()
+        finally:
+            runner.close()
+    f16 = reports["f16"]["kv_mib"]
+    assert reports["f16"]["cells"] == reports["q4_0"]["cells"] and reports["f16"]["contexts"] == 1
+    assert abs(reports["q8_0"]["kv_mib"] - f16 * 34 / 64) < 0.02 and abs(reports["q4_0"]["kv_mib"] - f16 * 18
+                                                                         / 64) < 0.02
+    assert abs(reports["f16"]["kv_bytes_per_token"] - 23040) <= 16  # 30 layers x (K + V) x 192 x 2 B
+    assert reports["f16"]["compute_mib"] > 0 and reports["f16"]["weights_mib"] > 80
+    assert all(texts.values()) and len(set(fingerprints.values())) == 3, (texts, fingerprints)
+
+
+# ==============================================================================
+# 11.2 Grammar conversion: once per schema, on the Grammar thread
+# ==============================================================================
+
+
+@pytest.mark.model
+def test_a_schema_is_converted_once_for_many_jobs_and_parsed_once_per_context(llama: nrvna.LlamaRunner) -> None:
+    schema = {"type": "object", "properties": {"converted_once": {"type": "boolean"},
+                                               "n": {"type": "integer", "minimum": 0}},
+              "required": ["converted_once", "n"]}
+    reordered = dict(schema, properties=dict(reversed(list(schema["properties"].items()))))
+    config = nrvna.Config(workers=2, seqs=4, max_ctx=512)
+    sessions = [llama.session(i, config) for i in range(2)]
+    before = llama.grammars.conversions
+    try:
+        def run(count: int, **params: Any) -> list[Outcome]:
+            jobs = [fake_job(f"Answer {i} in JSON.", temperature=0, max_tokens=3, **params) for i in range(count)]
+            outcomes = []
+            while jobs or any(s.active() for s in sessions):
+                for session in sessions:
+                    while jobs and session.free() > 0:
+                        session.start(jobs.pop())
+                    if session.active():
+                        outcomes += [o for _, o in session.step()]
+            return outcomes
+
+        assert len(run(24, response_format=schema_format(schema))) == 24
+        assert llama.grammars.conversions - before == 1  # 24 jobs on 2 workers: one conversion
+        assert all(len(s.templates.parsed) == 1 for s in sessions)  # and one parsed grammar per context
+        run(6, response_format=schema_format(reordered))  # another property order: another grammar
+        run(6, response_format={"type": "json_object"})
+        run(6, grammar='root ::= "x"+')
+        assert llama.grammars.conversions - before == 2
+    finally:
+        for session in sessions:
+            session.close()
+
+
+def converting_slowly(monkeypatch: pytest.MonkeyPatch, beside: Optional[nrvna.RunningJob] = None
+                      ) -> tuple[list[str], threading.Event]:
+    """Make every schema's conversion slow, by events rather than by time: it waits for 5 more
+    tokens of the job ``beside`` (none can come while it runs on that job's worker), and a
+    schema described "held" waits for the event returned. Returns the list of what happened."""
+    made, events, release = nrvna.schema_to_grammar, [], threading.Event()
+
+    def converting(schema: Any) -> str:
+        events.append("converting")
+        if beside is not None:
+            first, deadline = len(beside.emitted), time.monotonic() + 30  # (a hang guard)
+            while len(beside.emitted) < first + 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # (at least 5: the worker may make one more before this thread looks again)
+            made_beside = len(beside.emitted) - first
+            events.append("5 tokens beside" if made_beside >= 5 else f"{made_beside} tokens beside")
+        if schema.get("description") == "held":
+            release.wait(60)  # (a hang guard)
+        events.append("converted")
+        return made(schema)
+
+    monkeypatch.setattr(nrvna, "schema_to_grammar", converting)
+    return events, release
+
+
+@pytest.mark.model
+def test_a_schema_being_converted_holds_up_neither_the_jobs_beside_it_nor_a_stop(
+        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42: a schema's conversion ran on the worker, under the runner's grammar lock, and
+    the sequences beside it made no token for 72 s. It runs on the runner's Grammar thread: the
+    job beside it goes on generating meanwhile, the job begins once its grammar is made, and a
+    job dropped while its grammar is made (a stop) leaves at once, the conversion abandoned."""
+    beside = fake_job("Count from one to a hundred in words.", temperature=0, max_tokens=300, ignore_eos=True)
+    events, release = converting_slowly(monkeypatch, beside)
+    session = llama.session(0, nrvna.Config(workers=1, seqs=3, max_ctx=1536))
+    try:
+        session.start(beside)
+        session.step()  # its prompt: from here on it makes a token a step
+        form = fake_job("Fill in the form as JSON.", max_tokens=6, response_format=schema_format(
+            costly_patterns(1) | {"description": "beside"}))
+        session.start(form)
+        assert form in session.active() and session.free() == 1  # it holds its slot while it waits
+        ended: dict[int, Outcome] = {}
+        for _ in range(3000):
+            ended.update((id(job), outcome) for job, outcome in session.step())
+            if id(form) in ended:
+                break
+        assert events[:3] == ["converting", "5 tokens beside", "converted"], events
+        assert ended[id(form)].error_code is None and ended[id(form)].generated_tokens == 6, ended[id(form)]
+        held = fake_job("Fill in the form as JSON.", max_tokens=6, response_format=schema_format(
+            costly_patterns(1) | {"description": "held"}))
+        session.start(held)
+        for _ in range(3000):  # until its conversion has begun, and is held
+            if events.count("5 tokens beside") == 2:
+                break
+            session.step()
+        session.drop(held)
+        assert held not in session.active()
+        session.step()  # the job beside goes on
+        events.append("dropped")
+    finally:
+        session.close()
+        events.append("closed")
+        release.set()
+    for _ in range(600):
+        if events.count("converted") == 2:
+            break
+        time.sleep(0.1)
+    assert events[3:] == ["converting", "5 tokens beside", "dropped", "closed", "converted"], events
+
+
+# ==============================================================================
+# 11.3 Sampling: the shortlist, log-probabilities and logit bias
+# ==============================================================================
+
+
+@pytest.mark.model
+def test_a_refused_draw_redrawn_from_the_shortlist_is_the_whole_vocabulary_s_draw(
+        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each time a constrained job's free draw is refused and the shortlist suffices, the
+    token drawn from it equals the token the sampler chain draws from the whole vocabulary
+    (from the same random state: each path gets a clone of the chain). A short shortlist
+    puts its bounds within reach of the chain's cuts, where the conditions matter."""
+    import numpy
+
+    monkeypatch.setattr(nrvna, "SHORTLIST", 48)
+
+    config = nrvna.Config(workers=1, seqs=8, max_ctx=2048)
+    session = llama.session(0, config)
+    L, compared, fell_back, redraws = llama.llama_cpp, [0, 0], [0], nrvna._JobSampler._resample
+
+    def both(sampler: Any, logits: Any) -> int:
+        if session.scratch.candidates is None:  # the first redraw makes the arrays
+            return redraws(sampler, logits)
+        row = numpy.array(logits)
+        ids = numpy.sort(numpy.argpartition(row, llama.n_vocab - nrvna.SHORTLIST)[-nrvna.SHORTLIST:])
+        allowed = sampler._apply_grammar(ids, row[ids])
+        if allowed is not None and sampler._shortlist_suffices(numpy.sort(allowed)[::-1], float(row[ids].min())):
+            chain, clones = sampler.chain, [L.llama_sampler_clone(sampler.chain) for _ in range(2)]
+            try:
+                sampler.chain = clones[0]
+                sampler._apply_grammar(session.scratch.token_ids, row)
+                whole = sampler._draw()
+                sampler.chain = clones[1]
+                compared[0] += 1
+                compared[1] += whole == redraws(sampler, logits)
+            finally:
+                sampler.chain = chain
+                for clone in clones:
+                    L.llama_sampler_free(clone)
+        else:
+            fell_back[0] += 1
+        return redraws(sampler, logits)
+
+    monkeypatch.setattr(nrvna._JobSampler, "_resample", both)
+    try:
+        for sampling in ({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05},
+                         {"temperature": 1.0, "top_k": 0, "top_p": 0.95, "min_p": 0.1},
+                         {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}, {"temperature": 0}):
+            jobs = [fake_job(f"Describe product {i} as JSON.", seed=i + 1, max_tokens=120,
+                             response_format=schema_format(PRODUCT_SCHEMA), **sampling) for i in range(6)]
+            while jobs or session.active():
+                while jobs and session.free() > 0:
+                    session.start(jobs.pop())
+                session.step()
+    finally:
+        session.close()
+    assert compared[0] > 100 and compared[1] == compared[0], compared
+    assert fell_back[0] > 50  # and the whole vocabulary was needed often
+
+
+def whole_vocabulary_draw(runner: nrvna.LlamaRunner, scratch: Any, chain: Any, row: Any) -> int:
+    """What llama_sampler_sample does with a row of logits: the whole vocabulary in token order
+    as the candidates, the chain applied, the token accepted."""
+    import numpy
+
+    scratch.whole_vocabulary(numpy, runner.n_vocab)
+    candidates, array = scratch.candidates, scratch.candidates_array
+    candidates["id"], candidates["logit"], candidates["p"] = scratch.token_ids, row, 0.0
+    array.size, array.selected, array.sorted = runner.n_vocab, -1, False
+    runner.llama_cpp.llama_sampler_apply(chain, scratch.byref(array))
+    token = int(candidates["id"][array.selected])
+    runner.llama_cpp.llama_sampler_accept(chain, token)
+    return token
+
+
+def logit_rows(kind: str, count: int, n_vocab: int, seed: int) -> Any:
+    """Rows of logits shaped like a model's (a bulk and a few dozen standouts); "ties": rounded
+    to halves, so tied logits abound; "edge": the 40th and 41st largest made equal."""
+    import numpy
+
+    rng = numpy.random.default_rng(seed)
+    rows = (rng.standard_normal((count, n_vocab)) * 2).astype(numpy.float32)
+    for row in rows:
+        row[rng.integers(0, n_vocab, 30)] += rng.uniform(4, 14, 30).astype(numpy.float32)
+        if kind == "edge":
+            order = numpy.argsort(row)[::-1]
+            row[order[40]] = row[order[39]]
+    return numpy.round(rows * 2) / 2 if kind == "ties" else rows
+
+
+SHORTLIST_CHAINS = [{"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05}, {"temperature": 0},
+                    {"temperature": 1.5, "top_k": 5, "top_p": 1.0, "min_p": 0.0},
+                    {"temperature": 1.0, "top_k": 200, "top_p": 0.95, "min_p": 0.0},  # llama.cpp's bucket sort
+                    {"temperature": 0.7, "top_k": 1}, {"temperature": 1.0, "top_k": 511, "top_p": 0.5, "min_p": 0.01},
+                    {"temperature": 1.0, "top_k": 0, "top_p": 0.9, "min_p": 0.05}]  # no top_k: the whole vocabulary
+
+
+def shortlist_draws(runner: nrvna.LlamaRunner, rows: Any, params: dict[str, Any]) -> tuple[int, int]:
+    """Each row drawn from by a chain of ``params`` from the whole vocabulary, and by a clone
+    of it (the same random state) as a session draws (from the shortlist where _likeliest
+    finds one): (draws that differ, draws made from a shortlist)."""
+    import numpy
+
+    scratch = nrvna._SamplingScratch(runner)
+    config = runner.config
+    chain = nrvna._sampler_chain(runner.llama_cpp, params, runner.config)
+    settings = (nrvna.job_param(params, "temperature", config) <= 0, nrvna.job_param(params, "top_k", config),
+                nrvna.job_param(params, "top_p", config), nrvna.job_param(params, "min_p", config))
+    sampler = nrvna._JobSampler(runner, scratch, runner.llama_cpp.llama_sampler_clone(chain), settings)
+    try:
+        size = sampler.shortlist_size
+        found = nrvna._likeliest(numpy, rows, list(range(len(rows))), [size] * len(rows))
+        differ = short = 0
+        for row, likeliest in zip(rows, found):
+            whole = whole_vocabulary_draw(runner, scratch, chain, row)
+            if likeliest is None:
+                drawn = whole_vocabulary_draw(runner, scratch, sampler.chain, row)
+            else:
+                drawn, short = sampler._draw_short(*likeliest), short + 1
+            differ += drawn != whole
+        return differ, short
+    finally:
+        runner.llama_cpp.llama_sampler_free(chain)
+        sampler.close()
+
+
+@pytest.mark.model
+def test_a_top_k_draw_from_the_likeliest_tokens_is_the_whole_vocabulary_s_draw(
+        llama: nrvna.LlamaRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """6,300 draws (3 kinds of rows x 300 x 7 chains, the same seed for both sides): a draw
+    from the k likeliest tokens equals llama.cpp's draw from the whole vocabulary every time;
+    rows with tied logits near the top go to the whole vocabulary. Breaking either condition
+    (ties allowed, or a shortlist for a chain with no top_k) makes draws differ."""
+    drawn_short = {}
+    for kind in ("plain", "ties", "edge"):
+        rows = logit_rows(kind, 300, llama.n_vocab, seed=len(kind))
+        for i, params in enumerate(SHORTLIST_CHAINS):
+            differ, short = shortlist_draws(llama, rows, dict(params, seed=11 + i))
+            assert differ == 0, (kind, params, differ)
+            drawn_short[kind, i] = short
+    # (the 512 largest of 49,152 float logits hold a tie now and then: 283 of 300 rows had none)
+    assert all(drawn_short["plain", i] >= 270 for i in range(6)) and drawn_short["plain", 6] == 0
+    assert drawn_short["ties", 0] == 0 and drawn_short["edge", 0] == 0  # their 41 largest hold ties
+    assert drawn_short["edge", 2] == 300  # top_k 5: the tie at 40 is beyond what it looks at
+
+    ties = logit_rows("ties", 300, llama.n_vocab, seed=4)
+    with monkeypatch.context() as mutated:
+        mutated.setattr(nrvna, "_strictly_decreasing", lambda values: values[:-1] == values[:-1])
+        assert shortlist_draws(llama, ties, dict(SHORTLIST_CHAINS[0], seed=3))[0] > 0
+    plain = logit_rows("plain", 300, llama.n_vocab, seed=5)
+    with monkeypatch.context() as mutated:
+        mutated.setattr(nrvna, "_shortlist_size", lambda settings: 1 if settings[0] else settings[1] or 40)
+        assert shortlist_draws(llama, plain, dict(SHORTLIST_CHAINS[6], seed=3))[0] > 0
+
+
+@pytest.mark.model  # (no model: numpy, which comes with llama-cpp-python)
+def test_the_likeliest_tokens_are_found_only_in_finite_rows_and_in_order() -> None:
+    """_likeliest: the k largest logits, likeliest first, for the rows asked; None for a row
+    with a NaN or an infinity, a k of 0 or of SHORTLIST_COLUMNS, a vocabulary too small."""
+    import numpy
+
+    rng = numpy.random.default_rng(2)
+    rows = rng.standard_normal((6, 5000)).astype(numpy.float32)
+    rows[3, 17], rows[4, 99] = numpy.nan, numpy.inf
+    found = nrvna._likeliest(numpy, rows, [0, 2, 3, 4, 5, 1], [40, 1, 40, 40, 0, nrvna.SHORTLIST_COLUMNS])
+    for (ids, values), row in ((found[0], rows[0]), (found[1], rows[2])):
+        expected = numpy.argsort(row)[::-1][:len(ids)]
+        assert list(ids) == list(expected) and list(values) == list(row[expected])
+    assert len(found[0][0]) == 40 and len(found[1][0]) == 1 and found[2:] == [None] * 4
+    assert nrvna._likeliest(numpy, rows[:, :1000], [0], [40]) == [None]  # fewer than 2 x SHORTLIST_COLUMNS tokens
+
+
+@pytest.mark.model
+def test_jobs_draw_from_the_shortlist_what_the_whole_vocabulary_gives(llama: nrvna.LlamaRunner,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real jobs, batched, with penalties, logit biases, greedy and n choices: each draw made
+    from a shortlist equals the chain's draw (a clone of it) from the whole penalised row."""
+    import numpy
+
+    session = llama.session(0, nrvna.Config(workers=1, seqs=8, max_ctx=2048))
+    compared, differ, sample = [0], [0], nrvna._JobSampler.sample
+
+    def both(sampler: Any, ctx: Any, index: int, logits: Any, likeliest: Any = None) -> int:
+        if likeliest is not None:
+            row = numpy.array(logits)
+            clone = llama.llama_cpp.llama_sampler_clone(sampler.chain)
+            try:
+                whole = whole_vocabulary_draw(llama, nrvna._SamplingScratch(llama), clone, row)
+            finally:
+                llama.llama_cpp.llama_sampler_free(clone)
+            token = sample(sampler, ctx, index, logits, likeliest)
+            compared[0] += 1
+            differ[0] += token != whole
+            return token
+        return sample(sampler, ctx, index, logits, likeliest)
+
+    monkeypatch.setattr(nrvna._JobSampler, "sample", both)
+    params = [{}, {"repeat_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.4},
+              {"logit_bias": {"28": 5.0, "30": -3.0}}, {"temperature": 0}, {"top_k": 5, "temperature": 1.2},
+              {"n": 3}, {"top_k": 0}]
+    try:
+        jobs = [fake_job(f"Tell me about topic {i}.", seed=i + 1, max_tokens=40, ignore_eos=True, **p)
+                for i, p in enumerate(params)]
+        while jobs or session.active():
+            while jobs and session.free() > 0:
+                session.start(jobs.pop())
+            session.step()
+        assert session.scratch.draws[1] >= 40  # top_k 0: the whole vocabulary
+    finally:
+        session.close()
+    assert compared[0] >= 6 * 40 and differ[0] == 0, (compared, differ)
+
+
+@pytest.mark.model
+def test_the_shortlist_suffices_only_where_the_chain_cannot_reach_beyond_it(llama: nrvna.LlamaRunner) -> None:
+    """Allowed tokens of the shortlist with logits 10 and 9; every token outside is at most
+    the threshold. (greedy, top_k, top_p, min_p) as LlamaRunner.sampler builds the chain."""
+    import numpy
+
+    import types
+
+    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
+    try:
+        def suffices(chain: tuple, threshold: float, allowed: tuple = (10.0, 9.0)) -> bool:
+            # a stand-in for a _JobSampler: only its chain's settings and the runner are read
+            sampler = types.SimpleNamespace(chain_settings=chain, runner=session.runner)
+            return nrvna._JobSampler._shortlist_suffices(sampler, numpy.array(allowed, dtype=numpy.float32), threshold)
+
+        assert suffices((True, 0, 1.0, 0.0), 9.9) and not suffices((True, 0, 1.0, 0.0), 10.0)  # greedy: the best is in
+        assert suffices((False, 2, 0.9, 0.0), 9.9)  # top_k: the shortlist holds top_k allowed tokens
+        assert not suffices((False, 3, 1.0, 0.0), 5.0)  # a third could come from outside, and no min_p drops it
+        assert not suffices((False, 0, 1.0, 0.0), -50.0)  # without min_p, however unlikely, an outsider may be drawn
+        assert suffices((False, 0, 1.0, 0.1), 7.6) and not suffices((False, 0, 1.0, 0.1), 7.8)  # min_p cuts at 7.697
+        # top_p 0.7: the nucleus of {10, 9} alone is {10}; one outside token at 7.6 (weight 0.09 of the best)
+        # makes it {10, 9} before min_p drops the outsider: the shortlist would draw from the wrong set
+        assert not suffices((False, 3, 0.7, 0.1), 7.6)
+        assert suffices((False, 3, 0.7, 0.1), 5.0)  # far enough down, two outsiders cannot move the nucleus
+        assert suffices((False, 3, 0.5, 0.1), 7.6)  # a nucleus that ends at the best token either way
+    finally:
+        session.close()
+
+
+@pytest.mark.model
+def test_control_tokens_never_enter_a_constrained_output(llama: nrvna.LlamaRunner) -> None:
+    """The grammar matches a control token by its text, which the result would not hold."""
+    start = llama.tokenize("<|im_start|>", False, True)
+    assert len(start) == 1 and start[0] in llama.control_tokens
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 30, "maxLength": 40}},
+              "required": ["s"]}
+    outcome = generate(llama, "Write a sentence as JSON.", temperature=0, max_tokens=80,
+                       response_format=schema_format(schema), logit_bias={str(start[0]): 100})
+    assert outcome.finish_reason == "stop", outcome
+    assert 30 <= len(json.loads(outcome.text)["s"]) <= 40
+
+
+@pytest.mark.model
+def test_logprobs_are_the_log_softmax_of_the_model_s_logits(llama: nrvna.LlamaRunner, model_file: str) -> None:
+    import numpy
+    from llama_cpp import Llama
+
+    params = {"temperature": 0, "repeat_penalty": 1.0, "logprobs": True, "top_logprobs": 5, "max_tokens": 12}
+    outcome = generate(llama, "Name a fruit and its colour.", **params)
+    assert outcome.logprobs is not None and len(outcome.logprobs) == outcome.generated_tokens > 0
+    # flash attention as nrvna's contexts have it (llama.cpp's default, "auto", turns it on for
+    # the CPU; Llama's default is off, and the logprobs then differ by up to 0.1)
+    reference = Llama(model_path=model_file, n_ctx=512, logits_all=True, verbose=False, n_threads=2, flash_attn=True)
+    try:
+        reference.eval(llama.tokens(fake_job("Name a fruit and its colour.")))
+        for entry in outcome.logprobs:
+            logits = numpy.array(reference.scores[reference.n_tokens - 1], dtype=numpy.float64)
+            logprobs = logits - logits.max()
+            logprobs -= numpy.log(numpy.exp(logprobs).sum())
+            best = int(numpy.argmax(logprobs))
+            assert bytes(entry["bytes"]) == llama.piece(best)  # greedy: the likeliest token
+            assert abs(entry["logprob"] - logprobs[best]) < 1e-4, (entry, logprobs[best])
+            top = entry["top_logprobs"]
+            assert len(top) == 5 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+            assert top[0]["bytes"] == entry["bytes"]
+            assert numpy.allclose([t["logprob"] for t in top], numpy.sort(logprobs)[::-1][:5], atol=1e-4)
+            reference.eval([best])
+    finally:
+        reference.close()
+    assert b"".join(bytes(e["bytes"]) for e in outcome.logprobs).decode() == outcome.text
+
+
+@pytest.mark.model
+def test_bytes_that_are_not_utf8_become_u_fffd_in_the_text_and_stay_exact_in_logprobs(llama: nrvna.LlamaRunner) -> None:
+    """What the README says of result.txt and logprobs' bytes (a stray continuation byte forced)."""
+    stray = next(t for t in range(llama.n_vocab) if llama.piece(t) == b"\x80")
+    outcome = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, logit_bias={str(stray): 100})
+    assert outcome.text == "\ufffd\ufffd" and outcome.text.encode("utf-8")
+    assert [bytes(e["bytes"]) for e in outcome.logprobs] == [b"\x80", b"\x80"]
+    assert [e["token"] for e in outcome.logprobs] == ["\\x80", "\\x80"]
+
+
+@pytest.mark.model
+def test_logit_bias_bans_and_forces_tokens(llama: nrvna.LlamaRunner) -> None:
+    greedy = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True, top_logprobs=2)
+    first, second = (bytes(t["bytes"]) for t in greedy.logprobs[0]["top_logprobs"])
+    ids = {llama.piece(t): t for t in range(llama.n_vocab)}
+    banned = generate(llama, "Name a fruit.", temperature=0, max_tokens=2, logprobs=True,
+                      logit_bias={str(ids[first]): -100})
+    assert bytes(banned.logprobs[0]["bytes"]) == second  # the runner-up takes its place
+    forced = generate(llama, "Name a fruit.", temperature=0, max_tokens=1, logit_bias={str(ids[b" zebra"]): 100})
+    assert b" zebra" not in (first, second)
+    assert forced.text == " zebra"
+    with pytest.raises(nrvna.JobError, match="not in the model's vocabulary"):
+        generate(llama, "Name a fruit.", logit_bias={str(llama.n_vocab + 5): 1})
+
+
+@pytest.mark.model
+def test_a_grammar_ends_the_job_even_with_ignore_eos(llama: nrvna.LlamaRunner) -> None:
+    for seed in (1, 2, 3):
+        outcome = generate(llama, "Is water wet? Answer yes or no.", grammar='root ::= "yes" | "no"', ignore_eos=True,
+                           max_tokens=50, seed=seed, temperature=1.0)
+        assert outcome.text in ("yes", "no") and outcome.finish_reason == "stop" and outcome.error_code is None
+
+
+# ==============================================================================
+# 11.4 Sequences and choices: thinking kept apart from the answer
+# ==============================================================================
+
+
+def _routed(pieces: list[str], state: int = nrvna._ThinkRouter.BEFORE) -> tuple[str, str]:
+    router = nrvna._ThinkRouter("<think>", "</think>", state)
+    answer = "".join(router.route(piece) for piece in pieces) + router.finish()
+    return answer, router.reasoning
+
+
+def test_thinking_is_kept_apart_however_the_tokens_split_its_tags() -> None:
+    """A block the model opens and closes, cut into three pieces at every pair of places (a
+    tag in two or three pieces, or merged with text): the answer is the text after it, the
+    reasoning the text inside, and no tag is in either."""
+    text = "  <think>\nI add two and two.</think>\n\nIt is 4."
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1):
+            assert _routed([text[:i], text[i:j], text[j:]]) == ("It is 4.", "I add two and two."), (i, j)
+
+
+def test_a_block_the_template_opened_a_second_close_and_a_second_block() -> None:
+    inside = nrvna._ThinkRouter.INSIDE
+    assert _routed(["\nhmm", "</thi", "nk>\n\n", "Yes"], inside) == ("Yes", "hmm")
+    # closed by the daemon after the model closed it too: the stray second tag is dropped
+    assert _routed(["x</think>", "\n\n</think>\n\nYes"], inside) == ("Yes", "x")
+    # a block opened again in the answer is reasoning too; a lone close tag is dropped
+    assert _routed(["A <think>more", "</think>B</think>C"], inside) == ("BC", "A more")
+    router = nrvna._ThinkRouter("<think>", "</think>", inside)
+    assert router.route("a</think>b<think>c</think>d") == "bd" and router.reasoning == "ac"
+
+
+def test_text_with_no_block_is_all_answer_and_an_unclosed_block_all_reasoning() -> None:
+    assert _routed(["Hello <b", ">bold</b> <", "thin", "king"]) == ("Hello <b>bold</b> <thinking", "")
+    assert _routed(["<think>", "still thinking when the job ended"]) == ("", "still thinking when the job ended")
+    assert _routed(["<thi"]) == ("<thi", "")  # ended while it might have been a tag: it was text
+    assert _routed([]) == ("", "")
+
+
+def test_no_tag_reaches_the_answer_however_text_and_tags_are_cut() -> None:
+    rng = random.Random(44)
+    words = ["a", "b c", "\n", " ", "4.", "{\"k\": 1}"]
+    for _ in range(2000):
+        text = "".join(rng.choice(words + ["<think>", "</think>"]) for _ in range(rng.randint(0, 12)))
+        cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(0, 6)))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        for state in (nrvna._ThinkRouter.BEFORE, nrvna._ThinkRouter.INSIDE):
+            answer, reasoning = _routed(pieces, state)
+            assert "<think>" not in answer and "</think>" not in answer, (pieces, answer)
+            assert "<think>" not in reasoning and "</think>" not in reasoning, (pieces, reasoning)
+            assert _routed([text], state) == (answer, reasoning)  # the cuts change nothing
+
+
+def test_harmony_s_channels_are_kept_apart_however_the_tokens_split_them() -> None:
+    """gpt-oss's analysis channel is the block; the final channel's header is dropped, whether
+    the daemon or the model writes it, and whether the model thinks first or not."""
+    text = "<|channel|>analysis<|message|>I add.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+
+    def routed(pieces: list[str]) -> tuple[str, str]:
+        router = nrvna._ThinkRouter(*nrvna.HARMONY_TAGS, nrvna._ThinkRouter.BEFORE, headers=nrvna.HARMONY_HEADERS)
+        return "".join(router.route(piece) for piece in pieces) + router.finish(), router.reasoning
+
+    for i in range(0, len(text) + 1, 3):
+        for j in range(i, len(text) + 1, 2):
+            assert routed([text[:i], text[i:j], text[j:]]) == ("It is 4.", "I add."), (i, j)
+    assert routed(["<|channel|>final<|message|>", "Hi"]) == ("Hi", "")
+
+
+def test_the_daemon_closes_a_block_at_its_budget_or_the_answer_s_share_one_token_a_step() -> None:
+    inside = nrvna._ThinkRouter.INSIDE
+    router = nrvna._ThinkRouter("<think>", "</think>", inside, cap=2, force_at=10, closing=(7, 8, 9))
+    assert router.forced(0) == -1 and not router.wrote
+    router.spent = 2  # (_Sequence.add counts the tokens inside)
+    assert [router.forced(3), router.forced(4), router.forced(5)] == [7, 8, 9] and router.closed == "budget"
+    assert router.wrote and router.route("</think>\n\n") == "" and router.forced(6) == -1
+    shared = nrvna._ThinkRouter("<think>", "</think>", inside, cap=None, force_at=10, closing=(7, 8, 9))
+    assert shared.forced(9) == -1 and shared.forced(10) == 7 and shared.closed == "share"
+    again = shared.again()
+    assert (again.state, again.cap, again.force_at, again.closing, again.closed) == (inside, None, 10, (7, 8, 9), None)
+    # a model's end of generation inside the block: the daemon closes it instead
+    assert again.close_now("eog") == 7 and again.forced(11) == 8 and again.closed == "eog"
+    # with a grammar, a close that carries answer text is written by the daemon instead
+    assert shared.spills(b"</think>{") and not shared.spills(b"</think>\n") and not shared.spills(b"think")
 
 
 @pytest.mark.model
@@ -7029,513 +7970,13 @@ def test_a_daemon_killed_while_a_job_thinks_runs_it_again_whole_once(model: str,
     assert 0 < job.meta["reasoning_tokens"] <= 296 + 4  # max_tokens 400 leaves the answer 100, closing is 4
 
 
-@pytest.mark.model
-def test_the_chat_template_is_applied_unless_raw(llama: nrvna.LlamaRunner) -> None:
-    templated = llama.tokens(fake_job("Hello"))
-    raw = llama.tokens(fake_job("Hello", raw=True))
-    system = llama.tokens(fake_job("Hello", system="You are a pirate."))
-    text = b"".join(llama.piece(t) for t in templated).decode()
-    # special tokens (<|im_start|>...) render as nothing; the turns around them remain
-    assert "user\nHello\n" in text and text.rstrip().endswith("assistant") and "SmolLM" in text
-    assert len(raw) < 5 < len(templated)
-    assert "You are a pirate." in b"".join(llama.piece(t) for t in system).decode()
-
-
-@pytest.mark.model
-def test_a_model_without_a_chat_template_renders_every_chat_job_in_one_fallback_form(model: str, ws: str,
-                                                                                     run_main: RunMain) -> None:
-    """A copy of SmolLM2 with no chat template (as Gemma 3 270M's published GGUF comes): every chat
-    job goes through ChatML, said once at load; its system message and its parent's turns reach
-    the model (their text in the rendering, more prompt tokens), and plain, schema, tool and
-    thinking-parameter jobs run; a raw job is its own text."""
-    copy = thinking_copy(model, "none")
-    runner = nrvna.LlamaRunner(copy, nrvna.Config(max_ctx=512, workers=1))
-    try:
-        text = lambda job: b"".join(runner._token_text(t, True) for t in runner.tokens(job)).decode()
-        assert text(fake_job("hi", system="The secret word is BANANA.")) == (
-            "<|im_start|>system\nThe secret word is BANANA.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-        turns = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": "Hello Ada."},
-                 {"role": "user", "content": "What is my name?"}]
-        assert "<|im_start|>assistant\nHello Ada.<|im_end|>" in text(fake_job("", messages=turns))
-        assert text(fake_job("<|im_start|>x", raw=True)) == "<|im_start|>x"
-        assert runner.end_marks == ()  # SmolLM2's markers are tokens: its end-of-turn token ends an answer
-        secret = len(runner.tokenize("The secret word is BANANA.", False, False))
-    finally:
-        runner.close()
-    first = submit(ws, "My name is Ada.", max_tokens=8, temperature=0)
-    plain = submit(ws, "What is my name?", max_tokens=8, temperature=0)
-    child = submit(ws, "What is my name?", parent=first, max_tokens=8, temperature=0)
-    system = submit(ws, "What is my name?", system="The secret word is BANANA.", max_tokens=8, temperature=0)
-    others = [submit(ws, "Give a number.", response_format=ANSWER_SCHEMA, max_tokens=16),
-              submit(ws, "What is the weather in Oslo?", tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                     max_tokens=160),
-              submit(ws, "Say hi.", thinking_budget_tokens=0, max_tokens=8),
-              submit(ws, "Say hi.", reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}, max_tokens=8)]
-    done = cli("daemon", copy, ws, "-w", "1", "--drain", timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stderr.count(b"has no chat template: every chat job") == 1, done.stderr[-2000:]
-    flow = Flow(ws)
-    jobs = {job_id: flow.get(job_id) for job_id in [first, plain, child, system] + others}
-    assert all(job.status is Status.Done for job in jobs.values()), [job.error for job in jobs.values()]
-    tokens = {job_id: job.meta["prompt_tokens"] for job_id, job in jobs.items()}
-    # The child's prompt holds its parent's turns and answer, the system job's its system message.
-    assert tokens[child] > tokens[first] + tokens[plain] and tokens[system] >= tokens[plain] + secret, tokens
-    assert jobs[others[1]].meta["finish_reason"] == "tool_calls" and jobs[others[1]].tool_calls
-    assert isinstance(json.loads(jobs[others[0]].result)["answer"], int)
-
-
-@pytest.mark.model
-def test_generation_stops_at_max_tokens_or_end_of_generation(llama: nrvna.LlamaRunner) -> None:
-    capped = generate(llama, "Write a long poem about the sea.", max_tokens=7, temperature=0)
-    assert (capped.finish_reason, capped.generated_tokens) == ("length", 7) and capped.text
-    free = generate(llama, "Count from one to one hundred.", max_tokens=200, temperature=0)
-    assert free.finish_reason == "stop" and 0 < free.generated_tokens < 200 and free.text.strip()
-    stopped = generate(llama, "Write a long poem about the sea.", max_tokens=200, temperature=0, stop=["ocean"])
-    assert stopped.finish_reason == "stop" and "ocean" not in stopped.text and stopped.text.endswith("the ")
-
-
-@pytest.mark.model
-def test_a_prompt_longer_than_the_context_fails_that_job(llama: nrvna.LlamaRunner) -> None:
-    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
-    try:
-        with pytest.raises(nrvna.JobError, match=r"prompt is \d+ tokens; the context holds 512") as err:
-            session.start(fake_job("word " * 600))
-        assert err.value.code == "context_overflow"
-    finally:
-        session.close()
-
-
-@pytest.mark.model
-def test_the_repetition_penalty_picks_what_llama_cpp_s_own_penalty_sampler_picks(llama: nrvna.LlamaRunner) -> None:
-    """nrvna applies the penalties to the logits itself (llama.cpp's sampler hashes every
-    vocabulary entry): token for token, the same floats and choices as llama.cpp's chain,
-    seeded sampling and greedy, repetition alone and with frequency and presence penalties,
-    over more tokens than the penalty window."""
-    import numpy
-
-    L = llama.L
-    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=512))
-    try:
-        for params in ({"repeat_penalty": 1.5, "temperature": 1.0, "seed": 7},
-                       {"repeat_penalty": 1.3, "temperature": 0.0},
-                       {"repeat_penalty": 0.8, "temperature": 0.9, "top_k": 0, "top_p": 1.0, "seed": 3},
-                       {"repeat_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": -0.3, "temperature": 1.0,
-                        "seed": 11}):
-            extra = (params.get("frequency_penalty", 0.0), params.get("presence_penalty", 0.0))
-            # llama.cpp's way: its penalties sampler first in the chain, then nrvna's chain
-            reference = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-            L.llama_sampler_chain_add(reference, L.llama_sampler_init_penalties(
-                llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], *extra))
-            L.llama_sampler_chain_add(reference, llama.sampler(params))  # owned by reference now
-            chain = llama.sampler(params)
-            own = L.llama_sampler_init_penalties(llama.n_vocab, nrvna.PENALTY_WINDOW, params["repeat_penalty"], *extra)
-            penalty = llama.penalty(params)
-            assert penalty is not None
-            L.llama_memory_clear(session.memory, True)
-            tokens = llama.tokens(fake_job("Repeat after me: the cat, the cat, the cat."))
-            position, changed = 0, 0
-            try:
-                for step in range(nrvna.PENALTY_WINDOW + 56):
-                    for i, token in enumerate(tokens):
-                        session.batch.put(i, token, position + i, 0, i == len(tokens) - 1)
-                    session.batch.raw.n_tokens = len(tokens)
-                    assert L.llama_decode(session.ctx, session.batch.raw) == 0
-                    position += len(tokens)
-                    index = len(tokens) - 1
-                    expected = L.llama_sampler_sample(reference, session.ctx, index)  # reads, never writes
-                    logits = L.llama_get_logits_ith(session.ctx, index)
-                    # llama.cpp's penalties sampler on the window's tokens and a few others
-                    probe = sorted(set(penalty.counts) | {1, 2, 3, 500})
-                    original = [logits[t] for t in probe]
-                    data = (L.llama_token_data * len(probe))(*[L.llama_token_data(t, v, 0.0) for t, v in zip(probe, original)])
-                    array = L.llama_token_data_array(data, len(probe), -1, False)
-                    L.llama_sampler_apply(own, ctypes.byref(array))
-                    penalty.apply(numpy.ctypeslib.as_array(logits, shape=(llama.n_vocab,)))
-                    assert [logits[t] for t in probe] == [d.logit for d in data]  # the same floats
-                    changed += sum(o != d.logit for o, d in zip(original, data))
-                    got = L.llama_sampler_sample(chain, session.ctx, index)
-                    penalty.accept(got)
-                    L.llama_sampler_accept(own, got)
-                    assert got == expected, (params, step)
-                    tokens = [got]
-                assert changed > 100  # the penalty did change logits along the way
-                assert len(penalty.window) == nrvna.PENALTY_WINDOW
-            finally:
-                for sampler in (reference, chain, own):
-                    L.llama_sampler_free(sampler)
-    finally:
-        session.close()
-
-
-@pytest.mark.model
-def test_borrowed_threads_decode_on_the_one_wide_thread_and_give_the_same_text(llama: nrvna.LlamaRunner) -> None:
-    texts = []
-    for threads in (1, 2, 1):
-        session = llama.session(0, nrvna.Config(workers=1, seqs=2, max_ctx=1024, threads=1))
-        try:
-            session.set_threads(threads)
-            for topic in ("owls", "rain"):
-                session.start(fake_job(f"Two sentences about {topic}.", max_tokens=24, temperature=0, ignore_eos=True))
-            out = {}
-            while session.active():
-                out.update((job.prompt, outcome.text) for job, outcome in session.step())
-            texts.append(out)
-        finally:
-            session.close()
-        if threads == 2:
-            assert llama._wide is not None and llama._wide._thread.is_alive()
-    assert texts[0] == texts[1] == texts[2] and all(texts[0].values())
-
-
-@pytest.mark.model
-def test_an_idle_context_keeps_the_last_job_whole_and_of_the_others_their_shared_prefix(llama: nrvna.LlamaRunner) -> None:
-    system = "You are a careful assistant. " * 10
-    job = lambda topic: fake_job(f"One word about {topic}.", system=system, max_tokens=8, temperature=0, ignore_eos=True)
-    session = llama.session(0, nrvna.Config(workers=1, seqs=4, max_ctx=2048))
-
-    def run(topic: str) -> str:
-        session.start(job(topic))
-        out = []
-        while session.active():
-            out += [o.text for _, o in session.step()]
-        return out[0]
-
-    try:
-        for topic in ("owls", "rain", "salt"):
-            session.start(job(topic))
-        while session.active():
-            session.step()
-        before = [len(tokens) for tokens in session.prefixes.held]
-        shared = nrvna._common_prefix(session.prefixes.held[0], session.prefixes.held[1])
-        assert shared >= 60 and all(n > shared + 8 for n in before[:3])  # own prompt tail + 8 generated
-        last = session.prefixes.last_kept
-        assert last in (0, 1, 2)
-        session.idle()
-        assert [len(tokens) for tokens in session.prefixes.held] == [before[i] if i == last else shared for i in range(3)] + [0, 0]
-        for i in range(3):  # the cells match what is held: nothing beyond it is left
-            assert llama.L.llama_memory_seq_pos_max(session.memory, i) == len(session.prefixes.held[i]) - 1
-        # A new prompt shares only the prefix with every slot: it takes the slot kept whole
-        # (dropping that slot's tail) and reuses exactly the prefix.
-        reused = session.prefixes.reused_tokens
-        glass = run("glass")
-        assert session.prefixes.reused_tokens - reused == shared and session.prefixes.last_kept == last
-        assert [len(tokens) for tokens in session.prefixes.held][:3].count(shared) == 2
-        session.idle()
-        # The same prompt again (a retry, or a conversation's next turn) reuses all of it
-        # but the token decoded for its logits.
-        reused, n_prompt = session.prefixes.reused_tokens, len(llama.tokens(job("glass")))
-        assert run("glass") == glass
-        assert session.prefixes.reused_tokens - reused == n_prompt - 1
-        # A conversation's next turn starts with the whole last job: prompt and answer.
-        session.idle()
-        reused = session.prefixes.reused_tokens
-        turn = fake_job("", max_tokens=4, temperature=0, messages=[
-            {"role": "system", "content": system}, {"role": "user", "content": "One word about glass."},
-            {"role": "assistant", "content": glass}, {"role": "user", "content": "And about salt?"}])
-        session.start(turn)
-        while session.active():
-            session.step()
-        assert session.prefixes.reused_tokens - reused > n_prompt  # the answer's cells too
-    finally:
-        session.close()
-    assert glass == generate(llama, "One word about glass.", system=system, max_tokens=8, temperature=0,
-                             ignore_eos=True).text
-
-
-@pytest.mark.model
-def test_a_context_admits_jobs_by_the_cells_their_budgets_need(llama: nrvna.LlamaRunner) -> None:
-    """16 sequences in a context sized for 8 full-length jobs: short jobs fill all 16 slots,
-    long ones only 8, and finished jobs' cells are dropped before they could overflow it."""
-    session = llama.session(0, nrvna.Config(workers=1, seqs=16, max_ctx=1024))
-    words = ["Owls", "Rain", "Salt", "Glass", "Bread", "Maps", "Wolves", "Tea",
-             "Iron", "Moss", "Kites", "Sand", "Pearls", "Wheat", "Foxes", "Clocks"]
-    L = llama.L
-    try:
-        # (and one more job's cells, with a 17th slot, kept for a higher-priority job)
-        assert (session.normal_cells, session.cells, session.ctx_per_seq, session.free()) == (1024, 1152, 128, 8)
-        for word in words:  # each job's budget: about 6 prompt tokens + 40
-            assert session.free() > 0
-            session.start(fake_job(f"{word} are", raw=True, max_tokens=40, temperature=0, ignore_eos=True))
-        assert session.free() == 0 and len(session.active()) == 16
-        outcomes = []
-        while session.active():
-            outcomes += [o for _, o in session.step()]
-        assert [(o.error_code, o.generated_tokens) for o in outcomes] == [(None, 40)] * 16
-        assert sum(len(t) for t in session.prefixes.held) > 16 * 40  # every slot keeps its job's cells
-        long = []
-        while session.free() > 0:  # budget 128 (the per-job length) each: 8 fit, not 16
-            long.append(fake_job(f"{words[len(long)]} were", raw=True, max_tokens=500, temperature=0, ignore_eos=True))
-            session.start(long[-1])
-        assert len(long) == 8 and session.slots.count(None) == 9
-        assert sum(len(t) for t in session.prefixes.held) + 8 * 128 <= session.cells  # the rest were dropped...
-        for i, tokens in enumerate(session.prefixes.held):  # ...from the cache too
-            if not tokens and session.slots[i] is None:
-                assert L.llama_memory_seq_pos_max(session.memory, i) == -1
-        outcomes = []
-        while session.active():
-            outcomes += [o for _, o in session.step()]
-        # no decode failed for want of cells; each ran to the per-job length
-        assert [(o.error_code, o.finish_reason) for o in outcomes] == [(None, "length")] * 8
-        # (128 cells: the last token sampled is never decoded)
-        assert [o.prompt_tokens + o.generated_tokens for o in outcomes] == [129] * 8
-    finally:
-        session.close()
-
-
-@pytest.mark.model
-def test_a_plain_decode_waits_for_a_decode_with_borrowed_threads_to_end(llama: nrvna.LlamaRunner,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    order: list[str] = []
-    real = llama.L.llama_decode
-
-    def slow_decode(ctx: Any, batch: Any) -> int:
-        order.append("wide start")
-        time.sleep(0.3)
-        code = real(ctx, batch)
-        order.append("wide end")
-        return code
-
-    session = llama.session(0, nrvna.Config(workers=1, seqs=1, max_ctx=1024, threads=1))
-    try:
-        session.set_threads(2)
-        session.start(fake_job("One word about owls.", max_tokens=1))
-        monkeypatch.setattr(llama.L, "llama_decode", slow_decode)
-        worker = threading.Thread(target=session.step)
-        worker.start()
-        deadline = time.monotonic() + 10
-        while not order and time.monotonic() < deadline:
-            time.sleep(0.005)
-        llama.wait_wide()  # what a worker that just got a job does before its own decode
-        order.append("waited")
-        worker.join()
-    finally:
-        monkeypatch.undo()
-        session.close()
-    assert order == ["wide start", "wide end", "waited"]
-
-
-@pytest.mark.model
-def test_a_seed_makes_a_job_reproducible(llama: nrvna.LlamaRunner) -> None:
-    first = generate(llama, "Invent a name for a cat.", seed=1234, max_tokens=24, temperature=1.0)
-    second = generate(llama, "Invent a name for a cat.", seed=1234, max_tokens=24, temperature=1.0)
-    other = generate(llama, "Invent a name for a cat.", seed=99, max_tokens=24, temperature=1.0)
-    assert first.text and first.text == second.text
-    assert other.text != first.text  # the seed, not greedy decoding, made them equal
-
-
-@pytest.mark.model
-def test_the_daemon_generates_real_text_with_several_workers(ws: str, model: str) -> None:
-    prompts = ["What is the capital of France?", "Name a color.", "Write one word about the sea.", "Say hello."]
-    ids = [submit(ws, p, max_tokens=48, seed=7) for p in prompts]
-    proc = start_daemon(model, ws, "-w", "2", "--drain", env={"NRVNA_LOG_LEVEL": "info"})
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err.decode()
-    assert out == b""  # stdout carries data only; the daemon has none
-    flow = Flow(ws)
-    jobs = [flow.get(i) for i in ids]
-    assert [j.status for j in jobs] == [Status.Done] * 4
-    for job in jobs:
-        assert job.result.strip() and 0 < job.meta["generated_tokens"] <= 48
-        assert job.meta["model"] == os.path.basename(model) and job.meta["prompt_tokens"] > 10
-    assert {j.meta["worker"] for j in jobs} == {"Worker-0", "Worker-1"}
-    log = err.decode()
-    assert "[INFO ] [Worker-0] Processing job:" in log and "[INFO ] [Main] Server started" in log
-    assert "llama_model_loader" not in log  # llama.cpp's chatter is silenced at info
-    # both contexts were generating at the same time
-    first, second = sorted(jobs[:2], key=lambda j: j.meta["started"])
-    assert second.meta["started"] < first.meta["finished"]
-
-
-@pytest.mark.model
-def test_a_prompt_longer_than_the_context_fails_alone_in_the_daemon(ws: str, model: str) -> None:
-    long_id = submit(ws, "tell me " * 400)
-    short_id = submit(ws, "Say hi.", max_tokens=8)
-    done = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env={"NRVNA_MAX_CTX": "256"}, timeout=120)
-    assert done.returncode == 0
-    job = Flow(ws).get(long_id)
-    assert job.status is Status.Failed and job.meta["code"] == "context_overflow"
-    assert job.error.startswith("prompt is ") and job.error.rstrip().endswith("tokens; the context holds 256")
-    assert Flow(ws).status(short_id) is Status.Done
-
-
-@pytest.mark.model
-def test_sigterm_mid_generation_returns_the_job_and_a_restart_finishes_it(ws: str, model: str) -> None:
-    job_id = submit(ws, "Tell me a very long story about a dragon.", max_tokens=20000, ignore_eos=True)
-    proc = start_daemon(model, ws, "-w", "1", env={"NRVNA_MAX_CTX": "4096"})
-    try:
-        wait_for_log(proc, "Processing job")
-        time.sleep(1.0)
-        assert Flow(ws).status(job_id) is Status.Running
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(10) == 0
-        assert time.monotonic() - sent < 5
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    job = Flow(ws).get(job_id)
-    assert job.status is Status.Queued and job.meta["attempts"] == 0
-    assert sorted(os.listdir(os.path.join(ws, nrvna.READY, job_id))) == ["meta.json", "params.json", "prompt.txt"]
-    params = os.path.join(ws, nrvna.READY, job_id, "params.json")
-    with open(params, "w") as handle:  # hand-edit to a short job so the restart is quick
-        json.dump({"max_tokens": 8}, handle)
-    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=120)
-    assert done.returncode == 0
-    job = Flow(ws).get(job_id)
-    assert job.status is Status.Done and job.meta["attempts"] == 1 and job.meta["generated_tokens"] == 8
-
-
-def test_a_quantized_kv_cache_llama_cpp_cannot_make_exits_2_saying_why() -> None:
-    """Where llama.cpp cannot make a context with the quantized cache NRVNA_KV_TYPE asks for (no
-    flash attention for this model or backend), the daemon stops with exit 2 and llama.cpp's
-    reason, not a model error; an f16 context that cannot be made stays a ModelError."""
-    class FakeL:
-        LLAMA_FLASH_ATTN_TYPE_ENABLED = 1
-
-        def llama_context_default_params(self) -> Any:
-            return types.SimpleNamespace(type_k=1, type_v=1, flash_attn_type=-1)
-
-        def llama_init_from_model(self, model: Any, params: Any) -> None:
-            self.made = params
-            nrvna._llama_log_tail.append("llama_init_from_model: failed to initialize the context: quantized V "
-                                         "cache was requested, but this requires Flash Attention")
-            return None
-
-    fake = FakeL()
-    runner = types.SimpleNamespace(L=fake, model=None, config=nrvna.Config(kv_type="q4_0"))
-    with pytest.raises(nrvna.ConfigError, match="NRVNA_KV_TYPE=q4_0: llama.cpp cannot make a quantized KV cache for "
-                       "this model here: .*requires Flash Attention; use f16") as caught:
-        nrvna._llama_context(runner, 1024, 512, 17, 1)
-    assert caught.value.exit_code == 2
-    assert (fake.made.type_k, fake.made.type_v, fake.made.flash_attn_type) == (2, 2, 1)
-    runner.config = nrvna.Config()
-    with pytest.raises(nrvna.ModelError, match="cannot create a llama context of 1024 tokens"):
-        nrvna._llama_context(runner, 1024, 512, 17, 1)
-    assert (fake.made.type_k, fake.made.type_v, fake.made.flash_attn_type) == (1, 1, -1)
-
-
-@pytest.mark.model
-def test_a_quantized_kv_cache_is_smaller_generates_and_keeps_its_own_saved_states(model: str) -> None:
-    """NRVNA_KV_TYPE: a q8_0 context holds 34/64 of f16's bytes a token and a q4_0 one 18/64 (as
-    llama.cpp states its buffers), both turn flash attention on and generate the same greedy
-    opening as f16 here; the saved states' fingerprint names the type, so a state is restored
-    only into a cache laid out as the one it came from."""
-    reports, texts, fingerprints = {}, {}, {}
-    for kv in ("f16", "q8_0", "q4_0"):
-        runner = nrvna.LlamaRunner(model, nrvna.Config(max_ctx=512, workers=1, kv_type=kv))
-        try:
-            session = runner.session(0, runner.config)
-            session.start(fake_job("Name the capital of France.", temperature=0, max_tokens=6))
-            while not (finished := session.step()):
-                pass
-            texts[kv] = finished[0][1].text
-            reports[kv] = runner.memory()
-            fingerprints[kv] = nrvna.state_fingerprint(runner, model)
-            params = runner.L.llama_context_default_params()
-            assert nrvna._kv_params(runner.L, runner.config)[2] == (
-                params.flash_attn_type if kv == "f16" else runner.L.LLAMA_FLASH_ATTN_TYPE_ENABLED)
-            session.close()
-        finally:
-            runner.close()
-    f16 = reports["f16"]["kv_mib"]
-    assert reports["f16"]["cells"] == reports["q4_0"]["cells"] and reports["f16"]["contexts"] == 1
-    assert abs(reports["q8_0"]["kv_mib"] - f16 * 34 / 64) < 0.02 and abs(reports["q4_0"]["kv_mib"] - f16 * 18 / 64) < 0.02
-    assert abs(reports["f16"]["kv_bytes_per_token"] - 23040) <= 16  # 30 layers x (K + V) x 192 x 2 B
-    assert reports["f16"]["compute_mib"] > 0 and reports["f16"]["weights_mib"] > 80
-    assert all(texts.values()) and len(set(fingerprints.values())) == 3, (texts, fingerprints)
-
-
-# ==============================================================================
-# 11.4 Sequences and choices: thinking kept apart from the answer
-# ==============================================================================
-
-
-def _routed(pieces: list[str], state: int = nrvna._ThinkRouter.BEFORE) -> tuple[str, str]:
-    router = nrvna._ThinkRouter("<think>", "</think>", state)
-    answer = "".join(router.route(piece) for piece in pieces) + router.finish()
-    return answer, router.reasoning
-
-
-def test_thinking_is_kept_apart_however_the_tokens_split_its_tags() -> None:
-    """A block the model opens and closes, cut into three pieces at every pair of places (a
-    tag in two or three pieces, or merged with text): the answer is the text after it, the
-    reasoning the text inside, and no tag is in either."""
-    text = "  <think>\nI add two and two.</think>\n\nIt is 4."
-    for i in range(len(text) + 1):
-        for j in range(i, len(text) + 1):
-            assert _routed([text[:i], text[i:j], text[j:]]) == ("It is 4.", "I add two and two."), (i, j)
-
-
-def test_a_block_the_template_opened_a_second_close_and_a_second_block() -> None:
-    inside = nrvna._ThinkRouter.INSIDE
-    assert _routed(["\nhmm", "</thi", "nk>\n\n", "Yes"], inside) == ("Yes", "hmm")
-    # closed by the daemon after the model closed it too: the stray second tag is dropped
-    assert _routed(["x</think>", "\n\n</think>\n\nYes"], inside) == ("Yes", "x")
-    # a block opened again in the answer is reasoning too; a lone close tag is dropped
-    assert _routed(["A <think>more", "</think>B</think>C"], inside) == ("BC", "A more")
-    router = nrvna._ThinkRouter("<think>", "</think>", inside)
-    assert router.route("a</think>b<think>c</think>d") == "bd" and router.reasoning == "ac"
-
-
-def test_text_with_no_block_is_all_answer_and_an_unclosed_block_all_reasoning() -> None:
-    assert _routed(["Hello <b", ">bold</b> <", "thin", "king"]) == ("Hello <b>bold</b> <thinking", "")
-    assert _routed(["<think>", "still thinking when the job ended"]) == ("", "still thinking when the job ended")
-    assert _routed(["<thi"]) == ("<thi", "")  # ended while it might have been a tag: it was text
-    assert _routed([]) == ("", "")
-
-
-def test_no_tag_reaches_the_answer_however_text_and_tags_are_cut() -> None:
-    rng = random.Random(44)
-    words = ["a", "b c", "\n", " ", "4.", "{\"k\": 1}"]
-    for _ in range(2000):
-        text = "".join(rng.choice(words + ["<think>", "</think>"]) for _ in range(rng.randint(0, 12)))
-        cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(0, 6)))
-        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-        for state in (nrvna._ThinkRouter.BEFORE, nrvna._ThinkRouter.INSIDE):
-            answer, reasoning = _routed(pieces, state)
-            assert "<think>" not in answer and "</think>" not in answer, (pieces, answer)
-            assert "<think>" not in reasoning and "</think>" not in reasoning, (pieces, reasoning)
-            assert _routed([text], state) == (answer, reasoning)  # the cuts change nothing
-
-
-def test_harmony_s_channels_are_kept_apart_however_the_tokens_split_them() -> None:
-    """gpt-oss's analysis channel is the block; the final channel's header is dropped, whether
-    the daemon or the model writes it, and whether the model thinks first or not."""
-    text = "<|channel|>analysis<|message|>I add.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
-
-    def routed(pieces: list[str]) -> tuple[str, str]:
-        router = nrvna._ThinkRouter(*nrvna.HARMONY_TAGS, nrvna._ThinkRouter.BEFORE, headers=nrvna.HARMONY_HEADERS)
-        return "".join(router.route(piece) for piece in pieces) + router.finish(), router.reasoning
-
-    for i in range(0, len(text) + 1, 3):
-        for j in range(i, len(text) + 1, 2):
-            assert routed([text[:i], text[i:j], text[j:]]) == ("It is 4.", "I add."), (i, j)
-    assert routed(["<|channel|>final<|message|>", "Hi"]) == ("Hi", "")
-
-
-def test_the_daemon_closes_a_block_at_its_budget_or_the_answer_s_share_one_token_a_step() -> None:
-    inside = nrvna._ThinkRouter.INSIDE
-    router = nrvna._ThinkRouter("<think>", "</think>", inside, cap=2, force_at=10, closing=(7, 8, 9))
-    assert router.forced(0) == -1 and not router.wrote
-    router.spent = 2  # (_Sequence.add counts the tokens inside)
-    assert [router.forced(3), router.forced(4), router.forced(5)] == [7, 8, 9] and router.closed == "budget"
-    assert router.wrote and router.route("</think>\n\n") == "" and router.forced(6) == -1
-    shared = nrvna._ThinkRouter("<think>", "</think>", inside, cap=None, force_at=10, closing=(7, 8, 9))
-    assert shared.forced(9) == -1 and shared.forced(10) == 7 and shared.closed == "share"
-    again = shared.again()
-    assert (again.state, again.cap, again.force_at, again.closing, again.closed) == (inside, None, 10, (7, 8, 9), None)
-    # a model's end of generation inside the block: the daemon closes it instead
-    assert again.close_now("eog") == 7 and again.forced(11) == 8 and again.closed == "eog"
-    # with a grammar, a close that carries answer text is written by the daemon instead
-    assert shared.spills(b"</think>{") and not shared.spills(b"</think>\n") and not shared.spills(b"think")
-
-
 # ==============================================================================
 # 11.5 Embeddings
 # ==============================================================================
 
 EMBED_MODEL = HERE / "models" / "all-MiniLM-L6-v2-f16.gguf"
-EMBED_TEXTS = ["hello", "The quick brown fox jumps over the lazy dog. " * 12, "Ünïcödé ✓ 日本語 text, with accents",
+EMBED_TEXTS = ["hello", "The quick brown fox jumps over the lazy dog. " * 12,
+               "Ünïcödé ✓ 日本語 text, with accents",
                "Embeddings map text to vectors.", "a " * 40 + "b"]
 
 
@@ -7570,11 +8011,12 @@ def reference_vectors(model: str, texts: list[str], normalize: bool = True) -> l
 
 @pytest.mark.parametrize("line, prompt, params", [
     ({"embed": "one text"}, "one text", {"embed": True}),
-    ({"embed": ["a", "b c"], "custom_id": "x"}, "[input 0]\na\n\n[input 1]\nb c\n", {"embed": True, "input": ["a", "b c"]}),
+    ({"embed": ["a", "b c"], "custom_id": "x"}, "[input 0]\na\n\n[input 1]\nb c\n",
+     {"embed": True, "input": ["a", "b c"]}),
     ({"embed": True, "prompt": "p", "dimensions": 8}, "p", {"embed": True, "dimensions": 8}),
     ({"embed": True, "input": ["a", "b"]}, "[input 0]\na\n\n[input 1]\nb\n", {"embed": True, "input": ["a", "b"]}),
-    ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings", "body": {"input": "t", "model": "m"}}, "t",
-     {"embed": True, "endpoint": "/v1/embeddings", "model": "m"}),
+    ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings", "body": {"input": "t", "model": "gpt-4o-mini"}}, "t",
+     {"embed": True, "endpoint": "/v1/embeddings", "model": "gpt-4o-mini"}),
     ({"custom_id": "o", "method": "POST", "url": "/v1/embeddings",
       "body": {"input": ["t", "u"], "encoding_format": "base64", "dimensions": 4}}, "[input 0]\nt\n\n[input 1]\nu\n",
      {"embed": True, "endpoint": "/v1/embeddings", "input": ["t", "u"], "encoding_format": "base64", "dimensions": 4}),
@@ -7667,7 +8109,8 @@ def test_embed_exports_openai_bodies_base64_and_a_float32_matrix(ws: str, tmp_pa
     assert run_main("export", ws, "--tag", "e", "--format", "f32", "-o", str(matrix)).returncode == 0
     rows = array.array("f", matrix.read_bytes())
     assert [list(rows[i:i + 3]) for i in range(0, len(rows), 3)] == [
-        list(array.array("f", v)) for v in ([3, 0, 0.1], [2, 0, 0.1], [4, 1, 0.1], [1, 0, 0.1], [2, 1, 0.1], [3, 2, 0.1])]
+        list(array.array("f", v))
+        for v in ([3, 0, 0.1], [2, 0, 0.1], [4, 1, 0.1], [1, 0, 0.1], [2, 1, 0.1], [3, 2, 0.1])]
     assert (tmp_path / "v.f32.ids").read_text().splitlines() == [
         f"{ids[0]}\tone\t0", f"{ids[1]}\ttwo\t0", f"{ids[1]}\ttwo\t1",
         f"{ids[2]}\tthree\t0", f"{ids[2]}\tthree\t1", f"{ids[2]}\tthree\t2"]
@@ -7722,7 +8165,8 @@ def wide(job: nrvna.RunningJob) -> str:
     return "".join("[" + ",".join(["0.5"] * width) + "]\n" for _ in job.params.get("input") or [job.prompt])
 
 
-def test_an_f32_export_refuses_vectors_of_two_widths_and_leaves_nothing(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+def test_an_f32_export_refuses_vectors_of_two_widths_and_leaves_nothing(ws: str, tmp_path: Path,
+                                                                        run_main: RunMain) -> None:
     ids = [Work(ws).publish(f"text {width}", embed=True, dimensions=width) for width in (16, 16, 384, 8)]
     with serving(ws, wide):
         assert wait_all(ws, ids) == [Status.Done] * 4
@@ -7737,11 +8181,13 @@ def test_an_f32_export_refuses_vectors_of_two_widths_and_leaves_nothing(ws: str,
     # One job whose own vectors differ (a hand-made result.txt): an error, the files as they were.
     Path(nrvna.job_path(ws, nrvna.OUTPUT, ids[3]), "result.txt").write_text("[1,2]\n[1,2,3]\n")
     ragged = run_main("export", ws, ids[3], "--format", "f32", "-o", str(matrix))
-    assert ragged.returncode == 1 and f"job {ids[3]}: result.txt holds vectors of 2 and 3 floats".encode() in ragged.stderr
+    assert (ragged.returncode == 1
+            and f"job {ids[3]}: result.txt holds vectors of 2 and 3 floats".encode() in ragged.stderr)
     assert len(matrix.read_bytes()) == 2 * 16 * 4 and sorted(os.listdir(tmp_path)) == ["m.f32", "m.f32.ids", "ws"]
 
 
-def test_an_f32_export_beside_a_device_or_fifo_needs_ids_for_its_side_file(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+def test_an_f32_export_beside_a_device_or_fifo_needs_ids_for_its_side_file(ws: str, tmp_path: Path,
+                                                                           run_main: RunMain) -> None:
     job_id = Work(ws).publish("fine", embed=True)
     with serving(ws, wide):
         wait_all(ws, [job_id])
@@ -7868,7 +8314,8 @@ def test_mixed_generation_and_embed_lines_each_end_once_in_its_own_shape(ws: str
     assert out["long"]["response"] is None and out["long"]["error"]["code"] == "context_overflow"
     assert "an embedding takes at most 64" in out["long"]["error"]["message"]
     states = nrvna.bulk_states(ws, ids)
-    assert sum(s is Status.Done for s in states.values()) == 12 and sum(s is Status.Failed for s in states.values()) == 1
+    assert sum(s is Status.Done for s in states.values()) == 12 and sum(s is Status.Failed
+                                                                        for s in states.values()) == 1
 
 
 @pytest.mark.model
@@ -7955,7 +8402,8 @@ class FakeStateL:
 def saved_store(folder: str, states: dict[str, list[int]], fingerprint: str = "fp", limit: int = 1 << 30,
                 min_tokens: int = 16, owner: str = "") -> tuple[nrvna.StateStore, FakeStateL]:
     """A store with ``states`` saved ({job ID: tokens}; each state's bytes name its job)."""
-    store, fake = nrvna.StateStore(folder, fingerprint, limit, min_tokens, **({"owner": owner} if owner else {})), FakeStateL()
+    store, fake = nrvna.StateStore(folder, fingerprint, limit, min_tokens,
+                                   **({"owner": owner} if owner else {})), FakeStateL()
     for job_id, tokens in states.items():
         fake.seqs[0] = f"state of {job_id} ".encode() * 50
         fake.covers[fake.seqs[0]] = len(tokens)
@@ -7968,16 +8416,16 @@ def test_contexts_waiting_to_be_saved_are_bounded_in_bytes(tmp_path: Path) -> No
     """NRVNA_CACHE_PENDING: a save that would take the states copied out and not yet written
     past the bound is skipped (counted as dropped), never waited for; auto keeps 2 states."""
     store, fake = nrvna.StateStore(str(tmp_path), "fp", 1 << 30, 16, pending_limit=1000), FakeStateL()
-    store._pending, store._waiting = 600, 1  # as while the Saver writes a 600-byte state
+    store._pending, store._pending_states = 600, 1  # as while the Saver writes a 600-byte state
     fake.seqs[0] = b"x" * 500
     store.save(fake, None, 0, list(range(100)), "big")
     assert store.counts["dropped"] == 1 and store._pending == 600 and not os.listdir(tmp_path)
-    store._pending, store._waiting = 0, 0
+    store._pending, store._pending_states = 0, 0
     store.save(fake, None, 0, list(range(100)), "fits")
     store.close()
     assert store.counts == {"saved": 1, "restored": 0, "dropped": 1, "removed": 0} and store._pending == 0
     auto = nrvna.StateStore(str(tmp_path / "auto"), "fp", 1 << 30, 16)
-    auto._waiting = nrvna.SAVES_PENDING
+    auto._pending_states = nrvna.SAVES_PENDING
     auto.save(fake, None, 0, list(range(100)), "third")
     assert auto.counts["dropped"] == 1
 
@@ -8028,6 +8476,15 @@ def forge_state(folder: str, name: str, blob: bytes, **header: Any) -> None:
     Path(folder, name).write_bytes(bytes(data))
 
 
+def state_file_whole(folder: str, head: Any) -> bool:
+    """Whether the state file ``head`` describes is there, that file, and whole by its crc."""
+    try:
+        mapped = nrvna.map_state(folder, head)
+    except OSError:
+        return False
+    return mapped is not None and nrvna.state_whole(mapped)
+
+
 def crafted_state(header: Any, length: int | None = None, tail: bytes = b"") -> bytes:
     raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
     return nrvna.STATE_MAGIC + struct.pack("<I", len(raw) if length is None else length) + raw + tail
@@ -8059,7 +8516,7 @@ def test_a_state_whose_state_does_not_hold_its_tokens_is_a_miss_and_is_removed(t
         forge_state(folder, by_job["b"], blob)
         fresh = nrvna.StateStore(folder, "fp", 1 << 30, 16)
         head, shared = fresh.find(list(range(300)), 299, 1000, trimmable=True)
-        assert (head.job, shared) == ("b", 200) and nrvna.read_state(folder, head) is not None  # whole by its crc
+        assert (head.job, shared) == ("b", 200) and state_file_whole(folder, head)  # whole by its crc
         fake.seqs[5] = b"what slot 5 held"
         assert not fresh.restore(fake, None, 5, head) and 5 not in fake.seqs
         assert not os.path.exists(os.path.join(folder, by_job["b"])) and fresh.counts["removed"] == 1
@@ -8088,7 +8545,8 @@ def test_crafted_state_headers_are_a_miss_and_are_read_once(tmp_path: Path, monk
     assert sorted(reads) == sorted([*CRAFTED_STATES, "settings.kv", *fresh._index])
     (folder / "other.txt").write_bytes(b"")  # the folder changes: it is listed again
     reads.clear()
-    assert fresh.find(list(range(120)), 119, 1000, trimmable=True)[0].job == "a" and fresh.wants(list(range(300)), True, 300)
+    assert fresh.find(list(range(120)), 119, 1000,
+                      trimmable=True)[0].job == "a" and fresh.wants(list(range(300)), True, 300)
     assert reads == []  # settings.kv and the state were read once
     # Another daemon's store, same folder: the same answer, and no exception either.
     assert nrvna.StateStore(str(folder), "fp", 1 << 30, 16).find(list(range(120)), 119, 1000, trimmable=True)
@@ -8274,7 +8732,8 @@ def test_a_conversation_s_next_turn_after_a_kill_starts_from_its_saved_state(tmp
     first = {w: conversation_turn(w, LONG_TURN) for w in (warm, cold)}
     second = {warm: conversation_turn(warm, "Say it again, briefly.", first[warm])}
     assert cli("daemon", model, warm, "-w", "1", "-s", "1", "--drain", env=env, timeout=300).returncode == 0
-    daemon = subprocess.Popen([sys.executable, SCRIPT, "daemon", model, cold, "-w", "1", "-s", "1"], env=dict(os.environ, **env),
+    daemon = subprocess.Popen([sys.executable, SCRIPT, "daemon", model, cold, "-w", "1", "-s", "1"],
+                              env=dict(os.environ, **env),
                               stderr=subprocess.DEVNULL)
     try:
         assert Flow(cold).wait(first[cold], 300) is Status.Done
@@ -8326,7 +8785,8 @@ def test_a_damaged_or_foreign_state_is_never_restored(tmp_path: Path, model: str
     data[-1000] ^= 0xFF
     path.write_bytes(bytes(data))
     child = conversation_turn(ws, "Again?", first)
-    done = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=dict(env, NRVNA_LOG_LEVEL="debug"), timeout=300)
+    done = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=dict(env, NRVNA_LOG_LEVEL="debug"),
+               timeout=300)
     assert done.returncode == 0 and b"removed: it is torn or damaged" in done.stderr
     meta = Flow(ws).get(child).meta
     assert meta["prompt_reused"]["disk"] == 0 and meta["prompt_computed"] == meta["prompt_tokens"]
@@ -8335,7 +8795,8 @@ def test_a_damaged_or_foreign_state_is_never_restored(tmp_path: Path, model: str
     [mine] = wait_for_states(ws)
     head = nrvna.read_state_head(os.path.join(ws, nrvna.STATES), mine)
     blob = Path(ws, nrvna.STATES, mine).read_bytes()[-4 - head.blob:-4]
-    data, offset = nrvna.state_buffer(head.fingerprint.replace('"model":[', '"model":[1'), head.job, head.tokens, head.blob)
+    data, offset = nrvna.state_buffer(head.fingerprint.replace('"model":[', '"model":[1'), head.job, head.tokens,
+                                      head.blob)
     data[offset:offset + head.blob] = blob
     nrvna.seal_state(data)
     Path(ws, nrvna.STATES, mine).write_bytes(bytes(data))
@@ -8374,7 +8835,8 @@ def test_a_state_whole_by_its_crc_that_does_not_hold_its_tokens_is_never_restore
     for case, blob in (("empty", b""), ("shorter", shorter)):
         ws = fresh_copy(template, str(tmp_path / case))
         forge_state(os.path.join(ws, nrvna.STATES), heads[first].name, blob)
-        for name, data in {**theirs, "huge.kv": CRAFTED_STATES["huge.kv"], "large.kv": CRAFTED_STATES["large.kv"]}.items():
+        for name, data in {**theirs, "huge.kv": CRAFTED_STATES["huge.kv"],
+                           "large.kv": CRAFTED_STATES["large.kv"]}.items():
             Path(ws, nrvna.STATES, name).write_bytes(data)
         done = cli("daemon", model, ws, "-w", "1", "-s", "1", "--drain", env=env, timeout=300)
         assert done.returncode == 0 and b"does not hold the tokens it names" in done.stderr, (case, done.stderr[-2000:])
@@ -8437,7 +8899,7 @@ def test_a_daemon_killed_at_every_step_of_a_save_loses_nothing_and_restores_no_p
             assert job.status is Status.Done and job.result == reference, (k, calls[k - 1])
             folder = os.path.join(ws, nrvna.STATES)
             heads = [nrvna.read_state_head(folder, n) for n in os.listdir(folder)]
-            assert all(h is not None and nrvna.read_state(folder, h) is not None for h in heads), (k, calls[k - 1])
+            assert all(h is not None and state_file_whole(folder, h) for h in heads), (k, calls[k - 1])
             assert audit_clean(ws), (k, calls[k - 1])
     print(f"\nsaved states: {len(calls)} crash points (the save's {len(saves)} among them); same text, whole states")
 
@@ -8531,7 +8993,7 @@ def test_a_worker_leaves_a_lone_job_only_to_an_idle_favored_worker() -> None:
     waiter = threading.Thread(target=lambda: taken.append(pool.get(5.0, worker=1)))
     waiter.start()
     deadline = time.monotonic() + 5
-    while 1 not in pool._waiting and time.monotonic() < deadline:
+    while 1 not in pool._blocked and time.monotonic() < deadline:
         time.sleep(0.01)
     pool.push(["1_1_4"])
     assert pool.get(0.2, worker=0) is None  # left to worker 1, which is waiting
@@ -8595,7 +9057,7 @@ def test_a_worker_alone_with_jobs_borrows_the_idle_workers_threads(ws: str) -> N
     lent = min(2, nrvna.cpu_count())
     runner = LendingRunner(capacity=1)
     with serving(ws, runner, workers=2) as server:
-        assert server._thread_budget == 2
+        assert server._loads.budget == 2
         lone = submit(ws, "lone steps 12")
         assert wait_all(ws, [lone]) == [Status.Done]
         long, short = submit(ws, "long steps 60"), submit(ws, "short steps 20")
@@ -8622,7 +9084,7 @@ def test_threads_are_lent_only_between_one_thread_contexts(ws: str) -> None:
     LendingSession.base_threads = 2
     try:
         with serving(ws, runner, workers=2) as server:
-            assert server._thread_budget == 0  # a second OpenMP team per worker would slow all
+            assert server._loads.budget == 0  # a second OpenMP team per worker would slow all
             job = submit(ws, "lone steps 5")
             assert wait_all(ws, [job]) == [Status.Done]
         assert {t for _, t, _ in runner.steps} == {1}  # set_threads never called
@@ -8634,7 +9096,8 @@ def test_threads_are_lent_only_between_one_thread_contexts(ws: str) -> None:
 def test_sixteen_sequences_in_one_context_each_follow_their_own_params(ws: str, model: str) -> None:
     jobs = {}
     for i in range(16):  # the default NRVNA_SEQS: short jobs fill every slot
-        jobs[submit(ws, f"Tell me about the number {i}.", max_tokens=4 + 3 * i, ignore_eos=True, seed=i + 1)] = 4 + 3 * i
+        jobs[submit(ws, f"Tell me about the number {i}.", max_tokens=4 + 3 * i, ignore_eos=True,
+                    seed=i + 1)] = 4 + 3 * i
     stopped = submit(ws, "Write a long poem about the sea.", max_tokens=200, temperature=0, stop=["ocean"])
     too_long = submit(ws, "tell me " * 400)
     done = cli("daemon", model, ws, "-w", "1", "--drain", env={"NRVNA_MAX_CTX": "4096"}, timeout=300)
@@ -8642,7 +9105,8 @@ def test_sixteen_sequences_in_one_context_each_follow_their_own_params(ws: str, 
     flow = Flow(ws)
     for job_id, limit in jobs.items():
         job = flow.get(job_id)
-        assert job.status is Status.Done and job.meta["generated_tokens"] == limit and job.meta["finish_reason"] == "length"
+        assert (job.status is Status.Done and job.meta["generated_tokens"] == limit and job.meta["finish_reason"]
+                == "length")
     job = flow.get(stopped)
     assert job.status is Status.Done and "ocean" not in job.result and job.meta["finish_reason"] == "stop"
     job = flow.get(too_long)
@@ -8745,6 +9209,131 @@ def test_sigterm_with_several_sequences_in_flight_returns_them_all(ws: str, mode
     assert all(Flow(ws).get(i).meta["generated_tokens"] == 5 for i in ids)
 
 
+@pytest.mark.model
+def test_constrained_and_free_jobs_share_a_context_on_the_real_model(tmp_path: Path, model: str,
+                                                                     run_main: RunMain) -> None:
+    """One daemon, one worker, 16 sequences: schema, json_object and free jobs decode together.
+    Every constrained result that ends with stop is valid JSON satisfying its schema; one cut
+    by max_tokens says length. The free jobs come out byte-identical to a run without the
+    constrained ones. (Batch-mates change the arithmetic of a unified KV cache, so that run
+    keeps the batch's shape: each constrained line becomes a free line with the same prompt
+    that generates exactly as many tokens, its cells and steps the same.)"""
+    product = "Invent product number {} of a hardware shop and describe it as JSON."
+    person = "Invent a person number {} and describe them as JSON."
+    lines = []
+    for i in range(5):
+        lines.append({"custom_id": f"product-{i}", "prompt": product.format(i),
+                      "response_format": schema_format(PRODUCT_SCHEMA),
+                      "temperature": 0.7, "seed": i + 1, "max_tokens": 200})
+        lines.append({"custom_id": f"free-{i}", "prompt": f"Tell me one fact about the number {i}.", "temperature": 0,
+                      "seed": 11, "max_tokens": 48})
+        if i < 4:
+            lines.append({"custom_id": f"person-{i}", "method": "POST", "url": "/v1/chat/completions",
+                          "body": {"messages": [{"role": "user", "content": person.format(i)}], "seed": i + 1,
+                                   "response_format": schema_format(PERSON_SCHEMA, "person"), "max_tokens": 160}})
+        if i < 3:
+            lines.append({"custom_id": f"object-{i}", "prompt": f"Describe city number {i} as a JSON object.",
+                          "response_format": {"type": "json_object"}, "seed": i + 1, "max_tokens": 120})
+    lines.append({"custom_id": "short", "prompt": product.format(9), "response_format": schema_format(PRODUCT_SCHEMA),
+                  "max_tokens": 8})
+    ws, base = str(tmp_path / "mixed"), str(tmp_path / "baseline")
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "mixed.jsonl", jsonl(lines)), "--tag", "m"))
+    done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    flow = Flow(ws)
+    jobs = {job.params["custom_id"]: job for job in (flow.get(i) for i in ids)}
+    assert all(job.status is Status.Done for job in jobs.values())
+    started = sorted(job.meta["started"] for job in jobs.values())
+    assert sum(t < min(job.meta["finished"] for job in jobs.values()) for t in started) >= 16  # decoded together
+    schemas = {"product": PRODUCT_SCHEMA, "person": PERSON_SCHEMA}
+    stopped = 0
+    for cid, job in jobs.items():
+        kind = cid.split("-")[0]
+        if kind in schemas or kind == "object":
+            if job.meta["finish_reason"] == "stop":
+                value = json.loads(job.result)
+                assert (satisfies(value, schemas[kind]) if kind in schemas
+                        else isinstance(value, dict)), (cid, job.result)
+                stopped += kind in schemas
+            else:
+                assert (job.meta["finish_reason"] == "length" and job.meta["generated_tokens"]
+                        == job.params["max_tokens"])
+    assert stopped >= 7, "most schema jobs must end by their grammar"  # of 9
+    short = jobs["short"]
+    assert short.meta["finish_reason"] == "length" and short.meta["generated_tokens"] == 8
+    with pytest.raises(ValueError):
+        json.loads(short.result)
+    exported = {r["custom_id"]: r
+                for r in map(json.loads, run_main("export", ws, "--tag", "m", "--format",
+                                                  "openai").stdout.decode().splitlines())}
+    assert exported["short"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    choice = exported["person-0"]["response"]["body"]["choices"][0]
+    assert (choice["message"]["content"] == jobs["person-0"].result and choice["finish_reason"]
+            == jobs["person-0"].meta["finish_reason"])
+
+    baseline = []
+    for line in lines:
+        cid = line["custom_id"]
+        if cid.startswith("free-"):
+            baseline.append(line)
+            continue
+        job = jobs[cid]
+        count = job.meta["generated_tokens"] + (job.meta["finish_reason"] == "stop")  # its end-of-generation step too
+        prompt = {"messages": line["body"]["messages"]} if "body" in line else {"prompt": line["prompt"]}
+        baseline.append({"custom_id": cid, **prompt, "max_tokens": count, "ignore_eos": True, "seed": 5})
+    run_main("submit", base, "--file", write(tmp_path / "baseline.jsonl", jsonl(baseline)), "--tag", "b")
+    done = cli("daemon", model, base, "-w", "1", "--drain", timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = {r["custom_id"]: r
+             for r in map(json.loads, run_main("export", base, "--tag", "b").stdout.decode().splitlines())}
+    for cid, job in jobs.items():
+        if cid.startswith("free-"):
+            assert again[cid]["result"] == job.result, cid
+        else:  # the same shape: the same number of tokens, the same steps
+            assert (again[cid]["meta"]["generated_tokens"] == job.meta["generated_tokens"]
+                    + (job.meta["finish_reason"] == "stop"))
+
+
+# ==============================================================================
+# 11.8 The runner: the memory report
+# ==============================================================================
+
+
+def test_an_embedding_model_s_memory_line_says_what_it_holds() -> None:
+    """#57: an embedding daemon's start line read "KV cache 0 x 0.0 MiB ... compute 0 x 0.0" beside
+    "2 workers x 16 sequences": it has no generation context, and says so."""
+    report = {"weights_mib": 43.5, "kv_type": "f16", "contexts": 0, "cells": 0, "cells_per_job": 0,
+              "kv_bytes_per_token": 0, "kv_mib": 0.0, "compute_mib": 0.0, "output_mib": 0.0,
+              "embedding_contexts": 0, "embedding_mib": 0, "total_mib": 43.5}
+    line = nrvna.memory_line("MiniLM", report)
+    assert line == ("Memory of MiniLM: weights 43.5 MiB, no generation contexts (an embedding model: each worker makes "
+                    "its embedding context at its first embed job; 0 made so far, 0.0 MiB): 43.5 MiB"), line
+    chat = dict(report, contexts=2, cells=9216, kv_bytes_per_token=23040, kv_mib=202.5, compute_mib=98.3,
+                output_mib=3.2, total_mib=651.1)
+    assert ("KV cache 2 x 202.5 MiB (f16, 9,216 cells x 23,040 B a token), compute 2 x 98.3" in nrvna.memory_line("m",
+                                                                                                                  chat))
+
+
+@pytest.mark.model
+def test_a_memory_report_reads_nothing_that_closing_the_model_frees(model: str) -> None:
+    """A runner's memory report (`status --daemon`: the Watcher writes it while the Models thread
+    may be closing that runner for a swap) reads only numbers stated at load, never the model or
+    a context through llama.cpp: read once they are freed, it says the weights and no context,
+    and the process lives (it read the freed model: SIGSEGV)."""
+    script = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import nrvna\n"
+              f"runner = nrvna.LlamaRunner({model!r}, nrvna.Config(max_ctx=256, workers=1))\n"
+              "runner.session(0, runner.config)\n"
+              "before = runner.memory()\n"
+              "runner.close()\n"
+              "print(json.dumps([before, runner.memory()]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    before, after = json.loads(done.stdout)
+    assert before["contexts"] == 1 and before["cells"] >= 256 and before["kv_mib"] > 0 and before["weights_mib"] > 80
+    assert (after["weights_mib"], after["contexts"], after["total_mib"]) == (before["weights_mib"], 0,
+                                                                              before["weights_mib"])
+
+
 # ==============================================================================
 # 12. Daemon: with an injected runner
 # ==============================================================================
@@ -8829,10 +9418,12 @@ def _class_attributes(classes: dict[str, ast.ClassDef], name: str) -> set[str]:
 
 def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_is_defined() -> None:
     """The Threads table of nrvna.py's docstring is held true: every lock attribute of a class
-    (Lock, RLock, Condition) and every module-level lock is named in it with its owner; every
-    module-level container that code changes is named in a row whose owners include code that
-    changes it; every thread a row names runs in the daemon; and every name in it that reads as
-    code (a _name, a dotted name, a call, a CamelCase word) is defined where the row says."""
+    (Lock, RLock, Condition, Event, Semaphore, assigned to self.X anywhere in it) and every
+    module-level one is named in it with its owner; every module-level container that code
+    changes, and every module-level name a function rebinds (``global``), is named in a row whose
+    owners include code that changes it; every thread a row names runs in the daemon; and every
+    name in it that reads as code (a _name, a dotted name, a call, a CamelCase word) is defined
+    where the row says."""
     path = Path(nrvna.__file__)
     tree = ast.parse(path.read_text(encoding="utf-8"))
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
@@ -8846,13 +9437,13 @@ def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_i
     def is_lock(value: ast.expr) -> bool:
         return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and \
             isinstance(value.func.value, ast.Name) and value.func.value.id == "threading" and \
-            value.func.attr in ("Lock", "RLock", "Condition")
+            value.func.attr in ("Lock", "RLock", "Condition", "Event", "Semaphore", "BoundedSemaphore")
 
     missing = []
     for name, node in classes.items():  # self.X = threading.Lock() in any method
         for sub in ast.walk(node):
-            if isinstance(sub, ast.Assign) and is_lock(sub.value):
-                for target in sub.targets:
+            if isinstance(sub, (ast.Assign, ast.AnnAssign)) and sub.value is not None and is_lock(sub.value):
+                for target in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]):
                     if isinstance(target, ast.Attribute) and f"{name}.{target.attr}" not in text and not any(
                             name in owners_of(row) and re.search(rf"(?<![\w.]){target.attr}\b", " ".join(row))
                             for row in table):
@@ -8871,6 +9462,8 @@ def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_i
     changing = {"append", "extend", "pop", "popleft", "appendleft", "clear", "update", "setdefault", "add",
                 "discard", "remove", "insert", "popitem", "sort"}
     changers: dict[str, set[str]] = {}
+    rebound = {name for top in tree.body for sub in ast.walk(top) if isinstance(sub, ast.Global) for name in sub.names}
+    containers |= rebound & set(module)
     for top in tree.body:
         if not isinstance(top, (ast.FunctionDef, ast.ClassDef)):
             continue
@@ -8887,11 +9480,11 @@ def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_i
             for name in names:
                 if name in containers:
                     changers.setdefault(name, set()).add(top.name)
-    assert {"_CHECKED", "_LIMITED", "_gguf_headers", "_llama_log_tail"} <= set(changers)
+    assert {"_CHECKED", "_LIMITED", "_gguf_headers", "_llama_log_tail", "_schema_converter"} <= set(changers)
     for name, tops in changers.items():
         if not any(re.search(rf"\b{name}\b", row[2]) and owners_of(row) & tops for row in table):
             missing.append(f"{name} (changed by {', '.join(sorted(tops))})")
-    assert missing == [], "not in the Threads table with their owner"
+    assert missing == [], f"not in the Threads table with their owner: {missing}"
     # Every thread a row names runs: the main thread, or a thread's name in the code (Worker-N for
     # Worker-{index}); "loader" is whichever loads a model, "any" any thread.
     threads = {"Main", "any", "loader"} | {re.sub(r"\{\w+\}", "N", n) for n in re.findall(
@@ -8899,7 +9492,7 @@ def test_the_threads_table_names_every_lock_and_shared_container_and_only_what_i
     named = {t.strip() for row in table for t in re.sub(r"\([^)]*\)", "", row[0]).split(",")}
     assert named - threads == set() and {"Scanner", "Worker-N", "Watcher", "Models", "Saver"} <= named
     # Every name that reads as code is defined: at the top level, or in a class the row names.
-    prose = {"llama.cpp", "OpenMP", "partial.txt"}
+    prose = {"llama.cpp", "OpenMP", "partial.txt", "lifecycle.lock"}
     undefined = []
     for row in table:
         whole = " ".join(row)
@@ -9067,7 +9660,8 @@ def test_a_runner_exception_fails_that_job_only(ws: str) -> None:
         assert wait_all(ws, ids) == [Status.Failed, Status.Failed, Status.Done]
     flow = Flow(ws)
     assert "kaput" in flow.get(ids[0]).error and flow.get(ids[0]).meta["code"] == "runner_error"
-    assert flow.get(ids[1]).error.startswith("prompt is 9 tokens") and flow.get(ids[1]).meta["code"] == "context_overflow"
+    assert (flow.get(ids[1]).error.startswith("prompt is 9 tokens") and flow.get(ids[1]).meta["code"]
+            == "context_overflow")
 
 
 def slow_runner(started: threading.Event) -> Callable[[nrvna.RunningJob], str]:
@@ -9107,10 +9701,12 @@ def test_orphans_are_recovered_and_poison_jobs_hit_the_ceiling(ws: str) -> None:
     assert sorted(os.listdir(os.path.join(ws, nrvna.OUTPUT, again))) == ["conversation.json", "meta.json", "prompt.txt",
                                                                         "result.txt"]
     # the killed attempt's half result and temporary file are gone; its partial text stays
-    assert sorted(os.listdir(os.path.join(ws, nrvna.FAILED, poison))) == ["error.txt", "meta.json", "partial.txt", "prompt.txt"]
+    assert sorted(os.listdir(os.path.join(ws, nrvna.FAILED, poison))) == ["error.txt", "meta.json", "partial.txt",
+                                                                          "prompt.txt"]
 
 
-def test_a_daemon_starting_on_a_full_disk_requeues_an_orphan_all_the_same(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_daemon_starting_on_a_full_disk_requeues_an_orphan_all_the_same(ws: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Recovery's meta.json write (the requeue's event) fails for want of space: the orphan
     is requeued anyway, with the attempt its claim counted, and the start goes on."""
     real_write_file = nrvna.write_file
@@ -9535,7 +10131,8 @@ def test_jobs_run_by_lane_and_status_says_where_a_queued_job_stands(ws: str, run
 @pytest.mark.model
 def test_a_higher_priority_job_pauses_a_running_one_which_ends_as_if_uninterrupted(ws: str, tmp_path: Path,
                                                                                     model: str) -> None:
-    prompt, params = "Tell me a long story about a lighthouse keeper.", {"max_tokens": 96, "seed": 7, "ignore_eos": True}
+    prompt, params = "Tell me a long story about a lighthouse keeper.", {"max_tokens": 96, "seed": 7,
+                                                                         "ignore_eos": True}
     env = {"NRVNA_SEQS": "1"}
     reference = str(tmp_path / "reference")
     expected_id = Work(reference).publish(prompt, **params)
@@ -9712,7 +10309,8 @@ def test_n_choices_compute_the_prompt_once_and_draw_with_seed_plus_index(llama: 
 
 
 @pytest.mark.model
-def test_a_job_of_n_choices_reads_and_exports_every_choice(ws: str, tmp_path: Path, model: str, run_main: RunMain) -> None:
+def test_a_job_of_n_choices_reads_and_exports_every_choice(ws: str, tmp_path: Path, model: str,
+                                                           run_main: RunMain) -> None:
     chat = {"messages": [{"role": "user", "content": "Describe a fruit as a JSON object."}], "n": 3, "max_tokens": 24,
             "temperature": 1.0, "seed": 9, "logprobs": True, "response_format": {"type": "json_object"}}
     rows = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat},
@@ -9723,7 +10321,8 @@ def test_a_job_of_n_choices_reads_and_exports_every_choice(ws: str, tmp_path: Pa
     done = cli("daemon", model, ws, "-w", "1", "--drain", timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(run_main("get", ws, ids[0], "--json").stdout)
-    assert len(got["choices"]) == 3 and got["result"] == got["choices"][0]["text"] == run_main("get", ws, ids[0]).stdout.decode()
+    assert (len(got["choices"]) == 3 and got["result"] == got["choices"][0]["text"]
+            == run_main("get", ws, ids[0]).stdout.decode())
     assert got["logprobs"] == got["choices"][0]["logprobs"] and got["meta"]["prompt_tokens"] > 0
     assert got["meta"]["generated_tokens"] == sum(c["generated_tokens"] for c in got["choices"])
     for choice in got["choices"]:  # each choice its own grammar and log-probabilities
@@ -9732,7 +10331,8 @@ def test_a_job_of_n_choices_reads_and_exports_every_choice(ws: str, tmp_path: Pa
         if choice["finish_reason"] == "stop":
             assert isinstance(json.loads(choice["text"]), dict)
     assert len(Flow(ws).get(plain).choices) == 2
-    out = [json.loads(x) for x in run_main("export", ws, "--tag", "n", "--format", "openai").stdout.decode().splitlines()]
+    out = [json.loads(x) for x in run_main("export", ws, "--tag", "n", "--format",
+                                           "openai").stdout.decode().splitlines()]
     body = out[0]["response"]["body"]
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert [c["message"]["content"] for c in body["choices"]] == [c["text"] for c in got["choices"]]
@@ -9878,8 +10478,10 @@ def test_a_child_of_a_failed_cancelled_or_gone_parent_fails_without_running(ws: 
     flow = Flow(ws)
     assert [flow.status(j) for j in (failing, of_failed, of_cancelled, of_gone)] == [Status.Failed] * 4
     assert [flow.get(j).meta["code"] for j in (of_failed, of_cancelled, of_gone)] == ["parent_failed"] * 3
-    hint = re.search(r"its parent \S+ failed \(bad_request\): nrvna retry (.+), then this job$", flow.get(of_failed).error)
-    assert hint and shlex.split(hint.group(1)) == [os.path.abspath(ws), failing], flow.get(of_failed).error  # #57: with the workspace
+    hint = re.search(r"its parent \S+ failed \(bad_request\): nrvna retry (.+), then this job$",
+                     flow.get(of_failed).error)
+    # #57: with the workspace
+    assert hint and shlex.split(hint.group(1)) == [os.path.abspath(ws), failing], flow.get(of_failed).error
     assert f"its parent {cancelled} failed (cancelled)" in flow.get(of_cancelled).error
     assert f"its parent {gone} is gone" in flow.get(of_gone).error
     assert sorted(ran) == ["bad", "gone"]
@@ -9920,7 +10522,8 @@ def calling(job: nrvna.RunningJob) -> Any:
     others with their conversation's user turns."""
     if job.prompt != "call":
         return last_user(job)
-    calls = [{"id": f"call_{job.id}_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    calls = [{"id": f"call_{job.id}_0", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
     return nrvna.Outcome(text="", finish_reason="tool_calls", message={"content": None, "tool_calls": calls})
 
 
@@ -9930,18 +10533,21 @@ def test_a_tool_turn_must_answer_a_call_of_the_turn_before_it_the_parent_s_too(w
     at submit once the parent is done, and bad_request at the claim if the parent was not done at
     submit; a tool turn after a parent that made no call is refused the same way."""
     caller, plain = submit(ws, "call"), submit(ws, "plain")
-    early_forged = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": "call_FORGED", "content": "99 C"}], parent=caller)
+    early_forged = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": "call_FORGED", "content": "99 C"}],
+                                    parent=caller)
     with serving(ws, calling):
         assert wait_all(ws, [caller, plain]) == [Status.Done] * 2
         assert wait_all(ws, [early_forged]) == [Status.Failed]
     error = Flow(ws).get(early_forged).error
     assert Flow(ws).get(early_forged).meta["code"] == "bad_request" and "'call_FORGED'" in error, error
     made = f"call_{caller}_0"
-    for parent, answer, said in ((caller, "call_FORGED", f"which its parent {caller}'s answer did not make (its calls: {made})"),
+    for parent, answer, said in ((caller, "call_FORGED",
+                                  f"which its parent {caller}'s answer did not make (its calls: {made})"),
                                  (plain, made, f"which its parent {plain}'s answer did not make (its calls: none)")):
         line = {"messages": [{"role": "tool", "tool_call_id": answer, "content": "99 C"}], "parent": parent}
         refused = run_main("submit", ws, "--file", write(tmp_path / "f.jsonl", jsonl([line])))
-        assert refused.returncode == 2 and f"line 1: messages[0] answers tool call {answer!r}, {said}".encode() in refused.stderr, \
+        assert (refused.returncode == 2
+                and f"line 1: messages[0] answers tool call {answer!r}, {said}".encode() in refused.stderr), \
             refused.stderr
     assert Flow(ws).counts()["queued"] == 0
     good = Work(ws).publish(messages=[{"role": "tool", "tool_call_id": made, "content": "12 C"}], parent=caller)
@@ -9994,9 +10600,11 @@ def test_a_parent_s_planted_files_fail_only_its_child_parent_failed_naming_the_f
     flow = Flow(ws)
     of = [flow.get(child) for child in children]
     assert [job.meta["code"] for job in of if job.status is Status.Failed] == ["parent_failed"] * 4
-    assert "its chain of parents loops" in of[0].error and f"{second}/params.json names {first} as its parent" in of[0].error
+    assert ("its chain of parents loops" in of[0].error
+            and f"{second}/params.json names {first} as its parent" in of[0].error)
     assert f"{third}/conversation.json holds 80,000 turns" in of[1].error, of[1].error
-    assert f"{fourth}/conversation.json is {(out / fourth / nrvna.CONVERSATION_FILE).stat().st_size:,} bytes" in of[2].error
+    assert (f"{fourth}/conversation.json is {(out / fourth / nrvna.CONVERSATION_FILE).stat().st_size:,} bytes"
+            in of[2].error)
     assert seen[children[3]] == [{"role": "user", "content": "e"}, {"role": "assistant", "content": "e"},
                                  {"role": "user", "content": "next"}]  # rebuilt from its prompt and answer
     assert f"{sixth}/params.json: messages[0] must be an object" in of[4].error, of[4].error
@@ -10298,8 +10906,11 @@ lines = err.count(b"No space left on device")
 print("while full:", full, "enospc lines:", lines)
 assert daemon.returncode == 0 and b"Traceback" not in err, err.decode()[-3000:]
 assert full["queued"] >= 20 and lines <= 4, err.decode()[-3000:]
-assert [flow.get(i).meta.get("attempts") for i in waiting] == [1] * 30, ([flow.get(i).meta.get("attempts") for i in waiting], flow.counts(), [l for l in err.decode().splitlines() if "INFO" not in l])
-assert all(flow.get(i).result == test_nrvna.expected_result("waiting " + str(n)) for n, i in enumerate(waiting))""", b"huge:")
+assert [flow.get(i).meta.get("attempts") for i in waiting] == [1] * 30, (
+    [flow.get(i).meta.get("attempts") for i in waiting], flow.counts(),
+    [l for l in err.decode().splitlines() if "INFO" not in l])
+assert all(flow.get(i).result == test_nrvna.expected_result("waiting " + str(n))
+           for n, i in enumerate(waiting))""", b"huge:")
 
 
 @pytest.mark.slow
@@ -10323,8 +10934,8 @@ while len(ended) < 40 and time.monotonic() < deadline:
     for job_id in sorted(os.listdir(os.path.join(ws, "output"))) if time.monotonic() >= next_take else []:
         job = flow.get(job_id)
         assert job_id not in ended, job_id  # ended twice
-        ended[job_id] = (job.result == test_nrvna.expected_result(prompts[job_id]).ljust(200_000, "B"), job.meta["attempts"],
-                         [e[1:] for e in job.meta["events"]])
+        ended[job_id] = (job.result == test_nrvna.expected_result(prompts[job_id]).ljust(200_000, "B"),
+                         job.meta["attempts"], [e[1:] for e in job.meta["events"]])
         shutil.rmtree(os.path.join(ws, "output", job_id))
         next_take = time.monotonic() + 1.0  # a burst a second: the disk fills in between
     if killed is None and len(ended) >= 8:
@@ -10374,7 +10985,8 @@ def test_sigkill_mid_generation_on_the_real_model_then_restart_finishes(ws: str,
     assert audit_clean(ws)
 
 
-def _overwrite_in_place_mid_job(ws: str, model: str, tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str, Path]:
+def _overwrite_in_place_mid_job(ws: str, model: str, tmp_path: Path,
+                                env: dict[str, str]) -> tuple[subprocess.Popen, str, Path]:
     """A daemon on a private copy of the model, its one job generating, when the copy is
     truncated in place (as `cp new.gguf model.gguf` opens it with O_TRUNC before writing)."""
     copy = tmp_path / "model.gguf"
@@ -10432,8 +11044,62 @@ def test_with_mmap_off_a_model_overwritten_in_place_does_not_stop_the_daemon(ws:
     assert audit_clean(ws)
 
 
+def test_a_params_json_a_check_chokes_on_fails_that_job_alone(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = [submit(ws, "plain one"), submit(ws, "constrained", response_format={"type": "json_object"}),
+           submit(ws, "plain two")]
+    plant(ws, "handmade", {"prompt.txt": "x",
+                           "params.json": json.dumps({"response_format": schema_format({"type": "string"})})})
+
+    def broken(schema: Any) -> None:
+        raise RuntimeError("a bug in a check")
+
+    monkeypatch.setattr(nrvna, "check_json_schema", broken)
+    monkeypatch.setattr(nrvna, "_CHECKED", {})
+    with serving(ws, echo, workers=1):
+        states = wait_all(ws, ids + ["handmade"])
+    assert states == [Status.Done, Status.Done, Status.Done, Status.Failed]
+    job = Flow(ws).get("handmade")
+    assert job.meta["code"] == "bad_request" and "could not be checked" in job.error and "a bug in a check" in job.error
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_sigkill_mid_batch_with_constrained_jobs_every_line_ends_once_and_valid(ws: str, tmp_path: Path, model: str,
+                                                                               run_main: RunMain) -> None:
+    lines = [{"custom_id": f"c{i}", "prompt": f"Invent product number {i} and describe it as JSON.", "seed": i + 1,
+              "response_format": schema_format(PRODUCT_SCHEMA), "max_tokens": 200} for i in range(12)]
+    lines += [{"custom_id": f"f{i}", "prompt": f"Count to {i + 3}.", "max_tokens": 40, "seed": i + 1} for i in range(4)]
+    ids = ids_of(run_main("submit", ws, "--file", write(tmp_path / "k.jsonl", jsonl(lines)), "--tag", "k"))
+    proc = start_daemon(model, ws, "-w", "1", "-s", "4")
+    running = killed_after(ws, proc, done=3)
+    assert running > 0
+    restart = cli("daemon", model, ws, "-w", "1", "-s", "4", "--drain", timeout=600)
+    assert restart.returncode == 0 and b"Recovered orphaned job" in restart.stderr
+    assert audit_clean(ws)
+    flow = Flow(ws)
+    for job_id in ids:
+        places = [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))]
+        assert places == [nrvna.OUTPUT], (job_id, places)  # ended once, and done
+        job = flow.get(job_id)
+        if job.params["custom_id"].startswith("c") and job.meta["finish_reason"] == "stop":
+            assert satisfies(json.loads(job.result), PRODUCT_SCHEMA), job.result
+    records = [json.loads(x) for x in run_main("export", ws, "--tag", "k").stdout.decode().splitlines()]
+    assert [r["custom_id"] for r in records] == [line["custom_id"] for line in lines]
+
+
+def test_the_daemon_writes_a_done_chat_job_s_conversation(ws: str) -> None:
+    chat, raw = submit(ws, "hi", system="Be brief."), submit(ws, "<s>hi", raw=True)
+    with serving(ws, echo):
+        assert wait_all(ws, [chat, raw]) == [Status.Done, Status.Done]
+    path = Path(ws, nrvna.OUTPUT, chat, nrvna.CONVERSATION_FILE)
+    assert json.loads(path.read_text()) == [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "echo:hi"}]
+    assert not Path(ws, nrvna.OUTPUT, raw, nrvna.CONVERSATION_FILE).exists()
+
+
 # ==============================================================================
-# 12.6 Server: start-up checks (model, settings, workspace)
+# 12.4 Models: several models, their loads, the memory budget
 # ==============================================================================
 
 
@@ -10459,310 +11125,41 @@ def test_the_daemon_says_what_memory_goes_where_and_refuses_a_budget_it_cannot_k
         report = record["models"][0]["memory"]
         assert (report["kv_type"], report["contexts"], report["cells"], report["kv_mib"]) == ("q8_0", 2, 9216, 107.58)
         assert abs(report["kv_bytes_per_token"] - 30 * 2 * 192 * 34 / 32) <= 2  # 30 layers, K and V of 192 values
-        assert record["kv_type"] == "q8_0" and record["caches"]["contexts waiting to be saved"] == "auto (NRVNA_CACHE_PENDING)"
+        assert (record["kv_type"] == "q8_0" and record["caches"]["contexts waiting to be saved"]
+                == "auto (NRVNA_CACHE_PENDING)")
     finally:
         proc.terminate()
         proc.wait(60)
     refused = cli("daemon", model, ws, "--max-memory", "500M", "--drain", env={"NRVNA_WORKERS": "2"})
     message = refused.stderr.decode().strip().splitlines()[-1]
     assert refused.returncode == 2 and "--max-memory 500M (500 MiB) cannot hold this daemon" in message, message
-    fits = re.search(r"it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=(\d+)$", message)
+    # (NRVNA_WORKERS=1 is named too where this process is small enough: check_memory_budget's own
+    # test holds that rule on fixed figures; this process's size is measured, and grows with nrvna.py)
+    fits = re.search(r"it would fit with (?:NRVNA_WORKERS=1 or )?NRVNA_MAX_CTX=(\d+)$", message)
     assert fits, message
     started = cli("daemon", model, ws, "--max-memory", "500M", "--drain",
                   env={"NRVNA_WORKERS": "2", "NRVNA_MAX_CTX": fits.group(1)})
     assert started.returncode == 0, started.stderr.decode()[-500:]
 
 
-@pytest.mark.model
-def test_a_memory_report_reads_nothing_that_closing_the_model_frees(model: str) -> None:
-    """A runner's memory report (`status --daemon`: the Watcher writes it while the Models thread
-    may be closing that runner for a swap) reads only numbers stated at load, never the model or
-    a context through llama.cpp: read once they are freed, it says the weights and no context,
-    and the process lives (it read the freed model: SIGSEGV)."""
-    script = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import nrvna\n"
-              f"runner = nrvna.LlamaRunner({model!r}, nrvna.Config(max_ctx=256, workers=1))\n"
-              "runner.session(0, runner.config)\n"
-              "before = runner.memory()\n"
-              "runner.close()\n"
-              "print(json.dumps([before, runner.memory()]))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    before, after = json.loads(done.stdout)
-    assert before["contexts"] == 1 and before["cells"] >= 256 and before["kv_mib"] > 0 and before["weights_mib"] > 80
-    assert (after["weights_mib"], after["contexts"], after["total_mib"]) == (before["weights_mib"], 0,
-                                                                              before["weights_mib"])
-
-
-def test_model_names_are_looked_up_in_the_models_dir(tmp_path: Path) -> None:
-    for name in ("SmolLM2-135M.gguf", "Qwen-0.5B.gguf", "Qwen-1.5B.gguf"):
-        (tmp_path / name).write_bytes(b"GGUF")
-    assert nrvna.resolve_model("smollm", str(tmp_path)) == str(tmp_path / "SmolLM2-135M.gguf")
-    assert nrvna.resolve_model("Qwen-0.5B", str(tmp_path)) == str(tmp_path / "Qwen-0.5B.gguf")
-    with pytest.raises(nrvna.ModelError, match="ambiguous.*Qwen-0.5B.gguf, Qwen-1.5B.gguf"):
-        nrvna.resolve_model("qwen", str(tmp_path))
-    with pytest.raises(nrvna.ModelError, match="models in .*SmolLM2-135M.gguf"):
-        nrvna.resolve_model("llama", str(tmp_path))
-
-
-@pytest.mark.parametrize("name", sorted(s.env for s in nrvna.SETTINGS.values()
-                                        if s.kind is not str))
-@pytest.mark.parametrize("value", ["abc", "-99999999", "99999999999"])
-def test_every_numeric_setting_refuses_bad_values(ws: str, name: str, value: str, monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setenv(name, value)
-    assert nrvna.main(["daemon", "model.gguf", ws]) == 2
-    err = capsys.readouterr().err
-    assert name in err and len(err.strip().splitlines()) == 1 and not os.path.exists(ws)
-
-
-def test_a_workspace_writable_by_others_is_warned_about(ws: str) -> None:
-    nrvna.ensure_workspace(ws)
-    os.chmod(ws, 0o777)
-    server = Server(None, ws, 1, runner=echo, config=nrvna.Config())
-    import logging
-
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("nrvna").addHandler(handler)
-    try:
-        server.start()
-        server.shutdown()
-    finally:
-        logging.getLogger("nrvna").removeHandler(handler)
-    assert any("writable by group or others" in r and "777" in r for r in records)
-
-
-@pytest.mark.model
-@pytest.mark.parametrize("case", ["missing", "directory", "text", "truncated"])
-def test_daemon_refuses_a_bad_model_before_touching_the_queue(ws: str, tmp_path: Path, case: str, model: str) -> None:
-    path = tmp_path / "model.gguf"
-    if case == "directory":
-        path.mkdir()
-    elif case == "text":
-        path.write_text("this is not a model\n")
-    elif case == "truncated":
-        path.write_bytes(Path(model).read_bytes()[:3_000_000])
-    job_id = orphan(ws, "keep me", 1)
-    done = cli("daemon", str(path), ws, "-w", "1", timeout=60)
-    assert done.returncode == 1, done.stderr
-    lines = [line for line in done.stderr.decode().splitlines() if "error" in line.lower()]
-    assert lines and b"Traceback" not in done.stderr and done.stdout == b""
-    assert {"missing": "does not exist", "directory": "is a directory", "text": "not a GGUF",
-            "truncated": "could not be loaded"}[case] in lines[-1]
-    assert os.path.isdir(os.path.join(ws, nrvna.PROCESSING, job_id))  # untouched: not recovered
-
-
-def crafted_gguf(path: Path, entries: bytes, keys: int, size: int = 0) -> str:
-    """A GGUF header of ``keys`` metadata entries written as ``entries`` (crafted freely), the
-    file extended with a hole to ``size`` bytes: a sparse file costs no disk."""
-    with open(path, "wb") as handle:
-        handle.write(b"GGUF" + struct.pack("<IQQ", 3, 0, keys) + entries)
-        handle.truncate(max(size, handle.tell()))
-    return str(path)
-
-
-def gguf_text(value: str) -> bytes:
-    return struct.pack("<Q", len(value.encode())) + value.encode()
-
-
-def test_a_crafted_gguf_header_is_refused_naming_the_file_and_the_field(tmp_path: Path) -> None:
-    # Each count or length is checked against the file's size and a cap before anything is
-    # walked: a string array of 2^63 items in a file of 8 GiB of zeros (sparse) walked 8 bytes a
-    # time, for hours; a header cut short or of unknown types said nothing and passed.
-    arch = gguf_text("general.architecture") + struct.pack("<I", 8) + gguf_text("llama")
-    tokens = gguf_text("tokenizer.ggml.tokens") + struct.pack("<II", 9, 8)
-    cases = {
-        "array past the file": (arch + tokens + struct.pack("<Q", 1 << 20), 2, 0,
-                                "array 'tokenizer.ggml.tokens''s length says 1,048,576, more than the 0 bytes left"),
-        "string past the file": (arch + tokens + struct.pack("<QQ", 1, 1 << 40), 2, 1 << 20,
-                                 "string 0 of array 'tokenizer.ggml.tokens' is 1,099,511,627,776 bytes"),
-        "scalar array past the file": (arch + gguf_text("scores") + struct.pack("<IIQ", 9, 6, 1 << 61), 2, 1 << 30,
-                                       "array 'scores''s length says 2,305,843,009,213,693,952, more than the "),
-        "key count": (arch, 1 << 40, 8 << 30, "the metadata count says 1,099,511,627,776, more than the 65,536"),
-        "key length": (struct.pack("<Q", 1 << 62), 1, 8 << 30, "key 0's length says 4,611,686,018,427,387,904"),
-        "value length": (gguf_text("general.name") + struct.pack("<IQ", 8, 1 << 30), 1, 8 << 30,
-                         "'general.name''s length says 1,073,741,824, more than the 16,777,216 nrvna reads"),
-        "cut short": (arch + gguf_text("general.name") + struct.pack("<I", 8), 3, 0,
-                      "'general.name''s length is cut short"),
-        "unknown type": (arch + gguf_text("general.x") + struct.pack("<I", 99), 2, 0, "'general.x''s type is 99"),
-        "nested array": (arch + gguf_text("general.x") + struct.pack("<II", 9, 9), 2, 0,
-                         "array 'general.x''s item type is 9"),
-        "version 1": (b"", 0, 0, "the version is 1"),
-        "huge string array": (arch + tokens + struct.pack("<Q", 1 << 63), 2, 8 << 30,
-                              "array 'tokenizer.ggml.tokens''s length says 9,223,372,036,854,775,808, more than the "
-                              "4,194,304 nrvna reads"),
-    }
-    for name, (entries, keys, size, field) in cases.items():
-        path = crafted_gguf(tmp_path / f"{name}.gguf", entries, keys, size)
-        if name == "version 1":
-            with open(path, "r+b") as handle:
-                handle.seek(4)
-                handle.write(struct.pack("<I", 1))
-        for read in (nrvna.check_gguf, nrvna.gguf_kind):
-            with pytest.raises(nrvna.ModelError) as caught:
-                read(path)
-            assert str(caught.value).startswith(f"model {path} has a GGUF header out of bounds: {field}"), (name, caught)
-    # A daemon given such a file (its one model) says what it reads, then refuses the file at
-    # once, naming it and the field, before it touches the queue. (In a folder beside a good
-    # model it is a failed load: see test_a_crafted_gguf_in_a_models_folder_is_a_failed_load...)
-    shelf = tmp_path / "shelf"
-    shelf.mkdir()
-    crafted = crafted_gguf(shelf / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 8 << 30)
-    job_id = orphan(str(tmp_path / "ws"), "keep me", 1)
-    for given in (crafted, str(shelf)):  # the file, or a folder holding it alone
-        done = cli("daemon", given, str(tmp_path / "ws"), "-w", "1", timeout=120)
-        err = done.stderr.decode()
-        assert done.returncode == 1 and "Traceback" not in err, err
-        assert os.path.isdir(os.path.join(tmp_path, "ws", nrvna.PROCESSING, job_id))  # untouched: not recovered
-        assert f"Reading the GGUF header of {crafted}" in err and "'tokenizer.ggml.tokens''s length says" in err, err
-
-@pytest.mark.model
-@pytest.mark.parametrize("env", [{"NRVNA_WORKERS": "abc"}, {"NRVNA_WORKERS": "0"}, {"NRVNA_WORKERS": "-1"},
-                                 {"NRVNA_WORKERS": "100000"}, {"NRVNA_TEMP": "warm"}, {"NRVNA_LOG_LEVEL": "x"}])
-def test_daemon_refuses_bad_settings_with_exit_2(ws: str, env: dict[str, str], model: str) -> None:
-    done = cli("daemon", model, ws, env=env, timeout=60)
-    assert done.returncode == 2 and list(env)[0].encode() in done.stderr
-    assert b"Traceback" not in done.stderr and not os.path.exists(ws)
-
-
-@pytest.mark.model
-def test_daemon_refuses_a_workspace_that_is_a_file_or_has_no_parent(tmp_path: Path, model: str) -> None:
-    file_path = tmp_path / "file"
-    file_path.write_text("x")
-    done = cli("daemon", model, str(file_path), timeout=60)
-    assert done.returncode == 1 and b"not a directory" in done.stderr
-    done = cli("daemon", model, str(tmp_path / "no" / "ws"), timeout=60)
-    assert done.returncode == 1 and b"does not exist" in done.stderr
-
-
-@pytest.mark.model
-def test_a_second_daemon_process_is_refused_and_changes_nothing(ws: str, model: str) -> None:
-    first = start_daemon(model, ws, "-w", "1")
-    try:
-        wait_for_log(first, "Server started")
-        job_id = orphan(ws, "not yours", 1)
-        second = cli("daemon", model, ws, timeout=60)
-        assert second.returncode == 1 and f"pid {first.pid}".encode() in second.stderr
-        assert os.path.isdir(os.path.join(ws, nrvna.PROCESSING, job_id))
-    finally:
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(30) == 0
-
-
-@pytest.mark.model
-def test_a_read_only_workspace_is_refused(tmp_path: Path, model: str) -> None:
-    """Root ignores chmod, so the workspace is a read-only mount in a user namespace."""
-    ws = tmp_path / "ro"
-    ws.mkdir()
-    submit(str(ws), "existing job")
-    done = in_user_namespace(f"mount --bind {ws} {ws} && mount -o remount,bind,ro {ws} && "
-                             f"'{sys.executable}' '{SCRIPT}' daemon '{model}' '{ws}'; echo rc=$?")
-    if b"rc=" not in done.stdout:
-        pytest.skip(f"this host refuses user namespaces: {done.stderr.decode().strip()}")
-    assert b"rc=1" in done.stdout and b"not writable" in done.stderr and b"Traceback" not in done.stderr
-    done = in_user_namespace(f"mount --bind {ws} {ws} && mount -o remount,bind,ro {ws} && "
-                             f"'{sys.executable}' '{SCRIPT}' submit '{ws}' hi; echo rc=$?")
-    assert b"rc=1" in done.stdout and b"Read-only file system" in done.stderr and b"Traceback" not in done.stderr
-
-
-# -- Jobs name their model ---------------------------------------------------------------------
-
-
-def test_a_job_names_its_model_by_flag_line_openai_body_or_library(ws: str, tmp_path: Path, run_main: RunMain,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    models = tmp_path / "models"
-    models.mkdir()
-    for name in ("SmolLM2-135M.gguf", "Qwen-0.5B.gguf", "Qwen-1.5B.gguf"):
-        (models / name).write_bytes(b"GGUF")
-    env = {"NRVNA_MODELS_DIR": str(models), "NRVNA_MODEL_ALIASES": "gpt-4o-mini=smollm"}
-    monkeypatch.setenv("NRVNA_MODELS_DIR", str(models))
-    known = run_main("submit", ws, "hi", "--model", "Qwen-0.5B", env=env)
-    assert known.returncode == 0 and known.stderr == b""
-    assert Flow(ws).get(known.stdout.decode().strip()).params["model"] == "Qwen-0.5B"
-    alias = run_main("submit", ws, "hi", "--model", "gpt-4o-mini", "--strict-models", env=env)
-    assert alias.returncode == 0 and alias.stderr == b""
-    # A name that matches no model: queued for the daemon's model, with a note; refused when strict.
-    unknown = run_main("submit", ws, "hi", "--model", "llama-70b", env=env)
-    assert unknown.returncode == 0
-    assert b"model 'llama-70b' matches no model in" in unknown.stderr and b"on a daemon's default model" in unknown.stderr
-    before = Flow(ws).counts()["queued"]
-    for strict in (["--strict-models"], []):
-        refused = run_main("submit", ws, "hi", "--model", "llama-70b", *strict,
-                           env=dict(env, NRVNA_STRICT_MODELS="1") if not strict else env)
-        assert refused.returncode == 2 and refused.stdout == b""
-        assert refused.stderr.decode().count("\n") == 1
-        assert "model 'llama-70b' matches no model (known: Qwen-0.5B.gguf, Qwen-1.5B.gguf, SmolLM2-135M.gguf, " \
-               "gpt-4o-mini" in refused.stderr.decode()
-    ambiguous = run_main("submit", ws, "hi", "--model", "qwen", env=env)
-    assert ambiguous.returncode == 2 and b"model name 'qwen' is ambiguous" in ambiguous.stderr
-    batch = tmp_path / "batch.jsonl"
-    lines = [{"prompt": "a", "model": "smollm"}, {"prompt": "b", "model": "nope"},
-             {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "c"}]}}]
-    batch.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    strict = run_main("submit", ws, "--file", str(batch), "--strict-models", env=env)
-    assert strict.returncode == 2 and strict.stderr.decode().startswith("nrvna: error: line 2: model 'nope' matches no model")
-    assert Flow(ws).counts()["queued"] == before
-    loose = run_main("submit", ws, "--file", str(batch), env=env)
-    ids = loose.stdout.decode().split()
-    assert loose.returncode == 0 and len(ids) == 3 and b"model 'nope' matches no model" in loose.stderr
-    assert [Flow(ws).get(i).params["model"] for i in ids] == ["smollm", "nope", "gpt-4o-mini"]
-    assert Work(ws).publish("hi", model="SmolLM2-135M") and Work(ws, strict_models=True)
-    with pytest.raises(nrvna.InvalidInput, match="matches no model"):
-        Work(ws, strict_models=True).publish("hi", model="llama-70b")
-    # A path is kept absolute: the daemon resolves it from its own directory.
-    monkeypatch.chdir(tmp_path)
-    by_path = run_main("submit", ws, "hi", "--model", "models/Qwen-0.5B.gguf", env=env)
-    assert by_path.returncode == 0 and by_path.stderr == b""
-    assert Flow(ws).get(by_path.stdout.decode().strip()).params["model"] == str(models / "Qwen-0.5B.gguf")
-    bad = run_main("submit", ws, "hi", "--model", "x", env=dict(env, NRVNA_MODEL_ALIASES="oops"))
-    assert bad.returncode == 2 and b"NRVNA_MODEL_ALIASES: 'oops' is not NAME=MODEL" in bad.stderr
-
-
-def test_a_model_that_is_no_gguf_file_or_an_empty_name_is_refused_at_submit(ws: str, tmp_path: Path,
-                                                                            run_main: RunMain) -> None:
-    """Such a job waited forever for a daemon that could never serve it, --strict-models or not;
-    an empty name was part of every model's name (the one model in the folder took it)."""
-    models = tmp_path / "models"
-    models.mkdir()
-    (models / "only.gguf").write_bytes(b"GGUF")
-    (models / "zero.gguf").symlink_to("/dev/zero")
-    (tmp_path / "folder").mkdir()
-    os.mkfifo(tmp_path / "fifo")
-    (tmp_path / "text").write_text("not a model\n")
-    env = {"NRVNA_MODELS_DIR": str(models)}
-    for name, why in [("/dev/zero", "is not a regular file"), (str(tmp_path / "folder"), "is a directory"),
-                      (str(tmp_path / "fifo"), "is not a regular file"), ("/etc/passwd", "is not a GGUF file"),
-                      (str(tmp_path / "text"), "is not a GGUF file"), ("zero", "is not a regular file")]:
-        for strict in ([], ["--strict-models"]):
-            refused = run_main("submit", ws, "hi", "--model", name, *strict, env=env, timeout=20)
-            said = refused.stderr.decode()
-            assert refused.returncode == 2 and refused.stdout == b"" and said.count("\n") == 1, (name, said)
-            assert f"model {name!r}" in said and why in said and "a model must be a regular file that starts with GGUF" in said
-    line = tmp_path / "line.jsonl"
-    line.write_text('{"prompt": "a", "model": "only"}\n{"prompt": "b", "model": "/dev/zero"}\n')
-    batch = run_main("submit", ws, "--file", str(line), env=env, timeout=20)
-    assert batch.returncode == 2 and batch.stderr.decode().startswith("nrvna: error: line 2: model '/dev/zero' is not")
-    (models / "zero.gguf").unlink()  # only.gguf alone: '' matched it
-    empty = run_main("submit", ws, "hi", "--model", "", "--strict-models", env=env)
-    assert empty.returncode == 2 and empty.stderr == b"nrvna: error: model is empty\n"
-    assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or Flow(ws).counts()["queued"] == 0
-    assert run_main("submit", ws, "hi", "--model", "only", "--strict-models", env=env).returncode == 0
-
-
-def test_a_queued_job_s_lane_and_model_are_read_from_any_params_json(tmp_path: Path) -> None:
-    """The Scanner reads them for every queued job: a hand-made file never raises there (it
-    would stop discovery); its claim fails the job instead."""
-    cases = {'{"priority": 5, "model": "m"}': (5, "m", False), '"priority model"': (0, None, False),
-             '["model"]': (0, None, False), '{"priority": true, "model": 7}': (0, None, False),
-             '{"priority": 1001}': (0, None, False), '{"model": "": 1': (0, None, False),
-             '{"embed": true}': (0, None, True), '{"embed": 1}': (0, None, False)}
-    for n, (text, expected) in enumerate(cases.items()):
-        job = tmp_path / f"job{n}"
-        job.mkdir()
-        (job / "params.json").write_text(text)
-        assert nrvna.read_route(str(job))[:3] == expected, text
+def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
+    """check_memory_budget: the need (the process, weights, every context, saves waiting) against
+    NRVNA_MAX_MEMORY, and each change that alone would fit (fewer workers, a shorter context, a
+    smaller KV type, fewer saves waiting); nothing when the budget holds or there is none."""
+    report = {"weights_mib": 92.1, "kv_mib": 202.5, "compute_mib": 98.3, "output_mib": 3.2, "cells": 9216,
+              "cells_per_job": 1024, "kv_bytes_per_token": 23040}
+    nrvna.check_memory_budget(nrvna.Config(), "m", report, 2, 50.0, True)  # no budget
+    nrvna.check_memory_budget(nrvna.Config(max_memory="1G"), "m", report, 2, 50.0, True)  # 796 MiB fits
+    with pytest.raises(nrvna.ConfigError) as caught:
+        nrvna.check_memory_budget(nrvna.Config(max_memory="500M"), "m", report, 2, 50.0, True)
+    message = str(caught.value)
+    assert "NRVNA_MAX_MEMORY=500M (500 MiB) cannot hold this daemon: it needs 795 MiB" in message
+    assert "2 contexts x 304.0 (KV cache 202.5, compute 98.3, output 3.2), contexts waiting to be saved 45" in message
+    assert message.endswith("it would fit with NRVNA_WORKERS=1 or NRVNA_MAX_CTX=2048"), message
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_MAX_CTX=7680 or NRVNA_KV_TYPE=q8_0 or NRVNA_CACHE_PENDING=29M"):
+        nrvna.check_memory_budget(nrvna.Config(max_memory="780M"), "m", report, 2, 50.0, True)
+    with pytest.raises(nrvna.ConfigError, match="nothing here fits it: a larger budget or a smaller model"):
+        nrvna.check_memory_budget(nrvna.Config(max_memory="200M"), "m", report, 2, 50.0, False)
 
 
 def models_dir(tmp_path: Path, **files: str) -> tuple[Path, dict[str, str]]:
@@ -10805,7 +11202,8 @@ def tiny_gguf(source: str, out: str, width: int = 64, ffn: int = 128) -> str:
             vocab = count if key == "tokenizer.ggml.tokens" else vocab
         else:
             at += nrvna._GGUF_SCALARS[kind]
-        if key.split(".", 1)[-1] not in shape and key not in ("general.file_type", "general.alignment", "llama.vocab_size"):
+        if key.split(".", 1)[-1] not in shape and key not in ("general.file_type", "general.alignment",
+                                                              "llama.vocab_size"):
             kept.append(data[start:at])
 
     def entry(key: str, kind: int, value: bytes) -> bytes:
@@ -10915,68 +11313,21 @@ def test_a_daemon_of_several_models_routes_each_job_and_switches_only_when_it_sh
     key = [nrvna.order_key(f"1_1_{n}") for n in range(10)]
     Head = nrvna._QueueHead
     start = models.since
-    assert models.choose({0: Head(3, 0, key[5]), 1: Head(50, 0, key[1])}, False, None, start + 1) is None  # a backlog stays whole
+    # a backlog stays whole
+    assert models.choose({0: Head(3, 0, key[5]), 1: Head(50, 0, key[1])}, False, None, start + 1) is None
     assert models.choose({1: Head(50, 0, key[1])}, True, 0, start + 1) is None  # its running jobs too
-    assert models.choose({1: Head(1, 0, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 2  # the oldest job next
-    assert models.choose({1: Head(1, 1, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 1  # the highest first
+    # the oldest job next
+    assert models.choose({1: Head(1, 0, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 2
+    # the highest first
+    assert models.choose({1: Head(1, 1, key[9]), 2: Head(1, 0, key[2])}, False, None, start + 1) == 1
     assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 3, key[9])}, True, 0, start + 1) == 1  # a higher lane swaps
-    assert models.choose({0: Head(9, 3, key[1]), 1: Head(1, 3, key[9])}, True, 0, start + 1) is None  # an equal one does not
-    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 5, start + 1) is None  # nor one under a running job
-    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 0, start + 60) == 1  # the turn is up: no starving
+    # an equal one does not
+    assert models.choose({0: Head(9, 3, key[1]), 1: Head(1, 3, key[9])}, True, 0, start + 1) is None
+    # nor one under a running job
+    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 5, start + 1) is None
+    # the turn is up: no starving
+    assert models.choose({0: Head(9, 0, key[1]), 1: Head(1, 0, key[9])}, True, 0, start + 60) == 1
     assert models.choose({0: Head(9, 0, key[1])}, True, 0, start + 600) is None  # nobody else waits: keep going
-
-
-def test_each_job_s_hook_runs_once_whichever_of_two_daemons_ran_it(ws: str, tmp_path: Path) -> None:
-    ran = tmp_path / "hooks.log"
-    hook = f"echo \"$NRVNA_JOB_ID\" >> '{ran}'"
-
-    def slow(job: nrvna.RunningJob) -> str:
-        time.sleep(0.02)  # long enough that both daemons get jobs
-        return f"echo:{job.prompt}"
-
-    submit(ws, "warm")
-    for hooks_beside in (hook, ""):  # both daemons with hooks; then the second without
-        ran.write_text("")
-        with serving(ws, slow, on_done=hook), serving(ws, slow, gpu=1, on_done=hooks_beside):
-            ids = [submit(ws, f"h{i}") for i in range(30)]
-            assert wait_all(ws, ids) == [Status.Done] * 30
-            deadline = time.monotonic() + 30
-            while len(set(ran.read_text().split()) & set(ids)) < 30 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert len({Flow(ws).get(job_id).meta["daemon"] for job_id in ids}) == 2, hooks_beside
-        hooked = [line for line in ran.read_text().split() if line in ids]
-        assert sorted(hooked) == sorted(ids), hooks_beside  # each once
-        assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
-
-
-def test_a_daemon_whose_hooks_differ_from_a_running_daemon_s_is_refused(ws: str, tmp_path: Path) -> None:
-    """One daemon runs every hook of a workspace, with its own commands: a second daemon's
-    different --on-done (or --on-batch-done) was dropped silently. The same hooks, or none on
-    either side, are welcome."""
-    ran = tmp_path / "hooks.log"
-    ran.write_text("")
-    first = f"echo first \"$NRVNA_JOB_ID\" >> '{ran}'"
-    with serving(ws, echo, on_done=first):
-        for hooks in ({"on_done": "echo second"}, {"on_done": first, "on_batch_done": "echo batch"},
-                      {"on_batch_done": "echo batch"}):
-            with pytest.raises(nrvna.WorkspaceError) as refused:
-                with serving(ws, echo, gpu=1, **hooks):
-                    pass
-            said = str(refused.value)
-            assert f"is in use by another daemon (pid {os.getpid()}) with other hooks (--on-done {first!r}, " \
-                   "--on-batch-done ''): one daemon runs every hook of a workspace" in said, said
-            assert len(nrvna.daemon_records(ws)) == 1  # the refused one left no record
-        for hooks in ({"on_done": first}, {}):
-            with serving(ws, echo, gpu=1, **hooks):
-                assert len(nrvna.daemon_records(ws)) == 2
-    with serving(ws, echo):  # without hooks first: a daemon with them is welcome beside it
-        with serving(ws, echo, gpu=1, on_done=first):
-            job_id = submit(ws, "hooked")
-            assert wait_all(ws, [job_id]) == [Status.Done]
-            deadline = time.monotonic() + 30
-            while job_id not in ran.read_text() and time.monotonic() < deadline:
-                time.sleep(0.05)
-    assert ran.read_text().split()[:2] == ["first", job_id] and ran.read_text().count("\n") == 1
 
 
 @pytest.mark.model
@@ -10990,7 +11341,8 @@ def test_one_daemon_serves_a_mixed_batch_loading_each_model_once(ws: str, tmp_pa
     for i in range(4):
         for name in ("smol", "smol2"):
             lines.append({"custom_id": f"{name}-{i}", "method": "POST", "url": "/v1/chat/completions",
-                          "body": {"model": name, "max_tokens": 3, "messages": [{"role": "user", "content": f"Hi {i}"}]}})
+                          "body": {"model": name, "max_tokens": 3,
+                                   "messages": [{"role": "user", "content": f"Hi {i}"}]}})
             expected[f"{name}-{i}"] = f"{name}.gguf"
         lines.append({"custom_id": f"e-{i}", "method": "POST", "url": "/v1/embeddings",
                       "body": {"model": "minilm", "input": [f"text {i}", "more"]}})
@@ -11054,7 +11406,8 @@ def test_a_model_that_cannot_be_loaded_at_its_turn_leaves_its_jobs_queued(ws: st
     assert "(1 of 3 failed loads: model " in log and "could not be loaded by llama.cpp" in log, log[-3000:]
     if room == 2:
         assert log.index("model b.gguf could not be loaded ahead of its turn") < log.index("could not be made ready")
-    assert "model b.gguf could not be made ready" in log and log.count("Loading model") == 3, log[-3000:]  # a, b, a again (room 2: a, b ahead, b)
+    # a, b, a again (room 2: a, b ahead, b)
+    assert "model b.gguf could not be made ready" in log and log.count("Loading model") == 3, log[-3000:]
     flow = Flow(ws)
     assert [flow.status(job_id) for job_id in ids["a"]] == [Status.Done] * 3
     assert [flow.status(job_id) for job_id in ids["b"]] == [Status.Queued] * 3  # for a daemon that can load it
@@ -11214,27 +11567,6 @@ def test_a_model_that_fails_to_load_says_why_is_tried_again_later_then_fails_its
         server.shutdown()
 
 
-def test_drain_and_a_daemon_that_stops_itself_exit_1_saying_why(ws: str, tmp_path: Path, fake_loads: dict[str, Any],
-                                                                 run_main: RunMain) -> None:
-    models, env = models_dir(tmp_path)
-    fake_gguf(models / "a.gguf")
-    fake_gguf(models / "b.gguf")
-    fake_loads["broken"].add("b.gguf")
-    done, waiting = submit(ws, "for a", model="a"), submit(ws, "for b", model="b")
-    drained = run_main("daemon", str(models), ws, "-w", "1", "--drain", env=env)
-    assert drained.returncode == nrvna.EXIT_FAILED, drained.stderr[-2000:]
-    assert f"1 jobs left queued ({waiting}): waits for model b (b.gguf), which daemon".encode() in drained.stderr
-    assert b"The daemon stopped: 1 jobs left queued that no live daemon serves" in drained.stderr
-    assert Flow(ws).status(done) is Status.Done and Flow(ws).status(waiting) is Status.Queued
-    # a.gguf vanishes after its first load, and b's turn fails: a cannot be loaded again, so
-    # the daemon stops.
-    fake_loads["vanishes"]["a.gguf"] = fake_loads["loads"]["a.gguf"] + 1
-    stopped = run_main("daemon", str(models), ws, "-w", "1", "--max-loaded", "1", env=env)
-    assert stopped.returncode == nrvna.EXIT_FAILED, stopped.stderr[-2000:]
-    assert b"The daemon stopped: model a.gguf cannot be loaded again" in stopped.stderr
-    assert Flow(ws).status(waiting) is Status.Queued and nrvna.daemon_records(ws) == []
-
-
 def test_a_crafted_gguf_in_a_models_folder_is_a_failed_load_and_the_others_serve(
         ws: str, tmp_path: Path, fake_loads: dict[str, Any], run_main: RunMain,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -11341,6 +11673,132 @@ def test_with_room_the_next_model_is_loaded_while_the_running_one_works(ws: str,
 
 
 @pytest.mark.model
+def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: str, tmp_path: Path, model: str,
+                                                                          run_main: RunMain) -> None:
+    _, env = models_dir(tmp_path, smol=model, other=model)
+    env["NRVNA_MODEL_ALIASES"] = "gpt-4o-mini=smol"
+    ids = {}
+    for name in ("smol", "other", "gpt-4o-mini", "unheard-of", None):
+        flags = ["--model", name] if name else []
+        ids[name] = run_main("submit", ws, "Say hi.", "--max-tokens", "4", *flags, env=env).stdout.decode().strip()
+    daemon = start_daemon("smol", ws, "--drain", env=env)
+    try:
+        out, err = daemon.communicate(timeout=300)
+    finally:
+        daemon.kill()
+    assert daemon.returncode == nrvna.EXIT_FAILED, err.decode()[-2000:]  # it left a job nobody serves
+    assert f"1 jobs left queued ({ids['other']}): waits for model other (other.gguf)".encode() in err
+    flow = Flow(ws)
+    for name, job_id in ids.items():
+        assert flow.status(job_id) is (Status.Queued if name == "other" else Status.Done), name
+        if name != "other":
+            assert flow.get(job_id).meta["model"] == "smol.gguf"
+    assert b"Jobs for model other" in err and b"wait in the queue" in err
+    # With the daemon up, status and wait say why the job waits (never a silent hang).
+    daemon = start_daemon("smol", ws, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until the daemon has written its record
+            with contextlib.suppress(nrvna.NoSuchJob):
+                if "model_path" in nrvna.daemon_info(ws)[0]:
+                    break
+            assert time.monotonic() < deadline and daemon.poll() is None
+            time.sleep(0.1)
+        status = run_main("status", ws, ids["other"], "--json", env=env)
+        assert status.returncode == nrvna.EXIT_UNFINISHED
+        report = json.loads(status.stdout)[ids["other"]]
+        assert report["status"] == "queued"
+        assert report["waiting"] == "waits for model other (other.gguf), which no running daemon serves " \
+                                    "(they serve smol.gguf)"
+        waited = run_main("wait", ws, ids["other"], "--timeout", "0.5", env=env)
+        assert waited.returncode == nrvna.EXIT_UNFINISHED and b"waits for model other (other.gguf)" in waited.stderr
+    finally:
+        daemon.terminate()
+        daemon.wait(60)
+    other = start_daemon("other", ws, "--drain", env=env)
+    try:
+        other.communicate(timeout=300)
+    finally:
+        other.kill()
+    assert flow.status(ids["other"]) is Status.Done and flow.get(ids["other"]).meta["model"] == "other.gguf"
+
+
+# ==============================================================================
+# 12.5 Daemons side by side, and the watch
+# ==============================================================================
+
+
+def test_a_second_daemon_for_the_same_model_needs_another_gpu(ws: str) -> None:
+    with serving(ws, echo):
+        with pytest.raises(nrvna.WorkspaceError, match=f"another daemon \\(pid {os.getpid()}\\) serving function on "
+                                                       "this machine's CPU"):
+            Server(None, ws, 1, runner=echo, config=nrvna.Config()).start()
+        with serving(ws, echo, gpu=1) as beside:
+            records = nrvna.daemon_records(ws)
+            assert [r["gpu"] for r in records] == [-1, 1] and records[1]["name"] == beside.registry.name
+            with pytest.raises(nrvna.WorkspaceError, match="on GPU 1"):
+                Server(None, ws, 1, runner=echo, config=nrvna.Config(gpu=1)).start()
+            ids = [submit(ws, f"p{i}") for i in range(20)]
+            assert wait_all(ws, ids) == [Status.Done] * 20  # both claim from one queue; each job once
+            daemons = {Flow(ws).get(job_id).meta["daemon"] for job_id in ids}
+            assert daemons <= {r["name"] for r in records}
+    assert nrvna.daemon_records(ws) == []
+
+
+def test_each_job_s_hook_runs_once_whichever_of_two_daemons_ran_it(ws: str, tmp_path: Path) -> None:
+    ran = tmp_path / "hooks.log"
+    hook = f"echo \"$NRVNA_JOB_ID\" >> '{ran}'"
+
+    def slow(job: nrvna.RunningJob) -> str:
+        time.sleep(0.02)  # long enough that both daemons get jobs
+        return f"echo:{job.prompt}"
+
+    submit(ws, "warm")
+    for hooks_beside in (hook, ""):  # both daemons with hooks; then the second without
+        ran.write_text("")
+        with serving(ws, slow, on_done=hook), serving(ws, slow, gpu=1, on_done=hooks_beside):
+            ids = [submit(ws, f"h{i}") for i in range(30)]
+            assert wait_all(ws, ids) == [Status.Done] * 30
+            deadline = time.monotonic() + 30
+            while len(set(ran.read_text().split()) & set(ids)) < 30 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len({Flow(ws).get(job_id).meta["daemon"] for job_id in ids}) == 2, hooks_beside
+        hooked = [line for line in ran.read_text().split() if line in ids]
+        assert sorted(hooked) == sorted(ids), hooks_beside  # each once
+        assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == []
+
+
+def test_a_daemon_whose_hooks_differ_from_a_running_daemon_s_is_refused(ws: str, tmp_path: Path) -> None:
+    """One daemon runs every hook of a workspace, with its own commands: a second daemon's
+    different --on-done (or --on-batch-done) was dropped silently. The same hooks, or none on
+    either side, are welcome."""
+    ran = tmp_path / "hooks.log"
+    ran.write_text("")
+    first = f"echo first \"$NRVNA_JOB_ID\" >> '{ran}'"
+    with serving(ws, echo, on_done=first):
+        for hooks in ({"on_done": "echo second"}, {"on_done": first, "on_batch_done": "echo batch"},
+                      {"on_batch_done": "echo batch"}):
+            with pytest.raises(nrvna.WorkspaceError) as refused:
+                with serving(ws, echo, gpu=1, **hooks):
+                    pass
+            said = str(refused.value)
+            assert f"is in use by another daemon (pid {os.getpid()}) with other hooks (--on-done {first!r}, " \
+                   "--on-batch-done ''): one daemon runs every hook of a workspace" in said, said
+            assert len(nrvna.daemon_records(ws)) == 1  # the refused one left no record
+        for hooks in ({"on_done": first}, {}):
+            with serving(ws, echo, gpu=1, **hooks):
+                assert len(nrvna.daemon_records(ws)) == 2
+    with serving(ws, echo):  # without hooks first: a daemon with them is welcome beside it
+        with serving(ws, echo, gpu=1, on_done=first):
+            job_id = submit(ws, "hooked")
+            assert wait_all(ws, [job_id]) == [Status.Done]
+            deadline = time.monotonic() + 30
+            while job_id not in ran.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+    assert ran.read_text().split()[:2] == ["first", job_id] and ran.read_text().count("\n") == 1
+
+
+@pytest.mark.model
 def test_two_daemons_share_a_workspace_and_a_killed_ones_jobs_are_requeued_at_once(ws: str, tmp_path: Path,
                                                                                  model: str, run_main: RunMain) -> None:
     _, env = models_dir(tmp_path, smol=model, smol2=model)
@@ -11367,7 +11825,8 @@ def test_two_daemons_share_a_workspace_and_a_killed_ones_jobs_are_requeued_at_on
         assert events[-2:] == [["running"], ["requeued", "crashed"]], events
         assert [r["pid"] for r in nrvna.daemon_records(ws)] == [second.pid]
         reasons = run_main("status", ws, running[0], "--json", env=env)
-        assert "which no running daemon serves (they serve smol2.gguf)" in json.loads(reasons.stdout)[running[0]]["waiting"]
+        assert ("which no running daemon serves (they serve smol2.gguf)"
+                in json.loads(reasons.stdout)[running[0]]["waiting"])
         restarted = start_daemon("smol", ws, "-w", "1", "--drain", env=env)
         _, err = restarted.communicate(timeout=600)
         assert restarted.returncode == 0, err.decode()[-2000:]
@@ -11436,7 +11895,8 @@ def test_a_restart_of_the_embedding_daemon_leaves_the_embed_jobs_to_it(ws: str, 
     assert audit_clean(ws)
 
 
-def test_a_job_nobody_holds_in_processing_is_requeued_by_a_live_daemon(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_job_nobody_holds_in_processing_is_requeued_by_a_live_daemon(ws: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A requeue that failed, a reaping cut short: a live daemon finds such a job within
     ORPHAN_SECONDS, while a job it runs itself is never touched."""
     monkeypatch.setattr(nrvna, "ORPHAN_SECONDS", 0.3)
@@ -11449,76 +11909,1864 @@ def test_a_job_nobody_holds_in_processing_is_requeued_by_a_live_daemon(ws: str, 
         assert [e[1:] for e in job.meta["events"]][-3:] == [["requeued", "crashed"], ["running"], ["done"]]
 
 
-def test_a_second_daemon_for_the_same_model_needs_another_gpu(ws: str) -> None:
-    with serving(ws, echo):
-        with pytest.raises(nrvna.WorkspaceError, match=f"another daemon \\(pid {os.getpid()}\\) serving function on "
-                                                       "this machine's CPU"):
-            Server(None, ws, 1, runner=echo, config=nrvna.Config()).start()
-        with serving(ws, echo, gpu=1) as beside:
-            records = nrvna.daemon_records(ws)
-            assert [r["gpu"] for r in records] == [-1, 1] and records[1]["name"] == beside.registry.name
-            with pytest.raises(nrvna.WorkspaceError, match="on GPU 1"):
-                Server(None, ws, 1, runner=echo, config=nrvna.Config(gpu=1)).start()
-            ids = [submit(ws, f"p{i}") for i in range(20)]
-            assert wait_all(ws, ids) == [Status.Done] * 20  # both claim from one queue; each job once
-            daemons = {Flow(ws).get(job_id).meta["daemon"] for job_id in ids}
-            assert daemons <= {r["name"] for r in records}
-    assert nrvna.daemon_records(ws) == []
+# ==============================================================================
+# 12.6 Server: start-up checks (model, settings, workspace)
+# ==============================================================================
+
+
+def test_model_names_are_looked_up_in_the_models_dir(tmp_path: Path) -> None:
+    for name in ("SmolLM2-135M.gguf", "Qwen-0.5B.gguf", "Qwen-1.5B.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    assert nrvna.resolve_model("smollm", str(tmp_path)) == str(tmp_path / "SmolLM2-135M.gguf")
+    assert nrvna.resolve_model("Qwen-0.5B", str(tmp_path)) == str(tmp_path / "Qwen-0.5B.gguf")
+    with pytest.raises(nrvna.ModelError, match="ambiguous.*Qwen-0.5B.gguf, Qwen-1.5B.gguf"):
+        nrvna.resolve_model("qwen", str(tmp_path))
+    with pytest.raises(nrvna.ModelError, match="models in .*SmolLM2-135M.gguf"):
+        nrvna.resolve_model("llama", str(tmp_path))
+
+
+@pytest.mark.parametrize("name", sorted(s.env for s in nrvna.SETTINGS.values()
+                                        if s.kind is not str))
+@pytest.mark.parametrize("value", ["abc", "-99999999", "99999999999"])
+def test_every_numeric_setting_refuses_bad_values(ws: str, name: str, value: str, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv(name, value)
+    assert nrvna.main(["daemon", "model.gguf", ws]) == 2
+    err = capsys.readouterr().err
+    assert name in err and len(err.strip().splitlines()) == 1 and not os.path.exists(ws)
+
+
+def test_a_workspace_writable_by_others_is_warned_about(ws: str) -> None:
+    nrvna.ensure_workspace(ws)
+    os.chmod(ws, 0o777)
+    server = Server(None, ws, 1, runner=echo, config=nrvna.Config())
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("nrvna").addHandler(handler)
+    try:
+        server.start()
+        server.shutdown()
+    finally:
+        logging.getLogger("nrvna").removeHandler(handler)
+    assert any("writable by group or others" in r and "777" in r for r in records)
 
 
 @pytest.mark.model
-def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: str, tmp_path: Path, model: str,
-                                                                          run_main: RunMain) -> None:
-    _, env = models_dir(tmp_path, smol=model, other=model)
-    env["NRVNA_MODEL_ALIASES"] = "gpt-4o-mini=smol"
-    ids = {}
-    for name in ("smol", "other", "gpt-4o-mini", "unheard-of", None):
-        flags = ["--model", name] if name else []
-        ids[name] = run_main("submit", ws, "Say hi.", "--max-tokens", "4", *flags, env=env).stdout.decode().strip()
-    daemon = start_daemon("smol", ws, "--drain", env=env)
+@pytest.mark.parametrize("case", ["missing", "directory", "text", "truncated"])
+def test_daemon_refuses_a_bad_model_before_touching_the_queue(ws: str, tmp_path: Path, case: str, model: str) -> None:
+    path = tmp_path / "model.gguf"
+    if case == "directory":
+        path.mkdir()
+    elif case == "text":
+        path.write_text("this is not a model\n")
+    elif case == "truncated":
+        path.write_bytes(Path(model).read_bytes()[:3_000_000])
+    job_id = orphan(ws, "keep me", 1)
+    done = cli("daemon", str(path), ws, "-w", "1", timeout=60)
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.decode().splitlines() if "error" in line.lower()]
+    assert lines and b"Traceback" not in done.stderr and done.stdout == b""
+    assert {"missing": "does not exist", "directory": "is a directory", "text": "not a GGUF",
+            "truncated": "could not be loaded"}[case] in lines[-1]
+    assert os.path.isdir(os.path.join(ws, nrvna.PROCESSING, job_id))  # untouched: not recovered
+
+
+def crafted_gguf(path: Path, entries: bytes, keys: int, size: int = 0) -> str:
+    """A GGUF header of ``keys`` metadata entries written as ``entries`` (crafted freely), the
+    file extended with a hole to ``size`` bytes: a sparse file costs no disk."""
+    with open(path, "wb") as handle:
+        handle.write(b"GGUF" + struct.pack("<IQQ", 3, 0, keys) + entries)
+        handle.truncate(max(size, handle.tell()))
+    return str(path)
+
+
+def gguf_text(value: str) -> bytes:
+    return struct.pack("<Q", len(value.encode())) + value.encode()
+
+
+def test_a_crafted_gguf_header_is_refused_naming_the_file_and_the_field(tmp_path: Path) -> None:
+    # Each count or length is checked against the file's size and a cap before anything is
+    # walked: a string array of 2^63 items in a file of 8 GiB of zeros (sparse) walked 8 bytes a
+    # time, for hours; a header cut short or of unknown types said nothing and passed.
+    arch = gguf_text("general.architecture") + struct.pack("<I", 8) + gguf_text("llama")
+    tokens = gguf_text("tokenizer.ggml.tokens") + struct.pack("<II", 9, 8)
+    cases = {
+        "array past the file": (arch + tokens + struct.pack("<Q", 1 << 20), 2, 0,
+                                "array 'tokenizer.ggml.tokens''s length says 1,048,576, more than the 0 bytes left"),
+        "string past the file": (arch + tokens + struct.pack("<QQ", 1, 1 << 40), 2, 1 << 20,
+                                 "string 0 of array 'tokenizer.ggml.tokens' is 1,099,511,627,776 bytes"),
+        "scalar array past the file": (arch + gguf_text("scores") + struct.pack("<IIQ", 9, 6, 1 << 61), 2, 1 << 30,
+                                       "array 'scores''s length says 2,305,843,009,213,693,952, more than the "),
+        "key count": (arch, 1 << 40, 8 << 30, "the metadata count says 1,099,511,627,776, more than the 65,536"),
+        "key length": (struct.pack("<Q", 1 << 62), 1, 8 << 30, "key 0's length says 4,611,686,018,427,387,904"),
+        "value length": (gguf_text("general.name") + struct.pack("<IQ", 8, 1 << 30), 1, 8 << 30,
+                         "'general.name''s length says 1,073,741,824, more than the 16,777,216 nrvna reads"),
+        "cut short": (arch + gguf_text("general.name") + struct.pack("<I", 8), 3, 0,
+                      "'general.name''s length is cut short"),
+        "unknown type": (arch + gguf_text("general.x") + struct.pack("<I", 99), 2, 0, "'general.x''s type is 99"),
+        "nested array": (arch + gguf_text("general.x") + struct.pack("<II", 9, 9), 2, 0,
+                         "array 'general.x''s item type is 9"),
+        "version 1": (b"", 0, 0, "the version is 1"),
+        "huge string array": (arch + tokens + struct.pack("<Q", 1 << 63), 2, 8 << 30,
+                              "array 'tokenizer.ggml.tokens''s length says 9,223,372,036,854,775,808, more than the "
+                              "4,194,304 nrvna reads"),
+    }
+    for name, (entries, keys, size, field) in cases.items():
+        path = crafted_gguf(tmp_path / f"{name}.gguf", entries, keys, size)
+        if name == "version 1":
+            with open(path, "r+b") as handle:
+                handle.seek(4)
+                handle.write(struct.pack("<I", 1))
+        for read in (nrvna.check_gguf, nrvna.gguf_kind):
+            with pytest.raises(nrvna.ModelError) as caught:
+                read(path)
+            assert (str(caught.value).startswith(f"model {path} has a GGUF header out of bounds: {field}")), (name,
+                                                                                                              caught)
+    # A daemon given such a file (its one model) says what it reads, then refuses the file at
+    # once, naming it and the field, before it touches the queue. (In a folder beside a good
+    # model it is a failed load: see test_a_crafted_gguf_in_a_models_folder_is_a_failed_load...)
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    crafted = crafted_gguf(shelf / "crafted.gguf", arch + tokens + struct.pack("<Q", 1 << 63), 2, 8 << 30)
+    job_id = orphan(str(tmp_path / "ws"), "keep me", 1)
+    for given in (crafted, str(shelf)):  # the file, or a folder holding it alone
+        done = cli("daemon", given, str(tmp_path / "ws"), "-w", "1", timeout=120)
+        err = done.stderr.decode()
+        assert done.returncode == 1 and "Traceback" not in err, err
+        assert os.path.isdir(os.path.join(tmp_path, "ws", nrvna.PROCESSING, job_id))  # untouched: not recovered
+        assert f"Reading the GGUF header of {crafted}" in err and "'tokenizer.ggml.tokens''s length says" in err, err
+
+@pytest.mark.model
+@pytest.mark.parametrize("env", [{"NRVNA_WORKERS": "abc"}, {"NRVNA_WORKERS": "0"}, {"NRVNA_WORKERS": "-1"},
+                                 {"NRVNA_WORKERS": "100000"}, {"NRVNA_TEMP": "warm"}, {"NRVNA_LOG_LEVEL": "x"}])
+def test_daemon_refuses_bad_settings_with_exit_2(ws: str, env: dict[str, str], model: str) -> None:
+    done = cli("daemon", model, ws, env=env, timeout=60)
+    assert done.returncode == 2 and list(env)[0].encode() in done.stderr
+    assert b"Traceback" not in done.stderr and not os.path.exists(ws)
+
+
+@pytest.mark.model
+def test_daemon_refuses_a_workspace_that_is_a_file_or_has_no_parent(tmp_path: Path, model: str) -> None:
+    file_path = tmp_path / "file"
+    file_path.write_text("x")
+    done = cli("daemon", model, str(file_path), timeout=60)
+    assert done.returncode == 1 and b"not a directory" in done.stderr
+    done = cli("daemon", model, str(tmp_path / "no" / "ws"), timeout=60)
+    assert done.returncode == 1 and b"does not exist" in done.stderr
+
+
+@pytest.mark.model
+def test_a_second_daemon_process_is_refused_and_changes_nothing(ws: str, model: str) -> None:
+    first = start_daemon(model, ws, "-w", "1")
     try:
-        out, err = daemon.communicate(timeout=300)
+        wait_for_log(first, "Server started")
+        job_id = orphan(ws, "not yours", 1)
+        second = cli("daemon", model, ws, timeout=60)
+        assert second.returncode == 1 and f"pid {first.pid}".encode() in second.stderr
+        assert os.path.isdir(os.path.join(ws, nrvna.PROCESSING, job_id))
     finally:
-        daemon.kill()
-    assert daemon.returncode == nrvna.EXIT_FAILED, err.decode()[-2000:]  # it left a job nobody serves
-    assert f"1 jobs left queued ({ids['other']}): waits for model other (other.gguf)".encode() in err
-    flow = Flow(ws)
-    for name, job_id in ids.items():
-        assert flow.status(job_id) is (Status.Queued if name == "other" else Status.Done), name
-        if name != "other":
-            assert flow.get(job_id).meta["model"] == "smol.gguf"
-    assert b"Jobs for model other" in err and b"wait in the queue" in err
-    # With the daemon up, status and wait say why the job waits (never a silent hang).
-    daemon = start_daemon("smol", ws, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while True:  # until the daemon has written its record
-            with contextlib.suppress(nrvna.NoSuchJob):
-                if "model_path" in nrvna.daemon_info(ws)[0]:
-                    break
-            assert time.monotonic() < deadline and daemon.poll() is None
-            time.sleep(0.1)
-        status = run_main("status", ws, ids["other"], "--json", env=env)
-        assert status.returncode == nrvna.EXIT_UNFINISHED
-        report = json.loads(status.stdout)[ids["other"]]
-        assert report["status"] == "queued"
-        assert report["waiting"] == "waits for model other (other.gguf), which no running daemon serves " \
-                                    "(they serve smol.gguf)"
-        waited = run_main("wait", ws, ids["other"], "--timeout", "0.5", env=env)
-        assert waited.returncode == nrvna.EXIT_UNFINISHED and b"waits for model other (other.gguf)" in waited.stderr
-    finally:
-        daemon.terminate()
-        daemon.wait(60)
-    other = start_daemon("other", ws, "--drain", env=env)
-    try:
-        other.communicate(timeout=300)
-    finally:
-        other.kill()
-    assert flow.status(ids["other"]) is Status.Done and flow.get(ids["other"]).meta["model"] == "other.gguf"
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0
+
+
+@pytest.mark.model
+def test_a_read_only_workspace_is_refused(tmp_path: Path, model: str) -> None:
+    """Root ignores chmod, so the workspace is a read-only mount in a user namespace."""
+    ws = tmp_path / "ro"
+    ws.mkdir()
+    submit(str(ws), "existing job")
+    done = in_user_namespace(f"mount --bind {ws} {ws} && mount -o remount,bind,ro {ws} && "
+                             f"'{sys.executable}' '{SCRIPT}' daemon '{model}' '{ws}'; echo rc=$?")
+    if b"rc=" not in done.stdout:
+        pytest.skip(f"this host refuses user namespaces: {done.stderr.decode().strip()}")
+    assert b"rc=1" in done.stdout and b"not writable" in done.stderr and b"Traceback" not in done.stderr
+    done = in_user_namespace(f"mount --bind {ws} {ws} && mount -o remount,bind,ro {ws} && "
+                             f"'{sys.executable}' '{SCRIPT}' submit '{ws}' hi; echo rc=$?")
+    assert b"rc=1" in done.stdout and b"Read-only file system" in done.stderr and b"Traceback" not in done.stderr
+
+
+# -- Jobs name their model ---------------------------------------------------------------------
+
+
+def test_a_job_names_its_model_by_flag_line_openai_body_or_library(ws: str, tmp_path: Path, run_main: RunMain,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("SmolLM2-135M.gguf", "Qwen-0.5B.gguf", "Qwen-1.5B.gguf"):
+        (models / name).write_bytes(b"GGUF")
+    env = {"NRVNA_MODELS_DIR": str(models), "NRVNA_MODEL_ALIASES": "gpt-4o-mini=smollm"}
+    monkeypatch.setenv("NRVNA_MODELS_DIR", str(models))
+    known = run_main("submit", ws, "hi", "--model", "Qwen-0.5B", env=env)
+    assert known.returncode == 0 and known.stderr == b""
+    assert Flow(ws).get(known.stdout.decode().strip()).params["model"] == "Qwen-0.5B"
+    alias = run_main("submit", ws, "hi", "--model", "gpt-4o-mini", "--strict-models", env=env)
+    assert alias.returncode == 0 and alias.stderr == b""
+    # A name that matches no model: queued for the daemon's model, with a note; refused when strict.
+    unknown = run_main("submit", ws, "hi", "--model", "llama-70b", env=env)
+    assert unknown.returncode == 0
+    assert (b"model 'llama-70b' matches no model in" in unknown.stderr
+            and b"on a daemon's default model" in unknown.stderr)
+    before = Flow(ws).counts()["queued"]
+    for strict in (["--strict-models"], []):
+        refused = run_main("submit", ws, "hi", "--model", "llama-70b", *strict,
+                           env=dict(env, NRVNA_STRICT_MODELS="1") if not strict else env)
+        assert refused.returncode == 2 and refused.stdout == b""
+        assert refused.stderr.decode().count("\n") == 1
+        assert "model 'llama-70b' matches no model (known: Qwen-0.5B.gguf, Qwen-1.5B.gguf, SmolLM2-135M.gguf, " \
+               "gpt-4o-mini" in refused.stderr.decode()
+    ambiguous = run_main("submit", ws, "hi", "--model", "qwen", env=env)
+    assert ambiguous.returncode == 2 and b"model name 'qwen' is ambiguous" in ambiguous.stderr
+    batch = tmp_path / "batch.jsonl"
+    lines = [{"prompt": "a", "model": "smollm"}, {"prompt": "b", "model": "nope"},
+             {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "c"}]}}]
+    batch.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    strict = run_main("submit", ws, "--file", str(batch), "--strict-models", env=env)
+    assert (strict.returncode == 2
+            and strict.stderr.decode().startswith("nrvna: error: line 2: model 'nope' matches no model"))
+    assert Flow(ws).counts()["queued"] == before
+    loose = run_main("submit", ws, "--file", str(batch), env=env)
+    ids = loose.stdout.decode().split()
+    assert loose.returncode == 0 and len(ids) == 3 and b"model 'nope' matches no model" in loose.stderr
+    assert [Flow(ws).get(i).params["model"] for i in ids] == ["smollm", "nope", "gpt-4o-mini"]
+    assert Work(ws).publish("hi", model="SmolLM2-135M") and Work(ws, strict_models=True)
+    with pytest.raises(nrvna.InvalidInput, match="matches no model"):
+        Work(ws, strict_models=True).publish("hi", model="llama-70b")
+    # A path is kept absolute: the daemon resolves it from its own directory.
+    monkeypatch.chdir(tmp_path)
+    by_path = run_main("submit", ws, "hi", "--model", "models/Qwen-0.5B.gguf", env=env)
+    assert by_path.returncode == 0 and by_path.stderr == b""
+    assert Flow(ws).get(by_path.stdout.decode().strip()).params["model"] == str(models / "Qwen-0.5B.gguf")
+    bad = run_main("submit", ws, "hi", "--model", "x", env=dict(env, NRVNA_MODEL_ALIASES="oops"))
+    assert bad.returncode == 2 and b"NRVNA_MODEL_ALIASES: 'oops' is not NAME=MODEL" in bad.stderr
+
+
+def test_a_model_that_is_no_gguf_file_or_an_empty_name_is_refused_at_submit(ws: str, tmp_path: Path,
+                                                                            run_main: RunMain) -> None:
+    """Such a job waited forever for a daemon that could never serve it, --strict-models or not;
+    an empty name was part of every model's name (the one model in the folder took it)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "only.gguf").write_bytes(b"GGUF")
+    (models / "zero.gguf").symlink_to("/dev/zero")
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "text").write_text("not a model\n")
+    env = {"NRVNA_MODELS_DIR": str(models)}
+    for name, why in [("/dev/zero", "is not a regular file"), (str(tmp_path / "folder"), "is a directory"),
+                      (str(tmp_path / "fifo"), "is not a regular file"), ("/etc/passwd", "is not a GGUF file"),
+                      (str(tmp_path / "text"), "is not a GGUF file"), ("zero", "is not a regular file")]:
+        for strict in ([], ["--strict-models"]):
+            refused = run_main("submit", ws, "hi", "--model", name, *strict, env=env, timeout=20)
+            said = refused.stderr.decode()
+            assert refused.returncode == 2 and refused.stdout == b"" and said.count("\n") == 1, (name, said)
+            assert (f"model {name!r}" in said and why in said
+                    and "a model must be a regular file that starts with GGUF" in said)
+    line = tmp_path / "line.jsonl"
+    line.write_text('{"prompt": "a", "model": "only"}\n{"prompt": "b", "model": "/dev/zero"}\n')
+    batch = run_main("submit", ws, "--file", str(line), env=env, timeout=20)
+    assert batch.returncode == 2 and batch.stderr.decode().startswith("nrvna: error: line 2: model '/dev/zero' is not")
+    (models / "zero.gguf").unlink()  # only.gguf alone: '' matched it
+    empty = run_main("submit", ws, "hi", "--model", "", "--strict-models", env=env)
+    assert empty.returncode == 2 and empty.stderr == b"nrvna: error: model is empty\n"
+    assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or Flow(ws).counts()["queued"] == 0
+    assert run_main("submit", ws, "hi", "--model", "only", "--strict-models", env=env).returncode == 0
+
+
+def test_a_queued_job_s_lane_and_model_are_read_from_any_params_json(tmp_path: Path) -> None:
+    """The Scanner reads them for every queued job: a hand-made file never raises there (it
+    would stop discovery); its claim fails the job instead."""
+    cases = {'{"priority": 5, "model": "m"}': (5, "m", False), '"priority model"': (0, None, False),
+             '["model"]': (0, None, False), '{"priority": true, "model": 7}': (0, None, False),
+             '{"priority": 1001}': (0, None, False), '{"model": "": 1': (0, None, False),
+             '{"embed": true}': (0, None, True), '{"embed": 1}': (0, None, False)}
+    for n, (text, expected) in enumerate(cases.items()):
+        job = tmp_path / f"job{n}"
+        job.mkdir()
+        (job / "params.json").write_text(text)
+        assert nrvna.read_route(str(job))[:3] == expected, text
+
+
+def test_drain_and_a_daemon_that_stops_itself_exit_1_saying_why(ws: str, tmp_path: Path, fake_loads: dict[str, Any],
+                                                                 run_main: RunMain) -> None:
+    models, env = models_dir(tmp_path)
+    fake_gguf(models / "a.gguf")
+    fake_gguf(models / "b.gguf")
+    fake_loads["broken"].add("b.gguf")
+    done, waiting = submit(ws, "for a", model="a"), submit(ws, "for b", model="b")
+    drained = run_main("daemon", str(models), ws, "-w", "1", "--drain", env=env)
+    assert drained.returncode == nrvna.EXIT_FAILED, drained.stderr[-2000:]
+    assert f"1 jobs left queued ({waiting}): waits for model b (b.gguf), which daemon".encode() in drained.stderr
+    assert b"The daemon stopped: 1 jobs left queued that no live daemon serves" in drained.stderr
+    assert Flow(ws).status(done) is Status.Done and Flow(ws).status(waiting) is Status.Queued
+    # a.gguf vanishes after its first load, and b's turn fails: a cannot be loaded again, so
+    # the daemon stops.
+    fake_loads["vanishes"]["a.gguf"] = fake_loads["loads"]["a.gguf"] + 1
+    stopped = run_main("daemon", str(models), ws, "-w", "1", "--max-loaded", "1", env=env)
+    assert stopped.returncode == nrvna.EXIT_FAILED, stopped.stderr[-2000:]
+    assert b"The daemon stopped: model a.gguf cannot be loaded again" in stopped.stderr
+    assert Flow(ws).status(waiting) is Status.Queued and nrvna.daemon_records(ws) == []
 
 
 # ==============================================================================
-# 13. CLI: output, exit codes, pipes
+# 13. Served API: the HTTP layer, files and models over a workspace
+# ==============================================================================
+
+
+@pytest.fixture
+def api(ws: str) -> Iterator[nrvna.ApiServer]:
+    """An in-process ApiServer on a free port of 127.0.0.1, short bounds in time."""
+    with nrvna.ApiServer(ws, port=0, head_seconds=1.0, body_seconds=2.0) as server:
+        yield server
+
+
+def http(server: nrvna.ApiServer, method: str, path: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+    """One request by http.client: (status, headers (lower-case names), body)."""
+    import http.client
+
+    host, port = server.address
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        reply = conn.getresponse()
+        return reply.status, {k.lower(): v for k, v in reply.getheaders()}, reply.read()
+    finally:
+        conn.close()
+
+
+def multipart(fields: dict[str, str], files: dict[str, tuple[str, bytes]],
+              boundary: str = "nrvna-test-boundary") -> tuple[bytes, dict[str, str]]:
+    """A multipart/form-data body and its Content-Type header."""
+    out = b""
+    for name, value in fields.items():
+        out += f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+    for name, (filename, data) in files.items():
+        out += (f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+                f'Content-Type: application/jsonl\r\n\r\n').encode() + data + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode(), {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+
+def test_files_are_uploaded_read_listed_and_deleted_as_openai_s_file_objects(api: nrvna.ApiServer, ws: str) -> None:
+    data = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n' * 3
+    body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", data)})
+    status, _, reply = http(api, "POST", "/v1/files", body, headers)
+    assert status == 200, reply
+    made = json.loads(reply)
+    assert re.fullmatch(r"file-[a-z0-9]{24}", made["id"]) and made["object"] == "file"
+    assert (made["bytes"], made["filename"], made["purpose"]) == (len(data), "in.jsonl", "batch")
+    assert json.loads(http(api, "GET", f"/v1/files/{made['id']}")[2]) == made
+    status, got_headers, content = http(api, "GET", f"/v1/files/{made['id']}/content")
+    assert (status, content) == (200, data) and got_headers["content-length"] == str(len(data))
+    listed = json.loads(http(api, "GET", "/v1/files")[2])
+    assert listed["object"] == "list" and listed["data"] == [made] and listed["has_more"] is False
+    assert json.loads(http(api, "DELETE", f"/v1/files/{made['id']}")[2]) == {
+        "id": made["id"], "object": "file", "deleted": True}
+    status, _, reply = http(api, "GET", f"/v1/files/{made['id']}")
+    assert status == 404 and set(json.loads(reply)["error"]) == {"message", "type", "param", "code"}
+    assert os.listdir(os.path.join(ws, "api", "files")) == [] and os.listdir(os.path.join(ws, "api", "tmp")) == []
+
+
+def raw_request(server: nrvna.ApiServer, data: bytes, timeout: float = 10) -> bytes:
+    """Send ``data`` as it is on a new connection; what comes back until the server closes it."""
+    import socket
+
+    with socket.create_connection(server.address, timeout=timeout) as sock:
+        sock.sendall(data)
+        got = b""
+        with contextlib.suppress(ConnectionResetError):
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        return got
+
+
+def error_of(reply: bytes) -> tuple[int, dict[str, Any]]:
+    """(status, the error object) of a raw reply in OpenAI's error shape."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return int(head.split(b" ")[1]), error
+
+
+def upload(server: nrvna.ApiServer, data: bytes, name: str = "in.jsonl") -> dict[str, Any]:
+    body, headers = multipart({"purpose": "batch"}, {"file": (name, data)})
+    status, _, reply = http(server, "POST", "/v1/files", body, headers)
+    assert status == 200, reply
+    return json.loads(reply)
+
+
+def test_get_metrics_serves_the_workspace_s_counts_in_prometheus_text(ws: str) -> None:
+    """GET /metrics is metrics_text over HTTP: the same counts, in Prometheus' content type."""
+    began = time.time()
+    known_workspace(ws, exposition)
+    with nrvna.ApiServer(ws, port=0) as server:
+        status, headers, body = http(server, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4"), headers
+    check_known(exposition(body.decode()), began)
+
+
+def test_files_are_listed_by_page_order_and_purpose_as_openai_lists_them(api: nrvna.ApiServer) -> None:
+    made = [upload(api, b"{}\n" * (i + 1), f"f{i}.jsonl") for i in range(5)]
+    newest = sorted(made, key=lambda f: (f["created_at"], f["id"]), reverse=True)
+    page = json.loads(http(api, "GET", "/v1/files?limit=2")[2])
+    assert [f["id"] for f in page["data"]] == [f["id"] for f in newest[:2]] and page["has_more"] is True
+    assert (page["first_id"], page["last_id"]) == (newest[0]["id"], newest[1]["id"])
+    rest = json.loads(http(api, "GET", f"/v1/files?limit=10&after={page['last_id']}")[2])
+    assert [f["id"] for f in rest["data"]] == [f["id"] for f in newest[2:]] and rest["has_more"] is False
+    oldest = json.loads(http(api, "GET", "/v1/files?order=asc&purpose=batch")[2])["data"]
+    assert [f["id"] for f in oldest] == [f["id"] for f in newest[::-1]]
+    assert json.loads(http(api, "GET", "/v1/files?purpose=fine-tune")[2])["data"] == []
+    for query in ("limit=0", "limit=10001", "limit=x", "order=up", "colour=red"):
+        status, _, reply = http(api, "GET", f"/v1/files?{query}")
+        assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", query
+
+
+def test_files_read_back_crafted_linked_or_fifos_are_absent_and_nothing_foreign_is_removed(
+        api: nrvna.ApiServer, ws: str, tmp_path: Path) -> None:
+    """A file.json or content put in api/files/ by something else (crafted, huge, nested, a link,
+    a FIFO) is read as no file: 404, left out of the list, never followed or waited on."""
+    made = upload(api, b"{}\n")
+    root = Path(ws, "api", "files")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "file.json").write_text(json.dumps(dict(made, id="file-" + "o" * 24)))
+    (outside / "content").write_text("secret")
+    planted = {"file-" + "a" * 24: {"file.json": json.dumps(dict(made, bytes="3"))},
+               "file-" + "b" * 24: {"file.json": json.dumps(dict(made, id="file-" + "b" * 24))[:-1]},
+               "file-" + "c" * 24: {"file.json": "[" * 100000},
+               "file-" + "d" * 24: {"file.json": json.dumps(dict(made, id="file-" + "d" * 24, filename="x" * 70000))},
+               "file-" + "e" * 24: {"file.json": None},  # a FIFO
+               "file-" + "f" * 24: {"file.json": json.dumps(dict(made, id="file-" + "g" * 24))}}  # another's ID
+    for file_id, files in planted.items():
+        (root / file_id).mkdir()
+        for name, text in files.items():
+            if text is None:
+                os.mkfifo(root / file_id / name)
+            else:
+                (root / file_id / name).write_text(text)
+    (root / ("file-" + "o" * 24)).symlink_to(outside)
+    content_link = "file-" + "h" * 24
+    (root / content_link).mkdir()
+    (root / content_link / "file.json").write_text(json.dumps(dict(made, id=content_link)))
+    (root / content_link / "content").symlink_to(outside / "content")
+    for file_id in [*planted, "file-" + "o" * 24]:
+        assert http(api, "GET", f"/v1/files/{file_id}", timeout=10)[0] == 404, file_id
+        assert http(api, "GET", f"/v1/files/{file_id}/content", timeout=10)[0] == 404, file_id
+        assert http(api, "DELETE", f"/v1/files/{file_id}", timeout=10)[0] == 404, file_id
+    status, _, reply = http(api, "GET", f"/v1/files/{content_link}/content", timeout=10)
+    assert status == 404 and b"secret" not in reply
+    listed = [f["id"] for f in json.loads(http(api, "GET", "/v1/files", timeout=10)[2])["data"]]
+    assert sorted(listed) == sorted([made["id"], content_link])
+    # a file whose folder holds what nrvna did not write is deleted, and that is left alone
+    (root / made["id"] / "notes.txt").write_text("mine")
+    assert json.loads(http(api, "DELETE", f"/v1/files/{made['id']}")[2])["deleted"] is True
+    left = [p for p in Path(ws, "api", "tmp").rglob("*") if p.is_file()]
+    assert [p.name for p in left] == ["notes.txt"] and left[0].read_text() == "mine"
+    assert (outside / "content").read_text() == "secret" and (outside / "file.json").exists()
+
+
+def test_a_server_s_start_removes_only_what_dead_servers_left(ws: str) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    temp = Path(ws, "api", "tmp")
+    temp.mkdir(parents=True)
+    old = time.time() - 2 * nrvna.STALE_API_TEMP_SECONDS
+    entries = {f"upload-{dead}-abc": "gone", f"upload-{os.getpid()}-abc": "kept (a live process's)",
+               f"upload-{dead}-new": "kept (recent)", "upload-x-abc": "kept (not nrvna's name)",
+               "notes.txt": "kept (not nrvna's)"}
+    for name, why in entries.items():
+        (temp / name).write_text(why)
+        if name != f"upload-{dead}-new":
+            os.utime(temp / name, (old, old))
+    folder = temp / f"gone-{dead}-abc-file-{'a' * 24}"
+    folder.mkdir()
+    (folder / "content").write_text("x")
+    (folder / "file.json").write_text("{}")
+    os.utime(folder, (old, old))
+    foreign = temp / f"new-{dead}-abc-file-{'b' * 24}"
+    foreign.mkdir()
+    (foreign / "content").write_text("x")
+    (foreign / "mine.txt").write_text("not nrvna's")
+    os.utime(foreign, (old, old))
+    with nrvna.ApiServer(ws, port=0):
+        pass
+    assert sorted(p.name for p in temp.iterdir()) == sorted(
+        [name for name, why in entries.items() if why.startswith("kept")] + [foreign.name])
+    assert [p.name for p in foreign.iterdir()] == ["mine.txt"]
+
+
+def test_an_api_key_is_required_of_every_request_and_only_loopback_is_served_without_one(ws: str) -> None:
+    with nrvna.ApiServer(ws, port=0, api_key="s3cret") as server:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
+                        {"Authorization": "Bearer s3cret-and-more"}):
+            status, _, reply = http(server, "GET", "/v1/models", headers=headers)
+            assert status == 401 and json.loads(reply)["error"]["code"] == "invalid_api_key", headers
+        assert http(server, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
+        # refused before a byte of the body is read: a 200 MB upload without the key costs nothing
+        status, error = error_of(raw_request(server, b"POST /v1/files HTTP/1.1\r\nContent-Length: 199000000\r\n"
+                                             b"Content-Type: multipart/form-data; boundary=x\r\n\r\n"))
+        assert status == 401 and not os.path.exists(os.path.join(ws, "api", "tmp"))
+    with pytest.raises(nrvna.InvalidInput, match="not a loopback address"):
+        nrvna.ApiServer(ws, host="0.0.0.0", port=0)
+    done = cli("serve", ws, "--host", "0.0.0.0", "--port", "0", timeout=30)
+    assert done.returncode == 2 and done.stdout == b"" and len(done.stderr.splitlines()) == 1
+    assert b"needs an API key" in done.stderr
+
+
+def test_an_api_key_beyond_ascii_matches_and_one_of_spaces_is_no_key(ws: str) -> None:
+    """The head is decoded as latin-1, so a key's UTF-8 bytes sent as they are never matched it
+    (every request 401); a key given with spaces around it never matched (tokens are stripped),
+    and one of spaces only served 0.0.0.0 with a key nobody could send."""
+    with nrvna.ApiServer(ws, port=0, api_key=" clé-ü ") as server:
+        reply = raw_request(server, "GET /v1/models HTTP/1.1\r\nAuthorization: Bearer clé-ü\r\n"
+                                    "Connection: close\r\n\r\n".encode())
+        assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
+        assert http(server, "GET", "/v1/models", headers={"Authorization": "Bearer cl"})[0] == 401
+    with pytest.raises(nrvna.InvalidInput, match="not a loopback address"):
+        nrvna.ApiServer(ws, host="0.0.0.0", port=0, api_key="   ")
+
+
+def test_models_lists_what_live_daemons_serve_and_each_id_is_accepted_as_a_model(ws: str) -> None:
+    with nrvna.ApiServer(ws, port=0) as server:
+        assert json.loads(http(server, "GET", "/v1/models")[2]) == {"object": "list", "data": []}
+        proc = registered_daemon(ws, "derived")
+        try:
+            listed = json.loads(http(server, "GET", "/v1/models")[2])
+            assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == ["function"]
+            model = listed["data"][0]
+            assert model["object"] == "model" and model["owned_by"] == "nrvna" and model["created"] > 0
+            assert json.loads(http(server, "GET", "/v1/models/function")[2]) == model
+            assert http(server, "GET", "/v1/models/other")[0] == 404
+            assert nrvna.check_model_names(ws, [("request", "function")], strict=True) == []
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        assert json.loads(http(server, "GET", "/v1/models")[2])["data"] == []
+
+
+def test_a_daemon_serves_the_api_from_its_own_process_with_serve(ws: str) -> None:
+    proc = child_daemon(ws, "derived", "--serve", "0", stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        line = b""
+        while b"Serving the API on " not in line and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+        url = line.decode().split("Serving the API on ")[1].strip()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            import urllib.request
+
+            with urllib.request.urlopen(f"{url}/models", timeout=10) as reply:
+                ids = [m["id"] for m in json.loads(reply.read())["data"]]
+            if ids:
+                break
+            time.sleep(0.1)
+        assert ids == ["function"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_routes_methods_and_ids_that_name_no_file_are_answered_in_openai_s_error_shape(
+        api: nrvna.ApiServer, ws: str) -> None:
+    made = upload(api, b"{}\n")
+    outside = os.path.join(ws, "secret")
+    Path(outside).write_text("not for clients")
+    for path in ("/v1/files/../secret", "/v1/files/..%2F..%2Fsecret", "/v1/files/%2e%2e/content",
+                 "/v1/files/../../../etc/passwd/content", f"/v1/files/{made['id'].upper()}",
+                 f"/v1/files/%66{made['id'][1:]}", f"/v1/files/{made['id']}x", "/v1/files/file-" + "a" * 24,
+                 "/v1/files/file-" + "a" * 24 + "/content", f"/v1/files/{made['id']}/../../secret"):
+        reply = raw_request(api, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        status, error = error_of(reply)
+        assert status == 404 and b"not for clients" not in reply, path
+    assert error_of(raw_request(api, b"GET /v1/nothing HTTP/1.1\r\nConnection: close\r\n\r\n"))[0] == 404
+    reply = raw_request(api, b"PUT /v1/files HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert error_of(reply)[0] == 405 and b"\r\nAllow: POST, GET\r\n" in reply
+    reply = raw_request(api, f"PATCH /v1/files/{made['id']} HTTP/1.1\r\nConnection: close\r\n\r\n".encode())
+    assert error_of(reply)[0] == 405 and b"\r\nAllow: GET, DELETE\r\n" in reply
+    for bad in (b"GET /v1/files\r\n\r\n", b"GET /v1/files HTTP/2.0\r\n\r\n", b"GET v1 HTTP/1.1\r\n\r\n",
+                b"GET /v1/files HTTP/1.1\r\nbad header\r\n\r\n",
+                b"POST /v1/files HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+                b"POST /v1/files HTTP/1.1\r\nContent-Length: -1\r\n\r\n"):
+        assert error_of(raw_request(api, bad))[0] == 400, bad
+    reply = raw_request(api, b"POST /v1/files HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    assert error_of(reply)[0] == 411
+    assert error_of(raw_request(api, b"GET /v1/files HTTP/1.1\r\nX: " + b"y" * 40000 + b"\r\n\r\n"))[0] == 431
+    assert json.loads(http(api, "GET", f"/v1/files/{made['id']}")[2]) == made  # the server goes on
+
+
+def test_a_handler_sees_its_client_gone_and_a_stream_cut_short_is_closed(api: nrvna.ApiServer) -> None:
+    """What the endpoints build on: ApiCall.gone() turns true once the client has closed, and a
+    stream (ApiReply.stream, sent chunked) whose client goes away is closed, its finally run."""
+    import socket
+
+    seen = {"gone": threading.Event(), "closed": threading.Event()}
+
+    def wait(call: nrvna.ApiCall) -> nrvna.ApiReply:
+        deadline = time.monotonic() + 10
+        while not call.gone() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if call.gone():
+            seen["gone"].set()
+        return nrvna.ApiReply(payload={})
+
+    def stream(call: nrvna.ApiCall) -> nrvna.ApiReply:
+        def pieces() -> Iterator[bytes]:
+            try:
+                for i in range(100000):
+                    yield b"data: %d\n\n" % i
+                    time.sleep(0.001)
+            finally:
+                seen["closed"].set()
+        return nrvna.ApiReply(stream=pieces())
+
+    api.routes += [("GET", re.compile("/test/wait"), wait), ("GET", re.compile("/test/stream"), stream)]
+    with socket.create_connection(api.address, timeout=10) as sock:
+        sock.sendall(b"GET /test/wait HTTP/1.1\r\n\r\n")
+        time.sleep(0.2)
+        assert not seen["gone"].is_set()
+    assert seen["gone"].wait(5)
+    from http.client import HTTPConnection
+
+    conn = HTTPConnection(*api.address, timeout=10)
+    conn.request("GET", "/test/stream")
+    reply = conn.getresponse()
+    assert reply.getheader("Content-Type") == "text/event-stream" and reply.getheader("Transfer-Encoding") == "chunked"
+    assert reply.read(12) == b"data: 0\n\ndat"
+    conn.close()
+    assert seen["closed"].wait(10)
+    assert http(api, "GET", "/v1/files")[0] == 200
+
+
+def test_requests_arriving_together_are_answered_together_up_to_the_workers(ws: str) -> None:
+    """An Api-N thread was started only for a request that found none idle, and a thread just
+    started counts as idle before it takes one: a burst of requests got one or two threads and
+    was answered one at a time (70 clients at once that did not read their replies: 2 threads,
+    a new client answered after them all). Each request waiting now has a thread, up to the
+    workers: here 20 handlers that wait for each other all run at once."""
+    import socket
+
+    running, release = threading.Semaphore(0), threading.Event()
+
+    def block(call: nrvna.ApiCall) -> nrvna.ApiReply:
+        running.release()
+        release.wait(20)
+        return nrvna.ApiReply(payload={})
+
+    with nrvna.ApiServer(ws, port=0, workers=20) as server:
+        server.routes.append(("GET", re.compile("/test/block"), block))
+        socks = [socket.create_connection(server.address, timeout=30) for _ in range(20)]
+        for sock in socks:
+            sock.sendall(b"GET /test/block HTTP/1.1\r\nConnection: close\r\n\r\n")
+        started, deadline = 0, time.monotonic() + 10
+        while started < 20 and running.acquire(timeout=max(0.01, deadline - time.monotonic())):
+            started += 1
+        release.set()
+        for sock in socks:
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+            sock.close()
+        assert started == 20
+        assert len([t for t in threading.enumerate() if re.fullmatch(r"Api-\d+", t.name)]) == 20
+
+
+def test_a_flood_of_connections_drops_silent_ones_never_an_upload_arriving_in_time(ws: str) -> None:
+    """Past the connections' bound the oldest connection still sending was dropped, whatever it
+    sent: 40 silent connections opened during an upload arriving at 5 MiB/s reset it (7 MiB in).
+    A silent or slow one (under API_EVICT_RATE) goes now; the upload is answered."""
+    import socket
+
+    data = b'{"custom_id": "%s"}\n' % (b"x" * 230) * 40_000  # 10 MB: 2 s at 5 MiB/s
+    body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", data)})
+    with nrvna.ApiServer(ws, port=0, connections=20) as server:
+        sock = socket.create_connection(server.address, timeout=10)
+        sock.sendall(b"POST /v1/files HTTP/1.1\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+                     % (headers["Content-Type"].encode(), len(body)))
+        flood: list[Any] = []
+        started = time.monotonic()
+        with sock:
+            for sent in range(0, len(body), 1 << 20):
+                sock.sendall(body[sent:sent + (1 << 20)])
+                time.sleep(0.2)
+                if time.monotonic() - started > 1.0 and not flood:
+                    for _ in range(40):
+                        other = socket.socket()
+                        other.setblocking(False)
+                        with contextlib.suppress(BlockingIOError):
+                            other.connect(server.address)
+                        flood.append(other)
+            reply = sock.recv(65536)
+        for other in flood:
+            other.close()
+        assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
+        assert json.loads(reply.partition(b"\r\n\r\n")[2])["bytes"] == len(data)
+
+
+def test_a_bad_multipart_upload_is_refused_and_leaves_nothing(api: nrvna.ApiServer, ws: str) -> None:
+    good = b'{"custom_id": "a"}\n'
+    body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", good)})
+    cases = {
+        "no closing boundary": (body[:-25], headers),
+        "no boundary": (body, {"Content-Type": "multipart/form-data"}),
+        "another boundary": (body, {"Content-Type": "multipart/form-data; boundary=other"}),
+        "no purpose": multipart({}, {"file": ("in.jsonl", good)}),
+        "no file": multipart({"purpose": "batch"}, {}),
+        "file as a field": multipart({"purpose": "batch", "file": "text"}, {}),
+        "a purpose other than batch": multipart({"purpose": "fine-tune"}, {"file": ("in.jsonl", good)}),
+        "an unknown field": multipart({"purpose": "batch", "colour": "red"}, {"file": ("in.jsonl", good)}),
+        "a huge purpose": multipart({"purpose": "b" * 10000}, {"file": ("in.jsonl", good)}),
+        "too many parts": multipart({f"f{i}": "x" for i in range(40)}, {"file": ("in.jsonl", good)}),
+        "a part without headers": (b"--b\r\n\r\nx\r\n--b--\r\n", {"Content-Type": "multipart/form-data; boundary=b"}),
+        "not multipart": (b'{"purpose": "batch"}', {"Content-Type": "application/json"}),
+        "twice": (body.replace(b"--nrvna-test-boundary--\r\n", b"") + body, headers),
+    }
+    for why, (data, head) in cases.items():
+        status, _, reply = http(api, "POST", "/v1/files", data, head)
+        assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", why
+    lines = b"{}\n" * (nrvna.BATCH_FILE_LINES + 1)
+    status, _, reply = http(api, "POST", "/v1/files", *multipart({"purpose": "batch"}, {"file": ("big", lines)}))
+    assert status == 400 and "50,000" in json.loads(reply)["error"]["message"]
+    assert os.listdir(os.path.join(ws, "api", "files")) == [] and os.listdir(os.path.join(ws, "api", "tmp")) == []
+    assert upload(api, lines[:-3])["bytes"] == len(lines) - 3  # 50,000 lines are taken
+    body = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\nContent-Disposition: '
+            b"form-data; name=file; filename*=UTF-8''r%C3%A9sum%C3%A9.jsonl\r\n\r\n{}\n\r\n--b--\r\n")
+    status, _, reply = http(api, "POST", "/v1/files", body, {"Content-Type": "multipart/form-data; boundary=b"})
+    assert status == 200 and json.loads(reply)["filename"] == "résumé.jsonl"
+
+
+def test_a_part_without_a_body_and_digits_other_than_ascii_are_answered_400_not_500_or_a_reset(
+        api: nrvna.ApiServer, ws: str) -> None:
+    """Headers whose blank line is the next delimiter's CRLF (a part with no body at all) were
+    read as a body of -2 bytes (a 500); a Content-Length or limit of '²' (str.isdigit() takes it,
+    int() does not) dropped the connection unanswered or was a 500."""
+    for body in (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n--b\r\nContent-Disposition: '
+                 b'form-data; name="file"; filename="x"\r\n\r\n{}\n\r\n--b--\r\n',
+                 b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\nContent-Disposition: '
+                 b'form-data; name="file"; filename="x"\r\n\r\n--b--\r\n'):
+        status, _, reply = http(api, "POST", "/v1/files", body, {"Content-Type": "multipart/form-data; boundary=b"})
+        assert status == 400 and "headers" in json.loads(reply)["error"]["message"], reply
+    reply = raw_request(api, b"POST /v1/files HTTP/1.1\r\nContent-Length: \xb2\r\n\r\nab")
+    assert error_of(reply)[0] == 400
+    assert error_of(raw_request(api, b"GET /v1/files?limit=%C2%B2 HTTP/1.1\r\nConnection: close\r\n\r\n"))[0] == 400
+    assert os.listdir(os.path.join(ws, "api", "files")) == []
+
+
+def test_an_upload_whose_publication_is_not_durable_is_refused_and_not_listed(ws: str) -> None:
+    """The fsync of api/files/ after a file's rename failing (ENOSPC, EIO: injected) was answered
+    500 with the file published all the same: a client retrying the 500 (the openai client does)
+    made two files. The file is taken back now: 500, and nothing listed."""
+    body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", b"{}\n")})
+
+    def upload_under(mode: str) -> tuple[int, list[str]]:
+        import urllib.error
+        import urllib.request
+
+        shutil.rmtree(ws, ignore_errors=True)
+        nrvna.ensure_workspace(ws)
+        log = ws + ".calls"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(log)
+        proc = subprocess.Popen([sys.executable, TESTS, "faultpoint", ws, log, mode, "--", "serve", ws, "--port",
+                                 "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            url = proc.stdout.readline().decode().strip()
+            request = urllib.request.Request(f"{url}/files", data=body, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=30) as reply:
+                    status = reply.status
+            except urllib.error.HTTPError as err:
+                status = err.code
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=30)
+        return status, open(log).read().splitlines()
+
+    import shutil
+
+    status, calls = upload_under("list")
+    assert status == 200
+    at = calls.index("fsync api/files") + 1
+    status, _ = upload_under(f"errno:{at}:ENOSPC")
+    assert status == 500 and os.listdir(os.path.join(ws, "api", "files")) == []
+    assert os.listdir(os.path.join(ws, "api", "tmp")) == []
+
+
+def test_multipart_parts_are_found_whole_wherever_the_reads_cut_them(tmp_path: Path) -> None:
+    """read_multipart reads a MiB at a time: a delimiter cut by a read, a boundary inside the
+    content not on a line of its own, and a line that only starts with it are all read right."""
+    path = tmp_path / "body"
+    before = len(multipart({"purpose": "batch"}, {"file": ("in.jsonl", b"")}, boundary="bound")[0]) - 13
+    for size in range((1 << 20) - before - 16, (1 << 20) - before + 4):  # its last delimiter cut at each byte
+        content = (b"x--bound\r\n--boundless\r\n" * (size // 20))[:size - 1] + b"."
+        body, headers = multipart({"purpose": "batch"}, {"file": ("in.jsonl", content)}, boundary="bound")
+        path.write_bytes(body)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            parts = nrvna.read_multipart(fd, len(body), headers["Content-Type"])
+            filename, first, end = parts["file"]
+            assert filename == "in.jsonl" and b"".join(nrvna.file_chunks(fd, first, end)) == content, size
+            assert nrvna.multipart_field(fd, parts["purpose"], "purpose") == "batch"
+        finally:
+            os.close(fd)
+
+
+def test_an_upload_over_the_limit_is_refused_before_its_body_is_read(api: nrvna.ApiServer, ws: str) -> None:
+    import socket
+
+    for length, content_type in ((300_000_000, b"multipart/form-data; boundary=x"), (17 << 20, b"application/json")):
+        with socket.create_connection(api.address, timeout=10) as sock:
+            sock.sendall(b"POST /v1/files HTTP/1.1\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+                         % (content_type, length) + b"x" * 1000)
+            reply = sock.recv(65536)  # answered with most of the body unsent
+        status, error = error_of(reply)
+        assert status == 413 and f"{length:,}" in error["message"]
+    assert not os.path.exists(os.path.join(ws, "api", "tmp")) or os.listdir(os.path.join(ws, "api", "tmp")) == []
+    # curl's way: Expect: 100-continue gets the refusal before anything is sent
+    reply = raw_request(api, b"POST /v1/files HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 300000000\r\n"
+                             b"Content-Type: multipart/form-data; boundary=x\r\n\r\n")
+    assert error_of(reply)[0] == 413
+
+
+def test_bodies_held_in_memory_are_bounded_all_connections_together(
+        ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each JSON body may be 16 MiB, and API_CONNECTIONS clients each sending one but its last
+    byte held them all (40 such: 704 MiB resident; 512: 8 GiB). Past API_BODIES_MEMORY (here
+    4 MiB) a request is refused at its head (503, Retry-After), and what an answered, dropped or
+    refused body held is counted free again."""
+    import socket
+
+    monkeypatch.setattr(nrvna, "API_BODIES_MEMORY", 4 << 20, raising=False)
+    head = b"POST /v1/files HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (2 << 20)
+    with nrvna.ApiServer(ws, port=0) as server:
+        held = [socket.create_connection(server.address, timeout=10) for _ in range(2)]
+        for sock in held:
+            sock.sendall(head + b"x" * ((2 << 20) - 1))
+        time.sleep(0.3)
+        reply = raw_request(server, head)
+        assert error_of(reply)[0] == 503 and b"\r\nRetry-After: 1\r\n" in reply
+        held[0].sendall(b"x")  # whole: answered (400: not multipart), its 2 MiB free again
+        assert held[0].recv(65536).startswith(b"HTTP/1.1 400 ")
+        held[1].close()  # dropped mid-body: free again
+        time.sleep(0.3)
+        for _ in range(2):
+            with socket.create_connection(server.address, timeout=10) as sock:
+                sock.sendall(head + b"x" * (2 << 20))
+                assert sock.recv(65536).startswith(b"HTTP/1.1 400 ")
+        held[0].close()
+        assert http(server, "GET", "/v1/files")[0] == 200 and server.memory.held == 0
+
+
+def test_a_slow_client_is_dropped_after_its_deadline_and_holds_no_worker(ws: str) -> None:
+    """A client that sends a byte a second is dropped once its request is not whole within the
+    deadline (here 1 s for the head, 2 s more for the body), whatever its pace; meanwhile other
+    requests are answered and no Api-N thread waits for it."""
+    import socket
+
+    with nrvna.ApiServer(ws, port=0, head_seconds=1.0, body_seconds=2.0) as server:
+        slow = [socket.create_connection(server.address, timeout=10) for _ in range(20)]
+        bodies = [socket.create_connection(server.address, timeout=10) for _ in range(5)]
+        for sock in bodies:
+            sock.sendall(b"POST /v1/files HTTP/1.1\r\nContent-Length: 100\r\n"
+                         b"Content-Type: multipart/form-data; boundary=x\r\n\r\n")
+        started = time.monotonic()
+        closed: dict[int, float] = {}
+        while len(closed) < len(slow) + len(bodies) and time.monotonic() - started < 10:
+            for i, sock in enumerate(slow + bodies):
+                if i in closed:
+                    continue
+                try:
+                    sock.sendall(b"G" if i < len(slow) else b"x")  # a byte a second, each
+                except OSError:
+                    closed[i] = time.monotonic() - started
+            assert http(server, "GET", "/v1/files", timeout=5)[0] == 200
+            workers = [t for t in threading.enumerate() if re.fullmatch(r"Api-\d+", t.name)]
+            assert len(workers) <= 2  # the requests answered, never the slow ones
+            time.sleep(0.25)
+        assert len(closed) == len(slow) + len(bodies)
+        assert max(closed.values()) < 6  # head: 1 s; body: 2 s + 100 bytes at 1 MiB/s; closes seen a write later
+        for sock in slow + bodies:
+            sock.close()
+        assert os.listdir(os.path.join(ws, "api", "tmp")) == []  # the bodies' spools removed
+
+
+def test_a_client_reading_a_file_slowly_is_dropped_at_the_whole_reply_s_deadline(
+        api: nrvna.ApiServer, ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The time to read an answer bounds the whole answer (API_SEND_SECONDS plus a second per
+    API_BODY_RATE bytes), not each MiB of it: a client that read each piece just in time held an
+    Api-N thread for as long as it liked (here 1 s + 24 MiB at 16 MiB/s: cut at 2.5 s, where a
+    reader of 2.5 MiB/s would have taken ~10 s)."""
+    import socket
+
+    monkeypatch.setattr(nrvna, "API_SEND_SECONDS", 1.0)
+    monkeypatch.setattr(nrvna, "API_BODY_RATE", 16 << 20)
+    size = 24 << 20
+    made = nrvna.ApiFiles(ws).publish("file-" + "s" * 24, [b"x" * size], "big.jsonl", "batch")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 19)
+    sock.settimeout(10)
+    sock.connect(api.address)
+    sock.sendall(f"GET /v1/files/{made['id']}/content HTTP/1.1\r\n\r\n".encode())
+    got, started, closed = 0, time.monotonic(), False
+    with sock:
+        while time.monotonic() - started < 6 and not closed:
+            try:
+                chunk = sock.recv(1 << 18)  # 2.5 MiB/s: 256 KiB every 0.1 s
+            except ConnectionResetError:
+                chunk = b""
+            got += len(chunk)
+            closed = not chunk
+            time.sleep(0.1)
+    assert closed and got < size, (closed, got, time.monotonic() - started)
+    assert http(api, "GET", f"/v1/files/{made['id']}/content")[2] == b"x" * size  # a reader in time gets it all
+
+
+@pytest.mark.model  # the openai package, absent from the bare Python 3.9 run
+def test_the_openai_client_uploads_lists_reads_and_deletes_files_and_lists_models(ws: str, tmp_path: Path) -> None:
+    import openai
+
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "function", "messages": [{"role": "user", "content": f"hi {i}"}]}} for i in range(3)]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    proc = registered_daemon(ws, "derived")
+    try:
+        with nrvna.ApiServer(ws, port=0, api_key="k") as server:
+            host, port = server.address
+            client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="k", max_retries=0)
+            with path.open("rb") as handle:
+                made = client.files.create(file=handle, purpose="batch")
+            assert made.id.startswith("file-") and made.bytes == path.stat().st_size
+            assert made.filename == "requests.jsonl" and made.purpose == "batch"
+            assert client.files.retrieve(made.id) == made
+            assert client.files.content(made.id).content == path.read_bytes()
+            assert [f.id for f in client.files.list()] == [made.id]
+            assert [f.id for f in client.files.list(purpose="batch", limit=1)] == [made.id]
+            assert [m.id for m in client.models.list()] == ["function"]
+            deleted = client.files.delete(made.id)
+            assert deleted.id == made.id and deleted.deleted is True
+            with pytest.raises(openai.NotFoundError):
+                client.files.retrieve(made.id)
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_curl_uploads_a_batch_file_and_reads_it_back(ws: str, tmp_path: Path) -> None:
+    """The shell's way, as docs/server.md shows it (curl -F: multipart, Expect: 100-continue)."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}\n'
+                     * 20000)  # over 1 MB: curl waits for 100 Continue
+    with nrvna.ApiServer(ws, port=0, api_key="k") as server:
+        base = "http://%s:%d/v1" % server.address
+        key = ["-H", "Authorization: Bearer k"]
+        made = json.loads(subprocess.run(["curl", "-sS", "--fail-with-body", *key, "-F", "purpose=batch",
+                                          "-F", f"file=@{path}", f"{base}/files"],
+                                         capture_output=True, check=True, timeout=60).stdout)
+        assert made["bytes"] == path.stat().st_size and made["filename"] == "in.jsonl"
+        content = subprocess.run(["curl", "-sS", "--fail-with-body", *key, f"{base}/files/{made['id']}/content"],
+                                 capture_output=True, check=True, timeout=60).stdout
+        assert content == path.read_bytes()
+        refused = subprocess.run(["curl", "-sS", "-F", "purpose=batch", "-F", f"file=@{path}", f"{base}/files"],
+                                 capture_output=True, timeout=60)
+        assert json.loads(refused.stdout)["error"]["code"] == "invalid_api_key"
+
+
+def test_connections_fit_the_descriptor_limit_so_accept_and_open_never_run_out(ws: str) -> None:
+    """Under `ulimit -n 300` (a stock 1024 is the same story at 512 uploads), 400 clients each
+    holding a connection (half of them an upload's file too) ran the server out of descriptors:
+    accept() failed in a busy loop (a core at 30 %) and a request's open() failed (a 500). The
+    connections are now lowered to what the limit leaves, said once on stderr."""
+    import resource
+    import socket
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+
+    proc = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=limit)
+    socks: list[Any] = []
+    try:
+        url = proc.stdout.readline().decode().strip()
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        for _ in range(400):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((host, int(port)))
+            socks.append(sock)
+        time.sleep(0.5)
+        for i, sock in enumerate(socks):
+            with contextlib.suppress(OSError):
+                sock.send(b"GET /v1/files HTTP/1.1\r\n" if i % 2 else b"POST /v1/files HTTP/1.1\r\nContent-Type: "
+                          b"multipart/form-data; boundary=x\r\nContent-Length: 1000000\r\n\r\nxx")
+        time.sleep(1)
+        assert len(os.listdir(f"/proc/{proc.pid}/fd")) < 280  # room left for what requests open
+        import urllib.request
+
+        with urllib.request.urlopen(f"{url}/files", timeout=30) as reply:
+            assert json.loads(reply.read())["object"] == "list"
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and b"Too many open files" not in err, err[-2000:]
+    assert b"connections at once, not 512: the descriptor limit is 300" in err
+
+
+@pytest.mark.slow
+def test_two_thousand_connections_at_once_exhaust_neither_threads_nor_descriptors(ws: str) -> None:
+    import resource
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    proc = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    socks: list[Any] = []
+    try:
+        url = proc.stdout.readline().decode().strip()
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        for _ in range(2000):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((host, int(port)))
+            socks.append(sock)
+        time.sleep(1)
+        for i, sock in enumerate(socks):
+            with contextlib.suppress(OSError):
+                sock.send(b"GET /v1/files HTTP/1.1\r\n" if i % 2 else b"G")  # half a head, or a byte
+        time.sleep(1)
+        fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        threads = len(os.listdir(f"/proc/{proc.pid}/task"))
+        assert fds <= nrvna.API_CONNECTIONS + 32 and threads <= nrvna.API_WORKERS + 4, (fds, threads)
+        import urllib.request
+
+        with urllib.request.urlopen(f"{url}/files", timeout=30) as reply:  # a new client is answered
+            assert json.loads(reply.read())["object"] == "list"
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+# ==============================================================================
+# 13.3 Batches
+# ==============================================================================
+
+
+def batch_input(endpoint: str, prompts: list[str], **body: Any) -> bytes:
+    """An OpenAI Batch file: a request to ``endpoint`` per prompt, custom_id r0, r1, ..."""
+    field = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}[endpoint]
+    return "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": endpoint, "body": {
+        field: [{"role": "user", "content": prompt}] if field == "messages" else prompt, **body}}) + "\n"
+        for i, prompt in enumerate(prompts)).encode()
+
+
+def uploaded(ws: str, data: bytes) -> str:
+    nrvna.ensure_workspace(ws)
+    return nrvna.ApiFiles(ws).create([data], len(data), "input.jsonl", "batch")["id"]
+
+
+@contextlib.contextmanager
+def lifecycle(ws: str) -> Iterator[nrvna.ApiBatches]:
+    """The batches of ``ws`` with a Batches thread taking them on every 50 ms, always stopped."""
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    thread = nrvna.BatchLifecycle(batches, tick=0.05)
+    thread.start()
+    try:
+        yield batches
+    finally:
+        thread.stop()
+
+
+def until_ended(batches: nrvna.ApiBatches, batch_id: str, timeout: float = 60) -> tuple[dict[str, Any], list[str]]:
+    """The batch object once it has ended, and every status seen on the way, in order."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = batches.get(batch_id)
+        if not seen or seen[-1] != batch["status"]:
+            seen.append(batch["status"])
+        if batch["status"] in nrvna.BATCH_ENDED:
+            return batch, seen
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.02)
+
+
+def file_text(ws: str, file_id: Optional[str]) -> str:
+    assert file_id is not None
+    return nrvna.ApiFiles(ws).content_path(file_id).read_bytes().decode()
+
+
+def refuse_marked(job: nrvna.RunningJob) -> str:
+    if "refuse" in job.prompt:
+        raise nrvna.JobError("bad_request", "refused by the test's runner")
+    return echo(job)
+
+
+def test_a_batch_goes_validating_in_progress_completed_and_its_files_are_the_export(ws: str) -> None:
+    data = batch_input("/v1/chat/completions", ["one", "two", "refuse this", "four", "five"], max_tokens=3)
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    created = batches.create({"input_file_id": uploaded(ws, data), "endpoint": "/v1/chat/completions",
+                              "completion_window": "24h", "metadata": {"run": "a"}})
+    batch_id = created["id"]
+    assert nrvna.API_IDS["batch_id"].fullmatch(batch_id) and created["status"] == "validating"
+    assert created["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    assert created["metadata"] == {"run": "a"}
+    assert created["expires_at"] == created["created_at"] + 24 * 3600
+    assert set(created) >= {"errors", "output_file_id", "error_file_id", "in_progress_at", "finalizing_at",
+                            "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at", "model",
+                            "usage"}
+    with serving(ws, refuse_marked), lifecycle(ws) as batches:
+        batch, seen = until_ended(batches, batch_id)
+    assert batch["status"] == "completed" and seen[0] == "validating", seen
+    assert set(seen) <= {"validating", "in_progress", "finalizing", "completed"}
+    assert batch["request_counts"] == {"total": 5, "completed": 4, "failed": 1}
+    assert batch["in_progress_at"] and batch["finalizing_at"] and batch["completed_at"] and batch["errors"] is None
+    assert batch["output_file_id"] == nrvna.batch_file_id(batch_id, "output")
+    assert batch["error_file_id"] == nrvna.batch_file_id(batch_id, "error")
+    out, errors = io.StringIO(), io.StringIO()
+    Flow(ws).export(out, tag=batch_id, format="openai", errors=errors)  # `nrvna export --tag ID --format openai`
+    assert file_text(ws, batch["output_file_id"]) == out.getvalue() and out.getvalue().count("\n") == 4
+    assert file_text(ws, batch["error_file_id"]) == errors.getvalue()
+    failed = json.loads(errors.getvalue())
+    assert failed["custom_id"] == "r2" and failed["response"] is None and failed["error"]["code"] == "bad_request"
+    assert nrvna.ApiFiles(ws).get(batch["output_file_id"])["purpose"] == "batch_output"
+    assert len(Flow(ws).select(tag=batch_id)[0]) == 5  # the lines are the tag's jobs: status/cancel/export --tag
+
+
+@pytest.mark.parametrize("lines, endpoint, code, line, param", [
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n{"custom_id": "b",\n',
+     "/v1/completions", "invalid_json_line", 2, None),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
+     b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "y"}}\n',
+     "/v1/completions", "duplicate_custom_id", 2, "custom_id"),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n',
+     "/v1/chat/completions", "invalid_url", 1, "url"),
+    (b'{"prompt": "an nrvna line, not a request to the endpoint"}\n', "/v1/completions", "invalid_url", 1, "url"),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "bogus": 1}}\n',
+     "/v1/completions", "invalid_request", 1, None),
+    (b"\n\n", "/v1/completions", "empty_file", None, None),
+])
+def test_a_batch_file_that_fails_the_checks_is_created_then_fails_with_its_errors(
+        ws: str, lines: bytes, endpoint: str, code: str, line: Optional[int], param: Optional[str]) -> None:
+    with lifecycle(ws) as batches:
+        created = batches.create({"input_file_id": uploaded(ws, lines), "endpoint": endpoint,
+                                  "completion_window": "24h"})
+        assert created["status"] == "validating"
+        batch, seen = until_ended(batches, created["id"])
+    assert seen[-1] == "failed" and batch["failed_at"] is not None, seen
+    assert batch["errors"]["object"] == "list" and len(batch["errors"]["data"]) == 1
+    error = batch["errors"]["data"][0]
+    assert (error["code"], error["line"], error["param"]) == (code, line, param) and error["message"], error
+    assert batch["output_file_id"] is None and batch["error_file_id"] is None
+    assert sum(Flow(ws).counts().values()) == 0  # nothing was queued
+
+
+def test_a_batch_request_is_refused_where_openai_refuses_it(ws: str) -> None:
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    good = {"input_file_id": uploaded(ws, batch_input("/v1/completions", ["x"])), "endpoint": "/v1/completions",
+            "completion_window": "24h"}
+    cases = [({"endpoint": "/v1/responses"}, 400, "endpoint"), ({"completion_window": "48h"}, 400, "completion_window"),
+             ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
+             ({"metadata": {"k" * 65: "v"}}, 400, "metadata"), ({"metadata": {"k": "v" * 513}}, 400, "metadata"),
+             ({"metadata": {"k": 1}}, 400, "metadata"), ({"input_file_id": None}, 400, "input_file_id"),
+             ({"output_expires_after": {"anchor": "created_at", "seconds": 3600}}, 400, "output_expires_after"),
+             ({"input_file_id": "file-" + "0" * 24}, 404, None),
+             ({"input_file_id": nrvna.ApiFiles(ws).publish("file-" + "1" * 24, [b"{}\n"], "out.jsonl",
+                                                           "batch_output")["id"]}, 400, "input_file_id")]
+    for change, status, param in cases:
+        with pytest.raises(nrvna.ApiError) as refused:
+            batches.create({**good, **change})
+        assert refused.value.status == status and (param is None or refused.value.param == param), change
+    assert batches.create(dict(good, metadata={f"k{i}": "v" * 512 for i in range(16)}))["status"] == "validating"
+    assert nrvna.ApiBatches(ws, nrvna.ApiFiles(ws)).ids() and sum(Flow(ws).counts().values()) == 0
+
+
+def slow_and_quick(ws: str, quick: int, slow: int) -> str:
+    data = (batch_input("/v1/completions", [f"quick {i}" for i in range(quick)], max_tokens=2)
+            + batch_input("/v1/completions", [f"slow {i}" for i in range(slow)], max_tokens=100_000)
+            .replace(b'"custom_id": "r', b'"custom_id": "s'))
+    return uploaded(ws, data)
+
+
+@pytest.mark.parametrize("how", ["cancel", "expire"])
+def test_a_cancelled_or_expired_batch_keeps_its_done_lines_and_ends_the_others_in_its_error_file(
+        ws: str, how: str) -> None:
+    with serving(ws, words, workers=2), lifecycle(ws) as batches:
+        batch_id = batches.create({"input_file_id": slow_and_quick(ws, 3, 4), "endpoint": "/v1/completions",
+                                   "completion_window": "24h"})["id"]
+        deadline = time.monotonic() + 30
+        while batches.get(batch_id)["request_counts"]["completed"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        if how == "cancel":
+            assert batches.cancel(batch_id)["status"] == "cancelling"
+        else:
+            batches.update(batch_id, expires_at=int(time.time()))  # the 24 hours are up
+        batch, seen = until_ended(batches, batch_id)
+        if how == "cancel":
+            assert batches.cancel(batch_id)["status"] == "cancelled"  # again: as it is
+    ending, code = ("cancelled", "batch_cancelled") if how == "cancel" else ("expired", "batch_expired")
+    assert seen == (["cancelling", "cancelled"] if how == "cancel" else ["in_progress", "expired"]), seen
+    assert batch[f"{ending}_at"] is not None and batch["request_counts"] == {"total": 7, "completed": 3, "failed": 4}
+    output = [json.loads(line) for line in file_text(ws, batch["output_file_id"]).splitlines()]
+    assert sorted(line["custom_id"] for line in output) == ["r0", "r1", "r2"]
+    assert all(line["response"]["status_code"] == 200 and line["error"] is None for line in output)
+    errors = [json.loads(line) for line in file_text(ws, batch["error_file_id"]).splitlines()]
+    assert sorted(line["custom_id"] for line in errors) == ["s0", "s1", "s2", "s3"]
+    assert all(line["response"] is None and line["error"]["code"] == code for line in errors), errors
+    assert Flow(ws).counts()["queued"] == Flow(ws).counts()["running"] == 0
+
+
+def test_a_batch_cancelled_while_validating_queues_nothing_and_ends_each_line_cancelled(ws: str) -> None:
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    batch_id = batches.create({"input_file_id": uploaded(ws, batch_input("/v1/completions", ["a", "b"])),
+                               "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+    assert batches.cancel(batch_id)["status"] == "cancelling"  # no server had taken a step yet
+    with lifecycle(ws) as batches:
+        batch, seen = until_ended(batches, batch_id)
+    assert seen == ["cancelling", "cancelled"] and batch["output_file_id"] is None
+    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    lines = [json.loads(line) for line in file_text(ws, batch["error_file_id"]).splitlines()]
+    assert [(line["custom_id"], line["error"]["code"]) for line in lines] == [("r0", "batch_cancelled"),
+                                                                             ("r1", "batch_cancelled")]
+    assert sum(Flow(ws).counts().values()) == 0
+
+
+def test_only_a_validating_or_running_batch_can_be_cancelled(ws: str) -> None:
+    with serving(ws, echo), lifecycle(ws) as batches:
+        batch_id = batches.create({"input_file_id": uploaded(ws, batch_input("/v1/completions", ["a"])),
+                                   "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+        assert until_ended(batches, batch_id)[0]["status"] == "completed"
+        with pytest.raises(nrvna.ApiError) as refused:
+            batches.cancel(batch_id)
+    assert refused.value.status == 400 and "completed" in str(refused.value)
+    with pytest.raises(nrvna.ApiError) as missing:
+        batches.cancel("batch_" + "0" * 24)
+    assert missing.value.status == 404
+
+
+def test_batches_are_listed_newest_first_a_page_at_a_time(ws: str) -> None:
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    file_id = uploaded(ws, batch_input("/v1/completions", ["a"]))
+    made = [batches.create({"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+            for _ in range(5)]
+    first = batches.list(limit="2")
+    assert [b["id"] for b in first["data"]] == [made[4], made[3]]
+    assert (first["object"], first["first_id"], first["last_id"], first["has_more"]) == ("list", made[4], made[3], True)
+    rest = batches.list(after=first["last_id"], limit="10")
+    assert [b["id"] for b in rest["data"]] == [made[2], made[1], made[0]] and rest["has_more"] is False
+    assert batches.list()["data"][0]["id"] == made[4] and len(batches.list()["data"]) == 5
+    for bad in ({"limit": "0"}, {"limit": "101"}, {"limit": "x"}, {"after": "batch_" + "0" * 24}):
+        with pytest.raises(nrvna.ApiError):
+            batches.list(**bad)
+
+
+def test_two_batches_threads_on_one_workspace_double_nothing(ws: str) -> None:
+    """One Batches thread of a workspace holds api/batches/lifecycle.lock and advances; another
+    (a second server's) waits for the lock: each line is queued once, whoever submits it."""
+    with lifecycle(ws) as batches, lifecycle(ws):
+        batch_id = batches.create({"input_file_id": uploaded(ws, batch_input("/v1/completions", list("abcdefgh" * 25))),
+                                   "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+        with serving(ws, echo):
+            batch, _ = until_ended(batches, batch_id)
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 200
+    assert len(nrvna.tag_members(ws, batch_id)) == 200
+
+
+def test_crafted_batch_records_and_inputs_are_no_batch_never_a_hang(ws: str, tmp_path: Path) -> None:
+    """api/batches/<id>.json is read back by every server of the workspace: a FIFO, a link, a huge
+    file, fields of other types, nesting past the stack or another batch's ID reads as no batch
+    (404, left out of the list, never advanced, never removed); a batch whose input was replaced
+    by a FIFO or a link fails with errors naming it."""
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    real = batches.create({"input_file_id": uploaded(ws, batch_input("/v1/completions", ["a"])),
+                           "endpoint": "/v1/completions", "completion_window": "24h"})
+    folder = os.path.join(ws, nrvna.BATCHES)
+    crafted = {f"batch_{c * 24}": content for c, content in zip("abcdefg", [
+        None, "link", "x" * (2 << 20), json.dumps(dict(real, id="batch_" + "d" * 24, endpoint=5, created_at="now")),
+        "[" * 100_000, json.dumps(dict(real, id=real["id"])), "[" * 900 + "]" * 900])}
+    for batch_id, content in crafted.items():
+        path = os.path.join(folder, f"{batch_id}.json")
+        if content is None:
+            os.mkfifo(path)
+        elif content == "link":
+            os.symlink("/dev/zero", path)
+        else:
+            write(path, content)
+    os.unlink(os.path.join(folder, f"{real['id']}.jsonl"))
+    os.mkfifo(os.path.join(folder, f"{real['id']}.jsonl"))
+    for batch_id in crafted:
+        with pytest.raises(nrvna.ApiError) as missing:
+            batches.get(batch_id)
+        assert missing.value.status == 404
+    assert [b["id"] for b in batches.list()["data"]] == [real["id"]]
+    thread = nrvna.BatchLifecycle(batches)
+    thread.step()
+    failed = batches.get(real["id"])
+    assert failed["status"] == "failed" and failed["errors"]["data"][0]["param"] == "input_file_id"
+    assert all(os.path.lexists(os.path.join(folder, f"{batch_id}.json")) for batch_id in crafted)
+
+
+def test_a_batch_whose_tag_index_is_unreadable_fails_no_other_batch_s_listing(ws: str) -> None:
+    """A batch's tag index (tags/<batch ID>/*.ids) replaced by a FIFO: GET /v1/batches still lists
+    every batch (that one with no line counted as ended), and GET of each still answers."""
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    file_id = uploaded(ws, batch_input("/v1/completions", ["a", "b"]))
+    made = [batches.create({"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+            for _ in range(2)]
+    thread = nrvna.BatchLifecycle(batches)
+    for batch_id in made:
+        thread.advance(batch_id)
+    folder = os.path.join(ws, nrvna.TAGS, made[0])
+    for name in os.listdir(folder):
+        if name.endswith(".ids"):
+            os.unlink(os.path.join(folder, name))
+            os.mkfifo(os.path.join(folder, name))
+    assert sorted(b["id"] for b in batches.list()["data"]) == sorted(made)
+    broken = batches.get(made[0])
+    assert broken["status"] == "in_progress"
+    assert broken["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
+    assert batches.get(made[1])["request_counts"]["total"] == 2
+
+
+def test_the_batches_thread_reads_a_large_batch_s_lines_again_only_after_ten_times_the_last_read(
+        ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a running batch's lines (its tag's states) costs a CPU second a tick at 50,000
+    lines: the Batches thread reads them again only after BATCH_LOOK_SPACING times the last read
+    took, yet acts on a cancel at its next step."""
+    batches = nrvna.ApiBatches(ws, nrvna.ApiFiles(ws))
+    batch_id = batches.create({"input_file_id": uploaded(ws, batch_input("/v1/completions", ["a", "b"])),
+                               "endpoint": "/v1/completions", "completion_window": "24h"})["id"]
+    thread = nrvna.BatchLifecycle(batches)
+    thread.advance(batch_id)  # validating -> in_progress
+    reads = []
+    read_lines = batches.lines
+
+    def slow_lines(batch: str) -> Any:
+        reads.append(batch)
+        time.sleep(0.2)  # as a 50,000-line batch's read takes
+        return read_lines(batch)
+
+    monkeypatch.setattr(batches, "lines", slow_lines)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        thread.advance(batch_id)
+    assert 1 <= len(reads) <= 2, len(reads)
+    batches.cancel(batch_id)
+    thread.advance(batch_id)
+    assert batches.get(batch_id)["status"] == "cancelled"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def call_api(port: int, method: str, path: str, body: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One request to a served API on 127.0.0.1:``port``: its JSON answer (HTTPError past a 2xx)."""
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def served(ws: str, port: int) -> subprocess.Popen:
+    """`nrvna serve WS --port PORT` in a child process, once it answers (within 30 s)."""
+    proc = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            call_api(port, "GET", "/v1/batches")
+            return proc
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_1000_line_batch_survives_sigkills_of_the_server_and_the_daemon(ws: str) -> None:
+    """The issue's test: the server killed while it queues the lines, then the server and the daemon
+    both killed mid-run and restarted; the batch ends completed under the same ID, each line once."""
+    prompts = [f"line {i}" for i in range(1000)]
+    file_id = uploaded(ws, batch_input("/v1/completions", prompts, max_tokens=8))
+    port = free_port()
+    server, daemon = served(ws, port), child_daemon(ws, "derived", "-w", "4")
+    try:
+        batch_id = call_api(port, "POST", "/v1/batches", {"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                          "completion_window": "24h"})["id"]
+        deadline = time.monotonic() + 10
+        while not os.listdir(os.path.join(ws, nrvna.WRITING)) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        server.kill()  # in validating: staging the lines as jobs
+        server.wait()
+        assert nrvna.ApiBatches(ws, nrvna.ApiFiles(ws)).get(batch_id)["status"] == "validating"
+        server = served(ws, port)
+        killed_after(ws, daemon, 300, timeout=60)  # the daemon dies with jobs running...
+        server.kill()  # ...and the server with it
+        server.wait()
+        assert Flow(ws).counts()["done"] < 1000
+        server, daemon = served(ws, port), child_daemon(ws, "derived", "-w", "4")
+        deadline = time.monotonic() + 60
+        while (batch := call_api(port, "GET", f"/v1/batches/{batch_id}"))["status"] not in nrvna.BATCH_ENDED:
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.1)
+    finally:
+        for proc in (server, daemon):
+            proc.kill()
+            proc.wait()
+    assert batch["status"] == "completed" and batch["id"] == batch_id, batch
+    assert batch["request_counts"] == {"total": 1000, "completed": 1000, "failed": 0}
+    lines = [json.loads(line) for line in file_text(ws, batch["output_file_id"]).splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == sorted(f"r{i}" for i in range(1000))  # each once
+    assert all(line["response"]["body"]["choices"][0]["text"] == expected_result(prompts[int(line["custom_id"][1:])])
+               for line in lines)
+    assert batch["error_file_id"] is None
+    assert Flow(ws).counts() == {"queued": 0, "running": 0, "done": 1000, "failed": 0}
+
+
+@contextlib.contextmanager
+def openai_client(ws: str) -> Iterator[Any]:
+    """The `openai` package's client of an in-process server on ``ws`` (its Batches thread too)."""
+    import openai
+
+    with nrvna.ApiServer(ws, port=0) as server:
+        host, port = server.address
+        yield openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="none", max_retries=0)
+
+
+def retrieved_until_ended(client: Any, batch_id: str, timeout: float = 60) -> tuple[Any, list[str]]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if not seen or seen[-1] != batch.status:
+            seen.append(batch.status)
+        if batch.status in nrvna.BATCH_ENDED:
+            return batch, seen
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.05)
+
+
+@pytest.mark.model
+def test_the_openai_package_runs_lists_and_reads_batches(ws: str) -> None:
+    from openai.types import Batch, Completion
+    from openai.types.chat import ChatCompletion
+
+    chat = batch_input("/v1/chat/completions", ["one", "two", "refuse this"], max_tokens=3)
+    with serving(ws, refuse_marked), openai_client(ws) as client:
+        upload = client.files.create(file=("chat.jsonl", chat), purpose="batch")
+        made = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                     metadata={"run": "openai"})
+        assert isinstance(made, Batch) and made.status == "validating" and made.metadata == {"run": "openai"}
+        batch, seen = retrieved_until_ended(client, made.id)
+        assert batch.status == "completed" and seen[0] in ("validating", "in_progress"), seen
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (3, 2, 1)
+        output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+        assert [ChatCompletion.model_validate(line["response"]["body"]).choices[0].message.content
+                for line in output] == ["echo:[user]\none\n", "echo:[user]\ntwo\n"]
+        errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+        assert [(e["custom_id"], e["response"], e["error"]["code"]) for e in errors] == [("r2", None, "bad_request")]
+        completions = client.files.create(file=("plain.jsonl", batch_input("/v1/completions", ["x"])), purpose="batch")
+        ids = [made.id] + [client.batches.create(input_file_id=completions.id, endpoint="/v1/completions",
+                                                 completion_window="24h").id for _ in range(3)]
+        page = client.batches.list(limit=2)
+        assert [b.id for b in page.data] == ids[:1:-1] and page.has_more
+        assert [b.id for b in client.batches.list(limit=2)] == ids[::-1]  # every page, through `after`
+        last, _ = retrieved_until_ended(client, ids[-1])
+        line = json.loads(client.files.content(last.output_file_id).text)
+        assert Completion.model_validate(line["response"]["body"]).choices[0].text == "echo:x"
+
+
+@pytest.mark.model
+def test_the_openai_package_cancels_a_batch_mid_run_and_sees_a_failing_file_fail(ws: str) -> None:
+    import openai
+
+    with serving(ws, words, workers=2), openai_client(ws) as client:
+        made = client.batches.create(input_file_id=slow_and_quick(ws, 3, 4), endpoint="/v1/completions",
+                                     completion_window="24h")
+        deadline = time.monotonic() + 30
+        while client.batches.retrieve(made.id).request_counts.completed < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert client.batches.cancel(made.id).status == "cancelling"
+        batch, seen = retrieved_until_ended(client, made.id)
+        assert batch.status == "cancelled" and batch.cancelling_at and batch.cancelled_at, seen
+        done = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+        assert sorted(line["custom_id"] for line in done) == ["r0", "r1", "r2"]
+        stopped = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+        assert {line["error"]["code"] for line in stopped} == {"batch_cancelled"} and len(stopped) == 4
+        bad = client.files.create(file=("bad.jsonl", b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", '
+                                                     b'"body": {"input": "x"}}\n'), purpose="batch")
+        failing = client.batches.create(input_file_id=bad.id, endpoint="/v1/completions", completion_window="24h")
+        failed, _ = retrieved_until_ended(client, failing.id)
+        assert failed.status == "failed" and (failed.errors.data[0].code,
+                                              failed.errors.data[0].line) == ("invalid_url", 1)
+        with pytest.raises(openai.BadRequestError):
+            client.batches.cancel(failing.id)
+        with pytest.raises(openai.NotFoundError):
+            client.batches.retrieve("batch_" + "0" * 24)
+
+
+@pytest.mark.model
+def test_the_openai_batch_example_runs(model: str, ws: str, tmp_path: Path) -> None:
+    port = free_port()
+    daemon = start_daemon(model, ws)
+    server = served(ws, port)
+    try:
+        wait_for_log(daemon, "Server started")
+        example = str(HERE / "examples" / "openai_batch.py")
+        done = subprocess.run([sys.executable, example, f"http://127.0.0.1:{port}/v1"], capture_output=True,
+                              timeout=300)
+    finally:
+        for proc in (server, daemon):
+            proc.kill()
+            proc.wait()
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    answers = done.stdout.decode().splitlines()
+    assert [line.split(":")[0] for line in answers] == ["question-0", "question-1", "question-2"], answers
+    assert b"completed, 3 of 3 done" in done.stderr
+
+
+# ==============================================================================
+# 13.4 Endpoints: synchronous requests through the queue, streamed or not
+# ==============================================================================
+
+
+def _stream_events(events: Iterator[bytes]) -> list[Any]:
+    """Server-sent events as OpenAI's stream holds them: each ``data: {...}`` parsed, [DONE] as is."""
+    found: list[Any] = []
+    for event in events:
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n"), event
+        data = event[len(b"data: "):-2]
+        found.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return found
+
+
+def _streamed_texts(events: list[Any]) -> dict[int, str]:
+    """Each choice's streamed text: its content deltas (or text) concatenated."""
+    texts: dict[int, str] = {}
+    for event in events:
+        if isinstance(event, dict):
+            for choice in event.get("choices", []):
+                piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
+                texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
+    return texts
+
+
+def _answer(ws: str, url: str, body: dict[str, Any], gone: Callable[[], bool] = lambda: False) -> Any:
+    """A synchronous request as the server answers it: the body, or (stream) the parsed events."""
+    job_id, stream, usage = nrvna.submit_request(ws, url, body)
+    if not stream:
+        return nrvna.answer_request(ws, job_id, gone)
+    answer = nrvna.RequestStream(ws, url, job_id, usage, gone)
+    answer.start()
+    return _stream_events(answer.events())
+
+
+def test_a_request_is_mapped_as_a_batch_line_ahead_of_batch_lines(ws: str) -> None:
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "n": 2,
+            "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2}
+    job_id, stream, usage = nrvna.submit_request(ws, "/v1/chat/completions", dict(body, stream=False))
+    assert (stream, usage) == (False, False)
+    line = {"custom_id": nrvna.SYNC_CUSTOM_ID, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    entry = nrvna.parse_batch(json.dumps(line).encode(), jsonl=True)[0]
+    job = Flow(ws).get(job_id)
+    assert job.params == {**entry.params, "priority": nrvna.SYNC_PRIORITY} and job.prompt == entry.prompt.decode()
+    assert nrvna.SYNC_PRIORITY > nrvna.PARAMS["priority"].default  # ahead of a batch line's default
+    own, _, _ = nrvna.submit_request(ws, "/v1/completions", {"model": "gpt-4o-mini", "prompt": "p", "priority": -3})
+    assert Flow(ws).get(own).params["priority"] == -3  # the body's own wins
+    embed, _, _ = nrvna.submit_request(ws, "/v1/embeddings", {"model": "gpt-4o-mini", "input": ["a", "b"]})
+    assert Flow(ws).get(embed).params["input"] == ["a", "b"] and Flow(ws).get(embed).params["embed"] is True
+
+
+@pytest.mark.parametrize("url, body, param, says", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperatur": 1}, "temperatur",
+     "body field 'temperatur' is not supported by nrvna"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens",
+     "parameter max_tokens=0 is out of range"),
+    ("/v1/chat/completions", {"prompt": "x"}, None, "needs messages"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options is only allowed with stream: true"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream", "stream must be true or false"),
+    ("/v1/embeddings", {"input": "x", "stream": True}, "stream", "does not stream"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options",
+     "stream_options must be"),
+])
+def test_a_refused_request_is_a_400_in_openais_shape_and_queues_nothing(
+        ws: str, url: str, body: dict[str, Any], param: str | None, says: str) -> None:
+    with pytest.raises(nrvna.ApiError) as caught:
+        nrvna.submit_request(ws, url, body)
+    assert caught.value.status == 400 and says in caught.value.message and caught.value.param == param
+    assert not os.path.isdir(os.path.join(ws, nrvna.READY)) or os.listdir(os.path.join(ws, nrvna.READY)) == []
+
+
+def test_a_request_runs_ahead_of_queued_batch_lines(ws: str) -> None:
+    lines = b"".join(json.dumps({"prompt": f"batch {i}"}).encode() + b"\n" for i in range(6))
+    batch = Work(ws).submit_file(lines, jsonl=True)
+    job_id, _, _ = nrvna.submit_request(ws, "/v1/completions", {"prompt": "sync", "model": "gpt-4o-mini"})
+    order: list[str] = []
+    with serving(ws, lambda job: order.append(job.id) or f"echo:{job.prompt}", workers=1):
+        body = nrvna.answer_request(ws, job_id, lambda: False)
+        wait_all(ws, batch)
+    assert order[0] == job_id and order[1:] == batch
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "echo:sync"
+
+
+def test_a_client_that_goes_cancels_its_job_streamed_or_not(ws: str) -> None:
+    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}], "max_tokens": 400}
+    with serving(ws, words, workers=2):
+        flow = Flow(ws)
+        job_id, _, _ = nrvna.submit_request(ws, "/v1/chat/completions", chat)
+        began = time.monotonic()
+        gone = lambda: flow.status(job_id) is Status.Running and time.monotonic() - began > 0.3  # noqa: E731
+        with pytest.raises(nrvna._ClientGone):
+            nrvna.answer_request(ws, job_id, gone)
+        assert flow.wait(job_id, 10) is Status.Failed and flow.get(job_id).meta["code"] == "cancelled"
+        streamed, _, _ = nrvna.submit_request(ws, "/v1/chat/completions", dict(chat, stream=True))
+        answer = nrvna.RequestStream(ws, "/v1/chat/completions", streamed, False, lambda: False)
+        answer.start()
+        events = answer.events()
+        assert b"chat.completion.chunk" in next(events) and b'"content"' in next(events)
+        events.close()  # the server's write failed: the client is gone
+        assert flow.wait(streamed, 10) is Status.Failed and flow.get(streamed).meta["code"] == "cancelled"
+
+
+def test_a_stream_adds_up_to_the_unstreamed_body_choices_reasoning_and_tool_calls(ws: str) -> None:
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]
+
+    def runner(job: nrvna.RunningJob) -> Outcome:
+        for word in ("one ", "two ", "three"):
+            if "tools" not in job.params:  # as the daemon: a call's text is not its result
+                job.emit(word)
+            time.sleep(0.15)
+        if "tools" in job.params:
+            return Outcome("raw", "tool_calls", 3, 4, message={"content": None, "tool_calls": calls})
+        choices = [{"index": i, "text": f"{i}: one two three", "finish_reason": "stop", "generated_tokens": 2}
+                   for i in range(job.params.get("n", 1))]
+        return Outcome("one two three", "stop", 3, 4, reasoning="I think", reasoning_tokens=2,
+                       choices=[dict(choices[0], text="one two three"), *choices[1:]] if len(choices) > 1 else None)
+
+    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with serving(ws, runner, workers=2):
+        for body in (chat, dict(chat, n=3), dict(chat, tools=[tool])):
+            whole = _answer(ws, "/v1/chat/completions", body)
+            streamed = dict(body, stream=True, stream_options={"include_usage": True})
+            events = _answer(ws, "/v1/chat/completions", streamed)
+            assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == whole["usage"]
+            assert all(e["object"] == "chat.completion.chunk" and e["id"].startswith("chatcmpl-") for e in events[:-1])
+            texts = _streamed_texts(events)
+            for choice in whole["choices"]:
+                message = choice["message"]
+                assert texts[choice["index"]] == (message["content"] or "")
+                deltas = [c["delta"] for e in events[:-1] for c in e["choices"] if c["index"] == choice["index"]]
+                assert "".join(d.get("reasoning_content", "") for d in deltas) == message.get("reasoning_content", "")
+                streamed_calls = [call for d in deltas for call in d.get("tool_calls", [])]
+                assert [{k: v for k, v in c.items() if k != "index"} for c in streamed_calls] == \
+                       message.get("tool_calls", [])
+                ends = [c for e in events[:-1] for c in e["choices"] if c["index"] == choice["index"] and
+                        c["finish_reason"]]
+                assert [c["finish_reason"] for c in ends] == [choice["finish_reason"]]
+            assert len(whole["choices"]) == body.get("n", 1)
+        live = [e for e in _answer(ws, "/v1/completions", {"prompt": "p", "stream": True}) if e != "[DONE]"]
+        assert len([e for e in live if e["choices"][0]["text"]]) >= 2  # pieces as partial.txt grew
+        assert _streamed_texts(live) == {0: "one two three"} and all(e["object"] == "text_completion" for e in live)
+
+
+def test_a_stream_whose_partial_text_the_answer_contradicts_ends_with_an_error_never_a_wrong_text(ws: str) -> None:
+    def runner(job: nrvna.RunningJob) -> str:
+        job.emit("a text the answer does not go on from ")  # as a crafted partial.txt, or a run again
+        time.sleep(0.5)
+        return "another text"
+
+    with serving(ws, runner, workers=1):
+        events = _answer(ws, "/v1/completions", {"prompt": "p", "stream": True})
+    assert _streamed_texts(events[:-1]) == {0: "a text the answer does not go on from "}
+    assert events[-1]["error"]["type"] == "server_error" and "does not go on from" in events[-1]["error"]["message"]
+
+
+@pytest.mark.parametrize("code, status, kind", [
+    ("context_overflow", 400, "invalid_request_error"), ("runner_error", 500, "server_error"),
+    ("load_failed", 503, "server_error"), ("timeout", 504, "timeout"),
+])
+def test_a_failed_job_is_answered_with_its_codes_status(ws: str, code: str, status: int, kind: str) -> None:
+    def runner(job: nrvna.RunningJob) -> str:
+        if job.prompt == "later":  # fails once its stream has begun
+            job.emit("some text ")
+            time.sleep(0.5)
+        raise nrvna.JobError(code, f"it failed: {code}")
+
+    with serving(ws, runner, workers=1):
+        for stream in (False, True):
+            with pytest.raises(nrvna.ApiError) as caught:
+                _answer(ws, "/v1/completions", {"prompt": "p", "stream": stream})
+            error = caught.value
+            assert (error.status, error.type, error.code) == (status, kind, code) and "it failed" in error.message
+        events = _answer(ws, "/v1/completions", {"prompt": "later", "stream": True})
+    assert _streamed_texts(events[:-1]) == {0: "some text "} and "[DONE]" not in events
+    assert events[-1]["error"]["code"] == code and events[-1]["error"]["type"] == kind
+    assert set(nrvna.FAILURE_STATUS) == set(nrvna.FAILURE_CODES)
+
+
+def test_a_request_no_daemon_serves_is_cancelled_with_a_503(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nrvna, "SYNC_UNSERVED_SECONDS", 0.5)
+    monkeypatch.setattr(nrvna, "SYNC_UNSERVED_LOOK", 0.1)
+    for stream in (False, True):
+        began = time.monotonic()
+        with pytest.raises(nrvna.ApiError) as caught:
+            _answer(ws, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": stream})
+        assert caught.value.status == 503 and "no daemon is running" in caught.value.message
+        assert time.monotonic() - began >= 0.5
+    flow = Flow(ws)
+    assert [flow.get(j).meta["code"] for j in os.listdir(os.path.join(ws, nrvna.FAILED))] == ["cancelled"] * 2
+    stranded = orphan(ws, "its daemon died", attempts=1)  # running, and no daemon lives to go on with it
+    with pytest.raises(nrvna.ApiError) as caught:
+        nrvna.answer_request(ws, stranded, lambda: False)
+    assert caught.value.status == 503 and os.path.exists(os.path.join(ws, nrvna.PROCESSING, stranded, "cancel"))
+    with serving(ws, echo, workers=1):  # the next daemon's recovery ends it cancelled: never stuck
+        assert flow.wait(stranded, 10) is Status.Failed and flow.get(stranded).meta["code"] == "cancelled"
+
+
+def test_over_http_a_request_answers_streams_refuses_and_a_closed_connection_cancels(
+        ws: str, api: nrvna.ApiServer) -> None:
+    import socket
+
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    with serving(ws, words, workers=2):
+        status, headers, body = http(api, "POST", "/v1/chat/completions", json.dumps(chat).encode())
+        answer = json.loads(body)
+        assert status == 200 and answer["choices"][0]["message"]["content"] == "w0 w1 w2 "
+        assert answer["id"] == f"chatcmpl-{headers['x-nrvna-job-id']}"
+        status, headers, body = http(api, "POST", "/v1/chat/completions", json.dumps(dict(chat, stream=True)).encode())
+        assert status == 200 and headers["content-type"] == "text/event-stream" and body.endswith(b"data: [DONE]\n\n")
+        status, _, body = http(api, "POST", "/v1/completions", json.dumps({"prompt": "p", "n": 0}).encode())
+        assert status == 400 and json.loads(body) == {"error": {
+            "message": "parameter n=0 is out of range (1 to 128)", "type": "invalid_request_error", "param": "n",
+            "code": None}}
+        flow = Flow(ws)
+        for stream in (False, True):
+            before = set(os.listdir(os.path.join(ws, nrvna.READY))) | set(os.listdir(os.path.join(ws, nrvna.OUTPUT)))
+            sock = socket.create_connection(api.address, timeout=30)
+            data = json.dumps(dict(chat, max_tokens=1000, stream=stream)).encode()
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+            deadline = time.monotonic() + 10
+            while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            [job_id] = set(os.listdir(os.path.join(ws, nrvna.PROCESSING))) - before
+            if stream:
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # the stream has begun
+            sock.close()
+            assert flow.wait(job_id, 10) is Status.Failed and flow.get(job_id).meta["code"] == "cancelled"
+
+
+def test_a_server_killed_mid_request_leaves_its_job_to_complete(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    monkeypatch.setenv("TEST_WORD_DELAY", "0.05")  # 40 words: 2 s
+    daemon = registered_daemon(ws, "words", "-w", "1")
+    server = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL)
+    try:
+        url = server.stdout.readline().decode().strip()  # http://127.0.0.1:PORT/v1
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        data = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 40}).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(data), data))
+        deadline = time.monotonic() + 30
+        while not os.listdir(os.path.join(ws, nrvna.PROCESSING)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [job_id] = os.listdir(os.path.join(ws, nrvna.PROCESSING))
+        server.kill()  # SIGKILL, the client still connected
+        server.wait()
+        assert Flow(ws).status(job_id) is Status.Running
+        assert Flow(ws).wait(job_id, 30) is Status.Done and Flow(ws).get(job_id).result.startswith("w0 w1")
+        sock.close()
+    finally:
+        server.kill()
+        daemon.terminate()
+        daemon.wait()
+
+
+@pytest.mark.model
+def test_the_openai_client_chats_streams_completes_calls_tools_and_embeds_through_the_queue(
+        ws: str, model: str, bert: str) -> None:
+    import openai
+
+    daemons = [Server(model, ws, 1), Server(bert, ws, 1)]
+    for daemon in daemons:
+        daemon.start()
+    try:
+        with nrvna.ApiServer(ws, port=0) as api:
+            host, port = api.address
+            client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0)
+            chat, embed = Path(model).stem, Path(bert).stem
+            asked = {"model": chat, "messages": [{"role": "user", "content": "Name three colors."}],
+                     "temperature": 0, "max_tokens": 40}
+            for n in (1, 2):
+                plain = client.chat.completions.create(**asked, n=n)
+                chunks = list(client.chat.completions.create(**asked, n=n, stream=True,
+                                                             stream_options={"include_usage": True}))
+                assert [c.message.content for c in plain.choices] == [
+                    "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                    for i in range(n)]
+                assert plain.choices[0].message.content and chunks[-1].usage == plain.usage
+                assert plain.model == chat + ".gguf" and chunks[0].id == f"chatcmpl-{chunks[0].id[9:]}"
+            assert len({c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content}) > 1
+            said = client.completions.create(model=chat, prompt="The capital of France is", max_tokens=8, temperature=0)
+            pieces = client.completions.create(model=chat, prompt="The capital of France is", max_tokens=8,
+                                               temperature=0, stream=True)
+            assert "".join(c.choices[0].text for c in pieces) == said.choices[0].text != ""
+            tool = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                                     "parameters": {"type": "object", "properties": {
+                                                         "city": {"type": "string"}}, "required": ["city"]}}}
+            called = {**asked, "max_tokens": 160, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                      "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+            calls = client.chat.completions.create(**called).choices[0].message.tool_calls
+            assert calls[0].function.name == "get_weather" and "city" in json.loads(calls[0].function.arguments)
+            streamed = [call for c in client.chat.completions.create(**called, stream=True) if c.choices
+                        for call in c.choices[0].delta.tool_calls or ()]
+            assert [(c.function.name, c.function.arguments) for c in streamed] == \
+                   [(c.function.name, c.function.arguments) for c in calls]  # (IDs: each job's own)
+            schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+                      "required": ["color"], "additionalProperties": False}
+            shaped = client.chat.completions.create(**asked, response_format={
+                "type": "json_schema", "json_schema": {"name": "color", "schema": schema, "strict": True}})
+            assert json.loads(shaped.choices[0].message.content)["color"] in ("red", "green", "blue")
+            vectors = client.embeddings.create(model=embed, input=["hello", "world"])
+            assert [v.index for v in vectors.data] == [0, 1] and len(vectors.data[0].embedding) == 384
+            assert vectors.usage.prompt_tokens > 0 and vectors.model == embed + ".gguf"
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(**asked, extra_body={"temperatur": 1})
+            assert refused.value.body["param"] == "temperatur"
+    finally:
+        for daemon in daemons:
+            daemon.shutdown()
+
+
+# ==============================================================================
+# 14. CLI: output, exit codes, pipes
 # ==============================================================================
 
 
@@ -11544,7 +13792,8 @@ def test_cli_submit_prints_the_id_alone_and_get_prints_the_result_exactly(ws: st
 
 
 def test_cli_exit_codes_and_messages(ws: str, run_main: RunMain) -> None:
-    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "it broke")) if "x" in job.prompt else "ok"):
+    with serving(ws, lambda job: (_ for _ in ()).throw(nrvna.JobError("bad_request", "it broke")) if "x" in job.prompt
+                 else "ok"):
         bad = run_main("submit", ws, "x", "--wait", "--timeout", "20")
         good = run_main("submit", ws, "y", "--wait", "--timeout", "20")
     assert bad.returncode == 1 and b"failed: it broke" in bad.stderr and bad.stdout == b""
@@ -11576,7 +13825,8 @@ def test_cli_refuses_bad_ids_with_exit_2(ws: str, bad_id: str, run_main: RunMain
     (("status",), None, b"required"),
     (("frobnicate", "WS"), None, b"invalid choice"),
 ])
-def test_cli_bad_input_is_one_line_and_exit_2(ws: str, args: tuple, stdin: bytes | None, message: bytes, run_main: RunMain) -> None:
+def test_cli_bad_input_is_one_line_and_exit_2(ws: str, args: tuple, stdin: bytes | None, message: bytes,
+                                              run_main: RunMain) -> None:
     done = run_main(*[ws if a == "WS" else a for a in args], input=stdin)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert b"Traceback" not in done.stderr and done.stdout == b""
@@ -11611,7 +13861,8 @@ def peak_run(args: list[str], stdin: str | None, tmp_path: Path) -> tuple[int, s
     (["--embed", "-"], "/dev/zero", "1048576 bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)"),
     (["hi", "--grammar", "/dev/zero"], None, "262144 bytes, the limit of --grammar"),
     (["hi", "--json-schema", "/dev/zero"], None, "1048576 bytes, the limit of --json-schema"),
-    (["--file", "data.csv", "--template-file", "/dev/zero"], None, "1048576 bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)"),
+    (["--file", "data.csv", "--template-file", "/dev/zero"], None,
+     "1048576 bytes, the limit of a prompt (NRVNA_MAX_PROMPT_BYTES)"),
 ])
 def test_an_endless_input_is_refused_at_its_limit_in_bounded_memory(ws: str, tmp_path: Path, args: list[str],
                                                                      stdin: str | None, limit: str) -> None:
@@ -11626,7 +13877,8 @@ def test_an_endless_input_is_refused_at_its_limit_in_bounded_memory(ws: str, tmp
 def test_an_endless_batch_of_good_lines_stops_at_the_line_limit(ws: str) -> None:
     """`yes | nrvna submit ws --file -`: every line a good prompt, and no end. Under a 1 GiB
     address-space cap it died of MemoryError before; it stops at NRVNA_MAX_BATCH_LINES."""
-    done = subprocess.run(["bash", "-c", f"ulimit -v {1 << 20}; yes | '{sys.executable}' '{SCRIPT}' submit '{ws}' --file -"],
+    done = subprocess.run(["bash", "-c", f"ulimit -v {1 << 20}; yes | '{sys.executable}' '{SCRIPT}' submit '{ws}' "
+                           "--file -"],
                           capture_output=True, timeout=120, env={**os.environ, "NRVNA_MAX_BATCH_LINES": "200000"})
     assert done.returncode == 2 and done.stderr.count(b"\n") == 1, done.stderr[-500:]
     assert b"line 200001: a batch file holds at most 200,000 lines (NRVNA_MAX_BATCH_LINES)" in done.stderr
@@ -11691,17 +13943,31 @@ def test_setup_puts_the_nrvna_command_in_the_venv(tmp_path: Path, model_file: st
         (repo / "models" / os.path.basename(model)).symlink_to(model)
     base = getattr(sys, "_base_executable", sys.executable)
     subprocess.run([base, "-m", "venv", "--without-pip", str(repo / ".venv")], check=True, timeout=120)
-    site = subprocess.run([str(repo / ".venv/bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    site = subprocess.run([str(repo / ".venv/bin/python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     Path(site, "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     for _ in range(2):  # idempotent
         done = subprocess.run(["bash", str(repo / "scripts/setup.sh")], capture_output=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
-    version = subprocess.run([str(repo / ".venv/bin/nrvna"), "--version"], cwd=tmp_path, capture_output=True, timeout=60)
+    version = subprocess.run([str(repo / ".venv/bin/nrvna"), "--version"], cwd=tmp_path, capture_output=True,
+                             timeout=60)
     assert version.returncode == 0 and version.stdout.decode().split() == ["nrvna", nrvna.__version__], version
     ws = str(tmp_path / "ws")
     job_id = subprocess.run([str(repo / ".venv/bin/nrvna"), "submit", ws, "hi"], capture_output=True, timeout=60).stdout
     assert Flow(ws).status(job_id.decode().strip()) is Status.Queued
+    # The command imports nrvna.py rather than running it as a script (whose syntax tree, 42 MiB,
+    # would stay in memory): `nrvna serve`, a long-lived process, holds at most 50 MiB idle.
+    served = subprocess.Popen([str(repo / ".venv/bin/nrvna"), "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL)
+    try:
+        assert served.stdout is not None and served.stdout.readline().startswith(b"http://127.0.0.1:")
+        time.sleep(2)
+        resident = int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{served.pid}/status").read_text()).group(1))
+        assert resident <= 50 << 10, f"{resident} kB resident"
+    finally:
+        served.kill()
+        served.wait()
     script = repo.parent / "use.py"
     script.write_text("import nrvna\nfrom nrvna import Flow, Work\n"
                       f"print(nrvna.__file__, Flow({ws!r}).status(Work({ws!r}).submit('hi').id).value)\n")
@@ -11733,8 +13999,10 @@ def test_a_flag_typo_is_an_error_that_points_to_its_command_s_help(ws: str, run_
     """#57: argparse took `--max-token 5` as --max-tokens (an abbreviation), and an unknown flag's
     error pointed to `nrvna --help`: abbreviations are off everywhere, and the error names the
     command's own help. Nothing is queued."""
-    for args, command in ((("submit", ws, "hi", "--max-token", "5"), "submit"), (("get", ws, "1_1_1", "--reason"), "get"),
-                          (("daemon", "m.gguf", ws, "--max-mem", "1G"), "daemon"), (("wait", ws, "--time", "1"), "wait"),
+    for args, command in ((("submit", ws, "hi", "--max-token", "5"), "submit"),
+                          (("get", ws, "1_1_1", "--reason"), "get"),
+                          (("daemon", "m.gguf", ws, "--max-mem", "1G"), "daemon"),
+                          (("wait", ws, "--time", "1"), "wait"),
                           (("export", ws, "--format", "jsonl", "--id", "x"), "export")):
         done = run_main(*args)
         message = done.stderr.decode()
@@ -11792,3 +14060,43 @@ def test_client_commands_do_not_import_llama_cpp(tmp_path: Path) -> None:
             "assert 'llama_cpp' not in sys.modules and 'logging' not in sys.modules; print('ok')")
     done = subprocess.run([sys.executable, "-S", "-c", code], cwd=bare, capture_output=True, timeout=60)
     assert done.stdout == b"ok\n", done.stderr
+
+
+def test_cli_structured_output_flags(ws: str, tmp_path: Path, run_main: RunMain) -> None:
+    flow = Flow(ws)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    path = write(tmp_path / "answer.json", json.dumps(schema))
+    for args, expected in [
+        (("--json-schema", path), schema_format(schema, "answer")),
+        (("--json-schema", json.dumps(schema)), schema_format(schema, "schema")),
+        (("--json-schema", json.dumps({"name": "w", "schema": schema})),
+         {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}),
+        (("--json-schema", json.dumps(schema_format(schema, "full"))), schema_format(schema, "full")),
+        (("--json",), {"type": "json_object"}),
+    ]:
+        done = run_main("submit", ws, "hi", *args)
+        assert done.returncode == 0, done.stderr
+        assert flow.get(done.stdout.decode().strip()).params["response_format"] == expected, args
+    grammar = write(tmp_path / "yn.gbnf", 'root ::= "yes" | "no"\n')
+    done = run_main("submit", ws, "hi", "--grammar", grammar, "--logprobs", "--top-logprobs", "2",
+                    "--logit-bias", "15=-100", "--logit-bias", "7=2.5")
+    params = flow.get(done.stdout.decode().strip()).params
+    assert params == {"grammar": 'root ::= "yes" | "no"\n', "logprobs": True, "top_logprobs": 2,
+                      "logit_bias": {"15": -100.0, "7": 2.5}}
+    before = flow.counts()["queued"]
+    for args, message in [
+        (("--json", "--json-schema", path), b"not allowed with argument"),
+        (("--json-schema", str(tmp_path / "missing.json")), b"cannot read"),
+        (("--json-schema", "[1]"), b"is not a JSON object"),
+        (("--json-schema", '{"type": "string", "pattern": "^(x)\\\\1$"}'), b"a backreference (\\1) is not supported"),
+        (("--grammar", write(tmp_path / "bad.gbnf", "root ::= nothing\n")),
+         b"rule 'nothing' is used but never defined"),
+        (("--logit-bias", "x=1"), b"is not TOKEN_ID=BIAS"),
+        (("--logprobs", "--top-logprobs", "21"), b"out of range (0 to 20)"),
+        (("--json", "--stop", "}"), b"stop cannot be combined"),
+    ]:
+        done = run_main("submit", ws, "hi", *args)
+        assert done.returncode == 2 and message in done.stderr and done.stdout == b"", (args, done.stderr)
+        assert b"Traceback" not in done.stderr
+    assert flow.counts()["queued"] == before
+

@@ -96,7 +96,8 @@ def main() -> None:
     n = args.lines
     print(f"machine: {machine()}; {n:,} lines")
     print(table(["step", "seconds", "jobs/s", "vs single-submit loop", "peak RSS MB"], [
-        [f"single-submit loop (Work.publish x {args.single:,})", args.single / single_rate, single_rate, 1, float("nan")],
+        [f"single-submit loop (Work.publish x {args.single:,})", args.single / single_rate, single_rate, 1,
+         float("nan")],
         [f"submit --file ({n:,} JSONL lines, tag)", submit_s, n / submit_s, n / submit_s / single_rate, submit_rss],
         ["status --tag (all queued)", status_s, float("nan"), float("nan"), status_rss],
         ["wait --tag --timeout 0 (all queued)", wait_s, float("nan"), float("nan"), float("nan")],

@@ -38,7 +38,8 @@ def documents(count: int) -> list[str]:
     for i in range(count):
         rng = random.Random(i)
         notes = " ".join(rng.choice(WORDS) for _ in range(150))
-        texts.append(f"Notes about {TOPICS[i % len(TOPICS)]} (set {i}): {notes}. Summarize these notes in one sentence.")
+        texts.append(f"Notes about {TOPICS[i % len(TOPICS)]} (set {i}): {notes}. Summarize these notes in one "
+                     "sentence.")
     return texts
 
 

@@ -17,7 +17,8 @@ import nrvna  # noqa: E402
 PYTHON = sys.executable  # the real interpreter, not a pyenv shim (that adds ~25 ms per start)
 
 
-def daemon(ws: str, *args: str, runner: str = "lambda job: 'ok'", env: dict[str, str] | None = None) -> subprocess.Popen:
+def daemon(ws: str, *args: str, runner: str = "lambda job: 'ok'",
+           env: dict[str, str] | None = None) -> subprocess.Popen:
     """`nrvna daemon` in a child process with an injected runner expression (no model)."""
     code = (f"import sys; sys.path.insert(0, {ROOT!r}); import nrvna; "
             f"sys.exit(nrvna.main(['daemon', '-', {ws!r}, *{list(args)!r}], runner={runner}))")

@@ -168,7 +168,8 @@ def saved_states(ws: str) -> dict[str, int]:
     """The workspace's saved state files and their sizes ({} while the store is absent)."""
     try:
         with os.scandir(states_folder(ws)) as entries:
-            return {e.name: e.stat().st_size for e in entries if e.name.endswith(STATE_SUFFIX) and not e.name.startswith(".")}
+            return {e.name: e.stat().st_size for e in entries if e.name.endswith(STATE_SUFFIX)
+                    and not e.name.startswith(".")}
     except OSError:
         return {}
 
@@ -272,7 +273,8 @@ class Server:
         self.port = free_port()
         cores = nrvna.cpu_count()
         self.proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-np", "1",
-                                      "-c", str(ctx), "-t", str(cores), "-tb", str(cores), "--no-webui", *gpu_offload()],
+                                      "-c", str(ctx), "-t", str(cores), "-tb", str(cores), "--no-webui",
+                                      *gpu_offload()],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while True:
@@ -448,7 +450,8 @@ def run_conversation(args: argparse.Namespace, texts: Texts) -> None:
                      "—" if None in computed else f"{sum(computed):,}", f"{sum(disk):,}" if disk else "—",
                      f"{same}/{args.turns}", "—" if same_a is None else f"{same_a}/{args.turns}"])
     print(table(["arm", "total s", "range", f"vs {BASELINE}, round by round", f"median vs {BASELINE}",
-                 "last turn s", f"last turn vs {BASELINE}", "prompt computed", "from disk", f"text = {BASELINE}'s", "text = a's"], rows))
+                 "last turn s", f"last turn vs {BASELINE}", "prompt computed", "from disk", f"text = {BASELINE}'s",
+                 "text = a's"], rows))
 
 
 # -- the acceptance checks -----------------------------------------------------------------------
@@ -519,7 +522,8 @@ def check_restore(args: argparse.Namespace, texts: Texts, base: str) -> list[lis
     print(f"turn 2: {worst.prompt_tokens:,} prompt tokens; after the SIGKILL computed "
           f"{', '.join(_cell(t.computed) for t in killed)} (from disk {', '.join(_cell(t.disk) for t in killed)}); "
           f"never stopped computed {', '.join(_cell(t.computed) for t in kept)}")
-    print(f"turn 2 with max_tokens 1, wall s per round: after the SIGKILL {', '.join(f'{t.latency:.3f}' for t in killed)}; "
+    print("turn 2 with max_tokens 1, wall s per round: after the SIGKILL "
+          f"{', '.join(f'{t.latency:.3f}' for t in killed)}; "
           f"never stopped {', '.join(f'{t.latency:.3f}' for t in kept)}")
     print(f"turn 1's answer equal on both daemons: {'yes' if w1.text == t1.text else 'NO'}")
     return [
@@ -529,7 +533,8 @@ def check_restore(args: argparse.Namespace, texts: Texts, base: str) -> list[lis
         [f"turn 2's time to first token (wall of turn 2 with max_tokens 1, median of {args.check_rounds})",
          f"{ttft_killed:.3f} s vs {ttft_kept:.3f} s never stopped ({ttft_killed / ttft_kept:.2f}x; meta finished - "
          f"started {_cell(run_killed, 3)} vs {_cell(run_kept, 3)} s; restarted with the store off, computing all "
-         f"{recompute.prompt_tokens:,}: {recompute.latency:.3f} s)", "<= 1.3x", _verdict(ttft_killed <= 1.3 * ttft_kept)],
+         f"{recompute.prompt_tokens:,}: {recompute.latency:.3f} s)", "<= 1.3x",
+         _verdict(ttft_killed <= 1.3 * ttft_kept)],
         [f"turn 2's text ({args.check_text_tokens} tokens, temperature 0) equals the never-stopped daemon's",
          "equal" if text_killed == text_kept else f"differs: {text_killed[:60]!r} vs {text_kept[:60]!r}", "equal",
          _verdict(text_killed == text_kept)],
@@ -573,7 +578,8 @@ def check_batch(args: argparse.Namespace, texts: Texts, base: str) -> list[list[
                         f"{sum(r.get('disk', 0) for r in reused):,}" if any(reused) else "—",
                         "—" if None in computed else sum(c >= prefix for c in computed),
                         f"{sum(saved_states(ws).values()) / 1e6:.0f} MB in {len(saved_states(ws))}"])
-    print(f"\nbatch: {args.lines} lines, system prompt {prefix:,} tokens (its text alone), {args.line_tokens} tokens each; "
+    print(f"\nbatch: {args.lines} lines, system prompt {prefix:,} tokens (its text alone), {args.line_tokens} tokens "
+          "each; "
           f"NRVNA_MAX_CTX={8 * need}, other settings default; SIGKILL and restart between the runs")
     print(table(["run", "jobs", "s", "prompt tokens", "computed", "from memory", "from disk",
                  "jobs that computed the system prompt", "states on disk after"], results))

@@ -317,7 +317,8 @@ def timed_step(self, decode):
     s1 = time.perf_counter()
     if mark:
         with lock:
-            records.append([threading.current_thread().name, s0, s1, mark["d0"], mark["d1"], mark["texts"], mark["tokens"]])
+            records.append([threading.current_thread().name, s0, s1, mark["d0"], mark["d1"], mark["texts"],
+                            mark["tokens"]])
     return ended
 
 nrvna._Embedder.step = timed_step
@@ -614,7 +615,8 @@ def main() -> None:
     for arm in args.server_arms.split(","):
         slots, ubatch, clients, *extra = arm.split(":", 3)
         flags = extra[0].split() if extra else []
-        name = f"llama-server -np {slots} -ub {ubatch}{''.join(' ' + f for f in flags)}, {clients} clients x {PACK} inputs"
+        options = "".join(" " + f for f in flags)
+        name = f"llama-server -np {slots} -ub {ubatch}{options}, {clients} clients x {PACK} inputs"
         servers[name] = (int(slots), int(ubatch), int(clients), flags)
     variants, every_round = {}, set()
     for variant in filter(None, (v.strip() for v in args.variants.split(";"))):
@@ -705,7 +707,8 @@ def main() -> None:
                      processing / llama_rate if is_nrvna else float("nan"), f"{cos:.6f}",
                      max(r["other"] for r in arm)])
     print(f"machine: {machine()}; model {os.path.basename(args.model)} ({dims.pop()} dims); {n:,} texts of "
-          f"{min(counts)}-{max(counts)} tokens (mean {statistics.mean(counts):.0f}, {tokens:,} in all), seed {args.seed}")
+          f"{min(counts)}-{max(counts)} tokens (mean {statistics.mean(counts):.0f}, {tokens:,} in all), seed "
+          f"{args.seed}")
     print(f"median of {args.rounds} interleaved rounds per arm (texts/s range across rounds alongside); "
           "nrvna 'incl. load' = daemon start to exit (Python start, model load, drain), 'processing' = first "
           "job claimed to last job finished; the baselines are warm")

@@ -56,7 +56,8 @@ def host_model(source: str, gguf_py: str | None) -> str:
     key = hashlib.sha256(f"v2:{os.path.abspath(source)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = os.path.join(CACHE, f"host-{key}.gguf")
     if not os.path.exists(out):
-        gguf_py = gguf_py or next(iter(sorted(glob.glob(os.path.join(CACHE, "llama-server-*", "src", "gguf-py")))), None)
+        gguf_py = gguf_py or next(iter(sorted(glob.glob(os.path.join(CACHE, "llama-server-*", "src", "gguf-py")))),
+                                  None)
         os.makedirs(CACHE, exist_ok=True)
         command = [PYTHON, os.path.join(ROOT, "bench", "random_model.py"), source, out + ".tmp", "--shape", "host"]
         subprocess.run(command + (["--gguf-py", gguf_py] if gguf_py else []), check=True)
@@ -198,7 +199,8 @@ def session_host_work(model: str, shortlist: bool, seqs: int, tokens: int, penal
     session = runner.session(0, config)
     try:
         for i in range(seqs):
-            session.start(nrvna.RunningJob("1_1_1", f"Story {i}", {"max_tokens": tokens, "ignore_eos": True, "seed": i + 1,
+            session.start(nrvna.RunningJob("1_1_1", f"Story {i}",
+                                           {"max_tokens": tokens, "ignore_eos": True, "seed": i + 1,
                                                                    "repeat_penalty": penalty}, threading.Event()))
         decode, spent = session._decode, [0.0]
 
@@ -229,15 +231,18 @@ def in_process(model: str, rounds: int, penalty: float) -> None:
             runs[shortlist].append(session_host_work(model, shortlist, 16, 128, penalty))
     print(f"machine: {machine()}; model {os.path.basename(model)}; one session in this process, 16 jobs x 128 "
           f"tokens, repeat_penalty {penalty}; {rounds} alternating rounds")
-    rows = [[name, statistics.median(h for h, _ in runs[on]), f"{min(h for h, _ in runs[on]):.1f}-{max(h for h, _ in runs[on]):.1f}",
+    rows = [[name, statistics.median(h for h, _ in runs[on]),
+             f"{min(h for h, _ in runs[on]):.1f}-{max(h for h, _ in runs[on]):.1f}",
              statistics.median(d for _, d in runs[on])]
-            for name, on in (("top_k draws from the k likeliest (now)", True), ("every draw from the whole vocabulary", False))]
+            for name, on in (("top_k draws from the k likeliest (now)", True),
+                             ("every draw from the whole vocabulary", False))]
     print(table(["sampling", "host us a token (median)", "range", "decode us a token"], rows))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", nargs="?", default=default_model(), help="the GGUF whose tokenizer and metadata to use")
+    parser.add_argument("source", nargs="?", default=default_model(),
+                        help="the GGUF whose tokenizer and metadata to use")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)

@@ -38,7 +38,8 @@ QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "How do v
              "How many legs does a spider have?", "What is a prime number?"]
 INSTRUCTIONS = ["List three uses of a paperclip.", "Write a haiku about autumn leaves.",
                 "Explain recursion to a ten-year-old.", "Give me a recipe for pancakes.",
-                "Translate 'good morning, my friend' into Spanish.", "Summarize the plot of Cinderella in two sentences.",
+                "Translate 'good morning, my friend' into Spanish.",
+                "Summarize the plot of Cinderella in two sentences.",
                 "Write a limerick about a forgetful robot.", "Give five tips for a job interview.",
                 "Describe the color red to someone who cannot see.", "Write a polite email declining a meeting.",
                 "Name four planets and one fact about each.", "Write a Python function that reverses a string."]

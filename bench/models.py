@@ -9,8 +9,9 @@ width 64 with SmolLM2's vocabulary (bench/random_model.py --shape host, cached a
 host_bound.py caches it), whose decode and load cost little; all-MiniLM-L6-v2 (embeddings C,
 made by scripts/embed_model.py when missing). The batch:
 JOBS lines per model in file order A, B, C, A, B, C, ... as OpenAI Batch lines naming their
-model (nrvna gets the same jobs as its own JSONL lines, which may say ignore_eos): a chat line generates TOKENS tokens (end-of-generation ignored, temperature 0.8, top_k
-40, top_p 0.9, min_p 0.05), an embedding line embeds 2 texts.
+model (nrvna gets the same jobs as its own JSONL lines, which may say ignore_eos): a chat line
+generates TOKENS tokens (end-of-generation ignored, temperature 0.8, top_k 40, top_p 0.9, min_p
+0.05), an embedding line embeds 2 texts.
 
 Arms:
 - llama-server in router mode: `--models-dir` holding A and B, a `--models-preset` adding C
@@ -125,7 +126,8 @@ def router_arm(binary: str, paths: dict[str, str], lines: list[dict], most: int,
         lock, done = threading.Lock(), [0]
 
         def send(line: dict) -> None:
-            request = urllib.request.Request(f"http://127.0.0.1:{port}{line['url']}", data=json.dumps(line["body"]).encode(),
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{line['url']}",
+                                             data=json.dumps(line["body"]).encode(),
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=900) as response:
                 reply = json.loads(response.read())
@@ -202,7 +204,8 @@ def load_ahead(paths: dict[str, str], lines: list[dict], base: str, rounds: int)
     for most in (2, 3):
         off, on = runs[(most, "0")], runs[(most, "1")]
         rows.append([f"room for {most}", statistics.median(off), statistics.median(on),
-                     ", ".join(f"{a / b:.2f}" for a, b in zip(off, on)), statistics.median(off) / statistics.median(on)])
+                     ", ".join(f"{a / b:.2f}" for a, b in zip(off, on)),
+                     statistics.median(off) / statistics.median(on)])
     print(table(["nrvna, one daemon", "seconds, each model at its turn", "seconds, the next loaded ahead",
                  "speed-up, round by round", "speed-up of the medians"], rows))
 
@@ -247,7 +250,8 @@ def main() -> None:
         arms = [(f"nrvna: one daemon, --max-loaded {most}", lambda most=most: nrvna_arm(paths, lines, base, most), "")
                 for most in (1, 2, 3)]
         arms.append(("nrvna: one --drain daemon per model, in a row", lambda: nrvna_arm(paths, lines, base), ""))
-        arms += [(f"llama-server router, --models-max {most}", lambda most=most: router_arm(binary, paths, lines, most, base),
+        arms += [(f"llama-server router, --models-max {most}",
+                  lambda most=most: router_arm(binary, paths, lines, most, base),
                   os.path.join(base, f"router-{most}.log")) for most in (2, 3)]
         results = {}
         for name, arm, log in arms:  # an arm that fails is reported and left out; the others still run
@@ -264,7 +268,8 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     print(f"{header(args, lines)} ({args.jobs} per model: 2 chat models x {args.tokens} tokens, "
           "1 embedding model x 2 texts), interleaved line by line")
-    rows = [[name, r["seconds"], r["jobs/s"], r.get("serving", r["seconds"]), len(lines) / r.get("serving", r["seconds"]),
+    rows = [[name, r["seconds"], r["jobs/s"], r.get("serving", r["seconds"]),
+             len(lines) / r.get("serving", r["seconds"]),
              r["loads"]] for name, r in results.items()]
     print(table(["arm", "seconds", "jobs/s", "serving s", "serving jobs/s", "model loads"], rows))
     print("seconds: nrvna from the submit to the daemon's exit, its start (Python, llama.cpp, the first model)"
@@ -272,12 +277,14 @@ def main() -> None:
           "serving: nrvna from the daemon's 'Server started' to its 'Queue drained' (the first model's load"
           " excluded, the others' included); the router's the same as its seconds (every load included).")
     for most in (2, 3):  # the same room for models on both sides
-        if f"nrvna: one daemon, --max-loaded {most}" not in results or f"llama-server router, --models-max {most}" not in results:
+        ours_name, theirs_name = f"nrvna: one daemon, --max-loaded {most}", f"llama-server router, --models-max {most}"
+        if ours_name not in results or theirs_name not in results:
             continue
-        ours, theirs = results[f"nrvna: one daemon, --max-loaded {most}"], results[f"llama-server router, --models-max {most}"]
+        ours, theirs = results[ours_name], results[theirs_name]
         print(f"room for {most} models: nrvna {ours['jobs/s']:.2f} jobs/s ({ours['loads']} loads) against the router's "
               f"{theirs['jobs/s']:.2f} ({theirs['loads']} loads): {ours['jobs/s'] / theirs['jobs/s']:.2f}x; serving "
-              f"{len(lines) / ours['serving'] / theirs['jobs/s']:.2f}x; with the router's start ({theirs['start']:.2f} s) "
+              f"{len(lines) / ours['serving'] / theirs['jobs/s']:.2f}x; with the router's start ({theirs['start']:.2f} "
+              "s) "
               f"counted as nrvna's is: {(theirs['seconds'] + theirs['start']) / ours['seconds']:.2f}x")
     for name, r in results.items():
         if "by model" in r:

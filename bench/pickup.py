@@ -86,7 +86,8 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     ms = lambda v: v * 1000  # noqa: E731
     rows = []
-    for name, values in ((f"nrvna (inotify), {len(ours)} jobs", ours), (f"spec's 1 s scan loop, {len(spec)} jobs", spec)):
+    for name, values in ((f"nrvna (inotify), {len(ours)} jobs", ours),
+                         (f"spec's 1 s scan loop, {len(spec)} jobs", spec)):
         rows.append([name, ms(statistics.median(values)), ms(percentile(values, 99)), ms(statistics.mean(values)),
                      statistics.mean(spec) / statistics.mean(values)])
     print(f"machine: {machine()}")

@@ -105,7 +105,8 @@ def main() -> None:
         for _ in range(2):  # warm-up: model pages, contexts
             latency(ws)
         idle = [latency(ws) for _ in range(args.rounds)]
-        lines = b"".join(b'{"prompt": "Story %d: ' % i + PROMPT.encode() + b'", "max_tokens": 256, "ignore_eos": true}\n'
+        lines = b"".join(b'{"prompt": "Story %d: ' % i + PROMPT.encode()
+                         + b'", "max_tokens": 256, "ignore_eos": true}\n'
                          for i in range(args.backlog))
         nrvna.Work(ws).submit_file(lines, jsonl=True, tag="backlog")
         deadline = time.monotonic() + 120

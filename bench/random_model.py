@@ -34,7 +34,8 @@ def copy_metadata(reader, writer, arch: str) -> None:  # noqa: ANN001 (gguf-py t
 
     for field in reader.fields.values():
         name = field.name
-        if (name.startswith("GGUF.") or name in ("general.architecture", "general.file_type", "general.alignment", "general.name")
+        if (name.startswith("GGUF.")
+            or name in ("general.architecture", "general.file_type", "general.alignment", "general.name")
                 or (name.startswith(arch + ".") and name[len(arch) + 1:] in SHAPE_KEYS)):
             continue
         kind = field.types[0]

@@ -34,13 +34,15 @@ BAN_EOG = {"0": -100.0, "2": -100.0, "4": -100.0}  # SmolLM2's end-of-generation
 
 
 def prompts(count: int) -> list[str]:
-    return [f"Question {i}: what is worth knowing about {TOPICS[i % len(TOPICS)]}? Think, then answer." for i in range(count)]
+    return [f"Question {i}: what is worth knowing about {TOPICS[i % len(TOPICS)]}? Think, then answer."
+            for i in range(count)]
 
 
 def arm(daemon: Daemon, texts: list[str], tokens: int, budgets: tuple[int, ...]) -> tuple[float, int, list[int]]:
     """Completion tokens/s of one arm, its empty answers, and each job's reasoning tokens less its
     budget (budgets: one per job in turn; () for no budget parameter)."""
-    params = [dict(SAMPLING, logit_bias=BAN_EOG, **({"thinking_budget_tokens": budgets[i % len(budgets)]} if budgets else {}))
+    params = [dict(SAMPLING, logit_bias=BAN_EOG,
+                   **({"thinking_budget_tokens": budgets[i % len(budgets)]} if budgets else {}))
               for i in range(len(texts))]
     start = time.time()
     ids = [daemon.work.publish(text, max_tokens=tokens, ignore_eos=True, **p) for text, p in zip(texts, params)]
@@ -67,7 +69,8 @@ def main() -> None:
     subprocess.run([PYTHON, os.path.join(ROOT, "scripts", "thinking_model.py"), args.model, copy], check=True,
                    stdout=subprocess.DEVNULL)
     texts = prompts(args.prompts)
-    names = ["model itself (no thinking)", f"thinking, budgets {BUDGETS[0]} and {BUDGETS[1]}", "thinking off (budget 0)"]
+    names = ["model itself (no thinking)", f"thinking, budgets {BUDGETS[0]} and {BUDGETS[1]}",
+             "thinking off (budget 0)"]
     runs: dict[str, list[float]] = {name: [] for name in names}
     empties = dict.fromkeys(names, 0)
     overs: list[int] = []

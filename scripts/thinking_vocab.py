@@ -30,14 +30,15 @@ class VocabRunner:
     def __init__(self, model: object) -> None:
         import llama_cpp
 
-        self.model, self.L, self.pieces = model, llama_cpp, {}
+        self.model, self.llama_cpp, self.pieces = model, llama_cpp, {}
+        self.grammars = self  # (what _Thinking asks of a runner's _Grammars: constrained)
 
     def tokenize(self, text: str, add_special: bool, special: bool) -> list[int]:
         return self.model.tokenize(text.encode("utf-8"), add_bos=add_special, special=special)
 
     def text(self, token: int, special: bool) -> bytes:
         buf = (ctypes.c_char * 256)()
-        count = self.L.llama_token_to_piece(self.model._model.vocab, token, buf, 256, 0, special)
+        count = self.llama_cpp.llama_token_to_piece(self.model._model.vocab, token, buf, 256, 0, special)
         return bytes(buf[:max(count, 0)])
 
     def piece(self, token: int) -> bytes:
@@ -46,7 +47,7 @@ class VocabRunner:
     def give_text(self, token: int) -> None:
         self.pieces[token] = self.text(token, True)
 
-    def has_grammar(self, params: dict) -> bool:
+    def constrained(self, params: dict) -> bool:
         return "grammar" in params
 
 
@@ -64,7 +65,8 @@ def main() -> int:
     if thinking is None:
         print("no thinking block: the chat template names none of nrvna's tags (NRVNA_THINKING_TAGS sets a pair)")
         return 0
-    show = lambda tokens: f"{tokens} {b''.join(runner.piece(t) for t in tokens).decode('utf-8', 'replace')!r}"  # noqa: E731
+    # noqa: E731
+    show = lambda tokens: f"{tokens} {b''.join(runner.piece(t) for t in tokens).decode('utf-8', 'replace')!r}"
     print(f"tags: {thinking.tags[0]!r} {thinking.tags[1]!r}" + (" (harmony)" if thinking.headers else ""))
     for tag in thinking.tags:
         print(f"  {tag!r} is {show(runner.tokenize(tag, False, True))}")
