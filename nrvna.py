@@ -17755,6 +17755,16 @@ class _Reader:
             self._watch(conn)
 
 
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
+    importing nrvna.py without cached bytecode compiles all of it, and glibc keeps the compiler's
+    freed memory (bench/server.py (e): 58 MiB resident idle, 22 MiB after this)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 class ApiServer:
     """The served API over a workspace (`nrvna serve`): ``start()`` listens (127.0.0.1:8000 by
     default), ``serve_forever()`` until ``request_stop()`` (a signal handler may call it),
@@ -18220,16 +18230,6 @@ def _cmd_daemon(args: Any) -> int:
 def _api_url(api: ApiServer) -> str:
     host, port = api.address
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
-
-
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
-    a process that ran nrvna.py as a script compiled all of it at start, and glibc keeps the
-    compiler's freed memory (bench/server.py (e): 61 MiB resident idle, 25 MiB after this)."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _cmd_serve(args: Any) -> int:
