@@ -21,7 +21,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
                                       Interrupted
 2. Settings                         SETTINGS, KV_TYPES, cpu_count, thinking_tags, size_bytes, HOOK_VARIABLES,
                                       hook_environment, parse_aliases, setting_default, Config
-3. Logging                          configure_logging, log (log.limited), OS thread names
+3. Logging                          configure_logging, log (log.limited), OS thread names, the heap's trim
 4. File primitives                  write_all, write_file, open_dir, fsync_dir, read_file, move (never replaces)
 5. Structured output
    5.1 Numbers                      _BOUNDS, number_rule, _fraction_rule, _multiple_of, _multiples
@@ -856,7 +856,7 @@ class Config:
 ##############################################################################
 # 3. Logging: `[time] [LEVEL] [Thread] message`, everything on stderr (stdout carries data only)
 ##############################################################################
-# Owns the nrvna logger, its line format and the OS thread names. Invariant: nothing but data
+# Owns the nrvna logger, its line format, the OS thread names and the heap's trim. Invariant: nothing but data
 # reaches stdout. Any thread logs (logging's lock orders the lines; log.limited's counts are
 # under _LIMITED_LOCK).
 
@@ -934,6 +934,17 @@ def _name_os_thread(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
+    running or importing nrvna.py without cached bytecode compiles all of it, and glibc keeps the
+    compiler's freed memory (bench/server.py (e): 58 MiB resident idle, 22 MiB after this). The
+    daemon calls it before loading a model, the server once it serves."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 log = _Log()
@@ -10928,6 +10939,14 @@ class _Sequence:
         self.cached.pop()
         self.pos -= 1
 
+    def unfeed_chunk(self, take: int) -> None:
+        """The step that fed the last ``take`` of its prompt tokens was cut short: they are
+        pending again."""
+        self.pending = self.cached[-take:] + self.pending
+        del self.cached[-take:]
+        self.computed -= take
+        self.pos -= take
+
     def add(self, token: int, piece: bytes) -> bool:
         """``token`` (its bytes ``piece``) was generated: its text is kept and passed on.
         True if it completed a stop string (the text is cut where the stop string starts)."""
@@ -11804,7 +11823,7 @@ class _Batch:
         self.raw = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.seq_ids = self.raw.seq_id[:n_batch]  # each entry's own array of sequence IDs, found once
         self.size = 0  # entries filled for this step
-        self.chunks = False  # whether prompt chunks are among them
+        self.fed: list[tuple[_Sequence, int]] = []  # each sequence in it, and how many of its prompt tokens
 
     def put(self, index: int, token: int, pos: int, slot: int, logits: bool) -> None:
         raw = self.raw
@@ -11820,17 +11839,19 @@ class _Batch:
         left. Returns the sequences whose logits the step gives, each with its entry, in
         batch order (llama.cpp stores the logits asked for in that order)."""
         wanted: list[tuple[_Sequence, int]] = []
-        n, chunks = 0, False
+        fed: list[tuple[_Sequence, int]] = []
+        n = 0
         for seq in slots:
             if seq is not None and not seq.pending and not seq.awaits_prefix and seq.priority == top:
                 self.put(n, seq.last, seq.feed_last(), seq.slot, True)
                 wanted.append((seq, n))
+                fed.append((seq, 0))
                 n += 1
         for seq in slots:
             if seq is None or not seq.pending or seq.awaits_prefix or n >= self.n_batch or seq.priority != top:
                 continue
             chunk, pos = seq.feed_chunk(self.n_batch - n)
-            chunks = True
+            fed.append((seq, len(chunk)))
             for token in chunk:
                 self.put(n, token, pos, seq.slot, False)
                 pos += 1
@@ -11839,8 +11860,21 @@ class _Batch:
                 self.raw.logits[n - 1] = 1
                 wanted.append((seq, n - 1))
         self.raw.n_tokens = self.size = n
-        self.chunks = chunks
+        self.fed = fed
         return wanted
+
+    def undo(self, memory: Any) -> None:
+        """The step was cut short (preempted): every sequence in it goes back to where it was
+        before ``fill``. llama.cpp dropped the cut ubatch's cells (a step is one ubatch); the
+        cells from there on are removed again all the same, so that no cell outlives the
+        sequence's account of it whatever llama.cpp kept."""
+        for seq, chunk in self.fed:
+            if chunk:
+                seq.unfeed_chunk(chunk)
+            else:
+                seq.unfeed_last()
+            self.llama_cpp.llama_memory_seq_rm(memory, seq.slot, seq.pos, -1)
+        self.fed = []
 
     def close(self) -> None:
         self.llama_cpp.llama_batch_free(self.raw)
@@ -11849,7 +11883,8 @@ class _Batch:
 class _Preemption:
     """Cutting a context's decode short (Session.preempt): llama.cpp asks abort_callback(flag)
     between the graph's nodes; the callback is libc's strlen (see _strlen_callback): an empty
-    flag goes on, a one-byte flag stops. A step with prompt chunks is never cut (``allow``).
+    flag goes on, a one-byte flag stops. Any step may be cut, prompt chunks too: the session
+    puts every sequence in it back where it was (_Batch.undo), so the step is taken again.
 
     Threads: ``request`` from any thread (the Scanner's or another worker's, through
     Server._outranked), the rest from the session's worker. One byte is written and read,
@@ -11859,26 +11894,16 @@ class _Preemption:
     def __init__(self, llama_cpp: Any, ctx: Any, callback: Any) -> None:
         import ctypes
 
-        self.llama_cpp, self.ctx, self.callback = llama_cpp, ctx, callback
-        self.byref = ctypes.byref
         self.flag = ctypes.create_string_buffer(2)
-        self.never = ctypes.create_string_buffer(2)  # for steps that cannot be cut (prompt chunks)
-        self.abortable: Optional[bool] = None
+        self.abortable = callback is not None
+        if self.abortable:
+            llama_cpp.llama_set_abort_callback(ctx, callback, ctypes.byref(self.flag))
 
     def request(self) -> None:
         self.flag[0] = b"x"
 
     def clear(self) -> None:
         self.flag[0] = b"\0"
-
-    def allow(self, allowed: bool) -> None:
-        """Let a request cut the coming decode short, or not (a step with prompt chunks: the
-        aborted ubatch's cells are dropped, but a chunked prompt's earlier ubatches stay)."""
-        allowed = allowed and self.callback is not None
-        if allowed != self.abortable:
-            flag = self.flag if allowed else self.never
-            self.llama_cpp.llama_set_abort_callback(self.ctx, self.callback, self.byref(flag))
-            self.abortable = allowed
 
 
 class _GrammarWaits:
@@ -12254,7 +12279,7 @@ class LlamaSession(Session):
         top = max((seq.priority for seq in self.slots if seq is not None), default=0)
         wanted = self.batch.fill(self.slots, top)
         if self.batch.size:
-            failed = self._decode_batch(wanted)
+            failed = self._decode_batch()
             ended += self._sample(wanted) if failed is None else failed
         return [each for each in ended if each is not None]
 
@@ -12272,16 +12297,13 @@ class LlamaSession(Session):
                 self.prefixes.attach(seq, self.slots)
         return ended
 
-    def _decode_batch(self, wanted: list[tuple[_Sequence, int]]
-                      ) -> Optional[list[Optional[tuple[RunningJob, Outcome]]]]:
+    def _decode_batch(self) -> Optional[list[Optional[tuple[RunningJob, Outcome]]]]:
         """Decode the filled batch: None when it is decoded. Otherwise the step is over: []
         when preempt() cut it short (llama.cpp dropped its cells; the sequences take the
         step again), or every sequence's end when the decode failed."""
-        self.preemption.allow(not self.batch.chunks)  # one token per sequence: nothing to undo but these
         code = self._decode(self.ctx, self.batch.raw)
-        if code == 2 and self.preemption.abortable:  # preempted: llama.cpp dropped this step's cells
-            for seq, _ in wanted:
-                seq.unfeed_last()
+        if code == 2 and self.preemption.abortable:  # preempted: every sequence in it takes the step again
+            self.batch.undo(self.memory)
             self.preempted += 1
             return []
         if code != 0:
@@ -17755,16 +17777,6 @@ class _Reader:
             self._watch(conn)
 
 
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
-    importing nrvna.py without cached bytecode compiles all of it, and glibc keeps the compiler's
-    freed memory (bench/server.py (e): 58 MiB resident idle, 22 MiB after this)."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
-
-
 class ApiServer:
     """The served API over a workspace (`nrvna serve`): ``start()`` listens (127.0.0.1:8000 by
     default), ``serve_forever()`` until ``request_stop()`` (a signal handler may call it),
@@ -18204,6 +18216,7 @@ def _cmd_daemon(args: Any) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    _trim_heap()  # the compiler's memory (nrvna.py run as a script), before the model's is added to it
     try:
         server.start()  # undoes itself on any exception: lock released, model freed
         starting = False

@@ -10184,14 +10184,17 @@ def test_a_higher_priority_job_never_waits_for_the_prefix_of_a_job_it_paused(lla
 
 
 @pytest.mark.model
-def test_a_preempted_step_changes_nothing_and_prompt_chunks_are_never_cut(llama: nrvna.LlamaRunner) -> None:
-    """preempt() aborts the decode in progress (a job above is waiting); the sequences go on
-    as if that step had not been tried: same text as an uninterrupted run."""
+def test_a_preempted_step_changes_nothing_even_one_feeding_a_prompt(llama: nrvna.LlamaRunner) -> None:
+    """preempt() aborts the decode in progress (a job above is waiting), prompt chunks too; the
+    sequences go on as if that step had not been tried: same text as an uninterrupted run. One
+    prompt (about 180 tokens, batch 64) is fed over several steps, each cut once before it runs."""
+    long_prompt = "Here is a list of fruits: " + ", ".join(["apple", "pear", "plum", "fig"] * 20) + ". Name one."
 
     def run(cut_every: int) -> tuple[list[str], int]:
         session = llama.session(0, nrvna.Config(workers=1, seqs=4, max_ctx=1024, batch=64))
         try:
             jobs = [fake_job(f"Count from {i} to 20.", max_tokens=24, temperature=0) for i in range(3)]
+            jobs.append(fake_job(long_prompt, max_tokens=16, temperature=0))
             for job in jobs:
                 session.start(job)
             texts: dict[str, str] = {}
@@ -10200,16 +10203,17 @@ def test_a_preempted_step_changes_nothing_and_prompt_chunks_are_never_cut(llama:
                     session.preempt()  # set before the decode: llama.cpp stops at its first node
                 texts.update((job.id, outcome.text) for job, outcome in session.step())
                 session.clear_preempt()
+                if step == 0:  # the first step feeds the prompts only: it was cut too
+                    assert session.preempted == (1 if cut_every else 0)
                 if not session.active():
                     break
-            assert session.preempted == 0 or cut_every
             return [texts[job.id] for job in jobs], session.preempted
         finally:
             session.close()
 
     plain, none = run(0)
-    cut, preempted = run(3)
-    assert none == 0 and preempted >= 8  # the prompt step (chunks) was never cut: the jobs got going
+    cut, preempted = run(2)  # steps 0, 2, 4, ...: the first prompt step and the long prompt's others
+    assert none == 0 and preempted >= 12
     assert cut == plain and all(plain)
 
 

@@ -348,7 +348,8 @@ def percentile_ms(values: list[float], p: float) -> float:
 
 # ---------------------------------------------------------------------------------------- (d)
 
-def part_d(model: str, base: str, backlog: int, tokens: int, probes: int, probe_tokens: int) -> list[str]:
+def part_d(model: str, base: str, backlog: int, tokens: int, probes: int, probe_tokens: int,
+           spacing: float) -> list[str]:
     path = os.path.join(base, "backlog.jsonl")
     served = Served(model, base)
     try:
@@ -357,21 +358,23 @@ def part_d(model: str, base: str, backlog: int, tokens: int, probes: int, probe_
         for _ in range(2):
             served.ask(PROBE, probe_tokens)
 
-        def probe() -> float:
-            start = time.perf_counter()
-            served.ask(PROBE, probe_tokens)
-            return time.perf_counter() - start
+        steps: list[list[float]] = []  # each loaded probe's timeline (see split)
+
+        def probe(keep: bool = False) -> float:
+            began, start = time.time(), time.perf_counter()
+            reply = served.ask(PROBE, probe_tokens)
+            wall = time.perf_counter() - start
+            if keep:
+                steps.append(split(served.ws, reply.id.removeprefix("chatcmpl-"), began, time.time()))
+            return wall
 
         idle = [probe() for _ in range(probes)]
         batch, start = run_batch(served, path)
-        flow, deadline = nrvna.Flow(served.ws), time.monotonic() + 300
-        while flow.counts()["running"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(5.0)  # past the first lines' prompts
+        time.sleep(0.5)  # the first probe while the Batches thread queues the lines
         loaded = []
         for _ in range(probes):
-            loaded.append(probe())
-            time.sleep(1.0)
+            loaded.append(probe(keep=True))
+            time.sleep(spacing)
         in_progress = served.client.batches.retrieve(batch.id)
         batch = until_done(served, in_progress)
         elapsed = time.perf_counter() - start
@@ -385,6 +388,9 @@ def part_d(model: str, base: str, backlog: int, tokens: int, probes: int, probe_
             table(["", "median s", "each s"], [["idle", statistics.median(idle), ", ".join(f"{x:.2f}" for x in idle)],
                                                ["behind the batch", statistics.median(loaded),
                                                 ", ".join(f"{x:.2f}" for x in loaded)]]),
+            f"behind the batch, each probe's steps in ms (the first {0.5:.1f} s after batches.create, then every "
+            f"{spacing:.0f} s):",
+            table(STEPS, [[f"{x * 1000:.0f}" for x in row[:4]] for row in steps]),
             f"loaded / idle: {ratio:.2f}x (target <= 2); the batch: {batch.status}, {counts.completed} of "
             f"{counts.total} completed, {counts.failed} failed, {elapsed:.0f} s from upload to completed "
             f"({backlog / elapsed:.1f} lines/s, while {in_progress.request_counts.completed} were done at the last "
@@ -474,7 +480,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=10, help="(c): ABBA pairs (each arm runs 2x this)")
     parser.add_argument("--probe-tokens", type=int, default=16, help="(c), (d): max_tokens of the lone request")
     parser.add_argument("--backlog", type=int, default=2000, help="(d): lines of the batch ahead")
-    parser.add_argument("--probes", type=int, default=5, help="(d): requests idle and behind the batch")
+    parser.add_argument("--probes", type=int, default=8, help="(d): requests idle and behind the batch")
+    parser.add_argument("--probe-spacing", type=float, default=15.0,
+                        help="(d): seconds between the requests behind the batch (the first: 0.5 s after it is made)")
     parser.add_argument("--idle", type=float, default=60.0, help="(e): seconds idle before VmRSS is read")
     parser.add_argument("--server", help="llama-server binary (default: build it)")
     args = parser.parse_args()
@@ -495,7 +503,8 @@ def main() -> None:
         if "b" in parts:
             report += part_b(args.model, base, binary, args.requests, args.clients, args.tokens, args.rounds)
         if "d" in parts:
-            report += part_d(args.model, base, args.backlog, args.batch_tokens, args.probes, args.probe_tokens)
+            report += part_d(args.model, base, args.backlog, args.batch_tokens, args.probes, args.probe_tokens,
+                             args.probe_spacing)
         if idle:
             report += memory_report(idle)
     finally:  # what was measured is printed even when a later part fails or is interrupted
