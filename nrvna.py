@@ -19194,5 +19194,32 @@ COMMANDS = (
 )
 
 
+# The commands that run until stopped: run as a script, they re-execute as a module (_as_module).
+LONG_LIVED_COMMANDS = ("daemon", "serve")
+
+
+def _as_module(script_argv: list[str]) -> Optional[list[str]]:
+    """The command line that runs ``python nrvna.py daemon|serve ...`` again with nrvna.py imported
+    as a module, or None to run on as we are. CPython keeps a script's whole syntax tree until the
+    script returns: 42 MiB for this file, for a daemon's whole life (docs/memory-research.md).
+    Same interpreter, options and arguments; POSIX only (execv keeps the pid there), and only
+    where the command line is the plain ``python [options] nrvna.py ...`` form."""
+    orig = getattr(sys, "orig_argv", None)  # Python 3.10+
+    name = os.path.splitext(os.path.basename(__file__))[0]
+    if (os.name != "posix" or not orig or not sys.executable or not name.isidentifier()
+            or script_argv[1:2] == [] or script_argv[1] not in LONG_LIVED_COMMANDS
+            or len(orig) <= len(script_argv) or orig[len(orig) - len(script_argv)] != script_argv[0]):
+        return None
+    options = orig[1:len(orig) - len(script_argv)]
+    path = os.path.abspath(__file__)
+    # The script's path stays before its arguments: `pgrep -f "nrvna.py daemon"` still finds it.
+    code = (f"import sys; del sys.argv[0]; sys.path.insert(0, {os.path.dirname(path)!r}); "
+            f"import {name}; sys.exit({name}.main())")
+    return [sys.executable, *options, "-c", code, path, *script_argv[1:]]
+
+
 if __name__ == "__main__":
+    _again = _as_module(sys.argv)
+    if _again is not None:
+        os.execv(_again[0], _again)  # replaces this process: nothing has started yet
     raise SystemExit(main())

@@ -13928,6 +13928,40 @@ def test_cli_get_into_a_closed_pipe_exits_quietly(ws: str) -> None:
     assert b"Traceback" not in pipeline.stderr and b"BrokenPipe" not in pipeline.stderr
 
 
+def test_a_long_lived_command_run_as_a_script_goes_on_as_a_module(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python nrvna.py serve` (and `daemon`) re-executes itself importing nrvna.py as a module:
+    CPython would keep the script's syntax tree (42 MiB) for the process's life. The same pid,
+    and `pgrep -f "nrvna.py serve"` still finds it; other commands and forms run on as they are."""
+    ws = str(tmp_path / "ws")
+    served = subprocess.Popen([sys.executable, SCRIPT, "serve", ws, "--port", "0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL)
+    try:
+        assert served.stdout is not None and served.stdout.readline().startswith(b"http://127.0.0.1:")
+        time.sleep(1)
+        cmdline = Path(f"/proc/{served.pid}/cmdline").read_bytes().split(b"\0")
+        resident = int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{served.pid}/status").read_text()).group(1))
+    finally:
+        served.kill()
+        served.wait()
+    if sys.version_info >= (3, 10):  # sys.orig_argv: the interpreter's options are carried over
+        assert cmdline[1] == b"-c" and cmdline[3:5] == [SCRIPT.encode(), b"serve"], cmdline
+        assert resident <= 50 << 10, f"{resident} kB resident"
+    else:
+        assert cmdline[1:3] == [SCRIPT.encode(), b"serve"], cmdline
+    args = ["nrvna.py", "daemon", "m.gguf", "ws"]
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-X", "dev", *args], raising=False)
+    again = nrvna._as_module(args)
+    assert again is not None and again[:4] == [sys.executable, "-X", "dev", "-c"]
+    assert again[5:] == [os.path.abspath(nrvna.__file__), "daemon", "m.gguf", "ws"]
+    monkeypatch.setattr(sys, "orig_argv", ["python", "nrvna.py", "submit", "ws", "hi"])
+    assert nrvna._as_module(["nrvna.py", "submit", "ws", "hi"]) is None
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "nrvna", "daemon", "m.gguf", "ws"])  # no tree kept
+    assert nrvna._as_module(["/x/nrvna.py", "daemon", "m.gguf", "ws"]) is None
+    monkeypatch.delattr(sys, "orig_argv")  # Python 3.9
+    assert nrvna._as_module(args) is None
+
+
 @pytest.mark.model
 def test_setup_puts_the_nrvna_command_in_the_venv(tmp_path: Path, model_file: str, bert_file: str) -> None:
     """After scripts/setup.sh, `.venv/bin/nrvna` runs (the README's examples say `nrvna ...`),
