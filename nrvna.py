@@ -83,9 +83,11 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
                                       _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
-   11.7 Continuous batching         _PrefixCache, _Batch, _Preemption, _GrammarWaits, _StateHandOff (saved states
-                                      handed over), LlamaSession
-   11.8 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, host_caches, memory_line, LlamaRunner
+   11.7 A context and its parts     _PrefixCache, _Batch, _Preemption, _GrammarWaits, _StateHandOff (saved states
+                                      handed over), AUTO_CELLS, _Cells (booked cells; a context made for a long
+                                      job), _llama_context, _context_parts
+   11.8 Continuous batching         _step_logits, LlamaSession
+   11.9 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, host_caches, memory_line, LlamaRunner
 12. Daemon
    12.1 The queue: Pool and Scanner
                                     _Place, _QueueHead, Scanner, Pool
@@ -240,6 +242,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         weights_mib => _lock for the list; only plain numbers stated when the model and each context were
         made (a session's _Embedder.buffers too), never the model or a context through llama.cpp: the
         Models thread may be freeing them (close empties _sessions under _lock first)
+    Worker-N -> LlamaRunner (resized): its session's _ContextSize in _sessions, under _lock, each time
+        its context is made anew (_Cells: for a long job, or standing again)
     Hooks -> Hooks: lists hooks/done/, submits tasks; _held (hooks/' lock) => _lock for _in_flight and
         _errors (read as a copy); _held is the Hooks thread's until Main's stop joins it
     Hook-N -> Hooks: runs tasks: _in_flight, _procs, _unfinished, _errors => _lock; tasks come through a
@@ -544,6 +548,12 @@ def _log_level(value: Any) -> str:
     return "warn" if level == "warning" else level
 
 
+def _check_context(value: Any) -> int:
+    if 0 < value < 64:
+        raise ConfigError(f"{value!r} is under 64 (0: auto)")
+    return value
+
+
 def _check_aliases(value: Any) -> str:
     parse_aliases(str(value))  # ConfigError naming the bad entry
     return str(value)
@@ -680,9 +690,13 @@ SETTINGS: dict[str, _Setting] = {
                      "more is kept for a higher-priority job)",
                       flags=("-s", "--seqs")),
     "threads": _Setting("NRVNA_THREADS", int, 0, 0, 1024, "CPU threads per context (0 = cores // workers)"),
-    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 8192, 64, 1 << 20,
+    "max_ctx": _Setting("NRVNA_MAX_CTX", int, 0, 0, 1 << 20,
                         "context tokens per worker, shared by its sequences; a job may hold NRVNA_MAX_CTX / "
-                        "min(NRVNA_SEQS, 8) of them (at most the model's training context)"),
+                        "min(NRVNA_SEQS, 8) of them (at most the model's training context). 0 (auto): the model's "
+                        "training context (at most 8192) in all, shared by the workers, one job's share kept in each "
+                        "for priority; a job may then hold the whole training context (its worker's context is made "
+                        "anew for it), one that sets no max_tokens its share (1/8) or twice its prompt",
+                        shown="0 (auto)", check=_check_context),
     "kv_type": _Setting("NRVNA_KV_TYPE", str, "f16", None, None,
                         "the KV cache's type: f16, q8_0 (0.53x the memory) or q4_0 (0.28x); a quantized cache turns "
                         "flash attention on, which llama.cpp needs for it (a model or backend without it: exit 2 at "
@@ -9673,6 +9687,14 @@ class _Conversion:
         self.found: Optional[tuple[Any, str, GrammarShape]] = None
         self.error: Optional[JobError] = None
 
+    @classmethod
+    def made(cls, found: Optional[tuple[Any, str, GrammarShape]]) -> _Conversion:
+        """One already done: a job that waits for room, with its grammar (None: it has none)."""
+        conversion = cls()
+        conversion.found = found
+        conversion.done.set()
+        return conversion
+
 
 def schema_to_grammar(schema: Mapping[str, Any], root: str = "") -> str:
     """GBNF for a JSON schema that ``check_json_schema`` accepted: llama-cpp-python's
@@ -11631,11 +11653,12 @@ class StateStore:
 
 
 # ============================================================================
-# 11.7 Continuous batching
+# 11.7 A context and its parts
 # ============================================================================
-# LlamaSession: a worker's context stepping every running job a token at a time (_Batch.fill,
-# decode, sample and end), sharing prefixes (_PrefixCache) and yielding to higher priorities
-# (_Preemption, the one field another thread sets). One worker's.
+# What a worker's context is made of: its prefix sharing (_PrefixCache), its batch (_Batch), its
+# preemption flag (_Preemption, the one field another thread sets), the jobs waiting to begin
+# (_GrammarWaits), the saved states handed over (_StateHandOff), how its cells are booked and when it
+# is made anew for a long job (_Cells), and the context itself (_llama_context, _context_parts).
 
 
 class _PrefixCache:
@@ -11907,24 +11930,29 @@ class _Preemption:
 
 
 class _GrammarWaits:
-    """A session's jobs whose grammar the runner's Grammar thread is making (_Grammars.prepare):
-    each holds a slot and a full share of cells, and begins at the first step after its grammar
-    is made, as it fits.
+    """A session's claimed jobs that wait to begin: for the grammar the runner's Grammar thread
+    is making (_Grammars.prepare), each holding a slot and a share of cells; or, made, for room
+    (``need`` cells: LlamaSession._begin), when no other job is taken. Each begins at the first step
+    after it can, as it fits.
 
     Threads: its session's worker thread; the Grammar thread hands each grammar over through
     its _Conversion (written before its Event is set)."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[RunningJob, _Conversion]] = []
+        self.entries: list[tuple[RunningJob, _Conversion, int]] = []
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(self, job: RunningJob, conversion: _Conversion) -> None:
-        self.entries.append((job, conversion))
+    def add(self, job: RunningJob, conversion: _Conversion, need: int = 0) -> None:
+        self.entries.append((job, conversion, need))
 
     def jobs(self) -> list[RunningJob]:
-        return [job for job, _ in self.entries]
+        return [entry[0] for entry in self.entries]
+
+    def longest(self) -> int:
+        """The most cells a job waiting for room needs (0: none waits for room)."""
+        return max((entry[2] for entry in self.entries), default=0)
 
     def drop(self, job: RunningJob) -> None:
         self.entries = [entry for entry in self.entries if entry[0] is not job]
@@ -11936,25 +11964,25 @@ class _GrammarWaits:
         """Wait a little for the first job's grammar (the session has nothing else to do)."""
         self.entries[0][1].done.wait(CONVERSION_POLL)
 
-    def ready(self, fits: Callable[[RunningJob], bool]
-              ) -> Iterator[tuple[RunningJob, Optional[JobError], Optional[tuple[Any, str, GrammarShape]]]]:
+    def ready(self, fits: Callable[[RunningJob, int], bool]
+              ) -> Iterator[tuple[RunningJob, Optional[JobError], Optional[tuple[Any, str, GrammarShape]], int]]:
         """Each job to end or begin now, taken out, one at a time (each begins before the next is
-        asked ``fits``): (job, why it ends, None) for one cancelled or timed out, or whose grammar
-        failed; (job, None, its grammar) for one whose grammar is made and that ``fits`` (one that
-        does not goes to the end of the list)."""
+        asked ``fits``): (job, why it ends, None, need) for one cancelled or timed out, or whose
+        grammar failed; (job, None, its grammar, need) for one whose grammar is made and that
+        ``fits`` (one that does not goes to the end of the list)."""
         for entry in list(self.entries):
-            job, conversion = entry
+            job, conversion, need = entry
             if job.interrupt is None and not conversion.done.is_set():
                 continue
             self.entries.remove(entry)
             if job.interrupt is not None:
-                yield job, JobError(*job.interrupt), None
+                yield job, JobError(*job.interrupt), None, need
             elif conversion.error is not None:
-                yield job, conversion.error, None
-            elif not fits(job):
+                yield job, conversion.error, None, need
+            elif not fits(job, need):
                 self.entries.append(entry)
             else:
-                yield job, None, conversion.found
+                yield job, None, conversion.found, need
 
 
 class _StateHandOff:
@@ -12012,6 +12040,69 @@ class _StateHandOff:
                   f"in {(time.monotonic() - began) * 1000:.0f} ms")
 
 
+# NRVNA_MAX_CTX auto (0): the cells of all workers' contexts together, at most this: a model trained on
+# more (Gemma 3: 32,768) would hold memory most jobs never use; a job that needs more has its worker's
+# context made anew for it (_Cells), up to the training context.
+AUTO_CELLS = 8192
+
+
+class _Cells:
+    """How a context's KV cells are booked (LlamaSession): ``normal`` cells for the running jobs,
+    each booking its budget (its prompt and max_tokens, capped), and one ``share`` more kept for
+    a job above every running one (priority). ``share`` is also the unit a job is admitted by
+    (its size is known only once claimed) and the cap of a job that sets no max_tokens. A
+    context holds FULL_LENGTH_SEQS shares; more sequences run as the jobs' budgets leave room
+    (LlamaSession.free), since a batch's short jobs use a fraction of a share and wider steps
+    cost less per token. A job that does not fit waits for room, claimed (_GrammarWaits).
+
+    NRVNA_MAX_CTX as given: ``normal`` is it, a job holds at most a share. Auto (0): the model's
+    training context (at most AUTO_CELLS) in all, shared by the workers; a job may hold up to
+    ``longest`` (the training context): its context is made anew with room for it once empty
+    (``normal`` grows) and made standing again when the worker is idle.
+
+    Threads: its session's worker thread only."""
+
+    def __init__(self, max_ctx: int, seqs: int, workers: int, train_ctx: int) -> None:
+        full = min(seqs, FULL_LENGTH_SEQS)
+        total = max_ctx or (min(train_ctx, AUTO_CELLS) if train_ctx > 0 else AUTO_CELLS)
+        self.share = max(64, total // full)
+        if train_ctx > 0:
+            self.share = min(self.share, train_ctx)
+        if max_ctx:
+            self.standing, self.longest = self.share * full, self.share
+        else:  # each worker's context made with total / workers cells, its kept share among them
+            self.standing = max(self.share, (total // max(1, workers) - self.share) // 256 * 256)
+            self.longest = max(self.share, train_ctx if train_ctx > 0 else total)
+        self.normal = self.standing
+
+    def made(self) -> int:
+        """The context's cells: ``normal`` and the share kept for priority."""
+        return self.normal + self.share
+
+    def cap(self, prompt: int, explicit: bool) -> int:
+        """The most cells a job may hold: ``longest`` if it set max_tokens, else a share or twice
+        its prompt (what a job without max_tokens held before contexts could grow, as long as its
+        prompt is short; a long prompt gets as many tokens again to answer)."""
+        return self.longest if explicit else min(self.longest, max(self.share, 2 * prompt))
+
+    def grown(self, need: int) -> int:
+        """``normal`` for a context made for a job of ``need`` cells (rounded up to 256)."""
+        return max(self.standing, -(-need // 256) * 256)
+
+    def room(self, slots: list[Optional[_Sequence]]) -> tuple[int, int]:
+        """The sequences in ``slots`` running outside the kept share, and the cells their budgets leave."""
+        running = [s for s in slots if s is not None and not s.reserved]
+        return len(running), self.normal - sum(s.budget for s in running)
+
+    def fits(self, need: int, slots: list[Optional[_Sequence]], seqs: int) -> bool:
+        """Whether a job of ``need`` cells can begin beside ``slots`` (``seqs`` at most): once their
+        budgets leave room, or, if the context cannot hold it, once none is left (to make it anew)."""
+        if need > self.normal:
+            return all(seq is None for seq in slots)
+        running, room = self.room(slots)
+        return running < seqs and need <= room
+
+
 def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, threads: int
                    ) -> tuple[Any, dict[str, float]]:
     """A llama context of ``cells`` tokens for ``seqs`` sequences, and its buffers as llama.cpp
@@ -12043,6 +12134,47 @@ def _llama_context(runner: LlamaRunner, cells: int, n_batch: int, seqs: int, thr
     return ctx, sizes
 
 
+def _context_parts(runner: LlamaRunner, cells: int, slots: int, n_batch: int, threads: int
+                   ) -> tuple[Any, dict[str, float], Any, _PrefixCache, Optional[_StateHandOff], _Preemption]:
+    """A session's context of ``cells`` tokens for ``slots`` sequences and the parts made with it:
+    (ctx, its buffers, its memory, the prefix cache, the saved-state hand-off (None without a store
+    or prefixes), the preemption flag); ModelError or ConfigError as _llama_context."""
+    llama_cpp = runner.llama_cpp
+    ctx, buffers = _llama_context(runner, cells, n_batch, slots, threads)
+    memory = llama_cpp.llama_get_memory(ctx)
+    prefixes = _PrefixCache(llama_cpp, memory, slots, bool(runner.config.prefix_cache),
+                            not (llama_cpp.llama_model_is_recurrent(runner.model)
+                                 or llama_cpp.llama_model_is_hybrid(runner.model)))
+    states = (_StateHandOff(runner.store, llama_cpp, ctx, memory, runner.trimmable)
+              if runner.store is not None and prefixes.enabled else None)
+    return ctx, buffers, memory, prefixes, states, _Preemption(llama_cpp, ctx, runner.abort_callback)
+
+
+# ============================================================================
+# 11.8 Continuous batching
+# ============================================================================
+# LlamaSession: a worker's context stepping every running job a token at a time (_Batch.fill,
+# decode, _step_logits, sample and end), sharing prefixes and yielding to higher priorities. One
+# worker's.
+
+
+def _step_logits(runner: LlamaRunner, ctx: Any, wanted: list[tuple[_Sequence, int]]
+                 ) -> tuple[Any, list[Optional[tuple[Any, Any]]]]:
+    """After a decode (LlamaSession._sample): the logits of the sequences in ``wanted``, a row each,
+    readied by their samplers, and the likeliest tokens of every row found at once (for the
+    samplers' shortlists; None for a row whose sampler needs none)."""
+    np = runner.np
+    # llama.h: the logits of the batch entries asked for are stored in their batch order, one row
+    # each; ``wanted`` is in batch order.
+    matrix = np.ctypeslib.as_array(runner.llama_cpp.llama_get_logits(ctx), shape=(len(wanted), runner.n_vocab))
+    for (seq, _), row in zip(wanted, matrix):
+        seq.sampler.prepare(row)
+        if seq.think is not None and seq.think.state in (_ThinkRouter.BEFORE, _ThinkRouter.AFTER):
+            row[runner.eog_ids] = -np.inf  # a thinking model's answer is never empty
+    sizes = [seq.sampler.shortlist_size for seq, _ in wanted]
+    return matrix, _likeliest(np, matrix, list(range(len(wanted))), sizes) if any(sizes) else [None] * len(wanted)
+
+
 class LlamaSession(Session):
     """One worker's llama context, generating up to ``seqs`` jobs at once.
 
@@ -12062,42 +12194,47 @@ class LlamaSession(Session):
                  config: Optional[Config] = None) -> None:
         self.runner = runner
         self.llama_cpp = runner.llama_cpp
-        # NRVNA_MAX_CTX is each worker's context, shared by its sequences: S sequences must
-        # not multiply the KV memory by S. It holds FULL_LENGTH_SEQS jobs of the full length;
-        # more sequences run as the jobs' budgets leave room (see free), since a batch's
-        # short jobs use a fraction of their share and wider steps cost less per token.
-        full = min(seqs, FULL_LENGTH_SEQS)
-        per_seq = max(64, (config or runner.config).max_ctx // full)
-        if runner.train_ctx > 0:
-            per_seq = min(per_seq, runner.train_ctx)
-        self.config = config or runner.config
-        self.ctx_per_seq = per_seq  # enforced here: a unified cache would let one sequence take all
+        self.config = config = config or runner.config
+        # Shared by the sequences (S must not multiply the KV memory by S): see _Cells and free.
+        self.book = _Cells(config.max_ctx, seqs, config.workers, runner.train_ctx)
         self.embedder: Optional[_Embedder] = None  # made when the first embed job arrives
         self.threads = self.base_threads = threads
-        # Beyond them, one slot and one job's share of cells are kept for a job above every
-        # running one (priority): it starts at once and they pause, keeping their cells.
-        self.seqs = seqs
-        self.normal_cells = per_seq * full
-        self.cells = self.normal_cells + per_seq
-        self.grammar_waits = _GrammarWaits()  # jobs whose grammar the Grammar thread is making
+        self.seqs, self.n_batch = seqs, n_batch
+        self.grammar_waits = _GrammarWaits()  # claimed jobs waiting to begin: for their grammar, or for room
         self.ctx: Any = None
         self.slots: list[Optional[_Sequence]] = []
         self.states: Optional[_StateHandOff] = None  # the saved-state hand-off: with a store and prefixes
         if runner.embedding_only:  # no generation context: generation jobs fail at start()
             return
-        self.ctx, self.buffers = _llama_context(runner, self.cells, n_batch, seqs + 1, threads)
-        self.memory = self.llama_cpp.llama_get_memory(self.ctx)
         self.batch = _Batch(self.llama_cpp, n_batch)
         self.slots = [None] * (seqs + 1)
-        self.prefixes = _PrefixCache(self.llama_cpp, self.memory, seqs + 1, bool(runner.config.prefix_cache),
-                                     not (self.llama_cpp.llama_model_is_recurrent(runner.model)
-                                          or self.llama_cpp.llama_model_is_hybrid(runner.model)))
-        if runner.store is not None and self.prefixes.enabled:
-            self.states = _StateHandOff(runner.store, self.llama_cpp, self.ctx, self.memory, runner.trimmable)
         self.preempted = 0  # steps cut short by preempt()
-        self.preemption = _Preemption(self.llama_cpp, self.ctx, runner.abort_callback)
+        self._make_context()
         self.templates = _GrammarTemplates(runner)
         self.scratch = _SamplingScratch(runner)  # the arrays this context's samplers draw with
+
+    def _make_context(self) -> None:
+        """Make the context of ``book.made()`` cells and the parts that hold it (_context_parts)."""
+        (self.ctx, self.buffers, self.memory, self.prefixes, self.states,
+         self.preemption) = _context_parts(self.runner, self.book.made(), self.seqs + 1, self.n_batch, self.threads)
+
+    def _remake(self, normal: int, need: int = 0) -> None:
+        """Make the context anew with ``normal`` cells for jobs, while no sequence is in it: for a job
+        of ``need`` cells, or standing again (0); ended jobs' cells go (their states saved first).
+        JobError (context_overflow) if it cannot be made for the job: standing is made again."""
+        self.save_ended()
+        self.llama_cpp.llama_free(self.ctx)
+        self.ctx, self.book.normal = None, normal
+        try:
+            self._make_context()
+        except NrvnaError as err:
+            if not need:
+                raise
+            self.book.normal = self.book.standing
+            self._make_context()
+            raise JobError("context_overflow", f"the job needs {need:,} cells: {err}") from None
+        finally:
+            self.runner.resized(self)
 
     def preempt(self) -> None:
         if self.ctx is not None:
@@ -12116,28 +12253,21 @@ class LlamaSession(Session):
             self.threads = threads
 
     def free(self) -> int:
-        """How many jobs can start now (more may once these have started).
-
-        The KV cache holds ``cells`` tokens, ``FULL_LENGTH_SEQS`` jobs of the full
-        per-job length. A running job needs at most its budget (prompt plus max_tokens,
-        capped at that length), and a new job is taken only while the budgets leave room
-        for one of full length, since its size is known only once it is claimed. So the
-        cache never overflows (a failed decode would fail every job in it), and a batch of
-        short jobs fills every slot.
-        """
+        """How many jobs can start now (more may once these have started): while the budgets
+        leave room for a share and no job waits for room (see _Cells). So the cache never
+        overflows (a failed decode would fail every job in it), and short jobs fill every slot."""
         embed = EMBED_JOBS - (len(self.embedder.jobs) if self.embedder is not None else 0)
         if self.ctx is None:
             return embed
-        if _Choices.unstarted(self.slots):  # a job's choices not yet started have the room first
+        if _Choices.unstarted(self.slots) or self.grammar_waits.longest():  # these have the room first
             return 0
         running, room = self.room()
         parked = len(self.grammar_waits)
-        return max(0, min(self.seqs - running - parked, room // self.ctx_per_seq - parked, embed))
+        return max(0, min(self.seqs - running - parked, room // self.book.share - parked, embed))
 
     def room(self) -> tuple[int, int]:
         """The sequences running outside the kept room, and the cells their budgets leave."""
-        running = [s for s in self.slots if s is not None and not s.reserved]
-        return len(running), self.normal_cells - sum(s.budget for s in running)
+        return self.book.room(self.slots)
 
     def reserve(self, priority: int) -> int:
         """1 if a job of ``priority`` would run above every job here and the kept room is free
@@ -12150,11 +12280,14 @@ class LlamaSession(Session):
         return 1 if self.embedder is None or len(self.embedder.jobs) < EMBED_JOBS else 0
 
     def idle(self) -> None:
-        """No job in flight: trim the cells finished jobs left to the prefixes the next jobs
-        can reuse (see _PrefixCache.trim)."""
-        if self.ctx is not None:
-            self.save_ended()
-            self.prefixes.trim(self.slots)
+        """No job in flight: a context made for a long job is made standing again; otherwise trim
+        the cells finished jobs left to the prefixes the next jobs can reuse (_PrefixCache.trim)."""
+        if self.ctx is None:
+            return
+        if self.book.normal != self.book.standing and not self.active():
+            self._remake(self.book.standing)
+        self.save_ended()
+        self.prefixes.trim(self.slots)
 
     def save_ended(self) -> None:
         """Copy the contexts of the jobs that ended last step out for the runner's Saver: after
@@ -12201,19 +12334,23 @@ class LlamaSession(Session):
         """Start ``job`` in a free slot (``made``: its grammar); JobError if it cannot run here."""
         max_tokens = job_param(job.params, "max_tokens", self.runner.config)
         tokens, think = self.runner.tokens(job), None
+        cap = self.book.cap(len(tokens), job.params.get("max_tokens") is not None)
         if self.runner.thinking is not None:
-            tokens, think = self.runner.thinking.start(tokens, job.params, max_tokens, self.ctx_per_seq)
-        if len(tokens) >= self.ctx_per_seq:
+            tokens, think = self.runner.thinking.start(tokens, job.params, max_tokens, cap)
+        if len(tokens) >= cap:
             holder = "the context holds" if self.seqs == 1 else "a sequence holds"
-            raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {self.ctx_per_seq}")
+            raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {cap}")
         if not tokens:
             raise JobError("bad_request", "prompt has no tokens")
         priority = job_param(job.params, "priority")
+        budget = min(cap, len(tokens) + max_tokens)
         reserved = self.free() <= 0
         if reserved and self._reserve(priority) <= 0:  # a caller's bug: the worker checks before it claims
             raise RuntimeError("no room for another job in this context")
+        if budget > (self.book.share if reserved else self.room()[1]):  # it waits, claimed, for room:
+            self.grammar_waits.add(job, _Conversion.made(made), budget)  # no other job is taken meanwhile
+            return
         slot = self.prefixes.take_slot(self.slots, tokens)
-        budget = min(self.ctx_per_seq, len(tokens) + max_tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
         params = job.params
@@ -12225,14 +12362,14 @@ class LlamaSession(Session):
         n = job_param(job.params, "n")
         if n > 1:
             _Choices.begin(self, seq, n)
-        self.prefixes.make_room(self.slots, self.cells)
+        self.prefixes.make_room(self.slots, self.book.made())
         if self.states is not None and not seq.awaits_prefix:
             self.states.restore(seq, self.prefixes)
 
     def _embedder(self) -> _Embedder:
         """The worker's embedding context, made on first use."""
         if self.embedder is None:
-            self.embedder = _Embedder(self.runner, self.threads, self.ctx_per_seq, EMBED_PACK)
+            self.embedder = _Embedder(self.runner, self.threads, self.book.share, EMBED_PACK)
         return self.embedder
 
     def _decode(self, ctx: Any, batch: Any) -> int:
@@ -12253,14 +12390,17 @@ class LlamaSession(Session):
         return ended
 
     def _converted(self) -> list[tuple[RunningJob, Outcome]]:
-        """Begin the jobs whose grammar is made, as they fit; end those cancelled, timed out or failed."""
+        """Begin the waiting jobs that fit now (a job the context cannot hold has it made anew,
+        once empty); end those cancelled, timed out or failed."""
         ended = []
-        for job, error, made in self.grammar_waits.ready(
-                lambda job: self.free() > 0 or self._reserve(job_param(job.params, "priority")) > 0):  # fits now
+        for job, error, made, need in self.grammar_waits.ready(self._fits):
             try:
                 if error is not None:
                     raise error
-                self._begin(job, made)
+                if need > self.book.normal:
+                    log.info(f"Making a context for a job of {need:,} cells (standing: {self.book.made():,})")
+                    self._remake(self.book.grown(need), need)
+                self._begin(job, made)  # which may find it waits for room
             except JobError as err:
                 self.drop(job)  # a JobError may come once the job holds a slot
                 ended.append((job, Outcome(error_code=err.code, error=str(err))))
@@ -12268,6 +12408,13 @@ class LlamaSession(Session):
                 self.drop(job)
                 ended.append((job, Outcome(error_code="runner_error", error=f"runner failed: {err!r}")))
         return ended
+
+    def _fits(self, job: RunningJob, need: int) -> bool:
+        """Whether a waiting job can begin now: one waiting for its grammar as a new job would be
+        taken; one waiting for room as _Cells.fits says."""
+        if need:
+            return self.book.fits(need, self.slots, self.seqs)
+        return self.free() > 0 or self._reserve(job_param(job.params, "priority")) > 0
 
     def _generate(self) -> list[tuple[RunningJob, Outcome]]:
         """One ``llama_decode`` for every generating job; return those that ended. The step in
@@ -12319,22 +12466,12 @@ class LlamaSession(Session):
         drawn and taken (_Sequence.take); the outcomes of those that ended."""
         if not wanted:  # prompt chunks only
             return []
-        np = self.runner.np
-        # llama.h: the logits of the batch entries asked for are stored in their batch order,
-        # one row each; ``wanted`` is in batch order.
-        logits = self.llama_cpp.llama_get_logits(self.ctx)
-        matrix = np.ctypeslib.as_array(logits, shape=(len(wanted), self.runner.n_vocab))
-        for (seq, _), row in zip(wanted, matrix):
-            seq.sampler.prepare(row)
-            if seq.think is not None and seq.think.state in (_ThinkRouter.BEFORE, _ThinkRouter.AFTER):
-                row[self.runner.eog_ids] = -np.inf  # a thinking model's answer is never empty
-        sizes = [seq.sampler.shortlist_size for seq, _ in wanted]
-        likeliest = _likeliest(np, matrix, list(range(len(wanted))), sizes) if any(sizes) else [None] * len(wanted)
+        matrix, likeliest = _step_logits(self.runner, self.ctx, wanted)
         ended = []
         for (seq, index), row, short in zip(wanted, matrix, likeliest):  # its sampler draws, its text goes on
             if self.slots[seq.slot] is not seq:  # a choice of a job that a batch-mate choice failed
                 continue
-            end = seq.take(self.ctx, index, row, short, self.runner, self.ctx_per_seq)
+            end = seq.take(self.ctx, index, row, short, self.runner, seq.budget)
             if end is not None:
                 ended.append(self._end(seq, *end))
         return ended
@@ -12390,7 +12527,7 @@ class LlamaSession(Session):
 
 
 # ============================================================================
-# 11.8 The runner
+# 11.9 The runner
 # ============================================================================
 # LlamaRunner: the model loaded once and shared, its caches (pieces; grammars in 11.2's _Grammars), the Wide
 # thread and a session per worker; the template of a model without one (FALLBACK_TEMPLATE), tool turns, the
@@ -12423,7 +12560,7 @@ HOST_CACHES: tuple[tuple[str, str, str, str, str], ...] = (
 # A generation context's size as llama.cpp stated it when it was made: its buffers (_new_context's
 # {"KV", "compute", "output": MiB}), its cells (llama.cpp rounds the count asked for up, to 256:
 # its own count) and one job's share of them. Plain numbers, read by LlamaRunner.memory from any thread.
-_ContextSize = namedtuple("_ContextSize", "buffers cells per_job")
+_ContextSize = namedtuple("_ContextSize", "buffers cells per_job standing longest")
 
 
 # The chat form of a model whose GGUF holds no chat template (or one jinja cannot read): ChatML,
@@ -12458,6 +12595,11 @@ def memory_line(name: str, report: Mapping[str, Any]) -> str:
     line = (f"Memory of {name}: weights {report['weights_mib']:,.1f} MiB, KV cache {n} x {report['kv_mib']:,.1f} MiB "
             f"({report['kv_type']}, {report['cells']:,} cells x {report['kv_bytes_per_token']:,} B a token), "
             f"compute {n} x {report['compute_mib']:,.1f} MiB, output {n} x {report['output_mib']:,.1f} MiB")
+    longest, per_job = report.get("cells_longest", 0), report["cells_per_job"]
+    if longest > per_job:  # NRVNA_MAX_CTX auto: a context may be made anew for a long job
+        line += f", a job of up to {longest:,} tokens has its worker's context made for it"
+    if report.get("grown_mib"):
+        line += f" ({report['grown_mib']:,.1f} MiB more now)"
     if report["embedding_contexts"]:
         line += f", embedding contexts {report['embedding_mib']:,.1f} MiB"
     return line + f": {report['total_mib']:,.1f} MiB"
@@ -12647,28 +12789,42 @@ class LlamaRunner(Runner):
         with self._lock:
             sessions = list(self._sessions)
         contexts = [size for _, size in sessions if size is not None]
-        first = contexts[0] if contexts else _ContextSize({}, 0, 0)
-        kv, compute, output = (first.buffers.get(part, 0.0) for part in ("KV", "compute", "output"))
-        cells, per_job = first.cells, first.per_job
+        standing = [size for size in contexts if size.cells == size.standing + size.per_job]
+        first = (standing or contexts or [_ContextSize({}, 0, 0, 0, 0)])[0]  # a context as made at start
+
+        def parts(size: _ContextSize) -> list[float]:
+            return [size.buffers.get(part, 0.0) for part in ("KV", "compute", "output")]
+
+        kv, compute, output = parts(first)
+        held = sum(sum(parts(size)) for size in contexts)
+        grown = held - len(contexts) * (kv + compute + output)  # contexts made for a long job, beyond that
         embedders = [s.embedder for s, _ in sessions]  # each read once: a dict made whole before it is set
         embedding = [sum(e.buffers.values()) for e in embedders if e is not None]
         weights = self.weights_mib
         return {"weights_mib": round(weights, 1), "kv_type": self.config.kv_type, "contexts": len(contexts),
-                "cells": cells, "cells_per_job": per_job,
-                "kv_bytes_per_token": round(kv * _MIB / cells) if cells else 0,
-                "kv_mib": kv, "compute_mib": compute, "output_mib": output,
+                "cells": first.cells, "cells_per_job": first.per_job, "cells_longest": first.longest,
+                "kv_bytes_per_token": round(kv * _MIB / first.cells) if first.cells else 0,
+                "kv_mib": kv, "compute_mib": compute, "output_mib": output, "grown_mib": round(max(0.0, grown), 1),
                 "embedding_contexts": len(embedding), "embedding_mib": round(sum(embedding), 1),
-                "total_mib": round(weights + len(contexts) * (kv + compute + output) + sum(embedding), 1)}
+                "total_mib": round(weights + held + sum(embedding), 1)}
 
     def session(self, index: int, config: Config) -> "LlamaSession":
         """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
         threads = config.threads or max(1, cpu_count() // config.workers)
         session = LlamaSession(self, threads, config.seqs, config.batch, config)
-        size = (_ContextSize(session.buffers, self.llama_cpp.llama_n_ctx(session.ctx), session.ctx_per_seq)
-                if session.ctx is not None else None)  # read here, on the thread that made it: see memory
         with self._lock:
-            self._sessions.append((session, size))
+            self._sessions.append((session, None))
+        self.resized(session)
         return session
+
+    def resized(self, session: LlamaSession) -> None:
+        """``session`` has made its context (anew): the numbers ``memory`` reports, read here, on
+        the thread that made it (see memory)."""
+        book = session.book
+        size = (_ContextSize(session.buffers, self.llama_cpp.llama_n_ctx(session.ctx), book.share, book.standing,
+                             book.longest) if session.ctx is not None else None)
+        with self._lock:
+            self._sessions = [(s, size if s is session else old) for s, old in self._sessions]
 
     def tokens(self, job: RunningJob) -> list[int]:
         """The job's prompt as tokens: through the model's chat template (FALLBACK_TEMPLATE's
@@ -14501,9 +14657,9 @@ def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], wo
     if 1 <= room // (kv + compute + output) < workers:
         fits.append(_as_given(config, "workers", int(room // (kv + compute + output))))
     per_cell = kv / max(1, report["cells"])  # a context's cells are NRVNA_MAX_CTX and one job's share more
-    max_ctx = int((room / workers - compute - output) / per_cell * config.max_ctx
-                  / max(1, report["cells"])) // 256 * 256
-    if 256 <= max_ctx < config.max_ctx:
+    full = min(config.seqs, FULL_LENGTH_SEQS)
+    max_ctx = int((room / workers - compute - output) / per_cell * full / (full + 1)) // 256 * 256
+    if 256 <= max_ctx < (config.max_ctx or report["cells"] - report["cells_per_job"]):
         fits.append(_as_given(config, "max_ctx", max_ctx))
     bytes_now = KV_TYPES[config.kv_type][1]
     smaller = [t for t, (_, size) in KV_TYPES.items() if size < bytes_now
