@@ -12560,7 +12560,7 @@ HOST_CACHES: tuple[tuple[str, str, str, str, str], ...] = (
 # A generation context's size as llama.cpp stated it when it was made: its buffers (_new_context's
 # {"KV", "compute", "output": MiB}), its cells (llama.cpp rounds the count asked for up, to 256:
 # its own count) and one job's share of them. Plain numbers, read by LlamaRunner.memory from any thread.
-_ContextSize = namedtuple("_ContextSize", "buffers cells per_job standing longest")
+_ContextSize = namedtuple("_ContextSize", "buffers cells per_job longest grown")
 
 
 # The chat form of a model whose GGUF holds no chat template (or one jinja cannot read): ChatML,
@@ -12789,8 +12789,8 @@ class LlamaRunner(Runner):
         with self._lock:
             sessions = list(self._sessions)
         contexts = [size for _, size in sessions if size is not None]
-        standing = [size for size in contexts if size.cells == size.standing + size.per_job]
-        first = (standing or contexts or [_ContextSize({}, 0, 0, 0, 0)])[0]  # a context as made at start
+        standing = [size for size in contexts if not size.grown]
+        first = (standing or contexts or [_ContextSize({}, 0, 0, 0, False)])[0]  # a context as made at start
 
         def parts(size: _ContextSize) -> list[float]:
             return [size.buffers.get(part, 0.0) for part in ("KV", "compute", "output")]
@@ -12821,8 +12821,8 @@ class LlamaRunner(Runner):
         """``session`` has made its context (anew): the numbers ``memory`` reports, read here, on
         the thread that made it (see memory)."""
         book = session.book
-        size = (_ContextSize(session.buffers, self.llama_cpp.llama_n_ctx(session.ctx), book.share, book.standing,
-                             book.longest) if session.ctx is not None else None)
+        size = (_ContextSize(session.buffers, self.llama_cpp.llama_n_ctx(session.ctx), book.share, book.longest,
+                             book.normal != book.standing) if session.ctx is not None else None)
         with self._lock:
             self._sessions = [(s, size if s is session else old) for s, old in self._sessions]
 

@@ -7119,6 +7119,94 @@ def test_a_context_admits_jobs_by_the_cells_their_budgets_need(llama: nrvna.Llam
         session.close()
 
 
+def test_cells_at_auto_share_the_training_context_and_a_given_size_keeps_its_meaning() -> None:
+    """_Cells: NRVNA_MAX_CTX auto (0) splits the training context (at most 8,192 cells) among the
+    workers, each context keeping one share for priority, and lets a job hold the whole training
+    context; NRVNA_MAX_CTX given is each worker's, a job at most its share (as before auto)."""
+    auto = nrvna._Cells(0, 16, 2, 8192)
+    assert (auto.standing, auto.share, auto.longest, auto.made()) == (3072, 1024, 8192, 4096)
+    assert (nrvna._Cells(0, 16, 4, 8192).standing, nrvna._Cells(0, 16, 16, 8192).standing) == (1024, 1024)
+    gemma = nrvna._Cells(0, 16, 2, 32768)  # trained on more: 8,192 in all, a job up to 32,768
+    assert (gemma.standing, gemma.share, gemma.longest) == (3072, 1024, 32768)
+    short = nrvna._Cells(0, 16, 2, 2048)
+    assert (short.standing, short.share, short.longest, short.made()) == (768, 256, 2048, 1024)
+    given = nrvna._Cells(1024, 16, 2, 8192)
+    assert (given.standing, given.share, given.longest, given.made()) == (1024, 128, 128, 1152)
+    # a job that set max_tokens may hold the training context; one that did not, its share or twice its prompt
+    assert (auto.cap(100, True), auto.cap(100, False), auto.cap(700, False), auto.cap(6000, False)) == (
+        8192, 1024, 1400, 8192)
+    assert (given.cap(100, True), given.cap(100, False), given.cap(700, False)) == (128, 128, 128)
+    assert (auto.grown(3000), auto.grown(5000), auto.grown(8192)) == (3072, 5120, 8192)
+    seq = types.SimpleNamespace(reserved=False, budget=1000)
+    assert auto.room([seq, None]) == (1, 2072) and auto.fits(2000, [seq, None], 16)
+    assert not auto.fits(2100, [seq, None], 16) and not auto.fits(4000, [seq, None], 16)
+    assert auto.fits(4000, [None, None], 16)  # more than the context holds: once it is empty (made anew)
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_MAX_CTX=32 is under 64"):
+        nrvna.Config.from_env({"NRVNA_MAX_CTX": "32"})
+
+
+@pytest.mark.model
+def test_a_job_the_context_cannot_hold_waits_then_has_it_made_for_it(llama: nrvna.LlamaRunner,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """NRVNA_MAX_CTX auto, its total cut to 1,024 cells here (one worker: 768 for jobs and 128 kept):
+    a job of about 1,000 cells waits, claimed, while the short jobs beside it run (no job is taken
+    meanwhile), then the context is made anew for it; it runs as it does where it fits at once;
+    idle, the context is standing again. A prompt longer than the training context still fails."""
+    monkeypatch.setattr(nrvna, "AUTO_CELLS", 1024)
+    long_prompt = "Here is a list of fruits: " + ", ".join(["apple", "pear", "plum", "fig"] * 90) + ". Name one."
+    session = llama.session(0, nrvna.Config(workers=1))
+    L = llama.llama_cpp
+    try:
+        assert (session.book.standing, session.book.share, L.llama_n_ctx(session.ctx)) == (768, 128, 1024)  # 896 padded
+        short = [fake_job(f"Count from {i} to 9.", max_tokens=24, temperature=0) for i in range(2)]
+        for job in short:
+            session.start(job)
+        long = fake_job(long_prompt, max_tokens=300, temperature=0, stop=["\n"])
+        session.start(long)
+        assert session.free() == 0 and long in session.active()  # it waits, and holds the others back
+        ended: dict[str, Outcome] = {}
+        grown = 0
+        while session.active():
+            ended.update((job.id, outcome) for job, outcome in session.step())
+            grown = max(grown, L.llama_n_ctx(session.ctx))
+        assert grown > 1024  # made for it (llama.cpp pads a context to 256 cells)
+        assert all(o.error_code is None for o in ended.values()), ended
+        assert session.book.normal > session.book.standing  # it stays made for the long job until idle
+        session.idle()
+        assert L.llama_n_ctx(session.ctx) == 1024 and session.book.normal == session.book.standing
+        with pytest.raises(nrvna.JobError, match=r"prompt is \d+ tokens; a sequence holds 8192"):
+            session.start(fake_job("word " * 8300, max_tokens=8))
+    finally:
+        session.close()
+    reference = llama.session(0, nrvna.Config(workers=1, max_ctx=8192))  # the long job fits at once
+    try:
+        again = fake_job(long_prompt, max_tokens=300, temperature=0, stop=["\n"])
+        reference.start(again)
+        while reference.active():
+            done = reference.step()
+        assert done[0][1].text == [o for o in ended.values() if o.prompt_tokens > 300][0].text
+    finally:
+        reference.close()
+
+
+@pytest.mark.model
+def test_at_the_defaults_a_job_longer_than_a_worker_s_context_runs(ws: str, model: str) -> None:
+    """At the defaults (NRVNA_MAX_CTX auto: SmolLM2's 8,192 cells shared by 2 workers, 3,072 for jobs
+    each), a job of prompt and max_tokens over 4,000 runs: its worker's context is made for it;
+    short jobs beside it run too; the start line says a job may hold the training context."""
+    prompt = "Here is a list of fruits: " + ", ".join(["apple", "pear", "plum", "fig", "kiwi"] * 300) + ". Name one."
+    long_id = submit(ws, prompt, max_tokens=3000, temperature=0, stop=["\n"])
+    short = [submit(ws, f"Say {word}.", max_tokens=8) for word in ("hi", "yes", "no", "ok")]
+    done = cli("daemon", model, ws, "--drain", "-w", "2", timeout=600)
+    log = done.stderr.decode()
+    assert done.returncode == 0, log[-2000:]
+    assert "a job of up to 8,192 tokens has its worker's context made for it" in log
+    assert re.search(r"Making a context for a job of [4-8],\d{3} cells \(standing: 4,096\)", log), log[-3000:]
+    job = Flow(ws).get(long_id)
+    assert job.status is Status.Done and job.meta["prompt_tokens"] > 3000, (job.error, job.meta)
+    assert all(Flow(ws).status(job_id) is Status.Done for job_id in short)
+
+
 @pytest.mark.model
 def test_a_plain_decode_waits_for_a_decode_with_borrowed_threads_to_end(llama: nrvna.LlamaRunner,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
