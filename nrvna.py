@@ -12049,11 +12049,13 @@ AUTO_CELLS = 8192
 class _Cells:
     """How a context's KV cells are booked (LlamaSession): ``normal`` cells for the running jobs,
     each booking its budget (its prompt and max_tokens, capped), and one ``share`` more kept for
-    a job above every running one (priority). ``share`` is also the unit a job is admitted by
-    (its size is known only once claimed) and the cap of a job that sets no max_tokens. A
-    context holds FULL_LENGTH_SEQS shares; more sequences run as the jobs' budgets leave room
+    a job above every running one (priority); ``share`` is also the cap of a job that sets no
+    max_tokens. A job is taken while ``unit`` cells are left (its size is known only once it is
+    claimed: with NRVNA_MAX_CTX given, a share, so that it always fits; auto, a quarter share, and
+    one that does not fit waits for room, claimed: _GrammarWaits). A context holds
+    FULL_LENGTH_SEQS shares; more sequences run as the jobs' budgets leave room
     (LlamaSession.free), since a batch's short jobs use a fraction of a share and wider steps
-    cost less per token. A job that does not fit waits for room, claimed (_GrammarWaits).
+    cost less per token.
 
     NRVNA_MAX_CTX as given: ``normal`` is it, a job holds at most a share. Auto (0): the model's
     training context (at most AUTO_CELLS) in all, shared by the workers; a job may hold up to
@@ -12068,11 +12070,12 @@ class _Cells:
         self.share = max(64, total // full)
         if train_ctx > 0:
             self.share = min(self.share, train_ctx)
-        if max_ctx:
-            self.standing, self.longest = self.share * full, self.share
+        if max_ctx:  # as given: every context that size, a job at most its share
+            self.standing, self.longest, self.unit = self.share * full, self.share, self.share
         else:  # each worker's context made with total / workers cells, its kept share among them
             self.standing = max(self.share, (total // max(1, workers) - self.share) // 256 * 256)
             self.longest = max(self.share, train_ctx if train_ctx > 0 else total)
+            self.unit = max(64, self.share // 4)  # a job taken needing more waits for room, claimed
         self.normal = self.standing
 
     def made(self) -> int:
@@ -12254,7 +12257,7 @@ class LlamaSession(Session):
 
     def free(self) -> int:
         """How many jobs can start now (more may once these have started): while the budgets
-        leave room for a share and no job waits for room (see _Cells). So the cache never
+        leave room for a unit and no job waits for room (see _Cells). So the cache never
         overflows (a failed decode would fail every job in it), and short jobs fill every slot."""
         embed = EMBED_JOBS - (len(self.embedder.jobs) if self.embedder is not None else 0)
         if self.ctx is None:
@@ -12263,7 +12266,7 @@ class LlamaSession(Session):
             return 0
         running, room = self.room()
         parked = len(self.grammar_waits)
-        return max(0, min(self.seqs - running - parked, room // self.book.share - parked, embed))
+        return max(0, min(self.seqs - running - parked, room // self.book.unit - parked, embed))
 
     def room(self) -> tuple[int, int]:
         """The sequences running outside the kept room, and the cells their budgets leave."""

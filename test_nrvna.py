@@ -7124,14 +7124,14 @@ def test_cells_at_auto_share_the_training_context_and_a_given_size_keeps_its_mea
     workers, each context keeping one share for priority, and lets a job hold the whole training
     context; NRVNA_MAX_CTX given is each worker's, a job at most its share (as before auto)."""
     auto = nrvna._Cells(0, 16, 2, 8192)
-    assert (auto.standing, auto.share, auto.longest, auto.made()) == (3072, 1024, 8192, 4096)
+    assert (auto.standing, auto.share, auto.longest, auto.made(), auto.unit) == (3072, 1024, 8192, 4096, 256)
     assert (nrvna._Cells(0, 16, 4, 8192).standing, nrvna._Cells(0, 16, 16, 8192).standing) == (1024, 1024)
     gemma = nrvna._Cells(0, 16, 2, 32768)  # trained on more: 8,192 in all, a job up to 32,768
     assert (gemma.standing, gemma.share, gemma.longest) == (3072, 1024, 32768)
     short = nrvna._Cells(0, 16, 2, 2048)
     assert (short.standing, short.share, short.longest, short.made()) == (768, 256, 2048, 1024)
-    given = nrvna._Cells(1024, 16, 2, 8192)
-    assert (given.standing, given.share, given.longest, given.made()) == (1024, 128, 128, 1152)
+    given = nrvna._Cells(1024, 16, 2, 8192)  # a job taken always fits: the unit is a share
+    assert (given.standing, given.share, given.longest, given.made(), given.unit) == (1024, 128, 128, 1152, 128)
     # a job that set max_tokens may hold the training context; one that did not, its share or twice its prompt
     assert (auto.cap(100, True), auto.cap(100, False), auto.cap(700, False), auto.cap(6000, False)) == (
         8192, 1024, 1400, 8192)

@@ -316,8 +316,12 @@ ARMS = {
 BASELINE = "c"
 
 
+# --defaults (issue 60): check 1's daemons at nrvna's defaults (no NRVNA_SEQS, NRVNA_MAX_CTX auto).
+AT_DEFAULTS = False
+
+
 def conversation_env(store: bool) -> dict[str, str]:
-    env = {"NRVNA_SEQS": "1", "NRVNA_MAX_CTX": str(CTX)}
+    env = {} if AT_DEFAULTS else {"NRVNA_SEQS": "1", "NRVNA_MAX_CTX": str(CTX)}
     if not store:
         env["NRVNA_CACHE_DISK"] = "0"
     return env
@@ -592,7 +596,8 @@ def run_checks(args: argparse.Namespace, texts: Texts) -> None:
     if args.check_tokens + 40 + args.check_answer + args.check_text_tokens + 40 > CTX:
         raise SystemExit(f"--check-tokens {args.check_tokens} leaves no room for turn 2 in {CTX:,} tokens")
     base = tempfile.mkdtemp(prefix="nrvna-bench-", dir=os.environ.get("BENCH_DIR", ROOT))
-    print(f"machine: {machine()}; model {os.path.basename(args.model)}; NRVNA_SEQS=1, NRVNA_MAX_CTX={CTX} for check 1")
+    form = "nrvna's defaults" if AT_DEFAULTS else f"NRVNA_SEQS=1, NRVNA_MAX_CTX={CTX}"
+    print(f"machine: {machine()}; model {os.path.basename(args.model)}; {form} for check 1")
     try:
         rows = check_restore(args, texts, base)
         rows += check_batch(args, texts, base)
@@ -614,6 +619,8 @@ def main() -> None:
     parser.add_argument("--state-wait", type=float, default=10.0,
                         help="seconds to wait for a turn's saved state before going on (untimed)")
     parser.add_argument("--check", action="store_true", help="issue 45's two acceptance checks instead")
+    parser.add_argument("--defaults", action="store_true",
+                        help="check 1 with every daemon at nrvna's defaults (issue 60: NRVNA_MAX_CTX auto, 16 sequences)")
     parser.add_argument("--check-tokens", type=int, default=7900, help="check 1: turn 1's prompt tokens")
     parser.add_argument("--check-answer", type=int, default=8, help="check 1: turn 1's answer tokens")
     parser.add_argument("--check-text-tokens", type=int, default=32, help="check 1: turn 2's tokens for the text")
@@ -622,6 +629,8 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=200, help="check 2: lines per run")
     parser.add_argument("--line-tokens", type=int, default=4, help="check 2: tokens each line generates")
     args = parser.parse_args()
+    global AT_DEFAULTS
+    AT_DEFAULTS = args.defaults
     if not args.model:
         raise SystemExit("no model: give --model PATH (or run the quick start, which fetches SmolLM2)")
     texts = Texts(args.model)
