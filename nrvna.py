@@ -12347,11 +12347,11 @@ class LlamaSession(Session):
             raise JobError("bad_request", "prompt has no tokens")
         priority = job_param(job.params, "priority")
         budget = min(cap, len(tokens) + max_tokens)
-        reserved = self.free() <= 0
-        if reserved and self._reserve(priority) <= 0:  # a caller's bug: the worker checks before it claims
-            raise RuntimeError("no room for another job in this context")
-        if budget > (self.book.share if reserved else self.room()[1]):  # it waits, claimed, for room:
-            self.grammar_waits.add(job, _Conversion.made(made), budget)  # no other job is taken meanwhile
+        # Into the kept share (above every job, room full), or beside the jobs, or it waits for room.
+        reserved = self.free() <= 0 and self._reserve(priority) > 0 and budget <= self.book.share
+        running, room = self.room()
+        if not reserved and (running >= self.seqs or budget > room):
+            self.grammar_waits.add(job, _Conversion.made(made), budget)
             return
         slot = self.prefixes.take_slot(self.slots, tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
