@@ -12333,8 +12333,9 @@ class LlamaSession(Session):
         with this context's arrays and grammars; JobError if the model cannot take them."""
         return _JobSampler.for_job(self.runner, self.scratch, self.templates, params, made)
 
-    def _begin(self, job: RunningJob, made: Optional[tuple[Any, str, GrammarShape]] = None) -> None:
-        """Start ``job`` in a free slot (``made``: its grammar); JobError if it cannot run here."""
+    def _begin(self, job: RunningJob, made: Optional[tuple[Any, str, GrammarShape]] = None, fits: bool = False) -> None:
+        """Start ``job`` in a free slot (``made``: its grammar; ``fits``: it waited for room and _Cells.fits
+        says it fits outside the kept share, whatever else waits); JobError if it cannot run here."""
         max_tokens = job_param(job.params, "max_tokens", self.runner.config)
         tokens, think = self.runner.tokens(job), None
         cap = self.book.cap(len(tokens), job.params.get("max_tokens") is not None)
@@ -12347,7 +12348,7 @@ class LlamaSession(Session):
             raise JobError("bad_request", "prompt has no tokens")
         priority = job_param(job.params, "priority")
         budget = min(cap, len(tokens) + max_tokens)
-        reserved = self.free() <= 0
+        reserved = not fits and self.free() <= 0
         if reserved and self._reserve(priority) <= 0:  # a caller's bug: the worker checks before it claims
             raise RuntimeError("no room for another job in this context")
         if budget > (self.book.share if reserved else self.room()[1]):  # it waits, claimed, for room:
@@ -12403,7 +12404,7 @@ class LlamaSession(Session):
                 if need > self.book.normal:
                     log.info(f"Making a context for a job of {need:,} cells (standing: {self.book.made():,})")
                     self._remake(self.book.grown(need), need)
-                self._begin(job, made)  # which may find it waits for room
+                self._begin(job, made, need > 0)  # which may find it waits for room
             except JobError as err:
                 self.drop(job)  # a JobError may come once the job holds a slot
                 ended.append((job, Outcome(error_code=err.code, error=str(err))))
@@ -12413,8 +12414,7 @@ class LlamaSession(Session):
         return ended
 
     def _fits(self, job: RunningJob, need: int) -> bool:
-        """Whether a waiting job can begin now: one waiting for its grammar as a new job would be
-        taken; one waiting for room as _Cells.fits says."""
+        """Whether a waiting job can begin now: for its grammar, as a new job is taken; for room, _Cells.fits."""
         if need:
             return self.book.fits(need, self.slots, self.seqs)
         return self.free() > 0 or self._reserve(job_param(job.params, "priority")) > 0
