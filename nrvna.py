@@ -19371,8 +19371,9 @@ def _as_module(script_argv: list[str]) -> Optional[list[str]]:
         return None
     options = orig[1:len(orig) - len(script_argv)]
     path = os.path.abspath(__file__)
-    # The script's path stays before its arguments: `pgrep -f "nrvna.py daemon"` still finds it.
-    code = (f"import sys; del sys.argv[0]; sys.path.insert(0, {os.path.dirname(path)!r}); "
+    # The script's path stays before its arguments: `pgrep -f "nrvna.py daemon"` still finds it. Its
+    # folder takes the place -c gives the working directory on sys.path (a script's imports never see it).
+    code = (f"import sys; del sys.argv[0]; sys.path[:sys.path[:1] == [''] and 1] = [{os.path.dirname(path)!r}]; "
             f"import {name}; sys.exit({name}.main())")
     return [sys.executable, *options, "-c", code, path, *script_argv[1:]]
 

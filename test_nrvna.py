@@ -14085,6 +14085,18 @@ def test_a_long_lived_command_run_as_a_script_goes_on_as_a_module(tmp_path: Path
     assert nrvna._as_module(args) is None
 
 
+def test_a_long_lived_command_run_as_a_script_imports_nothing_from_the_working_directory(tmp_path: Path) -> None:
+    """`python /path/nrvna.py daemon` run from a folder holding a module named as one nrvna imports
+    (heapq.py here) uses the standard one, as a script does: `python -c` puts the working directory
+    first on sys.path, and the re-executed daemon imported that folder's heapq.py."""
+    (tmp_path / "heapq.py").write_text("import sys\nsys.stderr.write('the working directory\\'s heapq\\n')\n"
+                                       "raise SystemExit(3)\n")
+    done = subprocess.run([sys.executable, SCRIPT, "daemon", "--help"], cwd=tmp_path, capture_output=True,
+                          timeout=120)
+    assert done.returncode == 0 and b"heapq" not in done.stderr, done.stderr[-500:]
+    assert b"usage" in done.stdout.lower(), done.stdout[:200]
+
+
 @pytest.mark.model
 def test_setup_puts_the_nrvna_command_in_the_venv(tmp_path: Path, model_file: str, bert_file: str) -> None:
     """After scripts/setup.sh, `.venv/bin/nrvna` runs (the README's examples say `nrvna ...`),
