@@ -19370,6 +19370,8 @@ def _as_module(script_argv: list[str]) -> Optional[list[str]]:
             or len(orig) <= len(script_argv) or orig[len(orig) - len(script_argv)] != script_argv[0]):
         return None
     options = orig[1:len(orig) - len(script_argv)]
+    if options[-1:] == ["--"]:  # it ends the options: -c must come before it
+        options.pop()
     path = os.path.abspath(__file__)
     # The script's path stays before its arguments: `pgrep -f "nrvna.py daemon"` still finds it. Its
     # folder takes the place -c gives the working directory on sys.path (a script's imports never see it).

@@ -14085,6 +14085,13 @@ def test_a_long_lived_command_run_as_a_script_goes_on_as_a_module(tmp_path: Path
     assert nrvna._as_module(args) is None
 
 
+def test_a_long_lived_command_run_as_a_script_after_the_options_end_runs() -> None:
+    """`python -- nrvna.py daemon` (`--` ends the interpreter's options) runs as without it: the
+    re-executed command line put `-c` after the `--`, and Python looked for a script named -c."""
+    done = subprocess.run([sys.executable, "--", SCRIPT, "daemon", "--help"], capture_output=True, timeout=120)
+    assert done.returncode == 0 and b"usage" in done.stdout.lower(), done.stderr[-500:]
+
+
 def test_a_long_lived_command_run_as_a_script_imports_nothing_from_the_working_directory(tmp_path: Path) -> None:
     """`python /path/nrvna.py daemon` run from a folder holding a module named as one nrvna imports
     (heapq.py here) uses the standard one, as a script does: `python -c` puts the working directory
