@@ -12283,8 +12283,7 @@ class LlamaSession(Session):
         return 1 if self.embedder is None or len(self.embedder.jobs) < EMBED_JOBS else 0
 
     def idle(self) -> None:
-        """No job in flight: a context made for a long job is made standing again; otherwise trim
-        the cells finished jobs left to the prefixes the next jobs can reuse (_PrefixCache.trim)."""
+        """No job in flight: a context made for a long job is made standing; prefixes kept are trimmed."""
         if self.ctx is None:
             return
         if self.book.normal != self.book.standing and not self.active():
@@ -12333,8 +12332,10 @@ class LlamaSession(Session):
         with this context's arrays and grammars; JobError if the model cannot take them."""
         return _JobSampler.for_job(self.runner, self.scratch, self.templates, params, made)
 
-    def _begin(self, job: RunningJob, made: Optional[tuple[Any, str, GrammarShape]] = None) -> None:
-        """Start ``job`` in a free slot (``made``: its grammar); JobError if it cannot run here."""
+    def _begin(self, job: RunningJob, made: Optional[tuple[Any, str, GrammarShape]] = None,
+               fits: bool = False) -> None:
+        """Start ``job`` in a slot (``made``: its grammar; ``fits``: it waited for room, and fits beside
+        the jobs whatever else waits), or it waits for room; JobError if it cannot run here."""
         max_tokens = job_param(job.params, "max_tokens", self.runner.config)
         tokens, think = self.runner.tokens(job), None
         cap = self.book.cap(len(tokens), job.params.get("max_tokens") is not None)
@@ -12348,7 +12349,7 @@ class LlamaSession(Session):
         priority = job_param(job.params, "priority")
         budget = min(cap, len(tokens) + max_tokens)
         # Into the kept share (above every job, room full), or beside the jobs, or it waits for room.
-        reserved = self.free() <= 0 and self._reserve(priority) > 0 and budget <= self.book.share
+        reserved = not fits and self.free() <= 0 and self._reserve(priority) > 0 and budget <= self.book.share
         running, room = self.room()
         if not reserved and (running >= self.seqs or budget > room):
             self.grammar_waits.add(job, _Conversion.made(made), budget)
@@ -12403,7 +12404,7 @@ class LlamaSession(Session):
                 if need > self.book.normal:
                     log.info(f"Making a context for a job of {need:,} cells (standing: {self.book.made():,})")
                     self._remake(self.book.grown(need), need)
-                self._begin(job, made)  # which may find it waits for room
+                self._begin(job, made, need > 0)  # which may find it waits for room
             except JobError as err:
                 self.drop(job)  # a JobError may come once the job holds a slot
                 ended.append((job, Outcome(error_code=err.code, error=str(err))))
@@ -12413,8 +12414,7 @@ class LlamaSession(Session):
         return ended
 
     def _fits(self, job: RunningJob, need: int) -> bool:
-        """Whether a waiting job can begin now: one waiting for its grammar as a new job would be
-        taken; one waiting for room as _Cells.fits says."""
+        """Whether a waiting job can begin now: for its grammar, as a new job is taken; for room, _Cells.fits."""
         if need:
             return self.book.fits(need, self.slots, self.seqs)
         return self.free() > 0 or self._reserve(job_param(job.params, "priority")) > 0
@@ -19370,9 +19370,12 @@ def _as_module(script_argv: list[str]) -> Optional[list[str]]:
             or len(orig) <= len(script_argv) or orig[len(orig) - len(script_argv)] != script_argv[0]):
         return None
     options = orig[1:len(orig) - len(script_argv)]
+    if options[-1:] == ["--"]:  # it ends the options: -c must come before it
+        options.pop()
     path = os.path.abspath(__file__)
-    # The script's path stays before its arguments: `pgrep -f "nrvna.py daemon"` still finds it.
-    code = (f"import sys; del sys.argv[0]; sys.path.insert(0, {os.path.dirname(path)!r}); "
+    # The script's path stays before its arguments: `pgrep -f "nrvna.py daemon"` still finds it. Its
+    # folder takes the place -c gives the working directory on sys.path (a script's imports never see it).
+    code = (f"import sys; del sys.argv[0]; sys.path[:sys.path[:1] == [''] and 1] = [{os.path.dirname(path)!r}]; "
             f"import {name}; sys.exit({name}.main())")
     return [sys.executable, *options, "-c", code, path, *script_argv[1:]]
 

@@ -7190,6 +7190,37 @@ def test_a_job_the_context_cannot_hold_waits_then_has_it_made_for_it(llama: nrvn
 
 
 @pytest.mark.model
+def test_two_jobs_waiting_for_room_in_an_empty_context_both_run(llama: nrvna.LlamaRunner,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job whose grammar was being made and a long job that waits for room (claimed beside it)
+    both come to wait for room: each, once it fits, began as if it were a new job, found the other
+    waiting (free() 0), took the kept share's way and waited again, for ever (no step, the worker
+    spinning). A job that fits as it waited begins."""
+    monkeypatch.setattr(nrvna, "AUTO_CELLS", 1024)  # one worker: 768 cells for jobs, a share of 128
+    session = llama.session(0, nrvna.Config(workers=1))
+    try:
+        form = fake_job("Fill in the form as JSON.", max_tokens=200, temperature=0, response_format=schema_format(
+            costly_patterns(1) | {"description": "both wait for room"}))
+        session.start(form)  # its grammar is made on the Grammar thread
+        long = fake_job("Say hi.", max_tokens=900, temperature=0)  # over the 768 cells: it waits for room
+        session.start(long)
+        assert session.grammar_waits.longest() > 768 and len(session.grammar_waits) == 2
+        for _ in range(200):  # the grammar made before a step: both then wait for room
+            if all(entry[1].done.is_set() for entry in session.grammar_waits.entries):
+                break
+            time.sleep(0.05)
+        ended: dict[int, Outcome] = {}
+        for _ in range(3000):
+            ended.update((id(job), outcome) for job, outcome in session.step())
+            if not session.active():
+                break
+        assert set(ended) == {id(form), id(long)}, (ended, session.active())
+        assert all(o.error_code is None for o in ended.values()), ended
+    finally:
+        session.close()
+
+
+@pytest.mark.model
 def test_at_the_defaults_a_job_longer_than_a_worker_s_context_runs(ws: str, model: str) -> None:
     """At the defaults (NRVNA_MAX_CTX auto: SmolLM2's 8,192 cells shared by 2 workers, 3,072 for jobs
     each), a job of prompt and max_tokens over 4,000 runs: its worker's context is made for it;
@@ -14052,6 +14083,25 @@ def test_a_long_lived_command_run_as_a_script_goes_on_as_a_module(tmp_path: Path
     assert nrvna._as_module(["/x/nrvna.py", "daemon", "m.gguf", "ws"]) is None
     monkeypatch.delattr(sys, "orig_argv")  # Python 3.9
     assert nrvna._as_module(args) is None
+
+
+def test_a_long_lived_command_run_as_a_script_after_the_options_end_runs() -> None:
+    """`python -- nrvna.py daemon` (`--` ends the interpreter's options) runs as without it: the
+    re-executed command line put `-c` after the `--`, and Python looked for a script named -c."""
+    done = subprocess.run([sys.executable, "--", SCRIPT, "daemon", "--help"], capture_output=True, timeout=120)
+    assert done.returncode == 0 and b"usage" in done.stdout.lower(), done.stderr[-500:]
+
+
+def test_a_long_lived_command_run_as_a_script_imports_nothing_from_the_working_directory(tmp_path: Path) -> None:
+    """`python /path/nrvna.py daemon` run from a folder holding a module named as one nrvna imports
+    (heapq.py here) uses the standard one, as a script does: `python -c` puts the working directory
+    first on sys.path, and the re-executed daemon imported that folder's heapq.py."""
+    (tmp_path / "heapq.py").write_text("import sys\nsys.stderr.write('the working directory\\'s heapq\\n')\n"
+                                       "raise SystemExit(3)\n")
+    done = subprocess.run([sys.executable, SCRIPT, "daemon", "--help"], cwd=tmp_path, capture_output=True,
+                          timeout=120)
+    assert done.returncode == 0 and b"heapq" not in done.stderr, done.stderr[-500:]
+    assert b"usage" in done.stdout.lower(), done.stdout[:200]
 
 
 @pytest.mark.model
