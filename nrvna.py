@@ -11954,6 +11954,10 @@ class _GrammarWaits:
         """The most cells a job waiting for room needs (0: none waits for room)."""
         return max((entry[2] for entry in self.entries), default=0)
 
+    def converting(self) -> bool:
+        """Whether a job waits for its grammar (one waiting for room never takes the kept share)."""
+        return any(not entry[2] for entry in self.entries)
+
     def drop(self, job: RunningJob) -> None:
         self.entries = [entry for entry in self.entries if entry[0] is not job]
 
@@ -12275,7 +12279,7 @@ class LlamaSession(Session):
     def reserve(self, priority: int) -> int:
         """1 if a job of ``priority`` would run above every job here and the kept room is free
         (0 while a job's grammar is being made: that job may need the room)."""
-        return 0 if self.grammar_waits else self._reserve(priority)
+        return 0 if self.grammar_waits.converting() else self._reserve(priority)
 
     def _reserve(self, priority: int) -> int:
         if self.ctx is None or any(s is not None and (s.reserved or s.priority >= priority) for s in self.slots):
