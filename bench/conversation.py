@@ -621,7 +621,7 @@ def main() -> None:
                         help="seconds to wait for a turn's saved state before going on (untimed)")
     parser.add_argument("--check", action="store_true", help="issue 45's two acceptance checks instead")
     parser.add_argument("--defaults", action="store_true",
-                        help="check 1 alone, every daemon at nrvna's defaults (issue 60: NRVNA_MAX_CTX auto, 16 sequences)")
+                        help="check 1 alone, every daemon at nrvna's defaults (issue 60: NRVNA_MAX_CTX auto)")
     parser.add_argument("--check-tokens", type=int, default=7900, help="check 1: turn 1's prompt tokens")
     parser.add_argument("--check-answer", type=int, default=8, help="check 1: turn 1's answer tokens")
     parser.add_argument("--check-text-tokens", type=int, default=32, help="check 1: turn 2's tokens for the text")
