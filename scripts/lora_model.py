@@ -50,7 +50,7 @@ ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
 FEED_FORWARD = ("ffn_gate", "ffn_up", "ffn_down")
 TARGETS = ATTENTION + FEED_FORWARD
 DEFAULT_SEED = 61
-DEFAULT_SIGMA = 0.02  # B's standard deviation: SmolLM2's greedy text changes, it stays fluent (see docs/lora-research.md)
+DEFAULT_SIGMA = 0.1  # B's standard deviation: SmolLM2's greedy text changes from its first token, still fluent
 
 
 def load_gguf(gguf_py: Optional[str]) -> Any:
@@ -142,7 +142,7 @@ def write_float(args: argparse.Namespace) -> None:
     temp = args.out + ".part"
     writer = gguf.GGUFWriter(temp, arch)
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in ("general.file_type",):
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
