@@ -11898,7 +11898,7 @@ class _Cells:
     def __init__(self, max_ctx: int, seqs: int, workers: int, train_ctx: int) -> None:
         full = min(seqs, FULL_LENGTH_SEQS)
         total = max_ctx or (min(train_ctx, AUTO_CELLS) if train_ctx > 0 else AUTO_CELLS)
-        self.share = max(64, total // full)
+        self.share = max(64, (max_ctx or AUTO_CELLS) // full)  # auto: as NRVNA_MAX_CTX=8192 had it
         if train_ctx > 0:
             self.share = min(self.share, train_ctx)
         if max_ctx:  # as given: every context that size, a job at most its share
