@@ -83,9 +83,9 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
                                       _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
-   11.7 A context and its parts     _PrefixCache, _Batch, _Preemption, _GrammarWaits, _StateHandOff (saved states
-                                      handed over), AUTO_CELLS, _Cells (booked cells; a context made for a long
-                                      job), _llama_context, _context_parts
+   11.7 A context and its parts     AUTO_CELLS, _Batch, _Preemption, _GrammarWaits, _StateHandOff (saved states
+                                      handed over), _Cells (booked cells; a context made for a long job),
+                                      _llama_context, _context_parts, _PrefixCache
    11.8 Continuous batching         _step_logits, LlamaSession
    11.9 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, host_caches, memory_line, LlamaRunner
 12. Daemon
@@ -11655,183 +11655,16 @@ class StateStore:
 # ============================================================================
 # 11.7 A context and its parts
 # ============================================================================
-# What a worker's context is made of: its prefix sharing (_PrefixCache), its batch (_Batch), its
-# preemption flag (_Preemption, the one field another thread sets), the jobs waiting to begin
-# (_GrammarWaits), the saved states handed over (_StateHandOff), how its cells are booked and when it
-# is made anew for a long job (_Cells), and the context itself (_llama_context, _context_parts).
+# What a worker's context is made of: its batch (_Batch), its preemption flag (_Preemption, the one
+# field another thread sets), the jobs waiting to begin (_GrammarWaits), the saved states handed over
+# (_StateHandOff), how its cells are booked and when it is made anew for a long job (_Cells), the
+# context itself (_llama_context, _context_parts) and its prefix sharing (_PrefixCache, last).
 
 
-class _PrefixCache:
-    """Prefix sharing in a context's unified KV cache: the cells finished jobs left in their
-    free slots, kept for the prompts of the next jobs, and a new sequence's longest computed
-    prefix found among them and its batch-mates' cells (see attach).
-
-    Threads: like its context, its session's worker thread only."""
-
-    def __init__(self, llama_cpp: Any, memory: Any, slots: int, enabled: bool, shares_cells: bool = True) -> None:
-        self.llama_cpp = llama_cpp
-        self.memory = memory
-        self.enabled = enabled  # NRVNA_PREFIX_CACHE: off, every prompt is computed whole
-        self.shares_cells = shares_cells  # False for recurrent models: no prefix of a state can be copied
-        self.held: list[list[int]] = [[] for _ in range(slots)]  # tokens cached in each free slot
-        self.reused_tokens = 0
-        self.trimmed = False  # trim() has trimmed the held cells since the last job started
-        self.last_kept: Optional[int] = None  # the slot whose job ended last, cells kept whole
-
-    def trim(self, slots: list[Optional[_Sequence]]) -> None:
-        """No job in flight: of the cells finished jobs left, keep the last job's whole and
-        of the others only the prefixes that several share (a system prompt, the chat
-        template's opening).
-
-        Attention scans the KV cache up to its highest used cell, masked cells too, so a
-        batch's leftover cells slow every later decode (measured: a lone job's step 9.0-9.4
-        ms after a batch, as fast as in a fresh context once trimmed); a shared prefix is
-        what the next job can reuse. The last job's cells stay whole: a conversation's next
-        turn, or the same prompt again, starts with all of them (and the next job that shares
-        no more with any slot than the common prefix takes that slot, freeing its tail).
-        """
-        held = [i for i, tokens in enumerate(self.held) if tokens]
-        if self.trimmed or len(held) < 2 or any(s is not None for s in slots):
-            return
-        self.trimmed = True  # until the next job: the worker calls this on every idle turn
-        for i in held:
-            if i == self.last_kept:
-                continue
-            keep = max(_common_prefix(self.held[i], self.held[j]) for j in held if j != i)
-            if keep < len(self.held[i]):
-                if not self.llama_cpp.llama_memory_seq_rm(self.memory, i, keep, -1):
-                    self.llama_cpp.llama_memory_seq_rm(self.memory, i, -1, -1)
-                    keep = 0
-                self.held[i] = self.held[i][:keep]
-
-    def take_slot(self, slots: list[Optional[_Sequence]], tokens: list[int]) -> int:
-        """The free slot for a job with prompt ``tokens`` that is starting (trim() may trim
-        again once it has ended): the one already holding the longest prefix of its prompt (a
-        finished job's cells; on a tie, the slot trim() left whole: the new job's cells replace
-        its tail)."""
-        self.trimmed = False
-        free = [i for i, s in enumerate(slots) if s is None]
-        if not self.enabled:
-            return free[0]
-        return max(free, key=lambda i: (_common_prefix(self.held[i], tokens), i == self.last_kept))
-
-    def make_room(self, slots: list[Optional[_Sequence]], cells: int) -> None:
-        """Forget finished jobs' cells (kept for prefix reuse) while they and the running
-        jobs' budgets could together overflow the cache of ``cells``; the last job's cells go
-        last.
-
-        Counting every slot's cells as its own overstates what shared prefixes use, so this
-        is safe: the cells actually in use never exceed the cache.
-        """
-        used = sum(s.budget for s in slots if s is not None) + sum(len(t) for t in self.held)
-        for i in sorted((i for i, t in enumerate(self.held) if t),
-                        key=lambda i: (i == self.last_kept, -len(self.held[i]))):
-            if used <= cells:
-                return
-            used -= len(self.held[i])
-            self.forget(i)
-
-    def spare_slot(self, slots: list[Optional[_Sequence]]) -> int:
-        """A free slot for a job's further choice: the one whose kept cells are worth least."""
-        return min((i for i, s in enumerate(slots) if s is None),
-                   key=lambda i: (i == self.last_kept, len(self.held[i])))
-
-    def forget(self, slot: int) -> None:
-        """Drop every KV cell of ``slot`` (cells another slot shares stay for that slot)."""
-        if self.last_kept == slot:
-            self.last_kept = None
-        self.held[slot] = []
-        self.llama_cpp.llama_memory_seq_rm(self.memory, slot, -1, -1)
-
-    def release(self, seq: _Sequence, keep: bool) -> None:
-        """``seq`` has left its slot; with ``keep``, its KV cells stay for the next job's prefix."""
-        if keep and self.enabled:
-            self.held[seq.slot] = seq.cached
-            self.last_kept = seq.slot
-        else:
-            self.forget(seq.slot)
-
-    def attach(self, seq: _Sequence, slots: list[Optional[_Sequence]], first: bool = False) -> None:
-        """Give a new sequence the longest computed prefix of its prompt in this context.
-
-        Batch jobs usually share a long system prompt. Its KV cells are shared, not
-        recomputed: kept in the sequence's own slot (with ``first``, when its job starts: the
-        tokens its slot's last job left), or copied from any other slot with
-        ``llama_memory_seq_cp`` (in a unified KV cache a copy only tags the cells with one
-        more sequence). When a batch-mate is still computing a longer shared prefix, the
-        sequence waits for it (a step or two) instead of computing the same cells itself.
-        """
-        tokens, limit = seq.prompt, len(seq.prompt) - 1  # the last prompt token is decoded for its logits
-        if seq.choice:
-            self._attach_choice(seq, slots, limit)
-            return
-        own = _common_prefix(self.held[seq.slot], tokens) if first and self.enabled else 0
-        source, computed, planned = seq.slot, own, 0
-        if self.enabled:
-            for i, other in enumerate(slots):
-                if i == seq.slot:
-                    continue
-                if other is None:
-                    n = _common_prefix(self.held[i], tokens, limit)
-                elif other.awaits_prefix:
-                    continue
-                else:
-                    n = _common_prefix(other.cached, tokens, limit)
-                    # Never wait for a lower-priority batch-mate: it is paused while this one runs.
-                    if other.pending and n == len(other.cached) and other.priority >= seq.priority:
-                        planned = max(planned, _common_prefix(other.cached + other.pending, tokens, limit))
-                if n > computed:
-                    source, computed = i, n
-        computed = min(computed, limit)
-        seq.awaits_prefix = planned >= computed + PREFIX_WAIT_TOKENS
-        if seq.awaits_prefix:
-            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
-            self.held[seq.slot] = []
-            return
-        if source == seq.slot:
-            ok = self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, computed, -1)
-        else:
-            ok = (self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1) and computed > 0)
-            if ok:
-                self.llama_cpp.llama_memory_seq_cp(self.memory, source, seq.slot, 0, computed)
-        if not ok:  # e.g. recurrent models: a sequence's state is all or nothing
-            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
-            computed = 0
-        self.held[seq.slot] = []
-        seq.at(computed)
-        self.reused_tokens += computed
-
-    def _attach_choice(self, seq: _Sequence, slots: list[Optional[_Sequence]], limit: int) -> None:
-        """A job's second or later choice: the prompt's cells copied from a choice that has
-        computed them, or a wait for the first choice to (whatever NRVNA_PREFIX_CACHE says:
-        n choices compute their prompt once). Only its last token is decoded again, for this
-        choice's own logits."""
-        self.forget(seq.slot)
-        seq.at(0)
-        if not self.shares_cells:  # a recurrent model's state is all or nothing: each choice computes its own
-            seq.awaits_prefix = False
-            return
-        source = next((i for i, other in enumerate(slots) if other is not None and other is not seq
-                       and other.choices is seq.choices and not other.awaits_prefix
-                       and len(other.cached) >= limit), None)
-        seq.awaits_prefix = source is None
-        if source is None:
-            return
-        if limit:
-            self.llama_cpp.llama_memory_seq_cp(self.memory, source, seq.slot, 0, limit)
-        seq.at(limit)
-        self.reused_tokens += limit
-
-    def keep_choice(self, seq: _Sequence) -> bool:
-        """A job's further choice starting in the slot where another of its choices has just
-        ended: keep the prompt's cells there but its last token's (decoded again for this
-        choice's own logits). False where the cells cannot be cut (a recurrent model's)."""
-        limit = len(seq.prompt) - 1
-        if not (self.shares_cells and self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, limit, -1)):
-            return False
-        seq.at(limit)
-        self.reused_tokens += limit
-        return True
+# NRVNA_MAX_CTX auto (0): the cells of all workers' contexts together, at most this: a model trained on
+# more (Gemma 3: 32,768) would hold memory most jobs never use; a job that needs more has its worker's
+# context made anew for it (_Cells), up to the training context.
+AUTO_CELLS = 8192
 
 
 class _Batch:
@@ -12044,12 +11877,6 @@ class _StateHandOff:
                   f"in {(time.monotonic() - began) * 1000:.0f} ms")
 
 
-# NRVNA_MAX_CTX auto (0): the cells of all workers' contexts together, at most this: a model trained on
-# more (Gemma 3: 32,768) would hold memory most jobs never use; a job that needs more has its worker's
-# context made anew for it (_Cells), up to the training context.
-AUTO_CELLS = 8192
-
-
 class _Cells:
     """How a context's KV cells are booked (LlamaSession): ``normal`` cells for the running jobs,
     each booking its budget (its prompt and max_tokens, capped), and one ``share`` more kept for
@@ -12071,7 +11898,7 @@ class _Cells:
     def __init__(self, max_ctx: int, seqs: int, workers: int, train_ctx: int) -> None:
         full = min(seqs, FULL_LENGTH_SEQS)
         total = max_ctx or (min(train_ctx, AUTO_CELLS) if train_ctx > 0 else AUTO_CELLS)
-        self.share = max(64, total // full)
+        self.share = max(64, (max_ctx or AUTO_CELLS) // full)  # auto: as NRVNA_MAX_CTX=8192 had it
         if train_ctx > 0:
             self.share = min(self.share, train_ctx)
         if max_ctx:  # as given: every context that size, a job at most its share
@@ -12155,6 +11982,179 @@ def _context_parts(runner: LlamaRunner, cells: int, slots: int, n_batch: int, th
     states = (_StateHandOff(runner.store, llama_cpp, ctx, memory, runner.trimmable)
               if runner.store is not None and prefixes.enabled else None)
     return ctx, buffers, memory, prefixes, states, _Preemption(llama_cpp, ctx, runner.abort_callback)
+
+
+class _PrefixCache:
+    """Prefix sharing in a context's unified KV cache: the cells finished jobs left in their
+    free slots, kept for the prompts of the next jobs, and a new sequence's longest computed
+    prefix found among them and its batch-mates' cells (see attach).
+
+    Threads: like its context, its session's worker thread only."""
+
+    def __init__(self, llama_cpp: Any, memory: Any, slots: int, enabled: bool, shares_cells: bool = True) -> None:
+        self.llama_cpp = llama_cpp
+        self.memory = memory
+        self.enabled = enabled  # NRVNA_PREFIX_CACHE: off, every prompt is computed whole
+        self.shares_cells = shares_cells  # False for recurrent models: no prefix of a state can be copied
+        self.held: list[list[int]] = [[] for _ in range(slots)]  # tokens cached in each free slot
+        self.reused_tokens = 0
+        self.trimmed = False  # trim() has trimmed the held cells since the last job started
+        self.last_kept: Optional[int] = None  # the slot whose job ended last, cells kept whole
+
+    def trim(self, slots: list[Optional[_Sequence]]) -> None:
+        """No job in flight: of the cells finished jobs left, keep the last job's whole and
+        of the others only the prefixes that several share (a system prompt, the chat
+        template's opening).
+
+        Attention scans the KV cache up to its highest used cell, masked cells too, so a
+        batch's leftover cells slow every later decode (measured: a lone job's step 9.0-9.4
+        ms after a batch, as fast as in a fresh context once trimmed); a shared prefix is
+        what the next job can reuse. The last job's cells stay whole: a conversation's next
+        turn, or the same prompt again, starts with all of them (and the next job that shares
+        no more with any slot than the common prefix takes that slot, freeing its tail).
+        """
+        held = [i for i, tokens in enumerate(self.held) if tokens]
+        if self.trimmed or len(held) < 2 or any(s is not None for s in slots):
+            return
+        self.trimmed = True  # until the next job: the worker calls this on every idle turn
+        for i in held:
+            if i == self.last_kept:
+                continue
+            keep = max(_common_prefix(self.held[i], self.held[j]) for j in held if j != i)
+            if keep < len(self.held[i]):
+                if not self.llama_cpp.llama_memory_seq_rm(self.memory, i, keep, -1):
+                    self.llama_cpp.llama_memory_seq_rm(self.memory, i, -1, -1)
+                    keep = 0
+                self.held[i] = self.held[i][:keep]
+
+    def take_slot(self, slots: list[Optional[_Sequence]], tokens: list[int]) -> int:
+        """The free slot for a job with prompt ``tokens`` that is starting (trim() may trim
+        again once it has ended): the one already holding the longest prefix of its prompt (a
+        finished job's cells; on a tie, the slot trim() left whole: the new job's cells replace
+        its tail)."""
+        self.trimmed = False
+        free = [i for i, s in enumerate(slots) if s is None]
+        if not self.enabled:
+            return free[0]
+        return max(free, key=lambda i: (_common_prefix(self.held[i], tokens), i == self.last_kept))
+
+    def make_room(self, slots: list[Optional[_Sequence]], cells: int) -> None:
+        """Forget finished jobs' cells (kept for prefix reuse) while they and the running
+        jobs' budgets could together overflow the cache of ``cells``; the last job's cells go
+        last.
+
+        Counting every slot's cells as its own overstates what shared prefixes use, so this
+        is safe: the cells actually in use never exceed the cache.
+        """
+        used = sum(s.budget for s in slots if s is not None) + sum(len(t) for t in self.held)
+        for i in sorted((i for i, t in enumerate(self.held) if t),
+                        key=lambda i: (i == self.last_kept, -len(self.held[i]))):
+            if used <= cells:
+                return
+            used -= len(self.held[i])
+            self.forget(i)
+
+    def spare_slot(self, slots: list[Optional[_Sequence]]) -> int:
+        """A free slot for a job's further choice: the one whose kept cells are worth least."""
+        return min((i for i, s in enumerate(slots) if s is None),
+                   key=lambda i: (i == self.last_kept, len(self.held[i])))
+
+    def forget(self, slot: int) -> None:
+        """Drop every KV cell of ``slot`` (cells another slot shares stay for that slot)."""
+        if self.last_kept == slot:
+            self.last_kept = None
+        self.held[slot] = []
+        self.llama_cpp.llama_memory_seq_rm(self.memory, slot, -1, -1)
+
+    def release(self, seq: _Sequence, keep: bool) -> None:
+        """``seq`` has left its slot; with ``keep``, its KV cells stay for the next job's prefix."""
+        if keep and self.enabled:
+            self.held[seq.slot] = seq.cached
+            self.last_kept = seq.slot
+        else:
+            self.forget(seq.slot)
+
+    def attach(self, seq: _Sequence, slots: list[Optional[_Sequence]], first: bool = False) -> None:
+        """Give a new sequence the longest computed prefix of its prompt in this context.
+
+        Batch jobs usually share a long system prompt. Its KV cells are shared, not
+        recomputed: kept in the sequence's own slot (with ``first``, when its job starts: the
+        tokens its slot's last job left), or copied from any other slot with
+        ``llama_memory_seq_cp`` (in a unified KV cache a copy only tags the cells with one
+        more sequence). When a batch-mate is still computing a longer shared prefix, the
+        sequence waits for it (a step or two) instead of computing the same cells itself.
+        """
+        tokens, limit = seq.prompt, len(seq.prompt) - 1  # the last prompt token is decoded for its logits
+        if seq.choice:
+            self._attach_choice(seq, slots, limit)
+            return
+        own = _common_prefix(self.held[seq.slot], tokens) if first and self.enabled else 0
+        source, computed, planned = seq.slot, own, 0
+        if self.enabled:
+            for i, other in enumerate(slots):
+                if i == seq.slot:
+                    continue
+                if other is None:
+                    n = _common_prefix(self.held[i], tokens, limit)
+                elif other.awaits_prefix:
+                    continue
+                else:
+                    n = _common_prefix(other.cached, tokens, limit)
+                    # Never wait for a lower-priority batch-mate: it is paused while this one runs.
+                    if other.pending and n == len(other.cached) and other.priority >= seq.priority:
+                        planned = max(planned, _common_prefix(other.cached + other.pending, tokens, limit))
+                if n > computed:
+                    source, computed = i, n
+        computed = min(computed, limit)
+        seq.awaits_prefix = planned >= computed + PREFIX_WAIT_TOKENS
+        if seq.awaits_prefix:
+            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+            self.held[seq.slot] = []
+            return
+        if source == seq.slot:
+            ok = self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, computed, -1)
+        else:
+            ok = (self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1) and computed > 0)
+            if ok:
+                self.llama_cpp.llama_memory_seq_cp(self.memory, source, seq.slot, 0, computed)
+        if not ok:  # e.g. recurrent models: a sequence's state is all or nothing
+            self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
+            computed = 0
+        self.held[seq.slot] = []
+        seq.at(computed)
+        self.reused_tokens += computed
+
+    def _attach_choice(self, seq: _Sequence, slots: list[Optional[_Sequence]], limit: int) -> None:
+        """A job's second or later choice: the prompt's cells copied from a choice that has
+        computed them, or a wait for the first choice to (whatever NRVNA_PREFIX_CACHE says:
+        n choices compute their prompt once). Only its last token is decoded again, for this
+        choice's own logits."""
+        self.forget(seq.slot)
+        seq.at(0)
+        if not self.shares_cells:  # a recurrent model's state is all or nothing: each choice computes its own
+            seq.awaits_prefix = False
+            return
+        source = next((i for i, other in enumerate(slots) if other is not None and other is not seq
+                       and other.choices is seq.choices and not other.awaits_prefix
+                       and len(other.cached) >= limit), None)
+        seq.awaits_prefix = source is None
+        if source is None:
+            return
+        if limit:
+            self.llama_cpp.llama_memory_seq_cp(self.memory, source, seq.slot, 0, limit)
+        seq.at(limit)
+        self.reused_tokens += limit
+
+    def keep_choice(self, seq: _Sequence) -> bool:
+        """A job's further choice starting in the slot where another of its choices has just
+        ended: keep the prompt's cells there but its last token's (decoded again for this
+        choice's own logits). False where the cells cannot be cut (a recurrent model's)."""
+        limit = len(seq.prompt) - 1
+        if not (self.shares_cells and self.llama_cpp.llama_memory_seq_rm(self.memory, seq.slot, limit, -1)):
+            return False
+        seq.at(limit)
+        self.reused_tokens += limit
+        return True
 
 
 # ============================================================================
@@ -19018,6 +19018,10 @@ def _duration(text: str) -> float:
 # every NrvnaError becomes one line on stderr and its exit code. The main thread.
 
 
+# The commands that run until stopped: run as a script, they re-execute as a module (_as_module).
+LONG_LIVED_COMMANDS = ("daemon", "serve")
+
+
 def _non_negative_float(text: str) -> float:
     import argparse
 
@@ -19355,10 +19359,6 @@ COMMANDS = (
      "Ask the daemon holding WORKSPACE to stop (SIGTERM: in-flight jobs go back to the queue) "
      "and wait until it has; exit 3 if none runs.", _stop_arguments, _cmd_stop),
 )
-
-
-# The commands that run until stopped: run as a script, they re-execute as a module (_as_module).
-LONG_LIVED_COMMANDS = ("daemon", "serve")
 
 
 def _as_module(script_argv: list[str]) -> Optional[list[str]]:

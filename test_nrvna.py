@@ -7128,8 +7128,9 @@ def test_cells_at_auto_share_the_training_context_and_a_given_size_keeps_its_mea
     assert (nrvna._Cells(0, 16, 4, 8192).standing, nrvna._Cells(0, 16, 16, 8192).standing) == (1024, 1024)
     gemma = nrvna._Cells(0, 16, 2, 32768)  # trained on more: 8,192 in all, a job up to 32,768
     assert (gemma.standing, gemma.share, gemma.longest) == (3072, 1024, 32768)
-    short = nrvna._Cells(0, 16, 2, 2048)
-    assert (short.standing, short.share, short.longest, short.made()) == (768, 256, 2048, 1024)
+    short = nrvna._Cells(0, 16, 2, 2048)  # a job's share as before (1,024), each context two shares at least
+    assert (short.standing, short.share, short.longest, short.made()) == (1024, 1024, 2048, 2048)
+    assert nrvna._Cells(0, 16, 2, 512).share == 512  # MiniLM's 512: an embedding takes them all, as before
     given = nrvna._Cells(1024, 16, 2, 8192)  # a job taken always fits: the unit is a share
     assert (given.standing, given.share, given.longest, given.made(), given.unit) == (1024, 128, 128, 1152, 128)
     # a job that set max_tokens may hold the training context; one that did not, its share or twice its prompt
