@@ -7786,39 +7786,77 @@ def model_view(workspace: str) -> tuple[str, dict[str, str], list[str]]:
     return os.path.abspath(setting_default("models_dir")), parse_aliases(setting_default("model_aliases")), served
 
 
-def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]], strict: bool) -> list[str]:
+def known_adapters(workspace: str, models_dir: str) -> set[str]:
+    """The LoRA adapters a job may name: those the workspace's running daemons have loaded, and
+    the adapter GGUFs of ``models_dir``."""
+    records = daemon_records(workspace) if os.path.isdir(os.path.join(workspace, READY)) else []
+    loaded = {a["name"] for r in records for m in r.get("models") or () if isinstance(m, dict)
+              for a in m.get("adapters") or () if isinstance(a, dict) and isinstance(a.get("name"), str)
+              and "refused" not in a}
+    return loaded | set(adapter_files(models_dir))
+
+
+def _check_adapter_names(by_name: Mapping[str, list[str]], known: set[str], strict: bool) -> list[str]:
+    """The notes for adapters no running daemon has (``by_name``: name -> where); InvalidInput when ``strict``."""
+    notes = []
+    for name, places in by_name.items():
+        if name in known:
+            continue
+        if strict:
+            raise InvalidInput(f"{places[0]}: no running daemon has adapter {name!r} (known: "
+                               f"{', '.join(sorted(known)) or 'none'})")
+        jobs = f"{len(places)} jobs wait" if len(places) > 1 else "the job waits"
+        notes.append(f"no running daemon has adapter {name!r} yet: {jobs} for one that has it")
+    return notes
+
+
+def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]], strict: bool,
+                      lora: Iterable[tuple[str, Iterable[str]]] = ()) -> list[str]:
     """Check the model each job names (``(where, name)``; None: none) as the workspace resolves
-    names (model_view): an ambiguous name is InvalidInput; a name that matches no model is
-    InvalidInput when ``strict``, else a note (the job runs on a daemon's default model). Returns
-    the notes."""
+    names (model_view), and the adapters (``lora``: ``(where, names)``): an ambiguous name is
+    InvalidInput; a name that matches no model, or an adapter no running daemon has (an
+    adapter may be named as the model: NAME or MODEL:NAME), is InvalidInput when ``strict``,
+    else a note (the job runs on a daemon's default model; waits for a daemon with the
+    adapter). Returns the notes."""
     by_name: dict[str, list[str]] = {}
     for where, name in named:
         if name is not None:
             by_name.setdefault(name, []).append(where)
-    if not by_name:
+    adapters_named: dict[str, list[str]] = {}
+    for where, names in lora:
+        for name in names:
+            adapters_named.setdefault(name, []).append(where)
+    if not by_name and not adapters_named:
         return []
     models_dir, aliases, served = model_view(workspace)
+    known = known_adapters(workspace, models_dir)
     # a served model's file name, with or without .gguf (as GET /v1/models lists it)
     served_names = {n for path in served for n in (os.path.basename(path),
                                                    re.sub(r"\.gguf$", "", os.path.basename(path)))}
     notes = []
     for name, places in by_name.items():
-        matches = model_matches(name, models_dir, aliases)
+        matches = model_matches(name, models_dir, aliases, known)
+        if not matches and name not in known and name.rpartition(":")[1]:  # MODEL:ADAPTER
+            base, _, adapter = name.rpartition(":")
+            if ADAPTER_NAME.fullmatch(adapter) and (len(model_matches(base, models_dir, aliases)) == 1
+                                                    or base in served_names):
+                adapters_named.setdefault(adapter, []).extend(places)
+                continue
         if len(matches) > 1:
             raise InvalidInput(f"{places[0]}: model name {name!r} is ambiguous in {models_dir}: "
                                f"{', '.join(os.path.basename(m) for m in matches)}")
         if matches:
             _check_model_file(places[0], name, matches[0])
             continue
-        if name in served_names:
+        if name in served_names or name in known:
             continue
         if strict:
-            known = sorted({*(gguf_files(models_dir) or []), *map(os.path.basename, served), *aliases})
-            raise InvalidInput(f"{places[0]}: model {name!r} matches no model (known: {', '.join(known) or 'none'}; "
+            names = sorted({*(gguf_files(models_dir) or []), *map(os.path.basename, served), *aliases, *known})
+            raise InvalidInput(f"{places[0]}: model {name!r} matches no model (known: {', '.join(names) or 'none'}; "
                                f"NRVNA_MODELS_DIR is {models_dir})")
         jobs = f"{len(places)} jobs run" if len(places) > 1 else "it runs"
         notes.append(f"model {name!r} matches no model in {models_dir}: {jobs} on a daemon's default model")
-    return notes
+    return notes + _check_adapter_names(adapters_named, known, strict)
 
 
 def _check_model_file(where: str, name: str, path: str) -> None:
@@ -7876,7 +7914,26 @@ def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
                 verdicts[key] = None
         if verdicts[key] is not None:
             reasons[job_id] = verdicts[key]
+        elif route.lora or (route.model is not None and ":" in route.model):
+            reasons.update(_adapter_waits(job_id, route, records, models_dir, aliases))
     return {**reasons, **parents}
+
+
+def _adapter_waits(job_id: str, route: Route, records: list[dict[str, Any]], models_dir: str,
+                   aliases: Mapping[str, str]) -> dict[str, str]:
+    """Why a job naming adapters waits (by its ID), when no running daemon has one of them."""
+    known = {a["name"] for r in records for m in r.get("models") or () if isinstance(m, dict)
+             for a in m.get("adapters") or () if isinstance(a, dict) and "refused" not in a}
+    named = [name for name, _ in route.lora]
+    model = route.model or ""
+    if (":" in model and ADAPTER_NAME.fullmatch(model.rpartition(":")[2])
+            and model_file(model, models_dir, aliases) is None):
+        named.append(model.rpartition(":")[2])
+    missing = [name for name in named if name not in known]
+    if not missing:
+        return {}
+    return {job_id: f"waits for a daemon with adapter {missing[0]}: the running daemons have "
+                    f"{', '.join(sorted(known)) or 'none'}"}
 
 
 def _failed_models(records: list[dict[str, Any]]) -> dict[str, str]:
@@ -8170,7 +8227,8 @@ class Work:
             prompt, params = _embed_input(check_inputs(list(prompt), PARAMS["input"].high), dict(params))
         data = check_prompt(prompt, setting_default("max_prompt_bytes"))
         clean = validate_params(params)
-        for note in check_model_names(self.workspace, [("the job", job_param(clean, "model"))], self.strict_models):
+        for note in check_model_names(self.workspace, [("the job", job_param(clean, "model"))], self.strict_models,
+                                      [("the job", [e["name"] for e in clean.get("lora") or ()])]):
             if self.notify is not None:
                 self.notify(note)
         clean = _absolute_model(clean)
@@ -8324,7 +8382,9 @@ class Work:
                 except InvalidInput as err:
                     raise InvalidInput(f"line {entry.line}: {err} (with the flags given for every line)") from None
         notes.extend(check_model_names(self.workspace, [(f"line {e.line}", job_param(e.params, "model"))
-                                                        for e in entries], self.strict_models))
+                                                        for e in entries], self.strict_models,
+                                       [(f"line {e.line}", [a["name"] for a in e.params.get("lora") or ()])
+                                        for e in entries]))
         entries = [BatchEntry(e.line, e.prompt, _absolute_model(e.params)) for e in entries]
         _check_parents(self.workspace, [(f"line {e.line}: ", e.params) for e in entries])
         if dedupe:
