@@ -19,8 +19,9 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
 1. Errors and exit codes            EXIT_CODES, FAILURE_CODES, NrvnaError, InvalidInput, ConfigError, NoSuchJob,
                                       NotFinished, KeyHeld, WorkspaceError, ModelError, NotDurable, JobError,
                                       Interrupted
-2. Settings                         SETTINGS, KV_TYPES, cpu_count, thinking_tags, size_bytes, HOOK_VARIABLES,
-                                      hook_environment, parse_aliases, setting_default, Config
+2. Settings                         SETTINGS, KV_TYPES, ADAPTER_NAME, cpu_count, thinking_tags, size_bytes,
+                                      HOOK_VARIABLES, hook_environment, parse_aliases, lora_scale, parse_adapters,
+                                      setting_default, Config
 3. Logging                          configure_logging, log (log.limited), OS thread names, the heap's trim
 4. File primitives                  write_all, write_file, open_dir, fsync_dir, read_file, move (never replaces)
 5. Structured output
@@ -33,10 +34,12 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
    5.8 Tool calls                   ToolFormat, tool_choice_name, tool_call_schema, tool_grammar, generic_tool_text,
                                       generic_messages, find_tool_format, call_lines, tool_call_id, read_tool_calls
-6. Job parameters                   Endpoint, ENDPOINTS, Param, PARAMS, conversation_turns, EFFORT_BUDGETS,
-                                      thinking_budget, job_param, validate_params, tool_choice, parallel_calls,
-                                      constraint, check_logprobs_size, check_combination, tool_answers,
-                                      check_inputs, render_inputs, render_messages, check_prompt
+6. Job parameters
+   6.1 The table                    EFFORT_BUDGETS, Endpoint, Param, job_param, check_inputs, conversation_turns,
+                                      thinking_budget, PARAMS, ENDPOINTS
+   6.2 Whole jobs                   named_adapter, job_adapters, describe_set, validate_params, tool_choice,
+                                      parallel_calls, constraint, check_logprobs_size, check_combination,
+                                      tool_answers, render_inputs, render_messages, check_prompt
 7. Workspace and job directories
    7.1 Layout, locks and the daemons' records
                                     the layout's names, shallow, parse_meta, read_record, job_path, ensure_workspace,
@@ -47,8 +50,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
                                       dump_meta, submitted_time
    7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job, check_ids,
                                       require_workspace, require_tag
-   7.4 Routes and model files       Route, read_route, read_priority, gguf_files, model_file, model_elsewhere,
-                                      model_matches, resolve_model
+   7.4 Routes and model files       Route, read_route, read_priority, gguf_is_adapter, gguf_files, adapter_files,
+                                      model_file, model_elsewhere, model_matches, resolve_model
    7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_shard, claim_tag_shard, tag_members,
                                       iter_tag_members
    7.6 Reading a job                Job, _read_choices, continued_turns, CONVERSATION_TURNS, parent_conversation,
@@ -65,7 +68,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    8.4 Merge                        part_line_limit, read_part, merge_parts
 9. Client
    9.1 Reading: Flow                bulk_states, Flow
-   9.2 Submitting: Work             SubmitResult, model_view, check_model_names, waiting_for_model, _Keys, Work
+   9.2 Submitting: Work             SubmitResult, model_view, known_adapters, check_model_names, waiting_for_model,
+                                      _Keys, Work
    9.3 Events                       format_time, iter_events
    9.4 Cancel, retry, clean         cancel_job, cancel_jobs, retry_job, retry_jobs, clean_jobs
    9.5 Daemons: info and stop       daemon_info, stop_daemon (_proven_daemon)
@@ -74,7 +78,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
 10. Runner protocol                 Runner, Session, RunningJob, Outcome, FunctionRunner
 11. llama.cpp engine
    11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, _kv_params, _new_context (a context
-                                      and its buffers), check_gguf, _GgufHeader, gguf_strings, gguf_kind
+                                      and its buffers), check_gguf, _GgufHeader, gguf_strings, gguf_kind,
+                                      adapter_refusal, _Adapters (a model's LoRA adapters)
    11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion,
                                       _Grammars (a model's grammars, made and kept)
    11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _sampler_chain,
@@ -84,7 +89,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
    11.7 A context and its parts     AUTO_CELLS, _Batch, _Preemption, _GrammarWaits, _StateHandOff (saved states
-                                      handed over), _Cells (booked cells; a context made for a long job),
+                                      handed over), _ContextAdapters (a context's adapter set), _Cells (booked
+                                      cells; a context made for a long job),
                                       _llama_context, _context_parts, _PrefixCache
    11.8 Continuous batching         _step_logits, LlamaSession
    11.9 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, host_caches, memory_line, LlamaRunner
@@ -94,7 +100,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    12.2 Claims and finishes: Processor
                                     _Claim, _HandBacks (failed finishes, a full disk), _Unrunnable, Processor
    12.3 Recovery and hooks          _Recovery (orphans, staging), Hooks
-   12.4 Models                      _ServedModel, check_memory_budget, _LoadFailure, _ModelSwitch, _Models
+   12.4 Models                      _ServedModel, check_memory_budget, _LoadFailure, _ModelSwitch, _AdapterFiles,
+                                      _Models
    12.5 Daemons side by side, and the watch
                                     _clash, _hooks_clash, _Registry, _Watcher (cancels, timeouts, dead daemons)
    12.6 Server                      _WorkerLoads, _Tally (jobs in flight, figures), _claim_later, _with_states_folder,
@@ -3834,6 +3841,13 @@ def read_tool_calls(text: str, form: ToolFormat, job_id: str,
 # client and a daemon check a job's parameters with the same code. Stateless: any thread.
 
 
+# ============================================================================
+# 6.1 The table: PARAMS and its rows' readers and checks
+# ============================================================================
+# Param (a row), the readers of submit's flags and each row's own check, then PARAMS and the tables
+# made of it (OpenAI's fields, the embed jobs' parameters, the Batch endpoints).
+
+
 # Any ID a user may name: hand-made job dirs work, nothing can climb out of the workspace
 # (no '/', and a leading '.' is impossible, so '.' and '..' are excluded too).
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -3957,6 +3971,32 @@ class Param:
         if isinstance(self.kind, tuple):
             return " or ".join(f"`{choice}`" for choice in self.kind)
         return f"list of up to {self.high} strings"
+
+
+def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = None) -> Any:
+    """A job's parameter: its own value, else the daemon's setting of that name, else the
+    table's default."""
+    if name in params:
+        return params[name]
+    if config is not None and name in SETTINGS:
+        return getattr(config, name)
+    return PARAMS[name].default
+
+
+def check_inputs(texts: Any, limit: int = 2048) -> list[str]:
+    """An embed job's texts: 1 to ``limit`` non-empty strings (OpenAI's limit is 2048)."""
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list) or not 1 <= len(texts) <= limit:
+        raise InvalidInput(f"input must be a string or a list of 1 to {limit} strings")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            kind = "token IDs" if isinstance(text, (int, list)) else "not a string"
+            raise InvalidInput(f"input[{i}] is {kind}: send text (token arrays are not supported)")
+        if not text.strip():
+            raise InvalidInput(f"input[{i}] is empty")
+        _check_text(f"input[{i}]", text)
+    return texts
 
 
 def _read_limited(path: str, limit: int, what: str) -> str:
@@ -4296,14 +4336,170 @@ def _check_input(value: Any, param: Param) -> list[str]:
     return check_inputs(value, param.high)
 
 
-def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = None) -> Any:
-    """A job's parameter: its own value, else the daemon's setting of that name, else the
-    table's default."""
-    if name in params:
-        return params[name]
-    if config is not None and name in SETTINGS:
-        return getattr(config, name)
-    return PARAMS[name].default
+# Every per-job parameter: validation, `submit`'s flags, the OpenAI line mapping, the
+# engine's defaults (`job_param`), `--help` and the README's table come from here. A new
+# sampling parameter is one row here and its use in the engine.
+PARAMS: dict[str, Param] = {
+    "max_tokens": Param(int, low=1, high=1 << 20, flag="--max-tokens", openai=("max_tokens", "max_completion_tokens"),
+                         help="most tokens to generate"),
+    "temperature": Param(float, low=0.0, high=100.0, flag="--temperature", openai=("temperature",),
+                          help="sampling temperature (0 = greedy)"),
+    "top_k": Param(int, low=0, high=1 << 20, flag="--top-k", openai=("top_k",),
+                    help="sample from the K most likely tokens (0 = off)"),
+    "top_p": Param(float, low=0.0, high=1.0, flag="--top-p", openai=("top_p",),
+                    help="nucleus sampling: the smallest set with this probability (1 = off)"),
+    "min_p": Param(float, low=0.0, high=1.0, flag="--min-p", openai=("min_p",),
+                    help="drop tokens less likely than this fraction of the best one (0 = off)"),
+    "repeat_penalty": Param(float, low=0.0, high=100.0, flag="--repeat-penalty", openai=("repeat_penalty",),
+                             help="divide the logits of the last 64 generated tokens by this (1 = off)"),
+    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty",
+                              openai=("presence_penalty",),
+                               help="subtract this from the logit of every token among the last 64 generated (0 = "
+                              "off)"),
+    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty",
+                               openai=("frequency_penalty",),
+                                help="subtract this times its count from the logit of each token among the last 64 "
+                               "generated (0 = off)"),
+    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",),
+                        read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias,
+                        what="object, biases {low:g} to {high:g}",
+                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's "
+                        "model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
+    "seed": Param(int, low=0, high=0xFFFFFFFE, flag="--seed", openai=("seed",),
+                   help="sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
+    "n": Param(int, low=1, high=CHOICES_MAX, default=1, flag="--n", openai=("n",),
+                help="choices: N samples of the prompt in one job, its prompt computed once, choice i seeded seed + i "
+                     "(result.txt holds the first, choices.json them all)"),
+    "stop": Param(list, low=0, high=16, flag="--stop", openai=("stop",),
+                   help="strings that end the generation, not included in the result (a flag per string)"),
+    "ignore_eos": Param(bool, default=False, flag="--ignore-eos",
+                         help="keep generating past the model's end-of-generation token (not past the end of a "
+                        "grammar)"),
+    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",),
+                             read=("FILE|JSON", _read_json_schema), check=_check_response_format,
+                             what="object (OpenAI's)",
+                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": "
+                             "{\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or "
+                             "{\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
+    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",),
+                     read=("FILE", _read_grammar),
+                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the "
+                     "flag takes a file"),
+    "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
+                       help=f"record each generated token's log-probability (get --json, export); n x max_tokens x "
+                            f"(top_logprobs + 1) may be at most {LOGPROBS_MAX} a job"),
+    "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
+                           help="with logprobs: also the N most likely tokens at each step"),
+    "embed": Param(bool, default=False, flag="--embed", jobs="any",
+                    help="embed the input instead of generating: a vector per text (the result holds one JSON array "
+                   "per text, one per line)"),
+    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input,
+                   what="list of {low} to {high} strings", jobs="embed",
+                    help="with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
+    "dimensions": Param(int, low=1, high=1 << 16, flag="--dimensions", openai=("dimensions",), jobs="embed",
+                         help="with embed: keep each vector's first N values (normalized again): for models trained "
+                        "for it (Matryoshka)"),
+    "encoding_format": Param(("float", "base64"), default="float", openai=("encoding_format",), jobs="embed",
+                              help="with embed: how export --format openai writes the vectors (base64: little-endian "
+                             "float32)"),
+    "system": Param(str, low=0, high=1 << 20, flag="--system",
+                     help="a system message for the chat template"),
+    "raw": Param(bool, default=False, flag="--raw",
+                  help="send the prompt as is, without the chat template"),
+    "timeout": Param(float, low=0.001, high=1e7, flag="--timeout", jobs="any",
+                      help="seconds of generation before the job fails with code timeout, keeping its partial text"),
+    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages,
+                      what="list of up to {high} {{role, content}}",
+                       help="chat turns [{role, content}] instead of a prompt, through the chat template"),
+    "tools": Param(list, low=1, high=STRUCTURE_LIMIT, flag="--tools", openai=("tools",),
+                   read=("FILE|JSON", _read_tools),
+                    check=_check_tools, what=f"list of up to {TOOLS_MAX} functions (OpenAI's)",
+                    help="functions the model may call: [{\"type\": \"function\", \"function\": {\"name\", "
+                   "\"description\", \"parameters\"}}]; the calls come back as tool_calls (see Tool calls); the flag "
+                   "takes the list or one tool, inline or a file"),
+    "tool_choice": Param(dict, flag="--tool-choice", openai=("tool_choice",),
+                         read=("none|auto|required|NAME", _read_tool_choice),
+                          check=_check_tool_choice, what="`none`, `auto`, `required` or a named function",
+                          help="with tools: auto (default: text or calls), required (calls only), none (text only), or "
+                         "a named function (a call of it; the flag takes its name)"),
+    "parallel_tool_calls": Param(bool, flag="--parallel-tool-calls", openai=("parallel_tool_calls",),
+                                  help="with tools: whether one answer may hold several calls (default true, as "
+                                 "OpenAI's)"),
+    "custom_id": Param(str, low=0, high=512, jobs="any",
+                        help="the caller's name for the job (batch files, export; default line-N)"),
+    "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
+                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower "
+                      "ones in its context until it ends"),
+    "model": Param(str, low=1, high=256, flag="--model", openai=("model",), jobs="any",
+                    help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in "
+                   "NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the "
+                   "daemon's model (a note says so; --strict-models refuses it), a known model no running daemon "
+                   "serves waits"),
+    "lora": Param(list, low=0, high=LORA_MAX, flag="--lora", openai=("lora",), read=("NAME[:SCALE]", _read_lora),
+                  gather=list, check=_check_lora, what="list of up to {high} {{name, scale}}",
+                   help="LoRA adapters of the daemon to apply: [{\"name\": NAME, \"scale\": SCALE}] (scale: the "
+                  "daemon's for it by default; one within -10 to 10); jobs are batched by adapter set. An adapter no "
+                  "running daemon has waits for one (a note; --strict-models refuses it). See LoRA adapters"),
+    "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
+                              help="submit this work once: if a job with this key exists (queued, running, done or "
+                             "failed), its ID is returned and nothing is queued (see Submit once)"),
+    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",),
+                      read=("JSON", _read_object("--metadata")), check=_check_metadata,
+                      what="object, up to {high} bytes as JSON", jobs="any",
+                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON "
+                      "object (a template's record, by default); never read by the daemon"),
+    "chat_template_kwargs": Param(dict, low=0, high=1 << 16, flag="--chat-template-kwargs",
+                                  openai=("chat_template_kwargs",),
+                                   read=("JSON", _read_object("--chat-template-kwargs")), check=_check_template_kwargs,
+                                   what="object, up to {high} bytes as JSON",
+                                   help="variables for the model's chat template, as llama-server and vLLM pass them "
+                                  "(e.g. {\"enable_thinking\": false}); the template's own (messages, tools, "
+                                  "bos_token...) are refused"),
+    "thinking_budget_tokens": Param(int, low=0, high=1 << 20, flag="--thinking-budget",
+                                     openai=("thinking_token_budget", "thinking_budget_tokens",
+                                             "reasoning_budget_tokens"),
+                                     check=_check_budget, what="integer, {low} to {high}",
+                                     help="a thinking model's most tokens of thinking: at the budget the daemon closes "
+                                    "the block and the answer follows (0 = no thinking; a model that does not think "
+                                    "ignores it)"),
+    "reasoning_effort": Param(tuple(EFFORT_BUDGETS), flag="--reasoning-effort", openai=("reasoning_effort",),
+                               help="a thinking budget by name: none 0, minimal 256, low 1024, medium 2048, high 8192 "
+                              "tokens (thinking_budget_tokens wins); also given to chat templates that read it "
+                              "(gpt-oss)"),
+    "parent": Param(str, low=1, high=128, flag="--parent", check=_check_parent, what="a job ID",
+                     help="continue that job's conversation: its turns, its answer as the assistant's, then this "
+                    "prompt (or these messages) as the next turn; waits while it runs, fails with parent_failed if it "
+                    "failed"),
+    "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
+                  help="label the jobs (status/wait/export/cancel/retry --tag)"),
+    "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
+                       help="the OpenAI Batch url a job came from: export answers in its shape"),
+}
+
+
+# OpenAI Batch body field -> the job parameter it carries, in table order.
+OPENAI_FIELDS = {field: name for name, param in PARAMS.items() for field in param.openai}
+EMBED_ONLY = tuple(name for name, param in PARAMS.items() if param.jobs == "embed")
+
+
+# The parameters an embed job may carry (every other one is about generating); those only it may.
+EMBED_PARAMS = frozenset(name for name, param in PARAMS.items() if param.jobs != "generate")
+
+
+# The OpenAI Batch endpoints: what a request line may carry and how export answers it.
+ENDPOINTS: dict[str, Endpoint] = {
+    "/v1/chat/completions": Endpoint("messages", False, "chat.completion", "chatcmpl-"),
+    "/v1/completions": Endpoint("prompt", True, "text_completion", "cmpl-"),
+    "/v1/embeddings": Endpoint("input", False, "list", ""),
+}
+
+
+# ============================================================================
+# 6.2 Whole jobs: defaults, combinations, prompts
+# ============================================================================
+# A job's parameters checked whole (validate_params: each by its row, then how they combine), the
+# defaults the engine reads (job_param), an adapter set, tool answers and the prompt's checks.
+# Stateless: any thread.
 
 
 def _float32(value: float) -> float:
@@ -4479,22 +4675,6 @@ def _check_tool_use(params: Mapping[str, Any]) -> None:
     tool_answers(job_param(params, "messages") or [], None)
 
 
-def check_inputs(texts: Any, limit: int = 2048) -> list[str]:
-    """An embed job's texts: 1 to ``limit`` non-empty strings (OpenAI's limit is 2048)."""
-    if isinstance(texts, str):
-        texts = [texts]
-    if not isinstance(texts, list) or not 1 <= len(texts) <= limit:
-        raise InvalidInput(f"input must be a string or a list of 1 to {limit} strings")
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            kind = "token IDs" if isinstance(text, (int, list)) else "not a string"
-            raise InvalidInput(f"input[{i}] is {kind}: send text (token arrays are not supported)")
-        if not text.strip():
-            raise InvalidInput(f"input[{i}] is empty")
-        _check_text(f"input[{i}]", text)
-    return texts
-
-
 def render_inputs(texts: list[str]) -> str:
     """An embed job's texts as text a person can read (what prompt.txt holds for a list)."""
     return "\n\n".join(f"[input {i}]\n{text}" for i, text in enumerate(texts)) + "\n"
@@ -4533,164 +4713,6 @@ def check_prompt(prompt: Any, limit: int) -> bytes:
     if len(data) > limit:
         raise InvalidInput(f"prompt is {len(data)} bytes; the limit is {limit} (NRVNA_MAX_PROMPT_BYTES)")
     return data
-
-
-# Every per-job parameter: validation, `submit`'s flags, the OpenAI line mapping, the
-# engine's defaults (`job_param`), `--help` and the README's table come from here. A new
-# sampling parameter is one row here and its use in the engine.
-PARAMS: dict[str, Param] = {
-    "max_tokens": Param(int, low=1, high=1 << 20, flag="--max-tokens", openai=("max_tokens", "max_completion_tokens"),
-                         help="most tokens to generate"),
-    "temperature": Param(float, low=0.0, high=100.0, flag="--temperature", openai=("temperature",),
-                          help="sampling temperature (0 = greedy)"),
-    "top_k": Param(int, low=0, high=1 << 20, flag="--top-k", openai=("top_k",),
-                    help="sample from the K most likely tokens (0 = off)"),
-    "top_p": Param(float, low=0.0, high=1.0, flag="--top-p", openai=("top_p",),
-                    help="nucleus sampling: the smallest set with this probability (1 = off)"),
-    "min_p": Param(float, low=0.0, high=1.0, flag="--min-p", openai=("min_p",),
-                    help="drop tokens less likely than this fraction of the best one (0 = off)"),
-    "repeat_penalty": Param(float, low=0.0, high=100.0, flag="--repeat-penalty", openai=("repeat_penalty",),
-                             help="divide the logits of the last 64 generated tokens by this (1 = off)"),
-    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty",
-                              openai=("presence_penalty",),
-                               help="subtract this from the logit of every token among the last 64 generated (0 = "
-                              "off)"),
-    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty",
-                               openai=("frequency_penalty",),
-                                help="subtract this times its count from the logit of each token among the last 64 "
-                               "generated (0 = off)"),
-    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",),
-                        read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias,
-                        what="object, biases {low:g} to {high:g}",
-                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's "
-                        "model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
-    "seed": Param(int, low=0, high=0xFFFFFFFE, flag="--seed", openai=("seed",),
-                   help="sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
-    "n": Param(int, low=1, high=CHOICES_MAX, default=1, flag="--n", openai=("n",),
-                help="choices: N samples of the prompt in one job, its prompt computed once, choice i seeded seed + i "
-                     "(result.txt holds the first, choices.json them all)"),
-    "stop": Param(list, low=0, high=16, flag="--stop", openai=("stop",),
-                   help="strings that end the generation, not included in the result (a flag per string)"),
-    "ignore_eos": Param(bool, default=False, flag="--ignore-eos",
-                         help="keep generating past the model's end-of-generation token (not past the end of a "
-                        "grammar)"),
-    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",),
-                             read=("FILE|JSON", _read_json_schema), check=_check_response_format,
-                             what="object (OpenAI's)",
-                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": "
-                             "{\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or "
-                             "{\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
-    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",),
-                     read=("FILE", _read_grammar),
-                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the "
-                     "flag takes a file"),
-    "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
-                       help=f"record each generated token's log-probability (get --json, export); n x max_tokens x "
-                            f"(top_logprobs + 1) may be at most {LOGPROBS_MAX} a job"),
-    "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
-                           help="with logprobs: also the N most likely tokens at each step"),
-    "embed": Param(bool, default=False, flag="--embed", jobs="any",
-                    help="embed the input instead of generating: a vector per text (the result holds one JSON array "
-                   "per text, one per line)"),
-    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input,
-                   what="list of {low} to {high} strings", jobs="embed",
-                    help="with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
-    "dimensions": Param(int, low=1, high=1 << 16, flag="--dimensions", openai=("dimensions",), jobs="embed",
-                         help="with embed: keep each vector's first N values (normalized again): for models trained "
-                        "for it (Matryoshka)"),
-    "encoding_format": Param(("float", "base64"), default="float", openai=("encoding_format",), jobs="embed",
-                              help="with embed: how export --format openai writes the vectors (base64: little-endian "
-                             "float32)"),
-    "system": Param(str, low=0, high=1 << 20, flag="--system",
-                     help="a system message for the chat template"),
-    "raw": Param(bool, default=False, flag="--raw",
-                  help="send the prompt as is, without the chat template"),
-    "timeout": Param(float, low=0.001, high=1e7, flag="--timeout", jobs="any",
-                      help="seconds of generation before the job fails with code timeout, keeping its partial text"),
-    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages,
-                      what="list of up to {high} {{role, content}}",
-                       help="chat turns [{role, content}] instead of a prompt, through the chat template"),
-    "tools": Param(list, low=1, high=STRUCTURE_LIMIT, flag="--tools", openai=("tools",),
-                   read=("FILE|JSON", _read_tools),
-                    check=_check_tools, what=f"list of up to {TOOLS_MAX} functions (OpenAI's)",
-                    help="functions the model may call: [{\"type\": \"function\", \"function\": {\"name\", "
-                   "\"description\", \"parameters\"}}]; the calls come back as tool_calls (see Tool calls); the flag "
-                   "takes the list or one tool, inline or a file"),
-    "tool_choice": Param(dict, flag="--tool-choice", openai=("tool_choice",),
-                         read=("none|auto|required|NAME", _read_tool_choice),
-                          check=_check_tool_choice, what="`none`, `auto`, `required` or a named function",
-                          help="with tools: auto (default: text or calls), required (calls only), none (text only), or "
-                         "a named function (a call of it; the flag takes its name)"),
-    "parallel_tool_calls": Param(bool, flag="--parallel-tool-calls", openai=("parallel_tool_calls",),
-                                  help="with tools: whether one answer may hold several calls (default true, as "
-                                 "OpenAI's)"),
-    "custom_id": Param(str, low=0, high=512, jobs="any",
-                        help="the caller's name for the job (batch files, export; default line-N)"),
-    "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
-                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower "
-                      "ones in its context until it ends"),
-    "model": Param(str, low=1, high=256, flag="--model", openai=("model",), jobs="any",
-                    help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in "
-                   "NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the "
-                   "daemon's model (a note says so; --strict-models refuses it), a known model no running daemon "
-                   "serves waits"),
-    "lora": Param(list, low=0, high=LORA_MAX, flag="--lora", openai=("lora",), read=("NAME[:SCALE]", _read_lora),
-                  gather=list, check=_check_lora, what="list of up to {high} {{name, scale}}",
-                   help="LoRA adapters of the daemon to apply: [{\"name\": NAME, \"scale\": SCALE}] (scale: the "
-                  "daemon's for it by default; one within -10 to 10); jobs are batched by adapter set. An adapter no "
-                  "running daemon has waits for one (a note; --strict-models refuses it). See LoRA adapters"),
-    "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
-                              help="submit this work once: if a job with this key exists (queued, running, done or "
-                             "failed), its ID is returned and nothing is queued (see Submit once)"),
-    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",),
-                      read=("JSON", _read_object("--metadata")), check=_check_metadata,
-                      what="object, up to {high} bytes as JSON", jobs="any",
-                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON "
-                      "object (a template's record, by default); never read by the daemon"),
-    "chat_template_kwargs": Param(dict, low=0, high=1 << 16, flag="--chat-template-kwargs",
-                                  openai=("chat_template_kwargs",),
-                                   read=("JSON", _read_object("--chat-template-kwargs")), check=_check_template_kwargs,
-                                   what="object, up to {high} bytes as JSON",
-                                   help="variables for the model's chat template, as llama-server and vLLM pass them "
-                                  "(e.g. {\"enable_thinking\": false}); the template's own (messages, tools, "
-                                  "bos_token...) are refused"),
-    "thinking_budget_tokens": Param(int, low=0, high=1 << 20, flag="--thinking-budget",
-                                     openai=("thinking_token_budget", "thinking_budget_tokens",
-                                             "reasoning_budget_tokens"),
-                                     check=_check_budget, what="integer, {low} to {high}",
-                                     help="a thinking model's most tokens of thinking: at the budget the daemon closes "
-                                    "the block and the answer follows (0 = no thinking; a model that does not think "
-                                    "ignores it)"),
-    "reasoning_effort": Param(tuple(EFFORT_BUDGETS), flag="--reasoning-effort", openai=("reasoning_effort",),
-                               help="a thinking budget by name: none 0, minimal 256, low 1024, medium 2048, high 8192 "
-                              "tokens (thinking_budget_tokens wins); also given to chat templates that read it "
-                              "(gpt-oss)"),
-    "parent": Param(str, low=1, high=128, flag="--parent", check=_check_parent, what="a job ID",
-                     help="continue that job's conversation: its turns, its answer as the assistant's, then this "
-                    "prompt (or these messages) as the next turn; waits while it runs, fails with parent_failed if it "
-                    "failed"),
-    "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
-                  help="label the jobs (status/wait/export/cancel/retry --tag)"),
-    "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
-                       help="the OpenAI Batch url a job came from: export answers in its shape"),
-}
-
-
-# OpenAI Batch body field -> the job parameter it carries, in table order.
-OPENAI_FIELDS = {field: name for name, param in PARAMS.items() for field in param.openai}
-EMBED_ONLY = tuple(name for name, param in PARAMS.items() if param.jobs == "embed")
-
-
-# The parameters an embed job may carry (every other one is about generating); those only it may.
-EMBED_PARAMS = frozenset(name for name, param in PARAMS.items() if param.jobs != "generate")
-
-
-# The OpenAI Batch endpoints: what a request line may carry and how export answers it.
-ENDPOINTS: dict[str, Endpoint] = {
-    "/v1/chat/completions": Endpoint("messages", False, "chat.completion", "chatcmpl-"),
-    "/v1/completions": Endpoint("prompt", True, "text_completion", "cmpl-"),
-    "/v1/embeddings": Endpoint("input", False, "list", ""),
-}
 
 
 ##############################################################################
@@ -11134,7 +11156,7 @@ class _Choices:
         """Start more of ``first``'s job's choices in free slots, as many as the room allows (none
         in the room kept for a job above the others: its choices run one after another)."""
         while self.started < self.n and not first.reserved:
-            running, room = session.room()
+            running, room = session.book.room(session.slots)
             if running >= session.seqs or room < first.budget:
                 return
             self._start(session, first, session.prefixes.spare_slot(session.slots), self._sampler(session, first))
@@ -12243,6 +12265,7 @@ class _ContextAdapters:
         self.adapters = adapters
         self.current: tuple[tuple[str, float], ...] = ()  # the base model's own
         self.since = time.monotonic()  # when the context took its set (a turn, as models have)
+        self.ctx: Any = None  # the context ``current`` is the set of
 
     def of(self, job: RunningJob) -> tuple[tuple[str, float], ...]:
         """``job``'s set (_Adapters.job_set); JobError if it names an adapter not loaded."""
@@ -12258,12 +12281,11 @@ class _ContextAdapters:
         except JobError:
             return True
 
-    def made(self) -> None:
-        """The context was made (anew): it computes with no adapter."""
-        self.current, self.since = (), time.monotonic()
-
     def use(self, wanted: tuple[tuple[str, float], ...], session: LlamaSession) -> None:
-        """Switch ``session``'s context to ``wanted`` (no sequence runs in it): one call, no load."""
+        """Switch ``session``'s context to ``wanted`` (no sequence runs in it): one call, no load. A
+        context made anew (a long job's) computes with no adapter."""
+        if session.ctx is not self.ctx:
+            self.current, self.ctx = (), session.ctx
         if wanted == self.current:
             return
         assert self.adapters is not None and not any(s is not None for s in session.slots)
@@ -12631,7 +12653,6 @@ class LlamaSession(Session):
         """Make the context of ``book.made()`` cells and the parts that hold it (_context_parts)."""
         (self.ctx, self.buffers, self.memory, self.prefixes, self.states,
          self.preemption) = _context_parts(self.runner, self.book.made(), self.seqs + 1, self.n_batch, self.threads)
-        self.lora.made()
 
     def _remake(self, normal: int, need: int = 0) -> None:
         """Make the context anew with ``normal`` cells for jobs, while no sequence is in it: for a job
@@ -12676,13 +12697,9 @@ class LlamaSession(Session):
             return embed
         if _Choices.unstarted(self.slots) or self.grammar_waits.longest():  # these have the room first
             return 0
-        running, room = self.room()
+        running, room = self.book.room(self.slots)  # outside the kept room: the sequences, the cells left
         parked = len(self.grammar_waits)
         return max(0, min(self.seqs - running - parked, room // self.book.unit - parked, embed))
-
-    def room(self) -> tuple[int, int]:
-        """The sequences running outside the kept room, and the cells their budgets leave."""
-        return self.book.room(self.slots)
 
     def reserve(self, priority: int) -> int:
         """1 if a job of ``priority`` would run above every job here and the kept room is free
@@ -12758,14 +12775,12 @@ class LlamaSession(Session):
             raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {cap}")
         if not tokens:
             raise JobError("bad_request", "prompt has no tokens")
-        priority, wanted = job_param(job.params, "priority"), self.lora.of(job)
+        priority, wanted, takes = job_param(job.params, "priority"), self.lora.of(job), self.lora.takes(job, self.slots)
         budget = min(cap, len(tokens) + max_tokens)
-        # Into the kept share (above every job, room full), or beside the jobs, or it waits for room
-        # (or for the jobs of another adapter set to end).
-        reserved = (not fits and self.free() <= 0 and self._reserve(priority) > 0 and budget <= self.book.share
-                    and self.lora.takes(job, self.slots))
-        running, room = self.room()
-        if not reserved and (running >= self.seqs or budget > room or not self.lora.takes(job, self.slots)):
+        # Into the kept share (above all, room full), beside the jobs, or it waits (for room, or for its adapter set).
+        reserved = takes and not fits and self.free() <= 0 and self._reserve(priority) > 0 and budget <= self.book.share
+        running, room = self.book.room(self.slots)
+        if not reserved and (running >= self.seqs or budget > room or not takes):
             self.grammar_waits.add(job, _Conversion.made(made), budget)
             return
         self.lora.use(wanted, self)
@@ -15288,6 +15303,64 @@ class _ModelSwitch:
             self._cond.notify_all()
 
 
+class _AdapterFiles:
+    """The LoRA adapters a daemon has: those of NRVNA_LORA (--lora), and the adapter GGUFs of its
+    models folder (at scale 1; --lora's name wins); which of them each model loads, a queued job's
+    set, and what the record says of them.
+
+    Threads: made at start (Main), read only after: by the Scanner (routes), the Models thread
+    (loads) and the Watcher (the record)."""
+
+    def __init__(self, config: Config, folders: list[str]) -> None:
+        """ConfigError for a --lora file that is no adapter GGUF: a mistyped path is refused at
+        start (a model's refusal of an adapter, later, is logged and the model serves)."""
+        found = {name: (path, 1.0) for folder in folders for name, path in adapter_files(folder).items()}
+        for name, (path, scale) in parse_adapters(config.adapters).items():
+            if not gguf_is_adapter(path):
+                why = ("does not exist" if not os.path.exists(path) else
+                       "is not a LoRA adapter GGUF (its header says no general.type adapter)")
+                raise ConfigError(f"--lora / NRVNA_LORA: adapter {name}: {path} {why}")
+            found[name] = (os.path.abspath(path), scale)
+        self.files = found  # name -> (path, scale)
+
+    def for_model(self, path: str, alone: bool) -> dict[str, tuple[str, float]]:
+        """The adapters the model at ``path`` loads: every one when it is the daemon's only model
+        (one that does not fit is refused, saying why); with others, those of its architecture."""
+        if alone:
+            return dict(self.files)
+
+        def arch(file: str) -> Optional[str]:
+            try:
+                return gguf_strings(file).get("general.architecture")
+            except ModelError:
+                return None
+
+        return {name: spec for name, spec in self.files.items() if arch(spec[0]) in (arch(path), None)}
+
+    def job_set(self, route: Route) -> tuple[tuple[str, float], ...]:
+        """A queued job's adapter set (job_adapters), as its context will apply it: jobs are
+        queued by it (Pool), so that a context's sequences share one."""
+        lora = [{"name": name, **({} if scale is None else {"scale": scale})} for name, scale in route.lora]
+        try:
+            return job_adapters({"model": route.model, "lora": lora}, {n: c for n, (_, c) in self.files.items()})
+        except KeyError:  # it waits for a daemon with the adapter (_Models.queue_of)
+            return ()
+
+    def described(self, model: _ServedModel, alone: bool) -> dict[str, Any]:
+        """A model's adapters as its record lists them (loaded ones, refused ones with why; those it
+        will load, before it is loaded) and each of its contexts' set (``contexts``)."""
+        runner, sessions = model.runner, list(model.sessions)
+        loaded = getattr(runner, "adapters", None) if sessions else None
+        if loaded is not None:
+            listed = loaded.describe()
+        else:
+            listed = [{"name": n, "path": p, "scale": c} for n, (p, c) in
+                      (self.for_model(model.path, alone) if model.path else {}).items()]
+        contexts = [describe_set(s.lora.current) for s in sessions if isinstance(getattr(s, "lora", None),
+                                                                                 _ContextAdapters)]
+        return {"adapters": listed, "contexts": contexts} if listed else {}
+
+
 class _Models:
     """The models a daemon serves (a queue of the Pool each, by its index in ``served``):
     which model's queue a job goes to, which models are loaded (at most NRVNA_MAX_LOADED),
@@ -15317,7 +15390,8 @@ class _Models:
         folders = [n for n in names if _models_folder(n)]
         if folders:  # `daemon shelf/ WS`: jobs name shelf's models
             self.models_dir = os.path.abspath(folders[0])
-        self.adapters = self._adapter_files(config, folders)  # name -> (path, scale): ConfigError if one is no adapter
+        self.lora = _AdapterFiles(config, folders)  # ConfigError for a --lora file that is no adapter
+        self.adapters = self.lora.files  # name -> (path, scale)
         unreadable: dict[int, ModelError] = {}  # queues whose file's header cannot be read
         if runner is not None:
             self.served = [_ServedModel(runner.name, None, "chat", runner)]
@@ -15356,33 +15430,6 @@ class _Models:
         except ModelError as err:
             unreadable[queue], kind = err, "unknown"
         return _ServedModel(os.path.basename(path), os.path.realpath(path), kind)
-
-    @staticmethod
-    def _adapter_files(config: Config, folders: list[str]) -> dict[str, tuple[str, float]]:
-        """The daemon's LoRA adapters: those of NRVNA_LORA (--lora), and the adapter GGUFs of its
-        models folder (at scale 1; --lora's name wins). ConfigError for a --lora file that is no
-        adapter GGUF: a mistyped path is refused at start (a refusal by a model, later, is logged)."""
-        found = {name: (path, 1.0) for folder in folders for name, path in adapter_files(folder).items()}
-        for name, (path, scale) in parse_adapters(config.adapters).items():
-            if not gguf_is_adapter(path):
-                why = "does not exist" if not os.path.exists(path) else "is not a LoRA adapter GGUF (general.type adapter)"
-                raise ConfigError(f"{config.named('adapters').split(' ')[0].split('=')[0]} {name}={path}: the file {why}")
-            found[name] = (os.path.abspath(path), scale)
-        return found
-
-    def _adapters_for(self, path: str) -> dict[str, tuple[str, float]]:
-        """The adapters a model loads: every one when the daemon serves one model (one that does not
-        fit is refused, saying why); with several, those of its architecture."""
-        if len(self.served) == 1:
-            return dict(self.adapters)
-
-        def arch(file: str) -> Optional[str]:
-            try:
-                return gguf_strings(file).get("general.architecture")
-            except ModelError:
-                return None
-
-        return {name: spec for name, spec in self.adapters.items() if arch(spec[0]) in (arch(path), None)}
 
     def _files(self, names: list[str]) -> list[str]:
         """The model files MODEL arguments name: a directory's *.gguf, or each name resolved."""
@@ -15441,15 +15488,6 @@ class _Models:
             if len(self._routes) < 4096:
                 self._routes[key] = queue
             return queue if self._takes(queue) else None
-
-    def job_set(self, route: Route) -> tuple[tuple[str, float], ...]:
-        """A queued job's adapter set (job_adapters), as its context will apply it: jobs are
-        queued by it (Pool), so that a context's sequences share one."""
-        lora = [{"name": name, **({} if scale is None else {"scale": scale})} for name, scale in route.lora]
-        try:
-            return job_adapters({"model": route.model, "lora": lora}, {n: c for n, (_, c) in self.adapters.items()})
-        except KeyError:  # it waits for a daemon with the adapter (queue_of)
-            return ()
 
     def _named(self, name: str) -> tuple[Optional[str], Optional[str]]:
         """What a job's model names: (the model file, or None; the adapter, or None). A model's
@@ -15635,7 +15673,7 @@ class _Models:
         if model.runner is None:
             log.info(f"Loading model {model.path}{why}")
             model.runner = LlamaRunner(model.path, self.config, cancel=cancel, owner=self.states_owner,
-                                       adapters=self._adapters_for(model.path))
+                                       adapters=self.lora.for_model(model.path, len(self.served) == 1))
             self.loads += 1
         if not model.sessions:
             try:
@@ -15666,26 +15704,12 @@ class _Models:
         for model in self.served:
             self._unload(model)
 
-    def _adapters_described(self, model: _ServedModel) -> dict[str, Any]:
-        """A model's adapters as its record lists them (loaded ones, refused ones with why; those it
-        will load, before it is loaded) and each of its contexts' set (``contexts``)."""
-        runner, sessions = model.runner, list(model.sessions)
-        loaded = getattr(runner, "adapters", None) if sessions else None
-        if loaded is not None:
-            listed = loaded.describe()
-        else:
-            listed = [{"name": n, "path": p, "scale": c} for n, (p, c) in
-                      (self._adapters_for(model.path) if model.path else {}).items()]
-        contexts = [describe_set(s.lora.current) for s in sessions if isinstance(getattr(s, "lora", None),
-                                                                                 _ContextAdapters)]
-        return {"adapters": listed, "contexts": contexts} if listed else {}
-
     def describe(self) -> list[dict[str, Any]]:
         """Each model as the daemon's record lists it."""
         described = []
         runners = [(m.runner, bool(m.sessions)) for m in self.served]  # as they are: a switch may change them
         reports = [runner.memory() if runner is not None and loaded else None for runner, loaded in runners]
-        adapters = [self._adapters_described(m) for m in self.served]
+        adapters = [self.lora.described(m, len(self.served) == 1) for m in self.served]
         with self._lock:
             for i, m in enumerate(self.served):
                 described.append({"name": m.name, "path": m.path, "kind": m.kind, "loaded": bool(m.sessions),
@@ -16167,7 +16191,7 @@ class Server:
         if queue is None:
             return None
         return _Place(route.priority, queue, route.parent if parent_unfinished(self.workspace, route.parent) else None,
-                      self.models.job_set(route) if self.models else ())
+                      self.models.lora.job_set(route) if self.models else ())
 
     def _queued(self, priority: int, queue: int) -> None:
         if queue == self.pool.active:
