@@ -11851,6 +11851,168 @@ def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: s
     assert flow.status(ids["other"]) is Status.Done and flow.get(ids["other"]).meta["model"] == "other.gguf"
 
 
+# -- LoRA adapters (issue 61): names, scales, files, routes; then on the real model -----------------
+
+
+def _adapter_header(path: Path, arch: str = "llama", kind: str = "adapter", extra: bytes = b"") -> None:
+    """A GGUF header with no tensor: general.architecture and general.type (what gguf_is_adapter reads)."""
+    def text(value: str) -> bytes:
+        return struct.pack("<Q", len(value)) + value.encode()
+
+    body = text("general.architecture") + struct.pack("<I", 8) + text(arch)
+    body += text("general.type") + struct.pack("<I", 8) + text(kind)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + body + extra)
+
+
+def test_a_job_s_adapters_are_checked_as_submit_checks_them(run_main: RunMain, ws: str) -> None:
+    """The lora list: names of ADAPTER_NAME, each once, scales finite within [-10, 10], at most 8;
+    `submit --lora NAME[:SCALE]`; every bad one is exit 2 before anything is queued."""
+    ok = nrvna.validate_params({"lora": [{"name": "tone"}, {"name": "terse", "scale": -0.5}]})
+    assert ok["lora"] == [{"name": "tone"}, {"name": "terse", "scale": -0.5}]
+    for bad in ([{"name": "tone", "scale": 11}], [{"name": "tone", "scale": float("nan")}],
+                [{"name": "tone", "scale": float("inf")}], [{"name": "tone", "scale": True}],
+                [{"name": "tone"}, {"name": "tone", "scale": 1}], [{"name": "a:b"}], [{"name": ""}],
+                [{"name": "tone", "id": 0}], [{"scale": 1}], [{"name": f"a{i}"} for i in range(9)], "tone",
+                [{"name": "x" * 129}], [{"name": "-x"}], [{"name": "tone", "scale": "1"}]):
+        with pytest.raises(nrvna.InvalidInput):
+            nrvna.validate_params({"lora": bad})
+    with pytest.raises(nrvna.InvalidInput, match="takes no lora"):
+        nrvna.validate_params({"embed": True, "lora": [{"name": "tone"}]})
+    for flag in ("tone:11", "tone:nan", "tone:-inf", "a:b:1", ":1", "tone:"):
+        done = run_main("submit", ws, "hi", "--lora", flag)
+        assert done.returncode == 2 and b"--lora" in done.stderr, (flag, done.stderr)
+    done = run_main("submit", ws, "hi", "--lora", "tone", "--lora", "tone:2")
+    assert done.returncode == 2 and b"named twice" in done.stderr
+    assert not os.path.exists(os.path.join(ws, nrvna.READY)) or not os.listdir(os.path.join(ws, nrvna.READY))
+    done = run_main("submit", ws, "hi", "--lora", "tone:0.25", "--lora", "terse")
+    assert done.returncode == 0, done.stderr
+    assert Flow(ws).get(done.stdout.decode().strip()).params["lora"] == [{"name": "tone", "scale": 0.25},
+                                                                         {"name": "terse"}]
+
+
+def test_the_daemon_s_adapters_are_checked_at_start(tmp_path: Path, run_main: RunMain) -> None:
+    """NRVNA_LORA / --lora: NAME=PATH[:SCALE], each name once, the scale within [-10, 10], the file
+    an adapter GGUF: anything else exits 2 naming it, before a model is loaded."""
+    assert nrvna.parse_adapters("a=/x/a.gguf, b=/x/b.gguf:0.5,c=/x:1/c.gguf") == {
+        "a": ("/x/a.gguf", 1.0), "b": ("/x/b.gguf", 0.5), "c": ("/x:1/c.gguf", 1.0)}
+    for bad, said in (("a", "NAME=PATH"), ("a=", "NAME=PATH"), ("a=p:11", "scale"), ("a=p:nan", "scale"),
+                      ("a=p,a=q", "twice"), ("a:b=p", "adapter name")):
+        with pytest.raises(nrvna.ConfigError, match=said):
+            nrvna.parse_adapters(bad)
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_LORA"):
+        nrvna.Config.from_env({"NRVNA_LORA": "a=p:-11"})
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(64))
+    _adapter_header(tmp_path / "notadapter.gguf", kind="model")
+    for spec, said in ((f"tone={tmp_path}/missing.gguf", b"does not exist"),
+                       (f"tone={tmp_path}/notadapter.gguf", b"not a LoRA adapter GGUF"),
+                       (f"tone={model}", b"not a LoRA adapter GGUF")):
+        done = run_main("daemon", str(model), str(tmp_path / "ws"), "--lora", spec)
+        assert done.returncode == 2 and said in done.stderr, (spec, done.stderr)
+
+
+def test_adapter_files_are_told_from_models_by_their_header(tmp_path: Path) -> None:
+    """A models folder's adapter GGUFs (general.type adapter) are no models: model listings and name
+    matching leave them out; an adapter's exact name wins over a part of a model file's name, and
+    MODEL:ADAPTER matches no model file. A FIFO, a directory or a torn file is no adapter."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "smollm2-tone-base.gguf").write_bytes(b"GGUF" + bytes(64))
+    _adapter_header(folder / "tone.gguf")
+    _adapter_header(folder / "bad name.gguf")
+    _adapter_header(folder / "torn.gguf")
+    (folder / "torn.gguf").write_bytes((folder / "torn.gguf").read_bytes()[:40])
+    os.mkfifo(folder / "fifo.gguf")
+    (folder / "dir.gguf").mkdir()
+    assert nrvna.gguf_is_adapter(str(folder / "tone.gguf"))
+    for other in ("smollm2-tone-base.gguf", "torn.gguf", "fifo.gguf", "dir.gguf", "missing.gguf"):
+        assert not nrvna.gguf_is_adapter(str(folder / other)), other
+    assert nrvna.gguf_files(str(folder)) == ["dir.gguf", "fifo.gguf", "smollm2-tone-base.gguf", "torn.gguf"]
+    assert nrvna.adapter_files(str(folder)) == {"tone": str(folder / "tone.gguf")}  # "bad name": no name
+    base = str(folder / "smollm2-tone-base.gguf")
+    assert nrvna.model_matches("tone", str(folder)) == [base]  # a part of a name, with no adapter known
+    assert nrvna.model_matches("tone", str(folder), adapters={"tone"}) == []
+    assert nrvna.model_matches("smollm2-tone-base:tone", str(folder), adapters={"tone"}) == []
+    assert nrvna.model_matches("smollm2-tone-base", str(folder), adapters={"smollm2-tone-base"}) == [base]
+
+
+def test_a_job_s_adapter_set_is_one_canonical_value() -> None:
+    """job_adapters: the model's adapter (NAME or MODEL:NAME) at the daemon's scale, the lora list's
+    at theirs; sorted, float32, scale 0 left out; a lora adapter unknown is a KeyError."""
+    scales = {"tone": 1.0, "terse": 0.5}
+    assert nrvna.job_adapters({}, scales) == ()
+    assert nrvna.job_adapters({"model": "tone"}, scales) == (("tone", 1.0),)
+    assert nrvna.job_adapters({"model": "smol:terse"}, scales) == (("terse", 0.5),)
+    assert nrvna.job_adapters({"model": "smol"}, scales) == ()
+    both = nrvna.job_adapters({"model": "tone", "lora": [{"name": "terse", "scale": 0.1}]}, scales)
+    assert both == (("terse", struct.unpack("<f", struct.pack("<f", 0.1))[0]), ("tone", 1.0))
+    assert nrvna.job_adapters({"model": "tone", "lora": [{"name": "tone", "scale": 0}]}, scales) == ()
+    with pytest.raises(KeyError):
+        nrvna.job_adapters({"lora": [{"name": "other", "scale": 1}]}, scales)
+    assert nrvna.describe_set(both) == "terse:0.1,tone:1" and nrvna.describe_set(()) == "none"
+
+
+def test_jobs_are_queued_by_adapter_set_and_a_busy_context_keeps_to_its_own() -> None:
+    """The Pool keeps a heap per model and adapter set: an idle worker takes the best job of any
+    set; a busy one only another of its set, unless a job of another set is above it, or its turn
+    is over while another set waits; the model's head, count and every queue operation span the sets."""
+    tone, terse = (("tone", 1.0),), (("terse", 1.0),)
+    plan = [("j1", (), 0), ("j2", tone, 0), ("j3", terse, 0), ("j4", tone, 0), ("j5", (), 1), ("j6", tone, 0)]
+    ids = {nrvna.generate_id(): (name, lora, priority) for name, lora, priority in plan}
+    names = {job_id: entry[0] for job_id, entry in ids.items()}
+    pool = nrvna.Pool(lambda job_id: nrvna._Place(ids[job_id][2], 0, None, ids[job_id][1]))
+    assert pool.push(list(ids)) == 6
+    assert len(pool) == 6 and pool.heads()[0].jobs == 6 and pool.heads()[0].top == 1 and pool.top_priority() == 1
+    assert pool.get(0, keep=(tone, False)) is None  # busy with tone, a job of another set above: it drains
+    assert names[pool.get(0)] == "j5"  # idle: the best of any set
+    assert names[pool.get(0, keep=(tone, False))] == "j2"  # busy with tone: its oldest
+    taken = pool.get(0, keep=(tone, False))
+    assert names[taken] == "j4"
+    pool.retry_later(taken, 0.0)  # handed back: queued again in its set
+    assert names[pool.get(0, keep=(tone, False))] == "j4"
+    assert pool.get(0, keep=(tone, True)) is None  # its turn is over and other sets wait
+    assert pool.get(0, keep=((("zero", 1.0),), False)) is None  # a set with nothing queued: none
+    assert names[pool.get(0)] == "j1"  # idle: the best (oldest) of any set
+    rest = pool.take_queue(0)
+    assert sorted(names[t] for t in rest) == ["j3", "j6"] and len(pool) == 0 and pool.heads() == {}
+    for job_id in ids:
+        pool.done(job_id)
+    assert pool.all_done()
+
+
+def test_submit_notes_an_adapter_no_daemon_has_and_strict_models_refuses_it(tmp_path: Path, run_main: RunMain,
+                                                                            ws: str) -> None:
+    """A job naming an adapter (its model NAME or MODEL:NAME, or its lora list) that no running daemon
+    has and the models folder does not hold is queued with a note, or refused with --strict-models;
+    one the folder holds is named without a note (and is no model)."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "smol.gguf").write_bytes(b"GGUF" + bytes(64))
+    _adapter_header(folder / "tone.gguf")
+    env = {"NRVNA_MODELS_DIR": str(folder)}
+    for args in (("--model", "tone"), ("--model", "smol:tone"), ("--lora", "tone:0.5"), ("--model", "smol")):
+        done = run_main("submit", ws, "hi", *args, env=env)
+        assert done.returncode == 0 and done.stderr == b"", (args, done.stderr)
+    for args in (("--lora", "nope"), ("--model", "smol:nope")):
+        done = run_main("submit", ws, "hi", *args, env=env)
+        assert done.returncode == 0 and b"no running daemon has adapter 'nope' yet" in done.stderr, (args, done)
+        refused = run_main("submit", ws, "hi", *args, "--strict-models", env=env)
+        assert refused.returncode == 2 and b"no running daemon has adapter 'nope'" in refused.stderr
+    batch = b'{"prompt": "a", "lora": [{"name": "nope"}]}\n{"prompt": "b", "model": "tone"}\n'
+    done = run_main("submit", ws, "--file", "-", input=batch, env=env)
+    assert done.returncode == 0 and done.stderr.count(b"adapter 'nope'") == 1, done.stderr
+
+
+def test_a_set_s_saved_states_have_a_fingerprint_of_their_own(tmp_path: Path) -> None:
+    """The fingerprint states are saved and found under: the model's own for no adapter (states
+    saved before adapters existed keep theirs), another for each set's files and scales."""
+    store = nrvna.StateStore(str(tmp_path), json.dumps({"model": [1, "ab"]}), 1 << 30, 1, None)
+    assert store.fingerprint_of([]) == store.fingerprint
+    tone = store.fingerprint_of([[10, "cd", (1.0).hex()]])
+    assert tone != store.fingerprint and json.loads(tone)["model"] == [1, "ab"]
+    assert tone != store.fingerprint_of([[10, "cd", (0.5).hex()]]) != store.fingerprint_of([[11, "cd", (0.5).hex()]])
+
+
 # ==============================================================================
 # 12.5 Daemons side by side, and the watch
 # ==============================================================================
