@@ -199,6 +199,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         it, _on_queued outside it
     Scanner -> _Models: queue_of (route cache, failed, *_elsewhere) => _Models._lock, taken under the
         Pool's lock (order: Pool, then _Models; nothing under _Models._lock takes another lock)
+    Scanner, Models, Watcher -> _AdapterFiles: job_set (a route's set), for_model (a load), described
+        (the record) => files is made at start and never changed after
     Scanner -> Server / _WorkerLoads: _queued -> _outranked: reads the tops, preempts sessions =>
         _WorkerLoads._lock (held for the list operation only); LlamaSession.preempt() sets a flag
     Scanner -> _ModelSwitch: wake => a threading.Event
@@ -210,6 +212,10 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Worker-N -> _HandBacks: failed-finish counts, room waited for => _HandBacks._lock
     Worker-N -> Server: _sessions[index] => _sessions changes only while every worker is parked
         (_ModelSwitch.park)
+    Worker-N -> _ContextAdapters: its context's set (use, takes) => its own session's; current is read by
+        the Watcher (_AdapterFiles.described) and by its worker's Pool.get (keep): one tuple, replaced whole
+    Worker-N -> _Adapters: job_set, apply, identity => loaded and refused never change once loaded;
+        apply on the worker owning the context
     Worker-N, Finisher, Models -> _Tally (Server.tally): add, drop, ended: _running, _counts, _recent =>
         _Tally._lock
     Worker-N -> _Models: reads active, served[active].name at a claim => read only while the Pool has an
