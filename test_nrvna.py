@@ -12056,8 +12056,9 @@ def test_an_adapter_applies_to_the_jobs_that_name_it_and_the_zero_adapter_is_the
     scale 0 it is the base again."""
     files = lora_files(model)
     prompts = ["Name a color.", "What is the capital of France?", "Write a haiku about rain."]
-    forms: list[dict[str, Any]] = [{}, {"lora": [{"name": "zero"}]}, {"lora": [{"name": "tone"}]}, {"model": "tone"},
-                                   {"model": "SmolLM2-135M-Instruct.Q4_1:tone"}, {"lora": [{"name": "tone", "scale": 0}]}]
+    forms: list[dict[str, Any]] = [{}, {"lora": [{"name": "zero"}]}, {"lora": [{"name": "tone"}]},
+                                   {"model": "tone"}, {"model": "SmolLM2-135M-Instruct.Q4_1:tone"},
+                                   {"lora": [{"name": "tone", "scale": 0}]}]
     jobs = [(prompt, form) for prompt in prompts for form in forms]
     texts = greedy_texts(str(tmp_path / "ws"), model, jobs, *lora_flags(files), env={"NRVNA_MODELS_DIR": str(
         Path(model).parent)})
