@@ -5036,7 +5036,8 @@ DAEMON_MODEL_FIELDS: dict[str, Callable[[Any], bool]] = {
     **dict.fromkeys(("name", "kind", "load_error"), _is_text),
     "path": lambda value: value is None or _is_text(value),  # None: a runner given in-process
     **dict.fromkeys(("load_failures", "max_load_failures"), _is_count),
-    "retry_at": _is_time, "active": lambda value: type(value) is bool,
+    "retry_at": _is_time, "active": lambda value: type(value) is bool, "contexts": _is_texts,
+    "adapters": lambda value: type(value) is list and all(type(a) is dict and _is_text(a.get("name")) for a in value),
 }
 
 
@@ -17968,7 +17969,8 @@ class RequestStream:
 
 
 def _models_served(workspace: str) -> list[dict[str, Any]]:
-    """OpenAI's model objects for the models the workspace's live daemons serve (each once)."""
+    """OpenAI's model objects for the models the workspace's live daemons serve (each once), and
+    their LoRA adapters (with ``parent``, the model's id, as vLLM lists them)."""
     found: dict[str, dict[str, Any]] = {}
     for record in daemon_records(workspace):
         for model in record.get("models") or ():
@@ -17979,6 +17981,11 @@ def _models_served(workspace: str) -> list[dict[str, Any]]:
                 found.setdefault(model_id, {"id": model_id, "object": "model",
                                             "created": int(created) if _is_time(created) else 0,
                                             "owned_by": "nrvna"})
+                adapters = model.get("adapters")
+                for adapter in adapters if isinstance(adapters, list) else ():  # as vLLM lists LoRA modules
+                    if (isinstance(adapter, dict) and "refused" not in adapter and isinstance(adapter.get("name"), str)
+                            and ADAPTER_NAME.fullmatch(adapter["name"])):
+                        found.setdefault(adapter["name"], dict(found[model_id], id=adapter["name"], parent=model_id))
     return list(found.values())
 
 
