@@ -5031,6 +5031,9 @@ DAEMON_MODEL_FIELDS: dict[str, Callable[[Any], bool]] = {
     "path": lambda value: value is None or _is_text(value),  # None: a runner given in-process
     **dict.fromkeys(("load_failures", "max_load_failures"), _is_count),
     "retry_at": _is_time, "active": lambda value: type(value) is bool,
+    # (the model's LoRA adapters, each named: known_adapters and _adapter_waits read the names)
+    "adapters": lambda value: type(value) is list and all(type(a) is dict and _is_text(a.get("name")) for a in value),
+    "contexts": _is_texts,
 }
 
 

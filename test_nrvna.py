@@ -3137,10 +3137,10 @@ def test_files_nested_past_the_stack_or_fifos_are_read_as_absent_never_a_hang_or
 
 
 def test_a_crafted_daemon_record_never_stops_a_client_or_another_daemon(ws: str, run_main: RunMain) -> None:
-    """daemons/<name>.json is read by clients (model names, waits, status --daemon) and by other
+    """daemons/<name>.json is read by clients (model names, adapters, waits, status --daemon) and by other
     daemons (the clash check at start, routing): a live daemon's record overwritten with every
     field of the wrong type is read as if those fields were absent."""
-    job_id = submit(ws, "warm")
+    job_id, lora_job = submit(ws, "warm"), submit(ws, "hi", lora=[{"name": "zz"}])  # (this one waits: no daemon has zz)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); import nrvna; "
                                "fd, name = nrvna.register_daemon(sys.argv[2]); print(name, flush=True); "
                                "time.sleep(600)",
@@ -3151,8 +3151,10 @@ def test_a_crafted_daemon_record_never_stops_a_client_or_another_daemon(ws: str,
         write(os.path.join(ws, nrvna.DAEMONS, f"{name}.json"), json.dumps({
             "pid": "x", "gpu": "0", "models_dir": "/nonexistent", "kinds": 5, "aliases": [1], "hooks": [1],
             "models": [5, "m", {"path": ["a"], "name": {"x": 1}, "kind": 3, "retry_at": "soon", "active": "yes"},
-                       {"path": "/x.gguf", "load_failures": "x", "max_load_failures": [], "retry_at": "soon"}]}))
+                       {"path": "/x.gguf", "load_failures": "x", "max_load_failures": [], "retry_at": "soon"},
+                       {"adapters": 5, "contexts": 5}, {"adapters": [{"name": ["x"]}, 5], "contexts": [1]}]}))
         for args in (["status", ws, "--daemon"], ["status", ws], ["submit", ws, "--model", "zz-unknown", "hi"],
+                     ["submit", ws, "--lora", "zz", "hi"], ["status", ws, lora_job],
                      ["wait", ws, job_id, "--timeout", "0.5"]):
             result = run_main(*args)
             assert result.returncode in (0, 4) and b"Traceback" not in result.stderr, (args, result.stderr[-300:])
