@@ -11949,6 +11949,8 @@ def test_a_job_s_adapter_set_is_one_canonical_value() -> None:
     both = nrvna.job_adapters({"model": "tone", "lora": [{"name": "terse", "scale": 0.1}]}, scales)
     assert both == (("terse", struct.unpack("<f", struct.pack("<f", 0.1))[0]), ("tone", 1.0))
     assert nrvna.job_adapters({"model": "tone", "lora": [{"name": "tone", "scale": 0}]}, scales) == ()
+    assert nrvna.job_adapters({"lora": [{"name": "tone", "scale": 1e-46}]}, scales) == ()  # 0 as a float32
+    assert nrvna.job_adapters({"model": "tone"}, {"tone": -1e-300}) == ()
     with pytest.raises(KeyError):
         nrvna.job_adapters({"lora": [{"name": "other", "scale": 1}]}, scales)
     assert nrvna.describe_set(both) == "terse:0.1,tone:1" and nrvna.describe_set(()) == "none"
@@ -12145,7 +12147,7 @@ def test_the_delta_adapter_equals_its_delta_merged_into_a_float_copy(tmp_path: P
 def test_an_adapter_for_another_base_is_refused_and_the_base_serves(tmp_path: Path, model: str, ws: str) -> None:
     """An adapter of another base's shapes (llama.cpp refuses it) or stating another base model is
     refused at start, naming both files; the base and its other adapters serve; a job naming the
-    refused one fails (unsupported) saying why."""
+    refused one fails (unsupported) saying why, in its lora list or as its model (NAME, MODEL:NAME)."""
     host, host_lora, other = (str(tmp_path / name) for name in ("host.gguf", "host-lora.gguf", "other.gguf"))
     for args in ([str(HERE / "bench" / "random_model.py"), model, host, "--shape", "host"],
                  [str(HERE / "scripts" / "lora_model.py"), "adapter", host, host_lora, "--kind", "delta"],
@@ -12157,6 +12159,8 @@ def test_an_adapter_for_another_base_is_refused_and_the_base_serves(tmp_path: Pa
     work = Work(ws)
     ids = {name: work.submit("Name a color.", lora=[{"name": name}], max_tokens=4).id
            for name in ("host", "other", "tone")}
+    as_model = [work.submit("Name a color.", model=name, max_tokens=4).id  # as its model: fails too, never the base
+                for name in ("other", f"{Path(model).stem}:other", "host")]
     daemon = start_daemon(model, ws, "--drain", "--lora", f"host={host_lora}", "--lora", f"other={other}",
                           "--lora", f"tone={tone}")
     _, err = daemon.communicate(timeout=300)
@@ -12169,6 +12173,8 @@ def test_an_adapter_for_another_base_is_refused_and_the_base_serves(tmp_path: Pa
     for name, path in (("host", host_lora), ("other", other)):
         job = flow.get(ids[name])
         assert job.status is Status.Failed and job.meta["code"] == "unsupported" and path in job.error, job.error
+    for job in map(flow.get, as_model):
+        assert job.status is Status.Failed and job.meta["code"] == "unsupported", (job.status, job.error)
 
 
 @pytest.mark.model
