@@ -4537,7 +4537,8 @@ def job_adapters(params: Mapping[str, Any], adapters: Mapping[str, float]) -> tu
         if entry["name"] not in adapters:
             raise KeyError(entry["name"])
         chosen[entry["name"]] = float(entry["scale"]) if "scale" in entry else adapters[entry["name"]]
-    return tuple(sorted((name, _float32(scale)) for name, scale in chosen.items() if scale != 0))
+    as_taken = {name: _float32(scale) for name, scale in chosen.items()}  # (1e-46 is 0 to llama.cpp: no adapter)
+    return tuple(sorted((name, scale) for name, scale in as_taken.items() if scale != 0))
 
 
 def describe_set(adapters: Iterable[tuple[str, float]]) -> str:
@@ -5036,8 +5037,10 @@ DAEMON_MODEL_FIELDS: dict[str, Callable[[Any], bool]] = {
     **dict.fromkeys(("name", "kind", "load_error"), _is_text),
     "path": lambda value: value is None or _is_text(value),  # None: a runner given in-process
     **dict.fromkeys(("load_failures", "max_load_failures"), _is_count),
-    "retry_at": _is_time, "active": lambda value: type(value) is bool, "contexts": _is_texts,
+    "retry_at": _is_time, "active": lambda value: type(value) is bool,
+    # (the model's LoRA adapters, each named: known_adapters and _adapter_waits read the names)
     "adapters": lambda value: type(value) is list and all(type(a) is dict and _is_text(a.get("name")) for a in value),
+    "contexts": _is_texts,
 }
 
 
@@ -9982,11 +9985,12 @@ class _Adapters:
 
     def job_set(self, params: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
         """The adapter set of a job (job_adapters); JobError (unsupported) when it names an adapter this
-        model has not loaded (refused, or another daemon's)."""
-        for entry in params.get("lora") or ():
-            if entry["name"] not in self.loaded:
-                why = self.refused.get(entry["name"]) or f"adapter {entry['name']} is not loaded with this model"
-                raise JobError("unsupported", why)
+        model has not loaded (refused, or another daemon's), in its lora list or as its model (a refused
+        one's name would otherwise be a name that matches no model: the job would run on the base)."""
+        named = named_adapter(params.get("model"), self.refused)
+        for name in [entry["name"] for entry in params.get("lora") or ()] + ([named] if named else []):
+            if name not in self.loaded:
+                raise JobError("unsupported", self.refused.get(name) or f"adapter {name} is not loaded with this model")
         return job_adapters(params, self.scales())
 
     def apply(self, ctx: Any, wanted: tuple[tuple[str, float], ...]) -> None:

@@ -3137,10 +3137,10 @@ def test_files_nested_past_the_stack_or_fifos_are_read_as_absent_never_a_hang_or
 
 
 def test_a_crafted_daemon_record_never_stops_a_client_or_another_daemon(ws: str, run_main: RunMain) -> None:
-    """daemons/<name>.json is read by clients (model names, waits, status --daemon) and by other
+    """daemons/<name>.json is read by clients (model names, adapters, waits, status --daemon) and by other
     daemons (the clash check at start, routing): a live daemon's record overwritten with every
     field of the wrong type is read as if those fields were absent."""
-    job_id = submit(ws, "warm")
+    job_id, lora_job = submit(ws, "warm"), submit(ws, "hi", lora=[{"name": "zz"}])  # (this one waits: no daemon has zz)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); import nrvna; "
                                "fd, name = nrvna.register_daemon(sys.argv[2]); print(name, flush=True); "
                                "time.sleep(600)",
@@ -3151,8 +3151,10 @@ def test_a_crafted_daemon_record_never_stops_a_client_or_another_daemon(ws: str,
         write(os.path.join(ws, nrvna.DAEMONS, f"{name}.json"), json.dumps({
             "pid": "x", "gpu": "0", "models_dir": "/nonexistent", "kinds": 5, "aliases": [1], "hooks": [1],
             "models": [5, "m", {"path": ["a"], "name": {"x": 1}, "kind": 3, "retry_at": "soon", "active": "yes"},
-                       {"path": "/x.gguf", "load_failures": "x", "max_load_failures": [], "retry_at": "soon"}]}))
+                       {"path": "/x.gguf", "load_failures": "x", "max_load_failures": [], "retry_at": "soon"},
+                       {"adapters": 5, "contexts": 5}, {"adapters": [{"name": ["x"]}, 5], "contexts": [1]}]}))
         for args in (["status", ws, "--daemon"], ["status", ws], ["submit", ws, "--model", "zz-unknown", "hi"],
+                     ["submit", ws, "--lora", "zz", "hi"], ["status", ws, lora_job],
                      ["wait", ws, job_id, "--timeout", "0.5"]):
             result = run_main(*args)
             assert result.returncode in (0, 4) and b"Traceback" not in result.stderr, (args, result.stderr[-300:])
@@ -11947,6 +11949,8 @@ def test_a_job_s_adapter_set_is_one_canonical_value() -> None:
     both = nrvna.job_adapters({"model": "tone", "lora": [{"name": "terse", "scale": 0.1}]}, scales)
     assert both == (("terse", struct.unpack("<f", struct.pack("<f", 0.1))[0]), ("tone", 1.0))
     assert nrvna.job_adapters({"model": "tone", "lora": [{"name": "tone", "scale": 0}]}, scales) == ()
+    assert nrvna.job_adapters({"lora": [{"name": "tone", "scale": 1e-46}]}, scales) == ()  # 0 as a float32
+    assert nrvna.job_adapters({"model": "tone"}, {"tone": -1e-300}) == ()
     with pytest.raises(KeyError):
         nrvna.job_adapters({"lora": [{"name": "other", "scale": 1}]}, scales)
     assert nrvna.describe_set(both) == "terse:0.1,tone:1" and nrvna.describe_set(()) == "none"
@@ -12144,7 +12148,7 @@ def test_the_delta_adapter_equals_its_delta_merged_into_a_float_copy(tmp_path: P
 def test_an_adapter_for_another_base_is_refused_and_the_base_serves(tmp_path: Path, model: str, ws: str) -> None:
     """An adapter of another base's shapes (llama.cpp refuses it) or stating another base model is
     refused at start, naming both files; the base and its other adapters serve; a job naming the
-    refused one fails (unsupported) saying why."""
+    refused one fails (unsupported) saying why, in its lora list or as its model (NAME, MODEL:NAME)."""
     host, host_lora, other = (str(tmp_path / name) for name in ("host.gguf", "host-lora.gguf", "other.gguf"))
     for args in ([str(HERE / "bench" / "random_model.py"), model, host, "--shape", "host"],
                  [str(HERE / "scripts" / "lora_model.py"), "adapter", host, host_lora, "--kind", "delta"],
@@ -12156,6 +12160,8 @@ def test_an_adapter_for_another_base_is_refused_and_the_base_serves(tmp_path: Pa
     work = Work(ws)
     ids = {name: work.submit("Name a color.", lora=[{"name": name}], max_tokens=4).id
            for name in ("host", "other", "tone")}
+    as_model = [work.submit("Name a color.", model=name, max_tokens=4).id  # as its model: fails too, never the base
+                for name in ("other", f"{Path(model).stem}:other", "host")]
     daemon = start_daemon(model, ws, "--drain", "--lora", f"host={host_lora}", "--lora", f"other={other}",
                           "--lora", f"tone={tone}")
     _, err = daemon.communicate(timeout=300)
@@ -12168,6 +12174,8 @@ def test_an_adapter_for_another_base_is_refused_and_the_base_serves(tmp_path: Pa
     for name, path in (("host", host_lora), ("other", other)):
         job = flow.get(ids[name])
         assert job.status is Status.Failed and job.meta["code"] == "unsupported" and path in job.error, job.error
+    for job in map(flow.get, as_model):
+        assert job.status is Status.Failed and job.meta["code"] == "unsupported", (job.status, job.error)
 
 
 @pytest.mark.model
