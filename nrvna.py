@@ -15334,19 +15334,27 @@ class _AdapterFiles:
             found[name] = (os.path.abspath(path), scale)
         self.files = found  # name -> (path, scale)
 
+    def check_names(self, served: list[_ServedModel], models_dir: str, aliases: Mapping[str, str]) -> None:
+        """ConfigError for an adapter named as a model is (a served model's file name or stem, a file
+        of the models folder, an alias): a job naming it would mean both."""
+        for name in self.files:
+            if any(name in (m.name, m.name[:-5]) for m in served) or model_matches(name, models_dir, aliases, {name}):
+                raise ConfigError(f"adapter {name}: a model is named {name!r} too (a job naming it would mean "
+                                  "both): give the adapter another name")
+
     def for_model(self, path: str, alone: bool) -> dict[str, tuple[str, float]]:
         """The adapters the model at ``path`` loads: every one when it is the daemon's only model
         (one that does not fit is refused, saying why); with others, those of its architecture."""
         if alone:
             return dict(self.files)
 
-        def arch(file: str) -> Optional[str]:
-            try:
-                return gguf_strings(file).get("general.architecture")
+        def arch(file: str, adapter: bool = True) -> Optional[str]:
+            try:  # (an adapter replaced by a FIFO since start is never opened blocking: gguf_is_adapter)
+                return gguf_strings(file).get("general.architecture") if gguf_is_adapter(file) == adapter else None
             except ModelError:
                 return None
 
-        return {name: spec for name, spec in self.files.items() if arch(spec[0]) in (arch(path), None)}
+        return {name: spec for name, spec in self.files.items() if arch(spec[0]) in (arch(path, False), None)}
 
     def job_set(self, route: Route) -> tuple[tuple[str, float], ...]:
         """A queued job's adapter set (job_adapters), as its context will apply it: jobs are
@@ -15410,6 +15418,7 @@ class _Models:
             self.served = [self._served(p, i, unreadable) for i, p in enumerate(self._files(names))]
             if len(unreadable) == len(self.served):  # nothing to serve: refused at start, before the queue
                 raise unreadable[0]
+        self.lora.check_names(self.served, self.models_dir, self.aliases)
         # A job naming no model (or a name that matches none) goes to the first model that
         # serves its kind; with none here, it waits in ready/ for a daemon with one (a chat
         # model would only fail an embed job as unsupported, and the other way round).
@@ -15425,6 +15434,7 @@ class _Models:
         self.early_failed: set[int] = set()
         self.kinds_elsewhere: set[str] = set()  # the kinds of model the workspace's other daemons serve
         self.paths_elsewhere: set[str] = set()  # the model files the other daemons have loaded
+        self.adapters_elsewhere: set[str] = set()  # the adapters they have (a job naming one waits for them)
         self._routes: dict[tuple[str, bool], Optional[int]] = {}  # (name, embed) -> queue (a cache)
         self.states_owner = ""  # whose saved states the models' stores write and bound (see state_owner)
         for queue, error in unreadable.items():  # a failed load like any other: the other models serve
@@ -15504,12 +15514,13 @@ class _Models:
         """What a job's model names: (the model file, or None; the adapter, or None). A model's
         exact name or alias first, then an adapter of this daemon's, then MODEL:ADAPTER (the
         adapter perhaps another daemon's), then a part of a model file's name (model_matches)."""
-        path = model_file(name, self.models_dir, self.aliases, self.adapters)
-        if path is not None or name in self.adapters:
+        path = model_file(name, self.models_dir, self.aliases, {*self.adapters, *self.adapters_elsewhere})
+        if path is not None or name in self.adapters or name in self.adapters_elsewhere:
             return path, None if path is not None else name
         base, colon, adapter = name.rpartition(":")
-        if colon and ADAPTER_NAME.fullmatch(adapter):
-            base_path = model_file(base, self.models_dir, self.aliases)
+        if colon and ADAPTER_NAME.fullmatch(adapter):  # MODEL: a name of its file, or one of this daemon's
+            base_path = model_file(base, self.models_dir, self.aliases) or next(
+                (m.path for m in self.served if base in (m.name, m.name[:-5])), None)
             if base_path is not None:
                 return base_path, adapter
         return None, None
@@ -15522,14 +15533,15 @@ class _Models:
             return queue is not None
         return (failure.due or failure.gave_up) and self.served[queue].path not in self.paths_elsewhere
 
-    def peers(self, kinds: set[str], paths: Optional[set[str]] = None) -> bool:
-        """The other daemons now serve models of ``kinds`` and have the model files ``paths``
-        loaded; True if that changes any route."""
+    def peers(self, kinds: set[str], paths: Optional[set[str]] = None, adapters: Optional[set[str]] = None) -> bool:
+        """The other daemons now serve models of ``kinds``, have the model files ``paths`` and the
+        adapters ``adapters`` loaded; True if that changes any route."""
         with self._lock:
             paths = self.paths_elsewhere if paths is None else paths
-            if kinds == self.kinds_elsewhere and paths == self.paths_elsewhere:
+            adapters = self.adapters_elsewhere if adapters is None else adapters
+            if (kinds, paths, adapters) == (self.kinds_elsewhere, self.paths_elsewhere, self.adapters_elsewhere):
                 return False
-            self.kinds_elsewhere, self.paths_elsewhere = kinds, paths
+            self.kinds_elsewhere, self.paths_elsewhere, self.adapters_elsewhere = kinds, paths, adapters
             self._routes.clear()
             return True
 
@@ -15942,17 +15954,18 @@ class _Watcher:
                 self.pool.forget_gone(set(os.listdir(os.path.join(self.workspace, READY))))
         # Children whose parent ended in another daemon, or was cancelled while queued.
         self.pool.release_finished(lambda parent: parent_unfinished(self.workspace, parent))
-        kinds, paths = self.peer_models()
-        self.pool.reroute(lambda: self.models.peers(kinds, paths))
+        kinds, paths, adapters = self.peer_models()
+        self.pool.reroute(lambda: self.models.peers(kinds, paths, adapters))
 
-    def peer_models(self) -> tuple[set[str], set[str]]:
-        """The kinds of model ("chat", "embed") the workspace's other live daemons serve, and
-        their model files (those they could not load left out)."""
+    def peer_models(self) -> tuple[set[str], set[str], set[str]]:
+        """The kinds of model ("chat", "embed") the workspace's other live daemons serve, their
+        model files (those they could not load left out), and the adapters they have loaded."""
         others = [r for r in daemon_records(self.workspace) if r.get("name") != self.registry.name]
         models = [m for r in others for m in r.get("models") or () if isinstance(m, dict)
                   and not m.get("load_failures")]
         return ({m["kind"] for m in models if m.get("kind") in ("chat", "embed")},
-                {m["path"] for m in models if isinstance(m.get("path"), str)})
+                {m["path"] for m in models if isinstance(m.get("path"), str)},
+                {a["name"] for m in models for a in m.get("adapters") or () if "refused" not in a})
 
 
 # ============================================================================

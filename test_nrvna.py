@@ -12017,6 +12017,36 @@ def test_a_set_s_saved_states_have_a_fingerprint_of_their_own(tmp_path: Path) ->
     assert tone != store.fingerprint_of([[10, "cd", (0.5).hex()]]) != store.fingerprint_of([[11, "cd", (0.5).hex()]])
 
 
+def test_a_job_naming_an_adapter_only_another_daemon_has_waits_for_it(tmp_path: Path, run_main: RunMain) -> None:
+    """Routing: a job naming an adapter (NAME, or MODEL:NAME with MODEL a served model's name from
+    outside the models folder) that this daemon lacks waits (None) for the daemon that has it, never
+    runs on this one's base; an adapter named as a model is refused at start (exit 2); an adapter
+    file replaced by a FIFO after start never blocks the thread that reads its header."""
+    folder, elsewhere = tmp_path / "models", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    _adapter_header(elsewhere / "copy.gguf", kind="model")
+    _adapter_header(tmp_path / "mine.gguf")
+    config = nrvna.Config.from_env({}, adapters=f"mine={tmp_path / 'mine.gguf'}")
+    models = nrvna._Models([str(elsewhere / "copy.gguf")], None, config, str(folder), {})
+    assert models.peers({"chat"}, set(), {"tone"})
+    assert models.queue_of("tone", False) is None and models.queue_of("copy:tone", False) is None
+    assert models.queue_of("copy:mine", False) == 0 and models.queue_of("mine", False) == 0
+    assert models.queue_of("copy", False) == 0 and models.queue_of(None, False, ("mine",)) == 0
+    assert models.queue_of(None, False, ("tone",)) is None and models.queue_of("unknown", False) == 0
+    done = run_main("daemon", str(elsewhere / "copy.gguf"), str(tmp_path / "ws"), "--lora",
+                    f"copy={tmp_path / 'mine.gguf'}")
+    assert done.returncode == 2 and b"a model is named 'copy' too" in done.stderr, done.stderr
+    os.unlink(tmp_path / "mine.gguf")
+    os.mkfifo(tmp_path / "mine.gguf")
+    found: list[Any] = []
+    reader = threading.Thread(target=lambda: found.append(models.lora.for_model(str(elsewhere / "copy.gguf"), False)),
+                              daemon=True)
+    reader.start()
+    reader.join(10)
+    assert found == [{"mine": (str(tmp_path / "mine.gguf"), 1.0)}]  # kept: its load says why it fails
+
+
 _LORA: dict[str, str] = {}
 
 
