@@ -13702,11 +13702,13 @@ class Pool:
         """``queue``'s heaps with jobs, one per adapter set: (set, heap)."""
         return [(key[1], heap) for key, heap in self._heaps.items() if key[0] == queue and heap]
 
-    def top_priority(self, queue: Optional[int] = None) -> Optional[int]:
+    def top_priority(self, queue: Optional[int] = None, keep: Optional[tuple[Any, bool]] = None) -> Optional[int]:
         """The priority of the job ``get`` would return next (from ``queue``, by default the
-        active one); None if none is queued."""
+        active one; with ``keep``, as get's, of that adapter set only: a busy context takes no
+        other, so a job of another set must not have it preempt its peers for it); None if none."""
         with self._cond:
-            heads = [heap[0] for _, heap in self._sets(self.active if queue is None else queue)]
+            heads = [heap[0] for lora, heap in self._sets(self.active if queue is None else queue)
+                     if keep is None or lora == keep[0]]
             return -min(heads)[0] if heads else None
 
     def heads(self) -> dict[int, _QueueHead]:
@@ -16468,10 +16470,10 @@ class Server:
             active = session.active()
             load = len(active)
             self._loads.set_load(index, load)
-            above = None
+            above, keep = None, _kept_set(session, load > 0, self.config.model_turn)
             if session.free() <= 0:
-                # Full: only a job above every running one, into the room kept for it.
-                top = self.pool.top_priority()
+                # Full: only a job above every running one (of the context's adapter set), into the room kept for it.
+                top = self.pool.top_priority(keep=keep)
                 if top is None or session.reserve(top) <= 0:
                     return
                 above = max((job_param(job.params, "priority") for job in active), default=None)
@@ -16482,8 +16484,7 @@ class Server:
                 return
             if not load and not len(self.pool):
                 session.idle()
-            job_id = self.pool.get(0.0 if load else 0.5, worker=index, above=above,
-                                   keep=_kept_set(session, load > 0, self.config.model_turn))
+            job_id = self.pool.get(0.0 if load else 0.5, worker=index, above=above, keep=keep)
             if job_id is None:
                 return
             try:

@@ -11968,6 +11968,9 @@ def test_jobs_are_queued_by_adapter_set_and_a_busy_context_keeps_to_its_own() ->
     assert pool.push(list(ids)) == 6
     assert len(pool) == 6 and pool.heads()[0].jobs == 6 and pool.heads()[0].top == 1 and pool.top_priority() == 1
     assert pool.get(0, keep=(tone, False)) is None  # busy with tone, a job of another set above: it drains
+    # the top a full context may take into its kept room is its own set's (another's would have it preempt its
+    # peers for a job none of theirs can take either: every step cut short, no progress)
+    assert pool.top_priority(keep=(tone, False)) == 0 and pool.top_priority(keep=((("zero", 1.0),), False)) is None
     assert names[pool.get(0)] == "j5"  # idle: the best of any set
     assert names[pool.get(0, keep=(tone, False))] == "j2"  # busy with tone: its oldest
     taken = pool.get(0, keep=(tone, False))
