@@ -42,7 +42,7 @@ import nrvna
 
 ADAPTERS = {"tone": 611, "terse": 612}  # name: the seed scripts/lora_model.py makes it from
 CYCLE = [None, *ADAPTERS]  # the adapter of job i is CYCLE[i % 3]; None: the base model
-PROBE = "Name three colours."  # the warm-up's greedy prompt, once per adapter
+PROBE, PROBE_TOKENS = "Name three colours.", 24  # the warm-up's greedy job, once per adapter
 ARMS = ("nrvna base", "np 8", "nrvna lora", "np 16")  # the order of a round: each nrvna arm between two others
 LABELS = {"nrvna base": "nrvna defaults, base model only", "nrvna lora": "nrvna defaults, --lora x2, jobs interleaved",
           "np 8": "llama-server -np 8, 8 clients, jobs interleaved",
@@ -80,7 +80,7 @@ def nrvna_arm(model: str, base: str, texts: list[str], tokens: int, paths: dict[
     try:
         names = CYCLE if paths else [None]
         probes = [{"lora": [{"name": name}]} if name else {} for name in names]
-        ids = [daemon.work.publish(PROBE, max_tokens=8, temperature=0, **probe) for probe in probes]
+        ids = [daemon.work.publish(PROBE, max_tokens=PROBE_TOKENS, temperature=0, **probe) for probe in probes]
         for job_id in ids:
             assert daemon.flow.wait(job_id, 300) is nrvna.Status.Done, daemon.flow.get(job_id).error
         outputs = [daemon.flow.get(job_id).result for job_id in ids]
@@ -103,8 +103,9 @@ def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: in
     proc, port = start_server(binary, model, slots, *flags, "--lora-init-without-apply")
     try:
         body = {"max_tokens": tokens, "ignore_eos": True, **SAMPLING}
-        outputs = [post(port, {"messages": [{"role": "user", "content": PROBE}], "max_tokens": 8, "temperature": 0,
-                               "lora": server_lora(name)})["choices"][0]["message"]["content"] for name in CYCLE]
+        probe = {"messages": [{"role": "user", "content": PROBE}], "max_tokens": PROBE_TOKENS, "temperature": 0}
+        outputs = [post(port, {**probe, "lora": server_lora(name)})["choices"][0]["message"]["content"]
+                   for name in CYCLE]
         latencies, generated, lock = [], [0], threading.Lock()
 
         def ask(job: tuple[str, str | None]) -> None:
