@@ -11,14 +11,17 @@ first, their adapters go base / tone / terse / base / ... line by line. Arms, in
   each request naming its set in full (`"lora": [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.0}]`);
 - nrvna lora: `nrvna daemon MODEL WS --lora tone=TONE --lora terse=TERSE`, a job naming its adapter with
   the job parameter `lora` = [{"name": "tone"}] (base jobs name none);
-- llama-server -np 16 with 16 clients, as -np 8.
+- llama-server -np 16 with 16 clients, as -np 8;
+- with `--arms` naming them: llama-server -np 8 and -np 16 without adapters ("np 8 base", "np 16 base"), the same
+  jobs all on the base model (llama-server's own cost of the adapters).
 
 An nrvna job ends at its rename into output/ (timed from the first submit), a llama-server job when its reply
 arrives. Each arm's warm-up also runs one greedy job per adapter on one prompt: the adapters are applied when
 the three texts differ (printed). Targets (issue 61): nrvna lora / nrvna base >= 0.9; nrvna lora / the better
 llama-server arm >= 1.5. Ratios are taken round by round; nothing is asserted.
 
-    python bench/lora.py [--model PATH] [--prompts 96] [--tokens 64] [--rounds 1] [--skip-server]
+    python bench/lora.py [--model PATH] [--prompts 96] [--tokens 64] [--rounds 1] [--skip-server] [--server PATH]
+                         [--arms "nrvna base,np 8,nrvna lora,np 16"]
 """
 
 from __future__ import annotations
@@ -43,10 +46,14 @@ import nrvna
 ADAPTERS = {"tone": 611, "terse": 612}  # name: the seed scripts/lora_model.py makes it from
 CYCLE = [None, *ADAPTERS]  # the adapter of job i is CYCLE[i % 3]; None: the base model
 PROBE, PROBE_TOKENS = "Name three colours.", 24  # the warm-up's greedy job, once per adapter
-ARMS = ("nrvna base", "np 8", "nrvna lora", "np 16")  # the order of a round: each nrvna arm between two others
+# The order of a round: each nrvna arm between two others; the last two (llama-server without adapters) only
+# when --arms names them.
+ARMS = ("nrvna base", "np 8", "nrvna lora", "np 16", "np 8 base", "np 16 base")
+DEFAULT_ARMS = ARMS[:4]
 LABELS = {"nrvna base": "nrvna defaults, base model only", "nrvna lora": "nrvna defaults, --lora x2, jobs interleaved",
           "np 8": "llama-server -np 8, 8 clients, jobs interleaved",
-          "np 16": "llama-server -np 16, 16 clients, jobs interleaved"}
+          "np 16": "llama-server -np 16, 16 clients, jobs interleaved",
+          "np 8 base": "llama-server -np 8, 8 clients, no adapters", "np 16 base": "llama-server -np 16, 16 clients, no adapters"}
 
 
 def gguf_py() -> list[str]:
@@ -97,20 +104,23 @@ def server_lora(name: str | None) -> list[dict]:
     return [{"id": i, "scale": 1.0 if adapter == name else 0.0} for i, adapter in enumerate(ADAPTERS)]
 
 
-def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: int, paths: dict[str, str]) -> dict:
-    """llama-server -np ``slots`` with the adapters, as many concurrent clients, the jobs spread over them."""
-    flags = [arg for path in paths.values() for arg in ("--lora", path)]
-    proc, port = start_server(binary, model, slots, *flags, "--lora-init-without-apply")
+def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: int,
+               paths: dict[str, str] | None) -> dict:
+    """llama-server -np ``slots``, as many concurrent clients; with ``paths``, given the adapters and the jobs
+    spread over them."""
+    flags = [arg for path in (paths or {}).values() for arg in ("--lora", path)]
+    proc, port = start_server(binary, model, slots, *flags, *(["--lora-init-without-apply"] if paths else []))
+    own = (lambda name: {"lora": server_lora(name)}) if paths else (lambda name: {})
     try:
         body = {"max_tokens": tokens, "ignore_eos": True, **SAMPLING}
         probe = {"messages": [{"role": "user", "content": PROBE}], "max_tokens": PROBE_TOKENS, "temperature": 0}
-        outputs = [post(port, {**probe, "lora": server_lora(name)})["choices"][0]["message"]["content"]
-                   for name in CYCLE]
+        outputs = [post(port, {**probe, **own(name)})["choices"][0]["message"]["content"]
+                   for name in (CYCLE if paths else [None])]
         latencies, generated, lock = [], [0], threading.Lock()
 
         def ask(job: tuple[str, str | None]) -> None:
             start = time.perf_counter()
-            reply = post(port, {**body, "messages": [{"role": "user", "content": job[0]}], "lora": server_lora(job[1])})
+            reply = post(port, {**body, "messages": [{"role": "user", "content": job[0]}], **own(job[1])})
             with lock:
                 latencies.append(time.perf_counter() - start)
                 generated[0] += reply["usage"]["completion_tokens"]
@@ -120,7 +130,7 @@ def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: in
         assert generated[0] == tokens * len(texts), generated
         return {"tok/s": generated[0] / elapsed, "jobs/s": len(texts) / elapsed,
                 "p50 s": statistics.median(latencies), "rss": peak_rss_mb(proc.pid),
-                "applied": len(set(outputs)) == len(outputs)}
+                "applied": len(set(outputs)) == len(outputs) if paths else None}
     finally:
         proc.terminate()
         proc.wait()
@@ -128,8 +138,8 @@ def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: in
 
 def report(runs: dict[str, list[dict]], rounds: int) -> None:
     """The table of arms (median round by tok/s) and the two ratios of issue 61, round by round."""
-    def ratios(top: str, bottom: list[str]) -> list[float]:
-        return [runs[top][r]["tok/s"] / max(runs[name][r]["tok/s"] for name in bottom) for r in range(rounds)]
+    def best(names: list[str], r: int) -> float:
+        return max(runs[name][r]["tok/s"] for name in names)
 
     rows = []
     for name, arm in runs.items():
@@ -142,14 +152,16 @@ def report(runs: dict[str, list[dict]], rounds: int) -> None:
                      "-" if arm[0]["applied"] is None else "yes" if all(run["applied"] for run in arm) else "NO"])
     print(table(["arm", "tok/s", "tok/s range", "jobs/s", "p50 job latency s", "peak RSS MB",
                  "adapters change the text"], rows))
-    for top, bottom, target in (("nrvna lora", ["nrvna base"], "target >= 0.9"),
-                                ("nrvna lora", ["np 8", "np 16"], "target >= 1.5")):
-        present = [name for name in bottom if runs[name]]
-        if runs[top] and present:
-            each = ratios(top, present)
-            against = "nrvna base" if present == ["nrvna base"] else "the better llama-server arm"
-            print(f"nrvna lora / {against}: {statistics.median(each):.2f}x ({target}); round by round "
-                  f"{', '.join(f'{x:.2f}' for x in each)}")
+    for top, bottom, label in (
+            (["nrvna lora"], ["nrvna base"], "nrvna lora / nrvna base: {} (target >= 0.9)"),
+            (["nrvna lora"], ["np 8", "np 16"], "nrvna lora / the better llama-server arm: {} (target >= 1.5)"),
+            (["np 8", "np 16"], ["np 8 base", "np 16 base"], "llama-server, the better arm with adapters / "
+                                                             "without: {}"),
+            (["nrvna base"], ["np 8 base", "np 16 base"], "nrvna base / the better llama-server arm without: {}")):
+        tops, bottoms = [name for name in top if runs[name]], [name for name in bottom if runs[name]]
+        if tops and bottoms:
+            each = [best(tops, r) / best(bottoms, r) for r in range(rounds)]
+            print(label.format(f"{statistics.median(each):.2f}x, round by round {', '.join(f'{x:.2f}' for x in each)}"))
 
 
 def main() -> None:
@@ -160,7 +172,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the arms")
     parser.add_argument("--server", help="llama-server binary (default: build it)")
     parser.add_argument("--skip-server", action="store_true", help="no llama-server arms")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"the arms to run, of {', '.join(ARMS)}")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"the arms to run, of {', '.join(ARMS)}")
     args = parser.parse_args()
     arms = [arm for arm in args.arms.split(",") if not (args.skip_server and arm.startswith("np "))]
     unknown = set(arms) - set(ARMS)
@@ -177,7 +189,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for name in (arm for arm in ARMS if arm in arms):
                 if name.startswith("np "):
-                    result = server_arm(binary, args.model, texts, args.tokens, int(name[3:]), paths)
+                    slots = int(name.split()[1])
+                    result = server_arm(binary, args.model, texts, args.tokens, slots,
+                                        None if name.endswith(" base") else paths)
                 else:
                     result = nrvna_arm(args.model, base, texts, args.tokens, paths if name == "nrvna lora" else None)
                 runs[name].append(result)
