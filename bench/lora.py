@@ -53,7 +53,8 @@ DEFAULT_ARMS = ARMS[:4]
 LABELS = {"nrvna base": "nrvna defaults, base model only", "nrvna lora": "nrvna defaults, --lora x2, jobs interleaved",
           "np 8": "llama-server -np 8, 8 clients, jobs interleaved",
           "np 16": "llama-server -np 16, 16 clients, jobs interleaved",
-          "np 8 base": "llama-server -np 8, 8 clients, no adapters", "np 16 base": "llama-server -np 16, 16 clients, no adapters"}
+          "np 8 base": "llama-server -np 8, 8 clients, no adapters",
+          "np 16 base": "llama-server -np 16, 16 clients, no adapters"}
 
 
 def gguf_py() -> list[str]:
