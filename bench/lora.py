@@ -13,7 +13,8 @@ first, their adapters go base / tone / terse / base / ... line by line. Arms, in
   the job parameter `lora` = [{"name": "tone"}] (base jobs name none);
 - llama-server -np 16 with 16 clients, as -np 8;
 - with `--arms` naming them: llama-server -np 8 and -np 16 without adapters ("np 8 base", "np 16 base"), the same
-  jobs all on the base model (llama-server's own cost of the adapters).
+  jobs all on the base model (llama-server's own cost of the adapters); "nrvna tone": nrvna with the adapters,
+  every job on tone (the adapter's own cost in nrvna, no switch of set).
 
 An nrvna job ends at its rename into output/ (timed from the first submit), a llama-server job when its reply
 arrives. Each arm's warm-up also runs one greedy job per adapter on one prompt: the adapters are applied when
@@ -46,15 +47,16 @@ import nrvna
 ADAPTERS = {"tone": 611, "terse": 612}  # name: the seed scripts/lora_model.py makes it from
 CYCLE = [None, *ADAPTERS]  # the adapter of job i is CYCLE[i % 3]; None: the base model
 PROBE, PROBE_TOKENS = "Name three colours.", 24  # the warm-up's greedy job, once per adapter
-# The order of a round: each nrvna arm between two others; the last two (llama-server without adapters) only
-# when --arms names them.
-ARMS = ("nrvna base", "np 8", "nrvna lora", "np 16", "np 8 base", "np 16 base")
+# The order of a round: each nrvna arm between two others; the last three (llama-server without adapters,
+# nrvna with every job on one adapter: the adapter's own cost, without switches) only when --arms names them.
+ARMS = ("nrvna base", "np 8", "nrvna lora", "np 16", "np 8 base", "np 16 base", "nrvna tone")
 DEFAULT_ARMS = ARMS[:4]
 LABELS = {"nrvna base": "nrvna defaults, base model only", "nrvna lora": "nrvna defaults, --lora x2, jobs interleaved",
           "np 8": "llama-server -np 8, 8 clients, jobs interleaved",
           "np 16": "llama-server -np 16, 16 clients, jobs interleaved",
           "np 8 base": "llama-server -np 8, 8 clients, no adapters",
-          "np 16 base": "llama-server -np 16, 16 clients, no adapters"}
+          "np 16 base": "llama-server -np 16, 16 clients, no adapters",
+          "nrvna tone": "nrvna defaults, --lora x2, every job on tone"}
 
 
 def gguf_py() -> list[str]:
@@ -81,8 +83,10 @@ def make_adapters(model: str, folder: str) -> dict[str, str]:
     return paths
 
 
-def nrvna_arm(model: str, base: str, texts: list[str], tokens: int, paths: dict[str, str] | None) -> dict:
-    """nrvna's daemon at its defaults; with ``paths``, given the adapters and the jobs spread over them."""
+def nrvna_arm(model: str, base: str, texts: list[str], tokens: int, paths: dict[str, str] | None,
+              only: str | None = None) -> dict:
+    """nrvna's daemon at its defaults; with ``paths``, given the adapters and the jobs spread over them (with
+    ``only``, every job on that adapter)."""
     args = [arg for name, path in (paths or {}).items() for arg in ("--lora", f"{name}={path}")]
     daemon = Daemon(model, base, {}, args=args)
     try:
@@ -93,6 +97,8 @@ def nrvna_arm(model: str, base: str, texts: list[str], tokens: int, paths: dict[
             assert daemon.flow.wait(job_id, 300) is nrvna.Status.Done, daemon.flow.get(job_id).error
         outputs = [daemon.flow.get(job_id).result for job_id in ids]
         each = [probes[i % len(probes)] for i in range(len(texts))] if paths else None
+        if only:
+            each = [{"lora": [{"name": only}]}] * len(texts)
         result = daemon.run(texts, tokens, each=each)  # nrvna's default sampling is SAMPLING
         return {**result, "applied": len(set(outputs)) == len(outputs) if paths else None}
     finally:
@@ -155,6 +161,7 @@ def report(runs: dict[str, list[dict]], rounds: int) -> None:
                  "adapters change the text"], rows))
     for top, bottom, label in (
             (["nrvna lora"], ["nrvna base"], "nrvna lora / nrvna base: {} (target >= 0.9)"),
+            (["nrvna tone"], ["nrvna base"], "nrvna tone (every job on one adapter) / nrvna base: {}"),
             (["nrvna lora"], ["np 8", "np 16"], "nrvna lora / the better llama-server arm: {} (target >= 1.5)"),
             (["np 8", "np 16"], ["np 8 base", "np 16 base"], "llama-server, the better arm with adapters / "
                                                              "without: {}"),
@@ -194,7 +201,8 @@ def main() -> None:
                     result = server_arm(binary, args.model, texts, args.tokens, slots,
                                         None if name.endswith(" base") else paths)
                 else:
-                    result = nrvna_arm(args.model, base, texts, args.tokens, paths if name == "nrvna lora" else None)
+                    result = nrvna_arm(args.model, base, texts, args.tokens, None if name == "nrvna base" else paths,
+                                       "tone" if name == "nrvna tone" else None)
                 runs[name].append(result)
                 print(f"  {name}: {result['tok/s']:.1f} tok/s", flush=True)
     finally:
