@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from common import default_model, gpu_offload, llama_server, machine, PYTHON, ROOT, table
 from inference import prompts, sequential_llama
@@ -130,9 +130,9 @@ def server_arm(binary: str, model: str, texts: list[str], tokens: int, slots: in
 class Daemon:
     """An nrvna daemon on a fresh workspace, warm (model loaded, one job done)."""
 
-    def __init__(self, model: str, base: str, env: dict[str, str], root: str = ROOT) -> None:
+    def __init__(self, model: str, base: str, env: dict[str, str], root: str = ROOT, args: Sequence[str] = ()) -> None:
         self.ws = tempfile.mkdtemp(dir=base)
-        self.proc = subprocess.Popen([PYTHON, os.path.join(root, "nrvna.py"), "daemon", model, self.ws],
+        self.proc = subprocess.Popen([PYTHON, os.path.join(root, "nrvna.py"), "daemon", model, self.ws, *args],
                                      env={**os.environ, "NRVNA_LOG_LEVEL": "warn", **env})
         self.work, self.flow = nrvna.Work(self.ws), nrvna.Flow(self.ws)
         warm = self.work.publish("warm up", max_tokens=8)
@@ -146,11 +146,13 @@ class Daemon:
                                    f"{'exited' if self.proc.poll() is not None else 'did not start in 300 s'}"
                                    " (its messages are above)")
 
-    def run(self, texts: list[str], tokens: int, **params: object) -> dict:
+    def run(self, texts: list[str], tokens: int, each: Sequence[dict] | None = None, **params: object) -> dict:
+        """The jobs of ``texts``, each with ``params`` (and ``each[i]``, if given, for the i-th)."""
         start = time.time()
         submitted = {}
-        for text in texts:
-            submitted[self.work.publish(text, max_tokens=tokens, ignore_eos=True, **params)] = time.time()
+        for i, text in enumerate(texts):
+            own = each[i] if each else {}
+            submitted[self.work.publish(text, max_tokens=tokens, ignore_eos=True, **params, **own)] = time.time()
         for job_id in submitted:
             assert self.flow.wait(job_id, 900) is nrvna.Status.Done
         # A job is done when its rename into output/ happens (which sets the directory's
