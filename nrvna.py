@@ -15992,12 +15992,13 @@ class _WorkerLoads:
     def __init__(self, workers: int = 0) -> None:
         self._lock = threading.Lock()
         self._loads = [0] * workers
+        self._sets: list[Any] = [None] * workers  # the adapter set each busy worker's context keeps to
         self._tops: list[Optional[int]] = [None] * workers
         self.budget = 0  # threads the workers' contexts share; 0: no lending (set by Server._use)
 
-    def set_load(self, index: int, load: int) -> None:
+    def set_load(self, index: int, load: int, lora: Any = None) -> None:
         with self._lock:
-            self._loads[index] = load
+            self._loads[index], self._sets[index] = load, lora
 
     def set_top(self, index: int, top: Optional[int]) -> None:
         with self._lock:
@@ -16008,10 +16009,12 @@ class _WorkerLoads:
         with self._lock:
             self._loads[index] += 1
 
-    def lighter(self, index: int, load: int) -> bool:
-        """Whether another worker runs fewer than ``load`` sequences."""
+    def lighter(self, index: int, load: int, lora: Any = None) -> bool:
+        """Whether another worker runs fewer than ``load`` sequences and could take this one's next
+        job: idle, or its context of this one's adapter set ``lora`` (a busy context takes no other)."""
         with self._lock:
-            return any(other < load for i, other in enumerate(self._loads) if i != index)
+            return any(other < load and (other == 0 or self._sets[i] == lora)
+                       for i, other in enumerate(self._loads) if i != index)
 
     def top(self) -> Optional[int]:
         """The highest priority any worker runs; None if all are idle."""
@@ -16469,8 +16472,8 @@ class Server:
         while not self._stop.is_set():
             active = session.active()
             load = len(active)
-            self._loads.set_load(index, load)
             above, keep = None, _kept_set(session, load > 0, self.config.model_turn)
+            self._loads.set_load(index, load, keep and keep[0])
             if session.free() <= 0:
                 # Full: only a job above every running one (of the context's adapter set), into the room kept for it.
                 top = self.pool.top_priority(keep=keep)
@@ -16480,7 +16483,7 @@ class Server:
                 # Said before the claim (a rename and fsyncs): the other workers pause now.
                 self._loads.set_top(index, top)
                 self._outranked(top)
-            elif load and self._loads.lighter(index, load):
+            elif load and self._loads.lighter(index, load, keep and keep[0]):
                 return
             if not load and not len(self.pool):
                 session.idle()

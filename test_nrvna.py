@@ -11985,6 +11985,12 @@ def test_jobs_are_queued_by_adapter_set_and_a_busy_context_keeps_to_its_own() ->
     for job_id in ids:
         pool.done(job_id)
     assert pool.all_done()
+    loads = nrvna._WorkerLoads(2)  # a busy worker leaves a job to a lighter one only if that one can take it
+    loads.set_load(0, 5, tone)
+    loads.set_load(1, 2, ())
+    assert not loads.lighter(0, 5, tone) and loads.lighter(0, 5, ())
+    loads.set_load(1, 0)
+    assert loads.lighter(0, 5, tone)
 
 
 def test_submit_notes_an_adapter_no_daemon_has_and_strict_models_refuses_it(tmp_path: Path, run_main: RunMain,
