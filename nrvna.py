@@ -199,8 +199,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         it, _on_queued outside it
     Scanner -> _Models: queue_of (route cache, failed, *_elsewhere) => _Models._lock, taken under the
         Pool's lock (order: Pool, then _Models; nothing under _Models._lock takes another lock)
-    Scanner, Models, Watcher -> _AdapterFiles: job_set (a route's set), for_model (a load), described
-        (the record) => files is made at start and never changed after
+    Scanner, Models, Watcher -> _AdapterFiles: job_set (a route's set), files (a load), described (the
+        record) => files is made at start and never changed after
     Scanner -> Server / _WorkerLoads: _queued -> _outranked: reads the tops, preempts sessions =>
         _WorkerLoads._lock (held for the list operation only); LlamaSession.preempt() sets a flag
     Scanner -> _ModelSwitch: wake => a threading.Event
@@ -15318,8 +15318,8 @@ class _ModelSwitch:
 
 class _AdapterFiles:
     """The LoRA adapters a daemon has: those of NRVNA_LORA (--lora), and the adapter GGUFs of its
-    models folder (at scale 1; --lora's name wins); which of them each model loads, a queued job's
-    set, and what the record says of them.
+    models folder (at scale 1; --lora's name wins), given to each model it serves (one that does not
+    fit a model is refused by it, saying why); a queued job's set, and what the record says of them.
 
     Threads: made at start (Main), read only after: by the Scanner (routes), the Models thread
     (loads) and the Watcher (the record)."""
@@ -15344,20 +15344,6 @@ class _AdapterFiles:
                 raise ConfigError(f"adapter {name}: a model is named {name!r} too (a job naming it would mean "
                                   "both): give the adapter another name")
 
-    def for_model(self, path: str, alone: bool) -> dict[str, tuple[str, float]]:
-        """The adapters the model at ``path`` loads: every one when it is the daemon's only model
-        (one that does not fit is refused, saying why); with others, those of its architecture."""
-        if alone:
-            return dict(self.files)
-
-        def arch(file: str, adapter: bool = True) -> Optional[str]:
-            try:  # (an adapter replaced by a FIFO since start is never opened blocking: gguf_is_adapter)
-                return gguf_strings(file).get("general.architecture") if gguf_is_adapter(file) == adapter else None
-            except ModelError:
-                return None
-
-        return {name: spec for name, spec in self.files.items() if arch(spec[0]) in (arch(path, False), None)}
-
     def job_set(self, route: Route) -> tuple[tuple[str, float], ...]:
         """A queued job's adapter set (job_adapters), as its context will apply it: jobs are
         queued by it (Pool), so that a context's sequences share one."""
@@ -15367,7 +15353,7 @@ class _AdapterFiles:
         except KeyError:  # it waits for a daemon with the adapter (_Models.queue_of)
             return ()
 
-    def described(self, model: _ServedModel, alone: bool) -> dict[str, Any]:
+    def described(self, model: _ServedModel) -> dict[str, Any]:
         """A model's adapters as its record lists them (loaded ones, refused ones with why; those it
         will load, before it is loaded) and each of its contexts' set (``contexts``)."""
         runner, sessions = model.runner, list(model.sessions)
@@ -15375,8 +15361,7 @@ class _AdapterFiles:
         if loaded is not None:
             listed = loaded.describe()
         else:
-            listed = [{"name": n, "path": p, "scale": c} for n, (p, c) in
-                      (self.for_model(model.path, alone) if model.path else {}).items()]
+            listed = [{"name": n, "path": p, "scale": c} for n, (p, c) in self.files.items()] if model.path else []
         contexts = [describe_set(s.lora.current) for s in sessions if isinstance(getattr(s, "lora", None),
                                                                                  _ContextAdapters)]
         return {"adapters": listed, "contexts": contexts} if listed else {}
@@ -15697,8 +15682,8 @@ class _Models:
         failure nothing of it stays loaded, and the error is raised."""
         if model.runner is None:
             log.info(f"Loading model {model.path}{why}")
-            model.runner = LlamaRunner(model.path, self.config, cancel=cancel, owner=self.states_owner,
-                                       adapters=self.lora.for_model(model.path, len(self.served) == 1))
+            adapters = {"adapters": self.adapters} if self.adapters else {}  # (each refused by a model it does not fit)
+            model.runner = LlamaRunner(model.path, self.config, cancel=cancel, owner=self.states_owner, **adapters)
             self.loads += 1
         if not model.sessions:
             try:
@@ -15734,7 +15719,7 @@ class _Models:
         described = []
         runners = [(m.runner, bool(m.sessions)) for m in self.served]  # as they are: a switch may change them
         reports = [runner.memory() if runner is not None and loaded else None for runner, loaded in runners]
-        adapters = [self.lora.described(m, len(self.served) == 1) for m in self.served]
+        adapters = [self.lora.described(m) for m in self.served]
         with self._lock:
             for i, m in enumerate(self.served):
                 described.append({"name": m.name, "path": m.path, "kind": m.kind, "loaded": bool(m.sessions),
