@@ -68,8 +68,8 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
    8.4 Merge                        part_line_limit, read_part, merge_parts
 9. Client
    9.1 Reading: Flow                bulk_states, Flow
-   9.2 Submitting: Work             SubmitResult, model_view, known_adapters, check_model_names, waiting_for_model,
-                                      _Keys, Work
+   9.2 Submitting: Work             SubmitResult, model_view, loaded_adapters, known_adapters, check_model_names,
+                                      waiting_for_model, _Keys, Work
    9.3 Events                       format_time, iter_events
    9.4 Cancel, retry, clean         cancel_job, cancel_jobs, retry_job, retry_jobs, clean_jobs
    9.5 Daemons: info and stop       daemon_info, stop_daemon (_proven_daemon)
@@ -88,7 +88,7 @@ main class last. No sub-section (or section without them) is over 800 lines; a t
                                       _Sequence
    11.5 Embeddings                  _Embedding, _Embedder
    11.6 Saved states                state_fingerprint, _shared_prefix, _CheckThread, StateStore (the Saver thread)
-   11.7 A context and its parts     AUTO_CELLS, _Batch, _Preemption, _GrammarWaits, _StateHandOff (saved states
+   11.7 A context and its parts     AUTO_CELLS, _Batch, _Preemption, _StartWaits, _StateHandOff (saved states
                                       handed over), _ContextAdapters (a context's adapter set), _Cells (booked
                                       cells; a context made for a long job),
                                       _llama_context, _context_parts, _PrefixCache
@@ -252,9 +252,10 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         LlamaRunner.memory) read outside the lock; the names, active and the routing state (failed)
         under _Models._lock
     Watcher, loader -> LlamaRunner (memory): _sessions (each with its _ContextSize),
-        weights_mib => _lock for the list; only plain numbers stated when the model and each context were
-        made (a session's _Embedder.buffers too), never the model or a context through llama.cpp: the
-        Models thread may be freeing them (close empties _sessions under _lock first)
+        weights_mib, _Adapters.held_mib => _lock for the list; only plain numbers stated when the model, its
+        adapters and each context were made (a session's _Embedder.buffers too), never the model or a
+        context through llama.cpp: the Models thread may be freeing them (close empties _sessions under
+        _lock first)
     Worker-N -> LlamaRunner (resized): its session's _ContextSize in _sessions, under _lock, each time
         its context is made anew (_Cells: for a long job, or standing again)
     Hooks -> Hooks: lists hooks/done/, submits tasks; _held (hooks/' lock) => _lock for _in_flight and
@@ -283,7 +284,7 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         done Event is set; the waiting workers read them only after
     any -> _CallThread (Grammar, Wide): its call queue => a queue.SimpleQueue (thread-safe); each call's result in
         its own box, set before its Event
-    Worker-N -> LlamaSession and what it holds: _Sequence, _Choices, _PrefixCache, _Batch, _GrammarWaits,
+    Worker-N -> LlamaSession and what it holds: _Sequence, _Choices, _PrefixCache, _Batch, _StartWaits,
         _StateHandOff, _SamplingScratch, _GrammarTemplates, _JobSampler, _Penalties, _Embedder, _Embedding:
         its llama context(s), KV cells, batch, samplers, slots => one worker's only (llama.cpp's rule: a context is
         never shared between threads), but: made (LlamaRunner.session) and closed (LlamaRunner.close) by
@@ -313,6 +314,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         race compute the same)
     Main, loader -> gguf_strings: _gguf_headers => no lock: one get, one set or clear, each atomic (a
         header two threads race for is read twice)
+    any (Main, Scanner, loader, Api-N) -> gguf_is_adapter: _adapter_probes => no lock: one get, one set or
+        clear, each atomic (a file two threads race for is read twice)
     any (llama.cpp's log callback), loader, Worker-N -> _install_llama_logging, _new_context,
         _llama_log_reason, _GrammarTemplates, LlamaRunner: _llama_log_tail => no lock: the callback appends
         and cuts it to 5 lines, a call whose failure it explains clears it first, _llama_log_reason reads
@@ -525,6 +528,7 @@ ADAPTER_PROBE_BYTES = 64 << 10  # the start of a GGUF read to tell an adapter fr
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 ADAPTER_NAME_RULE = "1-128 letters, digits, '.', '_', '+' or '-' (no ':')"
 LORA_SCALE_BOUND = 10.0  # an adapter's scale is within [-10, 10]
+LORA_SCALE_RULE = f"a number from {-LORA_SCALE_BOUND:g} to {LORA_SCALE_BOUND:g}"
 LORA_MAX = 8  # adapters one job may apply at once
 
 
@@ -696,16 +700,21 @@ def parse_aliases(text: str) -> dict[str, str]:
     return aliases
 
 
+def _is_lora_scale(value: Any) -> bool:
+    """The one rule for an adapter's scale, the daemon's or a job's: a finite number within
+    [-LORA_SCALE_BOUND, LORA_SCALE_BOUND]."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and -LORA_SCALE_BOUND <= value <= LORA_SCALE_BOUND)  # (NaN fails both)
+
+
 def lora_scale(text: str, where: str) -> float:
-    """An adapter's scale from text: a finite number within [-LORA_SCALE_BOUND, LORA_SCALE_BOUND],
-    else ConfigError naming ``where``."""
+    """An adapter's scale from text (_is_lora_scale), else ConfigError naming ``where``."""
     try:
         scale = float(text)
     except ValueError:
         scale = math.nan
-    if not -LORA_SCALE_BOUND <= scale <= LORA_SCALE_BOUND:  # (NaN fails both)
-        raise ConfigError(f"{where}: scale {text!r} is not a number from {-LORA_SCALE_BOUND:g} to "
-                          f"{LORA_SCALE_BOUND:g}")
+    if not _is_lora_scale(scale):
+        raise ConfigError(f"{where}: scale {text!r} is not {LORA_SCALE_RULE}")
     return scale
 
 
@@ -720,7 +729,8 @@ def parse_adapters(text: str) -> dict[str, tuple[str, float]]:
         name, sep, rest = item.partition("=")
         name, rest = name.strip(), rest.strip()
         if not (sep and name and rest):
-            raise ConfigError(f"NRVNA_LORA: {item!r} is not NAME=PATH[:SCALE]")
+            comma = " (adapters are separated by ',': a PATH cannot hold one)" if adapters and not sep else ""
+            raise ConfigError(f"NRVNA_LORA: {item!r} is not NAME=PATH[:SCALE]{comma}")
         if not ADAPTER_NAME.fullmatch(name):
             raise ConfigError(f"NRVNA_LORA: adapter name {name!r} is not {ADAPTER_NAME_RULE}")
         path, colon, scale = rest.rpartition(":")
@@ -4134,10 +4144,8 @@ def _check_lora(value: Any, param: Param) -> list[dict[str, Any]]:
             raise InvalidInput(f"lora: adapter name {str(name)[:140]!r} is not {ADAPTER_NAME_RULE}")
         if any(e["name"] == name for e in clean):
             raise InvalidInput(f"lora: adapter {name!r} is named twice")
-        if "scale" in entry and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                 or not -LORA_SCALE_BOUND <= scale <= LORA_SCALE_BOUND):
-            raise InvalidInput(f"lora: the scale of adapter {name!r} must be a number from {-LORA_SCALE_BOUND:g} "
-                               f"to {LORA_SCALE_BOUND:g}")
+        if "scale" in entry and not _is_lora_scale(scale):
+            raise InvalidInput(f"lora: the scale of adapter {name!r} must be {LORA_SCALE_RULE}")
         clean.append({"name": name, "scale": float(scale)} if "scale" in entry else {"name": name})
     return clean
 
@@ -5038,7 +5046,7 @@ DAEMON_MODEL_FIELDS: dict[str, Callable[[Any], bool]] = {
     "path": lambda value: value is None or _is_text(value),  # None: a runner given in-process
     **dict.fromkeys(("load_failures", "max_load_failures"), _is_count),
     "retry_at": _is_time, "active": lambda value: type(value) is bool,
-    # (the model's LoRA adapters, each named: known_adapters and _adapter_waits read the names)
+    # (the model's LoRA adapters, each named: loaded_adapters reads the names)
     "adapters": lambda value: type(value) is list and all(type(a) is dict and _is_text(a.get("name")) for a in value),
     "contexts": _is_texts,
 }
@@ -5418,10 +5426,12 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
 # 7.4 Routes and model files
 # ============================================================================
 # A queued job's route (priority, model, kind) read cheaply from its params.json, and how a model
-# name finds its GGUF file. Stateless: the Scanner, the daemon's start and clients call it.
+# name finds its GGUF file (an adapter's, too). Stateless but for a cache of which files are adapters
+# (one dict, a get and a set: any thread): the Scanner, the daemon's start and clients call it.
 
 
 Route = namedtuple("Route", "priority model embed parent lora", defaults=(None, ()))
+_adapter_probes: dict[tuple[int, int, int, int], bool] = {}  # (dev, ino, size, mtime) -> gguf_is_adapter
 
 
 def read_route(job_dir: str) -> Route:
@@ -5472,7 +5482,9 @@ def read_priority(job_dir: str) -> int:
 def gguf_is_adapter(path: str) -> bool:
     """Whether ``path`` is an adapter GGUF (a LoRA), not a model: its header's first
     ADAPTER_PROBE_BYTES hold ``general.type`` = "adapter" (convert_lora_to_gguf.py writes it among
-    the first keys; a model's header has no such key). A file that cannot be read is no adapter."""
+    the first keys; a model's header has no such key). A file that cannot be read is no adapter.
+    Each file is read once while it is unchanged (a models folder is listed at each submit that
+    names a model)."""
     import struct
 
     try:  # as _check_gguf_magic: no FIFO opened blocking, nothing followed but the path
@@ -5480,8 +5492,11 @@ def gguf_is_adapter(path: str) -> bool:
     except OSError:
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
+        info = os.fstat(fd)
+        identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+        known = _adapter_probes.get(identity)
+        if known is not None or not stat.S_ISREG(info.st_mode):
+            return bool(known)
         head = os.read(fd, ADAPTER_PROBE_BYTES)
     except OSError:
         return False
@@ -5489,7 +5504,10 @@ def gguf_is_adapter(path: str) -> bool:
         os.close(fd)
     key = b"general.type"
     entry = struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, 7) + b"adapter"  # 8: a string
-    return head.startswith(b"GGUF") and entry in head
+    if len(_adapter_probes) >= 1024:
+        _adapter_probes.clear()
+    _adapter_probes[identity] = found = head.startswith(b"GGUF") and entry in head
+    return found
 
 
 def gguf_files(models_dir: str, adapters: bool = False) -> Optional[list[str]]:
@@ -7818,25 +7836,41 @@ def model_view(workspace: str) -> tuple[str, dict[str, str], list[str]]:
     return os.path.abspath(setting_default("models_dir")), parse_aliases(setting_default("model_aliases")), served
 
 
-def known_adapters(workspace: str, models_dir: str) -> set[str]:
+def loaded_adapters(models: Iterable[Mapping[str, Any]]) -> set[str]:
+    """The names of the adapters daemons' records say ``models`` loaded (those refused left out;
+    daemon_records checked each entry: DAEMON_MODEL_FIELDS)."""
+    return {a["name"] for m in models for a in m.get("adapters") or () if "refused" not in a}
+
+
+def known_adapters(workspace: str, models_dir: str) -> tuple[set[str], dict[str, str]]:
     """The LoRA adapters a job may name: those the workspace's running daemons have loaded, and
-    the adapter GGUFs of ``models_dir``."""
+    the adapter GGUFs of ``models_dir``; and those a running daemon refused (and none loaded),
+    each with why (a job naming one fails there: ``unsupported``)."""
     records = daemon_records(workspace) if os.path.isdir(os.path.join(workspace, READY)) else []
-    loaded = {a["name"] for r in records for m in r.get("models") or () if isinstance(m, dict)
-              for a in m.get("adapters") or () if isinstance(a, dict) and isinstance(a.get("name"), str)
-              and "refused" not in a}
-    return loaded | set(adapter_files(models_dir))
+    models = [m for r in records for m in r.get("models") or ()]
+    known = loaded_adapters(models) | set(adapter_files(models_dir))
+    refused = {a["name"]: str(a["refused"])[:300] for m in models for a in m.get("adapters") or ()
+               if "refused" in a and a["name"] not in known}
+    return known, refused
 
 
-def _check_adapter_names(by_name: Mapping[str, list[str]], known: set[str], strict: bool) -> list[str]:
-    """The notes for adapters no running daemon has (``by_name``: name -> where); InvalidInput when ``strict``."""
+def _check_adapter_names(by_name: Mapping[str, list[str]], known: tuple[set[str], dict[str, str]],
+                         strict: bool) -> list[str]:
+    """The notes for adapters no running daemon has, or one refused (``by_name``: name -> where;
+    ``known``: known_adapters'); InvalidInput when ``strict``."""
     notes = []
+    loaded, refused = known
     for name, places in by_name.items():
-        if name in known:
+        if name in loaded:
             continue
         if strict:
+            why = f": {refused[name]}" if name in refused else ""
             raise InvalidInput(f"{places[0]}: no running daemon has adapter {name!r} (known: "
-                               f"{', '.join(sorted(known)) or 'none'})")
+                               f"{', '.join(sorted(loaded)) or 'none'}){why}")
+        if name in refused:
+            jobs = f"{len(places)} jobs fail" if len(places) > 1 else "the job fails"
+            notes.append(f"a running daemon refused adapter {name!r}: {jobs} there (unsupported): {refused[name]}")
+            continue
         jobs = f"{len(places)} jobs wait" if len(places) > 1 else "the job waits"
         notes.append(f"no running daemon has adapter {name!r} yet: {jobs} for one that has it")
     return notes
@@ -7867,8 +7901,8 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
                                                    re.sub(r"\.gguf$", "", os.path.basename(path)))}
     notes = []
     for name, places in by_name.items():
-        matches = model_matches(name, models_dir, aliases, known)
-        if not matches and name not in known and name.rpartition(":")[1]:  # MODEL:ADAPTER
+        matches = model_matches(name, models_dir, aliases, known[0])
+        if not matches and name not in known[0] and name.rpartition(":")[1]:  # MODEL:ADAPTER
             base, _, adapter = name.rpartition(":")
             if ADAPTER_NAME.fullmatch(adapter) and (len(model_matches(base, models_dir, aliases)) == 1
                                                     or base in served_names):
@@ -7880,14 +7914,16 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
         if matches:
             _check_model_file(places[0], name, matches[0])
             continue
-        if name in served_names or name in known:
+        if name in served_names or name in known[0]:
             continue
         if strict:
-            names = sorted({*(gguf_files(models_dir) or []), *map(os.path.basename, served), *aliases, *known})
+            names = sorted({*(gguf_files(models_dir) or []), *map(os.path.basename, served), *aliases, *known[0]})
             raise InvalidInput(f"{places[0]}: model {name!r} matches no model (known: {', '.join(names) or 'none'}; "
                                f"NRVNA_MODELS_DIR is {models_dir})")
         jobs = f"{len(places)} jobs run" if len(places) > 1 else "it runs"
-        notes.append(f"model {name!r} matches no model in {models_dir}: {jobs} on a daemon's default model")
+        adapter = named_adapter(name, known[0])  # FOO:NAME, FOO no model: the default model runs it with NAME
+        notes.append(f"model {name!r} matches no model in {models_dir}: {jobs} on a daemon's default model"
+                     + (f", with adapter {adapter!r}" if adapter else ""))
     return notes + _check_adapter_names(adapters_named, known, strict)
 
 
@@ -7954,8 +7990,7 @@ def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
 def _adapter_waits(job_id: str, route: Route, records: list[dict[str, Any]], models_dir: str,
                    aliases: Mapping[str, str]) -> dict[str, str]:
     """Why a job naming adapters waits (by its ID), when no running daemon has one of them."""
-    known = {a["name"] for r in records for m in r.get("models") or () if isinstance(m, dict)
-             for a in m.get("adapters") or () if isinstance(a, dict) and "refused" not in a}
+    known = loaded_adapters(m for r in records for m in r.get("models") or ())
     named = [name for name, _ in route.lora]
     model = route.model or ""
     if (":" in model and ADAPTER_NAME.fullmatch(model.rpartition(":")[2])
@@ -9107,7 +9142,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "nrvna_daemon_model_loaded": ("gauge", ("daemon", "model", "kind"), "1 for each model a live daemon has "
                                   "loaded, 0 for one it serves and has not loaded."),
     "nrvna_daemon_model_memory_bytes": ("gauge", ("daemon", "model"), "Memory of a loaded model as llama.cpp states "
-                                        "it: weights, KV cache, compute and output buffers, embedding contexts."),
+                                        "it: weights, LoRA adapters, KV cache, compute and output buffers, embedding "
+                                        "contexts."),
     "nrvna_daemon_running_jobs": ("gauge", ("daemon",), "Jobs a live daemon is running."),
     "nrvna_daemon_tokens_per_second": ("gauge", ("daemon",), "Tokens a live daemon generated a second, over the "
                                        "last minute."),
@@ -9978,6 +10014,8 @@ class _Adapters:
                 continue
             self.loaded[name] = (handle, scale, os.path.realpath(path), _file_digest(path, whole=True))
             log.info(f"Adapter {name} ({path}, scale {scale:g}) loaded for model {os.path.basename(model_path)}")
+        # What they hold (their tensors, as their files are): a plain number, as memory() reads
+        self.held_mib = sum(entry[3][0] for entry in self.loaded.values()) / _MIB
 
     def scales(self) -> dict[str, float]:
         """Each loaded adapter's scale, by name (what job_adapters takes)."""
@@ -12042,7 +12080,7 @@ class StateStore:
 # 11.7 A context and its parts
 # ============================================================================
 # What a worker's context is made of: its batch (_Batch), its preemption flag (_Preemption, the one
-# field another thread sets), the jobs waiting to begin (_GrammarWaits), the saved states handed over
+# field another thread sets), the jobs waiting to begin (_StartWaits), the saved states handed over
 # (_StateHandOff), how its cells are booked and when it is made anew for a long job (_Cells), the
 # context itself (_llama_context, _context_parts) and its prefix sharing (_PrefixCache, last).
 
@@ -12148,11 +12186,12 @@ class _Preemption:
         self.flag[0] = b"\0"
 
 
-class _GrammarWaits:
+class _StartWaits:
     """A session's claimed jobs that wait to begin: for the grammar the runner's Grammar thread
     is making (_Grammars.prepare), each holding a slot and a share of cells; or, made, for room
-    (``need`` cells: LlamaSession._begin), when no other job is taken. Each begins at the first step
-    after it can, as it fits.
+    (``need`` cells: LlamaSession._begin) or for the context's adapter set to be theirs
+    (_ContextAdapters.takes), when no other job is taken. Each begins at the first step after it
+    can, as it fits.
 
     Threads: its session's worker thread; the Grammar thread hands each grammar over through
     its _Conversion (written before its Event is set)."""
@@ -12284,11 +12323,12 @@ class _ContextAdapters:
             return ()
         return self.adapters.job_set(job.params)
 
-    def takes(self, job: RunningJob, slots: list[Optional[_Sequence]]) -> bool:
-        """Whether ``job`` may begin beside the context's sequences: of its set, or none runs
-        (a job whose set is in error begins, to fail)."""
+    def takes(self, job: RunningJob, slots: list[Optional[_Sequence]],
+              wanted: Optional[tuple[tuple[str, float], ...]] = None) -> bool:
+        """Whether ``job`` may begin beside the context's sequences: of its set (``wanted``, when
+        the caller has it), or none runs (a job whose set is in error begins, to fail)."""
         try:
-            return self.of(job) == self.current or all(s is None for s in slots)
+            return (self.of(job) if wanted is None else wanted) == self.current or all(s is None for s in slots)
         except JobError:
             return True
 
@@ -12315,7 +12355,7 @@ class _Cells:
     a job above every running one (priority); ``share`` is also the cap of a job that sets no
     max_tokens. A job is taken while ``unit`` cells are left (its size is known only once it is
     claimed: with NRVNA_MAX_CTX given, a share, so that it always fits; auto, a quarter share, and
-    one that does not fit waits for room, claimed: _GrammarWaits). A context holds
+    one that does not fit waits for room, claimed: _StartWaits). A context holds
     FULL_LENGTH_SEQS shares; more sequences run as the jobs' budgets leave room
     (LlamaSession.free), since a batch's short jobs use a fraction of a share and wider steps
     cost less per token.
@@ -12632,7 +12672,7 @@ class LlamaSession(Session):
     KV cells between prompts.
 
     Threads: its worker's thread only, but ``preempt`` (any thread: see _Preemption); the
-    runner's Grammar thread makes the grammars of jobs in ``grammar_waits`` and hands them over
+    runner's Grammar thread makes the grammars of jobs in ``start_waits`` and hands them over
     through their _Conversion (an Event).
     """
 
@@ -12646,7 +12686,7 @@ class LlamaSession(Session):
         self.embedder: Optional[_Embedder] = None  # made when the first embed job arrives
         self.threads = self.base_threads = threads
         self.seqs, self.n_batch = seqs, n_batch
-        self.grammar_waits = _GrammarWaits()  # claimed jobs waiting to begin: for their grammar, or for room
+        self.start_waits = _StartWaits()  # claimed jobs waiting to begin: for their grammar, or for room
         self.ctx: Any = None
         self.slots: list[Optional[_Sequence]] = []
         self.states: Optional[_StateHandOff] = None  # the saved-state hand-off: with a store and prefixes
@@ -12706,16 +12746,16 @@ class LlamaSession(Session):
         embed = EMBED_JOBS - (len(self.embedder.jobs) if self.embedder is not None else 0)
         if self.ctx is None:
             return embed
-        if _Choices.unstarted(self.slots) or self.grammar_waits.longest():  # these have the room first
+        if _Choices.unstarted(self.slots) or self.start_waits.longest():  # these have the room first
             return 0
         running, room = self.book.room(self.slots)  # outside the kept room: the sequences, the cells left
-        parked = len(self.grammar_waits)
+        parked = len(self.start_waits)
         return max(0, min(self.seqs - running - parked, room // self.book.unit - parked, embed))
 
     def reserve(self, priority: int) -> int:
         """1 if a job of ``priority`` would run above every job here and the kept room is free
         (0 while a job's grammar is being made: that job may need the room)."""
-        return 0 if self.grammar_waits.converting() else self._reserve(priority)
+        return 0 if self.start_waits.converting() else self._reserve(priority)
 
     def _reserve(self, priority: int) -> int:
         if self.ctx is None or any(s is not None and (s.reserved or s.priority >= priority) for s in self.slots):
@@ -12742,7 +12782,7 @@ class LlamaSession(Session):
         """The jobs generating in this context, then those whose grammar is being made, then
         the embed jobs."""
         embedding = [e.job for e in self.embedder.jobs] if self.embedder is not None else []
-        waits = self.grammar_waits.jobs()
+        waits = self.start_waits.jobs()
         return list(dict.fromkeys(s.job for s in self.slots if s is not None)) + waits + embedding  # n choices: once
 
     def start(self, job: RunningJob) -> None:
@@ -12759,7 +12799,7 @@ class LlamaSession(Session):
                                               "embed jobs only (submit --embed)")
             conversion = self.runner.grammars.prepare(job.params)
             if conversion is not None:  # made on the Grammar thread while the others step; begun then
-                self.grammar_waits.add(job, conversion)
+                self.start_waits.add(job, conversion)
                 return
             self._begin(job)
         except BaseException:
@@ -12786,13 +12826,14 @@ class LlamaSession(Session):
             raise JobError("context_overflow", f"prompt is {len(tokens)} tokens; {holder} {cap}")
         if not tokens:
             raise JobError("bad_request", "prompt has no tokens")
-        priority, wanted, takes = job_param(job.params, "priority"), self.lora.of(job), self.lora.takes(job, self.slots)
+        priority, wanted = job_param(job.params, "priority"), self.lora.of(job)
+        takes = self.lora.takes(job, self.slots, wanted)
         budget = min(cap, len(tokens) + max_tokens)
         # Into the kept share (above all, room full), beside the jobs, or it waits (for room, or for its adapter set).
         reserved = takes and not fits and self.free() <= 0 and self._reserve(priority) > 0 and budget <= self.book.share
         running, room = self.book.room(self.slots)
         if not reserved and (running >= self.seqs or budget > room or not takes):
-            self.grammar_waits.add(job, _Conversion.made(made), budget)
+            self.start_waits.add(job, _Conversion.made(made), budget)
             return
         self.lora.use(wanted, self)
         slot = self.prefixes.take_slot(self.slots, tokens)
@@ -12825,20 +12866,20 @@ class LlamaSession(Session):
         """One ``llama_decode`` for every generating job and one for texts of embed jobs;
         return the jobs that ended, with outcomes. Jobs whose grammar has been made begin."""
         self.save_ended()
-        ended = self._converted() if self.grammar_waits else []
+        ended = self._converted() if self.start_waits else []
         stepping = any(s is not None for s in self.slots) or (self.embedder is not None and bool(self.embedder.jobs))
         ended += self._generate() if self.ctx is not None else []
         if self.embedder is not None and self.embedder.jobs:
             ended += self.embedder.step(self._decode)
-        if not stepping and not ended and self.grammar_waits:  # nothing else to do: wait a little, not spin
-            self.grammar_waits.pause()
+        if not stepping and not ended and self.start_waits:  # nothing else to do: wait a little, not spin
+            self.start_waits.pause()
         return ended
 
     def _converted(self) -> list[tuple[RunningJob, Outcome]]:
         """Begin the waiting jobs that fit now (a job the context cannot hold has it made anew,
         once empty); end those cancelled, timed out or failed."""
         ended = []
-        for job, error, made, need in self.grammar_waits.ready(self._fits):
+        for job, error, made, need in self.start_waits.ready(self._fits):
             try:
                 if error is not None:
                     raise error
@@ -12946,7 +12987,7 @@ class LlamaSession(Session):
         """Forget ``job`` (it is being handed back to the queue) and free its slot (a conversion
         of its grammar goes on for the jobs that share it, or is abandoned)."""
         self.save_ended()
-        self.grammar_waits.drop(job)
+        self.start_waits.drop(job)
         for seq in self.slots:
             if seq is not None and seq.job is job:
                 self.release(seq, keep=False)
@@ -12959,7 +13000,7 @@ class LlamaSession(Session):
             self.save_ended()
         if self.embedder is not None:
             self.embedder.close()
-        self.grammar_waits.clear()
+        self.start_waits.clear()
         for seq in self.slots:
             if seq is not None:
                 self.release(seq, keep=False)
@@ -13036,7 +13077,9 @@ def memory_line(name: str, report: Mapping[str, Any]) -> str:
         return (f"Memory of {name}: weights {report['weights_mib']:,.1f} MiB, no generation contexts (an embedding "
                 f"model: each worker makes its embedding context at its first embed job; {made} made so far, "
                 f"{report['embedding_mib']:,.1f} MiB): {report['total_mib']:,.1f} MiB")
-    line = (f"Memory of {name}: weights {report['weights_mib']:,.1f} MiB, KV cache {n} x {report['kv_mib']:,.1f} MiB "
+    adapters = f", adapters {report['adapters_mib']:,.1f} MiB" if report.get("adapters_mib") else ""
+    line = (f"Memory of {name}: weights {report['weights_mib']:,.1f} MiB{adapters}, KV cache {n} x "
+            f"{report['kv_mib']:,.1f} MiB "
             f"({report['kv_type']}, {report['cells']:,} cells x {report['kv_bytes_per_token']:,} B a token), "
             f"compute {n} x {report['compute_mib']:,.1f} MiB, output {n} x {report['output_mib']:,.1f} MiB")
     longest, per_job = report.get("cells_longest", 0), report["cells_per_job"]
@@ -13246,13 +13289,13 @@ class LlamaRunner(Runner):
         grown = held - len(contexts) * (kv + compute + output)  # contexts made for a long job, beyond that
         embedders = [s.embedder for s, _ in sessions]  # each read once: a dict made whole before it is set
         embedding = [sum(e.buffers.values()) for e in embedders if e is not None]
-        weights = self.weights_mib
-        return {"weights_mib": round(weights, 1), "kv_type": self.config.kv_type, "contexts": len(contexts),
+        weights, adapters = self.weights_mib, self.adapters.held_mib if self.adapters is not None else 0.0
+        return {"weights_mib": round(weights, 1), "adapters_mib": round(adapters, 1), "contexts": len(contexts),
                 "cells": first.cells, "cells_per_job": first.per_job, "cells_longest": first.longest,
                 "kv_bytes_per_token": round(kv * _MIB / first.cells) if first.cells else 0,
                 "kv_mib": kv, "compute_mib": compute, "output_mib": output, "grown_mib": round(max(0.0, grown), 1),
                 "embedding_contexts": len(embedding), "embedding_mib": round(sum(embedding), 1),
-                "total_mib": round(weights + held + sum(embedding), 1)}
+                "kv_type": self.config.kv_type, "total_mib": round(weights + adapters + held + sum(embedding), 1)}
 
     def session(self, index: int, config: Config) -> "LlamaSession":
         """Create worker ``index``'s context; raise ModelError if it cannot be allocated."""
@@ -15133,8 +15176,9 @@ def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], wo
     else:
         pending = size_bytes(config.cache_pending) / _MIB
     kv, compute, output = report["kv_mib"], report["compute_mib"], report["output_mib"]
-    room = budget - fixed_mib - pending - report["weights_mib"]  # for the contexts
-    need = fixed_mib + pending + report["weights_mib"] + workers * (kv + compute + output)  # all it holds
+    weights = report["weights_mib"] + report.get("adapters_mib", 0.0)  # the model's and its LoRA adapters'
+    room = budget - fixed_mib - pending - weights  # for the contexts
+    need = fixed_mib + pending + weights + workers * (kv + compute + output)  # all it holds
     if need <= budget:
         return
     fits = []
@@ -15155,7 +15199,7 @@ def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], wo
     raise ConfigError(
         f"{config.named('max_memory')} ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this "
         "process and other "
-        f"models {fixed_mib:,.0f}, {name}'s weights {report['weights_mib']:,.0f}, {workers} contexts x "
+        f"models {fixed_mib:,.0f}, {name}'s weights {weights:,.0f}, {workers} contexts x "
         f"{kv + compute + output:,.1f} (KV cache {kv:,.1f}, compute {compute:,.1f}, output {output:,.1f})"
         + (f", contexts waiting to be saved {pending:,.0f}" if pending else "") + "); "
         + (f"it would fit with {' or '.join(fits)}" if fits
@@ -15952,7 +15996,7 @@ class _Watcher:
                   and not m.get("load_failures")]
         return ({m["kind"] for m in models if m.get("kind") in ("chat", "embed")},
                 {m["path"] for m in models if isinstance(m.get("path"), str)},
-                {a["name"] for m in models for a in m.get("adapters") or () if "refused" not in a})
+                loaded_adapters(models))
 
 
 # ============================================================================

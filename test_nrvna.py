@@ -368,8 +368,12 @@ def words(job: nrvna.RunningJob) -> str:
 
 
 def stubborn(job: nrvna.RunningJob) -> str:
-    """A runner that ignores cancel, timeout and shutdown for a while (a long native call)."""
-    time.sleep(float(os.environ.get("TEST_STUBBORN", "1.5")))
+    """A runner that ignores cancel, timeout and shutdown for a while (a long native call):
+    TEST_STUBBORN seconds, or until the file TEST_STUBBORN_UNTIL exists (at most a minute)."""
+    until = os.environ.get("TEST_STUBBORN_UNTIL")
+    deadline = time.monotonic() + (60 if until else float(os.environ.get("TEST_STUBBORN", "1.5")))
+    while time.monotonic() < deadline and not (until and os.path.exists(until)):
+        time.sleep(0.01)
     return "finished anyway"
 
 
@@ -473,9 +477,9 @@ def audit_clean(ws: str) -> bool:
 # inject=CALL:signal=KILL` does) or makes that call fail with an errno (as
 # `inject=CALL:error=E`).
 #
-#     MODE: list | kill:K | errno:K:ERRNO | errno-on:CALL:ERRNO   (ERRNO such as EIO, ENOSPC, EXDEV)
-#     errno-on fails the first call whose log line is CALL ("fsync api/files"): for a command
-#     whose threads race, such as serve, where the count K of a call differs between runs
+#     MODE: list | kill:K | errno:K:ERRNO | kill-on:CALL | errno-on:CALL:ERRNO   (ERRNO: EIO, ENOSPC...)
+#     kill-on and errno-on act at the first call whose log line is CALL ("fsync api/files"): for
+#     calls of threads that race (serve's, a hook's), whose count K differs from run to run
 #     daemon with MODEL "-" runs the tests' prompt-derived runner; a real path runs llama.cpp
 #
 # LOG receives one line per counted call ("name path"), written as they happen. The daemon's
@@ -497,7 +501,7 @@ def faultpoint_main(argv: list[str]) -> int:
     lock = threading.Lock()
     count = [0]
     kind, target, code = (mode.split(":") + ["", ""])[:3]
-    pending = [target if kind == "errno-on" else None]  # the CALL of errno-on until it has failed once
+    pending = [target if kind.endswith("-on") else None]  # the CALL of kill-on, errno-on until it is met
     target = int(target) if target and pending[0] is None else 0
 
     def resolve(path: object, dir_fd: object = None) -> str:
@@ -524,7 +528,7 @@ def faultpoint_main(argv: list[str]) -> int:
             fail = n == target or entry == pending[0]
             if entry == pending[0]:
                 pending[0] = None
-        if fail and kind == "kill":
+        if fail and kind in ("kill", "kill-on"):
             os.kill(os.getpid(), signal.SIGKILL)
         if fail and kind in ("errno", "errno-on"):
             number = getattr(errno, code)
@@ -628,12 +632,15 @@ def test_faultpoint_sees_every_workspace_syscall_that_strace_sees(tmp_path: Path
     print(f"\n{len(ours)} workspace-changing syscalls for one job: {' '.join(theirs)}")
 
 
-def kill_restart_audit(template: str, ws: str, job_id: str, k: int, calls: list[str]) -> None:
-    """A copy of ``template`` at ``ws``; a daemon killed at its call ``k``; a clean daemon
-    draining it; the job audited (ended once, whole, nothing left between states)."""
+def kill_restart_audit(template: str, ws: str, job_id: str, k: int, calls: list[str], by_name: bool = False) -> None:
+    """A copy of ``template`` at ``ws``; a daemon killed at its call ``k`` (``by_name``: at the first
+    call that is ``calls[k - 1]``, wherever it comes); a clean daemon draining it; the job audited
+    (ended once, whole, nothing left between states)."""
     fresh_copy(template, ws)
-    killed, seen = faultpoint(ws, f"kill:{k}", "daemon", "-", ws, "-w", "1", "--drain")
-    assert killed.returncode == -signal.SIGKILL and len(seen) == k, (k, calls[k - 1])
+    mode = f"kill-on:{calls[k - 1]}" if by_name else f"kill:{k}"
+    killed, seen = faultpoint(ws, mode, "daemon", "-", ws, "-w", "1", "--drain")
+    assert killed.returncode == -signal.SIGKILL and (seen[-1] == calls[k - 1] if by_name else len(seen) == k), (
+        k, calls[k - 1])
     clean = child_daemon(ws, "derived", "-w", "1", "--drain")
     assert clean.wait(60) == 0
     audit(ws, {job_id: "crash point job"})
@@ -677,7 +684,9 @@ def test_a_daemon_with_a_hook_killed_at_every_crash_point_runs_it_and_reports_ea
     for k in range(1, len(calls) + 1):
         if log_path.exists():
             log_path.unlink()
-        kill_restart_audit(template, ws, job_id, k, calls)
+        # The hook thread's removal of the record by name: it races the Finisher's last fsyncs
+        owed = calls[k - 1].startswith("unlink") and nrvna.HOOKS_OWED in calls[k - 1]
+        kill_restart_audit(template, ws, job_id, k, calls, by_name=owed)
         runs = [call for call in _hook_log(log_path) if call["NRVNA_JOB_ID"] == job_id]
         assert 1 <= len(runs) <= 2 and all(call["NRVNA_STATUS"] == "done" for call in runs), (k, calls[k - 1], runs)
         assert os.listdir(os.path.join(ws, nrvna.HOOKS_OWED)) == [], (k, calls[k - 1])
@@ -4947,7 +4956,11 @@ def test_clean_against_a_running_daemon_never_touches_live_jobs(ws: str) -> None
     assert all(os.listdir(os.path.join(ws, sub)) == [] for sub in nrvna.LAYOUT)
 
 
-def test_follow_prints_the_text_as_it_grows_then_exits_with_the_jobs_code(ws: str, run_main: RunMain) -> None:
+def test_follow_prints_the_text_as_it_grows_then_exits_with_the_jobs_code(ws: str, run_main: RunMain,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # 30 words of 0.1 s: the job runs 3 s, while `get --follow` starts (a Python start, a few tenths
+    # of a second; at 0.02 s a word a slower machine saw the job done before its first read)
+    monkeypatch.setenv("TEST_WORD_DELAY", "0.1")
     job_id = submit(ws, "follow me", max_tokens=30)
     stopped = submit(ws, "and me", max_tokens=100000, timeout=0.5)
     with serving(ws, words, workers=2):
@@ -4970,10 +4983,14 @@ def test_daemon_json_status_daemon_and_stop(ws: str, run_main: RunMain) -> None:
     assert run_main("status", ws, "--daemon").returncode == 3
     proc = registered_daemon(ws, "derived", "-w", "2")
     try:
-        time.sleep(2.5)  # one more rewrite, after the job
-        shown = run_main("status", ws, "--daemon")
-        assert shown.returncode == 0, shown.stderr
-        [info] = json.loads(shown.stdout)
+        deadline = time.monotonic() + 30
+        while True:  # the record is rewritten every 2 s: until one written after the job
+            shown = run_main("status", ws, "--daemon")
+            assert shown.returncode == 0, shown.stderr
+            [info] = json.loads(shown.stdout)
+            if info.get("jobs_done") == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert info["pid"] == proc.pid and info["workers"] == 2 and info["jobs_done"] == 1
         assert {"model", "models", "gpu", "started", "tokens_generated", "tokens_per_second_last_minute",
                 "jobs_failed"} <= set(info)
@@ -5091,12 +5108,14 @@ def test_stop_signals_only_a_proven_daemon(tmp_path: Path) -> None:
     assert beside["alive"] and beside["rc"] == 0 and beside["daemon"] == -signal.SIGTERM, beside
     assert beside["stderr"].count("left alone") == len(results) and "stopped" in beside["stderr"], beside
 
-def test_cancel_and_stop_that_are_not_honoured_in_time_exit_4(ws: str) -> None:
+def test_cancel_and_stop_that_are_not_honoured_in_time_exit_4(ws: str, tmp_path: Path) -> None:
     # cancel and stop as child processes, as before: in-process, the cancel can land within the
     # claim (seen as running, runner not yet started), where it fails the job unrun at once by
-    # design (test_a_cancel_file_seen_at_claim_fails_the_job_unrun), and exits 0, not 4
+    # design (test_a_cancel_file_seen_at_claim_fails_the_job_unrun), and exits 0, not 4. The runner
+    # holds out until both have timed out (a fixed 2 s was too short for two CLI starts on CI).
     job_id = submit(ws, "stubborn")
-    proc = child_daemon(ws, "stubborn", "-w", "1", env={"TEST_STUBBORN": "2"})
+    go = tmp_path / "go"
+    proc = child_daemon(ws, "stubborn", "-w", "1", env={"TEST_STUBBORN_UNTIL": str(go)})
     try:
         deadline = time.monotonic() + 30
         while Flow(ws).status(job_id) is not Status.Running and time.monotonic() < deadline:
@@ -5104,6 +5123,7 @@ def test_cancel_and_stop_that_are_not_honoured_in_time_exit_4(ws: str) -> None:
         pending = cli("cancel", ws, job_id, "--timeout", "0.3")
         assert pending.returncode == 4 and b"cancel requested" in pending.stderr and pending.stdout == b""
         slow = cli("stop", ws, "--timeout", "0.3")
+        go.touch()
         assert slow.returncode == 4 and b"has not stopped after 0.3 s" in slow.stderr
         assert proc.wait(30) == 0
     finally:
@@ -7214,9 +7234,9 @@ def test_two_jobs_waiting_for_room_in_an_empty_context_both_run(llama: nrvna.Lla
         session.start(form)  # its grammar is made on the Grammar thread
         long = fake_job("Say hi.", max_tokens=900, temperature=0)  # over the 768 cells: it waits for room
         session.start(long)
-        assert session.grammar_waits.longest() > 768 and len(session.grammar_waits) == 2
+        assert session.start_waits.longest() > 768 and len(session.start_waits) == 2
         for _ in range(200):  # the grammar made before a step: both then wait for room
-            if all(entry[1].done.is_set() for entry in session.grammar_waits.entries):
+            if all(entry[1].done.is_set() for entry in session.start_waits.entries):
                 break
             time.sleep(0.05)
         ended: dict[int, Outcome] = {}
@@ -10154,19 +10174,19 @@ def test_log_limited_logs_a_lasting_fault_once_in_a_while_with_a_count(monkeypat
     handler = Collect()
     logger = logging.getLogger("nrvna")
     logger.addHandler(handler)
-    monkeypatch.setattr(nrvna, "LOG_REPEAT_SECONDS", 0.3)
+    monkeypatch.setattr(nrvna, "LOG_REPEAT_SECONDS", 1.0)  # the 100 calls below take far less
     try:
         for i in range(50):
             nrvna.log.limited("test:28", f"cannot finish job{i}: No space left on device")
             nrvna.log.limited("test:5", f"cannot claim job{i}: Input/output error", level="warning")
-        time.sleep(0.35)
+        time.sleep(1.05)
         nrvna.log.limited("test:28", "cannot finish job50: No space left on device")
     finally:
         logger.removeHandler(handler)
     assert lines[:2] == ["ERROR cannot finish job0: No space left on device",
                          "WARNING cannot claim job0: Input/output error"]
-    assert len(lines) == 3 and lines[2].startswith("ERROR cannot finish job50: No space left on device (49 more "
-                                                   "like this in the last 0 s not logged)"), lines
+    assert len(lines) == 3 and re.fullmatch(r"ERROR cannot finish job50: No space left on device \(49 more "
+                                            r"like this in the last [12] s not logged\)", lines[2]), lines
 
 
 def test_claim_and_finish_fsync_every_file_and_directory_that_changed(ws: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -10354,7 +10374,8 @@ def test_sigkill_while_a_job_is_paused_recovers_it_like_any_running_job(ws: str,
         deadline = time.monotonic() + 120
         while Flow(ws).status(low) is not Status.Running and time.monotonic() < deadline:
             time.sleep(0.01)
-        high = Work(ws).publish("Count from one to fifty in words.", priority=5, max_tokens=150, ignore_eos=True)
+        # (600 tokens: still running 0.5 s on, on a machine several times this one's speed)
+        high = Work(ws).publish("Count from one to fifty in words.", priority=5, max_tokens=600, ignore_eos=True)
         while Flow(ws).status(high) is not Status.Running and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.5)
@@ -10908,10 +10929,11 @@ sys.path.insert(0, {str(HERE)!r})
 import nrvna, test_nrvna
 prompts = json.load(open({str(ids_file)!r}))
 flow = nrvna.Flow({ws!r})
-reads = missing = partial = 0
+reads = missing = partial = unfinished = 0
 deadline = time.monotonic() + 60
 while time.monotonic() < deadline:
     done = 0
+    unfinished += 1  # a pass that saw jobs not done (the last pass takes it back)
     for job_id, prompt in prompts.items():
         reads += 2
         job = flow.get(job_id)
@@ -10922,8 +10944,9 @@ while time.monotonic() < deadline:
             if job.result != test_nrvna.expected_result(prompt):
                 partial += 1
     if done == len(prompts):
+        unfinished -= 1
         break
-print(reads, missing, partial)
+print(reads, missing, partial, unfinished)
 """
     readers = [subprocess.Popen([sys.executable, "-c", reader], stdout=subprocess.PIPE) for _ in range(4)]
     time.sleep(0.5)
@@ -10936,8 +10959,8 @@ print(reads, missing, partial)
     reads = [r[0] for r in per_reader]
     print(f"\n4 readers: {reads} reads (get + status) while 500 jobs moved; "
           f"{sum(r[1] for r in per_reader)} missing, {sum(r[2] for r in per_reader)} partial")
-    assert min(reads) >= 10000
-    assert all(r[1:] == [0, 0] for r in per_reader)
+    assert min(r[3] for r in per_reader) >= 1  # each read while the jobs moved (a count, not a speed)
+    assert all(r[1:3] == [0, 0] for r in per_reader)
 
 
 def test_a_lock_left_by_a_sigkilled_daemon_does_not_block_the_next(ws: str) -> None:
@@ -11297,6 +11320,11 @@ def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
         nrvna.check_memory_budget(nrvna.Config(max_memory="780M"), "m", report, 2, 50.0, True)
     with pytest.raises(nrvna.ConfigError, match="nothing here fits it: a larger budget or a smaller model"):
         nrvna.check_memory_budget(nrvna.Config(max_memory="200M"), "m", report, 2, 50.0, False)
+    # The model's LoRA adapters are weights it holds too: 30 MiB of them no longer fit in 796
+    held = {**report, "adapters_mib": 30.0}
+    with pytest.raises(nrvna.ConfigError, match=r"needs 825 MiB \(this process and other models 50, m's weights 122,"):
+        nrvna.check_memory_budget(nrvna.Config(max_memory="800M"), "m", held, 2, 50.0, True)
+    nrvna.check_memory_budget(nrvna.Config(max_memory="800M"), "m", report, 2, 50.0, True)
 
 
 def models_dir(tmp_path: Path, **files: str) -> tuple[Path, dict[str, str]]:
@@ -11910,6 +11938,8 @@ def test_the_daemon_s_adapters_are_checked_at_start(tmp_path: Path, run_main: Ru
             nrvna.parse_adapters(bad)
     with pytest.raises(nrvna.ConfigError, match="NRVNA_LORA"):
         nrvna.Config.from_env({"NRVNA_LORA": "a=p:-11"})
+    with pytest.raises(nrvna.ConfigError, match="'b.gguf' is not NAME=PATH.*a PATH cannot hold one"):
+        nrvna.parse_adapters("a=/x/a,b.gguf")
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(64))
     _adapter_header(tmp_path / "notadapter.gguf", kind="model")
@@ -11943,6 +11973,26 @@ def test_adapter_files_are_told_from_models_by_their_header(tmp_path: Path) -> N
     assert nrvna.model_matches("tone", str(folder), adapters={"tone"}) == []
     assert nrvna.model_matches("smollm2-tone-base:tone", str(folder), adapters={"tone"}) == []
     assert nrvna.model_matches("smollm2-tone-base", str(folder), adapters={"smollm2-tone-base"}) == [base]
+
+
+def test_a_files_adapter_probe_is_read_once_while_it_is_unchanged(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """gguf_is_adapter reads a file's header once while the file is unchanged (a models folder is
+    listed at each submit naming a model); a file replaced, or rewritten to another size, is read
+    again, and says what it is now."""
+    reads: list[int] = []
+    real_read = os.read
+    monkeypatch.setattr(os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
+    path = tmp_path / "tone.gguf"
+    _adapter_header(path)
+    assert [nrvna.gguf_is_adapter(str(path)) for _ in range(3)] == [True] * 3 and len(reads) == 1
+    _adapter_header(tmp_path / "new.gguf", kind="model")
+    os.replace(tmp_path / "new.gguf", path)
+    assert [nrvna.gguf_is_adapter(str(path)) for _ in range(2)] == [False] * 2 and len(reads) == 2
+    path.write_bytes(path.read_bytes()[:40])
+    assert not nrvna.gguf_is_adapter(str(path)) and len(reads) == 3
+    _adapter_header(path)  # rewritten in place: another size and time
+    assert nrvna.gguf_is_adapter(str(path)) and len(reads) == 4
 
 
 def test_a_job_s_adapter_set_is_one_canonical_value() -> None:
@@ -12021,6 +12071,34 @@ def test_submit_notes_an_adapter_no_daemon_has_and_strict_models_refuses_it(tmp_
     batch = b'{"prompt": "a", "lora": [{"name": "nope"}]}\n{"prompt": "b", "model": "tone"}\n'
     done = run_main("submit", ws, "--file", "-", input=batch, env=env)
     assert done.returncode == 0 and done.stderr.count(b"adapter 'nope'") == 1, done.stderr
+    done = run_main("submit", ws, "hi", "--model", "foo:tone", env=env)  # foo no model: the default, with tone
+    assert b"matches no model" in done.stderr and b"default model, with adapter 'tone'" in done.stderr, done.stderr
+
+
+def test_submit_says_a_job_naming_an_adapter_a_running_daemon_refused_fails_there(ws: str, run_main: RunMain) -> None:
+    """An adapter a live daemon refused (its record says why) is no adapter that waits for a daemon:
+    submit's note says the job fails there, with the daemon's reason; --strict-models refuses it."""
+    nrvna.ensure_workspace(ws)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); import nrvna; "
+                               "fd, name = nrvna.register_daemon(sys.argv[2]); print(name, flush=True); "
+                               "time.sleep(600)", str(HERE), ws], stdout=subprocess.PIPE)
+    try:
+        name = holder.stdout.readline().decode().strip()
+        why = "adapter tone (/a/tone.gguf) does not apply to model /m/x.gguf: for architecture 'gemma3'"
+        write(os.path.join(ws, nrvna.DAEMONS, f"{name}.json"), json.dumps({"pid": holder.pid, "models": [
+            {"path": "/m/x.gguf", "name": "x.gguf", "kind": "chat", "adapters": [{"name": "tone", "refused": why}]},
+            {"path": "/m/y.gguf", "name": "y.gguf", "kind": "chat", "adapters": [{"name": "terse", "refused": why},
+                                                                                 {"name": "terse", "path": "/t"}]}]}))
+        done = run_main("submit", ws, "hi", "--lora", "tone")
+        assert done.returncode == 0 and b"a running daemon refused adapter 'tone': the job fails there" in done.stderr
+        assert why.encode() in done.stderr, done.stderr
+        refused = run_main("submit", ws, "hi", "--lora", "tone", "--strict-models")
+        assert refused.returncode == 2 and why.encode() in refused.stderr, refused.stderr
+        done = run_main("submit", ws, "hi", "--lora", "terse")  # another model of it loaded it: no note
+        assert done.returncode == 0 and done.stderr == b"", done.stderr
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_set_s_saved_states_have_a_fingerprint_of_their_own(tmp_path: Path) -> None:
@@ -12251,6 +12329,8 @@ def test_a_daemon_killed_mid_batch_loses_nothing_and_its_successor_keeps_each_jo
     again = start_daemon(model, ws, "--drain", *lora_flags(files), "-w", "1", env=one)
     _, err = again.communicate(timeout=600)
     assert again.returncode == 0, err.decode()[-2000:]
+    held = sum(os.path.getsize(path) for path in files.values()) / (1 << 20)  # the adapters' tensors, as their files
+    assert f", adapters {held:,.1f} MiB, KV cache" in err.decode(), err.decode()[-2000:]
     for job_id in ids:  # each ended once, done, nothing left in between
         assert [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))] == [nrvna.OUTPUT]
     texts = [Flow(ws).get(job_id).result for job_id in ids]
