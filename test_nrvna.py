@@ -14166,13 +14166,26 @@ def test_a_client_that_goes_cancels_its_job_streamed_or_not(ws: str) -> None:
         assert flow.wait(streamed, 10) is Status.Failed and flow.get(streamed).meta["code"] == "cancelled"
 
 
+def emit_flushed(ws: str, job: nrvna.RunningJob, text: str) -> None:
+    """``job.emit(text)``, then wait until its partial.txt holds it (the Watcher flushes it at its
+    ticks): a stream has it to read from then, however slow the machine."""
+    job.emit(text)
+    path = os.path.join(ws, nrvna.PROCESSING, job.id, nrvna.PARTIAL_FILE)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            if Path(path).read_text().endswith(text):
+                return
+        time.sleep(0.01)
+
+
 def test_a_stream_adds_up_to_the_unstreamed_body_choices_reasoning_and_tool_calls(ws: str) -> None:
     calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]
 
     def runner(job: nrvna.RunningJob) -> Outcome:
         for word in ("one ", "two ", "three"):
             if "tools" not in job.params:  # as the daemon: a call's text is not its result
-                job.emit(word)
+                emit_flushed(ws, job, word)
             time.sleep(0.15)
         if "tools" in job.params:
             return Outcome("raw", "tool_calls", 3, 4, message={"content": None, "tool_calls": calls})
@@ -14210,7 +14223,7 @@ def test_a_stream_adds_up_to_the_unstreamed_body_choices_reasoning_and_tool_call
 
 def test_a_stream_whose_partial_text_the_answer_contradicts_ends_with_an_error_never_a_wrong_text(ws: str) -> None:
     def runner(job: nrvna.RunningJob) -> str:
-        job.emit("a text the answer does not go on from ")  # as a crafted partial.txt, or a run again
+        emit_flushed(ws, job, "a text the answer does not go on from ")  # as a crafted partial.txt, or a run again
         time.sleep(0.5)
         return "another text"
 
@@ -14227,7 +14240,7 @@ def test_a_stream_whose_partial_text_the_answer_contradicts_ends_with_an_error_n
 def test_a_failed_job_is_answered_with_its_codes_status(ws: str, code: str, status: int, kind: str) -> None:
     def runner(job: nrvna.RunningJob) -> str:
         if job.prompt == "later":  # fails once its stream has begun
-            job.emit("some text ")
+            emit_flushed(ws, job, "some text ")
             time.sleep(0.5)
         raise nrvna.JobError(code, f"it failed: {code}")
 
