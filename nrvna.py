@@ -242,6 +242,8 @@ its part in a "Threads:" line), as THREAD -> CLASS: the shared state => the lock
         (append/popleft); daemon is one string replaced whole
     Watcher -> RunningJob: interrupt (cancel, timeout) => one attribute, set once, read by the worker
         between tokens
+    Worker-N, Finisher -> RunningJob: adapters (the set it ran with) => set by its worker at its start,
+        read by the Finisher once the job has ended (handed over with its outcome)
     Watcher -> _Recovery: orphans (a daemon died, every ORPHAN_SECONDS) => the WorkspaceLock; a job any
         live daemon (this one included) holds is left alone (hold_orphan)
     Watcher -> _Registry: keep, dead, write => _Registry._lock around write and the rename in keep
@@ -5097,7 +5099,7 @@ META_FIELDS: dict[str, Callable[[Any], bool]] = {
                      "reasoning_tokens", "prompt_computed"), _is_count),
     **dict.fromkeys(("submitted", "started", "finished"), _is_time),
     **dict.fromkeys(("id", "code", "finish_reason", "model", "worker", "daemon", "thinking_closed",
-                     "last_write_error"),
+                     "last_write_error", "adapters"),
                     _is_text),
     "events": lambda value: type(value) is list,  # each entry checked by job_history
     "errors": lambda value: type(value) is list and all(type(entry) is dict for entry in value),
@@ -9470,7 +9472,7 @@ class RunningJob:
     (``(code, message)``: cancelled or timed out; the job fails with its partial text).
     """
 
-    __slots__ = ("id", "prompt", "params", "stop", "started", "interrupt", "emitted")
+    __slots__ = ("id", "prompt", "params", "stop", "started", "interrupt", "emitted", "adapters")
 
     def __init__(self, job_id: str, prompt: str, params: dict[str, Any], stop: threading.Event) -> None:
         self.id = job_id
@@ -9480,6 +9482,7 @@ class RunningJob:
         self.started = time.monotonic()
         self.interrupt: Optional[tuple[str, str]] = None
         self.emitted: Any = deque()  # text not yet in partial.txt (deque: safe across threads)
+        self.adapters: tuple[tuple[str, float], ...] = ()  # the LoRA set it ran with (its session sets it)
 
     def emit(self, text: str) -> None:
         """Report newly generated text (safe from any thread)."""
@@ -12836,6 +12839,7 @@ class LlamaSession(Session):
             self.start_waits.add(job, _Conversion.made(made), budget)
             return
         self.lora.use(wanted, self)
+        job.adapters = wanted  # (meta.json's adapters: the set with the daemon's scales, as applied)
         slot = self.prefixes.take_slot(self.slots, tokens)
         seq = self.slots[slot] = _Sequence(job, slot, tokens, max_tokens, budget, self.sampler(job.params, made))
         seq.reserved = reserved
@@ -14525,6 +14529,8 @@ class Processor:
         claim = self._release(job)
         try:
             meta = dict(claim.meta)  # the claim's stays as it was, for a hand-back's events
+            if job.adapters:
+                meta["adapters"] = describe_set(job.adapters)
             files, dest = self._record(meta, outcome)
             turns = conversation_turns(job.prompt, job.params, outcome.text,
                                        outcome.message) if dest == OUTPUT else None

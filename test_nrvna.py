@@ -12307,7 +12307,8 @@ def test_an_adapter_for_another_base_is_refused_and_the_base_serves(tmp_path: Pa
 def test_a_daemon_killed_mid_batch_loses_nothing_and_its_successor_keeps_each_job_on_its_adapter(
         tmp_path: Path, model: str, ws: str) -> None:
     """SIGKILL a daemon running a batch whose lines alternate two adapters and the base: every job
-    ends once, done, and each text is the one its line gets from an unkilled daemon."""
+    ends once, done, and each text is the one its line gets from an unkilled daemon; meta.json's
+    adapters says each job's set."""
     files = lora_files(model)
     sets: list[dict[str, Any]] = [{}, {"lora": [{"name": "tone"}]}, {"model": "terse"}]
     jobs = [(f"Count to {i % 4 + 3}.", sets[i % 3]) for i in range(16)]
@@ -12335,6 +12336,8 @@ def test_a_daemon_killed_mid_batch_loses_nothing_and_its_successor_keeps_each_jo
         assert [sub for sub in nrvna.LAYOUT if os.path.lexists(os.path.join(ws, sub, job_id))] == [nrvna.OUTPUT]
     texts = [Flow(ws).get(job_id).result for job_id in ids]
     assert texts == reference
+    # meta.json says the set each job ran with (the base's: no field)
+    assert [Flow(ws).get(job_id).meta.get("adapters") for job_id in ids] == [None, "tone:1", "terse:1"] * 5 + [None]
 
 
 # ==============================================================================
