@@ -524,6 +524,7 @@ KV_TYPES: dict[str, tuple[int, float]] = {"f16": (1, 2.0), "q8_0": (8, 34 / 32),
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}  # a size setting's units (1024-based)
 _MIB = 1 << 20
 ADAPTER_PROBE_BYTES = 64 << 10  # the start of a GGUF read to tell an adapter from a model (gguf_is_adapter)
+ADAPTER_PROBE_SETTLED = 2  # seconds a file is unchanged before gguf_is_adapter keeps its answer
 # A LoRA adapter's name (NRVNA_LORA, a job's lora list, MODEL:NAME): no ':', which splits MODEL:NAME.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 ADAPTER_NAME_RULE = "1-128 letters, digits, '.', '_', '+' or '-' (no ':')"
@@ -5431,7 +5432,7 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
 
 
 Route = namedtuple("Route", "priority model embed parent lora", defaults=(None, ()))
-_adapter_probes: dict[tuple[int, int, int, int], bool] = {}  # (dev, ino, size, mtime) -> gguf_is_adapter
+_adapter_probes: dict[tuple[int, ...], bool] = {}  # (dev, ino, size, mtime, ctime) -> gguf_is_adapter
 
 
 def read_route(job_dir: str) -> Route:
@@ -5484,7 +5485,7 @@ def gguf_is_adapter(path: str) -> bool:
     ADAPTER_PROBE_BYTES hold ``general.type`` = "adapter" (convert_lora_to_gguf.py writes it among
     the first keys; a model's header has no such key). A file that cannot be read is no adapter.
     Each file is read once while it is unchanged (a models folder is listed at each submit that
-    names a model)."""
+    names a model), once it has been for ADAPTER_PROBE_SETTLED seconds."""
     import struct
 
     try:  # as _check_gguf_magic: no FIFO opened blocking, nothing followed but the path
@@ -5493,7 +5494,8 @@ def gguf_is_adapter(path: str) -> bool:
         return False
     try:
         info = os.fstat(fd)
-        identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+        # ctime: a rewrite that keeps size and mtime (cp -p, touch -r, tar) changes it
+        identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
         known = _adapter_probes.get(identity)
         if known is not None or not stat.S_ISREG(info.st_mode):
             return bool(known)
@@ -5504,9 +5506,13 @@ def gguf_is_adapter(path: str) -> bool:
         os.close(fd)
     key = b"general.type"
     entry = struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, 7) + b"adapter"  # 8: a string
-    if len(_adapter_probes) >= 1024:
-        _adapter_probes.clear()
-    _adapter_probes[identity] = found = head.startswith(b"GGUF") and entry in head
+    found = head.startswith(b"GGUF") and entry in head
+    # Only a file unchanged for ADAPTER_PROBE_SETTLED is kept: a write later in the same clock tick
+    # (coarse timestamps: kernels before 6.13) would leave its identity as read (git's racy entries).
+    if time.time_ns() - info.st_ctime_ns >= ADAPTER_PROBE_SETTLED * 10**9:
+        if len(_adapter_probes) >= 1024:
+            _adapter_probes.clear()
+        _adapter_probes[identity] = found
     return found
 
 

@@ -11983,6 +11983,7 @@ def test_a_files_adapter_probe_is_read_once_while_it_is_unchanged(tmp_path: Path
     reads: list[int] = []
     real_read = os.read
     monkeypatch.setattr(os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
+    monkeypatch.setattr(nrvna, "ADAPTER_PROBE_SETTLED", 0)  # (the files here are just written)
     path = tmp_path / "tone.gguf"
     _adapter_header(path)
     assert [nrvna.gguf_is_adapter(str(path)) for _ in range(3)] == [True] * 3 and len(reads) == 1
@@ -11993,6 +11994,25 @@ def test_a_files_adapter_probe_is_read_once_while_it_is_unchanged(tmp_path: Path
     assert not nrvna.gguf_is_adapter(str(path)) and len(reads) == 3
     _adapter_header(path)  # rewritten in place: another size and time
     assert nrvna.gguf_is_adapter(str(path)) and len(reads) == 4
+
+
+def test_a_files_adapter_probe_is_kept_only_once_the_file_has_settled(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe of a file changed in the last ADAPTER_PROBE_SETTLED seconds is not kept (a preallocated
+    file whose header lands in the same clock tick keeps its size and mtime); a rewrite that keeps
+    size and mtime (cp -p, touch -r) is read again (its ctime moved)."""
+    path = tmp_path / "tone.gguf"
+    _adapter_header(path, kind="adapteR")  # no adapter, the adapter's size
+    stamp = os.stat(path)
+    assert not nrvna.gguf_is_adapter(str(path))
+    _adapter_header(path)  # its writer's header, the same tick (mtime as it was)
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert nrvna.gguf_is_adapter(str(path))
+    monkeypatch.setattr(nrvna, "ADAPTER_PROBE_SETTLED", 0)
+    assert nrvna.gguf_is_adapter(str(path))
+    _adapter_header(path, kind="adapteR")  # cp -p of a model of the same size and time
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert not nrvna.gguf_is_adapter(str(path))
 
 
 def test_a_job_s_adapter_set_is_one_canonical_value() -> None:
