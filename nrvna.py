@@ -12324,10 +12324,12 @@ class _ContextAdapters:
         self.ctx: Any = None  # the context ``current`` is the set of
 
     def of(self, job: RunningJob) -> tuple[tuple[str, float], ...]:
-        """``job``'s set (_Adapters.job_set); JobError if it names an adapter not loaded."""
-        if self.adapters is None or not (self.adapters.loaded or job.params.get("lora")):
+        """``job``'s set (_Adapters.job_set); JobError if it names an adapter not loaded (one refused
+        too, where the model loaded none: its name as the job's model would run on the base)."""
+        adapters = self.adapters
+        if adapters is None or not (adapters.loaded or adapters.refused or job.params.get("lora")):
             return ()
-        return self.adapters.job_set(job.params)
+        return adapters.job_set(job.params)
 
     def takes(self, job: RunningJob, slots: list[Optional[_Sequence]],
               wanted: Optional[tuple[tuple[str, float], ...]] = None) -> bool:

@@ -12015,6 +12015,19 @@ def test_a_files_adapter_probe_is_kept_only_once_the_file_has_settled(tmp_path: 
     assert not nrvna.gguf_is_adapter(str(path))
 
 
+def test_a_job_naming_a_refused_adapter_as_its_model_fails_though_the_model_loaded_none() -> None:
+    """A job whose model is an adapter the model refused fails (unsupported) whether or not the
+    model loaded another adapter: it never runs on the base."""
+    for loaded in ({}, {"terse": (None, 1.0, "/t", [1, "ab"])}):
+        adapters = object.__new__(nrvna._Adapters)
+        adapters.loaded, adapters.refused = loaded, {"tone": "adapter tone (/a) does not apply to model /m: why"}
+        context = nrvna._ContextAdapters(adapters)
+        for model in ("tone", "foo:tone"):
+            with pytest.raises(nrvna.JobError, match="does not apply"):
+                context.of(types.SimpleNamespace(params={"model": model}))
+        assert context.of(types.SimpleNamespace(params={"model": "x"})) == ()
+
+
 def test_a_job_s_adapter_set_is_one_canonical_value() -> None:
     """job_adapters: the model's adapter (NAME or MODEL:NAME) at the daemon's scale, the lora list's
     at theirs; sorted, float32, scale 0 left out; a lora adapter unknown is a KeyError."""
