@@ -7850,14 +7850,15 @@ def loaded_adapters(models: Iterable[Mapping[str, Any]]) -> set[str]:
 
 def known_adapters(workspace: str, models_dir: str) -> tuple[set[str], dict[str, str]]:
     """The LoRA adapters a job may name: those the workspace's running daemons have loaded, and
-    the adapter GGUFs of ``models_dir``; and those a running daemon refused (and none loaded),
-    each with why (a job naming one fails there: ``unsupported``)."""
+    the adapter GGUFs of ``models_dir``; and those a running daemon refused (and none loaded, though
+    ``models_dir`` may hold them), each with why (a job naming one fails there: ``unsupported``)."""
     records = daemon_records(workspace) if os.path.isdir(os.path.join(workspace, READY)) else []
     models = [m for r in records for m in r.get("models") or ()]
-    known = loaded_adapters(models) | set(adapter_files(models_dir))
+    loaded = loaded_adapters(models)
+    # (one the models folder holds too: the running daemon that refused it is the one a job goes to)
     refused = {a["name"]: str(a["refused"])[:300] for m in models for a in m.get("adapters") or ()
-               if "refused" in a and a["name"] not in known}
-    return known, refused
+               if "refused" in a and a["name"] not in loaded}
+    return loaded | set(adapter_files(models_dir)), refused
 
 
 def _check_adapter_names(by_name: Mapping[str, list[str]], known: tuple[set[str], dict[str, str]],
@@ -7867,16 +7868,17 @@ def _check_adapter_names(by_name: Mapping[str, list[str]], known: tuple[set[str]
     notes = []
     loaded, refused = known
     for name, places in by_name.items():
-        if name in loaded:
-            continue
-        if strict:
-            why = f": {refused[name]}" if name in refused else ""
-            raise InvalidInput(f"{places[0]}: no running daemon has adapter {name!r} (known: "
-                               f"{', '.join(sorted(loaded)) or 'none'}){why}")
         if name in refused:
+            if strict:
+                raise InvalidInput(f"{places[0]}: a running daemon refused adapter {name!r}: {refused[name]}")
             jobs = f"{len(places)} jobs fail" if len(places) > 1 else "the job fails"
             notes.append(f"a running daemon refused adapter {name!r}: {jobs} there (unsupported): {refused[name]}")
             continue
+        if name in loaded:
+            continue
+        if strict:
+            raise InvalidInput(f"{places[0]}: no running daemon has adapter {name!r} (known: "
+                               f"{', '.join(sorted(loaded)) or 'none'})")
         jobs = f"{len(places)} jobs wait" if len(places) > 1 else "the job waits"
         notes.append(f"no running daemon has adapter {name!r} yet: {jobs} for one that has it")
     return notes
@@ -7914,6 +7916,10 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
                                                     or base in served_names):
                 adapters_named.setdefault(adapter, []).extend(places)
                 continue
+        refused_one = named_adapter(name, known[1]) if not matches else None
+        if refused_one is not None:  # NAME, or FOO:NAME with FOO no model: the daemon that refused it fails it
+            adapters_named.setdefault(refused_one, []).extend(places)
+            continue
         if len(matches) > 1:
             raise InvalidInput(f"{places[0]}: model name {name!r} is ambiguous in {models_dir}: "
                                f"{', '.join(os.path.basename(m) for m in matches)}")

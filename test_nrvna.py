@@ -12108,9 +12108,12 @@ def test_submit_notes_an_adapter_no_daemon_has_and_strict_models_refuses_it(tmp_
     assert b"matches no model" in done.stderr and b"default model, with adapter 'tone'" in done.stderr, done.stderr
 
 
-def test_submit_says_a_job_naming_an_adapter_a_running_daemon_refused_fails_there(ws: str, run_main: RunMain) -> None:
+def test_submit_says_a_job_naming_an_adapter_a_running_daemon_refused_fails_there(ws: str, run_main: RunMain,
+                                                                                  tmp_path: Path) -> None:
     """An adapter a live daemon refused (its record says why) is no adapter that waits for a daemon:
-    submit's note says the job fails there, with the daemon's reason; --strict-models refuses it."""
+    submit's note says the job fails there, with the daemon's reason, whether the job names it in its
+    lora list or as its model (NAME, FOO:NAME) and though the models folder holds it; --strict-models
+    refuses it."""
     nrvna.ensure_workspace(ws)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); import nrvna; "
                                "fd, name = nrvna.register_daemon(sys.argv[2]); print(name, flush=True); "
@@ -12129,6 +12132,15 @@ def test_submit_says_a_job_naming_an_adapter_a_running_daemon_refused_fails_ther
         assert refused.returncode == 2 and why.encode() in refused.stderr, refused.stderr
         done = run_main("submit", ws, "hi", "--lora", "terse")  # another model of it loaded it: no note
         assert done.returncode == 0 and done.stderr == b"", done.stderr
+        folder = tmp_path / "models"
+        folder.mkdir()
+        _adapter_header(folder / "tone.gguf")  # `daemon models/ ws` refused the folder's own adapter
+        env = {"NRVNA_MODELS_DIR": str(folder)}
+        for args in (("--model", "tone"), ("--model", "foo:tone"), ("--lora", "tone")):
+            done = run_main("submit", ws, "hi", *args, env=env)
+            assert done.returncode == 0 and b"refused adapter 'tone': the job fails there" in done.stderr, done.stderr
+            refused = run_main("submit", ws, "hi", *args, "--strict-models", env=env)
+            assert refused.returncode == 2 and why.encode() in refused.stderr, refused.stderr
     finally:
         holder.kill()
         holder.wait()
