@@ -15557,11 +15557,14 @@ class _Models:
 
     def _named(self, name: str) -> tuple[Optional[str], Optional[str]]:
         """What a job's model names: (the model file, or None; the adapter, or None). A model's
-        exact name or alias first, then an adapter of this daemon's, then MODEL:ADAPTER (the
-        adapter perhaps another daemon's), then a part of a model file's name (model_matches)."""
+        exact name or alias first, then an adapter of this daemon's (or another's, or the models
+        folder's), then MODEL:ADAPTER (the adapter perhaps another daemon's), then a part of a
+        model file's name (model_matches)."""
         path = model_file(name, self.models_dir, self.aliases, {*self.adapters, *self.adapters_elsewhere})
         if path is not None or name in self.adapters or name in self.adapters_elsewhere:
             return path, None if path is not None else name
+        if name in adapter_files(self.models_dir):  # an adapter this daemon did not load: never on its base
+            return None, name
         base, colon, adapter = name.rpartition(":")
         if colon and ADAPTER_NAME.fullmatch(adapter):  # MODEL: a name of its file, or one of this daemon's
             base_path = model_file(base, self.models_dir, self.aliases) or next(

@@ -12158,8 +12158,8 @@ def test_a_set_s_saved_states_have_a_fingerprint_of_their_own(tmp_path: Path) ->
 
 def test_a_job_naming_an_adapter_only_another_daemon_has_waits_for_it(tmp_path: Path, run_main: RunMain) -> None:
     """Routing: a job naming an adapter (NAME, or MODEL:NAME with MODEL a served model's name from
-    outside the models folder) that this daemon lacks waits (None) for the daemon that has it, never
-    runs on this one's base; an adapter named as a model is refused at start (exit 2); an adapter
+    outside the models folder) that this daemon lacks (another's, the models folder's) waits (None)
+    for the daemon that has it, never runs on this one's base; an adapter named as a model is refused at start (exit 2); an adapter
     file replaced by a FIFO after start never blocks the thread that reads its header."""
     folder, elsewhere = tmp_path / "models", tmp_path / "elsewhere"
     folder.mkdir()
@@ -12173,6 +12173,8 @@ def test_a_job_naming_an_adapter_only_another_daemon_has_waits_for_it(tmp_path: 
     assert models.queue_of("copy:mine", False) == 0 and models.queue_of("mine", False) == 0
     assert models.queue_of("copy", False) == 0 and models.queue_of(None, False, ("mine",)) == 0
     assert models.queue_of(None, False, ("tone",)) is None and models.queue_of("unknown", False) == 0
+    _adapter_header(folder / "shelf.gguf")  # the models folder's adapter, not loaded (a daemon of a model file)
+    assert models.queue_of("shelf", False) is None and models.queue_of(None, False, ("shelf",)) is None
     done = run_main("daemon", str(elsewhere / "copy.gguf"), str(tmp_path / "ws"), "--lora",
                     f"copy={tmp_path / 'mine.gguf'}")
     assert done.returncode == 2 and b"a model is named 'copy' too" in done.stderr, done.stderr
