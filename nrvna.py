@@ -7935,7 +7935,7 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
         jobs = f"{len(places)} jobs run" if len(places) > 1 else "it runs"
         adapter = named_adapter(name, known[0])  # FOO:NAME, FOO no model: the default model runs it with NAME
         notes.append(f"model {name!r} matches no model in {models_dir}: {jobs} on a daemon's default model"
-                     + (f", with adapter {adapter!r}" if adapter else ""))
+                     + (f", with adapter {adapter!r} where that daemon has it" if adapter else ""))
     return notes + _check_adapter_names(adapters_named, known, strict)
 
 
