@@ -15213,8 +15213,10 @@ def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], wo
     raise ConfigError(
         f"{config.named('max_memory')} ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this "
         "process and other "
-        f"models {fixed_mib:,.0f}, {name}'s weights {weights:,.0f}, {workers} contexts x "
-        f"{kv + compute + output:,.1f} (KV cache {kv:,.1f}, compute {compute:,.1f}, output {output:,.1f})"
+        f"models {fixed_mib:,.0f}, {name}'s weights {weights:,.0f}"
+        + (f" (adapters {report['adapters_mib']:,.0f})" if report.get("adapters_mib") else "")
+        + f", {workers} contexts x {kv + compute + output:,.1f} (KV cache {kv:,.1f}, compute {compute:,.1f}, "
+        f"output {output:,.1f})"
         + (f", contexts waiting to be saved {pending:,.0f}" if pending else "") + "); "
         + (f"it would fit with {' or '.join(fits)}" if fits
            else "nothing here fits it: a larger budget or a smaller model"))

@@ -11322,7 +11322,8 @@ def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
         nrvna.check_memory_budget(nrvna.Config(max_memory="200M"), "m", report, 2, 50.0, False)
     # The model's LoRA adapters are weights it holds too: 30 MiB of them no longer fit in 796
     held = {**report, "adapters_mib": 30.0}
-    with pytest.raises(nrvna.ConfigError, match=r"needs 825 MiB \(this process and other models 50, m's weights 122,"):
+    with pytest.raises(nrvna.ConfigError,
+                       match=r"needs 825 MiB \(this process and other models 50, m's weights 122 \(adapters 30\),"):
         nrvna.check_memory_budget(nrvna.Config(max_memory="800M"), "m", held, 2, 50.0, True)
     nrvna.check_memory_budget(nrvna.Config(max_memory="800M"), "m", report, 2, 50.0, True)
 
@@ -12159,8 +12160,9 @@ def test_a_set_s_saved_states_have_a_fingerprint_of_their_own(tmp_path: Path) ->
 def test_a_job_naming_an_adapter_only_another_daemon_has_waits_for_it(tmp_path: Path, run_main: RunMain) -> None:
     """Routing: a job naming an adapter (NAME, or MODEL:NAME with MODEL a served model's name from
     outside the models folder) that this daemon lacks (another's, the models folder's) waits (None)
-    for the daemon that has it, never runs on this one's base; an adapter named as a model is refused at start (exit 2); an adapter
-    file replaced by a FIFO after start never blocks the thread that reads its header."""
+    for the daemon that has it, never runs on this one's base; an adapter named as a model is refused
+    at start (exit 2); an adapter file replaced by a FIFO after start never blocks the thread that
+    reads its header."""
     folder, elsewhere = tmp_path / "models", tmp_path / "elsewhere"
     folder.mkdir()
     elsewhere.mkdir()
