@@ -15415,7 +15415,10 @@ class _AdapterFiles:
 
     def described(self, model: _ServedModel) -> dict[str, Any]:
         """A model's adapters as its record lists them (loaded ones, refused ones with why; those it
-        will load, before it is loaded) and each of its contexts' set (``contexts``)."""
+        will load, before it is loaded) and each of its contexts' set (``contexts``); none for an
+        embedding model (it loads none: LlamaRunner), which peers and clients would take as loaded."""
+        if model.kind == "embed":
+            return {}
         runner, sessions = model.runner, list(model.sessions)
         loaded = getattr(runner, "adapters", None) if sessions else None
         if loaded is not None:

@@ -12029,6 +12029,16 @@ def test_a_job_naming_a_refused_adapter_as_its_model_fails_though_the_model_load
         assert context.of(types.SimpleNamespace(params={"model": "x"})) == ()
 
 
+def test_an_embedding_model_s_record_lists_no_adapter() -> None:
+    """An embedding model loads no adapter: its record lists none (listed, other daemons would send
+    it the jobs naming one, and submit would take them as loaded); a chat model lists those it will load."""
+    files = object.__new__(nrvna._AdapterFiles)
+    files.files = {"tone": ("/a/tone.gguf", 1.0)}
+    assert files.described(nrvna._ServedModel("minilm.gguf", "/m/minilm.gguf", "embed", None)) == {}
+    chat = files.described(nrvna._ServedModel("smol.gguf", "/m/smol.gguf", "chat", None))
+    assert nrvna.loaded_adapters([chat]) == {"tone"}
+
+
 def test_a_job_s_adapter_set_is_one_canonical_value() -> None:
     """job_adapters: the model's adapter (NAME or MODEL:NAME) at the daemon's scale, the lora list's
     at theirs; sorted, float32, scale 0 left out; a lora adapter unknown is a KeyError."""
