@@ -526,6 +526,7 @@ KV_TYPES: dict[str, tuple[int, float]] = {"f16": (1, 2.0), "q8_0": (8, 34 / 32),
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}  # a size setting's units (1024-based)
 _MIB = 1 << 20
 ADAPTER_PROBE_BYTES = 64 << 10  # the start of a GGUF read to tell an adapter from a model (gguf_is_adapter)
+ADAPTER_PROBE_SETTLED = 2  # seconds a file is unchanged before gguf_is_adapter keeps its answer
 # A LoRA adapter's name (NRVNA_LORA, a job's lora list, MODEL:NAME): no ':', which splits MODEL:NAME.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 ADAPTER_NAME_RULE = "1-128 letters, digits, '.', '_', '+' or '-' (no ':')"
@@ -5433,7 +5434,7 @@ def _write_manifest(workspace: str, tag: str, rows: list[tuple[str, Optional[str
 
 
 Route = namedtuple("Route", "priority model embed parent lora", defaults=(None, ()))
-_adapter_probes: dict[tuple[int, int, int, int], bool] = {}  # (dev, ino, size, mtime) -> gguf_is_adapter
+_adapter_probes: dict[tuple[int, ...], bool] = {}  # (dev, ino, size, mtime, ctime) -> gguf_is_adapter
 
 
 def read_route(job_dir: str) -> Route:
@@ -5486,7 +5487,7 @@ def gguf_is_adapter(path: str) -> bool:
     ADAPTER_PROBE_BYTES hold ``general.type`` = "adapter" (convert_lora_to_gguf.py writes it among
     the first keys; a model's header has no such key). A file that cannot be read is no adapter.
     Each file is read once while it is unchanged (a models folder is listed at each submit that
-    names a model)."""
+    names a model), once it has been for ADAPTER_PROBE_SETTLED seconds."""
     import struct
 
     try:  # as _check_gguf_magic: no FIFO opened blocking, nothing followed but the path
@@ -5495,7 +5496,8 @@ def gguf_is_adapter(path: str) -> bool:
         return False
     try:
         info = os.fstat(fd)
-        identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+        # ctime: a rewrite that keeps size and mtime (cp -p, touch -r, tar) changes it
+        identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
         known = _adapter_probes.get(identity)
         if known is not None or not stat.S_ISREG(info.st_mode):
             return bool(known)
@@ -5506,9 +5508,13 @@ def gguf_is_adapter(path: str) -> bool:
         os.close(fd)
     key = b"general.type"
     entry = struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, 7) + b"adapter"  # 8: a string
-    if len(_adapter_probes) >= 1024:
-        _adapter_probes.clear()
-    _adapter_probes[identity] = found = head.startswith(b"GGUF") and entry in head
+    found = head.startswith(b"GGUF") and entry in head
+    # Only a file unchanged for ADAPTER_PROBE_SETTLED is kept: a write later in the same clock tick
+    # (coarse timestamps: kernels before 6.13) would leave its identity as read (git's racy entries).
+    if time.time_ns() - info.st_ctime_ns >= ADAPTER_PROBE_SETTLED * 10**9:
+        if len(_adapter_probes) >= 1024:
+            _adapter_probes.clear()
+        _adapter_probes[identity] = found
     return found
 
 
@@ -7846,14 +7852,15 @@ def loaded_adapters(models: Iterable[Mapping[str, Any]]) -> set[str]:
 
 def known_adapters(workspace: str, models_dir: str) -> tuple[set[str], dict[str, str]]:
     """The LoRA adapters a job may name: those the workspace's running daemons have loaded, and
-    the adapter GGUFs of ``models_dir``; and those a running daemon refused (and none loaded),
-    each with why (a job naming one fails there: ``unsupported``)."""
+    the adapter GGUFs of ``models_dir``; and those a running daemon refused (and none loaded, though
+    ``models_dir`` may hold them), each with why (a job naming one fails there: ``unsupported``)."""
     records = daemon_records(workspace) if os.path.isdir(os.path.join(workspace, READY)) else []
     models = [m for r in records for m in r.get("models") or ()]
-    known = loaded_adapters(models) | set(adapter_files(models_dir))
+    loaded = loaded_adapters(models)
+    # (one the models folder holds too: the running daemon that refused it is the one a job goes to)
     refused = {a["name"]: str(a["refused"])[:300] for m in models for a in m.get("adapters") or ()
-               if "refused" in a and a["name"] not in known}
-    return known, refused
+               if "refused" in a and a["name"] not in loaded}
+    return loaded | set(adapter_files(models_dir)), refused
 
 
 def _check_adapter_names(by_name: Mapping[str, list[str]], known: tuple[set[str], dict[str, str]],
@@ -7863,16 +7870,17 @@ def _check_adapter_names(by_name: Mapping[str, list[str]], known: tuple[set[str]
     notes = []
     loaded, refused = known
     for name, places in by_name.items():
-        if name in loaded:
-            continue
-        if strict:
-            why = f": {refused[name]}" if name in refused else ""
-            raise InvalidInput(f"{places[0]}: no running daemon has adapter {name!r} (known: "
-                               f"{', '.join(sorted(loaded)) or 'none'}){why}")
         if name in refused:
+            if strict:
+                raise InvalidInput(f"{places[0]}: a running daemon refused adapter {name!r}: {refused[name]}")
             jobs = f"{len(places)} jobs fail" if len(places) > 1 else "the job fails"
             notes.append(f"a running daemon refused adapter {name!r}: {jobs} there (unsupported): {refused[name]}")
             continue
+        if name in loaded:
+            continue
+        if strict:
+            raise InvalidInput(f"{places[0]}: no running daemon has adapter {name!r} (known: "
+                               f"{', '.join(sorted(loaded)) or 'none'})")
         jobs = f"{len(places)} jobs wait" if len(places) > 1 else "the job waits"
         notes.append(f"no running daemon has adapter {name!r} yet: {jobs} for one that has it")
     return notes
@@ -7910,6 +7918,10 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
                                                     or base in served_names):
                 adapters_named.setdefault(adapter, []).extend(places)
                 continue
+        refused_one = named_adapter(name, known[1]) if not matches else None
+        if refused_one is not None:  # NAME, or FOO:NAME with FOO no model: the daemon that refused it fails it
+            adapters_named.setdefault(refused_one, []).extend(places)
+            continue
         if len(matches) > 1:
             raise InvalidInput(f"{places[0]}: model name {name!r} is ambiguous in {models_dir}: "
                                f"{', '.join(os.path.basename(m) for m in matches)}")
@@ -7925,7 +7937,7 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
         jobs = f"{len(places)} jobs run" if len(places) > 1 else "it runs"
         adapter = named_adapter(name, known[0])  # FOO:NAME, FOO no model: the default model runs it with NAME
         notes.append(f"model {name!r} matches no model in {models_dir}: {jobs} on a daemon's default model"
-                     + (f", with adapter {adapter!r}" if adapter else ""))
+                     + (f", with adapter {adapter!r} where that daemon has it" if adapter else ""))
     return notes + _check_adapter_names(adapters_named, known, strict)
 
 
@@ -12321,10 +12333,12 @@ class _ContextAdapters:
         self.ctx: Any = None  # the context ``current`` is the set of
 
     def of(self, job: RunningJob) -> tuple[tuple[str, float], ...]:
-        """``job``'s set (_Adapters.job_set); JobError if it names an adapter not loaded."""
-        if self.adapters is None or not (self.adapters.loaded or job.params.get("lora")):
+        """``job``'s set (_Adapters.job_set); JobError if it names an adapter not loaded (one refused
+        too, where the model loaded none: its name as the job's model would run on the base)."""
+        adapters = self.adapters
+        if adapters is None or not (adapters.loaded or adapters.refused or job.params.get("lora")):
             return ()
-        return self.adapters.job_set(job.params)
+        return adapters.job_set(job.params)
 
     def takes(self, job: RunningJob, slots: list[Optional[_Sequence]],
               wanted: Optional[tuple[tuple[str, float], ...]] = None) -> bool:
@@ -15205,8 +15219,10 @@ def check_memory_budget(config: Config, name: str, report: Mapping[str, Any], wo
     raise ConfigError(
         f"{config.named('max_memory')} ({budget:,.0f} MiB) cannot hold this daemon: it needs {need:,.0f} MiB (this "
         "process and other "
-        f"models {fixed_mib:,.0f}, {name}'s weights {weights:,.0f}, {workers} contexts x "
-        f"{kv + compute + output:,.1f} (KV cache {kv:,.1f}, compute {compute:,.1f}, output {output:,.1f})"
+        f"models {fixed_mib:,.0f}, {name}'s weights {weights:,.0f}"
+        + (f" (adapters {report['adapters_mib']:,.0f})" if report.get("adapters_mib") else "")
+        + f", {workers} contexts x {kv + compute + output:,.1f} (KV cache {kv:,.1f}, compute {compute:,.1f}, "
+        f"output {output:,.1f})"
         + (f", contexts waiting to be saved {pending:,.0f}" if pending else "") + "); "
         + (f"it would fit with {' or '.join(fits)}" if fits
            else "nothing here fits it: a larger budget or a smaller model"))
@@ -15405,7 +15421,10 @@ class _AdapterFiles:
 
     def described(self, model: _ServedModel) -> dict[str, Any]:
         """A model's adapters as its record lists them (loaded ones, refused ones with why; those it
-        will load, before it is loaded) and each of its contexts' set (``contexts``)."""
+        will load, before it is loaded) and each of its contexts' set (``contexts``); none for an
+        embedding model (it loads none: LlamaRunner), which peers and clients would take as loaded."""
+        if model.kind == "embed":
+            return {}
         runner, sessions = model.runner, list(model.sessions)
         loaded = getattr(runner, "adapters", None) if sessions else None
         if loaded is not None:
@@ -15549,11 +15568,14 @@ class _Models:
 
     def _named(self, name: str) -> tuple[Optional[str], Optional[str]]:
         """What a job's model names: (the model file, or None; the adapter, or None). A model's
-        exact name or alias first, then an adapter of this daemon's, then MODEL:ADAPTER (the
-        adapter perhaps another daemon's), then a part of a model file's name (model_matches)."""
+        exact name or alias first, then an adapter of this daemon's (or another's, or the models
+        folder's), then MODEL:ADAPTER (the adapter perhaps another daemon's), then a part of a
+        model file's name (model_matches)."""
         path = model_file(name, self.models_dir, self.aliases, {*self.adapters, *self.adapters_elsewhere})
         if path is not None or name in self.adapters or name in self.adapters_elsewhere:
             return path, None if path is not None else name
+        if name in adapter_files(self.models_dir):  # an adapter this daemon did not load: never on its base
+            return None, name
         base, colon, adapter = name.rpartition(":")
         if colon and ADAPTER_NAME.fullmatch(adapter):  # MODEL: a name of its file, or one of this daemon's
             base_path = model_file(base, self.models_dir, self.aliases) or next(

@@ -11322,7 +11322,8 @@ def test_a_memory_budget_that_cannot_hold_the_daemon_says_what_would() -> None:
         nrvna.check_memory_budget(nrvna.Config(max_memory="200M"), "m", report, 2, 50.0, False)
     # The model's LoRA adapters are weights it holds too: 30 MiB of them no longer fit in 796
     held = {**report, "adapters_mib": 30.0}
-    with pytest.raises(nrvna.ConfigError, match=r"needs 825 MiB \(this process and other models 50, m's weights 122,"):
+    with pytest.raises(nrvna.ConfigError,
+                       match=r"needs 825 MiB \(this process and other models 50, m's weights 122 \(adapters 30\),"):
         nrvna.check_memory_budget(nrvna.Config(max_memory="800M"), "m", held, 2, 50.0, True)
     nrvna.check_memory_budget(nrvna.Config(max_memory="800M"), "m", report, 2, 50.0, True)
 
@@ -11983,6 +11984,7 @@ def test_a_files_adapter_probe_is_read_once_while_it_is_unchanged(tmp_path: Path
     reads: list[int] = []
     real_read = os.read
     monkeypatch.setattr(os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
+    monkeypatch.setattr(nrvna, "ADAPTER_PROBE_SETTLED", 0)  # (the files here are just written)
     path = tmp_path / "tone.gguf"
     _adapter_header(path)
     assert [nrvna.gguf_is_adapter(str(path)) for _ in range(3)] == [True] * 3 and len(reads) == 1
@@ -11993,6 +11995,48 @@ def test_a_files_adapter_probe_is_read_once_while_it_is_unchanged(tmp_path: Path
     assert not nrvna.gguf_is_adapter(str(path)) and len(reads) == 3
     _adapter_header(path)  # rewritten in place: another size and time
     assert nrvna.gguf_is_adapter(str(path)) and len(reads) == 4
+
+
+def test_a_files_adapter_probe_is_kept_only_once_the_file_has_settled(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe of a file changed in the last ADAPTER_PROBE_SETTLED seconds is not kept (a preallocated
+    file whose header lands in the same clock tick keeps its size and mtime); a rewrite that keeps
+    size and mtime (cp -p, touch -r) is read again (its ctime moved)."""
+    path = tmp_path / "tone.gguf"
+    _adapter_header(path, kind="adapteR")  # no adapter, the adapter's size
+    stamp = os.stat(path)
+    assert not nrvna.gguf_is_adapter(str(path))
+    _adapter_header(path)  # its writer's header, the same tick (mtime as it was)
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert nrvna.gguf_is_adapter(str(path))
+    monkeypatch.setattr(nrvna, "ADAPTER_PROBE_SETTLED", 0)
+    assert nrvna.gguf_is_adapter(str(path))
+    _adapter_header(path, kind="adapteR")  # cp -p of a model of the same size and time
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert not nrvna.gguf_is_adapter(str(path))
+
+
+def test_a_job_naming_a_refused_adapter_as_its_model_fails_though_the_model_loaded_none() -> None:
+    """A job whose model is an adapter the model refused fails (unsupported) whether or not the
+    model loaded another adapter: it never runs on the base."""
+    for loaded in ({}, {"terse": (None, 1.0, "/t", [1, "ab"])}):
+        adapters = object.__new__(nrvna._Adapters)
+        adapters.loaded, adapters.refused = loaded, {"tone": "adapter tone (/a) does not apply to model /m: why"}
+        context = nrvna._ContextAdapters(adapters)
+        for model in ("tone", "foo:tone"):
+            with pytest.raises(nrvna.JobError, match="does not apply"):
+                context.of(types.SimpleNamespace(params={"model": model}))
+        assert context.of(types.SimpleNamespace(params={"model": "x"})) == ()
+
+
+def test_an_embedding_model_s_record_lists_no_adapter() -> None:
+    """An embedding model loads no adapter: its record lists none (listed, other daemons would send
+    it the jobs naming one, and submit would take them as loaded); a chat model lists those it will load."""
+    files = object.__new__(nrvna._AdapterFiles)
+    files.files = {"tone": ("/a/tone.gguf", 1.0)}
+    assert files.described(nrvna._ServedModel("minilm.gguf", "/m/minilm.gguf", "embed", None)) == {}
+    chat = files.described(nrvna._ServedModel("smol.gguf", "/m/smol.gguf", "chat", None))
+    assert nrvna.loaded_adapters([chat]) == {"tone"}
 
 
 def test_a_job_s_adapter_set_is_one_canonical_value() -> None:
@@ -12075,9 +12119,12 @@ def test_submit_notes_an_adapter_no_daemon_has_and_strict_models_refuses_it(tmp_
     assert b"matches no model" in done.stderr and b"default model, with adapter 'tone'" in done.stderr, done.stderr
 
 
-def test_submit_says_a_job_naming_an_adapter_a_running_daemon_refused_fails_there(ws: str, run_main: RunMain) -> None:
+def test_submit_says_a_job_naming_an_adapter_a_running_daemon_refused_fails_there(ws: str, run_main: RunMain,
+                                                                                  tmp_path: Path) -> None:
     """An adapter a live daemon refused (its record says why) is no adapter that waits for a daemon:
-    submit's note says the job fails there, with the daemon's reason; --strict-models refuses it."""
+    submit's note says the job fails there, with the daemon's reason, whether the job names it in its
+    lora list or as its model (NAME, FOO:NAME) and though the models folder holds it; --strict-models
+    refuses it."""
     nrvna.ensure_workspace(ws)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); import nrvna; "
                                "fd, name = nrvna.register_daemon(sys.argv[2]); print(name, flush=True); "
@@ -12096,6 +12143,15 @@ def test_submit_says_a_job_naming_an_adapter_a_running_daemon_refused_fails_ther
         assert refused.returncode == 2 and why.encode() in refused.stderr, refused.stderr
         done = run_main("submit", ws, "hi", "--lora", "terse")  # another model of it loaded it: no note
         assert done.returncode == 0 and done.stderr == b"", done.stderr
+        folder = tmp_path / "models"
+        folder.mkdir()
+        _adapter_header(folder / "tone.gguf")  # `daemon models/ ws` refused the folder's own adapter
+        env = {"NRVNA_MODELS_DIR": str(folder)}
+        for args in (("--model", "tone"), ("--model", "foo:tone"), ("--lora", "tone")):
+            done = run_main("submit", ws, "hi", *args, env=env)
+            assert done.returncode == 0 and b"refused adapter 'tone': the job fails there" in done.stderr, done.stderr
+            refused = run_main("submit", ws, "hi", *args, "--strict-models", env=env)
+            assert refused.returncode == 2 and why.encode() in refused.stderr, refused.stderr
     finally:
         holder.kill()
         holder.wait()
@@ -12113,9 +12169,10 @@ def test_a_set_s_saved_states_have_a_fingerprint_of_their_own(tmp_path: Path) ->
 
 def test_a_job_naming_an_adapter_only_another_daemon_has_waits_for_it(tmp_path: Path, run_main: RunMain) -> None:
     """Routing: a job naming an adapter (NAME, or MODEL:NAME with MODEL a served model's name from
-    outside the models folder) that this daemon lacks waits (None) for the daemon that has it, never
-    runs on this one's base; an adapter named as a model is refused at start (exit 2); an adapter
-    file replaced by a FIFO after start never blocks the thread that reads its header."""
+    outside the models folder) that this daemon lacks (another's, the models folder's) waits (None)
+    for the daemon that has it, never runs on this one's base; an adapter named as a model is refused
+    at start (exit 2); an adapter file replaced by a FIFO after start never blocks the thread that
+    reads its header."""
     folder, elsewhere = tmp_path / "models", tmp_path / "elsewhere"
     folder.mkdir()
     elsewhere.mkdir()
@@ -12128,6 +12185,8 @@ def test_a_job_naming_an_adapter_only_another_daemon_has_waits_for_it(tmp_path: 
     assert models.queue_of("copy:mine", False) == 0 and models.queue_of("mine", False) == 0
     assert models.queue_of("copy", False) == 0 and models.queue_of(None, False, ("mine",)) == 0
     assert models.queue_of(None, False, ("tone",)) is None and models.queue_of("unknown", False) == 0
+    _adapter_header(folder / "shelf.gguf")  # the models folder's adapter, not loaded (a daemon of a model file)
+    assert models.queue_of("shelf", False) is None and models.queue_of(None, False, ("shelf",)) is None
     done = run_main("daemon", str(elsewhere / "copy.gguf"), str(tmp_path / "ws"), "--lora",
                     f"copy={tmp_path / 'mine.gguf'}")
     assert done.returncode == 2 and b"a model is named 'copy' too" in done.stderr, done.stderr
