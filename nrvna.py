@@ -532,6 +532,7 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 ADAPTER_NAME_RULE = "1-128 letters, digits, '.', '_', '+' or '-' (no ':')"
 LORA_SCALE_BOUND = 10.0  # an adapter's scale is within [-10, 10]
 LORA_SCALE_RULE = f"a number from {-LORA_SCALE_BOUND:g} to {LORA_SCALE_BOUND:g}"
+_LORA_SCALE_TEXT = re.compile(r"[-+]?[0-9.eE+-]+|[-+]?(inf|nan)", re.IGNORECASE)  # a scale written out
 LORA_MAX = 8  # adapters one job may apply at once
 
 
@@ -712,8 +713,8 @@ def _is_lora_scale(value: Any) -> bool:
 
 def lora_scale(text: str, where: str) -> float:
     """An adapter's scale from text (_is_lora_scale), else ConfigError naming ``where``."""
-    try:
-        scale = float(text)
+    try:  # (float() alone would read "1_0" as 10)
+        scale = float(text) if _LORA_SCALE_TEXT.fullmatch(text.strip()) else math.nan
     except ValueError:
         scale = math.nan
     if not _is_lora_scale(scale):
@@ -737,7 +738,7 @@ def parse_adapters(text: str) -> dict[str, tuple[str, float]]:
         if not ADAPTER_NAME.fullmatch(name):
             raise ConfigError(f"NRVNA_LORA: adapter name {name!r} is not {ADAPTER_NAME_RULE}")
         path, colon, scale = rest.rpartition(":")
-        if not colon or not re.fullmatch(r"[-+]?[0-9.eE+-]+|[-+]?(inf|nan)", scale, re.IGNORECASE):
+        if not colon or not _LORA_SCALE_TEXT.fullmatch(scale):
             path, scale = rest, "1"
         if name in adapters:
             raise ConfigError(f"NRVNA_LORA: adapter {name!r} is given twice")
@@ -4128,8 +4129,9 @@ def _read_lora(text: str) -> dict[str, Any]:
 
     name, colon, scale = text.rpartition(":") if ":" in text else (text, "", "")
     try:
-        return _check_lora([{"name": name, "scale": float(scale)} if colon else {"name": name}], PARAMS["lora"])[0]
-    except (ValueError, InvalidInput) as err:
+        entry = {"name": name, "scale": lora_scale(scale, "lora")} if colon else {"name": name}
+        return _check_lora([entry], PARAMS["lora"])[0]
+    except (ConfigError, InvalidInput) as err:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME[:SCALE] ({err})") from None
 
 
@@ -7858,8 +7860,8 @@ def known_adapters(workspace: str, models_dir: str) -> tuple[set[str], dict[str,
     models = [m for r in records for m in r.get("models") or ()]
     loaded = loaded_adapters(models)
     # (one the models folder holds too: the running daemon that refused it is the one a job goes to)
-    refused = {a["name"]: str(a["refused"])[:300] for m in models for a in m.get("adapters") or ()
-               if "refused" in a and a["name"] not in loaded}
+    refused = {a["name"]: re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda c: ascii(c.group())[1:-1], str(a["refused"])[:300])
+               for m in models for a in m.get("adapters") or () if "refused" in a and a["name"] not in loaded}
     return loaded | set(adapter_files(models_dir)), refused
 
 
@@ -9966,8 +9968,12 @@ def _file_digest(path: str, whole: bool = False) -> list[Any]:
     import hashlib
 
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
+    # (no FIFO put in the file's place since it was loaded blocks the loader: as _check_gguf_magic)
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        size = info.st_size
         if whole:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(chunk)
@@ -10027,7 +10033,14 @@ class _Adapters:
                 self.refused[name] = f"adapter {name} ({path}) does not apply to model {model_path}: {why}"
                 log.error(f"{self.refused[name]}; the model and its other adapters serve")
                 continue
-            self.loaded[name] = (handle, scale, os.path.realpath(path), _file_digest(path, whole=True))
+            try:  # (its file read again, whole: the identity of the states computed under it)
+                digest = _file_digest(path, whole=True)
+            except OSError as err:  # changed since llama.cpp read it: as refused, not a failed model load
+                llama_cpp.llama_adapter_lora_free(handle)
+                self.refused[name] = f"adapter {name} ({path}) cannot be read again: {_os_error(err)}"
+                log.error(f"{self.refused[name]}; the model and its other adapters serve")
+                continue
+            self.loaded[name] = (handle, scale, os.path.realpath(path), digest)
             log.info(f"Adapter {name} ({path}, scale {scale:g}) loaded for model {os.path.basename(model_path)}")
         # What they hold (their tensors, as their files are): a plain number, as memory() reads
         self.held_mib = sum(entry[3][0] for entry in self.loaded.values()) / _MIB
@@ -15571,11 +15584,11 @@ class _Models:
         exact name or alias first, then an adapter of this daemon's (or another's, or the models
         folder's), then MODEL:ADAPTER (the adapter perhaps another daemon's), then a part of a
         model file's name (model_matches)."""
-        path = model_file(name, self.models_dir, self.aliases, {*self.adapters, *self.adapters_elsewhere})
-        if path is not None or name in self.adapters or name in self.adapters_elsewhere:
+        # (the models folder's adapters too, loaded here or not: a job naming one never runs on a base)
+        adapters = {*self.adapters, *self.adapters_elsewhere, *adapter_files(self.models_dir)}
+        path = model_file(name, self.models_dir, self.aliases, adapters)
+        if path is not None or name in adapters:
             return path, None if path is not None else name
-        if name in adapter_files(self.models_dir):  # an adapter this daemon did not load: never on its base
-            return None, name
         base, colon, adapter = name.rpartition(":")
         if colon and ADAPTER_NAME.fullmatch(adapter):  # MODEL: a name of its file, or one of this daemon's
             base_path = model_file(base, self.models_dir, self.aliases) or next(

@@ -11916,7 +11916,7 @@ def test_a_job_s_adapters_are_checked_as_submit_checks_them(run_main: RunMain, w
             nrvna.validate_params({"lora": bad})
     with pytest.raises(nrvna.InvalidInput, match="takes no lora"):
         nrvna.validate_params({"embed": True, "lora": [{"name": "tone"}]})
-    for flag in ("tone:11", "tone:nan", "tone:-inf", "a:b:1", ":1", "tone:"):
+    for flag in ("tone:11", "tone:nan", "tone:-inf", "a:b:1", ":1", "tone:", "tone:1_0"):  # (1_0: 10 to float())
         done = run_main("submit", ws, "hi", "--lora", flag)
         assert done.returncode == 2 and b"--lora" in done.stderr, (flag, done.stderr)
     done = run_main("submit", ws, "hi", "--lora", "tone", "--lora", "tone:2")
@@ -12132,15 +12132,17 @@ def test_submit_says_a_job_naming_an_adapter_a_running_daemon_refused_fails_ther
     try:
         name = holder.stdout.readline().decode().strip()
         why = "adapter tone (/a/tone.gguf) does not apply to model /m/x.gguf: for architecture 'gemma3'"
+        shown = why.replace("tone.gguf", "tone\\x1b[2J\\n.gguf")  # as the note says a crafted record's
         write(os.path.join(ws, nrvna.DAEMONS, f"{name}.json"), json.dumps({"pid": holder.pid, "models": [
-            {"path": "/m/x.gguf", "name": "x.gguf", "kind": "chat", "adapters": [{"name": "tone", "refused": why}]},
+            {"path": "/m/x.gguf", "name": "x.gguf", "kind": "chat",
+             "adapters": [{"name": "tone", "refused": why.replace("tone.gguf", "tone\x1b[2J\n.gguf")}]},
             {"path": "/m/y.gguf", "name": "y.gguf", "kind": "chat", "adapters": [{"name": "terse", "refused": why},
                                                                                  {"name": "terse", "path": "/t"}]}]}))
         done = run_main("submit", ws, "hi", "--lora", "tone")
         assert done.returncode == 0 and b"a running daemon refused adapter 'tone': the job fails there" in done.stderr
-        assert why.encode() in done.stderr, done.stderr
+        assert shown.encode() in done.stderr and done.stderr.count(b"\n") == 1, done.stderr  # one line, no escape
         refused = run_main("submit", ws, "hi", "--lora", "tone", "--strict-models")
-        assert refused.returncode == 2 and why.encode() in refused.stderr, refused.stderr
+        assert refused.returncode == 2 and shown.encode() in refused.stderr, refused.stderr
         done = run_main("submit", ws, "hi", "--lora", "terse")  # another model of it loaded it: no note
         assert done.returncode == 0 and done.stderr == b"", done.stderr
         folder = tmp_path / "models"
@@ -12151,7 +12153,7 @@ def test_submit_says_a_job_naming_an_adapter_a_running_daemon_refused_fails_ther
             done = run_main("submit", ws, "hi", *args, env=env)
             assert done.returncode == 0 and b"refused adapter 'tone': the job fails there" in done.stderr, done.stderr
             refused = run_main("submit", ws, "hi", *args, "--strict-models", env=env)
-            assert refused.returncode == 2 and why.encode() in refused.stderr, refused.stderr
+            assert refused.returncode == 2 and shown.encode() in refused.stderr, refused.stderr
     finally:
         holder.kill()
         holder.wait()
@@ -12186,7 +12188,9 @@ def test_a_job_naming_an_adapter_only_another_daemon_has_waits_for_it(tmp_path: 
     assert models.queue_of("copy", False) == 0 and models.queue_of(None, False, ("mine",)) == 0
     assert models.queue_of(None, False, ("tone",)) is None and models.queue_of("unknown", False) == 0
     _adapter_header(folder / "shelf.gguf")  # the models folder's adapter, not loaded (a daemon of a model file)
+    (folder / "big-shelf-model.gguf").write_bytes(b"GGUF" + bytes(64))  # its name holds the adapter's
     assert models.queue_of("shelf", False) is None and models.queue_of(None, False, ("shelf",)) is None
+    assert models._named("shelf") == (None, "shelf")  # the adapter's exact name, never a part of a model's
     done = run_main("daemon", str(elsewhere / "copy.gguf"), str(tmp_path / "ws"), "--lora",
                     f"copy={tmp_path / 'mine.gguf'}")
     assert done.returncode == 2 and b"a model is named 'copy' too" in done.stderr, done.stderr
@@ -12198,6 +12202,12 @@ def test_a_job_naming_an_adapter_only_another_daemon_has_waits_for_it(tmp_path: 
     reader.start()
     reader.join(10)
     assert len(found) == 1 and "not a regular file" in found[0], found  # said at once: never opened blocking
+    digest = threading.Thread(target=lambda: found.append(pytest.raises(OSError, nrvna._file_digest,
+                                                                        str(tmp_path / "mine.gguf"), True)),
+                              daemon=True)
+    digest.start()  # (an adapter's digest, read after llama.cpp loaded it: the file swapped meanwhile)
+    digest.join(10)
+    assert len(found) == 2, "the digest of a FIFO blocked"
 
 
 _LORA: dict[str, str] = {}
