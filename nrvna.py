@@ -7983,11 +7983,12 @@ def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
     kinds = {k for r in records for k in (r["kinds"] if isinstance(r.get("kinds"), list) else
                                           [m.get("kind") for m in r.get("models") or () if isinstance(m, dict)])}
     serving = ", ".join(sorted({os.path.basename(path) for path in served}))
+    shelf = set(adapter_files(models_dir))  # (an adapter's name as a job's model is no model's)
     reasons, verdicts = {}, {}
     for job_id, route in routes.items():
         key = (route.model, route.embed)
         if key not in verdicts:
-            path = model_file(route.model, models_dir, aliases) if route.model is not None else None
+            path = model_file(route.model, models_dir, aliases, shelf) if route.model is not None else None
             if path is None:  # names none (or no one model): the first model of its kind
                 kind = "embed" if route.embed else "chat"
                 verdicts[key] = None if kind in kinds else _kind_waits(kind, serving)
@@ -7998,18 +7999,21 @@ def waiting_for_model(workspace: str, job_ids: Iterable[str]) -> dict[str, str]:
                 verdicts[key] = None
         if verdicts[key] is not None:
             reasons[job_id] = verdicts[key]
-        elif route.lora or (route.model is not None and ":" in route.model):
-            reasons.update(_adapter_waits(job_id, route, records, models_dir, aliases))
+        elif route.lora or (route.model is not None and (":" in route.model or route.model in shelf)):
+            reasons.update(_adapter_waits(job_id, route, records, models_dir, aliases, shelf))
     return {**reasons, **parents}
 
 
 def _adapter_waits(job_id: str, route: Route, records: list[dict[str, Any]], models_dir: str,
-                   aliases: Mapping[str, str]) -> dict[str, str]:
-    """Why a job naming adapters waits (by its ID), when no running daemon has one of them."""
+                   aliases: Mapping[str, str], shelf: set[str]) -> dict[str, str]:
+    """Why a job naming adapters waits (by its ID), when no running daemon has one of them
+    (``shelf``: the models folder's adapters, which a daemon of a model file does not load)."""
     known = loaded_adapters(m for r in records for m in r.get("models") or ())
     named = [name for name, _ in route.lora]
     model = route.model or ""
-    if (":" in model and ADAPTER_NAME.fullmatch(model.rpartition(":")[2])
+    if model in shelf:
+        named.append(model)
+    elif (":" in model and ADAPTER_NAME.fullmatch(model.rpartition(":")[2])
             and model_file(model, models_dir, aliases) is None):
         named.append(model.rpartition(":")[2])
     missing = [name for name in named if name not in known]

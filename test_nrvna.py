@@ -12154,6 +12154,10 @@ def test_submit_says_a_job_naming_an_adapter_a_running_daemon_refused_fails_ther
             assert done.returncode == 0 and b"refused adapter 'tone': the job fails there" in done.stderr, done.stderr
             refused = run_main("submit", ws, "hi", *args, "--strict-models", env=env)
             assert refused.returncode == 2 and shown.encode() in refused.stderr, refused.stderr
+        # status says why it waits (here no daemon ever takes it): a folder adapter's bare name too
+        job_id = run_main("submit", ws, "hi", "--model", "tone", env=env).stdout.decode().strip()
+        shown_status = run_main("status", ws, job_id, env=env)
+        assert b"waits for a daemon with adapter tone" in shown_status.stderr, shown_status
     finally:
         holder.kill()
         holder.wait()
