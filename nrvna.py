@@ -7852,6 +7852,12 @@ def loaded_adapters(models: Iterable[Mapping[str, Any]]) -> set[str]:
     return {a["name"] for m in models for a in m.get("adapters") or () if "refused" not in a}
 
 
+def _one_line(text: str) -> str:
+    """``text`` another process wrote, with its control characters escaped (no newline, no terminal
+    escape reaches a note)."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda char: ascii(char.group())[1:-1], text)
+
+
 def known_adapters(workspace: str, models_dir: str) -> tuple[set[str], dict[str, str]]:
     """The LoRA adapters a job may name: those the workspace's running daemons have loaded, and
     the adapter GGUFs of ``models_dir``; and those a running daemon refused (and none loaded, though
@@ -7860,8 +7866,8 @@ def known_adapters(workspace: str, models_dir: str) -> tuple[set[str], dict[str,
     models = [m for r in records for m in r.get("models") or ()]
     loaded = loaded_adapters(models)
     # (one the models folder holds too: the running daemon that refused it is the one a job goes to)
-    refused = {a["name"]: re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda c: ascii(c.group())[1:-1], str(a["refused"])[:300])
-               for m in models for a in m.get("adapters") or () if "refused" in a and a["name"] not in loaded}
+    refused = {a["name"]: _one_line(str(a["refused"])[:300]) for m in models for a in m.get("adapters") or ()
+               if "refused" in a and a["name"] not in loaded}
     return loaded | set(adapter_files(models_dir)), refused
 
 
@@ -7908,19 +7914,20 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
         return []
     models_dir, aliases, served = model_view(workspace)
     known = known_adapters(workspace, models_dir)
+    usable, refused = known  # (loaded by a running daemon, or in the models folder; refused by one)
     # a served model's file name, with or without .gguf (as GET /v1/models lists it)
     served_names = {n for path in served for n in (os.path.basename(path),
                                                    re.sub(r"\.gguf$", "", os.path.basename(path)))}
     notes = []
     for name, places in by_name.items():
-        matches = model_matches(name, models_dir, aliases, known[0])
-        if not matches and name not in known[0] and name.rpartition(":")[1]:  # MODEL:ADAPTER
+        matches = model_matches(name, models_dir, aliases, usable)
+        if not matches and name not in usable and name.rpartition(":")[1]:  # MODEL:ADAPTER
             base, _, adapter = name.rpartition(":")
             if ADAPTER_NAME.fullmatch(adapter) and (len(model_matches(base, models_dir, aliases)) == 1
                                                     or base in served_names):
                 adapters_named.setdefault(adapter, []).extend(places)
                 continue
-        refused_one = named_adapter(name, known[1]) if not matches else None
+        refused_one = named_adapter(name, refused) if not matches else None
         if refused_one is not None:  # NAME, or FOO:NAME with FOO no model: the daemon that refused it fails it
             adapters_named.setdefault(refused_one, []).extend(places)
             continue
@@ -7930,14 +7937,14 @@ def check_model_names(workspace: str, named: Iterable[tuple[str, Optional[str]]]
         if matches:
             _check_model_file(places[0], name, matches[0])
             continue
-        if name in served_names or name in known[0]:
+        if name in served_names or name in usable:
             continue
         if strict:
-            names = sorted({*(gguf_files(models_dir) or []), *map(os.path.basename, served), *aliases, *known[0]})
+            names = sorted({*(gguf_files(models_dir) or []), *map(os.path.basename, served), *aliases, *usable})
             raise InvalidInput(f"{places[0]}: model {name!r} matches no model (known: {', '.join(names) or 'none'}; "
                                f"NRVNA_MODELS_DIR is {models_dir})")
         jobs = f"{len(places)} jobs run" if len(places) > 1 else "it runs"
-        adapter = named_adapter(name, known[0])  # FOO:NAME, FOO no model: the default model runs it with NAME
+        adapter = named_adapter(name, usable)  # FOO:NAME, FOO no model: the default model runs it with NAME
         notes.append(f"model {name!r} matches no model in {models_dir}: {jobs} on a daemon's default model"
                      + (f", with adapter {adapter!r} where that daemon has it" if adapter else ""))
     return notes + _check_adapter_names(adapters_named, known, strict)
